@@ -1,0 +1,39 @@
+"""dpopt: differentially private training with adaptive optimizers.
+
+Every read of private data goes through a :class:`~dpopt.privatizer.Privatizer`,
+which records each noisy release in a :class:`~dpopt.accounting.PrivacyLedger`;
+the optimizers (DP-SGD, DP-Adam, DP-MacAdam, ...) are post-processing chains.
+
+The public API is imported lazily so that ``import dpopt`` (and the CLI's
+accounting commands) do not pay for importing torch.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Privatizer": "dpopt.privatizer",
+    "Release": "dpopt.privatizer",
+    "QuantileClipping": "dpopt.privatizer",
+    "ClipGeometry": "dpopt.transforms.base",
+    "DPOptimizer": "dpopt.optim",
+    "PrivacyLedger": "dpopt.accounting.ledger",
+    "epsilon": "dpopt.accounting.accountant",
+    "PoissonSampler": "dpopt.sampling",
+    "per_sample_gradients": "dpopt.per_sample",
+    "iter_per_sample_gradients": "dpopt.per_sample",
+    "make_optimizer": "dpopt.methods",
+    "list_methods": "dpopt.methods",
+    "get_method": "dpopt.methods",
+    "TrainConfig": "dpopt.train",
+    "train": "dpopt.train",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dpopt' has no attribute {name!r}")

@@ -1,0 +1,273 @@
+"""The Privatizer: the only code in dpopt that touches per-sample data.
+
+Per logical step (Abadi et al. 2016, Algorithm 1; AdaClip: Pichapati et al.
+2019, eqs. (6)-(7) of ``papers/dp-macadam.txt``)::
+
+    w_i   = (g_i − shift) / scale                  # ClipGeometry; identity for DP-SGD
+    w̄_i   = w_i · min(1, C / ‖w_i‖)                 # flat; per group k for per-layer
+    w̃     = (Σ_i w̄_i + N(0, σ² S² I)) / B̄           # S = C, or √(Σ_k C_k²)
+    g̃     = scale ⊙ w̃ + shift                        # released, param-shaped
+
+B̄ is the PUBLIC expected batch size (never the realised one); an empty batch
+releases pure noise and is charged like any other step. With quantile clipping
+(Andrew et al. 2021, Alg. 1) the Privatizer also releases the centred clipped
+count b̃ = (Σ_i (1[‖g_i‖ ≤ C_t] − ½) + N(0, σ_b²)) / B̄ + ½ and sets
+C_{t+1} = C_t · exp(−η_C (clamp(b̃, 0, 1) − γ)); both Gaussians are recorded as ONE
+composed event of the step.
+
+Everything that leaves this module is a :class:`Release` (public) or a ledger
+entry. Per-sample gradients, norms, the realised batch size and the true
+count stay here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+from dp_accounting import dp_event
+from torch import Tensor
+
+from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
+from .accounting.ledger import PrivacyLedger
+from .transforms.base import ClipGeometry
+
+__all__ = ["Release", "QuantileClipping", "Privatizer"]
+
+
+@dataclass(frozen=True)
+class Release:
+    """A public, privatized gradient and what is needed to post-process it.
+
+    Attributes:
+        grads: privatized gradient g̃, one tensor per parameter (param-shaped).
+        noise_std: per-parameter noise std of g̃ in these coordinates
+            (σ·S/B̄ times ``scale``): 0-d or param-shaped tensors.
+        geometry: the clip geometry used for this step.
+        step: 0-based index of the logical step.
+        event: the DpEvent recorded in the ledger for this step.
+        noise_multiplier: σ of the gradient Gaussian; expected_batch_size: B̄.
+        max_grad_norm: the clip bound(s) actually applied (public; adaptive
+            bounds are themselves released values).
+    """
+
+    grads: tuple[Tensor, ...]
+    noise_std: tuple[Tensor, ...]
+    geometry: ClipGeometry
+    step: int
+    event: dp_event.DpEvent
+    noise_multiplier: float
+    expected_batch_size: float
+    max_grad_norm: tuple[float, ...]
+
+
+@dataclass
+class QuantileClipping:
+    """Quantile adaptive clipping (Andrew et al. 2021) — config and released state.
+
+    Args:
+        count_noise_multiplier: multiplier of the count Gaussian relative to
+            the centred count's sensitivity ½, i.e. 2σ_b (σ_b = its std).
+        target_quantile: γ, the fraction of unclipped examples aimed at (0.5).
+        quantile_lr: η_C of the geometric update (0.2).
+        initial_clip: C_0 (defaults to the Privatizer's ``max_grad_norm``).
+
+    Raises:
+        ValueError: for a multiplier ≤ 0, γ outside (0, 1) or η_C < 0.
+    """
+
+    count_noise_multiplier: float
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.2
+    initial_clip: Optional[float] = None
+    clip_history: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.count_noise_multiplier = check_noise_multiplier(self.count_noise_multiplier,
+                                                             "count_noise_multiplier")
+        if self.count_noise_multiplier == 0:
+            raise ValueError("count_noise_multiplier must be > 0: the clipped count is a release")
+        if not 0.0 < float(self.target_quantile) < 1.0:
+            raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile}")
+        if float(self.quantile_lr) < 0:
+            raise ValueError(f"quantile_lr must be >= 0, got {self.quantile_lr}")
+
+
+class Privatizer:
+    """Clip, sum, noise and release per-sample gradients; record every release.
+
+    Args:
+        noise_multiplier: σ of the gradient release (noise std = σ × sensitivity).
+        max_grad_norm: flat clip bound C (in w-space when a geometry is used),
+            or a sequence of per-group bounds C_k for per-layer clipping.
+        expected_batch_size: B̄ = q·N, the public denominator.
+        sample_rate: Poisson sampling rate q (public), recorded in each event.
+        ledger: where every release is recorded (a new one if omitted).
+        groups: for per-layer clipping, the group index of each parameter
+            (``len(groups)`` = number of parameters; values in range(len(C_k))).
+        quantile: a :class:`QuantileClipping` to adapt a flat C every step.
+        generator: torch.Generator for the noise (reproducible runs).
+
+    Raises:
+        ValueError: invalid σ, q, B̄, bounds or group indices (messages say
+            which value to change).
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        expected_batch_size: float,
+        sample_rate: float,
+        ledger: Optional[PrivacyLedger] = None,
+        groups: Optional[Sequence[int]] = None,
+        quantile: Optional[QuantileClipping] = None,
+        generator: Optional[torch.Generator] = None,
+    ):
+        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.expected_batch_size = float(expected_batch_size)
+        if not self.expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        bounds = [max_grad_norm] if isinstance(max_grad_norm, (int, float)) else list(max_grad_norm)
+        bounds = [float(c) for c in bounds]
+        if not bounds or any(not (c > 0) or math.isnan(c) for c in bounds):
+            raise ValueError(f"max_grad_norm must be > 0 (per group), got {max_grad_norm!r}")
+        self.bounds = bounds
+        self.groups = None if groups is None else [int(g) for g in groups]
+        if self.groups is not None and (min(self.groups) < 0 or max(self.groups) >= len(bounds)):
+            raise ValueError(f"group indices must lie in range({len(bounds)}) (one bound per group)")
+        if self.groups is None and len(bounds) > 1:
+            raise ValueError("per-group bounds need `groups` (the group index of each parameter)")
+        if quantile is not None and len(bounds) > 1:
+            raise ValueError("quantile clipping adapts one flat bound; use a single max_grad_norm")
+        self.quantile = quantile
+        if quantile is not None:
+            self.bounds = [float(quantile.initial_clip or bounds[0])]
+        self.ledger = ledger if ledger is not None else PrivacyLedger()
+        self.generator = generator
+        self.steps = 0
+        self.reads = 0  # private statistics computed (gradient sums, counts)
+        self.releases = 0  # noisy Gaussians released (and recorded)
+        self.nonfinite_steps = 0  # NON-PRIVATE diagnostic: steps with any non-finite per-sample grad
+        self._reset()
+
+    # -- public, derived ----------------------------------------------------
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of the clipped sum: C, or √(Σ_k C_k²) for per-group bounds."""
+        return float(math.sqrt(sum(c * c for c in self.bounds)))
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The current flat bound (adapted by quantile clipping), or the total bound."""
+        return self.bounds[0] if len(self.bounds) == 1 else self.sensitivity
+
+    def step_event(self) -> dp_event.DpEvent:
+        """The DpEvent one step of this Privatizer records (built in accounting.events)."""
+        sigmas = [self.noise_multiplier]
+        if self.quantile is not None:
+            sigmas.append(self.quantile.count_noise_multiplier)
+        return poisson_composed_step(sigmas, self.sample_rate)
+
+    # -- one logical step ---------------------------------------------------
+    def _reset(self) -> None:
+        self._geometry: Optional[ClipGeometry] = None
+        self._sum: Optional[list[Tensor]] = None
+        self._count = 0.0
+        self._nonfinite = False
+
+    def begin(self, geometry: Optional[ClipGeometry] = None) -> None:
+        """Start a logical step in the given clip geometry (identity if None)."""
+        if self._geometry is not None:
+            raise RuntimeError("begin() called twice without release(); one release per step")
+        self._geometry = geometry or ClipGeometry()
+
+    def accumulate(self, source) -> None:
+        """Clip and add one micro-batch of per-sample gradients.
+
+        ``source`` has ``num_params``, ``sq_norms(geometry, groups, G) -> [B, G]`` and
+        ``weighted_sum(weights[B, G], geometry, groups) -> list[Tensor]``
+        (e.g. :class:`~dpopt.per_sample.PerSampleGrads`).
+        """
+        if self._geometry is None:
+            raise RuntimeError("call begin() before accumulate()")
+        groups = self.groups if self.groups is not None else [0] * source.num_params
+        sq = source.sq_norms(self._geometry, groups, len(self.bounds))
+        norms = sq.clamp_min(0).sqrt()
+        bounds = torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)
+        weights = torch.clamp(bounds / norms.clamp_min(1e-30), max=1.0)
+        if self.quantile is not None:
+            self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
+        part = source.weighted_sum(weights, self._geometry, groups)
+        self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
+        self._nonfinite |= bool(getattr(source, "nonfinite", 0))
+
+    def release(self, params_like: Optional[Sequence[Tensor]] = None) -> Release:
+        """Add noise, divide by B̄, map back, record the step; return the Release.
+
+        ``params_like`` gives shapes when no micro-batch was accumulated.
+        """
+        if self._geometry is None:
+            raise RuntimeError("call begin() before release()")
+        if self._sum is None:
+            if params_like is None:
+                raise RuntimeError("nothing accumulated: pass params_like for an empty step")
+            self._sum = [torch.zeros_like(p) for p in params_like]
+        geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
+        std = self.noise_multiplier * sens
+        grads, noise_std = [], []
+        for i, s in enumerate(self._sum):
+            noisy = s + std * torch.randn(s.shape, generator=self.generator, dtype=s.dtype,
+                                          device=s.device) if std > 0 else s.clone()
+            g = noisy / bbar
+            coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
+            if geo.scale is not None:
+                g = g * geo.scale[i]
+                coord_std = coord_std * geo.scale[i]
+            if geo.shift is not None:
+                g = g + geo.shift[i]
+            grads.append(g)
+            noise_std.append(coord_std)
+        self.reads += 1
+        self.releases += 1
+        event = self.step_event()
+        meta = {"max_grad_norm": list(self.bounds), "sensitivity": sens, "noise_multiplier":
+                self.noise_multiplier, "noise_std": std, "reads": 1, "releases": 1,
+                "geometry": "identity" if geo.is_identity else "shift-scale"}
+        if self.quantile is not None:
+            meta.update(self._release_count())
+        entry = self.ledger.record(self.steps, event, **meta)
+        release = Release(tuple(grads), tuple(noise_std), geo, self.steps, entry.event,
+                          self.noise_multiplier, bbar, tuple(meta["max_grad_norm"]))
+        self.nonfinite_steps += int(self._nonfinite)
+        self.steps += 1
+        self._reset()
+        return release
+
+    def _release_count(self) -> dict:
+        """Noisy centred count → next clip bound (Andrew et al. 2021, Alg. 1)."""
+        q = self.quantile
+        count_std = 0.5 * q.count_noise_multiplier
+        noise = float(torch.randn((), generator=self.generator, dtype=torch.float64)) * count_std
+        frac = min(1.0, max(0.0, (self._count + noise) / self.expected_batch_size + 0.5))
+        applied = self.bounds[0]
+        self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
+        q.clip_history.append(applied)
+        self.reads += 1
+        self.releases += 1
+        return {"reads": 2, "releases": 2,
+                "count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
+                "count_sensitivity": 0.5, "released_fraction": frac}
+
+    def privatize(self, sources: Union[object, Iterable], geometry: Optional[ClipGeometry] = None,
+                  params_like: Optional[Sequence[Tensor]] = None) -> Release:
+        """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``."""
+        self.begin(geometry)
+        if hasattr(source_list := sources, "sq_norms"):
+            source_list = [sources]
+        for src in source_list:  # type: ignore[union-attr]
+            self.accumulate(src)
+        return self.release(params_like)
