@@ -1,7 +1,101 @@
-"""CLI commands: audit (placeholder until implemented)."""
+"""CLI commands: ``dpopt train`` and ``dpopt methods``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
 
 import typer
 
+DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def train_command(
+    dataset: str = typer.Option("digits", help=DATASET_HELP),
+    data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
+    model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10)"),
+    method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
+    noise_multiplier: float = typer.Option(1.0, help="σ: noise std = σ × sensitivity"),
+    delta: float = typer.Option(1e-5, help="δ of the reported (ε, δ)"),
+    max_grad_norm: Optional[float] = typer.Option(None, help="clip bound C (default 1.0; w-space for MacAdam)"),
+    batch_size: float = typer.Option(64.0, help="expected batch size B̄; sample_rate = B̄/N"),
+    epochs: float = typer.Option(10.0, help="epochs; steps = round(epochs × N / B̄)"),
+    lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
+    seed: int = typer.Option(0, help="seed for init, sampling and noise"),
+    accountant: str = typer.Option("pld", help="pld (connect-the-dots), rdp or prv"),
+    physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
+    out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
+    h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
+    h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
+    variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object (last line)"),
+) -> None:
+    """Train a model with differential privacy and report test accuracy and (ε, δ)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .data import DataError
+    from .train import TrainConfig, train
+
+    hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
+               if v is not None}
+    cfg = TrainConfig(dataset=dataset, data_dir=data_dir, model=model, method=method,
+                      noise_multiplier=noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
+                      batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, accountant=accountant,
+                      physical_batch_size=physical_batch_size, out=out, hparams=hparams)
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]:.3f}  ε {task.fields[eps]:.3f}"),
+                        TimeRemainingColumn(), console=console, transient=False)
+    task = None
+
+    def on_step(info: dict) -> None:
+        nonlocal task
+        if task is None:
+            task = progress.add_task(f"{method} on {dataset}", total=info["steps"], loss=0.0, eps=0.0)
+        progress.update(task, completed=info["step"], loss=info["loss"], eps=info["epsilon"])
+
+    try:
+        with progress:
+            summary = train(cfg, on_step=on_step)
+    except (ValueError, DataError) as exc:
+        _fail(str(exc))
+    out_console = Console()
+    out_console.print(
+        f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
+        f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
+        f"({summary['accountant']}), σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}, "
+        f"{summary['steps']} steps, {summary['wall_seconds']:.1f} s")
+    if summary["nonfinite_steps"]:
+        out_console.print(f"[yellow]warning:[/] {summary['nonfinite_steps']} steps had non-finite per-sample "
+                          "gradients (zeroed before clipping; non-private diagnostic)")
+    out_console.print(f"run directory: {summary['run_dir']}")
+    if json_out:
+        sys.stdout.write(json.dumps(summary) + "\n")
+
+
+def methods_command(json_out: bool = typer.Option(False, "--json", help="machine-readable list")) -> None:
+    """List every DP optimizer with its reference and default hyperparameters."""
+    from .methods import list_methods
+
+    specs = list_methods()
+    if json_out:
+        rows = [{"name": s.name, "description": s.description, "reference": s.reference,
+                 "defaults": s.defaults} for s in specs]
+        sys.stdout.write(json.dumps(rows, default=str) + "\n")
+        return
+    for s in specs:
+        defaults = ", ".join(f"{k}={v}" for k, v in s.defaults.items())
+        typer.echo(f"{s.name:14s} {s.description}\n{'':14s} ref: {s.reference}\n{'':14s} defaults: {defaults}")
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the dpopt app."""
+    """Add ``train`` and ``methods`` to the dpopt app."""
+    app.command("train")(train_command)
+    app.command("methods")(methods_command)

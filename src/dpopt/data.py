@@ -1,0 +1,175 @@
+"""Datasets: scikit-learn's bundled digits (default, no files), MNIST and CIFAR-10 from files.
+
+Nothing is downloaded. MNIST is read from ``--data-dir`` as either
+``mnist.npz`` (keys ``x_train, y_train, x_test, y_test``) or the four standard
+IDX files (``train-images-idx3-ubyte`` …, gzipped or not). CIFAR-10 is read as
+``cifar10.npz`` (NHWC uint8) or the standard python-batch files
+(``data_batch_1..5``, ``test_batch``, optionally inside ``cifar-10-batches-py/``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["Dataset", "DATASETS", "load_dataset", "DataError"]
+
+DATASETS = ("digits", "mnist", "cifar10")
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class DataError(ValueError):
+    """A dataset could not be found or read; the message names paths and formats."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Normalised float32 tensors. x: ``[N, C, H, W]`` or ``[N, F]``; y: int64 ``[N]``."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int = 10
+
+    @property
+    def n_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+
+def _digits() -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    # A fixed, public split: 20% test, stratified, seed 0.
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32)  # noqa: E731
+    g = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
+    return Dataset("digits", f(x_tr), g(y_tr), f(x_te), g(y_te))
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        data = fh.read()
+    if len(data) < 8:
+        raise DataError(f"{path} is too short to be an IDX file")
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
+    dims = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DataError(f"{path}: header says {dims} but holds {body.size} bytes")
+    return body.reshape(dims)
+
+
+def _find(base: Path, name: str) -> Optional[Path]:
+    for cand in (base / name, base / (name + ".gz"), base / name.replace("-idx", ".idx"),
+                 base / (name.replace("-idx", ".idx") + ".gz")):
+        if cand.exists():
+            return cand
+    return None
+
+
+def _npz_arrays(path: Path) -> tuple[np.ndarray, ...]:
+    try:
+        with np.load(path) as npz:
+            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in npz]
+            if missing:
+                raise DataError(f"{path} lacks arrays {missing}; expected x_train, y_train, x_test, y_test")
+            return tuple(npz[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"{path} is not a readable .npz archive: {exc}") from exc
+
+
+def _mnist(data_dir: Path) -> Dataset:
+    npz = data_dir / "mnist.npz"
+    tried = [str(npz)]
+    if npz.exists():
+        arrays = _npz_arrays(npz)
+    else:
+        paths = [_find(data_dir, n) for n in IDX_NAMES]
+        tried += [str(data_dir / n) + "[.gz]" for n in IDX_NAMES]
+        if any(p is None for p in paths):
+            raise DataError(
+                "MNIST not found. Tried: " + ", ".join(tried) + ". Accepted formats: mnist.npz with "
+                "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in --data-dir.")
+        arrays = tuple(_read_idx(p) for p in paths)  # type: ignore[arg-type]
+    x_tr, y_tr, x_te, y_te = arrays
+    if x_tr.shape[1:] != (28, 28) or x_te.shape[1:] != (28, 28) or len(x_tr) != len(y_tr) \
+            or len(x_te) != len(y_te):
+        raise DataError(f"MNIST arrays have unexpected shapes {x_tr.shape}, {y_tr.shape}, {x_te.shape}, "
+                        f"{y_te.shape}; expected [N, 28, 28] images and [N] labels")
+    f = lambda a: ((torch.tensor(a, dtype=torch.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa
+    g = lambda a: torch.tensor(a.astype(np.int64))  # noqa: E731
+    return Dataset("mnist", f(x_tr), g(y_tr), f(x_te), g(y_te))
+
+
+def _unpickle(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        return pickle.load(fh, encoding="bytes")
+
+
+def _cifar10(data_dir: Path) -> Dataset:
+    npz = data_dir / "cifar10.npz"
+    tried = [str(npz)]
+    if npz.exists():
+        x_tr, y_tr, x_te, y_te = _npz_arrays(npz)
+    else:
+        base = data_dir / "cifar-10-batches-py" if (data_dir / "cifar-10-batches-py").exists() else data_dir
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        tried += [str(base / n) for n in names]
+        if not all((base / n).exists() for n in names):
+            raise DataError("CIFAR-10 not found. Tried: " + ", ".join(tried) + ". Accepted formats: "
+                            "cifar10.npz (x_train NHWC uint8, y_train, x_test, y_test) or the python-batch "
+                            "files data_batch_1..5 and test_batch.")
+        batches = [_unpickle(base / n) for n in names]
+        xs = [b[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1) for b in batches]
+        ys = [np.asarray(b[b"labels"]) for b in batches]
+        x_tr, y_tr, x_te, y_te = np.concatenate(xs[:5]), np.concatenate(ys[:5]), xs[5], ys[5]
+    if x_tr.shape[1:] != (32, 32, 3):
+        raise DataError(f"CIFAR-10 images have shape {x_tr.shape[1:]}, expected (32, 32, 3) (NHWC)")
+    mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    f = lambda a: ((torch.tensor(a, dtype=torch.float32).permute(0, 3, 1, 2) / 255.0) - mean) / std  # noqa
+    g = lambda a: torch.tensor(np.asarray(a).astype(np.int64))  # noqa: E731
+    return Dataset("cifar10", f(x_tr), g(y_tr), f(x_te), g(y_te))
+
+
+def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
+    """Load a dataset by name.
+
+    Args:
+        name: ``digits`` (bundled with scikit-learn; no files), ``mnist`` or ``cifar10``.
+        data_dir: directory holding the files for mnist / cifar10.
+
+    Raises:
+        ValueError: unknown name, or ``data_dir`` missing for a file-based set.
+        DataError: files missing or malformed (message lists paths tried and formats).
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if name == "digits":
+        return _digits()
+    if data_dir is None:
+        raise ValueError(f"dataset {name!r} is read from files: pass --data-dir DIR (e.g. ../shared/data)")
+    path = Path(data_dir).expanduser()
+    if not path.is_dir():
+        raise DataError(f"--data-dir {path} is not a directory")
+    return _mnist(path) if name == "mnist" else _cifar10(path)

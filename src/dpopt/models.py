@@ -1,0 +1,66 @@
+"""The papers' models, and the check that a model is valid under DP.
+
+* ``mlp`` (MNIST): 784-1000-10 ReLU, 795,010 parameters (dp-macadam.txt §IV).
+* ``mlp-small`` (digits): 64-64-10 ReLU, 4,810 parameters.
+* ``cnn5`` (CIFAR-10): 582,346 parameters; layer list fixed in ALGORITHMS.md
+  ("Models") since the paper's is not available.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["MODELS", "DEFAULT_MODEL", "build_model", "check_model", "num_parameters"]
+
+MODELS = ("mlp-small", "mlp", "cnn5")
+DEFAULT_MODEL = {"digits": "mlp-small", "mnist": "mlp", "cifar10": "cnn5"}
+_INPUT = {"mlp-small": 64, "mlp": 784}
+
+
+def _mlp(inputs: int, hidden: int, classes: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def _cnn5(classes: int = 10, groups: int = 8) -> nn.Module:
+    def block(cin: int, cout: int, pool: bool) -> list[nn.Module]:
+        layers = [nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(groups, cout), nn.ReLU()]
+        return layers + [nn.MaxPool2d(2)] if pool else layers
+
+    return nn.Sequential(*block(3, 32, True), *block(32, 64, True), *block(64, 64, False),
+                         nn.Flatten(), nn.Linear(8 * 8 * 64, 128), nn.ReLU(), nn.Linear(128, classes))
+
+
+def build_model(name: str, dataset: str | None = None) -> nn.Module:
+    """Build a model by name (``mlp-small``, ``mlp``, ``cnn5``).
+
+    Raises:
+        ValueError: unknown name, or a model that does not fit the dataset's inputs.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    expected = {"digits": ("mlp-small",), "mnist": ("mlp",), "cifar10": ("cnn5",)}
+    if dataset is not None and dataset in expected and name not in expected[dataset]:
+        raise ValueError(f"model {name!r} does not take {dataset} inputs; use --model "
+                         f"{' or '.join(expected[dataset])}")
+    if name == "cnn5":
+        return _cnn5()
+    return _mlp(_INPUT[name], 64 if name == "mlp-small" else 1000)
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters d."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse layers that mix examples within a batch (invalid per-sample gradients).
+
+    Raises:
+        ValueError: the model contains a BatchNorm layer (names it, suggests GroupNorm).
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(
+                f"layer {name or '<root>'!r} is {type(module).__name__}: batch normalisation mixes "
+                "examples, so per-sample gradients (and the privacy claim) would be invalid. Replace it "
+                "with nn.GroupNorm (or LayerNorm).")

@@ -1,0 +1,183 @@
+"""The DP training loop used by ``dpopt train`` and by users.
+
+One logical step (DESIGN.md): Poisson-sample a batch (public q) → evaluate
+per-sample gradients where the optimizer asks (``evaluation_points``) in
+micro-batches of at most ``physical_batch_size`` → ``DPOptimizer.step`` (the
+Privatizer releases once and records the step in the ledger) → post-processing.
+ε is always computed by one accountant over the whole ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .accounting.accountant import ACCOUNTANTS, check_delta, epsilon
+from .accounting.events import check_noise_multiplier
+from .accounting.ledger import PrivacyLedger
+from .data import Dataset, load_dataset
+from .methods import get_method, make_optimizer
+from .models import DEFAULT_MODEL, build_model, check_model, num_parameters
+from .per_sample import iter_per_sample_gradients
+from .sampling import PoissonSampler
+
+__all__ = ["TrainConfig", "train", "evaluate", "validate_config"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run (all public). ``None`` means the method's default."""
+
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    model: Optional[str] = None
+    method: str = "dp-macadam"
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+    max_grad_norm: Optional[float] = None
+    batch_size: float = 64.0  # expected batch size B̄; sample_rate = B̄ / N
+    epochs: float = 10.0
+    lr: Optional[float] = None
+    seed: int = 0
+    accountant: str = "pld"
+    physical_batch_size: Optional[int] = None
+    out: Optional[str] = None
+    hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
+
+
+def validate_config(cfg: TrainConfig, n_train: int) -> None:
+    """Check a config against the dataset size; errors say what to change.
+
+    Raises:
+        ValueError: σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N, lr ≤ 0, epochs ≤ 0,
+            unknown accountant or method.
+    """
+    check_noise_multiplier(cfg.noise_multiplier)
+    check_delta(cfg.delta)
+    get_method(cfg.method)
+    if not (cfg.batch_size > 0):
+        raise ValueError(f"--batch-size must be > 0, got {cfg.batch_size}")
+    if cfg.batch_size > n_train:
+        raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {n_train} training examples; "
+                         f"use at most {n_train}")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if not cfg.epochs > 0:
+        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    if cfg.accountant not in ACCOUNTANTS + ("prv",):
+        raise ValueError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS + ('prv',)}")
+    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
+        raise ValueError(f"--max-grad-norm must be > 0, got {cfg.max_grad_norm}")
+    if cfg.physical_batch_size is not None and cfg.physical_batch_size <= 0:
+        raise ValueError(f"--physical-batch-size must be > 0, got {cfg.physical_batch_size}")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y). Non-private: test data only."""
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch):
+        out = model(x[i:i + batch])
+        loss += float(nn.functional.cross_entropy(out, y[i:i + batch], reduction="sum"))
+        correct += int((out.argmax(1) == y[i:i + batch]).sum())
+    model.train()
+    return correct / max(len(x), 1), loss / max(len(x), 1)
+
+
+def _run_dir(cfg: TrainConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{stamp}"
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, target)
+
+
+def train(cfg: TrainConfig, data: Optional[Dataset] = None,
+          on_step: Optional[Callable[[dict], None]] = None) -> dict:
+    """Train a model with DP; write the run directory; return the summary dict.
+
+    Args:
+        cfg: the run's configuration.
+        data: a loaded :class:`~dpopt.data.Dataset` (loaded from cfg if None).
+        on_step: called after every step with ``{"step", "steps", "loss",
+            "epsilon"}`` (loss is the NON-PRIVATE training loss of the batch,
+            for progress display only; epsilon is the ε spent at the last epoch end).
+
+    Returns:
+        dict with method, dataset, model, test_accuracy, epsilon, delta,
+        noise_multiplier, sample_rate, expected_batch_size, steps, accountant,
+        wall_seconds, run_dir, nonfinite_steps and more.
+
+    Raises:
+        ValueError / DataError: invalid configuration or data.
+    """
+    start = time.perf_counter()
+    data = data or load_dataset(cfg.dataset, cfg.data_dir)
+    validate_config(cfg, data.n_train)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    model_name = cfg.model or DEFAULT_MODEL[cfg.dataset]
+    model = build_model(model_name, cfg.dataset)
+    check_model(model)
+    sample_rate = float(cfg.batch_size) / data.n_train
+    steps = max(1, int(round(cfg.epochs / sample_rate)))
+    ledger = PrivacyLedger()
+    overrides = dict(cfg.hparams, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
+    opt = make_optimizer(cfg.method, [p for p in model.parameters() if p.requires_grad],
+                         noise_multiplier=cfg.noise_multiplier, expected_batch_size=float(cfg.batch_size),
+                         sample_rate=sample_rate, ledger=ledger, generator=gen, dataset=cfg.dataset,
+                         **overrides)
+    hp = get_method(cfg.method).hparams(cfg.dataset, **overrides)
+    run_dir = _run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = dict(asdict(cfg), model=model_name, hparams={k: v for k, v in hp.items()},
+                  sample_rate=sample_rate, steps=steps, num_parameters=num_parameters(model))
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+    steps_per_epoch = 1.0 / sample_rate
+    eps_now, metrics, next_epoch = 0.0, [], 1
+    sampler = PoissonSampler(data.n_train, sample_rate, steps, generator=gen)
+    for step, idx in enumerate(sampler, start=1):
+        x, y = data.x_train[idx], data.y_train[idx]
+        sources = iter_per_sample_gradients(model, _loss, x, y, cfg.physical_batch_size,
+                                            opt.evaluation_points())
+        opt.step(sources)
+        if step >= next_epoch * steps_per_epoch - 1e-9 or step == steps:
+            eps_now = epsilon(ledger, cfg.delta, cfg.accountant)
+            acc, test_loss = evaluate(model, data.x_test, data.y_test)
+            metrics.append({"epoch": next_epoch, "step": step, "test_accuracy": acc, "test_loss": test_loss,
+                            "epsilon": eps_now})
+            next_epoch += 1
+        if on_step is not None:
+            with torch.no_grad():
+                loss = float(_loss(model(x), y)) if len(x) else float("nan")
+            on_step({"step": step, "steps": steps, "loss": loss, "epsilon": eps_now})
+    with open(run_dir / "metrics.jsonl", "w") as fh:
+        for row in metrics:
+            fh.write(json.dumps(row) + "\n")
+    ledger.save(run_dir / "ledger.json")
+    torch.save(model.state_dict(), run_dir / "model.pt")
+    acc, test_loss = evaluate(model, data.x_test, data.y_test)
+    eps = epsilon(ledger, cfg.delta, cfg.accountant)
+    summary: dict[str, Any] = {
+        "method": cfg.method, "dataset": cfg.dataset, "model": model_name,
+        "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
+        "noise_multiplier": cfg.noise_multiplier, "max_grad_norm": hp["max_grad_norm"],
+        "sample_rate": sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": steps,
+        "epochs": cfg.epochs, "lr": hp["lr"], "accountant": cfg.accountant, "seed": cfg.seed,
+        "num_parameters": num_parameters(model), "nonfinite_steps": opt.privatizer.nonfinite_steps,
+        "privatizer_reads": opt.privatizer.reads, "privatizer_releases": opt.privatizer.releases,
+        "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

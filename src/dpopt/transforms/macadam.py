@@ -1,0 +1,132 @@
+"""DP-MacAdam: Adam moments that also drive AdaClip's coordinate-wise clip geometry.
+
+``papers/dp-macadam.txt``, Algorithm 1 (lines 8–22), with the decisions of
+ALGORITHMS.md. Given the release g̃_t (lines 8–13 are the Privatizer's, in the
+geometry ``(shift, scale) = (m̂_{t−1}, b_{t−1})`` that this transform feeds back)::
+
+    14  m_t = β1 m_{t−1} + (1−β1) g̃_t
+    15  v_t = β2 v_{t−1} + (1−β2) g̃_t²
+    16  m̂_t = m_t/(1−β1^t),  v̂_t = v_t/(1−β2^t)
+    17  direction = m̂_t/(√v̂_t + γ)          (AdamBC: m̂_t/√max(v̂_t − Φ_t, γ′))
+    18  u_t = (g̃_t − m̂_t)²                   ("paper")
+        u_t = (g̃_t − m̂_{t−1})⊙(g̃_t − m̂_t)    ("unbiased", West 1979)
+    19  s_t = β1 s_{t−1} + (1−β1) u_t
+    20  κ_t = 2(β1 − β1^t)/(1+β1)
+    21  ŝ_t = clamp(s_t/κ_t − Φ_t, h1, h2),  Φ_t = b_{t−1}²σ²/B̄² (the release's noise_std²)
+    22  b_t = ŝ_t^{1/4} · (Σ_j ŝ_{t,j}^{1/2})^{1/2}    (sum over ALL coordinates)
+
+Initialisation (line 3): m = v = s = 0, m̂_0 = 0, b_0 = (1/d)·1 with d the
+number of trainable parameters. At t = 1, κ_1 = 0 and s_1 = 0, so the b update
+is skipped (b_1 = b_0); it is also skipped while κ_t ≤ 1e-12 and for the first
+``b_warmup_steps`` steps. The learning rate is applied by a following
+:class:`~dpopt.transforms.sgd.ScaleByLearningRate`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import ClipGeometry, StepContext, Transform
+
+__all__ = ["MacAdam", "VARIANCE_UPDATES"]
+
+VARIANCE_UPDATES = ("paper", "unbiased")
+KAPPA_FLOOR = 1e-12
+
+
+class MacAdam(Transform):
+    """DP-MacAdam's post-processing: Adam direction + clip geometry for the next step.
+
+    Args:
+        betas: (β1, β2) in [0, 1); β1 also drives the variance EMA s (line 19).
+        gamma: γ > 0, Adam's stability constant (1e-8).
+        h1, h2: clamp bounds of ŝ, 0 < h1 ≤ h2 (MNIST: 1e-9, 1e-6; CIFAR-10: 5e-5, 1.0).
+        variance_update: ``"paper"`` (line 18 as written, biased low) or
+            ``"unbiased"``.
+        bias_correction: if True, DP-MacAdamBC's update m̂/√max(v̂ − Φ, γ′).
+        gamma_prime: γ′ > 0 for the BC update.
+        b_warmup_steps: keep b = b_0 for this many steps (≥ 0).
+
+    State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v),
+    ``var_ema`` (s), ``center`` (m̂_{t−1}), ``scale`` (b_{t−1}), all param-shaped.
+
+    Raises:
+        ValueError: on invalid hyperparameters.
+    """
+
+    name = "macadam"
+
+    def __init__(self, betas=(0.9, 0.999), gamma: float = 1e-8, h1: float = 1e-9, h2: float = 1e-6,
+                 variance_update: str = "paper", bias_correction: bool = False,
+                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0):
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 < b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must satisfy 0 < β1 < 1, 0 ≤ β2 < 1, got {betas}")
+        if not (0 < float(h1) <= float(h2)):
+            raise ValueError(f"need 0 < h1 <= h2, got h1={h1}, h2={h2}")
+        if variance_update not in VARIANCE_UPDATES:
+            raise ValueError(f"variance_update must be one of {VARIANCE_UPDATES}, got {variance_update!r}")
+        if not gamma > 0 or not gamma_prime > 0:
+            raise ValueError("gamma and gamma_prime must be > 0")
+        if int(b_warmup_steps) < 0:
+            raise ValueError("b_warmup_steps must be >= 0")
+        self.betas, self.gamma = (b1, b2), float(gamma)
+        self.h1, self.h2 = float(h1), float(h2)
+        self.variance_update = variance_update
+        self.bias_correction, self.gamma_prime = bool(bias_correction), float(gamma_prime)
+        self.b_warmup_steps = int(b_warmup_steps)
+
+    def init(self, param):
+        z = lambda: torch.zeros_like(param)  # noqa: E731
+        return {"step": 0, "exp_avg": z(), "exp_avg_sq": z(), "var_ema": z(), "center": z(), "scale": None}
+
+    @staticmethod
+    def _init_scale(states, params) -> None:
+        if states and states[0]["scale"] is None:
+            d = sum(p.numel() for p in params)
+            for st, p in zip(states, params):
+                st["scale"] = torch.full_like(p, 1.0 / d)
+
+    def geometry(self, states, params) -> Optional[ClipGeometry]:
+        self._init_scale(states, params)
+        return ClipGeometry(tuple(st["center"] for st in states), tuple(st["scale"] for st in states))
+
+    def kappa(self, t: int) -> float:
+        """κ_t = 2(β1 − β1^t)/(1+β1) (line 20; Appendix A of the paper)."""
+        b1 = self.betas[0]
+        return 2.0 * (b1 - b1**t) / (1.0 + b1)
+
+    def update(self, updates, states, params, ctx: StepContext):
+        self._init_scale(states, params)
+        b1, b2 = self.betas
+        out, s_hat = [], []
+        t = states[0]["step"] + 1
+        kappa = self.kappa(t)
+        update_b = kappa > KAPPA_FLOOR and t > self.b_warmup_steps
+        for g, st, std in zip(updates, states, ctx.noise_std):
+            st["step"] = t
+            m_prev_hat = st["center"]
+            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            m_hat = st["exp_avg"] / (1 - b1**t)
+            v_hat = st["exp_avg_sq"] / (1 - b2**t)
+            phi = std**2
+            if self.bias_correction:
+                out.append(m_hat / torch.clamp(v_hat - phi, min=self.gamma_prime).sqrt())
+            else:
+                out.append(m_hat / (v_hat.sqrt() + self.gamma))
+            if self.variance_update == "paper":
+                u = (g - m_hat) ** 2
+            else:
+                u = (g - m_prev_hat) * (g - m_hat)
+            st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)
+            st["center"] = m_hat
+            if update_b:
+                s_hat.append(torch.clamp(st["var_ema"] / kappa - phi, min=self.h1, max=self.h2))
+        if update_b:
+            total = sum(float(s.sqrt().sum()) for s in s_hat)
+            for st, s in zip(states, s_hat):
+                st["scale"] = s.pow(0.25) * total**0.5
+        return out
