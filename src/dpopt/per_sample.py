@@ -20,6 +20,7 @@ with it the sensitivity — holds for every example.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -55,7 +56,7 @@ class PerSampleGrads:
             raise ValueError("all per-sample gradients must share the batch dimension")
         bad = torch.zeros(b, dtype=torch.bool, device=grads[0].device)
         for g in grads:
-            bad |= ~torch.isfinite(g.reshape(b, -1)).all(dim=1)
+            bad |= ~torch.isfinite(g.reshape(b, math.prod(g.shape[1:]))).all(dim=1)
         self.nonfinite = int(bad.sum())
         if self.nonfinite:
             grads = [torch.where((~bad).view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g))
@@ -80,7 +81,7 @@ class PerSampleGrads:
         out = self.grads[0].new_zeros(self.batch_size, num_groups)
         for i, k in enumerate(groups):
             w = self._w(i, geometry)
-            out[:, k] += w.reshape(self.batch_size, -1).pow(2).sum(dim=1)
+            out[:, k] += w.reshape(self.batch_size, math.prod(w.shape[1:])).pow(2).sum(dim=1)
         return out
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:

@@ -1,0 +1,133 @@
+"""The Privatizer: exact clipping, noise std, B̄ denominator, empty batches, non-finite grads."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dpopt.accounting.events import poisson_gaussian_step
+from dpopt.per_sample import PerSampleGrads
+from dpopt.privatizer import Privatizer
+from dpopt.transforms.base import ClipGeometry
+
+
+def _batch_of_is(b: int, shapes=((2, 2), (3,))) -> PerSampleGrads:
+    """Example i has every coordinate equal to i (i = 0..b-1)."""
+    return PerSampleGrads([torch.arange(b, dtype=torch.float64).view(-1, *[1] * len(s)).expand(b, *s).clone()
+                           for s in shapes])
+
+
+def test_exact_clipping_values_flat():
+    # d = 7 coordinates, example i has norm i*sqrt(7); C = 3.
+    src = _batch_of_is(4)
+    priv = Privatizer(0.0, 3.0, expected_batch_size=8.0, sample_rate=0.5)
+    rel = priv.privatize(src)
+    # clipped example i: i * min(1, 3/(i*sqrt 7)); each coordinate of example i is i*factor_i.
+    per_coord = sum(i * min(1.0, 3.0 / (i * math.sqrt(7))) if i else 0.0 for i in range(4))
+    for g in rel.grads:
+        assert torch.allclose(g, torch.full_like(g, per_coord / 8.0))
+    assert per_coord == pytest.approx(1 + 3 / math.sqrt(7) * 2)  # i=1 unclipped (norm 2.65 < 3), 2 and 3 clipped
+
+
+def test_exact_clipping_in_geometry():
+    src = _batch_of_is(3, shapes=((3,),))
+    shift = (torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64),)
+    scale = (torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64),)
+    priv = Privatizer(0.0, 1.0, expected_batch_size=2.0, sample_rate=0.1)
+    rel = priv.privatize(src, ClipGeometry(shift, scale))
+    expected = torch.zeros(3, dtype=torch.float64)
+    for i in range(3):
+        w = (torch.full((3,), float(i), dtype=torch.float64) - shift[0]) / scale[0]
+        expected += w * min(1.0, 1.0 / float(w.norm())) if float(w.norm()) > 0 else w
+    # map back: g = scale * (sum / B̄) + shift
+    assert torch.allclose(rel.grads[0], scale[0] * expected / 2.0 + shift[0])
+    # noise std reported in released coordinates is σ·C/B̄·scale (σ = 0 here → zeros)
+    assert torch.all(rel.noise_std[0] == 0)
+
+
+def test_divides_by_expected_not_realised_batch_size():
+    src = PerSampleGrads([torch.ones(5, 2)])
+    rel = Privatizer(0.0, 100.0, expected_batch_size=10.0, sample_rate=0.1).privatize(src)
+    assert torch.allclose(rel.grads[0], torch.full((2,), 0.5))  # 5 / 10, not 5 / 5
+
+
+def test_noise_std_matches_configuration():
+    """Empirical std of 40,000 noise coordinates vs σC/B̄ = 0.75.
+
+    Chi-square two-sided test at α = 1e-4 (false-alarm rate 1 in 10,000 runs);
+    the seed is fixed, so the test is deterministic.
+    """
+    sigma, c, bbar, d = 1.5, 2.0, 4.0, 40_000
+    gen = torch.Generator().manual_seed(1234)
+    priv = Privatizer(sigma, c, expected_batch_size=bbar, sample_rate=0.01, generator=gen)
+    rel = priv.privatize(PerSampleGrads([torch.zeros(3, d, dtype=torch.float64)]))
+    x = rel.grads[0].numpy()
+    expected = sigma * c / bbar
+    assert float(rel.noise_std[0]) == pytest.approx(expected)
+    stat = float(np.sum(x**2) / expected**2)  # ~ chi2(d) under H0 (mean is exactly 0)
+    lo, hi = stats.chi2.ppf([0.5e-4, 1 - 0.5e-4], d)
+    assert lo < stat < hi
+    # and a wrong std (5% off) would be rejected by the same test
+    assert not (lo < float(np.sum(x**2) / (1.05 * expected) ** 2) < hi)
+
+
+def test_empty_batch_adds_noise_and_is_charged():
+    gen = torch.Generator().manual_seed(0)
+    priv = Privatizer(1.0, 1.0, expected_batch_size=4.0, sample_rate=0.01, generator=gen)
+    rel = priv.privatize(PerSampleGrads([torch.zeros(0, 1000)]))
+    assert rel.grads[0].abs().sum() > 0
+    assert float(rel.grads[0].std()) == pytest.approx(0.25, rel=0.1)
+    assert len(priv.ledger) == 1
+    assert priv.ledger.entries[0].event == poisson_gaussian_step(1.0, 0.01)
+
+
+def test_nonfinite_per_sample_gradients_are_zeroed():
+    g = torch.ones(3, 4)
+    g[1, 2] = float("nan")
+    g[2, 0] = float("inf")
+    src = PerSampleGrads([g])
+    assert src.nonfinite == 2
+    priv = Privatizer(0.0, 10.0, expected_batch_size=1.0, sample_rate=0.1)
+    rel = priv.privatize(src)
+    assert torch.allclose(rel.grads[0], torch.ones(4))  # only example 0 contributes
+    assert priv.nonfinite_steps == 1
+
+
+def test_micro_batches_make_one_release():
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    g = torch.randn(10, 5, dtype=torch.float64)
+    a = Privatizer(1.0, 0.5, 10.0, 0.1, generator=gen_a)
+    b = Privatizer(1.0, 0.5, 10.0, 0.1, generator=gen_b)
+    ra = a.privatize(PerSampleGrads([g]))
+    rb = b.privatize([PerSampleGrads([g[:3]]), PerSampleGrads([g[3:]])])
+    assert torch.allclose(ra.grads[0], rb.grads[0])
+    assert len(a.ledger) == len(b.ledger) == 1
+
+
+def test_per_layer_noise_uses_total_bound():
+    priv = Privatizer(1.0, [1.0, 2.0, 2.0], 1.0, 0.1, groups=[0, 1, 2])
+    assert priv.sensitivity == pytest.approx(3.0)
+    rel = priv.privatize(PerSampleGrads([torch.zeros(0, 2)] * 3))
+    assert priv.ledger.entries[0].meta["noise_std"] == pytest.approx(3.0)
+    assert float(rel.noise_std[0]) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(expected_batch_size=0.0), "expected_batch_size"),
+    (dict(sample_rate=1.5), "sample_rate"),
+])
+def test_invalid_configuration(kwargs, match):
+    base = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=0.1)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        Privatizer(**base)
+
+
+def test_release_never_carries_private_fields():
+    rel = Privatizer(1.0, 1.0, 4.0, 0.1).privatize(PerSampleGrads([torch.ones(3, 2)]))
+    fields = set(rel.__dataclass_fields__)
+    assert not fields & {"batch_size", "indices", "norms", "per_sample"}
