@@ -1,0 +1,69 @@
+"""The CLI on the bundled digits: a real run, JSON output, the run directory, and bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from dpopt.accounting.accountant import epsilon
+from dpopt.accounting.events import poisson_gaussian_step
+from dpopt.accounting.ledger import PrivacyLedger
+from dpopt.cli import app
+
+runner = CliRunner()
+REQUIRED = {"method", "dataset", "model", "test_accuracy", "epsilon", "delta", "noise_multiplier",
+            "sample_rate", "expected_batch_size", "steps", "accountant", "wall_seconds", "run_dir"}
+
+
+def test_train_digits_json_and_run_directory(tmp_path):
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["train", "--epochs", "2", "--method", "dp-sgd", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert REQUIRED <= set(summary)
+    assert summary["dataset"] == "digits" and summary["method"] == "dp-sgd"
+    for name in ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json"):
+        assert (out / name).exists(), name
+    ledger = PrivacyLedger.load(out)
+    assert len(ledger) == summary["steps"]
+    event = poisson_gaussian_step(summary["noise_multiplier"], summary["sample_rate"])
+    from dp_accounting import dp_event
+    assert summary["epsilon"] == pytest.approx(
+        epsilon(dp_event.SelfComposedDpEvent(event, summary["steps"]), 1e-5), rel=1e-9)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["epsilon"] == pytest.approx(summary["epsilon"])
+    assert summary["test_accuracy"] > 0.3  # 2 epochs of DP-SGD on digits already beat chance (0.1) by far
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--noise-multiplier", "-1"], "noise_multiplier must be a finite number >= 0"),
+    (["--delta", "1.5"], "delta must be in (0, 1)"),
+    (["--batch-size", "0"], "--batch-size must be > 0"),
+    (["--batch-size", "5000"], "exceeds the 1437 training examples"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--method", "dp-nope"], "unknown method 'dp-nope'"),
+    (["--dataset", "svhn"], "unknown dataset 'svhn'"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--model", "mlp"], "does not take digits inputs"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent"], "is not a directory"),
+])
+def test_bad_input_gets_a_clear_error(args, message, tmp_path):
+    res = runner.invoke(app, ["train", "--epochs", "1", "--out", str(tmp_path / "r"), *args])
+    assert res.exit_code == 2
+    assert message in res.stderr
+
+
+def test_methods_lists_registry():
+    res = runner.invoke(app, ["methods"])
+    assert res.exit_code == 0
+    for name in ("dp-sgd", "dp-adam", "dp-macadam"):
+        assert name in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("dpopt") is None, reason="console script not installed")
+def test_console_script_help():
+    res = subprocess.run(["dpopt", "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "train" in res.stdout
