@@ -1,0 +1,449 @@
+"""The ledger check: four questions to ask before calling a run DP.
+
+Static check of a run directory (``ledger.json`` + ``summary.json``), after
+the four questions of ``papers/adaptive-clipping-accounting.txt``:
+
+(a) ``releases`` — does every read of the private data have a release in the
+    ledger? Per entry the Privatizer's ``reads`` equals its ``releases`` and
+    the entry's DpEvent contains exactly ``releases`` Gaussians; the ledger has
+    one entry per claimed step; summary-level ``privatizer_reads`` /
+    ``privatizer_releases`` agree with each other and with the ledger.
+(b) ``noise`` — is every noise std calibrated to the bound actually applied?
+    ``noise_std == noise_multiplier × sensitivity``, ``sensitivity ==
+    √(Σ_k C_k²)`` of the recorded bounds (never an average or the smallest),
+    the event's gradient Gaussian has the recorded multiplier, and the count
+    Gaussian's multiplier equals ``count_noise_std / count_sensitivity``
+    (with the centred count's sensitivity ½).
+(c) ``composition`` — does ε come from one accountant over the whole ledger,
+    not a sum? The ledger is re-scored with the run's accountant and δ and
+    compared with the summary's ε (relative tolerance ``rtol``, default 1e-6:
+    the accountants are deterministic, so an honest run reproduces its ε to
+    float rounding). A summary ε below the re-score is under-reported; one
+    above means the summary was not computed from this ledger (e.g. releases
+    were dropped from it). The ledger's sampling must be Poisson at the
+    claimed rate.
+(d) ``budget_split`` — does any budget split recompose to the σ claimed?
+    From each entry's event: σ_eff = (Σ σᵢ⁻²)^(−1/2) over its Gaussians, which
+    must equal the claimed total σ (``noise_multiplier_total`` if present,
+    else ``noise_multiplier``).
+
+Each item carries human-readable evidence; :func:`check_run` and
+:func:`check_ledger` never raise on a failing run — they report it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from dp_accounting import dp_event
+
+from .accounting.accountant import ACCOUNTANTS, epsilon
+from .accounting.budget import COUNT_SENSITIVITY
+from .accounting.events import effective_noise_multiplier
+from .accounting.ledger import PrivacyLedger
+
+__all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL"]
+
+#: Relative tolerance for comparing recomputed numbers with recorded ones.
+DEFAULT_RTOL = 1e-6
+_MAX_LISTED = 3  # offending entries quoted per problem
+
+QUESTIONS = {
+    "releases": "Does every read of the private data have a release in the ledger?",
+    "noise": "Is every noise std calibrated to the bound actually applied?",
+    "composition": "Does the epsilon come from one accountant over the whole ledger (not a sum)?",
+    "budget_split": "Does the budget split recompose to the sigma claimed?",
+}
+
+
+@dataclass(frozen=True)
+class CheckItem:
+    """One of the four questions, answered.
+
+    Attributes:
+        key: ``"releases"``, ``"noise"``, ``"composition"`` or ``"budget_split"``.
+        question: the question in words.
+        passed: True if no problem was found.
+        evidence: what was compared (numbers), problems first.
+    """
+
+    key: str
+    question: str
+    passed: bool
+    evidence: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "question": self.question, "passed": self.passed,
+                "evidence": list(self.evidence)}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The four :class:`CheckItem` results; ``passed`` only if all passed."""
+
+    items: tuple[CheckItem, ...]
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(item.passed for item in self.items)
+
+    def __getitem__(self, key: str) -> CheckItem:
+        for item in self.items:
+            if item.key == key:
+                return item
+        raise KeyError(key)
+
+    @property
+    def failures(self) -> list[str]:
+        """Keys of the failed items."""
+        return [item.key for item in self.items if not item.passed]
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "items": [i.to_dict() for i in self.items], "facts": self.facts}
+
+    def format(self) -> str:
+        """Plain-text report (one block per question)."""
+        lines = []
+        for tag, item in zip("abcd", self.items):
+            lines.append(f"({tag}) [{'PASS' if item.passed else 'FAIL'}] {item.question}")
+            lines.extend(f"      - {e}" for e in item.evidence)
+        lines.append("RESULT: " + ("PASS" if self.passed else "FAIL (" + ", ".join(self.failures) + ")"))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# event structure
+# ---------------------------------------------------------------------------
+@dataclass
+class _Parsed:
+    gaussians: list  # noise multipliers, in recorded order (gradient first)
+    rates: set  # Poisson sampling rates seen
+    nonprivate: bool = False
+    other: list = field(default_factory=list)  # unsupported event types
+
+
+def _parse(event: dp_event.DpEvent) -> _Parsed:
+    out = _Parsed([], set())
+
+    def walk(ev: dp_event.DpEvent, n: int) -> None:
+        if isinstance(ev, dp_event.NoOpDpEvent):
+            return
+        if isinstance(ev, dp_event.NonPrivateDpEvent):
+            out.nonprivate = True
+        elif isinstance(ev, dp_event.GaussianDpEvent):
+            out.gaussians.extend([float(ev.noise_multiplier)] * n)
+        elif isinstance(ev, dp_event.PoissonSampledDpEvent):
+            out.rates.add(float(ev.sampling_probability))
+            walk(ev.event, n)
+        elif isinstance(ev, dp_event.ComposedDpEvent):
+            for sub in ev.events:
+                walk(sub, n)
+        elif isinstance(ev, dp_event.SelfComposedDpEvent):
+            walk(ev.event, n * int(ev.count))
+        else:
+            out.other.append(type(ev).__name__)
+
+    walk(event, 1)
+    return out
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=rtol, abs_tol=1e-12)
+
+
+def _num(x: Any) -> Optional[float]:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if not math.isnan(v) else None
+
+
+def _summarise(problems: list[str], label: str) -> list[str]:
+    if not problems:
+        return []
+    shown = problems[:_MAX_LISTED]
+    more = f" (and {len(problems) - len(shown)} more)" if len(problems) > len(shown) else ""
+    return [f"{len(problems)} {label}{more}: " + "; ".join(shown)]
+
+
+# ---------------------------------------------------------------------------
+# the four items
+# ---------------------------------------------------------------------------
+def _check_releases(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping) -> CheckItem:
+    problems: list[str] = []
+    evidence: list[str] = []
+    mismatch, no_meta, nonpriv = [], [], []
+    total_reads = total_releases = 0
+    for entry, p in zip(ledger.entries, parsed):
+        reads, rel = entry.meta.get("reads"), entry.meta.get("releases")
+        if reads is None or rel is None:
+            no_meta.append(f"step {entry.step}")
+            continue
+        total_reads += int(reads)
+        total_releases += int(rel)
+        if int(reads) != int(rel) or len(p.gaussians) != int(rel):
+            mismatch.append(f"step {entry.step}: reads {reads}, releases {rel}, "
+                            f"Gaussians in event {len(p.gaussians)}")
+        if p.nonprivate:
+            nonpriv.append(f"step {entry.step}")
+    problems += _summarise(mismatch, "entries where reads, recorded releases and the event's "
+                                     "Gaussians disagree (a read without its release)")
+    problems += _summarise(no_meta, "entries without reads/releases metadata (cannot show every read is released)")
+    problems += _summarise(nonpriv, "entries with a NonPrivateDpEvent (a release without noise)")
+    evidence.append(f"{len(ledger)} ledger entries; per-entry reads total {total_reads}, "
+                    f"releases total {total_releases}")
+    steps = claimed.get("steps")
+    if steps is not None:
+        if int(steps) != len(ledger):
+            problems.append(f"summary claims {steps} steps but the ledger has {len(ledger)} entries "
+                            "(every step must be one ledger entry)")
+        else:
+            evidence.append(f"summary steps = {steps} = ledger entries")
+    s_reads, s_rel = claimed.get("privatizer_reads"), claimed.get("privatizer_releases")
+    if s_reads is not None or s_rel is not None:
+        if s_reads is None or s_rel is None:
+            problems.append("summary has only one of privatizer_reads / privatizer_releases")
+        else:
+            if int(s_reads) != int(s_rel):
+                problems.append(f"summary: privatizer_reads {s_reads} != privatizer_releases {s_rel} "
+                                f"({int(s_reads) - int(s_rel)} reads of private data were never released/charged)")
+            if int(s_rel) != total_releases:
+                problems.append(f"summary: privatizer_releases {s_rel} != releases recorded in the ledger "
+                                f"{total_releases}")
+            if not problems:
+                evidence.append(f"summary privatizer_reads = privatizer_releases = {s_rel} = ledger releases")
+    if len(ledger) == 0:
+        problems.append("the ledger is empty")
+    if not problems:
+        evidence.insert(0, "every entry: reads = releases = number of Gaussians in its event")
+    return CheckItem("releases", QUESTIONS["releases"], not problems, tuple(problems + evidence))
+
+
+def _bounds(meta: Mapping) -> Optional[list[float]]:
+    c = meta.get("max_grad_norm")
+    if c is None:
+        return None
+    values = c if isinstance(c, (list, tuple)) else [c]
+    out = [_num(v) for v in values]
+    return None if any(v is None for v in out) else out
+
+
+def _check_noise(ledger: PrivacyLedger, parsed: list[_Parsed], rtol: float) -> CheckItem:
+    std_bad, sens_bad, grad_bad, count_bad, missing = [], [], [], [], []
+    sens_seen, count_seen = set(), 0
+    for entry, p in zip(ledger.entries, parsed):
+        m = entry.meta
+        sigma, sens, std = _num(m.get("noise_multiplier")), _num(m.get("sensitivity")), _num(m.get("noise_std"))
+        bounds = _bounds(m)
+        if None in (sigma, sens, std) or bounds is None:
+            missing.append(f"step {entry.step}")
+            continue
+        total = math.sqrt(sum(c * c for c in bounds))
+        sens_seen.add(round(sens, 12))
+        if not _close(sens, total, rtol):
+            sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
+                            f"{[round(c, 6) for c in bounds]} is {total:.6g}")
+        if not _close(std, sigma * sens, rtol):
+            std_bad.append(f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
+                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")
+        if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):
+            got = p.gaussians[0] if p.gaussians else "none"
+            grad_bad.append(f"step {entry.step}: event gradient multiplier {got} != recorded {sigma:.6g}")
+        has_count_meta = "count_noise_std" in m or "count_sensitivity" in m
+        if has_count_meta:
+            count_seen += 1
+            cstd, csens = _num(m.get("count_noise_std")), _num(m.get("count_sensitivity"))
+            if cstd is None or csens is None or csens <= 0:
+                count_bad.append(f"step {entry.step}: count noise std/sensitivity missing or invalid")
+            elif len(p.gaussians) < 2:
+                count_bad.append(f"step {entry.step}: count noise std {cstd:.6g} recorded but the event "
+                                 "has no count Gaussian")
+            else:
+                if not _close(p.gaussians[1], cstd / csens, rtol):
+                    count_bad.append(f"step {entry.step}: event count multiplier {p.gaussians[1]:.6g} != "
+                                     f"count_noise_std/count_sensitivity = {cstd / csens:.6g}")
+                if csens < COUNT_SENSITIVITY * (1 - rtol):
+                    count_bad.append(f"step {entry.step}: count_sensitivity {csens} understates the centred "
+                                     f"count's sensitivity {COUNT_SENSITIVITY}")
+                cm = _num(m.get("count_noise_multiplier"))
+                if cm is not None and not _close(cm, p.gaussians[1], rtol):
+                    count_bad.append(f"step {entry.step}: recorded count_noise_multiplier {cm:.6g} != "
+                                     f"event's {p.gaussians[1]:.6g}")
+        elif len(p.gaussians) >= 2:
+            count_bad.append(f"step {entry.step}: the event has {len(p.gaussians)} Gaussians but only the "
+                             "gradient's noise is recorded (no count_noise_std / count_sensitivity)")
+    problems = (_summarise(missing, "entries without noise_multiplier/sensitivity/noise_std/max_grad_norm")
+                + _summarise(sens_bad, "entries whose sensitivity is not the total bound √(Σ C_k²)")
+                + _summarise(std_bad, "entries whose noise std is not σ × sensitivity")
+                + _summarise(grad_bad, "entries whose event does not carry the recorded gradient σ")
+                + _summarise(count_bad, "entries with count-release problems"))
+    evidence = []
+    if not problems:
+        evidence.append(f"all {len(ledger)} entries: noise_std = noise_multiplier × sensitivity, "
+                        "sensitivity = √(Σ C_k²), event multiplier = recorded σ")
+        if sens_seen:
+            evidence.append("sensitivities seen: " + ", ".join(f"{s:.6g}" for s in sorted(sens_seen)[:5]))
+        if count_seen:
+            evidence.append(f"{count_seen} count releases: event multiplier = count_noise_std / "
+                            f"count_sensitivity (sensitivity {COUNT_SENSITIVITY})")
+    return CheckItem("noise", QUESTIONS["noise"], not problems, tuple(problems + evidence))
+
+
+def _check_composition(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping,
+                       rtol: float) -> tuple[CheckItem, dict]:
+    problems, evidence, facts = [], [], {}
+    accountant = str(claimed.get("accountant", "")).lower()
+    delta, eps_claim = _num(claimed.get("delta")), claimed.get("epsilon")
+    eps_claim = math.inf if eps_claim in ("inf", "Infinity") else _num(eps_claim)
+    if accountant not in ACCOUNTANTS:
+        problems.append(f"summary accountant {claimed.get('accountant')!r} is not one of {ACCOUNTANTS}")
+    if delta is None or not 0 < delta < 1:
+        problems.append(f"summary delta {claimed.get('delta')!r} is missing or not in (0, 1)")
+    if eps_claim is None:
+        problems.append("summary has no numeric epsilon")
+    if ledger.sampling != "poisson":
+        problems.append(f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
+                        "so the epsilon does not hold for this run")
+    others = sorted({o for p in parsed for o in p.other})
+    if others:
+        problems.append(f"ledger has events the check does not understand: {others}")
+    rates = sorted({r for p in parsed for r in p.rates})
+    q_claim = _num(claimed.get("sample_rate"))
+    if q_claim is not None and rates and any(not _close(r, q_claim, rtol) for r in rates):
+        problems.append(f"ledger sampling rates {rates[:3]} differ from the claimed sample_rate {q_claim:g}")
+    elif rates:
+        evidence.append(f"ledger sampling rate(s) {', '.join(f'{r:g}' for r in rates[:3])}"
+                        + (" = claimed sample_rate" if q_claim is not None else ""))
+    if not problems:
+        try:
+            eps_ledger = epsilon(ledger, delta, accountant)
+        except (ValueError, ImportError) as exc:
+            problems.append(f"could not re-score the ledger with {accountant!r}: {exc}")
+        else:
+            facts["epsilon_ledger"] = eps_ledger
+            same = (eps_ledger == eps_claim) or _close(eps_ledger, eps_claim, rtol)
+            where = f"re-scored whole ledger ({len(ledger)} releases, {accountant}, δ={delta:g}): ε = {eps_ledger:.6g}"
+            if same:
+                evidence.append(f"{where} = summary ε {eps_claim:.6g} (rtol {rtol:g})")
+            elif eps_claim < eps_ledger:
+                problems.append(f"summary ε {eps_claim:.6g} is BELOW the {where}: under-reported")
+            else:
+                problems.append(f"summary ε {eps_claim:.6g} is above the {where}: the summary was not "
+                                "computed from this ledger (releases missing from the ledger, or a "
+                                "different composition)")
+    return CheckItem("composition", QUESTIONS["composition"], not problems, tuple(problems + evidence)), facts
+
+
+def _check_split(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping,
+                 rtol: float) -> tuple[CheckItem, dict]:
+    problems, evidence, facts = [], [], {}
+    key = "noise_multiplier_total" if claimed.get("noise_multiplier_total") is not None else "noise_multiplier"
+    sigma_claim = _num(claimed.get(key))
+    if sigma_claim is None:
+        problems.append("summary has no noise_multiplier (or noise_multiplier_total) to compare with")
+    pieces: dict[tuple, int] = {}
+    for p in parsed:
+        if p.gaussians:
+            tup = tuple(p.gaussians)
+            pieces[tup] = pieces.get(tup, 0) + 1
+    bad = []
+    for tup, n in pieces.items():
+        sigma_eff = effective_noise_multiplier(tup)
+        desc = " ⊕ ".join(f"{s:.6g}" for s in tup)
+        line = f"{n} entries release Gaussians σ = {desc} → σ_eff = {sigma_eff:.6g}"
+        if len(tup) == 2 and tup[1] > 0:
+            r = (sigma_eff / tup[1]) ** 2
+            line += f" (count share r = {r:.4g}, gradient noise ×{tup[0] / sigma_eff:.4f})"
+            share = _num(claimed.get("count_share"))
+            if share is not None and not _close(share, r, max(rtol, 1e-9)):
+                bad.append(f"{n} entries imply count share {r:.6g} but the summary claims {share:.6g}")
+        if sigma_claim is not None and not _close(sigma_eff, sigma_claim, rtol):
+            bad.append(f"{line}, but the run claims σ = {sigma_claim:.6g} ({key}): the pieces do not add "
+                       "up — a release is missing from the ledger or the split is wrong")
+        else:
+            evidence.append(line + (f" = claimed {key} {sigma_claim:.6g}" if sigma_claim is not None else ""))
+    if not pieces:
+        problems.append("no Gaussian releases in the ledger to recompose")
+    facts["sigma_eff"] = sorted({effective_noise_multiplier(t) for t in pieces})
+    problems += bad
+    return CheckItem("budget_split", QUESTIONS["budget_split"], not problems, tuple(problems + evidence)), facts
+
+
+# ---------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------
+def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float = DEFAULT_RTOL) -> CheckResult:
+    """Run the four ledger checks on a ledger against a run's claims.
+
+    Args:
+        ledger: the run's :class:`~dpopt.accounting.ledger.PrivacyLedger`.
+        claimed: the run's summary (``summary.json``): keys ``epsilon``,
+            ``delta``, ``accountant``, ``noise_multiplier`` (total σ claimed),
+            optionally ``noise_multiplier_total``, ``sample_rate``, ``steps``,
+            ``privatizer_reads``, ``privatizer_releases``, ``count_share``.
+        rtol: relative tolerance of every numeric comparison (default 1e-6;
+            recorded numbers are JSON floats, recomputations are deterministic).
+
+    Returns:
+        :class:`CheckResult` with items releases, noise, composition,
+        budget_split (in that order), each with evidence; never raises for a
+        failing run.
+
+    Raises:
+        TypeError: if ``ledger`` is not a PrivacyLedger or ``claimed`` not a mapping.
+        ValueError: if ``rtol`` is not in (0, 0.1].
+
+    Source: the four questions of ``papers/adaptive-clipping-accounting.txt``;
+    DESIGN.md "Accounting rules".
+    """
+    if not isinstance(ledger, PrivacyLedger):
+        raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}")
+    if not isinstance(claimed, Mapping):
+        raise TypeError(f"claimed must be a mapping (the run's summary), got {type(claimed).__name__}")
+    if not 0 < float(rtol) <= 0.1:
+        raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
+    parsed = [_parse(e.event) for e in ledger.entries]
+    a = _check_releases(ledger, parsed, claimed)
+    b = _check_noise(ledger, parsed, rtol)
+    c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
+    d, facts_d = _check_split(ledger, parsed, claimed, rtol)
+    return CheckResult((a, b, c, d), {**facts_c, **facts_d, "entries": len(ledger)})
+
+
+def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
+    """Read ``ledger.json`` and ``summary.json`` from a run directory.
+
+    Raises:
+        FileNotFoundError: if the directory or either file is missing.
+        ValueError: if a file is not valid JSON or not a dpopt ledger.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run} is not a run directory (expected ledger.json and summary.json inside)")
+    summary_path = run / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"no summary.json in {run}")
+    ledger = PrivacyLedger.load(run / "ledger.json")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{summary_path} is not valid JSON: {exc}") from exc
+    if not isinstance(summary, dict):
+        raise ValueError(f"{summary_path} must hold a JSON object")
+    return ledger, summary
+
+
+def check_run(run_dir: str | Path, rtol: float = DEFAULT_RTOL) -> CheckResult:
+    """Run :func:`check_ledger` on a run directory (``ledger.json`` + ``summary.json``).
+
+    Raises:
+        FileNotFoundError, ValueError: unreadable run directory (see :func:`load_run`).
+    """
+    ledger, summary = load_run(run_dir)
+    return check_ledger(ledger, summary, rtol)
