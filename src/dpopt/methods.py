@@ -20,9 +20,12 @@ import torch
 from .accounting.ledger import PrivacyLedger
 from .optim import DPOptimizer
 from .privatizer import Privatizer, QuantileClipping
+from .transforms.adaclip import AdaClip
 from .transforms.adam import ScaleByAdam
 from .transforms.base import Transform, chain
+from .transforms.filters import DiSK, LowPassFilter, doppler_coefficients
 from .transforms.macadam import MacAdam
+from .transforms.muon import ScaleByMuon, hidden_matrix_labels, muon_partition
 from .transforms.sgd import Momentum, scale_by_lr
 
 __all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "PRIVATIZER_KEYS"]
@@ -37,8 +40,14 @@ class MethodSpec:
         description: one line for ``dpopt methods``.
         reference: paper and algorithm/equation implemented.
         defaults: default hyperparameters, including ``lr`` and ``max_grad_norm``.
-        build: ``build(hparams) -> Transform`` (the post-processing chain,
-            ending with the −lr scaling).
+        build: ``build(hparams, params=None) -> Transform`` (the
+            post-processing chain, ending with the −lr scaling). ``hparams``
+            includes ``lr`` (so a secondary learning rate can be expressed as
+            a multiplier of it); ``params`` are the trainable parameters in
+            model order (methods that route parameters, e.g. DP-Muon, need them).
+        dataset_defaults: ``{dataset: {key: value}}`` overriding ``defaults``
+            on that dataset (e.g. a learning rate the paper tuned for another
+            task).
         geometry: ``"identity"`` (flat clipping of raw gradients) or
             ``"shift-scale"`` (the chain feeds back a coordinate-wise geometry;
             quantile / per-layer clipping do not apply).
@@ -138,23 +147,26 @@ def make_optimizer(
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
     privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
                             groups=groups, quantile=quantile, generator=generator)
-    chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k != "lr"}
-    return DPOptimizer(list(params), privatizer, spec.build(chain_hp), lr=hp["lr"])
+    params = list(params)
+    chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS}
+    return DPOptimizer(params, privatizer, spec.build(chain_hp, params), lr=hp["lr"])
 
 
 # --------------------------------------------------------------------------- methods
-def _sgd(hp: dict) -> Transform:
+def _sgd(hp: dict, params=None) -> Transform:
     mom = float(hp["momentum"])
     return chain(Momentum(mom), scale_by_lr()) if mom > 0 else scale_by_lr()
 
 
-def _adam(hp: dict) -> Transform:
+def _adam(hp: dict, params=None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr())
 
 
-def _macadam(hp: dict) -> Transform:
+def _macadam(hp: dict, params=None) -> Transform:
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
-                         b_warmup_steps=hp["b_warmup_steps"]), scale_by_lr())
+                         bias_correction=bool(hp.get("bias_correction", False)),
+                         gamma_prime=hp.get("gamma_prime", 1e-8), b_warmup_steps=hp["b_warmup_steps"]),
+                 scale_by_lr())
 
 
 _MACADAM_DATA = {"mnist": {"h1": 1e-9, "h2": 1e-6}, "cifar10": {"h1": 5e-5, "h2": 1.0}}
@@ -173,3 +185,127 @@ register(MethodSpec(
     {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6,
      "variance_update": "paper", "b_warmup_steps": 0},
     _macadam, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
+
+
+# ----------------------------------------------------------------- issue 3 methods
+def _adambc(hp: dict, params=None) -> Transform:
+    return chain(ScaleByAdam(hp["betas"], noise_correction=True, gamma_prime=hp["gamma_prime"]), scale_by_lr())
+
+
+def _adaclip(hp: dict, params=None) -> Transform:
+    return chain(AdaClip(hp["betas"], hp["h1"], hp["h2"]), scale_by_lr())
+
+
+def _macadambc(hp: dict, params=None) -> Transform:
+    return _macadam(dict(hp, bias_correction=True))
+
+
+def _sgd_tail(hp: dict) -> list[Transform]:
+    mom = float(hp["momentum"])
+    return [Momentum(mom), scale_by_lr()] if mom > 0 else [scale_by_lr()]
+
+
+def _muon_body(hp: dict, params, scaling: str) -> Transform:
+    """Partition: hidden matrices → Muon at ``lr``; the rest → Adam/SGD at ``other_lr``.
+
+    The group learning rate (``--lr``, schedulers) is Muon's; the other part
+    runs at ``lr × (other_lr / lr)``, i.e. ``other_lr`` at the start and
+    scaled by the same schedule.
+    """
+    if params is None and hp.get("label_fn") is None:
+        raise ValueError("Muon methods route parameters by their position in the model: build them with "
+                         "make_optimizer (which passes the parameters) or give hparams['label_fn']")
+    label_fn = hp.get("label_fn") or hidden_matrix_labels(params, hp["exclude_first"], hp["exclude_last"])
+    lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
+    if not (lr > 0 and other_lr > 0):
+        raise ValueError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}")
+    muon = chain(ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"],
+                             power_iters=hp.get("power_iters", 2)), scale_by_lr())
+    if hp["other"] == "adam":
+        other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
+    elif hp["other"] == "sgd":
+        other = scale_by_lr(other_lr / lr)
+    else:
+        raise ValueError(f"other must be 'adam' or 'sgd', got {hp['other']!r}")
+    return muon_partition(muon, other, label_fn)
+
+
+def _muon(hp: dict, params=None) -> Transform:
+    return _muon_body(hp, params, "shape")
+
+
+def _muon_s(hp: dict, params=None) -> Transform:
+    return _muon_body(hp, params, "spectral")
+
+
+def _disk(hp: dict) -> DiSK:
+    return DiSK(hp["kappa"], hp["gamma"])
+
+
+def _doppler(hp: dict) -> LowPassFilter:
+    return LowPassFilter(*doppler_coefficients(hp["filter"], hp["filter_a"], hp["filter_b"]))
+
+
+def _disk_sgd(hp: dict, params=None) -> Transform:
+    return chain(_disk(hp), *_sgd_tail(hp))
+
+
+def _doppler_sgd(hp: dict, params=None) -> Transform:
+    return chain(_doppler(hp), *_sgd_tail(hp))
+
+
+def _disk_muon(hp: dict, params=None) -> Transform:
+    return chain(_disk(hp), _muon(hp, params))
+
+
+def _doppler_muon(hp: dict, params=None) -> Transform:
+    return chain(_doppler(hp), _muon(hp, params))
+
+
+_ADAM_HP = {"betas": (0.9, 0.999)}
+_MUON_HP = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz", "other": "adam",
+            "other_lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "exclude_first": "conv",
+            "exclude_last": True, "label_fn": None}
+_DISK_HP = {"kappa": 0.7, "gamma": 0.5}
+_DOPPLER_HP = {"filter": "ema", "filter_a": None, "filter_b": None}
+_MUON_REF = ("spectral-orthogonalization.txt (Shanmugam et al. 2026) Table 15 and ALGORITHMS.md; "
+             "Keller Jordan's Muon (NS5, a,b,c = 3.4445,-4.7750,2.0315)")
+
+register(MethodSpec(
+    "dp-adambc", "DP-AdamBC: Adam on the release with the DP-noise bias Φ removed from v̂ (floor γ′, no ε)",
+    "Tang, Shpilevskiy & Lécuyer, AAAI 2024; dp-macadam.txt eq. (8)",
+    {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM_HP, "gamma_prime": 1e-8}, _adambc))
+register(MethodSpec(
+    "adaclip", "AdaClip: coordinate-wise shift/scale clipping from running mean/variance, plain SGD",
+    "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; dp-macadam.txt eqs. (6)-(7); ALGORITHMS.md",
+    {"lr": 0.1, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
+    _adaclip, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
+register(MethodSpec(
+    "dp-macadambc", "DP-MacAdamBC: DP-MacAdam with the AdamBC update in released coordinates",
+    "dp-macadam.txt §III-D with Algorithm 1; Φ = b²σ²/B̄² per coordinate (ALGORITHMS.md)",
+    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6,
+     "variance_update": "paper", "b_warmup_steps": 0, "gamma_prime": 1e-8},
+    _macadambc, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
+register(MethodSpec(
+    "dp-muon", "DP-Muon: one global DP-SGD release; Newton-Schulz polar factor of the Nesterov "
+               "momentum for hidden matrices, Adam (other_lr) for the rest",
+    _MUON_REF, {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True}, _muon))
+register(MethodSpec(
+    "dp-muon-s", "DP-Muon-S: as DP-Muon with β=0.9, no Nesterov, step σ₁(U)·NS5(U) (power iteration)",
+    _MUON_REF, {"lr": 0.3, **_MUON_HP, "momentum": 0.9, "nesterov": False, "power_iters": 2}, _muon_s))
+register(MethodSpec(
+    "disk-sgd", "DiSK-SGD: simplified Kalman filter on releases of c·∇ℓ(θ+γd) + (1−c)·∇ℓ(θ), then SGD",
+    "Zhang et al. 2024 (DiSK); spectral-orthogonalization.txt Tables 4, 15; ALGORITHMS.md (κ, γ)",
+    {"lr": 0.01, "max_grad_norm": 1.0, **_DISK_HP, "momentum": 0.0}, _disk_sgd))
+register(MethodSpec(
+    "doppler-sgd", "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, then SGD",
+    "Zhang et al. 2024 (DOPPLER); spectral-orthogonalization.txt Tables 4, 15; ALGORITHMS.md",
+    {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER_HP, "momentum": 0.0}, _doppler_sgd))
+register(MethodSpec(
+    "disk-muon", "DiSK-Muon: DiSK filter, then DP-Muon's routing (Muon on hidden matrices, Adam on the rest)",
+    "spectral-orthogonalization.txt Table 4 (DiSK [40] + Muon); ALGORITHMS.md",
+    {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True, **_DISK_HP}, _disk_muon))
+register(MethodSpec(
+    "doppler-muon", "DOPPLER-Muon: low-pass filter, then DP-Muon's routing",
+    "spectral-orthogonalization.txt Table 4 (DOPPLER [41] + Muon); ALGORITHMS.md",
+    {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True, **_DOPPLER_HP}, _doppler_muon))
