@@ -1,7 +1,102 @@
-"""CLI commands: audit (placeholder until implemented)."""
+"""CLI command ``dpopt audit``: empirical one-step privacy audits.
+
+Heavy modules (torch, the privatizer, scipy) are imported inside the command
+body so that ``dpopt --help`` and the accounting commands stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional
 
 import typer
 
 
+def _fmt(x) -> str:
+    if x is None:
+        return "n/a"
+    x = float(x)
+    return "inf" if math.isinf(x) else f"{x:.3f}"
+
+
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the dpopt app."""
+    """Add the ``audit`` command to the dpopt app."""
+
+    @app.command("audit")
+    def audit(
+        method: Optional[str] = typer.Option(
+            None, "--method", "-m",
+            help="Audit one mechanism: a built-in privatizer (flat, shift-scale, per-layer, quantile) "
+                 "or a registered method name (see `dpopt methods`)."),
+        all_: bool = typer.Option(False, "--all",
+                                  help="Audit every built-in privatizer and every registered method."),
+        trials: int = typer.Option(100_000, "--trials", "-n", min=40,
+                                   help="Releases per mechanism (half with the canary)."),
+        delta: float = typer.Option(1e-5, "--delta", help="δ at which ε is bounded and claimed."),
+        alpha: float = typer.Option(1e-3, "--alpha",
+                                    help="False-alarm probability per mechanism (honest → LEAK)."),
+        seed: int = typer.Option(0, "--seed", help="Seed of canaries, noise and the held-out split."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
+    ) -> None:
+        """Empirically audit one privatizer step against the accountant's ε.
+
+        For each mechanism, runs the real Privatizer TRIALS times (sample_rate 1) with a
+        worst-case canary per-sample gradient present or absent, scores each release along
+        the canary direction, and prints the claimed one-step ε, two ε lower bounds
+        (Clopper–Pearson direct; Gaussian-DP route) and PASS or LEAK. Without --method or
+        --all, the built-in privatizers are audited. Exit code 1 if any mechanism LEAKs.
+        """
+        from . import auditing
+
+        if method is not None and all_:
+            raise typer.BadParameter("give either --method NAME or --all, not both")
+        if not (0.0 < delta < 1.0):
+            raise typer.BadParameter(f"--delta must be in (0, 1), got {delta}")
+        if not (0.0 < alpha < 1.0):
+            raise typer.BadParameter(f"--alpha must be in (0, 1), got {alpha}")
+        kwargs = dict(trials=trials, delta=delta, alpha=alpha, seed=seed)
+        note = None
+        if method is not None:
+            if method in auditing.BUILTIN_MECHANISMS:
+                results = [auditing.audit_mechanism(method, **kwargs)]
+            else:
+                try:
+                    known = auditing.registered_methods()
+                except ImportError as exc:
+                    raise typer.BadParameter(
+                        f"{method!r} is not a built-in mechanism ({', '.join(auditing.BUILTIN_MECHANISMS)}) "
+                        f"and the method registry does not import: {exc}") from None
+                if method not in known:
+                    raise typer.BadParameter(
+                        f"unknown mechanism {method!r}; built-ins: {', '.join(auditing.BUILTIN_MECHANISMS)}; "
+                        f"methods: {', '.join(known)}")
+                results = [auditing.audit_method(method, **kwargs)]
+        else:
+            results, note = auditing.audit_all(methods=all_, **kwargs)
+
+        leaks = [r.name for r in results if r.verdict == "LEAK"]
+        if json_out:
+            doc = {"delta": delta, "alpha": alpha, "false_alarm_rate_per_mechanism": alpha,
+                   "trials": trials, "results": [r.to_dict() for r in results], "leaks": leaks,
+                   "note": note}
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            typer.echo(f"One-step audit at δ = {delta:g}, {trials} trials per mechanism; false-alarm rate "
+                       f"α = {alpha:g} per mechanism (probability that an honest mechanism shows LEAK).")
+            typer.echo("Claimed ε: accountant (PLD) for the step event at sample_rate 1 (the mechanism run). "
+                       "LEAK if a lower bound exceeds it.")
+            header = f"{'mechanism':<14} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} " \
+                     f"{'μ LB':>7} {'μ claim':>8} {'mode':>10} {'sec':>6}  verdict"
+            typer.echo(header)
+            typer.echo("-" * len(header))
+            for r in results:
+                typer.echo(f"{r.name:<14} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
+                           f"{_fmt(r.epsilon_gdp):>10} {_fmt(r.mu_lower):>7} {_fmt(r.claimed_mu):>8} "
+                           f"{r.mode:>10} {r.seconds:>6.1f}  {r.verdict}")
+            if note:
+                typer.echo(f"note: {note}")
+            typer.echo(f"{len(results) - len(leaks)} PASS, {len(leaks)} LEAK"
+                       + (f": {', '.join(leaks)}" if leaks else ""))
+        if leaks:
+            raise typer.Exit(code=1)
