@@ -67,3 +67,40 @@ def test_methods_lists_registry():
 def test_console_script_help():
     res = subprocess.run(["dpopt", "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "train" in res.stdout
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["train", "--epochs", "1", "--method", "dp-sgd", "--out", str(out), "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout.strip().splitlines()[-1]), out
+
+
+def test_quantile_clipping_run_is_charged_exactly_sigma(tmp_path):
+    summary, out = _run(tmp_path, "--clipping", "quantile", "--count-share", "0.1")
+    assert summary["check"] == "pass"
+    assert summary["grad_noise_multiplier"] == pytest.approx(1.0 / 0.9**0.5)
+    assert summary["count_noise_multiplier"] == pytest.approx(1.0 / 0.1**0.5)
+    from dp_accounting import dp_event
+    plain = dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.0, summary["sample_rate"]), summary["steps"])
+    assert summary["epsilon"] == pytest.approx(epsilon(plain, 1e-5), rel=1e-6)
+    assert summary["final_max_grad_norm"] != pytest.approx(1.0)  # the bound adapted
+
+
+def test_per_layer_clipping_and_target_epsilon(tmp_path):
+    summary, out = _run(tmp_path, "--clipping", "per-layer", "--layer-bounds", "1,2")
+    assert summary["check"] == "pass" and summary["layer_bounds"] == [1.0, 2.0]
+    meta = PrivacyLedger.load(out).entries[0].meta
+    assert meta["noise_std"] == pytest.approx(5**0.5)
+    summary, _ = _run(tmp_path, "--target-epsilon", "1.5")
+    assert summary["epsilon"] <= 1.5 and summary["epsilon"] == pytest.approx(1.5, rel=0.02)
+
+
+def test_clipping_errors(tmp_path):
+    res = runner.invoke(app, ["train", "--clipping", "per-layer", "--layer-bounds", "1,2,3", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "needs 2 values" in res.stderr
+    res = runner.invoke(app, ["train", "--method", "dp-sgd", "--clipping", "quantile", "--batch-size", "8",
+                              "--count-noise-multiplier", "0.8", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "no budget split exists" in res.stderr
+    res = runner.invoke(app, ["train", "--clipping", "quantile", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "flat-clipping methods only" in res.stderr

@@ -34,6 +34,14 @@ def train_command(
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
+    target_epsilon: Optional[float] = typer.Option(None, help="calibrate σ for this ε (overrides σ)"),
+    clipping: str = typer.Option("flat", help="flat, per-layer or quantile (adaptive, Andrew et al.)"),
+    layer_bounds: Optional[str] = typer.Option(None, help="per-layer: comma-separated bounds, one per layer"),
+    target_quantile: float = typer.Option(0.5, help="quantile: fraction of unclipped examples aimed at"),
+    quantile_lr: float = typer.Option(0.2, help="quantile: geometric step size η_C"),
+    count_share: Optional[float] = typer.Option(None, help="quantile: budget share of the count (0.05)"),
+    count_noise_multiplier: Optional[float] = typer.Option(
+        None, help="quantile: explicit count noise multiplier 2σ_b (refused if ≤ σ)"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object (last line)"),
 ) -> None:
     """Train a model with differential privacy and report test accuracy and (ε, δ)."""
@@ -45,10 +53,17 @@ def train_command(
 
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
                if v is not None}
+    try:
+        bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None
+    except ValueError:
+        _fail(f"--layer-bounds must be comma-separated numbers, got {layer_bounds!r}")
     cfg = TrainConfig(dataset=dataset, data_dir=data_dir, model=model, method=method,
                       noise_multiplier=noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
                       batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, accountant=accountant,
-                      physical_batch_size=physical_batch_size, out=out, hparams=hparams)
+                      physical_batch_size=physical_batch_size, out=out, hparams=hparams,
+                      target_epsilon=target_epsilon, clipping=clipping, layer_bounds=bounds,
+                      target_quantile=target_quantile, quantile_lr=quantile_lr, count_share=count_share,
+                      count_noise_multiplier=count_noise_multiplier)
     console = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.3f}  ε {task.fields[eps]:.3f}"),
@@ -75,6 +90,14 @@ def train_command(
     if summary["nonfinite_steps"]:
         out_console.print(f"[yellow]warning:[/] {summary['nonfinite_steps']} steps had non-finite per-sample "
                           "gradients (zeroed before clipping; non-private diagnostic)")
+    if "target_epsilon" in summary:
+        out_console.print(f"σ = {summary['noise_multiplier']:.4g} calibrated for target ε = "
+                          f"{summary['target_epsilon']:g}")
+    if "count_share" in summary:
+        out_console.print(f"quantile clipping: σ_grad = {summary['grad_noise_multiplier']:.4g}, count noise "
+                          f"multiplier 2σ_b = {summary['count_noise_multiplier']:.4g} (share "
+                          f"{summary['count_share']:.3g}); final C = {summary['final_max_grad_norm']:.4g}")
+    out_console.print(f"ledger check: {summary['check']}  (details: {summary['run_dir']}/check.txt)")
     out_console.print(f"run directory: {summary['run_dir']}")
     if json_out:
         sys.stdout.write(json.dumps(summary) + "\n")

@@ -20,14 +20,20 @@ from torch import nn
 
 from .accounting.accountant import ACCOUNTANTS, check_delta, epsilon
 from .accounting.events import check_noise_multiplier
+from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
+from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
+from .check import check_ledger
 from .data import Dataset, load_dataset
 from .methods import get_method, make_optimizer
 from .models import DEFAULT_MODEL, build_model, check_model, num_parameters
-from .per_sample import iter_per_sample_gradients
+from .engine import iter_per_sample_sources
+from .privatizer import QuantileClipping
 from .sampling import PoissonSampler
 
-__all__ = ["TrainConfig", "train", "evaluate", "validate_config"]
+__all__ = ["TrainConfig", "train", "evaluate", "validate_config", "layer_groups", "CLIPPINGS"]
+
+CLIPPINGS = ("flat", "per-layer", "quantile")
 
 
 @dataclass
@@ -49,6 +55,13 @@ class TrainConfig:
     physical_batch_size: Optional[int] = None
     out: Optional[str] = None
     hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
+    target_epsilon: Optional[float] = None  # calibrate σ for this ε (then noise_multiplier is ignored)
+    clipping: str = "flat"  # flat | per-layer | quantile
+    layer_bounds: Optional[list] = None  # per-layer: one bound per layer (default C/√K each)
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.2
+    count_share: Optional[float] = None  # quantile: share r of the budget for the count (0.05)
+    count_noise_multiplier: Optional[float] = None  # quantile: explicit 2σ_b instead of a share
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -76,6 +89,59 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ValueError(f"--max-grad-norm must be > 0, got {cfg.max_grad_norm}")
     if cfg.physical_batch_size is not None and cfg.physical_batch_size <= 0:
         raise ValueError(f"--physical-batch-size must be > 0, got {cfg.physical_batch_size}")
+    if cfg.clipping not in CLIPPINGS:
+        raise ValueError(f"unknown clipping {cfg.clipping!r}; choose one of {', '.join(CLIPPINGS)}")
+    if cfg.clipping != "quantile" and (cfg.count_share is not None or cfg.count_noise_multiplier is not None):
+        raise ValueError("--count-share / --count-noise-multiplier apply to --clipping quantile only")
+    if cfg.clipping != "per-layer" and cfg.layer_bounds is not None:
+        raise ValueError("--layer-bounds applies to --clipping per-layer only")
+    if cfg.count_share is not None and cfg.count_noise_multiplier is not None:
+        raise ValueError("give --count-share or --count-noise-multiplier, not both")
+    if cfg.target_epsilon is not None and not cfg.target_epsilon > 0:
+        raise ValueError(f"--target-epsilon must be > 0, got {cfg.target_epsilon}")
+
+
+def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
+    """Group index of each trainable parameter: one group per module owning parameters.
+
+    Returns:
+        (group index per parameter in ``model.parameters()`` order, layer names).
+    """
+    names, groups = [], []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            names.append(name)
+            groups.extend([len(names) - 1] * len(own))
+    return groups, names
+
+
+def _privacy_options(cfg: TrainConfig, model: nn.Module, sigma: float, clip: float) -> tuple[dict, dict]:
+    """Privatizer options for the chosen clipping, and the public facts to record.
+
+    Quantile clipping splits the total σ between the gradient and count releases
+    (:mod:`dpopt.accounting.budget`) so that the step costs exactly σ.
+    """
+    if cfg.clipping == "per-layer":
+        groups, names = layer_groups(model)
+        bounds = list(cfg.layer_bounds) if cfg.layer_bounds is not None else \
+            [clip / len(names) ** 0.5] * len(names)
+        if len(bounds) != len(names):
+            raise ValueError(f"--layer-bounds needs {len(names)} values, one per layer ({', '.join(names)})")
+        return ({"noise_multiplier": sigma, "groups": groups, "group_bounds": bounds},
+                {"layer_bounds": bounds, "layers": names})
+    if cfg.clipping == "quantile":
+        if cfg.count_noise_multiplier is not None:
+            split = split_for_count_noise(sigma, count_noise_multiplier=cfg.count_noise_multiplier,
+                                          expected_batch_size=cfg.batch_size)
+        else:
+            split = split_budget(sigma, cfg.count_share if cfg.count_share is not None else DEFAULT_COUNT_SHARE)
+        quantile = QuantileClipping(split.count_noise_multiplier, cfg.target_quantile, cfg.quantile_lr,
+                                    initial_clip=clip)
+        return ({"noise_multiplier": split.grad_noise_multiplier, "quantile": quantile},
+                {"noise_multiplier_total": sigma, "grad_noise_multiplier": split.grad_noise_multiplier,
+                 "count_noise_multiplier": split.count_noise_multiplier, "count_share": split.count_share})
+    return {"noise_multiplier": sigma}, {}
 
 
 @torch.no_grad()
@@ -131,13 +197,18 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     check_model(model)
     sample_rate = float(cfg.batch_size) / data.n_train
     steps = max(1, int(round(cfg.epochs / sample_rate)))
+    sigma, calibration = cfg.noise_multiplier, None
+    if cfg.target_epsilon is not None:
+        calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
+                                                 cfg.accountant)
+        sigma = calibration.noise_multiplier
     ledger = PrivacyLedger()
     overrides = dict(cfg.hparams, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
-    opt = make_optimizer(cfg.method, [p for p in model.parameters() if p.requires_grad],
-                         noise_multiplier=cfg.noise_multiplier, expected_batch_size=float(cfg.batch_size),
-                         sample_rate=sample_rate, ledger=ledger, generator=gen, dataset=cfg.dataset,
-                         **overrides)
     hp = get_method(cfg.method).hparams(cfg.dataset, **overrides)
+    privacy, privacy_facts = _privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
+    opt = make_optimizer(cfg.method, [p for p in model.parameters() if p.requires_grad],
+                         expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
+                         generator=gen, dataset=cfg.dataset, **privacy, **overrides)
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = dict(asdict(cfg), model=model_name, hparams={k: v for k, v in hp.items()},
@@ -149,8 +220,8 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     sampler = PoissonSampler(data.n_train, sample_rate, steps, generator=gen)
     for step, idx in enumerate(sampler, start=1):
         x, y = data.x_train[idx], data.y_train[idx]
-        sources = iter_per_sample_gradients(model, _loss, x, y, cfg.physical_batch_size,
-                                            opt.evaluation_points())
+        sources = iter_per_sample_sources(model, _loss, x, y, cfg.physical_batch_size,
+                                          opt.evaluation_points())
         opt.step(sources)
         if step >= next_epoch * steps_per_epoch - 1e-9 or step == steps:
             eps_now = epsilon(ledger, cfg.delta, cfg.accountant)
@@ -172,12 +243,20 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     summary: dict[str, Any] = {
         "method": cfg.method, "dataset": cfg.dataset, "model": model_name,
         "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
-        "noise_multiplier": cfg.noise_multiplier, "max_grad_norm": hp["max_grad_norm"],
+        "noise_multiplier": sigma, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
         "sample_rate": sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": steps,
         "epochs": cfg.epochs, "lr": hp["lr"], "accountant": cfg.accountant, "seed": cfg.seed,
         "num_parameters": num_parameters(model), "nonfinite_steps": opt.privatizer.nonfinite_steps,
         "privatizer_reads": opt.privatizer.reads, "privatizer_releases": opt.privatizer.releases,
         "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
+        **privacy_facts,
     }
+    if calibration is not None:
+        summary.update(target_epsilon=cfg.target_epsilon, calibrated_epsilon=calibration.epsilon)
+    if opt.privatizer.quantile is not None:
+        summary["final_max_grad_norm"] = opt.privatizer.max_grad_norm
+    check = check_ledger(ledger, summary)
+    summary["check"] = "pass" if check.passed else "FAIL: " + ", ".join(check.failures)
+    (run_dir / "check.txt").write_text(check.format() + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
