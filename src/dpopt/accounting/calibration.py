@@ -14,20 +14,25 @@ h is decreasing and nearly linear in u, so a safeguarded secant method
 search runs over a ladder of approximations of the accurate accountant, each
 level starting from the previous level's root and slope:
 
-* ``pld``: connect-the-dots PLD with a coarse grid (1e-2 nats), then 1e-3,
-  then the accurate 1e-4. Pessimistic PLDs on coarser grids over-estimate ε,
-  so the 1e-3 root is slightly conservative and the single accurate
-  evaluation at it usually confirms ε ≤ target at once.
+* ``pld``: connect-the-dots PLD on a coarse grid (3e-3 nats), then 1e-3, then
+  the accurate 1e-4 (grids shrink in proportion for targets ε < 1).
+  Pessimistic PLDs on coarser grids over-estimate ε, so the 1e-3 root is
+  slightly conservative and the accurate evaluation there usually confirms
+  ε ≤ target at once.
 * ``rdp``: coarse PLD (to start near the root), then the RDP accountant
   itself (each evaluation is cheap).
 * ``prv``: coarse PLD, then the PRV estimate at ε_error = 0.1 plus the final
   ε_error, then the accurate PRV upper bound (ε_error = 0.01).
 
-The accurate level accepts a σ with ε(σ) ≤ target once the secant step
-towards the exact root is within ``rtol`` (relative), so the result is at most
-about ``rtol`` more noise than necessary, never less. dp_accounting's own
-``calibrate_dp_mechanism`` evaluates the accurate PLD ~10–20 times (seconds to
-tens of seconds); this ladder evaluates it once or twice.
+On the accurate level, when the point is not yet acceptable, the next point
+comes from defect correction: the ratio ρ = ε_accurate/ε_model measured at the
+current point rescales the previous (cheap) level, whose root is then found
+with cheap evaluations. The accurate level accepts a σ with ε(σ) ≤ target
+once the secant step towards its exact root is within ``rtol`` (relative),
+so the result has at most about ``rtol`` more noise than necessary, never
+less. dp_accounting's own ``calibrate_dp_mechanism`` evaluates the accurate
+PLD 10–20 times (seconds to tens of seconds); this ladder evaluates it once
+or twice.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ __all__ = ["CalibrationResult", "calibrate_noise_multiplier", "DEFAULT_RTOL"]
 #: Relative tolerance on σ: the result is within ~rtol above the optimum.
 DEFAULT_RTOL = 1e-3
 _MAX_EVALS_PER_LEVEL = 40
-_MAX_LOG_STEP = 2.0  # largest step in ln σ before a bracket exists (factor e² ≈ 7.4)
+_MAX_LOG_STEP = 1.0  # largest step in ln σ on the first level (factor e ≈ 2.7)
+_LATER_MAX_LOG_STEP = 0.25  # after the first level the root is near: smaller steps
 _SIGNIFICANT_DIGITS = 6  # the returned σ has at most this many significant digits
 
 
@@ -104,16 +110,19 @@ class CalibrationResult:
 
 
 class _Level:
-    """One approximation of ε(σ) with its evaluation counter."""
+    """One approximation of ε(σ), with an evaluation counter and a cache."""
 
     def __init__(self, name: str, fn: Callable[[float], float]):
         self.name = name
         self.fn = fn
         self.count = 0
+        self._cache: dict[float, float] = {}
 
     def __call__(self, sigma: float) -> float:
-        self.count += 1
-        return self.fn(sigma)
+        if sigma not in self._cache:
+            self.count += 1
+            self._cache[sigma] = self.fn(sigma)
+        return self._cache[sigma]
 
 
 def _h(eps: float, target: float) -> float:
@@ -125,15 +134,21 @@ def _h(eps: float, target: float) -> float:
 
 
 def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
-            first: Optional[float] = None, must_succeed: bool = False) -> tuple[float, float, float]:
+            must_succeed: bool = False, model: Optional[_Level] = None,
+            max_step: float = _MAX_LOG_STEP) -> tuple[float, float, float]:
     """Safeguarded secant on h(u) = ln ε(e^u) − ln target at one level.
 
     Returns ``(u, eps, slope)`` for a point with ε ≤ target (``h ≤ 0``) whose
     distance to the root is ≤ xtol: either a bracket of width ≤ xtol, or a
-    secant step from it of ≤ xtol/2. ``first`` is ε at u0 if already known.
-    Without ``must_succeed`` the best point so far is returned after the
-    evaluation budget; with it the search continues (σ doubling) until a
-    point with ε ≤ target is found, or raises RuntimeError.
+    secant step from it of ≤ xtol/2. Without ``must_succeed`` the best point
+    so far is returned after the evaluation budget; with it the search goes
+    on until a point with ε ≤ target is found, or raises RuntimeError.
+
+    With a ``model`` (a cheaper level), new points are proposed by defect
+    correction instead of the secant: ρ = ε(u)/model(u) is measured at the
+    current point and model(σ)·ρ = target is solved with the model (cheap
+    evaluations), so the expensive level is evaluated about once per digit
+    the model gets wrong rather than once per secant step.
     """
     lo: Optional[tuple[float, float]] = None  # h > 0: not enough noise
     hi: Optional[tuple[float, float, float]] = None  # h <= 0: (u, h, eps)
@@ -141,7 +156,7 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
     u, evals = u0, 0
     budget = _MAX_EVALS_PER_LEVEL * (3 if must_succeed else 1)
     while True:
-        eps = first if (first is not None and evals == 0) else level(math.exp(u))
+        eps = level(math.exp(u))
         evals += 1
         h = _h(eps, target)
         if h > 0:
@@ -157,14 +172,19 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
         if lo is not None and hi is not None and hi[0] - lo[0] <= xtol:
             return hi[0], hi[2], slope
         if math.isinf(h):
-            step = _MAX_LOG_STEP if h > 0 else -_MAX_LOG_STEP
+            step = max_step if h > 0 else -max_step
         else:
             step = -h / slope
         if h <= 0 and abs(step) <= xtol / 2:
             return u, eps, slope  # the root is within xtol/2 below: accept
+        if model is not None and math.isfinite(h):
+            m = model(math.exp(u))
+            if 0.0 < m < math.inf:
+                u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step)
+                step = u_model - u
         if h > 0 and abs(step) < xtol / 2:
             step = xtol / 2  # land just on the safe side to close the bracket
-        u_new = u + max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, step))
+        u_new = u + max(-max_step, min(max_step, step))
         if lo is not None and hi is not None and not (lo[0] < u_new < hi[0]):
             u_new = 0.5 * (lo[0] + hi[0])
         u = u_new
@@ -182,12 +202,13 @@ def _levels(accountant: str, target: float, delta: float, q: float, steps: int) 
 
     # Grids scale down for small targets so the coarse roots stay informative.
     scale = min(1.0, target)
-    coarse = (_Level("pld@%g" % (1e-2 * scale), pld_at(1e-2 * scale)), 1e-2)
+    coarse = (_Level("pld@%g" % (3e-3 * scale), pld_at(3e-3 * scale)), 1e-2)
     if accountant == "pld":
-        medium_d = max(PLD_DISCRETIZATION, 1e-3 * scale)
-        return [coarse,
-                (_Level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4),
-                (_Level("pld", pld_at(PLD_DISCRETIZATION)), 0.0)]
+        accurate = (_Level("pld", pld_at(PLD_DISCRETIZATION)), 0.0)
+        medium_d = 1e-3 * scale
+        if medium_d < 3 * PLD_DISCRETIZATION:  # tiny targets: the medium grid would cost as much
+            return [coarse, accurate]
+        return [coarse, (_Level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), accurate]
     if accountant == "rdp":
         return [coarse, (_Level("rdp", lambda s: rdp_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
     from .prv import PRV_EPS_ERROR, prv_epsilon
@@ -261,8 +282,10 @@ def calibrate_noise_multiplier(
     accurate.fn = lambda s: evaluate(_round_up(s))  # the accurate level sees printable σ only
     for i, (level, xtol) in enumerate(levels):
         final = i == len(levels) - 1
+        model = levels[i - 1][0] if final and i > 0 else None
         u, eps, slope = _search(level, target, u, slope, 2 * rtol if final else xtol,
-                                must_succeed=final)
+                                must_succeed=final, model=model,
+                                max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP)
     sigma = _round_up(math.exp(u))
     if not eps <= target:  # defensive: the final level only returns checked points
         raise RuntimeError(f"internal error: calibrated epsilon {eps} exceeds target {target}")
