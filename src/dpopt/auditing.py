@@ -299,8 +299,13 @@ def _tests(sin: np.ndarray, sout: np.ndarray, taus: np.ndarray):
 
 
 def _candidate_thresholds(pooled_sorted: np.ndarray, max_thresholds: int) -> np.ndarray:
-    """Distinct pooled values; above ``max_thresholds``, a quantile grid plus both extreme ends."""
+    """Midpoints between consecutive distinct pooled values (a threshold in a gap generalises
+    better than one on a data point); above ``max_thresholds``, a quantile grid of them plus
+    both extreme ends."""
     values = np.unique(pooled_sorted)
+    if values.size < 2:
+        return values
+    values = 0.5 * (values[:-1] + values[1:])
     if values.size <= max_thresholds:
         return values
     n = values.size
@@ -317,6 +322,16 @@ def _route_bounds(fp, fn, n_in, n_out, delta, level):
     return fpr, fnr, eps, mu
 
 
+def _wilson_upper(k: np.ndarray, n: int, level: float) -> np.ndarray:
+    """Closed-form (Wilson score) upper bound, used only to *rank* candidate tests
+    during selection (fast for 10⁵ candidates; the reported bound is Clopper–Pearson)."""
+    z = float(stats.norm.isf(level))
+    p = k / n
+    centre = p + z * z / (2 * n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return np.minimum(1.0, (centre + half) / (1 + z * z / n))
+
+
 def epsilon_lower_bounds(
     scores_in,
     scores_out,
@@ -325,7 +340,7 @@ def epsilon_lower_bounds(
     *,
     thresholds: Optional[Sequence[float]] = None,
     selection_fraction: float = 0.2,
-    max_thresholds: int = 2048,
+    max_thresholds: int = 100_000,
     seed: int = 0,
 ) -> EpsilonLowerBounds:
     """ε lower bounds (direct and GDP route) from canary-in / canary-out scores.
@@ -403,8 +418,10 @@ def epsilon_lower_bounds(
     taus = _candidate_thresholds(np.sort(np.concatenate([sel_in, sel_out])), max_thresholds)
     level = per_route / 2.0
     tails, ts, fp, fn = _tests(sel_in, sel_out, taus)
-    # Score candidates as they will be scored: CP bounds at the same level, on the selection counts.
-    _, _, eps_sel, mu_sel = _route_bounds(fp, fn, sel_in.size, sel_out.size, delta, level)
+    # Rank candidates roughly as they will be scored: upper bounds at the same level.
+    fpr_sel, fnr_sel = _wilson_upper(fp, sel_out.size, level), _wilson_upper(fn, sel_in.size, level)
+    eps_sel = epsilon_from_error_rates(fpr_sel, fnr_sel, delta)
+    mu_sel = gdp_mu_from_error_rates(fpr_sel, fnr_sel)
     picks = {}
     for route, crit in (("direct", eps_sel), ("gdp", mu_sel)):
         i = int(np.argmax(crit))

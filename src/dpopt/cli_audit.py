@@ -58,6 +58,7 @@ def register(app: typer.Typer) -> None:
         kwargs = dict(trials=trials, delta=delta, alpha=alpha, seed=seed)
         note = None
         if method is not None:
+            kwargs["seed"] = auditing.mechanism_seed(seed, method)  # same numbers as the --all row
             if method in auditing.BUILTIN_MECHANISMS:
                 results = [auditing.audit_mechanism(method, **kwargs)]
             else:

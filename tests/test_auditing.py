@@ -1,0 +1,329 @@
+"""Empirical auditing: the ε lower bounds, the one-step audits of the real privatizers, the CLI.
+
+Error rates: audits use α = 1e-3 unless stated (an honest mechanism shows LEAK
+with probability ≤ 1e-3); every test is seeded, so each is deterministic and
+the stated rate is the chance that a given seed would have failed.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpopt import auditing as A
+from dpopt.accounting.accountant import epsilon
+from dpopt.accounting.events import gaussian_event
+
+DELTA = 1e-5
+TRUE_EPS_SIGMA1 = epsilon(gaussian_event(1.0), DELTA)  # PLD: 4.3772 (one Gaussian step, σ = 1, no sampling)
+
+
+# --------------------------------------------------------------------------- closed forms
+def test_gaussian_epsilon_matches_accountant():
+    # The analytic μ-GDP conversion and dp_accounting's PLD agree on the plain Gaussian.
+    assert TRUE_EPS_SIGMA1 == pytest.approx(4.377, abs=2e-3)
+    for sigma in (0.5, 1.0, 2.0, 5.0):
+        eps = A.gdp_epsilon(1.0 / sigma, DELTA)
+        assert eps == pytest.approx(epsilon(gaussian_event(sigma), DELTA), rel=2e-3, abs=1e-3)
+        # and it inverts gdp_delta
+        assert A.gdp_delta(1.0 / sigma, eps) == pytest.approx(DELTA, rel=1e-6)
+
+
+def test_gdp_edge_cases():
+    assert A.gdp_epsilon(0.0, DELTA) == 0.0
+    assert A.gdp_epsilon(math.inf, DELTA) == math.inf
+    # δ(0) = 2Φ(μ/2) − 1 ≤ δ  ⇒  ε = 0
+    assert A.gdp_epsilon(1e-6, DELTA) == 0.0
+    assert A.gdp_epsilon(30.0, DELTA) > 400  # ≈ μ²/2 + ...; no overflow
+    with pytest.raises(ValueError, match="mu must be >= 0"):
+        A.gdp_epsilon(-1.0, DELTA)
+    with pytest.raises(ValueError, match="delta must be in"):
+        A.gdp_epsilon(1.0, 0.0)
+
+
+def test_clopper_pearson_upper_is_the_exact_binomial_bound():
+    for k, n in [(0, 100), (3, 100), (50, 100), (999, 1000)]:
+        p = A.clopper_pearson_upper(k, n, 1e-3)
+        assert stats.binom.cdf(k, n, p) == pytest.approx(1e-3, rel=1e-6)
+    assert A.clopper_pearson_upper(0, 1000, 0.05) == pytest.approx(1 - 0.05 ** (1 / 1000))
+    assert A.clopper_pearson_upper(7, 7, 0.05) == 1.0
+    arr = A.clopper_pearson_upper(np.array([0, 1, 2]), 10, 0.1)
+    assert arr.shape == (3,) and np.all(np.diff(arr) > 0)
+    with pytest.raises(ValueError, match="0 <= successes <= trials"):
+        A.clopper_pearson_upper(11, 10, 0.1)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        A.clopper_pearson_upper(1, 10, 1.5)
+
+
+def test_direct_and_gdp_formulas():
+    # ln((1 − δ − FNR)/FPR) and the swapped direction
+    assert A.epsilon_from_error_rates(0.01, 0.5, 0.0 + 1e-9) == pytest.approx(math.log(0.5 / 0.01), rel=1e-6)
+    assert A.epsilon_from_error_rates(0.5, 0.01, 1e-9) == pytest.approx(math.log(0.5 / 0.01), rel=1e-6)
+    assert A.epsilon_from_error_rates(0.6, 0.6, 1e-5) == 0.0  # worse than guessing: no evidence
+    # μ = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR): the point (Φ(−μ/2), Φ(−μ/2)) lies on G_μ
+    mu = 1.3
+    r = stats.norm.cdf(-mu / 2)
+    assert A.gdp_mu_from_error_rates(r, r) == pytest.approx(mu)
+    assert A.gdp_mu_from_error_rates(0.7, 0.7) == 0.0
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        A.epsilon_from_error_rates(-0.1, 0.5, DELTA)
+
+
+# --------------------------------------------------------------------------- bounds from scores
+def test_input_validation():
+    good = np.zeros(100)
+    with pytest.raises(ValueError, match="1-D"):
+        A.epsilon_lower_bounds(np.zeros((10, 10)), good)
+    with pytest.raises(ValueError, match="at least 10"):
+        A.epsilon_lower_bounds(np.zeros(5), good)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        A.epsilon_lower_bounds(np.r_[good[:-1], np.nan], good)
+    with pytest.raises(ValueError, match="delta must be in"):
+        A.epsilon_lower_bounds(good, good, delta=1.0)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        A.epsilon_lower_bounds(good, good, alpha=0.0)
+    with pytest.raises(ValueError, match="selection_fraction"):
+        A.epsilon_lower_bounds(good, good, selection_fraction=1.0)
+    with pytest.raises(ValueError, match="thresholds"):
+        A.epsilon_lower_bounds(good, good, thresholds=[])
+
+
+def test_gdp_bound_on_plain_gaussian_within_10_percent():
+    """σ = 1, sensitivity 1, no sampling, 10⁵ trials (5·10⁴ per arm): GDP-route lower bound
+    in [0.9, 1.0] × 4.377. Upper side: fails with probability ≤ α = 1e-3 (soundness).
+    Lower side: the bound's sd is ≈ 0.07 (1.6 %) around ≈ 4.19, so < 0.9·4.377 = 3.94 is a
+    ≈ 3.5-sd event (≈ 2e-4)."""
+    rng = np.random.default_rng(2024)
+    n = 50_000
+    b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, n), rng.normal(0.0, 1.0, n), DELTA, 1e-3)
+    assert 0.9 * TRUE_EPS_SIGMA1 <= b.gdp <= TRUE_EPS_SIGMA1
+    assert b.mu <= 1.0
+    # the direct route is sound but loose at δ = 1e-5 (ALGORITHMS.md): well below, well above 0
+    assert 1.5 < b.direct < b.gdp
+    assert b.selection == "holdout" and b.n_eval_in == 40_000
+
+
+def test_identical_distributions_give_no_evidence():
+    rng = np.random.default_rng(1)
+    b = A.epsilon_lower_bounds(rng.normal(size=20_000), rng.normal(size=20_000), DELTA, 1e-3)
+    # with no difference, the bounds hold with prob ≥ 1 − α: ε = 0 is the truth
+    assert b.direct == 0.0 and b.gdp == 0.0 and b.mu == 0.0
+
+
+def test_perfect_separation_is_limited_by_the_trial_count():
+    n = 10_000
+    b = A.epsilon_lower_bounds(np.full(n, 5.0) + np.arange(n) * 1e-9, np.arange(n) * 1e-9, DELTA, 1e-3)
+    # zero errors on 8000 evaluation trials per arm: FPR̄ = FNR̄ = 1 − (α/4)^(1/8000)
+    p = 1 - (1e-3 / 4) ** (1 / 8000)
+    assert b.direct == pytest.approx(math.log((1 - DELTA - p) / p), rel=1e-9)
+    assert b.mu == pytest.approx(2 * stats.norm.isf(p), rel=1e-9)
+
+
+def test_fixed_thresholds_use_bonferroni_over_all_tests():
+    rng = np.random.default_rng(3)
+    s_in, s_out = rng.normal(1.0, 1.0, 20_000), rng.normal(0.0, 1.0, 20_000)
+    b1 = A.epsilon_lower_bounds(s_in, s_out, DELTA, 1e-3, thresholds=[0.5])
+    b50 = A.epsilon_lower_bounds(s_in, s_out, DELTA, 1e-3, thresholds=np.linspace(-3, 4, 50))
+    assert b1.selection == "bonferroni" and b1.tests == 2 and b50.tests == 100
+    assert b1.n_eval_in == 20_000
+    # same best test (τ = 0.5 is on the grid-ish), but 50× the correction: smaller μ
+    assert b1.gdp_test[0] == "upper" and b1.gdp_test[1] == 0.5
+    assert 0.85 < b50.mu < b1.mu <= 1.0
+
+
+def test_bounds_are_sound_at_the_stated_rate():
+    """300 small audits of a Gaussian with μ = 1 at α = 0.1: the number of runs where either bound
+    exceeds the truth is ≤ Binomial(300, 0.1)'s 1 − 1e-3 quantile (false alarm of this test 1e-3)."""
+    rng = np.random.default_rng(7)
+    true_eps, violations = TRUE_EPS_SIGMA1, 0
+    for seed in range(300):
+        b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, 1500), rng.normal(0.0, 1.0, 1500), DELTA, 0.1,
+                                   seed=seed, max_thresholds=256)
+        violations += (b.gdp > true_eps) or (b.direct > true_eps) or (b.mu > 1.0)
+    assert violations <= stats.binom.ppf(1 - 1e-3, 300, 0.1)
+    # and the bounds are not vacuous: the GDP route sees most of μ at this size
+    assert b.mu > 0.5
+
+
+# --------------------------------------------------------------------------- the real privatizers
+def test_vectorised_trials_equal_one_release_per_trial():
+    """σ = 0 makes every release deterministic: the block-embedded releases (many trials in one
+    Privatizer call) must give exactly the scores of one Privatizer call per trial, in a shift/scale
+    geometry and with per-group bounds (clipping is global per example, per group)."""
+    import torch
+
+    from dpopt.privatizer import Privatizer
+    from dpopt.transforms.base import ClipGeometry
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 2), (3,), (2,)]
+    geo = ClipGeometry(tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in shapes),
+                       tuple(0.1 + torch.rand(s, generator=g, dtype=torch.float64) for s in shapes))
+    make = lambda: Privatizer(0.0, [1.0, 2.0, 0.5], 4.0, 1.0, groups=[0, 1, 2])  # noqa: E731
+    vin, vout, vmode = A.canary_scores(make, shapes, 70, 50, geometry=geo, chunk=32)
+    lin, lout, lmode = A.canary_scores(make, shapes, 70, 50, geometry=geo, vectorize=False)
+    assert (vmode, lmode) == ("vectorised", "loop")
+    np.testing.assert_allclose(vin, lin, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(vout, lout, rtol=0, atol=1e-12)
+    # the canary moves the normalised score by exactly 1 (it is clipped to C_k in every group)
+    np.testing.assert_allclose(vin - vout[0], 1.0, atol=1e-12)
+
+
+def test_canary_score_noise_is_the_configured_sigma():
+    """Honest flat privatizer, σ = 1.5: score std = σ in both modes (scores are in units of the
+    sensitivity). Chi-square two-sided at 1e-4 per check (4 checks)."""
+    from dpopt.privatizer import Privatizer
+
+    make = lambda: Privatizer(1.5, 2.0, 8.0, 1.0)  # noqa: E731
+    for vec, n in ((True, 20_000), (False, 3_000)):
+        s_in, s_out, _ = A.canary_scores(make, [(3,), (2,)], n, n, vectorize=vec, seed=5)
+        for s in (s_in, s_out):
+            stat = (len(s) - 1) * np.var(s, ddof=1) / 1.5**2
+            lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], len(s) - 1)
+            assert lo < stat < hi
+        assert np.mean(s_in) - np.mean(s_out) == pytest.approx(1.0, abs=4.5 * 1.5 * math.sqrt(2 / n))
+
+
+def test_harness_validation():
+    from dpopt.privatizer import Privatizer, QuantileClipping
+
+    with pytest.raises(ValueError, match="sample_rate=1.0"):
+        A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 0.5), [(2,)], trials=100)
+    with pytest.raises(ValueError, match="vectorize=True"):
+        A.canary_scores(lambda: Privatizer(1.0, 1.0, 8.0, 1.0, quantile=QuantileClipping(2.0)), [(2,)], 5, 5,
+                        vectorize=True)
+    with pytest.raises(ValueError, match="canary_factor"):
+        A.canary_scores(lambda: Privatizer(1.0, 1.0, 8.0, 1.0), [(2,)], 5, 5, canary_factor=0.5)
+    with pytest.raises(ValueError, match="trials must be >= 40"):
+        A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 1.0), [(2,)], trials=10)
+    with pytest.raises(ValueError, match="unknown built-in mechanism"):
+        A.audit_mechanism("nope", trials=100)
+
+
+def test_claimed_one_step():
+    from dpopt.privatizer import Privatizer, QuantileClipping
+
+    eps, mu = A.claimed_one_step(Privatizer(1.0, 1.0, 8.0, 1.0), DELTA)
+    assert eps == pytest.approx(TRUE_EPS_SIGMA1) and mu == 1.0
+    # quantile: two Gaussians on the same batch → σ_eff = (1.2⁻² + 2⁻²)^(−1/2)
+    eps, mu = A.claimed_one_step(Privatizer(1.2, 1.0, 8.0, 1.0, quantile=QuantileClipping(2.0)), DELTA)
+    assert mu == pytest.approx(math.sqrt(1.2**-2 + 2.0**-2))
+    assert eps == pytest.approx(A.gdp_epsilon(mu, DELTA), rel=2e-3)
+    # sampled: no Gaussian trade-off claim, the GDP route is informational only
+    assert A.claimed_one_step(Privatizer(1.0, 1.0, 8.0, 0.1), DELTA)[1] is None
+
+
+def test_plain_gaussian_privatizer_gdp_bound_within_10_percent():
+    """The real Privatizer (flat C = 1, σ = 1, q = 1), 10⁵ trials: PASS (false alarm ≤ 1e-3) and the
+    GDP-route bound within 10 % of the true 4.377 (sd ≈ 1.6 %, so failing is a > 3-sd event)."""
+    r = A.audit_mechanism("flat", trials=100_000, delta=DELTA, alpha=1e-3, seed=A.mechanism_seed(0, "flat"))
+    assert r.verdict == "PASS" and r.mode == "vectorised"
+    assert r.claimed_epsilon == pytest.approx(TRUE_EPS_SIGMA1)
+    assert 0.9 * TRUE_EPS_SIGMA1 <= r.epsilon_gdp <= r.claimed_epsilon
+    assert r.seconds < 30
+
+
+@pytest.mark.parametrize("name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000)])
+def test_every_builtin_mechanism_passes_and_the_audit_has_power(name, trials):
+    """Each built-in privatizer passes (false alarm ≤ 1e-3) and the GDP bound reaches ≥ 75 % of the
+    claim (so a leak of more than a third of ε would be flagged). With 10⁴ loop-mode trials the
+    quantile bound's expected ratio is ≈ 0.85 with sd ≈ 0.03: < 0.75 is a > 3-sd event."""
+    r = A.audit_mechanism(name, trials=trials, seed=A.mechanism_seed(0, name))
+    assert r.verdict == "PASS", r
+    assert r.claimed_mu is not None
+    assert 0.75 * r.claimed_epsilon <= r.epsilon_gdp <= r.claimed_epsilon
+    assert r.mu_lower <= r.claimed_mu
+    # the score's canary shift is the full sensitivity, in every geometry
+    shift = r.details["score_mean_in"] - r.details["score_mean_out"]
+    assert shift == pytest.approx(1.0, abs=5 * r.details["score_std_out"] * math.sqrt(4 / trials))
+
+
+def test_every_registered_method_passes():
+    """Generic method-level audit: every method in dpopt.methods, 2·10⁴ trials each, α = 1e-3."""
+    methods = pytest.importorskip("dpopt.methods", reason="dpopt.methods (method registry) does not import yet")
+    names = [spec.name for spec in methods.list_methods()]
+    assert names, "the registry is empty"
+    for name in names:
+        r = A.audit_method(name, trials=20_000, seed=A.mechanism_seed(0, name))
+        assert r.verdict == "PASS", r
+        assert 0.7 * r.claimed_epsilon <= r.epsilon_gdp <= r.claimed_epsilon, r
+
+
+def test_method_audit_uses_the_methods_feedback_geometry():
+    """DP-MacAdam clips in its own shift/scale geometry; after the warm-up steps it is not identity,
+    and the audit still sees the full sensitivity (score shift 1)."""
+    methods = pytest.importorskip("dpopt.methods", reason="dpopt.methods (method registry) does not import yet")
+    import torch
+
+    names = {spec.name: spec for spec in methods.list_methods()}
+    if "dp-macadam" not in names:
+        pytest.skip("dp-macadam is not registered")
+    params = A._method_params(torch.float64)
+    opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0,
+                                 sample_rate=1.0)
+    from dpopt.per_sample import PerSampleGrads
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        opt.step(PerSampleGrads([0.5 + torch.randn(6, *p.shape, generator=g, dtype=p.dtype) for p in params]))
+    geo = opt.geometry()
+    assert geo.scale is not None and not all(torch.allclose(s, s.flatten()[0]) for s in geo.scale)
+    r = A.audit_method("dp-macadam", trials=4_000, seed=1)
+    assert r.verdict == "PASS"
+    assert r.details["score_mean_in"] - r.details["score_mean_out"] == pytest.approx(1.0, abs=0.15)
+
+
+# --------------------------------------------------------------------------- CLI
+def _cli():
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    return CliRunner(), app
+
+
+def test_cli_audit_json_pass():
+    runner, app = _cli()
+    res = runner.invoke(app, ["audit", "--method", "per-layer", "--trials", "20000", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["false_alarm_rate_per_mechanism"] == 1e-3 and doc["leaks"] == []
+    (row,) = doc["results"]
+    assert row["name"] == "per-layer" and row["verdict"] == "PASS"
+    assert row["epsilon_gdp"] <= row["claimed_epsilon"]
+
+
+def test_cli_audit_table_and_leak_exit_code(monkeypatch):
+    """A LEAK makes the command exit 1: swap the built-in 'flat' for defect 3 (noise sized to the
+    smallest of bounds 1, 2, 2)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from leaky import SmallestBoundNoisePrivatizer
+
+    runner, app = _cli()
+    res = runner.invoke(app, ["audit", "--method", "flat", "--trials", "4000"])
+    assert res.exit_code == 0, res.output
+    assert "α = 0.001 per mechanism" in res.output and "PASS" in res.output
+
+    def leaky_spec(name, seed):
+        return ((lambda: SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2])),
+                [(2,), (2,), (2,)], None)
+
+    monkeypatch.setattr(A, "_builtin_spec", leaky_spec)
+    res = runner.invoke(app, ["audit", "--method", "flat", "--trials", "4000"])
+    assert res.exit_code == 1, res.output
+    assert "LEAK" in res.output and "1 LEAK" in res.output
+
+
+def test_cli_audit_rejects_bad_arguments():
+    runner, app = _cli()
+    res = runner.invoke(app, ["audit", "--method", "flat", "--all"])
+    assert res.exit_code == 2 and "not both" in res.output
+    res = runner.invoke(app, ["audit", "--method", "no-such-thing", "--trials", "100"])
+    assert res.exit_code == 2 and "unknown mechanism" in res.output
+    res = runner.invoke(app, ["audit", "--delta", "2", "--trials", "100"])
+    assert res.exit_code == 2
