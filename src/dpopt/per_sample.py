@@ -29,7 +29,7 @@ from torch.func import functional_call, grad, vmap
 
 from .transforms.base import ClipGeometry, EvaluationPoint
 
-__all__ = ["PerSampleGrads", "per_sample_gradients", "iter_per_sample_gradients"]
+__all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -110,6 +110,56 @@ def _shifted(params: dict, offset: Optional[Sequence[Tensor]]) -> dict:
     return {k: v + o for (k, v), o in zip(params.items(), offset)}
 
 
+def per_sample_gradient_tensors(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    points: Optional[Sequence[EvaluationPoint]] = None,
+    names: Optional[Sequence[str]] = None,
+) -> list[Tensor]:
+    """Raw per-sample gradients (non-finite rows NOT zeroed) of selected trainable parameters.
+
+    Args:
+        model, loss_fn, x, y, points: as in :func:`per_sample_gradients`.
+        names: parameter names (``named_parameters`` keys) to differentiate;
+            the other parameters are held fixed. Default: every trainable one.
+            ``points[k].offset`` always lists every trainable parameter.
+
+    Returns:
+        one tensor ``[B, *p.shape]`` per selected parameter, in
+        ``named_parameters`` order.
+
+    Raises:
+        KeyError: a name that is not a trainable parameter.
+
+    Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
+    """
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    keys = list(params)
+    chosen = keys if names is None else [k for k in keys if k in set(names)]
+    if names is not None and len(chosen) != len(set(names)):
+        raise KeyError(f"not trainable parameters of the model: {sorted(set(names) - set(chosen))}")
+    points = list(points) if points else [EvaluationPoint(1.0)]
+    if x.shape[0] == 0:
+        return [params[k].new_zeros((0, *params[k].shape)) for k in chosen]
+    f = _loss_per_example(model, loss_fn)
+
+    def f_sel(sel: dict, rest: dict, xi: Tensor, yi: Tensor) -> Tensor:
+        return f({**rest, **sel}, xi, yi)
+
+    per_ex = vmap(grad(f_sel), in_dims=(None, None, 0, 0))
+    total: Optional[list[Tensor]] = None
+    for pt in points:
+        shifted = _shifted(params, pt.offset)
+        sel = {k: shifted[k] for k in chosen}
+        rest = {k: v for k, v in shifted.items() if k not in sel}
+        g = per_ex(sel, rest, x, y)
+        g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]
+        total = g if total is None else [a + c for a, c in zip(total, g)]
+    return total  # type: ignore[return-value]
+
+
 def per_sample_gradients(
     model: nn.Module,
     loss_fn: LossFn,
@@ -131,18 +181,7 @@ def per_sample_gradients(
 
     Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
     """
-    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-    points = list(points) if points else [EvaluationPoint(1.0)]
-    b = x.shape[0]
-    if b == 0:
-        return PerSampleGrads([p.new_zeros((0, *p.shape)) for p in params.values()])
-    per_ex = vmap(grad(_loss_per_example(model, loss_fn)), in_dims=(None, 0, 0))
-    total: Optional[list[Tensor]] = None
-    for pt in points:
-        g = per_ex(_shifted(params, pt.offset), x, y)
-        g = [pt.coef * g[k] for k in params] if pt.coef != 1.0 else [g[k] for k in params]
-        total = g if total is None else [a + c for a, c in zip(total, g)]
-    return PerSampleGrads(total)  # type: ignore[arg-type]
+    return PerSampleGrads(per_sample_gradient_tensors(model, loss_fn, x, y, points))
 
 
 def iter_per_sample_gradients(

@@ -1,0 +1,480 @@
+"""Per-layer math of the fast per-sample engine: norms and clipped sums without ``[B, d]`` tensors.
+
+A *block* holds what one layer's parameters need after one forward/backward
+pass of the batch — the layer inputs ``a`` and the back-propagated output
+gradients ``e`` (Opacus calls them activations and backprops) — and answers,
+per parameter:
+
+* ``sq_norms(geos) -> [B]`` per parameter: ‖(g_i − m)/b‖² in the clip geometry
+  (m = shift, b = scale, either may be ``None``);
+* ``grad_sums(coefs, bad) -> param-shaped``: Σ_i c_i g_i over the examples
+  that are not ``bad`` (raw gradient coordinates; the source maps into the
+  geometry).
+
+Linear-type weights (``nn.Linear``, ``nn.Conv2d`` through im2col) have the
+per-sample gradient g_i = Σ_t e_it a_itᵀ (t runs over sequence/spatial
+positions, layer calls and DiSK evaluation points), and :class:`FactoredBlock`
+picks per layer the cheapest exact form:
+
+* **T = 1** (no sequence dimension), closed forms with two matrix products
+  (the AdaClip bilinear identity of issue 5; flat case: Goodfellow 2015)::
+
+      ‖(g_i − m)/b‖² = Σ_jk e_ij² a_ik² S_jk − 2 Σ_jk e_ij a_ik M_jk + Σ_jk m_jk M_jk,
+      S = 1/b²,  M = m/b²;
+
+* **ghost norm / Gram form** (Li et al. 2022, "Large language models can be
+  strong differentially private learners", §4; flat geometry only)::
+
+      ‖g_i‖² = Σ_{t,s} (a_it·a_is)(e_it·e_is),       cost B·T²·(p+q);
+
+* **direct form** (book-keeping, Bu et al. 2023): materialise g_i in chunks of
+  examples (bounded memory), cost B·T·p·q; the chunks are kept for the clipped
+  sum when they fit the source's cache budget, which then costs B·p·q.
+
+Clipped sums of factored weights are Σ_i c_i g_i = Eᵀ diag(c) A (one matrix
+product, or torch's convolution weight-gradient kernel for Conv2d).
+
+Small parameters (biases, LayerNorm/GroupNorm affine parameters, and the
+parameters of layers without a fast rule, computed by the ``torch.func``
+reference path) are held as materialised per-sample gradients
+(:class:`DirectBlock`); ``nn.Embedding`` keeps only the touched rows of each
+example (:class:`SparseRowsBlock`).
+
+Everything here is private data, used only through
+:class:`~dpopt.engine.fast.FastPerSampleGrads` by the Privatizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
+           "im2col"]
+
+Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
+
+
+@dataclass
+class Budget:
+    """Memory budget of one per-sample source (bytes, private-data scratch space).
+
+    Attributes:
+        chunk_bytes: largest temporary a direct-form chunk may allocate
+            (per-sample gradients of a chunk of examples plus its im2col).
+        cache_bytes: per-sample gradients kept between ``sq_norms`` and
+            ``weighted_sum`` (all factored layers of the source together).
+        used: bytes of cache in use.
+    """
+
+    chunk_bytes: int = 64 << 20
+    cache_bytes: int = 256 << 20
+    used: int = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of cache; False (nothing reserved) if it does not fit."""
+        if self.used + nbytes > self.cache_bytes:
+            return False
+        self.used += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """Return ``nbytes`` of cache."""
+        self.used = max(0, self.used - nbytes)
+
+
+def _rows(mask: Tensor, t: Tensor) -> Tensor:
+    """Zero the rows (examples) of ``t`` where ``mask`` ([B] bool) is True."""
+    return torch.where(mask.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype,
+                                                                           device=t.device), t)
+
+
+def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """‖(g_i − shift)/scale‖² for materialised per-sample ``g`` of shape ``[b, *shape]`` → ``[b]``."""
+    if shift is None and scale is None:
+        w = g
+    else:
+        w = g - shift if shift is not None else g.clone()
+        if scale is not None:
+            w.div_(scale)
+    return torch.linalg.vector_norm(w.reshape(w.shape[0], math.prod(w.shape[1:])), dim=1).square()
+
+
+# --------------------------------------------------------------------------- direct (materialised)
+class DirectBlock:
+    """Parameters whose per-sample gradients are small enough to hold: ``[B, *p.shape]`` each.
+
+    Args:
+        index: trainable-parameter indices covered.
+        grads: one per-sample gradient tensor per index, shape ``[B, *param.shape]``
+            (already multiplied by the evaluation-point coefficients and summed
+            over points/calls).
+
+    Source: the definition (Abadi et al. 2016); used for biases, norm-layer
+    affine parameters and the ``torch.func`` fallback.
+    """
+
+    def __init__(self, index: Sequence[int], grads: Sequence[Tensor]):
+        self.index = tuple(index)
+        self.grads = list(grads)
+
+    def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
+        return [_geo_sq_norms(g, m, b) for g, (m, b) in zip(self.grads, geos)]
+
+    def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
+        out = []
+        for g, c in zip(self.grads, coefs):
+            if bad is not None:
+                g = _rows(bad, g)
+            out.append(torch.tensordot(c.to(g.dtype), g, dims=1))
+        return out
+
+    def free(self) -> None:
+        self.grads = []
+
+
+# --------------------------------------------------------------------------- factored (Linear, Conv2d)
+class LinearPart:
+    """One call of an ``nn.Linear`` (one evaluation point): inputs and output-gradients.
+
+    Args:
+        a: layer input ``[B, ..., p]``; e: gradient of the (coef-weighted)
+            per-example losses w.r.t. the layer output, ``[B, ..., q]``.
+    """
+
+    def __init__(self, a: Tensor, e: Tensor):
+        b = a.shape[0]
+        self.a = a.reshape(b, -1, a.shape[-1])  # [B, T, p]
+        self.e = e.reshape(b, -1, e.shape[-1])  # [B, T, q]
+        self.T = self.a.shape[1]
+
+    def at(self, s: int, t: int) -> Tensor:
+        """Inputs of examples s..t−1 as ``[b, p, T]``."""
+        return self.a[s:t].transpose(1, 2)
+
+    def et(self, s: int, t: int) -> Tensor:
+        """Output gradients of examples s..t−1 as ``[b, q, T]``."""
+        return self.e[s:t].transpose(1, 2)
+
+    def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
+        """Σ_i c_i Σ_t e_it a_itᵀ, shape ``[q, p]`` (one GEMM)."""
+        a, e = self.a, self.e
+        if bad is not None:
+            a, e = _rows(bad, a), _rows(bad, e)
+        q, p = e.shape[-1], a.shape[-1]
+        c = c.to(a.dtype)
+        if p <= q:  # scale the smaller operand
+            return e.reshape(-1, q).t() @ (a * c.view(-1, 1, 1)).reshape(-1, p)
+        return (e * c.view(-1, 1, 1)).reshape(-1, q).t() @ a.reshape(-1, p)
+
+
+def im2col(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:
+    """Patches of an already padded ``x [b, C, H, W]`` as ``[b, C·kh·kw, Ho·Wo]``.
+
+    Row order (C, kh, kw) matches ``weight.view(out_channels, -1)`` of ``nn.Conv2d``.
+    Built from a strided view and one copy (faster than ``F.unfold`` on CPU,
+    measured in docs/performance.md).
+    """
+    b, c, h, w = x.shape
+    kh, kw = kernel
+    sh, sw = stride
+    dh, dw = dilation
+    ho = (h - dh * (kh - 1) - 1) // sh + 1
+    wo = (w - dw * (kw - 1) - 1) // sw + 1
+    s0, s1, s2, s3 = x.stride()
+    view = x.as_strided((b, c, kh, kw, ho, wo), (s0, s1, dh * s2, dw * s3, sh * s2, sw * s3))
+    return view.reshape(b, c * kh * kw, ho * wo)
+
+
+class ConvPart:
+    """One call of an ``nn.Conv2d`` (groups = 1) at one evaluation point.
+
+    Args:
+        module: the Conv2d (its kernel/stride/padding/dilation are read).
+        x: layer input ``[B, C, H, W]``; e: output gradient ``[B, q, Ho, Wo]``.
+    """
+
+    def __init__(self, module, x: Tensor, e: Tensor):
+        self.kernel, self.stride, self.dilation = module.kernel_size, module.stride, module.dilation
+        self.weight_shape = tuple(module.weight.shape)
+        if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+            self.x, self.padding, self.pad, self.mode = x, tuple(module.padding), None, None
+        else:  # 'same'/'valid' strings, reflect/replicate/circular: pad explicitly like Conv2d does
+            self.x, self.padding = x, (0, 0)
+            self.pad = tuple(module._reversed_padding_repeated_twice)
+            self.mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        self.e = e
+        self.T = e.shape[2] * e.shape[3]
+
+    def _padded(self, x: Tensor) -> Tensor:
+        if self.pad is not None:
+            return F.pad(x, self.pad, mode=self.mode)
+        ph, pw = self.padding
+        return F.pad(x, (pw, pw, ph, ph)) if (ph or pw) else x
+
+    def at(self, s: int, t: int) -> Tensor:
+        return im2col(self._padded(self.x[s:t]), self.kernel, self.stride, self.dilation)
+
+    def et(self, s: int, t: int) -> Tensor:
+        return self.e[s:t].flatten(2)
+
+    def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
+        """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``."""
+        x, e = self.x, self.e
+        if bad is not None:
+            x, e = _rows(bad, x), _rows(bad, e)
+        e = e * c.to(e.dtype).view(-1, 1, 1, 1)
+        if self.pad is not None:
+            x, padding = F.pad(x, self.pad, mode=self.mode), (0, 0)
+        else:
+            padding = self.padding
+        w = e.new_empty(1).expand(self.weight_shape)
+        gw = torch.ops.aten.convolution_backward(e, x, w, None, list(self.stride), list(padding),
+                                                 list(self.dilation), False, [0, 0], 1,
+                                                 [False, True, False])[1]
+        return gw.reshape(self.weight_shape[0], -1)
+
+
+class FactoredBlock:
+    """The weight of a Linear/Conv2d layer: g_i = Σ_t e_it a_itᵀ, never materialised for all i at once.
+
+    Args:
+        index: the weight's trainable-parameter index.
+        shape: the weight's shape (``[q, p]`` or ``[q, C, kh, kw]``).
+        parts: :class:`LinearPart`/:class:`ConvPart` list (calls × evaluation
+            points); their positions concatenate along t.
+        budget: the source's :class:`Budget`.
+        batch_size: B.
+
+    Form chosen per layer and geometry (module docstring): T = 1 closed
+    forms; otherwise the direct form when its per-sample gradients fit the
+    cache (it then makes the clipped sum nearly free), else the cheaper of
+    Gram (flat geometry only; B·T²·(p+q)) and direct (B·T·p·q).
+    """
+
+    def __init__(self, index: int, shape: Sequence[int], parts: Sequence, budget: Budget, batch_size: int):
+        self.index = (index,)
+        self.shape = tuple(shape)
+        self.q = self.shape[0]
+        self.p = int(math.prod(self.shape[1:]))
+        self.parts = list(parts)
+        self.budget = budget
+        self.B = batch_size
+        self.T = sum(pt.T for pt in self.parts)
+        self._cache: Optional[list[Tensor]] = None  # per-sample grads [b, q, p] per chunk
+        self._cache_bytes = 0
+        self.form: Optional[str] = None  # last form used (for tests and the docs)
+
+    # -- helpers -----------------------------------------------------------
+    def _dtype(self) -> torch.dtype:
+        return self.parts[0].e.dtype
+
+    def _cat(self, fn: str, s: int, t: int) -> Tensor:
+        xs = [getattr(pt, fn)(s, t) for pt in self.parts]
+        return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
+
+    def _chunk_rows(self) -> int:
+        per = (self.q * self.p * 2 + (self.p + self.q) * self.T) * torch.finfo(self._dtype()).bits // 8
+        return max(1, min(self.B, self.budget.chunk_bytes // max(per, 1)))
+
+    def _drop_cache(self) -> None:
+        if self._cache is not None:
+            self.budget.give(self._cache_bytes)
+        self._cache, self._cache_bytes = None, 0
+
+    # -- norms ---------------------------------------------------------------
+    def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
+        m, b = geos[0]
+        m = None if m is None else m.reshape(self.q, self.p)
+        b = None if b is None else b.reshape(self.q, self.p)
+        if not self.parts or self.B == 0:
+            self.form = "empty"
+            base = (m / b if b is not None else m) if m is not None else None
+            const = base.square().sum() if base is not None else torch.zeros(())
+            return [const.expand(self.B).clone()]
+        if self.T == 1 and len(self.parts) == 1 and isinstance(self.parts[0], LinearPart):
+            self.form = "closed"
+            return [self._closed(m, b)]
+        nbytes = self.B * self.q * self.p * torch.finfo(self._dtype()).bits // 8
+        if self._cache is None:
+            keep = self.budget.take(nbytes)
+        else:
+            keep = True  # reuse the cached per-sample gradients
+        gram_cost = self.T * (self.p + self.q)
+        direct_cost = self.p * self.q
+        if m is None and b is None and not keep and gram_cost < direct_cost:
+            self.form = "gram"
+            return [self._gram()]
+        self.form = "direct"
+        return [self._direct(m, b, keep, nbytes)]
+
+    def _closed(self, m: Optional[Tensor], b: Optional[Tensor]) -> Tensor:
+        pt = self.parts[0]
+        a, e = pt.a[:, 0], pt.e[:, 0]  # [B, p], [B, q]
+        a2, e2 = a.square(), e.square()
+        if b is None:
+            quad = e2.sum(1) * a2.sum(1)
+        else:
+            inv = b.reciprocal().square_()  # S = 1/b², [q, p]
+            quad = ((e2 @ inv) * a2).sum(1)
+        if m is None:
+            return quad
+        mm = m if b is None else m * inv  # M = m/b²
+        lin = ((e @ mm) * a).sum(1)
+        const = (m * mm).sum()
+        return (quad - 2.0 * lin + const).clamp_min_(0.0)
+
+    def _gram(self) -> Tensor:
+        out = []
+        step = max(1, min(self.B, self.budget.chunk_bytes //
+                          max(1, (2 * self.T * self.T + (self.p + self.q) * self.T) * 4)))
+        for s in range(0, self.B, step):
+            t = min(self.B, s + step)
+            at, et = self._cat("at", s, t), self._cat("et", s, t)  # [b, p, T], [b, q, T]
+            ga = torch.bmm(at.transpose(1, 2), at)
+            ge = torch.bmm(et.transpose(1, 2), et)
+            out.append((ga * ge).sum((1, 2)))
+        return torch.cat(out).clamp_min_(0.0)
+
+    def _direct(self, m: Optional[Tensor], b: Optional[Tensor], keep: bool, nbytes: int) -> Tensor:
+        out = []
+        if self._cache is not None:
+            for g in self._cache:
+                out.append(_geo_sq_norms(g, m, b))
+            return torch.cat(out)
+        cache = [] if keep else None
+        step = self._chunk_rows()
+        for s in range(0, self.B, step):
+            t = min(self.B, s + step)
+            g = torch.bmm(self._cat("et", s, t), self._cat("at", s, t).transpose(1, 2))  # [b, q, p]
+            out.append(_geo_sq_norms(g, m, b))
+            if cache is not None:
+                cache.append(g)
+        if cache is not None:
+            self._cache, self._cache_bytes = cache, nbytes
+        return torch.cat(out)
+
+    # -- clipped sum -------------------------------------------------------------
+    def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
+        c = coefs[0]
+        if not self.parts or self.B == 0:
+            return [torch.zeros(self.shape, dtype=c.dtype, device=c.device)]
+        if self._cache is not None:
+            total, s = None, 0
+            for g in self._cache:
+                t = s + g.shape[0]
+                gg = _rows(bad[s:t], g) if bad is not None else g
+                part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
+                total = part if total is None else total + part
+                s = t
+            return [total.reshape(self.shape)]
+        total = None
+        for pt in self.parts:
+            part = pt.grad_sum(c, bad)
+            total = part if total is None else total + part
+        return [total.reshape(self.shape)]
+
+    def free(self) -> None:
+        self._drop_cache()
+        self.parts = []
+
+
+# --------------------------------------------------------------------------- embedding
+class SparseRowsBlock:
+    """``nn.Embedding`` weight ``[V, D]``: each example's gradient lives on the rows it looked up.
+
+    Args:
+        index: the weight's parameter index; num_embeddings: V.
+        parts: ``(idx [B, ...] int, e [B, ..., D])`` per call/point;
+            ``padding_idx`` rows get no gradient (as in ``F.embedding``).
+
+    Per example i and touched row v: r_iv = Σ_{t: idx_it = v} e_it (built once
+    with ``torch.unique`` + ``index_add_``, O(B·T·D)). In the geometry (m, b)::
+
+        ‖(g_i − m)/b‖² = Σ_v ‖m_v/b_v‖² + Σ_{v touched by i} (‖(r_iv − m_v)/b_v‖² − ‖m_v/b_v‖²)
+
+    and Σ_i c_i g_i scatters c_i r_iv into row v (Opacus' embedding rule in
+    sparse form).
+    """
+
+    def __init__(self, index: int, num_embeddings: int, padding_idx: Optional[int], parts, batch_size: int):
+        self.index = (index,)
+        self.V = int(num_embeddings)
+        self.B = batch_size
+        idx = torch.cat([i.reshape(batch_size, -1) for i, _ in parts], dim=1)  # [B, T]
+        e = torch.cat([g.reshape(batch_size, -1, g.shape[-1]) for _, g in parts], dim=1)  # [B, T, D]
+        self.D = e.shape[-1]
+        if padding_idx is not None:
+            e = torch.where((idx == padding_idx).unsqueeze(-1), torch.zeros((), dtype=e.dtype), e)
+        ex = torch.arange(batch_size, device=idx.device).view(-1, 1).expand_as(idx)
+        keys = (ex * self.V + idx).reshape(-1)
+        uniq, inv = torch.unique(keys, return_inverse=True)
+        self.rows = e.new_zeros(uniq.numel(), self.D).index_add_(0, inv, e.reshape(-1, self.D))
+        self.row_ex = uniq // self.V
+        self.row_tok = uniq % self.V
+
+    def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
+        m, b = geos[0]
+        out = self.rows.new_zeros(self.B)
+        if m is None and b is None:
+            return [out.index_add_(0, self.row_ex, self.rows.square().sum(1))]
+        mr = m[self.row_tok] if m is not None else None
+        br = b[self.row_tok] if b is not None else None
+        w = self.rows - mr if mr is not None else self.rows.clone()
+        if br is not None:
+            w = w / br
+        per_row = w.square().sum(1)
+        if m is not None:
+            base_all = (m / b if b is not None else m).square()
+            per_row = per_row - (mr / br if br is not None else mr).square().sum(1)
+            out += base_all.sum()
+        return [out.index_add_(0, self.row_ex, per_row).clamp_min_(0.0)]
+
+    def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
+        c = coefs[0].to(self.rows.dtype)
+        rows = self.rows
+        if bad is not None:
+            c = torch.where(bad, torch.zeros((), dtype=c.dtype), c)
+            rows = _rows(bad[self.row_ex], rows)
+        out = rows.new_zeros(self.V, self.D)
+        return [out.index_add_(0, self.row_tok, rows * c[self.row_ex].unsqueeze(1))]
+
+    def free(self) -> None:
+        self.rows = self.rows[:0]
+
+
+# --------------------------------------------------------------------------- norm layers
+def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-sample GroupNorm affine gradients ``(dweight [B, C], dbias [B, C])``.
+
+    With x̂ = (x − μ_g)·r_g (μ_g, r_g = 1/√(var_g + ε) per example and group,
+    biased variance as in ``F.group_norm``): dweight_c = Σ_pos x̂·e =
+    r_g (Σ_pos x e − μ_g Σ_pos e); dbias_c = Σ_pos e (Wu & He 2018, eq. 1).
+    """
+    b, c = x.shape[:2]
+    var, mean = torch.var_mean(x.reshape(b, num_groups, -1), dim=2, unbiased=False)
+    rstd = (var + eps).rsqrt()
+    per = c // num_groups
+    xe = torch.einsum("bcl,bcl->bc", x.reshape(b, c, -1), e.reshape(b, c, -1))
+    se = e.reshape(b, c, -1).sum(2)
+    dw = rstd.repeat_interleave(per, dim=1) * (xe - mean.repeat_interleave(per, dim=1) * se)
+    return dw, se
+
+
+def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: float
+                     ) -> tuple[Tensor, Tensor]:
+    """Per-sample LayerNorm affine gradients, each ``[B, *normalized_shape]``.
+
+    dweight = Σ_pos x̂ ⊙ e, dbias = Σ_pos e over the non-normalised,
+    non-batch positions (Ba et al. 2016).
+    """
+    xhat = F.layer_norm(x, tuple(normalized_shape), eps=eps)
+    dims = tuple(range(1, x.dim() - len(normalized_shape)))
+    dw = (xhat * e).sum(dims) if dims else xhat * e
+    db = e.sum(dims) if dims else e.clone()
+    return dw, db
