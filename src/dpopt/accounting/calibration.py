@@ -19,15 +19,16 @@ level starting from the previous level's root and slope:
   Pessimistic PLDs on coarser grids over-estimate ε, so the 1e-3 root is
   slightly conservative and the accurate evaluation there usually confirms
   ε ≤ target at once.
-* ``rdp``: coarse PLD (to start near the root), then the RDP accountant
-  itself (each evaluation is cheap).
-* ``prv``: coarse PLD, then the PRV estimate at ε_error = 0.1 plus the final
+* ``rdp``: the RDP accountant itself (each evaluation is cheap).
+* ``prv``: coarse PLD (3e-3), then the PRV estimate at ε_error = 0.1 plus the final
   ε_error, then the accurate PRV upper bound (ε_error = 0.01).
 
-On the accurate level, when the point is not yet acceptable, the next point
-comes from defect correction: the ratio ρ = ε_accurate/ε_model measured at the
-current point rescales the previous (cheap) level, whose root is then found
-with cheap evaluations. The accurate level accepts a σ with ε(σ) ≤ target
+The first rung is free: the central-limit Gaussian-DP approximation (Bu et
+al. 2020) gives a starting σ without any PLD. On the accurate level, when the
+first point is not yet acceptable, the second comes from defect correction:
+the ratio ρ = ε_accurate/ε_model measured there rescales the previous (cheap)
+level, whose root is then found with cheap evaluations; after that the secant
+uses the accurate values. The accurate level accepts a σ with ε(σ) ≤ target
 once the secant step towards its exact root is within ``rtol`` (relative),
 so the result has at most about ``rtol`` more noise than necessary, never
 less. dp_accounting's own ``calibrate_dp_mechanism`` evaluates the accurate
@@ -144,11 +145,11 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
     so far is returned after the evaluation budget; with it the search goes
     on until a point with ε ≤ target is found, or raises RuntimeError.
 
-    With a ``model`` (a cheaper level), new points are proposed by defect
-    correction instead of the secant: ρ = ε(u)/model(u) is measured at the
-    current point and model(σ)·ρ = target is solved with the model (cheap
-    evaluations), so the expensive level is evaluated about once per digit
-    the model gets wrong rather than once per secant step.
+    With a ``model`` (a cheaper level), the second point is proposed by
+    defect correction instead of a secant step: ρ = ε(u0)/model(u0) is
+    measured at the first point and model(σ)·ρ = target is solved with the
+    model (cheap evaluations). Later points come from the secant on this
+    level's own values (superlinear even when the model's slope is off).
     """
     lo: Optional[tuple[float, float]] = None  # h > 0: not enough noise
     hi: Optional[tuple[float, float, float]] = None  # h <= 0: (u, h, eps)
@@ -177,7 +178,7 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
             step = -h / slope
         if h <= 0 and abs(step) <= xtol / 2:
             return u, eps, slope  # the root is within xtol/2 below: accept
-        if model is not None and math.isfinite(h):
+        if model is not None and evals == 1 and math.isfinite(h):
             m = model(math.exp(u))
             if 0.0 < m < math.inf:
                 u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step)
@@ -196,27 +197,65 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
             raise RuntimeError(f"calibration did not find a noise multiplier meeting the target at level {level.name}")
 
 
+def _gdp_clt_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """Analytic estimate of ε: the CLT's μ-GDP for Poisson-sampled Gaussians, converted at δ.
+
+    μ = q·√(T·(e^{1/σ²} − 1)) (Bu, Dong, Long, Su 2020, "Deep Learning with
+    Gaussian Differential Privacy", Cor. 5.4), and δ(ε) = Φ(−ε/μ + μ/2) −
+    e^ε Φ(−ε/μ − μ/2) (Dong, Roth, Su 2019, Cor. 2.13), inverted by bisection.
+    An approximation (not a bound), used only as the free first rung of the
+    search ladder.
+    """
+    if sigma <= 0 or 1.0 / sigma**2 > 700:
+        return math.inf
+    mu = q * math.sqrt(steps * math.expm1(1.0 / sigma**2))
+    if mu == 0.0:
+        return 0.0
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+    def delta_of(eps: float) -> float:
+        return phi(-eps / mu + mu / 2) - math.exp(eps) * phi(-eps / mu - mu / 2)
+
+    lo, hi = 0.0, 1.0
+    if delta_of(0.0) <= delta:
+        return 0.0
+    while delta_of(hi) > delta:
+        lo, hi = hi, 2 * hi
+        if hi > 500:
+            return math.inf
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if delta_of(mid) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def _levels(accountant: str, target: float, delta: float, q: float, steps: int) -> list[tuple[_Level, float]]:
     def pld_at(d: float) -> Callable[[float], float]:
         return lambda s: pld_epsilon(dpsgd_event(s, q, steps), delta, d)
 
-    # Grids scale down for small targets so the coarse roots stay informative.
+    clt = (_Level("gdp-clt", lambda s: _gdp_clt_epsilon(s, q, steps, delta)), 1e-3)
+    # Grids scale down for small targets so the cheap roots stay informative.
     scale = min(1.0, target)
     coarse = (_Level("pld@%g" % (3e-3 * scale), pld_at(3e-3 * scale)), 1e-2)
     if accountant == "pld":
         accurate = (_Level("pld", pld_at(PLD_DISCRETIZATION)), 0.0)
         medium_d = 1e-3 * scale
         if medium_d < 3 * PLD_DISCRETIZATION:  # tiny targets: the medium grid would cost as much
-            return [coarse, accurate]
-        return [coarse, (_Level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), accurate]
+            return [clt, coarse, accurate]
+        return [clt, coarse, (_Level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), accurate]
     if accountant == "rdp":
-        return [coarse, (_Level("rdp", lambda s: rdp_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
+        return [clt, (_Level("rdp", lambda s: rdp_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
     from .prv import PRV_EPS_ERROR, prv_epsilon
 
     def prv_rough(s: float) -> float:
         return prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True) + PRV_EPS_ERROR
 
-    return [coarse,
+    return [clt, coarse,
             (_Level("prv@0.1", prv_rough), 2e-4),
             (_Level("prv", lambda s: prv_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
 
