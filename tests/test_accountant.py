@@ -193,7 +193,7 @@ def test_bad_arguments():
     assert epsilon(PrivacyLedger(), DELTA, "prv") == 0.0
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(sigma=st.floats(0.5, 5.0), q=st.floats(1e-3, 0.2), steps=st.integers(1, 2000),
        delta=st.floats(1e-9, 1e-2))
 def test_rdp_monotone_and_nonnegative(sigma, q, steps, delta):
@@ -209,3 +209,15 @@ def test_pld_monotone_and_nonnegative(sigma, q, steps):
     assert e >= 0.0
     assert dpsgd_epsilon(sigma, q, 2 * steps, DELTA, "pld") >= e
     assert dpsgd_epsilon(sigma, min(1.0, 2 * q), steps, DELTA, "pld") >= e
+
+
+def test_replace_one_ledgers():
+    """Only PLD handles Poisson sampling under replace-one; RDP and PRV refuse rather than guess."""
+    add_remove, replace = PrivacyLedger(), PrivacyLedger("replace_one")
+    for step in range(10):
+        add_remove.record(step, poisson_gaussian_step(SIGMA, Q))
+        replace.record(step, poisson_gaussian_step(SIGMA, Q))
+    assert epsilon(replace, DELTA, "pld") > epsilon(add_remove, DELTA, "pld") > 0
+    for name in ("rdp", "prv"):
+        with pytest.raises(ValueError, match="replace_one|add_or_remove_one"):
+            epsilon(replace, DELTA, name)

@@ -80,7 +80,7 @@ def prv_epsilon(
     if not 0.0 < delta_error < delta:
         raise ValueError(f"delta_error must be in (0, delta), got {delta_error!r}")
     if getattr(ledger, "neighbouring", "add_or_remove_one") != "add_or_remove_one":
-        raise ValueError("the PRV accountant supports only add_or_remove_one ledgers; use 'pld' or 'rdp'")
+        raise ValueError("the PRV accountant supports only add_or_remove_one ledgers; use 'pld' for replace_one")
     try:
         from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism, PRVAccountant
     except ImportError as exc:  # pragma: no cover - depends on the environment
