@@ -351,10 +351,13 @@ def epsilon_lower_bounds(
 
     * ``thresholds=None`` (default, **held-out selection**): the trials of each
       arm are shuffled (``seed``) and split; on the first ``selection_fraction``
-      every candidate threshold (distinct pooled scores, at most
-      ``max_thresholds``) and tail is scored, the best test *per route* is
-      kept, and its error rates are counted on the other, independent part.
-      Only one test per route is evaluated, so no Bonferroni factor is paid.
+      every candidate threshold (midpoints between consecutive distinct pooled
+      scores, at most ``max_thresholds``) and tail is ranked by closed-form
+      (Wilson) upper bounds of its error rates — at level α/4 for the direct
+      route and (α/4)² for the GDP route, whose flat optimum otherwise lets
+      noisy tail thresholds win — the best test *per route* is kept, and its
+      error rates are counted on the other, independent part. Only one test
+      per route is evaluated, so no Bonferroni factor is paid.
     * ``thresholds`` given (chosen without looking at these scores): all
       trials are used and the confidence level is Bonferroni-corrected over
       the 2·len(thresholds) tests.
@@ -863,9 +866,10 @@ def audit_privatizer(
 
     * LEAK if the direct bound exceeds the claimed ε (sound for every mechanism);
     * LEAK if the claim is an unsampled (composed) Gaussian with parameter
-      μ_claim and the GDP-route ε exceeds the claimed ε (for such a claim
-      μ_lower ≤ μ_claim holds with probability ≥ 1 − α/2, and ε(μ) is
-      increasing; the accountant's PLD ε is itself ≥ the exact Gaussian ε);
+      μ_claim and the GDP route's μ_lower exceeds μ_claim (for such a claim
+      μ_lower ≤ μ_claim holds with probability ≥ 1 − α/2). Compared in μ, not
+      in ε, so that the PLD discretisation of the claimed ε cannot cause a
+      false alarm; since ε(μ) is increasing this is "GDP-route ε > claimed ε";
     * PASS otherwise. An honest mechanism is reported LEAK with probability ≤ α.
 
     Args:
@@ -897,7 +901,7 @@ def audit_privatizer(
                                       canary_factor=canary_factor, background_norms=background_norms,
                                       vectorize=vectorize, seed=seed)
     bounds = epsilon_lower_bounds(s_in, s_out, delta, alpha, seed=seed)
-    leak = bounds.direct > claimed or (claimed_mu is not None and bounds.gdp > claimed)
+    leak = bounds.direct > claimed or (claimed_mu is not None and bounds.mu > claimed_mu)
     sd = float(np.std(s_out))
     mu_point = float((np.mean(s_in) - np.mean(s_out)) / sd) if sd > 0 else math.inf
     return AuditResult(
