@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpopt.engine import PerSampleEngine, fast_per_sample_gradients, iter_per_sample_sources
-from dpopt.engine.layers import Budget, im2col
+from dpopt.engine.layers import CONV_METHODS, Budget, ConvPart, im2col
 from dpopt.methods import make_optimizer
 from dpopt.models import build_model, num_parameters
 from dpopt.per_sample import per_sample_gradients
@@ -143,6 +143,23 @@ def test_im2col_matches_unfold():
     got = im2col(xp, (3, 2), (2, 1), (1, 2))
     want = nn.functional.unfold(x, (3, 2), dilation=(1, 2), padding=(1, 2), stride=(2, 1))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("method", CONV_METHODS)
+@pytest.mark.parametrize("conv", [
+    dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1),
+    dict(in_channels=2, out_channels=3, kernel_size=(2, 3), padding="same", padding_mode="reflect", dilation=(1, 2)),
+    dict(in_channels=2, out_channels=2, kernel_size=3, padding=0, bias=False),
+])
+def test_conv_per_sample_kernels_equal_autograd(method, conv):
+    torch.manual_seed(0)
+    m = nn.Conv2d(**conv).to(DT)
+    x = torch.randn(5, m.in_channels, 9, 8, dtype=DT)
+    e = torch.randn_like(m(x))
+    want = torch.stack([torch.autograd.grad((m(x[i:i + 1]) * e[i:i + 1]).sum(), m.weight)[0]
+                        for i in range(5)]).reshape(5, m.out_channels, -1)
+    got = ConvPart(m, x, e).per_sample(1, 4, method)
+    assert_close(got, want[1:4])
 
 
 def test_empty_batch():

@@ -159,12 +159,12 @@ class FastPerSampleGrads:
             for i, s in zip(blk.index, sums):
                 out[i] = s
         result = []
-        for i, s in enumerate(out):
+        for i, s in enumerate(out):  # s is a fresh tensor owned here: update in place
             m, b = self._geo(geometry, i)
             if m is not None:
-                s = s - coefs[i].sum() * m  # type: ignore[operator]
+                s.sub_(m, alpha=float(coefs[i].sum()))  # type: ignore[union-attr]
             if b is not None:
-                s = s / b
+                s.div_(b)  # type: ignore[union-attr]
             result.append(s)
         return result  # type: ignore[return-value]
 
@@ -206,11 +206,21 @@ def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
 
 
 class _Call:
-    __slots__ = ("module", "inp", "out", "in_version", "out_version")
+    """One recorded call of a planned module: its input, output and (norm layers) saved statistics."""
+
+    __slots__ = ("module", "inp", "out", "in_version", "out_version", "stats")
 
     def __init__(self, module, inp, out):
         self.module, self.inp, self.out = module, inp, out
         self.in_version, self.out_version = inp._version, out._version
+        self.stats = None
+        gf = getattr(out, "grad_fn", None)
+        # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
+        if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
+            try:
+                self.stats = (gf._saved_result1, gf._saved_result2)
+            except AttributeError:  # pragma: no cover - other torch versions
+                self.stats = None
 
 
 # --------------------------------------------------------------------------- the engine
@@ -233,7 +243,7 @@ class PerSampleEngine:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, verify: bool = True,
-                 chunk_bytes: int = 64 << 20, cache_bytes: int = 256 << 20):
+                 chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20):
         self.model, self.loss_fn = model, loss_fn
         self.chunk_bytes, self.cache_bytes = int(chunk_bytes), int(cache_bytes)
         named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
@@ -325,9 +335,11 @@ class PerSampleEngine:
 
     def _blocks(self, captured: list[tuple[_Call, Optional[Tensor]]], b: int, budget: Budget) -> list:
         per_module: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in self.modules}
+        stats: dict[nn.Module, list] = {m: [] for m in self.modules}
         for c, e in captured:
             if e is not None:
                 per_module[c.module].append((c.inp.detach(), e.detach()))
+                stats[c.module].append(None if c.stats is None else tuple(t.detach() for t in c.stats))
         blocks: list = []
         for m, own in self.modules.items():
             calls = per_module[m]
@@ -356,9 +368,11 @@ class PerSampleEngine:
                 blocks.append(SparseRowsBlock(idx_w, m.num_embeddings, m.padding_idx, calls, b))
             else:
                 if t is nn.GroupNorm:
-                    grads = [group_norm_grads(a, e, m.num_groups, m.eps) for a, e in calls]
+                    grads = [group_norm_grads(a, e, m.num_groups, m.eps, st)
+                             for (a, e), st in zip(calls, stats[m])]
                 else:
-                    grads = [layer_norm_grads(a, e, m.normalized_shape, m.eps) for a, e in calls]
+                    grads = [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
+                             for (a, e), st in zip(calls, stats[m])]
                 dw = sum(g[0] for g in grads)
                 db = sum(g[1] for g in grads)
                 if idx_w is not None:

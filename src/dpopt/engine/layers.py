@@ -47,6 +47,7 @@ Everything here is private data, used only through
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
-           "im2col"]
+           "im2col", "conv_method", "CONV_METHODS"]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
 
@@ -72,7 +73,7 @@ class Budget:
         used: bytes of cache in use.
     """
 
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = 16 << 20
     cache_bytes: int = 256 << 20
     used: int = 0
 
@@ -223,6 +224,35 @@ class ConvPart:
     def et(self, s: int, t: int) -> Tensor:
         return self.e[s:t].flatten(2)
 
+    def _input(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        if self.pad is not None:
+            return F.pad(x, self.pad, mode=self.mode), (0, 0)
+        return x, self.padding
+
+    def per_sample(self, s: int, t: int, method: str) -> Tensor:
+        """Per-sample weight gradients of examples s..t−1, ``[b, q, C·kh·kw]``.
+
+        ``"im2col"``: patches (strided copy) then one batched GEMM;
+        ``"grouped"``: torch's convolution weight-gradient kernel with the batch
+        folded into groups (Rochette et al. 2019, "Efficient per-example
+        gradient computations in convolutional neural networks").
+        """
+        if method == "im2col":
+            return torch.bmm(self.et(s, t), self.at(s, t).transpose(1, 2))
+        x, padding = self._input(self.x[s:t])
+        e = self.e[s:t]
+        b, cin, q = x.shape[0], x.shape[1], e.shape[1]
+        w = e.new_empty(1).expand(b * q, cin, *self.kernel)
+        gw = torch.ops.aten.convolution_backward(
+            e.reshape(1, b * q, *e.shape[2:]), x.reshape(1, b * cin, *x.shape[2:]), w, None,
+            list(self.stride), list(padding), list(self.dilation), False, [0, 0], b, [False, True, False])[1]
+        return gw.reshape(b, q, -1)
+
+    def signature(self, rows: int) -> tuple:
+        """Key of the per-sample kernel choice (layer geometry, dtype, chunk rows)."""
+        return (tuple(self.x.shape[1:]), tuple(self.e.shape[1:]), self.kernel, self.stride, self.dilation,
+                self.padding, self.pad, self.mode, self.x.dtype, rows, torch.get_num_threads())
+
     def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
         """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``."""
         x, e = self.x, self.e
@@ -238,6 +268,34 @@ class ConvPart:
                                                  list(self.dilation), False, [0, 0], 1,
                                                  [False, True, False])[1]
         return gw.reshape(self.weight_shape[0], -1)
+
+
+_CONV_CHOICE: dict = {}  # ConvPart.signature -> fastest per-sample kernel measured in this process
+CONV_METHODS = ("im2col", "grouped")
+
+
+def conv_method(part: "ConvPart", rows: int) -> str:
+    """The faster per-sample kernel for this conv layer and chunk size, timed once per process.
+
+    Both kernels are exact; which is faster depends on the layer shape and
+    the CPU (measured in docs/performance.md), so the first chunk of each
+    layer geometry is computed by both (best of two runs each) and the winner
+    is remembered.
+    """
+    key = part.signature(rows)
+    choice = _CONV_CHOICE.get(key)
+    if choice is None:
+        n = min(rows, part.x.shape[0])
+        best = {}
+        for method in CONV_METHODS:
+            runs = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                part.per_sample(0, n, method)
+                runs.append(time.perf_counter() - t0)
+            best[method] = min(runs)
+        choice = _CONV_CHOICE[key] = min(best, key=best.get)
+    return choice
 
 
 class FactoredBlock:
@@ -316,17 +374,23 @@ class FactoredBlock:
     def _closed(self, m: Optional[Tensor], b: Optional[Tensor]) -> Tensor:
         pt = self.parts[0]
         a, e = pt.a[:, 0], pt.e[:, 0]  # [B, p], [B, q]
-        a2, e2 = a.square(), e.square()
-        if b is None:
-            quad = e2.sum(1) * a2.sum(1)
-        else:
-            inv = b.reciprocal().square_()  # S = 1/b², [q, p]
-            quad = ((e2 @ inv) * a2).sum(1)
-        if m is None:
-            return quad
-        mm = m if b is None else m * inv  # M = m/b²
-        lin = ((e @ mm) * a).sum(1)
-        const = (m * mm).sum()
+        if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖²
+            return e.square().sum(1) * a.square().sum(1)
+        if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
+            return ((e.square() @ b.pow(-2)) * a.square()).sum(1)
+        if b is None:  # shift only: ‖e‖²‖a‖² − 2 eᵀ m a + ‖m‖²
+            quad = e.square().sum(1) * a.square().sum(1)
+            lin = ((e @ m) * a).sum(1)
+            return (quad - 2.0 * lin + torch.dot(m.flatten(), m.flatten())).clamp_min_(0.0)
+        # shift and scale: both d-sized matrices S = 1/b², M = m/b² in one buffer, one batched GEMM
+        sm = torch.empty((2, self.q, self.p), dtype=b.dtype, device=b.device)
+        torch.pow(b, -2, out=sm[0])
+        torch.mul(m, sm[0], out=sm[1])
+        const = torch.dot(m.flatten(), sm[1].flatten())  # Σ m²/b²
+        left = torch.stack([e.square(), e])  # [2, B, q]
+        right = torch.stack([a.square(), a])  # [2, B, p]
+        prod = torch.bmm(left, sm) * right  # [2, B, p]
+        quad, lin = prod.sum(2)
         return (quad - 2.0 * lin + const).clamp_min_(0.0)
 
     def _gram(self) -> Tensor:
@@ -349,9 +413,14 @@ class FactoredBlock:
             return torch.cat(out)
         cache = [] if keep else None
         step = self._chunk_rows()
+        single_conv = len(self.parts) == 1 and isinstance(self.parts[0], ConvPart)
+        method = conv_method(self.parts[0], step) if single_conv else "im2col"
         for s in range(0, self.B, step):
             t = min(self.B, s + step)
-            g = torch.bmm(self._cat("et", s, t), self._cat("at", s, t).transpose(1, 2))  # [b, q, p]
+            if single_conv:
+                g = self.parts[0].per_sample(s, t, method)
+            else:
+                g = torch.bmm(self._cat("et", s, t), self._cat("at", s, t).transpose(1, 2))  # [b, q, p]
             out.append(_geo_sq_norms(g, m, b))
             if cache is not None:
                 cache.append(g)
@@ -449,16 +518,25 @@ class SparseRowsBlock:
 
 
 # --------------------------------------------------------------------------- norm layers
-def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Tensor]:
+def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
+                     stats: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """Per-sample GroupNorm affine gradients ``(dweight [B, C], dbias [B, C])``.
 
     With x̂ = (x − μ_g)·r_g (μ_g, r_g = 1/√(var_g + ε) per example and group,
     biased variance as in ``F.group_norm``): dweight_c = Σ_pos x̂·e =
     r_g (Σ_pos x e − μ_g Σ_pos e); dbias_c = Σ_pos e (Wu & He 2018, eq. 1).
+
+    Args:
+        x: input ``[B, C, *]``; e: output gradient, same shape.
+        stats: ``(μ [B, G], r [B, G])`` saved by the forward pass, if available
+            (otherwise recomputed with ``torch.var_mean``).
     """
     b, c = x.shape[:2]
-    var, mean = torch.var_mean(x.reshape(b, num_groups, -1), dim=2, unbiased=False)
-    rstd = (var + eps).rsqrt()
+    if stats is not None:
+        mean, rstd = (t.reshape(b, num_groups) for t in stats)
+    else:
+        var, mean = torch.var_mean(x.reshape(b, num_groups, -1), dim=2, unbiased=False)
+        rstd = (var + eps).rsqrt()
     per = c // num_groups
     xe = torch.einsum("bcl,bcl->bc", x.reshape(b, c, -1), e.reshape(b, c, -1))
     se = e.reshape(b, c, -1).sum(2)
@@ -466,14 +544,19 @@ def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float) -> tuple
     return dw, se
 
 
-def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: float
-                     ) -> tuple[Tensor, Tensor]:
+def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: float,
+                     stats: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """Per-sample LayerNorm affine gradients, each ``[B, *normalized_shape]``.
 
     dweight = Σ_pos x̂ ⊙ e, dbias = Σ_pos e over the non-normalised,
-    non-batch positions (Ba et al. 2016).
+    non-batch positions (Ba et al. 2016); x̂ = (x − μ)·r from the forward
+    pass's saved ``stats = (μ, r)`` (shape ``[*lead, 1...]``) or recomputed.
     """
-    xhat = F.layer_norm(x, tuple(normalized_shape), eps=eps)
+    if stats is not None:
+        mean, rstd = stats
+        xhat = (x - mean) * rstd
+    else:
+        xhat = F.layer_norm(x, tuple(normalized_shape), eps=eps)
     dims = tuple(range(1, x.dim() - len(normalized_shape)))
     dw = (xhat * e).sum(dims) if dims else xhat * e
     db = e.sum(dims) if dims else e.clone()

@@ -1,0 +1,292 @@
+"""Step time and peak memory of DP training steps, side by side in one process.
+
+Measures, on the MNIST MLP (784-1000-10, B = 256) and the CIFAR-10 ``cnn5``
+(B = 512), the median wall-clock time of one optimizer step for
+
+* non-private SGD (forward + backward + ``torch.optim.SGD`` update, same batch),
+* dpopt DP-SGD, DP-MacAdam and DP-Muon (``dpopt.engine`` fast path),
+* Opacus DP-SGD (``grad_sample_mode="hooks"``; skipped if Opacus is absent),
+
+and prints ratios to the non-private step. Configurations are timed
+round-robin (R rounds × K steps each), so slow periods of a shared machine
+hit every configuration alike; the median and the 10th percentile of the
+per-step times are reported. Also: the Newton–Schulz share of a DP-Muon step
+on cnn5 (time inside ``orthogonalize`` / step time), and the peak resident
+memory of cnn5 DP-SGD with a logical batch of 4096 in physical chunks of 256
+against a plain B = 256 step.
+
+Peak memory: torch's CPU allocations are invisible to ``tracemalloc`` and the
+default CPU allocator keeps no statistics, so each memory configuration runs
+in its own subprocess and reports ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
+(the kernel's high-water mark of resident memory, KiB on Linux), which
+includes every allocation of the process. A child that only imports, builds
+the model and the batch gives the baseline.
+
+Usage::
+
+    python benchmarks/step_time.py              # table
+    python benchmarks/step_time.py --json       # table, then one JSON line (last line)
+    python benchmarks/step_time.py --all-methods --models mlp   # every registered method / non-private
+
+Inputs are synthetic tensors of the datasets' shapes (step time does not
+depend on pixel values); labels are uniform over 10 classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dpopt.engine import iter_per_sample_sources
+from dpopt.methods import get_method, list_methods, make_optimizer
+from dpopt.models import build_model
+
+SHAPES = {"mlp": ((1, 28, 28), 256, 60_000, "mnist"), "cnn5": ((3, 32, 32), 512, 50_000, "cifar10")}
+EPOCHS_MNIST = 5
+
+
+def loss_fn(out, target):
+    return nn.functional.cross_entropy(out, target)
+
+
+def batch(model_name: str, b: int, seed: int = 0):
+    shape, _, _, _ = SHAPES[model_name]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, *shape, generator=g), torch.randint(0, 10, (b,), generator=g)
+
+
+# --------------------------------------------------------------------------- step factories
+def non_private_step(model_name: str, x, y) -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def dpopt_step(model_name: str, method: str, x, y, physical: Optional[int] = None,
+               engine: str = "fast") -> Callable[[], None]:
+    _, b, n, dataset = SHAPES[model_name]
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = make_optimizer(method, [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
+                         expected_batch_size=float(x.shape[0]), sample_rate=x.shape[0] / n, dataset=dataset,
+                         generator=torch.Generator().manual_seed(0))
+
+    def step():
+        opt.step(iter_per_sample_sources(model, loss_fn, x, y, physical, opt.evaluation_points(), engine=engine))
+    return step
+
+
+def opacus_step(model_name: str, x, y) -> Optional[Callable[[], None]]:
+    try:
+        from opacus import PrivacyEngine
+    except ImportError:
+        return None
+    warnings.filterwarnings("ignore", module="opacus")
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
+    engine = PrivacyEngine(accountant="rdp")
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                        max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
+class NSTimer:
+    """Wraps ``dpopt.transforms.muon.orthogonalize`` to accumulate the seconds spent in it."""
+
+    def __init__(self):
+        import dpopt.transforms.muon as muon
+        self.muon, self.inner, self.seconds = muon, muon.orthogonalize, 0.0
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            out = self.inner(*args, **kw)
+            self.seconds += time.perf_counter() - t
+            return out
+        muon.orthogonalize = timed
+
+    def restore(self):
+        self.muon.orthogonalize = self.inner
+
+
+# --------------------------------------------------------------------------- timing
+def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int,
+                     probes: Optional[dict[str, Callable[[], float]]] = None) -> dict[str, dict]:
+    """Median / p10 seconds per step of each configuration, timed round-robin.
+
+    ``probes[name]()`` (optional) returns a cumulative counter (e.g. NS seconds);
+    its per-step increments are recorded alongside.
+    """
+    for name, f in steps.items():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    extra: dict[str, list[float]] = {k: [] for k in (probes or {})}
+    for _ in range(rounds):
+        for name, f in steps.items():
+            for _ in range(per_round):
+                before = probes[name]() if probes and name in probes else 0.0
+                t = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t)
+                if probes and name in probes:
+                    extra[name].append(probes[name]() - before)
+    out = {}
+    for k, v in times.items():
+        v = sorted(v)
+        out[k] = {"median": statistics.median(v), "p10": v[max(0, int(0.1 * len(v)) - 0)], "n": len(v)}
+        if k in extra:
+            out[k]["probe_median"] = statistics.median(extra[k])
+            out[k]["probe_share"] = statistics.median([e / t for e, t in zip(extra[k], times[k])])
+    return out
+
+
+# --------------------------------------------------------------------------- memory (subprocess)
+def memory_child(spec: str, threads: int) -> None:
+    """Child process: ``model:config:B:P`` → run 2 steps, print {"maxrss_kib": ...}."""
+    torch.set_num_threads(threads)
+    model_name, config, b, p = spec.split(":")
+    b, p = int(b), (int(p) if p != "none" else None)
+    x, y = batch(model_name, b)
+    if config == "baseline":
+        build_model(model_name)
+    elif config == "non-private":
+        f = non_private_step(model_name, x, y)
+        f(), f()
+    else:
+        f = dpopt_step(model_name, config, x, y, physical=p)
+        f(), f()
+    print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def run_memory(spec: str, threads: int) -> float:
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", spec, "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)["maxrss_kib"] / 1024.0  # MiB
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,cnn5")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per-round", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--all-methods", action="store_true",
+                    help="MLP: time every registered method (DP step / non-private step)")
+    ap.add_argument("--no-opacus", action="store_true")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--reference", action="store_true", help="also time the torch.func reference engine")
+    ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        memory_child(args.memory_child, args.threads)
+        return {}
+
+    result: dict[str, dict] = {}
+    notes: list[str] = []
+    try:
+        get_method("dp-muon")
+        have_muon = True
+    except ValueError:
+        have_muon = False
+        notes.append("dp-muon is not registered in dpopt.methods: skipped")
+    for model_name in [m for m in args.models.split(",") if m]:
+        _, b, n, _ = SHAPES[model_name]
+        x, y = batch(model_name, b)
+        steps: dict[str, Callable[[], None]] = {"non-private": non_private_step(model_name, x, y),
+                                               "dp-sgd": dpopt_step(model_name, "dp-sgd", x, y),
+                                               "dp-macadam": dpopt_step(model_name, "dp-macadam", x, y)}
+        probes = {}
+        ns = None
+        if have_muon:
+            steps["dp-muon"] = dpopt_step(model_name, "dp-muon", x, y)
+            ns = NSTimer()
+            probes["dp-muon"] = lambda ns=ns: ns.seconds
+        if args.all_methods:
+            for spec in list_methods():
+                if spec.name not in steps:
+                    steps[spec.name] = dpopt_step(model_name, spec.name, x, y)
+        if not args.no_opacus:
+            op = opacus_step(model_name, x, y)
+            if op is None:
+                notes.append("opacus not installed: `pip install opacus --no-deps`")
+            else:
+                steps["opacus dp-sgd"] = op
+        if args.reference:
+            steps["dp-sgd (reference engine)"] = dpopt_step(model_name, "dp-sgd", x, y, engine="reference")
+        res = time_round_robin(steps, args.rounds, args.per_round, args.warmup, probes)
+        if ns is not None:
+            ns.restore()
+        base = res["non-private"]["median"]
+        print(f"\n{model_name}: B = {b}, {args.threads} threads, {res['non-private']['n']} timed steps each "
+              f"(round-robin)")
+        print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s}")
+        for k, v in res.items():
+            print(f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {v['median'] / base:14.2f} "
+                  f"{v['median'] / res['dp-sgd']['median']:9.2f}")
+        r = {"dp-sgd/non-private": res["dp-sgd"]["median"] / base,
+             "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
+             "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
+             "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
+             "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()}}
+        if "opacus dp-sgd" in res:
+            r["dp-sgd/opacus"] = res["dp-sgd"]["median"] / res["opacus dp-sgd"]["median"]
+        if "dp-muon" in res:
+            r["dp-muon/dp-sgd"] = res["dp-muon"]["median"] / res["dp-sgd"]["median"]
+            r["ns_share"] = res["dp-muon"]["probe_share"]
+            print(f"Newton–Schulz share of a DP-Muon step: {100 * r['ns_share']:.2f}% "
+                  f"({1e3 * res['dp-muon']['probe_median']:.1f} ms of {1e3 * res['dp-muon']['median']:.1f} ms)")
+        if model_name == "mlp":
+            steps_5 = max(1, int(round(EPOCHS_MNIST / (b / n))))
+            r["run_seconds_5_epochs_estimate"] = steps_5 * res["dp-macadam"]["median"]
+            print(f"5-epoch MNIST DP-MacAdam estimate: {steps_5} steps × median = "
+                  f"{r['run_seconds_5_epochs_estimate']:.0f} s (training steps only)")
+        if args.all_methods:
+            r["per_method_over_non_private"] = {k: v["median"] / base for k, v in res.items()
+                                                if k != "non-private"}
+        if model_name == "cnn5" and not args.no_memory:
+            mem = {spec: run_memory(spec, args.threads) for spec in
+                   ("cnn5:baseline:256:none", "cnn5:dp-sgd:256:none", "cnn5:dp-sgd:4096:256",
+                    "cnn5:non-private:256:none")}
+            r["peak_mem_4096_over_256"] = mem["cnn5:dp-sgd:4096:256"] / mem["cnn5:dp-sgd:256:none"]
+            r["peak_mem_mib"] = {k: round(v, 1) for k, v in mem.items()}
+            print("peak resident memory (ru_maxrss, MiB): " +
+                  ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
+            print(f"logical 4096 / physical 256 over B = 256: {r['peak_mem_4096_over_256']:.3f}")
+        result[model_name] = r
+    for note in notes:
+        print("note:", note)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
