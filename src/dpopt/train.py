@@ -83,8 +83,8 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if not cfg.epochs > 0:
         raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
-    if cfg.accountant not in ACCOUNTANTS + ("prv",):
-        raise ValueError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS + ('prv',)}")
+    if cfg.accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
         raise ValueError(f"--max-grad-norm must be > 0, got {cfg.max_grad_norm}")
     if cfg.physical_batch_size is not None and cfg.physical_batch_size <= 0:
