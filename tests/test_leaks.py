@@ -82,13 +82,13 @@ def test_defect3_noise_sized_to_smallest_bound_is_caught_by_the_audit():
     """Bounds (1, 2, 2), noise σ·1 instead of σ·3: the mechanism is 3-GDP, claimed 1-GDP."""
     shapes = [(2,), (3,), (2,)]
     leaky = _audit(lambda: SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]),
-                   shapes)
+                   shapes, trials=4000)
     assert leaky.verdict == "LEAK", leaky
     assert leaky.mu_lower > 2.5  # true μ = 3
     # caught by the GDP route (sound here: the claim is a plain Gaussian); the direct route
     # would need more trials to pass 4.38 at δ = 1e-5
     assert leaky.epsilon_gdp > 2 * leaky.claimed_epsilon
-    honest = _audit(lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]), shapes)
+    honest = _audit(lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]), shapes, trials=4000)
     assert honest.verdict == "PASS" and honest.mu_lower <= 1.0
 
 
