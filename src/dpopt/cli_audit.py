@@ -23,7 +23,17 @@ def _fmt(x) -> str:
 def register(app: typer.Typer) -> None:
     """Add the ``audit`` command to the dpopt app."""
 
-    @app.command("audit")
+    help_text = (
+        "Empirically audit one privatizer step against the accountant's ε.\n\n"
+        "For each mechanism, runs the real Privatizer TRIALS times (sample_rate 1) with a worst-case "
+        "canary per-sample gradient present or absent, scores each release along the canary direction, "
+        "and prints the claimed one-step ε, two ε lower bounds (Clopper–Pearson direct; Gaussian-DP "
+        "route) and PASS or LEAK. An honest mechanism shows LEAK with probability ≤ ALPHA.\n\n"
+        "Without --method or --all, the built-in privatizers are audited. "
+        "Exit code 1 if any mechanism LEAKs, 2 on bad arguments."
+    )
+
+    @app.command("audit", help=help_text)
     def audit(
         method: Optional[str] = typer.Option(
             None, "--method", "-m",
@@ -39,14 +49,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of canaries, noise and the held-out split."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
     ) -> None:
-        """Empirically audit one privatizer step against the accountant's ε.
-
-        For each mechanism, runs the real Privatizer TRIALS times (sample_rate 1) with a
-        worst-case canary per-sample gradient present or absent, scores each release along
-        the canary direction, and prints the claimed one-step ε, two ε lower bounds
-        (Clopper–Pearson direct; Gaussian-DP route) and PASS or LEAK. Without --method or
-        --all, the built-in privatizers are audited. Exit code 1 if any mechanism LEAKs.
-        """
+        """Run the audits (help text above); raises typer.Exit(1) on any LEAK."""
         from . import auditing
 
         if method is not None and all_:
