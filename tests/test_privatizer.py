@@ -131,3 +131,10 @@ def test_release_never_carries_private_fields():
     rel = Privatizer(1.0, 1.0, 4.0, 0.1).privatize(PerSampleGrads([torch.ones(3, 2)]))
     fields = set(rel.__dataclass_fields__)
     assert not fields & {"batch_size", "indices", "norms", "per_sample"}
+
+
+def test_bound_types_are_coerced():
+    assert Privatizer(1.0, np.float32(2.0), 4.0, 0.1).bounds == [2.0]
+    assert Privatizer(1.0, torch.tensor(3.0), 4.0, 0.1).bounds == [3.0]
+    with pytest.raises(ValueError, match="max_grad_norm must be a number"):
+        Privatizer(1.0, "x", 4.0, 0.1)

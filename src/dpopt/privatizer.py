@@ -23,7 +23,8 @@ count stay here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -82,7 +83,6 @@ class QuantileClipping:
     target_quantile: float = 0.5
     quantile_lr: float = 0.2
     initial_clip: Optional[float] = None
-    clip_history: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.count_noise_multiplier = check_noise_multiplier(self.count_noise_multiplier,
@@ -131,8 +131,12 @@ class Privatizer:
         self.expected_batch_size = float(expected_batch_size)
         if not self.expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
-        bounds = [max_grad_norm] if isinstance(max_grad_norm, (int, float)) else list(max_grad_norm)
-        bounds = [float(c) for c in bounds]
+        scalar = isinstance(max_grad_norm, numbers.Real) or getattr(max_grad_norm, "ndim", None) == 0
+        try:
+            bounds = [float(c) for c in ([max_grad_norm] if scalar else list(max_grad_norm))]
+        except (TypeError, ValueError):
+            raise ValueError(f"max_grad_norm must be a number or a list of per-group numbers, "
+                             f"got {max_grad_norm!r}") from None
         if not bounds or any(not (c > 0) or math.isnan(c) for c in bounds):
             raise ValueError(f"max_grad_norm must be > 0 (per group), got {max_grad_norm!r}")
         self.bounds = bounds
@@ -146,6 +150,7 @@ class Privatizer:
         self.quantile = quantile
         if quantile is not None:
             self.bounds = [float(quantile.initial_clip or bounds[0])]
+        self.clip_history: list[float] = []  # released: the bound applied at each step (quantile)
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         self.generator = generator
         self.steps = 0
@@ -255,7 +260,7 @@ class Privatizer:
         frac = min(1.0, max(0.0, (self._count + noise) / self.expected_batch_size + 0.5))
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
-        q.clip_history.append(applied)
+        self.clip_history.append(applied)
         self.reads += 1
         self.releases += 1
         return {"reads": 2, "releases": 2,
