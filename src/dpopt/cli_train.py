@@ -16,6 +16,29 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _parse_hp(items: Optional[list[str]]) -> dict:
+    """``["KEY=VALUE", ...]`` → dict; VALUE is a Python literal (0.9, (0.9, 0.99), True) or a string.
+
+    Raises:
+        ValueError: an item without ``=`` or an empty key, or a key given twice.
+    """
+    import ast
+
+    out: dict = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--hp takes KEY=VALUE (e.g. --hp momentum=0.9), got {item!r}")
+        if key in out:
+            raise ValueError(f"--hp {key} given twice")
+        try:
+            out[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            out[key] = raw.strip()
+    return out
+
+
 def train_command(
     dataset: str = typer.Option("digits", help=DATASET_HELP),
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
@@ -42,6 +65,10 @@ def train_command(
     count_share: Optional[float] = typer.Option(None, help="quantile: budget share of the count (0.05)"),
     count_noise_multiplier: Optional[float] = typer.Option(
         None, help="quantile: explicit count noise multiplier 2σ_b (refused if ≤ σ)"),
+    hp: Optional[list[str]] = typer.Option(
+        None, "--hp", help="method hyperparameter KEY=VALUE, repeatable (e.g. --hp momentum=0.9 --hp "
+                           "ns_steps=5 --hp kappa=0.4 --hp gamma=1.5 --hp filter=second-order); "
+                           "see `dpopt methods` for each method's keys"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object (last line)"),
 ) -> None:
     """Train a model with differential privacy and report test accuracy and (ε, δ)."""
@@ -53,6 +80,13 @@ def train_command(
 
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
                if v is not None}
+    try:
+        extra = _parse_hp(hp)
+    except ValueError as exc:
+        _fail(str(exc))
+    if set(extra) & set(hparams):
+        _fail(f"{sorted(set(extra) & set(hparams))} given both as an option and with --hp")
+    hparams.update(extra)
     try:
         bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None
     except ValueError:
@@ -110,12 +144,14 @@ def methods_command(json_out: bool = typer.Option(False, "--json", help="machine
     specs = list_methods()
     if json_out:
         rows = [{"name": s.name, "description": s.description, "reference": s.reference,
-                 "defaults": s.defaults} for s in specs]
+                 "defaults": s.defaults, "dataset_defaults": s.dataset_defaults} for s in specs]
         sys.stdout.write(json.dumps(rows, default=str) + "\n")
         return
     for s in specs:
         defaults = ", ".join(f"{k}={v}" for k, v in s.defaults.items())
         typer.echo(f"{s.name:14s} {s.description}\n{'':14s} ref: {s.reference}\n{'':14s} defaults: {defaults}")
+        for data, over in s.dataset_defaults.items():
+            typer.echo(f"{'':14s} on {data}: " + ", ".join(f"{k}={v}" for k, v in over.items()))
 
 
 def register(app: typer.Typer) -> None:

@@ -152,14 +152,30 @@ def make_optimizer(
     return DPOptimizer(params, privatizer, spec.build(chain_hp, params), lr=hp["lr"])
 
 
-# --------------------------------------------------------------------------- methods
-def _sgd(hp: dict, params=None) -> Transform:
+# --------------------------------------------------------------------------- factories
+# Each factory maps the method's hyperparameters (and the parameters, in model order) to its
+# post-processing chain; the Privatizer is built by make_optimizer.
+
+def _sgd_tail(hp: dict) -> list[Transform]:
+    """[Momentum(μ)] + [−lr]: heavy-ball SGD, or plain SGD when μ = 0."""
     mom = float(hp["momentum"])
-    return chain(Momentum(mom), scale_by_lr()) if mom > 0 else scale_by_lr()
+    return [Momentum(mom), scale_by_lr()] if mom > 0 else [scale_by_lr()]
+
+
+def _sgd(hp: dict, params=None) -> Transform:
+    return chain(*_sgd_tail(hp))
 
 
 def _adam(hp: dict, params=None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr())
+
+
+def _adambc(hp: dict, params=None) -> Transform:
+    return chain(ScaleByAdam(hp["betas"], noise_correction=True, gamma_prime=hp["gamma_prime"]), scale_by_lr())
+
+
+def _adaclip(hp: dict, params=None) -> Transform:
+    return chain(AdaClip(hp["betas"], hp["h1"], hp["h2"]), scale_by_lr())
 
 
 def _macadam(hp: dict, params=None) -> Transform:
@@ -169,48 +185,22 @@ def _macadam(hp: dict, params=None) -> Transform:
                  scale_by_lr())
 
 
-_MACADAM_DATA = {"mnist": {"h1": 1e-9, "h2": 1e-6}, "cifar10": {"h1": 5e-5, "h2": 1.0}}
-
-register(MethodSpec(
-    "dp-sgd", "DP-SGD: flat L2 clipping, Gaussian noise, (momentum) SGD",
-    "Abadi et al. 2016, Algorithm 1",
-    {"lr": 0.1, "max_grad_norm": 1.0, "momentum": 0.0}, _sgd))
-register(MethodSpec(
-    "dp-adam", "DP-Adam: DP-SGD privatizer, Adam on the released gradient",
-    "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; dp-macadam.txt eqs. (4)-(5)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "eps": 1e-8}, _adam))
-register(MethodSpec(
-    "dp-macadam", "DP-MacAdam: AdaClip shift/scale clipping driven by Adam's moments",
-    "dp-macadam.txt, Algorithm 1 (t = 1 and variance decisions in ALGORITHMS.md)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6,
-     "variance_update": "paper", "b_warmup_steps": 0},
-    _macadam, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
-
-
-# ----------------------------------------------------------------- issue 3 methods
-def _adambc(hp: dict, params=None) -> Transform:
-    return chain(ScaleByAdam(hp["betas"], noise_correction=True, gamma_prime=hp["gamma_prime"]), scale_by_lr())
-
-
-def _adaclip(hp: dict, params=None) -> Transform:
-    return chain(AdaClip(hp["betas"], hp["h1"], hp["h2"]), scale_by_lr())
-
-
 def _macadambc(hp: dict, params=None) -> Transform:
     return _macadam(dict(hp, bias_correction=True))
 
 
-def _sgd_tail(hp: dict) -> list[Transform]:
-    mom = float(hp["momentum"])
-    return [Momentum(mom), scale_by_lr()] if mom > 0 else [scale_by_lr()]
-
-
 def _muon_body(hp: dict, params, scaling: str) -> Transform:
-    """Partition: hidden matrices → Muon at ``lr``; the rest → Adam/SGD at ``other_lr``.
+    """Partition: hidden matrices → Muon at ``lr``; everything else → Adam/SGD at ``other_lr``.
 
-    The group learning rate (``--lr``, schedulers) is Muon's; the other part
-    runs at ``lr × (other_lr / lr)``, i.e. ``other_lr`` at the start and
-    scaled by the same schedule.
+    The param-group learning rate (``--lr``, LR schedulers) is Muon's. The
+    other part is scaled by ``scale_by_lr(other_lr / lr)``: it runs at
+    ``other_lr`` with the default schedule and follows any schedule applied
+    to the group lr proportionally. Routing: ``hp["label_fn"]`` if given, else
+    :func:`~dpopt.transforms.muon.hidden_matrix_labels` on ``params``.
+
+    Raises:
+        ValueError: no ``params`` and no ``label_fn``; non-positive lrs;
+            ``other`` not ``"adam"`` / ``"sgd"``.
     """
     if params is None and hp.get("label_fn") is None:
         raise ValueError("Muon methods route parameters by their position in the model: build them with "
@@ -255,6 +245,7 @@ def _doppler_sgd(hp: dict, params=None) -> Transform:
 
 
 def _disk_muon(hp: dict, params=None) -> Transform:
+    # the filter sits before the partition: it declares the evaluation points for all parameters
     return chain(_disk(hp), _muon(hp, params))
 
 
@@ -262,50 +253,91 @@ def _doppler_muon(hp: dict, params=None) -> Transform:
     return chain(_doppler(hp), _muon(hp, params))
 
 
-_ADAM_HP = {"betas": (0.9, 0.999)}
-_MUON_HP = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz", "other": "adam",
-            "other_lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "exclude_first": "conv",
-            "exclude_last": True, "label_fn": None}
-_DISK_HP = {"kappa": 0.7, "gamma": 0.5}
-_DOPPLER_HP = {"filter": "ema", "filter_a": None, "filter_b": None}
-_MUON_REF = ("spectral-orthogonalization.txt (Shanmugam et al. 2026) Table 15 and ALGORITHMS.md; "
-             "Keller Jordan's Muon (NS5, a,b,c = 3.4445,-4.7750,2.0315)")
+# --------------------------------------------------------------------------- defaults
+_ADAM = {"betas": (0.9, 0.999), "eps": 1e-8}
+_MACADAM_DATA = {"mnist": {"h1": 1e-9, "h2": 1e-6}, "cifar10": {"h1": 5e-5, "h2": 1.0}}
+_MACADAM = {"betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_update": "paper",
+            "b_warmup_steps": 0}
+_MUON = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz", "other": "adam",
+         "other_lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "exclude_first": "conv",
+         "exclude_last": True, "label_fn": None}
+_DISK = {"kappa": 0.7, "gamma": 0.5}
+_DOPPLER = {"filter": "ema", "filter_a": None, "filter_b": None}
+_SPECTRAL = "spectral-orthogonalization.txt (Shanmugam, Barnes, Taylor 2026)"
+_MUON_REF = (f"{_SPECTRAL} Table 15 and ALGORITHMS.md; Keller Jordan's Muon (2024): EMA momentum, "
+             "NS5 with (a,b,c) = (3.4445, -4.7750, 2.0315)")
 
+# Per-dataset learning rates (see docs/methods.md for the measurements behind each): the papers'
+# values are for MNIST's 1,170 steps (dp-macadam.txt §IV) or CIFAR-scale WRNs (spectral Table 15);
+# digits (1,437 examples, 22 steps per epoch at B̄ = 64) needs larger steps for some methods.
+_DIGITS_LR = {"dp-adam": 3e-3, "dp-adambc": 3e-4, "adaclip": 30.0, "disk-sgd": 1.0}
+_MNIST_LR: dict[str, float] = {}
+
+
+def _data(name: str, base: Optional[dict] = None) -> dict:
+    out = {k: dict(v) for k, v in (base or {}).items()}
+    for dataset, table in (("digits", _DIGITS_LR), ("mnist", _MNIST_LR)):
+        if name in table:
+            out.setdefault(dataset, {})["lr"] = table[name]
+    return out
+
+
+# --------------------------------------------------------------------------- registry
 register(MethodSpec(
-    "dp-adambc", "DP-AdamBC: Adam on the release with the DP-noise bias Φ removed from v̂ (floor γ′, no ε)",
+    "dp-sgd", "DP-SGD: flat L2 clipping, Gaussian noise, (momentum) SGD",
+    "Abadi et al. 2016, Algorithm 1",
+    {"lr": 0.1, "max_grad_norm": 1.0, "momentum": 0.0}, _sgd, dataset_defaults=_data("dp-sgd")))
+register(MethodSpec(
+    "dp-adam", "DP-Adam: DP-SGD privatizer, Adam on the released gradient",
+    "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; dp-macadam.txt eqs. (4)-(5)",
+    {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM}, _adam, dataset_defaults=_data("dp-adam")))
+register(MethodSpec(
+    "dp-adambc", "DP-AdamBC: Adam with the DP-noise variance Φ = noise_std² removed from v̂ (floor γ′, no ε)",
     "Tang, Shpilevskiy & Lécuyer, AAAI 2024; dp-macadam.txt eq. (8)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM_HP, "gamma_prime": 1e-8}, _adambc))
+    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma_prime": 1e-8}, _adambc,
+    dataset_defaults=_data("dp-adambc")))
 register(MethodSpec(
     "adaclip", "AdaClip: coordinate-wise shift/scale clipping from running mean/variance, plain SGD",
     "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; dp-macadam.txt eqs. (6)-(7); ALGORITHMS.md",
-    {"lr": 0.1, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
-    _adaclip, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
+    {"lr": 1.0, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
+    _adaclip, geometry="shift-scale", dataset_defaults=_data("adaclip", _MACADAM_DATA)))
 register(MethodSpec(
-    "dp-macadambc", "DP-MacAdamBC: DP-MacAdam with the AdamBC update in released coordinates",
-    "dp-macadam.txt §III-D with Algorithm 1; Φ = b²σ²/B̄² per coordinate (ALGORITHMS.md)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6,
-     "variance_update": "paper", "b_warmup_steps": 0, "gamma_prime": 1e-8},
-    _macadambc, geometry="shift-scale", dataset_defaults=_MACADAM_DATA))
+    "dp-macadam", "DP-MacAdam: AdaClip shift/scale clipping driven by Adam's moments",
+    "dp-macadam.txt, Algorithm 1 (t = 1 and variance decisions in ALGORITHMS.md)",
+    {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM},
+    _macadam, geometry="shift-scale", dataset_defaults=_data("dp-macadam", _MACADAM_DATA)))
 register(MethodSpec(
-    "dp-muon", "DP-Muon: one global DP-SGD release; Newton-Schulz polar factor of the Nesterov "
-               "momentum for hidden matrices, Adam (other_lr) for the rest",
-    _MUON_REF, {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True}, _muon))
+    "dp-macadambc", "DP-MacAdamBC: DP-MacAdam with the AdamBC update, Φ = b²σ²/B̄² per coordinate",
+    "dp-macadam.txt §III-D with Algorithm 1 (ALGORITHMS.md)",
+    {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM, "gamma_prime": 1e-8},
+    _macadambc, geometry="shift-scale", dataset_defaults=_data("dp-macadambc", _MACADAM_DATA)))
 register(MethodSpec(
-    "dp-muon-s", "DP-Muon-S: as DP-Muon with β=0.9, no Nesterov, step σ₁(U)·NS5(U) (power iteration)",
-    _MUON_REF, {"lr": 0.3, **_MUON_HP, "momentum": 0.9, "nesterov": False, "power_iters": 2}, _muon_s))
+    "dp-muon", "DP-Muon: one global DP-SGD release; Newton-Schulz polar factor of the Nesterov momentum "
+               "for hidden matrices (lr), Adam for the rest (other_lr)",
+    _MUON_REF, {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True}, _muon,
+    dataset_defaults=_data("dp-muon")))
 register(MethodSpec(
-    "disk-sgd", "DiSK-SGD: simplified Kalman filter on releases of c·∇ℓ(θ+γd) + (1−c)·∇ℓ(θ), then SGD",
-    "Zhang et al. 2024 (DiSK); spectral-orthogonalization.txt Tables 4, 15; ALGORITHMS.md (κ, γ)",
-    {"lr": 0.01, "max_grad_norm": 1.0, **_DISK_HP, "momentum": 0.0}, _disk_sgd))
+    "dp-muon-s", "DP-Muon-S: as DP-Muon with β 0.9, no Nesterov, step σ₁(U)·NS5(U) (power iteration)",
+    _MUON_REF, {"lr": 0.3, **_MUON, "momentum": 0.9, "nesterov": False, "power_iters": 2}, _muon_s,
+    dataset_defaults=_data("dp-muon-s")))
 register(MethodSpec(
-    "doppler-sgd", "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, then SGD",
-    "Zhang et al. 2024 (DOPPLER); spectral-orthogonalization.txt Tables 4, 15; ALGORITHMS.md",
-    {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER_HP, "momentum": 0.0}, _doppler_sgd))
+    "disk-sgd", "DiSK-SGD: Kalman filter g = (1-κ)g + κĝ on releases of c∇ℓ(θ+γd) + (1-c)∇ℓ(θ), then SGD",
+    f"Zhang et al. 2024 (DiSK); {_SPECTRAL} Tables 4, 15; ALGORITHMS.md (κ, γ)",
+    {"lr": 0.01, "max_grad_norm": 1.0, **_DISK, "momentum": 0.0}, _disk_sgd,
+    dataset_defaults=_data("disk-sgd")))
+register(MethodSpec(
+    "doppler-sgd", "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, "
+                   "then SGD",
+    f"Zhang et al. 2024 (DOPPLER); {_SPECTRAL} Tables 4, 15; ALGORITHMS.md",
+    {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER, "momentum": 0.0}, _doppler_sgd,
+    dataset_defaults=_data("doppler-sgd")))
 register(MethodSpec(
     "disk-muon", "DiSK-Muon: DiSK filter, then DP-Muon's routing (Muon on hidden matrices, Adam on the rest)",
-    "spectral-orthogonalization.txt Table 4 (DiSK [40] + Muon); ALGORITHMS.md",
-    {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True, **_DISK_HP}, _disk_muon))
+    f"{_SPECTRAL} Table 4 (DiSK [40] + Muon); ALGORITHMS.md",
+    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DISK}, _disk_muon,
+    dataset_defaults=_data("disk-muon")))
 register(MethodSpec(
     "doppler-muon", "DOPPLER-Muon: low-pass filter, then DP-Muon's routing",
-    "spectral-orthogonalization.txt Table 4 (DOPPLER [41] + Muon); ALGORITHMS.md",
-    {"lr": 0.02, **_MUON_HP, "momentum": 0.95, "nesterov": True, **_DOPPLER_HP}, _doppler_muon))
+    f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); ALGORITHMS.md",
+    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DOPPLER}, _doppler_muon,
+    dataset_defaults=_data("doppler-muon")))
