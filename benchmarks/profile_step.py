@@ -19,16 +19,20 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections import defaultdict
+import os
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared CPUs
 
-from dpopt.engine import fast as fast_mod
-from dpopt.optim import DPOptimizer
-from dpopt.privatizer import Privatizer
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+import torch  # noqa: E402
+
+from dpopt.engine import fast as fast_mod  # noqa: E402
+from dpopt.optim import DPOptimizer  # noqa: E402
+from dpopt.privatizer import Privatizer  # noqa: E402
 
 from step_time import SHAPES, batch, dpopt_step, non_private_step  # noqa: E402
 
@@ -66,9 +70,7 @@ def main() -> None:
     steps = {"non-private": non_private_step(args.model, x, y)}
     for m in args.methods.split(","):
         steps[m] = dpopt_step(args.model, m, x, y)
-    for name, f in steps.items():
-        if name != "non-private":
-            opt = f.__closure__  # noqa: F841 — the chain is reached through the optimizer below
+    for f in steps.values():
         f(), f()
     # wrap each optimizer's transform.update (instances differ per method)
     import gc

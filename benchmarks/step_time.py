@@ -17,10 +17,10 @@ against a plain B = 256 step.
 
 Peak memory: torch's CPU allocations are invisible to ``tracemalloc`` and the
 default CPU allocator keeps no statistics, so each memory configuration runs
-in its own subprocess and reports ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
-(the kernel's high-water mark of resident memory, KiB on Linux), which
-includes every allocation of the process. A child that only imports, builds
-the model and the batch gives the baseline.
+in its own fresh subprocess and reports the kernel's high-water mark of its
+resident memory (``VmHWM`` in ``/proc/self/status``; see :func:`peak_rss_kib`
+for why not ``ru_maxrss``), which includes every allocation of the process.
+A child that only imports, builds the model and the batch gives the baseline.
 
 Usage::
 
@@ -34,23 +34,30 @@ depend on pixel values); labels are uniform over 10 classes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
-import time
-import warnings
-from typing import Callable, Optional
 
-import torch
-from torch import nn
+# Shared CPUs: with OpenMP's default spin-waiting, a 2-thread torch op stalls whenever another
+# process holds one of the cores (we measured 5-80x slower tiny ops on this machine). Sleeping
+# waits fix that and cost nothing measurable on an idle machine. Must be set before torch loads;
+# an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dpopt.engine import iter_per_sample_sources
-from dpopt.methods import get_method, list_methods, make_optimizer
-from dpopt.models import build_model
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from dpopt.engine import iter_per_sample_sources  # noqa: E402
+from dpopt.methods import get_method, list_methods, make_optimizer  # noqa: E402
+from dpopt.models import build_model  # noqa: E402
 
 SHAPES = {"mlp": ((1, 28, 28), 256, 60_000, "mnist"), "cnn5": ((3, 32, 32), 512, 50_000, "cifar10")}
 EPOCHS_MNIST = 5
@@ -157,7 +164,7 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
     out = {}
     for k, v in times.items():
         v = sorted(v)
-        out[k] = {"median": statistics.median(v), "p10": v[max(0, int(0.1 * len(v)) - 0)], "n": len(v)}
+        out[k] = {"median": statistics.median(v), "p10": v[int(0.1 * (len(v) - 1))], "n": len(v)}
         if k in extra:
             out[k]["probe_median"] = statistics.median(extra[k])
             out[k]["probe_share"] = statistics.median([e / t for e, t in zip(extra[k], times[k])])
@@ -179,7 +186,26 @@ def memory_child(spec: str, threads: int) -> None:
     else:
         f = dpopt_step(model_name, config, x, y, physical=p)
         f(), f()
-    print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    print(json.dumps({"maxrss_kib": peak_rss_kib()}))
+
+
+def peak_rss_kib() -> int:
+    """Peak resident memory of this process in KiB.
+
+    ``VmHWM`` from ``/proc/self/status`` (Linux): the high-water mark of the
+    process's current address space, which starts afresh at ``execve``.
+    ``ru_maxrss`` is the fallback elsewhere; on Linux it is NOT used because
+    it carries the parent's peak over fork + exec (we saw every child report
+    the benchmark parent's 3.7 GB).
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def run_memory(spec: str, threads: int) -> float:
@@ -245,8 +271,10 @@ def main(argv=None) -> dict:
         if ns is not None:
             ns.restore()
         base = res["non-private"]["median"]
+        load = os.getloadavg()[0]
         print(f"\n{model_name}: B = {b}, {args.threads} threads, {res['non-private']['n']} timed steps each "
-              f"(round-robin)")
+              f"(round-robin); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; 1-min load average "
+              f"{load:.1f} on {os.cpu_count()} CPUs")
         print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s}")
         for k, v in res.items():
             print(f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {v['median'] / base:14.2f} "
@@ -255,7 +283,8 @@ def main(argv=None) -> dict:
              "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
              "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
              "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
-             "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()}}
+             "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
+             "threads": args.threads, "loadavg_1min": round(load, 2)}
         if "opacus dp-sgd" in res:
             r["dp-sgd/opacus"] = res["dp-sgd"]["median"] / res["opacus dp-sgd"]["median"]
         if "dp-muon" in res:
@@ -277,7 +306,7 @@ def main(argv=None) -> dict:
                     "cnn5:non-private:256:none")}
             r["peak_mem_4096_over_256"] = mem["cnn5:dp-sgd:4096:256"] / mem["cnn5:dp-sgd:256:none"]
             r["peak_mem_mib"] = {k: round(v, 1) for k, v in mem.items()}
-            print("peak resident memory (ru_maxrss, MiB): " +
+            print("peak resident memory (VmHWM, MiB): " +
                   ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
             print(f"logical 4096 / physical 256 over B = 256: {r['peak_mem_4096_over_256']:.3f}")
         result[model_name] = r

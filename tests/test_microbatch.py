@@ -115,7 +115,20 @@ def test_physical_batch_size_must_be_positive():
     model = small_cnn()
     x, y = batch(4)
     with pytest.raises(ValueError, match="physical_batch_size"):
-        next(iter(iter_per_sample_sources(model, ce, x, y, physical_batch_size=0)))
+        iter_per_sample_sources(model, ce, x, y, physical_batch_size=0)  # refused before any work
+
+
+def test_engine_cache_does_not_keep_models_alive():
+    import gc
+    import weakref
+
+    model = small_cnn()
+    x, y = batch(3)
+    list(iter_per_sample_sources(model, ce, x, y))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
 
 
 def test_train_with_physical_batches_equals_unsplit(tmp_path):

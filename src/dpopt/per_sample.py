@@ -9,8 +9,11 @@ Privatizer asks of any per-sample source:
 * :meth:`PerSampleGrads.weighted_sum` — Σ_i c_{i,k} w_i restricted to group k
   for every parameter, shape like the parameters.
 
-Faster sources (ghost norms, book-keeping) implement the same two methods
-without materialising ``[B, d]`` tensors. Instances are private data: only the
+The fast source, :class:`dpopt.engine.FastPerSampleGrads` (ghost norms,
+book-keeping), implements the same two methods without materialising
+``[B, d]`` tensors and calls :func:`per_sample_gradient_tensors` for the
+parameters of layers it has no rule for; :func:`dpopt.engine.iter_per_sample_sources`
+picks the engine. Instances are private data: only the
 :class:`~dpopt.privatizer.Privatizer` may read them.
 
 Non-finite per-sample gradients (an example whose gradient has any NaN/inf

@@ -59,6 +59,8 @@ def iter_per_sample_sources(
     Raises:
         ValueError: unknown engine or ``physical_batch_size`` ≤ 0.
     """
+    if physical_batch_size is not None and physical_batch_size <= 0:
+        raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
         return get_engine(model, loss_fn).iterate(x, y, physical_batch_size, points)
     if engine == "reference":

@@ -244,7 +244,8 @@ class PerSampleEngine:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, verify: bool = True,
                  chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20):
-        self.model, self.loss_fn = model, loss_fn
+        self._model = weakref.ref(model)  # the engine cache is keyed weakly by the model
+        self.loss_fn = loss_fn
         self.chunk_bytes, self.cache_bytes = int(chunk_bytes), int(cache_bytes)
         named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
         self.names = [k for k, _ in named]
@@ -276,6 +277,13 @@ class PerSampleEngine:
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
     @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this PerSampleEngine no longer exists")
+        return model
+
+    @property
     def fast_names(self) -> list[str]:
         fb = set(self.fallback)
         return [n for i, n in enumerate(self.names) if i not in fb]
@@ -286,7 +294,7 @@ class PerSampleEngine:
 
     def matches(self, model: nn.Module) -> bool:
         """True if ``model`` still has the trainable parameters this plan was made for."""
-        return model is self.model and tuple(
+        return model is self._model() and tuple(
             id(p) for p in model.parameters() if p.requires_grad) == self._key
 
     # -- capture --------------------------------------------------------------------
@@ -474,6 +482,10 @@ class PerSampleEngine:
         """
         if physical_batch_size is not None and physical_batch_size <= 0:
             raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
+        return self._chunks(x, y, physical_batch_size, points)
+
+    def _chunks(self, x: Tensor, y: Tensor, physical_batch_size: Optional[int],
+                points: Optional[Sequence[EvaluationPoint]]) -> Iterator[FastPerSampleGrads]:
         n = int(x.shape[0])
         size = physical_batch_size or max(n, 1)
         if n == 0:
