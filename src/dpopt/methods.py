@@ -8,6 +8,21 @@ per-layer clipping are Privatizer options usable with any flat-clipping method.
 
 Add a method by calling :func:`register` with a new spec — never by
 subclassing an optimizer per combination of options.
+
+Registered (``dpopt methods``): dp-sgd, dp-adam, dp-adambc, adaclip,
+dp-macadam, dp-macadambc, dp-muon, dp-muon-s, disk-sgd, doppler-sgd,
+disk-muon, doppler-muon. Learning rates: ``lr`` is the param-group learning
+rate (``--lr``, LR schedulers); for the Muon methods it is Muon's, and the
+non-matrix parameters run at ``other_lr`` (a fixed multiplier of ``lr``).
+Per-dataset defaults (``dataset_defaults``) are documented, with the
+measurements behind them, in ``docs/methods.md``.
+
+Example::
+
+    opt = make_optimizer("dp-muon", model.parameters(), noise_multiplier=1.0,
+                         expected_batch_size=256, sample_rate=256 / 60000)
+    for x, y in batches:
+        opt.step(per_sample_gradients(model, loss_fn, x, y, opt.evaluation_points()))
 """
 
 from __future__ import annotations
@@ -271,7 +286,7 @@ _MUON_REF = (f"{_SPECTRAL} Table 15 and ALGORITHMS.md; Keller Jordan's Muon (202
 # values are for MNIST's 1,170 steps (dp-macadam.txt §IV) or CIFAR-scale WRNs (spectral Table 15);
 # digits (1,437 examples, 22 steps per epoch at B̄ = 64) needs larger steps for some methods.
 _DIGITS_LR = {"dp-adam": 3e-3, "dp-adambc": 3e-4, "adaclip": 30.0, "disk-sgd": 1.0}
-_MNIST_LR: dict[str, float] = {}
+_MNIST_LR = {"disk-sgd": 1.0}
 
 
 def _data(name: str, base: Optional[dict] = None) -> dict:
