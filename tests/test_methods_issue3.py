@@ -521,3 +521,25 @@ def test_privacy_boundary_and_one_release_per_step(method):
     assert len(ledger) == 3 and [e.step for e in ledger.entries] == [0, 1, 2]
     assert opt.privatizer.releases == 3 and opt.privatizer.reads == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------ CLI --hp
+def test_cli_hp_options_reach_the_method(tmp_path):
+    import json
+
+    torch.set_default_dtype(torch.float32)  # a real run: float32 model and data (restored by the fixture)
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--method", "doppler-muon", "--epochs", "0.1", "--out", str(out),
+                                   "--hp", "filter=second-order", "--hp", "betas=(0.8, 0.99)",
+                                   "--hp", "ns_steps=3", "--hp", "nesterov=False", "--json"])
+    assert res.exit_code == 0, res.output
+    hp = json.loads((out / "config.json").read_text())["hparams"]
+    assert hp["filter"] == "second-order" and hp["ns_steps"] == 3 and hp["nesterov"] is False
+    assert hp["betas"] in ([0.8, 0.99], "(0.8, 0.99)")
+    bad = CliRunner().invoke(app, ["train", "--method", "dp-muon", "--epochs", "0.1", "--hp", "kappa=0.5"])
+    assert bad.exit_code == 2 and "does not take ['kappa']" in bad.output
+    bad = CliRunner().invoke(app, ["train", "--method", "disk-sgd", "--epochs", "0.1", "--hp", "kappa"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
+    bad = CliRunner().invoke(app, ["train", "--method", "disk-sgd", "--epochs", "0.1", "--hp", "kappa=1.5"])
+    assert bad.exit_code == 2 and "kappa must be in (0, 1]" in bad.output
