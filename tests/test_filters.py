@@ -1,5 +1,7 @@
 """DiSK (simplified Kalman filter, extrapolated evaluation point) and DOPPLER (low-pass filter)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -208,3 +210,30 @@ def test_disk_combined_vector_is_clipped_once_with_sensitivity_c():
 
 def _norms(g):
     return torch.sqrt(sum(gi.reshape(gi.shape[0], -1).pow(2).sum(1) for gi in g))
+
+
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_disk_release_is_the_gradient_at_the_extrapolated_point(engine):
+    """Through the training loop's entry point (either engine): with c = 1, σ = 0, C = ∞ and
+    B̄ = n, the release is the full-batch gradient at θ_t + γ d_t (autograd, independent of dpopt)."""
+    from dpopt.engine import iter_per_sample_sources
+
+    model = _model()
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    kappa, gamma = DISK_PRESETS["single-eval"]
+    opt = make_optimizer("disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=6,
+                         sample_rate=1.0, max_grad_norm=1e9, lr=0.5, kappa=kappa, gamma=gamma)
+    prev = [p.detach().clone() for p in model.parameters()]
+    opt.step(iter_per_sample_sources(model, LOSS, x, y, None, opt.evaluation_points(), engine=engine))
+    for _ in range(2):
+        now = [p.detach().clone() for p in model.parameters()]
+        probe = copy.deepcopy(model)
+        with torch.no_grad():
+            for q, t, t_prev in zip(probe.parameters(), now, prev):
+                q.copy_(t + gamma * (t - t_prev))
+        LOSS(probe(x), y).backward()
+        rel = opt.step(iter_per_sample_sources(model, LOSS, x, y, 4, opt.evaluation_points(), engine=engine))
+        for got, q in zip(rel.grads, probe.parameters()):
+            assert torch.allclose(got, q.grad, atol=1e-10)
+        prev = now
