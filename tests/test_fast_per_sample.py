@@ -349,3 +349,28 @@ def test_budget_accounting():
     assert b.take(60) and not b.take(50) and b.used == 60
     b.give(60)
     assert b.used == 0 and b.take(100)
+
+
+def test_shifted_geometry_norm_survives_cancellation_in_float32():
+    """A shift close to every per-sample gradient: ‖g/b‖ ~ 1e4 but ‖(g − m)/b‖ ~ 1.
+
+    The expanded closed form quad − 2·lin + const loses every digit in float32 here
+    (and an underestimated norm would break the clip bound); the engine evaluates it
+    in float64, so it must match the reference (materialised, float64) norms.
+    """
+    torch.manual_seed(3)
+    lin = nn.Linear(50, 40)
+    x = torch.randn(1, 50) + 1e-3 * torch.randn(8, 50)  # nearly identical examples
+    y = torch.full((8,), 5)
+    ref64 = per_sample_gradients(lin.double(), ce, x.double(), y)
+    lin = lin.float()
+    fast = fast_per_sample_gradients(lin, ce, x, y)
+    mean = [g.mean(0) for g in ref64.grads]
+    scale = [torch.full_like(m, 1e-4) for m in mean]
+    geo64 = ClipGeometry(tuple(mean), tuple(scale))
+    geo32 = ClipGeometry(tuple(m.float() for m in mean), tuple(s.float() for s in scale))
+    want = ref64.sq_norms(geo64, [0, 0], 1)[:, 0]
+    got = fast.sq_norms(geo32, [0, 0], 1)[:, 0].double()
+    raw = ref64.sq_norms(ClipGeometry(None, tuple(scale)), [0, 0], 1)[:, 0]
+    assert float((raw / want).min()) > 1e5  # the shift removes almost all of the norm: cancellation
+    assert torch.allclose(got, want, rtol=1e-4)

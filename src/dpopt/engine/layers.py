@@ -378,12 +378,22 @@ class FactoredBlock:
             return e.square().sum(1) * a.square().sum(1)
         if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
             return ((e.square() @ b.pow(-2)) * a.square()).sum(1)
+        # With a shift the expanded form quad − 2·lin + const cancels catastrophically when
+        # ‖g/b‖ ≫ ‖(g − m)/b‖ (float32 error ∝ (√quad + √const)²), and an underestimated norm
+        # would let a clipped example exceed the bound. Evaluate it in float64.
+        dtype = e.dtype
+        e, a, m = e.double(), a.double(), m.double()
+        b = None if b is None else b.double()
+        return self._closed_shift(e, a, m, b).to(dtype)
+
+    @staticmethod
+    def _closed_shift(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor]) -> Tensor:
         if b is None:  # shift only: ‖e‖²‖a‖² − 2 eᵀ m a + ‖m‖²
             quad = e.square().sum(1) * a.square().sum(1)
             lin = ((e @ m) * a).sum(1)
             return (quad - 2.0 * lin + torch.dot(m.flatten(), m.flatten())).clamp_min_(0.0)
         # shift and scale: both d-sized matrices S = 1/b², M = m/b² in one buffer, one batched GEMM
-        sm = torch.empty((2, self.q, self.p), dtype=b.dtype, device=b.device)
+        sm = torch.empty((2, *b.shape), dtype=b.dtype, device=b.device)
         torch.pow(b, -2, out=sm[0])
         torch.mul(m, sm[0], out=sm[1])
         const = torch.dot(m.flatten(), sm[1].flatten())  # Σ m²/b²
