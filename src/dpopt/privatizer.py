@@ -225,15 +225,18 @@ class Privatizer:
         std = self.noise_multiplier * sens
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            noisy = s + std * torch.randn(s.shape, generator=self.generator, dtype=s.dtype,
-                                          device=s.device) if std > 0 else s.clone()
-            g = noisy / bbar
+            # g = (s + std·z)/B̄, built in place in the noise buffer (the sum is ours to consume)
+            if std > 0:
+                g = torch.randn(s.shape, generator=self.generator, dtype=s.dtype, device=s.device)
+                g.mul_(std / bbar).add_(s, alpha=1.0 / bbar)
+            else:
+                g = s / bbar
             coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
             if geo.scale is not None:
-                g = g * geo.scale[i]
+                g.mul_(geo.scale[i])
                 coord_std = coord_std * geo.scale[i]
             if geo.shift is not None:
-                g = g + geo.shift[i]
+                g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
         self.reads += 1

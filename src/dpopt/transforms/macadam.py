@@ -101,32 +101,34 @@ class MacAdam(Transform):
     def update(self, updates, states, params, ctx: StepContext):
         self._init_scale(states, params)
         b1, b2 = self.betas
-        out, s_hat = [], []
+        out, root_s_hat = [], []
         t = states[0]["step"] + 1
         kappa = self.kappa(t)
         update_b = kappa > KAPPA_FLOOR and t > self.b_warmup_steps
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
         for g, st, std in zip(updates, states, ctx.noise_std):
             st["step"] = t
             m_prev_hat = st["center"]
-            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            m_hat = st["exp_avg"] / (1 - b1**t)
-            v_hat = st["exp_avg_sq"] / (1 - b2**t)
-            phi = std**2
-            if self.bias_correction:
-                out.append(m_hat / torch.clamp(v_hat - phi, min=self.gamma_prime).sqrt())
-            else:
-                out.append(m_hat / (v_hat.sqrt() + self.gamma))
+            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)  # line 14
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)  # line 15
+            m_hat = st["exp_avg"] / bc1  # line 16
+            phi = std * std  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
+            if self.bias_correction:  # line 17, AdamBC form
+                denom = (st["exp_avg_sq"] / bc2).sub_(phi).clamp_(min=self.gamma_prime).sqrt_()
+            else:  # line 17
+                denom = (st["exp_avg_sq"] / bc2).sqrt_().add_(self.gamma)
+            out.append(torch.div(m_hat, denom, out=denom))
+            u = g - m_hat  # line 18
             if self.variance_update == "paper":
-                u = (g - m_hat) ** 2
+                u.square_()
             else:
-                u = (g - m_prev_hat) * (g - m_hat)
-            st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)
+                u.mul_(g - m_prev_hat)
+            st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)  # line 19
             st["center"] = m_hat
-            if update_b:
-                s_hat.append(torch.clamp(st["var_ema"] / kappa - phi, min=self.h1, max=self.h2))
-        if update_b:
-            total = sum(float(s.sqrt().sum()) for s in s_hat)
-            for st, s in zip(states, s_hat):
-                st["scale"] = s.pow(0.25) * total**0.5
+            if update_b:  # line 21; keep ŝ^{1/2} for line 22
+                root_s_hat.append((st["var_ema"] / kappa).sub_(phi).clamp_(self.h1, self.h2).sqrt_())
+        if update_b:  # line 22: b = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2}
+            total = sum(float(r.sum()) for r in root_s_hat) ** 0.5
+            for st, r in zip(states, root_s_hat):
+                st["scale"] = r.sqrt_().mul_(total)
         return out
