@@ -286,7 +286,7 @@ _MUON_REF = (f"{_SPECTRAL} Table 15 and ALGORITHMS.md; Keller Jordan's Muon (202
 # values are for MNIST's 1,170 steps (dp-macadam.txt §IV) or CIFAR-scale WRNs (spectral Table 15);
 # digits (1,437 examples, 22 steps per epoch at B̄ = 64) needs larger steps for some methods.
 _DIGITS_LR = {"dp-adam": 3e-3, "dp-adambc": 3e-4, "adaclip": 30.0, "disk-sgd": 1.0}
-_MNIST_LR = {"disk-sgd": 1.0}
+_MNIST_LR = {"disk-sgd": 1.0, "dp-adambc": 1e-4, "dp-macadambc": 1e-4}
 
 
 def _data(name: str, base: Optional[dict] = None) -> dict:
