@@ -7,32 +7,43 @@ each method's default hyperparameters for digits (``dpopt methods`` lists
 them, including the per-dataset learning rates and docs/methods.md the
 measurements behind them).
 
-The claim is "within 20 epochs"; to keep CI fast each method runs only as
-many epochs as it needs with this seed, chosen from full 20-epoch curves
-(docs/methods.md) at a point where it clears 0.80 with a margin, not at
-its first crossing.
+Every method trains the full 20 epochs and must END at ≥ 0.80 (stronger
+than reaching it at some epoch: no late divergence). ``FIRST_080`` records
+the epoch at which each method first reached 0.80 with this seed (from
+``metrics.jsonl``), and the test checks that it is no more than ``SLACK``
+epochs later, so a regression in speed of learning shows up too.
+
+For speed, ε is computed with the RDP accountant. The PLD accountant, which
+``train`` runs after every epoch, costs more than training this small model,
+and the accountant does not affect training. Torch also uses one thread:
+results are identical, and two threads on two shared cores are about 2×
+slower for a 4,810-parameter model.
 """
 
+import json
 import math
 
 import pytest
+import torch
 
 from dpopt.data import load_dataset
 from dpopt.train import TrainConfig, train
 
-EPOCHS = {
-    "dp-sgd": 13,
-    "dp-adam": 10,
-    "dp-adambc": 4,
-    "adaclip": 9,
-    "dp-macadam": 10,
-    "dp-macadambc": 13,
-    "dp-muon": 8,
-    "dp-muon-s": 9,
-    "disk-sgd": 3,
-    "doppler-sgd": 2,
-    "disk-muon": 9,
-    "doppler-muon": 8,
+EPOCHS = 20
+SLACK = 3  # epochs of tolerance on FIRST_080 (numerics of another per-sample engine, BLAS, ...)
+FIRST_080 = {  # first epoch with test accuracy ≥ 0.80 (seed 0), measured
+    "dp-sgd": 10,
+    "dp-adam": 8,
+    "dp-adambc": 3,
+    "adaclip": 8,
+    "dp-macadam": 6,
+    "dp-macadambc": 11,
+    "dp-muon": 6,
+    "dp-muon-s": 8,
+    "disk-sgd": 2,
+    "doppler-sgd": 1,
+    "disk-muon": 6,
+    "doppler-muon": 6,
 }
 
 
@@ -41,17 +52,33 @@ def digits():
     return load_dataset("digits")
 
 
-def test_every_epoch_budget_is_within_the_claim():
-    assert len(EPOCHS) == 12 and max(EPOCHS.values()) <= 20
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_every_method_is_covered():
+    from dpopt.methods import list_methods
+
+    assert sorted(FIRST_080) == sorted(s.name for s in list_methods())
+    assert max(FIRST_080.values()) <= EPOCHS == 20
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(EPOCHS))
+@pytest.mark.parametrize("method", list(FIRST_080))
 def test_digits_reaches_080(method, digits, tmp_path):
     cfg = TrainConfig(dataset="digits", model="mlp-small", method=method, noise_multiplier=1.0,
-                      batch_size=64.0, epochs=EPOCHS[method], seed=0, out=str(tmp_path / method))
+                      batch_size=64.0, epochs=EPOCHS, seed=0, accountant="rdp", out=str(tmp_path / method))
     summary = train(cfg, data=digits)
-    assert summary["test_accuracy"] >= 0.80, (method, summary["test_accuracy"])
+    curve = [json.loads(line)["test_accuracy"] for line in open(tmp_path / method / "metrics.jsonl")]
+    assert len(curve) == EPOCHS
+    assert summary["test_accuracy"] >= 0.80, (method, curve)
+    first = next(i for i, a in enumerate(curve, start=1) if a >= 0.80)
+    print(method, "first >= 0.80 at epoch", first, "curve", " ".join(f"{a:.3f}" for a in curve))
+    assert first <= FIRST_080[method] + SLACK, (method, first, curve)
     # one release per step, all of it charged
-    assert summary["privatizer_releases"] == summary["steps"] == round(EPOCHS[method] * 1437 / 64)
+    assert summary["privatizer_releases"] == summary["steps"] == round(EPOCHS * 1437 / 64)
     assert math.isfinite(summary["epsilon"]) and summary["epsilon"] > 0
