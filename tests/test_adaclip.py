@@ -11,12 +11,7 @@ from dpopt.transforms.adaclip import AdaClip
 from dpopt.transforms.base import StepContext
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
 
 def _opt(theta, **kw):

@@ -3,7 +3,6 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner

@@ -8,7 +8,6 @@ relative) would catch any algebra slip.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch

@@ -13,12 +13,7 @@ from dpopt.transforms.base import StepContext
 from dpopt.transforms.filters import DISK_PRESETS, DOPPLER_PRESETS, DiSK, LowPassFilter, doppler_coefficients
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
 
 def _ctx(n=1):

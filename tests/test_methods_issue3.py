@@ -29,12 +29,7 @@ LOSS = nn.functional.cross_entropy
 NS_A, NS_B, NS_C = NS_COEFFICIENTS
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
 
 # ------------------------------------------------------------------ registry and CLI

@@ -16,12 +16,7 @@ from dpopt.transforms.base import StepContext
 from dpopt.transforms.macadam import MacAdam
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
 
 def _problem(seed=0, n=16):

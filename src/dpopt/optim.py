@@ -13,7 +13,7 @@ learning rates are read from ``param_groups`` at every step.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor

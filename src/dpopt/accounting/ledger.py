@@ -16,7 +16,6 @@ JSON format (``version`` 1)::
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from ..per_sample import PerSampleGrads, per_sample_gradient_tensors
+from ..per_sample import per_sample_gradient_tensors
 from ..transforms.base import ClipGeometry, EvaluationPoint
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock,
                      group_norm_grads, layer_norm_grads)

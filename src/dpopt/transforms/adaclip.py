@@ -24,16 +24,16 @@ parameters.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from .base import ClipGeometry, StepContext, Transform
+from .base import StepContext
+from .geometry import ShiftScaleFeedback, noise_optimal_scale
 
 __all__ = ["AdaClip"]
 
 
-class AdaClip(Transform):
+class AdaClip(ShiftScaleFeedback):
     """AdaClip's running mean/variance estimates and clip geometry; identity on the update.
 
     Args:
@@ -65,27 +65,14 @@ class AdaClip(Transform):
         return {"step": 0, "center": torch.zeros_like(param), "var_ema": torch.zeros_like(param),
                 "scale": None}
 
-    @staticmethod
-    def _init_scale(states, params) -> None:
-        if states and states[0]["scale"] is None:
-            d = sum(p.numel() for p in params)
-            for st, p in zip(states, params):
-                st["scale"] = torch.full_like(p, 1.0 / d)
-
-    def geometry(self, states, params) -> Optional[ClipGeometry]:
-        """(shift, scale) = (m_{t−1}, b_{t−1}) for the next release."""
-        self._init_scale(states, params)
-        return ClipGeometry(tuple(st["center"] for st in states), tuple(st["scale"] for st in states))
-
     def update(self, updates, states, params, ctx: StepContext):
-        self._init_scale(states, params)
+        self.ensure_scale(states, params)
         b1, b2 = self.betas
         for g, st, std in zip(updates, states, ctx.noise_std):
             st["step"] += 1
             v = torch.clamp((g - st["center"]) ** 2 - std**2, min=self.h1, max=self.h2)
             st["center"] = b1 * st["center"] + (1 - b1) * g
             st["var_ema"].mul_(b2).add_(v, alpha=1 - b2)
-        total = sum(float(st["var_ema"].sqrt().sum()) for st in states)
-        for st in states:
-            st["scale"] = st["var_ema"].pow(0.25) * total**0.5
+        for st, b in zip(states, noise_optimal_scale([st["var_ema"] for st in states])):
+            st["scale"] = b
         return list(updates)

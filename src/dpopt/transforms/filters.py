@@ -40,7 +40,6 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from .base import EvaluationPoint, StepContext, Transform
 

@@ -24,11 +24,11 @@ is skipped (b_1 = b_0); it is also skipped while κ_t ≤ 1e-12 and for the firs
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from .base import ClipGeometry, StepContext, Transform
+from .base import StepContext
+from .geometry import ShiftScaleFeedback, noise_optimal_scale
 
 __all__ = ["MacAdam", "VARIANCE_UPDATES"]
 
@@ -36,7 +36,7 @@ VARIANCE_UPDATES = ("paper", "unbiased")
 KAPPA_FLOOR = 1e-12
 
 
-class MacAdam(Transform):
+class MacAdam(ShiftScaleFeedback):
     """DP-MacAdam's post-processing: Adam direction + clip geometry for the next step.
 
     Args:
@@ -82,26 +82,15 @@ class MacAdam(Transform):
         z = lambda: torch.zeros_like(param)  # noqa: E731
         return {"step": 0, "exp_avg": z(), "exp_avg_sq": z(), "var_ema": z(), "center": z(), "scale": None}
 
-    @staticmethod
-    def _init_scale(states, params) -> None:
-        if states and states[0]["scale"] is None:
-            d = sum(p.numel() for p in params)
-            for st, p in zip(states, params):
-                st["scale"] = torch.full_like(p, 1.0 / d)
-
-    def geometry(self, states, params) -> Optional[ClipGeometry]:
-        self._init_scale(states, params)
-        return ClipGeometry(tuple(st["center"] for st in states), tuple(st["scale"] for st in states))
-
     def kappa(self, t: int) -> float:
         """κ_t = 2(β1 − β1^t)/(1+β1) (line 20; Appendix A of the paper)."""
         b1 = self.betas[0]
         return 2.0 * (b1 - b1**t) / (1.0 + b1)
 
     def update(self, updates, states, params, ctx: StepContext):
-        self._init_scale(states, params)
+        self.ensure_scale(states, params)
         b1, b2 = self.betas
-        out, root_s_hat = [], []
+        out, s_hat = [], []
         t = states[0]["step"] + 1
         kappa = self.kappa(t)
         update_b = kappa > KAPPA_FLOOR and t > self.b_warmup_steps
@@ -125,10 +114,9 @@ class MacAdam(Transform):
                 u.mul_(g - m_prev_hat)
             st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)  # line 19
             st["center"] = m_hat
-            if update_b:  # line 21; keep ŝ^{1/2} for line 22
-                root_s_hat.append((st["var_ema"] / kappa).sub_(phi).clamp_(self.h1, self.h2).sqrt_())
+            if update_b:  # line 21
+                s_hat.append((st["var_ema"] / kappa).sub_(phi).clamp_(self.h1, self.h2))
         if update_b:  # line 22: b = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2}
-            total = sum(float(r.sum()) for r in root_s_hat) ** 0.5
-            for st, r in zip(states, root_s_hat):
-                st["scale"] = r.sqrt_().mul_(total)
+            for st, b in zip(states, noise_optimal_scale(s_hat)):
+                st["scale"] = b
         return out

@@ -24,7 +24,7 @@ parameter list (override it with your own ``label_fn``).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
