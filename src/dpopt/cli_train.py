@@ -53,6 +53,7 @@ def train_command(
     seed: int = typer.Option(0, help="seed for init, sampling and noise"),
     accountant: str = typer.Option("pld", help="pld (connect-the-dots), rdp or prv"),
     physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
@@ -98,6 +99,12 @@ def train_command(
                       target_epsilon=target_epsilon, clipping=clipping, layer_bounds=bounds,
                       target_quantile=target_quantile, quantile_lr=quantile_lr, count_share=count_share,
                       count_noise_multiplier=count_noise_multiplier)
+    if threads is not None:
+        if threads < 1:
+            _fail(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
     console = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.3f}  ε {task.fields[eps]:.3f}"),
