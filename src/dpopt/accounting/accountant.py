@@ -33,6 +33,7 @@ release with noise multiplier 0 is not private: ε = ``math.inf``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from typing import Union
@@ -232,6 +233,23 @@ def flatten_gaussian_terms(event: dp_event.DpEvent) -> "OrderedDict[tuple[float,
 # ---------------------------------------------------------------------------
 # accountants
 # ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+    """One Poisson-sampled Gaussian step's PLD (cached: building it is ~70% of an ε evaluation).
+
+    PLD objects are not mutated by ``compose``/``self_compose`` (they return new ones), so
+    sharing a cached instance is safe; training loops re-score the same (σ, q) every epoch.
+    """
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma,
+        sampling_prob=q,
+        value_discretization_interval=d,
+        pessimistic_estimate=True,
+        use_connect_dots=True,
+        neighboring_relation=relation,
+    )
+
+
 def pld_epsilon(
     ledger: EventLike,
     delta: float,
@@ -277,14 +295,7 @@ def pld_epsilon(
                 neighboring_relation=relation,
             )
         else:
-            part = pld_lib.from_gaussian_mechanism(
-                standard_deviation=sigma,
-                sampling_prob=q,
-                value_discretization_interval=d,
-                pessimistic_estimate=True,
-                use_connect_dots=True,
-                neighboring_relation=relation,
-            )
+            part = _sampled_gaussian_pld(sigma, q, d, relation)
             if count > 1:
                 part = part.self_compose(count)
         total = part if total is None else total.compose(part)
