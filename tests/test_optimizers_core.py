@@ -206,3 +206,14 @@ def test_registry_lists_the_foundation_methods():
         assert name in names
     assert isinstance(make_optimizer("dp-sgd", [torch.zeros(1, requires_grad=True)], noise_multiplier=1.0,
                                      expected_batch_size=1, sample_rate=0.1), DPOptimizer)
+
+
+def test_batchnorm_is_refused_by_both_per_sample_engines():
+    from dpopt.engine import iter_per_sample_sources
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="BatchNorm1d.*GroupNorm"):
+        per_sample_gradients(model, LOSS, x, y)
+    with pytest.raises(ValueError, match="BatchNorm1d.*GroupNorm"):
+        list(iter_per_sample_sources(model, LOSS, x, y))

@@ -8,7 +8,13 @@ The public API is imported lazily so that ``import dpopt`` (and the CLI's
 accounting commands) do not pay for importing torch.
 """
 
+import os
 from importlib import import_module
+
+# OpenMP's default spin-waiting stalls 2-thread torch ops whenever another process holds a
+# core (measured 5-80x slowdowns of small ops on a shared machine). It only takes effect if
+# set before torch is first imported; a user's own setting always wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
@@ -23,6 +29,8 @@ _EXPORTS = {
     "PoissonSampler": "dpopt.sampling",
     "per_sample_gradients": "dpopt.per_sample",
     "iter_per_sample_gradients": "dpopt.per_sample",
+    "iter_per_sample_sources": "dpopt.engine",
+    "check_model": "dpopt.models",
     "make_optimizer": "dpopt.methods",
     "list_methods": "dpopt.methods",
     "get_method": "dpopt.methods",

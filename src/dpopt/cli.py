@@ -8,16 +8,9 @@ bodies so that accounting commands start fast.
 
 from __future__ import annotations
 
-import os
+import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE before torch loads
 
-# OpenMP's default spin-waiting makes 2-thread torch ops stall whenever another process holds
-# a core (measured: small ops 5-80x slower on a shared 2-core machine). Must be set before
-# torch is imported; a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import typer  # noqa: E402
-
-from . import cli_accounting, cli_audit, cli_train  # noqa: E402
+from . import cli_accounting, cli_audit, cli_train
 
 app = typer.Typer(
     name="dpopt",

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .models import check_model
 from .transforms.base import ClipGeometry, EvaluationPoint
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients"]
@@ -184,6 +185,7 @@ def per_sample_gradients(
 
     Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
     """
+    check_model(model)
     return PerSampleGrads(per_sample_gradient_tensors(model, loss_fn, x, y, points))
 
 

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from ..models import check_model
 from ..per_sample import per_sample_gradient_tensors
 from ..transforms.base import ClipGeometry, EvaluationPoint
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock,
@@ -511,6 +512,7 @@ def get_engine(model: nn.Module, loss_fn: LossFn) -> PerSampleEngine:
     per_loss = _ENGINES.setdefault(model, {})
     eng = per_loss.get(loss_fn)
     if eng is None or not eng.matches(model):
+        check_model(model)  # BatchNorm mixes examples: refuse before planning
         eng = per_loss[loss_fn] = PerSampleEngine(model, loss_fn)
     return eng
 
