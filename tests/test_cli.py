@@ -40,7 +40,11 @@ def test_train_digits_json_and_run_directory(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--noise-multiplier", "-1"], "noise_multiplier must be a finite number >= 0"),
     (["--delta", "1.5"], "delta must be in (0, 1)"),
-    (["--batch-size", "0"], "--batch-size must be > 0"),
+    (["--batch-size", "0"], "must be a number >= 1"),
+    (["--batch-size", "0.5"], "must be a number >= 1"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be finite"),
+    (["--noise-multiplier", "2", "--target-epsilon", "1"], "not both"),
     (["--batch-size", "5000"], "exceeds the 1437 training examples"),
     (["--lr", "0"], "--lr must be > 0"),
     (["--method", "dp-nope"], "unknown method 'dp-nope'"),
@@ -69,7 +73,7 @@ def test_console_script_help():
 
 
 def _run(tmp_path, *args):
-    out = tmp_path / "run"
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"  # a new run directory per call
     res = runner.invoke(app, ["train", "--epochs", "1", "--method", "dp-sgd", "--out", str(out), "--json", *args])
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout.strip().splitlines()[-1]), out
@@ -103,3 +107,28 @@ def test_clipping_errors(tmp_path):
     assert res.exit_code == 2 and "no budget split exists" in res.stderr
     res = runner.invoke(app, ["train", "--clipping", "quantile", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "flat-clipping methods only" in res.stderr
+
+
+def test_out_must_be_a_new_directory(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    res = runner.invoke(app, ["train", "--epochs", "1", "--out", str(a_file)])
+    assert res.exit_code == 2 and "is a file" in res.stderr
+    summary, out = _run(tmp_path)
+    res = runner.invoke(app, ["train", "--epochs", "1", "--method", "dp-sgd", "--out", str(out)])
+    assert res.exit_code == 2 and "already holds a run" in res.stderr
+    res = runner.invoke(app, ["train", "--epochs", "1", "--method", "dp-sgd", "--out", str(out), "--overwrite"])
+    assert res.exit_code == 0, res.output
+
+
+def test_config_records_the_sigma_actually_used(tmp_path):
+    summary, out = _run(tmp_path, "--target-epsilon", "1.5")
+    config = json.loads((out / "config.json").read_text())
+    assert config["noise_multiplier"] == summary["noise_multiplier"] != 1.0
+    assert config["max_grad_norm"] == 1.0
+
+
+def test_tiny_noise_multiplier_gets_advice_not_a_traceback():
+    res = runner.invoke(app, ["account", "--noise-multiplier", "1e-3", "--sample-rate", "0.01", "--steps", "10",
+                              "--delta", "1e-5"])
+    assert res.exit_code == 2 and "--accountant rdp" in res.output

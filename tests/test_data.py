@@ -76,3 +76,14 @@ def test_unknown_dataset_and_missing_dir():
         load_dataset("svhn")
     with pytest.raises(ValueError, match="--data-dir"):
         load_dataset("mnist")
+
+
+def test_float_images_and_bad_labels_are_refused(tmp_path):
+    good = dict(x_train=np.zeros((4, 28, 28), np.uint8), y_train=np.arange(4, dtype=np.uint8),
+                x_test=np.zeros((2, 28, 28), np.uint8), y_test=np.ones(2, np.uint8))
+    np.savez(tmp_path / "mnist.npz", **dict(good, x_train=np.zeros((4, 28, 28), np.float32)))
+    with pytest.raises(DataError, match="dtype float32; expected uint8"):
+        load_dataset("mnist", tmp_path)
+    np.savez(tmp_path / "mnist.npz", **dict(good, y_train=np.array([0, 1, 15, 2], np.uint8)))
+    with pytest.raises(DataError, match="labels 0..9.*0..15"):
+        load_dataset("mnist", tmp_path)

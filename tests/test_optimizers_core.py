@@ -161,6 +161,8 @@ def test_dp_optimizer_is_a_torch_optimizer():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
     with pytest.raises(TypeError, match="closure"):
         opt.step(per_sample_gradients(model, LOSS, x, y), closure=lambda: 0.0)
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(lambda: 0.0)  # a closure passed positionally
     state = opt.state_dict()
     assert state["state"]  # Adam moments are in optimizer.state, torch-style
     assert len(opt.privatizer.ledger) == 1

@@ -288,7 +288,9 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[_Parsed], rtol: float) -> C
         evidence.append(f"all {len(ledger)} entries: noise_std = noise_multiplier × sensitivity, "
                         "sensitivity = √(Σ C_k²), event multiplier = recorded σ")
         if sens_seen:
-            evidence.append("sensitivities seen: " + ", ".join(f"{s:.6g}" for s in sorted(sens_seen)[:5]))
+            seen = sorted(sens_seen)
+            evidence.append(f"sensitivities seen: {len(seen)} distinct value(s), from {seen[0]:.6g} "
+                            f"to {seen[-1]:.6g}")
         if count_seen:
             evidence.append(f"{count_seen} count releases: event multiplier = count_noise_std / "
                             f"count_sensitivity (sensitivity {COUNT_SENSITIVITY})")

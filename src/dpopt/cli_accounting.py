@@ -142,6 +142,8 @@ def ledger(
     delta = delta if delta is not None else summary.get("delta")
     if delta is None:
         _fail("no delta: pass --delta (the run directory has no summary.json with 'delta')")
+    if not 0.0 < float(delta) < 1.0:
+        _fail(f"delta must be in (0, 1), got {delta!r}; e.g. --delta 1e-5")
     try:
         headline = check_accountant(accountant or summary.get("accountant") or "pld")
     except ValueError as exc:

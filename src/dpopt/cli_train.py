@@ -44,7 +44,8 @@ def train_command(
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
     model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10)"),
     method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
-    noise_multiplier: float = typer.Option(1.0, help="σ: noise std = σ × sensitivity"),
+    noise_multiplier: Optional[float] = typer.Option(
+        None, help="σ: noise std = σ × sensitivity (default 1.0; not with --target-epsilon)"),
     delta: float = typer.Option(1e-5, help="δ of the reported (ε, δ)"),
     max_grad_norm: Optional[float] = typer.Option(None, help="clip bound C (default 1.0; w-space for MacAdam)"),
     batch_size: float = typer.Option(64.0, help="expected batch size B̄; sample_rate = B̄/N"),
@@ -55,6 +56,7 @@ def train_command(
     physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
+    overwrite: bool = typer.Option(False, help="let --out replace an earlier run's files"),
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
@@ -92,13 +94,15 @@ def train_command(
         bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None
     except ValueError:
         _fail(f"--layer-bounds must be comma-separated numbers, got {layer_bounds!r}")
+    if noise_multiplier is not None and target_epsilon is not None:
+        _fail("give --noise-multiplier or --target-epsilon, not both (the target calibrates σ)")
     cfg = TrainConfig(dataset=dataset, data_dir=data_dir, model=model, method=method,
-                      noise_multiplier=noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
+                      noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
                       batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, accountant=accountant,
                       physical_batch_size=physical_batch_size, out=out, hparams=hparams,
                       target_epsilon=target_epsilon, clipping=clipping, layer_bounds=bounds,
                       target_quantile=target_quantile, quantile_lr=quantile_lr, count_share=count_share,
-                      count_noise_multiplier=count_noise_multiplier)
+                      count_noise_multiplier=count_noise_multiplier, overwrite=overwrite)
     if threads is not None:
         if threads < 1:
             _fail(f"--threads must be >= 1, got {threads}")

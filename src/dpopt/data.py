@@ -85,9 +85,26 @@ def _find(base: Path, name: str) -> Optional[Path]:
     return None
 
 
+def _check_arrays(name: str, path: Path, arrays: tuple[np.ndarray, ...], classes: int = 10) -> None:
+    """uint8 pixels and labels in range(classes); otherwise say what to change.
+
+    Raises:
+        DataError: float images (they would be rescaled twice) or out-of-range labels.
+    """
+    x_tr, y_tr, x_te, y_te = arrays
+    for key, x in (("x_train", x_tr), ("x_test", x_te)):
+        if x.dtype != np.uint8:
+            raise DataError(f"{path}: {name} {key} has dtype {x.dtype}; expected uint8 pixels 0..255 "
+                            "(dpopt normalises them itself)")
+    for key, y in (("y_train", y_tr), ("y_test", y_te)):
+        if y.size and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes):
+            raise DataError(f"{path}: {name} {key} must hold integer labels 0..{classes - 1}, "
+                            f"got dtype {y.dtype}, range {y.min()}..{y.max()}")
+
+
 def _npz_arrays(path: Path) -> tuple[np.ndarray, ...]:
     try:
-        with np.load(path) as npz:
+        with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in npz]
             if missing:
                 raise DataError(f"{path} lacks arrays {missing}; expected x_train, y_train, x_test, y_test")
@@ -111,6 +128,7 @@ def _mnist(data_dir: Path) -> Dataset:
                 "MNIST not found. Tried: " + ", ".join(tried) + ". Accepted formats: mnist.npz with "
                 "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in --data-dir.")
         arrays = tuple(_read_idx(p) for p in paths)  # type: ignore[arg-type]
+    _check_arrays("MNIST", npz if npz.exists() else data_dir, arrays)
     x_tr, y_tr, x_te, y_te = arrays
     if x_tr.shape[1:] != (28, 28) or x_te.shape[1:] != (28, 28) or len(x_tr) != len(y_tr) \
             or len(x_te) != len(y_te):
@@ -143,6 +161,7 @@ def _cifar10(data_dir: Path) -> Dataset:
         xs = [b[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1) for b in batches]
         ys = [np.asarray(b[b"labels"]) for b in batches]
         x_tr, y_tr, x_te, y_te = np.concatenate(xs[:5]), np.concatenate(ys[:5]), xs[5], ys[5]
+    _check_arrays("CIFAR-10", npz if npz.exists() else data_dir, (x_tr, y_tr, x_te, y_te))
     if x_tr.shape[1:] != (32, 32, 3):
         raise DataError(f"CIFAR-10 images have shape {x_tr.shape[1:]}, expected (32, 32, 3) (NHWC)")
     mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)

@@ -88,7 +88,7 @@ class DPOptimizer(torch.optim.Optimizer):
         Returns:
             The step's :class:`~dpopt.privatizer.Release`.
         """
-        if closure is not None:
+        if closure is not None or callable(per_sample):
             raise TypeError("DPOptimizer.step does not take a closure; pass per-sample gradients")
         if per_sample is None:
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.per_sample)")

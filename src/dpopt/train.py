@@ -10,6 +10,7 @@ Privatizer releases once and records the step in the ledger) → post-processing
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,7 @@ class TrainConfig:
     quantile_lr: float = 0.2
     count_share: Optional[float] = None  # quantile: share r of the budget for the count (0.05)
     count_noise_multiplier: Optional[float] = None  # quantile: explicit 2σ_b instead of a share
+    overwrite: bool = False  # allow --out to replace an earlier run's files
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -75,15 +77,17 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
     check_noise_multiplier(cfg.noise_multiplier)
     check_delta(cfg.delta)
     get_method(cfg.method)
-    if not (cfg.batch_size > 0):
-        raise ValueError(f"--batch-size must be > 0, got {cfg.batch_size}")
+    if not (cfg.batch_size >= 1 and math.isfinite(cfg.batch_size)):
+        raise ValueError(f"--batch-size (the expected batch size) must be a number >= 1, got {cfg.batch_size}")
     if cfg.batch_size > n_train:
         raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {n_train} training examples; "
                          f"use at most {n_train}")
     if cfg.lr is not None and not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if not cfg.epochs > 0:
-        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    if not (cfg.epochs > 0 and math.isfinite(cfg.epochs)):
+        raise ValueError(f"--epochs must be a finite number > 0, got {cfg.epochs}")
+    if cfg.lr is not None and not math.isfinite(cfg.lr):
+        raise ValueError(f"--lr must be finite, got {cfg.lr}")
     if cfg.accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
@@ -158,11 +162,30 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 20
     return correct / max(len(x), 1), loss / max(len(x), 1)
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt")
+
+
 def _run_dir(cfg: TrainConfig) -> Path:
+    """The run directory, created; refuses a file, or a directory holding another run.
+
+    Raises:
+        ValueError: ``--out`` is a file, already holds a run (pass ``overwrite``), or
+            cannot be created.
+    """
     if cfg.out:
-        return Path(cfg.out)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{stamp}"
+        path = Path(cfg.out)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{stamp}"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file; give a directory for the run")
+    if not cfg.overwrite and any((path / name).exists() for name in RUN_FILES):
+        raise ValueError(f"--out {path} already holds a run; choose a new directory or pass --overwrite")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the run directory {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -212,9 +235,9 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
                          expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
                          generator=gen, dataset=cfg.dataset, **privacy, **overrides)
     run_dir = _run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = dict(asdict(cfg), model=model_name, hparams={k: v for k, v in hp.items()},
-                  sample_rate=sample_rate, steps=steps, num_parameters=num_parameters(model))
+    config = dict(asdict(cfg), model=model_name, hparams=dict(hp), noise_multiplier=sigma,
+                  max_grad_norm=hp["max_grad_norm"], lr=hp["lr"], sample_rate=sample_rate, steps=steps,
+                  num_parameters=num_parameters(model), **privacy_facts)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
     steps_per_epoch = 1.0 / sample_rate

@@ -331,7 +331,7 @@ def rdp_epsilon(ledger: EventLike, delta: float, orders: tuple = RDP_ORDERS) -> 
     return math.inf if math.isnan(eps) else max(0.0, eps)
 
 
-def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
+def _epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
     """ε(δ) of a whole ledger (or a single DpEvent) under one accountant.
 
     Args:
@@ -381,3 +381,27 @@ def dpsgd_epsilon(
     """
     check_sample_rate(sample_rate)
     return epsilon(dpsgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
+
+
+def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
+    """ε(δ) of a whole ledger (or DpEvent) under ONE accountant (see :func:`_epsilon`).
+
+    Args:
+        ledger: a :class:`PrivacyLedger` or a DpEvent.
+        delta: δ ∈ (0, 1).
+        accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
+
+    Returns:
+        ε ≥ 0 (``math.inf`` if a release has σ = 0; 0.0 for an empty ledger).
+
+    Raises:
+        ValueError: invalid arguments, or a ledger whose privacy-loss distribution
+            does not fit in memory (tiny σ: ε is huge anyway; use ``rdp``).
+    """
+    try:
+        return _epsilon(ledger, delta, accountant)
+    except MemoryError:
+        raise ValueError(
+            f"the {accountant} accountant ran out of memory on this ledger (a very small noise "
+            "multiplier gives an enormous privacy-loss distribution, and ε is huge anyway); use "
+            "--accountant rdp, or a larger noise multiplier") from None
