@@ -13,7 +13,6 @@ learning rates are read from ``param_groups`` at every step.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +49,6 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"lr must be > 0 in every param group, got {group['lr']}")
         self.privatizer = privatizer
         self.transform = transform
-        self.last_release: Optional[Release] = None
 
     # -- helpers over all trainable params, in group order ------------------
     def _params(self) -> list[Tensor]:
@@ -103,5 +101,4 @@ class DPOptimizer(torch.optim.Optimizer):
         updates = self.transform.update(list(release.grads), states, params, ctx)
         for p, u in zip(params, updates):
             p.add_(u)
-        self.last_release = release
         return release

@@ -183,6 +183,8 @@ class Privatizer:
         self._sum: Optional[list[Tensor]] = None
         self._count = 0.0
         self._nonfinite = False
+        self._read: set[str] = set()  # private statistics computed this step (counted where read)
+        self._released = 0  # noisy Gaussians drawn this step (counted where drawn)
 
     def begin(self, geometry: Optional[ClipGeometry] = None) -> None:
         """Start a logical step in the given clip geometry (identity if None)."""
@@ -206,7 +208,9 @@ class Privatizer:
         weights = torch.clamp(bounds / norms.clamp_min(1e-30), max=1.0)
         if self.quantile is not None:
             self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
+            self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
+        self._read.add("gradient_sum")
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
 
@@ -220,7 +224,8 @@ class Privatizer:
         if self._sum is None:
             if params_like is None:
                 raise RuntimeError("nothing accumulated: pass params_like for an empty step")
-            self._sum = [torch.zeros_like(p) for p in params_like]
+            self._sum = [torch.zeros_like(p) for p in params_like]  # the sums over zero examples
+            self._read.update(["gradient_sum"] + (["clipped_count"] if self.quantile is not None else []))
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
         grads, noise_std = [], []
@@ -239,14 +244,16 @@ class Privatizer:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
-        self.reads += 1
-        self.releases += 1
+        self._released += 1
         event = self.step_event()
         meta = {"max_grad_norm": list(self.bounds), "sensitivity": sens, "noise_multiplier":
-                self.noise_multiplier, "noise_std": std, "reads": 1, "releases": 1,
+                self.noise_multiplier, "noise_std": std,
                 "geometry": "identity" if geo.is_identity else "shift-scale"}
         if self.quantile is not None:
             meta.update(self._release_count())
+        meta.update(reads=len(self._read), releases=self._released)
+        self.reads += len(self._read)
+        self.releases += self._released
         entry = self.ledger.record(self.steps, event, **meta)
         release = Release(tuple(grads), tuple(noise_std), geo, self.steps, entry.event,
                           self.noise_multiplier, bbar, tuple(meta["max_grad_norm"]))
@@ -264,10 +271,8 @@ class Privatizer:
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
         self.clip_history.append(applied)
-        self.reads += 1
-        self.releases += 1
-        return {"reads": 2, "releases": 2,
-                "count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
+        self._released += 1
+        return {"count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
                 "count_sensitivity": 0.5, "released_fraction": frac}
 
     def privatize(self, sources: Union[object, Iterable], geometry: Optional[ClipGeometry] = None,

@@ -264,8 +264,8 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
             fh.write(json.dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
     torch.save(model.state_dict(), run_dir / "model.pt")
-    acc, test_loss = evaluate(model, data.x_test, data.y_test)
-    eps = epsilon(ledger, cfg.delta, cfg.accountant)
+    final = metrics[-1]  # the last step always closes an epoch row: no second evaluation
+    acc, test_loss, eps = final["test_accuracy"], final["test_loss"], final["epsilon"]
     summary: dict[str, Any] = {
         "method": cfg.method, "dataset": cfg.dataset, "model": model_name,
         "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
