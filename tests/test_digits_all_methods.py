@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dpopt.data import load_dataset
-from dpopt.train import TrainConfig, train
+from dpopt.training import TrainConfig, train
 
 EPOCHS = 20
 SLACK = 3  # epochs of tolerance on FIRST_080 (numerics of another per-sample engine, BLAS, ...)

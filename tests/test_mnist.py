@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from dpopt.data import load_dataset
-from dpopt.train import TrainConfig, train
+from dpopt.training import TrainConfig, train
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA_DIR / "mnist.npz").exists(),

@@ -27,6 +27,7 @@ _EXPORTS = {
     "PrivacyLedger": "dpopt.accounting.ledger",
     "epsilon": "dpopt.accounting.accountant",
     "PoissonSampler": "dpopt.sampling",
+    "NoiseSource": "dpopt.noise",
     "per_sample_gradients": "dpopt.per_sample",
     "iter_per_sample_gradients": "dpopt.per_sample",
     "iter_per_sample_sources": "dpopt.engine",
@@ -34,8 +35,8 @@ _EXPORTS = {
     "make_optimizer": "dpopt.methods",
     "list_methods": "dpopt.methods",
     "get_method": "dpopt.methods",
-    "TrainConfig": "dpopt.train",
-    "train": "dpopt.train",
+    "TrainConfig": "dpopt.training",
+    "train": "dpopt.training",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

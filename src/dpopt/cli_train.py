@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Optional
 
 import typer
@@ -48,10 +49,20 @@ def train_command(
         None, help="σ: noise std = σ × sensitivity (default 1.0; not with --target-epsilon)"),
     delta: float = typer.Option(1e-5, help="δ of the reported (ε, δ)"),
     max_grad_norm: Optional[float] = typer.Option(None, help="clip bound C (default 1.0; w-space for MacAdam)"),
-    batch_size: float = typer.Option(64.0, help="expected batch size B̄; sample_rate = B̄/N"),
+    batch_size: float = typer.Option(64.0, help="expected batch size B̄ (public denominator); sample_rate = B̄/N "
+                                                "unless --sample-rate is given"),
+    sample_rate: Optional[float] = typer.Option(
+        None, help="Poisson rate q; default B̄/N, which treats the dataset size N as public (run files reveal it)"),
     epochs: float = typer.Option(10.0, help="epochs; steps = round(epochs × N / B̄)"),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
-    seed: int = typer.Option(0, help="seed for init, sampling and noise"),
+    seed: int = typer.Option(0, help="seed for model initialisation and non-private randomness; the noise and "
+                                     "Poisson masks are secret (OS entropy) unless --reproducible-noise"),
+    reproducible_noise: bool = typer.Option(
+        False, help="RESEARCH ONLY: seed the noise and masks from --seed (bit-identical reruns; no privacy "
+                    "against anyone who knows the seed; `dpopt check` fails the ledger)"),
+    secure_mode: bool = typer.Option(False, help="draw noise and masks from the OS CSPRNG (slower)"),
+    show_train_loss: bool = typer.Option(
+        False, help="show the loss of the private training batch in the progress bar: NOT PRIVATE (display only)"),
     accountant: str = typer.Option("pld", help="pld (connect-the-dots), rdp or prv"),
     physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
@@ -79,7 +90,7 @@ def train_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .data import DataError
-    from .train import TrainConfig, train
+    from .training import TrainConfig, train
 
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
                if v is not None}
@@ -102,7 +113,9 @@ def train_command(
                       physical_batch_size=physical_batch_size, out=out, hparams=hparams,
                       target_epsilon=target_epsilon, clipping=clipping, layer_bounds=bounds,
                       target_quantile=target_quantile, quantile_lr=quantile_lr, count_share=count_share,
-                      count_noise_multiplier=count_noise_multiplier, overwrite=overwrite)
+                      count_noise_multiplier=count_noise_multiplier, overwrite=overwrite,
+                      sample_rate=sample_rate, reproducible_noise=reproducible_noise, secure_mode=secure_mode,
+                      show_train_loss=show_train_loss)
     if threads is not None:
         if threads < 1:
             _fail(f"--threads must be >= 1, got {threads}")
@@ -110,19 +123,30 @@ def train_command(
 
         torch.set_num_threads(threads)
     console = Console(stderr=True)
+    # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]:.3f}  ε {task.fields[eps]:.3f}"),
-                        TimeRemainingColumn(), console=console, transient=False)
+                        TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
+                        transient=False)
     task = None
 
     def on_step(info: dict) -> None:
         nonlocal task
+        status = f"ε {info['epsilon']:.3f}"
+        if info["test_accuracy"] is not None:
+            status += f"  test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}"
+        if "loss" in info:
+            status += f"  batch loss {info['loss']:.3f} (NOT private)"
         if task is None:
-            task = progress.add_task(f"{method} on {dataset}", total=info["steps"], loss=0.0, eps=0.0)
-        progress.update(task, completed=info["step"], loss=info["loss"], eps=info["epsilon"])
+            task = progress.add_task(f"{method} on {dataset}", total=info["steps"], status=status)
+        progress.update(task, completed=info["step"], status=status)
 
+    if reproducible_noise:
+        console.print("[bold red]warning:[/] --reproducible-noise: the noise and Poisson masks are seeded from "
+                      f"--seed {seed}; anyone who knows it can replay them, so this run has NO privacy "
+                      "guarantee (research reruns only). `dpopt check` will fail its ledger.")
     try:
-        with progress:
+        with progress, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
             summary = train(cfg, on_step=on_step)
     except (ValueError, DataError) as exc:
         _fail(str(exc))
@@ -132,9 +156,6 @@ def train_command(
         f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
         f"({summary['accountant']}), σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}, "
         f"{summary['steps']} steps, {summary['wall_seconds']:.1f} s")
-    if summary["nonfinite_steps"]:
-        out_console.print(f"[yellow]warning:[/] {summary['nonfinite_steps']} steps had non-finite per-sample "
-                          "gradients (zeroed before clipping; non-private diagnostic)")
     if "target_epsilon" in summary:
         out_console.print(f"σ = {summary['noise_multiplier']:.4g} calibrated for target ε = "
                           f"{summary['target_epsilon']:g}")

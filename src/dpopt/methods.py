@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .accounting.ledger import PrivacyLedger
+from .noise import NoiseSource
 from .optim import DPOptimizer
 from .privatizer import Privatizer, QuantileClipping
 from .transforms.adaclip import AdaClip
@@ -132,6 +133,8 @@ def make_optimizer(
     sample_rate: float,
     ledger: Optional[PrivacyLedger] = None,
     generator: Optional[torch.Generator] = None,
+    secure_mode: bool = False,
+    noise: Optional[NoiseSource] = None,
     groups: Optional[Sequence[int]] = None,
     group_bounds: Optional[Sequence[float]] = None,
     quantile: Optional[QuantileClipping] = None,
@@ -142,8 +145,15 @@ def make_optimizer(
 
     Args:
         name: method name (see :func:`list_methods`).
-        params: the model's trainable parameters (iterable of tensors).
+        params: the model's parameters (iterable of tensors, e.g.
+            ``model.parameters()``); those with ``requires_grad=False`` are
+            skipped (never updated), the rest are matched to per-sample
+            gradients by identity.
         noise_multiplier, expected_batch_size, sample_rate: privacy settings.
+        noise, generator, secure_mode: where the noise comes from (see
+            :class:`~dpopt.privatizer.Privatizer`): secret by default; a
+            ``generator`` makes it reproducible (no privacy against whoever
+            knows its seed; recorded in the ledger).
         groups, group_bounds: per-layer clipping (group index per parameter,
             one bound per group); noise is calibrated to √(Σ C_k²).
         quantile: quantile adaptive clipping config (flat-clipping methods only).
@@ -161,8 +171,9 @@ def make_optimizer(
                          "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)")
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
     privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
-                            groups=groups, quantile=quantile, generator=generator)
-    params = list(params)
+                            groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
+                            noise=noise)
+    params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS}
     return DPOptimizer(params, privatizer, spec.build(chain_hp, params), lr=hp["lr"])
 

@@ -9,6 +9,14 @@
 
 It calls ``super().__init__`` so LR schedulers, ``state_dict`` and hooks work;
 learning rates are read from ``param_groups`` at every step.
+
+Parameters are matched by IDENTITY: a per-sample source that lists the
+parameters it covers (``source.params``, as the dpopt engines do) has its
+norms, sums and geometry mapped to the optimizer's parameters whatever their
+order; parameters with ``requires_grad=False`` (a frozen backbone, LoRA-style
+fine-tuning) are skipped and never changed. A source built by hand without
+``params`` is matched by position to the trainable parameters and must have
+exactly as many.
 """
 
 from __future__ import annotations
@@ -19,6 +27,49 @@ from torch import Tensor
 
 from .privatizer import Privatizer, Release
 from .transforms.base import ClipGeometry, EvaluationPoint, StepContext, Transform
+
+
+class _Reordered:
+    """A per-sample source seen in the optimizer's parameter order (``perm[j]`` = source index of param j)."""
+
+    def __init__(self, source, perm: list[int]):
+        self.source, self.perm = source, perm
+        self.inverse = [0] * len(perm)
+        for j, i in enumerate(perm):
+            self.inverse[i] = j
+
+    @property
+    def num_params(self) -> int:
+        return len(self.perm)
+
+    @property
+    def nonfinite(self):
+        return getattr(self.source, "nonfinite", 0)
+
+    def _geo(self, geometry: ClipGeometry) -> ClipGeometry:
+        def order(ts):
+            return None if ts is None else tuple(ts[j] for j in self.inverse)
+        return ClipGeometry(order(geometry.shift), order(geometry.scale))
+
+    def sq_norms(self, geometry: ClipGeometry, groups, num_groups: int) -> Tensor:
+        return self.source.sq_norms(self._geo(geometry), [groups[j] for j in self.inverse], num_groups)
+
+    def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups) -> list[Tensor]:
+        sums = self.source.weighted_sum(weights, self._geo(geometry), [groups[j] for j in self.inverse])
+        return [sums[i] for i in self.perm]
+
+
+def _same_points(a: list[EvaluationPoint], b) -> bool:
+    """Do two lists of evaluation points have equal coefficients and offsets?"""
+    if b is None or len(a) != len(b):
+        return False
+    for p, r in zip(a, b):
+        if float(p.coef) != float(r.coef) or (p.offset is None) != (r.offset is None):
+            return False
+        if p.offset is not None and (len(p.offset) != len(r.offset) or not all(
+                x is y or torch.equal(x, y) for x, y in zip(p.offset, r.offset))):
+            return False
+    return True
 
 __all__ = ["DPOptimizer"]
 
@@ -35,7 +86,10 @@ class DPOptimizer(torch.optim.Optimizer):
         lr: default learning rate (> 0).
 
     Raises:
-        ValueError: lr ≤ 0.
+        ValueError: lr ≤ 0; no trainable parameter; (at :meth:`step`) a
+            per-sample source that does not cover exactly the optimizer's
+            trainable parameters, or that was evaluated at other points than
+            :meth:`evaluation_points` asks for (DiSK).
         TypeError: a closure passed to :meth:`step` (DP steps need per-sample
             gradients, not a loss closure).
     """
@@ -47,12 +101,55 @@ class DPOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if not group["lr"] > 0:
                 raise ValueError(f"lr must be > 0 in every param group, got {group['lr']}")
+        if not self._params():
+            raise ValueError("the optimizer got no parameter with requires_grad=True; nothing to train")
         self.privatizer = privatizer
         self.transform = transform
 
     # -- helpers over all trainable params, in group order ------------------
     def _params(self) -> list[Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+        """Trainable parameters (``requires_grad``) in param-group order; frozen ones are skipped."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _matched(self, source, params: list[Tensor], points: list[EvaluationPoint]):
+        """``source`` seen in the order of ``params`` (matched by identity); checks coverage and points."""
+        covered = getattr(source, "params", None)
+        if covered is None:
+            if source.num_params != len(params):
+                raise ValueError(f"the per-sample source has {source.num_params} parameters but the optimizer "
+                                 f"trains {len(params)}; build sources with dpopt's engines (which record the "
+                                 "parameters they cover) or give one gradient per trainable parameter, in order")
+            perm = list(range(len(params)))
+        else:
+            where = {id(p): i for i, p in enumerate(covered)}
+            missing = [j for j, p in enumerate(params) if id(p) not in where]
+            extra = len(covered) - (len(params) - len(missing))
+            if missing or extra:
+                shapes = [tuple(params[j].shape) for j in missing]
+                raise ValueError(f"the per-sample source and the optimizer cover different parameters "
+                                 f"({len(missing)} optimizer parameters missing from the source, shapes "
+                                 f"{shapes}; {extra} source parameters not in the optimizer): give the "
+                                 "optimizer exactly the model's trainable parameters")
+            perm = [where[id(p)] for p in params]
+        default = len(points) == 1 and points[0].offset is None and float(points[0].coef) == 1.0
+        if not default:
+            if not _same_points(points, getattr(source, "points", None)):
+                raise ValueError("this optimizer (DiSK) needs per-sample gradients at its evaluation points: "
+                                 "pass points=opt.evaluation_points() to iter_per_sample_sources / "
+                                 "per_sample_gradients, computed just before this step")
+            if perm != list(range(len(params))):
+                raise ValueError("evaluation-point offsets follow the optimizer's parameter order: give the "
+                                 "optimizer the model's trainable parameters in model order")
+        return source if perm == list(range(len(params))) else _Reordered(source, perm)
+
+    def _sources(self, per_sample, params: list[Tensor]):
+        """Yield each micro-batch source matched to ``params`` (lazily: engines free the previous one)."""
+        points = self.evaluation_points()
+        if hasattr(per_sample, "sq_norms"):
+            yield self._matched(per_sample, params, points)
+            return
+        for src in per_sample:
+            yield self._matched(src, params, points)
 
     def _states(self) -> list[dict]:
         states = []
@@ -80,8 +177,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Args:
             per_sample: a per-sample source (``PerSampleGrads``) or an iterable
-                of them (micro-batches of one logical batch), parameters in
-                the optimizer's order.
+                of them (micro-batches of one logical batch), covering exactly
+                the optimizer's trainable parameters (matched by identity).
 
         Returns:
             The step's :class:`~dpopt.privatizer.Release`.
@@ -92,9 +189,10 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.per_sample)")
         params = self._params()
         states = self._states()
-        release = self.privatizer.privatize(per_sample, self.geometry(), params_like=params)
-        lrs = [g["lr"] for g in self.param_groups for _ in g["params"]]
-        groups = [g for g in self.param_groups for _ in g["params"]]
+        release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(),
+                                            params_like=params)
+        lrs = [g["lr"] for g in self.param_groups for p in g["params"] if p.requires_grad]
+        groups = [g for g in self.param_groups for p in g["params"] if p.requires_grad]
         ctx = StepContext(step=release.step + 1, noise_std=release.noise_std, lrs=lrs, groups=groups,
                           noise_multiplier=release.noise_multiplier,
                           expected_batch_size=release.expected_batch_size)

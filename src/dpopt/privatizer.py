@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import PrivacyLedger
+from .noise import NoiseSource, make_noise_source
 from .transforms.base import ClipGeometry
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
@@ -108,11 +109,19 @@ class Privatizer:
         groups: for per-layer clipping, the group index of each parameter
             (``len(groups)`` = number of parameters; values in range(len(C_k))).
         quantile: a :class:`QuantileClipping` to adapt a flat C every step.
-        generator: torch.Generator for the noise (reproducible runs).
+        noise: the :class:`~dpopt.noise.NoiseSource` of every Gaussian drawn
+            (default: a secret one, seeded from OS entropy and never written).
+        generator: a seeded ``torch.Generator`` — makes the noise
+            REPRODUCIBLE (research reruns only; the ledger records it and
+            ``dpopt check`` fails it).
+        secure_mode: draw the noise from the OS CSPRNG (:mod:`dpopt.noise`).
 
     Raises:
         ValueError: invalid σ, q, B̄, bounds or group indices (messages say
-            which value to change).
+            which value to change); more than one of ``noise``,
+            ``generator``, ``secure_mode``.
+
+    The ledger's header records the noise mode (``ledger.mark_noise``).
     """
 
     def __init__(
@@ -125,6 +134,8 @@ class Privatizer:
         groups: Optional[Sequence[int]] = None,
         quantile: Optional[QuantileClipping] = None,
         generator: Optional[torch.Generator] = None,
+        secure_mode: bool = False,
+        noise: Optional[NoiseSource] = None,
     ):
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         self.sample_rate = check_sample_rate(sample_rate)
@@ -152,11 +163,15 @@ class Privatizer:
             self.bounds = [float(quantile.initial_clip or bounds[0])]
         self.clip_history: list[float] = []  # released: the bound applied at each step (quantile)
         self.ledger = ledger if ledger is not None else PrivacyLedger()
-        self.generator = generator
+        self.noise = make_noise_source(noise, generator, secure_mode)
+        self.ledger.mark_noise(self.noise.mode)
         self.steps = 0
         self.reads = 0  # private statistics computed (gradient sums, counts)
         self.releases = 0  # noisy Gaussians released (and recorded)
-        self.nonfinite_steps = 0  # NON-PRIVATE diagnostic: steps with any non-finite per-sample grad
+        # PRIVATE diagnostic, kept in memory only (never written or printed by dpopt): steps in which
+        # some example's per-sample gradient was non-finite (zeroed before clipping). Its value depends
+        # on single examples without noise: publishing it is a membership test.
+        self.nonfinite_steps = 0
         self._reset()
 
     # -- public, derived ----------------------------------------------------
@@ -232,7 +247,7 @@ class Privatizer:
         for i, s in enumerate(self._sum):
             # g = (s + std·z)/B̄, built in place in the noise buffer (the sum is ours to consume)
             if std > 0:
-                g = torch.randn(s.shape, generator=self.generator, dtype=s.dtype, device=s.device)
+                g = self.noise.normal(s.shape, dtype=s.dtype, device=s.device)
                 g.mul_(std / bbar).add_(s, alpha=1.0 / bbar)
             else:
                 g = s / bbar
@@ -266,7 +281,7 @@ class Privatizer:
         """Noisy centred count → next clip bound (Andrew et al. 2021, Alg. 1)."""
         q = self.quantile
         count_std = 0.5 * q.count_noise_multiplier
-        noise = float(torch.randn((), generator=self.generator, dtype=torch.float64)) * count_std
+        noise = float(self.noise.normal((), dtype=torch.float64)) * count_std
         frac = min(1.0, max(0.0, (self._count + noise) / self.expected_batch_size + 0.5))
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
@@ -277,10 +292,18 @@ class Privatizer:
 
     def privatize(self, sources: Union[object, Iterable], geometry: Optional[ClipGeometry] = None,
                   params_like: Optional[Sequence[Tensor]] = None) -> Release:
-        """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``."""
+        """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``.
+
+        If reading a micro-batch raises, the partial sums are discarded and
+        nothing is released or recorded (the exception propagates).
+        """
         self.begin(geometry)
         if hasattr(source_list := sources, "sq_norms"):
             source_list = [sources]
-        for src in source_list:  # type: ignore[union-attr]
-            self.accumulate(src)
+        try:
+            for src in source_list:  # type: ignore[union-attr]
+                self.accumulate(src)
+        except BaseException:
+            self._reset()  # nothing released or recorded: the step did not happen
+            raise
         return self.release(params_like)

@@ -5,6 +5,14 @@ per-sample gradients where the optimizer asks (``evaluation_points``) in
 micro-batches of at most ``physical_batch_size`` → ``DPOptimizer.step`` (the
 Privatizer releases once and records the step in the ledger) → post-processing.
 ε is always computed by one accountant over the whole ledger.
+
+What the run writes and prints (run files, ``--json`` line, progress) is public
+configuration, released values (the model, test-set metrics computed from it)
+and accountant output only. The noise and Poisson masks come from a secret
+:class:`~dpopt.noise.NoiseSource` unless ``reproducible_noise`` is set; the
+seed fixes model initialisation (and other non-private randomness) only.
+The dataset size N is treated as public when the sample rate is derived as
+q = B̄/N (the run files then reveal N); give ``sample_rate`` to avoid that.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -29,13 +38,17 @@ from .data import Dataset, load_dataset
 from .methods import get_method, make_optimizer
 from .models import DEFAULT_MODEL, build_model, check_model, num_parameters
 from .engine import iter_per_sample_sources
+from .noise import NoiseSource
 from .privatizer import QuantileClipping
 from .sampling import PoissonSampler
 
 __all__ = ["TrainConfig", "train", "evaluate", "validate_config", "layer_groups", "CLIPPINGS"]
 
 CLIPPINGS = ("flat", "per-layer", "quantile")
-LOSS_EVERY = 10  # the progress display's (non-private) batch loss is refreshed every 10 steps
+LOSS_EVERY = 10  # show_train_loss: the (NON-PRIVATE) batch loss is refreshed every 10 steps
+REPRODUCIBLE_NOISE_WARNING = ("reproducible_noise: the Gaussian noise and Poisson masks are seeded from the "
+                              "published seed, so anyone who knows it can replay them: NO privacy guarantee "
+                              "(research reruns only; `dpopt check` fails this run's ledger)")
 
 
 @dataclass
@@ -49,10 +62,10 @@ class TrainConfig:
     noise_multiplier: float = 1.0
     delta: float = 1e-5
     max_grad_norm: Optional[float] = None
-    batch_size: float = 64.0  # expected batch size B̄; sample_rate = B̄ / N
+    batch_size: float = 64.0  # expected batch size B̄ (the public denominator); sample_rate = B̄ / N by default
     epochs: float = 10.0
     lr: Optional[float] = None
-    seed: int = 0
+    seed: int = 0  # model initialisation and other non-private randomness (never the noise)
     accountant: str = "pld"
     physical_batch_size: Optional[int] = None
     out: Optional[str] = None
@@ -65,23 +78,32 @@ class TrainConfig:
     count_share: Optional[float] = None  # quantile: share r of the budget for the count (0.05)
     count_noise_multiplier: Optional[float] = None  # quantile: explicit 2σ_b instead of a share
     overwrite: bool = False  # allow --out to replace an earlier run's files
+    sample_rate: Optional[float] = None  # explicit Poisson rate q (then N is not used to derive it)
+    reproducible_noise: bool = False  # research only: noise and masks seeded from `seed` (no privacy)
+    secure_mode: bool = False  # noise and masks from the OS CSPRNG (dpopt.noise)
+    show_train_loss: bool = False  # on_step gets the NON-PRIVATE loss of the private batch
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
     """Check a config against the dataset size; errors say what to change.
 
     Raises:
-        ValueError: σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N, lr ≤ 0, epochs ≤ 0,
-            unknown accountant or method.
+        ValueError: σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N (when q = B̄/N),
+            q ∉ (0, 1], lr ≤ 0, epochs ≤ 0, unknown accountant or method,
+            reproducible noise together with secure mode.
     """
     check_noise_multiplier(cfg.noise_multiplier)
     check_delta(cfg.delta)
     get_method(cfg.method)
     if not (cfg.batch_size >= 1 and math.isfinite(cfg.batch_size)):
         raise ValueError(f"--batch-size (the expected batch size) must be a number >= 1, got {cfg.batch_size}")
-    if cfg.batch_size > n_train:
+    if cfg.sample_rate is None and cfg.batch_size > n_train:
         raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {n_train} training examples; "
                          f"use at most {n_train}")
+    if cfg.sample_rate is not None and not (0.0 < cfg.sample_rate <= 1.0):
+        raise ValueError(f"--sample-rate must be in (0, 1], got {cfg.sample_rate}")
+    if cfg.reproducible_noise and cfg.secure_mode:
+        raise ValueError("--reproducible-noise and --secure-mode exclude each other")
     if cfg.lr is not None and not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if not (cfg.epochs > 0 and math.isfinite(cfg.epochs)):
@@ -192,6 +214,18 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, target)
 
 
+def noise_source(cfg: TrainConfig) -> NoiseSource:
+    """The run's :class:`~dpopt.noise.NoiseSource`: secret unless the config asks otherwise.
+
+    ``reproducible_noise`` seeds it from ``cfg.seed`` (and warns: no privacy
+    against anyone who knows the seed); ``secure_mode`` uses the OS CSPRNG.
+    """
+    if cfg.reproducible_noise:
+        warnings.warn(REPRODUCIBLE_NOISE_WARNING, UserWarning, stacklevel=3)
+        return NoiseSource("reproducible", seed=cfg.seed)
+    return NoiseSource("secure" if cfg.secure_mode else "secret")
+
+
 def train(cfg: TrainConfig, data: Optional[Dataset] = None,
           on_step: Optional[Callable[[dict], None]] = None) -> dict:
     """Train a model with DP; write the run directory; return the summary dict.
@@ -199,15 +233,17 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     Args:
         cfg: the run's configuration.
         data: a loaded :class:`~dpopt.data.Dataset` (loaded from cfg if None).
-        on_step: called after every step with ``{"step", "steps", "loss",
-            "epsilon"}`` (loss is the NON-PRIVATE training loss of the batch,
-            for progress display only, refreshed every 10 steps; epsilon is the ε spent at
-            the last epoch end).
+        on_step: called after every step with ``{"step", "steps", "epsilon",
+            "test_accuracy", "test_loss"}`` (ε spent and test-set metrics at the
+            last epoch end; None before the first). Only with
+            ``cfg.show_train_loss`` is ``"loss"`` added: the NON-PRIVATE loss
+            of the private batch (an extra forward pass every 10 steps), for a
+            display the user has asked for.
 
     Returns:
         dict with method, dataset, model, test_accuracy, epsilon, delta,
         noise_multiplier, sample_rate, expected_batch_size, steps, accountant,
-        wall_seconds, run_dir, nonfinite_steps and more.
+        noise (the noise mode), wall_seconds, run_dir and more — public values only.
 
     Raises:
         ValueError / DataError: invalid configuration or data.
@@ -215,25 +251,25 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     start = time.perf_counter()
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
     validate_config(cfg, data.n_train)
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only
+    noise = noise_source(cfg)
     model_name = cfg.model or DEFAULT_MODEL[cfg.dataset]
     model = build_model(model_name, cfg.dataset)
     check_model(model)
-    sample_rate = float(cfg.batch_size) / data.n_train
+    sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
     steps = max(1, int(round(cfg.epochs / sample_rate)))
     sigma, calibration = cfg.noise_multiplier, None
     if cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
                                                  cfg.accountant)
         sigma = calibration.noise_multiplier
-    ledger = PrivacyLedger()
+    ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
     overrides = dict(cfg.hparams, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
     hp = get_method(cfg.method).hparams(cfg.dataset, **overrides)
     privacy, privacy_facts = _privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
     opt = make_optimizer(cfg.method, [p for p in model.parameters() if p.requires_grad],
                          expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
-                         generator=gen, dataset=cfg.dataset, **privacy, **overrides)
+                         noise=noise, dataset=cfg.dataset, **privacy, **overrides)
     run_dir = _run_dir(cfg)
     config = dict(asdict(cfg), model=model_name, hparams=dict(hp), noise_multiplier=sigma,
                   max_grad_norm=hp["max_grad_norm"], lr=hp["lr"], sample_rate=sample_rate, steps=steps,
@@ -242,7 +278,7 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
 
     steps_per_epoch = 1.0 / sample_rate
     eps_now, metrics, next_epoch, loss = 0.0, [], 1, float("nan")
-    sampler = PoissonSampler(data.n_train, sample_rate, steps, generator=gen)
+    sampler = PoissonSampler(data.n_train, sample_rate, steps, noise=noise)
     for step, idx in enumerate(sampler, start=1):
         x, y = data.x_train[idx], data.y_train[idx]
         sources = iter_per_sample_sources(model, _loss, x, y, cfg.physical_batch_size,
@@ -255,10 +291,15 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
                             "epsilon": eps_now})
             next_epoch += 1
         if on_step is not None:
-            if (step - 1) % LOSS_EVERY == 0 and len(x):  # display only: an extra forward pass
-                with torch.no_grad():
-                    loss = float(_loss(model(x), y))
-            on_step({"step": step, "steps": steps, "loss": loss, "epsilon": eps_now})
+            last = metrics[-1] if metrics else {}
+            info = {"step": step, "steps": steps, "epsilon": eps_now,
+                    "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss")}
+            if cfg.show_train_loss:  # asked for: NOT private (an extra forward pass of the private batch)
+                if (step - 1) % LOSS_EVERY == 0 and len(x):
+                    with torch.no_grad():
+                        loss = float(_loss(model(x), y))
+                info["loss"] = loss
+            on_step(info)
     with open(run_dir / "metrics.jsonl", "w") as fh:
         for row in metrics:
             fh.write(json.dumps(row) + "\n")
@@ -272,8 +313,8 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
         "noise_multiplier": sigma, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
         "sample_rate": sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": steps,
         "epochs": cfg.epochs, "lr": hp["lr"], "accountant": cfg.accountant, "seed": cfg.seed,
-        "num_parameters": num_parameters(model), "nonfinite_steps": opt.privatizer.nonfinite_steps,
-        "privatizer_reads": opt.privatizer.reads, "privatizer_releases": opt.privatizer.releases,
+        "num_parameters": num_parameters(model), "noise": noise.mode,
+        "dataset_size": ledger.dataset_size, "privatizer_reads": opt.privatizer.reads, "privatizer_releases": opt.privatizer.releases,
         "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
         **privacy_facts,
     }

@@ -1,0 +1,132 @@
+"""Secret randomness (issue 9, item 1): noise and masks are never replayable from a published seed.
+
+Statistical tests state their false-alarm rate; all draws that must differ
+come from OS entropy, so "two runs differ" fails only if two independent
+63-bit seeds collide (probability 2^-63).
+"""
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import dpopt
+from dpopt.accounting.ledger import PrivacyLedger
+from dpopt.check import check_run
+from dpopt.noise import NoiseSource, make_noise_source
+from dpopt.per_sample import PerSampleGrads
+from dpopt.privatizer import Privatizer
+from dpopt.sampling import PoissonSampler
+from dpopt.training import TrainConfig, train
+
+
+def _run(tmp_path, name, **kw):
+    cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=0.5, seed=3, accountant="rdp",
+                      out=str(tmp_path / name), **kw)
+    summary = train(cfg)
+    return summary, torch.load(tmp_path / name / "model.pt")
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_same_seed_gives_different_models_by_default(tmp_path):
+    s1, m1 = _run(tmp_path, "a")
+    s2, m2 = _run(tmp_path, "b")
+    assert s1["noise"] == s2["noise"] == "secret"
+    assert not _same(m1, m2)
+    assert check_run(tmp_path / "a").passed
+
+
+def test_reproducible_noise_is_identical_and_fails_the_check(tmp_path):
+    with pytest.warns(UserWarning, match="NO privacy guarantee"):
+        s1, m1 = _run(tmp_path, "a", reproducible_noise=True)
+    with pytest.warns(UserWarning):
+        s2, m2 = _run(tmp_path, "b", reproducible_noise=True)
+    assert _same(m1, m2)
+    assert s1["noise"] == "reproducible"
+    assert PrivacyLedger.load(tmp_path / "a").noise == "reproducible"
+    result = check_run(tmp_path / "a")
+    assert not result.passed
+    assert "noise reproducible from a published seed" in result.format()
+
+
+def test_privatizer_noise_ignores_the_global_seed():
+    """The old defect: noise drawn from a generator fixed by the user's seed."""
+    grads = PerSampleGrads([torch.zeros(3, 50)])
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        draws.append(Privatizer(1.0, 1.0, 4.0, 0.1).privatize(grads).grads[0])
+    assert not torch.equal(draws[0], draws[1])
+
+
+def test_privatizer_records_the_noise_mode():
+    assert Privatizer(1.0, 1.0, 4.0, 0.1).ledger.noise == "secret"
+    assert Privatizer(1.0, 1.0, 4.0, 0.1, secure_mode=True).ledger.noise == "secure"
+    gen = torch.Generator().manual_seed(1)
+    assert Privatizer(1.0, 1.0, 4.0, 0.1, generator=gen).ledger.noise == "reproducible"
+    with pytest.raises(ValueError, match="at most one"):
+        Privatizer(1.0, 1.0, 4.0, 0.1, generator=gen, secure_mode=True)
+
+
+def test_reproducible_source_is_reproducible_and_secret_is_not():
+    a, b = NoiseSource("reproducible", seed=5), NoiseSource("reproducible", seed=5)
+    assert torch.equal(a.normal((100,)), b.normal((100,)))
+    s, t = NoiseSource(), NoiseSource()
+    assert not torch.equal(s.normal((100,)), t.normal((100,)))
+    assert s._seed is None and "seed" not in repr(s)  # a secret source keeps no seed
+    with pytest.raises(ValueError, match="reproducible"):
+        NoiseSource("secret", seed=1)
+    with pytest.raises(ValueError, match="needs a seed"):
+        NoiseSource("reproducible")
+    with pytest.raises(ValueError, match="noise mode"):
+        NoiseSource("fast")
+
+
+@pytest.mark.parametrize("mode", ["secret", "secure"])
+def test_normal_draws_are_standard_normal(mode):
+    """Kolmogorov–Smirnov test of 200,000 draws against N(0, 1) at α = 1e-4 (false alarm 1 in 10,000)."""
+    z = make_noise_source(secure_mode=mode == "secure").normal((200_000,), dtype=torch.float64)
+    assert z.dtype == torch.float64 and z.shape == (200_000,)
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+
+
+def test_secure_uniforms_cover_the_unit_interval_with_53_bits():
+    u = NoiseSource("secure").uniform(100_000)
+    assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4  # α = 1e-4
+    # float32-resolution uniforms would all be multiples of 2^-24
+    assert bool(((u * 2 ** 24) % 1 != 0).any())
+
+
+def test_poisson_masks_are_float64_exact_for_tiny_rates():
+    """q = 1e-7 is compared in float64: 0 hits in 10^6 draws has probability e^-0.1 ≈ 0.90;
+    a float32 comparison draws with probability 1.19e-7 — the test checks the comparison dtype."""
+    src = NoiseSource("reproducible", seed=0)
+    u = src.uniform(1000)
+    assert u.dtype == torch.float64
+    sampler = PoissonSampler(1000, 0.5, 3)
+    assert sampler.noise.mode == "secret"
+    sizes = [len(b) for b in sampler]
+    assert all(0 < n < 1000 for n in sizes)  # P(fail) ≈ 3·2^-999
+
+
+def test_poisson_masks_are_secret_by_default():
+    torch.manual_seed(0)
+    a = [b.tolist() for b in PoissonSampler(200, 0.3, 2)]
+    torch.manual_seed(0)
+    b = [b.tolist() for b in PoissonSampler(200, 0.3, 2)]
+    assert a != b  # identical only if two 63-bit OS seeds collide
+
+
+def test_from_dpopt_import_train_is_the_function(tmp_path):
+    from dpopt import train as train_fn
+
+    assert callable(train_fn) and train_fn is dpopt.training.train
+    summary = train_fn(TrainConfig(dataset="digits", method="dp-sgd", epochs=0.1, accountant="rdp",
+                                   out=str(tmp_path / "r")))
+    assert summary["steps"] == max(1, round(0.1 / summary["sample_rate"]))
+    assert math.isfinite(summary["epsilon"])
