@@ -16,7 +16,7 @@ from dpopt.engine import iter_per_sample_sources
 from dpopt.engine import fast as fast_mod
 from dpopt.methods import make_optimizer
 from dpopt.privatizer import Privatizer, QuantileClipping
-from dpopt.train import TrainConfig, train
+from dpopt.training import TrainConfig, train
 
 DT = torch.float64
 
@@ -79,8 +79,8 @@ def test_chunks_are_produced_lazily_and_freed(monkeypatch):
     made = []
     real = fast_mod.PerSampleEngine.compute
 
-    def counting(self, xs, ys, points=None):
-        src = real(self, xs, ys, points)
+    def counting(self, xs, ys, points=None, batch_dim=0):
+        src = real(self, xs, ys, points, batch_dim)
         made.append(src)
         return src
 

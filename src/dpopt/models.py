@@ -53,14 +53,37 @@ def num_parameters(model: nn.Module) -> int:
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse layers that mix examples within a batch (invalid per-sample gradients).
+    """Refuse layers whose per-sample gradients (and with them the privacy claim) would be invalid.
+
+    Static properties of the model only; what depends on the forward pass
+    (an example axis that is not dim 0, examples mixed) is checked by the
+    engines on the first batch.
 
     Raises:
-        ValueError: the model contains a BatchNorm layer (names it, suggests GroupNorm).
+        ValueError: naming the layer and the fix, for
+
+            * BatchNorm: mixes the examples of a batch (use GroupNorm/LayerNorm);
+            * ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: the forward
+              renormalises the looked-up weight rows *in place*, so which rows
+              change depends on private tokens — an un-noised change to the
+              released weights (use ``max_norm=None``);
+            * ``sparse=True`` embeddings: sparse gradients are not supported
+              (use ``sparse=False``).
     """
     for name, module in model.named_modules():
+        where = f"layer {name or '<root>'!r} is {type(module).__name__}"
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ValueError(
-                f"layer {name or '<root>'!r} is {type(module).__name__}: batch normalisation mixes "
+                f"{where}: batch normalisation mixes "
                 "examples, so per-sample gradients (and the privacy claim) would be invalid. Replace it "
                 "with nn.GroupNorm (or LayerNorm).")
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            if module.max_norm is not None:
+                raise ValueError(
+                    f"{where} with max_norm={module.max_norm}: its forward renormalises the looked-up rows "
+                    "of the weight in place, so the released weights would change depending on which private "
+                    "tokens were seen, without noise. Use max_norm=None (clip or normalise the embedding "
+                    "output in forward instead if needed).")
+            if module.sparse:
+                raise ValueError(f"{where} with sparse=True: sparse gradients are not supported by the "
+                                 "per-sample engines. Use sparse=False.")

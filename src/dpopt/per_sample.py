@@ -19,6 +19,21 @@ picks the engine. Instances are private data: only the
 Non-finite per-sample gradients (an example whose gradient has any NaN/inf
 coordinate) are replaced by zeros on construction, so the clipping bound — and
 with it the sensitivity — holds for every example.
+
+**The example axis.** ``x``'s examples lie along ``batch_dim`` (default 0, the
+documented convention); the targets ``y`` always have the examples along dim 0
+and ``x.shape[batch_dim]`` must equal ``y.shape[0]`` (:func:`check_inputs`).
+Example i's gradient is the gradient of ``loss_fn(model(x_i), y[i:i+1])``, where
+``x_i = x.narrow(batch_dim, i, 1)`` keeps a size-1 example axis at
+``batch_dim``: the model sees that example *alone*, so a forward that mixes
+the examples of a batch (batch statistics, broadcasts over the batch) still
+gets its per-example definition. ``loss_fn`` receives the model's output for
+that one example, as the model returns it, and the target ``y[i:i+1]``.
+
+**Two exact evaluations.** ``torch.func`` ``vmap(grad)`` by default; where
+vmap cannot batch the model (recurrent layers, data-dependent shapes such as
+``EmbeddingBag`` offsets or packing inside ``forward``), an exact loop of
+single-example autograd calls, with a one-time warning that it is slower.
 """
 
 from __future__ import annotations
@@ -27,15 +42,54 @@ import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+import warnings
+import weakref
+
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from .models import check_model
 from .transforms.base import ClipGeometry, EvaluationPoint
 
-__all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients"]
+__all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
+           "check_inputs", "METHODS"]
+
+METHODS = ("auto", "vmap", "loop")
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
+    """Validate a batch and return ``batch_dim`` as a non-negative axis of ``x``.
+
+    Args:
+        x: inputs, a tensor with the examples along ``batch_dim``.
+        y: targets, a tensor with the examples along dim 0.
+        batch_dim: x's example axis (negative values count from the end).
+
+    Raises:
+        ValueError: x is a ``PackedSequence`` or not a tensor; ``batch_dim`` is
+            not an axis of x; or x's example axis and y's dim 0 differ in length
+            (never a silent cut).
+    """
+    if isinstance(x, PackedSequence):
+        raise ValueError("PackedSequence inputs are not supported: pass the padded tensor (examples along "
+                         "batch_dim, e.g. [B, T, ...]) and call pack_padded_sequence inside the model's "
+                         "forward, with the lengths derived from the padded tensor (each example is then "
+                         "packed alone by the per-example path)")
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        raise ValueError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError("x and y need an example axis (got a 0-dim tensor)")
+    if not -x.dim() <= batch_dim < x.dim():
+        raise ValueError(f"batch_dim={batch_dim} is not an axis of x with shape {tuple(x.shape)}")
+    bd = batch_dim % x.dim()
+    if x.shape[bd] != y.shape[0]:
+        raise ValueError(f"x has {x.shape[bd]} examples along batch_dim={batch_dim} (shape {tuple(x.shape)}) but "
+                         f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
+                         "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])")
+    return bd
 
 
 class PerSampleGrads:
@@ -44,20 +98,29 @@ class PerSampleGrads:
     Args:
         grads: one tensor per parameter, shape ``[B, *param.shape]``; all with
             the same B (B = 0 is allowed: an empty Poisson batch).
+        params: the parameters (the ``nn.Parameter`` objects) the gradients
+            belong to, in the same order; None for raw tensors.
+        points: the :class:`~dpopt.transforms.base.EvaluationPoint` objects
+            the gradients were evaluated at; None if unknown.
 
     Attributes:
         batch_size: B (private: never leaves the Privatizer).
         nonfinite: number of examples whose gradient had a non-finite entry
             (private diagnostic; those rows were zeroed).
+        params: tuple of the covered parameters in this source's order, or None.
+        points: tuple of evaluation points, or None.
     """
 
-    def __init__(self, grads: Sequence[Tensor]):
+    def __init__(self, grads: Sequence[Tensor], *, params: Optional[Sequence[Tensor]] = None,
+                 points: Optional[Sequence[EvaluationPoint]] = None):
         grads = list(grads)
         if not grads:
             raise ValueError("PerSampleGrads needs at least one parameter gradient")
         b = grads[0].shape[0]
         if any(g.shape[0] != b for g in grads):
             raise ValueError("all per-sample gradients must share the batch dimension")
+        if params is not None and len(params) != len(grads):
+            raise ValueError(f"{len(grads)} gradients but {len(params)} params")
         bad = torch.zeros(b, dtype=torch.bool, device=grads[0].device)
         for g in grads:
             bad |= ~torch.isfinite(g.reshape(b, math.prod(g.shape[1:]))).all(dim=1)
@@ -67,6 +130,8 @@ class PerSampleGrads:
                      for g in grads]
         self.grads = grads
         self.batch_size = int(b)
+        self.params = None if params is None else tuple(params)
+        self.points = None if points is None else tuple(points)
 
     @property
     def num_params(self) -> int:
@@ -81,12 +146,18 @@ class PerSampleGrads:
         return w
 
     def sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
-        """Squared norms ‖w_i‖² per group: shape ``[B, num_groups]`` (float32/64)."""
-        out = self.grads[0].new_zeros(self.batch_size, num_groups)
+        """Squared norms ‖w_i‖² per group: shape ``[B, num_groups]`` (float32/64).
+
+        w_i = (g_i − shift)/scale is formed coordinate-wise (no cancellation
+        beyond one rounding per coordinate); the squares are accumulated in
+        float64.
+        """
+        out = self.grads[0].new_zeros(self.batch_size, num_groups, dtype=torch.float64)
         for i, k in enumerate(groups):
             w = self._w(i, geometry)
-            out[:, k] += w.reshape(self.batch_size, math.prod(w.shape[1:])).pow(2).sum(dim=1)
-        return out
+            out[:, k] += torch.linalg.vector_norm(w.reshape(self.batch_size, math.prod(w.shape[1:])), dim=1,
+                                                  dtype=torch.float64).square()
+        return out.to(self.grads[0].dtype)
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         """Σ_i weights[i, group(p)] · w_i(p) for every parameter p (param-shaped)."""
@@ -98,11 +169,24 @@ class PerSampleGrads:
         return out
 
 
-def _loss_per_example(model: nn.Module, loss_fn: LossFn):
+# Models for which vmap failed or disagreed with the loop: per-example gradients by the loop.
+_LOOP_MODELS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def use_loop(model: nn.Module, reason: str) -> None:
+    """From now on compute ``model``'s per-example gradients by the exact loop (warns once)."""
+    if model not in _LOOP_MODELS:
+        _LOOP_MODELS[model] = reason
+        warnings.warn(f"per-example gradients of {type(model).__name__} use an exact loop of single-example "
+                      f"autograd calls (slower than torch.func.vmap): {reason}", RuntimeWarning, stacklevel=4)
+
+
+def _one_example(model: nn.Module, loss_fn: LossFn, batch_dim: int):
+    """ℓ(params; x_i, y_i) for one example whose example axis vmap removed (re-inserted at batch_dim)."""
     buffers = dict(model.named_buffers())
 
     def f(params: dict, x: Tensor, y: Tensor) -> Tensor:
-        out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
+        out = functional_call(model, (params, buffers), (x.unsqueeze(batch_dim),))
         return loss_fn(out, y.unsqueeze(0))
 
     return f
@@ -114,6 +198,47 @@ def _shifted(params: dict, offset: Optional[Sequence[Tensor]]) -> dict:
     return {k: v + o for (k, v), o in zip(params.items(), offset)}
 
 
+def _vmap_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd: int) -> dict:
+    f = _one_example(model, loss_fn, bd)
+
+    def f_sel(s: dict, r: dict, xi: Tensor, yi: Tensor) -> Tensor:
+        return f({**r, **s}, xi, yi)
+
+    return vmap(grad(f_sel), in_dims=(None, None, bd, 0))(sel, rest, x, y)
+
+
+def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd: int) -> dict:
+    """Exact per-example gradients by one autograd call per example (the definition)."""
+    buffers = dict(model.named_buffers())
+    leaves = {k: v.detach().requires_grad_(True) for k, v in sel.items()}
+    rows = []
+    for i in range(y.shape[0]):
+        try:
+            with torch.enable_grad():
+                out = functional_call(model, ({**rest, **leaves}, buffers), (x.narrow(bd, i, 1),))
+                loss = loss_fn(out, y[i:i + 1])
+                gs = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                      if loss.requires_grad else [None] * len(leaves))
+        except Exception as err:  # noqa: BLE001 — the user's model/loss: say what was called
+            raise ValueError(f"per-example gradients failed: model(x_i) with one example (a size-1 example "
+                             f"axis at batch_dim={bd}, shape {tuple(x.narrow(bd, i, 1).shape)}) and "
+                             f"loss_fn(out, y[i:i+1]) raised {type(err).__name__}: {err}") from err
+        rows.append([torch.zeros_like(v) if g is None else g.detach() for g, v in zip(gs, leaves.values())])
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(leaves)}
+
+
+def _grads(model, loss_fn, sel, rest, x, y, bd, method: str) -> dict:
+    if method == "loop" or (method == "auto" and model in _LOOP_MODELS):
+        return _loop_grads(model, loss_fn, sel, rest, x, y, bd)
+    try:
+        return _vmap_grads(model, loss_fn, sel, rest, x, y, bd)
+    except Exception as err:  # noqa: BLE001 — vmap cannot batch this model: the exact loop instead
+        if method == "vmap":
+            raise
+        use_loop(model, f"torch.func.vmap cannot batch it ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+        return _loop_grads(model, loss_fn, sel, rest, x, y, bd)
+
+
 def per_sample_gradient_tensors(
     model: nn.Module,
     loss_fn: LossFn,
@@ -121,14 +246,18 @@ def per_sample_gradient_tensors(
     y: Tensor,
     points: Optional[Sequence[EvaluationPoint]] = None,
     names: Optional[Sequence[str]] = None,
+    batch_dim: int = 0,
+    method: str = "auto",
 ) -> list[Tensor]:
     """Raw per-sample gradients (non-finite rows NOT zeroed) of selected trainable parameters.
 
     Args:
-        model, loss_fn, x, y, points: as in :func:`per_sample_gradients`.
+        model, loss_fn, x, y, points, batch_dim: as in :func:`per_sample_gradients`.
         names: parameter names (``named_parameters`` keys) to differentiate;
             the other parameters are held fixed. Default: every trainable one.
             ``points[k].offset`` always lists every trainable parameter.
+        method: ``"vmap"``, ``"loop"`` (one autograd call per example) or
+            ``"auto"`` (vmap; the loop for models vmap cannot batch).
 
     Returns:
         one tensor ``[B, *p.shape]`` per selected parameter, in
@@ -136,29 +265,28 @@ def per_sample_gradient_tensors(
 
     Raises:
         KeyError: a name that is not a trainable parameter.
+        ValueError: invalid inputs (:func:`check_inputs`), unknown method, or
+            the model/loss failed on a single example.
 
     Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
     """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    bd = check_inputs(x, y, batch_dim)
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     keys = list(params)
     chosen = keys if names is None else [k for k in keys if k in set(names)]
     if names is not None and len(chosen) != len(set(names)):
         raise KeyError(f"not trainable parameters of the model: {sorted(set(names) - set(chosen))}")
     points = list(points) if points else [EvaluationPoint(1.0)]
-    if x.shape[0] == 0:
+    if y.shape[0] == 0:
         return [params[k].new_zeros((0, *params[k].shape)) for k in chosen]
-    f = _loss_per_example(model, loss_fn)
-
-    def f_sel(sel: dict, rest: dict, xi: Tensor, yi: Tensor) -> Tensor:
-        return f({**rest, **sel}, xi, yi)
-
-    per_ex = vmap(grad(f_sel), in_dims=(None, None, 0, 0))
     total: Optional[list[Tensor]] = None
     for pt in points:
         shifted = _shifted(params, pt.offset)
         sel = {k: shifted[k] for k in chosen}
         rest = {k: v for k, v in shifted.items() if k not in sel}
-        g = per_ex(sel, rest, x, y)
+        g = _grads(model, loss_fn, sel, rest, x, y, bd, method)
         g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]
         total = g if total is None else [a + c for a, c in zip(total, g)]
     return total  # type: ignore[return-value]
@@ -170,23 +298,36 @@ def per_sample_gradients(
     x: Tensor,
     y: Tensor,
     points: Optional[Sequence[EvaluationPoint]] = None,
+    batch_dim: int = 0,
 ) -> PerSampleGrads:
-    """Per-sample gradients of ``loss_fn(model(x_i), y_i)`` w.r.t. trainable params.
+    """Per-sample gradients of ``loss_fn(model(x_i), y[i:i+1])`` w.r.t. trainable params.
 
     Args:
         model: the module; its trainable parameters in ``named_parameters`` order.
-        loss_fn: ``loss_fn(logits[1, ...], target[1, ...]) -> scalar``.
-        x: inputs ``[B, ...]``; y: targets ``[B, ...]``. B may be 0.
+        loss_fn: ``loss_fn(out_i, target[1, ...]) -> scalar`` where ``out_i``
+            is the model's output for one example (module docstring).
+        x: inputs with the B examples along ``batch_dim``; y: targets ``[B, ...]``.
+            B may be 0.
         points: evaluation points (DiSK); the per-example vector is
             Σ_k coef_k ∇ℓ(θ + offset_k; x_i). Default: one point at θ.
+        batch_dim: x's example axis (default 0).
 
     Returns:
-        :class:`PerSampleGrads` with one ``[B, *p.shape]`` tensor per parameter.
+        :class:`PerSampleGrads` with one ``[B, *p.shape]`` tensor per parameter,
+        ``params`` the trainable parameters and ``points`` the points given
+        (default ``(EvaluationPoint(1.0),)``).
+
+    Raises:
+        ValueError: a layer refused by :func:`~dpopt.models.check_model`, or
+            invalid inputs (:func:`check_inputs`).
 
     Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
     """
     check_model(model)
-    return PerSampleGrads(per_sample_gradient_tensors(model, loss_fn, x, y, points))
+    pts = tuple(points) if points else (EvaluationPoint(1.0),)
+    params = tuple(p for p in model.parameters() if p.requires_grad)
+    return PerSampleGrads(per_sample_gradient_tensors(model, loss_fn, x, y, pts, batch_dim=batch_dim),
+                          params=params, points=pts)
 
 
 def iter_per_sample_gradients(
@@ -196,17 +337,29 @@ def iter_per_sample_gradients(
     y: Tensor,
     physical_batch_size: Optional[int] = None,
     points: Optional[Sequence[EvaluationPoint]] = None,
+    batch_dim: int = 0,
 ) -> Iterator[PerSampleGrads]:
     """Yield :class:`PerSampleGrads` for chunks of at most ``physical_batch_size`` examples.
 
-    An empty batch yields one empty chunk (so the step is still released).
+    Chunks are cut along ``batch_dim`` of x (dim 0 of y). An empty batch
+    yields one empty chunk (so the step is still released).
+
+    Raises:
+        ValueError: ``physical_batch_size`` ≤ 0 or invalid inputs (:func:`check_inputs`).
     """
-    b = x.shape[0]
+    bd = check_inputs(x, y, batch_dim)
+    b = y.shape[0]
     size = physical_batch_size or max(b, 1)
     if size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
+    return _iter_chunks(model, loss_fn, x, y, size, points, bd)
+
+
+def _iter_chunks(model, loss_fn, x, y, size, points, bd) -> Iterator[PerSampleGrads]:
+    b = y.shape[0]
     if b == 0:
-        yield per_sample_gradients(model, loss_fn, x, y, points)
+        yield per_sample_gradients(model, loss_fn, x, y, points, bd)
         return
     for start in range(0, b, size):
-        yield per_sample_gradients(model, loss_fn, x[start:start + size], y[start:start + size], points)
+        n = min(size, b - start)
+        yield per_sample_gradients(model, loss_fn, x.narrow(bd, start, n), y[start:start + n], points, bd)

@@ -10,9 +10,15 @@ Two paths produce the per-sample *sources* the
   rules for Linear, Conv2d, Embedding, LayerNorm and GroupNorm that never
   materialise per-sample gradients of a whole batch, including the AdaClip /
   DP-MacAdam shift/scale geometry; other parameters fall back to the
-  reference path individually.
+  reference path individually. "Dim 0 is the example" is verified, not
+  assumed: per layer call on every batch, and against the reference path's
+  per-example norms on the first batch (see :class:`PerSampleEngine`).
 
-:func:`iter_per_sample_sources` is what :mod:`dpopt.train` calls: it splits a
+Both paths define example i's gradient as that of ``loss_fn(model(x_i),
+y[i:i+1])`` with the model seeing example i alone; ``batch_dim`` says where
+the examples are in x (dim 0 by default).
+
+:func:`iter_per_sample_sources` is what :mod:`dpopt.training` calls: it splits a
 logical batch into physical chunks lazily, so memory is bounded by the
 physical batch size, and the Privatizer accumulates them into one release.
 """
@@ -23,6 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
 
+from ..models import check_model
 from ..per_sample import iter_per_sample_gradients
 from ..transforms.base import EvaluationPoint
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
@@ -41,28 +48,40 @@ def iter_per_sample_sources(
     physical_batch_size: Optional[int] = None,
     points: Optional[Sequence[EvaluationPoint]] = None,
     engine: str = "fast",
+    batch_dim: int = 0,
 ) -> Iterator:
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
     Args:
         model, loss_fn: as in :func:`dpopt.per_sample.per_sample_gradients`
             (``loss_fn(logits[1, ...], target[1, ...]) -> scalar``).
-        x: inputs ``[B, ...]``; y: targets ``[B, ...]`` (B may be 0: one empty source).
+        x: inputs with the B examples along ``batch_dim``; y: targets ``[B, ...]``
+            (B may be 0: one empty source). ``loss_fn`` receives the model's
+            output for one example (x with a size-1 example axis at
+            ``batch_dim``) and ``y[i:i+1]``.
         physical_batch_size: chunk size P (None: the whole batch at once).
         points: DiSK evaluation points (default: θ with coefficient 1).
         engine: ``"fast"`` or ``"reference"``.
+        batch_dim: x's example axis (default 0, the documented convention;
+            e.g. 1 for sequence-first ``[T, B, ...]`` inputs). The fast
+            engine computes every parameter by the per-example path when it
+            is not 0.
 
     Yields:
         per-sample sources; with ``engine="fast"`` each is freed when the
         next is requested (consume them one at a time, as the Privatizer does).
 
     Raises:
-        ValueError: unknown engine or ``physical_batch_size`` ≤ 0.
+        ValueError: unknown engine, ``physical_batch_size`` ≤ 0, or invalid
+            inputs (:func:`dpopt.per_sample.check_inputs`: a PackedSequence,
+            or x's example axis and y's dim 0 of different lengths), or a
+            layer refused by :func:`dpopt.models.check_model`.
     """
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
-        return get_engine(model, loss_fn).iterate(x, y, physical_batch_size, points)
+        return get_engine(model, loss_fn).iterate(x, y, physical_batch_size, points, batch_dim)
     if engine == "reference":
-        return iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size, points)
+        check_model(model)
+        return iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size, points, batch_dim)
     raise ValueError(f"unknown per-sample engine {engine!r}; choose one of {ENGINES}")

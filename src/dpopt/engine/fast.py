@@ -47,12 +47,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..models import check_model
-from ..per_sample import per_sample_gradient_tensors
+from ..per_sample import _LOOP_MODELS, check_inputs, per_sample_gradient_tensors, use_loop
 from ..transforms.base import ClipGeometry, EvaluationPoint
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock,
                      group_norm_grads, layer_norm_grads)
 
-__all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
+__all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine", "free_sizes"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -70,6 +70,12 @@ class FastPerSampleGrads:
             geometry of the last :meth:`sq_norms` call (private diagnostic);
             those examples are treated as having a zero gradient, exactly like
             the reference path (their w_i = −shift/scale, clipped as usual).
+        params: tuple of the trainable parameters (the ``nn.Parameter``
+            objects) in this source's order; None if not given.
+        points: tuple of the :class:`~dpopt.transforms.base.EvaluationPoint`
+            objects the gradients were evaluated at; None if not given.
+
+    Norms and sums are computed outside autocast, in the parameters' dtype.
 
     The Privatizer calls :meth:`sq_norms` then :meth:`weighted_sum` with the
     same geometry; a factored layer may keep per-sample gradients between the
@@ -77,8 +83,11 @@ class FastPerSampleGrads:
     """
 
     def __init__(self, blocks: Sequence, shapes: Sequence[torch.Size], batch_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, *, params: Optional[Sequence[Tensor]] = None,
+                 points: Optional[Sequence[EvaluationPoint]] = None):
         self.blocks = list(blocks)
+        self.params = None if params is None else tuple(params)
+        self.points = None if points is None else tuple(points)
         self.shapes = [torch.Size(s) for s in shapes]
         self.batch_size = int(batch_size)
         self.dtype, self.device = dtype, device
@@ -122,6 +131,10 @@ class FastPerSampleGrads:
             get the norm of a zero gradient, ‖shift/scale‖² (reference semantics).
         """
         self._check()
+        with _no_autocast(self.device):
+            return self._sq_norms(geometry, groups, num_groups)
+
+    def _sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
         per_param: list[Optional[Tensor]] = [None] * self.num_params
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
@@ -148,6 +161,10 @@ class FastPerSampleGrads:
         the factored form (non-finite examples contribute g_i = 0).
         """
         self._check()
+        with _no_autocast(self.device):
+            return self._weighted_sum(weights, geometry, groups)
+
+    def _weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         if self._bad is None:
             _ = self.nonfinite
         bad = self._bad if bool(self._bad.any()) else None  # type: ignore[union-attr]
@@ -224,6 +241,63 @@ class _Call:
                 self.stats = None
 
 
+# --------------------------------------------------------------------------- checks
+_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class _OutputLayout(Exception):
+    """The model's output does not have the examples along dim 0."""
+
+
+def _no_autocast(device: torch.device):
+    """The engine's own norm/sum math runs exactly, in the parameters' dtype, outside autocast."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _rtol(dtype: torch.dtype, device: torch.device) -> float:
+    """Relative tolerance of the fast-vs-reference check: the parameter dtype's, or autocast's if coarser."""
+    rtol = _RTOL.get(dtype, 5e-2)
+    if torch.is_autocast_enabled(device.type):
+        rtol = max(rtol, _RTOL.get(torch.get_autocast_dtype(device.type), 5e-2))
+    return rtol
+
+
+def _tensors(obj) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def free_sizes(dims: set, k: int = 2) -> list[int]:
+    """The k smallest integers ≥ 2 that are not in ``dims`` (verification batch sizes)."""
+    out, n = [], 2
+    while len(out) < k:
+        if n not in dims:
+            out.append(n)
+        n += 1
+    return out
+
+
+class _TrainMode:
+    """Context: the model in eval mode (no dropout masks to differ between the two paths), restored after."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.modes = [(m, m.training) for m in model.modules()]
+
+    def __enter__(self):
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        for m, mode in self.modes:
+            m.training = mode
+
+
 # --------------------------------------------------------------------------- the engine
 class PerSampleEngine:
     """Plans a model once, then builds :class:`FastPerSampleGrads` for batches.
@@ -231,16 +305,21 @@ class PerSampleEngine:
     Args:
         model: the module (trainable parameters in ``named_parameters`` order,
             which is the optimizer's order in :mod:`dpopt.train`).
-        loss_fn: ``loss_fn(logits[1, ...], target[1, ...]) -> scalar``.
-        verify: once per model, check on ≤ 8 examples that the fast rules
-            reproduce autograd's batch gradient; parameters that do not (e.g.
-            used outside their module's ``forward``) move to the reference path,
-            with a warning.
+        loss_fn: ``loss_fn(out_i, target[1, ...]) -> scalar`` (see :mod:`dpopt.per_sample`).
+        verify: on the first non-empty batch, check that every layer with a
+            fast rule keeps the examples along dim 0 and that its per-example
+            squared norms and weighted sums equal those of the per-example
+            ``torch.func`` path (:meth:`_verify`); layers/parameters that do not
+            move to that path, with a warning.
         chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of
             each source (bytes).
 
     Attributes:
         fast_names, fallback_names: which trainable parameters use which path.
+
+    Every batch (verified or not), each recorded layer call must have the
+    batch size as dim 0 of its input and output, else that layer is moved to
+    the per-example path (with a warning) before any norm is computed.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, verify: bool = True,
@@ -252,6 +331,7 @@ class PerSampleEngine:
         self.names = [k for k, _ in named]
         self.params = [p for _, p in named]
         self._key = tuple(id(p) for p in self.params)
+        self._module_names = {id(m): n or "<root>" for n, m in model.named_modules()}  # ids: no strong refs
         index = {id(p): i for i, p in enumerate(self.params)}
         owners: dict[int, int] = {}
         for m in model.modules():
@@ -300,7 +380,12 @@ class PerSampleEngine:
 
     # -- capture --------------------------------------------------------------------
     def _capture(self, x: Tensor, y: Tensor, point: EvaluationPoint) -> list[tuple[_Call, Optional[Tensor]]]:
-        """One forward/backward at θ + offset: [(call, e = coef·∂ℓ/∂out)], e None if unused."""
+        """One forward/backward at θ + offset: [(call, e = coef·∂ℓ/∂out)], e None if unused.
+
+        Raises:
+            _OutputLayout: the model's output is not a tensor ``[B, ...]``.
+        """
+        b = int(y.shape[0])
         for _attempt in range(3):
             calls: list[_Call] = []
 
@@ -320,6 +405,8 @@ class PerSampleEngine:
                     else:
                         shifted = {k: p + o for k, p, o in zip(self.names, self.params, point.offset)}
                         out = functional_call(self.model, shifted, (x,))
+                    if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != b:
+                        raise _OutputLayout(tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__)
                     losses = _per_example_losses(self.loss_fn, out, y)
                     retry = False
                     for c in calls:  # a later in-place op changed what we recorded: clone it
@@ -343,165 +430,300 @@ class PerSampleEngine:
         raise RuntimeError("in-place modifications of layer inputs/outputs could not be worked around")
 
     def _blocks(self, captured: list[tuple[_Call, Optional[Tensor]]], b: int, budget: Budget) -> list:
+        """Blocks of the fast layers, in the parameters' dtype (activations from autocast are cast up)."""
         per_module: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in self.modules}
         stats: dict[nn.Module, list] = {m: [] for m in self.modules}
         for c, e in captured:
             if e is not None:
-                per_module[c.module].append((c.inp.detach(), e.detach()))
-                stats[c.module].append(None if c.stats is None else tuple(t.detach() for t in c.stats))
+                dt = self.params[next(iter(self.modules[c.module].values()))].dtype
+                a = c.inp.detach()
+                a = a.to(dt) if a.is_floating_point() else a
+                per_module[c.module].append((a, e.detach().to(dt)))
+                stats[c.module].append(None if c.stats is None else tuple(t.detach().to(dt) for t in c.stats))
         blocks: list = []
         for m, own in self.modules.items():
-            calls = per_module[m]
-            idx_w, idx_b = own.get("weight"), own.get("bias")
-            shapes = {a: self.params[i].shape for a, i in own.items()}
-            if not calls:  # never called (or unused): zero per-sample gradients
-                blocks.append(DirectBlock(list(own.values()),
-                                          [self.params[i].new_zeros((b, *self.params[i].shape))
-                                           for i in own.values()]))
-                continue
-            t = type(m)
-            if t is nn.Linear:
-                if idx_w is not None:
-                    blocks.append(FactoredBlock(idx_w, shapes["weight"], [LinearPart(a, e) for a, e in calls],
-                                                budget, b))
-                if idx_b is not None:
-                    blocks.append(DirectBlock([idx_b], [sum(e.reshape(b, -1, e.shape[-1]).sum(1)
-                                                            for _, e in calls)]))
-            elif t is nn.Conv2d:
-                if idx_w is not None:
-                    blocks.append(FactoredBlock(idx_w, shapes["weight"], [ConvPart(m, a, e) for a, e in calls],
-                                                budget, b))
-                if idx_b is not None:
-                    blocks.append(DirectBlock([idx_b], [sum(e.sum((2, 3)) for _, e in calls)]))
-            elif t is nn.Embedding:
-                blocks.append(SparseRowsBlock(idx_w, m.num_embeddings, m.padding_idx, calls, b))
-            else:
-                if t is nn.GroupNorm:
-                    grads = [group_norm_grads(a, e, m.num_groups, m.eps, st)
-                             for (a, e), st in zip(calls, stats[m])]
-                else:
-                    grads = [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
-                             for (a, e), st in zip(calls, stats[m])]
-                dw = sum(g[0] for g in grads)
-                db = sum(g[1] for g in grads)
-                if idx_w is not None:
-                    blocks.append(DirectBlock([idx_w], [dw]))
-                if idx_b is not None:
-                    blocks.append(DirectBlock([idx_b], [db]))
+            blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget))
         return blocks
 
-    # -- verification -------------------------------------------------------------
-    def _verify(self, x: Tensor, y: Tensor) -> None:
-        """Once per model: do the fast rules reproduce autograd's Σ_i g_i? Demote those that do not.
+    def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget) -> list:
+        idx_w, idx_b = own.get("weight"), own.get("bias")
+        shapes = {a: self.params[i].shape for a, i in own.items()}
+        if not calls:  # never called (or unused): zero per-sample gradients
+            return [DirectBlock(list(own.values()), [self.params[i].new_zeros((b, *self.params[i].shape))
+                                                     for i in own.values()])]
+        blocks: list = []
+        t = type(m)
+        if t is nn.Linear:
+            if idx_w is not None:
+                blocks.append(FactoredBlock(idx_w, shapes["weight"], [LinearPart(a, e) for a, e in calls],
+                                            budget, b))
+            if idx_b is not None:
+                blocks.append(DirectBlock([idx_b], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))
+        elif t is nn.Conv2d:
+            if idx_w is not None:
+                blocks.append(FactoredBlock(idx_w, shapes["weight"], [ConvPart(m, a, e) for a, e in calls],
+                                            budget, b))
+            if idx_b is not None:
+                blocks.append(DirectBlock([idx_b], [sum(e.sum((2, 3)) for _, e in calls)]))
+        elif t is nn.Embedding:
+            blocks.append(SparseRowsBlock(idx_w, m.num_embeddings, m.padding_idx, calls, b))
+        else:
+            if t is nn.GroupNorm:
+                grads = [group_norm_grads(a, e, m.num_groups, m.eps, st) for (a, e), st in zip(calls, stats)]
+            else:
+                grads = [layer_norm_grads(a, e, m.normalized_shape, m.eps, st) for (a, e), st in zip(calls, stats)]
+            if idx_w is not None:
+                blocks.append(DirectBlock([idx_w], [sum(g[0] for g in grads)]))
+            if idx_b is not None:
+                blocks.append(DirectBlock([idx_b], [sum(g[1] for g in grads)]))
+        return blocks
 
-        Uses ≤ 8 examples with a finite loss; if their batch gradient is not
-        finite either, the check is postponed to the next batch.
+    # -- the example axis -------------------------------------------------------------
+    @staticmethod
+    def _layout_violations(captured: list, b: int) -> dict:
+        """Modules with a call whose input or output does not have size b along dim 0 → (in, out) shapes."""
+        bad: dict = {}
+        for c, _ in captured:
+            if c.inp.dim() == 0 or c.out.dim() == 0 or c.inp.shape[0] != b or c.out.shape[0] != b:
+                bad.setdefault(c.module, (tuple(c.inp.shape), tuple(c.out.shape)))
+        return bad
+
+    def _demote(self, indices: Sequence[int]) -> None:
+        """Move parameters to the per-example (torch.func) path."""
+        drop = set(indices)
+        self.fallback = sorted(set(self.fallback) | drop)
+        for m in list(self.modules):
+            own = {a: i for a, i in self.modules[m].items() if i not in drop}
+            if own:
+                self.modules[m] = own
+            else:
+                del self.modules[m]
+
+    def _demote_layers(self, bad: dict, b: int) -> None:
+        for m, (ins, outs) in bad.items():
+            names = [self.names[i] for i in self.modules[m].values()]
+            warnings.warn(
+                f"layer {self._module_names.get(id(m), '?')!r} ({type(m).__name__}) does not keep the examples along "
+                f"dim 0 (input {ins}, output {outs} for a batch of {b}); its parameters {names} use the "
+                "per-example torch.func path. To keep it on the fast path give it tensors with the examples "
+                "along dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...)).",
+                RuntimeWarning, stacklevel=4)
+            self._demote(list(self.modules[m].values()))
+
+    def _demote_all(self, shape) -> None:
+        if self.modules:
+            warnings.warn(f"the model's output ({shape}) does not have the examples along dim 0; all its "
+                          "parameters use the per-example torch.func path", RuntimeWarning, stacklevel=4)
+            self._demote([i for own in self.modules.values() for i in own.values()])
+
+    # -- verification -------------------------------------------------------------
+    def _model_dims(self, x: Tensor) -> set:
+        """Every dimension of every parameter, buffer, input and module input/output of a forward of x."""
+        model = self.model
+        dims: set = set(x.shape)
+        for t in list(model.parameters()) + list(model.buffers()):
+            dims.update(t.shape)
+
+        def hook(module, args, out):
+            for t in _tensors((args, out)):
+                dims.update(t.shape)
+
+        handles = [m.register_forward_hook(hook) for m in model.modules()]
+        try:
+            with torch.no_grad():
+                model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return dims
+
+    def _verify(self, x: Tensor, y: Tensor) -> None:
+        """Once per model: does every fast rule give the per-example gradients? Demote those that do not.
+
+        On ≤ 8 distinct examples with a finite loss (tiled when fewer), at two
+        batch sizes that differ from every dimension in the model (so that
+        dim 0 can only have the batch size if it is the example axis):
+
+        1. the per-example path itself: vmap against an exact loop of
+           single-example autograd on two examples (the loop is used from
+           then on if they differ; a model the loop cannot run is refused);
+        2. every recorded call of a fast layer must have the batch size as
+           dim 0 of its input and output, at both sizes;
+        3. per parameter, the fast per-example squared norms and a random
+           weighted sum must equal the per-example path's within a dtype
+           dependent tolerance.
+
+        Runs in eval mode (no dropout masks to differ). If no example has a
+        finite loss, the check is postponed to the next batch.
         """
-        covered = [i for i in range(len(self.params)) if i not in set(self.fallback)]
-        if not covered:
-            self.verified = True
-            return
-        with torch.no_grad():
-            finite = torch.isfinite(_per_example_losses(self.loss_fn, self.model(x), y))
+        with _TrainMode(self.model), torch.no_grad():
+            out = self.model(x)
+            if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != y.shape[0]:
+                self._demote_all(tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__)
+                self.verified = True
+                return
+            finite = torch.isfinite(_per_example_losses(self.loss_fn, out, y))
         keep = torch.nonzero(finite).flatten()[:8]
         if keep.numel() == 0:
             return
         xs, ys = x[keep], y[keep]
-        n = int(keep.numel())
-        with torch.enable_grad():
-            ref = torch.autograd.grad(_per_example_losses(self.loss_fn, self.model(xs), ys).sum(),
-                                      [self.params[i] for i in covered], allow_unused=True)
-        ref = [torch.zeros_like(self.params[i]) if r is None else r for i, r in zip(covered, ref)]
-        if not all(bool(torch.isfinite(r).all()) for r in ref):
-            return
         self.verified = True
-        blocks = self._blocks(self._capture(xs, ys, EvaluationPoint(1.0)), n, Budget(0, 0))
-        ones = torch.ones(n, dtype=self.dtype, device=self.device)
-        fast: dict[int, Tensor] = {}
-        for blk in blocks:
-            for i, s in zip(blk.index, blk.grad_sums([ones] * len(blk.index), None)):
-                fast[i] = s
-        bad = []
-        for i, r in zip(covered, ref):
-            err = float((fast[i] - r).norm())
-            if not math.isfinite(err) or err > 1e-3 * float(r.norm()) + 1e-6 * math.sqrt(r.numel()):
-                bad.append(i)
+        with _TrainMode(self.model):
+            self._verify_reference(xs, ys)
+            for b in free_sizes(self._model_dims(xs)):
+                if not self.modules:
+                    break
+                sel = torch.arange(b, device=keep.device) % keep.numel()
+                self._verify_at(xs[sel], ys[sel])
+
+    def _verify_reference(self, xs: Tensor, ys: Tensor) -> None:
+        model, k = self.model, min(2, int(ys.shape[0]))
+        if model in _LOOP_MODELS or not self.params:
+            return
+        try:
+            v = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="vmap")
+        except Exception:  # noqa: BLE001 — vmap cannot batch it: the "auto" path uses the loop anyway
+            return
+        loop = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="loop")
+        rtol = _rtol(self.dtype, self.device)
+        off = [n for n, a, b in zip(self.names, v, loop)
+               if not float((a - b).norm()) <= rtol * float(b.norm()) + 1e-30]
+        if off:
+            use_loop(model, f"torch.func.vmap disagreed with single-example autograd on {off}")
+
+    def _verify_at(self, xb: Tensor, yb: Tensor) -> None:
+        b = int(yb.shape[0])
+        try:
+            captured = self._capture(xb, yb, EvaluationPoint(1.0))
+        except _OutputLayout as err:
+            self._demote_all(err.args[0])
+            return
+        bad = self._layout_violations(captured, b)
         if bad:
-            names = [self.names[i] for i in bad]
-            warnings.warn(f"fast per-sample rules do not reproduce the gradient of {names} (parameter used "
-                          "outside its module's forward?); using the torch.func reference path for them",
-                          RuntimeWarning, stacklevel=3)
-            self.fallback = sorted(set(self.fallback) | set(bad))
-            for m in list(self.modules):
-                own = {a: i for a, i in self.modules[m].items() if i not in set(bad)}
-                if own:
-                    self.modules[m] = own
-                else:
-                    del self.modules[m]
+            self._demote_layers(bad, b)
+            if not self.modules:
+                return
+            captured = self._capture(xb, yb, EvaluationPoint(1.0))
+        covered = sorted(i for own in self.modules.values() for i in own.values())
+        ref = dict(zip(covered, per_sample_gradient_tensors(self.model, self.loss_fn, xb, yb,
+                                                            names=[self.names[i] for i in covered])))
+        c = torch.rand(b, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(self.device)
+        rtol = _rtol(self.dtype, self.device)
+        off = []
+        with _no_autocast(self.device):
+            for blk in self._blocks(captured, b, Budget(0, 0)):
+                geos = [(None, None)] * len(blk.index)
+                sums = blk.grad_sums([c.to(self.params[i].dtype) for i in blk.index], None)
+                for i, sq, s in zip(blk.index, blk.sq_norms(geos), sums):
+                    if not _agrees(sq, s, ref[i], c, rtol):
+                        off.append(i)
+        if off:
+            warnings.warn(f"fast per-sample rules do not reproduce the per-example gradients of "
+                          f"{[self.names[i] for i in off]} (the forward mixes examples, or a parameter is used "
+                          "outside its module's forward?); using the per-example torch.func path for them",
+                          RuntimeWarning, stacklevel=4)
+            self._demote(off)
 
     # -- public ------------------------------------------------------------------------
-    def compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]] = None
-                ) -> FastPerSampleGrads:
-        """Per-sample source for the examples ``x [B, ...]``, ``y [B, ...]`` (B may be 0).
+    def compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]] = None,
+                batch_dim: int = 0) -> FastPerSampleGrads:
+        """Per-sample source for the B examples of ``x`` (along ``batch_dim``) and ``y [B, ...]`` (B may be 0).
 
         Args:
             points: evaluation points (DiSK); default one point at θ with coef 1.
+            batch_dim: x's example axis. The fast rules need it to be 0; for
+                any other axis every parameter uses the per-example path.
 
         Returns:
             :class:`FastPerSampleGrads` with one block per layer rule plus one
-            :class:`~dpopt.engine.layers.DirectBlock` for the fallback parameters.
+            :class:`~dpopt.engine.layers.DirectBlock` for the fallback parameters;
+            ``params`` = the trainable parameters, ``points`` = the points given.
+
+        Raises:
+            ValueError: invalid inputs (:func:`~dpopt.per_sample.check_inputs`),
+                or a model the per-example path cannot run on one example.
         """
-        points = list(points) if points else [EvaluationPoint(1.0)]
-        b = int(x.shape[0])
-        shapes = [p.shape for p in self.params]
+        bd = check_inputs(x, y, batch_dim)
+        pts = tuple(points) if points else (EvaluationPoint(1.0),)
+        b = int(y.shape[0])
         if b == 0:
-            blocks = [DirectBlock(list(range(len(self.params))),
-                                  [p.new_zeros((0, *p.shape)) for p in self.params])]
-            return FastPerSampleGrads(blocks, shapes, 0, self.dtype, self.device)
+            blocks = [DirectBlock(list(range(len(self.params))), [p.new_zeros((0, *p.shape)) for p in self.params])]
+            return self._source(blocks, 0, pts)
+        if bd != 0:
+            grads = per_sample_gradient_tensors(self.model, self.loss_fn, x, y, pts, batch_dim=bd)
+            return self._source([DirectBlock(list(range(len(self.params))), grads)], b, pts)
         if not self.verified:
             self._verify(x, y)
-        budget = Budget(self.chunk_bytes, self.cache_bytes)
-        captured = []
-        for pt in points:
-            captured.extend(self._capture(x, y, pt))
-        blocks = self._blocks(captured, b, budget)
+        try:
+            captured = [cap for pt in pts for cap in self._capture(x, y, pt)]
+        except _OutputLayout as err:
+            self._demote_all(err.args[0])
+            return self.compute(x, y, pts)
+        bad = self._layout_violations(captured, b)
+        if bad:  # this batch size shows a layer whose dim 0 is not the example axis: demote, redo
+            self._demote_layers(bad, b)
+            return self.compute(x, y, pts)
+        with _no_autocast(self.device):
+            blocks = self._blocks(captured, b, Budget(self.chunk_bytes, self.cache_bytes))
         if self.fallback:
-            grads = per_sample_gradient_tensors(self.model, self.loss_fn, x, y, points,
+            grads = per_sample_gradient_tensors(self.model, self.loss_fn, x, y, pts,
                                                 names=[self.names[i] for i in self.fallback])
             blocks.append(DirectBlock(self.fallback, grads))
-        return FastPerSampleGrads(blocks, shapes, b, self.dtype, self.device)
+        return self._source(blocks, b, pts)
+
+    def _source(self, blocks: list, b: int, pts: tuple) -> FastPerSampleGrads:
+        return FastPerSampleGrads(blocks, [p.shape for p in self.params], b, self.dtype, self.device,
+                                  params=tuple(self.params), points=pts)
 
     def iterate(self, x: Tensor, y: Tensor, physical_batch_size: Optional[int] = None,
-                points: Optional[Sequence[EvaluationPoint]] = None) -> Iterator[FastPerSampleGrads]:
+                points: Optional[Sequence[EvaluationPoint]] = None,
+                batch_dim: int = 0) -> Iterator[FastPerSampleGrads]:
         """Yield sources for chunks of at most ``physical_batch_size`` examples, lazily.
 
         Each source is freed when the next one is requested, so at most one
-        chunk's activations live at a time. An empty batch yields one empty source.
+        chunk's activations live at a time. An empty batch yields one empty
+        source. Chunks are cut along ``batch_dim`` of x and dim 0 of y.
 
         Raises:
-            ValueError: ``physical_batch_size`` ≤ 0.
+            ValueError: ``physical_batch_size`` ≤ 0, or invalid inputs
+                (:func:`~dpopt.per_sample.check_inputs`).
         """
         if physical_batch_size is not None and physical_batch_size <= 0:
             raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
-        return self._chunks(x, y, physical_batch_size, points)
+        bd = check_inputs(x, y, batch_dim)
+        return self._chunks(x, y, physical_batch_size, points, bd)
 
     def _chunks(self, x: Tensor, y: Tensor, physical_batch_size: Optional[int],
-                points: Optional[Sequence[EvaluationPoint]]) -> Iterator[FastPerSampleGrads]:
-        n = int(x.shape[0])
+                points: Optional[Sequence[EvaluationPoint]], bd: int) -> Iterator[FastPerSampleGrads]:
+        n = int(y.shape[0])
         size = physical_batch_size or max(n, 1)
         if n == 0:
-            yield self.compute(x, y, points)
+            yield self.compute(x, y, points, bd)
             return
         prev = None
         for s in range(0, n, size):
             if prev is not None:
                 prev.free()
                 prev = None
-            src = self.compute(x[s:s + size], y[s:s + size], points)
+            m = min(size, n - s)
+            src = self.compute(x.narrow(bd, s, m), y[s:s + m], points, bd)
             prev = src
             yield src
         if prev is not None:
             prev.free()
+
+
+def _agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, rtol: float) -> bool:
+    """Fast per-example ‖g_i‖² ``sq [B]`` and Σ_i c_i g_i ``s`` against per-example gradients ``g [B, ...]``."""
+    g64 = g.double().reshape(g.shape[0], -1)
+    want = g64.square().sum(1)
+    tol_sq = rtol * float(want.max()) + 1e-30
+    if not float((sq.double() - want).abs().max()) <= tol_sq:
+        return False
+    c64 = c.double()
+    want_s = c64 @ g64
+    tol_s = rtol * float(c64.abs() @ want.sqrt()) + 1e-30
+    return float((s.double().reshape(-1) - want_s).norm()) <= tol_s
 
 
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -518,11 +740,12 @@ def get_engine(model: nn.Module, loss_fn: LossFn) -> PerSampleEngine:
 
 
 def fast_per_sample_gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor,
-                              points: Optional[Sequence[EvaluationPoint]] = None) -> FastPerSampleGrads:
+                              points: Optional[Sequence[EvaluationPoint]] = None,
+                              batch_dim: int = 0) -> FastPerSampleGrads:
     """Fast counterpart of :func:`dpopt.per_sample.per_sample_gradients` (same arguments).
 
     Returns a :class:`FastPerSampleGrads` whose ``sq_norms``/``weighted_sum``
     equal those of the reference :class:`~dpopt.per_sample.PerSampleGrads` to
     float tolerance.
     """
-    return get_engine(model, loss_fn).compute(x, y, points)
+    return get_engine(model, loss_fn).compute(x, y, points, batch_dim)
