@@ -23,6 +23,24 @@ Three accountants read the same ledger:
   ``prv-accountant`` package (optional extra ``dpopt[prv]``); see
   :mod:`dpopt.accounting.prv`. Reports the certified upper bound.
 
+Neighbouring relation: every accountant honours the ledger's relation for
+every event kind or refuses the ledger. Under ``replace_one`` a Gaussian of
+multiplier σ is an add/remove Gaussian of σ/2 (sensitivity 2C), so
+ε_replace(σ) = ε_add/remove(σ/2) at q = 1. PLD models Poisson sampling under
+``replace_one`` itself (dp_accounting's REPLACE adjacency); RDP and PRV refuse
+Poisson-sampled steps under ``replace_one`` (no analysis in those libraries).
+
+Cost: the ledger is reduced to counts of (q, σ) terms first (composition is
+commutative), so a long ledger whose (σ, q) alternate costs as much as one
+with two runs. The PLD and PRV accountants estimate their memory and time from
+the grid they need (:mod:`dpopt.accounting.cost`) and, above the budget
+(default 30 s or 4 GB), use a coarser grid that is still an upper bound on ε
+(pessimistic PLD rounding; PRV's certified bound with a larger ε-error) and
+say so (:func:`epsilon_report`; :func:`epsilon` warns with
+:class:`AccountingWarning`), or refuse with advice when even the coarsest
+allowed grid does not fit. dp_accounting's own warnings are captured and
+summarised once.
+
 ε is always computed by ONE accountant over the WHOLE ledger — never a sum of
 per-epoch or per-release ε (summing is loose, and invalid once later steps
 depend on earlier releases).
@@ -35,35 +53,39 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
-from typing import Union
+import warnings
+from typing import Optional, Union
 
+import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from .events import check_noise_multiplier, check_sample_rate, effective_noise_multiplier, poisson_gaussian_step
+from .cost import DEFAULT_BUDGET, MAX_PLD_DISCRETIZATION, CostBudget, EpsilonReport, estimate_pld_cost
+from .events import flatten_gaussian_terms, ledger_event, ledger_relation, poisson_gaussian_step, summarize_event
 from .ledger import PrivacyLedger
+from .validation import ACCOUNTANTS, check_accountant, check_delta, check_sample_rate, check_steps
 
 __all__ = [
     "ACCOUNTANTS",
+    "AccountingWarning",
     "PLD_DISCRETIZATION",
     "RDP_ORDERS",
     "EventLike",
+    "EpsilonReport",
     "check_delta",
     "check_accountant",
     "check_steps",
     "dpsgd_event",
     "epsilon",
+    "epsilon_report",
     "dpsgd_epsilon",
     "pld_epsilon",
     "rdp_epsilon",
     "flatten_gaussian_terms",
 ]
 
-#: Accountants that :func:`epsilon` understands (``"prv"`` needs ``dpopt[prv]``).
-ACCOUNTANTS = ("pld", "rdp", "prv")
 #: Value-discretisation interval (in nats of privacy loss) of the accurate PLD.
 #: 1e-4 is dp_accounting's default, so ``"pld"`` ε equals dp_accounting's.
 PLD_DISCRETIZATION = 1e-4
@@ -76,60 +98,11 @@ RDP_ORDERS = tuple(
 EventLike = Union[PrivacyLedger, dp_event.DpEvent]
 
 
-# ---------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------
-def check_delta(delta: float) -> float:
-    """Validate δ ∈ (0, 1) and return it as a float.
-
-    δ = 0 would need pure DP (the Gaussian mechanism has none) and δ ≥ 1 is
-    no guarantee at all, so both are refused rather than answered.
-
-    Raises:
-        ValueError: if δ is not a number in (0, 1).
-    """
-    try:
-        value = float(delta)
-    except (TypeError, ValueError):
-        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}") from None
-    if not (0.0 < value < 1.0):
-        raise ValueError(
-            f"delta must be in (0, 1), got {delta!r}; a common choice is 1e-5 "
-            "(well below 1/N for N training examples)."
-        )
-    return value
+class AccountingWarning(UserWarning):
+    """ε was computed on a coarser grid than the accurate one (still an upper bound), or
+    the underlying library warned (summarised once)."""
 
 
-def check_accountant(accountant: str) -> str:
-    """Validate an accountant name (one of :data:`ACCOUNTANTS`).
-
-    Raises:
-        ValueError: on an unknown name.
-    """
-    name = str(accountant).lower()
-    if name not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
-    return name
-
-
-def check_steps(steps: int) -> int:
-    """Validate a number of steps (a positive integer).
-
-    Raises:
-        ValueError: if ``steps`` is not an integer ≥ 1.
-    """
-    try:
-        value = int(steps)
-    except (TypeError, ValueError):
-        raise ValueError(f"steps must be a positive integer, got {steps!r}") from None
-    if value != steps or value < 1:
-        raise ValueError(f"steps must be a positive integer (number of noisy releases), got {steps!r}")
-    return value
-
-
-# ---------------------------------------------------------------------------
-# events
-# ---------------------------------------------------------------------------
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_event.DpEvent:
     """The whole-run event of ``steps`` DP-SGD steps with Poisson rate q.
 
@@ -143,95 +116,40 @@ def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_e
         steps: T ≥ 1.
 
     Raises:
-        ValueError: invalid σ, q or T (see the checks in :mod:`.events`).
+        ValueError: invalid σ, q or T (see :mod:`.validation`).
     """
     step = poisson_gaussian_step(noise_multiplier, sample_rate)
     return dp_event.SelfComposedDpEvent(step, check_steps(steps))
 
 
-def _neighbouring(ledger: EventLike) -> NeighboringRelation:
-    name = getattr(ledger, "neighbouring", "add_or_remove_one")
-    if name == "add_or_remove_one":
-        return NeighboringRelation.ADD_OR_REMOVE_ONE
-    if name == "replace_one":
-        return NeighboringRelation.REPLACE_ONE
-    raise ValueError(f"unknown neighbouring relation {name!r}")
+_RELATIONS = {"add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
+              "replace_one": NeighboringRelation.REPLACE_ONE}
 
 
-def _as_event(ledger: EventLike) -> dp_event.DpEvent:
-    if isinstance(ledger, PrivacyLedger):
-        return ledger.composed_event()
-    if isinstance(ledger, dp_event.DpEvent):
-        return ledger
-    raise TypeError(f"expected a PrivacyLedger or a DpEvent, got {type(ledger).__name__}")
+def _captured(fn, *args, **kwargs):
+    """Call ``fn`` with warnings and floating-point warnings captured: (result, messages)."""
+    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    messages = []
+    for w in caught:
+        text = str(w.message).strip().splitlines()[0] if str(w.message).strip() else w.category.__name__
+        if text not in messages:
+            messages.append(text)
+    return result, messages
 
 
-def flatten_gaussian_terms(event: dp_event.DpEvent) -> "OrderedDict[tuple[float, float], int]":
-    """Reduce an event to counts of (sampling rate q, noise multiplier σ) terms.
-
-    Composition is commutative, so a ledger is fully described (for Gaussian
-    releases) by how many times each (q, σ) pair occurs. A Poisson-sampled
-    composition of Gaussians on the same batch becomes one term with
-    σ_eff = (Σ σᵢ⁻²)^(−1/2) (exact: the joint release is one Gaussian on the
-    stacked vector; DESIGN.md "Accounting rules"). An unsampled Gaussian has
-    q = 1. ``NonPrivateDpEvent`` gives σ = 0.
-
-    Returns:
-        An ordered dict ``{(q, σ): count}`` (first-seen order).
-
-    Raises:
-        ValueError: for events outside this family (Laplace, sampling without
-            replacement, ...): use ``"rdp"`` or dp_accounting directly.
-    """
-    terms: "OrderedDict[tuple[float, float], int]" = OrderedDict()
-
-    def add(key: tuple[float, float], n: int) -> None:
-        terms[key] = terms.get(key, 0) + n
-
-    def gaussian_sigma(inner: dp_event.DpEvent) -> float:
-        if isinstance(inner, dp_event.GaussianDpEvent):
-            return check_noise_multiplier(inner.noise_multiplier)
-        if isinstance(inner, dp_event.ComposedDpEvent):
-            return effective_noise_multiplier([gaussian_sigma(e) for e in inner.events])
-        if isinstance(inner, dp_event.SelfComposedDpEvent):
-            s = gaussian_sigma(inner.event)
-            return s / math.sqrt(int(inner.count)) if s > 0 else 0.0
-        raise ValueError(
-            f"unsupported event inside PoissonSampledDpEvent: {type(inner).__name__}; "
-            "only (compositions of) Gaussians are supported"
-        )
-
-    def walk(ev: dp_event.DpEvent, n: int) -> None:
-        if isinstance(ev, dp_event.NoOpDpEvent):
-            return
-        if isinstance(ev, dp_event.NonPrivateDpEvent):
-            add((1.0, 0.0), n)
-        elif isinstance(ev, dp_event.SelfComposedDpEvent):
-            walk(ev.event, n * int(ev.count))
-        elif isinstance(ev, dp_event.ComposedDpEvent):
-            for sub in ev.events:
-                walk(sub, n)
-        elif isinstance(ev, dp_event.GaussianDpEvent):
-            add((1.0, check_noise_multiplier(ev.noise_multiplier)), n)
-        elif isinstance(ev, dp_event.PoissonSampledDpEvent):
-            q = float(ev.sampling_probability)
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"sampling probability must be in [0, 1], got {q}")
-            if q == 0.0:
-                return  # never sampled: no privacy cost
-            add((q, gaussian_sigma(ev.event)), n)
-        else:
-            raise ValueError(
-                f"the {type(ev).__name__} event is not supported by dpopt's PLD/PRV path; "
-                "use accountant='rdp' or dp_accounting directly"
-            )
-
-    walk(event, 1)
-    return terms
+def _library_note(name: str, messages: list) -> tuple:
+    if not messages:
+        return ()
+    first = messages[0] if len(messages[0]) <= 160 else messages[0][:157] + "..."
+    more = f" (and {len(messages) - 1} other message(s))" if len(messages) > 1 else ""
+    return (f"{name} warned while computing epsilon: {first!r}{more}; the value reported is still "
+            "the library's upper bound",)
 
 
 # ---------------------------------------------------------------------------
-# accountants
+# PLD
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=32)
 def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
@@ -250,41 +168,9 @@ def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neighborin
     )
 
 
-def pld_epsilon(
-    ledger: EventLike,
-    delta: float,
-    value_discretization_interval: float = PLD_DISCRETIZATION,
-) -> float:
-    """ε(δ) with the connect-the-dots PLD accountant (pessimistic, an upper bound).
-
-    Args:
-        ledger: a :class:`PrivacyLedger` or a DpEvent.
-        delta: δ ∈ (0, 1).
-        value_discretization_interval: PLD grid step in nats. Coarser grids are
-            faster and (being pessimistic) give larger ε; ``1e-4`` is the
-            accurate setting used by :func:`epsilon`.
-
-    Returns:
-        ε ≥ 0 (``math.inf`` if any release has σ = 0; 0.0 for an empty ledger).
-
-    Raises:
-        ValueError: invalid δ, discretisation, or an unsupported event.
-
-    Source: Doroshenko et al. 2022 (connect the dots); dp_accounting
-    ``privacy_loss_distribution.from_gaussian_mechanism``.
-    """
-    delta = check_delta(delta)
-    d = float(value_discretization_interval)
-    if not (0.0 < d <= 1.0):
-        raise ValueError(f"value_discretization_interval must be in (0, 1], got {value_discretization_interval!r}")
-    relation = _neighbouring(ledger)
-    terms = flatten_gaussian_terms(_as_event(ledger))
-    if not terms:
-        return 0.0
+def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelation) -> float:
     total = None
     for (q, sigma), count in terms.items():
-        if sigma == 0.0:
-            return math.inf
         if q >= 1.0:
             # Gaussians compose exactly: count releases at σ = one at σ/√count.
             part = pld_lib.from_gaussian_mechanism(
@@ -303,36 +189,154 @@ def pld_epsilon(
     return math.inf if math.isnan(eps) else max(0.0, eps)
 
 
+def _nice_up(x: float) -> float:
+    """x rounded up to 1, 2 or 5 times a power of ten (readable grid steps)."""
+    e = math.floor(math.log10(x))
+    for m in (1.0, 2.0, 5.0, 10.0):
+        if m * 10.0**e >= x * (1 - 1e-12):
+            return m * 10.0**e
+    return 10.0 ** (e + 1)
+
+
+def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[CostBudget]) -> EpsilonReport:
+    relation_name = ledger_relation(ledger)
+    terms = flatten_gaussian_terms(ledger_event(ledger))
+    if not terms:
+        return EpsilonReport(0.0, delta, "pld", d)
+    if any(sigma == 0.0 for (_, sigma) in terms):
+        return EpsilonReport(math.inf, delta, "pld", d)
+    replace = relation_name == "replace_one"
+    est = estimate_pld_cost(terms, d, replace)
+    notes: tuple = ()
+    coarsened = False
+    if budget is not None and not est.within(budget):
+        needed = _nice_up(d * est.scale_to(budget))
+        if needed > MAX_PLD_DISCRETIZATION:
+            raise ValueError(
+                f"the pld accountant would need {est.describe()} for this ledger (grid {d:g} nats), and even "
+                f"its coarsest allowed grid ({MAX_PLD_DISCRETIZATION:g} nats) exceeds the budget of "
+                f"{budget.seconds:g} s / {budget.memory_bytes / 1e9:g} GB; use accountant 'rdp' (its cost does "
+                "not grow with the number of steps), or a larger noise multiplier")
+        coarse = estimate_pld_cost(terms, needed, replace)
+        notes = (f"pld: the accurate grid ({d:g} nats) would need {est.describe()}; used a coarser grid of "
+                 f"{needed:g} nats ({coarse.describe()}); pessimistic rounding keeps epsilon an upper bound",)
+        d, est, coarsened = needed, coarse, True
+    try:
+        eps, messages = _captured(_pld_terms_epsilon, terms, delta, d, _RELATIONS[relation_name])
+    except MemoryError:
+        raise ValueError(
+            "the pld accountant ran out of memory on this ledger (a very small noise multiplier gives an "
+            "enormous privacy-loss distribution, and epsilon is huge anyway); use accountant 'rdp', or a "
+            "larger noise multiplier") from None
+    return EpsilonReport(eps, delta, "pld", d, coarsened, est, notes + _library_note("dp_accounting", messages))
+
+
+def pld_epsilon(
+    ledger: EventLike,
+    delta: float,
+    value_discretization_interval: float = PLD_DISCRETIZATION,
+    budget: Optional[CostBudget] = None,
+) -> float:
+    """ε(δ) with the connect-the-dots PLD accountant (pessimistic, an upper bound).
+
+    Args:
+        ledger: a :class:`PrivacyLedger` or a DpEvent.
+        delta: δ ∈ (0, 1).
+        value_discretization_interval: PLD grid step in nats. Coarser grids are
+            faster and (being pessimistic) give larger ε; ``1e-4`` is the
+            accurate setting used by :func:`epsilon`.
+        budget: if given, a grid whose estimated cost exceeds it is replaced
+            by a coarser one (still an upper bound); None uses the grid as given.
+
+    Returns:
+        ε ≥ 0 (``math.inf`` if any release has σ = 0; 0.0 for an empty ledger).
+
+    Raises:
+        ValueError: invalid δ, discretisation, an unsupported event, or (with
+            a budget) a ledger too large even for the coarsest grid.
+
+    Source: Doroshenko et al. 2022 (connect the dots); dp_accounting
+    ``privacy_loss_distribution.from_gaussian_mechanism``.
+    """
+    delta = check_delta(delta)
+    d = float(value_discretization_interval)
+    if not (0.0 < d <= 1.0):
+        raise ValueError(f"value_discretization_interval must be in (0, 1], got {value_discretization_interval!r}")
+    return _pld_report(ledger, delta, d, budget).epsilon
+
+
+# ---------------------------------------------------------------------------
+# RDP
+# ---------------------------------------------------------------------------
+def _rdp_report(ledger: EventLike, delta: float, orders: tuple) -> EpsilonReport:
+    relation_name = ledger_relation(ledger)
+    replace = relation_name == "replace_one"
+    event = ledger_event(ledger)
+    summary = summarize_event(event)
+    acc = rdp_privacy_accountant.RdpAccountant(list(orders), NeighboringRelation.ADD_OR_REMOVE_ONE)
+    if summary.unsupported:
+        # Not (sampled) Gaussians: dp_accounting's RDP reads the event as it is — but it does not
+        # apply the replace-one relation to every event kind, so such ledgers are refused.
+        if replace:
+            raise ValueError(
+                f"the rdp accountant cannot honour neighbouring=replace_one for these events "
+                f"({', '.join(sorted(set(summary.unsupported)))}); use accountant 'pld' or an "
+                "add_or_remove_one ledger")
+        if not acc.supports(event):
+            raise ValueError(f"the RDP accountant does not support this ledger's events: "
+                             f"{', '.join(sorted(set(summary.unsupported)))}")
+        _, messages = _captured(acc.compose, event)
+    else:
+        if not summary.terms:
+            return EpsilonReport(0.0, delta, "rdp")
+        if any(sigma == 0.0 for (_, sigma) in summary.terms):
+            return EpsilonReport(math.inf, delta, "rdp")
+        if replace and any(q < 1.0 for (q, _) in summary.terms):
+            raise ValueError(
+                "the rdp accountant has no analysis of Poisson-sampled releases under neighbouring="
+                "replace_one (dp_accounting refuses them); use accountant 'pld', which models it")
+        messages = []
+        for (q, sigma), count in summary.terms.items():  # one term per distinct (q, σ): fast
+            s = sigma / 2.0 if replace else sigma  # replace-one: sensitivity 2C, i.e. σ/2 at C
+            ev = dp_event.GaussianDpEvent(s) if q >= 1.0 else \
+                dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(s))
+            _, msgs = _captured(acc.compose, ev, int(count))
+            messages += [m for m in msgs if m not in messages]
+    eps, msgs = _captured(acc.get_epsilon, delta)
+    messages += [m for m in msgs if m not in messages]
+    eps = float(eps)
+    eps = math.inf if math.isnan(eps) else max(0.0, eps)
+    return EpsilonReport(eps, delta, "rdp", notes=_library_note("dp_accounting", messages))
+
+
 def rdp_epsilon(ledger: EventLike, delta: float, orders: tuple = RDP_ORDERS) -> float:
     """ε(δ) with dp_accounting's Rényi DP accountant (an upper bound).
 
-    Composed events are passed as they are (dp_accounting reduces Gaussians
-    on one Poisson batch to σ_eff itself); events must come from
-    :mod:`dpopt.accounting.events`, whose float coercion avoids
+    The ledger is reduced to counts of (q, σ) terms first (Gaussians on one
+    Poisson batch become σ_eff, which is what dp_accounting does itself), and
+    each distinct term is composed once with its count — so ε of a long
+    ledger whose (σ, q) alternate costs a few distinct RDP curves. Events must
+    come from :mod:`dpopt.accounting.events`, whose float coercion avoids
     dp_accounting's silent drop of later Gaussians after an int multiplier.
+    Under ``replace_one`` a Gaussian counts as σ/2 (dp_accounting's RDP does
+    not apply the relation to ``GaussianDpEvent``).
 
     Raises:
-        ValueError: invalid δ, or an event the RDP accountant cannot handle
-            (e.g. Poisson sampling with ``replace_one`` neighbours).
+        ValueError: invalid δ, or a ledger the RDP accountant cannot handle
+            (Poisson sampling under ``replace_one``; unsupported event kinds).
 
     Source: Mironov 2017; Mironov, Talwar, Zhang 2019; conversion to (ε, δ) of
     Canonne, Kamath, Steinke 2020 as implemented in dp_accounting.
     """
-    delta = check_delta(delta)
-    acc = rdp_privacy_accountant.RdpAccountant(list(orders), _neighbouring(ledger))
-    event = _as_event(ledger)
-    if isinstance(event, dp_event.NoOpDpEvent):
-        return 0.0
-    if not acc.supports(event):
-        raise ValueError(f"the RDP accountant does not support this ledger's events "
-                         f"(neighbouring={getattr(ledger, 'neighbouring', 'add_or_remove_one')}): {event}")
-    acc.compose(event)
-    eps = float(acc.get_epsilon(delta))
-    return math.inf if math.isnan(eps) else max(0.0, eps)
+    return _rdp_report(ledger, check_delta(delta), tuple(orders)).epsilon
 
 
-def _epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
-    """ε(δ) of a whole ledger (or a single DpEvent) under one accountant.
+# ---------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------
+def epsilon_report(ledger: EventLike, delta: float, accountant: str = "pld",
+                   budget: Optional[CostBudget] = DEFAULT_BUDGET) -> EpsilonReport:
+    """ε(δ) of a whole ledger (or DpEvent) under ONE accountant, with how it was computed.
 
     Args:
         ledger: a :class:`PrivacyLedger` or any DpEvent built by
@@ -340,14 +344,20 @@ def _epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
         delta: target δ in (0, 1).
         accountant: ``"pld"`` (default, connect-the-dots at 1e-4), ``"rdp"``
             or ``"prv"`` (needs the ``prv-accountant`` package).
+        budget: cost budget of one evaluation (default 30 s / 4 GB); above it
+            PLD and PRV use a coarser grid (still an upper bound; recorded in
+            ``coarsened`` and ``notes``) or refuse. None: no limit.
 
     Returns:
-        ε ≥ 0 in nats; ``math.inf`` if any release had noise multiplier 0.
-        An empty ledger gives 0.0.
+        :class:`~dpopt.accounting.cost.EpsilonReport`: ε ≥ 0 in nats
+        (``math.inf`` if any release had noise multiplier 0; 0.0 for an
+        empty ledger) and the resolution used.
 
     Raises:
-        ValueError: on an unknown accountant, δ outside (0, 1) or an event the
-            accountant cannot handle.
+        ValueError: on an unknown accountant, δ outside (0, 1), an event or
+            neighbouring relation the accountant cannot handle, a ledger too
+            large for the budget even on the coarsest grid, or a numerical
+            failure inside the PRV package (message says to use ``pld``).
         ImportError: for ``"prv"`` when ``prv-accountant`` is not installed.
 
     Source: see the module docstring (PLD: Doroshenko et al. 2022; RDP:
@@ -356,12 +366,37 @@ def _epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
     name = check_accountant(accountant)
     delta = check_delta(delta)
     if name == "pld":
-        return pld_epsilon(ledger, delta)
+        return _pld_report(ledger, delta, PLD_DISCRETIZATION, budget)
     if name == "rdp":
-        return rdp_epsilon(ledger, delta)
-    from .prv import prv_epsilon  # optional dependency, imported lazily
+        return _rdp_report(ledger, delta, RDP_ORDERS)
+    from .prv import prv_epsilon_report  # optional dependency, imported lazily
 
-    return prv_epsilon(ledger, delta)
+    return prv_epsilon_report(ledger, delta, budget=budget)
+
+
+def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
+    """ε(δ) of a whole ledger (or DpEvent) under ONE accountant (see :func:`epsilon_report`).
+
+    Uses the default cost budget; when a coarser grid was needed (the value
+    is still an upper bound) an :class:`AccountingWarning` says so.
+
+    Args:
+        ledger: a :class:`PrivacyLedger` or a DpEvent.
+        delta: δ ∈ (0, 1).
+        accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
+
+    Returns:
+        ε ≥ 0 (``math.inf`` if a release has σ = 0; 0.0 for an empty ledger).
+
+    Raises:
+        ValueError: invalid arguments, a ledger the accountant cannot handle
+            or cannot fit in the cost budget (message gives the alternative).
+        ImportError: ``"prv"`` without the ``prv-accountant`` package.
+    """
+    report = epsilon_report(ledger, delta, accountant)
+    for note in report.notes:
+        warnings.warn(note, AccountingWarning, stacklevel=2)
+    return report.epsilon
 
 
 def dpsgd_epsilon(
@@ -381,27 +416,3 @@ def dpsgd_epsilon(
     """
     check_sample_rate(sample_rate)
     return epsilon(dpsgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
-
-
-def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:
-    """ε(δ) of a whole ledger (or DpEvent) under ONE accountant (see :func:`_epsilon`).
-
-    Args:
-        ledger: a :class:`PrivacyLedger` or a DpEvent.
-        delta: δ ∈ (0, 1).
-        accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
-
-    Returns:
-        ε ≥ 0 (``math.inf`` if a release has σ = 0; 0.0 for an empty ledger).
-
-    Raises:
-        ValueError: invalid arguments, or a ledger whose privacy-loss distribution
-            does not fit in memory (tiny σ: ε is huge anyway; use ``rdp``).
-    """
-    try:
-        return _epsilon(ledger, delta, accountant)
-    except MemoryError:
-        raise ValueError(
-            f"the {accountant} accountant ran out of memory on this ledger (a very small noise "
-            "multiplier gives an enormous privacy-loss distribution, and ε is huge anyway); use "
-            "--accountant rdp, or a larger noise multiplier") from None

@@ -12,10 +12,13 @@ and read back with :func:`event_from_dict`; the format is stable: a dict with a
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from dp_accounting import dp_event
+
+from .validation import check_noise_multiplier, check_sample_rate
 
 __all__ = [
     "gaussian_event",
@@ -23,41 +26,17 @@ __all__ = [
     "poisson_composed_step",
     "effective_noise_multiplier",
     "collapse_for_pld",
+    "EventSummary",
+    "summarize_event",
+    "flatten_gaussian_terms",
+    "ledger_event",
+    "ledger_relation",
+    "NEIGHBOURING",
     "event_to_dict",
     "event_from_dict",
     "check_noise_multiplier",
     "check_sample_rate",
 ]
-
-
-def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier") -> float:
-    """Validate and coerce a noise multiplier to a Python float.
-
-    Raises:
-        ValueError: if it is negative or not finite (NaN, or ``inf``).
-    """
-    value = float(noise_multiplier)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"{name} must be a finite number >= 0, got {noise_multiplier!r}; "
-            "use e.g. --noise-multiplier 1.0 (0 means no privacy: epsilon = inf)."
-        )
-    return value
-
-
-def check_sample_rate(sample_rate: Any) -> float:
-    """Validate and coerce a Poisson sampling rate q to a float in (0, 1].
-
-    Raises:
-        ValueError: if q is not in (0, 1].
-    """
-    value = float(sample_rate)
-    if not (0.0 < value <= 1.0):
-        raise ValueError(
-            f"sample_rate must be in (0, 1], got {sample_rate!r}; it is "
-            "expected_batch_size / dataset_size."
-        )
-    return value
 
 
 def gaussian_event(noise_multiplier: Any) -> dp_event.GaussianDpEvent:
@@ -105,22 +84,152 @@ def effective_noise_multiplier(noise_multipliers: Sequence[Any]) -> float:
     return float(sum(s**-2 for s in sigmas) ** -0.5)
 
 
+def _inner_gaussians(event: dp_event.DpEvent) -> Optional[list[float]]:
+    """Noise multipliers of the Gaussians inside a sampled event (with multiplicity), or None.
+
+    ``None`` when the inner event is not built only of Gaussians, compositions
+    and self-compositions (then no single σ_eff describes it).
+    """
+    if isinstance(event, dp_event.GaussianDpEvent):
+        return [check_noise_multiplier(event.noise_multiplier)]
+    if isinstance(event, dp_event.ComposedDpEvent):
+        out: list[float] = []
+        for sub in event.events:
+            part = _inner_gaussians(sub)
+            if part is None:
+                return None
+            out.extend(part)
+        return out
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        part = _inner_gaussians(event.event)
+        return None if part is None else part * int(event.count)
+    return None
+
+
+@dataclass
+class EventSummary:
+    """What an accountant or a check needs to know about a (nested) DpEvent.
+
+    Built by :func:`summarize_event`, the one walker of DpEvent trees in dpopt
+    (the accountants, ``dpopt check`` and ``dpopt ledger`` all read it).
+
+    Attributes:
+        terms: ``{(q, σ): count}`` in first-seen order. Composition is
+            commutative, so for Gaussian releases this is the whole ledger:
+            a Poisson-sampled group of Gaussians on one batch is one term with
+            σ_eff = (Σ σᵢ⁻²)^(−1/2); an unsampled Gaussian has q = 1; a
+            ``NonPrivateDpEvent`` is σ = 0 (ε = ∞); q = 0 costs nothing and is
+            left out.
+        gaussians: every Gaussian noise multiplier in recorded order, repeated
+            by its multiplicity (gradient first, then count, per step).
+        rates: the Poisson sampling rates seen.
+        nonprivate: a ``NonPrivateDpEvent`` occurs.
+        unsupported: descriptions of the parts that are not (Poisson-sampled)
+            Gaussians, e.g. ``"LaplaceDpEvent"``; empty when ``terms`` is complete.
+    """
+
+    terms: "OrderedDict[tuple[float, float], int]" = field(default_factory=OrderedDict)
+    gaussians: list = field(default_factory=list)
+    rates: set = field(default_factory=set)
+    nonprivate: bool = False
+    unsupported: list = field(default_factory=list)
+
+    def add(self, key: tuple[float, float], count: int) -> None:
+        self.terms[key] = self.terms.get(key, 0) + int(count)
+
+
+def summarize_event(event: dp_event.DpEvent) -> EventSummary:
+    """Walk a DpEvent tree once (see :class:`EventSummary`); never raises.
+
+    Unsupported kinds and invalid numbers (a negative or NaN noise multiplier,
+    a sampling probability outside [0, 1]) are listed in ``unsupported``.
+    """
+    out = EventSummary()
+
+    def walk(ev: dp_event.DpEvent, n: int) -> None:
+        if isinstance(ev, dp_event.NoOpDpEvent):
+            return
+        if isinstance(ev, dp_event.NonPrivateDpEvent):
+            out.nonprivate = True
+            out.add((1.0, 0.0), n)
+        elif isinstance(ev, dp_event.SelfComposedDpEvent):
+            walk(ev.event, n * int(ev.count))
+        elif isinstance(ev, dp_event.ComposedDpEvent):
+            for sub in ev.events:
+                walk(sub, n)
+        elif isinstance(ev, dp_event.GaussianDpEvent):
+            try:
+                sigma = check_noise_multiplier(ev.noise_multiplier)
+            except ValueError:
+                out.unsupported.append(f"GaussianDpEvent with invalid noise multiplier {ev.noise_multiplier!r}")
+                return
+            out.gaussians.extend([sigma] * n)
+            out.add((1.0, sigma), n)
+        elif isinstance(ev, dp_event.PoissonSampledDpEvent):
+            q = float(ev.sampling_probability)
+            if not 0.0 <= q <= 1.0:
+                out.unsupported.append(f"PoissonSampledDpEvent with sampling probability {q} outside [0, 1]")
+                return
+            out.rates.add(q)
+            if isinstance(ev.event, dp_event.NonPrivateDpEvent):
+                out.nonprivate = True
+                if q > 0.0:
+                    out.add((q, 0.0), n)
+                return
+            try:
+                sigmas = _inner_gaussians(ev.event)
+            except ValueError:
+                out.unsupported.append("PoissonSampledDpEvent with an invalid noise multiplier")
+                return
+            if sigmas is None:
+                out.unsupported.append(f"PoissonSampledDpEvent({type(ev.event).__name__})")
+                return
+            out.gaussians.extend(sigmas * n)
+            if q > 0.0 and sigmas:  # q = 0: never sampled, no privacy cost
+                out.add((q, effective_noise_multiplier(sigmas)), n)
+        else:
+            out.unsupported.append(type(ev).__name__)
+
+    walk(event, 1)
+    return out
+
+
+def flatten_gaussian_terms(event: dp_event.DpEvent) -> "OrderedDict[tuple[float, float], int]":
+    """Reduce an event to counts of (sampling rate q, noise multiplier σ) terms.
+
+    See :class:`EventSummary` ``terms`` (σ_eff for Gaussians on one Poisson
+    batch is exact: their joint release is one Gaussian on the stacked vector;
+    DESIGN.md "Accounting rules").
+
+    Returns:
+        An ordered dict ``{(q, σ): count}`` (first-seen order).
+
+    Raises:
+        ValueError: for events outside this family (Laplace, sampling without
+            replacement, ...): use accountant ``"rdp"`` or dp_accounting directly.
+    """
+    summary = summarize_event(event)
+    if summary.unsupported:
+        raise ValueError(
+            f"events not supported by dpopt's Gaussian accounting: {', '.join(sorted(set(summary.unsupported)))}; "
+            "only (Poisson-sampled compositions of) Gaussians are; use accountant 'rdp' or dp_accounting directly"
+        )
+    return summary.terms
+
+
 def collapse_for_pld(event: dp_event.DpEvent) -> dp_event.DpEvent:
     """Rewrite Poisson-sampled compositions of Gaussians as one Gaussian.
 
     dp_accounting's PLD accountant does not accept ``PoissonSampled(Composed(...))``.
     Gaussians released on the same sampled batch are exactly one Gaussian with
     σ_eff = (Σ σᵢ⁻²)^(−1/2) (their joint privacy loss is that of the stacked
-    vector), so this rewrite loses nothing.
+    vector), so this rewrite loses nothing. Other parts are left as they are.
     """
     if isinstance(event, dp_event.PoissonSampledDpEvent):
-        inner = event.event
-        if isinstance(inner, dp_event.ComposedDpEvent) and all(
-            isinstance(e, dp_event.GaussianDpEvent) for e in inner.events
-        ):
-            sigma = effective_noise_multiplier([e.noise_multiplier for e in inner.events])
+        sigmas = _inner_gaussians(event.event)
+        if sigmas and not isinstance(event.event, dp_event.GaussianDpEvent):
             return dp_event.PoissonSampledDpEvent(
-                float(event.sampling_probability), dp_event.GaussianDpEvent(sigma)
+                float(event.sampling_probability), dp_event.GaussianDpEvent(effective_noise_multiplier(sigmas))
             )
         return event
     if isinstance(event, dp_event.SelfComposedDpEvent):
@@ -128,6 +237,35 @@ def collapse_for_pld(event: dp_event.DpEvent) -> dp_event.DpEvent:
     if isinstance(event, dp_event.ComposedDpEvent):
         return dp_event.ComposedDpEvent([collapse_for_pld(e) for e in event.events])
     return event
+
+
+#: Neighbouring relations a ledger may declare.
+NEIGHBOURING = ("add_or_remove_one", "replace_one")
+
+
+def ledger_event(ledger: Any) -> dp_event.DpEvent:
+    """The whole ledger as one DpEvent (a DpEvent is returned as it is).
+
+    Raises:
+        TypeError: if ``ledger`` is neither a PrivacyLedger nor a DpEvent.
+    """
+    if isinstance(ledger, dp_event.DpEvent):
+        return ledger
+    if hasattr(ledger, "composed_event"):
+        return ledger.composed_event()
+    raise TypeError(f"expected a PrivacyLedger or a DpEvent, got {type(ledger).__name__}")
+
+
+def ledger_relation(ledger: Any) -> str:
+    """The neighbouring relation of a ledger (a bare DpEvent is add/remove-one).
+
+    Raises:
+        ValueError: on an unknown relation.
+    """
+    name = getattr(ledger, "neighbouring", "add_or_remove_one")
+    if name not in NEIGHBOURING:
+        raise ValueError(f"unknown neighbouring relation {name!r}; expected one of {NEIGHBOURING}")
+    return name
 
 
 _EVENT_TYPES = {

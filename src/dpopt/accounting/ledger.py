@@ -6,11 +6,29 @@ clip bound applied, the sensitivity and the noise std). Accountants read the
 ledger as a whole (:func:`dpopt.accounting.accountant.epsilon`); the ledger
 never computes ε itself.
 
-JSON format (``version`` 1)::
+JSON format (``version`` 2)::
 
-    {"format": "dpopt-ledger", "version": 1,
+    {"format": "dpopt-ledger", "version": 2,
      "neighbouring": "add_or_remove_one", "sampling": "poisson",
+     "noise": "secret", "dataset_size": "public",
      "entries": [{"step": 0, "event": {...}, "meta": {...}}, ...]}
+
+Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
+
+* ``neighbouring`` — the neighbouring relation the ε is stated for.
+* ``sampling`` — ``"poisson"`` (what the accountants assume) or another scheme.
+* ``noise`` — how the Privatizer's noise and Poisson masks were seeded, one of
+  :data:`NOISE_MODES`: ``"secret"`` (OS entropy, never written anywhere),
+  ``"secure"`` (a cryptographically secure generator) or ``"reproducible"``
+  (seeded from a published seed: a research mode whose ε does not hold against
+  anyone who knows the seed; ``dpopt check`` fails it).
+* ``dataset_size`` — ``"public"``: the dataset size N is treated as public
+  (the sample rate q = B̄/N and the run files may reveal it).
+
+Version-1 files (written before the noise source was recorded, when noise was
+always seeded from the published seed) load with ``noise = "unknown"`` and
+``dataset_size = "public"``; ``dpopt check`` treats ``"unknown"`` as
+reproducible.
 """
 
 from __future__ import annotations
@@ -22,12 +40,17 @@ from typing import Any
 
 from dp_accounting import dp_event
 
-from .events import event_from_dict, event_to_dict
+from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
-__all__ = ["LedgerEntry", "PrivacyLedger", "LEDGER_VERSION"]
+__all__ = ["LedgerEntry", "PrivacyLedger", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES"]
 
-LEDGER_VERSION = 1
-NEIGHBOURING = ("add_or_remove_one", "replace_one")
+LEDGER_VERSION = 2
+#: Ledger versions :meth:`PrivacyLedger.from_dict` reads.
+READABLE_VERSIONS = (1, 2)
+#: How the noise was seeded; "unknown" is reserved for version-1 files.
+NOISE_MODES = ("secret", "secure", "reproducible")
+#: Statements about the dataset size N.
+DATASET_SIZE_MODES = ("public",)
 
 
 def _public(value: Any) -> Any:
@@ -62,17 +85,52 @@ class PrivacyLedger:
         neighbouring: ``"add_or_remove_one"`` (default; what dp_accounting's
             Poisson-sampling analysis assumes) or ``"replace_one"``.
         sampling: ``"poisson"`` (default) or another scheme, recorded as is.
+        noise: how the noise is seeded, one of :data:`NOISE_MODES` (default
+            ``"secret"``); the Privatizer records its actual mode with
+            :meth:`mark_noise`.
+        dataset_size: the statement about N, ``"public"`` (the only one).
 
     Raises:
-        ValueError: on an unknown neighbouring relation.
+        ValueError: on an unknown neighbouring relation, noise mode or
+            dataset_size statement.
     """
 
-    def __init__(self, neighbouring: str = "add_or_remove_one", sampling: str = "poisson"):
+    def __init__(self, neighbouring: str = "add_or_remove_one", sampling: str = "poisson",
+                 noise: str = "secret", dataset_size: str = "public"):
         if neighbouring not in NEIGHBOURING:
             raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
+        if noise not in NOISE_MODES:
+            raise ValueError(f"noise must be one of {NOISE_MODES}, got {noise!r}")
+        if dataset_size not in DATASET_SIZE_MODES:
+            raise ValueError(f"dataset_size must be one of {DATASET_SIZE_MODES}, got {dataset_size!r}")
         self.neighbouring = neighbouring
         self.sampling = sampling
+        self.noise = noise
+        self.dataset_size = dataset_size
         self._entries: list[LedgerEntry] = []
+
+    def mark_noise(self, mode: str) -> str:
+        """Record how the Privatizer's noise (and Poisson masks) are seeded.
+
+        A ledger that ever had reproducible noise stays ``"reproducible"``
+        (later secret noise does not undo a release that can be replayed), and
+        one loaded as ``"unknown"`` (version 1) stays ``"unknown"`` unless
+        marked reproducible. Otherwise the mode is set to ``mode``.
+
+        Args:
+            mode: one of :data:`NOISE_MODES`.
+
+        Returns:
+            The ledger's noise mode after the call.
+
+        Raises:
+            ValueError: on an unknown mode.
+        """
+        if mode not in NOISE_MODES:
+            raise ValueError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
+        if mode == "reproducible" or self.noise not in ("reproducible", "unknown"):
+            self.noise = mode
+        return self.noise
 
     # -- writing ---------------------------------------------------------
     def record(self, step: int, event: dp_event.DpEvent, **meta: Any) -> LedgerEntry:
@@ -117,6 +175,8 @@ class PrivacyLedger:
             "version": LEDGER_VERSION,
             "neighbouring": self.neighbouring,
             "sampling": self.sampling,
+            "noise": self.noise,
+            "dataset_size": self.dataset_size,
             "entries": [e.to_dict() for e in self._entries],
         }
 
@@ -128,11 +188,29 @@ class PrivacyLedger:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PrivacyLedger":
+        """Read a ledger from its JSON dict (versions 1 and 2; see the module docstring).
+
+        Raises:
+            ValueError: not a dpopt ledger, an unknown version, or invalid header values.
+        """
         if data.get("format") != "dpopt-ledger":
             raise ValueError("not a dpopt ledger (missing 'format': 'dpopt-ledger')")
-        if int(data.get("version", -1)) != LEDGER_VERSION:
-            raise ValueError(f"unsupported ledger version {data.get('version')!r}; expected {LEDGER_VERSION}")
-        ledger = cls(data.get("neighbouring", "add_or_remove_one"), data.get("sampling", "poisson"))
+        try:
+            version = int(data.get("version", -1))
+        except (TypeError, ValueError):
+            version = -1
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"unsupported ledger version {data.get('version')!r}; expected one of "
+                             f"{READABLE_VERSIONS}")
+        ledger = cls(data.get("neighbouring", "add_or_remove_one"), data.get("sampling", "poisson"),
+                     dataset_size=data.get("dataset_size", "public"))
+        if version == 1:
+            ledger.noise = "unknown"  # before the noise source was recorded: seeded from the published seed
+        else:
+            noise = data.get("noise")
+            if noise not in NOISE_MODES:
+                raise ValueError(f"ledger noise {noise!r} is not one of {NOISE_MODES}")
+            ledger.noise = noise
         for raw in data["entries"]:
             ledger._entries.append(LedgerEntry(int(raw["step"]), event_from_dict(raw["event"]), raw.get("meta", {})))
         return ledger
@@ -148,6 +226,7 @@ class PrivacyLedger:
         return cls.from_dict(json.loads(path.read_text()))
 
     def __repr__(self) -> str:
-        return f"PrivacyLedger({len(self)} releases, neighbouring={self.neighbouring!r})"
+        return (f"PrivacyLedger({len(self)} releases, neighbouring={self.neighbouring!r}, "
+                f"noise={self.noise!r})")
 
 

@@ -7,7 +7,7 @@ implemented by Microsoft in the ``prv-accountant`` package
 Install with ``pip install 'dpopt[prv]'`` or ``pip install prv-accountant``.
 
 The ledger is reduced to counts of (q, σ) terms by
-:func:`~dpopt.accounting.accountant.flatten_gaussian_terms` (the same
+:func:`~dpopt.accounting.events.flatten_gaussian_terms` (the same
 reduction the PLD path uses); each distinct term becomes one PRV —
 ``PoissonSubsampledGaussianMechanism(q, σ)`` or ``GaussianMechanism(σ)`` for
 q = 1 — self-composed ``count`` times (Fourier composition) and the terms are
@@ -18,20 +18,45 @@ convolved together (heterogeneous composition).
 defaults ε_error = 0.01 and δ_error = δ/1000 this is what Opacus reports for its
 PRV accountant.
 
-Only the add/remove-one neighbouring relation is supported (that is what the
-package's subsampled-Gaussian PRV models).
+Neighbouring relation: the package's subsampled-Gaussian PRV models
+add/remove-one. Under ``replace_one`` an unsampled Gaussian of multiplier σ is
+exactly an add/remove Gaussian of σ/2 and is accounted so; Poisson-sampled
+steps under ``replace_one`` are refused (use ``pld``).
+
+Cost: the package's grid has mesh ε_error/√(T/2·ln(12/δ_error)) over
+[−L, L], so memory and time grow with √T (10⁶ steps at q = 0.01, σ = 1 pass
+18 GB at ε_error = 0.01). When the estimate (:mod:`dpopt.accounting.cost`)
+exceeds the budget, ε_error is raised until it fits — the certified upper
+bound (estimate + ε_error) stays an upper bound, only looser — and the report
+says so; above ε_error = 1 nat the accountant refuses with advice.
+
+Numerical failures inside the package (e.g. ``RuntimeError: Discrete mean
+differs from continuous mean significantly`` at q = 0.2, σ = 1, 600 steps)
+become ``ValueError`` with the advice to use ``pld``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
-from .accountant import EventLike, _as_event, check_delta, flatten_gaussian_terms
+from .cost import (
+    DEFAULT_BUDGET,
+    MAX_PRV_EPS_ERROR,
+    CostBudget,
+    EpsilonReport,
+    estimate_prv_cost,
+    prv_domain,
+    prv_mechanisms,
+)
+from .events import flatten_gaussian_terms, ledger_event, ledger_relation
+from .validation import check_delta
 
-__all__ = ["prv_epsilon", "PRV_EPS_ERROR", "prv_available"]
+__all__ = ["prv_epsilon", "prv_epsilon_report", "PRV_EPS_ERROR", "prv_available"]
 
 #: Default additive error in ε of the PRV accountant (nats).
 PRV_EPS_ERROR = 0.01
+_ADVICE = "use accountant 'pld' (connect-the-dots PLD, also an upper bound)"
 
 
 def prv_available() -> bool:
@@ -43,14 +68,15 @@ def prv_available() -> bool:
     return True
 
 
-def prv_epsilon(
-    ledger: EventLike,
+def prv_epsilon_report(
+    ledger,
     delta: float,
     eps_error: float = PRV_EPS_ERROR,
-    delta_error: float | None = None,
+    delta_error: Optional[float] = None,
     estimate: bool = False,
-) -> float:
-    """ε(δ) of a ledger (or DpEvent) with the PRV accountant.
+    budget: Optional[CostBudget] = DEFAULT_BUDGET,
+) -> EpsilonReport:
+    """ε(δ) of a ledger (or DpEvent) with the PRV accountant, with the ε-error used.
 
     Args:
         ledger: a :class:`~dpopt.accounting.ledger.PrivacyLedger` or a DpEvent
@@ -61,51 +87,95 @@ def prv_epsilon(
         delta_error: allowed error of δ; default δ/1000.
         estimate: return the point estimate instead of the certified upper
             bound (for calibration searches only; never for a reported ε).
+        budget: cost budget (default 30 s / 4 GB): above it ``eps_error`` is
+            raised until the estimate fits (recorded in the report), up to
+            1 nat; None: no limit.
 
     Returns:
-        ε ≥ 0 (upper bound unless ``estimate``); ``math.inf`` if a release has
-        σ = 0; 0.0 for an empty ledger.
+        :class:`~dpopt.accounting.cost.EpsilonReport` (``resolution`` = the
+        ε-error used): ε ≥ 0 (upper bound unless ``estimate``); ``math.inf``
+        if a release has σ = 0; 0.0 for an empty ledger.
 
     Raises:
         ImportError: if ``prv-accountant`` is not installed (message says how).
-        ValueError: invalid δ / errors, ``replace_one`` ledgers, unsupported
-            events, or a δ too small for the package's floating-point range.
+        ValueError: invalid δ / errors, Poisson-sampled ``replace_one``
+            ledgers, unsupported events, a ledger too large for the budget,
+            or a numerical failure inside the package (all say to use ``pld``).
 
     Source: Gopi, Lee, Wutschitz 2021, Algorithm 1 and Theorem 5.5.
     """
     delta = check_delta(delta)
     if not eps_error > 0:
         raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
+    eps_error = float(eps_error)
     delta_error = delta / 1000.0 if delta_error is None else float(delta_error)
     if not 0.0 < delta_error < delta:
         raise ValueError(f"delta_error must be in (0, delta), got {delta_error!r}")
-    if getattr(ledger, "neighbouring", "add_or_remove_one") != "add_or_remove_one":
-        raise ValueError("the PRV accountant supports only add_or_remove_one ledgers; use 'pld' for replace_one")
+    replace = ledger_relation(ledger) == "replace_one"
     try:
-        from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism, PRVAccountant
+        from prv_accountant import PRVAccountant
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "accountant 'prv' needs the optional package prv-accountant: "
             "pip install 'dpopt[prv]' (or pip install prv-accountant)"
         ) from exc
 
-    terms = flatten_gaussian_terms(_as_event(ledger))
+    terms = flatten_gaussian_terms(ledger_event(ledger))
     if not terms:
-        return 0.0
-    prvs, counts = [], []
-    for (q, sigma), count in terms.items():
-        if sigma == 0.0:
-            return math.inf
-        if q >= 1.0:
-            prvs.append(GaussianMechanism(noise_multiplier=sigma))
-        else:
-            prvs.append(PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma))
-        counts.append(int(count))
-    acc = PRVAccountant(prvs=prvs, eps_error=float(eps_error), delta_error=delta_error,
-                        max_self_compositions=counts)
+        return EpsilonReport(0.0, delta, "prv", eps_error)
+    if any(sigma == 0.0 for (_, sigma) in terms):
+        return EpsilonReport(math.inf, delta, "prv", eps_error)
+    if replace and any(q < 1.0 for (q, _) in terms):
+        raise ValueError("the prv accountant has no model of Poisson-sampled releases under neighbouring="
+                         f"replace_one (prv-accountant models add/remove-one); {_ADVICE}")
+    counts = [int(c) for c in terms.values()]
+    notes: tuple = ()
+    coarsened = False
     try:
-        lower, est, upper = acc.compute_epsilon(delta=delta, num_self_compositions=counts)
-    except RuntimeError as exc:  # the package's "Cannot compute epsilon"
-        raise ValueError(f"PRV accountant could not compute epsilon at delta={delta}: {exc}") from exc
-    value = float(est if estimate else upper)
-    return math.inf if math.isnan(value) else max(0.0, value)
+        est = estimate_prv_cost(terms, eps_error, delta_error, replace,
+                                domain=prv_domain(terms, eps_error, delta_error, replace))
+        if budget is not None and not est.within(budget):
+            needed = eps_error * est.scale_to(budget) * 1.05
+            needed = float(f"{needed:.2g}") if float(f"{needed:.2g}") >= needed else float(f"{needed * 1.1:.2g}")
+            if needed > MAX_PRV_EPS_ERROR:
+                raise ValueError(
+                    f"the prv accountant would need {est.describe()} for this ledger (eps_error {eps_error:g}), "
+                    f"and even eps_error = {MAX_PRV_EPS_ERROR:g} exceeds the budget of {budget.seconds:g} s / "
+                    f"{budget.memory_bytes / 1e9:g} GB; {_ADVICE}, or 'rdp'")
+            coarse = estimate_prv_cost(terms, needed, delta_error, replace,
+                                       domain=prv_domain(terms, needed, delta_error, replace))
+            notes = (f"prv: eps_error {eps_error:g} would need {est.describe()}; used eps_error {needed:g} "
+                     f"({coarse.describe()}); the certified upper bound stays an upper bound",)
+            eps_error, est, coarsened = needed, coarse, True
+        acc = PRVAccountant(prvs=prv_mechanisms(terms, replace), eps_error=eps_error, delta_error=delta_error,
+                            max_self_compositions=counts)
+        lower, est_eps, upper = acc.compute_epsilon(delta=delta, num_self_compositions=counts)
+    except ValueError as exc:
+        if "prv accountant" in str(exc):
+            raise
+        raise ValueError(f"the prv accountant failed on this ledger at delta={delta:g} ({exc}); {_ADVICE}") from None
+    except (RuntimeError, ArithmeticError, AssertionError) as exc:
+        # e.g. "Discrete mean differs from continuous mean significantly" (q = 0.2, σ = 1, T = 600)
+        raise ValueError(f"the prv accountant failed numerically on this ledger at delta={delta:g} "
+                         f"({type(exc).__name__}: {exc}); {_ADVICE}") from None
+    except MemoryError:
+        raise ValueError(f"the prv accountant ran out of memory on this ledger; {_ADVICE}") from None
+    value = float(est_eps if estimate else upper)
+    value = math.inf if math.isnan(value) else max(0.0, value)
+    return EpsilonReport(value, delta, "prv", eps_error, coarsened, est, notes)
+
+
+def prv_epsilon(
+    ledger,
+    delta: float,
+    eps_error: float = PRV_EPS_ERROR,
+    delta_error: Optional[float] = None,
+    estimate: bool = False,
+    budget: Optional[CostBudget] = DEFAULT_BUDGET,
+) -> float:
+    """ε(δ) of a ledger (or DpEvent) with the PRV accountant: :func:`prv_epsilon_report`'s ε.
+
+    Raises:
+        ImportError, ValueError: as :func:`prv_epsilon_report`.
+    """
+    return prv_epsilon_report(ledger, delta, eps_error, delta_error, estimate, budget).epsilon

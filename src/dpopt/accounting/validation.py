@@ -1,0 +1,108 @@
+"""Argument checks shared by every accounting module (a leaf: imports nothing from dpopt).
+
+Each check coerces a value to a plain Python number and raises ``ValueError``
+with a message that names the argument (library names such as
+``noise_multiplier``, never command-line flags) and says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = [
+    "ACCOUNTANTS",
+    "check_accountant",
+    "check_delta",
+    "check_noise_multiplier",
+    "check_sample_rate",
+    "check_steps",
+]
+
+#: Accountants that :func:`dpopt.accounting.accountant.epsilon` understands
+#: (``"prv"`` needs the optional ``prv-accountant`` package).
+ACCOUNTANTS = ("pld", "rdp", "prv")
+
+
+def check_delta(delta: Any) -> float:
+    """Validate δ ∈ (0, 1) and return it as a float.
+
+    δ = 0 would need pure DP (the Gaussian mechanism has none) and δ ≥ 1 is
+    no guarantee at all, so both are refused rather than answered.
+
+    Raises:
+        ValueError: if δ is not a number in (0, 1).
+    """
+    try:
+        value = float(delta)
+    except (TypeError, ValueError):
+        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}") from None
+    if not (0.0 < value < 1.0):
+        raise ValueError(
+            f"delta must be in (0, 1), got {delta!r}; a common choice is 1e-5 "
+            "(well below 1/N for N training examples)."
+        )
+    return value
+
+
+def check_accountant(accountant: Any) -> str:
+    """Validate an accountant name (one of :data:`ACCOUNTANTS`), lower-cased.
+
+    Raises:
+        ValueError: on an unknown name.
+    """
+    name = str(accountant).lower()
+    if name not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
+    return name
+
+
+def check_steps(steps: Any) -> int:
+    """Validate a number of steps (a positive integer).
+
+    Raises:
+        ValueError: if ``steps`` is not an integer ≥ 1.
+    """
+    try:
+        value = int(steps)
+    except (TypeError, ValueError):
+        raise ValueError(f"steps must be a positive integer, got {steps!r}") from None
+    if value != steps or value < 1:
+        raise ValueError(f"steps must be a positive integer (number of noisy releases), got {steps!r}")
+    return value
+
+
+def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier") -> float:
+    """Validate and coerce a noise multiplier σ (noise std / L2 sensitivity) to a float.
+
+    Raises:
+        ValueError: if it is negative or not finite (NaN, or ``inf``).
+    """
+    try:
+        value = float(noise_multiplier)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite number >= 0, got {noise_multiplier!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{name} must be a finite number >= 0, got {noise_multiplier!r}; "
+            f"e.g. {name} = 1.0 (0 means no privacy: epsilon = inf)."
+        )
+    return value
+
+
+def check_sample_rate(sample_rate: Any) -> float:
+    """Validate and coerce a Poisson sampling rate q to a float in (0, 1].
+
+    Raises:
+        ValueError: if q is not a number in (0, 1].
+    """
+    try:
+        value = float(sample_rate)
+    except (TypeError, ValueError):
+        raise ValueError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}") from None
+    if not (0.0 < value <= 1.0):
+        raise ValueError(
+            f"sample_rate must be in (0, 1], got {sample_rate!r}; it is "
+            "expected_batch_size / dataset_size."
+        )
+    return value
