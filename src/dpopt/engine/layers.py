@@ -96,14 +96,19 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
 
 
 def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
-    """‖(g_i − shift)/scale‖² for materialised per-sample ``g`` of shape ``[b, *shape]`` → ``[b]``."""
+    """‖(g_i − shift)/scale‖² for materialised per-sample ``g`` of shape ``[b, *shape]`` → ``[b]``.
+
+    Cancellation-free: g − shift is formed per coordinate (one rounding each)
+    and the squares are accumulated in float64; the result has g's dtype.
+    """
     if shift is None and scale is None:
         w = g
     else:
         w = g - shift if shift is not None else g.clone()
         if scale is not None:
             w.div_(scale)
-    return torch.linalg.vector_norm(w.reshape(w.shape[0], math.prod(w.shape[1:])), dim=1).square()
+    flat = w.reshape(w.shape[0], math.prod(w.shape[1:]))
+    return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square().to(g.dtype)
 
 
 # --------------------------------------------------------------------------- direct (materialised)
@@ -498,21 +503,31 @@ class SparseRowsBlock:
         self.row_tok = uniq % self.V
 
     def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
+        """Per-example ‖(g_i − m)/b‖², ``[B]``, in the rows' dtype.
+
+        With a shift the sum Σ_v ‖m_v/b_v‖² + Σ_touched (‖(r−m)/b‖² − ‖m/b‖²)
+        cancels when ‖m‖ ≫ ‖g_i − m‖ (float32 once returned 0 for a norm of
+        5·C); it is evaluated in float64 as Σ_touched ‖(r−m)/b‖² +
+        (Σ_v ‖m_v/b_v‖² − Σ_touched ‖m_v/b_v‖²), the bracket clamped at 0.
+        """
         m, b = geos[0]
-        out = self.rows.new_zeros(self.B)
+        dtype = self.rows.dtype
         if m is None and b is None:
-            return [out.index_add_(0, self.row_ex, self.rows.square().sum(1))]
-        mr = m[self.row_tok] if m is not None else None
-        br = b[self.row_tok] if b is not None else None
-        w = self.rows - mr if mr is not None else self.rows.clone()
-        if br is not None:
-            w = w / br
-        per_row = w.square().sum(1)
-        if m is not None:
-            base_all = (m / b if b is not None else m).square()
-            per_row = per_row - (mr / br if br is not None else mr).square().sum(1)
-            out += base_all.sum()
-        return [out.index_add_(0, self.row_ex, per_row).clamp_min_(0.0)]
+            out = self.rows.new_zeros(self.B, dtype=torch.float64)
+            sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
+            return [out.index_add_(0, self.row_ex, sq).to(dtype)]
+        rows = self.rows.double()
+        w = rows if m is None else rows - m.double()[self.row_tok]
+        if b is not None:
+            w = w / b.double()[self.row_tok]
+        touched = self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(0, self.row_ex, w.square().sum(1))
+        if m is None:
+            return [touched.to(dtype)]
+        base = m.double() if b is None else m.double() / b.double()  # [V, D]: w of an untouched row
+        base_row = base.square().sum(1)
+        untouched = base_row.sum() - self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(
+            0, self.row_ex, base_row[self.row_tok])
+        return [(touched + untouched.clamp_min(0.0)).to(dtype)]
 
     def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
         c = coefs[0].to(self.rows.dtype)
