@@ -29,10 +29,10 @@ def _run(steps=40, sigma=SIGMA, share=None, bounds=1.0, groups=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     if share is not None:
         grad_sigma, count_mult, _ = split_budget(sigma, share)
-        priv = Privatizer(grad_sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, generator=gen,
+        priv = Privatizer(grad_sigma, bounds, expected_batch_size=BBAR, sample_rate=Q,
                           quantile=QuantileClipping(count_mult))
     else:
-        priv = Privatizer(sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, groups=groups, generator=gen)
+        priv = Privatizer(sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, groups=groups)
     n_params = 1 if groups is None else len(groups)
     for step in range(steps):
         b = int(torch.randint(0, 12, (), generator=gen))  # Poisson-like varying size, sometimes 0
@@ -70,7 +70,7 @@ def test_quantile_run_passes(tmp_path, accountant):
     _write(tmp_path, priv, accountant)
     result = check_run(tmp_path)
     assert result.passed, result.format()
-    assert [i.key for i in result.items] == ["releases", "noise", "composition", "budget_split"]
+    assert [i.key for i in result.items] == ["releases", "noise", "composition", "budget_split", "noise_source"]
     assert priv.reads == priv.releases == 2 * priv.steps
     assert result.facts["sigma_eff"] == [pytest.approx(SIGMA, rel=1e-12)]
     assert "count share r = 0.05" in " ".join(result["budget_split"].evidence)
@@ -143,9 +143,8 @@ def test_gradient_only_ledger_is_flagged(tmp_path, accountant, honest, leaky):
 # --- (b) noise calibrated to the bound applied -------------------------------------------
 def test_per_layer_bounds_use_total_bound(tmp_path):
     """Bounds (1, 2, 2): sensitivity √(1+4+4) = 3, noise std σ·3 (meta and empirical)."""
-    gen = torch.Generator().manual_seed(1)
     priv = Privatizer(SIGMA, [1.0, 2.0, 2.0], expected_batch_size=BBAR, sample_rate=Q,
-                      groups=[0, 1, 2], generator=gen)
+                      groups=[0, 1, 2])  # secret noise: the 7-s.e. band below needs no fixed seed
     d = 20_000
     rel = priv.privatize(PerSampleGrads([torch.zeros(2, d, dtype=torch.float64)] * 3))
     meta = priv.ledger.entries[0].meta
@@ -279,3 +278,45 @@ def test_check_ledger_argument_errors():
     result = check_ledger(PrivacyLedger(), {})
     assert not result.passed and "the ledger is empty" in result.format()
     assert math.isinf(dpsgd_epsilon(0.0, Q, 3, DELTA))
+
+
+# --- (e) noise source: reproducible and version-1 ledgers fail ------------------------------
+def test_reproducible_noise_fails_with_evidence(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    priv = Privatizer(SIGMA, 1.0, expected_batch_size=BBAR, sample_rate=Q, generator=gen)  # reproducible
+    for _ in range(3):
+        priv.privatize(PerSampleGrads([torch.randn(2, 3, generator=gen)]))
+    assert priv.ledger.noise == "reproducible"
+    _write(tmp_path, priv)
+    result = check_run(tmp_path)
+    assert result.failures == ["noise_source"]
+    assert "noise reproducible from a published seed" in result["noise_source"].evidence[0]
+    assert "(e) [FAIL]" in result.format()
+
+
+def test_version1_ledger_is_unknown_and_fails(tmp_path):
+    priv = _run(steps=5)
+    _write(tmp_path, priv)
+    data = json.loads((tmp_path / "ledger.json").read_text())
+    data["version"] = 1
+    del data["noise"], data["dataset_size"]
+    (tmp_path / "ledger.json").write_text(json.dumps(data))
+    result = check_run(tmp_path)
+    assert result.failures == ["noise_source"]
+    text = result["noise_source"].evidence[0]
+    assert "predates the record of its noise source" in text and "treated as reproducible" in text
+
+
+@pytest.mark.parametrize("mode", ["secret", "secure"])
+def test_secret_and_secure_noise_pass_without_nonfinite_steps(tmp_path, mode):
+    priv = _run(steps=5)
+    priv.ledger.noise = mode  # as mark_noise(mode) leaves a fresh ledger
+    summary = _write(tmp_path, priv, noise=mode)
+    assert "nonfinite_steps" not in summary  # runs no longer write this private count
+    result = check_run(tmp_path)
+    assert result.passed, result.format()
+    assert mode in result["noise_source"].evidence[0]
+    assert any("dataset_size = 'public'" in e for e in result["noise_source"].evidence)
+    # a summary that disagrees with the ledger fails
+    _write(tmp_path, priv, noise="reproducible")
+    assert check_run(tmp_path).failures == ["noise_source"]

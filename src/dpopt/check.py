@@ -1,4 +1,4 @@
-"""The ledger check: four questions to ask before calling a run DP.
+"""The ledger check: five questions to ask before calling a run DP.
 
 Static check of a run directory (``ledger.json`` + ``summary.json``), after
 the four questions of ``papers/adaptive-clipping-accounting.txt``:
@@ -26,6 +26,17 @@ the four questions of ``papers/adaptive-clipping-accounting.txt``:
     From each entry's event: σ_eff = (Σ σᵢ⁻²)^(−1/2) over its Gaussians, which
     must equal the claimed total σ (``noise_multiplier_total`` if present,
     else ``noise_multiplier``).
+(e) ``noise_source`` — is the noise secret? The ledger header records how the
+    Privatizer's noise and Poisson masks were seeded: ``"secret"`` (OS
+    entropy) and ``"secure"`` (CSPRNG) pass; ``"reproducible"`` (seeded from a
+    published seed: anyone who knows the seed and the neighbouring dataset can
+    replay the run, ε = ∞ against them) fails, and so does ``"unknown"`` (a
+    version-1 ledger, written before the noise source was recorded, when
+    noise was always seeded from the published seed). A summary ``noise``
+    field, if present, must agree with the ledger.
+
+The summary is read only for the keys named below; other keys (present or
+absent, e.g. the removed ``nonfinite_steps``) are ignored.
 
 Each item carries human-readable evidence; :func:`check_run` and
 :func:`check_ledger` never raise on a failing run — they report it.
@@ -39,11 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from dp_accounting import dp_event
-
 from .accounting.accountant import ACCOUNTANTS, epsilon
 from .accounting.budget import COUNT_SENSITIVITY
-from .accounting.events import effective_noise_multiplier
+from .accounting.events import EventSummary, effective_noise_multiplier, summarize_event
 from .accounting.ledger import PrivacyLedger
 
 __all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL"]
@@ -57,15 +66,17 @@ QUESTIONS = {
     "noise": "Is every noise std calibrated to the bound actually applied?",
     "composition": "Does the epsilon come from one accountant over the whole ledger (not a sum)?",
     "budget_split": "Does the budget split recompose to the sigma claimed?",
+    "noise_source": "Is the noise secret (not reproducible from a published seed)?",
 }
 
 
 @dataclass(frozen=True)
 class CheckItem:
-    """One of the four questions, answered.
+    """One of the check questions, answered.
 
     Attributes:
-        key: ``"releases"``, ``"noise"``, ``"composition"`` or ``"budget_split"``.
+        key: ``"releases"``, ``"noise"``, ``"composition"``, ``"budget_split"``
+            or ``"noise_source"``.
         question: the question in words.
         passed: True if no problem was found.
         evidence: what was compared (numbers), problems first.
@@ -83,7 +94,7 @@ class CheckItem:
 
 @dataclass(frozen=True)
 class CheckResult:
-    """The four :class:`CheckItem` results; ``passed`` only if all passed."""
+    """The :class:`CheckItem` results (a–e); ``passed`` only if all passed."""
 
     items: tuple[CheckItem, ...]
     facts: dict = field(default_factory=dict)
@@ -109,7 +120,7 @@ class CheckResult:
     def format(self) -> str:
         """Plain-text report (one block per question)."""
         lines = []
-        for tag, item in zip("abcd", self.items):
+        for tag, item in zip("abcdefgh", self.items):
             lines.append(f"({tag}) [{'PASS' if item.passed else 'FAIL'}] {item.question}")
             lines.extend(f"      - {e}" for e in item.evidence)
         lines.append("RESULT: " + ("PASS" if self.passed else "FAIL (" + ", ".join(self.failures) + ")"))
@@ -119,37 +130,12 @@ class CheckResult:
 # ---------------------------------------------------------------------------
 # event structure
 # ---------------------------------------------------------------------------
-@dataclass
-class _Parsed:
-    gaussians: list  # noise multipliers, in recorded order (gradient first)
-    rates: set  # Poisson sampling rates seen
-    nonprivate: bool = False
-    other: list = field(default_factory=list)  # unsupported event types
+_Parsed = EventSummary  # per entry: gaussians (recorded order), rates, nonprivate, unsupported
 
 
-def _parse(event: dp_event.DpEvent) -> _Parsed:
-    out = _Parsed([], set())
-
-    def walk(ev: dp_event.DpEvent, n: int) -> None:
-        if isinstance(ev, dp_event.NoOpDpEvent):
-            return
-        if isinstance(ev, dp_event.NonPrivateDpEvent):
-            out.nonprivate = True
-        elif isinstance(ev, dp_event.GaussianDpEvent):
-            out.gaussians.extend([float(ev.noise_multiplier)] * n)
-        elif isinstance(ev, dp_event.PoissonSampledDpEvent):
-            out.rates.add(float(ev.sampling_probability))
-            walk(ev.event, n)
-        elif isinstance(ev, dp_event.ComposedDpEvent):
-            for sub in ev.events:
-                walk(sub, n)
-        elif isinstance(ev, dp_event.SelfComposedDpEvent):
-            walk(ev.event, n * int(ev.count))
-        else:
-            out.other.append(type(ev).__name__)
-
-    walk(event, 1)
-    return out
+def _parse(event) -> EventSummary:
+    """The shared DpEvent walker (:func:`dpopt.accounting.events.summarize_event`)."""
+    return summarize_event(event)
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -173,7 +159,7 @@ def _summarise(problems: list[str], label: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# the four items
+# the items
 # ---------------------------------------------------------------------------
 def _check_releases(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping) -> CheckItem:
     problems: list[str] = []
@@ -312,7 +298,7 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Ma
     if ledger.sampling != "poisson":
         problems.append(f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
                         "so the epsilon does not hold for this run")
-    others = sorted({o for p in parsed for o in p.other})
+    others = sorted({o for p in parsed for o in p.unsupported})
     if others:
         problems.append(f"ledger has events the check does not understand: {others}")
     rates = sorted({r for p in parsed for r in p.rates})
@@ -377,25 +363,53 @@ def _check_split(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping,
     return CheckItem("budget_split", QUESTIONS["budget_split"], not problems, tuple(problems + evidence)), facts
 
 
+def _check_noise_source(ledger: PrivacyLedger, claimed: Mapping) -> CheckItem:
+    problems, evidence = [], []
+    mode = getattr(ledger, "noise", "unknown")
+    if mode == "reproducible":
+        problems.append("noise reproducible from a published seed: the ledger records noise = 'reproducible' "
+                        "(a research mode); anyone who knows the seed and the neighbouring dataset can replay "
+                        "the run and tell the datasets apart, so the epsilon does not hold")
+    elif mode == "unknown":
+        problems.append("the ledger predates the record of its noise source (format version 1, noise = "
+                        "'unknown'; such runs seeded the noise from the published seed) and must be treated as "
+                        "reproducible: noise reproducible from a published seed")
+    elif mode in ("secret", "secure"):
+        evidence.append(f"ledger noise = {mode!r}: "
+                        + ("seeded from OS entropy and never written anywhere" if mode == "secret"
+                           else "drawn from a cryptographically secure generator"))
+    else:
+        problems.append(f"ledger noise {mode!r} is not a known noise source")
+    claim = claimed.get("noise")
+    if claim is not None and claim != mode:
+        problems.append(f"summary noise {claim!r} differs from the ledger's {mode!r}")
+    size = getattr(ledger, "dataset_size", None)
+    if size is not None:
+        evidence.append(f"dataset_size = {size!r} (N is treated as public)")
+    return CheckItem("noise_source", QUESTIONS["noise_source"], not problems, tuple(problems + evidence))
+
+
 # ---------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------
 def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float = DEFAULT_RTOL) -> CheckResult:
-    """Run the four ledger checks on a ledger against a run's claims.
+    """Run the ledger checks (a–e) on a ledger against a run's claims.
 
     Args:
         ledger: the run's :class:`~dpopt.accounting.ledger.PrivacyLedger`.
         claimed: the run's summary (``summary.json``): keys ``epsilon``,
             ``delta``, ``accountant``, ``noise_multiplier`` (total σ claimed),
             optionally ``noise_multiplier_total``, ``sample_rate``, ``steps``,
-            ``privatizer_reads``, ``privatizer_releases``, ``count_share``.
+            ``privatizer_reads``, ``privatizer_releases``, ``count_share``,
+            ``noise``. Other keys are ignored (e.g. ``nonfinite_steps``,
+            which runs no longer write).
         rtol: relative tolerance of every numeric comparison (default 1e-6;
             recorded numbers are JSON floats, recomputations are deterministic).
 
     Returns:
         :class:`CheckResult` with items releases, noise, composition,
-        budget_split (in that order), each with evidence; never raises for a
-        failing run.
+        budget_split, noise_source (in that order), each with evidence; never
+        raises for a failing run.
 
     Raises:
         TypeError: if ``ledger`` is not a PrivacyLedger or ``claimed`` not a mapping.
@@ -415,7 +429,9 @@ def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float 
     b = _check_noise(ledger, parsed, rtol)
     c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
     d, facts_d = _check_split(ledger, parsed, claimed, rtol)
-    return CheckResult((a, b, c, d), {**facts_c, **facts_d, "entries": len(ledger)})
+    e = _check_noise_source(ledger, claimed)
+    facts = {**facts_c, **facts_d, "entries": len(ledger), "noise": getattr(ledger, "noise", "unknown")}
+    return CheckResult((a, b, c, d, e), facts)
 
 
 def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
