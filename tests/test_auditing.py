@@ -147,6 +147,105 @@ def test_bounds_are_sound_at_the_stated_rate():
     assert b.mu > 0.5
 
 
+def test_small_trial_counts_fall_back_to_a_looser_gdp_ranking():
+    """Issue 15, item 7a. 1,000 scores per arm from N(1, 1) vs N(0, 1), δ = 1e-5, α = 1e-3: ranked at
+    (α/4)² on 200 selection trials per arm, every candidate scored μ = 0 and argmax took the first
+    threshold (τ = −2.28): μ = 0 and GDP ε = 0 while the direct bound was 1.009. All-tied candidates
+    now fall back to the ranking at α/4: μ = 0.597, GDP ε = 2.43 (truth: μ = 1, ε = 4.377)."""
+    rng = np.random.default_rng(0)
+    b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, 1000), rng.normal(0.0, 1.0, 1000), DELTA, 1e-3)
+    assert b.gdp_rank_level == pytest.approx(1e-3 / 4) and b.direct_rank_level == pytest.approx(1e-3 / 4)
+    assert b.direct == pytest.approx(1.009, abs=1e-3)
+    assert b.mu == pytest.approx(0.597, abs=1e-3) and b.gdp == pytest.approx(2.430, abs=1e-3)
+    assert b.mu <= 1.0 and b.gdp > b.direct
+    # with enough trials the strict ranking is kept (the 10⁵-trial behaviour is unchanged)
+    b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, 20_000), rng.normal(0.0, 1.0, 20_000), DELTA, 1e-3)
+    assert b.gdp_rank_level == pytest.approx((1e-3 / 4) ** 2)
+
+
+def test_fallback_ranking_keeps_the_false_alarm_rate():
+    """150 scores per arm at α = 0.1, where the (α/4)² ranking ties at 0 in most runs (254 of 300
+    measured), so the fallback chooses the test. 300 runs with μ = 1 (violation: a bound above the
+    truth) and 300 with identical arms (violation: any bound > 0): each count ≤ Binomial(300, 0.1)'s
+    1 − 1e-3 quantile, 47 (false alarm of this test ≤ 2e-3). Measured: 0 and 0. Power: mean μ 0.465,
+    μ = 0 in 11 runs (before the fallback: 0.089, μ = 0 in 226 runs)."""
+    rng = np.random.default_rng(11)
+    violations = null_violations = fallbacks = 0
+    mus = []
+    for seed in range(300):
+        b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, 150), rng.normal(0.0, 1.0, 150), DELTA, 0.1, seed=seed)
+        violations += (b.gdp > TRUE_EPS_SIGMA1) or (b.direct > TRUE_EPS_SIGMA1) or (b.mu > 1.0)
+        fallbacks += b.gdp_rank_level != pytest.approx(0.025**2)
+        mus.append(b.mu)
+        b0 = A.epsilon_lower_bounds(rng.normal(size=150), rng.normal(size=150), DELTA, 0.1, seed=seed)
+        null_violations += (b0.direct > 0) or (b0.mu > 0)
+    limit = stats.binom.ppf(1 - 1e-3, 300, 0.1)
+    assert violations <= limit and null_violations <= limit
+    assert fallbacks > 150
+    assert np.mean(mus) > 0.35  # measured 0.465; before: 0.089
+
+
+def test_max_thresholds_below_128():
+    """Issue 15, item 7b. ``max_thresholds=100`` raised numpy's "Number of samples, -28, must be
+    non-negative" (64 extreme candidates at each end = 128 > 100). The extreme set is now sized from
+    it (min(64, ⌊m/4⌋) per end), and a non-positive or fractional value is a clear ValueError."""
+    from dpopt.auditing.stats import _candidate_thresholds
+
+    rng = np.random.default_rng(0)
+    s_in, s_out = rng.normal(1.0, 1.0, 1000), rng.normal(0.0, 1.0, 1000)
+    b = A.epsilon_lower_bounds(s_in, s_out, DELTA, 1e-3, max_thresholds=100)
+    assert b.direct == pytest.approx(0.928, abs=1e-3) and b.mu == pytest.approx(0.618, abs=1e-3)
+    pooled = np.sort(np.concatenate([s_in, s_out]))
+    mids = 0.5 * (pooled[:-1] + pooled[1:])
+    for m in (1, 2, 3, 10, 100, 127, 128, 255, 256, 1000, 100_000):
+        taus = _candidate_thresholds(pooled, m)
+        assert 1 <= taus.size <= m and np.all(np.isin(taus, mids))
+        if m >= 2:  # both extremes are always candidates
+            assert taus[0] == mids[0] and taus[-1] == mids[-1]
+        if m >= 256:  # as before: the 64 most extreme midpoints at each end
+            assert np.all(np.isin(mids[:64], taus)) and np.all(np.isin(mids[-64:], taus))
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="max_thresholds must be a positive integer"):
+            A.epsilon_lower_bounds(s_in, s_out, DELTA, 1e-3, max_thresholds=bad)
+
+
+# --------------------------------------------------------------------------- package layout
+OLD_PUBLIC_API = [
+    "clopper_pearson_upper", "gdp_delta", "gdp_epsilon", "epsilon_from_error_rates", "gdp_mu_from_error_rates",
+    "EpsilonLowerBounds", "epsilon_lower_bounds", "AuditResult", "claimed_one_step", "canary_scores",
+    "audit_privatizer", "BUILTIN_MECHANISMS", "audit_mechanism", "registered_methods", "audit_method",
+    "audit_all", "mechanism_seed",
+]
+
+
+def test_stats_module_imports_no_torch():
+    """The statistics (and the package's eager part) import neither torch nor other dpopt modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import dpopt.auditing.stats\n"
+            "from dpopt.auditing import epsilon_lower_bounds, gdp_epsilon, EpsilonLowerBounds\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
+            "(m.startswith('dpopt.') and m not in ('dpopt.auditing', 'dpopt.auditing.stats')))\n"
+            "assert not bad, bad\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_public_api_is_reexported_from_the_package():
+    from dpopt.auditing import harness, stats as st, suite
+
+    assert sorted(set(OLD_PUBLIC_API) - set(A.__all__)) == []
+    for name in A.__all__:
+        assert getattr(A, name) is not None, name
+    assert A.epsilon_lower_bounds is st.epsilon_lower_bounds
+    assert A.audit_privatizer is harness.audit_privatizer and A.canary_scores is harness.canary_scores
+    assert A.audit_all is suite.audit_all and A.BUILTIN_MECHANISMS == ("flat", "shift-scale", "per-layer", "quantile")
+    with pytest.raises(AttributeError):
+        A.no_such_name  # noqa: B018
+
+
 # --------------------------------------------------------------------------- the real privatizers
 def test_vectorised_trials_equal_one_release_per_trial():
     """σ = 0 makes every release deterministic: the block-embedded releases (many trials in one
@@ -262,7 +361,9 @@ def test_method_audit_uses_the_methods_feedback_geometry():
     names = {spec.name: spec for spec in methods.list_methods()}
     if "dp-macadam" not in names:
         pytest.skip("dp-macadam is not registered")
-    params = A._method_params(torch.float64)
+    from dpopt.auditing.suite import _method_params
+
+    params = _method_params(torch.float64)
     opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0,
                                  sample_rate=1.0)
     from dpopt.per_sample import PerSampleGrads
@@ -297,14 +398,10 @@ def test_cli_audit_json_pass():
     assert row["epsilon_gdp"] <= row["claimed_epsilon"]
 
 
-def test_cli_audit_table_and_leak_exit_code(monkeypatch):
+def test_cli_audit_table_and_leak_exit_code(monkeypatch, leaky):
     """A LEAK makes the command exit 1: swap the built-in 'flat' for defect 3 (noise sized to the
     smallest of bounds 1, 2, 2)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from leaky import SmallestBoundNoisePrivatizer
+    from dpopt.auditing import suite
 
     runner, app = _cli()
     res = runner.invoke(app, ["audit", "--method", "flat", "--trials", "4000"])
@@ -312,10 +409,10 @@ def test_cli_audit_table_and_leak_exit_code(monkeypatch):
     assert "α = 0.001 per mechanism" in res.output and "PASS" in res.output
 
     def leaky_spec(name, seed):
-        return ((lambda: SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2])),
+        return ((lambda: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2])),
                 [(2,), (2,), (2,)], None)
 
-    monkeypatch.setattr(A, "_builtin_spec", leaky_spec)
+    monkeypatch.setattr(suite, "_builtin_spec", leaky_spec)
     res = runner.invoke(app, ["audit", "--method", "flat", "--trials", "4000"])
     assert res.exit_code == 1, res.output
     assert "LEAK" in res.output and "1 LEAK" in res.output

@@ -1,6 +1,7 @@
 """The leak suite: each of the five defects of papers/adaptive-clipping-accounting.txt is flagged.
 
-Which check catches which (tests/leaky.py has the implementations):
+Which check catches which (tests/leaky.py has the implementations; the ``leaky``
+fixture of tests/conftest.py provides that module):
 
 1. clip bound = batch mean norm ............ empirical audit (ledger is self-consistent)
 2. data-dependent noise multiplier ......... empirical audit (ledger is self-consistent)
@@ -15,33 +16,17 @@ check can also pass. All runs are seeded (deterministic).
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from dp_accounting import dp_event
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from leaky import (  # noqa: E402
-    MeanNormClipPrivatizer,
-    SmallestBoundNoisePrivatizer,
-    UncertaintyNoisePrivatizer,
-    UnrecordedCountPrivatizer,
-    check_reads_recorded,
-    check_reported_epsilon,
-    epsilon_as_sum_of_parts,
-    recorded_gaussians,
-    run_quantile_epochs,
-)
-
-from dpopt import auditing as A  # noqa: E402
-from dpopt.accounting.accountant import epsilon  # noqa: E402
-from dpopt.accounting.events import effective_noise_multiplier, poisson_gaussian_step  # noqa: E402
-from dpopt.accounting.ledger import PrivacyLedger  # noqa: E402
-from dpopt.per_sample import PerSampleGrads  # noqa: E402
-from dpopt.privatizer import Privatizer, QuantileClipping  # noqa: E402
+from dpopt import auditing as A
+from dpopt.accounting.accountant import epsilon
+from dpopt.accounting.events import effective_noise_multiplier, poisson_gaussian_step
+from dpopt.accounting.ledger import PrivacyLedger
+from dpopt.per_sample import PerSampleGrads
+from dpopt.privatizer import Privatizer, QuantileClipping
 
 DELTA = 1e-5
 SHAPES = [(2, 3), (2,)]
@@ -52,42 +37,42 @@ def _audit(make, shapes=SHAPES, trials=TRIALS, seed=0):
     return A.audit_privatizer(make, shapes, trials=trials, delta=DELTA, alpha=1e-3, seed=seed)
 
 
-def _one_step_ledger_ok(make) -> list:
+def _one_step_ledger_ok(make, leaky) -> list:
     """Run one step on a batch and apply the reads-vs-recorded principle."""
     p = make()
     g = torch.Generator().manual_seed(0)
     p.privatize(PerSampleGrads([torch.randn(4, *s, generator=g) for s in SHAPES[: len(p.groups or [0, 0])]]))
-    return check_reads_recorded(p)
+    return leaky.check_reads_recorded(p)
 
 
 # --------------------------------------------------------------------------- defects 1-3: the audit
-def test_defect1_mean_norm_clip_bound_is_caught_by_the_audit():
-    r = _audit(lambda: MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0))
+def test_defect1_mean_norm_clip_bound_is_caught_by_the_audit(leaky):
+    r = _audit(lambda: leaky.MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0))
     assert r.claimed_epsilon == pytest.approx(4.377, abs=2e-3)
     assert r.verdict == "LEAK", r
     # the direct (assumption-free) bound alone already exceeds the claim
     assert r.epsilon_direct > r.claimed_epsilon
     # invisible to the ledger: the extra read never shows up (one Gaussian per counted read)
-    assert _one_step_ledger_ok(lambda: MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0)) == []
+    assert _one_step_ledger_ok(lambda: leaky.MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0), leaky) == []
 
 
-def test_defect2_data_dependent_noise_is_caught_by_the_audit():
-    r = _audit(lambda: UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0))
+def test_defect2_data_dependent_noise_is_caught_by_the_audit(leaky):
+    r = _audit(lambda: leaky.UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0))
     assert r.verdict == "LEAK", r
     assert r.epsilon_direct > r.claimed_epsilon
-    assert _one_step_ledger_ok(lambda: UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0)) == []
+    assert _one_step_ledger_ok(lambda: leaky.UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0), leaky) == []
 
 
-def test_defect3_noise_sized_to_smallest_bound_is_caught_by_the_audit():
+def test_defect3_noise_sized_to_smallest_bound_is_caught_by_the_audit(leaky):
     """Bounds (1, 2, 2), noise σ·1 instead of σ·3: the mechanism is 3-GDP, claimed 1-GDP."""
     shapes = [(2,), (3,), (2,)]
-    leaky = _audit(lambda: SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]),
-                   shapes, trials=4000)
-    assert leaky.verdict == "LEAK", leaky
-    assert leaky.mu_lower > 2.5  # true μ = 3
+    found = _audit(lambda: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0,
+                                                              groups=[0, 1, 2]), shapes, trials=4000)
+    assert found.verdict == "LEAK", found
+    assert found.mu_lower > 2.5  # true μ = 3
     # caught by the GDP route (sound here: the claim is a plain Gaussian); the direct route
     # would need more trials to pass 4.38 at δ = 1e-5
-    assert leaky.epsilon_gdp > 2 * leaky.claimed_epsilon
+    assert found.epsilon_gdp > 2 * found.claimed_epsilon
     honest = _audit(lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]), shapes, trials=4000)
     assert honest.verdict == "PASS" and honest.mu_lower <= 1.0
 
@@ -101,7 +86,7 @@ def test_honest_twin_of_defects_1_and_2_passes():
 
 
 # --------------------------------------------------------------------------- defect 5: reads vs ledger
-def test_defect5_unrecorded_count_is_caught_by_the_ledger_check():
+def test_defect5_unrecorded_count_is_caught_by_the_ledger_check(leaky):
     def run(cls):
         p = cls(1.0, 1.0, 8.0, 0.5, quantile=QuantileClipping(2.0))
         g = torch.Generator().manual_seed(0)
@@ -109,30 +94,30 @@ def test_defect5_unrecorded_count_is_caught_by_the_ledger_check():
             p.privatize(PerSampleGrads([torch.randn(4, *s, generator=g) for s in SHAPES]))
         return p
 
-    leaky, honest = run(UnrecordedCountPrivatizer), run(Privatizer)
-    assert leaky.reads == honest.reads == 10  # gradient sum + clipped count, 5 steps
-    assert sum(recorded_gaussians(e.event) for e in leaky.ledger.entries) == 5
-    problems = check_reads_recorded(leaky)
+    unpaid, honest = run(leaky.UnrecordedCountPrivatizer), run(Privatizer)
+    assert unpaid.reads == honest.reads == 10  # gradient sum + clipped count, 5 steps
+    assert sum(leaky.recorded_gaussians(e.event) for e in unpaid.ledger.entries) == 5
+    problems = leaky.check_reads_recorded(unpaid)
     assert len(problems) == 1 and "5 unpaid" in problems[0]
-    assert check_reads_recorded(honest) == []
+    assert leaky.check_reads_recorded(honest) == []
     # the unpaid read makes the reported ε too small (σ instead of σ_eff)
-    assert epsilon(leaky.ledger, DELTA, "rdp") < epsilon(honest.ledger, DELTA, "rdp")
+    assert epsilon(unpaid.ledger, DELTA, "rdp") < epsilon(honest.ledger, DELTA, "rdp")
 
 
-def test_defect5_audit_sees_it_only_when_the_count_share_is_large():
+def test_defect5_audit_sees_it_only_when_the_count_share_is_large(leaky):
     """Count multiplier 1 (half the budget): true μ = √2, claimed 1 → the audit flags it.
 
     Budget share r = 0.05 (σ_grad = 1/√0.95, count multiplier 1/√0.05, σ_eff = 1): the claim
     (μ = 0.975) is off by 0.025 in μ, while 4000 trials resolve μ only to ≈ 3.5 × 0.046 ≈ 0.16;
     P(LEAK) ≈ 2e-3 here, so PASS is expected: only the ledger check catches this one."""
-    big = _audit(lambda: UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0)),
+    big = _audit(lambda: leaky.UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0)),
                  trials=4000)
     assert big.claimed_mu == 1.0
     assert big.verdict == "LEAK", big
     assert big.mu_lower > 1.0  # true μ = √2
 
-    small = _audit(lambda: UnrecordedCountPrivatizer(1 / math.sqrt(0.95), 1.0, 50.0, 1.0,
-                                                     quantile=QuantileClipping(1 / math.sqrt(0.05))),
+    small = _audit(lambda: leaky.UnrecordedCountPrivatizer(1 / math.sqrt(0.95), 1.0, 50.0, 1.0,
+                                                           quantile=QuantileClipping(1 / math.sqrt(0.05))),
                    trials=4000)
     true_eps = A.gdp_epsilon(1.0, DELTA)  # σ_eff = 1 exactly
     assert small.claimed_epsilon < true_eps  # a real (small) leak ...
@@ -141,38 +126,38 @@ def test_defect5_audit_sees_it_only_when_the_count_share_is_large():
 
 
 # --------------------------------------------------------------------------- defect 4: a sum of parts
-def _adaptive_run(epochs=3, steps_per_epoch=20):
+def _adaptive_run(leaky, epochs=3, steps_per_epoch=20):
     """Quantile clipping (adaptive C) for 3 'epochs' of Poisson-sampled steps, q = 0.05."""
     g = torch.Generator().manual_seed(0)
     data = [torch.randn(100, *s, generator=g) * 3 for s in SHAPES]
     p = Privatizer(1.1, 1.0, 5.0, 0.05, quantile=QuantileClipping(2.5), generator=g)
-    run_quantile_epochs(p, data, epochs * steps_per_epoch, g)
+    leaky.run_quantile_epochs(p, data, epochs * steps_per_epoch, g)
     assert len(set(p.clip_history)) > 1  # the bound really adapted
     return p
 
 
-def test_defect4_sum_of_epoch_epsilons_is_caught_by_the_ledger_check():
+def test_defect4_sum_of_epoch_epsilons_is_caught_by_the_ledger_check(leaky):
     """RDP accountant here (fast; the principle is accountant-independent)."""
-    p = _adaptive_run()
+    p = _adaptive_run(leaky)
     whole = epsilon(p.ledger, DELTA, "rdp")
-    summed = epsilon_as_sum_of_parts(p.ledger, 20, DELTA, "rdp")
+    summed = leaky.epsilon_as_sum_of_parts(p.ledger, 20, DELTA, "rdp")
     assert summed > 1.5 * whole  # loose here ...
-    problems = check_reported_epsilon(summed, p.ledger, DELTA, accountant="rdp")
+    problems = leaky.check_reported_epsilon(summed, p.ledger, DELTA, accountant="rdp")
     assert len(problems) == 1 and "not composed over the whole ledger" in problems[0]
-    assert check_reported_epsilon(whole, p.ledger, DELTA, accountant="rdp") == []
-    assert check_reads_recorded(p) == []
+    assert leaky.check_reported_epsilon(whole, p.ledger, DELTA, accountant="rdp") == []
+    assert leaky.check_reads_recorded(p) == []
 
 
-def test_defect4_sum_at_one_delta_can_also_understate():
+def test_defect4_sum_at_one_delta_can_also_understate(leaky):
     """... and invalid when the parts' ε vanish inside their own δ: 50 'epochs' of 10 steps at
     q = 2e-6 each have ε(δ) = 0, so the sum is 0, while the whole ledger's ε(δ) > 0. (Basic
     composition would charge (Σε, Σδ) = (0, 50δ), not (0, δ).)"""
     ledger = PrivacyLedger()
     for step in range(500):
         ledger.record(step, poisson_gaussian_step(1.0, 2e-6), reads=1, releases=1)
-    summed = epsilon_as_sum_of_parts(ledger, 10, DELTA)
+    summed = leaky.epsilon_as_sum_of_parts(ledger, 10, DELTA)
     assert summed == 0.0
-    problems = check_reported_epsilon(summed, ledger, DELTA)
+    problems = leaky.check_reported_epsilon(summed, ledger, DELTA)
     assert len(problems) == 1 and "under-reported" in problems[0]
 
 
@@ -184,32 +169,32 @@ def _summary(p: Privatizer, eps: float) -> dict:
             "privatizer_reads": p.reads, "privatizer_releases": p.releases}
 
 
-def test_dpopt_check_agrees_on_defects_3_4_5():
+def test_dpopt_check_agrees_on_defects_3_4_5(leaky):
     """Cross-check with the project's static ledger check (dpopt.check), when it imports."""
     check = pytest.importorskip("dpopt.check", reason="dpopt.check (ledger check) does not import yet")
     # 4: a summed ε fails the composition item; the honest ε passes everything
-    p = _adaptive_run()
+    p = _adaptive_run(leaky)
     honest = check.check_ledger(p.ledger, _summary(p, epsilon(p.ledger, DELTA, "rdp")))
     assert honest.passed, honest.format()
-    summed = check.check_ledger(p.ledger, _summary(p, epsilon_as_sum_of_parts(p.ledger, 20, DELTA, "rdp")))
+    summed = check.check_ledger(p.ledger, _summary(p, leaky.epsilon_as_sum_of_parts(p.ledger, 20, DELTA, "rdp")))
     assert summed.failures == ["composition"], summed.format()
     # 5: the unrecorded count fails the releases item
-    q = UnrecordedCountPrivatizer(1.0, 1.0, 8.0, 0.5, quantile=QuantileClipping(2.0))
+    q = leaky.UnrecordedCountPrivatizer(1.0, 1.0, 8.0, 0.5, quantile=QuantileClipping(2.0))
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         q.privatize(PerSampleGrads([torch.randn(4, *s, generator=g) for s in SHAPES]))
     res = check.check_ledger(q.ledger, _summary(q, epsilon(q.ledger, DELTA, "rdp")))
     assert "releases" in res.failures, res.format()
     # 3: the recorded sensitivity is not √(Σ C_k²) of the recorded bounds
-    s = SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 0.5, groups=[0, 1, 2])
+    s = leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 0.5, groups=[0, 1, 2])
     s.privatize(PerSampleGrads([torch.randn(4, 2, generator=g) for _ in range(3)]))
     res = check.check_ledger(s.ledger, _summary(s, epsilon(s.ledger, DELTA, "rdp")))
     assert "noise" in res.failures, res.format()
 
 
-def test_recorded_gaussians_counts_nested_events():
+def test_recorded_gaussians_counts_nested_events(leaky):
     ev = dp_event.PoissonSampledDpEvent(0.1, dp_event.ComposedDpEvent(
         [dp_event.GaussianDpEvent(1.0), dp_event.GaussianDpEvent(2.0)]))
-    assert recorded_gaussians(ev) == 2
-    assert recorded_gaussians(dp_event.SelfComposedDpEvent(ev, 7)) == 14
-    assert recorded_gaussians(dp_event.NoOpDpEvent()) == 0
+    assert leaky.recorded_gaussians(ev) == 2
+    assert leaky.recorded_gaussians(dp_event.SelfComposedDpEvent(ev, 7)) == 14
+    assert leaky.recorded_gaussians(dp_event.NoOpDpEvent()) == 0
