@@ -41,20 +41,56 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
-from .accountant import (
-    PLD_DISCRETIZATION,
-    check_accountant,
-    check_delta,
-    check_steps,
-    dpsgd_event,
-    pld_epsilon,
-    rdp_epsilon,
-)
-from .events import check_sample_rate
+from .accountant import PLD_DISCRETIZATION, dpsgd_event, epsilon_report, pld_epsilon, rdp_epsilon
+from .cost import CostBudget
+from .validation import check_accountant, check_delta, check_sample_rate, check_steps
 
-__all__ = ["CalibrationResult", "calibrate_noise_multiplier", "DEFAULT_RTOL"]
+__all__ = [
+    "CalibrationResult",
+    "CalibrationProgress",
+    "CalibrationInterrupted",
+    "calibrate_noise_multiplier",
+    "DEFAULT_RTOL",
+    "MIN_NOISE_MULTIPLIER",
+    "MAX_NOISE_MULTIPLIER",
+]
+
+#: The search bracket for σ. Below 0.1 a Gaussian step's own ε is ~100 nats: no
+#: meaningful privacy, and PLD/PRV grids grow like 1/σ². Above 1e4 ε is below what
+#: the accountants resolve at their default grids (PLD rounds losses up to 1e-4 nats;
+#: RDP cannot certify ε < ln(1/δ)/1023).
+MIN_NOISE_MULTIPLIER = 0.1
+MAX_NOISE_MULTIPLIER = 1e4
+#: Cost budget of one evaluation on the cheap (non-final) levels of the search.
+_LEVEL_BUDGET = CostBudget(seconds=5.0, memory_bytes=2e9)
+
+
+class CalibrationProgress(NamedTuple):
+    """One ε evaluation of the search, as passed to ``progress`` callbacks.
+
+    Attributes:
+        level: the approximation evaluated (``"gdp-clt"``, ``"pld@0.003"``, ``"pld"``, ...).
+        noise_multiplier: σ evaluated.
+        epsilon: ε(σ) at that level (nats).
+        evaluations: evaluations so far (all levels).
+        seconds: wall time since the search started (s).
+    """
+
+    level: str
+    noise_multiplier: float
+    epsilon: float
+    evaluations: int
+    seconds: float
+
+
+class CalibrationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`calibrate_noise_multiplier`; the message says where the search was.
+
+    A ``KeyboardInterrupt`` subclass, so code that handles Ctrl-C keeps working.
+    No noise multiplier was chosen.
+    """
 
 #: Relative tolerance on σ: the result is within ~rtol above the optimum.
 DEFAULT_RTOL = 1e-3
@@ -113,17 +149,40 @@ class CalibrationResult:
 class _Level:
     """One approximation of ε(σ), with an evaluation counter and a cache."""
 
-    def __init__(self, name: str, fn: Callable[[float], float]):
+    def __init__(self, name: str, fn: Callable[[float], float], tracker: Optional["_Tracker"] = None):
         self.name = name
         self.fn = fn
         self.count = 0
+        self.tracker = tracker
         self._cache: dict[float, float] = {}
 
     def __call__(self, sigma: float) -> float:
         if sigma not in self._cache:
+            if self.tracker is not None:
+                self.tracker.current = (self.name, sigma)
             self.count += 1
             self._cache[sigma] = self.fn(sigma)
+            if self.tracker is not None:
+                self.tracker.report(self.name, sigma, self._cache[sigma])
         return self._cache[sigma]
+
+
+class _Tracker:
+    """Counts evaluations, remembers where the search is and forwards progress."""
+
+    def __init__(self, progress: Optional[Callable[[CalibrationProgress], None]]):
+        self.progress = progress
+        self.start = time.perf_counter()
+        self.evaluations = 0
+        self.current: Optional[tuple[str, float]] = None
+        self.last: Optional[CalibrationProgress] = None
+
+    def report(self, level: str, sigma: float, eps: float) -> None:
+        self.evaluations += 1
+        self.last = CalibrationProgress(level, float(sigma), float(eps), self.evaluations,
+                                        time.perf_counter() - self.start)
+        if self.progress is not None:
+            self.progress(self.last)
 
 
 def _h(eps: float, target: float) -> float:
@@ -136,7 +195,8 @@ def _h(eps: float, target: float) -> float:
 
 def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
             must_succeed: bool = False, model: Optional[_Level] = None,
-            max_step: float = _MAX_LOG_STEP) -> tuple[float, float, float]:
+            max_step: float = _MAX_LOG_STEP,
+            bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float, float]:
     """Safeguarded secant on h(u) = ln ε(e^u) − ln target at one level.
 
     Returns ``(u, eps, slope)`` for a point with ε ≤ target (``h ≤ 0``) whose
@@ -154,7 +214,8 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
     lo: Optional[tuple[float, float]] = None  # h > 0: not enough noise
     hi: Optional[tuple[float, float, float]] = None  # h <= 0: (u, h, eps)
     prev: Optional[tuple[float, float]] = None
-    u, evals = u0, 0
+    u_min, u_max = bounds
+    u, evals = min(max(u0, u_min), u_max), 0
     budget = _MAX_EVALS_PER_LEVEL * (3 if must_succeed else 1)
     while True:
         eps = level(math.exp(u))
@@ -181,13 +242,23 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
         if model is not None and evals == 1 and math.isfinite(h):
             m = model(math.exp(u))
             if 0.0 < m < math.inf:
-                u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step)
+                u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step,
+                                        bounds=bounds)
                 step = u_model - u
         if h > 0 and abs(step) < xtol / 2:
             step = xtol / 2  # land just on the safe side to close the bracket
-        u_new = u + max(-max_step, min(max_step, step))
+        u_new = min(max(u + max(-max_step, min(max_step, step)), u_min), u_max)
         if lo is not None and hi is not None and not (lo[0] < u_new < hi[0]):
             u_new = 0.5 * (lo[0] + hi[0])
+        if u_new == u:  # pinned at an end of the bracket
+            if h <= 0:
+                return u, eps, slope
+            if u == u_max and not must_succeed:
+                return u, math.inf, slope
+            if u == u_max:
+                raise RuntimeError(f"calibration found no noise multiplier <= {math.exp(u_max):g} meeting the "
+                                   f"target at level {level.name}")
+            u_new = min(u + xtol, u_max)
         u = u_new
         if evals >= budget:
             if hi is not None:
@@ -234,30 +305,38 @@ def _gdp_clt_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
     return hi
 
 
-def _levels(accountant: str, target: float, delta: float, q: float, steps: int) -> list[tuple[_Level, float]]:
-    def pld_at(d: float) -> Callable[[float], float]:
-        return lambda s: pld_epsilon(dpsgd_event(s, q, steps), delta, d)
+def _accurate(accountant: str, delta: float, q: float, steps: int) -> Callable[[float], float]:
+    """ε(σ) exactly as :func:`~dpopt.accounting.accountant.epsilon` reports it (default cost budget)."""
+    return lambda s: epsilon_report(dpsgd_event(s, q, steps), delta, accountant).epsilon
 
-    clt = (_Level("gdp-clt", lambda s: _gdp_clt_epsilon(s, q, steps, delta)), 1e-3)
+
+def _levels(accountant: str, target: float, delta: float, q: float, steps: int,
+            tracker: Optional[_Tracker] = None, accurate: Optional[_Level] = None) -> list[tuple[_Level, float]]:
+    def pld_at(d: float) -> Callable[[float], float]:
+        return lambda s: pld_epsilon(dpsgd_event(s, q, steps), delta, d, budget=_LEVEL_BUDGET)
+
+    def level(name, fn):
+        return _Level(name, fn, tracker)
+
+    accurate = accurate or level(accountant, _accurate(accountant, delta, q, steps))
+    clt = (level("gdp-clt", lambda s: _gdp_clt_epsilon(s, q, steps, delta)), 1e-3)
     # Grids scale down for small targets so the cheap roots stay informative.
     scale = min(1.0, target)
-    coarse = (_Level("pld@%g" % (3e-3 * scale), pld_at(3e-3 * scale)), 1e-2)
+    coarse = (level("pld@%g" % (3e-3 * scale), pld_at(3e-3 * scale)), 1e-2)
     if accountant == "pld":
-        accurate = (_Level("pld", pld_at(PLD_DISCRETIZATION)), 0.0)
         medium_d = 1e-3 * scale
         if medium_d < 3 * PLD_DISCRETIZATION:  # tiny targets: the medium grid would cost as much
-            return [clt, coarse, accurate]
-        return [clt, coarse, (_Level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), accurate]
+            return [clt, coarse, (accurate, 0.0)]
+        return [clt, coarse, (level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), (accurate, 0.0)]
     if accountant == "rdp":
-        return [clt, (_Level("rdp", lambda s: rdp_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
+        return [clt, (accurate, 0.0)]
     from .prv import PRV_EPS_ERROR, prv_epsilon
 
     def prv_rough(s: float) -> float:
-        return prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True) + PRV_EPS_ERROR
+        return prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True,
+                           budget=_LEVEL_BUDGET) + PRV_EPS_ERROR
 
-    return [clt, coarse,
-            (_Level("prv@0.1", prv_rough), 2e-4),
-            (_Level("prv", lambda s: prv_epsilon(dpsgd_event(s, q, steps), delta)), 0.0)]
+    return [clt, coarse, (level("prv@0.1", prv_rough), 2e-4), (accurate, 0.0)]
 
 
 def calibrate_noise_multiplier(
@@ -267,6 +346,7 @@ def calibrate_noise_multiplier(
     steps: int,
     accountant: str = "pld",
     rtol: float = DEFAULT_RTOL,
+    progress: Optional[Callable[[CalibrationProgress], None]] = None,
 ) -> CalibrationResult:
     """Smallest σ (within ``rtol``) with ε(σ) ≤ ``target_epsilon`` for T DP-SGD steps.
 
@@ -286,14 +366,28 @@ def calibrate_noise_multiplier(
         accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
         rtol: relative tolerance on σ in (0, 0.1]: the result is at most about
             rtol above the smallest σ meeting the target.
+        progress: called with a :class:`CalibrationProgress` after every ε
+            evaluation (for a status line on long searches); None: silent.
+
+    The search stays in σ ∈ [:data:`MIN_NOISE_MULTIPLIER`,
+    :data:`MAX_NOISE_MULTIPLIER`]. Targets outside what that bracket can
+    give are recognised with two cheap evaluations before any search: a
+    target at or above the RDP upper bound on ε at σ = 0.1 (no meaningful
+    privacy; any σ ≥ 0.1 meets it) and a target below the accurate ε at
+    σ = 1e4 (below what the accountant can certify) are refused. Each PLD/PRV
+    evaluation is cost-bounded (coarser, still pessimistic grids above the
+    budget; see :mod:`dpopt.accounting.cost`).
 
     Returns:
         :class:`CalibrationResult` with ``noise_multiplier`` and its ``epsilon``.
 
     Raises:
-        ValueError: invalid arguments (the message names the one to change).
-        RuntimeError: if no σ meeting the target was found (does not happen
-            for finite targets > 0: ε → 0 as σ → ∞).
+        ValueError: invalid arguments (the message names the one to change),
+            a target outside the bracket (see above), or an accountant failure.
+        CalibrationInterrupted: Ctrl-C during the search (a
+            ``KeyboardInterrupt``; the message says which level and σ were
+            being evaluated, and that no σ was chosen).
+        RuntimeError: if no σ meeting the target was found inside the bracket.
 
     Source: secant search in (ln σ, ln ε); accurate accountants as in
     :mod:`dpopt.accounting.accountant` (Doroshenko et al. 2022; Mironov et al.
@@ -314,17 +408,61 @@ def calibrate_noise_multiplier(
         raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
     rtol = float(rtol)
 
-    u, slope, eps = 0.0, -1.5, None  # start at σ = 1 with a typical slope
-    levels = _levels(name, target, delta, q, steps)
-    accurate = levels[-1][0]
+    tracker = _Tracker(progress)
+    try:
+        return _calibrate(target, delta, q, steps, name, rtol, tracker, start)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, CalibrationInterrupted):
+            raise
+        where = ""
+        if tracker.current is not None:
+            where = f" while evaluating the {tracker.current[0]} accountant at noise_multiplier = {tracker.current[1]:.6g}"
+        last = ""
+        if tracker.last is not None:
+            last = (f"; last result: epsilon = {tracker.last.epsilon:.6g} at noise_multiplier = "
+                    f"{tracker.last.noise_multiplier:.6g} ({tracker.last.level})")
+        raise CalibrationInterrupted(
+            f"calibration interrupted{where} after {tracker.evaluations} evaluations and "
+            f"{time.perf_counter() - start:.1f} s (target_epsilon = {target:g}, delta = {delta:g}, "
+            f"sample_rate = {q:g}, steps = {steps}, accountant = {name}){last}; no noise multiplier was chosen"
+        ) from None
+
+
+def _fmt_eps(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.6g}"
+
+
+def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rtol: float,
+               tracker: _Tracker, start: float) -> CalibrationResult:
+    # Bracket checks: two cheap evaluations recognise absurd targets before any search.
+    eps_lo = rdp_epsilon(dpsgd_event(MIN_NOISE_MULTIPLIER, q, steps), delta)
+    tracker.report("rdp (bracket)", MIN_NOISE_MULTIPLIER, eps_lo)
+    if eps_lo <= target:
+        raise ValueError(
+            f"target_epsilon = {target:g} is unreachable as a calibration target: already at noise_multiplier = "
+            f"{MIN_NOISE_MULTIPLIER:g}, the smallest the search considers, epsilon <= {_fmt_eps(eps_lo)} (rdp upper "
+            f"bound; delta = {delta:g}, sample_rate = {q:g}, steps = {steps}), so any noise multiplier >= "
+            f"{MIN_NOISE_MULTIPLIER:g} meets it and such a target gives no meaningful privacy; choose a smaller "
+            "target_epsilon or set noise_multiplier directly")
+    accurate = _Level(name, _accurate(name, delta, q, steps), tracker)
     evaluate = accurate.fn
     accurate.fn = lambda s: evaluate(_round_up(s))  # the accurate level sees printable σ only
+    eps_hi = accurate(MAX_NOISE_MULTIPLIER)
+    if eps_hi > target:
+        raise ValueError(
+            f"target_epsilon = {target:g} is below what the {name} accountant can certify here: even "
+            f"noise_multiplier = {MAX_NOISE_MULTIPLIER:g} gives epsilon = {_fmt_eps(eps_hi)} (delta = {delta:g}, "
+            f"sample_rate = {q:g}, steps = {steps}); choose a larger target_epsilon"
+            + ("" if name == "pld" else " or accountant 'pld'"))
+    bounds = (math.log(MIN_NOISE_MULTIPLIER), math.log(MAX_NOISE_MULTIPLIER))
+    u, slope, eps = 0.0, -1.5, None  # start at σ = 1 with a typical slope
+    levels = _levels(name, target, delta, q, steps, tracker, accurate)
     for i, (level, xtol) in enumerate(levels):
         final = i == len(levels) - 1
         model = levels[i - 1][0] if final and i > 0 else None
         u, eps, slope = _search(level, target, u, slope, 2 * rtol if final else xtol,
                                 must_succeed=final, model=model,
-                                max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP)
+                                max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP, bounds=bounds)
     sigma = _round_up(math.exp(u))
     if not eps <= target:  # defensive: the final level only returns checked points
         raise RuntimeError(f"internal error: calibrated epsilon {eps} exceeds target {target}")
