@@ -207,7 +207,8 @@ def audit_method(
         torch.manual_seed(int(seed) + 5)
         for _ in range(int(warmup_steps)):
             grads = [0.5 + torch.randn(6, *p.shape, generator=gen, dtype=p.dtype) for p in params]
-            opt.step(PerSampleGrads(grads))
+            # synthetic (public) stand-ins "evaluated" where the method asks (DiSK's points)
+            opt.step(PerSampleGrads(grads, params=params, points=opt.evaluation_points()))
     geometry = opt.geometry()
     priv = opt.privatizer
     shapes = [tuple(p.shape) for p in params]
