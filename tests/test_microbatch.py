@@ -131,12 +131,14 @@ def test_engine_cache_does_not_keep_models_alive():
     assert ref() is None
 
 
+@pytest.mark.filterwarnings("ignore:reproducible_noise")
 def test_train_with_physical_batches_equals_unsplit(tmp_path):
     data = load_dataset("digits")
     runs = []
     for physical in (None, 16):
         cfg = TrainConfig(dataset="digits", method="dp-sgd", batch_size=64, epochs=0.15, seed=3,
-                          physical_batch_size=physical, out=str(tmp_path / f"run{physical}"))
+                          physical_batch_size=physical, out=str(tmp_path / f"run{physical}"),
+                          reproducible_noise=True)  # same noise in both runs: research mode
         summary = train(cfg, data)
         state = torch.load(tmp_path / f"run{physical}" / "model.pt")
         runs.append((summary, state))

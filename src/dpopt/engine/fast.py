@@ -4,8 +4,8 @@ One forward and one backward pass of the batch per evaluation point: forward
 hooks on the layers that have a fast rule record each call's input ``a`` and
 output; ``torch.autograd.grad`` of the per-example losses (weighted by the
 point's coefficient) w.r.t. those outputs gives ``e`` = ∂(coef·ℓ_i)/∂output_i
-for every example at once (examples are independent: BatchNorm is refused by
-:func:`~dpopt.models.check_model`). No parameter gradient is formed in that
+for every example at once (examples are independent: verified below; BatchNorm
+is refused by :func:`~dpopt.models.check_model`). No parameter gradient is formed in that
 backward pass — the weight gradients, which the non-private step pays for,
 are replaced by the clipped sum Eᵀ diag(c) A computed later.
 
@@ -24,9 +24,28 @@ GroupNorm     direct (closed form from group stats)           bias: direct
 ============  ===========================================  ==================
 
 Every other trainable parameter — of another layer type, shared between two
-modules, or used outside its module's ``forward`` (detected once per model by
-comparing Σ_i g_i with autograd's batch gradient on a few examples) — is
-computed by the ``torch.func`` reference path for that parameter only.
+modules, used outside its module's ``forward``, or of a layer whose dim 0 is
+not the example axis — is computed by the per-example reference path
+(:func:`~dpopt.per_sample.per_sample_gradient_tensors`: ``torch.func`` vmap,
+or an exact single-example loop) for that parameter only.
+
+"One example per row of dim 0" is verified, not assumed:
+
+* every batch, each recorded call of a fast layer must have the batch size as
+  dim 0 of its input and output (a ``[1, T]`` broadcast position id, a
+  ``[T, B, D]`` sequence-first tensor or a ``reshape(B*T, D)`` fails this),
+  else the layer moves to the reference path with a warning;
+* on the first batch, at two batch sizes that differ from every dimension of
+  the model's parameters, buffers and module inputs/outputs, the fast
+  per-example squared norms and a weighted sum are compared with the
+  reference path on a few examples (which catches a forward that mixes
+  examples, and parameters used outside their module); the reference path
+  itself is first checked (vmap against the loop). See
+  :meth:`PerSampleEngine._verify`.
+
+A forward that mixes examples is thus given its per-example definition — each
+example alone — by the reference path. Inputs with the examples along another
+axis (``batch_dim`` ≠ 0) use the reference path for every parameter.
 
 DiSK evaluation points (Σ_k coef_k ∇ℓ(θ + offset_k; x_i)) are supported
 exactly: each point is one more forward/backward, and its calls are
