@@ -301,6 +301,30 @@ def test_harness_validation():
         A.audit_mechanism("nope", trials=100)
 
 
+def test_harness_config_and_named_results():
+    """The harness is configured by one frozen dataclass and returns named tuples (which still unpack)."""
+    from dpopt.privatizer import Privatizer
+
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        A.HarnessConfig(chunk=0)
+    with pytest.raises(ValueError, match="canary_factor"):
+        A.HarnessConfig(canary_factor=0.5)
+    make = lambda: Privatizer(0.0, 1.0, 4.0, 1.0)  # noqa: E731 - σ = 0: deterministic scores
+    harness = A.CanaryHarness(make, [(3,), (2,)], A.HarnessConfig(chunk=8, seed=4))
+    assert harness.mode == "vectorised" and harness.weights.count == 0.0
+    res = harness.scores(10, 12)
+    assert isinstance(res, A.CanaryScores) and res.mode == "vectorised"
+    assert res.scores_in.shape == (10,) and res.scores_out.shape == (12,)
+    np.testing.assert_allclose(res.scores_in - res.scores_out[0], 1.0, atol=1e-12)
+    same = A.canary_scores(make, [(3,), (2,)], 10, 12, chunk=8, seed=4)
+    np.testing.assert_array_equal(same.scores_in, res.scores_in)
+    claim = A.claimed_one_step(Privatizer(1.0, 1.0, 8.0, 1.0), DELTA)
+    assert isinstance(claim, A.ClaimedStep) and claim.mu == 1.0 and claim.epsilon == pytest.approx(TRUE_EPS_SIGMA1)
+    b = A.epsilon_lower_bounds(np.arange(20.0) + 100, np.arange(20.0), DELTA, 0.1)
+    assert isinstance(b.gdp_test, A.ThresholdTest) and b.gdp_test.tail == "upper"
+    assert list(b.gdp_test) == [b.gdp_test.tail, b.gdp_test.threshold, b.gdp_test.fpr_ub, b.gdp_test.fnr_ub]
+
+
 def test_claimed_one_step():
     from dpopt.privatizer import Privatizer, QuantileClipping
 
