@@ -23,7 +23,8 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
   (seeded from a published seed: a research mode whose ε does not hold against
   anyone who knows the seed; ``dpopt check`` fails it).
 * ``dataset_size`` — ``"public"``: the dataset size N is treated as public
-  (the sample rate q = B̄/N and the run files may reveal it).
+  (the sample rate q = B̄/N and the run files may reveal it); ``"unused"``: the
+  sample rate was given explicitly and nothing recorded is derived from N.
 
 Version-1 files (written before the noise source was recorded, when noise was
 always seeded from the published seed) load with ``noise = "unknown"`` and
@@ -50,7 +51,7 @@ READABLE_VERSIONS = (1, 2)
 #: How the noise was seeded; "unknown" is reserved for version-1 files.
 NOISE_MODES = ("secret", "secure", "reproducible")
 #: Statements about the dataset size N.
-DATASET_SIZE_MODES = ("public",)
+DATASET_SIZE_MODES = ("public", "unused")
 
 
 def _public(value: Any) -> Any:
@@ -88,7 +89,8 @@ class PrivacyLedger:
         noise: how the noise is seeded, one of :data:`NOISE_MODES` (default
             ``"secret"``); the Privatizer records its actual mode with
             :meth:`mark_noise`.
-        dataset_size: the statement about N, ``"public"`` (the only one).
+        dataset_size: the statement about N, ``"public"`` (q = B̄/N) or
+            ``"unused"`` (q given explicitly; nothing recorded depends on N).
 
     Raises:
         ValueError: on an unknown neighbouring relation, noise mode or
