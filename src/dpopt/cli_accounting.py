@@ -9,7 +9,12 @@ Examples::
     dpopt account --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5
     dpopt calibrate --target-epsilon 4 --sample-rate 0.00512 --steps 9750 --delta 1e-5 --json
     dpopt ledger runs/mnist-dp-sgd
-    dpopt check runs/mnist-dp-sgd        # exit code 1 if any of the four checks fails
+    dpopt check runs/mnist-dp-sgd        # exit code 1 if any of the checks fails
+
+Errors are one ``error: ...`` line on stderr and exit code 2 (never a
+traceback); Ctrl-C during ``calibrate`` prints what was interrupted and exits
+with 130. When an accountant had to use a coarser grid to stay within its
+cost budget (the ε printed is still an upper bound), a ``note:`` line says so.
 """
 
 from __future__ import annotations
@@ -29,6 +34,27 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+#: Failures of an accountant or a calibration shown as ``error: ...`` (never a traceback).
+_ACCOUNTING_ERRORS = (ValueError, ImportError, RuntimeError, ArithmeticError, MemoryError)
+
+
+def _cli_message(exc: BaseException) -> str:
+    """The library's message, with argument names translated to this CLI's flags."""
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, (ValueError, ImportError, KeyboardInterrupt)):
+        text = f"{type(exc).__name__}: {text}"
+    for name in ("noise_multiplier", "target_epsilon", "sample_rate"):
+        text = text.replace(f"set {name} directly", f"pass --{name.replace('_', '-')} directly")
+    for name in ("pld", "rdp", "prv"):
+        text = text.replace(f"accountant '{name}'", f"--accountant {name}")
+    return text
+
+
+def _notes(notes) -> None:
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+
+
 def _json_num(x: float):
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
@@ -42,15 +68,21 @@ def account(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (key 'epsilon')."),
 ) -> None:
     """ε of T Poisson-sampled Gaussian steps (DP-SGD) at noise multiplier σ."""
-    from .accounting.accountant import dpsgd_epsilon
+    from .accounting.accountant import dpsgd_event, epsilon_report
+    from .accounting.validation import check_sample_rate
 
     try:
-        eps = dpsgd_epsilon(noise_multiplier, sample_rate, steps, delta, accountant)
-    except (ValueError, ImportError) as exc:
-        _fail(str(exc))
+        check_sample_rate(sample_rate)
+        report = epsilon_report(dpsgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
+    except _ACCOUNTING_ERRORS as exc:
+        _fail(_cli_message(exc))
+    eps = report.epsilon
+    _notes(report.notes)
     if as_json:
         typer.echo(json.dumps({"epsilon": _json_num(eps), "delta": delta, "noise_multiplier": noise_multiplier,
-                               "sample_rate": sample_rate, "steps": steps, "accountant": accountant.lower()}))
+                               "sample_rate": sample_rate, "steps": steps, "accountant": accountant.lower(),
+                               "resolution": report.resolution, "coarsened": report.coarsened,
+                               "notes": list(report.notes)}))
     else:
         typer.echo(f"epsilon = {eps:.6g}  (delta = {delta:g}, accountant = {accountant.lower()}, "
                    f"noise_multiplier = {noise_multiplier:g}, sample_rate = {sample_rate:g}, steps = {steps})")
@@ -68,13 +100,23 @@ def calibrate(
 ) -> None:
     """Smallest σ with ε(σ) ≤ target (checked with the accurate accountant)."""
     from .accounting.budget import split_budget
-    from .accounting.calibration import calibrate_noise_multiplier
+    from .accounting.calibration import CalibrationInterrupted, calibrate_noise_multiplier
 
+    status = _Status()
     try:
-        result = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant)
+        result = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant,
+                                            progress=status.update)
         split = split_budget(result.noise_multiplier, count_share) if count_share is not None else None
-    except (ValueError, ImportError) as exc:
-        _fail(str(exc))
+    except CalibrationInterrupted as exc:
+        status.stop()
+        _fail(_cli_message(exc), code=130)
+    except KeyboardInterrupt:
+        status.stop()
+        _fail("calibration interrupted; no noise multiplier was chosen", code=130)
+    except _ACCOUNTING_ERRORS as exc:
+        status.stop()
+        _fail(_cli_message(exc))
+    status.stop()
     out = result.to_dict()
     if split is not None:
         out.update({"count_share": split.count_share, "grad_noise_multiplier": split.grad_noise_multiplier,
@@ -93,10 +135,37 @@ def calibrate(
                    f"(count noise std {split.count_noise_std:.6g})")
 
 
+class _Status:
+    """A one-line progress display on stderr for long calibrations (only on a terminal, after 1 s)."""
+
+    def __init__(self):
+        import sys
+
+        self._tty = sys.stderr.isatty()
+        self._status = None
+
+    def update(self, p) -> None:
+        if not self._tty or p.seconds < 1.0:
+            return
+        text = (f"calibrating: {p.level} epsilon = {p.epsilon:.5g} at noise_multiplier = {p.noise_multiplier:.6g} "
+                f"({p.evaluations} evaluations, {p.seconds:.1f} s)")
+        if self._status is None:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status(text)
+            self._status.start()
+        else:
+            self._status.update(text)
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+
 def _runs(ledger) -> list[dict]:
     """Consecutive entries with the same event, with their step range and clip-bound range."""
-    from .accounting.accountant import flatten_gaussian_terms
-    from .check import _parse
+    from .accounting.events import summarize_event
 
     runs: list[dict] = []
     for entry in ledger.entries:
@@ -106,11 +175,11 @@ def _runs(ledger) -> list[dict]:
             run["count"] += 1
             run["last_step"] = entry.step
         else:
-            parsed = _parse(entry.event)
-            terms = flatten_gaussian_terms(entry.event)
+            parsed = summarize_event(entry.event)
             run = {"_event": entry.event, "first_step": entry.step, "last_step": entry.step, "count": 1,
                    "sample_rates": sorted(parsed.rates), "noise_multipliers": parsed.gaussians,
-                   "sigma_eff": [s for (_, s) in terms], "sensitivity_min": None, "sensitivity_max": None}
+                   "sigma_eff": [s for (_, s) in parsed.terms], "unsupported": sorted(set(parsed.unsupported)),
+                   "sensitivity_min": None, "sensitivity_max": None}
             runs.append(run)
         if isinstance(sens, (int, float)):
             run["sensitivity_min"] = sens if run["sensitivity_min"] is None else min(run["sensitivity_min"], sens)
@@ -129,7 +198,7 @@ def ledger(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
-    from .accounting.accountant import ACCOUNTANTS, check_accountant, epsilon
+    from .accounting.accountant import ACCOUNTANTS, check_accountant, epsilon_report
     from .accounting.ledger import PrivacyLedger
     from .accounting.prv import prv_available
 
@@ -149,16 +218,22 @@ def ledger(
     except ValueError as exc:
         _fail(str(exc))
     scores: dict[str, object] = {}
+    notes: dict[str, list] = {}
     for name in ACCOUNTANTS:
         if name == "prv" and not prv_available():
-            scores[name] = "unavailable (pip install prv-accountant)"
+            scores[name] = "n.a.: unavailable (pip install prv-accountant)"
             continue
         try:
-            scores[name] = _json_num(epsilon(book, delta, name))
-        except (ValueError, ImportError) as exc:
-            scores[name] = f"error: {exc}"
+            report = epsilon_report(book, delta, name)
+        except _ACCOUNTING_ERRORS as exc:  # one accountant's failure is that column's n.a., not a crash
+            scores[name] = f"n.a.: {_cli_message(exc)}"
+            continue
+        scores[name] = _json_num(report.epsilon)
+        if report.notes:
+            notes[name] = list(report.notes)
     runs = _runs(book)
     out = {"run_dir": str(run_dir), "neighbouring": book.neighbouring, "sampling": book.sampling,
+           "noise": book.noise, "dataset_size": book.dataset_size, "notes": notes,
            "releases": len(book), "delta": delta, "accountant": headline,
            "epsilon": scores.get(headline), "epsilon_by_accountant": scores,
            "epsilon_summary": summary.get("epsilon"), "runs": runs}
@@ -166,7 +241,7 @@ def ledger(
         typer.echo(json.dumps(out))
         return
     typer.echo(f"ledger {run_dir}: {len(book)} releases, neighbouring = {book.neighbouring}, "
-               f"sampling = {book.sampling}")
+               f"sampling = {book.sampling}, noise = {book.noise}, dataset_size = {book.dataset_size}")
     for run in runs:
         steps = (f"step {run['first_step']}" if run["count"] == 1
                  else f"steps {run['first_step']}-{run['last_step']}")
@@ -183,6 +258,8 @@ def ledger(
         mark = " *" if name == headline else ""
         shown = f"{value:.6g}" if isinstance(value, float) else value
         typer.echo(f"  {name}: {shown}{mark}")
+        for note in notes.get(name, []):
+            typer.echo(f"      note: {note}")
     if "epsilon" in summary:
         typer.echo(f"summary.json epsilon = {summary['epsilon']} (accountant {summary.get('accountant')})")
 
@@ -191,7 +268,7 @@ def check(
     run_dir: Path = typer.Argument(..., help="Run directory with ledger.json and summary.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """The four ledger checks; exit code 1 if any fails (2 if the run cannot be read)."""
+    """The ledger checks (a-e); exit code 1 if any fails (2 if the run cannot be read)."""
     from .check import check_run
 
     try:
