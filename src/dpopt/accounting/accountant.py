@@ -52,6 +52,7 @@ release with noise multiplier 0 is not private: ε = ``math.inf``.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from typing import Optional, Union
@@ -126,14 +127,34 @@ _RELATIONS = {"add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
               "replace_one": NeighboringRelation.REPLACE_ONE}
 
 
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def _captured(fn, *args, **kwargs):
-    """Call ``fn`` with warnings and floating-point warnings captured: (result, messages)."""
-    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
-        warnings.simplefilter("always")
-        result = fn(*args, **kwargs)
+    """Call ``fn`` with warnings, absl log warnings (dp_accounting's RDP logs one per
+    unconverged order) and floating-point warnings captured: (result, messages)."""
+    absl = logging.getLogger("absl")
+    handler, propagate = _Collect(), absl.propagate
+    absl.addHandler(handler)
+    absl.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
+            warnings.simplefilter("always")
+            result = fn(*args, **kwargs)
+    finally:
+        absl.removeHandler(handler)
+        absl.propagate = propagate
     messages = []
-    for w in caught:
-        text = str(w.message).strip().splitlines()[0] if str(w.message).strip() else w.category.__name__
+    texts = [str(w.message) or w.category.__name__ for w in caught]
+    texts += [r.getMessage() for r in handler.records]
+    for text in texts:
+        text = text.strip().splitlines()[0] if text.strip() else "warning"
         if text not in messages:
             messages.append(text)
     return result, messages
