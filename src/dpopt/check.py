@@ -385,7 +385,9 @@ def _check_noise_source(ledger: PrivacyLedger, claimed: Mapping) -> CheckItem:
         problems.append(f"summary noise {claim!r} differs from the ledger's {mode!r}")
     size = getattr(ledger, "dataset_size", None)
     if size is not None:
-        evidence.append(f"dataset_size = {size!r} (N is treated as public)")
+        meaning = {"public": "N is treated as public", "unused": "the sample rate was given explicitly; "
+                   "nothing recorded is derived from N"}.get(size, "statement about N")
+        evidence.append(f"dataset_size = {size!r} ({meaning})")
     return CheckItem("noise_source", QUESTIONS["noise_source"], not problems, tuple(problems + evidence))
 
 
