@@ -221,13 +221,16 @@ def _muon_params():
     return [torch.zeros(2, 2), torch.zeros(2), torch.zeros(1, 2)]
 
 
-def _muon_grads(wdiag, c, h):
-    """Two examples whose per-sample gradients sum (÷ B̄ = 2) to diag(wdiag), c, h."""
+def _muon_grads(wdiag, c, h, points=None):
+    """Two examples whose per-sample gradients sum (÷ B̄ = 2) to diag(wdiag), c, h.
+
+    ``points``: where they count as evaluated (DiSK asks for θ + γd from step 2 on; these
+    hand-made gradients do not depend on θ, so any point is honest)."""
     gw = torch.zeros(2, 2, 2)
     gw[0, 0, 0], gw[1, 1, 1] = 2 * wdiag[0], 2 * wdiag[1]
     gc = torch.tensor([[2 * c[0], 0.0], [0.0, 2 * c[1]]])
     gh = torch.tensor([[[2 * h[0], 0.0]], [[0.0, 2 * h[1]]]])
-    return PerSampleGrads([gw, gc, gh])
+    return PerSampleGrads([gw, gc, gh], points=points)
 
 
 def _nonprivate_tiny(method, params, **kw):
@@ -262,7 +265,7 @@ def _run_muon_like(method, filtered_fn, **kw):
     params = _muon_params()
     opt = _nonprivate_tiny(method, params, **kw)
     for wdiag, c, h in STEPS:
-        opt.step(_muon_grads(wdiag, c, h))
+        opt.step(_muon_grads(wdiag, c, h, points=opt.evaluation_points()))
     filt_w = filtered_fn([s[0] for s in STEPS])
     filt_c = filtered_fn([s[1] for s in STEPS])
     filt_h = filtered_fn([s[2] for s in STEPS])
@@ -401,7 +404,7 @@ def test_disk_sgd_three_steps_by_hand():
             c = (1 - kappa) / (kappa * gamma)
             assert [p.coef for p in pts] == pytest.approx([c, 1 - c])
             assert pts[0].offset[0].tolist() == pytest.approx([gamma * (a - b) for a, b in zip(th, prev)])
-        opt.step(PerSampleGrads([torch.tensor([[2 * g[0], 2 * g[1]], [0.0, 0.0]])]))
+        opt.step(PerSampleGrads([torch.tensor([[2 * g[0], 2 * g[1]], [0.0, 0.0]])], points=pts))
         f = list(g) if f is None else [(1 - kappa) * a + kappa * b for a, b in zip(f, g)]
         prev, th = th, [a - lr * b for a, b in zip(th, f)]
         assert theta.tolist() == pytest.approx(th, rel=1e-12)

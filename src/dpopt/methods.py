@@ -34,7 +34,7 @@ import torch
 
 from .accounting.ledger import PrivacyLedger
 from .noise import NoiseSource
-from .optim import DPOptimizer
+from .optim import DPOptimizer, is_frozen
 from .privatizer import Privatizer, QuantileClipping
 from .transforms.adaclip import AdaClip
 from .transforms.adam import ScaleByAdam
@@ -146,8 +146,8 @@ def make_optimizer(
     Args:
         name: method name (see :func:`list_methods`).
         params: the model's parameters (iterable of tensors, e.g.
-            ``model.parameters()``); those with ``requires_grad=False`` are
-            skipped (never updated), the rest are matched to per-sample
+            ``model.parameters()``); frozen ``nn.Parameter`` objects (``requires_grad=False``) are
+            skipped (never updated; :func:`~dpopt.optim.is_frozen`), the rest are matched to per-sample
             gradients by identity.
         noise_multiplier, expected_batch_size, sample_rate: privacy settings.
         noise, generator, secure_mode: where the noise comes from (see
@@ -173,7 +173,7 @@ def make_optimizer(
     privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
                             groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
                             noise=noise)
-    params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS}
     return DPOptimizer(params, privatizer, spec.build(chain_hp, params), lr=hp["lr"])
 

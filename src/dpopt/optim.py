@@ -13,8 +13,9 @@ learning rates are read from ``param_groups`` at every step.
 Parameters are matched by IDENTITY: a per-sample source that lists the
 parameters it covers (``source.params``, as the dpopt engines do) has its
 norms, sums and geometry mapped to the optimizer's parameters whatever their
-order; parameters with ``requires_grad=False`` (a frozen backbone, LoRA-style
-fine-tuning) are skipped and never changed. A source built by hand without
+order; frozen parameters — ``nn.Parameter`` objects with ``requires_grad=False``
+(a frozen backbone, LoRA-style fine-tuning) — are skipped and never changed
+(plain tensors, as in hand-written examples, are always trained). A source built by hand without
 ``params`` is matched by position to the trainable parameters and must have
 exactly as many.
 """
@@ -71,7 +72,12 @@ def _same_points(a: list[EvaluationPoint], b) -> bool:
             return False
     return True
 
-__all__ = ["DPOptimizer"]
+__all__ = ["DPOptimizer", "is_frozen"]
+
+
+def is_frozen(p: Tensor) -> bool:
+    """True for a frozen model parameter: an ``nn.Parameter`` with ``requires_grad=False``."""
+    return isinstance(p, torch.nn.Parameter) and not p.requires_grad
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -102,14 +108,15 @@ class DPOptimizer(torch.optim.Optimizer):
             if not group["lr"] > 0:
                 raise ValueError(f"lr must be > 0 in every param group, got {group['lr']}")
         if not self._params():
-            raise ValueError("the optimizer got no parameter with requires_grad=True; nothing to train")
+            raise ValueError("every parameter given to the optimizer is frozen (requires_grad=False); "
+                             "nothing to train")
         self.privatizer = privatizer
         self.transform = transform
 
     # -- helpers over all trainable params, in group order ------------------
     def _params(self) -> list[Tensor]:
-        """Trainable parameters (``requires_grad``) in param-group order; frozen ones are skipped."""
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        """Trainable parameters in param-group order; frozen ones (:func:`is_frozen`) are skipped."""
+        return [p for g in self.param_groups for p in g["params"] if not is_frozen(p)]
 
     def _matched(self, source, params: list[Tensor], points: list[EvaluationPoint]):
         """``source`` seen in the order of ``params`` (matched by identity); checks coverage and points."""
@@ -191,8 +198,8 @@ class DPOptimizer(torch.optim.Optimizer):
         states = self._states()
         release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(),
                                             params_like=params)
-        lrs = [g["lr"] for g in self.param_groups for p in g["params"] if p.requires_grad]
-        groups = [g for g in self.param_groups for p in g["params"] if p.requires_grad]
+        lrs = [g["lr"] for g in self.param_groups for p in g["params"] if not is_frozen(p)]
+        groups = [g for g in self.param_groups for p in g["params"] if not is_frozen(p)]
         ctx = StepContext(step=release.step + 1, noise_std=release.noise_std, lrs=lrs, groups=groups,
                           noise_multiplier=release.noise_multiplier,
                           expected_batch_size=release.expected_batch_size)
