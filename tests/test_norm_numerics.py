@@ -116,3 +116,30 @@ def test_dense_block_result_keeps_dtype(dtype):
     g = torch.randn(3, 4, dtype=dtype)
     out = DirectBlock([0], [g]).sq_norms([(torch.ones(4, dtype=dtype), None)])[0]
     assert out.dtype == dtype and torch.allclose(out.double(), _truth(g, torch.ones(4), None), rtol=1e-6)
+
+
+def test_gram_form_does_not_cancel_in_float32():
+    """Two positions whose gradients nearly cancel: g = (e₁ + e₂)a₁ᵀ with e₂ = −e₁ + δ.
+
+    ‖g‖² = ‖δ‖²‖a‖² = 25 here, while the Gram terms are ≈ 1e10: a float32 sum of them
+    (relative error ~6e-8 of 4e10 ≈ 2.4e3) cannot resolve 25; the float64 evaluation can.
+    """
+    from dpopt.engine.layers import Budget, FactoredBlock, LinearPart
+
+    p = q = 64
+    gen = torch.Generator().manual_seed(0)
+    a1 = torch.randn(p, generator=gen, dtype=torch.float64)
+    a1 = a1 / a1.norm() * 100.0
+    e1 = torch.randn(q, generator=gen, dtype=torch.float64)
+    e1 = e1 / e1.norm() * 1e3
+    delta = torch.randn(q, generator=gen, dtype=torch.float64)
+    delta = delta / delta.norm() * 0.05
+    a = torch.stack([a1, a1]).unsqueeze(0).float()  # [B=1, T=2, p]
+    e = torch.stack([e1, -e1 + delta]).unsqueeze(0).float()
+    blk = FactoredBlock(0, (q, p), [LinearPart(a, e)], Budget(16 << 20, 0), 1)
+    got = blk.sq_norms([(None, None)])[0]
+    assert blk.form == "gram"
+    g = torch.einsum("btq,btp->bqp", e.double(), a.double())  # the float32 inputs, exactly
+    want = g.reshape(1, -1).square().sum(1)
+    assert float(want) > 1.0  # a norm that clipping must see
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0.0)

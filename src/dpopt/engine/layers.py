@@ -409,16 +409,24 @@ class FactoredBlock:
         return (quad - 2.0 * lin + const).clamp_min_(0.0)
 
     def _gram(self) -> Tensor:
+        """‖g_i‖² = Σ_{t,s} (a_it·a_is)(e_it·e_is), evaluated in float64.
+
+        The terms have mixed signs, so the sum can cancel: in float32 its error is
+        ≈ 6e-8·(Σ_t ‖a_it‖‖e_it‖)², which can exceed a small true ‖g_i‖² and
+        underestimate it (an unclipped example above C). float64 makes that error
+        ≈ 1e-16 of the same scale.
+        """
         out = []
         step = max(1, min(self.B, self.budget.chunk_bytes //
-                          max(1, (2 * self.T * self.T + (self.p + self.q) * self.T) * 4)))
+                          max(1, (2 * self.T * self.T + (self.p + self.q) * self.T) * 8)))
         for s in range(0, self.B, step):
             t = min(self.B, s + step)
-            at, et = self._cat("at", s, t), self._cat("et", s, t)  # [b, p, T], [b, q, T]
+            at = self._cat("at", s, t).double()  # [b, p, T]
+            et = self._cat("et", s, t).double()  # [b, q, T]
             ga = torch.bmm(at.transpose(1, 2), at)
             ge = torch.bmm(et.transpose(1, 2), et)
             out.append((ga * ge).sum((1, 2)))
-        return torch.cat(out).clamp_min_(0.0)
+        return torch.cat(out).clamp_min_(0.0).to(self._dtype())
 
     def _direct(self, m: Optional[Tensor], b: Optional[Tensor], keep: bool, nbytes: int) -> Tensor:
         out = []
