@@ -130,3 +130,28 @@ def test_from_dpopt_import_train_is_the_function(tmp_path):
                                    out=str(tmp_path / "r")))
     assert summary["steps"] == max(1, round(0.1 / summary["sample_rate"]))
     assert math.isfinite(summary["epsilon"])
+
+
+def test_cli_same_seed_differs_reproducible_identical_and_check_fails(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    runner = CliRunner()
+    base = ["train", "--method", "dp-sgd", "--epochs", "0.3", "--seed", "4", "--accountant", "rdp"]
+    models = {}
+    for name, extra in (("a", []), ("b", []), ("r1", ["--reproducible-noise"]), ("r2", ["--reproducible-noise"]),
+                        ("s", ["--secure-mode"])):
+        res = runner.invoke(app, base + extra + ["--out", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        models[name] = torch.load(tmp_path / name / "model.pt")
+        if name == "r1":
+            assert "NO privacy guarantee" in " ".join(res.output.split())
+    assert not _same(models["a"], models["b"])
+    assert _same(models["r1"], models["r2"])
+    assert PrivacyLedger.load(tmp_path / "s").noise == "secure"
+    res = runner.invoke(app, ["check", str(tmp_path / "r1")])
+    assert res.exit_code != 0 and "noise reproducible from a published seed" in res.output
+    assert runner.invoke(app, ["check", str(tmp_path / "a")]).exit_code == 0
+    res = runner.invoke(app, base + ["--reproducible-noise", "--secure-mode", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "exclude each other" in res.output

@@ -89,6 +89,7 @@ def train_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from .accounting.calibration import CalibrationInterrupted
     from .data import DataError
     from .training import TrainConfig, train
 
@@ -150,6 +151,9 @@ def train_command(
             summary = train(cfg, on_step=on_step)
     except (ValueError, DataError) as exc:
         _fail(str(exc))
+    except CalibrationInterrupted as exc:
+        typer.echo(f"error: {exc}; nothing was trained", err=True)
+        raise typer.Exit(code=130)
     out_console = Console()
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
