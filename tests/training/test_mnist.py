@@ -7,7 +7,7 @@ import pytest
 from dpopt.data import load_dataset
 from dpopt.training import TrainConfig, train
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA_DIR / "mnist.npz").exists(),
                                 reason=f"{DATA_DIR / 'mnist.npz'} not found (real MNIST test skipped)")
 

@@ -1,0 +1,54 @@
+"""DPOptimizer is a torch.optim.Optimizer: schedulers, state_dict, closures refused."""
+
+import pytest
+import torch
+from torch import nn
+
+from dpopt.methods import make_optimizer
+from dpopt.per_sample import PerSampleGrads, per_sample_gradients
+
+
+pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
+
+
+def _problem(seed=0, n=16):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(n, 4)
+    y = torch.randint(0, 3, (n,))
+    return model, x, y
+
+
+LOSS = nn.functional.cross_entropy
+
+
+
+def test_dp_optimizer_is_a_torch_optimizer():
+    model, x, y = _problem()
+    opt = make_optimizer("dp-adam", model.parameters(), noise_multiplier=1.0, expected_batch_size=16,
+                         sample_rate=0.5, lr=0.1)
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step(per_sample_gradients(model, LOSS, x, y))
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(per_sample_gradients(model, LOSS, x, y), closure=lambda: 0.0)
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(lambda: 0.0)  # a closure passed positionally
+    state = opt.state_dict()
+    assert state["state"]  # Adam moments are in optimizer.state, torch-style
+    assert len(opt.privatizer.ledger) == 1
+
+
+def test_lr_schedule_changes_the_update():
+    """The −lr scaling reads the param group at every step (so schedulers really act)."""
+    p = torch.zeros(2, requires_grad=True)
+    opt = make_optimizer("dp-sgd", [p], noise_multiplier=0.0, expected_batch_size=1.0, sample_rate=1.0, lr=1.0)
+    opt.step(PerSampleGrads([torch.tensor([[0.3, 0.4]])]))
+    assert torch.allclose(p.detach(), torch.tensor([-0.3, -0.4]))
+    opt.param_groups[0]["lr"] = 0.5
+    opt.step(PerSampleGrads([torch.tensor([[0.3, 0.4]])]))
+    assert torch.allclose(p.detach(), torch.tensor([-0.45, -0.6]))
+
+
