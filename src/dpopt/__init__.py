@@ -22,7 +22,7 @@ _EXPORTS = {
     "Privatizer": "dpopt.privatizer",
     "Release": "dpopt.privatizer",
     "QuantileClipping": "dpopt.privatizer",
-    "ClipGeometry": "dpopt.transforms.base",
+    "ClipGeometry": "dpopt.types",
     "DPOptimizer": "dpopt.optim",
     "PrivacyLedger": "dpopt.accounting.ledger",
     "epsilon": "dpopt.accounting.accountant",

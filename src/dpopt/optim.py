@@ -27,13 +27,14 @@ import torch
 from torch import Tensor
 
 from .privatizer import Privatizer, Release
-from .transforms.base import ClipGeometry, EvaluationPoint, StepContext, Transform
+from .transforms.base import StepContext, Transform
+from .types import ClipGeometry, EvaluationPoint, PerSampleSource
 
 
 class _Reordered:
     """A per-sample source seen in the optimizer's parameter order (``perm[j]`` = source index of param j)."""
 
-    def __init__(self, source, perm: list[int]):
+    def __init__(self, source: PerSampleSource, perm: list[int]):
         self.source, self.perm = source, perm
         self.inverse = [0] * len(perm)
         for j, i in enumerate(perm):
@@ -46,6 +47,19 @@ class _Reordered:
     @property
     def nonfinite(self):
         return getattr(self.source, "nonfinite", 0)
+
+    @property
+    def batch_size(self):
+        return getattr(self.source, "batch_size", None)
+
+    @property
+    def params(self):
+        covered = getattr(self.source, "params", None)
+        return None if covered is None else tuple(covered[i] for i in self.perm)
+
+    @property
+    def points(self):
+        return getattr(self.source, "points", None)
 
     def _geo(self, geometry: ClipGeometry) -> ClipGeometry:
         def order(ts):
@@ -118,7 +132,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Trainable parameters in param-group order; frozen ones (:func:`is_frozen`) are skipped."""
         return [p for g in self.param_groups for p in g["params"] if not is_frozen(p)]
 
-    def _matched(self, source, params: list[Tensor], points: list[EvaluationPoint]):
+    def _matched(self, source: PerSampleSource, params: list[Tensor], points: list[EvaluationPoint]):
         """``source`` seen in the order of ``params`` (matched by identity); checks coverage and points."""
         covered = getattr(source, "params", None)
         if covered is None:
@@ -183,8 +197,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """One DP step from per-sample gradients of the trainable parameters.
 
         Args:
-            per_sample: a per-sample source (``PerSampleGrads``) or an iterable
-                of them (micro-batches of one logical batch), covering exactly
+            per_sample: a per-sample source (:class:`~dpopt.types.PerSampleSource`,
+                e.g. ``PerSampleGrads``) or an iterable of them (micro-batches of one logical batch), covering exactly
                 the optimizer's trainable parameters (matched by identity).
 
         Returns:
@@ -193,7 +207,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None or callable(per_sample):
             raise TypeError("DPOptimizer.step does not take a closure; pass per-sample gradients")
         if per_sample is None:
-            raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.per_sample)")
+            raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.engine)")
         params = self._params()
         states = self._states()
         release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(),

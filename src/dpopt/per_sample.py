@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 
 from .models import check_model
-from .transforms.base import ClipGeometry, EvaluationPoint
+from .types import ClipGeometry, EvaluationPoint
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
            "check_inputs", "METHODS"]
@@ -100,7 +100,7 @@ class PerSampleGrads:
             the same B (B = 0 is allowed: an empty Poisson batch).
         params: the parameters (the ``nn.Parameter`` objects) the gradients
             belong to, in the same order; None for raw tensors.
-        points: the :class:`~dpopt.transforms.base.EvaluationPoint` objects
+        points: the :class:`~dpopt.types.EvaluationPoint` objects
             the gradients were evaluated at; None if unknown.
 
     Attributes:

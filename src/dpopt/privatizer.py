@@ -34,7 +34,7 @@ from torch import Tensor
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import PrivacyLedger
 from .noise import NoiseSource, make_noise_source
-from .transforms.base import ClipGeometry
+from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
 
@@ -207,12 +207,14 @@ class Privatizer:
             raise RuntimeError("begin() called twice without release(); one release per step")
         self._geometry = geometry or ClipGeometry()
 
-    def accumulate(self, source) -> None:
+    def accumulate(self, source: PerSampleSource) -> None:
         """Clip and add one micro-batch of per-sample gradients.
 
-        ``source`` has ``num_params``, ``sq_norms(geometry, groups, G) -> [B, G]`` and
-        ``weighted_sum(weights[B, G], geometry, groups) -> list[Tensor]``
-        (e.g. :class:`~dpopt.per_sample.PerSampleGrads`).
+        ``source`` is a :class:`~dpopt.types.PerSampleSource`: this reads its
+        ``num_params``, ``sq_norms(geometry, groups, G) -> [B, G]``,
+        ``weighted_sum(weights[B, G], geometry, groups) -> list[Tensor]`` and
+        (if present) ``nonfinite``
+        (e.g. :class:`~dpopt.engine.reference.PerSampleGrads`).
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before accumulate()")
@@ -290,7 +292,7 @@ class Privatizer:
         return {"count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
                 "count_sensitivity": 0.5, "released_fraction": frac}
 
-    def privatize(self, sources: Union[object, Iterable], geometry: Optional[ClipGeometry] = None,
+    def privatize(self, sources: Union[PerSampleSource, Iterable[PerSampleSource]], geometry: Optional[ClipGeometry] = None,
                   params_like: Optional[Sequence[Tensor]] = None) -> Release:
         """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``.
 

@@ -46,7 +46,7 @@ from ..accounting.accountant import epsilon
 from ..accounting.events import collapse_for_pld
 from ..per_sample import PerSampleGrads
 from ..privatizer import Privatizer
-from ..transforms.base import ClipGeometry
+from ..types import ClipGeometry
 from .stats import DEFAULT_ALPHA, DEFAULT_DELTA, _check_alpha, _check_delta, epsilon_lower_bounds
 
 __all__ = [

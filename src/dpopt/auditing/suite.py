@@ -20,7 +20,7 @@ import torch
 
 from ..per_sample import PerSampleGrads
 from ..privatizer import Privatizer, QuantileClipping
-from ..transforms.base import ClipGeometry
+from ..types import ClipGeometry
 from .harness import DEFAULT_TRIALS, AuditResult, _vectorisable, audit_privatizer
 from .stats import DEFAULT_ALPHA, DEFAULT_DELTA
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..per_sample import iter_per_sample_gradients
-from ..transforms.base import EvaluationPoint
+from ..types import EvaluationPoint
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, free_sizes, get_engine
 
 __all__ = ["ENGINES", "iter_per_sample_sources", "FastPerSampleGrads", "PerSampleEngine",

@@ -67,7 +67,7 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..per_sample import _LOOP_MODELS, check_inputs, per_sample_gradient_tensors, use_loop
-from ..transforms.base import ClipGeometry, EvaluationPoint
+from ..types import ClipGeometry, EvaluationPoint
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock,
                      group_norm_grads, layer_norm_grads)
 
@@ -91,7 +91,7 @@ class FastPerSampleGrads:
             the reference path (their w_i = −shift/scale, clipped as usual).
         params: tuple of the trainable parameters (the ``nn.Parameter``
             objects) in this source's order; None if not given.
-        points: tuple of the :class:`~dpopt.transforms.base.EvaluationPoint`
+        points: tuple of the :class:`~dpopt.types.EvaluationPoint`
             objects the gradients were evaluated at; None if not given.
 
     Norms and sums are computed outside autocast, in the parameters' dtype.

@@ -28,6 +28,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..types import ClipGeometry, EvaluationPoint  # re-exported: defined in the core-types leaf module
+
 __all__ = [
     "StepContext",
     "Transform",
@@ -37,36 +39,6 @@ __all__ = [
     "ClipGeometry",
     "EvaluationPoint",
 ]
-
-
-@dataclass(frozen=True)
-class ClipGeometry:
-    """Coordinate-wise ``(shift, scale)`` for clipping: w = (g − shift) / scale.
-
-    ``None`` for either means identity (0 shift, unit scale); ``ClipGeometry()``
-    is flat L2 clipping. Each list holds one tensor per parameter, shaped like
-    the parameter. Source: Pichapati et al. 2019 (AdaClip), eq. (6) of
-    ``papers/dp-macadam.txt``.
-    """
-
-    shift: Optional[tuple[Tensor, ...]] = None
-    scale: Optional[tuple[Tensor, ...]] = None
-
-    @property
-    def is_identity(self) -> bool:
-        return self.shift is None and self.scale is None
-
-
-@dataclass(frozen=True)
-class EvaluationPoint:
-    """Where per-sample gradients are evaluated, and with which weight.
-
-    The per-example vector fed to the Privatizer is Σ_k coef_k ∇ℓ(θ + offset_k; x_i).
-    ``offset`` is one tensor per parameter or ``None`` (θ itself).
-    """
-
-    coef: float
-    offset: Optional[tuple[Tensor, ...]] = None
 
 
 @dataclass
