@@ -30,7 +30,7 @@ DELTA = 1e-5
 
 
 def _app():
-    from dpopt.cli_accounting import register
+    from dpopt.cli.accounting import register
 
     app = typer.Typer()
     register(app)

@@ -128,7 +128,7 @@ def test_invalid_inputs(kwargs, match):
 def _app():
     import typer
 
-    from dpopt.cli_accounting import register
+    from dpopt.cli.accounting import register
 
     app = typer.Typer()
     register(app)

@@ -1,4 +1,11 @@
-"""CLI commands: ``dpopt train`` and ``dpopt methods``."""
+"""Commands ``dpopt train`` and ``dpopt methods``.
+
+The command parses options into a :class:`dpopt.training.TrainConfig`, runs
+:func:`dpopt.training.train` and prints its summary; everything else
+(validation, calibration, the run directory) is the library's. Library errors
+name ``TrainConfig`` fields and are shown with this command's flags
+(:func:`train_flags`). torch is imported inside the command body only.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,33 @@ from typing import Optional
 
 import typer
 
+from .common import accountant_option, cli_errors, delta_option, fail, flags_for, json_option
+
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 
+group = typer.Typer()
 
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
+#: Library argument names whose flag is not simply ``--x-y``.
+_FLAG_OVERRIDES = {"hparams": "--hp", "expected_batch_size": "--batch-size"}
+
+
+def train_flags() -> dict[str, str]:
+    """``{argument: flag}`` for ``dpopt train``'s messages.
+
+    Every ``TrainConfig`` field ``x_y`` → ``--x-y``; ``hparams`` → ``--hp``;
+    a method hyperparameter ``k`` → ``--hp k`` unless it has its own flag
+    (``--h1``, ``--h2``, ``--variance-update``, ``--lr``). Imports torch (via
+    :mod:`dpopt.training`), so it is called inside the command only.
+    """
+    import dataclasses
+
+    from ..methods import list_methods
+    from ..training import TrainConfig
+
+    flags = {key: f"--hp {key}" for spec in list_methods() for key in spec.defaults}
+    flags.update(flags_for([f.name for f in dataclasses.fields(TrainConfig)] + ["h1", "h2", "variance_update"],
+                           **_FLAG_OVERRIDES))
+    return flags
 
 
 def _parse_hp(items: Optional[list[str]]) -> dict:
@@ -40,6 +68,7 @@ def _parse_hp(items: Optional[list[str]]) -> dict:
     return out
 
 
+@group.command("train")
 def train_command(
     dataset: str = typer.Option("digits", help=DATASET_HELP),
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
@@ -47,7 +76,7 @@ def train_command(
     method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
     noise_multiplier: Optional[float] = typer.Option(
         None, help="σ: noise std = σ × sensitivity (default 1.0; not with --target-epsilon)"),
-    delta: float = typer.Option(1e-5, help="δ of the reported (ε, δ)"),
+    delta: float = delta_option(1e-5, help="δ of the reported (ε, δ)"),
     max_grad_norm: Optional[float] = typer.Option(None, help="clip bound C (default 1.0; w-space for MacAdam)"),
     batch_size: float = typer.Option(64.0, help="expected batch size B̄ (public denominator); sample_rate = B̄/N "
                                                 "unless --sample-rate is given"),
@@ -63,7 +92,7 @@ def train_command(
     secure_mode: bool = typer.Option(False, help="draw noise and masks from the OS CSPRNG (slower)"),
     show_train_loss: bool = typer.Option(
         False, help="show the loss of the private training batch in the progress bar: NOT PRIVATE (display only)"),
-    accountant: str = typer.Option("pld", help="pld (connect-the-dots), rdp or prv"),
+    accountant: str = accountant_option("pld", help="pld (connect-the-dots), rdp or prv"),
     physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
@@ -83,31 +112,29 @@ def train_command(
         None, "--hp", help="method hyperparameter KEY=VALUE, repeatable (e.g. --hp momentum=0.9 --hp "
                            "ns_steps=5 --hp kappa=0.4 --hp gamma=1.5 --hp filter=second-order); "
                            "see `dpopt methods` for each method's keys"),
-    json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON object (last line)"),
+    json_out: bool = json_option("print the summary as one JSON object (last line)"),
 ) -> None:
     """Train a model with differential privacy and report test accuracy and (ε, δ)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .accounting.calibration import CalibrationInterrupted
-    from .data import DataError
-    from .training import TrainConfig, train
+    from ..training import TrainConfig, train
 
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
                if v is not None}
     try:
         extra = _parse_hp(hp)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if set(extra) & set(hparams):
-        _fail(f"{sorted(set(extra) & set(hparams))} given both as an option and with --hp")
+        fail(f"{sorted(set(extra) & set(hparams))} given both as an option and with --hp")
     hparams.update(extra)
     try:
         bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None
     except ValueError:
-        _fail(f"--layer-bounds must be comma-separated numbers, got {layer_bounds!r}")
+        fail(f"--layer-bounds must be comma-separated numbers, got {layer_bounds!r}")
     if noise_multiplier is not None and target_epsilon is not None:
-        _fail("give --noise-multiplier or --target-epsilon, not both (the target calibrates σ)")
+        fail("give --noise-multiplier or --target-epsilon, not both (the target calibrates σ)")
     cfg = TrainConfig(dataset=dataset, data_dir=data_dir, model=model, method=method,
                       noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
                       batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, accountant=accountant,
@@ -119,7 +146,7 @@ def train_command(
                       show_train_loss=show_train_loss)
     if threads is not None:
         if threads < 1:
-            _fail(f"--threads must be >= 1, got {threads}")
+            fail(f"--threads must be >= 1, got {threads}")
         import torch
 
         torch.set_num_threads(threads)
@@ -145,15 +172,11 @@ def train_command(
         console.print("[bold red]warning:[/] --reproducible-noise: the noise and Poisson masks are seeded from "
                       f"--seed {seed}; anyone who knows it can replay them, so this run has NO privacy "
                       "guarantee (research reruns only). `dpopt check` will fail its ledger.")
-    try:
+    with cli_errors(train_flags(), interrupted="training interrupted",
+                    after_interrupt="; nothing was trained"):
         with progress, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
             summary = train(cfg, on_step=on_step)
-    except (ValueError, DataError) as exc:
-        _fail(str(exc))
-    except CalibrationInterrupted as exc:
-        typer.echo(f"error: {exc}; nothing was trained", err=True)
-        raise typer.Exit(code=130)
     out_console = Console()
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
@@ -173,9 +196,10 @@ def train_command(
         sys.stdout.write(json.dumps(summary) + "\n")
 
 
-def methods_command(json_out: bool = typer.Option(False, "--json", help="machine-readable list")) -> None:
+@group.command("methods")
+def methods_command(json_out: bool = json_option("machine-readable list")) -> None:
     """List every DP optimizer with its reference and default hyperparameters."""
-    from .methods import list_methods
+    from ..methods import list_methods
 
     specs = list_methods()
     if json_out:
@@ -191,6 +215,5 @@ def methods_command(json_out: bool = typer.Option(False, "--json", help="machine
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``train`` and ``methods`` to the dpopt app."""
-    app.command("train")(train_command)
-    app.command("methods")(methods_command)
+    """Add ``train`` and ``methods`` to ``app``."""
+    app.add_typer(group)

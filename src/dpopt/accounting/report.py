@@ -1,0 +1,200 @@
+"""A run's ledger as a report: its releases grouped into runs, re-scored with every accountant.
+
+What ``dpopt ledger`` prints, as plain data, so that Python users get the same
+numbers without the command line::
+
+    from dpopt.accounting.report import ledger_report
+
+    report = ledger_report("runs/mnist-dp-sgd")          # δ and accountant from summary.json
+    report.epsilon_by_accountant                           # {"pld": 1.93, "rdp": 2.11, "prv": ...}
+    [(r.first_step, r.last_step, r.sigma_eff) for r in report.runs]
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..errors import ConfigError
+
+__all__ = ["LedgerReport", "ReleaseRun", "ledger_report", "ledger_runs", "score_ledger"]
+
+#: An accountant's failure on one ledger is that accountant's "n.a.", never a crash of the report.
+_ACCOUNTANT_FAILURES = (ValueError, ImportError, RuntimeError, ArithmeticError, MemoryError)
+
+
+@dataclass
+class ReleaseRun:
+    """Consecutive ledger entries that recorded the same DpEvent.
+
+    Attributes:
+        first_step, last_step: the steps of the first and last entry.
+        count: the number of entries.
+        sample_rates: the Poisson sampling rates in the event, sorted (empty: no sampling).
+        noise_multipliers: every Gaussian noise multiplier of one entry, in recorded order.
+        sigma_eff: the effective σ of each (q, σ) term of one entry.
+        unsupported: event parts that are not (Poisson-sampled) Gaussians.
+        sensitivity_min, sensitivity_max: the range of the recorded ``sensitivity``
+            (the clip bound actually applied), ``None`` if not recorded.
+    """
+
+    first_step: int
+    last_step: int
+    count: int
+    sample_rates: list
+    noise_multipliers: list
+    sigma_eff: list
+    unsupported: list
+    sensitivity_min: Optional[float] = None
+    sensitivity_max: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ledger_runs(ledger: Any) -> list[ReleaseRun]:
+    """Group a :class:`~dpopt.accounting.ledger.PrivacyLedger`'s entries into :class:`ReleaseRun` s."""
+    from .events import summarize_event
+
+    runs: list[ReleaseRun] = []
+    last_event = None
+    for entry in ledger.entries:
+        if runs and last_event == entry.event:
+            run = runs[-1]
+            run.count += 1
+            run.last_step = entry.step
+        else:
+            parsed = summarize_event(entry.event)
+            run = ReleaseRun(first_step=entry.step, last_step=entry.step, count=1,
+                             sample_rates=sorted(parsed.rates), noise_multipliers=parsed.gaussians,
+                             sigma_eff=[s for (_, s) in parsed.terms], unsupported=sorted(set(parsed.unsupported)))
+            runs.append(run)
+            last_event = entry.event
+        sens = entry.meta.get("sensitivity")
+        if isinstance(sens, (int, float)):
+            run.sensitivity_min = sens if run.sensitivity_min is None else min(run.sensitivity_min, sens)
+            run.sensitivity_max = sens if run.sensitivity_max is None else max(run.sensitivity_max, sens)
+    return runs
+
+
+def score_ledger(ledger: Any, delta: float) -> tuple[dict, dict]:
+    """ε of the whole ledger with every accountant.
+
+    Returns:
+        ``(scores, notes)``: ``scores[name]`` is ε (a float, possibly ``inf``)
+        or ``"n.a.: <reason>"`` when that accountant is unavailable or fails
+        on this ledger; ``notes[name]`` lists the accountant's notes (e.g. a
+        coarsened grid; the ε is still an upper bound), only where there are any.
+    """
+    from .accountant import ACCOUNTANTS, epsilon_report
+    from .prv import prv_available
+
+    scores: dict[str, Union[float, str]] = {}
+    notes: dict[str, list] = {}
+    for name in ACCOUNTANTS:
+        if name == "prv" and not prv_available():
+            scores[name] = "n.a.: unavailable (pip install prv-accountant)"
+            continue
+        try:
+            report = epsilon_report(ledger, delta, name)
+        except _ACCOUNTANT_FAILURES as exc:
+            text = str(exc) or type(exc).__name__
+            if not isinstance(exc, (ValueError, ImportError)):
+                text = f"{type(exc).__name__}: {text}"
+            scores[name] = f"n.a.: {text}"
+            continue
+        scores[name] = float(report.epsilon)
+        if report.notes:
+            notes[name] = list(report.notes)
+    return scores, notes
+
+
+def _json_num(x: Any) -> Any:
+    return x if not isinstance(x, float) or math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+@dataclass
+class LedgerReport:
+    """A run's ledger, grouped and re-scored (see :func:`ledger_report`).
+
+    Attributes:
+        run_dir: the run directory as given.
+        neighbouring, sampling, noise, dataset_size: the ledger's header.
+        releases: the number of ledger entries.
+        delta: δ at which every accountant was asked.
+        accountant: the headline accountant.
+        epsilon_by_accountant: ε per accountant (float) or ``"n.a.: <reason>"``.
+        notes: per accountant, its notes (only accountants with notes).
+        runs: the entries grouped into :class:`ReleaseRun` s.
+        summary_epsilon, summary_accountant: what the run's summary.json claimed (``None`` without one).
+    """
+
+    run_dir: str
+    neighbouring: str
+    sampling: str
+    noise: str
+    dataset_size: str
+    releases: int
+    delta: float
+    accountant: str
+    epsilon_by_accountant: dict
+    notes: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)
+    summary_epsilon: Any = None
+    summary_accountant: Optional[str] = None
+
+    @property
+    def epsilon(self) -> Union[float, str, None]:
+        """The headline accountant's ε (or its ``"n.a.: ..."``)."""
+        return self.epsilon_by_accountant.get(self.accountant)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (keys as in ``dpopt ledger --json``; ``inf`` as the string ``"inf"``)."""
+        scores = {k: _json_num(v) for k, v in self.epsilon_by_accountant.items()}
+        return {"run_dir": self.run_dir, "neighbouring": self.neighbouring, "sampling": self.sampling,
+                "noise": self.noise, "dataset_size": self.dataset_size, "notes": self.notes,
+                "releases": self.releases, "delta": self.delta, "accountant": self.accountant,
+                "epsilon": scores.get(self.accountant), "epsilon_by_accountant": scores,
+                "epsilon_summary": self.summary_epsilon, "runs": [r.to_dict() for r in self.runs]}
+
+
+def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
+                  delta: Optional[float] = None) -> LedgerReport:
+    """Load a run's ledger, group its releases and score it with every accountant.
+
+    Args:
+        run_dir: a run directory with ``ledger.json`` (and, optionally, ``summary.json``).
+        accountant: the headline accountant; default the run's (from
+            summary.json), else ``"pld"``. Every available accountant is scored anyway.
+        delta: δ; default the run's (from summary.json).
+
+    Raises:
+        FileNotFoundError, ValueError: the ledger cannot be read.
+        ConfigError: no ``delta`` given and none recorded, or a ``delta``
+            outside (0, 1) (the argument named).
+        ValueError: an unknown ``accountant``.
+    """
+    from .ledger import PrivacyLedger
+    from .validation import check_accountant, check_delta
+
+    book = PrivacyLedger.load(run_dir)
+    summary_path = Path(run_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    delta = delta if delta is not None else summary.get("delta")
+    if delta is None:
+        raise ConfigError("delta is required: the run directory has no summary.json that records it", "delta")
+    try:
+        check_delta(delta)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "delta") from None
+    headline = check_accountant(accountant or summary.get("accountant") or "pld")
+    scores, notes = score_ledger(book, delta)
+    return LedgerReport(run_dir=str(run_dir), neighbouring=book.neighbouring, sampling=book.sampling,
+                        noise=book.noise, dataset_size=book.dataset_size, releases=len(book), delta=delta,
+                        accountant=headline, epsilon_by_accountant=scores, notes=notes, runs=ledger_runs(book),
+                        summary_epsilon=summary.get("epsilon"), summary_accountant=summary.get("accountant"))

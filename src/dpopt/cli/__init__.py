@@ -1,0 +1,41 @@
+"""The ``dpopt`` command line (console script ``dpopt = dpopt.cli:app``; also ``python -m dpopt``).
+
+One module per command group, each a ``typer.Typer`` whose commands are
+merged into :data:`app`:
+
+* :mod:`dpopt.cli.train` — ``train``, ``methods``;
+* :mod:`dpopt.cli.accounting` — ``account``, ``calibrate``, ``ledger``, ``check``;
+* :mod:`dpopt.cli.audit` — ``audit``;
+* :mod:`dpopt.cli.common` — what they share: ``error: ...`` lines and exit
+  codes (2 bad input, 130 interrupted), the translation of library argument
+  names to flags, and the shared options (``--delta``, ``--accountant``, ``--json``).
+
+Commands parse options, call the library and print; the work (validation,
+training, accounting reports, audits) is the library's. Heavy imports (torch)
+happen inside command bodies so that ``dpopt --help`` and the accounting
+commands start fast.
+"""
+
+from __future__ import annotations
+
+import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE before torch loads
+
+from . import accounting, audit, train
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="dpopt",
+    help="Differentially private training with adaptive optimizers; every release is charged.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+for _group in (train.group, accounting.group, audit.group):
+    app.add_typer(_group)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    """Run the ``dpopt`` command line."""
+    app()

@@ -1,0 +1,213 @@
+"""Commands ``dpopt account``, ``calibrate``, ``ledger`` and ``check``.
+
+None of these import torch: the accounting modules need only dp_accounting
+(and prv-accountant for ``--accountant prv``), and they are imported inside
+the command bodies so that ``dpopt --help`` stays fast.
+
+Examples::
+
+    dpopt account --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5
+    dpopt calibrate --target-epsilon 4 --sample-rate 0.00512 --steps 9750 --delta 1e-5 --json
+    dpopt ledger runs/mnist-dp-sgd
+    dpopt check runs/mnist-dp-sgd        # exit code 1 if any of the checks fails
+
+Errors and interrupts are handled as in every command (:mod:`dpopt.cli.common`):
+one ``error: ...`` line on stderr and exit code 2 (never a traceback), also
+when an accountant fails; Ctrl-C during ``calibrate`` says what was
+interrupted and exits with 130. ``ledger``'s table is built by
+:func:`dpopt.accounting.report.ledger_report`; the command only prints it. When an accountant had to use a coarser grid to stay within its
+cost budget (the ε printed is still an upper bound), a ``note:`` line says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import (
+    ACCOUNTING_ERRORS,
+    accountant_option,
+    cli_errors,
+    delta_option,
+    flag_text,
+    flags_for,
+    json_num,
+    json_option,
+)
+
+group = typer.Typer()
+
+#: Argument names of the accounting library, shown as this group's flags.
+ACCOUNTING_FLAGS = flags_for(["noise_multiplier", "sample_rate", "steps", "delta", "accountant", "target_epsilon",
+                              "count_share"])
+
+
+def _notes(notes) -> None:
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+
+
+@group.command("account")
+def account(
+    noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="σ: noise std / L2 sensitivity (0 → ε = inf)."),
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q = expected batch size / N, in (0, 1]."),
+    steps: int = typer.Option(..., "--steps", help="Number of noisy steps T (≥ 1)."),
+    delta: float = delta_option(),
+    accountant: str = accountant_option(),
+    as_json: bool = json_option("Print one JSON object (key 'epsilon')."),
+) -> None:
+    """ε of T Poisson-sampled Gaussian steps (DP-SGD) at noise multiplier σ."""
+    from ..accounting.accountant import dpsgd_event, epsilon_report
+    from ..accounting.validation import check_sample_rate
+
+    with cli_errors(ACCOUNTING_FLAGS, errors=ACCOUNTING_ERRORS):
+        check_sample_rate(sample_rate)
+        report = epsilon_report(dpsgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
+    eps = report.epsilon
+    _notes(report.notes)
+    if as_json:
+        typer.echo(json.dumps({"epsilon": json_num(eps), "delta": delta, "noise_multiplier": noise_multiplier,
+                               "sample_rate": sample_rate, "steps": steps, "accountant": accountant.lower(),
+                               "resolution": report.resolution, "coarsened": report.coarsened,
+                               "notes": list(report.notes)}))
+    else:
+        typer.echo(f"epsilon = {eps:.6g}  (delta = {delta:g}, accountant = {accountant.lower()}, "
+                   f"noise_multiplier = {noise_multiplier:g}, sample_rate = {sample_rate:g}, steps = {steps})")
+
+
+@group.command("calibrate")
+def calibrate(
+    target_epsilon: float = typer.Option(..., "--target-epsilon", help="Target ε (> 0)."),
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q in (0, 1]."),
+    steps: int = typer.Option(..., "--steps", help="Number of noisy steps T (≥ 1)."),
+    delta: float = delta_option(),
+    accountant: str = accountant_option(),
+    count_share: Optional[float] = typer.Option(
+        None, "--count-share", help="Also print the quantile-clipping split of σ with this budget share r in (0, 1)."),
+    as_json: bool = json_option("Print one JSON object (key 'noise_multiplier')."),
+) -> None:
+    """Smallest σ with ε(σ) ≤ target (checked with the accurate accountant)."""
+    from ..accounting.budget import split_budget
+    from ..accounting.calibration import calibrate_noise_multiplier
+
+    status = _Status()
+    with cli_errors(ACCOUNTING_FLAGS, errors=ACCOUNTING_ERRORS,
+                    interrupted="calibration interrupted; no noise multiplier was chosen"):
+        try:
+            result = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant,
+                                                progress=status.update)
+            split = split_budget(result.noise_multiplier, count_share) if count_share is not None else None
+        finally:
+            status.stop()
+    out = result.to_dict()
+    if split is not None:
+        out.update({"count_share": split.count_share, "grad_noise_multiplier": split.grad_noise_multiplier,
+                    "count_noise_multiplier": split.count_noise_multiplier,
+                    "count_noise_std": split.count_noise_std})
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    typer.echo(f"noise_multiplier = {result.noise_multiplier!r}")
+    typer.echo(f"epsilon = {result.epsilon:.6g} <= target {result.target_epsilon:g}  (delta = {result.delta:g}, "
+               f"accountant = {result.accountant}, sample_rate = {result.sample_rate:g}, steps = {result.steps}; "
+               f"{result.seconds:.2f} s)")
+    if split is not None:
+        typer.echo(f"split (count_share = {split.count_share:g}): grad noise_multiplier = "
+                   f"{split.grad_noise_multiplier:.6g}, count_noise_multiplier = {split.count_noise_multiplier:.6g} "
+                   f"(count noise std {split.count_noise_std:.6g})")
+
+
+class _Status:
+    """A one-line progress display on stderr for long calibrations (only on a terminal, after 1 s)."""
+
+    def __init__(self):
+        import sys
+
+        self._tty = sys.stderr.isatty()
+        self._status = None
+
+    def update(self, p) -> None:
+        if not self._tty or p.seconds < 1.0:
+            return
+        text = (f"calibrating: {p.level} epsilon = {p.epsilon:.5g} at noise_multiplier = {p.noise_multiplier:.6g} "
+                f"({p.evaluations} evaluations, {p.seconds:.1f} s)")
+        if self._status is None:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status(text)
+            self._status.start()
+        else:
+            self._status.update(text)
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+
+@group.command("ledger")
+def ledger(
+    run_dir: Path = typer.Argument(..., help="Run directory with ledger.json (and summary.json)."),
+    accountant: Optional[str] = accountant_option(
+        None, help="Headline accountant (default: the run's, from summary.json, else pld). "
+                   "Every available accountant is always listed."),
+    delta: Optional[float] = delta_option(None, help="δ (default: the run's, from summary.json)."),
+    as_json: bool = json_option(),
+) -> None:
+    """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
+    from ..accounting.report import ledger_report
+
+    with cli_errors(ACCOUNTING_FLAGS):
+        report = ledger_report(run_dir, accountant=accountant, delta=delta)
+    # an accountant's failure is that accountant's "n.a.: ..." (its advice in this CLI's flags)
+    report = replace(report, epsilon_by_accountant={
+        name: flag_text(value, ACCOUNTING_FLAGS) if isinstance(value, str) else value
+        for name, value in report.epsilon_by_accountant.items()})
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+        return
+    typer.echo(f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
+               f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}")
+    for run in report.runs:
+        steps = (f"step {run.first_step}" if run.count == 1 else f"steps {run.first_step}-{run.last_step}")
+        sigmas = " + ".join(f"{s:.6g}" for s in run.noise_multipliers)
+        q = ", ".join(f"{r:g}" for r in run.sample_rates) or "1 (no sampling)"
+        eff = ", ".join(f"{s:.6g}" for s in run.sigma_eff)
+        sens = ""
+        if run.sensitivity_min is not None:
+            lo, hi = run.sensitivity_min, run.sensitivity_max
+            sens = f", sensitivity {lo:.4g}" + (f"-{hi:.4g}" if hi != lo else "")
+        typer.echo(f"  {steps} ({run.count}x): q = {q}, Gaussians sigma = {sigmas} -> sigma_eff = {eff}{sens}")
+    typer.echo(f"epsilon at delta = {report.delta:g} (one accountant over the whole ledger):")
+    for name, value in report.epsilon_by_accountant.items():
+        mark = " *" if name == report.accountant else ""
+        shown = f"{value:.6g}" if isinstance(value, float) else value
+        typer.echo(f"  {name}: {shown}{mark}")
+        for note in report.notes.get(name, []):
+            typer.echo(f"      note: {note}")
+    if report.summary_epsilon is not None:
+        typer.echo(f"summary.json epsilon = {report.summary_epsilon} (accountant {report.summary_accountant})")
+
+
+@group.command("check")
+def check(
+    run_dir: Path = typer.Argument(..., help="Run directory with ledger.json and summary.json."),
+    as_json: bool = json_option(),
+) -> None:
+    """The ledger checks (a-e); exit code 1 if any fails (2 if the run cannot be read)."""
+    from ..check import check_run
+
+    with cli_errors():
+        result = check_run(run_dir)
+    typer.echo(json.dumps(result.to_dict(), default=json_num) if as_json else result.format())
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``account``, ``calibrate``, ``ledger`` and ``check`` to ``app``."""
+    app.add_typer(group)

@@ -1,0 +1,152 @@
+"""What every ``dpopt`` command shares: one way to fail, exceptions → exit codes, shared options.
+
+Exit codes (the same for every command):
+
+* ``0`` — done; ``1`` — a check or audit found a problem (``dpopt check``,
+  ``dpopt audit``), set by the command itself;
+* ``2`` — the input cannot be used: one ``error: ...`` line on stderr, never a
+  traceback (:func:`fail`; library ``ValueError`` — including
+  :class:`dpopt.errors.ConfigError` and ``dpopt.data.DataError`` — and
+  ``FileNotFoundError``, plus accountant failures in the accounting commands);
+* ``130`` — interrupted (Ctrl-C): ``error: <what was interrupted>``.
+
+The library names its *arguments* (``batch_size``); a command names its
+*flags* (``--batch-size``). :func:`cli_errors` translates the arguments a
+:class:`~dpopt.errors.ConfigError` declares with the command's mapping
+(:func:`flags_for`), so messages read in the user's vocabulary.
+
+Nothing here imports torch: ``dpopt --help`` and the accounting commands stay fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from typing import Iterable, Iterator, Mapping, NoReturn, Optional
+
+import typer
+
+from ..errors import translate
+
+__all__ = [
+    "ACCOUNTANT_HELP",
+    "ACCOUNTING_ERRORS",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "USAGE_ERRORS",
+    "accountant_option",
+    "cli_errors",
+    "cli_message",
+    "delta_option",
+    "fail",
+    "flag_text",
+    "flags_for",
+    "json_num",
+    "json_option",
+]
+
+#: Exit code for input that cannot be used (as click's usage errors).
+EXIT_USAGE = 2
+#: Exit code after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+#: Library failures that mean "change the input": an ``error:`` line and exit 2.
+USAGE_ERRORS: tuple = (ValueError, FileNotFoundError)
+#: Failures of an accountant or a calibration, also shown as ``error:`` lines (never a traceback).
+ACCOUNTING_ERRORS: tuple = (ValueError, FileNotFoundError, ImportError, RuntimeError, ArithmeticError,
+                            MemoryError)
+
+ACCOUNTANT_HELP = "Accountant: pld (connect-the-dots PLD, default), rdp, or prv (needs prv-accountant)."
+
+
+# --------------------------------------------------------------------------- errors
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code`` (2 unless said otherwise)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def flags_for(names: Iterable[str], **overrides: str) -> dict[str, str]:
+    """``{argument: flag}``: each library argument name ``x_y`` → ``--x-y``, then ``overrides``.
+
+    >>> flags_for(["batch_size"], hparams="--hp")
+    {'batch_size': '--batch-size', 'hparams': '--hp'}
+    """
+    out = {name: "--" + name.replace("_", "-") for name in names}
+    out.update(overrides)
+    return out
+
+
+def flag_text(text: str, flags: Mapping[str, str]) -> str:
+    """Rewrite the library's advice phrases into the command's flags (for plain-text messages).
+
+    ``accountant 'rdp'`` → ``--accountant rdp`` and ``set noise_multiplier
+    directly`` → ``pass --noise-multiplier directly``, for the arguments in
+    ``flags`` only.
+    """
+    if "accountant" in flags:
+        text = re.sub(r"(?<![\w-])(?:--)?accountant '(\w+)'", rf"{flags['accountant']} \1", text)
+    for name, flag in flags.items():
+        for spelled in (name, flag):
+            text = text.replace(f"set {spelled} directly", f"pass {flag} directly")
+    return text
+
+
+def cli_message(exc: BaseException, flags: Optional[Mapping[str, str]] = None) -> str:
+    """The library's message for the user: declared arguments translated to ``flags``.
+
+    Exceptions other than ``ValueError``/``ImportError``/``OSError``/interrupts
+    are prefixed with their type (``RuntimeError: ...``): they are not about
+    the input, and the type helps a bug report.
+    """
+    flags = flags or {}
+    text = translate(exc, flags) or type(exc).__name__
+    if not isinstance(exc, (ValueError, ImportError, OSError, KeyboardInterrupt)):
+        text = f"{type(exc).__name__}: {text}"
+    return flag_text(text, flags)
+
+
+@contextlib.contextmanager
+def cli_errors(flags: Optional[Mapping[str, str]] = None, *, errors: tuple = USAGE_ERRORS,
+               interrupted: str = "interrupted", after_interrupt: str = "") -> Iterator[None]:
+    """Run a command body; turn library exceptions into ``error:`` lines and exit codes.
+
+    Args:
+        flags: ``{argument: flag}`` of the command (see :func:`flags_for`).
+        errors: exception types that exit 2 (default :data:`USAGE_ERRORS`).
+        interrupted: the message for a bare Ctrl-C (an interrupt without a message).
+        after_interrupt: appended to an interrupt's own message (e.g. ``"; nothing was trained"``).
+
+    ``typer.Exit`` passes through unchanged (a command's own exit code).
+    """
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt as exc:  # Ctrl-C; CalibrationInterrupted says what it interrupted
+        fail(cli_message(exc, flags) + after_interrupt if str(exc) else interrupted, EXIT_INTERRUPTED)
+    except errors as exc:
+        fail(cli_message(exc, flags))
+
+
+# --------------------------------------------------------------------------- output
+def json_num(x: float):
+    """A float for JSON: ``inf``/``-inf`` as strings (JSON has no infinity)."""
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+# --------------------------------------------------------------------------- shared options
+def json_option(help: str = "Print one JSON object."):
+    """``--json``: machine-readable output instead of text."""
+    return typer.Option(False, "--json", help=help)
+
+
+def delta_option(default=..., help: str = "δ in (0, 1), e.g. 1e-5."):
+    """``--delta``: δ of the (ε, δ) guarantee (required unless a default is given)."""
+    return typer.Option(default, "--delta", help=help)
+
+
+def accountant_option(default: Optional[str] = "pld", help: str = ACCOUNTANT_HELP):
+    """``--accountant``: pld, rdp or prv."""
+    return typer.Option(default, "--accountant", help=help)
