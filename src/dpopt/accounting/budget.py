@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
-from .events import check_noise_multiplier, effective_noise_multiplier
+from .events import effective_noise_multiplier
+from .validation import check_noise_multiplier
 
 __all__ = [
     "DEFAULT_COUNT_SHARE",

@@ -4,7 +4,7 @@
 Gaussian steps at rate q satisfy ε(σ) ≤ target under the requested accountant,
 and it CHECKS that inequality with the accurate accountant (exactly what
 :func:`~dpopt.accounting.accountant.epsilon` computes) before returning. The
-events are built by :func:`~dpopt.accounting.accountant.dpsgd_event`, i.e. by
+events are built by :func:`~dpopt.accounting.events.dpsgd_event`, i.e. by
 :func:`~dpopt.accounting.events.poisson_gaussian_step`, the same builder the
 Privatizer's ledger entries come from.
 
@@ -43,9 +43,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
-from .accountant import PLD_DISCRETIZATION, dpsgd_event, epsilon_report, pld_epsilon, rdp_epsilon
+from .accountant import epsilon_report
 from .cost import CostBudget
-from .validation import check_accountant, check_delta, check_sample_rate, check_steps
+from .events import dpsgd_event
+from .pld import PLD_DISCRETIZATION, pld_epsilon
+from .prv import PRV_EPS_ERROR, prv_epsilon
+from .rdp import rdp_epsilon
+from .registry import check_accountant
+from .validation import check_delta, check_rtol, check_sample_rate, check_steps, check_target_epsilon
 
 __all__ = [
     "CalibrationResult",
@@ -330,8 +335,6 @@ def _levels(accountant: str, target: float, delta: float, q: float, steps: int,
         return [clt, coarse, (level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), (accurate, 0.0)]
     if accountant == "rdp":
         return [clt, (accurate, 0.0)]
-    from .prv import PRV_EPS_ERROR, prv_epsilon
-
     def prv_rough(s: float) -> float:
         return prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True,
                            budget=_LEVEL_BUDGET) + PRV_EPS_ERROR
@@ -394,19 +397,12 @@ def calibrate_noise_multiplier(
     2019; Gopi et al. 2021).
     """
     start = time.perf_counter()
-    try:
-        target = float(target_epsilon)
-    except (TypeError, ValueError):
-        raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}") from None
-    if not (target > 0 and math.isfinite(target)):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    target = check_target_epsilon(target_epsilon)
     delta = check_delta(delta)
     q = check_sample_rate(sample_rate)
     steps = check_steps(steps)
     name = check_accountant(accountant)
-    if not (0.0 < float(rtol) <= 0.1):
-        raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
-    rtol = float(rtol)
+    rtol = check_rtol(rtol)
 
     tracker = _Tracker(progress)
     try:

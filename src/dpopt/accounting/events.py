@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from dp_accounting import dp_event
 
-from .validation import check_noise_multiplier, check_sample_rate
+from .validation import check_noise_multiplier, check_sample_rate, check_steps
 
 __all__ = [
     "gaussian_event",
@@ -28,6 +28,8 @@ __all__ = [
     "collapse_for_pld",
     "EventSummary",
     "summarize_event",
+    "sampled_gaussians",
+    "dpsgd_event",
     "flatten_gaussian_terms",
     "ledger_event",
     "ledger_relation",
@@ -72,6 +74,25 @@ def poisson_composed_step(
     return dp_event.PoissonSampledDpEvent(check_sample_rate(sample_rate), inner)
 
 
+def dpsgd_event(noise_multiplier: Any, sample_rate: Any, steps: Any) -> dp_event.DpEvent:
+    """The whole-run event of ``steps`` DP-SGD steps with Poisson rate q.
+
+    Each step is :func:`poisson_gaussian_step` — the same builder the
+    Privatizer's ledger entries come from — so calibrating and accounting see
+    exactly the event the training run records.
+
+    Args:
+        noise_multiplier: σ ≥ 0 (noise std / L2 sensitivity).
+        sample_rate: q ∈ (0, 1].
+        steps: T ≥ 1.
+
+    Raises:
+        ValueError: invalid σ, q or T (see :mod:`.validation`).
+    """
+    step = poisson_gaussian_step(noise_multiplier, sample_rate)
+    return dp_event.SelfComposedDpEvent(step, check_steps(steps))
+
+
 def effective_noise_multiplier(noise_multipliers: Sequence[Any]) -> float:
     """σ_eff = (Σ_i σ_i⁻²)^(−1/2): Gaussians on the same data compose to one Gaussian.
 
@@ -82,28 +103,6 @@ def effective_noise_multiplier(noise_multipliers: Sequence[Any]) -> float:
     if any(s == 0.0 for s in sigmas):
         return 0.0
     return float(sum(s**-2 for s in sigmas) ** -0.5)
-
-
-def _inner_gaussians(event: dp_event.DpEvent) -> Optional[list[float]]:
-    """Noise multipliers of the Gaussians inside a sampled event (with multiplicity), or None.
-
-    ``None`` when the inner event is not built only of Gaussians, compositions
-    and self-compositions (then no single σ_eff describes it).
-    """
-    if isinstance(event, dp_event.GaussianDpEvent):
-        return [check_noise_multiplier(event.noise_multiplier)]
-    if isinstance(event, dp_event.ComposedDpEvent):
-        out: list[float] = []
-        for sub in event.events:
-            part = _inner_gaussians(sub)
-            if part is None:
-                return None
-            out.extend(part)
-        return out
-    if isinstance(event, dp_event.SelfComposedDpEvent):
-        part = _inner_gaussians(event.event)
-        return None if part is None else part * int(event.count)
-    return None
 
 
 @dataclass
@@ -145,53 +144,92 @@ def summarize_event(event: dp_event.DpEvent) -> EventSummary:
     a sampling probability outside [0, 1]) are listed in ``unsupported``.
     """
     out = EventSummary()
-
-    def walk(ev: dp_event.DpEvent, n: int) -> None:
-        if isinstance(ev, dp_event.NoOpDpEvent):
-            return
-        if isinstance(ev, dp_event.NonPrivateDpEvent):
-            out.nonprivate = True
-            out.add((1.0, 0.0), n)
-        elif isinstance(ev, dp_event.SelfComposedDpEvent):
-            walk(ev.event, n * int(ev.count))
-        elif isinstance(ev, dp_event.ComposedDpEvent):
-            for sub in ev.events:
-                walk(sub, n)
-        elif isinstance(ev, dp_event.GaussianDpEvent):
-            try:
-                sigma = check_noise_multiplier(ev.noise_multiplier)
-            except ValueError:
-                out.unsupported.append(f"GaussianDpEvent with invalid noise multiplier {ev.noise_multiplier!r}")
-                return
-            out.gaussians.extend([sigma] * n)
-            out.add((1.0, sigma), n)
-        elif isinstance(ev, dp_event.PoissonSampledDpEvent):
-            q = float(ev.sampling_probability)
-            if not 0.0 <= q <= 1.0:
-                out.unsupported.append(f"PoissonSampledDpEvent with sampling probability {q} outside [0, 1]")
-                return
-            out.rates.add(q)
-            if isinstance(ev.event, dp_event.NonPrivateDpEvent):
-                out.nonprivate = True
-                if q > 0.0:
-                    out.add((q, 0.0), n)
-                return
-            try:
-                sigmas = _inner_gaussians(ev.event)
-            except ValueError:
-                out.unsupported.append("PoissonSampledDpEvent with an invalid noise multiplier")
-                return
-            if sigmas is None:
-                out.unsupported.append(f"PoissonSampledDpEvent({type(ev.event).__name__})")
-                return
-            out.gaussians.extend(sigmas * n)
-            if q > 0.0 and sigmas:  # q = 0: never sampled, no privacy cost
-                out.add((q, effective_noise_multiplier(sigmas)), n)
-        else:
-            out.unsupported.append(type(ev).__name__)
-
-    walk(event, 1)
+    _walk(event, 1, out)
     return out
+
+
+class _NotGaussians(Exception):
+    """Raised by :func:`_walk` inside a sampled event when it holds anything but Gaussians."""
+
+
+def _walk(ev: dp_event.DpEvent, n: int, out: EventSummary, inner: bool = False) -> None:
+    """THE DpEvent walker: adds ``n`` copies of ``ev`` to ``out``.
+
+    Top level (``inner=False``): fills every field of :class:`EventSummary`
+    and never raises. Inside a Poisson-sampled event (``inner=True``): only
+    ``gaussians`` is filled (multiplicities as repeated blocks); anything other
+    than Gaussians, compositions and self-compositions raises
+    :class:`_NotGaussians`, an invalid noise multiplier ``ValueError``.
+    """
+    if isinstance(ev, dp_event.SelfComposedDpEvent):
+        if inner:
+            part = EventSummary()
+            _walk(ev.event, 1, part, inner=True)
+            out.gaussians.extend(part.gaussians * (n * int(ev.count)))
+        else:
+            _walk(ev.event, n * int(ev.count), out)
+    elif isinstance(ev, dp_event.ComposedDpEvent):
+        for sub in ev.events:
+            _walk(sub, n, out, inner)
+    elif inner:
+        if not isinstance(ev, dp_event.GaussianDpEvent):
+            raise _NotGaussians(type(ev).__name__)
+        out.gaussians.extend([check_noise_multiplier(ev.noise_multiplier)] * n)
+    elif isinstance(ev, dp_event.NoOpDpEvent):
+        return
+    elif isinstance(ev, dp_event.NonPrivateDpEvent):
+        out.nonprivate = True
+        out.add((1.0, 0.0), n)
+    elif isinstance(ev, dp_event.GaussianDpEvent):
+        try:
+            sigma = check_noise_multiplier(ev.noise_multiplier)
+        except ValueError:
+            out.unsupported.append(f"GaussianDpEvent with invalid noise multiplier {ev.noise_multiplier!r}")
+            return
+        out.gaussians.extend([sigma] * n)
+        out.add((1.0, sigma), n)
+    elif isinstance(ev, dp_event.PoissonSampledDpEvent):
+        q = float(ev.sampling_probability)
+        if not 0.0 <= q <= 1.0:
+            out.unsupported.append(f"PoissonSampledDpEvent with sampling probability {q} outside [0, 1]")
+            return
+        out.rates.add(q)
+        if isinstance(ev.event, dp_event.NonPrivateDpEvent):
+            out.nonprivate = True
+            if q > 0.0:
+                out.add((q, 0.0), n)
+            return
+        try:
+            sigmas = sampled_gaussians(ev)
+        except ValueError:
+            out.unsupported.append("PoissonSampledDpEvent with an invalid noise multiplier")
+            return
+        if sigmas is None:
+            out.unsupported.append(f"PoissonSampledDpEvent({type(ev.event).__name__})")
+            return
+        out.gaussians.extend(sigmas * n)
+        if q > 0.0 and sigmas:  # q = 0: never sampled, no privacy cost
+            out.add((q, effective_noise_multiplier(sigmas)), n)
+    else:
+        out.unsupported.append(type(ev).__name__)
+
+
+def sampled_gaussians(event: dp_event.PoissonSampledDpEvent) -> Optional[list[float]]:
+    """Noise multipliers of the Gaussians released on one Poisson batch (with multiplicity), or None.
+
+    ``None`` when the sampled event is not built only of Gaussians,
+    compositions and self-compositions (then no single σ_eff describes it).
+    Walks with :func:`summarize_event`'s walker.
+
+    Raises:
+        ValueError: a Gaussian inside has an invalid noise multiplier.
+    """
+    part = EventSummary()
+    try:
+        _walk(event.event, 1, part, inner=True)
+    except _NotGaussians:
+        return None
+    return part.gaussians
 
 
 def flatten_gaussian_terms(event: dp_event.DpEvent) -> "OrderedDict[tuple[float, float], int]":
@@ -226,7 +264,7 @@ def collapse_for_pld(event: dp_event.DpEvent) -> dp_event.DpEvent:
     vector), so this rewrite loses nothing. Other parts are left as they are.
     """
     if isinstance(event, dp_event.PoissonSampledDpEvent):
-        sigmas = _inner_gaussians(event.event)
+        sigmas = sampled_gaussians(event)
         if sigmas and not isinstance(event.event, dp_event.GaussianDpEvent):
             return dp_event.PoissonSampledDpEvent(
                 float(event.sampling_probability), dp_event.GaussianDpEvent(effective_noise_multiplier(sigmas))

@@ -37,13 +37,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from dp_accounting import dp_event
 
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
-__all__ = ["LedgerEntry", "PrivacyLedger", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES"]
+__all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES"]
 
 LEDGER_VERSION = 2
 #: Ledger versions :meth:`PrivacyLedger.from_dict` reads.
@@ -232,3 +232,6 @@ class PrivacyLedger:
                 f"noise={self.noise!r})")
 
 
+#: What the accountants read: a whole :class:`PrivacyLedger` or a bare DpEvent
+#: (add/remove-one; see :func:`~dpopt.accounting.events.ledger_relation`).
+EventLike = Union[PrivacyLedger, dp_event.DpEvent]

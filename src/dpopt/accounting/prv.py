@@ -4,7 +4,12 @@ The privacy-random-variable accountant of Gopi, Lee and Wutschitz (NeurIPS
 2021, "Numerical Composition of Differential Privacy", arXiv:2106.02848),
 implemented by Microsoft in the ``prv-accountant`` package
 (https://github.com/microsoft/prv_accountant, MIT licence; tested with 0.2.0).
-Install with ``pip install 'dpopt[prv]'`` or ``pip install prv-accountant``.
+Install with ``pip install 'dpopt[prv]'`` or ``pip install prv-accountant``;
+the package is imported only when ε is computed, so this module always
+imports (:func:`prv_available` says whether it can run).
+
+A leaf behind :mod:`dpopt.accounting.registry`: :func:`prv_epsilon_report`
+has the registry's common signature ``(ledger, delta, *, budget)``.
 
 The ledger is reduced to counts of (q, σ) terms by
 :func:`~dpopt.accounting.events.flatten_gaussian_terms` (the same
@@ -51,6 +56,7 @@ from .cost import (
     prv_mechanisms,
 )
 from .events import flatten_gaussian_terms, ledger_event, ledger_relation
+from .ledger import EventLike
 from .validation import check_delta
 
 __all__ = ["prv_epsilon", "prv_epsilon_report", "PRV_EPS_ERROR", "prv_available"]
@@ -70,7 +76,7 @@ def prv_available() -> bool:
 
 
 def prv_epsilon_report(
-    ledger,
+    ledger: EventLike,
     delta: float,
     eps_error: float = PRV_EPS_ERROR,
     delta_error: Optional[float] = None,
@@ -182,7 +188,7 @@ def _compute(terms, delta, eps_error, delta_error, replace, budget, counts, PRVA
 
 
 def prv_epsilon(
-    ledger,
+    ledger: EventLike,
     delta: float,
     eps_error: float = PRV_EPS_ERROR,
     delta_error: Optional[float] = None,

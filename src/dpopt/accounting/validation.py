@@ -11,17 +11,16 @@ import math
 from typing import Any
 
 __all__ = [
-    "ACCOUNTANTS",
-    "check_accountant",
     "check_delta",
     "check_noise_multiplier",
     "check_sample_rate",
     "check_steps",
+    "check_target_epsilon",
+    "check_rtol",
 ]
 
-#: Accountants that :func:`dpopt.accounting.accountant.epsilon` understands
-#: (``"prv"`` needs the optional ``prv-accountant`` package).
-ACCOUNTANTS = ("pld", "rdp", "prv")
+# The accountant-name check (``check_accountant``) is a registry lookup and lives with the
+# registry (:mod:`dpopt.accounting.registry`); every numeric argument is checked here.
 
 
 def check_delta(delta: Any) -> float:
@@ -43,18 +42,6 @@ def check_delta(delta: Any) -> float:
             "(well below 1/N for N training examples)."
         )
     return value
-
-
-def check_accountant(accountant: Any) -> str:
-    """Validate an accountant name (one of :data:`ACCOUNTANTS`), lower-cased.
-
-    Raises:
-        ValueError: on an unknown name.
-    """
-    name = str(accountant).lower()
-    if name not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
-    return name
 
 
 def check_steps(steps: Any) -> int:
@@ -106,3 +93,30 @@ def check_sample_rate(sample_rate: Any) -> float:
             "expected_batch_size / dataset_size."
         )
     return value
+
+
+def check_target_epsilon(target_epsilon: Any) -> float:
+    """Validate a target ε (nats): a finite number > 0, returned as a float.
+
+    Raises:
+        ValueError: if it is not a number, not finite, or ≤ 0.
+    """
+    try:
+        value = float(target_epsilon)
+    except (TypeError, ValueError):
+        raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    return value
+
+
+def check_rtol(rtol: Any) -> float:
+    """Validate a relative tolerance in (0, 0.1] (calibration's σ tolerance, the ledger check's
+    comparisons), returned as a float.
+
+    Raises:
+        ValueError: if it is not in (0, 0.1].
+    """
+    if not (0.0 < float(rtol) <= 0.1):
+        raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
+    return float(rtol)

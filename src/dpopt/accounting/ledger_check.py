@@ -40,6 +40,11 @@ absent, e.g. the removed ``nonfinite_steps``) are ignored.
 
 Each item carries human-readable evidence; :func:`check_run` and
 :func:`check_ledger` never raise on a failing run — they report it.
+
+This is the command ``dpopt check RUN_DIR``. It is not to be confused with
+the argument validators (:mod:`dpopt.accounting.validation`, which raise
+``ValueError`` on a bad δ, σ, q, ...) or with ``dpopt.check_model`` (which
+refuses model layers that mix examples, e.g. BatchNorm).
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from .accounting.accountant import ACCOUNTANTS, epsilon
-from .accounting.budget import COUNT_SENSITIVITY
-from .accounting.events import EventSummary, effective_noise_multiplier, summarize_event
-from .accounting.ledger import PrivacyLedger
+from .accountant import epsilon
+from .budget import COUNT_SENSITIVITY
+from .events import EventSummary, effective_noise_multiplier, summarize_event
+from .ledger import PrivacyLedger
+from .registry import ACCOUNTANTS
+from .validation import check_delta, check_rtol
 
 __all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL"]
 
@@ -127,17 +134,6 @@ class CheckResult:
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------
-# event structure
-# ---------------------------------------------------------------------------
-_Parsed = EventSummary  # per entry: gaussians (recorded order), rates, nonprivate, unsupported
-
-
-def _parse(event) -> EventSummary:
-    """The shared DpEvent walker (:func:`dpopt.accounting.events.summarize_event`)."""
-    return summarize_event(event)
-
-
 def _close(a: float, b: float, rtol: float) -> bool:
     return math.isclose(float(a), float(b), rel_tol=rtol, abs_tol=1e-12)
 
@@ -148,6 +144,15 @@ def _num(x: Any) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return v if not math.isnan(v) else None
+
+
+def _valid_delta(delta: Optional[float]) -> bool:
+    """δ as the accountants accept it (:func:`~dpopt.accounting.validation.check_delta`), as a yes/no."""
+    try:
+        check_delta(delta)
+    except ValueError:
+        return False
+    return True
 
 
 def _summarise(problems: list[str], label: str) -> list[str]:
@@ -161,7 +166,7 @@ def _summarise(problems: list[str], label: str) -> list[str]:
 # ---------------------------------------------------------------------------
 # the items
 # ---------------------------------------------------------------------------
-def _check_releases(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping) -> CheckItem:
+def _check_releases(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping) -> CheckItem:
     problems: list[str] = []
     evidence: list[str] = []
     mismatch, no_meta, nonpriv = [], [], []
@@ -220,7 +225,7 @@ def _bounds(meta: Mapping) -> Optional[list[float]]:
     return None if any(v is None for v in out) else out
 
 
-def _check_noise(ledger: PrivacyLedger, parsed: list[_Parsed], rtol: float) -> CheckItem:
+def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float) -> CheckItem:
     std_bad, sens_bad, grad_bad, count_bad, missing = [], [], [], [], []
     sens_seen, count_seen = set(), 0
     for entry, p in zip(ledger.entries, parsed):
@@ -283,7 +288,7 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[_Parsed], rtol: float) -> C
     return CheckItem("noise", QUESTIONS["noise"], not problems, tuple(problems + evidence))
 
 
-def _check_composition(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping,
+def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
                        rtol: float) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
     accountant = str(claimed.get("accountant", "")).lower()
@@ -291,7 +296,7 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Ma
     eps_claim = math.inf if eps_claim in ("inf", "Infinity") else _num(eps_claim)
     if accountant not in ACCOUNTANTS:
         problems.append(f"summary accountant {claimed.get('accountant')!r} is not one of {ACCOUNTANTS}")
-    if delta is None or not 0 < delta < 1:
+    if not _valid_delta(delta):
         problems.append(f"summary delta {claimed.get('delta')!r} is missing or not in (0, 1)")
     if eps_claim is None:
         problems.append("summary has no numeric epsilon")
@@ -328,7 +333,7 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Ma
     return CheckItem("composition", QUESTIONS["composition"], not problems, tuple(problems + evidence)), facts
 
 
-def _check_split(ledger: PrivacyLedger, parsed: list[_Parsed], claimed: Mapping,
+def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
                  rtol: float) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
     key = "noise_multiplier_total" if claimed.get("noise_multiplier_total") is not None else "noise_multiplier"
@@ -424,9 +429,9 @@ def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float 
         raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}")
     if not isinstance(claimed, Mapping):
         raise TypeError(f"claimed must be a mapping (the run's summary), got {type(claimed).__name__}")
-    if not 0 < float(rtol) <= 0.1:
-        raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
-    parsed = [_parse(e.event) for e in ledger.entries]
+    rtol = check_rtol(rtol)
+    # per entry, from the shared DpEvent walker: gaussians (recorded order), rates, nonprivate, unsupported
+    parsed = [summarize_event(e.event) for e in ledger.entries]
     a = _check_releases(ledger, parsed, claimed)
     b = _check_noise(ledger, parsed, rtol)
     c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
