@@ -180,7 +180,8 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
         ValueError: an unknown ``accountant``.
     """
     from .ledger import PrivacyLedger
-    from .validation import check_accountant, check_delta
+    from .registry import check_accountant
+    from .validation import check_delta
 
     book = PrivacyLedger.load(run_dir)
     summary_path = Path(run_dir) / "summary.json"

@@ -199,7 +199,7 @@ def check(
     as_json: bool = json_option(),
 ) -> None:
     """The ledger checks (a-e); exit code 1 if any fails (2 if the run cannot be read)."""
-    from ..check import check_run
+    from ..accounting.ledger_check import check_run
 
     with cli_errors():
         result = check_run(run_dir)

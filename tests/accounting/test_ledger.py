@@ -10,7 +10,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from dpopt.accounting.accountant import epsilon
 from dpopt.accounting.events import poisson_composed_step, poisson_gaussian_step
 from dpopt.accounting.ledger import PrivacyLedger
-from dpopt.per_sample import PerSampleGrads
+from dpopt.engine.reference import PerSampleGrads
 from dpopt.privatizer import Privatizer
 
 

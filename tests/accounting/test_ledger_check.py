@@ -17,8 +17,8 @@ from dpopt.accounting.accountant import dpsgd_epsilon, epsilon
 from dpopt.accounting.budget import split_budget
 from dpopt.accounting.events import poisson_gaussian_step
 from dpopt.accounting.ledger import PrivacyLedger
-from dpopt.check import check_ledger, check_run
-from dpopt.per_sample import PerSampleGrads
+from dpopt.accounting.ledger_check import check_ledger, check_run
+from dpopt.engine.reference import PerSampleGrads
 from dpopt.privatizer import Privatizer, QuantileClipping
 
 Q, DELTA, SIGMA, BBAR = 0.01, 1e-5, 1.0, 8.0
@@ -230,7 +230,7 @@ def test_empty_batch_is_released_and_charged():
 def _app():
     import typer
 
-    from dpopt.cli_accounting import register
+    from dpopt.cli.accounting import register
 
     app = typer.Typer()
     register(app)
