@@ -9,6 +9,15 @@ per-layer clipping are Privatizer options usable with any flat-clipping method.
 Add a method by calling :func:`register` with a new spec — never by
 subclassing an optimizer per combination of options.
 
+Hyperparameters are resolved in ONE place, :meth:`MethodSpec.hparams`
+(defaults, then the dataset's defaults, then the caller's non-None
+overrides). Every key a factory reads is declared in the method's
+``defaults``; factories read ``hp["key"]`` and never carry a second default.
+:func:`make_optimizer` resolves and builds in one call; a caller that has
+already resolved the hyperparameters (the training loop records them in the
+run's config) passes them to :func:`build_optimizer`, which does not
+resolve them again.
+
 Registered (``dpopt methods``): dp-sgd, dp-adam, dp-adambc, adaclip,
 dp-macadam, dp-macadambc, dp-muon, dp-muon-s, disk-sgd, doppler-sgd,
 disk-muon, doppler-muon. Learning rates: ``lr`` is the param-group learning
@@ -33,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .accounting.ledger import PrivacyLedger
+from .errors import ConfigError
 from .noise import NoiseSource
 from .optim import DPOptimizer, is_frozen
 from .privatizer import Privatizer, QuantileClipping
@@ -44,7 +54,8 @@ from .transforms.macadam import MacAdam
 from .transforms.muon import ScaleByMuon, hidden_matrix_labels, muon_partition
 from .transforms.sgd import Momentum, scale_by_lr
 
-__all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "PRIVATIZER_KEYS"]
+__all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "build_optimizer",
+           "PRIVATIZER_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -55,12 +66,15 @@ class MethodSpec:
         name: registry key (``dp-sgd``, ...).
         description: one line for ``dpopt methods``.
         reference: paper and algorithm/equation implemented.
-        defaults: default hyperparameters, including ``lr`` and ``max_grad_norm``.
+        defaults: default hyperparameters, including ``lr`` and
+            ``max_grad_norm``: every key ``build`` reads, declared once (the
+            one place a default lives; the factory reads ``hp[key]``).
         build: ``build(hparams, params=None) -> Transform`` (the
             post-processing chain, ending with the −lr scaling). ``hparams``
-            includes ``lr`` (so a secondary learning rate can be expressed as
-            a multiplier of it); ``params`` are the trainable parameters in
-            model order (methods that route parameters, e.g. DP-Muon, need them).
+            are resolved (:meth:`hparams`) and include ``lr`` (so a secondary
+            learning rate can be expressed as a multiplier of it); ``params``
+            are the trainable parameters in model order (methods that route
+            parameters, e.g. DP-Muon, need them).
         dataset_defaults: ``{dataset: {key: value}}`` overriding ``defaults``
             on that dataset (e.g. a learning rate the paper tuned for another
             task).
@@ -80,15 +94,18 @@ class MethodSpec:
     def hparams(self, dataset: Optional[str] = None, **overrides: Any) -> dict:
         """Defaults (with dataset-specific ones) updated by non-None overrides.
 
+        This is the one place hyperparameters are resolved; the result holds
+        exactly the keys of ``defaults`` and is what ``build`` receives.
+
         Raises:
-            ValueError: an override that this method does not take.
+            ConfigError: an override that this method does not take.
         """
         hp = dict(self.defaults)
         hp.update(self.dataset_defaults.get(dataset, {}))
         unknown = sorted(k for k, v in overrides.items() if v is not None and k not in hp)
         if unknown:
-            raise ValueError(f"method {self.name!r} does not take {unknown}; its hyperparameters are "
-                             f"{sorted(hp)}")
+            raise ConfigError(f"method {self.name!r} does not take {unknown}; its hyperparameters are "
+                              f"{sorted(hp)}")
         hp.update({k: v for k, v in overrides.items() if v is not None})
         return hp
 
@@ -113,12 +130,13 @@ def get_method(name: str) -> MethodSpec:
     """Look up a method by name.
 
     Raises:
-        ValueError: unknown name (the message lists every method).
+        ConfigError: unknown name (the message lists every method; argument ``method``).
     """
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
+        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(_REGISTRY)}",
+                          "method") from None
 
 
 PRIVATIZER_KEYS = ("max_grad_norm",)
@@ -165,9 +183,52 @@ def make_optimizer(
             method cannot use.
     """
     spec = get_method(name)
-    hp = spec.hparams(dataset, **overrides)
+    return build_optimizer(spec, params, spec.hparams(dataset, **overrides),
+                           noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                           sample_rate=sample_rate, ledger=ledger, generator=generator, secure_mode=secure_mode,
+                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile)
+
+
+def build_optimizer(
+    spec: MethodSpec,
+    params,
+    hparams: dict,
+    *,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    ledger: Optional[PrivacyLedger] = None,
+    generator: Optional[torch.Generator] = None,
+    secure_mode: bool = False,
+    noise: Optional[NoiseSource] = None,
+    groups: Optional[Sequence[int]] = None,
+    group_bounds: Optional[Sequence[float]] = None,
+    quantile: Optional[QuantileClipping] = None,
+) -> DPOptimizer:
+    """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
+
+    :func:`make_optimizer` is ``build_optimizer(spec, params, spec.hparams(dataset, **overrides), ...)``;
+    call this directly when the hyperparameters are already resolved (e.g. to
+    record them before building), so they are resolved once.
+
+    Args:
+        spec: the method (:func:`get_method`).
+        params: as for :func:`make_optimizer`.
+        hparams: the output of ``spec.hparams(...)``: exactly the keys of
+            ``spec.defaults``.
+        noise_multiplier, ...: as for :func:`make_optimizer`.
+
+    Raises:
+        ValueError: ``hparams`` not resolved for ``spec`` (keys missing or
+            foreign), or a clipping option the method cannot use.
+    """
+    hp = dict(hparams)
+    if set(hp) != set(spec.defaults):
+        missing, extra = sorted(set(spec.defaults) - set(hp)), sorted(set(hp) - set(spec.defaults))
+        raise ValueError(f"hyperparameters of {spec.name!r} must be resolved by get_method({spec.name!r})"
+                         f".hparams(...): missing {missing}, foreign {extra}")
     if spec.geometry != "identity" and (quantile is not None or group_bounds is not None):
-        raise ValueError(f"{name} clips in its own shift/scale geometry; quantile and per-layer clipping "
+        raise ValueError(f"{spec.name} clips in its own shift/scale geometry; quantile and per-layer clipping "
                          "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)")
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
     privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
@@ -179,8 +240,9 @@ def make_optimizer(
 
 
 # --------------------------------------------------------------------------- factories
-# Each factory maps the method's hyperparameters (and the parameters, in model order) to its
-# post-processing chain; the Privatizer is built by make_optimizer.
+# Each factory maps the method's resolved hyperparameters (and the parameters, in model order) to
+# its post-processing chain; the Privatizer is built by build_optimizer. Factories read keys by
+# name (hp["key"]): every default lives in the method's spec below, never here.
 
 def _sgd_tail(hp: dict) -> list[Transform]:
     """[Momentum(μ)] + [−lr]: heavy-ball SGD, or plain SGD when μ = 0."""
@@ -206,13 +268,14 @@ def _adaclip(hp: dict, params=None) -> Transform:
 
 def _macadam(hp: dict, params=None) -> Transform:
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
-                         bias_correction=bool(hp.get("bias_correction", False)),
-                         gamma_prime=hp.get("gamma_prime", 1e-8), b_warmup_steps=hp["b_warmup_steps"]),
-                 scale_by_lr())
+                         b_warmup_steps=hp["b_warmup_steps"]), scale_by_lr())
 
 
 def _macadambc(hp: dict, params=None) -> Transform:
-    return _macadam(dict(hp, bias_correction=True))
+    """DP-MacAdam with the AdamBC update (the noise variance removed from v̂, floor ``gamma_prime``)."""
+    return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
+                         bias_correction=True, gamma_prime=hp["gamma_prime"],
+                         b_warmup_steps=hp["b_warmup_steps"]), scale_by_lr())
 
 
 def _muon_body(hp: dict, params, scaling: str) -> Transform:
@@ -222,27 +285,30 @@ def _muon_body(hp: dict, params, scaling: str) -> Transform:
     other part is scaled by ``scale_by_lr(other_lr / lr)``: it runs at
     ``other_lr`` with the default schedule and follows any schedule applied
     to the group lr proportionally. Routing: ``hp["label_fn"]`` if given, else
-    :func:`~dpopt.transforms.muon.hidden_matrix_labels` on ``params``.
+    :func:`~dpopt.transforms.muon.hidden_matrix_labels` on ``params``. The
+    σ₁ power iteration (``power_iters``) is DP-Muon-S's only (``scaling="spectral"``).
 
     Raises:
-        ValueError: no ``params`` and no ``label_fn``; non-positive lrs;
+        ConfigError: no ``params`` and no ``label_fn``; non-positive lrs;
             ``other`` not ``"adam"`` / ``"sgd"``.
     """
-    if params is None and hp.get("label_fn") is None:
-        raise ValueError("Muon methods route parameters by their position in the model: build them with "
-                         "make_optimizer (which passes the parameters) or give hparams['label_fn']")
-    label_fn = hp.get("label_fn") or hidden_matrix_labels(params, hp["exclude_first"], hp["exclude_last"])
+    if params is None and hp["label_fn"] is None:
+        raise ConfigError("Muon methods route parameters by their position in the model: build them with "
+                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+                          "params", "label_fn")
+    label_fn = hp["label_fn"] or hidden_matrix_labels(params, hp["exclude_first"], hp["exclude_last"])
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
-        raise ValueError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}")
+        raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr")
+    spectral = {"power_iters": hp["power_iters"]} if scaling == "spectral" else {}
     muon = chain(ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"],
-                             power_iters=hp.get("power_iters", 2)), scale_by_lr())
+                             **spectral), scale_by_lr())
     if hp["other"] == "adam":
         other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
     elif hp["other"] == "sgd":
         other = scale_by_lr(other_lr / lr)
     else:
-        raise ValueError(f"other must be 'adam' or 'sgd', got {hp['other']!r}")
+        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}")
     return muon_partition(muon, other, label_fn)
 
 

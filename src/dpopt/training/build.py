@@ -1,0 +1,179 @@
+"""Building a run: data → model → σ (or its calibration) → privacy options → optimizer → noise.
+
+:func:`build_run` turns a validated :class:`~dpopt.training.config.TrainConfig`
+into a :class:`Run`: everything the step loop needs and everything the run
+files record, nothing trained yet. The method's hyperparameters are resolved
+once (:meth:`dpopt.methods.MethodSpec.hparams`) and the optimizer is built from
+them (:func:`dpopt.methods.build_optimizer`).
+
+The noise and Poisson masks come from a secret :class:`~dpopt.noise.NoiseSource`
+unless ``reproducible_noise`` is set (:func:`noise_source`); the seed fixes
+model initialisation (and other non-private randomness) only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
+from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
+from ..accounting.ledger import PrivacyLedger
+from ..data import Dataset
+from ..errors import ConfigError
+from ..methods import build_optimizer, get_method
+from ..models import DEFAULT_MODEL, build_model, check_model
+from ..noise import NoiseSource
+from ..optim import DPOptimizer
+from ..privatizer import QuantileClipping
+from .config import TrainConfig, validate_config
+
+__all__ = ["Run", "build_run", "layer_groups", "privacy_options", "noise_source", "REPRODUCIBLE_NOISE_WARNING"]
+
+REPRODUCIBLE_NOISE_WARNING = ("reproducible_noise: the Gaussian noise and Poisson masks are seeded from the "
+                              "published seed, so anyone who knows it can replay them: NO privacy guarantee "
+                              "(research reruns only; `dpopt check` fails this run's ledger)")
+
+
+@dataclass
+class Run:
+    """A run, built and not yet trained. All fields but ``data``, ``model`` and ``optimizer`` are public.
+
+    Attributes:
+        cfg: the configuration it was built from.
+        data: the dataset (private training split; public test split).
+        model_name, model: the model (initialised from ``cfg.seed``).
+        noise: the run's noise source (secret unless ``cfg.reproducible_noise``).
+        sample_rate: Poisson rate q (given, or B̄/N: then N is treated as public).
+        steps: number of logical steps, ``max(1, round(epochs / q))``.
+        noise_multiplier: the σ used (calibrated when ``cfg.target_epsilon`` is set).
+        calibration: the calibration result, or None.
+        ledger: the privacy ledger every release is recorded in.
+        hparams: the method's resolved hyperparameters (resolved once).
+        privacy_facts: public facts of the clipping choice (layer bounds, budget split).
+        optimizer: the :class:`~dpopt.optim.DPOptimizer`.
+    """
+
+    cfg: TrainConfig
+    data: Dataset
+    model_name: str
+    model: nn.Module
+    noise: NoiseSource
+    sample_rate: float
+    steps: int
+    noise_multiplier: float
+    calibration: Optional[CalibrationResult]
+    ledger: PrivacyLedger
+    hparams: dict
+    privacy_facts: dict
+    optimizer: DPOptimizer
+
+
+def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
+    """Group index of each trainable parameter: one group per module owning parameters.
+
+    Returns:
+        (group index per parameter in ``model.parameters()`` order, layer names).
+    """
+    names, groups = [], []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            names.append(name)
+            groups.extend([len(names) - 1] * len(own))
+    return groups, names
+
+
+def privacy_options(cfg: TrainConfig, model: nn.Module, sigma: float, clip: float) -> tuple[dict, dict]:
+    """Privatizer options for the chosen clipping, and the public facts to record.
+
+    Quantile clipping splits the total σ between the gradient and count releases
+    (:mod:`dpopt.accounting.budget`) so that the step costs exactly σ.
+
+    Raises:
+        ConfigError: ``layer_bounds`` does not give one bound per layer.
+    """
+    if cfg.clipping == "per-layer":
+        groups, names = layer_groups(model)
+        bounds = list(cfg.layer_bounds) if cfg.layer_bounds is not None else \
+            [clip / len(names) ** 0.5] * len(names)
+        if len(bounds) != len(names):
+            raise ConfigError(f"layer_bounds needs {len(names)} values, one per layer ({', '.join(names)})",
+                              "layer_bounds")
+        return ({"noise_multiplier": sigma, "groups": groups, "group_bounds": bounds},
+                {"layer_bounds": bounds, "layers": names})
+    if cfg.clipping == "quantile":
+        if cfg.count_noise_multiplier is not None:
+            split = split_for_count_noise(sigma, count_noise_multiplier=cfg.count_noise_multiplier,
+                                          expected_batch_size=cfg.batch_size)
+        else:
+            split = split_budget(sigma, cfg.count_share if cfg.count_share is not None else DEFAULT_COUNT_SHARE)
+        quantile = QuantileClipping(split.count_noise_multiplier, cfg.target_quantile, cfg.quantile_lr,
+                                    initial_clip=clip)
+        return ({"noise_multiplier": split.grad_noise_multiplier, "quantile": quantile},
+                {"noise_multiplier_total": sigma, "grad_noise_multiplier": split.grad_noise_multiplier,
+                 "count_noise_multiplier": split.count_noise_multiplier, "count_share": split.count_share})
+    return {"noise_multiplier": sigma}, {}
+
+
+def noise_source(cfg: TrainConfig, *, stacklevel: int = 3) -> NoiseSource:
+    """The run's :class:`~dpopt.noise.NoiseSource`: secret unless the config asks otherwise.
+
+    ``reproducible_noise`` seeds it from ``cfg.seed`` (and warns: no privacy
+    against anyone who knows the seed; ``stacklevel`` as for
+    :func:`warnings.warn`, default: the caller of the function that called
+    this one); ``secure_mode`` uses the OS CSPRNG.
+    """
+    if cfg.reproducible_noise:
+        warnings.warn(REPRODUCIBLE_NOISE_WARNING, UserWarning, stacklevel=stacklevel)
+        return NoiseSource("reproducible", seed=cfg.seed)
+    return NoiseSource("secure" if cfg.secure_mode else "secret")
+
+
+def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
+    """Validate ``cfg`` and build everything a run needs, in this order.
+
+    Validate against N → seed torch (initialisation only) → noise source →
+    model (checked) → q and steps → σ (calibrated for ``target_epsilon``) →
+    ledger → hyperparameters, resolved once → privacy options → optimizer.
+
+    Args:
+        cfg: the configuration.
+        data: the loaded dataset.
+        stacklevel: where the reproducible-noise warning points, as for
+            :func:`warnings.warn` counted from this function (default: the
+            line that called it; :func:`~dpopt.training.train` passes 4, its caller).
+
+    Raises:
+        ValueError: (:class:`~dpopt.errors.ConfigError` naming the fields)
+            invalid configuration, unknown hyperparameter, a clipping option the
+            method cannot use; calibration errors.
+    """
+    validate_config(cfg, data.n_train)
+    torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only
+    noise = noise_source(cfg, stacklevel=stacklevel)
+    model_name = cfg.model or DEFAULT_MODEL[cfg.dataset]
+    model = build_model(model_name, cfg.dataset)
+    check_model(model)
+    sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
+    steps = max(1, int(round(cfg.epochs / sample_rate)))
+    sigma, calibration = cfg.noise_multiplier, None
+    if cfg.target_epsilon is not None:
+        calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
+                                                 cfg.accountant)
+        sigma = calibration.noise_multiplier
+    ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
+    spec = get_method(cfg.method)
+    hp = spec.hparams(cfg.dataset, **dict(cfg.hparams, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
+    privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
+    opt = build_optimizer(spec, [p for p in model.parameters() if p.requires_grad], hp,
+                          expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
+                          noise=noise, **privacy)
+    return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
+               steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
+               privacy_facts=privacy_facts, optimizer=opt)
+

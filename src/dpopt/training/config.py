@@ -1,0 +1,103 @@
+"""What defines a run: :class:`TrainConfig` (all public) and :func:`validate_config`.
+
+Errors are :class:`~dpopt.errors.ConfigError` and name the ``TrainConfig``
+fields to change (``batch_size``, ``lr``, ...); the CLI shows them as flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..accounting.accountant import ACCOUNTANTS, check_delta
+from ..accounting.events import check_noise_multiplier
+from ..errors import ConfigError
+from ..methods import get_method
+
+__all__ = ["TrainConfig", "validate_config", "CLIPPINGS"]
+
+CLIPPINGS = ("flat", "per-layer", "quantile")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run (all public). ``None`` means the method's default."""
+
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    model: Optional[str] = None
+    method: str = "dp-macadam"
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+    max_grad_norm: Optional[float] = None
+    batch_size: float = 64.0  # expected batch size B̄ (the public denominator); sample_rate = B̄ / N by default
+    epochs: float = 10.0
+    lr: Optional[float] = None
+    seed: int = 0  # model initialisation and other non-private randomness (never the noise)
+    accountant: str = "pld"
+    physical_batch_size: Optional[int] = None
+    out: Optional[str] = None
+    hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
+    target_epsilon: Optional[float] = None  # calibrate σ for this ε (then noise_multiplier is ignored)
+    clipping: str = "flat"  # flat | per-layer | quantile
+    layer_bounds: Optional[list] = None  # per-layer: one bound per layer (default C/√K each)
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.2
+    count_share: Optional[float] = None  # quantile: share r of the budget for the count (0.05)
+    count_noise_multiplier: Optional[float] = None  # quantile: explicit 2σ_b instead of a share
+    overwrite: bool = False  # allow `out` to replace an earlier run's files
+    sample_rate: Optional[float] = None  # explicit Poisson rate q (then N is not used to derive it)
+    reproducible_noise: bool = False  # research only: noise and masks seeded from `seed` (no privacy)
+    secure_mode: bool = False  # noise and masks from the OS CSPRNG (dpopt.noise)
+    show_train_loss: bool = False  # on_step gets the NON-PRIVATE loss of the private batch
+
+
+def validate_config(cfg: TrainConfig, n_train: int) -> None:
+    """Check a config against the dataset size; errors say what to change.
+
+    Raises:
+        ValueError: (a :class:`~dpopt.errors.ConfigError` naming the fields)
+            σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N (when q = B̄/N),
+            q ∉ (0, 1], lr ≤ 0, epochs ≤ 0, unknown accountant or method,
+            reproducible noise together with secure mode.
+    """
+    check_noise_multiplier(cfg.noise_multiplier)
+    check_delta(cfg.delta)
+    get_method(cfg.method)
+    if not (cfg.batch_size >= 1 and math.isfinite(cfg.batch_size)):
+        raise ConfigError(f"batch_size (the expected batch size) must be a number >= 1, got {cfg.batch_size}",
+                          "batch_size")
+    if cfg.sample_rate is None and cfg.batch_size > n_train:
+        raise ConfigError(f"batch_size {cfg.batch_size} exceeds the {n_train} training examples; "
+                          f"use at most {n_train}", "batch_size")
+    if cfg.sample_rate is not None and not (0.0 < cfg.sample_rate <= 1.0):
+        raise ConfigError(f"sample_rate must be in (0, 1], got {cfg.sample_rate}", "sample_rate")
+    if cfg.reproducible_noise and cfg.secure_mode:
+        raise ConfigError("reproducible_noise and secure_mode exclude each other",
+                          "reproducible_noise", "secure_mode")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise ConfigError(f"lr must be > 0, got {cfg.lr}", "lr")
+    if not (cfg.epochs > 0 and math.isfinite(cfg.epochs)):
+        raise ConfigError(f"epochs must be a finite number > 0, got {cfg.epochs}", "epochs")
+    if cfg.lr is not None and not math.isfinite(cfg.lr):
+        raise ConfigError(f"lr must be finite, got {cfg.lr}", "lr")
+    if cfg.accountant not in ACCOUNTANTS:
+        raise ConfigError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS}")
+    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
+        raise ConfigError(f"max_grad_norm must be > 0, got {cfg.max_grad_norm}", "max_grad_norm")
+    if cfg.physical_batch_size is not None and cfg.physical_batch_size <= 0:
+        raise ConfigError(f"physical_batch_size must be > 0, got {cfg.physical_batch_size}",
+                          "physical_batch_size")
+    if cfg.clipping not in CLIPPINGS:
+        raise ConfigError(f"unknown clipping {cfg.clipping!r}; choose one of {', '.join(CLIPPINGS)}")
+    if cfg.clipping != "quantile" and (cfg.count_share is not None or cfg.count_noise_multiplier is not None):
+        raise ConfigError("count_share / count_noise_multiplier apply to clipping 'quantile' only",
+                          "count_share", "count_noise_multiplier", "clipping")
+    if cfg.clipping != "per-layer" and cfg.layer_bounds is not None:
+        raise ConfigError("layer_bounds applies to clipping 'per-layer' only", "layer_bounds", "clipping")
+    if cfg.count_share is not None and cfg.count_noise_multiplier is not None:
+        raise ConfigError("give count_share or count_noise_multiplier, not both",
+                          "count_share", "count_noise_multiplier")
+    if cfg.target_epsilon is not None and not cfg.target_epsilon > 0:
+        raise ConfigError(f"target_epsilon must be > 0, got {cfg.target_epsilon}", "target_epsilon")
