@@ -1,10 +1,13 @@
 """Datasets: scikit-learn's bundled digits (default, no files), MNIST and CIFAR-10 from files.
 
-Nothing is downloaded. MNIST is read from ``--data-dir`` as either
+Nothing is downloaded. MNIST is read from ``data_dir`` as either
 ``mnist.npz`` (keys ``x_train, y_train, x_test, y_test``) or the four standard
 IDX files (``train-images-idx3-ubyte`` …, gzipped or not). CIFAR-10 is read as
 ``cifar10.npz`` (NHWC uint8) or the standard python-batch files
 (``data_batch_1..5``, ``test_batch``, optionally inside ``cifar-10-batches-py/``).
+
+Errors are :class:`~dpopt.errors.ConfigError` (:class:`DataError` for files) and name the
+argument to change (``data_dir``); the CLI shows it as its flag.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .errors import ConfigError
+
 __all__ = ["Dataset", "DATASETS", "load_dataset", "DataError"]
 
 DATASETS = ("digits", "mnist", "cifar10")
@@ -29,8 +34,12 @@ IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-class DataError(ValueError):
-    """A dataset could not be found or read; the message names paths and formats."""
+class DataError(ConfigError):
+    """A dataset could not be found or read; the message names paths and formats.
+
+    A :class:`~dpopt.errors.ConfigError` (so a ``ValueError``); ``arguments``
+    names ``data_dir`` where the directory is what to change.
+    """
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,8 @@ def _mnist(data_dir: Path) -> Dataset:
         if any(p is None for p in paths):
             raise DataError(
                 "MNIST not found. Tried: " + ", ".join(tried) + ". Accepted formats: mnist.npz with "
-                "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in --data-dir.")
+                "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in data_dir.",
+                "data_dir")
         arrays = tuple(_read_idx(p) for p in paths)  # type: ignore[arg-type]
     _check_arrays("MNIST", npz if npz.exists() else data_dir, arrays)
     x_tr, y_tr, x_te, y_te = arrays
@@ -179,16 +189,17 @@ def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
         data_dir: directory holding the files for mnist / cifar10.
 
     Raises:
-        ValueError: unknown name, or ``data_dir`` missing for a file-based set.
+        ConfigError: unknown name, or ``data_dir`` missing for a file-based set.
         DataError: files missing or malformed (message lists paths tried and formats).
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+        raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if name == "digits":
         return _digits()
     if data_dir is None:
-        raise ValueError(f"dataset {name!r} is read from files: pass --data-dir DIR (e.g. ../shared/data)")
+        raise ConfigError(f"dataset {name!r} is read from files: give data_dir, the directory holding them "
+                          "(e.g. ../shared/data)", "data_dir")
     path = Path(data_dir).expanduser()
     if not path.is_dir():
-        raise DataError(f"--data-dir {path} is not a directory")
+        raise DataError(f"data_dir {path} is not a directory", "data_dir")
     return _mnist(path) if name == "mnist" else _cifar10(path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .errors import ConfigError
+
 __all__ = ["MODELS", "DEFAULT_MODEL", "build_model", "check_model", "num_parameters"]
 
 MODELS = ("mlp-small", "mlp", "cnn5")
@@ -34,14 +36,14 @@ def build_model(name: str, dataset: str | None = None) -> nn.Module:
     """Build a model by name (``mlp-small``, ``mlp``, ``cnn5``).
 
     Raises:
-        ValueError: unknown name, or a model that does not fit the dataset's inputs.
+        ConfigError: unknown name, or a model that does not fit the dataset's inputs (argument ``model``).
     """
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     expected = {"digits": ("mlp-small",), "mnist": ("mlp",), "cifar10": ("cnn5",)}
     if dataset is not None and dataset in expected and name not in expected[dataset]:
-        raise ValueError(f"model {name!r} does not take {dataset} inputs; use --model "
-                         f"{' or '.join(expected[dataset])}")
+        raise ConfigError(f"model {name!r} does not take {dataset} inputs; use model "
+                          f"{' or '.join(expected[dataset])}", "model")
     if name == "cnn5":
         return _cnn5()
     return _mlp(_INPUT[name], 64 if name == "mlp-small" else 1000)

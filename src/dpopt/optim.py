@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
 from .privatizer import Privatizer, Release
 from .transforms.base import StepContext, Transform
 from .types import ClipGeometry, EvaluationPoint, PerSampleSource
@@ -116,7 +117,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, privatizer: Privatizer, transform: Transform, lr: float = 1e-3):
         if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"lr must be > 0, got {lr!r}; e.g. --lr 1e-3 for Adam-type methods, 0.1 for SGD")
+            raise ConfigError(f"lr must be > 0, got {lr!r}; e.g. lr 1e-3 for Adam-type methods, 0.1 for SGD",
+                              "lr")
         super().__init__(params, {"lr": float(lr)})
         for group in self.param_groups:
             if not group["lr"] > 0:

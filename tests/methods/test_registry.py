@@ -80,3 +80,63 @@ def test_cli_hp_options_reach_the_method(tmp_path):
     assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
     bad = CliRunner().invoke(app, ["train", "--method", "disk-sgd", "--epochs", "0.1", "--hp", "kappa=1.5"])
     assert bad.exit_code == 2 and "kappa must be in (0, 1]" in bad.output
+
+
+# ------------------------------------------------------------------ hyperparameters resolved once
+class _Strict(dict):
+    """Resolved hyperparameters that refuse ``.get``: a factory must read declared keys by name."""
+
+    def get(self, key, default=None):  # noqa: D401
+        raise AssertionError(f"factory reads {key!r} with a fallback default; declare it in the spec")
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_factories_read_declared_hyperparameters_by_name(method):
+    """Every key a factory reads is in the method's defaults (KeyError otherwise), with no second default."""
+    spec = get_method(method)
+    for dataset in (None, "digits", "mnist", "cifar10"):
+        hp = spec.hparams(dataset)
+        assert set(hp) == set(spec.defaults)
+        params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(4, requires_grad=True),
+                  torch.zeros(2, 4, requires_grad=True)]
+        spec.build(_Strict({k: v for k, v in hp.items() if k != "max_grad_norm"}), params)
+
+
+def test_build_optimizer_takes_resolved_hyperparameters():
+    from dpopt.methods import build_optimizer
+
+    spec = get_method("dp-adam")
+    hp = spec.hparams("digits", lr=0.5)
+    p = [torch.zeros(2, requires_grad=True)]
+    opt = build_optimizer(spec, p, hp, noise_multiplier=1.0, expected_batch_size=1.0, sample_rate=0.1)
+    assert isinstance(opt, DPOptimizer) and opt.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="resolved.*missing \\['eps'\\]"):
+        build_optimizer(spec, p, {k: v for k, v in hp.items() if k != "eps"}, noise_multiplier=1.0,
+                        expected_batch_size=1.0, sample_rate=0.1)
+
+
+def test_train_resolves_hyperparameters_once(tmp_path, monkeypatch):
+    from dpopt.methods import MethodSpec
+    from dpopt.training import TrainConfig, train
+
+    torch.set_default_dtype(torch.float32)  # a real run (restored by the fixture)
+    calls = []
+    original = MethodSpec.hparams
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MethodSpec, "hparams", counting)
+    train(TrainConfig(method="dp-muon-s", epochs=0.05, out=str(tmp_path / "run"), hparams={"power_iters": 3}))
+    assert calls == ["dp-muon-s"]
+
+
+def test_library_errors_name_arguments_not_flags():
+    from dpopt.errors import ConfigError, translate
+
+    p = [torch.zeros(2, requires_grad=True)]
+    with pytest.raises(ConfigError) as info:
+        make_optimizer("dp-sgd", p, noise_multiplier=1.0, expected_batch_size=1, sample_rate=0.1, lr=-1.0)
+    assert "--" not in str(info.value) and info.value.arguments == ("lr",)
+    assert translate(info.value, {"lr": "--lr"}).startswith("--lr must be > 0")
