@@ -299,7 +299,7 @@ def _muon_body(hp: dict, params, scaling: str) -> Transform:
     label_fn = hp["label_fn"] or hidden_matrix_labels(params, hp["exclude_first"], hp["exclude_last"])
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
-        raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr")
+        raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
     spectral = {"power_iters": hp["power_iters"]} if scaling == "spectral" else {}
     muon = chain(ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"],
                              **spectral), scale_by_lr())
@@ -308,7 +308,7 @@ def _muon_body(hp: dict, params, scaling: str) -> Transform:
     elif hp["other"] == "sgd":
         other = scale_by_lr(other_lr / lr)
     else:
-        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}")
+        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}", "other")
     return muon_partition(muon, other, label_fn)
 
 
