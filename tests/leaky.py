@@ -176,7 +176,7 @@ def run_quantile_epochs(privatizer: Privatizer, dataset: Sequence[torch.Tensor],
     stand-ins for per-sample gradients). Used to build a realistic adaptive
     (quantile-clipping) ledger for defect 4.
     """
-    from dpopt.per_sample import PerSampleGrads
+    from dpopt.engine.reference import PerSampleGrads
 
     n = dataset[0].shape[0]
     for _ in range(steps):

@@ -390,7 +390,7 @@ def test_method_audit_uses_the_methods_feedback_geometry():
     params = _method_params(torch.float64)
     opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0,
                                  sample_rate=1.0)
-    from dpopt.per_sample import PerSampleGrads
+    from dpopt.engine.reference import PerSampleGrads
 
     g = torch.Generator().manual_seed(0)
     for _ in range(3):

@@ -10,7 +10,7 @@ from torch import nn
 
 from dpopt.engine import iter_per_sample_sources
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import PerSampleGrads, per_sample_gradients
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 
 DT = torch.float64
 LR, BBAR = 0.5, 4.0

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpopt.engine import PerSampleEngine, free_sizes, iter_per_sample_sources
-from dpopt.per_sample import PerSampleGrads, per_sample_gradients
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.transforms.base import EvaluationPoint
 
 from per_example_zoo import CASES, DT, ce, loop_grads, make, per_example_from_source, rel_err

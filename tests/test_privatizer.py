@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from dpopt.accounting.events import poisson_gaussian_step
-from dpopt.per_sample import PerSampleGrads
+from dpopt.engine.reference import PerSampleGrads
 from dpopt.privatizer import Privatizer
 from dpopt.transforms.base import ClipGeometry
 

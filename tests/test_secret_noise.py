@@ -13,9 +13,9 @@ from scipy import stats
 
 import dpopt
 from dpopt.accounting.ledger import PrivacyLedger
-from dpopt.check import check_run
+from dpopt.accounting.ledger_check import check_run
 from dpopt.noise import NoiseSource, make_noise_source
-from dpopt.per_sample import PerSampleGrads
+from dpopt.engine.reference import PerSampleGrads
 from dpopt.privatizer import Privatizer
 from dpopt.sampling import PoissonSampler
 from dpopt.training import TrainConfig, train

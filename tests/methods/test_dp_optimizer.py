@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import PerSampleGrads, per_sample_gradients
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import PerSampleGrads, per_sample_gradients
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.transforms.base import StepContext
 from dpopt.transforms.macadam import MacAdam
 from dpopt.transforms.muon import hidden_matrix_labels

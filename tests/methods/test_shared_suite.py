@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import per_sample_gradients
+from dpopt.engine.reference import per_sample_gradients
 from dpopt.transforms.base import Chain, Partition, Transform
 
 ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",

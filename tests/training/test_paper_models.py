@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dpopt.models import build_model, check_model
-from dpopt.per_sample import per_sample_gradients
+from dpopt.engine.reference import per_sample_gradients
 
 LOSS = nn.functional.cross_entropy
 

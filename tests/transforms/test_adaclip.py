@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import PerSampleGrads
+from dpopt.engine.reference import PerSampleGrads
 from dpopt.transforms.adaclip import AdaClip
 from dpopt.transforms.base import StepContext
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dpopt.methods import make_optimizer
-from dpopt.per_sample import per_sample_gradients
+from dpopt.engine.reference import per_sample_gradients
 from dpopt.transforms.base import StepContext
 from dpopt.transforms.filters import DISK_PRESETS, DOPPLER_PRESETS, DiSK, LowPassFilter, doppler_coefficients
 

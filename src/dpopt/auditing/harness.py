@@ -44,7 +44,7 @@ from dp_accounting import dp_event
 
 from ..accounting.accountant import epsilon
 from ..accounting.events import collapse_for_pld
-from ..per_sample import PerSampleGrads
+from ..engine.reference import PerSampleGrads
 from ..privatizer import Privatizer
 from ..types import ClipGeometry
 from .stats import DEFAULT_ALPHA, DEFAULT_DELTA, _check_alpha, _check_delta, epsilon_lower_bounds
@@ -307,7 +307,7 @@ def _score_weights(template) -> _ScoreWeights:
 class _RepeatedBatch:
     """The same private batch, asked the same questions in every loop-mode trial.
 
-    Wraps a :class:`~dpopt.per_sample.PerSampleGrads` and memoises its two
+    Wraps a :class:`~dpopt.engine.reference.PerSampleGrads` and memoises its two
     answers (``sq_norms`` per geometry/groups, ``weighted_sum`` per identical
     weights): the batch never changes between trials, so the privatizer
     receives exactly the values PerSampleGrads computes, at a fraction of the

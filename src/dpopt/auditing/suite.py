@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ..per_sample import PerSampleGrads
+from ..engine.reference import PerSampleGrads
 from ..privatizer import Privatizer, QuantileClipping
 from ..types import ClipGeometry
 from .harness import DEFAULT_TRIALS, AuditResult, _vectorisable, audit_privatizer

@@ -4,7 +4,7 @@ Two paths produce the per-sample *sources* the
 :class:`~dpopt.privatizer.Privatizer` reads (``num_params``, ``batch_size``,
 ``sq_norms``, ``weighted_sum``, ``nonfinite``):
 
-* ``"reference"`` — :mod:`dpopt.per_sample`: ``torch.func`` ``vmap(grad)``,
+* ``"reference"`` — :mod:`dpopt.engine.reference`: ``torch.func`` ``vmap(grad)``,
   any layer, materialises ``[B, *p.shape]`` per parameter;
 * ``"fast"`` (default) — :mod:`dpopt.engine.fast`: ghost-norm / book-keeping
   rules for Linear, Conv2d, Embedding, LayerNorm and GroupNorm that never
@@ -13,6 +13,14 @@ Two paths produce the per-sample *sources* the
   reference path individually. "Dim 0 is the example" is verified, not
   assumed: per layer call on every batch, and against the reference path's
   per-example norms on the first batch (see :class:`PerSampleEngine`).
+
+Modules: :mod:`~dpopt.engine.inputs` (the example-axis check both paths
+use), :mod:`~dpopt.engine.reference` (the ``torch.func`` path),
+:mod:`~dpopt.engine.layers` (per-layer norm/sum math: blocks),
+:mod:`~dpopt.engine.rules` (which layer types have a fast rule, registered
+per type) and :mod:`~dpopt.engine.fast` (the engine that captures layer
+calls and builds the fast source). Sources satisfy
+:class:`dpopt.types.PerSampleSource`.
 
 Both paths define example i's gradient as that of ``loss_fn(model(x_i),
 y[i:i+1])`` with the model seeing example i alone; ``batch_dim`` says where
@@ -30,12 +38,14 @@ from typing import Callable, Iterator, Optional, Sequence
 from torch import Tensor, nn
 
 from ..models import check_model
-from ..per_sample import iter_per_sample_gradients
 from ..types import EvaluationPoint
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, free_sizes, get_engine
+from .inputs import check_inputs
+from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients
 
 __all__ = ["ENGINES", "iter_per_sample_sources", "FastPerSampleGrads", "PerSampleEngine",
-           "fast_per_sample_gradients", "get_engine", "free_sizes"]
+           "fast_per_sample_gradients", "get_engine", "free_sizes", "PerSampleGrads", "per_sample_gradients",
+           "iter_per_sample_gradients", "check_inputs"]
 
 ENGINES = ("fast", "reference")
 
@@ -53,7 +63,7 @@ def iter_per_sample_sources(
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
     Args:
-        model, loss_fn: as in :func:`dpopt.per_sample.per_sample_gradients`
+        model, loss_fn: as in :func:`dpopt.engine.reference.per_sample_gradients`
             (``loss_fn(logits[1, ...], target[1, ...]) -> scalar``).
         x: inputs with the B examples along ``batch_dim``; y: targets ``[B, ...]``
             (B may be 0: one empty source). ``loss_fn`` receives the model's
@@ -73,7 +83,7 @@ def iter_per_sample_sources(
 
     Raises:
         ValueError: unknown engine, ``physical_batch_size`` ≤ 0, or invalid
-            inputs (:func:`dpopt.per_sample.check_inputs`: a PackedSequence,
+            inputs (:func:`dpopt.engine.inputs.check_inputs`: a PackedSequence,
             or x's example axis and y's dim 0 of different lengths), or a
             layer refused by :func:`dpopt.models.check_model`.
     """

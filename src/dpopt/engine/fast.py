@@ -9,24 +9,15 @@ is refused by :func:`~dpopt.models.check_model`). No parameter gradient is forme
 backward pass — the weight gradients, which the non-private step pays for,
 are replaced by the clipped sum Eᵀ diag(c) A computed later.
 
-Rules (exact module types; subclasses fall back, since they may change ``forward``):
-
-============  ===========================================  ==================
-module        weight                                       other parameters
-============  ===========================================  ==================
-Linear        :class:`~.layers.FactoredBlock` (any ``...``)  bias: direct Σ_t e
-Conv2d        FactoredBlock via im2col (groups = 1, any      bias: direct
-              stride/dilation/padding/padding_mode)
-Embedding     :class:`~.layers.SparseRowsBlock`              —
-              (no ``max_norm``/``scale_grad_by_freq``)
-LayerNorm     direct (x̂ ⊙ e summed)                          bias: direct
-GroupNorm     direct (closed form from group stats)           bias: direct
-============  ===========================================  ==================
+Which layers have a fast rule, and how each builds its blocks, is registered
+per layer type in :mod:`dpopt.engine.rules` (Linear, Conv2d with groups = 1,
+Embedding without ``max_norm``/``scale_grad_by_freq``, LayerNorm, GroupNorm;
+exact module types: subclasses fall back, since they may change ``forward``).
 
 Every other trainable parameter — of another layer type, shared between two
 modules, used outside its module's ``forward``, or of a layer whose dim 0 is
 not the example axis — is computed by the per-example reference path
-(:func:`~dpopt.per_sample.per_sample_gradient_tensors`: ``torch.func`` vmap,
+(:func:`~dpopt.engine.reference.per_sample_gradient_tensors`: ``torch.func`` vmap,
 or an exact single-example loop) for that parameter only.
 
 "One example per row of dim 0" is verified, not assumed:
@@ -56,29 +47,26 @@ direct form.
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..models import check_model
-from ..per_sample import _LOOP_MODELS, check_inputs, per_sample_gradient_tensors, use_loop
 from ..types import ClipGeometry, EvaluationPoint
-from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock,
-                     group_norm_grads, layer_norm_grads)
+from .inputs import LossFn, check_inputs
+from .layers import Budget, DirectBlock, FactoredBlock
+from .reference import _LOOP_MODELS, per_sample_gradient_tensors, use_loop
+from .rules import RULES, LayerCalls, rule_for
 
 __all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine", "free_sizes"]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
 # --------------------------------------------------------------------------- the source
 class FastPerSampleGrads:
-    """Per-sample source in factored form (private): same interface as :class:`~dpopt.per_sample.PerSampleGrads`.
+    """Per-sample source in factored form (private): same interface as :class:`~dpopt.engine.reference.PerSampleGrads`.
 
     Built by :class:`PerSampleEngine`; holds, per layer, what is needed to
     compute per-sample norms and clipped sums without materialising ``[B, d]``.
@@ -216,21 +204,7 @@ class FastPerSampleGrads:
         return {blk.index[0]: blk.form for blk in self.blocks if isinstance(blk, FactoredBlock)}
 
 
-# --------------------------------------------------------------------------- rules
-_SUPPORTED = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
-
-
-def _rule_ok(module: nn.Module) -> bool:
-    t = type(module)
-    if t not in _SUPPORTED:
-        return False
-    if t is nn.Conv2d:
-        return module.groups == 1
-    if t is nn.Embedding:
-        return module.max_norm is None and not module.scale_grad_by_freq
-    return True
-
-
+# --------------------------------------------------------------------------- capture
 def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
     """ℓ_i = loss_fn(out[i:i+1], y[i:i+1]) for all i, shape ``[B]`` (vmap; loop if vmap fails)."""
     def one(o: Tensor, t: Tensor) -> Tensor:
@@ -324,7 +298,7 @@ class PerSampleEngine:
     Args:
         model: the module (trainable parameters in ``named_parameters`` order,
             which is the optimizer's order in :mod:`dpopt.train`).
-        loss_fn: ``loss_fn(out_i, target[1, ...]) -> scalar`` (see :mod:`dpopt.per_sample`).
+        loss_fn: ``loss_fn(out_i, target[1, ...]) -> scalar`` (see :mod:`dpopt.engine.reference`).
         verify: on the first non-empty batch, check that every layer with a
             fast rule keeps the examples along dim 0 and that its per-example
             squared norms and weighted sums equal those of the per-example
@@ -360,7 +334,7 @@ class PerSampleEngine:
         # module -> {param attribute name: param index} for params with a fast rule
         self.modules: dict[nn.Module, dict[str, int]] = {}
         for m in model.modules():
-            if not _rule_ok(m):
+            if rule_for(m) is None:
                 continue
             own = {}
             for attr, p in m._parameters.items():
@@ -465,37 +439,11 @@ class PerSampleEngine:
         return blocks
 
     def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget) -> list:
-        idx_w, idx_b = own.get("weight"), own.get("bias")
-        shapes = {a: self.params[i].shape for a, i in own.items()}
         if not calls:  # never called (or unused): zero per-sample gradients
             return [DirectBlock(list(own.values()), [self.params[i].new_zeros((b, *self.params[i].shape))
                                                      for i in own.values()])]
-        blocks: list = []
-        t = type(m)
-        if t is nn.Linear:
-            if idx_w is not None:
-                blocks.append(FactoredBlock(idx_w, shapes["weight"], [LinearPart(a, e) for a, e in calls],
-                                            budget, b))
-            if idx_b is not None:
-                blocks.append(DirectBlock([idx_b], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))
-        elif t is nn.Conv2d:
-            if idx_w is not None:
-                blocks.append(FactoredBlock(idx_w, shapes["weight"], [ConvPart(m, a, e) for a, e in calls],
-                                            budget, b))
-            if idx_b is not None:
-                blocks.append(DirectBlock([idx_b], [sum(e.sum((2, 3)) for _, e in calls)]))
-        elif t is nn.Embedding:
-            blocks.append(SparseRowsBlock(idx_w, m.num_embeddings, m.padding_idx, calls, b))
-        else:
-            if t is nn.GroupNorm:
-                grads = [group_norm_grads(a, e, m.num_groups, m.eps, st) for (a, e), st in zip(calls, stats)]
-            else:
-                grads = [layer_norm_grads(a, e, m.normalized_shape, m.eps, st) for (a, e), st in zip(calls, stats)]
-            if idx_w is not None:
-                blocks.append(DirectBlock([idx_w], [sum(g[0] for g in grads)]))
-            if idx_b is not None:
-                blocks.append(DirectBlock([idx_b], [sum(g[1] for g in grads)]))
-        return blocks
+        layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()}, calls, stats, b, budget)
+        return RULES[type(m)].blocks(layer)  # planned only if rule_for(m) (see __init__)
 
     # -- the example axis -------------------------------------------------------------
     @staticmethod
@@ -659,7 +607,7 @@ class PerSampleEngine:
             ``params`` = the trainable parameters, ``points`` = the points given.
 
         Raises:
-            ValueError: invalid inputs (:func:`~dpopt.per_sample.check_inputs`),
+            ValueError: invalid inputs (:func:`~dpopt.engine.inputs.check_inputs`),
                 or a model the per-example path cannot run on one example.
         """
         bd = check_inputs(x, y, batch_dim)
@@ -705,7 +653,7 @@ class PerSampleEngine:
 
         Raises:
             ValueError: ``physical_batch_size`` ≤ 0, or invalid inputs
-                (:func:`~dpopt.per_sample.check_inputs`).
+                (:func:`~dpopt.engine.inputs.check_inputs`).
         """
         if physical_batch_size is not None and physical_batch_size <= 0:
             raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
@@ -761,10 +709,10 @@ def get_engine(model: nn.Module, loss_fn: LossFn) -> PerSampleEngine:
 def fast_per_sample_gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor,
                               points: Optional[Sequence[EvaluationPoint]] = None,
                               batch_dim: int = 0) -> FastPerSampleGrads:
-    """Fast counterpart of :func:`dpopt.per_sample.per_sample_gradients` (same arguments).
+    """Fast counterpart of :func:`dpopt.engine.reference.per_sample_gradients` (same arguments).
 
     Returns a :class:`FastPerSampleGrads` whose ``sq_norms``/``weighted_sum``
-    equal those of the reference :class:`~dpopt.per_sample.PerSampleGrads` to
+    equal those of the reference :class:`~dpopt.engine.reference.PerSampleGrads` to
     float tolerance.
     """
     return get_engine(model, loss_fn).compute(x, y, points, batch_dim)

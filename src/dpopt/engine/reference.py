@@ -1,4 +1,4 @@
-"""Per-sample gradients: the ``torch.func`` reference path.
+"""Per-sample gradients: the ``torch.func`` reference path (``engine="reference"``).
 
 :class:`PerSampleGrads` holds materialised per-sample gradients (one tensor of
 shape ``[B, *param.shape]`` per parameter) and answers the two questions the
@@ -39,7 +39,7 @@ single-example autograd calls, with a one-time warning that it is slower.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import warnings
@@ -47,49 +47,15 @@ import weakref
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from torch.nn.utils.rnn import PackedSequence
 
-from .models import check_model
-from .types import ClipGeometry, EvaluationPoint
+from ..models import check_model
+from ..types import ClipGeometry, EvaluationPoint
+from .inputs import LossFn, check_inputs
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
            "check_inputs", "METHODS"]
 
 METHODS = ("auto", "vmap", "loop")
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
-    """Validate a batch and return ``batch_dim`` as a non-negative axis of ``x``.
-
-    Args:
-        x: inputs, a tensor with the examples along ``batch_dim``.
-        y: targets, a tensor with the examples along dim 0.
-        batch_dim: x's example axis (negative values count from the end).
-
-    Raises:
-        ValueError: x is a ``PackedSequence`` or not a tensor; ``batch_dim`` is
-            not an axis of x; or x's example axis and y's dim 0 differ in length
-            (never a silent cut).
-    """
-    if isinstance(x, PackedSequence):
-        raise ValueError("PackedSequence inputs are not supported: pass the padded tensor (examples along "
-                         "batch_dim, e.g. [B, T, ...]) and call pack_padded_sequence inside the model's "
-                         "forward, with the lengths derived from the padded tensor (each example is then "
-                         "packed alone by the per-example path)")
-    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
-        raise ValueError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
-    if x.dim() == 0 or y.dim() == 0:
-        raise ValueError("x and y need an example axis (got a 0-dim tensor)")
-    if not -x.dim() <= batch_dim < x.dim():
-        raise ValueError(f"batch_dim={batch_dim} is not an axis of x with shape {tuple(x.shape)}")
-    bd = batch_dim % x.dim()
-    if x.shape[bd] != y.shape[0]:
-        raise ValueError(f"x has {x.shape[bd]} examples along batch_dim={batch_dim} (shape {tuple(x.shape)}) but "
-                         f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
-                         "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])")
-    return bd
 
 
 class PerSampleGrads:

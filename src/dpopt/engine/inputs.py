@@ -1,0 +1,50 @@
+"""Input checks shared by both per-sample engines: the example axis of a batch.
+
+``x``'s examples lie along ``batch_dim`` (default 0, the documented
+convention); the targets ``y`` always have the examples along dim 0, and
+``x.shape[batch_dim]`` must equal ``y.shape[0]`` (never a silent cut).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = ["LossFn", "check_inputs"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""``loss_fn(out_i, target[1, ...]) -> scalar``: the loss of one example (its model output and target)."""
+
+
+def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
+    """Validate a batch and return ``batch_dim`` as a non-negative axis of ``x``.
+
+    Args:
+        x: inputs, a tensor with the examples along ``batch_dim``.
+        y: targets, a tensor with the examples along dim 0.
+        batch_dim: x's example axis (negative values count from the end).
+
+    Raises:
+        ValueError: x is a ``PackedSequence`` or not a tensor; ``batch_dim`` is
+            not an axis of x; or x's example axis and y's dim 0 differ in length
+            (never a silent cut).
+    """
+    if isinstance(x, PackedSequence):
+        raise ValueError("PackedSequence inputs are not supported: pass the padded tensor (examples along "
+                         "batch_dim, e.g. [B, T, ...]) and call pack_padded_sequence inside the model's "
+                         "forward, with the lengths derived from the padded tensor (each example is then "
+                         "packed alone by the per-example path)")
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        raise ValueError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError("x and y need an example axis (got a 0-dim tensor)")
+    if not -x.dim() <= batch_dim < x.dim():
+        raise ValueError(f"batch_dim={batch_dim} is not an axis of x with shape {tuple(x.shape)}")
+    bd = batch_dim % x.dim()
+    if x.shape[bd] != y.shape[0]:
+        raise ValueError(f"x has {x.shape[bd]} examples along batch_dim={batch_dim} (shape {tuple(x.shape)}) but "
+                         f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
+                         "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])")
+    return bd

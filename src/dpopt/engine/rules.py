@@ -1,0 +1,180 @@
+"""Fast per-sample rules, registered per layer type: the one place to add a rule.
+
+A *rule* says, for one layer type, whether a module instance is supported and
+how to build its blocks (:mod:`dpopt.engine.layers`) from the calls the
+engine recorded in one forward/backward pass. Rules are looked up by the
+EXACT module type (a subclass may change ``forward``, so it falls back to the
+per-example reference path unless it registers its own rule).
+
+============  ===========================================  ==================
+module        weight                                       other parameters
+============  ===========================================  ==================
+Linear        :class:`~.layers.FactoredBlock` (any ``...``)  bias: direct Σ_t e
+Conv2d        FactoredBlock via im2col (groups = 1, any      bias: direct
+              stride/dilation/padding/padding_mode)
+Embedding     :class:`~.layers.SparseRowsBlock`              —
+              (no ``max_norm``/``scale_grad_by_freq``)
+LayerNorm     direct (x̂ ⊙ e summed)                          bias: direct
+GroupNorm     direct (closed form from group stats)           bias: direct
+============  ===========================================  ==================
+
+Adding a rule (as Opacus's ``register_grad_sampler``)::
+
+    @register_rule(nn.MyLayer, supports=lambda m: m.some_option is None)
+    def _my_layer(layer: LayerCalls) -> list:
+        # layer.calls: [(a [B, ...], e [B, ...])] per call and evaluation point
+        return [DirectBlock([layer.index["weight"]], [...per-sample grads [B, *shape]...])]
+
+The rule only has to be exact for one example per row of dim 0: the engine
+verifies that layout on every batch, and compares the rule's per-example
+norms and sums with the reference path on the first batch
+(:meth:`~dpopt.engine.fast.PerSampleEngine._verify`), so a wrong rule is
+demoted with a warning rather than trusted. A rule must be registered before
+the engine plans the model (:func:`~dpopt.engine.fast.get_engine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, group_norm_grads,
+                     layer_norm_grads)
+
+__all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for"]
+
+
+@dataclass
+class LayerCalls:
+    """What a rule receives: one module's recorded calls in one source (private data).
+
+    Attributes:
+        module: the layer (its hyperparameters are read, never its parameters' values).
+        index: parameter attribute name (``"weight"``, ``"bias"``) → the
+            trainable-parameter index it covers; only attributes the fast path
+            owns are present (a shared or frozen parameter is absent).
+        shapes: attribute name → parameter shape.
+        calls: ``(a, e)`` per recorded call and evaluation point: the layer
+            input ``a [B, ...]`` (cast to the parameter dtype if floating) and
+            the gradient of the coefficient-weighted per-example losses w.r.t.
+            the layer output, ``e [B, ...]``. Never empty (a layer without
+            calls gets zero gradients from the engine).
+        stats: per call, the ``(mean, rstd)`` autograd saved for a norm
+            layer's backward, or None.
+        batch_size: B.
+        budget: the source's memory :class:`~dpopt.engine.layers.Budget`.
+    """
+
+    module: nn.Module
+    index: dict[str, int]
+    shapes: dict[str, torch.Size]
+    calls: list[tuple[Tensor, Tensor]]
+    stats: list[Optional[tuple[Tensor, Tensor]]]
+    batch_size: int
+    budget: Budget
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: ``supports(module) -> bool`` and ``blocks(LayerCalls) -> list of blocks``."""
+
+    layer_type: type
+    supports: Callable[[nn.Module], bool]
+    blocks: Callable[[LayerCalls], list]
+
+
+RULES: dict[type, Rule] = {}
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], bool]] = None):
+    """Decorator: register ``fn(layer: LayerCalls) -> list of blocks`` as the fast rule of ``layer_types``.
+
+    Args:
+        layer_types: exact module types the rule handles.
+        supports: ``supports(module) -> bool`` for options the rule cannot
+            handle (default: every instance); an unsupported instance uses the
+            reference path.
+
+    Raises:
+        ValueError: no layer type given, or a type that already has a rule.
+    """
+    if not layer_types:
+        raise ValueError("register_rule needs at least one layer type")
+
+    def decorate(fn: Callable[[LayerCalls], list]) -> Callable[[LayerCalls], list]:
+        for t in layer_types:
+            if t in RULES:
+                raise ValueError(f"{t.__name__} already has a fast rule ({RULES[t].blocks.__name__})")
+            RULES[t] = Rule(t, supports or _always, fn)
+        return fn
+
+    return decorate
+
+
+def rule_for(module: nn.Module) -> Optional[Rule]:
+    """The rule of ``module``'s exact type if it supports this instance, else None (reference path)."""
+    rule = RULES.get(type(module))
+    return rule if rule is not None and rule.supports(module) else None
+
+
+# --------------------------------------------------------------------------- factored weights
+@register_rule(nn.Linear)
+def _linear(layer: LayerCalls) -> list:
+    b, calls, blocks = layer.batch_size, layer.calls, []
+    if "weight" in layer.index:
+        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
+                                    [LinearPart(a, e) for a, e in calls], layer.budget, b))
+    if "bias" in layer.index:
+        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))
+    return blocks
+
+
+@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1)
+def _conv2d(layer: LayerCalls) -> list:
+    b, calls, m, blocks = layer.batch_size, layer.calls, layer.module, []
+    if "weight" in layer.index:
+        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
+                                    [ConvPart(m, a, e) for a, e in calls], layer.budget, b))
+    if "bias" in layer.index:
+        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.sum((2, 3)) for _, e in calls)]))
+    return blocks
+
+
+# --------------------------------------------------------------------------- sparse rows
+@register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq)
+def _embedding(layer: LayerCalls) -> list:
+    m = layer.module
+    return [SparseRowsBlock(layer.index.get("weight"), m.num_embeddings, m.padding_idx, layer.calls,
+                            layer.batch_size)]
+
+
+# --------------------------------------------------------------------------- norm layers (direct)
+def _affine_blocks(layer: LayerCalls, grads: list[tuple[Tensor, Tensor]]) -> list:
+    """DirectBlocks of a norm layer's (weight, bias) from per-call per-sample gradients."""
+    blocks = []
+    if "weight" in layer.index:
+        blocks.append(DirectBlock([layer.index["weight"]], [sum(g[0] for g in grads)]))
+    if "bias" in layer.index:
+        blocks.append(DirectBlock([layer.index["bias"]], [sum(g[1] for g in grads)]))
+    return blocks
+
+
+@register_rule(nn.GroupNorm)
+def _group_norm(layer: LayerCalls) -> list:
+    m = layer.module
+    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st)
+                                  for (a, e), st in zip(layer.calls, layer.stats)])
+
+
+@register_rule(nn.LayerNorm)
+def _layer_norm(layer: LayerCalls) -> list:
+    m = layer.module
+    return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
+                                  for (a, e), st in zip(layer.calls, layer.stats)])
