@@ -1,6 +1,6 @@
 """The fast per-sample engine (dpopt.engine) equals the torch.func reference path.
 
-Every comparison is against :func:`dpopt.per_sample.per_sample_gradients`
+Every comparison is against :func:`dpopt.engine.reference.per_sample_gradients`
 (materialised vmap(grad)), on models mixing every layer with a fast rule plus
 parameters that must fall back, in float64 so that the tolerance (1e-9
 relative) would catch any algebra slip.
@@ -17,7 +17,7 @@ from dpopt.engine import PerSampleEngine, fast_per_sample_gradients, iter_per_sa
 from dpopt.engine.layers import CONV_METHODS, Budget, ConvPart, im2col
 from dpopt.methods import make_optimizer
 from dpopt.models import build_model, num_parameters
-from dpopt.per_sample import per_sample_gradients
+from dpopt.engine.reference import per_sample_gradients
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.transforms.base import ClipGeometry, EvaluationPoint
 
