@@ -1,5 +1,6 @@
 """The Privatizer: exact clipping, noise std, B̄ denominator, empty batches, non-finite grads."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ from scipy import stats
 from dpopt.accounting.events import poisson_gaussian_step
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.privatizer import Privatizer
-from dpopt.transforms.base import ClipGeometry
+from dpopt.types import ClipGeometry
 
 
 def _batch_of_is(b: int, shapes=((2, 2), (3,))) -> PerSampleGrads:
@@ -127,10 +128,35 @@ def test_invalid_configuration(kwargs, match):
         Privatizer(**base)
 
 
+# Every field of Release, classified as PUBLIC: a released (noised) value, public configuration,
+# or accountant input. A new field must be added here deliberately, after checking that it
+# carries nothing private (no batch size, indices, per-sample norms/gradients, un-noised sums).
+RELEASE_PUBLIC_FIELDS = {
+    "grads": "the privatized gradient g~ (noise added, divided by the public expected batch size)",
+    "noise_std": "sigma * sensitivity / expected_batch_size (times the public scale): public constants",
+    "geometry": "the clip geometry: a function of earlier releases only",
+    "step": "index of the logical step (public: steps are fixed in advance)",
+    "event": "the DpEvent recorded in the ledger (public sigma, q)",
+    "noise_multiplier": "sigma (public configuration)",
+    "expected_batch_size": "q * N, the public denominator",
+    "max_grad_norm": "bounds applied: configured, or adapted from the noisy released count",
+}
+
+
 def test_release_never_carries_private_fields():
+    """Release carries only fields classified as public (an allow-list, not a list of known leaks)."""
     rel = Privatizer(1.0, 1.0, 4.0, 0.1).privatize(PerSampleGrads([torch.ones(3, 2)]))
-    fields = set(rel.__dataclass_fields__)
-    assert not fields & {"batch_size", "indices", "norms", "per_sample"}
+    fields = {f.name for f in dataclasses.fields(rel)}
+    unclassified = fields - set(RELEASE_PUBLIC_FIELDS)
+    assert not unclassified, (f"Release has fields not classified as public: {sorted(unclassified)}; a Release "
+                              "may carry only released (noised) values and public configuration. Add each to "
+                              "RELEASE_PUBLIC_FIELDS with the reason it is public, or keep it in the Privatizer.")
+    stale = set(RELEASE_PUBLIC_FIELDS) - fields
+    assert not stale, f"allow-list entries that are no longer Release fields: {sorted(stale)}"
+    # frozen: no value can be attached to a Release after it left the Privatizer
+    assert rel.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rel.step = 1  # type: ignore[misc]
 
 
 def test_bound_types_are_coerced():

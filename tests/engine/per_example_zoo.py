@@ -1,6 +1,6 @@
 """Models on which "dim 0 is the example" fails in some layer, and their ground truth.
 
-Shared by tests/test_per_example_models.py and tests/test_sensitivity.py. Each
+Shared by tests/engine/test_per_example_models.py and tests/engine/test_sensitivity.py. Each
 case builds a float64 model, a batch ``(x, y)`` with ``B`` examples along
 ``batch_dim`` of x, and the ground truth is :func:`loop_grads`: one autograd
 call per example, the model seeing that example alone (a size-1 example axis
@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence
+
+from dpopt.types import ClipGeometry
 
 DT = torch.float64
 V, D, H, C = 11, 7, 9, 3  # vocabulary, width, hidden, classes
@@ -224,8 +226,6 @@ def loop_grads(model: nn.Module, loss_fn, x, y, batch_dim: int = 0) -> list[torc
 
 def per_example_from_source(src, n_params: int):
     """(sq norms [B, n] per parameter, per-example gradients via one-hot weighted sums) of a source."""
-    from dpopt.transforms.base import ClipGeometry
-
     geo = ClipGeometry()
     groups = list(range(n_params))
     sq = src.sq_norms(geo, groups, n_params)

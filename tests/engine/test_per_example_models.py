@@ -1,6 +1,6 @@
 """Per-example gradients on models where "dim 0 is the example" fails somewhere (issue 9).
 
-For every model kind of tests/per_example_zoo.py and both engines, the
+For every model kind of tests/engine/per_example_zoo.py and both engines, the
 source's per-example squared norms (identity geometry) and its per-example
 gradients (weighted sums with one-hot weights) must equal a loop of
 single-example autograd within 1e-4 relative — with batch sizes that collide
@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpopt.engine import PerSampleEngine, free_sizes, iter_per_sample_sources
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
-from dpopt.transforms.base import EvaluationPoint
+from dpopt.types import EvaluationPoint
 
 from per_example_zoo import CASES, DT, ce, loop_grads, make, per_example_from_source, rel_err
 

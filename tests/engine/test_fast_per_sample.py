@@ -19,7 +19,7 @@ from dpopt.methods import make_optimizer
 from dpopt.models import build_model, num_parameters
 from dpopt.engine.reference import per_sample_gradients
 from dpopt.privatizer import Privatizer, QuantileClipping
-from dpopt.transforms.base import ClipGeometry, EvaluationPoint
+from dpopt.types import ClipGeometry, EvaluationPoint
 
 DT = torch.float64
 

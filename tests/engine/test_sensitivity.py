@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dpopt.engine import iter_per_sample_sources
-from dpopt.transforms.base import ClipGeometry
+from dpopt.types import ClipGeometry
 
 from per_example_zoo import CASES, ce, make
 
