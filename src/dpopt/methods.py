@@ -130,13 +130,12 @@ def get_method(name: str) -> MethodSpec:
     """Look up a method by name.
 
     Raises:
-        ConfigError: unknown name (the message lists every method; argument ``method``).
+        ConfigError: unknown name (the message lists every method).
     """
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(_REGISTRY)}",
-                          "method") from None
+        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(_REGISTRY)}") from None
 
 
 PRIVATIZER_KEYS = ("max_grad_norm",)
