@@ -1,4 +1,5 @@
-"""The CLI on the bundled digits: a real run, JSON output, the run directory, and bad input."""
+"""``dpopt train`` and ``dpopt methods`` on the bundled digits: a real run, JSON output, the run
+directory, and bad input."""
 
 import json
 import shutil
@@ -11,6 +12,7 @@ from dpopt.accounting.accountant import epsilon
 from dpopt.accounting.events import poisson_gaussian_step
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.cli import app
+from dpopt.errors import ConfigError
 
 runner = CliRunner()
 REQUIRED = {"method", "dataset", "model", "test_accuracy", "epsilon", "delta", "noise_multiplier",
@@ -128,7 +130,43 @@ def test_config_records_the_sigma_actually_used(tmp_path):
     assert config["max_grad_norm"] == 1.0
 
 
-def test_tiny_noise_multiplier_gets_advice_not_a_traceback():
-    res = runner.invoke(app, ["account", "--noise-multiplier", "1e-3", "--sample-rate", "0.01", "--steps", "10",
-                              "--delta", "1e-5"])
-    assert res.exit_code == 2 and "--accountant rdp" in res.output
+# --- errors: library arguments shown as flags; Ctrl-C ------------------------------------------
+@pytest.mark.parametrize("exc, message", [
+    (ConfigError("batch_size must be >= 1, got 0", "batch_size"), "error: --batch-size must be >= 1, got 0"),
+    (ConfigError("expected_batch_size must be > 0", "expected_batch_size"), "error: --batch-size must be > 0"),
+    (ConfigError("count_share and count_noise_multiplier exclude each other", "count_share",
+                 "count_noise_multiplier"), "error: --count-share and --count-noise-multiplier exclude each other"),
+    (ConfigError("momentum must be in [0, 1), got 5", "momentum"), "error: --hp momentum must be in [0, 1), got 5"),
+    (ConfigError("unknown hparams key 'foo'", "hparams"), "error: unknown --hp key 'foo'"),
+    (ConfigError("h1 must be <= h2", "h1", "h2"), "error: --h1 must be <= --h2"),
+    (ValueError("lr must be > 0 (batch_size untouched)"), "error: lr must be > 0 (batch_size untouched)"),
+])
+def test_library_errors_name_the_flags(monkeypatch, tmp_path, exc, message):
+    import dpopt.training
+
+    def failing(cfg, on_step=None):
+        raise exc
+
+    monkeypatch.setattr(dpopt.training, "train", failing)
+    res = runner.invoke(app, ["train", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and res.stderr.strip() == message
+
+
+def test_ctrl_c_during_training_exits_130(monkeypatch, tmp_path):
+    import dpopt.training
+    from dpopt.accounting.calibration import CalibrationInterrupted
+
+    def interrupted(cfg, on_step=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dpopt.training, "train", interrupted)
+    res = runner.invoke(app, ["train", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 130 and res.stderr.strip() == "error: training interrupted"
+
+    def calibration(cfg, on_step=None):
+        raise CalibrationInterrupted("calibration interrupted; no noise multiplier was chosen")
+
+    monkeypatch.setattr(dpopt.training, "train", calibration)
+    res = runner.invoke(app, ["train", "--out", str(tmp_path / "r"), "--target-epsilon", "1"])
+    assert res.exit_code == 130
+    assert res.stderr.strip() == "error: calibration interrupted; no noise multiplier was chosen; nothing was trained"

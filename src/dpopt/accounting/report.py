@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..errors import ConfigError
+from .accountant import epsilon_report
+from .events import summarize_event
+from .ledger import PrivacyLedger
+from .registry import REGISTRY, check_accountant
+from .validation import check_delta
 
 __all__ = ["LedgerReport", "ReleaseRun", "ledger_report", "ledger_runs", "score_ledger"]
 
@@ -59,8 +64,6 @@ class ReleaseRun:
 
 def ledger_runs(ledger: Any) -> list[ReleaseRun]:
     """Group a :class:`~dpopt.accounting.ledger.PrivacyLedger`'s entries into :class:`ReleaseRun` s."""
-    from .events import summarize_event
-
     runs: list[ReleaseRun] = []
     last_event = None
     for entry in ledger.entries:
@@ -91,14 +94,11 @@ def score_ledger(ledger: Any, delta: float) -> tuple[dict, dict]:
         on this ledger; ``notes[name]`` lists the accountant's notes (e.g. a
         coarsened grid; the ε is still an upper bound), only where there are any.
     """
-    from .accountant import ACCOUNTANTS, epsilon_report
-    from .prv import prv_available
-
     scores: dict[str, Union[float, str]] = {}
     notes: dict[str, list] = {}
-    for name in ACCOUNTANTS:
-        if name == "prv" and not prv_available():
-            scores[name] = "n.a.: unavailable (pip install prv-accountant)"
+    for name, accountant in REGISTRY.items():
+        if not accountant.available():
+            scores[name] = f"n.a.: unavailable (pip install {accountant.requires})"
             continue
         try:
             report = epsilon_report(ledger, delta, name)
@@ -179,10 +179,6 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
             outside (0, 1) (the argument named).
         ValueError: an unknown ``accountant``.
     """
-    from .ledger import PrivacyLedger
-    from .registry import check_accountant
-    from .validation import check_delta
-
     book = PrivacyLedger.load(run_dir)
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}

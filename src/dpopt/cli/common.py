@@ -81,12 +81,12 @@ def flags_for(names: Iterable[str], **overrides: str) -> dict[str, str]:
 def flag_text(text: str, flags: Mapping[str, str]) -> str:
     """Rewrite the library's advice phrases into the command's flags (for plain-text messages).
 
-    ``accountant 'rdp'`` → ``--accountant rdp`` and ``set noise_multiplier
+    ``accountant 'rdp'`` → ``--accountant rdp`` (for pld, rdp, prv) and ``set noise_multiplier
     directly`` → ``pass --noise-multiplier directly``, for the arguments in
     ``flags`` only.
     """
     if "accountant" in flags:
-        text = re.sub(r"(?<![\w-])(?:--)?accountant '(\w+)'", rf"{flags['accountant']} \1", text)
+        text = re.sub(r"(?<![\w-])(?:--)?accountant '(pld|rdp|prv)'", rf"{flags['accountant']} \1", text)
     for name, flag in flags.items():
         for spelled in (name, flag):
             text = text.replace(f"set {spelled} directly", f"pass {flag} directly")

@@ -1,0 +1,67 @@
+"""``dpopt account``, ``calibrate``, ``ledger`` and ``check``: errors and the ledger table.
+
+More of these commands' tests sit next to the accounting they exercise
+(tests of calibration, the ledger check and the accountants' bounds).
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dpopt.accounting.events import poisson_gaussian_step
+from dpopt.accounting.ledger import PrivacyLedger
+from dpopt.cli import app
+
+runner = CliRunner()
+
+
+def test_tiny_noise_multiplier_gets_advice_not_a_traceback():
+    res = runner.invoke(app, ["account", "--noise-multiplier", "1e-3", "--sample-rate", "0.01", "--steps", "10",
+                              "--delta", "1e-5"])
+    assert res.exit_code == 2 and "--accountant rdp" in res.output
+
+
+def _ledger(path, steps=5, sigma=1.0, q=0.01):
+    book = PrivacyLedger()
+    for step in range(steps):
+        book.record(step, poisson_gaussian_step(sigma, q), sensitivity=1.0 + step / 10)
+    book.save(path / "ledger.json")
+    return book
+
+
+def test_ledger_without_summary_needs_delta(tmp_path):
+    _ledger(tmp_path)
+    res = runner.invoke(app, ["ledger", str(tmp_path)])
+    assert res.exit_code == 2 and res.stderr.startswith("error: --delta is required")
+    res = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "2"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: --delta must be in (0, 1)")
+    res = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "1e-5", "--accountant", "nope"])
+    assert res.exit_code == 2 and "unknown accountant 'nope'" in res.stderr
+    res = runner.invoke(app, ["ledger", str(tmp_path / "missing"), "--delta", "1e-5"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: ")
+
+
+def test_ledger_prints_the_library_report(tmp_path):
+    from dpopt.accounting.report import ledger_report
+
+    _ledger(tmp_path)
+    res = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "1e-5", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == json.loads(json.dumps(ledger_report(tmp_path, delta=1e-5).to_dict()))
+    text = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "1e-5"]).stdout
+    assert "steps 0-4 (5x): q = 0.01, Gaussians sigma = 1 -> sigma_eff = 1, sensitivity 1-1.4" in text
+    assert "pld: " in text and " *" in text
+
+
+def test_calibrate_ctrl_c_exits_130(monkeypatch):
+    import dpopt.accounting.calibration as cal
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "calibrate_noise_multiplier", interrupted)
+    res = runner.invoke(app, ["calibrate", "--target-epsilon", "2", "--sample-rate", "0.01", "--steps", "100",
+                              "--delta", "1e-5"])
+    assert res.exit_code == 130
+    assert res.stderr.strip() == "error: calibration interrupted; no noise multiplier was chosen"
