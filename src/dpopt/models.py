@@ -65,6 +65,11 @@ def check_model(model: nn.Module) -> None:
         ValueError: naming the layer and the fix, for
 
             * BatchNorm: mixes the examples of a batch (use GroupNorm/LayerNorm);
+            * InstanceNorm with ``track_running_stats=True``: its running
+              statistics are un-noised functions of private batches, released
+              with the model (use ``track_running_stats=False``). Any other
+              buffer a forward pass changes is refused at run time
+              (:func:`~dpopt.engine.inputs.buffers_unchanged`);
             * ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: the forward
               renormalises the looked-up weight rows *in place*, so which rows
               change depends on private tokens — an un-noised change to the
@@ -79,6 +84,11 @@ def check_model(model: nn.Module) -> None:
                 f"{where}: batch normalisation mixes "
                 "examples, so per-sample gradients (and the privacy claim) would be invalid. Replace it "
                 "with nn.GroupNorm (or LayerNorm).")
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            raise ValueError(
+                f"{where} with track_running_stats=True: its running mean/variance are un-noised "
+                "statistics of the private batches and would be released with the model. Use "
+                "track_running_stats=False (or GroupNorm).")
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             if module.max_norm is not None:
                 raise ValueError(

@@ -57,7 +57,7 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .inputs import LossFn, check_inputs
+from .inputs import LossFn, buffers_unchanged, check_inputs
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, per_sample_gradient_tensors, use_loop
 from .rules import RULES, LayerCalls, rule_for
@@ -608,8 +608,15 @@ class PerSampleEngine:
 
         Raises:
             ValueError: invalid inputs (:func:`~dpopt.engine.inputs.check_inputs`),
-                or a model the per-example path cannot run on one example.
+                a model the per-example path cannot run on one example, or a
+                forward pass that changes a buffer
+                (:func:`~dpopt.engine.inputs.buffers_unchanged`).
         """
+        with buffers_unchanged(self.model):
+            return self._compute(x, y, points, batch_dim)
+
+    def _compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]],
+                 batch_dim: int) -> FastPerSampleGrads:
         bd = check_inputs(x, y, batch_dim)
         pts = tuple(points) if points else (EvaluationPoint(1.0),)
         b = int(y.shape[0])

@@ -7,12 +7,13 @@ convention); the targets ``y`` always have the examples along dim 0, and
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["LossFn", "check_inputs"]
+__all__ = ["LossFn", "check_inputs", "buffers_unchanged"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss_fn(out_i, target[1, ...]) -> scalar``: the loss of one example (its model output and target)."""
@@ -48,3 +49,30 @@ def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
                          f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
                          "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])")
     return bd
+
+
+@contextmanager
+def buffers_unchanged(model: nn.Module) -> Iterator[None]:
+    """Refuse a forward pass that changes a buffer of ``model`` (running statistics, counters).
+
+    A buffer updated while private examples pass through the model holds an
+    un-noised function of them (InstanceNorm's ``running_mean``, a custom
+    ``self.seen += x.sum(0)``); it would be released with ``model.pt`` and
+    would shape every later output. Detected by identity and version counter
+    of every buffer before and after the block.
+
+    Raises:
+        ValueError: naming the changed buffers and the fix.
+    """
+    before = {name: (buf, buf._version) for name, buf in model.named_buffers()}
+    yield
+    after = dict(model.named_buffers())
+    changed = sorted(name for name in set(before) | set(after)
+                     if name not in before or name not in after or after[name] is not before[name][0]
+                     or after[name]._version != before[name][1])
+    if changed:
+        raise ValueError(f"the model's forward pass changed its buffers {changed} while computing per-sample "
+                         "gradients of private examples: their new values are un-noised statistics of the "
+                         "private batch and would be released with the model. Use layers without tracked "
+                         "statistics (e.g. InstanceNorm with track_running_stats=False, GroupNorm) and keep "
+                         "buffers constant during training")

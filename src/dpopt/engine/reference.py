@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .inputs import LossFn, check_inputs
+from .inputs import LossFn, buffers_unchanged, check_inputs
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
            "check_inputs", "METHODS"]
@@ -231,8 +231,9 @@ def per_sample_gradient_tensors(
 
     Raises:
         KeyError: a name that is not a trainable parameter.
-        ValueError: invalid inputs (:func:`check_inputs`), unknown method, or
-            the model/loss failed on a single example.
+        ValueError: invalid inputs (:func:`check_inputs`), unknown method,
+            the model/loss failed on a single example, or the forward pass
+            changed a buffer (:func:`~dpopt.engine.inputs.buffers_unchanged`).
 
     Source: ``torch.func`` ``vmap(grad(...))`` (per-sample-gradients tutorial).
     """
@@ -252,7 +253,8 @@ def per_sample_gradient_tensors(
         shifted = _shifted(params, pt.offset)
         sel = {k: shifted[k] for k in chosen}
         rest = {k: v for k, v in shifted.items() if k not in sel}
-        g = _grads(model, loss_fn, sel, rest, x, y, bd, method)
+        with buffers_unchanged(model):
+            g = _grads(model, loss_fn, sel, rest, x, y, bd, method)
         g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]
         total = g if total is None else [a + c for a, c in zip(total, g)]
     return total  # type: ignore[return-value]
