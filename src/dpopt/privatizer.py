@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import PrivacyLedger
+from .errors import ConfigError
 from .noise import NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
@@ -150,6 +151,11 @@ class Privatizer:
                              f"got {max_grad_norm!r}") from None
         if not bounds or any(not (c > 0) or math.isnan(c) for c in bounds):
             raise ValueError(f"max_grad_norm must be > 0 (per group), got {max_grad_norm!r}")
+        if self.noise_multiplier > 0 and not all(math.isfinite(c) for c in bounds):
+            raise ConfigError(f"max_grad_norm must be finite when noise_multiplier > 0 (the noise std is "
+                              f"noise_multiplier × max_grad_norm), got {max_grad_norm!r}; an infinite bound "
+                              "is only meaningful with noise_multiplier = 0 (non-private reference runs)",
+                              "max_grad_norm", "noise_multiplier")
         self.bounds = bounds
         self.groups = None if groups is None else [int(g) for g in groups]
         if self.groups is not None and (min(self.groups) < 0 or max(self.groups) >= len(bounds)):

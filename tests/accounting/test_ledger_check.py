@@ -320,3 +320,13 @@ def test_secret_and_secure_noise_pass_without_nonfinite_steps(tmp_path, mode):
     # a summary that disagrees with the ledger fails
     _write(tmp_path, priv, noise="reproducible")
     assert check_run(tmp_path).failures == ["noise_source"]
+
+
+def test_release_without_noise_fails_the_check():
+    """σ = 0 is consistent bookkeeping but no privacy: the noise item must say so (ε = ∞)."""
+    priv = Privatizer(0.0, 1.0, expected_batch_size=BBAR, sample_rate=Q)
+    for _ in range(3):
+        priv.privatize(PerSampleGrads([torch.ones(2, 3)]))
+    result = check_ledger(priv.ledger, {})
+    assert not result["noise"].passed
+    assert "WITHOUT noise" in result.format()

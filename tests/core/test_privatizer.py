@@ -164,3 +164,21 @@ def test_bound_types_are_coerced():
     assert Privatizer(1.0, torch.tensor(3.0), 4.0, 0.1).bounds == [3.0]
     with pytest.raises(ValueError, match="max_grad_norm must be a number"):
         Privatizer(1.0, "x", 4.0, 0.1)
+
+
+def test_infinite_bound_needs_zero_noise():
+    with pytest.raises(ValueError, match="finite when noise_multiplier > 0"):
+        Privatizer(1.0, float("inf"), expected_batch_size=4.0, sample_rate=0.1)
+    rel = Privatizer(0.0, float("inf"), expected_batch_size=4.0, sample_rate=0.1).privatize(
+        PerSampleGrads([torch.full((2, 3), 10.0)]))
+    assert torch.equal(rel.grads[0], torch.full((3,), 5.0))  # σ = 0, C = ∞: the plain sum / B̄
+
+
+def test_cli_refuses_infinite_bound_with_noise(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--max-grad-norm", "inf", "--epochs", "0.1", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "--max-grad-norm must be finite" in res.output
+    assert not (tmp_path / "r").exists()  # refused before anything was written

@@ -226,7 +226,7 @@ def _bounds(meta: Mapping) -> Optional[list[float]]:
 
 
 def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float) -> CheckItem:
-    std_bad, sens_bad, grad_bad, count_bad, missing = [], [], [], [], []
+    std_bad, sens_bad, grad_bad, count_bad, missing, zero = [], [], [], [], [], []
     sens_seen, count_seen = set(), 0
     for entry, p in zip(ledger.entries, parsed):
         m = entry.meta
@@ -236,6 +236,8 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
             missing.append(f"step {entry.step}")
             continue
         total = math.sqrt(sum(c * c for c in bounds))
+        if sigma == 0.0:
+            zero.append(f"step {entry.step}")
         sens_seen.add(round(sens, 12))
         if not _close(sens, total, rtol):
             sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
@@ -269,7 +271,8 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
         elif len(p.gaussians) >= 2:
             count_bad.append(f"step {entry.step}: the event has {len(p.gaussians)} Gaussians but only the "
                              "gradient's noise is recorded (no count_noise_std / count_sensitivity)")
-    problems = (_summarise(missing, "entries without noise_multiplier/sensitivity/noise_std/max_grad_norm")
+    problems = (_summarise(zero, "entries released WITHOUT noise (noise_multiplier 0: not private, epsilon = inf)")
+                + _summarise(missing, "entries without noise_multiplier/sensitivity/noise_std/max_grad_norm")
                 + _summarise(sens_bad, "entries whose sensitivity is not the total bound √(Σ C_k²)")
                 + _summarise(std_bad, "entries whose noise std is not σ × sensitivity")
                 + _summarise(grad_bad, "entries whose event does not carry the recorded gradient σ")
