@@ -26,6 +26,8 @@ def _command(body):
 
 @pytest.mark.parametrize("exc, code, line", [
     (ConfigError("batch_size must be >= 1, got 0", "batch_size"), 2, "error: --batch-size must be >= 1, got 0"),
+    (ConfigError("batch_size applies to accountant 'rdp' only", "batch_size", "accountant"), 2,
+     "error: --batch-size applies to --accountant rdp only"),
     (ValueError("batch_size must be >= 1"), 2, "error: batch_size must be >= 1"),  # undeclared: as is
     (FileNotFoundError("no ledger.json in /x"), 2, "error: no ledger.json in /x"),
     (ValueError("epsilon is huge; use accountant 'rdp'"), 2, "error: epsilon is huge; use --accountant rdp"),

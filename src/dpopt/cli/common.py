@@ -96,12 +96,19 @@ def flag_text(text: str, flags: Mapping[str, str]) -> str:
 def cli_message(exc: BaseException, flags: Optional[Mapping[str, str]] = None) -> str:
     """The library's message for the user: declared arguments translated to ``flags``.
 
+    A quoted value after a translated flag loses its quotes, as it would be
+    typed (``clipping 'quantile'`` → ``--clipping quantile``).
+
     Exceptions other than ``ValueError``/``ImportError``/``OSError``/interrupts
     are prefixed with their type (``RuntimeError: ...``): they are not about
     the input, and the type helps a bug report.
     """
     flags = flags or {}
     text = translate(exc, flags) or type(exc).__name__
+    for arg in getattr(exc, "arguments", ()):  # "--clipping 'quantile'" reads as typed: "--clipping quantile"
+        if arg in flags:
+            flag = flags[arg]
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)} '([^'\s]+)'", lambda m: f"{flag} {m.group(1)}", text)
     if not isinstance(exc, (ValueError, ImportError, OSError, KeyboardInterrupt)):
         text = f"{type(exc).__name__}: {text}"
     return flag_text(text, flags)
