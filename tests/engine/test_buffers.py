@@ -60,3 +60,18 @@ def test_constant_buffers_are_fine():
     model.register_buffer("scale", torch.ones(3))
     src = next(iter(iter_per_sample_sources(model, _loss, torch.randn(4, 5), torch.randint(0, 3, (4,)))))
     assert src.batch_size == 4
+
+
+@pytest.mark.parametrize("engine", ["fast", "reference"])
+def test_loss_must_be_one_number_per_example(engine):
+    import warnings
+
+    model = nn.Sequential(nn.Linear(5, 3))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a 1-element loss (reduction="none") is fine: no fallback warning
+        src = next(iter(iter_per_sample_sources(
+            model, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"), x, y, engine=engine)))
+    assert src.batch_size == 4
+    with pytest.raises(ValueError, match="one number per example"):
+        list(iter_per_sample_sources(model, lambda o, t: o.sum(0), x, y, engine=engine))

@@ -57,7 +57,7 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .inputs import LossFn, buffers_unchanged, check_inputs
+from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, per_sample_gradient_tensors, use_loop
 from .rules import RULES, LayerCalls, rule_for
@@ -208,7 +208,7 @@ class FastPerSampleGrads:
 def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
     """ℓ_i = loss_fn(out[i:i+1], y[i:i+1]) for all i, shape ``[B]`` (vmap; loop if vmap fails)."""
     def one(o: Tensor, t: Tensor) -> Tensor:
-        return loss_fn(o.unsqueeze(0), t.unsqueeze(0))
+        return example_loss(loss_fn(o.unsqueeze(0), t.unsqueeze(0)))
 
     try:
         return vmap(one)(out, y)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["LossFn", "check_inputs", "buffers_unchanged"]
+__all__ = ["LossFn", "LossShapeError", "check_inputs", "buffers_unchanged", "example_loss"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss_fn(out_i, target[1, ...]) -> scalar``: the loss of one example (its model output and target)."""
@@ -76,3 +76,21 @@ def buffers_unchanged(model: nn.Module) -> Iterator[None]:
                          "private batch and would be released with the model. Use layers without tracked "
                          "statistics (e.g. InstanceNorm with track_running_stats=False, GroupNorm) and keep "
                          "buffers constant during training")
+
+
+class LossShapeError(ValueError):
+    """``loss_fn`` returned more than one number for a single example."""
+
+
+def example_loss(loss: Tensor) -> Tensor:
+    """The loss of one example as a 0-dim tensor (a 1-element result, e.g. ``reduction="none"``, is accepted).
+
+    Raises:
+        LossShapeError: (a ValueError) ``loss_fn`` returned more than one number for one example.
+    """
+    if loss.dim() == 0:
+        return loss
+    if loss.numel() == 1:
+        return loss.reshape(())
+    raise LossShapeError(f"loss_fn must return one number per example, got a tensor of shape {tuple(loss.shape)} "
+                     "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)")

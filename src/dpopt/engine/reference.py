@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .inputs import LossFn, buffers_unchanged, check_inputs
+from .inputs import LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
            "check_inputs", "METHODS"]
@@ -153,7 +153,7 @@ def _one_example(model: nn.Module, loss_fn: LossFn, batch_dim: int):
 
     def f(params: dict, x: Tensor, y: Tensor) -> Tensor:
         out = functional_call(model, (params, buffers), (x.unsqueeze(batch_dim),))
-        return loss_fn(out, y.unsqueeze(0))
+        return example_loss(loss_fn(out, y.unsqueeze(0)))
 
     return f
 
@@ -182,9 +182,11 @@ def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
         try:
             with torch.enable_grad():
                 out = functional_call(model, ({**rest, **leaves}, buffers), (x.narrow(bd, i, 1),))
-                loss = loss_fn(out, y[i:i + 1])
+                loss = example_loss(loss_fn(out, y[i:i + 1]))
                 gs = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
                       if loss.requires_grad else [None] * len(leaves))
+        except LossShapeError:
+            raise
         except Exception as err:  # noqa: BLE001 — the user's model/loss: say what was called
             raise ValueError(f"per-example gradients failed: model(x_i) with one example (a size-1 example "
                              f"axis at batch_dim={bd}, shape {tuple(x.narrow(bd, i, 1).shape)}) and "
@@ -198,6 +200,8 @@ def _grads(model, loss_fn, sel, rest, x, y, bd, method: str) -> dict:
         return _loop_grads(model, loss_fn, sel, rest, x, y, bd)
     try:
         return _vmap_grads(model, loss_fn, sel, rest, x, y, bd)
+    except LossShapeError:
+        raise  # the user's loss, not vmap: say so directly
     except Exception as err:  # noqa: BLE001 — vmap cannot batch this model: the exact loop instead
         if method == "vmap":
             raise
