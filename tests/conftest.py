@@ -15,7 +15,7 @@ def float64():
 
 @pytest.fixture(scope="session")
 def leaky():
-    """The deliberately leaky privatizers and ledger checks of ``tests/leaky.py`` (test-only module).
+    """The deliberately leaky privatizers and ledger checks of ``tests/auditing/leaky.py`` (test-only module).
 
     Loaded from its file by ``importlib`` (no ``sys.path`` change) and registered once as
     ``sys.modules["leaky"]``, so every test sees the same classes.
@@ -26,7 +26,7 @@ def leaky():
 
     if "leaky" in sys.modules:
         return sys.modules["leaky"]
-    spec = importlib.util.spec_from_file_location("leaky", Path(__file__).with_name("leaky.py"))
+    spec = importlib.util.spec_from_file_location("leaky", Path(__file__).parent / "auditing" / "leaky.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["leaky"] = module
     spec.loader.exec_module(module)

@@ -184,7 +184,8 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     delta = delta if delta is not None else summary.get("delta")
     if delta is None:
-        raise ConfigError("delta is required: the run directory has no summary.json that records it", "delta")
+        where = "the ledger file" if Path(run_dir).is_file() else "the run directory (no summary.json)"
+        raise ConfigError(f"delta is required: {where} does not record it", "delta")
     try:
         check_delta(delta)
     except ValueError as exc:

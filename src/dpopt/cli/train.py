@@ -81,8 +81,10 @@ def train_command(
     batch_size: float = typer.Option(64.0, help="expected batch size B̄ (public denominator); sample_rate = B̄/N "
                                                 "unless --sample-rate is given"),
     sample_rate: Optional[float] = typer.Option(
-        None, help="Poisson rate q; default B̄/N, which treats the dataset size N as public (run files reveal it)"),
-    epochs: float = typer.Option(10.0, help="epochs; steps = round(epochs × N / B̄)"),
+        None, help="Poisson rate q; default B̄/N, which treats the dataset size N as public (run files reveal it). "
+                   "With --sample-rate, --batch-size is only the public denominator of the noisy average: "
+                   "set it near q×N yourself (dpopt does not print q×N, which would reveal N)"),
+    epochs: float = typer.Option(10.0, help="epochs; steps = round(epochs / q), q the sample rate"),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
     seed: int = typer.Option(0, help="seed for model initialisation and non-private randomness; the noise and "
                                      "Poisson masks are secret (OS entropy) unless --reproducible-noise"),

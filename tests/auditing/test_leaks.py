@@ -5,7 +5,7 @@ fixture of tests/conftest.py provides that module):
 
 1. clip bound = batch mean norm ............ empirical audit (ledger is self-consistent)
 2. data-dependent noise multiplier ......... empirical audit (ledger is self-consistent)
-3. noise sized to the smallest group bound . empirical audit (and dpopt.check's noise item)
+3. noise sized to the smallest group bound . empirical audit (and the ledger check's noise item)
 4. ε as a sum over epochs .................. ledger check: reported ε vs one accountant over the ledger
 5. unrecorded clipped-count release ........ ledger check: reads vs Gaussians recorded
                                              (the audit too, but only if the count's share is large)
@@ -130,7 +130,7 @@ def _adaptive_run(leaky, epochs=3, steps_per_epoch=20):
     """Quantile clipping (adaptive C) for 3 'epochs' of Poisson-sampled steps, q = 0.05.
 
     Seeded data and sampling; the privatizer's noise is secret (the default), so its ledger is
-    an honest one for ``dpopt.check`` (reproducible noise fails its noise-source item). The ε's
+    an honest one for the ledger check (reproducible noise fails its noise-source item). The ε's
     compared below depend only on the recorded events, not on the noise drawn."""
     g = torch.Generator().manual_seed(0)
     data = [torch.randn(100, *s, generator=g) * 3 for s in SHAPES]
@@ -165,7 +165,7 @@ def test_defect4_sum_at_one_delta_can_also_understate(leaky):
     assert len(problems) == 1 and "under-reported" in problems[0]
 
 
-# --------------------------------------------------------------------------- the same via dpopt.check
+# --------------------------------------------------------------------------- the same via the ledger check (dpopt.accounting.ledger_check)
 def _summary(p: Privatizer, eps: float) -> dict:
     sigmas = [p.noise_multiplier] + ([p.quantile.count_noise_multiplier] if p.quantile else [])
     return {"epsilon": eps, "delta": DELTA, "accountant": "rdp", "sample_rate": p.sample_rate,
@@ -174,7 +174,7 @@ def _summary(p: Privatizer, eps: float) -> dict:
 
 
 def test_dpopt_check_agrees_on_defects_3_4_5(leaky):
-    """Cross-check with the project's static ledger check (dpopt.check), when it imports."""
+    """Cross-check with the project's static ledger check (dpopt.accounting.ledger_check), when it imports."""
     check = pytest.importorskip("dpopt.accounting.ledger_check", reason="the ledger check does not import yet")
     # 4: a summed ε fails the composition item; the honest ε passes everything
     p = _adaptive_run(leaky)

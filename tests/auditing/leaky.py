@@ -24,7 +24,7 @@ each class exists so that the test suite can show the empirical audit
 The ledger checks here (:func:`recorded_gaussians`, :func:`check_reads_recorded`,
 :func:`check_reported_epsilon`) implement the two principles directly, so the
 leak tests do not depend on another module; ``tests/test_leaks.py`` also runs
-``dpopt.check.check_ledger`` on the same ledgers when it imports.
+``dpopt.accounting.ledger_check.check_ledger`` on the same ledgers when it imports.
 """
 
 from __future__ import annotations
