@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dpopt.methods import make_optimizer
+from method_problems import small_problem
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.transforms.base import StepContext
 from dpopt.transforms.macadam import MacAdam
@@ -30,14 +31,7 @@ pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
 
 # ------------------------------------------------------------------ reductions
-def _problem(seed=0, n=12, hidden=True):
-    torch.manual_seed(seed)
-    layers = [nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)] if hidden else \
-        [nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)]
-    model = nn.Sequential(*layers)
-    x = torch.randn(n, 4)
-    y = torch.randint(0, 3, (n,))
-    return model, x, y
+_problem = small_problem
 
 
 def _nonprivate(method, model, n, **kw):
