@@ -6,9 +6,13 @@ merged into :data:`app`:
 * :mod:`dpopt.cli.train` — ``train``, ``methods``;
 * :mod:`dpopt.cli.accounting` — ``account``, ``calibrate``, ``ledger``, ``check``;
 * :mod:`dpopt.cli.audit` — ``audit``;
+* :mod:`dpopt.cli.split` — ``split`` (the budget split explorer);
 * :mod:`dpopt.cli.common` — what they share: ``error: ...`` lines and exit
   codes (2 bad input, 130 interrupted), the translation of library argument
-  names to flags, and the shared options (``--delta``, ``--accountant``, ``--json``).
+  names to flags, the shared options (``--delta``, ``--accountant``, ``--json``)
+  and the help layout (:func:`~dpopt.cli.common.tidy_help`).
+
+``dpopt --version`` prints the package version.
 
 Commands parse options, call the library and print; the work (validation,
 training, accounting reports, audits) is the library's. Heavy imports (torch)
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE before torch loads
 
-from . import accounting, audit, train
+from . import accounting, audit, split, train
+from .common import tidy_help
 
 __all__ = ["app", "main"]
 
@@ -32,8 +37,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _group in (train.group, accounting.group, audit.group):
+for _group in (train.group, accounting.group, audit.group, split.group):
     app.add_typer(_group)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"dpopt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print dpopt's version and exit.")) -> None:
+    """Differentially private training with adaptive optimizers; every release is charged."""
+
+
+tidy_help(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -35,6 +35,9 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
     "USAGE_ERRORS",
+    "ACCOUNTANT_CHOICES",
+    "HELP_MIN_WIDTH",
+    "accountant_choices_text",
     "accountant_option",
     "cli_errors",
     "cli_message",
@@ -44,6 +47,7 @@ __all__ = [
     "flags_for",
     "json_num",
     "json_option",
+    "tidy_help",
 ]
 
 #: Exit code for input that cannot be used (as click's usage errors).
@@ -58,6 +62,17 @@ ACCOUNTING_ERRORS: tuple = (ValueError, FileNotFoundError, ImportError, RuntimeE
                             MemoryError)
 
 ACCOUNTANT_HELP = "Accountant: pld (connect-the-dots PLD, default), rdp, or prv (needs prv-accountant)."
+
+#: The accountants in words, for help texts and for the error on an unknown name.
+ACCOUNTANT_CHOICES = {
+    "pld": "privacy loss distributions, connect-the-dots: the default and the tightest",
+    "rdp": "Rényi DP: fast, looser",
+    "prv": "privacy random variables: needs the prv-accountant package",
+}
+
+#: Help is rendered at least this wide when stdout is not a terminal (files, pipes, CI logs)
+#: and TERMINAL_WIDTH/COLUMNS are not set: rich's default of 80 columns truncated option names.
+HELP_MIN_WIDTH = 100
 
 
 # --------------------------------------------------------------------------- errors
@@ -154,6 +169,51 @@ def delta_option(default=..., help: str = "δ in (0, 1), e.g. 1e-5."):
     return typer.Option(default, "--delta", help=help)
 
 
+def accountant_choices_text() -> str:
+    """``pld (…), rdp (…) or prv (…)``: the accountants in words."""
+    items = [f"{name} ({what})" for name, what in ACCOUNTANT_CHOICES.items()]
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _check_accountant_flag(value: Optional[str]) -> Optional[str]:
+    """``--accountant`` callback: an unknown name is one ``error:`` line listing the choices in words."""
+    if value is None or str(value).lower() in ACCOUNTANT_CHOICES:
+        return value
+    fail(f"unknown accountant {value!r} for --accountant; choose {accountant_choices_text()}")
+
+
 def accountant_option(default: Optional[str] = "pld", help: str = ACCOUNTANT_HELP):
-    """``--accountant``: pld, rdp or prv."""
-    return typer.Option(default, "--accountant", help=help)
+    """``--accountant``: pld, rdp or prv (an unknown name is refused with the choices in words)."""
+    return typer.Option(default, "--accountant", help=help, callback=_check_accountant_flag)
+
+
+# --------------------------------------------------------------------------- help layout
+def tidy_help(app: typer.Typer) -> None:
+    """Make ``--help`` readable: option names never truncated, flags shown without a type.
+
+    * Width: when stdout is not a terminal and neither ``TERMINAL_WIDTH`` nor
+      ``COLUMNS`` is set, help is rendered :data:`HELP_MIN_WIDTH` columns wide
+      (rich's default of 80 squeezed ``--reproducible-noise`` to ``--reproducible-noi…``).
+    * Flags: a boolean option takes no value, so its type column (``<bool>``)
+      is left empty (including ``--help``).
+    """
+    import os
+    import sys
+
+    import typer.core
+    import typer.rich_utils as rich_utils
+
+    if (rich_utils.MAX_WIDTH is None and not os.environ.get("COLUMNS") and not sys.stdout.isatty()):
+        rich_utils.MAX_WIDTH = HELP_MIN_WIDTH
+
+    option_cls = typer.core.TyperOption
+    if not getattr(option_cls.display_type_rich, "_dpopt_flags", False):
+        shown = option_cls.display_type_rich
+
+        def display_type_rich(self, ctx):
+            if getattr(self, "is_flag", False) and not getattr(self, "count", False) and self.metavar is None:
+                return None
+            return shown(self, ctx)
+
+        display_type_rich._dpopt_flags = True
+        option_cls.display_type_rich = display_type_rich
