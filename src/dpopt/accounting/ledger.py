@@ -26,6 +26,26 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
   (the sample rate q = B̄/N and the run files may reveal it); ``"unused"``: the
   sample rate was given explicitly and nothing recorded is derived from N.
 
+Journal (``ledger.jsonl``, JSON lines, :data:`JOURNAL_VERSION` 1), written while a run goes
+(:meth:`PrivacyLedger.open_journal`, :meth:`PrivacyLedger.flush`)::
+
+    {"format": "dpopt-ledger-journal", "version": 1, "entry_version": 2, "neighbouring": ...,
+     "sampling": ..., "noise": ..., "dataset_size": ...}
+    {"step": 0, "event": {...}, "meta": {...}}
+    ...
+
+A header line comes first and again whenever a header field changes (the
+last one holds; ``noise = "reproducible"`` anywhere makes the whole journal
+reproducible); every other line is one entry in the version-2 entry format.
+Appending costs O(new entries) per flush, where rewriting ``ledger.json``
+would cost O(all entries) — quadratic over a long run flushed every few
+steps; each flush is followed by ``fsync``, so an entry is on disk before any
+file that depends on it is written. A torn last line (a process killed while
+flushing; nothing depending on that entry was written yet) is dropped on
+reading. :meth:`PrivacyLedger.load` of a run directory reads the journal when
+there is one (it is never shorter than ``ledger.json``, which is written
+when a run stops); the journal is also a valid argument itself.
+
 Version-1 files (written before the noise source was recorded, when noise was
 always seeded from the published seed) load with ``noise = "unknown"`` and
 ``dataset_size = "public"``; ``dpopt check`` treats ``"unknown"`` as
@@ -35,17 +55,24 @@ reproducible.
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from dp_accounting import dp_event
 
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
-__all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES"]
+__all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
+           "JOURNAL_VERSION", "JOURNAL_NAME"]
 
 LEDGER_VERSION = 2
+#: Version of the JSON-lines journal format (its entries are in the LEDGER_VERSION entry format).
+JOURNAL_VERSION = 1
+#: File name of the journal in a run directory (beside ``ledger.json``).
+JOURNAL_NAME = "ledger.jsonl"
 #: Ledger versions :meth:`PrivacyLedger.from_dict` reads.
 READABLE_VERSIONS = (1, 2)
 #: How the noise was seeded; "unknown" is reserved for version-1 files.
@@ -110,6 +137,9 @@ class PrivacyLedger:
         self.noise = noise
         self.dataset_size = dataset_size
         self._entries: list[LedgerEntry] = []
+        self._journal: Optional[Path] = None
+        self._flushed = 0  # entries already in the journal
+        self._journal_header: Optional[dict] = None  # the header last written to the journal
 
     def mark_noise(self, mode: str) -> str:
         """Record how the Privatizer's noise (and Poisson masks) are seeded.
@@ -170,6 +200,133 @@ class PrivacyLedger:
         parts = [ev if n == 1 else dp_event.SelfComposedDpEvent(ev, int(n)) for ev, n in runs]
         return parts[0] if len(parts) == 1 else dp_event.ComposedDpEvent(parts)
 
+    # -- journal (append while a run goes) --------------------------------
+    def header(self) -> dict:
+        """The header fields (neighbouring, sampling, noise, dataset_size)."""
+        return {"neighbouring": self.neighbouring, "sampling": self.sampling, "noise": self.noise,
+                "dataset_size": self.dataset_size}
+
+    def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False) -> Path:
+        """Append this ledger's entries to the JSON-lines journal at ``path`` from now on.
+
+        Args:
+            path: the journal file (``ledger.jsonl``); created if missing.
+            flushed: how many of this ledger's entries the file already holds
+                (default: 0 for a new file; ``len(self)`` for an existing one, as
+                after :meth:`load_state_dict` from that journal).
+            rewrite: write the whole ledger to ``path`` now, atomically (a
+                resumed run: drops a torn last line before appending).
+
+        Otherwise nothing is written until :meth:`flush`.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rewrite:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            self._journal, self._flushed, self._journal_header = tmp, 0, None
+            self.flush()
+            os.replace(tmp, path)
+            self._journal = path
+            return path
+        exists = path.exists() and path.stat().st_size > 0
+        if flushed is None:
+            flushed = len(self._entries) if exists else 0
+        self._journal, self._flushed = path, int(flushed)
+        self._journal_header = self.header() if exists else None
+        return path
+
+    def flush(self) -> int:
+        """Append the entries recorded since the last flush to the journal and ``fsync`` it.
+
+        Returns:
+            The number of entries written (0 without a journal or new entries).
+        """
+        if self._journal is None:
+            return 0
+        lines = []
+        if self._journal_header != self.header():
+            lines.append(json.dumps({"format": "dpopt-ledger-journal", "version": JOURNAL_VERSION,
+                                     "entry_version": LEDGER_VERSION, **self.header()}))
+        new = self._entries[self._flushed:]
+        lines.extend(json.dumps(e.to_dict(), allow_nan=False) for e in new)
+        if not lines:
+            return 0
+        with open(self._journal, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._journal_header = self.header()
+        self._flushed = len(self._entries)
+        return len(new)
+
+    @property
+    def unflushed(self) -> int:
+        """Entries recorded but not yet in the journal."""
+        return len(self._entries) - self._flushed if self._journal is not None else 0
+
+    @classmethod
+    def read_journal(cls, path: str | Path) -> "PrivacyLedger":
+        """Read a JSON-lines journal (a torn last line is dropped with a warning).
+
+        Raises:
+            ValueError: not a dpopt journal, an unknown version, or a malformed line before the last.
+        """
+        path = Path(path)
+        lines = path.read_text().split("\n")
+        complete = lines[:-1]  # every complete line ends with a newline
+        if lines[-1].strip():
+            warnings.warn(f"{path}: dropped an incomplete last line (a flush cut short; nothing written "
+                          "after it depends on that entry)", UserWarning, stacklevel=2)
+        ledger: Optional[PrivacyLedger] = None
+        reproducible = False
+        for number, line in enumerate(complete, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}, line {number}: not JSON (a damaged ledger journal)") from None
+            if "format" in raw:
+                if raw.get("format") != "dpopt-ledger-journal" or raw.get("version") != JOURNAL_VERSION:
+                    raise ValueError(f"{path}, line {number}: not a dpopt ledger journal of version "
+                                     f"{JOURNAL_VERSION}")
+                if raw.get("noise") not in NOISE_MODES:
+                    raise ValueError(f"{path}: ledger noise {raw.get('noise')!r} is not one of {NOISE_MODES}")
+                reproducible |= raw["noise"] == "reproducible"
+                entries = ledger._entries if ledger is not None else []
+                ledger = cls(raw["neighbouring"], raw["sampling"], raw["noise"], raw["dataset_size"])
+                ledger._entries = entries
+            elif ledger is None:
+                raise ValueError(f"{path}: the ledger journal does not start with its header")
+            else:
+                ledger._entries.append(LedgerEntry(int(raw["step"]), event_from_dict(raw["event"]),
+                                                   raw.get("meta", {})))
+        if ledger is None:
+            raise ValueError(f"{path}: an empty ledger journal")
+        if reproducible:
+            ledger.noise = "reproducible"
+        return ledger
+
+    # -- state (checkpoints) ---------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole ledger as plain data (:meth:`to_dict`)."""
+        return self.to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
+
+        The noise mode follows :meth:`mark_noise` (a reproducible ledger stays reproducible).
+        """
+        other = state if isinstance(state, PrivacyLedger) else PrivacyLedger.from_dict(state)
+        noise = self.noise
+        self.neighbouring, self.sampling, self.dataset_size = other.neighbouring, other.sampling, other.dataset_size
+        self.noise = other.noise
+        self._entries = list(other._entries)
+        if noise in NOISE_MODES:
+            self.mark_noise(noise)
+        self._flushed = min(self._flushed, len(self._entries))
+
     # -- persistence -----------------------------------------------------
     def to_dict(self) -> dict:
         return {
@@ -183,9 +340,15 @@ class PrivacyLedger:
         }
 
     def save(self, path: str | Path) -> Path:
+        """Write the ledger as JSON, atomically (a temporary file renamed over ``path``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), allow_nan=False))
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(self.to_dict(), allow_nan=False))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
         return path
 
     @classmethod
@@ -219,10 +382,17 @@ class PrivacyLedger:
 
     @classmethod
     def load(cls, path: str | Path) -> "PrivacyLedger":
-        """Read a ledger JSON file (a run directory is accepted too)."""
+        """Read a ledger JSON file or journal; a run directory is accepted too.
+
+        In a run directory the journal (``ledger.jsonl``) is read when present —
+        it holds every flushed release, also of a run killed before it wrote
+        ``ledger.json`` — else ``ledger.json``.
+        """
         path = Path(path)
         if path.is_dir():
-            path = path / "ledger.json"
+            path = path / JOURNAL_NAME if (path / JOURNAL_NAME).exists() else path / "ledger.json"
+        if path.suffix == ".jsonl" and path.exists():
+            return cls.read_journal(path)
         if not path.exists():
             raise FileNotFoundError(f"no ledger at {path}; pass a run directory or its ledger.json")
         return cls.from_dict(json.loads(path.read_text()))
