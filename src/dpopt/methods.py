@@ -51,7 +51,7 @@ from .transforms.adam import ScaleByAdam
 from .transforms.base import Transform, chain
 from .transforms.filters import DiSK, LowPassFilter, doppler_coefficients
 from .transforms.macadam import MacAdam
-from .transforms.muon import ScaleByMuon, hidden_matrix_labels, muon_partition
+from .transforms.muon import ScaleByMuon, embedding_parameters, hidden_matrix_labels, muon_partition
 from .transforms.sgd import Momentum, scale_by_lr
 
 __all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "build_optimizer",
@@ -432,3 +432,52 @@ register(MethodSpec(
     f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); ALGORITHMS.md",
     {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DOPPLER}, _doppler_muon,
     dataset_defaults=_data("doppler-muon")))
+
+
+# --------------------------------------------------------------------------- dp-muon-auto (issue 12)
+# Appended region: the factory and registration of dp-muon-auto. Routing as DP-Muon's
+# (hidden matrices; embeddings and the head go to Adam); the per-layer on/off choice is made
+# each step from released values only (dpopt.transforms.muon_auto).
+from .transforms.muon_auto import ScaleByMuonAuto  # noqa: E402
+
+
+def _muon_auto(hp: dict, params=None, model=None) -> Transform:
+    """DP-Muon-Auto: Muon where the released momentum's σ₁ clears the noise edge, plain momentum elsewhere.
+
+    Hidden matrices → :class:`~dpopt.transforms.muon_auto.ScaleByMuonAuto` at ``lr`` (its off branch,
+    plain EMA momentum, runs at ``off_lr``); everything else → Adam at ``other_lr``. ``model``
+    (optional) lets the routing find embedding tables by module type.
+
+    Raises:
+        ConfigError: as DP-Muon's factory; non-positive ``off_lr``.
+    """
+    if params is None and model is None and hp["label_fn"] is None:
+        raise ConfigError("dp-muon-auto routes parameters by their position in the model: build it with "
+                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+                          "params", "label_fn")
+    label_fn = hp["label_fn"] or hidden_matrix_labels(
+        params if params is not None else model, hp["exclude_first"], hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None)
+    lr, other_lr, off_lr = float(hp["lr"]), float(hp["other_lr"]), float(hp["off_lr"])
+    if not (lr > 0 and other_lr > 0 and off_lr > 0):
+        raise ConfigError(f"lr, other_lr and off_lr must be > 0, got lr={lr}, other_lr={other_lr}, "
+                          f"off_lr={off_lr}", "lr", "other_lr", "off_lr")
+    auto = ScaleByMuonAuto(hp["momentum"], hp["nesterov"], hp["ns_steps"], hp["orthogonalizer"],
+                           on_ratio=hp["on_ratio"], off_ratio=hp["off_ratio"], off_scale=off_lr / lr,
+                           power_iters=hp["power_iters"])
+    if hp["other"] == "adam":
+        other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
+    elif hp["other"] == "sgd":
+        other = scale_by_lr(other_lr / lr)
+    else:
+        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}", "other")
+    return muon_partition(chain(auto, scale_by_lr()), other, label_fn)
+
+
+register(MethodSpec(
+    "dp-muon-auto", "DP-Muon-Auto: per layer and step, Muon if the released momentum's top singular value "
+                    "clears the known noise edge (hysteresis), else plain momentum (off_lr); Adam for the rest",
+    f"{_SPECTRAL} (phase transition); Benaych-Georges & Nadakuditi 2012 (noise edge); ALGORITHMS.md "
+    "'Spectral diagnostics'; docs/methods.md",
+    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "on_ratio": 1.1, "off_ratio": 1.03,
+     "off_lr": 0.1, "power_iters": 3}, _muon_auto, dataset_defaults=_data("dp-muon-auto")))

@@ -15,8 +15,8 @@ For each hidden weight matrix W (conv kernels flattened to out × in·kh·kw)::
 
 σ₁ comes from a warm-started power iteration (one ``[cols]`` vector of state
 per matrix), or exactly from the SVD in ``orthogonalizer="svd"`` mode. All
-other parameters — biases, norm gains, the first conv kernel and the
-classifier head — are routed to Adam (or SGD) on g̃ by a :class:`Partition`
+other parameters — biases, norm gains, embedding tables, the first conv kernel
+and the classifier head — are routed to Adam (or SGD) on g̃ by a :class:`Partition`
 whose label function :func:`hidden_matrix_labels` builds from the model's
 parameter list (override it with your own ``label_fn``).
 """
@@ -24,17 +24,17 @@ parameter list (override it with your own ``label_fn``).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import Partition, StepContext, Transform
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, \
     top_singular_value
 
 __all__ = ["ScaleByMuon", "MUON_SCALINGS", "EXCLUDE_FIRST", "MUON_LABEL", "OTHER_LABEL",
-           "hidden_matrix_labels", "muon_partition"]
+           "hidden_matrix_labels", "embedding_parameters", "muon_partition"]
 
 MUON_SCALINGS = ("shape", "spectral", "none")
 EXCLUDE_FIRST = ("conv", "always", "never")
@@ -140,14 +140,28 @@ def _is_matrix(p: Tensor) -> bool:
     return p.dim() >= 2
 
 
-def hidden_matrix_labels(params: Sequence[Tensor], exclude_first: str = "conv",
-                         exclude_last: bool = True) -> Callable[[Tensor], str]:
+def embedding_parameters(model: nn.Module) -> list[Tensor]:
+    """The weights of every ``nn.Embedding`` / ``nn.EmbeddingBag`` in ``model`` (lookup tables, not
+    linear maps: Muon's orthogonalization does not apply to them; torch.optim.Muon's docs and
+    Keller Jordan's Muon route them to AdamW)."""
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+def hidden_matrix_labels(params: Union[Sequence[Tensor], nn.Module], exclude_first: str = "conv",
+                         exclude_last: bool = True, embeddings: Optional[Iterable[Tensor]] = None
+                         ) -> Callable[[Tensor], str]:
     """Label function for Muon routing, built from the parameters in model order.
 
     A parameter is labelled ``"muon"`` iff it has ≥ 2 dims (a linear weight or
     a conv kernel) and is not excluded; everything else is ``"other"``:
 
     * biases, norm gains and other 1-D parameters are never Muon;
+    * embedding tables (``nn.Embedding`` / ``nn.EmbeddingBag`` weights, 2-D
+      but lookups, not linear maps) are never Muon: pass the model as
+      ``params`` (they are found by module type) or list them in
+      ``embeddings`` (:func:`embedding_parameters`). A plain parameter list
+      cannot tell an embedding from a linear weight: give one of the two when
+      the model has embeddings;
     * the LAST weight (≥ 2-D) is the classifier head: excluded when
       ``exclude_last`` (default);
     * the FIRST weight: ``exclude_first="conv"`` (default) excludes it only if
@@ -155,13 +169,21 @@ def hidden_matrix_labels(params: Sequence[Tensor], exclude_first: str = "conv",
       spectral paper), so an MLP's first linear layer is a hidden matrix;
       ``"always"`` excludes it whatever its shape; ``"never"`` keeps it.
 
-    Identification is by tensor identity in ``params`` (the order the model
-    lists them, e.g. ``model.parameters()``), so it needs no module names.
+    "First" and "last" are among the ≥ 2-D parameters that are not
+    embeddings (so a language model's input embedding is never taken for the
+    first hidden matrix, nor a tied or untied output embedding for the head
+    position). Identification is by tensor identity in ``params`` (the order
+    the model lists them, e.g. ``model.parameters()``), so it needs no module names.
 
     Args:
-        params: the trainable parameters in model order.
+        params: the trainable parameters in model order, or the model itself
+            (its trainable parameters; embeddings detected by module type).
         exclude_first: ``"conv"``, ``"always"`` or ``"never"``.
-        exclude_last: exclude the classifier head.
+        exclude_last: exclude the classifier head (default: the head goes to
+            the other branch, as torch.optim.Muon's docs and Keller Jordan's
+            Muon advise).
+        embeddings: parameters to route to the other branch as embeddings
+            (added to those found in a model).
 
     Returns:
         ``label_fn(param) -> "muon" | "other"``.
@@ -172,8 +194,12 @@ def hidden_matrix_labels(params: Sequence[Tensor], exclude_first: str = "conv",
     """
     if exclude_first not in EXCLUDE_FIRST:
         raise ValueError(f"exclude_first must be one of {EXCLUDE_FIRST}, got {exclude_first!r}")
+    emb_ids = {id(p) for p in (embeddings or ())}
+    if isinstance(params, nn.Module):
+        emb_ids |= {id(p) for p in embedding_parameters(params)}
+        params = [p for p in params.parameters() if p.requires_grad]
     params = list(params)
-    weights = [i for i, p in enumerate(params) if _is_matrix(p)]
+    weights = [i for i, p in enumerate(params) if _is_matrix(p) and id(p) not in emb_ids]
     excluded: set[int] = set()
     if weights:
         first = weights[0]
