@@ -194,6 +194,23 @@ class DPOptimizer(torch.optim.Optimizer):
             pts = self.transform.evaluation_points(self._states(), self._params())
         return pts if pts is not None else [EvaluationPoint(1.0)]
 
+    # -- checkpoints --------------------------------------------------------
+    def state_dict(self, *, include_ledger: bool = True) -> dict:  # type: ignore[override]
+        """torch's optimizer state (every transform's state: Adam/MacAdam moments and geometry, DiSK/DOPPLER
+        filters, momentum) plus ``"privatizer"``: :meth:`Privatizer.state_dict` (step counter, clip bounds,
+        the ledger with ``include_ledger``; never the secret noise generator's state)."""
+        state = super().state_dict()
+        state["privatizer"] = self.privatizer.state_dict(include_ledger=include_ledger)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` (the privatizer's part too, if present)."""
+        state_dict = dict(state_dict)
+        privatizer = state_dict.pop("privatizer", None)
+        super().load_state_dict(state_dict)
+        if privatizer is not None:
+            self.privatizer.load_state_dict(privatizer)
+
     @torch.no_grad()
     def step(self, per_sample=None, closure=None) -> Release:  # type: ignore[override]
         """One DP step from per-sample gradients of the trainable parameters.

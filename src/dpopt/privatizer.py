@@ -35,6 +35,7 @@ from .accounting.events import check_noise_multiplier, check_sample_rate, poisso
 from .accounting.ledger import PrivacyLedger
 from .errors import ConfigError
 from .noise import NoiseSource, make_noise_source
+from .sampling import load_noise_state, noise_state
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
@@ -297,6 +298,53 @@ class Privatizer:
         self._released += 1
         return {"count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
                 "count_sensitivity": 0.5, "released_fraction": frac}
+
+    # -- checkpoints --------------------------------------------------------
+    def state_dict(self, *, include_ledger: bool = True) -> dict:
+        """The Privatizer's public state, for a checkpoint.
+
+        Contains the step counter, the read/release counters, the current clip
+        bound(s) and the released ``clip_history`` (quantile clipping), the
+        ledger's length (and, with ``include_ledger``, the ledger itself) —
+        never per-sample data or the private ``nonfinite_steps`` diagnostic.
+        The state of the noise generator is included ONLY for reproducible
+        noise (a secret generator's state is never written anywhere: a
+        restored secret Privatizer keeps drawing from its own, freshly
+        OS-seeded generator).
+        """
+        state = {"version": 1, "steps": self.steps, "reads": self.reads, "releases": self.releases,
+                 "bounds": list(self.bounds), "clip_history": list(self.clip_history),
+                 "quantile": self.quantile is not None, "ledger_length": len(self.ledger),
+                 "noise_mode": self.noise.mode}
+        if self.noise.mode == "reproducible":
+            state["noise_state"] = noise_state(self.noise)
+        if include_ledger:
+            state["ledger"] = self.ledger.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (the ledger too, in place, if the state holds one).
+
+        Raises:
+            ValueError: a state of another clipping configuration (number of
+                bounds, quantile or not), or a step in progress.
+        """
+        if self._geometry is not None:
+            raise ValueError("cannot load a state in the middle of a step (begin() without release())")
+        if int(state.get("version", -1)) != 1:
+            raise ValueError(f"unsupported Privatizer state version {state.get('version')!r}")
+        bounds = [float(c) for c in state["bounds"]]
+        if len(bounds) != len(self.bounds) or bool(state["quantile"]) != (self.quantile is not None):
+            raise ValueError("this state is of a Privatizer with other clipping (number of bounds or quantile "
+                             "clipping differ)")
+        if "ledger" in state:
+            self.ledger.load_state_dict(state["ledger"])
+            self.ledger.mark_noise(self.noise.mode)
+        self.steps, self.reads, self.releases = int(state["steps"]), int(state["reads"]), int(state["releases"])
+        self.bounds = bounds
+        self.clip_history = [float(c) for c in state["clip_history"]]
+        if self.noise.mode == "reproducible" and "noise_state" in state:
+            load_noise_state(self.noise, state["noise_state"])
 
     def privatize(self, sources: Union[PerSampleSource, Iterable[PerSampleSource]], geometry: Optional[ClipGeometry] = None,
                   params_like: Optional[Sequence[Tensor]] = None) -> Release:

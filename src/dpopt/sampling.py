@@ -16,7 +16,28 @@ import torch
 from .accounting.events import check_sample_rate
 from .noise import NoiseSource, make_noise_source
 
-__all__ = ["PoissonSampler"]
+__all__ = ["PoissonSampler", "noise_state", "load_noise_state"]
+
+
+def noise_state(noise: NoiseSource) -> dict:
+    """``{device: generator state}`` of a REPRODUCIBLE :class:`~dpopt.noise.NoiseSource` (for checkpoints).
+
+    Raises:
+        ValueError: for secret or secure noise, whose state is never written anywhere.
+    """
+    if noise.mode != "reproducible":
+        raise ValueError(f"the state of {noise.mode!r} noise is never saved (it would let anyone replay the "
+                         "noise); only reproducible noise has a saved state")
+    return {device: gen.get_state() for device, gen in noise._generators.items()}
+
+
+def load_noise_state(noise: NoiseSource, state: dict) -> None:
+    """Restore :func:`noise_state` into a reproducible source (a no-op for secret/secure ones, which
+    stay seeded from OS entropy)."""
+    if noise.mode != "reproducible":
+        return
+    for device, gen_state in state.items():
+        noise._generator(device).set_state(gen_state.cpu() if hasattr(gen_state, "cpu") else gen_state)
 
 
 class PoissonSampler:
@@ -46,6 +67,10 @@ class PoissonSampler:
 
     Usable as a ``DataLoader`` ``batch_sampler`` only if the loader accepts
     empty batches; dpopt's own loop indexes tensors directly.
+
+    ``position`` is the number of batches drawn so far: iterating (again)
+    draws batches ``position … steps − 1``, so a sampler restored with
+    :meth:`load_state_dict` draws exactly the remaining steps of a run.
     """
 
     def __init__(self, dataset_size: int, sample_rate: float, steps: int,
@@ -59,11 +84,51 @@ class PoissonSampler:
         self.sample_rate = check_sample_rate(sample_rate)
         self.steps = int(steps)
         self.noise = make_noise_source(noise, generator, secure_mode)
+        self.position = 0
 
     def __len__(self) -> int:
         return self.steps
 
+    @property
+    def remaining(self) -> int:
+        """Batches still to draw."""
+        return self.steps - self.position
+
+    def sample(self) -> torch.Tensor:
+        """Draw the next batch (advances ``position``).
+
+        Raises:
+            StopIteration: all ``steps`` batches were drawn.
+        """
+        if self.position >= self.steps:
+            raise StopIteration
+        mask = self.noise.uniform(self.dataset_size) < self.sample_rate
+        self.position += 1
+        return mask.nonzero(as_tuple=True)[0]
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for _ in range(self.steps):
-            mask = self.noise.uniform(self.dataset_size) < self.sample_rate
-            yield mask.nonzero(as_tuple=True)[0]
+        while self.position < self.steps:
+            yield self.sample()
+
+    def state_dict(self) -> dict:
+        """Public state: ``position``, ``steps``, ``sample_rate`` (never N); the generator state for
+        reproducible noise only (a secret generator's state is never written)."""
+        state = {"version": 1, "position": self.position, "steps": self.steps, "sample_rate": self.sample_rate}
+        if self.noise.mode == "reproducible":
+            state["noise_state"] = noise_state(self.noise)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`: the next batch drawn is batch ``position``.
+
+        Raises:
+            ValueError: a state of a sampler with another rate or number of steps.
+        """
+        if float(state["sample_rate"]) != self.sample_rate or int(state["steps"]) != self.steps:
+            raise ValueError(f"sampler state of q = {state['sample_rate']}, {state['steps']} steps does not fit "
+                             f"this sampler (q = {self.sample_rate}, {self.steps} steps)")
+        if not 0 <= int(state["position"]) <= self.steps:
+            raise ValueError(f"sampler position {state['position']} outside [0, {self.steps}]")
+        self.position = int(state["position"])
+        if "noise_state" in state:
+            load_noise_state(self.noise, state["noise_state"])
