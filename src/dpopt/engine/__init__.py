@@ -26,6 +26,11 @@ Both paths define example i's gradient as that of ``loss_fn(model(x_i),
 y[i:i+1])`` with the model seeing example i alone; ``batch_dim`` says where
 the examples are in x (dim 0 by default).
 
+:class:`~dpopt.engine.hooks.HookCapture` is a third way in, for loops dpopt does not
+own (:class:`dpopt.PrivacyEngine`): per-sample sources built from the user's own
+forward and backward pass (forward hooks record layer inputs, tensor hooks the
+output gradients), with the same rules and the same checks.
+
 :func:`iter_per_sample_sources` is what :mod:`dpopt.training` calls: it splits a
 logical batch into physical chunks lazily, so memory is bounded by the
 physical batch size, and the Privatizer accumulates them into one release.
@@ -40,12 +45,13 @@ from torch import Tensor, nn
 from ..models import check_model
 from ..types import EvaluationPoint
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, free_sizes, get_engine
+from .hooks import HookCapture, grad_sample_source
 from .inputs import check_inputs
 from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients
 
 __all__ = ["ENGINES", "iter_per_sample_sources", "FastPerSampleGrads", "PerSampleEngine",
            "fast_per_sample_gradients", "get_engine", "free_sizes", "PerSampleGrads", "per_sample_gradients",
-           "iter_per_sample_gradients", "check_inputs"]
+           "iter_per_sample_gradients", "check_inputs", "HookCapture", "grad_sample_source"]
 
 ENGINES = ("fast", "reference")
 
