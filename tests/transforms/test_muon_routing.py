@@ -1,0 +1,94 @@
+"""Muon routing: embeddings and the classifier head go to the other branch; torch.optim.Muon cross-check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torch.optim._muon as torch_muon
+from dpopt.engine.reference import PerSampleGrads
+from dpopt.methods import get_method, make_optimizer
+from dpopt.transforms.muon import embedding_parameters, hidden_matrix_labels
+from dpopt.transforms.newton_schulz import newton_schulz
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+class Tagger(nn.Module):
+    """Embedding → two hidden linears → head (a token classifier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.fc1, self.fc2, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(self.emb(tokens))))))
+
+
+def test_embeddings_and_head_are_routed_to_the_other_branch():
+    model = Tagger()
+    by_model = hidden_matrix_labels(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert dict(zip(names, by_model.labels)) == {
+        "emb.weight": "other", "fc1.weight": "muon", "fc1.bias": "other", "fc2.weight": "muon",
+        "fc2.bias": "other", "head.weight": "other", "head.bias": "other"}
+    # the same from a parameter list plus the embeddings, found by module type
+    assert embedding_parameters(model) == [model.emb.weight]
+    by_list = hidden_matrix_labels(list(model.parameters()), embeddings=embedding_parameters(model))
+    assert by_list.labels == by_model.labels
+    # a bare parameter list cannot see module types: the embedding looks like a first hidden matrix
+    assert hidden_matrix_labels(list(model.parameters())).labels[0] == "muon"
+    # the head can be kept on Muon explicitly
+    assert hidden_matrix_labels(model, exclude_last=False).labels[names.index("head.weight")] == "muon"
+
+
+@pytest.mark.parametrize("method", ["dp-muon", "dp-muon-auto"])
+def test_make_optimizer_routes_embedding_to_adam(method):
+    model = Tagger()
+    opt = make_optimizer(method, model.parameters(), noise_multiplier=0.0, expected_batch_size=4,
+                         sample_rate=1.0, max_grad_norm=1e9, label_fn=hidden_matrix_labels(model))
+    grads = [torch.randn(4, *p.shape) for p in model.parameters()]
+    opt.step(PerSampleGrads(grads))
+    assert opt.state[model.emb.weight]["label"] == "other"
+    assert opt.state[model.fc1.weight]["label"] == "muon"
+    assert opt.state[model.head.weight]["label"] == "other"
+    # dp-muon-auto's factory also takes the model itself
+    if method == "dp-muon-auto":
+        spec = get_method(method)
+        part = spec.build(spec.hparams(), None, model=model)
+        assert part.label_fn(model.emb.weight) == "other" and part.label_fn(model.fc2.weight) == "muon"
+
+
+def _ns_like_dpopt(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton–Schulz lined up with dpopt's: computed in the input dtype (not
+    bfloat16) and normalised by ‖G‖_F + ε (torch: max(‖G‖_F, ε); equal for ‖G‖_F ≫ ε up to ε/‖G‖_F)."""
+    return newton_schulz(grad, ns_steps, ns_coefficients, eps)
+
+
+def test_dp_muon_at_sigma_zero_matches_torch_optim_muon(monkeypatch):
+    """σ = 0, C = ∞, every parameter a hidden matrix: dpopt's DP-Muon equals torch.optim.Muon (float64,
+    bf16 Newton–Schulz replaced by dpopt's) to 1e-6 relative over 5 steps."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon not available")
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _ns_like_dpopt)
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8, 24), (12, 12)]
+    ours = [nn.Parameter(torch.randn(*s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = make_optimizer("dp-muon", ours, noise_multiplier=0.0, expected_batch_size=4, sample_rate=1.0,
+                         max_grad_norm=1e12, label_fn=lambda p: "muon")
+    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
+                           adjust_lr_fn="original")
+    start = [p.detach().clone() for p in ours]
+    for _ in range(5):
+        per_sample = [torch.randn(4, *s) for s in shapes]
+        opt.step(PerSampleGrads(per_sample))
+        for q, g in zip(theirs, per_sample):
+            q.grad = g.mean(0)
+        ref.step()
+    for p, q, s in zip(ours, theirs, start):
+        moved = float((p - s).detach().abs().max())
+        assert moved > 1e-3
+        assert float((p - q).detach().abs().max()) < 1e-6 * max(moved, 1.0)
