@@ -53,9 +53,16 @@ from .transforms.filters import DiSK, LowPassFilter, doppler_coefficients
 from .transforms.macadam import MacAdam
 from .transforms.muon import ScaleByMuon, embedding_parameters, hidden_matrix_labels, muon_partition
 from .transforms.sgd import Momentum, scale_by_lr
+from .transforms.weight_decay import DecoupledWeightDecay
 
 __all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "build_optimizer",
-           "PRIVATIZER_KEYS"]
+           "PRIVATIZER_KEYS", "COMMON_DEFAULTS"]
+
+#: Hyperparameters every method takes, declared once here and merged into each spec's ``defaults``
+#: (so ``dpopt methods`` lists them); applied by :func:`build_optimizer`, never read by a factory.
+#: ``weight_decay``: decoupled (AdamW-style) decay λ appended to the chain, u ← u − lr·λ·θ
+#: (:class:`~dpopt.transforms.weight_decay.DecoupledWeightDecay`; post-processing of public θ).
+COMMON_DEFAULTS = {"weight_decay": 0.0}
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,11 @@ class MethodSpec:
     build: Callable[[dict], Transform]
     geometry: str = "identity"
     dataset_defaults: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the hyperparameters every method takes (COMMON_DEFAULTS), unless the spec declares its own default
+        object.__setattr__(self, "defaults", {**self.defaults,
+                                              **{k: v for k, v in COMMON_DEFAULTS.items() if k not in self.defaults}})
 
     def hparams(self, dataset: Optional[str] = None, **overrides: Any) -> dict:
         """Defaults (with dataset-specific ones) updated by non-None overrides.
@@ -175,7 +187,8 @@ def make_optimizer(
             one bound per group); noise is calibrated to √(Σ C_k²).
         quantile: quantile adaptive clipping config (flat-clipping methods only).
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
-        **overrides: hyperparameters (``lr``, ``max_grad_norm``, ``betas``...).
+        **overrides: hyperparameters (``lr``, ``max_grad_norm``, ``betas``...;
+            ``weight_decay`` for every method: decoupled decay, see :data:`COMMON_DEFAULTS`).
 
     Raises:
         ValueError: unknown method / hyperparameter, or a clipping option the
@@ -234,8 +247,11 @@ def build_optimizer(
                             groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
                             noise=noise)
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
-    chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS}
-    return DPOptimizer(params, privatizer, spec.build(chain_hp, params), lr=hp["lr"])
+    chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k not in COMMON_DEFAULTS}
+    transform = spec.build(chain_hp, params)
+    if float(hp["weight_decay"]) != 0:  # decoupled decay after the method's (−lr-scaled) update
+        transform = chain(transform, DecoupledWeightDecay(hp["weight_decay"]))
+    return DPOptimizer(params, privatizer, transform, lr=hp["lr"])
 
 
 # --------------------------------------------------------------------------- factories
