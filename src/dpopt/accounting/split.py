@@ -79,7 +79,7 @@ def steps_for_epochs(dataset_size: int, batch_size: float, epochs: float) -> tup
     n = _check_dataset_size(dataset_size)
     b = float(batch_size)
     if not (math.isfinite(b) and 0 < b <= n):
-        raise ConfigError(f"batch_size must be in (0, dataset_size = {n}], got {batch_size!r}", "batch_size")
+        raise ConfigError(f"batch_size must be in (0, N = {n}] (the dataset size), got {b:g}", "batch_size")
     e = float(epochs)
     if not (math.isfinite(e) and e > 0):
         raise ConfigError(f"epochs must be > 0, got {epochs!r}", "epochs")
@@ -245,7 +245,7 @@ def _parse_batch_sizes(batch_sizes: Sequence[float], dataset_size: int) -> list[
         except (TypeError, ValueError):
             raise ConfigError(f"batch_sizes must be numbers, got {b!r}", "batch_sizes") from None
         if not (math.isfinite(v) and 0 < v <= dataset_size):
-            raise ConfigError(f"every batch size must be in (0, dataset_size = {dataset_size}], got {b!r}",
+            raise ConfigError(f"every batch size must be in (0, N = {dataset_size}] (the dataset size), got {b!r}",
                               "batch_sizes")
         out.append(v)
     if not out:

@@ -7,13 +7,15 @@ the command bodies so that ``dpopt --help`` stays fast.
 Examples::
 
     dpopt account --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5
+    dpopt account --noise-multiplier 1.0 --dataset-size 60000 --batch-size 256 --epochs 5   # ε ≈ 0.784 (δ = 1e-5)
     dpopt calibrate --target-epsilon 4 --sample-rate 0.00512 --steps 9750 --delta 1e-5 --json
     dpopt ledger runs/mnist-dp-sgd
     dpopt check runs/mnist-dp-sgd        # exit code 1 if any of the checks fails
 
 Errors and interrupts are handled as in every command (:mod:`dpopt.cli.common`):
 one ``error: ...`` line on stderr and exit code 2 (never a traceback), also
-when an accountant fails; Ctrl-C during ``calibrate`` says what was
+when an accountant fails; a ledger or summary.json that cannot be read is named
+(``error: runs/x/ledger.json: is not valid JSON (...)``); Ctrl-C during ``calibrate`` says what was
 interrupted and exits with 130. ``ledger``'s table is built by
 :func:`dpopt.accounting.report.ledger_report`; the command only prints it. When an accountant had to use a coarser grid to stay within its
 cost budget (the ε printed is still an upper bound), a ``note:`` line says so.
@@ -30,6 +32,7 @@ import typer
 
 from .common import (
     ACCOUNTING_ERRORS,
+    fail,
     accountant_option,
     cli_errors,
     delta_option,
@@ -43,7 +46,43 @@ group = typer.Typer()
 
 #: Argument names of the accounting library, shown as this group's flags.
 ACCOUNTING_FLAGS = flags_for(["noise_multiplier", "sample_rate", "steps", "delta", "accountant", "target_epsilon",
-                              "count_share"])
+                              "count_share", "dataset_size", "batch_size", "epochs"])
+
+
+def _run_files(run_dir: Path, summary: bool) -> list[tuple[Path, str]]:
+    """The files ``ledger``/``check`` read: the ledger (the path itself if a file) and summary.json."""
+    if run_dir.is_file():
+        return [(run_dir, "ledger")]
+    return [(run_dir / "ledger.json", "ledger")] + ([(run_dir / "summary.json", "summary")] if summary else [])
+
+
+def _unreadable(path: Path, kind: str) -> Optional[str]:
+    """Why ``path`` cannot be read as dpopt wants it (None: it can, or it is absent)."""
+    from ..accounting.ledger import PrivacyLedger
+
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if kind == "summary":
+            return None if isinstance(data, dict) else "must hold a JSON object"
+        PrivacyLedger.from_dict(data)
+    except json.JSONDecodeError as exc:
+        return f"is not valid JSON ({exc})"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read ({exc})"
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        return f"is {detail}" if detail.startswith("not a ") else f"is not a readable dpopt ledger ({detail})"
+    return None
+
+
+def _read_run(run_dir: Path, summary: bool) -> None:
+    """Fail with an ``error:`` line naming the file when a run's ledger or summary cannot be read."""
+    for path, kind in _run_files(run_dir, summary):
+        why = _unreadable(path, kind)
+        if why is not None:
+            fail(f"{path}: {why}")
 
 
 def _notes(notes) -> None:
@@ -51,19 +90,69 @@ def _notes(notes) -> None:
         typer.echo(f"note: {note}", err=True)
 
 
+def _schedule_options():
+    return dict(
+        sample_rate=typer.Option(None, "--sample-rate",
+                                 help="Poisson sampling rate q = expected batch size / N, in (0, 1]; with --steps."),
+        steps=typer.Option(None, "--steps", help="Number of noisy steps T (≥ 1); with --sample-rate."),
+        dataset_size=typer.Option(None, "--dataset-size",
+                                  help="N (instead of --sample-rate/--steps, as TF Privacy): q = B/N."),
+        batch_size=typer.Option(None, "--batch-size", help="Expected batch size B (with --dataset-size, --epochs)."),
+        epochs=typer.Option(None, "--epochs", help="Epochs: T = ceil(epochs·N/B) (with --dataset-size)."),
+    )
+
+
+_SCHEDULE = _schedule_options()
+
+
+def _schedule(sample_rate: Optional[float], steps: Optional[int], dataset_size: Optional[int],
+              batch_size: Optional[float], epochs: Optional[float]) -> tuple[float, int]:
+    """(q, T) from --sample-rate/--steps or from --dataset-size/--batch-size/--epochs (never a mix)."""
+    from ..accounting.split import steps_for_epochs
+
+    direct = {"--sample-rate": sample_rate, "--steps": steps}
+    field = {"--dataset-size": dataset_size, "--batch-size": batch_size, "--epochs": epochs}
+    given_direct = [k for k, v in direct.items() if v is not None]
+    given_field = [k for k, v in field.items() if v is not None]
+    if given_direct and given_field:
+        fail(f"give either --sample-rate and --steps, or --dataset-size, --batch-size and --epochs; "
+             f"not both ({', '.join(given_direct + given_field)} given)")
+    if given_field:
+        missing = [k for k, v in field.items() if v is None]
+        if missing:
+            fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
+                 f"{', '.join(given_field)} (q = B/N, steps = ceil(epochs·N/B))")
+        with cli_errors(ACCOUNTING_FLAGS):
+            return steps_for_epochs(dataset_size, batch_size, epochs)
+    missing = [k for k, v in direct.items() if v is None]
+    if missing:
+        fail(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
+             f"(or give --dataset-size, --batch-size and --epochs instead of --sample-rate and --steps)")
+    return sample_rate, steps
+
+
 @group.command("account")
 def account(
     noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="σ: noise std / L2 sensitivity (0 → ε = inf)."),
-    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q = expected batch size / N, in (0, 1]."),
-    steps: int = typer.Option(..., "--steps", help="Number of noisy steps T (≥ 1)."),
-    delta: float = delta_option(),
+    sample_rate: Optional[float] = _SCHEDULE["sample_rate"],
+    steps: Optional[int] = _SCHEDULE["steps"],
+    dataset_size: Optional[int] = _SCHEDULE["dataset_size"],
+    batch_size: Optional[float] = _SCHEDULE["batch_size"],
+    epochs: Optional[float] = _SCHEDULE["epochs"],
+    delta: float = delta_option(1e-5, help="δ in (0, 1)."),
     accountant: str = accountant_option(),
     as_json: bool = json_option("Print one JSON object (key 'epsilon')."),
 ) -> None:
-    """ε of T Poisson-sampled Gaussian steps (DP-SGD) at noise multiplier σ."""
+    """ε of T Poisson-sampled Gaussian steps (DP-SGD) at noise multiplier σ.
+
+    The schedule is --sample-rate q and --steps T, or (as TF Privacy's
+    compute_dp_sgd_privacy) --dataset-size N, --batch-size B and --epochs E:
+    q = B/N, T = ceil(E·N/B).
+    """
     from ..accounting.accountant import dpsgd_event, epsilon_report
     from ..accounting.validation import check_sample_rate
 
+    sample_rate, steps = _schedule(sample_rate, steps, dataset_size, batch_size, epochs)
     with cli_errors(ACCOUNTING_FLAGS, errors=ACCOUNTING_ERRORS):
         check_sample_rate(sample_rate)
         report = epsilon_report(dpsgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
@@ -82,17 +171,25 @@ def account(
 @group.command("calibrate")
 def calibrate(
     target_epsilon: float = typer.Option(..., "--target-epsilon", help="Target ε (> 0)."),
-    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q in (0, 1]."),
-    steps: int = typer.Option(..., "--steps", help="Number of noisy steps T (≥ 1)."),
-    delta: float = delta_option(),
+    sample_rate: Optional[float] = _SCHEDULE["sample_rate"],
+    steps: Optional[int] = _SCHEDULE["steps"],
+    dataset_size: Optional[int] = _SCHEDULE["dataset_size"],
+    batch_size: Optional[float] = _SCHEDULE["batch_size"],
+    epochs: Optional[float] = _SCHEDULE["epochs"],
+    delta: float = delta_option(1e-5, help="δ in (0, 1)."),
     accountant: str = accountant_option(),
     count_share: Optional[float] = typer.Option(
         None, "--count-share", help="Also print the quantile-clipping split of σ with this budget share r in (0, 1)."),
     as_json: bool = json_option("Print one JSON object (key 'noise_multiplier')."),
 ) -> None:
-    """Smallest σ with ε(σ) ≤ target (checked with the accurate accountant)."""
+    """Smallest σ with ε(σ) ≤ target (checked with the accurate accountant).
+
+    The schedule is --sample-rate/--steps or --dataset-size/--batch-size/--epochs (as in ``account``).
+    """
     from ..accounting.budget import split_budget
     from ..accounting.calibration import calibrate_noise_multiplier
+
+    sample_rate, steps = _schedule(sample_rate, steps, dataset_size, batch_size, epochs)
 
     status = _Status()
     with cli_errors(ACCOUNTING_FLAGS, errors=ACCOUNTING_ERRORS,
@@ -161,6 +258,7 @@ def ledger(
     """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
     from ..accounting.report import ledger_report
 
+    _read_run(run_dir, summary=True)
     with cli_errors(ACCOUNTING_FLAGS):
         report = ledger_report(run_dir, accountant=accountant, delta=delta)
     # an accountant's failure is that accountant's "n.a.: ..." (its advice in this CLI's flags)
@@ -201,6 +299,7 @@ def check(
     """The ledger checks (a-e); exit code 1 if any fails (2 if the run cannot be read)."""
     from ..accounting.ledger_check import check_run
 
+    _read_run(run_dir, summary=True)
     with cli_errors():
         result = check_run(run_dir)
     typer.echo(json.dumps(result.to_dict(), default=json_num) if as_json else result.format())

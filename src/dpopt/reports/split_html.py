@@ -137,7 +137,6 @@ def render_split_html(table) -> str:
     data = _page_data(table)
     payload = json.dumps(data).replace("</", "<\\/")
     lo, hi = math.log(min(table.epsilon_grid)), math.log(max(table.epsilon_grid))
-    step = (hi - lo) / 400 if hi > lo else 0.01
     j0 = min(range(len(table.batch_sizes)), key=lambda j: abs(table.batch_sizes[j] - 256))
     esc = html.escape
     title = (f"Budget split explorer: N = {table.dataset_size}, {table.epochs:g} epochs, δ = {table.delta:g}, "
@@ -159,7 +158,7 @@ grid points; everything else is closed form. T = ⌈epochs·N/B̄⌉ steps at q 
 "Quantile adaptive clipping" and "The budget split explorer".</p>
 <div class="controls">
   <label for="eps">target ε</label>
-  <input type="range" id="eps" min="{lo!r}" max="{hi!r}" step="{step!r}" value="{math.log(table.target_epsilon)!r}">
+  <input type="range" id="eps" min="{lo!r}" max="{hi!r}" step="any" value="{math.log(table.target_epsilon)!r}">
   <span id="out-eps" class="num"></span>
   <label for="batch">expected batch size B̄</label>
   <input type="range" id="batch" min="0" max="{len(table.batch_sizes) - 1}" step="1" value="{j0}">
