@@ -10,7 +10,15 @@
   in micro-batches of at most ``physical_batch_size`` → ``DPOptimizer.step``
   (the Privatizer releases once and records the step in the ledger) →
   per-epoch test metrics and ε (one accountant over the whole ledger);
-* :mod:`.results` — writing the run directory (:data:`RUN_FILES`).
+* :mod:`.results` — writing the run directory (:data:`RUN_FILES`) as the run goes;
+* :mod:`.checkpoint` and :mod:`.signals` — checkpoints, :func:`resume`, and
+  SIGINT/SIGTERM as a clean stop (``summary.json`` ``"status": "interrupted"``).
+
+Long runs: the ledger journal (``ledger.jsonl``) is appended as releases
+happen, metrics rows per epoch, a checkpoint every epoch (``checkpoint_every``
+steps); SIGINT/SIGTERM finish the current step and stop with everything
+written; :func:`resume` continues a run directory to its planned steps;
+``max_epsilon`` stops before the release that would take ε past the budget.
 
 :mod:`.config` holds :class:`TrainConfig` and :func:`validate_config`; its
 errors (:class:`~dpopt.errors.ConfigError`) name the config fields, which the
@@ -27,18 +35,26 @@ q = B̄/N (the run files then reveal N); give ``sample_rate`` to avoid that.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable, Optional
+import warnings
+from pathlib import Path
+from typing import Callable, Optional, Union
 
+from ..accounting.incremental import EpsilonTracker
+from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..data import Dataset, load_dataset
+from ..sampling import PoissonSampler
 from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source
-from .config import CLIPPINGS, TrainConfig, validate_config
-from .loop import LOSS_EVERY, evaluate, run_steps
-from .results import RUN_FILES, run_directory, write_config, write_results
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
+from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
+from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
+from .results import RUN_FILES, RunFiles, run_directory, write_config, write_results
+from .signals import StopRequest, graceful_stop
 
-__all__ = ["TrainConfig", "train", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
-           "noise_source", "REPRODUCIBLE_NOISE_WARNING", "RUN_FILES", "LOSS_EVERY", "Run", "build_run",
-           "run_steps"]
+__all__ = ["TrainConfig", "train", "resume", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
+           "DEVICES", "noise_source", "REPRODUCIBLE_NOISE_WARNING", "RUN_FILES", "LOSS_EVERY",
+           "LEDGER_FLUSH_EVERY", "Run", "build_run", "run_steps", "resolve_device", "CHECKPOINT_NAME"]
 
 
 def train(cfg: TrainConfig, data: Optional[Dataset] = None,
@@ -49,8 +65,12 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
         cfg: the run's configuration.
         data: a loaded :class:`~dpopt.data.Dataset` (loaded from cfg if None).
         on_step: called after every step with ``{"step", "steps", "epsilon",
-            "test_accuracy", "test_loss"}`` (ε spent and test-set metrics at the
-            last epoch end; None before the first). Only with
+            "test_accuracy", "test_loss", "epsilon_bound", "accountant"}`` (ε
+            spent by the run's accountant and test-set metrics at the last
+            metrics row; None before the first; ``epsilon_bound`` an upper
+            bound on the ε spent so far, refreshed every step — Rényi DP summed
+            incrementally, the exact value for ``accountant="rdp"``; None
+            where RDP has no analysis). Only with
             ``cfg.show_train_loss`` is ``"loss"`` added: the NON-PRIVATE loss
             of the private batch (an extra forward pass every 10 steps), for a
             display the user has asked for.
@@ -59,6 +79,10 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
         dict with method, dataset, model, test_accuracy, epsilon, delta,
         noise_multiplier, sample_rate, expected_batch_size, steps, accountant,
         noise (the noise mode), wall_seconds, run_dir and more — public values only.
+        A run that stopped early has ``"status"``: ``"interrupted"`` (SIGINT or
+        SIGTERM: the current step is finished, everything written; see
+        :func:`resume`) or ``"budget_exhausted"`` (``cfg.max_epsilon``), and
+        ``"planned_steps"``; ``steps`` is then the steps run (= ledger entries).
 
     Raises:
         ValueError / DataError: invalid configuration or data
@@ -69,5 +93,97 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     run = build_run(cfg, data, stacklevel=4)  # the reproducible-noise warning points at train's caller
     run_dir = run_directory(cfg)
     write_config(run_dir, run)
-    metrics = run_steps(run, on_step)
-    return write_results(run_dir, run, metrics, start)
+    sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    return _run(run, run_dir, sampler, LoopState(), start, on_step)
+
+
+def _run(run: Run, run_dir: Path, sampler: PoissonSampler, state: LoopState, start: float,
+         on_step, extra: Optional[dict] = None) -> dict:
+    files = RunFiles(run_dir, run)
+    tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
+    with graceful_stop() as stop:
+        metrics = run_steps(run, on_step, files=files, state=state, sampler=sampler, stop=stop, tracker=tracker)
+    return write_results(run_dir, run, metrics, start - state.wall_seconds, status=state.status,
+                         stop_signal=state.stop_signal, streamed=True, epsilon=tracker.epsilon(run.ledger),
+                         extra=extra)
+
+
+def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
+           on_step: Optional[Callable[[dict], None]] = None, *, device: Optional[str] = None) -> dict:
+    """Continue an interrupted (or budget-stopped) run from its checkpoint to its planned steps.
+
+    The configuration is the run's own (saved in ``checkpoint.pt``; only the
+    ``device`` may change). Model, optimizer and every transform's state, the
+    Privatizer (step counter, clip bound(s), clip history), the sampler's
+    position and the non-secret RNGs are restored; the ledger is read from the
+    journal and appended to. The secret noise generator is NOT restored: a new
+    one is seeded from OS entropy. With ``reproducible_noise`` its saved state
+    is restored, so the resumed run ends with the parameters an uninterrupted
+    run would have.
+
+    If the journal holds releases made after the checkpoint (a run killed
+    without a clean stop), they stay in the ledger — they were released and
+    may have reached a file — and are reported as ``lost_steps``: the steps
+    after the checkpoint are trained again and charged again.
+
+    Args:
+        run_dir: the run directory (with ``checkpoint.pt`` and ``ledger.jsonl``).
+        data: the loaded dataset (loaded from the saved config if None).
+        on_step: as for :func:`train`.
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` to override the saved device.
+
+    Returns:
+        The summary, as :func:`train` returns it (``wall_seconds`` over all segments).
+
+    Raises:
+        FileNotFoundError: no checkpoint or ledger journal in ``run_dir``.
+        ValueError: a checkpoint that does not fit the run it describes.
+    """
+    start = time.perf_counter()
+    run_dir = Path(run_dir)
+    ckpt = load_checkpoint(run_dir)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in fields})
+    cfg.out, cfg.overwrite = str(run_dir), False
+    if device is not None:
+        cfg.device = device
+    data = data or load_dataset(cfg.dataset, cfg.data_dir)
+    with warnings.catch_warnings():
+        if cfg.reproducible_noise:  # warned when the run was started; the ledger records it
+            warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
+        run = build_run(cfg, data)
+    journal = run_dir / JOURNAL_NAME
+    if not journal.exists():
+        raise FileNotFoundError(f"no ledger journal at {journal}: cannot resume without the record of the "
+                                "releases already made")
+    saved = PrivacyLedger.load(journal)
+    if (saved.neighbouring, saved.sampling, saved.dataset_size) != \
+            (run.ledger.neighbouring, run.ledger.sampling, run.ledger.dataset_size):
+        raise ValueError(f"the ledger journal in {run_dir} does not fit the saved configuration")
+    run.ledger.load_state_dict(saved.state_dict())
+    run.ledger.mark_noise(run.noise.mode)
+    position = int(ckpt["ledger_length"])
+    if len(run.ledger) < position:
+        raise ValueError(f"the ledger journal in {run_dir} has {len(run.ledger)} releases but the checkpoint "
+                         f"was written after {position}: the journal is damaged (refusing to under-count)")
+    run.model.load_state_dict(ckpt["model"])
+    opt = run.optimizer
+    torch_state = ckpt["optimizer"]
+    import torch
+
+    torch.optim.Optimizer.load_state_dict(opt, torch_state)
+    opt.privatizer.load_state_dict(ckpt["privatizer"])
+    lost = run.ledger.entries[position:]
+    for entry in lost:  # released after the checkpoint by a run that was killed: still charged
+        opt.privatizer.reads += int(entry.meta.get("reads", 0))
+        opt.privatizer.releases += int(entry.meta.get("releases", 0))
+    sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    sampler.load_state_dict(ckpt["sampler"])
+    load_rng_state(ckpt["rng"])
+    state = LoopState.from_state(ckpt["loop"])
+    extra = {"resumed_from_step": state.step}
+    if lost:
+        warnings.warn(f"{len(lost)} releases after the last checkpoint (step {state.step}) stay charged in the "
+                      "ledger; those steps are trained again", UserWarning, stacklevel=2)
+        extra["lost_steps"] = len(lost)
+    return _run(run, run_dir, sampler, state, start, on_step, extra=extra)

@@ -30,7 +30,7 @@ from ..models import DEFAULT_MODEL, build_model, check_model
 from ..noise import NoiseSource
 from ..optim import DPOptimizer
 from ..privatizer import QuantileClipping
-from .config import TrainConfig, validate_config
+from .config import TrainConfig, resolve_device, validate_config
 
 __all__ = ["Run", "build_run", "layer_groups", "privacy_options", "noise_source", "REPRODUCIBLE_NOISE_WARNING"]
 
@@ -56,6 +56,7 @@ class Run:
         hparams: the method's resolved hyperparameters (resolved once).
         privacy_facts: public facts of the clipping choice (layer bounds, budget split).
         optimizer: the :class:`~dpopt.optim.DPOptimizer`.
+        device: where the model, the batches and the noise live.
     """
 
     cfg: TrainConfig
@@ -71,6 +72,7 @@ class Run:
     hparams: dict
     privacy_facts: dict
     optimizer: DPOptimizer
+    device: torch.device = torch.device("cpu")
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -154,11 +156,13 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
             method cannot use; calibration errors.
     """
     validate_config(cfg, data.n_train)
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only
     noise = noise_source(cfg, stacklevel=stacklevel)
     model_name = cfg.model or DEFAULT_MODEL[cfg.dataset]
     model = build_model(model_name, cfg.dataset)
     check_model(model)
+    model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
     steps = max(1, int(round(cfg.epochs / sample_rate)))
     sigma, calibration = cfg.noise_multiplier, None
@@ -175,5 +179,5 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
                           noise=noise, **privacy)
     return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
                steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
-               privacy_facts=privacy_facts, optimizer=opt)
+               privacy_facts=privacy_facts, optimizer=opt, device=device)
 

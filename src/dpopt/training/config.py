@@ -15,9 +15,10 @@ from ..accounting.events import check_noise_multiplier
 from ..errors import ConfigError
 from ..methods import get_method
 
-__all__ = ["TrainConfig", "validate_config", "CLIPPINGS"]
+__all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device"]
 
 CLIPPINGS = ("flat", "per-layer", "quantile")
+DEVICES = ("cpu", "cuda", "auto")
 
 
 @dataclass
@@ -51,6 +52,10 @@ class TrainConfig:
     reproducible_noise: bool = False  # research only: noise and masks seeded from `seed` (no privacy)
     secure_mode: bool = False  # noise and masks from the OS CSPRNG (dpopt.noise)
     show_train_loss: bool = False  # on_step gets the NON-PRIVATE loss of the private batch
+    max_epsilon: Optional[float] = None  # stop before the step whose release would take ε past this (at delta)
+    checkpoint_every: Optional[int] = None  # steps between checkpoints (None: every epoch; 0: only at the end)
+    log_every: Optional[int] = None  # also write a metrics.jsonl row every this many steps
+    device: str = "cpu"  # cpu | cuda | auto (cuda if available): model, batches and noise on it
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -99,5 +104,32 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
     if cfg.count_share is not None and cfg.count_noise_multiplier is not None:
         raise ConfigError("give count_share or count_noise_multiplier, not both",
                           "count_share", "count_noise_multiplier")
+    if cfg.max_epsilon is not None and not (cfg.max_epsilon > 0 and math.isfinite(cfg.max_epsilon)):
+        raise ConfigError(f"max_epsilon must be a finite number > 0, got {cfg.max_epsilon}", "max_epsilon")
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be >= 0 steps (0: only at the end), got {cfg.checkpoint_every}",
+                          "checkpoint_every")
+    if cfg.log_every is not None and cfg.log_every < 1:
+        raise ConfigError(f"log_every must be >= 1 step, got {cfg.log_every}", "log_every")
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"unknown device {cfg.device!r}; choose one of {', '.join(DEVICES)}", "device")
     if cfg.target_epsilon is not None and not cfg.target_epsilon > 0:
         raise ConfigError(f"target_epsilon must be > 0, got {cfg.target_epsilon}", "target_epsilon")
+
+
+def resolve_device(device: str) -> "torch.device":
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda if available, else cpu) as a ``torch.device``.
+
+    Raises:
+        ConfigError: ``"cuda"`` without a usable CUDA device, or an unknown name.
+    """
+    import torch
+
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}", "device")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for but torch sees no CUDA device (torch.cuda.is_available() is "
+                          "False); use device 'cpu' or 'auto'", "device")
+    return torch.device(device)

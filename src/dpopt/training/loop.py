@@ -1,38 +1,54 @@
-"""The step loop: Poisson-sample → per-sample sources → ``DPOptimizer.step`` → per-epoch evaluation and ε.
+"""The step loop: Poisson-sample → per-sample sources → ``DPOptimizer.step`` → evaluation, ε, run files.
 
 One logical step (DESIGN.md): Poisson-sample a batch (public q) → evaluate
 per-sample gradients where the optimizer asks (``evaluation_points``) in
 micro-batches of at most ``physical_batch_size`` → ``DPOptimizer.step`` (the
 Privatizer releases once and records the step in the ledger) → post-processing.
-ε is always computed by one accountant over the whole ledger.
+ε is always computed by one accountant over the whole ledger
+(:class:`~dpopt.accounting.incremental.EpsilonTracker` caches it).
+
+Between steps the loop (:func:`run_steps`) may stop early: a stop signal
+(:mod:`.signals`, ``status = "interrupted"``) or the ε budget
+(``cfg.max_epsilon``: the next release would take the run's ε past it, decided
+with the run's own accountant; ``status = "budget_exhausted"``). It writes as
+it goes through a ``files`` object (:class:`~dpopt.training.results.RunFiles`):
+ledger journal flushes every :data:`LEDGER_FLUSH_EVERY` steps, a metrics row
+per epoch (and per ``cfg.log_every`` steps), checkpoints — always flushing the
+ledger before anything that depends on a release.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..accounting.accountant import epsilon
+from ..accounting.incremental import EpsilonTracker
 from ..engine import iter_per_sample_sources
 from ..sampling import PoissonSampler
 from .build import Run
+from .signals import StopRequest
 
-__all__ = ["evaluate", "run_steps", "LOSS_EVERY"]
+__all__ = ["evaluate", "run_steps", "LOSS_EVERY", "LEDGER_FLUSH_EVERY", "LoopState"]
 
 LOSS_EVERY = 10  # show_train_loss: the (NON-PRIVATE) batch loss is refreshed every 10 steps
+LEDGER_FLUSH_EVERY = 50  # the ledger journal is flushed at least this often (and before any dependent file)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on (x, y). Non-private: test data only."""
     model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     correct, loss = 0, 0.0
     for i in range(0, len(x), batch):
-        out = model(x[i:i + batch])
-        loss += float(nn.functional.cross_entropy(out, y[i:i + batch], reduction="sum"))
-        correct += int((out.argmax(1) == y[i:i + batch]).sum())
+        xb, yb = x[i:i + batch].to(device), y[i:i + batch].to(device)
+        out = model(xb)
+        loss += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
     model.train()
     return correct / max(len(x), 1), loss / max(len(x), 1)
 
@@ -41,39 +57,123 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, target)
 
 
-def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """Train ``run`` for ``run.steps`` logical steps; return one metrics row per epoch.
+@dataclass
+class LoopState:
+    """The loop's public counters (saved in checkpoints)."""
 
-    After each epoch (and always after the last step) ε of the whole ledger
-    and the test-set accuracy and loss are computed: the rows are
-    ``{"epoch", "step", "test_accuracy", "test_loss", "epsilon"}`` — public
-    values only. ``on_step`` is called after every step as documented in
-    :func:`~dpopt.training.train`.
+    step: int = 0  # logical steps completed
+    next_epoch: int = 1
+    metrics: list = field(default_factory=list)  # metrics rows written so far
+    status: str = "running"  # running | completed | interrupted | budget_exhausted
+    stop_signal: Optional[str] = None
+    wall_seconds: float = 0.0  # of earlier segments (resumed runs)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "next_epoch": self.next_epoch, "metrics": list(self.metrics),
+                "wall_seconds": self.wall_seconds}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "LoopState":
+        return cls(step=int(state["step"]), next_epoch=int(state["next_epoch"]), metrics=list(state["metrics"]),
+                   wall_seconds=float(state.get("wall_seconds", 0.0)))
+
+
+def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, files=None,
+              state: Optional[LoopState] = None, sampler: Optional[PoissonSampler] = None,
+              stop: Optional[StopRequest] = None, tracker: Optional[EpsilonTracker] = None) -> list[dict]:
+    """Train ``run`` up to ``run.steps`` logical steps; return the metrics rows.
+
+    After each epoch (and always after the last step, or at an early stop) ε
+    of the whole ledger and the test-set accuracy and loss are computed: the
+    rows are ``{"epoch", "step", "test_accuracy", "test_loss", "epsilon"}`` —
+    public values only (an early stop's row has the fractional epoch and
+    ``"status"``; ``cfg.log_every`` rows have ``"log": true``). ``on_step``
+    is called after every step as documented in :func:`~dpopt.training.train`.
+
+    Args:
+        files: where to write as the run goes (:class:`~dpopt.training.results.RunFiles`; None: nothing).
+        state: the loop counters to continue from (a resumed run), else a new run.
+        sampler: the Poisson sampler (restored position for a resumed run).
+        stop: a :class:`~dpopt.training.signals.StopRequest` checked between steps.
+        tracker: the ε cache (one is made from the config if None).
+
+    ``state.status`` says how the loop ended: ``"completed"``, ``"interrupted"``
+    or ``"budget_exhausted"``.
     """
-    cfg, data, model, opt = run.cfg, run.data, run.model, run.optimizer
+    cfg, data, model, opt, ledger = run.cfg, run.data, run.model, run.optimizer, run.ledger
     steps, sample_rate = run.steps, run.sample_rate
     steps_per_epoch = 1.0 / sample_rate
-    eps_now, metrics, next_epoch, loss = 0.0, [], 1, float("nan")
-    sampler = PoissonSampler(data.n_train, sample_rate, steps, noise=run.noise)
-    for step, idx in enumerate(sampler, start=1):
-        x, y = data.x_train[idx], data.y_train[idx]
-        sources = iter_per_sample_sources(model, _loss, x, y, cfg.physical_batch_size,
-                                          opt.evaluation_points())
-        opt.step(sources)
-        if step >= next_epoch * steps_per_epoch - 1e-9 or step == steps:
-            eps_now = epsilon(run.ledger, cfg.delta, cfg.accountant)
-            acc, test_loss = evaluate(model, data.x_test, data.y_test)
-            metrics.append({"epoch": next_epoch, "step": step, "test_accuracy": acc, "test_loss": test_loss,
-                            "epsilon": eps_now})
-            next_epoch += 1
-        if on_step is not None:
-            last = metrics[-1] if metrics else {}
-            info = {"step": step, "steps": steps, "epsilon": eps_now,
-                    "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss")}
-            if cfg.show_train_loss:  # asked for: NOT private (an extra forward pass of the private batch)
-                if (step - 1) % LOSS_EVERY == 0 and len(x):
+    state = state or LoopState()
+    tracker = tracker or EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
+    sampler = sampler or PoissonSampler(data.n_train, sample_rate, steps, noise=run.noise)
+    every = cfg.checkpoint_every
+    loss = float("nan")
+    last = state.metrics[-1] if state.metrics else {}
+    eps_now = last.get("epsilon", 0.0)
+
+    def row(extra: dict) -> dict:
+        nonlocal eps_now, last
+        eps_now = tracker.epsilon(ledger)
+        acc, test_loss = evaluate(model, data.x_test, data.y_test)
+        r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps_now}
+        state.metrics.append(r)
+        last = r
+        if files is not None:
+            files.metric(r)
+        return r
+
+    def checkpoint() -> None:
+        if files is not None:
+            files.checkpoint(state, sampler)
+
+    try:
+        while state.step < steps:
+            if stop is not None and stop.requested:
+                state.status, state.stop_signal = "interrupted", stop.name
+                break
+            if cfg.max_epsilon is not None and tracker.releases_within_budget(
+                    ledger, opt.privatizer.step_event(), steps - state.step) < 1:
+                state.status = "budget_exhausted"
+                break
+            idx = sampler.sample()
+            x, y = data.x_train[idx].to(run.device), data.y_train[idx].to(run.device)
+            sources = iter_per_sample_sources(model, _loss, x, y, cfg.physical_batch_size,
+                                              opt.evaluation_points())
+            opt.step(sources)
+            state.step += 1
+            step = state.step
+            epoch_end = step >= state.next_epoch * steps_per_epoch - 1e-9 or step == steps
+            if files is not None and (ledger.unflushed >= LEDGER_FLUSH_EVERY or epoch_end):
+                files.flush()
+            if epoch_end:
+                row({"epoch": state.next_epoch})
+                state.next_epoch += 1
+            elif cfg.log_every and step % cfg.log_every == 0:
+                r = {"epoch": round(step * sample_rate, 6), "log": True}
+                if cfg.show_train_loss and len(x):  # asked for: NOT private
                     with torch.no_grad():
-                        loss = float(_loss(model(x), y))
-                info["loss"] = loss
-            on_step(info)
-    return metrics
+                        r["train_loss_not_private"] = float(_loss(model(x), y))
+                row(r)
+            if (every is None and epoch_end) or (every and step % every == 0):
+                checkpoint()
+            if on_step is not None:
+                info = {"step": step, "steps": steps, "epsilon": eps_now,
+                        "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
+                        "epsilon_bound": tracker.bound(ledger), "accountant": cfg.accountant}
+                if cfg.show_train_loss:  # asked for: NOT private (an extra forward pass of the private batch)
+                    if (step - 1) % LOSS_EVERY == 0 and len(x):
+                        with torch.no_grad():
+                            loss = float(_loss(model(x), y))
+                    info["loss"] = loss
+                on_step(info)
+        else:
+            state.status = "completed"
+        if state.status != "completed" and (not state.metrics or state.metrics[-1]["step"] != state.step):
+            row({"epoch": round(state.step * sample_rate, 6), "status": state.status})
+        if files is not None:
+            files.flush()
+        checkpoint()
+    finally:
+        if files is not None:
+            files.flush()  # whatever happened: every release made is on disk (never under-counted)
+    return state.metrics

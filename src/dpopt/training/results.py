@@ -1,4 +1,14 @@
-"""Writing the run directory: config.json, metrics.jsonl, ledger.json, model.pt, summary.json, check.txt.
+"""Writing the run directory: config.json, metrics.jsonl, ledger.jsonl/ledger.json, checkpoint.pt, model.pt,
+summary.json, check.txt.
+
+Written as the run goes (:class:`RunFiles`): the ledger journal ``ledger.jsonl``
+(appended and fsync'd at least every :data:`~dpopt.training.loop.LEDGER_FLUSH_EVERY`
+steps and always before a file that depends on a release), ``metrics.jsonl``
+(a row per epoch, appended), ``checkpoint.pt`` (:mod:`.checkpoint`). When the
+run stops (completed, interrupted or at its ε budget): ``ledger.json``,
+``model.pt``, ``check.txt`` and ``summary.json`` (with ``"status"`` unless
+completed). JSON files and checkpoints are replaced atomically (write, then
+rename).
 
 Everything written is public configuration, released values (the model,
 test-set metrics computed from it) and accountant output only. The dataset
@@ -9,22 +19,45 @@ run files then reveal N); give ``sample_rate`` to avoid that.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..accounting.ledger_check import check_ledger
 from ..errors import ConfigError
 from ..models import num_parameters
+from ..accounting.ledger import JOURNAL_NAME
 from .build import Run
+from .checkpoint import CHECKPOINT_NAME, rng_state, save_checkpoint
 from .config import TrainConfig
 
-__all__ = ["RUN_FILES", "run_directory", "write_config", "write_results"]
+__all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text"]
 
-RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt")
+RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
+             JOURNAL_NAME, CHECKPOINT_NAME)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file, fsync'd, renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def run_directory(cfg: TrainConfig) -> Path:
@@ -48,6 +81,11 @@ def run_directory(cfg: TrainConfig) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create the run directory {path}: {exc.strerror or exc}", "out") from None
+    if cfg.overwrite:  # clear the earlier run before writing anything: no mixed directory
+        for name in RUN_FILES:
+            for victim in (path / name, path / (name + ".tmp")):
+                if victim.is_file():
+                    victim.unlink()
     return path
 
 
@@ -57,10 +95,52 @@ def write_config(run_dir: Path, run: Run) -> None:
     config = dict(asdict(run.cfg), model=run.model_name, hparams=dict(hp), noise_multiplier=run.noise_multiplier,
                   max_grad_norm=hp["max_grad_norm"], lr=hp["lr"], sample_rate=run.sample_rate, steps=run.steps,
                   num_parameters=num_parameters(run.model), **run.privacy_facts)
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    atomic_write_text(run_dir / "config.json", json.dumps(config, indent=2, default=str))
 
 
-def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float) -> dict:
+class RunFiles:
+    """The files a run writes as it goes; the ledger is flushed before anything that depends on it.
+
+    Args:
+        run_dir: the run directory.
+        run: the run.
+        resumed: the journal already holds the ledger's entries (a resumed run;
+            the journal is rewritten once, dropping a torn last line).
+    """
+
+    def __init__(self, run_dir: Path, run: Run, *, resumed: bool = False):
+        self.run_dir, self.run = Path(run_dir), run
+        run.ledger.open_journal(self.run_dir / JOURNAL_NAME, rewrite=True)
+
+    def flush(self) -> None:
+        """Append new ledger entries to the journal (fsync'd)."""
+        self.run.ledger.flush()
+
+    def metric(self, row: dict) -> None:
+        """Append one metrics row (after flushing the ledger it depends on)."""
+        self.flush()
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def checkpoint(self, state, sampler) -> None:
+        """Write ``checkpoint.pt`` (after flushing the ledger)."""
+        from dataclasses import asdict as _asdict
+
+        run = self.run
+        self.flush()
+        opt = run.optimizer
+        save_checkpoint(self.run_dir / CHECKPOINT_NAME, {
+            "config": _asdict(run.cfg), "step": state.step, "ledger_length": len(run.ledger),
+            "model": run.model.state_dict(), "optimizer": torch.optim.Optimizer.state_dict(opt),
+            "privatizer": opt.privatizer.state_dict(include_ledger=False), "sampler": sampler.state_dict(),
+            "rng": rng_state(), "loop": state.state_dict()})
+
+
+def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *, status: str = "completed",
+                  stop_signal: Optional[str] = None, streamed: bool = False, epsilon: Optional[float] = None,
+                  extra: Optional[dict] = None) -> dict:
     """Write metrics, ledger, model, check and summary; return the summary (public values only).
 
     Args:
@@ -68,21 +148,31 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float) ->
         run: the trained run.
         metrics: the per-epoch rows of :func:`~dpopt.training.loop.run_steps` (the last one
             closes the final step: no second evaluation).
-        start: ``time.perf_counter()`` when the run began (for ``wall_seconds``).
+        start: ``time.perf_counter()`` when the run began (for ``wall_seconds``), or minus the
+            seconds of earlier segments for a resumed run.
+        status: ``"completed"``, ``"interrupted"`` or ``"budget_exhausted"`` (recorded unless completed,
+            with ``planned_steps``; ``stop_signal`` names the signal of an interruption).
+        streamed: the metrics rows are already in ``metrics.jsonl`` (:class:`RunFiles`).
+        epsilon: ε of the whole ledger if already computed (else the last row's).
+        extra: more public summary fields.
     """
     cfg, hp, ledger, opt = run.cfg, run.hparams, run.ledger, run.optimizer
-    with open(run_dir / "metrics.jsonl", "w") as fh:
-        for row in metrics:
-            fh.write(json.dumps(row) + "\n")
+    ledger.flush()
+    if not streamed:
+        with open(run_dir / "metrics.jsonl", "w") as fh:
+            for row in metrics:
+                fh.write(json.dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
-    torch.save(run.model.state_dict(), run_dir / "model.pt")
-    final = metrics[-1]  # the last step always closes an epoch row: no second evaluation
+    _atomic_torch_save(run.model.state_dict(), run_dir / "model.pt")
+    final = metrics[-1]  # the last step always closes a metrics row: no second evaluation
     acc, test_loss, eps = final["test_accuracy"], final["test_loss"], final["epsilon"]
+    if epsilon is not None:
+        eps = epsilon
     summary: dict[str, Any] = {
         "method": cfg.method, "dataset": cfg.dataset, "model": run.model_name,
         "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
         "noise_multiplier": run.noise_multiplier, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
-        "sample_rate": run.sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": run.steps,
+        "sample_rate": run.sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": len(ledger),
         "epochs": cfg.epochs, "lr": hp["lr"], "accountant": cfg.accountant, "seed": cfg.seed,
         "num_parameters": num_parameters(run.model), "noise": run.noise.mode,
         "dataset_size": ledger.dataset_size, "privatizer_reads": opt.privatizer.reads,
@@ -90,12 +180,19 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float) ->
         "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
         **run.privacy_facts,
     }
+    if status != "completed":
+        summary.update(status=status, planned_steps=run.steps)
+        if stop_signal:
+            summary["stop_signal"] = stop_signal
+    if cfg.max_epsilon is not None:
+        summary["max_epsilon"] = cfg.max_epsilon
+    summary.update(extra or {})
     if run.calibration is not None:
         summary.update(target_epsilon=cfg.target_epsilon, calibrated_epsilon=run.calibration.epsilon)
     if opt.privatizer.quantile is not None:
         summary["final_max_grad_norm"] = opt.privatizer.max_grad_norm
     check = check_ledger(ledger, summary)
     summary["check"] = "pass" if check.passed else "FAIL: " + ", ".join(check.failures)
-    (run_dir / "check.txt").write_text(check.format() + "\n")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(run_dir / "check.txt", check.format() + "\n")
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

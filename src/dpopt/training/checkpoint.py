@@ -1,0 +1,95 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+``checkpoint.pt`` (written atomically: a temporary file renamed over the old
+one, after the ledger journal was flushed) holds:
+
+* ``config`` — the :class:`~dpopt.training.TrainConfig` as given (resume needs no options);
+* ``step`` — logical steps completed; ``ledger_length`` — ledger entries then;
+* ``model`` — the model's state; ``optimizer`` — torch's optimizer state, i.e.
+  every transform's state (Adam/MacAdam moments and clip geometry, DiSK /
+  DOPPLER filters, momentum); ``privatizer`` — its step counter, read/release
+  counters, current clip bound(s) and released clip history
+  (:meth:`~dpopt.privatizer.Privatizer.state_dict` without the ledger: the
+  ledger is the journal ``ledger.jsonl`` beside it);
+* ``sampler`` — the Poisson sampler's position (steps drawn);
+* ``rng`` — the non-secret generators: torch (CPU and CUDA), Python's
+  ``random``, NumPy. dpopt draws nothing per example from them (its models
+  have no dropout); a model that does would make their state depend on the
+  realised batch sizes;
+* ``loop`` — the loop's own public counters (next epoch, metrics rows so far, wall time).
+
+Never written: the state of the secret noise generator (a resumed run draws
+from a new one seeded from OS entropy) — with ``reproducible_noise`` its
+state is saved (inside ``privatizer`` and ``sampler``) so that an
+interrupted and resumed run equals an uninterrupted one — and nothing
+per-example (no batch sizes, indices, norms or losses).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_VERSION", "save_checkpoint", "load_checkpoint", "rng_state",
+           "load_rng_state"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_VERSION = 1
+
+
+def rng_state() -> dict:
+    """States of the non-secret generators (torch CPU/CUDA, random, numpy)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos),
+                                       int(has_gauss), float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def load_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state` (CUDA states only where CUDA is available)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"][:torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(states)
+
+
+def save_checkpoint(path: Path, state: dict) -> Path:
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(dict(state, format="dpopt-checkpoint", version=CHECKPOINT_VERSION), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    """Read ``run_dir/checkpoint.pt``.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``run_dir``.
+        ValueError: not a dpopt checkpoint, or an unknown version.
+    """
+    path = Path(run_dir) / CHECKPOINT_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}: --resume takes the run directory of a run that "
+                                "wrote one (every epoch by default, and when it stops)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != "dpopt-checkpoint":
+        raise ValueError(f"{path} is not a dpopt checkpoint")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{path}: unsupported checkpoint version {state.get('version')!r}")
+    return state
