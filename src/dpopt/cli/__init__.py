@@ -39,6 +39,7 @@ app = typer.Typer(
 
 for _group in (train.group, accounting.group, audit.group, split.group):
     app.add_typer(_group)
+app.add_typer(__import__(f"{__name__}.diagnose", fromlist=["group"]).group)  # dpopt diagnose (issue 12)
 
 
 def _version(value: bool) -> None:
