@@ -37,6 +37,10 @@ _EXPORTS = {
     "get_method": "dpopt.methods",
     "TrainConfig": "dpopt.training",
     "train": "dpopt.training",
+    "PrivacyEngine": "dpopt.privacy_engine",
+    "DPDataLoader": "dpopt.data_loader",
+    "validate": "dpopt.validator",
+    "fix": "dpopt.validator",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,0 +1,154 @@
+"""A Poisson-sampling ``DataLoader`` over any map-style ``Dataset`` (Opacus's ``DPDataLoader`` in dpopt).
+
+Each of the ``steps`` batches of an epoch contains every example independently
+with probability q (the sampling the accountants assume; the masks come from a
+:class:`~dpopt.noise.NoiseSource`, secret by default). Batches therefore vary
+in size and may be EMPTY: an empty batch is yielded, not skipped, with the
+structure of a normal one (zero-length tensors: e.g. ``x [0, 1, 8, 8]``,
+``y [0]``, or a dict of them), so that the training loop still calls
+``optimizer.step()`` — the Privatizer then releases pure noise and the step
+is charged like any other (skipping it would reveal that the batch was empty).
+
+The empty structure is built once, on the first empty batch, by collating one
+item (``dataset[0]``) and cutting every tensor (or list) leaf to length 0: the
+shapes and dtypes of an item are treated as public (all items share them); no
+value of that item is used.
+
+Items may have any structure the ``collate_fn`` understands (tuples, dicts,
+nested); the user's ``collate_fn`` is used, else torch's ``default_collate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .noise import NoiseSource, make_noise_source
+from .sampling import PoissonSampler
+
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "EmptyBatchCollate"]
+
+
+class PoissonBatchSampler(Sampler):
+    """A ``batch_sampler``: ``steps`` Poisson batches (lists of indices, possibly empty) per epoch.
+
+    Args:
+        dataset_size: N (treated as public by the engine that builds it).
+        sample_rate: q ∈ (0, 1].
+        steps: batches per epoch (≥ 1).
+        noise: where the masks come from (default: a secret :class:`~dpopt.noise.NoiseSource`).
+    """
+
+    def __init__(self, dataset_size: int, sample_rate: float, steps: int, noise: Optional[NoiseSource] = None):
+        if int(steps) < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.dataset_size, self.steps = int(dataset_size), int(steps)
+        self.noise = make_noise_source(noise)
+        self.sample_rate = PoissonSampler(self.dataset_size, sample_rate, 0, noise=self.noise).sample_rate
+        self.drawn = 0  # batches handed out (public: a count of steps, not of examples)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for idx in PoissonSampler(self.dataset_size, self.sample_rate, self.steps, noise=self.noise):
+            self.drawn += 1
+            yield idx.tolist()
+
+
+def _empty_like(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf[:0] if leaf.dim() > 0 else leaf.new_zeros((0,)))
+        elif isinstance(leaf, (list, tuple, str)):
+            out.append(leaf[:0])
+        else:
+            out.append(leaf)
+    return tree_unflatten(out, spec)
+
+
+class EmptyBatchCollate:
+    """``collate_fn`` wrapper: an empty batch gets the structure of a batch of one, cut to length 0.
+
+    Args:
+        dataset: the dataset (``dataset[0]`` is read for its structure only).
+        collate_fn: the collate function (default: ``default_collate``).
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Optional[Callable] = None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
+        self._empty = None
+
+    def __call__(self, batch: list) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if self._empty is None:
+            self._empty = _empty_like(self.collate_fn([self.dataset[0]]))
+        return self._empty
+
+
+class DPDataLoader(DataLoader):
+    """A ``DataLoader`` that draws Poisson batches: ``steps`` per epoch at rate ``sample_rate``.
+
+    Args:
+        dataset: a map-style dataset (``len`` and ``__getitem__``).
+        sample_rate: q ∈ (0, 1]; the expected batch size is q·N.
+        steps: batches per epoch (default ``round(1/q)``: one pass in expectation).
+        collate_fn: the item collate function (default ``default_collate``);
+            empty batches are handled by :class:`EmptyBatchCollate`.
+        noise: the :class:`~dpopt.noise.NoiseSource` of the masks (default: secret).
+        **kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``,
+            ...); ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler`` and
+            ``drop_last`` are refused (the Poisson sampler decides the batches).
+
+    Raises:
+        ValueError: an ``IterableDataset`` or an empty dataset, q outside (0, 1],
+            or a batching option.
+    """
+
+    def __init__(self, dataset: Dataset, sample_rate: float, steps: Optional[int] = None,
+                 collate_fn: Optional[Callable] = None, noise: Optional[NoiseSource] = None, **kwargs: Any):
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("Poisson sampling needs a map-style dataset (with __len__ and __getitem__); "
+                             f"got {type(dataset).__name__}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty")
+        refused = sorted(set(kwargs) & {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"})
+        if refused:
+            raise ValueError(f"DPDataLoader draws its own Poisson batches; do not pass {refused}")
+        q = float(sample_rate)
+        steps = int(round(1.0 / q)) if steps is None else int(steps)
+        self.sample_rate = q
+        self.poisson = PoissonBatchSampler(len(dataset), q, max(1, steps), noise=noise)
+        super().__init__(dataset, batch_sampler=self.poisson,
+                         collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs)
+
+    @classmethod
+    def from_data_loader(cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None) -> "DPDataLoader":
+        """The Poisson counterpart of a loader: q = 1/len(loader), len(loader) batches per epoch (Opacus).
+
+        Keeps the loader's dataset, ``collate_fn``, ``num_workers``, ``pin_memory``,
+        ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
+        ``generator`` (worker seeding only, not the masks), ``prefetch_factor``
+        and ``persistent_workers``.
+        """
+        steps = len(data_loader)
+        if steps < 1:
+            raise ValueError("the data loader yields no batch")
+        keep = {"num_workers": data_loader.num_workers, "pin_memory": data_loader.pin_memory,
+                "timeout": data_loader.timeout, "worker_init_fn": data_loader.worker_init_fn,
+                "multiprocessing_context": data_loader.multiprocessing_context,
+                "persistent_workers": data_loader.persistent_workers}
+        if data_loader.num_workers > 0:
+            keep["prefetch_factor"] = data_loader.prefetch_factor
+        collate = data_loader.collate_fn
+        if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
+            collate = None
+        return cls(data_loader.dataset, 1.0 / steps, steps, collate_fn=collate, noise=noise, **keep)

@@ -1,0 +1,414 @@
+"""``PrivacyEngine``: dpopt behind Opacus's ``make_private`` — bring your own model, loop and optimizer.
+
+::
+
+    engine = dpopt.PrivacyEngine()                       # accountant="pld" | "rdp" | "prv"
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    for x, y in loader:                                   # Poisson batches (possibly empty)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()                                   # per-sample gradients captured by hooks
+        opt.step()                                        # clip · sum · noise → p.grad → AdamW
+    engine.get_epsilon(delta=1e-5)
+
+What happens where (DESIGN.md, "the privacy boundary"):
+
+* the data loader is replaced by a :class:`~dpopt.data_loader.DPDataLoader`:
+  Poisson sampling at q = 1/len(data_loader) over the loader's dataset,
+  len(data_loader) batches per epoch, empty batches yielded (zero-length
+  tensors) so that the loop still steps; the expected batch size q·N is the
+  public denominator (N is treated as public; the ledger header says so);
+* the model gets hooks (:class:`~dpopt.engine.hooks.HookCapture`) that turn
+  the user's forward/backward into per-sample sources, with the engines'
+  checks; the model object returned is the one given;
+* ``optimizer.step()`` hands the source to the ONE Privatizer of a dpopt
+  optimizer built by :func:`dpopt.methods.make_optimizer` (it records every
+  release in ``engine.ledger``). With a ``torch.optim.Optimizer`` that is
+  ``dp-sgd``'s Privatizer with no post-processing of its own: the release
+  (already divided by the expected batch size) becomes ``p.grad`` and the
+  user's optimizer post-processes it (AdamW, momentum, LR schedulers). With a
+  method name (``"dp-macadam"``, ``"dp-muon"``, ...) the method's chain runs,
+  its clip geometry feedback included, and ``p.grad`` is set to the release.
+
+Opacus names kept: ``make_private(module=, optimizer=, data_loader=,
+noise_multiplier=, max_grad_norm=, poisson_sampling=, clipping=,
+loss_reduction=, noise_generator=)``, ``make_private_with_epsilon(...,
+target_epsilon=, target_delta=, epochs=)``, ``get_epsilon(delta)``,
+``clipping="flat" | "per_layer" | "adaptive"`` (per_layer: one bound per
+parameter, as Opacus; adaptive: quantile clipping with
+``target_unclipped_quantile``, ``clipbound_learning_rate`` and
+``unclipped_num_std``), ``p.grad_sample`` read where present.
+Differences: noise is secret by default and ``secure_mode`` uses the OS
+CSPRNG (:mod:`dpopt.noise`); adaptive clipping is charged (the count release
+shares the budget: the total σ stays ``noise_multiplier``); methods whose
+gradients are evaluated at other points than θ (DiSK) are refused — the
+engine never sees the loss, so it cannot evaluate one — use dpopt's own loop
+(:func:`dpopt.train`, or ``iter_per_sample_sources`` with
+``opt.evaluation_points()``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .accounting.accountant import epsilon
+from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
+from .accounting.calibration import calibrate_noise_multiplier
+from .accounting.ledger import PrivacyLedger
+from .accounting.registry import check_accountant
+from .data_loader import DPDataLoader
+from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
+from .methods import get_method, make_optimizer
+from .noise import NoiseSource
+from .optim import DPOptimizer, is_frozen
+from .privatizer import QuantileClipping
+from .transforms.base import Chain, Partition, Transform
+from .types import ClipGeometry
+
+__all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING"]
+
+CLIPPING = ("flat", "per_layer", "adaptive")
+
+
+def _declares_points(t: Transform) -> bool:
+    """Does a chain evaluate gradients away from θ (DiSK-type evaluation points)?"""
+    if isinstance(t, Chain):
+        return any(_declares_points(s) for s in t.transforms)
+    if isinstance(t, Partition):
+        return any(_declares_points(s) for s in t.transforms.values())
+    return type(t).evaluation_points is not Transform.evaluation_points
+
+
+class PrivateOptimizer(torch.optim.Optimizer):
+    """The optimizer ``make_private`` returns: ``zero_grad`` / ``step`` of an ordinary loop, made DP.
+
+    Shares ``param_groups``, ``state`` and ``defaults`` with the wrapped
+    optimizer (LR schedulers built on either work). ``step()`` reads the
+    per-sample gradients of the last forward/backward (or ``p.grad_sample``
+    where every trainable parameter has one), privatizes them once (one ledger
+    entry), writes the release into ``p.grad`` and steps the wrapped optimizer
+    (a ``torch.optim.Optimizer``) or the dpopt method's chain.
+
+    Attributes:
+        original_optimizer: the wrapped optimizer (the user's, or the dpopt
+            :class:`~dpopt.optim.DPOptimizer` of a method name).
+        privatizer: the Privatizer (public config: ``noise_multiplier``,
+            ``max_grad_norm``, ``expected_batch_size``, ``sample_rate``).
+        expected_batch_size, noise_multiplier, max_grad_norm: as in Opacus (public).
+    """
+
+    def __init__(self, original: torch.optim.Optimizer, dp: DPOptimizer, capture: HookCapture,
+                 params: Sequence[torch.Tensor]):
+        super().__init__(list(params), {})
+        self.original_optimizer = original
+        self.param_groups = original.param_groups
+        self.state = original.state
+        self.defaults = original.defaults
+        self._dp = dp
+        self._capture = capture
+        self._params = list(params)
+        self._torch = original is not dp
+
+    @property
+    def privatizer(self):
+        return self._dp.privatizer
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._dp.privatizer.expected_batch_size
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._dp.privatizer.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._dp.privatizer.max_grad_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero ``p.grad`` and ``p.grad_sample``; forget per-sample data of completed backward passes."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self._params:
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None
+        self._capture.discard_completed()
+
+    def _source(self):
+        src = grad_sample_source(self._params)
+        if src is None:
+            return self._capture.collect()
+        self._capture.reset()
+        for p in self._params:
+            p.grad_sample = None
+        return src
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One DP step from the last forward/backward (an empty batch: pure noise, charged).
+
+        Args:
+            closure: optional; called once (with gradients enabled) for its loss,
+                which is returned. Its backward pass is the one privatized.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        source = self._source()
+        if self._torch:
+            dp = self._dp
+            release = dp.privatizer.privatize(dp._sources(source, dp._params()), ClipGeometry(),
+                                              params_like=dp._params())
+            for p, g in zip(dp._params(), release.grads):
+                p.grad = g
+            self.original_optimizer.step()
+        else:
+            release = self._dp.step(source)
+            for p, g in zip(self._dp._params(), release.grads):
+                p.grad = g.clone()  # the public release; the method's state keeps its own copy
+        return loss
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"PrivateOptimizer({self.original_optimizer!r})"
+
+
+class PrivacyEngine:
+    """Opacus-compatible entry point: make a model, optimizer and data loader private.
+
+    Args:
+        accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``: the accountant
+            of :meth:`get_epsilon` and of ε calibration.
+        secure_mode: draw the noise and the Poisson masks from the OS CSPRNG
+            (:mod:`dpopt.noise`); by default they come from a secret
+            generator seeded from OS entropy and never written.
+
+    Attributes:
+        ledger: the :class:`~dpopt.accounting.ledger.PrivacyLedger` of every
+            release of every optimizer this engine made private
+            (``engine.ledger.save(path)``; ``dpopt ledger check`` reads it).
+
+    Raises:
+        ValueError: unknown accountant.
+    """
+
+    def __init__(self, accountant: str = "pld", secure_mode: bool = False):
+        self.accountant = check_accountant(accountant)
+        self.secure_mode = bool(secure_mode)
+        self.ledger = PrivacyLedger(dataset_size="public")
+        self.noise = NoiseSource("secure" if self.secure_mode else "secret")
+        self._captures: list[HookCapture] = []
+
+    # -- the Opacus API -------------------------------------------------------------
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Union[torch.optim.Optimizer, str],
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        loss_reduction: str = "mean",
+        noise_generator: Optional[torch.Generator] = None,
+        target_unclipped_quantile: float = 0.5,
+        clipbound_learning_rate: float = 0.2,
+        unclipped_num_std: Optional[float] = None,
+        count_share: Optional[float] = None,
+        **hparams: Any,
+    ) -> tuple[nn.Module, PrivateOptimizer, DataLoader]:
+        """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
+
+        Args:
+            module: the model (hooks are attached to it; it is returned as is).
+                Refused: BatchNorm, InstanceNorm with running statistics,
+                ``max_norm``/sparse embeddings (see :func:`dpopt.validate` and
+                :func:`dpopt.fix`).
+            optimizer: a ``torch.optim.Optimizer`` over the model's trainable
+                parameters (any: AdamW, SGD with momentum, ...), or a dpopt
+                method name (``"dp-adam"``, ``"dp-macadam"``, ...; not DiSK),
+                built over the model's trainable parameters with ``**hparams``
+                (``lr``, ``betas``, ``weight_decay``, ...).
+            data_loader: a ``DataLoader`` over a map-style dataset; q =
+                1/len(data_loader), N = len(dataset), expected batch size q·N.
+            noise_multiplier: σ (for ``clipping="adaptive"``: the total σ,
+                split between the gradient and the count releases).
+            max_grad_norm: C; for ``"per_layer"`` one bound per trainable
+                parameter (Opacus) or a total C split as C/√P each; for
+                ``"adaptive"`` the initial bound.
+            poisson_sampling: False keeps the loader's own batches: the
+                accountant's ε then does not apply (warned; recorded in the ledger).
+            clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"``.
+            loss_reduction: ``"mean"`` (the loss averages the per-example losses
+                of the batch) or ``"sum"``.
+            noise_generator: a seeded generator: REPRODUCIBLE noise and masks
+                (research reruns only; recorded in the ledger, failed by ``dpopt check``).
+            target_unclipped_quantile, clipbound_learning_rate: adaptive
+                clipping's γ and η_C (Andrew et al. 2021).
+            unclipped_num_std: adaptive clipping's count noise std σ_b (the
+                gradient σ is raised so the step still costs ``noise_multiplier``;
+                refused where impossible), else ``count_share`` r of the budget
+                (default 0.05).
+            **hparams: hyperparameters of a dpopt method name.
+
+        Raises:
+            ValueError: unknown clipping / loss_reduction, a refused layer, an
+                iterable dataset, a DiSK-type method, hyperparameters given
+                with a torch optimizer, an optimizer over other parameters
+                than the model's trainable ones.
+        """
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if isinstance(optimizer, torch.optim.Optimizer) and hparams:
+            raise TypeError(f"make_private() got hyperparameters {sorted(hparams)} with a torch optimizer; give "
+                            "them to the optimizer itself (they are for dpopt method names)")
+        noise = self.noise
+        if noise_generator is not None:
+            warnings.warn("noise_generator: the Gaussian noise and Poisson masks are reproducible from this "
+                          "generator's seed (research reruns only; `dpopt check` fails this ledger)",
+                          UserWarning, stacklevel=2)
+            noise = NoiseSource("reproducible", generator=noise_generator)
+        capture = HookCapture(module, loss_reduction=loss_reduction)
+
+        dataset = data_loader.dataset
+        if not hasattr(dataset, "__len__"):
+            raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
+        n = len(dataset)
+        steps_per_epoch = len(data_loader)
+        sample_rate = 1.0 / steps_per_epoch
+        expected_batch_size = sample_rate * n
+        if poisson_sampling:
+            loader = DPDataLoader.from_data_loader(data_loader, noise=noise)
+        else:
+            warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not "
+                          "Poisson samples; the accountants' ε assumes Poisson sampling and does not hold for "
+                          "this run (recorded in the ledger)", UserWarning, stacklevel=2)
+            self.ledger.sampling = "shuffled (not poisson)"
+            loader = data_loader
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
+            method, overrides = "dp-sgd", {}
+        elif isinstance(optimizer, str):
+            params = [p for p in module.parameters() if p.requires_grad]
+            method, overrides = optimizer, dict(hparams)
+            get_method(method)  # unknown names: ConfigError listing the methods
+        else:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
+                            f"{type(optimizer).__name__}")
+        model_params = {id(p) for p in capture.params}
+        if {id(p) for p in params} != model_params:
+            raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
+                             "with requires_grad_(False)); per-sample gradients are clipped over all of them")
+
+        privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
+                                         expected_batch_size, target_unclipped_quantile, clipbound_learning_rate,
+                                         unclipped_num_std, count_share)
+        flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
+        dp = make_optimizer(method, params, expected_batch_size=expected_batch_size, sample_rate=sample_rate,
+                            ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), **privacy, **overrides)
+        if _declares_points(dp.transform):
+            capture.detach()
+            raise ValueError(f"{method} evaluates gradients at points other than the current parameters (DiSK), "
+                             "which needs the loss: PrivacyEngine never sees it. Train it with dpopt's own loop "
+                             "(dpopt.train, or iter_per_sample_sources(..., points=opt.evaluation_points()))")
+        original = optimizer if isinstance(optimizer, torch.optim.Optimizer) else dp
+        self._captures.append(capture)
+        self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,
+                        "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
+        if clipping == "adaptive":
+            self._claims["noise_multiplier_total"] = float(noise_multiplier)
+        return module, PrivateOptimizer(original, dp, capture, params), loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Union[torch.optim.Optimizer, str],
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: Union[float, Sequence[float]],
+        **kwargs: Any,
+    ) -> tuple[nn.Module, PrivateOptimizer, DataLoader]:
+        """:meth:`make_private` with σ calibrated so that ``epochs`` epochs cost at most ``target_epsilon``.
+
+        Steps = ``epochs · len(data_loader)`` Poisson steps at q = 1/len(data_loader);
+        σ is the smallest (within 1 %) with ε(σ) ≤ target under the engine's
+        accountant (:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`;
+        for adaptive clipping this is the total σ). The σ chosen is
+        ``optimizer.noise_multiplier`` (the gradient part for adaptive clipping).
+        """
+        steps = int(epochs) * len(data_loader)
+        sigma = calibrate_noise_multiplier(target_epsilon, target_delta, 1.0 / len(data_loader), steps,
+                                           self.accountant).noise_multiplier
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant."""
+        return epsilon(self.ledger, delta, self.accountant)
+
+    def summary(self, delta: float) -> dict:
+        """The public claims of this engine's run, in the form ``dpopt check`` reads (``summary.json``).
+
+        ``check_ledger(engine.ledger, engine.summary(delta))``
+        (:func:`dpopt.accounting.ledger_check.check_ledger`) re-scores the ledger
+        and checks every release; save both with ``engine.ledger.save(path)`` and
+        ``json.dump``.
+        """
+        claims = dict(getattr(self, "_claims", {"noise_multiplier": 0.0, "privatizers": []}))
+        privs = claims.pop("privatizers")
+        claims.update(epsilon=self.get_epsilon(delta), delta=float(delta), accountant=self.accountant,
+                      steps=len(self.ledger), privatizer_reads=sum(p.reads for p in privs),
+                      privatizer_releases=sum(p.releases for p in privs), noise=self.ledger.noise)
+        return claims
+
+    # -- helpers -------------------------------------------------------------------
+    @staticmethod
+    def _clipping_options(clipping, params, capture, sigma, max_grad_norm, bbar, quantile, quantile_lr,
+                          unclipped_num_std, count_share) -> dict:
+        if clipping == "flat":
+            if not isinstance(max_grad_norm, (int, float)):
+                raise ValueError("flat clipping takes one max_grad_norm (a number)")
+            return {"noise_multiplier": sigma}
+        if clipping == "per_layer":
+            if isinstance(max_grad_norm, (int, float)):
+                bounds = [float(max_grad_norm) / math.sqrt(len(params))] * len(params)
+            else:
+                bounds = [float(c) for c in max_grad_norm]
+                if len(bounds) != len(params):
+                    raise ValueError(f"per_layer clipping takes one max_grad_norm per trainable parameter "
+                                     f"({len(params)}), got {len(bounds)}")
+            return {"noise_multiplier": sigma, "groups": list(range(len(params))), "group_bounds": bounds}
+        if not isinstance(max_grad_norm, (int, float)):
+            raise ValueError("adaptive clipping takes one initial max_grad_norm (a number)")
+        if unclipped_num_std is not None:
+            split = split_for_count_noise(sigma, count_noise_std=unclipped_num_std, expected_batch_size=bbar)
+        else:
+            split = split_budget(sigma, DEFAULT_COUNT_SHARE if count_share is None else count_share)
+        q = QuantileClipping(split.count_noise_multiplier, quantile, quantile_lr, initial_clip=float(max_grad_norm))
+        return {"noise_multiplier": split.grad_noise_multiplier, "quantile": q}
+
+    def detach(self) -> None:
+        """Remove the hooks this engine attached to models."""
+        for c in self._captures:
+            c.detach()
+        self._captures = []
