@@ -370,12 +370,12 @@ _MUON = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz",
          "exclude_last": True, "label_fn": None}
 _DISK = {"kappa": 0.7, "gamma": 0.5}
 _DOPPLER = {"filter": "ema", "filter_a": None, "filter_b": None}
-_SPECTRAL = "spectral-orthogonalization.txt (Shanmugam, Barnes, Taylor 2026)"
-_MUON_REF = (f"{_SPECTRAL} Table 15 and ALGORITHMS.md; Keller Jordan's Muon (2024): EMA momentum, "
+_SPECTRAL = "Shanmugam, Barnes, Taylor 2026 (spectral orthogonalization)"
+_MUON_REF = (f"{_SPECTRAL} Table 15 and docs/algorithms.md; Keller Jordan's Muon (2024): EMA momentum, "
              "NS5 with (a,b,c) = (3.4445, -4.7750, 2.0315)")
 
 # Per-dataset learning rates (see docs/methods.md for the measurements behind each): the papers'
-# values are for MNIST's 1,170 steps (dp-macadam.txt §IV) or CIFAR-scale WRNs (spectral Table 15);
+# values are for MNIST's 1,170 steps (arXiv:2606.05435 §IV) or CIFAR-scale WRNs (spectral Table 15);
 # digits (1,437 examples, 22 steps per epoch at B̄ = 64) needs larger steps for some methods.
 _DIGITS_LR = {"dp-adam": 3e-3, "dp-adambc": 3e-4, "adaclip": 30.0, "disk-sgd": 1.0}
 _MNIST_LR = {"disk-sgd": 1.0, "dp-adambc": 1e-4, "dp-macadambc": 1e-4}
@@ -396,26 +396,26 @@ register(MethodSpec(
     {"lr": 0.1, "max_grad_norm": 1.0, "momentum": 0.0}, _sgd, dataset_defaults=_data("dp-sgd")))
 register(MethodSpec(
     "dp-adam", "DP-Adam: DP-SGD privatizer, Adam on the released gradient",
-    "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; dp-macadam.txt eqs. (4)-(5)",
+    "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; arXiv:2606.05435 eqs. (4)-(5)",
     {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM}, _adam, dataset_defaults=_data("dp-adam")))
 register(MethodSpec(
     "dp-adambc", "DP-AdamBC: Adam with the DP-noise variance Φ = noise_std² removed from v̂ (floor γ′, no ε)",
-    "Tang, Shpilevskiy & Lécuyer, AAAI 2024; dp-macadam.txt eq. (8)",
+    "Tang, Shpilevskiy & Lécuyer, AAAI 2024; arXiv:2606.05435 eq. (8)",
     {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma_prime": 1e-8}, _adambc,
     dataset_defaults=_data("dp-adambc")))
 register(MethodSpec(
     "adaclip", "AdaClip: coordinate-wise shift/scale clipping from running mean/variance, plain SGD",
-    "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; dp-macadam.txt eqs. (6)-(7); ALGORITHMS.md",
+    "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; arXiv:2606.05435 eqs. (6)-(7); docs/algorithms.md",
     {"lr": 1.0, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
     _adaclip, geometry="shift-scale", dataset_defaults=_data("adaclip", _MACADAM_DATA)))
 register(MethodSpec(
     "dp-macadam", "DP-MacAdam: AdaClip shift/scale clipping driven by Adam's moments",
-    "dp-macadam.txt, Algorithm 1 (t = 1 and variance decisions in ALGORITHMS.md)",
+    "arXiv:2606.05435, Algorithm 1 (t = 1 and variance decisions in docs/algorithms.md)",
     {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM},
     _macadam, geometry="shift-scale", dataset_defaults=_data("dp-macadam", _MACADAM_DATA)))
 register(MethodSpec(
     "dp-macadambc", "DP-MacAdamBC: DP-MacAdam with the AdamBC update, Φ = b²σ²/B̄² per coordinate",
-    "dp-macadam.txt §III-D with Algorithm 1 (ALGORITHMS.md)",
+    "arXiv:2606.05435 §III-D with Algorithm 1 (docs/algorithms.md)",
     {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM, "gamma_prime": 1e-8},
     _macadambc, geometry="shift-scale", dataset_defaults=_data("dp-macadambc", _MACADAM_DATA)))
 register(MethodSpec(
@@ -429,23 +429,23 @@ register(MethodSpec(
     dataset_defaults=_data("dp-muon-s")))
 register(MethodSpec(
     "disk-sgd", "DiSK-SGD: Kalman filter g = (1-κ)g + κĝ on releases of c∇ℓ(θ+γd) + (1-c)∇ℓ(θ), then SGD",
-    f"Zhang et al. 2024 (DiSK); {_SPECTRAL} Tables 4, 15; ALGORITHMS.md (κ, γ)",
+    f"Zhang et al. 2024 (DiSK); {_SPECTRAL} Tables 4, 15; docs/algorithms.md (κ, γ)",
     {"lr": 0.01, "max_grad_norm": 1.0, **_DISK, "momentum": 0.0}, _disk_sgd,
     dataset_defaults=_data("disk-sgd")))
 register(MethodSpec(
     "doppler-sgd", "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, "
                    "then SGD",
-    f"Zhang et al. 2024 (DOPPLER); {_SPECTRAL} Tables 4, 15; ALGORITHMS.md",
+    f"Zhang et al. 2024 (DOPPLER); {_SPECTRAL} Tables 4, 15; docs/algorithms.md",
     {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER, "momentum": 0.0}, _doppler_sgd,
     dataset_defaults=_data("doppler-sgd")))
 register(MethodSpec(
     "disk-muon", "DiSK-Muon: DiSK filter, then DP-Muon's routing (Muon on hidden matrices, Adam on the rest)",
-    f"{_SPECTRAL} Table 4 (DiSK [40] + Muon); ALGORITHMS.md",
+    f"{_SPECTRAL} Table 4 (DiSK [40] + Muon); docs/algorithms.md",
     {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DISK}, _disk_muon,
     dataset_defaults=_data("disk-muon")))
 register(MethodSpec(
     "doppler-muon", "DOPPLER-Muon: low-pass filter, then DP-Muon's routing",
-    f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); ALGORITHMS.md",
+    f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); docs/algorithms.md",
     {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DOPPLER}, _doppler_muon,
     dataset_defaults=_data("doppler-muon")))
 
@@ -493,7 +493,7 @@ def _muon_auto(hp: dict, params=None, model=None) -> Transform:
 register(MethodSpec(
     "dp-muon-auto", "DP-Muon-Auto: per layer and step, Muon if the released momentum's top singular value "
                     "clears the known noise edge (hysteresis), else plain momentum (off_lr); Adam for the rest",
-    f"{_SPECTRAL} (phase transition); Benaych-Georges & Nadakuditi 2012 (noise edge); ALGORITHMS.md "
+    f"{_SPECTRAL} (phase transition); Benaych-Georges & Nadakuditi 2012 (noise edge); docs/algorithms.md "
     "'Spectral diagnostics'; docs/methods.md",
     {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "on_ratio": 1.1, "off_ratio": 1.03,
      "off_lr": 0.1, "power_iters": 3}, _muon_auto, dataset_defaults=_data("dp-muon-auto")))

@@ -1,8 +1,8 @@
 """The papers' models, and the check that a model is valid under DP.
 
-* ``mlp`` (MNIST): 784-1000-10 ReLU, 795,010 parameters (dp-macadam.txt §IV).
+* ``mlp`` (MNIST): 784-1000-10 ReLU, 795,010 parameters (arXiv:2606.05435 §IV).
 * ``mlp-small`` (digits): 64-64-10 ReLU, 4,810 parameters.
-* ``cnn5`` (CIFAR-10): 582,346 parameters; layer list fixed in ALGORITHMS.md
+* ``cnn5`` (CIFAR-10): 582,346 parameters; layer list fixed in docs/algorithms.md
   ("Models") since the paper's is not available.
 """
 

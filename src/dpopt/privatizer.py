@@ -1,7 +1,7 @@
 """The Privatizer: the only code in dpopt that touches per-sample data.
 
 Per logical step (Abadi et al. 2016, Algorithm 1; AdaClip: Pichapati et al.
-2019, eqs. (6)-(7) of ``papers/dp-macadam.txt``)::
+2019, eqs. (6)-(7) of DP-MacAdam (arXiv:2606.05435))::
 
     w_i   = (g_i − shift) / scale                  # ClipGeometry; identity for DP-SGD
     w̄_i   = w_i · min(1, C / ‖w_i‖)                 # flat; per group k for per-layer

@@ -32,7 +32,7 @@ class ClipGeometry:
     ``None`` for either means identity (0 shift, unit scale); ``ClipGeometry()``
     is flat L2 clipping. Each list holds one tensor per parameter, shaped like
     the parameter. Source: Pichapati et al. 2019 (AdaClip), eq. (6) of
-    ``papers/dp-macadam.txt``.
+    DP-MacAdam (arXiv:2606.05435).
     """
 
     shift: Optional[tuple[Tensor, ...]] = None

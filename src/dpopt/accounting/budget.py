@@ -8,7 +8,7 @@ i.e. noise multiplier 2σ_b). Together they are one Gaussian mechanism with
     σ_eff = (σ_grad⁻² + (2σ_b)⁻²)^(−1/2)
 
 (Andrew et al. 2021, "Differentially Private Learning with Adaptive
-Clipping", Theorem 1; ALGORITHMS.md "Quantile adaptive clipping"). To be
+Clipping", Theorem 1; docs/algorithms.md "Quantile adaptive clipping"). To be
 charged exactly the σ you calibrated, give the count a share r ∈ (0, 1) of the
 budget in σ⁻² units:
 
@@ -110,7 +110,7 @@ def split_budget(noise_multiplier: float, count_share: float = DEFAULT_COUNT_SHA
     Raises:
         ValueError: σ ≤ 0 or not finite; r outside (0, 1).
 
-    Source: ALGORITHMS.md "Quantile adaptive clipping"; Andrew et al. 2021, Thm 1.
+    Source: docs/algorithms.md "Quantile adaptive clipping"; Andrew et al. 2021, Thm 1.
     """
     sigma = _check_total(noise_multiplier)
     r = _check_share(count_share)
@@ -165,7 +165,7 @@ def split_for_count_noise(
             2σ_b) and, for the B̄/20 rule, the smallest batch size B̄ > 10σ
             that would work; also on invalid or conflicting arguments.
 
-    Source: ALGORITHMS.md "Quantile adaptive clipping"; Andrew et al. 2021,
+    Source: docs/algorithms.md "Quantile adaptive clipping"; Andrew et al. 2021,
     Section 3 (σ_b = B̄/20 default).
     """
     sigma = _check_total(noise_multiplier)
@@ -211,7 +211,7 @@ def recompose(grad_noise_multiplier: float, count_noise_multiplier: Optional[flo
     Raises:
         ValueError: negative or non-finite multipliers.
 
-    Source: ALGORITHMS.md "Quantile adaptive clipping" (joint mechanism).
+    Source: docs/algorithms.md "Quantile adaptive clipping" (joint mechanism).
     """
     if count_noise_multiplier is None:
         return check_noise_multiplier(grad_noise_multiplier)

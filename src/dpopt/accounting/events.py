@@ -96,7 +96,7 @@ def dpsgd_event(noise_multiplier: Any, sample_rate: Any, steps: Any) -> dp_event
 def effective_noise_multiplier(noise_multipliers: Sequence[Any]) -> float:
     """σ_eff = (Σ_i σ_i⁻²)^(−1/2): Gaussians on the same data compose to one Gaussian.
 
-    A zero multiplier gives 0 (no privacy). Source: ALGORITHMS.md, quantile
+    A zero multiplier gives 0 (no privacy). Source: docs/algorithms.md, quantile
     clipping, "joint mechanism"; Dong, Roth, Su 2019 (GDP composition).
     """
     sigmas = [check_noise_multiplier(s) for s in noise_multipliers]

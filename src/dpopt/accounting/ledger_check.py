@@ -1,7 +1,7 @@
 """The ledger check: five questions to ask before calling a run DP.
 
 Static check of a run directory (``ledger.json`` + ``summary.json``), after
-the four questions of ``papers/adaptive-clipping-accounting.txt``:
+the four questions of the adaptive-clipping accounting essay (docs/algorithms.md, "The five ledger questions"):
 
 (a) ``releases`` — does every read of the private data have a release in the
     ledger? Per entry the Privatizer's ``reads`` equals its ``releases`` and
@@ -425,7 +425,7 @@ def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float 
         TypeError: if ``ledger`` is not a PrivacyLedger or ``claimed`` not a mapping.
         ValueError: if ``rtol`` is not in (0, 0.1].
 
-    Source: the four questions of ``papers/adaptive-clipping-accounting.txt``;
+    Source: the four questions of the adaptive-clipping accounting essay (docs/algorithms.md, "The five ledger questions");
     DESIGN.md "Accounting rules".
     """
     if not isinstance(ledger, PrivacyLedger):

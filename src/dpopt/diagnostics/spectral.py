@@ -6,7 +6,7 @@ reads private data without noise and without the ledger) and say how well its
 singular directions survive the DP noise of a given setting. Nothing here is
 released, charged or fed into training.
 
-Setting (``papers/spectral-orthogonalization.txt``; ``ALGORITHMS.md``
+Setting (the spectral paper (Shanmugam, Barnes, Taylor 2026; docs/algorithms.md); docs/algorithms.md
 "Spectral diagnostics"): a weight block of shape m×n (conv kernels flattened
 to out × in·kh·kw), clean clipped mean gradient Ḡ, DP-SGD release
 Ḡ + N with N_ij iid N(0, s²), s = σC/B̄ (noise multiplier σ, clip norm C,

@@ -1,6 +1,6 @@
 """AdaClip (Pichapati et al. 2019): coordinate-wise shift/scale clipping, plain SGD.
 
-ALGORITHMS.md "AdaClip"; ``papers/dp-macadam.txt`` eqs. (6)-(7). The
+docs/algorithms.md "AdaClip"; DP-MacAdam (arXiv:2606.05435) eqs. (6)-(7). The
 Privatizer clips and noises in the geometry this transform feeds back
 (shift m, scale b)::
 
@@ -17,7 +17,7 @@ used for the NEXT step's geometry::
     b_t = s_t^{1/4} · (Σ_j s_{t,j}^{1/2})^{1/2}        (sum over ALL coordinates of the model)
 
 b_t minimises the total noise Σ_j b_j² subject to Σ_j s_j / b_j² ≤ 1.
-Defaults (not in the sources; ALGORITHMS.md): β1 = 0.9, β2 = 0.99, h1/h2 as
+Defaults (not in the sources; docs/algorithms.md): β1 = 0.9, β2 = 0.99, h1/h2 as
 for DP-MacAdam, m_0 = s_0 = 0, b_0 = (1/d)·1 with d the number of trainable
 parameters.
 """
@@ -48,7 +48,7 @@ class AdaClip(ShiftScaleFeedback):
         ValueError: betas outside [0, 1) or not 0 < h1 ≤ h2.
 
     Source: Pichapati, Suresh, Yu, Reddi, Kumar, "AdaCliP: Adaptive Clipping
-    for Private SGD" (arXiv:1908.07643), Algorithm 1; decisions in ALGORITHMS.md.
+    for Private SGD" (arXiv:1908.07643), Algorithm 1; decisions in docs/algorithms.md.
     """
 
     name = "adaclip"

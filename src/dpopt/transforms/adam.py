@@ -6,7 +6,7 @@ Adam (Kingma & Ba 2015, Algorithm 1)::
     m̂_t = m_t/(1−β1^t) ;  v̂_t = v_t/(1−β2^t) ;  u_t = m̂_t / (√v̂_t + ε)
 
 DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024, eq. (8) of
-``papers/dp-macadam.txt``): u_t = m̂_t / √max(v̂_t − Φ, γ′) with Φ the
+DP-MacAdam (arXiv:2606.05435)): u_t = m̂_t / √max(v̂_t − Φ, γ′) with Φ the
 per-coordinate variance of the DP noise in g̃ (Φ = (σC/B̄)² for flat clipping;
 read from the Release as ``noise_std²`` so it is right for every geometry).
 """

@@ -1,6 +1,6 @@
 """Temporal denoising of released gradients: DiSK (simplified Kalman) and DOPPLER (low-pass).
 
-ALGORITHMS.md "DiSK and DOPPLER"; ``papers/spectral-orthogonalization.txt``
+docs/algorithms.md "DiSK and DOPPLER"; the spectral paper (Shanmugam, Barnes, Taylor 2026; docs/algorithms.md)
 Tables 4 and 15.
 
 **DiSK** (Zhang et al. 2024, "DiSK: Differentially private optimizer with
@@ -66,7 +66,7 @@ class DiSK(Transform):
 
     Raises:
         ValueError: κ ∉ (0, 1] or γ ≤ 0. (The spectral paper's "κ = 1.5" is not
-            a valid filter weight; ALGORITHMS.md.)
+            a valid filter weight; docs/algorithms.md.)
     """
 
     name = "disk"

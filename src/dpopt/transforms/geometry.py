@@ -2,12 +2,12 @@
 
 Both keep per-parameter ``center`` (the shift m) and ``scale`` (b) in their
 state, start from b_0 = (1/d)·1 with d the number of trainable parameters
-(ALGORITHMS.md), and set b from a variance estimate s by
+(docs/algorithms.md), and set b from a variance estimate s by
 
     b = s^{1/4} · (Σ_j s_j^{1/2})^{1/2}
 
 the minimiser of the total noise Σ_j b_j² subject to Σ_j s_j/b_j² ≤ 1
-(Pichapati et al. 2019, AdaClip; line 22 of Algorithm 1 in dp-macadam.txt).
+(Pichapati et al. 2019, AdaClip; line 22 of Algorithm 1 in arXiv:2606.05435).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DP-MacAdam: Adam moments that also drive AdaClip's coordinate-wise clip geometry.
 
-``papers/dp-macadam.txt``, Algorithm 1 (lines 8–22), with the decisions of
-ALGORITHMS.md. Given the release g̃_t (lines 8–13 are the Privatizer's, in the
+DP-MacAdam (arXiv:2606.05435), Algorithm 1 (lines 8–22), with the decisions of
+docs/algorithms.md. Given the release g̃_t (lines 8–13 are the Privatizer's, in the
 geometry ``(shift, scale) = (m̂_{t−1}, b_{t−1})`` that this transform feeds back)::
 
     14  m_t = β1 m_{t−1} + (1−β1) g̃_t

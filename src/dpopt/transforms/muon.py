@@ -1,7 +1,7 @@
 """Muon on released gradients (DP-Muon, DP-Muon-S) and the routing of parameters.
 
-``papers/spectral-orthogonalization.txt`` (Shanmugam, Barnes, Taylor 2026),
-Table 15; ALGORITHMS.md "Muon, DP-Muon, DP-Muon-S". The gradient g̃ is
+the spectral paper (Shanmugam, Barnes, Taylor 2026; docs/algorithms.md),
+Table 15; docs/algorithms.md "Muon, DP-Muon, DP-Muon-S". The gradient g̃ is
 privatized ONCE for the whole model (global flat clipping, DP-SGD privatizer);
 everything here is post-processing of that release.
 
@@ -72,7 +72,7 @@ class ScaleByMuon(Transform):
             fewer than 2 dims — route biases and gains elsewhere with a
             :class:`~dpopt.transforms.base.Partition`.
 
-    Source: spectral-orthogonalization.txt Table 15 (β, Nesterov, η, NS = 5);
+    Source: the spectral paper (Shanmugam, Barnes, Taylor 2026) Table 15 (β, Nesterov, η, NS = 5);
     Keller Jordan's Muon (EMA momentum, Nesterov blend, √max(1, rows/cols)).
     """
 

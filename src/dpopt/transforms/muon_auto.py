@@ -4,7 +4,7 @@ Post-processing of the DP-SGD release (no privacy cost): every quantity used
 is a released value (the privatized gradient g̃ and its public noise std from
 the :class:`~dpopt.transforms.base.StepContext`) or public configuration.
 
-Why (``papers/spectral-orthogonalization.txt``; ALGORITHMS.md "Spectral
+Why (the spectral paper (Shanmugam, Barnes, Taylor 2026; docs/algorithms.md); docs/algorithms.md "Spectral
 diagnostics"): the polar factor of the noisy momentum helps only when the
 layer's leading singular direction is recoverable, i.e. above the BBP
 threshold σ₁(signal) > s_U (mn)^{1/4}. Below it the top singular value of the
@@ -86,8 +86,8 @@ class ScaleByMuonAuto(Transform):
     Raises:
         ValueError: invalid hyperparameters; a parameter with < 2 dims at ``init``.
 
-    Source: spectral-orthogonalization.txt (phase transition; Table 15 for β, NS = 5);
-    Benaych-Georges & Nadakuditi 2012 (the edge and the spike); ALGORITHMS.md "Spectral diagnostics".
+    Source: the spectral paper (Shanmugam, Barnes, Taylor 2026) (phase transition; Table 15 for β, NS = 5);
+    Benaych-Georges & Nadakuditi 2012 (the edge and the spike); docs/algorithms.md "Spectral diagnostics".
     """
 
     name = "scale_by_muon_auto"

@@ -2,7 +2,7 @@
 
 For a matrix G = U S Vᵀ (thin SVD, rank r), the polar factor is UVᵀ: the same
 singular vectors with every singular value set to 1. Muon (Keller Jordan 2024;
-``papers/spectral-orthogonalization.txt`` §method, Table 15 "NS = 5")
+the spectral paper (Shanmugam, Barnes, Taylor 2026; docs/algorithms.md) §method, Table 15 "NS = 5")
 approximates it with a quintic Newton–Schulz iteration::
 
     X_0 = G / (‖G‖_F + ε)                 (transpose first if rows > cols)
@@ -12,7 +12,7 @@ approximates it with a quintic Newton–Schulz iteration::
 Each step maps every singular value s ∈ (0, 1] through p(s) = a s + b s³ + c s⁵
 and leaves the singular vectors unchanged, so X_K = U p^K(S) Vᵀ. The
 coefficients trade exactness for speed: p^5 lands in roughly [0.7, 1.2]
-(ALGORITHMS.md) rather than at 1, which is why :func:`polar_exact` (SVD) exists
+(docs/algorithms.md) rather than at 1, which is why :func:`polar_exact` (SVD) exists
 for tests and diagnostics.
 
 Conv kernels ``[out, in, kh, kw]`` are treated as ``out × (in·kh·kw)`` matrices
@@ -75,7 +75,7 @@ def newton_schulz(g: Tensor, steps: int = 5, coefficients: tuple[float, float, f
         ValueError: non-2-D input, negative ``steps`` or non-positive ``eps``.
 
     Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural
-    networks" (2024), ``zeropower_via_newtonschulz5``; ALGORITHMS.md "Muon".
+    networks" (2024), ``zeropower_via_newtonschulz5``; docs/algorithms.md "Muon".
     """
     if g.dim() != 2:
         raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}; see as_matrix()")
