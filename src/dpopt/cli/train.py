@@ -114,14 +114,49 @@ def train_command(
         None, "--hp", help="method hyperparameter KEY=VALUE, repeatable (e.g. --hp momentum=0.9 --hp "
                            "ns_steps=5 --hp kappa=0.4 --hp gamma=1.5 --hp filter=second-order); "
                            "see `dpopt methods` for each method's keys"),
+    max_epsilon: Optional[float] = typer.Option(
+        None, help="stop before the step whose release would take ε past this budget (at --delta, with "
+                   "--accountant); everything is saved and the summary says so"),
+    checkpoint_every: Optional[int] = typer.Option(
+        None, help="steps between checkpoints (default: every epoch; 0: only when the run stops)"),
+    log_every: Optional[int] = typer.Option(None, help="also write a metrics.jsonl row every this many steps"),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto (cuda if available): model, batches and noise"),
+    resume: Optional[str] = typer.Option(
+        None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
+                   "(only --device, --threads and --json may be given with it)"),
     json_out: bool = json_option("print the summary as one JSON object (last line)"),
 ) -> None:
-    """Train a model with differential privacy and report test accuracy and (ε, δ)."""
+    """Train a model with differential privacy and report test accuracy and (ε, δ).
+
+    SIGINT (Ctrl-C) or SIGTERM finishes the current step and stops cleanly (ledger, metrics, checkpoint and
+    summary written; exit code 130 or 143); `dpopt train --resume RUN_DIR` continues the run.
+    """
+    import signal as _signal
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ..training import TrainConfig, train
 
+    if resume is not None:
+        given = {name for name, value, default in [
+            ("--dataset", dataset, "digits"), ("--data-dir", data_dir, None), ("--model", model, None),
+            ("--method", method, "dp-macadam"), ("--noise-multiplier", noise_multiplier, None),
+            ("--delta", delta, 1e-5), ("--max-grad-norm", max_grad_norm, None), ("--batch-size", batch_size, 64.0),
+            ("--sample-rate", sample_rate, None), ("--epochs", epochs, 10.0), ("--lr", lr, None), ("--seed", seed, 0),
+            ("--reproducible-noise", reproducible_noise, False), ("--secure-mode", secure_mode, False),
+            ("--show-train-loss", show_train_loss, False), ("--accountant", accountant, "pld"),
+            ("--physical-batch-size", physical_batch_size, None), ("--out", out, None),
+            ("--overwrite", overwrite, False), ("--h1", h1, None), ("--h2", h2, None),
+            ("--variance-update", variance_update, None), ("--target-epsilon", target_epsilon, None),
+            ("--clipping", clipping, "flat"), ("--layer-bounds", layer_bounds, None),
+            ("--target-quantile", target_quantile, 0.5), ("--quantile-lr", quantile_lr, 0.2),
+            ("--count-share", count_share, None), ("--count-noise-multiplier", count_noise_multiplier, None),
+            ("--hp", hp or None, None), ("--max-epsilon", max_epsilon, None),
+            ("--checkpoint-every", checkpoint_every, None), ("--log-every", log_every, None)]
+            if value != default}
+        if given:
+            fail(f"--resume continues with the run's saved configuration; do not give {', '.join(sorted(given))}")
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()
                if v is not None}
     try:
@@ -145,7 +180,8 @@ def train_command(
                       target_quantile=target_quantile, quantile_lr=quantile_lr, count_share=count_share,
                       count_noise_multiplier=count_noise_multiplier, overwrite=overwrite,
                       sample_rate=sample_rate, reproducible_noise=reproducible_noise, secure_mode=secure_mode,
-                      show_train_loss=show_train_loss)
+                      show_train_loss=show_train_loss, max_epsilon=max_epsilon,
+                      checkpoint_every=checkpoint_every, log_every=log_every, device=device)
     if threads is not None:
         if threads < 1:
             fail(f"--threads must be >= 1, got {threads}")
@@ -153,21 +189,36 @@ def train_command(
 
         torch.set_num_threads(threads)
     console = Console(stderr=True)
+    terminal = console.is_terminal
+    if not terminal:  # piped: no hard wrapping at 80 columns (paths stay on one line)
+        console = Console(stderr=True, width=10_000, soft_wrap=True)
     # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
-                        transient=False)
+                        transient=False, disable=not terminal)
     task = None
+    label = f"{method} on {dataset}" if resume is None else f"resuming {resume}"
+    epoch_seen = [None]
 
     def on_step(info: dict) -> None:
         nonlocal task
-        status = f"ε {info['epsilon']:.3f}"
+        bound = info.get("epsilon_bound")
+        if bound is not None and info.get("accountant") != "rdp":
+            status = f"ε ≤ {bound:.3f} (rdp bound; {info.get('accountant')} ε {info['epsilon']:.3f} at last row)"
+        else:
+            status = f"ε {bound if bound is not None else info['epsilon']:.3f}"
         if info["test_accuracy"] is not None:
             status += f"  test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}"
         if "loss" in info:
             status += f"  batch loss {info['loss']:.3f} (NOT private)"
+        if not terminal:  # one plain line per metrics row (epoch) on stderr
+            if info["test_accuracy"] is not None and info["test_loss"] != epoch_seen[0]:
+                epoch_seen[0] = info["test_loss"]
+                console.print(f"step {info['step']}/{info['steps']}  ε {info['epsilon']:.4f}  test acc "
+                              f"{info['test_accuracy']:.4f}  test loss {info['test_loss']:.4f}", markup=False)
+            return
         if task is None:
-            task = progress.add_task(f"{method} on {dataset}", total=info["steps"], status=status)
+            task = progress.add_task(label, total=info["steps"], status=status)
         progress.update(task, completed=info["step"], status=status)
 
     if reproducible_noise:
@@ -178,8 +229,13 @@ def train_command(
                     after_interrupt="; nothing was trained"):
         with progress, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
-            summary = train(cfg, on_step=on_step)
-    out_console = Console()
+            if resume is not None:
+                from ..training import resume as resume_run
+
+                summary = resume_run(resume, on_step=on_step, device=None if device == "cpu" else device)
+            else:
+                summary = train(cfg, on_step=on_step)
+    out_console = Console() if Console().is_terminal else Console(width=10_000, soft_wrap=True)
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
         f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
@@ -194,8 +250,19 @@ def train_command(
                           f"{summary['count_share']:.3g}); final C = {summary['final_max_grad_norm']:.4g}")
     out_console.print(f"ledger check: {summary['check']}  (details: {summary['run_dir']}/check.txt)")
     out_console.print(f"run directory: {summary['run_dir']}")
+    status = summary.get("status", "completed")
+    if status == "interrupted":
+        out_console.print(f"interrupted ({summary.get('stop_signal')}) after {summary['steps']} of "
+                          f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; continue with: "
+                          f"dpopt train --resume {summary['run_dir']}")
+    elif status == "budget_exhausted":
+        out_console.print(f"stopped at the ε budget: {summary['steps']} of {summary['planned_steps']} steps, "
+                          f"ε = {summary['epsilon']:.4f} ≤ --max-epsilon {summary['max_epsilon']:g} (the next "
+                          "step would exceed it)")
     if json_out:
         sys.stdout.write(json.dumps(summary) + "\n")
+    if status == "interrupted":
+        raise typer.Exit(128 + (_signal.SIGTERM if summary.get("stop_signal") == "SIGTERM" else _signal.SIGINT))
 
 
 @group.command("methods")
