@@ -87,7 +87,7 @@ def test_dp_macadam_and_adaptive_clipping_loops_work(digits):
     engine, _, opt, _, acc = _train(digits, lambda m: "dp-macadam", 2, lr=3e-3)
     assert acc > 0.3 and len(engine.ledger) == 2 * 23
     assert opt.privatizer.releases == 2 * 23
-    engine, _, opt, _, acc = _train(digits, lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.5), 2,
+    engine, _, opt, _, acc = _train(digits, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), 2,
                                     clipping="adaptive")
     assert acc > 0.3
     assert len(opt.privatizer.clip_history) == 2 * 23  # the bound adapted every step (released count)
