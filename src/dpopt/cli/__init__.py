@@ -7,6 +7,7 @@ merged into :data:`app`:
 * :mod:`dpopt.cli.accounting` — ``account``, ``calibrate``, ``ledger``, ``check``;
 * :mod:`dpopt.cli.audit` — ``audit``;
 * :mod:`dpopt.cli.split` — ``split`` (the budget split explorer);
+* :mod:`dpopt.cli.diagnose` — ``diagnose`` (spectral diagnostics, non-private);
 * :mod:`dpopt.cli.common` — what they share: ``error: ...`` lines and exit
   codes (2 bad input, 130 interrupted), the translation of library argument
   names to flags, the shared options (``--delta``, ``--accountant``, ``--json``)
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE before torch loads
 
-from . import accounting, audit, split, train
+from . import accounting, audit, diagnose, split, train
 from .common import tidy_help
 
 __all__ = ["app", "main"]
@@ -37,9 +38,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _group in (train.group, accounting.group, audit.group, split.group):
+for _group in (train.group, accounting.group, audit.group, split.group, diagnose.group):
     app.add_typer(_group)
-app.add_typer(__import__(f"{__name__}.diagnose", fromlist=["group"]).group)  # dpopt diagnose (issue 12)
 
 
 def _version(value: bool) -> None:
