@@ -73,6 +73,9 @@ def diagnose(
     momentum: float = typer.Option(0.95, "--momentum", help="β for B* with momentum (DP-Muon's 0.95)"),
     trials: int = typer.Option(20, "--trials", min=0, help="Monte Carlo draws per layer and batch size"),
     layer: Optional[str] = typer.Option(None, "--layer", help="layer for the spectrum figure (default: largest)"),
+    curve_points: int = typer.Option(16, "--curve-points", min=2,
+                                     help="batch sizes on the theory curve of recovery.png (one σ calibration each "
+                                          "with --target-epsilon)"),
     seed: int = typer.Option(0, "--seed", help="seed of the example subset, the model init and the simulated noise"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
 ) -> None:
@@ -152,7 +155,7 @@ def diagnose(
         if pick is None:
             fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(l.name for l in diag.layers)}")
         plot_spectrum(diag, pick, out_dir / "spectrum.png", seed=seed)
-        plot_recovery(diag, out_dir / "recovery.png", sigma_of)
+        plot_recovery(diag, out_dir / "recovery.png", sigma_of, grid=curve_points)
         typer.echo("\nPer-layer recovery (✓: B̄ ≥ B*, the leading direction is recoverable)\n")
         typer.echo(tables["recovery.md"])
         typer.echo("\nSpectral SNR ‖Ḡ‖_F / ‖N‖_F\n")
