@@ -182,3 +182,62 @@ def test_cli_refuses_infinite_bound_with_noise(tmp_path):
     res = CliRunner().invoke(app, ["train", "--max-grad-norm", "inf", "--epochs", "0.1", "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "--max-grad-norm must be finite" in res.output
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+# --- state_dict / load_state_dict (issue 10) ------------------------------------------------------
+def test_privatizer_state_round_trip_never_holds_the_secret_generator():
+    from dpopt.engine.reference import PerSampleGrads
+    from dpopt.privatizer import Privatizer, QuantileClipping
+
+    grads = PerSampleGrads([torch.randn(6, 4)])
+    p = Privatizer(1.0, 1.0, 4.0, 0.1, quantile=QuantileClipping(2.0))
+    for _ in range(3):
+        p.privatize(grads)
+    state = p.state_dict()
+    assert "noise_state" not in state and state["steps"] == 3 and len(state["clip_history"]) == 3
+    assert "nonfinite_steps" not in state and len(state["ledger"]["entries"]) == 3
+    q = Privatizer(1.0, 1.0, 4.0, 0.1, quantile=QuantileClipping(2.0))
+    q.load_state_dict(state)
+    assert q.steps == 3 and q.bounds == p.bounds and len(q.ledger) == 3 and q.ledger.noise == "secret"
+    with pytest.raises(ValueError, match="other clipping"):
+        Privatizer(1.0, 1.0, 4.0, 0.1).load_state_dict(state)
+
+
+def test_reproducible_optimizer_state_round_trip_continues_identically():
+    import copy
+
+    from dpopt.engine.reference import PerSampleGrads
+    from dpopt.methods import make_optimizer
+
+    for method in ("dp-macadam", "disk-sgd", "doppler-sgd"):
+        torch.manual_seed(0)
+        w = [torch.nn.Parameter(torch.randn(3, 2))]
+        a = make_optimizer(method, w, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
+                           generator=torch.Generator().manual_seed(1))
+        g = [torch.randn(5, 3, 2) for _ in range(4)]
+        for x in g[:2]:
+            a.step(PerSampleGrads([x.clone()], params=w))
+        saved, w_saved = a.state_dict(), w[0].detach().clone()
+        w2 = [torch.nn.Parameter(w_saved.clone())]
+        b = make_optimizer(method, w2, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
+                           generator=torch.Generator().manual_seed(99))
+        b.load_state_dict(copy.deepcopy(saved))  # torch's state_dict holds references to the live state
+        assert b.privatizer.steps == 2 and len(b.privatizer.ledger) == 2
+        for x in g[2:]:
+            a.step(PerSampleGrads([x.clone()], params=w))
+            b.step(PerSampleGrads([x.clone()], params=w2))
+        assert torch.equal(w[0], w2[0]), method
+
+
+def test_sampler_position_draws_exactly_the_remaining_steps():
+    from dpopt.noise import NoiseSource
+    from dpopt.sampling import PoissonSampler
+
+    full = [b.tolist() for b in PoissonSampler(50, 0.2, 6, noise=NoiseSource("reproducible", seed=3))]
+    s = PoissonSampler(50, 0.2, 6, noise=NoiseSource("reproducible", seed=3))
+    first = [s.sample().tolist() for _ in range(2)]
+    state = s.state_dict()
+    t = PoissonSampler(50, 0.2, 6, noise=NoiseSource("reproducible", seed=0))
+    t.load_state_dict(state)
+    assert t.position == 2 and first + [b.tolist() for b in t] == full
+    assert "noise_state" not in PoissonSampler(50, 0.2, 6).state_dict()
