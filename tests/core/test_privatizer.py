@@ -216,7 +216,7 @@ def test_reproducible_optimizer_state_round_trip_continues_identically():
                            generator=torch.Generator().manual_seed(1))
         g = [torch.randn(5, 3, 2) for _ in range(4)]
         for x in g[:2]:
-            a.step(PerSampleGrads([x.clone()], params=w))
+            a.step(PerSampleGrads([x.clone()], params=w, points=a.evaluation_points()))
         saved, w_saved = a.state_dict(), w[0].detach().clone()
         w2 = [torch.nn.Parameter(w_saved.clone())]
         b = make_optimizer(method, w2, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
@@ -224,8 +224,8 @@ def test_reproducible_optimizer_state_round_trip_continues_identically():
         b.load_state_dict(copy.deepcopy(saved))  # torch's state_dict holds references to the live state
         assert b.privatizer.steps == 2 and len(b.privatizer.ledger) == 2
         for x in g[2:]:
-            a.step(PerSampleGrads([x.clone()], params=w))
-            b.step(PerSampleGrads([x.clone()], params=w2))
+            a.step(PerSampleGrads([x.clone()], params=w, points=a.evaluation_points()))
+            b.step(PerSampleGrads([x.clone()], params=w2, points=b.evaluation_points()))
         assert torch.equal(w[0], w2[0]), method
 
 
