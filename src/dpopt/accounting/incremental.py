@@ -7,8 +7,9 @@ the whole ledger (100-400 ms for PLD) costs more than a small model's step:
   more releases of the step's event keep ε ≤ ``max_epsilon``. It is decided
   with the run's OWN reporting accountant (pld, rdp or prv) at the run's δ —
   the same function that scores the ledger at the end — by bisection over
-  ``ε(ledger + j × event)`` (monotone in j): about log₂(remaining steps) + 1
-  accountant calls, once; the answer is cached and stays valid while every
+  ``ε(ledger + j × event)`` (monotone in j; probes alternate between
+  interpolating ε² linearly in j and bisecting: a handful of accountant calls,
+  at most about 2·log₂(remaining steps)), once; the answer is cached and stays valid while every
   entry appended since is that event (a training run's steps all are). So the
   run stops exactly before the step whose release would take the reported ε
   past the budget, and checks nothing per step but an integer.
@@ -97,25 +98,33 @@ class EpsilonTracker:
             if cached_event == event and all(e.event == event for e in ledger.entries[n0:]):
                 return max(0, min(limit, allowed - (len(ledger) - n0)))
         budget = self.max_epsilon
-        if self._epsilon_with(ledger, event, limit) <= budget:
+        e_hi = self._epsilon_with(ledger, event, limit)
+        if e_hi <= budget:
             allowed = limit
-        elif self._epsilon_with(ledger, event, 1) > budget:
-            allowed = 0
-        else:  # ε(lo) ≤ budget < ε(hi)
-            lo, hi = 1, limit
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self._epsilon_with(ledger, event, mid) <= budget:
-                    lo = mid
-                else:
-                    hi = mid
-            allowed = lo
+        else:
+            e_lo = self._epsilon_with(ledger, event, 1)
+            if e_lo > budget:
+                allowed = 0
+            else:  # invariant ε(lo) ≤ budget < ε(hi); probes interpolate ε² linearly in j, every
+                lo, hi, interpolate = 1, limit, True  # other probe bisects (a safeguard)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if interpolate and math.isfinite(e_hi) and e_hi > e_lo:
+                        frac = (budget ** 2 - e_lo ** 2) / (e_hi ** 2 - e_lo ** 2)
+                        mid = min(hi - 1, max(lo + 1, lo + int(round(frac * (hi - lo)))))
+                    interpolate = not interpolate
+                    e_mid = self._epsilon_with(ledger, event, mid)
+                    if e_mid <= budget:
+                        lo, e_lo = mid, e_mid
+                    else:
+                        hi, e_hi = mid, e_mid
+                allowed = lo
         self._budget = (event, len(ledger), allowed)
         return allowed
 
     # -- incremental RDP bound ----------------------------------------------
     def _vector(self, event: dp_event.DpEvent, replace: bool) -> Optional[np.ndarray]:
-        key = (event, replace)
+        key = (repr(event), replace)  # composed events hold lists: not hashable
         if key not in self._vectors:
             summary = summarize_event(event)
             vec: Optional[np.ndarray] = np.zeros(len(RDP_ORDERS))
