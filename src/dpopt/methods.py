@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import nn
 
 from .accounting.ledger import PrivacyLedger
 from .errors import ConfigError
@@ -76,7 +77,7 @@ class MethodSpec:
         defaults: default hyperparameters, including ``lr`` and
             ``max_grad_norm``: every key ``build`` reads, declared once (the
             one place a default lives; the factory reads ``hp[key]``).
-        build: ``build(hparams, params=None) -> Transform`` (the
+        build: ``build(hparams, params=None, model=None) -> Transform`` (the
             post-processing chain, ending with the −lr scaling). ``hparams``
             are resolved (:meth:`hparams`) and include ``lr`` (so a secondary
             learning rate can be expressed as a multiplier of it); ``params``
@@ -168,6 +169,7 @@ def make_optimizer(
     group_bounds: Optional[Sequence[float]] = None,
     quantile: Optional[QuantileClipping] = None,
     dataset: Optional[str] = None,
+    model: Optional[nn.Module] = None,
     **overrides: Any,
 ) -> DPOptimizer:
     """Build the :class:`~dpopt.optim.DPOptimizer` of a registered method.
@@ -187,6 +189,10 @@ def make_optimizer(
             one bound per group); noise is calibrated to √(Σ C_k²).
         quantile: quantile adaptive clipping config (flat-clipping methods only).
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
+        model: the module the parameters belong to (optional): lets the Muon
+            methods route its embedding tables to the non-Muon branch by
+            module type (a plain parameter list cannot tell an embedding
+            from a linear weight).
         **overrides: hyperparameters (``lr``, ``max_grad_norm``, ``betas``...;
             ``weight_decay`` for every method: decoupled decay, see :data:`COMMON_DEFAULTS`).
 
@@ -198,7 +204,7 @@ def make_optimizer(
     return build_optimizer(spec, params, spec.hparams(dataset, **overrides),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            sample_rate=sample_rate, ledger=ledger, generator=generator, secure_mode=secure_mode,
-                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile)
+                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model)
 
 
 def build_optimizer(
@@ -216,6 +222,7 @@ def build_optimizer(
     groups: Optional[Sequence[int]] = None,
     group_bounds: Optional[Sequence[float]] = None,
     quantile: Optional[QuantileClipping] = None,
+    model: Optional[nn.Module] = None,
 ) -> DPOptimizer:
     """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
 
@@ -228,7 +235,7 @@ def build_optimizer(
         params: as for :func:`make_optimizer`.
         hparams: the output of ``spec.hparams(...)``: exactly the keys of
             ``spec.defaults``.
-        noise_multiplier, ...: as for :func:`make_optimizer`.
+        noise_multiplier, ..., model: as for :func:`make_optimizer`.
 
     Raises:
         ValueError: ``hparams`` not resolved for ``spec`` (keys missing or
@@ -248,7 +255,7 @@ def build_optimizer(
                             noise=noise)
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k not in COMMON_DEFAULTS}
-    transform = spec.build(chain_hp, params)
+    transform = spec.build(chain_hp, params, model=model)
     if float(hp["weight_decay"]) != 0:  # decoupled decay after the method's (−lr-scaled) update
         transform = chain(transform, DecoupledWeightDecay(hp["weight_decay"]))
     return DPOptimizer(params, privatizer, transform, lr=hp["lr"])
@@ -265,42 +272,43 @@ def _sgd_tail(hp: dict) -> list[Transform]:
     return [Momentum(mom), scale_by_lr()] if mom > 0 else [scale_by_lr()]
 
 
-def _sgd(hp: dict, params=None) -> Transform:
+def _sgd(hp: dict, params=None, model=None) -> Transform:
     return chain(*_sgd_tail(hp))
 
 
-def _adam(hp: dict, params=None) -> Transform:
+def _adam(hp: dict, params=None, model=None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr())
 
 
-def _adambc(hp: dict, params=None) -> Transform:
+def _adambc(hp: dict, params=None, model=None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], noise_correction=True, gamma_prime=hp["gamma_prime"]), scale_by_lr())
 
 
-def _adaclip(hp: dict, params=None) -> Transform:
+def _adaclip(hp: dict, params=None, model=None) -> Transform:
     return chain(AdaClip(hp["betas"], hp["h1"], hp["h2"]), scale_by_lr())
 
 
-def _macadam(hp: dict, params=None) -> Transform:
+def _macadam(hp: dict, params=None, model=None) -> Transform:
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
                          b_warmup_steps=hp["b_warmup_steps"]), scale_by_lr())
 
 
-def _macadambc(hp: dict, params=None) -> Transform:
+def _macadambc(hp: dict, params=None, model=None) -> Transform:
     """DP-MacAdam with the AdamBC update (the noise variance removed from v̂, floor ``gamma_prime``)."""
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
                          bias_correction=True, gamma_prime=hp["gamma_prime"],
                          b_warmup_steps=hp["b_warmup_steps"]), scale_by_lr())
 
 
-def _muon_body(hp: dict, params, scaling: str) -> Transform:
+def _muon_body(hp: dict, params, scaling: str, model=None) -> Transform:
     """Partition: hidden matrices → Muon at ``lr``; everything else → Adam/SGD at ``other_lr``.
 
     The param-group learning rate (``--lr``, LR schedulers) is Muon's. The
     other part is scaled by ``scale_by_lr(other_lr / lr)``: it runs at
     ``other_lr`` with the default schedule and follows any schedule applied
     to the group lr proportionally. Routing: ``hp["label_fn"]`` if given, else
-    :func:`~dpopt.transforms.muon.hidden_matrix_labels` on ``params``. The
+    :func:`~dpopt.transforms.muon.hidden_matrix_labels` on ``params``, with the
+    embedding tables of ``model`` (when given) routed to the other branch. The
     σ₁ power iteration (``power_iters``) is DP-Muon-S's only (``scaling="spectral"``).
 
     Raises:
@@ -311,7 +319,9 @@ def _muon_body(hp: dict, params, scaling: str) -> Transform:
         raise ConfigError("Muon methods route parameters by their position in the model: build them with "
                           "make_optimizer (which passes the parameters) or give hparams['label_fn']",
                           "params", "label_fn")
-    label_fn = hp["label_fn"] or hidden_matrix_labels(params, hp["exclude_first"], hp["exclude_last"])
+    label_fn = hp["label_fn"] or hidden_matrix_labels(
+        params, hp["exclude_first"], hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None)
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
         raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
@@ -327,12 +337,12 @@ def _muon_body(hp: dict, params, scaling: str) -> Transform:
     return muon_partition(muon, other, label_fn)
 
 
-def _muon(hp: dict, params=None) -> Transform:
-    return _muon_body(hp, params, "shape")
+def _muon(hp: dict, params=None, model=None) -> Transform:
+    return _muon_body(hp, params, "shape", model)
 
 
-def _muon_s(hp: dict, params=None) -> Transform:
-    return _muon_body(hp, params, "spectral")
+def _muon_s(hp: dict, params=None, model=None) -> Transform:
+    return _muon_body(hp, params, "spectral", model)
 
 
 def _disk(hp: dict) -> DiSK:
@@ -343,21 +353,21 @@ def _doppler(hp: dict) -> LowPassFilter:
     return LowPassFilter(*doppler_coefficients(hp["filter"], hp["filter_a"], hp["filter_b"]))
 
 
-def _disk_sgd(hp: dict, params=None) -> Transform:
+def _disk_sgd(hp: dict, params=None, model=None) -> Transform:
     return chain(_disk(hp), *_sgd_tail(hp))
 
 
-def _doppler_sgd(hp: dict, params=None) -> Transform:
+def _doppler_sgd(hp: dict, params=None, model=None) -> Transform:
     return chain(_doppler(hp), *_sgd_tail(hp))
 
 
-def _disk_muon(hp: dict, params=None) -> Transform:
+def _disk_muon(hp: dict, params=None, model=None) -> Transform:
     # the filter sits before the partition: it declares the evaluation points for all parameters
-    return chain(_disk(hp), _muon(hp, params))
+    return chain(_disk(hp), _muon(hp, params, model))
 
 
-def _doppler_muon(hp: dict, params=None) -> Transform:
-    return chain(_doppler(hp), _muon(hp, params))
+def _doppler_muon(hp: dict, params=None, model=None) -> Transform:
+    return chain(_doppler(hp), _muon(hp, params, model))
 
 
 # --------------------------------------------------------------------------- defaults

@@ -322,7 +322,8 @@ class PrivacyEngine:
                                          unclipped_num_std, count_share)
         flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
         dp = make_optimizer(method, params, expected_batch_size=expected_batch_size, sample_rate=sample_rate,
-                            ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), **privacy, **overrides)
+                            ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), model=module, **privacy,
+                            **overrides)
         if _declares_points(dp.transform):
             capture.detach()
             raise ValueError(f"{method} evaluates gradients at points other than the current parameters (DiSK), "

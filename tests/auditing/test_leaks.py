@@ -34,7 +34,10 @@ TRIALS = 10_000  # loop mode: one fresh privatizer per trial
 
 
 def _audit(make, shapes=SHAPES, trials=TRIALS, seed=0):
-    return A.audit_privatizer(make, shapes, trials=trials, delta=DELTA, alpha=1e-3, seed=seed)
+    """Audit ``make(generator)``: the privatizers' noise is seeded (reproducible) so every audit
+    here is deterministic; dpopt's default noise is secret and would make the verdicts random."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return A.audit_privatizer(lambda: make(gen), shapes, trials=trials, delta=DELTA, alpha=1e-3, seed=seed)
 
 
 def _one_step_ledger_ok(make, leaky) -> list:
@@ -47,7 +50,7 @@ def _one_step_ledger_ok(make, leaky) -> list:
 
 # --------------------------------------------------------------------------- defects 1-3: the audit
 def test_defect1_mean_norm_clip_bound_is_caught_by_the_audit(leaky):
-    r = _audit(lambda: leaky.MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0))
+    r = _audit(lambda g: leaky.MeanNormClipPrivatizer(1.0, 1.0, 8.0, 1.0, generator=g))
     assert r.claimed_epsilon == pytest.approx(4.377, abs=2e-3)
     assert r.verdict == "LEAK", r
     # the direct (assumption-free) bound alone already exceeds the claim
@@ -57,7 +60,7 @@ def test_defect1_mean_norm_clip_bound_is_caught_by_the_audit(leaky):
 
 
 def test_defect2_data_dependent_noise_is_caught_by_the_audit(leaky):
-    r = _audit(lambda: leaky.UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0))
+    r = _audit(lambda g: leaky.UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0, generator=g))
     assert r.verdict == "LEAK", r
     assert r.epsilon_direct > r.claimed_epsilon
     assert _one_step_ledger_ok(lambda: leaky.UncertaintyNoisePrivatizer(1.0, 1.0, 8.0, 1.0), leaky) == []
@@ -66,20 +69,23 @@ def test_defect2_data_dependent_noise_is_caught_by_the_audit(leaky):
 def test_defect3_noise_sized_to_smallest_bound_is_caught_by_the_audit(leaky):
     """Bounds (1, 2, 2), noise σ·1 instead of σ·3: the mechanism is 3-GDP, claimed 1-GDP."""
     shapes = [(2,), (3,), (2,)]
-    found = _audit(lambda: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0,
-                                                              groups=[0, 1, 2]), shapes, trials=4000)
+    found = _audit(lambda g: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0,
+                                                               groups=[0, 1, 2], generator=g),
+                   shapes, trials=4000)
     assert found.verdict == "LEAK", found
     assert found.mu_lower > 2.5  # true μ = 3
     # caught by the GDP route (sound here: the claim is a plain Gaussian); the direct route
     # would need more trials to pass 4.38 at δ = 1e-5
     assert found.epsilon_gdp > 2 * found.claimed_epsilon
-    honest = _audit(lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2]), shapes, trials=4000)
+    honest = _audit(lambda g: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=g), shapes,
+                    trials=4000)
     assert honest.verdict == "PASS" and honest.mu_lower <= 1.0
 
 
 def test_honest_twin_of_defects_1_and_2_passes():
     """Same harness, same canary, fixed C and σ: PASS (so the LEAKs above are about the defects)."""
-    r = A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 1.0), SHAPES, trials=6000, delta=DELTA,
+    gen = torch.Generator().manual_seed(1)
+    r = A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 1.0, generator=gen), SHAPES, trials=6000, delta=DELTA,
                            alpha=1e-3, seed=1, vectorize=False)
     assert r.verdict == "PASS" and r.mode == "loop"
     assert r.epsilon_direct < r.claimed_epsilon and r.epsilon_gdp < r.claimed_epsilon
@@ -110,14 +116,16 @@ def test_defect5_audit_sees_it_only_when_the_count_share_is_large(leaky):
     Budget share r = 0.05 (σ_grad = 1/√0.95, count multiplier 1/√0.05, σ_eff = 1): the claim
     (μ = 0.975) is off by 0.025 in μ, while 4000 trials resolve μ only to ≈ 3.5 × 0.046 ≈ 0.16;
     P(LEAK) ≈ 2e-3 here, so PASS is expected: only the ledger check catches this one."""
-    big = _audit(lambda: leaky.UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0)),
+    big = _audit(lambda g: leaky.UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0),
+                                                      generator=g),
                  trials=4000)
     assert big.claimed_mu == 1.0
     assert big.verdict == "LEAK", big
     assert big.mu_lower > 1.0  # true μ = √2
 
-    small = _audit(lambda: leaky.UnrecordedCountPrivatizer(1 / math.sqrt(0.95), 1.0, 50.0, 1.0,
-                                                           quantile=QuantileClipping(1 / math.sqrt(0.05))),
+    small = _audit(lambda g: leaky.UnrecordedCountPrivatizer(1 / math.sqrt(0.95), 1.0, 50.0, 1.0,
+                                                            quantile=QuantileClipping(1 / math.sqrt(0.05)),
+                                                            generator=g),
                    trials=4000)
     true_eps = A.gdp_epsilon(1.0, DELTA)  # σ_eff = 1 exactly
     assert small.claimed_epsilon < true_eps  # a real (small) leak ...

@@ -27,7 +27,9 @@ PUBLIC_SUMMARY = RELEASED | {
     "sample_rate", "expected_batch_size", "steps", "epochs", "lr", "accountant", "seed", "num_parameters",
     "noise", "dataset_size", "privatizer_reads", "privatizer_releases", "check", "target_epsilon",
     "calibrated_epsilon", "layer_bounds", "layers", "noise_multiplier_total", "grad_noise_multiplier",
-    "count_noise_multiplier", "count_share"}
+    "count_noise_multiplier", "count_share",
+    # runs that stop early or resume (issue 10): public schedule facts
+    "status", "planned_steps", "stop_signal", "max_epsilon", "resumed_from_step", "lost_steps"}
 
 
 def _files(run_dir):

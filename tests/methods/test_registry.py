@@ -9,7 +9,7 @@ from dpopt.methods import get_method, list_methods, make_optimizer
 from dpopt.optim import DPOptimizer
 
 ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",
-       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon"]
+       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto"]
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 

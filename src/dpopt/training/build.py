@@ -176,7 +176,7 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
     opt = build_optimizer(spec, [p for p in model.parameters() if p.requires_grad], hp,
                           expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
-                          noise=noise, **privacy)
+                          noise=noise, model=model, **privacy)
     return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
                steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
                privacy_facts=privacy_facts, optimizer=opt, device=device)

@@ -31,6 +31,7 @@ from ..accounting.ledger_check import check_ledger
 from ..errors import ConfigError
 from ..models import num_parameters
 from ..accounting.ledger import JOURNAL_NAME
+from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run
 from .checkpoint import CHECKPOINT_NAME, rng_state, save_checkpoint
 from .config import TrainConfig
@@ -38,7 +39,7 @@ from .config import TrainConfig
 __all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
-             JOURNAL_NAME, CHECKPOINT_NAME)
+             JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -164,6 +165,8 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
                 fh.write(json.dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
     _atomic_torch_save(run.model.state_dict(), run_dir / "model.pt")
+    # dp-muon-auto's per-layer on/off decisions (functions of released momenta only); no-op otherwise
+    write_history(run_dir, run.optimizer, [n for n, p in run.model.named_parameters() if p.requires_grad])
     final = metrics[-1]  # the last step always closes a metrics row: no second evaluation
     acc, test_loss, eps = final["test_accuracy"], final["test_loss"], final["epsilon"]
     if epsilon is not None:
