@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from dp_accounting import dp_event
@@ -117,6 +117,18 @@ class Privatizer:
             REPRODUCIBLE (research reruns only; the ledger records it and
             ``dpopt check`` fails it).
         secure_mode: draw the noise from the OS CSPRNG (:mod:`dpopt.noise`).
+        reduce: data-parallel training only (:mod:`dpopt.distributed`): a
+            callable ``reduce(sums, count, draw) -> (noisy_sums, noisy_count)``
+            called once per step between the local clipped sums and the
+            release. ``sums`` are this process's clipped sums (w-space),
+            ``count`` its centred clipped count (None without quantile
+            clipping), ``draw()`` draws the step's noise from this Privatizer's
+            source in the single-process order (gradient noise per parameter,
+            already × σS, then the count noise, already × σ_b). It must return
+            the noisy totals over all processes, identical everywhere, with
+            the noise drawn ONCE (e.g. by rank 0) — never once per process.
+            None (default): the local sums are the totals and the noise is
+            added here, as always.
 
     Raises:
         ValueError: invalid σ, q, B̄, bounds or group indices (messages say
@@ -138,7 +150,9 @@ class Privatizer:
         generator: Optional[torch.Generator] = None,
         secure_mode: bool = False,
         noise: Optional[NoiseSource] = None,
+        reduce: Optional[Callable] = None,
     ):
+        self.reduce = reduce
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         self.sample_rate = check_sample_rate(sample_rate)
         self.expected_batch_size = float(expected_batch_size)
@@ -252,10 +266,16 @@ class Privatizer:
             self._read.update(["gradient_sum"] + (["clipped_count"] if self.quantile is not None else []))
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
+        noisy_sums, noisy_count = None, None
+        if self.reduce is not None:  # data parallel: the noisy totals over every process
+            local_count = self._count if self.quantile is not None else None
+            noisy_sums, noisy_count = self.reduce(list(self._sum), local_count, lambda: self._draw(std))
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             # g = (s + std·z)/B̄, built in place in the noise buffer (the sum is ours to consume)
-            if std > 0:
+            if noisy_sums is not None:
+                g = noisy_sums[i].div(bbar)
+            elif std > 0:
                 g = self.noise.normal(s.shape, dtype=s.dtype, device=s.device)
                 g.mul_(std / bbar).add_(s, alpha=1.0 / bbar)
             else:
@@ -274,7 +294,7 @@ class Privatizer:
                 self.noise_multiplier, "noise_std": std,
                 "geometry": "identity" if geo.is_identity else "shift-scale"}
         if self.quantile is not None:
-            meta.update(self._release_count())
+            meta.update(self._release_count(noisy_count))
         meta.update(reads=len(self._read), releases=self._released)
         self.reads += len(self._read)
         self.releases += self._released
@@ -286,12 +306,29 @@ class Privatizer:
         self._reset()
         return release
 
-    def _release_count(self) -> dict:
-        """Noisy centred count → next clip bound (Andrew et al. 2021, Alg. 1)."""
+    def _draw(self, std: float) -> tuple[list[Tensor], Optional[float]]:
+        """The step's noise, drawn in the order :meth:`release` draws it (for a ``reduce`` hook):
+        σS·z per parameter (none when σS = 0), then the count's σ_b·z (quantile clipping)."""
+        grad_noise = []
+        for s in self._sum:
+            if std > 0:
+                grad_noise.append(self.noise.normal(s.shape, dtype=s.dtype, device=s.device).mul_(std))
+            else:
+                grad_noise.append(torch.zeros_like(s))
+        count_noise = None
+        if self.quantile is not None:
+            count_noise = float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
+        return grad_noise, count_noise
+
+    def _release_count(self, noisy_count: Optional[float] = None) -> dict:
+        """Noisy centred count → next clip bound (Andrew et al. 2021, Alg. 1).
+
+        ``noisy_count``: the noisy total from a ``reduce`` hook (the noise already in it)."""
         q = self.quantile
         count_std = 0.5 * q.count_noise_multiplier
-        noise = float(self.noise.normal((), dtype=torch.float64)) * count_std
-        frac = min(1.0, max(0.0, (self._count + noise) / self.expected_batch_size + 0.5))
+        if noisy_count is None:
+            noisy_count = self._count + float(self.noise.normal((), dtype=torch.float64)) * count_std
+        frac = min(1.0, max(0.0, noisy_count / self.expected_batch_size + 0.5))
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
         self.clip_history.append(applied)

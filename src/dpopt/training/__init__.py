@@ -31,6 +31,14 @@ and accountant output only. The noise and Poisson masks come from a secret
 seed fixes model initialisation (and other non-private randomness) only.
 The dataset size N is treated as public when the sample rate is derived as
 q = B̄/N (the run files then reveal N); give ``sample_rate`` to avoid that.
+
+Data parallel (:mod:`dpopt.distributed`): launched under ``torchrun`` (env
+``WORLD_SIZE`` > 1) or with a process group already initialised, :func:`train`
+runs on every rank: each rank Poisson-samples its shard of the training set at
+q, the clipped sums are all-reduced with the noise drawn once (rank 0), and
+every rank applies the same update. Only rank 0 creates the run directory,
+writes files, evaluates and calls ``on_step``; other ranks return
+``{"rank", "world_size", "steps", "run_dir": None}``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Callable, Optional, Union
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..data import Dataset, load_dataset
+from ..distributed import DistributedContext, ShardedPoissonSampler, any_rank, check_replicas, setup
 from ..sampling import PoissonSampler
 from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
@@ -90,19 +99,56 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     """
     start = time.perf_counter()
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
-    run = build_run(cfg, data, stacklevel=4)  # the reproducible-noise warning points at train's caller
-    run_dir = run_directory(cfg)
-    write_config(run_dir, run)
-    sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    dist = setup(resolve_device(cfg.device))  # torchrun / an initialised process group, else one process
+    # the reproducible-noise warning points at train's caller
+    run = build_run(cfg, data, stacklevel=4, dist=dist)
+    run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
+    if dist.enabled:
+        sampler: PoissonSampler = ShardedPoissonSampler(data.n_train, run.sample_rate, run.steps, dist,
+                                                        noise=run.noise)
+    else:
+        sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
     return _run(run, run_dir, sampler, LoopState(), start, on_step)
 
 
-def _run(run: Run, run_dir: Path, sampler: PoissonSampler, state: LoopState, start: float,
+def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:
+    run_dir = run_directory(cfg)
+    write_config(run_dir, run)
+    return run_dir
+
+
+def _on_main(dist: DistributedContext, fn: Callable):
+    """``fn()`` on rank 0 only (None elsewhere); if it raises, every rank raises (no rank waits forever)."""
+    if not dist.enabled:
+        return fn()
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except Exception as exc:  # re-raised below, after the other ranks know
+            error = exc
+    if any_rank(error is not None, dist):
+        if error is not None:
+            raise error
+        raise RuntimeError("rank 0 failed to set up the run (its error is reported there)")
+    return result
+
+
+def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: LoopState, start: float,
          on_step, extra: Optional[dict] = None) -> dict:
-    files = RunFiles(run_dir, run)
+    dist = run.dist
+    files = RunFiles(run_dir, run) if dist.is_main else None  # only rank 0 writes
     tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
     with graceful_stop() as stop:
-        metrics = run_steps(run, on_step, files=files, state=state, sampler=sampler, stop=stop, tracker=tracker)
+        metrics = run_steps(run, on_step if dist.is_main else None, files=files, state=state, sampler=sampler,
+                            stop=stop, tracker=tracker)
+    if dist.enabled:
+        if not check_replicas([p for p in run.model.parameters()] + list(run.model.buffers()), dist):
+            raise RuntimeError("data-parallel replicas diverged: the ranks hold different parameters after "
+                               "the run (the all-reduce should make every update identical)")
+        extra = dict(extra or {}, world_size=dist.world_size)
+        if not dist.is_main:
+            return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
     return write_results(run_dir, run, metrics, start - state.wall_seconds, status=state.status,
                          stop_signal=state.stop_signal, streamed=True, epsilon=tracker.epsilon(run.ledger),
                          extra=extra)
@@ -140,6 +186,9 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         ValueError: a checkpoint that does not fit the run it describes.
     """
     start = time.perf_counter()
+    if setup().enabled:
+        raise ValueError("resume is not supported for data-parallel runs yet: resume with one process, or start "
+                         "a new run")
     run_dir = Path(run_dir)
     ckpt = load_checkpoint(run_dir)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -24,6 +24,7 @@ from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_cou
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
 from ..data import Dataset
+from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
 from ..methods import build_optimizer, get_method
 from ..models import DEFAULT_MODEL, build_model, check_model
@@ -57,6 +58,7 @@ class Run:
         privacy_facts: public facts of the clipping choice (layer bounds, budget split).
         optimizer: the :class:`~dpopt.optim.DPOptimizer`.
         device: where the model, the batches and the noise live.
+        dist: the data-parallel context (:mod:`dpopt.distributed`; one process by default).
     """
 
     cfg: TrainConfig
@@ -73,6 +75,7 @@ class Run:
     privacy_facts: dict
     optimizer: DPOptimizer
     device: torch.device = torch.device("cpu")
+    dist: DistributedContext = DistributedContext()
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -136,7 +139,8 @@ def noise_source(cfg: TrainConfig, *, stacklevel: int = 3) -> NoiseSource:
     return NoiseSource("secure" if cfg.secure_mode else "secret")
 
 
-def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
+def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
+              dist: Optional[DistributedContext] = None) -> Run:
     """Validate ``cfg`` and build everything a run needs, in this order.
 
     Validate against N → seed torch (initialisation only) → noise source →
@@ -149,6 +153,9 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
         stacklevel: where the reproducible-noise warning points, as for
             :func:`warnings.warn` counted from this function (default: the
             line that called it; :func:`~dpopt.training.train` passes 4, its caller).
+        dist: data-parallel training (:mod:`dpopt.distributed`): the model's
+            parameters and buffers are broadcast from rank 0 and the
+            Privatizer all-reduces the clipped sums, noise drawn once (rank 0).
 
     Raises:
         ValueError: (:class:`~dpopt.errors.ConfigError` naming the fields)
@@ -177,7 +184,11 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3) -> Run:
     opt = build_optimizer(spec, [p for p in model.parameters() if p.requires_grad], hp,
                           expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
                           noise=noise, model=model, **privacy)
+    dist = dist or DistributedContext()
+    if dist.enabled:
+        broadcast_parameters(list(model.parameters()) + list(model.buffers()), dist)
+        attach(opt.privatizer, dist)
     return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
                steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
-               privacy_facts=privacy_facts, optimizer=opt, device=device)
+               privacy_facts=privacy_facts, optimizer=opt, device=device, dist=dist)
 

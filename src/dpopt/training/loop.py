@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..accounting.incremental import EpsilonTracker
+from ..distributed import any_rank
 from ..engine import iter_per_sample_sources
 from ..sampling import PoissonSampler
 from .build import Run
@@ -99,8 +100,16 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
 
     ``state.status`` says how the loop ended: ``"completed"``, ``"interrupted"``
     or ``"budget_exhausted"``.
+
+    Data parallel (``run.dist`` with several ranks, :mod:`dpopt.distributed`):
+    ``sampler`` draws this rank's shard; a stop signal on any rank stops every
+    rank after the same step; only rank 0 evaluates, records metrics rows and
+    calls ``on_step`` (give ``files`` on rank 0 only).
     """
     cfg, data, model, opt, ledger = run.cfg, run.data, run.model, run.optimizer, run.ledger
+    dist = run.dist
+    if not dist.is_main:
+        on_step = None
     steps, sample_rate = run.steps, run.sample_rate
     steps_per_epoch = 1.0 / sample_rate
     state = state or LoopState()
@@ -113,6 +122,8 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
 
     def row(extra: dict) -> dict:
         nonlocal eps_now, last
+        if not dist.is_main:  # evaluation, metrics and ε display on rank 0 only
+            return {}
         eps_now = tracker.epsilon(ledger)
         acc, test_loss = evaluate(model, data.x_test, data.y_test)
         r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps_now}
@@ -128,8 +139,12 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
 
     try:
         while state.step < steps:
-            if stop is not None and stop.requested:
-                state.status, state.stop_signal = "interrupted", stop.name
+            requested = stop is not None and stop.requested
+            if dist.enabled:  # every rank stops after the same step (one collective of one number)
+                requested = any_rank(requested, dist)
+            if requested:
+                state.status = "interrupted"
+                state.stop_signal = (stop.name if stop is not None else None) or "SIGTERM"
                 break
             if cfg.max_epsilon is not None and tracker.releases_within_budget(
                     ledger, opt.privatizer.step_event(), steps - state.step) < 1:

@@ -1,0 +1,315 @@
+"""Data-parallel DP training over ``torch.distributed`` with ONE noise draw per step.
+
+Launch ``dpopt train`` under ``torchrun`` (gloo on CPU, NCCL on GPUs)::
+
+    torchrun --standalone --nproc_per_node 4 -m dpopt train --dataset mnist --data-dir data/ ...
+
+or, from Python, initialise a process group and pass a :class:`DistributedContext`
+(:func:`setup`) to :func:`attach` (or let :func:`dpopt.training.train` do both).
+
+One logical step on W processes (ranks)::
+
+    rank r:  B_r  = Poisson sample of ITS SHARD D_r at the public rate q      (ShardedPoissonSampler)
+             s_r  = Σ_{i ∈ B_r} clip(g_i)            (Privatizer.accumulate, as in one process)
+    rank 0:  s_0 += σS·z  (+ the count's σ_b·z)      (the step's only noise draw)
+    all:     S̃    = all_reduce_sum(s_r)              (ONE collective: gradient sums and clipped count)
+             g̃    = S̃ / B̄ → transforms → update      (identical on every rank)
+
+Why this is the single-process mechanism:
+
+* **Sampling.** The shards D_0 … D_{W−1} partition the dataset; each example
+  joins its rank's batch independently with probability q, so the union
+  ∪_r B_r is exactly a Poisson sample of the whole dataset at rate q — the
+  sampling the accountant assumes (one event per step, the same as W = 1).
+* **Sensitivity.** Adding/removing one example changes exactly one rank's
+  clipped sum by at most C, so the sum over ranks has sensitivity C (√ΣC_k² per
+  layer; ½ for the centred count).
+* **Noise.** Drawn once per step, by rank 0 (or, in reproducible mode, by
+  every rank from the same seeded stream but added by rank 0 only), so the
+  total noise std is exactly σ·S — never √W·σ·S. Adding it before the
+  all-reduce means no process ever holds the noise-free total.
+* **Identical updates.** An all-reduce returns the same tensor on every rank,
+  the geometry (MacAdam, AdaClip) and every transform are functions of
+  released values, and the initial parameters are broadcast from rank 0, so
+  every rank applies the same update; :func:`check_replicas` verifies it.
+
+Randomness per mode (DESIGN.md, "Secret randomness"):
+
+* ``secret`` / ``secure``: every rank's :class:`~dpopt.noise.NoiseSource` is
+  seeded from ITS OWN OS entropy (never written). Rank r draws the Poisson
+  uniforms of its shard only; only rank 0 draws Gaussian noise — the sources
+  of other ranks never produce noise.
+* ``reproducible`` (research only): every rank seeds the same stream, draws the
+  uniforms of the WHOLE dataset and keeps its shard's part (so the union is the
+  batch a one-process run draws), and draws the step's noise too (rank r > 0
+  discards it) to keep the shared stream aligned. A W-process run then
+  matches the one-process run with the same seed to float tolerance (summation
+  order differs), which is what ``tests/distributed/test_ddp_equivalence.py``
+  checks.
+
+Only rank 0 writes run files and prints; every rank keeps the ledger in memory
+(identical on every rank: the same events in the same order), so the saved
+ledger records each step exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .noise import NoiseSource
+from .sampling import PoissonSampler
+
+__all__ = ["DistributedContext", "setup", "context", "shard_bounds", "ShardedPoissonSampler",
+           "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank"]
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands: ``rank`` of ``world_size`` in process ``group`` (None: the default group).
+
+    ``world_size == 1`` (no process group) is the ordinary single-process run.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Optional[object] = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that writes files and prints."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """In-place all-reduce (``"sum"`` or ``"max"``) over the group; a no-op for one process."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                            group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+        """In-place broadcast from ``src`` (a group rank); a no-op for one process."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
+                           group=self.group)
+        return tensor
+
+
+def context(group=None) -> DistributedContext:
+    """The :class:`DistributedContext` of an initialised process group (else a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistributedContext()
+    return DistributedContext(dist.get_rank(group), dist.get_world_size(group), group)
+
+
+def setup(device: Optional[torch.device] = None) -> DistributedContext:
+    """Join the process group ``torchrun`` describes (env ``WORLD_SIZE`` > 1), or use one already initialised.
+
+    Backend: NCCL for a CUDA ``device`` (and ``torch.cuda.set_device(LOCAL_RANK)``,
+    so ``"cuda"`` means this rank's GPU), gloo otherwise. Without a process group
+    and with ``WORLD_SIZE`` unset or 1: a single process (nothing initialised).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return context()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistributedContext()
+    if not dist.is_available():  # pragma: no cover - torch builds without distributed
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return context()
+
+
+def shard_bounds(dataset_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[lo, hi)``: rank's contiguous shard of ``range(dataset_size)`` (sizes differ by at most one)."""
+    n, w = int(dataset_size), int(world_size)
+    return rank * n // w, (rank + 1) * n // w
+
+
+class ShardedPoissonSampler(PoissonSampler):
+    """Poisson sampling of this rank's shard at the public rate q; indices are GLOBAL (into the dataset).
+
+    Args:
+        dataset_size, sample_rate, steps, noise: as for :class:`~dpopt.sampling.PoissonSampler`
+            (``noise``: THIS rank's source).
+        ctx: the :class:`DistributedContext`.
+
+    With secret/secure noise each rank draws the uniforms of its shard only,
+    from its own source. With reproducible noise every rank draws the uniforms
+    of the whole dataset from the shared seeded stream and keeps its shard's
+    part, so the union over ranks is the one-process batch for the same seed.
+    Either way the union over ranks is a Poisson sample of the dataset at q.
+    """
+
+    def __init__(self, dataset_size: int, sample_rate: float, steps: int, ctx: DistributedContext,
+                 noise: Optional[NoiseSource] = None):
+        super().__init__(dataset_size, sample_rate, steps, noise=noise)
+        self.ctx = ctx
+        self.lo, self.hi = shard_bounds(self.dataset_size, ctx.rank, ctx.world_size)
+
+    def sample(self) -> Tensor:
+        if self.position >= self.steps:
+            raise StopIteration
+        if self.noise.mode == "reproducible":
+            mask = self.noise.uniform(self.dataset_size)[self.lo:self.hi] < self.sample_rate
+        else:
+            mask = self.noise.uniform(self.hi - self.lo) < self.sample_rate
+        self.position += 1
+        return mask.nonzero(as_tuple=True)[0] + self.lo
+
+
+class AllReduceRelease:
+    """The Privatizer's ``reduce`` hook: noise once on rank 0, then ONE all-reduce of sums (and count).
+
+    Args:
+        ctx: the :class:`DistributedContext`.
+        replay: draw the noise on every rank and discard it off rank 0 — for a
+            reproducible (shared-seed) noise source only, to keep the shared
+            stream aligned; never for secret noise (other ranks never draw noise).
+
+    Call: ``(sums, count, draw) -> (noisy_sums, noisy_count)`` as documented at
+    :class:`~dpopt.privatizer.Privatizer` (``reduce``). The sums are packed in
+    one flat buffer per dtype (one collective for the usual all-float32 model;
+    the count travels in the first buffer).
+    """
+
+    def __init__(self, ctx: DistributedContext, *, replay: bool = False):
+        self.ctx, self.replay = ctx, bool(replay)
+        self.calls = 0  # steps reduced (public)
+
+    def __call__(self, sums: Sequence[Tensor], count: Optional[float],
+                 draw: Callable[[], tuple[list[Tensor], Optional[float]]]):
+        sums = list(sums)
+        if self.ctx.is_main or self.replay:
+            noise, count_noise = draw()
+            if self.ctx.is_main:
+                sums = [s + z for s, z in zip(sums, noise)]
+                if count is not None:
+                    count = count + count_noise
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(sums):
+            groups.setdefault((s.dtype, s.device), []).append(i)
+        out: list[Optional[Tensor]] = [None] * len(sums)
+        noisy_count = None
+        for k, ((dtype, device), idx) in enumerate(groups.items()):
+            parts = [sums[i].reshape(-1) for i in idx]
+            if k == 0 and count is not None:
+                parts.append(torch.tensor([count], dtype=dtype, device=device))
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            self.ctx.all_reduce(flat)
+            offset = 0
+            for i in idx:
+                n = sums[i].numel()
+                out[i] = flat[offset:offset + n].view(sums[i].shape)
+                offset += n
+            if k == 0 and count is not None:
+                noisy_count = float(flat[offset])
+        if not groups and count is not None:  # no parameters at all: the count alone
+            flat = self.ctx.all_reduce(torch.tensor([count], dtype=torch.float64))
+            noisy_count = float(flat[0])
+        self.calls += 1
+        return out, noisy_count
+
+
+def attach(privatizer, ctx: DistributedContext) -> None:
+    """Make ``privatizer`` release the noisy sum over every rank of ``ctx`` (a no-op for one process).
+
+    Every rank's Privatizer must have the same configuration (σ, bounds, B̄, q,
+    clipping); each keeps its own in-memory ledger (identical on every rank).
+
+    Raises:
+        ValueError: a privatizer that already has a ``reduce`` hook.
+    """
+    if not ctx.enabled:
+        return
+    if privatizer.reduce is not None:
+        raise ValueError("this Privatizer already has a reduce hook")
+    privatizer.reduce = AllReduceRelease(ctx, replay=privatizer.noise.mode == "reproducible")
+
+
+def prepare(optimizer, ctx: Optional[DistributedContext] = None) -> DistributedContext:
+    """Data-parallel setup of a :class:`~dpopt.optim.DPOptimizer` built the same way on every rank.
+
+    Broadcasts rank 0's parameters (so every replica starts equal) and
+    :func:`attach` es the all-reduce to its Privatizer. Sample each rank's
+    batches with :class:`ShardedPoissonSampler`; only rank 0 should write the
+    ledger (``optimizer.privatizer.ledger``) to files.
+
+    Example (each rank, after ``torch.distributed.init_process_group``)::
+
+        ctx = dpopt.distributed.prepare(opt)
+        sampler = dpopt.distributed.ShardedPoissonSampler(len(x), q, steps, ctx)
+        for idx in sampler:
+            opt.step(iter_per_sample_sources(model, loss_fn, x[idx], y[idx]))
+
+    Returns:
+        the context used (:func:`context` of the default group if None).
+    """
+    ctx = ctx if ctx is not None else context()
+    broadcast_parameters([p for g in optimizer.param_groups for p in g["params"]], ctx)
+    attach(optimizer.privatizer, ctx)
+    return ctx
+
+
+@torch.no_grad()
+def broadcast_parameters(tensors: Sequence[Tensor], ctx: DistributedContext) -> None:
+    """Copy rank 0's values of ``tensors`` (parameters, buffers) to every rank."""
+    if not ctx.enabled:
+        return
+    for t in tensors:
+        ctx.broadcast(t.data)
+
+
+@torch.no_grad()
+def check_replicas(tensors: Sequence[Tensor], ctx: DistributedContext) -> bool:
+    """True if every rank holds exactly rank 0's values of ``tensors`` (bit for bit).
+
+    One broadcast of the flattened tensors and one all-reduce of the verdict;
+    True for a single process.
+    """
+    if not ctx.enabled:
+        return True
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+    ref = ctx.broadcast(flat.clone())
+    differs = torch.tensor([0.0 if torch.equal(ref, flat) else 1.0], dtype=torch.float64,
+                           device=flat.device)
+    ctx.all_reduce(differs, op="max")
+    return bool(differs.item() == 0.0)
+
+
+def any_rank(flag: bool, ctx: DistributedContext) -> bool:
+    """True on every rank if ``flag`` is True on some rank (e.g. a stop signal that reached one rank)."""
+    if not ctx.enabled:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    if _backend_device(ctx) is not None:
+        t = t.to(_backend_device(ctx))
+    return bool(ctx.all_reduce(t, op="max").item() > 0)
+
+
+def _backend_device(ctx: DistributedContext) -> Optional[torch.device]:
+    """NCCL needs CUDA tensors for every collective; gloo takes CPU tensors."""
+    import torch.distributed as dist
+
+    if dist.get_backend(ctx.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
