@@ -188,10 +188,14 @@ def train_command(
         import torch
 
         torch.set_num_threads(threads)
-    console = Console(stderr=True)
-    terminal = console.is_terminal
+    import os
+
+    # data parallel under torchrun (dpopt.distributed): rank 0 alone prints; the library writes files on rank 0
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    console = Console(stderr=True, quiet=quiet)
+    terminal = console.is_terminal and not quiet
     if not terminal:  # piped: no hard wrapping at 80 columns (paths stay on one line)
-        console = Console(stderr=True, width=10_000, soft_wrap=True)
+        console = Console(stderr=True, width=10_000, soft_wrap=True, quiet=quiet)
     # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
@@ -235,6 +239,8 @@ def train_command(
                 summary = resume_run(resume, on_step=on_step, device=None if device == "cpu" else device)
             else:
                 summary = train(cfg, on_step=on_step)
+    if summary.get("rank", 0) != 0:  # another rank of a data-parallel run: rank 0 reports
+        return
     out_console = Console() if Console().is_terminal else Console(width=10_000, soft_wrap=True)
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
