@@ -4,17 +4,26 @@
 * ``mlp-small`` (digits): 64-64-10 ReLU, 4,810 parameters.
 * ``cnn5`` (CIFAR-10): 582,346 parameters; layer list fixed in docs/algorithms.md
   ("Models") since the paper's is not available.
+* ``wrn16-4`` (CIFAR-10): Wide ResNet 16-4 (Zagoruyko & Komodakis 2016, pre-activation
+  blocks, widths 16/64/128/256, 2 blocks per group, bias-free convolutions, 1×1
+  projection shortcuts where the shape changes) with GroupNorm(16 groups) in place of
+  BatchNorm, as in De et al. 2022 (arXiv:2204.13650): 2,748,890 parameters — the
+  standard BatchNorm count, since GroupNorm has the same per-channel affine weight and bias.
+* ``resnet18`` (CIFAR-10): ResNet-18 for 32×32 inputs (He et al. 2016; 3×3 stem, no
+  max-pool, BasicBlocks 2-2-2-2 with widths 64/128/256/512, bias-free convolutions,
+  1×1 projection shortcuts) with GroupNorm(32 groups): 11,173,962 parameters, again
+  the BatchNorm count.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 
 from .errors import ConfigError
 
 __all__ = ["MODELS", "DEFAULT_MODEL", "build_model", "check_model", "num_parameters"]
 
-MODELS = ("mlp-small", "mlp", "cnn5")
+MODELS = ("mlp-small", "mlp", "cnn5", "wrn16-4", "resnet18")
 DEFAULT_MODEL = {"digits": "mlp-small", "mnist": "mlp", "cifar10": "cnn5"}
 _INPUT = {"mlp-small": 64, "mlp": 784}
 
@@ -32,20 +41,99 @@ def _cnn5(classes: int = 10, groups: int = 8) -> nn.Module:
                          nn.Flatten(), nn.Linear(8 * 8 * 64, 128), nn.ReLU(), nn.Linear(128, classes))
 
 
+class _WideBlock(nn.Module):
+    """Pre-activation wide-ResNet block: GN-ReLU-conv3×3-GN-ReLU-conv3×3, plus a 1×1 projection if needed."""
+
+    def __init__(self, cin: int, cout: int, stride: int, groups: int):
+        super().__init__()
+        self.gn1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.gn2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.shortcut = (nn.Conv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        o = nn.functional.relu(self.gn1(x))
+        short = x if self.shortcut is None else self.shortcut(o)
+        out = self.conv1(o)
+        out = self.conv2(nn.functional.relu(self.gn2(out)))
+        return out + short
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-k for 32×32 inputs with GroupNorm: (depth − 4)/6 blocks per group, widths 16, 16k, 32k, 64k."""
+
+    def __init__(self, depth: int = 16, width: int = 4, classes: int = 10, groups: int = 16):
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ValueError(f"WRN depth must be 6n + 4, got {depth}")
+        n, widths = (depth - 4) // 6, [16, 16 * width, 32 * width, 64 * width]
+        self.conv = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        blocks, cin = [], widths[0]
+        for i, cout in enumerate(widths[1:]):
+            for j in range(n):
+                blocks.append(_WideBlock(cin, cout, 2 if (i > 0 and j == 0) else 1, groups))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.gn = nn.GroupNorm(groups, cin)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = nn.functional.relu(self.gn(self.blocks(self.conv(x))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class _BasicBlock(nn.Module):
+    """ResNet BasicBlock: conv3×3-GN-ReLU-conv3×3-GN, + identity or 1×1 projection (conv + GN), ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int, groups: int):
+        super().__init__()
+        self.conv1, self.gn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.GroupNorm(groups, cout)
+        self.conv2, self.gn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.GroupNorm(groups, cout)
+        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
+                         if stride != 1 or cin != cout else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = nn.functional.relu(self.gn1(self.conv1(x)))
+        out = self.gn2(self.conv2(out))
+        return nn.functional.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32×32 inputs (3×3 stem, no max-pool) with GroupNorm."""
+
+    def __init__(self, classes: int = 10, groups: int = 32):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.GroupNorm(groups, 64)
+        blocks, cin = [], 64
+        for i, cout in enumerate((64, 128, 256, 512)):
+            for j in range(2):
+                blocks.append(_BasicBlock(cin, cout, 2 if (i > 0 and j == 0) else 1, groups))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks(nn.functional.relu(self.gn(self.conv(x))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
 def build_model(name: str, dataset: str | None = None) -> nn.Module:
-    """Build a model by name (``mlp-small``, ``mlp``, ``cnn5``).
+    """Build a model by name (``mlp-small``, ``mlp``, ``cnn5``, ``wrn16-4``, ``resnet18``).
 
     Raises:
         ConfigError: unknown name, or a model that does not fit the dataset's inputs (argument ``model``).
     """
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    expected = {"digits": ("mlp-small",), "mnist": ("mlp",), "cifar10": ("cnn5",)}
+    expected = {"digits": ("mlp-small",), "mnist": ("mlp",), "cifar10": ("cnn5", "wrn16-4", "resnet18")}
     if dataset is not None and dataset in expected and name not in expected[dataset]:
         raise ConfigError(f"model {name!r} does not take {dataset} inputs; use model "
                           f"{' or '.join(expected[dataset])}", "model")
     if name == "cnn5":
         return _cnn5()
+    if name == "wrn16-4":
+        return WideResNet(16, 4)
+    if name == "resnet18":
+        return ResNet18()
     return _mlp(_INPUT[name], 64 if name == "mlp-small" else 1000)
 
 

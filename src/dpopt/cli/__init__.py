@@ -8,6 +8,7 @@ merged into :data:`app`:
 * :mod:`dpopt.cli.audit` — ``audit``;
 * :mod:`dpopt.cli.split` — ``split`` (the budget split explorer);
 * :mod:`dpopt.cli.diagnose` — ``diagnose`` (spectral diagnostics, non-private);
+* :mod:`dpopt.cli.sweep` — ``sweep``, ``report`` (grids of runs, tables and plots);
 * :mod:`dpopt.cli.common` — what they share: ``error: ...`` lines and exit
   codes (2 bad input, 130 interrupted), the translation of library argument
   names to flags, the shared options (``--delta``, ``--accountant``, ``--json``)
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE before torch loads
 
-from . import accounting, audit, diagnose, split, train
+from . import accounting, audit, diagnose, split, sweep, train
 from .common import tidy_help
 
 __all__ = ["app", "main"]
@@ -38,7 +39,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _group in (train.group, accounting.group, audit.group, split.group, diagnose.group):
+for _group in (train.group, accounting.group, audit.group, split.group, diagnose.group, sweep.group):
     app.add_typer(_group)
 
 

@@ -30,6 +30,7 @@ import torch
 from ..accounting.ledger_check import check_ledger
 from ..errors import ConfigError
 from ..models import num_parameters
+from ..reports.curves import CURVES_NAME, write_curves
 from ..accounting.ledger import JOURNAL_NAME
 from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run
@@ -39,7 +40,7 @@ from .config import TrainConfig
 __all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
-             JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE)
+             JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE, CURVES_NAME)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -198,4 +199,5 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     summary["check"] = "pass" if check.passed else "FAIL: " + ", ".join(check.failures)
     atomic_write_text(run_dir / "check.txt", check.format() + "\n")
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    write_curves(run_dir)  # curves.png: test accuracy, test loss and ε against step (needs matplotlib)
     return summary

@@ -1,0 +1,71 @@
+"""``curves.png`` of a run directory: test accuracy, test loss and ε against step and epoch.
+
+Reads the run's ``metrics.jsonl`` (public values only: test-set metrics of the
+released model and accountant output). Needs matplotlib; without it (or with
+no metrics rows) nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["CURVES_NAME", "write_curves"]
+
+CURVES_NAME = "curves.png"
+
+
+def write_curves(run_dir: Union[str, Path]) -> Optional[Path]:
+    """Draw ``run_dir/curves.png`` from ``run_dir/metrics.jsonl``; return its path (None if not drawn).
+
+    Three panels against the step (epoch on a secondary axis): test accuracy,
+    test loss and ε spent. Never raises: a plot must not fail a finished run
+    (a failure is a warning).
+    """
+    run_dir = Path(run_dir)
+    try:
+        rows = []
+        path = run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("test_accuracy") is not None and row.get("step") is not None:
+                rows.append(row)
+        if not rows:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover - depends on the environment
+            return None
+        steps = [r["step"] for r in rows]
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=90)
+        for ax, key, label in zip(axes, ("test_accuracy", "test_loss", "epsilon"),
+                                  ("test accuracy", "test loss", "ε spent")):
+            ax.plot(steps, [r.get(key) for r in rows], marker="o", markersize=3)
+            ax.set_xlabel("step")
+            ax.set_title(label, fontsize=10)
+            ax.grid(alpha=0.3)
+        last = rows[-1]
+        if last.get("step") and last.get("epoch"):
+            ratio = float(last["epoch"]) / float(last["step"])  # epoch = step × q
+            sec = axes[0].secondary_xaxis("top", functions=(lambda s: s * ratio, lambda e: e / ratio))
+            sec.set_xlabel("epoch")
+        fig.tight_layout()
+        out = run_dir / CURVES_NAME
+        tmp = out.with_name(out.name + ".tmp.png")
+        fig.savefig(tmp)
+        plt.close(fig)
+        tmp.replace(out)
+        return out
+    except Exception as exc:  # noqa: BLE001 - a plot never fails the run
+        warnings.warn(f"could not draw {run_dir / CURVES_NAME}: {exc}", RuntimeWarning, stacklevel=2)
+        return None
