@@ -198,7 +198,7 @@ def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
         return _digits()
     if data_dir is None:
         raise ConfigError(f"dataset {name!r} is read from files: give data_dir, the directory holding them "
-                          "(e.g. ../shared/data)", "data_dir")
+                          "(e.g. data/)", "data_dir")
     path = Path(data_dir).expanduser()
     if not path.is_dir():
         raise DataError(f"data_dir {path} is not a directory", "data_dir")

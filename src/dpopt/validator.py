@@ -17,11 +17,14 @@ Embedding/EmbeddingBag with max_norm      renormalises released rows in place   
 Embedding/EmbeddingBag with sparse=True   sparse gradients unsupported             ``sparse=False``
 ========================================  =======================================  ==========================
 
-GroupNorm replacement (as Opacus's ``_batchnorm_to_groupnorm``): for C
-channels, ``num_groups = gcd(32, C)`` (the largest divisor of C that divides
-32: GroupNorm's customary 32 groups when C allows, else fewer), ``eps`` and
-``affine`` kept, weights freshly initialised (γ = 1, β = 0: the BatchNorm's
-running statistics are dropped, never copied).
+GroupNorm replacement: for BatchNorm2d/3d over C channels (spatial inputs),
+``num_groups = gcd(32, C)`` (as Opacus's ``_batchnorm_to_groupnorm``: the
+largest divisor of C that divides 32). For BatchNorm1d, ``num_groups = 1``:
+its input may be plain features ``[B, C]``, where a group of one feature has
+no spread and would normalise every input to the same output (with 1 group it
+normalises over all C features, like LayerNorm). ``eps`` and ``affine`` kept,
+weights freshly initialised (γ = 1, β = 0: the BatchNorm's running statistics
+are dropped, never copied).
 """
 
 from __future__ import annotations
@@ -36,9 +39,17 @@ _BATCHNORM = nn.modules.batchnorm._BatchNorm
 _INSTANCENORM = nn.modules.instancenorm._InstanceNorm
 
 
-def groupnorm_groups(channels: int, max_groups: int = 32) -> int:
-    """Number of GroupNorm groups replacing a BatchNorm over ``channels``: gcd(max_groups, channels)."""
-    return math.gcd(int(max_groups), int(channels))
+def groupnorm_groups(channels: int, max_groups: int = 32, spatial: bool = True) -> int:
+    """Number of GroupNorm groups replacing a BatchNorm over ``channels``.
+
+    gcd(max_groups, channels) for spatial inputs (BatchNorm2d/3d); 1 otherwise
+    (BatchNorm1d, whose input may be plain features: module docstring).
+    """
+    return math.gcd(int(max_groups), int(channels)) if spatial else 1
+
+
+def _groups_for(m: nn.Module) -> int:
+    return groupnorm_groups(m.num_features, spatial=not isinstance(m, nn.BatchNorm1d))
 
 
 def validate(model: nn.Module) -> list[str]:
@@ -53,7 +64,7 @@ def validate(model: nn.Module) -> list[str]:
         where = f"{name or '<root>'} ({type(m).__name__})"
         if isinstance(m, _BATCHNORM):
             problems.append(f"{where}: batch normalisation mixes the examples of a batch; fix() replaces it with "
-                            f"GroupNorm({groupnorm_groups(m.num_features)}, {m.num_features})")
+                            f"GroupNorm({_groups_for(m)}, {m.num_features})")
         if isinstance(m, _INSTANCENORM) and m.track_running_stats:
             problems.append(f"{where}: track_running_stats=True keeps un-noised statistics of private batches; "
                             "fix() sets track_running_stats=False")
@@ -68,7 +79,7 @@ def validate(model: nn.Module) -> list[str]:
 
 def _replace(m: nn.Module) -> nn.Module:
     if isinstance(m, _BATCHNORM):
-        return nn.GroupNorm(groupnorm_groups(m.num_features), m.num_features, eps=m.eps, affine=m.affine)
+        return nn.GroupNorm(_groups_for(m), m.num_features, eps=m.eps, affine=m.affine)
     if isinstance(m, _INSTANCENORM) and m.track_running_stats:
         m.track_running_stats = False
         for buf in ("running_mean", "running_var", "num_batches_tracked"):

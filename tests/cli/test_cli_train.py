@@ -40,7 +40,7 @@ def test_train_digits_json_and_run_directory(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--noise-multiplier", "-1"], "noise_multiplier must be a finite number >= 0"),
+    (["--noise-multiplier", "-1"], "--noise-multiplier must be a finite number >= 0"),
     (["--delta", "1.5"], "delta must be in (0, 1)"),
     (["--batch-size", "0"], "must be a number >= 1"),
     (["--batch-size", "0.5"], "must be a number >= 1"),

@@ -53,6 +53,7 @@ def test_forward_that_changes_a_buffer_is_refused(layer, engine):
         return
     with pytest.raises(ValueError, match=r"changed its buffers \['seen'\]"):
         list(iter_per_sample_sources(model, _loss, x, y, engine=engine))
+    assert torch.equal(model.seen, torch.zeros(5))  # restored: nothing private left in the model
 
 
 def test_constant_buffers_are_fine():

@@ -33,7 +33,7 @@ def test_fix_replaces_batchnorm_with_groupnorm_and_the_model_trains():
     model = dpopt.fix(_bad_model())
     assert dpopt.validate(model) == [] and check_model(model) is None
     assert isinstance(model[1], nn.GroupNorm) and model[1].num_groups == 16  # gcd(32, 48)
-    assert isinstance(model[5], nn.GroupNorm) and model[5].num_groups == 2  # gcd(32, 10)
+    assert isinstance(model[5], nn.GroupNorm) and model[5].num_groups == 1  # BatchNorm1d: one group
     assert not model[2].track_running_stats and model[2].running_mean is None
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
@@ -53,3 +53,12 @@ def test_poisson_loader_yields_empty_batches_with_the_item_structure():
     assert 0 in sizes and abs(sum(sizes) / len(sizes) - 3) < 0.6  # E[B] = q·N = 3
     with pytest.raises(ValueError, match="Poisson"):
         DPDataLoader(data, 0.1, batch_size=4)
+
+
+def test_fixed_batchnorm1d_on_plain_features_still_depends_on_the_input():
+    """Fresh-user finding: GroupNorm(32, 32) on [B, 32] features normalises each single feature to 0,
+    so the fixed MLP ignored its input (output spread 8e-6). One group keeps the features' spread."""
+    torch.manual_seed(0)
+    model = dpopt.fix(nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10)))
+    out = model(torch.randn(8, 64))
+    assert float(out.std(0).mean()) > 0.05

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
+from ..errors import ConfigError
 from .accountant import epsilon_report
 from .cost import CostBudget
 from .events import dpsgd_event
@@ -434,22 +435,22 @@ def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rto
     eps_lo = rdp_epsilon(dpsgd_event(MIN_NOISE_MULTIPLIER, q, steps), delta)
     tracker.report("rdp (bracket)", MIN_NOISE_MULTIPLIER, eps_lo)
     if eps_lo <= target:
-        raise ValueError(
+        raise ConfigError(
             f"target_epsilon = {target:g} is unreachable as a calibration target: already at noise_multiplier = "
             f"{MIN_NOISE_MULTIPLIER:g}, the smallest the search considers, epsilon <= {_fmt_eps(eps_lo)} (rdp upper "
             f"bound; delta = {delta:g}, sample_rate = {q:g}, steps = {steps}), so any noise multiplier >= "
             f"{MIN_NOISE_MULTIPLIER:g} meets it and such a target gives no meaningful privacy; choose a smaller "
-            "target_epsilon or set noise_multiplier directly")
+            "target_epsilon or set noise_multiplier directly", "target_epsilon")
     accurate = _Level(name, _accurate(name, delta, q, steps), tracker)
     evaluate = accurate.fn
     accurate.fn = lambda s: evaluate(_round_up(s))  # the accurate level sees printable σ only
     eps_hi = accurate(MAX_NOISE_MULTIPLIER)
     if eps_hi > target:
-        raise ValueError(
+        raise ConfigError(
             f"target_epsilon = {target:g} is below what the {name} accountant can certify here: even "
             f"noise_multiplier = {MAX_NOISE_MULTIPLIER:g} gives epsilon = {_fmt_eps(eps_hi)} (delta = {delta:g}, "
             f"sample_rate = {q:g}, steps = {steps}); choose a larger target_epsilon"
-            + ("" if name == "pld" else " or accountant 'pld'"))
+            + ("" if name == "pld" else " or accountant 'pld'"), "target_epsilon")
     bounds = (math.log(MIN_NOISE_MULTIPLIER), math.log(MAX_NOISE_MULTIPLIER))
     u, slope, eps = 0.0, -1.5, None  # start at σ = 1 with a typical slope
     levels = _levels(name, target, delta, q, steps, tracker, accurate)

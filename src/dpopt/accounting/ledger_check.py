@@ -456,7 +456,9 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
         raise FileNotFoundError(f"{run} is not a run directory (expected ledger.json and summary.json inside)")
     summary_path = run / "summary.json"
     if not summary_path.exists():
-        raise FileNotFoundError(f"no summary.json in {run}")
+        raise FileNotFoundError(f"no summary.json in {run}: the run was killed or is still running "
+                                f"(`dpopt train --resume {run}` completes it; `dpopt ledger {run}` scores the "
+                                "releases journaled so far)")
     ledger = PrivacyLedger.load(run / "ledger.json")
     try:
         summary = json.loads(summary_path.read_text())

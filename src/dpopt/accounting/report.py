@@ -27,7 +27,9 @@ from .ledger import PrivacyLedger
 from .registry import REGISTRY, check_accountant
 from .validation import check_delta
 
-__all__ = ["LedgerReport", "ReleaseRun", "ledger_report", "ledger_runs", "score_ledger"]
+__all__ = ["LedgerReport", "ReleaseRun", "ledger_report", "ledger_runs", "score_ledger", "DEFAULT_DELTA"]
+
+DEFAULT_DELTA = 1e-5  # the δ of every dpopt command when neither the user nor the run gives one
 
 #: An accountant's failure on one ledger is that accountant's "n.a.", never a crash of the report.
 _ACCOUNTANT_FAILURES = (ValueError, ImportError, RuntimeError, ArithmeticError, MemoryError)
@@ -171,21 +173,18 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
         run_dir: a run directory with ``ledger.json`` (and, optionally, ``summary.json``).
         accountant: the headline accountant; default the run's (from
             summary.json), else ``"pld"``. Every available accountant is scored anyway.
-        delta: δ; default the run's (from summary.json).
+        delta: δ; default the run's (from summary.json), else :data:`DEFAULT_DELTA`
+            (1e-5, the default of every dpopt command).
 
     Raises:
         FileNotFoundError, ValueError: the ledger cannot be read.
-        ConfigError: no ``delta`` given and none recorded, or a ``delta``
-            outside (0, 1) (the argument named).
+        ConfigError: a ``delta`` outside (0, 1) (the argument named).
         ValueError: an unknown ``accountant``.
     """
     book = PrivacyLedger.load(run_dir)
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    delta = delta if delta is not None else summary.get("delta")
-    if delta is None:
-        where = "the ledger file" if Path(run_dir).is_file() else "the run directory (no summary.json)"
-        raise ConfigError(f"delta is required: {where} does not record it", "delta")
+    delta = delta if delta is not None else summary.get("delta", DEFAULT_DELTA)
     try:
         check_delta(delta)
     except ValueError as exc:

@@ -1,14 +1,17 @@
-"""Argument checks shared by every accounting module (a leaf: imports nothing from dpopt).
+"""Argument checks shared by every accounting module (imports only :mod:`dpopt.errors`).
 
-Each check coerces a value to a plain Python number and raises ``ValueError``
-with a message that names the argument (library names such as
-``noise_multiplier``, never command-line flags) and says what to pass instead.
+Each check coerces a value to a plain Python number and raises
+:class:`~dpopt.errors.ConfigError` (a ``ValueError``) with a message that names
+the argument (library names such as ``noise_multiplier``, never command-line
+flags; the CLI maps the declared argument to its flag) and says what to pass instead.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from ..errors import ConfigError
 
 __all__ = [
     "check_delta",
@@ -30,16 +33,16 @@ def check_delta(delta: Any) -> float:
     no guarantee at all, so both are refused rather than answered.
 
     Raises:
-        ValueError: if δ is not a number in (0, 1).
+        ConfigError: if δ is not a number in (0, 1).
     """
     try:
         value = float(delta)
     except (TypeError, ValueError):
-        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}") from None
+        raise ConfigError(f"delta must be a number in (0, 1), got {delta!r}", "delta") from None
     if not (0.0 < value < 1.0):
-        raise ValueError(
+        raise ConfigError(
             f"delta must be in (0, 1), got {delta!r}; a common choice is 1e-5 "
-            "(well below 1/N for N training examples)."
+            "(well below 1/N for N training examples).", "delta"
         )
     return value
 
@@ -48,14 +51,14 @@ def check_steps(steps: Any) -> int:
     """Validate a number of steps (a positive integer).
 
     Raises:
-        ValueError: if ``steps`` is not an integer ≥ 1.
+        ConfigError: if ``steps`` is not an integer ≥ 1.
     """
     try:
         value = int(steps)
     except (TypeError, ValueError):
-        raise ValueError(f"steps must be a positive integer, got {steps!r}") from None
+        raise ConfigError(f"steps must be a positive integer, got {steps!r}", "steps") from None
     if value != steps or value < 1:
-        raise ValueError(f"steps must be a positive integer (number of noisy releases), got {steps!r}")
+        raise ConfigError(f"steps must be a positive integer (number of noisy releases), got {steps!r}", "steps")
     return value
 
 
@@ -63,16 +66,16 @@ def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier"
     """Validate and coerce a noise multiplier σ (noise std / L2 sensitivity) to a float.
 
     Raises:
-        ValueError: if it is negative or not finite (NaN, or ``inf``).
+        ConfigError: if it is negative or not finite (NaN, or ``inf``).
     """
     try:
         value = float(noise_multiplier)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a finite number >= 0, got {noise_multiplier!r}") from None
+        raise ConfigError(f"{name} must be a finite number >= 0, got {noise_multiplier!r}", name) from None
     if not math.isfinite(value) or value < 0:
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be a finite number >= 0, got {noise_multiplier!r}; "
-            f"e.g. {name} = 1.0 (0 means no privacy: epsilon = inf)."
+            f"e.g. {name} = 1.0 (0 means no privacy: epsilon = inf).", name
         )
     return value
 
@@ -81,16 +84,16 @@ def check_sample_rate(sample_rate: Any) -> float:
     """Validate and coerce a Poisson sampling rate q to a float in (0, 1].
 
     Raises:
-        ValueError: if q is not a number in (0, 1].
+        ConfigError: if q is not a number in (0, 1].
     """
     try:
         value = float(sample_rate)
     except (TypeError, ValueError):
-        raise ValueError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}") from None
+        raise ConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}", "sample_rate") from None
     if not (0.0 < value <= 1.0):
-        raise ValueError(
+        raise ConfigError(
             f"sample_rate must be in (0, 1], got {sample_rate!r}; it is "
-            "expected_batch_size / dataset_size."
+            "expected_batch_size / dataset_size.", "sample_rate"
         )
     return value
 
@@ -99,14 +102,14 @@ def check_target_epsilon(target_epsilon: Any) -> float:
     """Validate a target ε (nats): a finite number > 0, returned as a float.
 
     Raises:
-        ValueError: if it is not a number, not finite, or ≤ 0.
+        ConfigError: if it is not a number, not finite, or ≤ 0.
     """
     try:
         value = float(target_epsilon)
     except (TypeError, ValueError):
-        raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}") from None
+        raise ConfigError(f"target_epsilon must be a number > 0, got {target_epsilon!r}", "target_epsilon") from None
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+        raise ConfigError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}", "target_epsilon")
     return value
 
 
@@ -115,8 +118,8 @@ def check_rtol(rtol: Any) -> float:
     comparisons), returned as a float.
 
     Raises:
-        ValueError: if it is not in (0, 0.1].
+        ConfigError: if it is not in (0, 0.1].
     """
     if not (0.0 < float(rtol) <= 0.1):
-        raise ValueError(f"rtol must be in (0, 0.1], got {rtol!r}")
+        raise ConfigError(f"rtol must be in (0, 0.1], got {rtol!r}", "rtol")
     return float(rtol)

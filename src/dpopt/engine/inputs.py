@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
@@ -59,18 +60,23 @@ def buffers_unchanged(model: nn.Module) -> Iterator[None]:
     un-noised function of them (InstanceNorm's ``running_mean``, a custom
     ``self.seen += x.sum(0)``); it would be released with ``model.pt`` and
     would shape every later output. Detected by identity and version counter
-    of every buffer before and after the block.
+    of every buffer before and after the block; before raising, every buffer
+    is restored to its value before the block (a copy is kept, so a caller
+    who catches the error and saves the model publishes nothing new).
 
     Raises:
         ValueError: naming the changed buffers and the fix.
     """
-    before = {name: (buf, buf._version) for name, buf in model.named_buffers()}
-    yield
-    after = dict(model.named_buffers())
-    changed = sorted(name for name in set(before) | set(after)
-                     if name not in before or name not in after or after[name] is not before[name][0]
-                     or after[name]._version != before[name][1])
+    before = {name: (buf, buf._version, buf.detach().clone()) for name, buf in model.named_buffers()}
+    try:
+        yield
+    except BaseException:
+        if _changed_buffers(model, before):  # an error inside the block: still leave nothing behind
+            _restore_buffers(model, before)
+        raise
+    changed = _changed_buffers(model, before)
     if changed:
+        _restore_buffers(model, before)
         raise ValueError(f"the model's forward pass changed its buffers {changed} while computing per-sample "
                          "gradients of private examples: their new values are un-noised statistics of the "
                          "private batch and would be released with the model. Use layers without tracked "
@@ -94,3 +100,26 @@ def example_loss(loss: Tensor) -> Tensor:
         return loss.reshape(())
     raise LossShapeError(f"loss_fn must return one number per example, got a tensor of shape {tuple(loss.shape)} "
                      "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)")
+
+
+def _restore_buffers(model: nn.Module, before: dict) -> None:
+    """Put back every buffer recorded in ``before`` (object and value); drop buffers added since."""
+    for name, _ in list(model.named_buffers()):
+        if name not in before:
+            owner, _, attr = name.rpartition(".")
+            mod = model.get_submodule(owner) if owner else model
+            del mod._buffers[attr]
+    for name, (buf, _, value) in before.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        with torch.no_grad():
+            buf.copy_(value)
+        mod._buffers[attr] = buf
+
+
+def _changed_buffers(model: nn.Module, before: dict) -> list[str]:
+    """Names of buffers added, removed, rebound or modified in place since ``before``."""
+    after = dict(model.named_buffers())
+    return sorted(name for name in set(before) | set(after)
+                  if name not in before or name not in after or after[name] is not before[name][0]
+                  or after[name]._version != before[name][1])
