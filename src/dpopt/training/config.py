@@ -55,6 +55,7 @@ class TrainConfig:
     max_epsilon: Optional[float] = None  # stop before the step whose release would take ε past this (at delta)
     checkpoint_every: Optional[int] = None  # steps between checkpoints (None: every epoch; 0: only at the end)
     log_every: Optional[int] = None  # also write a metrics.jsonl row every this many steps
+    tensorboard: Optional[str] = None  # TensorBoard log dir: public scalars of every metrics row
     device: str = "cpu"  # cpu | cuda | auto (cuda if available): model, batches and noise on it
 
 

@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from ..models import num_parameters
 from ..reports.curves import CURVES_NAME, write_curves
 from ..accounting.ledger import JOURNAL_NAME
+from ..reports.tensorboard import TensorBoardLogger
 from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run
 from .checkpoint import CHECKPOINT_NAME, rng_state, save_checkpoint
@@ -113,6 +114,8 @@ class RunFiles:
     def __init__(self, run_dir: Path, run: Run, *, resumed: bool = False):
         self.run_dir, self.run = Path(run_dir), run
         run.ledger.open_journal(self.run_dir / JOURNAL_NAME, rewrite=True)
+        tb = run.cfg.tensorboard
+        self.tensorboard = TensorBoardLogger(tb) if tb else None  # public scalars per metrics row
 
     def flush(self) -> None:
         """Append new ledger entries to the journal (fsync'd)."""
@@ -125,6 +128,8 @@ class RunFiles:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+        if self.tensorboard is not None:
+            self.tensorboard.log(row, self.run.optimizer)
 
     def checkpoint(self, state, sampler) -> None:
         """Write ``checkpoint.pt`` (after flushing the ledger)."""
