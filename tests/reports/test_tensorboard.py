@@ -39,3 +39,14 @@ def test_train_writes_public_scalars(tmp_path, method, clipping):
 def test_public_scalars_without_optimizer():
     assert public_scalars({"step": 3, "test_accuracy": 0.5, "test_loss": 1.0, "epsilon": 2.0, "epoch": 1}) == {
         "test/accuracy": 0.5, "test/loss": 1.0, "privacy/epsilon": 2.0}
+
+
+def test_cli_tensorboard_flag(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--method", "dp-sgd", "--epochs", "1", "--accountant", "rdp",
+                                   "--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")])
+    assert res.exit_code == 0, res.output
+    assert "privacy/epsilon" in _scalars(tmp_path / "tb")

@@ -120,6 +120,9 @@ def train_command(
     checkpoint_every: Optional[int] = typer.Option(
         None, help="steps between checkpoints (default: every epoch; 0: only when the run stops)"),
     log_every: Optional[int] = typer.Option(None, help="also write a metrics.jsonl row every this many steps"),
+    tensorboard: Optional[str] = typer.Option(
+        None, help="TensorBoard log directory: test metrics, ε, lr, clip bound and scale statistics (public "
+                   "values only) at every metrics row; needs the tensorboard package"),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (cuda if available): model, batches and noise"),
     resume: Optional[str] = typer.Option(
         None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
@@ -153,7 +156,8 @@ def train_command(
             ("--target-quantile", target_quantile, 0.5), ("--quantile-lr", quantile_lr, 0.2),
             ("--count-share", count_share, None), ("--count-noise-multiplier", count_noise_multiplier, None),
             ("--hp", hp or None, None), ("--max-epsilon", max_epsilon, None),
-            ("--checkpoint-every", checkpoint_every, None), ("--log-every", log_every, None)]
+            ("--checkpoint-every", checkpoint_every, None), ("--log-every", log_every, None),
+            ("--tensorboard", tensorboard, None)]
             if value != default}
         if given:
             fail(f"--resume continues with the run's saved configuration; do not give {', '.join(sorted(given))}")
@@ -181,7 +185,8 @@ def train_command(
                       count_noise_multiplier=count_noise_multiplier, overwrite=overwrite,
                       sample_rate=sample_rate, reproducible_noise=reproducible_noise, secure_mode=secure_mode,
                       show_train_loss=show_train_loss, max_epsilon=max_epsilon,
-                      checkpoint_every=checkpoint_every, log_every=log_every, device=device)
+                      checkpoint_every=checkpoint_every, log_every=log_every, device=device,
+                      tensorboard=tensorboard)
     if threads is not None:
         if threads < 1:
             fail(f"--threads must be >= 1, got {threads}")
