@@ -119,6 +119,10 @@ def summarize(records: Iterable[dict], rows: str = "label", cols: str = "noise_m
                  {c: statistics.fmean(v) for c, v in eps.items()})
 
 
+def _value(c) -> str:
+    return str(int(c)) if isinstance(c, float) and c.is_integer() and abs(c) >= 10 else str(c)
+
+
 def _fmt(x: float, metric: str) -> str:
     return f"{x:.4f}" if abs(x) < 100 else f"{x:.1f}"
 
@@ -126,7 +130,7 @@ def _fmt(x: float, metric: str) -> str:
 def format_markdown(table: Table) -> str:
     """The table as markdown: one column per column value, a row of ε, best mean per column in bold."""
     name = _NAMES.get(table.cols_key, table.cols_key)
-    head = [table.rows_key] + [f"{name} = {c}" for c in table.cols]
+    head = [table.rows_key] + [f"{name} = {_value(c)}" for c in table.cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if table.cols_key != "epsilon":
         lines.append("| ε | " + " | ".join(f"{table.epsilon[c]:.3f}" if c in table.epsilon else "—"
