@@ -63,6 +63,7 @@ def _sweep_cmd(cfg: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "dpopt", "sweep", str(cfg), "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_and_skips_finished_runs(tmp_path):
     cfg, out = _write(tmp_path, epochs=1.0), tmp_path / "out"
     results = out / "results.jsonl"
@@ -99,3 +100,31 @@ def test_killed_sweep_resumes_and_skips_finished_runs(tmp_path):
 
     third = run_sweep(load_sweep(cfg, out=out))
     assert third == {"total": 12, "skipped": 12, "ran": 0, "interrupted": False}
+
+
+@pytest.mark.slow
+def test_interrupted_run_is_resumed_from_its_checkpoint(tmp_path):
+    """SIGINT stops the in-progress run cleanly (checkpoint written, exit 130); the rerun continues it."""
+    cfg = tmp_path / "one.toml"
+    cfg.write_text('[sweep]\nthreads = 1\n[base]\ndataset = "digits"\nmethod = "dp-sgd"\nbatch_size = 32\n'
+                   'epochs = 40\n[grid]\nseed = [0]\n')
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(_sweep_cmd(cfg, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not list(out.glob("runs/*/checkpoint.pt")):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, proc.stderr.read()
+    assert read_results(out / "results.jsonl") == []
+    again = subprocess.run(_sweep_cmd(cfg, out), capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    (record,) = read_results(out / "results.jsonl")
+    assert record["resumed_from_step"] > 0 and "status" not in record
+    assert record["steps"] >= round(40 / (32 / 1437))  # planned steps reached (lost steps stay charged)
