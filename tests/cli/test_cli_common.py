@@ -70,24 +70,26 @@ def test_fail_and_messages():
 
 
 def test_every_command_is_a_module_level_function_of_its_group():
-    from dpopt.cli import accounting, audit, diagnose, split, train
+    from dpopt.cli import accounting, audit, diagnose, split, sweep, train
 
     names = {}
-    for module in (train, accounting, audit, split, diagnose):
+    for module in (train, accounting, audit, split, diagnose, sweep):
         for info in module.group.registered_commands:
             fn = info.callback
             assert fn.__qualname__ == fn.__name__ and fn.__module__ == module.__name__
             names[info.name] = module.__name__.rsplit(".", 1)[1]
     assert names == {"train": "train", "methods": "train", "account": "accounting", "calibrate": "accounting",
-                     "ledger": "accounting", "check": "accounting", "audit": "audit", "split": "split", "diagnose": "diagnose"}
+                     "ledger": "accounting", "check": "accounting", "audit": "audit", "split": "split",
+                     "diagnose": "diagnose", "sweep": "sweep", "report": "sweep"}
     assert [g.typer_instance for g in app.registered_groups] == [train.group, accounting.group, audit.group,
-                                                                   split.group, diagnose.group]
+                                                                   split.group, diagnose.group, sweep.group]
 
 
 def test_python_dash_m_dpopt():
     res = subprocess.run([sys.executable, "-m", "dpopt", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
-    for command in ("train", "methods", "account", "calibrate", "ledger", "check", "audit", "split"):
+    for command in ("train", "methods", "account", "calibrate", "ledger", "check", "audit", "split", "diagnose",
+                    "sweep", "report"):
         assert command in res.stdout
 
 
