@@ -29,6 +29,8 @@ def test_train_writes_public_scalars(tmp_path, method, clipping):
         assert [s for s, _ in got[tag]] == [r["step"] for r in rows]
         assert [v for _, v in got[tag]] == pytest.approx([r[key] for r in rows], rel=1e-6)
     assert {"train/lr", "privacy/max_grad_norm"} <= set(got)
+    if clipping == "quantile":  # the noisy released count, not the true one
+        assert "privacy/unclipped_fraction_released" in got
     if method == "dp-macadam":  # the clip scale b, computed from released gradients
         assert {"geometry/scale_mean", "geometry/scale_min", "geometry/scale_max"} <= set(got)
     # nothing computed from the private batch: every tag is one of the public families

@@ -4,7 +4,9 @@ Only values that are public under DP are logged: test-set metrics of the
 released model, ε spent (accountant output), the learning rate (configuration
 and schedule), the clip bound in use (a released value under quantile
 clipping), and summary statistics of the AdaClip / DP-MacAdam clip scale b
-(computed by the transforms from released gradients only). Never a loss,
+(computed by the transforms from released gradients only), and under
+quantile clipping the released (noisy) fraction of unclipped examples of the
+last step — the count is released with noise and charged. Never a loss,
 count or norm of the private training batch.
 
 Uses ``torch.utils.tensorboard.SummaryWriter``, which needs the
@@ -30,7 +32,8 @@ def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
         row: a ``metrics.jsonl`` row (test metrics of the released model and ε).
         optimizer: the run's :class:`~dpopt.optim.DPOptimizer` (optional): adds
             ``train/lr`` (first param group), ``privacy/max_grad_norm`` (the bound
-            applied at the last release) and, for methods with a clip scale,
+            applied at the last release), ``privacy/unclipped_fraction_released``
+            (quantile clipping: the noisy released fraction) and, for methods with a clip scale,
             ``geometry/scale_mean``/``_min``/``_max`` over all coordinates.
     """
     out = {f"test/{k[5:]}" if k.startswith("test_") else f"privacy/{k}": float(row[k])
@@ -39,6 +42,9 @@ def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
         return out
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])
     out["privacy/max_grad_norm"] = float(optimizer.privatizer.max_grad_norm)
+    entries = optimizer.privatizer.ledger.entries
+    if entries and "released_fraction" in entries[-1].meta:  # quantile clipping's NOISY unclipped fraction
+        out["privacy/unclipped_fraction_released"] = float(entries[-1].meta["released_fraction"])
     scales = [sub["scale"] for st in optimizer.state.values() for sub in _substates(st)
               if isinstance(sub.get("scale"), torch.Tensor)]
     if scales:
