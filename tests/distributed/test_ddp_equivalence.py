@@ -62,6 +62,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             results["secret"] = train(_cfg(Path(tmp) / "ddp-secret", reproducible=False, method="dp-sgd"))
         results["noise_std"] = _noise_std(rank)
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(results))
+        # both ranks leave together: a rank tearing gloo down while the other is still working aborted
+        # the process ("terminate called without an active exception") in one of several full-suite runs
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
