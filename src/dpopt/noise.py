@@ -138,6 +138,25 @@ class NoiseSource:
             return _os_uniform(int(n)).to(device) - 2.0 ** -_BITS  # (0, 1] → [0, 1)
         return torch.rand(int(n), generator=self._generator(device), dtype=torch.float64, device=device)
 
+    def state_dict(self) -> dict:
+        """``{device: generator state}`` of a REPRODUCIBLE source (for checkpoints).
+
+        Raises:
+            ValueError: for secret or secure noise, whose state is never written anywhere.
+        """
+        if self.mode != "reproducible":
+            raise ValueError(f"the state of {self.mode!r} noise is never saved (it would let anyone replay the "
+                             "noise); only reproducible noise has a saved state")
+        return {device: gen.get_state() for device, gen in self._generators.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a reproducible source (a no-op for secret/secure ones,
+        which stay seeded from OS entropy)."""
+        if self.mode != "reproducible":
+            return
+        for device, gen_state in state.items():
+            self._generator(device).set_state(gen_state.cpu() if hasattr(gen_state, "cpu") else gen_state)
+
     def __repr__(self) -> str:  # never shows a seed
         return f"NoiseSource(mode={self.mode!r})"
 

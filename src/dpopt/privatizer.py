@@ -35,7 +35,6 @@ from .accounting.events import check_noise_multiplier, check_sample_rate, poisso
 from .accounting.ledger import PrivacyLedger
 from .errors import ConfigError
 from .noise import NoiseSource, make_noise_source
-from .sampling import load_noise_state, noise_state
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
@@ -266,20 +265,16 @@ class Privatizer:
             self._read.update(["gradient_sum"] + (["clipped_count"] if self.quantile is not None else []))
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
-        noisy_sums, noisy_count = None, None
+        count = self._count if self.quantile is not None else None
         if self.reduce is not None:  # data parallel: the noisy totals over every process
-            local_count = self._count if self.quantile is not None else None
-            noisy_sums, noisy_count = self.reduce(list(self._sum), local_count, lambda: self._draw(std))
+            totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std))
+        else:  # (s + σS·z, count + σ_b·z'): built in the noise buffers (the sums are ours to consume)
+            noise, count_noise = self._draw(std)
+            totals = [z.add_(s) for z, s in zip(noise, self._sum)]
+            noisy_count = None if count is None else count + count_noise
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            # g = (s + std·z)/B̄, built in place in the noise buffer (the sum is ours to consume)
-            if noisy_sums is not None:
-                g = noisy_sums[i].div(bbar)
-            elif std > 0:
-                g = self.noise.normal(s.shape, dtype=s.dtype, device=s.device)
-                g.mul_(std / bbar).add_(s, alpha=1.0 / bbar)
-            else:
-                g = s / bbar
+            g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
             coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
             if geo.scale is not None:
                 g.mul_(geo.scale[i])
@@ -307,8 +302,8 @@ class Privatizer:
         return release
 
     def _draw(self, std: float) -> tuple[list[Tensor], Optional[float]]:
-        """The step's noise, drawn in the order :meth:`release` draws it (for a ``reduce`` hook):
-        σS·z per parameter (none when σS = 0), then the count's σ_b·z (quantile clipping)."""
+        """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
+        when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise)."""
         grad_noise = []
         for s in self._sum:
             if std > 0:
@@ -320,14 +315,11 @@ class Privatizer:
             count_noise = float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
         return grad_noise, count_noise
 
-    def _release_count(self, noisy_count: Optional[float] = None) -> dict:
-        """Noisy centred count → next clip bound (Andrew et al. 2021, Alg. 1).
-
-        ``noisy_count``: the noisy total from a ``reduce`` hook (the noise already in it)."""
+    def _release_count(self, noisy_count: float) -> dict:
+        """Noisy centred count (the noise already in it, :meth:`_draw`) → next clip bound
+        (Andrew et al. 2021, Alg. 1)."""
         q = self.quantile
         count_std = 0.5 * q.count_noise_multiplier
-        if noisy_count is None:
-            noisy_count = self._count + float(self.noise.normal((), dtype=torch.float64)) * count_std
         frac = min(1.0, max(0.0, noisy_count / self.expected_batch_size + 0.5))
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
@@ -354,7 +346,7 @@ class Privatizer:
                  "quantile": self.quantile is not None, "ledger_length": len(self.ledger),
                  "noise_mode": self.noise.mode}
         if self.noise.mode == "reproducible":
-            state["noise_state"] = noise_state(self.noise)
+            state["noise_state"] = self.noise.state_dict()
         if include_ledger:
             state["ledger"] = self.ledger.state_dict()
         return state
@@ -381,7 +373,7 @@ class Privatizer:
         self.bounds = bounds
         self.clip_history = [float(c) for c in state["clip_history"]]
         if self.noise.mode == "reproducible" and "noise_state" in state:
-            load_noise_state(self.noise, state["noise_state"])
+            self.noise.load_state_dict(state["noise_state"])
 
     def privatize(self, sources: Union[PerSampleSource, Iterable[PerSampleSource]], geometry: Optional[ClipGeometry] = None,
                   params_like: Optional[Sequence[Tensor]] = None) -> Release:

@@ -16,28 +16,7 @@ import torch
 from .accounting.events import check_sample_rate
 from .noise import NoiseSource, make_noise_source
 
-__all__ = ["PoissonSampler", "noise_state", "load_noise_state"]
-
-
-def noise_state(noise: NoiseSource) -> dict:
-    """``{device: generator state}`` of a REPRODUCIBLE :class:`~dpopt.noise.NoiseSource` (for checkpoints).
-
-    Raises:
-        ValueError: for secret or secure noise, whose state is never written anywhere.
-    """
-    if noise.mode != "reproducible":
-        raise ValueError(f"the state of {noise.mode!r} noise is never saved (it would let anyone replay the "
-                         "noise); only reproducible noise has a saved state")
-    return {device: gen.get_state() for device, gen in noise._generators.items()}
-
-
-def load_noise_state(noise: NoiseSource, state: dict) -> None:
-    """Restore :func:`noise_state` into a reproducible source (a no-op for secret/secure ones, which
-    stay seeded from OS entropy)."""
-    if noise.mode != "reproducible":
-        return
-    for device, gen_state in state.items():
-        noise._generator(device).set_state(gen_state.cpu() if hasattr(gen_state, "cpu") else gen_state)
+__all__ = ["PoissonSampler"]
 
 
 class PoissonSampler:
@@ -115,7 +94,7 @@ class PoissonSampler:
         reproducible noise only (a secret generator's state is never written)."""
         state = {"version": 1, "position": self.position, "steps": self.steps, "sample_rate": self.sample_rate}
         if self.noise.mode == "reproducible":
-            state["noise_state"] = noise_state(self.noise)
+            state["noise_state"] = self.noise.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -131,4 +110,4 @@ class PoissonSampler:
             raise ValueError(f"sampler position {state['position']} outside [0, {self.steps}]")
         self.position = int(state["position"])
         if "noise_state" in state:
-            load_noise_state(self.noise, state["noise_state"])
+            self.noise.load_state_dict(state["noise_state"])
