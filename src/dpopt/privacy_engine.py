@@ -285,57 +285,60 @@ class PrivacyEngine:
                           UserWarning, stacklevel=2)
             noise = NoiseSource("reproducible", generator=noise_generator)
         capture = HookCapture(module, loss_reduction=loss_reduction)
+        try:  # the hooks record private tensors: never leave them attached after a refusal
 
-        dataset = data_loader.dataset
-        if not hasattr(dataset, "__len__"):
-            raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
-        n = len(dataset)
-        steps_per_epoch = len(data_loader)
-        sample_rate = 1.0 / steps_per_epoch
-        expected_batch_size = sample_rate * n
-        if poisson_sampling:
-            loader = DPDataLoader.from_data_loader(data_loader, noise=noise)
-        else:
-            warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not "
-                          "Poisson samples; the accountants' ε assumes Poisson sampling and does not hold for "
-                          "this run (recorded in the ledger)", UserWarning, stacklevel=2)
-            self.ledger.sampling = "shuffled (not poisson)"
-            loader = data_loader
+            dataset = data_loader.dataset
+            if not hasattr(dataset, "__len__"):
+                raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
+            n = len(dataset)
+            steps_per_epoch = len(data_loader)
+            sample_rate = 1.0 / steps_per_epoch
+            expected_batch_size = sample_rate * n
+            if poisson_sampling:
+                loader = DPDataLoader.from_data_loader(data_loader, noise=noise)
+            else:
+                warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not "
+                              "Poisson samples; the accountants' ε assumes Poisson sampling and does not hold for "
+                              "this run (recorded in the ledger)", UserWarning, stacklevel=2)
+                self.ledger.sampling = "shuffled (not poisson)"
+                loader = data_loader
 
-        if isinstance(optimizer, torch.optim.Optimizer):
-            params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
-            method, overrides = "dp-sgd", {}
-        elif isinstance(optimizer, str):
-            params = [p for p in module.parameters() if p.requires_grad]
-            method, overrides = optimizer, dict(hparams)
-            get_method(method)  # unknown names: ConfigError listing the methods
-        else:
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
-                            f"{type(optimizer).__name__}")
-        model_params = {id(p) for p in capture.params}
-        if {id(p) for p in params} != model_params:
-            raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
-                             "with requires_grad_(False)); per-sample gradients are clipped over all of them")
+            if isinstance(optimizer, torch.optim.Optimizer):
+                params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
+                method, overrides = "dp-sgd", {}
+            elif isinstance(optimizer, str):
+                params = [p for p in module.parameters() if p.requires_grad]
+                method, overrides = optimizer, dict(hparams)
+                get_method(method)  # unknown names: ConfigError listing the methods
+            else:
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
+                                f"{type(optimizer).__name__}")
+            model_params = {id(p) for p in capture.params}
+            if {id(p) for p in params} != model_params:
+                raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
+                                 "with requires_grad_(False)); per-sample gradients are clipped over all of them")
 
-        privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
-                                         expected_batch_size, target_unclipped_quantile, clipbound_learning_rate,
-                                         unclipped_num_std, count_share)
-        flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
-        dp = make_optimizer(method, params, expected_batch_size=expected_batch_size, sample_rate=sample_rate,
-                            ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), model=module, **privacy,
-                            **overrides)
-        if _declares_points(dp.transform):
+            privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
+                                             expected_batch_size, target_unclipped_quantile, clipbound_learning_rate,
+                                             unclipped_num_std, count_share)
+            flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
+            dp = make_optimizer(method, params, expected_batch_size=expected_batch_size, sample_rate=sample_rate,
+                                ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), model=module, **privacy,
+                                **overrides)
+            if _declares_points(dp.transform):
+                raise ValueError(f"{method} evaluates gradients at points other than the current parameters (DiSK), "
+                                 "which needs the loss: PrivacyEngine never sees it. Train it with dpopt's own loop "
+                                 "(dpopt.train, or iter_per_sample_sources(..., points=opt.evaluation_points()))")
+            original = optimizer if isinstance(optimizer, torch.optim.Optimizer) else dp
+            self._captures.append(capture)
+            self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,
+                            "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
+            if clipping == "adaptive":
+                self._claims["noise_multiplier_total"] = float(noise_multiplier)
+            return module, PrivateOptimizer(original, dp, capture, params), loader
+        except BaseException:
             capture.detach()
-            raise ValueError(f"{method} evaluates gradients at points other than the current parameters (DiSK), "
-                             "which needs the loss: PrivacyEngine never sees it. Train it with dpopt's own loop "
-                             "(dpopt.train, or iter_per_sample_sources(..., points=opt.evaluation_points()))")
-        original = optimizer if isinstance(optimizer, torch.optim.Optimizer) else dp
-        self._captures.append(capture)
-        self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,
-                        "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
-        if clipping == "adaptive":
-            self._claims["noise_multiplier_total"] = float(noise_multiplier)
-        return module, PrivateOptimizer(original, dp, capture, params), loader
+            raise
 
     def make_private_with_epsilon(
         self,

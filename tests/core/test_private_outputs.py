@@ -107,3 +107,15 @@ def test_cli_json_line_and_output_are_public(tmp_path):
     line = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(line) <= PUBLIC_SUMMARY, set(line) - PUBLIC_SUMMARY
     assert "non-finite" not in res.output and "batch loss" not in res.output
+
+
+def test_show_train_loss_never_reaches_a_file(tmp_path):
+    """Review finding: with show_train_loss and log_every, the private batch loss was written to
+    metrics.jsonl (and the checkpoint). It belongs to the on_step display only."""
+    seen = []
+    train(TrainConfig(dataset="digits", method="dp-sgd", epochs=0.5, accountant="rdp", show_train_loss=True,
+                      log_every=3, out=str(tmp_path / "a")), on_step=seen.append)
+    assert any("loss" in info for info in seen)  # the display got it, as asked
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) > 1 and all(set(r) <= {"epoch", "step", "log", "test_accuracy", "test_loss", "epsilon", "status"}
+                                 for r in rows), rows

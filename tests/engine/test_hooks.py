@@ -185,6 +185,18 @@ def test_refusals():
     HookCapture(m)
     with pytest.raises(ValueError, match="changed its buffers"):
         m(torch.randn(2, 3))
+    assert torch.equal(m.seen, torch.zeros(3))  # rolled back: the batch statistic does not stay in the model
+
+    # a first batch of ONE example cannot reveal the mixing (tiled copies agree): the check waits for ≥ 2
+    m = Mixer()
+    cap = HookCapture(m)
+    nn.functional.cross_entropy(m(torch.randn(1, 3)), torch.tensor([0])).backward()
+    cap.collect()
+    assert not cap.verified
+    m.zero_grad()
+    nn.functional.cross_entropy(m(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1])).backward()
+    with pytest.raises(ValueError, match="do not match single-example"):
+        cap.collect()
 
 
 def test_grad_sample_adapter():

@@ -47,3 +47,21 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(name, engine):
         xj = x.index_select(case.batch_dim, keep)
         part, _ = clipped_sum(model, xj, y[keep], engine, case.batch_dim, c)
         assert float((full - part).norm()) <= c * (1 + 1e-5), f"{name}/{engine}: example {j}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_first_batch_of_one_example_does_not_verify_a_mixing_model():
+    """Review finding: a first Poisson batch of ONE example, tiled to the check's sizes, made a forward
+    that mixes examples look per-example, and the model stayed on the fast path for good. With one
+    example the check now waits for a batch of ≥ 2; the next batches are then exact and bounded."""
+    case = CASES["mixes-examples"]
+    model, x, y = make(case, B, T)
+    list(iter_per_sample_sources(model, ce, x[:1], y[:1]))  # the first batch: one example
+    _, norms = clipped_sum(model, x, y, "reference", case.batch_dim, 1.0)
+    c = 0.5 * float(norms.median())
+    full, fast_norms = clipped_sum(model, x, y, "fast", case.batch_dim, c)
+    torch.testing.assert_close(fast_norms, norms, rtol=1e-6, atol=1e-9)
+    for j in range(B):
+        keep = torch.tensor([i for i in range(B) if i != j])
+        part, _ = clipped_sum(model, x[keep], y[keep], "fast", case.batch_dim, c)
+        assert float((full - part).norm()) <= c * (1 + 1e-5), f"example {j}"

@@ -173,3 +173,15 @@ def test_refusals():
         engine.make_private(module=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), data_loader=data,
                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
     assert engine.ledger.sampling != "poisson"
+
+
+def test_refused_make_private_leaves_no_hooks():
+    """The capture hooks record private tensors: a refused make_private must not leave them attached."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    data = DataLoader(TensorDataset(torch.randn(20, 4), torch.randint(0, 2, (20,))), batch_size=5)
+    other = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)  # not the model's parameters
+    with pytest.raises(ValueError, match="exactly the model's trainable parameters"):
+        dpopt.PrivacyEngine().make_private(module=model, optimizer=other, data_loader=data,
+                                           noise_multiplier=1.0, max_grad_norm=1.0)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+    assert hooks == 0

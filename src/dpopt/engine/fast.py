@@ -238,6 +238,13 @@ class _Call:
 _RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
+def _trailing(shape) -> str:
+    """A shape without its dim 0 (``(…, 4, 16)``): dim 0 of a private batch is its realised size."""
+    if not isinstance(shape, tuple):
+        return str(shape)
+    return "(…" + "".join(f", {d}" for d in shape[1:]) + ")"
+
+
 class _OutputLayout(Exception):
     """The model's output does not have the examples along dim 0."""
 
@@ -466,12 +473,12 @@ class PerSampleEngine:
             else:
                 del self.modules[m]
 
-    def _demote_layers(self, bad: dict, b: int) -> None:
+    def _demote_layers(self, bad: dict) -> None:
         for m, (ins, outs) in bad.items():
             names = [self.names[i] for i in self.modules[m].values()]
             warnings.warn(
                 f"layer {self._module_names.get(id(m), '?')!r} ({type(m).__name__}) does not keep the examples along "
-                f"dim 0 (input {ins}, output {outs} for a batch of {b}); its parameters {names} use the "
+                f"dim 0 (input {_trailing(ins)}, output {_trailing(outs)}); its parameters {names} use the "
                 "per-example torch.func path. To keep it on the fast path give it tensors with the examples "
                 "along dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...)).",
                 RuntimeWarning, stacklevel=4)
@@ -479,7 +486,7 @@ class PerSampleEngine:
 
     def _demote_all(self, shape) -> None:
         if self.modules:
-            warnings.warn(f"the model's output ({shape}) does not have the examples along dim 0; all its "
+            warnings.warn(f"the model's output ({_trailing(shape)}) does not have the examples along dim 0; all its "
                           "parameters use the per-example torch.func path", RuntimeWarning, stacklevel=4)
             self._demote([i for own in self.modules.values() for i in own.values()])
 
@@ -531,7 +538,7 @@ class PerSampleEngine:
                 return
             finite = torch.isfinite(_per_example_losses(self.loss_fn, out, y))
         keep = torch.nonzero(finite).flatten()[:8]
-        if keep.numel() == 0:
+        if keep.numel() < 2:  # one example tiled up cannot reveal a forward that mixes examples: wait
             return
         xs, ys = x[keep], y[keep]
         self.verified = True
@@ -567,7 +574,7 @@ class PerSampleEngine:
             return
         bad = self._layout_violations(captured, b)
         if bad:
-            self._demote_layers(bad, b)
+            self._demote_layers(bad)
             if not self.modules:
                 return
             captured = self._capture(xb, yb, EvaluationPoint(1.0))
@@ -635,7 +642,7 @@ class PerSampleEngine:
             return self.compute(x, y, pts)
         bad = self._layout_violations(captured, b)
         if bad:  # this batch size shows a layer whose dim 0 is not the example axis: demote, redo
-            self._demote_layers(bad, b)
+            self._demote_layers(bad)
             return self.compute(x, y, pts)
         with _no_autocast(self.device):
             blocks = self._blocks(captured, b, Budget(self.chunk_bytes, self.cache_bytes))

@@ -60,7 +60,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .fast import FastPerSampleGrads, PerSampleEngine, _agrees, _Call, _no_autocast, _rtol, _TrainMode, free_sizes
+from .fast import (FastPerSampleGrads, PerSampleEngine, _agrees, _Call, _no_autocast, _rtol, _trailing, _TrainMode,
+                   free_sizes)
+from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .reference import PerSampleGrads
 
@@ -158,6 +160,7 @@ class HookCapture:
         self._names = {id(m): n or "<root>" for n, m in model.named_modules()}
         self._rec = _Recording()
         self._recording = True
+        self._buffers: dict = {}  # the root forward's buffer snapshot (checked when the forward ends)
         self.verified = not verify
         self._handles: list = []
         self._attach()
@@ -184,23 +187,15 @@ class HookCapture:
         leaves = _leaves((args, kwargs))
         b = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else -1
         self._rec.current = _Pass(b, args, kwargs)
-        self._buffers = {name: (buf, buf._version) for name, buf in module.named_buffers()}
+        self._buffers = snapshot_buffers(module)
         return None
 
     def _root_post(self, module, args, kwargs, out):
         if not self._recording:
             return None
         self._rec.current = None
-        before, self._buffers = getattr(self, "_buffers", {}), {}
-        after = dict(module.named_buffers())
-        changed = sorted(n for n in set(before) | set(after) if n not in before or n not in after
-                         or after[n] is not before[n][0] or after[n]._version != before[n][1])
-        if changed:
-            raise ValueError(f"the model's forward pass changed its buffers {changed}: their new values are "
-                             "un-noised statistics of the private batch and would be released with the model. "
-                             "Use layers without tracked statistics (GroupNorm, InstanceNorm with "
-                             "track_running_stats=False; dpopt.fix(model) replaces BatchNorm) and keep buffers "
-                             "constant during training")
+        before, self._buffers = self._buffers, {}
+        check_buffers(module, before)  # restores them before raising: nothing private stays in the model
         return None
 
     def _layer(self, module, args, kwargs, out):
@@ -247,7 +242,7 @@ class HookCapture:
         """
         rec, self._rec = self._rec, _Recording()
         done = [c for c in rec.calls if c.has_grad]
-        if not done and any(c.pass_ is not None and c.pass_.batch_size > 0 for c in rec.calls):
+        if not done and any(c.pass_ is not None for c in rec.calls):  # never conditioned on the batch size
             warnings.warn("optimizer.step() after a forward pass but without loss.backward(): this step releases "
                           "pure noise (and is charged)", RuntimeWarning, stacklevel=3)
         passes = {id(c.pass_): c.pass_ for c in done}
@@ -263,7 +258,7 @@ class HookCapture:
         if not done:
             return self._empty()
         p = next(iter(passes.values()))
-        if not self.verified and p.batch_size > 0:
+        if not self.verified and p.batch_size > 1:  # one example tiled up cannot reveal mixing: wait
             self._verify(p)
         return self._build(done, p.batch_size, self.loss_reduction)
 
@@ -283,11 +278,11 @@ class HookCapture:
                 bad_in = True
             bad_out = any(c.outs[k].dim() == 0 or c.outs[k].shape[0] != b for k in c.used)
             if bad_in or bad_out:
-                shapes = [tuple(t.shape) for t in _leaves((c.args, c.kwargs))]
+                shapes = [_trailing(tuple(t.shape)) for t in _leaves((c.args, c.kwargs))]
                 raise ValueError(
                     f"layer {self._names.get(id(c.module), '?')!r} ({type(c.module).__name__}) does not keep the "
-                    f"examples along dim 0 (inputs {shapes}, outputs {[tuple(t.shape) for t in c.outs]} for a "
-                    f"batch of {b}); the hook engine of PrivacyEngine needs every layer that owns a trainable "
+                    f"examples along dim 0 (inputs {shapes}, outputs {[_trailing(tuple(t.shape)) for t in c.outs]}, "
+                    "dim 0 not shown: it is the private batch's size); the hook engine of PrivacyEngine needs every layer that owns a trainable "
                     "parameter to take and return tensors with the examples along dim 0 (batch_first=True, "
                     "position ids expanded to [B, T], no reshape(B*T, ...)). Otherwise train with dpopt's own "
                     "loop (dpopt.iter_per_sample_sources with batch_dim=...), which computes each example alone")

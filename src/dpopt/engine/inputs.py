@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["LossFn", "LossShapeError", "check_inputs", "buffers_unchanged", "example_loss"]
+__all__ = ["LossFn", "LossShapeError", "check_inputs", "buffers_unchanged", "example_loss", "snapshot_buffers",
+           "changed_buffers", "restore_buffers", "check_buffers"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss_fn(out_i, target[1, ...]) -> scalar``: the loss of one example (its model output and target)."""
@@ -67,16 +68,25 @@ def buffers_unchanged(model: nn.Module) -> Iterator[None]:
     Raises:
         ValueError: naming the changed buffers and the fix.
     """
-    before = {name: (buf, buf._version, buf.detach().clone()) for name, buf in model.named_buffers()}
+    before = snapshot_buffers(model)
     try:
         yield
     except BaseException:
-        if _changed_buffers(model, before):  # an error inside the block: still leave nothing behind
-            _restore_buffers(model, before)
+        if changed_buffers(model, before):  # an error inside the block: still leave nothing behind
+            restore_buffers(model, before)
         raise
-    changed = _changed_buffers(model, before)
+    check_buffers(model, before)
+
+
+def check_buffers(model: nn.Module, before: dict) -> None:
+    """Raise (after restoring them) if any buffer changed since :func:`snapshot_buffers`.
+
+    Raises:
+        ValueError: naming the changed buffers and the fix.
+    """
+    changed = changed_buffers(model, before)
     if changed:
-        _restore_buffers(model, before)
+        restore_buffers(model, before)
         raise ValueError(f"the model's forward pass changed its buffers {changed} while computing per-sample "
                          "gradients of private examples: their new values are un-noised statistics of the "
                          "private batch and would be released with the model. Use layers without tracked "
@@ -102,7 +112,12 @@ def example_loss(loss: Tensor) -> Tensor:
                      "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)")
 
 
-def _restore_buffers(model: nn.Module, before: dict) -> None:
+def snapshot_buffers(model: nn.Module) -> dict:
+    """``{name: (buffer, version, copy of its value)}`` for :func:`changed_buffers` / :func:`restore_buffers`."""
+    return {name: (buf, buf._version, buf.detach().clone()) for name, buf in model.named_buffers()}
+
+
+def restore_buffers(model: nn.Module, before: dict) -> None:
     """Put back every buffer recorded in ``before`` (object and value); drop buffers added since."""
     for name, _ in list(model.named_buffers()):
         if name not in before:
@@ -117,7 +132,7 @@ def _restore_buffers(model: nn.Module, before: dict) -> None:
         mod._buffers[attr] = buf
 
 
-def _changed_buffers(model: nn.Module, before: dict) -> list[str]:
+def changed_buffers(model: nn.Module, before: dict) -> list[str]:
     """Names of buffers added, removed, rebound or modified in place since ``before``."""
     after = dict(model.named_buffers())
     return sorted(name for name in set(before) | set(after)

@@ -164,11 +164,8 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
                 row({"epoch": state.next_epoch})
                 state.next_epoch += 1
             elif cfg.log_every and step % cfg.log_every == 0:
-                r = {"epoch": round(step * sample_rate, 6), "log": True}
-                if cfg.show_train_loss and len(x):  # asked for: NOT private
-                    with torch.no_grad():
-                        r["train_loss_not_private"] = float(_loss(model(x), y))
-                row(r)
+                # public values only: the private batch loss (show_train_loss) goes to on_step, never to files
+                row({"epoch": round(step * sample_rate, 6), "log": True})
             if (every is None and epoch_end) or (every and step % every == 0):
                 checkpoint()
             if on_step is not None:
