@@ -266,3 +266,31 @@ def test_dp_accounting_log_warnings_become_one_message():
     assert not records  # nothing reaches the logs
     assert len(caught) == 1 and "dp_accounting warned" in str(caught[0].message)
     assert math.isfinite(eps) and eps > 0
+
+
+def test_review_fixes_never_lower_epsilon(tmp_path):
+    """Review findings: (1) a non-Poisson ledger was scored as Poisson without a word; (2) a negative or
+    fractional self-composition count in a ledger file subtracted from ε; (3) see test_ledger_check."""
+    import warnings
+
+    from dp_accounting import dp_event as ev
+
+    from dpopt.accounting.accountant import AccountingWarning, epsilon, epsilon_report
+    from dpopt.accounting.events import event_from_dict, event_to_dict, poisson_gaussian_step
+    from dpopt.accounting.ledger import PrivacyLedger
+
+    book = PrivacyLedger(sampling="shuffled (not poisson)")
+    book.record(0, poisson_gaussian_step(1.0, 0.1))
+    assert any("not Poisson" in n for n in epsilon_report(book, 1e-5, "rdp").notes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epsilon(book, 1e-5, "rdp")
+    assert any(issubclass(w.category, AccountingWarning) and "not Poisson" in str(w.message) for w in caught)
+
+    good = event_to_dict(ev.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.1), 3))
+    for bad in (-5, 2.5):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            event_from_dict(dict(good, count=bad))
+        with pytest.raises(ValueError):  # built in memory: refused by the accountant, never a smaller ε
+            epsilon(ev.ComposedDpEvent([poisson_gaussian_step(1.0, 0.1),
+                                        ev.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.1), bad)]), 1e-5, "rdp")

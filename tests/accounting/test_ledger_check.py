@@ -330,3 +330,15 @@ def test_release_without_noise_fails_the_check():
     result = check_ledger(priv.ledger, {})
     assert not result["noise"].passed
     assert "WITHOUT noise" in result.format()
+
+
+def test_summary_epsilon_slightly_below_the_ledger_fails():
+    """Review finding: the composition item accepted a claim up to rtol BELOW the re-scored ε."""
+    priv = Privatizer(1.0, 1.0, expected_batch_size=BBAR, sample_rate=Q)
+    for _ in range(5):
+        priv.privatize(PerSampleGrads([torch.ones(2, 3)]))
+    eps = epsilon(priv.ledger, 1e-5, "rdp")
+    claim = {"epsilon": eps * (1 - 1e-4), "delta": 1e-5, "accountant": "rdp", "noise_multiplier": 1.0,
+             "sample_rate": Q, "steps": 5}
+    assert not check_ledger(priv.ledger, claim)["composition"].passed
+    assert check_ledger(priv.ledger, dict(claim, epsilon=eps))["composition"].passed

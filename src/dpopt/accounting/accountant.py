@@ -55,6 +55,8 @@ release with noise multiplier 0 is not private: ε = ``math.inf``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from typing import Optional
 
@@ -124,7 +126,13 @@ def epsilon_report(ledger: EventLike, delta: float, accountant: str = "pld",
     """
     spec = get_accountant(accountant)
     delta = check_delta(delta)
-    return spec(ledger, delta, budget=budget)
+    report = spec(ledger, delta, budget=budget)
+    sampling = getattr(ledger, "sampling", "poisson")
+    if sampling != "poisson":  # every accountant here assumes Poisson sampling (DESIGN: warn, never silently)
+        report = dataclasses.replace(report, notes=tuple(report.notes) + (
+            f"the ledger records sampling {sampling!r}, not Poisson: this epsilon assumes Poisson sampling and "
+            "may be BELOW the true epsilon of the run",))
+    return report
 
 
 def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:

@@ -125,6 +125,9 @@ class EventSummary:
         nonprivate: a ``NonPrivateDpEvent`` occurs.
         unsupported: descriptions of the parts that are not (Poisson-sampled)
             Gaussians, e.g. ``"LaplaceDpEvent"``; empty when ``terms`` is complete.
+        invalid: malformed parts no accountant may score (a self-composition
+            count that is negative or fractional would LOWER ε); also listed
+            in ``unsupported``.
     """
 
     terms: "OrderedDict[tuple[float, float], int]" = field(default_factory=OrderedDict)
@@ -132,6 +135,7 @@ class EventSummary:
     rates: set = field(default_factory=set)
     nonprivate: bool = False
     unsupported: list = field(default_factory=list)
+    invalid: list = field(default_factory=list)
 
     def add(self, key: tuple[float, float], count: int) -> None:
         self.terms[key] = self.terms.get(key, 0) + int(count)
@@ -152,6 +156,15 @@ class _NotGaussians(Exception):
     """Raised by :func:`_walk` inside a sampled event when it holds anything but Gaussians."""
 
 
+def _count(value) -> Optional[int]:
+    """A self-composition count as an int ≥ 0, or None if it is not one (negative, fractional, NaN)."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return count if count >= 0 and count == value else None
+
+
 def _walk(ev: dp_event.DpEvent, n: int, out: EventSummary, inner: bool = False) -> None:
     """THE DpEvent walker: adds ``n`` copies of ``ev`` to ``out``.
 
@@ -162,12 +175,19 @@ def _walk(ev: dp_event.DpEvent, n: int, out: EventSummary, inner: bool = False) 
     :class:`_NotGaussians`, an invalid noise multiplier ``ValueError``.
     """
     if isinstance(ev, dp_event.SelfComposedDpEvent):
+        count = _count(ev.count)
+        if count is None:  # a negative or fractional count would LOWER ε: never accept it
+            if inner:
+                raise _NotGaussians(f"SelfComposedDpEvent with count {ev.count!r}")
+            out.invalid.append(f"SelfComposedDpEvent with count {ev.count!r} (not an integer >= 0)")
+            out.unsupported.append(out.invalid[-1])
+            return
         if inner:
             part = EventSummary()
             _walk(ev.event, 1, part, inner=True)
-            out.gaussians.extend(part.gaussians * (n * int(ev.count)))
+            out.gaussians.extend(part.gaussians * (n * count))
         else:
-            _walk(ev.event, n * int(ev.count), out)
+            _walk(ev.event, n * count, out)
     elif isinstance(ev, dp_event.ComposedDpEvent):
         for sub in ev.events:
             _walk(sub, n, out, inner)
@@ -358,7 +378,10 @@ def event_from_dict(data: dict) -> dp_event.DpEvent:
         if name == "ComposedDpEvent":
             return dp_event.ComposedDpEvent([event_from_dict(e) for e in data["events"]])
         if name == "SelfComposedDpEvent":
-            return dp_event.SelfComposedDpEvent(event_from_dict(data["event"]), int(data["count"]))
+            count = _count(data["count"])
+            if count is None:
+                raise ValueError(f"SelfComposedDpEvent count must be an integer >= 0, got {data['count']!r}")
+            return dp_event.SelfComposedDpEvent(event_from_dict(data["event"]), count)
         if name in ("NoOpDpEvent", "NonPrivateDpEvent"):
             return _EVENT_TYPES[name]()
     except (KeyError, TypeError) as exc:

@@ -53,6 +53,8 @@ def _rdp_report(ledger: EventLike, delta: float, orders: tuple) -> EpsilonReport
     event = ledger_event(ledger)
     summary = summarize_event(event)
     acc = rdp_privacy_accountant.RdpAccountant(list(orders), NeighboringRelation.ADD_OR_REMOVE_ONE)
+    if summary.invalid:
+        raise ValueError(f"malformed ledger events: {', '.join(summary.invalid)}")
     if summary.unsupported:
         # Not (sampled) Gaussians: dp_accounting's RDP reads the event as it is — but it does not
         # apply the replace-one relation to every event kind, so such ledgers are refused.
