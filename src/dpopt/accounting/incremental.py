@@ -67,7 +67,7 @@ class EpsilonTracker:
         self._rdp = np.zeros(len(RDP_ORDERS))
         self._rdp_seen = 0  # ledger entries summed into _rdp
         self._rdp_ok = True
-        self._budget: Optional[tuple[dp_event.DpEvent, int, int]] = None  # (event, ledger length, releases)
+        self._budget: Optional[tuple] = None  # (event, ledger length, releases allowed, entries checked)
 
     # -- exact, reporting accountant ----------------------------------------
     def epsilon(self, ledger: PrivacyLedger) -> float:
@@ -94,8 +94,10 @@ class EpsilonTracker:
         if self.max_epsilon is None or limit <= 0:
             return max(limit, 0)
         if self._budget is not None:
-            cached_event, n0, allowed = self._budget
-            if cached_event == event and all(e.event == event for e in ledger.entries[n0:]):
+            cached_event, n0, allowed, checked = self._budget
+            # only the entries appended since the last call are compared: O(1) per step, not O(steps)
+            if cached_event == event and all(e.event == event for e in ledger.entries_since(checked)):
+                self._budget = (cached_event, n0, allowed, len(ledger))
                 return max(0, min(limit, allowed - (len(ledger) - n0)))
         budget = self.max_epsilon
         e_hi = self._epsilon_with(ledger, event, limit)
@@ -119,7 +121,7 @@ class EpsilonTracker:
                     else:
                         hi, e_hi = mid, e_mid
                 allowed = lo
-        self._budget = (event, len(ledger), allowed)
+        self._budget = (event, len(ledger), allowed, len(ledger))
         return allowed
 
     # -- incremental RDP bound ----------------------------------------------
@@ -144,17 +146,17 @@ class EpsilonTracker:
 
     def bound(self, ledger: PrivacyLedger) -> Optional[float]:
         """An upper bound on the ε spent (Rényi DP, summed incrementally); None where RDP has no analysis."""
-        entries = ledger.entries
-        if len(entries) < self._rdp_seen:  # a ledger replaced by a shorter one: start again
+        n = len(ledger)
+        if n < self._rdp_seen:  # a ledger replaced by a shorter one: start again
             self._rdp, self._rdp_seen, self._rdp_ok = np.zeros(len(RDP_ORDERS)), 0, True
         replace = ledger.neighbouring == "replace_one"
-        for entry in entries[self._rdp_seen:]:
+        for entry in ledger.entries_since(self._rdp_seen):  # the new entries only
             vec = self._vector(entry.event, replace) if self._rdp_ok else None
             if vec is None:
                 self._rdp_ok = False
             else:
                 self._rdp = self._rdp + vec
-        self._rdp_seen = len(entries)
+        self._rdp_seen = n
         if not self._rdp_ok:
             return None
         if not self._rdp_seen:

@@ -179,6 +179,10 @@ class PrivacyLedger:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries_since(self, start: int) -> tuple[LedgerEntry, ...]:
+        """The entries from index ``start`` on (O(new entries), unlike :attr:`entries`)."""
+        return tuple(self._entries[int(start):])
+
     def events(self) -> list[dp_event.DpEvent]:
         return [e.event for e in self._entries]
 
