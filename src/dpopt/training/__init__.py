@@ -217,11 +217,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
                          f"was written after {position}: the journal is damaged (refusing to under-count)")
     run.model.load_state_dict(ckpt["model"])
     opt = run.optimizer
-    torch_state = ckpt["optimizer"]
-    import torch
-
-    torch.optim.Optimizer.load_state_dict(opt, torch_state)
-    opt.privatizer.load_state_dict(ckpt["privatizer"])
+    opt.load_state_dict(dict(ckpt["optimizer"], privatizer=ckpt["privatizer"]))  # DPOptimizer.load_state_dict
     lost = run.ledger.entries[position:]
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))

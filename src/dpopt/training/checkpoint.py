@@ -30,12 +30,12 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_VERSION", "save_checkpoint", "load_checkpoint", "rng_state",
+__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_VERSION", "atomic_write", "save_checkpoint", "load_checkpoint", "rng_state",
            "load_rng_state"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -64,16 +64,25 @@ def load_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(states)
 
 
-def save_checkpoint(path: Path, state: dict) -> Path:
-    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename)."""
+def atomic_write(path: Path, write: Callable, binary: bool = False) -> Path:
+    """Write a file atomically: ``write(fh)`` into a temporary file, fsync, rename over ``path``.
+
+    A reader (or a run killed mid-write) sees the old file or the new one, never a torn one.
+    """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(dict(state, format="dpopt-checkpoint", version=CHECKPOINT_VERSION), fh)
+    with open(tmp, "wb" if binary else "w") as fh:
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def save_checkpoint(path: Path, state: dict) -> Path:
+    """Write ``state`` to ``path`` atomically (:func:`atomic_write`)."""
+    full = dict(state, format="dpopt-checkpoint", version=CHECKPOINT_VERSION)
+    return atomic_write(path, lambda fh: torch.save(full, fh), binary=True)
 
 
 def load_checkpoint(run_dir: Path) -> dict:

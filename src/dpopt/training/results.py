@@ -35,7 +35,7 @@ from ..accounting.ledger import JOURNAL_NAME
 from ..reports.tensorboard import TensorBoardLogger
 from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run
-from .checkpoint import CHECKPOINT_NAME, rng_state, save_checkpoint
+from .checkpoint import CHECKPOINT_NAME, atomic_write, rng_state, save_checkpoint
 from .config import TrainConfig
 
 __all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text"]
@@ -45,22 +45,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file, fsync'd, renamed over it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` atomically (:func:`~dpopt.training.checkpoint.atomic_write`)."""
+    atomic_write(path, lambda fh: fh.write(text))
 
 
 def run_directory(cfg: TrainConfig) -> Path:
@@ -133,15 +119,14 @@ class RunFiles:
 
     def checkpoint(self, state, sampler) -> None:
         """Write ``checkpoint.pt`` (after flushing the ledger)."""
-        from dataclasses import asdict as _asdict
-
         run = self.run
         self.flush()
-        opt = run.optimizer
+        optimizer = run.optimizer.state_dict(include_ledger=False)  # transforms + Privatizer, one mechanism
+        privatizer = optimizer.pop("privatizer")  # kept as its own key of the checkpoint
         save_checkpoint(self.run_dir / CHECKPOINT_NAME, {
-            "config": _asdict(run.cfg), "step": state.step, "ledger_length": len(run.ledger),
-            "model": run.model.state_dict(), "optimizer": torch.optim.Optimizer.state_dict(opt),
-            "privatizer": opt.privatizer.state_dict(include_ledger=False), "sampler": sampler.state_dict(),
+            "config": asdict(run.cfg), "step": state.step, "ledger_length": len(run.ledger),
+            "model": run.model.state_dict(), "optimizer": optimizer, "privatizer": privatizer,
+            "sampler": sampler.state_dict(),
             "rng": rng_state(), "loop": state.state_dict()})
 
 
@@ -170,7 +155,7 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
             for row in metrics:
                 fh.write(json.dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
-    _atomic_torch_save(run.model.state_dict(), run_dir / "model.pt")
+    atomic_write(run_dir / "model.pt", lambda fh: torch.save(run.model.state_dict(), fh), binary=True)
     # dp-muon-auto's per-layer on/off decisions (functions of released momenta only); no-op otherwise
     write_history(run_dir, run.optimizer, [n for n, p in run.model.named_parameters() if p.requires_grad])
     final = metrics[-1]  # the last step always closes a metrics row: no second evaluation
