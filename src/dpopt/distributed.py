@@ -27,7 +27,10 @@ Why this is the single-process mechanism:
 * **Noise.** Drawn once per step, by rank 0 (or, in reproducible mode, by
   every rank from the same seeded stream but added by rank 0 only), so the
   total noise std is exactly σ·S — never √W·σ·S. Adding it before the
-  all-reduce means no process ever holds the noise-free total.
+  all-reduce means the reduced total is never formed without noise; but the
+  ranks are ONE trust domain: every rank loads the training data, a ring
+  all-reduce passes other ranks' un-noised partial sums through it, and in
+  reproducible mode every rank can recompute the noise.
 * **Identical updates.** An all-reduce returns the same tensor on every rank,
   the geometry (MacAdam, AdaClip) and every transform are functions of
   released values, and the initial parameters are broadcast from rank 0, so
@@ -210,10 +213,8 @@ class AllReduceRelease:
             groups.setdefault((s.dtype, s.device), []).append(i)
         out: list[Optional[Tensor]] = [None] * len(sums)
         noisy_count = None
-        for k, ((dtype, device), idx) in enumerate(groups.items()):
+        for (dtype, device), idx in groups.items():
             parts = [sums[i].reshape(-1) for i in idx]
-            if k == 0 and count is not None:
-                parts.append(torch.tensor([count], dtype=dtype, device=device))
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             self.ctx.all_reduce(flat)
             offset = 0
@@ -221,11 +222,9 @@ class AllReduceRelease:
                 n = sums[i].numel()
                 out[i] = flat[offset:offset + n].view(sums[i].shape)
                 offset += n
-            if k == 0 and count is not None:
-                noisy_count = float(flat[offset])
-        if not groups and count is not None:  # no parameters at all: the count alone
-            flat = self.ctx.all_reduce(torch.tensor([count], dtype=torch.float64))
-            noisy_count = float(flat[0])
+        if count is not None:  # in float64 whatever the model's dtype (bf16 would round a count of 300 by 1)
+            device = sums[0].device if sums else _backend_device(self.ctx)
+            noisy_count = float(self.ctx.all_reduce(torch.tensor([count], dtype=torch.float64, device=device))[0])
         self.calls += 1
         return out, noisy_count
 
