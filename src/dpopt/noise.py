@@ -8,12 +8,18 @@ neighbouring datasets can *replay* them (e.g. from a seed written to
 sources, and records which in the ledger header (``noise``):
 
 ``"secret"`` (default)
-    A ``torch.Generator`` (Mersenne Twister on CPU, Philox on CUDA) seeded
-    from 63 bits of OS entropy (:func:`secrets.randbits`); the seed is never
-    stored, printed or written. Protects against replay from anything written
-    down. Does NOT protect against an adversary who reconstructs the
-    generator's internal state from the noise values themselves (neither
-    generator is cryptographic).
+    A ``torch.Generator`` whose state comes from OS entropy and is never
+    stored, printed or written. On CPU (Mersenne Twister, MT19937) the WHOLE
+    624-word state is filled from :func:`os.urandom` (19,968 bits):
+    ``manual_seed`` alone would not do, because torch's CPU generator keeps
+    only the low 32 bits of a seed, so seeding it with 63 random bits leaves
+    2^32 possible noise streams — few enough to replay every one of them
+    against a small model (see :func:`_secret_cpu_generator`). On CUDA
+    (Philox4x32-10, whose key is the full 64-bit seed) it is seeded with 63
+    bits from :func:`secrets.randbits`. Protects against replay from
+    anything written down. Does NOT protect against an adversary who
+    reconstructs the generator's internal state from the noise values
+    themselves (neither generator is cryptographic).
 ``"secure"``
     Opacus' ``secure_mode`` in spirit, without the unmaintained
     ``torchcsprng``: uniforms are read from the operating system's CSPRNG
@@ -57,6 +63,73 @@ def _entropy_seed() -> int:
     return secrets.randbits(63)
 
 
+_MT_WORDS = 624  # MT19937 state size (Matsumoto & Nishimura 1998)
+_MT_PROBE_SEED = 20130917
+
+
+def _mt_init(seed: int, n: int) -> list[int]:
+    """The first ``n`` words of MT19937's state after ``init_genrand(seed)`` (Matsumoto & Nishimura 1998)."""
+    words = [seed & 0xFFFFFFFF]
+    for i in range(1, n):
+        prev = words[-1]
+        words.append((1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF)
+    return words
+
+
+def _mt_state_layout() -> tuple[int, int]:
+    """(byte offset, bytes per word) of the MT19937 state inside ``torch.Generator().get_state()``.
+
+    Found, not assumed: a generator seeded with a probe seed must hold the
+    words ``init_genrand`` gives for that seed. Raises RuntimeError when this
+    torch build stores its CPU generator state some other way.
+    """
+    raw = torch.Generator().manual_seed(_MT_PROBE_SEED).get_state().numpy().tobytes()
+    words = _mt_init(_MT_PROBE_SEED, _MT_WORDS)
+    for width in (8, 4):
+        probe = b"".join(w.to_bytes(width, "little") for w in words)
+        at = raw.find(probe)
+        if at >= 0:
+            return at, width
+    raise RuntimeError("cannot locate the Mersenne Twister state in torch's CPU generator state")
+
+
+def _cpu_generator_from_words(words: bytes) -> torch.Generator:
+    """A CPU generator whose 624-word MT19937 state is ``words`` (624·4 bytes, little-endian uint32).
+
+    Raises:
+        RuntimeError: the state layout is not recognised (:func:`_mt_state_layout`).
+        ValueError: ``words`` has the wrong length or is all zero (a degenerate MT state).
+    """
+    if len(words) != 4 * _MT_WORDS:
+        raise ValueError(f"need {4 * _MT_WORDS} bytes of state, got {len(words)}")
+    if not any(words):
+        raise ValueError("an all-zero Mersenne Twister state is degenerate")
+    gen = torch.Generator().manual_seed(_MT_PROBE_SEED)
+    raw = bytearray(gen.get_state().numpy().tobytes())
+    at, width = _mt_state_layout()
+    for i in range(_MT_WORDS):
+        raw[at + i * width:at + (i + 1) * width] = words[4 * i:4 * i + 4].ljust(width, b"\0")
+    # the other fields stay those of a freshly seeded generator: the next draw twists the new state
+    gen.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+    return gen
+
+
+def _secret_cpu_generator() -> torch.Generator:
+    """A CPU generator with its whole MT19937 state (19,968 bits) from :func:`os.urandom`.
+
+    ``torch.Generator().manual_seed(s)`` keeps only ``s mod 2^32`` (measured:
+    seeds 5 and 5 + 2^32 give identical draws), so a "63-bit" seed would give
+    an adversary only 2^32 noise streams to try.
+
+    Raises:
+        RuntimeError: this torch build's generator state layout is not recognised.
+    """
+    words = os.urandom(4 * _MT_WORDS)
+    while not any(words):  # probability 2^-19968
+        words = os.urandom(4 * _MT_WORDS)
+    return _cpu_generator_from_words(words)
+
+
 def _os_uniform(n: int) -> Tensor:
     """``n`` float64 uniforms on (0, 1], 53 random bits each, from :func:`os.urandom`."""
     if n == 0:
@@ -91,9 +164,10 @@ class NoiseSource:
         ValueError: unknown mode; a seed/generator outside ``"reproducible"``
             mode, or neither in it.
 
-    The seed of ``"secret"`` mode is drawn here from OS entropy and never
-    exposed (no attribute holds it). CUDA tensors get their own generator on
-    their device, seeded the same way.
+    The state of ``"secret"`` mode is drawn here from OS entropy and never
+    exposed (no attribute holds it): the whole Mersenne Twister state on CPU,
+    a 63-bit Philox seed on CUDA (module docstring). CUDA tensors get their
+    own generator on their device.
     """
 
     def __init__(self, mode: str = "secret", seed: Optional[int] = None,
@@ -118,6 +192,9 @@ class NoiseSource:
         key = str(torch.device(device))
         gen = self._generators.get(key)
         if gen is None:
+            if self.mode != "reproducible" and torch.device(key).type == "cpu":
+                gen = self._generators[key] = _secret_cpu_generator()
+                return gen
             seed = self._seed if self.mode == "reproducible" else _entropy_seed()
             if seed is None:  # reproducible from a generator on another device
                 seed = int(torch.randint(0, 2 ** 62, (), generator=next(iter(self._generators.values()))))

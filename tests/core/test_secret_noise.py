@@ -155,3 +155,47 @@ def test_cli_same_seed_differs_reproducible_identical_and_check_fails(tmp_path):
     assert runner.invoke(app, ["check", str(tmp_path / "a")]).exit_code == 0
     res = runner.invoke(app, base + ["--reproducible-noise", "--secure-mode", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "exclude each other" in res.output
+
+
+def test_torch_cpu_seeds_keep_only_32_bits():
+    """The premise of the full-state seeding: manual_seed(s) and manual_seed(s + 2^32) draw the same.
+
+    If a future torch keeps all 64 bits this test fails, and the full-state
+    seeding is then merely redundant (still correct).
+    """
+    a = torch.randn(8, generator=torch.Generator().manual_seed(5))
+    b = torch.randn(8, generator=torch.Generator().manual_seed(5 + 2 ** 32))
+    assert torch.equal(a, b)
+
+
+def test_secret_cpu_generator_runs_mt19937_from_the_given_words():
+    """Cross-check against Python's own MT19937 (random module) started from the same 624 words."""
+    import os
+    import random
+
+    from dpopt.noise import _MT_WORDS, _cpu_generator_from_words
+
+    raw = os.urandom(4 * _MT_WORDS)
+    words = [int.from_bytes(raw[4 * i:4 * i + 4], "little") for i in range(_MT_WORDS)]
+    py = random.Random()
+    py.setstate((3, tuple(words) + (_MT_WORDS,), None))  # index 624: the next draw twists, as torch's
+    want = [py.getrandbits(32) % 2 ** 24 for _ in range(64)]
+    got = torch.randint(0, 2 ** 24, (64,), generator=_cpu_generator_from_words(raw), dtype=torch.int64)
+    assert got.tolist() == want
+    with pytest.raises(ValueError, match="all-zero"):
+        _cpu_generator_from_words(bytes(4 * _MT_WORDS))
+
+
+def test_secret_sources_are_not_seeded_states():
+    """A secret CPU generator's state is not init_genrand(s) for any 32-bit s (it would be if seeded)."""
+    from dpopt.noise import _MT_WORDS, _mt_init, _mt_state_layout
+
+    at, width = _mt_state_layout()
+    states = []
+    for _ in range(2):
+        gen = NoiseSource("secret")._generator("cpu")
+        raw = gen.get_state().numpy().tobytes()
+        words = [int.from_bytes(raw[at + i * width:at + i * width + 4], "little") for i in range(_MT_WORDS)]
+        assert words[1:4] != _mt_init(words[0], 4)[1:4]  # not the words seeding with words[0] would give
+        states.append(words)
+    assert states[0] != states[1]
