@@ -18,6 +18,7 @@ from dpopt.engine.layers import CONV_METHODS, Budget, ConvPart, im2col
 from dpopt.methods import make_optimizer
 from dpopt.models import build_model, num_parameters
 from dpopt.engine.reference import per_sample_gradients
+from dpopt.engine.shifted_norm import RECHECK_RTOL
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.types import ClipGeometry, EvaluationPoint
 
@@ -337,7 +338,10 @@ def test_cnn5_float32_fast_equals_reference_with_macadam_geometry():
     geo = ClipGeometry(tuple(1e-3 * torch.randn_like(p) for p in params),
                        tuple(torch.full_like(p, 1.0 / d) * (0.5 + torch.rand_like(p)) for p in params))
     a, b = fast.sq_norms(geo, [0] * len(params), 1), ref.sq_norms(geo, [0] * len(params), 1)
-    assert torch.allclose(a, b, rtol=1e-4)
+    # the shifted closed form of the Linear layers returns a guaranteed upper bound (float32
+    # products + their worst-case rounding error, engine/shifted_norm.py), up to 2·RECHECK_RTOL above
+    assert torch.allclose(a, b, rtol=2 * RECHECK_RTOL)
+    assert (a >= b * (1 - 1e-6)).all()
     w = torch.rand(3, 1)
     for u, v in zip(fast.weighted_sum(w, geo, [0] * len(params)), ref.weighted_sum(w, geo, [0] * len(params))):
         assert torch.allclose(u, v, rtol=1e-4, atol=1e-4 * float(v.abs().max()))

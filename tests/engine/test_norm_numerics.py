@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpopt.engine.layers import Budget, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock
+from dpopt.engine.shifted_norm import RECHECK_RTOL
 
 B, P, Q, T, VOCAB = 5, 16, 16, 3, 12
 KINDS = ("closed", "gram", "direct", "sparse", "dense")
@@ -95,6 +96,13 @@ def test_fast_block_norm_equals_float64_materialised_norm(kind, dtype, regime, g
     if kind in ("closed", "gram", "direct"):
         assert blk.form == kind
     want = _truth(g, m, b)
+    if kind == "closed" and dtype == torch.float32 and m is not None:
+        # float32 products + their worst-case rounding error: an upper bound (never below the exact
+        # norm, so the clip bound holds), at most 2·RECHECK_RTOL above it (engine/shifted_norm.py)
+        ratio = got.double() / want
+        assert float(ratio.min()) >= 1 - 1e-12, f"{regime} {geo}: below the exact norm ({float(ratio.min())!r})"
+        assert float(ratio.max()) <= 1 + 2 * RECHECK_RTOL, f"{regime} {geo}: {float(ratio.max()) - 1:.2e} above"
+        return
     rel = float(((got.double() - want).abs() / want).max())
     assert rel <= 1e-6, f"{kind} {dtype} {regime} {geo}: relative error {rel:.2e}"
 

@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .shifted_norm import shifted_sq_norms
+
 __all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
            "im2col", "conv_method", "CONV_METHODS"]
 
@@ -332,6 +334,7 @@ class FactoredBlock:
         self._cache: Optional[list[Tensor]] = None  # per-sample grads [b, q, p] per chunk
         self._cache_bytes = 0
         self.form: Optional[str] = None  # last form used (for tests and the docs)
+        self.rechecked = 0  # rows of the last shifted closed form recomputed in float64
 
     # -- helpers -----------------------------------------------------------
     def _dtype(self) -> torch.dtype:
@@ -383,30 +386,12 @@ class FactoredBlock:
             return e.square().sum(1) * a.square().sum(1)
         if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
             return ((e.square() @ b.pow(-2)) * a.square()).sum(1)
-        # With a shift the expanded form quad − 2·lin + const cancels catastrophically when
-        # ‖g/b‖ ≫ ‖(g − m)/b‖ (float32 error ∝ (√quad + √const)²), and an underestimated norm
-        # would let a clipped example exceed the bound. Evaluate it in float64.
-        dtype = e.dtype
-        e, a, m = e.double(), a.double(), m.double()
-        b = None if b is None else b.double()
-        return self._closed_shift(e, a, m, b).to(dtype)
-
-    @staticmethod
-    def _closed_shift(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor]) -> Tensor:
-        if b is None:  # shift only: ‖e‖²‖a‖² − 2 eᵀ m a + ‖m‖²
-            quad = e.square().sum(1) * a.square().sum(1)
-            lin = ((e @ m) * a).sum(1)
-            return (quad - 2.0 * lin + torch.dot(m.flatten(), m.flatten())).clamp_min_(0.0)
-        # shift and scale: both d-sized matrices S = 1/b², M = m/b² in one buffer, one batched GEMM
-        sm = torch.empty((2, *b.shape), dtype=b.dtype, device=b.device)
-        torch.pow(b, -2, out=sm[0])
-        torch.mul(m, sm[0], out=sm[1])
-        const = torch.dot(m.flatten(), sm[1].flatten())  # Σ m²/b²
-        left = torch.stack([e.square(), e])  # [2, B, q]
-        right = torch.stack([a.square(), a])  # [2, B, p]
-        prod = torch.bmm(left, sm) * right  # [2, B, p]
-        quad, lin = prod.sum(2)
-        return (quad - 2.0 * lin + const).clamp_min_(0.0)
+        # With a shift the expanded form quad − 2·lin + const can cancel catastrophically; an
+        # underestimated norm would let a clipped example exceed the bound. shifted_sq_norms
+        # evaluates it in float32 with a rigorous error bound, returns an upper bound, and
+        # recomputes in float64 the rows at risk.
+        out, self.rechecked = shifted_sq_norms(e, a, m, b)
+        return out
 
     def _gram(self) -> Tensor:
         """‖g_i‖² = Σ_{t,s} (a_it·a_is)(e_it·e_is), evaluated in float64.
