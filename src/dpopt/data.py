@@ -6,13 +6,19 @@ IDX files (``train-images-idx3-ubyte`` …, gzipped or not). CIFAR-10 is read as
 ``cifar10.npz`` (NHWC uint8) or the standard python-batch files
 (``data_batch_1..5``, ``test_batch``, optionally inside ``cifar-10-batches-py/``).
 
+A validation split (:func:`split_validation`) holds out a fixed fraction of the
+TRAINING set for hyperparameter choice: those records are never trained on and,
+like the test set, get no protection (their metrics are released as they are).
+
 Errors are :class:`~dpopt.errors.ConfigError` (:class:`DataError` for files) and name the
-argument to change (``data_dir``); the CLI shows it as its flag.
+argument to change (``data_dir``, ``validation_fraction``); the CLI shows it as its flag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -24,12 +30,15 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["Dataset", "DATASETS", "load_dataset", "DataError"]
+__all__ = ["Dataset", "DATASETS", "load_dataset", "DataError", "split_validation", "validation_indices",
+           "validation_size", "check_validation_fraction", "VALIDATION_SPLIT_SEED"]
 
 DATASETS = ("digits", "mnist", "cifar10")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+#: Seed of the public permutation that picks the validation records (:func:`validation_indices`).
+VALIDATION_SPLIT_SEED = 0
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -44,7 +53,11 @@ class DataError(ConfigError):
 
 @dataclass(frozen=True)
 class Dataset:
-    """Normalised float32 tensors. x: ``[N, C, H, W]`` or ``[N, F]``; y: int64 ``[N]``."""
+    """Normalised float32 tensors. x: ``[N, C, H, W]`` or ``[N, F]``; y: int64 ``[N]``.
+
+    ``x_val``/``y_val`` (None unless a validation split was made, :func:`split_validation`)
+    are records held out of training and evaluated like the test set: no protection.
+    """
 
     name: str
     x_train: torch.Tensor
@@ -52,10 +65,95 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int = 10
+    x_val: Optional[torch.Tensor] = None
+    y_val: Optional[torch.Tensor] = None
 
     @property
     def n_train(self) -> int:
         return int(self.x_train.shape[0])
+
+
+def check_validation_fraction(fraction: float) -> float:
+    """``fraction`` as a float if ``0 <= fraction < 1``.
+
+    Raises:
+        ConfigError: (naming ``validation_fraction``) not a number in [0, 1).
+    """
+    try:
+        value = float(fraction)
+    except (TypeError, ValueError):
+        raise ConfigError(f"validation_fraction must be a number in [0, 1), got {fraction!r}",
+                          "validation_fraction") from None
+    if isinstance(fraction, bool) or not (0.0 <= value < 1.0):
+        raise ConfigError(f"validation_fraction must be in [0, 1) (the share of the training set held out), "
+                          f"got {fraction!r}", "validation_fraction")
+    return value
+
+
+def validation_size(n: int, fraction: float) -> int:
+    """How many of ``n`` training records a ``fraction`` holds out: ``floor(fraction·n + 1/2)``.
+
+    F·N rounded to the nearest integer, halves rounded up (not Python's
+    round-half-to-even): 0.1 × 1437 = 143.7 → 144; 0.5 × 5 = 2.5 → 3.
+    """
+    return int(math.floor(check_validation_fraction(fraction) * n + 0.5))
+
+
+def validation_indices(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation) indices into a training set of ``n`` records, each sorted ascending.
+
+    The validation records are the first :func:`validation_size` entries of a
+    permutation drawn with ``numpy.random.RandomState(VALIDATION_SPLIT_SEED)``
+    (the legacy generator, whose stream numpy keeps fixed across versions): a
+    public choice that depends on ``n`` and ``fraction`` only — not on the run's
+    ``seed`` and not on any record — so every run on the same data with the
+    same fraction holds out the same records. The two sets are disjoint and
+    cover ``range(n)``.
+
+    Raises:
+        ConfigError: (naming ``validation_fraction``) a fraction outside [0, 1),
+            or one that leaves no validation record or no training record.
+    """
+    k = validation_size(n, fraction)
+    if k == 0:
+        return torch.arange(n), torch.arange(0)
+    if k >= n:
+        raise ConfigError(f"validation_fraction {fraction} holds out all {n} training records; use a smaller "
+                          "fraction", "validation_fraction")
+    perm = np.random.RandomState(VALIDATION_SPLIT_SEED).permutation(n)
+    val = np.sort(perm[:k])
+    train = np.sort(perm[k:])
+    return torch.from_numpy(train.astype(np.int64)), torch.from_numpy(val.astype(np.int64))
+
+
+def split_validation(data: Dataset, fraction: float) -> Dataset:
+    """``data`` with a fraction of its training set moved to ``x_val``/``y_val`` (:func:`validation_indices`).
+
+    The returned training set is the remaining ``N − floor(F·N + 1/2)`` records
+    (in their original order); the test set is the same tensors. ``fraction = 0``
+    returns ``data`` itself.
+
+    Privacy: the held-out records are never trained on and get NO protection —
+    like test records, metrics computed on them are released as they are. The
+    DP guarantee of a run on the returned dataset covers its training records
+    (neighbouring = one of them added or removed, the split held fixed).
+
+    Raises:
+        ConfigError: (naming ``validation_fraction``) a fraction outside [0, 1),
+            one that holds out nothing (F·N < 1/2) or everything, or ``data``
+            that already has a validation split.
+    """
+    if check_validation_fraction(fraction) == 0.0:
+        return data
+    if data.x_val is not None:
+        raise ConfigError("the dataset already has a validation split; give validation_fraction 0 to use it, "
+                          "or pass the dataset without one", "validation_fraction")
+    train, val = validation_indices(data.n_train, fraction)
+    if len(val) == 0:
+        raise ConfigError(f"validation_fraction {fraction} of {data.n_train} training records holds out none "
+                          f"(F·N < 1/2); use at least {0.5 / data.n_train:.2g}", "validation_fraction")
+    return dataclasses.replace(data, x_train=data.x_train[train], y_train=data.y_train[train],
+                               x_val=data.x_train[val], y_val=data.y_train[val])
 
 
 def _digits() -> Dataset:

@@ -20,7 +20,9 @@ from dpopt.data import load_dataset
 from dpopt.training import TrainConfig, train
 
 # Computed from the released model on public test data, or not data at all (time, paths).
-RELEASED = {"test_accuracy", "test_loss", "wall_seconds", "run_dir", "out", "final_max_grad_norm"}
+RELEASED = {"test_accuracy", "test_loss", "wall_seconds", "run_dir", "out", "final_max_grad_norm",
+            # validation_fraction > 0: the released model on held-out training records, which get no protection
+            "val_accuracy", "val_loss"}
 # Every key the summary / --json line may carry: public config, released values, accountant output.
 PUBLIC_SUMMARY = RELEASED | {
     "method", "dataset", "model", "epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipping",
@@ -29,7 +31,9 @@ PUBLIC_SUMMARY = RELEASED | {
     "calibrated_epsilon", "layer_bounds", "layers", "noise_multiplier_total", "grad_noise_multiplier",
     "count_noise_multiplier", "count_share",
     # runs that stop early or resume (issue 10): public schedule facts
-    "status", "planned_steps", "stop_signal", "max_epsilon", "resumed_from_step", "lost_steps"}
+    "status", "planned_steps", "stop_signal", "max_epsilon", "resumed_from_step", "lost_steps",
+    # a validation split carved from the training set (issue 11): public configuration
+    "validation_fraction"}
 
 
 def _files(run_dir):
@@ -119,3 +123,28 @@ def test_show_train_loss_never_reaches_a_file(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) > 1 and all(set(r) <= {"epoch", "step", "log", "test_accuracy", "test_loss", "epsilon", "status"}
                                  for r in rows), rows
+
+
+def test_validation_split_outputs_are_public(tmp_path):
+    """validation_fraction (issue 11): the run files carry only the allow-listed keys, and a changed TRAINING
+    record moves nothing but released values (the held-out records' metrics are released like test metrics)."""
+    from dpopt.data import validation_indices
+
+    data = load_dataset("digits")
+    train_idx, _ = validation_indices(data.n_train, 0.1)
+    x = data.x_train.clone()
+    x[int(train_idx[7])] = float("inf")  # a record that stays in training
+    runs = {}
+    for name, d in (("D", data), ("D2", dataclasses.replace(data, x_train=x))):
+        cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=1.0, seed=1, accountant="rdp",
+                          validation_fraction=0.1, reproducible_noise=True, out=str(tmp_path / name))
+        with pytest.warns(UserWarning, match="reproducible"):
+            train(cfg, data=d)
+        runs[name] = _files(tmp_path / name)
+    for name in runs["D"]:
+        assert _strip(runs["D"][name]) == _strip(runs["D2"][name]), name
+    summary = runs["D"]["summary.json"]
+    assert {"val_accuracy", "val_loss", "validation_fraction"} <= set(summary) <= PUBLIC_SUMMARY, \
+        set(summary) - PUBLIC_SUMMARY
+    assert all(set(r) <= {"epoch", "step", "test_accuracy", "test_loss", "val_accuracy", "val_loss", "epsilon"}
+               for r in runs["D"]["metrics.jsonl"])

@@ -85,9 +85,10 @@ def sweep_command(
                     progress.remove_task(state["run"])
                     state["run"] = None
                 progress.update(state["task"], completed=state["done"])
+                val = f", val acc {rec['val_accuracy']:.4f}" if rec.get("val_accuracy") is not None else ""
                 console.print(f"[{state['done']}/{state['total']}] {describe(info['point'])}: test acc "
-                              f"{rec['test_accuracy']:.4f}, ε {rec['epsilon']:.3f}, {rec['wall_seconds']:.1f} s",
-                              markup=False)
+                              f"{rec['test_accuracy']:.4f}{val}, ε {rec['epsilon']:.3f}, "
+                              f"{rec['wall_seconds']:.1f} s", markup=False)
             elif kind == "stopped":
                 s = info["summary"]
                 console.print(f"run {describe(info['point'])} stopped ({s.get('status')}) after {s.get('steps')} "
@@ -121,7 +122,7 @@ def report_command(
     cols: str = typer.Option("noise_multiplier", help="field for the columns (noise_multiplier, "
                                                       "expected_batch_size, target_epsilon, ...)"),
     metric: str = typer.Option("test_accuracy", help="summary field averaged over seeds (test_accuracy, "
-                                                     "test_loss, epsilon, ...)"),
+                                                     "test_loss, val_accuracy, val_loss, epsilon, ...)"),
     where: Optional[list[str]] = typer.Option(None, help="keep only records with KEY=VALUE (repeatable)"),
     no_plots: bool = typer.Option(False, help="tables only (no matplotlib needed)"),
 ) -> None:

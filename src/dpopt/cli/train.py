@@ -124,6 +124,12 @@ def train_command(
         None, help="TensorBoard log directory: test metrics, ε, lr, clip bound and scale statistics (public "
                    "values only) at every metrics row; needs the tensorboard package"),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (cuda if available): model, batches and noise"),
+    validation_fraction: float = typer.Option(
+        0.0, help="F in [0, 1): hold out round(F×N) training records (halves up; a fixed public permutation, the "
+                  "same for every --seed) for val_accuracy / val_loss, never trained on. They get NO protection "
+                  "(released like the test set); N, q = B̄/N and ε are those of the remaining records. Choosing "
+                  "hyperparameters by validation accuracy over several runs is NOT charged to ε: each run's ε is "
+                  "for that run, tuning over k runs costs more (Liu & Talwar 2019; Papernot & Steinke 2022)"),
     resume: Optional[str] = typer.Option(
         None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
                    "(only --device, --threads and --json may be given with it)"),
@@ -157,7 +163,7 @@ def train_command(
             ("--count-share", count_share, None), ("--count-noise-multiplier", count_noise_multiplier, None),
             ("--hp", hp or None, None), ("--max-epsilon", max_epsilon, None),
             ("--checkpoint-every", checkpoint_every, None), ("--log-every", log_every, None),
-            ("--tensorboard", tensorboard, None)]
+            ("--tensorboard", tensorboard, None), ("--validation-fraction", validation_fraction, 0.0)]
             if value != default}
         if given:
             fail(f"--resume continues with the run's saved configuration; do not give {', '.join(sorted(given))}")
@@ -186,7 +192,7 @@ def train_command(
                       sample_rate=sample_rate, reproducible_noise=reproducible_noise, secure_mode=secure_mode,
                       show_train_loss=show_train_loss, max_epsilon=max_epsilon,
                       checkpoint_every=checkpoint_every, log_every=log_every, device=device,
-                      tensorboard=tensorboard)
+                      tensorboard=tensorboard, validation_fraction=validation_fraction)
     if threads is not None:
         if threads < 1:
             fail(f"--threads must be >= 1, got {threads}")
@@ -252,6 +258,10 @@ def train_command(
         f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
         f"({summary['accountant']}), σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}, "
         f"{summary['steps']} steps, {summary['wall_seconds']:.1f} s")
+    if "val_accuracy" in summary:
+        out_console.print(f"validation accuracy {summary['val_accuracy']:.4f}, loss {summary['val_loss']:.4f} on "
+                          f"the held-out {summary.get('validation_fraction', 0):g} of the training set (never "
+                          "trained on; no protection, like the test set; not covered by ε)")
     if "target_epsilon" in summary:
         out_console.print(f"σ = {summary['noise_multiplier']:.4g} calibrated for target ε = "
                           f"{summary['target_epsilon']:g}")

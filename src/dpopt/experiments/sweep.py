@@ -28,7 +28,10 @@ A sweep config is TOML (read with the standard library's ``tomllib``; the
 
 Keys are :class:`~dpopt.training.TrainConfig` field names (``method``,
 ``noise_multiplier``, ``target_epsilon``, ``batch_size``, ``lr``, ``seed``,
-``dataset``, ``model``, ``hparams``, ...) plus ``label``. ``out`` and
+``dataset``, ``model``, ``hparams``, ``validation_fraction``, ...) plus ``label``.
+``validation_fraction`` holds out the same training records in every run (a
+fixed public permutation), so ``dpopt report --metric val_accuracy`` compares
+runs on one validation set; the choice it supports is not charged to any ε. ``out`` and
 ``overwrite`` belong to the sweep. Relative paths are relative to the
 current directory.
 

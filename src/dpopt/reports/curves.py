@@ -1,5 +1,8 @@
 """``curves.png`` of a run directory: test accuracy, test loss and ε against step and epoch.
 
+With a validation split (``validation_fraction``) the accuracy and loss panels
+also show the validation records' curves.
+
 Reads the run's ``metrics.jsonl`` (public values only: test-set metrics of the
 released model and accountant output). Needs matplotlib; without it (or with
 no metrics rows) nothing is written.
@@ -50,7 +53,12 @@ def write_curves(run_dir: Union[str, Path]) -> Optional[Path]:
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=90)
         for ax, key, label in zip(axes, ("test_accuracy", "test_loss", "epsilon"),
                                   ("test accuracy", "test loss", "ε spent")):
-            ax.plot(steps, [r.get(key) for r in rows], marker="o", markersize=3)
+            ax.plot(steps, [r.get(key) for r in rows], marker="o", markersize=3, label="test")
+            val = key.replace("test_", "val_")
+            if val != key and any(r.get(val) is not None for r in rows):  # a validation split (validation_fraction)
+                ax.plot(steps, [r.get(val) for r in rows], marker="s", markersize=3, label="validation")
+                label = label.replace("test ", "test / validation ")
+                ax.legend(fontsize=7)
             ax.set_xlabel("step")
             ax.set_title(label, fontsize=10)
             ax.grid(alpha=0.3)

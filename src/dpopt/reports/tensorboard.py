@@ -22,22 +22,24 @@ import torch
 
 __all__ = ["TensorBoardLogger", "public_scalars", "LOGGED_METRICS"]
 
-LOGGED_METRICS = ("test_accuracy", "test_loss", "epsilon")  # keys of a metrics row that are logged
+# keys of a metrics row that are logged (val_*: held-out validation records, no protection, like test)
+LOGGED_METRICS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss", "epsilon")
 
 
 def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
     """The scalars to log for one metrics row: ``{tag: value}``, public quantities only.
 
     Args:
-        row: a ``metrics.jsonl`` row (test metrics of the released model and ε).
+        row: a ``metrics.jsonl`` row (test metrics of the released model and ε; ``val/accuracy``
+            and ``val/loss`` too when the run holds out a validation split).
         optimizer: the run's :class:`~dpopt.optim.DPOptimizer` (optional): adds
             ``train/lr`` (first param group), ``privacy/max_grad_norm`` (the bound
             applied at the last release), ``privacy/unclipped_fraction_released``
             (quantile clipping: the noisy released fraction) and, for methods with a clip scale,
             ``geometry/scale_mean``/``_min``/``_max`` over all coordinates.
     """
-    out = {f"test/{k[5:]}" if k.startswith("test_") else f"privacy/{k}": float(row[k])
-           for k in LOGGED_METRICS if row.get(k) is not None}
+    out = {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}" if k.startswith(("test_", "val_")) else f"privacy/{k}":
+           float(row[k]) for k in LOGGED_METRICS if row.get(k) is not None}
     if optimizer is None:
         return out
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])

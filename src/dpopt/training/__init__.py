@@ -26,7 +26,9 @@ CLI shows as flags.
 
 What the run writes and prints (run files, ``--json`` line, progress) is public
 configuration, released values (the model, test-set metrics computed from it)
-and accountant output only. The noise and Poisson masks come from a secret
+and accountant output only — and, with ``validation_fraction`` > 0, metrics on
+the held-out validation records (``val_accuracy``, ``val_loss``), which like
+test records are never trained on and get no protection. The noise and Poisson masks come from a secret
 :class:`~dpopt.noise.NoiseSource` unless ``reproducible_noise`` is set; the
 seed fixes model initialisation (and other non-private randomness) only.
 The dataset size N is treated as public when the sample rate is derived as
@@ -87,7 +89,10 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     Returns:
         dict with method, dataset, model, test_accuracy, epsilon, delta,
         noise_multiplier, sample_rate, expected_batch_size, steps, accountant,
-        noise (the noise mode), wall_seconds, run_dir and more — public values only.
+        noise (the noise mode), wall_seconds, run_dir and more — public values only
+        (with ``cfg.validation_fraction`` > 0 also validation_fraction, val_accuracy
+        and val_loss: metrics of the final model on the held-out records, which get
+        no protection; see :class:`TrainConfig`).
         A run that stopped early has ``"status"``: ``"interrupted"`` (SIGINT or
         SIGTERM: the current step is finished, everything written; see
         :func:`resume`) or ``"budget_exhausted"`` (``cfg.max_epsilon``), and
@@ -103,11 +108,12 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     # the reproducible-noise warning points at train's caller
     run = build_run(cfg, data, stacklevel=4, dist=dist)
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
+    n_train = run.data.n_train  # without the validation records (cfg.validation_fraction)
     if dist.enabled:
-        sampler: PoissonSampler = ShardedPoissonSampler(data.n_train, run.sample_rate, run.steps, dist,
+        sampler: PoissonSampler = ShardedPoissonSampler(n_train, run.sample_rate, run.steps, dist,
                                                         noise=run.noise)
     else:
-        sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
+        sampler = PoissonSampler(n_train, run.sample_rate, run.steps, noise=run.noise)
     return _run(run, run_dir, sampler, LoopState(), start, on_step)
 
 
@@ -222,7 +228,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
-    sampler = PoissonSampler(data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    sampler = PoissonSampler(run.data.n_train, run.sample_rate, run.steps, noise=run.noise)
     sampler.load_state_dict(ckpt["sampler"])
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])

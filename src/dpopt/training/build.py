@@ -23,7 +23,7 @@ from torch import nn
 from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
-from ..data import Dataset
+from ..data import Dataset, check_validation_fraction, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
 from ..methods import build_optimizer, get_method
@@ -46,7 +46,10 @@ class Run:
 
     Attributes:
         cfg: the configuration it was built from.
-        data: the dataset (private training split; public test split).
+        data: the dataset (private training split; test split and validation
+            split, if any, evaluated without protection). With
+            ``cfg.validation_fraction`` > 0 the training split is what remains
+            after the validation records were held out.
         model_name, model: the model (initialised from ``cfg.seed``).
         noise: the run's noise source (secret unless ``cfg.reproducible_noise``).
         sample_rate: Poisson rate q (given, or B̄/N: then N is treated as public).
@@ -143,13 +146,17 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
               dist: Optional[DistributedContext] = None) -> Run:
     """Validate ``cfg`` and build everything a run needs, in this order.
 
-    Validate against N → seed torch (initialisation only) → noise source →
-    model (checked) → q and steps → σ (calibrated for ``target_epsilon``) →
-    ledger → hyperparameters, resolved once → privacy options → optimizer.
+    Hold out the validation split (``cfg.validation_fraction``, before anything
+    else) → validate against N (the remaining training records) → seed torch
+    (initialisation only) → noise source → model (checked) → q and steps → σ
+    (calibrated for ``target_epsilon``) → ledger → hyperparameters, resolved
+    once → privacy options → optimizer.
 
     Args:
         cfg: the configuration.
-        data: the loaded dataset.
+        data: the loaded dataset. ``Run.data`` is it without the validation
+            records when ``cfg.validation_fraction`` > 0
+            (:func:`dpopt.data.split_validation`); sample from ``run.data``.
         stacklevel: where the reproducible-noise warning points, as for
             :func:`warnings.warn` counted from this function (default: the
             line that called it; :func:`~dpopt.training.train` passes 4, its caller).
@@ -162,6 +169,8 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
             invalid configuration, unknown hyperparameter, a clipping option the
             method cannot use; calibration errors.
     """
+    check_validation_fraction(cfg.validation_fraction)
+    data = split_validation(data, cfg.validation_fraction)  # first: N, q and ε are those of the rest
     validate_config(cfg, data.n_train)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only

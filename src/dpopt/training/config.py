@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..accounting.accountant import ACCOUNTANTS, check_delta
 from ..accounting.events import check_noise_multiplier
+from ..data import check_validation_fraction
 from ..errors import ConfigError
 from ..methods import get_method
 
@@ -23,7 +24,21 @@ DEVICES = ("cpu", "cuda", "auto")
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a run (all public). ``None`` means the method's default."""
+    """Everything that defines a run (all public). ``None`` means the method's default.
+
+    ``validation_fraction`` F (default 0): before anything else, ``floor(F·N + 1/2)``
+    records of the training set (:func:`dpopt.data.validation_indices`: a fixed
+    public permutation, the same for every ``seed``) are removed from training and
+    used only for evaluation — ``val_accuracy`` / ``val_loss`` next to the test
+    metrics in every metrics row and the summary. N, the sample rate q = B̄/N and
+    ε are those of the remaining records. Privacy: the validation records are never
+    trained on and get NO protection (their metrics are released as they are, like
+    the test set's); ε covers the remaining training records only. Choosing
+    hyperparameters by validation accuracy across several runs is NOT charged to
+    any run's ε: each run's ε is for that run, and releasing the best of k runs
+    costs more (Liu & Talwar 2019, "Private selection from private candidates";
+    Papernot & Steinke 2022, "Hyperparameter tuning with Renyi differential privacy").
+    """
 
     dataset: str = "digits"
     data_dir: Optional[str] = None
@@ -57,6 +72,9 @@ class TrainConfig:
     log_every: Optional[int] = None  # also write a metrics.jsonl row every this many steps
     tensorboard: Optional[str] = None  # TensorBoard log dir: public scalars of every metrics row
     device: str = "cpu"  # cpu | cuda | auto (cuda if available): model, batches and noise on it
+    # hold out floor(F·N + 1/2) training records (a fixed public permutation, not the seed) for val_accuracy /
+    # val_loss: never trained on, NO protection (like the test set); N, q and ε are those of the rest
+    validation_fraction: float = 0.0
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -66,8 +84,9 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         ValueError: (a :class:`~dpopt.errors.ConfigError` naming the fields)
             σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N (when q = B̄/N),
             q ∉ (0, 1], lr ≤ 0, epochs ≤ 0, unknown accountant or method,
-            reproducible noise together with secure mode.
+            reproducible noise together with secure mode, validation_fraction ∉ [0, 1).
     """
+    check_validation_fraction(cfg.validation_fraction)
     check_noise_multiplier(cfg.noise_multiplier)
     check_delta(cfg.delta)
     get_method(cfg.method)

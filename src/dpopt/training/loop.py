@@ -41,7 +41,11 @@ LEDGER_FLUSH_EVERY = 50  # the ledger journal is flushed at least this often (an
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on (x, y). Non-private: test data only."""
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y).
+
+    Non-private: test data, or validation records held out of training (which
+    get no protection either). Never the training records.
+    """
     model.eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     correct, loss = 0, 0.0
@@ -86,7 +90,9 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
 
     After each epoch (and always after the last step, or at an early stop) ε
     of the whole ledger and the test-set accuracy and loss are computed: the
-    rows are ``{"epoch", "step", "test_accuracy", "test_loss", "epsilon"}`` —
+    rows are ``{"epoch", "step", "test_accuracy", "test_loss", "epsilon"}``, plus
+    ``"val_accuracy"``, ``"val_loss"`` when ``run.data`` has a validation split
+    (``cfg.validation_fraction``; those records get no protection) —
     public values only (an early stop's row has the fractional epoch and
     ``"status"``; ``cfg.log_every`` rows have ``"log": true``). ``on_step``
     is called after every step as documented in :func:`~dpopt.training.train`.
@@ -126,7 +132,10 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
             return {}
         eps_now = tracker.epsilon(ledger)
         acc, test_loss = evaluate(model, data.x_test, data.y_test)
-        r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps_now}
+        r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss}
+        if data.x_val is not None:  # held-out training records (validation_fraction): no protection, like test
+            r["val_accuracy"], r["val_loss"] = evaluate(model, data.x_val, data.y_val)
+        r["epsilon"] = eps_now
         state.metrics.append(r)
         last = r
         if files is not None:

@@ -11,7 +11,9 @@ completed). JSON files and checkpoints are replaced atomically (write, then
 rename).
 
 Everything written is public configuration, released values (the model,
-test-set metrics computed from it) and accountant output only. The dataset
+test-set metrics computed from it) and accountant output only; with
+``validation_fraction`` > 0 also ``val_accuracy`` / ``val_loss`` on the held-out
+validation records, which (like the test set) get no protection. The dataset
 size N is treated as public when the sample rate is derived as q = B̄/N (the
 run files then reveal N); give ``sample_rate`` to avoid that.
 """
@@ -180,6 +182,10 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
             summary["stop_signal"] = stop_signal
     if cfg.max_epsilon is not None:
         summary["max_epsilon"] = cfg.max_epsilon
+    if cfg.validation_fraction:
+        summary["validation_fraction"] = cfg.validation_fraction
+    if "val_accuracy" in final:  # held-out training records: never trained on, no protection (like test)
+        summary.update(val_accuracy=final["val_accuracy"], val_loss=final["val_loss"])
     summary.update(extra or {})
     if run.calibration is not None:
         summary.update(target_epsilon=cfg.target_epsilon, calibrated_epsilon=run.calibration.epsilon)
