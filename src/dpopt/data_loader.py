@@ -16,6 +16,12 @@ value of that item is used.
 
 Items may have any structure the ``collate_fn`` understands (tuples, dicts,
 nested); the user's ``collate_fn`` is used, else torch's ``default_collate``.
+
+Data parallel (``ctx``, a :class:`~dpopt.distributed.DistributedContext` of
+several ranks): each rank's loader yields the Poisson samples of ITS shard of
+the dataset at the same q (:class:`~dpopt.distributed.ShardedPoissonSampler`),
+``steps`` batches per epoch on every rank; the union over ranks is a Poisson
+sample of the whole dataset at q (Opacus's ``DistributedPoissonBatchSampler``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .distributed import DistributedContext, ShardedPoissonSampler
 from .noise import NoiseSource, make_noise_source
 from .sampling import PoissonSampler
 
@@ -41,21 +48,30 @@ class PoissonBatchSampler(Sampler):
         sample_rate: q ∈ (0, 1].
         steps: batches per epoch (≥ 1).
         noise: where the masks come from (default: a secret :class:`~dpopt.noise.NoiseSource`).
+        ctx: data parallel: sample this rank's shard only (indices stay global;
+            :class:`~dpopt.distributed.ShardedPoissonSampler`). None or one process: the whole dataset.
     """
 
-    def __init__(self, dataset_size: int, sample_rate: float, steps: int, noise: Optional[NoiseSource] = None):
+    def __init__(self, dataset_size: int, sample_rate: float, steps: int, noise: Optional[NoiseSource] = None,
+                 ctx: Optional[DistributedContext] = None):
         if int(steps) < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.dataset_size, self.steps = int(dataset_size), int(steps)
         self.noise = make_noise_source(noise)
         self.sample_rate = PoissonSampler(self.dataset_size, sample_rate, 0, noise=self.noise).sample_rate
+        self.ctx = ctx if ctx is not None else DistributedContext()
         self.drawn = 0  # batches handed out (public: a count of steps, not of examples)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        for idx in PoissonSampler(self.dataset_size, self.sample_rate, self.steps, noise=self.noise):
+        if self.ctx.enabled:
+            sampler: PoissonSampler = ShardedPoissonSampler(self.dataset_size, self.sample_rate, self.steps,
+                                                            self.ctx, noise=self.noise)
+        else:
+            sampler = PoissonSampler(self.dataset_size, self.sample_rate, self.steps, noise=self.noise)
+        for idx in sampler:
             self.drawn += 1
             yield idx.tolist()
 
@@ -104,6 +120,7 @@ class DPDataLoader(DataLoader):
         collate_fn: the item collate function (default ``default_collate``);
             empty batches are handled by :class:`EmptyBatchCollate`.
         noise: the :class:`~dpopt.noise.NoiseSource` of the masks (default: secret).
+        ctx: data parallel: this rank's shard only (:class:`PoissonBatchSampler`).
         **kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``,
             ...); ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler`` and
             ``drop_last`` are refused (the Poisson sampler decides the batches).
@@ -114,7 +131,8 @@ class DPDataLoader(DataLoader):
     """
 
     def __init__(self, dataset: Dataset, sample_rate: float, steps: Optional[int] = None,
-                 collate_fn: Optional[Callable] = None, noise: Optional[NoiseSource] = None, **kwargs: Any):
+                 collate_fn: Optional[Callable] = None, noise: Optional[NoiseSource] = None,
+                 ctx: Optional[DistributedContext] = None, **kwargs: Any):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError("Poisson sampling needs a map-style dataset (with __len__ and __getitem__); "
                              f"got {type(dataset).__name__}")
@@ -126,13 +144,17 @@ class DPDataLoader(DataLoader):
         q = float(sample_rate)
         steps = int(round(1.0 / q)) if steps is None else int(steps)
         self.sample_rate = q
-        self.poisson = PoissonBatchSampler(len(dataset), q, max(1, steps), noise=noise)
+        self.poisson = PoissonBatchSampler(len(dataset), q, max(1, steps), noise=noise, ctx=ctx)
         super().__init__(dataset, batch_sampler=self.poisson,
                          collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs)
 
     @classmethod
-    def from_data_loader(cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None) -> "DPDataLoader":
+    def from_data_loader(cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None,
+                         ctx: Optional[DistributedContext] = None) -> "DPDataLoader":
         """The Poisson counterpart of a loader: q = 1/len(loader), len(loader) batches per epoch (Opacus).
+
+        With ``ctx`` (data parallel) each rank draws its shard of the loader's
+        dataset at that q; give every rank a loader of the same length.
 
         Keeps the loader's dataset, ``collate_fn``, ``num_workers``, ``pin_memory``,
         ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
@@ -151,4 +173,4 @@ class DPDataLoader(DataLoader):
         collate = data_loader.collate_fn
         if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
             collate = None
-        return cls(data_loader.dataset, 1.0 / steps, steps, collate_fn=collate, noise=noise, **keep)
+        return cls(data_loader.dataset, 1.0 / steps, steps, collate_fn=collate, noise=noise, ctx=ctx, **keep)

@@ -4,8 +4,20 @@ Launch ``dpopt train`` under ``torchrun`` (gloo on CPU, NCCL on GPUs)::
 
     torchrun --standalone --nproc_per_node 4 -m dpopt train --dataset mnist --data-dir data/ ...
 
-or, from Python, initialise a process group and pass a :class:`DistributedContext`
-(:func:`setup`) to :func:`attach` (or let :func:`dpopt.training.train` do both).
+(``dpopt train --resume RUN_DIR`` under ``torchrun`` continues one, with any
+number of processes), or, from Python, after ``torch.distributed.init_process_group``
+on every rank:
+
+* your own loop, model and ``torch.optim`` optimizer (Opacus style): the same
+  ``PrivacyEngine().make_private(..., distributed=True)`` call on every rank
+  (:mod:`dpopt.privacy_engine`; pass the bare module, not
+  ``DistributedDataParallel``): it broadcasts rank 0's parameters, the returned
+  loader draws this rank's shard (:class:`ShardedPoissonSampler`), the returned
+  optimizer releases through :class:`AllReduceRelease`; B̄ = q·N is global and
+  ``engine.get_epsilon`` counts each step once, on every rank;
+* a :class:`~dpopt.optim.DPOptimizer`: :func:`prepare` (broadcast and
+  :func:`attach`) and a :class:`ShardedPoissonSampler`;
+* :func:`dpopt.training.train`, which does all of it.
 
 One logical step on W processes (ranks)::
 
@@ -68,7 +80,8 @@ from .noise import NoiseSource
 from .sampling import PoissonSampler
 
 __all__ = ["DistributedContext", "setup", "context", "shard_bounds", "ShardedPoissonSampler",
-           "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank"]
+           "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank",
+           "backend_device"]
 
 
 @dataclass(frozen=True)
@@ -223,7 +236,7 @@ class AllReduceRelease:
                 out[i] = flat[offset:offset + n].view(sums[i].shape)
                 offset += n
         if count is not None:  # in float64 whatever the model's dtype (bf16 would round a count of 300 by 1)
-            device = sums[0].device if sums else _backend_device(self.ctx)
+            device = sums[0].device if sums else backend_device(self.ctx)
             noisy_count = float(self.ctx.all_reduce(torch.tensor([count], dtype=torch.float64, device=device))[0])
         self.calls += 1
         return out, noisy_count
@@ -300,13 +313,13 @@ def any_rank(flag: bool, ctx: DistributedContext) -> bool:
     if not ctx.enabled:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-    if _backend_device(ctx) is not None:
-        t = t.to(_backend_device(ctx))
+    if backend_device(ctx) is not None:
+        t = t.to(backend_device(ctx))
     return bool(ctx.all_reduce(t, op="max").item() > 0)
 
 
-def _backend_device(ctx: DistributedContext) -> Optional[torch.device]:
-    """NCCL needs CUDA tensors for every collective; gloo takes CPU tensors."""
+def backend_device(ctx: DistributedContext) -> Optional[torch.device]:
+    """Where a collective's tensors must live: this rank's GPU for NCCL, None (the CPU) for gloo."""
     import torch.distributed as dist
 
     if dist.get_backend(ctx.group) == "nccl":

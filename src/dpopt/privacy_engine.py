@@ -32,6 +32,28 @@ What happens where (DESIGN.md, "the privacy boundary"):
   method name (``"dp-macadam"``, ``"dp-muon"``, ...) the method's chain runs,
   its clip geometry feedback included, and ``p.grad`` is set to the release.
 
+Data parallel (``distributed=True``; :mod:`dpopt.distributed`): run the same
+script on every rank (``torchrun --nproc_per_node W script.py``), after
+``torch.distributed.init_process_group`` — gloo on CPU, NCCL on GPUs::
+
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                             noise_multiplier=1.0, max_grad_norm=1.0, distributed=True)
+    ...                                                   # the same loop on every rank
+    if torch.distributed.get_rank() == 0:
+        engine.ledger.save("ledger.json")                 # every rank's ledger is the same
+
+``make_private`` broadcasts rank 0's parameters and buffers; each rank's
+loader draws ITS shard of the dataset at q = 1/len(data_loader) (the union
+over ranks is a Poisson sample of the whole dataset at q, Opacus's
+``DistributedPoissonBatchSampler``); ``opt.step()`` adds the noise once (rank
+0) and all-reduces the clipped sums, so every rank applies the same update;
+``expected_batch_size`` q·N is the global one and every rank's ledger records
+each step once (``get_epsilon`` is that of the one-process run). Pass the bare
+module: a ``DistributedDataParallel`` (or Opacus ``DPDDP``) is refused — it
+would all-reduce the un-clipped gradients. ``poisson_sampling=False`` is
+refused; settings that differ between ranks (or a refusal on one rank) make
+every rank raise.
+
 Opacus names kept: ``make_private(module=, optimizer=, data_loader=,
 noise_multiplier=, max_grad_norm=, poisson_sampling=, clipping=,
 loss_reduction=, noise_generator=)``, ``make_private_with_epsilon(...,
@@ -53,7 +75,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional, Sequence, Union
+import zlib
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -65,6 +88,8 @@ from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.registry import check_accountant
 from .data_loader import DPDataLoader
+from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
+                          check_replicas, context)
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
@@ -85,6 +110,54 @@ def _declares_points(t: Transform) -> bool:
     if isinstance(t, Partition):
         return any(_declares_points(s) for s in t.transforms.values())
     return type(t).evaluation_points is not Transform.evaluation_points
+
+
+def _is_ddp(module: nn.Module) -> bool:
+    """torch's DistributedDataParallel or Opacus's DPDDP (by name: Opacus need not be installed)."""
+    return isinstance(module, nn.parallel.DistributedDataParallel) or \
+        type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+
+
+def _distributed_context(module: nn.Module, distributed: bool, process_group, poisson_sampling: bool
+                         ) -> DistributedContext:
+    """The data-parallel context ``make_private`` asked for (one process unless ``distributed``), or a refusal."""
+    if _is_ddp(module):
+        raise ValueError(f"make_private got a {type(module).__name__}: pass the bare module (`ddp.module`) with "
+                         "distributed=True instead. DDP would all-reduce the raw, un-clipped gradients in "
+                         "backward; dpopt all-reduces the clipped per-sample sums itself, with the noise drawn once")
+    if not distributed and process_group is None:
+        return DistributedContext()
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("distributed=True needs an initialised process group: call "
+                         "torch.distributed.init_process_group on every rank first (torchrun sets the environment)")
+    ctx = context(process_group)
+    if ctx.enabled and not poisson_sampling:
+        raise ValueError("poisson_sampling=False is not supported with distributed=True: the loader's own batches "
+                         "on each rank are not known to be disjoint (a DistributedSampler pads with repeated "
+                         "examples), so one example could be in several ranks' sums (sensitivity > C)")
+    return ctx
+
+
+def _join_ranks(ctx: DistributedContext, error: Optional[Exception], public: Callable[[], list]) -> None:
+    """Every rank raises if ``make_private`` failed on some rank or the ranks' public settings differ.
+
+    Two small collectives: a failure flag, then a fingerprint of ``public()``
+    (q, N, steps, σ, C, parameter sizes, method, clipping, loss reduction,
+    noise mode) compared with rank 0's.
+    """
+    if any_rank(error is not None, ctx):
+        if error is not None:
+            raise error
+        raise RuntimeError("make_private was refused on another rank (its error is reported there)")
+    fingerprint = torch.tensor([float(zlib.crc32(repr(public()).encode()))], dtype=torch.float64,
+                               device=backend_device(ctx))
+    if not check_replicas([fingerprint], ctx):
+        raise ValueError("make_private was called with different settings on different ranks: every rank needs "
+                         "the same len(data_loader) and len(dataset), noise_multiplier, max_grad_norm, model "
+                         "parameters, optimizer (method), clipping, loss_reduction and noise (noise_generator on "
+                         "every rank or on none)")
 
 
 class PrivateOptimizer(torch.optim.Optimizer):
@@ -229,6 +302,8 @@ class PrivacyEngine:
         clipbound_learning_rate: float = 0.2,
         unclipped_num_std: Optional[float] = None,
         count_share: Optional[float] = None,
+        distributed: bool = False,
+        process_group: Optional[Any] = None,
         **hparams: Any,
     ) -> tuple[nn.Module, PrivateOptimizer, DataLoader]:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -263,13 +338,25 @@ class PrivacyEngine:
                 gradient σ is raised so the step still costs ``noise_multiplier``;
                 refused where impossible), else ``count_share`` r of the budget
                 (default 0.05).
+            distributed: data parallel over an initialised ``torch.distributed``
+                process group (module docstring): call ``make_private`` on every
+                rank with the same arguments and the bare module (not
+                ``DistributedDataParallel``); the loader draws this rank's shard
+                at q, ``optimizer.step()`` all-reduces the clipped sums with the
+                noise drawn once (rank 0), rank 0's parameters and buffers are
+                broadcast now. Save the ledger on rank 0 only.
+            process_group: the group to train over (default: the default
+                group); implies ``distributed``.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
             ValueError: unknown clipping / loss_reduction, a refused layer, an
                 iterable dataset, a DiSK-type method, hyperparameters given
                 with a torch optimizer, an optimizer over other parameters
-                than the model's trainable ones.
+                than the model's trainable ones; a ``DistributedDataParallel``
+                module; ``distributed`` without an initialised process group,
+                with ``poisson_sampling=False``, or with settings that differ
+                between ranks (every rank raises).
         """
         if clipping not in CLIPPING:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
@@ -284,51 +371,67 @@ class PrivacyEngine:
                           "generator's seed (research reruns only; `dpopt check` fails this ledger)",
                           UserWarning, stacklevel=2)
             noise = NoiseSource("reproducible", generator=noise_generator)
+        ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
         capture = HookCapture(module, loss_reduction=loss_reduction)
         try:  # the hooks record private tensors: never leave them attached after a refusal
+            error: Optional[Exception] = None
+            try:
+                dataset = data_loader.dataset
+                if not hasattr(dataset, "__len__"):
+                    raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset "
+                                     "size)")
+                n = len(dataset)
+                steps_per_epoch = len(data_loader)
+                sample_rate = 1.0 / steps_per_epoch
+                expected_batch_size = sample_rate * n  # the GLOBAL expected batch size (all ranks together)
+                if poisson_sampling:
+                    loader = DPDataLoader.from_data_loader(data_loader, noise=noise, ctx=ctx)
+                else:
+                    warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), "
+                                  "not Poisson samples; the accountants' ε assumes Poisson sampling and does not "
+                                  "hold for this run (recorded in the ledger)", UserWarning, stacklevel=2)
+                    self.ledger.sampling = "shuffled (not poisson)"
+                    loader = data_loader
 
-            dataset = data_loader.dataset
-            if not hasattr(dataset, "__len__"):
-                raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
-            n = len(dataset)
-            steps_per_epoch = len(data_loader)
-            sample_rate = 1.0 / steps_per_epoch
-            expected_batch_size = sample_rate * n
-            if poisson_sampling:
-                loader = DPDataLoader.from_data_loader(data_loader, noise=noise)
-            else:
-                warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not "
-                              "Poisson samples; the accountants' ε assumes Poisson sampling and does not hold for "
-                              "this run (recorded in the ledger)", UserWarning, stacklevel=2)
-                self.ledger.sampling = "shuffled (not poisson)"
-                loader = data_loader
+                if isinstance(optimizer, torch.optim.Optimizer):
+                    params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
+                    method, overrides = "dp-sgd", {}
+                elif isinstance(optimizer, str):
+                    params = [p for p in module.parameters() if p.requires_grad]
+                    method, overrides = optimizer, dict(hparams)
+                    get_method(method)  # unknown names: ConfigError listing the methods
+                else:
+                    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
+                                    f"{type(optimizer).__name__}")
+                model_params = {id(p) for p in capture.params}
+                if {id(p) for p in params} != model_params:
+                    raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the "
+                                     "others with requires_grad_(False)); per-sample gradients are clipped over all "
+                                     "of them")
 
-            if isinstance(optimizer, torch.optim.Optimizer):
-                params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
-                method, overrides = "dp-sgd", {}
-            elif isinstance(optimizer, str):
-                params = [p for p in module.parameters() if p.requires_grad]
-                method, overrides = optimizer, dict(hparams)
-                get_method(method)  # unknown names: ConfigError listing the methods
-            else:
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
-                                f"{type(optimizer).__name__}")
-            model_params = {id(p) for p in capture.params}
-            if {id(p) for p in params} != model_params:
-                raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
-                                 "with requires_grad_(False)); per-sample gradients are clipped over all of them")
-
-            privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
-                                             expected_batch_size, target_unclipped_quantile, clipbound_learning_rate,
-                                             unclipped_num_std, count_share)
-            flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
-            dp = make_optimizer(method, params, expected_batch_size=expected_batch_size, sample_rate=sample_rate,
-                                ledger=self.ledger, noise=noise, max_grad_norm=float(flat_c), model=module, **privacy,
-                                **overrides)
-            if _declares_points(dp.transform):
-                raise ValueError(f"{method} evaluates gradients at points other than the current parameters (DiSK), "
-                                 "which needs the loss: PrivacyEngine never sees it. Train it with dpopt's own loop "
-                                 "(dpopt.train, or iter_per_sample_sources(..., points=opt.evaluation_points()))")
+                privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
+                                                 expected_batch_size, target_unclipped_quantile,
+                                                 clipbound_learning_rate, unclipped_num_std, count_share)
+                flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
+                dp = make_optimizer(method, params, expected_batch_size=expected_batch_size,
+                                    sample_rate=sample_rate, ledger=self.ledger, noise=noise,
+                                    max_grad_norm=float(flat_c), model=module, **privacy, **overrides)
+                if _declares_points(dp.transform):
+                    raise ValueError(f"{method} evaluates gradients at points other than the current parameters "
+                                     "(DiSK), which needs the loss: PrivacyEngine never sees it. Train it with "
+                                     "dpopt's own loop (dpopt.train, or iter_per_sample_sources(..., "
+                                     "points=opt.evaluation_points()))")
+            except Exception as exc:
+                if not ctx.enabled:
+                    raise
+                error = exc  # raised below, after every rank knows (no rank waits in a collective forever)
+            if ctx.enabled:
+                _join_ranks(ctx, error, lambda: [sample_rate, n, steps_per_epoch, noise_multiplier, max_grad_norm,
+                                                 [p.numel() for p in params], method, clipping, loss_reduction,
+                                                 noise.mode])
+                # every replica starts from rank 0's model; the Privatizer releases the noisy sum over ranks
+                broadcast_parameters(list(module.parameters()) + list(module.buffers()), ctx)
+                attach(dp.privatizer, ctx)
             original = optimizer if isinstance(optimizer, torch.optim.Optimizer) else dp
             self._captures.append(capture)
             self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,

@@ -173,6 +173,14 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     is restored, so the resumed run ends with the parameters an uninterrupted
     run would have.
 
+    Data parallel (under ``torchrun``, or with a process group initialised):
+    every rank reads the checkpoint and the journal (on several nodes the run
+    directory must be on storage they share) and restores the same state; rank
+    0's secret generator is re-seeded from OS entropy like every other rank's,
+    and only rank 0 writes. The number of processes may differ from the
+    interrupted run's (each rank samples its shard at q: the union is Poisson
+    sampling at q whatever the number of shards).
+
     If the journal holds releases made after the checkpoint (a run killed
     without a clean stop), they stay in the ledger — they were released and
     may have reached a file — and are reported as ``lost_steps``: the steps
@@ -192,9 +200,6 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         ValueError: a checkpoint that does not fit the run it describes.
     """
     start = time.perf_counter()
-    if setup().enabled:
-        raise ValueError("resume is not supported for data-parallel runs yet: resume with one process, or start "
-                         "a new run")
     run_dir = Path(run_dir)
     ckpt = load_checkpoint(run_dir)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -202,11 +207,12 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     cfg.out, cfg.overwrite = str(run_dir), False
     if device is not None:
         cfg.device = device
+    dist = setup(resolve_device(cfg.device))  # torchrun / an initialised process group, else one process
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
     with warnings.catch_warnings():
         if cfg.reproducible_noise:  # warned when the run was started; the ledger records it
             warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
-        run = build_run(cfg, data)
+        run = build_run(cfg, data, dist=dist)
     journal = run_dir / JOURNAL_NAME
     if not journal.exists():
         raise FileNotFoundError(f"no ledger journal at {journal}: cannot resume without the record of the "
@@ -228,8 +234,12 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
-    sampler = PoissonSampler(run.data.n_train, run.sample_rate, run.steps, noise=run.noise)
-    sampler.load_state_dict(ckpt["sampler"])
+    if dist.enabled:
+        sampler: PoissonSampler = ShardedPoissonSampler(run.data.n_train, run.sample_rate, run.steps, dist,
+                                                        noise=run.noise)
+    else:
+        sampler = PoissonSampler(run.data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])
     extra = {"resumed_from_step": state.step}
@@ -237,4 +247,6 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         warnings.warn(f"{len(lost)} releases after the last checkpoint (step {state.step}) stay charged in the "
                       "ledger; those steps are trained again", UserWarning, stacklevel=2)
         extra["lost_steps"] = len(lost)
+    if dist.enabled:  # every rank has read the checkpoint and journal before rank 0 rewrites them
+        any_rank(False, dist)
     return _run(run, run_dir, sampler, state, start, on_step, extra=extra)
