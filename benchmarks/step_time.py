@@ -29,6 +29,14 @@ Usage::
     python benchmarks/step_time.py              # table
     python benchmarks/step_time.py --json       # table, then one JSON line (last line)
     python benchmarks/step_time.py --all-methods --models mlp   # every registered method / non-private
+    python benchmarks/step_time.py --device cuda --models cnn5,wrn16-4 --no-opacus   # on a GPU
+
+``--device cpu|cuda|auto`` (default ``cpu``; ``auto`` = ``cuda`` when available): models and
+batches live on that device, and on CUDA every timed step is bracketed by
+``torch.cuda.synchronize()`` (kernels run asynchronously, so an unsynchronised wall clock
+measures the launches, not the work); the memory children then report
+``torch.cuda.max_memory_allocated`` (``cuda_peak_kib``) and the 4096/256 ratio uses it.
+``benchmarks/gpu_check.py`` runs the GPU checks with these functions.
 
 Inputs are synthetic tensors of the datasets' shapes (step time does not
 depend on pixel values); labels are uniform over 10 classes.
@@ -61,7 +69,8 @@ from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.methods import get_method, list_methods, make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 
-SHAPES = {"mlp": ((1, 28, 28), 256, 60_000, "mnist"), "cnn5": ((3, 32, 32), 512, 50_000, "cifar10")}
+SHAPES = {"mlp": ((1, 28, 28), 256, 60_000, "mnist"), "cnn5": ((3, 32, 32), 512, 50_000, "cifar10"),
+          "wrn16-4": ((3, 32, 32), 256, 50_000, "cifar10")}
 EPOCHS_MNIST = 5
 
 
@@ -69,16 +78,35 @@ def loss_fn(out, target):
     return nn.functional.cross_entropy(out, target)
 
 
-def batch(model_name: str, b: int, seed: int = 0):
+def batch(model_name: str, b: int, seed: int = 0, device="cpu"):
+    """Synthetic inputs and labels, drawn on the CPU (the same values on every device), then moved."""
     shape, _, _, _ = SHAPES[model_name]
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, *shape, generator=g), torch.randint(0, 10, (b,), generator=g)
+    x, y = torch.randn(b, *shape, generator=g), torch.randint(0, 10, (b,), generator=g)
+    return (x, y) if torch.device(device).type == "cpu" else (x.to(device), y.to(device))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``auto`` (``cuda`` if available, else ``cpu``); ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def synchronizer(device) -> Optional[Callable[[], None]]:
+    """``torch.cuda.synchronize`` for a CUDA device (kernels are asynchronous), None on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
 
 
 # --------------------------------------------------------------------------- step factories
 def non_private_step(model_name: str, x, y) -> Callable[[], None]:
     torch.manual_seed(0)
-    model = build_model(model_name)
+    model = build_model(model_name).to(x.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
@@ -92,7 +120,7 @@ def dpopt_step(model_name: str, method: str, x, y, physical: Optional[int] = Non
                engine: str = "fast") -> Callable[[], None]:
     _, b, n, dataset = SHAPES[model_name]
     torch.manual_seed(0)
-    model = build_model(model_name)
+    model = build_model(model_name).to(x.device)
     opt = make_optimizer(method, [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
                          expected_batch_size=float(x.shape[0]), sample_rate=x.shape[0] / n, dataset=dataset,
                          generator=torch.Generator().manual_seed(0))
@@ -115,7 +143,7 @@ def opacus_step(model_name: str, x, y, mode: str = "hooks") -> Optional[Callable
         return None
     warnings.filterwarnings("ignore", module="opacus")
     torch.manual_seed(0)
-    model = build_model(model_name)
+    model = build_model(model_name).to(x.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
     engine = PrivacyEngine(accountant="rdp")
@@ -140,9 +168,9 @@ def vmap_dpsgd_step(model_name: str, x, y) -> Callable[[], None]:
     from torch.func import functional_call, grad, vmap
 
     torch.manual_seed(0)
-    model = build_model(model_name)
+    model = build_model(model_name).to(x.device)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=x.device).manual_seed(0)
     b = x.shape[0]
 
     def one(p, xi, yi):
@@ -156,7 +184,7 @@ def vmap_dpsgd_step(model_name: str, x, y) -> Callable[[], None]:
         w = (1.0 / norms.clamp_min(1e-12)).clamp(max=1.0)
         for k, t in g.items():
             s = torch.einsum("b,b...->...", w, t)
-            s.add_(torch.randn(s.shape, generator=gen))
+            s.add_(torch.randn(s.shape, generator=gen, device=s.device))
             params[k].sub_(s, alpha=0.1 / b)
     return step
 
@@ -181,12 +209,16 @@ class NSTimer:
 
 # --------------------------------------------------------------------------- timing
 def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int,
-                     probes: Optional[dict[str, Callable[[], float]]] = None) -> dict[str, dict]:
+                     probes: Optional[dict[str, Callable[[], float]]] = None,
+                     sync: Optional[Callable[[], None]] = None) -> dict[str, dict]:
     """Median / p10 seconds per step of each configuration, timed round-robin.
 
     ``probes[name]()`` (optional) returns a cumulative counter (e.g. NS seconds);
-    its per-step increments are recorded alongside.
+    its per-step increments are recorded alongside. ``sync`` (e.g. :func:`synchronizer`
+    on CUDA) is called before the clock starts and before it stops, so that each step's
+    asynchronous work is inside its own interval.
     """
+    sync = sync or (lambda: None)
     for name, f in steps.items():
         for _ in range(warmup):
             f()
@@ -196,8 +228,10 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
         for name, f in steps.items():
             for _ in range(per_round):
                 before = probes[name]() if probes and name in probes else 0.0
+                sync()
                 t = time.perf_counter()
                 f()
+                sync()
                 times[name].append(time.perf_counter() - t)
                 if probes and name in probes:
                     extra[name].append(probes[name]() - before)
@@ -212,21 +246,26 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
 
 
 # --------------------------------------------------------------------------- memory (subprocess)
-def memory_child(spec: str, threads: int) -> None:
-    """Child process: ``model:config:B:P`` → run 2 steps, print {"maxrss_kib": ...}."""
+def memory_child(spec: str, threads: int, device="cpu") -> None:
+    """Child process: ``model:config:B:P`` → run 2 steps, print {"maxrss_kib": ...}
+    (and ``"cuda_peak_kib"``, ``torch.cuda.max_memory_allocated``, on a CUDA device)."""
     torch.set_num_threads(threads)
     model_name, config, b, p = spec.split(":")
     b, p = int(b), (int(p) if p != "none" else None)
-    x, y = batch(model_name, b)
+    x, y = batch(model_name, b, device=device)
     if config == "baseline":
-        build_model(model_name)
+        build_model(model_name).to(device)
     elif config == "non-private":
         f = non_private_step(model_name, x, y)
         f(), f()
     else:
         f = dpopt_step(model_name, config, x, y, physical=p)
         f(), f()
-    print(json.dumps({"maxrss_kib": peak_rss_kib()}))
+    out = {"maxrss_kib": peak_rss_kib()}
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        out["cuda_peak_kib"] = torch.cuda.max_memory_allocated(device) // 1024
+    print(json.dumps(out))
 
 
 def peak_rss_kib() -> int:
@@ -248,10 +287,15 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def run_memory(spec: str, threads: int) -> float:
+def run_memory(spec: str, threads: int, device="cpu") -> float:
+    """Peak memory (MiB) of a fresh child running ``spec``: resident (VmHWM) on the CPU,
+    ``torch.cuda.max_memory_allocated`` on a CUDA device."""
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", spec, "--threads", str(threads)]
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        cmd += ["--device", str(device)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    return json.loads(out)["maxrss_kib"] / 1024.0  # MiB
+    return json.loads(out)["cuda_peak_kib" if cuda else "maxrss_kib"] / 1024.0  # MiB
 
 
 # --------------------------------------------------------------------------- main
@@ -269,11 +313,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-vmap", action="store_true", help="skip the plain torch.func vmap DP-SGD baseline")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the torch.func reference engine")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (cuda if available)")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     if args.memory_child:
-        memory_child(args.memory_child, args.threads)
+        memory_child(args.memory_child, args.threads, device)
         return {}
 
     result: dict[str, dict] = {}
@@ -286,7 +332,7 @@ def main(argv=None) -> dict:
         notes.append("dp-muon is not registered in dpopt.methods: skipped")
     for model_name in [m for m in args.models.split(",") if m]:
         _, b, n, _ = SHAPES[model_name]
-        x, y = batch(model_name, b)
+        x, y = batch(model_name, b, device=device)
         steps: dict[str, Callable[[], None]] = {"non-private": non_private_step(model_name, x, y),
                                                "dp-sgd": dpopt_step(model_name, "dp-sgd", x, y),
                                                "dp-macadam": dpopt_step(model_name, "dp-macadam", x, y)}
@@ -315,12 +361,13 @@ def main(argv=None) -> dict:
             steps["torch.func vmap dp-sgd"] = vmap_dpsgd_step(model_name, x, y)
         if args.reference:
             steps["dp-sgd (reference engine)"] = dpopt_step(model_name, "dp-sgd", x, y, engine="reference")
-        res = time_round_robin(steps, args.rounds, args.per_round, args.warmup, probes)
+        res = time_round_robin(steps, args.rounds, args.per_round, args.warmup, probes, synchronizer(device))
         if ns is not None:
             ns.restore()
         base = res["non-private"]["median"]
         load = os.getloadavg()[0]
-        print(f"\n{model_name}: B = {b}, {args.threads} threads, {res['non-private']['n']} timed steps each "
+        on = f", device {device}" if device.type != "cpu" else ""
+        print(f"\n{model_name}: B = {b}, {args.threads} threads{on}, {res['non-private']['n']} timed steps each "
               f"(round-robin); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; 1-min load average "
               f"{load:.1f} on {os.cpu_count()} CPUs")
         print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s}")
@@ -333,6 +380,8 @@ def main(argv=None) -> dict:
              "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
              "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
              "threads": args.threads, "loadavg_1min": round(load, 2)}
+        if device.type != "cpu":
+            r["device"] = str(device)
         opacus = {k: v["median"] for k, v in res.items() if k.startswith("opacus ")}
         if opacus:
             best = min(opacus, key=opacus.get)
@@ -356,12 +405,13 @@ def main(argv=None) -> dict:
             r["per_method_over_non_private"] = {k: v["median"] / base for k, v in res.items()
                                                 if k != "non-private"}
         if model_name == "cnn5" and not args.no_memory:
-            mem = {spec: run_memory(spec, args.threads) for spec in
+            mem = {spec: run_memory(spec, args.threads, device) for spec in
                    ("cnn5:baseline:256:none", "cnn5:dp-sgd:256:none", "cnn5:dp-sgd:4096:256",
                     "cnn5:non-private:256:none")}
             r["peak_mem_4096_over_256"] = mem["cnn5:dp-sgd:4096:256"] / mem["cnn5:dp-sgd:256:none"]
             r["peak_mem_mib"] = {k: round(v, 1) for k, v in mem.items()}
-            print("peak resident memory (VmHWM, MiB): " +
+            print(("peak CUDA memory (max_memory_allocated, MiB): " if device.type == "cuda" else
+                   "peak resident memory (VmHWM, MiB): ") +
                   ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
             print(f"logical 4096 / physical 256 over B = 256: {r['peak_mem_4096_over_256']:.3f}")
         result[model_name] = r

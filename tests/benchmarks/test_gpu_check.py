@@ -1,0 +1,135 @@
+"""benchmarks/gpu_check.py: the CPU fallback runs (GPU parts skipped) and its equality check can fail.
+
+The script is loaded from its file by ``importlib`` (benchmarks/ is not a package; no ``sys.path``
+change) and run in-process on the CPU at its tiny fallback size (a few seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpopt.engine.fast import FastPerSampleGrads
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    name = "dpopt_benchmarks_gpu_check"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "gpu_check.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_cpu(gpu_check, capsys) -> tuple[int, dict, str]:
+    rc = gpu_check.main(["--device", "cpu", "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out.strip().splitlines()[-1]), out
+
+
+def test_cpu_fallback_passes_and_skips_the_gpu_parts(gpu_check, capsys):
+    rng = torch.get_rng_state()
+    rc, report, out = run_cpu(gpu_check, capsys)
+    assert rc == 0 and report["passed"] is True
+    assert report["device"] == "cpu"
+    cases = report["equality"]["cases"]
+    assert {(c["model"], c["dtype"]) for c in cases} >= {("mlp", "float64"), ("cnn5", "float64"), ("cnn5", "float32")}
+    for c in cases:
+        assert c["ok"] and c["enforced"] and not c["beyond"]
+        for geo, errors in c["errors"].items():
+            for kind, value in errors.items():
+                assert value <= c["tolerance"][geo][kind]
+        if c["dtype"] == "float64":
+            assert max(t for geo in c["tolerance"].values() for t in geo.values()) == 1e-9
+        else:  # under-estimated norms (the privacy-relevant direction) are held to 1e-4 in float32
+            assert c["tolerance"]["flat"]["norms_under"] == c["tolerance"]["shift-scale"]["norms_under"] == 1e-4
+    assert report["skipped"] == ["timings (cnn5, wrn16-4)", "cuda memory"]
+    assert "timings" not in report and "memory" not in report
+    assert out.count("SKIPPED") == 2
+    assert torch.equal(torch.get_rng_state(), rng)  # the check leaves the caller's RNG alone
+
+
+@pytest.mark.parametrize("method", ["sq_norms", "weighted_sum"])
+def test_equality_check_fails_when_the_fast_engine_is_perturbed(gpu_check, capsys, monkeypatch, method):
+    """A relative 1e-6 error in the fast engine's norms (or clipped sums alone) must fail the float64 cases."""
+    original = getattr(FastPerSampleGrads, method)
+
+    def perturbed(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out * (1 + 1e-6) if method == "sq_norms" else [t * (1 + 1e-6) for t in out]
+
+    monkeypatch.setattr(FastPerSampleGrads, method, perturbed)
+    rc, report, out = run_cpu(gpu_check, capsys)
+    assert rc == 1 and report["passed"] is False and "FAILED" in out
+    by_case = {(c["model"], c["dtype"]): c for c in report["equality"]["cases"]}
+    for key in (("mlp", "float64"), ("cnn5", "float64")):
+        case = by_case[key]
+        assert not case["ok"]
+        kind = "norms_over" if method == "sq_norms" else "clipped_sums"
+        assert case["errors"]["flat"][kind] == pytest.approx(1e-6, rel=1e-3)
+    assert by_case[("cnn5", "float32")]["ok"]  # 1e-6 is inside float32's stated tolerances
+
+
+def test_an_underestimated_float32_norm_fails(gpu_check, monkeypatch):
+    """Float32 norms read 1e-3 too small (the direction that lets a clipped example exceed C) fail,
+    although a 1e-3 over-estimate (a conservative bound) would be allowed in the shift/scale geometry."""
+    original = FastPerSampleGrads.sq_norms
+    monkeypatch.setattr(FastPerSampleGrads, "sq_norms", lambda self, *a, **k: original(self, *a, **k) * (1 - 1e-3))
+    result = gpu_check.run_equality(torch.device("cpu"), [("cnn5", "float32", 3, True)])
+    assert result["passed"] is False
+    (case,) = result["cases"]
+    assert not case["ok"]
+    assert any(b.startswith("shift-scale norms_under") for b in case["beyond"])
+
+
+def test_step_time_sync_brackets_every_timed_step():
+    """step_time.time_round_robin calls ``sync`` before starting and before stopping each step's clock."""
+    name = "dpopt_benchmarks_step_time"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "step_time.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    st = sys.modules[name]
+    calls = []
+    res = st.time_round_robin({"a": lambda: calls.append("step")}, rounds=2, per_round=1, warmup=1,
+                              sync=lambda: calls.append("sync"))
+    assert calls == ["step"] + ["sync", "step", "sync"] * 2
+    assert res["a"]["n"] == 2
+    assert st.synchronizer("cpu") is None
+    assert st.resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert st.resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(SystemExit):
+            st.resolve_device("cuda")
+
+
+def test_gpu_parts_bookkeeping_runs_on_the_cpu_with_stubbed_cuda_calls(gpu_check, monkeypatch, capsys):
+    """Parts 2 and 3 only run on a GPU; this runs their code at a tiny size on the CPU (CUDA memory
+    statistics stubbed) so that a slip in them is caught before a GPU session is spent on it."""
+    timings = gpu_check.run_timings(torch.device("cpu"), models=("mlp",), rounds=1, per_round=1, warmup=1,
+                                    batch_sizes={"mlp": 8})
+    assert set(timings) == {"mlp"} and timings["mlp"]["batch"] == 8
+    assert set(timings["mlp"]["ms"]) == {"non-private", "dp-sgd", "dp-macadam"}
+    assert timings["mlp"]["dp-sgd/non-private"] > 0 and timings["mlp"]["dp-macadam/dp-sgd"] > 0
+
+    allocated = iter(range(1, 1000))
+    for name, fake in {"synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None,
+                       "empty_cache": lambda: None, "memory_allocated": lambda *a: 2**20,
+                       "max_memory_allocated": lambda *a: 2**20 * (1 + next(allocated))}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(gpu_check, "MEMORY", {"model": "mlp", "logical": 8, "physical": 4})
+    memory = gpu_check.run_memory(torch.device("cpu"))
+    assert set(memory["mib"]) == {"dp-sgd 8 in chunks of 4", "dp-sgd 4", "non-private 4"}
+    assert memory["peak_4096_over_256"] == pytest.approx(2 / 3)  # stub peaks: 2, 3, 4 MiB in that order
+    assert memory["step_4096_over_256"] == pytest.approx(1 / 2)
+    assert "peak" in capsys.readouterr().out
