@@ -97,6 +97,27 @@ def test_reduced_matmul_precision_falls_back_to_float64():
     assert torch.allclose(got.double(), _truth(e, a, m, b), rtol=1e-6)
 
 
+def test_new_precision_api_does_not_crash_and_cuda_tf32_is_not_trusted():
+    """torch.get_float32_matmul_precision() raises once the per-backend API set TF32 (the usual GPU
+    way); the norm must not crash, and CUDA products under TF32 must not be trusted as float32."""
+    from dpopt.engine.shifted_norm import _ieee_float32_products
+
+    e, a, m, b = _inputs(6, 4, 20, 10, 0, 0.0, 1.0)
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        got, _ = shifted_sq_norms(e, a, m, b)  # CPU: trusted only if mkldnn says "ieee"
+        cuda_trusted = _ieee_float32_products(torch.device("cuda"))  # reads flags only; no GPU needed
+        cpu_trusted = _ieee_float32_products(torch.device("cpu"))
+    finally:
+        matmul.fp32_precision = old
+    assert not cuda_trusted
+    assert cpu_trusted == (torch.backends.mkldnn.matmul.fp32_precision == "ieee")
+    ratio = got.double() / _truth(e, a, m, b)
+    assert float(ratio.min()) >= 1 - 1e-12 and float(ratio.max()) <= 1 + 2 * RECHECK_RTOL
+
+
 def test_float64_inputs_are_exact_and_bad_rtol_raises():
     e, a, m, b = (t.double() for t in _inputs(5, 4, 12, 8, 1, 0.0, 1.0))
     got, rechecked = shifted_sq_norms(e, a, m, b)

@@ -103,8 +103,21 @@ def _exact(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor]) -> Tensor:
     return (quad - 2.0 * lin + const).clamp_min_(0.0)
 
 
-def _ieee_float32_products() -> bool:
-    return torch.get_float32_matmul_precision() == "highest"
+def _ieee_float32_products(device: torch.device) -> bool:
+    """True only when float32 matrix products on ``device`` are known to be IEEE float32.
+
+    Reads the per-backend setting (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``:
+    "tf32"/"bf16" are reduced) and the legacy global one (``"highest"``); when
+    torch cannot say (it raises after a mix of the two APIs) the answer is no.
+    """
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    value = getattr(backend, "fp32_precision", None)
+    if value not in (None, "none", "ieee"):
+        return False
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # legacy and new precision APIs both used
+        return value == "ieee"
 
 
 def shifted_sq_norms(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor],
@@ -127,7 +140,7 @@ def shifted_sq_norms(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor],
     if not rtol > 0:
         raise ValueError(f"rtol must be > 0, got {rtol}")
     dtype = e.dtype
-    if dtype != torch.float32 or not _ieee_float32_products() or e.shape[0] == 0:
+    if dtype != torch.float32 or not _ieee_float32_products(e.device) or e.shape[0] == 0:
         return _exact(e, a, m, b).to(dtype), int(e.shape[0]) if dtype == torch.float32 else 0
     quad, lin, const = shift_terms(e, a, m, b)
     est = quad.double() - 2.0 * lin.double() + const
