@@ -194,7 +194,10 @@ class NoiseSource:
             self._generators[str(generator.device)] = generator
 
     def _generator(self, device: Union[str, torch.device]) -> torch.Generator:
-        key = str(torch.device(device))
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one generator
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = str(dev)
         gen = self._generators.get(key)
         if gen is None:
             if self.mode != "reproducible" and torch.device(key).type == "cpu":

@@ -281,6 +281,11 @@ _CONV_CHOICE: dict = {}  # ConvPart.signature -> fastest per-sample kernel measu
 CONV_METHODS = ("im2col", "grouped")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def conv_method(part: "ConvPart", rows: int) -> str:
     """The faster per-sample kernel for this conv layer and chunk size, timed once per process.
 
@@ -297,8 +302,10 @@ def conv_method(part: "ConvPart", rows: int) -> str:
         for method in CONV_METHODS:
             runs = []
             for _ in range(2):
+                _sync(part.x.device)
                 t0 = time.perf_counter()
                 part.per_sample(0, n, method)
+                _sync(part.x.device)  # CUDA kernels run asynchronously: time their completion
                 runs.append(time.perf_counter() - t0)
             best[method] = min(runs)
         choice = _CONV_CHOICE[key] = min(best, key=best.get)
