@@ -190,6 +190,8 @@ class NoiseSource:
         self.mode = mode
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_threads = 0
         if generator is not None:
             self._generators[str(generator.device)] = generator
 
@@ -240,14 +242,30 @@ class NoiseSource:
             sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
             out[i * NORMAL_CHUNK:min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
 
-        workers = min(k, torch.get_num_threads())
-        if workers <= 1:
+        pool = self._thread_pool()
+        if pool is None or k == 1:
             for i in range(k):
                 fill(i)
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(fill, range(k)))
+            list(pool.map(fill, range(k)))
         return out.view(shape)
+
+    def _thread_pool(self) -> Optional[ThreadPoolExecutor]:
+        """Worker threads for chunked draws (None with one torch thread); kept between draws."""
+        threads = torch.get_num_threads()
+        if threads <= 1:
+            return None
+        if self._pool is None or self._pool_threads != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dpopt-noise")
+            self._pool_threads = threads
+        return self._pool
+
+    def __getstate__(self) -> dict:  # copies and pickles carry no threads
+        state = dict(self.__dict__)
+        state["_pool"], state["_pool_threads"] = None, 0
+        return state
 
     def uniform(self, n: int, device: Union[str, torch.device] = "cpu") -> Tensor:
         """``n`` float64 uniforms (53 random bits; compare with q in float64 so small q are exact)."""
