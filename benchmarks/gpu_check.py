@@ -108,11 +108,8 @@ def step_time_module():
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but torch sees no CUDA device")
-    return torch.device(name)
+    """``cpu``, ``cuda`` or ``auto``: as ``step_time.py --device``."""
+    return step_time_module().resolve_device(name)
 
 
 def supports_float64(device: torch.device) -> bool:
