@@ -179,3 +179,25 @@ def test_piped_output_is_plain_and_not_wrapped(tmp_path):
     assert f"run directory: {out}" in res.stdout
     epoch_lines = [line for line in res.stderr.splitlines() if line.startswith("step ")]
     assert len(epoch_lines) == 2 and "ε" in epoch_lines[0]
+
+
+def test_resume_refuses_flags_typed_at_their_default_value(tmp_path):
+    """--epochs 10 is the default: a value comparison let `--resume DIR --epochs 10` through silently."""
+    cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(tmp_path / "r"),
+                      checkpoint_every=2)
+    train(cfg)
+    for extra in (["--epochs", "10"], ["--seed", "0"], ["--method", "dp-macadam"], ["--epochs", "3"]):
+        res = CliRunner().invoke(app, ["train", "--resume", str(tmp_path / "r"), *extra])
+        assert res.exit_code != 0 and "do not give " + extra[0] in res.output, (extra, res.output)
+
+
+def test_resuming_a_completed_run_leaves_its_files_alone(tmp_path):
+    out = tmp_path / "done"
+    train(TrainConfig(dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out),
+                       checkpoint_every=2))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.warns(UserWarning, match="already complete"):
+        summary = resume(out)
+    assert summary == json.loads(before["summary.json"])
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before

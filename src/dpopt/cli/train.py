@@ -68,8 +68,22 @@ def _parse_hp(items: Optional[list[str]]) -> dict:
     return out
 
 
+def _typed_flags(ctx: typer.Context, allowed: set) -> set:
+    """The flags the user typed (or set through the environment), other than ``allowed`` parameters.
+
+    Compares the parameter source, not the value: ``--epochs 10`` is refused with --resume even
+    though 10 is the default (a value check let it through silently).
+    """
+    def typed(name: str) -> bool:
+        source = ctx.get_parameter_source(name)  # click's ParameterSource (typer vendors click)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    return {param.opts[0] for param in ctx.command.params if param.name not in allowed and typed(param.name)}
+
+
 @group.command("train")
 def train_command(
+    ctx: typer.Context,
     dataset: str = typer.Option("digits", help=DATASET_HELP),
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
     model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10)"),
@@ -148,23 +162,7 @@ def train_command(
     from ..training import TrainConfig, train
 
     if resume is not None:
-        given = {name for name, value, default in [
-            ("--dataset", dataset, "digits"), ("--data-dir", data_dir, None), ("--model", model, None),
-            ("--method", method, "dp-macadam"), ("--noise-multiplier", noise_multiplier, None),
-            ("--delta", delta, 1e-5), ("--max-grad-norm", max_grad_norm, None), ("--batch-size", batch_size, 64.0),
-            ("--sample-rate", sample_rate, None), ("--epochs", epochs, 10.0), ("--lr", lr, None), ("--seed", seed, 0),
-            ("--reproducible-noise", reproducible_noise, False), ("--secure-mode", secure_mode, False),
-            ("--show-train-loss", show_train_loss, False), ("--accountant", accountant, "pld"),
-            ("--physical-batch-size", physical_batch_size, None), ("--out", out, None),
-            ("--overwrite", overwrite, False), ("--h1", h1, None), ("--h2", h2, None),
-            ("--variance-update", variance_update, None), ("--target-epsilon", target_epsilon, None),
-            ("--clipping", clipping, "flat"), ("--layer-bounds", layer_bounds, None),
-            ("--target-quantile", target_quantile, 0.5), ("--quantile-lr", quantile_lr, 0.2),
-            ("--count-share", count_share, None), ("--count-noise-multiplier", count_noise_multiplier, None),
-            ("--hp", hp or None, None), ("--max-epsilon", max_epsilon, None),
-            ("--checkpoint-every", checkpoint_every, None), ("--log-every", log_every, None),
-            ("--tensorboard", tensorboard, None), ("--validation-fraction", validation_fraction, 0.0)]
-            if value != default}
+        given = _typed_flags(ctx, allowed={"resume", "device", "threads", "json_out"})
         if given:
             fail(f"--resume continues with the run's saved configuration; do not give {', '.join(sorted(given))}")
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items()

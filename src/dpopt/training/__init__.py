@@ -45,6 +45,8 @@ writes files, evaluates and calls ``on_step``; other ranks return
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import time
 import warnings
@@ -160,6 +162,16 @@ def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: Loop
                          extra=extra)
 
 
+def _completed_summary(run_dir: Path) -> Optional[dict]:
+    """The run's summary if it says the run completed, else None."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status", "completed") == "completed" else None  # absent: completed
+
+
 def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
            on_step: Optional[Callable[[dict], None]] = None, *, device: Optional[str] = None) -> dict:
     """Continue an interrupted (or budget-stopped) run from its checkpoint to its planned steps.
@@ -242,6 +254,11 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])
+    done = _completed_summary(run_dir) if state.step >= run.steps else None
+    if done is not None:  # nothing left to train: leave every file as it is
+        warnings.warn(f"{run_dir} is already complete ({state.step} of {run.steps} steps); nothing to resume",
+                      UserWarning, stacklevel=2)
+        return done
     extra = {"resumed_from_step": state.step}
     if lost:
         warnings.warn(f"{len(lost)} releases after the last checkpoint (step {state.step}) stay charged in the "
