@@ -52,6 +52,17 @@ def test_grid_points_and_labels(tmp_path):
     assert load_sweep(_write(tmp_path), out=tmp_path / "out").points == sweep.points  # stable identities
 
 
+def test_data_dir_override_keeps_run_identities(tmp_path):
+    """--data-dir replaces where the data is read from, not what a run is: finished runs stay recognised."""
+    cfg = tmp_path / "dd.toml"
+    cfg.write_text(CONFIG.format(epochs=1.0).replace('dataset = "digits"', 'dataset = "digits"\ndata_dir = "../shared/data"'))
+    plain = load_sweep(cfg, out=tmp_path / "out")
+    moved = load_sweep(cfg, out=tmp_path / "out", data_dir=str(tmp_path))
+    assert [p.run_id for p in moved.points] == [p.run_id for p in plain.points]
+    assert {p.options["data_dir"] for p in plain.points} == {"../shared/data"}
+    assert {p.options["data_dir"] for p in moved.points} == {str(tmp_path)}
+
+
 def test_unknown_option_refused():
     with pytest.raises(ConfigError, match="noise_multipler"):
         parse_sweep({"grid": {"noise_multipler": [1.0]}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -26,6 +27,8 @@ def sweep_command(
     results: Optional[str] = typer.Option(None, help="results JSONL (default: OUT/results.jsonl from the config)"),
     out: Optional[str] = typer.Option(None, help="sweep directory (default: [sweep] out, else runs/sweeps/NAME)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads per run (default: [sweep] threads)"),
+    data_dir: Optional[str] = typer.Option(None, help="read the datasets from this directory instead of the "
+                                           "config's data_dir (finished runs are still recognised)"),
     dry_run: bool = typer.Option(False, help="list the runs and which are finished; train nothing"),
 ) -> None:
     """Run a grid of `dpopt train` runs; each finished run is appended to the results JSONL.
@@ -50,7 +53,9 @@ def sweep_command(
         console = Console(stderr=True, width=10_000, soft_wrap=True)
     with cli_errors(train_flags(), interrupted="sweep interrupted",
                     after_interrupt="; finished runs are in the results file, run the command again to resume"):
-        sweep = load_sweep(config, out=out, results=results)
+        if data_dir is not None and not Path(data_dir).is_dir():
+            fail(f"--data-dir {data_dir} is not a directory")
+        sweep = load_sweep(config, out=out, results=results, data_dir=data_dir)
         if dry_run:
             done = {r.get("run_id") for r in read_results(sweep.results)}
             for p in sweep.points:

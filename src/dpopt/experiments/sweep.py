@@ -148,8 +148,12 @@ def _run_id(options: dict) -> str:
 
 
 def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path]] = None,
-                results: Optional[Union[str, Path]] = None) -> Sweep:
+                results: Optional[Union[str, Path]] = None, data_dir: Optional[str] = None) -> Sweep:
     """Build a :class:`Sweep` from a parsed TOML document.
+
+    ``data_dir`` (if given) replaces every run's ``data_dir`` — where the files
+    are read from, not part of a run's identity: run ids stay those of the
+    config, so finished runs are still recognised.
 
     Raises:
         ConfigError: unknown tables or options, an empty axis, or no runs.
@@ -207,6 +211,8 @@ def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path
             rid = _run_id(options)
             if rid in seen:
                 continue
+            if data_dir is not None:
+                options["data_dir"] = str(data_dir)
             seen.add(rid)
             point = {k: chosen.get(k, options.get(k)) for k in varying if k != "label"}
             point["label"] = label
@@ -217,7 +223,7 @@ def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path
 
 
 def load_sweep(path: Union[str, Path], *, out: Optional[Union[str, Path]] = None,
-               results: Optional[Union[str, Path]] = None) -> Sweep:
+               results: Optional[Union[str, Path]] = None, data_dir: Optional[str] = None) -> Sweep:
     """Read a sweep config (TOML) — see the module docstring for the format.
 
     Raises:
@@ -226,7 +232,7 @@ def load_sweep(path: Union[str, Path], *, out: Optional[Union[str, Path]] = None
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no sweep config at {path}")
-    return parse_sweep(_toml_load(path), name=path.stem, out=out, results=results)
+    return parse_sweep(_toml_load(path), name=path.stem, out=out, results=results, data_dir=data_dir)
 
 
 def read_results(path: Union[str, Path]) -> list[dict]:
