@@ -70,9 +70,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
+def ddp_runs(tmp_path_factory, spawn_ranks):
     tmp = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, str(tmp)), nprocs=2, join=True)
+    spawn_ranks(_worker, tmp)
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -19,21 +19,18 @@ import datetime
 import json
 import os
 import signal
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.accounting.ledger_check import check_run
 from dpopt.training import TrainConfig, resume, train
 
 STOP_AFTER = 4
-DEADLINE_S = 240
 
 
 def _cfg(out: Path, reproducible: bool) -> TrainConfig:
@@ -73,17 +70,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, spawn_ranks):
     tmp = tmp_path_factory.mktemp("ddp-resume")
     first = _quiet(train, _cfg(tmp / "repro-from-1", True), on_step=_stop_at(STOP_AFTER))  # 1 process
     assert first["status"] == "interrupted" and first["steps"] == STOP_AFTER
-    procs = mp.spawn(_worker, args=(2, str(tmp)), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not procs.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.kill()
-            pytest.fail(f"the 2-process runs did not finish within {DEADLINE_S} s")
+    spawn_ranks(_worker, tmp)
     to_one = _quiet(resume, tmp / "repro-to-1")  # interrupted with 2 processes, resumed with 1
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], to_one
 

@@ -17,13 +17,11 @@ the deadline and every collective times out after 60 s, so a hang cannot stall C
 from __future__ import annotations
 
 import datetime
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,7 +38,6 @@ CASES = {
                      kw=dict(clipping="adaptive")),
 }
 SEED = 11  # the reproducible noise/mask stream (research mode: the test needs the same draws twice)
-DEADLINE_S = 240
 
 
 def _model() -> nn.Module:
@@ -122,15 +119,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
+def ddp_runs(tmp_path_factory, spawn_ranks):
     tmp = tmp_path_factory.mktemp("engine-ddp")
-    procs = mp.spawn(_worker, args=(2, str(tmp)), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not procs.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.kill()
-            pytest.fail(f"the 2-process run did not finish within {DEADLINE_S} s")
+    spawn_ranks(_worker, tmp)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
