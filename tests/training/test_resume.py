@@ -201,3 +201,12 @@ def test_resuming_a_completed_run_leaves_its_files_alone(tmp_path):
     assert summary == json.loads(before["summary.json"])
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert after == before
+
+
+def test_resume_hint_names_torchrun_for_multi_process_runs():
+    from dpopt.cli.train import _resume_command
+
+    assert _resume_command({"run_dir": "runs/x"}) == "dpopt train --resume runs/x"
+    assert _resume_command({"run_dir": "runs/x", "world_size": 1}) == "dpopt train --resume runs/x"
+    assert _resume_command({"run_dir": "runs/x", "world_size": 2}) == \
+        "torchrun --standalone --nproc_per_node 2 -m dpopt train --resume runs/x"

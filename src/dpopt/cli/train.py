@@ -68,6 +68,13 @@ def _parse_hp(items: Optional[list[str]]) -> dict:
     return out
 
 
+def _resume_command(summary: dict) -> str:
+    """The command that continues an interrupted run (under torchrun when it ran on several processes)."""
+    world = int(summary.get("world_size") or 1)
+    launcher = f"torchrun --standalone --nproc_per_node {world} -m dpopt" if world > 1 else "dpopt"
+    return f"{launcher} train --resume {summary['run_dir']}"
+
+
 def _typed_flags(ctx: typer.Context, allowed: set) -> set:
     """The flags the user typed (or set through the environment), other than ``allowed`` parameters.
 
@@ -273,7 +280,7 @@ def train_command(
     if status == "interrupted":
         out_console.print(f"interrupted ({summary.get('stop_signal')}) after {summary['steps']} of "
                           f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; continue with: "
-                          f"dpopt train --resume {summary['run_dir']}")
+                          f"{_resume_command(summary)}")
     elif status == "budget_exhausted":
         out_console.print(f"stopped at the ε budget: {summary['steps']} of {summary['planned_steps']} steps, "
                           f"ε = {summary['epsilon']:.4f} ≤ --max-epsilon {summary['max_epsilon']:g} (the next "
