@@ -192,6 +192,7 @@ class NoiseSource:
         self._generators: dict[str, torch.Generator] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_threads = 0
+        self._pool_pid = 0
         if generator is not None:
             self._generators[str(generator.device)] = generator
 
@@ -255,11 +256,13 @@ class NoiseSource:
         threads = torch.get_num_threads()
         if threads <= 1:
             return None
+        if self._pool is not None and self._pool_pid != os.getpid():  # a forked child: the threads stayed behind
+            self._pool = None
         if self._pool is None or self._pool_threads != threads:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dpopt-noise")
-            self._pool_threads = threads
+            self._pool_threads, self._pool_pid = threads, os.getpid()
         return self._pool
 
     def __getstate__(self) -> dict:  # copies and pickles carry no threads

@@ -230,3 +230,35 @@ def test_chunked_cpu_normals_are_independent_standard_normals():
         off = corr[~torch.eye(4, dtype=torch.bool)]
         assert float(off.abs().max()) < 5 / math.sqrt(NORMAL_CHUNK)
         assert not torch.equal(chunks[0], chunks[1])
+
+
+def test_chunked_normals_work_in_a_forked_child():
+    """A pool created before fork has no threads in the child: the child must make its own, not deadlock.
+
+    ``Process`` with the fork start method hands the child the parent's object itself (no pickling).
+    """
+    import multiprocessing as mp
+
+    from dpopt.noise import NORMAL_CHUNK
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        src = NoiseSource("reproducible", seed=2)
+        src.normal((2 * NORMAL_CHUNK,))  # the pool exists now
+        assert src._pool is not None
+        ctx = mp.get_context("fork")
+        child = ctx.Process(target=_draw_in_child, args=(src, 2 * NORMAL_CHUNK))
+        child.start()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            pytest.fail("a forked child deadlocked drawing chunked noise")
+    finally:
+        torch.set_num_threads(old)
+    assert child.exitcode == 0
+
+
+def _draw_in_child(src, n):
+    torch.set_num_threads(2)
+    assert src.normal((n,)).shape == (n,)
