@@ -341,7 +341,6 @@ class FactoredBlock:
         self._cache: Optional[list[Tensor]] = None  # per-sample grads [b, q, p] per chunk
         self._cache_bytes = 0
         self.form: Optional[str] = None  # last form used (for tests and the docs)
-        self.rechecked = 0  # rows of the last shifted closed form recomputed in float64
 
     # -- helpers -----------------------------------------------------------
     def _dtype(self) -> torch.dtype:
@@ -397,8 +396,7 @@ class FactoredBlock:
         # underestimated norm would let a clipped example exceed the bound. shifted_sq_norms
         # evaluates it in float32 with a rigorous error bound, returns an upper bound, and
         # recomputes in float64 the rows at risk.
-        out, self.rechecked = shifted_sq_norms(e, a, m, b)
-        return out
+        return shifted_sq_norms(e, a, m, b)[0]
 
     def _gram(self) -> Tensor:
         """‖g_i‖² = Σ_{t,s} (a_it·a_is)(e_it·e_is), evaluated in float64.
