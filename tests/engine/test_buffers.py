@@ -76,3 +76,41 @@ def test_loss_must_be_one_number_per_example(engine):
     assert src.batch_size == 4
     with pytest.raises(ValueError, match="one number per example"):
         list(iter_per_sample_sources(model, lambda o, t: o.sum(0), x, y, engine=engine))
+
+
+class Toggle(nn.Module):
+    """A constant buffer that the forward starts changing when ``poison`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("scale", torch.ones(3))
+        self.poison = False
+
+    def forward(self, x):
+        if self.poison:
+            self.scale += x.detach().sum()
+        return self.lin(x) * self.scale
+
+
+def test_buffer_copies_are_reused_while_unchanged_and_refreshed_after_a_public_change():
+    """The per-step snapshot copies no buffer while they stay the same object at the same version;
+    a change made between steps is copied again, and a refused forward restores THAT value."""
+    from dpopt.engine.fast import get_engine
+
+    torch.manual_seed(0)
+    model = Toggle()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    list(iter_per_sample_sources(model, _loss, x, y))
+    engine = get_engine(model, _loss)
+    first = engine._buffers["scale"]
+    list(iter_per_sample_sources(model, _loss, x, y))
+    assert engine._buffers["scale"] is first  # reused: no new copy
+    with torch.no_grad():
+        model.scale.fill_(2.0)  # a public change between steps
+    list(iter_per_sample_sources(model, _loss, x, y))
+    assert engine._buffers["scale"] is not first and torch.equal(engine._buffers["scale"][2], torch.full((3,), 2.0))
+    model.poison = True
+    with pytest.raises(ValueError, match=r"changed its buffers \['scale'\]"):
+        list(iter_per_sample_sources(model, _loss, x, y))
+    assert torch.equal(model.scale, torch.full((3,), 2.0))  # the latest public value, not the first copy

@@ -353,6 +353,7 @@ class PerSampleEngine:
         self.fallback = [i for i in range(len(self.params)) if i not in covered]
         self._clone_in: set = set()
         self._clone_out: set = set()
+        self._buffers: dict = {}  # the last buffer snapshot (inputs.snapshot_buffers), reused while unchanged
         self.verified = not verify
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -619,7 +620,7 @@ class PerSampleEngine:
                 forward pass that changes a buffer
                 (:func:`~dpopt.engine.inputs.buffers_unchanged`).
         """
-        with buffers_unchanged(self.model):
+        with buffers_unchanged(self.model, reuse=self._buffers) as self._buffers:  # copies kept between steps
             return self._compute(x, y, points, batch_dim)
 
     def _compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]],

@@ -160,7 +160,7 @@ class HookCapture:
         self._names = {id(m): n or "<root>" for n, m in model.named_modules()}
         self._rec = _Recording()
         self._recording = True
-        self._buffers: dict = {}  # the root forward's buffer snapshot (checked when the forward ends)
+        self._buffers: dict = {}  # the last root forward's buffer snapshot (checked when it ends; reused)
         self.verified = not verify
         self._handles: list = []
         self._attach()
@@ -187,15 +187,14 @@ class HookCapture:
         leaves = _leaves((args, kwargs))
         b = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else -1
         self._rec.current = _Pass(b, args, kwargs)
-        self._buffers = snapshot_buffers(module)
+        self._buffers = snapshot_buffers(module, reuse=self._buffers)
         return None
 
     def _root_post(self, module, args, kwargs, out):
         if not self._recording:
             return None
         self._rec.current = None
-        before, self._buffers = self._buffers, {}
-        check_buffers(module, before)  # restores them before raising: nothing private stays in the model
+        check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
         return None
 
     def _layer(self, module, args, kwargs, out):

@@ -8,7 +8,7 @@ convention); the targets ``y`` always have the examples along dim 0, and
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,7 @@ def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
 
 
 @contextmanager
-def buffers_unchanged(model: nn.Module) -> Iterator[None]:
+def buffers_unchanged(model: nn.Module, reuse: Optional[dict] = None) -> Iterator[dict]:
     """Refuse a forward pass that changes a buffer of ``model`` (running statistics, counters).
 
     A buffer updated while private examples pass through the model holds an
@@ -65,12 +65,15 @@ def buffers_unchanged(model: nn.Module) -> Iterator[None]:
     is restored to its value before the block (a copy is kept, so a caller
     who catches the error and saves the model publishes nothing new).
 
+    Yields the snapshot; pass it back as ``reuse`` next time so that unchanged
+    buffers are not copied again (:func:`snapshot_buffers`).
+
     Raises:
         ValueError: naming the changed buffers and the fix.
     """
-    before = snapshot_buffers(model)
+    before = snapshot_buffers(model, reuse)
     try:
-        yield
+        yield before
     except BaseException:
         if changed_buffers(model, before):  # an error inside the block: still leave nothing behind
             restore_buffers(model, before)
@@ -112,9 +115,20 @@ def example_loss(loss: Tensor) -> Tensor:
                      "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)")
 
 
-def snapshot_buffers(model: nn.Module) -> dict:
-    """``{name: (buffer, version, copy of its value)}`` for :func:`changed_buffers` / :func:`restore_buffers`."""
-    return {name: (buf, buf._version, buf.detach().clone()) for name, buf in model.named_buffers()}
+def snapshot_buffers(model: nn.Module, reuse: Optional[dict] = None) -> dict:
+    """``{name: (buffer, version, copy of its value)}`` for :func:`changed_buffers` / :func:`restore_buffers`.
+
+    An entry of ``reuse`` (an earlier snapshot) whose buffer is the same object
+    at the same version is kept as it is: its copy still holds the value, and
+    the per-step engine then copies no buffer at all once they are known.
+    """
+    reuse = reuse or {}
+    out = {}
+    for name, buf in model.named_buffers():
+        old = reuse.get(name)
+        same = old is not None and old[0] is buf and old[1] == buf._version
+        out[name] = old if same else (buf, buf._version, buf.detach().clone())
+    return out
 
 
 def restore_buffers(model: nn.Module, before: dict) -> None:
