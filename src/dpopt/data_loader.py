@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .distributed import DistributedContext, ShardedPoissonSampler
+from .distributed import DistributedContext, poisson_sampler
 from .noise import NoiseSource, make_noise_source
 from .sampling import PoissonSampler
 
@@ -66,12 +66,7 @@ class PoissonBatchSampler(Sampler):
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.ctx.enabled:
-            sampler: PoissonSampler = ShardedPoissonSampler(self.dataset_size, self.sample_rate, self.steps,
-                                                            self.ctx, noise=self.noise)
-        else:
-            sampler = PoissonSampler(self.dataset_size, self.sample_rate, self.steps, noise=self.noise)
-        for idx in sampler:
+        for idx in poisson_sampler(self.dataset_size, self.sample_rate, self.steps, self.ctx, noise=self.noise):
             self.drawn += 1
             yield idx.tolist()
 

@@ -79,7 +79,7 @@ from torch import Tensor
 from .noise import NoiseSource
 from .sampling import PoissonSampler
 
-__all__ = ["DistributedContext", "setup", "context", "shard_bounds", "ShardedPoissonSampler",
+__all__ = ["DistributedContext", "setup", "context", "shard_bounds", "ShardedPoissonSampler", "poisson_sampler",
            "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank",
            "backend_device"]
 
@@ -191,6 +191,15 @@ class ShardedPoissonSampler(PoissonSampler):
             mask = self.noise.uniform(self.hi - self.lo) < self.sample_rate
         self.position += 1
         return mask.nonzero(as_tuple=True)[0] + self.lo
+
+
+def poisson_sampler(dataset_size: int, sample_rate: float, steps: int, ctx: DistributedContext,
+                    noise: Optional[NoiseSource] = None) -> PoissonSampler:
+    """This process's sampler: :class:`ShardedPoissonSampler` over several ranks, else a plain
+    :class:`~dpopt.sampling.PoissonSampler` of the whole dataset."""
+    if ctx.enabled:
+        return ShardedPoissonSampler(dataset_size, sample_rate, steps, ctx, noise=noise)
+    return PoissonSampler(dataset_size, sample_rate, steps, noise=noise)
 
 
 class AllReduceRelease:

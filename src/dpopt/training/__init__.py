@@ -45,9 +45,8 @@ writes files, evaluates and calls ``on_step``; other ranks return
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 import time
 import warnings
 from pathlib import Path
@@ -56,14 +55,14 @@ from typing import Callable, Optional, Union
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..data import Dataset, load_dataset
-from ..distributed import DistributedContext, ShardedPoissonSampler, any_rank, check_replicas, setup
+from ..distributed import DistributedContext, any_rank, check_replicas, poisson_sampler, setup
 from ..sampling import PoissonSampler
 from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
 from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
 from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
 from .results import RUN_FILES, RunFiles, run_directory, write_config, write_results
-from .signals import StopRequest, graceful_stop
+from .signals import graceful_stop
 
 __all__ = ["TrainConfig", "train", "resume", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
            "DEVICES", "noise_source", "REPRODUCIBLE_NOISE_WARNING", "RUN_FILES", "LOSS_EVERY",
@@ -110,12 +109,8 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     # the reproducible-noise warning points at train's caller
     run = build_run(cfg, data, stacklevel=4, dist=dist)
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
-    n_train = run.data.n_train  # without the validation records (cfg.validation_fraction)
-    if dist.enabled:
-        sampler: PoissonSampler = ShardedPoissonSampler(n_train, run.sample_rate, run.steps, dist,
-                                                        noise=run.noise)
-    else:
-        sampler = PoissonSampler(n_train, run.sample_rate, run.steps, noise=run.noise)
+    # run.data: without the validation records (cfg.validation_fraction)
+    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     return _run(run, run_dir, sampler, LoopState(), start, on_step)
 
 
@@ -246,11 +241,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
-    if dist.enabled:
-        sampler: PoissonSampler = ShardedPoissonSampler(run.data.n_train, run.sample_rate, run.steps, dist,
-                                                        noise=run.noise)
-    else:
-        sampler = PoissonSampler(run.data.n_train, run.sample_rate, run.steps, noise=run.noise)
+    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])
