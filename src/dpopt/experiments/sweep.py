@@ -62,7 +62,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 from ..errors import ConfigError
 
@@ -264,17 +264,6 @@ def _record(sweep: Sweep, point: SweepPoint, summary: dict) -> dict:
     return {**summary, "run_id": point.run_id, "label": point.label, "sweep": sweep.name, "point": point.point}
 
 
-def _finished_summary(run_dir: Path) -> Optional[dict]:
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        return None
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return summary if summary.get("status", "completed") in FINISHED else None
-
-
 _DATA_CACHE: dict = {}
 
 
@@ -296,11 +285,12 @@ def execute(point_options: dict, run_dir: str, threads: Optional[int] = None,
     import torch
 
     from ..training import CHECKPOINT_NAME, TrainConfig, resume, train
+    from ..training.results import finished_summary
 
     if threads is not None:
         torch.set_num_threads(threads)
     path = Path(run_dir)
-    done = _finished_summary(path)
+    done = finished_summary(path, FINISHED)
     if done is not None:
         return done
     options = dict(point_options)

@@ -46,7 +46,6 @@ writes files, evaluates and calls ``on_step``; other ranks return
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from pathlib import Path
@@ -61,7 +60,7 @@ from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noi
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
 from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
 from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
-from .results import RUN_FILES, RunFiles, run_directory, write_config, write_results
+from .results import RUN_FILES, RunFiles, finished_summary, run_directory, write_config, write_results
 from .signals import graceful_stop
 
 __all__ = ["TrainConfig", "train", "resume", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
@@ -157,16 +156,6 @@ def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: Loop
                          extra=extra)
 
 
-def _completed_summary(run_dir: Path) -> Optional[dict]:
-    """The run's summary if it says the run completed, else None."""
-    path = run_dir / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("status", "completed") == "completed" else None  # absent: completed
-
-
 def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
            on_step: Optional[Callable[[dict], None]] = None, *, device: Optional[str] = None) -> dict:
     """Continue an interrupted (or budget-stopped) run from its checkpoint to its planned steps.
@@ -245,7 +234,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])
-    done = _completed_summary(run_dir) if state.step >= run.steps else None
+    done = finished_summary(run_dir) if state.step >= run.steps else None
     if done is not None:  # nothing left to train: leave every file as it is
         warnings.warn(f"{run_dir} is already complete ({state.step} of {run.steps} steps); nothing to resume",
                       UserWarning, stacklevel=2)

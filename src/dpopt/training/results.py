@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -40,7 +40,8 @@ from .build import Run
 from .checkpoint import CHECKPOINT_NAME, atomic_write, rng_state, save_checkpoint
 from .config import TrainConfig
 
-__all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text"]
+__all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text",
+           "finished_summary"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
              JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE, CURVES_NAME)
@@ -49,6 +50,16 @@ RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (:func:`~dpopt.training.checkpoint.atomic_write`)."""
     atomic_write(path, lambda fh: fh.write(text))
+
+
+def finished_summary(run_dir: Union[str, Path], statuses: tuple = ("completed",)) -> Optional[dict]:
+    """``run_dir/summary.json`` if it exists, parses, and its ``status`` is in ``statuses`` (a summary
+    without ``status`` is a completed run); else None."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status", "completed") in statuses else None
 
 
 def run_directory(cfg: TrainConfig) -> Path:
