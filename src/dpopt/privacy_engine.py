@@ -160,6 +160,31 @@ def _join_ranks(ctx: DistributedContext, error: Optional[Exception], public: Cal
                          "every rank or on none)")
 
 
+def _trained_parameters(optimizer, module: nn.Module, capture: HookCapture, hparams: dict
+                        ) -> tuple[list, str, dict]:
+    """(parameters, method name, method hyperparameters) of ``make_private``'s ``optimizer`` argument.
+
+    Raises:
+        TypeError: neither a torch optimizer nor a method name.
+        ConfigError: an unknown method name.
+        ValueError: the optimizer does not train exactly the model's trainable parameters.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
+        method, overrides = "dp-sgd", {}
+    elif isinstance(optimizer, str):
+        params = [p for p in module.parameters() if p.requires_grad]
+        method, overrides = optimizer, dict(hparams)
+        get_method(method)  # unknown names: ConfigError listing the methods
+    else:
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
+                        f"{type(optimizer).__name__}")
+    if {id(p) for p in params} != {id(p) for p in capture.params}:
+        raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
+                         "with requires_grad_(False)); per-sample gradients are clipped over all of them")
+    return params, method, overrides
+
+
 class PrivateOptimizer(torch.optim.Optimizer):
     """The optimizer ``make_private`` returns: ``zero_grad`` / ``step`` of an ordinary loop, made DP.
 
@@ -376,39 +401,10 @@ class PrivacyEngine:
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
-                dataset = data_loader.dataset
-                if not hasattr(dataset, "__len__"):
-                    raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset "
-                                     "size)")
-                n = len(dataset)
-                steps_per_epoch = len(data_loader)
+                n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                 sample_rate = 1.0 / steps_per_epoch
                 expected_batch_size = sample_rate * n  # the GLOBAL expected batch size (all ranks together)
-                if poisson_sampling:
-                    loader = DPDataLoader.from_data_loader(data_loader, noise=noise, ctx=ctx)
-                else:
-                    warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), "
-                                  "not Poisson samples; the accountants' ε assumes Poisson sampling and does not "
-                                  "hold for this run (recorded in the ledger)", UserWarning, stacklevel=2)
-                    self.ledger.sampling = "shuffled (not poisson)"
-                    loader = data_loader
-
-                if isinstance(optimizer, torch.optim.Optimizer):
-                    params = [p for g in optimizer.param_groups for p in g["params"] if not is_frozen(p)]
-                    method, overrides = "dp-sgd", {}
-                elif isinstance(optimizer, str):
-                    params = [p for p in module.parameters() if p.requires_grad]
-                    method, overrides = optimizer, dict(hparams)
-                    get_method(method)  # unknown names: ConfigError listing the methods
-                else:
-                    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
-                                    f"{type(optimizer).__name__}")
-                model_params = {id(p) for p in capture.params}
-                if {id(p) for p in params} != model_params:
-                    raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the "
-                                     "others with requires_grad_(False)); per-sample gradients are clipped over all "
-                                     "of them")
-
+                params, method, overrides = _trained_parameters(optimizer, module, capture, hparams)
                 privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
                                                  expected_batch_size, target_unclipped_quantile,
                                                  clipbound_learning_rate, unclipped_num_std, count_share)
@@ -489,6 +485,22 @@ class PrivacyEngine:
         return claims
 
     # -- helpers -------------------------------------------------------------------
+    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, noise: NoiseSource,
+                        ctx: DistributedContext) -> tuple[int, int, DataLoader]:
+        """(N, batches per epoch, the loader to train with): Poisson batches of the loader's dataset at
+        q = 1/len(loader) (this rank's shard with ``ctx``), or, refused by the accountants' assumption but
+        allowed with a warning recorded in the ledger, the loader's own batches."""
+        dataset = data_loader.dataset
+        if not hasattr(dataset, "__len__"):
+            raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
+        if poisson_sampling:
+            return len(dataset), len(data_loader), DPDataLoader.from_data_loader(data_loader, noise=noise, ctx=ctx)
+        warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not Poisson "
+                      "samples; the accountants' ε assumes Poisson sampling and does not hold for this run "
+                      "(recorded in the ledger)", UserWarning, stacklevel=3)
+        self.ledger.sampling = "shuffled (not poisson)"
+        return len(dataset), len(data_loader), data_loader
+
     @staticmethod
     def _clipping_options(clipping, params, capture, sigma, max_grad_norm, bbar, quantile, quantile_lr,
                           unclipped_num_std, count_share) -> dict:
