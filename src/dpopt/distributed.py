@@ -213,8 +213,9 @@ class AllReduceRelease:
 
     Call: ``(sums, count, draw) -> (noisy_sums, noisy_count)`` as documented at
     :class:`~dpopt.privatizer.Privatizer` (``reduce``). The sums are packed in
-    one flat buffer per dtype (one collective for the usual all-float32 model;
-    the count travels in the first buffer).
+    one flat buffer per dtype and device (one collective for the usual
+    all-float32 model); the centred count, under quantile clipping, is one more
+    small all-reduce in float64.
     """
 
     def __init__(self, ctx: DistributedContext, *, replay: bool = False):
@@ -321,9 +322,7 @@ def any_rank(flag: bool, ctx: DistributedContext) -> bool:
     """True on every rank if ``flag`` is True on some rank (e.g. a stop signal that reached one rank)."""
     if not ctx.enabled:
         return bool(flag)
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-    if backend_device(ctx) is not None:
-        t = t.to(backend_device(ctx))
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=backend_device(ctx))
     return bool(ctx.all_reduce(t, op="max").item() > 0)
 
 

@@ -203,7 +203,7 @@ class NoiseSource:
         key = str(dev)
         gen = self._generators.get(key)
         if gen is None:
-            if self.mode != "reproducible" and torch.device(key).type == "cpu":
+            if self.mode != "reproducible" and dev.type == "cpu":
                 gen = self._generators[key] = _secret_cpu_generator()
                 return gen
             seed = self._seed if self.mode == "reproducible" else _entropy_seed()
@@ -267,7 +267,7 @@ class NoiseSource:
 
     def __getstate__(self) -> dict:  # copies and pickles carry no threads
         state = dict(self.__dict__)
-        state["_pool"], state["_pool_threads"] = None, 0
+        state["_pool"], state["_pool_threads"], state["_pool_pid"] = None, 0, 0
         return state
 
     def uniform(self, n: int, device: Union[str, torch.device] = "cpu") -> Tensor:

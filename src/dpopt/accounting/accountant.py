@@ -56,7 +56,6 @@ release with noise multiplier 0 is not private: ε = ``math.inf``.
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 from typing import Optional
 

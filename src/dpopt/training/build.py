@@ -23,7 +23,7 @@ from torch import nn
 from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
-from ..data import Dataset, check_validation_fraction, split_validation
+from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
 from ..methods import build_optimizer, get_method
@@ -169,8 +169,7 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
             invalid configuration, unknown hyperparameter, a clipping option the
             method cannot use; calibration errors.
     """
-    check_validation_fraction(cfg.validation_fraction)
-    data = split_validation(data, cfg.validation_fraction)  # first: N, q and ε are those of the rest
+    data = split_validation(data, cfg.validation_fraction)  # checks the fraction  # first: N, q and ε are those of the rest
     validate_config(cfg, data.n_train)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only

@@ -19,7 +19,6 @@ ledger before anything that depends on a release.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
