@@ -91,15 +91,9 @@ def test_an_underestimated_float32_norm_fails(gpu_check, monkeypatch):
     assert any(b.startswith("shift-scale norms_under") for b in case["beyond"])
 
 
-def test_step_time_sync_brackets_every_timed_step():
+def test_step_time_sync_brackets_every_timed_step(gpu_check):
     """step_time.time_round_robin calls ``sync`` before starting and before stopping each step's clock."""
-    name = "dpopt_benchmarks_step_time"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "step_time.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    st = sys.modules[name]
+    st = gpu_check.step_time_module()  # the script's own loader of benchmarks/step_time.py
     calls = []
     res = st.time_round_robin({"a": lambda: calls.append("step")}, rounds=2, per_round=1, warmup=1,
                               sync=lambda: calls.append("sync"))

@@ -14,14 +14,12 @@ One ``mp.spawn`` runs every 2-process case (a few seconds).
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dpopt.distributed import AllReduceRelease, DistributedContext, ShardedPoissonSampler, context, shard_bounds
 from dpopt.engine.reference import PerSampleGrads
