@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dpopt.distributed import AllReduceRelease, DistributedContext, ShardedPoissonSampler, context, shard_bounds
 from dpopt.engine.reference import PerSampleGrads
@@ -27,6 +26,8 @@ from dpopt.noise import NoiseSource
 from dpopt.privatizer import Privatizer
 from dpopt.sampling import PoissonSampler
 from dpopt.training import TrainConfig, train
+
+from gloo_ranks import gloo_group, spawn_ranks
 
 CASES = {
     "macadam": dict(method="dp-macadam", physical_batch_size=16),
@@ -49,9 +50,7 @@ def _noise_std(rank: int) -> float:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, tmp):
         results = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -60,15 +59,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             results["secret"] = train(_cfg(Path(tmp) / "ddp-secret", reproducible=False, method="dp-sgd"))
         results["noise_std"] = _noise_std(rank)
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(results))
-        # both ranks leave together: a rank tearing gloo down while the other is still working aborted
-        # the process ("terminate called without an active exception") in one of several full-suite runs
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory, spawn_ranks):
+def ddp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     spawn_ranks(_worker, tmp)
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]

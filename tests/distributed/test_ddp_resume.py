@@ -15,7 +15,6 @@ collective times out after 60 s, so a hang cannot stall CI.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -29,6 +28,8 @@ import torch.distributed as dist
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.accounting.ledger_check import check_run
 from dpopt.training import TrainConfig, resume, train
+
+from gloo_ranks import gloo_group, spawn_ranks
 
 STOP_AFTER = 4
 
@@ -53,10 +54,7 @@ def _quiet(fn, *args, **kw):
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         root, results = Path(tmp), {}
         for name, reproducible in (("secret", False), ("repro", True), ("repro-to-1", True)):
             results[name] = _quiet(train, _cfg(root / name, reproducible), on_step=_stop_at(STOP_AFTER))
@@ -64,13 +62,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         for name in ("secret", "repro", "repro-from-1"):
             results[name + "-resumed"] = _quiet(resume, root / name)
         (root / f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()  # both ranks leave together (tearing gloo down under a working rank can abort it)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spawn_ranks):
+def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp-resume")
     first = _quiet(train, _cfg(tmp / "repro-from-1", True), on_step=_stop_at(STOP_AFTER))  # 1 process
     assert first["status"] == "interrupted" and first["steps"] == STOP_AFTER

@@ -16,12 +16,10 @@ the deadline and every collective times out after 60 s, so a hang cannot stall C
 
 from __future__ import annotations
 
-import datetime
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,6 +27,8 @@ import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
 from dpopt.data import load_dataset
 from dpopt.distributed import check_replicas, context, shard_bounds
+
+from gloo_ranks import gloo_group, spawn_ranks
 
 BATCH = 128  # 1437 digits -> len(loader) = 12 steps per epoch, q = 1/12
 CASES = {
@@ -105,21 +105,15 @@ def _refusals(rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, tmp):
         results = {name: _train(name, init_seed=100 + rank, distributed=True) for name in CASES}
         results["secret"] = _train("adamw", init_seed=100 + rank, distributed=True, reproducible=False)
         results["refusals"] = _refusals(rank)
         torch.save(results, f"{tmp}/rank{rank}.pt")
-        dist.barrier()  # both ranks leave together (tearing gloo down under a working rank can abort it)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory, spawn_ranks):
+def ddp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine-ddp")
     spawn_ranks(_worker, tmp)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
