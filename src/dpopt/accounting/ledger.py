@@ -8,13 +8,20 @@ never computes ε itself.
 
 JSON format (``version`` 2)::
 
-    {"format": "dpopt-ledger", "version": 2,
+    {"format": "dpopt-ledger", "version": 2, "run_id": "3f2a…",
      "neighbouring": "add_or_remove_one", "sampling": "poisson",
      "noise": "secret", "dataset_size": "public",
      "entries": [{"step": 0, "event": {...}, "meta": {...}}, ...]}
 
 Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
 
+* ``run_id`` — 32 lowercase hex digits (``uuid.uuid4().hex``, OS entropy, no
+  data in it) made when the ledger is created and kept through
+  ``state_dict``/``load_state_dict``, the journal, ``save``/``load``: every
+  copy of one run's ledger carries the same id, so two ledgers (or a journal
+  and a checkpoint) can be told to belong to one run or to two. Files written
+  before the id existed load with ``run_id = None`` ("unknown"; no id is
+  invented for them).
 * ``neighbouring`` — the neighbouring relation the ε is stated for.
 * ``sampling`` — ``"poisson"`` (what the accountants assume) or another scheme.
 * ``noise`` — how the Privatizer's noise and Poisson masks were seeded, one of
@@ -29,7 +36,7 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
 Journal (``ledger.jsonl``, JSON lines, :data:`JOURNAL_VERSION` 1), written while a run goes
 (:meth:`PrivacyLedger.open_journal`, :meth:`PrivacyLedger.flush`)::
 
-    {"format": "dpopt-ledger-journal", "version": 1, "entry_version": 2, "neighbouring": ...,
+    {"format": "dpopt-ledger-journal", "version": 1, "entry_version": 2, "run_id": ..., "neighbouring": ...,
      "sampling": ..., "noise": ..., "dataset_size": ...}
     {"step": 0, "event": {...}, "meta": {...}}
     ...
@@ -56,6 +63,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +75,7 @@ from dp_accounting import dp_event
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
-           "JOURNAL_VERSION", "JOURNAL_NAME"]
+           "JOURNAL_VERSION", "JOURNAL_NAME", "new_run_id"]
 
 LEDGER_VERSION = 2
 #: Version of the JSON-lines journal format (its entries are in the LEDGER_VERSION entry format).
@@ -79,6 +88,19 @@ READABLE_VERSIONS = (1, 2)
 NOISE_MODES = ("secret", "secure", "reproducible")
 #: Statements about the dataset size N.
 DATASET_SIZE_MODES = ("public", "unused")
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_run_id() -> str:
+    """A fresh run id: ``uuid.uuid4().hex`` (32 lowercase hex digits from OS entropy; no data in it)."""
+    return uuid.uuid4().hex
+
+
+def _checked_run_id(run_id: Any) -> Optional[str]:
+    """``run_id`` if it is None or 32 lowercase hex digits, else ValueError saying what is expected."""
+    if run_id is None or (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+        return run_id
+    raise ValueError(f"run_id must be 32 lowercase hex digits (uuid.uuid4().hex) or None, got {run_id!r}")
 
 
 def _public(value: Any) -> Any:
@@ -118,14 +140,17 @@ class PrivacyLedger:
             :meth:`mark_noise`.
         dataset_size: the statement about N, ``"public"`` (q = B̄/N) or
             ``"unused"`` (q given explicitly; nothing recorded depends on N).
+        run_id: this run's id (32 lowercase hex digits); default a fresh
+            :func:`new_run_id`. Public attribute ``run_id``; ``None`` only for
+            a ledger read from a file written before run ids existed.
 
     Raises:
-        ValueError: on an unknown neighbouring relation, noise mode or
-            dataset_size statement.
+        ValueError: on an unknown neighbouring relation, noise mode,
+            dataset_size statement, or a malformed run_id.
     """
 
     def __init__(self, neighbouring: str = "add_or_remove_one", sampling: str = "poisson",
-                 noise: str = "secret", dataset_size: str = "public"):
+                 noise: str = "secret", dataset_size: str = "public", run_id: Optional[str] = None):
         if neighbouring not in NEIGHBOURING:
             raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
         if noise not in NOISE_MODES:
@@ -136,6 +161,7 @@ class PrivacyLedger:
         self.sampling = sampling
         self.noise = noise
         self.dataset_size = dataset_size
+        self.run_id: Optional[str] = new_run_id() if run_id is None else _checked_run_id(run_id)
         self._entries: list[LedgerEntry] = []
         self._journal: Optional[Path] = None
         self._flushed = 0  # entries already in the journal
@@ -206,9 +232,9 @@ class PrivacyLedger:
 
     # -- journal (append while a run goes) --------------------------------
     def header(self) -> dict:
-        """The header fields (neighbouring, sampling, noise, dataset_size)."""
-        return {"neighbouring": self.neighbouring, "sampling": self.sampling, "noise": self.noise,
-                "dataset_size": self.dataset_size}
+        """The header fields (run_id, neighbouring, sampling, noise, dataset_size)."""
+        return {"run_id": self.run_id, "neighbouring": self.neighbouring, "sampling": self.sampling,
+                "noise": self.noise, "dataset_size": self.dataset_size}
 
     def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False) -> Path:
         """Append this ledger's entries to the JSON-lines journal at ``path`` from now on.
@@ -300,6 +326,7 @@ class PrivacyLedger:
                 reproducible |= raw["noise"] == "reproducible"
                 entries = ledger._entries if ledger is not None else []
                 ledger = cls(raw["neighbouring"], raw["sampling"], raw["noise"], raw["dataset_size"])
+                ledger.run_id = _checked_run_id(raw.get("run_id"))  # None: a journal from before run ids
                 ledger._entries = entries
             elif ledger is None:
                 raise ValueError(f"{path}: the ledger journal does not start with its header")
@@ -321,9 +348,13 @@ class PrivacyLedger:
         """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
 
         The noise mode follows :meth:`mark_noise` (a reproducible ledger stays reproducible).
+        The run id becomes the state's (the loaded run continues); a state from
+        before run ids (``run_id`` None) keeps this ledger's id.
         """
         other = state if isinstance(state, PrivacyLedger) else PrivacyLedger.from_dict(state)
         noise = self.noise
+        if other.run_id is not None:
+            self.run_id = other.run_id
         self.neighbouring, self.sampling, self.dataset_size = other.neighbouring, other.sampling, other.dataset_size
         self.noise = other.noise
         self._entries = list(other._entries)
@@ -336,6 +367,7 @@ class PrivacyLedger:
         return {
             "format": "dpopt-ledger",
             "version": LEDGER_VERSION,
+            "run_id": self.run_id,
             "neighbouring": self.neighbouring,
             "sampling": self.sampling,
             "noise": self.noise,
@@ -373,6 +405,7 @@ class PrivacyLedger:
                              f"{READABLE_VERSIONS}")
         ledger = cls(data.get("neighbouring", "add_or_remove_one"), data.get("sampling", "poisson"),
                      dataset_size=data.get("dataset_size", "public"))
+        ledger.run_id = _checked_run_id(data.get("run_id"))  # None: written before run ids existed
         if version == 1:
             ledger.noise = "unknown"  # before the noise source was recorded: seeded from the published seed
         else:
@@ -402,8 +435,8 @@ class PrivacyLedger:
         return cls.from_dict(json.loads(path.read_text()))
 
     def __repr__(self) -> str:
-        return (f"PrivacyLedger({len(self)} releases, neighbouring={self.neighbouring!r}, "
-                f"noise={self.noise!r})")
+        return (f"PrivacyLedger({len(self)} releases, run_id={self.run_id!r}, "
+                f"neighbouring={self.neighbouring!r}, noise={self.noise!r})")
 
 
 #: What the accountants read: a whole :class:`PrivacyLedger` or a bare DpEvent
