@@ -16,10 +16,8 @@ target ε = 4, δ = 1e-5, B ∈ {256, ..., 4096}, q = B/N, steps as listed.
 
 import functools
 import json
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -160,26 +158,17 @@ def test_cli_errors_are_clear():
     assert out.exit_code == 0 and json.loads(out.output)["epsilon"] == "inf"
 
 
-def test_cli_calibrate_cost_and_no_torch():
-    """The whole `dpopt calibrate` command for the B = 256 row, in a fresh interpreter.
-
-    Target: ≤ 3 s wall on an idle 2-core machine (measured figures in docs/accounting.md).
-    Asserted on the child's CPU time with slack (4.5 s) because CI machines are shared and
-    wall time there measures the neighbours; also asserts torch is never imported.
-    """
+def test_cli_calibrate_in_a_fresh_interpreter_without_torch():
+    """The whole `dpopt calibrate` command for the B = 256 row, in a fresh interpreter: the σ it prints
+    and that torch is never imported. Its time is measured by benchmarks/calibrate_time.py, not here
+    (no test asserts a wall or CPU time; figures in docs/accounting.md)."""
     code = ("import sys\nfrom dpopt.cli import app\n"
             "app(['calibrate', '--target-epsilon', '4', '--sample-rate', '0.00512', '--steps', '9750', "
             "'--delta', '1e-5', '--json'], standalone_mode=False)\n"
             "print('torch' in sys.modules, file=sys.stderr)")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "False", "the accounting CLI imported torch"
     data = json.loads(proc.stdout)
     assert data["noise_multiplier"] == pytest.approx(DP_ACCOUNTING_PLD[256], abs=0.005)
     assert data["epsilon"] <= 4.0
-    assert cpu < 4.5, f"dpopt calibrate used {cpu:.2f} s CPU ({wall:.2f} s wall)"

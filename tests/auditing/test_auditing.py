@@ -345,7 +345,6 @@ def test_plain_gaussian_privatizer_gdp_bound_within_10_percent():
     assert r.verdict == "PASS" and r.mode == "vectorised"
     assert r.claimed_epsilon == pytest.approx(TRUE_EPS_SIGMA1)
     assert 0.9 * TRUE_EPS_SIGMA1 <= r.epsilon_gdp <= r.claimed_epsilon
-    assert r.seconds < 30
 
 
 @pytest.mark.parametrize("name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000)])
