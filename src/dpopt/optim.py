@@ -228,9 +228,22 @@ class DPOptimizer(torch.optim.Optimizer):
         if per_sample is None:
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.engine)")
         params = self._params()
-        states = self._states()
         release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(),
                                             params_like=params)
+        self.apply_release(release)
+        return release
+
+    @torch.no_grad()
+    def apply_release(self, release: Release) -> None:
+        """Post-process a release of this optimizer's Privatizer: the transform chain, then ``p += update``.
+
+        :meth:`step` = privatize + this; a caller that drives the Privatizer's
+        ``begin``/``accumulate``/``release`` itself (micro-batches of one
+        logical batch, :class:`~dpopt.privacy_engine.PrivateOptimizer`) calls
+        it with that release (its step opened with ``privatizer.begin(self.geometry())``).
+        """
+        params = self._params()
+        states = self._states()
         lrs = [g["lr"] for g in self.param_groups for p in g["params"] if not is_frozen(p)]
         groups = [g for g in self.param_groups for p in g["params"] if not is_frozen(p)]
         ctx = StepContext(step=release.step + 1, noise_std=release.noise_std, lrs=lrs, groups=groups,
@@ -239,4 +252,3 @@ class DPOptimizer(torch.optim.Optimizer):
         updates = self.transform.update(list(release.grads), states, params, ctx)
         for p, u in zip(params, updates):
             p.add_(u)
-        return release

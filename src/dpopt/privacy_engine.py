@@ -86,13 +86,16 @@ from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
-from .accounting.registry import check_accountant
+from .accounting.opacus_accountant import LedgerAccountant
+from .accounting.validation import check_noise_multiplier
 from .data_loader import DPDataLoader
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
+from .module_validator import ModuleValidator
+from .opacus_compat import check_opacus_arguments, warn_drop_last
 from .optim import DPOptimizer, is_frozen
 from .privatizer import QuantileClipping
 from .transforms.base import Chain, Partition, Transform
@@ -214,6 +217,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._capture = capture
         self._params = list(params)
         self._torch = original is not dp
+        self._step_skip_queue: list[bool] = []  # Opacus's BatchMemoryManager protocol (signal_skip_step)
+        self._is_last_step_skipped = False
+        self._open = False  # a logical step is open in the Privatizer (chunks accumulated, not yet released)
+        self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
 
     @property
     def privatizer(self):
@@ -225,11 +232,76 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     @property
     def noise_multiplier(self) -> float:
+        """σ of the next release (settable: Opacus's noise schedulers, :mod:`dpopt.schedulers`)."""
         return self._dp.privatizer.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        """Set σ for the NEXT release; the ledger records each release's σ, so ε stays exact.
+
+        Raises:
+            RuntimeError: between the chunks of one logical batch (BatchMemoryManager).
+            ValueError: σ < 0 or not a number; σ > 0 with an infinite bound; adaptive
+                clipping (its σ is split between the gradient and the count releases).
+        """
+        priv = self._between_steps("noise_multiplier")
+        if priv.quantile is not None:
+            raise ValueError("noise_multiplier cannot be changed with clipping='adaptive': the total sigma is split "
+                             "between the gradient and the clipped-count releases at make_private; make the engine "
+                             "again (or schedule max_grad_norm instead)")
+        sigma = check_noise_multiplier(value)
+        if sigma > 0 and not math.isfinite(priv.sensitivity):
+            raise ValueError("noise_multiplier > 0 needs a finite max_grad_norm (the noise std is sigma x C)")
+        priv.noise_multiplier = sigma
 
     @property
     def max_grad_norm(self) -> float:
+        """C of the next release (settable: Opacus's clip schedulers; per-layer: the total bound)."""
         return self._dp.privatizer.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        """Set C for the NEXT release: its clipping and its noise std σ·C (recorded in its ledger entry).
+
+        Flat and adaptive clipping: the bound (adaptive clipping then adapts
+        from it). Per-layer clipping: every per-layer bound is scaled so that
+        the total √(Σ C_k²) is ``value``.
+
+        Raises:
+            RuntimeError: between the chunks of one logical batch (BatchMemoryManager).
+            ValueError: C ≤ 0, NaN, or infinite while σ > 0.
+        """
+        priv = self._between_steps("max_grad_norm")
+        c = float(value)
+        if not c > 0 or math.isnan(c) or (priv.noise_multiplier > 0 and not math.isfinite(c)):
+            raise ValueError(f"max_grad_norm must be > 0 (and finite when noise_multiplier > 0), got {value!r}")
+        total = priv.sensitivity
+        priv.bounds = [c] if len(priv.bounds) == 1 else [b * c / total for b in priv.bounds]
+
+    def _between_steps(self, name: str):
+        if self._open:
+            raise RuntimeError(f"{name} changed between the physical chunks of one logical batch: the chunks "
+                               "already clipped used the old value. Change it after the logical step "
+                               "(scheduler.step() after the last chunk's optimizer.step())")
+        return self._dp.privatizer
+
+    # -- Opacus's micro-batch protocol (BatchMemoryManager) ----------------------------
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Queue whether the next ``step()`` only clips and adds its chunk (``True``) or ends the logical batch.
+
+        Called by :class:`~dpopt.utils.batch_memory_manager.BatchMemoryManager`
+        (and Opacus's) before each physical chunk. A skipped step adds the
+        chunk's clipped per-sample gradients into the Privatizer's open step
+        (no noise, no ledger entry, no parameter change); the next non-skipped
+        step adds its own chunk and releases once.
+        """
+        self._step_skip_queue.append(bool(do_skip))
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        """Whether the next ``step()`` is skipped (Opacus's name); pops the queue with ``pop_next``."""
+        if not self._step_skip_queue:
+            return False
+        return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero ``p.grad`` and ``p.grad_sample``; forget per-sample data of completed backward passes."""
@@ -261,16 +333,34 @@ class PrivateOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         source = self._source()
+        dp = self._dp
+        priv, params = dp.privatizer, dp._params()
+        if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
+            priv.begin(ClipGeometry() if self._torch else dp.geometry())
+            self._open = True
+        try:
+            for src in dp._sources(source, params):
+                priv.accumulate(src)
+        except BaseException:
+            priv._reset()  # nothing released or recorded: the logical step did not happen
+            self._open = False
+            raise
+        if self._check_skip_next_step():  # a chunk of a larger logical batch: added, not released
+            self._is_last_step_skipped = True
+            return loss
+        self._is_last_step_skipped = False
+        self._open = False
+        release = priv.release(params_like=params)
+        if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
+            lo, hi = self.clip_range
+            priv.bounds = [min(max(priv.bounds[0], lo), hi)]
         if self._torch:
-            dp = self._dp
-            release = dp.privatizer.privatize(dp._sources(source, dp._params()), ClipGeometry(),
-                                              params_like=dp._params())
-            for p, g in zip(dp._params(), release.grads):
+            for p, g in zip(params, release.grads):
                 p.grad = g
             self.original_optimizer.step()
         else:
-            release = self._dp.step(source)
-            for p, g in zip(self._dp._params(), release.grads):
+            dp.apply_release(release)
+            for p, g in zip(params, release.grads):
                 p.grad = g.clone()  # the public release; the method's state keeps its own copy
         return loss
 
@@ -298,15 +388,20 @@ class PrivacyEngine:
         ledger: the :class:`~dpopt.accounting.ledger.PrivacyLedger` of every
             release of every optimizer this engine made private
             (``engine.ledger.save(path)``; ``dpopt ledger check`` reads it).
+        accountant: Opacus's accountant interface over :attr:`ledger`
+            (:class:`~dpopt.accounting.opacus_accountant.LedgerAccountant`:
+            ``get_epsilon(delta)``, ``history``, ``len``, ``mechanism()``,
+            ``state_dict()``); ``str(accountant)`` is its name.
 
     Raises:
-        ValueError: unknown accountant.
+        ValueError: unknown accountant; Opacus's ``"gdp"`` (an approximation, not a bound).
     """
 
     def __init__(self, accountant: str = "pld", secure_mode: bool = False):
-        self.accountant = check_accountant(accountant)
         self.secure_mode = bool(secure_mode)
         self.ledger = PrivacyLedger(dataset_size="public")
+        # Opacus's accountant interface, reading self.ledger (whichever ledger the engine holds now)
+        self.accountant = LedgerAccountant(self, accountant)
         self.noise = NoiseSource("secure" if self.secure_mode else "secret")
         self._captures: list[HookCapture] = []
 
@@ -329,8 +424,14 @@ class PrivacyEngine:
         count_share: Optional[float] = None,
         distributed: bool = False,
         process_group: Optional[Any] = None,
+        criterion: Optional[Callable] = None,
+        batch_first: bool = True,
+        grad_sample_mode: str = "hooks",
+        max_clipbound: float = math.inf,
+        min_clipbound: float = 0.0,
+        secure_mode: Optional[bool] = None,
         **hparams: Any,
-    ) -> tuple[nn.Module, PrivateOptimizer, DataLoader]:
+    ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
 
         Args:
@@ -372,6 +473,11 @@ class PrivacyEngine:
                 broadcast now. Save the ledger on rank 0 only.
             process_group: the group to train over (default: the default
                 group); implies ``distributed``.
+            criterion, batch_first, grad_sample_mode, max_clipbound,
+                min_clipbound, secure_mode: Opacus's arguments, mapped onto
+                dpopt's one engine or refused with advice
+                (:mod:`dpopt.opacus_compat`); ``grad_sample_mode="ghost"``
+                returns ``(module, optimizer, criterion, data_loader)``.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -388,9 +494,16 @@ class PrivacyEngine:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if isinstance(optimizer, torch.optim.Optimizer) and hparams:
-            raise TypeError(f"make_private() got hyperparameters {sorted(hparams)} with a torch optimizer; give "
-                            "them to the optimizer itself (they are for dpopt method names)")
-        noise = self.noise
+            raise TypeError(f"make_private() got unexpected arguments {sorted(hparams)} with a torch optimizer: "
+                            "extra keywords are hyperparameters of a dpopt method name (optimizer='dp-adam', ...); "
+                            "the Opacus arguments dpopt takes are listed in docs/migrating-from-opacus.md")
+        compat = check_opacus_arguments(self, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
+                                        criterion=criterion, loss_reduction=loss_reduction, clipping=clipping,
+                                        min_clipbound=min_clipbound, max_clipbound=max_clipbound,
+                                        max_grad_norm=max_grad_norm, secure_mode=secure_mode,
+                                        noise_generator=noise_generator)
+        warn_drop_last(data_loader, poisson_sampling)
+        noise = NoiseSource("secure") if compat.secure else self.noise
         if noise_generator is not None:
             warnings.warn("noise_generator: the Gaussian noise and Poisson masks are reproducible from this "
                           "generator's seed (research reruns only; `dpopt check` fails this ledger)",
@@ -434,7 +547,11 @@ class PrivacyEngine:
                             "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
             if clipping == "adaptive":
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
-            return module, PrivateOptimizer(original, dp, capture, params), loader
+            private = PrivateOptimizer(original, dp, capture, params)
+            private.clip_range = compat.clip_range
+            if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
+                return module, private, compat.criterion, loader
+            return module, private, loader
         except BaseException:
             capture.detach()
             raise
@@ -469,6 +586,24 @@ class PrivacyEngine:
         """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant."""
         return epsilon(self.ledger, delta, self.accountant)
 
+    # -- Opacus's module checks (dpopt.module_validator) -----------------------------------
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """``module`` with every refused layer replaced (BatchNorm → GroupNorm, ...), then validated (Opacus).
+
+        Raises:
+            UnsupportedModuleError: a problem remains after the fixes.
+        """
+        return ModuleValidator.fix_and_validate(module)
+
+    def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:  # noqa: ARG002
+        """True when ``module`` has no layer dpopt refuses (Opacus's signature; optimizer and loader unused)."""
+        return ModuleValidator.is_valid(module)
+
+    def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:  # noqa: ARG002
+        """:meth:`is_compatible`, raising :class:`~dpopt.module_validator.UnsupportedModuleError` with each problem."""
+        ModuleValidator.validate(module, strict=True)
+
     def summary(self, delta: float) -> dict:
         """The public claims of this engine's run, in the form ``dpopt check`` reads (``summary.json``).
 
@@ -479,7 +614,7 @@ class PrivacyEngine:
         """
         claims = dict(getattr(self, "_claims", {"noise_multiplier": 0.0, "privatizers": []}))
         privs = claims.pop("privatizers")
-        claims.update(epsilon=self.get_epsilon(delta), delta=float(delta), accountant=self.accountant,
+        claims.update(epsilon=self.get_epsilon(delta), delta=float(delta), accountant=str(self.accountant),
                       steps=len(self.ledger), privatizer_reads=sum(p.reads for p in privs),
                       privatizer_releases=sum(p.releases for p in privs), noise=self.ledger.noise)
         return claims
