@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpopt.engine import PerSampleEngine, free_sizes, iter_per_sample_sources
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
+from dpopt.engine.check import model_dims
 from dpopt.types import EvaluationPoint
 
 from per_example_zoo import CASES, DT, ce, loop_grads, make, per_example_from_source, rel_err
@@ -147,7 +148,7 @@ def test_verification_sizes_avoid_every_model_dimension():
     assert free_sizes({2, 3, 5, 7}) == [4, 6]
     model, x, y = make(CASES["tok-pos"], 2, 2)  # T = 2 and B = 2 collide with the smallest candidates
     eng = PerSampleEngine(model, ce)
-    dims = eng._model_dims(x)
+    dims = model_dims(eng.model, (x,))
     assert {2, 3, 7, 11}.issubset(dims)
     assert not set(free_sizes(dims)) & dims
 

@@ -15,7 +15,9 @@ Two paths produce the per-sample *sources* the
   per-example norms on the first batch (see :class:`PerSampleEngine`).
 
 Modules: :mod:`~dpopt.engine.inputs` (the example-axis check both paths
-use), :mod:`~dpopt.engine.reference` (the ``torch.func`` path),
+use), :mod:`~dpopt.engine.check` (the first-batch check both capture paths
+run, in the mode that trains, dropout masks replayed per example),
+:mod:`~dpopt.engine.reference` (the ``torch.func`` path),
 :mod:`~dpopt.engine.layers` (per-layer norm/sum math: blocks),
 :mod:`~dpopt.engine.rules` (which layer types have a fast rule, registered
 per type) and :mod:`~dpopt.engine.fast` (the engine that captures layer
@@ -44,7 +46,8 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, free_sizes, get_engine
+from .check import free_sizes
+from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
 from .hooks import HookCapture, grad_sample_source
 from .inputs import check_inputs
 from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients

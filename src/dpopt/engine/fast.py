@@ -26,12 +26,16 @@ or an exact single-example loop) for that parameter only.
   dim 0 of its input and output (a ``[1, T]`` broadcast position id, a
   ``[T, B, D]`` sequence-first tensor or a ``reshape(B*T, D)`` fails this),
   else the layer moves to the reference path with a warning;
-* on the first batch, at two batch sizes that differ from every dimension of
-  the model's parameters, buffers and module inputs/outputs, the fast
-  per-example squared norms and a weighted sum are compared with the
-  reference path on a few examples (which catches a forward that mixes
-  examples, and parameters used outside their module); the reference path
-  itself is first checked (vmap against the loop). See
+* on the first batch in each train/eval mode signature (a change of
+  ``model.training`` of any submodule re-runs it), in that mode, at two batch
+  sizes that differ from every dimension of the model's parameters, buffers
+  and module inputs/outputs, the fast per-example squared norms and a
+  weighted sum are compared with an exact loop of single-example autograd on
+  a few examples, the batched pass's dropout masks replayed per example
+  (which catches a forward that mixes examples — also one that mixes only in
+  train mode — and parameters used outside their module); the reference path
+  itself is first checked (vmap against the loop). The check is
+  :mod:`dpopt.engine.check`, shared with the hook path; see
   :meth:`PerSampleEngine._verify`.
 
 A forward that mixes examples is thus given its per-example definition — each
@@ -57,12 +61,14 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
+from .check import (ModeCheck, RandomReplay, Unreplayable, disagreeing, free_sizes, mode_signature, model_dims,
+                    rtol)
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, per_sample_gradient_tensors, use_loop
 from .rules import RULES, LayerCalls, rule_for
 
-__all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine", "free_sizes"]
+__all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
 
 # --------------------------------------------------------------------------- the source
 class FastPerSampleGrads:
@@ -234,10 +240,7 @@ class _Call:
                 self.stats = None
 
 
-# --------------------------------------------------------------------------- checks
-_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-
-
+# --------------------------------------------------------------------------- messages
 def _trailing(shape) -> str:
     """A shape without its dim 0 (``(…, 4, 16)``): dim 0 of a private batch is its realised size."""
     if not isinstance(shape, tuple):
@@ -252,50 +255,6 @@ class _OutputLayout(Exception):
 def _no_autocast(device: torch.device):
     """The engine's own norm/sum math runs exactly, in the parameters' dtype, outside autocast."""
     return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _rtol(dtype: torch.dtype, device: torch.device) -> float:
-    """Relative tolerance of the fast-vs-reference check: the parameter dtype's, or autocast's if coarser."""
-    rtol = _RTOL.get(dtype, 5e-2)
-    if torch.is_autocast_enabled(device.type):
-        rtol = max(rtol, _RTOL.get(torch.get_autocast_dtype(device.type), 5e-2))
-    return rtol
-
-
-def _tensors(obj) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def free_sizes(dims: set, k: int = 2) -> list[int]:
-    """The k smallest integers ≥ 2 that are not in ``dims`` (verification batch sizes)."""
-    out, n = [], 2
-    while len(out) < k:
-        if n not in dims:
-            out.append(n)
-        n += 1
-    return out
-
-
-class _TrainMode:
-    """Context: the model in eval mode (no dropout masks to differ between the two paths), restored after."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.modes = [(m, m.training) for m in model.modules()]
-
-    def __enter__(self):
-        self.model.eval()
-
-    def __exit__(self, *exc):
-        for m, mode in self.modes:
-            m.training = mode
 
 
 # --------------------------------------------------------------------------- the engine
@@ -354,7 +313,7 @@ class PerSampleEngine:
         self._clone_in: set = set()
         self._clone_out: set = set()
         self._buffers: dict = {}  # the last buffer snapshot (inputs.snapshot_buffers), reused while unchanged
-        self.verified = not verify
+        self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
@@ -491,33 +450,20 @@ class PerSampleEngine:
                           "parameters use the per-example torch.func path", RuntimeWarning, stacklevel=4)
             self._demote([i for own in self.modules.values() for i in own.values()])
 
-    # -- verification -------------------------------------------------------------
-    def _model_dims(self, x: Tensor) -> set:
-        """Every dimension of every parameter, buffer, input and module input/output of a forward of x."""
-        model = self.model
-        dims: set = set(x.shape)
-        for t in list(model.parameters()) + list(model.buffers()):
-            dims.update(t.shape)
-
-        def hook(module, args, out):
-            for t in _tensors((args, out)):
-                dims.update(t.shape)
-
-        handles = [m.register_forward_hook(hook) for m in model.modules()]
-        try:
-            with torch.no_grad():
-                model(x)
-        finally:
-            for h in handles:
-                h.remove()
-        return dims
+    # -- verification (dpopt.engine.check) --------------------------------------------
+    @property
+    def verified(self) -> bool:
+        """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
+        return not self._modes.needed(mode_signature(self.model))
 
     def _verify(self, x: Tensor, y: Tensor) -> None:
-        """Once per model: does every fast rule give the per-example gradients? Demote those that do not.
+        """Once per mode signature: does every fast rule give the per-example gradients? Demote those that do not.
 
-        On ≤ 8 distinct examples with a finite loss (tiled when fewer), at two
-        batch sizes that differ from every dimension in the model (so that
-        dim 0 can only have the batch size if it is the example axis):
+        In the model's own mode (the mode of the release: train mode with its
+        real behaviour), on ≤ 8 distinct examples with a finite loss (tiled
+        when fewer), at two batch sizes that differ from every dimension in
+        the model (so that dim 0 can only have the batch size if it is the
+        example axis):
 
         1. the per-example path itself: vmap against an exact loop of
            single-example autograd on two examples (the loop is used from
@@ -525,31 +471,33 @@ class PerSampleEngine:
         2. every recorded call of a fast layer must have the batch size as
            dim 0 of its input and output, at both sizes;
         3. per parameter, the fast per-example squared norms and a random
-           weighted sum must equal the per-example path's within a dtype
-           dependent tolerance.
+           weighted sum must equal those of an exact loop of single-example
+           autograd calls, with the batched pass's random draws (dropout
+           masks) replayed per example (:class:`~dpopt.engine.check.RandomReplay`),
+           within :func:`~dpopt.engine.check.rtol` of the gradient scale.
 
-        Runs in eval mode (no dropout masks to differ). If no example has a
-        finite loss, the check is postponed to the next batch.
+        A parameter that fails moves to the per-example path for good. If no
+        example has a finite loss, the check is postponed to the next batch.
         """
-        with _TrainMode(self.model), torch.no_grad():
+        sig = mode_signature(self.model)
+        with torch.no_grad():
             out = self.model(x)
             if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != y.shape[0]:
                 self._demote_all(tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__)
-                self.verified = True
+                self._modes.done(sig)
                 return
             finite = torch.isfinite(_per_example_losses(self.loss_fn, out, y))
         keep = torch.nonzero(finite).flatten()[:8]
         if keep.numel() < 2:  # one example tiled up cannot reveal a forward that mixes examples: wait
             return
         xs, ys = x[keep], y[keep]
-        self.verified = True
-        with _TrainMode(self.model):
-            self._verify_reference(xs, ys)
-            for b in free_sizes(self._model_dims(xs)):
-                if not self.modules:
-                    break
-                sel = torch.arange(b, device=keep.device) % keep.numel()
-                self._verify_at(xs[sel], ys[sel])
+        self._modes.done(sig)
+        self._verify_reference(xs, ys)
+        for b in free_sizes(model_dims(self.model, (xs,))):
+            if not self.modules:
+                break
+            sel = torch.arange(b, device=keep.device) % keep.numel()
+            self._verify_at(xs[sel], ys[sel])
 
     def _verify_reference(self, xs: Tensor, ys: Tensor) -> None:
         model, k = self.model, min(2, int(ys.shape[0]))
@@ -557,47 +505,52 @@ class PerSampleEngine:
             return
         try:
             v = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="vmap")
-        except Exception:  # noqa: BLE001 — vmap cannot batch it: the "auto" path uses the loop anyway
+        except Exception:  # noqa: BLE001 — vmap cannot batch it (random ops in train mode...): the loop anyway
             return
         loop = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="loop")
-        rtol = _rtol(self.dtype, self.device)
+        tol = rtol(self.dtype, self.device)
         off = [n for n, a, b in zip(self.names, v, loop)
-               if not float((a - b).norm()) <= rtol * float(b.norm()) + 1e-30]
+               if not float((a - b).norm()) <= tol * float(b.norm()) + 1e-30]
         if off:
             use_loop(model, f"torch.func.vmap disagreed with single-example autograd on {off}")
 
     def _verify_at(self, xb: Tensor, yb: Tensor) -> None:
         b = int(yb.shape[0])
+        replay = RandomReplay(self.model)
         try:
-            captured = self._capture(xb, yb, EvaluationPoint(1.0))
+            with replay.recording():  # the last forward's random draws are the ones replayed below
+                captured = self._capture(xb, yb, EvaluationPoint(1.0))
+                bad = self._layout_violations(captured, b)
+                if bad:
+                    self._demote_layers(bad)
+                    if not self.modules:
+                        return
+                    captured = self._capture(xb, yb, EvaluationPoint(1.0))
+            covered = sorted(i for own in self.modules.values() for i in own.values())
+            with replay.replaying(b):
+                ref = dict(zip(covered, per_sample_gradient_tensors(
+                    self.model, self.loss_fn, xb, yb, names=[self.names[i] for i in covered], method="loop")))
         except _OutputLayout as err:
             self._demote_all(err.args[0])
             return
-        bad = self._layout_violations(captured, b)
-        if bad:
-            self._demote_layers(bad)
-            if not self.modules:
-                return
-            captured = self._capture(xb, yb, EvaluationPoint(1.0))
-        covered = sorted(i for own in self.modules.values() for i in own.values())
-        ref = dict(zip(covered, per_sample_gradient_tensors(self.model, self.loss_fn, xb, yb,
-                                                            names=[self.names[i] for i in covered])))
+        except Unreplayable as err:
+            self._demote_mixing(sorted(i for own in self.modules.values() for i in own.values()), str(err))
+            return
         c = torch.rand(b, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(self.device)
-        rtol = _rtol(self.dtype, self.device)
-        off = []
+        tol = rtol(self.dtype, self.device)  # outside _no_autocast: autocast's dtype sets the tolerance
         with _no_autocast(self.device):
-            for blk in self._blocks(captured, b, Budget(0, 0)):
-                geos = [(None, None)] * len(blk.index)
-                sums = blk.grad_sums([c.to(self.params[i].dtype) for i in blk.index], None)
-                for i, sq, s in zip(blk.index, blk.sq_norms(geos), sums):
-                    if not _agrees(sq, s, ref[i], c, rtol):
-                        off.append(i)
+            off = disagreeing(self._blocks(captured, b, Budget(0, 0)), ref, c, [q.dtype for q in self.params], tol)
         if off:
-            warnings.warn(f"fast per-sample rules do not reproduce the per-example gradients of "
-                          f"{[self.names[i] for i in off]} (the forward mixes examples, or a parameter is used "
-                          "outside its module's forward?); using the per-example torch.func path for them",
-                          RuntimeWarning, stacklevel=4)
-            self._demote(off)
+            self._demote_mixing(off, "the forward mixes examples in this mode (e.g. batch statistics under "
+                                     "model.train()), or a parameter is used outside its module's forward")
+
+    def _demote_mixing(self, indices: list, why: str) -> None:
+        warnings.warn(f"fast per-sample rules do not reproduce the per-example gradients of "
+                      f"{[self.names[i] for i in indices]} ({why}); they use the exact per-example path from now "
+                      "on, where each example's gradient is computed with the model seeing that example alone: a "
+                      "layer that mixes examples then behaves per example, not per batch, in the private "
+                      "gradients", RuntimeWarning, stacklevel=5)
+        self._demote(indices)
 
     # -- public ------------------------------------------------------------------------
     def compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]] = None,
@@ -693,19 +646,6 @@ class PerSampleEngine:
             yield src
         if prev is not None:
             prev.free()
-
-
-def _agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, rtol: float) -> bool:
-    """Fast per-example ‖g_i‖² ``sq [B]`` and Σ_i c_i g_i ``s`` against per-example gradients ``g [B, ...]``."""
-    g64 = g.double().reshape(g.shape[0], -1)
-    want = g64.square().sum(1)
-    tol_sq = rtol * float(want.max()) + 1e-30
-    if not float((sq.double() - want).abs().max()) <= tol_sq:
-        return False
-    c64 = c.double()
-    want_s = c64 @ g64
-    tol_s = rtol * float(c64.abs() @ want.sqrt()) + 1e-30
-    return float((s.double().reshape(-1) - want_s).norm()) <= tol_s
 
 
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()

@@ -28,13 +28,17 @@ example per row, verified"):
 * every step, each recorded call must have the realised batch size B as dim 0
   of its input and of its output (else ``ValueError`` naming the layer: there is
   no loss to fall back on);
-* on the first non-empty batch, at two batch sizes that differ from every
-  dimension of the model, the hook path's per-example squared norms and a
-  random weighted sum must equal those of an exact loop of single-example
-  autograd calls, for a random linear loss Σ_i ⟨r_i, out_i⟩ (which catches a
-  forward that mixes examples and a parameter used outside its module's
-  forward); a disagreement refuses the model with a ``ValueError`` naming the
-  parameters.
+* on the first batch of ≥ 2 examples in each train/eval mode signature (a
+  change of ``model.training`` of any submodule re-runs it), in the mode of
+  that forward pass, at two batch sizes that differ from every dimension of
+  the model, the hook path's per-example squared norms and a random weighted
+  sum must equal those of an exact loop of single-example autograd calls,
+  for a random linear loss Σ_i ⟨r_i, out_i⟩, the batched pass's dropout masks
+  replayed per example (which catches a forward that mixes examples — also
+  one that mixes only in train mode — and a parameter used outside its
+  module's forward); a disagreement refuses the model with a ``ValueError``
+  naming the parameters. The check is :mod:`dpopt.engine.check`, shared with
+  the fast engine.
 
 What cannot be verified without the loss: that it is a mean (or sum) of
 per-example losses of per-example outputs (``loss_reduction``), as in Opacus.
@@ -60,8 +64,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .fast import (FastPerSampleGrads, PerSampleEngine, _agrees, _Call, _no_autocast, _rtol, _trailing, _TrainMode,
-                   free_sizes)
+from .check import (ModeCheck, RandomReplay, Unreplayable, disagreeing, free_sizes, in_modes, mode_signature,
+                    model_dims, rtol)
+from .fast import FastPerSampleGrads, PerSampleEngine, _Call, _no_autocast, _trailing
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .reference import PerSampleGrads
@@ -76,12 +81,12 @@ def _leaves(obj) -> list[Tensor]:
 
 
 class _Pass:
-    """One forward pass of the root module: the realised batch size and the recorded inputs (private)."""
+    """One forward pass of the root module: the realised batch size, the recorded inputs (private), the mode."""
 
-    __slots__ = ("batch_size", "args", "kwargs")
+    __slots__ = ("batch_size", "args", "kwargs", "modes")
 
-    def __init__(self, batch_size: int, args, kwargs):
-        self.batch_size, self.args, self.kwargs = batch_size, args, kwargs
+    def __init__(self, batch_size: int, args, kwargs, modes: tuple):
+        self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
 
 
 class _HookCall:
@@ -161,7 +166,7 @@ class HookCapture:
         self._rec = _Recording()
         self._recording = True
         self._buffers: dict = {}  # the last root forward's buffer snapshot (checked when it ends; reused)
-        self.verified = not verify
+        self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._handles: list = []
         self._attach()
 
@@ -186,7 +191,7 @@ class HookCapture:
             return None
         leaves = _leaves((args, kwargs))
         b = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else -1
-        self._rec.current = _Pass(b, args, kwargs)
+        self._rec.current = _Pass(b, args, kwargs, mode_signature(module))
         self._buffers = snapshot_buffers(module, reuse=self._buffers)
         return None
 
@@ -257,7 +262,7 @@ class HookCapture:
         if not done:
             return self._empty()
         p = next(iter(passes.values()))
-        if not self.verified and p.batch_size > 1:  # one example tiled up cannot reveal mixing: wait
+        if self._modes.needed(p.modes) and p.batch_size > 1:  # one example tiled up cannot reveal mixing: wait
             self._verify(p)
         return self._build(done, p.batch_size, self.loss_reduction)
 
@@ -369,41 +374,38 @@ class HookCapture:
         leaves = [t.detach()[sel.to(t.device)] if bt else t for t, bt in zip(flat, batched)]
         return tree_unflatten(leaves, spec)
 
-    def _model_dims(self, p: _Pass) -> set:
-        dims: set = set()
-        for t in list(self.model.parameters()) + list(self.model.buffers()) + _leaves((p.args, p.kwargs)):
-            dims.update(t.shape)
-
-        def hook(module, args, out):
-            for t in _leaves((args, out)):
-                dims.update(t.shape)
-
-        handles = [m.register_forward_hook(hook) for m in self.model.modules()]
-        self._recording = False
-        try:
-            with torch.no_grad(), _TrainMode(self.model):
-                args, kwargs = self._select(p, torch.arange(1))
-                self.model(*args, **kwargs)
-        finally:
-            self._recording = True
-            for h in handles:
-                h.remove()
-        return dims
+    @property
+    def verified(self) -> bool:
+        """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
+        return not self._modes.needed(mode_signature(self.model))
 
     def _verify(self, p: _Pass) -> None:
-        """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring)."""
+        """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
+
+        Runs in the mode of the pass ``p`` (the mode of the release), with the
+        batched pass's random draws replayed per example
+        (:mod:`dpopt.engine.check`); once per mode signature.
+        """
         k = min(p.batch_size, 8)
-        for b in free_sizes(self._model_dims(p)):
-            sel = torch.arange(b) % k
-            self._verify_at(self._select(p, sel), b)
-        self.verified = True
+        with in_modes(self.model, p.modes):
+            self._recording = False
+            try:
+                args, kwargs = self._select(p, torch.arange(1))
+                dims = model_dims(self.model, args, kwargs)
+            finally:
+                self._recording = True
+            for b in free_sizes(dims):
+                sel = torch.arange(b) % k
+                self._verify_at(self._select(p, sel), b)
+        self._modes.done(p.modes)
 
     def _verify_at(self, inputs, b: int) -> None:
         args, kwargs = inputs
         gen = torch.Generator().manual_seed(0)  # not private: a test direction for the check only
         saved, self._rec = self._rec, _Recording()
+        replay = RandomReplay(self.model)
         try:
-            with _TrainMode(self.model), torch.enable_grad():
+            with replay.recording(), torch.enable_grad():
                 out = _leaves(self.model(*args, **kwargs))
                 if not out or any(o.dim() == 0 or o.shape[0] != b for o in out):
                     raise ValueError(f"the model's output {[tuple(o.shape) for o in out]} does not have the "
@@ -415,32 +417,38 @@ class HookCapture:
         finally:
             self._rec = saved
         src = self._build([c for c in rec.calls if c.has_grad], b, "sum")
-        ref = self._loop_reference(args, kwargs, rs, b)
+        try:
+            with replay.replaying(b):
+                ref = self._loop_reference(args, kwargs, rs, b)
+        except Unreplayable as err:
+            src.free()
+            raise ValueError(f"{err}; the hook engine of PrivacyEngine cannot check this model against "
+                             "single-example autograd in the mode it trains in. Use dpopt's own loop "
+                             "(dpopt.iter_per_sample_sources), which computes each example alone") from None
         c = torch.rand(b, generator=gen, dtype=torch.float64).to(self.plan.device)
-        rtol = _rtol(self.plan.dtype, self.plan.device)
-        off = []
+        tol = rtol(self.plan.dtype, self.plan.device)  # outside _no_autocast: autocast's dtype sets the tolerance
         with _no_autocast(self.plan.device):
-            for blk in src.blocks:
-                sums = blk.grad_sums([c.to(self.params[i].dtype) for i in blk.index], None)
-                for i, sq, s in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)), sums):
-                    if not _agrees(sq, s, ref[i], c, rtol):
-                        off.append(self.names[i])
+            off = disagreeing(src.blocks, dict(enumerate(ref)), c, [q.dtype for q in self.params], tol)
         src.free()
         if off:
-            raise ValueError(f"per-sample gradients of {sorted(off)} captured from the backward pass do not match "
-                             "single-example autograd: the forward mixes examples, or a parameter is used outside "
-                             "its module's forward (e.g. F.linear(x, self.fc.weight) in a parent module). The "
-                             "hook engine of PrivacyEngine cannot train this model privately; use dpopt's own loop "
-                             "(dpopt.iter_per_sample_sources), which computes each example alone")
+            mode = "train" if self.model.training else "eval"
+            raise ValueError(f"per-sample gradients of {sorted(self.names[i] for i in off)} captured from the "
+                             f"backward pass do not match single-example autograd in the mode the model trains in "
+                             f"(model.{mode}()): the forward mixes examples (e.g. batch statistics under "
+                             "model.train(), as in `if self.training: h = h - h.mean(0)`), or a parameter is used "
+                             "outside its module's forward (e.g. F.linear(x, self.fc.weight) in a parent module). "
+                             "The hook engine of PrivacyEngine cannot train this model privately; use dpopt's own "
+                             "loop (dpopt.iter_per_sample_sources), which computes each example alone (a mixing "
+                             "layer then behaves per example, not per batch)")
 
     def _loop_reference(self, args, kwargs, rs: list[Tensor], b: int) -> list[Tensor]:
-        """Exact per-example gradients [b, *shape] of Σ⟨r_i, out_i⟩, one example at a time (eval mode)."""
+        """Exact per-example gradients [b, *shape] of Σ⟨r_i, out_i⟩, one example at a time (the caller's mode)."""
         flat, spec = tree_flatten((args, kwargs))
         batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == b for t in flat]
         rows = []
         self._recording = False
         try:
-            with _TrainMode(self.model), torch.enable_grad():
+            with torch.enable_grad():
                 for i in range(b):
                     a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
                     out = _leaves(self.model(*a_i, **kw_i))

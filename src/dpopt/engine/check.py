@@ -1,0 +1,353 @@
+"""The first-batch check of both per-sample capture paths, in the mode that trains.
+
+One module for the check that :class:`~dpopt.engine.fast.PerSampleEngine`
+(``dpopt train``, :func:`dpopt.engine.iter_per_sample_sources`) and
+:class:`~dpopt.engine.hooks.HookCapture` (``PrivacyEngine``) run before they
+trust "dim 0 is the example" (DESIGN.md, "one example per row, verified in
+the mode that trains"). The capture paths differ in how they obtain the
+batched per-example quantities (a loss they own vs. the user's backward);
+what they check, and how, lives here:
+
+* **the mode** — the check runs with every module in the train/eval mode of
+  the release it vouches for (:func:`mode_signature`, :func:`in_modes`):
+  train mode with its real behaviour (``if self.training: h = h - h.mean(0)``
+  mixes examples only there). A step whose mode signature was never checked
+  is checked again (:class:`ModeCheck`);
+* **randomness made comparable** — equal seeds do not give example i the same
+  dropout mask in a batched and in a single-example pass, so
+  :class:`RandomReplay` records the output of every random op of the batched
+  pass (a ``TorchDispatchMode`` on the aten ops tagged
+  ``nondeterministic_seeded``) and replays example i's slice of it in example
+  i's single-example pass: both sides then see the same masks, and the
+  comparison is exact up to float rounding. The reference side is always the
+  exact loop of single-example autograd calls (never ``torch.func.vmap``,
+  which refuses random ops and would hide the mode from the dispatch mode);
+* **the verification batch sizes** — :func:`free_sizes` of :func:`model_dims`:
+  sizes that differ from every dimension in the model, so that a tensor can
+  have that size along an axis only if the axis is the example axis;
+* **the agreement test** — :func:`disagreeing`: per parameter, the capture
+  path's per-example squared norms and a random weighted sum against the
+  reference per-example gradients, within :func:`rtol` of the gradient scale
+  (never relative to an exact zero).
+
+What each path does with a disagreement is its own (the fast engine moves
+the parameters to the exact per-example path, whose examples are computed
+alone; the hook path, which cannot recompute an example alone, refuses).
+The honest criterion is σ = 0 sensitivity (removing one example moves the
+clipped sum by ≤ C), tested in ``tests/engine/test_train_mode_check.py``.
+
+What replay cannot make comparable is refused as :class:`Unreplayable`: a
+random op whose batched output has no unique example axis matching the
+single-example request, a different number of random calls per example, or
+a random op whose output depends on its (non-random) data input other than
+dropout (``rrelu`` in train mode). What no check can see: a random op whose
+*parameters* mix examples (``torch.bernoulli(h.mean(0))``) — replay gives
+both sides the same draw, so the dependence of example i's draw on the other
+examples is invisible; such a layer is outside the engines' contract.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "free_sizes", "model_dims",
+           "rtol", "agrees", "disagreeing", "RTOL"]
+
+RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+"""Relative tolerance of the check per dtype (of the layer's gradient scale)."""
+
+
+# --------------------------------------------------------------------------- the mode
+def mode_signature(model: nn.Module) -> tuple[bool, ...]:
+    """``module.training`` of every module of ``model`` (``model.modules()`` order): the mode of a release."""
+    return tuple(bool(m.training) for m in model.modules())
+
+
+@contextmanager
+def in_modes(model: nn.Module, signature: Optional[Sequence[bool]] = None) -> Iterator[None]:
+    """Context: every module in the mode ``signature`` gives (None: as it is), each restored after.
+
+    Raises:
+        ValueError: the signature does not have one flag per module (the model
+            gained or lost modules since it was recorded).
+    """
+    mods = list(model.modules())
+    saved = [m.training for m in mods]
+    if signature is not None and len(signature) != len(mods):
+        raise ValueError(f"mode signature of {len(signature)} modules for a model with {len(mods)}: the model's "
+                         "modules changed between its forward pass and the optimizer step")
+    try:
+        if signature is not None:
+            for m, flag in zip(mods, signature):
+                m.training = bool(flag)
+        yield
+    finally:
+        for m, flag in zip(mods, saved):
+            m.training = flag
+
+
+class ModeCheck:
+    """Which mode signatures a capture path has verified (a mode not verified yet is checked again).
+
+    Args:
+        enabled: False: every mode counts as verified (``verify=False``).
+
+    A change of ``model.training`` of any submodule between steps gives a new
+    signature: the first step in it runs the check again. A signature once
+    verified stays verified (what a check demotes is demoted for good, so an
+    earlier verdict stays sound).
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+        self._done: set = set()
+
+    def needed(self, signature: tuple) -> bool:
+        """True if a step in mode ``signature`` must first be checked."""
+        return self.enabled and signature not in self._done
+
+    def done(self, signature: tuple) -> None:
+        """Record that ``signature`` was checked."""
+        self._done.add(tuple(signature))
+
+
+# --------------------------------------------------------------------------- randomness
+class Unreplayable(Exception):
+    """A random op of the batched pass cannot be given to a single-example pass (the message says which)."""
+
+
+_GENERATORS = {"bernoulli", "bernoulli_", "binomial", "cauchy", "cauchy_", "exponential", "exponential_",
+               "geometric", "geometric_", "log_normal", "log_normal_", "multinomial", "normal", "normal_",
+               "normal_functional", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
+               "randn_like", "random", "random_", "randperm", "uniform", "uniform_", "_standard_gamma",
+               "_sample_dirichlet"}
+"""Random aten ops whose output is a draw (its parameters may be tensors): replayed as recorded."""
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _bound(func, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in."""
+    schema = func._schema.arguments
+    out = {a.name: a.default_value for a in schema if a.has_default_value()}
+    out.update(zip([a.name for a in schema], args))
+    out.update(kwargs)
+    return out
+
+
+def _inactive(func, args, kwargs) -> bool:
+    """A random-tagged op that draws nothing here (dropout probability 0, or not training)."""
+    b = _bound(func, args, kwargs)
+    for key in ("dropout_p", "dropout", "p"):
+        if key in b and isinstance(b[key], (int, float)) and float(b[key]) == 0.0:
+            return True
+    return any(key in b and b[key] is False for key in ("train", "training", "is_training"))
+
+
+class _RandomOps(TorchDispatchMode):
+    def __init__(self, owner: "RandomReplay"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or _inactive(func, args, kwargs):
+            return func(*args, **kwargs)
+        return self.owner._random(func, args, kwargs)
+
+
+class RandomReplay:
+    """Record the random ops of a batched pass; replay example i's slice of each in its single-example pass.
+
+    Args:
+        model: the root module: each of its forward calls starts a pass (a
+            forward pre-hook: while recording, a new pass forgets the earlier
+            one; while replaying, each pass is the next example, 0, 1, ...).
+
+    Use::
+
+        rr = RandomReplay(model)
+        with rr.recording():
+            ... batched forward (and backward) on b examples ...
+        with rr.replaying(b):
+            for i in range(b): ... forward of example i alone ...
+
+    The k-th random op of example i's pass returns the k-th recorded output
+    narrowed to index i along its unique axis of size b (where the request
+    has size 1 and every other size agrees), or the whole recorded output if
+    it has the requested shape (a draw shared by the batch). Dropout through
+    ``native_dropout`` replays the mask and recomputes ``input·mask/(1−p)``.
+    Only used inside the check: outside these contexts nothing is intercepted.
+
+    Raises (from inside the replayed pass):
+        Unreplayable: no such axis, more random calls than were recorded, or a
+            random op whose output depends on its data input (module docstring).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.outs: list[Tensor] = []
+        self.phase: Optional[str] = None
+        self.example, self.k, self.b = -1, 0, 0
+
+    def _pre(self, module, args) -> None:
+        if self.phase == "record":
+            self.outs = []
+        elif self.phase == "replay":
+            self.example, self.k = self.example + 1, 0
+
+    @contextmanager
+    def _active(self, phase: str) -> Iterator["RandomReplay"]:
+        handle = self.model.register_forward_pre_hook(self._pre)
+        self.phase = phase
+        try:
+            with _RandomOps(self):
+                yield self
+        finally:
+            self.phase = None
+            handle.remove()
+
+    def recording(self):
+        """Context: record the random ops of the root module's last forward pass."""
+        return self._active("record")
+
+    def replaying(self, b: int):
+        """Context: the root module's forward passes are examples 0..b−1 of the recorded batch of ``b``."""
+        self.example, self.k, self.b = -1, 0, int(b)
+        return self._active("replay")
+
+    # -- the intercepted op --------------------------------------------------------------
+    def _random(self, func, args, kwargs):
+        name = _op_name(func)
+        if name not in _GENERATORS and name != "native_dropout":
+            raise Unreplayable(f"the random operation {name} (its output depends on its input) cannot be "
+                               "replayed per example")
+        if self.phase == "record":
+            out = func(*args, **kwargs)
+            kept = out[1] if name == "native_dropout" else (args[0] if name.endswith("_") else out)
+            self.outs.append(kept.detach().clone())
+            return out
+        if self.k >= len(self.outs):
+            raise Unreplayable(f"a single-example pass calls more random operations than the batched pass "
+                               f"({len(self.outs)}; {name} is one more)")
+        rec = self.outs[self.k]
+        self.k += 1
+        if name == "native_dropout":
+            inp, p = args[0], float(_bound(func, args, kwargs)["p"])
+            mask = self._slice(rec, tuple(inp.shape), name)
+            scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+            return inp * mask.to(inp.dtype) * scale, mask.clone()
+        out = func(*args, **kwargs)  # the request's shape, dtype and device (the draw itself is discarded)
+        value = self._slice(rec, tuple(out.shape), name)
+        out.copy_(value)
+        return out
+
+    def _slice(self, rec: Tensor, shape: tuple, name: str) -> Tensor:
+        if tuple(rec.shape) == shape:
+            return rec
+        axes = [k for k in range(rec.dim()) if len(shape) == rec.dim() and rec.shape[k] == self.b and shape[k] == 1
+                and all(rec.shape[j] == shape[j] for j in range(rec.dim()) if j != k)]
+        if len(axes) != 1 or not 0 <= self.example < self.b:
+            raise Unreplayable(f"the random operation {name} drew a tensor of shape {_trailing_b(rec.shape)} in the "
+                               f"batched pass and one of shape {tuple(shape)} for a single example: no example "
+                               "axis to replay it along (apply dropout to tensors that keep the examples along "
+                               "one axis)")
+        return rec.narrow(axes[0], self.example, 1)
+
+
+def _trailing_b(shape) -> str:
+    return str(tuple(int(s) for s in shape))  # verification batches only: b is a public, chosen size
+
+
+# --------------------------------------------------------------------------- sizes
+def free_sizes(dims: set, k: int = 2) -> list[int]:
+    """The k smallest integers ≥ 2 that are not in ``dims`` (verification batch sizes)."""
+    out, n = [], 2
+    while len(out) < k:
+        if n not in dims:
+            out.append(n)
+        n += 1
+    return out
+
+
+def _tensors(obj) -> list[Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+
+
+def model_dims(model: nn.Module, args: tuple, kwargs: Optional[dict] = None) -> set:
+    """Every dimension of the parameters, buffers, inputs and every module's inputs/outputs of ``model(*args)``.
+
+    One forward pass without gradients, in the model's current mode.
+    """
+    kwargs = kwargs or {}
+    dims: set = set()
+    for t in list(model.parameters()) + list(model.buffers()) + _tensors((args, kwargs)):
+        dims.update(t.shape)
+
+    def hook(module, a, out):
+        for t in _tensors((a, out)):
+            dims.update(t.shape)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return dims
+
+
+# --------------------------------------------------------------------------- agreement
+def rtol(dtype: torch.dtype, device: torch.device) -> float:
+    """Relative tolerance of the check: the parameter dtype's (:data:`RTOL`), or autocast's if coarser."""
+    tol = RTOL.get(dtype, 5e-2)
+    if torch.is_autocast_enabled(device.type):
+        tol = max(tol, RTOL.get(torch.get_autocast_dtype(device.type), 5e-2))
+    return tol
+
+
+def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float) -> bool:
+    """Capture-path ‖g_i‖² ``sq [B]`` and Σ_i c_i g_i ``s`` against per-example gradients ``g [B, ...]``.
+
+    Tolerances are relative to the scale of the layer's gradients (the largest
+    squared norm; Σ_i |c_i|·‖g_i‖ for the sum), so an exactly-zero gradient
+    (a bias before a one-channel-per-group GroupNorm) agrees with float noise.
+    """
+    g64 = g.double().reshape(g.shape[0], -1)
+    want = g64.square().sum(1)
+    tol_sq = tol * float(want.max()) + 1e-30
+    if not float((sq.double() - want).abs().max()) <= tol_sq:
+        return False
+    c64 = c.double()
+    want_s = c64 @ g64
+    tol_s = tol * float(c64.abs() @ want.sqrt()) + 1e-30
+    return float((s.double().reshape(-1) - want_s).norm()) <= tol_s
+
+
+def disagreeing(blocks: Sequence, ref: dict, c: Tensor, dtypes: Sequence[torch.dtype], tol: float) -> list[int]:
+    """Parameter indices whose blocks' per-example norms or weighted sum differ from ``ref``.
+
+    Args:
+        blocks: the capture path's blocks (``index``, ``sq_norms``, ``grad_sums``).
+        ref: parameter index → reference per-example gradients ``[b, *shape]``
+            (exact single-example autograd).
+        c: weights ``[b]`` (float64) of the test sum.
+        dtypes: the dtype of each parameter (by index).
+        tol: :func:`rtol`.
+    """
+    off = []
+    for blk in blocks:
+        sums = blk.grad_sums([c.to(dtypes[i]) for i in blk.index], None)
+        for i, sq, s in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)), sums):
+            if not agrees(sq, s, ref[i], c, tol):
+                off.append(i)
+    return off
