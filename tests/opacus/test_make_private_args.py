@@ -1,0 +1,169 @@
+"""Opacus's ``make_private`` arguments on dpopt's PrivacyEngine (issue 22 item 2).
+
+Each Opacus argument is accepted and mapped onto dpopt's one engine, or
+refused with advice that is right. Ports the argument cases of Opacus's
+privacy_engine_test (grad_sample_mode variants, ghost's 4-tuple, adaptive
+clipping's arguments, drop_last, get_compatible_module).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import dpopt
+from dpopt.module_validator import ModuleValidator, UnsupportedModuleError
+
+from opacus_setup import data, model, private, run_epoch
+
+
+def _params(m):
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+@pytest.mark.parametrize("mode", ["functorch", "ew", "ghost"])
+def test_every_grad_sample_mode_trains_as_hooks(mode):
+    _, m0, opt0, loader0 = private(grad_sample_mode="hooks")
+    run_epoch(m0, opt0, loader0)
+    with pytest.warns(UserWarning, match="one engine"):
+        engine, *out = private(grad_sample_mode=mode)
+    if mode == "ghost":
+        m1, opt1, criterion, loader1 = out
+        assert isinstance(criterion, nn.CrossEntropyLoss)  # Opacus's default criterion, returned
+    else:
+        m1, opt1, loader1 = out
+    run_epoch(m1, opt1, loader1)
+    # same seeds (model, reproducible masks and noise): the same updates to float tolerance
+    torch.testing.assert_close(_params(m1), _params(m0), rtol=1e-5, atol=1e-6)
+    assert len(engine.ledger) == len(loader1)
+
+
+def test_the_mode_note_is_said_once_per_engine():
+    engine = dpopt.PrivacyEngine()
+    kw = dict(data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.warns(UserWarning, match="one engine"):
+        m = model()
+        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                            grad_sample_mode="functorch", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = model()
+        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                            grad_sample_mode="functorch", **kw)
+
+
+@pytest.mark.parametrize("mode, match", [("ghost_fsdp", "distributed=True"), ("expanded", "one of")])
+def test_unsupported_modes_are_refused_with_advice(mode, match):
+    with pytest.raises(ValueError, match=match):
+        private(grad_sample_mode=mode)
+
+
+def test_batch_first_false_is_refused_with_the_transpose_advice():
+    private(batch_first=True)
+    with pytest.raises(ValueError, match="transpose"):
+        private(batch_first=False)
+
+
+def test_a_sum_reduced_criterion_under_mean_is_refused():
+    with pytest.raises(ValueError, match="loss_reduction='sum'"):
+        private(grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"))
+    *_, crit, _ = private(grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"),
+                          loss_reduction="sum")
+    assert crit.reduction == "sum"
+
+
+def _adaptive(**kw):
+    return private(clipping="adaptive", max_grad_norm=1.0, target_unclipped_quantile=0.05,
+                   clipbound_learning_rate=3.0, unclipped_num_std=5.0, **kw)
+
+
+def test_adaptive_clipping_with_opacus_arguments_clamps_the_bound():
+    # target quantile 0.05 drives the bound down by about exp(-3 * (frac - 0.05)) per step: without a floor it leaves [0.5, 1]
+    engine, m, opt, loader = _adaptive()
+    run_epoch(m, opt, loader)
+    free = [e.meta["max_grad_norm"][0] for e in engine.ledger.entries]
+    assert min(free) < 0.5
+    engine, m, opt, loader = _adaptive(min_clipbound=0.5, max_clipbound=1.0)
+    for _ in range(3):
+        run_epoch(m, opt, loader)
+    applied = [e.meta["max_grad_norm"][0] for e in engine.ledger.entries] + [opt.max_grad_norm]
+    assert applied[0] == 1.0 and all(0.5 <= c <= 1.0 for c in applied)
+    assert min(applied) == 0.5  # the floor was reached and held
+
+
+@pytest.mark.parametrize("kw, match", [(dict(min_clipbound=0.1), "clipping='adaptive'"),
+                                       (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=1.0),
+                                        "min_clipbound <= max_clipbound"),
+                                       (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=3.0),
+                                        "outside")])
+def test_clip_bounds_refused_where_wrong(kw, match):
+    with pytest.raises(ValueError, match=match):
+        private(**kw)
+
+
+def test_drop_last_warns_as_opacus_and_every_poisson_batch_is_used():
+    with pytest.warns(UserWarning, match="Ignoring drop_last"):
+        engine = dpopt.PrivacyEngine()
+        m = model()
+        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                            data_loader=DataLoader(data(), batch_size=10, drop_last=True),
+                            noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_secure_mode_per_call_and_its_exclusion_with_a_generator():
+    engine = dpopt.PrivacyEngine()
+    m = model()
+    _, opt, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                    data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0,
+                                    max_grad_norm=1.0, secure_mode=True)
+    assert opt.privatizer.noise.mode == "secure"
+    with pytest.raises(ValueError, match="exclusive"):
+        private(secure_mode=True)
+
+
+def test_unknown_keywords_with_a_torch_optimizer_point_to_the_migration_guide():
+    with pytest.raises(TypeError, match="migrating-from-opacus"):
+        private(total_steps=10)
+
+
+def test_make_private_with_epsilon_takes_opacus_arguments_and_meets_the_target():
+    engine = dpopt.PrivacyEngine(accountant="rdp")
+    m = model()
+    out = engine.make_private_with_epsilon(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                           data_loader=DataLoader(data(), batch_size=16), target_epsilon=3.0,
+                                           target_delta=1e-5, epochs=2, max_grad_norm=1.0, batch_first=True,
+                                           poisson_sampling=True, grad_sample_mode="hooks", loss_reduction="mean")
+    m, opt, loader = out
+    for _ in range(2):
+        run_epoch(m, opt, loader)
+    eps = engine.accountant.get_epsilon(delta=1e-5)
+    assert 2.9 < eps <= 3.0
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_get_compatible_module_replaces_batchnorm_as_opacus():
+    net = _BNNet()
+    engine = dpopt.PrivacyEngine()
+    assert not engine.is_compatible(module=net, optimizer=None, data_loader=None)
+    assert not ModuleValidator.is_valid(net) and len(ModuleValidator.validate(net)) == 1
+    with pytest.raises(UnsupportedModuleError, match="GroupNorm"):
+        engine.validate(module=net, optimizer=None, data_loader=None)
+    fixed = dpopt.PrivacyEngine.get_compatible_module(net)
+    assert isinstance(fixed.bn, nn.GroupNorm) and fixed.bn.num_groups == 8
+    assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)
+    with pytest.raises(TypeError, match="num_groups"):
+        ModuleValidator.fix(_BNNet(), num_groups=2)
