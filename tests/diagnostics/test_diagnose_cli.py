@@ -66,7 +66,7 @@ def test_cli_diagnose_writes_tables_and_figures(tmp_path):
     doc = json.loads((out / "diagnostics.json").read_text())
     assert doc["notice"].startswith("NON-PRIVATE") and set(doc["noise_multipliers"]) == {"64.0", "256.0"}
     assert float(doc["noise_multipliers"]["256.0"]) > float(doc["noise_multipliers"]["64.0"])
-    assert (out / "recovery.md").read_text().startswith("<!-- NON-PRIVATE")
+    assert (out / "recovery.md").read_text().startswith("# NON-PRIVATE")
 
 
 def test_cli_diagnose_checkpoint_and_errors(tmp_path):

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ..jsonio import loads
 from .accountant import epsilon
 from .budget import COUNT_SENSITIVITY
 from .events import EventSummary, effective_noise_multiplier, summarize_event
@@ -463,7 +464,7 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
                                 "releases journaled so far)")
     ledger = PrivacyLedger.load(run)  # the journal when there is one: the releases `dpopt ledger` scores
     try:
-        summary = json.loads(summary_path.read_text())
+        summary = loads(summary_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{summary_path} is not valid JSON: {exc}") from exc
     if not isinstance(summary, dict):

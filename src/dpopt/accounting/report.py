@@ -14,13 +14,12 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..errors import ConfigError
+from ..jsonio import json_safe, loads
 from .accountant import epsilon_report
 from .events import summarize_event
 from .ledger import PrivacyLedger
@@ -116,10 +115,6 @@ def score_ledger(ledger: Any, delta: float) -> tuple[dict, dict]:
     return scores, notes
 
 
-def _json_num(x: Any) -> Any:
-    return x if not isinstance(x, float) or math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
 @dataclass
 class LedgerReport:
     """A run's ledger, grouped and re-scored (see :func:`ledger_report`).
@@ -157,7 +152,7 @@ class LedgerReport:
 
     def to_dict(self) -> dict:
         """JSON-ready dict (keys as in ``dpopt ledger --json``; ``inf`` as the string ``"inf"``)."""
-        scores = {k: _json_num(v) for k, v in self.epsilon_by_accountant.items()}
+        scores = json_safe(dict(self.epsilon_by_accountant))
         return {"run_dir": self.run_dir, "neighbouring": self.neighbouring, "sampling": self.sampling,
                 "noise": self.noise, "dataset_size": self.dataset_size, "notes": self.notes,
                 "releases": self.releases, "delta": self.delta, "accountant": self.accountant,
@@ -183,7 +178,7 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
     """
     book = PrivacyLedger.load(run_dir)
     summary_path = Path(run_dir) / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = loads(summary_path.read_text()) if summary_path.exists() else {}
     delta = delta if delta is not None else summary.get("delta", DEFAULT_DELTA)
     try:
         check_delta(delta)

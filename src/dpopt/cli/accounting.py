@@ -30,6 +30,7 @@ from typing import Optional
 
 import typer
 
+from ..jsonio import dumps
 from .common import (
     ACCOUNTING_ERRORS,
     fail,
@@ -38,7 +39,6 @@ from .common import (
     delta_option,
     flag_text,
     flags_for,
-    json_num,
     json_option,
 )
 
@@ -159,7 +159,7 @@ def account(
     eps = report.epsilon
     _notes(report.notes)
     if as_json:
-        typer.echo(json.dumps({"epsilon": json_num(eps), "delta": delta, "noise_multiplier": noise_multiplier,
+        typer.echo(dumps({"epsilon": eps, "delta": delta, "noise_multiplier": noise_multiplier,
                                "sample_rate": sample_rate, "steps": steps, "accountant": accountant.lower(),
                                "resolution": report.resolution, "coarsened": report.coarsened,
                                "notes": list(report.notes)}))
@@ -206,7 +206,7 @@ def calibrate(
                     "count_noise_multiplier": split.count_noise_multiplier,
                     "count_noise_std": split.count_noise_std})
     if as_json:
-        typer.echo(json.dumps(out))
+        typer.echo(dumps(out))
         return
     typer.echo(f"noise_multiplier = {result.noise_multiplier!r}")
     typer.echo(f"epsilon = {result.epsilon:.6g} <= target {result.target_epsilon:g}  (delta = {result.delta:g}, "
@@ -266,7 +266,7 @@ def ledger(
         name: flag_text(value, ACCOUNTING_FLAGS) if isinstance(value, str) else value
         for name, value in report.epsilon_by_accountant.items()})
     if as_json:
-        typer.echo(json.dumps(report.to_dict()))
+        typer.echo(dumps(report.to_dict()))
         return
     typer.echo(f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
                f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}")
@@ -302,7 +302,7 @@ def check(
     _read_run(run_dir, summary=True)
     with cli_errors():
         result = check_run(run_dir)
-    typer.echo(json.dumps(result.to_dict(), default=json_num) if as_json else result.format())
+    typer.echo(dumps(result.to_dict()) if as_json else result.format())
     if not result.passed:
         raise typer.Exit(1)
 

@@ -8,12 +8,12 @@ accounting commands stay fast.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Optional
 
 import typer
 
+from ..jsonio import dumps
 from .common import cli_errors, delta_option, fail, flags_for, json_option
 
 group = typer.Typer()
@@ -70,7 +70,7 @@ def audit(
         doc = {"delta": delta, "alpha": alpha, "false_alarm_rate_per_mechanism": alpha,
                "trials": trials, "results": [r.to_dict() for r in results], "leaks": leaks,
                "note": note}
-        typer.echo(json.dumps(doc, indent=2))
+        typer.echo(dumps(doc, indent=2))
     else:
         typer.echo(f"One-step audit at δ = {delta:g}, {trials} trials per mechanism; false-alarm rate "
                    f"α = {alpha:g} per mechanism (probability that an honest mechanism shows LEAK).")

@@ -4,6 +4,9 @@ Exit codes (the same for every command):
 
 * ``0`` — done; ``1`` — a check or audit found a problem (``dpopt check``,
   ``dpopt audit``), set by the command itself;
+* ``3`` — ``dpopt train`` finished (every file written) but the run's ledger check
+  FAILED (σ = 0, an empty ledger, reproducible noise, ...): its ε is not a
+  guarantee (:data:`EXIT_CHECK_FAILED`; ``check.txt`` in the run directory says why);
 * ``2`` — the input cannot be used: one ``error: ...`` line on stderr, never a
   traceback (:func:`fail`; library ``ValueError`` — including
   :class:`dpopt.errors.ConfigError` and ``dpopt.data.DataError`` — and
@@ -21,7 +24,6 @@ Nothing here imports torch: ``dpopt --help`` and the accounting commands stay fa
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Iterable, Iterator, Mapping, NoReturn, Optional
 
@@ -32,6 +34,7 @@ from ..errors import translate
 __all__ = [
     "ACCOUNTANT_HELP",
     "ACCOUNTING_ERRORS",
+    "EXIT_CHECK_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
     "USAGE_ERRORS",
@@ -45,13 +48,14 @@ __all__ = [
     "fail",
     "flag_text",
     "flags_for",
-    "json_num",
     "json_option",
     "tidy_help",
 ]
 
 #: Exit code for input that cannot be used (as click's usage errors).
 EXIT_USAGE = 2
+#: Exit code of ``dpopt train`` when the finished run's ledger check fails (its files are all written).
+EXIT_CHECK_FAILED = 3
 #: Exit code after Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
 
@@ -152,16 +156,14 @@ def cli_errors(flags: Optional[Mapping[str, str]] = None, *, errors: tuple = USA
         fail(cli_message(exc, flags))
 
 
-# --------------------------------------------------------------------------- output
-def json_num(x: float):
-    """A float for JSON: ``inf``/``-inf`` as strings (JSON has no infinity)."""
-    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
 # --------------------------------------------------------------------------- shared options
+#: What every ``--json`` help says about numbers (:mod:`dpopt.jsonio`).
+JSON_NUMBERS_HELP = "strict JSON: inf, -inf and NaN are the strings \"inf\", \"-inf\", \"nan\""
+
+
 def json_option(help: str = "Print one JSON object."):
-    """``--json``: machine-readable output instead of text."""
-    return typer.Option(False, "--json", help=help)
+    """``--json``: machine-readable output instead of text (strict JSON, :data:`JSON_NUMBERS_HELP`)."""
+    return typer.Option(False, "--json", help=f"{help} ({JSON_NUMBERS_HELP})")
 
 
 def delta_option(default=..., help: str = "δ in (0, 1), e.g. 1e-5."):

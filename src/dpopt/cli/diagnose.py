@@ -8,20 +8,30 @@ carry, then writes the recovery table (✓ where B̄ ≥ B*), the SNR table, the
 Monte Carlo cosine table, the figures and a JSON file to ``--out``. The math
 is :mod:`dpopt.diagnostics`; nothing here feeds training. torch is imported
 inside the command body.
+
+Non-private output never goes into a run directory: an ``--out`` that is, or is
+inside, a directory holding a run's files (:data:`RUN_MARKERS`: ``ledger.json``,
+``summary.json``, ``model.pt``, ...) is refused before anything is computed.
+Each ``.md`` file opens with a visible ``# NON-PRIVATE ...`` heading.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..jsonio import dumps, loads
 from .common import accountant_option, cli_errors, delta_option, fail, flags_for
 
 group = typer.Typer()
+
+#: Files that make a directory a `dpopt train` run directory (diagnose never writes in or below one).
+RUN_MARKERS = ("ledger.json", "ledger.jsonl", "summary.json", "model.pt", "checkpoint.pt")
+#: The first lines of every .md file diagnose writes: a heading a reader cannot miss.
+MD_HEADING = "# NON-PRIVATE research diagnostics (not differentially private)"
 
 DIAGNOSE_FLAGS = flags_for(["dataset", "data_dir", "model", "batch_sizes", "noise_multiplier", "target_epsilon",
                             "epochs", "checkpoint", "out", "examples", "max_grad_norm", "momentum", "trials",
@@ -38,6 +48,16 @@ _HELP = (
     "--noise-multiplier, or calibrated for --target-epsilon over --epochs at q = B̄/N. Writes recovery.md, "
     "snr.md, cosines.md, diagnostics.json, spectrum.png, recovery.png to --out."
 )
+
+
+def run_directory_at(out: Path) -> Optional[tuple[Path, list[str]]]:
+    """(the run directory, its run files) if ``out`` is a run directory or lies inside one; else None."""
+    path = out.expanduser().resolve()
+    for folder in (path, *path.parents):
+        found = [name for name in RUN_MARKERS if (folder / name).is_file()]
+        if found:
+            return folder, found
+    return None
 
 
 def _parse_batch_sizes(text: str) -> list[float]:
@@ -89,6 +109,11 @@ def diagnose(
         fail(f"--momentum must be in [0, 1), got {momentum}")
     if not max_grad_norm > 0:
         fail(f"--max-grad-norm must be > 0, got {max_grad_norm}")
+    held = run_directory_at(Path(out))
+    if held is not None:
+        fail(f"--out {out}: {held[0]} is a training run's directory (it holds {', '.join(held[1])}); non-private "
+             "diagnostics never go into a run directory, whose files are public by design. Choose an --out "
+             "outside it, e.g. --out diagnostics/")
     start = time.perf_counter()
     with cli_errors(DIAGNOSE_FLAGS):
         import torch
@@ -108,7 +133,7 @@ def diagnose(
         model_name = model or DEFAULT_MODEL[dataset]
         if checkpoint is not None:
             run = Path(checkpoint)
-            cfg = json.loads((run / "config.json").read_text())
+            cfg = loads((run / "config.json").read_text())
             model_name = cfg.get("model") or model_name
             if model is not None and model != model_name:
                 fail(f"--model {model} does not match the checkpoint's model {model_name}")
@@ -144,12 +169,12 @@ def diagnose(
                    f" (seed {seed}), clean gradient from {len(y)} training examples, C = {max_grad_norm:g}, "
                    + (f"σ = {noise_multiplier:g}" if noise_multiplier is not None else
                       f"σ calibrated for ε = {target_epsilon:g}, δ = {delta:g} over {epochs:g} epochs ({accountant})"))
-        header = f"<!-- {NON_PRIVATE_NOTICE} -->\n\n{setting}\n\n"
+        header = f"{MD_HEADING}\n\n**{NON_PRIVATE_NOTICE}**\n\n{setting}\n\n"
         tables = {"recovery.md": recovery_table(diag), "snr.md": snr_table(diag), "cosines.md": cosine_table(diag)}
         for name, text in tables.items():
             (out_dir / name).write_text(header + text + "\n")
         doc = dict(diag.to_dict(), setting=setting, model=model_name, dataset=dataset, checkpoint=checkpoint)
-        (out_dir / "diagnostics.json").write_text(json.dumps(doc, indent=1, default=str))
+        (out_dir / "diagnostics.json").write_text(dumps(doc, indent=1, default=str))
         pick = next((lay for lay in diag.layers if lay.name == layer), None) if layer else \
             max(diag.layers, key=lambda lay: lay.shape[0] * lay.shape[1])
         if pick is None:

@@ -14,12 +14,12 @@ share r, and the best share r* with its inflation — and writes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..jsonio import dumps
 from .common import ACCOUNTING_ERRORS, accountant_option, cli_errors, delta_option, fail, flags_for, json_option
 
 group = typer.Typer()
@@ -71,7 +71,7 @@ def split(
         html_path = write_split_html(table, out / "split.html")
         png_path = write_split_png(table, out / "split.png")
     if as_json:
-        typer.echo(json.dumps({**table.to_dict(), "html": str(html_path), "png": str(png_path)}))
+        typer.echo(dumps({**table.to_dict(), "html": str(html_path), "png": str(png_path)}))
         return
     typer.echo(f"target epsilon = {table.target_epsilon:g}, delta = {table.delta:g}, N = {table.dataset_size}, "
                f"epochs = {table.epochs:g}, accountant = {table.accountant}; steps = ceil(epochs*N/B)")

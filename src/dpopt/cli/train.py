@@ -9,14 +9,14 @@ name ``TrainConfig`` fields and are shown with this command's flags
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from typing import Optional
 
 import typer
 
-from .common import accountant_option, cli_errors, delta_option, fail, flags_for, json_option
+from ..jsonio import dumps
+from .common import EXIT_CHECK_FAILED, accountant_option, cli_errors, delta_option, fail, flags_for, json_option
 
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 
@@ -160,6 +160,9 @@ def train_command(
 
     SIGINT (Ctrl-C) or SIGTERM finishes the current step and stops cleanly (ledger, metrics, checkpoint and
     summary written; exit code 130 or 143); `dpopt train --resume RUN_DIR` continues the run.
+
+    Exit code 3: the run finished and every file is written, but its ledger check FAILED (σ = 0, an empty
+    ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input.
     """
     import signal as _signal
 
@@ -286,9 +289,13 @@ def train_command(
                           f"ε = {summary['epsilon']:.4f} ≤ --max-epsilon {summary['max_epsilon']:g} (the next "
                           "step would exceed it)")
     if json_out:
-        sys.stdout.write(json.dumps(summary) + "\n")
-    if status == "interrupted":
+        sys.stdout.write(dumps(summary) + "\n")
+    if status == "interrupted":  # not finished: the check runs again when the resumed run completes
         raise typer.Exit(128 + (_signal.SIGTERM if summary.get("stop_signal") == "SIGTERM" else _signal.SIGINT))
+    if summary.get("check", "pass") != "pass":
+        typer.echo(f"error: the run's ledger check failed ({summary['check']}): its ε is not a privacy guarantee; "
+                   f"see {summary['run_dir']}/check.txt (exit code {EXIT_CHECK_FAILED})", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 @group.command("methods")
@@ -300,7 +307,7 @@ def methods_command(json_out: bool = json_option("machine-readable list")) -> No
     if json_out:
         rows = [{"name": s.name, "description": s.description, "reference": s.reference,
                  "defaults": s.defaults, "dataset_defaults": s.dataset_defaults} for s in specs]
-        sys.stdout.write(json.dumps(rows, default=str) + "\n")
+        sys.stdout.write(dumps(rows, default=str) + "\n")
         return
     for s in specs:
         defaults = ", ".join(f"{k}={v}" for k, v in s.defaults.items())

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from ..errors import ConfigError
+from ..jsonio import loads
 from .sweep import read_results
 
 __all__ = ["Cell", "Table", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
@@ -226,7 +227,7 @@ def _metrics_rows(record: dict, base: Optional[Path]) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            row = loads(line)
         except json.JSONDecodeError:
             continue
         if row.get("test_accuracy") is not None and not row.get("log"):

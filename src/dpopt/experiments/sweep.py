@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from ..errors import ConfigError
+from ..jsonio import dumps, loads
 
 __all__ = ["SweepPoint", "Sweep", "load_sweep", "parse_sweep", "read_results", "run_sweep", "FINISHED"]
 
@@ -246,7 +247,7 @@ def read_results(path: Union[str, Path]) -> list[dict]:
         if not line:
             continue
         try:
-            records.append(json.loads(line))
+            records.append(loads(line))
         except json.JSONDecodeError:
             continue
     return records
@@ -255,7 +256,7 @@ def read_results(path: Union[str, Path]) -> list[dict]:
 def _append(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
-        fh.write(json.dumps(record, default=str) + "\n")
+        fh.write(dumps(record, default=str) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 

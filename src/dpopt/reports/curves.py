@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
+from ..jsonio import loads
+
 __all__ = ["CURVES_NAME", "write_curves"]
 
 CURVES_NAME = "curves.png"
@@ -35,7 +37,7 @@ def write_curves(run_dir: Union[str, Path]) -> Optional[Path]:
             return None
         for line in path.read_text().splitlines():
             try:
-                row = json.loads(line)
+                row = loads(line)
             except json.JSONDecodeError:
                 continue
             if row.get("test_accuracy") is not None and row.get("step") is not None:

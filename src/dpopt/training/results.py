@@ -8,7 +8,8 @@ steps and always before a file that depends on a release), ``metrics.jsonl``
 run stops (completed, interrupted or at its ε budget): ``ledger.json``,
 ``model.pt``, ``check.txt`` and ``summary.json`` (with ``"status"`` unless
 completed). JSON files and checkpoints are replaced atomically (write, then
-rename).
+rename). JSON is strict (:mod:`dpopt.jsonio`): a non-finite number is written as
+the string ``"inf"``, ``"-inf"`` or ``"nan"`` (e.g. ``"epsilon": "inf"`` at σ = 0).
 
 Everything written is public configuration, released values (the model,
 test-set metrics computed from it) and accountant output only; with
@@ -20,7 +21,6 @@ run files then reveal N); give ``sample_rate`` to avoid that.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict
@@ -31,6 +31,7 @@ import torch
 
 from ..accounting.ledger_check import check_ledger
 from ..errors import ConfigError
+from ..jsonio import dumps, loads
 from ..models import num_parameters
 from ..reports.curves import CURVES_NAME, write_curves
 from ..accounting.ledger import JOURNAL_NAME
@@ -56,7 +57,7 @@ def finished_summary(run_dir: Union[str, Path], statuses: tuple = ("completed",)
     """``run_dir/summary.json`` if it exists, parses, and its ``status`` is in ``statuses`` (a summary
     without ``status`` is a completed run); else None."""
     try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        summary = loads((Path(run_dir) / "summary.json").read_text())
     except (OSError, ValueError):
         return None
     return summary if summary.get("status", "completed") in statuses else None
@@ -97,7 +98,7 @@ def write_config(run_dir: Path, run: Run) -> None:
     config = dict(asdict(run.cfg), model=run.model_name, hparams=dict(hp), noise_multiplier=run.noise_multiplier,
                   max_grad_norm=hp["max_grad_norm"], lr=hp["lr"], sample_rate=run.sample_rate, steps=run.steps,
                   num_parameters=num_parameters(run.model), **run.privacy_facts)
-    atomic_write_text(run_dir / "config.json", json.dumps(config, indent=2, default=str))
+    atomic_write_text(run_dir / "config.json", dumps(config, indent=2, default=str))
 
 
 class RunFiles:
@@ -124,7 +125,7 @@ class RunFiles:
         """Append one metrics row (after flushing the ledger it depends on)."""
         self.flush()
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
         if self.tensorboard is not None:
@@ -166,7 +167,7 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     if not streamed:
         with open(run_dir / "metrics.jsonl", "w") as fh:
             for row in metrics:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
     atomic_write(run_dir / "model.pt", lambda fh: torch.save(run.model.state_dict(), fh), binary=True)
     # dp-muon-auto's per-layer on/off decisions (functions of released momenta only); no-op otherwise
@@ -205,6 +206,6 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     check = check_ledger(ledger, summary)
     summary["check"] = "pass" if check.passed else "FAIL: " + ", ".join(check.failures)
     atomic_write_text(run_dir / "check.txt", check.format() + "\n")
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(run_dir / "summary.json", dumps(summary, indent=2))
     write_curves(run_dir)  # curves.png: test accuracy, test loss and ε against step (needs matplotlib)
     return summary
