@@ -1,0 +1,140 @@
+"""``BatchMemoryManager``: one Poisson logical batch in physical chunks, ONE release per logical batch.
+
+``from dpopt.utils.batch_memory_manager import BatchMemoryManager`` mirrors
+``opacus.utils.batch_memory_manager``::
+
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=64, optimizer=opt) as chunks:
+        for x, y in chunks:                  # at most 64 examples each
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()                       # clips and adds the chunk; releases on the LAST chunk only
+
+How it stays one Poisson step: the wrapped loader's batch sampler draws the
+logical batch (Poisson, at q); this sampler splits its index list into
+``ceil(|batch| / max_physical_batch_size)`` near-equal chunks (disjoint: every
+example of the batch is in exactly one chunk) and, before yielding each chunk,
+tells the optimizer whether the step after it ends the logical batch
+(``optimizer.signal_skip_step(do_skip=...)``, Opacus's protocol). On a skipped
+step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
+per-sample gradients and adds them into its Privatizer's open step
+(``Privatizer.accumulate``); on the last chunk it adds that chunk too and
+releases once: noise once, one ledger entry at q — the same release as one
+backward over the whole logical batch (a test checks equality at σ = 0). An
+empty logical batch is one empty chunk (a pure-noise release, charged).
+
+The number of chunks depends on the realised batch size, which is private: it
+is only used inside this process to drive the loop (it is not printed, logged
+or released). Iterate the loader in the main process order (``num_workers``
+> 0 prefetching is fine: the signals are queued in order, as Opacus's).
+
+Opacus's own ``opacus.utils.batch_memory_manager.BatchMemoryManager`` also
+works with dpopt's optimizer (it calls the same ``signal_skip_step``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from torch.utils.data import DataLoader, Sampler
+
+__all__ = ["BatchMemoryManager", "BatchSplittingSampler", "wrap_data_loader"]
+
+
+def _chunks(indices: list, max_size: int) -> list[list]:
+    """``indices`` in ``ceil(n / max_size)`` contiguous chunks whose sizes differ by at most one."""
+    n = len(indices)
+    k = math.ceil(n / max_size)
+    base, extra = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append(list(indices[start:start + size]))
+        start += size
+    return out
+
+
+class BatchSplittingSampler(Sampler):
+    """A batch sampler: each logical batch of ``sampler`` as physical chunks, signalling the optimizer.
+
+    Args:
+        sampler: the logical batch sampler (e.g. the Poisson sampler of a
+            :class:`~dpopt.data_loader.DPDataLoader`), yielding lists of indices.
+        max_batch_size: the largest physical chunk (≥ 1).
+        optimizer: told ``signal_skip_step(do_skip=True)`` before every chunk
+            but the last of a logical batch, ``do_skip=False`` before the last.
+
+    ``len()`` is an estimate (Opacus's): batches × ⌈expected size / max⌉, for
+    progress bars only; the realised number of chunks depends on the batches.
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1, or an optimizer without ``signal_skip_step``.
+    """
+
+    def __init__(self, *, sampler, max_batch_size: int, optimizer):
+        if int(max_batch_size) < 1:
+            raise ValueError(f"max_physical_batch_size must be >= 1, got {max_batch_size}")
+        if not hasattr(optimizer, "signal_skip_step"):
+            raise ValueError("BatchMemoryManager needs the optimizer that PrivacyEngine.make_private returned "
+                             "(it accumulates the chunks of one logical batch into one release)")
+        self.sampler, self.max_batch_size, self.optimizer = sampler, int(max_batch_size), optimizer
+
+    def __iter__(self) -> Iterator[list]:
+        for batch in self.sampler:
+            batch = list(batch)
+            if not batch:
+                self.optimizer.signal_skip_step(do_skip=False)
+                yield []
+                continue
+            parts = _chunks(batch, self.max_batch_size)
+            for part in parts[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield part
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield parts[-1]
+
+    def __len__(self) -> int:
+        rate, n = getattr(self.sampler, "sample_rate", None), getattr(self.sampler, "dataset_size", None)
+        if rate is None or n is None:
+            return len(self.sampler)
+        return len(self.sampler) * max(1, math.ceil(rate * n / self.max_batch_size))
+
+
+def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer) -> DataLoader:
+    """A new ``DataLoader`` over the same dataset whose batch sampler is a :class:`BatchSplittingSampler`.
+
+    Keeps ``collate_fn`` (dpopt's handles empty batches), ``num_workers``,
+    ``pin_memory``, ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
+    ``generator``, ``prefetch_factor`` and ``persistent_workers``.
+    """
+    keep = {"num_workers": data_loader.num_workers, "collate_fn": data_loader.collate_fn,
+            "pin_memory": data_loader.pin_memory, "timeout": data_loader.timeout,
+            "worker_init_fn": data_loader.worker_init_fn, "generator": data_loader.generator,
+            "multiprocessing_context": data_loader.multiprocessing_context,
+            "persistent_workers": data_loader.persistent_workers}
+    if data_loader.num_workers > 0:
+        keep["prefetch_factor"] = data_loader.prefetch_factor
+    splitter = BatchSplittingSampler(sampler=data_loader.batch_sampler, max_batch_size=max_batch_size,
+                                     optimizer=optimizer)
+    return DataLoader(data_loader.dataset, batch_sampler=splitter, **keep)
+
+
+class BatchMemoryManager:
+    """Context manager returning the chunked loader (module docstring); Opacus's signature.
+
+    Args:
+        data_loader: the loader ``make_private`` returned.
+        max_physical_batch_size: the largest chunk.
+        optimizer: the optimizer ``make_private`` returned.
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer):
+        self.data_loader, self.max_physical_batch_size, self.optimizer = (
+            data_loader, int(max_physical_batch_size), optimizer)
+
+    def __enter__(self) -> DataLoader:
+        return wrap_data_loader(data_loader=self.data_loader, max_batch_size=self.max_physical_batch_size,
+                                optimizer=self.optimizer)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        return None
