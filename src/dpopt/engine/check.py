@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "free_sizes", "model_dims",
-           "rtol", "agrees", "disagreeing", "RTOL"]
+           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL"]
 
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Relative tolerance of the check per dtype (of the layer's gradient scale)."""
@@ -265,6 +265,14 @@ class RandomReplay:
 
 def _trailing_b(shape) -> str:
     return str(tuple(int(s) for s in shape))  # verification batches only: b is a public, chosen size
+
+
+def alone_failed(err: Exception) -> ValueError:
+    """The refusal when a model cannot be run on one example in the mode it trains in (the check's reference)."""
+    return ValueError(f"the per-sample check runs each example alone, in the mode the model trains in, and the model "
+                      f"failed on one example ({type(err).__name__}: {err}). A forward that needs several examples "
+                      "in this mode (batch statistics under model.train()) mixes examples and cannot be trained "
+                      "privately: replace that layer (e.g. GroupNorm or LayerNorm), or train in eval mode")
 
 
 # --------------------------------------------------------------------------- sizes

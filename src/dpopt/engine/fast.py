@@ -61,11 +61,11 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .check import (ModeCheck, RandomReplay, Unreplayable, disagreeing, free_sizes, mode_signature, model_dims,
-                    rtol)
+from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, mode_signature,
+                    model_dims, rtol)
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
-from .reference import _LOOP_MODELS, per_sample_gradient_tensors, use_loop
+from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 from .rules import RULES, LayerCalls, rule_for
 
 __all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
@@ -536,6 +536,8 @@ class PerSampleEngine:
         except Unreplayable as err:
             self._demote_mixing(sorted(i for own in self.modules.values() for i in own.values()), str(err))
             return
+        except ExampleFailed as err:  # the exact path cannot run it either: refuse
+            raise alone_failed(err.__cause__ or err) from err
         c = torch.rand(b, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(self.device)
         tol = rtol(self.dtype, self.device)  # outside _no_autocast: autocast's dtype sets the tolerance
         with _no_autocast(self.device):

@@ -64,8 +64,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .check import (ModeCheck, RandomReplay, Unreplayable, disagreeing, free_sizes, in_modes, mode_signature,
-                    model_dims, rtol)
+from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, in_modes,
+                    mode_signature, model_dims, rtol)
 from .fast import FastPerSampleGrads, PerSampleEngine, _Call, _no_autocast, _trailing
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
@@ -231,6 +231,15 @@ class HookCapture:
         """Forget every recorded call."""
         self._rec.calls = []
 
+    def has_gradients(self) -> bool:
+        """Has a recorded layer output received a gradient since the last step (a backward pass ran)?
+
+        True also after the backward of an EMPTY batch (its zero-length
+        gradients arrive like any other), so the answer depends on the loop,
+        never on the data.
+        """
+        return any(c.has_grad for c in self._rec.calls)
+
     def collect(self) -> FastPerSampleGrads:
         """The per-sample source of the forward/backward pass since the last step (then forgotten).
 
@@ -390,7 +399,7 @@ class HookCapture:
         with in_modes(self.model, p.modes):
             self._recording = False
             try:
-                args, kwargs = self._select(p, torch.arange(1))
+                args, kwargs = self._select(p, torch.arange(k))  # k ≥ 2: a mode may need several examples
                 dims = model_dims(self.model, args, kwargs)
             finally:
                 self._recording = True
@@ -451,7 +460,12 @@ class HookCapture:
             with torch.enable_grad():
                 for i in range(b):
                     a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
-                    out = _leaves(self.model(*a_i, **kw_i))
+                    try:
+                        out = _leaves(self.model(*a_i, **kw_i))
+                    except Unreplayable:
+                        raise
+                    except Exception as err:  # noqa: BLE001 — the user's model on one example: refuse, say why
+                        raise alone_failed(err) from err
                     loss = sum((o * r[i:i + 1]).sum() for o, r in zip(out, rs) if o.is_floating_point())
                     gs = torch.autograd.grad(loss, self.params, allow_unused=True)
                     rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(self.params, gs)])

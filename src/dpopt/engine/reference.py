@@ -50,6 +50,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
+from .check import Unreplayable
 from .inputs import LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
@@ -136,6 +137,10 @@ class PerSampleGrads:
 
 
 # Models for which vmap failed or disagreed with the loop: per-example gradients by the loop.
+class ExampleFailed(ValueError):
+    """The model or loss raised on a single example (the exact loop's ``model(x_i)``)."""
+
+
 _LOOP_MODELS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
@@ -185,10 +190,10 @@ def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
                 loss = example_loss(loss_fn(out, y[i:i + 1]))
                 gs = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
                       if loss.requires_grad else [None] * len(leaves))
-        except LossShapeError:
+        except (LossShapeError, Unreplayable):  # the user's loss / the check's replay: say so directly
             raise
         except Exception as err:  # noqa: BLE001 — the user's model/loss: say what was called
-            raise ValueError(f"per-example gradients failed: model(x_i) with one example (a size-1 example "
+            raise ExampleFailed(f"per-example gradients failed: model(x_i) with one example (a size-1 example "
                              f"axis at batch_dim={bd}, shape {tuple(x.narrow(bd, i, 1).shape)}) and "
                              f"loss_fn(out, y[i:i+1]) raised {type(err).__name__}: {err}") from err
         rows.append([torch.zeros_like(v) if g is None else g.detach() for g, v in zip(gs, leaves.values())])
