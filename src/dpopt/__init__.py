@@ -41,6 +41,8 @@ _EXPORTS = {
     "DPDataLoader": "dpopt.data_loader",
     "validate": "dpopt.validator",
     "fix": "dpopt.validator",
+    "BatchMemoryManager": "dpopt.utils.batch_memory_manager",
+    "ModuleValidator": "dpopt.module_validator",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
