@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler)
 from torch.utils.data._utils.collate import default_collate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -37,7 +38,38 @@ from .distributed import DistributedContext, poisson_sampler
 from .noise import NoiseSource, make_noise_source
 from .sampling import PoissonSampler
 
-__all__ = ["PoissonBatchSampler", "DPDataLoader", "EmptyBatchCollate"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "EmptyBatchCollate", "custom_batching"]
+
+
+def custom_batching(data_loader: DataLoader) -> Optional[str]:
+    """What is not default about how ``data_loader`` forms its batches, or None for torch's default.
+
+    The default — what Poisson sampling at q = 1/len(loader) may replace without
+    changing what the user asked for beyond the sampling scheme — is a
+    ``BatchSampler`` (exactly that class) over a ``SequentialSampler``
+    (``shuffle=False``) or a ``RandomSampler`` without replacement over the
+    whole dataset (``shuffle=True``). Anything else encodes a choice of the
+    user's (``WeightedRandomSampler``, a custom ``batch_sampler``, a subset or
+    resampling sampler, ``batch_size=None``) that Poisson sampling would
+    silently discard; the returned text names it, e.g.
+    ``"sampler=WeightedRandomSampler"``. Only the classes and settings are
+    read, never an index or an example.
+    """
+    batch_sampler = data_loader.batch_sampler
+    if batch_sampler is None:
+        return "batch_size=None (no batching: every item is its own batch)"
+    if type(batch_sampler) is not BatchSampler:
+        return f"batch_sampler={type(batch_sampler).__name__}"
+    sampler = batch_sampler.sampler
+    if type(sampler) is SequentialSampler:
+        return None
+    if type(sampler) is RandomSampler:
+        if sampler.replacement:
+            return "sampler=RandomSampler(replacement=True)"
+        if sampler.num_samples != len(sampler.data_source):
+            return f"sampler=RandomSampler(num_samples={sampler.num_samples}, not the dataset size)"
+        return None
+    return f"sampler={type(sampler).__name__}"
 
 
 class PoissonBatchSampler(Sampler):

@@ -204,12 +204,24 @@ class DPOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict` (the privatizer's part too, if present)."""
+        """Restore :meth:`state_dict`, the Privatizer's part (and ledger) included.
+
+        Raises:
+            ValueError: a state without its ``"privatizer"`` part (a plain torch
+                optimizer state: the releases that produced it are in no
+                ledger, so loading it would restart ε from zero), or a
+                Privatizer part that would forget releases
+                (:meth:`Privatizer.load_state_dict`).
+        """
         state_dict = dict(state_dict)
         privatizer = state_dict.pop("privatizer", None)
+        if privatizer is None:
+            raise ValueError("this optimizer state has no 'privatizer' part (a plain torch optimizer state_dict): "
+                             "the releases that produced it are recorded in no ledger, so loading it would "
+                             "restart epsilon from zero. Load a state saved by DPOptimizer.state_dict() (it "
+                             "carries the Privatizer and its ledger)")
+        self.privatizer.load_state_dict(privatizer)  # first: a refused ledger leaves the optimizer untouched
         super().load_state_dict(state_dict)
-        if privatizer is not None:
-            self.privatizer.load_state_dict(privatizer)
 
     @torch.no_grad()
     def step(self, per_sample=None, closure=None) -> Release:  # type: ignore[override]

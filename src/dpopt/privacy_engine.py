@@ -74,8 +74,10 @@ engine never sees the loss, so it cannot evaluate one — use dpopt's own loop
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -88,7 +90,8 @@ from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .accounting.validation import check_noise_multiplier
-from .data_loader import DPDataLoader
+from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
+from .data_loader import DPDataLoader, custom_batching
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
@@ -163,6 +166,16 @@ def _join_ranks(ctx: DistributedContext, error: Optional[Exception], public: Cal
                          "every rank or on none)")
 
 
+def _distributed_sampler(data_loader: DataLoader) -> bool:
+    """A torch ``DistributedSampler`` under a plain ``BatchSampler`` (data parallel: replaced by the sharded
+    Poisson sampler at q = 1/len(loader), as Opacus's ``DPDataLoader`` does)."""
+    from torch.utils.data import BatchSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    bs = data_loader.batch_sampler
+    return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
+
+
 def _trained_parameters(optimizer, module: nn.Module, capture: HookCapture, hparams: dict
                         ) -> tuple[list, str, dict]:
     """(parameters, method name, method hyperparameters) of ``make_private``'s ``optimizer`` argument.
@@ -207,8 +220,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, original: torch.optim.Optimizer, dp: DPOptimizer, capture: HookCapture,
-                 params: Sequence[torch.Tensor]):
+                 params: Sequence[torch.Tensor], engine: Optional["PrivacyEngine"] = None):
         super().__init__(list(params), {})
+        self._engine = engine  # the PrivacyEngine whose ledger the Privatizer records in (state travels there)
         self.original_optimizer = original
         self.param_groups = original.param_groups
         self.state = original.state
@@ -314,6 +328,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def _source(self):
         src = grad_sample_source(self._params)
         if src is None:
+            if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
+                raise RuntimeError("optimizer.step() without a backward pass since optimizer.zero_grad(): no "
+                                   "per-sample gradient was captured, so this step would release pure noise and "
+                                   "be charged for nothing. Call loss.backward() before optimizer.step() (an "
+                                   "empty batch's forward and backward are fine: they release noise, as they "
+                                   "must), and zero_grad() before the forward, not between backward and step")
             return self._capture.collect()
         self._capture.reset()
         for p in self._params:
@@ -364,11 +384,72 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 p.grad = g.clone()  # the public release; the method's state keeps its own copy
         return loss
 
-    def state_dict(self):
-        return self.original_optimizer.state_dict()
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, the Privatizer's state WITH the ledger, and where the journal is.
 
-    def load_state_dict(self, state_dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
+        Keys: the wrapped optimizer's (``"state"``, ``"param_groups"``; a dpopt
+        method's transform state), ``"privatizer"``
+        (:meth:`~dpopt.privatizer.Privatizer.state_dict`: step and clip state
+        and the engine's whole ledger; never the secret noise generator's
+        state) and ``"dpopt"`` (``{"version", "run_id", "journal"}``). The
+        engine's journal, if any, is flushed first. All of it is public.
+        """
+        if self._engine is not None:
+            self._engine._keeper.flush()
+        state = self.original_optimizer.state_dict()
+        if self._torch:
+            state["privatizer"] = self.privatizer.state_dict(include_ledger=True)
+        journal = self._engine._keeper.journal if self._engine is not None else None
+        state["dpopt"] = {"version": CHECKPOINT_VERSION, "run_id": self.privatizer.ledger.run_id,
+                          "journal": None if journal is None else os.path.abspath(journal)}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`; the engine's ledger takes the saved one in without losing a release.
+
+        The engine's ledger becomes the longest record of the run among the
+        saved ledger, the journal the state records and the engine's own
+        ledger (:class:`~dpopt.checkpoint.LedgerKeeper`: a state older than the
+        journal keeps the releases after it, warned); then the Privatizer and
+        the wrapped optimizer are restored.
+
+        Raises:
+            ValueError: a state without the Privatizer's ledger (a plain torch
+                optimizer ``state_dict``: refused into a run with releases and
+                into a fresh one, where ε would restart from zero — load such a
+                state into the torch optimizer before ``make_private`` if it
+                did not come from private training); a ledger of another run
+                or branch; another clipping configuration.
+            RuntimeError: in the middle of a logical batch.
+        """
+        if getattr(self, "_open", False):
+            raise RuntimeError("load_state_dict() between the physical chunks of one logical batch")
+        state = dict(state_dict)
+        meta = state.pop("dpopt", None) or {}
+        priv = state.pop("privatizer", None)
+        saved = priv.get("ledger") if isinstance(priv, dict) else None
+        engine = self._engine
+        if engine is not None:
+            engine._keeper.adopt(saved, journal=recorded_journal(meta.get("journal"), None),
+                                 where="optimizer state", header_fixed=True)
+            self._load_rest(state, priv)
+            engine._keeper.settle(engine._privatizers())
+            return
+        if priv is None:
+            raise ValueError("this optimizer state carries no Privatizer state and ledger (a plain torch "
+                             "state_dict): loading it would restart epsilon from zero. Load a state saved by "
+                             "this optimizer's state_dict()")
+        self._load_rest(state, priv)
+
+    def _load_rest(self, state: dict, priv: dict) -> None:
+        """The Privatizer (without its ledger when an engine adopted it) and the wrapped optimizer's state."""
+        if self._engine is not None:
+            priv = {k: v for k, v in priv.items() if k != "ledger"}
+        if self._torch:
+            self.privatizer.load_state_dict(priv)  # first: a refusal leaves the optimizer as it was
+            self.original_optimizer.load_state_dict(state)
+        else:
+            self._dp.load_state_dict(dict(state, privatizer=priv))
 
     def __repr__(self) -> str:
         return f"PrivateOptimizer({self.original_optimizer!r})"
@@ -404,6 +485,7 @@ class PrivacyEngine:
         self.accountant = LedgerAccountant(self, accountant)
         self.noise = NoiseSource("secure" if self.secure_mode else "secret")
         self._captures: list[HookCapture] = []
+        self._keeper = LedgerKeeper(self.ledger)  # saved ledgers come in here; the journal
 
     # -- the Opacus API -------------------------------------------------------------
     def make_private(
@@ -547,7 +629,7 @@ class PrivacyEngine:
                             "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
             if clipping == "adaptive":
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
-            private = PrivateOptimizer(original, dp, capture, params)
+            private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private.clip_range = compat.clip_range
             if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
                 return module, private, compat.criterion, loader
@@ -614,10 +696,168 @@ class PrivacyEngine:
         """
         claims = dict(getattr(self, "_claims", {"noise_multiplier": 0.0, "privatizers": []}))
         privs = claims.pop("privatizers")
+        keeper = self._keeper  # releases made before a load are counted by the run that made them
         claims.update(epsilon=self.get_epsilon(delta), delta=float(delta), accountant=str(self.accountant),
-                      steps=len(self.ledger), privatizer_reads=sum(p.reads for p in privs),
-                      privatizer_releases=sum(p.releases for p in privs), noise=self.ledger.noise)
+                      steps=len(self.ledger), privatizer_reads=sum(p.reads for p in privs) + keeper.carried_reads,
+                      privatizer_releases=sum(p.releases for p in privs) + keeper.carried_releases,
+                      noise=self.ledger.noise)
         return claims
+
+    # -- saved state that carries the ledger (dpopt.checkpoint) -------------------------
+    @property
+    def journal(self) -> Optional[Path]:
+        """The append-only ledger journal every release is flushed to (None until a checkpoint or open_journal)."""
+        return self._keeper.journal
+
+    def open_journal(self, path: Union[str, os.PathLike]) -> Path:
+        """Flush every release (the ledger so far first) to the JSON-lines journal at ``path`` from now on.
+
+        Optimizer states (``optimizer.state_dict()``) record it, so loading an
+        older one still charges the releases made after it;
+        :meth:`save_checkpoint` opens one by itself. Call it on one rank only
+        in data-parallel runs.
+
+        Raises:
+            ValueError: another journal is already open, or ``path`` holds
+                another run's journal (:meth:`~dpopt.checkpoint.LedgerKeeper.open_journal`).
+        """
+        return self._keeper.open_journal(path)
+
+    def _privatizers(self) -> list:
+        return list(getattr(self, "_claims", {}).get("privatizers", []))
+
+    def _own(self, optimizer) -> None:
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, PrivateOptimizer):
+            raise TypeError(f"optimizer must be the optimizer this engine's make_private returned, got "
+                            f"{type(optimizer).__name__}")
+        if optimizer.privatizer.ledger is not self.ledger:
+            raise ValueError("this optimizer was made private by another PrivacyEngine (its releases are in "
+                             "that engine's ledger): save and load it with that engine")
+
+    def save_checkpoint(
+        self,
+        *,
+        path: Union[str, os.PathLike, Any],
+        module: nn.Module,
+        optimizer: Optional[PrivateOptimizer] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        checkpoint_dict: Optional[dict] = None,
+        module_state_dict_kwargs: Optional[dict] = None,
+        torch_save_kwargs: Optional[dict] = None,
+        journal: Optional[Union[str, os.PathLike]] = None,
+    ) -> None:
+        """Save the model, optimizer, schedulers and this engine's ledger with ``torch.save`` (Opacus's shape).
+
+        Layout in :mod:`dpopt.checkpoint`. From the first call on, every
+        release is appended to the run's ledger journal (``journal``, default
+        ``ledger-<run_id>.jsonl`` beside ``path``), flushed before the file is
+        written: :meth:`load_checkpoint` of this file, even after more
+        training, charges every release the journal holds.
+
+        Args:
+            path: file (or binary file object: then give ``journal=``, or no
+                journal is kept — warned).
+            module: the model made private (its ``state_dict``).
+            optimizer: the optimizer :meth:`make_private` returned (its
+                ``state_dict`` carries the Privatizer and the ledger).
+            noise_scheduler, grad_clip_scheduler: saved with ``state_dict()``.
+            checkpoint_dict: more entries to save (copied, then filled in).
+            module_state_dict_kwargs, torch_save_kwargs: passed on.
+            journal: the journal file (once one is open it cannot move).
+
+        Raises:
+            TypeError / ValueError: an optimizer this engine did not make
+                private; a journal path that cannot be used (:meth:`open_journal`).
+        """
+        self._own(optimizer)
+        on_disk = isinstance(path, (str, os.PathLike))
+        if journal is not None:
+            self._keeper.open_journal(journal)
+        elif self._keeper.journal is None:
+            if on_disk:
+                self._keeper.open_journal(default_journal(path, self.ledger.run_id))
+            else:
+                warnings.warn("save_checkpoint to a file object without journal=: no ledger journal is kept, so "
+                              "loading this checkpoint after more training would not charge the releases made "
+                              "after it", UserWarning, stacklevel=2)
+        self._keeper.flush()
+        where = self._keeper.journal
+        if where is not None and on_disk and Path(where).parent.resolve() == Path(path).parent.resolve():
+            where = Path(where).name  # beside the checkpoint: the directory can move as a whole
+        ckpt = dict(checkpoint_dict or {})
+        ckpt["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
+        if optimizer is not None:
+            ckpt["optimizer_state_dict"] = optimizer.state_dict()
+        if noise_scheduler is not None:
+            ckpt["noise_scheduler_state_dict"] = noise_scheduler.state_dict()
+        if grad_clip_scheduler is not None:
+            ckpt["grad_clip_scheduler_state_dict"] = grad_clip_scheduler.state_dict()
+        if callable(getattr(self.accountant, "state_dict", None)):
+            ckpt["privacy_accountant_state_dict"] = self.accountant.state_dict()
+        ckpt["privacy_ledger"] = self.ledger.state_dict()
+        ckpt["accountant"] = str(self.accountant)
+        ckpt["dpopt_checkpoint"] = {"version": CHECKPOINT_VERSION, "run_id": self.ledger.run_id,
+                                    "ledger_length": len(self.ledger),
+                                    "journal": None if where is None else str(where)}
+        torch.save(ckpt, path, **(torch_save_kwargs or {}))
+
+    def load_checkpoint(
+        self,
+        *,
+        path: Union[str, os.PathLike, Any],
+        module: nn.Module,
+        optimizer: Optional[PrivateOptimizer] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        module_load_dict_kwargs: Optional[dict] = None,
+        torch_load_kwargs: Optional[dict] = None,
+    ) -> dict:
+        """Load a :meth:`save_checkpoint` file; this engine's ledger takes the run's whole record in.
+
+        The ledger becomes the longest record of the run among the checkpoint's
+        ledger, its journal (every release made after the checkpoint too:
+        warned with their number) and this engine's own
+        (:class:`~dpopt.checkpoint.LedgerKeeper`); releases go on into that
+        journal. Then the module, the optimizer and the schedulers are
+        restored. ``torch.load`` keeps its defaults (``weights_only=True``
+        reads these files).
+
+        Returns:
+            The checkpoint dict (Opacus returns it too).
+
+        Raises:
+            ValueError: a checkpoint without a ledger (e.g. saved by Opacus:
+                ε would restart from zero), a ledger of another run or branch,
+                other run settings; an optimizer of another engine.
+        """
+        self._own(optimizer)
+        ckpt = torch.load(path, **(torch_load_kwargs or {}))
+        info = ckpt.get("dpopt_checkpoint") or {}
+        saved = ckpt.get("privacy_ledger")
+        if saved is None:
+            saved = (ckpt.get("privacy_accountant_state_dict") or {}).get("ledger")
+        journal = recorded_journal(info.get("journal"), path)
+        where = f"checkpoint {path}" if isinstance(path, (str, os.PathLike)) else "checkpoint"
+        self._keeper.adopt(saved, journal=journal, where=where, header_fixed=bool(self._privatizers()))
+        module.load_state_dict(ckpt["module_state_dict"], **(module_load_dict_kwargs or {}))
+        opt_state = ckpt.get("optimizer_state_dict") or {}
+        if optimizer is not None and opt_state:
+            opt_state = dict(opt_state)
+            opt_state.pop("dpopt", None)
+            optimizer._load_rest(opt_state, opt_state.pop("privatizer"))
+        elif (optimizer is not None) != bool(opt_state):
+            warnings.warn(f"the checkpoint has {'an' if opt_state else 'no'} optimizer state but optimizer is "
+                          f"{'not ' if optimizer is None else ''}given: the optimizer's state is not restored",
+                          UserWarning, stacklevel=2)
+        if noise_scheduler is not None and ckpt.get("noise_scheduler_state_dict"):
+            noise_scheduler.load_state_dict(ckpt["noise_scheduler_state_dict"])
+        if grad_clip_scheduler is not None and ckpt.get("grad_clip_scheduler_state_dict"):
+            grad_clip_scheduler.load_state_dict(ckpt["grad_clip_scheduler_state_dict"])
+        self._keeper.settle(self._privatizers())
+        return ckpt
 
     # -- helpers -------------------------------------------------------------------
     def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, noise: NoiseSource,
@@ -629,6 +869,15 @@ class PrivacyEngine:
         if not hasattr(dataset, "__len__"):
             raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
         if poisson_sampling:
+            custom = custom_batching(data_loader)
+            if custom is not None and not (ctx.enabled and _distributed_sampler(data_loader)):
+                raise ValueError(f"make_private: the data loader forms its batches with {custom}, which Poisson "
+                                 f"sampling at q = 1/len(data_loader) would silently replace (e.g. a weighted "
+                                 "sampler's weights, or a custom batch sampler's batch sizes, would be ignored). "
+                                 "Either pass poisson_sampling=False to keep your batches (then the accountant's "
+                                 "epsilon does not hold: warned and recorded in the ledger), or give a plain "
+                                 "DataLoader(dataset, batch_size=B, shuffle=True): Poisson batches at q = 1/len "
+                                 "(expected size about B)")
             return len(dataset), len(data_loader), DPDataLoader.from_data_loader(data_loader, noise=noise, ctx=ctx)
         warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not Poisson "
                       "samples; the accountants' ε assumes Poisson sampling and does not hold for this run "

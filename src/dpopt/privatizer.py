@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -32,7 +33,7 @@ from dp_accounting import dp_event
 from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
-from .accounting.ledger import PrivacyLedger
+from .accounting.ledger import PrivacyLedger, longest_record
 from .errors import ConfigError
 from .noise import NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
@@ -267,10 +268,10 @@ class Privatizer:
         std = self.noise_multiplier * sens
         count = self._count if self.quantile is not None else None
         if self.reduce is not None:  # data parallel: the noisy totals over every process
-            totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std))
-        else:  # (s + σS·z, count + σ_b·z'): built in the noise buffers (the sums are ours to consume)
+            totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
+        else:  # s + σS·z in float64 (the float64 noise buffers), rounded ONCE to the sum's dtype
             noise, count_noise = self._draw(std)
-            totals = [z.add_(s) for z, s in zip(noise, self._sum)]
+            totals = [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)]
             noisy_count = None if count is None else count + count_noise
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
@@ -301,15 +302,22 @@ class Privatizer:
         self._reset()
         return release
 
-    def _draw(self, std: float) -> tuple[list[Tensor], Optional[float]]:
+    def _draw(self, std: float, rounded: bool = False) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
-        when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise)."""
+        when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
+
+        The gradient noise is float64 (z from :meth:`~dpopt.noise.NoiseSource.normal`, scaled in
+        float64) so that :meth:`release` adds it to the clipped sum in float64 and rounds the noisy
+        sum once to the parameter dtype. ``rounded=True`` (the data-parallel ``reduce`` hook, whose
+        all-reduce works in the sums' dtype) rounds σS·z to each sum's dtype instead.
+        """
         grad_noise = []
         for s in self._sum:
             if std > 0:
-                grad_noise.append(self.noise.normal(s.shape, dtype=s.dtype, device=s.device).mul_(std))
+                z = self.noise.normal(s.shape, dtype=torch.float64, device=s.device).mul_(std)
+                grad_noise.append(z.to(s.dtype) if rounded else z)
             else:
-                grad_noise.append(torch.zeros_like(s))
+                grad_noise.append(torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64))
         count_noise = None
         if self.quantile is not None:
             count_noise = float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
@@ -352,11 +360,23 @@ class Privatizer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (the ledger too, in place, if the state holds one).
+        """Restore :meth:`state_dict`; the ledger never loses a release (DESIGN.md "The ledger travels").
+
+        A state WITH its ledger: this Privatizer's ledger becomes, in place,
+        the longer of the two records — the state's, or this ledger when it
+        already holds the state's releases and more (loading an older state of
+        the same run; warned: the releases after it stay charged). A state
+        WITHOUT its ledger (``state_dict(include_ledger=False)``) is accepted
+        only if this ledger already holds at least the ``ledger_length``
+        releases the state was saved after (the ledger restored separately,
+        e.g. from a journal).
 
         Raises:
             ValueError: a state of another clipping configuration (number of
-                bounds, quantile or not), or a step in progress.
+                bounds, quantile or not), a step in progress; a ledger of
+                another run or another branch of this one
+                (:func:`~dpopt.accounting.ledger.longest_record`); a state
+                without its ledger whose releases this ledger does not hold.
         """
         if self._geometry is not None:
             raise ValueError("cannot load a state in the middle of a step (begin() without release())")
@@ -367,8 +387,21 @@ class Privatizer:
             raise ValueError("this state is of a Privatizer with other clipping (number of bounds or quantile "
                              "clipping differ)")
         if "ledger" in state:
-            self.ledger.load_state_dict(state["ledger"])
+            saved = PrivacyLedger.from_dict(state["ledger"]) if isinstance(state["ledger"], dict) else state["ledger"]
+            name, _ = longest_record({"saved": saved, "current": self.ledger})
+            if name == "current" and len(self.ledger) > len(saved):
+                warnings.warn(f"loaded a Privatizer state saved after {len(saved)} releases into a ledger that "
+                              f"already holds {len(self.ledger)} of the same run: the "
+                              f"{len(self.ledger) - len(saved)} releases made after that state stay charged",
+                              UserWarning, stacklevel=2)
+            else:
+                self.ledger.load_state_dict(saved)
             self.ledger.mark_noise(self.noise.mode)
+        elif len(self.ledger) < int(state.get("ledger_length", 0)):
+            raise ValueError(f"this Privatizer state was saved after {int(state['ledger_length'])} releases but "
+                             f"carries no ledger, and this Privatizer's ledger holds only {len(self.ledger)}: "
+                             "loading it would forget releases. Save it with state_dict(include_ledger=True) "
+                             "(the default), or restore the run's ledger (e.g. from its journal) first")
         self.steps, self.reads, self.releases = int(state["steps"]), int(state["reads"]), int(state["releases"])
         self.bounds = bounds
         self.clip_history = [float(c) for c in state["clip_history"]]

@@ -75,7 +75,7 @@ from dp_accounting import dp_event
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
-           "JOURNAL_VERSION", "JOURNAL_NAME", "new_run_id"]
+           "JOURNAL_VERSION", "JOURNAL_NAME", "new_run_id", "longest_record"]
 
 LEDGER_VERSION = 2
 #: Version of the JSON-lines journal format (its entries are in the LEDGER_VERSION entry format).
@@ -166,6 +166,7 @@ class PrivacyLedger:
         self._journal: Optional[Path] = None
         self._flushed = 0  # entries already in the journal
         self._journal_header: Optional[dict] = None  # the header last written to the journal
+        self._autoflush = False  # flush the journal at every record()
 
     def mark_noise(self, mode: str) -> str:
         """Record how the Privatizer's noise (and Poisson masks) are seeded.
@@ -195,6 +196,8 @@ class PrivacyLedger:
         """Append one release (called by the Privatizer only)."""
         entry = LedgerEntry(int(step), event, _public(meta))
         self._entries.append(entry)
+        if self._autoflush:
+            self.flush()
         return entry
 
     # -- reading ---------------------------------------------------------
@@ -208,6 +211,19 @@ class PrivacyLedger:
     def entries_since(self, start: int) -> tuple[LedgerEntry, ...]:
         """The entries from index ``start`` on (O(new entries), unlike :attr:`entries`)."""
         return tuple(self._entries[int(start):])
+
+    def extends(self, other: "PrivacyLedger") -> bool:
+        """Does this ledger hold ``other``'s releases as its first ``len(other)`` entries (same run)?
+
+        True when ``other`` is empty; False when both have run ids and they
+        differ, when ``other`` is longer, or when an entry differs (step, event
+        or metadata). O(len(other)).
+        """
+        if not len(other):
+            return True
+        if self.run_id is not None and other.run_id is not None and self.run_id != other.run_id:
+            return False
+        return len(other) <= len(self) and all(a == b for a, b in zip(self._entries, other._entries))
 
     def events(self) -> list[dp_event.DpEvent]:
         return [e.event for e in self._entries]
@@ -236,7 +252,8 @@ class PrivacyLedger:
         return {"run_id": self.run_id, "neighbouring": self.neighbouring, "sampling": self.sampling,
                 "noise": self.noise, "dataset_size": self.dataset_size}
 
-    def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False) -> Path:
+    def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False,
+                     autoflush: bool = False) -> Path:
         """Append this ledger's entries to the JSON-lines journal at ``path`` from now on.
 
         Args:
@@ -246,10 +263,14 @@ class PrivacyLedger:
                 after :meth:`load_state_dict` from that journal).
             rewrite: write the whole ledger to ``path`` now, atomically (a
                 resumed run: drops a torn last line before appending).
+            autoflush: flush (append and ``fsync``) at every :meth:`record`, so
+                that each release is on disk before its value is used
+                (``PrivacyEngine`` checkpoints: one small append per step).
 
         Otherwise nothing is written until :meth:`flush`.
         """
         path = Path(path)
+        self._autoflush = bool(autoflush)
         path.parent.mkdir(parents=True, exist_ok=True)
         if rewrite:
             tmp = path.with_name(path.name + ".tmp")
@@ -437,6 +458,39 @@ class PrivacyLedger:
     def __repr__(self) -> str:
         return (f"PrivacyLedger({len(self)} releases, run_id={self.run_id!r}, "
                 f"neighbouring={self.neighbouring!r}, noise={self.noise!r})")
+
+
+def longest_record(named: dict[str, "PrivacyLedger"]) -> tuple[str, "PrivacyLedger"]:
+    """The one ledger that holds all the others' releases: ``(its name, it)``.
+
+    Args:
+        named: candidate records of one run by a short name for messages
+            (e.g. ``{"checkpoint": ..., "journal": ..., "engine": ...}``); empty
+            ledgers hold nothing and always fit.
+
+    Returns:
+        The longest candidate (the first named among equally long ones) when
+        every other candidate is a prefix of it (:meth:`PrivacyLedger.extends`).
+
+    Raises:
+        ValueError: two candidates are records of different runs (run ids) or of
+            two branches of one run (different releases at the same position);
+            the message names both. Choosing either would forget releases.
+    """
+    if not named:
+        raise ValueError("longest_record needs at least one ledger")
+    name, best = max(named.items(), key=lambda kv: len(kv[1]))  # max keeps the first of equals
+    for other_name, other in named.items():
+        if best.extends(other):
+            continue
+        if best.run_id is not None and other.run_id is not None and best.run_id != other.run_id:
+            why = f"different runs (run ids {other.run_id} and {best.run_id})"
+        else:
+            why = "two branches of one run (they differ at a release both hold)"
+        raise ValueError(f"the {other_name} ledger ({len(other)} releases) and the {name} ledger ({len(best)} "
+                         f"releases) are records of {why}: taking either would forget releases of the other. "
+                         "Load this state into a fresh PrivacyEngine (or keep the record that belongs to it)")
+    return name, best
 
 
 #: What the accountants read: a whole :class:`PrivacyLedger` or a bare DpEvent
