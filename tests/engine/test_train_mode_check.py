@@ -216,6 +216,31 @@ def test_dropout_through_privacy_engine_hooks_is_not_refused_and_matches_with_th
         _engine_release_times_b(_dropout_model().train(), x, y)  # not refused
 
 
+def test_attention_dropout_in_train_mode_is_replayed_and_the_encoder_stays_fast():
+    """TransformerEncoderLayer(dropout=0.3) in train mode: attention and MLP dropout masks replayed, nothing demoted
+    (its training kernel is what is checked: the fused fast path runs in eval mode only)."""
+
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True)
+            self.head = nn.Linear(8, K)
+
+        def forward(self, x):
+            return self.head(self.enc(x).mean(1))
+
+    torch.manual_seed(0)
+    model = Enc().train()
+    x, y = torch.randn(B, 5, 8), torch.randint(0, K, (B,))
+    eng = PerSampleEngine(model, ce)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.compute(x, y)
+    assert not [w for w in caught if "fast per-sample rules" in str(w.message)]
+    assert {"enc.linear1.weight", "enc.linear2.weight", "enc.norm1.weight", "enc.norm2.bias",
+            "head.weight"} <= set(eng.fast_names)
+
+
 def test_replay_gives_example_i_its_row_of_the_batched_draws():
     """White-box: under replay, model(x_i) alone equals row i of the batched model(x), exactly."""
 

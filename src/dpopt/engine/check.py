@@ -53,6 +53,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -185,6 +186,9 @@ class RandomReplay:
     has size 1 and every other size agrees), or the whole recorded output if
     it has the requested shape (a draw shared by the batch). Dropout through
     ``native_dropout`` replays the mask and recomputes ``input·mask/(1−p)``.
+    ``scaled_dot_product_attention`` runs its math kernel in both phases (its
+    attention dropout is then an aten draw; the fused CUDA kernels draw
+    inside and could not be replayed).
     Only used inside the check: outside these contexts nothing is intercepted.
 
     Raises (from inside the replayed pass):
@@ -208,8 +212,8 @@ class RandomReplay:
     def _active(self, phase: str) -> Iterator["RandomReplay"]:
         handle = self.model.register_forward_pre_hook(self._pre)
         self.phase = phase
-        try:
-            with _RandomOps(self):
+        try:  # the math attention kernel: its dropout is an aten draw (the fused kernels draw inside)
+            with sdpa_kernel(SDPBackend.MATH), _RandomOps(self):
                 yield self
         finally:
             self.phase = None
