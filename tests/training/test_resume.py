@@ -30,7 +30,7 @@ def _start(out, *extra):
 
 
 def _interrupt(proc, out, sig):
-    deadline = time.time() + 60
+    deadline = time.time() + 300  # a hang guard only (a loaded machine can take minutes to start)
     while not (out / "checkpoint.pt").exists():  # the run is under way
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
@@ -76,7 +76,7 @@ def test_sigterm_with_reproducible_noise_resumes_to_the_uninterrupted_parameters
     full, out = tmp_path / "full", tmp_path / "part"
     ref = subprocess.run([sys.executable, "-m", "dpopt", "train", *ARGS, "--reproducible-noise", "--out", str(full)],
                          capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr
+    assert ref.returncode == 3, ref.stderr  # finished, but reproducible noise fails the ledger check
     code, _, stderr = _interrupt(_start(out, "--reproducible-noise"), out, signal.SIGTERM)
     assert code == 143, stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -85,7 +85,7 @@ def test_sigterm_with_reproducible_noise_resumes_to_the_uninterrupted_parameters
     assert check_run(out).failures == ["noise_source"]  # reproducible noise fails the check, as always
     res = subprocess.run([sys.executable, "-m", "dpopt", "train", "--resume", str(out), "--threads", "1"],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # completed; the check still fails (reproducible noise)
     a, b = torch.load(full / "model.pt"), torch.load(out / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "summary.json").read_text())["epsilon"] == \
