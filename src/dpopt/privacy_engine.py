@@ -19,7 +19,11 @@ What happens where (DESIGN.md, "the privacy boundary"):
   Poisson sampling at q = 1/len(data_loader) over the loader's dataset,
   len(data_loader) batches per epoch, empty batches yielded (zero-length
   tensors) so that the loop still steps; the expected batch size q·N is the
-  public denominator (N is treated as public; the ledger header says so);
+  public denominator (N is treated as public; the ledger header says so).
+  Only a default loader is replaced (a ``BatchSampler`` over a sequential or
+  shuffling sampler): a ``WeightedRandomSampler``, a custom ``batch_sampler``
+  or sampling with replacement is refused with advice
+  (:func:`~dpopt.data_loader.custom_batching`), never silently discarded;
 * the model gets hooks (:class:`~dpopt.engine.hooks.HookCapture`) that turn
   the user's forward/backward into per-sample sources, with the engines'
   checks; the model object returned is the one given;
@@ -31,6 +35,14 @@ What happens where (DESIGN.md, "the privacy boundary"):
   user's optimizer post-processes it (AdamW, momentum, LR schedulers). With a
   method name (``"dp-macadam"``, ``"dp-muon"``, ...) the method's chain runs,
   its clip geometry feedback included, and ``p.grad`` is set to the release.
+  ``step()`` with no backward since ``zero_grad()`` raises (an empty batch's
+  forward and backward are a release, as they must be);
+* saved state carries the ledger (:mod:`dpopt.checkpoint`):
+  ``optimizer.state_dict()`` holds the Privatizer's state and the engine's
+  ledger, ``engine.save_checkpoint(path=, module=, optimizer=)`` /
+  ``engine.load_checkpoint(...)`` hold it too and keep an append-only journal
+  of every later release, so loading an older checkpoint still charges them;
+  a state without a ledger is refused.
 
 Data parallel (``distributed=True``; :mod:`dpopt.distributed`): run the same
 script on every rank (``torchrun --nproc_per_node W script.py``), after
