@@ -1,7 +1,71 @@
-"""Shared test fixtures."""
+"""Shared test fixtures, the test tiers (markers by path) and one torch thread per xdist worker.
 
-import pytest
-import torch
+Tiers (markers declared in pyproject.toml; README "Two commands" shows the commands):
+
+* ``distributed`` — several gloo processes (every test under ``tests/distributed/``);
+* ``hf`` — needs Hugging Face ``transformers`` (every test under ``tests/hf/`` or in a
+  ``test_hf*.py`` file);
+* ``slow`` — longer than ~10 s on one core: marked in the test file with
+  ``@pytest.mark.slow``, or listed here in :data:`SLOW` by node-id prefix (so a test
+  file owned by someone else need not be edited to move it to the slow tier).
+
+The markers are applied at collection (:func:`pytest_collection_modifyitems`), so a
+new test file placed in one of these folders lands in its tier without editing it.
+
+Under pytest-xdist (``-n 2``) each worker process runs torch with ONE thread
+(``OMP_NUM_THREADS=1`` before torch loads, for the worker and the subprocesses it
+starts, and ``torch.set_num_threads(1)``): two workers on two cores, not four
+threads fighting for two.
+"""
+
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported (OpenMP reads it once)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+#: Tier by folder or file (a path relative to tests/, as a prefix of the test's path).
+TIER_BY_PATH = {
+    "distributed/": "distributed",
+    "hf/": "hf",
+    "test_hf": "hf",  # tests/**/test_hf*.py
+}
+
+#: Node-id prefixes (relative to tests/) of tests slower than ~10 s that are not marked in their file.
+SLOW: tuple = ()
+
+
+def tiers_for(relpath: str) -> set:
+    """The tier markers of a test at ``relpath`` (a node id relative to tests/, e.g. ``distributed/test_x.py::t``).
+
+    >>> sorted(tiers_for("distributed/test_ddp_resume.py::test_resume"))
+    ['distributed']
+    """
+    name = relpath.split("::")[0]
+    out = {tier for prefix, tier in TIER_BY_PATH.items()
+           if name.startswith(prefix) or name.rsplit("/", 1)[-1].startswith(prefix)}
+    if any(relpath.startswith(prefix) for prefix in SLOW):
+        out.add("slow")
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Add the tier markers of :func:`tiers_for` to every collected test under tests/."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        path = os.path.abspath(str(item.path))
+        if not path.startswith(root + os.sep):
+            continue
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        nodeid = rel + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else rel
+        for tier in sorted(tiers_for(nodeid)):
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture

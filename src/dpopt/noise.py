@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Optional, Union
@@ -54,7 +55,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-__all__ = ["NOISE_MODES", "NoiseSource", "make_noise_source"]
+__all__ = ["CUT_RADIUS", "NOISE_MODES", "NoiseSource", "gaussian_from_words", "make_noise_source"]
 
 NOISE_MODES = ("secret", "secure", "reproducible")
 _BITS = 53  # mantissa bits of a float64 uniform
@@ -144,13 +145,161 @@ def _os_uniform(n: int) -> Tensor:
     return (mantissa + 1.0) * (2.0 ** -_BITS)  # k ∈ [0, 2^53) → (k+1)/2^53 ∈ (0, 1]
 
 
-def _os_normal(n: int) -> Tensor:
-    """``n`` float64 standard normals from OS-CSPRNG uniforms (Box–Muller, both outputs used)."""
-    pairs = (n + 1) // 2
-    u = _os_uniform(2 * pairs)
-    r = torch.sqrt(-2.0 * torch.log(u[:pairs]))
-    theta = (2.0 * math.pi) * u[pairs:]
-    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
+def _os_words(n: int) -> Tensor:
+    """``n`` int64 words of 64 random bits each from :func:`os.urandom` (CPU tensor)."""
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+
+
+def _random_words(shape, generator: torch.Generator, device) -> Tensor:
+    """int64 words of 64 random bits each (the full signed range) from ``generator`` on ``device``."""
+    return torch.empty(shape, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
+
+
+# -- the Gaussian sampler: Box–Muller on uniforms with the full float64 exponent range --------------
+#
+# A pair of int64 words (a, b) gives two normals z = R·(cos φ, sin φ):
+#   φ = 2π·t, t = 1.f with f the low 52 bits of a (t ∈ [1, 2): cos/sin have period 1 in t);
+#   u = m·2^-(k+1), m = 1.g with g the low 52 bits of b, k ~ Geometric(1/2) (P(k = j) = 2^-(j+1)),
+#   so u is uniform on (0, 1) with a 52-bit mantissa at EVERY scale (not a fixed-point 2^-53 grid);
+#   R = √(−2 ln u).
+# k: the top 12 bits of b are the first 12 bits of a geometric bit stream (the exponent of
+# 0.β₁…β₁₂1 in float64 is −(k+1) for k leading zeros, k ≤ 12). The pairs whose 12 bits are all zero
+# (probability 2^-12) continue the stream with _SLOT_WORDS more words each (k += K, K geometric again,
+# memoryless): R² += 2K·ln 2. k stops at _K_MAX (u ≥ 2^-1022, a normal float64), so
+#   |z| ≤ R ≤ CUT_RADIUS = √(2·1022·ln 2) = 37.64,
+# and only a stream of > 1000 zero bits (probability 2^-1000) is cut there.
+_M52 = (1 << 52) - 1
+_ONE = 1023 << 52  # the bits of float64 1.0
+_EXP = 0x7FF << 52  # the exponent field
+_STAGE_BITS = 12  # first geometric stage: the top 12 bits of b
+_STAGE_PROBE = _ONE | (1 << (51 - _STAGE_BITS))  # 1.0 with a stop bit just below the 12 stage bits
+_STAGE_CAP = (1022 - _STAGE_BITS) << 52  # the exponent field of 2^-(12+1): all 12 stage bits zero
+_K_MAX = 1021  # u ≥ 2^-(K_MAX+1) = 2^-1022, the smallest normal float64
+_SLOT_WORDS = 20  # 20·52 = 1040 ≥ K_MAX − 12 more bits of the stream per continued pair
+_OVERFLOW_LOG2 = -140  # P(more pairs to continue than slots drawn) ≤ 2^-140 per call
+BLOCK_PAIRS = 1 << 15  # pairs per block of the output layout on CPU (32,768 pairs, 65,536 normals)
+
+#: The sampler's largest possible |z| (its cut radius r_max): √(2·1022·ln 2) ≈ 37.64, in every
+#: mode and on every device. P(|Z| > CUT_RADIUS − 1/σ) < 1e-160 for every σ ≥ 0.1.
+CUT_RADIUS = math.sqrt(2.0 * (_K_MAX + 1) * math.log(2.0))
+
+
+def _pairs_block(a: Tensor, b: Tensor, out: Tensor, r2: Tensor, cont: Tensor) -> None:
+    """Box–Muller on one block of ``p`` word pairs (module comment above); consumes ``a`` and ``b``.
+
+    Args:
+        a, b: int64 ``[p]`` random words (overwritten: they are scratch space).
+        out: float64 ``[2p]``: R·cos φ in ``out[:p]``, R·sin φ in ``out[p:]``.
+        r2: float64 ``[p]``: R² = −2 ln u (for :func:`_continue_stream`).
+        cont: bool ``[p]``: the pairs whose first 12 stream bits were all zero (to be continued).
+    """
+    p = a.numel()
+    phi = a.bitwise_and_(_M52).bitwise_or_(_ONE).view(torch.float64).mul_(2.0 * math.pi)
+    torch.cos(phi, out=out[:p])
+    torch.sin(phi, out=out[p:])
+    v = torch.bitwise_right_shift(b, 64 - 52, out=a)  # b's top 12 bits → bits 51..40 (the stage bits)
+    v = v.bitwise_and_(_M52).bitwise_or_(_STAGE_PROBE).view(torch.float64).sub_(1.0)  # 0.β₁…β₁₂1…
+    e = v.view(torch.int64).bitwise_and_(_EXP)  # exponent field: 1022 − k
+    torch.eq(e, _STAGE_CAP, out=cont)
+    u = e.bitwise_or_(b.bitwise_and_(_M52)).view(torch.float64)  # m·2^-(k+1)
+    torch.log(u, out=r2).mul_(-2.0)
+    radius = torch.sqrt(r2, out=u)
+    out[:p].mul_(radius)
+    out[p:].mul_(radius)
+
+
+def _stream_tail(slot_words: Tensor) -> Tensor:
+    """Geometric(1/2) counts from ``[M, _SLOT_WORDS]`` random words: the number of leading zero bits
+    of each row's stream of 52-bit groups, capped at ``_K_MAX − 12`` (int64 ``[M]``)."""
+    v = slot_words.bitwise_and(_M52).bitwise_or_(_ONE).view(torch.float64).sub_(1.0)  # 0.g₁…g₅₂
+    field = v.view(torch.int64).bitwise_right_shift_(52)  # 1022 − zeros, or 0 when all 52 bits are zero
+    zeros = torch.where(field == 0, torch.full_like(field, 52), 1022 - field)
+    alive = torch.cumprod((zeros == 52).to(torch.int64), dim=1)  # all groups so far were zero
+    alive = torch.cat([torch.ones_like(alive[:, :1]), alive[:, :-1]], dim=1)
+    return (zeros * alive).sum(dim=1).clamp_(max=_K_MAX - _STAGE_BITS)
+
+
+def _continue_stream(flat: Tensor, r2: Tensor, cont: Tensor, slot_words: Tensor, block_pairs: int) -> None:
+    """Give every pair flagged in ``cont`` its further exponent bits (in place, no host sync).
+
+    Args:
+        flat: float64 output of all blocks (block ``i`` at ``[2·i·block_pairs, …)``, cos half first).
+        r2, cont: ``[P]`` from :func:`_pairs_block` for all ``P`` pairs.
+        slot_words: int64 ``[M, _SLOT_WORDS]``; M = :func:`_slots` (P) rows: the first M flagged
+            pairs (in index order) get one row each. More than M flagged pairs (probability
+            ≤ 2^-140) leaves the later ones at k = 12 (|z| ≤ 4.25).
+    """
+    pairs, m = cont.numel(), slot_words.shape[0]
+    if pairs == 0 or m == 0:
+        return
+    idx = torch.nonzero_static(cont, size=m, fill_value=pairs)[:, 0]  # sync-free on CUDA too
+    valid = idx < pairs
+    idx = torch.where(valid, idx, torch.zeros_like(idx))
+    extra = _stream_tail(slot_words).to(torch.float64) * (2.0 * math.log(2.0))
+    old = r2[idx]
+    ratio = torch.where(valid, torch.sqrt((old + extra) / old), torch.ones_like(old))
+    blk, j = idx // block_pairs, idx % block_pairs
+    in_block = torch.clamp(pairs - blk * block_pairs, max=block_pairs)
+    cos_at = blk * (2 * block_pairs) + j
+    at = torch.cat([cos_at, cos_at + in_block])
+    ratio = torch.cat([ratio, ratio])
+    flat.index_put_((at,), flat[at] * (ratio - 1.0), accumulate=True)  # + 0 at the unused slots
+
+
+def _finish(flat: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The first ``shape.numel()`` values of ``flat`` (float64) as ``shape``, rounded once to ``dtype``;
+    never a view that keeps the unused last draw of an odd count."""
+    n = shape.numel()
+    out = flat[:n].view(shape)
+    if dtype != torch.float64:
+        return out.to(dtype)
+    return out.clone() if n != flat.numel() else out
+
+
+@lru_cache(maxsize=256)
+def _slots(pairs: int) -> int:
+    """Rows of continuation words for ``pairs`` pairs: the smallest M with P(N > M) ≤ 2^-140 for
+    N ~ Binomial(pairs, 2^-12), by the Chernoff bound P(N ≥ M) ≤ e^-λ (eλ/M)^M, λ = pairs·2^-12."""
+    if pairs <= 0:
+        return 0
+    lam = pairs * 2.0 ** -_STAGE_BITS
+    bound = _OVERFLOW_LOG2 * math.log(2.0)
+
+    def ok(m: int) -> bool:
+        return m >= pairs or (m > lam and -lam + m * (1.0 + math.log(lam) - math.log(m)) <= bound)
+
+    lo, hi = 1, pairs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
+def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional[int] = None) -> Tensor:
+    """Standard normals from random words — the sampler of every mode, a pure function (white-box tests).
+
+    Args:
+        words: int64 ``[2, P]`` (row 0: angle words, row 1: radius words); consumed (overwritten).
+        slot_words: int64 ``[_slots(P), _SLOT_WORDS]`` continuation words.
+        block_pairs: pairs per output block (default: all P in one block).
+
+    Returns:
+        float64 ``[2P]``: block by block, the P_b cosine normals then the P_b sine normals.
+        Every |value| ≤ :data:`CUT_RADIUS`.
+    """
+    pairs = words.shape[1]
+    bp = block_pairs or max(pairs, 1)
+    flat = torch.empty(2 * pairs, dtype=torch.float64, device=words.device)
+    r2 = torch.empty(pairs, dtype=torch.float64, device=words.device)
+    cont = torch.empty(pairs, dtype=torch.bool, device=words.device)
+    for start in range(0, pairs, bp):
+        stop = min(pairs, start + bp)
+        _pairs_block(words[0, start:stop], words[1, start:stop], flat[2 * start:2 * stop],
+                     r2[start:stop], cont[start:stop])
+    _continue_stream(flat, r2, cont, slot_words, bp)
+    return flat
 
 
 class NoiseSource:
@@ -195,6 +344,7 @@ class NoiseSource:
         self._pool_pid = 0
         if generator is not None:
             self._generators[str(generator.device)] = generator
+        _LIVE.add(self)
 
     def _generator(self, device: Union[str, torch.device]) -> torch.Generator:
         dev = torch.device(device)
@@ -214,42 +364,81 @@ class NoiseSource:
 
     def normal(self, shape, dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu") -> Tensor:
-        """Standard normal tensor of ``shape`` (std 1; the caller scales it).
+        """Standard normal tensor of ``shape`` (std 1; the caller scales it), every |z| ≤ :data:`CUT_RADIUS`.
 
-        On CPU, a tensor of more than :data:`NORMAL_CHUNK` elements is filled in
-        chunks of that size, each by its own MT19937 generator whose whole
-        state (624 words) is drawn from this source's generator, on up to
-        ``torch.get_num_threads()`` threads (torch's CPU ``normal_`` is
-        single-threaded: 2.0 ms per 795k float32 normals here). Chunk i always
-        gets the i-th state, so the values do not depend on the thread count
-        (reproducible mode gives the same tensor on any machine).
+        Every mode runs the same sampler (:func:`gaussian_from_words`: float64 Box–Muller on
+        uniforms with a 52-bit mantissa at every scale); the modes differ only in where the
+        random words come from: the OS CSPRNG (secure), or this source's generator on
+        ``device`` (secret, reproducible). The float64 result is rounded once to ``dtype``.
+
+        On CPU, a tensor of more than :data:`NORMAL_CHUNK` elements draws its words chunk by
+        chunk, each chunk from its own MT19937 generator whose whole state (624 words) is drawn
+        from this source's generator, on up to ``torch.get_num_threads()`` threads (torch's CPU
+        generators are single-threaded). Chunk i always gets the i-th state, so the values do
+        not depend on the thread count (reproducible mode gives the same tensor on any machine).
+
+        Raises:
+            ValueError: ``dtype`` is not a floating-point dtype.
         """
+        if not dtype.is_floating_point:
+            raise ValueError(f"normal noise needs a floating-point dtype, got {dtype}")
         shape = torch.Size(shape)
-        if self.mode == "secure":
-            return _os_normal(shape.numel()).view(shape).to(dtype=dtype, device=device)
-        gen = self._generator(device)
-        if torch.device(device).type != "cpu" or shape.numel() <= NORMAL_CHUNK:
-            return torch.randn(shape, generator=gen, dtype=dtype, device=device)
-        return self._chunked_normal(shape, dtype, gen)
-
-    def _chunked_normal(self, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> Tensor:
         n = shape.numel()
-        k = -(-n // NORMAL_CHUNK)
-        words = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
-        raw = words.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
-        out = torch.empty(n, dtype=dtype)
+        pairs = -(-n // 2)
+        dev = torch.device(device)
+        if self.mode == "secure":
+            words = _os_words(2 * pairs).view(2, pairs).to(dev)
+            slot_words = _os_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
+            flat = gaussian_from_words(words, slot_words, BLOCK_PAIRS if dev.type == "cpu" else None)
+        elif dev.type == "cpu" and n > NORMAL_CHUNK:
+            return self._chunked_normal(shape, dtype)
+        else:
+            gen = self._generator(dev)
+            words = _random_words((2, pairs), gen, dev)
+            slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, dev)
+            flat = gaussian_from_words(words, slot_words, BLOCK_PAIRS if dev.type == "cpu" else None)
+        return _finish(flat, shape, dtype)
+
+    def _chunked_normal(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """:meth:`normal` on CPU for more than ``NORMAL_CHUNK`` elements: words drawn per chunk of
+        ``NORMAL_CHUNK // 2`` pairs from derived MT19937 generators, possibly on several threads.
+
+        With a thread pool every step runs in the pool, none in the calling thread: torch's
+        OpenMP threads do not survive ``fork``, so a process that forks after drawing noise
+        must not have used them from its main thread (a child would hang on its first
+        parallel torch op).
+        """
+        pairs = -(-shape.numel() // 2)
+        gen = self._generator("cpu")
+        chunk = NORMAL_CHUNK // 2
+        k = -(-pairs // chunk)
+        states = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
+        raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
+        slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
+        flat = torch.empty(2 * pairs, dtype=torch.float64)
+        r2 = torch.empty(pairs, dtype=torch.float64)
+        cont = torch.empty(pairs, dtype=torch.bool)
 
         def fill(i: int) -> None:
             sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
-            out[i * NORMAL_CHUNK:min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
+            lo, hi = i * chunk, min(pairs, (i + 1) * chunk)
+            words = _random_words((2, hi - lo), sub, "cpu")
+            for start in range(lo, hi, BLOCK_PAIRS):  # the layout blocks of gaussian_from_words
+                stop = min(hi, start + BLOCK_PAIRS)
+                _pairs_block(words[0, start - lo:stop - lo], words[1, start - lo:stop - lo],
+                             flat[2 * start:2 * stop], r2[start:stop], cont[start:stop])
+
+        def finish() -> Tensor:
+            _continue_stream(flat, r2, cont, slot_words, BLOCK_PAIRS)
+            return _finish(flat, shape, dtype)
 
         pool = self._thread_pool()
-        if pool is None or k == 1:
+        if pool is None:
             for i in range(k):
                 fill(i)
-        else:
-            list(pool.map(fill, range(k)))
-        return out.view(shape)
+            return finish()
+        list(pool.map(fill, range(k)))
+        return pool.submit(finish).result()
 
     def _thread_pool(self) -> Optional[ThreadPoolExecutor]:
         """Worker threads for chunked draws (None with one torch thread); kept between draws."""
@@ -265,10 +454,27 @@ class NoiseSource:
             self._pool_threads, self._pool_pid = threads, os.getpid()
         return self._pool
 
-    def __getstate__(self) -> dict:  # copies and pickles carry no threads
+    def _forget(self) -> None:
+        """Drop the generators of a non-reproducible source: the next draw re-seeds from OS entropy."""
+        if self.mode != "reproducible":
+            self._generators = {}
+        self._pool, self._pool_threads, self._pool_pid = None, 0, 0
+
+    def __getstate__(self) -> dict:
+        """What a pickle, ``copy.copy``/``deepcopy`` or ``torch.save`` carries: never threads, and
+        never the generator state of secret noise (a copy re-seeds from OS entropy on its first draw,
+        so it cannot replay the original's noise). Reproducible sources keep their generators."""
         state = dict(self.__dict__)
         state["_pool"], state["_pool_threads"], state["_pool_pid"] = None, 0, 0
+        if self.mode != "reproducible":
+            state["_generators"] = {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.mode != "reproducible":
+            self._generators = {}
+        _LIVE.add(self)
 
     def uniform(self, n: int, device: Union[str, torch.device] = "cpu") -> Tensor:
         """``n`` float64 uniforms (53 random bits; compare with q in float64 so small q are exact)."""
@@ -297,6 +503,20 @@ class NoiseSource:
 
     def __repr__(self) -> str:  # never shows a seed
         return f"NoiseSource(mode={self.mode!r})"
+
+
+_LIVE: "weakref.WeakSet[NoiseSource]" = weakref.WeakSet()  # every source, for the fork handler
+
+
+def _reseed_after_fork() -> None:
+    """In a forked child: every secret source forgets its generator (the parent's state) and
+    re-seeds from OS entropy on its next draw; no source keeps the parent's threads."""
+    for src in list(_LIVE):
+        src._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
 def make_noise_source(noise: Optional[NoiseSource] = None, generator: Optional[torch.Generator] = None,
