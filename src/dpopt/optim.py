@@ -129,6 +129,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.privatizer = privatizer
         self.transform = transform
 
+    def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy had no privatizer
+        """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
+        return dict(self.__dict__)
+
     # -- helpers over all trainable params, in group order ------------------
     def _params(self) -> list[Tensor]:
         """Trainable parameters in param-group order; frozen ones (:func:`is_frozen`) are skipped."""

@@ -248,6 +248,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._open = False  # a logical step is open in the Privatizer (chunks accumulated, not yet released)
         self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
 
+    def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
+        """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
+        return dict(self.__dict__)
+
     @property
     def privatizer(self):
         return self._dp.privatizer
