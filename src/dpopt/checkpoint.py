@@ -187,6 +187,10 @@ class LedgerKeeper:
                              "make_private returned). If this state did NOT come from private training on this "
                              "data (e.g. public pre-training), load it into your torch optimizer before calling "
                              "make_private")
+        if journal is not None and self.journal is not None and \
+                os.path.abspath(journal) != os.path.abspath(self.journal):
+            raise ValueError(f"the {where} records the ledger journal {journal}, but this engine already keeps "
+                             f"its journal at {self.journal}: load it into a fresh PrivacyEngine")
         saved_ledger = saved if isinstance(saved, PrivacyLedger) else PrivacyLedger.from_dict(saved)
         candidates = {f"saved ({where})": saved_ledger}
         if journal is not None:

@@ -311,3 +311,39 @@ def test_summary_json_ready_after_load(digits, tmp_path):
     summary = engine2.summary(DELTA)
     assert summary["steps"] == 23 and summary["privatizer_releases"] == 23
     json.dumps(summary)
+
+
+
+def test_journal_paths_moved_missing_and_foreign(digits, tmp_path):
+    torch.manual_seed(0)
+    engine, model, opt, loader = _private(digits)
+    _epoch(model, opt, loader)
+    (tmp_path / "a").mkdir()
+    engine.save_checkpoint(path=tmp_path / "a" / "c.pt", module=model, optimizer=opt)
+    _epoch(model, opt, loader)
+    (tmp_path / "a").rename(tmp_path / "b")  # the directory moves as a whole: the journal is found
+    engine2, model2, opt2, _ = _private(digits)
+    with pytest.warns(UserWarning, match="23 releases made after it"):
+        engine2.load_checkpoint(path=tmp_path / "b" / "c.pt", module=model2, optimizer=opt2)
+    assert len(engine2.ledger) == 46 and engine2.journal.parent == tmp_path / "b"
+
+    other, model3, opt3, _ = _private(digits)
+    other.open_journal(tmp_path / "other.jsonl")
+    with pytest.raises(ValueError, match="already keeps its journal"):  # refused before anything changes
+        other.load_checkpoint(path=tmp_path / "b" / "c.pt", module=model3, optimizer=opt3)
+    assert len(other.ledger) == 0
+
+    foreign = PrivacyLedger()  # another run's journal, with one release in it
+    foreign.record(0, engine.ledger.entries[0].event, **engine.ledger.entries[0].meta)
+    foreign.open_journal(tmp_path / "foreign.jsonl")
+    foreign.flush()
+    with pytest.raises(ValueError, match="another run's record"):
+        dpopt.PrivacyEngine().save_checkpoint(path=tmp_path / "y.pt", module=model3,
+                                              journal=tmp_path / "foreign.jsonl")
+    assert not (tmp_path / "y.pt").exists()
+
+    engine2.journal.unlink()  # the journal gone: the checkpoint's own ledger is charged, warned
+    engine5, model5, opt5, _ = _private(digits)
+    with pytest.warns(UserWarning, match="which is missing"):
+        engine5.load_checkpoint(path=tmp_path / "b" / "c.pt", module=model5, optimizer=opt5)
+    assert len(engine5.ledger) == 23
