@@ -26,10 +26,12 @@ Rules of :meth:`LedgerKeeper.adopt`:
 
 The journal (``ledger-<run_id>.jsonl`` beside the first checkpoint, or
 ``journal=``) is the run's append-only JSON-lines ledger
-(:meth:`~dpopt.accounting.ledger.PrivacyLedger.open_journal`) flushed and
-``fsync``-ed at every release from the first ``save_checkpoint`` (or
-``engine.open_journal``) on; every checkpoint and optimizer state records
-where it is. Two processes that load one checkpoint and train on both append
+(:meth:`~dpopt.accounting.ledger.PrivacyLedger.open_journal`): every release
+is appended to it as it is recorded (a process killed later keeps it; the
+file is ``fsync``-ed before each checkpoint or optimizer state is built, so
+a machine crash cannot leave a checkpoint ahead of its journal) from the
+first ``save_checkpoint`` (or ``engine.open_journal``) on; every checkpoint
+and optimizer state records where it is. Two processes that load one checkpoint and train on both append
 to the same journal, which then holds both branches (all charged at the next
 load); each process's own ``get_epsilon`` counts its branch and what was in
 the journal when it loaded. Call ``save_checkpoint`` on one rank only in

@@ -73,3 +73,14 @@ def test_malformed_run_id_refused():
     data["run_id"] = 7
     with pytest.raises(ValueError, match="run_id"):
         PrivacyLedger.from_dict(data)
+
+
+def test_autoflush_journal_holds_each_release_as_it_is_recorded(tmp_path):
+    ledger = _ledger(2)
+    ledger.open_journal(tmp_path / "j.jsonl", autoflush=True)
+    ledger.flush()
+    event = ledger.entries[0].event
+    for step in range(2, 5):
+        ledger.record(step, event, max_grad_norm=1.0)
+        assert len(PrivacyLedger.read_journal(tmp_path / "j.jsonl")) == step + 1  # no flush() called
+    assert ledger.unflushed == 0 and ledger.flush() == 0

@@ -167,6 +167,7 @@ class PrivacyLedger:
         self._flushed = 0  # entries already in the journal
         self._journal_header: Optional[dict] = None  # the header last written to the journal
         self._autoflush = False  # flush the journal at every record()
+        self._unsynced = False  # lines written to the journal without fsync
 
     def mark_noise(self, mode: str) -> str:
         """Record how the Privatizer's noise (and Poisson masks) are seeded.
@@ -197,7 +198,7 @@ class PrivacyLedger:
         entry = LedgerEntry(int(step), event, _public(meta))
         self._entries.append(entry)
         if self._autoflush:
-            self.flush()
+            self.flush(sync=False)
         return entry
 
     # -- reading ---------------------------------------------------------
@@ -263,9 +264,10 @@ class PrivacyLedger:
                 after :meth:`load_state_dict` from that journal).
             rewrite: write the whole ledger to ``path`` now, atomically (a
                 resumed run: drops a torn last line before appending).
-            autoflush: flush (append and ``fsync``) at every :meth:`record`, so
-                that each release is on disk before its value is used
-                (``PrivacyEngine`` checkpoints: one small append per step).
+            autoflush: append at every :meth:`record`, so that each release is
+                in the journal before its value is used (``PrivacyEngine``
+                checkpoints: one small write per step, ``fsync``-ed at the
+                next explicit :meth:`flush`, e.g. before a checkpoint is written).
 
         Otherwise nothing is written until :meth:`flush`.
         """
@@ -287,8 +289,13 @@ class PrivacyLedger:
         self._journal_header = self.header() if exists else None
         return path
 
-    def flush(self) -> int:
+    def flush(self, sync: bool = True) -> int:
         """Append the entries recorded since the last flush to the journal and ``fsync`` it.
+
+        Args:
+            sync: ``fsync`` the file (also entries written earlier without it).
+                ``False`` (autoflush) hands the lines to the OS only: they
+                survive the process being killed, not the machine crashing.
 
         Returns:
             The number of entries written (0 without a journal or new entries).
@@ -301,12 +308,15 @@ class PrivacyLedger:
                                      "entry_version": LEDGER_VERSION, **self.header()}))
         new = self._entries[self._flushed:]
         lines.extend(json.dumps(e.to_dict(), allow_nan=False) for e in new)
-        if not lines:
+        if not lines and not (sync and self._unsynced):
             return 0
         with open(self._journal, "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+            if lines:
+                fh.write("\n".join(lines) + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
+        self._unsynced = not sync
         self._journal_header = self.header()
         self._flushed = len(self._entries)
         return len(new)
