@@ -63,7 +63,8 @@ from .ledger import PrivacyLedger
 from .registry import ACCOUNTANTS
 from .validation import check_delta, check_rtol
 
-__all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL"]
+__all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL", "RunIdGroup",
+           "repeated_run_ids"]
 
 #: Relative tolerance for comparing recomputed numbers with recorded ones.
 DEFAULT_RTOL = 1e-6
@@ -295,6 +296,10 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
 def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
                        rtol: float) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
+    run_id, claimed_id = getattr(ledger, "run_id", None), claimed.get("run_id")
+    if run_id is not None and claimed_id is not None and claimed_id != run_id:
+        problems.append(f"summary run_id {claimed_id} is not the ledger's run_id {run_id}: the summary and the "
+                        "ledger are files of different runs")
     accountant = str(claimed.get("accountant", "")).lower()
     delta, eps_claim = _num(claimed.get("delta")), claimed.get("epsilon")
     eps_claim = math.inf if eps_claim in ("inf", "Infinity") else _num(eps_claim)
@@ -445,6 +450,118 @@ def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float 
     e = _check_noise_source(ledger, claimed)
     facts = {**facts_c, **facts_d, "entries": len(ledger), "noise": getattr(ledger, "noise", "unknown")}
     return CheckResult((a, b, c, d, e), facts)
+
+
+@dataclass(frozen=True)
+class RunIdGroup:
+    """Ledgers that carry one run id (see :func:`repeated_run_ids`).
+
+    Attributes:
+        run_id: the shared id.
+        names: the ledgers' names (run directories), in the order given.
+        diverged: True when no one of them holds all the others' releases: a copied run
+            directory resumed in both places (two branches of one run, both trained on the data).
+        shared_releases: releases every one of them holds (the common prefix).
+        combined_releases: the shared releases once plus every branch's own releases.
+        combined_epsilon: ε of those combined releases (None when not diverged or not scored).
+    """
+
+    run_id: str
+    names: tuple
+    diverged: bool
+    shared_releases: int
+    combined_releases: int
+    combined_epsilon: Optional[float] = None
+
+    def message(self) -> str:
+        """One line for the user."""
+        names = ", ".join(str(n) for n in self.names)
+        if not self.diverged:
+            return (f"{names} share run id {self.run_id}: copies of one run; one of them holds every release "
+                    "of the others, so its ε covers them all")
+        eps = "" if self.combined_epsilon is None else f" = ε {self.combined_epsilon:.6g}"
+        return (f"{names} share run id {self.run_id} and DIVERGE after {self.shared_releases} shared releases: "
+                "copies of one run directory trained further in each place. Each ledger alone shows only its "
+                f"own branch; together they released {self.combined_releases} times from the same data{eps} "
+                "(the shared releases counted once, every branch's own added)")
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "names": [str(n) for n in self.names], "diverged": self.diverged,
+                "shared_releases": self.shared_releases, "combined_releases": self.combined_releases,
+                "combined_epsilon": self.combined_epsilon}
+
+
+def _shared_prefix(ledgers: list[PrivacyLedger]) -> int:
+    first, n = ledgers[0].entries, min(len(b) for b in ledgers)
+    for i in range(n):
+        if any(b.entries[i] != first[i] for b in ledgers[1:]):
+            return i
+    return n
+
+
+def _split_step(lists: list[list]) -> Optional[int]:
+    """The step where segment lists first differ (the earliest ``from_step`` there); None if none differs."""
+    for i in range(max(len(s) for s in lists)):
+        here = [s[i] for s in lists if i < len(s)]
+        if len(here) < len(lists) or any(seg.get("id") != here[0].get("id") for seg in here):
+            return min(int(seg.get("from_step", 0)) for seg in here)
+    return None
+
+
+def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] = None,
+                     accountant: str = "pld", segments: Optional[Mapping[str, list]] = None) -> list[RunIdGroup]:
+    """Groups of ledgers that share a run id (ledgers without one are skipped).
+
+    A run id is made once per run (:func:`~dpopt.accounting.ledger.new_run_id`), so two ledgers with
+    one id are copies of one run. When one holds the others' releases (a backup) that is all; when
+    they diverge (the copied directory was resumed in both places), every ledger passes its own check
+    while the data was used by every branch: the group's ``combined_epsilon`` scores the shared
+    releases once plus every branch's own (with ``delta`` and ``accountant``; not scored if ``delta``
+    is None).
+
+    Ledger entries of two branches with the same schedule are equal (same events), so a ledger alone
+    cannot show a branch: ``segments`` (``summary.json``'s ``"segments"`` per name, see
+    :func:`dpopt.training.results.new_segment`) does — one ledger holds another only if that one's
+    segments are a prefix of its own.
+    """
+    segments = segments or {}
+
+    def holds(big: str, small: str) -> bool:
+        if not named[big].extends(named[small]):
+            return False
+        a, b = segments.get(big), segments.get(small)
+        return a is None or b is None or [s.get("id") for s in b] == [s.get("id") for s in a[:len(b)]]
+
+    by_id: dict[str, list[str]] = {}
+    for name, book in named.items():
+        if getattr(book, "run_id", None) is not None:
+            by_id.setdefault(book.run_id, []).append(name)
+    groups = []
+    for run_id, names in by_id.items():
+        if len(names) < 2:
+            continue
+        tips: list[str] = []  # the branches: ledgers no other one of the group holds
+        for name in sorted(names, key=lambda n: (-len(named[n]), -len(segments.get(n) or []))):
+            if not any(holds(t, name) for t in tips):
+                tips.append(name)
+        maximal = [named[t] for t in tips]
+        diverged = len(maximal) > 1
+        shared = _shared_prefix(maximal)
+        split = _split_step([segments[t] for t in tips]) if diverged and all(segments.get(t) for t in tips) else None
+        if split is not None:
+            shared = min(shared, split)
+        combined, eps = len(maximal[0]), None
+        if diverged:
+            first = maximal[0]
+            union = PrivacyLedger(first.neighbouring, first.sampling, first.noise, first.dataset_size, run_id=run_id)
+            kept = list(first.entries[:shared]) + [e for b in maximal for e in b.entries[shared:]]
+            for entry in kept:
+                union.record(entry.step, entry.event, **entry.meta)
+            combined = len(union)
+            if delta is not None:
+                eps = epsilon(union, delta, accountant)
+        groups.append(RunIdGroup(run_id, tuple(names), diverged, shared, combined, eps))
+    return groups
 
 
 def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:

@@ -293,17 +293,45 @@ def ledger(
 
 @group.command("check")
 def check(
-    run_dir: Path = typer.Argument(..., help="Run directory with ledger.json and summary.json."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories with ledger.json and summary.json (one or "
+                                                    "more)."),
     as_json: bool = json_option(),
 ) -> None:
-    """The ledger checks (a-e); exit code 1 if any fails (2 if the run cannot be read)."""
-    from ..accounting.ledger_check import check_run
+    """The ledger checks (a-e); exit code 1 if any fails (2 if a run cannot be read).
 
-    _read_run(run_dir, summary=True)
+    Given several run directories, each is checked, and ledgers that share a run id are reported: they
+    are copies of one run. If they DIVERGE (a copied run directory resumed in both places), each one
+    passes alone although the data was used by every branch: that is a failure (exit 1), and the ε of
+    the shared releases plus every branch's own is printed.
+    """
+    from ..accounting.ledger_check import check_run, load_run, repeated_run_ids
+
+    for run_dir in run_dirs:
+        _read_run(run_dir, summary=True)
     with cli_errors():
-        result = check_run(run_dir)
-    typer.echo(dumps(result.to_dict()) if as_json else result.format())
-    if not result.passed:
+        results = {str(d): check_run(d) for d in run_dirs}
+        groups = []
+        if len(run_dirs) > 1:
+            runs = {str(d): load_run(d) for d in run_dirs}
+            first = runs[str(run_dirs[0])][1]
+            groups = repeated_run_ids({name: book for name, (book, _) in runs.items()},
+                                      delta=first.get("delta"), accountant=str(first.get("accountant", "pld")),
+                                      segments={name: s.get("segments") for name, (_, s) in runs.items()})
+    passed = all(r.passed for r in results.values()) and not any(g.diverged for g in groups)
+    if as_json:
+        if len(run_dirs) == 1:
+            typer.echo(dumps(next(iter(results.values())).to_dict()))
+        else:
+            typer.echo(dumps({"passed": passed, "runs": {k: r.to_dict() for k, r in results.items()},
+                              "repeated_run_ids": [g.to_dict() for g in groups]}))
+    else:
+        for name, result in results.items():
+            if len(run_dirs) > 1:
+                typer.echo(f"== {name}")
+            typer.echo(result.format())
+        for g in groups:
+            typer.echo(f"{'FAIL' if g.diverged else 'note'}: {g.message()}")
+    if not passed:
         raise typer.Exit(1)
 
 

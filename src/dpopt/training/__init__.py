@@ -60,7 +60,7 @@ from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noi
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
 from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
 from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
-from .results import RUN_FILES, RunFiles, finished_summary, run_directory, write_config, write_results
+from .results import RUN_FILES, RunFiles, finished_summary, new_segment, run_directory, write_config, write_results
 from .signals import graceful_stop
 
 __all__ = ["TrainConfig", "train", "resume", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
     # run.data: without the validation records (cfg.validation_fraction)
     sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
-    return _run(run, run_dir, sampler, LoopState(), start, on_step)
+    return _run(run, run_dir, sampler, LoopState(), start, on_step, segments=[new_segment(0)])
 
 
 def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:
@@ -137,9 +137,10 @@ def _on_main(dist: DistributedContext, fn: Callable):
 
 
 def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: LoopState, start: float,
-         on_step, extra: Optional[dict] = None) -> dict:
+         on_step, extra: Optional[dict] = None, segments: Optional[list] = None) -> dict:
     dist = run.dist
-    files = RunFiles(run_dir, run) if dist.is_main else None  # only rank 0 writes
+    files = RunFiles(run_dir, run, segments=segments) if dist.is_main else None  # only rank 0 writes
+    extra = dict(extra or {}, segments=list(segments or []))
     tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
     with graceful_stop() as stop:
         metrics = run_steps(run, on_step if dist.is_main else None, files=files, state=state, sampler=sampler,
@@ -178,9 +179,16 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     sampling at q whatever the number of shards).
 
     If the journal holds releases made after the checkpoint (a run killed
-    without a clean stop), they stay in the ledger — they were released and
-    may have reached a file — and are reported as ``lost_steps``: the steps
-    after the checkpoint are trained again and charged again.
+    without a clean stop, an older checkpoint put back, a branch trained from
+    it), they stay in the ledger — they were released and may have reached a
+    file — with a warning, and are reported as ``lost_steps``: the steps after
+    the checkpoint are trained again and charged again. A checkpoint whose
+    run id (``checkpoint.pt`` ``run_id``) is not the journal's is refused.
+
+    The run id (the ledger header's, also in ``summary.json``) is made once per
+    run: a copied run directory keeps it, and each copy resumed continues its
+    own ledger — ``dpopt check COPY_A COPY_B`` reports the shared id and, when
+    both were trained further, fails them with the ε of both branches together.
 
     Args:
         run_dir: the run directory (with ``checkpoint.pt`` and ``ledger.jsonl``).
@@ -217,8 +225,13 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     if (saved.neighbouring, saved.sampling, saved.dataset_size) != \
             (run.ledger.neighbouring, run.ledger.sampling, run.ledger.dataset_size):
         raise ValueError(f"the ledger journal in {run_dir} does not fit the saved configuration")
-    run.ledger.load_state_dict(saved.state_dict())
+    run.ledger.load_state_dict(saved.state_dict())  # the journal's run id too
     run.ledger.mark_noise(run.noise.mode)
+    saved_id = ckpt.get("run_id")  # None: a checkpoint written before run ids
+    if saved_id is not None and run.ledger.run_id is not None and saved_id != run.ledger.run_id:
+        raise ValueError(f"the checkpoint in {run_dir} belongs to run {saved_id} but the ledger journal there to "
+                         f"run {run.ledger.run_id}: its model was trained with releases this journal does not hold "
+                         "(put back the run's own checkpoint.pt, or start a new run)")
     position = int(ckpt["ledger_length"])
     if len(run.ledger) < position:
         raise ValueError(f"the ledger journal in {run_dir} has {len(run.ledger)} releases but the checkpoint "
@@ -241,9 +254,12 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         return done
     extra = {"resumed_from_step": state.step}
     if lost:
-        warnings.warn(f"{len(lost)} releases after the last checkpoint (step {state.step}) stay charged in the "
-                      "ledger; those steps are trained again", UserWarning, stacklevel=2)
+        warnings.warn(f"the ledger journal holds {len(lost)} releases after this checkpoint (step {state.step}): "
+                      "a run killed after it, an older checkpoint put back, or another branch of this run "
+                      "directory. They stay charged (the ledger never loses an entry) and those steps are "
+                      "trained again", UserWarning, stacklevel=2)
         extra["lost_steps"] = len(lost)
     if dist.enabled:  # every rank has read the checkpoint and journal before rank 0 rewrites them
         any_rank(False, dist)
-    return _run(run, run_dir, sampler, state, start, on_step, extra=extra)
+    segments = list(ckpt.get("segments") or []) + [new_segment(state.step)]
+    return _run(run, run_dir, sampler, state, start, on_step, extra=extra, segments=segments)

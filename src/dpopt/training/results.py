@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -42,10 +43,21 @@ from .checkpoint import CHECKPOINT_NAME, atomic_write, rng_state, save_checkpoin
 from .config import TrainConfig
 
 __all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text",
-           "finished_summary"]
+           "finished_summary", "new_segment"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
              JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE, CURVES_NAME)
+
+
+def new_segment(from_step: int) -> dict:
+    """A training segment of a run: ``{"id": 12 random hex digits (OS entropy), "from_step": step}``.
+
+    A run is one segment, plus one per resume. ``summary.json`` and ``checkpoint.pt`` list them
+    (``"segments"``): a copy of a run directory resumed in two places shows two different last
+    segments from the same step, which the ledger entries alone cannot show (same schedule, same
+    events). Public: random ids and step numbers, nothing about the data.
+    """
+    return {"id": uuid.uuid4().hex[:12], "from_step": int(from_step)}
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -111,8 +123,9 @@ class RunFiles:
             the journal is rewritten once, dropping a torn last line).
     """
 
-    def __init__(self, run_dir: Path, run: Run, *, resumed: bool = False):
+    def __init__(self, run_dir: Path, run: Run, *, resumed: bool = False, segments: Optional[list] = None):
         self.run_dir, self.run = Path(run_dir), run
+        self.segments = list(segments or [])  # this run's training segments (:func:`new_segment`), checkpointed
         run.ledger.open_journal(self.run_dir / JOURNAL_NAME, rewrite=True)
         tb = run.cfg.tensorboard
         self.tensorboard = TensorBoardLogger(tb) if tb else None  # public scalars per metrics row
@@ -139,6 +152,7 @@ class RunFiles:
         privatizer = optimizer.pop("privatizer")  # kept as its own key of the checkpoint
         save_checkpoint(self.run_dir / CHECKPOINT_NAME, {
             "config": asdict(run.cfg), "step": state.step, "ledger_length": len(run.ledger),
+            "run_id": run.ledger.run_id, "segments": self.segments,
             "model": run.model.state_dict(), "optimizer": optimizer, "privatizer": privatizer,
             "sampler": sampler.state_dict(),
             "rng": rng_state(), "loop": state.state_dict()})
@@ -177,6 +191,7 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     if epsilon is not None:
         eps = epsilon
     summary: dict[str, Any] = {
+        "run_id": ledger.run_id,  # the ledger header's (random, made once per run; copies of a run share it)
         "method": cfg.method, "dataset": cfg.dataset, "model": run.model_name,
         "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
         "noise_multiplier": run.noise_multiplier, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
