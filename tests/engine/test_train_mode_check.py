@@ -241,6 +241,39 @@ def test_attention_dropout_in_train_mode_is_replayed_and_the_encoder_stays_fast(
             "head.weight"} <= set(eng.fast_names)
 
 
+class Scale(nn.Module):
+    """A layer without a fast rule (its parameter takes the torch.func path)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w)
+
+
+def test_the_per_example_path_vmaps_dropout_with_each_example_its_own_masks():
+    """torch.func.vmap(randomness="different"): train-mode dropout no longer forces the slow loop, each example
+    draws its own masks, and the gradients equal the loop's given those masks (what _verify_reference checks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, H), nn.Dropout(0.5), Scale(H), nn.Linear(H, K)).train()
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "exact loop (slower)" warning, no demotion
+        eng = PerSampleEngine(model, ce)
+        eng.compute(x, y)
+        assert eng.fallback_names == ["2.w"]
+        replay = RandomReplay(model)
+        with replay.recording():
+            v = per_sample_gradient_tensors(model, ce, x, y)
+    masks = replay.outs[0]
+    assert masks.shape[0] == B and not all(torch.equal(masks[0], masks[i]) for i in range(1, B))
+    with replay.replaying(B):
+        loop = per_sample_gradient_tensors(model, ce, x, y, method="loop")
+    for a, b in zip(v, loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_replay_gives_example_i_its_row_of_the_batched_draws():
     """White-box: under replay, model(x_i) alone equals row i of the batched model(x), exactly."""
 

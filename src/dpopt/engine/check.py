@@ -183,8 +183,10 @@ class RandomReplay:
 
     The k-th random op of example i's pass returns the k-th recorded output
     narrowed to index i along its unique axis of size b (where the request
-    has size 1 and every other size agrees), or the whole recorded output if
-    it has the requested shape (a draw shared by the batch). Dropout through
+    has size 1 and every other size agrees), row i of a draw recorded under
+    ``torch.func.vmap(randomness="different")`` (``[b, *request]``), or the
+    whole recorded output if it has the requested shape (a draw shared by
+    the batch). Dropout through
     ``native_dropout`` replays the mask and recomputes ``input·mask/(1−p)``.
     ``scaled_dot_product_attention`` runs its math kernel in both phases (its
     attention dropout is then an aten draw; the fused CUDA kernels draw
@@ -257,6 +259,8 @@ class RandomReplay:
     def _slice(self, rec: Tensor, shape: tuple, name: str) -> Tensor:
         if tuple(rec.shape) == shape:
             return rec
+        if rec.dim() == len(shape) + 1 and rec.shape[0] == self.b and tuple(rec.shape[1:]) == shape:
+            return rec[self.example]  # recorded under torch.func.vmap(randomness="different"): [b, *per-example]
         axes = [k for k in range(rec.dim()) if len(shape) == rec.dim() and rec.shape[k] == self.b and shape[k] == 1
                 and all(rec.shape[j] == shape[j] for j in range(rec.dim()) if j != k)]
         if len(axes) != 1 or not 0 <= self.example < self.b:

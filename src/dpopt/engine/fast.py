@@ -465,9 +465,10 @@ class PerSampleEngine:
         the model (so that dim 0 can only have the batch size if it is the
         example axis):
 
-        1. the per-example path itself: vmap against an exact loop of
-           single-example autograd on two examples (the loop is used from
-           then on if they differ; a model the loop cannot run is refused);
+        1. the per-example path itself: vmap (each example its own random
+           draws) against an exact loop of single-example autograd on two
+           examples given vmap's draws (the loop is used from then on if
+           they differ; a model the loop cannot run is refused);
         2. every recorded call of a fast layer must have the batch size as
            dim 0 of its input and output, at both sizes;
         3. per parameter, the fast per-example squared norms and a random
@@ -503,11 +504,20 @@ class PerSampleEngine:
         model, k = self.model, min(2, int(ys.shape[0]))
         if model in _LOOP_MODELS or not self.params:
             return
+        replay = RandomReplay(model)  # vmap's per-example draws given to the loop: the same masks on both sides
         try:
-            v = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="vmap")
-        except Exception:  # noqa: BLE001 — vmap cannot batch it (random ops in train mode...): the loop anyway
+            with replay.recording():
+                v = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="vmap")
+        except Exception:  # noqa: BLE001 — vmap cannot batch it: the "auto" path uses the loop anyway
             return
-        loop = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="loop")
+        try:
+            with replay.replaying(k):
+                loop = per_sample_gradient_tensors(model, self.loss_fn, xs[:k], ys[:k], method="loop")
+        except Unreplayable as err:
+            use_loop(model, f"its random draws under torch.func.vmap cannot be checked against the loop ({err})")
+            return
+        except ExampleFailed as err:  # the exact path cannot run it: refuse
+            raise alone_failed(err.__cause__ or err) from err
         tol = rtol(self.dtype, self.device)
         off = [n for n, a, b in zip(self.names, v, loop)
                if not float((a - b).norm()) <= tol * float(b.norm()) + 1e-30]

@@ -175,7 +175,8 @@ def _vmap_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
     def f_sel(s: dict, r: dict, xi: Tensor, yi: Tensor) -> Tensor:
         return f({**r, **s}, xi, yi)
 
-    return vmap(grad(f_sel), in_dims=(None, None, bd, 0))(sel, rest, x, y)
+    # randomness="different": each example draws its own dropout masks, as it would alone (the loop)
+    return vmap(grad(f_sel), in_dims=(None, None, bd, 0), randomness="different")(sel, rest, x, y)
 
 
 def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd: int) -> dict:
