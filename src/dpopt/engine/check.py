@@ -22,6 +22,8 @@ what they check, and how, lives here:
   comparison is exact up to float rounding. The reference side is always the
   exact loop of single-example autograd calls (never ``torch.func.vmap``,
   which refuses random ops and would hide the mode from the dispatch mode);
+* **the layout of every call** — :func:`off_axis`: a recorded layer input or
+  output without the batch size along dim 0;
 * **the verification batch sizes** — :func:`free_sizes` of :func:`model_dims`:
   sizes that differ from every dimension in the model, so that a tensor can
   have that size along an axis only if the axis is the example axis;
@@ -57,7 +59,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "free_sizes", "model_dims",
+__all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
+           "model_dims",
            "rtol", "agrees", "disagreeing", "alone_failed", "RTOL"]
 
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -281,6 +284,12 @@ def alone_failed(err: Exception) -> ValueError:
                       f"failed on one example ({type(err).__name__}: {err}). A forward that needs several examples "
                       "in this mode (batch statistics under model.train()) mixes examples and cannot be trained "
                       "privately: replace that layer (e.g. GroupNorm or LayerNorm), or train in eval mode")
+
+
+# --------------------------------------------------------------------------- layout
+def off_axis(t: Tensor, b: int) -> bool:
+    """True if ``t`` does not have the batch size ``b`` along dim 0 (the per-call layout test of both paths)."""
+    return t.dim() == 0 or t.shape[0] != b
 
 
 # --------------------------------------------------------------------------- sizes

@@ -62,7 +62,7 @@ from torch.func import functional_call, vmap
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, mode_signature,
-                    model_dims, rtol)
+                    model_dims, off_axis, rtol)
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
@@ -418,7 +418,7 @@ class PerSampleEngine:
         """Modules with a call whose input or output does not have size b along dim 0 → (in, out) shapes."""
         bad: dict = {}
         for c, _ in captured:
-            if c.inp.dim() == 0 or c.out.dim() == 0 or c.inp.shape[0] != b or c.out.shape[0] != b:
+            if off_axis(c.inp, b) or off_axis(c.out, b):
                 bad.setdefault(c.module, (tuple(c.inp.shape), tuple(c.out.shape)))
         return bad
 

@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..models import check_model
 from ..types import EvaluationPoint
 from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, in_modes,
-                    mode_signature, model_dims, rtol)
+                    mode_signature, model_dims, off_axis, rtol)
 from .fast import FastPerSampleGrads, PerSampleEngine, _Call, _no_autocast, _trailing
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
@@ -286,10 +286,10 @@ class HookCapture:
     def _check_layout(self, calls: list[_HookCall], b: int) -> None:
         for c in calls:
             ins = c.fast.inp if c.fast is not None else None
-            bad_in = ins is not None and (ins.dim() == 0 or ins.shape[0] != b)
-            if c.fast is None and not any(t.dim() > 0 and t.shape[0] == b for t in _leaves((c.args, c.kwargs))):
+            bad_in = ins is not None and off_axis(ins, b)
+            if c.fast is None and all(off_axis(t, b) for t in _leaves((c.args, c.kwargs))):
                 bad_in = True
-            bad_out = any(c.outs[k].dim() == 0 or c.outs[k].shape[0] != b for k in c.used)
+            bad_out = any(off_axis(c.outs[k], b) for k in c.used)
             if bad_in or bad_out:
                 shapes = [_trailing(tuple(t.shape)) for t in _leaves((c.args, c.kwargs))]
                 raise ValueError(
