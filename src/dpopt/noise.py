@@ -186,28 +186,41 @@ BLOCK_PAIRS = 1 << 15  # pairs per block of the output layout on CPU (32,768 pai
 CUT_RADIUS = math.sqrt(2.0 * (_K_MAX + 1) * math.log(2.0))
 
 
-def _pairs_block(a: Tensor, b: Tensor, out: Tensor, r2: Tensor, cont: Tensor) -> None:
-    """Box–Muller on one block of ``p`` word pairs (module comment above); consumes ``a`` and ``b``.
+def _pairs_block(a: Tensor, b: Tensor, cont: Tensor, s1: Tensor, s2: Tensor) -> None:
+    """Box–Muller on one block of ``p`` word pairs (module comment above), in place.
 
     Args:
-        a, b: int64 ``[p]`` random words (overwritten: they are scratch space).
-        out: float64 ``[2p]``: R·cos φ in ``out[:p]``, R·sin φ in ``out[p:]``.
-        r2: float64 ``[p]``: R² = −2 ln u (for :func:`_continue_stream`).
+        a, b: int64 ``[p]`` random words; on return their storage holds the float64 normals
+            R·cos φ (``a``) and R·sin φ (``b``).
         cont: bool ``[p]``: the pairs whose first 12 stream bits were all zero (to be continued).
+        s1, s2: float64 and int64 scratch of at least ``p`` elements (reused across blocks: the
+            block stays in cache and no fresh memory is touched).
     """
     p = a.numel()
+    s1, s2 = s1[:p], s2[:p]
     phi = a.bitwise_and_(_M52).bitwise_or_(_ONE).view(torch.float64).mul_(2.0 * math.pi)
-    torch.cos(phi, out=out[:p])
-    torch.sin(phi, out=out[p:])
-    v = torch.bitwise_right_shift(b, 64 - 52, out=a)  # b's top 12 bits → bits 51..40 (the stage bits)
-    v = v.bitwise_and_(_M52).bitwise_or_(_STAGE_PROBE).view(torch.float64).sub_(1.0)  # 0.β₁…β₁₂1…
+    torch.sin(phi, out=s1)
+    torch.cos(phi, out=phi)
+    torch.bitwise_right_shift(b, 64 - 52, out=s2)  # b's top 12 bits → bits 51..40 (the stage bits)
+    v = s2.bitwise_and_(_M52).bitwise_or_(_STAGE_PROBE).view(torch.float64).sub_(1.0)  # 0.β₁…β₁₂1…
     e = v.view(torch.int64).bitwise_and_(_EXP)  # exponent field: 1022 − k
     torch.eq(e, _STAGE_CAP, out=cont)
     u = e.bitwise_or_(b.bitwise_and_(_M52)).view(torch.float64)  # m·2^-(k+1)
-    torch.log(u, out=r2).mul_(-2.0)
-    radius = torch.sqrt(r2, out=u)
-    out[:p].mul_(radius)
-    out[p:].mul_(radius)
+    radius = torch.log(u, out=b.view(torch.float64)).mul_(-2.0).sqrt_()
+    phi.mul_(radius)
+    radius.mul_(s1)
+
+
+def _blocks(words: Tensor, cont: Tensor, lo: int, hi: int, block_pairs: int) -> None:
+    """:func:`_pairs_block` on pairs ``lo … hi`` (whole blocks, ``lo`` a block start) of the flat
+    word layout: block i holds its a-words then its b-words from word ``2·i·block_pairs``."""
+    size = min(block_pairs, hi - lo)
+    s1 = torch.empty(size, dtype=torch.float64, device=words.device)
+    s2 = torch.empty(size, dtype=torch.int64, device=words.device)
+    for start in range(lo, hi, block_pairs):
+        p = min(hi, start + block_pairs) - start
+        _pairs_block(words[2 * start:2 * start + p], words[2 * start + p:2 * start + 2 * p],
+                     cont[start:start + p], s1, s2)
 
 
 def _stream_tail(slot_words: Tensor) -> Tensor:
@@ -221,12 +234,37 @@ def _stream_tail(slot_words: Tensor) -> Tensor:
     return (zeros * alive).sum(dim=1).clamp_(max=_K_MAX - _STAGE_BITS)
 
 
-def _continue_stream(flat: Tensor, r2: Tensor, cont: Tensor, slot_words: Tensor, block_pairs: int) -> None:
+def _flag_buffer(pairs: int, device) -> Tensor:
+    """A bool ``[pairs]`` view of a buffer padded with False to whole int64 words (:func:`_first_flagged`)."""
+    buf = torch.empty(-(-pairs // 8) * 8, dtype=torch.bool, device=device)
+    buf[pairs:] = False
+    return buf[:pairs]
+
+
+def _first_flagged(cont: Tensor, m: int) -> Tensor:
+    """Indices of the first ``m`` True entries of ``cont`` in order, padded with ``len(cont)``.
+
+    Scans ``cont`` 8 flags at a time (its storage read as int64 words, padded with False by
+    :func:`_flag_buffer`), then the 8 flags of each of the first ``m`` non-zero words: the first
+    ``m`` flags lie in those words. ``torch.nonzero_static`` keeps it free of host syncs on CUDA.
+    """
+    pairs = cont.numel()
+    padded = -(-pairs // 8) * 8
+    words = torch.as_strided(cont, (padded,), (1,)).view(torch.int64)
+    hit = torch.nonzero_static(words, size=m, fill_value=words.numel())[:, 0]
+    cand = (hit[:, None] * 8 + torch.arange(8, device=cont.device)).reshape(-1)
+    inside = cand < pairs
+    flag = torch.as_strided(cont, (padded,), (1,))[cand.clamp(max=padded - 1)] & inside
+    sel = torch.nonzero_static(flag, size=m, fill_value=cand.numel())[:, 0]
+    return torch.where(sel < cand.numel(), cand[sel.clamp(max=cand.numel() - 1)], pairs)
+
+
+def _continue_stream(flat: Tensor, cont: Tensor, slot_words: Tensor, block_pairs: int) -> None:
     """Give every pair flagged in ``cont`` its further exponent bits (in place, no host sync).
 
     Args:
         flat: float64 output of all blocks (block ``i`` at ``[2·i·block_pairs, …)``, cos half first).
-        r2, cont: ``[P]`` from :func:`_pairs_block` for all ``P`` pairs.
+        cont: bool ``[P]`` from :func:`_pairs_block` for all ``P`` pairs.
         slot_words: int64 ``[M, _SLOT_WORDS]``; M = :func:`_slots` (P) rows: the first M flagged
             pairs (in index order) get one row each. More than M flagged pairs (probability
             ≤ 2^-140) leaves the later ones at k = 12 (|z| ≤ 4.25).
@@ -234,18 +272,18 @@ def _continue_stream(flat: Tensor, r2: Tensor, cont: Tensor, slot_words: Tensor,
     pairs, m = cont.numel(), slot_words.shape[0]
     if pairs == 0 or m == 0:
         return
-    idx = torch.nonzero_static(cont, size=m, fill_value=pairs)[:, 0]  # sync-free on CUDA too
+    idx = _first_flagged(cont, m)
     valid = idx < pairs
     idx = torch.where(valid, idx, torch.zeros_like(idx))
-    extra = _stream_tail(slot_words).to(torch.float64) * (2.0 * math.log(2.0))
-    old = r2[idx]
-    ratio = torch.where(valid, torch.sqrt((old + extra) / old), torch.ones_like(old))
     blk, j = idx // block_pairs, idx % block_pairs
     in_block = torch.clamp(pairs - blk * block_pairs, max=block_pairs)
     cos_at = blk * (2 * block_pairs) + j
     at = torch.cat([cos_at, cos_at + in_block])
-    ratio = torch.cat([ratio, ratio])
-    flat.index_put_((at,), flat[at] * (ratio - 1.0), accumulate=True)  # + 0 at the unused slots
+    z = flat[at]
+    old = z[:m] ** 2 + z[m:] ** 2  # R² = −2 ln u of the first stage
+    extra = _stream_tail(slot_words).to(torch.float64) * (2.0 * math.log(2.0))
+    ratio = torch.where(valid, torch.sqrt((old + extra) / old), torch.ones_like(old))
+    flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)  # + 0 at unused slots
 
 
 def _finish(flat: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
@@ -281,25 +319,23 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
     """Standard normals from random words — the sampler of every mode, a pure function (white-box tests).
 
     Args:
-        words: int64 ``[2, P]`` (row 0: angle words, row 1: radius words); consumed (overwritten).
+        words: int64, ``2P`` words (any shape, contiguous), consumed: block by block, the block's
+            ``P_b`` angle words then its ``P_b`` radius words (one block: a ``[2, P]`` tensor).
         slot_words: int64 ``[_slots(P), _SLOT_WORDS]`` continuation words.
-        block_pairs: pairs per output block (default: all P in one block).
+        block_pairs: pairs per block (default: all P in one block).
 
     Returns:
-        float64 ``[2P]``: block by block, the P_b cosine normals then the P_b sine normals.
-        Every |value| ≤ :data:`CUT_RADIUS`.
+        float64 ``[2P]`` in the words' own storage: block by block, the ``P_b`` normals R·cos φ
+        then the ``P_b`` normals R·sin φ of the same pairs. Every |value| ≤ :data:`CUT_RADIUS`.
     """
-    pairs = words.shape[1]
+    flat = words.reshape(-1)
+    pairs = flat.numel() // 2
     bp = block_pairs or max(pairs, 1)
-    flat = torch.empty(2 * pairs, dtype=torch.float64, device=words.device)
-    r2 = torch.empty(pairs, dtype=torch.float64, device=words.device)
-    cont = torch.empty(pairs, dtype=torch.bool, device=words.device)
-    for start in range(0, pairs, bp):
-        stop = min(pairs, start + bp)
-        _pairs_block(words[0, start:stop], words[1, start:stop], flat[2 * start:2 * stop],
-                     r2[start:stop], cont[start:stop])
-    _continue_stream(flat, r2, cont, slot_words, bp)
-    return flat
+    cont = _flag_buffer(pairs, words.device)
+    _blocks(flat, cont, 0, pairs, bp)
+    out = flat.view(torch.float64)
+    _continue_stream(out, cont, slot_words, bp)
+    return out
 
 
 class NoiseSource:
@@ -386,17 +422,17 @@ class NoiseSource:
         n = shape.numel()
         pairs = -(-n // 2)
         dev = torch.device(device)
+        block = BLOCK_PAIRS if dev.type == "cpu" else None
         if self.mode == "secure":
-            words = _os_words(2 * pairs).view(2, pairs).to(dev)
+            words = _os_words(2 * pairs).to(dev)
             slot_words = _os_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
-            flat = gaussian_from_words(words, slot_words, BLOCK_PAIRS if dev.type == "cpu" else None)
         elif dev.type == "cpu" and n > NORMAL_CHUNK:
             return self._chunked_normal(shape, dtype)
         else:
             gen = self._generator(dev)
-            words = _random_words((2, pairs), gen, dev)
+            words = _random_words(2 * pairs, gen, dev)
             slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, dev)
-            flat = gaussian_from_words(words, slot_words, BLOCK_PAIRS if dev.type == "cpu" else None)
+        flat = gaussian_from_words(words, slot_words, block)
         return _finish(flat, shape, dtype)
 
     def _chunked_normal(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
@@ -415,21 +451,18 @@ class NoiseSource:
         states = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
         raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
         slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
-        flat = torch.empty(2 * pairs, dtype=torch.float64)
-        r2 = torch.empty(pairs, dtype=torch.float64)
-        cont = torch.empty(pairs, dtype=torch.bool)
+        words = torch.empty(2 * pairs, dtype=torch.int64)
+        cont = _flag_buffer(pairs, "cpu")
 
         def fill(i: int) -> None:
             sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
             lo, hi = i * chunk, min(pairs, (i + 1) * chunk)
-            words = _random_words((2, hi - lo), sub, "cpu")
-            for start in range(lo, hi, BLOCK_PAIRS):  # the layout blocks of gaussian_from_words
-                stop = min(hi, start + BLOCK_PAIRS)
-                _pairs_block(words[0, start - lo:stop - lo], words[1, start - lo:stop - lo],
-                             flat[2 * start:2 * stop], r2[start:stop], cont[start:stop])
+            words[2 * lo:2 * hi].random_(-2 ** 63, None, generator=sub)
+            _blocks(words, cont, lo, hi, BLOCK_PAIRS)
 
         def finish() -> Tensor:
-            _continue_stream(flat, r2, cont, slot_words, BLOCK_PAIRS)
+            flat = words.view(torch.float64)
+            _continue_stream(flat, cont, slot_words, BLOCK_PAIRS)
             return _finish(flat, shape, dtype)
 
         pool = self._thread_pool()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dpopt.methods import make_optimizer
+from dpopt.noise import NoiseSource
 from method_problems import small_problem
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.transforms.base import StepContext
@@ -467,7 +468,8 @@ def test_macadam_first_three_steps_hand_computed(unbiased):
                          sample_rate=0.1, generator=gen, lr=lr, h1=h1, h2=h2,
                          variance_update="unbiased" if unbiased else "paper")
     replay = torch.Generator().manual_seed(3)
-    noise = [torch.randn(3, generator=replay).numpy() for _ in range(3)]
+    source = NoiseSource("reproducible", generator=replay)  # the Privatizer's draws, replayed
+    noise = [source.normal((3,), dtype=torch.float64).numpy() for _ in range(3)]
     expected = _macadam_reference(grads, sigma, bbar, noise, lr, h1=h1, h2=h2, unbiased=unbiased)
     # t = 1 by hand: geometry is (0, 1/3); all three examples have ‖w‖ = 3‖g‖ ≤ 0.12 < 1 → unclipped.
     assert float(opt.geometry().scale[0][0]) == pytest.approx(1 / 3)

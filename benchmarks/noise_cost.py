@@ -1,0 +1,145 @@
+"""What the Gaussian noise costs per 10^6 normals, old and new samplers measured in ONE run.
+
+    python benchmarks/noise_cost.py            # a table
+    python benchmarks/noise_cost.py --json     # one JSON object
+
+Rows (float32 output unless the name says float64; ms per 10^6 normals, the best of ``--repeats``
+timings of a ``--size`` draw):
+
+* ``torch.randn``: torch's CPU ``normal_`` (Box–Muller on 24-bit uniforms, |z| ≤ 5.77), one thread.
+* ``old secret (T threads)``: dpopt's previous secret path, re-created here: the same kernel,
+  chunk by chunk from derived MT19937 generators on T threads (|z| ≤ 5.77).
+* ``old secure``: the previous ``secure_mode``: float64 Box–Muller on 53-bit OS-CSPRNG uniforms
+  (|z| ≤ 8.57), rounded to float32.
+* ``new secret/secure/reproducible``: :meth:`dpopt.noise.NoiseSource.normal` today
+  (|z| ≤ :data:`dpopt.noise.CUT_RADIUS` = 37.64 in every mode).
+
+Ratios are to ``torch.randn`` and to the old path of the same mode and thread count. Timings
+depend on the machine and its load: compare ratios from one run, never figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from dpopt.noise import CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _MT_WORDS, _cpu_generator_from_words
+
+
+def _old_secret(n: int, pool, gen: torch.Generator) -> torch.Tensor:
+    """The pre-issue-19 secret path: torch's float32 normal_ per chunk of NORMAL_CHUNK, derived MT states."""
+    k = -(-n // NORMAL_CHUNK)
+    words = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
+    raw = words.to(torch.int32).numpy().tobytes()
+    out = torch.empty(n)
+
+    def fill(i: int) -> None:
+        sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
+        out[i * NORMAL_CHUNK:min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
+
+    if pool is None:
+        for i in range(k):
+            fill(i)
+    else:
+        list(pool.map(fill, range(k)))
+    return out
+
+
+def _old_secure(n: int) -> torch.Tensor:
+    """The pre-issue-19 secure path: float64 Box–Muller on 53-bit uniforms from os.urandom."""
+    pairs = (n + 1) // 2
+    words = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
+    u = ((words & ((1 << 53) - 1)).to(torch.float64) + 1.0) * 2.0 ** -53
+    r = torch.sqrt(-2.0 * torch.log(u[:pairs]))
+    theta = (2.0 * math.pi) * u[pairs:]
+    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (thread pools, allocator)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure(size: int, repeats: int) -> dict:
+    """ms per 10^6 normals for every row (module docstring), in one process."""
+    scale = 1e6 / size
+    old_threads = torch.get_num_threads()
+    rows: dict[str, float] = {}
+    gen = torch.Generator().manual_seed(0)
+    try:
+        torch.set_num_threads(1)
+        rows["torch.randn"] = _best_ms(lambda: torch.randn(size, generator=gen), repeats) * scale
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+            rows[f"old secret ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
+                lambda: _old_secret(size, pool, gen), repeats) * scale
+            if pool is not None:
+                pool.shutdown()
+            src = NoiseSource("secret")
+            rows[f"new secret ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
+                lambda: src.normal((size,)), repeats) * scale
+            rows[f"new secret float64 ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
+                lambda: src.normal((size,), dtype=torch.float64), repeats) * scale
+        torch.set_num_threads(1)
+        rows["old secure"] = _best_ms(lambda: _old_secure(size), repeats) * scale
+        src = NoiseSource("secure")
+        rows["new secure"] = _best_ms(lambda: src.normal((size,)), repeats) * scale
+        src = NoiseSource("reproducible", seed=0)
+        rows["new reproducible (1 thread)"] = _best_ms(lambda: src.normal((size,)), repeats) * scale
+    finally:
+        torch.set_num_threads(old_threads)
+    base = rows["torch.randn"]
+    old_of = {"new secret (1 thread)": "old secret (1 thread)", "new secret (2 threads)": "old secret (2 threads)",
+              "new secret float64 (1 thread)": "old secret (1 thread)",
+              "new secret float64 (2 threads)": "old secret (2 threads)",
+              "new secure": "old secure", "new reproducible (1 thread)": "old secret (1 thread)"}
+    return {
+        "size": size, "repeats": repeats, "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "cut_radius_new": CUT_RADIUS, "cut_radius_old_secret": math.sqrt(-2 * math.log(2.0 ** -24)),
+        "cut_radius_old_secure": math.sqrt(-2 * math.log(2.0 ** -53)),
+        "ms_per_1e6": rows,
+        "ratio_to_torch_randn": {k: v / base for k, v in rows.items()},
+        "ratio_to_old": {k: rows[k] / rows[v] for k, v in old_of.items()},
+    }
+
+
+def main(argv=None) -> int:
+    """Run the measurement and print a table or (``--json``) one JSON object."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=2_000_000, help="normals per timed draw (default 2e6)")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per row; the best is kept (default 7)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.size <= NORMAL_CHUNK or args.repeats < 1:
+        parser.error(f"--size must exceed {NORMAL_CHUNK} (the chunked path) and --repeats be >= 1")
+    result = measure(args.size, args.repeats)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
+          f"1-min load {result['load_1min']})")
+    print(f"{'sampler':34s} {'ms/1e6':>8s} {'x randn':>8s} {'x old':>7s}")
+    for name, ms in result["ms_per_1e6"].items():
+        old = result["ratio_to_old"].get(name)
+        print(f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
+              f"{'' if old is None else f'{old:7.2f}'}")
+    print(f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
+          f"old secure {result['cut_radius_old_secure']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
