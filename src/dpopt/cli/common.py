@@ -190,6 +190,53 @@ def accountant_option(default: Optional[str] = "pld", help: str = ACCOUNTANT_HEL
 
 
 # --------------------------------------------------------------------------- help layout
+def _widen(rich_utils) -> None:
+    """Help :data:`HELP_MIN_WIDTH` wide when stdout is not a terminal and no width is set."""
+    import os
+    import sys
+
+    if rich_utils.MAX_WIDTH is None and not os.environ.get("COLUMNS") and not sys.stdout.isatty():
+        rich_utils.MAX_WIDTH = HELP_MIN_WIDTH
+
+
+def _after_import(name: str, fn) -> None:
+    """Call ``fn(module)`` once the module ``name`` is imported (now, if it already is).
+
+    A one-shot ``sys.meta_path`` finder: it finds the module's spec with the remaining
+    finders, then runs ``fn`` right after the module's own code.
+    """
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        fn(sys.modules[name])
+        return
+    if any(getattr(f, "_dpopt_after", None) == name for f in sys.meta_path):
+        return
+
+    class _After(importlib.abc.MetaPathFinder):
+        _dpopt_after = name
+
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                fn(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _After())
+
+
 def tidy_help(app: typer.Typer) -> None:
     """Make ``--help`` readable: option names never truncated, flags shown without a type.
 
@@ -198,15 +245,15 @@ def tidy_help(app: typer.Typer) -> None:
       (rich's default of 80 squeezed ``--reproducible-noise`` to ``--reproducible-noi…``).
     * Flags: a boolean option takes no value, so its type column (``<bool>``)
       is left empty (including ``--help``).
+
+    ``typer.rich_utils`` (rich's markdown, tables, tracebacks: 0.1-0.25 s of imports) is
+    not imported here: typer imports it only to render help or an error, and the width
+    is set at that moment (:func:`_after_import`). A command that runs (``dpopt
+    calibrate ...``) never pays for it.
     """
-    import os
-    import sys
-
     import typer.core
-    import typer.rich_utils as rich_utils
 
-    if (rich_utils.MAX_WIDTH is None and not os.environ.get("COLUMNS") and not sys.stdout.isatty()):
-        rich_utils.MAX_WIDTH = HELP_MIN_WIDTH
+    _after_import("typer.rich_utils", _widen)
 
     option_cls = typer.core.TyperOption
     if not getattr(option_cls.display_type_rich, "_dpopt_flags", False):
