@@ -1,42 +1,66 @@
-"""Where the privacy-protecting randomness comes from: secret by default.
+"""Where the privacy-protecting randomness comes from, and the Gaussian sampler that uses it.
 
 The Gaussian noise of every release and the Poisson masks of every batch are
 what the (ε, δ) guarantee rests on. If an adversary who knows the two
 neighbouring datasets can *replay* them (e.g. from a seed written to
-``config.json``), they can subtract the noise and the guarantee is void
-(ε = ∞ against that adversary). So dpopt draws them from one of three
-sources, and records which in the ledger header (``noise``):
+``config.json``, a pickle or a forked process), they can subtract the noise
+and the guarantee is void (ε = ∞ against that adversary). So dpopt draws them
+from one of three sources, and records which in the ledger header (``noise``):
 
 ``"secret"`` (default)
     A ``torch.Generator`` whose state comes from OS entropy and is never
     stored, printed or written. On CPU (Mersenne Twister, MT19937) the WHOLE
     624-word state is filled from :func:`os.urandom` (19,968 bits):
     ``manual_seed`` alone would not do, because torch's CPU generator keeps
-    only the low 32 bits of a seed, so seeding it with 63 random bits leaves
-    2^32 possible noise streams — few enough to replay every one of them
-    against a small model (see :func:`_secret_cpu_generator`). On CUDA
-    (Philox4x32-10, whose key is the full 64-bit seed) it is seeded with 63
-    bits from :func:`secrets.randbits`. Protects against replay from
+    only the low 32 bits of a seed (see :func:`_secret_cpu_generator`). On
+    CUDA (Philox4x32-10, whose key is the full 64-bit seed) it is seeded with
+    63 bits from :func:`secrets.randbits`. Protects against replay from
     anything written down. Does NOT protect against an adversary who
     reconstructs the generator's internal state from the noise values
     themselves (neither generator is cryptographic).
 ``"secure"``
-    Opacus' ``secure_mode`` in spirit, without the unmaintained
-    ``torchcsprng``: uniforms are read from the operating system's CSPRNG
-    (:func:`os.urandom`; ChaCha20 in Linux ≥ 4.8), 53 bits each, and turned
-    into Gaussians with the Box–Muller transform (Box & Muller 1958) in
-    float64, then rounded to the parameter dtype. State recovery is then
-    as hard as breaking the OS CSPRNG. About 8 bytes of OS randomness per
-    noise coordinate: slower (measured in docs/pitfalls.md). Floating-point
-    attacks (Mironov 2012; Jin et al. 2022, "Are we there yet? Timing and
-    floating-point attacks on differential privacy systems") are NOT fully
-    closed: sampling in float64 and rounding the sum to float32 blurs the
-    low-order bits an attacker reads, but dpopt gives no proof, and no
-    protection against timing side channels.
+    The random words are read from the operating system's CSPRNG
+    (:func:`os.urandom`; ChaCha20 in Linux ≥ 4.8): state recovery is then as
+    hard as breaking it. 8 bytes of OS randomness per normal: slower
+    (``benchmarks/noise_cost.py``).
 ``"reproducible"``
     Seeded from a user-given seed — a research mode for bit-identical
     reruns. The ledger records it and ``dpopt check`` FAILS such a ledger
     ("noise reproducible from a published seed").
+
+**One sampler with its tail, in every mode and on every device.** The modes
+differ only in where the random 64-bit words come from; the words become
+normals in :func:`gaussian_from_words` (float64 torch ops, the same code on CPU
+and CUDA): Box–Muller, z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52
+grid and u = m·2^-(k+1), m a 52-bit mantissa in [1, 2) and k geometric from
+random bits — u is uniform with full relative precision at EVERY scale, not a
+fixed-point grid. torch's CPU float32 ``normal_`` (24-bit uniforms) can never
+exceed |z| = 5.77, a 53-bit fixed-point uniform (dpopt's earlier secure mode)
+8.57; an output beyond the cut is impossible without the example, so the
+truncation costs δ ≥ P(Z > r_max − 1/σ) per inclusion (8e-5 at σ = 0.5 for
+5.77). Here k runs to 1021 (u ≥ 2^-1022), so the largest possible |z| is
+:data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 ≥ 11.5 + 1/σ for every σ ≥ 0.1:
+P(Z > 37.64 − 1/σ) < 1e-160 per inclusion. Other departures from the ideal
+sampler: a stream of > 1000 zero bits is cut (probability 2^-1000), and with
+probability ≤ 2^-140 per call more pairs need exponent bits beyond the first
+12 than :func:`_slots` provides (they stay at |z| ≤ 4.25); both are far below
+1e-30, so nothing is added to the ledger's δ. The draw is float64, rounded
+once to the requested dtype; the Privatizer adds it to the clipped sum in
+float64 and rounds the noisy sum once to the parameter dtype.
+
+Floating-point attacks (Mironov 2012; Jin et al. 2022, arXiv 2112.05307,
+"Are we there yet? Timing and floating-point attacks on differential
+privacy systems") are NOT closed: the noise takes finitely many float64
+values, so which outputs are possible still depends, in the lowest bits, on
+the data; a 52-bit noise rounded with the sum blurs the bits an attacker reads
+but dpopt gives no proof, and no protection against timing side channels
+(a discrete Gaussian would be the sound fix).
+
+**No replayable copies.** A secret or secure source never serialises its
+generator: ``pickle``, ``copy.copy``/``deepcopy`` and ``torch.save`` carry no
+generator state, and the copy re-seeds from OS entropy on its first draw (a
+copy is still usable: users deep-copy optimizers for EMA/SWA); a forked child
+re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
 
 Only the :class:`~dpopt.privatizer.Privatizer` and the
 :class:`~dpopt.sampling.PoissonSampler` draw from a :class:`NoiseSource`.
