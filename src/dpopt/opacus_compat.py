@@ -22,6 +22,7 @@ Opacus argument          dpopt
 ``secure_mode``          ``True``: this optimizer's noise and masks from the OS CSPRNG (as
                          ``PrivacyEngine(secure_mode=True)``); not with ``noise_generator``.
 ``drop_last=True``       (on the loader) ignored under Poisson sampling, with Opacus's warning.
+``model._module``        the model itself (dpopt returns the user's module, not a wrapper).
 =======================  ==========================================================================
 """
 
@@ -135,3 +136,16 @@ def warn_drop_last(data_loader: Any, poisson_sampling: bool) -> None:
         warnings.warn("Ignoring drop_last as it is not compatible with Poisson sampling (DPDataLoader): every "
                       "Poisson batch is used, whatever its size (q = 1/len(data_loader))", UserWarning,
                       stacklevel=4)
+
+
+def alias_module(module: nn.Module) -> None:
+    """``module._module`` is ``module`` itself, so Opacus code that unwraps its ``GradSampleModule`` works.
+
+    dpopt returns the user's module (hooks attached), not a wrapper; Opacus
+    scripts and tests read ``model._module`` for the wrapped model. The alias is
+    a plain instance attribute (not a registered child: ``modules()``,
+    ``state_dict()`` and ``parameters()`` are unchanged). A module that already
+    has a ``_module`` attribute of its own is left as it is.
+    """
+    if not hasattr(module, "_module"):
+        object.__setattr__(module, "_module", module)

@@ -110,7 +110,7 @@ from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
 from .module_validator import ModuleValidator
-from .opacus_compat import check_opacus_arguments, warn_drop_last
+from .opacus_compat import alias_module, check_opacus_arguments, warn_drop_last
 from .optim import DPOptimizer, is_frozen
 from .privatizer import QuantileClipping
 from .transforms.base import Chain, Partition, Transform
@@ -647,6 +647,7 @@ class PrivacyEngine:
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private.clip_range = compat.clip_range
+            alias_module(module)  # Opacus's model._module
             if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
                 return module, private, compat.criterion, loader
             return module, private, loader

@@ -167,3 +167,15 @@ def test_get_compatible_module_replaces_batchnorm_as_opacus():
     assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)
     with pytest.raises(TypeError, match="num_groups"):
         ModuleValidator.fix(_BNNet(), num_groups=2)
+
+
+def test_model_module_is_the_model_itself_and_not_a_child():
+    m = model()
+    keys = set(m.state_dict())
+    n_modules = len(list(m.modules()))
+    engine = dpopt.PrivacyEngine()
+    out, _, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                    data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0,
+                                    max_grad_norm=1.0)
+    assert out is m and m._module is m  # Opacus code unwraps its GradSampleModule with ._module
+    assert set(m.state_dict()) == keys and len(list(m.modules())) == n_modules
