@@ -139,3 +139,16 @@ def test_scheduler_state_dict_and_a_non_dp_optimizer():
     assert (other.last_epoch, other.step_size, other.gamma) == (2, 2, 0.5)
     with pytest.raises(ValueError, match="noise_multiplier"):
         ExponentialNoise(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), gamma=0.5)
+
+
+def test_opacus_own_schedulers_drive_dpopt_optimizer():
+    schedulers = pytest.importorskip("opacus.schedulers")
+    engine, m, opt, loader = private(accountant="rdp")
+    noise, clip = schedulers.ExponentialNoise(opt, gamma=0.5), schedulers.StepGradClip(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        run_epoch(m, opt, loader)
+        noise.step()
+        clip.step()
+    entries = engine.ledger.entries
+    assert [e.meta["noise_multiplier"] for e in entries] == [1.0] * 4 + [0.5] * 4
+    assert [e.meta["noise_std"] for e in entries] == pytest.approx([1.0] * 4 + [0.25] * 4)  # sigma_t * C_t
