@@ -296,6 +296,8 @@ def _continue_stream(flat: Tensor, cont: Tensor, slot_words: Tensor, block_pairs
     pairs, m = cont.numel(), slot_words.shape[0]
     if pairs == 0 or m == 0:
         return
+    if cont.device.type == "cpu" and not bool(cont.any()):  # nothing to continue (no host sync on CPU;
+        return  # on CUDA the no-op runs, sync-free, rather than wait for the answer)
     idx = _first_flagged(cont, m)
     valid = idx < pairs
     idx = torch.where(valid, idx, torch.zeros_like(idx))

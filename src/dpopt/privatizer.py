@@ -306,18 +306,27 @@ class Privatizer:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
         when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
 
-        The gradient noise is float64 (z from :meth:`~dpopt.noise.NoiseSource.normal`, scaled in
-        float64) so that :meth:`release` adds it to the clipped sum in float64 and rounds the noisy
-        sum once to the parameter dtype. ``rounded=True`` (the data-parallel ``reduce`` hook, whose
+        The gradient noise is ONE float64 draw per device (z from
+        :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
+        into per-parameter views, so that :meth:`release` adds it to the clipped sum in float64
+        and rounds the noisy sum once to the parameter dtype. ``rounded=True`` (the data-parallel ``reduce`` hook, whose
         all-reduce works in the sums' dtype) rounds σS·z to each sum's dtype instead.
         """
-        grad_noise = []
-        for s in self._sum:
+        grad_noise: list[Optional[Tensor]] = [None] * len(self._sum)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, s in enumerate(self._sum):
+            by_device.setdefault(s.device, []).append(i)
+        for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
-                z = self.noise.normal(s.shape, dtype=torch.float64, device=s.device).mul_(std)
-                grad_noise.append(z.to(s.dtype) if rounded else z)
+                flat = self.noise.normal((sum(self._sum[i].numel() for i in idx),), dtype=torch.float64,
+                                         device=device).mul_(std)
+                for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
+                    s = self._sum[i]
+                    grad_noise[i] = z.to(s.dtype).view(s.shape) if rounded else z.view(s.shape)
             else:
-                grad_noise.append(torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64))
+                for i in idx:
+                    s = self._sum[i]
+                    grad_noise[i] = torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64)
         count_noise = None
         if self.quantile is not None:
             count_noise = float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
