@@ -10,8 +10,9 @@ Per row this script
 * runs ``dpopt calibrate --target-epsilon 4 --dataset-size 50000 --batch-size B --epochs 50 --json``
   as a subprocess ``--repeat`` times (after one untimed warm-up call for the whole table, so that a
   cold page cache does not land on the first row) and reports the median and the largest wall time
-  of the whole process (interpreter start, imports, calibration, exit) next to the calibration's
-  own ``seconds``;
+  of the whole process (interpreter start, imports, calibration, exit), its median CPU time (user +
+  system: on a shared machine the wall time measures the neighbours, the CPU time much less) and the
+  calibration's own ``seconds``;
 * re-checks the printed σ directly with ``dp_accounting.pld.PLDAccountant`` (not through dpopt):
   ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)`` with q = B/N and
   T = ceil(epochs·N/B) — dpopt's step count, not the paper's — at ``--grid`` nats
@@ -48,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -89,6 +91,16 @@ def export_revision(rev: str, into: Path) -> Path:
     return into / "src"
 
 
+#: CPU seconds (user + system) of each CLI process run by :func:`run_cli`, in order: on a loaded
+#: machine the wall time measures the neighbours, the CPU time much less so.
+CPU_SECONDS: list = []
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _env(src: Optional[Path]) -> Optional[dict]:
     if src is None:
         return None
@@ -98,9 +110,11 @@ def _env(src: Optional[Path]) -> Optional[dict]:
 def run_cli(batch_size: int, src: Optional[Path] = None) -> tuple[float, dict]:
     """(wall seconds of the whole process, the JSON object it printed); ``src``: another revision's src/."""
     cmd = (cli_command() if src is None else [sys.executable, "-m", "dpopt"]) + calibrate_args(batch_size)
+    before = _children_cpu()
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), cwd=None if src is None else src)
     wall = time.perf_counter() - t
+    CPU_SECONDS.append(_children_cpu() - before)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
     return wall, json.loads(proc.stdout.strip().splitlines()[-1])
@@ -157,7 +171,7 @@ def dp_accounting_epsilon(sigma: float, sample_rate: float, steps: int, delta: f
     return float(acc.get_epsilon(delta))
 
 
-def _row(b: int, walls: list, out: dict, grid: float, max_seconds: float, label: str) -> dict:
+def _row(b: int, walls: list, out: dict, grid: float, max_seconds: float, label: str, cpus: list) -> dict:
     sigma, q, steps = float(out["noise_multiplier"]), float(out["sample_rate"]), int(out["steps"])
     assert steps == math.ceil(EPOCHS * DATASET_SIZE / b) and math.isclose(q, b / DATASET_SIZE)
     eps = dp_accounting_epsilon(sigma, q, steps, DELTA, grid)
@@ -165,11 +179,13 @@ def _row(b: int, walls: list, out: dict, grid: float, max_seconds: float, label:
     med = statistics.median(walls)
     flags = (["SLOW"] if med > max_seconds else []) + (["EPS>TARGET"] if eps > TARGET_EPSILON else [])
     diff = 100.0 * (sigma / paper_sigma - 1.0)
-    print(f"{label:>8s} {b:5d} {steps:6d} {paper_steps:6d} {med:10.2f} {max(walls):6.2f} {out['seconds']:8.2f} "
+    print(f"{label:>8s} {b:5d} {steps:6d} {paper_steps:6d} {med:10.2f} {max(walls):6.2f} "
+          f"{statistics.median(cpus):7.2f} {out['seconds']:8.2f} "
           f"{sigma:8.5f} {paper_sigma:5.2f} {diff:+7.2f} {out['epsilon']:10.5f} {eps:10.5f}  "
           f"{' '.join(flags) or 'ok'}")
     return {"code": label, "batch_size": b, "steps": steps, "paper_steps": paper_steps, "wall_seconds": walls,
-            "wall_median": med, "calibration_seconds": out["seconds"], "noise_multiplier": sigma,
+            "wall_median": med, "cpu_seconds": cpus, "cpu_median": statistics.median(cpus),
+            "calibration_seconds": out["seconds"], "noise_multiplier": sigma,
             "paper_noise_multiplier": paper_sigma, "epsilon_dpopt": out["epsilon"],
             "epsilon_dp_accounting": eps, "flags": flags}
 
@@ -196,18 +212,21 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     print(f"dpopt calibrate (pld), N = {DATASET_SIZE}, {EPOCHS} epochs, target ε = {TARGET_EPSILON:g}, "
           f"δ = {DELTA:g}; {args.repeat} calls per row; 1-min load average {load:.2f} on {os.cpu_count()} CPUs")
-    print(f"{'code':>8s} {'B':>5s} {'steps':>6s} {'paper':>6s} {'wall med s':>10s} {'max s':>6s} {'calib s':>8s} "
+    print(f"{'code':>8s} {'B':>5s} {'steps':>6s} {'paper':>6s} {'wall med s':>10s} {'max s':>6s} {'cpu s':>7s} "
+          f"{'calib s':>8s} "
           f"{'sigma':>8s} {'paper':>5s} {'diff %':>7s} {'eps dpopt':>10s} {'eps dp_acc':>10s}  flags")
     rows, flagged = [], False
     for b in sizes:
         walls: dict = {label: [] for label in codes}
+        cpus: dict = {label: [] for label in codes}
         outs: dict = {}
         for _ in range(max(1, args.repeat)):
             for label, src in codes.items():  # alternate: both codes see the same load
                 wall, outs[label] = run_cli(b, src)
                 walls[label].append(wall)
+                cpus[label].append(CPU_SECONDS[-1])
         for label in codes:
-            row = _row(b, walls[label], outs[label], args.grid, args.max_seconds, label)
+            row = _row(b, walls[label], outs[label], args.grid, args.max_seconds, label, cpus[label])
             rows.append(row)
             flagged |= bool(row["flags"]) and label == "tree"
     floors: dict = {label: [] for label in codes}
