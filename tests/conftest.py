@@ -12,7 +12,9 @@ Tiers (markers declared in pyproject.toml; README "Two commands" shows the comma
 The markers are applied at collection (:func:`pytest_collection_modifyitems`), so a
 new test file placed in one of these folders lands in its tier without editing it.
 
-Under pytest-xdist (``-n 2``) each worker process runs torch with ONE thread
+The README's test command is ``python -m pytest -q -n 2 --dist loadgroup``: two
+xdist workers, the ``distributed`` tier on one of them at a time (:data:`SERIAL_TIERS`).
+Under pytest-xdist each worker process runs torch with ONE thread
 (``OMP_NUM_THREADS=1`` before torch loads, for the worker and the subprocesses it
 starts, and ``torch.set_num_threads(1)``): two workers on two cores, not four
 threads fighting for two.
@@ -37,8 +39,25 @@ TIER_BY_PATH = {
     "test_hf": "hf",  # tests/**/test_hf*.py
 }
 
-#: Node-id prefixes (relative to tests/) of tests slower than ~10 s that are not marked in their file.
-SLOW: tuple = ()
+#: Node-id prefixes (relative to tests/) of tests slower than ~10 s that are not marked in their file
+#: (measured with --durations under pytest -n 2; most start `dpopt train` subprocesses or train on digits).
+SLOW: tuple = (
+    "training/test_resume.py::test_sigint_stops_cleanly_and_resume_completes",
+    "training/test_resume.py::test_piped_output_is_plain_and_not_wrapped",
+    "training/test_resume.py::test_sigterm_with_reproducible_noise_resumes_to_the_uninterrupted_parameters",
+    "training/test_resume.py::test_clip_state_carries_over",
+    "training/test_budget_stop.py::test_tracker_cache_and_bound",
+    "training/test_budget_stop.py::test_cli_stops_at_the_last_step_within_budget",
+    "training/test_mnist.py::test_dp_sgd_learns_mnist_in_a_few_steps",
+    "training/test_validation_split.py::test_fraction_zero_reproduces_the_run_without_the_option",
+    "diagnostics/test_diagnose_cli.py::test_cli_diagnose_writes_tables_and_figures",
+    "core/test_secret_noise.py::test_cli_same_seed_differs_reproducible_identical_and_check_fails",
+)
+
+#: Under ``--dist loadgroup`` the tests of these tiers run one at a time on one worker: each
+#: distributed test starts 2-4 gloo processes with collective timeouts, and two at once on two
+#: cores would be eight processes fighting for them.
+SERIAL_TIERS = ("distributed",)
 
 
 def tiers_for(relpath: str) -> set:
@@ -66,6 +85,8 @@ def pytest_collection_modifyitems(config, items):
         nodeid = rel + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else rel
         for tier in sorted(tiers_for(nodeid)):
             item.add_marker(getattr(pytest.mark, tier))
+            if tier in SERIAL_TIERS:
+                item.add_marker(pytest.mark.xdist_group(tier))
 
 
 @pytest.fixture
