@@ -116,3 +116,15 @@ def test_diagnose_markdown_opens_with_a_visible_heading(tmp_path):
         assert "WITHOUT noise" in text.split("\n\n")[1]
     doc = strict((out / "diagnostics.json").read_text())
     assert doc["notice"].startswith("NON-PRIVATE")
+
+
+def test_sweep_records_are_strict_and_read_back_as_floats(tmp_path):
+    """The sweep's results.jsonl (written by dpopt sweep, read by sweep resume and dpopt report)."""
+    from dpopt.experiments import sweep as sw
+
+    path = tmp_path / "results.jsonl"
+    sw._append(path, {"run_id": "x", "epsilon": math.inf, "test_loss": math.nan, "test_accuracy": 0.5})
+    line = path.read_text().strip()
+    assert strict(line)["epsilon"] == "inf" and strict(line)["test_loss"] == "nan"
+    (record,) = sw.read_results(path)
+    assert record["epsilon"] == math.inf and math.isnan(record["test_loss"]) and record["test_accuracy"] == 0.5
