@@ -101,6 +101,12 @@ def measure(size: int, repeats: int) -> dict:
         rows["new reproducible (1 thread)"] = _best_ms(lambda: src.normal((size,)), repeats) * scale
     finally:
         torch.set_num_threads(old_threads)
+    # fixed cost of one small draw (a bias vector): µs per call of 10 normals, one thread
+    torch.set_num_threads(1)
+    small_src = NoiseSource("secret")
+    small = {"old secret (torch.randn)": _best_ms(lambda: torch.randn(10, generator=gen), 50 * repeats) * 1e3,
+             "new secret": _best_ms(lambda: small_src.normal((10,)), 50 * repeats) * 1e3}
+    torch.set_num_threads(old_threads)
     base = rows["torch.randn"]
     old_of = {"new secret (1 thread)": "old secret (1 thread)", "new secret (2 threads)": "old secret (2 threads)",
               "new secret float64 (1 thread)": "old secret (1 thread)",
@@ -113,6 +119,7 @@ def measure(size: int, repeats: int) -> dict:
         "ms_per_1e6": rows,
         "ratio_to_torch_randn": {k: v / base for k, v in rows.items()},
         "ratio_to_old": {k: rows[k] / rows[v] for k, v in old_of.items()},
+        "us_per_call_of_10": small,
     }
 
 
@@ -136,6 +143,7 @@ def main(argv=None) -> int:
         old = result["ratio_to_old"].get(name)
         print(f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
               f"{'' if old is None else f'{old:7.2f}'}")
+    print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
     print(f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
           f"old secure {result['cut_radius_old_secure']:.2f}")
     return 0
