@@ -43,6 +43,11 @@ Example::
     >>> audit_mechanism("flat", trials=20_000).verdict
     'PASS'
 
+One-run audits of a real training run (Steinke, Nasr & Jagielski 2023;
+Mahloujifar, Melis & Chaudhuri 2024): :mod:`dpopt.auditing.one_run_stats`
+(the two estimators, numpy/scipy only) and :func:`one_run` (canaries in a
+``dpopt train`` configuration).
+
 See ``docs/auditing.md`` for the harness, the measured figures and the leak suite.
 """
 
@@ -62,6 +67,7 @@ from .stats import (
     gdp_epsilon,
     gdp_mu_from_error_rates,
 )
+from .one_run_stats import OneRunBound, one_run_bounds
 
 __all__ = [
     "clopper_pearson_upper",
@@ -89,6 +95,11 @@ __all__ = [
     "CanaryHarness",
     "MechanismSpec",
     "SuiteResults",
+    # one-run audits (dpopt.auditing.one_run_stats, numpy/scipy only; dpopt.auditing.one_run)
+    "OneRunBound",
+    "one_run_bounds",
+    "one_run",
+    "OneRunResult",
 ]
 
 # Loaded on first access (PEP 562): these modules import torch and the Privatizer.
@@ -110,6 +121,8 @@ _LAZY = {
     "audit_method": "suite",
     "audit_all": "suite",
     "mechanism_seed": "suite",
+    "one_run": "one_run",
+    "OneRunResult": "one_run",
 }
 
 
