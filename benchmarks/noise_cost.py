@@ -4,7 +4,7 @@
     python benchmarks/noise_cost.py --json     # one JSON object
 
 Rows (float32 output unless the name says float64; ms per 10^6 normals, the best of ``--repeats``
-timings of a ``--size`` draw):
+timings of a ``--size`` draw, all rows timed round-robin so that load changes reach them alike):
 
 * ``torch.randn``: torch's CPU ``normal_`` (Box–Muller on 24-bit uniforms, |z| ≤ 5.77), one thread.
 * ``old secret (T threads)``: dpopt's previous secret path, re-created here: the same kernel,
@@ -62,51 +62,52 @@ def _old_secure(n: int) -> torch.Tensor:
     return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (thread pools, allocator)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _interleaved(cases: dict, repeats: int) -> dict[str, float]:
+    """Best ms of each case, timed round-robin (one timing of every case per round), so that a
+    change of machine load during the run reaches every case alike. Each case is
+    ``(threads, fn)``; its first call is a warm-up."""
+    best = {name: math.inf for name in cases}
+    for name, (threads, fn) in cases.items():
+        torch.set_num_threads(threads)
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    for _ in range(repeats):
+        for name, (threads, fn) in cases.items():
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def measure(size: int, repeats: int) -> dict:
-    """ms per 10^6 normals for every row (module docstring), in one process."""
+    """ms per 10^6 normals for every row (module docstring), in one process, timed round-robin."""
     scale = 1e6 / size
     old_threads = torch.get_num_threads()
-    rows: dict[str, float] = {}
     gen = torch.Generator().manual_seed(0)
+    pool = ThreadPoolExecutor(max_workers=2)
+    secret, secure, repro = NoiseSource("secret"), NoiseSource("secure"), NoiseSource("reproducible", seed=0)
+    cases = {
+        "torch.randn": (1, lambda: torch.randn(size, generator=gen)),
+        "old secret (1 thread)": (1, lambda: _old_secret(size, None, gen)),
+        "new secret (1 thread)": (1, lambda: secret.normal((size,))),
+        "new secret float64 (1 thread)": (1, lambda: secret.normal((size,), dtype=torch.float64)),
+        "old secret (2 threads)": (2, lambda: _old_secret(size, pool, gen)),
+        "new secret (2 threads)": (2, lambda: secret.normal((size,))),
+        "new secret float64 (2 threads)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
+        "old secure": (1, lambda: _old_secure(size)),
+        "new secure": (1, lambda: secure.normal((size,))),
+        "new reproducible (1 thread)": (1, lambda: repro.normal((size,))),
+    }
+    small_src = NoiseSource("secret")
+    small_cases = {"old secret (torch.randn)": (1, lambda: torch.randn(10, generator=gen)),
+                   "new secret": (1, lambda: small_src.normal((10,)))}
     try:
-        torch.set_num_threads(1)
-        rows["torch.randn"] = _best_ms(lambda: torch.randn(size, generator=gen), repeats) * scale
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
-            rows[f"old secret ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
-                lambda: _old_secret(size, pool, gen), repeats) * scale
-            if pool is not None:
-                pool.shutdown()
-            src = NoiseSource("secret")
-            rows[f"new secret ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
-                lambda: src.normal((size,)), repeats) * scale
-            rows[f"new secret float64 ({threads} thread{'s' * (threads > 1)})"] = _best_ms(
-                lambda: src.normal((size,), dtype=torch.float64), repeats) * scale
-        torch.set_num_threads(1)
-        rows["old secure"] = _best_ms(lambda: _old_secure(size), repeats) * scale
-        src = NoiseSource("secure")
-        rows["new secure"] = _best_ms(lambda: src.normal((size,)), repeats) * scale
-        src = NoiseSource("reproducible", seed=0)
-        rows["new reproducible (1 thread)"] = _best_ms(lambda: src.normal((size,)), repeats) * scale
+        rows = {name: ms * scale for name, ms in _interleaved(cases, repeats).items()}
+        # fixed cost of one small draw (a bias vector): µs per call of 10 normals, one thread
+        small = {name: ms * 1e3 for name, ms in _interleaved(small_cases, 50 * repeats).items()}
     finally:
         torch.set_num_threads(old_threads)
-    # fixed cost of one small draw (a bias vector): µs per call of 10 normals, one thread
-    torch.set_num_threads(1)
-    small_src = NoiseSource("secret")
-    small = {"old secret (torch.randn)": _best_ms(lambda: torch.randn(10, generator=gen), 50 * repeats) * 1e3,
-             "new secret": _best_ms(lambda: small_src.normal((10,)), 50 * repeats) * 1e3}
-    torch.set_num_threads(old_threads)
+        pool.shutdown()
     base = rows["torch.randn"]
     old_of = {"new secret (1 thread)": "old secret (1 thread)", "new secret (2 threads)": "old secret (2 threads)",
               "new secret float64 (1 thread)": "old secret (1 thread)",
