@@ -11,6 +11,7 @@ timings of a ``--size`` draw, all rows timed round-robin so that load changes re
   chunk by chunk from derived MT19937 generators on T threads (|z| ≤ 5.77).
 * ``old secure``: the previous ``secure_mode``: float64 Box–Muller on 53-bit OS-CSPRNG uniforms
   (|z| ≤ 8.57), rounded to float32.
+* ``floor: MT words only``: the 64 random bits per normal the new sampler reads, nothing else.
 * ``new secret/secure/reproducible``: :meth:`dpopt.noise.NoiseSource.normal` today
   (|z| ≤ :data:`dpopt.noise.CUT_RADIUS` = 37.64 in every mode).
 
@@ -94,6 +95,8 @@ def measure(size: int, repeats: int) -> dict:
         "old secret (2 threads)": (2, lambda: _old_secret(size, pool, gen)),
         "new secret (2 threads)": (2, lambda: secret.normal((size,))),
         "new secret float64 (2 threads)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
+        "floor: MT words only (1 thread)": (1, lambda: torch.empty(size, dtype=torch.int64).random_(
+            -2 ** 63, None, generator=gen)),  # the new sampler's random bits alone: 64 per normal
         "old secure": (1, lambda: _old_secure(size)),
         "new secure": (1, lambda: secure.normal((size,))),
         "new reproducible (1 thread)": (1, lambda: repro.normal((size,))),
