@@ -15,7 +15,8 @@ timings of a ``--size`` draw, all rows timed round-robin so that load changes re
 * ``new secret/secure/reproducible``: :meth:`dpopt.noise.NoiseSource.normal` today
   (|z| ≤ :data:`dpopt.noise.CUT_RADIUS` = 37.64 in every mode).
 
-Ratios are to ``torch.randn`` and to the old path of the same mode and thread count. Timings
+Ratios are to ``torch.randn`` and to the old path of the same mode and thread count; CPU ms is the
+process CPU time (all threads), which preemption on a loaded machine does not inflate. Timings
 depend on the machine and its load: compare ratios from one run, never figures across runs.
 """
 
@@ -63,21 +64,24 @@ def _old_secure(n: int) -> torch.Tensor:
     return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
 
 
-def _interleaved(cases: dict, repeats: int) -> dict[str, float]:
-    """Best ms of each case, timed round-robin (one timing of every case per round), so that a
-    change of machine load during the run reaches every case alike. Each case is
-    ``(threads, fn)``; its first call is a warm-up."""
-    best = {name: math.inf for name in cases}
+def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(best wall ms, best process-CPU ms) of each case, timed round-robin (one timing of every case
+    per round), so that a change of machine load during the run reaches every case alike. CPU time
+    (all threads of this process) is what a loaded machine distorts least: preemption does not
+    count. Each case is ``(threads, fn)``; its first call is a warm-up."""
+    wall = {name: math.inf for name in cases}
+    cpu = dict(wall)
     for name, (threads, fn) in cases.items():
         torch.set_num_threads(threads)
         fn()
     for _ in range(repeats):
         for name, (threads, fn) in cases.items():
             torch.set_num_threads(threads)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: t * 1e3 for name, t in best.items()}
+            wall[name] = min(wall[name], time.perf_counter() - start)
+            cpu[name] = min(cpu[name], time.process_time() - start_cpu)
+    return {k: v * 1e3 for k, v in wall.items()}, {k: v * 1e3 for k, v in cpu.items()}
 
 
 def measure(size: int, repeats: int) -> dict:
@@ -105,9 +109,11 @@ def measure(size: int, repeats: int) -> dict:
     small_cases = {"old secret (torch.randn)": (1, lambda: torch.randn(10, generator=gen)),
                    "new secret": (1, lambda: small_src.normal((10,)))}
     try:
-        rows = {name: ms * scale for name, ms in _interleaved(cases, repeats).items()}
+        wall, cpu = _interleaved(cases, repeats)
+        rows = {name: ms * scale for name, ms in wall.items()}
+        cpu_rows = {name: ms * scale for name, ms in cpu.items()}
         # fixed cost of one small draw (a bias vector): µs per call of 10 normals, one thread
-        small = {name: ms * 1e3 for name, ms in _interleaved(small_cases, 50 * repeats).items()}
+        small = {name: ms * 1e3 for name, ms in _interleaved(small_cases, 50 * repeats)[0].items()}
     finally:
         torch.set_num_threads(old_threads)
         pool.shutdown()
@@ -123,6 +129,8 @@ def measure(size: int, repeats: int) -> dict:
         "ms_per_1e6": rows,
         "ratio_to_torch_randn": {k: v / base for k, v in rows.items()},
         "ratio_to_old": {k: rows[k] / rows[v] for k, v in old_of.items()},
+        "cpu_ms_per_1e6": cpu_rows,
+        "cpu_ratio_to_old": {k: cpu_rows[k] / cpu_rows[v] for k, v in old_of.items()},
         "us_per_call_of_10": small,
     }
 
@@ -142,11 +150,12 @@ def main(argv=None) -> int:
         return 0
     print(f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
           f"1-min load {result['load_1min']})")
-    print(f"{'sampler':34s} {'ms/1e6':>8s} {'x randn':>8s} {'x old':>7s}")
+    print(f"{'sampler':34s} {'wall ms':>8s} {'x randn':>8s} {'x old':>7s} {'CPU ms':>8s} {'x old':>7s}")
     for name, ms in result["ms_per_1e6"].items():
-        old = result["ratio_to_old"].get(name)
+        old, cpu_old = result["ratio_to_old"].get(name), result["cpu_ratio_to_old"].get(name)
         print(f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
-              f"{'' if old is None else f'{old:7.2f}'}")
+              f"{'' if old is None else f'{old:7.2f}':>7s} {result['cpu_ms_per_1e6'][name]:8.2f} "
+              f"{'' if cpu_old is None else f'{cpu_old:7.2f}':>7s}")
     print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
     print(f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
           f"old secure {result['cut_radius_old_secure']:.2f}")
