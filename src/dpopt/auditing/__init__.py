@@ -45,7 +45,7 @@ Example::
 
 One-run audits of a real training run (Steinke, Nasr & Jagielski 2023;
 Mahloujifar, Melis & Chaudhuri 2024): :mod:`dpopt.auditing.one_run_stats`
-(the two estimators, numpy/scipy only) and :func:`one_run` (canaries in a
+(the two estimators, numpy/scipy only) and :func:`one_run` (:mod:`.one_run_audit`: canaries in a
 ``dpopt train`` configuration).
 
 See ``docs/auditing.md`` for the harness, the measured figures and the leak suite.
@@ -95,7 +95,7 @@ __all__ = [
     "CanaryHarness",
     "MechanismSpec",
     "SuiteResults",
-    # one-run audits (dpopt.auditing.one_run_stats, numpy/scipy only; dpopt.auditing.one_run)
+    # one-run audits (dpopt.auditing.one_run_stats, numpy/scipy only; dpopt.auditing.one_run_audit)
     "OneRunBound",
     "one_run_bounds",
     "one_run",
@@ -121,8 +121,8 @@ _LAZY = {
     "audit_method": "suite",
     "audit_all": "suite",
     "mechanism_seed": "suite",
-    "one_run": "one_run",
-    "OneRunResult": "one_run",
+    "one_run": "one_run_audit",
+    "OneRunResult": "one_run_audit",
 }
 
 
