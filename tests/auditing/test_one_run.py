@@ -99,3 +99,38 @@ def test_validation(digits):
         one_run(canaries=5, data=digits)
     with pytest.raises(ValueError, match="per-layer"):
         one_run(TrainConfig(method="dp-sgd", clipping="per-layer", epochs=1), canaries=20, data=digits)
+
+
+def _weak_noise(monkeypatch, factor):
+    from dpopt.privatizer import Privatizer
+
+    draw = Privatizer._draw
+
+    def weak(self, std, rounded=False):
+        noise, count = draw(self, std, rounded)
+        return [z.mul(factor) for z in noise], count
+
+    monkeypatch.setattr(Privatizer, "_draw", weak)
+
+
+def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    runner = CliRunner()
+    args = ["audit", "--one-run", "--canaries", "300", "--epochs", "1", "--noise-multiplier", "3", "--json"]
+    res = runner.invoke(app, args + ["--report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["m"] == 300 and doc["confidence"] == 0.95 and doc["estimator"] == "steinke"
+    assert 0 <= doc["epsilon_lower"] <= doc["epsilon"] and doc["verdict"] == "PASS"
+    md = (tmp_path / "one-run-audit.md").read_text()
+    assert "PASS" in md and "one-run-audit.png" in md and (tmp_path / "one-run-audit.png").stat().st_size > 1000
+    _weak_noise(monkeypatch, 0.02)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1 and json.loads(res.output)["verdict"] == "EXCEEDS"
+    res = runner.invoke(app, ["audit", "--one-run", "--beta", "2"])
+    assert res.exit_code == 2 and "--beta must be in (0, 1)" in res.output

@@ -20,6 +20,10 @@ group = typer.Typer()
 
 #: Argument names of the auditing library, shown as this command's flags.
 AUDIT_FLAGS = flags_for(["trials", "delta", "alpha", "seed", "method"])
+#: ... and those of ``--one-run`` (TrainConfig fields it sets, one_run's arguments)
+ONE_RUN_FLAGS = flags_for(["delta", "seed", "method", "canaries", "mode", "beta", "dataset", "epochs",
+                           "batch_size", "sample_rate", "noise_multiplier", "target_epsilon", "max_grad_norm",
+                           "clipping"])
 
 _HELP = (
     "Empirically audit one privatizer step against the accountant's ε.\n\n"
@@ -28,7 +32,14 @@ _HELP = (
     "and prints the claimed one-step ε, two ε lower bounds (Clopper–Pearson direct; Gaussian-DP "
     "route) and PASS or LEAK. An honest mechanism shows LEAK with probability ≤ ALPHA.\n\n"
     "Without --method or --all, the built-in privatizers are audited. "
-    "Exit code 1 if any mechanism LEAKs, 2 on bad arguments."
+    "Exit code 1 if any mechanism LEAKs, 2 on bad arguments.\n\n"
+    "With --one-run: audit a real training run instead (Steinke, Nasr & Jagielski 2023): train the "
+    "configuration (--method, default dp-sgd; --dataset, --epochs, --batch-size, ...) once with --canaries "
+    "canaries, each included with probability 1/2 (--mode white: gradient canaries on dedicated coordinates "
+    "scored on the released gradients; black: mislabelled input canaries scored on the final model's loss), "
+    "and print the epsilon lower bounds of Steinke et al. and of the f-DP estimator beside the run's claimed "
+    "epsilon. Exit code 1 if a bound exceeds the claim at confidence 1 - BETA. --report DIR writes a "
+    "markdown page and a plot."
 )
 
 
@@ -54,8 +65,27 @@ def audit(
                                 help="False-alarm probability per mechanism (honest → LEAK)."),
     seed: int = typer.Option(0, "--seed", help="Seed of canaries, noise and the held-out split."),
     json_out: bool = json_option("Print one JSON document instead of a table."),
+    one_run_: bool = typer.Option(False, "--one-run", help="Audit one real training run with canaries (see above)."),
+    mode: str = typer.Option("white", "--mode", help="--one-run: white (gradient canaries) or black (input canaries)."),
+    canaries: int = typer.Option(1000, "--canaries", help="--one-run: number of canaries m (1e3-1e4)."),
+    beta: float = typer.Option(0.05, "--beta", help="--one-run: 1 - confidence of the lower bounds."),
+    dataset: str = typer.Option("digits", "--dataset", help="--one-run: the training configuration's dataset."),
+    epochs: float = typer.Option(10.0, "--epochs", help="--one-run: epochs of the run."),
+    batch_size: float = typer.Option(64.0, "--batch-size", help="--one-run: expected batch size B̄."),
+    sample_rate: Optional[float] = typer.Option(None, "--sample-rate", help="--one-run: Poisson rate q (1: full batch)."),
+    noise_multiplier: float = typer.Option(1.0, "--noise-multiplier", help="--one-run: σ."),
+    target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="--one-run: calibrate σ for this ε."),
+    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="--one-run: clip bound C."),
+    clipping: str = typer.Option("flat", "--clipping", help="--one-run: flat or quantile (per-layer: black box)."),
+    report: Optional[str] = typer.Option(None, "--report", help="--one-run: write one-run-audit.md and .png here."),
 ) -> None:
     """Run the audits (help text above); exit code 1 on any LEAK."""
+    if one_run_:
+        _one_run_command(method=method or "dp-sgd", mode=mode, canaries=canaries, beta=beta, seed=seed,
+                         json_out=json_out, report=report, delta=delta, dataset=dataset, epochs=epochs,
+                         batch_size=batch_size, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
+                         target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, clipping=clipping)
+        return
     if method is not None and all_:
         fail("give either --method NAME or --all, not both")
     if not (0.0 < delta < 1.0):
@@ -89,6 +119,41 @@ def audit(
         typer.echo(f"{len(results) - len(leaks)} PASS, {len(leaks)} LEAK"
                    + (f": {', '.join(leaks)}" if leaks else ""))
     if leaks:
+        raise typer.Exit(code=1)
+
+
+def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, delta, **train) -> None:
+    """``dpopt audit --one-run``: one training run with canaries; exit 1 if a bound exceeds the claim."""
+    if not (0.0 < beta < 1.0):
+        fail(f"--beta must be in (0, 1), got {beta}")
+    if not (0.0 < delta < 1.0):
+        fail(f"--delta must be in (0, 1), got {delta}")
+    with cli_errors(ONE_RUN_FLAGS):
+        from ..auditing import one_run
+        from ..training import TrainConfig
+
+        cfg = TrainConfig(method=method, delta=delta, **train)
+        result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
+    paths = None
+    if report is not None:
+        from ..auditing.one_run_report import write_report
+
+        paths = [str(p) for p in write_report(result, report)]
+    if json_out:
+        doc = result.to_dict()
+        if paths:
+            doc["report"] = paths
+        typer.echo(dumps(doc, indent=2))
+    else:
+        b = result.bounds
+        typer.echo(f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
+                   f"confidence {1 - beta:g}, δ = {delta:g}")
+        typer.echo(f"claimed ε {_fmt(result.epsilon)} | lower bounds: Steinke {_fmt(b.steinke)}, "
+                   f"f-DP {_fmt(b.fdp)} (μ ≥ {_fmt(b.mu)}{'' if result.details.get('fdp_judged') else ', not judged: q < 1'})"
+                   f" | {result.verdict}")
+        if paths:
+            typer.echo(f"report: {paths[0]}")
+    if result.verdict != "PASS":
         raise typer.Exit(code=1)
 
 
