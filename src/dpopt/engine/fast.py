@@ -66,7 +66,7 @@ from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagre
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
-from .rules import RULES, LayerCalls, rule_for
+from .rules import RULES, LayerCalls, is_tapped, rule_for, tap_forwards
 
 __all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
 
@@ -225,10 +225,10 @@ def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
 class _Call:
     """One recorded call of a planned module: its input, output and (norm layers) saved statistics."""
 
-    __slots__ = ("module", "inp", "out", "in_version", "out_version", "stats")
+    __slots__ = ("module", "inp", "out", "in_version", "out_version", "stats", "tag")
 
-    def __init__(self, module, inp, out):
-        self.module, self.inp, self.out = module, inp, out
+    def __init__(self, module, inp, out, tag=None):
+        self.module, self.inp, self.out, self.tag = module, inp, out, tag  # tag: of a tapped forward's map
         self.in_version, self.out_version = inp._version, out._version
         self.stats = None
         gf = getattr(out, "grad_fn", None)
@@ -350,6 +350,8 @@ class PerSampleEngine:
             calls: list[_Call] = []
 
             def hook(module, args, kwargs, out):
+                if is_tapped(module):  # its maps were recorded by its tapped forward (tap below)
+                    return None
                 inp = args[0] if args else next(iter(kwargs.values()))
                 if module in self._clone_in:  # keep a copy a later in-place op cannot touch
                     inp = inp.clone()
@@ -357,7 +359,12 @@ class PerSampleEngine:
                 # downstream in-place ops then modify the clone, not the tensor we differentiate
                 return out.clone() if module in self._clone_out else out
 
+            def tap(module, a, o, tag):  # a linear map inside a tapped layer (rules.Rule.forward)
+                if module in self.modules:
+                    calls.append(_Call(module, a.clone() if module in self._clone_in else a, o, tag))
+
             handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
+            untap = tap_forwards(self.model, tap)
             try:
                 with torch.enable_grad():
                     if point.offset is None:
@@ -384,6 +391,7 @@ class PerSampleEngine:
                                              grad_outputs=torch.full_like(losses, float(point.coef)),
                                              allow_unused=True)
             finally:
+                untap()
                 for h in handles:
                     h.remove()
             return [(c, e) for c, e in zip(calls, es)]
@@ -393,6 +401,7 @@ class PerSampleEngine:
         """Blocks of the fast layers, in the parameters' dtype (activations from autocast are cast up)."""
         per_module: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in self.modules}
         stats: dict[nn.Module, list] = {m: [] for m in self.modules}
+        tags: dict[nn.Module, list] = {m: [] for m in self.modules}
         for c, e in captured:
             if e is not None:
                 dt = self.params[next(iter(self.modules[c.module].values()))].dtype
@@ -400,16 +409,19 @@ class PerSampleEngine:
                 a = a.to(dt) if a.is_floating_point() else a
                 per_module[c.module].append((a, e.detach().to(dt)))
                 stats[c.module].append(None if c.stats is None else tuple(t.detach().to(dt) for t in c.stats))
+                tags[c.module].append(c.tag)
         blocks: list = []
         for m, own in self.modules.items():
-            blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget))
+            blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget, tags[m]))
         return blocks
 
-    def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget) -> list:
+    def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget,
+                       tags: Optional[list] = None) -> list:
         if not calls:  # never called (or unused): zero per-sample gradients
             return [DirectBlock(list(own.values()), [self.params[i].new_zeros((b, *self.params[i].shape))
                                                      for i in own.values()])]
-        layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()}, calls, stats, b, budget)
+        layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()}, calls, stats, b, budget,
+                           tags or [None] * len(calls))
         return RULES[type(m)].blocks(layer)  # planned only if rule_for(m) (see __init__)
 
     # -- the example axis -------------------------------------------------------------

@@ -70,6 +70,7 @@ from .fast import FastPerSampleGrads, PerSampleEngine, _Call, _no_autocast, _tra
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .reference import PerSampleGrads
+from .rules import is_tapped, tap_forwards
 
 __all__ = ["HookCapture", "grad_sample_source", "LOSS_REDUCTIONS"]
 
@@ -178,12 +179,15 @@ class HookCapture:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
         # after the layer hooks: the root may itself be a layer, recorded before its pass ends
         self._handles.append(m.register_forward_hook(self._root_post, with_kwargs=True))
+        self._untap = tap_forwards(m, self._tap)  # MHA/LSTM/...: their inner linear maps (rules.Rule.forward)
 
     def detach(self) -> None:
         """Remove every hook this capture attached (the model is left as it was given)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        getattr(self, "_untap", lambda: None)()
+        self._untap = lambda: None
         self._rec = _Recording()
 
     def _root_pre(self, module, args, kwargs):
@@ -202,14 +206,25 @@ class HookCapture:
         check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
         return None
 
+    def _tap(self, module, a: Tensor, o: Tensor, tag) -> None:
+        """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
+        if not self._recording or module not in self.plan.modules or not o.requires_grad:
+            return
+        call = _HookCall(module, (a,), {}, [o], _Call(module, a, o, tag), self._rec.current)
+        o.register_hook(partial(call.store, 0))
+        self._rec.calls.append(call)
+
     def _layer(self, module, args, kwargs, out):
         if not self._recording or not torch.is_grad_enabled():
+            return None
+        tapped = module in self.plan.modules and is_tapped(module)
+        if tapped and module not in self.vjp:  # its maps were recorded by its tapped forward (_tap)
             return None
         outs = _leaves(out)
         if not any(t.requires_grad for t in outs):
             return None
         fast = None
-        if module in self.plan.modules:
+        if module in self.plan.modules and not tapped:
             inp = args[0] if args else next(iter(kwargs.values()), None)
             if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
                 raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) was called "

@@ -35,7 +35,8 @@ the engine plans the model (:func:`~dpopt.engine.fast.get_engine`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, group_norm_grads,
                      layer_norm_grads)
 
-__all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for"]
+__all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped"]
 
 
 @dataclass
@@ -66,6 +67,8 @@ class LayerCalls:
             layer's backward, or None.
         batch_size: B.
         budget: the source's memory :class:`~dpopt.engine.layers.Budget`.
+        tags: per call, the tag a tapped forward gave it (``Rule.forward``:
+            which linear map inside the layer the call is), else None.
     """
 
     module: nn.Module
@@ -75,15 +78,29 @@ class LayerCalls:
     stats: list[Optional[tuple[Tensor, Tensor]]]
     batch_size: int
     budget: Budget
+    tags: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A registered rule: ``supports(module) -> bool`` and ``blocks(LayerCalls) -> list of blocks``."""
+    """A registered rule: ``supports(module) -> bool`` and ``blocks(LayerCalls) -> list of blocks``.
+
+    ``forward`` (optional): a *tapped forward* ``forward(module, record, *args, **kwargs)``
+    computing exactly what ``module(*args, **kwargs)`` computes while exposing
+    the linear maps inside it: for each, ``record(owner, a, out, tag)`` with
+    the map's input ``a [B, ...]`` and output ``out [B, ...]`` (examples along
+    dim 0), ``owner`` the module whose parameters it uses (the layer or one of
+    its children), ``tag`` saying which map it is (passed to the owner's rule
+    in :attr:`LayerCalls.tags`). Used for layers whose fused kernels expose no
+    intermediate tensor (``nn.MultiheadAttention``, ``nn.LSTM``): both capture
+    paths install it (:func:`tap_forwards`) instead of recording the layer's
+    own input and output.
+    """
 
     layer_type: type
     supports: Callable[[nn.Module], bool]
     blocks: Callable[[LayerCalls], list]
+    forward: Optional[Callable] = None
 
 
 RULES: dict[type, Rule] = {}
@@ -93,7 +110,8 @@ def _always(module: nn.Module) -> bool:
     return True
 
 
-def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], bool]] = None):
+def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], bool]] = None,
+                  forward: Optional[Callable] = None):
     """Decorator: register ``fn(layer: LayerCalls) -> list of blocks`` as the fast rule of ``layer_types``.
 
     Args:
@@ -101,6 +119,8 @@ def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], b
         supports: ``supports(module) -> bool`` for options the rule cannot
             handle (default: every instance); an unsupported instance uses the
             reference path.
+        forward: a tapped forward (:class:`Rule`), or None: the engine records
+            the layer's first input and its output.
 
     Raises:
         ValueError: no layer type given, or a type that already has a rule.
@@ -112,10 +132,44 @@ def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], b
         for t in layer_types:
             if t in RULES:
                 raise ValueError(f"{t.__name__} already has a fast rule ({RULES[t].blocks.__name__})")
-            RULES[t] = Rule(t, supports or _always, fn)
+            RULES[t] = Rule(t, supports or _always, fn, forward)
         return fn
 
     return decorate
+
+
+def is_tapped(module: nn.Module) -> bool:
+    """True if ``module``'s calls are recorded by its rule's tapped forward, not by a forward hook."""
+    rule = rule_for(module)
+    return rule is not None and rule.forward is not None
+
+
+def tap_forwards(model: nn.Module, record: Callable) -> Callable[[], None]:
+    """Install the tapped forward of every supported tapped layer of ``model``; returns the undo function.
+
+    Each such module gets an instance attribute ``forward`` (what
+    ``nn.Module.__call__`` runs) calling ``rule.forward(module, record, ...)``;
+    the undo function restores what was there before. ``record(owner, a, out,
+    tag)`` receives every tapped call (the capture path decides which owners
+    it keeps).
+    """
+    saved = []
+    for m in model.modules():
+        if is_tapped(m):
+            saved.append((m, m.__dict__.get("forward")))
+            m.forward = partial(RULES[type(m)].forward, m, record)
+
+    def undo() -> None:
+        for m, prev in saved:
+            if prev is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = prev
+
+    return undo
+
+
+_HF_LOADED = False
 
 
 def rule_for(module: nn.Module) -> Optional[Rule]:
