@@ -85,6 +85,23 @@ def test_state_dict_round_trip_restores_the_ledger_and_epsilon():
     assert fresh.accountant.get_epsilon(DELTA) == pytest.approx(engine.accountant.get_epsilon(DELTA), rel=1e-12)
 
 
+def test_loading_an_older_accountant_state_never_forgets_later_releases():
+    engine, model, opt, loader = private(accountant="rdp")
+    run_epoch(model, opt, loader, steps=2)
+    older = engine.accountant.state_dict()
+    run_epoch(model, opt, loader, steps=3)
+    eps5 = engine.accountant.get_epsilon(DELTA)
+    with pytest.warns(UserWarning):
+        engine.accountant.load_state_dict(older)  # an older state of this run: the 3 later releases stay charged
+    assert len(engine.ledger) == 5
+    assert engine.accountant.get_epsilon(DELTA) == pytest.approx(eps5, rel=1e-12)
+    other, model2, opt2, loader2 = private(accountant="rdp")
+    run_epoch(model2, opt2, loader2, steps=1)
+    with pytest.raises(ValueError):  # another run's ledger
+        engine.accountant.load_state_dict(other.accountant.state_dict())
+    assert len(engine.ledger) == 5
+
+
 def test_load_state_dict_refusals_as_opacus_and_a_bare_history():
     acc = dpopt.PrivacyEngine(accountant="rdp").accountant
     with pytest.raises(ValueError, match="empty"):

@@ -193,6 +193,27 @@ class LedgerAccountant:
         out["ledger"] = self.ledger.state_dict()
         return out
 
+    def _adopt(self, saved: dict) -> None:
+        """Take a saved ledger without ever forgetting a release.
+
+        An engine's ledger goes through its keeper (the longest record of the run
+        among the saved ledger, its journal and the engine's own; other runs or
+        branches refused). A bare ledger takes the saved one only if that holds
+        every release it already has.
+        """
+        keeper = getattr(self._owner, "_keeper", None)
+        if keeper is not None:
+            keeper.adopt(saved, journal=None, where="accountant state", header_fixed=bool(len(self.ledger)))
+            keeper.settle(self._owner._privatizers())
+            return
+        incoming = PrivacyLedger()
+        incoming.load_state_dict(saved)
+        if not incoming.extends(self.ledger):
+            raise ValueError(f"refused to load the accountant state: its ledger ({len(incoming)} releases) does "
+                             f"not hold the {len(self.ledger)} releases this ledger already has (another run, an "
+                             "older state or another branch); loading it would forget releases")
+        self.ledger.load_state_dict(saved)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the ledger (in place) from a :meth:`state_dict`.
 
@@ -213,7 +234,7 @@ class LedgerAccountant:
                              f"{self.name!r} accountant (create PrivacyEngine(accountant="
                              f"{state_dict['mechanism']!r}); the ledger itself is re-scorable by any accountant)")
         if "ledger" in state_dict:
-            self.ledger.load_state_dict(state_dict["ledger"])
+            self._adopt(state_dict["ledger"])
             return
         if [tuple(h) for h in state_dict.get("history", [])] != self.history:
             raise ValueError("this accountant state has a history but no ledger: dpopt cannot rebuild the ledger "
