@@ -31,6 +31,7 @@ _EXPORTS = {
     "per_sample_gradients": "dpopt.engine.reference",
     "iter_per_sample_gradients": "dpopt.engine.reference",
     "iter_per_sample_sources": "dpopt.engine",
+    "per_example_lm_loss": "dpopt.losses",
     "check_model": "dpopt.models",
     "make_optimizer": "dpopt.methods",
     "list_methods": "dpopt.methods",

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
            "model_dims",
-           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL"]
+           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL", "layer_of", "layer_scales"]
 
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Relative tolerance of the check per dtype (of the layer's gradient scale)."""
@@ -340,25 +340,50 @@ def rtol(dtype: torch.dtype, device: torch.device) -> float:
     return tol
 
 
-def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float) -> bool:
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to, from its ``named_parameters`` name (``"h.0.attn.c_attn.weight"`` → ``"h.0.attn.c_attn"``)."""
+    return name.rpartition(".")[0]
+
+
+def layer_scales(ref: dict, names: Sequence[str]) -> dict:
+    """Parameter index → per-example squared gradient norm of its whole layer, ``[b]`` float64.
+
+    The scale the check's tolerance is relative to: an exactly-zero gradient
+    (the bias of a conv before a one-channel-per-group GroupNorm, an
+    attention key bias, which softmax cancels) agrees with float noise the
+    size of its layer's rounding, never with only a zero.
+    """
+    per = {i: g.double().reshape(g.shape[0], -1).square().sum(1) for i, g in ref.items()}
+    total: dict = {}
+    for i, v in per.items():
+        key = layer_of(names[i])
+        total[key] = v if key not in total else total[key] + v
+    return {i: total[layer_of(names[i])] for i in per}
+
+
+def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float, scale_sq: Optional[Tensor] = None) -> bool:
     """Capture-path ‖g_i‖² ``sq [B]`` and Σ_i c_i g_i ``s`` against per-example gradients ``g [B, ...]``.
 
-    Tolerances are relative to the scale of the layer's gradients (the largest
-    squared norm; Σ_i |c_i|·‖g_i‖ for the sum), so an exactly-zero gradient
-    (a bias before a one-channel-per-group GroupNorm) agrees with float noise.
+    Tolerances are relative to the scale of the layer's gradients: the largest
+    per-example squared norm of the layer, ``scale_sq [B]`` (default: this
+    parameter's own), and Σ_i |c_i|·√scale_sq_i for the sum — so an
+    exactly-zero gradient (a bias before a one-channel-per-group GroupNorm)
+    agrees with float noise.
     """
     g64 = g.double().reshape(g.shape[0], -1)
     want = g64.square().sum(1)
-    tol_sq = tol * float(want.max()) + 1e-30
+    scale = want if scale_sq is None else torch.maximum(want, scale_sq.double())
+    tol_sq = tol * float(scale.max()) + 1e-30
     if not float((sq.double() - want).abs().max()) <= tol_sq:
         return False
     c64 = c.double()
     want_s = c64 @ g64
-    tol_s = tol * float(c64.abs() @ want.sqrt()) + 1e-30
+    tol_s = tol * float(c64.abs() @ scale.sqrt()) + 1e-30
     return float((s.double().reshape(-1) - want_s).norm()) <= tol_s
 
 
-def disagreeing(blocks: Sequence, ref: dict, c: Tensor, dtypes: Sequence[torch.dtype], tol: float) -> list[int]:
+def disagreeing(blocks: Sequence, ref: dict, c: Tensor, dtypes: Sequence[torch.dtype], tol: float,
+                names: Optional[Sequence[str]] = None) -> list[int]:
     """Parameter indices whose blocks' per-example norms or weighted sum differ from ``ref``.
 
     Args:
@@ -368,11 +393,14 @@ def disagreeing(blocks: Sequence, ref: dict, c: Tensor, dtypes: Sequence[torch.d
         c: weights ``[b]`` (float64) of the test sum.
         dtypes: the dtype of each parameter (by index).
         tol: :func:`rtol`.
+        names: parameter names by index: tolerances relative to each layer's
+            gradient scale (:func:`layer_scales`); None: to each parameter's own.
     """
+    scales = layer_scales(ref, names) if names is not None else {}
     off = []
     for blk in blocks:
         sums = blk.grad_sums([c.to(dtypes[i]) for i in blk.index], None)
         for i, sq, s in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)), sums):
-            if not agrees(sq, s, ref[i], c, tol):
+            if not agrees(sq, s, ref[i], c, tol, scales.get(i)):
                 off.append(i)
     return off

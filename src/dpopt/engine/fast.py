@@ -61,12 +61,16 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, mode_signature,
+from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, layer_scales,
+                    mode_signature,
                     model_dims, off_axis, rtol)
+from .bare import bare_candidates, reduce_to, tap_bare
+from .hf_guards import in_backward, refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 from .rules import RULES, LayerCalls, is_tapped, rule_for, tap_forwards
+from .tied import merge_shared
 
 __all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
 
@@ -105,8 +109,11 @@ class FastPerSampleGrads:
         self.batch_size = int(batch_size)
         self.dtype, self.device = dtype, device
         covered = sorted(i for blk in self.blocks for i in blk.index)
-        if covered != list(range(len(self.shapes))):
-            raise ValueError("blocks must cover every trainable parameter exactly once")
+        if covered != list(range(len(self.shapes))):  # an engine invariant (tied parameters: engine.tied)
+            twice = sorted({i for i in covered if covered.count(i) > 1})
+            missing = sorted(set(range(len(self.shapes))) - set(covered))
+            raise ValueError(f"internal error: per-sample blocks cover trainable parameters {twice} more than once "
+                             f"and miss {missing} (indices in named_parameters order of the trainable ones)")
         self._bad: Optional[Tensor] = None
         self._freed = False
 
@@ -240,6 +247,39 @@ class _Call:
                 self.stats = None
 
 
+def expand_broadcast(module: nn.Module, inp, out, b: int):
+    """A call shared by the batch made per example: an ``nn.Embedding`` of ``[1, ...]`` ids → ``[b, ...]``.
+
+    HF GPT-2/BERT look up position ids of shape ``[1, T]`` and add the
+    ``[1, T, D]`` result to the ``[B, T, D]`` token embeddings: autograd sums
+    that output's gradient over the batch, so the per-example gradient of the
+    position table is lost there. Returning the output expanded to
+    ``[b, T, D]`` (a view: the same values, the same broadcast sum) makes its
+    gradient per example, ``[b, T, D]``, exact; the ids are expanded alike.
+    Anything else is returned unchanged (and checked by the layout test).
+
+    Args:
+        module: the called layer; inp: its first input; out: its output; b: the batch size.
+
+    Returns:
+        ``(inp, out)``, expanded or as given.
+    """
+    if (b > 1 and type(module) is nn.Embedding and isinstance(inp, Tensor) and isinstance(out, Tensor)
+            and inp.dim() >= 1 and inp.shape[0] == 1 and out.dim() == inp.dim() + 1 and out.shape[0] == 1):
+        return inp.expand(b, *inp.shape[1:]), out.expand(b, *out.shape[1:])
+    return inp, out
+
+
+class _BareCall(_Call):
+    """A recognised use of a bare parameter (engine.bare): R = broadcast(P) ``[B, ...]`` and P's index."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, module, r: Tensor, index: int):
+        super().__init__(module, r, r)
+        self.index = int(index)
+
+
 # --------------------------------------------------------------------------- messages
 def _trailing(shape) -> str:
     """A shape without its dim 0 (``(…, 4, 16)``): dim 0 of a private batch is its realised size."""
@@ -292,11 +332,14 @@ class PerSampleEngine:
         self._key = tuple(id(p) for p in self.params)
         self._module_names = {id(m): n or "<root>" for n, m in model.named_modules()}  # ids: no strong refs
         index = {id(p): i for i, p in enumerate(self.params)}
-        owners: dict[int, int] = {}
+        # a parameter is on the fast path if EVERY module that owns it has a rule; a tied parameter
+        # (several owners) then gets one block per use, summed with its cross terms (engine.tied)
+        ruled: dict[int, bool] = {}
         for m in model.modules():
+            has_rule = rule_for(m) is not None
             for p in m._parameters.values():
                 if p is not None:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
+                    ruled[id(p)] = ruled.get(id(p), True) and has_rule
         # module -> {param attribute name: param index} for params with a fast rule
         self.modules: dict[nn.Module, dict[str, int]] = {}
         for m in model.modules():
@@ -304,11 +347,13 @@ class PerSampleEngine:
                 continue
             own = {}
             for attr, p in m._parameters.items():
-                if p is not None and id(p) in index and owners[id(p)] == 1:
+                if p is not None and id(p) in index and ruled[id(p)]:
                     own[attr] = index[id(p)]
             if own:
                 self.modules[m] = own
-        covered = {i for own in self.modules.values() for i in own.values()}
+        # bare broadcast parameters (ViT's class token), captured where their owner's forward uses them
+        self.bare: dict[nn.Module, dict[str, int]] = bare_candidates(model, index, lambda m: rule_for(m) is not None)
+        covered = set(self._fast_indices())
         self.fallback = [i for i in range(len(self.params)) if i not in covered]
         self._clone_in: set = set()
         self._clone_out: set = set()
@@ -316,6 +361,10 @@ class PerSampleEngine:
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def _fast_indices(self) -> list[int]:
+        """Indices of the parameters on the fast path: of the layer rules and the bare-parameter taps."""
+        return sorted({i for own in list(self.modules.values()) + list(self.bare.values()) for i in own.values()})
 
     @property
     def model(self) -> nn.Module:
@@ -350,9 +399,13 @@ class PerSampleEngine:
             calls: list[_Call] = []
 
             def hook(module, args, kwargs, out):
+                if in_backward():
+                    raise ValueError(f"layer {self._module_names.get(id(module), '?')!r} ran inside the backward "
+                                     "pass (activation checkpointing recomputes forwards there); disable it")
                 if is_tapped(module):  # its maps were recorded by its tapped forward (tap below)
                     return None
                 inp = args[0] if args else next(iter(kwargs.values()))
+                inp, out = expand_broadcast(module, inp, out, b)
                 if module in self._clone_in:  # keep a copy a later in-place op cannot touch
                     inp = inp.clone()
                 calls.append(_Call(module, inp, out))
@@ -364,6 +417,7 @@ class PerSampleEngine:
                     calls.append(_Call(module, a.clone() if module in self._clone_in else a, o, tag))
 
             handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
+            handles += tap_bare(self.bare, lambda: b, lambda m, i, r: calls.append(_BareCall(m, r, i)))
             untap = tap_forwards(self.model, tap)
             try:
                 with torch.enable_grad():
@@ -402,7 +456,13 @@ class PerSampleEngine:
         per_module: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in self.modules}
         stats: dict[nn.Module, list] = {m: [] for m in self.modules}
         tags: dict[nn.Module, list] = {m: [] for m in self.modules}
+        bare: dict[int, list] = {i: [] for own in self.bare.values() for i in own.values()}
         for c, e in captured:
+            if isinstance(c, _BareCall):
+                if e is not None and c.index in bare:
+                    bare[c.index].append(reduce_to(e.detach().to(self.params[c.index].dtype), tuple(c.out.shape),
+                                                   tuple(self.params[c.index].shape)))
+                continue
             if e is not None:
                 dt = self.params[next(iter(self.modules[c.module].values()))].dtype
                 a = c.inp.detach()
@@ -413,7 +473,9 @@ class PerSampleEngine:
         blocks: list = []
         for m, own in self.modules.items():
             blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget, tags[m]))
-        return blocks
+        for i, gs in bare.items():  # bare parameters: Σ over their recognised uses (engine.bare)
+            blocks.append(DirectBlock([i], [sum(gs) if gs else self.params[i].new_zeros((b, *self.params[i].shape))]))
+        return merge_shared(blocks, [p.shape for p in self.params], budget.chunk_bytes)
 
     def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget,
                        tags: Optional[list] = None) -> list:
@@ -438,6 +500,12 @@ class PerSampleEngine:
         """Move parameters to the per-example (torch.func) path."""
         drop = set(indices)
         self.fallback = sorted(set(self.fallback) | drop)
+        for m in list(self.bare):
+            own = {a: i for a, i in self.bare[m].items() if i not in drop}
+            if own:
+                self.bare[m] = own
+            else:
+                del self.bare[m]
         for m in list(self.modules):
             own = {a: i for a, i in self.modules[m].items() if i not in drop}
             if own:
@@ -493,6 +561,7 @@ class PerSampleEngine:
         example has a finite loss, the check is postponed to the next batch.
         """
         sig = mode_signature(self.model)
+        refuse_checkpointing(self.model)  # (enabled after planning)
         with torch.no_grad():
             out = self.model(x)
             if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != y.shape[0]:
@@ -507,7 +576,7 @@ class PerSampleEngine:
         self._modes.done(sig)
         self._verify_reference(xs, ys)
         for b in free_sizes(model_dims(self.model, (xs,))):
-            if not self.modules:
+            if not self._fast_indices():
                 break
             sel = torch.arange(b, device=keep.device) % keep.numel()
             self._verify_at(xs[sel], ys[sel])
@@ -531,8 +600,9 @@ class PerSampleEngine:
         except ExampleFailed as err:  # the exact path cannot run it: refuse
             raise alone_failed(err.__cause__ or err) from err
         tol = rtol(self.dtype, self.device)
-        off = [n for n, a, b in zip(self.names, v, loop)
-               if not float((a - b).norm()) <= tol * float(b.norm()) + 1e-30]
+        scale = layer_scales(dict(enumerate(loop)), self.names)  # relative to the layer: exact zeros agree
+        off = [n for i, (n, a, b) in enumerate(zip(self.names, v, loop))
+               if not float((a - b).norm()) <= tol * float(scale[i].sum().sqrt()) + 1e-30]
         if off:
             use_loop(model, f"torch.func.vmap disagreed with single-example autograd on {off}")
 
@@ -545,10 +615,10 @@ class PerSampleEngine:
                 bad = self._layout_violations(captured, b)
                 if bad:
                     self._demote_layers(bad)
-                    if not self.modules:
+                    if not self._fast_indices():
                         return
                     captured = self._capture(xb, yb, EvaluationPoint(1.0))
-            covered = sorted(i for own in self.modules.values() for i in own.values())
+            covered = self._fast_indices()
             with replay.replaying(b):
                 ref = dict(zip(covered, per_sample_gradient_tensors(
                     self.model, self.loss_fn, xb, yb, names=[self.names[i] for i in covered], method="loop")))
@@ -556,14 +626,15 @@ class PerSampleEngine:
             self._demote_all(err.args[0])
             return
         except Unreplayable as err:
-            self._demote_mixing(sorted(i for own in self.modules.values() for i in own.values()), str(err))
+            self._demote_mixing(self._fast_indices(), str(err))
             return
         except ExampleFailed as err:  # the exact path cannot run it either: refuse
             raise alone_failed(err.__cause__ or err) from err
         c = torch.rand(b, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(self.device)
         tol = rtol(self.dtype, self.device)  # outside _no_autocast: autocast's dtype sets the tolerance
         with _no_autocast(self.device):
-            off = disagreeing(self._blocks(captured, b, Budget(0, 0)), ref, c, [q.dtype for q in self.params], tol)
+            off = disagreeing(self._blocks(captured, b, Budget(0, 0)), ref, c, [q.dtype for q in self.params], tol,
+                              self.names)
         if off:
             self._demote_mixing(off, "the forward mixes examples in this mode (e.g. batch statistics under "
                                      "model.train()), or a parameter is used outside its module's forward")
@@ -681,6 +752,7 @@ def get_engine(model: nn.Module, loss_fn: LossFn) -> PerSampleEngine:
     eng = per_loss.get(loss_fn)
     if eng is None or not eng.matches(model):
         check_model(model)  # BatchNorm mixes examples: refuse before planning
+        refuse_checkpointing(model)
         eng = per_loss[loss_fn] = PerSampleEngine(model, loss_fn)
     return eng
 

@@ -66,7 +66,10 @@ from ..models import check_model
 from ..types import EvaluationPoint
 from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagreeing, free_sizes, in_modes,
                     mode_signature, model_dims, off_axis, rtol)
-from .fast import FastPerSampleGrads, PerSampleEngine, _Call, _no_autocast, _trailing
+from .bare import tap_bare
+from .fast import (FastPerSampleGrads, PerSampleEngine, _BareCall, _Call, _no_autocast, _trailing,
+                   expand_broadcast)
+from .hf_guards import in_backward, is_hf, refuse_batch_loss, refuse_checkpointing
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .reference import PerSampleGrads
@@ -147,6 +150,7 @@ class HookCapture:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         check_model(model)
+        refuse_checkpointing(model)
         self.model = model
         self.loss_reduction = loss_reduction
         self.plan = PerSampleEngine(model, None, verify=False, chunk_bytes=chunk_bytes,  # type: ignore[arg-type]
@@ -175,8 +179,12 @@ class HookCapture:
     def _attach(self) -> None:
         m = self.model
         self._handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for mod in m.modules():  # transformers/peft models: their batch-token-mean .loss is refused
+            if is_hf(mod) and hasattr(mod, "config"):
+                self._handles.append(mod.register_forward_pre_hook(self._hf_pre, with_kwargs=True))
         for mod in set(self.plan.modules) | set(self.vjp):
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
+        self._handles += tap_bare(self.plan.bare, self._tap_size, self._bare_use)  # ViT's class token (engine.bare)
         # after the layer hooks: the root may itself be a layer, recorded before its pass ends
         self._handles.append(m.register_forward_hook(self._root_post, with_kwargs=True))
         self._untap = tap_forwards(m, self._tap)  # MHA/LSTM/...: their inner linear maps (rules.Rule.forward)
@@ -197,6 +205,23 @@ class HookCapture:
         b = int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else -1
         self._rec.current = _Pass(b, args, kwargs, mode_signature(module))
         self._buffers = snapshot_buffers(module, reuse=self._buffers)
+        return None
+
+    def _tap_size(self) -> int:
+        cur = self._rec.current
+        return cur.batch_size if self._recording and cur is not None else -1
+
+    def _bare_use(self, module, index: int, r: Tensor) -> None:
+        """A recognised use R [B, ...] of a bare parameter: its output gradient is recorded like a layer's."""
+        call = _HookCall(module, (), {}, [r], _BareCall(module, r, index), self._rec.current)
+        r.register_hook(partial(call.store, 0))
+        self._rec.calls.append(call)
+
+    def _hf_pre(self, module, args, kwargs):
+        if self._recording and torch.is_grad_enabled():
+            refuse_batch_loss(module, kwargs)
+            if module.training:
+                refuse_checkpointing(module)
         return None
 
     def _root_post(self, module, args, kwargs, out):
@@ -220,22 +245,32 @@ class HookCapture:
         tapped = module in self.plan.modules and is_tapped(module)
         if tapped and module not in self.vjp:  # its maps were recorded by its tapped forward (_tap)
             return None
+        if in_backward():
+            raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) ran inside the "
+                             "backward pass (activation/gradient checkpointing recomputes forwards there), which the "
+                             "per-sample capture would record twice; disable checkpointing "
+                             "(model.gradient_checkpointing_disable()) and use a smaller batch to save memory")
         outs = _leaves(out)
         if not any(t.requires_grad for t in outs):
             return None
-        fast = None
+        fast, fast_out = None, out
         if module in self.plan.modules and not tapped:
             inp = args[0] if args else next(iter(kwargs.values()), None)
             if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
                 raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) was called "
                                  "without a tensor input or output; the hook engine cannot record it")
+            b = self._rec.current.batch_size if self._rec.current is not None else -1
+            inp, wide = expand_broadcast(module, inp, out, b)  # [1, T] position ids: per example
+            if wide is not out:
+                out = wide
+                outs = [out]
             fast = _Call(module, inp, out)
         call = _HookCall(module, args, kwargs, outs, fast, self._rec.current)
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(partial(call.store, k))
         self._rec.calls.append(call)
-        return None
+        return out if fast is not None and out is not fast_out else None
 
     # -- step -------------------------------------------------------------------------
     def discard_completed(self) -> None:
@@ -331,7 +366,7 @@ class HookCapture:
         captured = [(c.fast, es(c)[0]) for c in calls if c.fast is not None]
         with _no_autocast(self.plan.device):
             blocks = self.plan._blocks(captured, b, Budget(self.plan.chunk_bytes, self.plan.cache_bytes))
-        fallback = sorted(i for own in self.vjp.values() for i in own.values())
+        fallback = sorted({i for own in self.vjp.values() for i in own.values()})  # a tied one: once, uses summed
         if fallback:
             grads: dict[int, Tensor] = {i: self.params[i].new_zeros((b, *self.params[i].shape)) for i in fallback}
             for c in calls:
@@ -452,7 +487,7 @@ class HookCapture:
         c = torch.rand(b, generator=gen, dtype=torch.float64).to(self.plan.device)
         tol = rtol(self.plan.dtype, self.plan.device)  # outside _no_autocast: autocast's dtype sets the tolerance
         with _no_autocast(self.plan.device):
-            off = disagreeing(src.blocks, dict(enumerate(ref)), c, [q.dtype for q in self.params], tol)
+            off = disagreeing(src.blocks, dict(enumerate(ref)), c, [q.dtype for q in self.params], tol, self.names)
         src.free()
         if off:
             mode = "train" if self.model.training else "eval"

@@ -584,3 +584,21 @@ def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps:
     dw = (xhat * e).sum(dims) if dims else xhat * e
     db = e.sum(dims) if dims else e.clone()
     return dw, db
+
+
+def rms_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: Optional[float],
+                   upcast: bool = False) -> Tensor:
+    """Per-sample RMSNorm weight gradients ``[B, *normalized_shape]``: Σ_pos x̂ ⊙ e.
+
+    x̂ = x / √(mean(x²) + ε) over the normalised dims (Zhang & Sennrich 2019),
+    ε = ``torch.finfo(x.dtype).eps`` when None (as ``nn.RMSNorm``).
+    ``upcast``: x̂ computed in float32 and cast back to x's dtype, as
+    ``LlamaRMSNorm`` does (the same roundings as the layer's forward).
+    """
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    h = x.to(torch.float32) if upcast else x
+    if eps is None:
+        eps = torch.finfo(h.dtype).eps
+    xhat = (h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+    lead = tuple(range(1, x.dim() - len(normalized_shape)))
+    return (xhat * e).sum(lead) if lead else xhat * e

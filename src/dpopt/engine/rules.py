@@ -15,8 +15,15 @@ Conv2d        FactoredBlock via im2col (groups = 1, any      bias: direct
 Embedding     :class:`~.layers.SparseRowsBlock`              —
               (no ``max_norm``/``scale_grad_by_freq``)
 LayerNorm     direct (x̂ ⊙ e summed)                          bias: direct
+RMSNorm       direct (x̂ ⊙ e summed, x̂ = x/rms(x))            —
 GroupNorm     direct (closed form from group stats)           bias: direct
+HF Conv1D     FactoredBlock, g_i = Σ_t a_it e_itᵀ ([in, out])  bias: direct
+HF RMSNorm    as RMSNorm (LlamaRMSNorm and identical copies)  —
 ============  ===========================================  ==================
+
+A parameter owned by several modules (tied weights) is given to each
+owner's rule; the engine sums the uses (:mod:`dpopt.engine.tied`). A
+parameter is on the fast path only if every module owning it has a rule.
 
 Adding a rule (as Opacus's ``register_grad_sampler``)::
 
@@ -43,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, group_norm_grads,
-                     layer_norm_grads)
+                     layer_norm_grads, rms_norm_grads)
 
 __all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped"]
 
@@ -56,7 +63,8 @@ class LayerCalls:
         module: the layer (its hyperparameters are read, never its parameters' values).
         index: parameter attribute name (``"weight"``, ``"bias"``) → the
             trainable-parameter index it covers; only attributes the fast path
-            owns are present (a shared or frozen parameter is absent).
+            owns are present (a frozen parameter, or a shared one whose other owner has
+            no rule, is absent; a tied one is present in each owner).
         shapes: attribute name → parameter shape.
         calls: ``(a, e)`` per recorded call and evaluation point: the layer
             input ``a [B, ...]`` (cast to the parameter dtype if floating) and
@@ -173,8 +181,18 @@ _HF_LOADED = False
 
 
 def rule_for(module: nn.Module) -> Optional[Rule]:
-    """The rule of ``module``'s exact type if it supports this instance, else None (reference path)."""
-    rule = RULES.get(type(module))
+    """The rule of ``module``'s exact type if it supports this instance, else None (reference path).
+
+    The rules of Hugging Face ``transformers`` layers (:mod:`dpopt.engine.hf_rules`:
+    ``Conv1D``, ``LlamaRMSNorm``, ...) are registered the first time a module of
+    that package is seen, so that dpopt never imports ``transformers`` itself.
+    """
+    global _HF_LOADED
+    t = type(module)
+    if not _HF_LOADED and t not in RULES and t.__module__.startswith("transformers."):
+        _HF_LOADED = True
+        from . import hf_rules  # noqa: F401 — registers its rules
+    rule = RULES.get(t)
     return rule if rule is not None and rule.supports(module) else None
 
 
@@ -232,3 +250,12 @@ def _layer_norm(layer: LayerCalls) -> list:
     m = layer.module
     return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
                                   for (a, e), st in zip(layer.calls, layer.stats)])
+
+
+@register_rule(nn.RMSNorm)
+def _rms_norm(layer: LayerCalls) -> list:
+    m = layer.module
+    if "weight" not in layer.index:
+        return []
+    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, m.normalized_shape, m.eps)
+                                                      for a, e in layer.calls)])]

@@ -1,0 +1,67 @@
+"""What Hugging Face models do behind the user's back that breaks per-example clipping: refused, with the fix.
+
+* ``model(..., labels=...).loss`` is the mean over every valid token of the
+  batch (and ``num_items_in_batch`` divides by the token count of a whole
+  accumulated batch): example i's loss weight depends on the other examples'
+  lengths, so it is not a mean of per-example losses. A transformers model
+  called with ``labels=`` or ``num_items_in_batch=`` while per-sample
+  gradients are captured is refused (:func:`refuse_batch_loss`), the message
+  showing the per-example form (:func:`dpopt.losses.per_example_lm_loss`).
+* gradient checkpointing re-runs layer forwards inside the backward pass
+  (capture hooks fire twice; a reentrant checkpoint runs the first forward
+  without gradients): refused (:func:`refuse_checkpointing`), and a layer
+  call recorded while autograd runs a backward pass is refused too
+  (:func:`in_backward`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["is_hf", "refuse_batch_loss", "refuse_checkpointing", "in_backward", "PER_EXAMPLE_FORM"]
+
+PER_EXAMPLE_FORM = ("logits = model(input_ids=ids, attention_mask=mask).logits; "
+                    "loss = dpopt.losses.per_example_lm_loss(logits, labels).mean()  (PrivacyEngine, "
+                    "loss_reduction='mean'; .sum() for 'sum'), or loss_fn=dpopt.losses.per_example_lm_loss in "
+                    "dpopt's own loop")
+
+
+def is_hf(module: nn.Module) -> bool:
+    """True for a module whose class comes from ``transformers`` or ``peft``."""
+    return type(module).__module__.split(".")[0] in ("transformers", "peft")
+
+
+def refuse_batch_loss(module: nn.Module, kwargs: dict) -> None:
+    """Raise if a transformers/peft model is asked for its built-in batch-token-mean loss.
+
+    Raises:
+        ValueError: ``labels`` or ``num_items_in_batch`` given (not None).
+    """
+    given = [k for k in ("labels", "num_items_in_batch") if kwargs.get(k) is not None]
+    if given and is_hf(module):
+        raise ValueError(f"{type(module).__name__} was called with {given}: its built-in .loss averages over all "
+                         "tokens of the batch (num_items_in_batch: of the accumulated batch), so each example's "
+                         "gradient depends on the other examples' lengths and per-example clipping would not bound "
+                         f"the sensitivity. Compute the loss per example instead: {PER_EXAMPLE_FORM}")
+
+
+def refuse_checkpointing(model: nn.Module) -> None:
+    """Raise if any submodule of ``model`` has Hugging Face gradient checkpointing enabled.
+
+    Raises:
+        ValueError: naming the module and the fix.
+    """
+    for name, m in model.named_modules():
+        flag = ("is_activation_checkpointing" if hasattr(type(m), "is_activation_checkpointing")
+                else "is_gradient_checkpointing")  # transformers >= 5 renamed it
+        if getattr(m, flag, False) is True:
+            raise ValueError(f"gradient checkpointing is enabled on {name or '<root>'!r} ({type(m).__name__}): it "
+                             "re-runs layer forwards inside the backward pass, which the per-sample capture would "
+                             "record twice (or not at all). Call model.gradient_checkpointing_disable() (use a "
+                             "smaller physical batch size to save memory instead)")
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (a forward recomputed by activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
