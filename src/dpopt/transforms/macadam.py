@@ -15,6 +15,19 @@ geometry ``(shift, scale) = (m̂_{t−1}, b_{t−1})`` that this transform feeds
     21  ŝ_t = clamp(s_t/κ_t − Φ_t, h1, h2),  Φ_t = b_{t−1}²σ²/B̄² (the release's noise_std²)
     22  b_t = ŝ_t^{1/4} · (Σ_j ŝ_{t,j}^{1/2})^{1/2}    (sum over ALL coordinates)
 
+Option ``center_shrinkage`` (dpopt's, not the paper's; docs/results/macadam-high-noise): the clip centre
+fed back is λ_t⊙m̂_t instead of m̂_t, with the positive-part James–Stein gain per coordinate
+
+    λ_t = clamp(1 − V_t/m̂_t², 0, 1),   V_t = N_t/(1−β1^t)²,
+    N_t = (β1 + (1−β1)·λ_{t−1}/(1−β1^{t−1}))²·N_{t−1} + (1−β1)²·Φ_t,   N_0 = 0,
+
+where N_t is the variance of the DP noise carried by m_t. Since g̃_t = c_{t−1} + b_{t−1}⊙w̃_t re-adds the
+centre c_{t−1}, with the paper's c = m̂ the EMA m_t ≈ m_{t−1} + (1−β1)b⊙w̃_t never forgets its noise (N_t
+grows ∝ t, a random walk that the Adam step then follows); with the shrunk centre the noise that is not
+distinguishable from the signal is not re-added, and m forgets it at rate (1−β1)(1−λ). N_t is computed from
+public σ, B̄ and the released scales only (post-processing: no privacy cost); the recursion treats λ as
+fixed given the past (approximate, since λ itself depends on earlier noise).
+
 Initialisation (line 3): m = v = s = 0, m̂_0 = 0, b_0 = (1/d)·1 with d the
 number of trainable parameters. At t = 1, κ_1 = 0 and s_1 = 0, so the b update
 is skipped (b_1 = b_0); it is also skipped while κ_t ≤ 1e-12 and for the first
@@ -48,9 +61,13 @@ class MacAdam(ShiftScaleFeedback):
         bias_correction: if True, DP-MacAdamBC's update m̂/√max(v̂ − Φ, γ′).
         gamma_prime: γ′ > 0 for the BC update.
         b_warmup_steps: keep b = b_0 for this many steps (≥ 0).
+        center_shrinkage: if True, feed back the noise-aware centre λ⊙m̂ (module docstring) instead
+            of m̂ (False: the paper's Algorithm 1).
 
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v),
-    ``var_ema`` (s), ``center`` (m̂_{t−1}), ``scale`` (b_{t−1}), all param-shaped.
+    ``var_ema`` (s), ``center`` (the clip centre: m̂_{t−1}, or λ⊙m̂_{t−1} with
+    ``center_shrinkage``), ``scale`` (b_{t−1}), all param-shaped; with
+    ``center_shrinkage`` also ``center_noise_var`` (N_{t−1}) and ``center_gain`` (λ_{t−1}).
 
     Raises:
         ValueError: on invalid hyperparameters.
@@ -60,7 +77,7 @@ class MacAdam(ShiftScaleFeedback):
 
     def __init__(self, betas=(0.9, 0.999), gamma: float = 1e-8, h1: float = 1e-9, h2: float = 1e-6,
                  variance_update: str = "paper", bias_correction: bool = False,
-                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0):
+                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0, center_shrinkage: bool = False):
         b1, b2 = (float(b) for b in betas)
         if not (0.0 < b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must satisfy 0 < β1 < 1, 0 ≤ β2 < 1, got {betas}")
@@ -77,10 +94,14 @@ class MacAdam(ShiftScaleFeedback):
         self.variance_update = variance_update
         self.bias_correction, self.gamma_prime = bool(bias_correction), float(gamma_prime)
         self.b_warmup_steps = int(b_warmup_steps)
+        self.center_shrinkage = bool(center_shrinkage)
 
     def init(self, param):
         z = lambda: torch.zeros_like(param)  # noqa: E731
-        return {"step": 0, "exp_avg": z(), "exp_avg_sq": z(), "var_ema": z(), "center": z(), "scale": None}
+        state = {"step": 0, "exp_avg": z(), "exp_avg_sq": z(), "var_ema": z(), "center": z(), "scale": None}
+        if self.center_shrinkage:
+            state.update(center_noise_var=z(), center_gain=z())
+        return state
 
     def kappa(self, t: int) -> float:
         """κ_t = 2(β1 − β1^t)/(1+β1) (line 20; Appendix A of the paper)."""
@@ -97,11 +118,15 @@ class MacAdam(ShiftScaleFeedback):
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         for g, st, std in zip(updates, states, ctx.noise_std):
             st["step"] = t
-            m_prev_hat = st["center"]
+            phi = std * std  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
+            if self.center_shrinkage:
+                m_prev_hat = st["exp_avg"] / (1 - b1 ** (t - 1)) if t > 1 else torch.zeros_like(g)
+                self._track_center_noise(st, phi, t)
+            else:
+                m_prev_hat = st["center"]
             st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)  # line 14
             st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)  # line 15
             m_hat = st["exp_avg"] / bc1  # line 16
-            phi = std * std  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
             if self.bias_correction:  # line 17, AdamBC form
                 denom = (st["exp_avg_sq"] / bc2).sub_(phi).clamp_(min=self.gamma_prime).sqrt_()
             else:  # line 17
@@ -113,10 +138,30 @@ class MacAdam(ShiftScaleFeedback):
             else:
                 u.mul_(g - m_prev_hat)
             st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)  # line 19
-            st["center"] = m_hat
+            st["center"] = self._shrunk_center(st, m_hat, bc1) if self.center_shrinkage else m_hat
             if update_b:  # line 21
                 s_hat.append((st["var_ema"] / kappa).sub_(phi).clamp_(self.h1, self.h2))
         if update_b:  # line 22: b = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2}
             for st, b in zip(states, noise_optimal_scale(s_hat)):
                 st["scale"] = b
         return out
+
+    def _track_center_noise(self, st: dict, phi, t: int) -> None:
+        """N_t = (β1 + (1−β1)λ_{t−1}/(1−β1^{t−1}))²·N_{t−1} + (1−β1)²Φ_t: the DP-noise variance in m_t.
+
+        g̃_t = c_{t−1} + b_{t−1}⊙w̃_t carries the centre's noise λ_{t−1}·(noise of m_{t−1})/(1−β1^{t−1})
+        plus fresh noise of variance Φ_t; m_t = β1 m_{t−1} + (1−β1) g̃_t.
+        """
+        b1 = self.betas[0]
+        n = st["center_noise_var"]
+        if t > 1:
+            a = st["center_gain"].mul(1 - b1).div_(1 - b1 ** (t - 1)).add_(b1)
+            n.mul_(a.square_())
+        n.add_(phi * (1 - b1) ** 2)
+
+    def _shrunk_center(self, st: dict, m_hat, bc1: float):
+        """λ_t⊙m̂_t with λ_t = clamp(1 − V_t/m̂_t², 0, 1), V_t = N_t/(1−β1^t)² (positive-part James–Stein)."""
+        v = st["center_noise_var"] / (bc1 * bc1)
+        gain = (1 - v / m_hat.square().clamp_min(1e-300)).clamp_(0.0, 1.0)
+        st["center_gain"] = gain
+        return gain * m_hat
