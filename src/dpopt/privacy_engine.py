@@ -283,6 +283,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if sigma > 0 and not math.isfinite(priv.sensitivity):
             raise ValueError("noise_multiplier > 0 needs a finite max_grad_norm (the noise std is sigma x C)")
         priv.noise_multiplier = sigma
+        if self._engine is not None:  # the claim dpopt check compares each release with
+            self._engine._claims.setdefault("noise_multiplier_schedule", []).append([len(priv.ledger), sigma])
 
     @property
     def max_grad_norm(self) -> float:
@@ -643,6 +645,8 @@ class PrivacyEngine:
             self._captures.append(capture)
             self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,
                             "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
+            if len(self.ledger):  # a later make_private: its sigma holds from the next release on
+                self._claims["noise_multiplier_schedule"] = [[len(self.ledger), float(noise_multiplier)]]
             if clipping == "adaptive":
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)

@@ -152,3 +152,17 @@ def test_opacus_own_schedulers_drive_dpopt_optimizer():
     entries = engine.ledger.entries
     assert [e.meta["noise_multiplier"] for e in entries] == [1.0] * 4 + [0.5] * 4
     assert [e.meta["noise_std"] for e in entries] == pytest.approx([1.0] * 4 + [0.25] * 4)  # sigma_t * C_t
+
+
+def test_a_noise_schedule_passes_dpopt_check_and_a_release_off_the_schedule_fails_it():
+    from dpopt.accounting.ledger_check import check_ledger
+
+    engine, opt, _ = _epochs(lambda o: StepNoise(o, step_size=1, gamma=0.5), epochs=3)
+    claims = engine.summary(1e-5)
+    assert claims["noise_multiplier_schedule"] == [[0, 1.0], [4, 0.5], [8, 0.25], [12, 0.125]]
+    report = check_ledger(engine.ledger, claims)  # (the fixture's noise is reproducible: noise_source fails)
+    assert report.failures == ["noise_source"], report.format()
+    claims["noise_multiplier_schedule"] = [[0, 1.0], [4, 0.5]]  # the claim says sigma stayed 0.5: releases 8-11 are off it
+    split = check_ledger(engine.ledger, claims)["budget_split"]
+    assert not split.passed and any("4 entries" in line and "0.25" in line for line in split.evidence)
+

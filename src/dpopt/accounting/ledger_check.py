@@ -25,7 +25,8 @@ the four questions of the adaptive-clipping accounting essay (docs/algorithms.md
 (d) ``budget_split`` — does any budget split recompose to the σ claimed?
     From each entry's event: σ_eff = (Σ σᵢ⁻²)^(−1/2) over its Gaussians, which
     must equal the claimed total σ (``noise_multiplier_total`` if present,
-    else ``noise_multiplier``).
+    else ``noise_multiplier``; a ``noise_multiplier_schedule`` ``[[first entry,
+    σ], ...]`` — a noise scheduler's changes — changes the claim from that entry on).
 (e) ``noise_source`` — is the noise secret? The ledger header records how the
     Privatizer's noise and Poisson masks were seeded: ``"secret"`` (OS
     entropy) and ``"secure"`` (CSPRNG) pass; ``"reproducible"`` (seeded from a
@@ -344,6 +345,15 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
     return CheckItem("composition", QUESTIONS["composition"], not problems, tuple(problems + evidence)), facts
 
 
+def _scheduled_sigmas(schedule, sigma_claim: Optional[float], n: int) -> list[Optional[float]]:
+    """The σ claimed for each of ``n`` entries: ``sigma_claim``, changed at the entry indices of a
+    ``noise_multiplier_schedule`` (``[[first entry, σ], ...]``, e.g. Opacus's noise schedulers)."""
+    claimed = [sigma_claim] * n
+    for start, sigma in sorted((int(a), _num(b)) for a, b in (schedule or [])):
+        claimed[max(0, start):] = [sigma] * max(0, n - max(0, start))
+    return claimed
+
+
 def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
                  rtol: float) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
@@ -351,13 +361,14 @@ def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Map
     sigma_claim = _num(claimed.get(key))
     if sigma_claim is None:
         problems.append("summary has no noise_multiplier (or noise_multiplier_total) to compare with")
+    claimed_at = _scheduled_sigmas(claimed.get("noise_multiplier_schedule"), sigma_claim, len(parsed))
     pieces: dict[tuple, int] = {}
-    for p in parsed:
+    for i, p in enumerate(parsed):
         if p.gaussians:
-            tup = tuple(p.gaussians)
+            tup = (tuple(p.gaussians), claimed_at[i])
             pieces[tup] = pieces.get(tup, 0) + 1
     bad = []
-    for tup, n in pieces.items():
+    for (tup, sigma_claim), n in pieces.items():
         sigma_eff = effective_noise_multiplier(tup)
         desc = " ⊕ ".join(f"{s:.6g}" for s in tup)
         line = f"{n} entries release Gaussians σ = {desc} → σ_eff = {sigma_eff:.6g}"
@@ -374,7 +385,7 @@ def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Map
             evidence.append(line + (f" = claimed {key} {sigma_claim:.6g}" if sigma_claim is not None else ""))
     if not pieces:
         problems.append("no Gaussian releases in the ledger to recompose")
-    facts["sigma_eff"] = sorted({effective_noise_multiplier(t) for t in pieces})
+    facts["sigma_eff"] = sorted({effective_noise_multiplier(t) for t, _ in pieces})
     problems += bad
     return CheckItem("budget_split", QUESTIONS["budget_split"], not problems, tuple(problems + evidence)), facts
 
