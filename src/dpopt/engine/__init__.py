@@ -49,7 +49,7 @@ from ..types import EvaluationPoint
 from .check import free_sizes
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
 from .hooks import HookCapture, grad_sample_source
-from . import attention  # noqa: F401,E402 — registers the MultiheadAttention rules
+from . import attention, recurrent  # noqa: F401,E402 — register the MultiheadAttention and LSTM/GRU/RNN rules
 from .inputs import check_inputs
 from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients
 
