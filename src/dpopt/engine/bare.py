@@ -30,7 +30,7 @@ autograd either way.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -84,9 +84,10 @@ def reduce_to(e: Tensor, out_shape, p_shape) -> Tensor:
 class _Tap(TorchFunctionMode):
     """Record the per-example results R of recognised uses of the watched parameters (module docstring)."""
 
-    def __init__(self, module: nn.Module, params: dict, b: int, on_use: Callable):
+    def __init__(self, module: nn.Module, params: dict, b: int, on_use: Callable, on_other: Optional[Callable]):
         super().__init__()
         self.module, self.params, self.b, self.on_use = module, params, int(b), on_use  # id(P) -> (index, P)
+        self.on_other = on_other
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,6 +98,9 @@ class _Tap(TorchFunctionMode):
         i, p = self.params[id(hits[0])]
         if self._recognised(func, args, kwargs, hits, p, out):
             self.on_use(self.module, i, out)
+        elif self.on_other is not None:
+            for t in hits:
+                self.on_other(self.module, self.params[id(t)][0], getattr(func, "__name__", str(func)))
         return out
 
     def _recognised(self, func, args, kwargs, hits, p, out) -> bool:
@@ -110,13 +114,17 @@ class _Tap(TorchFunctionMode):
         return False
 
 
-def tap_bare(owners: dict, batch_size: Callable[[], int], on_use: Callable) -> list:
+def tap_bare(owners: dict, batch_size: Callable[[], int], on_use: Callable,
+             on_other: Optional[Callable] = None) -> list:
     """Hooks that run each owner's ``forward`` under a :class:`_Tap` of its bare parameters; returns the handles.
 
     Args:
         owners: module → {attribute: index} (:func:`bare_candidates`).
         batch_size: ``() -> int``, the batch size of the current pass (≤ 0: nothing is tapped).
         on_use: ``on_use(module, index, R)`` for every recognised use.
+        on_other: ``on_other(module, index, op_name)`` for every other use that
+            produces a tensor requiring gradients (the parameter then needs the
+            per-example path).
 
     The watched tensors are read when the owner's ``forward`` starts (under
     ``functional_call`` they are the substituted ones).
@@ -134,7 +142,7 @@ def tap_bare(owners: dict, batch_size: Callable[[], int], on_use: Callable) -> l
                 t = getattr(module, a)
                 if isinstance(t, Tensor):
                     params[id(t)] = (i, t)
-            mode = _Tap(module, params, b, on_use)
+            mode = _Tap(module, params, b, on_use, on_other)
             modes.append(mode)
             mode.__enter__()
 

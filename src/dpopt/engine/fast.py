@@ -417,7 +417,9 @@ class PerSampleEngine:
                     calls.append(_Call(module, a.clone() if module in self._clone_in else a, o, tag))
 
             handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
-            handles += tap_bare(self.bare, lambda: b, lambda m, i, r: calls.append(_BareCall(m, r, i)))
+            others: dict = {}  # bare parameters used otherwise than recognised: index -> op
+            handles += tap_bare(self.bare, lambda: b, lambda m, i, r: calls.append(_BareCall(m, r, i)),
+                                lambda m, i, op: others.setdefault(i, (m, op)))
             untap = tap_forwards(self.model, tap)
             try:
                 with torch.enable_grad():
@@ -428,6 +430,9 @@ class PerSampleEngine:
                         out = functional_call(self.model, shifted, (x,))
                     if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != b:
                         raise _OutputLayout(tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__)
+                    if others:  # not a recognised broadcast (engine.bare): the per-example path, then redo
+                        self._demote_bare(others)
+                        continue
                     losses = _per_example_losses(self.loss_fn, out, y)
                     retry = False
                     for c in calls:  # a later in-place op changed what we recorded: clone it
@@ -512,6 +517,14 @@ class PerSampleEngine:
                 self.modules[m] = own
             else:
                 del self.modules[m]
+
+    def _demote_bare(self, others: dict) -> None:
+        for i, (m, op) in others.items():
+            warnings.warn(f"parameter {self.names[i]!r} is used by {op} in the forward of "
+                          f"{self._module_names.get(id(m), '?')!r} ({type(m).__name__}); a bare parameter is captured "
+                          "per example only as P.expand(B, ...) or X + P (broadcast over the batch), so it uses the "
+                          "exact per-example torch.func path", RuntimeWarning, stacklevel=5)
+        self._demote(list(others))
 
     def _demote_layers(self, bad: dict) -> None:
         for m, (ins, outs) in bad.items():

@@ -121,6 +121,7 @@ class _Recording:
     def __init__(self):
         self.calls: list[_HookCall] = []
         self.current: Optional[_Pass] = None
+        self.other: set = set()  # bare parameters used otherwise than recognised (engine.bare): their vjp
 
 
 class HookCapture:
@@ -182,9 +183,11 @@ class HookCapture:
         for mod in m.modules():  # transformers/peft models: their batch-token-mean .loss is refused
             if is_hf(mod) and hasattr(mod, "config"):
                 self._handles.append(mod.register_forward_pre_hook(self._hf_pre, with_kwargs=True))
-        for mod in set(self.plan.modules) | set(self.vjp):
+        for mod in set(self.plan.modules) | set(self.vjp) | set(self.plan.bare):
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
-        self._handles += tap_bare(self.plan.bare, self._tap_size, self._bare_use)  # ViT's class token (engine.bare)
+        # ViT's class token (engine.bare); a use not recognised falls back to the vjp of its owner's call
+        self._handles += tap_bare(self.plan.bare, self._tap_size, self._bare_use,
+                                  lambda m, i, op: self._rec.other.add(i))
         # after the layer hooks: the root may itself be a layer, recorded before its pass ends
         self._handles.append(m.register_forward_hook(self._root_post, with_kwargs=True))
         self._untap = tap_forwards(m, self._tap)  # MHA/LSTM/...: their inner linear maps (rules.Rule.forward)
@@ -323,7 +326,7 @@ class HookCapture:
         p = next(iter(passes.values()))
         if self._modes.needed(p.modes) and p.batch_size > 1:  # one example tiled up cannot reveal mixing: wait
             self._verify(p)
-        return self._build(done, p.batch_size, self.loss_reduction)
+        return self._build(done, p.batch_size, self.loss_reduction, rec.other)
 
     def _empty(self) -> FastPerSampleGrads:
         blocks = [DirectBlock(list(range(len(self.params))), [q.new_zeros((0, *q.shape)) for q in self.params])]
@@ -354,7 +357,8 @@ class HookCapture:
                                  "after the layer used it; per-sample gradients would be computed from the "
                                  "modified values. Avoid in-place operations on layer inputs (e.g. inplace=True)")
 
-    def _build(self, calls: list[_HookCall], b: int, reduction: str) -> FastPerSampleGrads:
+    def _build(self, calls: list[_HookCall], b: int, reduction: str, other: frozenset = frozenset()
+               ) -> FastPerSampleGrads:
         if b == 0:
             return self._empty()
         self._check_layout(calls, b)
@@ -363,14 +367,23 @@ class HookCapture:
         def es(c: _HookCall) -> list[Tensor]:  # gradients of the used outputs
             return [c.grads[k] * scale for k in c.used]
 
-        captured = [(c.fast, es(c)[0]) for c in calls if c.fast is not None]
+        # bare parameters with a use the taps do not recognise: the vjp of their owner's call instead
+        bare_vjp = {m: {a: i for a, i in own.items() if i in other} for m, own in self.plan.bare.items()}
+        bare_vjp = {m: own for m, own in bare_vjp.items() if own}
+        captured = [(c.fast, es(c)[0]) for c in calls if c.fast is not None
+                    and not (isinstance(c.fast, _BareCall) and c.fast.index in other)]
         with _no_autocast(self.plan.device):
             blocks = self.plan._blocks(captured, b, Budget(self.plan.chunk_bytes, self.plan.cache_bytes))
-        fallback = sorted({i for own in self.vjp.values() for i in own.values()})  # a tied one: once, uses summed
+        if bare_vjp:  # drop their (zero) tap blocks
+            blocks = [blk for blk in blocks if not (isinstance(blk, DirectBlock) and set(blk.index) <= set(other))]
+        vjps = {**self.vjp, **bare_vjp}
+        fallback = sorted({i for own in vjps.values() for i in own.values()})  # a tied one: once, uses summed
         if fallback:
             grads: dict[int, Tensor] = {i: self.params[i].new_zeros((b, *self.params[i].shape)) for i in fallback}
             for c in calls:
-                own = self.vjp.get(c.module)
+                if isinstance(c.fast, _BareCall):
+                    continue
+                own = vjps.get(c.module) if c.fast is None else self.vjp.get(c.module)
                 if own:
                     for i, g in zip(own.values(), self._vjp(c, own, es(c), b)):
                         grads[i] = grads[i] + g.to(grads[i].dtype)
@@ -475,7 +488,7 @@ class HookCapture:
             rec = self._rec
         finally:
             self._rec = saved
-        src = self._build([c for c in rec.calls if c.has_grad], b, "sum")
+        src = self._build([c for c in rec.calls if c.has_grad], b, "sum", rec.other)
         try:
             with replay.replaying(b):
                 ref = self._loop_reference(args, kwargs, rs, b)
