@@ -290,16 +290,16 @@ def _adaclip(hp: dict, params=None, model=None) -> Transform:
 
 def _macadam(hp: dict, params=None, model=None) -> Transform:
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
-                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"]),
-                 scale_by_lr())
+                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"],
+                         noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
 
 
 def _macadambc(hp: dict, params=None, model=None) -> Transform:
     """DP-MacAdam with the AdamBC update (the noise variance removed from v̂, floor ``gamma_prime``)."""
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
                          bias_correction=True, gamma_prime=hp["gamma_prime"],
-                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"]),
-                 scale_by_lr())
+                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"],
+                         noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
 
 
 def _muon_body(hp: dict, params, scaling: str, model=None) -> Transform:
@@ -376,7 +376,8 @@ def _doppler_muon(hp: dict, params=None, model=None) -> Transform:
 _ADAM = {"betas": (0.9, 0.999), "eps": 1e-8}
 _MACADAM_DATA = {"mnist": {"h1": 1e-9, "h2": 1e-6}, "cifar10": {"h1": 5e-5, "h2": 1.0}}
 _MACADAM = {"betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_update": "paper",
-            "b_warmup_steps": 0, "center_shrinkage": False}  # center_shrinkage: dpopt's option (MacAdam docstring)
+            "b_warmup_steps": 0, "center_shrinkage": False, "noise_subtraction": "last"}
+# center_shrinkage, noise_subtraction: dpopt's options, not the paper's (MacAdam docstring; docs/results/macadam-high-noise)
 _MUON = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz", "other": "adam",
          "other_lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "exclude_first": "conv",
          "exclude_last": True, "label_fn": None}

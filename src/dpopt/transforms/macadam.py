@@ -28,6 +28,15 @@ distinguishable from the signal is not re-added, and m forgets it at rate (1−�
 public σ, B̄ and the released scales only (post-processing: no privacy cost); the recursion treats λ as
 fixed given the past (approximate, since λ itself depends on earlier noise).
 
+Option ``noise_subtraction`` (dpopt's; docs/results/macadam-high-noise): ``"last"`` (the paper's line 21)
+subtracts Φ_t = b_{t−1}²σ²/B̄², the noise variance of the LAST release only, from s_t/κ_t, an EMA over
+the releases of about 1/(1−β1) steps made with earlier scales; the paper's derivation assumes b constant.
+``"ema"`` subtracts the same EMA of the releases' noise variances, Φ̄_t = q_t/(1−β1^t) with
+q_t = β1 q_{t−1} + (1−β1)Φ_t (equal to Φ_t while b is constant), and, for the AdamBC update, the β2 EMA
+Φ̄₂_t = q₂_t/(1−β2^t) from v̂_t. With "last" and dσ²/B̄² ≫ 1 (MNIST MLP, B̄ = 256, σ = 2: 48.5) a large
+b_{t−1} makes every ŝ_t negative (→ h1, small b_t) and a small one makes them all large (→ h2): b flips
+between the two clamps every step; "ema" responds to the last release with weight 1−β1, like s itself.
+
 Initialisation (line 3): m = v = s = 0, m̂_0 = 0, b_0 = (1/d)·1 with d the
 number of trainable parameters. At t = 1, κ_1 = 0 and s_1 = 0, so the b update
 is skipped (b_1 = b_0); it is also skipped while κ_t ≤ 1e-12 and for the first
@@ -43,9 +52,10 @@ import torch
 from .base import StepContext
 from .geometry import ShiftScaleFeedback, noise_optimal_scale
 
-__all__ = ["MacAdam", "VARIANCE_UPDATES"]
+__all__ = ["MacAdam", "VARIANCE_UPDATES", "NOISE_SUBTRACTIONS"]
 
 VARIANCE_UPDATES = ("paper", "unbiased")
+NOISE_SUBTRACTIONS = ("last", "ema")
 KAPPA_FLOOR = 1e-12
 
 
@@ -63,11 +73,14 @@ class MacAdam(ShiftScaleFeedback):
         b_warmup_steps: keep b = b_0 for this many steps (≥ 0).
         center_shrinkage: if True, feed back the noise-aware centre λ⊙m̂ (module docstring) instead
             of m̂ (False: the paper's Algorithm 1).
+        noise_subtraction: ``"last"`` (the paper's Φ_t) or ``"ema"`` (the EMA of the releases'
+            noise variances; module docstring).
 
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v),
     ``var_ema`` (s), ``center`` (the clip centre: m̂_{t−1}, or λ⊙m̂_{t−1} with
     ``center_shrinkage``), ``scale`` (b_{t−1}), all param-shaped; with
-    ``center_shrinkage`` also ``center_noise_var`` (N_{t−1}) and ``center_gain`` (λ_{t−1}).
+    ``center_shrinkage`` also ``center_noise_var`` (N_{t−1}) and ``center_gain`` (λ_{t−1}); with
+    ``noise_subtraction="ema"`` also ``noise_var_ema`` (q) and ``noise_var_ema_sq`` (q₂).
 
     Raises:
         ValueError: on invalid hyperparameters.
@@ -77,7 +90,8 @@ class MacAdam(ShiftScaleFeedback):
 
     def __init__(self, betas=(0.9, 0.999), gamma: float = 1e-8, h1: float = 1e-9, h2: float = 1e-6,
                  variance_update: str = "paper", bias_correction: bool = False,
-                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0, center_shrinkage: bool = False):
+                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0, center_shrinkage: bool = False,
+                 noise_subtraction: str = "last"):
         b1, b2 = (float(b) for b in betas)
         if not (0.0 < b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must satisfy 0 < β1 < 1, 0 ≤ β2 < 1, got {betas}")
@@ -87,6 +101,8 @@ class MacAdam(ShiftScaleFeedback):
             raise ValueError(f"variance_update must be one of {VARIANCE_UPDATES}, got {variance_update!r}")
         if not gamma > 0 or not gamma_prime > 0:
             raise ValueError("gamma and gamma_prime must be > 0")
+        if noise_subtraction not in NOISE_SUBTRACTIONS:
+            raise ValueError(f"noise_subtraction must be one of {NOISE_SUBTRACTIONS}, got {noise_subtraction!r}")
         if int(b_warmup_steps) < 0:
             raise ValueError("b_warmup_steps must be >= 0")
         self.betas, self.gamma = (b1, b2), float(gamma)
@@ -95,12 +111,15 @@ class MacAdam(ShiftScaleFeedback):
         self.bias_correction, self.gamma_prime = bool(bias_correction), float(gamma_prime)
         self.b_warmup_steps = int(b_warmup_steps)
         self.center_shrinkage = bool(center_shrinkage)
+        self.noise_subtraction = noise_subtraction
 
     def init(self, param):
         z = lambda: torch.zeros_like(param)  # noqa: E731
         state = {"step": 0, "exp_avg": z(), "exp_avg_sq": z(), "var_ema": z(), "center": z(), "scale": None}
         if self.center_shrinkage:
             state.update(center_noise_var=z(), center_gain=z())
+        if self.noise_subtraction == "ema":
+            state.update(noise_var_ema=z(), noise_var_ema_sq=z())
         return state
 
     def kappa(self, t: int) -> float:
@@ -124,11 +143,16 @@ class MacAdam(ShiftScaleFeedback):
                 self._track_center_noise(st, phi, t)
             else:
                 m_prev_hat = st["center"]
+            phi_v = phi  # the noise variance subtracted from v̂ (AdamBC form)
+            if self.noise_subtraction == "ema":  # the noise variances averaged as s and v average the releases
+                st["noise_var_ema"].mul_(b1).add_(phi, alpha=1 - b1)
+                st["noise_var_ema_sq"].mul_(b2).add_(phi, alpha=1 - b2)
+                phi, phi_v = st["noise_var_ema"] / bc1, st["noise_var_ema_sq"] / bc2
             st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)  # line 14
             st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)  # line 15
             m_hat = st["exp_avg"] / bc1  # line 16
             if self.bias_correction:  # line 17, AdamBC form
-                denom = (st["exp_avg_sq"] / bc2).sub_(phi).clamp_(min=self.gamma_prime).sqrt_()
+                denom = (st["exp_avg_sq"] / bc2).sub_(phi_v).clamp_(min=self.gamma_prime).sqrt_()
             else:  # line 17
                 denom = (st["exp_avg_sq"] / bc2).sqrt_().add_(self.gamma)
             out.append(torch.div(m_hat, denom, out=denom))
