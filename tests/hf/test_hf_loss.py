@@ -1,0 +1,82 @@
+"""What HF does behind the user's back: its batch-token-mean .loss and gradient checkpointing are refused.
+
+``model(..., labels=...).loss`` weighs each example by the other examples'
+lengths (the sensitivity bound would not hold); ``num_items_in_batch``
+divides by an accumulated token count; gradient checkpointing re-runs layer
+forwards inside backward. PrivacyEngine refuses each with the fix; the
+per-example form (dpopt.losses.per_example_lm_loss) is what trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("transformers")
+
+import dpopt  # noqa: E402
+from dpopt.engine import iter_per_sample_sources  # noqa: E402
+from dpopt.engine.hooks import HookCapture  # noqa: E402
+
+from hf_zoo import make, trainable  # noqa: E402
+
+
+def test_hf_batch_token_mean_loss_differs_from_the_mean_of_per_example_losses():
+    """Why it is refused: with examples of different lengths HF's .loss is not (1/B) Σ ℓ_i."""
+    model, x, y, _, batch_loss = make("gpt2")
+    model.eval()
+    with torch.no_grad():
+        hf_loss = model.hf(input_ids=x, labels=y).loss
+        ours = batch_loss(model(x), y)
+    assert abs(float(hf_loss) - float(ours)) > 1e-4  # example 0 has 2 fewer valid tokens
+
+
+@pytest.mark.parametrize("kwargs", [{"labels": True}, {"num_items_in_batch": 7}])
+def test_privacy_engine_refuses_the_hf_loss_with_the_per_example_form(kwargs):
+    model, x, y, _, _ = make("gpt2")
+    cap = HookCapture(model, "mean")
+    try:
+        extra = {k: (y if v is True else torch.tensor(v)) for k, v in kwargs.items()}
+        with pytest.raises(ValueError, match=r"per_example_lm_loss\(logits, labels\)\.mean\(\)"):
+            model.hf(input_ids=x, **extra)
+    finally:
+        cap.detach()
+    model.hf(input_ids=x, labels=y)  # detached: the model is as it was given
+
+
+def test_the_per_example_form_trains_through_privacy_engine():
+    model, x, y, _, batch_loss = make("gpt2")
+    engine = dpopt.PrivacyEngine()
+    opt = torch.optim.SGD(trainable(model), lr=0.1)
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                        batch_size=len(y)), noise_multiplier=1.0, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in trainable(model)]
+    try:
+        opt.zero_grad()
+        batch_loss(model(x), y).backward()
+        opt.step()
+    finally:
+        engine.detach()
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainable(model)))
+    assert len(engine.ledger) == 1
+
+
+def test_gradient_checkpointing_is_refused_by_both_doors():
+    model, x, y, loss_fn, _ = make("gpt2")
+    model.hf.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        HookCapture(model, "mean")
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        next(iter(iter_per_sample_sources(model, loss_fn, x, y)))
+
+
+def test_gradient_checkpointing_enabled_after_make_private_is_refused_at_the_forward():
+    model, x, y, _, batch_loss = make("gpt2")
+    cap = HookCapture(model, "mean")
+    try:
+        model.hf.gradient_checkpointing_enable()
+        with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+            batch_loss(model(x), y).backward()
+    finally:
+        cap.detach()
