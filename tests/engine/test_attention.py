@@ -323,3 +323,26 @@ def test_unbatched_attention_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="unbatched 2-D query.*batched inputs"):
         next(iter(iter_per_sample_sources(model, ce, x, y)))
     assert "forward" not in model.mha.__dict__
+
+
+def test_checkpointed_attention_is_refused_by_both_doors():
+    """torch.utils.checkpoint recomputes the block in the backward pass: its taps would be recorded twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha, self.head = nn.MultiheadAttention(E, 2, batch_first=True), nn.Linear(E, K)
+
+        def forward(self, x):
+            return self.head(checkpoint(lambda h: self.mha(h, h, h)[0], x, use_reentrant=False).mean(1))
+
+    x, y = _data()
+    model = Ckpt().train()
+    with pytest.raises(ValueError, match="inside the backward pass"):
+        next(iter(iter_per_sample_sources(model, ce, x, y)))
+    model = Ckpt().train()
+    cap = HookCapture(model, loss_reduction="sum")
+    with pytest.raises(ValueError, match="inside the backward pass"):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    cap.detach()

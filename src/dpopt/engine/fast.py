@@ -413,6 +413,9 @@ class PerSampleEngine:
                 return out.clone() if module in self._clone_out else out
 
             def tap(module, a, o, tag):  # a linear map inside a tapped layer (rules.Rule.forward)
+                if in_backward():
+                    raise ValueError(f"layer {self._module_names.get(id(module), '?')!r} ran inside the backward "
+                                     "pass (activation checkpointing recomputes forwards there); disable it")
                 if module in self.modules:
                     calls.append(_Call(module, a.clone() if module in self._clone_in else a, o, tag))
 

@@ -238,6 +238,10 @@ class HookCapture:
         """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
         if not self._recording or module not in self.plan.modules or not o.requires_grad:
             return
+        if in_backward():
+            raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) ran inside the "
+                             "backward pass (activation/gradient checkpointing recomputes forwards there), which the "
+                             "per-sample capture would record twice; disable checkpointing and use a smaller batch")
         call = _HookCall(module, (a,), {}, [o], _Call(module, a, o, tag), self._rec.current)
         o.register_hook(partial(call.store, 0))
         self._rec.calls.append(call)
