@@ -80,3 +80,17 @@ def test_gradient_checkpointing_enabled_after_make_private_is_refused_at_the_for
             batch_loss(model(x), y).backward()
     finally:
         cap.detach()
+
+
+def test_hf_rules_are_registered_again_after_the_registry_was_restored():
+    from transformers.pytorch_utils import Conv1D
+
+    from dpopt.engine.rules import RULES, rule_for
+
+    saved = dict(RULES)
+    try:
+        RULES.pop(Conv1D, None)
+        assert rule_for(Conv1D(4, 3)) is not None and Conv1D in RULES
+    finally:
+        RULES.clear()
+        RULES.update(saved)

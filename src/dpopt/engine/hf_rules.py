@@ -27,28 +27,22 @@ import inspect
 from .layers import DirectBlock, FactoredBlock, LinearPart, rms_norm_grads
 from .rules import RULES, LayerCalls, register_rule
 
-__all__ = ["HF_RMS_NORMS"]
-
-try:  # pragma: no branch
-    from transformers.pytorch_utils import Conv1D
-except Exception:  # noqa: BLE001 — a transformers without Conv1D: nothing to register
-    Conv1D = None
-
-if Conv1D is not None and Conv1D not in RULES:
-    @register_rule(Conv1D)
-    def _conv1d(layer: LayerCalls) -> list:
-        b, blocks = layer.batch_size, []
-        if "weight" in layer.index:  # W [nx, nf]: g_i = Σ_t a_it e_itᵀ = LinearPart with a and e swapped
-            blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
-                                        [LinearPart(e, a) for a, e in layer.calls], layer.budget, b))
-        if "bias" in layer.index:
-            blocks.append(DirectBlock([layer.index["bias"]],
-                                      [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls)]))
-        return blocks
+__all__ = ["HF_RMS_NORMS", "register"]
 
 HF_RMS_NORMS = ("llama.modeling_llama.LlamaRMSNorm", "mistral.modeling_mistral.MistralRMSNorm",
                 "qwen2.modeling_qwen2.Qwen2RMSNorm")
 """RMSNorm classes given the rule if their ``forward`` is LlamaRMSNorm's code."""
+
+
+def _conv1d(layer: LayerCalls) -> list:
+    b, blocks = layer.batch_size, []
+    if "weight" in layer.index:  # W [nx, nf]: g_i = Σ_t a_it e_itᵀ = LinearPart with a and e swapped
+        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
+                                    [LinearPart(e, a) for a, e in layer.calls], layer.budget, b))
+    if "bias" in layer.index:
+        blocks.append(DirectBlock([layer.index["bias"]],
+                                  [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls)]))
+    return blocks
 
 
 def _rms(layer: LayerCalls) -> list:
@@ -75,10 +69,30 @@ def _source(cls) -> str:
         return ""
 
 
-_LLAMA = _load(HF_RMS_NORMS[0])
-if _LLAMA is not None:
-    _code = _source(_LLAMA)
-    for _path in HF_RMS_NORMS:
-        _cls = _load(_path)
-        if _cls is not None and _cls not in RULES and _code and _source(_cls) == _code:
-            register_rule(_cls, supports=lambda m: hasattr(m, "variance_epsilon"))(_rms)
+_TYPES: list = []  # (class, rule fn, supports) found once per process
+
+
+def _types() -> list:
+    if not _TYPES:
+        try:
+            from transformers.pytorch_utils import Conv1D
+            _TYPES.append((Conv1D, _conv1d, None))
+        except Exception:  # noqa: BLE001 — a transformers without Conv1D
+            pass
+        llama = _load(HF_RMS_NORMS[0])
+        code = _source(llama) if llama is not None else ""
+        for path in HF_RMS_NORMS:
+            cls = _load(path)
+            if cls is not None and code and _source(cls) == code:
+                _TYPES.append((cls, _rms, lambda m: hasattr(m, "variance_epsilon")))
+    return _TYPES
+
+
+def register() -> None:
+    """Register the rules above that are not registered yet (idempotent)."""
+    for cls, fn, supports in _types():
+        if cls not in RULES:
+            register_rule(cls, supports=supports)(fn)
+
+
+register()

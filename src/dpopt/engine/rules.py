@@ -177,9 +177,6 @@ def tap_forwards(model: nn.Module, record: Callable) -> Callable[[], None]:
     return undo
 
 
-_HF_LOADED = False
-
-
 def rule_for(module: nn.Module) -> Optional[Rule]:
     """The rule of ``module``'s exact type if it supports this instance, else None (reference path).
 
@@ -187,11 +184,10 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
     ``Conv1D``, ``LlamaRMSNorm``, ...) are registered the first time a module of
     that package is seen, so that dpopt never imports ``transformers`` itself.
     """
-    global _HF_LOADED
     t = type(module)
-    if not _HF_LOADED and t not in RULES and t.__module__.startswith("transformers."):
-        _HF_LOADED = True
-        from . import hf_rules  # noqa: F401 — registers its rules
+    if t not in RULES and t.__module__.startswith("transformers."):
+        from . import hf_rules
+        hf_rules.register()  # idempotent (a registry restored by a test loses them)
     rule = RULES.get(t)
     return rule if rule is not None and rule.supports(module) else None
 
