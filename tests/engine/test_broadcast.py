@@ -140,3 +140,22 @@ def test_position_ids_of_one_example_are_not_expanded():
     n = src.num_params
     torch.testing.assert_close(src.sq_norms(ClipGeometry(), [0] * n, 1),
                                norms_equal_one.sq_norms(ClipGeometry(), [0] * n, 1), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls", [PosIds, ViTish])
+def test_broadcast_patterns_at_several_evaluation_points(cls):
+    """DiSK points: under functional_call the taps watch the substituted parameters θ + offset."""
+    from dpopt.types import EvaluationPoint
+
+    model = model_of(cls)
+    x, y = batch()
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(5)
+    pts = [EvaluationPoint(0.7),
+           EvaluationPoint(-0.3, tuple(0.1 * torch.randn(p.shape, generator=g, dtype=DT) for p in params))]
+    eng = PerSampleEngine(model, ce)
+    src, ref = eng.compute(x, y, pts), per_sample_gradients(model, ce, x, y, pts)
+    assert eng.fallback_names == []
+    n = len(params)
+    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
+                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)
