@@ -36,7 +36,7 @@ def _run_dir(tmp_path):
     ledger.save(run / "ledger.json")
     (run / "summary.json").write_text(json.dumps({
         "epsilon": epsilon(ledger, 1e-5, "rdp"), "delta": 1e-5, "accountant": "rdp", "noise_multiplier": 1.0,
-        "sample_rate": 0.01, "steps": 3, "run_id": ledger.run_id}))
+        "sample_rate": 0.01, "steps": 3, "ledger_run_id": ledger.run_id}))
     return run
 
 

@@ -24,7 +24,7 @@ RELEASED = {"test_accuracy", "test_loss", "wall_seconds", "run_dir", "out", "fin
             # validation_fraction > 0: the released model on held-out training records, which get no protection
             "val_accuracy", "val_loss",
             # random per run (OS entropy), nothing about the data: the ledger header's run id, the segment ids
-            "run_id", "segments"}
+            "run_id", "ledger_run_id", "segments"}
 # Every key the summary / --json line may carry: public config, released values, accountant output.
 PUBLIC_SUMMARY = RELEASED | {
     "method", "dataset", "model", "epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipping",

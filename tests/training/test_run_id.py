@@ -33,23 +33,23 @@ def _interrupted(out, at=4):
 def test_run_id_in_summary_and_ledger_and_kept_by_resume(tmp_path):
     out = tmp_path / "r"
     first = _interrupted(out)
-    run_id = first["run_id"]
+    run_id = first["ledger_run_id"]
     assert len(run_id) == 32 and int(run_id, 16) >= 0
-    assert json.loads((out / "summary.json").read_text())["run_id"] == run_id
+    assert json.loads((out / "summary.json").read_text())["ledger_run_id"] == run_id
     assert PrivacyLedger.load(out).run_id == run_id
     assert torch.load(out / "checkpoint.pt", weights_only=False)["run_id"] == run_id
     done = resume(out)
-    assert done["run_id"] == run_id and PrivacyLedger.load(out).run_id == run_id
-    assert json.loads((out / "summary.json").read_text())["run_id"] == run_id and check_run(out).passed
+    assert done["ledger_run_id"] == run_id and PrivacyLedger.load(out).run_id == run_id
+    assert json.loads((out / "summary.json").read_text())["ledger_run_id"] == run_id and check_run(out).passed
     other = train(TrainConfig(method="dp-sgd", epochs=0.1, accountant="rdp", out=str(tmp_path / "o")))
-    assert other["run_id"] != run_id  # a new run, a new id
+    assert other["ledger_run_id"] != run_id  # a new run, a new id
 
 
 def test_summary_of_another_run_fails_the_check(tmp_path):
     out = tmp_path / "r"
     train(TrainConfig(method="dp-sgd", epochs=0.1, accountant="rdp", out=str(out)))
     summary = json.loads((out / "summary.json").read_text())
-    (out / "summary.json").write_text(json.dumps(dict(summary, run_id="0" * 32)))
+    (out / "summary.json").write_text(json.dumps(dict(summary, ledger_run_id="0" * 32)))
     result = check_run(out)
     assert result.failures == ["composition"]
     assert any("different runs" in e for e in result["composition"].evidence)
@@ -97,11 +97,11 @@ def test_copied_run_directory_resumed_twice_fails_check_of_both(tmp_path):
     _interrupted(a, at=4)
     shutil.copytree(a, b)
     sa, sb = resume(a), resume(b)
-    assert sa["run_id"] == sb["run_id"]
+    assert sa["ledger_run_id"] == sb["ledger_run_id"]
     assert check_run(a).passed and check_run(b).passed
     res = runner.invoke(app, ["check", str(a), str(b)])
     assert res.exit_code == 1, res.output
-    assert f"share run id {sa['run_id']} and DIVERGE after 4 shared releases" in res.output
+    assert f"share run id {sa['ledger_run_id']} and DIVERGE after 4 shared releases" in res.output
     js = runner.invoke(app, ["check", str(a), str(b), "--json"])
     doc = json.loads(js.stdout)
     assert js.exit_code == 1 and doc["passed"] is False

@@ -26,7 +26,7 @@ OLD_SUMMARY_KEYS = {
     "method", "dataset", "model", "test_accuracy", "test_loss", "epsilon", "delta", "noise_multiplier",
     "max_grad_norm", "clipping", "sample_rate", "expected_batch_size", "steps", "epochs", "lr", "accountant", "seed",
     "num_parameters", "noise", "dataset_size", "privatizer_reads", "privatizer_releases", "wall_seconds", "run_dir",
-    "check", "run_id", "segments"}
+    "check", "ledger_run_id", "segments"}
 OLD_ROW_KEYS = {"epoch", "step", "test_accuracy", "test_loss", "epsilon"}
 
 
@@ -139,7 +139,7 @@ def test_fraction_zero_reproduces_the_run_without_the_option(tmp_path):
         b = train(TrainConfig(out=str(tmp_path / "b"), validation_fraction=0.0, **kw))
     assert set(a) == set(b) == OLD_SUMMARY_KEYS
     assert a["sample_rate"] == 64 / N_DIGITS
-    for key in OLD_SUMMARY_KEYS - {"wall_seconds", "run_dir", "run_id", "segments"}:  # ids: random per run
+    for key in OLD_SUMMARY_KEYS - {"wall_seconds", "run_dir", "ledger_run_id", "segments"}:  # ids: random per run
         assert a[key] == b[key], key
     la, lb = (json.loads((tmp_path / n / "ledger.json").read_text()) for n in ("a", "b"))
     assert la.pop("run_id") != lb.pop("run_id") and la == lb

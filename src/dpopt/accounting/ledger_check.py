@@ -297,9 +297,9 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
 def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
                        rtol: float) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
-    run_id, claimed_id = getattr(ledger, "run_id", None), claimed.get("run_id")
+    run_id, claimed_id = getattr(ledger, "run_id", None), claimed.get("ledger_run_id")
     if run_id is not None and claimed_id is not None and claimed_id != run_id:
-        problems.append(f"summary run_id {claimed_id} is not the ledger's run_id {run_id}: the summary and the "
+        problems.append(f"summary ledger_run_id {claimed_id} is not the ledger's run_id {run_id}: the summary and the "
                         "ledger are files of different runs")
     accountant = str(claimed.get("accountant", "")).lower()
     delta, eps_claim = _num(claimed.get("delta")), claimed.get("epsilon")

@@ -185,7 +185,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     the checkpoint are trained again and charged again. A checkpoint whose
     run id (``checkpoint.pt`` ``run_id``) is not the journal's is refused.
 
-    The run id (the ledger header's, also in ``summary.json``) is made once per
+    The run id (the ledger header's, ``ledger_run_id`` in ``summary.json``) is made once per
     run: a copied run directory keeps it, and each copy resumed continues its
     own ledger — ``dpopt check COPY_A COPY_B`` reports the shared id and, when
     both were trained further, fails them with the ε of both branches together.

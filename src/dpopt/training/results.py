@@ -191,7 +191,9 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     if epsilon is not None:
         eps = epsilon
     summary: dict[str, Any] = {
-        "run_id": ledger.run_id,  # the ledger header's (random, made once per run; copies of a run share it)
+        # the ledger header's run_id (random, made once per run; copies of a run share it). Not "run_id":
+        # a sweep's results.jsonl record is this summary plus the sweep's own "run_id" (its grid point)
+        "ledger_run_id": ledger.run_id,
         "method": cfg.method, "dataset": cfg.dataset, "model": run.model_name,
         "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
         "noise_multiplier": run.noise_multiplier, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
