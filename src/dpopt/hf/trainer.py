@@ -1,0 +1,400 @@
+"""``DPTrainer``: a ``transformers.Trainer`` whose training loop is DP-SGD (or any dpopt method), through PrivacyEngine.
+
+::
+
+    from dpopt.hf import DPTrainer
+    trainer = DPTrainer(model=model, args=TrainingArguments("out", per_device_train_batch_size=8,
+                                                            gradient_accumulation_steps=4, max_steps=100),
+                        train_dataset=train, data_collator=collator,
+                        noise_multiplier=1.0, max_grad_norm=1.0)       # or target_epsilon=8.0
+    trainer.train()
+    trainer.get_epsilon(1e-5)
+
+What the subclass changes (DESIGN.md, "the privacy boundary"):
+
+* **Batches.** The train loader is a Poisson sampler at q = 1/ceil(N/B̄)
+  (= B̄/N when B̄ divides N; Opacus's convention), B̄ =
+  ``per_device_train_batch_size × gradient_accumulation_steps × world_size``,
+  built by :meth:`dpopt.PrivacyEngine.make_private` and NOT prepared by
+  accelerate (its re-sharding would replace the sampler). Each Poisson batch
+  — of varying size — is one optimizer step: it is cut into physical chunks
+  of at most ``per_device_train_batch_size`` examples (the rule of
+  :class:`~dpopt.utils.batch_memory_manager.BatchMemoryManager`) and the
+  chunks go through the PrivateOptimizer's skip-step protocol, so a logical
+  batch is ONE release (one ledger entry, noise once). The Trainer's own
+  accumulation is set to 1 in a copy of ``args``; ``gradient_accumulation_steps``
+  only sets B̄ and the chunking. ``ignore_data_skip`` is set: a resumed run
+  draws fresh Poisson batches for its remaining steps.
+* **Loss.** :func:`dpopt.hf.loss.per_example_loss`: the model is run
+  without ``labels`` and each example's loss is computed from the logits
+  (token-level LM losses averaged over the example's own tokens);
+  ``num_items_in_batch`` is never used. The chunk's loss is the sum of its
+  per-example losses (``loss_reduction="sum"``).
+* **Clipping and noise.** ``TrainingArguments.max_grad_norm`` is set to 0
+  (the Trainer's aggregate clipping would read the released gradient only,
+  but it is not the DP bound and would change the update); the per-example
+  bound is ``max_grad_norm`` of this class.
+* **Logs.** Only ``learning_rate``, ``epoch``, ``epsilon`` (and ``delta``)
+  and the speed metrics of training are logged (``loss``, ``grad_norm``,
+  ``train_loss``, ``total_flos`` of the private batches are not; FLOPs are
+  not counted: they depend on the realised batch sizes); evaluation metrics
+  only with ``eval_is_public=True``. ``train()`` returns ``training_loss = nan``.
+* **State.** Every checkpoint's ``optimizer.pt`` carries the ledger
+  (PrivateOptimizer.state_dict); ``privacy_ledger.json`` and
+  ``privacy_summary.json`` (``dpopt check`` reads them) are written beside;
+  an append-only journal ``ledger-<run_id>.jsonl`` in ``output_dir`` (not in
+  a checkpoint directory: ``save_total_limit`` never deletes it) holds every
+  release, so ``resume_from_checkpoint`` — even of an older checkpoint —
+  restores the whole ledger. A checkpoint without an optimizer state is refused.
+* **The model is never wrapped**: hooks are attached to it
+  (``generate()``, ``save_pretrained()``, PEFT's ``merge_and_unload()``
+  work during and after training).
+
+Refused, each with a message: fp16/bf16 (a GradScaler's skip-on-inf reads
+private gradients; autocast is not verified with the per-sample engine),
+deepspeed, fsdp, ``torch_compile``, gradient/activation checkpointing (the
+per-sample engine refuses it), length-grouped sampling, counting input
+tokens (a count of the private batches), ``auto_find_batch_size`` (it
+re-runs steps), a label smoother, ``compute_loss_func``, world size > 1,
+and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
+``eval_is_public=True`` (the selection reads the evaluation set, uncharged).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import TrainOutput
+
+from .. import jsonio
+from ..accounting.accountant import dpsgd_epsilon
+from ..accounting.calibration import calibrate_noise_multiplier
+from ..privacy_engine import PrivacyEngine
+from .batches import batch_size, split_batch, stand_in
+from .loss import per_example_loss
+
+__all__ = ["DPTrainer", "LOGGED", "LEDGER_FILE", "SUMMARY_FILE"]
+
+LOGGED = ("learning_rate", "epoch", "epsilon", "delta", "train_runtime", "train_samples_per_second",
+          "train_steps_per_second")
+LEDGER_FILE = "privacy_ledger.json"
+SUMMARY_FILE = "privacy_summary.json"
+
+
+def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> list[str]:
+    """Why ``args`` / Trainer keywords cannot be honoured privately (empty when they can)."""
+    out = []
+    if args.fp16 or args.bf16:
+        out.append("fp16/bf16: a GradScaler's skip-on-inf decision reads the private gradients, and autocast is "
+                   "not verified with the per-sample engine; train in float32 (or cast the model yourself)")
+    if args.deepspeed:
+        out.append("deepspeed: it shards and reduces un-clipped gradients; use one process")
+    if args.fsdp:
+        out.append("fsdp: it reduces un-clipped gradients; use one process (see docs/fsdp.md for PrivacyEngine)")
+    if args.torch_compile:
+        out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        out.append("gradient/activation checkpointing: the per-sample engine refuses recomputed forwards; set "
+                   "it False")
+    if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
+        out.append("length-grouped sampling: the batches must be Poisson samples; keep "
+                   "train_sampling_strategy='random' (DPTrainer replaces the sampler)")
+    tokens = getattr(args, "include_num_input_tokens_seen", "no")
+    if tokens not in ("no", False, None) or getattr(args, "include_tokens_per_second", False):
+        out.append("include_num_input_tokens_seen / include_tokens_per_second: the token count of private "
+                   "batches would be logged; switch them off")
+    if args.auto_find_batch_size:
+        out.append("auto_find_batch_size: a retry re-runs steps (releases) and changes the batch size; set the "
+                   "batch size yourself")
+    if args.label_smoothing_factor:
+        out.append("label_smoothing_factor: DPTrainer computes the per-example loss itself; pass "
+                   "per_example_loss=fn(outputs, labels) -> [B] with the smoothing")
+    if kwargs.get("compute_loss_func") is not None:
+        out.append("compute_loss_func: it receives num_items_in_batch (a batch-level normalisation); pass "
+                   "per_example_loss=fn(outputs, labels) -> [B] instead")
+    if args.world_size > 1:
+        out.append(f"world size {args.world_size}: DPTrainer runs on one process (data-parallel DP needs the "
+                   "noise added once over ranks: PrivacyEngine(distributed=True) in your own loop)")
+    if not eval_is_public:
+        if args.load_best_model_at_end:
+            out.append("load_best_model_at_end: choosing a checkpoint by an evaluation set is a look at that "
+                       "data that is not charged; pass eval_is_public=True only if the evaluation set holds "
+                       "no record of the private training data")
+        if any(type(c).__name__ == "EarlyStoppingCallback" or c == "EarlyStoppingCallback"
+               or getattr(c, "__name__", "") == "EarlyStoppingCallback" for c in kwargs.get("callbacks") or []):
+            out.append("EarlyStoppingCallback: stopping on evaluation metrics is an uncharged look at that data; "
+                       "pass eval_is_public=True only if the evaluation set is public")
+    return out
+
+
+class _EpsilonStop(TrainerCallback):
+    """Stops training after the last step whose release keeps ε ≤ ``max_epsilon`` (checked after each step)."""
+
+    def __init__(self, trainer: "DPTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        limit = self.trainer._release_limit()
+        if limit is not None and len(self.trainer.ledger) >= limit:
+            control.should_training_stop = True
+        return control
+
+
+class DPTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with per-example clipping, Gaussian noise and an exact ledger.
+
+    Args:
+        model, args, **kwargs: as ``transformers.Trainer`` (``train_dataset``,
+            ``data_collator``, ``eval_dataset``, ``processing_class``,
+            ``callbacks``, ``optimizers``, ...). ``args`` is copied, not changed.
+        noise_multiplier: σ; or
+        target_epsilon: ε for the whole planned run (``max_steps``, else
+            ``ceil(num_train_epochs × steps per epoch)``) at ``delta``; σ is
+            calibrated with the accountant (give exactly one of the two).
+        max_grad_norm: the per-example clipping bound C (> 0).
+        delta: δ of the logged ε and of calibration (default 1e-5; must be < 1/N).
+        method: a torch optimizer over the model's trainable parameters, a
+            dpopt method name (``"dp-adam"``, ``"dp-muon"``, ...; built with
+            ``lr = args.learning_rate`` and ``method_kwargs``), or None: the
+            Trainer's own optimizer (``args.optim``, AdamW by default).
+        method_kwargs: hyperparameters of a method name.
+        secure_mode: noise and Poisson masks from the OS CSPRNG.
+        accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
+        max_epsilon: stop after the last step whose ε(δ) stays ≤ this.
+        per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
+        causal_lm: shift LM labels (default: from the model's class).
+        eval_is_public: the evaluation set holds no record of the private
+            data: its metrics are logged and ``load_best_model_at_end`` /
+            early stopping are allowed.
+
+    Attributes:
+        engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
+        noise_multiplier, sample_rate, expected_batch_size: public settings
+            (known once training has started).
+
+    Raises:
+        ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
+            a setting in the module docstring's refusal list (all of them, in
+            one message); bad ``max_grad_norm`` / ``delta``.
+    """
+
+    def __init__(self, model=None, args: Optional[TrainingArguments] = None, *,
+                 noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
+                 max_grad_norm: float = 1.0, delta: float = 1e-5,
+                 method: Union[None, str, torch.optim.Optimizer] = None, method_kwargs: Optional[dict] = None,
+                 secure_mode: bool = False, accountant: str = "pld", max_epsilon: Optional[float] = None,
+                 per_example_loss: Optional[Callable] = None, causal_lm: Optional[bool] = None,
+                 eval_is_public: bool = False, **kwargs: Any):
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
+        if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 (the per-example bound), got {max_grad_norm!r}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        if method_kwargs and not isinstance(method, str):
+            raise ValueError("method_kwargs are hyperparameters of a dpopt method name (method='dp-adam', ...)")
+        if isinstance(method, torch.optim.Optimizer) and (kwargs.get("optimizers") or (None,))[0] is not None:
+            raise ValueError("give the torch optimizer once: method= or optimizers=(optimizer, scheduler)")
+        args = TrainingArguments(output_dir="dp_trainer_output") if args is None else args
+        problems = _refusals(args, kwargs, eval_is_public)
+        if problems:
+            raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
+        self.per_device_batch = int(args.per_device_train_batch_size)
+        self.accumulation = int(args.gradient_accumulation_steps)
+        args = copy.copy(args)
+        args.max_grad_norm = 0.0
+        args.gradient_accumulation_steps = 1
+        args.ignore_data_skip = True
+        self.engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
+        self.delta = float(delta)
+        self.max_grad_norm = float(max_grad_norm)
+        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self._sigma, self._target = noise_multiplier, target_epsilon
+        self._method, self._method_kwargs = method, dict(method_kwargs or {})
+        self._loss_fn, self._causal = per_example_loss, causal_lm
+        self.eval_is_public = bool(eval_is_public)
+        self._dp_loader: Optional[DataLoader] = None
+        self._private = None
+        self._limit: Optional[int] = None
+        self._eps_cache: Optional[tuple] = None
+        self.noise_multiplier = self.sample_rate = self.expected_batch_size = None
+        super().__init__(model=model, args=args, **kwargs)
+        self.add_callback(_EpsilonStop(self))
+
+    # -- public ------------------------------------------------------------------
+    @property
+    def ledger(self):
+        """The :class:`~dpopt.accounting.ledger.PrivacyLedger` of every release (restored on resume)."""
+        return self.engine.ledger
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """ε(δ) of every release so far under the engine's accountant (δ default: the trainer's ``delta``).
+
+        Cached per (number of releases, δ): the logs and ``train()`` ask again without a new release.
+        """
+        key = (len(self.ledger), self.ledger.run_id, self.delta if delta is None else float(delta))
+        if self._eps_cache is None or self._eps_cache[0] != key:
+            self._eps_cache = (key, self.engine.get_epsilon(key[2]))
+        return self._eps_cache[1]
+
+    @property
+    def bbar(self) -> int:
+        """B̄ = per_device_train_batch_size × gradient_accumulation_steps × world size (the expected batch size asked)."""
+        return self.per_device_batch * self.accumulation * max(1, int(self.args.world_size))
+
+    # -- data and optimizer: one make_private ---------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """The Poisson loader of ``make_private`` (made once, with the private optimizer; not accelerate-prepared)."""
+        if self._dp_loader is not None:
+            return self._dp_loader
+        if self.train_dataset is None:
+            raise ValueError("DPTrainer: training requires a train_dataset")
+        dataset, collator = self.train_dataset, self.data_collator
+        if type(dataset).__module__.startswith("datasets"):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        n = len(dataset)
+        if not 1 <= self.bbar <= n:
+            raise ValueError(f"the expected batch size B-bar = per_device_train_batch_size x "
+                             f"gradient_accumulation_steps = {self.bbar} must be in [1, N = {n}]")
+        if self.delta >= 1.0 / n:
+            raise ValueError(f"delta = {self.delta} is not < 1/N = {1.0 / n:.3g}: such a delta allows releasing a "
+                             "record outright; pass a smaller delta=")
+        base = DataLoader(dataset, batch_size=self.bbar, shuffle=True, collate_fn=collator,
+                          num_workers=self.args.dataloader_num_workers)
+        q = 1.0 / len(base)
+        sigma = self._sigma
+        if sigma is None:
+            sigma = calibrate_noise_multiplier(self._target, self.delta, q, self._planned_steps(len(base)),
+                                               str(self.engine.accountant)).noise_multiplier
+        optimizer, hparams = self._method, {}
+        if isinstance(optimizer, str):
+            hparams = dict(self._method_kwargs)
+            hparams.setdefault("lr", self.args.learning_rate)
+        elif optimizer is None:
+            optimizer = super().create_optimizer()
+        self.optimizer = None
+        _, private, loader = self.engine.make_private(
+            module=self.model, optimizer=optimizer, data_loader=base, noise_multiplier=float(sigma),
+            max_grad_norm=self.max_grad_norm, loss_reduction="sum", **hparams)
+        self.optimizer, self._private, self._dp_loader = private, private, loader
+        self.noise_multiplier, self.sample_rate = float(sigma), q
+        self.expected_batch_size = q * n
+        return loader
+
+    def create_optimizer(self, model=None):
+        """The PrivateOptimizer made with the loader (:meth:`get_train_dataloader`)."""
+        if self._private is None:
+            self.get_train_dataloader()
+        return self.optimizer
+
+    def _planned_steps(self, per_epoch: int) -> int:
+        if self.args.max_steps and self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        return max(1, math.ceil(self.args.num_train_epochs * per_epoch))
+
+    def _release_limit(self) -> Optional[int]:
+        """The largest number of releases T with ε(T) ≤ max_epsilon at this run's σ and q (None: no limit)."""
+        if self.max_epsilon is None or self.noise_multiplier is None:
+            return None
+        if self._limit is None:
+            acc = str(self.engine.accountant)
+
+            def eps(t: int) -> float:
+                return dpsgd_epsilon(self.noise_multiplier, self.sample_rate, t, self.delta, acc)
+            lo, hi = 0, 1
+            while eps(hi) <= self.max_epsilon and hi < 10 ** 9:
+                lo, hi = hi, 2 * hi
+            while hi - lo > 1:  # eps(lo) <= max < eps(hi)
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if eps(mid) <= self.max_epsilon else (lo, mid)
+            self._limit = lo
+        return self._limit
+
+    # -- the step: chunks of one Poisson batch, one release --------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Mean of the per-example losses (evaluation; ``num_items_in_batch`` is ignored)."""
+        loss, outputs = self._losses(model, inputs)
+        return (loss.mean(), outputs) if return_outputs else loss.mean()
+
+    def _losses(self, model, inputs):
+        return per_example_loss(model, inputs, causal=self._causal, loss_fn=self._loss_fn, return_outputs=True)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Clip and add every physical chunk of the Poisson batch ``inputs``; the Trainer's ``optimizer.step()`` releases.
+
+        Returns a zero tensor: the private batch's loss is not reported.
+        """
+        limit = self._release_limit()
+        if limit is not None and len(self.ledger) >= limit:
+            raise RuntimeError(f"max_epsilon = {self.max_epsilon} reached: {len(self.ledger)} releases already "
+                               f"(epsilon {self.get_epsilon():.4g}); another step would exceed it")
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        opt = self._private
+        opt.zero_grad()
+        empty = batch_size(inputs) == 0
+        chunks = [stand_in(inputs)] if empty else split_batch(inputs, self.per_device_batch)
+        for i, chunk in enumerate(chunks):
+            with self.compute_loss_context_manager():
+                loss = self._losses(model, chunk)[0].sum()
+            self.accelerator.backward(loss * 0.0 if empty else loss)
+            if i < len(chunks) - 1:
+                opt.signal_skip_step(True)
+                opt.step()  # clips and adds this chunk into the open step: no release
+                opt.zero_grad()
+        return torch.zeros((), device=self.args.device)
+
+    def floating_point_ops(self, inputs) -> int:
+        """0: FLOPs of a Poisson batch count its realised size (saved as total_flos)."""
+        return 0
+
+    # -- outputs ------------------------------------------------------------------
+    def log(self, logs: dict, start_time: Optional[float] = None) -> None:
+        """Log only public values: ε, δ, lr, epoch, speed; evaluation metrics if ``eval_is_public``."""
+        keep = {k: v for k, v in logs.items()
+                if k in LOGGED or (self.eval_is_public and not k.startswith("train") and k not in ("loss", "grad_norm",
+                                                                                                   "total_flos"))}
+        if self._private is not None:
+            keep["epsilon"] = self.get_epsilon()
+            keep["delta"] = self.delta
+        super().log(keep, start_time)
+
+    def train(self, *args, **kwargs) -> TrainOutput:
+        """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released)."""
+        out = super().train(*args, **kwargs)
+        metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
+        if self._private is not None:
+            metrics.update(epsilon=self.get_epsilon(), delta=self.delta)
+        return TrainOutput(out.global_step, float("nan"), metrics)
+
+    # -- checkpoints carry the ledger -------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
+        run_dir = Path(self._get_output_dir(trial=trial))
+        if self._private is not None and self.engine.journal is None:
+            self.engine.open_journal(run_dir / f"ledger-{self.ledger.run_id}.jsonl")
+        super()._save_checkpoint(model, trial)
+        if self._private is None or not self.args.should_save:
+            return
+        folder = run_dir / f"checkpoint-{self.state.global_step}"
+        self.ledger.save(folder / LEDGER_FILE)
+        (folder / SUMMARY_FILE).write_text(jsonio.dumps(self.engine.summary(self.delta)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """Restore the optimizer (its state carries the ledger: the engine takes the whole record in).
+
+        Raises:
+            ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0).
+        """
+        if checkpoint is not None and not (Path(checkpoint) / "optimizer.pt").is_file():
+            raise ValueError(f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
+                             "would restart epsilon at 0 (was it saved with save_only_model=True?)")
+        super()._load_optimizer_and_scheduler(checkpoint)
