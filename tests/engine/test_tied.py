@@ -178,3 +178,22 @@ def test_sigma_zero_sensitivity_of_the_tied_model_is_at_most_c():
             keep = torch.tensor([i for i in range(B) if i != j])
             part, _ = clipped(x[keep], y[keep], c)
             assert float((full - part).norm()) <= c * (1 + 1e-9)
+
+
+class TiedHeadUnused(TiedLM):
+    """The tied head is not called (e.g. a model returning hidden states): only the embedding's use counts."""
+
+    def forward(self, x):
+        return self.mid(self.emb(x))[:, :, :3].mean(1)
+
+
+def test_a_tied_use_that_is_never_called_adds_nothing():
+    model = model_of(TiedHeadUnused)
+    x, y = batch(5)
+    y = y[:, 0] % 3
+    src = PerSampleEngine(model, F.cross_entropy).compute(x, y)
+    assert not any(isinstance(blk, TiedBlock) for blk in src.blocks)  # no zero [B, V, D] block, no dense form
+    ref = per_sample_gradients(model, F.cross_entropy, x, y)
+    n = src.num_params
+    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
+                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)

@@ -480,16 +480,19 @@ class PerSampleEngine:
                 tags[c.module].append(c.tag)
         blocks: list = []
         for m, own in self.modules.items():
-            blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget, tags[m]))
+            if per_module[m]:
+                blocks.extend(self._module_blocks(m, own, per_module[m], stats[m], b, budget, tags[m]))
+        covered = {i for blk in blocks for i in blk.index}  # a layer never called (or unused): zero gradients,
+        idle = sorted({i for own in self.modules.values() for i in own.values()} - covered)  # once per parameter
+        if idle:  # (a tied weight whose other use was called is covered there, without a zero [B, V, D])
+            blocks.append(DirectBlock(idle, [self.params[i].new_zeros((b, *self.params[i].shape)) for i in idle]))
         for i, gs in bare.items():  # bare parameters: Σ over their recognised uses (engine.bare)
             blocks.append(DirectBlock([i], [sum(gs) if gs else self.params[i].new_zeros((b, *self.params[i].shape))]))
         return merge_shared(blocks, [p.shape for p in self.params], budget.chunk_bytes)
 
     def _module_blocks(self, m: nn.Module, own: dict, calls: list, stats: list, b: int, budget: Budget,
                        tags: Optional[list] = None) -> list:
-        if not calls:  # never called (or unused): zero per-sample gradients
-            return [DirectBlock(list(own.values()), [self.params[i].new_zeros((b, *self.params[i].shape))
-                                                     for i in own.values()])]
+        """The rule's blocks of one module from its recorded calls (never empty: see _blocks)."""
         layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()}, calls, stats, b, budget,
                            tags or [None] * len(calls))
         return RULES[type(m)].blocks(layer)  # planned only if rule_for(m) (see __init__)
