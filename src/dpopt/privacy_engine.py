@@ -106,6 +106,7 @@ from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recor
 from .data_loader import DPDataLoader, custom_batching
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
+from . import fsdp
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
@@ -522,7 +523,7 @@ class PrivacyEngine:
         clipbound_learning_rate: float = 0.2,
         unclipped_num_std: Optional[float] = None,
         count_share: Optional[float] = None,
-        distributed: bool = False,
+        distributed: Union[bool, str] = False,
         process_group: Optional[Any] = None,
         criterion: Optional[Callable] = None,
         batch_first: bool = True,
@@ -570,7 +571,12 @@ class PrivacyEngine:
                 ``DistributedDataParallel``); the loader draws this rank's shard
                 at q, ``optimizer.step()`` all-reduces the clipped sums with the
                 noise drawn once (rank 0), rank 0's parameters and buffers are
-                broadcast now. Save the ledger on rank 0 only.
+                broadcast now. Save the ledger on rank 0 only. ``"fsdp"``: a
+                model sharded with FSDP2's ``fully_shard`` and a torch optimizer
+                over its sharded parameters (:mod:`dpopt.fsdp`: norms per
+                example over every layer, one reduce-scatter of the clipped
+                sums, noise once per coordinate by its owner; its refusals
+                are listed there).
             process_group: the group to train over (default: the default
                 group); implies ``distributed``.
             criterion, batch_first, grad_sample_mode, max_clipbound,
@@ -610,7 +616,7 @@ class PrivacyEngine:
                           UserWarning, stacklevel=2)
             noise = NoiseSource("reproducible", generator=noise_generator)
         ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
-        capture = HookCapture(module, loss_reduction=loss_reduction)
+        capture = fsdp.capture_for(module, distributed, optimizer, ctx, loss_reduction=loss_reduction)
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
@@ -638,6 +644,9 @@ class PrivacyEngine:
                 _join_ranks(ctx, error, lambda: [sample_rate, n, steps_per_epoch, noise_multiplier, max_grad_norm,
                                                  [p.numel() for p in params], method, clipping, loss_reduction,
                                                  noise.mode])
+            if isinstance(capture, fsdp.ShardedCapture):  # FSDP2 (dpopt.fsdp): owner-only noise, reduce-scatter
+                fsdp.attach(dp.privatizer, params, module, ctx)
+            elif ctx.enabled:
                 # every replica starts from rank 0's model; the Privatizer releases the noisy sum over ranks
                 broadcast_parameters(list(module.parameters()) + list(module.buffers()), ctx)
                 attach(dp.privatizer, ctx)

@@ -1,0 +1,194 @@
+"""PrivacyEngine.make_private(..., distributed="fsdp"): FSDP2 (fully_shard, DTensor parameters) on 2 gloo ranks.
+
+* reproducible noise: the final parameters (gathered from the shards) equal the one-process run's with the
+  same seed and initialisation (rtol 1e-4, atol 1e-5: float32 sums in another order, the noise rounded to
+  float32 before the add), with and without a frozen layer; ε, the step count and the ledger are the same;
+* secret noise, zero per-example gradients: the released gradient times B̄ is pure noise whose std is σC
+  (± 5 %, 7.5k coordinates: a 6.4-sigma band of the sample std, false alarm < 1e-9), identical on both
+  ranks where it must be (the DTensor is one tensor) and every coordinate noised (no zero shard);
+* σ = 0, q = 1: removing one (large) example moves the released clipped sum by at most C (and by ≥ 0.99 C:
+  its gradient is clipped to exactly C, so the test would see a missing clip);
+* the ledgers of the ranks are identical (every entry's step, event and metadata);
+* refusals on every rank: a model without fully_shard, a dpopt method name, a MixedPrecisionPolicy.
+
+One spawn runs every case (processes killed past the deadline, collectives time out after 60 s).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpopt
+from dpopt.accounting.accountant import dpsgd_epsilon
+from dpopt.data import load_dataset
+
+from gloo_ranks import gloo_group, spawn_ranks
+
+pytestmark = pytest.mark.slow  # one spawn of 2 ranks: ~40 s on a loaded 2-core machine (imports, 6 runs)
+
+BATCH = 256  # 1437 digits -> 6 steps per epoch, q = 1/6
+SEED = 7  # the reproducible noise/mask stream (research mode: the test needs the same draws twice)
+SIGMA, C = 1.0, 1.0
+
+
+def _model(frozen: bool = False) -> nn.Module:
+    torch.manual_seed(3)  # the same initialisation on every rank and in the one-process run
+    m = nn.Sequential(nn.Linear(64, 33), nn.LayerNorm(33), nn.ReLU(), nn.Linear(33, 10))  # odd rows: uneven shards
+    if frozen:
+        m[0].requires_grad_(False)
+    return m
+
+
+def _shard(m: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(m[0])
+    fully_shard(m[3])
+    fully_shard(m)
+    return m
+
+
+def _data(n: int = None, batch_size: int = BATCH) -> TensorDataset:
+    d = load_dataset("digits")
+    x, y = d.x_train, d.y_train
+    if n is not None:
+        x, y = x[:n], y[:n]
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def _full(p) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
+def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducible: bool = True,
+           zero_loss: bool = False, loader=None, steps: int = None, lr: float = 0.05, eps: bool = False) -> dict:
+    model = _model(frozen)
+    if sharded:
+        model = _shard(model)
+    engine = dpopt.PrivacyEngine()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(SEED) if reproducible else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reproducible-noise warning
+        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader or _data(),
+                                                 noise_multiplier=sigma, max_grad_norm=C, noise_generator=gen,
+                                                 distributed="fsdp" if sharded else False)
+    released = []
+    for t, (x, y) in enumerate(loader):
+        if steps is not None and t >= steps:
+            break
+        opt.zero_grad()
+        out = model(x)
+        loss = (out * 0).sum() if zero_loss else nn.functional.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        released.append([_full(p.grad) * opt.expected_batch_size for p in model.parameters() if p.requires_grad])
+    return {"params": [_full(p) for p in model.parameters()], "epsilon": engine.get_epsilon(1e-5) if eps else None,
+            "ledger": [(e.step, repr(e.event), sorted(e.meta.items()))
+                       for e in engine.ledger.entries], "steps": len(engine.ledger), "released": released,
+            "local_rows": [p.to_local().shape[0] for p in model.parameters() if hasattr(p, "to_local")]}
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _make(model, optimizer=None):
+    return lambda: dpopt.PrivacyEngine().make_private(
+        module=model, optimizer=optimizer or torch.optim.SGD(model.parameters(), lr=0.1), data_loader=_data(),
+        noise_multiplier=1.0, max_grad_norm=1.0, distributed="fsdp")
+
+
+def _refusals() -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = _model()
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return {"plain": _refusal(_make(_model())), "method": _refusal(_make(_shard(_model()), "dp-adam")),
+            "mixed": _refusal(_make(mixed))}
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp):
+        d = load_dataset("digits")  # sensitivity: q = 1 (batch = dataset), every example in the step
+        x, y = d.x_train[:40].clone(), d.y_train[:40]
+        x[0] *= 50.0  # a large example (its gradient is clipped), removed below
+        keep = torch.arange(40) != 0
+        results = {
+            "equal": _train(True, eps=True), "frozen": _train(True, frozen=True),
+            "noise": _train(True, reproducible=False, zero_loss=True, steps=3, lr=0.0),
+            "with": _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x, y), batch_size=40), steps=1, lr=0.0),
+            "without": _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x[keep], y[keep]), batch_size=39),
+                              steps=1, lr=0.0),
+            "refusals": _refusals(),
+        }
+        torch.save(results, f"{tmp}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-fsdp")
+    spawn_ranks(_worker, tmp)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_two_ranks_equal_one_process(fsdp_runs, frozen):
+    name = "frozen" if frozen else "equal"
+    single = _train(False, frozen=frozen, eps=not frozen)
+    before = _model(frozen)
+    for res in (r[name] for r in fsdp_runs):
+        assert res["steps"] == single["steps"] == 6
+        if not frozen:
+            assert res["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
+        assert [e[:2] for e in res["ledger"]] == [e[:2] for e in single["ledger"]]
+        for a, b in zip(res["params"], single["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    moved = [not torch.equal(a, b) for a, b in zip(single["params"], before.parameters())]
+    assert moved == ([False, False] + [True] * 4 if frozen else [True] * 6)  # frozen stays; the rest trains
+    assert fsdp_runs[0][name]["local_rows"] != fsdp_runs[1][name]["local_rows"]  # really sharded (33 rows: 17/16)
+    if not frozen:
+        assert fsdp_runs[0][name]["epsilon"] == fsdp_runs[1][name]["epsilon"] == pytest.approx(
+            dpsgd_epsilon(SIGMA, 1 / 6, 6, 1e-5), rel=1e-9)
+
+
+def test_ledgers_identical_across_ranks(fsdp_runs):
+    for name in ("equal", "frozen", "noise", "with"):
+        assert fsdp_runs[0][name]["ledger"] == fsdp_runs[1][name]["ledger"]
+        assert [e[0] for e in fsdp_runs[0][name]["ledger"]] == list(range(fsdp_runs[0][name]["steps"]))
+
+
+def test_noise_std_is_sigma_c_once(fsdp_runs):
+    a, b = (r["noise"]["released"] for r in fsdp_runs)
+    for sa, sb in zip(a, b):  # one global tensor: both ranks gather the same values
+        for u, v in zip(sa, sb):
+            assert torch.equal(u, v)
+    z = torch.cat([t.reshape(-1) for step in a for t in step]).double()
+    assert z.numel() > 7000
+    assert (z == 0).sum() == 0  # every coordinate (every rank's shard) was noised
+    assert z.std().item() == pytest.approx(SIGMA * C, rel=0.05)  # not sqrt(2) sigma C, not sigma C / 2
+    assert abs(z.mean().item()) < 6 * SIGMA * C / z.numel() ** 0.5
+
+
+def test_sensitivity_at_most_c(fsdp_runs):
+    for r in fsdp_runs:
+        s1 = torch.cat([t.reshape(-1) for t in r["with"]["released"][0]])
+        s0 = torch.cat([t.reshape(-1) for t in r["without"]["released"][0]])
+        dist = (s1 - s0).norm().item()
+        assert 0.99 * C <= dist <= C * (1 + 1e-5)
+
+
+def test_refusals_on_every_rank(fsdp_runs):
+    for r in (x["refusals"] for x in fsdp_runs):
+        assert r["plain"].startswith("ValueError") and "fully_shard" in r["plain"]
+        assert r["method"].startswith("ValueError") and "torch.optim" in r["method"]
+        assert r["mixed"].startswith("ValueError") and "MixedPrecisionPolicy" in r["mixed"]
