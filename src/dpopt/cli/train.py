@@ -93,7 +93,8 @@ def train_command(
     ctx: typer.Context,
     dataset: str = typer.Option("digits", help=DATASET_HELP),
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
-    model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10)"),
+    model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10), or hf:DIR "
+                                                   "(a local save_pretrained directory; needs transformers)"),
     method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
     noise_multiplier: Optional[float] = typer.Option(
         None, help="σ: noise std = σ × sensitivity (default 1.0; not with --target-epsilon)"),
@@ -151,6 +152,12 @@ def train_command(
                   "(released like the test set); N, q = B̄/N and ε are those of the remaining records. Choosing "
                   "hyperparameters by validation accuracy over several runs is NOT charged to ε: each run's ε is "
                   "for that run, tuning over k runs costs more (Liu & Talwar 2019; Papernot & Steinke 2022)"),
+    init_from: Optional[str] = typer.Option(
+        None, help="fine-tune from these PUBLIC weights: a dpopt model.pt or a torch state dict (local file)"),
+    freeze: Optional[list[str]] = typer.Option(
+        None, help="do not train parameters whose names match this shell pattern (repeatable, e.g. '0.*')"),
+    lora_rank: Optional[int] = typer.Option(
+        None, help="train PEFT LoRA adapters of this rank on every linear layer, base weights frozen (needs peft)"),
     resume: Optional[str] = typer.Option(
         None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
                    "(only --device, --threads and --json may be given with it)"),
@@ -200,7 +207,8 @@ def train_command(
                       sample_rate=sample_rate, reproducible_noise=reproducible_noise, secure_mode=secure_mode,
                       show_train_loss=show_train_loss, max_epsilon=max_epsilon,
                       checkpoint_every=checkpoint_every, log_every=log_every, device=device,
-                      tensorboard=tensorboard, validation_fraction=validation_fraction)
+                      tensorboard=tensorboard, validation_fraction=validation_fraction,
+                      init_from=init_from, freeze=list(freeze) if freeze else None, lora_rank=lora_rank)
     if threads is not None:
         if threads < 1:
             fail(f"--threads must be >= 1, got {threads}")

@@ -142,6 +142,16 @@ def noise_source(cfg: TrainConfig, *, stacklevel: int = 3) -> NoiseSource:
     return NoiseSource("secure" if cfg.secure_mode else "secret")
 
 
+def _starting_model(cfg: TrainConfig, model_name: str) -> nn.Module:
+    """The model by name (or ``hf:DIR``, a local save_pretrained directory), then init_from / freeze / LoRA."""
+    fine_tune = cfg.init_from or cfg.freeze or cfg.lora_rank is not None
+    if not (model_name.startswith("hf:") or fine_tune):
+        return build_model(model_name, cfg.dataset)
+    from ..hf.pretrained import HF_PREFIX, load_hf_model, prepare_model
+    model = load_hf_model(model_name) if model_name.startswith(HF_PREFIX) else build_model(model_name, cfg.dataset)
+    return prepare_model(model, cfg.init_from, cfg.freeze, cfg.lora_rank)
+
+
 def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
               dist: Optional[DistributedContext] = None) -> Run:
     """Validate ``cfg`` and build everything a run needs, in this order.
@@ -175,7 +185,7 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
     torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only
     noise = noise_source(cfg, stacklevel=stacklevel)
     model_name = cfg.model or DEFAULT_MODEL[cfg.dataset]
-    model = build_model(model_name, cfg.dataset)
+    model = _starting_model(cfg, model_name)
     check_model(model)
     model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train

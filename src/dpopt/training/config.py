@@ -75,6 +75,11 @@ class TrainConfig:
     # hold out floor(F·N + 1/2) training records (a fixed public permutation, not the seed) for val_accuracy /
     # val_loss: never trained on, NO protection (like the test set); N, q and ε are those of the rest
     validation_fraction: float = 0.0
+    # fine-tuning (dpopt.hf.pretrained; local files only, the starting weights are PUBLIC): a dpopt model.pt or
+    # torch state dict loaded before training, shell patterns of parameter names not trained, PEFT LoRA rank
+    init_from: Optional[str] = None
+    freeze: Optional[list] = None
+    lora_rank: Optional[int] = None
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -135,6 +140,8 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ConfigError(f"unknown device {cfg.device!r}; choose one of {', '.join(DEVICES)}", "device")
     if cfg.target_epsilon is not None and not cfg.target_epsilon > 0:
         raise ConfigError(f"target_epsilon must be > 0, got {cfg.target_epsilon}", "target_epsilon")
+    if cfg.lora_rank is not None and not (isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 1):
+        raise ConfigError(f"lora_rank must be an integer >= 1, got {cfg.lora_rank!r}", "lora_rank")
 
 
 def resolve_device(device: str) -> "torch.device":
