@@ -302,3 +302,21 @@ def test_args_are_copied_not_changed(tmp_path):
     tr = DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0)
     assert args.max_grad_norm == 1.0 and args.gradient_accumulation_steps == 3 and not args.ignore_data_skip
     assert tr.args.max_grad_norm == 0.0 and tr.args.gradient_accumulation_steps == 1 and tr.bbar == 6
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
+    model = gpt2()
+    tr = DPTrainer(model=model, args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=sigma,
+                   max_grad_norm=1.0, method=torch.optim.SGD([p for p in model.parameters()], lr=1.0))
+    tr.get_train_dataloader()
+    good = {k: torch.stack([Tokens()[i][k] for i in range(3)]) for k in ("input_ids", "attention_mask", "labels")}
+    tr.training_step(model, good)  # the first batch (the engine's check) is a real one
+    tr.optimizer.step()
+    before = trainable(model)
+    empty = {k: v[:0] for k, v in good.items()}  # GPT-2 cannot run 0 examples: the public stand-in runs
+    tr.training_step(model, empty)
+    tr.optimizer.step()
+    assert len(tr.ledger) == 2
+    moved = [not torch.equal(before[n], p) for n, p in trainable(model).items()]
+    assert all(moved) if sigma > 0 else not any(moved)  # sigma 0: the release is exactly 0
