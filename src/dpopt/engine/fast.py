@@ -65,7 +65,7 @@ from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagre
                     mode_signature,
                     model_dims, off_axis, rtol)
 from .bare import bare_candidates, reduce_to, tap_bare
-from .hf_guards import in_backward, refuse_checkpointing
+from .hf_guards import in_backward, recomputed, refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
@@ -400,8 +400,7 @@ class PerSampleEngine:
 
             def hook(module, args, kwargs, out):
                 if in_backward():
-                    raise ValueError(f"layer {self._module_names.get(id(module), '?')!r} ran inside the backward "
-                                     "pass (activation checkpointing recomputes forwards there); disable it")
+                    raise recomputed(self._module_names.get(id(module), "?"), module)
                 if is_tapped(module):  # its maps were recorded by its tapped forward (tap below)
                     return None
                 inp = args[0] if args else next(iter(kwargs.values()))
@@ -414,8 +413,7 @@ class PerSampleEngine:
 
             def tap(module, a, o, tag):  # a linear map inside a tapped layer (rules.Rule.forward)
                 if in_backward():
-                    raise ValueError(f"layer {self._module_names.get(id(module), '?')!r} ran inside the backward "
-                                     "pass (activation checkpointing recomputes forwards there); disable it")
+                    raise recomputed(self._module_names.get(id(module), "?"), module)
                 if module in self.modules:
                     calls.append(_Call(module, a.clone() if module in self._clone_in else a, o, tag))
 

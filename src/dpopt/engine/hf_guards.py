@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_hf", "refuse_batch_loss", "refuse_checkpointing", "in_backward", "PER_EXAMPLE_FORM"]
+__all__ = ["is_hf", "refuse_batch_loss", "refuse_checkpointing", "in_backward", "recomputed", "PER_EXAMPLE_FORM"]
 
 PER_EXAMPLE_FORM = ("logits = model(input_ids=ids, attention_mask=mask).logits; "
                     "loss = dpopt.losses.per_example_lm_loss(logits, labels).mean()  (PrivacyEngine, "
@@ -65,3 +65,11 @@ def refuse_checkpointing(model: nn.Module) -> None:
 def in_backward() -> bool:
     """True while autograd runs a backward pass (a forward recomputed by activation checkpointing)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def recomputed(name: str, module: nn.Module) -> ValueError:
+    """The refusal of a layer (or tapped map) called inside a backward pass (:func:`in_backward`), both doors."""
+    return ValueError(f"layer {name!r} ({type(module).__name__}) ran inside the backward pass (activation/gradient "
+                      "checkpointing recomputes forwards there), which the per-sample capture would record twice; "
+                      "disable checkpointing (model.gradient_checkpointing_disable()) and use a smaller batch to "
+                      "save memory")

@@ -69,7 +69,7 @@ from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagre
 from .bare import tap_bare
 from .fast import (FastPerSampleGrads, PerSampleEngine, _BareCall, _Call, _no_autocast, _trailing,
                    expand_broadcast)
-from .hf_guards import in_backward, is_hf, refuse_batch_loss, refuse_checkpointing
+from .hf_guards import in_backward, is_hf, recomputed, refuse_batch_loss, refuse_checkpointing
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .reference import PerSampleGrads
@@ -239,9 +239,7 @@ class HookCapture:
         if not self._recording or module not in self.plan.modules or not o.requires_grad:
             return
         if in_backward():
-            raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) ran inside the "
-                             "backward pass (activation/gradient checkpointing recomputes forwards there), which the "
-                             "per-sample capture would record twice; disable checkpointing and use a smaller batch")
+            raise recomputed(self._names.get(id(module), "?"), module)
         call = _HookCall(module, (a,), {}, [o], _Call(module, a, o, tag), self._rec.current)
         o.register_hook(partial(call.store, 0))
         self._rec.calls.append(call)
@@ -253,10 +251,7 @@ class HookCapture:
         if tapped and module not in self.vjp:  # its maps were recorded by its tapped forward (_tap)
             return None
         if in_backward():
-            raise ValueError(f"layer {self._names.get(id(module), '?')!r} ({type(module).__name__}) ran inside the "
-                             "backward pass (activation/gradient checkpointing recomputes forwards there), which the "
-                             "per-sample capture would record twice; disable checkpointing "
-                             "(model.gradient_checkpointing_disable()) and use a smaller batch to save memory")
+            raise recomputed(self._names.get(id(module), "?"), module)
         outs = _leaves(out)
         if not any(t.requires_grad for t in outs):
             return None
