@@ -40,6 +40,7 @@ def _fast_source(model, loss_fn, x, y, replay):
 
 def _hook_source(model, batch_loss, x, y, replay, reduction):
     cap = HookCapture(model, reduction)
+    assert cap.plan.fallback_names == [] and not cap.vjp  # every parameter by a rule or a tap: no vjp fallback
     k = 1.0 if reduction == "mean" else float(y.shape[0])  # batch_loss is the mean of the per-example losses
     try:
         (k * batch_loss(model(x), y)).backward()
