@@ -28,7 +28,8 @@ import transformers as T  # noqa: E402
 from dp_accounting import dp_event  # noqa: E402
 from dp_accounting.pld import pld_privacy_accountant  # noqa: E402
 
-from dpopt.accounting.accountant import dpsgd_epsilon  # noqa: E402
+from dpopt.accounting.accountant import dpsgd_epsilon, epsilon  # noqa: E402
+from dpopt.accounting.events import dpsgd_event, poisson_gaussian_step  # noqa: E402
 from dpopt.hf import DPTrainer  # noqa: E402
 from dpopt.hf.trainer import LEDGER_FILE, LOGGED, SUMMARY_FILE  # noqa: E402
 from dpopt.losses import per_example_lm_loss  # noqa: E402
@@ -242,6 +243,12 @@ def test_max_epsilon_stops_before_exceeding(tmp_path):
                    max_grad_norm=1.0, max_epsilon=cap)
     tr.train()
     assert len(tr.ledger) == 3 and tr.get_epsilon() <= cap
+    assert tr._limit == 3 and tr.next_step_exceeds()  # the ledger holds this run's steps only: the cached T
+    tr.noise_multiplier = 8.0  # as if resumed with another sigma: the next step is composed onto the ledger
+    nxt = dp_event.ComposedDpEvent([dpsgd_event(1.0, 0.125, 3), poisson_gaussian_step(8.0, 0.125)])
+    assert tr.next_step_exceeds() and epsilon(nxt, 1e-5) > cap  # any step adds: still over the cap
+    tr.max_epsilon = epsilon(nxt, 1e-5) * 1.0001
+    assert not tr.next_step_exceeds()
 
 
 @pytest.mark.slow  # ~10 s: the calibration's PLD evaluations
@@ -271,6 +278,7 @@ def test_resume_without_optimizer_state_is_refused(tmp_path):
     (dict(torch_compile=True), "torch_compile"),
     (dict(gradient_checkpointing=True), "checkpointing"),
     (dict(load_best_model_at_end=True), "load_best_model_at_end"),
+    (dict(save_strategy="best"), "save_strategy='best'"),
     (dict(include_num_input_tokens_seen="all"), "token count"),
     (dict(train_sampling_strategy="group_by_length"), "length-grouped"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),

@@ -68,12 +68,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from dp_accounting import dp_event
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
-from ..accounting.accountant import dpsgd_epsilon
+from ..accounting.accountant import dpsgd_epsilon, epsilon
+from ..accounting.events import poisson_gaussian_step
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
@@ -122,6 +124,9 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
         out.append(f"world size {args.world_size}: DPTrainer runs on one process (data-parallel DP needs the "
                    "noise added once over ranks: PrivacyEngine(distributed=True) in your own loop)")
     if not eval_is_public:
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            out.append("save_strategy='best': saving by an evaluation metric is an uncharged look at that data; "
+                       "pass eval_is_public=True only if the evaluation set is public")
         if args.load_best_model_at_end:
             out.append("load_best_model_at_end: choosing a checkpoint by an evaluation set is a look at that "
                        "data that is not charged; pass eval_is_public=True only if the evaluation set holds "
@@ -140,8 +145,7 @@ class _EpsilonStop(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        limit = self.trainer._release_limit()
-        if limit is not None and len(self.trainer.ledger) >= limit:
+        if self.trainer.next_step_exceeds():
             control.should_training_stop = True
         return control
 
@@ -300,10 +304,8 @@ class DPTrainer(Trainer):
             return int(self.args.max_steps)
         return max(1, math.ceil(self.args.num_train_epochs * per_epoch))
 
-    def _release_limit(self) -> Optional[int]:
-        """The largest number of releases T with ε(T) ≤ max_epsilon at this run's σ and q (None: no limit)."""
-        if self.max_epsilon is None or self.noise_multiplier is None:
-            return None
+    def _release_limit(self) -> int:
+        """The largest number of releases T with ε(T) ≤ max_epsilon at this run's σ and q (bisection, cached)."""
         if self._limit is None:
             acc = str(self.engine.accountant)
 
@@ -317,6 +319,21 @@ class DPTrainer(Trainer):
                 lo, hi = (mid, hi) if eps(mid) <= self.max_epsilon else (lo, mid)
             self._limit = lo
         return self._limit
+
+    def next_step_exceeds(self) -> bool:
+        """Whether one more release would take ε(δ) past ``max_epsilon`` (False without one).
+
+        A ledger of this run's steps only (σ, q) uses the cached largest T;
+        any other ledger (e.g. resumed from a run with another σ) is scored
+        with the next step composed onto it.
+        """
+        if self.max_epsilon is None or self.noise_multiplier is None:
+            return False
+        step = poisson_gaussian_step(self.noise_multiplier, self.sample_rate)
+        if all(e == step for e in self.ledger.events()):
+            return len(self.ledger) >= self._release_limit()
+        nxt = dp_event.ComposedDpEvent([self.ledger.composed_event(), step])
+        return epsilon(nxt, self.delta, str(self.engine.accountant)) > self.max_epsilon
 
     # -- the step: chunks of one Poisson batch, one release --------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -332,8 +349,7 @@ class DPTrainer(Trainer):
 
         Returns a zero tensor: the private batch's loss is not reported.
         """
-        limit = self._release_limit()
-        if limit is not None and len(self.ledger) >= limit:
+        if self.next_step_exceeds():
             raise RuntimeError(f"max_epsilon = {self.max_epsilon} reached: {len(self.ledger)} releases already "
                                f"(epsilon {self.get_epsilon():.4g}); another step would exceed it")
         model.train()
