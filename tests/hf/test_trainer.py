@@ -328,3 +328,29 @@ def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
     assert len(tr.ledger) == 2
     moved = [not torch.equal(before[n], p) for n, p in trainable(model).items()]
     assert all(moved) if sigma > 0 else not any(moved)  # sigma 0: the release is exactly 0
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(V - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_variable_length_texts_through_the_hf_collators(tmp_path):
+    tok = _tokenizer()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, L + 1, (N,), generator=g).tolist()
+    texts = [" ".join(f"w{int(w)}" for w in torch.randint(0, V - 2, (n,), generator=g)) for n in lengths]
+    lm = [tok(t) for t in texts]  # dicts of lists, padded per batch by the collator
+    model = gpt2(lora=True)
+    tr = DPTrainer(model=model, args=targs(tmp_path, max_steps=2), train_dataset=lm, processing_class=tok,
+                   data_collator=T.DataCollatorForLanguageModeling(tok, mlm=False), noise_multiplier=1.0)
+    tr.train()
+    assert len(tr.ledger) == 2
+    cls = [dict(tok(t), labels=int(i % 3)) for i, t in enumerate(texts)]
+    tr = DPTrainer(model=bert(), args=targs(tmp_path / "b", max_steps=2), train_dataset=cls, processing_class=tok,
+                   data_collator=T.DataCollatorWithPadding(tok), noise_multiplier=1.0)
+    tr.train()
+    assert len(tr.ledger) == 2
