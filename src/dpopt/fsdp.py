@@ -346,13 +346,12 @@ class ShardedRelease:
         buf = self._pack(sums, dtype, device)
         buf[r] += self._pack(noise, dtype, device)[r]  # owner-only noise, before anything crosses the network
         self.elements = buf.numel()
-        rs = self.use_reduce_scatter
-        if rs is None:
-            rs = w > 1 and dist.get_backend(self.ctx.group) != "gloo" or _gloo_reduce_scatter()
+        if self.use_reduce_scatter is None:  # decided once, identically on every rank
+            self.use_reduce_scatter = w > 1 and _has_reduce_scatter(self.ctx)
         if w == 1:
             local = buf[0]
             self.collective = "none"
-        elif rs:
+        elif self.use_reduce_scatter:
             local = buf.new_empty(buf.shape[1])
             dist.reduce_scatter_tensor(local, buf.reshape(-1), op=dist.ReduceOp.SUM, group=self.ctx.group)
             self.collective = "reduce_scatter"
@@ -376,22 +375,19 @@ class ShardedRelease:
         return out, noisy_count
 
 
-_RS_OK: Optional[bool] = None
+def _has_reduce_scatter(ctx: DistributedContext) -> bool:
+    """Whether the group's backend implements ``reduce_scatter_tensor`` (NCCL does; gloo is probed: one tiny
+    collective on every rank)."""
+    import torch.distributed as dist
 
-
-def _gloo_reduce_scatter() -> bool:
-    """Whether this torch's gloo backend implements ``reduce_scatter_tensor`` (probed once, on every rank)."""
-    global _RS_OK
-    if _RS_OK is None:
-        import torch.distributed as dist
-
-        try:
-            out = torch.zeros(1)
-            dist.reduce_scatter_tensor(out, torch.ones(dist.get_world_size()))
-            _RS_OK = bool(out.item() == dist.get_world_size())
-        except (RuntimeError, NotImplementedError):
-            _RS_OK = False
-    return _RS_OK
+    if dist.get_backend(ctx.group) != "gloo":
+        return True
+    try:
+        out = torch.zeros(1)
+        dist.reduce_scatter_tensor(out, torch.ones(ctx.world_size), group=ctx.group)
+        return bool(out.item() == ctx.world_size)
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def capture_for(module: nn.Module, distributed, optimizer, ctx: DistributedContext, **kw) -> HookCapture:
