@@ -353,7 +353,7 @@ class ShardedRelease:
             self.collective = "none"
         elif self.use_reduce_scatter:
             local = buf.new_empty(buf.shape[1])
-            dist.reduce_scatter_tensor(local, buf.reshape(-1), op=dist.ReduceOp.SUM, group=self.ctx.group)
+            _reduce_scatter(local, buf.reshape(-1), self.ctx.group)
             self.collective = "reduce_scatter"
         else:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.ctx.group)
@@ -375,6 +375,15 @@ class ShardedRelease:
         return out, noisy_count
 
 
+def _reduce_scatter(out: Tensor, inp: Tensor, group) -> None:
+    """Sum-reduce-scatter ``inp`` (W equal chunks) into ``out``: ``reduce_scatter_single`` where torch has it
+    (the newer name), else ``reduce_scatter_tensor``."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
 def _has_reduce_scatter(ctx: DistributedContext) -> bool:
     """Whether the group's backend implements ``reduce_scatter_tensor`` (NCCL does; gloo is probed: one tiny
     collective on every rank)."""
@@ -384,7 +393,7 @@ def _has_reduce_scatter(ctx: DistributedContext) -> bool:
         return True
     try:
         out = torch.zeros(1)
-        dist.reduce_scatter_tensor(out, torch.ones(ctx.world_size), group=ctx.group)
+        _reduce_scatter(out, torch.ones(ctx.world_size), ctx.group)
         return bool(out.item() == ctx.world_size)
     except (RuntimeError, NotImplementedError):
         return False

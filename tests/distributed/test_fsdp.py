@@ -9,7 +9,10 @@
 * σ = 0, q = 1: removing one (large) example moves the released clipped sum by at most C (and by ≥ 0.99 C:
   its gradient is clipped to exactly C, so the test would see a missing clip);
 * the ledgers of the ranks are identical (every entry's step, event and metadata);
-* refusals on every rank: a model without fully_shard, a dpopt method name, a MixedPrecisionPolicy.
+* micro-batches: a rank's batch in two chunks (signal_skip_step) releases what the whole batch does (σ = 0);
+* refusals on every rank: a model without fully_shard, a dpopt method name, a MixedPrecisionPolicy, an HSDP
+  mesh, and (at the first step, by the per-example check run on both ranks at once) a model that mixes
+  examples.
 
 One spawn runs every case (processes killed past the deadline, collectives time out after 60 s).
 """
@@ -117,6 +120,57 @@ def _refusals() -> dict:
             "mixed": _refusal(_make(mixed))}
 
 
+class _Mix(nn.Module):
+    """Mixes the examples of a batch (the per-example check must refuse it, on every rank)."""
+
+    def forward(self, h):
+        return h - h.mean(0, keepdim=True)
+
+
+def _mixing() -> str:
+    m = _model()
+    m = _shard(nn.Sequential(m[0], _Mix(), nn.ReLU(), m[3]))
+    engine = dpopt.PrivacyEngine()
+    model, opt, loader = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                             data_loader=_data(), noise_multiplier=1.0, max_grad_norm=1.0,
+                                             distributed="fsdp")
+
+    def step():
+        x, y = next(iter(loader))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _refusal(step) + f" | ledger {len(engine.ledger)}"
+
+
+def _hsdp() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model()
+    fully_shard(m, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))  # replicate over 1, shard over 2: HSDP placements
+    return _refusal(_make(m))
+
+
+def _micro(loader) -> list:
+    """σ = 0, the rank's batch in two chunks (signal_skip_step): the release of the whole batch."""
+    model = _shard(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpopt.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0, max_grad_norm=C,
+            noise_generator=torch.Generator().manual_seed(SEED), distributed="fsdp")
+    x, y = next(iter(loader))
+    half = x.shape[0] // 2
+    for lo, hi, skip in ((0, half, True), (half, x.shape[0], False)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.signal_skip_step(skip)
+        opt.step()
+    return [_full(p.grad) * opt.expected_batch_size for p in model.parameters()]
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         d = load_dataset("digits")  # sensitivity: q = 1 (batch = dataset), every example in the step
@@ -129,7 +183,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             "with": _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x, y), batch_size=40), steps=1, lr=0.0),
             "without": _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x[keep], y[keep]), batch_size=39),
                               steps=1, lr=0.0),
-            "refusals": _refusals(),
+            "refusals": dict(_refusals(), hsdp=_hsdp(), mixing=_mixing()),
+            "micro": _micro(DataLoader(TensorDataset(x, y), batch_size=40)),
         }
         torch.save(results, f"{tmp}/rank{rank}.pt")
 
@@ -192,3 +247,12 @@ def test_refusals_on_every_rank(fsdp_runs):
         assert r["plain"].startswith("ValueError") and "fully_shard" in r["plain"]
         assert r["method"].startswith("ValueError") and "torch.optim" in r["method"]
         assert r["mixed"].startswith("ValueError") and "MixedPrecisionPolicy" in r["mixed"]
+        assert r["hsdp"].startswith("ValueError") and "HSDP" in r["hsdp"]
+        assert r["mixing"].startswith("ValueError") and "single-example autograd" in r["mixing"]
+        assert r["mixing"].endswith("ledger 0")  # refused before any release
+
+
+def test_micro_batches_release_the_whole_batch(fsdp_runs):
+    for r in fsdp_runs:  # two chunks accumulated unsharded, one reduce-scatter: the one-chunk release
+        for a, b in zip(r["micro"], r["with"]["released"][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
