@@ -30,6 +30,7 @@ Usage::
     python benchmarks/step_time.py --json       # table, then one JSON line (last line)
     python benchmarks/step_time.py --all-methods --models mlp   # every registered method / non-private
     python benchmarks/step_time.py --device cuda --models cnn5,wrn16-4 --no-opacus   # on a GPU
+    nice -n 10 python benchmarks/step_time.py --models "" --transformers --json   # gpt2, gpt2-lora entries
 
 ``--device cpu|cuda|auto`` (default ``cpu``; ``auto`` = ``cuda`` when available): models and
 batches live on that device, and on CUDA every timed step is bracketed by
@@ -314,6 +315,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the torch.func reference engine")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (cuda if available)")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also run benchmarks/transformer_step.py's gpt2 and gpt2-lora entries (CPU)")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -415,6 +418,10 @@ def main(argv=None) -> dict:
                   ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
             print(f"logical 4096 / physical 256 over B = 256: {r['peak_mem_4096_over_256']:.3f}")
         result[model_name] = r
+    if args.transformers:  # GPT-2-shaped LM, full fine-tuning and LoRA (issue 20): its own module
+        import transformer_step
+        result.update(transformer_step.main(["--models", "gpt2,gpt2-lora", "--threads", str(args.threads)] +
+                                            (["--no-memory"] if args.no_memory else [])))
     for note in notes:
         print("note:", note)
     if args.json:
