@@ -9,6 +9,7 @@
 * σ = 0, q = 1: removing one (large) example moves the released clipped sum by at most C (and by ≥ 0.99 C:
   its gradient is clipped to exactly C, so the test would see a missing clip);
 * the ledgers of the ranks are identical (every entry's step, event and metadata);
+* tied weights (GPT-2's ``head.weight is wte.weight``, in the root unit): 3 AdamW steps equal one process;
 * micro-batches: a rank's batch in two chunks (signal_skip_step) releases what the whole batch does (σ = 0);
 * refusals on every rank: a model without fully_shard, a dpopt method name, a MixedPrecisionPolicy, an HSDP
   mesh, and (at the first step, by the per-example check run on both ranks at once) a model that mixes
@@ -171,6 +172,47 @@ def _micro(loader) -> list:
     return [_full(p.grad) * opt.expected_batch_size for p in model.parameters()]
 
 
+class _Tied(nn.Module):
+    """GPT-2's tie: ``head.weight is wte.weight`` (both in the root FSDP unit); logits [B, T, V] of ids [B, T]."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.wte, self.fc, self.ln = nn.Embedding(41, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+        self.head = nn.Linear(16, 41, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.head(self.ln(torch.relu(self.fc(self.wte(ids)))))
+
+
+def _tied(sharded: bool) -> list:
+    """3 steps of a tied-embedding model at q = 1/4, σ = 1 reproducible: the final parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Tied()
+    if sharded:
+        fully_shard(model.fc)
+        fully_shard(model)
+    g = torch.Generator().manual_seed(2)  # data: public test input
+    ids = torch.randint(0, 41, (200, 6), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpopt.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            data_loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=50), noise_multiplier=SIGMA,
+            max_grad_norm=C, noise_generator=torch.Generator().manual_seed(SEED),
+            distributed="fsdp" if sharded else False)
+    for t, (x, y) in enumerate(loader):
+        if t >= 3:
+            break
+        opt.zero_grad()
+        tokens = nn.functional.cross_entropy(model(x).reshape(-1, 41), y.reshape(-1), reduction="none")
+        (tokens.reshape(x.shape[0], -1).mean(1).sum() / max(x.shape[0], 1)).backward()  # mean of per-example means
+        opt.step()
+    return [_full(p) for p in model.parameters()]
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         d = load_dataset("digits")  # sensitivity: q = 1 (batch = dataset), every example in the step
@@ -185,6 +227,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                               steps=1, lr=0.0),
             "refusals": dict(_refusals(), hsdp=_hsdp(), mixing=_mixing()),
             "micro": _micro(DataLoader(TensorDataset(x, y), batch_size=40)),
+            "tied": _tied(True),
         }
         torch.save(results, f"{tmp}/rank{rank}.pt")
 
@@ -256,3 +299,12 @@ def test_micro_batches_release_the_whole_batch(fsdp_runs):
     for r in fsdp_runs:  # two chunks accumulated unsharded, one reduce-scatter: the one-chunk release
         for a, b in zip(r["micro"], r["with"]["released"][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embedding_equals_one_process(fsdp_runs):
+    single = _tied(False)
+    assert len(single) == 5  # wte (= head), fc.weight, fc.bias, ln.weight, ln.bias: the tie counted once
+    for r in fsdp_runs:
+        for a, b in zip(r["tied"], single):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(single[0], _Tied().wte.weight)  # it trained
