@@ -65,6 +65,7 @@ from .check import (ModeCheck, RandomReplay, Unreplayable, alone_failed, disagre
                     mode_signature,
                     model_dims, off_axis, rtol)
 from .bare import bare_candidates, reduce_to, tap_bare
+from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
 from .hf_guards import in_backward, recomputed, refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock

@@ -1,8 +1,9 @@
 """Fast rules of Hugging Face ``transformers`` layers, registered when such a layer is first planned.
 
-:func:`dpopt.engine.rules.rule_for` imports this module the first time it
-sees a module whose class lives in ``transformers`` (dpopt itself never
-imports the package). Registered, by exact type:
+:func:`dpopt.engine.rules.rule_for` calls :func:`register` (through
+``rules.LAZY_RULES``, filled when the engine imports this module) the first
+time it sees a module whose class lives in ``transformers`` (dpopt itself
+never imports the package). Registered, by exact type:
 
 * ``transformers.pytorch_utils.Conv1D`` (GPT-2's attention and MLP
   projections): ``out = x @ W + b`` with ``W [nx, nf]``, so example i's
@@ -25,7 +26,7 @@ import importlib
 import inspect
 
 from .layers import DirectBlock, FactoredBlock, LinearPart, rms_norm_grads
-from .rules import RULES, LayerCalls, register_rule
+from .rules import LAZY_RULES, RULES, LayerCalls, register_rule
 
 __all__ = ["HF_RMS_NORMS", "register"]
 
@@ -95,4 +96,4 @@ def register() -> None:
             register_rule(cls, supports=supports)(fn)
 
 
-register()
+LAZY_RULES["transformers."] = register  # called by rule_for on a transformers layer: never imports it before

@@ -177,17 +177,24 @@ def tap_forwards(model: nn.Module, record: Callable) -> Callable[[], None]:
     return undo
 
 
+LAZY_RULES: dict[str, Callable[[], None]] = {}
+"""Module-name prefix -> a function registering the rules of that package's layers on first sight
+(:mod:`dpopt.engine.hf_rules` adds ``"transformers."``: the package is imported only when a model uses it)."""
+
+
 def rule_for(module: nn.Module) -> Optional[Rule]:
     """The rule of ``module``'s exact type if it supports this instance, else None (reference path).
 
     The rules of Hugging Face ``transformers`` layers (:mod:`dpopt.engine.hf_rules`:
-    ``Conv1D``, ``LlamaRMSNorm``, ...) are registered the first time a module of
-    that package is seen, so that dpopt never imports ``transformers`` itself.
+    ``Conv1D``, ``LlamaRMSNorm``, ...) are registered (:data:`LAZY_RULES`) the first
+    time a module of that package is seen, so that dpopt never imports
+    ``transformers`` itself.
     """
     t = type(module)
-    if t not in RULES and t.__module__.startswith("transformers."):
-        from . import hf_rules
-        hf_rules.register()  # idempotent (a registry restored by a test loses them)
+    if t not in RULES:
+        for prefix, register in LAZY_RULES.items():
+            if t.__module__.startswith(prefix):
+                register()  # idempotent (a registry restored by a test loses them)
     rule = RULES.get(t)
     return rule if rule is not None and rule.supports(module) else None
 
