@@ -70,8 +70,8 @@ placements other than ``Shard(0)`` (tensor parallelism), a
 trainable parameters of layers without a fast per-example rule (their
 ``torch.func`` fallback would need the unsharded weight), dpopt method names
 (their clip geometry and state are not sharded: use a ``torch.optim``
-optimizer). Frozen parameters work (they are not clipped or noised).
-"""
+optimizer). Frozen parameters work (they are not clipped or noised), and so do tied weights inside one
+FSDP unit (GPT-2's ``lm_head.weight is wte.weight`` in the root unit; the engine counts the tie once)."""
 
 from __future__ import annotations
 
