@@ -34,6 +34,9 @@ Usage (from the repository root; put mnist.npz in data/ or pass --data-dir)::
     OMP_NUM_THREADS=1 nice -n 19 python experiments/macadam_diagnose.py --data-dir data --steps 200 --sigmas 2.0 0.5 \
         --out docs/results/macadam-high-noise
     python experiments/macadam_diagnose.py --plot-only --out docs/results/macadam-high-noise
+    # the noise_subtraction="ema" option, DP-MacAdam only, 120 steps:
+    OMP_NUM_THREADS=1 nice -n 19 python experiments/macadam_diagnose.py --data-dir data --steps 120 --sigmas 2.0 \
+        --methods dp-macadam --hp noise_subtraction=ema --out docs/results/macadam-high-noise/ema
 
 Writes OUT/diagnose.jsonl (one line per method, σ and step; appended as it goes; finished (method, σ)
 pairs are skipped on a rerun) and OUT/diagnose_released.png, OUT/diagnose_nonprivate.png.
@@ -268,6 +271,16 @@ def plot(out: Path) -> None:
     plt.close(fig)
 
 
+def _value(text: str):
+    """--hp VALUE: a number if it parses as one, true/false, else the string (e.g. noise_subtraction=ema)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default="data", help="directory with mnist.npz")
@@ -284,7 +297,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
-        hparams = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.hp)}
+        hparams = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.hp)}
         data = load_dataset("mnist", args.data_dir)
         path = out / "diagnose.jsonl"
         _done.steps = args.steps
