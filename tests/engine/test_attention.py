@@ -301,7 +301,8 @@ def test_attention_dropout_in_train_mode_both_doors_given_the_masks(door, batch_
 
 
 # --------------------------------------------------------------------------- sensitivity, refusals
-@pytest.mark.parametrize("make_model", [lambda: Encoder(True), lambda: Encoder(False), lambda: Attend(add_bias_kv=True)],
+@pytest.mark.parametrize("make_model",
+                         [lambda: Encoder(True), lambda: Encoder(False), lambda: Attend(add_bias_kv=True)],
                          ids=["encoder-batch-first", "encoder-seq-first", "mha-masks-bias-kv"])
 def test_sigma_zero_sensitivity_within_c_both_doors(make_model):
     torch.manual_seed(5)

@@ -173,7 +173,8 @@ def _rnn(layer: LayerCalls) -> list:
         kind, which, num, rev = _NAME.fullmatch(attr).groups()  # type: ignore[union-attr]
         pairs = by_tag.get((which, int(num), int(rev is not None)), [])
         if kind == "weight":
-            parts = [LinearPart(torch.cat([a for a, _ in pairs], 1), torch.cat([e for _, e in pairs], 1))] if pairs else []
+            parts = ([LinearPart(torch.cat([a for a, _ in pairs], 1), torch.cat([e for _, e in pairs], 1))]
+                     if pairs else [])
             blocks.append(FactoredBlock(i, layer.shapes[attr], parts, layer.budget, b))
         else:
             g = sum(e.sum(1) for _, e in pairs) if pairs else layer.calls[0][1].new_zeros((b, *layer.shapes[attr]))
