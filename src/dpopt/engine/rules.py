@@ -19,6 +19,10 @@ RMSNorm       direct (x̂ ⊙ e summed, x̂ = x/rms(x))            —
 GroupNorm     direct (closed form from group stats)           bias: direct
 HF Conv1D     FactoredBlock, g_i = Σ_t a_it e_itᵀ ([in, out])  bias: direct
 HF RMSNorm    as RMSNorm (LlamaRMSNorm and identical copies)  —
+MHA           tapped forward (:mod:`.attention`): in_proj     out_proj: Linear's rule;
+              FactoredBlock from the recorded projections    bias/bias_k/v: direct
+LSTM/GRU/RNN  tapped forward (:mod:`.recurrent`): W_ih, W_hh  biases: direct Σ_t e
+              FactoredBlocks over the time steps
 ============  ===========================================  ==================
 
 A parameter owned by several modules (tied weights) is given to each
