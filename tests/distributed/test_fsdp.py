@@ -82,7 +82,7 @@ def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducib
         model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader or _data(),
                                                  noise_multiplier=sigma, max_grad_norm=C, noise_generator=gen,
                                                  distributed="fsdp" if sharded else False)
-    released = []
+    released, raw = [], []
     for t, (x, y) in enumerate(loader):
         if steps is not None and t >= steps:
             break
@@ -90,11 +90,12 @@ def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducib
         out = model(x)
         loss = (out * 0).sum() if zero_loss else nn.functional.cross_entropy(out, y)
         loss.backward()
+        raw.append(sum(p.grad is not None for p in model.parameters()))  # FSDP wrote no raw reduced gradient
         opt.step()
         released.append([_full(p.grad) * opt.expected_batch_size for p in model.parameters() if p.requires_grad])
     return {"params": [_full(p) for p in model.parameters()], "epsilon": engine.get_epsilon(1e-5) if eps else None,
             "ledger": [(e.step, repr(e.event), sorted(e.meta.items()))
-                       for e in engine.ledger.entries], "steps": len(engine.ledger), "released": released,
+                       for e in engine.ledger.entries], "steps": len(engine.ledger), "released": released, "raw_grads": raw,
             "local_rows": [p.to_local().shape[0] for p in model.parameters() if hasattr(p, "to_local")]}
 
 
@@ -257,6 +258,13 @@ def test_two_ranks_equal_one_process(fsdp_runs, frozen):
     if not frozen:
         assert fsdp_runs[0][name]["epsilon"] == fsdp_runs[1][name]["epsilon"] == pytest.approx(
             dpsgd_epsilon(SIGMA, 1 / 6, 6, 1e-5), rel=1e-9)
+
+
+def test_fsdp_reduces_no_raw_gradient(fsdp_runs):
+    for r in fsdp_runs:  # after backward, before step: FSDP's own reduce-scatter is off (p.grad untouched)
+        assert r["equal"]["raw_grads"] == [0] * 6
+    single = _train(False, steps=1)
+    assert single["raw_grads"] == [6]  # without FSDP autograd fills p.grad: the check can see a raw gradient
 
 
 def test_ledgers_identical_across_ranks(fsdp_runs):
