@@ -56,6 +56,9 @@ KILL_SUBSET = [
 ]
 #: Extra files for mutants whose seam only a tier outside KILL_SUBSET exercises.
 EXTRA_SUBSET = {"noise_per_rank_unscaled": ["tests/distributed/test_ddp_equivalence.py"]}
+#: Tests that fail under EVERY mutant for a reason that is not the bug: sitecustomize imports torch and dpopt
+#: at interpreter start, which a test of what an import loads sees. Left out of the table.
+ARTIFACTS = ("tests/auditing/test_auditing.py::test_stats_module_imports_no_torch",)
 MAX_CAUGHT = 5  # pytest --maxfail: the first tests that catch a mutant are enough for the table
 
 
@@ -421,7 +424,7 @@ def run_subset(name: str | None, files=None, timeout: int = 1800) -> tuple[list[
     env.setdefault("OMP_NUM_THREADS", "1")
     files = list(files or KILL_SUBSET) + (EXTRA_SUBSET.get(name, []) if name else [])
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow and not hf", "-p", "no:cacheprovider",
-           f"--maxfail={MAX_CAUGHT}", "-rfE", *files]
+           "-rfE", *files] + ([f"--maxfail={MAX_CAUGHT}"] if name else [])
     t = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = res.stdout + res.stderr
@@ -430,6 +433,7 @@ def run_subset(name: str | None, files=None, timeout: int = 1800) -> tuple[list[
 
 
 def main(argv=None) -> int:
+    """Build and print the kill table (``--out``: also write it); exit 1 if any mutant survived."""
     ap = argparse.ArgumentParser(description="Build the mutation kill table (mutant -> tests that caught it).")
     ap.add_argument("--mutants", default=",".join(MUTANTS), help="comma-separated names (default: all)")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
@@ -442,7 +446,7 @@ def main(argv=None) -> int:
     print(f"unmutated: {len(base_failed)} failing ({base_secs:.0f} s) {base_summary}", flush=True)
     for name in args.mutants.split(","):
         failed, summary, secs = run_subset(name, files)
-        failed = [f for f in failed if f not in base_failed]
+        failed = [f for f in failed if f not in base_failed and f not in ARTIFACTS]
         m = MUTANTS[name]
         caught = "<br>".join(f"`{f}`" for f in failed) if failed else "**SURVIVED**"
         if not failed:
