@@ -221,8 +221,8 @@ def main() -> None:
             dict(c, rank=r, exposure=exposure(r)) for c, r in zip(canaries, rk)]}
         print(name, "eps", eps, "seconds", round(secs, 1), "held-out bits/char", round(bpc, 3), "exposures",
               [round(exposure(r), 2) for r in rk], flush=True)
-    (out / "exposure.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "exposure.png")
+        (out / "exposure.json").write_text(json.dumps(results, indent=1))  # after each setting: a killed run
+        plot(results, out / "exposure.png")                                # keeps what it finished
 
 
 if __name__ == "__main__":
