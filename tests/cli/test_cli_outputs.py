@@ -92,7 +92,7 @@ DIAG = ["diagnose", "--dataset", "digits", "--noise-multiplier", "1", "--batch-s
         "--trials", "2", "--curve-points", "2"]
 
 
-@pytest.mark.parametrize("marker", ["ledger.json", "summary.json", "model.pt"])
+@pytest.mark.parametrize("marker", ["ledger.json", "summary.json", "model.pt", "privacy_ledger.json"])
 def test_diagnose_refuses_a_run_directory_and_writes_nothing(tmp_path, marker):
     run = tmp_path / "run"
     run.mkdir()
@@ -128,3 +128,42 @@ def test_sweep_records_are_strict_and_read_back_as_floats(tmp_path):
     assert strict(line)["epsilon"] == "inf" and strict(line)["test_loss"] == "nan"
     (record,) = sw.read_results(path)
     assert record["epsilon"] == math.inf and math.isnan(record["test_loss"]) and record["test_accuracy"] == 0.5
+
+
+# --------------------------------------------------------------------------- check on a DPTrainer checkpoint
+def _engine_checkpoint(folder, sigma=1.0):
+    """A checkpoint directory as DPTrainer writes it: privacy_ledger.json + privacy_summary.json of a PrivacyEngine."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpopt
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
+    engine = dpopt.PrivacyEngine()
+    model, opt, data = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           data_loader=data, noise_multiplier=sigma, max_grad_norm=1.0)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    folder.mkdir()
+    engine.ledger.save(folder / "privacy_ledger.json")
+    (folder / "privacy_summary.json").write_text(dumps(engine.summary(1e-5)))
+    return engine
+
+
+def test_check_reads_a_dptrainer_checkpoint_directory(tmp_path):
+    ckpt = tmp_path / "checkpoint-4"
+    engine = _engine_checkpoint(ckpt)
+    res = runner.invoke(app, ["check", str(ckpt)])
+    assert res.exit_code == 0, res.output
+    assert f"{len(engine.ledger)} ledger entries" in res.output
+    claims = loads((ckpt / "privacy_summary.json").read_text())
+    claims["epsilon"] = claims["epsilon"] / 2  # an under-reported epsilon beside the same ledger fails
+    (ckpt / "privacy_summary.json").write_text(dumps(claims))
+    res = runner.invoke(app, ["check", str(ckpt)])
+    assert res.exit_code == 1 and "under-reported" in res.output
+

@@ -575,8 +575,23 @@ def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] 
     return groups
 
 
+ENGINE_RUN_FILES = ("privacy_ledger.json", "privacy_summary.json")
+"""The ledger and summary a Hugging Face ``DPTrainer`` checkpoint (``checkpoint-N/``) holds, in place of a
+``dpopt train`` run directory's ``ledger.json`` and ``summary.json``."""
+
+
+def run_paths(run: Path) -> tuple[Path, Path]:
+    """(ledger, summary) of a run directory: ``ledger.json``/``summary.json``, or a DPTrainer checkpoint's
+    :data:`ENGINE_RUN_FILES` when the directory has no ``summary.json`` but those."""
+    ledger, summary = (run / name for name in ENGINE_RUN_FILES)
+    if not (run / "summary.json").exists() and ledger.exists() and summary.exists():
+        return ledger, summary
+    return run / "ledger.json", run / "summary.json"
+
+
 def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
-    """Read ``ledger.json`` and ``summary.json`` from a run directory.
+    """Read ``ledger.json`` and ``summary.json`` from a run directory (or a DPTrainer checkpoint's
+    ``privacy_ledger.json`` and ``privacy_summary.json``: :func:`run_paths`).
 
     Raises:
         FileNotFoundError: if the directory or either file is missing.
@@ -584,13 +599,15 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
     """
     run = Path(run_dir)
     if not run.is_dir():
-        raise FileNotFoundError(f"{run} is not a run directory (expected ledger.json and summary.json inside)")
-    summary_path = run / "summary.json"
+        raise FileNotFoundError(f"{run} is not a run directory (expected ledger.json and summary.json inside, "
+                                "or a DPTrainer checkpoint's privacy_ledger.json and privacy_summary.json)")
+    ledger_path, summary_path = run_paths(run)
     if not summary_path.exists():
         raise FileNotFoundError(f"no summary.json in {run}: the run was killed or is still running "
                                 f"(`dpopt train --resume {run}` completes it; `dpopt ledger {run}` scores the "
                                 "releases journaled so far)")
-    ledger = PrivacyLedger.load(run)  # the journal when there is one: the releases `dpopt ledger` scores
+    # a dpopt train run: the journal when there is one (the releases `dpopt ledger` scores)
+    ledger = PrivacyLedger.load(run if ledger_path.name == "ledger.json" else ledger_path)
     try:
         summary = loads(summary_path.read_text())
     except json.JSONDecodeError as exc:

@@ -51,9 +51,12 @@ ACCOUNTING_FLAGS = flags_for(["noise_multiplier", "sample_rate", "steps", "delta
 
 def _run_files(run_dir: Path, summary: bool) -> list[tuple[Path, str]]:
     """The files ``ledger``/``check`` read: the ledger (the path itself if a file) and summary.json."""
+    from ..accounting.ledger_check import run_paths
+
     if run_dir.is_file():
         return [(run_dir, "ledger")]
-    return [(run_dir / "ledger.json", "ledger")] + ([(run_dir / "summary.json", "summary")] if summary else [])
+    ledger, summary_path = run_paths(run_dir)
+    return [(ledger, "ledger")] + ([(summary_path, "summary")] if summary else [])
 
 
 def _unreadable(path: Path, kind: str) -> Optional[str]:

@@ -29,7 +29,8 @@ from .common import accountant_option, cli_errors, delta_option, fail, flags_for
 group = typer.Typer()
 
 #: Files that make a directory a `dpopt train` run directory (diagnose never writes in or below one).
-RUN_MARKERS = ("ledger.json", "ledger.jsonl", "summary.json", "model.pt", "checkpoint.pt")
+RUN_MARKERS = ("ledger.json", "ledger.jsonl", "summary.json", "model.pt", "checkpoint.pt",
+               "privacy_ledger.json", "privacy_summary.json")  # the last two: a DPTrainer checkpoint-N/
 #: The first lines of every .md file diagnose writes: a heading a reader cannot miss.
 MD_HEADING = "# NON-PRIVATE research diagnostics (not differentially private)"
 
