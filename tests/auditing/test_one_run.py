@@ -124,6 +124,7 @@ def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch):
     args = ["audit", "--one-run", "--canaries", "300", "--epochs", "1", "--noise-multiplier", "3", "--json"]
     res = runner.invoke(app, args + ["--report", str(tmp_path)])
     assert res.exit_code == 0, res.output
+    assert len(res.output.strip().splitlines()) == 1  # one JSON line, as every --json
     doc = json.loads(res.output)
     assert doc["m"] == 300 and doc["confidence"] == 0.95 and doc["estimator"] == "steinke"
     assert 0 <= doc["epsilon_lower"] <= doc["epsilon"] and doc["verdict"] == "PASS"

@@ -100,7 +100,7 @@ def audit(
         doc = {"delta": delta, "alpha": alpha, "false_alarm_rate_per_mechanism": alpha,
                "trials": trials, "results": [r.to_dict() for r in results], "leaks": leaks,
                "note": note}
-        typer.echo(dumps(doc, indent=2))
+        typer.echo(dumps(doc))  # one line, as every other --json
     else:
         typer.echo(f"One-step audit at δ = {delta:g}, {trials} trials per mechanism; false-alarm rate "
                    f"α = {alpha:g} per mechanism (probability that an honest mechanism shows LEAK).")
@@ -143,7 +143,7 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         doc = result.to_dict()
         if paths:
             doc["report"] = paths
-        typer.echo(dumps(doc, indent=2))
+        typer.echo(dumps(doc))  # one line, as every other --json
     else:
         b = result.bounds
         typer.echo(f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
