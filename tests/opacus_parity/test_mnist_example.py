@@ -82,7 +82,7 @@ def test(model, x, y):  # noqa: PT028 - the example's name; not a pytest test (c
 test.__test__ = False
 
 
-def run(PrivacyEngine, digits28, epochs, accountant="rdp"):
+def run(PrivacyEngine, digits28, epochs, accountant="rdp", **make_private_kwargs):
     """The example's ``main`` for one run: returns (accuracy, ε, steps, q)."""
     train_set, x_test, y_test = digits28
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def run(PrivacyEngine, digits28, epochs, accountant="rdp"):
     privacy_engine = PrivacyEngine(accountant=accountant)
     model, optimizer, train_loader = privacy_engine.make_private(
         module=model, optimizer=optimizer, data_loader=train_loader,
-        noise_multiplier=SIGMA, max_grad_norm=C)
+        noise_multiplier=SIGMA, max_grad_norm=C, **make_private_kwargs)
     eps = None
     for _ in range(epochs):
         eps = train(model, train_loader, optimizer, privacy_engine)
@@ -100,7 +100,10 @@ def run(PrivacyEngine, digits28, epochs, accountant="rdp"):
 
 
 def test_mnist_example_runs_with_the_import_switched(digits28):
-    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=1)
+    # Opacus's own noise_generator= argument seeds the noise: with secret noise one epoch's accuracy is a
+    # random variable (0.14 seen once in 5 runs), and a threshold on it would fail at an unknown rate
+    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=1,
+                             noise_generator=torch.Generator().manual_seed(0))
     assert eps == pytest.approx(dpsgd_epsilon(SIGMA, q, steps, DELTA, "rdp"), rel=1e-9)
     assert acc > 0.15
 
