@@ -243,7 +243,7 @@ def test_max_epsilon_stops_before_exceeding(tmp_path):
                    max_grad_norm=1.0, max_epsilon=cap)
     tr.train()
     assert len(tr.ledger) == 3 and tr.get_epsilon() <= cap
-    assert tr._limit == 3 and tr.next_step_exceeds()  # the ledger holds this run's steps only: the cached T
+    assert tr.next_step_exceeds()  # the ledger holds this run's steps only: the cached T
     tr.noise_multiplier = 8.0  # as if resumed with another sigma: the next step is composed onto the ledger
     nxt = dp_event.ComposedDpEvent([dpsgd_event(1.0, 0.125, 3), poisson_gaussian_step(8.0, 0.125)])
     assert tr.next_step_exceeds() and epsilon(nxt, 1e-5) > cap  # any step adds: still over the cap

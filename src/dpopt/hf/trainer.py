@@ -68,14 +68,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from dp_accounting import dp_event
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
-from ..accounting.accountant import dpsgd_epsilon, epsilon
 from ..accounting.events import poisson_gaussian_step
+from ..accounting.incremental import EpsilonTracker
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
@@ -225,7 +224,7 @@ class DPTrainer(Trainer):
         self.eval_is_public = bool(eval_is_public)
         self._dp_loader: Optional[DataLoader] = None
         self._private = None
-        self._limit: Optional[int] = None
+        self._tracker: Optional[EpsilonTracker] = None  # the max_epsilon stop
         self._eps_cache: Optional[tuple] = None
         self.noise_multiplier = self.sample_rate = self.expected_batch_size = None
         super().__init__(model=model, args=args, **kwargs)
@@ -304,36 +303,22 @@ class DPTrainer(Trainer):
             return int(self.args.max_steps)
         return max(1, math.ceil(self.args.num_train_epochs * per_epoch))
 
-    def _release_limit(self) -> int:
-        """The largest number of releases T with ε(T) ≤ max_epsilon at this run's σ and q (bisection, cached)."""
-        if self._limit is None:
-            acc = str(self.engine.accountant)
-
-            def eps(t: int) -> float:
-                return dpsgd_epsilon(self.noise_multiplier, self.sample_rate, t, self.delta, acc)
-            lo, hi = 0, 1
-            while eps(hi) <= self.max_epsilon and hi < 10 ** 9:
-                lo, hi = hi, 2 * hi
-            while hi - lo > 1:  # eps(lo) <= max < eps(hi)
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if eps(mid) <= self.max_epsilon else (lo, mid)
-            self._limit = lo
-        return self._limit
-
     def next_step_exceeds(self) -> bool:
         """Whether one more release would take ε(δ) past ``max_epsilon`` (False without one).
 
-        A ledger of this run's steps only (σ, q) uses the cached largest T;
-        any other ledger (e.g. resumed from a run with another σ) is scored
-        with the next step composed onto it.
+        :meth:`~dpopt.accounting.incremental.EpsilonTracker.releases_within_budget`
+        (the stop ``dpopt train --max-epsilon`` uses): bisection cached while the
+        ledger grows by this run's step, the next step composed onto any other
+        ledger (e.g. resumed from a run with another σ).
         """
         if self.max_epsilon is None or self.noise_multiplier is None:
             return False
+        tracker = self._tracker
+        if tracker is None or tracker.max_epsilon != float(self.max_epsilon):
+            tracker = self._tracker = EpsilonTracker(self.delta, str(self.engine.accountant), self.max_epsilon)
         step = poisson_gaussian_step(self.noise_multiplier, self.sample_rate)
-        if all(e == step for e in self.ledger.events()):
-            return len(self.ledger) >= self._release_limit()
-        nxt = dp_event.ComposedDpEvent([self.ledger.composed_event(), step])
-        return epsilon(nxt, self.delta, str(self.engine.accountant)) > self.max_epsilon
+        planned = max(1, int(getattr(self.state, "max_steps", 0) or 0) - int(self.state.global_step or 0))
+        return tracker.releases_within_budget(self.ledger, step, planned) < 1  # cached for the planned steps
 
     # -- the step: chunks of one Poisson batch, one release --------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
