@@ -23,6 +23,9 @@ MHA           tapped forward (:mod:`.attention`): in_proj     out_proj: Linear's
               FactoredBlock from the recorded projections    bias/bias_k/v: direct
 LSTM/GRU/RNN  tapped forward (:mod:`.recurrent`): W_ih, W_hh  biases: direct Σ_t e
               FactoredBlocks over the time steps
+WSConv2d      tapped forward (:mod:`.ws`): Jᵀ of the          bias: direct
+              standardization applied to the conv gradient
+              (groups = 1), chunked per-example norms
 ============  ===========================================  ==================
 
 A parameter owned by several modules (tied weights) is given to each
@@ -266,3 +269,10 @@ def _rms_norm(layer: LayerCalls) -> list:
         return []
     return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, m.normalized_shape, m.eps)
                                                       for a, e in layer.calls)])]
+
+
+# --------------------------------------------------------------------------- weight-standardized conv (engine.ws)
+from ..models import WSConv2d  # noqa: E402 — after register_rule; models imports nothing from the engine
+from .ws import ws_conv2d_blocks, ws_conv2d_forward  # noqa: E402 — ws imports layers only
+
+register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward)(ws_conv2d_blocks)
