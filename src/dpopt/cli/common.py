@@ -45,9 +45,11 @@ __all__ = [
     "cli_errors",
     "cli_message",
     "delta_option",
+    "escape_markup",
     "fail",
     "flag_text",
     "flags_for",
+    "reflow",
     "json_option",
     "tidy_help",
 ]
@@ -237,8 +239,83 @@ def _after_import(name: str, fn) -> None:
     sys.meta_path.insert(0, _After())
 
 
+def escape_markup(text: str) -> str:
+    """``text`` with every ``[`` escaped for rich markup: rendered, it reads exactly as ``text``.
+
+    Unlike :func:`rich.markup.escape` (which escapes only ``[`` that starts a tag, so ``[[variant]]``
+    still lost its inner ``[variant]``), every ``[`` gets a backslash and the backslashes in front of it
+    are doubled.
+
+    >>> escape_markup("[sweep], [[variant]]")
+    '\\\\[sweep], \\\\[\\\\[variant]]'
+    """
+    return re.sub(r"(\\*)\[", lambda m: m.group(1) * 2 + "\\[", text)
+
+
+def reflow(doc: str) -> str:
+    """A docstring's paragraphs each on one line (paragraphs: blank-line separated; ``\\b`` ones kept).
+
+    typer's rich help keeps a docstring's line breaks *and* wraps at the terminal width, so a
+    source line a little longer than the help (100 columns when piped) broke in two:
+    "... a run with a checkpoint is" / "continued). ...". Joined, each paragraph is wrapped once.
+    A paragraph that starts with click's ``\\b`` marker keeps its lines.
+
+    >>> reflow("One line\\nand the next.\\n\\nSecond.")
+    'One line and the next.\\n\\nSecond.'
+    """
+    import inspect
+
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
+    out = [p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs]
+    return "\n\n".join(out)
+
+
+def _escape_markup(app: typer.Typer) -> None:
+    """Escape rich markup in every help text of ``app`` (once), so ``[sweep]`` is shown, not taken for a tag.
+
+    typer renders help with rich markup when the app's ``rich_markup_mode`` is ``"rich"`` (typer's
+    default since 0.12 where rich is installed; older typer showed plain text): a bracketed word such
+    as ``[sweep]`` or ``[[variant]]`` was read as a style tag and vanished from ``dpopt sweep --help``.
+    No dpopt help text uses markup on purpose, so in that mode every ``[`` is escaped
+    (:func:`escape_markup`) in the option and argument helps and in each command's help (its
+    docstring when no ``help=`` is given, its paragraphs first joined by :func:`reflow`); in any
+    other mode nothing is changed. Plain strings only:
+    nothing of rich is imported here.
+    """
+    import inspect
+
+    import typer.core
+
+    mode = getattr(app.rich_markup_mode, "value", app.rich_markup_mode)  # a DefaultPlaceholder in some typers
+    if getattr(app, "_dpopt_escaped", False) or mode != "rich" or not getattr(typer.core, "HAS_RICH", True):
+        return
+    app._dpopt_escaped = True
+    if isinstance(app.info.help, str):
+        app.info.help = escape_markup(app.info.help)
+    typers = [app] + [info.typer_instance for info in app.registered_groups if info.typer_instance is not None]
+    callbacks = [app.registered_callback] if app.registered_callback is not None else []
+    for sub in typers:
+        if sub is not app and isinstance(sub.info.help, str):
+            sub.info.help = escape_markup(sub.info.help)
+        for command in sub.registered_commands:
+            doc = command.help if command.help is not None else inspect.getdoc(command.callback)
+            if isinstance(doc, str):
+                command.help = escape_markup(reflow(doc))
+            callbacks.append(command)
+    for item in callbacks:
+        fn = getattr(item, "callback", None)
+        if fn is None:
+            continue
+        for param in inspect.signature(fn).parameters.values():
+            info = param.default
+            if isinstance(info, typer.models.ParameterInfo) and isinstance(info.help, str) and \
+                    not getattr(info, "_dpopt_escaped", False):
+                info.help = escape_markup(info.help)
+                info._dpopt_escaped = True
+
+
 def tidy_help(app: typer.Typer) -> None:
-    """Make ``--help`` readable: option names never truncated, flags shown without a type.
+    """Make ``--help`` readable: option names never truncated, flags shown without a type, no text lost.
 
     * Width: when stdout is not a terminal and neither ``TERMINAL_WIDTH`` nor
       ``COLUMNS`` is set, help is rendered :data:`HELP_MIN_WIDTH` columns wide
@@ -250,8 +327,12 @@ def tidy_help(app: typer.Typer) -> None:
     not imported here: typer imports it only to render help or an error, and the width
     is set at that moment (:func:`_after_import`). A command that runs (``dpopt
     calibrate ...``) never pays for it.
+    * Markup: help texts are shown as written (:func:`_escape_markup`: ``[sweep]`` is
+      text, not a rich style tag).
     """
     import typer.core
+
+    _escape_markup(app)
 
     _after_import("typer.rich_utils", _widen)
 
