@@ -18,7 +18,10 @@ level starting from the previous level's root and slope:
   the accurate 1e-4 (grids shrink in proportion for targets ε < 1).
   Pessimistic PLDs on coarser grids over-estimate ε, so the 1e-3 root is
   slightly conservative and the accurate evaluation there usually confirms
-  ε ≤ target at once.
+  ε ≤ target at once. The coarse levels build their PLDs with
+  :func:`~dpopt.accounting.pld.fast_pld_epsilon` (vectorised; equal to
+  dp_accounting's construction to rounding); the accurate level, whose ε is
+  reported, is dp_accounting's own construction.
 * ``rdp``: the RDP accountant itself (each evaluation is cheap).
 * ``prv``: coarse PLD (3e-3), then the PRV estimate at ε_error = 0.1 plus the final
   ε_error, then the accurate PRV upper bound (ε_error = 0.01).
@@ -47,7 +50,7 @@ from ..errors import ConfigError
 from .accountant import epsilon_report
 from .cost import CostBudget
 from .events import dpsgd_event
-from .pld import PLD_DISCRETIZATION, pld_epsilon
+from .pld import PLD_DISCRETIZATION, fast_pld_epsilon
 from .prv import PRV_EPS_ERROR, prv_epsilon
 from .rdp import rdp_epsilon
 from .registry import check_accountant
@@ -319,7 +322,9 @@ def _accurate(accountant: str, delta: float, q: float, steps: int) -> Callable[[
 def _levels(accountant: str, target: float, delta: float, q: float, steps: int,
             tracker: Optional[_Tracker] = None, accurate: Optional[_Level] = None) -> list[tuple[_Level, float]]:
     def pld_at(d: float) -> Callable[[float], float]:
-        return lambda s: pld_epsilon(dpsgd_event(s, q, steps), delta, d, budget=_LEVEL_BUDGET)
+        # the cheap levels build their PLDs vectorised (equal to dp_accounting's to rounding); the final,
+        # reported level is the accurate accountant itself (dp_accounting's own construction)
+        return lambda s: fast_pld_epsilon(dpsgd_event(s, q, steps), delta, d, budget=_LEVEL_BUDGET)
 
     def level(name, fn):
         return _Level(name, fn, tracker)

@@ -28,6 +28,19 @@ accountant refuses with advice.
 
 A leaf behind :mod:`dpopt.accounting.registry`: :func:`pld_epsilon_report`
 has the registry's common signature ``(ledger, delta, *, budget)``.
+
+Fast construction (calibration's bisection only). dp_accounting builds a
+connect-the-dots PLD by evaluating the hockey-stick divergence δ(ε_k) at every
+grid point ε_k = k·d with a Python loop over the points (one scalar
+``inverse_privacy_loss`` each: ~70k calls at d = 1e-4, ~0.5 s, most of an
+evaluation). :func:`fast_pld_epsilon` computes the same δ(ε_k) with one
+vectorised numpy expression (the same formulas, ``_vector_deltas``) and hands
+them to dp_accounting's own ``create_pmf_pessimistic_connect_dots_fixed_gap``;
+the result agrees with dp_accounting's to rounding (tested to 1e-9 relative in
+ε). It is used only on the cheap, coarse levels of
+:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`'s search: every
+ε that dpopt REPORTS (``pld_epsilon``, ``epsilon``, the calibration's final
+check) comes from dp_accounting's unmodified construction.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import functools
 import math
 from typing import Optional
 
+import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.privacy_accountant import NeighboringRelation
 
@@ -45,7 +59,7 @@ from .events import flatten_gaussian_terms, ledger_event, ledger_relation
 from .ledger import EventLike
 from .validation import check_delta
 
-__all__ = ["PLD_DISCRETIZATION", "pld_epsilon_report", "pld_epsilon"]
+__all__ = ["PLD_DISCRETIZATION", "pld_epsilon_report", "pld_epsilon", "fast_pld_epsilon"]
 
 #: Value-discretisation interval (in nats of privacy loss) of the accurate PLD.
 #: 1e-4 is dp_accounting's default, so ``"pld"`` ε equals dp_accounting's.
@@ -72,7 +86,65 @@ def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neighborin
     )
 
 
-def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelation) -> float:
+def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
+    """δ(ε) of a Poisson-sampled Gaussian ``mech`` (dp_accounting ``GaussianPrivacyLoss``, sensitivity 1) at every
+    ε of ``eps`` at once: ``mech.get_delta_for_epsilon(eps)`` without its per-point Python loop.
+
+    The same formulas as dp_accounting 0.6 (``AdditiveNoisePrivacyLoss.get_delta_for_epsilon`` and
+    ``_inverse_privacy_loss_{add,remove}``): with L(ε) = log(e^ε/q + 1 − 1/q) (REMOVE; ADD uses −L(−ε)) the
+    cut-off is x = −1/2 − σ²L (REMOVE) or 1 − 1/2 − σ²L (ADD) and δ = μ_upper_cdf(x) − e^{ε + μ_lower_log_cdf(x)},
+    clipped to [0, 1]; below log(1−q) (REMOVE) δ = 1 − e^ε, above −log(1−q) (ADD) δ = 0.
+    """
+    a = 1.0 / q
+    log_a, log_neg_c = np.log(a), np.log(-(1.0 - a))
+    bound = math.log1p(-q) if remove else -math.log1p(-q)
+    deltas = np.zeros_like(eps, dtype=float)
+    inside = eps > bound if remove else eps < bound
+    if remove:
+        deltas[~inside] = -np.expm1(eps[~inside])
+    e = eps[inside]
+    s2 = mech._standard_deviation ** 2
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        b = e if remove else -e
+        dd = b + log_a  # log(a·e^b + c) = dd + log1p(−e^{log(−c) − dd}) (dp_accounting's _log_sub)
+        loss = dd + np.log1p(-np.exp(log_neg_c - dd))
+        loss = np.where(b == 0, np.log(a + (1.0 - a)), loss)  # its b == 0 branch: log(a + c)
+        near = np.abs(e - bound) <= 1e-9 * np.maximum(np.abs(e), abs(bound))  # math.isclose: the unsampled limit
+        if remove:
+            x = np.where(near, math.inf, -0.5 - loss * s2)
+        else:
+            x = np.where(near, -math.inf, 1.0 + (-0.5 + loss * s2))
+        deltas[inside] = mech.mu_upper_cdf(x) - np.exp(e + mech.mu_lower_log_cdf(x))
+    return np.clip(deltas, 0, 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+    """:func:`_sampled_gaussian_pld` with the δ(ε_k) of every grid point computed at once (:func:`_vector_deltas`).
+
+    Only for add-or-remove adjacency and q < 1 (else, or if dp_accounting's internals moved, the library's own
+    construction is returned). For the calibration's cheap levels only: never for a reported ε.
+    """
+    if relation != NeighboringRelation.ADD_OR_REMOVE_ONE or not 0.0 < q < 1.0:
+        return _sampled_gaussian_pld(sigma, q, d, relation)
+    try:
+        from dp_accounting.pld import pld_pmf
+        from dp_accounting.pld import privacy_loss_mechanism as plm
+
+        pmfs = []
+        for adjacency in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD):
+            mech = plm.GaussianPrivacyLoss(sigma, sensitivity=1, pessimistic_estimate=True,
+                                           log_mass_truncation_bound=-50, sampling_prob=q, adjacency_type=adjacency)
+            bounds = mech.connect_dots_bounds()
+            hi, lo = math.ceil(bounds.epsilon_upper / d), math.floor(bounds.epsilon_lower / d)
+            deltas = _vector_deltas(mech, np.arange(lo, hi + 1) * d, q, adjacency == plm.AdjacencyType.REMOVE)
+            pmfs.append(pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(d, lo, hi, deltas))
+        return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1])
+    except (AttributeError, TypeError, ImportError):  # another dp_accounting: its own (slower) construction
+        return _sampled_gaussian_pld(sigma, q, d, relation)
+
+
+def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelation, fast: bool = False) -> float:
     total = None
     for (q, sigma), count in terms.items():
         if q >= 1.0:
@@ -85,7 +157,7 @@ def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelat
                 neighboring_relation=relation,
             )
         else:
-            part = _sampled_gaussian_pld(sigma, q, d, relation)
+            part = (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation)
             if count > 1:
                 part = part.self_compose(count)
         total = part if total is None else total.compose(part)
@@ -102,7 +174,8 @@ def _nice_up(x: float) -> float:
     return 10.0 ** (e + 1)
 
 
-def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[CostBudget]) -> EpsilonReport:
+def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[CostBudget],
+                fast: bool = False) -> EpsilonReport:
     relation_name = ledger_relation(ledger)
     terms = flatten_gaussian_terms(ledger_event(ledger))
     if not terms:
@@ -126,7 +199,7 @@ def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[Cost
                  f"{needed:g} nats ({coarse.describe()}); pessimistic rounding keeps epsilon an upper bound",)
         d, est, coarsened = needed, coarse, True
     try:
-        eps, messages = captured(_pld_terms_epsilon, terms, delta, d, _RELATIONS[relation_name])
+        eps, messages = captured(_pld_terms_epsilon, terms, delta, d, _RELATIONS[relation_name], fast)
     except MemoryError:
         raise ValueError(
             "the pld accountant ran out of memory on this ledger (a very small noise multiplier gives an "
@@ -199,3 +272,25 @@ def pld_epsilon(
     ``privacy_loss_distribution.from_gaussian_mechanism``.
     """
     return pld_epsilon_report(ledger, delta, value_discretization_interval, budget).epsilon
+
+
+def fast_pld_epsilon(
+    ledger: EventLike,
+    delta: float,
+    value_discretization_interval: float,
+    budget: Optional[CostBudget] = None,
+) -> float:
+    """:func:`pld_epsilon` with the vectorised construction of the sampled-Gaussian PLDs (module docstring).
+
+    Agrees with :func:`pld_epsilon` to rounding (a few ulps of each δ(ε_k); tested to 1e-9 relative in ε), and
+    is ~10x faster to build at fine grids. A search aid for
+    :func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`'s cheap levels: not an accountant, never
+    a reported ε (which always comes from dp_accounting's own construction).
+
+    Args, returns and raises: as :func:`pld_epsilon`.
+    """
+    delta = check_delta(delta)
+    d = float(value_discretization_interval)
+    if not (0.0 < d <= 1.0):
+        raise ValueError(f"value_discretization_interval must be in (0, 1], got {value_discretization_interval!r}")
+    return _pld_report(ledger, delta, d, budget, fast=True).epsilon
