@@ -209,17 +209,52 @@ def _check_arrays(name: str, path: Path, arrays: tuple[np.ndarray, ...], classes
                             f"got dtype {y.dtype}, range {y.min()}..{y.max()}")
 
 
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
 def _npz_arrays(path: Path) -> tuple[np.ndarray, ...]:
+    """The four arrays of a ``.npz`` archive, read without ever unpickling.
+
+    A ``.npz`` file is a zip of ``.npy`` arrays (``numpy.savez``). The zip structure is
+    checked first (:func:`zipfile.is_zipfile`): a truncated download or a file of other
+    bytes is reported as "not a valid .npz archive" — before, ``numpy.load`` fell back to
+    reading it as a pickle and its "allow_pickle=False" message pointed at unpickling,
+    which dpopt never does (a pickle can run code). An array of Python objects inside a
+    valid archive is refused for the same reason.
+
+    Raises:
+        DataError: not a zip archive, an unreadable or corrupt member, an object array,
+            or one of x_train, y_train, x_test, y_test missing.
+    """
+    import zipfile
+
+    def invalid(why: str) -> DataError:
+        return DataError(f"{path} is not a valid .npz archive ({why}); it may be truncated or damaged: copy it "
+                         f"again, or write it with numpy.savez(path, x_train=..., y_train=..., x_test=..., "
+                         f"y_test=...) (uint8 images, integer labels)", "data_dir")
+
     try:
+        if not zipfile.is_zipfile(path):
+            raise invalid("an .npz file is a zip of .npy arrays; this file is not a zip archive")
         with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in npz]
+            missing = [k for k in NPZ_KEYS if k not in npz]
             if missing:
                 raise DataError(f"{path} lacks arrays {missing}; expected x_train, y_train, x_test, y_test")
-            return tuple(npz[k] for k in ("x_train", "y_train", "x_test", "y_test"))
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path} is not a readable .npz archive: {exc}") from exc
+            arrays = []
+            for key in NPZ_KEYS:
+                try:
+                    arrays.append(npz[key])
+                except ValueError as exc:
+                    if "pickle" in str(exc):  # an object array: dpopt does not unpickle data files
+                        raise DataError(f"{path}: array {key!r} holds Python objects, which dpopt does not "
+                                        "load (unpickling can run code); save numeric arrays (uint8 images, "
+                                        "integer labels)") from None
+                    raise invalid(f"array {key!r} cannot be read: {exc}") from None
+            return tuple(arrays)
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise invalid(f"{type(exc).__name__} while reading it: {exc}") from None
 
 
 def _mnist(data_dir: Path) -> Dataset:

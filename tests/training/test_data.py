@@ -57,7 +57,7 @@ def test_missing_mnist_names_paths_and_formats(tmp_path):
 
 def test_malformed_files(tmp_path):
     (tmp_path / "mnist.npz").write_bytes(b"not a zip")
-    with pytest.raises(DataError, match="not a readable .npz"):
+    with pytest.raises(DataError, match="not a valid .npz archive"):
         load_dataset("mnist", tmp_path)
     np.savez(tmp_path / "mnist.npz", x_train=np.zeros((2, 28, 28)))
     with pytest.raises(DataError, match="lacks arrays"):
@@ -69,6 +69,48 @@ def test_malformed_files(tmp_path):
         (other / name).write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")
     with pytest.raises(DataError, match="header says"):
         load_dataset("mnist", other)
+
+
+def _good_arrays():
+    rng = np.random.default_rng(0)
+    return dict(x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8), y_train=np.arange(8) % 10,
+                x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8), y_test=np.arange(4))
+
+
+@pytest.mark.parametrize("damage", ["other bytes", "truncated", "zeroed member", "cifar10"])
+def test_corrupt_npz_is_not_a_valid_archive_never_a_pickle(tmp_path, damage):
+    """Issue 22: a corrupt mnist.npz got numpy's "Cannot load file containing pickled data when
+    allow_pickle=False": the wrong cause, and a nudge towards unpickling a data file."""
+    name = "cifar10.npz" if damage == "cifar10" else "mnist.npz"
+    np.savez(tmp_path / name, **_good_arrays())
+    full = (tmp_path / name).read_bytes()
+    broken = {"other bytes": b"\x80\x04not an archive" * 40, "truncated": full[:len(full) // 2],
+              "zeroed member": full[:200] + bytes(300) + full[500:], "cifar10": full[: len(full) // 3]}[damage]
+    (tmp_path / name).write_bytes(broken)
+    with pytest.raises(DataError) as err:
+        load_dataset("cifar10" if damage == "cifar10" else "mnist", tmp_path)
+    msg = str(err.value)
+    assert f"{tmp_path / name} is not a valid .npz archive" in msg and "numpy.savez" in msg
+    assert "pickle" not in msg.lower()
+
+
+def test_npz_with_object_arrays_is_refused_without_unpickling(tmp_path):
+    np.savez(tmp_path / "mnist.npz", **dict(_good_arrays(), y_test=np.array([0, "a", None, 3], dtype=object)))
+    with pytest.raises(DataError, match="array 'y_test' holds Python objects, which dpopt does not load"):
+        load_dataset("mnist", tmp_path)
+
+
+def test_corrupt_npz_through_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    (tmp_path / "mnist.npz").write_bytes(b"\x80\x04garbage" * 10)
+    res = CliRunner().invoke(app, ["train", "--dataset", "mnist", "--data-dir", str(tmp_path),
+                                   "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2, res.output
+    assert "is not a valid .npz archive" in res.stderr and "pickle" not in res.stderr.lower()
+    assert "Traceback" not in res.output
 
 
 def test_unknown_dataset_and_missing_dir():
