@@ -158,6 +158,24 @@ def train_command(
         None, help="do not train parameters whose names match this shell pattern (repeatable, e.g. '0.*')"),
     lora_rank: Optional[int] = typer.Option(
         None, help="train PEFT LoRA adapters of this rank on every linear layer, base weights frozen (needs peft)"),
+    augmult: int = typer.Option(
+        1, "--augmult", help="K augmented views per example (cifar10; long form --augmentation-multiplicity K); each "
+                             "example's gradient is the mean over its views, clipped once: same ε as K = 1, K× the "
+                             "compute (De et al. 2022; docs/recipe.md)"),
+    augmentation_multiplicity: Optional[int] = typer.Option(
+        None, "--augmentation-multiplicity", hidden=True, help="the long form of --augmult"),
+    augment: Optional[str] = typer.Option(
+        None, help="augmentation of the training batches: crop-flip (random crop, padding 4, + horizontal flip; "
+                   "default when K > 1), flip or none"),
+    ema_decay: Optional[float] = typer.Option(
+        None, help="also keep an EMA of the released parameters with this decay (e.g. 0.999; warm-up "
+                   "min(D, (1+t)/(10+t))): evaluated every metrics row and saved as model_ema.pt (post-processing)"),
+    lr_schedule: str = typer.Option("constant", help="constant or cosine (decay to ~0 at the last step), after "
+                                                     "--warmup-steps"),
+    warmup_steps: int = typer.Option(0, help="linear lr warm-up over this many steps (lr·(s+1)/W)"),
+    fsdp: bool = typer.Option(
+        False, help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
+                    "clipping and one noise draw per coordinate (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)"),
     resume: Optional[str] = typer.Option(
         None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
                    "(only --device, --threads and --json may be given with it)"),
@@ -197,6 +215,10 @@ def train_command(
         fail(f"--layer-bounds must be comma-separated numbers, got {layer_bounds!r}")
     if noise_multiplier is not None and target_epsilon is not None:
         fail("give --noise-multiplier or --target-epsilon, not both (the target calibrates σ)")
+    if augmentation_multiplicity is not None and augmult != 1 and augmentation_multiplicity != augmult:
+        fail("give --augmult or --augmentation-multiplicity, not both")
+    if augmentation_multiplicity is not None:
+        augmult = augmentation_multiplicity
     cfg = TrainConfig(dataset=dataset, data_dir=data_dir, model=model, method=method,
                       noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier, delta=delta, max_grad_norm=max_grad_norm,
                       batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, accountant=accountant,
@@ -208,7 +230,9 @@ def train_command(
                       show_train_loss=show_train_loss, max_epsilon=max_epsilon,
                       checkpoint_every=checkpoint_every, log_every=log_every, device=device,
                       tensorboard=tensorboard, validation_fraction=validation_fraction,
-                      init_from=init_from, freeze=list(freeze) if freeze else None, lora_rank=lora_rank)
+                      init_from=init_from, freeze=list(freeze) if freeze else None, lora_rank=lora_rank,
+                      augmentation_multiplicity=augmult, augment=augment, ema_decay=ema_decay,
+                      lr_schedule=lr_schedule, warmup_steps=warmup_steps)
     if threads is not None:
         if threads < 1:
             fail(f"--threads must be >= 1, got {threads}")
@@ -264,6 +288,10 @@ def train_command(
                 from ..training import resume as resume_run
 
                 summary = resume_run(resume, on_step=on_step, device=None if device == "cpu" else device)
+            elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
+                from ..fsdp_train import train_fsdp
+
+                summary = train_fsdp(cfg, on_step=on_step)
             else:
                 summary = train(cfg, on_step=on_step)
     if summary.get("rank", 0) != 0:  # another rank of a data-parallel run: rank 0 reports
@@ -278,6 +306,9 @@ def train_command(
         out_console.print(f"validation accuracy {summary['val_accuracy']:.4f}, loss {summary['val_loss']:.4f} on "
                           f"the held-out {summary.get('validation_fraction', 0):g} of the training set (never "
                           "trained on; no protection, like the test set; not covered by ε)")
+    if "ema_test_accuracy" in summary:
+        out_console.print(f"EMA model (decay {summary['ema_decay']:g}, post-processing; model_ema.pt): test accuracy "
+                          f"{summary['ema_test_accuracy']:.4f}, loss {summary['ema_test_loss']:.4f}")
     if "target_epsilon" in summary:
         out_console.print(f"σ = {summary['noise_multiplier']:.4g} calibrated for target ε = "
                           f"{summary['target_epsilon']:g}")

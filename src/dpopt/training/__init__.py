@@ -237,6 +237,10 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         raise ValueError(f"the ledger journal in {run_dir} has {len(run.ledger)} releases but the checkpoint "
                          f"was written after {position}: the journal is damaged (refusing to under-count)")
     run.model.load_state_dict(ckpt["model"])
+    if run.averager is not None:  # the EMA continues (a checkpoint without one: refused, not restarted silently)
+        if ckpt.get("averager") is None:
+            raise ValueError(f"the checkpoint in {run_dir} has no EMA state for ema_decay {cfg.ema_decay}")
+        run.averager.load_state_dict(ckpt["averager"])
     opt = run.optimizer
     opt.load_state_dict(dict(ckpt["optimizer"], privatizer=ckpt["privatizer"]))  # DPOptimizer.load_state_dict
     lost = run.ledger.entries[position:]

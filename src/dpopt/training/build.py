@@ -23,6 +23,7 @@ from torch import nn
 from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
+from ..averaging import ParameterAverager
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
@@ -31,7 +32,7 @@ from ..models import DEFAULT_MODEL, build_model, check_model
 from ..noise import NoiseSource
 from ..optim import DPOptimizer
 from ..privatizer import QuantileClipping
-from .config import TrainConfig, resolve_device, validate_config
+from .config import TrainConfig, planned_steps, resolve_device, validate_config
 
 __all__ = ["Run", "build_run", "layer_groups", "privacy_options", "noise_source", "REPRODUCIBLE_NOISE_WARNING"]
 
@@ -53,7 +54,8 @@ class Run:
         model_name, model: the model (initialised from ``cfg.seed``).
         noise: the run's noise source (secret unless ``cfg.reproducible_noise``).
         sample_rate: Poisson rate q (given, or B̄/N: then N is treated as public).
-        steps: number of logical steps, ``max(1, round(epochs / q))``.
+        steps: number of logical steps, ``round(epochs / q)`` (:func:`~.config.planned_steps`; refused
+            when that is zero).
         noise_multiplier: the σ used (calibrated when ``cfg.target_epsilon`` is set).
         calibration: the calibration result, or None.
         ledger: the privacy ledger every release is recorded in.
@@ -62,6 +64,8 @@ class Run:
         optimizer: the :class:`~dpopt.optim.DPOptimizer`.
         device: where the model, the batches and the noise live.
         dist: the data-parallel context (:mod:`dpopt.distributed`; one process by default).
+        averager: with ``cfg.ema_decay``, the :class:`~dpopt.averaging.ParameterAverager` (EMA with
+            warm-up) of the released parameters, updated after every step; else None.
     """
 
     cfg: TrainConfig
@@ -79,6 +83,7 @@ class Run:
     optimizer: DPOptimizer
     device: torch.device = torch.device("cpu")
     dist: DistributedContext = DistributedContext()
+    averager: Optional[ParameterAverager] = None  # cfg.ema_decay: EMA of the released parameters (docs/recipe.md)
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -189,7 +194,7 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
     check_model(model)
     model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
-    steps = max(1, int(round(cfg.epochs / sample_rate)))
+    steps = planned_steps(cfg.epochs, sample_rate)  # refuses epochs that round to no step
     sigma, calibration = cfg.noise_multiplier, None
     if cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
@@ -208,5 +213,6 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
         attach(opt.privatizer, dist)
     return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
                steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
-               privacy_facts=privacy_facts, optimizer=opt, device=device, dist=dist)
+               privacy_facts=privacy_facts, optimizer=opt, device=device, dist=dist,
+               averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay))
 

@@ -16,7 +16,8 @@ from ..data import check_validation_fraction
 from ..errors import ConfigError
 from ..methods import get_method
 
-__all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device"]
+__all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device", "planned_steps",
+           "epoch_end_step"]
 
 CLIPPINGS = ("flat", "per-layer", "quantile")
 DEVICES = ("cpu", "cuda", "auto")
@@ -80,6 +81,14 @@ class TrainConfig:
     init_from: Optional[str] = None
     freeze: Optional[list] = None
     lora_rank: Optional[int] = None
+    # the from-scratch recipe (De et al. 2022; docs/recipe.md): K augmented views per example, their gradient
+    # averaged before clipping (same ε); the views' augmentation (None: crop-flip when K > 1); an EMA of the
+    # released parameters (post-processing: model_ema.pt, ema_* metrics); lr warm-up + constant/cosine
+    augmentation_multiplicity: int = 1
+    augment: Optional[str] = None
+    ema_decay: Optional[float] = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -142,6 +151,60 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ConfigError(f"target_epsilon must be > 0, got {cfg.target_epsilon}", "target_epsilon")
     if cfg.lora_rank is not None and not (isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 1):
         raise ConfigError(f"lora_rank must be an integer >= 1, got {cfg.lora_rank!r}", "lora_rank")
+    _validate_recipe(cfg)
+
+
+def _validate_recipe(cfg: TrainConfig) -> None:
+    """augmentation_multiplicity, augment, ema_decay, lr_schedule, warmup_steps (docs/recipe.md)."""
+    from ..augment import AUGMENTATIONS
+    from ..lr_schedules import SCHEDULES
+
+    k = cfg.augmentation_multiplicity
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"augmentation_multiplicity must be an integer >= 1 (1: no extra views), got {k!r}",
+                          "augmentation_multiplicity")
+    if cfg.augment is not None and cfg.augment not in AUGMENTATIONS:
+        raise ConfigError(f"unknown augment {cfg.augment!r}; choose one of {', '.join(AUGMENTATIONS)}", "augment")
+    if (k > 1 or cfg.augment not in (None, "none")) and cfg.dataset != "cifar10":
+        raise ConfigError(f"augmentation ({cfg.augment or 'crop-flip'}) is for cifar10 images; use "
+                          "augmentation_multiplicity 1 and no augment here", "augmentation_multiplicity", "augment")
+    if cfg.ema_decay is not None and not (0.0 <= cfg.ema_decay < 1.0):
+        raise ConfigError(f"ema_decay must be in [0, 1) (e.g. 0.999), got {cfg.ema_decay}", "ema_decay")
+    if cfg.lr_schedule not in SCHEDULES:
+        raise ConfigError(f"unknown lr_schedule {cfg.lr_schedule!r}; choose one of {', '.join(SCHEDULES)}",
+                          "lr_schedule")
+    if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be an integer >= 0, got {cfg.warmup_steps!r}", "warmup_steps")
+
+
+def planned_steps(epochs: float, sample_rate: float) -> int:
+    """The number of logical steps of a run: ``round(epochs / q)`` (Python's rounding), at least one.
+
+    A run's epochs are counted as ``steps × q`` (one epoch = 1/q expected steps); epoch k ends at
+    step ``round(k / q)`` (:func:`epoch_end_step`), so a 1-epoch run and the first epoch of a longer
+    run have the same number of steps.
+
+    Raises:
+        ConfigError: (naming ``epochs``) ``epochs / q`` rounds to zero steps: ``--epochs 1e-9``
+            silently ran one step before.
+    """
+    raw = float(epochs) / float(sample_rate)
+    steps = int(round(raw))
+    if steps < 1:
+        raise ConfigError(f"epochs {epochs:g} is {raw:.3g} of a step at sample rate q = {sample_rate:.4g} (a run "
+                          f"takes round(E/q) steps), which rounds to no step; give epochs >= {sample_rate:.4g} "
+                          "(one step) or more", "epochs")
+    return steps
+
+
+def epoch_end_step(epoch: int, sample_rate: float, steps: int) -> int:
+    """The step after which epoch ``epoch`` (1, 2, ...) ends: ``round(epoch / q)``, at most ``steps``.
+
+    The same rounding as :func:`planned_steps`: the first epoch of a 3-epoch run ends at the step
+    count of a 1-epoch run (234 steps for MNIST at B̄ = 256, 1/q = 234.375; it ended at 235 when
+    the end was the first step ≥ 1/q). The last step of a run always closes its last epoch row.
+    """
+    return min(int(steps), max(1, int(round(epoch / float(sample_rate)))))
 
 
 def resolve_device(device: str) -> "torch.device":

@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 from ..accounting.incremental import EpsilonTracker
+from ..augment import ViewBatches
 from ..distributed import any_rank
 from ..engine import iter_per_sample_sources
+from ..lr_schedules import apply_lr
 from ..sampling import PoissonSampler
 from .build import Run
 from .signals import StopRequest
@@ -134,6 +136,11 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
         r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss}
         if data.x_val is not None:  # held-out training records (validation_fraction): no protection, like test
             r["val_accuracy"], r["val_loss"] = evaluate(model, data.x_val, data.y_val)
+        if run.averager is not None:  # the EMA of the released parameters (post-processing), same test set
+            with run.averager.swapped(model):
+                r["ema_test_accuracy"], r["ema_test_loss"] = evaluate(model, data.x_test, data.y_test)
+                if data.x_val is not None:
+                    r["ema_val_accuracy"], r["ema_val_loss"] = evaluate(model, data.x_val, data.y_val)
         r["epsilon"] = eps_now
         state.metrics.append(r)
         last = r
@@ -144,6 +151,11 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
     def checkpoint() -> None:
         if files is not None:
             files.checkpoint(state, sampler)
+
+    k, augment = cfg.augmentation_multiplicity, cfg.augment  # views per example and their augmentation
+    views = (ViewBatches(model, _loss, k, augment or "crop-flip", cfg.seed)
+             if k > 1 or augment not in (None, "none") else None)
+    scheduled = cfg.lr_schedule != "constant" or cfg.warmup_steps > 0
 
     try:
         while state.step < steps:
@@ -158,11 +170,18 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
                     ledger, opt.privatizer.step_event(), steps - state.step) < 1:
                 state.status = "budget_exhausted"
                 break
+            if scheduled:  # lr of this update from its (public) index: post-processing
+                apply_lr(opt, state.step, steps, cfg.lr_schedule, cfg.warmup_steps)
             idx = sampler.sample()
             x, y = data.x_train[idx].to(run.device), data.y_train[idx].to(run.device)
-            sources = iter_per_sample_sources(model, _loss, x, y, cfg.physical_batch_size,
-                                              opt.evaluation_points())
+            step_model, step_loss, engine = model, _loss, "fast"
+            if views is not None:  # K views per example (their mean gradient is clipped), docs/recipe.md
+                step_model, step_loss, x, y, engine = views.batch(x, y, state.step)
+            sources = iter_per_sample_sources(step_model, step_loss, x, y, cfg.physical_batch_size,
+                                              opt.evaluation_points(), engine=engine)
             opt.step(sources)
+            if run.averager is not None:
+                run.averager.update()  # reads the released parameters only
             state.step += 1
             step = state.step
             epoch_end = step >= state.next_epoch * steps_per_epoch - 1e-9 or step == steps

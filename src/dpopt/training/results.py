@@ -155,7 +155,8 @@ class RunFiles:
             "run_id": run.ledger.run_id, "segments": self.segments,
             "model": run.model.state_dict(), "optimizer": optimizer, "privatizer": privatizer,
             "sampler": sampler.state_dict(),
-            "rng": rng_state(), "loop": state.state_dict()})
+            "rng": rng_state(), "loop": state.state_dict(),
+            "averager": None if run.averager is None else run.averager.state_dict()})
 
 
 def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *, status: str = "completed",
@@ -184,6 +185,9 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
                 fh.write(dumps(row) + "\n")
     ledger.save(run_dir / "ledger.json")
     atomic_write(run_dir / "model.pt", lambda fh: torch.save(run.model.state_dict(), fh), binary=True)
+    if run.averager is not None:  # the EMA of the released parameters (post-processing), beside the raw model
+        ema_state = run.averager.averaged_state_dict(run.model)
+        atomic_write(run_dir / "model_ema.pt", lambda fh: torch.save(ema_state, fh), binary=True)
     # dp-muon-auto's per-layer on/off decisions (functions of released momenta only); no-op otherwise
     write_history(run_dir, run.optimizer, [n for n, p in run.model.named_parameters() if p.requires_grad])
     final = metrics[-1]  # the last step always closes a metrics row: no second evaluation
@@ -215,6 +219,12 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
         summary["validation_fraction"] = cfg.validation_fraction
     if "val_accuracy" in final:  # held-out training records: never trained on, no protection (like test)
         summary.update(val_accuracy=final["val_accuracy"], val_loss=final["val_loss"])
+    if run.averager is not None:  # the EMA model's metrics (model_ema.pt), from the same final row
+        summary.update(ema_decay=cfg.ema_decay, **{k: v for k, v in final.items() if k.startswith("ema_")})
+    if cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"):
+        summary.update(augmentation_multiplicity=cfg.augmentation_multiplicity, augment=cfg.augment or "crop-flip")
+    if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        summary.update(lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps)
     summary.update(extra or {})
     if run.calibration is not None:
         summary.update(target_epsilon=cfg.target_epsilon, calibrated_epsilon=run.calibration.epsilon)

@@ -1,0 +1,205 @@
+"""Augmentation multiplicity (De et al. 2022): K augmented views per example, averaged before clipping.
+
+Example i's gradient is the mean over its K views of the per-view gradient,
+g_i = (1/K) Σ_k ∇ℓ(θ; aug_k(x_i), y_i) (De et al. 2022, arXiv:2204.13650,
+§3.1; jax_privacy computed it as the gradient of the per-example loss
+averaged over the views, the loss of ``[N, K, ...]`` reshaped to ``[N·K]``
+and back). Clipping, summing and noising apply to g_i, so example i still
+moves the release by at most C (its K views are one example: the neighbouring
+relation and hence ε are those of K = 1; the same ledger events), while the
+gradient's variance falls.
+
+The augmentation draws are NOT privacy-protecting randomness: they may be
+seeded and replayed (dpopt train seeds them from ``--seed`` and the step).
+
+Layout contract (both front doors): a batch of B examples becomes B·K rows,
+**example-major** — rows i·K, ..., i·K + K − 1 are the K views of example i —
+built by :func:`repeat_views` (images) with labels ``y.repeat_interleave(K)``
+(:func:`repeat_labels`). The per-example gradient is the MEAN over an
+example's rows; ``loss_reduction="mean"`` divides by the B examples (a mean
+over the B·K rows is exactly that: (1/B) Σ_i (1/K) Σ_k ℓ_ik).
+
+:class:`ViewsOf` and :func:`views_loss` express the same thing through the
+existing per-example interface (inputs ``[B, K, ...]``, one example per row
+of dim 0): ``dpopt train --augmentation-multiplicity K`` uses them with the
+per-example (``torch.func``) engine, which vmaps over examples and runs the
+K views of each together; micro-batches (``physical_batch_size``) split dim 0
+— examples — so never an example's views.
+
+Augmentations (tensor ops; torchvision is not a dependency — its wheels pin a
+torch version):
+
+* ``"crop-flip"``: random crop with zero padding 4 (in the normalised
+  space: the pad is the dataset mean) and a horizontal flip with
+  probability ½, per view — the CIFAR-10 augmentation of De et al. (and of
+  torchvision's ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()``);
+* ``"flip"``: horizontal flip only; ``"none"``: identity (K copies).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["AUGMENTATIONS", "crop_flip", "hflip", "get_augmentation", "repeat_views", "repeat_labels",
+           "ViewsOf", "views_loss", "check_multiplicity"]
+
+AUGMENTATIONS = ("crop-flip", "flip", "none")
+
+
+def check_multiplicity(k) -> int:
+    """``k`` as an int ≥ 1.
+
+    Raises:
+        ValueError: not an integer ≥ 1 (say what to give).
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"augmentation_multiplicity must be an integer >= 1 (1: no extra views), got {k!r}")
+    return k
+
+
+def hflip(x: Tensor, generator: Optional[torch.Generator] = None, p: float = 0.5) -> Tensor:
+    """Flip each image of ``x [N, C, H, W]`` left-right with probability ``p`` (independently)."""
+    flip = torch.rand(x.shape[0], generator=generator, device="cpu").to(x.device) < p
+    return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
+
+
+def crop_flip(x: Tensor, generator: Optional[torch.Generator] = None, padding: int = 4,
+              padding_mode: str = "constant") -> Tensor:
+    """Random crop of the zero-padded image (padding 4) and a random horizontal flip, per image.
+
+    Args:
+        x: ``[N, C, H, W]`` images (any float dtype/device).
+        generator: CPU generator of the draws (crop offsets uniform in
+            {0, ..., 2·padding} per axis; flip with probability ½).
+        padding: pixels added on each side before cropping back to H×W.
+        padding_mode: ``"constant"`` (zeros) or ``"reflect"``.
+
+    Returns:
+        ``[N, C, H, W]``.
+
+    Raises:
+        ValueError: x not 4-D, a negative padding.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"crop_flip takes images [N, C, H, W], got shape {tuple(x.shape)}")
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0, got {padding}")
+    n, _, h, w = x.shape
+    if padding:
+        xp = torch.nn.functional.pad(x, (padding,) * 4, mode=padding_mode)
+        dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
+        dx = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
+        rows = (dy.view(-1, 1) + torch.arange(h, device=x.device)).view(n, 1, h, 1)
+        cols = (dx.view(-1, 1) + torch.arange(w, device=x.device)).view(n, 1, 1, w)
+        idx = torch.arange(n, device=x.device).view(n, 1, 1, 1)
+        ch = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+        x = xp[idx, ch, rows, cols]
+    return hflip(x, generator)
+
+
+def get_augmentation(name: str) -> Callable[[Tensor, Optional[torch.Generator]], Tensor]:
+    """The augmentation ``fn(x [N, ...], generator) -> [N, ...]`` of that name (:data:`AUGMENTATIONS`).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "crop-flip":
+        return crop_flip
+    if name == "flip":
+        return hflip
+    if name == "none":
+        return lambda x, generator=None: x.clone()
+    raise ValueError(f"unknown augmentation {name!r}; choose one of {', '.join(AUGMENTATIONS)}")
+
+
+def repeat_views(x: Tensor, k: int, fn: Optional[Callable] = None,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+    """B examples → B·K rows, example-major (rows i·K..i·K+K−1 are example i's views), each through ``fn``.
+
+    Args:
+        x: ``[B, ...]``; k: views per example (≥ 1); fn: ``fn(rows, generator) -> rows``
+            applied to the B·K repeated rows (None: plain copies); generator: its randomness.
+
+    Returns:
+        ``[B·K, ...]``.
+    """
+    check_multiplicity(k)
+    rows = x.repeat_interleave(k, dim=0)
+    return rows if fn is None else fn(rows, generator)
+
+
+def repeat_labels(y: Tensor, k: int) -> Tensor:
+    """Labels of :func:`repeat_views`' rows: ``y.repeat_interleave(k)``, ``[B·K, ...]``."""
+    return y.repeat_interleave(check_multiplicity(k), dim=0)
+
+
+class ViewsOf(nn.Module):
+    """``model`` applied to the K views of each example: ``x [B, K, ...] → out [B, K, ...]``.
+
+    The wrapped model sees ``[B·K, ...]`` (example-major); its parameters are
+    the wrapper's (``named_parameters`` prefixed ``model.``). One example per
+    row of dim 0 of the wrapper's input, as dpopt's per-example engines
+    expect. ``x`` may also be given as ``[B·K, ...]`` rows (reshaped).
+    """
+
+    def __init__(self, model: nn.Module, k: int):
+        super().__init__()
+        self.model, self.k = model, check_multiplicity(k)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = x.shape[0]
+        out = self.model(x.reshape(b * self.k, *x.shape[2:]))
+        return out.reshape(b, self.k, *out.shape[1:])
+
+
+def views_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """Per-example loss of :class:`ViewsOf`'s output: the mean over the K views of ``loss_fn``.
+
+    ``fn(out [b, K, ...], y [b, ...]) -> (1/K) Σ_k loss_fn(out[:, k], y)`` (for b = 1,
+    what the per-example engines differentiate, that is example i's loss averaged over its views).
+    """
+    def loss(out: Tensor, target: Tensor) -> Tensor:
+        k = out.shape[1]
+        return sum(loss_fn(out[:, j], target) for j in range(k)) / k
+
+    return loss
+
+
+class ViewBatches:
+    """dpopt train's batches with augmentation (and multiplicity): what the loop hands the per-example engine.
+
+    Args:
+        model, loss_fn: the run's model and ``loss_fn(out[1, ...], y[1]) -> scalar``.
+        k: views per example (≥ 1); augment: an :data:`AUGMENTATIONS` name.
+        seed: the run's seed: the draws of step s come from a generator seeded
+            from (seed, s) — non-private randomness, reproducible and resumable.
+
+    ``batch(x, y, step) -> (model, loss_fn, x, y, engine)``: for K = 1 the
+    augmented batch with the run's model and the fast engine; for K > 1
+    inputs ``[B, K, ...]`` (:func:`repeat_views`, example-major), the
+    :class:`ViewsOf` wrapper, :func:`views_loss` and the per-example
+    (``torch.func``) engine, which is exact for any model and never splits an
+    example's views across micro-batches (it chunks dim 0: examples).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int):
+        self.k = check_multiplicity(k)
+        self.fn = get_augmentation(augment)
+        self.seed = int(seed)
+        self.model, self.loss_fn = model, loss_fn
+        self.views_model = ViewsOf(model, k) if k > 1 else None
+        self.views_loss = views_loss(loss_fn) if k > 1 else None
+
+    def generator(self, step: int) -> torch.Generator:
+        """The CPU generator of step ``step``'s augmentation draws (seeded from the run seed and the step)."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + int(step) + 1) % (1 << 62))
+
+    def batch(self, x: Tensor, y: Tensor, step: int):
+        g = self.generator(step)
+        if self.k == 1:
+            return self.model, self.loss_fn, self.fn(x, g), y, "fast"
+        rows = repeat_views(x, self.k, self.fn, g)
+        return self.views_model, self.views_loss, rows.reshape(x.shape[0], self.k, *x.shape[1:]), y, "reference"

@@ -1,0 +1,67 @@
+"""lr warm-up + constant/cosine (dpopt.lr_schedules): hand-computed values, LambdaLR on PrivacyEngine's optimizer."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpopt
+from dpopt.lr_schedules import apply_lr, check_schedule, lr_multiplier, make_lr_scheduler
+
+
+def test_hand_computed_multipliers():
+    assert [lr_multiplier(s, 10, "constant", 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_multiplier(0, 10, "cosine", 0) == 1.0
+    assert lr_multiplier(5, 10, "cosine", 0) == pytest.approx(0.5)
+    assert lr_multiplier(9, 10, "cosine", 0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.9)))
+    assert lr_multiplier(2, 12, "cosine", 2) == 1.0  # first step after the warm-up
+    assert lr_multiplier(7, 12, "cosine", 2) == pytest.approx(0.5)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        check_schedule("linear", 0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        check_schedule("constant", -1)
+    with pytest.raises(ValueError, match="no step of the cosine"):
+        check_schedule("cosine", 10, 10)
+
+
+def test_apply_lr_from_initial_lr():
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.4)
+    apply_lr(opt, 0, 10, "constant", 4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    apply_lr(opt, 3, 10, "constant", 4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.4)
+    assert opt.param_groups[0]["initial_lr"] == 0.4
+
+
+def test_lambda_lr_drives_privacy_engine_optimizer():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpopt.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.8),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0, max_grad_norm=1e6)
+    sched = make_lr_scheduler(opt, total_steps=8, schedule="cosine", warmup_steps=2)
+    seen = []
+    for _ in range(2):
+        for xb, yb in loader:
+            seen.append(opt.param_groups[0]["lr"])
+            before = model.weight.detach().clone()
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            sched.step()
+            assert not torch.equal(before, model.weight)
+    want = [0.8 * lr_multiplier(s, 8, "cosine", 2) for s in range(len(seen))]
+    assert seen == pytest.approx(want)
+    assert seen[0] == pytest.approx(0.4) and seen[1] == pytest.approx(0.8)
