@@ -1,0 +1,244 @@
+"""``dpopt train --fsdp``: the training loop with the model sharded by FSDP2 (``fully_shard``), under ``torchrun``.
+
+Launch (gloo on CPU, NCCL on GPUs; every rank runs the same command)::
+
+    torchrun --standalone --nproc_per_node 2 -m dpopt train --fsdp --method dp-sgd --dataset digits ...
+
+:func:`train_fsdp` is :func:`dpopt.training.train` for a sharded model. The run is built as usual
+(:func:`~dpopt.training.build.build_run`, the same seed on every rank: the same initial parameters),
+then every module that owns trainable parameters is ``fully_shard``-ed, then the root; the
+:class:`~dpopt.optim.DPOptimizer` is rebuilt over the sharded (``DTensor``) parameters and
+releases through :class:`dpopt.fsdp.ShardedRelease` (each rank's clipped sums in full shape,
+noise σC added once per coordinate by the coordinate's owner, one reduce-scatter; the design
+is :mod:`dpopt.fsdp`'s). Per step, on every rank::
+
+    idx = this rank's Poisson shard (ShardedPoissonSampler: the union is a Poisson sample at q)
+    for each of K chunks of ≤ physical_batch_size examples (K = the largest count over ranks:
+        every rank runs the same number of forward/backward passes, so FSDP's collectives match;
+        a rank with fewer examples runs empty chunks):
+        forward + backward of Σ_i ℓ_i  →  ShardedCapture.collect()  (per-example norms, full shape)
+    DPOptimizer.step(sources)  →  clipped sums + owner-only noise → reduce-scatter → the update on the shards
+
+With reproducible noise every rank draws the same stream (the masks of the whole dataset, and
+the full-shape noise tensor of which it keeps its chunk), so the W-process run is the
+one-process ``dpopt train`` run with the same flags, coordinate for coordinate, to float
+rounding (``tests/distributed/test_fsdp_train.py``).
+
+Evaluation (test / validation sets) runs on every rank (the forward passes of a sharded model
+are collectives); only rank 0 writes files. At the end the full parameters are gathered
+(``DTensor.full_tensor``, a collective) and rank 0 writes ``model.pt`` as a plain state dict
+(loadable into the unsharded model), the ledger, ``summary.json`` and ``check.txt``, as
+:func:`~dpopt.training.train` does.
+
+Supported: methods ``dp-sgd`` and ``dp-adam`` (their transforms are elementwise, so they run on
+the local shards; flat clip geometry), flat clipping, ``--physical-batch-size``,
+``--target-epsilon``, ``--max-epsilon``, learning-rate schedules, ``--freeze``, the built-in
+models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable layers have a fast
+per-example rule. Refused with an error that says what to change (:func:`check_fsdp_config`):
+other methods (clip geometry or whole-matrix transforms that are not sharded: MacAdam, AdaClip,
+Muon, ...), per-layer and quantile clipping, ``--resume`` and checkpoints (a sharded checkpoint
+is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
+``--show-train-loss``, one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+:mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+__all__ = ["FSDP_METHODS", "check_fsdp_config", "shard_model", "train_fsdp"]
+
+#: Methods whose transform is elementwise and whose clip geometry is flat: they run on the local shards.
+FSDP_METHODS = ("dp-sgd", "dp-adam")
+
+
+def check_fsdp_config(cfg) -> None:
+    """Refuse what ``--fsdp`` does not support (module docstring), naming the option to change.
+
+    Raises:
+        ConfigError: naming the ``TrainConfig`` field (the CLI shows it as its flag).
+    """
+    if cfg.method not in FSDP_METHODS:
+        raise ConfigError(f"fsdp: method {cfg.method!r} is not supported with a sharded model (its clip geometry "
+                          f"or transform is not sharded); use one of {', '.join(FSDP_METHODS)}, or drop fsdp "
+                          "(data parallel: torchrun without --fsdp)", "method")
+    refused = {
+        "clipping": (cfg.clipping != "flat", "flat clipping only"),
+        "lora_rank": (cfg.lora_rank is not None, "LoRA under fsdp is untested"),
+        "augmentation_multiplicity": (cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),
+                                      "augmentation views are not supported"),
+        "ema_decay": (cfg.ema_decay is not None, "the EMA of a sharded model is not supported"),
+        "show_train_loss": (cfg.show_train_loss, "the (non-private) train loss display is not supported"),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ConfigError(f"fsdp: {why}; remove {name}, or drop fsdp", name)
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """``fully_shard`` every module that owns trainable parameters (deepest first), then the root; in place.
+
+    A module's own parameters form one FSDP unit (the root unit also holds what no other unit does,
+    e.g. parameters tied across modules).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    owners = [m for _, m in model.named_modules()
+              if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))]
+    for m in reversed(owners):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physical: Optional[int],
+             dist) -> Iterator:
+    """Per-sample sources of this rank's batch, in K chunks (K agreed over the ranks: same collectives)."""
+    n = int(x.shape[0])
+    size = physical or max(n, 1)
+    k = torch.tensor([max(1, math.ceil(n / size))], dtype=torch.float64)
+    k = int(dist.all_reduce(k, "max").item())
+    for c in range(k):
+        xb, yb = x[c * size:(c + 1) * size], y[c * size:(c + 1) * size]
+        with torch.enable_grad():  # consumed inside the optimizer's step (no_grad)
+            loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")  # Σ_i ℓ_i (an empty chunk: 0)
+            loss.backward()
+        yield capture.collect()
+
+
+def _full_state(model: nn.Module) -> dict:
+    """The model's state dict with every ``DTensor`` gathered (a collective: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None) -> dict:
+    """:func:`dpopt.training.train` with the model sharded by FSDP2 over ``torchrun``'s processes.
+
+    Args:
+        cfg: a :class:`~dpopt.training.TrainConfig` (checked by :func:`check_fsdp_config` and the usual
+            validation).
+        data: the loaded dataset (loaded from cfg if None).
+        on_step: as for :func:`~dpopt.training.train` (rank 0 only; ``epsilon_bound`` omitted).
+
+    Returns:
+        On rank 0 the run's summary (as :func:`~dpopt.training.train`, plus ``"world_size"`` and
+        ``"fsdp": True``); on other ranks ``{"rank", "world_size", "steps", "run_dir": None}``.
+
+    Raises:
+        ConfigError: what :func:`check_fsdp_config` refuses; one process (no ``torchrun``).
+        ValueError: what :mod:`dpopt.fsdp` refuses (a layer without a fast rule, ...).
+    """
+    from . import fsdp
+    from .accounting.incremental import EpsilonTracker
+    from .data import load_dataset
+    from .distributed import any_rank, poisson_sampler, setup
+    from .lr_schedules import apply_lr
+    from .methods import build_optimizer, get_method
+    from .models import build_model
+    from .training.build import build_run, privacy_options
+    from .training.config import resolve_device
+    from .training.loop import evaluate
+    from .training.results import RunFiles, new_segment, run_directory, write_config, write_results
+
+    start = time.perf_counter()
+    check_fsdp_config(cfg)
+    data = data or load_dataset(cfg.dataset, cfg.data_dir)
+    dist = setup(resolve_device(cfg.device))
+    if not dist.enabled:
+        raise ConfigError("fsdp shards the model over several processes: launch under torchrun "
+                          "(torchrun --standalone --nproc_per_node 2 -m dpopt train --fsdp ...), or drop fsdp", "fsdp")
+    run = build_run(cfg, data, stacklevel=4)  # one-process build (no DDP broadcast): the same seed on every rank
+    run_dir, error = None, None
+    if dist.is_main:
+        try:
+            run_dir = run_directory(cfg)
+            write_config(run_dir, run)  # the unsharded model's parameter count
+        except Exception as exc:  # raised below, after the other ranks know
+            error = exc
+    if any_rank(error is not None, dist):
+        if error is not None:
+            raise error
+        raise RuntimeError("rank 0 failed to set up the run (its error is reported there)")
+
+    model = shard_model(run.model)
+    fsdp.prepare_model(model, dist)
+    capture = fsdp.ShardedCapture(model, dist, loss_reduction="sum")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if [id(p) for p in params] != [id(p) for p in capture.params]:
+        capture.detach()
+        raise RuntimeError("internal: the capture's parameters are not the optimizer's")
+    privacy, _ = privacy_options(cfg, model, run.noise_multiplier, float(run.hparams["max_grad_norm"]))
+    opt = build_optimizer(get_method(cfg.method), params, run.hparams, expected_batch_size=float(cfg.batch_size),
+                          sample_rate=run.sample_rate, ledger=run.ledger, noise=run.noise, model=model, **privacy)
+    fsdp.attach(opt.privatizer, params, model, dist)
+    run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist)
+
+    files = RunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None
+    tracker = EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
+    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    steps, q = run.steps, run.sample_rate
+    scheduled = cfg.lr_schedule != "constant" or cfg.warmup_steps > 0
+    metrics: list = []
+    status, step, next_epoch = "completed", 0, 1
+
+    def row(extra: dict) -> None:
+        acc, loss = evaluate(model, data.x_test, data.y_test)  # every rank: a sharded forward is collective
+        r = {**extra, "step": step, "test_accuracy": acc, "test_loss": loss}
+        if run.data.x_val is not None:
+            r["val_accuracy"], r["val_loss"] = evaluate(model, run.data.x_val, run.data.y_val)
+        r["epsilon"] = tracker.epsilon(run.ledger)
+        metrics.append(r)
+        if files is not None:
+            files.metric(r)
+
+    try:
+        while step < steps:
+            if cfg.max_epsilon is not None and tracker.releases_within_budget(
+                    run.ledger, opt.privatizer.step_event(), steps - step) < 1:
+                status = "budget_exhausted"
+                break
+            if scheduled:
+                apply_lr(opt, step, steps, cfg.lr_schedule, cfg.warmup_steps)
+            idx = sampler.sample()
+            x, y = run.data.x_train[idx].to(run.device), run.data.y_train[idx].to(run.device)
+            opt.step(_sources(model, capture, x, y, cfg.physical_batch_size, dist))
+            step += 1
+            epoch_end = step >= next_epoch / q - 1e-9 or step == steps
+            if epoch_end:
+                row({"epoch": next_epoch})
+                next_epoch += 1
+            if files is not None:
+                files.flush()
+            if on_step is not None and dist.is_main:
+                last = metrics[-1] if metrics else {}
+                on_step({"step": step, "steps": steps, "epsilon": last.get("epsilon", 0.0),
+                         "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
+                         "accountant": cfg.accountant})
+        if status != "completed" and (not metrics or metrics[-1]["step"] != step):
+            row({"epoch": round(step * q, 6), "status": status})
+    finally:
+        capture.detach()
+        if files is not None:
+            files.flush()
+    state = _full_state(model)  # every rank (collectives)
+    if not dist.is_main:
+        return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
+    plain = build_model(run.model_name, cfg.dataset)
+    for name, p in plain.named_parameters():  # as trained (frozen ones stay frozen)
+        p.requires_grad_(dict(run.model.named_parameters())[name].requires_grad)
+    plain.load_state_dict(state)
+    return write_results(Path(run_dir), dataclasses.replace(run, model=plain), metrics, start, status=status,
+                         streamed=True, epsilon=tracker.epsilon(run.ledger),
+                         extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]})
