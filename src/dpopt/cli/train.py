@@ -176,9 +176,6 @@ def train_command(
     fsdp: bool = typer.Option(
         False, help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
                     "clipping and one noise draw per coordinate (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)"),
-    fsdp: bool = typer.Option(
-        False, help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
-                    "clipping and one noise draw per coordinate (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)"),
     resume: Optional[str] = typer.Option(
         None, help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
                    "(only --device, --threads and --json may be given with it)"),
@@ -291,10 +288,6 @@ def train_command(
                 from ..training import resume as resume_run
 
                 summary = resume_run(resume, on_step=on_step, device=None if device == "cpu" else device)
-            elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
-                from ..fsdp_train import train_fsdp
-
-                summary = train_fsdp(cfg, on_step=on_step)
             elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
                 from ..fsdp_train import train_fsdp
 
