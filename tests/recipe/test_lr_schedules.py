@@ -65,3 +65,21 @@ def test_lambda_lr_drives_privacy_engine_optimizer():
     want = [0.8 * lr_multiplier(s, 8, "cosine", 2) for s in range(len(seen))]
     assert seen == pytest.approx(want)
     assert seen[0] == pytest.approx(0.4) and seen[1] == pytest.approx(0.8)
+
+
+def test_dpopt_train_schedule_large_batch_micro_batches_and_target_epsilon(tmp_path):
+    """dpopt train's loop: warm-up + cosine lr per update (recorded nowhere private), B̄ = 512 in
+    micro-batches of 64 with σ calibrated for the target: one release per logical step, ε ≤ target."""
+    from dpopt.training import TrainConfig, train
+
+    cfg = TrainConfig(dataset="digits", method="dp-sgd", batch_size=512.0, physical_batch_size=64, epochs=1.5,
+                      target_epsilon=4.0, lr=0.5, lr_schedule="cosine", warmup_steps=1, out=str(tmp_path / "r"))
+    s = train(cfg)
+    assert s["steps"] == 4 and s["privatizer_releases"] == 4
+    assert s["epsilon"] <= 4.0 and s["lr_schedule"] == "cosine" and s["warmup_steps"] == 1
+    import torch
+
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    group = ck["optimizer"]["param_groups"][0]
+    assert group["initial_lr"] == 0.5
+    assert group["lr"] == pytest.approx(0.5 * lr_multiplier(3, 4, "cosine", 1))  # the last update's lr

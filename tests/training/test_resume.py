@@ -64,7 +64,8 @@ def test_sigint_stops_cleanly_and_resume_completes(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     final = json.loads((out / "summary.json").read_text())
-    assert "status" not in final and final["steps"] == planned == len(PrivacyLedger.load(out))
+    assert final["status"] == "completed" and "stop_signal" not in final
+    assert final["steps"] == final["planned_steps"] == planned == len(PrivacyLedger.load(out))
     assert [e.step for e in PrivacyLedger.load(out).entries] == list(range(planned))
     assert final["epsilon"] == pytest.approx(_account(out), rel=1e-9)
     assert check_run(out).passed

@@ -126,6 +126,7 @@ def diagnose(
         from ..diagnostics.model import diagnose_model
         from ..diagnostics.report import cosine_table, plot_recovery, plot_spectrum, recovery_table, snr_table
         from ..models import DEFAULT_MODEL, build_model, check_model
+        from ..training.config import planned_steps
 
         if threads is not None:
             torch.set_num_threads(max(1, threads))
@@ -152,7 +153,7 @@ def diagnose(
                 return float(noise_multiplier)
             if b not in cache:
                 q = min(1.0, b / n)
-                steps = max(1, int(round(epochs / q)))
+                steps = planned_steps(epochs, q)  # as dpopt train: round(epochs / q), refused if 0
                 cache[b] = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant).noise_multiplier
             return cache[b]
 

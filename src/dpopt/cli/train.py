@@ -106,7 +106,8 @@ def train_command(
         None, help="Poisson rate q; default B̄/N, which treats the dataset size N as public (run files reveal it). "
                    "With --sample-rate, --batch-size is only the public denominator of the noisy average: "
                    "set it near q×N yourself (dpopt does not print q×N, which would reveal N)"),
-    epochs: float = typer.Option(10.0, help="epochs; steps = round(epochs / q), q the sample rate"),
+    epochs: float = typer.Option(10.0, help="epochs E: the run takes round(E / q) steps, q the sample rate; "
+                                            "epoch k ends after step round(k / q); fewer than one step is refused"),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
     seed: int = typer.Option(0, help="seed for model initialisation and non-private randomness; the noise and "
                                      "Poisson masks are secret (OS entropy) unless --reproducible-noise"),

@@ -93,10 +93,12 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
         (with ``cfg.validation_fraction`` > 0 also validation_fraction, val_accuracy
         and val_loss: metrics of the final model on the held-out records, which get
         no protection; see :class:`TrainConfig`).
-        A run that stopped early has ``"status"``: ``"interrupted"`` (SIGINT or
+        ``"status"`` says how the run ended: ``"completed"`` (all planned steps), or for a
+        run that stopped early ``"interrupted"`` (SIGINT or
         SIGTERM: the current step is finished, everything written; see
         :func:`resume`) or ``"budget_exhausted"`` (``cfg.max_epsilon``), and
-        ``"planned_steps"``; ``steps`` is then the steps run (= ledger entries).
+        ``"planned_steps"`` (``round(epochs / q)``) beside it; ``steps`` is the steps run
+        (= ledger entries). Epoch k ends after step ``round(k / q)`` (see :func:`run_steps`).
 
     Raises:
         ValueError / DataError: invalid configuration or data

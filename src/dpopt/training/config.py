@@ -178,7 +178,7 @@ def _validate_recipe(cfg: TrainConfig) -> None:
 
 
 def planned_steps(epochs: float, sample_rate: float) -> int:
-    """The number of logical steps of a run: ``round(epochs / q)`` (Python's rounding), at least one.
+    """The number of logical steps of a run: ``round(epochs / q)`` (Python's rounding); zero is refused.
 
     A run's epochs are counted as ``steps × q`` (one epoch = 1/q expected steps); epoch k ends at
     step ``round(k / q)`` (:func:`epoch_end_step`), so a 1-epoch run and the first epoch of a longer

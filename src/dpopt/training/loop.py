@@ -32,6 +32,7 @@ from ..engine import iter_per_sample_sources
 from ..lr_schedules import apply_lr
 from ..sampling import PoissonSampler
 from .build import Run
+from .config import epoch_end_step
 from .signals import StopRequest
 
 __all__ = ["evaluate", "run_steps", "LOSS_EVERY", "LEDGER_FLUSH_EVERY", "LoopState"]
@@ -90,7 +91,11 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
     """Train ``run`` up to ``run.steps`` logical steps; return the metrics rows.
 
     After each epoch (and always after the last step, or at an early stop) ε
-    of the whole ledger and the test-set accuracy and loss are computed: the
+    of the whole ledger and the test-set accuracy and loss are computed. Epoch
+    k ends after step ``round(k / q)`` (:func:`~dpopt.training.config.epoch_end_step`,
+    the rounding of the planned steps ``round(epochs / q)``: a 1-epoch run and the
+    first epoch of a 3-epoch run have the same steps); a last epoch cut short by
+    the planned steps (fractional ``epochs``) is labelled ``epochs``. The
     rows are ``{"epoch", "step", "test_accuracy", "test_loss", "epsilon"}``, plus
     ``"val_accuracy"``, ``"val_loss"`` when ``run.data`` has a validation split
     (``cfg.validation_fraction``; those records get no protection) —
@@ -118,7 +123,6 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
     if not dist.is_main:
         on_step = None
     steps, sample_rate = run.steps, run.sample_rate
-    steps_per_epoch = 1.0 / sample_rate
     state = state or LoopState()
     tracker = tracker or EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
     sampler = sampler or PoissonSampler(data.n_train, sample_rate, steps, noise=run.noise)
@@ -184,11 +188,13 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
                 run.averager.update()  # reads the released parameters only
             state.step += 1
             step = state.step
-            epoch_end = step >= state.next_epoch * steps_per_epoch - 1e-9 or step == steps
+            # epoch k ends after step round(k / q), the rounding of the planned steps (config.epoch_end_step)
+            epoch_end = step >= epoch_end_step(state.next_epoch, sample_rate, steps)
             if files is not None and (ledger.unflushed >= LEDGER_FLUSH_EVERY or epoch_end):
                 files.flush()
             if epoch_end:
-                row({"epoch": state.next_epoch})
+                # a last epoch cut short by the planned steps (epochs 2.5: epochs 1, 2, then 2.5)
+                row({"epoch": min(state.next_epoch, cfg.epochs)})
                 state.next_epoch += 1
             elif cfg.log_every and step % cfg.log_every == 0:
                 # public values only: the private batch loss (show_train_loss) goes to on_step, never to files

@@ -6,8 +6,10 @@ Written as the run goes (:class:`RunFiles`): the ledger journal ``ledger.jsonl``
 steps and always before a file that depends on a release), ``metrics.jsonl``
 (a row per epoch, appended), ``checkpoint.pt`` (:mod:`.checkpoint`). When the
 run stops (completed, interrupted or at its ε budget): ``ledger.json``,
-``model.pt``, ``check.txt`` and ``summary.json`` (with ``"status"`` unless
-completed). JSON files and checkpoints are replaced atomically (write, then
+``model.pt``, ``check.txt`` and ``summary.json`` (with ``"status"``:
+``"completed"``, ``"interrupted"`` or ``"budget_exhausted"``, and ``"planned_steps"``;
+summaries written before every run recorded a status have none, which
+:func:`finished_summary` reads as completed). JSON files and checkpoints are replaced atomically (write, then
 rename). JSON is strict (:mod:`dpopt.jsonio`): a non-finite number is written as
 the string ``"inf"``, ``"-inf"`` or ``"nan"`` (e.g. ``"epsilon": "inf"`` at σ = 0).
 
@@ -171,7 +173,7 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
             closes the final step: no second evaluation).
         start: ``time.perf_counter()`` when the run began (for ``wall_seconds``), or minus the
             seconds of earlier segments for a resumed run.
-        status: ``"completed"``, ``"interrupted"`` or ``"budget_exhausted"`` (recorded unless completed,
+        status: ``"completed"``, ``"interrupted"`` or ``"budget_exhausted"`` (recorded in every summary,
             with ``planned_steps``; ``stop_signal`` names the signal of an interruption).
         streamed: the metrics rows are already in ``metrics.jsonl`` (:class:`RunFiles`).
         epsilon: ε of the whole ledger if already computed (else the last row's).
@@ -209,8 +211,8 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
         "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
         **run.privacy_facts,
     }
+    summary.update(status=status, planned_steps=run.steps)  # every summary says how the run ended
     if status != "completed":
-        summary.update(status=status, planned_steps=run.steps)
         if stop_signal:
             summary["stop_signal"] = stop_signal
     if cfg.max_epsilon is not None:

@@ -1,0 +1,157 @@
+"""Step cost of augmentation multiplicity: a DP step over K·B views vs the non-private step over the same views.
+
+For K ∈ {1, 2, 4, 8} (``--ks``) and B examples (``--batch``, default 32) on CIFAR-10-shaped inputs
+(``--model``, default cnn5-ws), per configuration the median wall-clock time of
+
+* **non-private**: forward + backward + ``torch.optim.SGD`` step over the K·B view rows;
+* **dp (views)**: a DP-SGD step of dpopt over the same K·B rows grouped as B examples of K views
+  (per-example gradient = mean over the views, clipped, summed, noised: one release), by
+  :class:`dpopt.augment.ViewsOf` + the per-example (``torch.func``) engine, physical chunks of
+  ``--physical`` examples;
+* **dp (rows_per_example)**: the same step through the fast engine's ``rows_per_example=K``
+  grouping, when ``dpopt.engine.iter_per_sample_sources`` has that argument (else skipped);
+
+timed round-robin (so a slow period of a shared machine hits every configuration alike), and
+the ratio DP / non-private printed side by side. The issue's target is ≤ 1.15×.
+Inputs are synthetic (the time does not depend on pixel values). Not a test: nothing asserts a time.
+
+Usage::
+
+    nice -n 19 python benchmarks/augmult_step.py [--ks 1,4] [--batch 32] [--rounds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # shared CPUs: sleeping waits (see step_time.py)
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from dpopt.augment import ViewsOf, crop_flip, repeat_views, views_loss  # noqa: E402
+from dpopt.engine import iter_per_sample_sources  # noqa: E402
+from dpopt.methods import make_optimizer  # noqa: E402
+from dpopt.models import build_model  # noqa: E402
+
+N_TRAIN = 50_000  # CIFAR-10: only the public sample rate q = B/N of the ledger uses it
+
+
+def ce(out, target):
+    return F.cross_entropy(out, target)
+
+
+def _data(b: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (b,), generator=g)
+    return repeat_views(x, k, crop_flip, g), y  # [B·K, 3, 32, 32] example-major, labels per example
+
+
+def non_private(model_name: str, rows, y_rows) -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        ce(model(rows), y_rows).backward()
+        opt.step()
+    return step
+
+
+def _dp_opt(model, b: int):
+    return make_optimizer("dp-sgd", [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
+                          expected_batch_size=float(b), sample_rate=b / N_TRAIN, dataset="cifar10",
+                          generator=torch.Generator().manual_seed(0))
+
+
+def dp_views(model_name: str, rows, y, k: int, physical: int) -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    wrapped, loss = ViewsOf(model, k), views_loss(ce)
+    opt = _dp_opt(model, y.shape[0])
+    xv = rows.reshape(y.shape[0], k, *rows.shape[1:])
+
+    def step():
+        opt.step(iter_per_sample_sources(wrapped, loss, xv, y, physical, opt.evaluation_points(),
+                                         engine="reference"))
+    return step
+
+
+def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Optional[Callable[[], None]]:
+    if "rows_per_example" not in inspect.signature(iter_per_sample_sources).parameters:
+        return None
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = _dp_opt(model, y.shape[0])
+    y_rows = y.repeat_interleave(k)
+
+    def step():
+        opt.step(iter_per_sample_sources(model, ce, rows, y_rows, physical * k, opt.evaluation_points(),
+                                         rows_per_example=k))
+    return step
+
+
+def round_robin(steps: dict, rounds: int, per_round: int) -> dict:
+    """Median and 10th-percentile seconds per step of each configuration (one warm-up step each)."""
+    for f in steps.values():
+        f()
+    times: dict = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, f in steps.items():
+            for _ in range(per_round):
+                t = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t)
+    return {n: {"median": statistics.median(v), "p10": sorted(v)[int(0.1 * (len(v) - 1))], "n": len(v)}
+            for n, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="cnn5-ws")
+    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--batch", type=int, default=32, help="B examples (the step has K·B view rows)")
+    ap.add_argument("--physical", type=int, default=None, help="examples per chunk (default: B)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per-round", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="also print one JSON line (last line)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows_out = []
+    print(f"{args.model}, B = {args.batch} examples, {args.threads} thread(s); seconds per step (median), "
+          "ratio to the non-private step over the same K·B rows")
+    print(f"{'K':>3} {'rows':>6} {'non-private':>12} {'dp (views)':>11} {'ratio':>6} {'dp (rows/ex)':>13} {'ratio':>6}")
+    for k in [int(v) for v in args.ks.split(",")]:
+        rows, y = _data(args.batch, k)
+        physical = args.physical or args.batch
+        steps = {"non_private": non_private(args.model, rows, y.repeat_interleave(k)),
+                 "dp_views": dp_views(args.model, rows, y, k, physical)}
+        fast = dp_rows_per_example(args.model, rows, y, k, physical)
+        if fast is not None:
+            steps["dp_rows_per_example"] = fast
+        res = round_robin(steps, args.rounds, args.per_round)
+        base = res["non_private"]["median"]
+        rec = {"k": k, "batch": args.batch, "rows": k * args.batch, "model": args.model, "threads": args.threads,
+               **{f"{n}_s": r["median"] for n, r in res.items()},
+               **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n != "non_private"}}
+        rows_out.append(rec)
+        fr = (f"{rec['dp_rows_per_example_s']:13.3f} {rec['dp_rows_per_example_ratio']:6.2f}"
+              if fast is not None else f"{'n/a':>13} {'':>6}")
+        print(f"{k:3d} {k * args.batch:6d} {base:12.3f} {rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:6.2f} {fr}",
+              flush=True)
+    if args.json:
+        print(json.dumps(rows_out))
+
+
+if __name__ == "__main__":
+    main()
