@@ -62,6 +62,14 @@ generator state, and the copy re-seeds from OS entropy on its first draw (a
 copy is still usable: users deep-copy optimizers for EMA/SWA); a forked child
 re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
 
+**When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
+(:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its words are taken from the source at
+once (the stream order is that of a draw made there), its chunks are computed in the source's worker
+threads, and the consumer gets each chunk in turn while it is in cache. The Privatizer starts the
+step's draw when the step begins, so that it overlaps the per-sample work, and adds it to the clipped
+sums chunk by chunk. The values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
+never pickled or copied, and one started before a fork is refused in the child.
+
 Only the :class:`~dpopt.privatizer.Privatizer` and the
 :class:`~dpopt.sampling.PoissonSampler` draw from a :class:`NoiseSource`.
 """
@@ -74,12 +82,12 @@ import secrets
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["CUT_RADIUS", "NOISE_MODES", "NoiseSource", "gaussian_from_words", "make_noise_source"]
+__all__ = ["CUT_RADIUS", "NOISE_MODES", "CpuNormalDraw", "NoiseSource", "gaussian_from_words", "make_noise_source"]
 
 NOISE_MODES = ("secret", "secure", "reproducible")
 _BITS = 53  # mantissa bits of a float64 uniform
@@ -312,6 +320,31 @@ def _continue_stream(flat: Tensor, cont: Tensor, slot_words: Tensor, block_pairs
     flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)  # + 0 at unused slots
 
 
+def _continue_pairs(flat: Tensor, idx: Tensor, rows: Tensor, pairs: int, block_pairs: int) -> None:
+    """:func:`_continue_stream` for given flagged pairs (CPU chunks, :class:`CpuNormalDraw`), in place.
+
+    Args:
+        flat: float64 output of all blocks (layout of :func:`_continue_stream`).
+        idx: int64 ``[c]`` indices of flagged pairs (each < ``pairs``), in index order.
+        rows: int64 ``[c, _SLOT_WORDS]``: the continuation rows these pairs get (the r-th flagged
+            pair of the whole draw gets row r, as in :func:`_continue_stream`).
+
+    The arithmetic is :func:`_continue_stream`'s, element by element (bit-identical values).
+    """
+    c = idx.numel()
+    if c == 0:
+        return
+    blk, j = idx // block_pairs, idx % block_pairs
+    in_block = torch.clamp(pairs - blk * block_pairs, max=block_pairs)
+    cos_at = blk * (2 * block_pairs) + j
+    at = torch.cat([cos_at, cos_at + in_block])
+    z = flat[at]
+    old = z[:c] ** 2 + z[c:] ** 2
+    extra = _stream_tail(rows).to(torch.float64) * (2.0 * math.log(2.0))
+    ratio = torch.sqrt((old + extra) / old)
+    flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)
+
+
 def _finish(flat: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """The first ``shape.numel()`` values of ``flat`` (float64) as ``shape``, rounded once to ``dtype``;
     never a view that keeps the unused last draw of an odd count."""
@@ -404,6 +437,7 @@ class NoiseSource:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_threads = 0
         self._pool_pid = 0
+        self._epoch = 0  # bumped by _forget (fork): a CpuNormalDraw of an older epoch is never consumed
         if generator is not None:
             self._generators[str(generator.device)] = generator
         _LIVE.add(self)
@@ -462,42 +496,32 @@ class NoiseSource:
         return _finish(flat, shape, dtype)
 
     def _chunked_normal(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        """:meth:`normal` on CPU for more than ``NORMAL_CHUNK`` elements: words drawn per chunk of
-        ``NORMAL_CHUNK // 2`` pairs from derived MT19937 generators, possibly on several threads.
+        """:meth:`normal` on CPU for more than ``NORMAL_CHUNK`` elements (:meth:`start_normal`, then its values)."""
+        return self.start_normal(shape.numel()).values(shape, dtype)
 
-        With a thread pool every step runs in the pool, none in the calling thread: torch's
-        OpenMP threads do not survive ``fork``, so a process that forks after drawing noise
-        must not have used them from its main thread (a child would hang on its first
-        parallel torch op).
+    def start_normal(self, n: int) -> "CpuNormalDraw":
+        """Start drawing ``n`` standard normals on the CPU; the chunks are computed in the background.
+
+        The same values as :meth:`normal` (float64, before rounding): words are drawn per chunk of
+        ``NORMAL_CHUNK // 2`` pairs from derived MT19937 generators whose whole states are drawn
+        from this source's generator NOW (so the order of draws from this source — the stream of
+        reproducible mode — is that of a :meth:`normal` call made here). With more than one torch
+        thread the chunks run in this source's worker threads while the caller goes on (the
+        Privatizer starts the step's draw when the step begins, so that it overlaps the per-sample
+        work, and consumes it at the release); with one thread they are computed here, now.
+
+        Secure mode draws its words from the OS per call: its draw is computed here, now, in one
+        piece (:meth:`normal`), and wrapped in the same handle.
+
+        Raises:
+            ValueError: ``n`` < 0.
         """
-        pairs = -(-shape.numel() // 2)
-        gen = self._generator("cpu")
-        chunk = NORMAL_CHUNK // 2
-        k = -(-pairs // chunk)
-        states = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
-        raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
-        slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
-        words = torch.empty(2 * pairs, dtype=torch.int64)
-        cont = _flag_buffer(pairs, "cpu")
-
-        def fill(i: int) -> None:
-            sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
-            lo, hi = i * chunk, min(pairs, (i + 1) * chunk)
-            words[2 * lo:2 * hi].random_(-2 ** 63, None, generator=sub)
-            _blocks(words, cont, lo, hi, BLOCK_PAIRS)
-
-        def finish() -> Tensor:
-            flat = words.view(torch.float64)
-            _continue_stream(flat, cont, slot_words, BLOCK_PAIRS)
-            return _finish(flat, shape, dtype)
-
-        pool = self._thread_pool()
-        if pool is None:
-            for i in range(k):
-                fill(i)
-            return finish()
-        list(pool.map(fill, range(k)))
-        return pool.submit(finish).result()
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"the number of normals must be >= 0, got {n}")
+        if self.mode == "secure" or n <= NORMAL_CHUNK:
+            return CpuNormalDraw.ready(self, self.normal((n,), dtype=torch.float64))
+        return CpuNormalDraw(self, n)
 
     def _thread_pool(self) -> Optional[ThreadPoolExecutor]:
         """Worker threads for chunked draws (None with one torch thread); kept between draws."""
@@ -518,6 +542,7 @@ class NoiseSource:
         if self.mode != "reproducible":
             self._generators = {}
         self._pool, self._pool_threads, self._pool_pid = None, 0, 0
+        self._epoch += 1  # draws started before (a forked child's copies of them) are never used
 
     def __getstate__(self) -> dict:
         """What a pickle, ``copy.copy``/``deepcopy`` or ``torch.save`` carries: never threads, and
@@ -562,6 +587,132 @@ class NoiseSource:
 
     def __repr__(self) -> str:  # never shows a seed
         return f"NoiseSource(mode={self.mode!r})"
+
+
+class CpuNormalDraw:
+    """A draw of ``n`` standard normals on the CPU (float64), started by :meth:`NoiseSource.start_normal`.
+
+    Consumed once, by :meth:`consume` (or :meth:`values`): the values are bit-identical to those
+    :meth:`NoiseSource.normal` would have returned (before rounding) at the point of the stream
+    where the draw was started. Chunk ``c`` holds the normals ``[c·NORMAL_CHUNK, (c+1)·NORMAL_CHUNK)``:
+
+    1. when started (in the source's worker threads, or at once with one torch thread): the
+       chunk's words from its own MT19937 generator, Box–Muller on its blocks, and the indices of
+       its pairs flagged for the stream continuation;
+    2. when consumed (in the worker threads): the continuation of the chunk's flagged pairs (the
+       r-th flagged pair of the whole draw gets continuation row r, as in :func:`_continue_stream`),
+       then the caller's ``fn`` on the chunk's values while they are in cache.
+
+    A draw is never copied or pickled (it holds secret noise: a copy would replay it), and one
+    started before a fork is refused in the child (the source's epoch, :meth:`NoiseSource._forget`).
+    """
+
+    def __init__(self, source: "NoiseSource", n: int, values: Optional[Tensor] = None):
+        self.n = int(n)
+        self._source, self._epoch, self._used = source, source._epoch, False
+        self._futures: list = []
+        if values is not None:  # already computed (small draws, secure mode): one chunk
+            self._words, self._k, self._flagged = values, 1, None
+            return
+        pairs = self._pairs = -(-self.n // 2)
+        chunk = NORMAL_CHUNK // 2
+        self._k = k = -(-pairs // chunk)
+        gen = source._generator("cpu")
+        states = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
+        raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
+        self._slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
+        self._words = torch.empty(2 * pairs, dtype=torch.int64)
+        self._cont = _flag_buffer(pairs, "cpu")
+        self._flagged: Optional[list] = [None] * k
+        pool = source._thread_pool()
+        if pool is None:
+            for i in range(k):
+                self._fill(i, raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
+        else:
+            self._futures = [pool.submit(self._fill, i, raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
+                             for i in range(k)]
+
+    @classmethod
+    def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
+        """A draw whose float64 ``values`` ``[n]`` are already computed."""
+        return cls(source, values.numel(), values)
+
+    def _fill(self, i: int, state: bytes) -> None:
+        sub = _cpu_generator_from_words(state)
+        chunk = NORMAL_CHUNK // 2
+        lo, hi = i * chunk, min(self._pairs, (i + 1) * chunk)
+        self._words[2 * lo:2 * hi].random_(-2 ** 63, None, generator=sub)
+        _blocks(self._words, self._cont, lo, hi, BLOCK_PAIRS)
+        self._flagged[i] = torch.nonzero(self._cont[lo:hi])[:, 0].add_(lo)  # type: ignore[index]
+
+    @property
+    def usable(self) -> bool:
+        """Not consumed yet, and started in this process's current epoch of the source (not before a fork)."""
+        return not self._used and self._epoch == self._source._epoch
+
+    def consume(self, fn: Optional[Callable[[int, int, Tensor], None]] = None) -> Tensor:
+        """Finish the draw; ``fn(lo, hi, values)`` is called once per chunk with its float64 normals
+        ``[lo, hi)`` (a view; ``fn`` may change it in place), in the worker threads when there are
+        any (the calls may run concurrently: each touches only its own range). Returns the float64
+        storage (at least ``n`` values; its first ``n`` are the normals, unless ``fn`` changed them).
+
+        Raises:
+            RuntimeError: the draw was consumed already, or started before a fork.
+        """
+        if not self.usable:
+            raise RuntimeError("a noise draw is consumed once, in the process (and source epoch) that started it")
+        self._used = True
+        flat = self._words.view(torch.float64)
+        if self._flagged is None:
+            if fn is not None:
+                fn(0, self.n, flat[:self.n])
+            return flat
+        for fut in self._futures:
+            fut.result()
+        self._futures = []
+        offsets, m = [0], self._slot_words.shape[0]
+        for idx in self._flagged:
+            offsets.append(offsets[-1] + idx.numel())
+
+        def finish(i: int) -> None:
+            idx, off = self._flagged[i], offsets[i]  # type: ignore[index]
+            take = max(0, min(idx.numel(), m - off))  # more flagged pairs than rows (≤ 2^-140): k stays 12
+            if take:
+                _continue_pairs(flat, idx[:take], self._slot_words[off:off + take], self._pairs, BLOCK_PAIRS)
+            if fn is not None:
+                lo = i * NORMAL_CHUNK
+                fn(lo, min(self.n, lo + NORMAL_CHUNK), flat[lo:min(self.n, lo + NORMAL_CHUNK)])
+
+        pool = self._source._thread_pool()
+        if pool is None:
+            for i in range(self._k):
+                finish(i)
+        else:
+            list(pool.map(finish, range(self._k)))
+        self._flagged = None
+        return flat
+
+    def values(self, shape=None, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The normals as ``shape`` (default ``[n]``), rounded once to ``dtype``; a fresh tensor
+        (never a view that keeps the unused last value of an odd count).
+
+        Raises:
+            RuntimeError: as :meth:`consume`. ValueError: ``shape`` does not hold ``n`` values.
+        """
+        shape = torch.Size((self.n,) if shape is None else shape)
+        if shape.numel() != self.n:
+            raise ValueError(f"shape {tuple(shape)} does not hold the {self.n} normals drawn")
+        if dtype == torch.float64 and self._words.numel() == self.n:  # the storage holds exactly the n values
+            return self.consume().view(shape)
+        out = torch.empty(self.n, dtype=dtype)
+
+        def copy(lo: int, hi: int, z: Tensor) -> None:
+            out[lo:hi].copy_(z)
+        self.consume(copy)
+        return out.view(shape)
+
+    def __reduce__(self):
+        raise TypeError("a noise draw in progress is never copied or pickled (a copy would replay its noise)")
 
 
 _LIVE: "weakref.WeakSet[NoiseSource]" = weakref.WeakSet()  # every source, for the fork handler

@@ -22,6 +22,7 @@ count stay here.
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 import warnings
@@ -35,7 +36,7 @@ from torch import Tensor
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import PrivacyLedger, longest_record
 from .errors import ConfigError
-from .noise import NoiseSource, make_noise_source
+from .noise import CpuNormalDraw, NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
@@ -193,6 +194,7 @@ class Privatizer:
         # some example's per-sample gradient was non-finite (zeroed before clipping). Its value depends
         # on single examples without noise: publishing it is a membership test.
         self.nonfinite_steps = 0
+        self._expect = 0  # normals the last CPU release drew (what begin() pre-draws for the next step)
         self._reset()
 
     # -- public, derived ----------------------------------------------------
@@ -221,12 +223,34 @@ class Privatizer:
         self._nonfinite = False
         self._read: set[str] = set()  # private statistics computed this step (counted where read)
         self._released = 0  # noisy Gaussians drawn this step (counted where drawn)
+        self._pending: Optional[CpuNormalDraw] = None  # this step's CPU noise draw, started early
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry a noise draw in progress (a copy would replay it)."""
+        state = dict(self.__dict__)
+        state["_pending"] = None
+        return state
 
     def begin(self, geometry: Optional[ClipGeometry] = None) -> None:
         """Start a logical step in the given clip geometry (identity if None)."""
         if self._geometry is not None:
             raise RuntimeError("begin() called twice without release(); one release per step")
         self._geometry = geometry or ClipGeometry()
+        if self._expect and self.noise.mode != "reproducible":  # a secret draw may start before the release
+            self._prefetch(self._expect)
+
+    def _prefetch(self, numel: int) -> None:
+        """Start this step's gradient noise draw (CPU) now: its chunks are computed in the noise
+        source's worker threads while the per-sample work goes on, and :meth:`release` consumes it.
+
+        Only the time of the draw moves, never its values: the draw takes its words from the noise
+        source here, so this is done only where nothing else can draw from that source before the
+        release — in :meth:`privatize` (one call from begin to release), or for secret and secure
+        noise, whose stream order no one can replay anyway. A draw that is not consumed (the step
+        failed, or the release needs another size) is dropped, never reused.
+        """
+        if self.noise_multiplier > 0 and self.reduce is None and numel > 0 and self._pending is None:
+            self._pending = self.noise.start_normal(numel)
 
     def accumulate(self, source: PerSampleSource) -> None:
         """Clip and add one micro-batch of per-sample gradients.
@@ -267,20 +291,25 @@ class Privatizer:
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
         count = self._count if self.quantile is not None else None
+        fused = self.reduce is None and std > 0 and all(s.device.type == "cpu" for s in self._sum)
         if self.reduce is not None:  # data parallel: the noisy totals over every process
             totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
+        elif fused:  # CPU: (s + σS·z rounded once, ÷B̄, mapped out of the geometry) chunk by chunk, in cache
+            totals = self._noisy_release_cpu(std, bbar, geo)
+            noisy_count = None if count is None else count + self._count_noise()
         else:  # s + σS·z in float64 (the float64 noise buffers), rounded ONCE to the sum's dtype
             noise, count_noise = self._draw(std)
             totals = [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)]
             noisy_count = None if count is None else count + count_noise
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
+            g = totals[i] if fused else totals[i].div_(bbar)  # the totals are fresh buffers owned here
             coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
             if geo.scale is not None:
-                g.mul_(geo.scale[i])
+                if not fused:
+                    g.mul_(geo.scale[i])
                 coord_std = coord_std * geo.scale[i]
-            if geo.shift is not None:
+            if geo.shift is not None and not fused:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
@@ -303,8 +332,9 @@ class Privatizer:
         return release
 
     def _draw(self, std: float, rounded: bool = False) -> tuple[list[Tensor], Optional[float]]:
-        """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
-        when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
+        """The step's noise for the data-parallel ``reduce`` hook and for sums off the CPU (CPU sums
+        draw it in :meth:`_noisy_release_cpu`, the same draw of the same source): σS·z per parameter
+        (zeros, nothing drawn, when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
 
         The gradient noise is ONE float64 draw per device (z from
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
@@ -327,10 +357,58 @@ class Privatizer:
                 for i in idx:
                     s = self._sum[i]
                     grad_noise[i] = torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64)
-        count_noise = None
-        if self.quantile is not None:
-            count_noise = float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
-        return grad_noise, count_noise
+        return grad_noise, self._count_noise()
+
+    def _count_noise(self) -> Optional[float]:
+        """σ_b·z of the clipped count (quantile clipping; drawn after the gradient noise), else None."""
+        if self.quantile is None:
+            return None
+        return float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
+
+    def _noisy_release_cpu(self, std: float, bbar: float, geo: ClipGeometry) -> list[Tensor]:
+        """:meth:`release`'s arithmetic on CPU sums, fused: per parameter, round(s + σS·z) to its dtype
+        (s + σS·z in float64, rounded once), ÷ B̄, × scale, + shift — the same operations, in the same
+        order, as the unfused path (bit-identical), done chunk by chunk of the noise draw while it is
+        in cache, in the noise source's worker threads.
+
+        The noise is ONE float64 draw of all parameters in order (:meth:`_prefetch`'s if it has the
+        size, else drawn now). Returns fresh contiguous tensors, one per sum.
+        """
+        sums = self._sum
+        total = sum(t.numel() for t in sums)
+        draw, self._pending = self._pending, None
+        if draw is None or draw.n != total or not draw.usable:
+            draw = self.noise.start_normal(total)
+        self._expect = total
+        outs = [torch.empty(t.shape, dtype=t.dtype) for t in sums]
+        flat_s = [t.reshape(-1) for t in sums]
+        flat_o = [t.view(-1) for t in outs]
+
+        def flat(ts):
+            return None if ts is None else [(g if g.shape == t.shape else g.expand_as(t)).reshape(-1)
+                                            for g, t in zip(ts, sums)]
+        scale, shift = flat(geo.scale), flat(geo.shift)
+        offsets = [0]
+        for t in sums:
+            offsets.append(offsets[-1] + t.numel())
+
+        def consume(lo: int, hi: int, z: Tensor) -> None:
+            i = bisect.bisect_right(offsets, lo) - 1
+            while i < len(sums) and offsets[i] < hi:
+                a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
+                if a < b:
+                    part = slice(a - offsets[i], b - offsets[i])
+                    zs = z[a - lo:b - lo].mul_(std).add_(flat_s[i][part])
+                    o = flat_o[i][part]
+                    o.copy_(zs)
+                    o.div_(bbar)
+                    if scale is not None:
+                        o.mul_(scale[i][part])
+                    if shift is not None:
+                        o.add_(shift[i][part])
+                i += 1
+        draw.consume(consume)
+        return outs
 
     def _release_count(self, noisy_count: float) -> dict:
         """Noisy centred count (the noise already in it, :meth:`_draw`) → next clip bound
@@ -425,6 +503,8 @@ class Privatizer:
         nothing is released or recorded (the exception propagates).
         """
         self.begin(geometry)
+        if params_like is not None and self._pending is None and all(p.device.type == "cpu" for p in params_like):
+            self._prefetch(sum(p.numel() for p in params_like))  # nothing else draws before the release
         if hasattr(source_list := sources, "sq_norms"):
             source_list = [sources]
         try:

@@ -1,0 +1,236 @@
+"""The CPU noise draw started early and consumed chunk by chunk (issue 23, fixed per-step cost).
+
+:class:`dpopt.noise.CpuNormalDraw` moves WHEN the step's noise is computed (while the per-sample work
+runs) and fuses the release's arithmetic into its chunks; it must not change WHAT is drawn. Every
+check here is bit for bit against the one-piece formulas: the sampler (:func:`gaussian_from_words`
+on the same words), :meth:`NoiseSource.normal` at the same point of the stream, and the release
+round(s + σC·z) / B̄ · scale + shift written out by hand.
+"""
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+
+from dpopt.engine.reference import PerSampleGrads
+from dpopt.noise import (BLOCK_PAIRS, NORMAL_CHUNK, CpuNormalDraw, NoiseSource, _blocks, _continue_pairs,
+                         _flag_buffer, _SLOT_WORDS, _slots, gaussian_from_words)
+from dpopt.privatizer import Privatizer, QuantileClipping
+from dpopt.types import ClipGeometry
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def test_chunked_continuation_equals_the_one_piece_sampler():
+    """Per-chunk continuation (row offsets = flagged pairs of earlier chunks) == the global one, with
+    many flagged pairs in several chunks and more flagged pairs than rows (the overflow case)."""
+    g = torch.Generator().manual_seed(0)
+    pairs, chunk = 3 * (NORMAL_CHUNK // 2) + 1001, NORMAL_CHUNK // 2
+    words = torch.empty(2 * pairs, dtype=torch.int64).random_(-2 ** 63, None, generator=g)
+    flat = words.view(-1)
+    # force flags (stage bits all zero: the b word's top 12 bits) at pairs spread over every chunk
+    ends = torch.tensor([0, pairs - 500, pairs - 1])  # the last, partial chunk too
+    forced = torch.cat([torch.randint(0, pairs, (300,), generator=g), ends]).unique()
+    blk, j = forced // BLOCK_PAIRS, forced % BLOCK_PAIRS
+    in_block = torch.clamp(pairs - blk * BLOCK_PAIRS, max=BLOCK_PAIRS)
+    b_at = blk * (2 * BLOCK_PAIRS) + in_block + j
+    flat[b_at] = flat[b_at] & ((1 << 52) - 1)
+    rows = _slots(pairs) // 2  # fewer rows than flagged pairs: the later ones must stay at k = 12
+    slot_words = torch.empty((rows, _SLOT_WORDS), dtype=torch.int64).random_(-2 ** 63, None, generator=g)
+    slot_words[:, 0] &= (1 << 40) - 1  # long continued streams
+    want = gaussian_from_words(words.clone(), slot_words, BLOCK_PAIRS)
+
+    cont = _flag_buffer(pairs, "cpu")
+    _blocks(flat, cont, 0, pairs, BLOCK_PAIRS)
+    out = flat.view(torch.float64)
+    flagged = [torch.nonzero(cont[lo:min(pairs, lo + chunk)])[:, 0] + lo for lo in range(0, pairs, chunk)]
+    assert sum(f.numel() for f in flagged) > rows and all(f.numel() for f in flagged)
+    off = 0
+    for idx in flagged:
+        take = max(0, min(idx.numel(), rows - off))
+        _continue_pairs(out, idx[:take], slot_words[off:off + take], pairs, BLOCK_PAIRS)
+        off += idx.numel()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("n", [NORMAL_CHUNK + 1, 2 * NORMAL_CHUNK, 3 * NORMAL_CHUNK + 7, 10])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_started_draw_is_the_stream_of_normal(n, dtype, threads):
+    """start_normal(n).values() == normal((n,)) at the same point of a reproducible stream (and the
+    draws after it are the same too: the words were taken from the source when it started)."""
+    a, b = NoiseSource("reproducible", seed=11), NoiseSource("reproducible", seed=11)
+    a.normal((5,)), b.normal((5,))
+    want, after = a.normal((n,), dtype=dtype), a.normal((7,), dtype=torch.float64)
+    draw = b.start_normal(n)
+    got_after = b.normal((7,), dtype=torch.float64)  # drawn from the source before the draw is consumed
+    got = draw.values(None, dtype)
+    assert got.dtype == dtype and torch.equal(got, want) and torch.equal(got_after, after)
+
+
+def test_consume_gives_each_chunk_once_in_order_and_the_draw_once(threads):
+    n = 2 * NORMAL_CHUNK + 5
+    src = NoiseSource("reproducible", seed=2)
+    want = NoiseSource("reproducible", seed=2).normal((n,), dtype=torch.float64)
+    seen = []
+    draw = src.start_normal(n)
+    flat = draw.consume(lambda lo, hi, z: seen.append((lo, hi, z.clone())))
+    seen.sort(key=lambda t: t[0])
+    assert [(lo, hi) for lo, hi, _ in seen] == [(0, NORMAL_CHUNK), (NORMAL_CHUNK, 2 * NORMAL_CHUNK),
+                                                 (2 * NORMAL_CHUNK, n)]
+    assert torch.equal(torch.cat([z for _, _, z in seen]), want) and torch.equal(flat[:n], want)
+    assert not draw.usable
+    with pytest.raises(RuntimeError, match="consumed once"):
+        draw.consume()
+
+
+def test_a_draw_is_never_pickled_or_copied():
+    draw = NoiseSource("secret").start_normal(NORMAL_CHUNK + 3)
+    for how in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(TypeError, match="never copied"):
+            how(draw)
+    draw.consume()
+
+
+def _release_by_hand(sums, z, std, bbar, scale=None, shift=None):
+    """round_dtype(s + std·z in float64) / B̄ (in the sum's dtype), then × scale + shift."""
+    out, at = [], 0
+    for i, s in enumerate(sums):
+        zi = z[at:at + s.numel()].view(s.shape)
+        at += s.numel()
+        g = (zi * std + s.double()).to(s.dtype).div_(bbar)
+        if scale is not None:
+            g.mul_(scale[i])
+        if shift is not None:
+            g.add_(shift[i])
+        out.append(g)
+    return out
+
+
+SHAPES = [(700, 300), (300,), (5, 41), (0,), (NORMAL_CHUNK // 3 + 1,), (3,)]  # chunk boundaries inside params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("geometry", [False, True])
+@pytest.mark.parametrize("early", [True, False], ids=["drawn at begin", "drawn at release"])
+def test_fused_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads):
+    """One example per sum (its clipped sum is itself, C large); the release must equal the formula
+    with z = the source's float64 draw of all parameters in order — whether privatize() started it
+    at begin() (early) or release() drew it (begin/accumulate/release called by hand)."""
+    g = torch.Generator().manual_seed(4)
+    sums = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    sigma, clip, bbar = 0.9, 1e6, 3.0
+    geo = None
+    if geometry:
+        geo = ClipGeometry(tuple(torch.randn(s, generator=g).to(dtype) * 0.1 for s in SHAPES),
+                           tuple((torch.rand(s, generator=g) + 0.5).to(dtype) for s in SHAPES))
+        w = [(s - m) / b for s, m, b in zip(sums, geo.shift, geo.scale)]  # the geometry's own coordinates
+    else:
+        w = sums
+    priv = Privatizer(sigma, clip, bbar, 0.1, noise=NoiseSource("reproducible", seed=9))
+    src = PerSampleGrads([t.unsqueeze(0) for t in sums])
+    if early:
+        rel = priv.privatize(src, geo, params_like=sums)
+    else:
+        priv.begin(geo)
+        priv.accumulate(src)
+        rel = priv.release()
+    z = NoiseSource("reproducible", seed=9).normal((sum(s.numel() for s in sums),), dtype=torch.float64)
+    clipped = [t.clone() for t in PerSampleGrads([t.unsqueeze(0) for t in sums]).weighted_sum(
+        torch.ones(1, 1, dtype=torch.float64 if dtype == torch.float64 else torch.float32), geo or ClipGeometry(),
+        [0] * len(sums))]
+    assert all(torch.allclose(c.double(), x.double(), rtol=1e-2, atol=1e-2) for c, x in zip(clipped, w))
+    want = _release_by_hand(clipped, z, sigma * clip, bbar, geo.scale if geo else None, geo.shift if geo else None)
+    assert all(r.dtype == dtype and r.is_contiguous() and torch.equal(r, x) for r, x in zip(rel.grads, want))
+
+
+def test_early_draw_keeps_the_stream_order_with_quantile_clipping():
+    """Gradient noise, then the count noise, then the next step: the stream of three releases with
+    the draw started at begin() equals the one drawn at release() (begin/accumulate/release by hand)."""
+    def run(early):
+        g = torch.Generator().manual_seed(1)
+        priv = Privatizer(1.1, 0.5, 4.0, 0.1, quantile=QuantileClipping(1.0),
+                          noise=NoiseSource("reproducible", seed=3))
+        out = []
+        for _ in range(3):
+            grads = [torch.randn(6, *s, generator=g) for s in SHAPES]
+            if early:
+                rel = priv.privatize(PerSampleGrads(grads), params_like=[t[0] for t in grads])
+            else:
+                priv.begin()
+                priv.accumulate(PerSampleGrads(grads))
+                rel = priv.release()
+            out += list(rel.grads) + [torch.tensor(priv.bounds)]
+        return out
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+def test_a_failed_step_drops_its_early_draw_and_the_next_release_draws_anew():
+    priv = Privatizer(1.0, 1.0, 2.0, 0.1)  # secret: begin() starts a draw of the last release's size
+
+    class Broken:
+        num_params = 1
+
+        def sq_norms(self, *args):
+            raise ValueError("boom")
+
+    ones = [torch.ones(NORMAL_CHUNK + 9)]
+    priv.privatize(PerSampleGrads([ones[0].unsqueeze(0)]), params_like=ones)
+    with pytest.raises(ValueError, match="boom"):
+        priv.privatize(Broken(), params_like=ones)
+    assert priv._pending is None and len(priv.ledger) == 1
+    priv.begin()
+    assert priv._pending is not None and priv._pending.n == NORMAL_CHUNK + 9  # secret: pre-drawn at begin()
+    priv.accumulate(PerSampleGrads([torch.ones(1, 5)]))  # another size: the early draw is dropped
+    rel = priv.release()
+    assert rel.grads[0].shape == (5,) and len(priv.ledger) == 2 and priv._pending is None
+
+
+def test_copies_of_a_privatizer_mid_step_carry_no_draw():
+    """A copy taken between begin() and release() must not carry the draw (it would replay it)."""
+    x = torch.zeros(1, NORMAL_CHUNK + 1)
+    for how in (copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))):
+        priv = Privatizer(1.0, 1.0, 2.0, 0.1)
+        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])
+        priv.begin()
+        assert isinstance(priv._pending, CpuNormalDraw)
+        twin = how(priv)
+        assert twin._pending is None
+        for p in (priv, twin):
+            p.accumulate(PerSampleGrads([x]))
+        a, b = priv.release().grads[0], twin.release().grads[0]
+        assert not torch.equal(a, b)  # secret: independent draws (equal with probability ~0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_draw_started_before_a_fork_is_refused_in_the_child():
+    src = NoiseSource("secret")
+    draw = src.start_normal(NORMAL_CHUNK + 1)
+    draw.consume()  # the parent's own draw is consumed; another one is in flight at the fork
+    draw = src.start_normal(NORMAL_CHUNK + 1)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, b"1" if not draw.usable else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert draw.usable and draw.consume().numel() >= NORMAL_CHUNK + 1
+
+
+def test_start_normal_refuses_a_negative_count():
+    with pytest.raises(ValueError, match=">= 0"):
+        NoiseSource("secret").start_normal(-1)
+    assert NoiseSource("secure").start_normal(3).values().shape == (3,)
