@@ -30,7 +30,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["Dataset", "DATASETS", "load_dataset", "DataError", "split_validation", "validation_indices",
+__all__ = ["Dataset", "DATASETS", "DEFAULT_DATA_DIR", "load_dataset", "DataError", "split_validation", "validation_indices",
            "validation_size", "check_validation_fraction", "VALIDATION_SPLIT_SEED"]
 
 DATASETS = ("digits", "mnist", "cifar10")
@@ -41,6 +41,13 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 VALIDATION_SPLIT_SEED = 0
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+#: Where the repository's experiment configs (experiments/*.toml) read the files: relative to the
+#: directory dpopt runs in (the repository root); ignored by git.
+DEFAULT_DATA_DIR = "data"
+#: What every "not found" error says about where the files go.
+WHERE_TO_PUT = (f"The experiment configs (experiments/*.toml) read {DEFAULT_DATA_DIR}/ in the directory dpopt runs "
+                f"from (the repository root): mkdir {DEFAULT_DATA_DIR} && cp /path/to/mnist.npz /path/to/cifar10.npz "
+                f"{DEFAULT_DATA_DIR}/ (README, 'Quick start: MNIST')")
 
 
 class DataError(ConfigError):
@@ -268,8 +275,8 @@ def _mnist(data_dir: Path) -> Dataset:
         if any(p is None for p in paths):
             raise DataError(
                 "MNIST not found. Tried: " + ", ".join(tried) + ". Accepted formats: mnist.npz with "
-                "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in data_dir.",
-                "data_dir")
+                "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in data_dir. "
+                + WHERE_TO_PUT + ".", "data_dir")
         arrays = tuple(_read_idx(p) for p in paths)  # type: ignore[arg-type]
     _check_arrays("MNIST", npz if npz.exists() else data_dir, arrays)
     x_tr, y_tr, x_te, y_te = arrays
@@ -299,7 +306,7 @@ def _cifar10(data_dir: Path) -> Dataset:
         if not all((base / n).exists() for n in names):
             raise DataError("CIFAR-10 not found. Tried: " + ", ".join(tried) + ". Accepted formats: "
                             "cifar10.npz (x_train NHWC uint8, y_train, x_test, y_test) or the python-batch "
-                            "files data_batch_1..5 and test_batch.")
+                            "files data_batch_1..5 and test_batch. " + WHERE_TO_PUT + ".", "data_dir")
         batches = [_unpickle(base / n) for n in names]
         xs = [b[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1) for b in batches]
         ys = [np.asarray(b[b"labels"]) for b in batches]
@@ -319,7 +326,9 @@ def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
 
     Args:
         name: ``digits`` (bundled with scikit-learn; no files), ``mnist`` or ``cifar10``.
-        data_dir: directory holding the files for mnist / cifar10.
+        data_dir: directory holding the files for mnist / cifar10 (the repository's configs use
+            :data:`DEFAULT_DATA_DIR`, ``data/`` relative to the working directory; nothing is
+            looked up without it).
 
     Raises:
         ConfigError: unknown name, or ``data_dir`` missing for a file-based set.
@@ -331,8 +340,9 @@ def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
         return _digits()
     if data_dir is None:
         raise ConfigError(f"dataset {name!r} is read from files: give data_dir, the directory holding them "
-                          "(e.g. data/)", "data_dir")
+                          f"(e.g. {DEFAULT_DATA_DIR}/). {WHERE_TO_PUT}", "data_dir")
     path = Path(data_dir).expanduser()
     if not path.is_dir():
-        raise DataError(f"data_dir {path} is not a directory", "data_dir")
+        raise DataError(f"data_dir {path} is not a directory (looked for from {Path.cwd()}). {WHERE_TO_PUT}",
+                        "data_dir")
     return _mnist(path) if name == "mnist" else _cifar10(path)

@@ -130,3 +130,15 @@ def test_float_images_and_bad_labels_are_refused(tmp_path):
     np.savez(tmp_path / "mnist.npz", **dict(good, y_train=np.array([0, 1, 15, 2], np.uint8)))
     with pytest.raises(DataError, match="labels 0..9.*0..15"):
         load_dataset("mnist", tmp_path)
+
+
+def test_missing_files_say_where_to_put_them(tmp_path):
+    """Issue 22: the configs read data/; every "not found" error says so (the CLI shows data_dir as --data-dir)."""
+    for name, args in (("mnist", (tmp_path,)), ("cifar10", (tmp_path,)), ("mnist", (tmp_path / "absent",)),
+                       ("mnist", ())):
+        with pytest.raises(ValueError) as err:
+            load_dataset(name, *args)
+        msg = str(err.value)
+        assert "experiments/*.toml) read data/" in msg and "mkdir data && cp" in msg, msg
+        assert err.value.arguments == ("data_dir",)
+        assert "shared" not in msg
