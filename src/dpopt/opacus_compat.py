@@ -149,3 +149,227 @@ def alias_module(module: nn.Module) -> None:
     """
     if not hasattr(module, "_module"):
         object.__setattr__(module, "_module", module)
+
+
+class TargetWatch:
+    """Warn once when ε of the engine's ledger passes ``make_private_with_epsilon``'s ``target_epsilon``.
+
+    ``make_private_with_epsilon`` calibrates σ for ``planned`` steps; nothing
+    stops the loop there (Opacus does not either), and every further step
+    raises ε past the target. After each release :meth:`after_release` decides,
+    at the engine's own accountant and δ (so the warning agrees with
+    ``accountant.get_epsilon(delta)``), whether ε now exceeds the target:
+
+    * while the ledger holds at most the planned number of releases and every
+      one is the calibrated step (the first release's event: same σ, q), ε is
+      at most ε(planned steps at the calibrated σ) ≤ target (ε grows with the
+      number of steps and falls with σ): nothing is computed;
+    * past that, :class:`~dpopt.accounting.incremental.EpsilonTracker` bisects
+      once for how many more releases of the step's event keep ε ≤ target,
+      then counts down (O(1) per step; recomputed when the event changes, e.g.
+      a noise scheduler, or the ledger jumps, e.g. ``load_checkpoint``).
+
+    ε is public (it is computed from the ledger alone).
+
+    Args:
+        engine: the object whose ``.ledger`` is read (the PrivacyEngine).
+        target_epsilon, target_delta: the calibration target.
+        accountant: the engine's accountant name.
+        planned: the number of steps σ was calibrated for.
+    """
+
+    def __init__(self, engine: Any, target_epsilon: float, target_delta: float, accountant: str,
+                 planned: int):
+        from .accounting.incremental import EpsilonTracker
+
+        self._tracker_cls = EpsilonTracker
+        self.engine, self.epsilon, self.delta = engine, float(target_epsilon), float(target_delta)
+        self.accountant, start = str(accountant), len(engine.ledger)
+        self.planned = start + int(planned)
+        self.cheap = start == 0  # earlier releases (another make_private) are not in the calibration
+        self.event = None  # the calibrated step's event (the first release's)
+        self.tracker = EpsilonTracker(self.delta, self.accountant, max_epsilon=self.epsilon)
+        self.prev: Optional[tuple] = None  # (ledger length, event, releases still allowed, capped)
+        self.warned = False
+
+    def after_release(self) -> None:
+        """Check the ledger after a release; warn (``UserWarning``) the first time ε exceeds the target."""
+        if self.warned:
+            return
+        ledger = self.engine.ledger
+        n = len(ledger)
+        if n == 0:
+            return
+        event = ledger.entries[-1].event
+        if self.cheap:
+            if self.event is None:
+                self.event = event
+            if n <= self.planned and event == self.event:
+                return
+            self.cheap = False
+        prev = self.prev
+        if prev is not None and prev[0] == n - 1 and prev[1] == event and not (prev[3] and prev[2] == 0):
+            passed = prev[2] == 0  # the previous check said no further release of this event fits
+        else:
+            if prev is not None and prev[3]:
+                self.tracker = self._tracker_cls(self.delta, self.accountant, max_epsilon=self.epsilon)
+            passed = self.tracker.epsilon(ledger) > self.epsilon
+        if passed:
+            self.warned = True
+            eps = self.tracker.epsilon(ledger)
+            warnings.warn(f"epsilon = {eps:.4g} (delta = {self.delta:g}, {self.accountant}) has passed "
+                          f"make_private_with_epsilon's target_epsilon = {self.epsilon:g}: sigma was calibrated for "
+                          f"{self.planned} steps and this is release {n}. Every further step raises epsilon; stop "
+                          "here, or calibrate for more epochs (said once)", UserWarning, stacklevel=4)
+            return
+        limit = max(self.planned, n, 1)
+        left = self.tracker.releases_within_budget(ledger, event, limit)
+        self.prev = (n, event, left, left >= limit)
+
+
+def _tensor_leaves(obj: Any) -> list:
+    from torch import Tensor
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+
+
+def _inert_hook(*args) -> None:  # noqa: ARG001 - what a copied or unpickled _WeakHook becomes
+    return None
+
+
+class _WeakHook:
+    """A forward hook calling ``getattr(watch, name)`` while the watch lives (else it removes its handles)."""
+
+    def __init__(self, ref, name: str, handles: list):
+        self.ref, self.name, self.handles = ref, name, handles
+
+    def __call__(self, module, args, out):
+        watch = self.ref()
+        if watch is None:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            return None
+        getattr(watch, self.name)(module, args, out)
+        return None
+
+    def __deepcopy__(self, memo):
+        return _inert_hook
+
+    def __reduce__(self):
+        return (_inert_hook_factory, ())
+
+
+def _inert_hook_factory():
+    return _inert_hook
+
+
+class LossReductionWatch:
+    """First-batch check that a torch loss module's reduction agrees with ``loss_reduction``.
+
+    The hook engine never sees the loss: with ``loss_reduction="mean"`` it
+    takes example i's loss gradient as B · ∂L/∂out_i, which is right only if
+    L = (1/B) Σ ℓ_i. A sum-reduced loss under ``"mean"`` gives every example B
+    times its gradient (each one clipped by that factor) and nothing in the
+    gradients themselves tells the two apart. What CAN be seen soundly: a
+    torch loss module (``nn.modules.loss._Loss``, e.g. ``nn.CrossEntropyLoss``)
+    called on the model's output with ``reduction="sum"`` or ``"none"``. Its
+    output's gradient in ``backward`` is the weight w the loss actually gives
+    each example's term (``"sum"``: ∂L/∂L_sum, a scalar; ``"none"``: the
+    entries of ∂L/∂ℓ, when they are all equal). ``"mean"`` expects w = 1/B,
+    ``"sum"`` expects w = 1; w = 1 under ``"mean"`` (or 1/B under ``"sum"``)
+    is the mismatch, refused at ``step()`` before anything is released. Any
+    other w (a weighted or token-level loss) is not judged. Mean-reduced loss
+    modules are not judged either (their divisor is not always B: class
+    weights, ``ignore_index``).
+
+    Not seen: functional losses (``F.cross_entropy(out, y, reduction="sum")``)
+    and hand-written sums; the migration guide says so.
+
+    The check watches the forward passes up to the first ``step()`` after a
+    batch of at least 2 examples, then removes its hooks (a process-wide
+    module forward hook while it watches: it only inspects loss modules). B
+    (private) is only compared here, inside the process; a refusal goes to
+    the data holder, nothing is released.
+
+    Args:
+        module: the model (its forward's output tensors are the ones watched).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+    """
+
+    def __init__(self, module: nn.Module, loss_reduction: str):
+        import weakref
+
+        import torch
+
+        self.expected = loss_reduction
+        self.outs: list = []
+        self.verdict: Optional[str] = None  # an error message, once a mismatch was seen
+        self.batch = 0
+        # the hooks hold the watch weakly: dropped with its optimizer, they remove themselves; copies and pickles
+        # of a hooked model get inert hooks (_WeakHook), so no hook handle is ever copied or pickled
+        handles: list = []
+        handles += [module.register_forward_hook(_WeakHook(weakref.ref(self), "_root", handles)),
+                    torch.nn.modules.module.register_module_forward_hook(_WeakHook(weakref.ref(self), "_any",
+                                                                                   handles))]
+        self._handles = handles
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles of a watch are closed (no hooks: they belong to the original)."""
+        return {"expected": self.expected, "outs": [], "verdict": self.verdict, "batch": 0, "_handles": []}
+
+    def _root(self, module, args, out) -> None:
+        self.outs = _tensor_leaves(out)
+        self.batch = int(self.outs[0].shape[0]) if self.outs and self.outs[0].dim() else 0
+
+    def _any(self, module, args, out) -> None:
+        from functools import partial
+
+        from torch import Tensor
+
+        if not isinstance(module, nn.modules.loss._Loss) or not type(module).__module__.startswith("torch."):
+            return
+        reduction = getattr(module, "reduction", None)
+        if reduction not in ("sum", "none") or not args or not isinstance(args[0], Tensor):
+            return
+        x = args[0]
+        if not any(x is o or x._base is o for o in self.outs):
+            return
+        b = int(x.shape[0]) if x.dim() else 0
+        if b >= 2 and isinstance(out, Tensor) and out.requires_grad:
+            out.register_hook(partial(self._grad, type(module).__name__, reduction, b))
+
+    def _grad(self, name: str, reduction: str, b: int, g) -> None:
+        if reduction == "none":
+            if g.numel() == 0 or not bool((g == g.reshape(-1)[0]).all()):
+                return
+        w = float(g.reshape(-1)[0])
+        expect, wrong = (1.0 / b, 1.0) if self.expected == "mean" else (1.0, 1.0 / b)
+        if abs(w - wrong) <= 1e-6 * wrong and abs(w - expect) > 1e-6 * expect:
+            actual = "sum" if self.expected == "mean" else "mean"
+            self.verdict = (f"the loss {name}(reduction={reduction!r}) on the model's output gives each example's "
+                            f"loss the weight of a {actual}-reduced loss, but make_private(loss_reduction="
+                            f"{self.expected!r}): every per-example gradient would be {'B' if actual == 'sum' else '1/B'}"
+                            f" times its value (clipped by the wrong factor). Pass loss_reduction={actual!r} to "
+                            f"make_private, or reduce the loss by {self.expected!r}")
+
+    def at_step(self) -> bool:
+        """Raise on a mismatch; True when the watch is done (its hooks removed).
+
+        Raises:
+            ValueError: a loss module's reduction disagrees with ``loss_reduction``.
+        """
+        if self.verdict is not None:
+            self.close()
+            raise ValueError(self.verdict)
+        if self.batch >= 2:
+            self.close()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -111,7 +111,8 @@ from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
 from .module_validator import ModuleValidator
-from .opacus_compat import alias_module, check_opacus_arguments, warn_drop_last
+from .opacus_compat import (LossReductionWatch, TargetWatch, alias_module, check_opacus_arguments,
+                            warn_drop_last)
 from .optim import DPOptimizer, is_frozen
 from .privatizer import QuantileClipping
 from .transforms.base import Chain, Partition, Transform
@@ -248,10 +249,33 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._is_last_step_skipped = False
         self._open = False  # a logical step is open in the Privatizer (chunks accumulated, not yet released)
         self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
+        self._loss_watch = None  # opacus_compat.LossReductionWatch until the first batch of >= 2 examples
+        self._orphan = False  # a copy.deepcopy made without the model (its step() explains)
 
     def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
         """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state["_loss_watch"] = None  # hook handles of the first-batch check: not part of the optimizer's state
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "PrivateOptimizer":
+        """A copy; made WITH its model (``copy.deepcopy((model, optimizer))``) it trains the copied model.
+
+        The optimizer's parameters and hooks belong to its model: copied
+        alone, the copy holds a private copy of the model that no code can
+        reach, so its ``step()`` raises saying so (rather than "no backward").
+        A copy is a branch of the run: its engine's ledger holds the releases
+        before the copy, and those the copy makes after it.
+        """
+        import copy
+
+        model = getattr(self._capture, "model", None)
+        orphan = model is not None and id(model) not in memo
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new._orphan = orphan or self._orphan
+        return new
 
     @property
     def privatizer(self):
@@ -367,10 +391,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
             closure: optional; called once (with gradients enabled) for its loss,
                 which is returned. Its backward pass is the one privatized.
         """
+        if self._orphan:
+            raise RuntimeError("this optimizer is a copy.deepcopy(optimizer) made without its model: the copy's "
+                               "parameters and per-sample hooks belong to a private copy of the model that nothing "
+                               "trains, so it can never see a backward pass of yours. Copy the model and the "
+                               "optimizer together, copy.deepcopy((model, optimizer)) (a branch of the run, with "
+                               "its own ledger from then on), or snapshot optimizer.state_dict() and "
+                               "load_state_dict() it into the optimizer make_private returned")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._loss_watch is not None and self._loss_watch.at_step():  # raises on a loss_reduction mismatch
+            self._loss_watch = None
         source = self._source()
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
@@ -401,6 +434,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
             dp.apply_release(release)
             for p, g in zip(params, release.grads):
                 p.grad = g.clone()  # the public release; the method's state keeps its own copy
+        watch = getattr(self._engine, "_target_watch", None)
+        if watch is not None:  # make_private_with_epsilon's target: warned once when epsilon passes it
+            watch.after_release()
         return loss
 
     def state_dict(self) -> dict:
@@ -420,7 +456,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
             state["privatizer"] = self.privatizer.state_dict(include_ledger=True)
         journal = self._engine._keeper.journal if self._engine is not None else None
         state["dpopt"] = {"version": CHECKPOINT_VERSION, "run_id": self.privatizer.ledger.run_id,
-                          "journal": None if journal is None else os.path.abspath(journal)}
+                          "journal": None if journal is None else os.path.abspath(journal),
+                          "noise_multiplier": self.noise_multiplier}  # of the next release (a scheduler's)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -452,6 +489,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             engine._keeper.adopt(saved, journal=recorded_journal(meta.get("journal"), None),
                                  where="optimizer state", header_fixed=True)
             self._load_rest(state, priv)
+            self._restore_sigma(meta)
             engine._keeper.settle(engine._privatizers())
             return
         if priv is None:
@@ -459,6 +497,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
                              "state_dict): loading it would restart epsilon from zero. Load a state saved by "
                              "this optimizer's state_dict()")
         self._load_rest(state, priv)
+        self._restore_sigma(meta)
+
+    def _restore_sigma(self, meta: dict) -> None:
+        """σ of the next release as saved (a noise scheduler's value; the Privatizer state keeps only C)."""
+        sigma = (meta or {}).get("noise_multiplier")
+        if sigma is None or float(sigma) == self.noise_multiplier or self.privatizer.quantile is not None:
+            return  # adaptive clipping: sigma is fixed by make_private (split with the count release)
+        self.noise_multiplier = float(sigma)
 
     def _load_rest(self, state: dict, priv: dict) -> None:
         """The Privatizer (without its ledger when an engine adopted it) and the wrapped optimizer's state."""
@@ -556,7 +602,11 @@ class PrivacyEngine:
                 accountant's ε then does not apply (warned; recorded in the ledger).
             clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"``.
             loss_reduction: ``"mean"`` (the loss averages the per-example losses
-                of the batch) or ``"sum"``.
+                of the batch) or ``"sum"``. It must describe the loss: a torch
+                loss module with ``reduction="sum"``/``"none"`` on the model's
+                output is checked on the first batch (a mismatch raises at
+                ``step()``: :class:`~dpopt.opacus_compat.LossReductionWatch`);
+                a functional or hand-written loss cannot be checked.
             noise_generator: a seeded generator: REPRODUCIBLE noise and masks
                 (research reruns only; recorded in the ledger, failed by ``dpopt check``).
             target_unclipped_quantile, clipbound_learning_rate: adaptive
@@ -660,6 +710,8 @@ class PrivacyEngine:
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private.clip_range = compat.clip_range
+            # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
+            private._loss_watch = LossReductionWatch(module, loss_reduction)
             alias_module(module)  # Opacus's model._module
             if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
                 return module, private, compat.criterion, loader
@@ -687,12 +739,19 @@ class PrivacyEngine:
         accountant (:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`;
         for adaptive clipping this is the total σ). The σ chosen is
         ``optimizer.noise_multiplier`` (the gradient part for adaptive clipping).
+
+        Nothing stops the loop after ``epochs`` epochs (as in Opacus): the first
+        release that takes ε (this engine's accountant, ``target_delta``) past
+        ``target_epsilon`` warns once (:class:`~dpopt.opacus_compat.TargetWatch`).
         """
         steps = int(epochs) * len(data_loader)
         sigma = calibrate_noise_multiplier(target_epsilon, target_delta, 1.0 / len(data_loader), steps,
                                            self.accountant).noise_multiplier
-        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+        out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+        # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
+        self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+        return out
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant."""
@@ -876,8 +935,9 @@ class PrivacyEngine:
         opt_state = ckpt.get("optimizer_state_dict") or {}
         if optimizer is not None and opt_state:
             opt_state = dict(opt_state)
-            opt_state.pop("dpopt", None)
+            meta = opt_state.pop("dpopt", None)
             optimizer._load_rest(opt_state, opt_state.pop("privatizer"))
+            optimizer._restore_sigma(meta)  # the scheduled sigma of the next release, as saved
         elif (optimizer is not None) != bool(opt_state):
             warnings.warn(f"the checkpoint has {'an' if opt_state else 'no'} optimizer state but optimizer is "
                           f"{'not ' if optimizer is None else ''}given: the optimizer's state is not restored",
