@@ -16,7 +16,8 @@ from typing import Optional
 import typer
 
 from ..jsonio import dumps
-from .common import EXIT_CHECK_FAILED, accountant_option, cli_errors, delta_option, fail, flags_for, json_option
+from .common import (EXIT_CHECK_FAILED, accountant_option, cli_errors, delta_option, fail, flags_for, json_option,
+                     status_progress)
 
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 
@@ -66,6 +67,29 @@ def _parse_hp(items: Optional[list[str]]) -> dict:
         except (ValueError, SyntaxError):
             out[key] = raw.strip()
     return out
+
+
+def progress_status(info: dict) -> str:
+    """The progress line of one step's ``on_step`` info (:func:`dpopt.training.train`): public values only.
+
+    ε: the incremental RDP bound refreshed every step, beside the run's accountant's ε at the last
+    evaluation (metrics row); before the first evaluation there is none ("at the first
+    evaluation", not "0.000"). Then the last test metrics, and the batch loss only when
+    ``--show-train-loss`` put it in ``info``, labelled NOT private.
+    """
+    bound, eps, accountant = info.get("epsilon_bound"), info.get("epsilon"), info.get("accountant")
+    last = "at the first evaluation" if eps is None else f"{eps:.3f} at the last evaluation"
+    if bound is not None and accountant != "rdp":
+        status = f"ε ≤ {bound:.3f} (rdp bound; {accountant} ε {last})"
+    elif bound is not None:
+        status = f"ε {bound:.3f}"
+    else:
+        status = f"ε {last}"
+    if info.get("test_accuracy") is not None:
+        status += f"  test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}"
+    if "loss" in info:
+        status += f"  batch loss {info['loss']:.3f} (NOT private)"
+    return status
 
 
 def _resume_command(summary: dict) -> str:
@@ -193,9 +217,8 @@ def train_command(
     import signal as _signal
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ..training import TrainConfig, train
+    from ..training import LOSS_EVERY, TrainConfig, train
 
     if resume is not None:
         given = _typed_flags(ctx, allowed={"resume", "device", "threads", "json_out"})
@@ -248,30 +271,24 @@ def train_command(
     terminal = console.is_terminal and not quiet
     if not terminal:  # piped: no hard wrapping at 80 columns (paths stay on one line)
         console = Console(stderr=True, width=10_000, soft_wrap=True, quiet=quiet)
-    # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
-                        transient=False, disable=not terminal)
+    # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for.
+    # The status goes on its own wrapped line under the bar (in the bar's row it was cut at 80 columns).
+    progress = status_progress(console, disable=not terminal)
     task = None
     label = f"{method} on {dataset}" if resume is None else f"resuming {resume}"
     epoch_seen = [None]
 
     def on_step(info: dict) -> None:
         nonlocal task
-        bound = info.get("epsilon_bound")
-        if bound is not None and info.get("accountant") != "rdp":
-            status = f"ε ≤ {bound:.3f} (rdp bound; {info.get('accountant')} ε {info['epsilon']:.3f} at last row)"
-        else:
-            status = f"ε {bound if bound is not None else info['epsilon']:.3f}"
-        if info["test_accuracy"] is not None:
-            status += f"  test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}"
-        if "loss" in info:
-            status += f"  batch loss {info['loss']:.3f} (NOT private)"
+        status = progress_status(info)
         if not terminal:  # one plain line per metrics row (epoch) on stderr
             if info["test_accuracy"] is not None and info["test_loss"] != epoch_seen[0]:
                 epoch_seen[0] = info["test_loss"]
                 console.print(f"step {info['step']}/{info['steps']}  ε {info['epsilon']:.4f}  test acc "
                               f"{info['test_accuracy']:.4f}  test loss {info['test_loss']:.4f}", markup=False)
+            if "loss" in info and (info["step"] - 1) % LOSS_EVERY == 0:  # --show-train-loss: when it is refreshed
+                console.print(f"step {info['step']}/{info['steps']}  batch loss {info['loss']:.4f} (NOT private: "
+                              "the loss of the private training batch, display only)", markup=False)
             return
         if task is None:
             task = progress.add_task(label, total=info["steps"], status=status)

@@ -129,7 +129,7 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
     every = cfg.checkpoint_every
     loss = float("nan")
     last = state.metrics[-1] if state.metrics else {}
-    eps_now = last.get("epsilon", 0.0)
+    eps_now = last.get("epsilon")  # None until the first metrics row (on_step says so; it showed 0.000)
 
     def row(extra: dict) -> dict:
         nonlocal eps_now, last
