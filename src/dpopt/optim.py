@@ -266,5 +266,5 @@ class DPOptimizer(torch.optim.Optimizer):
                           noise_multiplier=release.noise_multiplier,
                           expected_batch_size=release.expected_batch_size)
         updates = self.transform.update(list(release.grads), states, params, ctx)
-        for p, u in zip(params, updates):
-            p.add_(u)
+        if params:
+            torch._foreach_add_(params, list(updates))

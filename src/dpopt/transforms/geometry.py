@@ -31,9 +31,11 @@ def noise_optimal_scale(variances: Sequence[Tensor]) -> list[Tensor]:
     Returns:
         One scale tensor per input, same shapes.
     """
-    roots = [s.sqrt() for s in variances]
+    roots = torch._foreach_sqrt(list(variances))
     total = sum(float(r.sum()) for r in roots) ** 0.5
-    return [r.sqrt_().mul_(total) for r in roots]
+    torch._foreach_sqrt_(roots)
+    torch._foreach_mul_(roots, total)
+    return roots
 
 
 class ShiftScaleFeedback(Transform):

@@ -128,44 +128,68 @@ class MacAdam(ShiftScaleFeedback):
         return 2.0 * (b1 - b1**t) / (1.0 + b1)
 
     def update(self, updates, states, params, ctx: StepContext):
+        """Lines 14–22 for every parameter at once.
+
+        Each line is one ``torch._foreach_*`` call over all parameters (one kernel launch per
+        parameter inside torch, no Python loop per parameter), with the same elementwise
+        operations in the same order as the per-parameter form — the values are bit-identical to it
+        (``tests/transforms/test_macadam_fused.py``).
+        """
         self.ensure_scale(states, params)
         b1, b2 = self.betas
-        out, s_hat = [], []
         t = states[0]["step"] + 1
         kappa = self.kappa(t)
         update_b = kappa > KAPPA_FLOOR and t > self.b_warmup_steps
         bc1, bc2 = 1 - b1**t, 1 - b2**t
-        for g, st, std in zip(updates, states, ctx.noise_std):
+        g = list(updates)
+        for st in states:
             st["step"] = t
-            phi = std * std  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
-            if self.center_shrinkage:
-                m_prev_hat = st["exp_avg"] / (1 - b1 ** (t - 1)) if t > 1 else torch.zeros_like(g)
-                self._track_center_noise(st, phi, t)
-            else:
-                m_prev_hat = st["center"]
-            phi_v = phi  # the noise variance subtracted from v̂ (AdamBC form)
-            if self.noise_subtraction == "ema":  # the noise variances averaged as s and v average the releases
-                st["noise_var_ema"].mul_(b1).add_(phi, alpha=1 - b1)
-                st["noise_var_ema_sq"].mul_(b2).add_(phi, alpha=1 - b2)
-                phi, phi_v = st["noise_var_ema"] / bc1, st["noise_var_ema_sq"] / bc2
-            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)  # line 14
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)  # line 15
-            m_hat = st["exp_avg"] / bc1  # line 16
-            if self.bias_correction:  # line 17, AdamBC form
-                denom = (st["exp_avg_sq"] / bc2).sub_(phi_v).clamp_(min=self.gamma_prime).sqrt_()
-            else:  # line 17
-                denom = (st["exp_avg_sq"] / bc2).sqrt_().add_(self.gamma)
-            out.append(torch.div(m_hat, denom, out=denom))
-            u = g - m_hat  # line 18
-            if self.variance_update == "paper":
-                u.square_()
-            else:
-                u.mul_(g - m_prev_hat)
-            st["var_ema"].mul_(b1).add_(u, alpha=1 - b1)  # line 19
-            st["center"] = self._shrunk_center(st, m_hat, bc1) if self.center_shrinkage else m_hat
-            if update_b:  # line 21
-                s_hat.append((st["var_ema"] / kappa).sub_(phi).clamp_(self.h1, self.h2))
-        if update_b:  # line 22: b = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2}
+        stds = list(ctx.noise_std)
+        phi = torch._foreach_mul(stds, stds)  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
+        if self.center_shrinkage:
+            m_prev_hat = [st["exp_avg"] / (1 - b1 ** (t - 1)) if t > 1 else torch.zeros_like(x)
+                          for st, x in zip(states, g)]
+            for st, ph in zip(states, phi):
+                self._track_center_noise(st, ph, t)
+        else:
+            m_prev_hat = [st["center"] for st in states]
+        phi_v = phi  # the noise variance subtracted from v̂ (AdamBC form)
+        if self.noise_subtraction == "ema":  # the noise variances averaged as s and v average the releases
+            q, q2 = [st["noise_var_ema"] for st in states], [st["noise_var_ema_sq"] for st in states]
+            torch._foreach_mul_(q, b1)
+            torch._foreach_add_(q, phi, alpha=1 - b1)
+            torch._foreach_mul_(q2, b2)
+            torch._foreach_add_(q2, phi, alpha=1 - b2)
+            phi, phi_v = torch._foreach_div(q, bc1), torch._foreach_div(q2, bc2)
+        m, v, s = ([st[k] for st in states] for k in ("exp_avg", "exp_avg_sq", "var_ema"))
+        torch._foreach_mul_(m, b1)  # line 14
+        torch._foreach_add_(m, g, alpha=1 - b1)
+        torch._foreach_mul_(v, b2)  # line 15
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        m_hat = torch._foreach_div(m, bc1)  # line 16
+        denom = torch._foreach_div(v, bc2)  # line 17
+        if self.bias_correction:  # AdamBC form
+            torch._foreach_sub_(denom, phi_v)
+            torch._foreach_clamp_min_(denom, self.gamma_prime)
+            torch._foreach_sqrt_(denom)
+        else:
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, self.gamma)
+        out = torch._foreach_div(m_hat, denom)
+        u = torch._foreach_sub(g, m_hat)  # line 18
+        if self.variance_update == "paper":
+            torch._foreach_mul_(u, u)
+        else:
+            torch._foreach_mul_(u, torch._foreach_sub(g, m_prev_hat))
+        torch._foreach_mul_(s, b1)  # line 19
+        torch._foreach_add_(s, u, alpha=1 - b1)
+        for st, mh in zip(states, m_hat):
+            st["center"] = self._shrunk_center(st, mh, bc1) if self.center_shrinkage else mh
+        if update_b:  # line 21: ŝ = clamp(s/κ − Φ, h1, h2); line 22: b = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2}
+            s_hat = torch._foreach_div(s, kappa)
+            torch._foreach_sub_(s_hat, phi)
+            torch._foreach_clamp_min_(s_hat, self.h1)
+            torch._foreach_clamp_max_(s_hat, self.h2)
             for st, b in zip(states, noise_optimal_scale(s_hat)):
                 st["scale"] = b
         return out

@@ -6,6 +6,8 @@ Source: Polyak 1964 (heavy ball); torch.optim.SGD's momentum/dampening form.
 from __future__ import annotations
 
 
+import torch
+
 from .base import StepContext, Transform
 
 __all__ = ["ScaleByLearningRate", "Momentum", "scale_by_lr"]
@@ -27,7 +29,7 @@ class ScaleByLearningRate(Transform):
         self.multiplier = float(multiplier)
 
     def update(self, updates, states, params, ctx: StepContext):
-        return [-(lr * self.multiplier) * u for u, lr in zip(updates, ctx.lrs)]
+        return torch._foreach_mul(list(updates), [-(lr * self.multiplier) for lr in ctx.lrs])
 
 
 def scale_by_lr(multiplier: float = 1.0) -> ScaleByLearningRate:
