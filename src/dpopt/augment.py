@@ -168,6 +168,15 @@ def views_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor,
     return loss
 
 
+def engine_groups_views() -> bool:
+    """True if this dpopt's per-sample engine takes ``rows_per_example`` (K consecutive rows = one example)."""
+    import inspect
+
+    from .engine import iter_per_sample_sources
+
+    return "rows_per_example" in inspect.signature(iter_per_sample_sources).parameters
+
+
 class ViewBatches:
     """dpopt train's batches with augmentation (and multiplicity): what the loop hands the per-example engine.
 
@@ -177,21 +186,28 @@ class ViewBatches:
         seed: the run's seed: the draws of step s come from a generator seeded
             from (seed, s) — non-private randomness, reproducible and resumable.
 
-    ``batch(x, y, step) -> (model, loss_fn, x, y, engine)``: for K = 1 the
-    augmented batch with the run's model and the fast engine; for K > 1
-    inputs ``[B, K, ...]`` (:func:`repeat_views`, example-major), the
-    :class:`ViewsOf` wrapper, :func:`views_loss` and the per-example
-    (``torch.func``) engine, which is exact for any model and never splits an
-    example's views across micro-batches (it chunks dim 0: examples).
+    ``batch(x, y, step) -> (model, loss_fn, x, y, kwargs)``, ``kwargs`` for
+    :func:`~dpopt.engine.iter_per_sample_sources`: for K = 1 the augmented
+    batch with the run's model and the fast engine (``{}``); for K > 1 the
+    B·K example-major rows (:func:`repeat_views`) and labels with
+    ``rows_per_example=K`` when the engine groups views itself
+    (:func:`engine_groups_views`: the fast engine, exact, B examples per
+    source), else inputs ``[B, K, ...]`` with the :class:`ViewsOf` wrapper,
+    :func:`views_loss` and ``engine="reference"`` (the per-example
+    ``torch.func`` path: exact for any model, slower). Either way a
+    micro-batch (``physical_batch_size``) counts examples and never splits
+    an example's views.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int):
+    def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int,
+                 grouped: Optional[bool] = None):
         self.k = check_multiplicity(k)
         self.fn = get_augmentation(augment)
         self.seed = int(seed)
         self.model, self.loss_fn = model, loss_fn
-        self.views_model = ViewsOf(model, k) if k > 1 else None
-        self.views_loss = views_loss(loss_fn) if k > 1 else None
+        self.grouped = engine_groups_views() if grouped is None else bool(grouped)
+        self.views_model = ViewsOf(model, k) if k > 1 and not self.grouped else None
+        self.views_loss = views_loss(loss_fn) if k > 1 and not self.grouped else None
 
     def generator(self, step: int) -> torch.Generator:
         """The CPU generator of step ``step``'s augmentation draws (seeded from the run seed and the step)."""
@@ -200,6 +216,9 @@ class ViewBatches:
     def batch(self, x: Tensor, y: Tensor, step: int):
         g = self.generator(step)
         if self.k == 1:
-            return self.model, self.loss_fn, self.fn(x, g), y, "fast"
+            return self.model, self.loss_fn, self.fn(x, g), y, {}
         rows = repeat_views(x, self.k, self.fn, g)
-        return self.views_model, self.views_loss, rows.reshape(x.shape[0], self.k, *x.shape[1:]), y, "reference"
+        if self.grouped:
+            return self.model, self.loss_fn, rows, repeat_labels(y, self.k), {"rows_per_example": self.k}
+        return (self.views_model, self.views_loss, rows.reshape(x.shape[0], self.k, *x.shape[1:]), y,
+                {"engine": "reference"})

@@ -19,9 +19,11 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from dpopt.augment import ViewBatches, ViewsOf, crop_flip, repeat_labels, repeat_views, views_loss
+from dpopt.augment import (ViewBatches, ViewsOf, crop_flip, engine_groups_views, repeat_labels, repeat_views,
+                           views_loss)
 from dpopt.data import Dataset
 from dpopt.engine import iter_per_sample_sources
+from dpopt.models import WSConv2d
 from dpopt.training import TrainConfig, train
 from dpopt.types import ClipGeometry
 
@@ -143,15 +145,40 @@ def test_sigma_zero_removing_one_example_with_all_views_moves_at_most_c():
 
 def test_view_batches_layout_and_reproducible_draws():
     model = small_cnn()
-    vb = ViewBatches(model, ce, 3, "crop-flip", seed=5)
+    vb = ViewBatches(model, ce, 3, "crop-flip", seed=5, grouped=False)
     x, y = torch.randn(4, 3, 8, 8), torch.arange(4)
-    m1, loss1, xv, yv, engine = vb.batch(x, y, step=2)
-    assert isinstance(m1, ViewsOf) and engine == "reference" and xv.shape == (4, 3, 3, 8, 8)
+    m1, loss1, xv, yv, kw = vb.batch(x, y, step=2)
+    assert isinstance(m1, ViewsOf) and kw == {"engine": "reference"} and xv.shape == (4, 3, 3, 8, 8)
     assert torch.equal(yv, y)
     assert torch.equal(vb.batch(x, y, step=2)[2], xv)  # seeded by (seed, step): resumable
     assert not torch.equal(vb.batch(x, y, step=3)[2], xv)
+    grouped = ViewBatches(model, ce, 3, "crop-flip", seed=5, grouped=True).batch(x, y, step=2)
+    assert grouped[0] is model and grouped[4] == {"rows_per_example": 3}
+    assert torch.equal(grouped[2], xv.reshape(12, 3, 8, 8)) and grouped[3].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2,
+                                                                                         3, 3, 3]
     one = ViewBatches(model, ce, 1, "crop-flip", seed=5).batch(x, y, 0)
-    assert one[0] is model and one[2].shape == x.shape and one[4] == "fast"
+    assert one[0] is model and one[2].shape == x.shape and one[4] == {}
+
+
+@pytest.mark.skipif(not engine_groups_views(), reason="this engine has no rows_per_example")
+@pytest.mark.parametrize("make", [small_cnn, lambda: nn.Sequential(
+    WSConv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))],
+    ids=["conv", "ws-conv"])
+@pytest.mark.parametrize("physical", [None, 2])
+def test_fast_rows_per_example_equals_the_views_path_and_torch_func(make, physical):
+    """The fast engine's grouping of K consecutive rows = the wrapper path = mean-of-views torch.func truth."""
+    torch.manual_seed(4)
+    model = make().double().train()
+    xv, y = _views(b=5, k=3)
+    rows = xv.reshape(15, 3, 8, 8)
+    parts, sizes = [], []
+    for src in iter_per_sample_sources(model, ce, rows, repeat_labels(y, 3), physical, rows_per_example=3):
+        sizes.append(src.batch_size)  # consumed one at a time (a fast source is freed by the next)
+        parts.append(_one_hot(src))
+    assert sum(sizes) == 5 and (physical is None or max(sizes) <= physical)
+    got = [torch.cat(ps) for ps in zip(*parts)]
+    for g, t in zip(got, _mean_view_truth(model, xv, y)):
+        assert torch.allclose(g, t, atol=1e-10)
 
 
 def _tiny_cifar(n=64):

@@ -178,11 +178,11 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
                 apply_lr(opt, state.step, steps, cfg.lr_schedule, cfg.warmup_steps)
             idx = sampler.sample()
             x, y = data.x_train[idx].to(run.device), data.y_train[idx].to(run.device)
-            step_model, step_loss, engine = model, _loss, "fast"
+            step_model, step_loss, views_kw = model, _loss, {}
             if views is not None:  # K views per example (their mean gradient is clipped), docs/recipe.md
-                step_model, step_loss, x, y, engine = views.batch(x, y, state.step)
+                step_model, step_loss, x, y, views_kw = views.batch(x, y, state.step)
             sources = iter_per_sample_sources(step_model, step_loss, x, y, cfg.physical_batch_size,
-                                              opt.evaluation_points(), engine=engine)
+                                              opt.evaluation_points(), **views_kw)
             opt.step(sources)
             if run.averager is not None:
                 run.averager.update()  # reads the released parameters only
