@@ -41,6 +41,8 @@ from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
 
+_PIECE = 1 << 15  # elements per elementwise op in the noise workers (torch's parallel grain: one thread each)
+
 
 @dataclass(frozen=True)
 class Release:
@@ -392,7 +394,7 @@ class Privatizer:
         for t in sums:
             offsets.append(offsets[-1] + t.numel())
 
-        def consume(lo: int, hi: int, z: Tensor) -> None:
+        def piece(lo: int, hi: int, z: Tensor) -> None:
             i = bisect.bisect_right(offsets, lo) - 1
             while i < len(sums) and offsets[i] < hi:
                 a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
@@ -407,6 +409,10 @@ class Privatizer:
                     if shift is not None:
                         o.add_(shift[i][part])
                 i += 1
+
+        def consume(lo: int, hi: int, z: Tensor) -> None:  # in pieces below torch's parallel grain: a worker
+            for a in range(lo, hi, _PIECE):                # thread must not start OpenMP teams of its own
+                piece(a, min(hi, a + _PIECE), z[a - lo:min(hi, a + _PIECE) - lo])
         draw.consume(consume)
         return outs
 
