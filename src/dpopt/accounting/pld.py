@@ -92,7 +92,8 @@ def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
 
     The same formulas as dp_accounting 0.6 (``AdditiveNoisePrivacyLoss.get_delta_for_epsilon`` and
     ``_inverse_privacy_loss_{add,remove}``): with L(ε) = log(e^ε/q + 1 − 1/q) (REMOVE; ADD uses −L(−ε)) the
-    cut-off is x = −1/2 − σ²L (REMOVE) or 1 − 1/2 − σ²L (ADD) and δ = μ_upper_cdf(x) − e^{ε + μ_lower_log_cdf(x)},
+    cut-off is x = −1/2 − σ²L (REMOVE) or 1 − 1/2 − σ²L (ADD) and
+    δ = μ_upper_cdf(x) − e^{ε + μ_lower_log_cdf(x)},
     clipped to [0, 1]; below log(1−q) (REMOVE) δ = 1 − e^ε, above −log(1−q) (ADD) δ = 0.
     """
     a = 1.0 / q
