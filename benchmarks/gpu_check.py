@@ -379,8 +379,9 @@ def hf_case(name: str, batch: int, tokens: int, width: int, seed: int = 0):
 def _rel_sum_err_floored(a: list, b: list, floor: float = 1e-6) -> float:
     """max over parameters of ‖a_k − b_k‖ / max(‖b_k‖, floor·‖b‖).
 
-    A parameter whose clipped sum is zero in exact arithmetic (BERT's attention key biases: softmax ignores a shift shared by every key) is compared relative to
-    the whole gradient, not to its own float noise (~1e-22)."""
+    A parameter whose clipped sum is zero in exact arithmetic (BERT's attention key biases: softmax ignores
+    a shift shared by every key) is compared relative to the whole gradient, not to its own float noise
+    (~1e-22)."""
     total = math.sqrt(sum(float(y.double().norm()) ** 2 for y in b))
     return max((float((x.double() - y.double()).norm()) / max(float(y.double().norm()), floor * total, 1e-300)
                 for x, y in zip(a, b)), default=0.0)
