@@ -19,8 +19,9 @@ One spawn runs every case (collectives time out after 60 s). The "hang" seen 3 t
 reported by a fixed 210 s deadline. Repeated 7 times under load (nice 19, load 13-22) the run took 58, 112,
 157, 176, 268, 222 and 70 s, always completing, and the stacks dumped at 150 s showed both ranks busy (in
 the ε computation of the first case), not waiting in a collective: a slow run past a fixed deadline reads
-as a hang. No deadlock was reproduced. So the deadline now follows progress: each rank reports every finished case, and only a run
-in which no rank finished one for STALL_S is killed (and retried once, with the progress and stacks).
+as a hang. No deadlock was reproduced. So the deadline now follows progress: each rank reports every
+finished case, and only a run in which no rank finished one for STALL_S is killed (and retried once, with
+the progress and stacks).
 """
 
 from __future__ import annotations
