@@ -5,7 +5,8 @@ by PLD) on a FIXED PUBLIC SUBSET of CIFAR-10 — the first 10,000 training recor
 and the first 5,000 test records — B̄ = 128, two epochs (156 Poisson steps), lr 0.2 with a 10-step
 warm-up and cosine decay, C = 1, EMA decay 0.999 (warm-up min(D, (1+t)/(10+t))) evaluated from the
 SAME run as the raw model (EMA is post-processing). Arms: cnn5 K = 1, cnn5-ws K = 1, cnn5-ws K = 2
-(crop-flip views), seeds 0 and 1; then cnn5-ws K = 1 with crop-flip (augmentation without
+(crop-flip views), seeds 0 and 1; cnn5-ws K = 1 for 4 epochs (312 steps, σ recalibrated for ε = 8: the
+compute of K = 2, "matched compute"); then cnn5-ws K = 1 with crop-flip (augmentation without
 multiplicity) and cnn5-ws K = 4 if time is left (K = 4 was the first plan: at this machine's load a
 K = 4 run took ~85 min, so K = 2 replaced it; see docs/results/recipe-cifar10/README.md).
 
@@ -37,10 +38,12 @@ COMMON = dict(dataset="cifar10", method="dp-sgd", target_epsilon=8.0, delta=1e-5
               checkpoint_every=20)
 ARMS = [("cnn5", 1, None), ("cnn5-ws", 1, None), ("cnn5-ws", 2, "crop-flip")]
 LATE_ARMS = [("cnn5-ws", 1, "crop-flip"), ("cnn5-ws", 4, "crop-flip")]
+MATCHED = ("cnn5-ws", 1, None)  # K = 1 with 2× the epochs (312 steps, σ recalibrated): K = 2's compute
 # the order the runs were started in (2 workers): seed 0 of the K = 1 arms, both seeds of K = 2 (the long
 # runs), then seed 1 of the K = 1 arms; then the late arms if time is left
 ORDER = ["cnn5-k1-s0", "cnn5-ws-k1-s0", "cnn5-ws-k2-s0", "cnn5-ws-k2-s1", "cnn5-k1-s1", "cnn5-ws-k1-s1",
-         "cnn5-ws-k1-aug-s0", "cnn5-ws-k1-aug-s1", "cnn5-ws-k4-s0", "cnn5-ws-k4-s1"]
+         "cnn5-ws-k1-4ep-s0", "cnn5-ws-k1-4ep-s1", "cnn5-ws-k1-aug-s0", "cnn5-ws-k1-aug-s1", "cnn5-ws-k4-s0",
+         "cnn5-ws-k4-s1"]
 
 
 def queue() -> list[dict]:
@@ -51,6 +54,9 @@ def queue() -> list[dict]:
                 label = f"{model} K={k}" + (" +aug" if aug and k == 1 else "")
                 name = f"{model}-k{k}{'-aug' if aug and k == 1 else ''}-s{seed}"
                 out.append({"model": model, "k": k, "augment": aug, "seed": seed, "label": label, "name": name})
+    for seed in (0, 1):  # matched compute: K = 1 for twice the epochs (the rows of K = 2)
+        out.append({"model": MATCHED[0], "k": 1, "augment": None, "seed": seed, "epochs": 4.0,
+                    "label": "cnn5-ws K=1 4 epochs", "name": f"cnn5-ws-k1-4ep-s{seed}"})
     return sorted(out, key=lambda j: ORDER.index(j["name"]))
 
 
@@ -76,7 +82,8 @@ def one(name: str, data_dir: str) -> None:
     if (run_dir / "checkpoint.pt").exists():
         summary = resume(run_dir, data=data)
     else:
-        cfg = TrainConfig(**COMMON, data_dir=data_dir, model=job["model"], seed=job["seed"],
+        common = dict(COMMON, epochs=job.get("epochs", COMMON["epochs"]))
+        cfg = TrainConfig(**common, data_dir=data_dir, model=job["model"], seed=job["seed"],
                           augmentation_multiplicity=job["k"], augment=job["augment"],
                           physical_batch_size=64 // job["k"], out=str(run_dir), overwrite=True)
         summary = train(cfg, data=data)

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[2] / "docs/results/recipe-cifar10"
-ARM_ORDER = ["cnn5 K=1", "cnn5-ws K=1", "cnn5-ws K=1 +aug", "cnn5-ws K=2", "cnn5-ws K=4"]
+ARM_ORDER = ["cnn5 K=1", "cnn5-ws K=1", "cnn5-ws K=1 +aug", "cnn5-ws K=2", "cnn5-ws K=1 4 epochs", "cnn5-ws K=4"]
 
 
 def arm_of(name: str) -> str:
     model, rest = name.split("-k")
     k = rest.split("-")[0]
-    return f"{model} K={k}" + (" +aug" if "-aug-" in name else "")
+    return f"{model} K={k}" + (" +aug" if "-aug-" in name else "") + (" 4 epochs" if "-4ep-" in name else "")
 
 
 def fmt(values: list) -> str:
@@ -52,14 +52,15 @@ def main(runs: Path) -> None:
     with open(OUT / "results.jsonl", "w") as fh:
         for rec in done:
             fh.write(json.dumps(rec) + "\n")
-    lines = ["| arm | K (work per step) | seeds | test accuracy (raw) | test accuracy (EMA 0.999) | ε | steps | "
+    lines = ["| arm | work (rows, × cnn5 K=1) | seeds | test accuracy (raw) | test accuracy (EMA 0.999) | ε | steps | "
              "wall s per run |", "|---|---|---|---|---|---|---|---|"]
     for arm in ARM_ORDER:
         rs = [r for r in done if r["arm"] == arm]
         if not rs:
             continue
         k = rs[0].get("augmentation_multiplicity", 1)
-        lines.append(f"| {arm} | {k}× | {', '.join(str(r['seed']) for r in rs)} | "
+        work = k * rs[0]["steps"] / 156
+        lines.append(f"| {arm} | {work:g}× | {', '.join(str(r['seed']) for r in rs)} | "
                      f"{fmt([r['test_accuracy'] for r in rs])} | {fmt([r['ema_test_accuracy'] for r in rs])} | "
                      f"{statistics.mean(r['epsilon'] for r in rs):.3f} | {rs[0]['steps']} | "
                      f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} |")
