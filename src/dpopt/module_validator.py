@@ -45,7 +45,10 @@ class ModuleValidator:
 
     @classmethod
     def fix(cls, module: nn.Module, **kwargs) -> nn.Module:
-        """The module with every fixable layer replaced (:func:`dpopt.validator.fix`; in place, root may change).
+        """A COPY of the module with every fixable layer replaced (:func:`dpopt.validator.fix` on a deep copy).
+
+        As Opacus's ``ModuleValidator.fix``: the module given is left as it is
+        (``model = ModuleValidator.fix(model)`` is the usual call).
 
         Opacus's keyword options (e.g. ``num_groups``) are not supported: dpopt
         picks GroupNorm's groups itself (:func:`dpopt.validator.groupnorm_groups`).
@@ -57,7 +60,9 @@ class ModuleValidator:
             raise TypeError(f"ModuleValidator.fix takes no options in dpopt (got {sorted(kwargs)}); it picks "
                             "GroupNorm's num_groups as gcd(32, C) (dpopt.validator.groupnorm_groups); replace "
                             "the layers yourself for another choice")
-        return validator.fix(module)
+        import copy
+
+        return validator.fix(copy.deepcopy(module))
 
     @classmethod
     def fix_and_validate(cls, module: nn.Module) -> nn.Module:
