@@ -52,8 +52,8 @@ def main(runs: Path) -> None:
     with open(OUT / "results.jsonl", "w") as fh:
         for rec in done:
             fh.write(json.dumps(rec) + "\n")
-    lines = ["| arm | work (rows, × cnn5 K=1) | seeds | test accuracy (raw) | test accuracy (EMA 0.999) | ε | steps | "
-             "wall s per run |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | work (rows, × cnn5 K=1) | seeds | test accuracy (raw) | test accuracy (EMA 0.999) | ε | "
+             "steps | wall s per run |", "|---|---|---|---|---|---|---|---|"]
     for arm in ARM_ORDER:
         rs = [r for r in done if r["arm"] == arm]
         if not rs:

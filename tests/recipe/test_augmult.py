@@ -162,8 +162,8 @@ def test_view_batches_layout_and_reproducible_draws():
 
 @pytest.mark.skipif(not engine_groups_views(), reason="this engine has no rows_per_example")
 @pytest.mark.parametrize("make", [small_cnn, lambda: nn.Sequential(
-    WSConv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))],
-    ids=["conv", "ws-conv"])
+    WSConv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    nn.Linear(4, 3))], ids=["conv", "ws-conv"])
 @pytest.mark.parametrize("physical", [None, 2])
 def test_fast_rows_per_example_equals_the_views_path_and_torch_func(make, physical):
     """The fast engine's grouping of K consecutive rows = the wrapper path = mean-of-views torch.func truth."""
