@@ -302,8 +302,9 @@ def _mean_sd(values) -> str:
 
 def table(rows: list) -> str:
     """Markdown table: per example and library, mean ± sd over seeds (or the error of failed runs)."""
-    out = ["| example | library | runs | test accuracy | ε own accountant | ε Opacus RDP (same) | ε dpopt PLD (same) "
-           "| steps | step wall s | step CPU s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| example | library | runs | test accuracy | ε own accountant | ε Opacus RDP (same) "
+           "| ε dpopt PLD (same) | steps | step wall s | step CPU s |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for example in EXAMPLES:
         for lib in ("opacus", "dpopt"):
             group = [r for r in rows if r["example"] == example and r["lib"] == lib]
@@ -316,7 +317,8 @@ def table(rows: list) -> str:
             acc = {r.get("accountant") for r in ok}
             out.append(f"| {example} | {lib} | {len(ok)}/{len(group)} | {_mean_sd([r['accuracy'] for r in ok])} | "
                        f"{_mean_sd([r['eps_own'] for r in ok])} ({'/'.join(sorted(acc))}) | "
-                       f"{_mean_sd([r['eps_rdp_opacus'] for r in ok])} | {_mean_sd([r['eps_pld_dpopt'] for r in ok])} | "
+                       f"{_mean_sd([r['eps_rdp_opacus'] for r in ok])} | "
+                       f"{_mean_sd([r['eps_pld_dpopt'] for r in ok])} | "
                        f"{_mean_sd([r['steps'] for r in ok])} | {_mean_sd([r['step_wall_s'] for r in ok])} | "
                        f"{_mean_sd([r['step_cpu_s'] for r in ok])} |")
     return "\n".join(out)

@@ -24,6 +24,10 @@ Opacus argument          dpopt
 ``drop_last=True``       (on the loader) ignored under Poisson sampling, with Opacus's warning.
 ``model._module``        the model itself (dpopt returns the user's module, not a wrapper).
 =======================  ==========================================================================
+
+Two checks Opacus does not make: :class:`TargetWatch` (``make_private_with_epsilon``'s
+target passed: warned once) and :class:`LossReductionWatch` (a torch loss module whose
+reduction disagrees with ``loss_reduction``: refused at the first ``step()``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-__all__ = ["GRAD_SAMPLE_MODES", "OpacusOptions", "check_opacus_arguments"]
+__all__ = ["GRAD_SAMPLE_MODES", "LossReductionWatch", "OpacusOptions", "TargetWatch", "check_opacus_arguments"]
 
 #: Opacus's per-sample gradient modes dpopt accepts (one engine serves them all).
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
@@ -350,7 +354,8 @@ class LossReductionWatch:
             actual = "sum" if self.expected == "mean" else "mean"
             self.verdict = (f"the loss {name}(reduction={reduction!r}) on the model's output gives each example's "
                             f"loss the weight of a {actual}-reduced loss, but make_private(loss_reduction="
-                            f"{self.expected!r}): every per-example gradient would be {'B' if actual == 'sum' else '1/B'}"
+                            f"{self.expected!r}): every per-example gradient would be "
+                            f"{'B' if actual == 'sum' else '1/B'}"
                             f" times its value (clipped by the wrong factor). Pass loss_reduction={actual!r} to "
                             f"make_private, or reduce the loss by {self.expected!r}")
 

@@ -54,7 +54,8 @@ def _private(batch_size=B, noise_multiplier=1.0, max_grad_norm=1.0, seed=1337, n
     engine = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, opt, dl = engine.make_private(module=m, optimizer=opt, data_loader=DataLoader(_data(), batch_size=batch_size),
+        m, opt, dl = engine.make_private(module=m, optimizer=opt,
+                                         data_loader=DataLoader(_data(), batch_size=batch_size),
                                          noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                          noise_generator=noise_generator, **kw)
     return m, opt, dl

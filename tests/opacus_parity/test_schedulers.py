@@ -162,7 +162,8 @@ def test_a_noise_schedule_passes_dpopt_check_and_a_release_off_the_schedule_fail
     assert claims["noise_multiplier_schedule"] == [[0, 1.0], [4, 0.5], [8, 0.25], [12, 0.125]]
     report = check_ledger(engine.ledger, claims)  # (the fixture's noise is reproducible: noise_source fails)
     assert report.failures == ["noise_source"], report.format()
-    claims["noise_multiplier_schedule"] = [[0, 1.0], [4, 0.5]]  # the claim says sigma stayed 0.5: releases 8-11 are off it
+    # the claim says sigma stayed 0.5: releases 8-11 are off it
+    claims["noise_multiplier_schedule"] = [[0, 1.0], [4, 0.5]]
     split = check_ledger(engine.ledger, claims)["budget_split"]
     assert not split.passed and any("4 entries" in line and "0.25" in line for line in split.evidence)
 
