@@ -148,7 +148,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     from .methods import build_optimizer, get_method
     from .models import build_model
     from .training.build import build_run, privacy_options
-    from .training.config import resolve_device
+    from .training.config import epoch_end_step, resolve_device
     from .training.loop import evaluate
     from .training.results import RunFiles, new_segment, run_directory, write_config, write_results
 
@@ -215,9 +215,9 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
             x, y = run.data.x_train[idx].to(run.device), run.data.y_train[idx].to(run.device)
             opt.step(_sources(model, capture, x, y, cfg.physical_batch_size, dist))
             step += 1
-            epoch_end = step >= next_epoch / q - 1e-9 or step == steps
+            epoch_end = step >= epoch_end_step(next_epoch, q, steps)  # as dpopt train: after step round(k / q)
             if epoch_end:
-                row({"epoch": next_epoch})
+                row({"epoch": min(next_epoch, cfg.epochs)})
                 next_epoch += 1
             if files is not None:
                 files.flush()
