@@ -223,7 +223,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
                 files.flush()
             if on_step is not None and dist.is_main:
                 last = metrics[-1] if metrics else {}
-                on_step({"step": step, "steps": steps, "epsilon": last.get("epsilon", 0.0),
+                on_step({"step": step, "steps": steps, "epsilon": last.get("epsilon"),
                          "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
                          "accountant": cfg.accountant})
         if status != "completed" and (not metrics or metrics[-1]["step"] != step):
