@@ -11,7 +11,7 @@ A sweep config is TOML (read with the standard library's ``tomllib``; the
 
     [base]                          # fixed TrainConfig options for every run
     dataset = "mnist"
-    data_dir = "../shared/data"
+    data_dir = "data"               # mnist.npz / cifar10.npz, relative to where dpopt runs
     batch_size = 256
     epochs = 5
 
