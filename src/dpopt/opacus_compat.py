@@ -12,6 +12,9 @@ Opacus argument          dpopt
                          returns ``(module, optimizer, criterion, data_loader)`` as Opacus, the
                          criterion being the one given (an ordinary loss: one backward is enough).
                          ``"ghost_fsdp"`` is refused (no FSDP; use ``distributed=True``).
+                         ``"no_op"``: the loop writes per-example gradients of ℓ_i into
+                         ``p.grad_sample`` (``[B, *p.shape]``) before ``step()``, which reads them
+                         (as it does in every mode where all trainable parameters have one).
 ``batch_first``          ``True``: as always. ``False`` (inputs ``[T, B, ...]``) is refused: the engine
                          takes dim 0 of the model's input as the example axis and checks it per layer.
 ``criterion``            only used by ``"ghost"`` (returned); its ``reduction`` must match
@@ -42,7 +45,7 @@ from torch import nn
 __all__ = ["GRAD_SAMPLE_MODES", "LossReductionWatch", "OpacusOptions", "TargetWatch", "check_opacus_arguments"]
 
 #: Opacus's per-sample gradient modes dpopt accepts (one engine serves them all).
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "no_op")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,12 @@ def _check_mode(grad_sample_mode: str, engine: Any) -> None:
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpopt has one engine for all of "
                          f"them), got {grad_sample_mode!r}")
-    if grad_sample_mode != "hooks" and not getattr(engine, "_mode_noted", False):
+    if grad_sample_mode == "no_op" and not getattr(engine, "_no_op_noted", False):
+        engine._no_op_noted = True
+        warnings.warn("grad_sample_mode='no_op': step() clips the per-example gradients your loop writes into "
+                      "p.grad_sample ([B, *p.shape], the gradients of each example's own loss); they are trusted "
+                      "as given (not checked against the model)", UserWarning, stacklevel=4)
+    elif grad_sample_mode != "hooks" and not getattr(engine, "_mode_noted", False):
         engine._mode_noted = True
         warnings.warn(f"grad_sample_mode={grad_sample_mode!r}: dpopt computes per-sample gradients with one engine "
                       "(hook capture with its per-layer checks) for every mode; the results are the same as "

@@ -180,3 +180,27 @@ def test_model_module_is_the_model_itself_and_not_a_child():
                                     max_grad_norm=1.0)
     assert out is m and m._module is m  # Opacus code unwraps its GradSampleModule with ._module
     assert set(m.state_dict()) == keys and len(list(m.modules())) == n_modules
+
+
+def test_no_op_mode_reads_the_per_example_gradients_the_loop_writes():
+    # cifar10.py's --grad_sample_mode no_op path: per-example gradients from torch.func written to p.grad_sample
+    from torch.func import functional_call, grad, vmap
+
+    _, m0, opt0, loader0 = private(grad_sample_mode="hooks")
+    run_epoch(m0, opt0, loader0)
+    with pytest.warns(UserWarning, match="no_op"):
+        _, m1, opt1, loader1 = private(grad_sample_mode="no_op")
+    crit = nn.CrossEntropyLoss()
+
+    def loss(params, x, y):
+        return crit(functional_call(m1, params, (x[None],)), y[None])
+
+    for x, y in loader1:
+        m1(x)  # the example's forward (its output feeds its accuracy)
+        params = {k: v.detach() for k, v in m1.named_parameters()}
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        for name, p in m1.named_parameters():
+            p.grad_sample = grads[name]
+        opt1.step()
+        opt1.zero_grad()
+    torch.testing.assert_close(_params(m1), _params(m0), rtol=1e-5, atol=1e-6)
