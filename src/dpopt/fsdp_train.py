@@ -32,12 +32,13 @@ are collectives); only rank 0 writes files. At the end the full parameters are g
 
 Supported: methods ``dp-sgd`` and ``dp-adam`` (their transforms are elementwise, so they run on
 the local shards; flat clip geometry), flat clipping, ``--physical-batch-size``,
-``--target-epsilon``, ``--max-epsilon``, learning-rate schedules, ``--freeze``, the built-in
+``--target-epsilon``, ``--max-epsilon``, ``--log-every``, learning-rate schedules, ``--freeze``, the
+built-in
 models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable layers have a fast
 per-example rule. Refused with an error that says what to change (:func:`check_fsdp_config`):
 other methods (clip geometry or whole-matrix transforms that are not sharded: MacAdam, AdaClip,
-Muon, ...), per-layer and quantile clipping, ``--resume`` and checkpoints (a sharded checkpoint
-is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
+Muon, ...), per-layer and quantile clipping, ``--resume`` and ``--checkpoint-every`` (a sharded
+checkpoint is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
 ``--show-train-loss``, one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
@@ -78,6 +79,8 @@ def check_fsdp_config(cfg) -> None:
                                       "augmentation views are not supported"),
         "ema_decay": (cfg.ema_decay is not None, "the EMA of a sharded model is not supported"),
         "show_train_loss": (cfg.show_train_loss, "the (non-private) train loss display is not supported"),
+        "checkpoint_every": (bool(cfg.checkpoint_every), "no checkpoint of a sharded model is written (a --fsdp run "
+                                                         "cannot be resumed)"),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -219,6 +222,8 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
             if epoch_end:
                 row({"epoch": min(next_epoch, cfg.epochs)})
                 next_epoch += 1
+            elif cfg.log_every and step % cfg.log_every == 0:  # every rank evaluates (collective forwards)
+                row({"epoch": round(step * q, 6), "log": True})
             if files is not None:
                 files.flush()
             if on_step is not None and dist.is_main:

@@ -4,7 +4,8 @@
   completes: DP-SGD on digits, B̄ = 256 (6 steps), micro-batches of 50 (the ranks' chunk counts differ
   from step to step: each runs the agreed number of passes), reproducible noise (so exit code 3: the
   ledger check fails ``noise_source`` by design, every file written).
-* Its ledger is the one-process run's, entry for entry (step, event, metadata), and its parameters
+* Its ledger is the one-process run's, entry for entry (step, event, metadata), its metrics rows
+  (``--log-every 2`` and the epoch: ε, test loss) are the one-process run's, and its parameters
   (``model.pt``, gathered from the shards into a plain state dict) equal the one-process run's to
   rtol 1e-4 / atol 1e-5 (float32 sums in another order; seen: 7e-9), the test accuracy too.
 * Refusals (in-process, no spawn): methods whose geometry or transform is not sharded, non-flat
@@ -30,12 +31,13 @@ from dpopt.training import TrainConfig, train
 pytestmark = pytest.mark.slow  # two torchrun ranks: ~25 s on a loaded 2-core machine (imports)
 
 FLAGS = dict(dataset="digits", method="dp-sgd", batch_size=256, epochs=1.0, seed=3, physical_batch_size=50,
-             reproducible_noise=True)
+             reproducible_noise=True, log_every=2)
 
 
 def _cli_flags(out) -> list:
     return ["train", "--fsdp", "--method", "dp-sgd", "--dataset", "digits", "--batch-size", "256", "--epochs", "1",
-            "--seed", "3", "--physical-batch-size", "50", "--reproducible-noise", "--out", str(out), "--json"]
+            "--seed", "3", "--physical-batch-size", "50", "--reproducible-noise", "--log-every", "2", "--out", str(out),
+            "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +83,16 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
     assert summary["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=2 / 360)
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (out, one)]
+    assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [2, 4, 6]  # --log-every 2, the epoch
+    for a_row, b_row in zip(*rows):  # every rank evaluated (collective forwards); rank 0 wrote the rows
+        assert a_row["epsilon"] == pytest.approx(b_row["epsilon"], rel=1e-12)
+        assert a_row["test_loss"] == pytest.approx(b_row["test_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("change,field", [({"method": "dp-macadam"}, "method"), ({"clipping": "quantile"}, "clipping"),
-                                          ({"lora_rank": 4}, "lora_rank"), ({"ema_decay": 0.99}, "ema_decay")])
+                                          ({"lora_rank": 4}, "lora_rank"), ({"ema_decay": 0.99}, "ema_decay"),
+                                          ({"checkpoint_every": 10}, "checkpoint_every")])
 def test_refusals_name_the_option(change, field):
     with pytest.raises(ConfigError) as info:
         check_fsdp_config(TrainConfig(**dict(FLAGS, **change)))
