@@ -4,6 +4,8 @@ Measures, on the MNIST MLP (784-1000-10, B = 256) and the CIFAR-10 ``cnn5``
 (B = 512), the median wall-clock time of one optimizer step for
 
 * non-private SGD (forward + backward + ``torch.optim.SGD`` update, same batch),
+* the floor of a DP step: that non-private step plus one draw of the noise of every parameter
+  (dpopt's tail-preserving float64 sampler; ``floor/non-private`` in the JSON),
 * dpopt DP-SGD, DP-MacAdam and DP-Muon (``dpopt.engine`` fast path),
 * Opacus DP-SGD in each ``grad_sample_mode``: ``hooks``, ``ghost`` (ghost clipping) and
   ``functorch`` (skipped if Opacus is absent); ``dp-sgd/opacus-best`` compares with the fastest,
@@ -117,6 +119,25 @@ def non_private_step(model_name: str, x, y) -> Callable[[], None]:
     return step
 
 
+def floor_step(model_name: str, x, y) -> Callable[[], None]:
+    """The floor of a DP step: the non-private step plus ONE Gaussian draw of every parameter's noise
+    (dpopt's tail-preserving sampler, float64, as the Privatizer draws it) — the GEMMs and the noise,
+    nothing per example."""
+    from dpopt.noise import NoiseSource
+    step = non_private_step(model_name, x, y)
+    d = sum(p.numel() for p in build_model(model_name).parameters() if p.requires_grad)
+    src = NoiseSource("secret")
+    device = x.device
+
+    def floor():
+        step()
+        if device.type == "cpu" and hasattr(src, "start_normal"):
+            src.start_normal(d).consume()
+        else:
+            src.normal((d,), dtype=torch.float64, device=device)
+    return floor
+
+
 def dpopt_step(model_name: str, method: str, x, y, physical: Optional[int] = None,
                engine: str = "fast") -> Callable[[], None]:
     _, b, n, dataset = SHAPES[model_name]
@@ -214,6 +235,9 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
                      sync: Optional[Callable[[], None]] = None) -> dict[str, dict]:
     """Median / p10 seconds per step of each configuration, timed round-robin.
 
+    Also the median process CPU time per step (``cpu_median``: all threads of this process,
+    ``time.process_time``), which a loaded machine inflates far less than wall time.
+
     ``probes[name]()`` (optional) returns a cumulative counter (e.g. NS seconds);
     its per-step increments are recorded alongside. ``sync`` (e.g. :func:`synchronizer`
     on CUDA) is called before the clock starts and before it stops, so that each step's
@@ -224,22 +248,25 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
         for _ in range(warmup):
             f()
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
     extra: dict[str, list[float]] = {k: [] for k in (probes or {})}
     for _ in range(rounds):
         for name, f in steps.items():
             for _ in range(per_round):
                 before = probes[name]() if probes and name in probes else 0.0
                 sync()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 f()
                 sync()
                 times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
                 if probes and name in probes:
                     extra[name].append(probes[name]() - before)
     out = {}
     for k, v in times.items():
         v = sorted(v)
-        out[k] = {"median": statistics.median(v), "p10": v[int(0.1 * (len(v) - 1))], "n": len(v)}
+        out[k] = {"median": statistics.median(v), "p10": v[int(0.1 * (len(v) - 1))], "n": len(v),
+                  "cpu_median": statistics.median(cpu[k])}
         if k in extra:
             out[k]["probe_median"] = statistics.median(extra[k])
             out[k]["probe_share"] = statistics.median([e / t for e, t in zip(extra[k], times[k])])
@@ -337,6 +364,7 @@ def main(argv=None) -> dict:
         _, b, n, _ = SHAPES[model_name]
         x, y = batch(model_name, b, device=device)
         steps: dict[str, Callable[[], None]] = {"non-private": non_private_step(model_name, x, y),
+                                               "floor: non-private + noise": floor_step(model_name, x, y),
                                                "dp-sgd": dpopt_step(model_name, "dp-sgd", x, y),
                                                "dp-macadam": dpopt_step(model_name, "dp-macadam", x, y)}
         probes = {}
@@ -373,15 +401,21 @@ def main(argv=None) -> dict:
         print(f"\n{model_name}: B = {b}, {args.threads} threads{on}, {res['non-private']['n']} timed steps each "
               f"(round-robin); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; 1-min load average "
               f"{load:.1f} on {os.cpu_count()} CPUs")
-        print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s}")
+        print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s} "
+              f"{'cpu ms':>8s} {'cpu / np':>9s}")
         for k, v in res.items():
             print(f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {v['median'] / base:14.2f} "
-                  f"{v['median'] / res['dp-sgd']['median']:9.2f}")
+                  f"{v['median'] / res['dp-sgd']['median']:9.2f} {1e3 * v['cpu_median']:8.1f} "
+                  f"{v['cpu_median'] / res['non-private']['cpu_median']:9.2f}")
         r = {"dp-sgd/non-private": res["dp-sgd"]["median"] / base,
              "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
              "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
              "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
+             "floor/non-private": res["floor: non-private + noise"]["median"] / base,
              "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
+             "cpu_ms": {k: round(1e3 * v["cpu_median"], 2) for k, v in res.items()},
+             "cpu:dp-sgd/non-private": res["dp-sgd"]["cpu_median"] / res["non-private"]["cpu_median"],
+             "cpu:dp-macadam/dp-sgd": res["dp-macadam"]["cpu_median"] / res["dp-sgd"]["cpu_median"],
              "threads": args.threads, "loadavg_1min": round(load, 2)}
         if device.type != "cpu":
             r["device"] = str(device)
