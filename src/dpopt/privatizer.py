@@ -411,8 +411,9 @@ class Privatizer:
                 i += 1
 
         def consume(lo: int, hi: int, z: Tensor) -> None:  # in pieces below torch's parallel grain: a worker
-            for a in range(lo, hi, _PIECE):                # thread must not start OpenMP teams of its own
-                piece(a, min(hi, a + _PIECE), z[a - lo:min(hi, a + _PIECE) - lo])
+            with torch.no_grad():                          # thread must not start OpenMP teams of its own;
+                for a in range(lo, hi, _PIECE):            # grad mode is per thread: a release has no history
+                    piece(a, min(hi, a + _PIECE), z[a - lo:min(hi, a + _PIECE) - lo])
         draw.consume(consume)
         return outs
 

@@ -234,3 +234,14 @@ def test_start_normal_refuses_a_negative_count():
     with pytest.raises(ValueError, match=">= 0"):
         NoiseSource("secret").start_normal(-1)
     assert NoiseSource("secure").start_normal(3).values().shape == (3,)
+
+
+def test_release_of_sums_that_require_grad_has_no_autograd_history(threads):
+    """The fused release runs in worker threads, where grad mode is on by default: a release is
+    public data and never carries autograd history, whatever its sums were."""
+    s = torch.randn(1, NORMAL_CHUNK + 11, requires_grad=True)
+    priv = Privatizer(1.0, 1e6, 2.0, 0.1, noise=NoiseSource("reproducible", seed=1))
+    rel = priv.privatize(PerSampleGrads([s]), params_like=[s[0]])
+    z = NoiseSource("reproducible", seed=1).normal((NORMAL_CHUNK + 11,), dtype=torch.float64)
+    assert rel.grads[0].grad_fn is None and not rel.grads[0].requires_grad
+    assert torch.equal(rel.grads[0], (z * 1e6 + s[0].detach().double()).float().div_(2.0))
