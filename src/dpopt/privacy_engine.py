@@ -102,6 +102,7 @@ from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .accounting.validation import check_noise_multiplier
+from .augment import check_multiplicity
 from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
 from .data_loader import DPDataLoader, custom_batching
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
@@ -577,6 +578,7 @@ class PrivacyEngine:
         max_clipbound: float = math.inf,
         min_clipbound: float = 0.0,
         secure_mode: Optional[bool] = None,
+        augmentation_multiplicity: int = 1,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -634,6 +636,19 @@ class PrivacyEngine:
                 dpopt's one engine or refused with advice
                 (:mod:`dpopt.opacus_compat`); ``grad_sample_mode="ghost"``
                 returns ``(module, optimizer, criterion, data_loader)``.
+            augmentation_multiplicity: K ≥ 1 views per example (De et al. 2022;
+                docs/recipe.md). The loop forwards, in ONE forward pass per
+                step, B·K example-major rows — rows i·K … i·K + K − 1 the K
+                views of example i, e.g. ``dpopt.augment.repeat_views(x, K, fn)``
+                with labels ``y.repeat_interleave(K)``; example i's gradient is
+                the mean over its views, clipped once (sensitivity C, the same
+                ε as K = 1), and ``loss_reduction="mean"`` is the mean over the
+                B·K rows (= over the B examples of their view means; ``"sum"``:
+                the sum over the examples of their view means, i.e. the sum over
+                the rows divided by K). The data
+                loader yields examples (q, N and the expected batch size count
+                examples); BatchMemoryManager chunks are of examples, each with
+                all its views. Not with ``distributed="fsdp"``.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -666,7 +681,12 @@ class PrivacyEngine:
                           UserWarning, stacklevel=2)
             noise = NoiseSource("reproducible", generator=noise_generator)
         ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
-        capture = fsdp.capture_for(module, distributed, optimizer, ctx, loss_reduction=loss_reduction)
+        views = check_multiplicity(augmentation_multiplicity)
+        if views > 1 and distributed == "fsdp":
+            raise ValueError("augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
+                             "distributed=True (replicas) or one process")
+        capture = fsdp.capture_for(module, distributed, optimizer, ctx, loss_reduction=loss_reduction,
+                                   **({"rows_per_example": views} if views > 1 else {}))
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:

@@ -20,11 +20,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
+from dpopt.engine.hooks import HookCapture
 from dpopt.augment import crop_flip, repeat_labels, repeat_views
 
 pytestmark = pytest.mark.skipif(
-    "augmentation_multiplicity" not in inspect.signature(dpopt.PrivacyEngine.make_private).parameters,
-    reason="this dpopt's PrivacyEngine has no augmentation_multiplicity")
+    "augmentation_multiplicity" not in inspect.signature(dpopt.PrivacyEngine.make_private).parameters
+    or "rows_per_example" not in inspect.signature(HookCapture).parameters,
+    reason="this dpopt's PrivacyEngine / hook capture has no augmentation multiplicity")
 
 K, B, C = 3, 5, 0.05
 
