@@ -47,6 +47,10 @@ Usage (resumable: finished (example, library, seed) rows in
         --data-dir data --out runs/opacus-examples --seeds 0 1
     python benchmarks/opacus_examples.py --out runs/opacus-examples --table   # the table of what is done
 
+``char-lstm+nn.LSTM`` (dpopt only) changes one more line of char-lstm,
+``rnn_type = DPLSTM`` → ``rnn_type = nn.LSTM``: dpopt's engine refuses Opacus's
+``DPLSTM`` (its parameters are registered twice, on the cell's ``Linear``
+layers and renamed on the ``DPLSTM`` module), and Opacus refuses ``nn.LSTM``.
 ``--only cifar10`` / ``--only char-lstm`` runs one example. Reduced settings
 (defaults): CIFAR-10 10,000 training images, batch 500 (q 0.05), 2 epochs
 (40 steps), the example's σ 1.5, C 10, lr 0.1 (cosine), momentum 0.9;
@@ -72,8 +76,12 @@ import time
 import types
 from pathlib import Path
 
-EXAMPLES = {"cifar10": "cifar10.py", "char-lstm": "char-lstm-classification.py"}
+EXAMPLES = {"cifar10": "cifar10.py", "char-lstm": "char-lstm-classification.py",
+            "char-lstm+nn.LSTM": "char-lstm-classification.py"}
 SWITCH = ("from opacus import PrivacyEngine\n", "from dpopt import PrivacyEngine\n")
+#: the one more line changed in the "char-lstm+nn.LSTM" variant (dpopt only: Opacus refuses nn.LSTM)
+LSTM_SWITCH = ("        rnn_type = DPLSTM\n", "        rnn_type = nn.LSTM\n")
+LIBS = {"char-lstm+nn.LSTM": ("dpopt",)}
 
 
 # -- local data ---------------------------------------------------------------------------------
@@ -210,6 +218,10 @@ def run_child(spec: dict) -> dict:
         if source.count(SWITCH[0]) != 1:
             raise RuntimeError(f"{spec['path']}: expected exactly one line {SWITCH[0]!r}")
         source = source.replace(*SWITCH)
+    if spec["example"] == "char-lstm+nn.LSTM":
+        if source.count(LSTM_SWITCH[0]) != 1:
+            raise RuntimeError(f"{spec['path']}: expected exactly one line {LSTM_SWITCH[0]!r}")
+        source = source.replace(*LSTM_SWITCH)
     namespace = {"__name__": "opacus_example", "__file__": spec["path"]}
     exec(compile(source, spec["path"], "exec"), namespace)  # the example's module body (not its __main__)
 
@@ -306,7 +318,7 @@ def table(rows: list) -> str:
            "| ε dpopt PLD (same) | steps | step wall s | step CPU s |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for example in EXAMPLES:
-        for lib in ("opacus", "dpopt"):
+        for lib in LIBS.get(example, ("opacus", "dpopt")):
             group = [r for r in rows if r["example"] == example and r["lib"] == lib]
             if not group:
                 continue
@@ -355,7 +367,7 @@ def main(argv=None) -> int:
         done = {(r["example"], r["lib"], r["seed"]) for r in rows if "error" not in r}
         for seed in args.seeds:
             for example in args.only or list(EXAMPLES):
-                for lib in ("opacus", "dpopt"):
+                for lib in LIBS.get(example, ("opacus", "dpopt")):
                     if (example, lib, seed) in done:
                         continue
                     t = time.perf_counter()
