@@ -26,7 +26,7 @@ OLD_SUMMARY_KEYS = {
     "method", "dataset", "model", "test_accuracy", "test_loss", "epsilon", "delta", "noise_multiplier",
     "max_grad_norm", "clipping", "sample_rate", "expected_batch_size", "steps", "epochs", "lr", "accountant", "seed",
     "num_parameters", "noise", "dataset_size", "privatizer_reads", "privatizer_releases", "wall_seconds", "run_dir",
-    "check", "ledger_run_id", "segments"}
+    "check", "ledger_run_id", "segments", "status", "planned_steps"}  # status: every summary since issue 22
 OLD_ROW_KEYS = {"epoch", "step", "test_accuracy", "test_loss", "epsilon"}
 
 
