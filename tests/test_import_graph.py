@@ -203,7 +203,8 @@ def test_graph_sees_the_package():
     top, _ = import_graph()
     assert "dpopt.privatizer" in top and "dpopt.engine.fast" in top
     assert "dpopt.types" in top["dpopt.privatizer"]
-    assert {"dpopt.engine.reference", "dpopt.engine.rules", "dpopt.engine.layers"} <= top["dpopt.engine.fast"]
+    assert {"dpopt.engine.reference", "dpopt.engine.capture", "dpopt.engine.layers"} <= top["dpopt.engine.fast"]
+    assert "dpopt.engine.rules" in top["dpopt.engine.capture"]
 
 
 def test_cycle_finder_on_a_small_graph():

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..types import EvaluationPoint
+from .capture import check_views
 from .check import free_sizes
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
 from .hooks import HookCapture, grad_sample_source
@@ -69,6 +70,7 @@ def iter_per_sample_sources(
     points: Optional[Sequence[EvaluationPoint]] = None,
     engine: str = "fast",
     batch_dim: int = 0,
+    rows_per_example: int = 1,
 ) -> Iterator:
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
@@ -86,6 +88,12 @@ def iter_per_sample_sources(
             e.g. 1 for sequence-first ``[T, B, ...]`` inputs). The fast
             engine computes every parameter by the per-example path when it
             is not 0.
+        rows_per_example: K ≥ 1 (augmentation multiplicity): rows
+            ``i·K … i·K + K − 1`` of x (along ``batch_dim``) and y are K views
+            of example i, whose gradient is the mean over its views; sources
+            have B = rows / K examples and ``physical_batch_size`` counts
+            examples (a chunk never splits an example's views). See
+            :class:`~dpopt.engine.fast.PerSampleEngine`.
 
     Yields:
         per-sample sources; with ``engine="fast"`` each is freed when the
@@ -94,14 +102,29 @@ def iter_per_sample_sources(
     Raises:
         ValueError: unknown engine, ``physical_batch_size`` ≤ 0, or invalid
             inputs (:func:`dpopt.engine.inputs.check_inputs`: a PackedSequence,
-            or x's example axis and y's dim 0 of different lengths), or a
+            or x's example axis and y's dim 0 of different lengths), a row
+            count that is not a multiple of ``rows_per_example``, or a
             layer refused by :func:`dpopt.models.check_model`.
     """
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
-        return get_engine(model, loss_fn).iterate(x, y, physical_batch_size, points, batch_dim)
+        return get_engine(model, loss_fn, rows_per_example).iterate(x, y, physical_batch_size, points, batch_dim)
     if engine == "reference":
         check_model(model)
-        return iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size, points, batch_dim)
+        k = int(rows_per_example)
+        if k == 1:
+            return iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size, points, batch_dim)
+        if k != rows_per_example or k < 1:
+            raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
+        check_views(int(y.shape[0]), k)
+        return _mean_views(iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size and
+                                                     physical_batch_size * k, points, batch_dim), k)
     raise ValueError(f"unknown per-sample engine {engine!r}; choose one of {ENGINES}")
+
+
+def _mean_views(chunks: Iterator[PerSampleGrads], k: int) -> Iterator[PerSampleGrads]:
+    """The reference path's per-row sources as per-example ones: each example's K rows averaged."""
+    for src in chunks:
+        yield PerSampleGrads([g.reshape(g.shape[0] // k, k, *g.shape[1:]).mean(1) for g in src.grads],
+                             params=src.params, points=src.points)

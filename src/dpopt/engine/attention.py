@@ -230,7 +230,7 @@ def _mha(layer: LayerCalls) -> list:
 
 
 # out_proj is called by mha_forward (recorded as its own call): nn.Linear's rule, for this exact subclass
-register_rule(NonDynamicallyQuantizableLinear)(_linear)
+register_rule(NonDynamicallyQuantizableLinear, views="merge")(_linear)
 
 
 # --------------------------------------------------------------------------- sequence-first encoder layers

@@ -293,13 +293,17 @@ def off_axis(t: Tensor, b: int) -> bool:
 
 
 # --------------------------------------------------------------------------- sizes
-def free_sizes(dims: set, k: int = 2) -> list[int]:
-    """The k smallest integers ≥ 2 that are not in ``dims`` (verification batch sizes)."""
-    out, n = [], 2
+def free_sizes(dims: set, k: int = 2, multiple: int = 1) -> list[int]:
+    """The k smallest row counts ≥ 2 that are multiples of ``multiple`` and not in ``dims`` (verification sizes).
+
+    ``multiple`` = K rows per example (:mod:`dpopt.engine.capture`): each
+    size is then a whole number (≥ 2) of examples.
+    """
+    out, n = [], 2 * multiple
     while len(out) < k:
         if n not in dims:
             out.append(n)
-        n += 1
+        n += multiple
     return out
 
 

@@ -93,7 +93,7 @@ def register() -> None:
     """Register the rules above that are not registered yet (idempotent)."""
     for cls, fn, supports in _types():
         if cls not in RULES:
-            register_rule(cls, supports=supports)(fn)
+            register_rule(cls, supports=supports, views="merge")(fn)  # both sum over positions
 
 
 LAZY_RULES["transformers."] = register  # called by rule_for on a transformers layer: never imports it before

@@ -182,5 +182,5 @@ def _rnn(layer: LayerCalls) -> list:
     return blocks
 
 
-register_rule(nn.LSTM, supports=lambda m: m.proj_size == 0, forward=rnn_forward)(_rnn)
-register_rule(nn.GRU, nn.RNN, forward=rnn_forward)(_rnn)
+register_rule(nn.LSTM, supports=lambda m: m.proj_size == 0, forward=rnn_forward, views="merge")(_rnn)
+register_rule(nn.GRU, nn.RNN, forward=rnn_forward, views="merge")(_rnn)

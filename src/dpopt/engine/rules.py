@@ -116,6 +116,7 @@ class Rule:
     supports: Callable[[nn.Module], bool]
     blocks: Callable[[LayerCalls], list]
     forward: Optional[Callable] = None
+    views: str = "split"
 
 
 RULES: dict[type, Rule] = {}
@@ -126,7 +127,7 @@ def _always(module: nn.Module) -> bool:
 
 
 def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], bool]] = None,
-                  forward: Optional[Callable] = None):
+                  forward: Optional[Callable] = None, views: str = "split"):
     """Decorator: register ``fn(layer: LayerCalls) -> list of blocks`` as the fast rule of ``layer_types``.
 
     Args:
@@ -136,18 +137,26 @@ def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], b
             reference path.
         forward: a tapped forward (:class:`Rule`), or None: the engine records
             the layer's first input and its output.
+        views: how K rows per example (``rows_per_example``,
+            :mod:`dpopt.engine.capture`) reach the rule: ``"split"`` (default,
+            exact for any rule that sums over its calls): K calls of ``[B, ...]``,
+            view v of every example; ``"merge"`` (a rule that sums over every
+            axis between dim 0 and its feature axes, as Linear, Embedding,
+            LayerNorm): one call of ``[B, K, ...]`` (cheaper for ghost norms).
 
     Raises:
-        ValueError: no layer type given, or a type that already has a rule.
+        ValueError: no layer type given, a type that already has a rule, or an unknown ``views``.
     """
     if not layer_types:
         raise ValueError("register_rule needs at least one layer type")
+    if views not in ("split", "merge"):
+        raise ValueError(f"views must be 'split' or 'merge', got {views!r}")
 
     def decorate(fn: Callable[[LayerCalls], list]) -> Callable[[LayerCalls], list]:
         for t in layer_types:
             if t in RULES:
                 raise ValueError(f"{t.__name__} already has a fast rule ({RULES[t].blocks.__name__})")
-            RULES[t] = Rule(t, supports or _always, fn, forward)
+            RULES[t] = Rule(t, supports or _always, fn, forward, views)
         return fn
 
     return decorate
@@ -159,17 +168,18 @@ def is_tapped(module: nn.Module) -> bool:
     return rule is not None and rule.forward is not None
 
 
-def tap_forwards(model: nn.Module, record: Callable) -> Callable[[], None]:
+def tap_forwards(model: nn.Module, record: Callable, modules: Optional[list] = None) -> Callable[[], None]:
     """Install the tapped forward of every supported tapped layer of ``model``; returns the undo function.
 
     Each such module gets an instance attribute ``forward`` (what
     ``nn.Module.__call__`` runs) calling ``rule.forward(module, record, ...)``;
     the undo function restores what was there before. ``record(owner, a, out,
     tag)`` receives every tapped call (the capture path decides which owners
-    it keeps).
+    it keeps). ``modules``: the tapped modules if already known (a plan's:
+    no walk of the model).
     """
     saved = []
-    for m in model.modules():
+    for m in (model.modules() if modules is None else modules):
         if is_tapped(m):
             saved.append((m, m.__dict__.get("forward")))
             m.forward = partial(RULES[type(m)].forward, m, record)
@@ -207,7 +217,7 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
 
 
 # --------------------------------------------------------------------------- factored weights
-@register_rule(nn.Linear)
+@register_rule(nn.Linear, views="merge")
 def _linear(layer: LayerCalls) -> list:
     b, calls, blocks = layer.batch_size, layer.calls, []
     if "weight" in layer.index:
@@ -230,7 +240,7 @@ def _conv2d(layer: LayerCalls) -> list:
 
 
 # --------------------------------------------------------------------------- sparse rows
-@register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq)
+@register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq, views="merge")
 def _embedding(layer: LayerCalls) -> list:
     m = layer.module
     return [SparseRowsBlock(layer.index.get("weight"), m.num_embeddings, m.padding_idx, layer.calls,
@@ -255,14 +265,14 @@ def _group_norm(layer: LayerCalls) -> list:
                                   for (a, e), st in zip(layer.calls, layer.stats)])
 
 
-@register_rule(nn.LayerNorm)
+@register_rule(nn.LayerNorm, views="merge")
 def _layer_norm(layer: LayerCalls) -> list:
     m = layer.module
     return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
                                   for (a, e), st in zip(layer.calls, layer.stats)])
 
 
-@register_rule(nn.RMSNorm)
+@register_rule(nn.RMSNorm, views="merge")
 def _rms_norm(layer: LayerCalls) -> list:
     m = layer.module
     if "weight" not in layer.index:

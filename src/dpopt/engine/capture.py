@@ -1,0 +1,762 @@
+"""The one per-sample capture mechanism of both front doors: plan, recorder, per-call checks, blocks, the check.
+
+``dpopt train`` / :func:`dpopt.engine.iter_per_sample_sources`
+(:class:`~dpopt.engine.fast.PerSampleEngine`: dpopt runs the forward and the
+backward of per-example losses) and ``PrivacyEngine``
+(:class:`~dpopt.engine.hooks.HookCapture`: the user's forward and backward)
+record layer inputs and output gradients with the same :class:`Recorder`,
+check every call's layout the same way (:meth:`Recorder.layout`), build the
+blocks with the same rules (:mod:`dpopt.engine.rules`, the one place a
+layer type is added) and run the same first-batch check against
+single-example autograd (:meth:`Recorder.check`, the comparison itself in
+:mod:`dpopt.engine.check`). What differs per door is only the policy:
+
+* how the output gradients arrive — the engine differentiates its own
+  per-example losses w.r.t. the recorded outputs (``tensor_hooks=False``);
+  the hook door registers tensor hooks and lets the user's backward fill them;
+* what a failed check does — the engine moves the parameters to the exact
+  per-example path (each example computed alone); the hook door, which
+  cannot recompute an example alone, refuses;
+* the parameters without a rule — the engine's exact ``torch.func`` path over
+  the whole model; the hook door's vjp of the owning module's recorded call
+  (:meth:`Recorder.vjp_blocks`).
+
+**Example identity across views** (``rows_per_example = K``): rows
+``i·K … i·K + K − 1`` of a batch of ``n = B·K`` rows are K views (augmentations)
+of example i, whose gradient is the MEAN over its views,
+g_i = (1/K) Σ_v ∇ℓ(x_{iK+v}) (De et al. 2022, "augmentation multiplicity",
+arXiv 2204.13650, §3.1). The doors scale the output gradients so that each
+row's ``e`` is 1/K of its view's gradient (the engine: coefficient/K; the hook
+door with a mean loss over the n rows: ``e = B·grad_output``, B examples, not
+n rows) and :meth:`Plan.blocks` sums the K rows of each example exactly, for
+every rule: a rule registered with ``views="merge"`` (Linear, Embedding,
+LayerNorm, RMSNorm, recurrent cells, HF Conv1D: rules that sum over
+positions) receives ``[B, K, ...]`` tensors (the K views become K more
+positions of one example), any other rule receives K calls of ``[B, ...]``
+(view v of every example; rules sum over calls). The first-batch check
+compares with the per-row single-example autograd gradients averaged over
+each example's K rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .bare import bare_candidates, reduce_to, tap_bare
+from .check import RandomReplay, Unreplayable, alone_failed, disagreeing, mode_signature, off_axis, rtol
+from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
+from .inputs import check_buffers, snapshot_buffers
+from .layers import Budget, DirectBlock
+from .rules import RULES, LayerCalls, rule_for, tap_forwards
+from .tied import merge_shared
+
+__all__ = ["Plan", "Call", "Pass", "Recorder", "OutputLayout", "expand_broadcast", "no_autocast", "trailing",
+           "check_views"]
+
+
+def leaves(obj) -> list[Tensor]:
+    """The tensors of a pytree (args/kwargs/outputs)."""
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+
+
+def trailing(shape) -> str:
+    """A shape without its dim 0 (``(…, 4, 16)``): dim 0 of a private batch is its realised size."""
+    if not isinstance(shape, tuple):
+        return str(shape)
+    return "(…" + "".join(f", {d}" for d in shape[1:]) + ")"
+
+
+def no_autocast(device: torch.device):
+    """The engine's own norm/sum math runs exactly, in the parameters' dtype, outside autocast."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class OutputLayout(Exception):
+    """The model's output does not have the rows along dim 0 (``args[0]``: its shape or type)."""
+
+
+def check_views(rows: int, k: int) -> int:
+    """The number of examples B of ``rows`` rows with ``k`` views each.
+
+    Raises:
+        ValueError: ``k`` < 1, or ``rows`` is not a multiple of ``k``.
+    """
+    if k < 1:
+        raise ValueError(f"rows_per_example must be >= 1, got {k}")
+    if rows % k:
+        raise ValueError(f"the batch has {rows} rows, not a multiple of rows_per_example={k}: rows i*K..i*K+K-1 "
+                         "must be the K views of example i (repeat each example K times, augmenting each copy)")
+    return rows // k
+
+
+def expand_broadcast(module: nn.Module, inp, out, b: int):
+    """A call shared by the batch made per example: an ``nn.Embedding`` of ``[1, ...]`` ids → ``[b, ...]``.
+
+    HF GPT-2/BERT look up position ids of shape ``[1, T]`` and add the
+    ``[1, T, D]`` result to the ``[B, T, D]`` token embeddings: autograd sums
+    that output's gradient over the batch, so the per-example gradient of the
+    position table is lost there. Returning the output expanded to
+    ``[b, T, D]`` (a view: the same values, the same broadcast sum) makes its
+    gradient per example, ``[b, T, D]``, exact; the ids are expanded alike.
+    Anything else is returned unchanged (and checked by the layout test).
+
+    Args:
+        module: the called layer; inp: its first input; out: its output; b: the rows of the pass.
+
+    Returns:
+        ``(inp, out)``, expanded or as given.
+    """
+    if (b > 1 and type(module) is nn.Embedding and isinstance(inp, Tensor) and isinstance(out, Tensor)
+            and inp.dim() >= 1 and inp.shape[0] == 1 and out.dim() == inp.dim() + 1 and out.shape[0] == 1):
+        return inp.expand(b, *inp.shape[1:]), out.expand(b, *out.shape[1:])
+    return inp, out
+
+
+# --------------------------------------------------------------------------- records
+class Pass:
+    """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
+
+    __slots__ = ("batch_size", "args", "kwargs", "modes")
+
+    def __init__(self, batch_size: int, args, kwargs, modes):
+        self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
+
+
+class Call:
+    """One recorded call: a planned layer's (input ``inp``, output ``out``), or a vjp call's (args, kwargs, outs).
+
+    Attributes:
+        module: the layer. inp, out: for a layer with a rule (or a tapped
+            map, ``tag``; or a bare parameter's broadcast R, ``index``), the
+            recorded input and output; None for a call kept only for its vjp.
+        args, kwargs, outs: the call's inputs and output tensors (vjp calls).
+        grads: one output gradient per ``outs`` entry once backward reached it.
+        stats: ``(mean, rstd)`` autograd saved for a norm layer's backward.
+        pass_: the :class:`Pass` the call belongs to (None: outside the root's forward).
+    """
+
+    __slots__ = ("module", "inp", "out", "args", "kwargs", "outs", "grads", "tag", "stats", "index", "pass_",
+                 "in_version", "out_version", "versions")
+
+    def __init__(self, module, inp, out, args, kwargs, outs, pass_, tag=None, index=None, versions: bool = True):
+        self.module, self.inp, self.out, self.tag, self.index = module, inp, out, tag, index
+        self.args, self.kwargs, self.outs, self.pass_ = args, kwargs, outs, pass_
+        self.grads: list[Optional[Tensor]] = [None] * len(outs)
+        self.in_version = inp._version if inp is not None else 0
+        self.out_version = out._version if out is not None else 0
+        self.versions = [t._version for t in leaves((args, kwargs))] if versions else None
+        self.stats = None
+        gf = getattr(out, "grad_fn", None)
+        # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
+        if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
+            try:
+                self.stats = (gf._saved_result1, gf._saved_result2)
+            except AttributeError:  # pragma: no cover - other torch versions
+                self.stats = None
+
+    @property
+    def fast(self) -> bool:
+        """True for a call a rule (or a bare-parameter tap) consumes."""
+        return self.inp is not None
+
+    def store(self, k: int, grad: Tensor) -> None:
+        self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
+
+    @property
+    def used(self) -> list[int]:
+        """Indices of the output tensors that received a gradient."""
+        return [k for k, g in enumerate(self.grads) if g is not None]
+
+    @property
+    def has_grad(self) -> bool:
+        return any(g is not None for g in self.grads)
+
+
+# --------------------------------------------------------------------------- the plan
+class Plan:
+    """Which trainable parameter is computed how; builds the blocks of the rule-covered ones.
+
+    Args:
+        model: the module (held weakly); trainable parameters in
+            ``named_parameters`` order are the sources' parameters.
+        chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of each source.
+        weak: hold the model weakly (the engine cache is keyed weakly by the
+            model); False (the hook door): strongly, so that a ``deepcopy`` of
+            the model with its hooks gives a plan of the copy.
+
+    Attributes:
+        names, params: the trainable parameters. modules: module →
+        {attribute: index} of the parameters a rule covers (a tied parameter:
+        every owner has a rule). bare: bare broadcast parameters
+        (:mod:`dpopt.engine.bare`). fallback: indices of the others.
+        tapped: modules whose rule has a tapped forward. dtype, device.
+    """
+
+    def __init__(self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20,
+                 weak: bool = True):
+        self._strong = None if weak else model
+        self._model = weakref.ref(model)
+        self.chunk_bytes, self.cache_bytes = int(chunk_bytes), int(cache_bytes)
+        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        self.names = [k for k, _ in named]
+        self.params = [p for _, p in named]
+        self._key = tuple(id(p) for p in self.params)
+        self.module_names = {id(m): n or "<root>" for n, m in model.named_modules()}  # ids: no strong refs
+        index = {id(p): i for i, p in enumerate(self.params)}
+        rules = {m: rule_for(m) for m in model.modules()}
+        # a parameter is on the fast path if EVERY module that owns it has a rule; a tied parameter
+        # (several owners) then gets one block per use, summed with its cross terms (engine.tied)
+        ruled: dict[int, bool] = {}
+        for m, rule in rules.items():
+            for p in m._parameters.values():
+                if p is not None:
+                    ruled[id(p)] = ruled.get(id(p), True) and rule is not None
+        self.modules: dict[nn.Module, dict[str, int]] = {}
+        for m, rule in rules.items():
+            if rule is None:
+                continue
+            own = {a: index[id(p)] for a, p in m._parameters.items() if p is not None and id(p) in index
+                   and ruled[id(p)]}
+            if own:
+                self.modules[m] = own
+        self.tapped = [m for m, rule in rules.items() if rule is not None and rule.forward is not None]
+        self.hf = [m for m in rules if is_hf(m) and hasattr(m, "config")]
+        self.bare: dict[nn.Module, dict[str, int]] = bare_candidates(model, index, lambda m: rules[m] is not None)
+        covered = set(self.fast_indices())
+        self.fallback = [i for i in range(len(self.params)) if i not in covered]
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._strong if self._strong is not None else self._model()
+        if model is None:
+            raise RuntimeError("the model of this per-sample capture no longer exists")
+        return model
+
+    def name_of(self, module: nn.Module) -> str:
+        return self.module_names.get(id(module), "?")
+
+    def fast_indices(self) -> list[int]:
+        """Indices of the parameters on the fast path: of the layer rules and the bare-parameter taps."""
+        return sorted({i for own in list(self.modules.values()) + list(self.bare.values()) for i in own.values()})
+
+    @property
+    def fast_names(self) -> list[str]:
+        """Names of the trainable parameters a rule (or a bare-parameter tap) covers."""
+        fb = set(self.fallback)
+        return [n for i, n in enumerate(self.names) if i not in fb]
+
+    @property
+    def fallback_names(self) -> list[str]:
+        """Names of the others (the door's per-example fallback)."""
+        return [self.names[i] for i in self.fallback]
+
+    def matches(self, model: nn.Module) -> bool:
+        """True if ``model`` still has the trainable parameters this plan was made for."""
+        return model is self.model and tuple(id(p) for p in model.parameters() if p.requires_grad) == self._key
+
+    def vjp_owners(self) -> dict[nn.Module, dict[str, int]]:
+        """Module → {attribute: index} of the fallback parameters it owns (the hook door's vjp)."""
+        fb = set(self.fallback)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        out = {}
+        for m in self.model.modules():
+            own = {a: index[id(p)] for a, p in m._parameters.items()
+                   if p is not None and id(p) in index and index[id(p)] in fb}
+            if own:
+                out[m] = own
+        return out
+
+    def demote(self, indices: Sequence[int]) -> None:
+        """Move parameters off the rules (to the door's per-example fallback)."""
+        drop = set(indices)
+        self.fallback = sorted(set(self.fallback) | drop)
+        for table in (self.bare, self.modules):
+            for m in list(table):
+                own = {a: i for a, i in table[m].items() if i not in drop}
+                if own:
+                    table[m] = own
+                else:
+                    del table[m]
+
+    # -- blocks ------------------------------------------------------------------------
+    def blocks(self, captured: Sequence[tuple[Call, Optional[Tensor]]], rows: int, budget: Budget,
+               views: int = 1) -> list:
+        """Blocks of the rule-covered parameters from ``(call, e)`` pairs, in the parameters' dtype.
+
+        Args:
+            captured: fast calls and their output gradients ``e [rows, ...]`` (None: unused).
+            rows: n, the rows of the pass; views: K (rows per example): the
+                blocks are over B = n / K examples, each the sum of its K rows
+                (module docstring).
+        """
+        b = rows // views
+        per_module: dict[nn.Module, list] = {m: [] for m in self.modules}
+        bare: dict[int, list] = {i: [] for own in self.bare.values() for i in own.values()}
+        for c, e in captured:
+            if e is None:
+                continue
+            if c.index is not None:
+                if c.index in bare:
+                    g = reduce_to(e.detach().to(self.params[c.index].dtype), tuple(c.out.shape),
+                                  tuple(self.params[c.index].shape))
+                    bare[c.index].append(_sum_views(g, views))
+                continue
+            if c.module not in per_module:
+                continue
+            dt = self.params[next(iter(self.modules[c.module].values()))].dtype
+            a = c.inp.detach()
+            a = a.to(dt) if a.is_floating_point() else a
+            st = None if c.stats is None else tuple(t.detach().to(dt) for t in c.stats)
+            per_module[c.module].append((a, e.detach().to(dt), st, c.tag))
+        blocks: list = []
+        for m, own in self.modules.items():
+            if per_module[m]:
+                blocks.extend(self._module_blocks(m, own, per_module[m], b, views, budget))
+        covered = {i for blk in blocks for i in blk.index}  # a layer never called (or unused): zero gradients,
+        idle = sorted({i for own in self.modules.values() for i in own.values()} - covered)  # once per parameter
+        if idle:  # (a tied weight whose other use was called is covered there, without a zero [B, V, D])
+            blocks.append(DirectBlock(idle, [self.params[i].new_zeros((b, *self.params[i].shape)) for i in idle]))
+        for i, gs in bare.items():  # bare parameters: Σ over their recognised uses (engine.bare)
+            blocks.append(DirectBlock([i], [sum(gs) if gs else self.params[i].new_zeros((b, *self.params[i].shape))]))
+        return merge_shared(blocks, [p.shape for p in self.params], budget.chunk_bytes)
+
+    def _module_blocks(self, m: nn.Module, own: dict, calls: list, b: int, views: int, budget: Budget) -> list:
+        rule = RULES[type(m)]  # planned only if rule_for(m) (see __init__)
+        if views > 1:
+            calls = _merge_views(calls, b, views) if rule.views == "merge" else _split_views(calls, views)
+        layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()},
+                           [(a, e) for a, e, _, _ in calls], [st for _, _, st, _ in calls], b, budget,
+                           [tag for _, _, _, tag in calls])
+        return rule.blocks(layer)
+
+
+def _sum_views(g: Tensor, views: int) -> Tensor:
+    """``[B·K, ...]`` → ``[B, ...]``: the sum of each example's K consecutive rows."""
+    if views == 1:
+        return g
+    return g.reshape(g.shape[0] // views, views, *g.shape[1:]).sum(1)
+
+
+def _rows_view(t: Tensor, b: int, views: int) -> Tensor:
+    return t.reshape(b, views, *t.shape[1:])
+
+
+def _merge_views(calls: list, b: int, views: int) -> list:
+    """Each call's ``[B·K, ...]`` tensors as ``[B, K, ...]``: the K views become positions of one example."""
+    out = []
+    for a, e, st, tag in calls:
+        st = None if st is None else tuple(_rows_view(t, b, views) for t in st)
+        out.append((_rows_view(a, b, views), _rows_view(e, b, views), st, tag))
+    return out
+
+
+def _split_views(calls: list, views: int) -> list:
+    """K calls per call, view v = rows v, v + K, ... (view-major: each view a whole pass, as evaluation points)."""
+    out = []
+    for v in range(views):
+        for a, e, st, tag in calls:
+            out.append((a[v::views], e[v::views], None if st is None else tuple(t[v::views] for t in st), tag))
+    return out
+
+
+# --------------------------------------------------------------------------- the recorder
+class Recorder:
+    """Forward hooks, tapped forwards and bare-parameter taps that record the calls of one model.
+
+    Args:
+        plan: the :class:`Plan`.
+        vjp: module → {attribute: index} of parameters computed by a vjp of
+            the module's recorded call (the hook door); their calls are kept too.
+        tensor_hooks: register a tensor hook on every recorded output (the
+            user's backward fills :attr:`Call.grads`); False: the door fills
+            them (:meth:`fill`).
+        guard_buffers: snapshot the buffers at each root forward and refuse a
+            forward that changed one (the hook door; the engine guards a whole step).
+        hook_bare_owners: also record the calls of the modules that own bare
+            parameters (for their vjp when a use is not recognised).
+
+    Every recorded call is refused if it runs inside a backward pass
+    (activation checkpointing recomputes forwards there: :mod:`dpopt.engine.hf_guards`).
+    ``active`` switches recording off (the door's own reference computations).
+    """
+
+    def __init__(self, plan: Plan, vjp: Optional[dict] = None, *, tensor_hooks: bool, guard_buffers: bool,
+                 hook_bare_owners: bool = False):
+        self.plan = plan
+        self.vjp = vjp or {}
+        self.tensor_hooks, self.guard_buffers, self.hook_bare_owners = tensor_hooks, guard_buffers, hook_bare_owners
+        self.calls: list[Call] = []
+        self.current: Optional[Pass] = None
+        self.other: dict = {}  # bare parameters used otherwise than recognised: index -> (module, op)
+        self.active = True
+        self.clone_in: set = set()   # modules whose recorded input a later in-place op modified: keep a copy
+        self.clone_out: set = set()  # ... whose output: downstream in-place ops modify a clone
+        self.guard = CheckpointGuard(plan.model)
+        self._tapped = set(plan.tapped)
+        self._buffers: dict = {}
+        self._handles: list = []
+        self._untap: Callable[[], None] = lambda: None
+
+    # -- install -------------------------------------------------------------------------
+    def attach(self) -> "Recorder":
+        """Install the hooks on the model (undone by :meth:`detach`)."""
+        m, plan = self.plan.model, self.plan
+        self._handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for mod in plan.hf:  # transformers/peft models: their batch-token-mean .loss is refused
+            self._handles.append(mod.register_forward_pre_hook(self._hf_pre, with_kwargs=True))
+        hooked = set(plan.modules) | set(self.vjp) | (set(plan.bare) if self.hook_bare_owners else set())
+        for mod in hooked:
+            self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
+        # ViT's class token (engine.bare)
+        self._handles += tap_bare(plan.bare, self.rows, self._bare_use, self._bare_other)
+        # after the layer hooks: the root may itself be a layer, recorded before its pass ends
+        self._handles.append(m.register_forward_hook(self._root_post, with_kwargs=True))
+        self._untap = tap_forwards(m, self._tap, plan.tapped)  # MHA/LSTM/...: their inner linear maps
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook (the model is left as it was given); forget the calls."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._untap()
+        self._untap = lambda: None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every recorded call (and the current pass)."""
+        self.calls, self.other, self.current = [], {}, None
+
+    def take(self) -> tuple[list[Call], dict]:
+        """The recorded calls and unrecognised bare uses, forgotten here."""
+        calls, other = self.calls, self.other
+        self.calls, self.other = [], {}
+        return calls, other
+
+    def rows(self) -> int:
+        """Rows of the current root forward pass (−1 outside one or while not recording)."""
+        cur = self.current
+        return cur.batch_size if self.active and cur is not None else -1
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _root_pre(self, module, args, kwargs):
+        if not self.active:
+            return None
+        lv = leaves((args, kwargs))
+        b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
+        if torch.is_grad_enabled():
+            self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
+        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None)
+        if self.guard_buffers:
+            self._buffers = snapshot_buffers(module, reuse=self._buffers)
+        return None
+
+    def _root_post(self, module, args, kwargs, out):
+        if not self.active:
+            return None
+        self.current = None
+        if self.guard_buffers:
+            check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
+        return None
+
+    def _hf_pre(self, module, args, kwargs):
+        if self.active and torch.is_grad_enabled():
+            refuse_batch_loss(module, kwargs)
+        return None
+
+    def _record(self, call: Call) -> None:
+        if self.tensor_hooks:
+            for k, t in enumerate(call.outs):
+                if t.requires_grad:
+                    t.register_hook(partial(call.store, k))
+        self.calls.append(call)
+
+    def _bare_use(self, module, index: int, r: Tensor) -> None:
+        """A recognised use R [B, ...] of a bare parameter: its output gradient is recorded like a layer's."""
+        self._record(Call(module, r, r, (), {}, [r], self.current, index=index))
+
+    def _bare_other(self, module, index: int, op: str) -> None:
+        self.other.setdefault(index, (module, op))
+
+    def _tap(self, module, a: Tensor, o: Tensor, tag) -> None:
+        """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
+        if not self.active or module not in self.plan.modules or not o.requires_grad:
+            return
+        if in_backward():
+            raise recomputed(self.plan.name_of(module), module)
+        if module in self.clone_in:
+            a = a.clone()
+        self._record(Call(module, a, o, (a,), {}, [o], self.current, tag=tag, versions=self.guard_buffers))
+
+    def _layer(self, module, args, kwargs, out):
+        if not self.active or not torch.is_grad_enabled():
+            return None
+        planned = module in self.plan.modules
+        fast = planned and module not in self._tapped
+        if planned and not fast and module not in self.vjp:
+            return None  # its maps are recorded by its tapped forward (_tap)
+        if in_backward():
+            raise recomputed(self.plan.name_of(module), module)
+        if not fast:
+            outs = leaves(out)
+            if any(t.requires_grad for t in outs):
+                self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+            return None
+        inp = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
+            raise ValueError(f"layer {self.plan.name_of(module)!r} ({type(module).__name__}) was called without a "
+                             "tensor input or output; the per-sample capture cannot record it")
+        if not out.requires_grad:
+            return None
+        inp, wide = expand_broadcast(module, inp, out, self.rows())  # [1, T] position ids: per example
+        if module in self.clone_in:  # keep a copy a later in-place op cannot touch
+            inp = inp.clone()
+        self._record(Call(module, inp, wide, args, kwargs, [wide], self.current, versions=self.guard_buffers))
+        if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
+            return wide.clone()
+        return wide if wide is not out else None
+
+    # -- the door fills the gradients ----------------------------------------------------
+    def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
+        """Output gradients of ``loss`` (``grad_outputs``-weighted) for every call, without parameter gradients."""
+        outs = [(c, k) for c in calls for k, t in enumerate(c.outs) if t.requires_grad]
+        if not outs:
+            return
+        gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+        for (c, k), g in zip(outs, gs):
+            c.grads[k] = g
+
+    # -- per-call checks -----------------------------------------------------------------
+    def layout(self, calls: Sequence[Call], rows: int) -> dict:
+        """Modules with a call whose input or output does not have ``rows`` along dim 0 → (input, output) shapes.
+
+        A rule's call: its recorded input and output; a vjp call: every input
+        off the axis, or an output that received a gradient off the axis.
+        """
+        bad: dict = {}
+        for c in calls:
+            if c.fast:
+                wrong = off_axis(c.inp, rows) or off_axis(c.out, rows)
+            else:
+                ins = leaves((c.args, c.kwargs))
+                wrong = all(off_axis(t, rows) for t in ins) or any(off_axis(c.outs[k], rows) for k in c.used)
+            if wrong and c.module not in bad:
+                ins = [tuple(c.inp.shape)] if c.fast else [tuple(t.shape) for t in leaves((c.args, c.kwargs))]
+                bad[c.module] = (ins, [tuple(t.shape) for t in c.outs])
+        return bad
+
+    @staticmethod
+    def modified(calls: Sequence[Call]) -> tuple[set, set]:
+        """Modules whose recorded (input, output) a later in-place op changed."""
+        ins, outs = set(), set()
+        for c in calls:
+            if c.fast and c.inp._version != c.in_version:
+                ins.add(c.module)
+            if c.fast and c.out._version != c.out_version:
+                outs.add(c.module)
+        return ins, outs
+
+    @staticmethod
+    def inputs_modified(calls: Sequence[Call]) -> list[Call]:
+        """Calls whose inputs (any tensor of args/kwargs) were modified in place after the call."""
+        return [c for c in calls if c.versions is not None
+                and [t._version for t in leaves((c.args, c.kwargs))] != c.versions]
+
+    # -- the hook door's vjp of a module call --------------------------------------------
+    def vjp_grads(self, c: Call, own: dict[str, int], es: list[Tensor], rows: int) -> list[Tensor]:
+        """Per-row gradients [rows, *shape] of ``own`` parameters of one call: vjp of the module at each row."""
+        m, attrs, params = c.module, list(own), self.plan.params
+        primals = tuple(params[i].detach() for i in own.values())
+        flat, spec = tree_flatten((c.args, c.kwargs))
+        batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in flat]
+        data = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+        used = c.used
+
+        def call_at(ps, xs: list):
+            leaves_, j = [], 0
+            for t, bt in zip(data, batched):
+                if bt:
+                    leaves_.append(xs[j])
+                    j += 1
+                else:
+                    leaves_.append(t)
+            args, kwargs = tree_unflatten(leaves_, spec)
+            outs = leaves(functional_call(m, dict(zip(attrs, ps)), tuple(args), kwargs))
+            return tuple(outs[k] for k in used)
+
+        xs = [t for t, bt in zip(data, batched) if bt]
+        es = [e.detach() for e in es]
+        self.active = False
+        try:
+            def one(xs_i, es_i):
+                _, pull = vjp(lambda *ps: call_at(ps, [x.unsqueeze(0) for x in xs_i]), *primals)
+                return pull(tuple(e.unsqueeze(0) for e in es_i))
+
+            try:
+                return list(vmap(one)(xs, es))
+            except Exception:  # noqa: BLE001 — a layer vmap cannot batch: exact single-example loop
+                out_rows = []
+                for i in range(rows):
+                    ps = [q.detach().requires_grad_(True) for q in primals]
+                    with torch.enable_grad():
+                        outs = call_at(ps, [x[i:i + 1] for x in xs])
+                        pairs = [(o, e[i:i + 1]) for o, e in zip(outs, es) if o.requires_grad]
+                        gs = torch.autograd.grad([o for o, _ in pairs], ps, [e for _, e in pairs],
+                                                 allow_unused=True)
+                    out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(primals, gs)])
+                return [torch.stack([r[k] for r in out_rows]) for k in range(len(primals))]
+        finally:
+            self.active = True
+
+    def build(self, calls: Sequence[Call], rows: int, scale: float, views: int = 1, other: Optional[dict] = None
+              ) -> list:
+        """Every block of one pass: the rules' (:meth:`Plan.blocks`) and, with ``vjp``, the vjp parameters'.
+
+        Args:
+            calls: calls that received gradients; rows: n; scale: the factor
+                turning a stored output gradient into the ``e`` of each row
+                (the door's loss reduction and views); views: K.
+            other: bare parameters whose use the taps did not recognise: the
+                vjp of their owner's call (hook door).
+        """
+        plan, other = self.plan, other or {}
+        b = rows // views
+        captured = [(c, c.grads[0] * scale if c.grads[0] is not None else None) for c in calls
+                    if c.fast and not (c.index is not None and c.index in other)]
+        with no_autocast(plan.device):
+            blocks = plan.blocks(captured, rows, Budget(plan.chunk_bytes, plan.cache_bytes), views)
+        bare_vjp = {m: {a: i for a, i in own.items() if i in other} for m, own in plan.bare.items()}
+        bare_vjp = {m: own for m, own in bare_vjp.items() if own}
+        if bare_vjp:  # drop their (zero) tap blocks
+            blocks = [blk for blk in blocks if not (isinstance(blk, DirectBlock) and set(blk.index) <= set(other))]
+        vjps = {**self.vjp, **bare_vjp}
+        fallback = sorted({i for own in vjps.values() for i in own.values()})  # a tied one: once, uses summed
+        if fallback:
+            grads = {i: plan.params[i].new_zeros((b, *plan.params[i].shape)) for i in fallback}
+            for c in calls:
+                if c.index is not None:
+                    continue
+                own = vjps.get(c.module) if not c.fast else self.vjp.get(c.module)
+                if own:
+                    es = [c.grads[k] * scale for k in c.used]
+                    for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):
+                        grads[i] = grads[i] + _sum_views(g, views).to(grads[i].dtype)
+            blocks.append(DirectBlock(fallback, [grads[i] for i in fallback]))
+        return blocks
+
+    # -- the first-batch check -----------------------------------------------------------
+    def check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
+              row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+        """One verification pass: this capture vs single-example autograd.
+
+        In the mode the model is in (the caller sets the mode of the release),
+        on ``rows`` rows (a verification size: :func:`~dpopt.engine.check.free_sizes`):
+        the batched pass records the calls and the gradients of Σ_r f_r(out_r)
+        (the door's per-row losses, or ⟨ρ_r, out_r⟩ for random ρ when the door
+        has no loss), its random draws recorded
+        (:class:`~dpopt.engine.check.RandomReplay`); each row is then run alone
+        with its draws replayed, and the per-example gradients
+        (1/K) Σ_v ∇f_{iK+v} compared with the capture's blocks
+        (:func:`~dpopt.engine.check.disagreeing`).
+
+        Args:
+            args, kwargs: the model's inputs with ``rows`` rows along dim 0.
+            views: K. run: ``run(args, kwargs, loss_of) -> (calls, other)``,
+                the door's batched forward/backward with ``loss_of(outputs) -> scalar``.
+            params: the tensors the single-example autograd differentiates
+                (default the plan's; FSDP: the unsharded ones), by index.
+            row_loss: ``row_loss(outputs, rows_slice) -> [len] per-row losses``
+                (the engine's ``loss_fn``; a nonlinear loss also tests the
+                outputs' values, not only their Jacobian); None: random linear.
+
+        Returns:
+            ``(layout, off)``: modules with an off-axis call (then nothing was
+            compared), and the indices of the parameters that disagree.
+
+        Raises:
+            OutputLayout: the model's output is not ``[rows, ...]`` tensors.
+            Unreplayable: a random op that cannot be replayed per example.
+            ValueError: the model fails on one example (:func:`~dpopt.engine.check.alone_failed`).
+        """
+        plan = self.plan
+        gen = torch.Generator().manual_seed(0)  # not private: a test direction for the check only
+        replay = RandomReplay(plan.model)
+        if row_loss is None:
+            rs: list[Tensor] = []
+
+            def row_loss(out, sl: slice) -> Tensor:
+                outs = [o for o in leaves(out) if o.is_floating_point()]
+                if not rs:
+                    rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
+                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))
+
+        def loss_of(out) -> Tensor:
+            outs = leaves(out)
+            if not outs or any(o.dim() == 0 or o.shape[0] != rows for o in outs):
+                raise OutputLayout(tuple(outs[0].shape) if len(outs) == 1 else type(out).__name__)
+            return row_loss(out, slice(0, rows)).sum()
+
+        saved = self.take()
+        try:
+            with replay.recording():
+                calls, other = run(args, kwargs, loss_of)
+        finally:
+            self.calls, self.other = saved
+        bad = self.layout(calls, rows)
+        if bad:
+            return bad, []
+        blocks = self.build([c for c in calls if c.has_grad], rows, 1.0 / views, views, other)
+        indices = sorted({i for blk in blocks for i in blk.index})
+        with replay.replaying(rows):
+            ref = self._loop(args, kwargs, row_loss, rows, indices, params)
+        ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
+        c = torch.rand(rows // views, generator=gen, dtype=torch.float64).to(plan.device)
+        tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
+        with no_autocast(plan.device):
+            off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
+        for blk in blocks:
+            blk.free()
+        return {}, off
+
+    def _loop(self, args, kwargs, row_loss: Callable, rows: int, indices: list[int],
+              params: Optional[Sequence[Tensor]] = None) -> dict:
+        """Exact per-row gradients [rows, *shape] of f_r(out_r), one row at a time (the caller's mode)."""
+        params = [(self.plan.params if params is None else params)[i] for i in indices]
+        flat, spec = tree_flatten((args, kwargs))
+        batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in flat]
+        out_rows = []
+        self.active = False
+        try:
+            with torch.enable_grad():
+                for i in range(rows):
+                    a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
+                    try:
+                        out = self.plan.model(*a_i, **kw_i)
+                    except Unreplayable:
+                        raise
+                    except Exception as err:  # noqa: BLE001 — the user's model on one example: refuse, say why
+                        raise alone_failed(err) from err
+                    loss = row_loss(out, slice(i, i + 1)).sum()
+                    gs = torch.autograd.grad(loss, params, allow_unused=True)
+                    out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(params, gs)])
+        finally:
+            self.active = True
+        return {i: torch.stack([r[k] for r in out_rows]) for k, i in enumerate(indices)}
+
+
+def demotion_warning(plan: Plan, module: nn.Module, ins, outs) -> str:
+    """The engine door's warning for a layer whose calls do not keep the rows along dim 0."""
+    names = [plan.names[i] for i in plan.modules[module].values()] if module in plan.modules else []
+    return (f"layer {plan.name_of(module)!r} ({type(module).__name__}) does not keep the examples along dim 0 "
+            f"(input {[trailing(s) for s in ins]}, output {[trailing(s) for s in outs]}); its parameters {names} use "
+            "the per-example torch.func path. To keep it on the fast path give it tensors with the examples along "
+            "dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...)).")
