@@ -2,8 +2,10 @@
 
 ``select``: read the tuning sweep's results (``experiments/finetune-mnist-tune.toml``: ``val_accuracy`` on 10 % of
 the PRIVATE training set held out), pick per (label, target ε) the lr with the best ``val_accuracy`` (ties: the
-first in file order), print the grid as Markdown and write the test sweep config (one variant per (label, ε) at the
-chosen lr, crossed with the test seeds; no validation split: the full private training set, test-set accuracy).
+first in file order), print the grid as Markdown and write the test sweep config: one variant per (label, ε) at the
+chosen lr, crossed with the extra seeds, on the SAME training set (the validation split stays held out), so that the
+seed-0 tuning run at the chosen lr is the table's seed 0 (its test accuracy played no part in the choice) and each
+cell has 1 + len(seeds) runs of one protocol (a reduction for CPU time: no retraining on the full private set).
 The choice is NOT charged to any ε.
 
 ``report``: per (label, ε) the mean ± sample std of ``test_accuracy`` over the seeds, the ε reached and σ, and per
@@ -17,7 +19,7 @@ Usage (repository root)::
     python experiments/finetune-mnist/report.py select runs/sweeps/finetune-mnist-tune/results.jsonl \\
         --config experiments/finetune-mnist-test.toml --md docs/results/finetune-mnist/tuning.md
     python experiments/finetune-mnist/report.py report runs/sweeps/finetune-mnist-test/results.jsonl \\
-        --md docs/results/finetune-mnist/table.md --json docs/results/finetune-mnist/table.json
+        --tuning runs/sweeps/finetune-mnist-tune/results.jsonl --md docs/results/finetune-mnist/table.md --json docs/results/finetune-mnist/table.json
 """
 
 from __future__ import annotations
@@ -81,18 +83,31 @@ def _write_config(best: dict, config: str, seeds: list[int]) -> None:
            f"# Run:  OMP_NUM_THREADS=1 nice -n 19 dpopt sweep {config} --jobs 1",
            "", "[sweep]", f'name = "{name}"', f'out = "runs/sweeps/{name}"', "threads = 1", "",
            "[base]", 'dataset = "mnist"', 'data_dir = "runs/finetune-data/private"', 'model = "mlp"',
-           "batch_size = 256", "epochs = 2", "delta = 1e-5", "", "[grid]", f"seed = {seeds}", ""]
+           "batch_size = 256", "epochs = 2", "delta = 1e-5", "validation_fraction = 0.1", "", "[grid]", f"seed = {seeds}", ""]
     for (label, eps), r in sorted(best.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
         out += ["[[variant]]", f'method = "{r["method"]}"', f'label = "{label}"',
                 f"target_epsilon = {eps!r}", f"lr = {r['lr']!r}"]
-        if r["point"].get("init_from"):
-            out.append(f'init_from = "{r["point"]["init_from"]}"')
-        if r["point"].get("lora_rank"):
-            out.append(f"lora_rank = {r['point']['lora_rank']}")
+        cfg = _run_config(r)
+        if cfg.get("init_from"):
+            out.append(f'init_from = "{cfg["init_from"]}"')
+        if cfg.get("lora_rank"):
+            out.append(f"lora_rank = {cfg['lora_rank']}")
         out.append(f"# chosen: val_accuracy {r['val_accuracy']:.4f}")
         out.append("")
     Path(config).write_text("\n".join(out))
     print(f"wrote {config}")
+
+
+def _run_config(r: dict) -> dict:
+    """The run's own config.json (init_from, lora_rank, ...): a sweep's ``point`` lists only the options that vary
+    within its config, so a part of the grid run as its own config has them only there."""
+    path = Path(r["run_dir"]) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else dict(r["point"])
+
+
+def _start(r: dict) -> str:
+    cfg = _run_config(r)
+    return "lora" if cfg.get("lora_rank") else ("full" if cfg.get("init_from") else "scratch")
 
 
 def state_bytes(run_dir: str) -> dict:
@@ -118,8 +133,16 @@ def state_bytes(run_dir: str) -> dict:
     return {"optimizer": size(ck.get("optimizer", {}).get("state", {})), "privatizer": size(ck.get("privatizer", {}))}
 
 
-def report(results: list[str], md: str | None, js: str | None) -> dict:
+def report(results: list[str], md: str | None, js: str | None, tuning: str | None = None) -> dict:
+    """Tables of the test runs (``results``) plus, with ``tuning``, the seed-0 tuning run at each chosen lr."""
     rows = [r for p in results for r in _rows(p)]
+    for r in rows:  # the start a run really had (its config), whatever its sweep label says
+        r["label"] = r["method"] + "/" + _start(r)
+    if tuning:
+        chosen = select(tuning, None, None, [])
+        # a test run counts for a cell only at the lr chosen for it
+        rows = [r for r in rows if (r["label"], _eps_key(r)) in chosen and r["lr"] == chosen[(r["label"], _eps_key(r))]["lr"]]
+        rows = list(chosen.values()) + rows
     acc: dict = defaultdict(list)
     eps: dict = defaultdict(list)
     sigma: dict = defaultdict(list)
@@ -188,16 +211,17 @@ def main(argv=None) -> None:
     s.add_argument("results")
     s.add_argument("--config")
     s.add_argument("--md")
-    s.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    s.add_argument("--seeds", type=int, nargs="+", default=[1])
     r = sub.add_parser("report")
     r.add_argument("results", nargs="+")
     r.add_argument("--md")
     r.add_argument("--json")
+    r.add_argument("--tuning", help="the tuning results: its seed-0 run at each chosen lr joins the table")
     a = ap.parse_args(argv)
     if a.cmd == "select":
         select(a.results, a.config, a.md, a.seeds)
     else:
-        report(a.results, a.md, a.json)
+        report(a.results, a.md, a.json, a.tuning)
 
 
 if __name__ == "__main__":
