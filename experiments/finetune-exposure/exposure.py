@@ -214,6 +214,12 @@ def main() -> None:
                "args": vars(args), "runs": {}}
     for setting in [None] + [float(e) for e in args.epsilons.split(",")]:
         model, eps, secs = train_one(setting, data, args, out)
+        if setting is not None:
+            # evaluate a hook-free copy of the trained weights: the DP-trained model still carries the per-sample
+            # engine's hooks, and ranking 10^4 candidates through it was OOM-killed at ~14 GB on a 24 GB machine
+            fresh = make_model(args.length, args.seed)
+            fresh.load_state_dict(model.state_dict())
+            model = fresh
         rk = ranks(model, [c["pin"] for c in canaries])
         bpc = bits_per_char(model, held_out)
         name = "non-private" if setting is None else f"DP eps={setting:g}"
