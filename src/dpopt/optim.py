@@ -226,6 +226,22 @@ class DPOptimizer(torch.optim.Optimizer):
                              "carries the Privatizer and its ledger)")
         self.privatizer.load_state_dict(privatizer)  # first: a refused ledger leaves the optimizer untouched
         super().load_state_dict(state_dict)
+        self._restore_strings(state_dict)
+
+    def _restore_strings(self, state_dict: dict) -> None:
+        """Put back the strings of the saved per-parameter state (e.g. a Partition's ``"label"``).
+
+        torch's ``Optimizer.load_state_dict`` casts every non-dict iterable value
+        element by element, which turns a string into the text of a generator
+        object; a partitioned method (DP-Muon, …) then failed its first step after
+        a resume. The saved state maps to the parameters in param-group order, as
+        torch maps it.
+        """
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in zip(saved_ids, params):
+            if key in state_dict["state"] and p in self.state:
+                self.state[p] = _with_strings(state_dict["state"][key], self.state[p])
 
     @torch.no_grad()
     def step(self, per_sample=None, closure=None) -> Release:  # type: ignore[override]
@@ -268,3 +284,14 @@ class DPOptimizer(torch.optim.Optimizer):
         updates = self.transform.update(list(release.grads), states, params, ctx)
         if params:
             torch._foreach_add_(params, list(updates))
+
+
+def _with_strings(saved, loaded):
+    """``loaded`` with every string of ``saved`` at the same place put back (dicts, lists and tuples walked)."""
+    if isinstance(saved, str):
+        return saved
+    if isinstance(saved, dict) and isinstance(loaded, dict):
+        return {k: _with_strings(saved[k], v) if k in saved else v for k, v in loaded.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(saved) == len(loaded):
+        return type(loaded)(_with_strings(a, b) for a, b in zip(saved, loaded))
+    return loaded
