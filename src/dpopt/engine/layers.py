@@ -58,7 +58,7 @@ from torch import Tensor
 from .shifted_norm import shifted_sq_norms
 
 __all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
-           "im2col", "conv_method", "CONV_METHODS"]
+           "im2col", "conv_method", "CONV_METHODS", "cached_grad_sum", "constant_sq_norms"]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
 
@@ -95,6 +95,27 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
     """Zero the rows (examples) of ``t`` where ``mask`` ([B] bool) is True."""
     return torch.where(mask.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype,
                                                                            device=t.device), t)
+
+
+def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int) -> Tensor:
+    """``[n]`` squared norms of a block with no per-example gradient (no call, or no example): each
+    example's gradient is 0, so its geometry norm is ‖(0 − m)/b‖² (0 without a shift)."""
+    base = (m / b if b is not None else m) if m is not None else None
+    const = base.square().sum() if base is not None else torch.zeros(())
+    return const.expand(n).clone()
+
+
+def cached_grad_sum(cache: Sequence[Tensor], c: Tensor, bad: Optional[Tensor]) -> Tensor:
+    """Σ_i c_i g_i over cached per-example gradient chunks ``[b_k, q, p]`` (examples in order),
+    rows flagged ``bad`` (non-finite) taken as 0. Returns ``[q, p]``."""
+    total, s = None, 0
+    for g in cache:
+        t = s + g.shape[0]
+        gg = _rows(bad[s:t], g) if bad is not None else g
+        part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
+        total = part if total is None else total + part
+        s = t
+    return total
 
 
 def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
@@ -366,9 +387,7 @@ class FactoredBlock:
         b = None if b is None else b.reshape(self.q, self.p)
         if not self.parts or self.B == 0:
             self.form = "empty"
-            base = (m / b if b is not None else m) if m is not None else None
-            const = base.square().sum() if base is not None else torch.zeros(())
-            return [const.expand(self.B).clone()]
+            return [constant_sq_norms(m, b, self.B)]
         if self.T == 1 and len(self.parts) == 1 and isinstance(self.parts[0], LinearPart):
             self.form = "closed"
             return [self._closed(m, b)]
@@ -447,14 +466,7 @@ class FactoredBlock:
         if not self.parts or self.B == 0:
             return [torch.zeros(self.shape, dtype=c.dtype, device=c.device)]
         if self._cache is not None:
-            total, s = None, 0
-            for g in self._cache:
-                t = s + g.shape[0]
-                gg = _rows(bad[s:t], g) if bad is not None else g
-                part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
-                total = part if total is None else total + part
-                s = t
-            return [total.reshape(self.shape)]
+            return [cached_grad_sum(self._cache, c, bad).reshape(self.shape)]
         total = None
         for pt in self.parts:
             part = pt.grad_sum(c, bad)

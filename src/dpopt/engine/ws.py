@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .layers import Budget, ConvPart, DirectBlock, _geo_sq_norms, _rows, conv_method
+from .layers import Budget, ConvPart, DirectBlock, _geo_sq_norms, cached_grad_sum, constant_sq_norms, conv_method
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rules import LayerCalls
@@ -115,9 +115,7 @@ class WSConvBlock:
         m = None if m is None else m.reshape(self.q, self.p)
         b = None if b is None else b.reshape(self.q, self.p)
         if self.B == 0 or not self.parts:
-            base = (m / b if b is not None else m) if m is not None else None
-            const = base.square().sum() if base is not None else torch.zeros(())
-            return [const.expand(self.B).clone()]
+            return [constant_sq_norms(m, b, self.B)]
         if self._cache is not None:
             return [torch.cat([_geo_sq_norms(g, m, b) for g in self._cache])]
         bits = torch.finfo(self._dtype()).bits // 8
@@ -141,14 +139,7 @@ class WSConvBlock:
         if self.B == 0 or not self.parts:
             return [torch.zeros(self.shape, dtype=c.dtype, device=c.device)]
         if self._cache is not None:
-            total, s = None, 0
-            for g in self._cache:
-                t = s + g.shape[0]
-                gg = _rows(bad[s:t], g) if bad is not None else g
-                part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
-                total = part if total is None else total + part
-                s = t
-            return [total.reshape(self.shape)]
+            return [cached_grad_sum(self._cache, c, bad).reshape(self.shape)]
         total = None
         for part, w_hat, r in self.parts:  # Jᵀ is linear: Jᵀ(Σ_i c_i g_i), one weight-gradient kernel per call
             g = ws_vjp(part.grad_sum(c, bad), w_hat, r)
