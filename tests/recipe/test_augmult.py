@@ -27,6 +27,8 @@ from dpopt.models import WSConv2d
 from dpopt.training import TrainConfig, train
 from dpopt.types import ClipGeometry
 
+from recipe_grads import one_hot_grads  # tests/recipe/recipe_grads.py (shared helper)
+
 C = 0.05
 
 
@@ -86,17 +88,6 @@ def _mean_view_truth(model, xv, y):
     return [per_view[n].reshape(b, k, *per_view[n].shape[1:]).mean(1) for n in params]
 
 
-def _one_hot(src):
-    b, n = src.batch_size, src.num_params
-    src.sq_norms(ClipGeometry(), [0] * n, 1)
-    rows = []
-    for i in range(b):
-        w = torch.zeros(b, 1, dtype=torch.float64)
-        w[i] = 1
-        rows.append([t.clone() for t in src.weighted_sum(w, ClipGeometry(), [0] * n)])
-    return [torch.stack([r[j] for r in rows]) for j in range(n)]
-
-
 def test_per_example_gradient_is_the_mean_over_views():
     torch.manual_seed(0)
     model = small_cnn().double().train()
@@ -104,7 +95,7 @@ def test_per_example_gradient_is_the_mean_over_views():
     wrapped = ViewsOf(model, 3)
     src = next(iter(iter_per_sample_sources(wrapped, views_loss(ce), xv, y, engine="reference")))
     assert src.batch_size == 5  # examples, not views
-    got = _one_hot(src)
+    got = one_hot_grads(src, torch.float64)
     for g, t in zip(got, _mean_view_truth(model, xv, y)):
         assert torch.allclose(g, t, atol=1e-12)
 
@@ -114,11 +105,12 @@ def test_micro_batches_never_split_views(physical):
     torch.manual_seed(1)
     model = ViewsOf(small_cnn().double().train(), 3)
     xv, y = _views(b=5)
-    whole = _one_hot(next(iter(iter_per_sample_sources(model, views_loss(ce), xv, y, engine="reference"))))
+    whole = one_hot_grads(next(iter(iter_per_sample_sources(model, views_loss(ce), xv, y, engine="reference"))),
+                          torch.float64)
     chunks = list(iter_per_sample_sources(model, views_loss(ce), xv, y, physical, engine="reference"))
     sizes = [c.batch_size for c in chunks]
     assert sum(sizes) == 5 and max(sizes) <= physical
-    parts = [_one_hot(c) for c in chunks]
+    parts = [one_hot_grads(c, torch.float64) for c in chunks]
     for j, t in enumerate(whole):
         assert torch.allclose(torch.cat([p[j] for p in parts]), t, atol=1e-12)
 
@@ -174,7 +166,7 @@ def test_fast_rows_per_example_equals_the_views_path_and_torch_func(make, physic
     parts, sizes = [], []
     for src in iter_per_sample_sources(model, ce, rows, repeat_labels(y, 3), physical, rows_per_example=3):
         sizes.append(src.batch_size)  # consumed one at a time (a fast source is freed by the next)
-        parts.append(_one_hot(src))
+        parts.append(one_hot_grads(src, torch.float64))
     assert sum(sizes) == 5 and (physical is None or max(sizes) <= physical)
     got = [torch.cat(ps) for ps in zip(*parts)]
     for g, t in zip(got, _mean_view_truth(model, xv, y)):
