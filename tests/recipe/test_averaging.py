@@ -19,18 +19,6 @@ import dpopt
 from dpopt.averaging import ParameterAverager, ema_decay_at, unhooked_copy
 
 
-def _trajectory(model, steps, opt):
-    """Run `steps` updates; return θ_0..θ_T (flattened clones taken after each step)."""
-    traj = [torch.cat([p.detach().flatten() for p in model.parameters()]).clone()]
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(5, 3, dtype=torch.float64)).square().sum().backward()
-        opt.step()
-        yield traj[-1]
-        traj.append(torch.cat([p.detach().flatten() for p in model.parameters()]).clone())
-    yield traj[-1]
-
-
 def test_warmup_decay_values():
     assert ema_decay_at(1, 0.999) == pytest.approx(2 / 11)
     assert ema_decay_at(8, 0.999) == pytest.approx(9 / 18)
