@@ -152,7 +152,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     from .models import build_model
     from .training.build import build_run, privacy_options
     from .training.config import epoch_end_step, resolve_device
-    from .training.loop import evaluate
+    from .training.loop import LEDGER_FLUSH_EVERY, evaluate
     from .training.results import RunFiles, new_segment, run_directory, write_config, write_results
 
     start = time.perf_counter()
@@ -224,7 +224,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
                 next_epoch += 1
             elif cfg.log_every and step % cfg.log_every == 0:  # every rank evaluates (collective forwards)
                 row({"epoch": round(step * q, 6), "log": True})
-            if files is not None:
+            if files is not None and run.ledger.unflushed >= LEDGER_FLUSH_EVERY:  # as dpopt train (rows flush too)
                 files.flush()
             if on_step is not None and dist.is_main:
                 last = metrics[-1] if metrics else {}
