@@ -65,9 +65,9 @@ re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
 **When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
 (:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its words are taken from the source at
 once (the stream order is that of a draw made there), its chunks are computed in the source's worker
-threads, and the consumer gets each chunk in turn while it is in cache. The Privatizer starts the
-step's draw when the step begins, so that it overlaps the per-sample work, and adds it to the clipped
-sums chunk by chunk. The values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
+threads. The Privatizer starts the step's draw when the step begins, so that it overlaps the
+per-sample work, and its one noise seam (``Privatizer._draw``) takes the values at the release. The
+values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
 never pickled or copied, and one started before a fork is refused in the child.
 
 Only the :class:`~dpopt.privatizer.Privatizer` and the

@@ -22,7 +22,6 @@ count stay here.
 
 from __future__ import annotations
 
-import bisect
 import math
 import numbers
 import warnings
@@ -40,8 +39,6 @@ from .noise import CpuNormalDraw, NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer"]
-
-_PIECE = 1 << 15  # elements per elementwise op in the noise workers (torch's parallel grain: one thread each)
 
 
 @dataclass(frozen=True)
@@ -278,6 +275,7 @@ class Privatizer:
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
 
+    @torch.no_grad()  # a release is public data: it never carries autograd history, whatever its sums were
     def release(self, params_like: Optional[Sequence[Tensor]] = None) -> Release:
         """Add noise, divide by B̄, map back, record the step; return the Release.
 
@@ -293,25 +291,20 @@ class Privatizer:
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
         count = self._count if self.quantile is not None else None
-        fused = self.reduce is None and std > 0 and all(s.device.type == "cpu" for s in self._sum)
         if self.reduce is not None:  # data parallel: the noisy totals over every process
             totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
-        elif fused:  # CPU: (s + σS·z rounded once, ÷B̄, mapped out of the geometry) chunk by chunk, in cache
-            totals = self._noisy_release_cpu(std, bbar, geo)
-            noisy_count = None if count is None else count + self._count_noise()
         else:  # s + σS·z in float64 (the float64 noise buffers), rounded ONCE to the sum's dtype
             noise, count_noise = self._draw(std)
             totals = [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)]
             noisy_count = None if count is None else count + count_noise
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            g = totals[i] if fused else totals[i].div_(bbar)  # the totals are fresh buffers owned here
+            g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
             coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
             if geo.scale is not None:
-                if not fused:
-                    g.mul_(geo.scale[i])
+                g.mul_(geo.scale[i])
                 coord_std = coord_std * geo.scale[i]
-            if geo.shift is not None and not fused:
+            if geo.shift is not None:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
@@ -334,9 +327,8 @@ class Privatizer:
         return release
 
     def _draw(self, std: float, rounded: bool = False) -> tuple[list[Tensor], Optional[float]]:
-        """The step's noise for the data-parallel ``reduce`` hook and for sums off the CPU (CPU sums
-        draw it in :meth:`_noisy_release_cpu`, the same draw of the same source): σS·z per parameter
-        (zeros, nothing drawn, when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
+        """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
+        when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
 
         The gradient noise is ONE float64 draw per device (z from
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
@@ -350,8 +342,7 @@ class Privatizer:
             by_device.setdefault(s.device, []).append(i)
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
-                flat = self.noise.normal((sum(self._sum[i].numel() for i in idx),), dtype=torch.float64,
-                                         device=device).mul_(std)
+                flat = self._normals(sum(self._sum[i].numel() for i in idx), device).mul_(std)
                 for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
                     s = self._sum[i]
                     grad_noise[i] = z.to(s.dtype).view(s.shape) if rounded else z.view(s.shape)
@@ -367,55 +358,18 @@ class Privatizer:
             return None
         return float(self.noise.normal((), dtype=torch.float64)) * (0.5 * self.quantile.count_noise_multiplier)
 
-    def _noisy_release_cpu(self, std: float, bbar: float, geo: ClipGeometry) -> list[Tensor]:
-        """:meth:`release`'s arithmetic on CPU sums, fused: per parameter, round(s + σS·z) to its dtype
-        (s + σS·z in float64, rounded once), ÷ B̄, × scale, + shift — the same operations, in the same
-        order, as the unfused path (bit-identical), done chunk by chunk of the noise draw while it is
-        in cache, in the noise source's worker threads.
-
-        The noise is ONE float64 draw of all parameters in order (:meth:`_prefetch`'s if it has the
-        size, else drawn now). Returns fresh contiguous tensors, one per sum.
-        """
-        sums = self._sum
-        total = sum(t.numel() for t in sums)
+    def _normals(self, n: int, device: torch.device) -> Tensor:
+        """``n`` float64 standard normals for the gradient noise on ``device``: on the CPU the draw
+        :meth:`_prefetch` started at :meth:`begin` when it has this size (its values are those a
+        draw made here would have; it was computed in the noise workers while the per-sample work
+        ran), else a draw made now. A started draw of another size is dropped, never reused."""
+        if device.type != "cpu":
+            return self.noise.normal((n,), dtype=torch.float64, device=device)
         draw, self._pending = self._pending, None
-        if draw is None or draw.n != total or not draw.usable:
-            draw = self.noise.start_normal(total)
-        self._expect = total
-        outs = [torch.empty(t.shape, dtype=t.dtype) for t in sums]
-        flat_s = [t.reshape(-1) for t in sums]
-        flat_o = [t.view(-1) for t in outs]
-
-        def flat(ts):
-            return None if ts is None else [(g if g.shape == t.shape else g.expand_as(t)).reshape(-1)
-                                            for g, t in zip(ts, sums)]
-        scale, shift = flat(geo.scale), flat(geo.shift)
-        offsets = [0]
-        for t in sums:
-            offsets.append(offsets[-1] + t.numel())
-
-        def piece(lo: int, hi: int, z: Tensor) -> None:
-            i = bisect.bisect_right(offsets, lo) - 1
-            while i < len(sums) and offsets[i] < hi:
-                a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
-                if a < b:
-                    part = slice(a - offsets[i], b - offsets[i])
-                    zs = z[a - lo:b - lo].mul_(std).add_(flat_s[i][part])
-                    o = flat_o[i][part]
-                    o.copy_(zs)
-                    o.div_(bbar)
-                    if scale is not None:
-                        o.mul_(scale[i][part])
-                    if shift is not None:
-                        o.add_(shift[i][part])
-                i += 1
-
-        def consume(lo: int, hi: int, z: Tensor) -> None:  # in pieces below torch's parallel grain: a worker
-            with torch.no_grad():                          # thread must not start OpenMP teams of its own;
-                for a in range(lo, hi, _PIECE):            # grad mode is per thread: a release has no history
-                    piece(a, min(hi, a + _PIECE), z[a - lo:min(hi, a + _PIECE) - lo])
-        draw.consume(consume)
-        return outs
+        self._expect = n
+        if draw is None or draw.n != n or not draw.usable:
+            draw = self.noise.start_normal(n)
+        return draw.values()
 
     def _release_count(self, noisy_count: float) -> dict:
         """Noisy centred count (the noise already in it, :meth:`_draw`) → next clip bound

@@ -1,4 +1,4 @@
-"""The CPU noise draw started early and consumed chunk by chunk (issue 23, fixed per-step cost).
+"""The CPU noise draw started early and consumed at the release (issue 23, fixed per-step cost).
 
 :class:`dpopt.noise.CpuNormalDraw` moves WHEN the step's noise is computed (while the per-sample work
 runs) and fuses the release's arithmetic into its chunks; it must not change WHAT is drawn. Every
@@ -120,7 +120,7 @@ SHAPES = [(700, 300), (300,), (5, 41), (0,), (NORMAL_CHUNK // 3 + 1,), (3,)]  # 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("geometry", [False, True])
 @pytest.mark.parametrize("early", [True, False], ids=["drawn at begin", "drawn at release"])
-def test_fused_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads):
+def test_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads):
     """One example per sum (its clipped sum is itself, C large); the release must equal the formula
     with z = the source's float64 draw of all parameters in order — whether privatize() started it
     at begin() (early) or release() drew it (begin/accumulate/release called by hand)."""
@@ -237,8 +237,8 @@ def test_start_normal_refuses_a_negative_count():
 
 
 def test_release_of_sums_that_require_grad_has_no_autograd_history(threads):
-    """The fused release runs in worker threads, where grad mode is on by default: a release is
-    public data and never carries autograd history, whatever its sums were."""
+    """A release is public data and never carries autograd history, whatever its sums were (the
+    prefetched draw is computed in worker threads, where grad mode is on by default)."""
     s = torch.randn(1, NORMAL_CHUNK + 11, requires_grad=True)
     priv = Privatizer(1.0, 1e6, 2.0, 0.1, noise=NoiseSource("reproducible", seed=1))
     rel = priv.privatize(PerSampleGrads([s]), params_like=[s[0]])
