@@ -212,3 +212,25 @@ def test_resume_hint_names_torchrun_for_multi_process_runs():
     assert _resume_command({"run_dir": "runs/x", "world_size": 1}) == "dpopt train --resume runs/x"
     assert _resume_command({"run_dir": "runs/x", "world_size": 2}) == \
         "torchrun --standalone --nproc_per_node 2 -m dpopt train --resume runs/x"
+
+
+def test_ema_state_and_ledger_carry_over(tmp_path):
+    """--ema-decay: the checkpoint holds the averager (its step = the ledger's length); resumed = uninterrupted."""
+    kw = dict(method="dp-sgd", epochs=1.0, seed=4, reproducible_noise=True, accountant="rdp", ema_decay=0.9)
+    warnings.simplefilter("ignore", UserWarning)
+    full = train(TrainConfig(out=str(tmp_path / "full"), **kw))
+
+    def interrupt(info):
+        if info["step"] == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    part = train(TrainConfig(out=str(tmp_path / "part"), **kw), on_step=interrupt)
+    assert part["status"] == "interrupted" and part["steps"] == 7
+    ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
+    assert ckpt["averager"]["step"] == 7 == ckpt["ledger_length"] == len(PrivacyLedger.load(tmp_path / "part"))
+    done = resume(tmp_path / "part")
+    assert done["steps"] == full["steps"] and done["epsilon"] == full["epsilon"]
+    assert done["ema_test_accuracy"] == full["ema_test_accuracy"]
+    for name in ("model.pt", "model_ema.pt"):
+        a, b = torch.load(tmp_path / "full" / name), torch.load(tmp_path / "part" / name)
+        assert all(torch.equal(a[k], b[k]) for k in a)
