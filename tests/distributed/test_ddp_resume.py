@@ -80,7 +80,7 @@ def test_secret_run_interrupted_and_resumed(runs):
     assert first["status"] == "interrupted" and first["stop_signal"] == "SIGINT" and first["world_size"] == 2
     assert first["steps"] == STOP_AFTER < first["planned_steps"] == 11
     assert r1["secret"] == {"rank": 1, "world_size": 2, "steps": STOP_AFTER, "run_dir": None}
-    assert "status" not in done and done["steps"] == 11 and done["resumed_from_step"] == STOP_AFTER
+    assert done["status"] == "completed" and done["steps"] == 11 and done["resumed_from_step"] == STOP_AFTER
     assert done["world_size"] == 2 and done["noise"] == "secret" and done["check"] == "pass"
     assert r1["secret-resumed"] == {"rank": 1, "world_size": 2, "steps": 11, "run_dir": None}
     out = tmp / "secret"
@@ -103,7 +103,7 @@ def test_reproducible_resume_equals_uninterrupted(runs, uninterrupted, name):
     tmp, (r0, _), to_one = runs
     single_dir, single = uninterrupted
     done = to_one if name == "repro-to-1" else r0[name + "-resumed"]
-    assert "status" not in done and done["steps"] == single["steps"] == 11
+    assert done["status"] == "completed" and done["steps"] == single["steps"] == 11
     assert done["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
     assert [e.step for e in PrivacyLedger.load(tmp / name).entries] == list(range(11))
     a = torch.load(tmp / name / "model.pt", weights_only=True)
