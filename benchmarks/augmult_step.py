@@ -34,18 +34,17 @@ import time  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
 
 from dpopt.augment import ViewsOf, crop_flip, repeat_views, views_loss  # noqa: E402
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.methods import make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
+from step_time import loss_fn, non_private_step  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 N_TRAIN = 50_000  # CIFAR-10: only the public sample rate q = B/N of the ledger uses it
 
 
-def ce(out, target):
-    return F.cross_entropy(out, target)
+ce = loss_fn  # the benchmarks' cross-entropy
 
 
 def _data(b: int, k: int, seed: int = 0):
@@ -53,18 +52,6 @@ def _data(b: int, k: int, seed: int = 0):
     x = torch.randn(b, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (b,), generator=g)
     return repeat_views(x, k, crop_flip, g), y  # [B·K, 3, 32, 32] example-major, labels per example
-
-
-def non_private(model_name: str, rows, y_rows) -> Callable[[], None]:
-    torch.manual_seed(0)
-    model = build_model(model_name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        ce(model(rows), y_rows).backward()
-        opt.step()
-    return step
 
 
 def _dp_opt(model, b: int):
@@ -134,7 +121,7 @@ def main() -> None:
     for k in [int(v) for v in args.ks.split(",")]:
         rows, y = _data(args.batch, k)
         physical = args.physical or args.batch
-        steps = {"non_private": non_private(args.model, rows, y.repeat_interleave(k)),
+        steps = {"non_private": non_private_step(args.model, rows, y.repeat_interleave(k)),
                  "dp_views": dp_views(args.model, rows, y, k, physical)}
         fast = dp_rows_per_example(args.model, rows, y, k, physical)
         if fast is not None:
