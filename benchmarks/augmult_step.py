@@ -27,11 +27,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # shared CPUs: sleeping waits (see step_time.py)
 
 import argparse  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Callable, Optional  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -39,7 +36,7 @@ from dpopt.augment import ViewsOf, crop_flip, repeat_views, views_loss  # noqa: 
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.methods import make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
-from step_time import loss_fn, non_private_step  # noqa: E402  (benchmarks/ is on sys.path when run)
+from step_time import loss_fn, non_private_step, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 N_TRAIN = 50_000  # CIFAR-10: only the public sample rate q = B/N of the ledger uses it
 
@@ -73,9 +70,7 @@ def dp_views(model_name: str, rows, y, k: int, physical: int) -> Callable[[], No
     return step
 
 
-def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Optional[Callable[[], None]]:
-    if "rows_per_example" not in inspect.signature(iter_per_sample_sources).parameters:
-        return None
+def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Callable[[], None]:
     torch.manual_seed(0)
     model = build_model(model_name)
     opt = _dp_opt(model, y.shape[0])
@@ -85,21 +80,6 @@ def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Opti
         opt.step(iter_per_sample_sources(model, ce, rows, y_rows, physical * k, opt.evaluation_points(),
                                          rows_per_example=k))
     return step
-
-
-def round_robin(steps: dict, rounds: int, per_round: int) -> dict:
-    """Median and 10th-percentile seconds per step of each configuration (one warm-up step each)."""
-    for f in steps.values():
-        f()
-    times: dict = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, f in steps.items():
-            for _ in range(per_round):
-                t = time.perf_counter()
-                f()
-                times[name].append(time.perf_counter() - t)
-    return {n: {"median": statistics.median(v), "p10": sorted(v)[int(0.1 * (len(v) - 1))], "n": len(v)}
-            for n, v in times.items()}
 
 
 def main() -> None:
@@ -122,18 +102,15 @@ def main() -> None:
         rows, y = _data(args.batch, k)
         physical = args.physical or args.batch
         steps = {"non_private": non_private_step(args.model, rows, y.repeat_interleave(k)),
-                 "dp_views": dp_views(args.model, rows, y, k, physical)}
-        fast = dp_rows_per_example(args.model, rows, y, k, physical)
-        if fast is not None:
-            steps["dp_rows_per_example"] = fast
-        res = round_robin(steps, args.rounds, args.per_round)
+                 "dp_views": dp_views(args.model, rows, y, k, physical),
+                 "dp_rows_per_example": dp_rows_per_example(args.model, rows, y, k, physical)}
+        res = time_round_robin(steps, args.rounds, args.per_round, warmup=1)
         base = res["non_private"]["median"]
         rec = {"k": k, "batch": args.batch, "rows": k * args.batch, "model": args.model, "threads": args.threads,
                **{f"{n}_s": r["median"] for n, r in res.items()},
                **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n != "non_private"}}
         rows_out.append(rec)
-        fr = (f"{rec['dp_rows_per_example_s']:13.3f} {rec['dp_rows_per_example_ratio']:6.2f}"
-              if fast is not None else f"{'n/a':>13} {'':>6}")
+        fr = f"{rec['dp_rows_per_example_s']:13.3f} {rec['dp_rows_per_example_ratio']:6.2f}"
         print(f"{k:3d} {k * args.batch:6d} {base:12.3f} {rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:6.2f} {fr}",
               flush=True)
     if args.json:
