@@ -46,9 +46,12 @@ def private(*, accountant: str = "pld", batch_size: int = 16, seed: int = 0, noi
     return (engine, *out)
 
 
-def run_epoch(model, optimizer, loader, steps=None) -> int:
-    """One epoch (or ``steps`` steps) of the ordinary Opacus loop; returns the number of steps run."""
-    crit = nn.CrossEntropyLoss()
+def run_epoch(model, optimizer, loader, steps=None, loss_fn=None) -> int:
+    """One epoch (or ``steps`` steps) of the ordinary Opacus loop; returns the number of steps run.
+
+    ``loss_fn(out, y)``: the loss (default ``nn.CrossEntropyLoss()``).
+    """
+    crit = nn.CrossEntropyLoss() if loss_fn is None else loss_fn
     n = 0
     for x, y in loader:
         optimizer.zero_grad()

@@ -101,17 +101,6 @@ def test_make_private_alone_never_warns_about_a_target():
 
 
 # -- loss reduction -----------------------------------------------------------------------------
-def _loop(m, opt, loader, loss_fn, steps=None):
-    n = 0
-    for x, y in loader:
-        opt.zero_grad()
-        loss_fn(m(x), y).backward()
-        opt.step()
-        n += 1
-        if steps is not None and n >= steps:
-            break
-
-
 @pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(reduction="sum"),
                                      lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).sum()],
                          ids=["sum-module", "none-module-summed"])
@@ -119,7 +108,7 @@ def test_a_sum_reduced_loss_module_under_mean_is_refused_before_any_release(loss
     engine, m, opt, loader = private()
     before = [p.detach().clone() for p in m.parameters()]
     with pytest.raises(ValueError, match="loss_reduction='sum'"):
-        _loop(m, opt, loader, loss_fn)
+        run_epoch(m, opt, loader, loss_fn=loss_fn)
     assert len(engine.ledger) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
@@ -134,7 +123,7 @@ def test_a_sum_reduced_loss_module_under_mean_is_refused_before_any_release(loss
 ])
 def test_losses_that_agree_with_loss_reduction_train_and_the_check_then_leaves(reduction, loss_fn):
     engine, m, opt, loader = private(loss_reduction=reduction)
-    _loop(m, opt, loader, loss_fn)
+    run_epoch(m, opt, loader, loss_fn=loss_fn)
     assert len(engine.ledger) == 4
     assert opt._loss_watch is None  # hooks removed after the first batch of >= 2 examples
 
@@ -142,7 +131,7 @@ def test_losses_that_agree_with_loss_reduction_train_and_the_check_then_leaves(r
 def test_a_mean_loss_under_loss_reduction_sum_is_refused():
     engine, m, opt, loader = private(loss_reduction="sum")
     with pytest.raises(ValueError, match="loss_reduction='mean'"):
-        _loop(m, opt, loader, lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).mean())
+        run_epoch(m, opt, loader, loss_fn=lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).mean())
     assert len(engine.ledger) == 0
 
 
@@ -154,7 +143,7 @@ def test_the_sum_reduced_refusal_against_the_per_sample_scale():
         engine, m, opt, loader = private(noise_multiplier=0.0, max_grad_norm=1e6, lr=1.0, loss_reduction=reduction,
                                          batch_size=64)
         w0 = m[0].weight.detach().clone()
-        _loop(m, opt, loader, loss_fn, steps=1)
+        run_epoch(m, opt, loader, steps=1, loss_fn=loss_fn)
         return m[0].weight.detach() - w0
 
     mean_run = update("mean", nn.CrossEntropyLoss())
@@ -232,6 +221,6 @@ def test_a_model_and_optimizer_copied_before_the_first_step():
     m2, opt2 = copy.deepcopy((m, opt))
     assert opt2._loss_watch is None and opt._loss_watch is not None
     with pytest.raises(ValueError, match="loss_reduction='sum'"):  # the original's check still watches its model
-        _loop(m, opt, loader, nn.CrossEntropyLoss(reduction="sum"), steps=1)
-    _loop(m2, opt2, loader, nn.CrossEntropyLoss(), steps=1)  # the copy trains (its check is not copied)
+        run_epoch(m, opt, loader, loss_fn=nn.CrossEntropyLoss(reduction="sum"), steps=1)
+    run_epoch(m2, opt2, loader, loss_fn=nn.CrossEntropyLoss(), steps=1)  # the copy trains (its check is not copied)
     assert len(opt2._engine.ledger) == 1 and len(engine.ledger) == 0
