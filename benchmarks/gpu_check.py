@@ -133,15 +133,20 @@ def loss_fn(out, target):
     return nn.functional.cross_entropy(out, target)
 
 
-def step_time_module():
-    """``benchmarks/step_time.py``, loaded from its file (no ``sys.path`` change), once."""
-    name = "dpopt_benchmarks_step_time"
+def _sibling_module(filename: str):
+    """``benchmarks/<filename>``, loaded from its file (no ``sys.path`` change), once per process."""
+    name = "dpopt_benchmarks_" + Path(filename).stem
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("step_time.py"))
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def step_time_module():
+    """``benchmarks/step_time.py``, loaded from its file (no ``sys.path`` change), once."""
+    return _sibling_module("step_time.py")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -435,13 +440,7 @@ def run_hf_equality(device: torch.device, cases) -> dict:
 # --------------------------------------------------------------------------- 5. transformer step ratios
 def transformer_module():
     """``benchmarks/transformer_step.py``, loaded from its file once (its GPT-2-shaped model and loss)."""
-    name = "dpopt_benchmarks_transformer_step"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("transformer_step.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return _sibling_module("transformer_step.py")
 
 
 def _lm_batch(ts, b: int, device: torch.device):
