@@ -382,7 +382,8 @@ class LossReductionWatch:
         return False
 
     def close(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks and drop the watched outputs (the model's activations of a private batch)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.outs = []
