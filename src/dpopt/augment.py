@@ -19,12 +19,14 @@ built by :func:`repeat_views` (images) with labels ``y.repeat_interleave(K)``
 example's rows; ``loss_reduction="mean"`` divides by the B examples (a mean
 over the B·K rows is exactly that: (1/B) Σ_i (1/K) Σ_k ℓ_ik).
 
-:class:`ViewsOf` and :func:`views_loss` express the same thing through the
-existing per-example interface (inputs ``[B, K, ...]``, one example per row
-of dim 0): ``dpopt train --augmentation-multiplicity K`` uses them with the
-per-example (``torch.func``) engine, which vmaps over examples and runs the
-K views of each together; micro-batches (``physical_batch_size``) split dim 0
-— examples — so never an example's views.
+The engine groups the rows itself (``rows_per_example=K`` of
+:func:`~dpopt.engine.iter_per_sample_sources`); ``dpopt train
+--augmentation-multiplicity K`` (:class:`ViewBatches`) and
+``make_private(augmentation_multiplicity=K)`` use that. :class:`ViewsOf` and
+:func:`views_loss` express the same thing through the one-example-per-row
+interface (inputs ``[B, K, ...]``) for the per-example (``torch.func``)
+engine; micro-batches (``physical_batch_size``) split dim 0 — examples — so
+never an example's views.
 
 Augmentations (tensor ops; torchvision is not a dependency — its wheels pin a
 torch version):
