@@ -41,10 +41,12 @@ def _truth(g: torch.Tensor, m, b) -> torch.Tensor:
 def _block(kind: str, dtype: torch.dtype, gen: torch.Generator):
     """(block, exact per-sample gradients [B, *shape] in float64)."""
     if kind in ("closed", "gram", "direct"):
-        t = 1 if kind == "closed" else T
+        # direct: T(p+q) >= pq (in flat geometry Gram is used whenever T(p+q) < pq) and the cache fits;
+        # gram: T(p+q) < pq, no cache
+        t = {"closed": 1, "gram": T, "direct": P * Q // (P + Q)}[kind]
         a = torch.randn(B, t, P, generator=gen).to(dtype)
         e = torch.randn(B, t, Q, generator=gen).to(dtype)
-        cache = 1 << 30 if kind == "direct" else 0  # direct: cache fits; gram: no cache, T(p+q) < pq
+        cache = 1 << 30 if kind == "direct" else 0
         blk = FactoredBlock(0, (Q, P), [LinearPart(a, e)], Budget(1 << 20, cache), B)
         return blk, torch.einsum("btq,btp->bqp", e.double(), a.double())
     if kind == "sparse":

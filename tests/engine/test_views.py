@@ -3,7 +3,7 @@
 Rows i·K … i·K + K − 1 of a batch are K views of example i; its per-example
 gradient is the MEAN over its views, g_i = (1/K) Σ_v ∇ℓ(x_{iK+v}, y_{iK+v}).
 The truth is single-example autograd: each row alone through the model, the
-K gradients of an example averaged. Checked for Linear, Conv2d, GroupNorm,
+K gradients of an example averaged. Checked for Linear, Conv2d, WSConv2d, GroupNorm,
 Embedding, LayerNorm (the rules that merge the views into positions and those
 that get them as K calls), MultiheadAttention and an LSTM, through
 :class:`~dpopt.engine.fast.PerSampleEngine` (``dpopt train``'s door) and
@@ -21,6 +21,8 @@ from torch import nn
 
 from dpopt.engine import PerSampleEngine, iter_per_sample_sources
 from dpopt.engine.hooks import HookCapture
+from dpopt.engine.layers import CONV_METHODS, Budget, ConvPart, FactoredBlock
+from dpopt.models import WSConv2d
 from dpopt.types import ClipGeometry
 
 DT = torch.float64
@@ -40,6 +42,20 @@ class ConvNet(nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.gn(self.conv(x))).flatten(1))
+
+
+class WSConvNet(nn.Module):
+    """Weight-standardized convolutions (the recipe's cnn5-ws layers), one strided with a bias, + GroupNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = WSConv2d(2, 4, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(2, 4)
+        self.conv2 = WSConv2d(4, 4, 3, stride=2, padding=1)
+        self.head = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv2(torch.tanh(self.gn(self.conv1(x))))).flatten(1))
 
 
 class TokenNet(nn.Module):
@@ -70,7 +86,7 @@ class LstmNet(nn.Module):
 
 
 def _batch(kind: str, n: int, gen: torch.Generator):
-    if kind == "conv":
+    if kind in ("conv", "ws-conv"):
         x = torch.randn(n, 2, 5, 5, generator=gen, dtype=DT)
     elif kind == "tokens":
         x = torch.randint(0, 11, (n, 7), generator=gen)
@@ -79,7 +95,7 @@ def _batch(kind: str, n: int, gen: torch.Generator):
     return x, torch.randint(0, 3, (n,), generator=gen)
 
 
-MODELS = {"conv": ConvNet, "tokens": TokenNet, "attn": AttnNet, "lstm": LstmNet}
+MODELS = {"conv": ConvNet, "ws-conv": WSConvNet, "tokens": TokenNet, "attn": AttnNet, "lstm": LstmNet}
 
 
 def make(kind: str, b: int = B, seed: int = 0):
@@ -182,6 +198,31 @@ def test_views_through_the_reference_path_and_batch_dim():
     assert_matches(src, want)
 
 
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+@pytest.mark.parametrize("method", CONV_METHODS)
+def test_conv_views_both_kernels_and_gram_equal_the_sum_over_views(method, padding_mode):
+    """ConvPart with K views: per-example Σ_v Σ_t e a^T by each kernel, the Gram norm, and the clipped sum."""
+    gen = torch.Generator().manual_seed(5)
+    conv = nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=1, padding_mode=padding_mode).to(DT)
+    x = torch.randn(B * K, 3, 7, 6, generator=gen, dtype=DT)
+    out = conv(x)
+    e = torch.randn(out.shape, generator=gen, dtype=DT)
+    rows = []  # per-row weight gradients by autograd: d<conv(x_r), e_r>/dw
+    for r in range(B * K):
+        rows.append(torch.autograd.grad((conv(x[r:r + 1]) * e[r:r + 1]).sum(), conv.weight)[0])
+    want = torch.stack(rows).reshape(B, K, 4, -1).sum(1)  # [B, q, p]
+    part = ConvPart(conv, x, e, views=K)
+    assert part.T == K * out.shape[2] * out.shape[3]
+    torch.testing.assert_close(part.per_sample(0, B, method), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(part.per_sample(1, 3, method), want[1:3], rtol=1e-10, atol=1e-12)
+    blk = FactoredBlock(0, tuple(conv.weight.shape), [part], Budget(1 << 20, 0), B)
+    torch.testing.assert_close(blk._gram(), want.reshape(B, -1).square().sum(1), rtol=1e-10, atol=1e-12)
+    c = torch.rand(B, generator=gen, dtype=DT)
+    bad = torch.tensor([False, True, False, False])
+    want_sum = torch.einsum("b,bqp->qp", c * (~bad), want)
+    torch.testing.assert_close(part.grad_sum(c, bad), want_sum, rtol=1e-10, atol=1e-12)
+
+
 def _clipped_sum(model, x, y, c, door: str):
     if door == "engine":
         src = next(iter(iter_per_sample_sources(model, ce, x, y, rows_per_example=K)))
@@ -200,7 +241,7 @@ def _clipped_sum(model, x, y, c, door: str):
 
 
 @pytest.mark.parametrize("door", ["engine", "hooks"])
-@pytest.mark.parametrize("kind", ["conv", "tokens"])
+@pytest.mark.parametrize("kind", ["conv", "ws-conv", "tokens"])
 def test_sigma_zero_removing_one_example_with_all_its_views_moves_the_sum_by_at_most_c(kind, door):
     model, x, y = make(kind, b=5)
     norms = truth(model, x, y)

@@ -335,7 +335,7 @@ class Plan:
             calls = _merge_views(calls, b, views) if rule.views == "merge" else _split_views(calls, views)
         layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()},
                            [(a, e) for a, e, _, _ in calls], [st for _, _, st, _ in calls], b, budget,
-                           [tag for _, _, _, tag in calls])
+                           [tag for _, _, _, tag in calls], views if rule.views == "merge" else 1)
         return rule.blocks(layer)
 
 

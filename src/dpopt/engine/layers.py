@@ -221,16 +221,22 @@ def im2col(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Se
 
 
 class ConvPart:
-    """One call of an ``nn.Conv2d`` (groups = 1) at one evaluation point.
+    """One call of an ``nn.Conv2d`` (groups = 1) at one evaluation point, optionally with K views per example.
 
     Args:
         module: the Conv2d (its kernel/stride/padding/dilation are read).
-        x: layer input ``[B, C, H, W]``; e: output gradient ``[B, q, Ho, Wo]``.
+        x: layer input ``[B·K, C, H, W]``; e: output gradient ``[B·K, q, Ho, Wo]``.
+        views: K ≥ 1 (``rows_per_example``): rows i·K … i·K + K − 1 are example i's
+            views, which are K more groups of positions of that example,
+            g_i = Σ_v Σ_t e_ivt a_ivtᵀ.
+
+    ``T`` counts the positions of one example: K·Ho·Wo.
     """
 
-    def __init__(self, module, x: Tensor, e: Tensor):
+    def __init__(self, module, x: Tensor, e: Tensor, views: int = 1):
         self.kernel, self.stride, self.dilation = module.kernel_size, module.stride, module.dilation
         self.weight_shape = tuple(module.weight.shape)
+        self.views = int(views)
         if module.padding_mode == "zeros" and not isinstance(module.padding, str):
             self.x, self.padding, self.pad, self.mode = x, tuple(module.padding), None, None
         else:  # 'same'/'valid' strings, reflect/replicate/circular: pad explicitly like Conv2d does
@@ -238,7 +244,7 @@ class ConvPart:
             self.pad = tuple(module._reversed_padding_repeated_twice)
             self.mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         self.e = e
-        self.T = e.shape[2] * e.shape[3]
+        self.T = self.views * e.shape[2] * e.shape[3]
 
     def _padded(self, x: Tensor) -> Tensor:
         if self.pad is not None:
@@ -246,11 +252,23 @@ class ConvPart:
         ph, pw = self.padding
         return F.pad(x, (pw, pw, ph, ph)) if (ph or pw) else x
 
+    def _merge(self, t: Tensor) -> Tensor:
+        """Rows ``[b·K, d, T0]`` → ``[b, d, K·T0]`` (each example's views as more positions)."""
+        k = self.views
+        if k == 1:
+            return t
+        n, d, t0 = t.shape
+        return t.reshape(n // k, k, d, t0).transpose(1, 2).reshape(n // k, d, k * t0)
+
     def at(self, s: int, t: int) -> Tensor:
-        return im2col(self._padded(self.x[s:t]), self.kernel, self.stride, self.dilation)
+        """Patches of examples s..t−1, ``[b, C·kh·kw, T]``."""
+        k = self.views
+        return self._merge(im2col(self._padded(self.x[s * k:t * k]), self.kernel, self.stride, self.dilation))
 
     def et(self, s: int, t: int) -> Tensor:
-        return self.e[s:t].flatten(2)
+        """Output gradients of examples s..t−1, ``[b, q, T]``."""
+        k = self.views
+        return self._merge(self.e[s * k:t * k].flatten(2))
 
     def _input(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if self.pad is not None:
@@ -258,32 +276,43 @@ class ConvPart:
         return x, self.padding
 
     def per_sample(self, s: int, t: int, method: str) -> Tensor:
-        """Per-sample weight gradients of examples s..t−1, ``[b, q, C·kh·kw]``.
+        """Per-sample weight gradients of examples s..t−1 (summed over their views), ``[b, q, C·kh·kw]``.
 
         ``"im2col"``: patches (strided copy) then one batched GEMM;
-        ``"grouped"``: torch's convolution weight-gradient kernel with the batch
-        folded into groups (Rochette et al. 2019, "Efficient per-example
-        gradient computations in convolutional neural networks").
+        ``"grouped"``: torch's convolution weight-gradient kernel with the examples
+        folded into groups and the views as that kernel's batch, which it sums
+        (Rochette et al. 2019, "Efficient per-example gradient computations in
+        convolutional neural networks").
         """
         if method == "im2col":
             return torch.bmm(self.et(s, t), self.at(s, t).transpose(1, 2))
-        x, padding = self._input(self.x[s:t])
-        e = self.e[s:t]
-        b, cin, q = x.shape[0], x.shape[1], e.shape[1]
+        k = self.views
+        x, padding = self._input(self.x[s * k:t * k])
+        e = self.e[s * k:t * k]
+        b, cin, q = x.shape[0] // k, x.shape[1], e.shape[1]
+        if k > 1:  # [b·K, ...] example-major → [K, b·C, ...]: view v of every example is one batch row
+            x = x.reshape(b, k, *x.shape[1:]).transpose(0, 1)
+            e = e.reshape(b, k, *e.shape[1:]).transpose(0, 1)
         w = e.new_empty(1).expand(b * q, cin, *self.kernel)
         gw = torch.ops.aten.convolution_backward(
-            e.reshape(1, b * q, *e.shape[2:]), x.reshape(1, b * cin, *x.shape[2:]), w, None,
+            e.reshape(k, b * q, *e.shape[-2:]), x.reshape(k, b * cin, *x.shape[-2:]), w, None,
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], b, [False, True, False])[1]
         return gw.reshape(b, q, -1)
 
     def signature(self, rows: int) -> tuple:
-        """Key of the per-sample kernel choice (layer geometry, dtype, chunk rows)."""
-        return (tuple(self.x.shape[1:]), tuple(self.e.shape[1:]), self.kernel, self.stride, self.dilation,
-                self.padding, self.pad, self.mode, self.x.dtype, rows, torch.get_num_threads())
+        """Key of the per-sample kernel choice (layer geometry, views, dtype, chunk rows)."""
+        return (tuple(self.x.shape[1:]), tuple(self.e.shape[1:]), self.views, self.kernel, self.stride,
+                self.dilation, self.padding, self.pad, self.mode, self.x.dtype, rows, torch.get_num_threads())
 
     def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
-        """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``."""
+        """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``.
+
+        ``c``, ``bad``: per example ``[B]`` (each applies to all K rows of its example).
+        """
         x, e = self.x, self.e
+        if self.views > 1:
+            c = c.repeat_interleave(self.views)
+            bad = None if bad is None else bad.repeat_interleave(self.views)
         if bad is not None:
             x, e = _rows(bad, x), _rows(bad, e)
         e = e * c.to(e.dtype).view(-1, 1, 1, 1)
@@ -318,7 +347,7 @@ def conv_method(part: "ConvPart", rows: int) -> str:
     key = part.signature(rows)
     choice = _CONV_CHOICE.get(key)
     if choice is None:
-        n = min(rows, part.x.shape[0])
+        n = min(rows, part.x.shape[0] // part.views)
         best = {}
         for method in CONV_METHODS:
             runs = []
@@ -345,9 +374,10 @@ class FactoredBlock:
         batch_size: B.
 
     Form chosen per layer and geometry (module docstring): T = 1 closed
-    forms; otherwise the direct form when its per-sample gradients fit the
-    cache (it then makes the clipped sum nearly free), else the cheaper of
-    Gram (flat geometry only; B·T²·(p+q)) and direct (B·T·p·q).
+    forms; otherwise, in flat geometry, Gram when T·(p+q) < p·q (B·T²·(p+q)
+    operations against the direct form's B·T·p·q plus its passes over the
+    ``[B, q, p]`` per-sample gradients); else the direct form, whose chunks are
+    cached for the clipped sum when they fit the cache.
     """
 
     def __init__(self, index: int, shape: Sequence[int], parts: Sequence, budget: Budget, batch_size: int):
@@ -392,15 +422,12 @@ class FactoredBlock:
             self.form = "closed"
             return [self._closed(m, b)]
         nbytes = self.B * self.q * self.p * torch.finfo(self._dtype()).bits // 8
-        if self._cache is None:
-            keep = self.budget.take(nbytes)
-        else:
-            keep = True  # reuse the cached per-sample gradients
-        gram_cost = self.T * (self.p + self.q)
-        direct_cost = self.p * self.q
-        if m is None and b is None and not keep and gram_cost < direct_cost:
+        if self._cache is None and m is None and b is None and self.T * (self.p + self.q) < self.p * self.q:
+            # fewer operations than materialising g_i (T·p·q each) and no passes over [B, q, p]
+            # (which the cached direct form's norms and clipped sum both make)
             self.form = "gram"
             return [self._gram()]
+        keep = True if self._cache is not None else self.budget.take(nbytes)  # reuse cached per-sample gradients
         self.form = "direct"
         return [self._direct(m, b, keep, nbytes)]
 
@@ -554,7 +581,7 @@ class SparseRowsBlock:
 
 # --------------------------------------------------------------------------- norm layers
 def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
-                     stats: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
+                     stats: Optional[tuple[Tensor, Tensor]] = None, views: int = 1) -> tuple[Tensor, Tensor]:
     """Per-sample GroupNorm affine gradients ``(dweight [B, C], dbias [B, C])``.
 
     With x̂ = (x − μ_g)·r_g (μ_g, r_g = 1/√(var_g + ε) per example and group,
@@ -565,7 +592,16 @@ def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
         x: input ``[B, C, *]``; e: output gradient, same shape.
         stats: ``(μ [B, G], r [B, G])`` saved by the forward pass, if available
             (otherwise recomputed with ``torch.var_mean``).
+        views: K ≥ 1: ``x``, ``e`` are ``[B, K, C, *]`` (stats ``[B, K, G]``), K views
+            of each example; its gradient is the sum over its views (each view
+            normalised by its own statistics).
+
+    Returns ``[B, C]`` each.
     """
+    if views > 1:
+        st = None if stats is None else tuple(t.flatten(0, 1) for t in stats)
+        dw, se = group_norm_grads(x.flatten(0, 1), e.flatten(0, 1), num_groups, eps, st)
+        return dw.reshape(-1, views, dw.shape[1]).sum(1), se.reshape(-1, views, se.shape[1]).sum(1)
     b, c = x.shape[:2]
     if stats is not None:
         mean, rstd = (t.reshape(b, num_groups) for t in stats)

@@ -84,6 +84,8 @@ class LayerCalls:
         budget: the source's memory :class:`~dpopt.engine.layers.Budget`.
         tags: per call, the tag a tapped forward gave it (``Rule.forward``:
             which linear map inside the layer the call is), else None.
+        views: K, the rows per example of a ``views="merge"`` rule's calls
+            (``a``, ``e`` are ``[B, K, ...]``); 1 otherwise.
     """
 
     module: nn.Module
@@ -94,6 +96,20 @@ class LayerCalls:
     batch_size: int
     budget: Budget
     tags: list = field(default_factory=list)
+    views: int = 1
+
+    def rows(self, t: Tensor) -> Tensor:
+        """``[B, K, ...]`` → ``[B·K, ...]`` (example-major rows) when the calls carry K views, else ``t``."""
+        return t.flatten(0, 1) if self.views > 1 else t
+
+    def per_example(self, g: Tensor) -> Tensor:
+        """``[B·K, ...]`` per-row gradients → ``[B, ...]``, the sum over each example's K rows."""
+        return g.reshape(-1, self.views, *g.shape[1:]).sum(1) if self.views > 1 else g
+
+    def summed_outputs(self, dims: tuple) -> Tensor:
+        """Σ of the output gradients over calls, views and ``dims`` of the rows ``[B·K, ...]``, per example:
+        a bias's per-example gradient (``dims=(2, 3)`` for a Conv2d: ``[B, q]``)."""
+        return self.per_example(sum(self.rows(e).sum(dims) for _, e in self.calls))
 
 
 @dataclass(frozen=True)
@@ -228,14 +244,15 @@ def _linear(layer: LayerCalls) -> list:
     return blocks
 
 
-@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1)
+@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1, views="merge")
 def _conv2d(layer: LayerCalls) -> list:
     b, calls, m, blocks = layer.batch_size, layer.calls, layer.module, []
     if "weight" in layer.index:
         blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
-                                    [ConvPart(m, a, e) for a, e in calls], layer.budget, b))
+                                    [ConvPart(m, layer.rows(a), layer.rows(e), layer.views) for a, e in calls],
+                                    layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.sum((2, 3)) for _, e in calls)]))
+        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))
     return blocks
 
 
@@ -258,10 +275,10 @@ def _affine_blocks(layer: LayerCalls, grads: list[tuple[Tensor, Tensor]]) -> lis
     return blocks
 
 
-@register_rule(nn.GroupNorm)
+@register_rule(nn.GroupNorm, views="merge")
 def _group_norm(layer: LayerCalls) -> list:
     m = layer.module
-    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st)
+    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st, layer.views)
                                   for (a, e), st in zip(layer.calls, layer.stats)])
 
 
@@ -285,4 +302,4 @@ def _rms_norm(layer: LayerCalls) -> list:
 from ..models import WSConv2d  # noqa: E402 — after register_rule; models imports nothing from the engine
 from .ws import ws_conv2d_blocks, ws_conv2d_forward  # noqa: E402 — ws imports layers only
 
-register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward)(ws_conv2d_blocks)
+register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward, views="merge")(ws_conv2d_blocks)

@@ -163,8 +163,8 @@ def ws_conv2d_blocks(layer: "LayerCalls") -> list:
                 raise RuntimeError("internal error: a WSConv2d call was recorded without its standardization "
                                    "(its tapped forward, engine.ws.ws_conv2d_forward, was not installed)")
             w_hat, r = tag
-            parts.append((ConvPart(m, a, e), w_hat.to(e.dtype), r.to(e.dtype)))
+            parts.append((ConvPart(m, layer.rows(a), layer.rows(e), layer.views), w_hat.to(e.dtype), r.to(e.dtype)))
         blocks.append(WSConvBlock(layer.index["weight"], layer.shapes["weight"], parts, layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.sum((2, 3)) for _, e in layer.calls)]))
+        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))
     return blocks
