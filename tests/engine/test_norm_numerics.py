@@ -41,9 +41,9 @@ def _truth(g: torch.Tensor, m, b) -> torch.Tensor:
 def _block(kind: str, dtype: torch.dtype, gen: torch.Generator):
     """(block, exact per-sample gradients [B, *shape] in float64)."""
     if kind in ("closed", "gram", "direct"):
-        # direct: T(p+q) >= pq (in flat geometry Gram is used whenever T(p+q) < pq) and the cache fits;
-        # gram: T(p+q) < pq, no cache
-        t = {"closed": 1, "gram": T, "direct": P * Q // (P + Q)}[kind]
+        # direct: the cache fits and T(p+q) >= pq/3 (below that, flat geometry takes Gram even with a
+        # cache); gram: T(p+q) < pq and no cache
+        t = {"closed": 1, "gram": T, "direct": T}[kind]
         a = torch.randn(B, t, P, generator=gen).to(dtype)
         e = torch.randn(B, t, Q, generator=gen).to(dtype)
         cache = 1 << 30 if kind == "direct" else 0
@@ -153,3 +153,24 @@ def test_gram_form_does_not_cancel_in_float32():
     want = g.reshape(1, -1).square().sum(1)
     assert float(want) > 1.0  # a norm that clipping must see
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("t, p, q, cache, form", [
+    (2, 64, 64, 1 << 30, "gram"),     # r = T(p+q)/pq = 0.06 < 1/3: Gram even though the cache fits
+    (3, 16, 16, 1 << 30, "direct"),   # r = 0.375: the cached direct form
+    (3, 16, 16, 0, "gram"),           # r < 1 and no cache: Gram
+    (8, 16, 16, 0, "direct"),         # r = 1: direct (recomputed clipped sum)
+])
+def test_form_choice_by_work_ratio_and_cache(t, p, q, cache, form):
+    """FactoredBlock's form in flat geometry (GRAM_WITH_CACHE_BELOW); each form's norm and sum are exact."""
+    from dpopt.engine.layers import Budget, FactoredBlock, LinearPart
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(B, t, p, generator=gen, dtype=torch.float64)
+    e = torch.randn(B, t, q, generator=gen, dtype=torch.float64)
+    blk = FactoredBlock(0, (q, p), [LinearPart(a, e)], Budget(1 << 20, cache), B)
+    g = torch.einsum("btq,btp->bqp", e, a)
+    torch.testing.assert_close(blk.sq_norms([(None, None)])[0], g.reshape(B, -1).square().sum(1), rtol=1e-12, atol=0)
+    assert blk.form == form
+    c = torch.rand(B, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(blk.grad_sums([c], None)[0], torch.einsum("b,bqp->qp", c, g), rtol=1e-12, atol=1e-12)

@@ -58,7 +58,7 @@ from torch import Tensor
 from .shifted_norm import shifted_sq_norms
 
 __all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
-           "im2col", "conv_method", "CONV_METHODS", "cached_grad_sum", "constant_sq_norms"]
+           "im2col", "conv_method", "CONV_METHODS", "cached_grad_sum", "constant_sq_norms", "GRAM_WITH_CACHE_BELOW"]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
 
@@ -327,6 +327,13 @@ class ConvPart:
         return gw.reshape(self.weight_shape[0], -1)
 
 
+GRAM_WITH_CACHE_BELOW = 1 / 3
+"""Below this r = T(p+q)/(pq) the Gram norm (float64, then one GEMM for the clipped sum) is faster than
+the cached direct form (materialised g_i, then passes over ``[B, q, p]``), even though the latter's clipped
+sum is a cheap contraction. Measured on this project's CPU (float32, one thread, Linear layers B 8–32,
+T 4–256, p, q 128–4096): Gram 4–12× faster at r ≤ 0.06, 1.2–1.9× at r 0.1–0.26, 1.2–1.7× slower at r ≥ 0.42
+(benchmark in docs/performance.md, "Gram or direct")."""
+
 _CONV_CHOICE: dict = {}  # ConvPart.signature -> fastest per-sample kernel measured in this process
 CONV_METHODS = ("im2col", "grouped")
 
@@ -374,10 +381,11 @@ class FactoredBlock:
         batch_size: B.
 
     Form chosen per layer and geometry (module docstring): T = 1 closed
-    forms; otherwise, in flat geometry, Gram when T·(p+q) < p·q (B·T²·(p+q)
-    operations against the direct form's B·T·p·q plus its passes over the
-    ``[B, q, p]`` per-sample gradients); else the direct form, whose chunks are
-    cached for the clipped sum when they fit the cache.
+    forms; otherwise, with r = T·(p+q)/(p·q) (Gram's B·T²·(p+q) operations over
+    the direct form's B·T·p·q), in flat geometry Gram when r <
+    :data:`GRAM_WITH_CACHE_BELOW`, or when r < 1 and the per-sample gradients
+    do not fit the cache; else the direct form, its chunks cached for the
+    clipped sum when they fit.
     """
 
     def __init__(self, index: int, shape: Sequence[int], parts: Sequence, budget: Budget, batch_size: int):
@@ -422,12 +430,18 @@ class FactoredBlock:
             self.form = "closed"
             return [self._closed(m, b)]
         nbytes = self.B * self.q * self.p * torch.finfo(self._dtype()).bits // 8
-        if self._cache is None and m is None and b is None and self.T * (self.p + self.q) < self.p * self.q:
-            # fewer operations than materialising g_i (T·p·q each) and no passes over [B, q, p]
-            # (which the cached direct form's norms and clipped sum both make)
-            self.form = "gram"
-            return [self._gram()]
-        keep = True if self._cache is not None else self.budget.take(nbytes)  # reuse cached per-sample gradients
+        if self._cache is not None:
+            keep = True  # reuse the cached per-sample gradients
+        else:
+            ratio = self.T * (self.p + self.q) / (self.p * self.q)  # Gram's extra work over the direct form's
+            flat = m is None and b is None
+            if flat and ratio < GRAM_WITH_CACHE_BELOW:
+                self.form = "gram"
+                return [self._gram()]
+            keep = self.budget.take(nbytes)
+            if flat and not keep and ratio < 1.0:
+                self.form = "gram"
+                return [self._gram()]
         self.form = "direct"
         return [self._direct(m, b, keep, nbytes)]
 
