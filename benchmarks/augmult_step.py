@@ -91,11 +91,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tune-allocator", action="store_true",
+                    help="dpopt.allocator.tune_cpu_allocator() first (what dpopt train does; both sides get it)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the ViewsOf + torch.func column (the slow reference path)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line (last line)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tune_allocator:
+        from dpopt.allocator import tune_cpu_allocator
+
+        print("allocator tuned:", tune_cpu_allocator())
     rows_out = []
     print(f"{args.model}, B = {args.batch} examples, {args.threads} thread(s); seconds per step (median), "
           "ratio to the non-private step over the same K·B rows")

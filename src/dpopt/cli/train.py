@@ -263,6 +263,9 @@ def train_command(
         import torch
 
         torch.set_num_threads(threads)
+    from ..allocator import tune_cpu_allocator
+
+    tune_cpu_allocator()  # glibc: reuse freed activation blocks (dpopt.allocator; DPOPT_NO_ALLOCATOR_TUNING=1: off)
     import os
 
     # data parallel under torchrun (dpopt.distributed): rank 0 alone prints; the library writes files on rank 0
