@@ -3,7 +3,9 @@
 For K ∈ {1, 2, 4, 8} (``--ks``) and B examples (``--batch``, default 32) on CIFAR-10-shaped inputs
 (``--model``, default cnn5-ws), per configuration the median wall-clock time of
 
-* **non-private**: forward + backward + ``torch.optim.SGD`` step over the K·B view rows;
+* **non-private** (``np``): forward + backward + ``torch.optim.SGD`` step over the K·B view rows in one
+  pass, and (``np-ch``) over the same rows in the DP step's physical chunks (gradient accumulation:
+  the same memory bound as the DP step);
 * **dp (views)**: a DP-SGD step of dpopt over the same K·B rows grouped as B examples of K views
   (per-example gradient = mean over the views, clipped, summed, noised: one release), by
   :class:`dpopt.augment.ViewsOf` + the per-example (``torch.func``) engine, physical chunks of
@@ -12,7 +14,10 @@ For K ∈ {1, 2, 4, 8} (``--ks``) and B examples (``--batch``, default 32) on CI
   grouping, when ``dpopt.engine.iter_per_sample_sources`` has that argument (else skipped);
 
 timed round-robin (so a slow period of a shared machine hits every configuration alike), and
-the ratio DP / non-private printed side by side. The issue's target is ≤ 1.15×.
+the ratio DP / non-private printed side by side, of wall time and of this process's CPU time (less
+disturbed by other processes). The issue's target is ≤ 1.15×.
+``--tune-allocator`` applies :func:`dpopt.allocator.tune_cpu_allocator` (as ``dpopt train`` does) to
+the whole process, so to every column.
 Inputs are synthetic (the time does not depend on pixel values). Not a test: nothing asserts a time.
 
 Usage::
@@ -82,6 +87,22 @@ def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Call
     return step
 
 
+def non_private_chunked(model_name: str, rows, y_rows, chunk_rows: int) -> Callable[[], None]:
+    """The non-private step over the same rows in the DP step's physical chunks (gradient accumulation)."""
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = rows.shape[0]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for s in range(0, n, chunk_rows):
+            xb, yb = rows[s:s + chunk_rows], y_rows[s:s + chunk_rows]
+            (ce(model(xb), yb) * (xb.shape[0] / n)).backward()
+        opt.step()
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="cnn5-ws")
@@ -102,27 +123,42 @@ def main() -> None:
         from dpopt.allocator import tune_cpu_allocator
 
         print("allocator tuned:", tune_cpu_allocator())
+    physical = args.physical or args.batch
     rows_out = []
-    print(f"{args.model}, B = {args.batch} examples, {args.threads} thread(s); seconds per step (median), "
-          "ratio to the non-private step over the same K·B rows")
-    print(f"{'K':>3} {'rows':>6} {'non-private':>12} {'dp (views)':>11} {'ratio':>6} {'dp (rows/ex)':>13} {'ratio':>6}")
+    print(f"{args.model}, B = {args.batch} examples in chunks of {physical}, {args.threads} thread(s); seconds per "
+          "step (median); ratios to the non-private step over the same K·B rows, in one pass (np) and in the "
+          "DP step's chunks (np-ch)")
+    print(f"{'K':>3} {'rows':>6} {'np':>7} {'np-ch':>7} {'dp (views)':>11} {'/np':>5} "
+          f"{'dp (rows/ex)':>13} {'/np':>5} {'/np-ch':>6}   CPU-time ratios {'/np':>5} {'/np-ch':>6}")
     for k in [int(v) for v in args.ks.split(",")]:
         rows, y = _data(args.batch, k)
-        physical = args.physical or args.batch
-        steps = {"non_private": non_private_step(args.model, rows, y.repeat_interleave(k)),
+        y_rows = y.repeat_interleave(k)
+        steps = {"non_private": non_private_step(args.model, rows, y_rows),
+                 "non_private_chunked": non_private_chunked(args.model, rows, y_rows, physical * k),
                  "dp_rows_per_example": dp_rows_per_example(args.model, rows, y, k, physical)}
         if not args.no_reference:
             steps["dp_views"] = dp_views(args.model, rows, y, k, physical)
         res = time_round_robin(steps, args.rounds, args.per_round, warmup=1)
-        base = res["non_private"]["median"]
-        rec = {"k": k, "batch": args.batch, "rows": k * args.batch, "model": args.model, "threads": args.threads,
+        base, base_ch = res["non_private"]["median"], res["non_private_chunked"]["median"]
+        rec = {"k": k, "batch": args.batch, "physical": physical, "rows": k * args.batch, "model": args.model,
+               "threads": args.threads, "allocator_tuned": bool(args.tune_allocator),
                **{f"{n}_s": r["median"] for n, r in res.items()},
-               **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n != "non_private"}}
+               **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n.startswith("dp")},
+               "dp_rows_per_example_ratio_chunked": res["dp_rows_per_example"]["median"] / base_ch,
+               **{f"{n}_cpu_s": r["cpu_median"] for n, r in res.items()},
+               "dp_rows_per_example_cpu_ratio": res["dp_rows_per_example"]["cpu_median"] / res["non_private"]["cpu_median"],
+               "dp_rows_per_example_cpu_ratio_chunked": (res["dp_rows_per_example"]["cpu_median"]
+                                                         / res["non_private_chunked"]["cpu_median"])}
+        from dpopt.engine.layers import _CONV_CHOICE  # the per-sample conv kernels the engine timed and chose
+
+        rec["conv_kernels"] = sorted({f"{key[0]}:{v}" for key, v in _CONV_CHOICE.items() if key[2] == k})
         rows_out.append(rec)
-        fr = f"{rec['dp_rows_per_example_s']:13.3f} {rec['dp_rows_per_example_ratio']:6.2f}"
-        ref = (f"{rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:6.2f}" if "dp_views_s" in rec
-               else f"{'–':>11} {'':>6}")
-        print(f"{k:3d} {k * args.batch:6d} {base:12.3f} {ref} {fr}", flush=True)
+        ref = (f"{rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:5.2f}" if "dp_views_s" in rec
+               else f"{'–':>11} {'':>5}")
+        print(f"{k:3d} {k * args.batch:6d} {base:7.3f} {base_ch:7.3f} {ref} {rec['dp_rows_per_example_s']:13.3f} "
+              f"{rec['dp_rows_per_example_ratio']:5.2f} {rec['dp_rows_per_example_ratio_chunked']:6.2f}   "
+              f"{'':>15} {rec['dp_rows_per_example_cpu_ratio']:5.2f} {rec['dp_rows_per_example_cpu_ratio_chunked']:6.2f}",
+              flush=True)
     if args.json:
         print(json.dumps(rows_out))
 
