@@ -170,15 +170,6 @@ def views_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor,
     return loss
 
 
-def engine_groups_views() -> bool:
-    """True if this dpopt's per-sample engine takes ``rows_per_example`` (K consecutive rows = one example)."""
-    import inspect
-
-    from .engine import iter_per_sample_sources
-
-    return "rows_per_example" in inspect.signature(iter_per_sample_sources).parameters
-
-
 class ViewBatches:
     """dpopt train's batches with augmentation (and multiplicity): what the loop hands the per-example engine.
 
@@ -202,12 +193,12 @@ class ViewBatches:
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int,
-                 grouped: Optional[bool] = None):
+                 grouped: bool = True):
         self.k = check_multiplicity(k)
         self.fn = get_augmentation(augment)
         self.seed = int(seed)
         self.model, self.loss_fn = model, loss_fn
-        self.grouped = engine_groups_views() if grouped is None else bool(grouped)
+        self.grouped = bool(grouped)
         self.views_model = ViewsOf(model, k) if k > 1 and not self.grouped else None
         self.views_loss = views_loss(loss_fn) if k > 1 and not self.grouped else None
 

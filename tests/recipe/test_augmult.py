@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from dpopt.augment import (ViewBatches, ViewsOf, crop_flip, engine_groups_views, repeat_labels, repeat_views,
+from dpopt.augment import (ViewBatches, ViewsOf, crop_flip, repeat_labels, repeat_views,
                            views_loss)
 from dpopt.data import Dataset
 from dpopt.engine import iter_per_sample_sources
@@ -152,7 +152,6 @@ def test_view_batches_layout_and_reproducible_draws():
     assert one[0] is model and one[2].shape == x.shape and one[4] == {}
 
 
-@pytest.mark.skipif(not engine_groups_views(), reason="this engine has no rows_per_example")
 @pytest.mark.parametrize("make", [small_cnn, lambda: nn.Sequential(
     WSConv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
     nn.Linear(4, 3))], ids=["conv", "ws-conv"])
