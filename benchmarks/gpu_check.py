@@ -13,6 +13,10 @@ Under 10 minutes on one GPU (an H200: a few minutes). Six parts:
    (``norms_over`` = max_i (a_i − b_i)/b_i, ``norms_under`` = max_i (b_i − a_i)/b_i, a = fast,
    b = reference; an *under*-estimate is the privacy-relevant direction: it would let a clipped
    example exceed C) and of the clipped sums (max over parameters of ‖a − b‖ / ‖b‖).
+   The same comparison with K augmented views per example (``rows_per_example=K`` on both engines,
+   issue 24) for ``cnn5-ws`` and ``wrn16-4-ws``: the fast engine's grouping of an example's K rows
+   inside its layer rules (WS convolutions, GroupNorm, the Linear head) against the reference's
+   per-row gradients averaged over each example's rows.
    Cases and tolerances (:func:`tolerances`):
 
    * float64 (where the device supports it), every model: 1e-9 for everything (the engine tests
@@ -99,11 +103,16 @@ from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 from dpopt.types import ClipGeometry  # noqa: E402
 
-INPUT_SHAPES = {"mlp": (1, 28, 28), "mlp-small": (64,), "cnn5": (3, 32, 32), "wrn16-4": (3, 32, 32)}
-#: (model, dtype name, batch size, enforced): on a GPU / in the CPU fallback.
+INPUT_SHAPES = {"mlp": (1, 28, 28), "mlp-small": (64,), "cnn5": (3, 32, 32), "wrn16-4": (3, 32, 32),
+                "cnn5-ws": (3, 32, 32), "wrn16-4-ws": (3, 32, 32)}
+#: (model, dtype name, batch size, enforced[, K views per example]): on a GPU / in the CPU fallback.
+#: With K, the batch has batch·K rows, example-major (augmentation multiplicity, issue 24).
 GPU_CASES = [("mlp", "float64", 32, True), ("cnn5", "float64", 16, True), ("wrn16-4", "float64", 8, True),
-             ("cnn5", "float32", 16, True), ("wrn16-4", "float32", 8, True), ("cnn5", "float32+tf32", 16, False)]
-CPU_CASES = [("mlp", "float64", 4, True), ("cnn5", "float64", 3, True), ("cnn5", "float32", 3, True)]
+             ("cnn5", "float32", 16, True), ("wrn16-4", "float32", 8, True), ("cnn5", "float32+tf32", 16, False),
+             ("cnn5-ws", "float64", 8, True, 4), ("wrn16-4-ws", "float64", 4, True, 4),
+             ("cnn5-ws", "float32", 8, True, 4)]
+CPU_CASES = [("mlp", "float64", 4, True), ("cnn5", "float64", 3, True), ("cnn5", "float32", 3, True),
+             ("cnn5-ws", "float64", 2, True, 3)]
 TIMING = {"cnn5": 512, "wrn16-4": 256}
 MEMORY = {"model": "cnn5", "logical": 4096, "physical": 256}
 #: Part 4: (model, dtype name, batch, tokens, width) on a GPU / in the CPU fallback.
@@ -194,29 +203,33 @@ def _rel_sum_err(a: list, b: list) -> float:
     return max(errs) if errs else 0.0
 
 
-def equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int = 0) -> dict:
+def equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int = 0,
+                  views: int = 1) -> dict:
     """Fast vs reference engine on one batch: largest relative errors of the norms and clipped sums.
 
+    ``views`` = K > 1: ``batch`` examples of K rows each (``rows_per_example=K`` on both engines: the
+    fast engine's grouping inside its layer rules against the reference's per-row gradients averaged).
     Runs inside ``torch.random.fork_rng`` (the caller's global RNG state is left as it was).
     """
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        return _equality_case(model_name, dtype, batch, device, seed)
+        return _equality_case(model_name, dtype, batch, device, seed, views)
 
 
-def _equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int) -> dict:
+def _equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int,
+                   views: int = 1) -> dict:
     model = build_model(model_name).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, *INPUT_SHAPES[model_name], generator=g, dtype=dtype).to(device)
-    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    x = torch.randn(batch * views, *INPUT_SHAPES[model_name], generator=g, dtype=dtype).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).repeat_interleave(views).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     shift = tuple((0.01 * torch.randn(p.shape, generator=g, dtype=dtype)).to(device) for p in params)
     scale = tuple((0.5 + torch.rand(p.shape, generator=g, dtype=dtype)).to(device) for p in params)
     groups = [0] * len(params)
     # Keep both iterators referenced while their first sources are in use (a fast source is freed
     # when its iterator moves on).
-    it_fast = iter(iter_per_sample_sources(model, loss_fn, x, y, engine="fast"))
-    it_ref = iter(iter_per_sample_sources(model, loss_fn, x, y, engine="reference"))
+    it_fast = iter(iter_per_sample_sources(model, loss_fn, x, y, engine="fast", rows_per_example=views))
+    it_ref = iter(iter_per_sample_sources(model, loss_fn, x, y, engine="reference", rows_per_example=views))
     fast, ref = next(it_fast), next(it_ref)
     out = {}
     for name, geo in (("flat", ClipGeometry()), ("shift-scale", ClipGeometry(shift, scale))):
@@ -235,7 +248,8 @@ def _equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torc
 def run_equality(device: torch.device, cases) -> dict:
     has64 = supports_float64(device)
     results, passed = [], True
-    for model_name, dtype_name, batch, enforced in cases:
+    for model_name, dtype_name, batch, enforced, *rest in cases:
+        views = rest[0] if rest else 1
         use_tf32 = None if dtype_name.endswith("+tf32") else False
         dtype = torch.float64 if dtype_name == "float64" else torch.float32
         if dtype == torch.float64 and not has64:
@@ -243,7 +257,7 @@ def run_equality(device: torch.device, cases) -> dict:
             continue
         t = time.perf_counter()
         with tf32(use_tf32 if device.type == "cuda" else None):
-            errs = equality_case(model_name, dtype, batch, device)
+            errs = equality_case(model_name, dtype, batch, device, views=views)
         worst = max(v for geo in errs.values() for v in geo.values())
         if enforced:
             tol = {geo: tolerances(dtype, geo) for geo in errs}
@@ -255,11 +269,11 @@ def run_equality(device: torch.device, cases) -> dict:
             tol = REPORTED_ONLY_TOLERANCE
             beyond = [] if worst <= tol else [f"max {worst:.1e} > {tol:g}"]
             verdict = f"{'within' if not beyond else 'OUTSIDE'} {tol:g} (reported only)"
-        results.append({"model": model_name, "dtype": dtype_name, "batch": batch, "errors": errs,
+        results.append({"model": model_name, "dtype": dtype_name, "batch": batch, "views": views, "errors": errs,
                         "max_rel_error": worst, "tolerance": tol, "enforced": enforced, "ok": not beyond,
                         "beyond": beyond, "seconds": round(time.perf_counter() - t, 3)})
         f, ss = errs["flat"], errs["shift-scale"]
-        print(f"  {model_name:8s} {dtype_name:13s} B = {batch:3d}: max rel error {worst:.2e} "
+        print(f"  {model_name:8s} {dtype_name:13s} B = {batch:3d}{f' K = {views}' if views > 1 else ''}: max rel error {worst:.2e} "
               f"[flat: norms +{f['norms_over']:.1e}/-{f['norms_under']:.1e}, sums {f['clipped_sums']:.1e}; "
               f"shift-scale: norms +{ss['norms_over']:.1e}/-{ss['norms_under']:.1e}, sums "
               f"{ss['clipped_sums']:.1e}] {verdict}")

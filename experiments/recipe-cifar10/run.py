@@ -1,9 +1,10 @@
 """Ablation of the from-scratch recipe on CIFAR-10 (issue 24): WS on/off, K augmented views, EMA on/off.
 
 Every run is ``dpopt.training.train`` (what ``dpopt train`` runs): DP-SGD at ε = 8 (δ = 1e-5, σ
-calibrated by PLD for the run's steps and q), C = 1, 600 Poisson steps, lr 0.2 with a 20-step linear
-warm-up and cosine decay, EMA decay 0.999 with the warm-up min(D, (1+t)/(10+t)) evaluated from the
-SAME run as the raw parameters (EMA is post-processing: no extra run, no extra ε).
+calibrated by PLD for the run's steps and q), C = 1, 600 Poisson steps (1200 for ``LONG``), lr 0.2
+with a 20-step linear warm-up and cosine decay (or constant), EMA decay 0.999 with the warm-up
+min(D, (1+t)/(10+t)) evaluated from the SAME run as the raw parameters (EMA is post-processing: no
+extra run, no extra ε).
 
 Data (fixed and public, the same for every run):
 
@@ -22,8 +23,10 @@ the clip, through the fast engine's ``rows_per_example`` grouping):
 * ``cnn5-ws K=1 B=512``: matched compute for K = 4 (4× the examples per step instead of 4 views
   of each; σ recalibrated for q = 512 / N, same steps).
 
-Seeds 0 and 1; all seed-0 runs are queued before the seed-1 runs so that a partial result has
-every arm. Resumable: each run has its own directory under ``runs/recipe-cifar10-v2/`` (relative to
+Then ``LONG``: cnn5-ws K = 1 and K = 8 for 1200 steps, cosine or constant lr.
+
+Seeds 0 and 1; all seed-0 runs of a group are queued before its seed-1 runs so that a partial result
+has every arm. Resumable: each run has its own directory under ``runs/recipe-cifar10-v2/`` (relative to
 the working directory); a finished run (summary.json with status "completed") is skipped, an
 interrupted one (checkpoint.pt) is resumed. ``table.py`` makes the table and plot.
 
@@ -47,14 +50,22 @@ RUNS = Path("runs/recipe-cifar10-v2")
 N_TRAIN, HELD_OUT_FROM = 10_000, 40_000
 STEPS = 600
 COMMON = dict(dataset="cifar10", method="dp-sgd", target_epsilon=8.0, delta=1e-5, lr=0.2, max_grad_norm=1.0,
-              lr_schedule="cosine", warmup_steps=20, ema_decay=0.999, checkpoint_every=50)
-# (name stem, label, model, K, augment, expected batch size B̄)
-ARMS = [("ws-k1", "cnn5-ws K=1", "cnn5-ws", 1, None, 128),
-        ("ws-k8", "cnn5-ws K=8", "cnn5-ws", 8, "crop-flip", 128),
-        ("ws-k1-aug", "cnn5-ws K=1 +aug", "cnn5-ws", 1, "crop-flip", 128),
-        ("ws-k4", "cnn5-ws K=4", "cnn5-ws", 4, "crop-flip", 128),
-        ("cnn5-k1", "cnn5 K=1", "cnn5", 1, None, 128),
-        ("ws-k1-b512", "cnn5-ws K=1 B=512", "cnn5-ws", 1, None, 512)]
+              warmup_steps=20, ema_decay=0.999, checkpoint_every=50)
+# (name stem, label, model, K, augment, expected batch size B̄, steps, lr schedule)
+ARMS = [("ws-k1", "cnn5-ws K=1", "cnn5-ws", 1, None, 128, STEPS, "cosine"),
+        ("ws-k8", "cnn5-ws K=8", "cnn5-ws", 8, "crop-flip", 128, STEPS, "cosine"),
+        ("ws-k1-aug", "cnn5-ws K=1 +aug", "cnn5-ws", 1, "crop-flip", 128, STEPS, "cosine"),
+        ("ws-k4", "cnn5-ws K=4", "cnn5-ws", 4, "crop-flip", 128, STEPS, "cosine"),
+        ("cnn5-k1", "cnn5 K=1", "cnn5", 1, None, 128, STEPS, "cosine"),
+        ("ws-k1-b512", "cnn5-ws K=1 B=512", "cnn5-ws", 1, None, 512, STEPS, "cosine")]
+# the longer horizon (queued after ARMS): 2× the steps, σ recalibrated for ε = 8; K = 8 with the cosine
+# schedule and with a constant lr (where the EMA has noise to average)
+LONG = [("ws-k1-long", "cnn5-ws K=1, 1200 steps", "cnn5-ws", 1, None, 128, 2 * STEPS, "cosine"),
+        ("ws-k8-long", "cnn5-ws K=8, 1200 steps", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS, "cosine"),
+        ("ws-k8-long-const", "cnn5-ws K=8, 1200 steps, constant lr", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS,
+         "constant"),
+        ("ws-k1-long-const", "cnn5-ws K=1, 1200 steps, constant lr", "cnn5-ws", 1, None, 128, 2 * STEPS,
+         "constant")]
 # glibc: keep freed blocks up to 32 MiB in the heap (no mmap/munmap and page faults per activation tensor):
 # the same steps in about half the time on this CPU (docs/performance.md, "Allocator"); results unchanged
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
@@ -64,7 +75,8 @@ ROWS_PER_CHUNK = 256  # physical micro-batch: 256 / K examples with all their K 
 
 def queue() -> list[dict]:
     return [{"name": f"{stem}-s{seed}", "label": label, "model": model, "k": k, "augment": aug, "batch": b,
-             "seed": seed} for seed in (0, 1) for stem, label, model, k, aug, b in ARMS]
+             "steps": steps, "schedule": schedule, "seed": seed}
+            for arms in (ARMS, LONG) for seed in (0, 1) for stem, label, model, k, aug, b, steps, schedule in arms]
 
 
 def data(data_dir: str):
@@ -91,7 +103,8 @@ def one(name: str, data_dir: str) -> None:
     if (run_dir / "checkpoint.pt").exists():
         summary = resume(run_dir, data=data(data_dir))
     else:
-        cfg = TrainConfig(**COMMON, batch_size=float(job["batch"]), epochs=STEPS * job["batch"] / N_TRAIN,
+        cfg = TrainConfig(**COMMON, batch_size=float(job["batch"]), epochs=job["steps"] * job["batch"] / N_TRAIN,
+                          lr_schedule=job["schedule"],
                           data_dir=data_dir, model=job["model"], seed=job["seed"],
                           augmentation_multiplicity=job["k"], augment=job["augment"],
                           physical_batch_size=ROWS_PER_CHUNK // job["k"], out=str(run_dir), overwrite=True)

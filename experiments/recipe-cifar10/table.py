@@ -20,11 +20,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import ARMS  # noqa: E402  (the arms' names, labels and sizes)
+from run import ARMS, LONG  # noqa: E402  (the arms' names, labels and sizes)
+
+ALL = ARMS + LONG
 
 OUT = Path(__file__).resolve().parents[2] / "docs/results/recipe-cifar10"
-LABEL = {stem: label for stem, label, *_ in ARMS}
-WORK = {stem: k * b / 128 for stem, _, _, k, _, b in ARMS}  # view rows per step relative to B̄ = 128, K = 1
+LABEL = {stem: label for stem, label, *_ in ALL}
+WORK = {stem: k * b * steps / (128 * 600) for stem, _, _, k, _, b, steps, _ in ALL}  # view rows, relative to ws K=1
 
 
 def stem_of(name: str) -> str:
@@ -63,7 +65,7 @@ def _wall(rs: list) -> str:
 def table(done: list, curves: dict) -> list[str]:
     lines = ["| arm | work per run | seeds | held-out accuracy, raw | held-out accuracy, EMA | EMA − raw | ε | "
              "steps | wall s per run |", "|---|---|---|---|---|---|---|---|---|"]
-    for stem, label, *_ in ARMS:
+    for stem, label, *_ in ALL:
         rs = sorted((r for r in done if stem_of(r["name"]) == stem), key=lambda r: r["seed"])
         if not rs:
             continue
@@ -96,7 +98,7 @@ def plot(curves: dict) -> None:
     except ImportError:  # pragma: no cover
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for stem, label, *_ in ARMS:
+    for stem, label, *_ in ALL:
         runs = [rows for name, rows in curves.items() if stem_of(name) == stem and rows]
         if not runs:
             continue
