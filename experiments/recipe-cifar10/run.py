@@ -32,7 +32,7 @@ interrupted one (checkpoint.pt) is resumed. ``table.py`` makes the table and plo
 
 Usage (from the repository root)::
 
-    nice -n 19 python experiments/recipe-cifar10/run.py --data-dir DIR [--workers 2] [--only NAME]
+    nice -n 19 python experiments/recipe-cifar10/run.py --data-dir DIR [--workers 2] [--group main|long] [--only NAME]
 """
 
 from __future__ import annotations
@@ -73,10 +73,13 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179
 ROWS_PER_CHUNK = 256  # physical micro-batch: 256 / K examples with all their K views
 
 
-def queue() -> list[dict]:
+GROUPS = {"main": ARMS, "long": LONG}
+
+
+def queue(groups=("main", "long")) -> list[dict]:
     return [{"name": f"{stem}-s{seed}", "label": label, "model": model, "k": k, "augment": aug, "batch": b,
              "steps": steps, "schedule": schedule, "seed": seed}
-            for arms in (ARMS, LONG) for seed in (0, 1) for stem, label, model, k, aug, b, steps, schedule in arms]
+            for g in groups for seed in (0, 1) for stem, label, model, k, aug, b, steps, schedule in GROUPS[g]]
 
 
 def data(data_dir: str):
@@ -118,6 +121,19 @@ def run_one(job: dict, data_dir: str) -> None:
     if summary.exists() and json.loads(summary.read_text()).get("status", "completed") == "completed":
         print(f"{name}: done", flush=True)
         return
+    lock = RUNS / f"{name}.lock"  # several runners may share the queue: one runs each job
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        print(f"{name}: taken by another runner ({lock}; delete it after a crash)", flush=True)
+        return
+    try:
+        _launch(name, data_dir)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _launch(name: str, data_dir: str) -> None:
     cmd = ["nice", "-n", "19", sys.executable, __file__, "--data-dir", data_dir, "--one", name]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
@@ -132,13 +148,15 @@ def main() -> None:
     ap.add_argument("--data-dir", required=True, help="directory with cifar10.npz")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", default=None, help="run only this run name, e.g. ws-k8-s0")
+    ap.add_argument("--group", choices=sorted(GROUPS), default=None, help="run only this group (default: all)")
     ap.add_argument("--one", default=None, help="run this one run (by name) in this process")
     args = ap.parse_args()
     if args.one:
         one(args.one, args.data_dir)
         return
     RUNS.mkdir(parents=True, exist_ok=True)
-    jobs = [j for j in queue() if args.only is None or j["name"] == args.only]
+    jobs = [j for j in queue((args.group,) if args.group else tuple(GROUPS))
+            if args.only is None or j["name"] == args.only]
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(lambda j: run_one(j, args.data_dir), jobs))
 
