@@ -124,7 +124,7 @@ def plot(curves: dict) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out accuracy (11,000 images)")
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("CIFAR-10 (N = 10,000 training images), DP-SGD at ε = 8, 600 steps: mean over seeds")
+    fig.suptitle("CIFAR-10 (N = 10,000 training images), DP-SGD at ε = 8, 600 or 1200 steps: mean over seeds")
     fig.tight_layout()
     fig.savefig(OUT / "accuracy.png", dpi=110)
 
