@@ -50,7 +50,8 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .bare import bare_candidates, reduce_to, tap_bare
-from .check import RandomReplay, Unreplayable, alone_failed, disagreeing, mode_signature, off_axis, rtol
+from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature, off_axis,
+                    rtol)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock
@@ -682,11 +683,50 @@ class Recorder:
             ``(layout, off)``: modules with an off-axis call (then nothing was
             compared), and the indices of the parameters that disagree.
 
+        A disagreement in float32 or half precision is checked again in
+        float64 (:func:`~dpopt.engine.check.in_float64`: the same inputs,
+        random draws replayed as in the first pass; not everywhere:
+        :meth:`_can_recheck`): a parameter
+        counts as off only if it disagrees there too (rounding is not mixing).
+
         Raises:
             OutputLayout: the model's output is not ``[rows, ...]`` tensors.
             Unreplayable: a random op that cannot be replayed per example.
             ValueError: the model fails on one example (:func:`~dpopt.engine.check.alone_failed`).
         """
+        plan = self.plan
+        tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
+        bad, off = self._check_once(args, kwargs, rows, views, run, params, row_loss, tol)
+        if not off or not self._can_recheck(params):
+            return bad, off
+        try:
+            with in_float64(plan.model) as cast:  # rounding or mixing? the same check in float64
+                bad64, off64 = self._check_once(cast(args), cast(kwargs), rows, views, run, params, row_loss,
+                                                RTOL[torch.float64])
+        except Exception:  # noqa: BLE001 — a model that cannot run in float64: the float32 verdict stands
+            return bad, off
+        return bad, off if bad64 else [i for i in off if i in set(off64)]
+
+    def _can_recheck(self, params: Optional[Sequence[Tensor]]) -> bool:
+        """Whether a float32/half disagreement can be rechecked in float64 (:meth:`check`).
+
+        Not in float64 already, not under autocast (the release's precision
+        is autocast's), not with parameters other than the plan's own (FSDP's
+        unsharded ones) and not under torch.distributed with several
+        processes (an extra forward on one rank only could stall a
+        collective): there the float32 verdict stands.
+        """
+        plan = self.plan
+        if plan.dtype == torch.float64 or torch.is_autocast_enabled(plan.device.type):
+            return False
+        if params is not None and any(p is not q for p, q in zip(params, plan.params)):
+            return False
+        dist = torch.distributed
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _check_once(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]],
+                    row_loss: Optional[Callable], tol: float) -> tuple[dict, list[int]]:
+        """:meth:`check`'s one pass at tolerance ``tol`` (no recheck)."""
         plan = self.plan
         gen = torch.Generator().manual_seed(0)  # not private: a test direction for the check only
         replay = RandomReplay(plan.model)
@@ -720,7 +760,6 @@ class Recorder:
             ref = self._loop(args, kwargs, row_loss, rows, indices, params)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
         c = torch.rand(rows // views, generator=gen, dtype=torch.float64).to(plan.device)
-        tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
         with no_autocast(plan.device):
             off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
         for blk in blocks:

@@ -32,6 +32,16 @@ what they check, and how, lives here:
   reference per-example gradients, within :func:`rtol` of the gradient scale
   (never relative to an exact zero).
 
+* **rounding is not mixing** — in float32 (or half) a disagreement is
+  checked again in float64 (:func:`in_float64`: the same model and inputs,
+  cast for the recheck and restored after, tolerance
+  ``RTOL[float64]``); only the parameters that still disagree count. A layer
+  whose per-example gradient is a small difference of large terms (the raw
+  weight of a weight-standardized conv, a bias summed over K views and 1,024
+  positions) can differ from the loop by more than float32's 1e-3 of its
+  scale while being exactly per example; a forward that mixes examples
+  differs by O(1) in any precision.
+
 What each path does with a disagreement is its own (the fast engine moves
 the parameters to the exact per-example path, whose examples are computed
 alone; the hook path, which cannot recompute an example alone, refuses).
@@ -51,17 +61,17 @@ examples is invisible; such a layer is outside the engines' contract.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
            "model_dims",
-           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL", "layer_of", "layer_scales"]
+           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL", "layer_of", "layer_scales", "in_float64"]
 
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Relative tolerance of the check per dtype (of the layer's gradient scale)."""
@@ -336,6 +346,43 @@ def model_dims(model: nn.Module, args: tuple, kwargs: Optional[dict] = None) -> 
 
 
 # --------------------------------------------------------------------------- agreement
+@contextmanager
+def in_float64(model: nn.Module) -> Iterator[Callable]:
+    """Context: ``model``'s floating parameters and buffers in float64; yields a cast for its inputs.
+
+    For the check's recheck of a float32/half disagreement (rounding or
+    mixing?). The Parameter objects stay the same (their ``.data`` is swapped,
+    their ``.grad`` set aside) and on exit every parameter gets back its
+    original data tensor and every buffer its original tensor object, so
+    identity, version counters (:func:`~dpopt.engine.inputs.buffers_unchanged`),
+    optimizer state and values are exactly as before. The yielded
+    ``cast(tree)`` returns the pytree with its floating tensors in float64.
+    """
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    saved_p = [(p, p.data, p.grad) for p in params]
+    saved_b = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None and b.is_floating_point()]
+    try:
+        for p, data, _g in saved_p:
+            p.grad = None
+            p.data = data.double()
+        for m, name, b in saved_b:
+            m._buffers[name] = b.double()
+
+        def cast(tree):
+            flat, spec = tree_flatten(tree)
+            return tree_unflatten([t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
+                                   for t in flat], spec)
+
+        yield cast
+    finally:
+        for p, data, g in saved_p:
+            p.data = data
+            p.grad = g
+        for m, name, b in saved_b:
+            m._buffers[name] = b
+
+
 def rtol(dtype: torch.dtype, device: torch.device) -> float:
     """Relative tolerance of the check: the parameter dtype's (:data:`RTOL`), or autocast's if coarser."""
     tol = RTOL.get(dtype, 5e-2)
