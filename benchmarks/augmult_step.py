@@ -149,9 +149,6 @@ def main() -> None:
                "dp_rows_per_example_cpu_ratio": res["dp_rows_per_example"]["cpu_median"] / res["non_private"]["cpu_median"],
                "dp_rows_per_example_cpu_ratio_chunked": (res["dp_rows_per_example"]["cpu_median"]
                                                          / res["non_private_chunked"]["cpu_median"])}
-        from dpopt.engine.layers import _CONV_CHOICE  # the per-sample conv kernels the engine timed and chose
-
-        rec["conv_kernels"] = sorted({f"{key[0]}:{v}" for key, v in _CONV_CHOICE.items() if key[2] == k})
         rows_out.append(rec)
         ref = (f"{rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:5.2f}" if "dp_views_s" in rec
                else f"{'–':>11} {'':>5}")

@@ -54,9 +54,9 @@ def test_environment_switch_turns_it_off():
 def test_step_values_do_not_depend_on_it():
     """The same seeded DP-SGD step with and without the tuning gives the same parameters.
 
-    Equal up to float rounding: the conv layers' per-example kernel is chosen by timing
-    (``engine.layers.conv_method``), and two exact kernels round differently; the step's
-    noise (σ = 1, seeded) moves the parameters by far more than that tolerance."""
+    Equal up to float rounding (the BLAS may take another path for differently aligned
+    buffers); the step's noise (σ = 1, seeded) moves the parameters by far more than that
+    tolerance."""
     code = """
 import torch, sys
 from dpopt.allocator import tune_cpu_allocator

@@ -47,7 +47,6 @@ Everything here is private data, used only through
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -58,7 +57,7 @@ from torch import Tensor
 from .shifted_norm import shifted_sq_norms
 
 __all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
-           "im2col", "conv_method", "CONV_METHODS", "cached_grad_sum", "constant_sq_norms", "GRAM_WITH_CACHE_BELOW"]
+           "im2col", "conv_method", "CONV_METHODS", "IM2COL_FAN_IN_UP_TO", "cached_grad_sum", "constant_sq_norms", "GRAM_WITH_CACHE_BELOW"]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
 
@@ -301,11 +300,6 @@ class ConvPart:
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], b, [False, True, False])[1]
         return gw.reshape(b, q, -1)
 
-    def signature(self, rows: int) -> tuple:
-        """Key of the per-sample kernel choice (layer geometry, views, dtype, chunk rows)."""
-        return (tuple(self.x.shape[1:]), tuple(self.e.shape[1:]), self.views, self.kernel, self.stride,
-                self.dilation, self.padding, self.pad, self.mode, self.x.dtype, rows, torch.get_num_threads())
-
     def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
         """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``.
 
@@ -336,39 +330,24 @@ sum is a cheap contraction. Measured on this project's CPU (float32, one thread,
 T 4–256, p, q 128–4096): Gram 4–12× faster at r ≤ 0.06, 1.2–1.9× at r 0.1–0.26, 1.2–1.7× slower at r ≥ 0.42
 (benchmark in docs/performance.md, "Gram or direct")."""
 
-_CONV_CHOICE: dict = {}  # ConvPart.signature -> fastest per-sample kernel measured in this process
 CONV_METHODS = ("im2col", "grouped")
+IM2COL_FAN_IN_UP_TO = 64
+"""The per-sample conv kernel by layer shape (:func:`conv_method`): im2col when C_in·kh·kw is at most
+this, torch's grouped weight-gradient kernel above. Measured (float32, one thread, 8 examples, K 1 and
+4; ``docs/performance.md``, "Per-sample conv kernel"): im2col 1.5–3× faster at C_in·kh·kw = 27
+(3-channel inputs), grouped 1.4–3.6× faster at 144–2304; 1×1 convs with 16–64 input channels within
+±15%."""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def conv_method(part: "ConvPart") -> str:
+    """The per-sample kernel of this conv layer: ``"im2col"`` if C_in·kh·kw ≤ :data:`IM2COL_FAN_IN_UP_TO`, else ``"grouped"``.
 
-
-def conv_method(part: "ConvPart", rows: int) -> str:
-    """The faster per-sample kernel for this conv layer and chunk size, timed once per process.
-
-    Both kernels are exact; which is faster depends on the layer shape and
-    the CPU (measured in docs/performance.md), so the first chunk of each
-    layer geometry is computed by both (best of two runs each) and the winner
-    is remembered.
+    Both kernels are exact and round differently; the choice depends on the
+    layer's shape only (never on a timing), so that a run with
+    reproducible noise is bit-identical when repeated on the same machine.
     """
-    key = part.signature(rows)
-    choice = _CONV_CHOICE.get(key)
-    if choice is None:
-        n = min(rows, part.x.shape[0] // part.views)
-        best = {}
-        for method in CONV_METHODS:
-            runs = []
-            for _ in range(2):
-                _sync(part.x.device)
-                t0 = time.perf_counter()
-                part.per_sample(0, n, method)
-                _sync(part.x.device)  # CUDA kernels run asynchronously: time their completion
-                runs.append(time.perf_counter() - t0)
-            best[method] = min(runs)
-        choice = _CONV_CHOICE[key] = min(best, key=best.get)
-    return choice
+    fan_in = part.weight_shape[1] * part.kernel[0] * part.kernel[1]
+    return "im2col" if fan_in <= IM2COL_FAN_IN_UP_TO else "grouped"
 
 
 class FactoredBlock:
@@ -489,7 +468,7 @@ class FactoredBlock:
         cache = [] if keep else None
         step = self._chunk_rows()
         single_conv = len(self.parts) == 1 and isinstance(self.parts[0], ConvPart)
-        method = conv_method(self.parts[0], step) if single_conv else "im2col"
+        method = conv_method(self.parts[0]) if single_conv else "im2col"
         for s in range(0, self.B, step):
             t = min(self.B, s + step)
             if single_conv:

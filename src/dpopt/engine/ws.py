@@ -106,7 +106,7 @@ class WSConvBlock:
         """Jᵀ g_i for examples s..t−1, ``[b, q, p]`` (summed over the calls)."""
         total = None
         for part, w_hat, r in self.parts:
-            g = ws_vjp(part.per_sample(s, t, conv_method(part, step)), w_hat, r)
+            g = ws_vjp(part.per_sample(s, t, conv_method(part)), w_hat, r)
             total = g if total is None else total + g
         return total
 
