@@ -26,6 +26,7 @@ sample of the whole dataset at q (Opacus's ``DistributedPoissonBatchSampler``).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -93,6 +94,14 @@ class PoissonBatchSampler(Sampler):
         self.sample_rate = PoissonSampler(self.dataset_size, sample_rate, 0, noise=self.noise).sample_rate
         self.ctx = ctx if ctx is not None else DistributedContext()
         self.drawn = 0  # batches handed out (public: a count of steps, not of examples)
+        # sizes of the batches drawn and not yet handed to the caller by DPDataLoader (private, in memory only)
+        self.sizes: deque = deque(maxlen=1024)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry the drawn batches' sizes (a count of private examples)."""
+        state = dict(self.__dict__)
+        state["sizes"] = deque(maxlen=1024)
+        return state
 
     def __len__(self) -> int:
         return self.steps
@@ -100,6 +109,7 @@ class PoissonBatchSampler(Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         for idx in poisson_sampler(self.dataset_size, self.sample_rate, self.steps, self.ctx, noise=self.noise):
             self.drawn += 1
+            self.sizes.append(int(idx.numel()))
             yield idx.tolist()
 
 
@@ -174,6 +184,22 @@ class DPDataLoader(DataLoader):
         self.poisson = PoissonBatchSampler(len(dataset), q, max(1, steps), noise=noise, ctx=ctx)
         super().__init__(dataset, batch_sampler=self.poisson,
                          collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs)
+        self.last_batch_examples: Optional[int] = None  # examples in the batch last yielded (private, memory only)
+
+    def __iter__(self):
+        """The batches, in order; :attr:`last_batch_examples` is the number of examples of the last one yielded."""
+        self.poisson.sizes.clear()
+        self.last_batch_examples = None
+        in_order = getattr(self, "in_order", True)  # batches out of order: their sizes cannot be matched
+        for batch in super().__iter__():
+            self.last_batch_examples = self.poisson.sizes.popleft() if in_order and self.poisson.sizes else None
+            yield batch
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry the last batch's size (a count of private examples)."""
+        state = dict(self.__dict__)
+        state["last_batch_examples"] = None
+        return state
 
     @classmethod
     def from_data_loader(cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None,

@@ -252,11 +252,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
         self._loss_watch = None  # opacus_compat.LossReductionWatch until the first batch of >= 2 examples
         self._orphan = False  # a copy.deepcopy made without the model (its step() explains)
+        self._loader: Optional[DPDataLoader] = None  # make_private's Poisson loader (K views: rows checked)
+        self._examples: Optional[int] = 0  # examples accumulated in the open logical step (None: unknown)
 
     def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
         """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
         state = dict(self.__dict__)
         state["_loss_watch"] = None  # hook handles of the first-batch check: not part of the optimizer's state
+        state["_loader"] = None  # the loader holds the private dataset: never in a copy or a pickle
         return state
 
     def __deepcopy__(self, memo: dict) -> "PrivateOptimizer":
@@ -384,6 +387,29 @@ class PrivateOptimizer(torch.optim.Optimizer):
             p.grad_sample = None
         return src
 
+    def _check_views_match_the_batch(self) -> None:
+        """With K > 1 views: the logical step's examples (rows / K) must be the loader's last batch.
+
+        A loop that forwards the loader's B examples without repeating them
+        K times would have K different examples averaged and clipped as one
+        (and removing one example would regroup all the later ones): the
+        sensitivity C, and so ε, would not hold.
+
+        Raises:
+            ValueError: rows / K ≠ the batch's examples (nothing is released).
+        """
+        views = getattr(self._capture, "views", 1)
+        n = None if self._loader is None else self._loader.last_batch_examples
+        if views == 1 or n is None or self._examples is None or self._examples == n:
+            return
+        raise ValueError(
+            f"augmentation_multiplicity={views}: this step's forward passes carried {self._examples * views} rows "
+            f"({self._examples} examples × {views} views), but the data loader's last batch had {n} examples. "
+            f"Forward each example's {views} views as consecutive rows, e.g. "
+            f"x = dpopt.augment.repeat_views(x, {views}, augment) and y = y.repeat_interleave({views}), for every "
+            "batch the private data loader yields (and step once per batch, or use BatchMemoryManager); nothing "
+            "was released")
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One DP step from the last forward/backward (an empty batch: pure noise, charged).
@@ -412,17 +438,21 @@ class PrivateOptimizer(torch.optim.Optimizer):
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
             self._open = True
         try:
+            b = getattr(source, "batch_size", None)
+            self._examples = None if b is None or self._examples is None else self._examples + int(b)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
+            if not self._check_skip_next_step(pop_next=False):
+                self._check_views_match_the_batch()
         except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen
-            self._open = False
+            self._open, self._examples = False, 0
             raise
         if self._check_skip_next_step():  # a chunk of a larger logical batch: added, not released
             self._is_last_step_skipped = True
             return loss
         self._is_last_step_skipped = False
-        self._open = False
+        self._open, self._examples = False, 0
         release = priv.release(params_like=params)
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range
@@ -729,6 +759,7 @@ class PrivacyEngine:
             if clipping == "adaptive":
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
+            private._loader = loader if isinstance(loader, DPDataLoader) else None
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)

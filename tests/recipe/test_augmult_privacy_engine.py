@@ -141,3 +141,63 @@ def test_physical_chunks_of_examples_with_their_views_equal_one_pass():
         opt.step()
     got = (before - torch.cat([p.detach().flatten() for p in params])) * opt.expected_batch_size
     assert torch.allclose(got, whole, rtol=1e-6, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- the loader's batch vs the rows
+def _poisson_setup(n=40, batch=8):
+    torch.manual_seed(5)
+    model = small_cnn().double().train()
+    g = torch.Generator().manual_seed(6)
+    ds = TensorDataset(torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+    model, opt, loader = dpopt.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(ds, batch_size=batch),
+        noise_multiplier=1.0, max_grad_norm=C, augmentation_multiplicity=K)
+    return model, opt, loader
+
+
+def test_a_poisson_loop_that_repeats_each_example_k_times_steps():
+    model, opt, loader = _poisson_setup()
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(repeat_views(x, K, crop_flip)), repeat_labels(y, K)).backward()
+        opt.step()
+    assert len(opt.privatizer.ledger) == len(loader)
+
+
+def test_a_loop_that_forgets_to_repeat_the_views_is_refused_before_any_release():
+    """rows = the loader's B examples (a multiple of K here) instead of B·K: K different examples would be
+    averaged and clipped as one, and ε would not hold."""
+    model, opt, loader = _poisson_setup(n=60, batch=4)
+    refused = 0
+    for x, y in loader:
+        x, y = x[: len(y) // K * K], y[: len(y) // K * K]  # a multiple of K, so only the batch check can see it
+        if len(y) == 0:
+            continue
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(ValueError, match=r"data loader's last batch had \d+ examples.*repeat_views"):
+            opt.step()
+        refused += 1
+        if refused == 3:
+            break
+    assert refused == 3 and len(opt.privatizer.ledger) == 0
+
+
+def test_batch_memory_manager_chunks_with_their_views_pass_the_batch_check():
+    from dpopt.utils.batch_memory_manager import BatchMemoryManager
+
+    model, opt, loader = _poisson_setup(n=40, batch=10)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+        for x, y in chunks:
+            opt.zero_grad()
+            F.cross_entropy(model(repeat_views(x, K, crop_flip)), repeat_labels(y, K)).backward()
+            opt.step()
+    assert len(opt.privatizer.ledger) == len(loader)
+
+
+def test_copies_of_the_optimizer_never_carry_the_loader():
+    import copy
+
+    model, opt, loader = _poisson_setup()
+    assert opt._loader is loader
+    assert copy.deepcopy((model, opt))[1]._loader is None
