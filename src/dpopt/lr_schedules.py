@@ -38,8 +38,8 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None = N
 
     Raises:
         ValueError: unknown schedule, warmup_steps < 0 or not an integer, or
-            (when ``total_steps`` is given) warmup_steps ≥ total_steps for "cosine"
-            or total_steps < 1.
+            (when ``total_steps`` is given) warmup_steps ≥ total_steps for "cosine",
+            warmup_steps > total_steps, or total_steps < 1.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -51,6 +51,9 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None = N
         if schedule == "cosine" and warmup_steps >= total_steps:
             raise ValueError(f"warmup_steps {warmup_steps} leaves no step of the cosine decay in {total_steps} "
                              "steps; use fewer warm-up steps")
+        if warmup_steps > total_steps:
+            raise ValueError(f"warmup_steps {warmup_steps} is more than the run's {total_steps} steps: the lr would "
+                             "never reach its set value; use at most as many warm-up steps as steps")
 
 
 def lr_multiplier(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0) -> float:

@@ -678,7 +678,10 @@ class PrivacyEngine:
                 the rows divided by K). The data
                 loader yields examples (q, N and the expected batch size count
                 examples); BatchMemoryManager chunks are of examples, each with
-                all its views. Not with ``distributed="fsdp"``.
+                all its views. A step whose rows / K differ from the examples
+                of the Poisson loader's last batch (views not repeated) is
+                refused with a ValueError before anything is released. Not
+                with ``distributed="fsdp"``.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:

@@ -30,6 +30,24 @@ def test_refusals():
         check_schedule("constant", -1)
     with pytest.raises(ValueError, match="no step of the cosine"):
         check_schedule("cosine", 10, 10)
+    with pytest.raises(ValueError, match="never reach its set value"):
+        check_schedule("constant", 11, 10)
+    check_schedule("constant", 10, 10)  # the last step reaches the set lr
+
+
+def test_dpopt_train_refuses_a_warmup_longer_than_the_run_naming_the_flag(tmp_path):
+    """The CLI and dpopt.train plan the steps from epochs and q, then check the schedule against them."""
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    args = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "1.0",
+            "--lr-schedule", "cosine", "--warmup-steps", "500", "--out", str(tmp_path / "run")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code != 0
+    text = " ".join((res.output + str(res.exception or "")).split())
+    assert "--warmup-steps 500 leaves no step of the cosine decay in 22 steps" in text
+    assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_apply_lr_from_initial_lr():

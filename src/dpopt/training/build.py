@@ -27,6 +27,7 @@ from ..averaging import ParameterAverager
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
+from ..lr_schedules import check_schedule
 from ..methods import build_optimizer, get_method
 from ..models import DEFAULT_MODEL, build_model, check_model
 from ..noise import NoiseSource
@@ -195,6 +196,11 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
     model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
     steps = planned_steps(cfg.epochs, sample_rate)  # refuses epochs that round to no step
+    try:
+        check_schedule(cfg.lr_schedule, cfg.warmup_steps, steps)
+    except ValueError as err:
+        raise ConfigError(f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})",
+                          "warmup_steps", "epochs") from None
     sigma, calibration = cfg.noise_multiplier, None
     if cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
