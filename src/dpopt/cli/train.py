@@ -24,7 +24,7 @@ DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-d
 group = typer.Typer()
 
 #: Library argument names whose flag is not simply ``--x-y``.
-_FLAG_OVERRIDES = {"hparams": "--hp", "expected_batch_size": "--batch-size"}
+_FLAG_OVERRIDES = {"hparams": "--hp", "expected_batch_size": "--batch-size", "augmentation_multiplicity": "--augmult"}
 
 
 def train_flags() -> dict[str, str]:
@@ -117,8 +117,9 @@ def train_command(
     ctx: typer.Context,
     dataset: str = typer.Option("digits", help=DATASET_HELP),
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
-    model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10), or hf:DIR "
-                                                   "(a local save_pretrained directory; needs transformers)"),
+    model: Optional[str] = typer.Option(None, help="mlp-small (digits), mlp (mnist), cnn5 (cifar10; also cnn5-ws, "
+                                                   "wrn16-4, wrn16-4-ws, resnet18), or hf:DIR (a local "
+                                                   "save_pretrained directory; needs transformers)"),
     method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
     noise_multiplier: Optional[float] = typer.Option(
         None, help="σ: noise std = σ × sensitivity (default 1.0; not with --target-epsilon)"),
@@ -142,7 +143,9 @@ def train_command(
     show_train_loss: bool = typer.Option(
         False, help="show the loss of the private training batch in the progress bar: NOT PRIVATE (display only)"),
     accountant: str = accountant_option("pld", help="pld (connect-the-dots), rdp or prv"),
-    physical_batch_size: Optional[int] = typer.Option(None, help="micro-batch size for per-sample grads"),
+    physical_batch_size: Optional[int] = typer.Option(
+        None, help="micro-batch size for per-sample grads, in examples (with --augmult K: each with its K views, "
+                   "K× the rows)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
     overwrite: bool = typer.Option(False, help="let --out replace an earlier run's files"),
