@@ -1,13 +1,16 @@
-"""Table and plot of the recipe ablation (experiments/recipe-cifar10/run.py) from its run directories.
+"""Table and plots of the recipe ablation (experiments/recipe-cifar10/run.py) from its run directories.
 
 Reads ``RUNS/*/summary.json`` (finished runs) and ``RUNS/*/metrics.jsonl`` (every run, finished or
-not: the per-epoch rows), writes into docs/results/recipe-cifar10/:
+not: the per-epoch rows) and merges them with what an earlier call kept in docs/results/recipe-cifar10/
+(a run directory wins over a kept record of the same name), then writes there:
 
 * ``results.jsonl``: one line per finished run (its summary, public values only, plus the arm);
+* ``curves.jsonl``: one line per run with its metrics rows (so the plots survive the run directories);
 * ``table.md``: per arm, held-out accuracy of the raw and of the EMA parameters (mean ± sample std
   over seeds, the seeds listed), the EMA's gain, ε, steps, wall time per run, and the work per run
   (view rows processed) relative to ``cnn5-ws K=1``;
-* ``accuracy.png``: held-out accuracy (raw and EMA) against the step, mean over each arm's seeds.
+* ``accuracy-main.png``, ``accuracy-long.png``: held-out accuracy (raw and EMA) against the step,
+  mean over each arm's seeds, per group (a group without curves keeps its existing plot).
 
 Usage: ``python experiments/recipe-cifar10/table.py [RUNS_DIR]`` (default runs/recipe-cifar10-v2)
 """
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import ARMS, LONG  # noqa: E402  (the arms' names, labels and sizes)
+from run import ARMS, GROUPS, LONG  # noqa: E402  (the arms' names, labels and sizes)
 
 ALL = ARMS + LONG
 
@@ -29,7 +32,8 @@ LABEL = {stem: label for stem, label, *_ in ALL}
 WORK = {stem: k * b * steps / (128 * 600) for stem, _, _, k, _, b, steps, _ in ALL}  # view rows, relative to ws K=1
 
 
-BASELINE = "ws-k1"  # the paired differences are against this arm's run of the same seed
+BASELINE = {stem: ("ws-k1-long" if any(stem == st for st, *_ in LONG) else "ws-k1") for stem, *_ in ALL}
+"""The paired differences: against cnn5-ws K=1's run of the same seed and horizon (600 or 1200 steps)."""
 
 
 def stem_of(name: str) -> str:
@@ -45,8 +49,14 @@ def fmt(values: list) -> str:
 
 
 def load(runs: Path) -> tuple[list, dict]:
-    done, curves = [], {}
-    for d in sorted(p for p in runs.iterdir() if p.is_dir()):
+    """(finished runs' records, name → metrics rows): the kept ones in OUT, then RUNS's (which win)."""
+    done = {}
+    curves = {}
+    if (OUT / "results.jsonl").exists():
+        done = {r["name"]: r for r in map(json.loads, (OUT / "results.jsonl").read_text().splitlines()) if r}
+    if (OUT / "curves.jsonl").exists():
+        curves = {c["name"]: c["rows"] for c in map(json.loads, (OUT / "curves.jsonl").read_text().splitlines()) if c}
+    for d in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.exists() else []:
         if (d / "metrics.jsonl").exists():
             curves[d.name] = [json.loads(r) for r in (d / "metrics.jsonl").read_text().splitlines() if r.strip()]
         s = d / "summary.json"
@@ -55,8 +65,8 @@ def load(runs: Path) -> tuple[list, dict]:
             if rec.get("status", "completed") == "completed":
                 rec.update(name=d.name, arm=LABEL[stem_of(d.name)])
                 rec.pop("run_dir", None)
-                done.append(rec)
-    return done, curves
+                done[d.name] = rec
+    return sorted(done.values(), key=lambda r: r["name"]), curves
 
 
 def _wall(rs: list) -> str:
@@ -66,9 +76,9 @@ def _wall(rs: list) -> str:
 
 
 def table(done: list, curves: dict) -> list[str]:
-    base = {r["seed"]: r["test_accuracy"] for r in done if stem_of(r["name"]) == BASELINE}
+    base = {(stem_of(r["name"]), r["seed"]): r["test_accuracy"] for r in done}
     lines = ["| arm | work per run | seeds | held-out accuracy, raw | held-out accuracy, EMA | EMA − raw | "
-             "Δ raw vs cnn5-ws K=1 (same seed) | ε | steps | wall s per run |",
+             "Δ raw vs cnn5-ws K=1, same seed and steps | ε | steps | wall s per run |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for stem, label, *_ in ALL:
         rs = sorted((r for r in done if stem_of(r["name"]) == stem), key=lambda r: r["seed"])
@@ -79,15 +89,15 @@ def table(done: list, curves: dict) -> list[str]:
         eps_s = f"{min(eps):.3f}" if max(eps) - min(eps) < 5e-4 else f"{min(eps):.3f}–{max(eps):.3f}"
         lines.append(f"| {label} | {WORK[stem]:g}× | {', '.join(str(r['seed']) for r in rs)} | {fmt(raw)} | "
                      f"{fmt(ema)} | {fmt([e - a for e, a in zip(ema, raw)])} | "
-                     f"{fmt([r['test_accuracy'] - base[r['seed']] for r in rs if r['seed'] in base])} | "
+                     f"{fmt([r['test_accuracy'] - base[BASELINE[stem], r['seed']] for r in rs if (BASELINE[stem], r['seed']) in base])} | "
                      f"{eps_s} | {', '.join(sorted({str(r['steps']) for r in rs}))} | "
                      f"{_wall(rs)} |")
     unfinished = sorted(set(curves) - {r["name"] for r in done})
     lines += ["", "Mean ± sample std over the seeds listed (one value: one seed). Held-out accuracy on 11,000 "
               "images never trained on (CIFAR-10 training records 40,000–49,999 and the 1,000 test images of "
               "cifar10.npz); raw = the final parameters, EMA = their exponential average from the same run "
-              "(post-processing: no extra privacy cost). Δ: the arm's raw accuracy minus cnn5-ws K=1's of the "
-              "same seed (model initialisation and augmentation draws; the Poisson sampling and the noise are never seeded). Steps: "
+              "(post-processing: no extra privacy cost). Δ: the arm's raw accuracy minus that of cnn5-ws K=1 with the "
+              "same seed and number of steps (model initialisation and augmentation draws; the Poisson sampling and the noise are never seeded). Steps: "
               "releases in the ledger (a run that trained steps twice after a kill lists more). Work = view rows per step × steps, relative to "
               "cnn5-ws K=1. Wall time: one thread per run, two runs at a time on a 2-core machine, mean over the "
               "runs that were not interrupted and resumed."]
@@ -98,7 +108,11 @@ def table(done: list, curves: dict) -> list[str]:
     return lines
 
 
-def plot(curves: dict) -> None:
+def plot(curves: dict, group: str) -> None:
+    """``accuracy-{group}.png`` from the curves of the group's arms (nothing if it has none)."""
+    arms = GROUPS[group]
+    if not any(stem_of(name) == stem for name in curves for stem, *_ in arms):
+        return
     try:
         import matplotlib
 
@@ -107,7 +121,7 @@ def plot(curves: dict) -> None:
     except ImportError:  # pragma: no cover
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for stem, label, *_ in ALL:
+    for stem, label, *_ in arms:
         runs = [rows for name, rows in curves.items() if stem_of(name) == stem and rows]
         if not runs:
             continue
@@ -124,9 +138,9 @@ def plot(curves: dict) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out accuracy (11,000 images)")
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("CIFAR-10 (N = 10,000 training images), DP-SGD at ε = 8, 600 or 1200 steps: mean over seeds")
+    fig.suptitle("CIFAR-10 (N = 10,000 training images), DP-SGD at ε = 8: mean over seeds")
     fig.tight_layout()
-    fig.savefig(OUT / "accuracy.png", dpi=110)
+    fig.savefig(OUT / f"accuracy-{group}.png", dpi=110)
 
 
 def main(runs: Path) -> None:
@@ -135,8 +149,12 @@ def main(runs: Path) -> None:
     with open(OUT / "results.jsonl", "w") as fh:
         for rec in done:
             fh.write(json.dumps(rec) + "\n")
+    with open(OUT / "curves.jsonl", "w") as fh:
+        for name in sorted(curves):
+            fh.write(json.dumps({"name": name, "rows": curves[name]}) + "\n")
     (OUT / "table.md").write_text("\n".join(table(done, curves)) + "\n")
-    plot(curves)
+    for group in GROUPS:
+        plot(curves, group)
 
 
 if __name__ == "__main__":
