@@ -782,13 +782,14 @@ class PrivacyEngine:
         data_loader: DataLoader,
         target_epsilon: float,
         target_delta: float,
-        epochs: int,
+        epochs: float,
         max_grad_norm: Union[float, Sequence[float]],
         **kwargs: Any,
     ) -> tuple[nn.Module, PrivateOptimizer, DataLoader]:
         """:meth:`make_private` with σ calibrated so that ``epochs`` epochs cost at most ``target_epsilon``.
 
-        Steps = ``epochs · len(data_loader)`` Poisson steps at q = 1/len(data_loader);
+        Steps = ⌈``epochs`` · len(data_loader)⌉ Poisson steps at q = 1/len(data_loader)
+        (``epochs`` may be fractional: 2.5 epochs are calibrated as such, never truncated);
         σ is the smallest (within 1 %) with ε(σ) ≤ target under the engine's
         accountant (:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`;
         for adaptive clipping this is the total σ). The σ chosen is
@@ -797,8 +798,13 @@ class PrivacyEngine:
         Nothing stops the loop after ``epochs`` epochs (as in Opacus): the first
         release that takes ε (this engine's accountant, ``target_delta``) past
         ``target_epsilon`` warns once (:class:`~dpopt.opacus_compat.TargetWatch`).
+
+        Raises:
+            ValueError: ``epochs`` not a finite number > 0; and :meth:`make_private`'s errors.
         """
-        steps = int(epochs) * len(data_loader)
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
+            raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
+        steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
         sigma = calibrate_noise_multiplier(target_epsilon, target_delta, 1.0 / len(data_loader), steps,
                                            self.accountant).noise_multiplier
         out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,

@@ -8,6 +8,8 @@ clipping's arguments, drop_last, get_compatible_module).
 
 from __future__ import annotations
 
+import math
+
 import warnings
 
 import pytest
@@ -143,6 +145,28 @@ def test_make_private_with_epsilon_takes_opacus_arguments_and_meets_the_target()
         run_epoch(m, opt, loader)
     eps = engine.accountant.get_epsilon(delta=1e-5)
     assert 2.9 < eps <= 3.0
+
+
+def test_make_private_with_epsilon_calibrates_fractional_epochs_for_all_their_steps():
+    """epochs=2.5 over a 4-batch loader is 10 steps: σ is calibrated for 10 (it was for int(2.5)·4 = 8, so
+    training the 2.5 epochs asked for went past the target)."""
+    from dpopt.accounting.calibration import calibrate_noise_multiplier
+
+    engine = dpopt.PrivacyEngine(accountant="rdp")
+    m = model()
+    loader = DataLoader(data(), batch_size=16)
+    _, opt, _ = engine.make_private_with_epsilon(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                                 data_loader=loader, target_epsilon=3.0, target_delta=1e-5,
+                                                 epochs=2.5, max_grad_norm=1.0)
+    want = calibrate_noise_multiplier(3.0, 1e-5, 1.0 / len(loader), math.ceil(2.5 * len(loader)), "rdp")
+    assert opt.noise_multiplier == want.noise_multiplier
+    assert opt.noise_multiplier > calibrate_noise_multiplier(3.0, 1e-5, 1.0 / len(loader), 2 * len(loader),
+                                                             "rdp").noise_multiplier
+    for bad in (0, -1, float("nan"), "2"):
+        with pytest.raises(ValueError, match="epochs must be a number > 0"):
+            dpopt.PrivacyEngine().make_private_with_epsilon(
+                module=model(), optimizer=torch.optim.SGD(model().parameters(), lr=0.1), data_loader=loader,
+                target_epsilon=3.0, target_delta=1e-5, epochs=bad, max_grad_norm=1.0)
 
 
 class _BNNet(nn.Module):
