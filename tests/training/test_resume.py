@@ -203,6 +203,11 @@ def test_resuming_a_completed_run_leaves_its_files_alone(tmp_path):
     assert summary == json.loads(before["summary.json"])
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert after == before
+    res = CliRunner().invoke(app, ["train", "--resume", str(out)])  # the CLI says so in a note, not a warning
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "is already complete" in text and "nothing was trained" in text
+    assert "UserWarning" not in text
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 def test_resume_hint_names_torchrun_for_multi_process_runs():

@@ -283,9 +283,11 @@ def train_command(
     task = None
     label = f"{method} on {dataset}" if resume is None else f"resuming {resume}"
     epoch_seen = [None]
+    trained = [False]  # a step was trained (a resumed complete run trains none)
 
     def on_step(info: dict) -> None:
         nonlocal task
+        trained[0] = True
         status = progress_status(info)
         if not terminal:  # one plain line per metrics row (epoch) on stderr
             if info["test_accuracy"] is not None and info["test_loss"] != epoch_seen[0]:
@@ -308,6 +310,7 @@ def train_command(
                     after_interrupt="; nothing was trained"):
         with progress, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".* is already complete .*nothing to resume", category=UserWarning)
             if resume is not None:
                 from ..training import resume as resume_run
 
@@ -321,6 +324,9 @@ def train_command(
     if summary.get("rank", 0) != 0:  # another rank of a data-parallel run: rank 0 reports
         return
     out_console = Console() if Console().is_terminal else Console(width=10_000, soft_wrap=True)
+    if resume is not None and not trained[0] and summary.get("status", "completed") == "completed":
+        console.print(f"note: {resume} is already complete ({summary['steps']} steps); nothing was trained, "
+                      "its files are unchanged", markup=False)
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
         f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
