@@ -144,7 +144,12 @@ class ViewsOf(nn.Module):
     The wrapped model sees ``[B·K, ...]`` (example-major); its parameters are
     the wrapper's (``named_parameters`` prefixed ``model.``). One example per
     row of dim 0 of the wrapper's input, as dpopt's per-example engines
-    expect. ``x`` may also be given as ``[B·K, ...]`` rows (reshaped).
+    expect. Labels stay one per example, ``y [B, ...]``: :func:`views_loss`
+    applies each to the example's K outputs.
+
+    Raises:
+        ValueError: ``x`` whose dim 1 is not K (e.g. ``[B·K, ...]`` rows: use
+            ``x.reshape(B, K, ...)``, or the engines' ``rows_per_example=K``).
     """
 
     def __init__(self, model: nn.Module, k: int):
@@ -152,6 +157,9 @@ class ViewsOf(nn.Module):
         self.model, self.k = model, check_multiplicity(k)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[1] != self.k:
+            raise ValueError(f"ViewsOf(K={self.k}) takes x [B, K, ...] (the K views of each example along dim 1), "
+                             f"got {tuple(x.shape)}; reshape [B·K, ...] rows to [B, K, ...]")
         b = x.shape[0]
         out = self.model(x.reshape(b * self.k, *x.shape[2:]))
         return out.reshape(b, self.k, *out.shape[1:])
