@@ -194,3 +194,22 @@ def test_epsilon_and_ledger_identical_to_k1(tmp_path: Path):
     assert "ema_test_accuracy" in out[4] and (tmp_path / "k4" / "model_ema.pt").exists()
     rows = [json.loads(r) for r in (tmp_path / "k4" / "metrics.jsonl").read_text().splitlines()]
     assert all("ema_test_accuracy" in r for r in rows)
+
+
+def test_identical_views_and_other_datasets_are_refused_with_the_setting_named():
+    """K > 1 with augment 'none' would make K identical views (the same clipped gradient at K× the
+    cost): refused, naming both settings; augmentation on a dataset other than cifar10 likewise."""
+    from dpopt.errors import ConfigError
+    from dpopt.training.config import validate_config
+
+    base = dict(dataset="cifar10", model="cnn5-ws", method="dp-sgd", batch_size=8, epochs=1.0,
+                noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="identical views") as e:
+        validate_config(TrainConfig(**base, augmentation_multiplicity=4, augment="none"), 1000)
+    assert set(e.value.arguments) == {"augmentation_multiplicity", "augment"}
+    with pytest.raises(ConfigError, match="cifar10 dataset only"):
+        validate_config(TrainConfig(**{**base, "dataset": "digits", "model": "mlp"},
+                                    augmentation_multiplicity=2), 1000)
+    for ok in (dict(augmentation_multiplicity=4, augment="flip"),
+               dict(augmentation_multiplicity=1, augment="none")):
+        validate_config(TrainConfig(**base, **ok), 1000)

@@ -166,8 +166,13 @@ def _validate_recipe(cfg: TrainConfig) -> None:
     if cfg.augment is not None and cfg.augment not in AUGMENTATIONS:
         raise ConfigError(f"unknown augment {cfg.augment!r}; choose one of {', '.join(AUGMENTATIONS)}", "augment")
     if (k > 1 or cfg.augment not in (None, "none")) and cfg.dataset != "cifar10":
-        raise ConfigError(f"augmentation ({cfg.augment or 'crop-flip'}) is for cifar10 images; use "
-                          "augmentation_multiplicity 1 and no augment here", "augmentation_multiplicity", "augment")
+        raise ConfigError(f"augmentation ({cfg.augment or 'crop-flip'}) is implemented for the cifar10 dataset only "
+                          f"(this run's dataset is {cfg.dataset!r}); use augmentation_multiplicity 1 and no augment",
+                          "augmentation_multiplicity", "augment")
+    if k > 1 and cfg.augment == "none":
+        raise ConfigError(f"augmentation_multiplicity {k} with augment 'none' makes {k} identical views of each "
+                          f"example: the same clipped gradient at {k}x the cost; use augment crop-flip or flip, "
+                          "or augmentation_multiplicity 1", "augmentation_multiplicity", "augment")
     if cfg.ema_decay is not None and not (0.0 <= cfg.ema_decay < 1.0):
         raise ConfigError(f"ema_decay must be in [0, 1) (e.g. 0.999), got {cfg.ema_decay}", "ema_decay")
     if cfg.lr_schedule not in SCHEDULES:
