@@ -101,3 +101,27 @@ def test_dpopt_train_schedule_large_batch_micro_batches_and_target_epsilon(tmp_p
     group = ck["optimizer"]["param_groups"][0]
     assert group["initial_lr"] == 0.5
     assert group["lr"] == pytest.approx(0.5 * lr_multiplier(3, 4, "cosine", 1))  # the last update's lr
+
+
+def test_cli_summary_prints_the_schedule_it_ran(tmp_path):
+    """The printed summary names the lr schedule and warm-up (recorded in summary.json too)."""
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    args = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "1.0",
+            "--lr-schedule", "cosine", "--warmup-steps", "3", "--out", str(tmp_path / "run")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "recipe: lr schedule cosine, 3 warm-up steps" in text
+    summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["lr_schedule"], summary["warmup_steps"]) == ("cosine", 3)
+
+
+def test_recipe_line_names_the_views_and_is_empty_without_a_recipe():
+    from dpopt.cli.train import _recipe_line
+
+    assert _recipe_line({"augmentation_multiplicity": 8, "augment": "crop-flip"}) == \
+        "recipe: 8 view(s) per example, augment crop-flip"
+    assert _recipe_line({"method": "dp-sgd"}) == ""

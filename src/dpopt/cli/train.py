@@ -92,6 +92,16 @@ def progress_status(info: dict) -> str:
     return status
 
 
+def _recipe_line(summary: dict) -> str:
+    """The from-scratch recipe's settings a summary records (views, augmentation, lr schedule), or ''."""
+    parts = []
+    if "augmentation_multiplicity" in summary:
+        parts.append(f"{summary['augmentation_multiplicity']} view(s) per example, augment {summary['augment']}")
+    if "lr_schedule" in summary:
+        parts.append(f"lr schedule {summary['lr_schedule']}, {summary['warmup_steps']} warm-up steps")
+    return ("recipe: " + "; ".join(parts)) if parts else ""
+
+
 def _resume_command(summary: dict) -> str:
     """The command that continues an interrupted run (under torchrun when it ran on several processes)."""
     world = int(summary.get("world_size") or 1)
@@ -336,6 +346,9 @@ def train_command(
         out_console.print(f"validation accuracy {summary['val_accuracy']:.4f}, loss {summary['val_loss']:.4f} on "
                           f"the held-out {summary.get('validation_fraction', 0):g} of the training set (never "
                           "trained on; no protection, like the test set; not covered by ε)")
+    recipe = _recipe_line(summary)
+    if recipe:
+        out_console.print(recipe, markup=False)
     if "ema_test_accuracy" in summary:
         out_console.print(f"EMA model (decay {summary['ema_decay']:g}, post-processing; model_ema.pt): test accuracy "
                           f"{summary['ema_test_accuracy']:.4f}, loss {summary['ema_test_loss']:.4f}")
