@@ -24,6 +24,7 @@ state, so a resumed run continues the schedule).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -38,7 +39,7 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None = N
 
     Raises:
         ValueError: unknown schedule, warmup_steps < 0 or not an integer, or
-            (when ``total_steps`` is given) warmup_steps ≥ total_steps for "cosine",
+            (when ``total_steps`` is given) total_steps not an integer, warmup_steps ≥ total_steps for "cosine",
             warmup_steps > total_steps, or total_steps < 1.
     """
     if schedule not in SCHEDULES:
@@ -46,6 +47,9 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None = N
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     if total_steps is not None:
+        if not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool):
+            raise ValueError(f"total_steps must be an integer (the number of optimizer steps), got {total_steps!r}; "
+                             "for fractional epochs use math.ceil(epochs * len(loader))")
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if schedule == "cosine" and warmup_steps >= total_steps:

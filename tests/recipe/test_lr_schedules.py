@@ -33,6 +33,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="never reach its set value"):
         check_schedule("constant", 11, 10)
     check_schedule("constant", 10, 10)  # the last step reaches the set lr
+    with pytest.raises(ValueError, match=r"total_steps must be an integer.*math.ceil"):
+        check_schedule("cosine", 2, 2.5 * 10)  # epochs * len(loader) with fractional epochs
+    check_schedule("cosine", 2, __import__("numpy").int64(25))
 
 
 def test_dpopt_train_refuses_a_warmup_longer_than_the_run_naming_the_flag(tmp_path):
