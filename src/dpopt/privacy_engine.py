@@ -675,7 +675,12 @@ class PrivacyEngine:
                 ε as K = 1), and ``loss_reduction="mean"`` is the mean over the
                 B·K rows (= over the B examples of their view means; ``"sum"``:
                 the sum over the examples of their view means, i.e. the sum over
-                the rows divided by K). The data
+                the rows divided by K). The layout is the user's contract and
+                is NOT checked beyond the row count: batch-major rows
+                (``x.repeat(K, 1, 1, 1)``, ``y.repeat(K)``) have the same count
+                but put K different examples in each clipped group, so one
+                example reaches K groups and the sensitivity is K·C, not C.
+                The data
                 loader yields examples (q, N and the expected batch size count
                 examples); BatchMemoryManager chunks are of examples, each with
                 all its views. A step whose rows / K differ from the examples
