@@ -363,14 +363,16 @@ def test_every_builtin_mechanism_passes_and_the_audit_has_power(name, trials):
 
 
 def test_every_registered_method_passes():
-    """Generic method-level audit: every method in dpopt.methods, 6000 trials each, α = 1e-3 per
-    method. Power: the GDP bound's expected ratio to the claim is ≈ 0.79 (sd ≈ 0.04, measured) at this size,
-    so ≥ 0.6 fails only in a > 4-sd event."""
+    """Generic method-level audit: every method in dpopt.methods, 12 000 trials each, α = 1e-3 per
+    method. Power: the GDP bound's ratio to the claim measured over 104 audits (8 seeds × 13 methods)
+    at this size: mean 0.844, sd 0.035, min 0.766, so < 0.6 is a 7-sd event. (At 6000 trials the
+    mean was 0.78 with a heavier lower tail — 2 of 893 audits below 0.65 — and one CI run drew
+    0.59; the privatizer's noise is not seeded, so each run is a new draw.)"""
     methods = pytest.importorskip("dpopt.methods", reason="dpopt.methods (method registry) does not import yet")
     names = [spec.name for spec in methods.list_methods()]
     assert names, "the registry is empty"
     for name in names:
-        r = A.audit_method(name, trials=6_000, seed=A.mechanism_seed(0, name))
+        r = A.audit_method(name, trials=12_000, seed=A.mechanism_seed(0, name))
         assert r.verdict == "PASS", r
         assert 0.6 * r.claimed_epsilon <= r.epsilon_gdp <= r.claimed_epsilon, r
 
