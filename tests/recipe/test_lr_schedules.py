@@ -117,7 +117,7 @@ def test_cli_summary_prints_the_schedule_it_ran(tmp_path):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    assert "recipe: lr schedule cosine, 3 warm-up steps" in text
+    assert "recipe: lr schedule cosine, 3 warm-up step(s)" in text
     summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["lr_schedule"], summary["warmup_steps"]) == ("cosine", 3)
 

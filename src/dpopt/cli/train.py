@@ -98,7 +98,7 @@ def _recipe_line(summary: dict) -> str:
     if "augmentation_multiplicity" in summary:
         parts.append(f"{summary['augmentation_multiplicity']} view(s) per example, augment {summary['augment']}")
     if "lr_schedule" in summary:
-        parts.append(f"lr schedule {summary['lr_schedule']}, {summary['warmup_steps']} warm-up steps")
+        parts.append(f"lr schedule {summary['lr_schedule']}, {summary['warmup_steps']} warm-up step(s)")
     return ("recipe: " + "; ".join(parts)) if parts else ""
 
 
