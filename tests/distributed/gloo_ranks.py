@@ -3,6 +3,8 @@
 * :func:`gloo_group` — a rank's process group (file rendezvous, 60 s collective timeout), left by both
   ranks together;
 * :func:`spawn_ranks` — the ranks, with a deadline, so a hung collective fails CI instead of hanging it;
+  a rank that finished its work (:func:`gloo_group` wrote its ``done`` mark) and then died in gloo's
+  teardown is not a failure (see :func:`spawn_ranks`);
 * :func:`progress` — a rank's heartbeat (one timestamped line per finished phase): with ``stall_s``,
   :func:`spawn_ranks` tells a SLOW run (some rank still finishing phases: the deadline is extended, up
   to ``max_s``) from a STUCK one (no rank has finished a phase for ``stall_s``: killed). On a loaded
@@ -15,7 +17,9 @@ from __future__ import annotations
 import datetime
 import glob
 import os
+import sys
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,11 +39,37 @@ def gloo_group(rank: int, world: int, tmp: str) -> Iterator[None]:
                             timeout=datetime.timedelta(seconds=60))
     try:
         yield
+        _mark_done(tmp, rank)
         # both ranks leave together: a rank tearing gloo down while the other is still working aborted
         # the process ("terminate called without an active exception") in one of several full-suite runs
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _mark_done(tmp: str, rank: int) -> None:
+    """This rank's work (everything inside :func:`gloo_group`) finished without an exception."""
+    with open(os.path.join(str(tmp), f"done-rank{rank}"), "w") as fh:
+        fh.write(f"{time.time():.1f}\n")
+
+
+def _all_done(tmp, world: int) -> bool:
+    return all(os.path.exists(os.path.join(str(tmp), f"done-rank{r}")) for r in range(world))
+
+
+def _rank_main(rank: int, worker, world: int, tmp: str) -> None:
+    """Run ``worker(rank, world, tmp)``, then leave with ``os._exit(0)`` (streams flushed).
+
+    Skipping the interpreter's finalization is deliberate: with gloo's threads and the process
+    group's C++ objects torn down during finalization, CI saw a rank abort
+    ("terminate called without an active exception", SIGABRT) after all its work was done and
+    written (2 of ~250 spawns over the project's CI runs; not reproduced in 31 stress runs here).
+    An exception in ``worker`` propagates as before (mp.spawn reports it and the test fails).
+    """
+    worker(rank, world, tmp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def progress(tmp: str, rank: int, label: str) -> None:
@@ -70,9 +100,9 @@ def spawn_ranks(worker, tmp, world: int = 2, deadline_s: float = DEADLINE_S, sta
     finished a phase within the last ``stall_s`` seconds, until ``max_s``; the failure says which (stuck or
     too slow) and shows the progress lines.
     """
-    procs = mp.spawn(worker, args=(world, str(tmp)), nprocs=world, join=False)
+    procs = mp.spawn(_rank_main, args=(worker, world, str(tmp)), nprocs=world, join=False)
     start = time.monotonic()
-    while not procs.join(timeout=5):
+    while not _joined(procs, tmp, world):
         elapsed = time.monotonic() - start
         if elapsed <= deadline_s:
             continue
@@ -85,3 +115,22 @@ def spawn_ranks(worker, tmp, world: int = 2, deadline_s: float = DEADLINE_S, sta
                else f"still progressing after {elapsed:.0f} s (too slow)" if stall_s is not None
                else f"did not finish within {deadline_s} s")
         pytest.fail(f"the {world}-process run {why}\n{progress_log(tmp)}")
+
+
+def _joined(procs, tmp, world: int) -> bool:
+    """``procs.join(timeout=5)``, except that a rank killed by a signal AFTER every rank's work was
+    done (all ``done`` marks written inside :func:`gloo_group`) only warns: the results on disk are
+    complete, and the crash is in torch/gloo's teardown, not in the code under test. A rank that dies
+    before the marks — mid-collective, mid-training — still fails the test."""
+    try:
+        return procs.join(timeout=5)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name is None or not _all_done(tmp, world):
+            raise
+        for p in procs.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        warnings.warn(f"rank {exc.error_index} died with {exc.signal_name} in gloo's teardown after every "
+                      "rank finished its work; the results are complete")
+        return True
