@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["AUGMENTATIONS", "crop_flip", "hflip", "get_augmentation", "repeat_views", "repeat_labels",
-           "ViewsOf", "views_loss", "check_multiplicity"]
+           "ViewsOf", "views_loss", "check_multiplicity", "resolve_augmentation", "expand_views", "ViewCollate"]
 
 AUGMENTATIONS = ("crop-flip", "flip", "none")
 
@@ -136,6 +136,89 @@ def repeat_views(x: Tensor, k: int, fn: Optional[Callable] = None,
 def repeat_labels(y: Tensor, k: int) -> Tensor:
     """Labels of :func:`repeat_views`' rows: ``y.repeat_interleave(k)``, ``[B·K, ...]``."""
     return y.repeat_interleave(check_multiplicity(k), dim=0)
+
+
+def resolve_augmentation(augmentation, k: int) -> Callable:
+    """``make_private``'s ``augmentation``: a name of :data:`AUGMENTATIONS` or ``fn(rows, generator) -> rows``.
+
+    Raises:
+        ValueError: an unknown name, or ``"none"`` with ``k`` > 1 (k identical views: the same
+            gradient at k times the cost).
+        TypeError: neither a name nor a callable.
+    """
+    if isinstance(augmentation, str):
+        if augmentation == "none" and k > 1:
+            raise ValueError(f"augmentation='none' with augmentation_multiplicity={k} makes {k} identical views of "
+                             f"each example (the same gradient at {k}x the cost); give an augmentation such as "
+                             "'crop-flip' or your own fn(rows, generator), or augmentation_multiplicity=1")
+        return get_augmentation(augmentation)
+    if not callable(augmentation):
+        raise TypeError(f"augmentation must be one of {', '.join(AUGMENTATIONS)} or a function fn(rows, generator) "
+                        f"-> rows, got {type(augmentation).__name__}")
+    return augmentation
+
+
+def expand_views(batch, k: int, fn: Callable):
+    """A collated batch of B examples → B·K example-major rows: the input through ``fn``, the rest repeated.
+
+    Args:
+        batch: a tensor ``[B, ...]`` (the inputs), or a tuple/list whose first element is the
+            input tensor ``[B, ...]`` and whose other elements are tensors ``[B, ...]`` (labels,
+            weights, ...).
+        k: views per example; fn: ``fn(rows [B·K, ...], generator=None) -> rows`` (its draws come
+            from torch's default generator: augmentation randomness protects nothing).
+
+    Returns:
+        the same structure: the input ``fn(repeat_views(x, k))``, every other tensor
+        ``repeat_interleave(k, dim=0)`` (rows i·K … i·K + K − 1 are example i's).
+
+    Raises:
+        TypeError: a batch of another structure (a dict, ...) or a non-tensor element.
+        ValueError: an element whose dim 0 is not the batch's B.
+    """
+    if isinstance(batch, Tensor):
+        return _views_of_input(batch, k, fn)
+    if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], Tensor):
+        raise TypeError(f"augmentation= expands batches that are a tensor or a tuple/list whose first element is the "
+                        f"input tensor, got {type(batch).__name__}; for other batches leave augmentation=None and "
+                        "forward each example's K views as consecutive rows yourself (dpopt.augment.repeat_views)")
+    b = batch[0].shape[0]
+    out = [_views_of_input(batch[0], k, fn)]
+    for j, item in enumerate(batch[1:], start=1):
+        if not isinstance(item, Tensor) or item.dim() == 0 or item.shape[0] != b:
+            what = type(item).__name__ if not isinstance(item, Tensor) else f"a tensor of shape {tuple(item.shape)}"
+            raise (TypeError if not isinstance(item, Tensor) else ValueError)(
+                f"augmentation=: element {j} of the batch is {what}, not a tensor of the batch's {b} examples "
+                "along dim 0, so its rows cannot be repeated with the views; leave augmentation=None and repeat "
+                "the views yourself (dpopt.augment.repeat_views, repeat_labels)")
+        out.append(item.repeat_interleave(k, dim=0))
+    if isinstance(batch, list):
+        return out
+    return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)  # a namedtuple, a tuple
+
+
+def _views_of_input(x: Tensor, k: int, fn: Callable) -> Tensor:
+    rows = x.repeat_interleave(k, dim=0)
+    return rows if rows.shape[0] == 0 else fn(rows, None)
+
+
+class ViewCollate:
+    """``collate_fn`` of ``make_private(augmentation=...)``'s loader: examples → example-major views.
+
+    Wraps the loader's own ``collate_fn`` (applied first) with :func:`expand_views`. The data
+    loader's sampler still draws EXAMPLES (q, N and the expected batch size count examples), and
+    BatchMemoryManager splits the index list, so a chunk always holds whole examples with all their
+    views: the layout the engine's ``rows_per_example=K`` groups is right by construction.
+
+    Args:
+        collate_fn: the loader's collate function; k: views per example (≥ 1); fn: the augmentation.
+    """
+
+    def __init__(self, collate_fn: Callable, k: int, fn: Callable):
+        self.collate_fn, self.k, self.fn = collate_fn, check_multiplicity(k), fn
+
+    def __call__(self, items):
+        return expand_views(self.collate_fn(items), self.k, self.fn)
 
 
 class ViewsOf(nn.Module):

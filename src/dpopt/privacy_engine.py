@@ -102,7 +102,7 @@ from .accounting.calibration import calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .accounting.validation import check_noise_multiplier
-from .augment import check_multiplicity
+from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
 from .data_loader import DPDataLoader, custom_batching
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
@@ -137,6 +137,25 @@ def _is_ddp(module: nn.Module) -> bool:
     """torch's DistributedDataParallel or Opacus's DPDDP (by name: Opacus need not be installed)."""
     return isinstance(module, nn.parallel.DistributedDataParallel) or \
         type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+
+
+def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
+    """``loader`` whose batches are the example-major views of its examples (:class:`ViewCollate`).
+
+    dpopt's own Poisson loader (made by ``make_private``) gets the wrapped ``collate_fn`` in place;
+    a user's loader (``poisson_sampling=False``) is never modified: a new loader over the same batch
+    sampler is returned."""
+    collate = ViewCollate(loader.collate_fn, k, fn)
+    if isinstance(loader, DPDataLoader):
+        loader.collate_fn = collate
+        return loader
+    keep = {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "persistent_workers": loader.persistent_workers}
+    if loader.num_workers > 0:
+        keep["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=collate, **keep)
 
 
 def _distributed_context(module: nn.Module, distributed: bool, process_group, poisson_sampling: bool
@@ -609,6 +628,7 @@ class PrivacyEngine:
         min_clipbound: float = 0.0,
         secure_mode: Optional[bool] = None,
         augmentation_multiplicity: int = 1,
+        augmentation: Optional[Union[str, Callable]] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -686,7 +706,23 @@ class PrivacyEngine:
                 all its views. A step whose rows / K differ from the examples
                 of the Poisson loader's last batch (views not repeated) is
                 refused with a ValueError before anything is released. Not
-                with ``distributed="fsdp"``.
+                with ``distributed="fsdp"``. Give ``augmentation`` to have the
+                returned loader build the rows itself (recommended: the layout
+                is then right by construction).
+            augmentation: ``None`` (the loop builds the views), a name
+                (``"crop-flip"``, ``"flip"``; :data:`dpopt.augment.AUGMENTATIONS`)
+                or ``fn(rows [B·K, ...], generator) -> rows`` (called with
+                ``generator=None``: torch's default generator; augmentation
+                draws protect nothing). The returned data loader then yields
+                each batch of B examples as B·K example-major rows: the first
+                element of the batch through ``fn`` after
+                ``repeat_interleave(K)``, every other element (labels, ...)
+                repeated the same way (:class:`dpopt.augment.ViewCollate`, a
+                wrapper of the loader's ``collate_fn``; batches must be a tensor
+                or a tuple/list of tensors). Its sampler still draws examples,
+                and BatchMemoryManager still splits examples, so every chunk
+                has whole examples with all their views. With K = 1: one
+                augmented view per example.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -720,6 +756,7 @@ class PrivacyEngine:
             noise = NoiseSource("reproducible", generator=noise_generator)
         ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
         views = check_multiplicity(augmentation_multiplicity)
+        view_fn = None if augmentation is None else resolve_augmentation(augmentation, views)
         if views > 1 and distributed == "fsdp":
             raise ValueError("augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
                              "distributed=True (replicas) or one process")
@@ -729,6 +766,8 @@ class PrivacyEngine:
             error: Optional[Exception] = None
             try:
                 n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                if view_fn is not None:
+                    loader = _loader_with_views(loader, views, view_fn)
                 sample_rate = 1.0 / steps_per_epoch
                 expected_batch_size = sample_rate * n  # the GLOBAL expected batch size (all ranks together)
                 params, method, overrides = _trained_parameters(optimizer, module, capture, hparams)
