@@ -63,7 +63,8 @@ def _rank_main(rank: int, worker, world: int, tmp: str) -> None:
     Skipping the interpreter's finalization is deliberate: with gloo's threads and the process
     group's C++ objects torn down during finalization, CI saw a rank abort
     ("terminate called without an active exception", SIGABRT) after all its work was done and
-    written (2 of ~250 spawns over the project's CI runs; not reproduced in 31 stress runs here).
+    written (seen in two full-suite runs, the second on CI 2026-12-04 in test_ddp_equivalence's
+    fixture; not reproduced in 31 back-to-back runs of that fixture on a loaded 2-core machine).
     An exception in ``worker`` propagates as before (mp.spawn reports it and the test fails).
     """
     worker(rank, world, tmp)
