@@ -39,7 +39,7 @@ from .distributed import DistributedContext, poisson_sampler
 from .noise import NoiseSource, make_noise_source
 from .sampling import PoissonSampler
 
-__all__ = ["PoissonBatchSampler", "DPDataLoader", "EmptyBatchCollate", "custom_batching"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "EmptyBatchCollate", "custom_batching", "loader_settings"]
 
 
 def custom_batching(data_loader: DataLoader) -> Optional[str]:
@@ -147,6 +147,21 @@ class EmptyBatchCollate:
         return self._empty
 
 
+def loader_settings(data_loader: DataLoader, generator: bool = False) -> dict:
+    """The ``DataLoader`` keywords a rebuilt loader keeps: ``num_workers``, ``pin_memory``, ``timeout``,
+    ``worker_init_fn``, ``multiprocessing_context``, ``persistent_workers``, ``prefetch_factor`` (with
+    workers) and, with ``generator=True``, ``generator`` (dataset and batching are the caller's)."""
+    keep = {"num_workers": data_loader.num_workers, "pin_memory": data_loader.pin_memory,
+            "timeout": data_loader.timeout, "worker_init_fn": data_loader.worker_init_fn,
+            "multiprocessing_context": data_loader.multiprocessing_context,
+            "persistent_workers": data_loader.persistent_workers}
+    if data_loader.num_workers > 0:
+        keep["prefetch_factor"] = data_loader.prefetch_factor
+    if generator:
+        keep["generator"] = data_loader.generator
+    return keep
+
+
 class DPDataLoader(DataLoader):
     """A ``DataLoader`` that draws Poisson batches: ``steps`` per epoch at rate ``sample_rate``.
 
@@ -217,12 +232,7 @@ class DPDataLoader(DataLoader):
         steps = len(data_loader)
         if steps < 1:
             raise ValueError("the data loader yields no batch")
-        keep = {"num_workers": data_loader.num_workers, "pin_memory": data_loader.pin_memory,
-                "timeout": data_loader.timeout, "worker_init_fn": data_loader.worker_init_fn,
-                "multiprocessing_context": data_loader.multiprocessing_context,
-                "persistent_workers": data_loader.persistent_workers}
-        if data_loader.num_workers > 0:
-            keep["prefetch_factor"] = data_loader.prefetch_factor
+        keep = loader_settings(data_loader)
         collate = data_loader.collate_fn
         if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
             collate = None

@@ -104,7 +104,7 @@ from .accounting.opacus_accountant import LedgerAccountant
 from .accounting.validation import check_noise_multiplier
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
-from .data_loader import DPDataLoader, custom_batching
+from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
 from . import fsdp
@@ -149,13 +149,8 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
     if isinstance(loader, DPDataLoader):
         loader.collate_fn = collate
         return loader
-    keep = {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-            "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
-            "multiprocessing_context": loader.multiprocessing_context,
-            "persistent_workers": loader.persistent_workers}
-    if loader.num_workers > 0:
-        keep["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=collate, **keep)
+    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=collate,
+                      **loader_settings(loader, generator=True))
 
 
 def _distributed_context(module: nn.Module, distributed: bool, process_group, poisson_sampling: bool

@@ -38,6 +38,8 @@ from typing import Iterator
 
 from torch.utils.data import DataLoader, Sampler
 
+from ..data_loader import loader_settings
+
 __all__ = ["BatchMemoryManager", "BatchSplittingSampler", "wrap_data_loader"]
 
 
@@ -107,16 +109,10 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
     ``pin_memory``, ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
     ``generator``, ``prefetch_factor`` and ``persistent_workers``.
     """
-    keep = {"num_workers": data_loader.num_workers, "collate_fn": data_loader.collate_fn,
-            "pin_memory": data_loader.pin_memory, "timeout": data_loader.timeout,
-            "worker_init_fn": data_loader.worker_init_fn, "generator": data_loader.generator,
-            "multiprocessing_context": data_loader.multiprocessing_context,
-            "persistent_workers": data_loader.persistent_workers}
-    if data_loader.num_workers > 0:
-        keep["prefetch_factor"] = data_loader.prefetch_factor
+    keep = loader_settings(data_loader, generator=True)
     splitter = BatchSplittingSampler(sampler=data_loader.batch_sampler, max_batch_size=max_batch_size,
                                      optimizer=optimizer)
-    return DataLoader(data_loader.dataset, batch_sampler=splitter, **keep)
+    return DataLoader(data_loader.dataset, batch_sampler=splitter, collate_fn=data_loader.collate_fn, **keep)
 
 
 class BatchMemoryManager:
