@@ -79,7 +79,7 @@ from torch import Tensor
 from .noise import NoiseSource
 from .sampling import PoissonSampler
 
-__all__ = ["DistributedContext", "setup", "context", "shard_bounds", "ShardedPoissonSampler", "poisson_sampler",
+__all__ = ["DistributedContext", "setup", "leave", "context", "shard_bounds", "ShardedPoissonSampler", "poisson_sampler",
            "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank",
            "backend_device"]
 
@@ -153,6 +153,36 @@ def setup(device: Optional[torch.device] = None) -> DistributedContext:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     return context()
+
+
+def leave(timeout_s: float = 60.0) -> bool:
+    """Wait for the other ranks (at most ``timeout_s``; gloo's ``monitored_barrier``), then leave the default
+    process group (``destroy_process_group``). Returns whether there was a group to leave.
+
+    For the end of a process that joined with :func:`setup` (the ``dpopt`` command under torchrun): a
+    rank whose gloo group was still alive when the interpreter shut down aborted now and then
+    ("terminate called without an active exception", SIGABRT) after all its work was written, which
+    also lost rank 0's buffered stdout. A rank that failed or left already makes the wait end early
+    (its error is the one reported); nothing here raises.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a rank that failed or left: nothing to wait for
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving must not turn a finished run into a failure
+        pass
+    return True
 
 
 def shard_bounds(dataset_size: int, rank: int, world_size: int) -> tuple[int, int]:
