@@ -191,3 +191,13 @@ def test_the_users_loader_is_not_modified_and_one_view_is_allowed():
     assert loader is not user and not isinstance(user.collate_fn, ViewCollate)
     x, y, w = next(iter(loader))
     assert x.shape == (5, 3, 8, 8) and torch.equal(w, ds.tensors[2][:5])  # K = 1: one (flipped or not) view
+
+
+def test_a_batch_memory_manager_loop_over_the_views_loader_releases_once_per_logical_batch():
+    model, opt, loader, _ = _private(_indexed(40), batch=10)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as chunks:
+        for x, y, _ in chunks:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()  # the batch check sees rows / K = the chunk's examples
+    assert len(opt.privatizer.ledger) == len(loader)
