@@ -361,6 +361,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         return self._dp.privatizer
 
     # -- Opacus's micro-batch protocol (BatchMemoryManager) ----------------------------
+    @property
+    def last_step_released(self) -> bool:
+        """Whether the last ``step()`` released (ended a logical batch) rather than only adding a
+        BatchMemoryManager chunk (Opacus: ``not optimizer._is_last_step_skipped``). Step a learning-rate
+        scheduler and a parameter averager only when it is True: they count updates, not chunks."""
+        return not self._is_last_step_skipped
+
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Queue whether the next ``step()`` only clips and adds its chunk (``True``) or ends the logical batch.
 
@@ -414,8 +421,23 @@ class PrivateOptimizer(torch.optim.Optimizer):
         """
         views = getattr(self._capture, "views", 1)
         n = None if self._loader is None else self._loader.last_batch_examples
-        if views == 1 or n is None or self._examples is None or self._examples == n:
+        if n is None or self._examples is None or self._examples == n:
             return
+        if views == 1:
+            if self._examples < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
+                return  # an empty batch: nothing of it to repeat (the HF Trainer forwards one public stand-in row)
+            raise ValueError(
+                f"this step's forward passes carried {self._examples} rows, but the data loader's last batch had {n} "
+                "examples: every row is clipped as its own example, so rows repeated from one example (augmented "
+                "views) would move the release by more than max_grad_norm and the reported epsilon would not hold. "
+                "For K views per example pass make_private(..., augmentation_multiplicity=K, "
+                "augmentation='crop-flip' or your fn) and forward the loader's rows as they are; nothing was released")
+        if getattr(self._loader.collate_fn, "k", None) == views:  # ViewCollate: the loader builds the views
+            raise ValueError(
+                f"augmentation_multiplicity={views}: this step's forward passes carried {self._examples * views} rows, "
+                f"but the data loader's last batch had {n} examples and it already yields their {views} views "
+                f"({n * views} rows; make_private's augmentation=): forward its rows as they are, without "
+                "repeat_views; nothing was released")
         raise ValueError(
             f"augmentation_multiplicity={views}: this step's forward passes carried {self._examples * views} rows "
             f"({self._examples} examples × {views} views), but the data loader's last batch had {n} examples. "

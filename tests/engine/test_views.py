@@ -272,12 +272,12 @@ def test_chunks_never_split_an_example():
 
 def test_a_row_count_that_is_not_a_multiple_of_k_is_refused_by_both_doors():
     model, x, y = make("conv")
-    with pytest.raises(ValueError, match="not a multiple of rows_per_example=3"):
+    with pytest.raises(ValueError, match="not a multiple of K=3 views per example"):
         PerSampleEngine(model, ce, rows_per_example=K).compute(x[:-1], y[:-1])
     cap = HookCapture(model, rows_per_example=K)
     try:
         F.cross_entropy(model(x[:-1]), y[:-1]).backward()
-        with pytest.raises(ValueError, match="not a multiple of rows_per_example=3"):
+        with pytest.raises(ValueError, match="not a multiple of K=3 views per example"):
             cap.collect()
     finally:
         cap.detach()

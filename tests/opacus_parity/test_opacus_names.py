@@ -71,11 +71,14 @@ def test_every_done_when_name(tmp_path):
     opt.noise_multiplier = 2.0  # settable, applies to the next release
     opt.max_grad_norm = 0.5
     assert (opt.noise_multiplier, opt.max_grad_norm) == (2.0, 0.5)
-    opt.signal_skip_step(do_skip=True)  # the first chunk of a logical batch: added, not released
-    run_epoch(m, opt, loader, steps=1)
-    assert len(engine.ledger) == 4
-    run_epoch(m, opt, loader, steps=1)  # the last chunk: one release at the new sigma and bound
-    assert len(engine.ledger) == 5
+    x, y = next(iter(loader))  # one logical batch in two chunks of disjoint examples
+    h = len(y) // 2
+    for part, skip in ((slice(0, h), True), (slice(h, None), False)):
+        opt.signal_skip_step(do_skip=skip)  # the first chunk: added, not released
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(m(x[part]), y[part]).backward()
+        opt.step()
+        assert len(engine.ledger) == (4 if skip else 5)  # the last chunk: one release at the new sigma and bound
     last = engine.ledger.entries[-1].meta
     assert last["noise_multiplier"] == 2.0 and last["noise_std"] == pytest.approx(1.0)
 

@@ -172,7 +172,7 @@ def test_repeating_the_loaders_views_again_is_refused_before_any_release():
             continue
         opt.zero_grad()
         F.cross_entropy(model(repeat_views(x, K, crop_flip)), repeat_labels(y, K)).backward()  # K² rows each
-        with pytest.raises(ValueError, match=r"data loader's last batch had \d+ examples"):
+        with pytest.raises(ValueError, match=r"last batch had \d+ examples and it already yields their 3 views"):
             opt.step()
         refused += 1
         break
@@ -201,3 +201,46 @@ def test_a_batch_memory_manager_loop_over_the_views_loader_releases_once_per_log
             F.cross_entropy(model(x), y).backward()
             opt.step()  # the batch check sees rows / K = the chunk's examples
     assert len(opt.privatizer.ledger) == len(loader)
+
+
+def test_k_views_forwarded_without_augmentation_multiplicity_are_refused():
+    """The default K = 1 with a loop that repeats each example K times: every row would be clipped as its own
+    example (sensitivity K·C); refused before any release, naming augmentation_multiplicity."""
+    model, opt, loader, _ = _private(_indexed(40), batch=8, k=1, augmentation=None)
+    for x, y, _ in loader:
+        if len(y) == 0:
+            continue
+        opt.zero_grad()
+        F.cross_entropy(model(repeat_views(x, K, crop_flip)), repeat_labels(y, K)).backward()
+        with pytest.raises(ValueError, match=r"carried \d+ rows.*augmentation_multiplicity=K"):
+            opt.step()
+        break
+    assert len(opt.privatizer.ledger) == 0
+    for x, y, _ in loader:  # the loader's own rows (or fewer: one dropped) are fine
+        opt.zero_grad()
+        if len(y):
+            keep = max(1, len(y) - 1)
+            F.cross_entropy(model(x[:keep]), y[:keep]).backward()
+        opt.step()  # an empty batch: a pure-noise release
+    assert len(opt.privatizer.ledger) == len(loader)
+
+
+def test_last_step_released_tells_updates_from_chunks_for_schedulers_and_averagers():
+    from dpopt.averaging import ParameterAverager
+    from dpopt.lr_schedules import make_lr_scheduler
+
+    model, opt, loader, _ = _private(_indexed(40), batch=10)
+    sched = make_lr_scheduler(opt, total_steps=len(loader), schedule="cosine", warmup_steps=1)
+    ema = ParameterAverager(model, decay=0.9)
+    chunks_seen = 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+        for x, y, _ in chunks:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            chunks_seen += 1
+            if opt.last_step_released:
+                sched.step()
+                ema.update()
+    assert chunks_seen > len(loader)  # several chunks per logical batch (expected 10 examples, chunks of 2)
+    assert len(opt.privatizer.ledger) == len(loader) == sched.last_epoch == ema.step
