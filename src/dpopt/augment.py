@@ -198,8 +198,7 @@ def expand_views(batch, k: int, fn: Callable):
 
 
 def _views_of_input(x: Tensor, k: int, fn: Callable) -> Tensor:
-    rows = x.repeat_interleave(k, dim=0)
-    return rows if rows.shape[0] == 0 else fn(rows, None)
+    return repeat_views(x, k, fn if x.shape[0] else None)  # an empty batch: nothing to augment
 
 
 class ViewCollate:

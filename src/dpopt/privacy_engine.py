@@ -423,24 +423,25 @@ class PrivateOptimizer(torch.optim.Optimizer):
         n = None if self._loader is None else self._loader.last_batch_examples
         if n is None or self._examples is None or self._examples == n:
             return
+        # the counts (realised batch sizes) are private: the messages name the mismatch, never the numbers
         if views == 1:
             if self._examples < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
                 return  # an empty batch: nothing of it to repeat (the HF Trainer forwards one public stand-in row)
             raise ValueError(
-                f"this step's forward passes carried {self._examples} rows, but the data loader's last batch had {n} "
-                "examples: every row is clipped as its own example, so rows repeated from one example (augmented "
-                "views) would move the release by more than max_grad_norm and the reported epsilon would not hold. "
-                "For K views per example pass make_private(..., augmentation_multiplicity=K, "
-                "augmentation='crop-flip' or your fn) and forward the loader's rows as they are; nothing was released")
-        if getattr(self._loader.collate_fn, "k", None) == views:  # ViewCollate: the loader builds the views
+                "this step's forward passes carried more rows than the data loader's last batch had examples: "
+                "every row is clipped as its own example, so rows repeated from one example (augmented views) "
+                "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
+                "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
+                "your fn) and forward the loader's rows as they are; nothing was released")
+        if isinstance(self._loader.collate_fn, ViewCollate):  # the loader builds the views itself
             raise ValueError(
-                f"augmentation_multiplicity={views}: this step's forward passes carried {self._examples * views} rows, "
-                f"but the data loader's last batch had {n} examples and it already yields their {views} views "
-                f"({n * views} rows; make_private's augmentation=): forward its rows as they are, without "
-                "repeat_views; nothing was released")
+                f"augmentation_multiplicity={views}: this step's forward passes did not carry the data loader's "
+                f"last batch as it was yielded: that loader already yields each example's {views} views "
+                "(make_private's augmentation=); forward its rows as they are, without repeat_views; nothing was "
+                "released")
         raise ValueError(
-            f"augmentation_multiplicity={views}: this step's forward passes carried {self._examples * views} rows "
-            f"({self._examples} examples × {views} views), but the data loader's last batch had {n} examples. "
+            f"augmentation_multiplicity={views}: this step's forward passes did not carry {views} rows per example "
+            "of the data loader's last batch. "
             f"Forward each example's {views} views as consecutive rows, e.g. "
             f"x = dpopt.augment.repeat_views(x, {views}, augment) and y = y.repeat_interleave({views}), for every "
             "batch the private data loader yields (and step once per batch, or use BatchMemoryManager); nothing "

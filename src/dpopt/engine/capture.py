@@ -92,7 +92,7 @@ def check_views(rows: int, k: int) -> int:
     if k < 1:
         raise ValueError(f"rows_per_example must be >= 1, got {k}")
     if rows % k:
-        raise ValueError(f"the batch has {rows} rows, not a multiple of K={k} views per example "
+        raise ValueError(f"the batch's rows are not a multiple of K={k} views per example "  # no count: private
                          "(augmentation_multiplicity / rows_per_example): rows i*K..i*K+K-1 must be the K views of "
                          "example i. Repeat each example K times, augmenting each copy "
                          "(dpopt.augment.repeat_views(x, K, fn), labels repeat_interleave(K)), or let "
