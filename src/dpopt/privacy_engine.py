@@ -88,6 +88,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -258,6 +259,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.defaults = original.defaults
         self._dp = dp
         self._capture = capture
+        # the model's hooks hold the capture's recorder, not this optimizer: when the optimizer goes (deleted,
+        # never detached: a sweep, a notebook), its hooks leave the model instead of recording every later forward
+        weakref.finalize(self, capture.detach)
         self._params = list(params)
         self._torch = original is not dp
         self._step_skip_queue: list[bool] = []  # Opacus's BatchMemoryManager protocol (signal_skip_step)

@@ -40,6 +40,7 @@ each example's K rows.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -124,6 +125,39 @@ def expand_broadcast(module: nn.Module, inp, out, b: int):
 
 
 # --------------------------------------------------------------------------- records
+class GradSlots(list):
+    """The output gradients of one :class:`Call` (a list; weakly referenceable).
+
+    The tensor hook of a recorded output holds THIS list, never the
+    :class:`Call`: the call holds the output, whose autograd node holds the
+    hook; a hook that reached the call (``partial(call.store, k)``) would be a
+    cycle through autograd's C++ side, which Python's ``gc`` never frees
+    (every step's activations kept for ever). Alive while the graph that can
+    still fill it is (a dropped call's slots only note a late gradient:
+    :meth:`Recorder.drop_unused`).
+    """
+
+    __slots__ = ("sink",)
+
+    def __init__(self, grads=()):
+        super().__init__(grads)
+        self.sink = None  # (set, key) once its call was dropped unused: a late gradient is noted there
+
+
+def store_grad(grads: list, k: int, grad: Tensor) -> None:
+    """The tensor hook of output ``k``: add ``grad`` into ``grads[k]`` (holds the slots only, not the call)."""
+    sink = getattr(grads, "sink", None)
+    if sink is not None:  # its call was dropped (Recorder.drop_unused): only note that the gradient came
+        sink[0].add(sink[1])
+        return
+    grads[k] = grad if grads[k] is None else grads[k] + grad
+
+
+def _note_late(late: set, key, grad_outputs) -> None:
+    """Node pre-hook of a dropped call's output (:meth:`Recorder.drop_unused`): its backward came late."""
+    late.add(key)
+
+
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
@@ -152,7 +186,7 @@ class Call:
     def __init__(self, module, inp, out, args, kwargs, outs, pass_, tag=None, index=None, versions: bool = True):
         self.module, self.inp, self.out, self.tag, self.index = module, inp, out, tag, index
         self.args, self.kwargs, self.outs, self.pass_ = args, kwargs, outs, pass_
-        self.grads: list[Optional[Tensor]] = [None] * len(outs)
+        self.grads: list[Optional[Tensor]] = GradSlots([None] * len(outs))
         self.in_version = inp._version if inp is not None else 0
         self.out_version = out._version if out is not None else 0
         self.versions = [t._version for t in leaves((args, kwargs))] if versions else None
@@ -409,6 +443,8 @@ class Recorder:
         self._buffers: dict = {}
         self._handles: list = []
         self._untap: Callable[[], None] = lambda: None
+        self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
+        self._serial, self._warned = 0, False
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -439,12 +475,49 @@ class Recorder:
     def reset(self) -> None:
         """Forget every recorded call (and the current pass)."""
         self.calls, self.other, self.current = [], {}, None
+        self._late.clear()
 
     def take(self) -> tuple[list[Call], dict]:
         """The recorded calls and unrecognised bare uses, forgotten here."""
         calls, other = self.calls, self.other
         self.calls, self.other = [], {}
         return calls, other
+
+    def drop_unused(self) -> None:
+        """Forget the calls of earlier forward passes that received no gradient (a new pass starts).
+
+        A step uses the one pass whose backward ran; a pass no backward has
+        reached when the next one starts (an evaluation with gradients
+        enabled, a discarded loss, a forward that raised) would otherwise keep
+        its activations until the next step, or for ever after the last one.
+        Its gradient slots, which its graph's hooks still hold, note a late
+        backward instead (:meth:`dropped_received`: refused). Warned once.
+        """
+        keep = [c for c in self.calls if c.pass_ is None or c.pass_ is self.current or c.has_grad]
+        if len(keep) == len(self.calls):
+            return
+        kept = {id(c) for c in keep}
+        self._serial += 1
+        for c in self.calls:
+            if id(c) not in kept and isinstance(c.grads, GradSlots):
+                key = (self._serial, id(c.pass_))
+                c.grads.sink = (self._late, key)
+                for t in c.outs:  # the tensor hooks go with the output's Python object; the graph's node stays
+                    if t.grad_fn is not None:
+                        t.grad_fn.register_prehook(partial(_note_late, self._late, key))
+        self.calls = keep
+        if not self._warned:
+            self._warned = True
+            warnings.warn("a forward pass of the private model ran with gradients enabled and no backward pass "
+                          "followed it before the next forward pass: its recorded activations were dropped (said "
+                          "once). Run evaluation and generation under torch.no_grad() or torch.inference_mode()",
+                          RuntimeWarning, stacklevel=5)
+
+    def dropped_received(self) -> int:
+        """How many dropped passes (:meth:`drop_unused`) received a gradient since the last call."""
+        late = len(self._late)
+        self._late.clear()  # in place: the dropped slots' hooks hold this set
+        return late
 
     def rows(self) -> int:
         """Rows of the current root forward pass (−1 outside one or while not recording)."""
@@ -460,6 +533,8 @@ class Recorder:
         if torch.is_grad_enabled():
             self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
         self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None)
+        if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
+            self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
             self._buffers = snapshot_buffers(module, reuse=self._buffers)
         return None
@@ -481,7 +556,7 @@ class Recorder:
         if self.tensor_hooks:
             for k, t in enumerate(call.outs):
                 if t.requires_grad:
-                    t.register_hook(partial(call.store, k))
+                    t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
         self.calls.append(call)
 
     def _bare_use(self, module, index: int, r: Tensor) -> None:

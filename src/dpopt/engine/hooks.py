@@ -171,6 +171,7 @@ class HookCapture:
                 ``rows_per_example``; or (first batch) the hook path disagrees
                 with single-example autograd.
         """
+        late = self._rec.dropped_received()  # passes dropped as unused (a later pass began) that got gradients
         calls, other = self._rec.take()
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size
@@ -181,12 +182,17 @@ class HookCapture:
             names = sorted({self._name(c.module) for c in done if c.pass_ is None})
             raise ValueError(f"layers {names} were called outside the model's forward (not as part of "
                              "model(...)); call the model that was made private")
-        if len(passes) > 1:
-            raise ValueError(f"{len(passes)} forward passes of the model received gradients since the last "
+        if len(passes) + late > 1:
+            raise ValueError(f"{len(passes) + late} forward passes of the model received gradients since the last "
                              "optimizer step; the hook engine supports one forward and one backward per step "
                              "(it cannot tell two views of the same examples from different examples). "
                              "Concatenate the inputs into one forward pass (K views of each example as K "
                              "consecutive rows: rows_per_example=K), or step after each backward")
+        if late:
+            raise ValueError("a forward pass received its gradients after another forward pass had started (its "
+                             "recorded activations were dropped then, as unused); the hook engine supports one "
+                             "forward and one backward per step: run loss.backward() before the next forward pass "
+                             "(and evaluate under torch.no_grad())")
         if not done:
             return self._empty()
         p = next(iter(passes.values()))
