@@ -379,6 +379,7 @@ class LossReductionWatch:
         if self.batch >= 2:
             self.close()
             return True
+        self.outs = []  # the step's output: its loss was taken before step() (nothing of a step outlives it)
         return False
 
     def close(self) -> None:

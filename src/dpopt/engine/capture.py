@@ -513,6 +513,10 @@ class Recorder:
                           "once). Run evaluation and generation under torch.no_grad() or torch.inference_mode()",
                           RuntimeWarning, stacklevel=5)
 
+    def late_gradients(self) -> bool:
+        """Whether a dropped pass received a gradient (kept for :meth:`dropped_received`)."""
+        return bool(self._late)
+
     def dropped_received(self) -> int:
         """How many dropped passes (:meth:`drop_unused`) received a gradient since the last call."""
         late = len(self._late)

@@ -155,7 +155,7 @@ class HookCapture:
         gradients arrive like any other), so the answer depends on the loop,
         never on the data.
         """
-        return any(c.has_grad for c in self._rec.calls)
+        return any(c.has_grad for c in self._rec.calls) or self._rec.late_gradients()
 
     def collect(self) -> FastPerSampleGrads:
         """The per-sample source of the forward/backward pass since the last step (then forgotten).
