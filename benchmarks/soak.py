@@ -27,6 +27,7 @@ runs the same model (``opacus-*`` rows). The doors:
 ``lstm``       ``PrivacyEngine``, ``nn.LSTM`` (tapped layer) + linear head, B 32
 ``dptrainer``  ``dpopt.hf.DPTrainer`` on a 1-layer GPT-2 (d 32), B 8 (callback readings)
 ``train``      ``dpopt.training.train`` (``dpopt train``'s loop), digits, mlp-small, dp-sgd, ``--accountant rdp``
+``engines``    a sweep: an engine made on a new MLP, 3 steps, deleted (no ``detach``); a "step" is one engine
 =============  =================================================================
 
 The ledger's accounting cost (ε per call, checkpoint bytes vs steps) is a
@@ -58,10 +59,10 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
-DOORS = ("pe-mlp", "pe-gpt2", "bmm", "lstm", "dptrainer", "train")
+DOORS = ("pe-mlp", "pe-gpt2", "bmm", "lstm", "dptrainer", "train", "engines")
 # Opacus runs the same model there (not nn.LSTM: it needs its DPLSTM; not HF GPT-2: its Poisson loader fails on
 # the token batches and its hooks have no sampler for transformers' Conv1D)
-OPACUS_DOORS = ("pe-mlp", "bmm")
+OPACUS_DOORS = ("pe-mlp", "bmm", "engines")
 
 
 def rss_kib() -> float:
@@ -372,6 +373,32 @@ def door_train(args) -> dict:
     return meter.result()
 
 
+def door_engines(args, kind: str = "dpopt") -> dict:
+    """Engines made and deleted in one process (a sweep, a notebook): RSS growth per engine (``--steps // 10``)."""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    x, y = torch.randn(64 * 4, 64), torch.randint(0, 10, (64 * 4,))
+    n = max(20, args.steps // 10)
+    meter = Meter(min(args.warmup, 5), n, max(1, n // 25), args.device == "cuda", None)
+    while not meter.done:
+        model = _mlp().to(args.device)
+        box: list = []
+        model, opt, loader = _make_private(kind, model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                           _loader(x, y, 64), box)
+        for i, (xb, yb) in enumerate(loader):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb.to(args.device)), yb.to(args.device)).backward()
+            opt.step()
+            if i == 2:
+                break
+        del model, opt, loader, box
+        meter.tick()
+    out = meter.result()
+    out["unit"] = "per engine"
+    return out
+
+
 def ledger_section(args) -> dict | None:
     """The ledger's accounting cost vs steps (ε seconds per call, checkpoint bytes and save/load seconds).
 
@@ -389,6 +416,8 @@ def run_door(name: str, args) -> dict:
         return door_pe(args, kind, base[3:])
     if base == "bmm":
         return door_bmm(args, kind)
+    if base == "engines":
+        return door_engines(args, kind)
     return {"lstm": door_lstm, "dptrainer": door_dptrainer, "train": door_train}[base](args)
 
 
