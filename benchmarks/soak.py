@@ -118,6 +118,7 @@ class Meter:
         self.t = time.perf_counter()
 
     def tick(self) -> None:
+        """One step done: its time; a memory reading every ``every`` steps after the warm-up (and at the last)."""
         now = time.perf_counter()
         self.times.append(now - self.t)
         self.n += 1
@@ -127,6 +128,7 @@ class Meter:
         self.t = time.perf_counter()
 
     def read(self) -> None:
+        """Read RSS (after gc and ``malloc_trim``), CUDA memory and, first and last, the ledger's deep size."""
         self.reads.append((self.n, rss_kib()))
         if self.cuda:
             import torch
@@ -137,9 +139,11 @@ class Meter:
 
     @property
     def done(self) -> bool:
+        """Whether the warm-up and the measured steps have run."""
         return self.n >= self.warmup + self.steps
 
     def result(self) -> dict:
+        """The door's figures (module docstring): slopes in KiB per step, step times in ms."""
         ms = [1e3 * t for t in self.times]
         rss = slope([n for n, _ in self.reads], [r for _, r in self.reads])
         cuda = slope([n for n, _ in self.cuda_reads], [r for _, r in self.cuda_reads]) if self.cuda else None

@@ -49,6 +49,10 @@ per-example losses of per-example outputs (``loss_reduction``), as in Opacus.
 One forward and one backward of the model per optimizer step: the calls of
 several forward passes that all received gradients cannot be told apart
 (two views of the same examples, or different micro-batches?) and are refused.
+Nothing of a step outlives it: the calls are forgotten at ``step()``, and a
+forward pass that no backward reached before the next forward pass began (an
+evaluation with gradients enabled, a discarded loss) is dropped then, with
+its activations (warned once; a backward that reaches it later is refused).
 K views of each example go into ONE forward pass instead, as K consecutive
 rows (``rows_per_example=K``, augmentation multiplicity): example i's
 gradient is then the mean over its rows i·K … i·K + K − 1, and a
