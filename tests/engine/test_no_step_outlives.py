@@ -181,11 +181,18 @@ def test_exceptions_mid_step_keep_nothing():
     watch = Watch()
     watch.layer(model.fc2)
     x, y = torch.randn(6, D), torch.randint(0, C, (6,))
-    # 1. a forward that raises half-way (after fc1 was recorded)
-    bad = torch.randn(6, D + 1)
+    # 1. a forward that raises half-way (fc1 recorded, fc2 raises)
+    def fail(module, args):
+        watch.add(*args)
+        raise RuntimeError("mid-forward")
+
+    handle = model.fc2.register_forward_pre_hook(fail)
+    bad = torch.randn(6, D)
     watch.add(bad)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="mid-forward"):
         model(bad)
+    handle.remove()
+    assert len(opt._capture._rec.calls) == 1  # fc1's call of the failed pass
     del bad
     # 2. a step refused: the forward's rows are not the examples (loss reduction / layout refusal) -> here a
     #    backward with a graph the step rejects: two passes that both received gradients
