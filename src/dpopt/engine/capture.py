@@ -126,15 +126,14 @@ def expand_broadcast(module: nn.Module, inp, out, b: int):
 
 # --------------------------------------------------------------------------- records
 class GradSlots(list):
-    """The output gradients of one :class:`Call` (a list; weakly referenceable).
+    """The output gradients of one :class:`Call` (a list, with a ``sink`` for a dropped call).
 
     The tensor hook of a recorded output holds THIS list, never the
     :class:`Call`: the call holds the output, whose autograd node holds the
     hook; a hook that reached the call (``partial(call.store, k)``) would be a
     cycle through autograd's C++ side, which Python's ``gc`` never frees
-    (every step's activations kept for ever). Alive while the graph that can
-    still fill it is (a dropped call's slots only note a late gradient:
-    :meth:`Recorder.drop_unused`).
+    (every step's activations kept for ever). A dropped call's slots only
+    note a late gradient (:meth:`Recorder.drop_unused`).
     """
 
     __slots__ = ("sink",)
