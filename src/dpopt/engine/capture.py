@@ -759,6 +759,10 @@ class Recorder:
             return bad, []
         blocks = self.build([c for c in calls if c.has_grad], rows, 1.0 / views, views, other)
         indices = sorted({i for blk in blocks for i in blk.index})
+        if not indices:  # every parameter left the rules during this pass (a bare one used otherwise): nothing
+            for blk in blocks:  # to compare (Conv1d / InstanceNorm with one channel: their [1, ...] parameters)
+                blk.free()
+            return {}, []
         with replay.replaying(rows):
             ref = self._loop(args, kwargs, row_loss, rows, indices, params)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
@@ -773,6 +777,8 @@ class Recorder:
               params: Optional[Sequence[Tensor]] = None) -> dict:
         """Exact per-row gradients [rows, *shape] of f_r(out_r), one row at a time (the caller's mode)."""
         params = [(self.plan.params if params is None else params)[i] for i in indices]
+        if not params:  # nothing to differentiate (torch.autograd.grad refuses an empty list)
+            return {}
         flat, spec = tree_flatten((args, kwargs))
         batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in flat]
         out_rows = []
