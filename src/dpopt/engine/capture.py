@@ -53,7 +53,7 @@ from .bare import bare_candidates, reduce_to, tap_bare
 from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature, off_axis,
                     rtol)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
-from .inputs import check_buffers, snapshot_buffers
+from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
@@ -472,6 +472,18 @@ class Recorder:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
         return None
 
+    def recheck_buffers(self) -> None:
+        """After the backward: no buffer changed since the last root forward began (a backward hook's write).
+
+        Values are compared (:func:`~dpopt.engine.inputs.changed_buffers`);
+        nothing to do before the first recorded forward.
+
+        Raises:
+            ValueError: (buffers restored first) naming the changed buffers.
+        """
+        if self.guard_buffers and self._buffers:
+            check_buffers(self.plan.model, self._buffers)
+
     def _hf_pre(self, module, args, kwargs):
         if self.active and torch.is_grad_enabled():
             refuse_batch_loss(module, kwargs)
@@ -594,7 +606,7 @@ class Recorder:
                 else:
                     leaves_.append(t)
             args, kwargs = tree_unflatten(leaves_, spec)
-            outs = leaves(functional_call(m, dict(zip(attrs, ps)), tuple(args), kwargs))
+            outs = leaves(functional_call(m, (dict(zip(attrs, ps)), guarded_buffers(m)), tuple(args), kwargs))
             return tuple(outs[k] for k in used)
 
         xs = [t for t, bt in zip(data, batched) if bt]
@@ -697,6 +709,12 @@ class Recorder:
             Unreplayable: a random op that cannot be replayed per example.
             ValueError: the model fails on one example (:func:`~dpopt.engine.check.alone_failed`).
         """
+        with preserved_state(self.plan.model):  # its passes leave no buffer value and no RNG draw behind
+            return self._check(args, kwargs, rows, views, run, params, row_loss)
+
+    def _check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
+               row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+        """:meth:`check` inside its state guard."""
         plan = self.plan
         tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
         bad, off = self._check_once(args, kwargs, rows, views, run, params, row_loss, tol)

@@ -74,7 +74,7 @@ from .check import ModeCheck, RandomReplay, Unreplayable, alone_failed, free_siz
     model_dims, rtol
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
 from .hf_guards import refuse_checkpointing
-from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
+from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -549,7 +549,8 @@ class PerSampleEngine:
             grads = self._reference(x, y, pts, batch_dim=bd)
             return self._source([DirectBlock(list(range(len(self.params))), grads)], b, pts)
         if not self.verified:
-            self._verify(x, y)
+            with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
+                self._verify(x, y)
         try:
             calls = [c for pt in pts for c in self._capture(x, y, pt)]
         except OutputLayout as err:

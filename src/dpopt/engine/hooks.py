@@ -73,6 +73,7 @@ from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leav
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims
 from .fast import FastPerSampleGrads
 from .hf_guards import refuse_checkpointing
+from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
 
@@ -172,6 +173,7 @@ class HookCapture:
                 with single-example autograd.
         """
         calls, other = self._rec.take()
+        self._rec.recheck_buffers()  # by value, after the backward: a backward hook's write is refused too
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size
             warnings.warn("optimizer.step() after a forward pass but without loss.backward(): this step releases "
@@ -193,7 +195,8 @@ class HookCapture:
         check_views(p.batch_size, self.views)
         # one example tiled up cannot reveal mixing: wait for two
         if self._modes.needed(p.modes) and p.batch_size >= 2 * self.views:
-            self._verify(p)
+            with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
+                self._verify(p)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
     def _empty(self) -> FastPerSampleGrads:
