@@ -50,8 +50,8 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .bare import bare_candidates, reduce_to, tap_bare
-from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature, off_axis,
-                    rtol)
+from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature,
+                    module_state, off_axis, rtol)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
@@ -127,10 +127,11 @@ def expand_broadcast(module: nn.Module, inp, out, b: int):
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state")
 
-    def __init__(self, batch_size: int, args, kwargs, modes):
+    def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
+        self.state = state  # engine.check.module_state at the forward (the check's signature)
 
 
 class Call:
@@ -459,7 +460,8 @@ class Recorder:
         b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
         if torch.is_grad_enabled():
             self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
-        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None)
+        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None,
+                            module_state(module) if self.guard_buffers else None)
         if self.guard_buffers:
             self._buffers = snapshot_buffers(module, reuse=self._buffers)
         return None
@@ -671,7 +673,7 @@ class Recorder:
 
     # -- the first-batch check -----------------------------------------------------------
     def check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
-              row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+              row_loss: Optional[Callable] = None, compare: Optional[int] = None) -> tuple[dict, list[int]]:
         """One verification pass: this capture vs single-example autograd.
 
         In the mode the model is in (the caller sets the mode of the release),
@@ -708,9 +710,19 @@ class Recorder:
             OutputLayout: the model's output is not ``[rows, ...]`` tensors.
             Unreplayable: a random op that cannot be replayed per example.
             ValueError: the model fails on one example (:func:`~dpopt.engine.check.alone_failed`).
+
+        ``compare``: compare only the first ``compare`` examples (their
+        ``compare·K`` rows run alone; None: all). For a check at the size of
+        a large batch (a new size class): the batched pass has every row,
+        the single-example loop and its ``[compare, *shape]`` reference
+        gradients only a few.
         """
         with preserved_state(self.plan.model):  # its passes leave no buffer value and no RNG draw behind
-            return self._check(args, kwargs, rows, views, run, params, row_loss)
+            self._compare = compare
+            try:
+                return self._check(args, kwargs, rows, views, run, params, row_loss)
+            finally:
+                self._compare = None
 
     def _check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
                row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
@@ -781,10 +793,16 @@ class Recorder:
             for blk in blocks:  # to compare (Conv1d / InstanceNorm with one channel: their [1, ...] parameters)
                 blk.free()
             return {}, []
+        b = rows // views
+        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(self._compare)))
         with replay.replaying(rows):
-            ref = self._loop(args, kwargs, row_loss, rows, indices, params)
+            ref = self._loop(args, kwargs, row_loss, rows, indices, params, upto=m * views)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
-        c = torch.rand(rows // views, generator=gen, dtype=torch.float64).to(plan.device)
+        c = torch.rand(m, generator=gen, dtype=torch.float64).to(plan.device)
+        if m < b:  # the first m examples only: zero weights and no norm comparison for the others
+            c = torch.cat([c, c.new_zeros(b - m)])
+            ref = {i: torch.cat([g, g.new_zeros((b - m, *g.shape[1:]))]) for i, g in ref.items()}
+            blocks = [_FirstRows(blk, m) for blk in blocks]
         with no_autocast(plan.device):
             off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
         for blk in blocks:
@@ -792,8 +810,8 @@ class Recorder:
         return {}, off
 
     def _loop(self, args, kwargs, row_loss: Callable, rows: int, indices: list[int],
-              params: Optional[Sequence[Tensor]] = None) -> dict:
-        """Exact per-row gradients [rows, *shape] of f_r(out_r), one row at a time (the caller's mode)."""
+              params: Optional[Sequence[Tensor]] = None, upto: Optional[int] = None) -> dict:
+        """Exact per-row gradients [upto, *shape] of f_r(out_r) for rows 0..upto−1 (default all), one at a time."""
         params = [(self.plan.params if params is None else params)[i] for i in indices]
         if not params:  # nothing to differentiate (torch.autograd.grad refuses an empty list)
             return {}
@@ -803,7 +821,7 @@ class Recorder:
         self.active = False
         try:
             with torch.enable_grad():
-                for i in range(rows):
+                for i in range(rows if upto is None else upto):
                     a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
                     try:
                         out = self.plan.model(*a_i, **kw_i)
@@ -817,6 +835,27 @@ class Recorder:
         finally:
             self.active = True
         return {i: torch.stack([r[k] for r in out_rows]) for k, i in enumerate(indices)}
+
+
+class _FirstRows:
+    """A block seen through its first ``m`` examples' squared norms (the weighted sums are left whole).
+
+    :meth:`Recorder.check` with ``compare``: the weights of the other
+    examples are zero, so the sums are those of the first ``m``.
+    """
+
+    def __init__(self, blk, m: int):
+        self.blk, self.m, self.index = blk, int(m), blk.index
+
+    def sq_norms(self, geos):
+        return [v.clone() if v.shape[0] <= self.m else
+                torch.cat([v[:self.m], v.new_zeros(v.shape[0] - self.m)]) for v in self.blk.sq_norms(geos)]
+
+    def grad_sums(self, coefs, bad):
+        return self.blk.grad_sums(coefs, bad)
+
+    def free(self) -> None:
+        self.blk.free()
 
 
 def demotion_warning(plan: Plan, module: nn.Module, ins, outs) -> str:

@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..models import check_model
 from ..types import EvaluationPoint
 from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leaves, trailing
-from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims
+from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .fast import FastPerSampleGrads
 from .hf_guards import refuse_checkpointing
 from .inputs import preserved_state
@@ -194,9 +194,10 @@ class HookCapture:
         p = next(iter(passes.values()))
         check_views(p.batch_size, self.views)
         # one example tiled up cannot reveal mixing: wait for two
-        if self._modes.needed(p.modes) and p.batch_size >= 2 * self.views:
+        key = signature(self.model, p.batch_size // self.views, p.modes, p.state)  # modes, module state, size class
+        if self._modes.needed(key) and p.batch_size >= 2 * self.views:
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
-                self._verify(p)
+                self._verify(p, key)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
     def _empty(self) -> FastPerSampleGrads:
@@ -247,10 +248,11 @@ class HookCapture:
 
     @property
     def verified(self) -> bool:
-        """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
-        return not self._modes.needed(mode_signature(self.model))
+        """True if the model's current train/eval mode and module state were checked (any size class; or ``verify=False``)."""
+        return not self._modes.needed(mode_signature(self.model)) and (
+            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0)
 
-    def _verify(self, p: Pass) -> None:
+    def _verify(self, p: Pass, key=None) -> None:
         """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
 
         Runs in the mode of the pass ``p`` (the mode of the release), with the
@@ -266,10 +268,13 @@ class HookCapture:
                 dims = model_dims(self.model, args, kwargs)
             finally:
                 self._rec.active = True
-            for n in free_sizes(dims, multiple=views):
+            sizes = free_sizes(dims, multiple=views)
+            if p.batch_size > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
+                sizes += free_sizes(dims, k=1, multiple=views, at_least=p.batch_size)
+            for n in sizes:
                 rows = ((torch.arange(n // views) % k).unsqueeze(1) * views + offsets).flatten()
-                self._verify_at(self._select(p, rows), n)
-        self._modes.done(p.modes)
+                self._verify_at(self._select(p, rows), n, compare=k)
+        self._modes.done(p.modes if key is None else key)
 
     def _run_check(self, args, kwargs, loss_of):
         """The check's batched pass: the model's forward, the gradients through the tensor hooks."""
@@ -281,10 +286,11 @@ class HookCapture:
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other
 
-    def _verify_at(self, inputs, n: int) -> None:
+    def _verify_at(self, inputs, n: int, compare: Optional[int] = None) -> None:
         args, kwargs = inputs
         try:
-            bad, off = self._rec.check(args, kwargs, n, self.views, self._run_check, params=self.params)
+            bad, off = self._rec.check(args, kwargs, n, self.views, self._run_check, params=self.params,
+                                       compare=compare)
         except OutputLayout as err:
             raise ValueError(f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "
                              f"{n}); the hook engine needs [B, ...] outputs") from None
