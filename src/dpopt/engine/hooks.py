@@ -73,6 +73,7 @@ from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leav
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .fast import FastPerSampleGrads
 from .hf_guards import refuse_checkpointing
+from .collate_check import CollateProbe, check_collate
 from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
@@ -132,6 +133,11 @@ class HookCapture:
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True,
                              hook_bare_owners=True).attach()
+        # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
+        self.collate_probe: Optional[CollateProbe] = None
+
+    def _quiet(self, flag: bool) -> None:
+        self._rec.active = not flag
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module), "?")
@@ -197,6 +203,9 @@ class HookCapture:
         key = signature(self.model, p.batch_size // self.views, p.modes, p.state)  # modes, module state, size class
         if self._modes.needed(key) and p.batch_size >= 2 * self.views:
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
+                if self.collate_probe is not None:  # before the signature is marked checked: examples collated alone
+                    check_collate(self.model, p.args, p.kwargs, p.batch_size, self.collate_probe, self.params,
+                                  p.modes, self._quiet)
                 self._verify(p, key)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
