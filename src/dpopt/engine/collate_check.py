@@ -15,7 +15,9 @@ a few of the batch's examples through the loader's ``collate_fn`` alone
 compares, example by example, the model's outputs and the gradients of a
 random linear loss on them with those of the example's row of the batch
 (run alone too, in the mode of the release, the same random seed on both
-sides). Outputs of different lengths (per-token outputs of a shorter
+sides; where they differ in train mode, again in eval mode, since random
+draws of differently padded inputs differ: only a difference that remains
+there is refused). Outputs of different lengths (per-token outputs of a shorter
 sequence) are compared on the aligned part (the row's first or last
 positions). A disagreement is refused with advice (masks,
 ``pack_padded_sequence``, fixed-length padding).
@@ -241,7 +243,8 @@ def check_collate(model: nn.Module, args, kwargs, rows: int, probe: CollateProbe
                     continue  # padding did not change this example's input (the longest, or a fixed length)
                 sliced, alone = tree_unflatten(s_flat, spec), tree_unflatten(a_flat, spec)
                 what = _compare(model, params, sliced, alone, tol)
-                if what == "output" and model.training:  # random draws of different shapes? the same in eval
+                if what is not None and any(m.training for m in model.modules()):  # random draws of other
+                    # shapes (dropout masks differ with the padding length)? compare again without them (eval)
                     with in_modes(model, [False] * len(list(model.modules()))):
                         what = _compare(model, params, sliced, alone, tol)
                 if what is not None:
