@@ -115,7 +115,7 @@ def module_state(model: nn.Module) -> tuple:
     out = []
     for name, m in model.named_modules():
         attrs = tuple((k, _attribute_key(v)) for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS)
-        out.append((name, id(m), type(m), attrs))
+        out.append((name, id(m), type(m).__qualname__, attrs))
     return tuple(out)
 
 
