@@ -274,18 +274,19 @@ def probe_loader(loader, capture: Any, views: int = 1, view_fn: Optional[Callabl
     Args:
         loader: the ``DataLoader`` the private loop iterates (its
             ``collate_fn`` is replaced by the probe, which calls it).
-        capture: the door's capture; only one with a ``collate_probe``
-            attribute (:class:`~dpopt.engine.hooks.HookCapture`) gets it.
+        capture: the door's capture; only one whose ``checks_collate`` is
+            True (:class:`~dpopt.engine.hooks.HookCapture`; not FSDP's, where
+            one rank's extra forwards would stall the collectives) gets it.
         views, view_fn: augmentation multiplicity and function: with views
             (or an augmentation) nothing is installed (their random draws
             differ between the two collations).
 
     Returns:
         The probe, or None where none was installed (views, an augmentation,
-        ``num_workers > 0``: the items would stay in the worker processes; a
-        capture without ``collate_probe``, e.g. FSDP's).
+        ``num_workers > 0``: the items would stay in the worker processes;
+        FSDP's capture).
     """
-    if views > 1 or view_fn is not None or not hasattr(capture, "collate_probe") \
+    if views > 1 or view_fn is not None or not getattr(capture, "checks_collate", False) \
             or getattr(loader, "num_workers", 0) > 0:
         return None
     probe = CollateProbe(loader.collate_fn)

@@ -112,6 +112,8 @@ class HookCapture:
     (private: hand it to the Privatizer only). :meth:`detach` removes the hooks.
     """
 
+    checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
+
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", verify: bool = True,
                  chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, rows_per_example: int = 1):
         if loss_reduction not in LOSS_REDUCTIONS:
