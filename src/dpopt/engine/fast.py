@@ -33,8 +33,9 @@ or an exact single-example loop) for that parameter only.
   dim 0 of its input and output (a ``[1, T]`` broadcast position id, a
   ``[T, B, D]`` sequence-first tensor or a ``reshape(B*T, D)`` fails this),
   else the layer moves to the reference path with a warning;
-* on the first batch in each train/eval mode signature (a change of
-  ``model.training`` of any submodule re-runs it), in that mode, at two batch
+* on the first batch in each signature (train/eval flags, the modules'
+  non-parameter state, the batch-size class: :func:`~dpopt.engine.check.signature`;
+  any change re-runs it), in that mode, at two batch
   sizes that differ from every dimension of the model's parameters, buffers
   and module inputs/outputs, the fast per-example squared norms and a
   weighted sum are compared with an exact loop of single-example autograd on

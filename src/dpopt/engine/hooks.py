@@ -27,12 +27,16 @@ policy. What the functional engine verifies is verified here too (DESIGN.md,
 
 * statically, :func:`dpopt.models.check_model` (BatchNorm, tracked running
   statistics, ``max_norm`` / sparse embeddings are refused);
-* every forward pass, no buffer may change (:func:`~dpopt.engine.inputs.buffers_unchanged`);
+* every forward pass, and the backward before each step, no buffer may
+  change, compared by value (:func:`~dpopt.engine.inputs.changed_buffers`:
+  writes through ``buf.data`` and from backward hooks count);
 * every step, each recorded call must have the realised batch size B as dim 0
   of its input and of its output (else ``ValueError`` naming the layer: there is
   no loss to fall back on);
-* on the first batch of ≥ 2 examples in each train/eval mode signature (a
-  change of ``model.training`` of any submodule re-runs it), in the mode of
+* on the first batch of ≥ 2 examples in each signature (train/eval flags,
+  the modules' non-parameter state, the batch-size class:
+  :func:`~dpopt.engine.check.signature`; any change re-runs it, and the
+  loader's examples are also collated alone: :mod:`dpopt.engine.collate_check`), in the mode of
   that forward pass, at two batch sizes that differ from every dimension of
   the model, the hook path's per-example squared norms and a random weighted
   sum must equal those of an exact loop of single-example autograd calls,
