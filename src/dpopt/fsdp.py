@@ -232,9 +232,13 @@ class ShardedCapture(HookCapture):
         blocks = [DirectBlock(list(range(len(self.params))), [q.new_zeros((0, *q.shape)) for q in self.plan.params])]
         return self._source(blocks, 0)
 
-    def _verify(self, p) -> None:  # only inside collect's synchronised check (all ranks at once)
+    checks_collate = False  # one rank's extra forwards (examples collated alone) would stall FSDP's collectives
+
+    def _verify(self, p, key=None) -> None:  # only inside collect's synchronised check (all ranks at once)
         if self._syncing:
-            super()._verify(p)
+            super()._verify(p, key)
+        elif key is not None:  # FSDP's check is synchronised per mode signature (collect): not per module state
+            self._modes.done(key)
 
     def _unsharded_params(self) -> list[Tensor]:
         where = {id(fp.sharded_param): fp for g in _param_groups(self.model) for fp in g.fsdp_params}

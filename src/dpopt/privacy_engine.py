@@ -109,6 +109,7 @@ from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
 from . import fsdp
+from .engine.collate_check import probe_loader
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
 from .noise import NoiseSource
@@ -829,6 +830,7 @@ class PrivacyEngine:
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private._loader = loader if isinstance(loader, DPDataLoader) else None
+            probe_loader(loader, capture, views, view_fn)  # the check collates examples alone (padding)
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)

@@ -12,7 +12,9 @@ with ``dpopt.PrivacyEngine``:
   ``accountant.get_epsilon`` mid-epoch, ``torch.save`` of a dict holding
   ``model.state_dict()`` and ``optimizer.state_dict()`` every epoch;
 * char-lstm: byte-encoded sequences of different lengths padded by a
-  ``pad_sequence`` collate_fn (Poisson batches may be empty), Embedding →
+  ``pad_sequence`` collate_fn to one fixed length (Opacus's script pads to the
+  batch's longest, which makes each example's input depend on the others:
+  refused by dpopt's check; Poisson batches may be empty), Embedding →
   recurrent layer (``batch_first=True``) → last step → Linear; the recurrent
   layer is ``nn.LSTM`` or an LSTM written as cells of two ``nn.Linear`` called
   at every time step (the structure of Opacus's ``DPLSTM``).
@@ -129,8 +131,14 @@ class _Names(Dataset):
         return self.items[i]
 
 
+MAX_LEN = 11  # the longest name (9 bytes) with its start and end tokens
+
+
 def _padded_collate(batch, padding_idx=0):
+    """Pad to ONE fixed length (issue 33): padding to the batch's longest made each example's input (and
+    the LSTM's h[:, -1]) depend on the other examples of the batch: refused by the first-batch check."""
     x = pad_sequence([b[0] for b in batch], batch_first=True, padding_value=padding_idx)
+    x = nn.functional.pad(x, (0, MAX_LEN - x.shape[1]), value=padding_idx) if len(batch) else x
     return x, torch.stack([b[1] for b in batch]).long()
 
 

@@ -51,10 +51,10 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .bare import bare_candidates, reduce_to, tap_bare
-from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature, off_axis,
-                    rtol)
+from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature,
+                    module_state, off_axis, rtol)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
-from .inputs import check_buffers, snapshot_buffers
+from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
@@ -160,10 +160,11 @@ def _note_late(late: set, key, grad_outputs) -> None:
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state")
 
-    def __init__(self, batch_size: int, args, kwargs, modes):
+    def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
+        self.state = state  # engine.check.module_state at the forward (the check's signature)
 
 
 class Call:
@@ -535,7 +536,8 @@ class Recorder:
         b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
         if torch.is_grad_enabled():
             self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
-        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None)
+        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None,
+                            module_state(module) if self.guard_buffers else None)
         if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
             self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
@@ -549,6 +551,18 @@ class Recorder:
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
         return None
+
+    def recheck_buffers(self) -> None:
+        """After the backward: no buffer changed since the last root forward began (a backward hook's write).
+
+        Values are compared (:func:`~dpopt.engine.inputs.changed_buffers`);
+        nothing to do before the first recorded forward.
+
+        Raises:
+            ValueError: (buffers restored first) naming the changed buffers.
+        """
+        if self.guard_buffers and self._buffers:
+            check_buffers(self.plan.model, self._buffers)
 
     def _hf_pre(self, module, args, kwargs):
         if self.active and torch.is_grad_enabled():
@@ -672,7 +686,7 @@ class Recorder:
                 else:
                     leaves_.append(t)
             args, kwargs = tree_unflatten(leaves_, spec)
-            outs = leaves(functional_call(m, dict(zip(attrs, ps)), tuple(args), kwargs))
+            outs = leaves(functional_call(m, (dict(zip(attrs, ps)), guarded_buffers(m)), tuple(args), kwargs))
             return tuple(outs[k] for k in used)
 
         xs = [t for t, bt in zip(data, batched) if bt]
@@ -737,7 +751,7 @@ class Recorder:
 
     # -- the first-batch check -----------------------------------------------------------
     def check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
-              row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+              row_loss: Optional[Callable] = None, compare: Optional[int] = None) -> tuple[dict, list[int]]:
         """One verification pass: this capture vs single-example autograd.
 
         In the mode the model is in (the caller sets the mode of the release),
@@ -774,7 +788,23 @@ class Recorder:
             OutputLayout: the model's output is not ``[rows, ...]`` tensors.
             Unreplayable: a random op that cannot be replayed per example.
             ValueError: the model fails on one example (:func:`~dpopt.engine.check.alone_failed`).
+
+        ``compare``: compare only the first ``compare`` examples (their
+        ``compare·K`` rows run alone; None: all). For a check at the size of
+        a large batch (a new size class): the batched pass has every row,
+        the single-example loop and its ``[compare, *shape]`` reference
+        gradients only a few.
         """
+        with preserved_state(self.plan.model):  # its passes leave no buffer value and no RNG draw behind
+            self._compare = compare
+            try:
+                return self._check(args, kwargs, rows, views, run, params, row_loss)
+            finally:
+                self._compare = None
+
+    def _check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
+               row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+        """:meth:`check` inside its state guard."""
         plan = self.plan
         tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
         bad, off = self._check_once(args, kwargs, rows, views, run, params, row_loss, tol)
@@ -837,10 +867,20 @@ class Recorder:
             return bad, []
         blocks = self.build([c for c in calls if c.has_grad], rows, 1.0 / views, views, other)
         indices = sorted({i for blk in blocks for i in blk.index})
+        if not indices:  # every parameter left the rules during this pass (a bare one used otherwise): nothing
+            for blk in blocks:  # to compare (Conv1d / InstanceNorm with one channel: their [1, ...] parameters)
+                blk.free()
+            return {}, []
+        b = rows // views
+        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(self._compare)))
         with replay.replaying(rows):
-            ref = self._loop(args, kwargs, row_loss, rows, indices, params)
+            ref = self._loop(args, kwargs, row_loss, rows, indices, params, upto=m * views)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
-        c = torch.rand(rows // views, generator=gen, dtype=torch.float64).to(plan.device)
+        c = torch.rand(m, generator=gen, dtype=torch.float64).to(plan.device)
+        if m < b:  # the first m examples only: zero weights and no norm comparison for the others
+            c = torch.cat([c, c.new_zeros(b - m)])
+            ref = {i: torch.cat([g, g.new_zeros((b - m, *g.shape[1:]))]) for i, g in ref.items()}
+            blocks = [_FirstRows(blk, m) for blk in blocks]
         with no_autocast(plan.device):
             off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
         for blk in blocks:
@@ -848,16 +888,18 @@ class Recorder:
         return {}, off
 
     def _loop(self, args, kwargs, row_loss: Callable, rows: int, indices: list[int],
-              params: Optional[Sequence[Tensor]] = None) -> dict:
-        """Exact per-row gradients [rows, *shape] of f_r(out_r), one row at a time (the caller's mode)."""
+              params: Optional[Sequence[Tensor]] = None, upto: Optional[int] = None) -> dict:
+        """Exact per-row gradients [upto, *shape] of f_r(out_r) for rows 0..upto−1 (default all), one at a time."""
         params = [(self.plan.params if params is None else params)[i] for i in indices]
+        if not params:  # nothing to differentiate (torch.autograd.grad refuses an empty list)
+            return {}
         flat, spec = tree_flatten((args, kwargs))
         batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in flat]
         out_rows = []
         self.active = False
         try:
             with torch.enable_grad():
-                for i in range(rows):
+                for i in range(rows if upto is None else upto):
                     a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
                     try:
                         out = self.plan.model(*a_i, **kw_i)
@@ -871,6 +913,27 @@ class Recorder:
         finally:
             self.active = True
         return {i: torch.stack([r[k] for r in out_rows]) for k, i in enumerate(indices)}
+
+
+class _FirstRows:
+    """A block seen through its first ``m`` examples' squared norms (the weighted sums are left whole).
+
+    :meth:`Recorder.check` with ``compare``: the weights of the other
+    examples are zero, so the sums are those of the first ``m``.
+    """
+
+    def __init__(self, blk, m: int):
+        self.blk, self.m, self.index = blk, int(m), blk.index
+
+    def sq_norms(self, geos):
+        return [v.clone() if v.shape[0] <= self.m else
+                torch.cat([v[:self.m], v.new_zeros(v.shape[0] - self.m)]) for v in self.blk.sq_norms(geos)]
+
+    def grad_sums(self, coefs, bad):
+        return self.blk.grad_sums(coefs, bad)
+
+    def free(self) -> None:
+        self.blk.free()
 
 
 def demotion_warning(plan: Plan, module: nn.Module, ins, outs) -> str:

@@ -69,7 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["mode_signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
+__all__ = ["mode_signature", "module_state", "size_class", "Signature", "signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
            "model_dims",
            "rtol", "agrees", "disagreeing", "alone_failed", "RTOL", "layer_of", "layer_scales", "in_float64"]
 
@@ -81,6 +81,86 @@ RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfl
 def mode_signature(model: nn.Module) -> tuple[bool, ...]:
     """``module.training`` of every module of ``model`` (``model.modules()`` order): the mode of a release."""
     return tuple(bool(m.training) for m in model.modules())
+
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_is_hf_initialized"}
+_PRIMITIVE = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _attribute_key(v):
+    """A hashable summary of one plain attribute: its value (primitives, short tuples of them), a tensor's
+    (shape, dtype, device) (its values may be a per-step cache), any other object's identity."""
+    if isinstance(v, _PRIMITIVE):
+        return "nan" if isinstance(v, float) and v != v else v
+    if isinstance(v, Tensor):
+        return ("tensor", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(e, _PRIMITIVE) for e in v):
+        return (type(v).__name__, *("nan" if isinstance(e, float) and e != e else e for e in v))
+    return ("id", id(v))
+
+
+def module_state(model: nn.Module) -> tuple:
+    """A fingerprint of ``model``'s non-parameter state: what can change how a forward treats the batch.
+
+    Per module in ``model.named_modules()`` order: its name, its identity
+    and type (a parameter-free submodule swapped after the check changes it),
+    and every plain attribute of its ``__dict__`` other than ``nn.Module``'s
+    own bookkeeping (parameters, buffers, submodules and hook tables are not
+    in it; ``training`` is :func:`mode_signature`'s): primitives by value
+    (a flag ``self.mix = True`` switched after step 1 changes it), tensors by
+    shape, dtype and device, any other object (a function, a config) by
+    identity. Cost: one pass over the modules' attribute dicts (measured in
+    ``benchmarks/signature_cost.py``).
+    """
+    out = []
+    for name, m in model.named_modules():
+        attrs = tuple((k, _attribute_key(v)) for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS)
+        out.append((name, id(m), type(m).__qualname__, attrs))
+    return tuple(out)
+
+
+def size_class(examples: int) -> int:
+    """The batch-size class of a batch of ``examples``: ``examples.bit_length()`` (power-of-two buckets).
+
+    A batch in a class not checked before is checked again, at a size of
+    that class or above (so a forward that mixes examples only in batches
+    larger than the first check's is seen). Poisson batches around E[B]
+    fall in one or two classes.
+    """
+    return int(examples).bit_length()
+
+
+class Signature(tuple):
+    """``(modes, state, size_class)``: what a first-batch check vouches for (:func:`signature`)."""
+
+    __slots__ = ()
+
+    def __new__(cls, modes: tuple, state: tuple, size: int):
+        return super().__new__(cls, (tuple(modes), state, int(size)))
+
+    def __getnewargs__(self):  # copy / pickle
+        return tuple(self)
+
+    @property
+    def modes(self) -> tuple:
+        return self[0]
+
+    @property
+    def size(self) -> int:
+        return self[2]
+
+
+def signature(model: nn.Module, examples: int, modes: Optional[tuple] = None, state: Optional[tuple] = None
+              ) -> Signature:
+    """The check's key of a release: :func:`mode_signature`, :func:`module_state` and :func:`size_class`.
+
+    Args:
+        model: the root module. examples: the batch's examples (private: used
+            only for its class, never stored elsewhere). modes, state: as
+            recorded at the forward pass (default: now).
+    """
+    return Signature(mode_signature(model) if modes is None else modes,
+                     module_state(model) if state is None else state, size_class(examples))
 
 
 @contextmanager
@@ -123,12 +203,25 @@ class ModeCheck:
         self._done: set = set()
 
     def needed(self, signature: tuple) -> bool:
-        """True if a step in mode ``signature`` must first be checked."""
-        return self.enabled and signature not in self._done
+        """True if a step in mode ``signature`` must first be checked.
+
+        ``signature``: a :class:`Signature` (modes, module state, size
+        class), or a plain mode signature (checked if any :class:`Signature`
+        with those modes was).
+        """
+        if not self.enabled or signature in self._done:
+            return False
+        if isinstance(signature, Signature):
+            return True
+        return not any(isinstance(d, Signature) and d.modes == tuple(signature) for d in self._done)
 
     def done(self, signature: tuple) -> None:
         """Record that ``signature`` was checked."""
-        self._done.add(tuple(signature))
+        self._done.add(signature if isinstance(signature, Signature) else tuple(signature))
+
+    def checked_size(self, signature: "Signature") -> int:
+        """The largest size class checked with the same modes and module state (0: none)."""
+        return max([d.size for d in self._done if isinstance(d, Signature) and d[:2] == signature[:2]] or [0])
 
 
 # --------------------------------------------------------------------------- randomness
@@ -303,13 +396,14 @@ def off_axis(t: Tensor, b: int) -> bool:
 
 
 # --------------------------------------------------------------------------- sizes
-def free_sizes(dims: set, k: int = 2, multiple: int = 1) -> list[int]:
-    """The k smallest row counts ≥ 2 that are multiples of ``multiple`` and not in ``dims`` (verification sizes).
+def free_sizes(dims: set, k: int = 2, multiple: int = 1, at_least: int = 2) -> list[int]:
+    """The k smallest row counts ≥ ``at_least`` rows (and ≥ 2 examples) that are multiples of ``multiple`` and not in ``dims``.
 
     ``multiple`` = K rows per example (:mod:`dpopt.engine.capture`): each
-    size is then a whole number (≥ 2) of examples.
+    size is then a whole number (≥ 2) of examples. ``at_least``: a lower
+    bound in rows (the batch of a new size class: :func:`size_class`).
     """
-    out, n = [], 2 * multiple
+    out, n = [], max(2 * multiple, -(-int(at_least) // multiple) * multiple)
     while len(out) < k:
         if n not in dims:
             out.append(n)

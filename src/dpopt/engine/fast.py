@@ -33,8 +33,9 @@ or an exact single-example loop) for that parameter only.
   dim 0 of its input and output (a ``[1, T]`` broadcast position id, a
   ``[T, B, D]`` sequence-first tensor or a ``reshape(B*T, D)`` fails this),
   else the layer moves to the reference path with a warning;
-* on the first batch in each train/eval mode signature (a change of
-  ``model.training`` of any submodule re-runs it), in that mode, at two batch
+* on the first batch in each signature (train/eval flags, the modules'
+  non-parameter state, the batch-size class: :func:`~dpopt.engine.check.signature`;
+  any change re-runs it), in that mode, at two batch
   sizes that differ from every dimension of the model's parameters, buffers
   and module inputs/outputs, the fast per-example squared norms and a
   weighted sum are compared with an exact loop of single-example autograd on
@@ -71,10 +72,10 @@ from ..types import ClipGeometry, EvaluationPoint
 from .capture import (Call, OutputLayout, Plan, Recorder, check_views, demotion_warning, expand_broadcast,  # noqa: F401
                       no_autocast, trailing)
 from .check import ModeCheck, RandomReplay, Unreplayable, alone_failed, free_sizes, layer_scales, mode_signature, \
-    model_dims, rtol
+    model_dims, rtol, signature
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
 from .hf_guards import refuse_checkpointing
-from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
+from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
 from .layers import Budget, DirectBlock, FactoredBlock
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -401,9 +402,10 @@ class PerSampleEngine:
     @property
     def verified(self) -> bool:
         """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
-        return not self._modes.needed(mode_signature(self.model))
+        return not self._modes.needed(mode_signature(self.model)) and (
+            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0)
 
-    def _verify(self, x: Tensor, y: Tensor) -> None:
+    def _verify(self, x: Tensor, y: Tensor, key=None) -> None:
         """Once per mode signature: does every fast rule give the per-example gradients? Demote those that do not.
 
         In the model's own mode (the mode of the release: train mode with its
@@ -424,8 +426,12 @@ class PerSampleEngine:
 
         A parameter that fails moves to the per-example path for good. If
         fewer than two examples have a finite loss, the check is postponed.
+        ``key``: the :func:`~dpopt.engine.check.signature` this check vouches
+        for (modes, module state, size class); a batch larger than the two
+        small sizes is also checked at a size ≥ its own (the first 8
+        examples compared).
         """
-        sig = mode_signature(self.model)
+        sig = mode_signature(self.model) if key is None else key
         k = self.views
         with torch.no_grad():
             out = self.model(x)
@@ -443,7 +449,11 @@ class PerSampleEngine:
         xs, ys = x[sel], y[sel]
         self._modes.done(sig)
         self._verify_reference(xs, ys)
-        for n in free_sizes(model_dims(self.model, (xs,)), multiple=k):
+        dims = model_dims(self.model, (xs,))
+        sizes = free_sizes(dims, multiple=k)
+        if y.shape[0] > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
+            sizes += free_sizes(dims, k=1, multiple=k, at_least=int(y.shape[0]))
+        for n in sizes:
             if not self._fast_indices():
                 break
             ex = torch.arange(n // k, device=keep.device) % keep.numel()
@@ -488,7 +498,7 @@ class PerSampleEngine:
 
         for _attempt in range(len(self.modules) + 1):
             try:
-                bad, off = self._rec.check((xb,), {}, n, self.views, self._run_check, row_loss=row_loss)
+                bad, off = self._rec.check((xb,), {}, n, self.views, self._run_check, row_loss=row_loss, compare=8)
             except OutputLayout as err:
                 self._demote_all(err.args[0])
                 return
@@ -548,8 +558,10 @@ class PerSampleEngine:
         if bd != 0:
             grads = self._reference(x, y, pts, batch_dim=bd)
             return self._source([DirectBlock(list(range(len(self.params))), grads)], b, pts)
-        if not self.verified:
-            self._verify(x, y)
+        key = signature(self.model, b) if self._modes.enabled else None  # modes, module state, size class
+        if key is not None and self._modes.needed(key):
+            with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
+                self._verify(x, y, key)
         try:
             calls = [c for pt in pts for c in self._capture(x, y, pt)]
         except OutputLayout as err:

@@ -27,12 +27,16 @@ policy. What the functional engine verifies is verified here too (DESIGN.md,
 
 * statically, :func:`dpopt.models.check_model` (BatchNorm, tracked running
   statistics, ``max_norm`` / sparse embeddings are refused);
-* every forward pass, no buffer may change (:func:`~dpopt.engine.inputs.buffers_unchanged`);
+* every forward pass, and the backward before each step, no buffer may
+  change, compared by value (:func:`~dpopt.engine.inputs.changed_buffers`:
+  writes through ``buf.data`` and from backward hooks count);
 * every step, each recorded call must have the realised batch size B as dim 0
   of its input and of its output (else ``ValueError`` naming the layer: there is
   no loss to fall back on);
-* on the first batch of ≥ 2 examples in each train/eval mode signature (a
-  change of ``model.training`` of any submodule re-runs it), in the mode of
+* on the first batch of ≥ 2 examples in each signature (train/eval flags,
+  the modules' non-parameter state, the batch-size class:
+  :func:`~dpopt.engine.check.signature`; any change re-runs it, and the
+  loader's examples are also collated alone: :mod:`dpopt.engine.collate_check`), in the mode of
   that forward pass, at two batch sizes that differ from every dimension of
   the model, the hook path's per-example squared norms and a random weighted
   sum must equal those of an exact loop of single-example autograd calls,
@@ -74,9 +78,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..models import check_model
 from ..types import EvaluationPoint
 from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leaves, trailing
-from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims
+from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .fast import FastPerSampleGrads
 from .hf_guards import refuse_checkpointing
+from .collate_check import CollateProbe, check_collate
+from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
 
@@ -114,6 +120,8 @@ class HookCapture:
     (private: hand it to the Privatizer only). :meth:`detach` removes the hooks.
     """
 
+    checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
+
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", verify: bool = True,
                  chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, rows_per_example: int = 1):
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -135,6 +143,11 @@ class HookCapture:
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True,
                              hook_bare_owners=True).attach()
+        # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
+        self.collate_probe: Optional[CollateProbe] = None
+
+    def _quiet(self, flag: bool) -> None:
+        self._rec.active = not flag
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module), "?")
@@ -177,6 +190,7 @@ class HookCapture:
         """
         late = self._rec.dropped_received()  # passes dropped as unused (a later pass began) that got gradients
         calls, other = self._rec.take()
+        self._rec.recheck_buffers()  # by value, after the backward: a backward hook's write is refused too
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size
             warnings.warn("optimizer.step() after a forward pass but without loss.backward(): this step releases "
@@ -202,8 +216,13 @@ class HookCapture:
         p = next(iter(passes.values()))
         check_views(p.batch_size, self.views)
         # one example tiled up cannot reveal mixing: wait for two
-        if self._modes.needed(p.modes) and p.batch_size >= 2 * self.views:
-            self._verify(p)
+        key = signature(self.model, p.batch_size // self.views, p.modes, p.state)  # modes, module state, size class
+        if self._modes.needed(key) and p.batch_size >= 2 * self.views:
+            with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
+                if self.collate_probe is not None:  # before the signature is marked checked: examples collated alone
+                    check_collate(self.model, p.args, p.kwargs, p.batch_size, self.collate_probe, self.params,
+                                  p.modes, self._quiet)
+                self._verify(p, key)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
     def _empty(self) -> FastPerSampleGrads:
@@ -254,10 +273,11 @@ class HookCapture:
 
     @property
     def verified(self) -> bool:
-        """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
-        return not self._modes.needed(mode_signature(self.model))
+        """True if the model's current train/eval mode and module state were checked (any size class; or ``verify=False``)."""
+        return not self._modes.needed(mode_signature(self.model)) and (
+            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0)
 
-    def _verify(self, p: Pass) -> None:
+    def _verify(self, p: Pass, key=None) -> None:
         """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
 
         Runs in the mode of the pass ``p`` (the mode of the release), with the
@@ -273,10 +293,13 @@ class HookCapture:
                 dims = model_dims(self.model, args, kwargs)
             finally:
                 self._rec.active = True
-            for n in free_sizes(dims, multiple=views):
+            sizes = free_sizes(dims, multiple=views)
+            if p.batch_size > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
+                sizes += free_sizes(dims, k=1, multiple=views, at_least=p.batch_size)
+            for n in sizes:
                 rows = ((torch.arange(n // views) % k).unsqueeze(1) * views + offsets).flatten()
-                self._verify_at(self._select(p, rows), n)
-        self._modes.done(p.modes)
+                self._verify_at(self._select(p, rows), n, compare=k)
+        self._modes.done(p.modes if key is None else key)
 
     def _run_check(self, args, kwargs, loss_of):
         """The check's batched pass: the model's forward, the gradients through the tensor hooks."""
@@ -288,10 +311,11 @@ class HookCapture:
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other
 
-    def _verify_at(self, inputs, n: int) -> None:
+    def _verify_at(self, inputs, n: int, compare: Optional[int] = None) -> None:
         args, kwargs = inputs
         try:
-            bad, off = self._rec.check(args, kwargs, n, self.views, self._run_check, params=self.params)
+            bad, off = self._rec.check(args, kwargs, n, self.views, self._run_check, params=self.params,
+                                       compare=compare)
         except OutputLayout as err:
             raise ValueError(f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "
                              f"{n}); the hook engine needs [B, ...] outputs") from None

@@ -51,7 +51,7 @@ from torch.func import functional_call, grad, vmap
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from .check import Unreplayable
-from .inputs import LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss
+from .inputs import BufferWrite, LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss, guarded_buffers
 
 __all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
            "check_inputs", "METHODS"]
@@ -153,14 +153,37 @@ def use_loop(model: nn.Module, reason: str) -> None:
 
 
 def _one_example(model: nn.Module, loss_fn: LossFn, batch_dim: int):
-    """ℓ(params; x_i, y_i) for one example whose example axis vmap removed (re-inserted at batch_dim)."""
-    buffers = dict(model.named_buffers())
+    """ℓ(params; x_i, y_i) for one example whose example axis vmap removed (re-inserted at batch_dim).
+
+    The model's buffers are passed as guarded aliases
+    (:func:`~dpopt.engine.inputs.guarded_buffers`: the same storage, kept in
+    ``f.buffers``): a forward that rebinds one (``buf.data = ...``) under vmap
+    raises :class:`~dpopt.engine.inputs.BufferWrite` instead of putting a
+    batched tensor into the model (a crash), and a rebinding by any other
+    means is found after the pass (:func:`_rebound_buffers`).
+    """
+    buffers = guarded_buffers(model)
 
     def f(params: dict, x: Tensor, y: Tensor) -> Tensor:
         out = functional_call(model, (params, buffers), (x.unsqueeze(batch_dim),))
         return example_loss(loss_fn(out, y.unsqueeze(0)))
 
+    f.buffers = buffers  # type: ignore[attr-defined]
     return f
+
+
+def _rebound_buffers(model: nn.Module, aliases: dict) -> list[str]:
+    """Names of buffers whose vmap alias (:func:`_one_example`) no longer shares the buffer's storage."""
+    real = dict(model.named_buffers())
+    out = []
+    for k, a in aliases.items():
+        try:
+            moved = k not in real or a.data_ptr() != real[k].data_ptr() or a.shape != real[k].shape
+        except RuntimeError:  # rebound to a batched tensor of the vmap pass (it has no storage of its own)
+            moved = True
+        if moved:
+            out.append(k)
+    return sorted(out)
 
 
 def _shifted(params: dict, offset: Optional[Sequence[Tensor]]) -> dict:
@@ -176,7 +199,15 @@ def _vmap_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
         return f({**r, **s}, xi, yi)
 
     # randomness="different": each example draws its own dropout masks, as it would alone (the loop)
-    return vmap(grad(f_sel), in_dims=(None, None, bd, 0), randomness="different")(sel, rest, x, y)
+    out = vmap(grad(f_sel), in_dims=(None, None, bd, 0), randomness="different")(sel, rest, x, y)
+    rebound = _rebound_buffers(model, f.buffers)  # type: ignore[attr-defined]
+    if rebound:
+        raise BufferWrite(f"the model's forward pass rebinds its buffers {rebound} (buf.data = ...) while computing "
+                         "per-sample gradients of private examples: their new values are un-noised statistics "
+                         "of the private batch and would be released with the model. Keep buffers constant "
+                         "during training (an EMA or codebook update belongs outside the private forward, or "
+                         "in parameters trained privately)")
+    return out
 
 
 def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd: int) -> dict:
@@ -206,8 +237,8 @@ def _grads(model, loss_fn, sel, rest, x, y, bd, method: str) -> dict:
         return _loop_grads(model, loss_fn, sel, rest, x, y, bd)
     try:
         return _vmap_grads(model, loss_fn, sel, rest, x, y, bd)
-    except LossShapeError:
-        raise  # the user's loss, not vmap: say so directly
+    except (LossShapeError, BufferWrite):
+        raise  # the user's loss / a buffer write, not vmap: say so directly
     except Exception as err:  # noqa: BLE001 — vmap cannot batch this model: the exact loop instead
         if method == "vmap":
             raise

@@ -1,0 +1,172 @@
+"""Examples independent through the collate (issue 33, case 5): the PrivacyEngine door.
+
+A ``collate_fn`` that pads every sequence to the batch's longest makes each
+example's input depend on the others; a model that reads the padding moved the
+σ = 0 release by 1.64·C (an LSTM classifier on ``h[:, -1]``) and 2.92·C (a mean
+over padded positions) when the longest record was removed, and the
+first-batch check — which slices the padded batch — could not see it. The
+check now collates a few examples alone (:mod:`dpopt.engine.collate_check`):
+
+* pad-to-longest with a model that reads the padding: refused before the
+  first release, the message naming the fixes;
+* the fixes — fixed-length padding, ``pack_padded_sequence`` with the true
+  lengths, a masked mean — train, and with σ = 0 removing any one record
+  (the longest included) moves the release by at most C.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+from torch.utils.data import DataLoader, Dataset
+
+import dpopt
+
+MAX_LEN = 9
+
+
+class Seqs(Dataset):
+    """Token sequences of lengths 2..MAX_LEN (or ``lengths``; ids 1..19, 0 is padding) with a class label each."""
+
+    def __init__(self, n=24, seed=0, lengths=None):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(n if lengths is None else len(lengths)):
+            k = int(torch.randint(2, MAX_LEN + 1, (1,), generator=g)) if lengths is None else lengths[i]
+            self.items.append((torch.randint(1, 20, (k,), generator=g), torch.randint(0, 3, (), generator=g)))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def pad_longest(batch):
+    return pad_sequence([b[0] for b in batch], batch_first=True), torch.stack([b[1] for b in batch])
+
+
+def pad_fixed(batch):
+    x = pad_sequence([b[0] for b in batch], batch_first=True)
+    return nn.functional.pad(x, (0, MAX_LEN - x.shape[1])), torch.stack([b[1] for b in batch])
+
+
+class LastStep(nn.Module):
+    """Embedding → LSTM → Linear on h[:, -1] (the char-LSTM shape): reads the padding after a short sequence."""
+
+    def __init__(self, packed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.out = nn.Embedding(20, 6), nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
+        self.packed = packed
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.packed:  # the true lengths: each example's last real step, whatever the padding
+            lengths = (x != 0).sum(1).cpu()
+            _, (hn, _) = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False))
+            return self.out(hn[-1])
+        return self.out(self.rnn(h)[0][:, -1])
+
+
+class MeanPool(nn.Module):
+    """Embedding → mean over positions → Linear; ``masked``: over the true positions only."""
+
+    def __init__(self, masked=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out, self.masked = nn.Embedding(20, 6), nn.Linear(6, 3), masked
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.masked:
+            m = (x != 0).unsqueeze(-1).to(h.dtype)
+            return self.out((h * m).sum(1) / m.sum(1))
+        return self.out(h.mean(1))
+
+
+def _private(model, dataset, collate, batch_size=8, poisson=True):
+    eng = dpopt.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, dl = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                          data_loader=DataLoader(dataset, batch_size=batch_size, collate_fn=collate),
+                                          noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=poisson)
+    return eng, model, opt, dl
+
+
+C = 0.1
+ONE_LONGEST = [MAX_LEN] + [2, 3, 4] * 13  # removing record 0 shortens the padding of the 39 others
+
+
+@pytest.mark.parametrize("build", [LastStep, MeanPool], ids=["lstm-last-step", "mean-over-padding"])
+def test_pad_to_longest_read_by_the_model_is_refused(build):
+    eng, model, opt, dl = _private(build(), Seqs(), pad_longest)
+    with pytest.raises(ValueError, match="collate_fn collates it alone") as err:
+        for x, y in dl:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    for fix in ("mask padded positions", "pack_padded_sequence", "fixed length"):
+        assert fix in str(err.value)
+    assert len(eng.ledger) == 0  # nothing released
+
+
+class Subset(Dataset):
+    def __init__(self, base, keep):
+        self.base, self.keep = base, list(keep)
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        return self.base[self.keep[i]]
+
+
+def _release(build, dataset, collate):
+    """The σ = 0 release of ONE step on the whole ``dataset`` (one fixed batch), times the expected batch size."""
+    eng, model, opt, dl = _private(build(), dataset, collate, batch_size=len(dataset), poisson=False)
+    (x, y), = list(dl)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y, reduction="sum").div(len(y)).backward()
+    opt.step()
+    assert len(eng.ledger) == 1
+    return torch.cat([p.grad.flatten() for p in model.parameters()]) * opt.expected_batch_size
+
+
+@pytest.mark.parametrize("build, collate", [
+    (LastStep, pad_fixed), (lambda: LastStep(packed=True), pad_longest), (lambda: MeanPool(masked=True), pad_longest),
+    (MeanPool, pad_fixed)], ids=["lstm-fixed-length", "lstm-packed", "masked-mean", "mean-fixed-length"])
+def test_safe_forms_train_and_removing_any_record_moves_the_release_by_at_most_c(build, collate):
+    data = Seqs(lengths=ONE_LONGEST)
+    full = _release(build, data, collate)
+    longest = max(range(len(data)), key=lambda i: len(data[i][0]))
+    for j in [longest, 1, 2]:
+        part = _release(build, Subset(data, [i for i in range(len(data)) if i != j]), collate)
+        # the expected batch size is len(dataset) in each run: undo it per run (full: n, part: n - 1)
+        moved = float((full - part).norm())
+        assert moved <= C * (1 + 1e-5), f"record {j}: {moved / C:.3f} C"
+
+
+@pytest.mark.parametrize("build", [LastStep, MeanPool], ids=["lstm-last-step", "mean-over-padding"])
+def test_pad_to_longest_moved_the_release_by_more_than_c_without_the_check(build):
+    """The failure the check prevents, measured with the check's collate probe removed (verify the setup)."""
+    data = Seqs(lengths=ONE_LONGEST)
+    longest = 0
+
+    def release(dataset):
+        eng, model, opt, dl = _private(build(), dataset, pad_longest, batch_size=len(dataset), poisson=False)
+        opt._capture.collate_probe = None  # the collate check switched off
+        (x, y), = list(dl)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y, reduction="sum").div(len(y)).backward()
+        opt.step()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]) * opt.expected_batch_size
+
+    moved = float((release(data) - release(Subset(data, [i for i in range(len(data)) if i != longest]))).norm())
+    assert moved > 2 * C  # measured 3.2 C (LSTM) and 6.7 C (mean) here
