@@ -12,10 +12,15 @@
 How it stays one Poisson step: the wrapped loader's batch sampler draws the
 logical batch (Poisson, at q); this sampler splits its index list into
 ``ceil(|batch| / max_physical_batch_size)`` near-equal chunks (disjoint: every
-example of the batch is in exactly one chunk) and, before yielding each chunk,
-tells the optimizer whether the step after it ends the logical batch
-(``optimizer.signal_skip_step(do_skip=...)``, Opacus's protocol). On a skipped
-step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
+example of the batch is in exactly one chunk) and tags each chunk
+``(batch, chunk, chunks)`` (:mod:`dpopt.release_boundary`); the chunked loader
+hands each tag to the optimizer's release boundary as it yields the chunk, so
+the tag — not a queue of signals — says which ``step()`` ends the logical
+batch, and a step left open (``break``, ``continue`` on the last chunk, an
+exception, leaving the ``with`` block) is released on its own before anything
+of another batch is added. (An optimizer that is not dpopt's, or Opacus's own
+manager, gets Opacus's ``optimizer.signal_skip_step(do_skip=...)`` protocol
+instead.) On a skipped step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
 per-sample gradients and adds them into its Privatizer's open step
 (``Privatizer.accumulate``); on the last chunk it adds that chunk too and
 releases once: noise once, one ledger entry at q — the same release as one
