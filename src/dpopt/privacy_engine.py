@@ -527,6 +527,17 @@ class PrivateOptimizer(torch.optim.Optimizer):
         dp = self._dp
         self._release_open(dp.privatizer, dp, dp._params())
 
+    def _release_skipped_batch(self) -> None:
+        """Release a BatchMemoryManager batch the loop skipped entirely: pure noise, charged, applied
+        (as the empty batch it looks like from outside; :mod:`dpopt.release_boundary`)."""
+        if self._open:
+            return
+        dp = self._dp
+        priv = dp.privatizer
+        priv.begin(ClipGeometry() if self._torch else dp.geometry())
+        self._is_last_step_skipped = False
+        self._release_open(priv, dp, dp._params())
+
     def _release_open(self, priv, dp, params) -> None:
         """Release the Privatizer's open step and apply it (the end of a logical step)."""
         release = priv.release(params_like=params)

@@ -26,7 +26,12 @@ How it works, on every door that hands out Poisson batches
 * under ``BatchMemoryManager`` the chunk's tag (not a queue of signals)
   says whether ``step()`` ends the logical batch (the last chunk releases); a
   chunk the loop skipped (``continue``, an exception caught before ``step()``)
-  is simply not added;
+  is simply not added, and a logical batch the loop skipped ENTIRELY (an
+  empty batch's ``continue``) is released as pure noise when the loop moves on
+  — every batch ``BatchMemoryManager`` hands out is released exactly once, so
+  the number of releases does not depend on the data and data-parallel ranks
+  release together. A ``step()`` that raises (a refusal) releases nothing, and
+  its batch is not owed a noise release;
 * the rows-vs-examples check (:meth:`ReleaseBoundary.check_rows`) compares the
   examples forwarded in the open step with the examples of the chunks that were
   current at its ``step()`` calls, from this one place on every path.
@@ -35,10 +40,10 @@ Why close and not refuse: ``break`` out of a ``BatchMemoryManager`` loop (a
 step budget, a time limit) and ``if len(x) == 0: continue`` are ordinary loop
 control flow; the part of a Poisson batch already added is a valid release
 (a subset of one Poisson sample, sensitivity C), charged like any other.
-Refusing would turn common loops into errors without a privacy gain. A
-logical batch the loop skipped entirely has no release (as in a plain loop):
-the number of releases then depends on the loop's decisions — keep stepping
-on empty batches (docs/pitfalls.md).
+Refusing would turn common loops into errors without a privacy gain. In a
+plain loop (one ``step()`` per batch, no chunks) a batch the loop skips has
+no release (a batch peeked at with ``next(iter(loader))`` must not cost a
+release): keep stepping on empty batches there (docs/pitfalls.md, item 2).
 
 Loaders dpopt does not own (a user's loader with ``poisson_sampling=False``,
 Opacus's own ``BatchMemoryManager``) hand out no tags: the optimizer then
@@ -97,11 +102,12 @@ class ReleaseBoundary:
         self._counted: set = set()  # chunks of the open step whose examples are counted
         self.examples = 0  # examples of the counted chunks (private, memory only)
         self.rows = 0  # examples forwarded into the open step (rows / K; private, memory only)
+        self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
         return {"_serial": self._serial, "_owner": None, "current": None, "open_batch": None,
-                "_counted": set(), "examples": 0, "rows": 0}
+                "_counted": set(), "examples": 0, "rows": 0, "_owed": None}
 
     def bind(self, optimizer: Any) -> None:
         """Close open steps through ``optimizer`` (held weakly)."""
@@ -113,20 +119,40 @@ class ReleaseBoundary:
         self._serial += 1
         return self._serial
 
-    def hand(self, tag: Optional[ChunkTag]) -> None:
+    def hand(self, tag: Optional[ChunkTag], owed: bool = False) -> None:
         """A loader gives ``tag``'s chunk to the loop (None: a batch it could not tag).
 
-        A step open for another logical batch is closed first, as its own release.
+        A step open for another logical batch is closed first, as its own
+        release. With ``owed`` (``BatchMemoryManager``'s chunks) every logical
+        batch handed out is released exactly once: a batch the loop skipped
+        entirely (``if len(x) == 0: continue`` on an empty batch, an exception
+        before any ``step()`` of it) is released as pure noise (charged) when the
+        loop moves on, so the number of releases does not depend on the data and
+        data-parallel ranks release in step.
         """
         if self._owner_open() and (tag is None or self.open_batch is None or tag.batch != self.open_batch):
             self.close()
+        elif self._owed is not None and (tag is None or tag.batch != self._owed):
+            self._release_owed()
+        if owed and tag is not None:
+            self._owed = tag.batch
         self.current = tag
 
     def leave(self) -> None:
-        """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step."""
+        """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step
+        (or release a batch handed out and skipped entirely, as pure noise)."""
         if self._owner_open():
             self.close()
+        elif self._owed is not None:
+            self._release_owed()
+        self._owed = None
         self.current = None
+
+    def _release_owed(self) -> None:
+        owner = None if self._owner is None else self._owner()
+        self._owed = None
+        if owner is not None:
+            owner._release_skipped_batch()
 
     def _owner_open(self) -> bool:
         owner = None if self._owner is None else self._owner()
@@ -182,7 +208,10 @@ class ReleaseBoundary:
         return self.rows, self.examples
 
     def end(self) -> None:
-        """The open step was released or discarded."""
+        """The open step was released, or discarded (a failed or refused ``step()``: its batch is then not
+        owed a pure-noise release either — nothing is released for a refusal)."""
+        if self._owed is not None and self.open_batch == self._owed:
+            self._owed = None
         self.open_batch = None
         self._counted, self.examples, self.rows = set(), 0, 0
 

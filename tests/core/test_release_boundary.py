@@ -173,7 +173,8 @@ def test_a_failed_step_discards_its_chunk_and_the_batch_goes_on():
 @pytest.mark.parametrize("physical", [1, 2])
 def test_continue_on_empty_chunks_never_merges_batches(physical):
     """Tiny q: many empty logical batches; the loop skips them (``if len(x) == 0: continue``). Before: 19 of
-    192 releases added an example twice; now every release is part of one batch, each example at most once."""
+    192 releases added an example twice; now every release is part of one batch, each example at most once,
+    and a skipped batch is still released (pure noise: the number of releases does not depend on the data)."""
     engine, model, opt, loader, releases = _setup(batch_size=1, seed=5)  # q = 1/48: ~37% empty batches
     forwarded = 0
     for _ in range(4):
@@ -184,7 +185,8 @@ def test_continue_on_empty_chunks_never_merges_batches(physical):
                 _step(model, opt, x)
                 forwarded += len(x)
     drawn = loader.poisson.batches
-    assert len(engine.ledger) == sum(1 for b in drawn if b)  # one release per non-empty logical batch
+    assert sum(1 for b in drawn if not b) > 10  # the loop skipped many empty batches
+    assert len(engine.ledger) == len(drawn)  # still one release per logical batch (skipped ones: pure noise)
     assert sum(r.sum().item() for r in releases) == forwarded
     _assert_each_release_is_part_of_one_batch(releases, drawn, engine)
 
@@ -287,3 +289,47 @@ def test_a_new_batch_while_a_manual_chunk_is_open_closes_it_first():
     _step(model, opt, x2)
     assert len(engine.ledger) == 2
     _assert_each_release_is_part_of_one_batch(releases, loader.poisson.batches, engine)
+
+
+def test_a_batch_skipped_entirely_under_bmm_is_released_as_pure_noise():
+    engine, model, opt, loader, releases = _setup()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as chunks:
+        for i, (x, _) in enumerate(chunks):
+            if len(engine.ledger) == 1:  # skip every chunk of the second logical batch
+                continue
+            _step(model, opt, x)
+    assert len(engine.ledger) == len(loader)
+    assert sum(1 for r in releases if r.abs().sum() == 0) >= 1  # sigma = 0: the skipped batch released 0
+    _assert_each_release_is_part_of_one_batch(releases, loader.poisson.batches, engine)
+
+
+def test_dpopt_train_door_one_sampled_batch_is_one_privatize_call():
+    """dpopt's own loop: one Poisson batch -> ONE ``DPOptimizer.step(sources)`` (begin, its micro-batches,
+    release); a micro-batch that raises discards the partial sums, nothing released, and the next batch starts
+    a fresh step (never merged)."""
+    from dpopt.engine import iter_per_sample_sources
+    from dpopt.methods import make_optimizer
+
+    model = nn.Linear(N, 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    opt = make_optimizer("dp-sgd", list(model.parameters()), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                         expected_batch_size=6.0, sample_rate=0.125)
+    x = torch.eye(N, dtype=torch.float64)
+    y = torch.zeros(N)
+
+    def loss(out, y):
+        return out.sum()
+
+    def failing(sources):
+        for i, src in enumerate(sources):
+            if i == 1:
+                raise RuntimeError("the second micro-batch fails")
+            yield src
+
+    with pytest.raises(RuntimeError):
+        opt.step(failing(iter_per_sample_sources(model, loss, x[:6], y[:6], 2, opt.evaluation_points())))
+    assert len(opt.privatizer.ledger) == 0
+    release = opt.step(iter_per_sample_sources(model, loss, x[6:12], y[6:12], 2, opt.evaluation_points()))
+    m = (release.grads[0].flatten() * 6.0).round()
+    assert len(opt.privatizer.ledger) == 1 and m.max().item() == 1.0 and m.sum().item() == 6.0
+    assert set(torch.nonzero(m).flatten().tolist()) == set(range(6, 12))  # nothing of the failed batch

@@ -163,7 +163,7 @@ class _ChunkLoader(DataLoader):
                              "each chunk is tagged with its logical batch")
         try:
             for chunk in super().__iter__():
-                bd.hand(splitter.tags.popleft())
+                bd.hand(splitter.tags.popleft(), owed=True)
                 yield chunk
         finally:
             splitter.tags.clear()
