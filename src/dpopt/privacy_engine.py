@@ -443,7 +443,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
                 "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
                 "your fn) and forward the loader's rows as they are; nothing was released")
-        if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader builds the views itself
+        if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader makes the views
             raise ValueError(
                 f"augmentation_multiplicity={views}: this step's forward passes did not carry the data loader's "
                 f"last batch as it was yielded: that loader already yields each example's {views} views "
@@ -924,6 +924,7 @@ class PrivacyEngine:
                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
         self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+        self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
         return out
 
     def get_epsilon(self, delta: float) -> float:

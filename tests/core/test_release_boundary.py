@@ -62,7 +62,7 @@ def _setup(batch_size=12, seed=3, **kw):
     loader.poisson.batches = []
     releases = []
     ebs = opt.expected_batch_size
-    sgd.register_step_pre_hook(lambda o, a, k: releases.append((model.weight.grad.detach().flatten() * ebs)))
+    sgd.register_step_pre_hook(lambda o, a, k: releases.append(model.weight.grad.detach().flatten() * ebs))
     return engine, model, opt, loader, releases
 
 
