@@ -32,6 +32,12 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
 * ``dataset_size`` — ``"public"``: the dataset size N is treated as public
   (the sample rate q = B̄/N and the run files may reveal it); ``"unused"``: the
   sample rate was given explicitly and nothing recorded is derived from N.
+* ``privacy_unit`` (optional, written only when set) — what one protected unit
+  is when it is not one example, e.g. ``"block of 16 tokens"`` (packed texts;
+  DPTrainer). Absent: one example.
+* ``delta`` (optional, written only when set) — the run's δ (public), so that
+  ``dpopt ledger FILE`` scores at the run's δ without a summary beside it.
+  Readers that do not know these keys ignore them (the version stays 2).
 
 Journal (``ledger.jsonl``, JSON lines, :data:`JOURNAL_VERSION` 1), written while a run goes
 (:meth:`PrivacyLedger.open_journal`, :meth:`PrivacyLedger.flush`)::
