@@ -1,8 +1,8 @@
 """The release boundary under data parallelism (issue 33, cases 1-2, the DDP door): 2 gloo ranks, σ = 0.
 
-Each rank's BatchMemoryManager loop skips empty chunks (``if len(x) == 0: continue``; at q = 1/48 over a
-24-example shard most of a rank's batches are empty while the other rank's are not) and breaks out of the
-second epoch mid-batch. Every logical batch is still released exactly once on every rank (a batch the rank
+Each rank's BatchMemoryManager loop skips empty chunks (``if len(x) == 0: continue``; at q = 1/24 over a
+24-example shard many of a rank's batches are empty while the other rank's are not) and breaks out of the
+second epoch (a decision every rank takes at the same logical batch: see docs/pitfalls.md, item 25). Every logical batch is still released exactly once on every rank (a batch the rank
 skipped: pure noise), so the ranks' all-reduces stay paired and their ledgers equal; every release is the
 sum over BOTH ranks' chunks of one Poisson step, each example at most once (σ = 0: removing one moves it
 by at most C). Before, a skipped chunk on one rank shifted its releases against the other rank's.
@@ -45,18 +45,18 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         releases = []
         ebs = opt.expected_batch_size
         sgd.register_step_pre_hook(lambda o, a, k: releases.append(model.weight.grad.detach().flatten() * ebs))
-        stepped = 0
         for epoch in range(2):
             with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=opt) as chunks:
                 for x, _ in chunks:
+                    # a collective decision (the ledger is the same on every rank), taken where every rank is
+                    # at the same logical batch: as a chunk is handed out
+                    if epoch == 1 and len(opt.privatizer.ledger) >= len(loader) + 3:
+                        break
                     if len(x) == 0:
                         continue
                     opt.zero_grad()
                     model(x).sum().backward()
                     opt.step()
-                    stepped += 1
-                    if epoch == 1 and stepped >= 6 and len(opt.privatizer.ledger) >= len(loader) + 3:
-                        break
         torch.save({"releases": releases, "ledger": len(opt.privatizer.ledger), "len": len(loader)},
                    f"{tmp}/rank{rank}.pt")
 
