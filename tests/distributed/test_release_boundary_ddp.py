@@ -42,6 +42,17 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             model, opt, loader = dpopt.PrivacyEngine().make_private(
                 module=model, optimizer=sgd, data_loader=DataLoader(OneHot(), batch_size=2),
                 noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum", distributed=True)
+        drawn = []  # this rank's shard of each logical batch, in order
+        poisson = loader.poisson
+        orig_iter = type(poisson).__iter__
+
+        class _Recording(type(poisson)):
+            def __iter__(self):
+                for b in orig_iter(self):
+                    drawn.append(frozenset(b))
+                    yield b
+
+        poisson.__class__ = _Recording
         releases = []
         ebs = opt.expected_batch_size
         sgd.register_step_pre_hook(lambda o, a, k: releases.append(model.weight.grad.detach().flatten() * ebs))
@@ -57,7 +68,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     opt.zero_grad()
                     model(x).sum().backward()
                     opt.step()
-        torch.save({"releases": releases, "ledger": len(opt.privatizer.ledger), "len": len(loader)},
+        torch.save({"releases": releases, "ledger": len(opt.privatizer.ledger), "len": len(loader), "drawn": drawn},
                    f"{tmp}/rank{rank}.pt")
 
 
@@ -65,9 +76,11 @@ def test_skipped_and_broken_bmm_loops_on_two_ranks_release_in_step(tmp_path):
     spawn_ranks(_worker, tmp_path)
     runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert runs[0]["ledger"] == runs[1]["ledger"] >= runs[0]["len"] + 3
-    assert len(runs[0]["releases"]) == runs[0]["ledger"]
-    for a, b in zip(runs[0]["releases"], runs[1]["releases"]):
+    assert len(runs[0]["releases"]) == runs[0]["ledger"] == len(runs[0]["drawn"]) == len(runs[1]["drawn"])
+    for i, (a, b) in enumerate(zip(runs[0]["releases"], runs[1]["releases"])):
         torch.testing.assert_close(a, b)  # the same all-reduced release on both ranks
         m = a.round()
         torch.testing.assert_close(a, m, rtol=0, atol=1e-9)
         assert m.max().item() <= 1.0  # each example at most once: sensitivity C
+        step = runs[0]["drawn"][i] | runs[1]["drawn"][i]  # the i-th Poisson step over the whole dataset
+        assert set(torch.nonzero(m).flatten().tolist()) <= step, "a release merged two Poisson steps"
