@@ -2,10 +2,12 @@
 
 Each rank's BatchMemoryManager loop skips empty chunks (``if len(x) == 0: continue``; at q = 1/24 over a
 24-example shard many of a rank's batches are empty while the other rank's are not) and breaks out of the
-second epoch (a decision every rank takes at the same logical batch: see docs/pitfalls.md, item 25). Every logical batch is still released exactly once on every rank (a batch the rank
-skipped: pure noise), so the ranks' all-reduces stay paired and their ledgers equal; every release is the
-sum over BOTH ranks' chunks of one Poisson step, each example at most once (σ = 0: removing one moves it
-by at most C). Before, a skipped chunk on one rank shifted its releases against the other rank's.
+second epoch (a decision every rank takes at the same logical batch: see docs/pitfalls.md, item 25).
+Every logical batch is still released exactly once on every rank (a batch the rank skipped: pure noise), so
+the ranks' all-reduces stay paired and their ledgers equal; every release is the sum over BOTH ranks'
+chunks of one Poisson step, each example at most once (σ = 0: removing one moves it by at most C). Before
+(main fb334df): 27 releases for 39 Poisson steps, a skipped chunk shifting one rank's releases against the
+other's (one run: an example added twice, 2·C).
 """
 
 from __future__ import annotations
