@@ -200,20 +200,33 @@ class DPDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=self.poisson,
                          collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs)
         self.last_batch_examples: Optional[int] = None  # examples in the batch last yielded (private, memory only)
+        self.boundary = None  # the optimizer's ReleaseBoundary (set by make_private): every batch is tagged
 
     def __iter__(self):
-        """The batches, in order; :attr:`last_batch_examples` is the number of examples of the last one yielded."""
+        """The batches, in order; :attr:`last_batch_examples` is the number of examples of the last one yielded.
+
+        With :attr:`boundary` (make_private's loader) each batch is handed to the
+        optimizer's :class:`~dpopt.release_boundary.ReleaseBoundary` as one
+        tagged chunk before it is yielded (a step still open for an earlier batch
+        is closed as its own release).
+        """
+        from .release_boundary import ChunkTag
+
         self.poisson.sizes.clear()
         self.last_batch_examples = None
         in_order = getattr(self, "in_order", True)  # batches out of order: their sizes cannot be matched
         for batch in super().__iter__():
             self.last_batch_examples = self.poisson.sizes.popleft() if in_order and self.poisson.sizes else None
+            bd = getattr(self, "boundary", None)
+            if bd is not None:
+                bd.hand(ChunkTag(bd.new_batch(), 0, 1, self.last_batch_examples) if in_order else None)
             yield batch
 
     def __getstate__(self) -> dict:
         """Copies and pickles never carry the last batch's size (a count of private examples)."""
         state = dict(self.__dict__)
         state["last_batch_examples"] = None
+        state["boundary"] = None  # the optimizer's, not the copy's
         return state
 
     @classmethod

@@ -118,6 +118,7 @@ from .opacus_compat import (LossReductionWatch, TargetWatch, alias_module, check
                             warn_drop_last)
 from .optim import DPOptimizer, is_frozen
 from .privatizer import QuantileClipping
+from .release_boundary import ReleaseBoundary, boundary_of
 from .transforms.base import Chain, Partition, Transform
 from .types import ClipGeometry
 
@@ -279,6 +280,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         state = dict(self.__dict__)
         state["_loss_watch"] = None  # hook handles of the first-batch check: not part of the optimizer's state
         state["_loader"] = None  # the loader holds the private dataset: never in a copy or a pickle
+        state["_boundary"] = ReleaseBoundary()  # no open step, no private count in a copy
         return state
 
     def __deepcopy__(self, memo: dict) -> "PrivateOptimizer":
@@ -413,8 +415,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
             p.grad_sample = None
         return src
 
-    def _check_views_match_the_batch(self) -> None:
-        """With K > 1 views: the logical step's examples (rows / K) must be the loader's last batch.
+    def _check_views_match_the_batch(self, final: bool = True) -> None:
+        """The open step's examples (rows / K) against the examples of the tagged chunks it stepped on.
+
+        Both counts come from :func:`dpopt.release_boundary.boundary_of` (the
+        chunk tags of the plain Poisson loader and of BatchMemoryManager alike).
+        K = 1: more rows than examples (an example forwarded twice) is refused
+        at every ``step()``; K > 1: rows / K must equal the examples at the end
+        of the logical step (and never exceed them before).
 
         A loop that forwards the loader's B examples without repeating them
         K times would have K different examples averaged and clipped as one
@@ -425,12 +433,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
             ValueError: rows / K ≠ the batch's examples (nothing is released).
         """
         views = getattr(self._capture, "views", 1)
-        n = None if self._loader is None else self._loader.last_batch_examples
-        if n is None or self._examples is None or self._examples == n:
+        rows, n = boundary_of(self).counts()  # the same place on every path (release_boundary)
+        if n is None or rows is None or rows == n:
+            return
+        if not final and views > 1 and rows < n:  # a chunk of a logical batch: K > 1 compared exactly at its end
             return
         # the counts (realised batch sizes) are private: the messages name the mismatch, never the numbers
         if views == 1:
-            if self._examples < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
+            if rows < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
                 return  # an empty batch: nothing of it to repeat (the HF Trainer forwards one public stand-in row)
             raise ValueError(
                 "this step's forward passes carried more rows than the data loader's last batch had examples: "
@@ -438,7 +448,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
                 "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
                 "your fn) and forward the loader's rows as they are; nothing was released")
-        if isinstance(self._loader.collate_fn, ViewCollate):  # the loader builds the views itself
+        if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader makes the views
             raise ValueError(
                 f"augmentation_multiplicity={views}: this step's forward passes did not carry the data loader's "
                 f"last batch as it was yielded: that loader already yields each example's {views} views "
@@ -476,25 +486,65 @@ class PrivateOptimizer(torch.optim.Optimizer):
         source = self._source()
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
+        boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
         if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
             self._open = True
+            boundary.begin()
+        tagged = None
         try:
             b = getattr(source, "batch_size", None)
             self._examples = None if b is None or self._examples is None else self._examples + int(b)
+            tagged = boundary.step_chunk(b)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
-            if not self._check_skip_next_step(pop_next=False):
-                self._check_views_match_the_batch()
+            skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
+            self._check_views_match_the_batch(final=not skip)
         except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen
             self._open, self._examples = False, 0
+            boundary.end()
+            if tagged is None:
+                self._check_skip_next_step()  # this chunk's signal is spent with it
             raise
-        if self._check_skip_next_step():  # a chunk of a larger logical batch: added, not released
+        if skip if tagged is not None else self._check_skip_next_step():  # a chunk: added, not released
             self._is_last_step_skipped = True
             return loss
         self._is_last_step_skipped = False
         self._open, self._examples = False, 0
+        boundary.end()
+        self._release_open(priv, dp, params)
+        return loss
+
+    def _close_open_step(self) -> None:
+        """Release the open logical step now, as its own charged release (:mod:`dpopt.release_boundary`).
+
+        Called when a chunk of another logical batch is handed to the loop, or
+        the loop leaves the ``BatchMemoryManager`` context or its chunk iterator,
+        while chunks of a batch are added but not released: what was added is a
+        subset of one Poisson batch (sensitivity C), released with its noise,
+        recorded in the ledger and applied (``p.grad`` and the optimizer step).
+        """
+        if not self._open:
+            return
+        self._open, self._examples = False, 0
+        self._is_last_step_skipped = False
+        dp = self._dp
+        self._release_open(dp.privatizer, dp, dp._params())
+
+    def _release_skipped_batch(self) -> None:
+        """Release a BatchMemoryManager batch the loop skipped entirely: pure noise, charged, applied
+        (as the empty batch it looks like from outside; :mod:`dpopt.release_boundary`)."""
+        if self._open:
+            return
+        dp = self._dp
+        priv = dp.privatizer
+        priv.begin(ClipGeometry() if self._torch else dp.geometry())
+        self._is_last_step_skipped = False
+        self._release_open(priv, dp, dp._params())
+
+    def _release_open(self, priv, dp, params) -> None:
+        """Release the Privatizer's open step and apply it (the end of a logical step)."""
         release = priv.release(params_like=params)
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range
@@ -510,7 +560,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
         watch = getattr(self._engine, "_target_watch", None)
         if watch is not None:  # make_private_with_epsilon's target: warned once when epsilon passes it
             watch.after_release()
-        return loss
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state, the Privatizer's state WITH the ledger, and where the journal is.
@@ -831,6 +880,8 @@ class PrivacyEngine:
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private._loader = loader if isinstance(loader, DPDataLoader) else None
             probe_loader(loader, capture, views, view_fn)  # the check collates examples alone (padding)
+            if private._loader is not None:  # its batches are tagged for the optimizer (release_boundary)
+                loader.boundary = boundary_of(private)
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)
@@ -879,6 +930,7 @@ class PrivacyEngine:
                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
         self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+        self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
         return out
 
     def get_epsilon(self, delta: float) -> float:

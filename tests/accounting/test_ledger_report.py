@@ -64,7 +64,9 @@ def test_report_infinite_epsilon_and_failing_accountants(tmp_path):
 
 def test_report_errors_name_the_argument(tmp_path):
     _book().save(tmp_path / "ledger.json")
-    assert ledger_report(tmp_path).delta == 1e-5  # no summary.json: the commands' default δ
+    with pytest.raises(ConfigError) as info:  # no summary.json, no delta in the header: no silent default δ
+        ledger_report(tmp_path)
+    assert info.value.arguments == ("delta",)
     with pytest.raises(ConfigError) as info:
         ledger_report(tmp_path, delta=1.5)
     assert info.value.arguments == ("delta",)

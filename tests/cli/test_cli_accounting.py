@@ -30,10 +30,10 @@ def _ledger(path, steps=5, sigma=1.0, q=0.01):
     return book
 
 
-def test_ledger_without_summary_uses_the_default_delta(tmp_path):
+def test_ledger_without_summary_requires_delta(tmp_path):
     _ledger(tmp_path)
-    res = runner.invoke(app, ["ledger", str(tmp_path)])
-    assert res.exit_code == 0 and "1e-05" in res.stdout
+    res = runner.invoke(app, ["ledger", str(tmp_path)])  # before: scored at 1e-5 silently
+    assert res.exit_code == 2 and "records no δ" in res.stderr and "--delta" in res.stderr
     res = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "2"])
     assert res.exit_code == 2 and res.stderr.startswith("error: --delta must be in (0, 1)")
     res = runner.invoke(app, ["ledger", str(tmp_path), "--delta", "1e-5", "--accountant", "nope"])

@@ -32,6 +32,12 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
 * ``dataset_size`` — ``"public"``: the dataset size N is treated as public
   (the sample rate q = B̄/N and the run files may reveal it); ``"unused"``: the
   sample rate was given explicitly and nothing recorded is derived from N.
+* ``privacy_unit`` (optional, written only when set) — what one protected unit
+  is when it is not one example, e.g. ``"block of 16 tokens"`` (packed texts;
+  DPTrainer). Absent: one example.
+* ``delta`` (optional, written only when set) — the run's δ (public), so that
+  ``dpopt ledger FILE`` scores at the run's δ without a summary beside it.
+  Readers that do not know these keys ignore them (the version stays 2).
 
 Journal (``ledger.jsonl``, JSON lines, :data:`JOURNAL_VERSION` 1), written while a run goes
 (:meth:`PrivacyLedger.open_journal`, :meth:`PrivacyLedger.flush`)::
@@ -159,6 +165,8 @@ class PrivacyLedger:
             raise ValueError(f"dataset_size must be one of {DATASET_SIZE_MODES}, got {dataset_size!r}")
         self.neighbouring = neighbouring
         self.sampling = sampling
+        self.privacy_unit: Optional[str] = None  # e.g. "block of 16 tokens" (packed texts); None: one example
+        self.delta: Optional[float] = None  # the run's delta (public), read by `dpopt ledger`; None: not recorded
         self.noise = noise
         self.dataset_size = dataset_size
         self.run_id: Optional[str] = new_run_id() if run_id is None else _checked_run_id(run_id)
@@ -251,7 +259,23 @@ class PrivacyLedger:
     def header(self) -> dict:
         """The header fields (run_id, neighbouring, sampling, noise, dataset_size)."""
         return {"run_id": self.run_id, "neighbouring": self.neighbouring, "sampling": self.sampling,
-                "noise": self.noise, "dataset_size": self.dataset_size}
+                "noise": self.noise, "dataset_size": self.dataset_size, **self._run_statements()}
+
+    def _run_statements(self) -> dict:
+        """The optional header fields ``privacy_unit`` and ``delta`` (written only when set)."""
+        out = {}
+        if self.privacy_unit is not None:
+            out["privacy_unit"] = str(self.privacy_unit)
+        if self.delta is not None:
+            out["delta"] = float(self.delta)
+        return out
+
+    def _read_run_statements(self, raw: dict) -> None:
+        unit, delta = raw.get("privacy_unit"), raw.get("delta")
+        if unit is not None:
+            self.privacy_unit = str(unit)
+        if delta is not None:
+            self.delta = float(delta)
 
     def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False,
                      autoflush: bool = False) -> Path:
@@ -358,6 +382,7 @@ class PrivacyLedger:
                 entries = ledger._entries if ledger is not None else []
                 ledger = cls(raw["neighbouring"], raw["sampling"], raw["noise"], raw["dataset_size"])
                 ledger.run_id = _checked_run_id(raw.get("run_id"))  # None: a journal from before run ids
+                ledger._read_run_statements(raw)
                 ledger._entries = entries
             elif ledger is None:
                 raise ValueError(f"{path}: the ledger journal does not start with its header")
@@ -388,6 +413,7 @@ class PrivacyLedger:
             self.run_id = other.run_id
         self.neighbouring, self.sampling, self.dataset_size = other.neighbouring, other.sampling, other.dataset_size
         self.noise = other.noise
+        self._read_run_statements(other._run_statements())
         self._entries = list(other._entries)
         if noise in NOISE_MODES:
             self.mark_noise(noise)
@@ -403,6 +429,7 @@ class PrivacyLedger:
             "sampling": self.sampling,
             "noise": self.noise,
             "dataset_size": self.dataset_size,
+            **self._run_statements(),
             "entries": [e.to_dict() for e in self._entries],
         }
 
@@ -437,6 +464,7 @@ class PrivacyLedger:
         ledger = cls(data.get("neighbouring", "add_or_remove_one"), data.get("sampling", "poisson"),
                      dataset_size=data.get("dataset_size", "public"))
         ledger.run_id = _checked_run_id(data.get("run_id"))  # None: written before run ids existed
+        ledger._read_run_statements(data)
         if version == 1:
             ledger.noise = "unknown"  # before the noise source was recorded: seeded from the published seed
         else:

@@ -160,26 +160,50 @@ class LedgerReport:
                 "epsilon_summary": self.summary_epsilon, "runs": [r.to_dict() for r in self.runs]}
 
 
+def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
+    """The ledger at ``path`` (a run directory, a DPTrainer checkpoint or a ledger file) and its summary's path."""
+    from .ledger_check import ENGINE_RUN_FILES, run_paths
+
+    if path.is_dir():
+        ledger_path, summary_path = run_paths(path)
+        if ledger_path.name == ENGINE_RUN_FILES[0]:
+            return PrivacyLedger.load(ledger_path), summary_path
+        return PrivacyLedger.load(path), summary_path
+    book = PrivacyLedger.load(path)
+    pair = ENGINE_RUN_FILES[1] if path.name == ENGINE_RUN_FILES[0] else "summary.json"
+    candidates = [path.parent / pair, path.parent / "summary.json", path.parent / ENGINE_RUN_FILES[1]]
+    return book, next((c for c in candidates if c.exists()), None)
+
+
 def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
                   delta: Optional[float] = None) -> LedgerReport:
     """Load a run's ledger, group its releases and score it with every accountant.
 
     Args:
-        run_dir: a run directory with ``ledger.json`` (and, optionally, ``summary.json``).
+        run_dir: a run directory with ``ledger.json`` (and, optionally, ``summary.json``),
+            a DPTrainer checkpoint (``privacy_ledger.json``, ``privacy_summary.json``),
+            or a ledger file (JSON or journal) itself: its summary is looked for beside it.
         accountant: the headline accountant; default the run's (from
             summary.json), else ``"pld"``. Every available accountant is scored anyway.
-        delta: δ; default the run's (from summary.json), else :data:`DEFAULT_DELTA`
-            (1e-5, the default of every dpopt command).
+        delta: δ; default the run's: the summary's (``summary.json`` /
+            ``privacy_summary.json`` beside the ledger), else the ledger header's
+            ``delta``. There is no silent default: scoring at another δ than the
+            run's misstates ε.
 
     Raises:
         FileNotFoundError, ValueError: the ledger cannot be read.
-        ConfigError: a ``delta`` outside (0, 1) (the argument named).
+        ConfigError: a ``delta`` outside (0, 1), or no δ given and none recorded
+            by the run (the argument named: pass ``delta`` / ``--delta``).
         ValueError: an unknown ``accountant``.
     """
-    book = PrivacyLedger.load(run_dir)
-    summary_path = Path(run_dir) / "summary.json"
-    summary = loads(summary_path.read_text()) if summary_path.exists() else {}
-    delta = delta if delta is not None else summary.get("delta", DEFAULT_DELTA)
+    book, summary_path = _ledger_and_summary(Path(run_dir))
+    summary = loads(summary_path.read_text()) if summary_path is not None and summary_path.exists() else {}
+    if delta is None:
+        delta = summary.get("delta", book.delta)
+    if delta is None:
+        raise ConfigError(f"{run_dir}: the run records no δ (no summary.json or privacy_summary.json beside the "
+                          "ledger, none in its header); pass the run's delta (ε at another δ is not the run's ε)",
+                          "delta")
     try:
         check_delta(delta)
     except ValueError as exc:

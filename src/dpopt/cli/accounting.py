@@ -255,7 +255,8 @@ def ledger(
     accountant: Optional[str] = accountant_option(
         None, help="Headline accountant (default: the run's, from summary.json, else pld). "
                    "Every available accountant is always listed."),
-    delta: Optional[float] = delta_option(None, help="δ (default: the run's, from summary.json)."),
+    delta: Optional[float] = delta_option(None, help="δ (default: the run's, from the summary beside the ledger "
+                                                     "or the ledger header; required when the run records none)."),
     as_json: bool = json_option(),
 ) -> None:
     """List a run's releases (compacted) and re-score the whole ledger with every accountant."""

@@ -30,15 +30,27 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   (token-level LM losses averaged over the example's own tokens);
   ``num_items_in_batch`` is never used. The chunk's loss is the sum of its
   per-example losses (``loss_reduction="sum"``).
-* **Clipping and noise.** ``TrainingArguments.max_grad_norm`` is set to 0
-  (the Trainer's aggregate clipping would read the released gradient only,
-  but it is not the DP bound and would change the update); the per-example
-  bound is ``max_grad_norm`` of this class.
-* **Logs.** Only ``learning_rate``, ``epoch``, ``epsilon`` (and ``delta``)
-  and the speed metrics of training are logged (``loss``, ``grad_norm``,
-  ``train_loss``, ``total_flos`` of the private batches are not; FLOPs are
-  not counted: they depend on the realised batch sizes); evaluation metrics
-  only with ``eval_is_public=True``. ``train()`` returns ``training_loss = nan``.
+* **Clipping and noise.** The per-example bound C is ``max_grad_norm`` of
+  this class, or a user-set ``TrainingArguments.max_grad_norm`` (one that
+  differs from the dataclass default 1.0); both set to different values is
+  refused (:mod:`dpopt.hf.guarantee`). The copy's ``max_grad_norm`` is then
+  set to 0 (the Trainer's aggregate clipping of the release is not the DP
+  bound). ``target_epsilon`` is calibrated for the whole run: on resume, σ of
+  the remaining steps is re-calibrated with the releases already in the
+  ledger (refused when the ledger alone has spent the target).
+* **Privacy unit.** Packed texts (``run_clm``'s ``group_texts``: equal-length
+  blocks, ``labels == input_ids``, no padding) are detected, or declared with
+  ``privacy_unit=N``: the unit "block of N tokens" is warned about and
+  recorded in the ledger header, the logs and the summary.
+* **Logs.** The Trainer's keys computed from the private batches
+  (``loss``, ``grad_norm``, ``train_loss``, ``total_flos``, token counts:
+  :data:`~dpopt.hf.guarantee.PRIVATE_LOG_KEYS`) are dropped; ``epsilon`` and
+  ``delta`` are added; a user's own keys (``trainer.log({...})`` from a
+  callback) pass through — what they log is theirs to judge; FLOPs are
+  not counted (they depend on the realised batch sizes); evaluation metrics
+  only with ``eval_is_public=True``. The epoch counter is global step /
+  Poisson steps per epoch, so it continues after a resume.
+  ``train()`` returns ``training_loss = nan``.
 * **State.** Every checkpoint's ``optimizer.pt`` carries the ledger
   (PrivateOptimizer.state_dict); ``privacy_ledger.json`` and
   ``privacy_summary.json`` (``dpopt check`` reads them) are written beside;
@@ -78,6 +90,7 @@ from ..accounting.incremental import EpsilonTracker
 from ..accounting.calibration import calibrate_noise_multiplier
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
+from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
 
 __all__ = ["DPTrainer", "LOGGED", "LEDGER_FILE", "SUMMARY_FILE"]
@@ -144,6 +157,9 @@ class _EpsilonStop(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        per_epoch = len(self.trainer._dp_loader) if self.trainer._dp_loader is not None else 0
+        if per_epoch:  # the epoch counter continues after a resume: steps so far / Poisson steps per epoch
+            state.epoch = state.global_step / per_epoch
         if self.trainer.next_step_exceeds():
             control.should_training_stop = True
         return control
@@ -160,7 +176,10 @@ class DPTrainer(Trainer):
         target_epsilon: ε for the whole planned run (``max_steps``, else
             ``ceil(num_train_epochs × steps per epoch)``) at ``delta``; σ is
             calibrated with the accountant (give exactly one of the two).
-        max_grad_norm: the per-example clipping bound C (> 0).
+        max_grad_norm: the per-example clipping bound C (> 0). Default: a user-set
+            ``TrainingArguments.max_grad_norm`` (one that differs from the dataclass
+            default 1.0), else 1.0; both set to different values is refused
+            (:func:`~dpopt.hf.guarantee.resolve_max_grad_norm`).
         delta: δ of the logged ε and of calibration (default 1e-5; must be < 1/N).
         method: a torch optimizer over the model's trainable parameters, a
             dpopt method name (``"dp-adam"``, ``"dp-muon"``, ...; built with
@@ -175,6 +194,13 @@ class DPTrainer(Trainer):
         eval_is_public: the evaluation set holds no record of the private
             data: its metrics are logged and ``load_best_model_at_end`` /
             early stopping are allowed.
+        privacy_unit: what one protected unit is: None (detect: a causal-LM
+            dataset of equal-length blocks with ``labels == input_ids`` and no
+            padding — ``run_clm``'s ``group_texts`` — is taken as packed, warned),
+            ``"example"`` (each example is one record: no detection), or an
+            int N (packed blocks of N tokens, declared). Packed: the unit is
+            "block of N tokens", recorded in the ledger header, the logs
+            (``privacy_unit_tokens``) and the summary.
 
     Attributes:
         engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
@@ -189,15 +215,13 @@ class DPTrainer(Trainer):
 
     def __init__(self, model=None, args: Optional[TrainingArguments] = None, *,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
-                 max_grad_norm: float = 1.0, delta: float = 1e-5,
+                 max_grad_norm: Optional[float] = None, delta: float = 1e-5,
                  method: Union[None, str, torch.optim.Optimizer] = None, method_kwargs: Optional[dict] = None,
                  secure_mode: bool = False, accountant: str = "pld", max_epsilon: Optional[float] = None,
                  per_example_loss: Optional[Callable] = None, causal_lm: Optional[bool] = None,
-                 eval_is_public: bool = False, **kwargs: Any):
+                 eval_is_public: bool = False, privacy_unit: Union[None, str, int] = None, **kwargs: Any):
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
-        if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be a finite number > 0 (the per-example bound), got {max_grad_norm!r}")
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         if method_kwargs and not isinstance(method, str):
@@ -205,6 +229,14 @@ class DPTrainer(Trainer):
         if isinstance(method, torch.optim.Optimizer) and (kwargs.get("optimizers") or (None,))[0] is not None:
             raise ValueError("give the torch optimizer once: method= or optimizers=(optimizer, scheduler)")
         args = TrainingArguments(output_dir="dp_trainer_output") if args is None else args
+        max_grad_norm = resolve_max_grad_norm(args, max_grad_norm)  # never ignored (hf.guarantee)
+        if not (privacy_unit in (None, "example") or (isinstance(privacy_unit, int)
+                                                      and not isinstance(privacy_unit, bool) and privacy_unit >= 1)):
+            raise ValueError(f"privacy_unit must be None (detect), 'example' or a block length in tokens (int >= 1), "
+                             f"got {privacy_unit!r}")
+        self.privacy_unit = privacy_unit
+        self.block_tokens: Optional[int] = None  # packed texts: the privacy unit is a block of this many tokens
+        self._evaluating = False
         problems = _refusals(args, kwargs, eval_is_public)
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
@@ -270,6 +302,7 @@ class DPTrainer(Trainer):
         if self.delta >= 1.0 / n:
             raise ValueError(f"delta = {self.delta} is not < 1/N = {1.0 / n:.3g}: such a delta allows releasing a "
                              "record outright; pass a smaller delta=")
+        self._declare_unit(dataset)
         base = DataLoader(dataset, batch_size=self.bbar, shuffle=True, collate_fn=collator,
                           num_workers=self.args.dataloader_num_workers)
         q = 1.0 / len(base)
@@ -289,8 +322,35 @@ class DPTrainer(Trainer):
             max_grad_norm=self.max_grad_norm, loss_reduction="sum", **hparams)
         self.optimizer, self._private, self._dp_loader = private, private, loader
         self.noise_multiplier, self.sample_rate = float(sigma), q
+        self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
+        if self.block_tokens is not None:
+            self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
         self.expected_batch_size = q * n
         return loader
+
+    def _declare_unit(self, dataset) -> None:
+        """The privacy unit: declared, or detected packing (warned); sets :attr:`block_tokens`."""
+        import warnings
+
+        if self.privacy_unit == "example":
+            return
+        if isinstance(self.privacy_unit, int):
+            self.block_tokens = int(self.privacy_unit)
+            return
+        causal = self._causal if self._causal is not None else \
+            type(getattr(self.model, "base_model", self.model)).__name__.endswith(("ForCausalLM", "LMHeadModel")) \
+            or "CausalLM" in type(self.model).__name__ or "LMHead" in type(self.model).__name__
+        block = packed_block(dataset) if causal else None
+        if block is None:
+            return
+        self.block_tokens = block
+        warnings.warn(f"DPTrainer: the train dataset looks packed (every example is a block of {block} tokens with "
+                      "labels = input_ids and no padding, as run_clm's group_texts makes): the privacy unit is the "
+                      f"BLOCK of {block} tokens, not a record — a record spread over k blocks is protected at about "
+                      "k times epsilon (group privacy). Recorded in the ledger header, logs and summary. Pack per "
+                      "record (or bound the blocks per record) for record-level DP; pass privacy_unit='example' if "
+                      f"each example is one record, or privacy_unit={block} to declare the packing",
+                      UserWarning, stacklevel=3)
 
     def create_optimizer(self, model=None):
         """The PrivateOptimizer made with the loader (:meth:`get_train_dataloader`)."""
@@ -360,13 +420,25 @@ class DPTrainer(Trainer):
     # -- outputs ------------------------------------------------------------------
     def log(self, logs: dict, start_time: Optional[float] = None) -> None:
         """Log only public values: ε, δ, lr, epoch, speed; evaluation metrics if ``eval_is_public``."""
-        keep = {k: v for k, v in logs.items()
-                if k in LOGGED or (self.eval_is_public and not k.startswith("train") and k not in ("loss", "grad_norm",
-                                                                                                   "total_flos"))}
+        if self._evaluating:  # evaluation metrics: only with eval_is_public
+            keep = {k: v for k, v in logs.items()
+                    if k in LOGGED or (self.eval_is_public and not k.startswith("train") and k not in PRIVATE_LOG_KEYS)}
+        else:  # the Trainer's keys of the private batches are dropped; a user's own keys pass through
+            keep = {k: v for k, v in logs.items() if k not in PRIVATE_LOG_KEYS}
         if self._private is not None:
             keep["epsilon"] = self.get_epsilon()
             keep["delta"] = self.delta
+            if self.block_tokens is not None:
+                keep["privacy_unit_tokens"] = self.block_tokens
         super().log(keep, start_time)
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``; its metrics are returned, and logged only with ``eval_is_public``."""
+        self._evaluating = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evaluating = False
 
     def train(self, *args, **kwargs) -> TrainOutput:
         """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released)."""
@@ -374,6 +446,8 @@ class DPTrainer(Trainer):
         metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
         if self._private is not None:
             metrics.update(epsilon=self.get_epsilon(), delta=self.delta)
+            if self.block_tokens is not None:
+                metrics["privacy_unit_tokens"] = self.block_tokens
         return TrainOutput(out.global_step, float("nan"), metrics)
 
     # -- checkpoints carry the ledger -------------------------------------------------
@@ -387,7 +461,9 @@ class DPTrainer(Trainer):
             return
         folder = run_dir / f"checkpoint-{self.state.global_step}"
         self.ledger.save(folder / LEDGER_FILE)
-        (folder / SUMMARY_FILE).write_text(jsonio.dumps(self.engine.summary(self.delta)))
+        summary = self.engine.summary(self.delta)
+        summary["privacy_unit"] = unit_text(self.block_tokens)
+        (folder / SUMMARY_FILE).write_text(jsonio.dumps(summary))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore the optimizer (its state carries the ledger: the engine takes the whole record in).
@@ -399,3 +475,22 @@ class DPTrainer(Trainer):
             raise ValueError(f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
                              "would restart epsilon at 0 (was it saved with save_only_model=True?)")
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._target is not None and self._private is not None and len(self.ledger):
+            self._recalibrate(checkpoint)
+
+    def _recalibrate(self, checkpoint: str) -> None:
+        """σ for ``target_epsilon`` over the whole run: the ledger's releases + the steps still to run.
+
+        Raises:
+            ValueError: the ledger alone already spends the target.
+        """
+        import json
+
+        state = Path(checkpoint) / "trainer_state.json"
+        done = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else len(self.ledger)
+        remaining = max(1, self._planned_steps(len(self._dp_loader)) - done)
+        sigma = calibrate_remaining(self._target, self.delta, self.sample_rate, remaining, self.ledger,
+                                    str(self.engine.accountant))
+        self._private.noise_multiplier = sigma  # recorded in the claims' sigma schedule from the next release
+        self.noise_multiplier = sigma
+        self._tracker = None

@@ -181,6 +181,7 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
     """
     cfg, hp, ledger, opt = run.cfg, run.hparams, run.ledger, run.optimizer
     ledger.flush()
+    ledger.delta = float(cfg.delta)  # ledger.json states the run's delta (`dpopt ledger` on the file alone)
     if not streamed:
         with open(run_dir / "metrics.jsonl", "w") as fh:
             for row in metrics:

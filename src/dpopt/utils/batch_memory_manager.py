@@ -12,10 +12,15 @@
 How it stays one Poisson step: the wrapped loader's batch sampler draws the
 logical batch (Poisson, at q); this sampler splits its index list into
 ``ceil(|batch| / max_physical_batch_size)`` near-equal chunks (disjoint: every
-example of the batch is in exactly one chunk) and, before yielding each chunk,
-tells the optimizer whether the step after it ends the logical batch
-(``optimizer.signal_skip_step(do_skip=...)``, Opacus's protocol). On a skipped
-step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
+example of the batch is in exactly one chunk) and tags each chunk
+``(batch, chunk, chunks)`` (:mod:`dpopt.release_boundary`); the chunked loader
+hands each tag to the optimizer's release boundary as it yields the chunk, so
+the tag — not a queue of signals — says which ``step()`` ends the logical
+batch, and a step left open (``break``, ``continue`` on the last chunk, an
+exception, leaving the ``with`` block) is released on its own before anything
+of another batch is added. (An optimizer that is not dpopt's, or Opacus's own
+manager, gets Opacus's ``optimizer.signal_skip_step(do_skip=...)`` protocol
+instead.) On a skipped step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
 per-sample gradients and adds them into its Privatizer's open step
 (``Privatizer.accumulate``); on the last chunk it adds that chunk too and
 releases once: noise once, one ledger entry at q — the same release as one
@@ -34,11 +39,13 @@ works with dpopt's optimizer (it calls the same ``signal_skip_step``).
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Iterator
 
 from torch.utils.data import DataLoader, Sampler
 
 from ..data_loader import loader_settings
+from ..release_boundary import ChunkTag, boundary_of
 
 __all__ = ["BatchMemoryManager", "BatchSplittingSampler", "wrap_data_loader"]
 
@@ -80,8 +87,20 @@ class BatchSplittingSampler(Sampler):
             raise ValueError("BatchMemoryManager needs the optimizer that PrivacyEngine.make_private returned "
                              "(it accumulates the chunks of one logical batch into one release)")
         self.sampler, self.max_batch_size, self.optimizer = sampler, int(max_batch_size), optimizer
+        # dpopt's optimizer: the chunks are tagged (release_boundary) instead of queueing skip signals
+        self.boundary = boundary_of(optimizer) if hasattr(optimizer, "_close_open_step") else None
+        self.tags: deque = deque()  # tags of the chunks drawn and not yet handed to the loop (private sizes)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles carry no chunk tag (their sizes are private)."""
+        state = dict(self.__dict__)
+        state["tags"] = deque()
+        return state
 
     def __iter__(self) -> Iterator[list]:
+        if self.boundary is not None:
+            yield from self._tagged()
+            return
         for batch in self.sampler:
             batch = list(batch)
             if not batch:
@@ -94,6 +113,17 @@ class BatchSplittingSampler(Sampler):
                 yield part
             self.optimizer.signal_skip_step(do_skip=False)
             yield parts[-1]
+
+    def _tagged(self) -> Iterator[list]:
+        """The chunks, each with its :class:`~dpopt.release_boundary.ChunkTag` queued for the loader."""
+        bd = self.boundary
+        for batch in self.sampler:
+            batch = list(batch)
+            parts = _chunks(batch, self.max_batch_size) if batch else [[]]
+            serial = bd.new_batch()
+            for i, part in enumerate(parts):
+                self.tags.append(ChunkTag(serial, i, len(parts), len(part)))
+                yield part
 
     def __len__(self) -> int:
         rate, n = getattr(self.sampler, "sample_rate", None), getattr(self.sampler, "dataset_size", None)
@@ -112,7 +142,32 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
     keep = loader_settings(data_loader, generator=True)
     splitter = BatchSplittingSampler(sampler=data_loader.batch_sampler, max_batch_size=max_batch_size,
                                      optimizer=optimizer)
+    if splitter.boundary is not None:
+        return _ChunkLoader(data_loader.dataset, batch_sampler=splitter, collate_fn=data_loader.collate_fn, **keep)
     return DataLoader(data_loader.dataset, batch_sampler=splitter, collate_fn=data_loader.collate_fn, **keep)
+
+
+class _ChunkLoader(DataLoader):
+    """The chunked loader of dpopt's optimizer: hands each chunk's tag to the release boundary as it yields it.
+
+    Leaving the iteration (exhausted, ``break``, an exception) closes a step
+    still open (:meth:`~dpopt.release_boundary.ReleaseBoundary.leave`).
+    """
+
+    def __iter__(self):
+        splitter = self.batch_sampler
+        bd = splitter.boundary
+        splitter.tags.clear()
+        if getattr(self, "in_order", True) is False:
+            raise ValueError("BatchMemoryManager needs the chunks in the order they are drawn (in_order=True): "
+                             "each chunk is tagged with its logical batch")
+        try:
+            for chunk in super().__iter__():
+                bd.hand(splitter.tags.popleft(), owed=True)
+                yield chunk
+        finally:
+            splitter.tags.clear()
+            bd.leave()
 
 
 class BatchMemoryManager:
@@ -133,4 +188,12 @@ class BatchMemoryManager:
                                 optimizer=self.optimizer)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving the context with a logical step open (``break``, an exception) releases what it holds.
+
+        The chunks already added are a subset of one Poisson batch: they are
+        released as their own step (noise, ledger entry, update), never merged
+        with a later batch (:mod:`dpopt.release_boundary`).
+        """
+        if hasattr(self.optimizer, "_close_open_step"):
+            boundary_of(self.optimizer).leave()
         return None

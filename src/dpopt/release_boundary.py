@@ -1,0 +1,225 @@
+"""The release boundary: one release is one Poisson batch (or a part of one), tagged and verified by dpopt.
+
+DESIGN.md, "A release is a unit dpopt owns": which examples go into one
+release is decided by the sampler that draws the logical batch, never inferred
+from what the user's loop happens to do (how many times it calls ``step()``,
+which signals are still queued, which batch it saw last).
+
+How it works, on every door that hands out Poisson batches
+(:class:`~dpopt.data_loader.DPDataLoader` in a plain loop and under
+``DPTrainer``; :class:`~dpopt.utils.batch_memory_manager.BatchMemoryManager`):
+
+* the loader tags each piece of data it hands to the loop with a
+  :class:`ChunkTag` ``(batch, chunk, chunks, examples)``: ``batch`` is a serial
+  number of the logical (Poisson) batch drawn for this optimizer, ``chunk`` the
+  physical chunk's index in it, ``chunks`` their number (1 for a whole batch),
+  ``examples`` the chunk's number of examples (private: kept in memory only,
+  never printed or released; it drives the rows-vs-examples check);
+* the optimizer's open step (:class:`ReleaseBoundary`) belongs to ONE batch.
+  A chunk of another batch handed out while a step is open, leaving the
+  ``BatchMemoryManager`` context (or the chunk iterator: ``break``, an
+  exception) with a step open: the open step is **closed as its own release**
+  — noise added, charged at q, the update applied — before anything of the new
+  batch is added. What it holds is a subset of ONE Poisson batch (each example
+  at most once), so its sensitivity is still C and the ledger's Poisson
+  Gaussian step at q accounts for it; two batches are never merged;
+* under ``BatchMemoryManager`` the chunk's tag (not a queue of signals)
+  says whether ``step()`` ends the logical batch (the last chunk releases); a
+  chunk the loop skipped (``continue``, an exception caught before ``step()``)
+  is simply not added, and a logical batch the loop skipped ENTIRELY (an
+  empty batch's ``continue``) is released as pure noise when the loop moves on
+  — every batch ``BatchMemoryManager`` hands out is released exactly once, so
+  the number of releases does not depend on the data and data-parallel ranks
+  release together. A ``step()`` that raises (a refusal) releases nothing, and
+  its batch is not owed a noise release;
+* the rows-vs-examples check (:meth:`ReleaseBoundary.check_rows`) compares the
+  examples forwarded in the open step with the examples of the chunks that were
+  current at its ``step()`` calls, from this one place on every path.
+
+Why close and not refuse: ``break`` out of a ``BatchMemoryManager`` loop (a
+step budget, a time limit) and ``if len(x) == 0: continue`` are ordinary loop
+control flow; the part of a Poisson batch already added is a valid release
+(a subset of one Poisson sample, sensitivity C), charged like any other.
+Refusing would turn common loops into errors without a privacy gain. In a
+plain loop (one ``step()`` per batch, no chunks) a batch the loop skips has
+no release (a batch peeked at with ``next(iter(loader))`` must not cost a
+release): keep stepping on empty batches there (docs/pitfalls.md, item 2).
+
+Loaders dpopt does not own (a user's loader with ``poisson_sampling=False``,
+Opacus's own ``BatchMemoryManager``) hand out no tags: the optimizer then
+follows Opacus's ``signal_skip_step`` protocol as before, and the
+rows-vs-examples check has nothing to compare with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["ChunkTag", "ReleaseBoundary", "boundary_of"]
+
+
+@dataclass(frozen=True)
+class ChunkTag:
+    """What a loader handed to the loop: chunk ``chunk`` of ``chunks`` of logical batch ``batch``.
+
+    Attributes:
+        batch: serial number of the logical (Poisson) batch, unique per :class:`ReleaseBoundary` (public).
+        chunk: the physical chunk's index in the batch, ``0 <= chunk < chunks``.
+        chunks: the number of physical chunks of the batch (1: the whole batch).
+        examples: the chunk's number of examples (private: in memory only).
+    """
+
+    batch: int
+    chunk: int
+    chunks: int
+    examples: Optional[int]
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the last chunk of its logical batch (its ``step()`` releases)."""
+        return self.chunk == self.chunks - 1
+
+
+class ReleaseBoundary:
+    """The boundary of one optimizer's releases: which logical batch the open step belongs to.
+
+    Held by :class:`~dpopt.privacy_engine.PrivateOptimizer` (:func:`boundary_of`);
+    loaders call :meth:`new_batch` when they draw a logical batch and :meth:`hand`
+    when they give a chunk of it to the loop; the optimizer calls :meth:`begin`,
+    :meth:`step_chunk`, :meth:`check_rows` and :meth:`end`.
+
+    Nothing here is written anywhere: copies and pickles of an optimizer get a
+    fresh boundary.
+    """
+
+    def __init__(self) -> None:
+        self._serial = 0
+        self._owner: Optional[weakref.ref] = None
+        self.current: Optional[ChunkTag] = None  # the chunk last handed to the loop (None: untagged)
+        self.open_batch: Optional[int] = None  # the logical batch of the open step (None: no tagged open step)
+        self._counted: set = set()  # chunks of the open step whose examples are counted
+        self.examples = 0  # examples of the counted chunks (private, memory only)
+        self.rows = 0  # examples forwarded into the open step (rows / K; private, memory only)
+        self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
+
+    def __getstate__(self) -> dict:
+        """A copy starts with no open step and no private count."""
+        return {"_serial": self._serial, "_owner": None, "current": None, "open_batch": None,
+                "_counted": set(), "examples": 0, "rows": 0, "_owed": None}
+
+    def bind(self, optimizer: Any) -> None:
+        """Close open steps through ``optimizer`` (held weakly)."""
+        if self._owner is None or self._owner() is not optimizer:
+            self._owner = weakref.ref(optimizer)
+
+    def new_batch(self) -> int:
+        """A fresh serial number for a logical batch just drawn."""
+        self._serial += 1
+        return self._serial
+
+    def hand(self, tag: Optional[ChunkTag], owed: bool = False) -> None:
+        """A loader gives ``tag``'s chunk to the loop (None: a batch it could not tag).
+
+        A step open for another logical batch is closed first, as its own
+        release. With ``owed`` (``BatchMemoryManager``'s chunks) every logical
+        batch handed out is released exactly once: a batch the loop skipped
+        entirely (``if len(x) == 0: continue`` on an empty batch, an exception
+        before any ``step()`` of it) is released as pure noise (charged) when the
+        loop moves on, so the number of releases does not depend on the data and
+        data-parallel ranks release in step.
+        """
+        if self._owner_open() and (tag is None or self.open_batch is None or tag.batch != self.open_batch):
+            self.close()
+        elif self._owed is not None and (tag is None or tag.batch != self._owed):
+            self._release_owed()
+        if owed and tag is not None:
+            self._owed = tag.batch
+        self.current = tag
+
+    def leave(self) -> None:
+        """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step
+        (or release a batch handed out and skipped entirely, as pure noise)."""
+        if self._owner_open():
+            self.close()
+        elif self._owed is not None:
+            self._release_owed()
+        self._owed = None
+        self.current = None
+
+    def _release_owed(self) -> None:
+        owner = None if self._owner is None else self._owner()
+        self._owed = None
+        if owner is not None:
+            owner._release_skipped_batch()
+
+    def _owner_open(self) -> bool:
+        owner = None if self._owner is None else self._owner()
+        return owner is not None and bool(getattr(owner, "_open", False))
+
+    def close(self) -> None:
+        """Release the open step now (the owner's ``_close_open_step``); forget it if the owner is gone."""
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and getattr(owner, "_open", False):
+            owner._close_open_step()
+        self.end()
+
+    # -- the optimizer's side -------------------------------------------------------
+    def begin(self) -> None:
+        """The optimizer opened a step: it belongs to the current chunk's batch (if tagged)."""
+        self.open_batch = None if self.current is None else self.current.batch
+        self._counted, self.examples, self.rows = set(), 0, 0
+
+    def step_chunk(self, rows: Optional[int]) -> Optional[bool]:
+        """Count ``rows`` examples forwarded in this ``step()`` against the current chunk.
+
+        Returns:
+            Whether this ``step()`` releases according to the chunk's tag
+            (True on a chunked batch's last chunk, False before it), or None
+            when the tag does not say (an untagged or single-chunk batch:
+            ``signal_skip_step`` decides).
+        """
+        tag = self.current
+        if rows is None or self.rows is None:
+            self.rows = None
+        else:
+            self.rows += int(rows)
+        if tag is None:
+            self.examples = None
+            return None
+        if tag.batch == self.open_batch and (tag.chunk not in self._counted):
+            self._counted.add(tag.chunk)
+            if self.examples is not None and tag.examples is not None:
+                self.examples += int(tag.examples)
+            elif tag.examples is None:
+                self.examples = None
+        if tag.chunks > 1:
+            return tag.last
+        return None
+
+    def counts(self) -> tuple[Optional[int], Optional[int]]:
+        """(examples forwarded, examples of the chunks stepped) of the open step; None where unknown.
+
+        Both are private: compare them in this process, never print them.
+        """
+        if self.open_batch is None:
+            return self.rows, None
+        return self.rows, self.examples
+
+    def end(self) -> None:
+        """The open step was released, or discarded (a failed or refused ``step()``: its batch is then not
+        owed a pure-noise release either — nothing is released for a refusal)."""
+        if self._owed is not None and self.open_batch == self._owed:
+            self._owed = None
+        self.open_batch = None
+        self._counted, self.examples, self.rows = set(), 0, 0
+
+
+def boundary_of(optimizer: Any) -> ReleaseBoundary:
+    """The :class:`ReleaseBoundary` of ``optimizer`` (made on first use, bound to it)."""
+    bd = optimizer.__dict__.get("_boundary")
+    if bd is None:
+        bd = optimizer.__dict__["_boundary"] = ReleaseBoundary()
+    bd.bind(optimizer)
+    return bd
