@@ -75,7 +75,7 @@ def test_a_dptrainer_checkpoint_is_scored_at_the_trainers_delta(tmp_path):
     from dpopt.hf import DPTrainer
 
     tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
-                   train_dataset=Tokens(), noise_multiplier=1.0, delta=1e-6, privacy_unit="example")
+                   train_dataset=Tokens(), noise_multiplier=1.0, delta=1e-6, privacy_unit="record")
     tr.train()
     ckpt = tmp_path / "checkpoint-2"
     assert json.loads((ckpt / "privacy_ledger.json").read_text())["delta"] == 1e-6

@@ -40,12 +40,12 @@ def _ckpt(**kw):
 @pytest.mark.slow
 def test_target_epsilon_resumed_to_more_steps_is_calibrated_with_the_spent_releases(tmp_path):
     tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2, **_ckpt()), train_dataset=Tokens(classes=3),
-                   target_epsilon=3.0, delta=1e-5, privacy_unit="example")
+                   target_epsilon=3.0, delta=1e-5, privacy_unit="record")
     tr.train()
     first = tr.noise_multiplier
     assert tr.get_epsilon() <= 3.0
     tr2 = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=6, **_ckpt()), train_dataset=Tokens(classes=3),
-                    target_epsilon=3.0, delta=1e-5, privacy_unit="example")
+                    target_epsilon=3.0, delta=1e-5, privacy_unit="record")
     tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert len(tr2.ledger) == 6
     eps = tr2.get_epsilon()
@@ -55,11 +55,11 @@ def test_target_epsilon_resumed_to_more_steps_is_calibrated_with_the_spent_relea
 
 def test_target_epsilon_already_spent_is_refused_on_resume(tmp_path):
     tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2, **_ckpt()), train_dataset=Tokens(classes=3),
-                   noise_multiplier=0.6, privacy_unit="example")
+                   noise_multiplier=0.6, privacy_unit="record")
     tr.train()
     spent = tr.get_epsilon()
     tr2 = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=4, **_ckpt()), train_dataset=Tokens(classes=3),
-                    target_epsilon=spent * 0.9, privacy_unit="example")
+                    target_epsilon=spent * 0.9, privacy_unit="record")
     with pytest.raises(ValueError, match="already out of reach.*raise target_epsilon"):
         tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
@@ -80,7 +80,7 @@ def _one_example_update(tr, model):
 def test_a_user_set_training_arguments_max_grad_norm_is_the_bound(tmp_path):
     model = gpt2()
     tr = DPTrainer(model=model, args=targs(tmp_path, max_grad_norm=0.1), train_dataset=Tokens(),
-                   noise_multiplier=0.0, privacy_unit="example",
+                   noise_multiplier=0.0, privacy_unit="record",
                    method=torch.optim.SGD(model.parameters(), lr=1.0))
     assert tr.max_grad_norm == 0.1 and tr.args.max_grad_norm == 0.0
     moved = _one_example_update(tr, model)
@@ -134,7 +134,7 @@ def test_declared_examples_and_classifiers_are_not_taken_as_packed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(),
-                       noise_multiplier=1.0, privacy_unit="example")
+                       noise_multiplier=1.0, privacy_unit="record")
         tr.get_train_dataloader()
         cls = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(classes=3),
                         noise_multiplier=1.0)
@@ -144,20 +144,24 @@ def test_declared_examples_and_classifiers_are_not_taken_as_packed(tmp_path):
                          noise_multiplier=1.0, privacy_unit=L)
     declared.get_train_dataloader()
     assert declared.ledger.privacy_unit == f"block of {L} tokens"
+    named = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(),
+                      noise_multiplier=1.0, privacy_unit="block")  # declared; N read from the blocks
+    named.get_train_dataloader()
+    assert named.block_tokens == L and named.ledger.privacy_unit == f"block of {L} tokens"
     with pytest.raises(ValueError, match="privacy_unit"):
         DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0,
-                  privacy_unit="record")
+                  privacy_unit="user")  # not a unit DPTrainer samples by (yet)
 
 
 # -- epoch counter and user log keys ----------------------------------------------------------
 def test_the_epoch_counter_continues_after_resume(tmp_path):
     # B-bar = 4 over N = 32: 8 Poisson steps per epoch
     tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, logging_steps=1, **_ckpt()),
-                   train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="example")
+                   train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="record")
     tr.train()
     assert tr.state.epoch == pytest.approx(2 / 8)
     tr2 = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=4, logging_steps=1, **_ckpt()),
-                    train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="example")
+                    train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="record")
     tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     epochs = [row["epoch"] for row in tr2.state.log_history if "epsilon" in row and "train_runtime" not in row]
     assert epochs[-2:] == [pytest.approx(3 / 8), pytest.approx(4 / 8)]  # before: 1/8, 2/8 (restarted)
@@ -171,7 +175,7 @@ def test_user_log_keys_pass_through_and_private_keys_do_not(tmp_path):
 
     cb = Mine()
     tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(), noise_multiplier=1.0,
-                   privacy_unit="example", callbacks=[cb])
+                   privacy_unit="record", callbacks=[cb])
     cb.trainer = tr
     tr.train()
     rows = [r for r in tr.state.log_history if "my_public_metric" in r]
@@ -187,7 +191,7 @@ def test_an_example_forwarded_twice_by_the_collator_is_refused(tmp_path):
         return T.default_data_collator(list(items) + list(items[:1]))
 
     tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(), noise_multiplier=1.0,
-                   privacy_unit="example", data_collator=doubling)
+                   privacy_unit="record", data_collator=doubling)
     with pytest.raises(ValueError, match="more rows than the data loader's last batch had examples"):
         tr.train()
     assert len(tr.ledger) == 0
@@ -198,7 +202,7 @@ def test_a_step_left_open_by_a_failed_training_step_is_closed_before_the_next_ba
     it on its own (one charged release) instead of adding the next batch into it."""
     model = gpt2()
     tr = DPTrainer(model=model, args=targs(tmp_path, gradient_accumulation_steps=4, max_steps=2),
-                   train_dataset=Tokens(), noise_multiplier=0.0, privacy_unit="example",
+                   train_dataset=Tokens(), noise_multiplier=0.0, privacy_unit="record",
                    method=torch.optim.SGD(model.parameters(), lr=1.0))
     loader = tr.get_train_dataloader()
     it = iter(loader)

@@ -128,7 +128,7 @@ def calibrate_remaining(target_epsilon: float, delta: float, sample_rate: float,
     return float(hi)
 
 
-def packed_block(dataset: Any, probe: int = 32) -> Optional[int]:
+def packed_block(dataset: Any, probe: int = 32, require_labels: bool = True) -> Optional[int]:
     """N when ``dataset`` looks like packed text (``run_clm``'s ``group_texts``): blocks of N tokens; else None.
 
     Read from up to ``probe`` items spread over the dataset: every item is a
@@ -138,7 +138,9 @@ def packed_block(dataset: Any, probe: int = 32) -> Optional[int]:
     the item structure is elsewhere in dpopt); no token value is kept.
 
     A dataset of fixed-length records that are NOT concatenated texts looks the
-    same: declare ``privacy_unit="example"`` to DPTrainer then.
+    same: declare ``privacy_unit="record"`` to DPTrainer then. With
+    ``require_labels=False`` (a declared ``privacy_unit="block"``) only the
+    equal lengths are required.
     """
     try:
         n = len(dataset)
@@ -150,9 +152,10 @@ def packed_block(dataset: Any, probe: int = 32) -> Optional[int]:
     length = None
     for i in idx:
         item = dataset[i]
-        if not hasattr(item, "keys") or "input_ids" not in item or "labels" not in item:
+        if not hasattr(item, "keys") or "input_ids" not in item or (require_labels and "labels" not in item):
             return None
-        ids, labels = _as_list(item["input_ids"]), _as_list(item["labels"])
+        ids = _as_list(item["input_ids"])
+        labels = _as_list(item["labels"]) if require_labels else ids
         if ids is None or labels is None or len(ids) < 2 or ids != labels:
             return None
         if length is None:
@@ -176,5 +179,5 @@ def _as_list(x: Any) -> Optional[list]:
 
 
 def unit_text(block: Optional[int]) -> str:
-    """The ledger header's ``privacy_unit`` text: ``"block of N tokens"`` or ``"example"``."""
-    return "example" if block is None else f"block of {int(block)} tokens"
+    """The ledger header's ``privacy_unit`` text: ``"block of N tokens"`` or ``"record"``."""
+    return "record" if block is None else f"block of {int(block)} tokens"

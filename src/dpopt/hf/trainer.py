@@ -197,8 +197,10 @@ class DPTrainer(Trainer):
         privacy_unit: what one protected unit is: None (detect: a causal-LM
             dataset of equal-length blocks with ``labels == input_ids`` and no
             padding — ``run_clm``'s ``group_texts`` — is taken as packed, warned),
-            ``"example"`` (each example is one record: no detection), or an
-            int N (packed blocks of N tokens, declared). Packed: the unit is
+            ``"record"`` (each example is one record: no detection),
+            ``"block"`` (declared packing, N read from the dataset's blocks) or
+            an int N (packed blocks of N tokens, declared). The names are the
+            privacy-unit vocabulary (record / user / block) of the docs. Packed: the unit is
             "block of N tokens", recorded in the ledger header, the logs
             (``privacy_unit_tokens``) and the summary.
 
@@ -230,10 +232,11 @@ class DPTrainer(Trainer):
             raise ValueError("give the torch optimizer once: method= or optimizers=(optimizer, scheduler)")
         args = TrainingArguments(output_dir="dp_trainer_output") if args is None else args
         max_grad_norm = resolve_max_grad_norm(args, max_grad_norm)  # never ignored (hf.guarantee)
-        if not (privacy_unit in (None, "example") or (isinstance(privacy_unit, int)
-                                                      and not isinstance(privacy_unit, bool) and privacy_unit >= 1)):
-            raise ValueError(f"privacy_unit must be None (detect), 'example' or a block length in tokens (int >= 1), "
-                             f"got {privacy_unit!r}")
+        if not (privacy_unit in (None, "record", "block") or (isinstance(privacy_unit, int)
+                                                               and not isinstance(privacy_unit, bool)
+                                                               and privacy_unit >= 1)):
+            raise ValueError(f"privacy_unit must be None (detect), 'record', 'block' or a block length in tokens "
+                             f"(int >= 1), got {privacy_unit!r}")
         self.privacy_unit = privacy_unit
         self.block_tokens: Optional[int] = None  # packed texts: the privacy unit is a block of this many tokens
         self._evaluating = False
@@ -332,10 +335,17 @@ class DPTrainer(Trainer):
         """The privacy unit: declared, or detected packing (warned); sets :attr:`block_tokens`."""
         import warnings
 
-        if self.privacy_unit == "example":
+        if self.privacy_unit == "record":
             return
         if isinstance(self.privacy_unit, int):
             self.block_tokens = int(self.privacy_unit)
+            return
+        if self.privacy_unit == "block":
+            block = packed_block(dataset, require_labels=False)
+            if block is None:
+                raise ValueError("privacy_unit='block' needs a dataset of equal-length input_ids blocks to read N "
+                                 "from; pass privacy_unit=N (the block length in tokens) instead")
+            self.block_tokens = block
             return
         causal = self._causal if self._causal is not None else \
             type(getattr(self.model, "base_model", self.model)).__name__.endswith(("ForCausalLM", "LMHeadModel")) \
@@ -348,7 +358,7 @@ class DPTrainer(Trainer):
                       "labels = input_ids and no padding, as run_clm's group_texts makes): the privacy unit is the "
                       f"BLOCK of {block} tokens, not a record — a record spread over k blocks is protected at about "
                       "k times epsilon (group privacy). Recorded in the ledger header, logs and summary. Pack per "
-                      "record (or bound the blocks per record) for record-level DP; pass privacy_unit='example' if "
+                      "record (or bound the blocks per record) for record-level DP; pass privacy_unit='record' if "
                       f"each example is one record, or privacy_unit={block} to declare the packing",
                       UserWarning, stacklevel=3)
 
