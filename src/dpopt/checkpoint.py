@@ -85,11 +85,11 @@ def recorded_journal(recorded: Optional[str], checkpoint: Any) -> Optional[Path]
     return path
 
 
-def _totals(entries: Iterable) -> tuple[int, int]:
+def _totals(groups: Iterable) -> tuple[int, int]:
     reads = releases = 0
-    for e in entries:
-        reads += int(e.meta.get("reads", 0))
-        releases += int(e.meta.get("releases", 0))
+    for g in groups:  # run-length groups: O(groups)
+        reads += int(g.meta.get("reads", 0)) * g.count
+        releases += int(g.meta.get("releases", 0)) * g.count
     return reads, releases
 
 
@@ -231,7 +231,7 @@ class LedgerKeeper:
         Privatizers' counts plus these, equal to the ledger's for the releases
         made before the load; releases made after it are counted independently.
         """
-        reads, releases = _totals(self.ledger.entries)
+        reads, releases = _totals(self.ledger.groups)
         privs = list(privatizers)
         self.carried_reads = reads - sum(p.reads for p in privs)
         self.carried_releases = releases - sum(p.releases for p in privs)

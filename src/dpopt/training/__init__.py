@@ -245,7 +245,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         run.averager.load_state_dict(ckpt["averager"])
     opt = run.optimizer
     opt.load_state_dict(dict(ckpt["optimizer"], privatizer=ckpt["privatizer"]))  # DPOptimizer.load_state_dict
-    lost = run.ledger.entries[position:]
+    lost = run.ledger.entries_since(position)
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
