@@ -58,7 +58,7 @@ from typing import Any, Iterable, Optional, Union
 
 from .accounting.ledger import PrivacyLedger, longest_record
 
-__all__ = ["CHECKPOINT_VERSION", "LedgerKeeper", "default_journal", "recorded_journal"]
+__all__ = ["CHECKPOINT_VERSION", "LedgerKeeper", "atomic_torch_save", "default_journal", "recorded_journal"]
 
 CHECKPOINT_VERSION = 1
 
@@ -82,6 +82,42 @@ def recorded_journal(recorded: Optional[str], checkpoint: Any) -> Optional[Path]
         return Path(checkpoint).parent / path if here else path
     if not path.exists() and here and (Path(checkpoint).parent / path.name).exists():
         return Path(checkpoint).parent / path.name
+    return path
+
+
+def atomic_torch_save(obj: Any, path: Union[str, os.PathLike], **torch_save_kwargs: Any) -> Path:
+    """``torch.save(obj, path)`` atomically: a temporary file beside ``path``, ``fsync``, ``os.replace``.
+
+    A reader, or a process killed mid-write, sees the old file or the new one, never a torn one; the
+    directory is ``fsync``-ed too where the OS allows (POSIX). The temporary name carries the process
+    id, so two processes saving to one path cannot write into each other's file.
+
+    Raises:
+        OSError: the write or rename failed (the temporary file is removed; ``path`` is unchanged).
+    """
+    import torch  # noqa: PLC0415 (this module is imported by the accounting layer without torch work)
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh, **torch_save_kwargs)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # no directory handles (Windows): the rename is still atomic
+        return path
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return path
 
 
