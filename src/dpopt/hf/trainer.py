@@ -40,7 +40,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   not counted: they depend on the realised batch sizes); evaluation metrics
   only with ``eval_is_public=True``. ``train()`` returns ``training_loss = nan``.
 * **State.** Every checkpoint's ``optimizer.pt`` carries the ledger
-  (PrivateOptimizer.state_dict); ``privacy_ledger.json`` and
+  (PrivateOptimizer.state_dict; run-length form, O(groups)); ``privacy_ledger.json`` (the same form, atomic) and
   ``privacy_summary.json`` (``dpopt check`` reads them) are written beside;
   an append-only journal ``ledger-<run_id>.jsonl`` in ``output_dir`` (not in
   a checkpoint directory: ``save_total_limit`` never deletes it) holds every
@@ -386,7 +386,7 @@ class DPTrainer(Trainer):
         if self._private is None or not self.args.should_save:
             return
         folder = run_dir / f"checkpoint-{self.state.global_step}"
-        self.ledger.save(folder / LEDGER_FILE)
+        self.ledger.save(folder / LEDGER_FILE, compact=True)  # run-length form: O(groups), atomic
         (folder / SUMMARY_FILE).write_text(jsonio.dumps(self.engine.summary(self.delta)))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
