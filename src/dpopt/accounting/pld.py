@@ -45,11 +45,11 @@ check) comes from dp_accounting's unmodified construction.
 Long runs (issue 42). The ledger reaches the accountant as run-length groups
 reduced to (q, σ) counts, so the cost of one ε depends on the PLD's support,
 not on the number of releases. Three caches keep repeated ε calls cheap, none
-of which changes a value: (1) the Chernoff truncation bounds of a
-self-composition (dp_accounting's ``compute_self_convolve_bounds``) need 40
-log-sum-exps over the single-step PLD; they are computed once per (σ, q, grid)
-and :func:`_self_compose` then builds exactly the arrays dp_accounting's
-``self_compose`` builds (same FFT length, same operations); (2) each
+of which changes a value beyond FFT rounding: (1) the Chernoff truncation
+bounds of a self-composition (dp_accounting's ``compute_self_convolve_bounds``)
+need 40 log-sum-exps over the single-step PLD; they are computed once per
+(σ, q, grid), and :func:`_self_compose` builds dp_accounting's ``self_compose``
+arrays (same bounds and FFT length; the real-input FFT, half the work); (2) each
 self-composed (q, σ, count) part is kept, so a new kind of event re-composes
 only its own part, not the groups before it; (3) ε of identical terms is
 remembered. dp_accounting's ``get_epsilon_for_delta`` walks the PMF in a Python
@@ -171,9 +171,12 @@ _TAIL_MASS = 1e-15
 class _SelfComposer:
     """dp_accounting's ``DensePLDPmf.self_compose(n, 1e-15)`` with the truncation bounds' log-MGFs computed once.
 
-    ``compose(n)`` returns the same arrays as the library (same Chernoff bounds, same FFT length and
-    operations: ``common.self_convolve``); only the 40 log-sum-exps over the single-step PMF, which do
-    not depend on ``n``, are cached.
+    ``compose(n)`` returns the library's PMF: the same Chernoff truncation bounds (the 40 log-sum-exps
+    over the single-step PMF, which do not depend on ``n``, are cached), the same FFT length, the same
+    offsets and infinity mass; the convolution power is taken with the real-input FFT
+    (``irfft(rfft(x)**n)``, half the work of ``real(ifft(fft(x)**n))``), which differs from the
+    library's probabilities by FFT rounding only (about 1e-17 absolute, below the 1e-15 of mass the
+    library truncates; tested to 1e-15).
     """
 
     def __init__(self, pmf):
@@ -199,7 +202,7 @@ class _SelfComposer:
         lo, hi = self._bounds(n)
         out_len = hi - lo + 1
         fast_len = sp_fft.next_fast_len(max(out_len, len(x)))
-        conv = np.real(sp_fft.ifft(sp_fft.fft(x, fast_len) ** n))
+        conv = sp_fft.irfft(sp_fft.rfft(x, fast_len) ** n, fast_len)  # the real part of ifft(fft(x)**n)
         probs = np.array(np.roll(conv, -lo)[:out_len])
         inf_prob = _TAIL_MASS - math.expm1(n * math.log1p(-pmf._infinity_mass))
         return pmf_lib.DensePLDPmf(pmf._discretization, pmf._lower_loss * n + lo, probs, inf_prob,
