@@ -210,39 +210,42 @@ class _SelfComposer:
 
 
 @functools.lru_cache(maxsize=32)
-def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation) -> Optional[tuple]:
-    """The :class:`_SelfComposer` of each PMF (remove, add) of one sampled step's PLD; None if not dense."""
-    pld = _sampled_gaussian_pld(sigma, q, d, relation)
+def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation,
+              fast: bool = False) -> Optional[tuple]:
+    """The :class:`_SelfComposer` of each PMF (remove, add) of one sampled step's PLD; None if not dense.
+
+    ``fast``: of :func:`_fast_sampled_gaussian_pld`'s PLD (the calibration's cheap levels)."""
+    pld = (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation)
     pmfs = (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add)
     if not all(type(p) is pmf_lib.DensePLDPmf for p in pmfs):
         return None
     return tuple(_SelfComposer(p) for p in pmfs)
 
 
-def _self_compose(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int):
+def _self_compose(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False):
     """``_sampled_gaussian_pld(sigma, q, d, relation).self_compose(count)``, the same PLD (class docstring)."""
-    composers = _composer(sigma, q, d, relation)
+    composers = _composer(sigma, q, d, relation, fast)
     if composers is None:
-        return _sampled_gaussian_pld(sigma, q, d, relation).self_compose(count)
+        return (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation).self_compose(count)
     return pld_lib.PrivacyLossDistribution(*(c.compose(count) for c in composers))
 
 
 #: Self-composed parts by (σ, q, grid, relation, count): a new kind of event re-composes its own part only.
 _PARTS: "collections.OrderedDict" = collections.OrderedDict()
-_PARTS_MAX = 4
+_PARTS_MAX = 2  # each can be tens of MB on a long run: a constant, never growing, retention
 #: ε by (terms, δ, grid, relation): an unchanged ledger is not scored twice.
 _EPSILONS: "collections.OrderedDict" = collections.OrderedDict()
 _EPSILONS_MAX = 256
 
 
-def _part(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int):
-    key = (sigma, q, d, relation, count)
+def _part(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False):
+    key = (sigma, q, d, relation, count, fast)
     if key in _PARTS:
         _PARTS.move_to_end(key)
         return _PARTS[key]
-    part = _sampled_gaussian_pld(sigma, q, d, relation)
+    part = (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation)
     if count > 1:
-        part = _self_compose(sigma, q, d, relation, count)
+        part = _self_compose(sigma, q, d, relation, count, fast)
     _PARTS[key] = part
     while len(_PARTS) > _PARTS_MAX:
         _PARTS.popitem(last=False)
@@ -312,12 +315,8 @@ def _pld_terms_epsilon_uncached(terms, delta: float, d: float, relation: Neighbo
                 use_connect_dots=True,
                 neighboring_relation=relation,
             )
-        elif fast:
-            part = _fast_sampled_gaussian_pld(sigma, q, d, relation)
-            if count > 1:
-                part = part.self_compose(count)
         else:
-            part = _part(sigma, q, d, relation, int(count))
+            part = _part(sigma, q, d, relation, int(count), fast)
         total = part if total is None else total.compose(part)
     eps = float(_pld_epsilon_for_delta(total, delta))
     return math.inf if math.isnan(eps) else max(0.0, eps)
