@@ -45,6 +45,11 @@ Checkpoint layout (``torch.save`` of a dict; Opacus's keys, then dpopt's)::
     privacy_ledger (the engine's ledger, PrivacyLedger.state_dict()), accountant (its name),
     dpopt_checkpoint: {"version": 1, "run_id", "ledger_length", "journal"}
 
+The ledger is stored ONCE, in its run-length form (``PrivacyLedger.state_dict``, version 3: O(groups),
+not O(releases)): the optimizer state's and the accountant state's ``"ledger"`` are the same dict as
+``privacy_ledger`` (pickle writes a shared object once). Checkpoints written before (three per-release
+copies, version 2) load as before. A path is written atomically (:func:`atomic_torch_save`).
+
 Everything in it is public: released values, public configuration and the
 ledger; a secret noise generator's state is never written (Privatizer.state_dict).
 """
