@@ -100,7 +100,7 @@ def atomic_torch_save(obj: Any, path: Union[str, os.PathLike], **torch_save_kwar
     Raises:
         OSError: the write or rename failed (the temporary file is removed; ``path`` is unchanged).
     """
-    import torch  # noqa: PLC0415 (this module is imported by the accounting layer without torch work)
+    import torch  # imported here: this module is imported by the accounting layer without torch work
 
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -20,9 +20,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpopt import PrivacyEngine
 from dpopt.accounting.accountant import epsilon
-from dpopt.accounting.events import effective_noise_multiplier, poisson_composed_step, poisson_gaussian_step
+from dpopt.accounting.events import (
+    effective_noise_multiplier,
+    poisson_composed_step,
+    poisson_gaussian_step,
+)
 from dpopt.accounting.ledger import LedgerGroup, PrivacyLedger
-from dpopt.accounting.pld import _pld_epsilon_for_delta, _sampled_gaussian_pld, _self_compose, _RELATIONS
+from dpopt.accounting.pld import (
+    _RELATIONS,
+    _pld_epsilon_for_delta,
+    _sampled_gaussian_pld,
+    _self_compose,
+)
 from dpopt.accounting.rdp import RDP_ORDERS
 
 DATA = Path(__file__).parent / "data"
@@ -123,7 +132,7 @@ def test_grouped_epsilon_equals_per_release_composition(accountant):
 
 
 def test_grouped_epsilon_equals_dp_accounting_rdp_release_by_release():
-    ledger, events = _mixed()
+    ledger, _ = _mixed()
     acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
     for event in events:
         acc.compose(event)
