@@ -132,7 +132,7 @@ def test_grouped_epsilon_equals_per_release_composition(accountant):
 
 
 def test_grouped_epsilon_equals_dp_accounting_rdp_release_by_release():
-    ledger, _ = _mixed()
+    ledger, events = _mixed()
     acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
     for event in events:
         acc.compose(event)
@@ -141,7 +141,7 @@ def test_grouped_epsilon_equals_dp_accounting_rdp_release_by_release():
 
 def test_grouped_epsilon_equals_dp_accounting_pld():
     """dp_accounting's PLDAccountant on the same releases (composed Gaussians collapsed to σ_eff, DESIGN.md)."""
-    ledger, events = _mixed()
+    ledger, _ = _mixed()
     sigma_q = poisson_gaussian_step(effective_noise_multiplier([1.3, 6.0]), 0.02)
     counts = {STEP: 10, poisson_gaussian_step(1.5, 0.01): 4, sigma_q: 5}
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
