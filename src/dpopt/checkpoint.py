@@ -45,6 +45,11 @@ Checkpoint layout (``torch.save`` of a dict; Opacus's keys, then dpopt's)::
     privacy_ledger (the engine's ledger, PrivacyLedger.state_dict()), accountant (its name),
     dpopt_checkpoint: {"version": 1, "run_id", "ledger_length", "journal"}
 
+The ledger is stored ONCE, in its run-length form (``PrivacyLedger.state_dict``, version 3: O(groups),
+not O(releases)): the optimizer state's and the accountant state's ``"ledger"`` are the same dict as
+``privacy_ledger`` (pickle writes a shared object once). Checkpoints written before (three per-release
+copies, version 2) load as before. A path is written atomically (:func:`atomic_torch_save`).
+
 Everything in it is public: released values, public configuration and the
 ledger; a secret noise generator's state is never written (Privatizer.state_dict).
 """
@@ -58,7 +63,7 @@ from typing import Any, Iterable, Optional, Union
 
 from .accounting.ledger import PrivacyLedger, longest_record
 
-__all__ = ["CHECKPOINT_VERSION", "LedgerKeeper", "default_journal", "recorded_journal"]
+__all__ = ["CHECKPOINT_VERSION", "LedgerKeeper", "atomic_torch_save", "default_journal", "recorded_journal"]
 
 CHECKPOINT_VERSION = 1
 
@@ -85,11 +90,47 @@ def recorded_journal(recorded: Optional[str], checkpoint: Any) -> Optional[Path]
     return path
 
 
-def _totals(entries: Iterable) -> tuple[int, int]:
+def atomic_torch_save(obj: Any, path: Union[str, os.PathLike], **torch_save_kwargs: Any) -> Path:
+    """``torch.save(obj, path)`` atomically: a temporary file beside ``path``, ``fsync``, ``os.replace``.
+
+    A reader, or a process killed mid-write, sees the old file or the new one, never a torn one; the
+    directory is ``fsync``-ed too where the OS allows (POSIX). The temporary name carries the process
+    id, so two processes saving to one path cannot write into each other's file.
+
+    Raises:
+        OSError: the write or rename failed (the temporary file is removed; ``path`` is unchanged).
+    """
+    import torch  # imported here: this module is imported by the accounting layer without torch work
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh, **torch_save_kwargs)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # no directory handles (Windows): the rename is still atomic
+        return path
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return path
+
+
+def _totals(groups: Iterable) -> tuple[int, int]:
     reads = releases = 0
-    for e in entries:
-        reads += int(e.meta.get("reads", 0))
-        releases += int(e.meta.get("releases", 0))
+    for g in groups:  # run-length groups: O(groups)
+        reads += int(g.meta.get("reads", 0)) * g.count
+        releases += int(g.meta.get("releases", 0)) * g.count
     return reads, releases
 
 
@@ -231,7 +272,7 @@ class LedgerKeeper:
         Privatizers' counts plus these, equal to the ledger's for the releases
         made before the load; releases made after it are counted independently.
         """
-        reads, releases = _totals(self.ledger.entries)
+        reads, releases = _totals(self.ledger.groups)
         privs = list(privatizers)
         self.carried_reads = reads - sum(p.reads for p in privs)
         self.carried_releases = releases - sum(p.releases for p in privs)

@@ -212,7 +212,7 @@ class TargetWatch:
         n = len(ledger)
         if n == 0:
             return
-        event = ledger.entries[-1].event
+        event = ledger.last_entry.event  # O(1): never a copy of the ledger
         if self.cheap:
             if self.event is None:
                 self.event = event

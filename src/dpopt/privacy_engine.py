@@ -104,7 +104,7 @@ from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .accounting.validation import check_noise_multiplier
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
-from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
+from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, atomic_torch_save, default_journal, recorded_journal
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
                           check_replicas, context)
@@ -1020,7 +1020,13 @@ class PrivacyEngine:
     ) -> None:
         """Save the model, optimizer, schedulers and this engine's ledger with ``torch.save`` (Opacus's shape).
 
-        Layout in :mod:`dpopt.checkpoint`. From the first call on, every
+        Layout in :mod:`dpopt.checkpoint`. The ledger is written ONCE, in its
+        run-length form (O(groups): a run at fixed σ, q, C is one group
+        whatever its length): the optimizer state's and the accountant state's
+        ``"ledger"`` are the same object as ``privacy_ledger``, which pickle
+        stores once. A path is written atomically (a temporary file beside it,
+        ``fsync``, ``os.replace``: :func:`~dpopt.checkpoint.atomic_torch_save`).
+        From the first call on, every
         release is appended to the run's ledger journal (``journal``, default
         ``ledger-<run_id>.jsonl`` beside ``path``), flushed before the file is
         written: :meth:`load_checkpoint` of this file, even after more
@@ -1058,20 +1064,30 @@ class PrivacyEngine:
             where = Path(where).name  # beside the checkpoint: the directory can move as a whole
         ckpt = dict(checkpoint_dict or {})
         ckpt["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
+        ledger_state = self.ledger.state_dict()  # run-length form, shared by every key below (stored once)
         if optimizer is not None:
             ckpt["optimizer_state_dict"] = optimizer.state_dict()
+            priv = ckpt["optimizer_state_dict"].get("privatizer")
+            if isinstance(priv, dict) and "ledger" in priv:  # the same ledger (self._own checked it)
+                priv["ledger"] = ledger_state
         if noise_scheduler is not None:
             ckpt["noise_scheduler_state_dict"] = noise_scheduler.state_dict()
         if grad_clip_scheduler is not None:
             ckpt["grad_clip_scheduler_state_dict"] = grad_clip_scheduler.state_dict()
         if callable(getattr(self.accountant, "state_dict", None)):
             ckpt["privacy_accountant_state_dict"] = self.accountant.state_dict()
-        ckpt["privacy_ledger"] = self.ledger.state_dict()
+            if isinstance(ckpt["privacy_accountant_state_dict"].get("ledger"), dict) and \
+                    getattr(self.accountant, "ledger", None) is self.ledger:
+                ckpt["privacy_accountant_state_dict"]["ledger"] = ledger_state
+        ckpt["privacy_ledger"] = ledger_state
         ckpt["accountant"] = str(self.accountant)
         ckpt["dpopt_checkpoint"] = {"version": CHECKPOINT_VERSION, "run_id": self.ledger.run_id,
                                     "ledger_length": len(self.ledger),
                                     "journal": None if where is None else str(where)}
-        torch.save(ckpt, path, **(torch_save_kwargs or {}))
+        if on_disk:
+            atomic_torch_save(ckpt, path, **(torch_save_kwargs or {}))
+        else:
+            torch.save(ckpt, path, **(torch_save_kwargs or {}))
 
     def load_checkpoint(
         self,

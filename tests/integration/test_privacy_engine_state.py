@@ -100,7 +100,8 @@ def test_save_and_load_checkpoint_keep_the_whole_runs_epsilon(digits, tmp_path):
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=opt, checkpoint_dict={"epoch": 1})
     raw = torch.load(path)
-    assert raw["epoch"] == 1 and raw["accountant"] == "pld" and len(raw["privacy_ledger"]["entries"]) == 23
+    assert raw["epoch"] == 1 and raw["accountant"] == "pld" and len(PrivacyLedger.from_dict(raw["privacy_ledger"])) == 23
+    assert sum(g["count"] for g in raw["privacy_ledger"]["groups"]) == 23  # run-length form (issue 42)
     assert raw["dpopt_checkpoint"]["run_id"] == engine.ledger.run_id
     assert engine.journal == tmp_path / f"ledger-{engine.ledger.run_id}.jsonl"
 
@@ -211,7 +212,8 @@ def test_checkpoint_of_an_old_ledger_without_run_id_loads(digits, tmp_path):
     engine.save_checkpoint(path=tmp_path / "c.pt", module=model, optimizer=opt)
     ckpt = torch.load(tmp_path / "c.pt")
     for ledger in (ckpt["privacy_ledger"], ckpt["optimizer_state_dict"]["privatizer"]["ledger"]):
-        del ledger["run_id"]
+        ledger.pop("run_id", None)  # one object since issue 42 (the checkpoint stores the ledger once)
+    assert "run_id" not in ckpt["optimizer_state_dict"]["privatizer"]["ledger"]
     del ckpt["dpopt_checkpoint"]  # and no journal recorded
     torch.save(ckpt, tmp_path / "old.pt")
     engine2, model2, opt2, _ = _private(digits)

@@ -36,7 +36,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from .accountant import epsilon as ledger_epsilon
 from .events import gaussian_event, poisson_gaussian_step, summarize_event
-from .ledger import LedgerEntry, PrivacyLedger
+from .ledger import PrivacyLedger
 from .rdp import RDP_ORDERS
 from .validation import check_delta
 
@@ -79,7 +79,9 @@ class EpsilonTracker:
 
     def _epsilon_with(self, ledger: PrivacyLedger, event: dp_event.DpEvent, more: int) -> float:
         trial = PrivacyLedger(ledger.neighbouring, ledger.sampling, dataset_size=ledger.dataset_size)
-        trial._entries = list(ledger.entries) + [LedgerEntry(0, event)] * int(more)
+        trial._set_groups(ledger._groups)  # run-length groups: O(groups), not O(releases)
+        last = ledger.last_entry
+        trial._append(0 if last is None else last.step + 1, event, {}, int(more))
         self.calls += 1
         return ledger_epsilon(trial, self.delta, self.accountant)
 
@@ -96,7 +98,7 @@ class EpsilonTracker:
         if self._budget is not None:
             cached_event, n0, allowed, checked = self._budget
             # only the entries appended since the last call are compared: O(1) per step, not O(steps)
-            if cached_event == event and all(e.event == event for e in ledger.entries_since(checked)):
+            if cached_event == event and all(g.event == event for _, _, g in ledger._groups_since(checked)):
                 self._budget = (cached_event, n0, allowed, len(ledger))
                 return max(0, min(limit, allowed - (len(ledger) - n0)))
         budget = self.max_epsilon
@@ -150,12 +152,12 @@ class EpsilonTracker:
         if n < self._rdp_seen:  # a ledger replaced by a shorter one: start again
             self._rdp, self._rdp_seen, self._rdp_ok = np.zeros(len(RDP_ORDERS)), 0, True
         replace = ledger.neighbouring == "replace_one"
-        for entry in ledger.entries_since(self._rdp_seen):  # the new entries only
-            vec = self._vector(entry.event, replace) if self._rdp_ok else None
+        for _, count, group in ledger._groups_since(self._rdp_seen):  # the new releases only, per group
+            vec = self._vector(group.event, replace) if self._rdp_ok else None
             if vec is None:
                 self._rdp_ok = False
             else:
-                self._rdp = self._rdp + vec
+                self._rdp = self._rdp + vec * count
         self._rdp_seen = n
         if not self._rdp_ok:
             return None

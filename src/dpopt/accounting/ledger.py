@@ -59,6 +59,22 @@ reading. :meth:`PrivacyLedger.load` of a run directory reads the journal when
 there is one (it is never shorter than ``ledger.json``, which is written
 when a run stops); the journal is also a valid argument itself.
 
+Run-length form (``version`` 3; :meth:`PrivacyLedger.state_dict`, what every
+checkpoint holds). In memory, and in every checkpoint, identical consecutive
+releases are ONE group: a release joins the last group when its event and
+metadata equal the group's and its step is the next one. A group is written as::
+
+    {"step": 0, "count": 10000, "event": {...}, "meta": {...}}
+
+(the releases at steps ``step`` … ``step + count - 1``), and the state is the
+header fields plus ``"groups": [...]`` in place of ``"entries"``. A training
+run at fixed σ, q and C is one group whatever its length, so a checkpoint
+costs O(groups), not O(steps). ``ledger.json`` (:meth:`PrivacyLedger.to_dict`,
+:meth:`PrivacyLedger.save`) stays version 2, one entry per release, and the
+journal stays one line per release: they are the record. :meth:`from_dict`
+reads versions 1, 2 and 3, so checkpoints written before the run-length form
+(per-release lists) still load.
+
 Version-1 files (written before the noise source was recorded, when noise was
 always seeded from the published seed) load with ``noise = "unknown"`` and
 ``dataset_size = "public"``; ``dpopt check`` treats ``"unknown"`` as
@@ -67,6 +83,7 @@ reproducible.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -74,22 +91,24 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from dp_accounting import dp_event
 
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
-__all__ = ["LedgerEntry", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
+__all__ = ["LedgerEntry", "LedgerGroup", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
            "JOURNAL_VERSION", "JOURNAL_NAME", "new_run_id", "longest_record"]
 
 LEDGER_VERSION = 2
+#: Version of the run-length form (:meth:`PrivacyLedger.state_dict`: checkpoints).
+GROUPED_VERSION = 3
 #: Version of the JSON-lines journal format (its entries are in the LEDGER_VERSION entry format).
 JOURNAL_VERSION = 1
 #: File name of the journal in a run directory (beside ``ledger.json``).
 JOURNAL_NAME = "ledger.jsonl"
 #: Ledger versions :meth:`PrivacyLedger.from_dict` reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 #: How the noise was seeded; "unknown" is reserved for version-1 files.
 NOISE_MODES = ("secret", "secure", "reproducible")
 #: Statements about the dataset size N.
@@ -134,6 +153,49 @@ class LedgerEntry:
         return {"step": int(self.step), "event": event_to_dict(self.event), "meta": _public(self.meta)}
 
 
+@dataclass(frozen=True)
+class LedgerGroup:
+    """``count`` identical consecutive releases: steps ``step`` … ``step + count - 1``, one event, one metadata.
+
+    A read-only view of one run-length group of a :class:`PrivacyLedger`
+    (:attr:`PrivacyLedger.groups`); every release in it is the
+    :class:`LedgerEntry` ``(step + i, event, meta)``, ``0 ≤ i < count``.
+    """
+
+    step: int
+    count: int
+    event: dp_event.DpEvent
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """``{"step", "count", "event", "meta"}``: the version-3 (run-length) group format."""
+        return {"step": int(self.step), "count": int(self.count), "event": event_to_dict(self.event),
+                "meta": _public(self.meta)}
+
+
+class _Group:
+    """A mutable run-length group (the ledger's own storage; the last one grows as releases are recorded)."""
+
+    __slots__ = ("step", "count", "event", "meta")
+
+    def __init__(self, step: int, count: int, event: dp_event.DpEvent, meta: dict):
+        self.step, self.count, self.event, self.meta = step, count, event, meta
+
+    def takes(self, step: int, event: dp_event.DpEvent, meta: dict) -> bool:
+        """Does the release ``(step, event, meta)`` continue this group?"""
+        return step == self.step + self.count and (event is self.event or event == self.event) and meta == self.meta
+
+    def entry(self, i: int) -> LedgerEntry:
+        return LedgerEntry(self.step + i, self.event, self.meta)
+
+    def frozen(self) -> LedgerGroup:
+        return LedgerGroup(self.step, self.count, self.event, self.meta)
+
+    def same(self, other: "_Group") -> bool:
+        return (self.step, self.count, self.meta) == (other.step, other.count, other.meta) and \
+            self.event == other.event
+
+
 class PrivacyLedger:
     """Append-only record of releases, saved as versioned JSON.
 
@@ -170,7 +232,9 @@ class PrivacyLedger:
         self.noise = noise
         self.dataset_size = dataset_size
         self.run_id: Optional[str] = new_run_id() if run_id is None else _checked_run_id(run_id)
-        self._entries: list[LedgerEntry] = []
+        self._groups: list[_Group] = []  # run-length groups of identical consecutive releases
+        self._starts: list[int] = []  # index (release number) of each group's first release
+        self._n = 0  # releases recorded
         self._journal: Optional[Path] = None
         self._flushed = 0  # entries already in the journal
         self._journal_header: Optional[dict] = None  # the header last written to the journal
@@ -202,24 +266,86 @@ class PrivacyLedger:
 
     # -- writing ---------------------------------------------------------
     def record(self, step: int, event: dp_event.DpEvent, **meta: Any) -> LedgerEntry:
-        """Append one release (called by the Privatizer only)."""
+        """Append one release (called by the Privatizer only); O(1): it joins the last group when identical."""
         entry = LedgerEntry(int(step), event, _public(meta))
-        self._entries.append(entry)
+        self._append(entry.step, entry.event, entry.meta, 1)
         if self._autoflush:
             self.flush(sync=False)
         return entry
 
+    def _append(self, step: int, event: dp_event.DpEvent, meta: dict, count: int) -> None:
+        """Add ``count`` releases ``(step + i, event, meta)``, merged into the last group when they continue it."""
+        if count <= 0:
+            return
+        last = self._groups[-1] if self._groups else None
+        if last is not None and last.takes(step, event, meta):
+            last.count += count
+        else:
+            self._starts.append(self._n)
+            self._groups.append(_Group(step, count, event, meta))
+        self._n += count
+
+    def _set_groups(self, groups) -> None:
+        """Replace every release by ``groups`` (LedgerGroup / _Group-like: step, count, event, meta), copied."""
+        self._groups, self._starts, self._n = [], [], 0
+        for g in groups:
+            self._append(int(g.step), g.event, g.meta, int(g.count))
+
     # -- reading ---------------------------------------------------------
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
-        return tuple(self._entries)
+        """Every release as a :class:`LedgerEntry`, in order: a NEW tuple, O(releases) — never on a hot path.
+
+        Use :attr:`last_entry`, ``len(ledger)``, ``iter(ledger)``, :meth:`entries_since` or
+        :attr:`groups` there.
+        """
+        return tuple(self)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """The number of releases recorded (O(1))."""
+        return self._n
+
+    def __iter__(self) -> Iterator[LedgerEntry]:
+        """The releases in order, one :class:`LedgerEntry` at a time (no copy of the ledger)."""
+        for g in self._groups:
+            for i in range(g.count):
+                yield g.entry(i)
+
+    @property
+    def last_entry(self) -> Optional[LedgerEntry]:
+        """The last release recorded (O(1)), or None for an empty ledger."""
+        if not self._groups:
+            return None
+        g = self._groups[-1]
+        return g.entry(g.count - 1)
+
+    @property
+    def groups(self) -> tuple[LedgerGroup, ...]:
+        """The run-length groups (:class:`LedgerGroup`), in order: O(groups), independent of the run's length."""
+        return tuple(g.frozen() for g in self._groups)
 
     def entries_since(self, start: int) -> tuple[LedgerEntry, ...]:
-        """The entries from index ``start`` on (O(new entries), unlike :attr:`entries`)."""
-        return tuple(self._entries[int(start):])
+        """The entries from index ``start`` on (O(new entries + log groups), unlike :attr:`entries`)."""
+        start = max(int(start), 0)
+        if start >= self._n:
+            return ()
+        k = bisect.bisect_right(self._starts, start) - 1
+        out = []
+        offset = start - self._starts[k]
+        for g in self._groups[k:]:
+            out.extend(g.entry(i) for i in range(offset, g.count))
+            offset = 0
+        return tuple(out)
+
+    def _groups_since(self, start: int) -> list[tuple[int, int, "_Group"]]:
+        """``(first index in group, count, group)`` covering the releases from index ``start`` on: O(new groups)."""
+        start = max(int(start), 0)
+        if start >= self._n:
+            return []
+        k = bisect.bisect_right(self._starts, start) - 1
+        out = [(start - self._starts[k], self._groups[k].count - (start - self._starts[k]), self._groups[k])]
+        out.extend((0, g.count, g) for g in self._groups[k + 1:])
+        return out
 
     def extends(self, other: "PrivacyLedger") -> bool:
         """Does this ledger hold ``other``'s releases as its first ``len(other)`` entries (same run)?
@@ -232,19 +358,32 @@ class PrivacyLedger:
             return True
         if self.run_id is not None and other.run_id is not None and self.run_id != other.run_id:
             return False
-        return len(other) <= len(self) and all(a == b for a, b in zip(self._entries, other._entries))
+        if len(other) > len(self):
+            return False
+        # both are in canonical run-length form (maximal groups): other is a prefix iff its groups are ours,
+        # its last one possibly shorter. O(groups of other).
+        k = len(other._groups)
+        if k > len(self._groups):
+            return False
+        for mine, theirs in zip(self._groups[:k - 1], other._groups[:k - 1]):
+            if not mine.same(theirs):
+                return False
+        mine, theirs = self._groups[k - 1], other._groups[k - 1]
+        return (mine.step, mine.meta) == (theirs.step, theirs.meta) and theirs.count <= mine.count and \
+            mine.event == theirs.event
 
     def events(self) -> list[dp_event.DpEvent]:
-        return [e.event for e in self._entries]
+        """Every release's DpEvent, in order (a list of O(releases) references)."""
+        return [g.event for g in self._groups for _ in range(g.count)]
 
     def compacted(self) -> list[tuple[dp_event.DpEvent, int]]:
-        """Runs of consecutive identical events as ``(event, count)`` pairs."""
+        """Runs of consecutive identical events as ``(event, count)`` pairs (O(groups))."""
         runs: list[tuple[dp_event.DpEvent, int]] = []
-        for entry in self._entries:
-            if runs and runs[-1][0] == entry.event:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        for g in self._groups:
+            if runs and (runs[-1][0] is g.event or runs[-1][0] == g.event):
+                runs[-1] = (runs[-1][0], runs[-1][1] + g.count)
             else:
-                runs.append((entry.event, 1))
+                runs.append((g.event, g.count))
         return runs
 
     def composed_event(self) -> dp_event.DpEvent:
@@ -308,7 +447,7 @@ class PrivacyLedger:
             return path
         exists = path.exists() and path.stat().st_size > 0
         if flushed is None:
-            flushed = len(self._entries) if exists else 0
+            flushed = self._n if exists else 0
         self._journal, self._flushed = path, int(flushed)
         self._journal_header = self.header() if exists else None
         return path
@@ -330,7 +469,7 @@ class PrivacyLedger:
         if self._journal_header != self.header():
             lines.append(json.dumps({"format": "dpopt-ledger-journal", "version": JOURNAL_VERSION,
                                      "entry_version": LEDGER_VERSION, **self.header()}))
-        new = self._entries[self._flushed:]
+        new = self.entries_since(self._flushed)
         lines.extend(json.dumps(e.to_dict(), allow_nan=False) for e in new)
         if not lines and not (sync and self._unsynced):
             return 0
@@ -342,13 +481,13 @@ class PrivacyLedger:
                 os.fsync(fh.fileno())
         self._unsynced = not sync
         self._journal_header = self.header()
-        self._flushed = len(self._entries)
+        self._flushed = self._n
         return len(new)
 
     @property
     def unflushed(self) -> int:
         """Entries recorded but not yet in the journal."""
-        return len(self._entries) - self._flushed if self._journal is not None else 0
+        return self._n - self._flushed if self._journal is not None else 0
 
     @classmethod
     def read_journal(cls, path: str | Path) -> "PrivacyLedger":
@@ -379,16 +518,15 @@ class PrivacyLedger:
                 if raw.get("noise") not in NOISE_MODES:
                     raise ValueError(f"{path}: ledger noise {raw.get('noise')!r} is not one of {NOISE_MODES}")
                 reproducible |= raw["noise"] == "reproducible"
-                entries = ledger._entries if ledger is not None else []
+                groups = ledger._groups if ledger is not None else []
                 ledger = cls(raw["neighbouring"], raw["sampling"], raw["noise"], raw["dataset_size"])
                 ledger.run_id = _checked_run_id(raw.get("run_id"))  # None: a journal from before run ids
                 ledger._read_run_statements(raw)
-                ledger._entries = entries
+                ledger._set_groups(groups)
             elif ledger is None:
                 raise ValueError(f"{path}: the ledger journal does not start with its header")
             else:
-                ledger._entries.append(LedgerEntry(int(raw["step"]), event_from_dict(raw["event"]),
-                                                   raw.get("meta", {})))
+                ledger._append_raw(raw, 1)
         if ledger is None:
             raise ValueError(f"{path}: an empty ledger journal")
         if reproducible:
@@ -397,8 +535,13 @@ class PrivacyLedger:
 
     # -- state (checkpoints) ---------------------------------------------
     def state_dict(self) -> dict:
-        """The whole ledger as plain data (:meth:`to_dict`)."""
-        return self.to_dict()
+        """The whole ledger as plain data in the run-length form (version 3; module docstring): O(groups).
+
+        What every checkpoint holds. :meth:`from_dict` / :meth:`load_state_dict` read it (and the
+        per-release versions 1-2 of older checkpoints).
+        """
+        return {"format": "dpopt-ledger", "version": GROUPED_VERSION, **self.header(),
+                "groups": [g.frozen().to_dict() for g in self._groups]}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
@@ -414,13 +557,14 @@ class PrivacyLedger:
         self.neighbouring, self.sampling, self.dataset_size = other.neighbouring, other.sampling, other.dataset_size
         self.noise = other.noise
         self._read_run_statements(other._run_statements())
-        self._entries = list(other._entries)
+        self._set_groups(other._groups)  # copied: this ledger's last group grows in place
         if noise in NOISE_MODES:
             self.mark_noise(noise)
-        self._flushed = min(self._flushed, len(self._entries))
+        self._flushed = min(self._flushed, self._n)
 
     # -- persistence -----------------------------------------------------
     def to_dict(self) -> dict:
+        """The ledger as version-2 JSON data: one entry per release (``ledger.json``; O(releases))."""
         return {
             "format": "dpopt-ledger",
             "version": LEDGER_VERSION,
@@ -430,16 +574,22 @@ class PrivacyLedger:
             "noise": self.noise,
             "dataset_size": self.dataset_size,
             **self._run_statements(),
-            "entries": [e.to_dict() for e in self._entries],
+            "entries": [e.to_dict() for e in self],
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write the ledger as JSON, atomically (a temporary file renamed over ``path``)."""
+    def save(self, path: str | Path, compact: bool = False) -> Path:
+        """Write the ledger as JSON, atomically (a temporary file renamed over ``path``, fsync-ed).
+
+        Args:
+            path: the file.
+            compact: write the run-length form (:meth:`state_dict`, version 3: O(groups), for
+                checkpoints) instead of one entry per release (version 2, the default).
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as fh:
-            fh.write(json.dumps(self.to_dict(), allow_nan=False))
+            fh.write(json.dumps(self.state_dict() if compact else self.to_dict(), allow_nan=False))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -447,7 +597,7 @@ class PrivacyLedger:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PrivacyLedger":
-        """Read a ledger from its JSON dict (versions 1 and 2; see the module docstring).
+        """Read a ledger from its JSON dict (versions 1, 2 and the run-length 3; see the module docstring).
 
         Raises:
             ValueError: not a dpopt ledger, an unknown version, or invalid header values.
@@ -472,9 +622,29 @@ class PrivacyLedger:
             if noise not in NOISE_MODES:
                 raise ValueError(f"ledger noise {noise!r} is not one of {NOISE_MODES}")
             ledger.noise = noise
-        for raw in data["entries"]:
-            ledger._entries.append(LedgerEntry(int(raw["step"]), event_from_dict(raw["event"]), raw.get("meta", {})))
+        if version == GROUPED_VERSION:
+            for raw in data["groups"]:
+                count = int(raw["count"])
+                if count < 1:
+                    raise ValueError(f"a ledger group must hold at least one release, got count {count}")
+                ledger._append_raw(raw, count)
+        else:
+            for raw in data["entries"]:
+                ledger._append_raw(raw, 1)
         return ledger
+
+    def _append_raw(self, raw: dict, count: int) -> None:
+        """Append a JSON entry/group ``{"step", "event", "meta"}`` ``count`` times (the event parsed once per group)."""
+        step, meta = int(raw["step"]), raw.get("meta", {})
+        last = self._groups[-1] if self._groups else None
+        cached = getattr(self, "_raw_event", None)
+        if last is not None and step == last.step + last.count and meta == last.meta and cached is not None \
+                and cached[0] is last.event and cached[1] == raw["event"]:
+            event = last.event  # a long per-release list: one parsed event per group
+        else:
+            event = event_from_dict(raw["event"])
+            self._raw_event = (event, raw["event"])
+        self._append(step, event, meta, count)
 
     @classmethod
     def load(cls, path: str | Path) -> "PrivacyLedger":

@@ -151,12 +151,15 @@ class LedgerAccountant:
         Read-only: a list built anew on every access.
         """
         runs: list[list] = []
-        for entry in self.ledger.entries:
-            for (q, sigma), count in flatten_gaussian_terms(entry.event).items():
+        for group in self.ledger.groups:  # run-length groups: O(groups)
+            terms = list(flatten_gaussian_terms(group.event).items())
+            # one (q, sigma) term per release: the group is one run; several: they alternate, release by release
+            for (q, sigma), count in (terms if len(terms) == 1 else terms * group.count):
+                n = int(count) * (group.count if len(terms) == 1 else 1)
                 if runs and runs[-1][0] == sigma and runs[-1][1] == q:
-                    runs[-1][2] += int(count)
+                    runs[-1][2] += n
                 else:
-                    runs.append([float(sigma), float(q), int(count)])
+                    runs.append([float(sigma), float(q), n])
         return [tuple(r) for r in runs]  # type: ignore[misc]
 
     @property

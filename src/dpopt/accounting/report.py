@@ -67,14 +67,14 @@ def ledger_runs(ledger: Any) -> list[ReleaseRun]:
     """Group a :class:`~dpopt.accounting.ledger.PrivacyLedger`'s entries into :class:`ReleaseRun` s."""
     runs: list[ReleaseRun] = []
     last_event = None
-    for entry in ledger.entries:
+    for entry in ledger.groups:  # run-length groups: O(groups)
         if runs and last_event == entry.event:
             run = runs[-1]
-            run.count += 1
-            run.last_step = entry.step
+            run.count += entry.count
+            run.last_step = entry.step + entry.count - 1
         else:
             parsed = summarize_event(entry.event)
-            run = ReleaseRun(first_step=entry.step, last_step=entry.step, count=1,
+            run = ReleaseRun(first_step=entry.step, last_step=entry.step + entry.count - 1, count=entry.count,
                              sample_rates=sorted(parsed.rates), noise_multipliers=parsed.gaussians,
                              sigma_eff=[s for (_, s) in parsed.terms], unsupported=sorted(set(parsed.unsupported)))
             runs.append(run)

@@ -499,7 +499,7 @@ class CanaryHarness:
                 for b, g in zip(buf, release.grads):
                     b[t] = g
                 if wts.count:
-                    frac = priv.ledger.entries[-1].meta.get("released_fraction")
+                    frac = priv.ledger.last_entry.meta.get("released_fraction")
                     if frac is None:
                         raise ValueError("quantile privatizer recorded no released_fraction; cannot score the count")
                     counts[t] = -2.0 * (float(frac) - 0.5) * self.expected_batch_size

@@ -52,7 +52,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   Poisson steps per epoch, so it continues after a resume.
   ``train()`` returns ``training_loss = nan``.
 * **State.** Every checkpoint's ``optimizer.pt`` carries the ledger
-  (PrivateOptimizer.state_dict); ``privacy_ledger.json`` and
+  (PrivateOptimizer.state_dict; run-length form, O(groups)); ``privacy_ledger.json`` (the same form, atomic) and
   ``privacy_summary.json`` (``dpopt check`` reads them) are written beside;
   an append-only journal ``ledger-<run_id>.jsonl`` in ``output_dir`` (not in
   a checkpoint directory: ``save_total_limit`` never deletes it) holds every
@@ -470,7 +470,7 @@ class DPTrainer(Trainer):
         if self._private is None or not self.args.should_save:
             return
         folder = run_dir / f"checkpoint-{self.state.global_step}"
-        self.ledger.save(folder / LEDGER_FILE)
+        self.ledger.save(folder / LEDGER_FILE, compact=True)  # run-length form: O(groups), atomic
         summary = self.engine.summary(self.delta)
         summary["privacy_unit"] = unit_text(self.block_tokens)
         (folder / SUMMARY_FILE).write_text(jsonio.dumps(summary))

@@ -44,9 +44,9 @@ def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
         return out
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])
     out["privacy/max_grad_norm"] = float(optimizer.privatizer.max_grad_norm)
-    entries = optimizer.privatizer.ledger.entries
-    if entries and "released_fraction" in entries[-1].meta:  # quantile clipping's NOISY unclipped fraction
-        out["privacy/unclipped_fraction_released"] = float(entries[-1].meta["released_fraction"])
+    last = optimizer.privatizer.ledger.last_entry  # O(1): never a copy of the ledger
+    if last is not None and "released_fraction" in last.meta:  # quantile clipping's NOISY unclipped fraction
+        out["privacy/unclipped_fraction_released"] = float(last.meta["released_fraction"])
     scales = [sub["scale"] for st in optimizer.state.values() for sub in _substates(st)
               if isinstance(sub.get("scale"), torch.Tensor)]
     if scales:

@@ -112,7 +112,7 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None,
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
     # run.data: without the validation records (cfg.validation_fraction)
     sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
-    return _run(run, run_dir, sampler, LoopState(), start, on_step, segments=[new_segment(0)])
+    return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
 
 
 def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:
@@ -245,7 +245,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         run.averager.load_state_dict(ckpt["averager"])
     opt = run.optimizer
     opt.load_state_dict(dict(ckpt["optimizer"], privatizer=ckpt["privatizer"]))  # DPOptimizer.load_state_dict
-    lost = run.ledger.entries[position:]
+    lost = run.ledger.entries_since(position)
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
@@ -253,6 +253,7 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])
+    state.segment_start = start  # checkpoints of this segment store the total over all segments
     done = finished_summary(run_dir) if state.step >= run.steps else None
     if done is not None:  # nothing left to train: leave every file as it is
         warnings.warn(f"{run_dir} is already complete ({state.step} of {run.steps} steps); nothing to resume",

@@ -19,6 +19,7 @@ ledger before anything that depends on a release.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -74,10 +75,17 @@ class LoopState:
     status: str = "running"  # running | completed | interrupted | budget_exhausted
     stop_signal: Optional[str] = None
     wall_seconds: float = 0.0  # of earlier segments (resumed runs)
+    segment_start: Optional[float] = None  # time.perf_counter() when this segment began (not saved)
+
+    def total_wall_seconds(self) -> float:
+        """Seconds of every segment so far: the earlier ones plus this one up to now (if it has begun)."""
+        now = 0.0 if self.segment_start is None else time.perf_counter() - self.segment_start
+        return self.wall_seconds + now
 
     def state_dict(self) -> dict:
+        """The counters for a checkpoint; ``wall_seconds`` is the total over all segments up to now."""
         return {"step": self.step, "next_epoch": self.next_epoch, "metrics": list(self.metrics),
-                "wall_seconds": self.wall_seconds}
+                "wall_seconds": self.total_wall_seconds()}
 
     @classmethod
     def from_state(cls, state: dict) -> "LoopState":
