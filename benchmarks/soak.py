@@ -406,9 +406,19 @@ def door_engines(args, kind: str = "dpopt") -> dict:
 def ledger_section(args) -> dict | None:
     """The ledger's accounting cost vs steps (ε seconds per call, checkpoint bytes and save/load seconds).
 
-    A separate benchmark provides it (issue 42, the accounting part); None until it is wired in here.
+    Measured by ``benchmarks/ledger_soak.py``'s ``measure()`` (checkpoint bytes and save/load seconds,
+    ε seconds per call, ``last_entry`` cost, vs the number of releases) at ``--ledger-steps``; None with
+    ``--ledger-steps 0``.
     """
-    return None
+    if not args.ledger_steps:
+        return None
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ledger_soak import measure
+
+    return measure(tuple(args.ledger_steps))
 
 
 def run_door(name: str, args) -> dict:
@@ -434,6 +444,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gpt2-steps", type=int, default=60, help="steps measured on pe-gpt2")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--no-opacus", action="store_true")
+    ap.add_argument("--ledger-steps", type=int, nargs="*", default=[100, 1000, 10000, 100000],
+                    help="release counts for the ledger's accounting cost (benchmarks/ledger_soak.py); none: skip")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
