@@ -30,10 +30,17 @@ from collections import deque
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
-from torch.utils.data._utils.collate import default_collate
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+from torch.utils.data._utils.collate import default_collate
 
 from .distributed import DistributedContext, poisson_sampler
 from .noise import NoiseSource, make_noise_source

@@ -266,7 +266,7 @@ class AllReduceRelease:
             groups.setdefault((s.dtype, s.device), []).append(i)
         out: list[Optional[Tensor]] = [None] * len(sums)
         noisy_count = None
-        for (dtype, device), idx in groups.items():
+        for idx in groups.values():
             parts = [sums[i].reshape(-1) for i in idx]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             self.ctx.all_reduce(flat)

@@ -88,7 +88,6 @@ from .engine.fast import FastPerSampleGrads
 from .engine.hooks import HookCapture
 from .engine.layers import DirectBlock
 from .engine.rules import RULES
-from .types import EvaluationPoint
 
 __all__ = ["fsdp_modules", "prepare_model", "ShardedCapture", "ShardedRelease", "capture_for", "attach", "shard_rows",
            "bytes_per_step"]

@@ -22,7 +22,6 @@ exactly as many.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

@@ -96,6 +96,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from .accounting.calibration import calibrate_noise_multiplier
@@ -105,15 +106,20 @@ from .accounting.validation import check_noise_multiplier
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, default_journal, recorded_journal
 from .data_loader import DPDataLoader, custom_batching, loader_settings
-from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
-                          check_replicas, context)
-from . import fsdp
+from .distributed import (
+    DistributedContext,
+    any_rank,
+    attach,
+    backend_device,
+    broadcast_parameters,
+    check_replicas,
+    context,
+)
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
-from .noise import NoiseSource
 from .module_validator import ModuleValidator
-from .opacus_compat import (LossReductionWatch, TargetWatch, alias_module, check_opacus_arguments,
-                            warn_drop_last)
+from .noise import NoiseSource
+from .opacus_compat import LossReductionWatch, TargetWatch, alias_module, check_opacus_arguments, warn_drop_last
 from .optim import DPOptimizer, is_frozen
 from .privatizer import QuantileClipping
 from .transforms.base import Chain, Partition, Transform

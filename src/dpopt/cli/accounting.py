@@ -33,10 +33,10 @@ import typer
 from ..jsonio import dumps
 from .common import (
     ACCOUNTING_ERRORS,
-    fail,
     accountant_option,
     cli_errors,
     delta_option,
+    fail,
     flag_text,
     flags_for,
     json_option,

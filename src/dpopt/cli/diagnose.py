@@ -180,7 +180,7 @@ def diagnose(
         pick = next((lay for lay in diag.layers if lay.name == layer), None) if layer else \
             max(diag.layers, key=lambda lay: lay.shape[0] * lay.shape[1])
         if pick is None:
-            fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(l.name for l in diag.layers)}")
+            fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(lay.name for lay in diag.layers)}")
         plot_spectrum(diag, pick, out_dir / "spectrum.png", seed=seed)
         plot_recovery(diag, out_dir / "recovery.png", sigma_of, grid=curve_points)
         typer.echo("\nPer-layer recovery (✓: B̄ ≥ B*, the leading direction is recoverable)\n")

@@ -204,7 +204,7 @@ def _padded(e: Tensor, tag: str, dim: int) -> Tensor:
 @register_rule(nn.MultiheadAttention, forward=mha_forward)
 def _mha(layer: LayerCalls) -> list:
     """Blocks of in_proj_weight (or q/k/v_proj_weight), in_proj_bias, bias_k, bias_v from the tapped calls."""
-    m, b, dim = layer.module, layer.batch_size, layer.module.embed_dim
+    b, dim = layer.batch_size, layer.module.embed_dim
     tagged = [(tag, a, e) for (a, e), tag in zip(layer.calls, layer.tags)]
     blocks = []
 

@@ -50,8 +50,17 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .bare import bare_candidates, reduce_to, tap_bare
-from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature, off_axis,
-                    rtol)
+from .check import (
+    RTOL,
+    RandomReplay,
+    Unreplayable,
+    alone_failed,
+    disagreeing,
+    in_float64,
+    mode_signature,
+    off_axis,
+    rtol,
+)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, snapshot_buffers
 from .layers import Budget, DirectBlock

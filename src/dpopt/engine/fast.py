@@ -68,11 +68,29 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .capture import (Call, OutputLayout, Plan, Recorder, check_views, demotion_warning, expand_broadcast,  # noqa: F401
-                      no_autocast, trailing)
-from .check import ModeCheck, RandomReplay, Unreplayable, alone_failed, free_sizes, layer_scales, mode_signature, \
-    model_dims, rtol
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
+from .capture import (  # noqa: F401
+    Call,
+    OutputLayout,
+    Plan,
+    Recorder,
+    check_views,
+    demotion_warning,
+    expand_broadcast,
+    no_autocast,
+    trailing,
+)
+from .check import (
+    ModeCheck,
+    RandomReplay,
+    Unreplayable,
+    alone_failed,
+    free_sizes,
+    layer_scales,
+    mode_signature,
+    model_dims,
+    rtol,
+)
 from .hf_guards import refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss
 from .layers import Budget, DirectBlock, FactoredBlock

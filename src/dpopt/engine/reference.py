@@ -39,12 +39,11 @@ single-example autograd calls, with a one-time warning that it is slower.
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from typing import Iterator, Optional, Sequence
 
 import torch
-import warnings
-import weakref
-
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 

@@ -56,8 +56,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, group_norm_grads,
-                     layer_norm_grads, rms_norm_grads)
+from .layers import (
+    Budget,
+    ConvPart,
+    DirectBlock,
+    FactoredBlock,
+    LinearPart,
+    SparseRowsBlock,
+    group_norm_grads,
+    layer_norm_grads,
+    rms_norm_grads,
+)
 
 __all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped"]
 

@@ -73,9 +73,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
+from ..accounting.calibration import calibrate_noise_multiplier
 from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
-from ..accounting.calibration import calibrate_noise_multiplier
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
 from .loss import per_example_loss

@@ -30,8 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Partition, StepContext, Transform
-from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, \
-    top_singular_value
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, top_singular_value
 
 __all__ = ["ScaleByMuon", "MUON_SCALINGS", "EXCLUDE_FIRST", "MUON_LABEL", "OTHER_LABEL",
            "hidden_matrix_labels", "embedding_parameters", "muon_partition"]

@@ -61,8 +61,7 @@ import torch
 from torch import Tensor
 
 from .base import StepContext, Transform
-from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, \
-    top_singular_value
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, top_singular_value
 
 __all__ = ["ScaleByMuonAuto", "decision_history", "write_history", "HISTORY_FILE"]
 
