@@ -1039,8 +1039,8 @@ class PrivacyEngine:
         warned with their number) and this engine's own
         (:class:`~dpopt.checkpoint.LedgerKeeper`); releases go on into that
         journal. Then the module, the optimizer and the schedulers are
-        restored. ``torch.load`` keeps its defaults (``weights_only=True``
-        reads these files).
+        restored. ``torch.load`` reads with ``weights_only=True`` (whatever
+        the torch version's default) unless ``torch_load_kwargs`` says otherwise.
 
         Returns:
             The checkpoint dict (Opacus returns it too).
@@ -1051,7 +1051,7 @@ class PrivacyEngine:
                 other run settings; an optimizer of another engine.
         """
         self._own(optimizer)
-        ckpt = torch.load(path, **(torch_load_kwargs or {}))
+        ckpt = torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})})
         info = ckpt.get("dpopt_checkpoint") or {}
         saved = ckpt.get("privacy_ledger")
         if saved is None:
