@@ -118,8 +118,8 @@ class DistributedContext:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
-                           group=self.group)
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,  # type: ignore[arg-type]
+                           group=self.group)  # type: ignore[arg-type]
         return tensor
 
 
@@ -260,7 +260,7 @@ class AllReduceRelease:
             if self.ctx.is_main:
                 sums = [s + z for s, z in zip(sums, noise)]
                 if count is not None:
-                    count = count + count_noise
+                    count = count + count_noise  # type: ignore[operator]
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(sums):
             groups.setdefault((s.dtype, s.device), []).append(i)
@@ -360,6 +360,6 @@ def backend_device(ctx: DistributedContext) -> Optional[torch.device]:
     """Where a collective's tensors must live: this rank's GPU for NCCL, None (the CPU) for gloo."""
     import torch.distributed as dist
 
-    if dist.get_backend(ctx.group) == "nccl":
+    if dist.get_backend(ctx.group) == "nccl":  # type: ignore[arg-type]
         return torch.device("cuda", torch.cuda.current_device())
     return None

@@ -223,7 +223,7 @@ class ShardedCapture(HookCapture):
                              f"{names} have none (dpopt.engine.rules: Linear, Conv, Embedding, LayerNorm, "
                              "GroupNorm, MultiheadAttention, ...): freeze them, or use distributed=True")
         # shape/dtype stand-ins (no memory) for the engine's zero blocks: never DTensor arithmetic in a source
-        self.plan.params = [torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)
+        self.plan.params = [torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)  # type: ignore[attr-defined, misc]
                             for p in self.params]
         self._syncing = False
 
@@ -258,10 +258,10 @@ class ShardedCapture(HookCapture):
             if not any_rank(b < 2, self.ctx):  # every rank checks now (same passes: same collectives)
                 error = None
                 with _held_unsharded(self.model):
-                    saved, self.params = self.params, self._unsharded_params()
+                    saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
                     self._syncing = True
                     try:
-                        super()._verify(p)
+                        super()._verify(p)  # type: ignore[arg-type]
                     except ValueError as exc:
                         error = exc
                     finally:
@@ -312,7 +312,7 @@ class ShardedRelease:
         rows = p.shape[0] if p.dim() else 1
         c = -(-rows // self.ctx.world_size)
         lo, hi = shard_rows(rows, self.ctx.world_size, self.ctx.rank)
-        local = p.to_local()
+        local = p.to_local()  # type: ignore[attr-defined]
         if p.dim() and local.shape[0] != hi - lo:
             raise RuntimeError(f"FSDP shard of shape {tuple(local.shape)} is not rows [{lo}, {hi}) of "
                                f"{tuple(p.shape)}: unexpected sharding")
@@ -361,13 +361,13 @@ class ShardedRelease:
         out, offset = [], 0
         for p in self.params:
             c, row, mine = self._layout(p)
-            shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)
+            shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)  # type: ignore[attr-defined]
             offset += c * row
-            out.append(DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+            out.append(DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
                                           stride=p.stride()))
         noisy_count = None
         if count is not None:  # float64; the count noise on rank 0 only (drawn on every rank: aligned streams)
-            total = torch.tensor([count + (count_noise if r == 0 else 0.0)], dtype=torch.float64,
+            total = torch.tensor([count + (count_noise if r == 0 else 0.0)], dtype=torch.float64,  # type: ignore[operator]
                                  device=backend_device(self.ctx))
             noisy_count = float(self.ctx.all_reduce(total)[0])
         self.calls += 1
@@ -388,7 +388,7 @@ def _has_reduce_scatter(ctx: DistributedContext) -> bool:
     collective on every rank)."""
     import torch.distributed as dist
 
-    if dist.get_backend(ctx.group) != "gloo":
+    if dist.get_backend(ctx.group) != "gloo":  # type: ignore[arg-type]
         return True
     try:
         out = torch.zeros(1)

@@ -375,7 +375,7 @@ class PrivacyLedger:
         """The whole ledger as plain data (:meth:`to_dict`)."""
         return self.to_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Union[dict, "PrivacyLedger"]) -> None:
         """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
 
         The noise mode follows :meth:`mark_noise` (a reproducible ledger stays reproducible).

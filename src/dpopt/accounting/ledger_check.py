@@ -225,7 +225,7 @@ def _bounds(meta: Mapping) -> Optional[list[float]]:
         return None
     values = c if isinstance(c, (list, tuple)) else [c]
     out = [_num(v) for v in values]
-    return None if any(v is None for v in out) else out
+    return None if any(v is None for v in out) else out  # type: ignore[return-value]
 
 
 def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float) -> CheckItem:
@@ -241,14 +241,14 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
         total = math.sqrt(sum(c * c for c in bounds))
         if sigma == 0.0:
             zero.append(f"step {entry.step}")
-        sens_seen.add(round(sens, 12))
-        if not _close(sens, total, rtol):
+        sens_seen.add(round(sens, 12))  # type: ignore[arg-type]
+        if not _close(sens, total, rtol):  # type: ignore[arg-type]
             sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
                             f"{[round(c, 6) for c in bounds]} is {total:.6g}")
-        if not _close(std, sigma * sens, rtol):
+        if not _close(std, sigma * sens, rtol):  # type: ignore[arg-type, operator]
             std_bad.append(f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
-                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")
-        if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):
+                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")  # type: ignore[operator]
+        if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):  # type: ignore[arg-type]
             got = p.gaussians[0] if p.gaussians else "none"
             grad_bad.append(f"step {entry.step}: event gradient multiplier {got} != recorded {sigma:.6g}")
         has_count_meta = "count_noise_std" in m or "count_sensitivity" in m
@@ -325,18 +325,18 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
                         + (" = claimed sample_rate" if q_claim is not None else ""))
     if not problems:
         try:
-            eps_ledger = epsilon(ledger, delta, accountant)
+            eps_ledger = epsilon(ledger, delta, accountant)  # type: ignore[arg-type]
         except (ValueError, ImportError) as exc:
             problems.append(f"could not re-score the ledger with {accountant!r}: {exc}")
         else:
             facts["epsilon_ledger"] = eps_ledger
             # one-sided: a claim below the re-scored ε is an under-report however small (1e-9: float noise)
-            under = eps_claim < eps_ledger * (1.0 - 1e-9)
-            same = not under and ((eps_ledger == eps_claim) or _close(eps_ledger, eps_claim, rtol))
+            under = eps_claim < eps_ledger * (1.0 - 1e-9)  # type: ignore[operator]
+            same = not under and ((eps_ledger == eps_claim) or _close(eps_ledger, eps_claim, rtol))  # type: ignore[arg-type]
             where = f"re-scored whole ledger ({len(ledger)} releases, {accountant}, δ={delta:g}): ε = {eps_ledger:.6g}"
             if same:
                 evidence.append(f"{where} = summary ε {eps_claim:.6g} (rtol {rtol:g})")
-            elif eps_claim < eps_ledger:
+            elif eps_claim < eps_ledger:  # type: ignore[operator]
                 problems.append(f"summary ε {eps_claim:.6g} is BELOW the {where}: under-reported")
             else:
                 problems.append(f"summary ε {eps_claim:.6g} is above the {where}: the summary was not "
@@ -546,7 +546,7 @@ def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] 
     by_id: dict[str, list[str]] = {}
     for name, book in named.items():
         if getattr(book, "run_id", None) is not None:
-            by_id.setdefault(book.run_id, []).append(name)
+            by_id.setdefault(book.run_id, []).append(name)  # type: ignore[arg-type]
     groups = []
     for run_id, names in by_id.items():
         if len(names) < 2:

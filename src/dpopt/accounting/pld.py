@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -70,7 +70,7 @@ _RELATIONS = {"add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
 
 
 @functools.lru_cache(maxsize=32)
-def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation) -> Any:
     """One Poisson-sampled Gaussian step's PLD (cached: building it is ~70% of an ε evaluation).
 
     PLD objects are not mutated by ``compose``/``self_compose`` (they return new ones), so
@@ -86,7 +86,7 @@ def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neighborin
     )
 
 
-def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
+def _vector_deltas(mech: Any, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
     """δ(ε) of a Poisson-sampled Gaussian ``mech`` (dp_accounting ``GaussianPrivacyLoss``, sensitivity 1) at every
     ε of ``eps`` at once: ``mech.get_delta_for_epsilon(eps)`` without its per-point Python loop.
 
@@ -120,7 +120,7 @@ def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
-def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation) -> Any:
     """:func:`_sampled_gaussian_pld` with the δ(ε_k) of every grid point computed at once (:func:`_vector_deltas`).
 
     Only for add-or-remove adjacency and q < 1 (else, or if dp_accounting's internals moved, the library's own
@@ -145,8 +145,8 @@ def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neigh
         return _sampled_gaussian_pld(sigma, q, d, relation)
 
 
-def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelation, fast: bool = False) -> float:
-    total = None
+def _pld_terms_epsilon(terms: dict, delta: float, d: float, relation: NeighboringRelation, fast: bool = False) -> float:
+    total: Any = None
     for (q, sigma), count in terms.items():
         if q >= 1.0:
             # Gaussians compose exactly: count releases at σ = one at σ/√count.

@@ -126,12 +126,12 @@ def _schedule(sample_rate: Optional[float], steps: Optional[int], dataset_size: 
             fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
                  f"{', '.join(given_field)} (q = B/N, steps = ceil(epochs·N/B))")
         with cli_errors(ACCOUNTING_FLAGS):
-            return steps_for_epochs(dataset_size, batch_size, epochs)
+            return steps_for_epochs(dataset_size, batch_size, epochs)  # type: ignore[arg-type]
     missing = [k for k, v in direct.items() if v is None]
     if missing:
         fail(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
              f"(or give --dataset-size, --batch-size and --epochs instead of --sample-rate and --steps)")
-    return sample_rate, steps
+    return sample_rate, steps  # type: ignore[return-value]
 
 
 @group.command("account")
@@ -319,7 +319,7 @@ def check(
             first = runs[str(run_dirs[0])][1]
             groups = repeated_run_ids({name: book for name, (book, _) in runs.items()},
                                       delta=first.get("delta"), accountant=str(first.get("accountant", "pld")),
-                                      segments={name: s.get("segments") for name, (_, s) in runs.items()})
+                                      segments={name: s.get("segments") for name, (_, s) in runs.items()})  # type: ignore[misc]
     passed = all(r.passed for r in results.values()) and not any(g.diverged for g in groups)
     if as_json:
         if len(run_dirs) == 1:

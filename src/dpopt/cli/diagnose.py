@@ -153,8 +153,8 @@ def diagnose(
                 return float(noise_multiplier)
             if b not in cache:
                 q = min(1.0, b / n)
-                steps = planned_steps(epochs, q)  # as dpopt train: round(epochs / q), refused if 0
-                cache[b] = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant).noise_multiplier
+                steps = planned_steps(epochs, q)  # type: ignore[arg-type]  # as dpopt train: round(epochs / q), refused if 0
+                cache[b] = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant).noise_multiplier  # type: ignore[arg-type]
             return cache[b]
 
         sigmas = {b: sigma_of(b) for b in bs}

@@ -64,7 +64,7 @@ def split(
     sizes = _numbers(batch_sizes, "--batch-sizes")
     grid = _numbers(epsilon_grid, "--epsilon-grid")
     with cli_errors(SPLIT_FLAGS, errors=ACCOUNTING_ERRORS, interrupted="split interrupted; nothing was written"):
-        table = split_table(target_epsilon, dataset_size, epochs, sizes, delta=delta, accountant=accountant,
+        table = split_table(target_epsilon, dataset_size, epochs, sizes, delta=delta, accountant=accountant,  # type: ignore[arg-type]
                             count_share=count_share, quantile_lr=quantile_lr, epsilon_grid=grid)
     with cli_errors(SPLIT_FLAGS, errors=(OSError, ImportError)):
         out.mkdir(parents=True, exist_ok=True)

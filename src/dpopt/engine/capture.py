@@ -170,7 +170,7 @@ class Call:
         # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
         if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
             try:
-                self.stats = (gf._saved_result1, gf._saved_result2)
+                self.stats = (gf._saved_result1, gf._saved_result2)  # type: ignore[union-attr]
             except AttributeError:  # pragma: no cover - other torch versions
                 self.stats = None
 
@@ -180,7 +180,7 @@ class Call:
         return self.inp is not None
 
     def store(self, k: int, grad: Tensor) -> None:
-        self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
+        self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad  # type: ignore[operator]
 
     @property
     def used(self) -> list[int]:
@@ -563,7 +563,7 @@ class Recorder:
                 ins = leaves((c.args, c.kwargs))
                 wrong = all(off_axis(t, rows) for t in ins) or any(off_axis(c.outs[k], rows) for k in c.used)
             if wrong and c.module not in bad:
-                ins = [tuple(c.inp.shape)] if c.fast else [tuple(t.shape) for t in leaves((c.args, c.kwargs))]
+                ins = [tuple(c.inp.shape)] if c.fast else [tuple(t.shape) for t in leaves((c.args, c.kwargs))]  # type: ignore[list-item, misc]
                 bad[c.module] = (ins, [tuple(t.shape) for t in c.outs])
         return bad
 
@@ -660,8 +660,8 @@ class Recorder:
                     continue
                 own = vjps.get(c.module) if not c.fast else self.vjp.get(c.module)
                 if own:
-                    es = [c.grads[k] * scale for k in c.used]
-                    for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):
+                    es = [c.grads[k] * scale for k in c.used]  # type: ignore[operator]
+                    for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):  # type: ignore[arg-type]
                         grads[i] = grads[i] + _sum_views(g, views).to(grads[i].dtype)
             blocks.append(DirectBlock(fallback, [grads[i] for i in fallback]))
         return blocks
@@ -749,7 +749,7 @@ class Recorder:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
                     rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
-                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))
+                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))  # type: ignore[return-value]
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)

@@ -309,7 +309,7 @@ def free_sizes(dims: set, k: int = 2, multiple: int = 1) -> list[int]:
     ``multiple`` = K rows per example (:mod:`dpopt.engine.capture`): each
     size is then a whole number (≥ 2) of examples.
     """
-    out, n = [], 2 * multiple
+    out, n = [], 2 * multiple  # type: ignore[var-annotated]
     while len(out) < k:
         if n not in dims:
             out.append(n)

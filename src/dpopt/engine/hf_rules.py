@@ -41,8 +41,8 @@ def _conv1d(layer: LayerCalls) -> list:
         blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
                                     [LinearPart(e, a) for a, e in layer.calls], layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]],
-                                  [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls)]))
+        blocks.append(DirectBlock([layer.index["bias"]],  # type: ignore[arg-type]
+                                  [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls)]))  # type: ignore[list-item]
     return blocks
 
 
@@ -51,7 +51,7 @@ def _rms(layer: LayerCalls) -> list:
     if "weight" not in layer.index:
         return []
     shape = tuple(layer.shapes["weight"])
-    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, shape, m.variance_epsilon, upcast=True)
+    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, shape, m.variance_epsilon, upcast=True)  # type: ignore[arg-type, list-item, misc]
                                                       for a, e in layer.calls)])]
 
 

@@ -327,7 +327,7 @@ def grad_sample_source(params: Sequence[Tensor]) -> Optional[PerSampleGrads]:
                          "every trainable parameter needs its per-sample gradients")
     grads = []
     for p in params:
-        g = p.grad_sample
+        g = p.grad_sample  # type: ignore[attr-defined]
         if isinstance(g, (list, tuple)):  # Opacus keeps a list when a layer was called several times
             g = sum(g)
         if g.dim() != p.dim() + 1 or tuple(g.shape[1:]) != tuple(p.shape):

@@ -264,8 +264,8 @@ def per_sample_gradient_tensors(
         rest = {k: v for k, v in shifted.items() if k not in sel}
         with buffers_unchanged(model):
             g = _grads(model, loss_fn, sel, rest, x, y, bd, method)
-        g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]
-        total = g if total is None else [a + c for a, c in zip(total, g)]
+        g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]  # type: ignore[assignment]
+        total = g if total is None else [a + c for a, c in zip(total, g)]  # type: ignore[assignment]
     return total  # type: ignore[return-value]
 
 

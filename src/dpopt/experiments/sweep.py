@@ -348,7 +348,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 1, threads: Optional[int] = None,
         for i, point in enumerate(todo):
             emit("run", {"point": point, "index": i})
             summary = execute(point.options, str(sweep.run_dir(point)), threads,
-                              on_step=lambda info, p=point: emit("step", {**info, "point": p}))
+                              on_step=lambda info, p=point: emit("step", {**info, "point": p}))  # type: ignore[misc]
             if not finish(point, summary):
                 interrupted = True
                 break
