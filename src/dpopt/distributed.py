@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -93,7 +93,7 @@ class DistributedContext:
 
     rank: int = 0
     world_size: int = 1
-    group: Optional[object] = None
+    group: Any = None  # a torch.distributed.ProcessGroup, or None: the default group
 
     @property
     def is_main(self) -> bool:
@@ -118,8 +118,8 @@ class DistributedContext:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,  # type: ignore[arg-type]
-                           group=self.group)  # type: ignore[arg-type]
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
+                           group=self.group)
         return tensor
 
 
@@ -360,6 +360,6 @@ def backend_device(ctx: DistributedContext) -> Optional[torch.device]:
     """Where a collective's tensors must live: this rank's GPU for NCCL, None (the CPU) for gloo."""
     import torch.distributed as dist
 
-    if dist.get_backend(ctx.group) == "nccl":  # type: ignore[arg-type]
+    if dist.get_backend(ctx.group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return None

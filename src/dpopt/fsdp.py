@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -363,11 +363,11 @@ class ShardedRelease:
             c, row, mine = self._layout(p)
             shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)  # type: ignore[attr-defined]
             offset += c * row
-            out.append(DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
+            out.append(DTensor.from_local(shard, cast(Any, p).device_mesh, cast(Any, p).placements, run_check=False, shape=p.shape,
                                           stride=p.stride()))
         noisy_count = None
         if count is not None:  # float64; the count noise on rank 0 only (drawn on every rank: aligned streams)
-            total = torch.tensor([count + (count_noise if r == 0 else 0.0)], dtype=torch.float64,  # type: ignore[operator]
+            total = torch.tensor([count + (cast(float, count_noise) if r == 0 else 0.0)], dtype=torch.float64,
                                  device=backend_device(self.ctx))
             noisy_count = float(self.ctx.all_reduce(total)[0])
         self.calls += 1
@@ -388,7 +388,7 @@ def _has_reduce_scatter(ctx: DistributedContext) -> bool:
     collective on every rank)."""
     import torch.distributed as dist
 
-    if dist.get_backend(ctx.group) != "gloo":  # type: ignore[arg-type]
+    if dist.get_backend(ctx.group) != "gloo":
         return True
     try:
         out = torch.zeros(1)

@@ -49,7 +49,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -244,6 +244,6 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     for name, p in plain.named_parameters():  # as trained (frozen ones stay frozen)
         p.requires_grad_(dict(run.model.named_parameters())[name].requires_grad)
     plain.load_state_dict(state)
-    return write_results(Path(run_dir), dataclasses.replace(run, model=plain), metrics, start, status=status,  # type: ignore[arg-type]
+    return write_results(Path(cast(Path, run_dir)), dataclasses.replace(run, model=plain), metrics, start, status=status,
                          streamed=True, epsilon=tracker.epsilon(run.ledger),
                          extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]})

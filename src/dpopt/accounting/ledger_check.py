@@ -54,7 +54,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from ..jsonio import loads
 from .accountant import epsilon
@@ -245,10 +245,11 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
         if not _close(sens, total, rtol):  # type: ignore[arg-type]
             sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
                             f"{[round(c, 6) for c in bounds]} is {total:.6g}")
-        if not _close(std, sigma * sens, rtol):  # type: ignore[arg-type, operator]
+        sigma, sens, std = cast(float, sigma), cast(float, sens), cast(float, std)  # not None: checked above
+        if not _close(std, sigma * sens, rtol):
             std_bad.append(f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
-                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")  # type: ignore[operator]
-        if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):  # type: ignore[arg-type]
+                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")
+        if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):
             got = p.gaussians[0] if p.gaussians else "none"
             grad_bad.append(f"step {entry.step}: event gradient multiplier {got} != recorded {sigma:.6g}")
         has_count_meta = "count_noise_std" in m or "count_sensitivity" in m

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import typer
 
@@ -319,7 +319,7 @@ def check(
             first = runs[str(run_dirs[0])][1]
             groups = repeated_run_ids({name: book for name, (book, _) in runs.items()},
                                       delta=first.get("delta"), accountant=str(first.get("accountant", "pld")),
-                                      segments={name: s.get("segments") for name, (_, s) in runs.items()})  # type: ignore[misc]
+                                      segments={name: cast(list, s.get("segments")) for name, (_, s) in runs.items()})
     passed = all(r.passed for r in results.values()) and not any(g.diverged for g in groups)
     if as_json:
         if len(run_dirs) == 1:

@@ -130,7 +130,7 @@ def cli_message(exc: BaseException, flags: Optional[Mapping[str, str]] = None) -
     for arg in getattr(exc, "arguments", ()):  # "--clipping 'quantile'" reads as typed: "--clipping quantile"
         if arg in flags:
             flag = flags[arg]
-            text = re.sub(rf"(?<![\w-]){re.escape(flag)} '([^'\s]+)'", lambda m, flag=flag: f"{flag} {m.group(1)}", text)  # type: ignore[misc]
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)} '([^'\s]+)'", lambda m: f"{flag} {m.group(1)}", text)
     if not isinstance(exc, (ValueError, ImportError, OSError, KeyboardInterrupt)):
         text = f"{type(exc).__name__}: {text}"
     return flag_text(text, flags)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -269,7 +269,7 @@ def _conv2d(layer: LayerCalls) -> list:
 @register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq, views="merge")
 def _embedding(layer: LayerCalls) -> list:
     m = layer.module
-    return [SparseRowsBlock(layer.index.get("weight"), m.num_embeddings, m.padding_idx, layer.calls,  # type: ignore[arg-type]
+    return [SparseRowsBlock(cast(int, layer.index.get("weight")), cast(int, m.num_embeddings), cast(Optional[int], m.padding_idx), layer.calls,
                             layer.batch_size)]
 
 

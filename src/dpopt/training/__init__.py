@@ -49,7 +49,7 @@ import dataclasses
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, cast
 
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
@@ -154,7 +154,7 @@ def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: Loop
         extra = dict(extra or {}, world_size=dist.world_size)
         if not dist.is_main:
             return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
-    return write_results(run_dir, run, metrics, start - state.wall_seconds, status=state.status,  # type: ignore[arg-type]
+    return write_results(cast(Path, run_dir), run, metrics, start - state.wall_seconds, status=state.status,
                          stop_signal=state.stop_signal, streamed=True, epsilon=tracker.epsilon(run.ledger),
                          extra=extra)
 
