@@ -238,14 +238,14 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
         if None in (sigma, sens, std) or bounds is None:
             missing.append(f"step {entry.step}")
             continue
+        sigma, sens, std = cast(float, sigma), cast(float, sens), cast(float, std)  # not None: checked above
         total = math.sqrt(sum(c * c for c in bounds))
         if sigma == 0.0:
             zero.append(f"step {entry.step}")
-        sens_seen.add(round(sens, 12))  # type: ignore[arg-type]
-        if not _close(sens, total, rtol):  # type: ignore[arg-type]
+        sens_seen.add(round(sens, 12))
+        if not _close(sens, total, rtol):
             sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
                             f"{[round(c, 6) for c in bounds]} is {total:.6g}")
-        sigma, sens, std = cast(float, sigma), cast(float, sens), cast(float, std)  # not None: checked above
         if not _close(std, sigma * sens, rtol):
             std_bad.append(f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
                            f"sensitivity {sens:.6g} = {sigma * sens:.6g}")
