@@ -36,12 +36,12 @@ import json  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
+from step_time import loss_fn, non_private_step, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 from dpopt.augment import ViewsOf, crop_flip, repeat_views, views_loss  # noqa: E402
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.methods import make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
-from step_time import loss_fn, non_private_step, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run)
 
 N_TRAIN = 50_000  # CIFAR-10: only the public sample rate q = B/N of the ledger uses it
 

@@ -4,9 +4,13 @@ Prints im2col time / grouped time per layer of cnn5 and WRN-16-4 (one thread, 8 
 best of 3); the shape rule of ``dpopt.engine.layers.conv_method`` comes from it (docs/performance.md,
 "Per-sample conv kernel"). Usage: ``python benchmarks/conv_kernels.py``.
 """
-import time, torch
+import time
+
+import torch
 from torch import nn
+
 from dpopt.engine.layers import ConvPart
+
 torch.set_num_threads(1)
 shapes = [  # (cin, cout, k, stride, H) : cnn5 + wrn16-4
  (3, 32, 3, 1, 32), (32, 64, 3, 1, 16), (64, 64, 3, 1, 8),
@@ -25,7 +29,9 @@ for views in (1, 4):
         part.per_sample(0, b, meth)
         r = []
         for _ in range(3):
-            t0 = time.perf_counter(); part.per_sample(0, b, meth); r.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            part.per_sample(0, b, meth)
+            r.append(time.perf_counter() - t0)
         t[meth] = min(r)
     d = cin * k * k
     print(f"K={views} cin={cin:3d} cout={cout:3d} k={k} s={st} H={H:2d} cin*k*k={d:5d} T={out.shape[2]*out.shape[3]:4d} im2col/grouped={t['im2col']/t['grouped']:.2f}", flush=True)

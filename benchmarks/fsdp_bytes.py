@@ -87,8 +87,9 @@ class Counter:
 
 
 def _run(rank: int, world: int, tmp: str, mode: str, steps: int) -> None:
-    import dpopt
     from torch.distributed.fsdp import fully_shard
+
+    import dpopt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv-{mode}", rank=rank, world_size=world,

@@ -500,7 +500,7 @@ def run_transformer_timings(device: torch.device, batch: int = TRANSFORMER_BATCH
         del steps
         gc.collect()
         if memory:
-            r["peak_mib"] = {k: _cuda_peak(lambda k=k: _lm_step(name, k == "dp-sgd", batch, device), device)["peak_mib"]
+            r["peak_mib"] = {k: _cuda_peak(lambda k=k, name=name: _lm_step(name, k == "dp-sgd", batch, device), device)["peak_mib"]
                              for k in ("non-private", "dp-sgd")}
             r["peak_dp/non-private"] = r["peak_mib"]["dp-sgd"] / r["peak_mib"]["non-private"]
         print(f"  {label:9s} B = {batch}: non-private {ms['non-private']:.1f} ms, dp-sgd {ms['dp-sgd']:.1f} ms, "
@@ -516,9 +516,10 @@ def _fsdp_train(sharded: bool, sigma: float, device: torch.device, steps: int) -
     """``FSDP_SMOKE`` steps of the GPT-2-shaped model through make_private (reproducible masks and noise)."""
     import warnings
 
-    import dpopt
     from torch.distributed.fsdp import fully_shard
     from torch.utils.data import DataLoader, TensorDataset
+
+    import dpopt
 
     ts = transformer_module()
     model = ts.build("gpt2").to(device)

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dpopt.noise import CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _MT_WORDS, _cpu_generator_from_words
+from dpopt.noise import _MT_WORDS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _cpu_generator_from_words
 
 
 def _old_secret(n: int, pool, gen: torch.Generator) -> torch.Tensor:
@@ -71,7 +71,7 @@ def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str,
     count. Each case is ``(threads, fn)``; its first call is a warm-up."""
     wall = {name: math.inf for name in cases}
     cpu = dict(wall)
-    for name, (threads, fn) in cases.items():
+    for _name, (threads, fn) in cases.items():
         torch.set_num_threads(threads)
         fn()
     for _ in range(repeats):

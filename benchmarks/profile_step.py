@@ -37,14 +37,13 @@ import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import torch  # noqa: E402
+from step_time import SHAPES, batch, dpopt_step, non_private_step  # noqa: E402
 
 from dpopt.accounting.ledger import PrivacyLedger  # noqa: E402
 from dpopt.engine import fast as fast_mod  # noqa: E402
 from dpopt.noise import CpuNormalDraw  # noqa: E402
 from dpopt.optim import DPOptimizer  # noqa: E402
 from dpopt.privatizer import Privatizer  # noqa: E402
-
-from step_time import SHAPES, batch, dpopt_step, non_private_step  # noqa: E402
 
 ACC: dict[str, list[float]] = defaultdict(list)
 CUR: dict[str, float] = defaultdict(float)

@@ -244,7 +244,7 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
     asynchronous work is inside its own interval.
     """
     sync = sync or (lambda: None)
-    for name, f in steps.items():
+    for _name, f in steps.items():
         for _ in range(warmup):
             f()
     times: dict[str, list[float]] = {k: [] for k in steps}

@@ -49,10 +49,9 @@ import warnings
 from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import peak_rss_kib  # noqa: E402  (also sets OMP_WAIT_POLICY)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from step_time import peak_rss_kib  # noqa: E402  (also sets OMP_WAIT_POLICY)
 from torch import nn  # noqa: E402
 
 import dpopt  # noqa: E402

@@ -135,6 +135,7 @@ def exposure(rank: int) -> float:
 def train_one(setting, data, args, out: Path):
     """Train the model for one setting (None: non-private); return (model, epsilon or None, seconds)."""
     import transformers as T
+
     from dpopt.hf import DPTrainer
     model = make_model(args.length, args.seed)
     targs = T.TrainingArguments(str(out / f"run-{setting or 'nonprivate'}"), per_device_train_batch_size=args.batch,

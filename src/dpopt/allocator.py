@@ -34,7 +34,7 @@ TRIM_THRESHOLD = 2**31 - 1  # bytes of free heap top kept before returning memor
 TOP_PAD = 512 << 20  # bytes added to each heap extension
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc <malloc.h>
-_DONE = []  # set once per process (a list, so that the function needs no global statement)
+_DONE: list = []  # set once per process (a list, so that the function needs no global statement)
 
 
 def tune_cpu_allocator() -> bool:

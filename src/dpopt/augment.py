@@ -113,7 +113,7 @@ def get_augmentation(name: str) -> Callable[[Tensor, Optional[torch.Generator]],
     if name == "flip":
         return hflip
     if name == "none":
-        return lambda x, generator=None: x.clone()
+        return lambda x, generator=None: x.clone()  # type: ignore[misc]
     raise ValueError(f"unknown augmentation {name!r}; choose one of {', '.join(AUGMENTATIONS)}")
 
 
@@ -255,7 +255,7 @@ def views_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor,
     """
     def loss(out: Tensor, target: Tensor) -> Tensor:
         k = out.shape[1]
-        return sum(loss_fn(out[:, j], target) for j in range(k)) / k
+        return sum(loss_fn(out[:, j], target) for j in range(k)) / k  # type: ignore[return-value]
 
     return loss
 

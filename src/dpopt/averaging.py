@@ -96,8 +96,8 @@ class ParameterAverager:
         if int(start_step) < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if isinstance(params, nn.Module):
-            params = [p for p in params.parameters() if p.requires_grad]
-        self.params = list(params)
+            params = [p for p in params.parameters() if p.requires_grad]  # type: ignore[assignment]
+        self.params = list(params)  # type: ignore[arg-type]
         if not self.params:
             raise ValueError("ParameterAverager needs at least one trainable parameter")
         self.mode, self.decay, self.warmup, self.start_step = mode, decay, bool(warmup), int(start_step)
@@ -110,7 +110,7 @@ class ParameterAverager:
         self.step += 1
         t = self.step
         if self.mode == "ema":
-            d = ema_decay_at(t, self.decay, self.warmup)
+            d = ema_decay_at(t, self.decay, self.warmup)  # type: ignore[arg-type]
             for a, p in zip(self.averaged, self.params):
                 a.mul_(d).add_(p.detach(), alpha=1.0 - d)
             return

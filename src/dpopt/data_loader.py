@@ -30,10 +30,17 @@ from collections import deque
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
-from torch.utils.data._utils.collate import default_collate
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+from torch.utils.data._utils.collate import default_collate
 
 from .distributed import DistributedContext, poisson_sampler
 from .noise import NoiseSource, make_noise_source
@@ -120,7 +127,7 @@ def _empty_like(obj: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             out.append(leaf[:0] if leaf.dim() > 0 else leaf.new_zeros((0,)))
         elif isinstance(leaf, (list, tuple, str)):
-            out.append(leaf[:0])
+            out.append(leaf[:0])  # type: ignore[arg-type]
         else:
             out.append(leaf)
     return tree_unflatten(out, spec)
@@ -248,5 +255,5 @@ class DPDataLoader(DataLoader):
         keep = loader_settings(data_loader)
         collate = data_loader.collate_fn
         if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
-            collate = None
+            collate = None  # type: ignore[assignment]
         return cls(data_loader.dataset, 1.0 / steps, steps, collate_fn=collate, noise=noise, ctx=ctx, **keep)

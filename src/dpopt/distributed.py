@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -93,7 +93,7 @@ class DistributedContext:
 
     rank: int = 0
     world_size: int = 1
-    group: Optional[object] = None
+    group: Any = None  # a torch.distributed.ProcessGroup, or None: the default group
 
     @property
     def is_main(self) -> bool:
@@ -260,13 +260,13 @@ class AllReduceRelease:
             if self.ctx.is_main:
                 sums = [s + z for s, z in zip(sums, noise)]
                 if count is not None:
-                    count = count + count_noise
+                    count = count + count_noise  # type: ignore[operator]
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(sums):
             groups.setdefault((s.dtype, s.device), []).append(i)
         out: list[Optional[Tensor]] = [None] * len(sums)
         noisy_count = None
-        for (dtype, device), idx in groups.items():
+        for idx in groups.values():
             parts = [sums[i].reshape(-1) for i in idx]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             self.ctx.all_reduce(flat)

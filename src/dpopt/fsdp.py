@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -88,7 +88,6 @@ from .engine.fast import FastPerSampleGrads
 from .engine.hooks import HookCapture
 from .engine.layers import DirectBlock
 from .engine.rules import RULES
-from .types import EvaluationPoint
 
 __all__ = ["fsdp_modules", "prepare_model", "ShardedCapture", "ShardedRelease", "capture_for", "attach", "shard_rows",
            "bytes_per_step"]
@@ -224,7 +223,7 @@ class ShardedCapture(HookCapture):
                              f"{names} have none (dpopt.engine.rules: Linear, Conv, Embedding, LayerNorm, "
                              "GroupNorm, MultiheadAttention, ...): freeze them, or use distributed=True")
         # shape/dtype stand-ins (no memory) for the engine's zero blocks: never DTensor arithmetic in a source
-        self.plan.params = [torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)
+        self.plan.params = [torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)  # type: ignore[attr-defined, misc]
                             for p in self.params]
         self._syncing = False
 
@@ -263,10 +262,10 @@ class ShardedCapture(HookCapture):
             if not any_rank(b < 2, self.ctx):  # every rank checks now (same passes: same collectives)
                 error = None
                 with _held_unsharded(self.model):
-                    saved, self.params = self.params, self._unsharded_params()
+                    saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
                     self._syncing = True
                     try:
-                        super()._verify(p)
+                        super()._verify(p)  # type: ignore[arg-type]
                     except ValueError as exc:
                         error = exc
                     finally:
@@ -317,7 +316,7 @@ class ShardedRelease:
         rows = p.shape[0] if p.dim() else 1
         c = -(-rows // self.ctx.world_size)
         lo, hi = shard_rows(rows, self.ctx.world_size, self.ctx.rank)
-        local = p.to_local()
+        local = p.to_local()  # type: ignore[attr-defined]
         if p.dim() and local.shape[0] != hi - lo:
             raise RuntimeError(f"FSDP shard of shape {tuple(local.shape)} is not rows [{lo}, {hi}) of "
                                f"{tuple(p.shape)}: unexpected sharding")
@@ -366,13 +365,13 @@ class ShardedRelease:
         out, offset = [], 0
         for p in self.params:
             c, row, mine = self._layout(p)
-            shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)
+            shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)  # type: ignore[attr-defined]
             offset += c * row
-            out.append(DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+            out.append(DTensor.from_local(shard, cast(Any, p).device_mesh, cast(Any, p).placements, run_check=False, shape=p.shape,
                                           stride=p.stride()))
         noisy_count = None
         if count is not None:  # float64; the count noise on rank 0 only (drawn on every rank: aligned streams)
-            total = torch.tensor([count + (count_noise if r == 0 else 0.0)], dtype=torch.float64,
+            total = torch.tensor([count + (cast(float, count_noise) if r == 0 else 0.0)], dtype=torch.float64,
                                  device=backend_device(self.ctx))
             noisy_count = float(self.ctx.all_reduce(total)[0])
         self.calls += 1

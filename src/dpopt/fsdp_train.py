@@ -49,7 +49,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physic
     n = int(x.shape[0])
     size = physical or max(n, 1)
     k = torch.tensor([max(1, math.ceil(n / size))], dtype=torch.float64)
-    k = int(dist.all_reduce(k, "max").item())
+    k = int(dist.all_reduce(k, "max").item())  # type: ignore[assignment]
     for c in range(k):
         xb, yb = x[c * size:(c + 1) * size], y[c * size:(c + 1) * size]
         with torch.enable_grad():  # consumed inside the optimizer's step (no_grad)
@@ -188,7 +188,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     fsdp.attach(opt.privatizer, params, model, dist)
     run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist)
 
-    files = RunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None
+    files = RunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None  # type: ignore[arg-type]
     tracker = EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
     sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     steps, q = run.steps, run.sample_rate
@@ -200,7 +200,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         acc, loss = evaluate(model, data.x_test, data.y_test)  # every rank: a sharded forward is collective
         r = {**extra, "step": step, "test_accuracy": acc, "test_loss": loss}
         if run.data.x_val is not None:
-            r["val_accuracy"], r["val_loss"] = evaluate(model, run.data.x_val, run.data.y_val)
+            r["val_accuracy"], r["val_loss"] = evaluate(model, run.data.x_val, run.data.y_val)  # type: ignore[arg-type]
         r["epsilon"] = tracker.epsilon(run.ledger)
         metrics.append(r)
         if files is not None:
@@ -244,6 +244,6 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     for name, p in plain.named_parameters():  # as trained (frozen ones stay frozen)
         p.requires_grad_(dict(run.model.named_parameters())[name].requires_grad)
     plain.load_state_dict(state)
-    return write_results(Path(run_dir), dataclasses.replace(run, model=plain), metrics, start, status=status,
+    return write_results(Path(cast(Path, run_dir)), dataclasses.replace(run, model=plain), metrics, start, status=status,
                          streamed=True, epsilon=tracker.epsilon(run.ledger),
                          extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]})

@@ -37,7 +37,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ class MethodSpec:
     description: str
     reference: str
     defaults: dict
-    build: Callable[[dict], Transform]
+    build: Callable[..., Transform]  # build(hp, params, model=None)
     geometry: str = "identity"
     dataset_defaults: dict = field(default_factory=dict)
 
@@ -156,7 +156,7 @@ PRIVATIZER_KEYS = ("max_grad_norm",)
 
 def make_optimizer(
     name: str,
-    params,
+    params: Any,
     *,
     noise_multiplier: float,
     expected_batch_size: float,
@@ -209,7 +209,7 @@ def make_optimizer(
 
 def build_optimizer(
     spec: MethodSpec,
-    params,
+    params: Any,
     hparams: dict,
     *,
     noise_multiplier: float,
@@ -272,29 +272,29 @@ def _sgd_tail(hp: dict) -> list[Transform]:
     return [Momentum(mom), scale_by_lr()] if mom > 0 else [scale_by_lr()]
 
 
-def _sgd(hp: dict, params=None, model=None) -> Transform:
+def _sgd(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(*_sgd_tail(hp))
 
 
-def _adam(hp: dict, params=None, model=None) -> Transform:
+def _adam(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr())
 
 
-def _adambc(hp: dict, params=None, model=None) -> Transform:
+def _adambc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(ScaleByAdam(hp["betas"], noise_correction=True, gamma_prime=hp["gamma_prime"]), scale_by_lr())
 
 
-def _adaclip(hp: dict, params=None, model=None) -> Transform:
+def _adaclip(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(AdaClip(hp["betas"], hp["h1"], hp["h2"]), scale_by_lr())
 
 
-def _macadam(hp: dict, params=None, model=None) -> Transform:
+def _macadam(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
                          b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"],
                          noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
 
 
-def _macadambc(hp: dict, params=None, model=None) -> Transform:
+def _macadambc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     """DP-MacAdam with the AdamBC update (the noise variance removed from v̂, floor ``gamma_prime``)."""
     return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
                          bias_correction=True, gamma_prime=hp["gamma_prime"],
@@ -302,7 +302,7 @@ def _macadambc(hp: dict, params=None, model=None) -> Transform:
                          noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
 
 
-def _muon_body(hp: dict, params, scaling: str, model=None) -> Transform:
+def _muon_body(hp: dict, params: Any, scaling: str, model: Optional[nn.Module] = None) -> Transform:
     """Partition: hidden matrices → Muon at ``lr``; everything else → Adam/SGD at ``other_lr``.
 
     The param-group learning rate (``--lr``, LR schedulers) is Muon's. The
@@ -339,11 +339,11 @@ def _muon_body(hp: dict, params, scaling: str, model=None) -> Transform:
     return muon_partition(muon, other, label_fn)
 
 
-def _muon(hp: dict, params=None, model=None) -> Transform:
+def _muon(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return _muon_body(hp, params, "shape", model)
 
 
-def _muon_s(hp: dict, params=None, model=None) -> Transform:
+def _muon_s(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return _muon_body(hp, params, "spectral", model)
 
 
@@ -355,20 +355,20 @@ def _doppler(hp: dict) -> LowPassFilter:
     return LowPassFilter(*doppler_coefficients(hp["filter"], hp["filter_a"], hp["filter_b"]))
 
 
-def _disk_sgd(hp: dict, params=None, model=None) -> Transform:
+def _disk_sgd(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(_disk(hp), *_sgd_tail(hp))
 
 
-def _doppler_sgd(hp: dict, params=None, model=None) -> Transform:
+def _doppler_sgd(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(_doppler(hp), *_sgd_tail(hp))
 
 
-def _disk_muon(hp: dict, params=None, model=None) -> Transform:
+def _disk_muon(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     # the filter sits before the partition: it declares the evaluation points for all parameters
     return chain(_disk(hp), _muon(hp, params, model))
 
 
-def _doppler_muon(hp: dict, params=None, model=None) -> Transform:
+def _doppler_muon(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     return chain(_doppler(hp), _muon(hp, params, model))
 
 
@@ -470,7 +470,7 @@ register(MethodSpec(
 from .transforms.muon_auto import ScaleByMuonAuto  # noqa: E402
 
 
-def _muon_auto(hp: dict, params=None, model=None) -> Transform:
+def _muon_auto(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     """DP-Muon-Auto: Muon where the released momentum's σ₁ clears the noise edge, plain momentum elsewhere.
 
     Hidden matrices → :class:`~dpopt.transforms.muon_auto.ScaleByMuonAuto` at ``lr`` (its off branch,
@@ -485,7 +485,7 @@ def _muon_auto(hp: dict, params=None, model=None) -> Transform:
                           "make_optimizer (which passes the parameters) or give hparams['label_fn']",
                           "params", "label_fn")
     label_fn = hp["label_fn"] or hidden_matrix_labels(
-        params if params is not None else model, hp["exclude_first"], hp["exclude_last"],
+        params if params is not None else cast(nn.Module, model), hp["exclude_first"], hp["exclude_last"],
         embeddings=embedding_parameters(model) if model is not None else None)
     lr, other_lr, off_lr = float(hp["lr"]), float(hp["other_lr"]), float(hp["off_lr"])
     if not (lr > 0 and other_lr > 0 and off_lr > 0):

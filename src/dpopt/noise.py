@@ -623,7 +623,7 @@ class CpuNormalDraw:
         self._slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
         self._words = torch.empty(2 * pairs, dtype=torch.int64)
         self._cont = _flag_buffer(pairs, "cpu")
-        self._flagged: Optional[list] = [None] * k
+        self._flagged: Optional[list] = [None] * k  # type: ignore[no-redef]
         pool = source._thread_pool()
         if pool is None:
             for i in range(k):
@@ -643,7 +643,7 @@ class CpuNormalDraw:
         lo, hi = i * chunk, min(self._pairs, (i + 1) * chunk)
         self._words[2 * lo:2 * hi].random_(-2 ** 63, None, generator=sub)
         _blocks(self._words, self._cont, lo, hi, BLOCK_PAIRS)
-        self._flagged[i] = torch.nonzero(self._cont[lo:hi])[:, 0].add_(lo)  # type: ignore[index]
+        self._flagged[i] = torch.nonzero(self._cont[lo:hi])[:, 0].add_(lo)  # type: ignore[call-overload, index]
 
     @property
     def usable(self) -> bool:
@@ -672,13 +672,13 @@ class CpuNormalDraw:
         self._futures = []
         offsets, m = [0], self._slot_words.shape[0]
         for idx in self._flagged:
-            offsets.append(offsets[-1] + idx.numel())
+            offsets.append(offsets[-1] + idx.numel())  # type: ignore[attr-defined]
 
         def finish(i: int) -> None:
             idx, off = self._flagged[i], offsets[i]  # type: ignore[index]
-            take = max(0, min(idx.numel(), m - off))  # more flagged pairs than rows (≤ 2^-140): k stays 12
+            take = max(0, min(idx.numel(), m - off))  # type: ignore[union-attr]  # more flagged pairs than rows (≤ 2^-140): k stays 12
             if take:
-                _continue_pairs(flat, idx[:take], self._slot_words[off:off + take], self._pairs, BLOCK_PAIRS)
+                _continue_pairs(flat, idx[:take], self._slot_words[off:off + take], self._pairs, BLOCK_PAIRS)  # type: ignore[index]
             if fn is not None:
                 lo = i * NORMAL_CHUNK
                 fn(lo, min(self.n, lo + NORMAL_CHUNK), flat[lo:min(self.n, lo + NORMAL_CHUNK)])

@@ -22,7 +22,6 @@ exactly as many.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
@@ -199,7 +198,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return pts if pts is not None else [EvaluationPoint(1.0)]
 
     # -- checkpoints --------------------------------------------------------
-    def state_dict(self, *, include_ledger: bool = True) -> dict:  # type: ignore[override]
+    def state_dict(self, *, include_ledger: bool = True) -> dict:
         """torch's optimizer state (every transform's state: Adam/MacAdam moments and geometry, DiSK/DOPPLER
         filters, momentum) plus ``"privatizer"``: :meth:`Privatizer.state_dict` (step counter, clip bounds,
         the ledger with ``include_ledger``; never the secret noise generator's state)."""

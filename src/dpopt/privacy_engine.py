@@ -97,6 +97,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from .accounting.calibration import calibrate_noise_multiplier
@@ -106,18 +107,23 @@ from .accounting.validation import check_noise_multiplier
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import CHECKPOINT_VERSION, LedgerKeeper, atomic_torch_save, default_journal, recorded_journal
 from .data_loader import DPDataLoader, custom_batching, loader_settings
-from .distributed import (DistributedContext, any_rank, attach, backend_device, broadcast_parameters,
-                          check_replicas, context)
-from . import fsdp
+from .distributed import (
+    DistributedContext,
+    any_rank,
+    attach,
+    backend_device,
+    broadcast_parameters,
+    check_replicas,
+    context,
+)
 from .engine.collate_check import probe_loader
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture, grad_sample_source
 from .methods import get_method, make_optimizer
-from .noise import NoiseSource
 from .module_validator import ModuleValidator
-from .opacus_compat import (LossReductionWatch, TargetWatch, alias_module, check_opacus_arguments,
-                            warn_drop_last)
+from .noise import NoiseSource
+from .opacus_compat import LossReductionWatch, TargetWatch, alias_module, check_opacus_arguments, warn_drop_last
 from .optim import DPOptimizer, is_frozen
-from .privatizer import QuantileClipping
+from .privatizer import Privatizer, QuantileClipping
 from .release_boundary import ReleaseBoundary, boundary_of
 from .transforms.base import Chain, Partition, Transform
 from .types import ClipGeometry
@@ -156,7 +162,7 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
                       **loader_settings(loader, generator=True))
 
 
-def _distributed_context(module: nn.Module, distributed: bool, process_group, poisson_sampling: bool
+def _distributed_context(module: nn.Module, distributed: Union[bool, str], process_group: Any, poisson_sampling: bool
                          ) -> DistributedContext:
     """The data-parallel context ``make_private`` asked for (one process unless ``distributed``), or a refusal."""
     if _is_ddp(module):
@@ -208,7 +214,7 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
-def _trained_parameters(optimizer, module: nn.Module, capture: HookCapture, hparams: dict
+def _trained_parameters(optimizer: Any, module: nn.Module, capture: HookCapture, hparams: dict
                         ) -> tuple[list, str, dict]:
     """(parameters, method name, method hyperparameters) of ``make_private``'s ``optimizer`` argument.
 
@@ -270,7 +276,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._is_last_step_skipped = False
         self._open = False  # a logical step is open in the Privatizer (chunks accumulated, not yet released)
         self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
-        self._loss_watch = None  # opacus_compat.LossReductionWatch until the first batch of >= 2 examples
+        self._loss_watch: Optional[LossReductionWatch] = None  # until the first batch of >= 2 examples
         self._orphan = False  # a copy.deepcopy made without the model (its step() explains)
         self._loader: Optional[DPDataLoader] = None  # make_private's Poisson loader (K views: rows checked)
         self._examples: Optional[int] = 0  # examples accumulated in the open logical step (None: unknown)
@@ -303,7 +309,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         return new
 
     @property
-    def privatizer(self):
+    def privatizer(self) -> Privatizer:
         return self._dp.privatizer
 
     @property
@@ -360,7 +366,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         total = priv.sensitivity
         priv.bounds = [c] if len(priv.bounds) == 1 else [b * c / total for b in priv.bounds]
 
-    def _between_steps(self, name: str):
+    def _between_steps(self, name: str) -> Privatizer:
         if self._open:
             raise RuntimeError(f"{name} changed between the physical chunks of one logical batch: the chunks "
                                "already clipped used the old value. Change it after the logical step "
@@ -397,10 +403,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         for p in self._params:
             if getattr(p, "grad_sample", None) is not None:
-                p.grad_sample = None
+                p.grad_sample = None  # type: ignore[attr-defined]
         self._capture.discard_completed()
 
-    def _source(self):
+    def _source(self) -> Any:
         src = grad_sample_source(self._params)
         if src is None:
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
@@ -412,7 +418,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             return self._capture.collect()
         self._capture.reset()
         for p in self._params:
-            p.grad_sample = None
+            p.grad_sample = None  # type: ignore[attr-defined]
         return src
 
     def _check_views_match_the_batch(self, final: bool = True) -> None:
@@ -463,7 +469,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             "was released")
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One DP step from the last forward/backward (an empty batch: pure noise, charged).
 
         Args:
@@ -543,7 +549,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._is_last_step_skipped = False
         self._release_open(priv, dp, dp._params())
 
-    def _release_open(self, priv, dp, params) -> None:
+    def _release_open(self, priv: Any, dp: Any, params: Any) -> None:
         """Release the Privatizer's open step and apply it (the end of a logical step)."""
         release = priv.release(params_like=params)
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
@@ -925,7 +931,7 @@ class PrivacyEngine:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
         steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
         sigma = calibrate_noise_multiplier(target_epsilon, target_delta, 1.0 / len(data_loader), steps,
-                                           self.accountant).noise_multiplier
+                                           str(self.accountant)).noise_multiplier
         out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
@@ -935,7 +941,7 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant."""
-        return epsilon(self.ledger, delta, self.accountant)
+        return epsilon(self.ledger, delta, str(self.accountant))
 
     # -- Opacus's module checks (dpopt.module_validator) -----------------------------------
     @classmethod
@@ -947,11 +953,11 @@ class PrivacyEngine:
         """
         return ModuleValidator.fix_and_validate(module)
 
-    def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:  # noqa: ARG002
+    def is_compatible(self, *, module: nn.Module, optimizer: Any = None, data_loader: Any = None) -> bool:  # noqa: ARG002
         """True when ``module`` has no layer dpopt refuses (Opacus's signature; optimizer and loader unused)."""
         return ModuleValidator.is_valid(module)
 
-    def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:  # noqa: ARG002
+    def validate(self, *, module: nn.Module, optimizer: Any = None, data_loader: Any = None) -> None:  # noqa: ARG002
         """:meth:`is_compatible`, raising :class:`~dpopt.module_validator.UnsupportedModuleError` with each problem."""
         ModuleValidator.validate(module, strict=True)
 
@@ -995,7 +1001,7 @@ class PrivacyEngine:
     def _privatizers(self) -> list:
         return list(getattr(self, "_claims", {}).get("privatizers", []))
 
-    def _own(self, optimizer) -> None:
+    def _own(self, optimizer: Any) -> None:
         if optimizer is None:
             return
         if not isinstance(optimizer, PrivateOptimizer):
@@ -1061,7 +1067,7 @@ class PrivacyEngine:
         self._keeper.flush()
         where = self._keeper.journal
         if where is not None and on_disk and Path(where).parent.resolve() == Path(path).parent.resolve():
-            where = Path(where).name  # beside the checkpoint: the directory can move as a whole
+            where = Path(where).name  # type: ignore[assignment]  # beside the checkpoint: the directory can move as a whole
         ckpt = dict(checkpoint_dict or {})
         ckpt["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
         ledger_state = self.ledger.state_dict()  # run-length form, shared by every key below (stored once)
@@ -1107,8 +1113,8 @@ class PrivacyEngine:
         warned with their number) and this engine's own
         (:class:`~dpopt.checkpoint.LedgerKeeper`); releases go on into that
         journal. Then the module, the optimizer and the schedulers are
-        restored. ``torch.load`` keeps its defaults (``weights_only=True``
-        reads these files).
+        restored. ``torch.load`` reads with ``weights_only=True`` (whatever
+        the torch version's default) unless ``torch_load_kwargs`` says otherwise.
 
         Returns:
             The checkpoint dict (Opacus returns it too).
@@ -1119,7 +1125,7 @@ class PrivacyEngine:
                 other run settings; an optimizer of another engine.
         """
         self._own(optimizer)
-        ckpt = torch.load(path, **(torch_load_kwargs or {}))
+        ckpt = torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})})
         info = ckpt.get("dpopt_checkpoint") or {}
         saved = ckpt.get("privacy_ledger")
         if saved is None:
@@ -1172,8 +1178,8 @@ class PrivacyEngine:
         return len(dataset), len(data_loader), data_loader
 
     @staticmethod
-    def _clipping_options(clipping, params, capture, sigma, max_grad_norm, bbar, quantile, quantile_lr,
-                          unclipped_num_std, count_share) -> dict:
+    def _clipping_options(clipping: str, params: Any, capture: Any, sigma: float, max_grad_norm: Any, bbar: float,
+                          quantile: Any, quantile_lr: Any, unclipped_num_std: Any, count_share: Any) -> dict:
         if clipping == "flat":
             if not isinstance(max_grad_norm, (int, float)):
                 raise ValueError("flat clipping takes one max_grad_norm (a number)")

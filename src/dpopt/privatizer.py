@@ -26,7 +26,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
 import torch
 from dp_accounting import dp_event
@@ -160,7 +160,7 @@ class Privatizer:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
         scalar = isinstance(max_grad_norm, numbers.Real) or getattr(max_grad_norm, "ndim", None) == 0
         try:
-            bounds = [float(c) for c in ([max_grad_norm] if scalar else list(max_grad_norm))]
+            bounds = [float(c) for c in ([max_grad_norm] if scalar else list(max_grad_norm))]  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ValueError(f"max_grad_norm must be a number or a list of per-group numbers, "
                              f"got {max_grad_norm!r}") from None
@@ -296,7 +296,7 @@ class Privatizer:
         else:  # s + σS·z in float64 (the float64 noise buffers), rounded ONCE to the sum's dtype
             noise, count_noise = self._draw(std)
             totals = [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)]
-            noisy_count = None if count is None else count + count_noise
+            noisy_count = None if count is None else count + cast(float, count_noise)  # quantile: drawn
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
@@ -320,7 +320,7 @@ class Privatizer:
         self.releases += self._released
         entry = self.ledger.record(self.steps, event, **meta)
         release = Release(tuple(grads), tuple(noise_std), geo, self.steps, entry.event,
-                          self.noise_multiplier, bbar, tuple(meta["max_grad_norm"]))
+                          self.noise_multiplier, bbar, tuple(cast(Sequence[float], meta["max_grad_norm"])))
         self.nonfinite_steps += int(self._nonfinite)
         self.steps += 1
         self._reset()
@@ -336,6 +336,7 @@ class Privatizer:
         and rounds the noisy sum once to the parameter dtype. ``rounded=True`` (the data-parallel ``reduce`` hook, whose
         all-reduce works in the sums' dtype) rounds σS·z to each sum's dtype instead.
         """
+        assert self._sum is not None  # inside a step (begin() ran)
         grad_noise: list[Optional[Tensor]] = [None] * len(self._sum)
         by_device: dict[torch.device, list[int]] = {}
         for i, s in enumerate(self._sum):
@@ -350,7 +351,7 @@ class Privatizer:
                 for i in idx:
                     s = self._sum[i]
                     grad_noise[i] = torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64)
-        return grad_noise, self._count_noise()
+        return cast(list[Tensor], grad_noise), self._count_noise()  # every entry set above
 
     def _count_noise(self) -> Optional[float]:
         """σ_b·z of the clipped count (quantile clipping; drawn after the gradient noise), else None."""
@@ -375,6 +376,7 @@ class Privatizer:
         """Noisy centred count (the noise already in it, :meth:`_draw`) → next clip bound
         (Andrew et al. 2021, Alg. 1)."""
         q = self.quantile
+        assert q is not None  # called for quantile clipping only
         count_std = 0.5 * q.count_noise_multiplier
         frac = min(1.0, max(0.0, noisy_count / self.expected_batch_size + 0.5))
         applied = self.bounds[0]
@@ -467,9 +469,9 @@ class Privatizer:
         if params_like is not None and self._pending is None and all(p.device.type == "cpu" for p in params_like):
             self._prefetch(sum(p.numel() for p in params_like))  # nothing else draws before the release
         if hasattr(source_list := sources, "sq_norms"):
-            source_list = [sources]
+            source_list = [cast(PerSampleSource, sources)]
         try:
-            for src in source_list:  # type: ignore[union-attr]
+            for src in source_list:
                 self.accumulate(src)
         except BaseException:
             self._reset()  # nothing released or recorded: the step did not happen

@@ -100,8 +100,8 @@ class ReleaseBoundary:
         self.current: Optional[ChunkTag] = None  # the chunk last handed to the loop (None: untagged)
         self.open_batch: Optional[int] = None  # the logical batch of the open step (None: no tagged open step)
         self._counted: set = set()  # chunks of the open step whose examples are counted
-        self.examples = 0  # examples of the counted chunks (private, memory only)
-        self.rows = 0  # examples forwarded into the open step (rows / K; private, memory only)
+        self.examples: Optional[int] = 0  # examples of the counted chunks (private, memory only)
+        self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
 
     def __getstate__(self) -> dict:

@@ -94,7 +94,7 @@ class PoissonSampler:
         reproducible noise only (a secret generator's state is never written)."""
         state = {"version": 1, "position": self.position, "steps": self.steps, "sample_rate": self.sample_rate}
         if self.noise.mode == "reproducible":
-            state["noise_state"] = self.noise.state_dict()
+            state["noise_state"] = self.noise.state_dict()  # type: ignore[assignment]
         return state
 
     def load_state_dict(self, state: dict) -> None:

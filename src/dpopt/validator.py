@@ -49,7 +49,7 @@ def groupnorm_groups(channels: int, max_groups: int = 32, spatial: bool = True) 
 
 
 def _groups_for(m: nn.Module) -> int:
-    return groupnorm_groups(m.num_features, spatial=not isinstance(m, nn.BatchNorm1d))
+    return groupnorm_groups(m.num_features, spatial=not isinstance(m, nn.BatchNorm1d))  # type: ignore[arg-type]
 
 
 def validate(model: nn.Module) -> list[str]:

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from dpopt.accounting.accountant import dpsgd_event, epsilon, epsilon_report, pld_epsilon
 from dpopt.accounting.calibration import (
-    CalibrationInterrupted,
     MIN_NOISE_MULTIPLIER,
+    CalibrationInterrupted,
     calibrate_noise_multiplier,
 )
 from dpopt.accounting.cost import DEFAULT_BUDGET, CostBudget, estimate_pld_cost, estimate_prv_cost, prv_domain

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from dp_accounting import dp_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from dpopt.accounting.budget import (
 from dpopt.accounting.calibration import calibrate_noise_multiplier
 from dpopt.accounting.events import poisson_composed_step
 from dpopt.accounting.ledger import PrivacyLedger
-from dp_accounting import dp_event
 
 DELTA = 1e-5
 

@@ -22,7 +22,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dpopt.accounting.accountant import dpsgd_event, dpsgd_epsilon, epsilon
+from dpopt.accounting.accountant import dpsgd_epsilon, dpsgd_event, epsilon
 from dpopt.accounting.calibration import calibrate_noise_multiplier
 
 N, TARGET, DELTA = 50_000, 4.0, 1e-5

@@ -34,7 +34,7 @@ def _run(steps=40, sigma=SIGMA, share=None, bounds=1.0, groups=None, seed=0):
     else:
         priv = Privatizer(sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, groups=groups)
     n_params = 1 if groups is None else len(groups)
-    for step in range(steps):
+    for _step in range(steps):
         b = int(torch.randint(0, 12, (), generator=gen))  # Poisson-like varying size, sometimes 0
         grads = [torch.randn(b, 3, generator=gen) * 2.0 for _ in range(n_params)]
         priv.privatize(PerSampleGrads(grads), params_like=[torch.zeros(3)] * n_params)

@@ -24,7 +24,7 @@ def test_steps_for_epochs_is_tf_privacys_ceil():
 def test_best_share_minimises_the_stated_objective():
     for sigma, b in [(1.0, 8), (0.5, 256), (3.0, 16)]:
         r_star = best_count_share(sigma, b)
-        f = lambda r: 1 / math.sqrt(1 - r) + 0.2 * sigma / (2 * b * math.sqrt(r))  # noqa: E731
+        f = lambda r, sigma=sigma, b=b: 1 / math.sqrt(1 - r) + 0.2 * sigma / (2 * b * math.sqrt(r))  # noqa: E731
         grid = [i / 10000 for i in range(1, 9999)]
         r_num = min(grid, key=f)
         assert r_star == pytest.approx(r_num, abs=2e-4)

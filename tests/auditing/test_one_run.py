@@ -24,7 +24,7 @@ def digits():
 
 def _materialised(model_params, canary, real_grads, rows, size, base_geo):
     """The same examples as explicit per-sample gradients whose clip-space images the sources describe."""
-    shift, scale = base_geo.shift, base_geo.scale
+    scale = base_geo.scale
     b_real = real_grads[0].shape[0]
     grads = [torch.cat([g, torch.zeros((rows.numel(),) + g.shape[1:], dtype=g.dtype)]) for g in real_grads]
     cz = torch.zeros((b_real + rows.numel(), canary.numel()), dtype=canary.dtype)

@@ -6,7 +6,6 @@ More of these commands' tests sit next to the accounting they exercise
 
 import json
 
-import pytest
 from typer.testing import CliRunner
 
 from dpopt.accounting.events import poisson_gaussian_step

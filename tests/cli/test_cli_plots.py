@@ -16,7 +16,6 @@ from dpopt.reports.curves import CURVES_NAME, curves_figure, write_curves  # noq
 from dpopt.reports.split_plot import log_ticks, split_figure, write_split_png  # noqa: E402
 
 
-
 def _visible(ticks, renderer):
     out = []
     for tick in ticks:
@@ -42,7 +41,7 @@ def overlapping_labels(fig) -> list[tuple[str, str]]:
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     bad = []
-    for ax in fig.axes + [child for ax in fig.axes for child in ax.child_axes]:  # secondary axes too
+    for ax in fig.axes + [child for a in fig.axes for child in a.child_axes]:  # secondary axes too
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
             ticks = [t for t in axis.get_major_ticks() + axis.get_minor_ticks()

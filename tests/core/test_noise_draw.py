@@ -15,8 +15,18 @@ import pytest
 import torch
 
 from dpopt.engine.reference import PerSampleGrads
-from dpopt.noise import (BLOCK_PAIRS, NORMAL_CHUNK, CpuNormalDraw, NoiseSource, _blocks, _continue_pairs,
-                         _flag_buffer, _SLOT_WORDS, _slots, gaussian_from_words)
+from dpopt.noise import (
+    _SLOT_WORDS,
+    BLOCK_PAIRS,
+    NORMAL_CHUNK,
+    CpuNormalDraw,
+    NoiseSource,
+    _blocks,
+    _continue_pairs,
+    _flag_buffer,
+    _slots,
+    gaussian_from_words,
+)
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.types import ClipGeometry
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 from scipy import stats
 
-from dpopt.noise import (BLOCK_PAIRS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _slots, _SLOT_WORDS,
-                         gaussian_from_words)
-from dpopt.privatizer import Privatizer
 from dpopt.engine.reference import PerSampleGrads
+from dpopt.noise import _SLOT_WORDS, BLOCK_PAIRS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _slots, gaussian_from_words
+from dpopt.privatizer import Privatizer
 
 LN2 = math.log(2.0)
 

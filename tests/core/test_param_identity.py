@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dpopt.engine import iter_per_sample_sources
-from dpopt.methods import make_optimizer
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
+from dpopt.methods import make_optimizer
 
 DT = torch.float64
 LR, BBAR = 0.5, 4.0

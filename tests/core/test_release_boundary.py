@@ -294,7 +294,7 @@ def test_a_new_batch_while_a_manual_chunk_is_open_closes_it_first():
 def test_a_batch_skipped_entirely_under_bmm_is_released_as_pure_noise():
     engine, model, opt, loader, releases = _setup()
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as chunks:
-        for i, (x, _) in enumerate(chunks):
+        for x, _ in chunks:
             if len(engine.ledger) == 1:  # skip every chunk of the second logical batch
                 continue
             _step(model, opt, x)

@@ -14,8 +14,8 @@ from scipy import stats
 import dpopt
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.accounting.ledger_check import check_run
-from dpopt.noise import NoiseSource, make_noise_source
 from dpopt.engine.reference import PerSampleGrads
+from dpopt.noise import NoiseSource, make_noise_source
 from dpopt.privatizer import Privatizer
 from dpopt.sampling import PoissonSampler
 from dpopt.training import TrainConfig, train

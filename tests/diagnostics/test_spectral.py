@@ -66,8 +66,8 @@ def test_prediction_formula_limits():
     assert predicted_cosines(1e6 * thr, s, m, n)[0] == pytest.approx(1.0, abs=1e-9)
     assert predicted_cosines(thr, 0.0, m, n) == (1.0, 1.0)
     # square case: cos^2 = 1 - 1/theta~^2 on both sides
-    l, r = predicted_cosines(2.0 * math.sqrt(30) * s, s, 30, 30)  # theta~ = sigma1 / (s sqrt(q)) = 2
-    assert l == r == pytest.approx(math.sqrt(0.75))
+    left, r = predicted_cosines(2.0 * math.sqrt(30) * s, s, 30, 30)  # theta~ = sigma1 / (s sqrt(q)) = 2
+    assert left == r == pytest.approx(math.sqrt(0.75))
     # transposing swaps left and right
     assert predicted_cosines(3 * thr, s, m, n) == predicted_cosines(3 * thr, s, n, m)[::-1]
     # the top noisy singular value leaves the bulk edge above the threshold, continuously

@@ -133,5 +133,5 @@ def _joined(procs, tmp, world: int) -> bool:
             if p.is_alive():
                 p.kill()
         warnings.warn(f"rank {exc.error_index} died with {exc.signal_name} in gloo's teardown after every "
-                      "rank finished its work; the results are complete")
+                      "rank finished its work; the results are complete", stacklevel=2)
         return True

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import gloo_group, spawn_ranks
 
 from dpopt.distributed import AllReduceRelease, DistributedContext, ShardedPoissonSampler, context, shard_bounds
 from dpopt.engine.reference import PerSampleGrads
@@ -26,8 +27,6 @@ from dpopt.noise import NoiseSource
 from dpopt.privatizer import Privatizer
 from dpopt.sampling import PoissonSampler
 from dpopt.training import TrainConfig, train
-
-from gloo_ranks import gloo_group, spawn_ranks
 
 CASES = {
     "macadam": dict(method="dp-macadam", physical_batch_size=16),

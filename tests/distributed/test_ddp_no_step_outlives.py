@@ -17,11 +17,11 @@ import weakref
 
 import pytest
 import torch
+from gloo_ranks import gloo_group, spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
-from gloo_ranks import gloo_group, spawn_ranks
 
 
 def _run(rank: int, mode) -> dict:

@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_ranks import gloo_group, spawn_ranks
 
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.accounting.ledger_check import check_run
 from dpopt.training import TrainConfig, resume, train
-
-from gloo_ranks import gloo_group, spawn_ranks
 
 STOP_AFTER = 4
 

@@ -31,14 +31,13 @@ import warnings
 
 import pytest
 import torch
+from gloo_ranks import gloo_group, progress, progress_log, spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
 from dpopt.data import load_dataset
-
-from gloo_ranks import gloo_group, progress, progress_log, spawn_ranks
 
 HANG_S = 150  # the whole 2-rank run takes 28-45 s at load 11-21 (up to 268 s seen at load 22 under nice 19)
 STALL_S = 180  # no rank finished a case for this long: stuck (a case takes < 40 s even then; gloo times out at 60 s)
@@ -270,7 +269,7 @@ def fsdp_runs(tmp_path_factory):
             stacks = "".join((tmp / f"stacks-rank{r}.txt").read_text()[:4000] for r in range(2)
                              if (tmp / f"stacks-rank{r}.txt").exists())
             warnings.warn(f"the 2-rank FSDP run stalled (retrying once); progress:\n{progress_log(tmp)}\n"
-                          f"the ranks' stacks:\n{stacks}", UserWarning)
+                          f"the ranks' stacks:\n{stacks}", UserWarning, stacklevel=2)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

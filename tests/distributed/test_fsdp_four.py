@@ -17,9 +17,8 @@ import faulthandler
 
 import pytest
 import torch
-
 from gloo_ranks import gloo_group, progress, spawn_ranks
-from test_fsdp import C, SIGMA, _train
+from test_fsdp import SIGMA, C, _train
 
 WORLD = 4
 HANG_S = 240

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-
 from gloo_ranks import _mark_done, progress, spawn_ranks
 
 pytestmark = pytest.mark.slow  # two spawns of plain processes that import torch: ~25-55 s under load

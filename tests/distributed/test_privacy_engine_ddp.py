@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from gloo_ranks import gloo_group, spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,8 +28,6 @@ import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
 from dpopt.data import load_dataset
 from dpopt.distributed import check_replicas, context, shard_bounds
-
-from gloo_ranks import gloo_group, spawn_ranks
 
 BATCH = 128  # 1437 digits -> len(loader) = 12 steps per epoch, q = 1/12
 CASES = {

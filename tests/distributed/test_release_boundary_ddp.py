@@ -15,13 +15,12 @@ from __future__ import annotations
 import warnings
 
 import torch
+from gloo_ranks import gloo_group, spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import dpopt
 from dpopt.utils.batch_memory_manager import BatchMemoryManager
-
-from gloo_ranks import gloo_group, spawn_ranks
 
 N = 48
 

@@ -166,7 +166,7 @@ def test_first_batch_check_restores_the_random_generator():
                                           data_loader=DataLoader(_data(), batch_size=16), noise_multiplier=0.0,
                                           max_grad_norm=1.0)
     cap = opt._capture
-    for x, y in dl:
+    for x, y in dl:  # noqa: B007 (x and y are read after the loop)
         if len(x) >= 2:
             break
     opt.zero_grad()

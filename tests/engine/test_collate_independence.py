@@ -16,7 +16,6 @@ check now collates a few examples alone (:mod:`dpopt.engine.collate_check`):
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest

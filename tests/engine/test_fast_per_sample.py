@@ -8,17 +8,16 @@ relative) would catch any algebra slip.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
 
 from dpopt.engine import PerSampleEngine, fast_per_sample_gradients, iter_per_sample_sources
 from dpopt.engine.layers import CONV_METHODS, Budget, ConvPart, im2col
-from dpopt.methods import make_optimizer
-from dpopt.models import build_model, num_parameters
 from dpopt.engine.reference import per_sample_gradients
 from dpopt.engine.shifted_norm import RECHECK_RTOL
+from dpopt.methods import make_optimizer
+from dpopt.models import build_model, num_parameters
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.types import ClipGeometry, EvaluationPoint
 
@@ -86,7 +85,7 @@ def assert_close(a, b, rtol=1e-9):
 def compare(fast, ref, params, groups, num_groups, seed=2):
     """Norms and weighted sums equal for every geometry; returns the fast forms used."""
     g = torch.Generator().manual_seed(seed)
-    for name, geo in geometries(params).items():
+    for _name, geo in geometries(params).items():
         sq_f = fast.sq_norms(geo, groups, num_groups)
         sq_r = ref.sq_norms(geo, groups, num_groups)
         assert_close(sq_f, sq_r)

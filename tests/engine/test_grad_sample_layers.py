@@ -17,13 +17,12 @@ import warnings
 
 import pytest
 import torch
+from per_example_zoo import per_example_from_source, rel_err
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.hooks import HookCapture
-
-from per_example_zoo import per_example_from_source, rel_err
 
 DT = torch.float64
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from dpopt.data import load_dataset
-from dpopt.engine import iter_per_sample_sources
 from dpopt.engine import fast as fast_mod
+from dpopt.engine import iter_per_sample_sources
 from dpopt.methods import make_optimizer
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.training import TrainConfig, train

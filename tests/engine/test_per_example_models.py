@@ -14,15 +14,14 @@ import warnings
 
 import pytest
 import torch
+from per_example_zoo import CASES, DT, ce, loop_grads, make, per_example_from_source, rel_err
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpopt.engine import PerSampleEngine, free_sizes, iter_per_sample_sources
-from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.engine.check import model_dims
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.types import EvaluationPoint
-
-from per_example_zoo import CASES, DT, ce, loop_grads, make, per_example_from_source, rel_err
 
 T = 5
 ENGINES = ("fast", "reference")

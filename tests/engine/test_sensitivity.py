@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from per_example_zoo import CASES, ce, make
 
 from dpopt.engine import iter_per_sample_sources
 from dpopt.types import ClipGeometry
-
-from per_example_zoo import CASES, ce, make
 
 T = B = 5
 KINDS = ["tok-pos", "seq-first", "transpose-inside", "time-distributed", "gru", "shared", "conv-groupnorm",

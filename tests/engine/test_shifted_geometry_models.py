@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from per_example_zoo import CASES, ce, loop_grads, make
 
 from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.shifted_norm import RECHECK_RTOL
 from dpopt.types import ClipGeometry
-
-from per_example_zoo import CASES, ce, loop_grads, make
 
 B = T = 5
 KINDS = ["tok-pos", "seq-first", "time-distributed", "transpose-inside", "gru", "conv-groupnorm"]

@@ -16,9 +16,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 import transformers as T
+from torch import nn
 
 from dpopt.engine.inputs import example_loss
 from dpopt.losses import per_example_lm_loss

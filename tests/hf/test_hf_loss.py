@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("transformers")
 
+from hf_zoo import make, trainable  # noqa: E402
+
 import dpopt  # noqa: E402
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.engine.hooks import HookCapture  # noqa: E402
-
-from hf_zoo import make, trainable  # noqa: E402
 
 
 def test_hf_batch_token_mean_loss_differs_from_the_mean_of_per_example_losses():

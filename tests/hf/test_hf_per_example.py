@@ -18,13 +18,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_zoo import CASES, make, mismatches, reference, source_grads  # noqa: E402
+
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.engine.check import RandomReplay  # noqa: E402
 from dpopt.engine.fast import get_engine  # noqa: E402
 from dpopt.engine.hooks import HookCapture  # noqa: E402
 from dpopt.types import ClipGeometry  # noqa: E402
-
-from hf_zoo import CASES, make, mismatches, reference, source_grads, trainable  # noqa: E402
 
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 MODELS = list(CASES)

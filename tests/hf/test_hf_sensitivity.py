@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("transformers")
 
+from hf_zoo import CASES, make, reference, trainable  # noqa: E402
+
 import dpopt  # noqa: E402
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.types import ClipGeometry  # noqa: E402
-
-from hf_zoo import CASES, make, reference, trainable  # noqa: E402
 
 
 def _bound(model, loss_fn, x, y) -> float:

@@ -18,11 +18,10 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers as T  # noqa: E402
+from test_trainer import L, Tokens, V, bert, gpt2, targs, trainable  # noqa: E402
 
 from dpopt.hf import DPTrainer  # noqa: E402
 from dpopt.hf.trainer import LEDGER_FILE, SUMMARY_FILE  # noqa: E402
-
-from test_trainer import L, V, Tokens, bert, gpt2, targs, trainable  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon

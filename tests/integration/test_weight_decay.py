@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpopt.methods import COMMON_DEFAULTS, get_method, list_methods, make_optimizer
 from dpopt.engine.reference import PerSampleGrads
+from dpopt.methods import COMMON_DEFAULTS, get_method, list_methods, make_optimizer
 from dpopt.transforms.weight_decay import DecoupledWeightDecay
 
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.methods import list_methods, make_optimizer
 from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
-
+from dpopt.methods import list_methods, make_optimizer
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 

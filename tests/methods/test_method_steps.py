@@ -13,12 +13,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from method_problems import small_problem
 from torch import nn
 
+from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.methods import make_optimizer
 from dpopt.noise import NoiseSource
-from method_problems import small_problem
-from dpopt.engine.reference import PerSampleGrads, per_sample_gradients
 from dpopt.transforms.base import StepContext
 from dpopt.transforms.macadam import MacAdam
 from dpopt.transforms.muon import hidden_matrix_labels
@@ -432,7 +432,11 @@ def _macadam_reference(grads, sigma, bbar, noise, lr, betas=(0.9, 0.999), gamma=
     """
     b1, b2 = betas
     d = grads[0].shape[1]
-    m = np.zeros(d); v = np.zeros(d); s = np.zeros(d); m_hat = np.zeros(d); b = np.full(d, 1.0 / d)
+    m = np.zeros(d)
+    v = np.zeros(d)
+    s = np.zeros(d)
+    m_hat = np.zeros(d)
+    b = np.full(d, 1.0 / d)
     updates = []
     for t in range(1, len(grads) + 1):
         w = (grads[t - 1] - m_hat) / b

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
+from method_problems import small_problem
 from torch import nn
 
-from dpopt.methods import make_optimizer
-from method_problems import small_problem
 from dpopt.engine.reference import per_sample_gradients
+from dpopt.methods import make_optimizer
 from dpopt.transforms.base import Chain, Partition, Transform
 
 ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",

@@ -12,10 +12,9 @@ import math
 
 import pytest
 import torch
+from opacus_setup import private
 
 from dpopt.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
-
-from opacus_setup import private
 
 
 def _params(m):
@@ -26,9 +25,9 @@ def _train(optimizer="sgd", physical=None, epochs=2, sigma=0.0, **kw):
     if optimizer == "sgd":
         engine, m, opt, loader = private(noise_multiplier=sigma, max_grad_norm=0.5, **kw)
     else:
-        import dpopt
-
         from opacus_setup import data, model
+
+        import dpopt
 
         engine = dpopt.PrivacyEngine()
         m = model()

@@ -12,10 +12,9 @@ import warnings
 
 import pytest
 import torch
+from opacus_setup import private, run_epoch
 
 from dpopt.schedulers import StepNoise
-
-from opacus_setup import private, run_epoch
 
 
 def test_checkpoint_round_trip_restores_model_optimizer_scheduler_and_accountant(tmp_path):

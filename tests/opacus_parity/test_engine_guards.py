@@ -17,14 +17,13 @@ import warnings
 
 import pytest
 import torch
+from opacus_setup import data, model, private, run_epoch
 from torch import nn
 from torch.utils.data import DataLoader
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
 from dpopt.schedulers import StepNoise
-
-from opacus_setup import data, model, private, run_epoch
 
 DELTA = 1e-5
 

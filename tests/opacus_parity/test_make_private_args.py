@@ -9,18 +9,16 @@ clipping's arguments, drop_last, get_compatible_module).
 from __future__ import annotations
 
 import math
-
 import warnings
 
 import pytest
 import torch
+from opacus_setup import data, model, private, run_epoch
 from torch import nn
 from torch.utils.data import DataLoader
 
 import dpopt
 from dpopt.module_validator import ModuleValidator, UnsupportedModuleError
-
-from opacus_setup import data, model, private, run_epoch
 
 
 def _params(m):

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
+from opacus_setup import private, run_epoch
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon, epsilon
 from dpopt.accounting.opacus_accountant import LedgerAccountant
-
-from opacus_setup import private, run_epoch
 
 DELTA = 1e-5
 

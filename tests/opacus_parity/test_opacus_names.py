@@ -13,13 +13,12 @@ import warnings
 
 import pytest
 import torch
+from opacus_setup import data, model, run_epoch
 from torch import nn
 from torch.utils.data import DataLoader
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
-
-from opacus_setup import data, model, run_epoch
 
 DELTA = 1e-5
 

@@ -13,15 +13,13 @@ import pytest
 import torch
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
+from opacus_setup import private, run_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
 from dpopt.accounting.rdp import RDP_ORDERS
-from dpopt.schedulers import (ExponentialGradClip, ExponentialNoise, LambdaGradClip, LambdaNoise, StepGradClip,
-                              StepNoise)
-
-from opacus_setup import private, run_epoch
+from dpopt.schedulers import ExponentialGradClip, ExponentialNoise, LambdaGradClip, LambdaNoise, StepGradClip, StepNoise
 
 Q = 0.25  # batch 16 of 64
 

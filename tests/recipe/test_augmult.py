@@ -15,19 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_grads import one_hot_grads  # tests/recipe/recipe_grads.py (shared helper)
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from dpopt.augment import (ViewBatches, ViewsOf, crop_flip, repeat_labels, repeat_views,
-                           views_loss)
+from dpopt.augment import ViewBatches, ViewsOf, crop_flip, repeat_labels, repeat_views, views_loss
 from dpopt.data import Dataset
 from dpopt.engine import iter_per_sample_sources
 from dpopt.models import WSConv2d
 from dpopt.training import TrainConfig, train
 from dpopt.types import ClipGeometry
-
-from recipe_grads import one_hot_grads  # tests/recipe/recipe_grads.py (shared helper)
 
 C = 0.05
 

@@ -20,8 +20,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
-from dpopt.engine.hooks import HookCapture
 from dpopt.augment import crop_flip, repeat_labels, repeat_views
+from dpopt.engine.hooks import HookCapture
 
 pytestmark = pytest.mark.skipif(
     "augmentation_multiplicity" not in inspect.signature(dpopt.PrivacyEngine.make_private).parameters

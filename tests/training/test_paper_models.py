@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from dpopt.models import build_model, check_model
 from dpopt.engine.reference import per_sample_gradients
+from dpopt.models import build_model, check_model
 
 LOSS = nn.functional.cross_entropy
 

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
-from dpopt.methods import make_optimizer
 from dpopt.engine.reference import PerSampleGrads
+from dpopt.methods import make_optimizer
 from dpopt.transforms.adaclip import AdaClip
 from dpopt.transforms.base import StepContext
-
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 

@@ -7,11 +7,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpopt.methods import make_optimizer
 from dpopt.engine.reference import per_sample_gradients
+from dpopt.methods import make_optimizer
 from dpopt.transforms.base import StepContext
 from dpopt.transforms.filters import DISK_PRESETS, DOPPLER_PRESETS, DiSK, LowPassFilter, doppler_coefficients
-
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 

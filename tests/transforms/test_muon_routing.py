@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.optim._muon as torch_muon
 from torch import nn
 
-import torch.optim._muon as torch_muon
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.methods import get_method, make_optimizer
 from dpopt.transforms.muon import embedding_parameters, hidden_matrix_labels

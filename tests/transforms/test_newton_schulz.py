@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from dpopt.transforms.newton_schulz import (NS_COEFFICIENTS, as_matrix, newton_schulz, orthogonalize,
-                                            polar_exact, top_singular_value)
+from dpopt.transforms.newton_schulz import (
+    NS_COEFFICIENTS,
+    as_matrix,
+    newton_schulz,
+    orthogonalize,
+    polar_exact,
+    top_singular_value,
+)
 
 A, B, C = NS_COEFFICIENTS
 

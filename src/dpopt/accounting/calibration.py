@@ -466,11 +466,11 @@ def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rto
                                 must_succeed=final, model=model,
                                 max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP, bounds=bounds)
     sigma = _round_up(math.exp(u))
-    if not eps <= target:  # defensive: the final level only returns checked points
+    if not eps <= target:  # type: ignore[operator]  # defensive: the final level only returns checked points
         raise RuntimeError(f"internal error: calibrated epsilon {eps} exceeds target {target}")
     return CalibrationResult(
         noise_multiplier=sigma,
-        epsilon=float(eps),
+        epsilon=float(eps),  # type: ignore[arg-type]
         target_epsilon=target,
         delta=delta,
         sample_rate=q,

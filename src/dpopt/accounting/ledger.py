@@ -285,7 +285,7 @@ class PrivacyLedger:
             self._groups.append(_Group(step, count, event, meta))
         self._n += count
 
-    def _set_groups(self, groups) -> None:
+    def _set_groups(self, groups: Any) -> None:
         """Replace every release by ``groups`` (LedgerGroup / _Group-like: step, count, event, meta), copied."""
         self._groups, self._starts, self._n = [], [], 0
         for g in groups:
@@ -330,7 +330,7 @@ class PrivacyLedger:
         if start >= self._n:
             return ()
         k = bisect.bisect_right(self._starts, start) - 1
-        out = []
+        out: list[LedgerEntry] = []
         offset = start - self._starts[k]
         for g in self._groups[k:]:
             out.extend(g.entry(i) for i in range(offset, g.count))
@@ -402,7 +402,7 @@ class PrivacyLedger:
 
     def _run_statements(self) -> dict:
         """The optional header fields ``privacy_unit`` and ``delta`` (written only when set)."""
-        out = {}
+        out: dict[str, Any] = {}
         if self.privacy_unit is not None:
             out["privacy_unit"] = str(self.privacy_unit)
         if self.delta is not None:
@@ -543,7 +543,7 @@ class PrivacyLedger:
         return {"format": "dpopt-ledger", "version": GROUPED_VERSION, **self.header(),
                 "groups": [g.frozen().to_dict() for g in self._groups]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Union[dict, "PrivacyLedger"]) -> None:
         """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
 
         The noise mode follows :meth:`mark_noise` (a reproducible ledger stays reproducible).

@@ -54,7 +54,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from ..jsonio import loads
 from .accountant import epsilon
@@ -225,7 +225,7 @@ def _bounds(meta: Mapping) -> Optional[list[float]]:
         return None
     values = c if isinstance(c, (list, tuple)) else [c]
     out = [_num(v) for v in values]
-    return None if any(v is None for v in out) else out
+    return None if any(v is None for v in out) else out  # type: ignore[return-value]
 
 
 def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float) -> CheckItem:
@@ -238,6 +238,7 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
         if None in (sigma, sens, std) or bounds is None:
             missing.append(f"step {entry.step}")
             continue
+        sigma, sens, std = cast(float, sigma), cast(float, sens), cast(float, std)  # not None: checked above
         total = math.sqrt(sum(c * c for c in bounds))
         if sigma == 0.0:
             zero.append(f"step {entry.step}")
@@ -325,18 +326,18 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
                         + (" = claimed sample_rate" if q_claim is not None else ""))
     if not problems:
         try:
-            eps_ledger = epsilon(ledger, delta, accountant)
+            eps_ledger = epsilon(ledger, delta, accountant)  # type: ignore[arg-type]
         except (ValueError, ImportError) as exc:
             problems.append(f"could not re-score the ledger with {accountant!r}: {exc}")
         else:
             facts["epsilon_ledger"] = eps_ledger
             # one-sided: a claim below the re-scored ε is an under-report however small (1e-9: float noise)
-            under = eps_claim < eps_ledger * (1.0 - 1e-9)
-            same = not under and ((eps_ledger == eps_claim) or _close(eps_ledger, eps_claim, rtol))
+            under = eps_claim < eps_ledger * (1.0 - 1e-9)  # type: ignore[operator]
+            same = not under and ((eps_ledger == eps_claim) or _close(eps_ledger, eps_claim, rtol))  # type: ignore[arg-type]
             where = f"re-scored whole ledger ({len(ledger)} releases, {accountant}, δ={delta:g}): ε = {eps_ledger:.6g}"
             if same:
                 evidence.append(f"{where} = summary ε {eps_claim:.6g} (rtol {rtol:g})")
-            elif eps_claim < eps_ledger:
+            elif eps_claim < eps_ledger:  # type: ignore[operator]
                 problems.append(f"summary ε {eps_claim:.6g} is BELOW the {where}: under-reported")
             else:
                 problems.append(f"summary ε {eps_claim:.6g} is above the {where}: the summary was not "
@@ -546,7 +547,7 @@ def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] 
     by_id: dict[str, list[str]] = {}
     for name, book in named.items():
         if getattr(book, "run_id", None) is not None:
-            by_id.setdefault(book.run_id, []).append(name)
+            by_id.setdefault(book.run_id, []).append(name)  # type: ignore[arg-type]
     groups = []
     for run_id, names in by_id.items():
         if len(names) < 2:

@@ -35,7 +35,7 @@ optimistic away from the many-step limit (Dong, Roth, Su 2019, §5).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .accountant import epsilon
 from .events import flatten_gaussian_terms
@@ -160,7 +160,7 @@ class LedgerAccountant:
                     runs[-1][2] += n
                 else:
                     runs.append([float(sigma), float(q), n])
-        return [tuple(r) for r in runs]  # type: ignore[misc]
+        return [tuple(r) for r in runs]
 
     @property
     def steps(self) -> int:
@@ -171,7 +171,7 @@ class LedgerAccountant:
         """``len(history)``, as Opacus (0 before the first step); :attr:`steps` counts releases."""
         return len(self.history)
 
-    def step(self, *, noise_multiplier: float = None, sample_rate: float = None) -> None:  # noqa: ARG002
+    def step(self, *, noise_multiplier: Optional[float] = None, sample_rate: Optional[float] = None) -> None:  # noqa: ARG002
         """Refused: the Privatizer records each release itself, with the σ it applied.
 
         Raises:
@@ -182,7 +182,7 @@ class LedgerAccountant:
                            "noisy release, with the sigma it applied): do not call accountant.step(); "
                            "optimizer.step() records the step")
 
-    def get_optimizer_hook_fn(self, sample_rate: float):  # noqa: ARG002
+    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[..., None]:  # noqa: ARG002
         """Refused, as :meth:`step` (Opacus attaches it to its optimizer; dpopt's records by itself)."""
         raise RuntimeError("dpopt's optimizer records every release in the ledger itself; no accountant hook is "
                            "needed (or allowed)")

@@ -63,14 +63,14 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from dp_accounting.pld import pld_pmf as pmf_lib
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.privacy_accountant import NeighboringRelation
 from scipy import fft as sp_fft
 from scipy import special
-from dp_accounting.privacy_accountant import NeighboringRelation
 
 from .capture import captured, library_note
 from .cost import DEFAULT_BUDGET, MAX_PLD_DISCRETIZATION, CostBudget, EpsilonReport, estimate_pld_cost
@@ -89,7 +89,7 @@ _RELATIONS = {"add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
 
 
 @functools.lru_cache(maxsize=32)
-def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation) -> Any:
     """One Poisson-sampled Gaussian step's PLD (cached: building it is ~70% of an ε evaluation).
 
     PLD objects are not mutated by ``compose``/``self_compose`` (they return new ones), so
@@ -105,7 +105,7 @@ def _sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neighborin
     )
 
 
-def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
+def _vector_deltas(mech: Any, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
     """δ(ε) of a Poisson-sampled Gaussian ``mech`` (dp_accounting ``GaussianPrivacyLoss``, sensitivity 1) at every
     ε of ``eps`` at once: ``mech.get_delta_for_epsilon(eps)`` without its per-point Python loop.
 
@@ -139,7 +139,7 @@ def _vector_deltas(mech, eps: np.ndarray, q: float, remove: bool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
-def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation):
+def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: NeighboringRelation) -> Any:
     """:func:`_sampled_gaussian_pld` with the δ(ε_k) of every grid point computed at once (:func:`_vector_deltas`).
 
     Only for add-or-remove adjacency and q < 1 (else, or if dp_accounting's internals moved, the library's own
@@ -179,7 +179,7 @@ class _SelfComposer:
     library truncates; tested to 1e-15).
     """
 
-    def __init__(self, pmf):
+    def __init__(self, pmf: Any) -> None:
         self.pmf = pmf
         x = pmf._probs
         self.orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / len(x)
@@ -197,7 +197,7 @@ class _SelfComposer:
                 lower = max(lower, math.floor(bound))
         return lower, upper
 
-    def compose(self, n: int):
+    def compose(self, n: int) -> Any:
         pmf, x = self.pmf, self.pmf._probs
         lo, hi = self._bounds(n)
         out_len = hi - lo + 1
@@ -222,7 +222,8 @@ def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation,
     return tuple(_SelfComposer(p) for p in pmfs)
 
 
-def _self_compose(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False):
+def _self_compose(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int,
+                  fast: bool = False) -> Any:
     """``_sampled_gaussian_pld(sigma, q, d, relation).self_compose(count)``, the same PLD (class docstring)."""
     composers = _composer(sigma, q, d, relation, fast)
     if composers is None:
@@ -238,7 +239,7 @@ _EPSILONS: "collections.OrderedDict" = collections.OrderedDict()
 _EPSILONS_MAX = 256
 
 
-def _part(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False):
+def _part(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False) -> Any:
     key = (sigma, q, d, relation, count, fast)
     if key in _PARTS:
         _PARTS.move_to_end(key)
@@ -252,7 +253,7 @@ def _part(sigma: float, q: float, d: float, relation: NeighboringRelation, count
     return part
 
 
-def _pmf_epsilon_for_delta(pmf, delta: float) -> float:
+def _pmf_epsilon_for_delta(pmf: Any, delta: float) -> float:
     """dp_accounting's ``DensePLDPmf.get_epsilon_for_delta`` as one vectorised scan (module docstring).
 
     The library walks the losses from the largest down, adding each probability to the upper mass and
@@ -282,7 +283,7 @@ def _pmf_epsilon_for_delta(pmf, delta: float) -> float:
     return math.log((mass_upper - delta) / mass_lower)
 
 
-def _pld_epsilon_for_delta(pld, delta: float) -> float:
+def _pld_epsilon_for_delta(pld: Any, delta: float) -> float:
     """``pld.get_epsilon_for_delta(delta)`` with :func:`_pmf_epsilon_for_delta` for dense PMFs."""
     pmfs = (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add)
     if not all(type(p) is pmf_lib.DensePLDPmf for p in pmfs):
@@ -290,7 +291,7 @@ def _pld_epsilon_for_delta(pld, delta: float) -> float:
     return max(_pmf_epsilon_for_delta(p, delta) for p in pmfs)
 
 
-def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelation, fast: bool = False) -> float:
+def _pld_terms_epsilon(terms: dict, delta: float, d: float, relation: NeighboringRelation, fast: bool = False) -> float:
     key = (tuple(sorted(terms.items())), delta, d, relation, fast)
     if key in _EPSILONS:
         _EPSILONS.move_to_end(key)
@@ -302,9 +303,9 @@ def _pld_terms_epsilon(terms, delta: float, d: float, relation: NeighboringRelat
     return eps
 
 
-def _pld_terms_epsilon_uncached(terms, delta: float, d: float, relation: NeighboringRelation,
+def _pld_terms_epsilon_uncached(terms: dict, delta: float, d: float, relation: NeighboringRelation,
                                 fast: bool = False) -> float:
-    total = None
+    total: Any = None
     for (q, sigma), count in terms.items():
         if q >= 1.0:
             # Gaussians compose exactly: count releases at σ = one at σ/√count.

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 from .cost import (
     DEFAULT_BUDGET,
@@ -162,7 +162,8 @@ def prv_epsilon_report(
     return EpsilonReport(value, delta, "prv", eps_error, coarsened, est, notes)
 
 
-def _compute(terms, delta, eps_error, delta_error, replace, budget, counts, PRVAccountant):
+def _compute(terms: Any, delta: float, eps_error: float, delta_error: float, replace: bool, budget: Any,
+             counts: Any, PRVAccountant: Any) -> tuple:
     """Cost estimate, coarsening (if over budget) and the package's (lower, estimate, upper)."""
     notes: tuple = ()
     coarsened = False

@@ -300,13 +300,13 @@ def split_table(target_epsilon: float, dataset_size: int, epochs: float, batch_s
             try:
                 line.append(calibrate_noise_multiplier(eps, delta, q, steps, accountant).noise_multiplier)
             except (ValueError, RuntimeError) as exc:  # a target outside the calibration bracket
-                line.append(None)
+                line.append(None)  # type: ignore[arg-type]
                 if eps == target:
                     errors[j] = str(exc)
             done += 1
             if progress is not None:
                 progress(done, total)
-        grid.append(line)
+        grid.append(line)  # type: ignore[arg-type]
     at_target = grid[grid_eps.index(target)]
     rows = [split_row(sigma, b, q, steps, count_share, quantile_lr, errors.get(j))
             for j, (sigma, b, (q, steps)) in enumerate(zip(at_target, sizes, schedule))]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from .one_run_stats import OneRunBound, one_run_bounds
 from .stats import (
     DEFAULT_ALPHA,
     DEFAULT_DELTA,
@@ -67,7 +68,6 @@ from .stats import (
     gdp_epsilon,
     gdp_mu_from_error_rates,
 )
-from .one_run_stats import OneRunBound, one_run_bounds
 
 __all__ = [
     "clopper_pearson_upper",
@@ -89,6 +89,8 @@ __all__ = [
     "mechanism_seed",
     # added with the package split
     "ThresholdTest",
+    "DEFAULT_ALPHA",
+    "DEFAULT_DELTA",
     "ClaimedStep",
     "CanaryScores",
     "HarnessConfig",

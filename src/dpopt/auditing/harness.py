@@ -140,7 +140,7 @@ class _ScoreWeights(NamedTuple):
     """Weights of the likelihood-ratio score: (gradient·X + count·Y) / norm."""
 
     gradient: float
-    count: float
+    count: float  # type: ignore[assignment]
     norm: float
 
 
@@ -422,7 +422,7 @@ class CanaryHarness:
         for g, s, sc, d in zip(grads, c.shift, c.scale, self._dvec):
             w = (g.to(torch.float64) - s) / sc * self.expected_batch_size
             total = total + (w * d).reshape(*w.shape[:lead], -1).sum(-1)
-        return total
+        return total  # type: ignore[return-value]
 
     def scores(self, n_in: int, n_out: int) -> CanaryScores:
         """Run ``n_in`` canary-in and ``n_out`` canary-out trials and score each release.

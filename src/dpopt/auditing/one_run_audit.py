@@ -357,8 +357,8 @@ def one_run(cfg=None, *, canaries: int = 1000, mode: str = "white", beta: float 
     judged = {"steinke": bounds.steinke}
     if gaussian:
         judged["fdp"] = bounds.fdp
-    estimator = max(judged, key=judged.get)
-    exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)
+    estimator = max(judged, key=judged.get)  # type: ignore[arg-type]
+    exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)  # type: ignore[operator]
     details = dict(details, fdp_judged=gaussian, seed=seed)
     return OneRunResult(mode=mode, method=cfg.method, m=m, included=included, scores=scores, epsilon=float(eps),
                         epsilon_lower=float(judged[estimator]), estimator=estimator, bounds=bounds,

@@ -76,7 +76,7 @@ def main() -> None:  # pragma: no cover - console entry point
         app()
         code = 0
     except SystemExit as exc:
-        code = exc.code
+        code = exc.code  # type: ignore[assignment]
     if "torch.distributed" not in sys.modules:  # no process group possible (dpopt --help, accounting commands)
         sys.exit(code)
     from ..distributed import leave

@@ -26,17 +26,17 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import typer
 
 from ..jsonio import dumps
 from .common import (
     ACCOUNTING_ERRORS,
-    fail,
     accountant_option,
     cli_errors,
     delta_option,
+    fail,
     flag_text,
     flags_for,
     json_option,
@@ -126,12 +126,12 @@ def _schedule(sample_rate: Optional[float], steps: Optional[int], dataset_size: 
             fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
                  f"{', '.join(given_field)} (q = B/N, steps = ceil(epochs·N/B))")
         with cli_errors(ACCOUNTING_FLAGS):
-            return steps_for_epochs(dataset_size, batch_size, epochs)
+            return steps_for_epochs(dataset_size, batch_size, epochs)  # type: ignore[arg-type]
     missing = [k for k, v in direct.items() if v is None]
     if missing:
         fail(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
              f"(or give --dataset-size, --batch-size and --epochs instead of --sample-rate and --steps)")
-    return sample_rate, steps
+    return sample_rate, steps  # type: ignore[return-value]
 
 
 @group.command("account")
@@ -320,7 +320,7 @@ def check(
             first = runs[str(run_dirs[0])][1]
             groups = repeated_run_ids({name: book for name, (book, _) in runs.items()},
                                       delta=first.get("delta"), accountant=str(first.get("accountant", "pld")),
-                                      segments={name: s.get("segments") for name, (_, s) in runs.items()})
+                                      segments={name: cast(list, s.get("segments")) for name, (_, s) in runs.items()})
     passed = all(r.passed for r in results.values()) and not any(g.diverged for g in groups)
     if as_json:
         if len(run_dirs) == 1:

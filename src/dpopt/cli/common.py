@@ -317,7 +317,7 @@ def _escape_markup(app: typer.Typer) -> None:
     mode = getattr(app.rich_markup_mode, "value", app.rich_markup_mode)  # a DefaultPlaceholder in some typers
     if getattr(app, "_dpopt_escaped", False) or mode != "rich" or not getattr(typer.core, "HAS_RICH", True):
         return
-    app._dpopt_escaped = True
+    app._dpopt_escaped = True  # type: ignore[attr-defined]
     if isinstance(app.info.help, str):
         app.info.help = escape_markup(app.info.help)
     typers = [app] + [info.typer_instance for info in app.registered_groups if info.typer_instance is not None]
@@ -329,7 +329,7 @@ def _escape_markup(app: typer.Typer) -> None:
             doc = command.help if command.help is not None else inspect.getdoc(command.callback)
             if isinstance(doc, str):
                 command.help = escape_markup(reflow(doc))
-            callbacks.append(command)
+            callbacks.append(command)  # type: ignore[arg-type]
     for item in callbacks:
         fn = getattr(item, "callback", None)
         if fn is None:
@@ -339,7 +339,7 @@ def _escape_markup(app: typer.Typer) -> None:
             if isinstance(info, typer.models.ParameterInfo) and isinstance(info.help, str) and \
                     not getattr(info, "_dpopt_escaped", False):
                 info.help = escape_markup(info.help)
-                info._dpopt_escaped = True
+                info._dpopt_escaped = True  # type: ignore[attr-defined]
 
 
 def tidy_help(app: typer.Typer) -> None:
@@ -373,5 +373,5 @@ def tidy_help(app: typer.Typer) -> None:
                 return None
             return shown(self, ctx)
 
-        display_type_rich._dpopt_flags = True
-        option_cls.display_type_rich = display_type_rich
+        display_type_rich._dpopt_flags = True  # type: ignore[attr-defined]
+        option_cls.display_type_rich = display_type_rich  # type: ignore[method-assign]

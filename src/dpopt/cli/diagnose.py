@@ -153,8 +153,8 @@ def diagnose(
                 return float(noise_multiplier)
             if b not in cache:
                 q = min(1.0, b / n)
-                steps = planned_steps(epochs, q)  # as dpopt train: round(epochs / q), refused if 0
-                cache[b] = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant).noise_multiplier
+                steps = planned_steps(epochs, q)  # type: ignore[arg-type]  # as dpopt train: round(epochs / q), refused if 0
+                cache[b] = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant).noise_multiplier  # type: ignore[arg-type]
             return cache[b]
 
         sigmas = {b: sigma_of(b) for b in bs}
@@ -180,7 +180,7 @@ def diagnose(
         pick = next((lay for lay in diag.layers if lay.name == layer), None) if layer else \
             max(diag.layers, key=lambda lay: lay.shape[0] * lay.shape[1])
         if pick is None:
-            fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(l.name for l in diag.layers)}")
+            fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(lay.name for lay in diag.layers)}")
         plot_spectrum(diag, pick, out_dir / "spectrum.png", seed=seed)
         plot_recovery(diag, out_dir / "recovery.png", sigma_of, grid=curve_points)
         typer.echo("\nPer-layer recovery (✓: B̄ ≥ B*, the leading direction is recoverable)\n")

@@ -15,7 +15,7 @@ share r, and the best share r* with its inflation — and writes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import typer
 
@@ -64,7 +64,7 @@ def split(
     sizes = _numbers(batch_sizes, "--batch-sizes")
     grid = _numbers(epsilon_grid, "--epsilon-grid")
     with cli_errors(SPLIT_FLAGS, errors=ACCOUNTING_ERRORS, interrupted="split interrupted; nothing was written"):
-        table = split_table(target_epsilon, dataset_size, epochs, sizes, delta=delta, accountant=accountant,
+        table = split_table(target_epsilon, dataset_size, epochs, cast(list, sizes), delta=delta, accountant=accountant,
                             count_share=count_share, quantile_lr=quantile_lr, epsilon_grid=grid)
     with cli_errors(SPLIT_FLAGS, errors=(OSError, ImportError)):
         out.mkdir(parents=True, exist_ok=True)

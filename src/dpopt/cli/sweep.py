@@ -82,14 +82,14 @@ def sweep_command(
                 status = f"ε {info['epsilon']:.3f}" if info.get("epsilon") is not None else ""
                 if info.get("test_accuracy") is not None:
                     status += f"  test acc {info['test_accuracy']:.3f}"
-                progress.update(state["run"], total=info["steps"], completed=info["step"], status=status)
+                progress.update(state["run"], total=info["steps"], completed=info["step"], status=status)  # type: ignore[arg-type]
             elif kind == "finished":
-                state["done"] += 1
+                state["done"] += 1  # type: ignore[operator]
                 rec = info["record"]
                 if state["run"] is not None:
-                    progress.remove_task(state["run"])
+                    progress.remove_task(state["run"])  # type: ignore[arg-type]
                     state["run"] = None
-                progress.update(state["task"], completed=state["done"])
+                progress.update(state["task"], completed=state["done"])  # type: ignore[arg-type]
                 val = f", val acc {rec['val_accuracy']:.4f}" if rec.get("val_accuracy") is not None else ""
                 console.print(f"[{state['done']}/{state['total']}] {describe(info['point'])}: test acc "
                               f"{rec['test_accuracy']:.4f}{val}, ε {rec['epsilon']:.3f}, "
@@ -102,7 +102,7 @@ def sweep_command(
         with progress:
             outcome = run_sweep(sweep, jobs=jobs, threads=threads, on_event=on_event)
     typer.echo(f"sweep {sweep.name}: {outcome['ran']} run(s) finished now, {outcome['skipped']} skipped as already "
-               f"finished, of {outcome['total']}; {time.perf_counter() - state['t0']:.1f} s; results: "
+               f"finished, of {outcome['total']}; {time.perf_counter() - state['t0']:.1f} s; results: "  # type: ignore[operator]
                f"{sweep.results}")
     if outcome["interrupted"]:
         raise typer.Exit(130)

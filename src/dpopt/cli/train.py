@@ -16,8 +16,16 @@ from typing import Optional
 import typer
 
 from ..jsonio import dumps
-from .common import (EXIT_CHECK_FAILED, accountant_option, cli_errors, delta_option, fail, flags_for, json_option,
-                     status_progress)
+from .common import (
+    EXIT_CHECK_FAILED,
+    accountant_option,
+    cli_errors,
+    delta_option,
+    fail,
+    flags_for,
+    json_option,
+    status_progress,
+)
 
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .gradients import NON_PRIVATE_NOTICE, clean_clipped_mean_gradient, matrix_parameters
-from .spectral import MatrixDiagnostics, as_matrix, diagnose_matrix, singular_values
+from .spectral import as_matrix, diagnose_matrix, singular_values
 
 __all__ = ["LayerReport", "ModelDiagnostics", "diagnose_model"]
 

@@ -86,7 +86,7 @@ def plot_spectrum(diag: ModelDiagnostics, layer: LayerReport, path: Path, seed: 
     m, n = layer.shape
     for b in diag.batch_sizes:
         s = noise_std(diag.noise_multipliers[b], diag.max_grad_norm, b)
-        noisy = layer.clean + s * torch.randn(layer.clean.shape, generator=gen, dtype=torch.float64)
+        noisy = layer.clean + s * torch.randn(layer.clean.shape, generator=gen, dtype=torch.float64)  # type: ignore[operator, union-attr]
         sv = torch.linalg.svdvals(noisy)
         line, = ax.semilogy(k, sv, lw=1, label=f"Ḡ + N, B̄={_b(b)}")
         ax.axhline(noise_edge(s, m, n), color=line.get_color(), ls=":", lw=1)

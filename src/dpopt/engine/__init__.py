@@ -46,11 +46,11 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..types import EvaluationPoint
+from . import attention, recurrent  # noqa: F401,E402 — register the MultiheadAttention and LSTM/GRU/RNN rules
 from .capture import check_views
 from .check import free_sizes
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
 from .hooks import HookCapture, grad_sample_source
-from . import attention, recurrent  # noqa: F401,E402 — register the MultiheadAttention and LSTM/GRU/RNN rules
 from .inputs import check_inputs
 from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients
 

@@ -204,7 +204,7 @@ def _padded(e: Tensor, tag: str, dim: int) -> Tensor:
 @register_rule(nn.MultiheadAttention, forward=mha_forward)
 def _mha(layer: LayerCalls) -> list:
     """Blocks of in_proj_weight (or q/k/v_proj_weight), in_proj_bias, bias_k, bias_v from the tapped calls."""
-    m, b, dim = layer.module, layer.batch_size, layer.module.embed_dim
+    b, dim = layer.batch_size, layer.module.embed_dim
     tagged = [(tag, a, e) for (a, e), tag in zip(layer.calls, layer.tags)]
     blocks = []
 
@@ -212,7 +212,7 @@ def _mha(layer: LayerCalls) -> list:
         return DirectBlock([layer.index[attr]], [layer.calls[0][1].new_zeros((b, *layer.shapes[attr]))])
 
     if "in_proj_weight" in layer.index:
-        parts = [LinearPart(a, _padded(e, tag, dim)) for tag, a, e in tagged if tag in ROWS]
+        parts = [LinearPart(a, _padded(e, tag, dim)) for tag, a, e in tagged if tag in ROWS]  # type: ignore[arg-type]
         blocks.append(FactoredBlock(layer.index["in_proj_weight"], layer.shapes["in_proj_weight"], parts,
                                     layer.budget, b))
     for attr, want in (("q_proj_weight", "q"), ("k_proj_weight", "k"), ("v_proj_weight", "v")):
@@ -220,12 +220,12 @@ def _mha(layer: LayerCalls) -> list:
             parts = [LinearPart(a, e) for tag, a, e in tagged if tag == want]
             blocks.append(FactoredBlock(layer.index[attr], layer.shapes[attr], parts, layer.budget, b))
     if "in_proj_bias" in layer.index:
-        sums = [_padded(e.reshape(b, -1, e.shape[-1]).sum(1), tag, dim) for tag, _, e in tagged if tag in ROWS]
-        blocks.append(DirectBlock([layer.index["in_proj_bias"]], [sum(sums)]) if sums else zero("in_proj_bias"))
+        sums = [_padded(e.reshape(b, -1, e.shape[-1]).sum(1), tag, dim) for tag, _, e in tagged if tag in ROWS]  # type: ignore[arg-type]
+        blocks.append(DirectBlock([layer.index["in_proj_bias"]], [sum(sums)]) if sums else zero("in_proj_bias"))  # type: ignore[arg-type, list-item]
     for attr in ("bias_k", "bias_v"):
         if attr in layer.index:
             gs = [e.reshape(b, *layer.shapes[attr]) for tag, _, e in tagged if tag == attr]
-            blocks.append(DirectBlock([layer.index[attr]], [sum(gs)]) if gs else zero(attr))
+            blocks.append(DirectBlock([layer.index[attr]], [sum(gs)]) if gs else zero(attr))  # type: ignore[arg-type, list-item]
     return blocks
 
 
@@ -236,7 +236,7 @@ register_rule(NonDynamicallyQuantizableLinear, views="merge")(_linear)
 # --------------------------------------------------------------------------- sequence-first encoder layers
 def _dropout_seq_first(t: Tensor, module: nn.Module) -> Tensor:
     """``module(t)`` (an ``nn.Dropout``) of a batch-first ``t``, drawn on ``[T, B, ...]`` as the layer would."""
-    return F.dropout(t.transpose(0, 1), module.p, module.training).transpose(0, 1)
+    return F.dropout(t.transpose(0, 1), module.p, module.training).transpose(0, 1)  # type: ignore[arg-type]
 
 
 def encoder_layer_forward(m: nn.TransformerEncoderLayer, record, src: Tensor, src_mask: Optional[Tensor] = None,

@@ -43,7 +43,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,8 +51,18 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .bare import bare_candidates, reduce_to, tap_bare
-from .check import (RTOL, RandomReplay, Unreplayable, alone_failed, disagreeing, in_float64, mode_signature,
-                    module_state, off_axis, rtol)
+from .check import (
+    RTOL,
+    RandomReplay,
+    Unreplayable,
+    alone_failed,
+    disagreeing,
+    in_float64,
+    mode_signature,
+    module_state,
+    off_axis,
+    rtol,
+)
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
@@ -195,7 +205,7 @@ class Call:
         # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
         if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
             try:
-                self.stats = (gf._saved_result1, gf._saved_result2)
+                self.stats = (gf._saved_result1, gf._saved_result2)  # type: ignore[union-attr]
             except AttributeError:  # pragma: no cover - other torch versions
                 self.stats = None
 
@@ -205,7 +215,7 @@ class Call:
         return self.inp is not None
 
     def store(self, k: int, grad: Tensor) -> None:
-        self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
+        self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad  # type: ignore[operator]
 
     @property
     def used(self) -> list[int]:
@@ -646,7 +656,7 @@ class Recorder:
                 ins = leaves((c.args, c.kwargs))
                 wrong = all(off_axis(t, rows) for t in ins) or any(off_axis(c.outs[k], rows) for k in c.used)
             if wrong and c.module not in bad:
-                ins = [tuple(c.inp.shape)] if c.fast else [tuple(t.shape) for t in leaves((c.args, c.kwargs))]
+                ins = [tuple(c.inp.shape)] if c.fast else [tuple(t.shape) for t in leaves((c.args, c.kwargs))]  # type: ignore[list-item, misc]
                 bad[c.module] = (ins, [tuple(t.shape) for t in c.outs])
         return bad
 
@@ -743,8 +753,8 @@ class Recorder:
                     continue
                 own = vjps.get(c.module) if not c.fast else self.vjp.get(c.module)
                 if own:
-                    es = [c.grads[k] * scale for k in c.used]
-                    for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):
+                    es = [c.grads[k] * scale for k in c.used]  # type: ignore[operator]
+                    for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):  # type: ignore[arg-type]
                         grads[i] = grads[i] + _sum_views(g, views).to(grads[i].dtype)
             blocks.append(DirectBlock(fallback, [grads[i] for i in fallback]))
         return blocks
@@ -848,7 +858,7 @@ class Recorder:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
                     rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
-                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))
+                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))  # type: ignore[return-value]
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)
@@ -872,7 +882,7 @@ class Recorder:
                 blk.free()
             return {}, []
         b = rows // views
-        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(self._compare)))
+        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(cast(int, self._compare))))
         with replay.replaying(rows):
             ref = self._loop(args, kwargs, row_loss, rows, indices, params, upto=m * views)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}

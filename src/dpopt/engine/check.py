@@ -403,7 +403,8 @@ def free_sizes(dims: set, k: int = 2, multiple: int = 1, at_least: int = 2) -> l
     size is then a whole number (≥ 2) of examples. ``at_least``: a lower
     bound in rows (the batch of a new size class: :func:`size_class`).
     """
-    out, n = [], max(2 * multiple, -(-int(at_least) // multiple) * multiple)
+    out: list = []
+    n = max(2 * multiple, -(-int(at_least) // multiple) * multiple)
     while len(out) < k:
         if n not in dims:
             out.append(n)

@@ -170,7 +170,8 @@ def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: t
         loss_s = sum((v * r).sum() for v, r in zip(picked, rs))
         loss_a = sum((a * r).sum() for a, r in zip(out_a, rs))
         ps = [p for p in params if p.requires_grad]
-        if not ps or not (torch.is_tensor(loss_s) and loss_s.requires_grad and loss_a.requires_grad):
+        if not ps or not (isinstance(loss_s, Tensor) and isinstance(loss_a, Tensor)
+                          and loss_s.requires_grad and loss_a.requires_grad):
             return None
         g_s = torch.autograd.grad(loss_s, ps, allow_unused=True)
         g_a = torch.autograd.grad(loss_a, ps, allow_unused=True)

@@ -69,11 +69,30 @@ from torch.func import functional_call, vmap
 
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
-from .capture import (Call, OutputLayout, Plan, Recorder, check_views, demotion_warning, expand_broadcast,  # noqa: F401
-                      no_autocast, trailing)
-from .check import ModeCheck, RandomReplay, Unreplayable, alone_failed, free_sizes, layer_scales, mode_signature, \
-    model_dims, rtol, signature
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
+from .capture import (  # noqa: F401
+    Call,
+    OutputLayout,
+    Plan,
+    Recorder,
+    check_views,
+    demotion_warning,
+    expand_broadcast,
+    no_autocast,
+    trailing,
+)
+from .check import (
+    ModeCheck,
+    RandomReplay,
+    Unreplayable,
+    alone_failed,
+    free_sizes,
+    layer_scales,
+    mode_signature,
+    model_dims,
+    rtol,
+    signature,
+)
 from .hf_guards import refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
 from .layers import Budget, DirectBlock, FactoredBlock
@@ -183,7 +202,7 @@ class FastPerSampleGrads:
                 zero = ((m / b) if (m is not None and b is not None) else m)
                 zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
                 v = torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
-            out[:, k] += v  # type: ignore[operator]
+            out[:, k] += v
         return out
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
@@ -226,7 +245,7 @@ class FastPerSampleGrads:
 
     def forms(self) -> dict[int, str]:
         """Parameter index → form used by the last :meth:`sq_norms` for factored weights."""
-        return {blk.index[0]: blk.form for blk in self.blocks if isinstance(blk, FactoredBlock)}
+        return {blk.index[0]: blk.form for blk in self.blocks if isinstance(blk, FactoredBlock)}  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------- capture
@@ -477,7 +496,7 @@ class PerSampleEngine:
             use_loop(model, f"its random draws under torch.func.vmap cannot be checked against the loop ({err})")
             return
         except ExampleFailed as err:  # the exact path cannot run it: refuse
-            raise alone_failed(err.__cause__ or err) from err
+            raise alone_failed(err.__cause__ or err) from err  # type: ignore[arg-type]
         tol = rtol(self.dtype, self.device)
         scale = layer_scales(dict(enumerate(loop)), self.names)  # relative to the layer: exact zeros agree
         off = [n for i, (n, a, b) in enumerate(zip(self.names, v, loop))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any, cast
 
 from .layers import DirectBlock, FactoredBlock, LinearPart, rms_norm_grads
 from .rules import LAZY_RULES, RULES, LayerCalls, register_rule
@@ -41,8 +42,8 @@ def _conv1d(layer: LayerCalls) -> list:
         blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
                                     [LinearPart(e, a) for a, e in layer.calls], layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]],
-                                  [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls)]))
+        blocks.append(DirectBlock([layer.index["bias"]],  # type: ignore[arg-type]
+                                  [cast(Any, sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls))]))
     return blocks
 
 
@@ -51,8 +52,8 @@ def _rms(layer: LayerCalls) -> list:
     if "weight" not in layer.index:
         return []
     shape = tuple(layer.shapes["weight"])
-    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, shape, m.variance_epsilon, upcast=True)
-                                                      for a, e in layer.calls)])]
+    return [DirectBlock([layer.index["weight"]], [cast(Any, sum(rms_norm_grads(a, e, shape, cast(float, m.variance_epsilon), upcast=True)
+                                                      for a, e in layer.calls))])]
 
 
 def _load(path: str):

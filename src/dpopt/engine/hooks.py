@@ -79,9 +79,9 @@ from ..models import check_model
 from ..types import EvaluationPoint
 from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leaves, trailing
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
+from .collate_check import CollateProbe, check_collate
 from .fast import FastPerSampleGrads
 from .hf_guards import refuse_checkpointing
-from .collate_check import CollateProbe, check_collate
 from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
@@ -361,7 +361,7 @@ def grad_sample_source(params: Sequence[Tensor]) -> Optional[PerSampleGrads]:
                          "every trainable parameter needs its per-sample gradients")
     grads = []
     for p in params:
-        g = p.grad_sample
+        g = p.grad_sample  # type: ignore[attr-defined]
         if isinstance(g, (list, tuple)):  # Opacus keeps a list when a layer was called several times
             g = sum(g)
         if g.dim() != p.dim() + 1 or tuple(g.shape[1:]) != tuple(p.shape):

@@ -91,7 +91,7 @@ class BufferWrite(ValueError):
 class _GuardedBuffer(Tensor):
     """An alias of a buffer (same storage) whose ``.data`` cannot be rebound (:func:`guarded_buffers`)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops see a plain tensor, return plain tensors
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # ops see a plain tensor, return plain tensors
 
     @property
     def data(self):  # noqa: D401 — the tensor's data, as for any tensor

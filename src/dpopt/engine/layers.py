@@ -114,7 +114,7 @@ def cached_grad_sum(cache: Sequence[Tensor], c: Tensor, bad: Optional[Tensor]) -
         part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
         total = part if total is None else total + part
         s = t
-    return total
+    return total  # type: ignore[return-value]
 
 
 def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
@@ -247,7 +247,7 @@ class ConvPart:
 
     def _padded(self, x: Tensor) -> Tensor:
         if self.pad is not None:
-            return F.pad(x, self.pad, mode=self.mode)
+            return F.pad(x, self.pad, mode=self.mode)  # type: ignore[arg-type]
         ph, pw = self.padding
         return F.pad(x, (pw, pw, ph, ph)) if (ph or pw) else x
 
@@ -271,7 +271,7 @@ class ConvPart:
 
     def _input(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if self.pad is not None:
-            return F.pad(x, self.pad, mode=self.mode), (0, 0)
+            return F.pad(x, self.pad, mode=self.mode), (0, 0)  # type: ignore[arg-type]
         return x, self.padding
 
     def per_sample(self, s: int, t: int, method: str) -> Tensor:
@@ -313,7 +313,7 @@ class ConvPart:
             x, e = _rows(bad, x), _rows(bad, e)
         e = e * c.to(e.dtype).view(-1, 1, 1, 1)
         if self.pad is not None:
-            x, padding = F.pad(x, self.pad, mode=self.mode), (0, 0)
+            x, padding = F.pad(x, self.pad, mode=self.mode), (0, 0)  # type: ignore[arg-type]
         else:
             padding = self.padding
         w = e.new_empty(1).expand(self.weight_shape)
@@ -432,7 +432,7 @@ class FactoredBlock:
         if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖²
             return e.square().sum(1) * a.square().sum(1)
         if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
-            return ((e.square() @ b.pow(-2)) * a.square()).sum(1)
+            return ((e.square() @ b.pow(-2)) * a.square()).sum(1)  # type: ignore[union-attr]
         # With a shift the expanded form quad − 2·lin + const can cancel catastrophically; an
         # underestimated norm would let a clipped example exceed the bound. shifted_sq_norms
         # evaluates it in float32 with a rigorous error bound, returns an upper bound, and
@@ -465,7 +465,7 @@ class FactoredBlock:
             for g in self._cache:
                 out.append(_geo_sq_norms(g, m, b))
             return torch.cat(out)
-        cache = [] if keep else None
+        cache = [] if keep else None  # type: ignore[var-annotated]
         step = self._chunk_rows()
         single_conv = len(self.parts) == 1 and isinstance(self.parts[0], ConvPart)
         method = conv_method(self.parts[0]) if single_conv else "im2col"
@@ -493,7 +493,7 @@ class FactoredBlock:
         for pt in self.parts:
             part = pt.grad_sum(c, bad)
             total = part if total is None else total + part
-        return [total.reshape(self.shape)]
+        return [total.reshape(self.shape)]  # type: ignore[union-attr]
 
     def free(self) -> None:
         self._drop_cache()
@@ -595,7 +595,7 @@ def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
     """
     if views > 1:
         st = None if stats is None else tuple(t.flatten(0, 1) for t in stats)
-        dw, se = group_norm_grads(x.flatten(0, 1), e.flatten(0, 1), num_groups, eps, st)
+        dw, se = group_norm_grads(x.flatten(0, 1), e.flatten(0, 1), num_groups, eps, st)  # type: ignore[arg-type]
         return dw.reshape(-1, views, dw.shape[1]).sum(1), se.reshape(-1, views, se.shape[1]).sum(1)
     b, c = x.shape[:2]
     if stats is not None:

@@ -52,7 +52,7 @@ def _cell(kind: str, nonlinearity: str, gi: Tensor, gh: Tensor, h: Tensor, c: Op
     """One step: ``(h', c')`` from the step's input projection ``gi [B, G·H]`` and hidden projection ``gh``."""
     if kind == "LSTM":
         i, f, g, o = (gi + gh).chunk(4, dim=1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # type: ignore[operator]
         return torch.sigmoid(o) * torch.tanh(c), c
     if kind == "GRU":
         ir, iz, in_ = gi.chunk(3, dim=1)
@@ -151,12 +151,12 @@ def rnn_forward(m: nn.RNNBase, record, input, hx=None):
             layer_out = F.dropout(layer_out.transpose(0, 1), m.dropout, True).transpose(0, 1)  # [T, B, D] draw
         layer_in = layer_out
     h_n = torch.stack(hs)
-    state = (h_n, torch.stack(cs)) if lstm else h_n
+    state = (h_n, torch.stack(cs)) if lstm else h_n  # type: ignore[arg-type]
     if packed:
         order = input.sorted_indices
         sorted_out = layer_in if order is None else layer_in.index_select(0, order)
-        steps_sorted = valid if order is None else valid.index_select(0, order)
-        data = sorted_out.transpose(0, 1)[steps_sorted.transpose(0, 1)]  # time-major, as packed data is
+        steps_sorted = valid if order is None else valid.index_select(0, order)  # type: ignore[union-attr]
+        data = sorted_out.transpose(0, 1)[steps_sorted.transpose(0, 1)]  # type: ignore[union-attr]  # time-major, as packed data is
         return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), state
     return (layer_in if m.batch_first else layer_in.transpose(0, 1)), state
 
@@ -178,9 +178,9 @@ def _rnn(layer: LayerCalls) -> list:
             blocks.append(FactoredBlock(i, layer.shapes[attr], parts, layer.budget, b))
         else:
             g = sum(e.sum(1) for _, e in pairs) if pairs else layer.calls[0][1].new_zeros((b, *layer.shapes[attr]))
-            blocks.append(DirectBlock([i], [g]))
+            blocks.append(DirectBlock([i], [g]))  # type: ignore[arg-type]
     return blocks
 
 
-register_rule(nn.LSTM, supports=lambda m: m.proj_size == 0, forward=rnn_forward, views="merge")(_rnn)
+register_rule(nn.LSTM, supports=lambda m: m.proj_size == 0, forward=rnn_forward, views="merge")(_rnn)  # type: ignore[arg-type, return-value]
 register_rule(nn.GRU, nn.RNN, forward=rnn_forward, views="merge")(_rnn)

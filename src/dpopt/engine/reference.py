@@ -39,12 +39,11 @@ single-example autograd calls, with a one-time warning that it is slower.
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from typing import Iterator, Optional, Sequence
 
 import torch
-import warnings
-import weakref
-
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -200,7 +199,7 @@ def _vmap_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
 
     # randomness="different": each example draws its own dropout masks, as it would alone (the loop)
     out = vmap(grad(f_sel), in_dims=(None, None, bd, 0), randomness="different")(sel, rest, x, y)
-    rebound = _rebound_buffers(model, f.buffers)  # type: ignore[attr-defined]
+    rebound = _rebound_buffers(model, f.buffers)
     if rebound:
         raise BufferWrite(f"the model's forward pass rebinds its buffers {rebound} (buf.data = ...) while computing "
                          "per-sample gradients of private examples: their new values are un-noised statistics "
@@ -296,8 +295,8 @@ def per_sample_gradient_tensors(
         rest = {k: v for k, v in shifted.items() if k not in sel}
         with buffers_unchanged(model):
             g = _grads(model, loss_fn, sel, rest, x, y, bd, method)
-        g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]
-        total = g if total is None else [a + c for a, c in zip(total, g)]
+        g = [pt.coef * g[k] for k in chosen] if pt.coef != 1.0 else [g[k] for k in chosen]  # type: ignore[assignment]
+        total = g if total is None else [a + c for a, c in zip(total, g)]  # type: ignore[assignment]
     return total  # type: ignore[return-value]
 
 

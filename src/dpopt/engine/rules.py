@@ -51,13 +51,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
 
-from .layers import (Budget, ConvPart, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, group_norm_grads,
-                     layer_norm_grads, rms_norm_grads)
+from .layers import (
+    Budget,
+    ConvPart,
+    DirectBlock,
+    FactoredBlock,
+    LinearPart,
+    SparseRowsBlock,
+    group_norm_grads,
+    layer_norm_grads,
+    rms_norm_grads,
+)
 
 __all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped"]
 
@@ -109,7 +118,7 @@ class LayerCalls:
     def summed_outputs(self, dims: tuple) -> Tensor:
         """Σ of the output gradients over calls, views and ``dims`` of the rows ``[B·K, ...]``, per example:
         a bias's per-example gradient (``dims=(2, 3)`` for a Conv2d: ``[B, q]``)."""
-        return self.per_example(sum(self.rows(e).sum(dims) for _, e in self.calls))
+        return self.per_example(sum(self.rows(e).sum(dims) for _, e in self.calls))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ def tap_forwards(model: nn.Module, record: Callable, modules: Optional[list] = N
     for m in (model.modules() if modules is None else modules):
         if is_tapped(m):
             saved.append((m, m.__dict__.get("forward")))
-            m.forward = partial(RULES[type(m)].forward, m, record)
+            m.forward = partial(RULES[type(m)].forward, m, record)  # type: ignore[arg-type, misc]
 
     def undo() -> None:
         for m, prev in saved:
@@ -240,11 +249,11 @@ def _linear(layer: LayerCalls) -> list:
         blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
                                     [LinearPart(a, e) for a, e in calls], layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))
+        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))  # type: ignore[arg-type, list-item]
     return blocks
 
 
-@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1, views="merge")
+@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1, views="merge")  # type: ignore[arg-type, return-value]
 def _conv2d(layer: LayerCalls) -> list:
     b, calls, m, blocks = layer.batch_size, layer.calls, layer.module, []
     if "weight" in layer.index:
@@ -252,7 +261,7 @@ def _conv2d(layer: LayerCalls) -> list:
                                     [ConvPart(m, layer.rows(a), layer.rows(e), layer.views) for a, e in calls],
                                     layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))
+        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))  # type: ignore[arg-type]
     return blocks
 
 
@@ -260,7 +269,7 @@ def _conv2d(layer: LayerCalls) -> list:
 @register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq, views="merge")
 def _embedding(layer: LayerCalls) -> list:
     m = layer.module
-    return [SparseRowsBlock(layer.index.get("weight"), m.num_embeddings, m.padding_idx, layer.calls,
+    return [SparseRowsBlock(cast(int, layer.index.get("weight")), cast(int, m.num_embeddings), cast(Optional[int], m.padding_idx), layer.calls,
                             layer.batch_size)]
 
 
@@ -269,23 +278,23 @@ def _affine_blocks(layer: LayerCalls, grads: list[tuple[Tensor, Tensor]]) -> lis
     """DirectBlocks of a norm layer's (weight, bias) from per-call per-sample gradients."""
     blocks = []
     if "weight" in layer.index:
-        blocks.append(DirectBlock([layer.index["weight"]], [sum(g[0] for g in grads)]))
+        blocks.append(DirectBlock([layer.index["weight"]], [sum(g[0] for g in grads)]))  # type: ignore[list-item]
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [sum(g[1] for g in grads)]))
+        blocks.append(DirectBlock([layer.index["bias"]], [sum(g[1] for g in grads)]))  # type: ignore[list-item]
     return blocks
 
 
 @register_rule(nn.GroupNorm, views="merge")
 def _group_norm(layer: LayerCalls) -> list:
     m = layer.module
-    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st, layer.views)
+    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st, layer.views)  # type: ignore[arg-type]
                                   for (a, e), st in zip(layer.calls, layer.stats)])
 
 
 @register_rule(nn.LayerNorm, views="merge")
 def _layer_norm(layer: LayerCalls) -> list:
     m = layer.module
-    return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)
+    return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)  # type: ignore[arg-type]
                                   for (a, e), st in zip(layer.calls, layer.stats)])
 
 
@@ -294,7 +303,7 @@ def _rms_norm(layer: LayerCalls) -> list:
     m = layer.module
     if "weight" not in layer.index:
         return []
-    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, m.normalized_shape, m.eps)
+    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, m.normalized_shape, m.eps)  # type: ignore[arg-type, list-item, misc]
                                                       for a, e in layer.calls)])]
 
 
@@ -302,4 +311,4 @@ def _rms_norm(layer: LayerCalls) -> list:
 from ..models import WSConv2d  # noqa: E402 — after register_rule; models imports nothing from the engine
 from .ws import ws_conv2d_blocks, ws_conv2d_forward  # noqa: E402 — ws imports layers only
 
-register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward, views="merge")(ws_conv2d_blocks)
+register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward, views="merge")(ws_conv2d_blocks)  # type: ignore[arg-type, return-value]

@@ -112,7 +112,8 @@ def _ieee_float32_products(device: torch.device) -> bool:
     "tf32"/"bf16" are reduced) and the legacy global one (``"highest"``); when
     torch cannot say (it raises after a mix of the two APIs) the answer is no.
     """
-    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    # torch.backends.mkldnn.matmul: torch >= 2.9; older torch has only the legacy global setting
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
     value = getattr(backend, "fp32_precision", None)
     if value not in (None, "none", "ieee"):
         return False

@@ -139,7 +139,7 @@ class TiedBlock:
         if sparse:
             self.uses.append(_merge_sparse(sparse))
         if direct:
-            self.uses.append(DirectBlock([index], [sum(d.grads[0] for d in direct)]))
+            self.uses.append(DirectBlock([index], [sum(d.grads[0] for d in direct)]))  # type: ignore[list-item]
         self.form: Optional[str] = None
 
     @property
@@ -194,7 +194,7 @@ class TiedBlock:
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             g = sum(_dense(u, lo, hi, self.shape) for u in self.uses)
-            out.append(_geo_sq_norms(g, m, b))
+            out.append(_geo_sq_norms(g, m, b))  # type: ignore[arg-type]
         if not out:
             return torch.zeros(0)
         return torch.cat(out)
@@ -205,7 +205,7 @@ class TiedBlock:
         for u in self.uses:
             s = u.grad_sums(coefs, bad)[0].reshape(self.shape)
             total = s if total is None else total + s
-        return [total]
+        return [total]  # type: ignore[list-item]
 
     def free(self) -> None:
         for u in self.uses:

@@ -108,7 +108,7 @@ class WSConvBlock:
         for part, w_hat, r in self.parts:
             g = ws_vjp(part.per_sample(s, t, conv_method(part)), w_hat, r)
             total = g if total is None else total + g
-        return total
+        return total  # type: ignore[return-value]
 
     def sq_norms(self, geos) -> list[Tensor]:
         m, b = geos[0]
@@ -124,7 +124,7 @@ class WSConvBlock:
         T = sum(pt.T for pt, _, _ in self.parts)
         per = (3 * self.q * self.p + (self.p + self.q) * T) * bits
         step = max(1, min(self.B, self.budget.chunk_bytes // max(per, 1)))
-        out, cache = [], ([] if keep else None)
+        out, cache = [], ([] if keep else None)  # type: ignore[var-annotated]
         for s in range(0, self.B, step):
             g = self._chunk(s, min(self.B, s + step), step)
             out.append(_geo_sq_norms(g, m, b))
@@ -144,7 +144,7 @@ class WSConvBlock:
         for part, w_hat, r in self.parts:  # Jᵀ is linear: Jᵀ(Σ_i c_i g_i), one weight-gradient kernel per call
             g = ws_vjp(part.grad_sum(c, bad), w_hat, r)
             total = g if total is None else total + g
-        return [total.reshape(self.shape)]
+        return [total.reshape(self.shape)]  # type: ignore[union-attr]
 
     def free(self) -> None:
         if self._cache is not None:
@@ -166,5 +166,5 @@ def ws_conv2d_blocks(layer: "LayerCalls") -> list:
             parts.append((ConvPart(m, layer.rows(a), layer.rows(e), layer.views), w_hat.to(e.dtype), r.to(e.dtype)))
         blocks.append(WSConvBlock(layer.index["weight"], layer.shapes["weight"], parts, layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))
+        blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))  # type: ignore[arg-type]
     return blocks

@@ -62,7 +62,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, cast
 
 from ..errors import ConfigError
 from ..jsonio import dumps, loads
@@ -348,7 +348,7 @@ def run_sweep(sweep: Sweep, *, jobs: int = 1, threads: Optional[int] = None,
         for i, point in enumerate(todo):
             emit("run", {"point": point, "index": i})
             summary = execute(point.options, str(sweep.run_dir(point)), threads,
-                              on_step=lambda info, p=point: emit("step", {**info, "point": p}))
+                              on_step=cast(Callable, lambda info, p=point: emit("step", {**info, "point": p})))
             if not finish(point, summary):
                 interrupted = True
                 break

@@ -31,7 +31,7 @@ def hf_default_max_grad_norm() -> float:
     """The dataclass default of ``TrainingArguments.max_grad_norm`` (1.0 in transformers 4.x and 5.x)."""
     from transformers import TrainingArguments
 
-    return float(TrainingArguments.__dataclass_fields__["max_grad_norm"].default)
+    return float(TrainingArguments.__dataclass_fields__["max_grad_norm"].default)  # type: ignore[arg-type]
 
 
 def resolve_max_grad_norm(args: Any, given: Optional[float]) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

@@ -77,7 +77,7 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -85,9 +85,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
+from ..accounting.calibration import calibrate_noise_multiplier
 from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
-from ..accounting.calibration import calibrate_noise_multiplier
+from ..accounting.ledger import PrivacyLedger
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
@@ -156,7 +157,7 @@ class _EpsilonStop(TrainerCallback):
     def __init__(self, trainer: "DPTrainer"):
         self.trainer = trainer
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         per_epoch = len(self.trainer._dp_loader) if self.trainer._dp_loader is not None else 0
         if per_epoch:  # the epoch counter continues after a resume: steps so far / Poisson steps per epoch
             state.epoch = state.global_step / per_epoch
@@ -215,7 +216,7 @@ class DPTrainer(Trainer):
             one message); bad ``max_grad_norm`` / ``delta``.
     """
 
-    def __init__(self, model=None, args: Optional[TrainingArguments] = None, *,
+    def __init__(self, model: Any = None, args: Optional[TrainingArguments] = None, *,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
                  max_grad_norm: Optional[float] = None, delta: float = 1e-5,
                  method: Union[None, str, torch.optim.Optimizer] = None, method_kwargs: Optional[dict] = None,
@@ -258,16 +259,18 @@ class DPTrainer(Trainer):
         self._loss_fn, self._causal = per_example_loss, causal_lm
         self.eval_is_public = bool(eval_is_public)
         self._dp_loader: Optional[DataLoader] = None
-        self._private = None
+        self._private: Any = None
         self._tracker: Optional[EpsilonTracker] = None  # the max_epsilon stop
         self._eps_cache: Optional[tuple] = None
-        self.noise_multiplier = self.sample_rate = self.expected_batch_size = None
+        self.noise_multiplier: Optional[float] = None
+        self.sample_rate: Optional[float] = None
+        self.expected_batch_size: Optional[float] = None
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_EpsilonStop(self))
 
     # -- public ------------------------------------------------------------------
     @property
-    def ledger(self):
+    def ledger(self) -> PrivacyLedger:
         """The :class:`~dpopt.accounting.ledger.PrivacyLedger` of every release (restored on resume)."""
         return self.engine.ledger
 
@@ -298,7 +301,7 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        n = len(dataset)
+        n = len(dataset)  # type: ignore[arg-type]
         if not 1 <= self.bbar <= n:
             raise ValueError(f"the expected batch size B-bar = per_device_train_batch_size x "
                              f"gradient_accumulation_steps = {self.bbar} must be in [1, N = {n}]")
@@ -311,7 +314,7 @@ class DPTrainer(Trainer):
         q = 1.0 / len(base)
         sigma = self._sigma
         if sigma is None:
-            sigma = calibrate_noise_multiplier(self._target, self.delta, q, self._planned_steps(len(base)),
+            sigma = calibrate_noise_multiplier(cast(float, self._target), self.delta, q, self._planned_steps(len(base)),
                                                str(self.engine.accountant)).noise_multiplier
         optimizer, hparams = self._method, {}
         if isinstance(optimizer, str):
@@ -321,7 +324,7 @@ class DPTrainer(Trainer):
             optimizer = super().create_optimizer()
         self.optimizer = None
         _, private, loader = self.engine.make_private(
-            module=self.model, optimizer=optimizer, data_loader=base, noise_multiplier=float(sigma),
+            module=cast(torch.nn.Module, self.model), optimizer=optimizer, data_loader=base, noise_multiplier=float(sigma),
             max_grad_norm=self.max_grad_norm, loss_reduction="sum", **hparams)
         self.optimizer, self._private, self._dp_loader = private, private, loader
         self.noise_multiplier, self.sample_rate = float(sigma), q
@@ -331,7 +334,7 @@ class DPTrainer(Trainer):
         self.expected_batch_size = q * n
         return loader
 
-    def _declare_unit(self, dataset) -> None:
+    def _declare_unit(self, dataset: Any) -> None:
         """The privacy unit: declared, or detected packing (warned); sets :attr:`block_tokens`."""
         import warnings
 
@@ -362,7 +365,7 @@ class DPTrainer(Trainer):
                       f"each example is one record, or privacy_unit={block} to declare the packing",
                       UserWarning, stacklevel=3)
 
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model: Any = None) -> Any:
         """The PrivateOptimizer made with the loader (:meth:`get_train_dataloader`)."""
         if self._private is None:
             self.get_train_dataloader()
@@ -391,15 +394,15 @@ class DPTrainer(Trainer):
         return tracker.releases_within_budget(self.ledger, step, planned) < 1  # cached for the planned steps
 
     # -- the step: chunks of one Poisson batch, one release --------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """Mean of the per-example losses (evaluation; ``num_items_in_batch`` is ignored)."""
         loss, outputs = self._losses(model, inputs)
         return (loss.mean(), outputs) if return_outputs else loss.mean()
 
-    def _losses(self, model, inputs):
+    def _losses(self, model: Any, inputs: Any) -> Any:
         return per_example_loss(model, inputs, causal=self._causal, loss_fn=self._loss_fn, return_outputs=True)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """Clip and add every physical chunk of the Poisson batch ``inputs``; the Trainer's ``optimizer.step()`` releases.
 
         Returns a zero tensor: the private batch's loss is not reported.
@@ -423,7 +426,7 @@ class DPTrainer(Trainer):
                 opt.zero_grad()
         return torch.zeros((), device=self.args.device)
 
-    def floating_point_ops(self, inputs) -> int:
+    def floating_point_ops(self, inputs: Any) -> int:
         """0: FLOPs of a Poisson batch count its realised size (saved as total_flos)."""
         return 0
 
@@ -442,7 +445,7 @@ class DPTrainer(Trainer):
                 keep["privacy_unit_tokens"] = self.block_tokens
         super().log(keep, start_time)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.evaluate``; its metrics are returned, and logged only with ``eval_is_public``."""
         self._evaluating = True
         try:
@@ -450,7 +453,7 @@ class DPTrainer(Trainer):
         finally:
             self._evaluating = False
 
-    def train(self, *args, **kwargs) -> TrainOutput:
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released)."""
         out = super().train(*args, **kwargs)
         metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
@@ -461,7 +464,7 @@ class DPTrainer(Trainer):
         return TrainOutput(out.global_step, float("nan"), metrics)
 
     # -- checkpoints carry the ledger -------------------------------------------------
-    def _save_checkpoint(self, model, trial) -> None:
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
         run_dir = Path(self._get_output_dir(trial=trial))
         if self._private is not None and self.engine.journal is None:
@@ -498,6 +501,7 @@ class DPTrainer(Trainer):
 
         state = Path(checkpoint) / "trainer_state.json"
         done = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else len(self.ledger)
+        assert self._dp_loader is not None and self._target is not None and self.sample_rate is not None
         remaining = max(1, self._planned_steps(len(self._dp_loader)) - done)
         sigma = calibrate_remaining(self._target, self.delta, self.sample_rate, remaining, self.ledger,
                                     str(self.engine.accountant))

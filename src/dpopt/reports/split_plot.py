@@ -77,7 +77,7 @@ def split_figure(table):
     bad = [r for r in rows if not r.b20_solvable]
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
     for axis, ratio in ((ax, False), (rel, True)):
-        def y(r, value):
+        def y(r, value, ratio=ratio):
             return value / r.noise_multiplier if ratio else value
 
         values = []

@@ -49,7 +49,7 @@ import dataclasses
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, cast
 
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
@@ -141,7 +141,7 @@ def _on_main(dist: DistributedContext, fn: Callable):
 def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: LoopState, start: float,
          on_step, extra: Optional[dict] = None, segments: Optional[list] = None) -> dict:
     dist = run.dist
-    files = RunFiles(run_dir, run, segments=segments) if dist.is_main else None  # only rank 0 writes
+    files = RunFiles(run_dir, run, segments=segments) if dist.is_main else None  # type: ignore[arg-type]  # only rank 0 writes
     extra = dict(extra or {}, segments=list(segments or []))
     tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
     with graceful_stop() as stop:
@@ -154,7 +154,7 @@ def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: Loop
         extra = dict(extra or {}, world_size=dist.world_size)
         if not dist.is_main:
             return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
-    return write_results(run_dir, run, metrics, start - state.wall_seconds, status=state.status,
+    return write_results(cast(Path, run_dir), run, metrics, start - state.wall_seconds, status=state.status,
                          stop_signal=state.stop_signal, streamed=True, epsilon=tracker.epsilon(run.ledger),
                          extra=extra)
 

@@ -23,11 +23,18 @@ from a new one seeded from OS entropy) — with ``reproducible_noise`` its
 state is saved (inside ``privatizer`` and ``sampler``) so that an
 interrupted and resumed run equals an uninterrupted one — and nothing
 per-example (no batch sizes, indices, norms or losses).
+
+Loading is safe by default: every value above is a dict, list, tuple, string, number, bool,
+``None`` or tensor (with ``torch.device``/``torch.Size`` inside states), which
+``torch.load(weights_only=True)`` reads without further allow-listing; a file that names any
+other global (a class to build, a function to call: a pickle that would run code) is refused
+before anything in it runs.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -90,13 +97,21 @@ def load_checkpoint(run_dir: Path) -> dict:
 
     Raises:
         FileNotFoundError: no checkpoint in ``run_dir``.
-        ValueError: not a dpopt checkpoint, or an unknown version.
+        ValueError: not a dpopt checkpoint, an unknown version, or a file that holds more than
+            plain data and tensors (read with ``weights_only=True``: refused before it runs).
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: --resume takes the run directory of a run that "
                                 "wrote one (every epoch by default, and when it stops)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's weights-only unpickler met a global it does not allow
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), "").split(" Please")[0]
+        raise ValueError(f"{path} was refused: it holds objects a dpopt checkpoint never holds (only tensors, "
+                         "numbers, strings, lists and dicts), and loading them would run code from the file"
+                         + (f" ({reason})" if reason else "") + ". Resume only run directories you wrote; "
+                         "to inspect a file you trust, use torch.load(path, weights_only=False)") from exc
     if not isinstance(state, dict) or state.get("format") != "dpopt-checkpoint":
         raise ValueError(f"{path} is not a dpopt checkpoint")
     if state.get("version") != CHECKPOINT_VERSION:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..accounting.accountant import ACCOUNTANTS, check_delta
 from ..accounting.events import check_noise_multiplier
 from ..data import check_validation_fraction
 from ..errors import ConfigError
 from ..methods import get_method
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device", "planned_steps",
            "epoch_end_step"]

@@ -147,12 +147,12 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
         acc, test_loss = evaluate(model, data.x_test, data.y_test)
         r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss}
         if data.x_val is not None:  # held-out training records (validation_fraction): no protection, like test
-            r["val_accuracy"], r["val_loss"] = evaluate(model, data.x_val, data.y_val)
+            r["val_accuracy"], r["val_loss"] = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
         if run.averager is not None:  # the EMA of the released parameters (post-processing), same test set
             with run.averager.swapped(model):
                 r["ema_test_accuracy"], r["ema_test_loss"] = evaluate(model, data.x_test, data.y_test)
                 if data.x_val is not None:
-                    r["ema_val_accuracy"], r["ema_val_loss"] = evaluate(model, data.x_val, data.y_val)
+                    r["ema_val_accuracy"], r["ema_val_loss"] = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
         r["epsilon"] = eps_now
         state.metrics.append(r)
         last = r

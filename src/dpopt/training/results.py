@@ -32,12 +32,12 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..accounting.ledger import JOURNAL_NAME
 from ..accounting.ledger_check import check_ledger
 from ..errors import ConfigError
 from ..jsonio import dumps, loads
 from ..models import num_parameters
 from ..reports.curves import CURVES_NAME, write_curves
-from ..accounting.ledger import JOURNAL_NAME
 from ..reports.tensorboard import TensorBoardLogger
 from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run

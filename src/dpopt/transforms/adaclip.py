@@ -24,7 +24,6 @@ parameters.
 
 from __future__ import annotations
 
-
 import torch
 
 from .base import StepContext

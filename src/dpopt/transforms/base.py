@@ -181,7 +181,7 @@ class Partition(Transform):
                 [params[i] for i in idx], ctx.subset(idx))
             for i, r in zip(idx, res):
                 out[i] = r
-        return out  # type: ignore[return-value]
+        return out
 
     def geometry(self, states, params):
         parts = {label: (idx, self.transforms[label].geometry([states[i]["inner"] for i in idx],

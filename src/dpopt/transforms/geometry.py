@@ -35,7 +35,7 @@ def noise_optimal_scale(variances: Sequence[Tensor]) -> list[Tensor]:
     total = sum(float(r.sum()) for r in roots) ** 0.5
     torch._foreach_sqrt_(roots)
     torch._foreach_mul_(roots, total)
-    return roots
+    return roots  # type: ignore[return-value]
 
 
 class ShiftScaleFeedback(Transform):

@@ -46,7 +46,6 @@ is skipped (b_1 = b_0); it is also skipped while κ_t ≤ 1e-12 and for the firs
 
 from __future__ import annotations
 
-
 import torch
 
 from .base import StepContext

@@ -30,8 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Partition, StepContext, Transform
-from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, \
-    top_singular_value
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, top_singular_value
 
 __all__ = ["ScaleByMuon", "MUON_SCALINGS", "EXCLUDE_FIRST", "MUON_LABEL", "OTHER_LABEL",
            "hidden_matrix_labels", "embedding_parameters", "muon_partition"]
@@ -121,7 +120,7 @@ class ScaleByMuon(Transform):
             buf = st["momentum_buffer"]
             buf.mul_(beta).add_(g, alpha=1.0 - beta)
             u = (1.0 - beta) * g + beta * buf if self.nesterov else buf
-            o = orthogonalize(u, self.orthogonalizer, self.ns_steps, self.ns_coefficients, self.eps)
+            o = orthogonalize(u, self.orthogonalizer, self.ns_steps, self.ns_coefficients, self.eps)  # type: ignore[arg-type]
             rows, cols = as_matrix(u).shape
             if self.scaling == "shape":
                 o = o * math.sqrt(max(1.0, rows / cols))

@@ -61,8 +61,7 @@ import torch
 from torch import Tensor
 
 from .base import StepContext, Transform
-from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, \
-    top_singular_value
+from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, top_singular_value
 
 __all__ = ["ScaleByMuonAuto", "decision_history", "write_history", "HISTORY_FILE"]
 
@@ -164,7 +163,7 @@ class ScaleByMuonAuto(Transform):
             st["decisions"] = torch.cat([st["decisions"], st["decisions"].new_tensor([int(on)])])
             st["ratios"] = torch.cat([st["ratios"], st["ratios"].new_tensor([min(ratio, 3.0e38)])])
             if on:
-                o = orthogonalize(u, self.orthogonalizer, self.ns_steps, self.ns_coefficients, self.eps)
+                o = orthogonalize(u, self.orthogonalizer, self.ns_steps, self.ns_coefficients, self.eps)  # type: ignore[arg-type]
                 out.append(o * math.sqrt(max(1.0, rows / cols)))
             else:
                 out.append(u * self.off_scale)

@@ -5,7 +5,6 @@ Source: Polyak 1964 (heavy ball); torch.optim.SGD's momentum/dampening form.
 
 from __future__ import annotations
 
-
 import torch
 
 from .base import StepContext, Transform

@@ -117,6 +117,7 @@ class BatchSplittingSampler(Sampler):
     def _tagged(self) -> Iterator[list]:
         """The chunks, each with its :class:`~dpopt.release_boundary.ChunkTag` queued for the loader."""
         bd = self.boundary
+        assert bd is not None, "set by BatchMemoryManager before iteration"
         for batch in self.sampler:
             batch = list(batch)
             parts = _chunks(batch, self.max_batch_size) if batch else [[]]

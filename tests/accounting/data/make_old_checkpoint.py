@@ -1,10 +1,15 @@
 """How old_engine_checkpoint.pt (+ its journal) was made: run with dpopt at commit fb334df (before issue 42: three per-release ledger copies).
 
 Usage: python make_old_checkpoint.py OUT_DIR (not collected by pytest: no test_ prefix)."""
-import warnings, torch, sys
+import sys
+import warnings
+
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from dpopt import PrivacyEngine
+
 out = sys.argv[1]
 torch.manual_seed(0)
 model = nn.Linear(3, 2)
