@@ -170,6 +170,7 @@ def make_optimizer(
     quantile: Optional[QuantileClipping] = None,
     dataset: Optional[str] = None,
     model: Optional[nn.Module] = None,
+    auto_clip: Optional["AutoClipping"] = None,
     **overrides: Any,
 ) -> DPOptimizer:
     """Build the :class:`~dpopt.optim.DPOptimizer` of a registered method.
@@ -188,6 +189,8 @@ def make_optimizer(
         groups, group_bounds: per-layer clipping (group index per parameter,
             one bound per group); noise is calibrated to √(Σ C_k²).
         quantile: quantile adaptive clipping config (flat-clipping methods only).
+        auto_clip: automatic clipping (AUTO-S, :mod:`dpopt.auto_clipping`): per-example
+            C·g/(‖g‖ + γ) instead of min(1, C/‖g‖)·g; flat-clipping methods only.
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
         model: the module the parameters belong to (optional): lets the Muon
             methods route its embedding tables to the non-Muon branch by
@@ -204,7 +207,8 @@ def make_optimizer(
     return build_optimizer(spec, params, spec.hparams(dataset, **overrides),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            sample_rate=sample_rate, ledger=ledger, generator=generator, secure_mode=secure_mode,
-                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model)
+                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model,
+                           auto_clip=auto_clip)
 
 
 def build_optimizer(
@@ -223,6 +227,7 @@ def build_optimizer(
     group_bounds: Optional[Sequence[float]] = None,
     quantile: Optional[QuantileClipping] = None,
     model: Optional[nn.Module] = None,
+    auto_clip: Optional["AutoClipping"] = None,
 ) -> DPOptimizer:
     """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
 
@@ -250,9 +255,17 @@ def build_optimizer(
         raise ValueError(f"{spec.name} clips in its own shift/scale geometry; quantile and per-layer clipping "
                          "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)")
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
-    privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
-                            groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
-                            noise=noise)
+    cls, extra = Privatizer, {}
+    if auto_clip is not None:  # AUTO-S (dpopt.auto_clipping): flat scale C, identity geometry only
+        from .auto_clipping import AutoClipPrivatizer
+        if spec.geometry != "identity" or quantile is not None or group_bounds is not None:
+            raise ValueError(f"automatic clipping normalises raw per-sample gradients against one flat scale: "
+                             f"it applies to flat-clipping methods without quantile or per-layer clipping "
+                             f"(e.g. dp-sgd, dp-adam, dp-muon), not to {spec.name} with these options")
+        cls, extra = AutoClipPrivatizer, {"auto": auto_clip}
+    privatizer = cls(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
+                     groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
+                     noise=noise, **extra)
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k not in COMMON_DEFAULTS}
     transform = spec.build(chain_hp, params, model=model)
