@@ -152,3 +152,30 @@ def test_sigma_zero_sensitivity_privacy_engine_door():
     # every example is normalised, not clipped: the biggest move is close to C (the 10× example)
     assert max(moves) > 0.9 * C
     assert opt._dp.privatizer.ledger.entries[-1].meta["clipping"] == "auto"
+
+
+def test_cli_train_clipping_auto_records_gamma(tmp_path):
+    """``dpopt train --clipping auto --hp gamma=0.05``: every ledger entry records clipping 'auto',
+    γ = 0.05 and sensitivity C; the summary records the γ."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    out = tmp_path / "run"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the CLI trains in float32 (this module's fixture sets float64)
+    try:
+        res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--method", "dp-sgd", "--clipping", "auto",
+                                       "--hp", "gamma=0.05", "--epochs", "1", "--noise-multiplier", "1.0",
+                                       "--max-grad-norm", "0.5", "--out", str(out)])
+    finally:
+        torch.set_default_dtype(old)
+    assert res.exit_code == 0, res.output
+    entries = json.loads((out / "ledger.json").read_text())["entries"]
+    assert len(entries) == 22
+    assert all(e["meta"]["clipping"] == "auto" and e["meta"]["gamma"] == 0.05 and e["meta"]["sensitivity"] == 0.5
+               and e["meta"]["noise_std"] == 0.5 for e in entries)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clipping"] == "auto" and summary["clipping_gamma"] == 0.05
