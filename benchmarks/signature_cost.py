@@ -24,13 +24,12 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+
+from step_time import batch, dpopt_step  # noqa: E402
 
 from dpopt.engine.check import signature  # noqa: E402
 from dpopt.engine.inputs import changed_buffers, snapshot_buffers  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
-
-from step_time import batch, dpopt_step  # noqa: E402
 
 
 def median_time(fn, reps: int) -> float:

@@ -37,7 +37,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -55,6 +55,9 @@ from .transforms.macadam import MacAdam
 from .transforms.muon import ScaleByMuon, embedding_parameters, hidden_matrix_labels, muon_partition
 from .transforms.sgd import Momentum, scale_by_lr
 from .transforms.weight_decay import DecoupledWeightDecay
+
+if TYPE_CHECKING:
+    from .auto_clipping import AutoClipping
 
 __all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "build_optimizer",
            "PRIVATIZER_KEYS", "COMMON_DEFAULTS"]
@@ -170,6 +173,7 @@ def make_optimizer(
     quantile: Optional[QuantileClipping] = None,
     dataset: Optional[str] = None,
     model: Optional[nn.Module] = None,
+    auto_clip: Optional["AutoClipping"] = None,
     **overrides: Any,
 ) -> DPOptimizer:
     """Build the :class:`~dpopt.optim.DPOptimizer` of a registered method.
@@ -188,6 +192,8 @@ def make_optimizer(
         groups, group_bounds: per-layer clipping (group index per parameter,
             one bound per group); noise is calibrated to √(Σ C_k²).
         quantile: quantile adaptive clipping config (flat-clipping methods only).
+        auto_clip: automatic clipping (AUTO-S, :mod:`dpopt.auto_clipping`): per-example
+            C·g/(‖g‖ + γ) instead of min(1, C/‖g‖)·g; flat-clipping methods only.
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
         model: the module the parameters belong to (optional): lets the Muon
             methods route its embedding tables to the non-Muon branch by
@@ -204,7 +210,8 @@ def make_optimizer(
     return build_optimizer(spec, params, spec.hparams(dataset, **overrides),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            sample_rate=sample_rate, ledger=ledger, generator=generator, secure_mode=secure_mode,
-                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model)
+                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model,
+                           auto_clip=auto_clip)
 
 
 def build_optimizer(
@@ -223,6 +230,7 @@ def build_optimizer(
     group_bounds: Optional[Sequence[float]] = None,
     quantile: Optional[QuantileClipping] = None,
     model: Optional[nn.Module] = None,
+    auto_clip: Optional["AutoClipping"] = None,
 ) -> DPOptimizer:
     """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
 
@@ -250,9 +258,18 @@ def build_optimizer(
         raise ValueError(f"{spec.name} clips in its own shift/scale geometry; quantile and per-layer clipping "
                          "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)")
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
-    privatizer = Privatizer(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
-                            groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
-                            noise=noise)
+    cls: type[Privatizer] = Privatizer
+    options: dict[str, Any] = {}
+    if auto_clip is not None:  # AUTO-S (dpopt.auto_clipping): flat scale C, identity geometry only
+        from .auto_clipping import AutoClipPrivatizer
+        if spec.geometry != "identity" or quantile is not None or group_bounds is not None:
+            raise ValueError(f"automatic clipping normalises raw per-sample gradients against one flat scale: "
+                             f"it applies to flat-clipping methods without quantile or per-layer clipping "
+                             f"(e.g. dp-sgd, dp-adam, dp-muon), not to {spec.name} with these options")
+        cls, options = AutoClipPrivatizer, {"auto": auto_clip}
+    privatizer = cls(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
+                     groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
+                     noise=noise, **options)
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k not in COMMON_DEFAULTS}
     transform = spec.build(chain_hp, params, model=model)
@@ -510,3 +527,87 @@ register(MethodSpec(
     "'Spectral diagnostics'; docs/methods.md",
     {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "on_ratio": 1.1, "off_ratio": 1.03,
      "off_lr": 0.1, "power_iters": 3}, _muon_auto, dataset_defaults=_data("dp-muon-auto")))
+
+
+# --------------------------------------------------------------------------- dp-muon-bc (issue 40)
+# Appended region: DP-MuonBC and its DiSK/DOPPLER combinations. Routing as DP-Muon's; the hidden
+# matrices get ScaleByMuonBC (dpopt.transforms.muon_bc), whose heat-smoothing bias correction reads
+# only released values (the release's noise std and the public filter/momentum coefficients).
+from .transforms.muon_bc import ScaleByMuonBC  # noqa: E402
+
+_MUON_BC_REF = ("Kim & Fan, arXiv:2605.12994 (2026), DP-MuonBC: the output-level heat-smoothing bias of "
+                "Newton-Schulz under DP noise; correction formulas (D1)-(D6) are dpopt's own leading-order "
+                "derivation (the paper's equations could not be consulted): dpopt.transforms.muon_bc, "
+                "docs/methods.md")
+
+
+def _muon_bc_body(hp: dict, params: Any, model: Optional[nn.Module], input_filter: dict) -> Transform:
+    """Partition: hidden matrices → :class:`~dpopt.transforms.muon_bc.ScaleByMuonBC` at ``lr``;
+    the rest → Adam/SGD at ``other_lr`` (as DP-Muon). ``input_filter``: the filter before the
+    partition (its coefficients, for the noise-variance propagation (D6)).
+
+    Raises:
+        ConfigError: as DP-Muon's factory.
+    """
+    if params is None and hp["label_fn"] is None:
+        raise ConfigError("Muon methods route parameters by their position in the model: build them with "
+                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+                          "params", "label_fn")
+    label_fn = hp["label_fn"] or hidden_matrix_labels(
+        params, hp["exclude_first"], hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None)
+    lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
+    if not (lr > 0 and other_lr > 0):
+        raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
+    muon = chain(ScaleByMuonBC(hp["momentum"], hp["nesterov"], hp["ns_steps"], hp["orthogonalizer"],
+                               correction=hp["bias_correction"], max_correction=hp["max_correction"],
+                               **input_filter), scale_by_lr())
+    if hp["other"] == "adam":
+        other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
+    elif hp["other"] == "sgd":
+        other = scale_by_lr(other_lr / lr)
+    else:
+        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}", "other")
+    return muon_partition(muon, other, label_fn)
+
+
+def _muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
+    return _muon_bc_body(hp, params, model, {})
+
+
+def _disk_muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
+    return chain(_disk(hp), _muon_bc_body(hp, params, model, {"input_filter": "disk",
+                                                               "filter_kappa": hp["kappa"]}))
+
+
+def _doppler_muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
+    """DOPPLER-MuonBC: first-order DOPPLER filters only (the ``"ema"`` preset), whose noise
+    propagation (D6) is exact with O(1) state.
+
+    Raises:
+        ConfigError: a filter of order > 1 (e.g. ``"second-order"``).
+    """
+    a0, b0 = doppler_coefficients(hp["filter"], hp["filter_a"], hp["filter_b"])
+    a, b = [x / a0[0] for x in a0], [x / a0[0] for x in b0]  # as LowPassFilter normalises them
+    if len(a) > 2 or len(b) > 1:
+        raise ConfigError(f"doppler-muon-bc propagates the noise variance of first-order filters only "
+                          f"(a = (1, a1), b = (b0,)); got a={tuple(a)}, b={tuple(b)}", "filter")
+    a1 = a[1] if len(a) == 2 else 0.0
+    return chain(_doppler(hp), _muon_bc_body(hp, params, model, {"input_filter": "iir1", "filter_a1": a1,
+                                                                  "filter_b0": b[0]}))
+
+
+_MUON_BC = {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "bias_correction": True,
+            "max_correction": 0.5}
+register(MethodSpec(
+    "dp-muon-bc", "DP-MuonBC: DP-Muon plus the leading heat-smoothing bias correction of the polar factor, "
+                  "O + P·diag(min(s²κ_i, max_correction))·Qᵀ (s² the released noise variance of U; dpopt's derivation)",
+    _MUON_BC_REF, dict(_MUON_BC), _muon_bc, dataset_defaults=_data("dp-muon-bc")))
+register(MethodSpec(
+    "disk-muon-bc", "DiSK-MuonBC: DiSK filter, then DP-MuonBC (noise variance propagated through the filter)",
+    f"{_MUON_BC_REF}; DiSK (Zhang et al. 2024)", {**_MUON_BC, **_DISK}, _disk_muon_bc,
+    dataset_defaults=_data("disk-muon-bc")))
+register(MethodSpec(
+    "doppler-muon-bc", "DOPPLER-MuonBC: first-order low-pass filter (ema), then DP-MuonBC",
+    f"{_MUON_BC_REF}; DOPPLER (Zhang et al. 2024)", {**_MUON_BC, **_DOPPLER}, _doppler_muon_bc,
+    dataset_defaults=_data("doppler-muon-bc")))

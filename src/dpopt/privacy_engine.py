@@ -130,7 +130,7 @@ from .types import ClipGeometry
 
 __all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING"]
 
-CLIPPING = ("flat", "per_layer", "adaptive")
+CLIPPING = ("flat", "per_layer", "adaptive", "auto")  # auto: AUTO-S (dpopt.auto_clipping)
 
 
 def _declares_points(t: Transform) -> bool:
@@ -707,6 +707,7 @@ class PrivacyEngine:
         secure_mode: Optional[bool] = None,
         augmentation_multiplicity: int = 1,
         augmentation: Optional[Union[str, Callable]] = None,
+        clipping_gamma: float = 0.01,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -730,7 +731,10 @@ class PrivacyEngine:
                 ``"adaptive"`` the initial bound.
             poisson_sampling: False keeps the loader's own batches: the
                 accountant's ε then does not apply (warned; recorded in the ledger).
-            clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"``.
+            clipping: ``"flat"``, ``"per_layer"``, ``"adaptive"`` or ``"auto"`` (AUTO-S, Bu et al.
+                2023: each example's gradient becomes C·g/(‖g‖ + γ), γ = ``clipping_gamma``;
+                sensitivity C = ``max_grad_norm``; :mod:`dpopt.auto_clipping`).
+            clipping_gamma: γ of ``clipping="auto"`` (0.01, the paper's).
             loss_reduction: ``"mean"`` (the loss averages the per-example losses
                 of the batch) or ``"sum"``. It must describe the loss: a torch
                 loss module with ``reduction="sum"``/``"none"`` on the model's
@@ -852,6 +856,11 @@ class PrivacyEngine:
                 privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
                                                  expected_batch_size, target_unclipped_quantile,
                                                  clipbound_learning_rate, unclipped_num_std, count_share)
+                if clipping == "auto":  # AUTO-S: the flat options plus the normalisation's γ
+                    from .auto_clipping import AutoClipping
+                    if distributed == "fsdp":  # the sharded release computes its own clip factors
+                        raise ValueError("clipping='auto' is not supported with distributed='fsdp'")
+                    privacy["auto_clip"] = AutoClipping(clipping_gamma)
                 flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
                 dp = make_optimizer(method, params, expected_batch_size=expected_batch_size,
                                     sample_rate=sample_rate, ledger=self.ledger, noise=noise,
@@ -1180,7 +1189,7 @@ class PrivacyEngine:
     @staticmethod
     def _clipping_options(clipping: str, params: Any, capture: Any, sigma: float, max_grad_norm: Any, bbar: float,
                           quantile: Any, quantile_lr: Any, unclipped_num_std: Any, count_share: Any) -> dict:
-        if clipping == "flat":
+        if clipping in ("flat", "auto"):
             if not isinstance(max_grad_norm, (int, float)):
                 raise ValueError("flat clipping takes one max_grad_norm (a number)")
             return {"noise_multiplier": sigma}

@@ -266,7 +266,7 @@ class Privatizer:
         sq = source.sq_norms(self._geometry, groups, len(self.bounds))
         norms = sq.clamp_min(0).sqrt()
         bounds = torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)
-        weights = torch.clamp(bounds / norms.clamp_min(1e-30), max=1.0)
+        weights = self._clip_weights(norms, bounds)
         if self.quantile is not None:
             self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
             self._read.add("clipped_count")
@@ -274,6 +274,19 @@ class Privatizer:
         self._read.add("gradient_sum")
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
+
+    def _clip_weights(self, norms: Tensor, bounds: Tensor) -> Tensor:
+        """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖).
+
+        The one place the clip rule lives; a subclass that changes it (automatic clipping,
+        :class:`dpopt.auto_clipping.AutoClipPrivatizer`) must keep every weighted example's
+        norm ≤ C_k, the bound the sensitivity is computed from.
+        """
+        return torch.clamp(bounds / norms.clamp_min(1e-30), max=1.0)
+
+    def _clip_meta(self) -> dict:
+        """Public facts of the clip rule recorded with every release (none for min(1, C/‖w‖))."""
+        return {}
 
     @torch.no_grad()  # a release is public data: it never carries autograd history, whatever its sums were
     def release(self, params_like: Optional[Sequence[Tensor]] = None) -> Release:
@@ -312,7 +325,7 @@ class Privatizer:
         event = self.step_event()
         meta = {"max_grad_norm": list(self.bounds), "sensitivity": sens, "noise_multiplier":
                 self.noise_multiplier, "noise_std": std,
-                "geometry": "identity" if geo.is_identity else "shift-scale"}
+                "geometry": "identity" if geo.is_identity else "shift-scale", **self._clip_meta()}
         if self.quantile is not None:
             meta.update(self._release_count(noisy_count))
         meta.update(reads=len(self._read), releases=self._released)

@@ -242,7 +242,8 @@ def test_public_api_is_reexported_from_the_package():
         assert getattr(A, name) is not None, name
     assert A.epsilon_lower_bounds is st.epsilon_lower_bounds
     assert A.audit_privatizer is harness.audit_privatizer and A.canary_scores is harness.canary_scores
-    assert A.audit_all is suite.audit_all and A.BUILTIN_MECHANISMS == ("flat", "shift-scale", "per-layer", "quantile")
+    assert A.audit_all is suite.audit_all and A.BUILTIN_MECHANISMS == ("flat", "shift-scale", "per-layer", "quantile",
+                                                                       "auto")
     with pytest.raises(AttributeError):
         A.no_such_name  # noqa: B018
 
@@ -348,7 +349,8 @@ def test_plain_gaussian_privatizer_gdp_bound_within_10_percent():
     assert 0.9 * TRUE_EPS_SIGMA1 <= r.epsilon_gdp <= r.claimed_epsilon
 
 
-@pytest.mark.parametrize("name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000)])
+@pytest.mark.parametrize("name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000),
+                                         ("auto", 10_000)])
 def test_every_builtin_mechanism_passes_and_the_audit_has_power(name, trials):
     """Each built-in privatizer passes (false alarm ≤ 1e-3) and the GDP bound reaches ≥ 75 % of the
     claim (so a leak of more than a third of ε would be flagged). With 10⁴ loop-mode trials the

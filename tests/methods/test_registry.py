@@ -9,7 +9,8 @@ from dpopt.methods import get_method, list_methods, make_optimizer
 from dpopt.optim import DPOptimizer
 
 ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",
-       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto"]
+       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto",
+       "dp-muon-bc", "disk-muon-bc", "doppler-muon-bc"]
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 

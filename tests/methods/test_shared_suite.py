@@ -13,7 +13,8 @@ from dpopt.methods import make_optimizer
 from dpopt.transforms.base import Chain, Partition, Transform
 
 ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",
-       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto"]
+       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto",
+       "dp-muon-bc", "disk-muon-bc", "doppler-muon-bc"]
 LOSS = nn.functional.cross_entropy
 
 

@@ -50,6 +50,10 @@ FIRST_080 = {  # first epoch with test accuracy ≥ 0.80 (seed 0, reproducible n
     "disk-muon": 6,
     "doppler-muon": 5,
     "dp-muon-auto": 9,
+    # measured 2026-12-05 (issue 40; same config, dpopt.training.train); dp-muon measured 8 in the same session
+    "dp-muon-bc": 5,
+    "disk-muon-bc": 5,
+    "doppler-muon-bc": 5,
 }
 
 

@@ -1,7 +1,7 @@
 """The built-in audit suite: what ``dpopt audit`` and ``dpopt audit --all`` run.
 
-* :data:`BUILTIN_MECHANISMS` — four Privatizer configurations (flat, shift/scale
-  geometry, per-layer bounds, quantile clipping), audited by :func:`audit_mechanism`;
+* :data:`BUILTIN_MECHANISMS` — five Privatizer configurations (flat, shift/scale
+  geometry, per-layer bounds, quantile clipping, automatic clipping), audited by :func:`audit_mechanism`;
 * every method of the registry :mod:`dpopt.methods`, audited in the geometry it
   would use next by :func:`audit_method`;
 * :func:`audit_all` runs both, each with its own :func:`mechanism_seed`.
@@ -100,6 +100,16 @@ def _quantile(seed: int) -> MechanismSpec:
                          [(2, 3), (2,)], None)
 
 
+@_builtin("auto")
+def _auto(seed: int) -> MechanismSpec:
+    # automatic clipping (AUTO-S, dpopt.auto_clipping): C·g/(‖g‖ + γ), sensitivity C = 1, σ = 1;
+    # a subclass of the Privatizer, audited in loop mode
+    from ..auto_clipping import AutoClipping, AutoClipPrivatizer
+    gen = _noise(seed)
+    return MechanismSpec(lambda: AutoClipPrivatizer(1.0, 1.0, 8.0, 1.0, generator=gen, auto=AutoClipping(0.01)),
+                         [(2, 3), (2,)], None)
+
+
 BUILTIN_MECHANISMS = tuple(_BUILTINS)
 """Privatizer configurations audited by ``dpopt audit``:
 
@@ -107,7 +117,8 @@ BUILTIN_MECHANISMS = tuple(_BUILTINS)
 * ``shift-scale`` — AdaClip / DP-MacAdam geometry: unit bound in w = (g − m)/b space;
 * ``per-layer`` — per-group bounds (1, 2, 2), noise σ·√(Σ C_k²) = 3σ;
 * ``quantile`` — quantile clipping: gradient Gaussian (σ = 1.2) and clipped-count
-  Gaussian (multiplier 2) on the same batch, audited as one composed release.
+  Gaussian (multiplier 2) on the same batch, audited as one composed release;
+* ``auto`` — automatic clipping (AUTO-S, Bu et al. 2023): C·g/(‖g‖ + γ), C = 1, γ = 0.01, σ = 1.
 """
 
 

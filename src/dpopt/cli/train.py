@@ -171,7 +171,8 @@ def train_command(
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
     target_epsilon: Optional[float] = typer.Option(None, help="calibrate σ for this ε (overrides σ)"),
-    clipping: str = typer.Option("flat", help="flat, per-layer or quantile (adaptive, Andrew et al.)"),
+    clipping: str = typer.Option("flat", help="flat, per-layer, quantile (adaptive, Andrew et al.) or auto "
+                                  "(AUTO-S, Bu et al.: C·g/(‖g‖+γ); --hp gamma=0.01)"),
     layer_bounds: Optional[str] = typer.Option(None, help="per-layer: comma-separated bounds, one per layer"),
     target_quantile: float = typer.Option(0.5, help="quantile: fraction of unclipped examples aimed at"),
     quantile_lr: float = typer.Option(0.2, help="quantile: geometric step size η_C"),

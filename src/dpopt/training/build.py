@@ -131,6 +131,10 @@ def privacy_options(cfg: TrainConfig, model: nn.Module, sigma: float, clip: floa
         return ({"noise_multiplier": split.grad_noise_multiplier, "quantile": quantile},
                 {"noise_multiplier_total": sigma, "grad_noise_multiplier": split.grad_noise_multiplier,
                  "count_noise_multiplier": split.count_noise_multiplier, "count_share": split.count_share})
+    if cfg.clipping == "auto":  # AUTO-S (Bu et al. 2023): C·g/(‖g‖+γ), sensitivity C
+        from ..auto_clipping import AutoClipping, split_gamma
+        gamma, _ = split_gamma(cfg.hparams, get_method(cfg.method).defaults)
+        return {"noise_multiplier": sigma, "auto_clip": AutoClipping(gamma)}, {"clipping_gamma": gamma}
     return {"noise_multiplier": sigma}, {}
 
 
@@ -208,7 +212,11 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
         sigma = calibration.noise_multiplier
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
     spec = get_method(cfg.method)
-    hp = spec.hparams(cfg.dataset, **dict(cfg.hparams, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
+    user_hp = dict(cfg.hparams)
+    if cfg.clipping == "auto":  # AUTO-S: --hp gamma (or auto_gamma) is the normalisation's γ
+        from ..auto_clipping import split_gamma
+        _, user_hp = split_gamma(user_hp, spec.defaults)
+    hp = spec.hparams(cfg.dataset, **dict(user_hp, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
     opt = build_optimizer(spec, [p for p in model.parameters() if p.requires_grad], hp,
                           expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device", "planned_steps",
            "epoch_end_step"]
 
-CLIPPINGS = ("flat", "per-layer", "quantile")
+CLIPPINGS = ("flat", "per-layer", "quantile", "auto")  # auto: AUTO-S (dpopt.auto_clipping)
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -60,7 +60,7 @@ class TrainConfig:
     out: Optional[str] = None
     hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
     target_epsilon: Optional[float] = None  # calibrate σ for this ε (then noise_multiplier is ignored)
-    clipping: str = "flat"  # flat | per-layer | quantile
+    clipping: str = "flat"  # flat | per-layer | quantile | auto
     layer_bounds: Optional[list] = None  # per-layer: one bound per layer (default C/√K each)
     target_quantile: float = 0.5
     quantile_lr: float = 0.2
