@@ -135,7 +135,8 @@ def test_privacy_engine_model_averaged_without_copying_hooks():
 
 
 def test_unhooked_copy_strips_the_copy_and_keeps_the_original():
-    model, _, _ = _private(nn.Sequential(nn.Linear(4, 3)))
+    # the optimizer is kept alive: a deleted PrivateOptimizer takes its hooks off the model (issue 42)
+    model, opt, _ = _private(nn.Sequential(nn.Linear(4, 3)))
     assert model[0]._forward_hooks
     copy_ = unhooked_copy(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in copy_.modules())
