@@ -57,9 +57,15 @@ def _data(b: int, k: int, seed: int = 0):
 
 
 def _dp_opt(model, b: int):
-    return make_optimizer("dp-sgd", [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
-                          expected_batch_size=float(b), sample_rate=b / N_TRAIN, dataset="cifar10",
-                          generator=torch.Generator().manual_seed(0))
+    return make_optimizer(
+        "dp-sgd",
+        [p for p in model.parameters() if p.requires_grad],
+        noise_multiplier=1.0,
+        expected_batch_size=float(b),
+        sample_rate=b / N_TRAIN,
+        dataset="cifar10",
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def dp_views(model_name: str, rows, y, k: int, physical: int) -> Callable[[], None]:
@@ -70,8 +76,8 @@ def dp_views(model_name: str, rows, y, k: int, physical: int) -> Callable[[], No
     xv = rows.reshape(y.shape[0], k, *rows.shape[1:])
 
     def step():
-        opt.step(iter_per_sample_sources(wrapped, loss, xv, y, physical, opt.evaluation_points(),
-                                         engine="reference"))
+        opt.step(iter_per_sample_sources(wrapped, loss, xv, y, physical, opt.evaluation_points(), engine="reference"))
+
     return step
 
 
@@ -82,8 +88,10 @@ def dp_rows_per_example(model_name: str, rows, y, k: int, physical: int) -> Call
     y_rows = y.repeat_interleave(k)
 
     def step():
-        opt.step(iter_per_sample_sources(model, ce, rows, y_rows, physical * k, opt.evaluation_points(),
-                                         rows_per_example=k))
+        opt.step(
+            iter_per_sample_sources(model, ce, rows, y_rows, physical * k, opt.evaluation_points(), rows_per_example=k)
+        )
+
     return step
 
 
@@ -97,9 +105,10 @@ def non_private_chunked(model_name: str, rows, y_rows, chunk_rows: int) -> Calla
     def step():
         opt.zero_grad(set_to_none=True)
         for s in range(0, n, chunk_rows):
-            xb, yb = rows[s:s + chunk_rows], y_rows[s:s + chunk_rows]
+            xb, yb = rows[s : s + chunk_rows], y_rows[s : s + chunk_rows]
             (ce(model(xb), yb) * (xb.shape[0] / n)).backward()
         opt.step()
+
     return step
 
 
@@ -112,10 +121,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tune-allocator", action="store_true",
-                    help="dpopt.allocator.tune_cpu_allocator() first (what dpopt train does; both sides get it)")
-    ap.add_argument("--no-reference", action="store_true",
-                    help="skip the ViewsOf + torch.func column (the slow reference path)")
+    ap.add_argument(
+        "--tune-allocator",
+        action="store_true",
+        help="dpopt.allocator.tune_cpu_allocator() first (what dpopt train does; both sides get it)",
+    )
+    ap.add_argument(
+        "--no-reference", action="store_true", help="skip the ViewsOf + torch.func column (the slow reference path)"
+    )
     ap.add_argument("--json", action="store_true", help="also print one JSON line (last line)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,37 +138,53 @@ def main() -> None:
         print("allocator tuned:", tune_cpu_allocator())
     physical = args.physical or args.batch
     rows_out = []
-    print(f"{args.model}, B = {args.batch} examples in chunks of {physical}, {args.threads} thread(s); seconds per "
-          "step (median); ratios to the non-private step over the same K·B rows, in one pass (np) and in the "
-          "DP step's chunks (np-ch)")
-    print(f"{'K':>3} {'rows':>6} {'np':>7} {'np-ch':>7} {'dp (views)':>11} {'/np':>5} "
-          f"{'dp (rows/ex)':>13} {'/np':>5} {'/np-ch':>6}   CPU-time ratios {'/np':>5} {'/np-ch':>6}")
+    print(
+        f"{args.model}, B = {args.batch} examples in chunks of {physical}, {args.threads} thread(s); seconds per "
+        "step (median); ratios to the non-private step over the same K·B rows, in one pass (np) and in the "
+        "DP step's chunks (np-ch)"
+    )
+    print(
+        f"{'K':>3} {'rows':>6} {'np':>7} {'np-ch':>7} {'dp (views)':>11} {'/np':>5} "
+        f"{'dp (rows/ex)':>13} {'/np':>5} {'/np-ch':>6}   CPU-time ratios {'/np':>5} {'/np-ch':>6}"
+    )
     for k in [int(v) for v in args.ks.split(",")]:
         rows, y = _data(args.batch, k)
         y_rows = y.repeat_interleave(k)
-        steps = {"non_private": non_private_step(args.model, rows, y_rows),
-                 "non_private_chunked": non_private_chunked(args.model, rows, y_rows, physical * k),
-                 "dp_rows_per_example": dp_rows_per_example(args.model, rows, y, k, physical)}
+        steps = {
+            "non_private": non_private_step(args.model, rows, y_rows),
+            "non_private_chunked": non_private_chunked(args.model, rows, y_rows, physical * k),
+            "dp_rows_per_example": dp_rows_per_example(args.model, rows, y, k, physical),
+        }
         if not args.no_reference:
             steps["dp_views"] = dp_views(args.model, rows, y, k, physical)
         res = time_round_robin(steps, args.rounds, args.per_round, warmup=1)
         base, base_ch = res["non_private"]["median"], res["non_private_chunked"]["median"]
-        rec = {"k": k, "batch": args.batch, "physical": physical, "rows": k * args.batch, "model": args.model,
-               "threads": args.threads, "allocator_tuned": bool(args.tune_allocator),
-               **{f"{n}_s": r["median"] for n, r in res.items()},
-               **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n.startswith("dp")},
-               "dp_rows_per_example_ratio_chunked": res["dp_rows_per_example"]["median"] / base_ch,
-               **{f"{n}_cpu_s": r["cpu_median"] for n, r in res.items()},
-               "dp_rows_per_example_cpu_ratio": res["dp_rows_per_example"]["cpu_median"] / res["non_private"]["cpu_median"],
-               "dp_rows_per_example_cpu_ratio_chunked": (res["dp_rows_per_example"]["cpu_median"]
-                                                         / res["non_private_chunked"]["cpu_median"])}
+        rec = {
+            "k": k,
+            "batch": args.batch,
+            "physical": physical,
+            "rows": k * args.batch,
+            "model": args.model,
+            "threads": args.threads,
+            "allocator_tuned": bool(args.tune_allocator),
+            **{f"{n}_s": r["median"] for n, r in res.items()},
+            **{f"{n}_ratio": r["median"] / base for n, r in res.items() if n.startswith("dp")},
+            "dp_rows_per_example_ratio_chunked": res["dp_rows_per_example"]["median"] / base_ch,
+            **{f"{n}_cpu_s": r["cpu_median"] for n, r in res.items()},
+            "dp_rows_per_example_cpu_ratio": res["dp_rows_per_example"]["cpu_median"]
+            / res["non_private"]["cpu_median"],
+            "dp_rows_per_example_cpu_ratio_chunked": (
+                res["dp_rows_per_example"]["cpu_median"] / res["non_private_chunked"]["cpu_median"]
+            ),
+        }
         rows_out.append(rec)
-        ref = (f"{rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:5.2f}" if "dp_views_s" in rec
-               else f"{'–':>11} {'':>5}")
-        print(f"{k:3d} {k * args.batch:6d} {base:7.3f} {base_ch:7.3f} {ref} {rec['dp_rows_per_example_s']:13.3f} "
-              f"{rec['dp_rows_per_example_ratio']:5.2f} {rec['dp_rows_per_example_ratio_chunked']:6.2f}   "
-              f"{'':>15} {rec['dp_rows_per_example_cpu_ratio']:5.2f} {rec['dp_rows_per_example_cpu_ratio_chunked']:6.2f}",
-              flush=True)
+        ref = f"{rec['dp_views_s']:11.3f} {rec['dp_views_ratio']:5.2f}" if "dp_views_s" in rec else f"{'–':>11} {'':>5}"
+        print(
+            f"{k:3d} {k * args.batch:6d} {base:7.3f} {base_ch:7.3f} {ref} {rec['dp_rows_per_example_s']:13.3f} "
+            f"{rec['dp_rows_per_example_ratio']:5.2f} {rec['dp_rows_per_example_ratio_chunked']:6.2f}   "
+            f"{'':>15} {rec['dp_rows_per_example_cpu_ratio']:5.2f} {rec['dp_rows_per_example_cpu_ratio_chunked']:6.2f}",
+            flush=True,
+        )
     if args.json:
         print(json.dumps(rows_out))
 

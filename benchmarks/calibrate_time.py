@@ -79,14 +79,27 @@ def cli_command() -> list[str]:
 
 
 def calibrate_args(batch_size: int) -> list[str]:
-    return ["calibrate", "--target-epsilon", f"{TARGET_EPSILON:g}", "--dataset-size", str(DATASET_SIZE),
-            "--batch-size", str(batch_size), "--epochs", str(EPOCHS), "--delta", f"{DELTA:g}", "--json"]
+    return [
+        "calibrate",
+        "--target-epsilon",
+        f"{TARGET_EPSILON:g}",
+        "--dataset-size",
+        str(DATASET_SIZE),
+        "--batch-size",
+        str(batch_size),
+        "--epochs",
+        str(EPOCHS),
+        "--delta",
+        f"{DELTA:g}",
+        "--json",
+    ]
 
 
 def export_revision(rev: str, into: Path) -> Path:
     """``git archive REV src`` unpacked under ``into``; returns the ``src`` directory (the repo is not touched)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "src"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", rev, "src"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "src"
 
@@ -126,8 +139,13 @@ IMPORT_FLOOR = "import dpopt.cli, dpopt.accounting.calibration, dpopt.accounting
 def time_import_floor(src: Optional[Path] = None) -> float:
     """Wall seconds of a process that imports what ``dpopt calibrate`` imports, and exits."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", IMPORT_FLOOR], check=True, capture_output=True, env=_env(src),
-                   cwd=None if src is None else src)
+    subprocess.run(
+        [sys.executable, "-c", IMPORT_FLOOR],
+        check=True,
+        capture_output=True,
+        env=_env(src),
+        cwd=None if src is None else src,
+    )
     return time.perf_counter() - t
 
 
@@ -159,15 +177,19 @@ def time_former_unit_tests() -> dict:
     return out
 
 
-def dp_accounting_epsilon(sigma: float, sample_rate: float, steps: int, delta: float = DELTA,
-                          grid: float = 1e-4) -> float:
+def dp_accounting_epsilon(
+    sigma: float, sample_rate: float, steps: int, delta: float = DELTA, grid: float = 1e-4
+) -> float:
     """ε of T Poisson-sampled Gaussian steps by dp_accounting's own PLD accountant (no dpopt code)."""
     import dp_accounting
     from dp_accounting.pld import PLDAccountant
 
     acc = PLDAccountant(value_discretization_interval=grid)
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma)), steps))
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+    )
     return float(acc.get_epsilon(delta))
 
 
@@ -179,15 +201,28 @@ def _row(b: int, walls: list, out: dict, grid: float, max_seconds: float, label:
     med = statistics.median(walls)
     flags = (["SLOW"] if med > max_seconds else []) + (["EPS>TARGET"] if eps > TARGET_EPSILON else [])
     diff = 100.0 * (sigma / paper_sigma - 1.0)
-    print(f"{label:>8s} {b:5d} {steps:6d} {paper_steps:6d} {med:10.2f} {max(walls):6.2f} "
-          f"{statistics.median(cpus):7.2f} {out['seconds']:8.2f} "
-          f"{sigma:8.5f} {paper_sigma:5.2f} {diff:+7.2f} {out['epsilon']:10.5f} {eps:10.5f}  "
-          f"{' '.join(flags) or 'ok'}")
-    return {"code": label, "batch_size": b, "steps": steps, "paper_steps": paper_steps, "wall_seconds": walls,
-            "wall_median": med, "cpu_seconds": cpus, "cpu_median": statistics.median(cpus),
-            "calibration_seconds": out["seconds"], "noise_multiplier": sigma,
-            "paper_noise_multiplier": paper_sigma, "epsilon_dpopt": out["epsilon"],
-            "epsilon_dp_accounting": eps, "flags": flags}
+    print(
+        f"{label:>8s} {b:5d} {steps:6d} {paper_steps:6d} {med:10.2f} {max(walls):6.2f} "
+        f"{statistics.median(cpus):7.2f} {out['seconds']:8.2f} "
+        f"{sigma:8.5f} {paper_sigma:5.2f} {diff:+7.2f} {out['epsilon']:10.5f} {eps:10.5f}  "
+        f"{' '.join(flags) or 'ok'}"
+    )
+    return {
+        "code": label,
+        "batch_size": b,
+        "steps": steps,
+        "paper_steps": paper_steps,
+        "wall_seconds": walls,
+        "wall_median": med,
+        "cpu_seconds": cpus,
+        "cpu_median": statistics.median(cpus),
+        "calibration_seconds": out["seconds"],
+        "noise_multiplier": sigma,
+        "paper_noise_multiplier": paper_sigma,
+        "epsilon_dpopt": out["epsilon"],
+        "epsilon_dp_accounting": eps,
+        "flags": flags,
+    }
 
 
 def main(argv=None) -> int:
@@ -195,10 +230,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=",".join(str(b) for b in PAPER))
     ap.add_argument("--repeat", type=int, default=3, help="timed CLI calls per row (median and max reported)")
     ap.add_argument("--max-seconds", type=float, default=2.0, help="flag a row whose median wall time exceeds this")
-    ap.add_argument("--grid", type=float, default=1e-4,
-                    help="value_discretization_interval of the dp_accounting re-check (nats; ≤ 1e-3)")
-    ap.add_argument("--compare", metavar="REV", default=None,
-                    help="also time git revision REV's code, alternating with this tree's (before/after in one run)")
+    ap.add_argument(
+        "--grid",
+        type=float,
+        default=1e-4,
+        help="value_discretization_interval of the dp_accounting re-check (nats; ≤ 1e-3)",
+    )
+    ap.add_argument(
+        "--compare",
+        metavar="REV",
+        default=None,
+        help="also time git revision REV's code, alternating with this tree's (before/after in one run)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -210,11 +253,15 @@ def main(argv=None) -> int:
     for src in codes.values():
         run_cli(max(sizes), src)  # warm-up: page cache, .pyc files
     load = os.getloadavg()[0]
-    print(f"dpopt calibrate (pld), N = {DATASET_SIZE}, {EPOCHS} epochs, target ε = {TARGET_EPSILON:g}, "
-          f"δ = {DELTA:g}; {args.repeat} calls per row; 1-min load average {load:.2f} on {os.cpu_count()} CPUs")
-    print(f"{'code':>8s} {'B':>5s} {'steps':>6s} {'paper':>6s} {'wall med s':>10s} {'max s':>6s} {'cpu s':>7s} "
-          f"{'calib s':>8s} "
-          f"{'sigma':>8s} {'paper':>5s} {'diff %':>7s} {'eps dpopt':>10s} {'eps dp_acc':>10s}  flags")
+    print(
+        f"dpopt calibrate (pld), N = {DATASET_SIZE}, {EPOCHS} epochs, target ε = {TARGET_EPSILON:g}, "
+        f"δ = {DELTA:g}; {args.repeat} calls per row; 1-min load average {load:.2f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'code':>8s} {'B':>5s} {'steps':>6s} {'paper':>6s} {'wall med s':>10s} {'max s':>6s} {'cpu s':>7s} "
+        f"{'calib s':>8s} "
+        f"{'sigma':>8s} {'paper':>5s} {'diff %':>7s} {'eps dpopt':>10s} {'eps dp_acc':>10s}  flags"
+    )
     rows, flagged = [], False
     for b in sizes:
         walls: dict = {label: [] for label in codes}
@@ -238,13 +285,27 @@ def main(argv=None) -> int:
         print(f"import floor ({label}: python -c '{IMPORT_FLOOR}'): {value:.2f} s median")
     former = time_former_unit_tests()
     print("in-process (imports done): " + ", ".join(f"{k} {v:.2f} s" for k, v in former.items()))
-    print(f"re-check: dp_accounting.pld.PLDAccountant, value_discretization_interval {args.grid:g}; "
-          f"{'FLAGGED rows above' if flagged else 'every row within ' + format(args.max_seconds, 'g') + ' s and ε ≤ target'}")
+    print(
+        f"re-check: dp_accounting.pld.PLDAccountant, value_discretization_interval {args.grid:g}; "
+        f"{'FLAGGED rows above' if flagged else 'every row within ' + format(args.max_seconds, 'g') + ' s and ε ≤ target'}"
+    )
     if args.json:
-        print(json.dumps({"rows": rows, "loadavg_1min": round(load, 2), "loadavg_1min_end": round(os.getloadavg()[0], 2),
-                          "import_floor_seconds": floor["tree"], "import_floor_by_code": floor,
-                          "former_unit_test_seconds": former, "compare": args.compare,
-                          "max_seconds": args.max_seconds, "grid": args.grid, "ok": not flagged}))
+        print(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "loadavg_1min": round(load, 2),
+                    "loadavg_1min_end": round(os.getloadavg()[0], 2),
+                    "import_floor_seconds": floor["tree"],
+                    "import_floor_by_code": floor,
+                    "former_unit_test_seconds": former,
+                    "compare": args.compare,
+                    "max_seconds": args.max_seconds,
+                    "grid": args.grid,
+                    "ok": not flagged,
+                }
+            )
+        )
     if tmp is not None:
         tmp.cleanup()
     return 1 if flagged else 0

@@ -64,9 +64,14 @@ class TinyGPT(nn.Module):
 class Counter:
     """Counts ring-equivalent bytes sent per rank by the collectives of ``torch.distributed`` (patched)."""
 
-    FACTORS = {"all_gather_into_tensor": ("out", 1), "all_gather_single": ("out", 1),
-               "reduce_scatter_tensor": ("in", 1), "reduce_scatter_single": ("in", 1),
-               "all_reduce": ("in", 2), "broadcast": ("in", None)}
+    FACTORS = {
+        "all_gather_into_tensor": ("out", 1),
+        "all_gather_single": ("out", 1),
+        "reduce_scatter_tensor": ("in", 1),
+        "reduce_scatter_single": ("in", 1),
+        "all_reduce": ("in", 2),
+        "broadcast": ("in", None),
+    }
 
     def __init__(self, world: int):
         self.world, self.bytes, self.by_op = world, 0.0, {}
@@ -83,6 +88,7 @@ class Counter:
             self.bytes += sent
             self.by_op[name] = self.by_op.get(name, 0.0) + sent
             return fn(*args, **kwargs)
+
         return counted
 
 
@@ -92,8 +98,13 @@ def _run(rank: int, world: int, tmp: str, mode: str, steps: int) -> None:
     import dpopt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv-{mode}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rdv-{mode}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     counter = Counter(world)
     torch.manual_seed(0)
     model = TinyGPT()
@@ -107,8 +118,13 @@ def _run(rank: int, world: int, tmp: str, mode: str, steps: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), data_loader=loader,
-            noise_multiplier=1.0, max_grad_norm=1.0, distributed="fsdp" if mode == "fsdp" else True)
+            module=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            distributed="fsdp" if mode == "fsdp" else True,
+        )
     per_step = []
     for t, (x, y) in enumerate(loader):
         if t >= steps:
@@ -121,8 +137,15 @@ def _run(rank: int, world: int, tmp: str, mode: str, steps: int) -> None:
         per_step.append(counter.bytes - before)
     if rank == 0:
         with open(f"{tmp}/{mode}.json", "w") as f:
-            json.dump({"per_step": per_step, "by_op": counter.by_op, "params": n_params,
-                       "collective": getattr(opt.privatizer.reduce, "collective", "all_reduce")}, f)
+            json.dump(
+                {
+                    "per_step": per_step,
+                    "by_op": counter.by_op,
+                    "params": n_params,
+                    "collective": getattr(opt.privatizer.reduce, "collective", "all_reduce"),
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -141,8 +164,12 @@ def main() -> None:
         with open(f"{tmp}/{mode}.json") as f:
             res = json.load(f)
         steady = res["per_step"][1:] or res["per_step"]
-        out[mode] = {"bytes_per_step": sum(steady) / len(steady), "first_step": res["per_step"][0],
-                     "collective": res["collective"], "params": res["params"]}
+        out[mode] = {
+            "bytes_per_step": sum(steady) / len(steady),
+            "first_step": res["per_step"][0],
+            "collective": res["collective"],
+            "params": res["params"],
+        }
     out["ratio"] = out["fsdp"]["bytes_per_step"] / out["ddp"]["bytes_per_step"]
     out["analytic_ratio"] = bytes_per_step([p for p in TinyGPT().parameters()], 2)["ratio"]
     if args.json:
@@ -150,8 +177,10 @@ def main() -> None:
     else:
         for mode in ("fsdp", "ddp"):
             r = out[mode]
-            print(f"{mode:5s} {r['params']} params: {r['bytes_per_step'] / 1e6:.3f} MB sent per rank per step "
-                  f"(first step {r['first_step'] / 1e6:.3f} MB; release: {r['collective']})")
+            print(
+                f"{mode:5s} {r['params']} params: {r['bytes_per_step'] / 1e6:.3f} MB sent per rank per step "
+                f"(first step {r['first_step'] / 1e6:.3f} MB; release: {r['collective']})"
+            )
         print(f"ratio fsdp/ddp {out['ratio']:.3f} (target <= 1.5; analytic {out['analytic_ratio']:.3f})")
 
 

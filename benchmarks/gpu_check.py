@@ -103,21 +103,42 @@ from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 from dpopt.types import ClipGeometry  # noqa: E402
 
-INPUT_SHAPES = {"mlp": (1, 28, 28), "mlp-small": (64,), "cnn5": (3, 32, 32), "wrn16-4": (3, 32, 32),
-                "cnn5-ws": (3, 32, 32), "wrn16-4-ws": (3, 32, 32)}
+INPUT_SHAPES = {
+    "mlp": (1, 28, 28),
+    "mlp-small": (64,),
+    "cnn5": (3, 32, 32),
+    "wrn16-4": (3, 32, 32),
+    "cnn5-ws": (3, 32, 32),
+    "wrn16-4-ws": (3, 32, 32),
+}
 #: (model, dtype name, batch size, enforced[, K views per example]): on a GPU / in the CPU fallback.
 #: With K, the batch has batch·K rows, example-major (augmentation multiplicity, issue 24).
-GPU_CASES = [("mlp", "float64", 32, True), ("cnn5", "float64", 16, True), ("wrn16-4", "float64", 8, True),
-             ("cnn5", "float32", 16, True), ("wrn16-4", "float32", 8, True), ("cnn5", "float32+tf32", 16, False),
-             ("cnn5-ws", "float64", 8, True, 4), ("wrn16-4-ws", "float64", 4, True, 4),
-             ("cnn5-ws", "float32", 8, True, 4)]
-CPU_CASES = [("mlp", "float64", 4, True), ("cnn5", "float64", 3, True), ("cnn5", "float32", 3, True),
-             ("cnn5-ws", "float64", 2, True, 3)]
+GPU_CASES = [
+    ("mlp", "float64", 32, True),
+    ("cnn5", "float64", 16, True),
+    ("wrn16-4", "float64", 8, True),
+    ("cnn5", "float32", 16, True),
+    ("wrn16-4", "float32", 8, True),
+    ("cnn5", "float32+tf32", 16, False),
+    ("cnn5-ws", "float64", 8, True, 4),
+    ("wrn16-4-ws", "float64", 4, True, 4),
+    ("cnn5-ws", "float32", 8, True, 4),
+]
+CPU_CASES = [
+    ("mlp", "float64", 4, True),
+    ("cnn5", "float64", 3, True),
+    ("cnn5", "float32", 3, True),
+    ("cnn5-ws", "float64", 2, True, 3),
+]
 TIMING = {"cnn5": 512, "wrn16-4": 256}
 MEMORY = {"model": "cnn5", "logical": 4096, "physical": 256}
 #: Part 4: (model, dtype name, batch, tokens, width) on a GPU / in the CPU fallback.
-HF_GPU_CASES = [("gpt2", "float64", 8, 32, 64), ("bert", "float64", 8, 32, 64), ("gpt2", "float32", 8, 32, 64),
-                ("bert", "float32", 8, 32, 64)]
+HF_GPU_CASES = [
+    ("gpt2", "float64", 8, 32, 64),
+    ("bert", "float64", 8, 32, 64),
+    ("gpt2", "float32", 8, 32, 64),
+    ("bert", "float32", 8, 32, 64),
+]
 HF_CPU_CASES = [("gpt2", "float64", 3, 6, 16), ("bert", "float64", 3, 6, 16)]
 HF_VOCAB = 97
 #: Part 5: the batch of the GPT-2-shaped step ratios; part 6: the FSDP smoke run's data and batch.
@@ -203,8 +224,9 @@ def _rel_sum_err(a: list, b: list) -> float:
     return max(errs) if errs else 0.0
 
 
-def equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int = 0,
-                  views: int = 1) -> dict:
+def equality_case(
+    model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int = 0, views: int = 1
+) -> dict:
     """Fast vs reference engine on one batch: largest relative errors of the norms and clipped sums.
 
     ``views`` = K > 1: ``batch`` examples of K rows each (``rows_per_example=K`` on both engines: the
@@ -216,8 +238,9 @@ def equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch
         return _equality_case(model_name, dtype, batch, device, seed, views)
 
 
-def _equality_case(model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int,
-                   views: int = 1) -> dict:
+def _equality_case(
+    model_name: str, dtype: torch.dtype, batch: int, device: torch.device, seed: int, views: int = 1
+) -> dict:
     model = build_model(model_name).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch * views, *INPUT_SHAPES[model_name], generator=g, dtype=dtype).to(device)
@@ -261,45 +284,76 @@ def run_equality(device: torch.device, cases) -> dict:
         worst = max(v for geo in errs.values() for v in geo.values())
         if enforced:
             tol = {geo: tolerances(dtype, geo) for geo in errs}
-            beyond = [f"{geo} {k} {v:.1e} > {tol[geo][k]:g}" for geo, e in errs.items() for k, v in e.items()
-                      if not v <= tol[geo][k]]
+            beyond = [
+                f"{geo} {k} {v:.1e} > {tol[geo][k]:g}"
+                for geo, e in errs.items()
+                for k, v in e.items()
+                if not v <= tol[geo][k]
+            ]
             passed &= not beyond
             verdict = "ok" if not beyond else "FAIL: " + "; ".join(beyond)
         else:
             tol = REPORTED_ONLY_TOLERANCE
             beyond = [] if worst <= tol else [f"max {worst:.1e} > {tol:g}"]
             verdict = f"{'within' if not beyond else 'OUTSIDE'} {tol:g} (reported only)"
-        results.append({"model": model_name, "dtype": dtype_name, "batch": batch, "views": views, "errors": errs,
-                        "max_rel_error": worst, "tolerance": tol, "enforced": enforced, "ok": not beyond,
-                        "beyond": beyond, "seconds": round(time.perf_counter() - t, 3)})
+        results.append(
+            {
+                "model": model_name,
+                "dtype": dtype_name,
+                "batch": batch,
+                "views": views,
+                "errors": errs,
+                "max_rel_error": worst,
+                "tolerance": tol,
+                "enforced": enforced,
+                "ok": not beyond,
+                "beyond": beyond,
+                "seconds": round(time.perf_counter() - t, 3),
+            }
+        )
         f, ss = errs["flat"], errs["shift-scale"]
-        print(f"  {model_name:8s} {dtype_name:13s} B = {batch:3d}{f' K = {views}' if views > 1 else ''}: max rel error {worst:.2e} "
-              f"[flat: norms +{f['norms_over']:.1e}/-{f['norms_under']:.1e}, sums {f['clipped_sums']:.1e}; "
-              f"shift-scale: norms +{ss['norms_over']:.1e}/-{ss['norms_under']:.1e}, sums "
-              f"{ss['clipped_sums']:.1e}] {verdict}")
+        print(
+            f"  {model_name:8s} {dtype_name:13s} B = {batch:3d}{f' K = {views}' if views > 1 else ''}: max rel error {worst:.2e} "
+            f"[flat: norms +{f['norms_over']:.1e}/-{f['norms_under']:.1e}, sums {f['clipped_sums']:.1e}; "
+            f"shift-scale: norms +{ss['norms_over']:.1e}/-{ss['norms_under']:.1e}, sums "
+            f"{ss['clipped_sums']:.1e}] {verdict}"
+        )
     return {"passed": passed, "cases": results, "float64": has64}
 
 
 # --------------------------------------------------------------------------- 2. timings
-def run_timings(device: torch.device, models=tuple(TIMING), rounds: int = 3, per_round: int = 2,
-                warmup: int = 2, batch_sizes: Optional[dict] = None) -> dict:
+def run_timings(
+    device: torch.device,
+    models=tuple(TIMING),
+    rounds: int = 3,
+    per_round: int = 2,
+    warmup: int = 2,
+    batch_sizes: Optional[dict] = None,
+) -> dict:
     st = step_time_module()
     out = {}
     for model_name in models:
         b = (batch_sizes or TIMING)[model_name]
         x, y = st.batch(model_name, b, device=device)
-        steps = {"non-private": st.non_private_step(model_name, x, y),
-                 "dp-sgd": st.dpopt_step(model_name, "dp-sgd", x, y),
-                 "dp-macadam": st.dpopt_step(model_name, "dp-macadam", x, y)}
+        steps = {
+            "non-private": st.non_private_step(model_name, x, y),
+            "dp-sgd": st.dpopt_step(model_name, "dp-sgd", x, y),
+            "dp-macadam": st.dpopt_step(model_name, "dp-macadam", x, y),
+        }
         res = st.time_round_robin(steps, rounds, per_round, warmup, sync=st.synchronizer(device))
         ms = {k: round(1e3 * v["median"], 2) for k, v in res.items()}
-        r = {"batch": b, "ms": ms,
-             "dp-sgd/non-private": res["dp-sgd"]["median"] / res["non-private"]["median"],
-             "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
-             "timed_steps": res["dp-sgd"]["n"]}
-        print(f"  {model_name:8s} B = {b}: non-private {ms['non-private']:.1f} ms, dp-sgd {ms['dp-sgd']:.1f} ms, "
-              f"dp-macadam {ms['dp-macadam']:.1f} ms; dp-sgd/non-private {r['dp-sgd/non-private']:.2f}, "
-              f"dp-macadam/dp-sgd {r['dp-macadam/dp-sgd']:.2f}")
+        r = {
+            "batch": b,
+            "ms": ms,
+            "dp-sgd/non-private": res["dp-sgd"]["median"] / res["non-private"]["median"],
+            "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
+            "timed_steps": res["dp-sgd"]["n"],
+        }
+        print(
+            f"  {model_name:8s} B = {b}: non-private {ms['non-private']:.1f} ms, dp-sgd {ms['dp-sgd']:.1f} ms, "
+            f"dp-macadam {ms['dp-macadam']:.1f} ms; dp-sgd/non-private {r['dp-sgd/non-private']:.2f}, "
+            f"dp-macadam/dp-sgd {r['dp-macadam/dp-sgd']:.2f}"
+        )
         out[model_name] = r
         del steps, x, y
         gc.collect()
@@ -330,20 +384,28 @@ def run_memory(device: torch.device) -> dict:
     st = step_time_module()
     m, big, phys = MEMORY["model"], MEMORY["logical"], MEMORY["physical"]
     configs = {
-        f"dp-sgd {big} in chunks of {phys}":
-            lambda: st.dpopt_step(m, "dp-sgd", *st.batch(m, big, device=device), physical=phys),
+        f"dp-sgd {big} in chunks of {phys}": lambda: st.dpopt_step(
+            m, "dp-sgd", *st.batch(m, big, device=device), physical=phys
+        ),
         f"dp-sgd {phys}": lambda: st.dpopt_step(m, "dp-sgd", *st.batch(m, phys, device=device)),
         f"non-private {phys}": lambda: st.non_private_step(m, *st.batch(m, phys, device=device)),
     }
     mem = {name: _cuda_peak(make, device) for name, make in configs.items()}
     for name, v in mem.items():
-        print(f"  {m} {name:28s}: peak {v['peak_mib']:8.1f} MiB ({v['before_mib']:.1f} MiB allocated before the "
-              f"step, {v['step_mib']:.1f} MiB during it)")
+        print(
+            f"  {m} {name:28s}: peak {v['peak_mib']:8.1f} MiB ({v['before_mib']:.1f} MiB allocated before the "
+            f"step, {v['step_mib']:.1f} MiB during it)"
+        )
     a, b = mem[f"dp-sgd {big} in chunks of {phys}"], mem[f"dp-sgd {phys}"]
-    out = {"mib": mem, "peak_4096_over_256": a["peak_mib"] / b["peak_mib"],
-           "step_4096_over_256": a["step_mib"] / max(b["step_mib"], 1e-9)}
-    print(f"  logical {big} / physical {phys} over B = {phys}: peak {out['peak_4096_over_256']:.3f}, "
-          f"in-step {out['step_4096_over_256']:.3f}")
+    out = {
+        "mib": mem,
+        "peak_4096_over_256": a["peak_mib"] / b["peak_mib"],
+        "step_4096_over_256": a["step_mib"] / max(b["step_mib"], 1e-9),
+    }
+    print(
+        f"  logical {big} / physical {phys} over B = {phys}: peak {out['peak_4096_over_256']:.3f}, "
+        f"in-step {out['step_4096_over_256']:.3f}"
+    )
     return out
 
 
@@ -375,23 +437,43 @@ def hf_case(name: str, batch: int, tokens: int, width: int, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     if name == "gpt2":
-        cfg = T.GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=HF_VOCAB, n_positions=tokens,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = T.GPT2Config(
+            n_layer=2,
+            n_embd=width,
+            n_head=2,
+            vocab_size=HF_VOCAB,
+            n_positions=tokens,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         hf = T.GPT2LMHeadModel(cfg)
         ids = torch.randint(0, HF_VOCAB, (batch, tokens), generator=g)
         y = ids.roll(-1, dims=1)
         y[0, -2:] = -100
         return HFLogits(hf).train(), ids, y, per_example_lm_loss
-    cfg = T.BertConfig(vocab_size=HF_VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=2 * width, max_position_embeddings=tokens, type_vocab_size=2, num_labels=3,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    cfg = T.BertConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * width,
+        max_position_embeddings=tokens,
+        type_vocab_size=2,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
     model = HFLogits(T.BertForSequenceClassification(cfg), ("input_ids", "attention_mask", "token_type_ids"))
     ids = torch.randint(1, HF_VOCAB, (batch, tokens), generator=g)
     mask = torch.ones(batch, tokens, dtype=torch.long)
     mask[0, -2:] = 0
     ids[0, -2:] = 0
     types = torch.zeros(batch, tokens, dtype=torch.long)
-    types[:, tokens // 2:] = 1
+    types[:, tokens // 2 :] = 1
     return model.train(), torch.stack([ids, mask, types], 1), torch.randint(0, 3, (batch,), generator=g), loss_fn
 
 
@@ -402,8 +484,13 @@ def _rel_sum_err_floored(a: list, b: list, floor: float = 1e-6) -> float:
     a shift shared by every key) is compared relative to the whole gradient, not to its own float noise
     (~1e-22)."""
     total = math.sqrt(sum(float(y.double().norm()) ** 2 for y in b))
-    return max((float((x.double() - y.double()).norm()) / max(float(y.double().norm()), floor * total, 1e-300)
-                for x, y in zip(a, b)), default=0.0)
+    return max(
+        (
+            float((x.double() - y.double()).norm()) / max(float(y.double().norm()), floor * total, 1e-300)
+            for x, y in zip(a, b)
+        ),
+        default=0.0,
+    )
 
 
 def hf_tolerance(dtype: torch.dtype) -> float:
@@ -424,8 +511,10 @@ def run_hf_equality(device: torch.device, cases) -> dict:
             results.append({"model": name, "dtype": dtype_name, "skipped": "no float64 on this device"})
             continue
         t = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                tf32(False if device.type == "cuda" else None):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            tf32(False if device.type == "cuda" else None),
+        ):
             model, x, y, lf = hf_case(name, batch, tokens, width)
             model = model.to(device=device, dtype=dtype)
             x, y = x.to(device), y.to(device)
@@ -435,19 +524,36 @@ def run_hf_equality(device: torch.device, cases) -> dict:
             geo, groups = ClipGeometry(), [0] * fast.num_params
             sq_f, sq_r = fast.sq_norms(geo, groups, 1)[:, 0], ref.sq_norms(geo, groups, 1)[:, 0]
             bound = sq_r.double().sqrt().median().to(sq_r.dtype)
-            sums = [src.weighted_sum(torch.clamp(bound / sq.clamp_min(0).sqrt().clamp_min(1e-30), max=1.0)[:, None],
-                                     geo, groups) for src, sq in ((fast, sq_f), (ref, sq_r))]
+            sums = [
+                src.weighted_sum(
+                    torch.clamp(bound / sq.clamp_min(0).sqrt().clamp_min(1e-30), max=1.0)[:, None], geo, groups
+                )
+                for src, sq in ((fast, sq_f), (ref, sq_r))
+            ]
             over, under = _rel_norm_errs(sq_f, sq_r)
             errs = {"norms_over": over, "norms_under": under, "clipped_sums": _rel_sum_err_floored(*sums)}
             del fast, ref, it_fast, it_ref
         tol = hf_tolerance(dtype)
         beyond = [f"{k} {v:.1e} > {tol:g}" for k, v in errs.items() if not v <= tol]
         passed &= not beyond
-        results.append({"model": name, "dtype": dtype_name, "batch": batch, "tokens": tokens, "width": width,
-                        "errors": errs, "tolerance": tol, "ok": not beyond, "beyond": beyond,
-                        "seconds": round(time.perf_counter() - t, 3)})
-        print(f"  {name:5s} {dtype_name:8s} B = {batch}, T = {tokens}, d = {width}: norms +{over:.1e}/-{under:.1e}, "
-              f"sums {errs['clipped_sums']:.1e} {'ok' if not beyond else 'FAIL: ' + '; '.join(beyond)}")
+        results.append(
+            {
+                "model": name,
+                "dtype": dtype_name,
+                "batch": batch,
+                "tokens": tokens,
+                "width": width,
+                "errors": errs,
+                "tolerance": tol,
+                "ok": not beyond,
+                "beyond": beyond,
+                "seconds": round(time.perf_counter() - t, 3),
+            }
+        )
+        print(
+            f"  {name:5s} {dtype_name:8s} B = {batch}, T = {tokens}, d = {width}: norms +{over:.1e}/-{under:.1e}, "
+            f"sums {errs['clipped_sums']:.1e} {'ok' if not beyond else 'FAIL: ' + '; '.join(beyond)}"
+        )
     return {"passed": passed, "cases": results}
 
 
@@ -478,17 +584,32 @@ def _lm_step(name: str, private: bool, b: int, device: torch.device):
             opt.zero_grad(set_to_none=True)
             ts.loss_fn(model(x), y).backward()
             opt.step()
+
         return step
-    dp = make_optimizer("dp-sgd", params, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=float(b),
-                        sample_rate=b / ts.N_DATA, dataset="synthetic")
+    dp = make_optimizer(
+        "dp-sgd",
+        params,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=float(b),
+        sample_rate=b / ts.N_DATA,
+        dataset="synthetic",
+    )
 
     def step():
         dp.step(iter_per_sample_sources(model, ts.loss_fn, x, y, None, dp.evaluation_points()))
+
     return step
 
 
-def run_transformer_timings(device: torch.device, batch: int = TRANSFORMER_BATCH, rounds: int = 3,
-                            per_round: int = 2, warmup: int = 2, memory: bool = True) -> dict:
+def run_transformer_timings(
+    device: torch.device,
+    batch: int = TRANSFORMER_BATCH,
+    rounds: int = 3,
+    per_round: int = 2,
+    warmup: int = 2,
+    memory: bool = True,
+) -> dict:
     """Part 5: DP-SGD / non-private of the GPT-2-shaped model, full fine-tuning and LoRA; peak CUDA memory."""
     st = step_time_module()
     out = {}
@@ -500,13 +621,21 @@ def run_transformer_timings(device: torch.device, batch: int = TRANSFORMER_BATCH
         del steps
         gc.collect()
         if memory:
-            r["peak_mib"] = {k: _cuda_peak(lambda k=k, name=name: _lm_step(name, k == "dp-sgd", batch, device), device)["peak_mib"]
-                             for k in ("non-private", "dp-sgd")}
+            r["peak_mib"] = {
+                k: _cuda_peak(lambda k=k, name=name: _lm_step(name, k == "dp-sgd", batch, device), device)["peak_mib"]
+                for k in ("non-private", "dp-sgd")
+            }
             r["peak_dp/non-private"] = r["peak_mib"]["dp-sgd"] / r["peak_mib"]["non-private"]
-        print(f"  {label:9s} B = {batch}: non-private {ms['non-private']:.1f} ms, dp-sgd {ms['dp-sgd']:.1f} ms, "
-              f"ratio {r['dp-sgd/non-private']:.2f}"
-              + (f"; peak {r['peak_mib']['non-private']:.0f} / {r['peak_mib']['dp-sgd']:.0f} MiB "
-                 f"({r['peak_dp/non-private']:.2f}x)" if memory else ""))
+        print(
+            f"  {label:9s} B = {batch}: non-private {ms['non-private']:.1f} ms, dp-sgd {ms['dp-sgd']:.1f} ms, "
+            f"ratio {r['dp-sgd/non-private']:.2f}"
+            + (
+                f"; peak {r['peak_mib']['non-private']:.0f} / {r['peak_mib']['dp-sgd']:.0f} MiB "
+                f"({r['peak_dp/non-private']:.2f}x)"
+                if memory
+                else ""
+            )
+        )
         out[label] = r
     return out
 
@@ -534,9 +663,14 @@ def _fsdp_train(sharded: bool, sigma: float, device: torch.device, steps: int) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reproducible-noise warning
         model, opt, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(data, batch_size=FSDP_SMOKE["batch"]), noise_multiplier=sigma, max_grad_norm=1.0,
-            noise_generator=torch.Generator().manual_seed(2), distributed="fsdp" if sharded else False)
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=FSDP_SMOKE["batch"]),
+            noise_multiplier=sigma,
+            max_grad_norm=1.0,
+            noise_generator=torch.Generator().manual_seed(2),
+            distributed="fsdp" if sharded else False,
+        )
     for t, (x, y) in enumerate(loader):
         if t >= steps:
             break
@@ -559,8 +693,9 @@ def run_fsdp_smoke(device: torch.device, steps: int = FSDP_SMOKE["steps"]) -> di
 
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     try:
         t = time.perf_counter()
         cuda = device.type == "cuda"
@@ -575,15 +710,25 @@ def run_fsdp_smoke(device: torch.device, steps: int = FSDP_SMOKE["steps"]) -> di
         worst = max(float(((a - b).abs() / (1e-5 + 1e-4 * b.abs())).max()) for a, b in zip(sharded, plain))
         moved = any(not torch.equal(a, b) for a, b in zip(sharded, transformer_module().build("gpt2").parameters()))
         _, noisy_engine = _fsdp_train(True, 1.0, device, 1)
-        out = {"backend": dist.get_backend(), "steps": steps, "ledger_steps": len(engine.ledger),
-               "worst_over_tolerance": worst, "equal": worst <= 1.0, "trained": moved,
-               "noisy_step_ledger": len(noisy_engine.ledger),
-               "peak_mib_plain": peak_plain, "peak_mib_fsdp": peak_fsdp, "seconds": round(time.perf_counter() - t, 2)}
+        out = {
+            "backend": dist.get_backend(),
+            "steps": steps,
+            "ledger_steps": len(engine.ledger),
+            "worst_over_tolerance": worst,
+            "equal": worst <= 1.0,
+            "trained": moved,
+            "noisy_step_ledger": len(noisy_engine.ledger),
+            "peak_mib_plain": peak_plain,
+            "peak_mib_fsdp": peak_fsdp,
+            "seconds": round(time.perf_counter() - t, 2),
+        }
         out["passed"] = bool(out["equal"] and moved and out["ledger_steps"] == steps and out["noisy_step_ledger"] == 1)
-        print(f"  world size 1 ({out['backend']}): {steps} steps sigma 0 FSDP vs plain: max |diff| / (1e-5 + 1e-4|x|) "
-              f"= {worst:.2f} ({'ok' if out['equal'] else 'FAIL'}); a sigma-1 step: "
-              f"{'ok' if out['noisy_step_ledger'] == 1 else 'FAIL'}"
-              + (f"; peak {peak_plain:.0f} MiB plain, {peak_fsdp:.0f} MiB fsdp" if cuda else ""))
+        print(
+            f"  world size 1 ({out['backend']}): {steps} steps sigma 0 FSDP vs plain: max |diff| / (1e-5 + 1e-4|x|) "
+            f"= {worst:.2f} ({'ok' if out['equal'] else 'FAIL'}); a sigma-1 step: "
+            f"{'ok' if out['noisy_step_ledger'] == 1 else 'FAIL'}"
+            + (f"; peak {peak_plain:.0f} MiB plain, {peak_fsdp:.0f} MiB fsdp" if cuda else "")
+        )
         return out
     finally:
         if own:
@@ -607,8 +752,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto (default: cuda if available), cuda or cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads for torch.set_num_threads (default: leave torch's setting)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for torch.set_num_threads (default: leave torch's setting)"
+    )
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -616,8 +762,10 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
-    print(f"gpu_check: device {device} ({name}), torch {torch.__version__}"
-          + ("" if cuda else "; no CUDA device: CPU fallback at a tiny size"))
+    print(
+        f"gpu_check: device {device} ({name}), torch {torch.__version__}"
+        + ("" if cuda else "; no CUDA device: CPU fallback at a tiny size")
+    )
     report: dict = {"device": str(device), "device_name": name, "torch": torch.__version__, "skipped": []}
 
     print("1. fast vs reference engine (per-sample squared norms, clipped sums):")
@@ -645,14 +793,19 @@ def main(argv=None) -> int:
         print("5. GPT-2-shaped step ratios and memory: SKIPPED (GPU only; no CUDA device)")
         print("6. FSDP smoke run: SKIPPED (GPU only: a world-size-1 NCCL group; the CPU gloo tests cover FSDP)")
 
-    failed_parts = [k for k in ("equality", "transformers", "fsdp", "timings", "memory", "transformer_timings")
-                    if k in report and report[k].get("passed", True) is False]
+    failed_parts = [
+        k
+        for k in ("equality", "transformers", "fsdp", "timings", "memory", "transformer_timings")
+        if k in report and report[k].get("passed", True) is False
+    ]
     report["failed_parts"] = failed_parts
     report["passed"] = not failed_parts
     report["seconds"] = round(time.perf_counter() - t0, 2)
-    print(f"{'PASSED' if report['passed'] else 'FAILED'}: engine equality and FSDP checks "
-          f"({'all within tolerance' if report['passed'] else 'failed: ' + ', '.join(failed_parts)}); "
-          f"{report['seconds']:.1f} s")
+    print(
+        f"{'PASSED' if report['passed'] else 'FAILED'}: engine equality and FSDP checks "
+        f"({'all within tolerance' if report['passed'] else 'failed: ' + ', '.join(failed_parts)}); "
+        f"{report['seconds']:.1f} s"
+    )
     if args.json:
         print(json.dumps(report))
     return 0 if report["passed"] else 1

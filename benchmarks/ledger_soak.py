@@ -44,8 +44,9 @@ def _engine(accountant: str = "pld", n: int = 512, batch: int = 16):
     engine = PrivacyEngine(accountant=accountant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                 noise_multiplier=1.0, max_grad_norm=1.0)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+        )
     return engine, model, opt, loader
 
 
@@ -96,8 +97,16 @@ def checkpoints(steps_list, workdir: Path) -> list[dict]:
         fresh.load_checkpoint(path=path, module=model2, optimizer=opt2)
         load_s = time.perf_counter() - t
         assert len(fresh.ledger) == n
-        rows.append({"steps": n, "checkpoint_bytes": path.stat().st_size, "save_s": save_s, "load_s": load_s,
-                     "groups": len(engine.ledger.groups), "journal_bytes": (d / "journal.jsonl").stat().st_size})
+        rows.append(
+            {
+                "steps": n,
+                "checkpoint_bytes": path.stat().st_size,
+                "save_s": save_s,
+                "load_s": load_s,
+                "groups": len(engine.ledger.groups),
+                "journal_bytes": (d / "journal.jsonl").stat().st_size,
+            }
+        )
     return rows
 
 
@@ -156,9 +165,15 @@ def with_epsilon_steps(low: int = 1000, high: int = 100_000, steps: int = 200) -
     engine = PrivacyEngine(accountant="rdp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private_with_epsilon(module=model, optimizer=opt, data_loader=loader,
-                                                              target_epsilon=8.0, target_delta=DELTA,
-                                                              epochs=high * 16 // n + 10, max_grad_norm=1.0)
+        model, opt, loader = engine.make_private_with_epsilon(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            target_epsilon=8.0,
+            target_delta=DELTA,
+            epochs=high * 16 // n + 10,
+            max_grad_norm=1.0,
+        )
         out = {}
         for label, total in (("low", low), ("high", high)):
             _train(model, opt, loader, 3)
@@ -192,8 +207,11 @@ def measure(steps_list=(100, 1000, 10000, 100000)) -> dict:
             "epsilon": epsilon_calls(steps_list),
             "ledger_reads": ledger_reads(steps_list),
             "make_private_with_epsilon": with_epsilon_steps(min(1000, steps_list[-1]), steps_list[-1]),
-            "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "python": sys.version.split()[0]},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "python": sys.version.split()[0],
+            },
         }
     return result
 

@@ -38,13 +38,13 @@ from dpopt.noise import _MT_WORDS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _cpu_g
 def _old_secret(n: int, pool, gen: torch.Generator) -> torch.Tensor:
     """The pre-issue-19 secret path: torch's float32 normal_ per chunk of NORMAL_CHUNK, derived MT states."""
     k = -(-n // NORMAL_CHUNK)
-    words = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
+    words = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
     raw = words.to(torch.int32).numpy().tobytes()
     out = torch.empty(n)
 
     def fill(i: int) -> None:
-        sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
-        out[i * NORMAL_CHUNK:min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
+        sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)])
+        out[i * NORMAL_CHUNK : min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
 
     if pool is None:
         for i in range(k):
@@ -58,7 +58,7 @@ def _old_secure(n: int) -> torch.Tensor:
     """The pre-issue-19 secure path: float64 Box–Muller on 53-bit uniforms from os.urandom."""
     pairs = (n + 1) // 2
     words = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
-    u = ((words & ((1 << 53) - 1)).to(torch.float64) + 1.0) * 2.0 ** -53
+    u = ((words & ((1 << 53) - 1)).to(torch.float64) + 1.0) * 2.0**-53
     r = torch.sqrt(-2.0 * torch.log(u[:pairs]))
     theta = (2.0 * math.pi) * u[pairs:]
     return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
@@ -99,15 +99,19 @@ def measure(size: int, repeats: int) -> dict:
         "old secret (2 threads)": (2, lambda: _old_secret(size, pool, gen)),
         "new secret (2 threads)": (2, lambda: secret.normal((size,))),
         "new secret float64 (2 threads)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
-        "floor: MT words only (1 thread)": (1, lambda: torch.empty(size, dtype=torch.int64).random_(
-            -2 ** 63, None, generator=gen)),  # the new sampler's random bits alone: 64 per normal
+        "floor: MT words only (1 thread)": (
+            1,
+            lambda: torch.empty(size, dtype=torch.int64).random_(-(2**63), None, generator=gen),
+        ),  # the new sampler's random bits alone: 64 per normal
         "old secure": (1, lambda: _old_secure(size)),
         "new secure": (1, lambda: secure.normal((size,))),
         "new reproducible (1 thread)": (1, lambda: repro.normal((size,))),
     }
     small_src = NoiseSource("secret")
-    small_cases = {"old secret (torch.randn)": (1, lambda: torch.randn(10, generator=gen)),
-                   "new secret": (1, lambda: small_src.normal((10,)))}
+    small_cases = {
+        "old secret (torch.randn)": (1, lambda: torch.randn(10, generator=gen)),
+        "new secret": (1, lambda: small_src.normal((10,))),
+    }
     try:
         wall, cpu = _interleaved(cases, repeats)
         rows = {name: ms * scale for name, ms in wall.items()}
@@ -118,14 +122,21 @@ def measure(size: int, repeats: int) -> dict:
         torch.set_num_threads(old_threads)
         pool.shutdown()
     base = rows["torch.randn"]
-    old_of = {"new secret (1 thread)": "old secret (1 thread)", "new secret (2 threads)": "old secret (2 threads)",
-              "new secret float64 (1 thread)": "old secret (1 thread)",
-              "new secret float64 (2 threads)": "old secret (2 threads)",
-              "new secure": "old secure", "new reproducible (1 thread)": "old secret (1 thread)"}
+    old_of = {
+        "new secret (1 thread)": "old secret (1 thread)",
+        "new secret (2 threads)": "old secret (2 threads)",
+        "new secret float64 (1 thread)": "old secret (1 thread)",
+        "new secret float64 (2 threads)": "old secret (2 threads)",
+        "new secure": "old secure",
+        "new reproducible (1 thread)": "old secret (1 thread)",
+    }
     return {
-        "size": size, "repeats": repeats, "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "cut_radius_new": CUT_RADIUS, "cut_radius_old_secret": math.sqrt(-2 * math.log(2.0 ** -24)),
-        "cut_radius_old_secure": math.sqrt(-2 * math.log(2.0 ** -53)),
+        "size": size,
+        "repeats": repeats,
+        "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "cut_radius_new": CUT_RADIUS,
+        "cut_radius_old_secret": math.sqrt(-2 * math.log(2.0**-24)),
+        "cut_radius_old_secure": math.sqrt(-2 * math.log(2.0**-53)),
         "ms_per_1e6": rows,
         "ratio_to_torch_randn": {k: v / base for k, v in rows.items()},
         "ratio_to_old": {k: rows[k] / rows[v] for k, v in old_of.items()},
@@ -148,17 +159,23 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
-          f"1-min load {result['load_1min']})")
+    print(
+        f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
+        f"1-min load {result['load_1min']})"
+    )
     print(f"{'sampler':34s} {'wall ms':>8s} {'x randn':>8s} {'x old':>7s} {'CPU ms':>8s} {'x old':>7s}")
     for name, ms in result["ms_per_1e6"].items():
         old, cpu_old = result["ratio_to_old"].get(name), result["cpu_ratio_to_old"].get(name)
-        print(f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
-              f"{'' if old is None else f'{old:7.2f}':>7s} {result['cpu_ms_per_1e6'][name]:8.2f} "
-              f"{'' if cpu_old is None else f'{cpu_old:7.2f}':>7s}")
+        print(
+            f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
+            f"{'' if old is None else f'{old:7.2f}':>7s} {result['cpu_ms_per_1e6'][name]:8.2f} "
+            f"{'' if cpu_old is None else f'{cpu_old:7.2f}':>7s}"
+        )
     print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
-    print(f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
-          f"old secure {result['cut_radius_old_secure']:.2f}")
+    print(
+        f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
+        f"old secure {result['cut_radius_old_secure']:.2f}"
+    )
     return 0
 
 

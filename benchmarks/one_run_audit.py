@@ -22,9 +22,12 @@ from dpopt.training import TrainConfig
 
 
 def configs(n: int) -> dict:
-    return {"full-batch (q=1, 20 steps)": TrainConfig(method="dp-sgd", epochs=20, sample_rate=1.0,
-                                                      batch_size=float(n), target_epsilon=8.0),
-            "poisson (q=64/N, 10 epochs)": TrainConfig(method="dp-sgd", epochs=10, target_epsilon=8.0)}
+    return {
+        "full-batch (q=1, 20 steps)": TrainConfig(
+            method="dp-sgd", epochs=20, sample_rate=1.0, batch_size=float(n), target_epsilon=8.0
+        ),
+        "poisson (q=64/N, 10 epochs)": TrainConfig(method="dp-sgd", epochs=10, target_epsilon=8.0),
+    }
 
 
 def main() -> None:
@@ -39,9 +42,20 @@ def main() -> None:
         for m in (1000, 10000):
             t = time.time()
             r = one_run(cfg, canaries=m, beta=args.beta, data=data, seed=m)
-            rows.append({"run": name, "m": m, "claimed": r.epsilon, "steinke": r.bounds.steinke, "fdp": r.bounds.fdp,
-                         "mu_lower": r.bounds.mu, "claimed_mu": r.claimed_mu, "verdict": r.verdict,
-                         "fdp_over_claim": r.bounds.fdp / r.epsilon, "seconds": round(time.time() - t, 1)})
+            rows.append(
+                {
+                    "run": name,
+                    "m": m,
+                    "claimed": r.epsilon,
+                    "steinke": r.bounds.steinke,
+                    "fdp": r.bounds.fdp,
+                    "mu_lower": r.bounds.mu,
+                    "claimed_mu": r.claimed_mu,
+                    "verdict": r.verdict,
+                    "fdp_over_claim": r.bounds.fdp / r.epsilon,
+                    "seconds": round(time.time() - t, 1),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     cfg = configs(data.n_train)["full-batch (q=1, 20 steps)"]
     over = 0

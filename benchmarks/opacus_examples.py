@@ -75,8 +75,11 @@ import time
 import types
 from pathlib import Path
 
-EXAMPLES = {"cifar10": "cifar10.py", "char-lstm": "char-lstm-classification.py",
-            "char-lstm+nn.LSTM": "char-lstm-classification.py"}
+EXAMPLES = {
+    "cifar10": "cifar10.py",
+    "char-lstm": "char-lstm-classification.py",
+    "char-lstm+nn.LSTM": "char-lstm-classification.py",
+}
 SWITCH = ("from opacus import PrivacyEngine\n", "from dpopt import PrivacyEngine\n")
 #: the one more line changed in the "char-lstm+nn.LSTM" variant (dpopt only: Opacus refuses nn.LSTM)
 LSTM_SWITCH = ("        rnn_type = DPLSTM\n", "        rnn_type = nn.LSTM\n")
@@ -92,8 +95,38 @@ def write_names_corpus(root: Path, languages: int = 8, per_language: int = 250, 
     languages share letters and overlap (the task is not trivially separable).
     Deterministic in ``seed``.
     """
-    onsets = ["b", "br", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "kr", "l", "m", "n", "p", "pr", "r", "s",
-              "sh", "st", "t", "tr", "v", "w", "z", "zh", "ts", "kh", "sk"]
+    onsets = [
+        "b",
+        "br",
+        "ch",
+        "d",
+        "dr",
+        "f",
+        "g",
+        "gr",
+        "h",
+        "j",
+        "k",
+        "kr",
+        "l",
+        "m",
+        "n",
+        "p",
+        "pr",
+        "r",
+        "s",
+        "sh",
+        "st",
+        "t",
+        "tr",
+        "v",
+        "w",
+        "z",
+        "zh",
+        "ts",
+        "kh",
+        "sk",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ei", "ou", "ia", "y", "ae", "oo"]
     endings = ["", "n", "s", "r", "ski", "ov", "ez", "son", "ini", "ou", "ak", "berg", "escu", "ic", "ata"]
     root.mkdir(parents=True, exist_ok=True)
@@ -148,7 +181,7 @@ def install_torchvision_standin(data_dir: str, n_train: int, n_test: int) -> Non
             p = self.padding
             padded = np.pad(img, ((p, p), (p, p), (0, 0)))
             i, j = (int(v) for v in torch.randint(0, 2 * p + 1, (2,)))
-            return padded[i:i + self.size, j:j + self.size]
+            return padded[i : i + self.size, j : j + self.size]
 
     class RandomHorizontalFlip:
         def __init__(self, p=0.5):
@@ -196,8 +229,14 @@ def _history_epsilons(history, delta: float) -> dict:
         out["eps_rdp_opacus"] = float(acc.get_epsilon(delta=delta))
     except ImportError:
         out["eps_rdp_opacus"] = None
-    event = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(s))), int(n)) for s, q, n in history])
+    event = dp_event.ComposedDpEvent(
+        [
+            dp_event.SelfComposedDpEvent(
+                dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(s))), int(n)
+            )
+            for s, q, n in history
+        ]
+    )
     out["eps_pld_dpopt"] = float(epsilon(event, delta, "pld"))
     return out
 
@@ -262,11 +301,17 @@ def run_child(spec: dict) -> dict:
     walls = [b[1] - a[1] for a, b in zip(stamps, stamps[1:]) if a[0] == b[0]]
     cpus = [b[2] - a[2] for a, b in zip(stamps, stamps[1:]) if a[0] == b[0]]
     delta = float(spec["delta"])
-    row = {"accuracy": seen["accuracy"], "steps": sum(int(h[2]) for h in history), "history": history,
-           "accountant": str(getattr(engine.accountant, "mechanism", lambda: "?")()),
-           "eps_own": float(engine.accountant.get_epsilon(delta=delta)), "delta": delta,
-           "step_wall_s": statistics.median(walls) if walls else None,
-           "step_cpu_s": statistics.median(cpus) if cpus else None, "run_wall_s": wall}
+    row = {
+        "accuracy": seen["accuracy"],
+        "steps": sum(int(h[2]) for h in history),
+        "history": history,
+        "accountant": str(getattr(engine.accountant, "mechanism", lambda: "?")()),
+        "eps_own": float(engine.accountant.get_epsilon(delta=delta)),
+        "delta": delta,
+        "step_wall_s": statistics.median(walls) if walls else None,
+        "step_cpu_s": statistics.median(cpus) if cpus else None,
+        "run_wall_s": wall,
+    }
     row.update(_history_epsilons(history, delta))
     return row
 
@@ -275,9 +320,24 @@ def run_child(spec: dict) -> dict:
 def example_argv(example: str, args, workdir: Path) -> list:
     """The example's own command line (reduced settings; module docstring)."""
     if example == "cifar10":
-        return ["--epochs", args.cifar_epochs, "--batch-size", args.cifar_batch, "--batch-size-test", 500, "-j", 0,
-                "--print-freq", 10 ** 6, "--device", "cpu", "--data-root", workdir, "--checkpoint-file",
-                workdir / "checkpoint"]
+        return [
+            "--epochs",
+            args.cifar_epochs,
+            "--batch-size",
+            args.cifar_batch,
+            "--batch-size-test",
+            500,
+            "-j",
+            0,
+            "--print-freq",
+            10**6,
+            "--device",
+            "cpu",
+            "--data-root",
+            workdir,
+            "--checkpoint-file",
+            workdir / "checkpoint",
+        ]
     names = write_names_corpus(workdir / "names", per_language=args.names_per_language)
     return ["--data-root", names, "--device", "cpu", "--batch-size", args.lstm_batch, "--epochs", args.lstm_epochs]
 
@@ -285,17 +345,24 @@ def example_argv(example: str, args, workdir: Path) -> list:
 def run_one(example: str, lib: str, seed: int, args) -> dict:
     """One run in a fresh subprocess (cwd a temporary directory: the examples write checkpoints there)."""
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"example": example, "lib": lib, "seed": seed, "path": str(Path(args.examples) / EXAMPLES[example]),
-                "argv": [str(a) for a in example_argv(example, args, Path(tmp))],
-                "delta": 1e-5 if example == "cifar10" else 8e-5, "data_dir": str(Path(args.data_dir).resolve()),
-                "cifar_train": args.cifar_train, "cifar_test": args.cifar_test}
+        spec = {
+            "example": example,
+            "lib": lib,
+            "seed": seed,
+            "path": str(Path(args.examples) / EXAMPLES[example]),
+            "argv": [str(a) for a in example_argv(example, args, Path(tmp))],
+            "delta": 1e-5 if example == "cifar10" else 8e-5,
+            "data_dir": str(Path(args.data_dir).resolve()),
+            "cifar_train": args.cifar_train,
+            "cifar_test": args.cifar_test,
+        }
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
         env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_DISABLE="1")
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=args.timeout)
     row = {"example": example, "lib": lib, "seed": seed}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode == 0 and lines:
-        row.update(json.loads(lines[-1][len("RESULT "):]))
+        row.update(json.loads(lines[-1][len("RESULT ") :]))
     else:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         row["error"] = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1] if tail else "no output")[:2000]
@@ -313,9 +380,11 @@ def _mean_sd(values) -> str:
 
 def table(rows: list) -> str:
     """Markdown table: per example and library, mean ± sd over seeds (or the error of failed runs)."""
-    out = ["| example | library | runs | test accuracy | ε own accountant | ε Opacus RDP (same) "
-           "| ε dpopt PLD (same) | steps | step wall s | step CPU s |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| example | library | runs | test accuracy | ε own accountant | ε Opacus RDP (same) "
+        "| ε dpopt PLD (same) | steps | step wall s | step CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for example in EXAMPLES:
         for lib in LIBS.get(example, ("opacus", "dpopt")):
             group = [r for r in rows if r["example"] == example and r["lib"] == lib]
@@ -326,12 +395,14 @@ def table(rows: list) -> str:
                 out.append(f"| {example} | {lib} | 0/{len(group)} | failed: {group[-1]['error'][:300]} |||||||")
                 continue
             acc = {r.get("accountant") for r in ok}
-            out.append(f"| {example} | {lib} | {len(ok)}/{len(group)} | {_mean_sd([r['accuracy'] for r in ok])} | "
-                       f"{_mean_sd([r['eps_own'] for r in ok])} ({'/'.join(sorted(acc))}) | "
-                       f"{_mean_sd([r['eps_rdp_opacus'] for r in ok])} | "
-                       f"{_mean_sd([r['eps_pld_dpopt'] for r in ok])} | "
-                       f"{_mean_sd([r['steps'] for r in ok])} | {_mean_sd([r['step_wall_s'] for r in ok])} | "
-                       f"{_mean_sd([r['step_cpu_s'] for r in ok])} |")
+            out.append(
+                f"| {example} | {lib} | {len(ok)}/{len(group)} | {_mean_sd([r['accuracy'] for r in ok])} | "
+                f"{_mean_sd([r['eps_own'] for r in ok])} ({'/'.join(sorted(acc))}) | "
+                f"{_mean_sd([r['eps_rdp_opacus'] for r in ok])} | "
+                f"{_mean_sd([r['eps_pld_dpopt'] for r in ok])} | "
+                f"{_mean_sd([r['steps'] for r in ok])} | {_mean_sd([r['step_wall_s'] for r in ok])} | "
+                f"{_mean_sd([r['step_cpu_s'] for r in ok])} |"
+            )
     return "\n".join(out)
 
 
@@ -373,8 +444,10 @@ def main(argv=None) -> int:
                     row = run_one(example, lib, seed, args)
                     rows = [r for r in rows if (r["example"], r["lib"], r["seed"]) != (example, lib, seed)] + [row]
                     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                    status = row.get("error") or (f"accuracy {row['accuracy']:.4f}, eps {row['eps_own']:.4f} "
-                                                  f"({row['accountant']}), {row['steps']} steps")
+                    status = row.get("error") or (
+                        f"accuracy {row['accuracy']:.4f}, eps {row['eps_own']:.4f} "
+                        f"({row['accountant']}), {row['steps']} steps"
+                    )
                     print(f"{example} {lib} seed {seed}: {status} [{time.perf_counter() - t:.0f} s]", flush=True)
     text = table(rows)
     for example in EXAMPLES:  # equal histories: the same-accountant epsilons are equal by construction

@@ -58,6 +58,7 @@ def wrap(owner, attr: str, label: str) -> None:
             return inner(*args, **kw)
         finally:
             CUR[label] += time.perf_counter() - t
+
     setattr(owner, attr, timed)
 
 
@@ -67,8 +68,13 @@ def main() -> None:
     ap.add_argument("--methods", default="dp-sgd,dp-macadam")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="also print the N functions with the most own time per step (cProfile)")
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N functions with the most own time per step (cProfile)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     wrap(fast_mod.PerSampleEngine, "compute", "capture")
@@ -87,6 +93,7 @@ def main() -> None:
         f(), f()
     # wrap each optimizer's transform.update (instances differ per method)
     import gc
+
     for obj in gc.get_objects():
         if isinstance(obj, DPOptimizer):
             wrap(obj.transform, "update", "transform")
@@ -104,12 +111,15 @@ def main() -> None:
             for k, v in CUR.items():
                 ACC[k].append(v)
         parts = ", ".join(f"{k} {1e3 * statistics.median(v):.2f}" for k, v in ACC.items())
-        print(f"{name:12s} step {1e3 * statistics.median(wall):7.1f} (thread cpu {1e3 * statistics.median(cpu):7.1f}, "
-              f"process cpu {1e3 * statistics.median(proc):7.1f})  {parts}")
+        print(
+            f"{name:12s} step {1e3 * statistics.median(wall):7.1f} (thread cpu {1e3 * statistics.median(cpu):7.1f}, "
+            f"process cpu {1e3 * statistics.median(proc):7.1f})  {parts}"
+        )
     print(f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.cprofile:
         import cProfile
         import pstats
+
         for name, f in steps.items():
             prof = cProfile.Profile()
             prof.enable()
@@ -117,13 +127,17 @@ def main() -> None:
                 f()
             prof.disable()
             stats = pstats.Stats(prof)
-            rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:args.cprofile]
-            print(f"\n{name}: own time per step (µs), top {args.cprofile} (cProfile: its overhead inflates "
-                  "Python-heavy functions)")
+            rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[: args.cprofile]
+            print(
+                f"\n{name}: own time per step (µs), top {args.cprofile} (cProfile: its overhead inflates "
+                "Python-heavy functions)"
+            )
             for (file, line, func), (_, calls, own, cum, _) in rows:
                 where = file.split("/src/")[-1] if "/src/" in file else file.split("/")[-1]
-                print(f"  {1e6 * own / args.steps:9.0f} own {1e6 * cum / args.steps:9.0f} cum "
-                      f"{calls / args.steps:6.1f} calls  {where}:{line}({func})")
+                print(
+                    f"  {1e6 * own / args.steps:9.0f} own {1e6 * cum / args.steps:9.0f} cum "
+                    f"{calls / args.steps:6.1f} calls  {where}:{line}({func})"
+                )
 
 
 if __name__ == "__main__":

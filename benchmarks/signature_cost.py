@@ -57,12 +57,22 @@ def main(argv=None) -> dict:
     t_sig = median_time(lambda: signature(model, args.batch), 2000)
     snap = snapshot_buffers(model)
     t_buf = median_time(lambda: (snapshot_buffers(model, reuse=snap), changed_buffers(model, snap)), 2000)
-    out = {"model": args.model, "batch": args.batch, "modules": len(list(model.modules())),
-           "buffers": len(list(model.buffers())), "step_s": t_step, "signature_s": t_sig,
-           "buffer_check_s": t_buf, "signature_share": t_sig / t_step, "per_step_share": (t_sig + t_buf) / t_step}
-    print(f"{args.model} B={args.batch}: step {t_step * 1e3:.1f} ms; signature {t_sig * 1e6:.1f} us "
-          f"({100 * t_sig / t_step:.4f} %); buffers by value {t_buf * 1e6:.1f} us; "
-          f"together {100 * (t_sig + t_buf) / t_step:.4f} % of the step")
+    out = {
+        "model": args.model,
+        "batch": args.batch,
+        "modules": len(list(model.modules())),
+        "buffers": len(list(model.buffers())),
+        "step_s": t_step,
+        "signature_s": t_sig,
+        "buffer_check_s": t_buf,
+        "signature_share": t_sig / t_step,
+        "per_step_share": (t_sig + t_buf) / t_step,
+    }
+    print(
+        f"{args.model} B={args.batch}: step {t_step * 1e3:.1f} ms; signature {t_sig * 1e6:.1f} us "
+        f"({100 * t_sig / t_step:.4f} %); buffers by value {t_buf * 1e6:.1f} us; "
+        f"together {100 * (t_sig + t_buf) / t_step:.4f} % of the step"
+    )
     if args.json:
         print(json.dumps(out))
     return out

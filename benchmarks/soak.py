@@ -132,6 +132,7 @@ class Meter:
         self.reads.append((self.n, rss_kib()))
         if self.cuda:
             import torch
+
             torch.cuda.synchronize()
             self.cuda_reads.append((self.n, torch.cuda.memory_allocated() / 1024))
         if self.ledger is not None and (len(self.ledger_reads) == 0 or self.n == self.warmup + self.steps):
@@ -151,27 +152,43 @@ class Meter:
         if len(self.ledger_reads) == 2:
             (n0, k0), (n1, k1) = self.ledger_reads
             led = (k1 - k0) / (n1 - n0) if n1 > n0 else None
-        out = {"steps": self.n - self.warmup, "warmup": self.warmup, "rss_kib_per_step": rss,
-               "rss_mib_start": self.reads[0][1] / 1024 if self.reads else None,
-               "rss_mib_end": self.reads[-1][1] / 1024 if self.reads else None,
-               "ledger_kib_per_step": led,
-               "beyond_ledger_kib_per_step": None if rss is None else rss - (led or 0.0),
-               "cuda_kib_per_step": cuda,
-               "step_ms_at_100": statistics.median(ms[90:110]) if len(ms) >= 110 else None,
-               "step_ms_late": statistics.median(ms[-50:]) if ms else None}
+        out = {
+            "steps": self.n - self.warmup,
+            "warmup": self.warmup,
+            "rss_kib_per_step": rss,
+            "rss_mib_start": self.reads[0][1] / 1024 if self.reads else None,
+            "rss_mib_end": self.reads[-1][1] / 1024 if self.reads else None,
+            "ledger_kib_per_step": led,
+            "beyond_ledger_kib_per_step": None if rss is None else rss - (led or 0.0),
+            "cuda_kib_per_step": cuda,
+            "step_ms_at_100": statistics.median(ms[90:110]) if len(ms) >= 110 else None,
+            "step_ms_late": statistics.median(ms[-50:]) if ms else None,
+        }
         return out
 
 
 # --------------------------------------------------------------------------- models and data
 def _mlp():
     from torch import nn
+
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
 def _gpt2(layers=4, heads=4, d=128, vocab=512, positions=64):
     import transformers as T
-    cfg = T.GPT2Config(n_layer=layers, n_head=heads, n_embd=d, vocab_size=vocab, n_positions=positions,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+    cfg = T.GPT2Config(
+        n_layer=layers,
+        n_head=heads,
+        n_embd=d,
+        vocab_size=vocab,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return T.GPT2LMHeadModel(cfg)
 
 
@@ -194,19 +211,28 @@ class _LSTMNet:
 
 def _loader(x, y, batch_size):
     from torch.utils.data import DataLoader, TensorDataset
+
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
 def _make_private(kind: str, model, optimizer, loader, ledger_box: list):
     if kind == "opacus":
         from opacus import PrivacyEngine as OpacusEngine
+
         engine = OpacusEngine(accountant="rdp")
     else:
         from dpopt import PrivacyEngine
+
         engine = PrivacyEngine(accountant="rdp")
         ledger_box.append(engine)
-    return engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
-                               max_grad_norm=1.0, poisson_sampling=True)
+    return engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=True,
+    )
 
 
 def _loop(meter: Meter, loader, step: Callable) -> None:
@@ -223,6 +249,7 @@ def door_pe(args, kind: str, model_name: str) -> dict:
     """``PrivacyEngine`` (dpopt or Opacus) in a plain loop on the MLP or GPT-2."""
     import torch
     from torch import nn
+
     torch.manual_seed(0)
     dev = torch.device(args.device)
     if model_name == "mlp":
@@ -237,8 +264,13 @@ def door_pe(args, kind: str, model_name: str) -> dict:
         steps = args.gpt2_steps
     box: list = []
     model, opt, loader = _make_private(kind, model, opt, loader, box)
-    meter = Meter(args.warmup if model_name == "mlp" else min(args.warmup, 10), steps, max(1, steps // 25),
-                  dev.type == "cuda", (lambda: box[0].ledger) if box else None)
+    meter = Meter(
+        args.warmup if model_name == "mlp" else min(args.warmup, 10),
+        steps,
+        max(1, steps // 25),
+        dev.type == "cuda",
+        (lambda: box[0].ledger) if box else None,
+    )
 
     def step(batch):
         xb, yb = batch[0].to(dev), batch[1].to(dev)
@@ -257,6 +289,7 @@ def door_pe(args, kind: str, model_name: str) -> dict:
 def _lm_loss(model, ids):
     """Mean over the batch of each sequence's mean next-token loss (HF's .loss is a batch-token mean: refused)."""
     from dpopt.losses import per_example_lm_loss
+
     return per_example_lm_loss(model(input_ids=ids).logits, ids).mean()
 
 
@@ -264,19 +297,22 @@ def door_bmm(args, kind: str) -> dict:
     """``PrivacyEngine`` + ``BatchMemoryManager``: logical batches of 64 in physical chunks of 16."""
     import torch
     from torch import nn
+
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = _mlp().to(dev)
     x, y = torch.randn(64 * 40, 64), torch.randint(0, 10, (64 * 40,))
     box: list = []
-    model, opt, loader = _make_private(kind, model, torch.optim.SGD(model.parameters(), lr=0.05),
-                                       _loader(x, y, 64), box)
+    model, opt, loader = _make_private(
+        kind, model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(x, y, 64), box
+    )
     if kind == "opacus":
         from opacus.utils.batch_memory_manager import BatchMemoryManager
     else:
         from dpopt.utils.batch_memory_manager import BatchMemoryManager
-    meter = Meter(args.warmup, args.steps, max(1, args.steps // 25), dev.type == "cuda",
-                  (lambda: box[0].ledger) if box else None)
+    meter = Meter(
+        args.warmup, args.steps, max(1, args.steps // 25), dev.type == "cuda", (lambda: box[0].ledger) if box else None
+    )
     released = 0
     while not meter.done:
         with BatchMemoryManager(data_loader=loader, max_physical_batch_size=16, optimizer=opt) as small:
@@ -297,13 +333,15 @@ def door_lstm(args) -> dict:
     """``PrivacyEngine`` on an ``nn.LSTM`` model (its tapped forward records the gate maps)."""
     import torch
     from torch import nn
+
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = _LSTMNet().to(dev)
     x, y = torch.randn(32 * 40, 8, 16), torch.randint(0, 10, (32 * 40,))
     box: list = []
-    model, opt, loader = _make_private("dpopt", model, torch.optim.SGD(model.parameters(), lr=0.05),
-                                       _loader(x, y, 32), box)
+    model, opt, loader = _make_private(
+        "dpopt", model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(x, y, 32), box
+    )
     meter = Meter(args.warmup, args.steps, max(1, args.steps // 25), dev.type == "cuda", lambda: box[0].ledger)
 
     def step(batch):
@@ -321,6 +359,7 @@ def door_dptrainer(args) -> dict:
     import transformers as T
 
     from dpopt.hf import DPTrainer
+
     torch.manual_seed(0)
     model = _gpt2(layers=1, heads=2, d=32, vocab=64, positions=16)
 
@@ -335,18 +374,26 @@ def door_dptrainer(args) -> dict:
             return {"input_ids": self.x[i], "attention_mask": torch.ones(16, dtype=torch.long), "labels": self.x[i]}
 
     holder: dict = {}
-    meter = Meter(args.warmup, args.steps, max(1, args.steps // 25), args.device == "cuda",
-                  lambda: holder["tr"].ledger)
+    meter = Meter(args.warmup, args.steps, max(1, args.steps // 25), args.device == "cuda", lambda: holder["tr"].ledger)
 
     class Tick(T.TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
             meter.tick()
 
-    targs = T.TrainingArguments(os.path.join(args.tmp, "dptrainer"), per_device_train_batch_size=8,
-                                max_steps=args.warmup + args.steps, learning_rate=1e-3, logging_steps=10 ** 9,
-                                save_strategy="no", report_to=[], use_cpu=args.device == "cpu", disable_tqdm=True)
-    tr = DPTrainer(model=model, args=targs, train_dataset=Data(), noise_multiplier=1.0, max_grad_norm=1.0,
-                   callbacks=[Tick()])
+    targs = T.TrainingArguments(
+        os.path.join(args.tmp, "dptrainer"),
+        per_device_train_batch_size=8,
+        max_steps=args.warmup + args.steps,
+        learning_rate=1e-3,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=args.device == "cpu",
+        disable_tqdm=True,
+    )
+    tr = DPTrainer(
+        model=model, args=targs, train_dataset=Data(), noise_multiplier=1.0, max_grad_norm=1.0, callbacks=[Tick()]
+    )
     holder["tr"] = tr
     tr.train()
     return meter.result()
@@ -355,6 +402,7 @@ def door_dptrainer(args) -> dict:
 def door_train(args) -> dict:
     """``dpopt.training.train`` (``dpopt train``): digits, mlp-small, dp-sgd, RDP accountant, ``on_step`` readings."""
     from dpopt.training import TrainConfig, train
+
     n, b = 1437, 64
     epochs = (args.warmup + args.steps + 2) * b / n
     from dpopt.accounting.ledger import PrivacyLedger
@@ -371,8 +419,18 @@ def door_train(args) -> dict:
         if not meter.done:
             meter.tick()
 
-    train(TrainConfig(method="dp-sgd", batch_size=b, epochs=epochs, out=os.path.join(args.tmp, "train"), seed=0,
-                      accountant="rdp", device=args.device), on_step=on_step)
+    train(
+        TrainConfig(
+            method="dp-sgd",
+            batch_size=b,
+            epochs=epochs,
+            out=os.path.join(args.tmp, "train"),
+            seed=0,
+            accountant="rdp",
+            device=args.device,
+        ),
+        on_step=on_step,
+    )
     holder.clear()
     return meter.result()
 
@@ -381,6 +439,7 @@ def door_engines(args, kind: str = "dpopt") -> dict:
     """Engines made and deleted in one process (a sweep, a notebook): RSS growth per engine (``--steps // 10``)."""
     import torch
     from torch import nn
+
     torch.manual_seed(0)
     x, y = torch.randn(64 * 4, 64), torch.randint(0, 10, (64 * 4,))
     n = max(20, args.steps // 10)
@@ -388,8 +447,9 @@ def door_engines(args, kind: str = "dpopt") -> dict:
     while not meter.done:
         model = _mlp().to(args.device)
         box: list = []
-        model, opt, loader = _make_private(kind, model, torch.optim.SGD(model.parameters(), lr=0.05),
-                                           _loader(x, y, 64), box)
+        model, opt, loader = _make_private(
+            kind, model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(x, y, 64), box
+        )
         for i, (xb, yb) in enumerate(loader):
             opt.zero_grad()
             nn.functional.cross_entropy(model(xb.to(args.device)), yb.to(args.device)).backward()
@@ -444,14 +504,20 @@ def main(argv=None) -> None:
     ap.add_argument("--gpt2-steps", type=int, default=60, help="steps measured on pe-gpt2")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--no-opacus", action="store_true")
-    ap.add_argument("--ledger-steps", type=int, nargs="*", default=[100, 1000, 10000, 100000],
-                    help="release counts for the ledger's accounting cost (benchmarks/ledger_soak.py); none: skip")
+    ap.add_argument(
+        "--ledger-steps",
+        type=int,
+        nargs="*",
+        default=[100, 1000, 10000, 100000],
+        help="release counts for the ledger's accounting cost (benchmarks/ledger_soak.py); none: skip",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         import tempfile
+
         with tempfile.TemporaryDirectory() as tmp:
             args.tmp = tmp
             print("SOAK " + json.dumps(run_door(args.child, args)), flush=True)
@@ -460,13 +526,26 @@ def main(argv=None) -> None:
     if not args.no_opacus:
         try:
             import opacus  # noqa: F401
+
             names += [f"opacus-{d}" for d in names if d in OPACUS_DOORS]
         except ImportError:
             pass
     results = {}
     for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
-               "--gpt2-steps", str(args.gpt2_steps), "--warmup", str(args.warmup), "--device", args.device]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            name,
+            "--steps",
+            str(args.steps),
+            "--gpt2-steps",
+            str(args.gpt2_steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SOAK ")]
@@ -477,14 +556,25 @@ def main(argv=None) -> None:
         results[name]["wall_s"] = round(time.perf_counter() - t0, 1)
         r = results[name]
         fmt = lambda v, f="{:.2f}": "—" if v is None else f.format(v)  # noqa: E731
-        print(f"{name:16s} rss {fmt(r.get('rss_kib_per_step'))} KiB/step (beyond ledger "
-              f"{fmt(r.get('beyond_ledger_kib_per_step'))}), ledger {fmt(r.get('ledger_kib_per_step'), '{:.3f}')}, "
-              f"cuda {fmt(r.get('cuda_kib_per_step'))}, step ms @100 {fmt(r.get('step_ms_at_100'))} late "
-              f"{fmt(r.get('step_ms_late'))}, {r.get('steps', 0)} steps, {r['wall_s']} s"
-              + (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
-    out = {"doors": results, "ledger": ledger_section(args),
-           "config": {"steps": args.steps, "gpt2_steps": args.gpt2_steps, "warmup": args.warmup,
-                      "device": args.device, "threads": os.environ.get("OMP_NUM_THREADS")}}
+        print(
+            f"{name:16s} rss {fmt(r.get('rss_kib_per_step'))} KiB/step (beyond ledger "
+            f"{fmt(r.get('beyond_ledger_kib_per_step'))}), ledger {fmt(r.get('ledger_kib_per_step'), '{:.3f}')}, "
+            f"cuda {fmt(r.get('cuda_kib_per_step'))}, step ms @100 {fmt(r.get('step_ms_at_100'))} late "
+            f"{fmt(r.get('step_ms_late'))}, {r.get('steps', 0)} steps, {r['wall_s']} s"
+            + (f"  ERROR {r['error']}" if "error" in r else ""),
+            flush=True,
+        )
+    out = {
+        "doors": results,
+        "ledger": ledger_section(args),
+        "config": {
+            "steps": args.steps,
+            "gpt2_steps": args.gpt2_steps,
+            "warmup": args.warmup,
+            "device": args.device,
+            "threads": os.environ.get("OMP_NUM_THREADS"),
+        },
+    }
     if args.json:
         print(json.dumps(out))
 

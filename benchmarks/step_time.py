@@ -72,8 +72,11 @@ from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.methods import get_method, list_methods, make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 
-SHAPES = {"mlp": ((1, 28, 28), 256, 60_000, "mnist"), "cnn5": ((3, 32, 32), 512, 50_000, "cifar10"),
-          "wrn16-4": ((3, 32, 32), 256, 50_000, "cifar10")}
+SHAPES = {
+    "mlp": ((1, 28, 28), 256, 60_000, "mnist"),
+    "cnn5": ((3, 32, 32), 512, 50_000, "cifar10"),
+    "wrn16-4": ((3, 32, 32), 256, 50_000, "cifar10"),
+}
 EPOCHS_MNIST = 5
 
 
@@ -116,6 +119,7 @@ def non_private_step(model_name: str, x, y) -> Callable[[], None]:
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -124,6 +128,7 @@ def floor_step(model_name: str, x, y) -> Callable[[], None]:
     (dpopt's tail-preserving sampler, float64, as the Privatizer draws it) — the GEMMs and the noise,
     nothing per example."""
     from dpopt.noise import NoiseSource
+
     step = non_private_step(model_name, x, y)
     d = sum(p.numel() for p in build_model(model_name).parameters() if p.requires_grad)
     src = NoiseSource("secret")
@@ -135,20 +140,29 @@ def floor_step(model_name: str, x, y) -> Callable[[], None]:
             src.start_normal(d).consume()
         else:
             src.normal((d,), dtype=torch.float64, device=device)
+
     return floor
 
 
-def dpopt_step(model_name: str, method: str, x, y, physical: Optional[int] = None,
-               engine: str = "fast") -> Callable[[], None]:
+def dpopt_step(
+    model_name: str, method: str, x, y, physical: Optional[int] = None, engine: str = "fast"
+) -> Callable[[], None]:
     _, b, n, dataset = SHAPES[model_name]
     torch.manual_seed(0)
     model = build_model(model_name).to(x.device)
-    opt = make_optimizer(method, [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
-                         expected_batch_size=float(x.shape[0]), sample_rate=x.shape[0] / n, dataset=dataset,
-                         generator=torch.Generator().manual_seed(0))
+    opt = make_optimizer(
+        method,
+        [p for p in model.parameters() if p.requires_grad],
+        noise_multiplier=1.0,
+        expected_batch_size=float(x.shape[0]),
+        sample_rate=x.shape[0] / n,
+        dataset=dataset,
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def step():
         opt.step(iter_per_sample_sources(model, loss_fn, x, y, physical, opt.evaluation_points(), engine=engine))
+
     return step
 
 
@@ -169,8 +183,15 @@ def opacus_step(model_name: str, x, y, mode: str = "hooks") -> Optional[Callable
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
     engine = PrivacyEngine(accountant="rdp")
-    kw = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-              poisson_sampling=False, grad_sample_mode=mode)
+    kw = dict(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
     if mode == "ghost":
         model, opt, criterion, _ = engine.make_private(criterion=nn.CrossEntropyLoss(), **kw)
     else:
@@ -181,6 +202,7 @@ def opacus_step(model_name: str, x, y, mode: str = "hooks") -> Optional[Callable
         opt.zero_grad(set_to_none=True)
         criterion(model(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -208,6 +230,7 @@ def vmap_dpsgd_step(model_name: str, x, y) -> Callable[[], None]:
             s = torch.einsum("b,b...->...", w, t)
             s.add_(torch.randn(s.shape, generator=gen, device=s.device))
             params[k].sub_(s, alpha=0.1 / b)
+
     return step
 
 
@@ -216,6 +239,7 @@ class NSTimer:
 
     def __init__(self):
         import dpopt.transforms.muon as muon
+
         self.muon, self.inner, self.seconds = muon, muon.orthogonalize, 0.0
 
         def timed(*args, **kw):
@@ -223,6 +247,7 @@ class NSTimer:
             out = self.inner(*args, **kw)
             self.seconds += time.perf_counter() - t
             return out
+
         muon.orthogonalize = timed
 
     def restore(self):
@@ -230,9 +255,14 @@ class NSTimer:
 
 
 # --------------------------------------------------------------------------- timing
-def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int,
-                     probes: Optional[dict[str, Callable[[], float]]] = None,
-                     sync: Optional[Callable[[], None]] = None) -> dict[str, dict]:
+def time_round_robin(
+    steps: dict[str, Callable[[], None]],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    probes: Optional[dict[str, Callable[[], float]]] = None,
+    sync: Optional[Callable[[], None]] = None,
+) -> dict[str, dict]:
     """Median / p10 seconds per step of each configuration, timed round-robin.
 
     Also the median process CPU time per step (``cpu_median``: all threads of this process,
@@ -265,8 +295,12 @@ def time_round_robin(steps: dict[str, Callable[[], None]], rounds: int, per_roun
     out = {}
     for k, v in times.items():
         v = sorted(v)
-        out[k] = {"median": statistics.median(v), "p10": v[int(0.1 * (len(v) - 1))], "n": len(v),
-                  "cpu_median": statistics.median(cpu[k])}
+        out[k] = {
+            "median": statistics.median(v),
+            "p10": v[int(0.1 * (len(v) - 1))],
+            "n": len(v),
+            "cpu_median": statistics.median(cpu[k]),
+        }
         if k in extra:
             out[k]["probe_median"] = statistics.median(extra[k])
             out[k]["probe_share"] = statistics.median([e / t for e, t in zip(extra[k], times[k])])
@@ -335,15 +369,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--per-round", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--all-methods", action="store_true",
-                    help="MLP: time every registered method (DP step / non-private step)")
+    ap.add_argument(
+        "--all-methods", action="store_true", help="MLP: time every registered method (DP step / non-private step)"
+    )
     ap.add_argument("--no-opacus", action="store_true")
     ap.add_argument("--no-vmap", action="store_true", help="skip the plain torch.func vmap DP-SGD baseline")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the torch.func reference engine")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (cuda if available)")
-    ap.add_argument("--transformers", action="store_true",
-                    help="also run benchmarks/transformer_step.py's gpt2 and gpt2-lora entries (CPU)")
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also run benchmarks/transformer_step.py's gpt2 and gpt2-lora entries (CPU)",
+    )
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -363,10 +401,12 @@ def main(argv=None) -> dict:
     for model_name in [m for m in args.models.split(",") if m]:
         _, b, n, _ = SHAPES[model_name]
         x, y = batch(model_name, b, device=device)
-        steps: dict[str, Callable[[], None]] = {"non-private": non_private_step(model_name, x, y),
-                                               "floor: non-private + noise": floor_step(model_name, x, y),
-                                               "dp-sgd": dpopt_step(model_name, "dp-sgd", x, y),
-                                               "dp-macadam": dpopt_step(model_name, "dp-macadam", x, y)}
+        steps: dict[str, Callable[[], None]] = {
+            "non-private": non_private_step(model_name, x, y),
+            "floor: non-private + noise": floor_step(model_name, x, y),
+            "dp-sgd": dpopt_step(model_name, "dp-sgd", x, y),
+            "dp-macadam": dpopt_step(model_name, "dp-macadam", x, y),
+        }
         probes = {}
         ns = None
         if have_muon:
@@ -398,25 +438,34 @@ def main(argv=None) -> dict:
         base = res["non-private"]["median"]
         load = os.getloadavg()[0]
         on = f", device {device}" if device.type != "cpu" else ""
-        print(f"\n{model_name}: B = {b}, {args.threads} threads{on}, {res['non-private']['n']} timed steps each "
-              f"(round-robin); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; 1-min load average "
-              f"{load:.1f} on {os.cpu_count()} CPUs")
-        print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s} "
-              f"{'cpu ms':>8s} {'cpu / np':>9s}")
+        print(
+            f"\n{model_name}: B = {b}, {args.threads} threads{on}, {res['non-private']['n']} timed steps each "
+            f"(round-robin); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; 1-min load average "
+            f"{load:.1f} on {os.cpu_count()} CPUs"
+        )
+        print(
+            f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'/ non-private':>14s} {'/ dp-sgd':>9s} "
+            f"{'cpu ms':>8s} {'cpu / np':>9s}"
+        )
         for k, v in res.items():
-            print(f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {v['median'] / base:14.2f} "
-                  f"{v['median'] / res['dp-sgd']['median']:9.2f} {1e3 * v['cpu_median']:8.1f} "
-                  f"{v['cpu_median'] / res['non-private']['cpu_median']:9.2f}")
-        r = {"dp-sgd/non-private": res["dp-sgd"]["median"] / base,
-             "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
-             "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
-             "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
-             "floor/non-private": res["floor: non-private + noise"]["median"] / base,
-             "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
-             "cpu_ms": {k: round(1e3 * v["cpu_median"], 2) for k, v in res.items()},
-             "cpu:dp-sgd/non-private": res["dp-sgd"]["cpu_median"] / res["non-private"]["cpu_median"],
-             "cpu:dp-macadam/dp-sgd": res["dp-macadam"]["cpu_median"] / res["dp-sgd"]["cpu_median"],
-             "threads": args.threads, "loadavg_1min": round(load, 2)}
+            print(
+                f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {v['median'] / base:14.2f} "
+                f"{v['median'] / res['dp-sgd']['median']:9.2f} {1e3 * v['cpu_median']:8.1f} "
+                f"{v['cpu_median'] / res['non-private']['cpu_median']:9.2f}"
+            )
+        r = {
+            "dp-sgd/non-private": res["dp-sgd"]["median"] / base,
+            "dp-macadam/dp-sgd": res["dp-macadam"]["median"] / res["dp-sgd"]["median"],
+            "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
+            "p10:dp-macadam/dp-sgd": res["dp-macadam"]["p10"] / res["dp-sgd"]["p10"],
+            "floor/non-private": res["floor: non-private + noise"]["median"] / base,
+            "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
+            "cpu_ms": {k: round(1e3 * v["cpu_median"], 2) for k, v in res.items()},
+            "cpu:dp-sgd/non-private": res["dp-sgd"]["cpu_median"] / res["non-private"]["cpu_median"],
+            "cpu:dp-macadam/dp-sgd": res["dp-macadam"]["cpu_median"] / res["dp-sgd"]["cpu_median"],
+            "threads": args.threads,
+            "loadavg_1min": round(load, 2),
+        }
         if device.type != "cpu":
             r["device"] = str(device)
         opacus = {k: v["median"] for k, v in res.items() if k.startswith("opacus ")}
@@ -431,31 +480,50 @@ def main(argv=None) -> dict:
         if "dp-muon" in res:
             r["dp-muon/dp-sgd"] = res["dp-muon"]["median"] / res["dp-sgd"]["median"]
             r["ns_share"] = res["dp-muon"]["probe_share"]
-            print(f"Newton–Schulz share of a DP-Muon step: {100 * r['ns_share']:.2f}% "
-                  f"({1e3 * res['dp-muon']['probe_median']:.1f} ms of {1e3 * res['dp-muon']['median']:.1f} ms)")
+            print(
+                f"Newton–Schulz share of a DP-Muon step: {100 * r['ns_share']:.2f}% "
+                f"({1e3 * res['dp-muon']['probe_median']:.1f} ms of {1e3 * res['dp-muon']['median']:.1f} ms)"
+            )
         if model_name == "mlp":
             steps_5 = max(1, int(round(EPOCHS_MNIST / (b / n))))
             r["run_seconds_5_epochs_estimate"] = steps_5 * res["dp-macadam"]["median"]
-            print(f"5-epoch MNIST DP-MacAdam estimate: {steps_5} steps × median = "
-                  f"{r['run_seconds_5_epochs_estimate']:.0f} s (training steps only)")
+            print(
+                f"5-epoch MNIST DP-MacAdam estimate: {steps_5} steps × median = "
+                f"{r['run_seconds_5_epochs_estimate']:.0f} s (training steps only)"
+            )
         if args.all_methods:
-            r["per_method_over_non_private"] = {k: v["median"] / base for k, v in res.items()
-                                                if k != "non-private"}
+            r["per_method_over_non_private"] = {k: v["median"] / base for k, v in res.items() if k != "non-private"}
         if model_name == "cnn5" and not args.no_memory:
-            mem = {spec: run_memory(spec, args.threads, device) for spec in
-                   ("cnn5:baseline:256:none", "cnn5:dp-sgd:256:none", "cnn5:dp-sgd:4096:256",
-                    "cnn5:non-private:256:none")}
+            mem = {
+                spec: run_memory(spec, args.threads, device)
+                for spec in (
+                    "cnn5:baseline:256:none",
+                    "cnn5:dp-sgd:256:none",
+                    "cnn5:dp-sgd:4096:256",
+                    "cnn5:non-private:256:none",
+                )
+            }
             r["peak_mem_4096_over_256"] = mem["cnn5:dp-sgd:4096:256"] / mem["cnn5:dp-sgd:256:none"]
             r["peak_mem_mib"] = {k: round(v, 1) for k, v in mem.items()}
-            print(("peak CUDA memory (max_memory_allocated, MiB): " if device.type == "cuda" else
-                   "peak resident memory (VmHWM, MiB): ") +
-                  ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
+            print(
+                (
+                    "peak CUDA memory (max_memory_allocated, MiB): "
+                    if device.type == "cuda"
+                    else "peak resident memory (VmHWM, MiB): "
+                )
+                + ", ".join(f"{k} {v:.0f}" for k, v in mem.items())
+            )
             print(f"logical 4096 / physical 256 over B = 256: {r['peak_mem_4096_over_256']:.3f}")
         result[model_name] = r
     if args.transformers:  # GPT-2-shaped LM, full fine-tuning and LoRA (issue 20): its own module
         import transformer_step
-        result.update(transformer_step.main(["--models", "gpt2,gpt2-lora", "--threads", str(args.threads)] +
-                                            (["--no-memory"] if args.no_memory else [])))
+
+        result.update(
+            transformer_step.main(
+                ["--models", "gpt2,gpt2-lora", "--threads", str(args.threads)]
+                + (["--no-memory"] if args.no_memory else [])
+            )
+        )
     for note in notes:
         print("note:", note)
     if args.json:

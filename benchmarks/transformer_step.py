@@ -148,6 +148,7 @@ class LSTMClassifier(nn.Module):
         self.emb = nn.Embedding(LSTM_V, 64)
         if opacus:
             from opacus.layers import DPLSTM
+
             self.rnn = DPLSTM(64, 128, batch_first=True)
         else:
             self.rnn = nn.LSTM(64, 128, batch_first=True)
@@ -166,6 +167,7 @@ def build(name: str) -> nn.Module:
         return Bert()
     if name == "bert-opacus":  # Opacus needs its DPMultiheadAttention in place of nn.MultiheadAttention
         from opacus.validators import ModuleValidator
+
         return ModuleValidator.fix(Bert())
     if name in ("lstm", "lstm-opacus"):
         return LSTMClassifier(opacus=name == "lstm-opacus")
@@ -196,18 +198,26 @@ def non_private_step(name: str) -> Callable[[], None]:
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
+
     return step
 
 
 def dpopt_step(name: str) -> Callable[[], None]:
     """dpopt's own loop door: iter_per_sample_sources + the dp-sgd DPOptimizer (σ = 1, C = 1)."""
     model, (x, y) = build(name), batch(name)
-    opt = make_optimizer("dp-sgd", [p for p in model.parameters() if p.requires_grad], noise_multiplier=1.0,
-                         max_grad_norm=1.0, expected_batch_size=float(len(y)), sample_rate=len(y) / N_DATA,
-                         dataset="synthetic")
+    opt = make_optimizer(
+        "dp-sgd",
+        [p for p in model.parameters() if p.requires_grad],
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=float(len(y)),
+        sample_rate=len(y) / N_DATA,
+        dataset="synthetic",
+    )
 
     def step():
         opt.step(iter_per_sample_sources(model, loss_fn, x, y, None, opt.evaluation_points()))
+
     return step
 
 
@@ -222,13 +232,19 @@ def privacy_engine_step(name: str) -> Callable[[], None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # poisson_sampling=False (fixed benchmark batch) is warned about
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=0.1), data_loader=_loader(x, y),
-            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=0.1),
+            data_loader=_loader(x, y),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
 
     def step():
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -241,11 +257,17 @@ def opacus_step(name: str, mode: str) -> Optional[Callable[[], None]]:
     warnings.filterwarnings("ignore", module="opacus")
     model, (x, y) = build(name), batch(name)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    kw = dict(module=model, optimizer=opt, data_loader=_loader(x, y), noise_multiplier=1.0, max_grad_norm=1.0,
-              poisson_sampling=False, grad_sample_mode=mode)
+    kw = dict(
+        module=model,
+        optimizer=opt,
+        data_loader=_loader(x, y),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
     if mode == "ghost":  # Opacus's sequence form: flattened tokens, shape= the logits' [B, T, V]
-        model, opt, dp_loss, _ = PrivacyEngine(accountant="rdp").make_private(criterion=nn.CrossEntropyLoss(),
-                                                                              **kw)
+        model, opt, dp_loss, _ = PrivacyEngine(accountant="rdp").make_private(criterion=nn.CrossEntropyLoss(), **kw)
 
         def criterion(out, target):
             if out.dim() == 3:
@@ -259,6 +281,7 @@ def opacus_step(name: str, mode: str) -> Optional[Callable[[], None]]:
         opt.zero_grad(set_to_none=True)
         criterion(model(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -298,8 +321,12 @@ def time_round_robin(steps: dict, rounds: int, per_round: int, warmup: int) -> d
     out = {}
     for k in steps:
         w = sorted(wall[k])
-        out[k] = {"median": statistics.median(w), "p10": w[int(0.1 * (len(w) - 1))], "n": len(w),
-                  "cpu": statistics.median(cpu[k])}
+        out[k] = {
+            "median": statistics.median(w),
+            "p10": w[int(0.1 * (len(w) - 1))],
+            "n": len(w),
+            "cpu": statistics.median(cpu[k]),
+        }
     return out
 
 
@@ -314,8 +341,7 @@ def memory_child(spec: str, threads: int) -> None:
 
 
 def run_memory(name: str, config: str, threads: int) -> Optional[float]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", f"{name}|{config}", "--threads",
-           str(threads)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", f"{name}|{config}", "--threads", str(threads)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     except subprocess.CalledProcessError as err:
@@ -326,23 +352,33 @@ def run_memory(name: str, config: str, threads: int) -> Optional[float]:
 
 # --------------------------------------------------------------------------- main
 PLAN = {  # model → [(label, model to build, config)]
-    "gpt2": [("non-private", "gpt2", "non-private"), ("dp-sgd", "gpt2", "dp-sgd"),
-             ("dp-sgd (PrivacyEngine)", "gpt2", "dp-sgd (PrivacyEngine)"),
-             ("untied non-private", "gpt2-untied", "non-private"), ("untied dp-sgd", "gpt2-untied", "dp-sgd"),
-             ("untied opacus hooks", "gpt2-untied", "opacus hooks"),
-             ("untied opacus ghost", "gpt2-untied", "opacus ghost")],
-    "bert": [("non-private", "bert", "non-private"), ("dp-sgd", "bert", "dp-sgd"),
-             ("dp-sgd (PrivacyEngine)", "bert", "dp-sgd (PrivacyEngine)"),
-             ("opacus hooks", "bert-opacus", "opacus hooks"), ("opacus ghost", "bert-opacus", "opacus ghost")],
-    "lstm": [("non-private", "lstm", "non-private"), ("dp-sgd", "lstm", "dp-sgd"),
-             ("dp-sgd (PrivacyEngine)", "lstm", "dp-sgd (PrivacyEngine)"),
-             ("opacus hooks", "lstm-opacus", "opacus hooks")],
+    "gpt2": [
+        ("non-private", "gpt2", "non-private"),
+        ("dp-sgd", "gpt2", "dp-sgd"),
+        ("dp-sgd (PrivacyEngine)", "gpt2", "dp-sgd (PrivacyEngine)"),
+        ("untied non-private", "gpt2-untied", "non-private"),
+        ("untied dp-sgd", "gpt2-untied", "dp-sgd"),
+        ("untied opacus hooks", "gpt2-untied", "opacus hooks"),
+        ("untied opacus ghost", "gpt2-untied", "opacus ghost"),
+    ],
+    "bert": [
+        ("non-private", "bert", "non-private"),
+        ("dp-sgd", "bert", "dp-sgd"),
+        ("dp-sgd (PrivacyEngine)", "bert", "dp-sgd (PrivacyEngine)"),
+        ("opacus hooks", "bert-opacus", "opacus hooks"),
+        ("opacus ghost", "bert-opacus", "opacus ghost"),
+    ],
+    "lstm": [
+        ("non-private", "lstm", "non-private"),
+        ("dp-sgd", "lstm", "dp-sgd"),
+        ("dp-sgd (PrivacyEngine)", "lstm", "dp-sgd (PrivacyEngine)"),
+        ("opacus hooks", "lstm-opacus", "opacus hooks"),
+    ],
 }
 PLAN["gpt2-lora"] = [(k, m.replace("gpt2", "gpt2-lora"), c) for k, m, c in PLAN["gpt2"]]
 
 
-def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int, memory: bool,
-              notes: list) -> dict:
+def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int, memory: bool, notes: list) -> dict:
     """Time one PLAN entry round-robin; return its ratios (and peak memory from subprocesses)."""
     steps = {}
     for label, name, config in PLAN[model]:
@@ -357,20 +393,29 @@ def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int
         steps[label] = f
     res = time_round_robin(steps, rounds, per_round, warmup)
     base = res["non-private"]["median"]
-    print(f"\n{model}: {threads} threads, {res['non-private']['n']} timed steps each (round-robin), "
-          f"1-min load {os.getloadavg()[0]:.1f}")
-    print(f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'cpu ms':>9s} {'/ non-private':>14s} "
-          f"{'cpu / np':>9s}")
+    print(
+        f"\n{model}: {threads} threads, {res['non-private']['n']} timed steps each (round-robin), "
+        f"1-min load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'configuration':28s} {'median ms':>10s} {'p10 ms':>9s} {'cpu ms':>9s} {'/ non-private':>14s} "
+        f"{'cpu / np':>9s}"
+    )
     for k, v in res.items():
         ref = res["untied non-private"] if k.startswith("untied") else res["non-private"]
-        print(f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {1e3 * v['cpu']:9.1f} "
-              f"{v['median'] / ref['median']:14.2f} {v['cpu'] / ref['cpu']:9.2f}")
-    r: dict = {"dp-sgd/non-private": res["dp-sgd"]["median"] / base,
-               "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
-               "cpu:dp-sgd/non-private": res["dp-sgd"]["cpu"] / res["non-private"]["cpu"],
-               "ms": {k: round(1e3 * v["median"], 1) for k, v in res.items()},
-               "cpu_ms": {k: round(1e3 * v["cpu"], 1) for k, v in res.items()}, "threads": threads,
-               "loadavg_1min": round(os.getloadavg()[0], 2)}
+        print(
+            f"{k:28s} {1e3 * v['median']:10.1f} {1e3 * v['p10']:9.1f} {1e3 * v['cpu']:9.1f} "
+            f"{v['median'] / ref['median']:14.2f} {v['cpu'] / ref['cpu']:9.2f}"
+        )
+    r: dict = {
+        "dp-sgd/non-private": res["dp-sgd"]["median"] / base,
+        "p10:dp-sgd/non-private": res["dp-sgd"]["p10"] / res["non-private"]["p10"],
+        "cpu:dp-sgd/non-private": res["dp-sgd"]["cpu"] / res["non-private"]["cpu"],
+        "ms": {k: round(1e3 * v["median"], 1) for k, v in res.items()},
+        "cpu_ms": {k: round(1e3 * v["cpu"], 1) for k, v in res.items()},
+        "threads": threads,
+        "loadavg_1min": round(os.getloadavg()[0], 2),
+    }
     if "dp-sgd (PrivacyEngine)" in res:
         r["privacy-engine/non-private"] = res["dp-sgd (PrivacyEngine)"]["median"] / base
         r["cpu:privacy-engine/non-private"] = res["dp-sgd (PrivacyEngine)"]["cpu"] / res["non-private"]["cpu"]
@@ -382,17 +427,24 @@ def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int
         r["dp-sgd/opacus-best"] = mine["median"] / opacus[best]["median"]
         best_cpu = min(opacus, key=lambda k: opacus[k]["cpu"])
         r["cpu:dp-sgd/opacus-best"] = mine["cpu"] / opacus[best_cpu]["cpu"]
-        print(f"dp-sgd / opacus-best ({best}, same model): wall {r['dp-sgd/opacus-best']:.2f}, "
-              f"cpu {r['cpu:dp-sgd/opacus-best']:.2f} ({best_cpu})")
+        print(
+            f"dp-sgd / opacus-best ({best}, same model): wall {r['dp-sgd/opacus-best']:.2f}, "
+            f"cpu {r['cpu:dp-sgd/opacus-best']:.2f} ({best_cpu})"
+        )
     if memory:
-        configs = {label: (name, config) for label, name, config in PLAN[model]
-                   if label in ("non-private", "dp-sgd", "dp-sgd (PrivacyEngine)") or "opacus" in label}
+        configs = {
+            label: (name, config)
+            for label, name, config in PLAN[model]
+            if label in ("non-private", "dp-sgd", "dp-sgd (PrivacyEngine)") or "opacus" in label
+        }
         mem = {label: run_memory(name, config, threads) for label, (name, config) in configs.items()}
         r["peak_mem_mib"] = {k: (round(v, 1) if v is not None else None) for k, v in mem.items()}
         if mem.get("dp-sgd") and mem.get("non-private"):
             r["peak_mem_dp/non-private"] = mem["dp-sgd"] / mem["non-private"]
-        print("peak resident memory (VmHWM, MiB, own subprocess each): " +
-              ", ".join(f"{k} {v:.0f}" for k, v in mem.items() if v is not None))
+        print(
+            "peak resident memory (VmHWM, MiB, own subprocess each): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in mem.items() if v is not None)
+        )
     return r
 
 
@@ -412,8 +464,11 @@ def main(argv=None) -> dict:
         memory_child(args.memory_child, args.threads)
         return {}
     notes: list[str] = []
-    result = {m: run_model(m, args.rounds, args.per_round, args.warmup, args.threads, not args.no_memory, notes)
-              for m in args.models.split(",") if m}
+    result = {
+        m: run_model(m, args.rounds, args.per_round, args.warmup, args.threads, not args.no_memory, notes)
+        for m in args.models.split(",")
+        if m
+    }
     for note in notes:
         print("note:", note)
     if args.json:

@@ -101,8 +101,9 @@ class RecordingSource:
         n = norms.numel()
         if n:
             ones = torch.ones_like(weights)
-            self._stats["unit_sum"] = self._inner.weighted_sum(ones / norms.clamp_min(1e-30)[:, None].to(weights),
-                                                               geometry, groups)
+            self._stats["unit_sum"] = self._inner.weighted_sum(
+                ones / norms.clamp_min(1e-30)[:, None].to(weights), geometry, groups
+            )
             g_mean = self._inner.weighted_sum(ones / n, ClipGeometry(), groups)
             self._stats["g_mean"] = g_mean
             # mean_i w_i = (ḡ − m)/b: elementwise from ḡ (no third pass over the batch)
@@ -120,11 +121,20 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
-def diagnose_run(method: str, sigma: float, steps: int, data, seed: int, eval_every: int, hparams: dict,
-                 on_row) -> None:
+def diagnose_run(
+    method: str, sigma: float, steps: int, data, seed: int, eval_every: int, hparams: dict, on_row
+) -> None:
     """Train ``method`` at ``sigma`` for ``steps`` steps, calling ``on_row(dict)`` once per step."""
-    cfg = TrainConfig(dataset="mnist", model="mlp", method=method, noise_multiplier=sigma, batch_size=256,
-                      epochs=steps * 256 / data.n_train, seed=seed, hparams=dict(hparams))
+    cfg = TrainConfig(
+        dataset="mnist",
+        model="mlp",
+        method=method,
+        noise_multiplier=sigma,
+        batch_size=256,
+        epochs=steps * 256 / data.n_train,
+        seed=seed,
+        hparams=dict(hparams),
+    )
     run = build_run(cfg, data)  # no run directory: nothing of this script goes into one
     model, opt = run.model, run.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -139,17 +149,27 @@ def diagnose_run(method: str, sigma: float, steps: int, data, seed: int, eval_ev
         geo = opt.geometry()  # the geometry this step's release uses (released state)
         shift_norm = float(_flat(geo.shift).norm()) if geo.shift is not None else 0.0
         stats: dict = {}
-        sources = (RecordingSource(s, stats) for s in  # lazily: a fast source is freed when the next is drawn
-                   iter_per_sample_sources(model, _loss, x, y, None, opt.evaluation_points()))
+        sources = (
+            RecordingSource(s, stats)
+            for s in iter_per_sample_sources(  # lazily: a fast source is freed when the next is drawn
+                model, _loss, x, y, None, opt.evaluation_points()
+            )
+        )
         before = [p.detach().clone() for p in params]
         release = opt.step(sources)
         delta = _flat([p.detach() - b for p, b in zip(params, before)])
-        row = {"method": method, "sigma": sigma, "step": step, "update_norm": float(delta.norm()),
-               "shift_norm": shift_norm, "adam_noise_std": sigma * clip / bbar}
+        row = {
+            "method": method,
+            "sigma": sigma,
+            "step": step,
+            "update_norm": float(delta.norm()),
+            "shift_norm": shift_norm,
+            "adam_noise_std": sigma * clip / bbar,
+        }
         for lag in LAGS:  # persistence of the update direction: cos(Δθ_t, Δθ_{t−lag})
             if len(history) >= lag:
                 row[f"update_cos_lag{lag}"] = _cos(delta, history[-lag].double())
-        history = (history + [delta.float()])[-LAGS[-1]:]
+        history = (history + [delta.float()])[-LAGS[-1] :]
         _quantiles(release.noise_std if macadam else [release.noise_std[0].reshape(1)], "noise_std", row)
         if macadam:
             states = [opt.state[p]["0.macadam"] for p in params]  # chain(MacAdam, lr): member 0
@@ -203,6 +223,7 @@ def _series(rows, method, sigma, key):
 def plot(out: Path) -> None:
     """Two PNGs from OUT/diagnose.jsonl: released quantities, and the NON-PRIVATE diagnostics."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -216,8 +237,9 @@ def plot(out: Path) -> None:
         c = colors[s]
         for lag, ls in zip(LAGS, ("-", "--", ":")):
             ax[2, 0].plot(*_series(rows, mac, s, f"update_cos_lag{lag}"), color=c, ls=ls, label=f"σ={s} lag {lag}")
-            ax[2, 1].plot(*_series(rows, "dp-adam", s, f"update_cos_lag{lag}"), color=c, ls=ls,
-                          label=f"σ={s} lag {lag}")
+            ax[2, 1].plot(
+                *_series(rows, "dp-adam", s, f"update_cos_lag{lag}"), color=c, ls=ls, label=f"σ={s} lag {lag}"
+            )
         ax[2, 2].plot(*_series(rows, mac, s, "rho_b"), color=c, label=f"σ={s}")
         ax[2, 2].plot(*_series(rows, mac, s, "shift_norm"), color=c, ls="--", label=f"σ={s} ‖m̂‖ (centre)")
         ax[0, 0].plot(*_series(rows, mac, s, "frac_h1"), color=c, label=f"σ={s}: at h1")
@@ -232,12 +254,20 @@ def plot(out: Path) -> None:
         ax[1, 1].plot(*_series(rows, mac, s, "update_norm"), color=c, label=f"σ={s} MacAdam")
         ax[1, 1].plot(*_series(rows, "dp-adam", s, "update_norm"), color=c, ls="--", label=f"σ={s} DP-Adam")
         ax[1, 2].plot(*_series(rows, mac, s, "test_accuracy"), color=c, marker="o", label=f"σ={s} MacAdam")
-        ax[1, 2].plot(*_series(rows, "dp-adam", s, "test_accuracy"), color=c, marker="x", ls="--",
-                      label=f"σ={s} DP-Adam")
-    titles = ["fraction of coordinates clamped", "scale b (quantiles)", "Φ/(s/κ): noise share of the estimate",
-              "noise std per coordinate after map-back", "update norm ‖Δθ‖", "test accuracy",
-              "MacAdam: cos(Δθ_t, Δθ_{t−lag})", "DP-Adam: cos(Δθ_t, Δθ_{t−lag})",
-              "ρ(b) = √(mean b²·mean b⁻²); ‖m̂‖"]
+        ax[1, 2].plot(
+            *_series(rows, "dp-adam", s, "test_accuracy"), color=c, marker="x", ls="--", label=f"σ={s} DP-Adam"
+        )
+    titles = [
+        "fraction of coordinates clamped",
+        "scale b (quantiles)",
+        "Φ/(s/κ): noise share of the estimate",
+        "noise std per coordinate after map-back",
+        "update norm ‖Δθ‖",
+        "test accuracy",
+        "MacAdam: cos(Δθ_t, Δθ_{t−lag})",
+        "DP-Adam: cos(Δθ_t, Δθ_{t−lag})",
+        "ρ(b) = √(mean b²·mean b⁻²); ‖m̂‖",
+    ]
     for a, t in zip(ax.flat, titles):
         a.set_title(t, fontsize=10)
         a.set_xlabel("step")
@@ -250,12 +280,14 @@ def plot(out: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(2, 3, figsize=(15, 8))
-    keys = [("np_frac_clipped", "fraction of examples clipped (w-space)"),
-            ("np_mean_cos", "mean pairwise cosine of clipped directions"),
-            ("np_common_share", "‖mean w‖ / mean ‖w‖ (common offset share)"),
-            ("np_cos_shift_err", "cos(Σ u_i, mean w = (ḡ − m̂)/b)"),
-            ("np_cos_update", "cos(−Δθ, clean batch-mean gradient)"),
-            ("np_w_norm_q50", "median ‖w_i‖ (w-space; C = 1)")]
+    keys = [
+        ("np_frac_clipped", "fraction of examples clipped (w-space)"),
+        ("np_mean_cos", "mean pairwise cosine of clipped directions"),
+        ("np_common_share", "‖mean w‖ / mean ‖w‖ (common offset share)"),
+        ("np_cos_shift_err", "cos(Σ u_i, mean w = (ḡ − m̂)/b)"),
+        ("np_cos_update", "cos(−Δθ, clean batch-mean gradient)"),
+        ("np_w_norm_q50", "median ‖w_i‖ (w-space; C = 1)"),
+    ]
     for a, (k, t) in zip(ax.flat, keys):
         for s in sigmas:
             a.plot(*_series(rows, mac, s, k), color=colors[s], label=f"σ={s} MacAdam")
@@ -264,8 +296,9 @@ def plot(out: Path) -> None:
         a.set_xlabel("step")
         a.legend(fontsize=7)
     ax[1, 2].set_yscale("log")
-    fig.suptitle("NON-PRIVATE research diagnostics (clean per-example gradients of the private batch; "
-                 "never in a run directory)")
+    fig.suptitle(
+        "NON-PRIVATE research diagnostics (clean per-example gradients of the private batch; never in a run directory)"
+    )
     fig.tight_layout()
     fig.savefig(out / "diagnose_nonprivate.png", dpi=90)
     plt.close(fig)
@@ -308,17 +341,37 @@ def main(argv=None) -> None:
                     print(f"skip {method} σ={sigma}: finished")
                     continue
                 if path.exists():  # drop a partial earlier attempt of this pair
-                    keep = [line for line in path.read_text().splitlines()
-                            if (json.loads(line)["method"], json.loads(line)["sigma"]) != (method, sigma)]
+                    keep = [
+                        line
+                        for line in path.read_text().splitlines()
+                        if (json.loads(line)["method"], json.loads(line)["sigma"]) != (method, sigma)
+                    ]
                     path.write_text("".join(line + "\n" for line in keep))
                 t0 = time.perf_counter()
                 with path.open("a") as f:
+
                     def on_row(row, f=f):
-                        f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) and math.isfinite(v) else v)
-                                            for k, v in row.items()}) + "\n")
+                        f.write(
+                            json.dumps(
+                                {
+                                    k: (round(v, 8) if isinstance(v, float) and math.isfinite(v) else v)
+                                    for k, v in row.items()
+                                }
+                            )
+                            + "\n"
+                        )
                         f.flush()
-                    diagnose_run(method, sigma, args.steps, data, args.seed, args.eval_every,
-                                 hparams if method.startswith(("dp-macadam", "adaclip")) else {}, on_row)
+
+                    diagnose_run(
+                        method,
+                        sigma,
+                        args.steps,
+                        data,
+                        args.seed,
+                        args.eval_every,
+                        hparams if method.startswith(("dp-macadam", "adaclip")) else {},
+                        on_row,
+                    )
                 print(f"{method} σ={sigma}: {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
     plot(out)
 

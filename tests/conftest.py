@@ -67,8 +67,11 @@ def tiers_for(relpath: str) -> set:
     ['distributed']
     """
     name = relpath.split("::")[0]
-    out = {tier for prefix, tier in TIER_BY_PATH.items()
-           if name.startswith(prefix) or name.rsplit("/", 1)[-1].startswith(prefix)}
+    out = {
+        tier
+        for prefix, tier in TIER_BY_PATH.items()
+        if name.startswith(prefix) or name.rsplit("/", 1)[-1].startswith(prefix)
+    }
     if any(relpath.startswith(prefix) for prefix in SLOW):
         out.add("slow")
     return out
@@ -82,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
         if not path.startswith(root + os.sep):
             continue
         rel = os.path.relpath(path, root).replace(os.sep, "/")
-        nodeid = rel + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else rel
+        nodeid = rel + item.nodeid[item.nodeid.index("::") :] if "::" in item.nodeid else rel
         for tier in sorted(tiers_for(nodeid)):
             item.add_marker(getattr(pytest.mark, tier))
             if tier in SERIAL_TIERS:

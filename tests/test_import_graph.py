@@ -57,7 +57,8 @@ def _type_checking_block(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
         (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
 def _targets(node: ast.AST, importer: str, modules: dict[str, Path]) -> list[str]:
@@ -75,8 +76,12 @@ def _targets(node: ast.AST, importer: str, modules: dict[str, Path]) -> list[str
     elif isinstance(node, ast.Call):
         fn = node.func
         name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
-        if name == "import_module" and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            name == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             found = [node.args[0].value]
     out = []
     for name in found:
@@ -109,8 +114,10 @@ def import_graph() -> tuple[dict[str, set[str]], dict[str, set[tuple[str, int]]]
                 walk(child, nested)
 
         walk(tree, False)
-        if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "import_module"
-               for n in ast.walk(tree)):
+        if any(
+            isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "import_module"
+            for n in ast.walk(tree)
+        ):
             inner[name].update((t, line) for t, line in _lazy_table(tree, name, modules))
     return top, inner
 
@@ -223,14 +230,19 @@ def test_no_import_cycle_among_module_level_imports():
     top, _ = import_graph()
     cycles = find_cycles(top)
     assert not cycles, "import cycles among module-level imports in src/dpopt:\n" + "\n".join(
-        "  " + " -> ".join(c) for c in cycles)
+        "  " + " -> ".join(c) for c in cycles
+    )
 
 
 def test_no_function_level_import_breaks_a_cycle():
     """A function-level import A -> B where B reaches A at module level only hides a cycle: fix the layering."""
     top, inner = import_graph()
-    hiding = sorted(f"  {a}:{line} imports {b} inside a function, and {b} imports {a} (via module-level imports)"
-                    for a, edges in inner.items() for b, line in edges if _reaches(top, b, a))
+    hiding = sorted(
+        f"  {a}:{line} imports {b} inside a function, and {b} imports {a} (via module-level imports)"
+        for a, edges in inner.items()
+        for b, line in edges
+        if _reaches(top, b, a)
+    )
     assert not hiding, "function-level imports that only hide an import cycle:\n" + "\n".join(hiding)
 
 

@@ -58,11 +58,12 @@ def encode(text: str) -> list[int]:
 def corpus_records(n: int, length: int, skip: int = 0) -> list[str]:
     """Records ``skip .. skip + n`` of ``length`` characters of pydoc_data's help topics (whitespace squeezed)."""
     import pydoc_data.topics as topics
+
     text = " ".join(" ".join(v.split()) for _, v in sorted(topics.topics.items()))
-    records = [text[i:i + length] for i in range(0, len(text) - length, length)]
+    records = [text[i : i + length] for i in range(0, len(text) - length, length)]
     if len(records) < skip + n:
         raise ValueError(f"the corpus has {len(records)} records of {length} characters, fewer than {skip + n}")
-    return records[skip:skip + n]
+    return records[skip : skip + n]
 
 
 class Records(torch.utils.data.Dataset):
@@ -73,8 +74,8 @@ class Records(torch.utils.data.Dataset):
         self.mask = torch.zeros_like(self.ids)
         for i, t in enumerate(texts):
             row = [BOS] + encode(t)[:length]
-            self.ids[i, :len(row)] = torch.tensor(row)
-            self.mask[i, :len(row)] = 1
+            self.ids[i, : len(row)] = torch.tensor(row)
+            self.mask[i, : len(row)] = 1
 
     def __len__(self):
         return len(self.ids)
@@ -86,10 +87,21 @@ class Records(torch.utils.data.Dataset):
 
 def make_model(length: int, seed: int):
     import transformers as T
+
     torch.manual_seed(seed)
-    cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=length + 1, n_embd=96, n_layer=2, n_head=4,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS, eos_token_id=BOS,
-                       pad_token_id=PAD)
+    cfg = T.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=length + 1,
+        n_embd=96,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=BOS,
+        eos_token_id=BOS,
+        pad_token_id=PAD,
+    )
     return T.GPT2LMHeadModel(cfg)
 
 
@@ -102,10 +114,10 @@ def ranks(model, pins: list[str]) -> list[int]:
     ids = torch.tensor([prefix + encode(c) for c in cands])
     scores = torch.empty(len(cands))
     for lo in range(0, len(cands), 2000):
-        x = ids[lo:lo + 2000]
+        x = ids[lo : lo + 2000]
         logp = torch.log_softmax(model(input_ids=x).logits.float(), -1)
-        tok = logp[:, len(prefix) - 1:-1].gather(-1, x[:, len(prefix):, None]).squeeze(-1)
-        scores[lo:lo + 2000] = tok.sum(1)
+        tok = logp[:, len(prefix) - 1 : -1].gather(-1, x[:, len(prefix) :, None]).squeeze(-1)
+        scores[lo : lo + 2000] = tok.sum(1)
     out = []
     for pin in pins:
         s = scores[int(pin)]
@@ -119,7 +131,7 @@ def bits_per_char(model, data: "Records") -> float:
     model.eval()
     total, count = 0.0, 0
     for lo in range(0, len(data), 500):
-        ids, mask = data.ids[lo:lo + 500], data.mask[lo:lo + 500]
+        ids, mask = data.ids[lo : lo + 500], data.mask[lo : lo + 500]
         logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
         tok = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
         valid = mask[:, 1:].bool()
@@ -137,26 +149,44 @@ def train_one(setting, data, args, out: Path):
     import transformers as T
 
     from dpopt.hf import DPTrainer
+
     model = make_model(args.length, args.seed)
-    targs = T.TrainingArguments(str(out / f"run-{setting or 'nonprivate'}"), per_device_train_batch_size=args.batch,
-                                num_train_epochs=args.epochs, learning_rate=args.lr, lr_scheduler_type="constant",
-                                logging_steps=10 ** 9, save_strategy="no", report_to=[], use_cpu=True,
-                                disable_tqdm=True, seed=args.seed)
+    targs = T.TrainingArguments(
+        str(out / f"run-{setting or 'nonprivate'}"),
+        per_device_train_batch_size=args.batch,
+        num_train_epochs=args.epochs,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
     start = time.time()
     if setting is None:
         trainer = T.Trainer(model=model, args=targs, train_dataset=data)
         trainer.train()
         return model, None, time.time() - start
-    trainer = DPTrainer(model=model, args=targs, train_dataset=data, target_epsilon=float(setting),
-                        delta=args.delta, max_grad_norm=args.clip)
+    trainer = DPTrainer(
+        model=model,
+        args=targs,
+        train_dataset=data,
+        target_epsilon=float(setting),
+        delta=args.delta,
+        max_grad_norm=args.clip,
+    )
     trainer.train()
     return model, trainer.get_epsilon(), time.time() - start
 
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.6))
     names = list(results["runs"])
     reps = sorted({c["repetitions"] for c in results["canaries"]})
@@ -210,9 +240,15 @@ def main() -> None:
     args.length = max(args.record, len(PREFIX) + 4)
     data = Records(texts, args.length)
     held_out = Records(corpus_records(500, args.record, skip=args.records), args.length)  # never trained on
-    results = {"corpus": "pydoc_data.topics (CPython help topics; PSF License)", "records": len(texts),
-               "record_chars": args.record, "canaries": canaries, "delta": args.delta,
-               "args": vars(args), "runs": {}}
+    results = {
+        "corpus": "pydoc_data.topics (CPython help topics; PSF License)",
+        "records": len(texts),
+        "record_chars": args.record,
+        "canaries": canaries,
+        "delta": args.delta,
+        "args": vars(args),
+        "runs": {},
+    }
     for setting in [None] + [float(e) for e in args.epsilons.split(",")]:
         model, eps, secs = train_one(setting, data, args, out)
         if setting is not None:
@@ -224,12 +260,26 @@ def main() -> None:
         rk = ranks(model, [c["pin"] for c in canaries])
         bpc = bits_per_char(model, held_out)
         name = "non-private" if setting is None else f"DP eps={setting:g}"
-        results["runs"][name] = {"epsilon": eps, "seconds": round(secs, 1), "held_out_bits_per_char": bpc, "canaries": [
-            dict(c, rank=r, exposure=exposure(r)) for c, r in zip(canaries, rk)]}
-        print(name, "eps", eps, "seconds", round(secs, 1), "held-out bits/char", round(bpc, 3), "exposures",
-              [round(exposure(r), 2) for r in rk], flush=True)
+        results["runs"][name] = {
+            "epsilon": eps,
+            "seconds": round(secs, 1),
+            "held_out_bits_per_char": bpc,
+            "canaries": [dict(c, rank=r, exposure=exposure(r)) for c, r in zip(canaries, rk)],
+        }
+        print(
+            name,
+            "eps",
+            eps,
+            "seconds",
+            round(secs, 1),
+            "held-out bits/char",
+            round(bpc, 3),
+            "exposures",
+            [round(exposure(r), 2) for r in rk],
+            flush=True,
+        )
         (out / "exposure.json").write_text(json.dumps(results, indent=1))  # after each setting: a killed run
-        plot(results, out / "exposure.png")                                # keeps what it finished
+        plot(results, out / "exposure.png")  # keeps what it finished
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def pretrain(data_dir: str, out: str, epochs: int = 3, seed: int = 0) -> dict:
     for _ in range(epochs):
         perm = torch.randperm(n)
         for i in range(0, n, 128):
-            idx = perm[i:i + 128]
+            idx = perm[i : i + 128]
             opt.zero_grad()
             loss_fn(model(data.x_train[idx]), data.y_train[idx]).backward()
             opt.step()
@@ -44,8 +44,14 @@ def pretrain(data_dir: str, out: str, epochs: int = 3, seed: int = 0) -> dict:
         acc = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
     Path(out).mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), Path(out) / "model.pt")
-    info = {"public_test_accuracy": acc, "n_public_train": n, "epochs": epochs, "seed": seed,
-            "optimizer": "Adam lr 1e-3, batch 128 (non-private)", "wall_seconds": time.perf_counter() - t0}
+    info = {
+        "public_test_accuracy": acc,
+        "n_public_train": n,
+        "epochs": epochs,
+        "seed": seed,
+        "optimizer": "Adam lr 1e-3, batch 128 (non-private)",
+        "wall_seconds": time.perf_counter() - t0,
+    }
     (Path(out) / "pretrain.json").write_text(json.dumps(info, indent=1))
     return info
 

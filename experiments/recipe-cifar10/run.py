@@ -49,27 +49,37 @@ from pathlib import Path
 RUNS = Path("runs/recipe-cifar10-v2")
 N_TRAIN, HELD_OUT_FROM = 10_000, 40_000
 STEPS = 600
-COMMON = dict(dataset="cifar10", method="dp-sgd", target_epsilon=8.0, delta=1e-5, lr=0.2, max_grad_norm=1.0,
-              warmup_steps=20, ema_decay=0.999, checkpoint_every=50)
+COMMON = dict(
+    dataset="cifar10",
+    method="dp-sgd",
+    target_epsilon=8.0,
+    delta=1e-5,
+    lr=0.2,
+    max_grad_norm=1.0,
+    warmup_steps=20,
+    ema_decay=0.999,
+    checkpoint_every=50,
+)
 # (name stem, label, model, K, augment, expected batch size B̄, steps, lr schedule)
-ARMS = [("ws-k1", "cnn5-ws K=1", "cnn5-ws", 1, None, 128, STEPS, "cosine"),
-        ("ws-k8", "cnn5-ws K=8", "cnn5-ws", 8, "crop-flip", 128, STEPS, "cosine"),
-        ("ws-k1-aug", "cnn5-ws K=1 +aug", "cnn5-ws", 1, "crop-flip", 128, STEPS, "cosine"),
-        ("ws-k4", "cnn5-ws K=4", "cnn5-ws", 4, "crop-flip", 128, STEPS, "cosine"),
-        ("cnn5-k1", "cnn5 K=1", "cnn5", 1, None, 128, STEPS, "cosine"),
-        ("ws-k1-b512", "cnn5-ws K=1 B=512", "cnn5-ws", 1, None, 512, STEPS, "cosine")]
+ARMS = [
+    ("ws-k1", "cnn5-ws K=1", "cnn5-ws", 1, None, 128, STEPS, "cosine"),
+    ("ws-k8", "cnn5-ws K=8", "cnn5-ws", 8, "crop-flip", 128, STEPS, "cosine"),
+    ("ws-k1-aug", "cnn5-ws K=1 +aug", "cnn5-ws", 1, "crop-flip", 128, STEPS, "cosine"),
+    ("ws-k4", "cnn5-ws K=4", "cnn5-ws", 4, "crop-flip", 128, STEPS, "cosine"),
+    ("cnn5-k1", "cnn5 K=1", "cnn5", 1, None, 128, STEPS, "cosine"),
+    ("ws-k1-b512", "cnn5-ws K=1 B=512", "cnn5-ws", 1, None, 512, STEPS, "cosine"),
+]
 # the longer horizon (queued after ARMS): 2× the steps, σ recalibrated for ε = 8; K = 8 with the cosine
 # schedule and with a constant lr (where the EMA has noise to average)
-LONG = [("ws-k1-long", "cnn5-ws K=1, 1200 steps", "cnn5-ws", 1, None, 128, 2 * STEPS, "cosine"),
-        ("ws-k8-long", "cnn5-ws K=8, 1200 steps", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS, "cosine"),
-        ("ws-k8-long-const", "cnn5-ws K=8, 1200 steps, constant lr", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS,
-         "constant"),
-        ("ws-k1-long-const", "cnn5-ws K=1, 1200 steps, constant lr", "cnn5-ws", 1, None, 128, 2 * STEPS,
-         "constant")]
+LONG = [
+    ("ws-k1-long", "cnn5-ws K=1, 1200 steps", "cnn5-ws", 1, None, 128, 2 * STEPS, "cosine"),
+    ("ws-k8-long", "cnn5-ws K=8, 1200 steps", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS, "cosine"),
+    ("ws-k8-long-const", "cnn5-ws K=8, 1200 steps, constant lr", "cnn5-ws", 8, "crop-flip", 128, 2 * STEPS, "constant"),
+    ("ws-k1-long-const", "cnn5-ws K=1, 1200 steps, constant lr", "cnn5-ws", 1, None, 128, 2 * STEPS, "constant"),
+]
 # glibc: keep freed blocks up to 32 MiB in the heap (no mmap/munmap and page faults per activation tensor):
 # the same steps in about half the time on this CPU (docs/performance.md, "Allocator"); results unchanged
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
-          "MALLOC_TOP_PAD_": "536870912"}
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_TOP_PAD_": "536870912"}
 ROWS_PER_CHUNK = 256  # physical micro-batch: 256 / K examples with all their K views
 
 
@@ -77,9 +87,22 @@ GROUPS = {"main": ARMS, "long": LONG}
 
 
 def queue(groups=("main", "long")) -> list[dict]:
-    return [{"name": f"{stem}-s{seed}", "label": label, "model": model, "k": k, "augment": aug, "batch": b,
-             "steps": steps, "schedule": schedule, "seed": seed}
-            for g in groups for seed in (0, 1) for stem, label, model, k, aug, b, steps, schedule in GROUPS[g]]
+    return [
+        {
+            "name": f"{stem}-s{seed}",
+            "label": label,
+            "model": model,
+            "k": k,
+            "augment": aug,
+            "batch": b,
+            "steps": steps,
+            "schedule": schedule,
+            "seed": seed,
+        }
+        for g in groups
+        for seed in (0, 1)
+        for stem, label, model, k, aug, b, steps, schedule in GROUPS[g]
+    ]
 
 
 def data(data_dir: str):
@@ -106,11 +129,20 @@ def one(name: str, data_dir: str) -> None:
     if (run_dir / "checkpoint.pt").exists():
         summary = resume(run_dir, data=data(data_dir))
     else:
-        cfg = TrainConfig(**COMMON, batch_size=float(job["batch"]), epochs=job["steps"] * job["batch"] / N_TRAIN,
-                          lr_schedule=job["schedule"],
-                          data_dir=data_dir, model=job["model"], seed=job["seed"],
-                          augmentation_multiplicity=job["k"], augment=job["augment"],
-                          physical_batch_size=ROWS_PER_CHUNK // job["k"], out=str(run_dir), overwrite=True)
+        cfg = TrainConfig(
+            **COMMON,
+            batch_size=float(job["batch"]),
+            epochs=job["steps"] * job["batch"] / N_TRAIN,
+            lr_schedule=job["schedule"],
+            data_dir=data_dir,
+            model=job["model"],
+            seed=job["seed"],
+            augmentation_multiplicity=job["k"],
+            augment=job["augment"],
+            physical_batch_size=ROWS_PER_CHUNK // job["k"],
+            out=str(run_dir),
+            overwrite=True,
+        )
         summary = train(cfg, data=data(data_dir))
     print(json.dumps(summary))
 
@@ -155,8 +187,9 @@ def main() -> None:
         one(args.one, args.data_dir)
         return
     RUNS.mkdir(parents=True, exist_ok=True)
-    jobs = [j for j in queue((args.group,) if args.group else tuple(GROUPS))
-            if args.only is None or j["name"] == args.only]
+    jobs = [
+        j for j in queue((args.group,) if args.group else tuple(GROUPS)) if args.only is None or j["name"] == args.only
+    ]
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(lambda j: run_one(j, args.data_dir), jobs))
 

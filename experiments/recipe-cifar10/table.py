@@ -77,9 +77,11 @@ def _wall(rs: list) -> str:
 
 def table(done: list, curves: dict) -> list[str]:
     base = {(stem_of(r["name"]), r["seed"]): r["test_accuracy"] for r in done}
-    lines = ["| arm | work per run | seeds | held-out accuracy, raw | held-out accuracy, EMA | EMA − raw | "
-             "Δ raw vs cnn5-ws K=1, same seed and steps | ε | steps | wall s per run |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | work per run | seeds | held-out accuracy, raw | held-out accuracy, EMA | EMA − raw | "
+        "Δ raw vs cnn5-ws K=1, same seed and steps | ε | steps | wall s per run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for stem, label, *_ in ALL:
         rs = sorted((r for r in done if stem_of(r["name"]) == stem), key=lambda r: r["seed"])
         if not rs:
@@ -87,24 +89,37 @@ def table(done: list, curves: dict) -> list[str]:
         raw, ema = [r["test_accuracy"] for r in rs], [r["ema_test_accuracy"] for r in rs]
         eps = [r["epsilon"] for r in rs]
         eps_s = f"{min(eps):.3f}" if max(eps) - min(eps) < 5e-4 else f"{min(eps):.3f}–{max(eps):.3f}"
-        lines.append(f"| {label} | {WORK[stem]:g}× | {', '.join(str(r['seed']) for r in rs)} | {fmt(raw)} | "
-                     f"{fmt(ema)} | {fmt([e - a for e, a in zip(ema, raw)])} | "
-                     f"{fmt([r['test_accuracy'] - base[BASELINE[stem], r['seed']] for r in rs if (BASELINE[stem], r['seed']) in base])} | "
-                     f"{eps_s} | {', '.join(sorted({str(r['steps']) for r in rs}))} | "
-                     f"{_wall(rs)} |")
+        lines.append(
+            f"| {label} | {WORK[stem]:g}× | {', '.join(str(r['seed']) for r in rs)} | {fmt(raw)} | "
+            f"{fmt(ema)} | {fmt([e - a for e, a in zip(ema, raw)])} | "
+            f"{fmt([r['test_accuracy'] - base[BASELINE[stem], r['seed']] for r in rs if (BASELINE[stem], r['seed']) in base])} | "
+            f"{eps_s} | {', '.join(sorted({str(r['steps']) for r in rs}))} | "
+            f"{_wall(rs)} |"
+        )
     unfinished = sorted(set(curves) - {r["name"] for r in done})
-    lines += ["", "Mean ± sample std over the seeds listed (one value: one seed). Held-out accuracy on 11,000 "
-              "images never trained on (CIFAR-10 training records 40,000–49,999 and the 1,000 test images of "
-              "cifar10.npz); raw = the final parameters, EMA = their exponential average from the same run "
-              "(post-processing: no extra privacy cost). Δ: the arm's raw accuracy minus that of cnn5-ws K=1 with the "
-              "same seed and number of steps (model initialisation and augmentation draws; the Poisson sampling and the noise are never seeded). Steps: "
-              "releases in the ledger (a run that trained steps twice after a kill lists more). Work = view rows per step × steps, relative to "
-              "cnn5-ws K=1. Wall time: one thread per run, two runs at a time on a 2-core machine, mean over the "
-              "runs that were not interrupted and resumed."]
+    lines += [
+        "",
+        "Mean ± sample std over the seeds listed (one value: one seed). Held-out accuracy on 11,000 "
+        "images never trained on (CIFAR-10 training records 40,000–49,999 and the 1,000 test images of "
+        "cifar10.npz); raw = the final parameters, EMA = their exponential average from the same run "
+        "(post-processing: no extra privacy cost). Δ: the arm's raw accuracy minus that of cnn5-ws K=1 with the "
+        "same seed and number of steps (model initialisation and augmentation draws; the Poisson sampling and the noise are never seeded). Steps: "
+        "releases in the ledger (a run that trained steps twice after a kill lists more). Work = view rows per step × steps, relative to "
+        "cnn5-ws K=1. Wall time: one thread per run, two runs at a time on a 2-core machine, mean over the "
+        "runs that were not interrupted and resumed.",
+    ]
     if unfinished:
-        lines += ["", "Not finished when this table was written: " + "; ".join(
-            f"{n} (step {curves[n][-1].get('step')}: {curves[n][-1]['test_accuracy']:.4f} / EMA "
-            f"{curves[n][-1].get('ema_test_accuracy', float('nan')):.4f})" for n in unfinished if curves[n]) + "."]
+        lines += [
+            "",
+            "Not finished when this table was written: "
+            + "; ".join(
+                f"{n} (step {curves[n][-1].get('step')}: {curves[n][-1]['test_accuracy']:.4f} / EMA "
+                f"{curves[n][-1].get('ema_test_accuracy', float('nan')):.4f})"
+                for n in unfinished
+                if curves[n]
+            )
+            + ".",
+        ]
     return lines
 
 

@@ -61,9 +61,14 @@ def tune_cpu_allocator() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the mmap threshold first: setting it also switches off glibc's dynamic threshold adjustment
-    ok = all(mallopt(param, value) == 1 for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                                                             (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                                                             (_M_TOP_PAD, TOP_PAD)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (_M_TOP_PAD, TOP_PAD),
+        )
+    )
     if ok:
         _DONE.append(True)
     return ok

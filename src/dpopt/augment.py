@@ -45,8 +45,20 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["AUGMENTATIONS", "crop_flip", "hflip", "get_augmentation", "repeat_views", "repeat_labels",
-           "ViewsOf", "views_loss", "check_multiplicity", "resolve_augmentation", "expand_views", "ViewCollate"]
+__all__ = [
+    "AUGMENTATIONS",
+    "crop_flip",
+    "hflip",
+    "get_augmentation",
+    "repeat_views",
+    "repeat_labels",
+    "ViewsOf",
+    "views_loss",
+    "check_multiplicity",
+    "resolve_augmentation",
+    "expand_views",
+    "ViewCollate",
+]
 
 AUGMENTATIONS = ("crop-flip", "flip", "none")
 
@@ -68,8 +80,9 @@ def hflip(x: Tensor, generator: Optional[torch.Generator] = None, p: float = 0.5
     return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
 
 
-def crop_flip(x: Tensor, generator: Optional[torch.Generator] = None, padding: int = 4,
-              padding_mode: str = "constant") -> Tensor:
+def crop_flip(
+    x: Tensor, generator: Optional[torch.Generator] = None, padding: int = 4, padding_mode: str = "constant"
+) -> Tensor:
     """Random crop of the zero-padded image (padding 4) and a random horizontal flip, per image.
 
     Args:
@@ -117,8 +130,9 @@ def get_augmentation(name: str) -> Callable[[Tensor, Optional[torch.Generator]],
     raise ValueError(f"unknown augmentation {name!r}; choose one of {', '.join(AUGMENTATIONS)}")
 
 
-def repeat_views(x: Tensor, k: int, fn: Optional[Callable] = None,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
+def repeat_views(
+    x: Tensor, k: int, fn: Optional[Callable] = None, generator: Optional[torch.Generator] = None
+) -> Tensor:
     """B examples → B·K rows, example-major (rows i·K..i·K+K−1 are example i's views), each through ``fn``.
 
     Args:
@@ -148,13 +162,17 @@ def resolve_augmentation(augmentation, k: int) -> Callable:
     """
     if isinstance(augmentation, str):
         if augmentation == "none" and k > 1:
-            raise ValueError(f"augmentation='none' with augmentation_multiplicity={k} makes {k} identical views of "
-                             f"each example (the same gradient at {k}x the cost); give an augmentation such as "
-                             "'crop-flip' or your own fn(rows, generator), or augmentation_multiplicity=1")
+            raise ValueError(
+                f"augmentation='none' with augmentation_multiplicity={k} makes {k} identical views of "
+                f"each example (the same gradient at {k}x the cost); give an augmentation such as "
+                "'crop-flip' or your own fn(rows, generator), or augmentation_multiplicity=1"
+            )
         return get_augmentation(augmentation)
     if not callable(augmentation):
-        raise TypeError(f"augmentation must be one of {', '.join(AUGMENTATIONS)} or a function fn(rows, generator) "
-                        f"-> rows, got {type(augmentation).__name__}")
+        raise TypeError(
+            f"augmentation must be one of {', '.join(AUGMENTATIONS)} or a function fn(rows, generator) "
+            f"-> rows, got {type(augmentation).__name__}"
+        )
     return augmentation
 
 
@@ -179,9 +197,11 @@ def expand_views(batch, k: int, fn: Callable):
     if isinstance(batch, Tensor):
         return _views_of_input(batch, k, fn)
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], Tensor):
-        raise TypeError(f"augmentation= expands batches that are a tensor or a tuple/list whose first element is the "
-                        f"input tensor, got {type(batch).__name__}; for other batches leave augmentation=None and "
-                        "forward each example's K views as consecutive rows yourself (dpopt.augment.repeat_views)")
+        raise TypeError(
+            f"augmentation= expands batches that are a tensor or a tuple/list whose first element is the "
+            f"input tensor, got {type(batch).__name__}; for other batches leave augmentation=None and "
+            "forward each example's K views as consecutive rows yourself (dpopt.augment.repeat_views)"
+        )
     b = batch[0].shape[0]
     out = [_views_of_input(batch[0], k, fn)]
     for j, item in enumerate(batch[1:], start=1):
@@ -190,7 +210,8 @@ def expand_views(batch, k: int, fn: Callable):
             raise (TypeError if not isinstance(item, Tensor) else ValueError)(
                 f"augmentation=: element {j} of the batch is {what}, not a tensor of the batch's {b} examples "
                 "along dim 0, so its rows cannot be repeated with the views; leave augmentation=None and repeat "
-                "the views yourself (dpopt.augment.repeat_views, repeat_labels)")
+                "the views yourself (dpopt.augment.repeat_views, repeat_labels)"
+            )
         out.append(item.repeat_interleave(k, dim=0))
     if isinstance(batch, list):
         return out
@@ -240,8 +261,10 @@ class ViewsOf(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() < 2 or x.shape[1] != self.k:
-            raise ValueError(f"ViewsOf(K={self.k}) takes x [B, K, ...] (the K views of each example along dim 1), "
-                             f"got {tuple(x.shape)}; reshape [B·K, ...] rows to [B, K, ...]")
+            raise ValueError(
+                f"ViewsOf(K={self.k}) takes x [B, K, ...] (the K views of each example along dim 1), "
+                f"got {tuple(x.shape)}; reshape [B·K, ...] rows to [B, K, ...]"
+            )
         b = x.shape[0]
         out = self.model(x.reshape(b * self.k, *x.shape[2:]))
         return out.reshape(b, self.k, *out.shape[1:])
@@ -253,6 +276,7 @@ def views_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor,
     ``fn(out [b, K, ...], y [b, ...]) -> (1/K) Σ_k loss_fn(out[:, k], y)`` (for b = 1,
     what the per-example engines differentiate, that is example i's loss averaged over its views).
     """
+
     def loss(out: Tensor, target: Tensor) -> Tensor:
         k = out.shape[1]
         return sum(loss_fn(out[:, j], target) for j in range(k)) / k  # type: ignore[return-value]
@@ -282,8 +306,7 @@ class ViewBatches:
     an example's views.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int,
-                 grouped: bool = True):
+    def __init__(self, model: nn.Module, loss_fn: Callable, k: int, augment: str, seed: int, grouped: bool = True):
         self.k = check_multiplicity(k)
         self.fn = get_augmentation(augment)
         self.seed = int(seed)
@@ -303,5 +326,10 @@ class ViewBatches:
         rows = repeat_views(x, self.k, self.fn, g)
         if self.grouped:
             return self.model, self.loss_fn, rows, repeat_labels(y, self.k), {"rows_per_example": self.k}
-        return (self.views_model, self.views_loss, rows.reshape(x.shape[0], self.k, *x.shape[1:]), y,
-                {"engine": "reference"})
+        return (
+            self.views_model,
+            self.views_loss,
+            rows.reshape(x.shape[0], self.k, *x.shape[1:]),
+            y,
+            {"engine": "reference"},
+        )

@@ -109,8 +109,10 @@ class AutoClipPrivatizer(Privatizer):
             ValueError: a state of a Privatizer without automatic clipping, or with another γ.
         """
         if float(state.get("auto_gamma", float("nan"))) != self.auto.gamma:
-            raise ValueError(f"this state is not of automatic clipping with gamma={self.auto.gamma} "
-                             f"(saved: {state.get('auto_gamma')!r})")
+            raise ValueError(
+                f"this state is not of automatic clipping with gamma={self.auto.gamma} "
+                f"(saved: {state.get('auto_gamma')!r})"
+            )
         super().load_state_dict({k: v for k, v in state.items() if k != "auto_gamma"})
 
 

@@ -84,8 +84,15 @@ class ParameterAverager:
             evaluate(model)            # the averaged parameters, then the raw ones back
     """
 
-    def __init__(self, params: Union[nn.Module, "Iterator[Tensor]"], decay: Optional[float] = None, *,
-                 mode: str = "ema", warmup: bool = True, start_step: int = 0):
+    def __init__(
+        self,
+        params: Union[nn.Module, "Iterator[Tensor]"],
+        decay: Optional[float] = None,
+        *,
+        mode: str = "ema",
+        warmup: bool = True,
+        start_step: int = 0,
+    ):
         if mode not in MODES:
             raise ValueError(f"averaging mode must be one of {MODES}, got {mode!r}")
         if mode == "ema":
@@ -152,8 +159,14 @@ class ParameterAverager:
 
     def state_dict(self) -> dict:
         """Public state (a function of released parameters): mode, decay, warm-up, step and the averages."""
-        return {"mode": self.mode, "decay": self.decay, "warmup": self.warmup, "start_step": self.start_step,
-                "step": self.step, "averaged": [a.clone() for a in self.averaged]}
+        return {
+            "mode": self.mode,
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "start_step": self.start_step,
+            "step": self.step,
+            "averaged": [a.clone() for a in self.averaged],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (a checkpoint).
@@ -173,8 +186,15 @@ class ParameterAverager:
                 a.copy_(s)
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 
 
 def unhooked_copy(module: nn.Module) -> nn.Module:

@@ -171,19 +171,23 @@ class LedgerKeeper:
         path = Path(path)
         if self.journal is not None:
             if os.path.abspath(self.journal) != os.path.abspath(path):
-                raise ValueError(f"this engine already keeps its ledger journal at {self.journal}; the "
-                                 f"checkpoints saved so far point to it, so it cannot move to {path} (omit "
-                                 "journal=, or pass the same path)")
+                raise ValueError(
+                    f"this engine already keeps its ledger journal at {self.journal}; the "
+                    f"checkpoints saved so far point to it, so it cannot move to {path} (omit "
+                    "journal=, or pass the same path)"
+                )
             self.ledger.flush()
             return self.journal
         flushed = 0
         if path.exists() and path.stat().st_size > 0:
             on_disk = PrivacyLedger.read_journal(path)
             if not self.ledger.extends(on_disk):
-                raise ValueError(f"{path} holds a ledger journal ({len(on_disk)} releases, run id "
-                                 f"{on_disk.run_id}) that this engine's ledger ({len(self.ledger)} releases, run "
-                                 f"id {self.ledger.run_id}) does not contain: another run's record. Choose "
-                                 "another journal path, or load the checkpoint that belongs to it")
+                raise ValueError(
+                    f"{path} holds a ledger journal ({len(on_disk)} releases, run id "
+                    f"{on_disk.run_id}) that this engine's ledger ({len(self.ledger)} releases, run "
+                    f"id {self.ledger.run_id}) does not contain: another run's record. Choose "
+                    "another journal path, or load the checkpoint that belongs to it"
+                )
             flushed = len(on_disk)
         self.ledger.open_journal(path, flushed=flushed, autoflush=True)
         self.journal = path
@@ -196,8 +200,9 @@ class LedgerKeeper:
             self.ledger.flush()
 
     # -- loading -----------------------------------------------------------------
-    def adopt(self, saved: Optional[Union[dict, PrivacyLedger]], *, journal: Optional[Path], where: str,
-              header_fixed: bool) -> int:
+    def adopt(
+        self, saved: Optional[Union[dict, PrivacyLedger]], *, journal: Optional[Path], where: str, header_fixed: bool
+    ) -> int:
         """Make the engine's ledger the longest record of this run (module docstring); returns releases kept.
 
         Args:
@@ -219,31 +224,43 @@ class LedgerKeeper:
         """
         if saved is None:
             if len(self.ledger):
-                raise ValueError(f"refused to load the {where}: it carries no privacy ledger, and this run has "
-                                 f"already made {len(self.ledger)} releases that loading it would forget. Load a "
-                                 "state saved by dpopt (engine.save_checkpoint, or the state_dict() of the "
-                                 "optimizer make_private returned), which carries the ledger")
-            raise ValueError(f"refused to load the {where}: it carries no privacy ledger (a plain torch "
-                             "optimizer state_dict, or one saved by Opacus or an older dpopt), so the releases "
-                             "that produced it would be counted nowhere and epsilon would restart from zero. Load "
-                             "a state saved by dpopt (engine.save_checkpoint, or the state_dict() of the optimizer "
-                             "make_private returned). If this state did NOT come from private training on this "
-                             "data (e.g. public pre-training), load it into your torch optimizer before calling "
-                             "make_private")
-        if journal is not None and self.journal is not None and \
-                os.path.abspath(journal) != os.path.abspath(self.journal):
-            raise ValueError(f"the {where} records the ledger journal {journal}, but this engine already keeps "
-                             f"its journal at {self.journal}: load it into a fresh PrivacyEngine")
+                raise ValueError(
+                    f"refused to load the {where}: it carries no privacy ledger, and this run has "
+                    f"already made {len(self.ledger)} releases that loading it would forget. Load a "
+                    "state saved by dpopt (engine.save_checkpoint, or the state_dict() of the "
+                    "optimizer make_private returned), which carries the ledger"
+                )
+            raise ValueError(
+                f"refused to load the {where}: it carries no privacy ledger (a plain torch "
+                "optimizer state_dict, or one saved by Opacus or an older dpopt), so the releases "
+                "that produced it would be counted nowhere and epsilon would restart from zero. Load "
+                "a state saved by dpopt (engine.save_checkpoint, or the state_dict() of the optimizer "
+                "make_private returned). If this state did NOT come from private training on this "
+                "data (e.g. public pre-training), load it into your torch optimizer before calling "
+                "make_private"
+            )
+        if (
+            journal is not None
+            and self.journal is not None
+            and os.path.abspath(journal) != os.path.abspath(self.journal)
+        ):
+            raise ValueError(
+                f"the {where} records the ledger journal {journal}, but this engine already keeps "
+                f"its journal at {self.journal}: load it into a fresh PrivacyEngine"
+            )
         saved_ledger = saved if isinstance(saved, PrivacyLedger) else PrivacyLedger.from_dict(saved)
         candidates = {f"saved ({where})": saved_ledger}
         if journal is not None:
             if journal.exists() and journal.stat().st_size > 0:
                 candidates[f"journal {journal}"] = PrivacyLedger.read_journal(journal)
             else:
-                warnings.warn(f"the {where} records the ledger journal {journal}, which is missing: releases made "
-                              f"after it was saved (if any) cannot be counted; epsilon counts its "
-                              f"{len(saved_ledger)} releases (keep the journal beside the checkpoints)",
-                              UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"the {where} records the ledger journal {journal}, which is missing: releases made "
+                    f"after it was saved (if any) cannot be counted; epsilon counts its "
+                    f"{len(saved_ledger)} releases (keep the journal beside the checkpoints)",
+                    UserWarning,
+                    stacklevel=3,
+                )
         if len(self.ledger):
             candidates["engine"] = self.ledger
         name, best = longest_record(candidates)
@@ -251,16 +268,22 @@ class LedgerKeeper:
             mine = (self.ledger.neighbouring, self.ledger.sampling, self.ledger.dataset_size)
             theirs = (best.neighbouring, best.sampling, best.dataset_size)
             if mine != theirs:
-                raise ValueError(f"the {where} is of a run with (neighbouring, sampling, dataset_size) = {theirs}, "
-                                 f"this engine's is {mine}: one ledger cannot state both. Make the engine private "
-                                 "with the settings of the saved run")
+                raise ValueError(
+                    f"the {where} is of a run with (neighbouring, sampling, dataset_size) = {theirs}, "
+                    f"this engine's is {mine}: one ledger cannot state both. Make the engine private "
+                    "with the settings of the saved run"
+                )
         kept = len(best) - len(saved_ledger)
         if best is not self.ledger:
             self.ledger.load_state_dict(best)
         if kept > 0:
-            warnings.warn(f"the {where} was saved after {len(saved_ledger)} releases; the {name} holds "
-                          f"{len(best)} of the same run: the {kept} releases made after it stay charged "
-                          f"(epsilon counts all {len(best)})", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"the {where} was saved after {len(saved_ledger)} releases; the {name} holds "
+                f"{len(best)} of the same run: the {kept} releases made after it stay charged "
+                f"(epsilon counts all {len(best)})",
+                UserWarning,
+                stacklevel=3,
+            )
         if journal is not None:
             self.open_journal(journal)
         return kept

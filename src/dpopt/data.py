@@ -30,8 +30,18 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["Dataset", "DATASETS", "DEFAULT_DATA_DIR", "load_dataset", "DataError", "split_validation", "validation_indices",
-           "validation_size", "check_validation_fraction", "VALIDATION_SPLIT_SEED"]
+__all__ = [
+    "Dataset",
+    "DATASETS",
+    "DEFAULT_DATA_DIR",
+    "load_dataset",
+    "DataError",
+    "split_validation",
+    "validation_indices",
+    "validation_size",
+    "check_validation_fraction",
+    "VALIDATION_SPLIT_SEED",
+]
 
 DATASETS = ("digits", "mnist", "cifar10")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -39,15 +49,16 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 #: Seed of the public permutation that picks the validation records (:func:`validation_indices`).
 VALIDATION_SPLIT_SEED = 0
-IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 #: Where the repository's experiment configs (experiments/*.toml) read the files: relative to the
 #: directory dpopt runs in (the repository root); ignored by git.
 DEFAULT_DATA_DIR = "data"
 #: What every "not found" error says about where the files go.
-WHERE_TO_PUT = (f"The experiment configs (experiments/*.toml) read {DEFAULT_DATA_DIR}/ in the directory dpopt runs "
-                f"from (the repository root): mkdir {DEFAULT_DATA_DIR} && cp /path/to/mnist.npz /path/to/cifar10.npz "
-                f"{DEFAULT_DATA_DIR}/ (README, 'Quick start: MNIST')")
+WHERE_TO_PUT = (
+    f"The experiment configs (experiments/*.toml) read {DEFAULT_DATA_DIR}/ in the directory dpopt runs "
+    f"from (the repository root): mkdir {DEFAULT_DATA_DIR} && cp /path/to/mnist.npz /path/to/cifar10.npz "
+    f"{DEFAULT_DATA_DIR}/ (README, 'Quick start: MNIST')"
+)
 
 
 class DataError(ConfigError):
@@ -89,11 +100,14 @@ def check_validation_fraction(fraction: float) -> float:
     try:
         value = float(fraction)
     except (TypeError, ValueError):
-        raise ConfigError(f"validation_fraction must be a number in [0, 1), got {fraction!r}",
-                          "validation_fraction") from None
+        raise ConfigError(
+            f"validation_fraction must be a number in [0, 1), got {fraction!r}", "validation_fraction"
+        ) from None
     if isinstance(fraction, bool) or not (0.0 <= value < 1.0):
-        raise ConfigError(f"validation_fraction must be in [0, 1) (the share of the training set held out), "
-                          f"got {fraction!r}", "validation_fraction")
+        raise ConfigError(
+            f"validation_fraction must be in [0, 1) (the share of the training set held out), got {fraction!r}",
+            "validation_fraction",
+        )
     return value
 
 
@@ -125,8 +139,10 @@ def validation_indices(n: int, fraction: float) -> tuple[torch.Tensor, torch.Ten
     if k == 0:
         return torch.arange(n), torch.arange(0)
     if k >= n:
-        raise ConfigError(f"validation_fraction {fraction} holds out all {n} training records; use a smaller "
-                          "fraction", "validation_fraction")
+        raise ConfigError(
+            f"validation_fraction {fraction} holds out all {n} training records; use a smaller fraction",
+            "validation_fraction",
+        )
     perm = np.random.RandomState(VALIDATION_SPLIT_SEED).permutation(n)
     val = np.sort(perm[:k])
     train = np.sort(perm[k:])
@@ -153,14 +169,21 @@ def split_validation(data: Dataset, fraction: float) -> Dataset:
     if check_validation_fraction(fraction) == 0.0:
         return data
     if data.x_val is not None:
-        raise ConfigError("the dataset already has a validation split; give validation_fraction 0 to use it, "
-                          "or pass the dataset without one", "validation_fraction")
+        raise ConfigError(
+            "the dataset already has a validation split; give validation_fraction 0 to use it, "
+            "or pass the dataset without one",
+            "validation_fraction",
+        )
     train, val = validation_indices(data.n_train, fraction)
     if len(val) == 0:
-        raise ConfigError(f"validation_fraction {fraction} of {data.n_train} training records holds out none "
-                          f"(F·N < 1/2); use at least {0.5 / data.n_train:.2g}", "validation_fraction")
-    return dataclasses.replace(data, x_train=data.x_train[train], y_train=data.y_train[train],
-                               x_val=data.x_train[val], y_val=data.y_train[val])
+        raise ConfigError(
+            f"validation_fraction {fraction} of {data.n_train} training records holds out none "
+            f"(F·N < 1/2); use at least {0.5 / data.n_train:.2g}",
+            "validation_fraction",
+        )
+    return dataclasses.replace(
+        data, x_train=data.x_train[train], y_train=data.y_train[train], x_val=data.x_train[val], y_val=data.y_train[val]
+    )
 
 
 def _digits() -> Dataset:
@@ -184,7 +207,7 @@ def _read_idx(path: Path) -> np.ndarray:
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
         raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
-    dims = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
         raise DataError(f"{path}: header says {dims} but holds {body.size} bytes")
@@ -192,8 +215,12 @@ def _read_idx(path: Path) -> np.ndarray:
 
 
 def _find(base: Path, name: str) -> Optional[Path]:
-    for cand in (base / name, base / (name + ".gz"), base / name.replace("-idx", ".idx"),
-                 base / (name.replace("-idx", ".idx") + ".gz")):
+    for cand in (
+        base / name,
+        base / (name + ".gz"),
+        base / name.replace("-idx", ".idx"),
+        base / (name.replace("-idx", ".idx") + ".gz"),
+    ):
         if cand.exists():
             return cand
     return None
@@ -208,12 +235,15 @@ def _check_arrays(name: str, path: Path, arrays: tuple[np.ndarray, ...], classes
     x_tr, y_tr, x_te, y_te = arrays
     for key, x in (("x_train", x_tr), ("x_test", x_te)):
         if x.dtype != np.uint8:
-            raise DataError(f"{path}: {name} {key} has dtype {x.dtype}; expected uint8 pixels 0..255 "
-                            "(dpopt normalises them itself)")
+            raise DataError(
+                f"{path}: {name} {key} has dtype {x.dtype}; expected uint8 pixels 0..255 (dpopt normalises them itself)"
+            )
     for key, y in (("y_train", y_tr), ("y_test", y_te)):
         if y.size and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes):
-            raise DataError(f"{path}: {name} {key} must hold integer labels 0..{classes - 1}, "
-                            f"got dtype {y.dtype}, range {y.min()}..{y.max()}")
+            raise DataError(
+                f"{path}: {name} {key} must hold integer labels 0..{classes - 1}, "
+                f"got dtype {y.dtype}, range {y.min()}..{y.max()}"
+            )
 
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -236,9 +266,12 @@ def _npz_arrays(path: Path) -> tuple[np.ndarray, ...]:
     import zipfile
 
     def invalid(why: str) -> DataError:
-        return DataError(f"{path} is not a valid .npz archive ({why}); it may be truncated or damaged: copy it "
-                         f"again, or write it with numpy.savez(path, x_train=..., y_train=..., x_test=..., "
-                         f"y_test=...) (uint8 images, integer labels)", "data_dir")
+        return DataError(
+            f"{path} is not a valid .npz archive ({why}); it may be truncated or damaged: copy it "
+            f"again, or write it with numpy.savez(path, x_train=..., y_train=..., x_test=..., "
+            f"y_test=...) (uint8 images, integer labels)",
+            "data_dir",
+        )
 
     try:
         if not zipfile.is_zipfile(path):
@@ -253,9 +286,11 @@ def _npz_arrays(path: Path) -> tuple[np.ndarray, ...]:
                     arrays.append(npz[key])
                 except ValueError as exc:
                     if "pickle" in str(exc):  # an object array: dpopt does not unpickle data files
-                        raise DataError(f"{path}: array {key!r} holds Python objects, which dpopt does not "
-                                        "load (unpickling can run code); save numeric arrays (uint8 images, "
-                                        "integer labels)") from None
+                        raise DataError(
+                            f"{path}: array {key!r} holds Python objects, which dpopt does not "
+                            "load (unpickling can run code); save numeric arrays (uint8 images, "
+                            "integer labels)"
+                        ) from None
                     raise invalid(f"array {key!r} cannot be read: {exc}") from None
             return tuple(arrays)
     except DataError:
@@ -276,14 +311,18 @@ def _mnist(data_dir: Path) -> Dataset:
             raise DataError(
                 "MNIST not found. Tried: " + ", ".join(tried) + ". Accepted formats: mnist.npz with "
                 "x_train, y_train, x_test, y_test; or the four IDX files (gzipped or not) in data_dir. "
-                + WHERE_TO_PUT + ".", "data_dir")
+                + WHERE_TO_PUT
+                + ".",
+                "data_dir",
+            )
         arrays = tuple(_read_idx(p) for p in paths)  # type: ignore[arg-type]
     _check_arrays("MNIST", npz if npz.exists() else data_dir, arrays)
     x_tr, y_tr, x_te, y_te = arrays
-    if x_tr.shape[1:] != (28, 28) or x_te.shape[1:] != (28, 28) or len(x_tr) != len(y_tr) \
-            or len(x_te) != len(y_te):
-        raise DataError(f"MNIST arrays have unexpected shapes {x_tr.shape}, {y_tr.shape}, {x_te.shape}, "
-                        f"{y_te.shape}; expected [N, 28, 28] images and [N] labels")
+    if x_tr.shape[1:] != (28, 28) or x_te.shape[1:] != (28, 28) or len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
+        raise DataError(
+            f"MNIST arrays have unexpected shapes {x_tr.shape}, {y_tr.shape}, {x_te.shape}, "
+            f"{y_te.shape}; expected [N, 28, 28] images and [N] labels"
+        )
     f = lambda a: ((torch.tensor(a, dtype=torch.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa
     g = lambda a: torch.tensor(a.astype(np.int64))  # noqa: E731
     return Dataset("mnist", f(x_tr), g(y_tr), f(x_te), g(y_te))
@@ -304,9 +343,12 @@ def _cifar10(data_dir: Path) -> Dataset:
         names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
         tried += [str(base / n) for n in names]
         if not all((base / n).exists() for n in names):
-            raise DataError("CIFAR-10 not found. Tried: " + ", ".join(tried) + ". Accepted formats: "
-                            "cifar10.npz (x_train NHWC uint8, y_train, x_test, y_test) or the python-batch "
-                            "files data_batch_1..5 and test_batch. " + WHERE_TO_PUT + ".", "data_dir")
+            raise DataError(
+                "CIFAR-10 not found. Tried: " + ", ".join(tried) + ". Accepted formats: "
+                "cifar10.npz (x_train NHWC uint8, y_train, x_test, y_test) or the python-batch "
+                "files data_batch_1..5 and test_batch. " + WHERE_TO_PUT + ".",
+                "data_dir",
+            )
         batches = [_unpickle(base / n) for n in names]
         xs = [b[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1) for b in batches]
         ys = [np.asarray(b[b"labels"]) for b in batches]
@@ -339,10 +381,14 @@ def load_dataset(name: str, data_dir: Optional[str | Path] = None) -> Dataset:
     if name == "digits":
         return _digits()
     if data_dir is None:
-        raise ConfigError(f"dataset {name!r} is read from files: give data_dir, the directory holding them "
-                          f"(e.g. {DEFAULT_DATA_DIR}/). {WHERE_TO_PUT}", "data_dir")
+        raise ConfigError(
+            f"dataset {name!r} is read from files: give data_dir, the directory holding them "
+            f"(e.g. {DEFAULT_DATA_DIR}/). {WHERE_TO_PUT}",
+            "data_dir",
+        )
     path = Path(data_dir).expanduser()
     if not path.is_dir():
-        raise DataError(f"data_dir {path} is not a directory (looked for from {Path.cwd()}). {WHERE_TO_PUT}",
-                        "data_dir")
+        raise DataError(
+            f"data_dir {path} is not a directory (looked for from {Path.cwd()}). {WHERE_TO_PUT}", "data_dir"
+        )
     return _mnist(path) if name == "mnist" else _cifar10(path)

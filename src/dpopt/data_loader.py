@@ -92,8 +92,14 @@ class PoissonBatchSampler(Sampler):
             :class:`~dpopt.distributed.ShardedPoissonSampler`). None or one process: the whole dataset.
     """
 
-    def __init__(self, dataset_size: int, sample_rate: float, steps: int, noise: Optional[NoiseSource] = None,
-                 ctx: Optional[DistributedContext] = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        steps: int,
+        noise: Optional[NoiseSource] = None,
+        ctx: Optional[DistributedContext] = None,
+    ):
         if int(steps) < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.dataset_size, self.steps = int(dataset_size), int(steps)
@@ -158,10 +164,14 @@ def loader_settings(data_loader: DataLoader, generator: bool = False) -> dict:
     """The ``DataLoader`` keywords a rebuilt loader keeps: ``num_workers``, ``pin_memory``, ``timeout``,
     ``worker_init_fn``, ``multiprocessing_context``, ``persistent_workers``, ``prefetch_factor`` (with
     workers) and, with ``generator=True``, ``generator`` (dataset and batching are the caller's)."""
-    keep = {"num_workers": data_loader.num_workers, "pin_memory": data_loader.pin_memory,
-            "timeout": data_loader.timeout, "worker_init_fn": data_loader.worker_init_fn,
-            "multiprocessing_context": data_loader.multiprocessing_context,
-            "persistent_workers": data_loader.persistent_workers}
+    keep = {
+        "num_workers": data_loader.num_workers,
+        "pin_memory": data_loader.pin_memory,
+        "timeout": data_loader.timeout,
+        "worker_init_fn": data_loader.worker_init_fn,
+        "multiprocessing_context": data_loader.multiprocessing_context,
+        "persistent_workers": data_loader.persistent_workers,
+    }
     if data_loader.num_workers > 0:
         keep["prefetch_factor"] = data_loader.prefetch_factor
     if generator:
@@ -189,12 +199,21 @@ class DPDataLoader(DataLoader):
             or a batching option.
     """
 
-    def __init__(self, dataset: Dataset, sample_rate: float, steps: Optional[int] = None,
-                 collate_fn: Optional[Callable] = None, noise: Optional[NoiseSource] = None,
-                 ctx: Optional[DistributedContext] = None, **kwargs: Any):
+    def __init__(
+        self,
+        dataset: Dataset,
+        sample_rate: float,
+        steps: Optional[int] = None,
+        collate_fn: Optional[Callable] = None,
+        noise: Optional[NoiseSource] = None,
+        ctx: Optional[DistributedContext] = None,
+        **kwargs: Any,
+    ):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError("Poisson sampling needs a map-style dataset (with __len__ and __getitem__); "
-                             f"got {type(dataset).__name__}")
+            raise ValueError(
+                "Poisson sampling needs a map-style dataset (with __len__ and __getitem__); "
+                f"got {type(dataset).__name__}"
+            )
         if len(dataset) == 0:
             raise ValueError("the dataset is empty")
         refused = sorted(set(kwargs) & {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"})
@@ -204,8 +223,9 @@ class DPDataLoader(DataLoader):
         steps = int(round(1.0 / q)) if steps is None else int(steps)
         self.sample_rate = q
         self.poisson = PoissonBatchSampler(len(dataset), q, max(1, steps), noise=noise, ctx=ctx)
-        super().__init__(dataset, batch_sampler=self.poisson,
-                         collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs)
+        super().__init__(
+            dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
+        )
         self.last_batch_examples: Optional[int] = None  # examples in the batch last yielded (private, memory only)
         self.boundary = None  # the optimizer's ReleaseBoundary (set by make_private): every batch is tagged
 
@@ -237,8 +257,9 @@ class DPDataLoader(DataLoader):
         return state
 
     @classmethod
-    def from_data_loader(cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None,
-                         ctx: Optional[DistributedContext] = None) -> "DPDataLoader":
+    def from_data_loader(
+        cls, data_loader: DataLoader, noise: Optional[NoiseSource] = None, ctx: Optional[DistributedContext] = None
+    ) -> "DPDataLoader":
         """The Poisson counterpart of a loader: q = 1/len(loader), len(loader) batches per epoch (Opacus).
 
         With ``ctx`` (data parallel) each rank draws its shard of the loader's

@@ -79,9 +79,22 @@ from torch import Tensor
 from .noise import NoiseSource
 from .sampling import PoissonSampler
 
-__all__ = ["DistributedContext", "setup", "leave", "context", "shard_bounds", "ShardedPoissonSampler", "poisson_sampler",
-           "AllReduceRelease", "attach", "prepare", "broadcast_parameters", "check_replicas", "any_rank",
-           "backend_device"]
+__all__ = [
+    "DistributedContext",
+    "setup",
+    "leave",
+    "context",
+    "shard_bounds",
+    "ShardedPoissonSampler",
+    "poisson_sampler",
+    "AllReduceRelease",
+    "attach",
+    "prepare",
+    "broadcast_parameters",
+    "check_replicas",
+    "any_rank",
+    "backend_device",
+]
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,7 @@ class DistributedContext:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
-                            group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
         return tensor
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
@@ -118,8 +130,9 @@ class DistributedContext:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
-                           group=self.group)
+            dist.broadcast(
+                tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src, group=self.group
+            )
         return tensor
 
 
@@ -206,8 +219,14 @@ class ShardedPoissonSampler(PoissonSampler):
     Either way the union over ranks is a Poisson sample of the dataset at q.
     """
 
-    def __init__(self, dataset_size: int, sample_rate: float, steps: int, ctx: DistributedContext,
-                 noise: Optional[NoiseSource] = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        steps: int,
+        ctx: DistributedContext,
+        noise: Optional[NoiseSource] = None,
+    ):
         super().__init__(dataset_size, sample_rate, steps, noise=noise)
         self.ctx = ctx
         self.lo, self.hi = shard_bounds(self.dataset_size, ctx.rank, ctx.world_size)
@@ -216,15 +235,16 @@ class ShardedPoissonSampler(PoissonSampler):
         if self.position >= self.steps:
             raise StopIteration
         if self.noise.mode == "reproducible":
-            mask = self.noise.uniform(self.dataset_size)[self.lo:self.hi] < self.sample_rate
+            mask = self.noise.uniform(self.dataset_size)[self.lo : self.hi] < self.sample_rate
         else:
             mask = self.noise.uniform(self.hi - self.lo) < self.sample_rate
         self.position += 1
         return mask.nonzero(as_tuple=True)[0] + self.lo
 
 
-def poisson_sampler(dataset_size: int, sample_rate: float, steps: int, ctx: DistributedContext,
-                    noise: Optional[NoiseSource] = None) -> PoissonSampler:
+def poisson_sampler(
+    dataset_size: int, sample_rate: float, steps: int, ctx: DistributedContext, noise: Optional[NoiseSource] = None
+) -> PoissonSampler:
     """This process's sampler: :class:`ShardedPoissonSampler` over several ranks, else a plain
     :class:`~dpopt.sampling.PoissonSampler` of the whole dataset."""
     if ctx.enabled:
@@ -252,8 +272,9 @@ class AllReduceRelease:
         self.ctx, self.replay = ctx, bool(replay)
         self.calls = 0  # steps reduced (public)
 
-    def __call__(self, sums: Sequence[Tensor], count: Optional[float],
-                 draw: Callable[[], tuple[list[Tensor], Optional[float]]]):
+    def __call__(
+        self, sums: Sequence[Tensor], count: Optional[float], draw: Callable[[], tuple[list[Tensor], Optional[float]]]
+    ):
         sums = list(sums)
         if self.ctx.is_main or self.replay:
             noise, count_noise = draw()
@@ -273,7 +294,7 @@ class AllReduceRelease:
             offset = 0
             for i in idx:
                 n = sums[i].numel()
-                out[i] = flat[offset:offset + n].view(sums[i].shape)
+                out[i] = flat[offset : offset + n].view(sums[i].shape)
                 offset += n
         if count is not None:  # in float64 whatever the model's dtype (bf16 would round a count of 300 by 1)
             device = sums[0].device if sums else backend_device(self.ctx)
@@ -342,8 +363,7 @@ def check_replicas(tensors: Sequence[Tensor], ctx: DistributedContext) -> bool:
         return True
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
     ref = ctx.broadcast(flat.clone())
-    differs = torch.tensor([0.0 if torch.equal(ref, flat) else 1.0], dtype=torch.float64,
-                           device=flat.device)
+    differs = torch.tensor([0.0 if torch.equal(ref, flat) else 1.0], dtype=torch.float64, device=flat.device)
     ctx.all_reduce(differs, op="max")
     return bool(differs.item() == 0.0)
 

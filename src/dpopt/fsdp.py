@@ -89,8 +89,16 @@ from .engine.hooks import HookCapture
 from .engine.layers import DirectBlock
 from .engine.rules import RULES
 
-__all__ = ["fsdp_modules", "prepare_model", "ShardedCapture", "ShardedRelease", "capture_for", "attach", "shard_rows",
-           "bytes_per_step"]
+__all__ = [
+    "fsdp_modules",
+    "prepare_model",
+    "ShardedCapture",
+    "ShardedRelease",
+    "capture_for",
+    "attach",
+    "shard_rows",
+    "bytes_per_step",
+]
 
 
 def _fsdp():
@@ -139,27 +147,37 @@ def prepare_model(model: nn.Module, ctx: DistributedContext) -> None:
     FSDPModule, DTensor, Shard = _fsdp()
     mods = fsdp_modules(model)
     if not mods or not isinstance(model, FSDPModule):
-        raise ValueError("distributed='fsdp' needs a model with torch.distributed.fsdp.fully_shard applied (to its "
-                         "layers or blocks and then to the root model); for a replicated model use "
-                         "distributed=True")
+        raise ValueError(
+            "distributed='fsdp' needs a model with torch.distributed.fsdp.fully_shard applied (to its "
+            "layers or blocks and then to the root model); for a replicated model use "
+            "distributed=True"
+        )
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if not isinstance(p, DTensor):
-            raise ValueError(f"trainable parameter {name!r} is not sharded by FSDP (a plain tensor): apply "
-                             "fully_shard to a module that contains it (e.g. the root model), or freeze it")
+            raise ValueError(
+                f"trainable parameter {name!r} is not sharded by FSDP (a plain tensor): apply "
+                "fully_shard to a module that contains it (e.g. the root model), or freeze it"
+            )
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-            raise ValueError(f"parameter {name!r} is sharded as {tuple(p.placements)} over a {p.device_mesh.ndim}-D "
-                             "mesh: dpopt supports FSDP2's plain Shard(0) over a 1-D mesh only (no HSDP, no tensor "
-                             "parallelism); call fully_shard(module) with the default mesh")
+            raise ValueError(
+                f"parameter {name!r} is sharded as {tuple(p.placements)} over a {p.device_mesh.ndim}-D "
+                "mesh: dpopt supports FSDP2's plain Shard(0) over a 1-D mesh only (no HSDP, no tensor "
+                "parallelism); call fully_shard(module) with the default mesh"
+            )
         if p.device_mesh.size() != ctx.world_size:
-            raise ValueError(f"parameter {name!r} is sharded over {p.device_mesh.size()} ranks but the process group "
-                             f"has {ctx.world_size}: shard over the same group make_private trains over")
+            raise ValueError(
+                f"parameter {name!r} is sharded over {p.device_mesh.size()} ranks but the process group "
+                f"has {ctx.world_size}: shard over the same group make_private trains over"
+            )
     for group in _param_groups(model):
         mp = group.mp_policy
         if mp.param_dtype is not None or mp.reduce_dtype is not None:
-            raise ValueError("distributed='fsdp' with a MixedPrecisionPolicy is not supported (untested: per-example "
-                             "norms and noise must stay float32); call fully_shard without mp_policy")
+            raise ValueError(
+                "distributed='fsdp' with a MixedPrecisionPolicy is not supported (untested: per-example "
+                "norms and noise must stay float32); call fully_shard without mp_policy"
+            )
     for m in model.modules():  # FSDP's dynamic subclass gets its base class's rule
         t = type(m)
         if isinstance(m, FSDPModule) and t not in RULES:
@@ -216,15 +234,20 @@ class ShardedCapture(HookCapture):
         super().__init__(model, **kw)
         self.ctx = ctx
         if self.plan.fallback or self.plan.bare:
-            names = sorted(self.names[i] for i in self.plan.fallback) or sorted(self._names.get(id(m), "?")
-                                                                                 for m in self.plan.bare)
+            names = sorted(self.names[i] for i in self.plan.fallback) or sorted(
+                self._names.get(id(m), "?") for m in self.plan.bare
+            )
             self.detach()
-            raise ValueError(f"distributed='fsdp' needs a fast per-example rule for every trainable parameter; "
-                             f"{names} have none (dpopt.engine.rules: Linear, Conv, Embedding, LayerNorm, "
-                             "GroupNorm, MultiheadAttention, ...): freeze them, or use distributed=True")
+            raise ValueError(
+                f"distributed='fsdp' needs a fast per-example rule for every trainable parameter; "
+                f"{names} have none (dpopt.engine.rules: Linear, Conv, Embedding, LayerNorm, "
+                "GroupNorm, MultiheadAttention, ...): freeze them, or use distributed=True"
+            )
         # shape/dtype stand-ins (no memory) for the engine's zero blocks: never DTensor arithmetic in a source
-        self.plan.params = [torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)  # type: ignore[attr-defined, misc]
-                            for p in self.params]
+        self.plan.params = [
+            torch.zeros((), dtype=p.dtype, device=p.to_local().device).expand(p.shape)  # type: ignore[attr-defined, misc]
+            for p in self.params
+        ]
         self._syncing = False
 
     def _empty(self) -> FastPerSampleGrads:
@@ -275,8 +298,9 @@ class ShardedCapture(HookCapture):
                     self._rec.calls = []
                     if error is not None:
                         raise error
-                    raise ValueError("the per-example check refused this model on another rank (its error is "
-                                     "reported there)")
+                    raise ValueError(
+                        "the per-example check refused this model on another rank (its error is reported there)"
+                    )
         return super().collect()
 
 
@@ -303,8 +327,7 @@ class ShardedRelease:
             ``"all_reduce"`` (public configuration, for the bytes figures).
     """
 
-    def __init__(self, params: Sequence[Tensor], ctx: DistributedContext,
-                 use_reduce_scatter: Optional[bool] = None):
+    def __init__(self, params: Sequence[Tensor], ctx: DistributedContext, use_reduce_scatter: Optional[bool] = None):
         self.params, self.ctx = list(params), ctx
         self.use_reduce_scatter = use_reduce_scatter
         self.calls = 0
@@ -318,8 +341,10 @@ class ShardedRelease:
         lo, hi = shard_rows(rows, self.ctx.world_size, self.ctx.rank)
         local = p.to_local()  # type: ignore[attr-defined]
         if p.dim() and local.shape[0] != hi - lo:
-            raise RuntimeError(f"FSDP shard of shape {tuple(local.shape)} is not rows [{lo}, {hi}) of "
-                               f"{tuple(p.shape)}: unexpected sharding")
+            raise RuntimeError(
+                f"FSDP shard of shape {tuple(local.shape)} is not rows [{lo}, {hi}) of "
+                f"{tuple(p.shape)}: unexpected sharding"
+            )
         return c, (p.numel() // rows if rows else 0), hi - lo
 
     def _pack(self, tensors: Sequence[Tensor], dtype, device) -> Tensor:
@@ -330,20 +355,25 @@ class ShardedRelease:
             c, row, _ = self._layout(p)
             flat = t.reshape(-1).to(dtype)
             padded = flat.new_zeros(w * c * row)
-            padded[:flat.numel()] = flat
+            padded[: flat.numel()] = flat
             parts.append(padded.view(w, c * row))
         return torch.cat(parts, dim=1) if parts else torch.zeros((w, 0), dtype=dtype, device=device)
 
-    def __call__(self, sums: Sequence[Tensor], count: Optional[float],
-                 draw: Callable[[], tuple[list[Tensor], Optional[float]]]):
+    def __call__(
+        self, sums: Sequence[Tensor], count: Optional[float], draw: Callable[[], tuple[list[Tensor], Optional[float]]]
+    ):
         import torch.distributed as dist
 
         _, DTensor, _ = _fsdp()
-        sums = [torch.zeros(s.shape, dtype=s.dtype, device=s.to_local().device) if isinstance(s, DTensor) else s
-                for s in sums]
+        sums = [
+            torch.zeros(s.shape, dtype=s.dtype, device=s.to_local().device) if isinstance(s, DTensor) else s
+            for s in sums
+        ]
         noise, count_noise = draw()  # every rank: the full tensor (global indexing); only the owner's chunk is used
-        noise = [torch.zeros(z.shape, dtype=z.dtype, device=z.to_local().device) if isinstance(z, DTensor) else z
-                 for z in noise]
+        noise = [
+            torch.zeros(z.shape, dtype=z.dtype, device=z.to_local().device) if isinstance(z, DTensor) else z
+            for z in noise
+        ]
         dtype, device = (sums[0].dtype, sums[0].device) if sums else (torch.float32, None)
         r, w = self.ctx.rank, self.ctx.world_size
         buf = self._pack(sums, dtype, device)
@@ -365,14 +395,25 @@ class ShardedRelease:
         out, offset = [], 0
         for p in self.params:
             c, row, mine = self._layout(p)
-            shard = local[offset:offset + mine * row].clone().view(p.to_local().shape)  # type: ignore[attr-defined]
+            shard = local[offset : offset + mine * row].clone().view(p.to_local().shape)  # type: ignore[attr-defined]
             offset += c * row
-            out.append(DTensor.from_local(shard, cast(Any, p).device_mesh, cast(Any, p).placements, run_check=False, shape=p.shape,
-                                          stride=p.stride()))
+            out.append(
+                DTensor.from_local(
+                    shard,
+                    cast(Any, p).device_mesh,
+                    cast(Any, p).placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+            )
         noisy_count = None
         if count is not None:  # float64; the count noise on rank 0 only (drawn on every rank: aligned streams)
-            total = torch.tensor([count + (cast(float, count_noise) if r == 0 else 0.0)], dtype=torch.float64,
-                                 device=backend_device(self.ctx))
+            total = torch.tensor(
+                [count + (cast(float, count_noise) if r == 0 else 0.0)],
+                dtype=torch.float64,
+                device=backend_device(self.ctx),
+            )
             noisy_count = float(self.ctx.all_reduce(total)[0])
         self.calls += 1
         return out, noisy_count
@@ -411,14 +452,17 @@ def capture_for(module: nn.Module, distributed, optimizer, ctx: DistributedConte
             ``"fsdp"``; what :func:`prepare_model` and :class:`ShardedCapture` refuse.
     """
     if distributed not in (False, True, "fsdp"):
-        raise ValueError(f"distributed must be False, True (DDP-style replicas) or 'fsdp' (a fully_shard model), "
-                         f"got {distributed!r}")
+        raise ValueError(
+            f"distributed must be False, True (DDP-style replicas) or 'fsdp' (a fully_shard model), got {distributed!r}"
+        )
     if distributed != "fsdp":
         return HookCapture(module, **kw)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError("distributed='fsdp' takes a torch.optim optimizer over the sharded parameters (e.g. "
-                         "torch.optim.AdamW(model.parameters())): dpopt method names keep clip geometry and "
-                         "state that are not sharded")
+        raise ValueError(
+            "distributed='fsdp' takes a torch.optim optimizer over the sharded parameters (e.g. "
+            "torch.optim.AdamW(model.parameters())): dpopt method names keep clip geometry and "
+            "state that are not sharded"
+        )
     prepare_model(module, ctx)
     return ShardedCapture(module, ctx, **kw)
 
@@ -440,8 +484,14 @@ def attach(privatizer, params: Sequence[Tensor], module: nn.Module, ctx: Distrib
     return privatizer.reduce
 
 
-def bytes_per_step(params: Sequence[Tensor], world_size: int, *, reduce_scatter: bool = True,
-                   reshard_after_forward: bool = True, itemsize: int = 4) -> dict:
+def bytes_per_step(
+    params: Sequence[Tensor],
+    world_size: int,
+    *,
+    reduce_scatter: bool = True,
+    reshard_after_forward: bool = True,
+    itemsize: int = 4,
+) -> dict:
     """Ring-collective bytes SENT per rank per step: dpopt FSDP2 vs DDP (analytic, for the benchmark).
 
     FSDP2: an all-gather of the parameters in forward and (``reshard_after_forward``)
@@ -450,10 +500,15 @@ def bytes_per_step(params: Sequence[Tensor], world_size: int, *, reduce_scatter:
     """
     w = int(world_size)
     p = sum(t.numel() for t in params)
-    padded = sum(-(-(t.shape[0] if t.dim() else 1) // w) * w * (t.numel() // max(t.shape[0] if t.dim() else 1, 1))
-                 for t in params)
+    padded = sum(
+        -(-(t.shape[0] if t.dim() else 1) // w) * w * (t.numel() // max(t.shape[0] if t.dim() else 1, 1))
+        for t in params
+    )
     gather = (w - 1) / w * p * (2 if reshard_after_forward else 1)
     reduce = (w - 1) / w * padded * (1 if reduce_scatter else 2)
     ddp = 2 * (w - 1) / w * p
-    return {"fsdp": (gather + reduce) * itemsize, "ddp": ddp * itemsize, "ratio": (gather + reduce) / ddp if ddp else
-            math.nan}
+    return {
+        "fsdp": (gather + reduce) * itemsize,
+        "ddp": ddp * itemsize,
+        "ratio": (gather + reduce) / ddp if ddp else math.nan,
+    }

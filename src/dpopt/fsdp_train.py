@@ -69,18 +69,25 @@ def check_fsdp_config(cfg) -> None:
         ConfigError: naming the ``TrainConfig`` field (the CLI shows it as its flag).
     """
     if cfg.method not in FSDP_METHODS:
-        raise ConfigError(f"fsdp: method {cfg.method!r} is not supported with a sharded model (its clip geometry "
-                          f"or transform is not sharded); use one of {', '.join(FSDP_METHODS)}, or drop fsdp "
-                          "(data parallel: torchrun without --fsdp)", "method")
+        raise ConfigError(
+            f"fsdp: method {cfg.method!r} is not supported with a sharded model (its clip geometry "
+            f"or transform is not sharded); use one of {', '.join(FSDP_METHODS)}, or drop fsdp "
+            "(data parallel: torchrun without --fsdp)",
+            "method",
+        )
     refused = {
         "clipping": (cfg.clipping != "flat", "flat clipping only"),
         "lora_rank": (cfg.lora_rank is not None, "LoRA under fsdp is untested"),
-        "augmentation_multiplicity": (cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),
-                                      "augmentation views are not supported"),
+        "augmentation_multiplicity": (
+            cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),
+            "augmentation views are not supported",
+        ),
         "ema_decay": (cfg.ema_decay is not None, "the EMA of a sharded model is not supported"),
         "show_train_loss": (cfg.show_train_loss, "the (non-private) train loss display is not supported"),
-        "checkpoint_every": (bool(cfg.checkpoint_every), "no checkpoint of a sharded model is written (a --fsdp run "
-                                                         "cannot be resumed)"),
+        "checkpoint_every": (
+            bool(cfg.checkpoint_every),
+            "no checkpoint of a sharded model is written (a --fsdp run cannot be resumed)",
+        ),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -95,23 +102,25 @@ def shard_model(model: nn.Module) -> nn.Module:
     """
     from torch.distributed.fsdp import fully_shard
 
-    owners = [m for _, m in model.named_modules()
-              if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))]
+    owners = [
+        m
+        for _, m in model.named_modules()
+        if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
     for m in reversed(owners):
         fully_shard(m)
     fully_shard(model)
     return model
 
 
-def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physical: Optional[int],
-             dist) -> Iterator:
+def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physical: Optional[int], dist) -> Iterator:
     """Per-sample sources of this rank's batch, in K chunks (K agreed over the ranks: same collectives)."""
     n = int(x.shape[0])
     size = physical or max(n, 1)
     k = torch.tensor([max(1, math.ceil(n / size))], dtype=torch.float64)
     k = int(dist.all_reduce(k, "max").item())  # type: ignore[assignment]
     for c in range(k):
-        xb, yb = x[c * size:(c + 1) * size], y[c * size:(c + 1) * size]
+        xb, yb = x[c * size : (c + 1) * size], y[c * size : (c + 1) * size]
         with torch.enable_grad():  # consumed inside the optimizer's step (no_grad)
             loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")  # Σ_i ℓ_i (an empty chunk: 0)
             loss.backward()
@@ -122,8 +131,9 @@ def _full_state(model: nn.Module) -> dict:
     """The model's state dict with every ``DTensor`` gathered (a collective: call on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None) -> dict:
@@ -160,8 +170,11 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
     dist = setup(resolve_device(cfg.device))
     if not dist.enabled:
-        raise ConfigError("fsdp shards the model over several processes: launch under torchrun "
-                          "(torchrun --standalone --nproc_per_node 2 -m dpopt train --fsdp ...), or drop fsdp", "fsdp")
+        raise ConfigError(
+            "fsdp shards the model over several processes: launch under torchrun "
+            "(torchrun --standalone --nproc_per_node 2 -m dpopt train --fsdp ...), or drop fsdp",
+            "fsdp",
+        )
     run = build_run(cfg, data, stacklevel=4)  # one-process build (no DDP broadcast): the same seed on every rank
     run_dir, error = None, None
     if dist.is_main:
@@ -183,8 +196,17 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         capture.detach()
         raise RuntimeError("internal: the capture's parameters are not the optimizer's")
     privacy, _ = privacy_options(cfg, model, run.noise_multiplier, float(run.hparams["max_grad_norm"]))
-    opt = build_optimizer(get_method(cfg.method), params, run.hparams, expected_batch_size=float(cfg.batch_size),
-                          sample_rate=run.sample_rate, ledger=run.ledger, noise=run.noise, model=model, **privacy)
+    opt = build_optimizer(
+        get_method(cfg.method),
+        params,
+        run.hparams,
+        expected_batch_size=float(cfg.batch_size),
+        sample_rate=run.sample_rate,
+        ledger=run.ledger,
+        noise=run.noise,
+        model=model,
+        **privacy,
+    )
     fsdp.attach(opt.privatizer, params, model, dist)
     run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist)
 
@@ -208,8 +230,10 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
 
     try:
         while step < steps:
-            if cfg.max_epsilon is not None and tracker.releases_within_budget(
-                    run.ledger, opt.privatizer.step_event(), steps - step) < 1:
+            if (
+                cfg.max_epsilon is not None
+                and tracker.releases_within_budget(run.ledger, opt.privatizer.step_event(), steps - step) < 1
+            ):
                 status = "budget_exhausted"
                 break
             if scheduled:
@@ -228,9 +252,16 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
                 files.flush()
             if on_step is not None and dist.is_main:
                 last = metrics[-1] if metrics else {}
-                on_step({"step": step, "steps": steps, "epsilon": last.get("epsilon"),
-                         "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
-                         "accountant": cfg.accountant})
+                on_step(
+                    {
+                        "step": step,
+                        "steps": steps,
+                        "epsilon": last.get("epsilon"),
+                        "test_accuracy": last.get("test_accuracy"),
+                        "test_loss": last.get("test_loss"),
+                        "accountant": cfg.accountant,
+                    }
+                )
         if status != "completed" and (not metrics or metrics[-1]["step"] != step):
             row({"epoch": round(step * q, 6), "status": status})
     finally:
@@ -244,6 +275,13 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     for name, p in plain.named_parameters():  # as trained (frozen ones stay frozen)
         p.requires_grad_(dict(run.model.named_parameters())[name].requires_grad)
     plain.load_state_dict(state)
-    return write_results(Path(cast(Path, run_dir)), dataclasses.replace(run, model=plain), metrics, start, status=status,
-                         streamed=True, epsilon=tracker.epsilon(run.ledger),
-                         extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]})
+    return write_results(
+        Path(cast(Path, run_dir)),
+        dataclasses.replace(run, model=plain),
+        metrics,
+        start,
+        status=status,
+        streamed=True,
+        epsilon=tracker.epsilon(run.ledger),
+        extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]},
+    )

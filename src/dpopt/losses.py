@@ -30,8 +30,9 @@ __all__ = ["per_example_lm_loss", "REDUCTIONS"]
 REDUCTIONS = ("mean", "sum")
 
 
-def per_example_lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean", ignore_index: int = -100,
-                        shift: bool = True) -> Tensor:
+def per_example_lm_loss(
+    logits: Tensor, labels: Tensor, reduction: str = "mean", ignore_index: int = -100, shift: bool = True
+) -> Tensor:
     """Token cross-entropy reduced over each example's own valid tokens: ``[B]``.
 
     Args:
@@ -60,14 +61,17 @@ def per_example_lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean",
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if logits.dim() != 3 or labels.dim() != 2 or tuple(logits.shape[:2]) != tuple(labels.shape):
-        raise ValueError(f"per_example_lm_loss needs logits [B, T, V] and labels [B, T]; got "
-                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"per_example_lm_loss needs logits [B, T, V] and labels [B, T]; got "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     b, t, v = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    tok = F.cross_entropy(logits.reshape(b * t, v).to(dtype), labels.reshape(b * t).long(),
-                          ignore_index=ignore_index, reduction="none").reshape(b, t)
+    tok = F.cross_entropy(
+        logits.reshape(b * t, v).to(dtype), labels.reshape(b * t).long(), ignore_index=ignore_index, reduction="none"
+    ).reshape(b, t)
     total = tok.sum(1)
     if reduction == "sum":
         return total

@@ -48,16 +48,22 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None = N
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     if total_steps is not None:
         if not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool):
-            raise ValueError(f"total_steps must be an integer (the number of optimizer steps), got {total_steps!r}; "
-                             "for fractional epochs use math.ceil(epochs * len(loader))")
+            raise ValueError(
+                f"total_steps must be an integer (the number of optimizer steps), got {total_steps!r}; "
+                "for fractional epochs use math.ceil(epochs * len(loader))"
+            )
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if schedule == "cosine" and warmup_steps >= total_steps:
-            raise ValueError(f"warmup_steps {warmup_steps} leaves no step of the cosine decay in {total_steps} "
-                             "steps; use fewer warm-up steps")
+            raise ValueError(
+                f"warmup_steps {warmup_steps} leaves no step of the cosine decay in {total_steps} "
+                "steps; use fewer warm-up steps"
+            )
         if warmup_steps > total_steps:
-            raise ValueError(f"warmup_steps {warmup_steps} is more than the run's {total_steps} steps: the lr would "
-                             "never reach its set value; use at most as many warm-up steps as steps")
+            raise ValueError(
+                f"warmup_steps {warmup_steps} is more than the run's {total_steps} steps: the lr would "
+                "never reach its set value; use at most as many warm-up steps as steps"
+            )
 
 
 def lr_multiplier(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0) -> float:
@@ -77,8 +83,9 @@ def lr_lambda(total_steps: int, schedule: str = "constant", warmup_steps: int = 
     return lambda step: lr_multiplier(step, total_steps, schedule, warmup_steps)
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule: str = "constant",
-                      warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+def make_lr_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, schedule: str = "constant", warmup_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` with :func:`lr_lambda`: call ``scheduler.step()`` after every ``optimizer.step()``.
 
     Works with the optimizer ``PrivacyEngine.make_private`` returns (a torch
@@ -87,8 +94,9 @@ def make_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedu
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, schedule, warmup_steps))
 
 
-def apply_lr(optimizer: torch.optim.Optimizer, step: int, total_steps: int, schedule: str = "constant",
-             warmup_steps: int = 0) -> None:
+def apply_lr(
+    optimizer: torch.optim.Optimizer, step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0
+) -> None:
     """Set each param group's ``lr`` to ``initial_lr · m(step)`` before update ``step`` (dpopt train's loop).
 
     ``initial_lr`` is recorded on first use (torch's key; saved in the optimizer's state_dict).

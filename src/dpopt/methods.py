@@ -59,8 +59,16 @@ from .transforms.weight_decay import DecoupledWeightDecay
 if TYPE_CHECKING:
     from .auto_clipping import AutoClipping
 
-__all__ = ["MethodSpec", "register", "get_method", "list_methods", "make_optimizer", "build_optimizer",
-           "PRIVATIZER_KEYS", "COMMON_DEFAULTS"]
+__all__ = [
+    "MethodSpec",
+    "register",
+    "get_method",
+    "list_methods",
+    "make_optimizer",
+    "build_optimizer",
+    "PRIVATIZER_KEYS",
+    "COMMON_DEFAULTS",
+]
 
 #: Hyperparameters every method takes, declared once here and merged into each spec's ``defaults``
 #: (so ``dpopt methods`` lists them); applied by :func:`build_optimizer`, never read by a factory.
@@ -104,8 +112,9 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         # the hyperparameters every method takes (COMMON_DEFAULTS), unless the spec declares its own default
-        object.__setattr__(self, "defaults", {**self.defaults,
-                                              **{k: v for k, v in COMMON_DEFAULTS.items() if k not in self.defaults}})
+        object.__setattr__(
+            self, "defaults", {**self.defaults, **{k: v for k, v in COMMON_DEFAULTS.items() if k not in self.defaults}}
+        )
 
     def hparams(self, dataset: Optional[str] = None, **overrides: Any) -> dict:
         """Defaults (with dataset-specific ones) updated by non-None overrides.
@@ -120,8 +129,7 @@ class MethodSpec:
         hp.update(self.dataset_defaults.get(dataset, {}))
         unknown = sorted(k for k, v in overrides.items() if v is not None and k not in hp)
         if unknown:
-            raise ConfigError(f"method {self.name!r} does not take {unknown}; its hyperparameters are "
-                              f"{sorted(hp)}")
+            raise ConfigError(f"method {self.name!r} does not take {unknown}; its hyperparameters are {sorted(hp)}")
         hp.update({k: v for k, v in overrides.items() if v is not None})
         return hp
 
@@ -207,11 +215,23 @@ def make_optimizer(
             method cannot use.
     """
     spec = get_method(name)
-    return build_optimizer(spec, params, spec.hparams(dataset, **overrides),
-                           noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-                           sample_rate=sample_rate, ledger=ledger, generator=generator, secure_mode=secure_mode,
-                           noise=noise, groups=groups, group_bounds=group_bounds, quantile=quantile, model=model,
-                           auto_clip=auto_clip)
+    return build_optimizer(
+        spec,
+        params,
+        spec.hparams(dataset, **overrides),
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        ledger=ledger,
+        generator=generator,
+        secure_mode=secure_mode,
+        noise=noise,
+        groups=groups,
+        group_bounds=group_bounds,
+        quantile=quantile,
+        model=model,
+        auto_clip=auto_clip,
+    )
 
 
 def build_optimizer(
@@ -252,24 +272,41 @@ def build_optimizer(
     hp = dict(hparams)
     if set(hp) != set(spec.defaults):
         missing, extra = sorted(set(spec.defaults) - set(hp)), sorted(set(hp) - set(spec.defaults))
-        raise ValueError(f"hyperparameters of {spec.name!r} must be resolved by get_method({spec.name!r})"
-                         f".hparams(...): missing {missing}, foreign {extra}")
+        raise ValueError(
+            f"hyperparameters of {spec.name!r} must be resolved by get_method({spec.name!r})"
+            f".hparams(...): missing {missing}, foreign {extra}"
+        )
     if spec.geometry != "identity" and (quantile is not None or group_bounds is not None):
-        raise ValueError(f"{spec.name} clips in its own shift/scale geometry; quantile and per-layer clipping "
-                         "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)")
+        raise ValueError(
+            f"{spec.name} clips in its own shift/scale geometry; quantile and per-layer clipping "
+            "apply to flat-clipping methods only (e.g. dp-sgd, dp-adam, dp-muon)"
+        )
     bound = list(group_bounds) if group_bounds is not None else float(hp["max_grad_norm"])
     cls: type[Privatizer] = Privatizer
     options: dict[str, Any] = {}
     if auto_clip is not None:  # AUTO-S (dpopt.auto_clipping): flat scale C, identity geometry only
         from .auto_clipping import AutoClipPrivatizer
+
         if spec.geometry != "identity" or quantile is not None or group_bounds is not None:
-            raise ValueError(f"automatic clipping normalises raw per-sample gradients against one flat scale: "
-                             f"it applies to flat-clipping methods without quantile or per-layer clipping "
-                             f"(e.g. dp-sgd, dp-adam, dp-muon), not to {spec.name} with these options")
+            raise ValueError(
+                f"automatic clipping normalises raw per-sample gradients against one flat scale: "
+                f"it applies to flat-clipping methods without quantile or per-layer clipping "
+                f"(e.g. dp-sgd, dp-adam, dp-muon), not to {spec.name} with these options"
+            )
         cls, options = AutoClipPrivatizer, {"auto": auto_clip}
-    privatizer = cls(noise_multiplier, bound, expected_batch_size, sample_rate, ledger=ledger,
-                     groups=groups, quantile=quantile, generator=generator, secure_mode=secure_mode,
-                     noise=noise, **options)
+    privatizer = cls(
+        noise_multiplier,
+        bound,
+        expected_batch_size,
+        sample_rate,
+        ledger=ledger,
+        groups=groups,
+        quantile=quantile,
+        generator=generator,
+        secure_mode=secure_mode,
+        noise=noise,
+        **options,
+    )
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]
     chain_hp = {k: v for k, v in hp.items() if k not in PRIVATIZER_KEYS and k not in COMMON_DEFAULTS}
     transform = spec.build(chain_hp, params, model=model)
@@ -282,6 +319,7 @@ def build_optimizer(
 # Each factory maps the method's resolved hyperparameters (and the parameters, in model order) to
 # its post-processing chain; the Privatizer is built by build_optimizer. Factories read keys by
 # name (hp["key"]): every default lives in the method's spec below, never here.
+
 
 def _sgd_tail(hp: dict) -> list[Transform]:
     """[Momentum(μ)] + [−lr]: heavy-ball SGD, or plain SGD when μ = 0."""
@@ -306,17 +344,38 @@ def _adaclip(hp: dict, params: Any = None, model: Optional[nn.Module] = None) ->
 
 
 def _macadam(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
-    return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
-                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"],
-                         noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
+    return chain(
+        MacAdam(
+            hp["betas"],
+            hp["gamma"],
+            hp["h1"],
+            hp["h2"],
+            hp["variance_update"],
+            b_warmup_steps=hp["b_warmup_steps"],
+            center_shrinkage=hp["center_shrinkage"],
+            noise_subtraction=hp["noise_subtraction"],
+        ),
+        scale_by_lr(),
+    )
 
 
 def _macadambc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
     """DP-MacAdam with the AdamBC update (the noise variance removed from v̂, floor ``gamma_prime``)."""
-    return chain(MacAdam(hp["betas"], hp["gamma"], hp["h1"], hp["h2"], hp["variance_update"],
-                         bias_correction=True, gamma_prime=hp["gamma_prime"],
-                         b_warmup_steps=hp["b_warmup_steps"], center_shrinkage=hp["center_shrinkage"],
-                         noise_subtraction=hp["noise_subtraction"]), scale_by_lr())
+    return chain(
+        MacAdam(
+            hp["betas"],
+            hp["gamma"],
+            hp["h1"],
+            hp["h2"],
+            hp["variance_update"],
+            bias_correction=True,
+            gamma_prime=hp["gamma_prime"],
+            b_warmup_steps=hp["b_warmup_steps"],
+            center_shrinkage=hp["center_shrinkage"],
+            noise_subtraction=hp["noise_subtraction"],
+        ),
+        scale_by_lr(),
+    )
 
 
 def _muon_body(hp: dict, params: Any, scaling: str, model: Optional[nn.Module] = None) -> Transform:
@@ -335,18 +394,26 @@ def _muon_body(hp: dict, params: Any, scaling: str, model: Optional[nn.Module] =
             ``other`` not ``"adam"`` / ``"sgd"``.
     """
     if params is None and hp["label_fn"] is None:
-        raise ConfigError("Muon methods route parameters by their position in the model: build them with "
-                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
-                          "params", "label_fn")
+        raise ConfigError(
+            "Muon methods route parameters by their position in the model: build them with "
+            "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+            "params",
+            "label_fn",
+        )
     label_fn = hp["label_fn"] or hidden_matrix_labels(
-        params, hp["exclude_first"], hp["exclude_last"],
-        embeddings=embedding_parameters(model) if model is not None else None)
+        params,
+        hp["exclude_first"],
+        hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None,
+    )
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
         raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
     spectral = {"power_iters": hp["power_iters"]} if scaling == "spectral" else {}
-    muon = chain(ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"],
-                             **spectral), scale_by_lr())
+    muon = chain(
+        ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"], **spectral),
+        scale_by_lr(),
+    )
     if hp["other"] == "adam":
         other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
     elif hp["other"] == "sgd":
@@ -392,17 +459,36 @@ def _doppler_muon(hp: dict, params: Any = None, model: Optional[nn.Module] = Non
 # --------------------------------------------------------------------------- defaults
 _ADAM = {"betas": (0.9, 0.999), "eps": 1e-8}
 _MACADAM_DATA = {"mnist": {"h1": 1e-9, "h2": 1e-6}, "cifar10": {"h1": 5e-5, "h2": 1.0}}
-_MACADAM = {"betas": (0.9, 0.999), "gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_update": "paper",
-            "b_warmup_steps": 0, "center_shrinkage": False, "noise_subtraction": "last"}
+_MACADAM = {
+    "betas": (0.9, 0.999),
+    "gamma": 1e-8,
+    "h1": 1e-9,
+    "h2": 1e-6,
+    "variance_update": "paper",
+    "b_warmup_steps": 0,
+    "center_shrinkage": False,
+    "noise_subtraction": "last",
+}
 # center_shrinkage, noise_subtraction: dpopt's options, not the paper's (MacAdam docstring; docs/results/macadam-high-noise)
-_MUON = {"max_grad_norm": 1.0, "ns_steps": 5, "orthogonalizer": "newton-schulz", "other": "adam",
-         "other_lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "exclude_first": "conv",
-         "exclude_last": True, "label_fn": None}
+_MUON = {
+    "max_grad_norm": 1.0,
+    "ns_steps": 5,
+    "orthogonalizer": "newton-schulz",
+    "other": "adam",
+    "other_lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "exclude_first": "conv",
+    "exclude_last": True,
+    "label_fn": None,
+}
 _DISK = {"kappa": 0.7, "gamma": 0.5}
 _DOPPLER = {"filter": "ema", "filter_a": None, "filter_b": None}
 _SPECTRAL = "Shanmugam, Barnes, Taylor 2026 (spectral orthogonalization)"
-_MUON_REF = (f"{_SPECTRAL} Table 15 and docs/algorithms.md; Keller Jordan's Muon (2024): EMA momentum, "
-             "NS5 with (a,b,c) = (3.4445, -4.7750, 2.0315)")
+_MUON_REF = (
+    f"{_SPECTRAL} Table 15 and docs/algorithms.md; Keller Jordan's Muon (2024): EMA momentum, "
+    "NS5 with (a,b,c) = (3.4445, -4.7750, 2.0315)"
+)
 
 # Per-dataset learning rates (see docs/methods.md for the measurements behind each): the papers'
 # values are for MNIST's 1,170 steps (arXiv:2606.05435 §IV) or CIFAR-scale WRNs (spectral Table 15);
@@ -420,64 +506,130 @@ def _data(name: str, base: Optional[dict] = None) -> dict:
 
 
 # --------------------------------------------------------------------------- registry
-register(MethodSpec(
-    "dp-sgd", "DP-SGD: flat L2 clipping, Gaussian noise, (momentum) SGD",
-    "Abadi et al. 2016, Algorithm 1",
-    {"lr": 0.1, "max_grad_norm": 1.0, "momentum": 0.0}, _sgd, dataset_defaults=_data("dp-sgd")))
-register(MethodSpec(
-    "dp-adam", "DP-Adam: DP-SGD privatizer, Adam on the released gradient",
-    "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; arXiv:2606.05435 eqs. (4)-(5)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM}, _adam, dataset_defaults=_data("dp-adam")))
-register(MethodSpec(
-    "dp-adambc", "DP-AdamBC: Adam with the DP-noise variance Φ = noise_std² removed from v̂ (floor γ′, no ε)",
-    "Tang, Shpilevskiy & Lécuyer, AAAI 2024; arXiv:2606.05435 eq. (8)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma_prime": 1e-8}, _adambc,
-    dataset_defaults=_data("dp-adambc")))
-register(MethodSpec(
-    "adaclip", "AdaClip: coordinate-wise shift/scale clipping from running mean/variance, plain SGD",
-    "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; arXiv:2606.05435 eqs. (6)-(7); docs/algorithms.md",
-    {"lr": 1.0, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
-    _adaclip, geometry="shift-scale", dataset_defaults=_data("adaclip", _MACADAM_DATA)))
-register(MethodSpec(
-    "dp-macadam", "DP-MacAdam: AdaClip shift/scale clipping driven by Adam's moments",
-    "arXiv:2606.05435, Algorithm 1 (t = 1 and variance decisions in docs/algorithms.md)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM},
-    _macadam, geometry="shift-scale", dataset_defaults=_data("dp-macadam", _MACADAM_DATA)))
-register(MethodSpec(
-    "dp-macadambc", "DP-MacAdamBC: DP-MacAdam with the AdamBC update, Φ = b²σ²/B̄² per coordinate",
-    "arXiv:2606.05435 §III-D with Algorithm 1 (docs/algorithms.md)",
-    {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM, "gamma_prime": 1e-8},
-    _macadambc, geometry="shift-scale", dataset_defaults=_data("dp-macadambc", _MACADAM_DATA)))
-register(MethodSpec(
-    "dp-muon", "DP-Muon: one global DP-SGD release; Newton-Schulz polar factor of the Nesterov momentum "
-               "for hidden matrices (lr), Adam for the rest (other_lr)",
-    _MUON_REF, {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True}, _muon,
-    dataset_defaults=_data("dp-muon")))
-register(MethodSpec(
-    "dp-muon-s", "DP-Muon-S: as DP-Muon with β 0.9, no Nesterov, step σ₁(U)·NS5(U) (power iteration)",
-    _MUON_REF, {"lr": 0.3, **_MUON, "momentum": 0.9, "nesterov": False, "power_iters": 2}, _muon_s,
-    dataset_defaults=_data("dp-muon-s")))
-register(MethodSpec(
-    "disk-sgd", "DiSK-SGD: Kalman filter g = (1-κ)g + κĝ on releases of c∇ℓ(θ+γd) + (1-c)∇ℓ(θ), then SGD",
-    f"Zhang et al. 2024 (DiSK); {_SPECTRAL} Tables 4, 15; docs/algorithms.md (κ, γ)",
-    {"lr": 0.01, "max_grad_norm": 1.0, **_DISK, "momentum": 0.0}, _disk_sgd,
-    dataset_defaults=_data("disk-sgd")))
-register(MethodSpec(
-    "doppler-sgd", "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, "
-                   "then SGD",
-    f"Zhang et al. 2024 (DOPPLER); {_SPECTRAL} Tables 4, 15; docs/algorithms.md",
-    {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER, "momentum": 0.0}, _doppler_sgd,
-    dataset_defaults=_data("doppler-sgd")))
-register(MethodSpec(
-    "disk-muon", "DiSK-Muon: DiSK filter, then DP-Muon's routing (Muon on hidden matrices, Adam on the rest)",
-    f"{_SPECTRAL} Table 4 (DiSK [40] + Muon); docs/algorithms.md",
-    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DISK}, _disk_muon,
-    dataset_defaults=_data("disk-muon")))
-register(MethodSpec(
-    "doppler-muon", "DOPPLER-Muon: low-pass filter, then DP-Muon's routing",
-    f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); docs/algorithms.md",
-    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DOPPLER}, _doppler_muon,
-    dataset_defaults=_data("doppler-muon")))
+register(
+    MethodSpec(
+        "dp-sgd",
+        "DP-SGD: flat L2 clipping, Gaussian noise, (momentum) SGD",
+        "Abadi et al. 2016, Algorithm 1",
+        {"lr": 0.1, "max_grad_norm": 1.0, "momentum": 0.0},
+        _sgd,
+        dataset_defaults=_data("dp-sgd"),
+    )
+)
+register(
+    MethodSpec(
+        "dp-adam",
+        "DP-Adam: DP-SGD privatizer, Adam on the released gradient",
+        "Kingma & Ba 2015 Alg. 1 on DP-SGD releases; arXiv:2606.05435 eqs. (4)-(5)",
+        {"lr": 1e-3, "max_grad_norm": 1.0, **_ADAM},
+        _adam,
+        dataset_defaults=_data("dp-adam"),
+    )
+)
+register(
+    MethodSpec(
+        "dp-adambc",
+        "DP-AdamBC: Adam with the DP-noise variance Φ = noise_std² removed from v̂ (floor γ′, no ε)",
+        "Tang, Shpilevskiy & Lécuyer, AAAI 2024; arXiv:2606.05435 eq. (8)",
+        {"lr": 1e-3, "max_grad_norm": 1.0, "betas": (0.9, 0.999), "gamma_prime": 1e-8},
+        _adambc,
+        dataset_defaults=_data("dp-adambc"),
+    )
+)
+register(
+    MethodSpec(
+        "adaclip",
+        "AdaClip: coordinate-wise shift/scale clipping from running mean/variance, plain SGD",
+        "Pichapati et al. 2019 (arXiv:1908.07643) Alg. 1; arXiv:2606.05435 eqs. (6)-(7); docs/algorithms.md",
+        {"lr": 1.0, "max_grad_norm": 1.0, "betas": (0.9, 0.99), "h1": 1e-9, "h2": 1e-6},
+        _adaclip,
+        geometry="shift-scale",
+        dataset_defaults=_data("adaclip", _MACADAM_DATA),
+    )
+)
+register(
+    MethodSpec(
+        "dp-macadam",
+        "DP-MacAdam: AdaClip shift/scale clipping driven by Adam's moments",
+        "arXiv:2606.05435, Algorithm 1 (t = 1 and variance decisions in docs/algorithms.md)",
+        {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM},
+        _macadam,
+        geometry="shift-scale",
+        dataset_defaults=_data("dp-macadam", _MACADAM_DATA),
+    )
+)
+register(
+    MethodSpec(
+        "dp-macadambc",
+        "DP-MacAdamBC: DP-MacAdam with the AdamBC update, Φ = b²σ²/B̄² per coordinate",
+        "arXiv:2606.05435 §III-D with Algorithm 1 (docs/algorithms.md)",
+        {"lr": 1e-3, "max_grad_norm": 1.0, **_MACADAM, "gamma_prime": 1e-8},
+        _macadambc,
+        geometry="shift-scale",
+        dataset_defaults=_data("dp-macadambc", _MACADAM_DATA),
+    )
+)
+register(
+    MethodSpec(
+        "dp-muon",
+        "DP-Muon: one global DP-SGD release; Newton-Schulz polar factor of the Nesterov momentum "
+        "for hidden matrices (lr), Adam for the rest (other_lr)",
+        _MUON_REF,
+        {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True},
+        _muon,
+        dataset_defaults=_data("dp-muon"),
+    )
+)
+register(
+    MethodSpec(
+        "dp-muon-s",
+        "DP-Muon-S: as DP-Muon with β 0.9, no Nesterov, step σ₁(U)·NS5(U) (power iteration)",
+        _MUON_REF,
+        {"lr": 0.3, **_MUON, "momentum": 0.9, "nesterov": False, "power_iters": 2},
+        _muon_s,
+        dataset_defaults=_data("dp-muon-s"),
+    )
+)
+register(
+    MethodSpec(
+        "disk-sgd",
+        "DiSK-SGD: Kalman filter g = (1-κ)g + κĝ on releases of c∇ℓ(θ+γd) + (1-c)∇ℓ(θ), then SGD",
+        f"Zhang et al. 2024 (DiSK); {_SPECTRAL} Tables 4, 15; docs/algorithms.md (κ, γ)",
+        {"lr": 0.01, "max_grad_norm": 1.0, **_DISK, "momentum": 0.0},
+        _disk_sgd,
+        dataset_defaults=_data("disk-sgd"),
+    )
+)
+register(
+    MethodSpec(
+        "doppler-sgd",
+        "DOPPLER-SGD: bias-corrected low-pass IIR filter (ema / second-order) on releases, then SGD",
+        f"Zhang et al. 2024 (DOPPLER); {_SPECTRAL} Tables 4, 15; docs/algorithms.md",
+        {"lr": 3.0, "max_grad_norm": 1.0, **_DOPPLER, "momentum": 0.0},
+        _doppler_sgd,
+        dataset_defaults=_data("doppler-sgd"),
+    )
+)
+register(
+    MethodSpec(
+        "disk-muon",
+        "DiSK-Muon: DiSK filter, then DP-Muon's routing (Muon on hidden matrices, Adam on the rest)",
+        f"{_SPECTRAL} Table 4 (DiSK [40] + Muon); docs/algorithms.md",
+        {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DISK},
+        _disk_muon,
+        dataset_defaults=_data("disk-muon"),
+    )
+)
+register(
+    MethodSpec(
+        "doppler-muon",
+        "DOPPLER-Muon: low-pass filter, then DP-Muon's routing",
+        f"{_SPECTRAL} Table 4 (DOPPLER [41] + Muon); docs/algorithms.md",
+        {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, **_DOPPLER},
+        _doppler_muon,
+        dataset_defaults=_data("doppler-muon"),
+    )
+)
 
 
 # --------------------------------------------------------------------------- dp-muon-auto (issue 12)
@@ -498,19 +650,36 @@ def _muon_auto(hp: dict, params: Any = None, model: Optional[nn.Module] = None) 
         ConfigError: as DP-Muon's factory; non-positive ``off_lr``.
     """
     if params is None and model is None and hp["label_fn"] is None:
-        raise ConfigError("dp-muon-auto routes parameters by their position in the model: build it with "
-                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
-                          "params", "label_fn")
+        raise ConfigError(
+            "dp-muon-auto routes parameters by their position in the model: build it with "
+            "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+            "params",
+            "label_fn",
+        )
     label_fn = hp["label_fn"] or hidden_matrix_labels(
-        params if params is not None else cast(nn.Module, model), hp["exclude_first"], hp["exclude_last"],
-        embeddings=embedding_parameters(model) if model is not None else None)
+        params if params is not None else cast(nn.Module, model),
+        hp["exclude_first"],
+        hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None,
+    )
     lr, other_lr, off_lr = float(hp["lr"]), float(hp["other_lr"]), float(hp["off_lr"])
     if not (lr > 0 and other_lr > 0 and off_lr > 0):
-        raise ConfigError(f"lr, other_lr and off_lr must be > 0, got lr={lr}, other_lr={other_lr}, "
-                          f"off_lr={off_lr}", "lr", "other_lr", "off_lr")
-    auto = ScaleByMuonAuto(hp["momentum"], hp["nesterov"], hp["ns_steps"], hp["orthogonalizer"],
-                           on_ratio=hp["on_ratio"], off_ratio=hp["off_ratio"], off_scale=off_lr / lr,
-                           power_iters=hp["power_iters"])
+        raise ConfigError(
+            f"lr, other_lr and off_lr must be > 0, got lr={lr}, other_lr={other_lr}, off_lr={off_lr}",
+            "lr",
+            "other_lr",
+            "off_lr",
+        )
+    auto = ScaleByMuonAuto(
+        hp["momentum"],
+        hp["nesterov"],
+        hp["ns_steps"],
+        hp["orthogonalizer"],
+        on_ratio=hp["on_ratio"],
+        off_ratio=hp["off_ratio"],
+        off_scale=off_lr / lr,
+        power_iters=hp["power_iters"],
+    )
     if hp["other"] == "adam":
         other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
     elif hp["other"] == "sgd":
@@ -520,13 +689,27 @@ def _muon_auto(hp: dict, params: Any = None, model: Optional[nn.Module] = None) 
     return muon_partition(chain(auto, scale_by_lr()), other, label_fn)
 
 
-register(MethodSpec(
-    "dp-muon-auto", "DP-Muon-Auto: per layer and step, Muon if the released momentum's top singular value "
-                    "clears the known noise edge (hysteresis), else plain momentum (off_lr); Adam for the rest",
-    f"{_SPECTRAL} (phase transition); Benaych-Georges & Nadakuditi 2012 (noise edge); docs/algorithms.md "
-    "'Spectral diagnostics'; docs/methods.md",
-    {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "on_ratio": 1.1, "off_ratio": 1.03,
-     "off_lr": 0.1, "power_iters": 3}, _muon_auto, dataset_defaults=_data("dp-muon-auto")))
+register(
+    MethodSpec(
+        "dp-muon-auto",
+        "DP-Muon-Auto: per layer and step, Muon if the released momentum's top singular value "
+        "clears the known noise edge (hysteresis), else plain momentum (off_lr); Adam for the rest",
+        f"{_SPECTRAL} (phase transition); Benaych-Georges & Nadakuditi 2012 (noise edge); docs/algorithms.md "
+        "'Spectral diagnostics'; docs/methods.md",
+        {
+            "lr": 0.02,
+            **_MUON,
+            "momentum": 0.95,
+            "nesterov": True,
+            "on_ratio": 1.1,
+            "off_ratio": 1.03,
+            "off_lr": 0.1,
+            "power_iters": 3,
+        },
+        _muon_auto,
+        dataset_defaults=_data("dp-muon-auto"),
+    )
+)
 
 
 # --------------------------------------------------------------------------- dp-muon-bc (issue 40)
@@ -535,10 +718,12 @@ register(MethodSpec(
 # only released values (the release's noise std and the public filter/momentum coefficients).
 from .transforms.muon_bc import ScaleByMuonBC  # noqa: E402
 
-_MUON_BC_REF = ("Kim & Fan, arXiv:2605.12994 (2026), DP-MuonBC: the output-level heat-smoothing bias of "
-                "Newton-Schulz under DP noise; correction formulas (D1)-(D6) are dpopt's own leading-order "
-                "derivation (the paper's equations could not be consulted): dpopt.transforms.muon_bc, "
-                "docs/methods.md")
+_MUON_BC_REF = (
+    "Kim & Fan, arXiv:2605.12994 (2026), DP-MuonBC: the output-level heat-smoothing bias of "
+    "Newton-Schulz under DP noise; correction formulas (D1)-(D6) are dpopt's own leading-order "
+    "derivation (the paper's equations could not be consulted): dpopt.transforms.muon_bc, "
+    "docs/methods.md"
+)
 
 
 def _muon_bc_body(hp: dict, params: Any, model: Optional[nn.Module], input_filter: dict) -> Transform:
@@ -550,18 +735,33 @@ def _muon_bc_body(hp: dict, params: Any, model: Optional[nn.Module], input_filte
         ConfigError: as DP-Muon's factory.
     """
     if params is None and hp["label_fn"] is None:
-        raise ConfigError("Muon methods route parameters by their position in the model: build them with "
-                          "make_optimizer (which passes the parameters) or give hparams['label_fn']",
-                          "params", "label_fn")
+        raise ConfigError(
+            "Muon methods route parameters by their position in the model: build them with "
+            "make_optimizer (which passes the parameters) or give hparams['label_fn']",
+            "params",
+            "label_fn",
+        )
     label_fn = hp["label_fn"] or hidden_matrix_labels(
-        params, hp["exclude_first"], hp["exclude_last"],
-        embeddings=embedding_parameters(model) if model is not None else None)
+        params,
+        hp["exclude_first"],
+        hp["exclude_last"],
+        embeddings=embedding_parameters(model) if model is not None else None,
+    )
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
         raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
-    muon = chain(ScaleByMuonBC(hp["momentum"], hp["nesterov"], hp["ns_steps"], hp["orthogonalizer"],
-                               correction=hp["bias_correction"], max_correction=hp["max_correction"],
-                               **input_filter), scale_by_lr())
+    muon = chain(
+        ScaleByMuonBC(
+            hp["momentum"],
+            hp["nesterov"],
+            hp["ns_steps"],
+            hp["orthogonalizer"],
+            correction=hp["bias_correction"],
+            max_correction=hp["max_correction"],
+            **input_filter,
+        ),
+        scale_by_lr(),
+    )
     if hp["other"] == "adam":
         other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
     elif hp["other"] == "sgd":
@@ -576,8 +776,7 @@ def _muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) ->
 
 
 def _disk_muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
-    return chain(_disk(hp), _muon_bc_body(hp, params, model, {"input_filter": "disk",
-                                                               "filter_kappa": hp["kappa"]}))
+    return chain(_disk(hp), _muon_bc_body(hp, params, model, {"input_filter": "disk", "filter_kappa": hp["kappa"]}))
 
 
 def _doppler_muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
@@ -590,24 +789,46 @@ def _doppler_muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = 
     a0, b0 = doppler_coefficients(hp["filter"], hp["filter_a"], hp["filter_b"])
     a, b = [x / a0[0] for x in a0], [x / a0[0] for x in b0]  # as LowPassFilter normalises them
     if len(a) > 2 or len(b) > 1:
-        raise ConfigError(f"doppler-muon-bc propagates the noise variance of first-order filters only "
-                          f"(a = (1, a1), b = (b0,)); got a={tuple(a)}, b={tuple(b)}", "filter")
+        raise ConfigError(
+            f"doppler-muon-bc propagates the noise variance of first-order filters only "
+            f"(a = (1, a1), b = (b0,)); got a={tuple(a)}, b={tuple(b)}",
+            "filter",
+        )
     a1 = a[1] if len(a) == 2 else 0.0
-    return chain(_doppler(hp), _muon_bc_body(hp, params, model, {"input_filter": "iir1", "filter_a1": a1,
-                                                                  "filter_b0": b[0]}))
+    return chain(
+        _doppler(hp), _muon_bc_body(hp, params, model, {"input_filter": "iir1", "filter_a1": a1, "filter_b0": b[0]})
+    )
 
 
-_MUON_BC = {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "bias_correction": True,
-            "max_correction": 0.5}
-register(MethodSpec(
-    "dp-muon-bc", "DP-MuonBC: DP-Muon plus the leading heat-smoothing bias correction of the polar factor, "
-                  "O + P·diag(min(s²κ_i, max_correction))·Qᵀ (s² the released noise variance of U; dpopt's derivation)",
-    _MUON_BC_REF, dict(_MUON_BC), _muon_bc, dataset_defaults=_data("dp-muon-bc")))
-register(MethodSpec(
-    "disk-muon-bc", "DiSK-MuonBC: DiSK filter, then DP-MuonBC (noise variance propagated through the filter)",
-    f"{_MUON_BC_REF}; DiSK (Zhang et al. 2024)", {**_MUON_BC, **_DISK}, _disk_muon_bc,
-    dataset_defaults=_data("disk-muon-bc")))
-register(MethodSpec(
-    "doppler-muon-bc", "DOPPLER-MuonBC: first-order low-pass filter (ema), then DP-MuonBC",
-    f"{_MUON_BC_REF}; DOPPLER (Zhang et al. 2024)", {**_MUON_BC, **_DOPPLER}, _doppler_muon_bc,
-    dataset_defaults=_data("doppler-muon-bc")))
+_MUON_BC = {"lr": 0.02, **_MUON, "momentum": 0.95, "nesterov": True, "bias_correction": True, "max_correction": 0.5}
+register(
+    MethodSpec(
+        "dp-muon-bc",
+        "DP-MuonBC: DP-Muon plus the leading heat-smoothing bias correction of the polar factor, "
+        "O + P·diag(min(s²κ_i, max_correction))·Qᵀ (s² the released noise variance of U; dpopt's derivation)",
+        _MUON_BC_REF,
+        dict(_MUON_BC),
+        _muon_bc,
+        dataset_defaults=_data("dp-muon-bc"),
+    )
+)
+register(
+    MethodSpec(
+        "disk-muon-bc",
+        "DiSK-MuonBC: DiSK filter, then DP-MuonBC (noise variance propagated through the filter)",
+        f"{_MUON_BC_REF}; DiSK (Zhang et al. 2024)",
+        {**_MUON_BC, **_DISK},
+        _disk_muon_bc,
+        dataset_defaults=_data("disk-muon-bc"),
+    )
+)
+register(
+    MethodSpec(
+        "doppler-muon-bc",
+        "DOPPLER-MuonBC: first-order low-pass filter (ema), then DP-MuonBC",
+        f"{_MUON_BC_REF}; DOPPLER (Zhang et al. 2024)",
+        {**_MUON_BC, **_DOPPLER},
+        _doppler_muon_bc,
+        dataset_defaults=_data("doppler-muon-bc"),
+    )
+)

@@ -84,8 +84,15 @@ def _cnn5(classes: int = 10, groups: int = 8, conv: type = nn.Conv2d) -> nn.Modu
         layers = [conv(cin, cout, 3, padding=1), nn.GroupNorm(groups, cout), nn.ReLU()]
         return layers + [nn.MaxPool2d(2)] if pool else layers
 
-    return nn.Sequential(*block(3, 32, True), *block(32, 64, True), *block(64, 64, False),
-                         nn.Flatten(), nn.Linear(8 * 8 * 64, 128), nn.ReLU(), nn.Linear(128, classes))
+    return nn.Sequential(
+        *block(3, 32, True),
+        *block(32, 64, True),
+        *block(64, 64, False),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 64, 128),
+        nn.ReLU(),
+        nn.Linear(128, classes),
+    )
 
 
 class _WideBlock(nn.Module):
@@ -95,7 +102,7 @@ class _WideBlock(nn.Module):
         super().__init__()
         self.gn1, self.conv1 = nn.GroupNorm(groups, cin), conv(cin, cout, 3, stride, 1, bias=False)
         self.gn2, self.conv2 = nn.GroupNorm(groups, cout), conv(cout, cout, 3, 1, 1, bias=False)
-        self.shortcut = (conv(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None)
+        self.shortcut = conv(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None
 
     def forward(self, x: Tensor) -> Tensor:
         o = nn.functional.relu(self.gn1(x))
@@ -111,8 +118,7 @@ class WideResNet(nn.Module):
     ``conv``: the convolution class (``nn.Conv2d``, or :class:`WSConv2d` for ``wrn16-4-ws``).
     """
 
-    def __init__(self, depth: int = 16, width: int = 4, classes: int = 10, groups: int = 16,
-                 conv: type = nn.Conv2d):
+    def __init__(self, depth: int = 16, width: int = 4, classes: int = 10, groups: int = 16, conv: type = nn.Conv2d):
         super().__init__()
         if (depth - 4) % 6:
             raise ValueError(f"WRN depth must be 6n + 4, got {depth}")
@@ -139,8 +145,11 @@ class _BasicBlock(nn.Module):
         super().__init__()
         self.conv1, self.gn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.GroupNorm(groups, cout)
         self.conv2, self.gn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.GroupNorm(groups, cout)
-        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
-                         if stride != 1 or cin != cout else None)
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
+            if stride != 1 or cin != cout
+            else None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         out = nn.functional.relu(self.gn1(self.conv1(x)))
@@ -175,11 +184,15 @@ def build_model(name: str, dataset: str | None = None) -> nn.Module:
     """
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    expected = {"digits": ("mlp-small",), "mnist": ("mlp",), "cifar10": ("cnn5", "cnn5-ws", "wrn16-4", "wrn16-4-ws",
-                                                                       "resnet18")}
+    expected = {
+        "digits": ("mlp-small",),
+        "mnist": ("mlp",),
+        "cifar10": ("cnn5", "cnn5-ws", "wrn16-4", "wrn16-4-ws", "resnet18"),
+    }
     if dataset is not None and dataset in expected and name not in expected[dataset]:
-        raise ConfigError(f"model {name!r} does not take {dataset} inputs; use model "
-                          f"{' or '.join(expected[dataset])}", "model")
+        raise ConfigError(
+            f"model {name!r} does not take {dataset} inputs; use model {' or '.join(expected[dataset])}", "model"
+        )
     if name in ("cnn5", "cnn5-ws"):
         return _cnn5(conv=WSConv2d if name == "cnn5-ws" else nn.Conv2d)
     if name in ("wrn16-4", "wrn16-4-ws"):
@@ -223,19 +236,24 @@ def check_model(model: nn.Module) -> None:
             raise ValueError(
                 f"{where}: batch normalisation mixes "
                 "examples, so per-sample gradients (and the privacy claim) would be invalid. Replace it "
-                "with nn.GroupNorm (or LayerNorm).")
+                "with nn.GroupNorm (or LayerNorm)."
+            )
         if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
             raise ValueError(
                 f"{where} with track_running_stats=True: its running mean/variance are un-noised "
                 "statistics of the private batches and would be released with the model. Use "
-                "track_running_stats=False (or GroupNorm).")
+                "track_running_stats=False (or GroupNorm)."
+            )
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             if module.max_norm is not None:
                 raise ValueError(
                     f"{where} with max_norm={module.max_norm}: its forward renormalises the looked-up rows "
                     "of the weight in place, so the released weights would change depending on which private "
                     "tokens were seen, without noise. Use max_norm=None (clip or normalise the embedding "
-                    "output in forward instead if needed).")
+                    "output in forward instead if needed)."
+                )
             if module.sparse:
-                raise ValueError(f"{where} with sparse=True: sparse gradients are not supported by the "
-                                 "per-sample engines. Use sparse=False.")
+                raise ValueError(
+                    f"{where} with sparse=True: sparse gradients are not supported by the "
+                    "per-sample engines. Use sparse=False."
+                )

@@ -33,9 +33,12 @@ class ModuleValidator:
         """
         problems = validator.validate(module)
         if strict and problems:
-            raise UnsupportedModuleError("the model cannot be trained privately as is:\n  " + "\n  ".join(problems)
-                                         + "\nModuleValidator.fix(model) (or PrivacyEngine.get_compatible_module) "
-                                         "replaces these layers")
+            raise UnsupportedModuleError(
+                "the model cannot be trained privately as is:\n  "
+                + "\n  ".join(problems)
+                + "\nModuleValidator.fix(model) (or PrivacyEngine.get_compatible_module) "
+                "replaces these layers"
+            )
         return problems
 
     @classmethod
@@ -57,9 +60,11 @@ class ModuleValidator:
             TypeError: a keyword option was given.
         """
         if kwargs:
-            raise TypeError(f"ModuleValidator.fix takes no options in dpopt (got {sorted(kwargs)}); it picks "
-                            "GroupNorm's num_groups as gcd(32, C) (dpopt.validator.groupnorm_groups); replace "
-                            "the layers yourself for another choice")
+            raise TypeError(
+                f"ModuleValidator.fix takes no options in dpopt (got {sorted(kwargs)}); it picks "
+                "GroupNorm's num_groups as gcd(32, C) (dpopt.validator.groupnorm_groups); replace "
+                "the layers yourself for another choice"
+            )
         import copy
 
         return validator.fix(copy.deepcopy(module))

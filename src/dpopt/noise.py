@@ -144,7 +144,7 @@ def _cpu_generator_from_words(words: bytes) -> torch.Generator:
     gen = torch.Generator().manual_seed(_MT_PROBE_SEED)
     state = gen.get_state()  # uint8 bytes; ours to modify
     at, width = _mt_state_layout()
-    slots = state[at:at + width * _MT_WORDS].view(_MT_WORDS, width)
+    slots = state[at : at + width * _MT_WORDS].view(_MT_WORDS, width)
     slots.zero_()
     slots[:, :4] = torch.frombuffer(bytearray(words), dtype=torch.uint8).view(_MT_WORDS, 4)  # little-endian
     # the other fields stay those of a freshly seeded generator: the next draw twists the new state
@@ -174,7 +174,7 @@ def _os_uniform(n: int) -> Tensor:
         return torch.empty(0, dtype=torch.float64)
     words = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
     mantissa = torch.bitwise_and(words, (1 << _BITS) - 1).to(torch.float64)
-    return (mantissa + 1.0) * (2.0 ** -_BITS)  # k ∈ [0, 2^53) → (k+1)/2^53 ∈ (0, 1]
+    return (mantissa + 1.0) * (2.0**-_BITS)  # k ∈ [0, 2^53) → (k+1)/2^53 ∈ (0, 1]
 
 
 def _os_words(n: int) -> Tensor:
@@ -186,7 +186,7 @@ def _os_words(n: int) -> Tensor:
 
 def _random_words(shape, generator: torch.Generator, device) -> Tensor:
     """int64 words of 64 random bits each (the full signed range) from ``generator`` on ``device``."""
-    return torch.empty(shape, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
+    return torch.empty(shape, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
 
 
 # -- the Gaussian sampler: Box–Muller on uniforms with the full float64 exponent range --------------
@@ -251,8 +251,9 @@ def _blocks(words: Tensor, cont: Tensor, lo: int, hi: int, block_pairs: int) -> 
     s2 = torch.empty(size, dtype=torch.int64, device=words.device)
     for start in range(lo, hi, block_pairs):
         p = min(hi, start + block_pairs) - start
-        _pairs_block(words[2 * start:2 * start + p], words[2 * start + p:2 * start + 2 * p],
-                     cont[start:start + p], s1, s2)
+        _pairs_block(
+            words[2 * start : 2 * start + p], words[2 * start + p : 2 * start + 2 * p], cont[start : start + p], s1, s2
+        )
 
 
 def _stream_tail(slot_words: Tensor) -> Tensor:
@@ -361,7 +362,7 @@ def _slots(pairs: int) -> int:
     N ~ Binomial(pairs, 2^-12), by the Chernoff bound P(N ≥ M) ≤ e^-λ (eλ/M)^M, λ = pairs·2^-12."""
     if pairs <= 0:
         return 0
-    lam = pairs * 2.0 ** -_STAGE_BITS
+    lam = pairs * 2.0**-_STAGE_BITS
     bound = _OVERFLOW_LOG2 * math.log(2.0)
 
     def ok(m: int) -> bool:
@@ -419,16 +420,17 @@ class NoiseSource:
     own generator on their device.
     """
 
-    def __init__(self, mode: str = "secret", seed: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None):
+    def __init__(self, mode: str = "secret", seed: Optional[int] = None, generator: Optional[torch.Generator] = None):
         if mode not in NOISE_MODES:
             raise ValueError(f"noise mode must be one of {NOISE_MODES}, got {mode!r}")
         given = seed is not None or generator is not None
         if mode == "reproducible" and not given:
             raise ValueError("reproducible noise needs a seed (or a torch.Generator)")
         if mode != "reproducible" and given:
-            raise ValueError(f"a seed or generator makes the noise reproducible; {mode!r} noise takes "
-                             "neither (use mode='reproducible' for research reruns)")
+            raise ValueError(
+                f"a seed or generator makes the noise reproducible; {mode!r} noise takes "
+                "neither (use mode='reproducible' for research reruns)"
+            )
         if seed is not None and generator is not None:
             raise ValueError("give a seed or a generator, not both")
         self.mode = mode
@@ -454,12 +456,11 @@ class NoiseSource:
                 return gen
             seed = self._seed if self.mode == "reproducible" else _entropy_seed()
             if seed is None:  # reproducible from a generator on another device
-                seed = int(torch.randint(0, 2 ** 62, (), generator=next(iter(self._generators.values()))))
+                seed = int(torch.randint(0, 2**62, (), generator=next(iter(self._generators.values()))))
             gen = self._generators[key] = torch.Generator(device=key).manual_seed(int(seed))
         return gen
 
-    def normal(self, shape, dtype: torch.dtype = torch.float32,
-               device: Union[str, torch.device] = "cpu") -> Tensor:
+    def normal(self, shape, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> Tensor:
         """Standard normal tensor of ``shape`` (std 1; the caller scales it), every |z| ≤ :data:`CUT_RADIUS`.
 
         Every mode runs the same sampler (:func:`gaussian_from_words`: float64 Box–Muller on
@@ -563,7 +564,7 @@ class NoiseSource:
     def uniform(self, n: int, device: Union[str, torch.device] = "cpu") -> Tensor:
         """``n`` float64 uniforms (53 random bits; compare with q in float64 so small q are exact)."""
         if self.mode == "secure":
-            return _os_uniform(int(n)).to(device) - 2.0 ** -_BITS  # (0, 1] → [0, 1)
+            return _os_uniform(int(n)).to(device) - 2.0**-_BITS  # (0, 1] → [0, 1)
         return torch.rand(int(n), generator=self._generator(device), dtype=torch.float64, device=device)
 
     def state_dict(self) -> dict:
@@ -573,8 +574,10 @@ class NoiseSource:
             ValueError: for secret or secure noise, whose state is never written anywhere.
         """
         if self.mode != "reproducible":
-            raise ValueError(f"the state of {self.mode!r} noise is never saved (it would let anyone replay the "
-                             "noise); only reproducible noise has a saved state")
+            raise ValueError(
+                f"the state of {self.mode!r} noise is never saved (it would let anyone replay the "
+                "noise); only reproducible noise has a saved state"
+            )
         return {device: gen.get_state() for device, gen in self._generators.items()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -618,7 +621,7 @@ class CpuNormalDraw:
         chunk = NORMAL_CHUNK // 2
         self._k = k = -(-pairs // chunk)
         gen = source._generator("cpu")
-        states = torch.randint(0, 2 ** 32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
+        states = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
         raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
         self._slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
         self._words = torch.empty(2 * pairs, dtype=torch.int64)
@@ -627,10 +630,11 @@ class CpuNormalDraw:
         pool = source._thread_pool()
         if pool is None:
             for i in range(k):
-                self._fill(i, raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
+                self._fill(i, raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)])
         else:
-            self._futures = [pool.submit(self._fill, i, raw[4 * _MT_WORDS * i:4 * _MT_WORDS * (i + 1)])
-                             for i in range(k)]
+            self._futures = [
+                pool.submit(self._fill, i, raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)]) for i in range(k)
+            ]
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
@@ -641,7 +645,7 @@ class CpuNormalDraw:
         sub = _cpu_generator_from_words(state)
         chunk = NORMAL_CHUNK // 2
         lo, hi = i * chunk, min(self._pairs, (i + 1) * chunk)
-        self._words[2 * lo:2 * hi].random_(-2 ** 63, None, generator=sub)
+        self._words[2 * lo : 2 * hi].random_(-(2**63), None, generator=sub)
         _blocks(self._words, self._cont, lo, hi, BLOCK_PAIRS)
         self._flagged[i] = torch.nonzero(self._cont[lo:hi])[:, 0].add_(lo)  # type: ignore[call-overload, index]
 
@@ -665,7 +669,7 @@ class CpuNormalDraw:
         flat = self._words.view(torch.float64)
         if self._flagged is None:
             if fn is not None:
-                fn(0, self.n, flat[:self.n])
+                fn(0, self.n, flat[: self.n])
             return flat
         for fut in self._futures:
             fut.result()
@@ -678,10 +682,10 @@ class CpuNormalDraw:
             idx, off = self._flagged[i], offsets[i]  # type: ignore[index]
             take = max(0, min(idx.numel(), m - off))  # type: ignore[union-attr]  # more flagged pairs than rows (≤ 2^-140): k stays 12
             if take:
-                _continue_pairs(flat, idx[:take], self._slot_words[off:off + take], self._pairs, BLOCK_PAIRS)  # type: ignore[index]
+                _continue_pairs(flat, idx[:take], self._slot_words[off : off + take], self._pairs, BLOCK_PAIRS)  # type: ignore[index]
             if fn is not None:
                 lo = i * NORMAL_CHUNK
-                fn(lo, min(self.n, lo + NORMAL_CHUNK), flat[lo:min(self.n, lo + NORMAL_CHUNK)])
+                fn(lo, min(self.n, lo + NORMAL_CHUNK), flat[lo : min(self.n, lo + NORMAL_CHUNK)])
 
         pool = self._source._thread_pool()
         if pool is None:
@@ -708,6 +712,7 @@ class CpuNormalDraw:
 
         def copy(lo: int, hi: int, z: Tensor) -> None:
             out[lo:hi].copy_(z)
+
         self.consume(copy)
         return out.view(shape)
 
@@ -729,8 +734,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
-def make_noise_source(noise: Optional[NoiseSource] = None, generator: Optional[torch.Generator] = None,
-                      secure_mode: bool = False) -> NoiseSource:
+def make_noise_source(
+    noise: Optional[NoiseSource] = None, generator: Optional[torch.Generator] = None, secure_mode: bool = False
+) -> NoiseSource:
     """The :class:`NoiseSource` for the keyword arguments Privatizer / PoissonSampler accept.
 
     ``noise`` wins if given; else a ``generator`` means reproducible draws

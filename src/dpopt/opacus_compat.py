@@ -67,40 +67,57 @@ class OpacusOptions:
 
 def _check_mode(grad_sample_mode: str, engine: Any) -> None:
     if grad_sample_mode == "ghost_fsdp":
-        raise ValueError("grad_sample_mode='ghost_fsdp' (FSDP) is not supported: dpopt trains data parallel with "
-                         "make_private(..., distributed=True) on the bare module; drop grad_sample_mode")
+        raise ValueError(
+            "grad_sample_mode='ghost_fsdp' (FSDP) is not supported: dpopt trains data parallel with "
+            "make_private(..., distributed=True) on the bare module; drop grad_sample_mode"
+        )
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpopt has one engine for all of "
-                         f"them), got {grad_sample_mode!r}")
+        raise ValueError(
+            f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (dpopt has one engine for all of "
+            f"them), got {grad_sample_mode!r}"
+        )
     if grad_sample_mode == "no_op" and not getattr(engine, "_no_op_noted", False):
         engine._no_op_noted = True
-        warnings.warn("grad_sample_mode='no_op': step() clips the per-example gradients your loop writes into "
-                      "p.grad_sample ([B, *p.shape], the gradients of each example's own loss); they are trusted "
-                      "as given (not checked against the model)", UserWarning, stacklevel=4)
+        warnings.warn(
+            "grad_sample_mode='no_op': step() clips the per-example gradients your loop writes into "
+            "p.grad_sample ([B, *p.shape], the gradients of each example's own loss); they are trusted "
+            "as given (not checked against the model)",
+            UserWarning,
+            stacklevel=4,
+        )
     elif grad_sample_mode != "hooks" and not getattr(engine, "_mode_noted", False):
         engine._mode_noted = True
-        warnings.warn(f"grad_sample_mode={grad_sample_mode!r}: dpopt computes per-sample gradients with one engine "
-                      "(hook capture with its per-layer checks) for every mode; the results are the same as "
-                      "'hooks' (exact per-sample clipping)", UserWarning, stacklevel=4)
+        warnings.warn(
+            f"grad_sample_mode={grad_sample_mode!r}: dpopt computes per-sample gradients with one engine "
+            "(hook capture with its per-layer checks) for every mode; the results are the same as "
+            "'hooks' (exact per-sample clipping)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _check_criterion(criterion: Optional[Callable], loss_reduction: str) -> Optional[Callable]:
     reduction = getattr(criterion, "reduction", None)
     if reduction is not None and reduction != loss_reduction:
-        raise ValueError(f"the criterion reduces by {reduction!r} but loss_reduction={loss_reduction!r}: the "
-                         "per-sample gradients would be scaled by the batch size (every example clipped by the "
-                         "wrong factor). Pass loss_reduction=" f"{reduction!r} or build the criterion with "
-                         f"reduction={loss_reduction!r}")
+        raise ValueError(
+            f"the criterion reduces by {reduction!r} but loss_reduction={loss_reduction!r}: the "
+            "per-sample gradients would be scaled by the batch size (every example clipped by the "
+            "wrong factor). Pass loss_reduction="
+            f"{reduction!r} or build the criterion with "
+            f"reduction={loss_reduction!r}"
+        )
     return criterion
 
 
-def _check_clip_range(clipping: str, min_clipbound: float, max_clipbound: float,
-                      max_grad_norm: Any) -> tuple[float, float]:
+def _check_clip_range(
+    clipping: str, min_clipbound: float, max_clipbound: float, max_grad_norm: Any
+) -> tuple[float, float]:
     lo, hi = float(min_clipbound), float(max_clipbound)
     if clipping != "adaptive":
         if (lo, hi) != (0.0, math.inf):
-            raise ValueError("min_clipbound / max_clipbound are adaptive clipping's: pass clipping='adaptive' "
-                             "(or drop them)")
+            raise ValueError(
+                "min_clipbound / max_clipbound are adaptive clipping's: pass clipping='adaptive' (or drop them)"
+            )
         return lo, hi
     if math.isnan(lo) or math.isnan(hi) or lo < 0 or hi < lo:
         raise ValueError(f"need 0 <= min_clipbound <= max_clipbound, got {lo}, {hi}")
@@ -112,10 +129,20 @@ def _check_clip_range(clipping: str, min_clipbound: float, max_clipbound: float,
     return lo, hi
 
 
-def check_opacus_arguments(engine: Any, *, grad_sample_mode: str, batch_first: bool,
-                           criterion: Optional[Callable], loss_reduction: str, clipping: str,
-                           min_clipbound: float, max_clipbound: float, max_grad_norm: Any,
-                           secure_mode: Optional[bool], noise_generator: Any) -> OpacusOptions:
+def check_opacus_arguments(
+    engine: Any,
+    *,
+    grad_sample_mode: str,
+    batch_first: bool,
+    criterion: Optional[Callable],
+    loss_reduction: str,
+    clipping: str,
+    min_clipbound: float,
+    max_clipbound: float,
+    max_grad_norm: Any,
+    secure_mode: Optional[bool],
+    noise_generator: Any,
+) -> OpacusOptions:
     """Check Opacus's ``make_private`` arguments (module docstring) and return what dpopt does with them.
 
     Raises:
@@ -126,10 +153,12 @@ def check_opacus_arguments(engine: Any, *, grad_sample_mode: str, batch_first: b
     """
     _check_mode(grad_sample_mode, engine)
     if not batch_first:
-        raise ValueError("batch_first=False is not supported: dpopt's engine takes dim 0 of the model's input as "
-                         "the example axis (and checks it for every layer call). Give the model batch-first "
-                         "inputs, x.transpose(0, 1) of [T, B, ...], with batch_first=True in its RNN/attention "
-                         "layers, and drop batch_first=False")
+        raise ValueError(
+            "batch_first=False is not supported: dpopt's engine takes dim 0 of the model's input as "
+            "the example axis (and checks it for every layer call). Give the model batch-first "
+            "inputs, x.transpose(0, 1) of [T, B, ...], with batch_first=True in its RNN/attention "
+            "layers, and drop batch_first=False"
+        )
     ghost = grad_sample_mode == "ghost"
     if ghost and criterion is None:
         criterion = nn.CrossEntropyLoss(reduction=loss_reduction)  # Opacus's default criterion
@@ -137,17 +166,22 @@ def check_opacus_arguments(engine: Any, *, grad_sample_mode: str, batch_first: b
     clip_range = _check_clip_range(clipping, min_clipbound, max_clipbound, max_grad_norm)
     secure = bool(secure_mode) and not getattr(engine, "secure_mode", False)
     if secure_mode and noise_generator is not None:
-        raise ValueError("secure_mode=True and noise_generator are exclusive: secure noise comes from the OS "
-                         "CSPRNG and cannot be seeded; drop one")
+        raise ValueError(
+            "secure_mode=True and noise_generator are exclusive: secure noise comes from the OS "
+            "CSPRNG and cannot be seeded; drop one"
+        )
     return OpacusOptions(ghost, criterion, clip_range, secure)
 
 
 def warn_drop_last(data_loader: Any, poisson_sampling: bool) -> None:
     """Opacus's warning: ``drop_last`` is meaningless under Poisson sampling (batch sizes are random)."""
     if poisson_sampling and getattr(data_loader, "drop_last", False):
-        warnings.warn("Ignoring drop_last as it is not compatible with Poisson sampling (DPDataLoader): every "
-                      "Poisson batch is used, whatever its size (q = 1/len(data_loader))", UserWarning,
-                      stacklevel=4)
+        warnings.warn(
+            "Ignoring drop_last as it is not compatible with Poisson sampling (DPDataLoader): every "
+            "Poisson batch is used, whatever its size (q = 1/len(data_loader))",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def alias_module(module: nn.Module) -> None:
@@ -190,8 +224,7 @@ class TargetWatch:
         planned: the number of steps σ was calibrated for.
     """
 
-    def __init__(self, engine: Any, target_epsilon: float, target_delta: float, accountant: str,
-                 planned: int):
+    def __init__(self, engine: Any, target_epsilon: float, target_delta: float, accountant: str, planned: int):
         from .accounting.incremental import EpsilonTracker
 
         self._tracker_cls = EpsilonTracker
@@ -229,10 +262,14 @@ class TargetWatch:
         if passed:
             self.warned = True
             eps = self.tracker.epsilon(ledger)
-            warnings.warn(f"epsilon = {eps:.4g} (delta = {self.delta:g}, {self.accountant}) has passed "
-                          f"make_private_with_epsilon's target_epsilon = {self.epsilon:g}: sigma was calibrated for "
-                          f"{self.planned} steps and this is release {n}. Every further step raises epsilon; stop "
-                          "here, or calibrate for more epochs (said once)", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"epsilon = {eps:.4g} (delta = {self.delta:g}, {self.accountant}) has passed "
+                f"make_private_with_epsilon's target_epsilon = {self.epsilon:g}: sigma was calibrated for "
+                f"{self.planned} steps and this is release {n}. Every further step raises epsilon; stop "
+                "here, or calibrate for more epochs (said once)",
+                UserWarning,
+                stacklevel=4,
+            )
             return
         limit = max(self.planned, n, 1)
         left = self.tracker.releases_within_budget(ledger, event, limit)
@@ -322,9 +359,10 @@ class LossReductionWatch:
         # the hooks hold the watch weakly: dropped with its optimizer, they remove themselves; copies and pickles
         # of a hooked model get inert hooks (_WeakHook), so no hook handle is ever copied or pickled
         handles: list = []
-        handles += [module.register_forward_hook(_WeakHook(weakref.ref(self), "_root", handles)),
-                    torch.nn.modules.module.register_module_forward_hook(_WeakHook(weakref.ref(self), "_any",
-                                                                                   handles))]
+        handles += [
+            module.register_forward_hook(_WeakHook(weakref.ref(self), "_root", handles)),
+            torch.nn.modules.module.register_module_forward_hook(_WeakHook(weakref.ref(self), "_any", handles)),
+        ]
         self._handles = handles
 
     def __getstate__(self) -> dict:
@@ -360,12 +398,14 @@ class LossReductionWatch:
         expect, wrong = (1.0 / b, 1.0) if self.expected == "mean" else (1.0, 1.0 / b)
         if abs(w - wrong) <= 1e-6 * wrong and abs(w - expect) > 1e-6 * expect:
             actual = "sum" if self.expected == "mean" else "mean"
-            self.verdict = (f"the loss {name}(reduction={reduction!r}) on the model's output gives each example's "
-                            f"loss the weight of a {actual}-reduced loss, but make_private(loss_reduction="
-                            f"{self.expected!r}): every per-example gradient would be "
-                            f"{'B' if actual == 'sum' else '1/B'}"
-                            f" times its value (clipped by the wrong factor). Pass loss_reduction={actual!r} to "
-                            f"make_private, or reduce the loss by {self.expected!r}")
+            self.verdict = (
+                f"the loss {name}(reduction={reduction!r}) on the model's output gives each example's "
+                f"loss the weight of a {actual}-reduced loss, but make_private(loss_reduction="
+                f"{self.expected!r}): every per-example gradient would be "
+                f"{'B' if actual == 'sum' else '1/B'}"
+                f" times its value (clipped by the wrong factor). Pass loss_reduction={actual!r} to "
+                f"make_private, or reduce the loss by {self.expected!r}"
+            )
 
     def at_step(self) -> bool:
         """Raise on a mismatch; True when the watch is done (its hooks removed).

@@ -64,6 +64,7 @@ class _Reordered:
     def _geo(self, geometry: ClipGeometry) -> ClipGeometry:
         def order(ts):
             return None if ts is None else tuple(ts[j] for j in self.inverse)
+
         return ClipGeometry(order(geometry.shift), order(geometry.scale))
 
     def sq_norms(self, geometry: ClipGeometry, groups, num_groups: int) -> Tensor:
@@ -81,10 +82,12 @@ def _same_points(a: list[EvaluationPoint], b) -> bool:
     for p, r in zip(a, b):
         if float(p.coef) != float(r.coef) or (p.offset is None) != (r.offset is None):
             return False
-        if p.offset is not None and (len(p.offset) != len(r.offset) or not all(
-                x is y or torch.equal(x, y) for x, y in zip(p.offset, r.offset))):
+        if p.offset is not None and (
+            len(p.offset) != len(r.offset) or not all(x is y or torch.equal(x, y) for x, y in zip(p.offset, r.offset))
+        ):
             return False
     return True
+
 
 __all__ = ["DPOptimizer", "is_frozen"]
 
@@ -116,15 +119,13 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, privatizer: Privatizer, transform: Transform, lr: float = 1e-3):
         if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ConfigError(f"lr must be > 0, got {lr!r}; e.g. lr 1e-3 for Adam-type methods, 0.1 for SGD",
-                              "lr")
+            raise ConfigError(f"lr must be > 0, got {lr!r}; e.g. lr 1e-3 for Adam-type methods, 0.1 for SGD", "lr")
         super().__init__(params, {"lr": float(lr)})
         for group in self.param_groups:
             if not group["lr"] > 0:
                 raise ValueError(f"lr must be > 0 in every param group, got {group['lr']}")
         if not self._params():
-            raise ValueError("every parameter given to the optimizer is frozen (requires_grad=False); "
-                             "nothing to train")
+            raise ValueError("every parameter given to the optimizer is frozen (requires_grad=False); nothing to train")
         self.privatizer = privatizer
         self.transform = transform
 
@@ -142,9 +143,11 @@ class DPOptimizer(torch.optim.Optimizer):
         covered = getattr(source, "params", None)
         if covered is None:
             if source.num_params != len(params):
-                raise ValueError(f"the per-sample source has {source.num_params} parameters but the optimizer "
-                                 f"trains {len(params)}; build sources with dpopt's engines (which record the "
-                                 "parameters they cover) or give one gradient per trainable parameter, in order")
+                raise ValueError(
+                    f"the per-sample source has {source.num_params} parameters but the optimizer "
+                    f"trains {len(params)}; build sources with dpopt's engines (which record the "
+                    "parameters they cover) or give one gradient per trainable parameter, in order"
+                )
             perm = list(range(len(params)))
         else:
             where = {id(p): i for i, p in enumerate(covered)}
@@ -152,20 +155,26 @@ class DPOptimizer(torch.optim.Optimizer):
             extra = len(covered) - (len(params) - len(missing))
             if missing or extra:
                 shapes = [tuple(params[j].shape) for j in missing]
-                raise ValueError(f"the per-sample source and the optimizer cover different parameters "
-                                 f"({len(missing)} optimizer parameters missing from the source, shapes "
-                                 f"{shapes}; {extra} source parameters not in the optimizer): give the "
-                                 "optimizer exactly the model's trainable parameters")
+                raise ValueError(
+                    f"the per-sample source and the optimizer cover different parameters "
+                    f"({len(missing)} optimizer parameters missing from the source, shapes "
+                    f"{shapes}; {extra} source parameters not in the optimizer): give the "
+                    "optimizer exactly the model's trainable parameters"
+                )
             perm = [where[id(p)] for p in params]
         default = len(points) == 1 and points[0].offset is None and float(points[0].coef) == 1.0
         if not default:
             if not _same_points(points, getattr(source, "points", None)):
-                raise ValueError("this optimizer (DiSK) needs per-sample gradients at its evaluation points: "
-                                 "pass points=opt.evaluation_points() to iter_per_sample_sources / "
-                                 "per_sample_gradients, computed just before this step")
+                raise ValueError(
+                    "this optimizer (DiSK) needs per-sample gradients at its evaluation points: "
+                    "pass points=opt.evaluation_points() to iter_per_sample_sources / "
+                    "per_sample_gradients, computed just before this step"
+                )
             if perm != list(range(len(params))):
-                raise ValueError("evaluation-point offsets follow the optimizer's parameter order: give the "
-                                 "optimizer the model's trainable parameters in model order")
+                raise ValueError(
+                    "evaluation-point offsets follow the optimizer's parameter order: give the "
+                    "optimizer the model's trainable parameters in model order"
+                )
         return source if perm == list(range(len(params))) else _Reordered(source, perm)
 
     def _sources(self, per_sample, params: list[Tensor]):
@@ -219,10 +228,12 @@ class DPOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         privatizer = state_dict.pop("privatizer", None)
         if privatizer is None:
-            raise ValueError("this optimizer state has no 'privatizer' part (a plain torch optimizer state_dict): "
-                             "the releases that produced it are recorded in no ledger, so loading it would "
-                             "restart epsilon from zero. Load a state saved by DPOptimizer.state_dict() (it "
-                             "carries the Privatizer and its ledger)")
+            raise ValueError(
+                "this optimizer state has no 'privatizer' part (a plain torch optimizer state_dict): "
+                "the releases that produced it are recorded in no ledger, so loading it would "
+                "restart epsilon from zero. Load a state saved by DPOptimizer.state_dict() (it "
+                "carries the Privatizer and its ledger)"
+            )
         self.privatizer.load_state_dict(privatizer)  # first: a refused ledger leaves the optimizer untouched
         super().load_state_dict(state_dict)
         self._restore_strings(state_dict)
@@ -259,8 +270,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if per_sample is None:
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.engine)")
         params = self._params()
-        release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(),
-                                            params_like=params)
+        release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(), params_like=params)
         self.apply_release(release)
         return release
 
@@ -277,9 +287,14 @@ class DPOptimizer(torch.optim.Optimizer):
         states = self._states()
         lrs = [g["lr"] for g in self.param_groups for p in g["params"] if not is_frozen(p)]
         groups = [g for g in self.param_groups for p in g["params"] if not is_frozen(p)]
-        ctx = StepContext(step=release.step + 1, noise_std=release.noise_std, lrs=lrs, groups=groups,
-                          noise_multiplier=release.noise_multiplier,
-                          expected_batch_size=release.expected_batch_size)
+        ctx = StepContext(
+            step=release.step + 1,
+            noise_std=release.noise_std,
+            lrs=lrs,
+            groups=groups,
+            noise_multiplier=release.noise_multiplier,
+            expected_batch_size=release.expected_batch_size,
+        )
         updates = self.transform.update(list(release.grads), states, params, ctx)
         if params:
             torch._foreach_add_(params, list(updates))

@@ -144,8 +144,10 @@ def _declares_points(t: Transform) -> bool:
 
 def _is_ddp(module: nn.Module) -> bool:
     """torch's DistributedDataParallel or Opacus's DPDDP (by name: Opacus need not be installed)."""
-    return isinstance(module, nn.parallel.DistributedDataParallel) or \
-        type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+    return (
+        isinstance(module, nn.parallel.DistributedDataParallel)
+        or type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+    )
 
 
 def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
@@ -158,29 +160,40 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
     if isinstance(loader, DPDataLoader):
         loader.collate_fn = collate
         return loader
-    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=collate,
-                      **loader_settings(loader, generator=True))
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=loader.batch_sampler,
+        collate_fn=collate,
+        **loader_settings(loader, generator=True),
+    )
 
 
-def _distributed_context(module: nn.Module, distributed: Union[bool, str], process_group: Any, poisson_sampling: bool
-                         ) -> DistributedContext:
+def _distributed_context(
+    module: nn.Module, distributed: Union[bool, str], process_group: Any, poisson_sampling: bool
+) -> DistributedContext:
     """The data-parallel context ``make_private`` asked for (one process unless ``distributed``), or a refusal."""
     if _is_ddp(module):
-        raise ValueError(f"make_private got a {type(module).__name__}: pass the bare module (`ddp.module`) with "
-                         "distributed=True instead. DDP would all-reduce the raw, un-clipped gradients in "
-                         "backward; dpopt all-reduces the clipped per-sample sums itself, with the noise drawn once")
+        raise ValueError(
+            f"make_private got a {type(module).__name__}: pass the bare module (`ddp.module`) with "
+            "distributed=True instead. DDP would all-reduce the raw, un-clipped gradients in "
+            "backward; dpopt all-reduces the clipped per-sample sums itself, with the noise drawn once"
+        )
     if not distributed and process_group is None:
         return DistributedContext()
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("distributed=True needs an initialised process group: call "
-                         "torch.distributed.init_process_group on every rank first (torchrun sets the environment)")
+        raise ValueError(
+            "distributed=True needs an initialised process group: call "
+            "torch.distributed.init_process_group on every rank first (torchrun sets the environment)"
+        )
     ctx = context(process_group)
     if ctx.enabled and not poisson_sampling:
-        raise ValueError("poisson_sampling=False is not supported with distributed=True: the loader's own batches "
-                         "on each rank are not known to be disjoint (a DistributedSampler pads with repeated "
-                         "examples), so one example could be in several ranks' sums (sensitivity > C)")
+        raise ValueError(
+            "poisson_sampling=False is not supported with distributed=True: the loader's own batches "
+            "on each rank are not known to be disjoint (a DistributedSampler pads with repeated "
+            "examples), so one example could be in several ranks' sums (sensitivity > C)"
+        )
     return ctx
 
 
@@ -195,13 +208,16 @@ def _join_ranks(ctx: DistributedContext, error: Optional[Exception], public: Cal
         if error is not None:
             raise error
         raise RuntimeError("make_private was refused on another rank (its error is reported there)")
-    fingerprint = torch.tensor([float(zlib.crc32(repr(public()).encode()))], dtype=torch.float64,
-                               device=backend_device(ctx))
+    fingerprint = torch.tensor(
+        [float(zlib.crc32(repr(public()).encode()))], dtype=torch.float64, device=backend_device(ctx)
+    )
     if not check_replicas([fingerprint], ctx):
-        raise ValueError("make_private was called with different settings on different ranks: every rank needs "
-                         "the same len(data_loader) and len(dataset), noise_multiplier, max_grad_norm, model "
-                         "parameters, optimizer (method), clipping, loss_reduction and noise (noise_generator on "
-                         "every rank or on none)")
+        raise ValueError(
+            "make_private was called with different settings on different ranks: every rank needs "
+            "the same len(data_loader) and len(dataset), noise_multiplier, max_grad_norm, model "
+            "parameters, optimizer (method), clipping, loss_reduction and noise (noise_generator on "
+            "every rank or on none)"
+        )
 
 
 def _distributed_sampler(data_loader: DataLoader) -> bool:
@@ -214,8 +230,9 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
-def _trained_parameters(optimizer: Any, module: nn.Module, capture: HookCapture, hparams: dict
-                        ) -> tuple[list, str, dict]:
+def _trained_parameters(
+    optimizer: Any, module: nn.Module, capture: HookCapture, hparams: dict
+) -> tuple[list, str, dict]:
     """(parameters, method name, method hyperparameters) of ``make_private``'s ``optimizer`` argument.
 
     Raises:
@@ -231,11 +248,14 @@ def _trained_parameters(optimizer: Any, module: nn.Module, capture: HookCapture,
         method, overrides = optimizer, dict(hparams)
         get_method(method)  # unknown names: ConfigError listing the methods
     else:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a dpopt method name, got {type(optimizer).__name__}"
+        )
     if {id(p) for p in params} != {id(p) for p in capture.params}:
-        raise ValueError("the optimizer must train exactly the model's trainable parameters (freeze the others "
-                         "with requires_grad_(False)); per-sample gradients are clipped over all of them")
+        raise ValueError(
+            "the optimizer must train exactly the model's trainable parameters (freeze the others "
+            "with requires_grad_(False)); per-sample gradients are clipped over all of them"
+        )
     return params, method, overrides
 
 
@@ -257,8 +277,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
         expected_batch_size, noise_multiplier, max_grad_norm: as in Opacus (public).
     """
 
-    def __init__(self, original: torch.optim.Optimizer, dp: DPOptimizer, capture: HookCapture,
-                 params: Sequence[torch.Tensor], engine: Optional["PrivacyEngine"] = None):
+    def __init__(
+        self,
+        original: torch.optim.Optimizer,
+        dp: DPOptimizer,
+        capture: HookCapture,
+        params: Sequence[torch.Tensor],
+        engine: Optional["PrivacyEngine"] = None,
+    ):
         super().__init__(list(params), {})
         self._engine = engine  # the PrivacyEngine whose ledger the Privatizer records in (state travels there)
         self.original_optimizer = original
@@ -332,9 +358,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         """
         priv = self._between_steps("noise_multiplier")
         if priv.quantile is not None:
-            raise ValueError("noise_multiplier cannot be changed with clipping='adaptive': the total sigma is split "
-                             "between the gradient and the clipped-count releases at make_private; make the engine "
-                             "again (or schedule max_grad_norm instead)")
+            raise ValueError(
+                "noise_multiplier cannot be changed with clipping='adaptive': the total sigma is split "
+                "between the gradient and the clipped-count releases at make_private; make the engine "
+                "again (or schedule max_grad_norm instead)"
+            )
         sigma = check_noise_multiplier(value)
         if sigma > 0 and not math.isfinite(priv.sensitivity):
             raise ValueError("noise_multiplier > 0 needs a finite max_grad_norm (the noise std is sigma x C)")
@@ -368,9 +396,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def _between_steps(self, name: str) -> Privatizer:
         if self._open:
-            raise RuntimeError(f"{name} changed between the physical chunks of one logical batch: the chunks "
-                               "already clipped used the old value. Change it after the logical step "
-                               "(scheduler.step() after the last chunk's optimizer.step())")
+            raise RuntimeError(
+                f"{name} changed between the physical chunks of one logical batch: the chunks "
+                "already clipped used the old value. Change it after the logical step "
+                "(scheduler.step() after the last chunk's optimizer.step())"
+            )
         return self._dp.privatizer
 
     # -- Opacus's micro-batch protocol (BatchMemoryManager) ----------------------------
@@ -410,11 +440,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         src = grad_sample_source(self._params)
         if src is None:
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
-                raise RuntimeError("optimizer.step() without a backward pass since optimizer.zero_grad(): no "
-                                   "per-sample gradient was captured, so this step would release pure noise and "
-                                   "be charged for nothing. Call loss.backward() before optimizer.step() (an "
-                                   "empty batch's forward and backward are fine: they release noise, as they "
-                                   "must), and zero_grad() before the forward, not between backward and step")
+                raise RuntimeError(
+                    "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
+                    "per-sample gradient was captured, so this step would release pure noise and "
+                    "be charged for nothing. Call loss.backward() before optimizer.step() (an "
+                    "empty batch's forward and backward are fine: they release noise, as they "
+                    "must), and zero_grad() before the forward, not between backward and step"
+                )
             return self._capture.collect()
         self._capture.reset()
         for p in self._params:
@@ -453,20 +485,23 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "every row is clipped as its own example, so rows repeated from one example (augmented views) "
                 "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
                 "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
-                "your fn) and forward the loader's rows as they are; nothing was released")
+                "your fn) and forward the loader's rows as they are; nothing was released"
+            )
         if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader makes the views
             raise ValueError(
                 f"augmentation_multiplicity={views}: this step's forward passes did not carry the data loader's "
                 f"last batch as it was yielded: that loader already yields each example's {views} views "
                 "(make_private's augmentation=); forward its rows as they are, without repeat_views; nothing was "
-                "released")
+                "released"
+            )
         raise ValueError(
             f"augmentation_multiplicity={views}: this step's forward passes did not carry {views} rows per example "
             "of the data loader's last batch. "
             f"Forward each example's {views} views as consecutive rows, e.g. "
             f"x = dpopt.augment.repeat_views(x, {views}, augment) and y = y.repeat_interleave({views}), for every "
             "batch the private data loader yields (and step once per batch, or use BatchMemoryManager); nothing "
-            "was released")
+            "was released"
+        )
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -477,12 +512,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 which is returned. Its backward pass is the one privatized.
         """
         if self._orphan:
-            raise RuntimeError("this optimizer is a copy.deepcopy(optimizer) made without its model: the copy's "
-                               "parameters and per-sample hooks belong to a private copy of the model that nothing "
-                               "trains, so it can never see a backward pass of yours. Copy the model and the "
-                               "optimizer together, copy.deepcopy((model, optimizer)) (a branch of the run, with "
-                               "its own ledger from then on), or snapshot optimizer.state_dict() and "
-                               "load_state_dict() it into the optimizer make_private returned")
+            raise RuntimeError(
+                "this optimizer is a copy.deepcopy(optimizer) made without its model: the copy's "
+                "parameters and per-sample hooks belong to a private copy of the model that nothing "
+                "trains, so it can never see a backward pass of yours. Copy the model and the "
+                "optimizer together, copy.deepcopy((model, optimizer)) (a branch of the run, with "
+                "its own ledger from then on), or snapshot optimizer.state_dict() and "
+                "load_state_dict() it into the optimizer make_private returned"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -583,9 +620,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if self._torch:
             state["privatizer"] = self.privatizer.state_dict(include_ledger=True)
         journal = self._engine._keeper.journal if self._engine is not None else None
-        state["dpopt"] = {"version": CHECKPOINT_VERSION, "run_id": self.privatizer.ledger.run_id,
-                          "journal": None if journal is None else os.path.abspath(journal),
-                          "noise_multiplier": self.noise_multiplier}  # of the next release (a scheduler's)
+        state["dpopt"] = {
+            "version": CHECKPOINT_VERSION,
+            "run_id": self.privatizer.ledger.run_id,
+            "journal": None if journal is None else os.path.abspath(journal),
+            "noise_multiplier": self.noise_multiplier,
+        }  # of the next release (a scheduler's)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -614,16 +654,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
         saved = priv.get("ledger") if isinstance(priv, dict) else None
         engine = self._engine
         if engine is not None:
-            engine._keeper.adopt(saved, journal=recorded_journal(meta.get("journal"), None),
-                                 where="optimizer state", header_fixed=True)
+            engine._keeper.adopt(
+                saved, journal=recorded_journal(meta.get("journal"), None), where="optimizer state", header_fixed=True
+            )
             self._load_rest(state, priv)
             self._restore_sigma(meta)
             engine._keeper.settle(engine._privatizers())
             return
         if priv is None:
-            raise ValueError("this optimizer state carries no Privatizer state and ledger (a plain torch "
-                             "state_dict): loading it would restart epsilon from zero. Load a state saved by "
-                             "this optimizer's state_dict()")
+            raise ValueError(
+                "this optimizer state carries no Privatizer state and ledger (a plain torch "
+                "state_dict): loading it would restart epsilon from zero. Load a state saved by "
+                "this optimizer's state_dict()"
+            )
         self._load_rest(state, priv)
         self._restore_sigma(meta)
 
@@ -821,29 +864,50 @@ class PrivacyEngine:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if isinstance(optimizer, torch.optim.Optimizer) and hparams:
-            raise TypeError(f"make_private() got unexpected arguments {sorted(hparams)} with a torch optimizer: "
-                            "extra keywords are hyperparameters of a dpopt method name (optimizer='dp-adam', ...); "
-                            "the Opacus arguments dpopt takes are listed in docs/migrating-from-opacus.md")
-        compat = check_opacus_arguments(self, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
-                                        criterion=criterion, loss_reduction=loss_reduction, clipping=clipping,
-                                        min_clipbound=min_clipbound, max_clipbound=max_clipbound,
-                                        max_grad_norm=max_grad_norm, secure_mode=secure_mode,
-                                        noise_generator=noise_generator)
+            raise TypeError(
+                f"make_private() got unexpected arguments {sorted(hparams)} with a torch optimizer: "
+                "extra keywords are hyperparameters of a dpopt method name (optimizer='dp-adam', ...); "
+                "the Opacus arguments dpopt takes are listed in docs/migrating-from-opacus.md"
+            )
+        compat = check_opacus_arguments(
+            self,
+            grad_sample_mode=grad_sample_mode,
+            batch_first=batch_first,
+            criterion=criterion,
+            loss_reduction=loss_reduction,
+            clipping=clipping,
+            min_clipbound=min_clipbound,
+            max_clipbound=max_clipbound,
+            max_grad_norm=max_grad_norm,
+            secure_mode=secure_mode,
+            noise_generator=noise_generator,
+        )
         warn_drop_last(data_loader, poisson_sampling)
         noise = NoiseSource("secure") if compat.secure else self.noise
         if noise_generator is not None:
-            warnings.warn("noise_generator: the Gaussian noise and Poisson masks are reproducible from this "
-                          "generator's seed (research reruns only; `dpopt check` fails this ledger)",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                "noise_generator: the Gaussian noise and Poisson masks are reproducible from this "
+                "generator's seed (research reruns only; `dpopt check` fails this ledger)",
+                UserWarning,
+                stacklevel=2,
+            )
             noise = NoiseSource("reproducible", generator=noise_generator)
         ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
         views = check_multiplicity(augmentation_multiplicity)
         view_fn = None if augmentation is None else resolve_augmentation(augmentation, views)
         if views > 1 and distributed == "fsdp":
-            raise ValueError("augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
-                             "distributed=True (replicas) or one process")
-        capture = fsdp.capture_for(module, distributed, optimizer, ctx, loss_reduction=loss_reduction,
-                                   **({"rows_per_example": views} if views > 1 else {}))
+            raise ValueError(
+                "augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
+                "distributed=True (replicas) or one process"
+            )
+        capture = fsdp.capture_for(
+            module,
+            distributed,
+            optimizer,
+            ctx,
+            loss_reduction=loss_reduction,
+            **({"rows_per_example": views} if views > 1 else {}),
+        )
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
@@ -853,31 +917,65 @@ class PrivacyEngine:
                 sample_rate = 1.0 / steps_per_epoch
                 expected_batch_size = sample_rate * n  # the GLOBAL expected batch size (all ranks together)
                 params, method, overrides = _trained_parameters(optimizer, module, capture, hparams)
-                privacy = self._clipping_options(clipping, params, capture, noise_multiplier, max_grad_norm,
-                                                 expected_batch_size, target_unclipped_quantile,
-                                                 clipbound_learning_rate, unclipped_num_std, count_share)
+                privacy = self._clipping_options(
+                    clipping,
+                    params,
+                    capture,
+                    noise_multiplier,
+                    max_grad_norm,
+                    expected_batch_size,
+                    target_unclipped_quantile,
+                    clipbound_learning_rate,
+                    unclipped_num_std,
+                    count_share,
+                )
                 if clipping == "auto":  # AUTO-S: the flat options plus the normalisation's γ
                     from .auto_clipping import AutoClipping
+
                     if distributed == "fsdp":  # the sharded release computes its own clip factors
                         raise ValueError("clipping='auto' is not supported with distributed='fsdp'")
                     privacy["auto_clip"] = AutoClipping(clipping_gamma)
                 flat_c = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
-                dp = make_optimizer(method, params, expected_batch_size=expected_batch_size,
-                                    sample_rate=sample_rate, ledger=self.ledger, noise=noise,
-                                    max_grad_norm=float(flat_c), model=module, **privacy, **overrides)
+                dp = make_optimizer(
+                    method,
+                    params,
+                    expected_batch_size=expected_batch_size,
+                    sample_rate=sample_rate,
+                    ledger=self.ledger,
+                    noise=noise,
+                    max_grad_norm=float(flat_c),
+                    model=module,
+                    **privacy,
+                    **overrides,
+                )
                 if _declares_points(dp.transform):
-                    raise ValueError(f"{method} evaluates gradients at points other than the current parameters "
-                                     "(DiSK), which needs the loss: PrivacyEngine never sees it. Train it with "
-                                     "dpopt's own loop (dpopt.train, or iter_per_sample_sources(..., "
-                                     "points=opt.evaluation_points()))")
+                    raise ValueError(
+                        f"{method} evaluates gradients at points other than the current parameters "
+                        "(DiSK), which needs the loss: PrivacyEngine never sees it. Train it with "
+                        "dpopt's own loop (dpopt.train, or iter_per_sample_sources(..., "
+                        "points=opt.evaluation_points()))"
+                    )
             except Exception as exc:
                 if not ctx.enabled:
                     raise
                 error = exc  # raised below, after every rank knows (no rank waits in a collective forever)
             if ctx.enabled:
-                _join_ranks(ctx, error, lambda: [sample_rate, n, steps_per_epoch, noise_multiplier, max_grad_norm,
-                                                 [p.numel() for p in params], method, clipping, loss_reduction,
-                                                 noise.mode])
+                _join_ranks(
+                    ctx,
+                    error,
+                    lambda: [
+                        sample_rate,
+                        n,
+                        steps_per_epoch,
+                        noise_multiplier,
+                        max_grad_norm,
+                        [p.numel() for p in params],
+                        method,
+                        clipping,
+                        loss_reduction,
+                        noise.mode,
+                    ],
+                )
             if isinstance(capture, fsdp.ShardedCapture):  # FSDP2 (dpopt.fsdp): owner-only noise, reduce-scatter
                 fsdp.attach(dp.privatizer, params, module, ctx)
             elif ctx.enabled:
@@ -886,8 +984,11 @@ class PrivacyEngine:
                 attach(dp.privatizer, ctx)
             original = optimizer if isinstance(optimizer, torch.optim.Optimizer) else dp
             self._captures.append(capture)
-            self._claims = {"noise_multiplier": float(noise_multiplier), "sample_rate": sample_rate,
-                            "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer]}
+            self._claims = {
+                "noise_multiplier": float(noise_multiplier),
+                "sample_rate": sample_rate,
+                "privatizers": getattr(self, "_claims", {}).get("privatizers", []) + [dp.privatizer],
+            }
             if len(self.ledger):  # a later make_private: its sigma holds from the next release on
                 self._claims["noise_multiplier_schedule"] = [[len(self.ledger), float(noise_multiplier)]]
             if clipping == "adaptive":
@@ -939,10 +1040,17 @@ class PrivacyEngine:
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
         steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
-        sigma = calibrate_noise_multiplier(target_epsilon, target_delta, 1.0 / len(data_loader), steps,
-                                           str(self.accountant)).noise_multiplier
-        out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+        sigma = calibrate_noise_multiplier(
+            target_epsilon, target_delta, 1.0 / len(data_loader), steps, str(self.accountant)
+        ).noise_multiplier
+        out = self.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            noise_multiplier=sigma,
+            max_grad_norm=max_grad_norm,
+            **kwargs,
+        )
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
         self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
         self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
@@ -981,10 +1089,15 @@ class PrivacyEngine:
         claims = dict(getattr(self, "_claims", {"noise_multiplier": 0.0, "privatizers": []}))
         privs = claims.pop("privatizers")
         keeper = self._keeper  # releases made before a load are counted by the run that made them
-        claims.update(epsilon=self.get_epsilon(delta), delta=float(delta), accountant=str(self.accountant),
-                      steps=len(self.ledger), privatizer_reads=sum(p.reads for p in privs) + keeper.carried_reads,
-                      privatizer_releases=sum(p.releases for p in privs) + keeper.carried_releases,
-                      noise=self.ledger.noise)
+        claims.update(
+            epsilon=self.get_epsilon(delta),
+            delta=float(delta),
+            accountant=str(self.accountant),
+            steps=len(self.ledger),
+            privatizer_reads=sum(p.reads for p in privs) + keeper.carried_reads,
+            privatizer_releases=sum(p.releases for p in privs) + keeper.carried_releases,
+            noise=self.ledger.noise,
+        )
         return claims
 
     # -- saved state that carries the ledger (dpopt.checkpoint) -------------------------
@@ -1014,11 +1127,14 @@ class PrivacyEngine:
         if optimizer is None:
             return
         if not isinstance(optimizer, PrivateOptimizer):
-            raise TypeError(f"optimizer must be the optimizer this engine's make_private returned, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be the optimizer this engine's make_private returned, got {type(optimizer).__name__}"
+            )
         if optimizer.privatizer.ledger is not self.ledger:
-            raise ValueError("this optimizer was made private by another PrivacyEngine (its releases are in "
-                             "that engine's ledger): save and load it with that engine")
+            raise ValueError(
+                "this optimizer was made private by another PrivacyEngine (its releases are in "
+                "that engine's ledger): save and load it with that engine"
+            )
 
     def save_checkpoint(
         self,
@@ -1070,9 +1186,13 @@ class PrivacyEngine:
             if on_disk:
                 self._keeper.open_journal(default_journal(path, self.ledger.run_id))
             else:
-                warnings.warn("save_checkpoint to a file object without journal=: no ledger journal is kept, so "
-                              "loading this checkpoint after more training would not charge the releases made "
-                              "after it", UserWarning, stacklevel=2)
+                warnings.warn(
+                    "save_checkpoint to a file object without journal=: no ledger journal is kept, so "
+                    "loading this checkpoint after more training would not charge the releases made "
+                    "after it",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._keeper.flush()
         where = self._keeper.journal
         if where is not None and on_disk and Path(where).parent.resolve() == Path(path).parent.resolve():
@@ -1091,14 +1211,19 @@ class PrivacyEngine:
             ckpt["grad_clip_scheduler_state_dict"] = grad_clip_scheduler.state_dict()
         if callable(getattr(self.accountant, "state_dict", None)):
             ckpt["privacy_accountant_state_dict"] = self.accountant.state_dict()
-            if isinstance(ckpt["privacy_accountant_state_dict"].get("ledger"), dict) and \
-                    getattr(self.accountant, "ledger", None) is self.ledger:
+            if (
+                isinstance(ckpt["privacy_accountant_state_dict"].get("ledger"), dict)
+                and getattr(self.accountant, "ledger", None) is self.ledger
+            ):
                 ckpt["privacy_accountant_state_dict"]["ledger"] = ledger_state
         ckpt["privacy_ledger"] = ledger_state
         ckpt["accountant"] = str(self.accountant)
-        ckpt["dpopt_checkpoint"] = {"version": CHECKPOINT_VERSION, "run_id": self.ledger.run_id,
-                                    "ledger_length": len(self.ledger),
-                                    "journal": None if where is None else str(where)}
+        ckpt["dpopt_checkpoint"] = {
+            "version": CHECKPOINT_VERSION,
+            "run_id": self.ledger.run_id,
+            "ledger_length": len(self.ledger),
+            "journal": None if where is None else str(where),
+        }
         if on_disk:
             atomic_torch_save(ckpt, path, **(torch_save_kwargs or {}))
         else:
@@ -1150,9 +1275,12 @@ class PrivacyEngine:
             optimizer._load_rest(opt_state, opt_state.pop("privatizer"))
             optimizer._restore_sigma(meta)  # the scheduled sigma of the next release, as saved
         elif (optimizer is not None) != bool(opt_state):
-            warnings.warn(f"the checkpoint has {'an' if opt_state else 'no'} optimizer state but optimizer is "
-                          f"{'not ' if optimizer is None else ''}given: the optimizer's state is not restored",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"the checkpoint has {'an' if opt_state else 'no'} optimizer state but optimizer is "
+                f"{'not ' if optimizer is None else ''}given: the optimizer's state is not restored",
+                UserWarning,
+                stacklevel=2,
+            )
         if noise_scheduler is not None and ckpt.get("noise_scheduler_state_dict"):
             noise_scheduler.load_state_dict(ckpt["noise_scheduler_state_dict"])
         if grad_clip_scheduler is not None and ckpt.get("grad_clip_scheduler_state_dict"):
@@ -1161,8 +1289,9 @@ class PrivacyEngine:
         return ckpt
 
     # -- helpers -------------------------------------------------------------------
-    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, noise: NoiseSource,
-                        ctx: DistributedContext) -> tuple[int, int, DataLoader]:
+    def _private_loader(
+        self, data_loader: DataLoader, poisson_sampling: bool, noise: NoiseSource, ctx: DistributedContext
+    ) -> tuple[int, int, DataLoader]:
         """(N, batches per epoch, the loader to train with): Poisson batches of the loader's dataset at
         q = 1/len(loader) (this rank's shard with ``ctx``), or, refused by the accountants' assumption but
         allowed with a warning recorded in the ledger, the loader's own batches."""
@@ -1172,23 +1301,39 @@ class PrivacyEngine:
         if poisson_sampling:
             custom = custom_batching(data_loader)
             if custom is not None and not (ctx.enabled and _distributed_sampler(data_loader)):
-                raise ValueError(f"make_private: the data loader forms its batches with {custom}, which Poisson "
-                                 f"sampling at q = 1/len(data_loader) would silently replace (e.g. a weighted "
-                                 "sampler's weights, or a custom batch sampler's batch sizes, would be ignored). "
-                                 "Either pass poisson_sampling=False to keep your batches (then the accountant's "
-                                 "epsilon does not hold: warned and recorded in the ledger), or give a plain "
-                                 "DataLoader(dataset, batch_size=B, shuffle=True): Poisson batches at q = 1/len "
-                                 "(expected size about B)")
+                raise ValueError(
+                    f"make_private: the data loader forms its batches with {custom}, which Poisson "
+                    f"sampling at q = 1/len(data_loader) would silently replace (e.g. a weighted "
+                    "sampler's weights, or a custom batch sampler's batch sizes, would be ignored). "
+                    "Either pass poisson_sampling=False to keep your batches (then the accountant's "
+                    "epsilon does not hold: warned and recorded in the ledger), or give a plain "
+                    "DataLoader(dataset, batch_size=B, shuffle=True): Poisson batches at q = 1/len "
+                    "(expected size about B)"
+                )
             return len(dataset), len(data_loader), DPDataLoader.from_data_loader(data_loader, noise=noise, ctx=ctx)
-        warnings.warn("poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not Poisson "
-                      "samples; the accountants' ε assumes Poisson sampling and does not hold for this run "
-                      "(recorded in the ledger)", UserWarning, stacklevel=3)
+        warnings.warn(
+            "poisson_sampling=False: the batches are the loader's own (shuffled, fixed size), not Poisson "
+            "samples; the accountants' ε assumes Poisson sampling and does not hold for this run "
+            "(recorded in the ledger)",
+            UserWarning,
+            stacklevel=3,
+        )
         self.ledger.sampling = "shuffled (not poisson)"
         return len(dataset), len(data_loader), data_loader
 
     @staticmethod
-    def _clipping_options(clipping: str, params: Any, capture: Any, sigma: float, max_grad_norm: Any, bbar: float,
-                          quantile: Any, quantile_lr: Any, unclipped_num_std: Any, count_share: Any) -> dict:
+    def _clipping_options(
+        clipping: str,
+        params: Any,
+        capture: Any,
+        sigma: float,
+        max_grad_norm: Any,
+        bbar: float,
+        quantile: Any,
+        quantile_lr: Any,
+        unclipped_num_std: Any,
+        count_share: Any,
+    ) -> dict:
         if clipping in ("flat", "auto"):
             if not isinstance(max_grad_norm, (int, float)):
                 raise ValueError("flat clipping takes one max_grad_norm (a number)")
@@ -1199,8 +1344,10 @@ class PrivacyEngine:
             else:
                 bounds = [float(c) for c in max_grad_norm]
                 if len(bounds) != len(params):
-                    raise ValueError(f"per_layer clipping takes one max_grad_norm per trainable parameter "
-                                     f"({len(params)}), got {len(bounds)}")
+                    raise ValueError(
+                        f"per_layer clipping takes one max_grad_norm per trainable parameter "
+                        f"({len(params)}), got {len(bounds)}"
+                    )
             return {"noise_multiplier": sigma, "groups": list(range(len(params))), "group_bounds": bounds}
         if not isinstance(max_grad_norm, (int, float)):
             raise ValueError("adaptive clipping takes one initial max_grad_norm (a number)")

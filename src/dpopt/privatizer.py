@@ -88,8 +88,7 @@ class QuantileClipping:
     initial_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
-        self.count_noise_multiplier = check_noise_multiplier(self.count_noise_multiplier,
-                                                             "count_noise_multiplier")
+        self.count_noise_multiplier = check_noise_multiplier(self.count_noise_multiplier, "count_noise_multiplier")
         if self.count_noise_multiplier == 0:
             raise ValueError("count_noise_multiplier must be > 0: the clipped count is a release")
         if not 0.0 < float(self.target_quantile) < 1.0:
@@ -162,15 +161,19 @@ class Privatizer:
         try:
             bounds = [float(c) for c in ([max_grad_norm] if scalar else list(max_grad_norm))]  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            raise ValueError(f"max_grad_norm must be a number or a list of per-group numbers, "
-                             f"got {max_grad_norm!r}") from None
+            raise ValueError(
+                f"max_grad_norm must be a number or a list of per-group numbers, got {max_grad_norm!r}"
+            ) from None
         if not bounds or any(not (c > 0) or math.isnan(c) for c in bounds):
             raise ValueError(f"max_grad_norm must be > 0 (per group), got {max_grad_norm!r}")
         if self.noise_multiplier > 0 and not all(math.isfinite(c) for c in bounds):
-            raise ConfigError(f"max_grad_norm must be finite when noise_multiplier > 0 (the noise std is "
-                              f"noise_multiplier × max_grad_norm), got {max_grad_norm!r}; an infinite bound "
-                              "is only meaningful with noise_multiplier = 0 (non-private reference runs)",
-                              "max_grad_norm", "noise_multiplier")
+            raise ConfigError(
+                f"max_grad_norm must be finite when noise_multiplier > 0 (the noise std is "
+                f"noise_multiplier × max_grad_norm), got {max_grad_norm!r}; an infinite bound "
+                "is only meaningful with noise_multiplier = 0 (non-private reference runs)",
+                "max_grad_norm",
+                "noise_multiplier",
+            )
         self.bounds = bounds
         self.groups = None if groups is None else [int(g) for g in groups]
         if self.groups is not None and (min(self.groups) < 0 or max(self.groups) >= len(bounds)):
@@ -323,17 +326,30 @@ class Privatizer:
             noise_std.append(coord_std)
         self._released += 1
         event = self.step_event()
-        meta = {"max_grad_norm": list(self.bounds), "sensitivity": sens, "noise_multiplier":
-                self.noise_multiplier, "noise_std": std,
-                "geometry": "identity" if geo.is_identity else "shift-scale", **self._clip_meta()}
+        meta = {
+            "max_grad_norm": list(self.bounds),
+            "sensitivity": sens,
+            "noise_multiplier": self.noise_multiplier,
+            "noise_std": std,
+            "geometry": "identity" if geo.is_identity else "shift-scale",
+            **self._clip_meta(),
+        }
         if self.quantile is not None:
             meta.update(self._release_count(noisy_count))
         meta.update(reads=len(self._read), releases=self._released)
         self.reads += len(self._read)
         self.releases += self._released
         entry = self.ledger.record(self.steps, event, **meta)
-        release = Release(tuple(grads), tuple(noise_std), geo, self.steps, entry.event,
-                          self.noise_multiplier, bbar, tuple(cast(Sequence[float], meta["max_grad_norm"])))
+        release = Release(
+            tuple(grads),
+            tuple(noise_std),
+            geo,
+            self.steps,
+            entry.event,
+            self.noise_multiplier,
+            bbar,
+            tuple(cast(Sequence[float], meta["max_grad_norm"])),
+        )
         self.nonfinite_steps += int(self._nonfinite)
         self.steps += 1
         self._reset()
@@ -396,8 +412,12 @@ class Privatizer:
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
         self.clip_history.append(applied)
         self._released += 1
-        return {"count_noise_multiplier": q.count_noise_multiplier, "count_noise_std": count_std,
-                "count_sensitivity": 0.5, "released_fraction": frac}
+        return {
+            "count_noise_multiplier": q.count_noise_multiplier,
+            "count_noise_std": count_std,
+            "count_sensitivity": 0.5,
+            "released_fraction": frac,
+        }
 
     # -- checkpoints --------------------------------------------------------
     def state_dict(self, *, include_ledger: bool = True) -> dict:
@@ -412,10 +432,17 @@ class Privatizer:
         restored secret Privatizer keeps drawing from its own, freshly
         OS-seeded generator).
         """
-        state = {"version": 1, "steps": self.steps, "reads": self.reads, "releases": self.releases,
-                 "bounds": list(self.bounds), "clip_history": list(self.clip_history),
-                 "quantile": self.quantile is not None, "ledger_length": len(self.ledger),
-                 "noise_mode": self.noise.mode}
+        state = {
+            "version": 1,
+            "steps": self.steps,
+            "reads": self.reads,
+            "releases": self.releases,
+            "bounds": list(self.bounds),
+            "clip_history": list(self.clip_history),
+            "quantile": self.quantile is not None,
+            "ledger_length": len(self.ledger),
+            "noise_mode": self.noise.mode,
+        }
         if self.noise.mode == "reproducible":
             state["noise_state"] = self.noise.state_dict()
         if include_ledger:
@@ -447,32 +474,42 @@ class Privatizer:
             raise ValueError(f"unsupported Privatizer state version {state.get('version')!r}")
         bounds = [float(c) for c in state["bounds"]]
         if len(bounds) != len(self.bounds) or bool(state["quantile"]) != (self.quantile is not None):
-            raise ValueError("this state is of a Privatizer with other clipping (number of bounds or quantile "
-                             "clipping differ)")
+            raise ValueError(
+                "this state is of a Privatizer with other clipping (number of bounds or quantile clipping differ)"
+            )
         if "ledger" in state:
             saved = PrivacyLedger.from_dict(state["ledger"]) if isinstance(state["ledger"], dict) else state["ledger"]
             name, _ = longest_record({"saved": saved, "current": self.ledger})
             if name == "current" and len(self.ledger) > len(saved):
-                warnings.warn(f"loaded a Privatizer state saved after {len(saved)} releases into a ledger that "
-                              f"already holds {len(self.ledger)} of the same run: the "
-                              f"{len(self.ledger) - len(saved)} releases made after that state stay charged",
-                              UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"loaded a Privatizer state saved after {len(saved)} releases into a ledger that "
+                    f"already holds {len(self.ledger)} of the same run: the "
+                    f"{len(self.ledger) - len(saved)} releases made after that state stay charged",
+                    UserWarning,
+                    stacklevel=2,
+                )
             else:
                 self.ledger.load_state_dict(saved)
             self.ledger.mark_noise(self.noise.mode)
         elif len(self.ledger) < int(state.get("ledger_length", 0)):
-            raise ValueError(f"this Privatizer state was saved after {int(state['ledger_length'])} releases but "
-                             f"carries no ledger, and this Privatizer's ledger holds only {len(self.ledger)}: "
-                             "loading it would forget releases. Save it with state_dict(include_ledger=True) "
-                             "(the default), or restore the run's ledger (e.g. from its journal) first")
+            raise ValueError(
+                f"this Privatizer state was saved after {int(state['ledger_length'])} releases but "
+                f"carries no ledger, and this Privatizer's ledger holds only {len(self.ledger)}: "
+                "loading it would forget releases. Save it with state_dict(include_ledger=True) "
+                "(the default), or restore the run's ledger (e.g. from its journal) first"
+            )
         self.steps, self.reads, self.releases = int(state["steps"]), int(state["reads"]), int(state["releases"])
         self.bounds = bounds
         self.clip_history = [float(c) for c in state["clip_history"]]
         if self.noise.mode == "reproducible" and "noise_state" in state:
             self.noise.load_state_dict(state["noise_state"])
 
-    def privatize(self, sources: Union[PerSampleSource, Iterable[PerSampleSource]], geometry: Optional[ClipGeometry] = None,
-                  params_like: Optional[Sequence[Tensor]] = None) -> Release:
+    def privatize(
+        self,
+        sources: Union[PerSampleSource, Iterable[PerSampleSource]],
+        geometry: Optional[ClipGeometry] = None,
+        params_like: Optional[Sequence[Tensor]] = None,
+    ) -> Release:
         """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``.
 
         If reading a micro-batch raises, the partial sums are discarded and

@@ -106,8 +106,16 @@ class ReleaseBoundary:
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
-        return {"_serial": self._serial, "_owner": None, "current": None, "open_batch": None,
-                "_counted": set(), "examples": 0, "rows": 0, "_owed": None}
+        return {
+            "_serial": self._serial,
+            "_owner": None,
+            "current": None,
+            "open_batch": None,
+            "_counted": set(),
+            "examples": 0,
+            "rows": 0,
+            "_owed": None,
+        }
 
     def bind(self, optimizer: Any) -> None:
         """Close open steps through ``optimizer`` (held weakly)."""

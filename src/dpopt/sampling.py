@@ -52,9 +52,15 @@ class PoissonSampler:
     :meth:`load_state_dict` draws exactly the remaining steps of a run.
     """
 
-    def __init__(self, dataset_size: int, sample_rate: float, steps: int,
-                 generator: Optional[torch.Generator] = None, secure_mode: bool = False,
-                 noise: Optional[NoiseSource] = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        steps: int,
+        generator: Optional[torch.Generator] = None,
+        secure_mode: bool = False,
+        noise: Optional[NoiseSource] = None,
+    ):
         if int(dataset_size) <= 0:
             raise ValueError(f"dataset_size must be > 0, got {dataset_size}")
         if int(steps) < 0:
@@ -104,8 +110,10 @@ class PoissonSampler:
             ValueError: a state of a sampler with another rate or number of steps.
         """
         if float(state["sample_rate"]) != self.sample_rate or int(state["steps"]) != self.steps:
-            raise ValueError(f"sampler state of q = {state['sample_rate']}, {state['steps']} steps does not fit "
-                             f"this sampler (q = {self.sample_rate}, {self.steps} steps)")
+            raise ValueError(
+                f"sampler state of q = {state['sample_rate']}, {state['steps']} steps does not fit "
+                f"this sampler (q = {self.sample_rate}, {self.steps} steps)"
+            )
         if not 0 <= int(state["position"]) <= self.steps:
             raise ValueError(f"sampler position {state['position']} outside [0, {self.steps}]")
         self.position = int(state["position"])

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["ExponentialNoise", "StepNoise", "LambdaNoise", "ExponentialGradClip", "StepGradClip",
-           "LambdaGradClip"]
+__all__ = ["ExponentialNoise", "StepNoise", "LambdaNoise", "ExponentialGradClip", "StepGradClip", "LambdaGradClip"]
 
 
 class _Scheduler:
@@ -46,8 +45,10 @@ class _Scheduler:
 
     def __init__(self, optimizer, *, last_epoch: int = -1):
         if not hasattr(optimizer, self.attribute):
-            raise ValueError(f"{type(self).__name__} needs an optimizer with a .{self.attribute} attribute: the "
-                             "optimizer that PrivacyEngine.make_private returns")
+            raise ValueError(
+                f"{type(self).__name__} needs an optimizer with a .{self.attribute} attribute: the "
+                "optimizer that PrivacyEngine.make_private returns"
+            )
         self.optimizer = optimizer
         self.last_epoch = int(last_epoch)
         self.step()

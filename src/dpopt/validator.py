@@ -63,15 +63,21 @@ def validate(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         where = f"{name or '<root>'} ({type(m).__name__})"
         if isinstance(m, _BATCHNORM):
-            problems.append(f"{where}: batch normalisation mixes the examples of a batch; fix() replaces it with "
-                            f"GroupNorm({_groups_for(m)}, {m.num_features})")
+            problems.append(
+                f"{where}: batch normalisation mixes the examples of a batch; fix() replaces it with "
+                f"GroupNorm({_groups_for(m)}, {m.num_features})"
+            )
         if isinstance(m, _INSTANCENORM) and m.track_running_stats:
-            problems.append(f"{where}: track_running_stats=True keeps un-noised statistics of private batches; "
-                            "fix() sets track_running_stats=False")
+            problems.append(
+                f"{where}: track_running_stats=True keeps un-noised statistics of private batches; "
+                "fix() sets track_running_stats=False"
+            )
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             if m.max_norm is not None:
-                problems.append(f"{where}: max_norm={m.max_norm} renormalises released rows in place depending on "
-                                "private tokens; fix() sets max_norm=None")
+                problems.append(
+                    f"{where}: max_norm={m.max_norm} renormalises released rows in place depending on "
+                    "private tokens; fix() sets max_norm=None"
+                )
             if m.sparse:
                 problems.append(f"{where}: sparse=True gradients are not supported; fix() sets sparse=False")
     return problems

@@ -71,8 +71,9 @@ def test_pld_uses_connect_the_dots_not_privacy_buckets():
     ours = pld_epsilon(dpsgd_event(SIGMA, Q, 100), DELTA, value_discretization_interval=1e-3)
 
     def build(connect):
-        pld = pld_lib.from_gaussian_mechanism(SIGMA, sampling_prob=Q, value_discretization_interval=1e-3,
-                                              use_connect_dots=connect)
+        pld = pld_lib.from_gaussian_mechanism(
+            SIGMA, sampling_prob=Q, value_discretization_interval=1e-3, use_connect_dots=connect
+        )
         return pld.self_compose(100).get_epsilon_for_delta(DELTA)
 
     assert ours == pytest.approx(build(True), rel=1e-12)
@@ -112,9 +113,17 @@ def test_three_accountants_read_the_same_ledger(tmp_path):
 
 
 # --- quantile clipping: composed events cost exactly σ --------------------------------
-@pytest.mark.parametrize("share,accountant,expected", [
-    (0.01, "rdp", 2.10), (0.05, "rdp", 2.10), (0.3, "rdp", 2.10), (0.9, "rdp", 2.10),
-    (0.05, "pld", 1.83), (0.5, "pld", 1.83)])
+@pytest.mark.parametrize(
+    "share,accountant,expected",
+    [
+        (0.01, "rdp", 2.10),
+        (0.05, "rdp", 2.10),
+        (0.3, "rdp", 2.10),
+        (0.9, "rdp", 2.10),
+        (0.05, "pld", 1.83),
+        (0.5, "pld", 1.83),
+    ],
+)
 def test_quantile_ledger_equals_plain_dpsgd(share, accountant, expected):
     grad, count, _ = split_budget(SIGMA, share)
     eps = epsilon(_quantile_ledger(grad, count), DELTA, accountant)
@@ -160,10 +169,13 @@ def test_non_consecutive_identical_events_compose_like_consecutive():
 @pytest.mark.parametrize("first,second", [(1, 2), (np.float32(1.0), np.float32(2.0)), (np.int64(1), 2.0)])
 def test_int_or_float32_multipliers_give_float_epsilon(first, second):
     ref = epsilon(poisson_composed_step([1.0, 2.0], 0.01), DELTA, "rdp")
-    assert epsilon(poisson_composed_step([first, second], np.float32(0.01)), DELTA, "rdp") == pytest.approx(ref, rel=1e-6)
+    assert epsilon(poisson_composed_step([first, second], np.float32(0.01)), DELTA, "rdp") == pytest.approx(
+        ref, rel=1e-6
+    )
     # Without events.py's coercion dp_accounting drops the second Gaussian (σ_eff would be 1, not 0.894):
-    raw = dp_event.PoissonSampledDpEvent(0.01, dp_event.ComposedDpEvent(
-        [dp_event.GaussianDpEvent(1), dp_event.GaussianDpEvent(2.0)]))
+    raw = dp_event.PoissonSampledDpEvent(
+        0.01, dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(1), dp_event.GaussianDpEvent(2.0)])
+    )
     acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
     acc.compose(raw)
     assert acc.get_epsilon(DELTA) < ref * 0.9
@@ -194,8 +206,7 @@ def test_bad_arguments():
 
 
 @settings(max_examples=6, deadline=None)
-@given(sigma=st.floats(0.5, 5.0), q=st.floats(1e-3, 0.2), steps=st.integers(1, 2000),
-       delta=st.floats(1e-9, 1e-2))
+@given(sigma=st.floats(0.5, 5.0), q=st.floats(1e-3, 0.2), steps=st.integers(1, 2000), delta=st.floats(1e-9, 1e-2))
 def test_rdp_monotone_and_nonnegative(sigma, q, steps, delta):
     e = dpsgd_epsilon(sigma, q, steps, delta, "rdp")
     assert e >= 0.0

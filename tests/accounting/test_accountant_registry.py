@@ -82,7 +82,7 @@ def test_no_import_cycle_and_no_private_sibling_imports():
     done, stack = set(), []
 
     def visit(node):
-        assert node not in stack, f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}"
+        assert node not in stack, f"import cycle: {' -> '.join(stack[stack.index(node) :] + [node])}"
         if node in done:
             return
         stack.append(node)
@@ -111,17 +111,20 @@ def test_collapse_for_pld_reads_sampled_events_like_the_walker():
     collapsed = collapse_for_pld(dp_event.SelfComposedDpEvent(step, 3))
     sigma_eff = effective_noise_multiplier([1.2, 4.0])
     assert collapsed == dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(sigma_eff)), 3)
+        dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(sigma_eff)), 3
+    )
     assert sampled_gaussians(step) == summarize_event(step).gaussians == [1.2, 4.0]
     three = dp_event.SelfComposedDpEvent(step, 3)
     assert summarize_event(collapsed).terms == summarize_event(three).terms == {(0.01, sigma_eff): 3}
     # not only Gaussians inside: left as it is, and the walker says why
-    odd = dp_event.PoissonSampledDpEvent(0.01, dp_event.ComposedDpEvent(
-        [dp_event.GaussianDpEvent(1.0), dp_event.LaplaceDpEvent(1.0)]))
+    odd = dp_event.PoissonSampledDpEvent(
+        0.01, dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(1.0), dp_event.LaplaceDpEvent(1.0)])
+    )
     assert sampled_gaussians(odd) is None and collapse_for_pld(odd) is odd
     assert summarize_event(odd).unsupported == ["PoissonSampledDpEvent(ComposedDpEvent)"]
-    bad = dp_event.PoissonSampledDpEvent(0.01, dp_event.ComposedDpEvent(
-        [dp_event.GaussianDpEvent(-1.0), dp_event.GaussianDpEvent(1.0)]))
+    bad = dp_event.PoissonSampledDpEvent(
+        0.01, dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(-1.0), dp_event.GaussianDpEvent(1.0)])
+    )
     with pytest.raises(ValueError, match="noise_multiplier"):
         collapse_for_pld(bad)
     assert summarize_event(bad).unsupported == ["PoissonSampledDpEvent with an invalid noise multiplier"]

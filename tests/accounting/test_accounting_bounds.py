@@ -40,8 +40,22 @@ def _app():
 def test_prv_discrete_mean_failure_is_a_clear_error():
     with pytest.raises(ValueError, match="use accountant 'pld'"):
         epsilon(dpsgd_event(1.0, 0.2, 600), DELTA, "prv")
-    out = CliRunner().invoke(_app(), ["account", "--accountant", "prv", "--noise-multiplier", "1",
-                                      "--sample-rate", "0.2", "--steps", "600", "--delta", "1e-5"])
+    out = CliRunner().invoke(
+        _app(),
+        [
+            "account",
+            "--accountant",
+            "prv",
+            "--noise-multiplier",
+            "1",
+            "--sample-rate",
+            "0.2",
+            "--steps",
+            "600",
+            "--delta",
+            "1e-5",
+        ],
+    )
     assert out.exit_code == 2 and out.exception is None or isinstance(out.exception, SystemExit)
     assert "error: the prv accountant failed" in out.output and "--accountant pld" in out.output
     assert "Traceback" not in out.output
@@ -95,8 +109,9 @@ def test_prv_cost_decision_for_a_million_steps():
     est = estimate_prv_cost(terms, 0.01, DELTA / 1000)
     assert not est.within(DEFAULT_BUDGET) and est.memory_bytes > 4e9
     needed = 0.01 * est.scale_to(DEFAULT_BUDGET)
-    assert estimate_prv_cost(terms, needed * 1.05, DELTA / 1000,
-                             domain=prv_domain(terms, needed * 1.05, DELTA / 1000)).within(DEFAULT_BUDGET)
+    assert estimate_prv_cost(
+        terms, needed * 1.05, DELTA / 1000, domain=prv_domain(terms, needed * 1.05, DELTA / 1000)
+    ).within(DEFAULT_BUDGET)
 
 
 def test_coarsened_prv_is_still_an_upper_bound():
@@ -114,8 +129,10 @@ def test_absurd_targets_refused(target, match):
     """Refused before any search (the time it takes is measured by benchmarks/calibrate_time.py)."""
     with pytest.raises(ValueError, match=match):
         calibrate_noise_multiplier(target, DELTA, 0.01, 100)
-    out = CliRunner().invoke(_app(), ["calibrate", "--target-epsilon", str(target), "--sample-rate", "0.01",
-                                      "--steps", "100", "--delta", "1e-5"])
+    out = CliRunner().invoke(
+        _app(),
+        ["calibrate", "--target-epsilon", str(target), "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+    )
     assert out.exit_code == 2 and out.output.startswith("error: ") and "Traceback" not in out.output
 
 
@@ -145,12 +162,15 @@ def test_cli_calibration_interrupt_exit_130(monkeypatch):
     import dpopt.accounting.calibration as cal
 
     def interrupted(*args, **kwargs):
-        raise CalibrationInterrupted("calibration interrupted while evaluating the pld accountant at "
-                                     "noise_multiplier = 0.7 after 3 evaluations; no noise multiplier was chosen")
+        raise CalibrationInterrupted(
+            "calibration interrupted while evaluating the pld accountant at "
+            "noise_multiplier = 0.7 after 3 evaluations; no noise multiplier was chosen"
+        )
 
     monkeypatch.setattr(cal, "calibrate_noise_multiplier", interrupted)
-    out = CliRunner().invoke(_app(), ["calibrate", "--target-epsilon", "2", "--sample-rate", "0.01",
-                                      "--steps", "100", "--delta", "1e-5"])
+    out = CliRunner().invoke(
+        _app(), ["calibrate", "--target-epsilon", "2", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"]
+    )
     assert out.exit_code == 130 and out.output.startswith("error: calibration interrupted")
 
 
@@ -196,9 +216,12 @@ def test_alternating_ledger_rdp_grouped_and_quiet():
     ledger = PrivacyLedger()
     for i in range(100):
         ledger.record(i, poisson_gaussian_step(1.0 if i % 2 else 1.3, 0.01 if i % 2 else 0.02))
-    grouped = dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.3, 0.02), 50),
-        dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.01), 50)])
+    grouped = dp_event.ComposedDpEvent(
+        [
+            dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.3, 0.02), 50),
+            dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.01), 50),
+        ]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eps = epsilon(ledger, DELTA, "rdp")
@@ -286,5 +309,10 @@ def test_review_fixes_never_lower_epsilon(tmp_path):
         with pytest.raises(ValueError, match="integer >= 0"):
             event_from_dict(dict(good, count=bad))
         with pytest.raises(ValueError):  # built in memory: refused by the accountant, never a smaller ε
-            epsilon(ev.ComposedDpEvent([poisson_gaussian_step(1.0, 0.1),
-                                        ev.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.1), bad)]), 1e-5, "rdp")
+            epsilon(
+                ev.ComposedDpEvent(
+                    [poisson_gaussian_step(1.0, 0.1), ev.SelfComposedDpEvent(poisson_gaussian_step(1.0, 0.1), bad)]
+                ),
+                1e-5,
+                "rdp",
+            )

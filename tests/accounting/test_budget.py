@@ -65,8 +65,9 @@ def test_explicit_count_noise_with_solution():
     assert same == split
 
 
-@pytest.mark.parametrize("kwargs", [{"count_noise_std": 0.5}, {"count_noise_multiplier": 0.7},
-                                    {"count_noise_std": 0.4}])
+@pytest.mark.parametrize(
+    "kwargs", [{"count_noise_std": 0.5}, {"count_noise_multiplier": 0.7}, {"count_noise_std": 0.4}]
+)
 def test_explicit_count_noise_without_solution_is_refused_with_advice(kwargs):
     with pytest.raises(ValueError) as err:
         split_for_count_noise(1.0, **kwargs)
@@ -127,5 +128,6 @@ def test_split_ledger_epsilon_equals_plain_rdp(share):
     assert epsilon(ledger, DELTA, "rdp") == pytest.approx(dpsgd_epsilon(sigma, q, steps, DELTA, "rdp"), rel=1e-9)
     # the count really is inside the event: without it ε is smaller
     grad_only = dp_event.SelfComposedDpEvent(
-        poisson_composed_step([split_budget(sigma, share).grad_noise_multiplier], q), steps)
+        poisson_composed_step([split_budget(sigma, share).grad_noise_multiplier], q), steps
+    )
     assert epsilon(grad_only, DELTA, "rdp") < epsilon(ledger, DELTA, "rdp")

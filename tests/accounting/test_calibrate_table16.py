@@ -28,15 +28,33 @@ GRID = 1e-4  # value_discretization_interval (nats): dp_accounting's default, an
 
 def dp_accounting_epsilon(sigma: float, q: float, steps: int) -> float:
     acc = PLDAccountant(value_discretization_interval=GRID)
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+    )
     return float(acc.get_epsilon(DELTA))
 
 
 @pytest.mark.parametrize("batch_size", [1024, 4096])
 def test_calibrated_sigma_meets_the_target_under_dp_accounting_and_is_tight(batch_size):
-    res = CliRunner().invoke(app, ["calibrate", "--target-epsilon", "4", "--dataset-size", str(N), "--batch-size",
-                                   str(batch_size), "--epochs", str(EPOCHS), "--delta", "1e-5", "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            "--target-epsilon",
+            "4",
+            "--dataset-size",
+            str(N),
+            "--batch-size",
+            str(batch_size),
+            "--epochs",
+            str(EPOCHS),
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     sigma, q, steps = out["noise_multiplier"], out["sample_rate"], out["steps"]

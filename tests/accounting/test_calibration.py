@@ -57,7 +57,8 @@ def test_pld_result_is_checked_with_the_accurate_accountant():
     res = _calibrated(batch, "pld")
     # the reported ε is the accountant's ε at the printed σ (independently recomputed)
     assert epsilon(dpsgd_event(res.noise_multiplier, batch / N, steps), DELTA, "pld") == pytest.approx(
-        res.epsilon, rel=1e-12)
+        res.epsilon, rel=1e-12
+    )
     assert res.epsilon <= TARGET
     assert float(f"{res.noise_multiplier:.6g}") == res.noise_multiplier  # 6 significant digits print exactly
 
@@ -71,7 +72,9 @@ def test_dp_accounting_live_b4096():
     live = dp_accounting.calibrate_dp_mechanism(
         pld_privacy_accountant.PLDAccountant,
         lambda s: dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(s)), steps),
-        TARGET, DELTA)
+        TARGET,
+        DELTA,
+    )
     assert live == pytest.approx(DP_ACCOUNTING_PLD[4096], abs=1e-5)
     ours = _calibrated(4096, "pld").noise_multiplier
     assert ours == pytest.approx(live, abs=0.005)
@@ -106,15 +109,18 @@ def test_other_targets_and_full_batch():
         assert res.epsilon >= target * 0.99  # within ~rtol of the optimum in σ → within ~1% in ε
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"target_epsilon": 0.0}, "target_epsilon"),
-    ({"target_epsilon": float("inf")}, "target_epsilon"),
-    ({"delta": 1.0}, "delta"),
-    ({"sample_rate": 1.5}, "sample_rate"),
-    ({"steps": 0}, "steps"),
-    ({"accountant": "gdp"}, "accountant"),
-    ({"rtol": 0.0}, "rtol"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"target_epsilon": 0.0}, "target_epsilon"),
+        ({"target_epsilon": float("inf")}, "target_epsilon"),
+        ({"delta": 1.0}, "delta"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"steps": 0}, "steps"),
+        ({"accountant": "gdp"}, "accountant"),
+        ({"rtol": 0.0}, "rtol"),
+    ],
+)
 def test_invalid_inputs(kwargs, match):
     args = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=100, accountant="rdp")
     args.update(kwargs)
@@ -135,26 +141,57 @@ def _app():
 
 def test_cli_calibrate_and_account_json():
     runner = CliRunner()
-    out = runner.invoke(_app(), ["calibrate", "--target-epsilon", "4", "--sample-rate", str(4096 / N),
-                                 "--steps", "600", "--delta", "1e-5", "--json", "--count-share", "0.05"])
+    out = runner.invoke(
+        _app(),
+        [
+            "calibrate",
+            "--target-epsilon",
+            "4",
+            "--sample-rate",
+            str(4096 / N),
+            "--steps",
+            "600",
+            "--delta",
+            "1e-5",
+            "--json",
+            "--count-share",
+            "0.05",
+        ],
+    )
     assert out.exit_code == 0, out.output
     data = json.loads(out.output)
     assert data["noise_multiplier"] == pytest.approx(DP_ACCOUNTING_PLD[4096], abs=0.005)
     assert data["epsilon"] <= 4.0 and data["accountant"] == "pld"
-    assert data["grad_noise_multiplier"] == pytest.approx(data["noise_multiplier"] / 0.95 ** 0.5)
-    out = runner.invoke(_app(), ["account", "--noise-multiplier", str(data["noise_multiplier"]),
-                                 "--sample-rate", str(4096 / N), "--steps", "600", "--delta", "1e-5", "--json"])
+    assert data["grad_noise_multiplier"] == pytest.approx(data["noise_multiplier"] / 0.95**0.5)
+    out = runner.invoke(
+        _app(),
+        [
+            "account",
+            "--noise-multiplier",
+            str(data["noise_multiplier"]),
+            "--sample-rate",
+            str(4096 / N),
+            "--steps",
+            "600",
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["epsilon"] == pytest.approx(data["epsilon"], rel=1e-12)
 
 
 def test_cli_errors_are_clear():
     runner = CliRunner()
-    out = runner.invoke(_app(), ["account", "--noise-multiplier", "1", "--sample-rate", "0.01",
-                                 "--steps", "10", "--delta", "1"])
+    out = runner.invoke(
+        _app(), ["account", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1"]
+    )
     assert out.exit_code == 2 and "delta must be in (0, 1)" in out.output
-    out = runner.invoke(_app(), ["account", "--noise-multiplier", "0", "--sample-rate", "0.01",
-                                 "--steps", "10", "--delta", "1e-5", "--json"])
+    out = runner.invoke(
+        _app(),
+        ["account", "--noise-multiplier", "0", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5", "--json"],
+    )
     assert out.exit_code == 0 and json.loads(out.output)["epsilon"] == "inf"
 
 
@@ -162,10 +199,12 @@ def test_cli_calibrate_in_a_fresh_interpreter_without_torch():
     """The whole `dpopt calibrate` command for the B = 256 row, in a fresh interpreter: the σ it prints
     and that torch is never imported. Its time is measured by benchmarks/calibrate_time.py, not here
     (no test asserts a wall or CPU time; figures in docs/accounting.md)."""
-    code = ("import sys\nfrom dpopt.cli import app\n"
-            "app(['calibrate', '--target-epsilon', '4', '--sample-rate', '0.00512', '--steps', '9750', "
-            "'--delta', '1e-5', '--json'], standalone_mode=False)\n"
-            "print('torch' in sys.modules, file=sys.stderr)")
+    code = (
+        "import sys\nfrom dpopt.cli import app\n"
+        "app(['calibrate', '--target-epsilon', '4', '--sample-rate', '0.00512', '--steps', '9750', "
+        "'--delta', '1e-5', '--json'], standalone_mode=False)\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "False", "the accounting CLI imported torch"

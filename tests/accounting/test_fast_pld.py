@@ -65,8 +65,11 @@ def test_fast_path_keeps_replace_one_on_the_library():
 
 def _dp_accounting(sigma, q, steps, delta=1e-5):
     acc = PLDAccountant(value_discretization_interval=1e-4)
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+    )
     return float(acc.get_epsilon(delta))
 
 

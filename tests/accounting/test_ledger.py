@@ -15,8 +15,7 @@ from dpopt.privatizer import Privatizer
 
 
 def _run_privatizer(steps, sigma=1.0, q=0.01):
-    priv = Privatizer(sigma, 1.0, expected_batch_size=4.0, sample_rate=q,
-                      generator=torch.Generator().manual_seed(0))
+    priv = Privatizer(sigma, 1.0, expected_batch_size=4.0, sample_rate=q, generator=torch.Generator().manual_seed(0))
     for _ in range(steps):
         priv.privatize(PerSampleGrads([torch.randn(3, 2)]))
     return priv.ledger
@@ -25,8 +24,7 @@ def _run_privatizer(steps, sigma=1.0, q=0.01):
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_ledger_epsilon_equals_dp_accounting(accountant):
     ledger = _run_privatizer(200, sigma=1.1, q=0.02)
-    event = dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.1)), 200)
+    event = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.1)), 200)
     if accountant == "pld":
         acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     else:

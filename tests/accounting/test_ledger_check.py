@@ -29,8 +29,9 @@ def _run(steps=40, sigma=SIGMA, share=None, bounds=1.0, groups=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     if share is not None:
         grad_sigma, count_mult, _ = split_budget(sigma, share)
-        priv = Privatizer(grad_sigma, bounds, expected_batch_size=BBAR, sample_rate=Q,
-                          quantile=QuantileClipping(count_mult))
+        priv = Privatizer(
+            grad_sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, quantile=QuantileClipping(count_mult)
+        )
     else:
         priv = Privatizer(sigma, bounds, expected_batch_size=BBAR, sample_rate=Q, groups=groups)
     n_params = 1 if groups is None else len(groups)
@@ -45,9 +46,14 @@ def _write(tmp_path, priv, accountant="rdp", **overrides):
     """Write ledger.json and an honest summary.json (RDP by default: fast; PLD is exercised below)."""
     priv.ledger.save(tmp_path / "ledger.json")
     summary = {
-        "epsilon": epsilon(priv.ledger, DELTA, accountant), "delta": DELTA, "accountant": accountant,
-        "noise_multiplier": SIGMA, "sample_rate": Q, "steps": priv.steps,
-        "privatizer_reads": priv.reads, "privatizer_releases": priv.releases,
+        "epsilon": epsilon(priv.ledger, DELTA, accountant),
+        "delta": DELTA,
+        "accountant": accountant,
+        "noise_multiplier": SIGMA,
+        "sample_rate": Q,
+        "steps": priv.steps,
+        "privatizer_reads": priv.reads,
+        "privatizer_releases": priv.releases,
     }
     if priv.quantile is not None:
         summary["noise_multiplier_total"] = SIGMA
@@ -91,6 +97,7 @@ def test_dropped_count_release_fails(tmp_path):
 
     def drop_count(entry):
         entry["event"]["event"] = entry["event"]["event"]["events"][0]
+
     _edit_ledger(tmp_path, drop_count)
     result = check_run(tmp_path)
     assert not result.passed
@@ -125,13 +132,28 @@ def test_gradient_only_ledger_is_flagged(tmp_path, accountant, honest, leaky):
     steps = 1000
     leaky_ledger = PrivacyLedger()
     for step in range(steps):
-        leaky_ledger.record(step, poisson_gaussian_step(grad_sigma, Q), max_grad_norm=[1.0], sensitivity=1.0,
-                            noise_multiplier=grad_sigma, noise_std=grad_sigma, reads=1, releases=1)
+        leaky_ledger.record(
+            step,
+            poisson_gaussian_step(grad_sigma, Q),
+            max_grad_norm=[1.0],
+            sensitivity=1.0,
+            noise_multiplier=grad_sigma,
+            noise_std=grad_sigma,
+            reads=1,
+            releases=1,
+        )
     eps_leaky = epsilon(leaky_ledger, DELTA, accountant)
     assert eps_leaky == pytest.approx(leaky, abs=0.01)
     assert dpsgd_epsilon(SIGMA, Q, steps, DELTA, accountant) == pytest.approx(honest, abs=0.01)
-    claimed = {"epsilon": eps_leaky, "delta": DELTA, "accountant": accountant, "noise_multiplier": SIGMA,
-               "noise_multiplier_total": SIGMA, "sample_rate": Q, "steps": steps}
+    claimed = {
+        "epsilon": eps_leaky,
+        "delta": DELTA,
+        "accountant": accountant,
+        "noise_multiplier": SIGMA,
+        "noise_multiplier_total": SIGMA,
+        "sample_rate": Q,
+        "steps": steps,
+    }
     result = check_ledger(leaky_ledger, claimed)
     assert result.failures == ["budget_split"]
     assert "σ_eff = 1.02598" in result.format() and "claims σ = 1" in result.format()
@@ -143,8 +165,9 @@ def test_gradient_only_ledger_is_flagged(tmp_path, accountant, honest, leaky):
 # --- (b) noise calibrated to the bound applied -------------------------------------------
 def test_per_layer_bounds_use_total_bound(tmp_path):
     """Bounds (1, 2, 2): sensitivity √(1+4+4) = 3, noise std σ·3 (meta and empirical)."""
-    priv = Privatizer(SIGMA, [1.0, 2.0, 2.0], expected_batch_size=BBAR, sample_rate=Q,
-                      groups=[0, 1, 2])  # secret noise: the 7-s.e. band below needs no fixed seed
+    priv = Privatizer(
+        SIGMA, [1.0, 2.0, 2.0], expected_batch_size=BBAR, sample_rate=Q, groups=[0, 1, 2]
+    )  # secret noise: the 7-s.e. band below needs no fixed seed
     d = 20_000
     rel = priv.privatize(PerSampleGrads([torch.zeros(2, d, dtype=torch.float64)] * 3))
     meta = priv.ledger.entries[0].meta
@@ -165,6 +188,7 @@ def test_noise_sized_to_smallest_bound_fails(tmp_path):
     def understate(entry):
         entry["meta"]["sensitivity"] = 1.0
         entry["meta"]["noise_std"] = entry["meta"]["noise_multiplier"] * 1.0
+
     _edit_ledger(tmp_path, understate)
     result = check_run(tmp_path)
     assert result.failures == ["noise"]
@@ -177,6 +201,7 @@ def test_count_noise_mismatch_fails(tmp_path):
 
     def halve(entry):
         entry["meta"]["count_noise_std"] /= 2
+
     _edit_ledger(tmp_path, halve)
     result = check_run(tmp_path)
     assert result.failures == ["noise"]
@@ -187,8 +212,11 @@ def test_count_noise_mismatch_fails(tmp_path):
 def test_sum_of_epoch_epsilons_is_flagged(tmp_path):
     """ε summed over 4 'epochs' of 10 steps is not the ledger's ε."""
     priv = _run(steps=40)
-    per_epoch = epsilon(PrivacyLedger.from_dict({**priv.ledger.to_dict(),
-                                                 "entries": priv.ledger.to_dict()["entries"][:10]}), DELTA, "rdp")
+    per_epoch = epsilon(
+        PrivacyLedger.from_dict({**priv.ledger.to_dict(), "entries": priv.ledger.to_dict()["entries"][:10]}),
+        DELTA,
+        "rdp",
+    )
     _write(tmp_path, priv, epsilon=4 * per_epoch)
     result = check_run(tmp_path)
     assert result.failures == ["composition"]
@@ -338,7 +366,13 @@ def test_summary_epsilon_slightly_below_the_ledger_fails():
     for _ in range(5):
         priv.privatize(PerSampleGrads([torch.ones(2, 3)]))
     eps = epsilon(priv.ledger, 1e-5, "rdp")
-    claim = {"epsilon": eps * (1 - 1e-4), "delta": 1e-5, "accountant": "rdp", "noise_multiplier": 1.0,
-             "sample_rate": Q, "steps": 5}
+    claim = {
+        "epsilon": eps * (1 - 1e-4),
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "noise_multiplier": 1.0,
+        "sample_rate": Q,
+        "steps": 5,
+    }
     assert not check_ledger(priv.ledger, claim)["composition"].passed
     assert check_ledger(priv.ledger, dict(claim, epsilon=eps))["composition"].passed

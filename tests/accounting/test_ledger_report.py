@@ -31,8 +31,17 @@ def test_runs_group_consecutive_equal_events():
     assert runs[0] == ReleaseRun(0, 2, 3, [0.01], [1.0], [1.0], [], 1.0, 3.0)
     assert runs[1].sensitivity_min is None and runs[1].sample_rates == [0.02]
     assert runs[2].sample_rates == [] and runs[2].noise_multipliers == [4.0]
-    assert list(runs[0].to_dict()) == ["first_step", "last_step", "count", "sample_rates", "noise_multipliers",
-                                       "sigma_eff", "unsupported", "sensitivity_min", "sensitivity_max"]
+    assert list(runs[0].to_dict()) == [
+        "first_step",
+        "last_step",
+        "count",
+        "sample_rates",
+        "noise_multipliers",
+        "sigma_eff",
+        "unsupported",
+        "sensitivity_min",
+        "sensitivity_max",
+    ]
 
 
 def test_report_scores_every_accountant_with_the_run_defaults(tmp_path):

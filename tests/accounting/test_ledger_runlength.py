@@ -52,9 +52,14 @@ def _mixed() -> tuple[PrivacyLedger, list]:
     resume (state_dict → load_state_dict, then more releases); returns the ledger and the per-release events."""
     ledger, events = PrivacyLedger(), []
     quantile = poisson_composed_step([1.3, 6.0], 0.02)
-    plan = [(STEP, 5, META), (poisson_gaussian_step(1.5, 0.01), 4, dict(META, noise_std=1.5)),
-            (quantile, 3, dict(META, released_fraction=0.5)), (quantile, 2, dict(META, released_fraction=0.75)),
-            (STEP, 3, META), (STEP, 2, dict(META, reads=0))]  # the empty batches: same event, nothing read
+    plan = [
+        (STEP, 5, META),
+        (poisson_gaussian_step(1.5, 0.01), 4, dict(META, noise_std=1.5)),
+        (quantile, 3, dict(META, released_fraction=0.5)),
+        (quantile, 2, dict(META, released_fraction=0.75)),
+        (STEP, 3, META),
+        (STEP, 2, dict(META, reads=0)),
+    ]  # the empty batches: same event, nothing read
     step = 0
     for i, (event, n, meta) in enumerate(plan):
         if i == 4:  # a resume: the saved state is taken into a fresh ledger, which goes on
@@ -98,8 +103,12 @@ def test_entries_round_trip_through_every_form():
         assert back.extends(ledger) and ledger.extends(back)
     prefix = PrivacyLedger.from_dict(dict(ledger.to_dict(), entries=ledger.to_dict()["entries"][:13]))
     assert ledger.extends(prefix) and not prefix.extends(ledger)
-    other = PrivacyLedger.from_dict(dict(ledger.to_dict(), entries=ledger.to_dict()["entries"][:12]
-                                         + [dict(ledger.to_dict()["entries"][12], meta={"x": 1.0})]))
+    other = PrivacyLedger.from_dict(
+        dict(
+            ledger.to_dict(),
+            entries=ledger.to_dict()["entries"][:12] + [dict(ledger.to_dict()["entries"][12], meta={"x": 1.0})],
+        )
+    )
     assert not ledger.extends(other)  # a different release at a shared position: another branch
 
 
@@ -170,7 +179,8 @@ def test_incremental_epsilon_is_exact_after_every_growth():
             ledger.record(len(ledger), STEP, **META)
         assert epsilon(ledger, DELTA, "pld") == epsilon(_identical(n), DELTA, "pld")
         assert epsilon(ledger, DELTA, "pld") == pytest.approx(
-            epsilon(dp_event.SelfComposedDpEvent(STEP, n), DELTA, "pld"), rel=1e-12)
+            epsilon(dp_event.SelfComposedDpEvent(STEP, n), DELTA, "pld"), rel=1e-12
+        )
 
 
 # -- PrivacyEngine checkpoints ------------------------------------------------------------------------------------
@@ -182,8 +192,9 @@ def _engine(accountant: str = "rdp"):
     engine = PrivacyEngine(accountant=accountant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                 noise_multiplier=1.1, max_grad_norm=1.0)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0
+        )
     return engine, model, opt, loader
 
 

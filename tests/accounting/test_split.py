@@ -14,8 +14,14 @@ def test_steps_for_epochs_is_tf_privacys_ceil():
     assert steps_for_epochs(60000, 256, 5) == (256 / 60000, 1172)  # 1171.875 -> 1172
     assert steps_for_epochs(100, 30, 1) == (0.3, 4)  # 3.33 -> 4 (round would give 3)
     assert steps_for_epochs(100, 25, 2)[1] == 8  # exact: no extra step
-    for args, name in [((0, 1, 1), "dataset_size"), ((10.5, 1, 1), "dataset_size"), ((10, 11, 1), "batch_size"),
-                       ((10, 0, 1), "batch_size"), ((10, 1, 0), "epochs"), ((10, 1, float("nan")), "epochs")]:
+    for args, name in [
+        ((0, 1, 1), "dataset_size"),
+        ((10.5, 1, 1), "dataset_size"),
+        ((10, 11, 1), "batch_size"),
+        ((10, 0, 1), "batch_size"),
+        ((10, 1, 0), "epochs"),
+        ((10, 1, float("nan")), "epochs"),
+    ]:
         with pytest.raises(ConfigError) as info:
             steps_for_epochs(*args)
         assert info.value.arguments == (name,)

@@ -107,8 +107,7 @@ class UnrecordedCountPrivatizer(Privatizer):
 
 
 # --------------------------------------------------------------------------- defect 4
-def epsilon_as_sum_of_parts(ledger: PrivacyLedger, steps_per_part: int, delta: float,
-                            accountant: str = "pld") -> float:
+def epsilon_as_sum_of_parts(ledger: PrivacyLedger, steps_per_part: int, delta: float, accountant: str = "pld") -> float:
     """Defect 4: ε of each consecutive block of ``steps_per_part`` entries, summed.
 
     Each block is scored alone at δ and the ε's are added at the same δ. Basic
@@ -124,7 +123,7 @@ def epsilon_as_sum_of_parts(ledger: PrivacyLedger, steps_per_part: int, delta: f
     total = 0.0
     for start in range(0, len(entries), steps_per_part):
         part = PrivacyLedger(ledger.neighbouring, ledger.sampling)
-        for e in entries[start:start + steps_per_part]:
+        for e in entries[start : start + steps_per_part]:
             part.record(e.step, e.event, **e.meta)
         total += epsilon(part, delta, accountant)
     return total
@@ -149,27 +148,35 @@ def check_reads_recorded(privatizer: Privatizer) -> list[str]:
     the Gaussians recorded in its ledger. Returns the problems found (empty = pass)."""
     recorded = sum(recorded_gaussians(e.event) for e in privatizer.ledger.entries)
     if privatizer.reads != recorded:
-        return [f"{privatizer.reads} reads of private data but {recorded} Gaussian releases recorded "
-                f"in the ledger ({privatizer.reads - recorded} unpaid)"]
+        return [
+            f"{privatizer.reads} reads of private data but {recorded} Gaussian releases recorded "
+            f"in the ledger ({privatizer.reads - recorded} unpaid)"
+        ]
     return []
 
 
-def check_reported_epsilon(reported: float, ledger: PrivacyLedger, delta: float, rtol: float = 1e-6,
-                           accountant: str = "pld") -> list[str]:
+def check_reported_epsilon(
+    reported: float, ledger: PrivacyLedger, delta: float, rtol: float = 1e-6, accountant: str = "pld"
+) -> list[str]:
     """Principle "compose the whole adaptive procedure": the reported ε must be one
     accountant's ε over the whole ledger at the same δ. Returns problems (empty = pass)."""
     whole = epsilon(ledger, delta, accountant)
     if math.isclose(reported, whole, rel_tol=rtol, abs_tol=1e-12):
         return []
     if reported < whole:
-        return [f"reported ε {reported:.6g} is below the whole-ledger ε {whole:.6g} at δ={delta:g}: "
-                "under-reported (invalid)"]
-    return [f"reported ε {reported:.6g} differs from the whole-ledger ε {whole:.6g} at δ={delta:g}: "
-            "not composed over the whole ledger"]
+        return [
+            f"reported ε {reported:.6g} is below the whole-ledger ε {whole:.6g} at δ={delta:g}: "
+            "under-reported (invalid)"
+        ]
+    return [
+        f"reported ε {reported:.6g} differs from the whole-ledger ε {whole:.6g} at δ={delta:g}: "
+        "not composed over the whole ledger"
+    ]
 
 
-def run_quantile_epochs(privatizer: Privatizer, dataset: Sequence[torch.Tensor], steps: int,
-                        generator: torch.Generator) -> None:
+def run_quantile_epochs(
+    privatizer: Privatizer, dataset: Sequence[torch.Tensor], steps: int, generator: torch.Generator
+) -> None:
     """Drive a privatizer for ``steps`` Poisson-sampled steps on a fixed per-example dataset.
 
     ``dataset`` is one tensor ``[N, *shape]`` per parameter (synthetic, public

@@ -79,14 +79,18 @@ def _patch(owner, attr: str, value) -> Callable[[], None]:
     setattr(owner, attr, value)
     if isinstance(owner, type(sys)):  # a module-level function: rebind the names other modules imported
         for mod in list(sys.modules.values()):
-            if mod is not owner and getattr(mod, "__name__", "").startswith("dpopt") and \
-                    getattr(mod, attr, None) is old:
+            if (
+                mod is not owner
+                and getattr(mod, "__name__", "").startswith("dpopt")
+                and getattr(mod, attr, None) is old
+            ):
                 undo.append((mod, attr, old))
                 setattr(mod, attr, value)
 
     def restore() -> None:
         for o, a, v in undo:
             setattr(o, a, v)
+
     return restore
 
 
@@ -99,6 +103,7 @@ def _wrap_draw(scale_of: Callable) -> Callable[[], None]:
     def mutated(self, std, rounded=False):
         noise, count = draw(self, std, rounded)
         return [scale_of(self, z) for z in noise], count
+
     return _patch(Privatizer, "_draw", mutated)
 
 
@@ -115,6 +120,7 @@ def _clip_skipped():
             return accumulate(self, source)
         finally:
             self.bounds = saved
+
     return _patch(Privatizer, "accumulate", mutated)
 
 
@@ -128,6 +134,7 @@ def _noise_div_bbar_twice():
 
 def _noise_bf16():
     import torch
+
     return _wrap_draw(lambda self, z: z.to(torch.bfloat16).to(z.dtype))
 
 
@@ -141,6 +148,7 @@ def _noise_per_rank_unscaled():
             noise, _ = draw()
             sums = [s + z.to(s.dtype) for s, z in zip(sums, noise)]
         return call(self, sums, count, draw)
+
     return _patch(AllReduceRelease, "__call__", mutated)
 
 
@@ -153,6 +161,7 @@ def _poisson_shuffled():
         self.position += 1
         k = int(round(self.sample_rate * self.dataset_size))
         return torch.randperm(self.dataset_size)[:k]  # fixed-size shuffled batches, accounted as Poisson
+
     return _patch(PoissonSampler, "sample", mutated)
 
 
@@ -166,6 +175,7 @@ def _ledger_missing_step():
         if self._mutant_calls == 2:  # the second release is never written down
             return LedgerEntry(int(step), event, dict(meta))
         return record(self, step, event, **meta)
+
     return _patch(PrivacyLedger, "record", mutated)
 
 
@@ -179,6 +189,7 @@ def _microbatch_several_steps():
         sigmas = [self.noise_multiplier] + ([self.quantile.count_noise_multiplier] if self.quantile else [])
         half = poisson_composed_step(sigmas, self.sample_rate / 2.0)  # 2 micro-batches = 2 steps at q/2
         return dp_event.ComposedDpEvent([half, half])
+
     return _patch(Privatizer, "step_event", mutated)
 
 
@@ -194,6 +205,7 @@ def _batchnorm_kept():
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             return None  # BatchNorm let through
         return check(model)
+
     return _patch(dpopt.models, "check_model", mutated)
 
 
@@ -207,6 +219,7 @@ def _nonfinite_clipped_large():
     def mutated(self, grads, *args, **kwargs):
         grads = [torch.nan_to_num(g, nan=1e6, posinf=1e6, neginf=-1e6) for g in grads]
         return init(self, grads, *args, **kwargs)
+
     return _patch(PerSampleGrads, "__init__", mutated)
 
 
@@ -216,6 +229,7 @@ def _quantile_count_uncharged():
 
     def mutated(self):
         return poisson_composed_step([self.noise_multiplier], self.sample_rate)  # the count's Gaussian dropped
+
     return _patch(Privatizer, "step_event", mutated)
 
 
@@ -226,6 +240,7 @@ def _private_loss_printed():
 
     def mutated(self, row):
         return metric(self, dict(row, train_loss=0.6931))  # the private batch loss in metrics.jsonl
+
     return _patch(RunFiles, "metric", mutated)
 
 
@@ -240,6 +255,7 @@ def _train_mode_only_mixing():
     def mutated(model, signature=None):
         with in_modes(model, [False] * len(list(model.modules()))):  # the check runs in eval mode
             yield
+
     return _patch(check, "in_modes", mutated)
 
 
@@ -250,6 +266,7 @@ def _tail_cut_gaussian():
 
     def mutated(*args, **kwargs):
         return sampler(*args, **kwargs).clamp_(-5.77, 5.77)  # torch's float32 Box-Muller radius
+
     return _patch(dpopt.noise, "gaussian_from_words", mutated)
 
 
@@ -260,34 +277,69 @@ def _ledger_dropped_from_checkpoint():
 
     def mutated(self, *, include_ledger=True):
         return state_dict(self, include_ledger=False)
+
     return _patch(Privatizer, "state_dict", mutated)
 
 
-MUTANTS = {m.name: m for m in [
-    Mutant("clip_skipped", "clipping skipped", "Privatizer.accumulate", _clip_skipped),
-    Mutant("noise_half", "noise x0.5", "Privatizer._draw", _noise_half),
-    Mutant("noise_per_rank_unscaled", "noise drawn per rank, not scaled", "distributed.AllReduceRelease.__call__",
-           _noise_per_rank_unscaled),
-    Mutant("poisson_shuffled", "Poisson sampling replaced by shuffled fixed batches", "PoissonSampler.sample",
-           _poisson_shuffled),
-    Mutant("ledger_missing_step", "ledger missing a step", "PrivacyLedger.record", _ledger_missing_step),
-    Mutant("microbatch_several_steps", "micro-batches charged as several steps of a smaller batch",
-           "Privatizer.step_event", _microbatch_several_steps),
-    Mutant("noise_div_bbar_twice", "noise divided by B-bar twice", "Privatizer._draw", _noise_div_bbar_twice),
-    Mutant("batchnorm_kept", "BatchNorm left in the model", "models.check_model", _batchnorm_kept),
-    Mutant("noise_bf16", "noise drawn in bf16", "Privatizer._draw", _noise_bf16),
-    Mutant("nonfinite_clipped_large", "non-finite gradient clipped to a large finite value instead of zeroed",
-           "engine.reference.PerSampleGrads.__init__", _nonfinite_clipped_large),
-    Mutant("quantile_count_uncharged", "quantile count not charged", "Privatizer.step_event",
-           _quantile_count_uncharged),
-    Mutant("private_loss_printed", "a loss on private data printed (metrics.jsonl)", "training.results.RunFiles.metric",
-           _private_loss_printed),
-    Mutant("train_mode_only_mixing", "train-mode-only mixing: the per-sample check runs in eval mode",
-           "engine.check.in_modes", _train_mode_only_mixing),
-    Mutant("tail_cut_gaussian", "a tail-cut Gaussian (|z| <= 5.77)", "noise.gaussian_from_words", _tail_cut_gaussian),
-    Mutant("ledger_dropped_from_checkpoint", "the ledger dropped from a checkpoint", "Privatizer.state_dict",
-           _ledger_dropped_from_checkpoint),
-]}
+MUTANTS = {
+    m.name: m
+    for m in [
+        Mutant("clip_skipped", "clipping skipped", "Privatizer.accumulate", _clip_skipped),
+        Mutant("noise_half", "noise x0.5", "Privatizer._draw", _noise_half),
+        Mutant(
+            "noise_per_rank_unscaled",
+            "noise drawn per rank, not scaled",
+            "distributed.AllReduceRelease.__call__",
+            _noise_per_rank_unscaled,
+        ),
+        Mutant(
+            "poisson_shuffled",
+            "Poisson sampling replaced by shuffled fixed batches",
+            "PoissonSampler.sample",
+            _poisson_shuffled,
+        ),
+        Mutant("ledger_missing_step", "ledger missing a step", "PrivacyLedger.record", _ledger_missing_step),
+        Mutant(
+            "microbatch_several_steps",
+            "micro-batches charged as several steps of a smaller batch",
+            "Privatizer.step_event",
+            _microbatch_several_steps,
+        ),
+        Mutant("noise_div_bbar_twice", "noise divided by B-bar twice", "Privatizer._draw", _noise_div_bbar_twice),
+        Mutant("batchnorm_kept", "BatchNorm left in the model", "models.check_model", _batchnorm_kept),
+        Mutant("noise_bf16", "noise drawn in bf16", "Privatizer._draw", _noise_bf16),
+        Mutant(
+            "nonfinite_clipped_large",
+            "non-finite gradient clipped to a large finite value instead of zeroed",
+            "engine.reference.PerSampleGrads.__init__",
+            _nonfinite_clipped_large,
+        ),
+        Mutant(
+            "quantile_count_uncharged", "quantile count not charged", "Privatizer.step_event", _quantile_count_uncharged
+        ),
+        Mutant(
+            "private_loss_printed",
+            "a loss on private data printed (metrics.jsonl)",
+            "training.results.RunFiles.metric",
+            _private_loss_printed,
+        ),
+        Mutant(
+            "train_mode_only_mixing",
+            "train-mode-only mixing: the per-sample check runs in eval mode",
+            "engine.check.in_modes",
+            _train_mode_only_mixing,
+        ),
+        Mutant(
+            "tail_cut_gaussian", "a tail-cut Gaussian (|z| <= 5.77)", "noise.gaussian_from_words", _tail_cut_gaussian
+        ),
+        Mutant(
+            "ledger_dropped_from_checkpoint",
+            "the ledger dropped from a checkpoint",
+            "Privatizer.state_dict",
+            _ledger_dropped_from_checkpoint,
+        ),
+    ]
+}
 
 
 def activate(name: str) -> Callable[[], None]:
@@ -314,8 +366,10 @@ def _privatizer(**kw):
     import torch
 
     from dpopt.privatizer import Privatizer
-    return Privatizer(kw.pop("sigma", 1.0), 1.0, 4.0, kw.pop("q", 1.0), generator=torch.Generator().manual_seed(0),
-                      **kw)
+
+    return Privatizer(
+        kw.pop("sigma", 1.0), 1.0, 4.0, kw.pop("q", 1.0), generator=torch.Generator().manual_seed(0), **kw
+    )
 
 
 def _release_of(grads, **kw):
@@ -340,28 +394,33 @@ def probe(name: str):
     if name == "tail_cut_gaussian":
         import dpopt.noise
         from dpopt.noise import _SLOT_WORDS
+
         words = torch.zeros(2, 1, dtype=torch.int64)  # all-zero words: the sampler's largest radius, 37.64
         z = dpopt.noise.gaussian_from_words(words, torch.zeros(1, _SLOT_WORDS, dtype=torch.int64))
         return round(float(z[0]), 2)
     if name == "poisson_shuffled":
         from dpopt.sampling import PoissonSampler
+
         s = PoissonSampler(1000, 0.1, 20)
         return sorted({int(s.sample().numel()) for _ in range(20)}) == [100]
     if name == "ledger_missing_step":
         p = _privatizer()
         from dpopt.engine.reference import PerSampleGrads
+
         for _ in range(3):
             p.privatize(PerSampleGrads([torch.zeros(1, 2)]))
         return len(p.ledger.entries)
     if name in ("microbatch_several_steps", "quantile_count_uncharged"):
         from dpopt.accounting.accountant import epsilon
         from dpopt.privatizer import QuantileClipping
+
         p = _privatizer(q=0.01, quantile=QuantileClipping(2.0, 0.5, 0.2, initial_clip=1.0))
         return round(epsilon(p.step_event(), 1e-5), 4)
     if name == "batchnorm_kept":
         from torch import nn
 
         from dpopt.models import check_model
+
         try:
             check_model(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
         except ValueError:
@@ -369,6 +428,7 @@ def probe(name: str):
         return "accepted"
     if name == "nonfinite_clipped_large":
         from dpopt.engine.reference import PerSampleGrads
+
         return int(PerSampleGrads([torch.tensor([[float("nan"), 1.0], [1.0, 1.0]])]).nonfinite)
     if name == "private_loss_printed":
         return _metric_row_keys()
@@ -376,6 +436,7 @@ def probe(name: str):
         from torch import nn
 
         from dpopt.engine.check import in_modes
+
         m = nn.Sequential(nn.Linear(2, 2))
         m.train()
         with in_modes(m):
@@ -390,6 +451,7 @@ def probe(name: str):
 
             def all_reduce(self, t, op="sum"):
                 return t
+
         sums = [torch.zeros(3)]
         out = AllReduceRelease(_Ctx())(sums, None, lambda: ([torch.ones(3, dtype=torch.float64)], None))
         return float(out[0][0].sum()) if isinstance(out, tuple) else float(out[0].sum())
@@ -403,6 +465,7 @@ def _metric_row_keys():
     from types import SimpleNamespace
 
     from dpopt.training.results import RunFiles
+
     with tempfile.TemporaryDirectory() as d:
         stub = SimpleNamespace(run_dir=Path(d), tensorboard=None, flush=lambda: None)
         RunFiles.metric(stub, {"step": 1})
@@ -411,7 +474,9 @@ def _metric_row_keys():
 
 # --------------------------------------------------------------------------- the kill table
 def _failures(output: str) -> list[str]:
-    return sorted(set(re.findall(r"^FAILED (\S+)", output, flags=re.M) + re.findall(r"^ERROR (\S+)", output, flags=re.M)))
+    return sorted(
+        set(re.findall(r"^FAILED (\S+)", output, flags=re.M) + re.findall(r"^ERROR (\S+)", output, flags=re.M))
+    )
 
 
 def run_subset(name: str | None, files=None, timeout: int = 1800) -> tuple[list[str], str, float]:
@@ -423,8 +488,18 @@ def run_subset(name: str | None, files=None, timeout: int = 1800) -> tuple[list[
         env["PYTHONPATH"] = os.pathsep.join([str(SITE)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     files = list(files or KILL_SUBSET) + (EXTRA_SUBSET.get(name, []) if name else [])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow and not hf", "-p", "no:cacheprovider",
-           "-rfE", *files] + ([f"--maxfail={MAX_CAUGHT}"] if name else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "not slow and not hf",
+        "-p",
+        "no:cacheprovider",
+        "-rfE",
+        *files,
+    ] + ([f"--maxfail={MAX_CAUGHT}"] if name else [])
     t = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = res.stdout + res.stderr

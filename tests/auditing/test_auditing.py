@@ -139,8 +139,9 @@ def test_bounds_are_sound_at_the_stated_rate():
     rng = np.random.default_rng(7)
     true_eps, violations = TRUE_EPS_SIGMA1, 0
     for seed in range(300):
-        b = A.epsilon_lower_bounds(rng.normal(1.0, 1.0, 1500), rng.normal(0.0, 1.0, 1500), DELTA, 0.1,
-                                   seed=seed, max_thresholds=256)
+        b = A.epsilon_lower_bounds(
+            rng.normal(1.0, 1.0, 1500), rng.normal(0.0, 1.0, 1500), DELTA, 0.1, seed=seed, max_thresholds=256
+        )
         violations += (b.gdp > true_eps) or (b.direct > true_eps) or (b.mu > 1.0)
     assert violations <= stats.binom.ppf(1 - 1e-3, 300, 0.1)
     # and the bounds are not vacuous: the GDP route sees most of μ at this size
@@ -211,10 +212,23 @@ def test_max_thresholds_below_128():
 
 # --------------------------------------------------------------------------- package layout
 OLD_PUBLIC_API = [
-    "clopper_pearson_upper", "gdp_delta", "gdp_epsilon", "epsilon_from_error_rates", "gdp_mu_from_error_rates",
-    "EpsilonLowerBounds", "epsilon_lower_bounds", "AuditResult", "claimed_one_step", "canary_scores",
-    "audit_privatizer", "BUILTIN_MECHANISMS", "audit_mechanism", "registered_methods", "audit_method",
-    "audit_all", "mechanism_seed",
+    "clopper_pearson_upper",
+    "gdp_delta",
+    "gdp_epsilon",
+    "epsilon_from_error_rates",
+    "gdp_mu_from_error_rates",
+    "EpsilonLowerBounds",
+    "epsilon_lower_bounds",
+    "AuditResult",
+    "claimed_one_step",
+    "canary_scores",
+    "audit_privatizer",
+    "BUILTIN_MECHANISMS",
+    "audit_mechanism",
+    "registered_methods",
+    "audit_method",
+    "audit_all",
+    "mechanism_seed",
 ]
 
 
@@ -223,12 +237,14 @@ def test_stats_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "import dpopt.auditing.stats\n"
-            "from dpopt.auditing import epsilon_lower_bounds, gdp_epsilon, EpsilonLowerBounds\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
-            "(m.startswith('dpopt.') and m not in ('dpopt.auditing', 'dpopt.auditing.stats', 'dpopt.auditing.one_run_stats')))\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys\n"
+        "import dpopt.auditing.stats\n"
+        "from dpopt.auditing import epsilon_lower_bounds, gdp_epsilon, EpsilonLowerBounds\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
+        "(m.startswith('dpopt.') and m not in ('dpopt.auditing', 'dpopt.auditing.stats', 'dpopt.auditing.one_run_stats')))\n"
+        "assert not bad, bad\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
@@ -242,8 +258,13 @@ def test_public_api_is_reexported_from_the_package():
         assert getattr(A, name) is not None, name
     assert A.epsilon_lower_bounds is st.epsilon_lower_bounds
     assert A.audit_privatizer is harness.audit_privatizer and A.canary_scores is harness.canary_scores
-    assert A.audit_all is suite.audit_all and A.BUILTIN_MECHANISMS == ("flat", "shift-scale", "per-layer", "quantile",
-                                                                       "auto")
+    assert A.audit_all is suite.audit_all and A.BUILTIN_MECHANISMS == (
+        "flat",
+        "shift-scale",
+        "per-layer",
+        "quantile",
+        "auto",
+    )
     with pytest.raises(AttributeError):
         A.no_such_name  # noqa: B018
 
@@ -260,8 +281,10 @@ def test_vectorised_trials_equal_one_release_per_trial():
 
     g = torch.Generator().manual_seed(0)
     shapes = [(2, 2), (3,), (2,)]
-    geo = ClipGeometry(tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in shapes),
-                       tuple(0.1 + torch.rand(s, generator=g, dtype=torch.float64) for s in shapes))
+    geo = ClipGeometry(
+        tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in shapes),
+        tuple(0.1 + torch.rand(s, generator=g, dtype=torch.float64) for s in shapes),
+    )
     make = lambda: Privatizer(0.0, [1.0, 2.0, 0.5], 4.0, 1.0, groups=[0, 1, 2])  # noqa: E731
     vin, vout, vmode = A.canary_scores(make, shapes, 70, 50, geometry=geo, chunk=32)
     lin, lout, lmode = A.canary_scores(make, shapes, 70, 50, geometry=geo, vectorize=False)
@@ -293,8 +316,9 @@ def test_harness_validation():
     with pytest.raises(ValueError, match="sample_rate=1.0"):
         A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 0.5), [(2,)], trials=100)
     with pytest.raises(ValueError, match="vectorize=True"):
-        A.canary_scores(lambda: Privatizer(1.0, 1.0, 8.0, 1.0, quantile=QuantileClipping(2.0)), [(2,)], 5, 5,
-                        vectorize=True)
+        A.canary_scores(
+            lambda: Privatizer(1.0, 1.0, 8.0, 1.0, quantile=QuantileClipping(2.0)), [(2,)], 5, 5, vectorize=True
+        )
     with pytest.raises(ValueError, match="canary_factor"):
         A.canary_scores(lambda: Privatizer(1.0, 1.0, 8.0, 1.0), [(2,)], 5, 5, canary_factor=0.5)
     with pytest.raises(ValueError, match="trials must be >= 40"):
@@ -349,8 +373,9 @@ def test_plain_gaussian_privatizer_gdp_bound_within_10_percent():
     assert 0.9 * TRUE_EPS_SIGMA1 <= r.epsilon_gdp <= r.claimed_epsilon
 
 
-@pytest.mark.parametrize("name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000),
-                                         ("auto", 10_000)])
+@pytest.mark.parametrize(
+    "name,trials", [("shift-scale", 40_000), ("per-layer", 40_000), ("quantile", 10_000), ("auto", 10_000)]
+)
 def test_every_builtin_mechanism_passes_and_the_audit_has_power(name, trials):
     """Each built-in privatizer passes (false alarm ≤ 1e-3) and the GDP bound reaches ≥ 75 % of the
     claim (so a leak of more than a third of ε would be flagged). With 10⁴ loop-mode trials the
@@ -392,8 +417,7 @@ def test_method_audit_uses_the_methods_feedback_geometry():
     from dpopt.auditing.suite import _method_params
 
     params = _method_params(torch.float64)
-    opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0,
-                                 sample_rate=1.0)
+    opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=1.0)
     from dpopt.engine.reference import PerSampleGrads
 
     g = torch.Generator().manual_seed(0)
@@ -437,8 +461,11 @@ def test_cli_audit_table_and_leak_exit_code(monkeypatch, leaky):
     assert "α = 0.001 per mechanism" in res.output and "PASS" in res.output
 
     def leaky_spec(name, seed):
-        return ((lambda: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2])),
-                [(2,), (2,), (2,)], None)
+        return (
+            (lambda: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2])),
+            [(2,), (2,), (2,)],
+            None,
+        )
 
     monkeypatch.setattr(suite, "_builtin_spec", leaky_spec)
     res = runner.invoke(app, ["audit", "--method", "flat", "--trials", "4000"])

@@ -69,24 +69,34 @@ def test_defect2_data_dependent_noise_is_caught_by_the_audit(leaky):
 def test_defect3_noise_sized_to_smallest_bound_is_caught_by_the_audit(leaky):
     """Bounds (1, 2, 2), noise σ·1 instead of σ·3: the mechanism is 3-GDP, claimed 1-GDP."""
     shapes = [(2,), (3,), (2,)]
-    found = _audit(lambda g: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0,
-                                                               groups=[0, 1, 2], generator=g),
-                   shapes, trials=4000)
+    found = _audit(
+        lambda g: leaky.SmallestBoundNoisePrivatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=g),
+        shapes,
+        trials=4000,
+    )
     assert found.verdict == "LEAK", found
     assert found.mu_lower > 2.5  # true μ = 3
     # caught by the GDP route (sound here: the claim is a plain Gaussian); the direct route
     # would need more trials to pass 4.38 at δ = 1e-5
     assert found.epsilon_gdp > 2 * found.claimed_epsilon
-    honest = _audit(lambda g: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=g), shapes,
-                    trials=4000)
+    honest = _audit(
+        lambda g: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=g), shapes, trials=4000
+    )
     assert honest.verdict == "PASS" and honest.mu_lower <= 1.0
 
 
 def test_honest_twin_of_defects_1_and_2_passes():
     """Same harness, same canary, fixed C and σ: PASS (so the LEAKs above are about the defects)."""
     gen = torch.Generator().manual_seed(1)
-    r = A.audit_privatizer(lambda: Privatizer(1.0, 1.0, 8.0, 1.0, generator=gen), SHAPES, trials=6000, delta=DELTA,
-                           alpha=1e-3, seed=1, vectorize=False)
+    r = A.audit_privatizer(
+        lambda: Privatizer(1.0, 1.0, 8.0, 1.0, generator=gen),
+        SHAPES,
+        trials=6000,
+        delta=DELTA,
+        alpha=1e-3,
+        seed=1,
+        vectorize=False,
+    )
     assert r.verdict == "PASS" and r.mode == "loop"
     assert r.epsilon_direct < r.claimed_epsilon and r.epsilon_gdp < r.claimed_epsilon
 
@@ -116,17 +126,20 @@ def test_defect5_audit_sees_it_only_when_the_count_share_is_large(leaky):
     Budget share r = 0.05 (σ_grad = 1/√0.95, count multiplier 1/√0.05, σ_eff = 1): the claim
     (μ = 0.975) is off by 0.025 in μ, while 4000 trials resolve μ only to ≈ 3.5 × 0.046 ≈ 0.16;
     P(LEAK) ≈ 2e-3 here, so PASS is expected: only the ledger check catches this one."""
-    big = _audit(lambda g: leaky.UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0),
-                                                      generator=g),
-                 trials=4000)
+    big = _audit(
+        lambda g: leaky.UnrecordedCountPrivatizer(1.0, 1.0, 50.0, 1.0, quantile=QuantileClipping(1.0), generator=g),
+        trials=4000,
+    )
     assert big.claimed_mu == 1.0
     assert big.verdict == "LEAK", big
     assert big.mu_lower > 1.0  # true μ = √2
 
-    small = _audit(lambda g: leaky.UnrecordedCountPrivatizer(1 / math.sqrt(0.95), 1.0, 50.0, 1.0,
-                                                            quantile=QuantileClipping(1 / math.sqrt(0.05)),
-                                                            generator=g),
-                   trials=4000)
+    small = _audit(
+        lambda g: leaky.UnrecordedCountPrivatizer(
+            1 / math.sqrt(0.95), 1.0, 50.0, 1.0, quantile=QuantileClipping(1 / math.sqrt(0.05)), generator=g
+        ),
+        trials=4000,
+    )
     true_eps = A.gdp_epsilon(1.0, DELTA)  # σ_eff = 1 exactly
     assert small.claimed_epsilon < true_eps  # a real (small) leak ...
     assert small.verdict == "PASS"  # ... that the audit cannot resolve
@@ -176,9 +189,16 @@ def test_defect4_sum_at_one_delta_can_also_understate(leaky):
 # --------------------------------------------------------------------------- the same via the ledger check (dpopt.accounting.ledger_check)
 def _summary(p: Privatizer, eps: float) -> dict:
     sigmas = [p.noise_multiplier] + ([p.quantile.count_noise_multiplier] if p.quantile else [])
-    return {"epsilon": eps, "delta": DELTA, "accountant": "rdp", "sample_rate": p.sample_rate,
-            "noise_multiplier": effective_noise_multiplier(sigmas), "steps": len(p.ledger),
-            "privatizer_reads": p.reads, "privatizer_releases": p.releases}
+    return {
+        "epsilon": eps,
+        "delta": DELTA,
+        "accountant": "rdp",
+        "sample_rate": p.sample_rate,
+        "noise_multiplier": effective_noise_multiplier(sigmas),
+        "steps": len(p.ledger),
+        "privatizer_reads": p.reads,
+        "privatizer_releases": p.releases,
+    }
 
 
 def test_dpopt_check_agrees_on_defects_3_4_5(leaky):
@@ -205,8 +225,9 @@ def test_dpopt_check_agrees_on_defects_3_4_5(leaky):
 
 
 def test_recorded_gaussians_counts_nested_events(leaky):
-    ev = dp_event.PoissonSampledDpEvent(0.1, dp_event.ComposedDpEvent(
-        [dp_event.GaussianDpEvent(1.0), dp_event.GaussianDpEvent(2.0)]))
+    ev = dp_event.PoissonSampledDpEvent(
+        0.1, dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(1.0), dp_event.GaussianDpEvent(2.0)])
+    )
     assert leaky.recorded_gaussians(ev) == 2
     assert leaky.recorded_gaussians(dp_event.SelfComposedDpEvent(ev, 7)) == 14
     assert leaky.recorded_gaussians(dp_event.NoOpDpEvent()) == 0

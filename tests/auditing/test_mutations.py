@@ -31,10 +31,23 @@ def _load():
 M = _load()
 
 #: The issue's list (issue 25), one mutant each.
-REQUIRED = {"clip_skipped", "noise_half", "noise_per_rank_unscaled", "poisson_shuffled", "ledger_missing_step",
-            "microbatch_several_steps", "noise_div_bbar_twice", "batchnorm_kept", "noise_bf16",
-            "nonfinite_clipped_large", "quantile_count_uncharged", "private_loss_printed", "train_mode_only_mixing",
-            "tail_cut_gaussian", "ledger_dropped_from_checkpoint"}
+REQUIRED = {
+    "clip_skipped",
+    "noise_half",
+    "noise_per_rank_unscaled",
+    "poisson_shuffled",
+    "ledger_missing_step",
+    "microbatch_several_steps",
+    "noise_div_bbar_twice",
+    "batchnorm_kept",
+    "noise_bf16",
+    "nonfinite_clipped_large",
+    "quantile_count_uncharged",
+    "private_loss_printed",
+    "train_mode_only_mixing",
+    "tail_cut_gaussian",
+    "ledger_dropped_from_checkpoint",
+}
 
 
 def test_every_required_mutant_exists():
@@ -59,9 +72,14 @@ def test_the_environment_variable_reaches_a_subprocess():
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('m', {str(HERE / 'mutants.py')!r})\n"
         "m = importlib.util.module_from_spec(spec); sys.modules['m'] = m; spec.loader.exec_module(m)\n"
-        "print(m.probe('noise_half'))\n")
-    env = dict(os.environ, DPOPT_MUTANT="noise_half", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE / "mutant_site")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        "print(m.probe('noise_half'))\n"
+    )
+    env = dict(
+        os.environ,
+        DPOPT_MUTANT="noise_half",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE / "mutant_site")] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "(0.5, 0)"  # sigma S z halved in the child, applied by sitecustomize

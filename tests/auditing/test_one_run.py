@@ -69,7 +69,7 @@ def test_full_batch_white_box_is_judged_on_the_gaussian_mu_too(digits):
     n = digits.n_train
     cfg = TrainConfig(method="dp-sgd", epochs=5, sample_rate=1.0, batch_size=float(n), noise_multiplier=2.0)
     r = one_run(cfg, canaries=1000, data=digits)
-    assert r.claimed_mu == pytest.approx(5 ** 0.5 / 2.0, rel=2e-3)  # T = 5 Gaussians of sigma 2: mu = sqrt(T)/sigma
+    assert r.claimed_mu == pytest.approx(5**0.5 / 2.0, rel=2e-3)  # T = 5 Gaussians of sigma 2: mu = sqrt(T)/sigma
     assert r.verdict == "PASS" and r.bounds.mu <= r.claimed_mu and r.details["fdp_judged"]
     assert r.bounds.mu > 0.3  # power: the mu bound reaches a good part of the true 1.118 (m = 1000)
 
@@ -89,8 +89,7 @@ def test_a_run_with_a_tenth_of_the_noise_is_caught(digits, monkeypatch):
 
 
 def test_black_box_audit_runs_the_training_loop(digits):
-    r = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=100, mode="black",
-                data=digits)
+    r = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=100, mode="black", data=digits)
     assert r.mode == "black" and r.verdict == "PASS" and r.bounds.steinke <= r.epsilon
     assert np.all(r.scores <= 0)  # minus a cross-entropy
 

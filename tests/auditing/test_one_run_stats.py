@@ -84,7 +84,8 @@ def test_live_cross_check_with_jax_privacy():
     jp = pytest.importorskip("jax_privacy.auditing")
     for (m, k, c, sig, delta), _ in JAX_COUNTS.items():
         assert O.steinke_epsilon(m, k, c, delta, sig) == pytest.approx(
-            float(jp._epsilon_one_run(0.0, m, k, c, sig, delta)), abs=2e-6)
+            float(jp._epsilon_one_run(0.0, m, k, c, sig, delta)), abs=2e-6
+        )
 
 
 def test_steinke_p_value_by_hand():

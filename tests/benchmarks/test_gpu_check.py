@@ -106,8 +106,9 @@ def test_step_time_sync_brackets_every_timed_step(gpu_check):
     """step_time.time_round_robin calls ``sync`` before starting and before stopping each step's clock."""
     st = gpu_check.step_time_module()  # the script's own loader of benchmarks/step_time.py
     calls = []
-    res = st.time_round_robin({"a": lambda: calls.append("step")}, rounds=2, per_round=1, warmup=1,
-                              sync=lambda: calls.append("sync"))
+    res = st.time_round_robin(
+        {"a": lambda: calls.append("step")}, rounds=2, per_round=1, warmup=1, sync=lambda: calls.append("sync")
+    )
     assert calls == ["step"] + ["sync", "step", "sync"] * 2
     assert res["a"]["n"] == 2
     assert st.synchronizer("cpu") is None
@@ -121,16 +122,21 @@ def test_step_time_sync_brackets_every_timed_step(gpu_check):
 def test_gpu_parts_bookkeeping_runs_on_the_cpu_with_stubbed_cuda_calls(gpu_check, monkeypatch, capsys):
     """Parts 2 and 3 only run on a GPU; this runs their code at a tiny size on the CPU (CUDA memory
     statistics stubbed) so that a slip in them is caught before a GPU session is spent on it."""
-    timings = gpu_check.run_timings(torch.device("cpu"), models=("mlp",), rounds=1, per_round=1, warmup=1,
-                                    batch_sizes={"mlp": 8})
+    timings = gpu_check.run_timings(
+        torch.device("cpu"), models=("mlp",), rounds=1, per_round=1, warmup=1, batch_sizes={"mlp": 8}
+    )
     assert set(timings) == {"mlp"} and timings["mlp"]["batch"] == 8
     assert set(timings["mlp"]["ms"]) == {"non-private", "dp-sgd", "dp-macadam"}
     assert timings["mlp"]["dp-sgd/non-private"] > 0 and timings["mlp"]["dp-macadam/dp-sgd"] > 0
 
     allocated = iter(range(1, 1000))
-    for name, fake in {"synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None,
-                       "empty_cache": lambda: None, "memory_allocated": lambda *a: 2**20,
-                       "max_memory_allocated": lambda *a: 2**20 * (1 + next(allocated))}.items():
+    for name, fake in {
+        "synchronize": lambda *a: None,
+        "reset_peak_memory_stats": lambda *a: None,
+        "empty_cache": lambda: None,
+        "memory_allocated": lambda *a: 2**20,
+        "max_memory_allocated": lambda *a: 2**20 * (1 + next(allocated)),
+    }.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     monkeypatch.setattr(gpu_check, "MEMORY", {"model": "mlp", "logical": 8, "physical": 4})
     memory = gpu_check.run_memory(torch.device("cpu"))
@@ -152,9 +158,13 @@ def tiny_transformer(gpu_check, monkeypatch):
 @pytest.mark.slow  # ~14 s on a loaded machine (the first step of each door verifies the engine)
 def test_transformer_timings_bookkeeping_on_the_cpu(gpu_check, tiny_transformer, monkeypatch):
     """Part 5 (GPU only in main) at a tiny size on the CPU, CUDA memory statistics stubbed."""
-    for name, fake in {"synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None,
-                       "empty_cache": lambda: None, "memory_allocated": lambda *a: 2**20,
-                       "max_memory_allocated": lambda *a: 3 * 2**20}.items():
+    for name, fake in {
+        "synchronize": lambda *a: None,
+        "reset_peak_memory_stats": lambda *a: None,
+        "empty_cache": lambda: None,
+        "memory_allocated": lambda *a: 2**20,
+        "max_memory_allocated": lambda *a: 3 * 2**20,
+    }.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     out = gpu_check.run_transformer_timings(torch.device("cpu"), batch=4, rounds=1, per_round=1, warmup=1)
     assert set(out) == {"gpt2 full", "gpt2 lora"}

@@ -38,7 +38,7 @@ def test_lower_bounds_are_the_versions_ci_runs():
         assert pinned, f".ci/run installs no pinned {name} for the oldest-versions run"
         low = re.search(r">=\s*([0-9.]+)", extra[name]).group(1)
         assert _padded(pinned.group(1)) == _padded(low), (name, low, pinned.group(1))  # 4.47 == 4.47.0
-    assert "tests/hf" in ci[ci.index('"transformers=='):]
+    assert "tests/hf" in ci[ci.index('"transformers==') :]
 
 
 @pytest.mark.parametrize("name", ["transformers", "peft"])

@@ -16,8 +16,9 @@ runner = CliRunner()
 
 
 def test_tiny_noise_multiplier_gets_advice_not_a_traceback():
-    res = runner.invoke(app, ["account", "--noise-multiplier", "1e-3", "--sample-rate", "0.01", "--steps", "10",
-                              "--delta", "1e-5"])
+    res = runner.invoke(
+        app, ["account", "--noise-multiplier", "1e-3", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"]
+    )
     assert res.exit_code == 2 and "--accountant rdp" in res.output
 
 
@@ -60,7 +61,8 @@ def test_calibrate_ctrl_c_exits_130(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cal, "calibrate_noise_multiplier", interrupted)
-    res = runner.invoke(app, ["calibrate", "--target-epsilon", "2", "--sample-rate", "0.01", "--steps", "100",
-                              "--delta", "1e-5"])
+    res = runner.invoke(
+        app, ["calibrate", "--target-epsilon", "2", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"]
+    )
     assert res.exit_code == 130
     assert res.stderr.strip() == "error: calibration interrupted; no noise multiplier was chosen"

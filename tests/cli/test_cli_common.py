@@ -24,18 +24,27 @@ def _command(body):
     return one
 
 
-@pytest.mark.parametrize("exc, code, line", [
-    (ConfigError("batch_size must be >= 1, got 0", "batch_size"), 2, "error: --batch-size must be >= 1, got 0"),
-    (ConfigError("batch_size applies to accountant 'rdp' only", "batch_size", "accountant"), 2,
-     "error: --batch-size applies to --accountant rdp only"),
-    (ValueError("batch_size must be >= 1"), 2, "error: batch_size must be >= 1"),  # undeclared: as is
-    (FileNotFoundError("no ledger.json in /x"), 2, "error: no ledger.json in /x"),
-    (ValueError("epsilon is huge; use accountant 'rdp'"), 2, "error: epsilon is huge; use --accountant rdp"),
-    (ValueError("raise target_epsilon or set noise_multiplier directly"), 2,
-     "error: raise target_epsilon or pass --noise-multiplier directly"),
-    (KeyboardInterrupt(), 130, "error: interrupted"),
-    (KeyboardInterrupt("calibration interrupted at step 3"), 130, "error: calibration interrupted at step 3"),
-])
+@pytest.mark.parametrize(
+    "exc, code, line",
+    [
+        (ConfigError("batch_size must be >= 1, got 0", "batch_size"), 2, "error: --batch-size must be >= 1, got 0"),
+        (
+            ConfigError("batch_size applies to accountant 'rdp' only", "batch_size", "accountant"),
+            2,
+            "error: --batch-size applies to --accountant rdp only",
+        ),
+        (ValueError("batch_size must be >= 1"), 2, "error: batch_size must be >= 1"),  # undeclared: as is
+        (FileNotFoundError("no ledger.json in /x"), 2, "error: no ledger.json in /x"),
+        (ValueError("epsilon is huge; use accountant 'rdp'"), 2, "error: epsilon is huge; use --accountant rdp"),
+        (
+            ValueError("raise target_epsilon or set noise_multiplier directly"),
+            2,
+            "error: raise target_epsilon or pass --noise-multiplier directly",
+        ),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+        (KeyboardInterrupt("calibration interrupted at step 3"), 130, "error: calibration interrupted at step 3"),
+    ],
+)
 def test_exceptions_become_one_error_line_and_an_exit_code(exc, code, line):
     def body():
         raise exc
@@ -78,18 +87,45 @@ def test_every_command_is_a_module_level_function_of_its_group():
             fn = info.callback
             assert fn.__qualname__ == fn.__name__ and fn.__module__ == module.__name__
             names[info.name] = module.__name__.rsplit(".", 1)[1]
-    assert names == {"train": "train", "methods": "train", "account": "accounting", "calibrate": "accounting",
-                     "ledger": "accounting", "check": "accounting", "audit": "audit", "split": "split",
-                     "diagnose": "diagnose", "sweep": "sweep", "report": "sweep"}
-    assert [g.typer_instance for g in app.registered_groups] == [train.group, accounting.group, audit.group,
-                                                                   split.group, diagnose.group, sweep.group]
+    assert names == {
+        "train": "train",
+        "methods": "train",
+        "account": "accounting",
+        "calibrate": "accounting",
+        "ledger": "accounting",
+        "check": "accounting",
+        "audit": "audit",
+        "split": "split",
+        "diagnose": "diagnose",
+        "sweep": "sweep",
+        "report": "sweep",
+    }
+    assert [g.typer_instance for g in app.registered_groups] == [
+        train.group,
+        accounting.group,
+        audit.group,
+        split.group,
+        diagnose.group,
+        sweep.group,
+    ]
 
 
 def test_python_dash_m_dpopt():
     res = subprocess.run([sys.executable, "-m", "dpopt", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
-    for command in ("train", "methods", "account", "calibrate", "ledger", "check", "audit", "split", "diagnose",
-                    "sweep", "report"):
+    for command in (
+        "train",
+        "methods",
+        "account",
+        "calibrate",
+        "ledger",
+        "check",
+        "audit",
+        "split",
+        "diagnose",
+        "sweep",
+        "report",
+    ):
         assert command in res.stdout
 
 

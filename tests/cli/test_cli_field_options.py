@@ -21,8 +21,9 @@ def test_account_with_dataset_size_batch_size_epochs_matches_tf_privacy():
     out = json.loads(res.stdout)
     assert out["epsilon"] == pytest.approx(0.784, abs=5e-4)  # delta defaults to 1e-5, pld
     assert out["delta"] == 1e-5 and out["steps"] == 1172 and out["sample_rate"] == 256 / 60000
-    direct = runner.invoke(app, ["account", "--noise-multiplier", "1", "--sample-rate", str(256 / 60000),
-                                 "--steps", "1172", "--json"])
+    direct = runner.invoke(
+        app, ["account", "--noise-multiplier", "1", "--sample-rate", str(256 / 60000), "--steps", "1172", "--json"]
+    )
     assert json.loads(direct.stdout)["epsilon"] == out["epsilon"]
 
 
@@ -33,13 +34,19 @@ def test_calibrate_takes_the_same_schedule():
     assert out["steps"] == 1172 and out["delta"] == 1e-5
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sample-rate", "0.01", "--epochs", "3"], "error: give either --sample-rate and --steps, or --dataset-size"),
-    (["--dataset-size", "100", "--epochs", "3"], "error: --batch-size is required with --dataset-size, --epochs"),
-    (["--dataset-size", "100", "--batch-size", "200", "--epochs", "1"], "error: --batch-size must be in (0, N = 100]"),
-    (["--sample-rate", "0.01"], "error: --steps is required"),
-    ([], "error: --sample-rate and --steps are required"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sample-rate", "0.01", "--epochs", "3"], "error: give either --sample-rate and --steps, or --dataset-size"),
+        (["--dataset-size", "100", "--epochs", "3"], "error: --batch-size is required with --dataset-size, --epochs"),
+        (
+            ["--dataset-size", "100", "--batch-size", "200", "--epochs", "1"],
+            "error: --batch-size must be in (0, N = 100]",
+        ),
+        (["--sample-rate", "0.01"], "error: --steps is required"),
+        ([], "error: --sample-rate and --steps are required"),
+    ],
+)
 def test_schedule_errors(args, message):
     for command in (["account", "--noise-multiplier", "1"], ["calibrate", "--target-epsilon", "1"]):
         res = runner.invoke(app, [*command, *args])
@@ -52,8 +59,9 @@ def test_version():
 
 
 def test_unknown_accountant_lists_the_choices_in_words():
-    res = runner.invoke(app, ["account", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10",
-                              "--accountant", "foo"])
+    res = runner.invoke(
+        app, ["account", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--accountant", "foo"]
+    )
     assert res.exit_code == 2
     assert res.stderr.startswith("error: unknown accountant 'foo' for --accountant; choose pld (privacy loss")
     assert "rdp (Rényi DP" in res.stderr and "or prv (privacy random variables" in res.stderr
@@ -61,8 +69,9 @@ def test_unknown_accountant_lists_the_choices_in_words():
 
 def test_help_names_are_not_truncated_and_flags_have_no_type():
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH", "LINES")}
-    res = subprocess.run([sys.executable, "-m", "dpopt", "train", "--help"], capture_output=True, text=True,
-                         env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "dpopt", "train", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert res.returncode == 0
     assert "…" not in res.stdout and "--reproducible-noise" in res.stdout and "--physical-batch-size" in res.stdout
     assert "<bool>" not in res.stdout
@@ -73,8 +82,11 @@ def test_help_names_are_not_truncated_and_flags_have_no_type():
 def test_run_file_errors_name_the_file(tmp_path):
     ledger = tmp_path / "ledger.json"
     ledger.write_text("{not json")
-    for command in (["ledger", str(tmp_path), "--delta", "1e-5"], ["check", str(tmp_path)],
-                    ["ledger", str(ledger), "--delta", "1e-5"]):
+    for command in (
+        ["ledger", str(tmp_path), "--delta", "1e-5"],
+        ["check", str(tmp_path)],
+        ["ledger", str(ledger), "--delta", "1e-5"],
+    ):
         res = runner.invoke(app, command)
         assert res.exit_code == 2 and res.stderr.startswith(f"error: {ledger}: is not valid JSON"), res.output
     ledger.write_text('{"format": "dpopt-ledger", "version": 1}')

@@ -44,16 +44,32 @@ def _texts(cmd: click.Command) -> list[str]:
 def test_escape_markup_round_trip():
     from rich.text import Text
 
-    for text in ["[sweep], [base], [grid], [[variant]]", "F in [0, 1)", "[bold]not a style[/]", "a \\[b] c",
-                 "no brackets"]:
+    for text in [
+        "[sweep], [base], [grid], [[variant]]",
+        "F in [0, 1)",
+        "[bold]not a style[/]",
+        "a \\[b] c",
+        "no brackets",
+    ]:
         escaped = escape_markup(text)
         assert Text.from_markup(escaped).plain == text
         assert _unescape(escaped) == text
 
 
 def test_every_command_is_covered():
-    assert {"train", "sweep", "report", "split", "diagnose", "audit", "account", "calibrate", "ledger",
-            "check", "methods"} <= set(_commands())
+    assert {
+        "train",
+        "sweep",
+        "report",
+        "split",
+        "diagnose",
+        "audit",
+        "account",
+        "calibrate",
+        "ledger",
+        "check",
+        "methods",
+    } <= set(_commands())
 
 
 @pytest.mark.parametrize("name", [""] + sorted(_commands()))

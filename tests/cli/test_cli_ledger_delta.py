@@ -32,8 +32,9 @@ def _scored(res):
     return out["delta"], out["epsilon_by_accountant"]["pld"]
 
 
-@pytest.mark.parametrize("ledger_name, summary_name", [("ledger.json", "summary.json"),
-                                                       ("privacy_ledger.json", "privacy_summary.json")])
+@pytest.mark.parametrize(
+    "ledger_name, summary_name", [("ledger.json", "summary.json"), ("privacy_ledger.json", "privacy_summary.json")]
+)
 def test_a_ledger_file_is_scored_at_the_delta_of_the_summary_beside_it(tmp_path, ledger_name, summary_name):
     book = _book()
     book.save(tmp_path / ledger_name)
@@ -74,8 +75,14 @@ def test_a_dptrainer_checkpoint_is_scored_at_the_trainers_delta(tmp_path):
 
     from dpopt.hf import DPTrainer
 
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
-                   train_dataset=Tokens(), noise_multiplier=1.0, delta=1e-6, privacy_unit="record")
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        delta=1e-6,
+        privacy_unit="record",
+    )
     tr.train()
     ckpt = tmp_path / "checkpoint-2"
     assert json.loads((ckpt / "privacy_ledger.json").read_text())["delta"] == 1e-6

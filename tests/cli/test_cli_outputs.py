@@ -16,17 +16,33 @@ runner = CliRunner()
 
 def strict(text: str):
     """json.loads that refuses Infinity/NaN (what jq, JSON.parse or serde do)."""
+
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
 def test_jsonio_writes_strings_and_reads_them_back():
-    doc = {"epsilon": math.inf, "low": -math.inf, "loss": math.nan, "rows": [1.5, (2.0, math.inf)], "n": 3,
-           "name": "dp-sgd", "none": None}
+    doc = {
+        "epsilon": math.inf,
+        "low": -math.inf,
+        "loss": math.nan,
+        "rows": [1.5, (2.0, math.inf)],
+        "n": 3,
+        "name": "dp-sgd",
+        "none": None,
+    }
     text = dumps(doc)
-    assert strict(text) == {"epsilon": "inf", "low": "-inf", "loss": "nan", "rows": [1.5, [2.0, "inf"]], "n": 3,
-                            "name": "dp-sgd", "none": None}
+    assert strict(text) == {
+        "epsilon": "inf",
+        "low": "-inf",
+        "loss": "nan",
+        "rows": [1.5, [2.0, "inf"]],
+        "n": 3,
+        "name": "dp-sgd",
+        "none": None,
+    }
     back = loads(text)
     assert back["epsilon"] == math.inf and back["low"] == -math.inf and math.isnan(back["loss"])
     assert back["rows"] == [1.5, [2.0, math.inf]] and back["name"] == "dp-sgd" and back["none"] is None
@@ -42,8 +58,23 @@ def test_sigma_zero_run_writes_strict_json_and_exits_3(tmp_path):
     """σ = 0: ε = inf. Every JSON output parses strictly; the ledger check fails, so the command exits 3
     with every file written; `dpopt check` exits 1 on the same run; resume of the finished run reads it."""
     out = tmp_path / "run"
-    res = runner.invoke(app, ["train", "--method", "dp-sgd", "--epochs", "0.1", "--noise-multiplier", "0",
-                              "--accountant", "rdp", "--out", str(out), "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "0.1",
+            "--noise-multiplier",
+            "0",
+            "--accountant",
+            "rdp",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
     assert res.exit_code == EXIT_CHECK_FAILED == 3, res.output
     assert "ledger check failed" in res.stderr and "check.txt" in res.stderr
     line = strict(res.stdout.strip().splitlines()[-1])
@@ -68,8 +99,21 @@ def test_sigma_zero_run_writes_strict_json_and_exits_3(tmp_path):
 
 
 def test_a_run_that_passes_its_check_exits_0(tmp_path):
-    res = runner.invoke(app, ["train", "--method", "dp-sgd", "--epochs", "0.1", "--accountant", "rdp",
-                              "--out", str(tmp_path / "ok"), "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "0.1",
+            "--accountant",
+            "rdp",
+            "--out",
+            str(tmp_path / "ok"),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert strict(res.stdout.strip().splitlines()[-1])["check"] == "pass"
 
@@ -82,14 +126,26 @@ def test_train_help_names_exit_code_3_and_the_json_convention():
 
 
 def test_account_json_infinity_is_a_string():
-    res = runner.invoke(app, ["account", "--noise-multiplier", "0", "--sample-rate", "0.01", "--steps", "10",
-                              "--json"])
+    res = runner.invoke(app, ["account", "--noise-multiplier", "0", "--sample-rate", "0.01", "--steps", "10", "--json"])
     assert res.exit_code == 0 and strict(res.stdout)["epsilon"] == "inf"
 
 
 # --------------------------------------------------------------------------- diagnose
-DIAG = ["diagnose", "--dataset", "digits", "--noise-multiplier", "1", "--batch-sizes", "64", "--examples", "32",
-        "--trials", "2", "--curve-points", "2"]
+DIAG = [
+    "diagnose",
+    "--dataset",
+    "digits",
+    "--noise-multiplier",
+    "1",
+    "--batch-sizes",
+    "64",
+    "--examples",
+    "32",
+    "--trials",
+    "2",
+    "--curve-points",
+    "2",
+]
 
 
 @pytest.mark.parametrize("marker", ["ledger.json", "summary.json", "model.pt", "privacy_ledger.json"])
@@ -143,8 +199,13 @@ def _engine_checkpoint(folder, sigma=1.0):
     model = nn.Linear(4, 2)
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
     engine = dpopt.PrivacyEngine()
-    model, opt, data = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                           data_loader=data, noise_multiplier=sigma, max_grad_norm=1.0)
+    model, opt, data = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data,
+        noise_multiplier=sigma,
+        max_grad_norm=1.0,
+    )
     for x, y in data:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -166,4 +227,3 @@ def test_check_reads_a_dptrainer_checkpoint_directory(tmp_path):
     (ckpt / "privacy_summary.json").write_text(dumps(claims))
     res = runner.invoke(app, ["check", str(ckpt)])
     assert res.exit_code == 1 and "under-reported" in res.output
-

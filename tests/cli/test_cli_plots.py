@@ -44,8 +44,11 @@ def overlapping_labels(fig) -> list[tuple[str, str]]:
     for ax in fig.axes + [child for a in fig.axes for child in a.child_axes]:  # secondary axes too
         for axis in (ax.xaxis, ax.yaxis):
             lo, hi = sorted(axis.get_view_interval())
-            ticks = [t for t in axis.get_major_ticks() + axis.get_minor_ticks()
-                     if lo - 1e-9 * abs(hi) <= t.get_loc() <= hi + 1e-9 * abs(hi)]
+            ticks = [
+                t
+                for t in axis.get_major_ticks() + axis.get_minor_ticks()
+                if lo - 1e-9 * abs(hi) <= t.get_loc() <= hi + 1e-9 * abs(hi)
+            ]
             boxes = _visible(ticks, renderer)
             for i in range(len(boxes)):
                 for j in range(i + 1, len(boxes)):
@@ -59,12 +62,15 @@ def _table(batch_sizes, sigmas, n=60000):
     return SplitTable(1.0, 1e-5, n, 10, "pld", 0.05, 0.2, list(batch_sizes), rows, [1.0])
 
 
-@pytest.mark.parametrize("batch_sizes,sigmas", [
-    ([16, 32, 64], [0.7, 0.8, 0.95]),  # less than a decade of B̄: matplotlib labelled the minor ticks
-    ([100, 150, 200, 300], [0.82, 0.9, 0.98, 1.13]),
-    ([8, 32, 64, 128, 256, 1024, 4096], [0.5, 0.58, 0.63, 0.7, 0.79, 1.13, 1.9]),  # dpopt split's default B̄
-    ([8, 64, 512, 4096], [0.4, 1.2, 5.0, 30.0]),  # σ over two decades
-])
+@pytest.mark.parametrize(
+    "batch_sizes,sigmas",
+    [
+        ([16, 32, 64], [0.7, 0.8, 0.95]),  # less than a decade of B̄: matplotlib labelled the minor ticks
+        ([100, 150, 200, 300], [0.82, 0.9, 0.98, 1.13]),
+        ([8, 32, 64, 128, 256, 1024, 4096], [0.5, 0.58, 0.63, 0.7, 0.79, 1.13, 1.9]),  # dpopt split's default B̄
+        ([8, 64, 512, 4096], [0.4, 1.2, 5.0, 30.0]),  # σ over two decades
+    ],
+)
 def test_split_png_labels_do_not_overlap(batch_sizes, sigmas):
     fig = split_figure(_table(batch_sizes, sigmas))
     try:
@@ -103,8 +109,13 @@ def test_write_split_png_writes_a_png(tmp_path):
 def _rows(validation: bool):
     rows = []
     for i, step in enumerate([5, 10, 15, 20, 21, 25, 30, 35, 40, 41]):
-        row = {"epoch": round(step / 20.5, 6), "step": step, "test_accuracy": 0.1 + 0.02 * i,
-               "test_loss": 2.3 - 0.02 * i, "epsilon": 1.4 + 0.1 * i}
+        row = {
+            "epoch": round(step / 20.5, 6),
+            "step": step,
+            "test_accuracy": 0.1 + 0.02 * i,
+            "test_loss": 2.3 - 0.02 * i,
+            "epsilon": 1.4 + 0.1 * i,
+        }
         if validation:
             row.update(val_accuracy=0.12 + 0.02 * i, val_loss=2.31 - 0.02 * i)
         rows.append(row)
@@ -118,8 +129,10 @@ def test_curves_panels_are_labelled_and_do_not_overlap(validation):
         assert overlapping_labels(fig) == []
         main = [ax for ax in fig.axes if ax.get_xlabel() == "step"]
         assert [ax.get_ylabel() for ax in main] == (
-            ["test / validation accuracy", "test / validation loss", "ε spent"] if validation
-            else ["test accuracy", "test loss", "ε spent"])
+            ["test / validation accuracy", "test / validation loss", "ε spent"]
+            if validation
+            else ["test accuracy", "test loss", "ε spent"]
+        )
         epoch_axes = [child for ax in main for child in ax.child_axes if child.get_xlabel() == "epoch"]
         assert len(epoch_axes) == 3  # every panel shows the epoch (it was the first one only)
         fig.canvas.draw()
@@ -132,7 +145,10 @@ def test_curves_panels_are_labelled_and_do_not_overlap(validation):
 
 def test_write_curves_titles_the_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(False)))
-    (tmp_path / "config.json").write_text(json.dumps({"method": "dp-adam", "dataset": "mnist", "model": "mlp",
-                                                      "noise_multiplier": 1.5, "batch_size": 256.0}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"method": "dp-adam", "dataset": "mnist", "model": "mlp", "noise_multiplier": 1.5, "batch_size": 256.0}
+        )
+    )
     assert write_curves(tmp_path) == tmp_path / CURVES_NAME
     assert (tmp_path / CURVES_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,8 +17,21 @@ from dpopt.cli import app
 runner = CliRunner()
 
 # small enough for a fast test: rdp, 2 batch sizes x 3 epsilons (about a second)
-ARGS = ["split", "--target-epsilon", "0.5", "--dataset-size", "60000", "--epochs", "30", "--batch-sizes", "8,256",
-        "--epsilon-grid", "0.25,0.5,1", "--accountant", "rdp"]
+ARGS = [
+    "split",
+    "--target-epsilon",
+    "0.5",
+    "--dataset-size",
+    "60000",
+    "--epochs",
+    "30",
+    "--batch-sizes",
+    "8,256",
+    "--epsilon-grid",
+    "0.25,0.5,1",
+    "--accountant",
+    "rdp",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +70,56 @@ def test_split_json_and_a_self_contained_page(explorer):
 
 
 def test_split_errors_name_flags(tmp_path):
-    res = runner.invoke(app, ["split", "--target-epsilon", "1", "--dataset-size", "100", "--epochs", "1",
-                              "--batch-sizes", "8,500", "--out", str(tmp_path)])
+    res = runner.invoke(
+        app,
+        [
+            "split",
+            "--target-epsilon",
+            "1",
+            "--dataset-size",
+            "100",
+            "--epochs",
+            "1",
+            "--batch-sizes",
+            "8,500",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 2 and res.stderr.startswith("error: every batch size must be in (0, N = 100]")
-    res = runner.invoke(app, ["split", "--target-epsilon", "1", "--dataset-size", "100", "--epochs", "1",
-                              "--batch-sizes", "8,x", "--out", str(tmp_path)])
+    res = runner.invoke(
+        app,
+        [
+            "split",
+            "--target-epsilon",
+            "1",
+            "--dataset-size",
+            "100",
+            "--epochs",
+            "1",
+            "--batch-sizes",
+            "8,x",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 2 and "--batch-sizes takes comma-separated numbers" in res.stderr
-    res = runner.invoke(app, ["split", "--target-epsilon", "1", "--dataset-size", "100", "--epochs", "1",
-                              "--count-share", "1.5", "--out", str(tmp_path)])
+    res = runner.invoke(
+        app,
+        [
+            "split",
+            "--target-epsilon",
+            "1",
+            "--dataset-size",
+            "100",
+            "--epochs",
+            "1",
+            "--count-share",
+            "1.5",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 2 and res.stderr.startswith("error: --count-share must be in (0, 1)")
 
 
@@ -96,7 +151,10 @@ def test_page_sliders_recompute_in_a_real_browser(explorer):
         def move(id_, value):  # set the slider and fire the event a user's drag fires
             browser.execute_script(
                 "const s = document.getElementById(arguments[0]); s.value = arguments[1];"
-                "s.dispatchEvent(new Event('input', {bubbles: true}));", id_, str(value))
+                "s.dispatchEvent(new Event('input', {bubbles: true}));",
+                id_,
+                str(value),
+            )
 
         grid, sizes, eps = data["grid"], data["batch_sizes"], data["epsilon_grid"]
         # initial state: eps = 0.5 (grid row 1), B = 256 (column 1)

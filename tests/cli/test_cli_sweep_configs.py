@@ -23,8 +23,10 @@ def test_config_loads_and_reads_repository_data(path):
     for point in sweep.points:
         data_dir = point.options.get("data_dir")
         if point.options.get("dataset", "digits") in ("mnist", "cifar10"):
-            assert data_dir is not None and not Path(data_dir).is_absolute() and not data_dir.startswith(".."), \
-                (path.name, data_dir)
+            assert data_dir is not None and not Path(data_dir).is_absolute() and not data_dir.startswith(".."), (
+                path.name,
+                data_dir,
+            )
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "finetune" not in p.name], ids=lambda p: p.name)

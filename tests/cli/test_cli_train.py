@@ -15,8 +15,21 @@ from dpopt.cli import app
 from dpopt.errors import ConfigError
 
 runner = CliRunner()
-REQUIRED = {"method", "dataset", "model", "test_accuracy", "epsilon", "delta", "noise_multiplier",
-            "sample_rate", "expected_batch_size", "steps", "accountant", "wall_seconds", "run_dir"}
+REQUIRED = {
+    "method",
+    "dataset",
+    "model",
+    "test_accuracy",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "expected_batch_size",
+    "steps",
+    "accountant",
+    "wall_seconds",
+    "run_dir",
+}
 
 
 def test_train_digits_json_and_run_directory(tmp_path):
@@ -32,29 +45,34 @@ def test_train_digits_json_and_run_directory(tmp_path):
     assert len(ledger) == summary["steps"]
     event = poisson_gaussian_step(summary["noise_multiplier"], summary["sample_rate"])
     from dp_accounting import dp_event
+
     assert summary["epsilon"] == pytest.approx(
-        epsilon(dp_event.SelfComposedDpEvent(event, summary["steps"]), 1e-5), rel=1e-9)
+        epsilon(dp_event.SelfComposedDpEvent(event, summary["steps"]), 1e-5), rel=1e-9
+    )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["epsilon"] == pytest.approx(summary["epsilon"])
     assert summary["test_accuracy"] > 0.3  # 2 epochs of DP-SGD on digits already beat chance (0.1) by far
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--noise-multiplier", "-1"], "--noise-multiplier must be a finite number >= 0"),
-    (["--delta", "1.5"], "delta must be in (0, 1)"),
-    (["--batch-size", "0"], "must be a number >= 1"),
-    (["--batch-size", "0.5"], "must be a number >= 1"),
-    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
-    (["--lr", "inf"], "--lr must be finite"),
-    (["--noise-multiplier", "2", "--target-epsilon", "1"], "not both"),
-    (["--batch-size", "5000"], "exceeds the 1437 training examples"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--method", "dp-nope"], "unknown method 'dp-nope'"),
-    (["--dataset", "svhn"], "unknown dataset 'svhn'"),
-    (["--model", "resnet"], "unknown model 'resnet'"),
-    (["--model", "mlp"], "does not take digits inputs"),
-    (["--dataset", "mnist", "--data-dir", "/nonexistent"], "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--noise-multiplier", "-1"], "--noise-multiplier must be a finite number >= 0"),
+        (["--delta", "1.5"], "delta must be in (0, 1)"),
+        (["--batch-size", "0"], "must be a number >= 1"),
+        (["--batch-size", "0.5"], "must be a number >= 1"),
+        (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+        (["--lr", "inf"], "--lr must be finite"),
+        (["--noise-multiplier", "2", "--target-epsilon", "1"], "not both"),
+        (["--batch-size", "5000"], "exceeds the 1437 training examples"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--method", "dp-nope"], "unknown method 'dp-nope'"),
+        (["--dataset", "svhn"], "unknown dataset 'svhn'"),
+        (["--model", "resnet"], "unknown model 'resnet'"),
+        (["--model", "mlp"], "does not take digits inputs"),
+        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "is not a directory"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(args, message, tmp_path):
     res = runner.invoke(app, ["train", "--epochs", "1", "--out", str(tmp_path / "r"), *args])
     assert res.exit_code == 2
@@ -87,6 +105,7 @@ def test_quantile_clipping_run_is_charged_exactly_sigma(tmp_path):
     assert summary["grad_noise_multiplier"] == pytest.approx(1.0 / 0.9**0.5)
     assert summary["count_noise_multiplier"] == pytest.approx(1.0 / 0.1**0.5)
     from dp_accounting import dp_event
+
     plain = dp_event.SelfComposedDpEvent(poisson_gaussian_step(1.0, summary["sample_rate"]), summary["steps"])
     assert summary["epsilon"] == pytest.approx(epsilon(plain, 1e-5), rel=1e-6)
     assert summary["final_max_grad_norm"] != pytest.approx(1.0)  # the bound adapted
@@ -104,8 +123,22 @@ def test_per_layer_clipping_and_target_epsilon(tmp_path):
 def test_clipping_errors(tmp_path):
     res = runner.invoke(app, ["train", "--clipping", "per-layer", "--layer-bounds", "1,2,3", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "needs 2 values" in res.stderr
-    res = runner.invoke(app, ["train", "--method", "dp-sgd", "--clipping", "quantile", "--batch-size", "8",
-                              "--count-noise-multiplier", "0.8", "--out", str(tmp_path)])
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--clipping",
+            "quantile",
+            "--batch-size",
+            "8",
+            "--count-noise-multiplier",
+            "0.8",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 2 and "no budget split exists" in res.stderr
     res = runner.invoke(app, ["train", "--clipping", "quantile", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "flat-clipping methods only" in res.stderr
@@ -131,16 +164,23 @@ def test_config_records_the_sigma_actually_used(tmp_path):
 
 
 # --- errors: library arguments shown as flags; Ctrl-C ------------------------------------------
-@pytest.mark.parametrize("exc, message", [
-    (ConfigError("batch_size must be >= 1, got 0", "batch_size"), "error: --batch-size must be >= 1, got 0"),
-    (ConfigError("expected_batch_size must be > 0", "expected_batch_size"), "error: --batch-size must be > 0"),
-    (ConfigError("count_share and count_noise_multiplier exclude each other", "count_share",
-                 "count_noise_multiplier"), "error: --count-share and --count-noise-multiplier exclude each other"),
-    (ConfigError("momentum must be in [0, 1), got 5", "momentum"), "error: --hp momentum must be in [0, 1), got 5"),
-    (ConfigError("unknown hparams key 'foo'", "hparams"), "error: unknown --hp key 'foo'"),
-    (ConfigError("h1 must be <= h2", "h1", "h2"), "error: --h1 must be <= --h2"),
-    (ValueError("lr must be > 0 (batch_size untouched)"), "error: lr must be > 0 (batch_size untouched)"),
-])
+@pytest.mark.parametrize(
+    "exc, message",
+    [
+        (ConfigError("batch_size must be >= 1, got 0", "batch_size"), "error: --batch-size must be >= 1, got 0"),
+        (ConfigError("expected_batch_size must be > 0", "expected_batch_size"), "error: --batch-size must be > 0"),
+        (
+            ConfigError(
+                "count_share and count_noise_multiplier exclude each other", "count_share", "count_noise_multiplier"
+            ),
+            "error: --count-share and --count-noise-multiplier exclude each other",
+        ),
+        (ConfigError("momentum must be in [0, 1), got 5", "momentum"), "error: --hp momentum must be in [0, 1), got 5"),
+        (ConfigError("unknown hparams key 'foo'", "hparams"), "error: unknown --hp key 'foo'"),
+        (ConfigError("h1 must be <= h2", "h1", "h2"), "error: --h1 must be <= --h2"),
+        (ValueError("lr must be > 0 (batch_size untouched)"), "error: lr must be > 0 (batch_size untouched)"),
+    ],
+)
 def test_library_errors_name_the_flags(monkeypatch, tmp_path, exc, message):
     import dpopt.training
 

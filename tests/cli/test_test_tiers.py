@@ -18,14 +18,17 @@ def _conftest():
     return module
 
 
-@pytest.mark.parametrize("relpath, tiers", [
-    ("distributed/test_ddp_resume.py::test_x", {"distributed"}),
-    ("distributed/new_folder/test_new.py::test_y[a]", {"distributed"}),
-    ("hf/test_trainer.py::test_z", {"hf"}),
-    ("integration/test_hf_trainer.py::test_z", {"hf"}),
-    ("cli/test_cli_train.py::test_train_digits_json_and_run_directory", set()),
-    ("core/test_distributed_like_name.py::t", set()),  # a file name is not a folder
-])
+@pytest.mark.parametrize(
+    "relpath, tiers",
+    [
+        ("distributed/test_ddp_resume.py::test_x", {"distributed"}),
+        ("distributed/new_folder/test_new.py::test_y[a]", {"distributed"}),
+        ("hf/test_trainer.py::test_z", {"hf"}),
+        ("integration/test_hf_trainer.py::test_z", {"hf"}),
+        ("cli/test_cli_train.py::test_train_digits_json_and_run_directory", set()),
+        ("core/test_distributed_like_name.py::t", set()),  # a file name is not a folder
+    ],
+)
 def test_tiers_by_path(relpath, tiers):
     assert _conftest().tiers_for(relpath) == tiers
 
@@ -39,9 +42,25 @@ def test_slow_list_marks_by_node_id_prefix(monkeypatch):
 
 def test_collection_applies_the_markers():
     """`-m distributed` selects exactly the tests under tests/distributed/ (fresh pytest, collection only)."""
-    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "-m", "distributed", str(TESTS / "distributed"), str(TESTS / "cli" / "test_cli_common.py")],
-                         capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "distributed",
+            str(TESTS / "distributed"),
+            str(TESTS / "cli" / "test_cli_common.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS.parent,
+    )
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     assert res.returncode == 0, res.stdout + res.stderr
     assert ids and all(i.startswith("tests/distributed/") for i in ids)

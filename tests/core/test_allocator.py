@@ -78,7 +78,11 @@ print(repr(float(sum(p.double().abs().sum() for p in m.parameters()))))
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "DPOPT_NO_ALLOCATOR_TUNING"}
-    outs = [subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, env=env,
-                           check=True).stdout.strip() for flag in ("0", "1")]
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code, flag], capture_output=True, text=True, env=env, check=True
+        ).stdout.strip()
+        for flag in ("0", "1")
+    ]
     a, b = float(outs[0]), float(outs[1])
     assert abs(a - b) <= 1e-9 * abs(a)

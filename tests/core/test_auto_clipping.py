@@ -50,10 +50,12 @@ def test_refusals():
         AutoClipPrivatizer(1.0, 1.0, 4.0, 0.5, quantile=QuantileClipping(2.0))
     p = [torch.zeros(2, 2, requires_grad=True)]
     with pytest.raises(ValueError, match="flat-clipping"):
-        make_optimizer("dp-macadam", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5,
-                       auto_clip=AutoClipping())
-    opt = make_optimizer("dp-adam", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5,
-                         auto_clip=AutoClipping(0.05))
+        make_optimizer(
+            "dp-macadam", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5, auto_clip=AutoClipping()
+        )
+    opt = make_optimizer(
+        "dp-adam", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5, auto_clip=AutoClipping(0.05)
+    )
     assert isinstance(opt.privatizer, AutoClipPrivatizer) and opt.privatizer.gamma == 0.05
 
 
@@ -98,8 +100,17 @@ def test_sigma_zero_sensitivity_engine_door(tmp_path):
     from dpopt.training import TrainConfig
     from dpopt.training.build import build_run
 
-    cfg = TrainConfig(dataset="digits", method="dp-sgd", noise_multiplier=0.0, batch_size=8.0, epochs=1,
-                      clipping="auto", max_grad_norm=C, hparams={"gamma": 0.05}, out=str(tmp_path / "r"))
+    cfg = TrainConfig(
+        dataset="digits",
+        method="dp-sgd",
+        noise_multiplier=0.0,
+        batch_size=8.0,
+        epochs=1,
+        clipping="auto",
+        max_grad_norm=C,
+        hparams={"gamma": 0.05},
+        out=str(tmp_path / "r"),
+    )
     run = build_run(cfg, load_dataset("digits"))
     priv = run.optimizer.privatizer
     assert isinstance(priv, AutoClipPrivatizer) and priv.gamma == 0.05 and priv.sensitivity == C
@@ -111,8 +122,10 @@ def test_sigma_zero_sensitivity_engine_door(tmp_path):
         return torch.cat([g.flatten() for g in priv.privatize(per_sample_gradients(model, loss, xs, ys)).grads])
 
     full = released(x, y)
-    moves = [float((full - released(x[torch.arange(B) != j], y[torch.arange(B) != j])).norm())
-             * priv.expected_batch_size for j in range(B)]
+    moves = [
+        float((full - released(x[torch.arange(B) != j], y[torch.arange(B) != j])).norm()) * priv.expected_batch_size
+        for j in range(B)
+    ]
     assert max(moves) <= C * (1 + 1e-9) and min(moves) > 0
     assert run.optimizer.privatizer.ledger.entries[-1].meta["clipping"] == "auto"
 
@@ -121,9 +134,15 @@ def _engine_release(model, x, y, gamma):
     model = copy.deepcopy(model)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    model, opt, _ = PrivacyEngine().make_private(module=model, optimizer=sgd, data_loader=loader,
-                                                 noise_multiplier=0.0, max_grad_norm=C, clipping="auto",
-                                                 clipping_gamma=gamma)
+    model, opt, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=sgd,
+        data_loader=loader,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        clipping="auto",
+        clipping_gamma=gamma,
+    )
     return model, opt
 
 
@@ -144,8 +163,7 @@ def test_sigma_zero_sensitivity_privacy_engine_door():
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     full = released(x, y)
-    moves = [float((full - released(x[torch.arange(B) != j], y[torch.arange(B) != j])).norm()) * bbar
-             for j in range(B)]
+    moves = [float((full - released(x[torch.arange(B) != j], y[torch.arange(B) != j])).norm()) * bbar for j in range(B)]
     assert max(moves) <= C * (1 + 1e-9)
     assert min(moves) > 0
     # every example is normalised, not clipped: the biggest move is close to C (the 10× example)
@@ -166,15 +184,39 @@ def test_cli_train_clipping_auto_records_gamma(tmp_path):
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # the CLI trains in float32 (this module's fixture sets float64)
     try:
-        res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--method", "dp-sgd", "--clipping", "auto",
-                                       "--hp", "gamma=0.05", "--epochs", "1", "--noise-multiplier", "1.0",
-                                       "--max-grad-norm", "0.5", "--out", str(out)])
+        res = CliRunner().invoke(
+            app,
+            [
+                "train",
+                "--dataset",
+                "digits",
+                "--method",
+                "dp-sgd",
+                "--clipping",
+                "auto",
+                "--hp",
+                "gamma=0.05",
+                "--epochs",
+                "1",
+                "--noise-multiplier",
+                "1.0",
+                "--max-grad-norm",
+                "0.5",
+                "--out",
+                str(out),
+            ],
+        )
     finally:
         torch.set_default_dtype(old)
     assert res.exit_code == 0, res.output
     entries = json.loads((out / "ledger.json").read_text())["entries"]
     assert len(entries) == 22
-    assert all(e["meta"]["clipping"] == "auto" and e["meta"]["gamma"] == 0.05 and e["meta"]["sensitivity"] == 0.5
-               and e["meta"]["noise_std"] == 0.5 for e in entries)
+    assert all(
+        e["meta"]["clipping"] == "auto"
+        and e["meta"]["gamma"] == 0.05
+        and e["meta"]["sensitivity"] == 0.5
+        and e["meta"]["noise_std"] == 0.5
+        for e in entries
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clipping"] == "auto" and summary["clipping_gamma"] == 0.05

@@ -58,9 +58,19 @@ def test_old_files_without_run_id_load_as_none(tmp_path):
     fresh.load_state_dict(data)
     assert fresh.run_id == rid and len(fresh) == 3
     journal = tmp_path / "old.jsonl"
-    lines = [json.dumps({"format": "dpopt-ledger-journal", "version": 1, "entry_version": 2,
-                         "neighbouring": "add_or_remove_one", "sampling": "poisson", "noise": "secret",
-                         "dataset_size": "public"})]
+    lines = [
+        json.dumps(
+            {
+                "format": "dpopt-ledger-journal",
+                "version": 1,
+                "entry_version": 2,
+                "neighbouring": "add_or_remove_one",
+                "sampling": "poisson",
+                "noise": "secret",
+                "dataset_size": "public",
+            }
+        )
+    ]
     lines += [json.dumps(e) for e in data["entries"]]
     journal.write_text("\n".join(lines) + "\n")
     assert PrivacyLedger.read_journal(journal).run_id is None

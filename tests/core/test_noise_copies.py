@@ -66,12 +66,12 @@ def test_a_pickle_of_a_secret_source_holds_none_of_its_generator_state():
     src = NoiseSource("secret")
     src.normal((10,))
     at, width = _mt_state_layout()
-    state = src._generators["cpu"].get_state().numpy().tobytes()[at:at + 624 * width]
+    state = src._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
     blob = pickle.dumps(src)
     buf = io.BytesIO()
     torch.save(src, buf)
     for i in range(0, len(state) - 16, 16 * 39):  # any 16 bytes of the 4,992-byte state
-        piece = state[i:i + 16]
+        piece = state[i : i + 16]
         assert piece not in blob and piece not in buf.getvalue()
 
 
@@ -99,8 +99,9 @@ def test_copied_dp_optimizer_draws_other_noise(how):
     """Users deep-copy optimizers (EMA, SWA): the copy's step must not replay the original's noise."""
     torch.manual_seed(0)
     model = nn.Linear(5, 3)
-    opt = make_optimizer("dp-sgd", model.parameters(), noise_multiplier=1.0, expected_batch_size=4.0,
-                         sample_rate=0.1, lr=0.1)
+    opt = make_optimizer(
+        "dp-sgd", model.parameters(), noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, lr=0.1
+    )
     pair = COPIES[how]((model, opt))
     grads = PerSampleGrads([torch.zeros(2, 3, 5), torch.zeros(2, 3)])
     opt.step(grads)
@@ -119,9 +120,13 @@ def test_copied_privacy_engine_optimizer_draws_other_noise():
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     model = nn.Linear(4, 2)
     engine = dpopt.PrivacyEngine()
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=torch.utils.data.DataLoader(data, batch_size=8),
-                                             noise_multiplier=1.0, max_grad_norm=1.0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     twin_model, twin_opt = copy.deepcopy((model, opt))
     x, y = data.tensors
     for m, o in ((model, opt), (twin_model, twin_opt)):

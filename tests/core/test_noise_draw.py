@@ -44,7 +44,7 @@ def test_chunked_continuation_equals_the_one_piece_sampler():
     many flagged pairs in several chunks and more flagged pairs than rows (the overflow case)."""
     g = torch.Generator().manual_seed(0)
     pairs, chunk = 3 * (NORMAL_CHUNK // 2) + 1001, NORMAL_CHUNK // 2
-    words = torch.empty(2 * pairs, dtype=torch.int64).random_(-2 ** 63, None, generator=g)
+    words = torch.empty(2 * pairs, dtype=torch.int64).random_(-(2**63), None, generator=g)
     flat = words.view(-1)
     # force flags (stage bits all zero: the b word's top 12 bits) at pairs spread over every chunk
     ends = torch.tensor([0, pairs - 500, pairs - 1])  # the last, partial chunk too
@@ -54,19 +54,19 @@ def test_chunked_continuation_equals_the_one_piece_sampler():
     b_at = blk * (2 * BLOCK_PAIRS) + in_block + j
     flat[b_at] = flat[b_at] & ((1 << 52) - 1)
     rows = _slots(pairs) // 2  # fewer rows than flagged pairs: the later ones must stay at k = 12
-    slot_words = torch.empty((rows, _SLOT_WORDS), dtype=torch.int64).random_(-2 ** 63, None, generator=g)
+    slot_words = torch.empty((rows, _SLOT_WORDS), dtype=torch.int64).random_(-(2**63), None, generator=g)
     slot_words[:, 0] &= (1 << 40) - 1  # long continued streams
     want = gaussian_from_words(words.clone(), slot_words, BLOCK_PAIRS)
 
     cont = _flag_buffer(pairs, "cpu")
     _blocks(flat, cont, 0, pairs, BLOCK_PAIRS)
     out = flat.view(torch.float64)
-    flagged = [torch.nonzero(cont[lo:min(pairs, lo + chunk)])[:, 0] + lo for lo in range(0, pairs, chunk)]
+    flagged = [torch.nonzero(cont[lo : min(pairs, lo + chunk)])[:, 0] + lo for lo in range(0, pairs, chunk)]
     assert sum(f.numel() for f in flagged) > rows and all(f.numel() for f in flagged)
     off = 0
     for idx in flagged:
         take = max(0, min(idx.numel(), rows - off))
-        _continue_pairs(out, idx[:take], slot_words[off:off + take], pairs, BLOCK_PAIRS)
+        _continue_pairs(out, idx[:take], slot_words[off : off + take], pairs, BLOCK_PAIRS)
         off += idx.numel()
     assert torch.equal(out, want)
 
@@ -93,8 +93,11 @@ def test_consume_gives_each_chunk_once_in_order_and_the_draw_once(threads):
     draw = src.start_normal(n)
     flat = draw.consume(lambda lo, hi, z: seen.append((lo, hi, z.clone())))
     seen.sort(key=lambda t: t[0])
-    assert [(lo, hi) for lo, hi, _ in seen] == [(0, NORMAL_CHUNK), (NORMAL_CHUNK, 2 * NORMAL_CHUNK),
-                                                 (2 * NORMAL_CHUNK, n)]
+    assert [(lo, hi) for lo, hi, _ in seen] == [
+        (0, NORMAL_CHUNK),
+        (NORMAL_CHUNK, 2 * NORMAL_CHUNK),
+        (2 * NORMAL_CHUNK, n),
+    ]
     assert torch.equal(torch.cat([z for _, _, z in seen]), want) and torch.equal(flat[:n], want)
     assert not draw.usable
     with pytest.raises(RuntimeError, match="consumed once"):
@@ -113,7 +116,7 @@ def _release_by_hand(sums, z, std, bbar, scale=None, shift=None):
     """round_dtype(s + std·z in float64) / B̄ (in the sum's dtype), then × scale + shift."""
     out, at = [], 0
     for i, s in enumerate(sums):
-        zi = z[at:at + s.numel()].view(s.shape)
+        zi = z[at : at + s.numel()].view(s.shape)
         at += s.numel()
         g = (zi * std + s.double()).to(s.dtype).div_(bbar)
         if scale is not None:
@@ -139,8 +142,10 @@ def test_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads)
     sigma, clip, bbar = 0.9, 1e6, 3.0
     geo = None
     if geometry:
-        geo = ClipGeometry(tuple(torch.randn(s, generator=g).to(dtype) * 0.1 for s in SHAPES),
-                           tuple((torch.rand(s, generator=g) + 0.5).to(dtype) for s in SHAPES))
+        geo = ClipGeometry(
+            tuple(torch.randn(s, generator=g).to(dtype) * 0.1 for s in SHAPES),
+            tuple((torch.rand(s, generator=g) + 0.5).to(dtype) for s in SHAPES),
+        )
         w = [(s - m) / b for s, m, b in zip(sums, geo.shift, geo.scale)]  # the geometry's own coordinates
     else:
         w = sums
@@ -153,9 +158,14 @@ def test_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads)
         priv.accumulate(src)
         rel = priv.release()
     z = NoiseSource("reproducible", seed=9).normal((sum(s.numel() for s in sums),), dtype=torch.float64)
-    clipped = [t.clone() for t in PerSampleGrads([t.unsqueeze(0) for t in sums]).weighted_sum(
-        torch.ones(1, 1, dtype=torch.float64 if dtype == torch.float64 else torch.float32), geo or ClipGeometry(),
-        [0] * len(sums))]
+    clipped = [
+        t.clone()
+        for t in PerSampleGrads([t.unsqueeze(0) for t in sums]).weighted_sum(
+            torch.ones(1, 1, dtype=torch.float64 if dtype == torch.float64 else torch.float32),
+            geo or ClipGeometry(),
+            [0] * len(sums),
+        )
+    ]
     assert all(torch.allclose(c.double(), x.double(), rtol=1e-2, atol=1e-2) for c, x in zip(clipped, w))
     want = _release_by_hand(clipped, z, sigma * clip, bbar, geo.scale if geo else None, geo.shift if geo else None)
     assert all(r.dtype == dtype and r.is_contiguous() and torch.equal(r, x) for r, x in zip(rel.grads, want))
@@ -164,10 +174,10 @@ def test_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads)
 def test_early_draw_keeps_the_stream_order_with_quantile_clipping():
     """Gradient noise, then the count noise, then the next step: the stream of three releases with
     the draw started at begin() equals the one drawn at release() (begin/accumulate/release by hand)."""
+
     def run(early):
         g = torch.Generator().manual_seed(1)
-        priv = Privatizer(1.1, 0.5, 4.0, 0.1, quantile=QuantileClipping(1.0),
-                          noise=NoiseSource("reproducible", seed=3))
+        priv = Privatizer(1.1, 0.5, 4.0, 0.1, quantile=QuantileClipping(1.0), noise=NoiseSource("reproducible", seed=3))
         out = []
         for _ in range(3):
             grads = [torch.randn(6, *s, generator=g) for s in SHAPES]
@@ -179,6 +189,7 @@ def test_early_draw_keeps_the_stream_order_with_quantile_clipping():
                 rel = priv.release()
             out += list(rel.grads) + [torch.tensor(priv.bounds)]
         return out
+
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
 
 

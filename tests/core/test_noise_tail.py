@@ -47,7 +47,7 @@ def test_all_one_words_give_the_smallest_radius():
     """u = 1 − 2^-53 (mantissa all ones, no leading zero): R = √(−2 ln(1 − 2^-53)) = 2^-26."""
     z = gaussian_from_words(_words([-1], [-1]), _slot_rows([[]]))
     r = math.hypot(float(z[0]), float(z[1]))
-    assert r == pytest.approx(2.0 ** -26, rel=1e-6)
+    assert r == pytest.approx(2.0**-26, rel=1e-6)
 
 
 @pytest.mark.parametrize("zeros", [0, 5, 51])
@@ -83,15 +83,15 @@ def test_more_flagged_pairs_than_slots_stay_at_the_first_stage():
     assert r2[1] == pytest.approx(2 * 13 * LN2, rel=1e-13) and r2[2] == pytest.approx(2 * 13 * LN2, rel=1e-13)
 
 
-@pytest.mark.parametrize("pairs", [1, 7, 1000, 500_000, 10 ** 9])
+@pytest.mark.parametrize("pairs", [1, 7, 1000, 500_000, 10**9])
 def test_slot_count_bounds_the_overflow_probability(pairs):
     """Cross-check of the Chernoff choice with scipy's exact binomial tail: P(N > M) ≤ 2^-140."""
     m = _slots(pairs)
     if m >= pairs:
         assert m == pairs
         return
-    assert stats.binom.logsf(m, pairs, 2.0 ** -12) <= -140 * LN2
-    assert m <= pairs * 2.0 ** -12 * 1.1 + 400  # and not wastefully many
+    assert stats.binom.logsf(m, pairs, 2.0**-12) <= -140 * LN2
+    assert m <= pairs * 2.0**-12 * 1.1 + 400  # and not wastefully many
 
 
 def test_continued_pairs_have_the_exponential_tail():
@@ -99,9 +99,9 @@ def test_continued_pairs_have_the_exponential_tail():
     R²/2 − 12 ln 2 ~ Exp(1). KS test at α = 1e-4 (false alarm 1 in 10,000) on 100,000 pairs."""
     gen = torch.Generator().manual_seed(7)
     n = 100_000
-    words = torch.empty(2, n, dtype=torch.int64).random_(-2 ** 63, None, generator=gen)
+    words = torch.empty(2, n, dtype=torch.int64).random_(-(2**63), None, generator=gen)
     words[1] &= (1 << 52) - 1  # clear the 12 stage bits of b
-    slots = torch.empty(n, _SLOT_WORDS, dtype=torch.int64).random_(-2 ** 63, None, generator=gen)
+    slots = torch.empty(n, _SLOT_WORDS, dtype=torch.int64).random_(-(2**63), None, generator=gen)
     z = gaussian_from_words(words, slots)
     e = (z[:n] ** 2 + z[n:] ** 2) / 2 - 12 * LN2
     assert float(e.min()) > 0
@@ -118,8 +118,8 @@ def test_every_mode_is_standard_normal(mode):
     z = src.normal((n,), dtype=torch.float64)
     assert z.dtype == torch.float64 and float(z.abs().max()) <= CUT_RADIUS
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
-    blocks = z[:(n // (2 * BLOCK_PAIRS)) * 2 * BLOCK_PAIRS].view(-1, 2, BLOCK_PAIRS)
-    r2 = (blocks ** 2).sum(dim=1).flatten()
+    blocks = z[: (n // (2 * BLOCK_PAIRS)) * 2 * BLOCK_PAIRS].view(-1, 2, BLOCK_PAIRS)
+    r2 = (blocks**2).sum(dim=1).flatten()
     assert stats.kstest(r2.numpy(), "chi2", args=(2,)).pvalue > 1e-4
     c, s = blocks[:, 0].flatten(), blocks[:, 1].flatten()
     assert abs(float(torch.corrcoef(torch.stack([c, s]))[0, 1])) < 5 / math.sqrt(c.numel())
@@ -185,7 +185,7 @@ def test_tail_beyond_the_old_cut_at_the_gaussian_rate():
     5.768, R² ≤ 33.27): a true Gaussian pair lands there with probability 6e-8. Over 2.6e8 pairs the
     count is Poisson(15.6); two-sided test at α = 1e-6 (false alarm 1 in 10^6). A sampler cut below
     the threshold gives 0, which the test rejects (P(0) = 1.7e-7 < α/2)."""
-    pairs = 2 * 2 ** 27 - (2 * 2 ** 27) % BLOCK_PAIRS  # 2.68e8 pairs, whole blocks
+    pairs = 2 * 2**27 - (2 * 2**27) % BLOCK_PAIRS  # 2.68e8 pairs, whole blocks
     p = math.exp(-33.28 / 2)
     lam = pairs * p
     lo, hi = stats.poisson.ppf(0.5e-6, lam), stats.poisson.isf(0.5e-6, lam)

@@ -35,15 +35,16 @@ def _data(n=4):
 
 def _expected(model, x, y):
     """θ − lr · (Σ_i ∇ℓ_i) / B̄ for the trainable parameters (unclipped, noiseless)."""
-    loss = sum(_loss(model(x[i:i + 1]), y[i:i + 1]) for i in range(len(x)))
+    loss = sum(_loss(model(x[i : i + 1]), y[i : i + 1]) for i in range(len(x)))
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, trainable)
     return [p.detach() - LR * g / BBAR for p, g in zip(trainable, grads)]
 
 
 def _opt(params, method="dp-sgd", **kw):
-    return make_optimizer(method, params, noise_multiplier=0.0, expected_batch_size=BBAR, sample_rate=0.5,
-                          lr=LR, max_grad_norm=1e9, **kw)
+    return make_optimizer(
+        method, params, noise_multiplier=0.0, expected_batch_size=BBAR, sample_rate=0.5, lr=LR, max_grad_norm=1e9, **kw
+    )
 
 
 @pytest.mark.parametrize("engine", ["fast", "reference"])
@@ -90,8 +91,9 @@ def test_disk_refuses_gradients_evaluated_only_at_theta():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 3)).to(DT)
     x, y = _data()
-    opt = make_optimizer("disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=BBAR,
-                         sample_rate=0.5, lr=0.1)
+    opt = make_optimizer(
+        "disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=BBAR, sample_rate=0.5, lr=0.1
+    )
     opt.step(iter_per_sample_sources(model, _loss, x, y, points=opt.evaluation_points()))
     assert len(opt.evaluation_points()) == 2  # from step 2 on, DiSK needs θ + γd as well
     with pytest.raises(ValueError, match="evaluation points"):

@@ -16,8 +16,9 @@ from dpopt.types import ClipGeometry
 
 def _batch_of_is(b: int, shapes=((2, 2), (3,))) -> PerSampleGrads:
     """Example i has every coordinate equal to i (i = 0..b-1)."""
-    return PerSampleGrads([torch.arange(b, dtype=torch.float64).view(-1, *[1] * len(s)).expand(b, *s).clone()
-                           for s in shapes])
+    return PerSampleGrads(
+        [torch.arange(b, dtype=torch.float64).view(-1, *[1] * len(s)).expand(b, *s).clone() for s in shapes]
+    )
 
 
 def test_exact_clipping_values_flat():
@@ -115,12 +116,15 @@ def test_per_layer_noise_uses_total_bound():
     assert float(rel.noise_std[0]) == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(noise_multiplier=-1.0), "noise_multiplier"),
-    (dict(max_grad_norm=0.0), "max_grad_norm"),
-    (dict(expected_batch_size=0.0), "expected_batch_size"),
-    (dict(sample_rate=1.5), "sample_rate"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(expected_batch_size=0.0), "expected_batch_size"),
+        (dict(sample_rate=1.5), "sample_rate"),
+    ],
+)
 def test_invalid_configuration(kwargs, match):
     base = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=0.1)
     base.update(kwargs)
@@ -148,9 +152,11 @@ def test_release_never_carries_private_fields():
     rel = Privatizer(1.0, 1.0, 4.0, 0.1).privatize(PerSampleGrads([torch.ones(3, 2)]))
     fields = {f.name for f in dataclasses.fields(rel)}
     unclassified = fields - set(RELEASE_PUBLIC_FIELDS)
-    assert not unclassified, (f"Release has fields not classified as public: {sorted(unclassified)}; a Release "
-                              "may carry only released (noised) values and public configuration. Add each to "
-                              "RELEASE_PUBLIC_FIELDS with the reason it is public, or keep it in the Privatizer.")
+    assert not unclassified, (
+        f"Release has fields not classified as public: {sorted(unclassified)}; a Release "
+        "may carry only released (noised) values and public configuration. Add each to "
+        "RELEASE_PUBLIC_FIELDS with the reason it is public, or keep it in the Privatizer."
+    )
     stale = set(RELEASE_PUBLIC_FIELDS) - fields
     assert not stale, f"allow-list entries that are no longer Release fields: {sorted(stale)}"
     # frozen: no value can be attached to a Release after it left the Privatizer
@@ -170,7 +176,8 @@ def test_infinite_bound_needs_zero_noise():
     with pytest.raises(ValueError, match="finite when noise_multiplier > 0"):
         Privatizer(1.0, float("inf"), expected_batch_size=4.0, sample_rate=0.1)
     rel = Privatizer(0.0, float("inf"), expected_batch_size=4.0, sample_rate=0.1).privatize(
-        PerSampleGrads([torch.full((2, 3), 10.0)]))
+        PerSampleGrads([torch.full((2, 3), 10.0)])
+    )
     assert torch.equal(rel.grads[0], torch.full((3,), 5.0))  # σ = 0, C = ∞: the plain sum / B̄
 
 
@@ -212,15 +219,27 @@ def test_reproducible_optimizer_state_round_trip_continues_identically():
     for method in ("dp-macadam", "disk-sgd", "doppler-sgd"):
         torch.manual_seed(0)
         w = [torch.nn.Parameter(torch.randn(3, 2))]
-        a = make_optimizer(method, w, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
-                           generator=torch.Generator().manual_seed(1))
+        a = make_optimizer(
+            method,
+            w,
+            noise_multiplier=1.0,
+            expected_batch_size=4.0,
+            sample_rate=0.1,
+            generator=torch.Generator().manual_seed(1),
+        )
         g = [torch.randn(5, 3, 2) for _ in range(4)]
         for x in g[:2]:
             a.step(PerSampleGrads([x.clone()], params=w, points=a.evaluation_points()))
         saved, w_saved = a.state_dict(), w[0].detach().clone()
         w2 = [torch.nn.Parameter(w_saved.clone())]
-        b = make_optimizer(method, w2, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
-                           generator=torch.Generator().manual_seed(99))
+        b = make_optimizer(
+            method,
+            w2,
+            noise_multiplier=1.0,
+            expected_batch_size=4.0,
+            sample_rate=0.1,
+            generator=torch.Generator().manual_seed(99),
+        )
         b.load_state_dict(copy.deepcopy(saved))  # torch's state_dict holds references to the live state
         assert b.privatizer.steps == 2 and len(b.privatizer.ledger) == 2
         for x in g[2:]:

@@ -55,9 +55,15 @@ def _setup(batch_size=12, seed=3, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = engine.make_private(
-            module=model, optimizer=sgd, data_loader=DataLoader(OneHot(), batch_size=batch_size),
-            noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum",
-            noise_generator=torch.Generator().manual_seed(seed), **kw)
+            module=model,
+            optimizer=sgd,
+            data_loader=DataLoader(OneHot(), batch_size=batch_size),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            loss_reduction="sum",
+            noise_generator=torch.Generator().manual_seed(seed),
+            **kw,
+        )
     loader.poisson.__class__ = _Recording
     loader.poisson.batches = []
     releases = []
@@ -251,9 +257,15 @@ def test_k4_declared_but_views_not_repeated_is_refused_under_bmm():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = engine.make_private(
-            module=model, optimizer=sgd, data_loader=DataLoader(ds, batch_size=24), noise_multiplier=0.0,
-            max_grad_norm=1.0, loss_reduction="sum", augmentation_multiplicity=4,
-            noise_generator=torch.Generator().manual_seed(0))
+            module=model,
+            optimizer=sgd,
+            data_loader=DataLoader(ds, batch_size=24),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            loss_reduction="sum",
+            augmentation_multiplicity=4,
+            noise_generator=torch.Generator().manual_seed(0),
+        )
     refused = 0
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt) as chunks:
         for x, _ in chunks:
@@ -312,8 +324,15 @@ def test_dpopt_train_door_one_sampled_batch_is_one_privatize_call():
 
     model = nn.Linear(N, 1, bias=False).double()
     nn.init.zeros_(model.weight)
-    opt = make_optimizer("dp-sgd", list(model.parameters()), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
-                         expected_batch_size=6.0, sample_rate=0.125)
+    opt = make_optimizer(
+        "dp-sgd",
+        list(model.parameters()),
+        lr=1.0,
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=6.0,
+        sample_rate=0.125,
+    )
     x = torch.eye(N, dtype=torch.float64)
     y = torch.zeros(N)
 

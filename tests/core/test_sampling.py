@@ -8,8 +8,9 @@ from dpopt.sampling import PoissonSampler
 
 def test_batch_sizes_are_binomial():
     n, q, steps = 1000, 0.05, 2000
-    sizes = torch.tensor([len(i) for i in PoissonSampler(n, q, steps, torch.Generator().manual_seed(0))],
-                         dtype=torch.float64)
+    sizes = torch.tensor(
+        [len(i) for i in PoissonSampler(n, q, steps, torch.Generator().manual_seed(0))], dtype=torch.float64
+    )
     # mean of 2000 Binomial(1000, .05) draws: sd of the mean = sqrt(47.5/2000) ≈ 0.154; ±5 sd window
     # has a false-alarm rate < 1e-6.
     assert abs(float(sizes.mean()) - n * q) < 5 * (n * q * (1 - q) / steps) ** 0.5

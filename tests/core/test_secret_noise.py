@@ -22,8 +22,9 @@ from dpopt.training import TrainConfig, train
 
 
 def _run(tmp_path, name, **kw):
-    cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=0.5, seed=3, accountant="rdp",
-                      out=str(tmp_path / name), **kw)
+    cfg = TrainConfig(
+        dataset="digits", method="dp-sgd", epochs=0.5, seed=3, accountant="rdp", out=str(tmp_path / name), **kw
+    )
     summary = train(cfg)
     return summary, torch.load(tmp_path / name / "model.pt")
 
@@ -99,7 +100,7 @@ def test_secure_uniforms_cover_the_unit_interval_with_53_bits():
     assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4  # α = 1e-4
     # float32-resolution uniforms would all be multiples of 2^-24
-    assert bool(((u * 2 ** 24) % 1 != 0).any())
+    assert bool(((u * 2**24) % 1 != 0).any())
 
 
 def test_poisson_masks_are_float64_exact_for_tiny_rates():
@@ -126,8 +127,9 @@ def test_from_dpopt_import_train_is_the_function(tmp_path):
     from dpopt import train as train_fn
 
     assert callable(train_fn) and train_fn is dpopt.training.train
-    summary = train_fn(TrainConfig(dataset="digits", method="dp-sgd", epochs=0.1, accountant="rdp",
-                                   out=str(tmp_path / "r")))
+    summary = train_fn(
+        TrainConfig(dataset="digits", method="dp-sgd", epochs=0.1, accountant="rdp", out=str(tmp_path / "r"))
+    )
     assert summary["steps"] == max(1, round(0.1 / summary["sample_rate"]))
     assert math.isfinite(summary["epsilon"])
 
@@ -140,8 +142,13 @@ def test_cli_same_seed_differs_reproducible_identical_and_check_fails(tmp_path):
     runner = CliRunner()
     base = ["train", "--method", "dp-sgd", "--epochs", "0.3", "--seed", "4", "--accountant", "rdp"]
     models = {}
-    for name, extra in (("a", []), ("b", []), ("r1", ["--reproducible-noise"]), ("r2", ["--reproducible-noise"]),
-                        ("s", ["--secure-mode"])):
+    for name, extra in (
+        ("a", []),
+        ("b", []),
+        ("r1", ["--reproducible-noise"]),
+        ("r2", ["--reproducible-noise"]),
+        ("s", ["--secure-mode"]),
+    ):
         res = runner.invoke(app, base + extra + ["--out", str(tmp_path / name)])
         # a run whose ledger check fails (reproducible noise) still trains, then exits 3
         assert res.exit_code == (3 if extra == ["--reproducible-noise"] else 0), res.output
@@ -165,7 +172,7 @@ def test_torch_cpu_seeds_keep_only_32_bits():
     seeding is then merely redundant (still correct).
     """
     a = torch.randn(8, generator=torch.Generator().manual_seed(5))
-    b = torch.randn(8, generator=torch.Generator().manual_seed(5 + 2 ** 32))
+    b = torch.randn(8, generator=torch.Generator().manual_seed(5 + 2**32))
     assert torch.equal(a, b)
 
 
@@ -177,11 +184,11 @@ def test_secret_cpu_generator_runs_mt19937_from_the_given_words():
     from dpopt.noise import _MT_WORDS, _cpu_generator_from_words
 
     raw = os.urandom(4 * _MT_WORDS)
-    words = [int.from_bytes(raw[4 * i:4 * i + 4], "little") for i in range(_MT_WORDS)]
+    words = [int.from_bytes(raw[4 * i : 4 * i + 4], "little") for i in range(_MT_WORDS)]
     py = random.Random()
     py.setstate((3, tuple(words) + (_MT_WORDS,), None))  # index 624: the next draw twists, as torch's
-    want = [py.getrandbits(32) % 2 ** 24 for _ in range(64)]
-    got = torch.randint(0, 2 ** 24, (64,), generator=_cpu_generator_from_words(raw), dtype=torch.int64)
+    want = [py.getrandbits(32) % 2**24 for _ in range(64)]
+    got = torch.randint(0, 2**24, (64,), generator=_cpu_generator_from_words(raw), dtype=torch.int64)
     assert got.tolist() == want
     with pytest.raises(ValueError, match="all-zero"):
         _cpu_generator_from_words(bytes(4 * _MT_WORDS))
@@ -196,7 +203,7 @@ def test_secret_sources_are_not_seeded_states():
     for _ in range(2):
         gen = NoiseSource("secret")._generator("cpu")
         raw = gen.get_state().numpy().tobytes()
-        words = [int.from_bytes(raw[at + i * width:at + i * width + 4], "little") for i in range(_MT_WORDS)]
+        words = [int.from_bytes(raw[at + i * width : at + i * width + 4], "little") for i in range(_MT_WORDS)]
         assert words[1:4] != _mt_init(words[0], 4)[1:4]  # not the words seeding with words[0] would give
         states.append(words)
     assert states[0] != states[1]

@@ -27,9 +27,12 @@ def _model_batch():
 def test_engine_sources_satisfy_the_protocol():
     model, x, y = _model_batch()
     ce = nn.functional.cross_entropy
-    sources = [per_sample_gradients(model, ce, x, y), fast_per_sample_gradients(model, ce, x, y),
-               *iter_per_sample_sources(model, ce, x, y, 2, engine="reference"),
-               PerSampleGrads([torch.ones(3, 2)])]
+    sources = [
+        per_sample_gradients(model, ce, x, y),
+        fast_per_sample_gradients(model, ce, x, y),
+        *iter_per_sample_sources(model, ce, x, y, 2, engine="reference"),
+        PerSampleGrads([torch.ones(3, 2)]),
+    ]
     for src in sources:
         assert isinstance(src, PerSampleSource), type(src).__name__
     src = sources[0]

@@ -34,7 +34,7 @@ def test_clean_gradient_equals_privatizer_without_noise_and_records_nothing():
     hand = [torch.zeros_like(p) for p in model.parameters()]
     for i in range(12):
         model.zero_grad()
-        LOSS(model(x[i:i + 1]), y[i:i + 1]).backward()
+        LOSS(model(x[i : i + 1]), y[i : i + 1]).backward()
         gs = [p.grad.clone() for p in model.parameters()]
         norm = torch.sqrt(sum((g**2).sum() for g in gs))
         for h, g in zip(hand, gs):
@@ -46,8 +46,9 @@ def test_clean_gradient_equals_privatizer_without_noise_and_records_nothing():
 def test_diagnose_model_rows():
     model = _model()
     x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
-    d = diagnose_model(model, LOSS, x, y, batch_sizes=[8, 64], noise_multipliers={8: 1.0, 64: 2.0},
-                       max_grad_norm=1.0, trials=3)
+    d = diagnose_model(
+        model, LOSS, x, y, batch_sizes=[8, 64], noise_multipliers={8: 1.0, 64: 2.0}, max_grad_norm=1.0, trials=3
+    )
     assert [lay.name for lay in d.layers] == ["0.weight", "2.weight"]
     row = d.layers[0].rows[64]
     assert row.noise_std == pytest.approx(2.0 / 64) and row.mc.trials == 3
@@ -56,9 +57,28 @@ def test_diagnose_model_rows():
 
 def test_cli_diagnose_writes_tables_and_figures(tmp_path):
     out = tmp_path / "diag"
-    res = CliRunner().invoke(app, ["diagnose", "--dataset", "digits", "--batch-sizes", "64,256",
-                                   "--target-epsilon", "4", "--epochs", "2", "--examples", "128",
-                                   "--trials", "3", "--curve-points", "3", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "diagnose",
+            "--dataset",
+            "digits",
+            "--batch-sizes",
+            "64,256",
+            "--target-epsilon",
+            "4",
+            "--epochs",
+            "2",
+            "--examples",
+            "128",
+            "--trials",
+            "3",
+            "--curve-points",
+            "3",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "NON-PRIVATE" in res.output and ("✓" in res.output or "–" in res.output)
     for name in ("recovery.md", "snr.md", "cosines.md", "diagnostics.json", "spectrum.png", "recovery.png"):
@@ -74,14 +94,55 @@ def test_cli_diagnose_checkpoint_and_errors(tmp_path):
 
     run = tmp_path / "run"
     train(TrainConfig(method="dp-sgd", epochs=0.05, out=str(run)))
-    res = CliRunner().invoke(app, ["diagnose", "--dataset", "digits", "--checkpoint", str(run),
-                                   "--noise-multiplier", "1", "--batch-sizes", "64", "--examples", "64",
-                                   "--trials", "2", "--out", str(tmp_path / "d")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "diagnose",
+            "--dataset",
+            "digits",
+            "--checkpoint",
+            str(run),
+            "--noise-multiplier",
+            "1",
+            "--batch-sizes",
+            "64",
+            "--examples",
+            "64",
+            "--trials",
+            "2",
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "checkpoint" in (tmp_path / "d" / "recovery.md").read_text()
-    both = CliRunner().invoke(app, ["diagnose", "--dataset", "digits", "--noise-multiplier", "1",
-                                    "--target-epsilon", "4", "--out", str(tmp_path / "e")])
+    both = CliRunner().invoke(
+        app,
+        [
+            "diagnose",
+            "--dataset",
+            "digits",
+            "--noise-multiplier",
+            "1",
+            "--target-epsilon",
+            "4",
+            "--out",
+            str(tmp_path / "e"),
+        ],
+    )
     assert both.exit_code == 2 and "exactly one" in both.output
-    missing = CliRunner().invoke(app, ["diagnose", "--dataset", "digits", "--checkpoint", str(tmp_path / "nope"),
-                                       "--noise-multiplier", "1", "--out", str(tmp_path / "f")])
+    missing = CliRunner().invoke(
+        app,
+        [
+            "diagnose",
+            "--dataset",
+            "digits",
+            "--checkpoint",
+            str(tmp_path / "nope"),
+            "--noise-multiplier",
+            "1",
+            "--out",
+            str(tmp_path / "f"),
+        ],
+    )
     assert missing.exit_code == 2 and "error:" in missing.output

@@ -80,8 +80,7 @@ def test_top_singular_value_of_noise_and_spike():
     theta = 3 * s * (m * n) ** 0.25
     clean, gen = _spike(m, n, theta)
     noisy = clean + s * torch.randn(m, n, generator=gen, dtype=torch.float64)
-    assert float(singular_values(noisy)[0]) == pytest.approx(predicted_top_singular_value(theta, s, m, n),
-                                                             rel=0.02)
+    assert float(singular_values(noisy)[0]) == pytest.approx(predicted_top_singular_value(theta, s, m, n), rel=0.02)
     pure = s * torch.randn(m, n, generator=gen, dtype=torch.float64)
     assert float(singular_values(pure)[0]) == pytest.approx(noise_edge(s, m, n), rel=0.03)
 
@@ -109,8 +108,7 @@ def test_b_star_scaling():
     assert recovery_batch_size(4.0, 1.0, 1.0, 64, 576) == pytest.approx(0.5 * base)  # 1 / sigma_1
     assert recovery_batch_size(2.0, 1.0, 1.0, 64 * 16, 576) == pytest.approx(2 * base)  # (mn)^{1/4}
     beta = 0.9
-    assert recovery_batch_size(2.0, 1.0, 1.0, 64, 576, beta) == pytest.approx(
-        base * math.sqrt((1 - beta) / (1 + beta)))
+    assert recovery_batch_size(2.0, 1.0, 1.0, 64, 576, beta) == pytest.approx(base * math.sqrt((1 - beta) / (1 + beta)))
     assert recovery_batch_size(0.0, 1.0, 1.0, 4, 4) == math.inf
     # B* is where the threshold ratio crosses 1
     sigma, c = 1.3, 0.8
@@ -131,8 +129,9 @@ def test_spectral_snr_and_diagnose_matrix():
     clean, gen = _spike(64, 128, 5.0)
     s = noise_std(2.0, 1.0, 100)
     assert spectral_snr(clean, s) == pytest.approx(5.0 / (s * math.sqrt(64 * 128)))
-    d = diagnose_matrix(clean, noise_multiplier=2.0, max_grad_norm=1.0, batch_size=100, momentum=0.9,
-                        trials=5, generator=gen)
+    d = diagnose_matrix(
+        clean, noise_multiplier=2.0, max_grad_norm=1.0, batch_size=100, momentum=0.9, trials=5, generator=gen
+    )
     assert d.shape == (64, 128) and d.sigma1 == pytest.approx(5.0)
     assert d.effective_rank == pytest.approx(1.0, abs=1e-6) and d.noisy_effective_rank > 10
     assert d.recoverable == (100 >= d.b_star) and d.b_star_momentum < d.b_star

@@ -35,8 +35,13 @@ DEADLINE_S = 240
 def gloo_group(rank: int, world: int, tmp: str) -> Iterator[None]:
     """Join the gloo group of ``world`` ranks rendezvousing in ``tmp``; one torch thread per rank."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         yield
         _mark_done(tmp, rank)
@@ -93,8 +98,9 @@ def _last_progress(tmp) -> float:
     return max(times) if times else 0.0
 
 
-def spawn_ranks(worker, tmp, world: int = 2, deadline_s: float = DEADLINE_S, stall_s: float = None,
-                max_s: float = 1200.0) -> None:
+def spawn_ranks(
+    worker, tmp, world: int = 2, deadline_s: float = DEADLINE_S, stall_s: float = None, max_s: float = 1200.0
+) -> None:
     """``worker(rank, world, tmp)`` on ``world`` processes; kill them and fail the test past ``deadline_s``.
 
     With ``stall_s`` (ranks reporting :func:`progress`): past ``deadline_s`` the run goes on while some rank
@@ -112,9 +118,13 @@ def spawn_ranks(worker, tmp, world: int = 2, deadline_s: float = DEADLINE_S, sta
             continue  # slow, not stuck
         for p in procs.processes:
             p.kill()
-        why = (f"no rank finished a phase for {idle:.0f} s (stuck)" if stall_s is not None and idle > stall_s
-               else f"still progressing after {elapsed:.0f} s (too slow)" if stall_s is not None
-               else f"did not finish within {deadline_s} s")
+        why = (
+            f"no rank finished a phase for {idle:.0f} s (stuck)"
+            if stall_s is not None and idle > stall_s
+            else f"still progressing after {elapsed:.0f} s (too slow)"
+            if stall_s is not None
+            else f"did not finish within {deadline_s} s"
+        )
         pytest.fail(f"the {world}-process run {why}\n{progress_log(tmp)}")
 
 
@@ -132,6 +142,9 @@ def _joined(procs, tmp, world: int) -> bool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        warnings.warn(f"rank {exc.error_index} died with {exc.signal_name} in gloo's teardown after every "
-                      "rank finished its work; the results are complete", stacklevel=2)
+        warnings.warn(
+            f"rank {exc.error_index} died with {exc.signal_name} in gloo's teardown after every "
+            "rank finished its work; the results are complete",
+            stacklevel=2,
+        )
         return True

@@ -35,8 +35,17 @@ CASES = {
 
 
 def _cfg(out: Path, reproducible: bool = True, **kw) -> TrainConfig:
-    return TrainConfig(dataset="digits", batch_size=64, epochs=0.25, noise_multiplier=1.0, seed=3,
-                       reproducible_noise=reproducible, out=str(out), checkpoint_every=0, **kw)
+    return TrainConfig(
+        dataset="digits",
+        batch_size=64,
+        epochs=0.25,
+        noise_multiplier=1.0,
+        seed=3,
+        reproducible_noise=reproducible,
+        out=str(out),
+        checkpoint_every=0,
+        **kw,
+    )
 
 
 def _noise_std(rank: int) -> float:
@@ -78,8 +87,12 @@ def test_two_processes_equal_one_process(ddp_runs, tmp_path, name):
         warnings.simplefilter("ignore")
         single = train(_cfg(tmp_path / "single", **CASES[name]))
     summary = ranks[0][name]
-    assert summary["world_size"] == 2 and ranks[1][name] == {"rank": 1, "world_size": 2,
-                                                            "steps": single["steps"], "run_dir": None}
+    assert summary["world_size"] == 2 and ranks[1][name] == {
+        "rank": 1,
+        "world_size": 2,
+        "steps": single["steps"],
+        "run_dir": None,
+    }
     assert summary["steps"] == single["steps"] > 1
     assert summary["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
     if name == "quantile":
@@ -118,8 +131,10 @@ def test_shards_partition_and_reproducible_union():
     assert bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
     one = PoissonSampler(n, q, 4, noise=NoiseSource("reproducible", seed=5))
-    shards = [ShardedPoissonSampler(n, q, 4, DistributedContext(r, world),
-                                    noise=NoiseSource("reproducible", seed=5)) for r in range(world)]
+    shards = [
+        ShardedPoissonSampler(n, q, 4, DistributedContext(r, world), noise=NoiseSource("reproducible", seed=5))
+        for r in range(world)
+    ]
     for _ in range(4):
         union = torch.cat([s.sample() for s in shards])
         assert torch.equal(union, one.sample())

@@ -35,14 +35,20 @@ def _run(rank: int, mode) -> dict:
         fully_shard(model[2])
         fully_shard(model)
     g = torch.Generator().manual_seed(rank)
-    data = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)),
-                      batch_size=8)
+    data = DataLoader(
+        TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)), batch_size=8
+    )
     engine = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                                 data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0,
-                                                 distributed=mode)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=data,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            distributed=mode,
+        )
     refs, alive = [], []
     handle = model[2].register_forward_hook(lambda m, a, o: refs.extend([weakref.ref(a[0]), weakref.ref(o)]))
     for x, y in loader:

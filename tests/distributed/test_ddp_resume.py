@@ -35,14 +35,25 @@ STOP_AFTER = 4
 
 def _cfg(out: Path, reproducible: bool) -> TrainConfig:
     # digits: q = 64/1437, 0.5 epoch -> 11 steps; RDP: the quicker accountant (ε is compared, not its value)
-    return TrainConfig(dataset="digits", batch_size=64, epochs=0.5, noise_multiplier=1.0, seed=3, method="dp-adam",
-                       reproducible_noise=reproducible, out=str(out), checkpoint_every=0, accountant="rdp")
+    return TrainConfig(
+        dataset="digits",
+        batch_size=64,
+        epochs=0.5,
+        noise_multiplier=1.0,
+        seed=3,
+        method="dp-adam",
+        reproducible_noise=reproducible,
+        out=str(out),
+        checkpoint_every=0,
+        accountant="rdp",
+    )
 
 
 def _stop_at(step: int):
     def on_step(info: dict) -> None:  # called on rank 0 only: the stop reaches the others through the loop
         if info["step"] == step:
             os.kill(os.getpid(), signal.SIGINT)
+
     return on_step
 
 
@@ -87,8 +98,12 @@ def test_secret_run_interrupted_and_resumed(runs):
     assert [e.step for e in PrivacyLedger.load(out / "ledger.json").entries] == list(range(11))
     assert len((out / "ledger.jsonl").read_text().splitlines()) == 11 + 1  # header + one line per step
     assert check_run(out).passed, (out / "check.txt").read_text()
-    assert sorted(p.name for p in tmp.iterdir() if p.is_dir()) == ["repro", "repro-from-1", "repro-to-1",
-                                                                   "secret"]  # rank 1 wrote nothing
+    assert sorted(p.name for p in tmp.iterdir() if p.is_dir()) == [
+        "repro",
+        "repro-from-1",
+        "repro-to-1",
+        "secret",
+    ]  # rank 1 wrote nothing
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,17 @@ def _full(p) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
-def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducible: bool = True,
-           zero_loss: bool = False, loader=None, steps: int = None, lr: float = 0.05, eps: bool = False) -> dict:
+def _train(
+    sharded: bool,
+    frozen: bool = False,
+    sigma: float = SIGMA,
+    reproducible: bool = True,
+    zero_loss: bool = False,
+    loader=None,
+    steps: int = None,
+    lr: float = 0.05,
+    eps: bool = False,
+) -> dict:
     model = _model(frozen)
     if sharded:
         model = _shard(model)
@@ -87,9 +96,15 @@ def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducib
     gen = torch.Generator().manual_seed(SEED) if reproducible else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reproducible-noise warning
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader or _data(),
-                                                 noise_multiplier=sigma, max_grad_norm=C, noise_generator=gen,
-                                                 distributed="fsdp" if sharded else False)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader or _data(),
+            noise_multiplier=sigma,
+            max_grad_norm=C,
+            noise_generator=gen,
+            distributed="fsdp" if sharded else False,
+        )
     released, raw = [], []
     for t, (x, y) in enumerate(loader):
         if steps is not None and t >= steps:
@@ -101,10 +116,15 @@ def _train(sharded: bool, frozen: bool = False, sigma: float = SIGMA, reproducib
         raw.append(sum(p.grad is not None for p in model.parameters()))  # FSDP wrote no raw reduced gradient
         opt.step()
         released.append([_full(p.grad) * opt.expected_batch_size for p in model.parameters() if p.requires_grad])
-    return {"params": [_full(p) for p in model.parameters()], "epsilon": engine.get_epsilon(1e-5) if eps else None,
-            "ledger": [(e.step, repr(e.event), sorted(e.meta.items()))
-                       for e in engine.ledger.entries], "steps": len(engine.ledger), "released": released, "raw_grads": raw,
-            "local_rows": [p.to_local().shape[0] for p in model.parameters() if hasattr(p, "to_local")]}
+    return {
+        "params": [_full(p) for p in model.parameters()],
+        "epsilon": engine.get_epsilon(1e-5) if eps else None,
+        "ledger": [(e.step, repr(e.event), sorted(e.meta.items())) for e in engine.ledger.entries],
+        "steps": len(engine.ledger),
+        "released": released,
+        "raw_grads": raw,
+        "local_rows": [p.to_local().shape[0] for p in model.parameters() if hasattr(p, "to_local")],
+    }
 
 
 def _refusal(fn) -> str:
@@ -117,8 +137,13 @@ def _refusal(fn) -> str:
 
 def _make(model, optimizer=None):
     return lambda: dpopt.PrivacyEngine().make_private(
-        module=model, optimizer=optimizer or torch.optim.SGD(model.parameters(), lr=0.1), data_loader=_data(),
-        noise_multiplier=1.0, max_grad_norm=1.0, distributed="fsdp")
+        module=model,
+        optimizer=optimizer or torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=_data(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        distributed="fsdp",
+    )
 
 
 def _refusals() -> dict:
@@ -126,8 +151,11 @@ def _refusals() -> dict:
 
     mixed = _model()
     fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    return {"plain": _refusal(_make(_model())), "method": _refusal(_make(_shard(_model()), "dp-adam")),
-            "mixed": _refusal(_make(mixed))}
+    return {
+        "plain": _refusal(_make(_model())),
+        "method": _refusal(_make(_shard(_model()), "dp-adam")),
+        "mixed": _refusal(_make(mixed)),
+    }
 
 
 class _Mix(nn.Module):
@@ -141,15 +169,21 @@ def _mixing() -> str:
     m = _model()
     m = _shard(nn.Sequential(m[0], _Mix(), nn.ReLU(), m[3]))
     engine = dpopt.PrivacyEngine()
-    model, opt, loader = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                             data_loader=_data(), noise_multiplier=1.0, max_grad_norm=1.0,
-                                             distributed="fsdp")
+    model, opt, loader = engine.make_private(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=_data(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        distributed="fsdp",
+    )
 
     def step():
         x, y = next(iter(loader))
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
     return _refusal(step) + f" | ledger {len(engine.ledger)}"
 
 
@@ -158,7 +192,9 @@ def _hsdp() -> str:
     from torch.distributed.fsdp import fully_shard
 
     m = _model()
-    fully_shard(m, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))  # replicate over 1, shard over 2: HSDP placements
+    fully_shard(
+        m, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    )  # replicate over 1, shard over 2: HSDP placements
     return _refusal(_make(m))
 
 
@@ -169,8 +205,14 @@ def _micro(loader) -> list:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0, max_grad_norm=C,
-            noise_generator=torch.Generator().manual_seed(SEED), distributed="fsdp")
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            noise_generator=torch.Generator().manual_seed(SEED),
+            distributed="fsdp",
+        )
     x, y = next(iter(loader))
     half = x.shape[0] // 2
     for lo, hi, skip in ((0, half, True), (half, x.shape[0], False)):
@@ -208,10 +250,14 @@ def _tied(sharded: bool) -> list:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-            data_loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=50), noise_multiplier=SIGMA,
-            max_grad_norm=C, noise_generator=torch.Generator().manual_seed(SEED),
-            distributed="fsdp" if sharded else False)
+            module=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            data_loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=50),
+            noise_multiplier=SIGMA,
+            max_grad_norm=C,
+            noise_generator=torch.Generator().manual_seed(SEED),
+            distributed="fsdp" if sharded else False,
+        )
     for t, (x, y) in enumerate(loader):
         if t >= 3:
             break
@@ -232,12 +278,19 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         x[0] *= 50.0  # a large example (its gradient is clipped), removed below
         keep = torch.arange(40) != 0
         cases = [
-            ("equal", lambda: _train(True, eps=True)), ("frozen", lambda: _train(True, frozen=True)),
+            ("equal", lambda: _train(True, eps=True)),
+            ("frozen", lambda: _train(True, frozen=True)),
             ("noise", lambda: _train(True, reproducible=False, zero_loss=True, steps=3, lr=0.0)),
-            ("with", lambda: _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x, y), batch_size=40), steps=1,
-                                    lr=0.0)),
-            ("without", lambda: _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x[keep], y[keep]),
-                                                                           batch_size=39), steps=1, lr=0.0)),
+            (
+                "with",
+                lambda: _train(True, sigma=0.0, loader=DataLoader(TensorDataset(x, y), batch_size=40), steps=1, lr=0.0),
+            ),
+            (
+                "without",
+                lambda: _train(
+                    True, sigma=0.0, loader=DataLoader(TensorDataset(x[keep], y[keep]), batch_size=39), steps=1, lr=0.0
+                ),
+            ),
             ("refusals", lambda: dict(_refusals(), hsdp=_hsdp(), mixing=_mixing())),
             ("micro", lambda: _micro(DataLoader(TensorDataset(x, y), batch_size=40))),
             ("tied", lambda: _tied(True)),
@@ -266,10 +319,17 @@ def fsdp_runs(tmp_path_factory):
         except pytest.fail.Exception:
             if attempt:
                 raise
-            stacks = "".join((tmp / f"stacks-rank{r}.txt").read_text()[:4000] for r in range(2)
-                             if (tmp / f"stacks-rank{r}.txt").exists())
-            warnings.warn(f"the 2-rank FSDP run stalled (retrying once); progress:\n{progress_log(tmp)}\n"
-                          f"the ranks' stacks:\n{stacks}", UserWarning, stacklevel=2)
+            stacks = "".join(
+                (tmp / f"stacks-rank{r}.txt").read_text()[:4000]
+                for r in range(2)
+                if (tmp / f"stacks-rank{r}.txt").exists()
+            )
+            warnings.warn(
+                f"the 2-rank FSDP run stalled (retrying once); progress:\n{progress_log(tmp)}\n"
+                f"the ranks' stacks:\n{stacks}",
+                UserWarning,
+                stacklevel=2,
+            )
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -289,8 +349,11 @@ def test_two_ranks_equal_one_process(fsdp_runs, frozen):
     assert moved == ([False, False] + [True] * 4 if frozen else [True] * 6)  # frozen stays; the rest trains
     assert fsdp_runs[0][name]["local_rows"] != fsdp_runs[1][name]["local_rows"]  # really sharded (33 rows: 17/16)
     if not frozen:
-        assert fsdp_runs[0][name]["epsilon"] == fsdp_runs[1][name]["epsilon"] == pytest.approx(
-            dpsgd_epsilon(SIGMA, 1 / 6, 6, 1e-5), rel=1e-9)
+        assert (
+            fsdp_runs[0][name]["epsilon"]
+            == fsdp_runs[1][name]["epsilon"]
+            == pytest.approx(dpsgd_epsilon(SIGMA, 1 / 6, 6, 1e-5), rel=1e-9)
+        )
 
 
 def test_fsdp_reduces_no_raw_gradient(fsdp_runs):

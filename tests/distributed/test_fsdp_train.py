@@ -30,22 +30,58 @@ from dpopt.training import TrainConfig, train
 
 pytestmark = pytest.mark.slow  # two torchrun ranks: ~25 s on a loaded 2-core machine (imports)
 
-FLAGS = dict(dataset="digits", method="dp-sgd", batch_size=256, epochs=1.0, seed=3, physical_batch_size=50,
-             reproducible_noise=True, log_every=2)
+FLAGS = dict(
+    dataset="digits",
+    method="dp-sgd",
+    batch_size=256,
+    epochs=1.0,
+    seed=3,
+    physical_batch_size=50,
+    reproducible_noise=True,
+    log_every=2,
+)
 
 
 def _cli_flags(out) -> list:
-    return ["train", "--fsdp", "--method", "dp-sgd", "--dataset", "digits", "--batch-size", "256", "--epochs", "1",
-            "--seed", "3", "--physical-batch-size", "50", "--reproducible-noise", "--log-every", "2", "--out", str(out),
-            "--json"]
+    return [
+        "train",
+        "--fsdp",
+        "--method",
+        "dp-sgd",
+        "--dataset",
+        "digits",
+        "--batch-size",
+        "256",
+        "--epochs",
+        "1",
+        "--seed",
+        "3",
+        "--physical-batch-size",
+        "50",
+        "--reproducible-noise",
+        "--log-every",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    ]
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp-train") / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dpopt",
-           *_cli_flags(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "dpopt",
+        *_cli_flags(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     summary_path = out / "summary.json"
     assert summary_path.exists(), f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
@@ -90,9 +126,16 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
         assert a_row["test_loss"] == pytest.approx(b_row["test_loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("change,field", [({"method": "dp-macadam"}, "method"), ({"clipping": "quantile"}, "clipping"),
-                                          ({"lora_rank": 4}, "lora_rank"), ({"ema_decay": 0.99}, "ema_decay"),
-                                          ({"checkpoint_every": 10}, "checkpoint_every")])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"method": "dp-macadam"}, "method"),
+        ({"clipping": "quantile"}, "clipping"),
+        ({"lora_rank": 4}, "lora_rank"),
+        ({"ema_decay": 0.99}, "ema_decay"),
+        ({"checkpoint_every": 10}, "checkpoint_every"),
+    ],
+)
 def test_refusals_name_the_option(change, field):
     with pytest.raises(ConfigError) as info:
         check_fsdp_config(TrainConfig(**dict(FLAGS, **change)))

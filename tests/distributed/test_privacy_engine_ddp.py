@@ -33,8 +33,11 @@ BATCH = 128  # 1437 digits -> len(loader) = 12 steps per epoch, q = 1/12
 CASES = {
     "adamw": dict(optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), epochs=2, kw={}),
     "macadam": dict(optimizer=lambda m: "dp-macadam", epochs=1, kw=dict(lr=3e-3)),
-    "adaptive": dict(optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), epochs=1,
-                     kw=dict(clipping="adaptive")),
+    "adaptive": dict(
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
+        epochs=1,
+        kw=dict(clipping="adaptive"),
+    ),
 }
 SEED = 11  # the reproducible noise/mask stream (research mode: the test needs the same draws twice)
 
@@ -56,9 +59,16 @@ def _train(name: str, init_seed: int, distributed: bool, reproducible: bool = Tr
     generator = torch.Generator().manual_seed(SEED) if reproducible else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reproducible-noise warning
-        model, opt, loader = engine.make_private(module=model, optimizer=case["optimizer"](model),
-                                                 data_loader=_data(), noise_multiplier=1.0, max_grad_norm=1.0,
-                                                 noise_generator=generator, distributed=distributed, **case["kw"])
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=case["optimizer"](model),
+            data_loader=_data(),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_generator=generator,
+            distributed=distributed,
+            **case["kw"],
+        )
     batches = []
     for _ in range(case["epochs"]):
         for x, y, idx in loader:
@@ -66,11 +76,17 @@ def _train(name: str, init_seed: int, distributed: bool, reproducible: bool = Tr
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "epsilon": engine.get_epsilon(1e-5),
-            "steps": len(engine.ledger), "ledger_steps": [e.step for e in engine.ledger.entries],
-            "batches": batches, "expected_batch_size": opt.expected_batch_size, "len": len(loader),
-            "clip_history": list(opt.privatizer.clip_history),
-            "replicas_equal": check_replicas(list(model.parameters()), context()) if distributed else None}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "epsilon": engine.get_epsilon(1e-5),
+        "steps": len(engine.ledger),
+        "ledger_steps": [e.step for e in engine.ledger.entries],
+        "batches": batches,
+        "expected_batch_size": opt.expected_batch_size,
+        "len": len(loader),
+        "clip_history": list(opt.privatizer.clip_history),
+        "replicas_equal": check_replicas(list(model.parameters()), context()) if distributed else None,
+    }
 
 
 def _refusal(fn) -> str:
@@ -83,8 +99,14 @@ def _refusal(fn) -> str:
 
 def _make(model, loader, **kw):
     return lambda: dpopt.PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-        noise_multiplier=1.0, max_grad_norm=1.0, distributed=True, **kw)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        distributed=True,
+        **kw,
+    )
 
 
 def _refusals(rank: int) -> dict:
@@ -96,9 +118,16 @@ def _refusals(rank: int) -> dict:
         "no_poisson": _refusal(_make(model, _data(), poisson_sampling=False)),
         "mismatch": _refusal(_make(model, _data(64 if rank == 0 else 32))),
         # rank 1 alone refuses (an optimizer over another model's parameters): rank 0 must not hang
-        "one_rank": _refusal(lambda: dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD((other if rank == 1 else model).parameters(), lr=0.1),
-            data_loader=_data(), noise_multiplier=1.0, max_grad_norm=1.0, distributed=True)),
+        "one_rank": _refusal(
+            lambda: dpopt.PrivacyEngine().make_private(
+                module=model,
+                optimizer=torch.optim.SGD((other if rank == 1 else model).parameters(), lr=0.1),
+                data_loader=_data(),
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                distributed=True,
+            )
+        ),
         "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
     }
 

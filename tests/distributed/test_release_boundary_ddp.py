@@ -41,8 +41,14 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, opt, loader = dpopt.PrivacyEngine().make_private(
-                module=model, optimizer=sgd, data_loader=DataLoader(OneHot(), batch_size=2),
-                noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum", distributed=True)
+                module=model,
+                optimizer=sgd,
+                data_loader=DataLoader(OneHot(), batch_size=2),
+                noise_multiplier=0.0,
+                max_grad_norm=1.0,
+                loss_reduction="sum",
+                distributed=True,
+            )
         drawn = []  # this rank's shard of each logical batch, in order
         poisson = loader.poisson
         orig_iter = type(poisson).__iter__
@@ -69,8 +75,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     opt.zero_grad()
                     model(x).sum().backward()
                     opt.step()
-        torch.save({"releases": releases, "ledger": len(opt.privatizer.ledger), "len": len(loader), "drawn": drawn},
-                   f"{tmp}/rank{rank}.pt")
+        torch.save(
+            {"releases": releases, "ledger": len(opt.privatizer.ledger), "len": len(loader), "drawn": drawn},
+            f"{tmp}/rank{rank}.pt",
+        )
 
 
 def test_skipped_and_broken_bmm_loops_on_two_ranks_release_in_step(tmp_path):

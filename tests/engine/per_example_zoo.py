@@ -218,7 +218,7 @@ def loop_grads(model: nn.Module, loss_fn, x, y, batch_dim: int = 0) -> list[torc
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for i in range(y.shape[0]):
-        loss = loss_fn(model(x.narrow(batch_dim, i, 1)), y[i:i + 1])
+        loss = loss_fn(model(x.narrow(batch_dim, i, 1)), y[i : i + 1])
         gs = torch.autograd.grad(loss, params, allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)])
     return [torch.stack([r[k] for r in rows]) for k in range(len(params))]

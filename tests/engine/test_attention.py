@@ -127,8 +127,13 @@ def _engine_release_times_b(model0, x, y):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # poisson_sampling=False is warned about: not what is tested here
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=1.0), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+        )
     before = [p.detach().clone() for p in params]
     opt.zero_grad()
     ce(model(x), y).backward()
@@ -155,8 +160,7 @@ class Encoder(nn.Module):
     def __init__(self, batch_first: bool, dropout: float = 0.0, norm_first: bool = False):
         super().__init__()
         self.batch_first = batch_first
-        self.enc = nn.TransformerEncoderLayer(E, 2, 12, dropout=dropout, batch_first=batch_first,
-                                              norm_first=norm_first)
+        self.enc = nn.TransformerEncoderLayer(E, 2, 12, dropout=dropout, batch_first=batch_first, norm_first=norm_first)
         self.head = nn.Linear(E, K)
 
     def forward(self, x):
@@ -168,13 +172,15 @@ class Attend(nn.Module):
     """MHA with a per-example key padding mask (the last input feature > 0.8 marks padding), a causal
     attention mask, optional bias_kv / zero attention / cross-attention to a projected memory."""
 
-    def __init__(self, batch_first=True, add_bias_kv=False, add_zero_attn=False, cross=False, kdim=None,
-                 need_weights=False):
+    def __init__(
+        self, batch_first=True, add_bias_kv=False, add_zero_attn=False, cross=False, kdim=None, need_weights=False
+    ):
         super().__init__()
         self.batch_first, self.cross, self.need_weights = batch_first, cross, need_weights
         self.mem = nn.Linear(E, kdim or E)
-        self.mha = nn.MultiheadAttention(E, 2, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                                         kdim=kdim, vdim=kdim, batch_first=batch_first)
+        self.mha = nn.MultiheadAttention(
+            E, 2, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim, vdim=kdim, batch_first=batch_first
+        )
         self.head = nn.Linear(E, K)
 
     def forward(self, x):
@@ -200,8 +206,17 @@ def test_tapped_mha_forward_equals_torch(batch_first, bias, bias_kv, zero_attn):
     torch.manual_seed(0)
     dt = torch.float64
     for kd in (None, 5):
-        m = nn.MultiheadAttention(E, 2, bias=bias, add_bias_kv=bias_kv, add_zero_attn=zero_attn, kdim=kd, vdim=kd,
-                                  batch_first=batch_first, dtype=dt).train()
+        m = nn.MultiheadAttention(
+            E,
+            2,
+            bias=bias,
+            add_bias_kv=bias_kv,
+            add_zero_attn=zero_attn,
+            kdim=kd,
+            vdim=kd,
+            batch_first=batch_first,
+            dtype=dt,
+        ).train()
         m.dropout = 0.0
         q = torch.randn(3, T, E, dtype=dt)
         k, v = torch.randn(3, 6, kd or E, dtype=dt), torch.randn(3, 6, kd or E, dtype=dt)
@@ -212,9 +227,13 @@ def test_tapped_mha_forward_equals_torch(batch_first, bias, bias_kv, zero_attn):
             s = kk.shape[1 if batch_first else 0]
             pad = torch.zeros(3, s, dtype=torch.bool)
             pad[1, -2:] = True
-            for kw in ({}, {"key_padding_mask": pad}, {"attn_mask": torch.randn(T, s, dtype=dt)},
-                       {"attn_mask": torch.randn(T, s) > 1.0, "key_padding_mask": pad},
-                       {"attn_mask": torch.randn(3 * 2, T, s, dtype=dt)}):
+            for kw in (
+                {},
+                {"key_padding_mask": pad},
+                {"attn_mask": torch.randn(T, s, dtype=dt)},
+                {"attn_mask": torch.randn(T, s) > 1.0, "key_padding_mask": pad},
+                {"attn_mask": torch.randn(3 * 2, T, s, dtype=dt)},
+            ):
                 for nw, avg in ((False, True), (True, True), (True, False)):
                     want = m(qq, kk, vv, need_weights=nw, average_attn_weights=avg, **kw)
                     got = mha_forward(m, _nothing, qq, kk, vv, need_weights=nw, average_attn_weights=avg, **kw)
@@ -231,15 +250,23 @@ def test_tapped_forwards_equal_torch_causal_and_sequence_first_encoder():
     causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=dt)
     for nw in (True, False):
         want = m(x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0]
-        torch.testing.assert_close(mha_forward(m, _nothing, x, x, x, attn_mask=causal, is_causal=True,
-                                               need_weights=nw)[0], want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            mha_forward(m, _nothing, x, x, x, attn_mask=causal, is_causal=True, need_weights=nw)[0],
+            want,
+            rtol=0,
+            atol=1e-12,
+        )
     for norm_first in (False, True):
         layer = nn.TransformerEncoderLayer(E, 2, 12, dropout=0.0, norm_first=norm_first, dtype=dt).train()
         src = torch.randn(5, 3, E, dtype=dt)
         pad = torch.zeros(3, 5, dtype=torch.bool)
         pad[0, -1] = True
-        torch.testing.assert_close(encoder_layer_forward(layer, _nothing, src, src_key_padding_mask=pad),
-                                   layer(src, src_key_padding_mask=pad), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            encoder_layer_forward(layer, _nothing, src, src_key_padding_mask=pad),
+            layer(src, src_key_padding_mask=pad),
+            rtol=0,
+            atol=1e-12,
+        )
 
 
 # --------------------------------------------------------------------------- both doors, exact
@@ -250,9 +277,18 @@ def test_transformer_encoder_layer_per_example_gradients_both_doors(batch_first,
     both_doors_match(lambda: Encoder(batch_first, norm_first=not batch_first), *_data(dtype), dtype=dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(batch_first=False), dict(add_bias_kv=True, add_zero_attn=True),
-                                dict(cross=True), dict(kdim=6, batch_first=False), dict(need_weights=True)],
-                         ids=["masks", "seq-first", "bias-kv-zero-attn", "cross", "kdim", "need-weights"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(batch_first=False),
+        dict(add_bias_kv=True, add_zero_attn=True),
+        dict(cross=True),
+        dict(kdim=6, batch_first=False),
+        dict(need_weights=True),
+    ],
+    ids=["masks", "seq-first", "bias-kv-zero-attn", "cross", "kdim", "need-weights"],
+)
 def test_mha_with_masks_per_example_gradients_both_doors(kw):
     torch.manual_seed(1)
     both_doors_match(lambda: Attend(**kw), *_data())
@@ -301,9 +337,11 @@ def test_attention_dropout_in_train_mode_both_doors_given_the_masks(door, batch_
 
 
 # --------------------------------------------------------------------------- sensitivity, refusals
-@pytest.mark.parametrize("make_model",
-                         [lambda: Encoder(True), lambda: Encoder(False), lambda: Attend(add_bias_kv=True)],
-                         ids=["encoder-batch-first", "encoder-seq-first", "mha-masks-bias-kv"])
+@pytest.mark.parametrize(
+    "make_model",
+    [lambda: Encoder(True), lambda: Encoder(False), lambda: Attend(add_bias_kv=True)],
+    ids=["encoder-batch-first", "encoder-seq-first", "mha-masks-bias-kv"],
+)
 def test_sigma_zero_sensitivity_within_c_both_doors(make_model):
     torch.manual_seed(5)
     sensitivity_within_c(make_model().train(), *_data())

@@ -64,7 +64,7 @@ def _truth(model, x, y):
     rows = []
     for i in range(len(y)):
         with _bf16():
-            loss = ce(model(x[i:i + 1]), y[i:i + 1])
+            loss = ce(model(x[i : i + 1]), y[i : i + 1])
         rows.append(torch.autograd.grad(loss, params))
     return [torch.stack([r[k] for r in rows]) for k in range(len(params))]
 

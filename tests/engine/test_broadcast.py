@@ -85,8 +85,12 @@ def batch():
 def norms_equal(src, model, x, y):
     ref = per_sample_gradients(model, ce, x, y)
     n = src.num_params
-    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
-                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        src.sq_norms(ClipGeometry(), list(range(n)), n),
+        ref.sq_norms(ClipGeometry(), list(range(n)), n),
+        rtol=1e-10,
+        atol=1e-14,
+    )
     w = torch.rand(B, 1, dtype=DT, generator=torch.Generator().manual_seed(2))
     for a, b in zip(src.weighted_sum(w, ClipGeometry(), [0] * n), ref.weighted_sum(w, ClipGeometry(), [0] * n)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
@@ -138,8 +142,12 @@ def test_position_ids_of_one_example_are_not_expanded():
     src = PerSampleEngine(model, ce).compute(x[:1], y[:1])
     norms_equal_one = per_sample_gradients(model, ce, x[:1], y[:1])
     n = src.num_params
-    torch.testing.assert_close(src.sq_norms(ClipGeometry(), [0] * n, 1),
-                               norms_equal_one.sq_norms(ClipGeometry(), [0] * n, 1), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        src.sq_norms(ClipGeometry(), [0] * n, 1),
+        norms_equal_one.sq_norms(ClipGeometry(), [0] * n, 1),
+        rtol=1e-10,
+        atol=1e-14,
+    )
 
 
 @pytest.mark.parametrize("cls", [PosIds, ViTish])
@@ -151,11 +159,17 @@ def test_broadcast_patterns_at_several_evaluation_points(cls):
     x, y = batch()
     params = list(model.parameters())
     g = torch.Generator().manual_seed(5)
-    pts = [EvaluationPoint(0.7),
-           EvaluationPoint(-0.3, tuple(0.1 * torch.randn(p.shape, generator=g, dtype=DT) for p in params))]
+    pts = [
+        EvaluationPoint(0.7),
+        EvaluationPoint(-0.3, tuple(0.1 * torch.randn(p.shape, generator=g, dtype=DT) for p in params)),
+    ]
     eng = PerSampleEngine(model, ce)
     src, ref = eng.compute(x, y, pts), per_sample_gradients(model, ce, x, y, pts)
     assert eng.fallback_names == []
     n = len(params)
-    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
-                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        src.sq_norms(ClipGeometry(), list(range(n)), n),
+        ref.sq_norms(ClipGeometry(), list(range(n)), n),
+        rtol=1e-10,
+        atol=1e-14,
+    )

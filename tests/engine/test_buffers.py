@@ -32,8 +32,12 @@ class Rebind(Counter):
 
 
 def test_instance_norm_with_running_stats_is_refused_statically():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
-                          nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3),
+        nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
     with pytest.raises(ValueError, match="track_running_stats=False"):
         check_model(model)
     check_model(nn.Sequential(nn.InstanceNorm2d(4, affine=True)))  # no tracked statistics: fine
@@ -71,8 +75,13 @@ def test_loss_must_be_one_number_per_example(engine):
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a 1-element loss (reduction="none") is fine: no fallback warning
-        src = next(iter(iter_per_sample_sources(
-            model, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"), x, y, engine=engine)))
+        src = next(
+            iter(
+                iter_per_sample_sources(
+                    model, lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"), x, y, engine=engine
+                )
+            )
+        )
     assert src.batch_size == 4
     with pytest.raises(ValueError, match="one number per example"):
         list(iter_per_sample_sources(model, lambda o, t: o.sum(0), x, y, engine=engine))

@@ -70,9 +70,13 @@ def _plain_loop(model, steps=2):
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, dl = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          data_loader=DataLoader(_data(), batch_size=16), noise_multiplier=0.0,
-                                          max_grad_norm=1.0)
+        model, opt, dl = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=16),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
     n = 0
     for x, y in dl:
         if len(x) < 2:
@@ -135,9 +139,13 @@ def test_buffer_set_between_steps_by_the_user_is_accepted():
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, dl = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          data_loader=DataLoader(_data(), batch_size=16), noise_multiplier=0.0,
-                                          max_grad_norm=1.0)
+        model, opt, dl = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=16),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
     for step, (x, y) in enumerate(dl):
         model.code.data = torch.full((4,), float(step))  # public: a function of the step count only
         opt.zero_grad()
@@ -162,9 +170,13 @@ def test_first_batch_check_restores_the_random_generator():
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, dl = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          data_loader=DataLoader(_data(), batch_size=16), noise_multiplier=0.0,
-                                          max_grad_norm=1.0)
+        model, opt, dl = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=16),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
     cap = opt._capture
     for x, y in dl:  # noqa: B007 (x and y are read after the loop)
         if len(x) >= 2:
@@ -190,6 +202,7 @@ def test_engine_door_check_restores_the_random_generator():
     torch.manual_seed(5)
     model2 = Dropped().train()
     from dpopt.engine.fast import PerSampleEngine
+
     eng = PerSampleEngine(model2, nn.functional.cross_entropy, verify=False)
     eng.compute(x, y)
     after_unchecked = torch.rand(3)

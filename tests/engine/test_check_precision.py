@@ -52,9 +52,16 @@ class Center(nn.Module):
 
 def _ws_net(mix: bool = False):
     torch.manual_seed(0)
-    return nn.Sequential(WSConv2d(3, 8, 3, padding=1), Shift(8), nn.GroupNorm(2, 8), nn.ReLU(),
-                         Center() if mix else nn.Identity(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-                         nn.Linear(32, 5))
+    return nn.Sequential(
+        WSConv2d(3, 8, 3, padding=1),
+        Shift(8),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        Center() if mix else nn.Identity(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32, 5),
+    )
 
 
 def _data(n=12):
@@ -69,8 +76,10 @@ def strict_float32(monkeypatch):
 
 
 def _snapshot(model):
-    return ([(p, p.data, p.detach().clone()) for p in model.parameters()],
-            [(b, b.detach().clone()) for b in model.buffers()])
+    return (
+        [(p, p.data, p.detach().clone()) for p in model.parameters()],
+        [(b, b.detach().clone()) for b in model.buffers()],
+    )
 
 
 def _assert_unchanged(model, snap):
@@ -124,8 +133,13 @@ def _privacy_engine_step(model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # poisson_sampling=False is warned about: not what is tested here
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=0.1), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=1.0, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=0.1),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()

@@ -28,8 +28,9 @@ from dpopt.losses import per_example_lm_loss  # noqa: E402
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
-        cfg = T.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=19, n_positions=8, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = T.GPT2Config(
+            n_layer=2, n_embd=8, n_head=2, vocab_size=19, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
         self.hf = T.GPT2LMHeadModel(cfg)
 
     def forward(self, ids):

@@ -93,9 +93,14 @@ def _private(model, dataset, collate, batch_size=8, poisson=True):
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, dl = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                          data_loader=DataLoader(dataset, batch_size=batch_size, collate_fn=collate),
-                                          noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=poisson)
+        model, opt, dl = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(dataset, batch_size=batch_size, collate_fn=collate),
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=poisson,
+        )
     return eng, model, opt, dl
 
 
@@ -130,7 +135,7 @@ class Subset(Dataset):
 def _release(build, dataset, collate):
     """The σ = 0 release of ONE step on the whole ``dataset`` (one fixed batch), times the expected batch size."""
     eng, model, opt, dl = _private(build(), dataset, collate, batch_size=len(dataset), poisson=False)
-    (x, y), = list(dl)
+    ((x, y),) = list(dl)
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y, reduction="sum").div(len(y)).backward()
     opt.step()
@@ -138,9 +143,16 @@ def _release(build, dataset, collate):
     return torch.cat([p.grad.flatten() for p in model.parameters()]) * opt.expected_batch_size
 
 
-@pytest.mark.parametrize("build, collate", [
-    (LastStep, pad_fixed), (lambda: LastStep(packed=True), pad_longest), (lambda: MeanPool(masked=True), pad_longest),
-    (MeanPool, pad_fixed)], ids=["lstm-fixed-length", "lstm-packed", "masked-mean", "mean-fixed-length"])
+@pytest.mark.parametrize(
+    "build, collate",
+    [
+        (LastStep, pad_fixed),
+        (lambda: LastStep(packed=True), pad_longest),
+        (lambda: MeanPool(masked=True), pad_longest),
+        (MeanPool, pad_fixed),
+    ],
+    ids=["lstm-fixed-length", "lstm-packed", "masked-mean", "mean-fixed-length"],
+)
 def test_safe_forms_train_and_removing_any_record_moves_the_release_by_at_most_c(build, collate):
     data = Seqs(lengths=ONE_LONGEST)
     full = _release(build, data, collate)
@@ -161,7 +173,7 @@ def test_pad_to_longest_moved_the_release_by_more_than_c_without_the_check(build
     def release(dataset):
         eng, model, opt, dl = _private(build(), dataset, pad_longest, batch_size=len(dataset), poisson=False)
         opt._capture.collate_probe = None  # the collate check switched off
-        (x, y), = list(dl)
+        ((x, y),) = list(dl)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y, reduction="sum").div(len(y)).backward()
         opt.step()

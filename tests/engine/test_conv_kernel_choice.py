@@ -52,6 +52,8 @@ print(h.hexdigest())
 
 
 def test_two_processes_give_bit_identical_per_example_norms_and_sums():
-    outs = {subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout.strip()
-            for _ in range(2)}
+    outs = {
+        subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout.strip()
+        for _ in range(2)
+    }
     assert len(outs) == 1

@@ -70,8 +70,12 @@ def geometries(params, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     shift = tuple(0.3 * torch.randn(p.shape, generator=g, dtype=DT) for p in params)
     scale = tuple(0.2 + torch.rand(p.shape, generator=g, dtype=DT) for p in params)
-    return {"flat": ClipGeometry(), "shift-scale": ClipGeometry(shift, scale),
-            "shift": ClipGeometry(shift, None), "scale": ClipGeometry(None, scale)}
+    return {
+        "flat": ClipGeometry(),
+        "shift-scale": ClipGeometry(shift, scale),
+        "shift": ClipGeometry(shift, None),
+        "scale": ClipGeometry(None, scale),
+    }
 
 
 def assert_close(a, b, rtol=1e-9):
@@ -106,8 +110,7 @@ def test_mixed_model_plan_covers_supported_layers_and_falls_back_for_the_rest():
 @pytest.mark.parametrize("budget", ["cached", "uncached", "tiny-chunks"])
 def test_fast_equals_reference_all_geometries_flat_and_per_layer(budget):
     model = make_mixed()
-    kw = {"cached": {}, "uncached": {"cache_bytes": 0},
-          "tiny-chunks": {"cache_bytes": 0, "chunk_bytes": 1}}[budget]
+    kw = {"cached": {}, "uncached": {"cache_bytes": 0}, "tiny-chunks": {"cache_bytes": 0, "chunk_bytes": 1}}[budget]
     x, y = mixed_batch(9)
     fast = PerSampleEngine(model, ce, **kw).compute(x, y)
     ref = per_sample_gradients(model, ce, x, y)
@@ -145,18 +148,24 @@ def test_im2col_matches_unfold():
 
 
 @pytest.mark.parametrize("method", CONV_METHODS)
-@pytest.mark.parametrize("conv", [
-    dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1),
-    dict(in_channels=2, out_channels=3, kernel_size=(2, 3), padding="same", padding_mode="reflect", dilation=(1, 2)),
-    dict(in_channels=2, out_channels=2, kernel_size=3, padding=0, bias=False),
-])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1),
+        dict(
+            in_channels=2, out_channels=3, kernel_size=(2, 3), padding="same", padding_mode="reflect", dilation=(1, 2)
+        ),
+        dict(in_channels=2, out_channels=2, kernel_size=3, padding=0, bias=False),
+    ],
+)
 def test_conv_per_sample_kernels_equal_autograd(method, conv):
     torch.manual_seed(0)
     m = nn.Conv2d(**conv).to(DT)
     x = torch.randn(5, m.in_channels, 9, 8, dtype=DT)
     e = torch.randn_like(m(x))
-    want = torch.stack([torch.autograd.grad((m(x[i:i + 1]) * e[i:i + 1]).sum(), m.weight)[0]
-                        for i in range(5)]).reshape(5, m.out_channels, -1)
+    want = torch.stack(
+        [torch.autograd.grad((m(x[i : i + 1]) * e[i : i + 1]).sum(), m.weight)[0] for i in range(5)]
+    ).reshape(5, m.out_channels, -1)
     got = ConvPart(m, x, e).per_sample(1, 4, method)
     assert_close(got, want[1:4])
 
@@ -256,8 +265,9 @@ def test_float32_mlp_equivalence_and_dtype():
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     fast, ref = fast_per_sample_gradients(model, ce, x, y), per_sample_gradients(model, ce, x, y)
     params = list(model.parameters())
-    geo = ClipGeometry(tuple(0.01 * torch.randn_like(p) for p in params),
-                       tuple(0.05 + torch.rand_like(p) for p in params))
+    geo = ClipGeometry(
+        tuple(0.01 * torch.randn_like(p) for p in params), tuple(0.05 + torch.rand_like(p) for p in params)
+    )
     a, b = fast.sq_norms(geo, [0] * 4, 1), ref.sq_norms(geo, [0] * 4, 1)
     assert a.dtype == torch.float32
     assert torch.allclose(a, b, rtol=1e-4)
@@ -269,8 +279,14 @@ def test_float32_mlp_equivalence_and_dtype():
 # ---------------------------------------------------------------- full privatize() outputs
 def _privatize(model, src_fn, geometry=None, **kw):
     params = list(model.parameters())
-    priv = Privatizer(1.3, kw.pop("bound", 0.7), expected_batch_size=8.0, sample_rate=0.1,
-                      generator=torch.Generator().manual_seed(11), **kw)
+    priv = Privatizer(
+        1.3,
+        kw.pop("bound", 0.7),
+        expected_batch_size=8.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(11),
+        **kw,
+    )
     rel = priv.privatize(src_fn(), geometry, params_like=params)
     return rel, priv
 
@@ -296,7 +312,8 @@ def test_privatize_outputs_identical_with_fixed_seed(mode):
     if mode == "quantile":
         assert pf.bounds == pytest.approx(pr.bounds, rel=1e-12)
         assert pf.ledger.entries[-1].meta["released_fraction"] == pytest.approx(
-            pr.ledger.entries[-1].meta["released_fraction"], rel=1e-12)
+            pr.ledger.entries[-1].meta["released_fraction"], rel=1e-12
+        )
 
 
 def test_dp_macadam_steps_identical_fast_vs_reference():
@@ -305,9 +322,17 @@ def test_dp_macadam_steps_identical_fast_vs_reference():
     finals = []
     for engine in ("fast", "reference"):
         model = make_mixed()
-        opt = make_optimizer("dp-macadam", model.parameters(), noise_multiplier=0.8, expected_batch_size=10.0,
-                             sample_rate=0.1, generator=torch.Generator().manual_seed(0), lr=1e-2,
-                             h1=1e-6, h2=1.0)
+        opt = make_optimizer(
+            "dp-macadam",
+            model.parameters(),
+            noise_multiplier=0.8,
+            expected_batch_size=10.0,
+            sample_rate=0.1,
+            generator=torch.Generator().manual_seed(0),
+            lr=1e-2,
+            h1=1e-6,
+            h2=1.0,
+        )
         for _ in range(3):
             opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points(), engine=engine))
         finals.append([p.detach().clone() for p in model.parameters()])
@@ -334,8 +359,10 @@ def test_cnn5_float32_fast_equals_reference_with_macadam_geometry():
     fast, ref = fast_per_sample_gradients(model, ce, x, y), per_sample_gradients(model, ce, x, y)
     params = list(model.parameters())
     d = num_parameters(model)
-    geo = ClipGeometry(tuple(1e-3 * torch.randn_like(p) for p in params),
-                       tuple(torch.full_like(p, 1.0 / d) * (0.5 + torch.rand_like(p)) for p in params))
+    geo = ClipGeometry(
+        tuple(1e-3 * torch.randn_like(p) for p in params),
+        tuple(torch.full_like(p, 1.0 / d) * (0.5 + torch.rand_like(p)) for p in params),
+    )
     a, b = fast.sq_norms(geo, [0] * len(params), 1), ref.sq_norms(geo, [0] * len(params), 1)
     # the shifted closed form of the Linear layers returns a guaranteed upper bound (float32
     # products + their worst-case rounding error, engine/shifted_norm.py), up to 2·RECHECK_RTOL above

@@ -88,8 +88,9 @@ def test_hook_door_equals_torch_func(name, reduction):
     truth = _func_truth(layer, x, y, _l1("sum"))  # the per-example loss l_i (the door undoes the mean)
     cap = HookCapture(layer, loss_reduction=reduction)
     try:
-        _l1(reduction)(layer(x), y).backward() if reduction == "sum" else \
-            (_l1("sum")(layer(x), y) / x.shape[0]).backward()
+        _l1(reduction)(layer(x), y).backward() if reduction == "sum" else (
+            _l1("sum")(layer(x), y) / x.shape[0]
+        ).backward()
         src = cap.collect()
     finally:
         cap.detach()

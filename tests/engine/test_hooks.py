@@ -51,8 +51,14 @@ class RNNNet(nn.Module):
 
 def _models():
     torch.manual_seed(0)
-    cnn = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
-                        nn.Conv2d(4, 4, 3, stride=2), nn.Flatten(), nn.Linear(36, 3))
+    cnn = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, stride=2),
+        nn.Flatten(),
+        nn.Linear(36, 3),
+    )
     return {
         "mlp": (nn.Sequential(nn.Linear(5, 7), nn.ReLU(), Scale(7), nn.Linear(7, 3)), lambda b: torch.randn(b, 5)),
         "cnn": (cnn, lambda b: torch.randn(b, 1, 8, 8)),
@@ -75,9 +81,13 @@ def _loop(model, x, y):
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for i in range(len(y)):
-        loss = nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
-        rows.append([torch.zeros_like(p) if g is None else g
-                     for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))])
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        rows.append(
+            [
+                torch.zeros_like(p) if g is None else g
+                for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))
+            ]
+        )
     return [torch.stack([r[k] for r in rows]) for k in range(len(params))]
 
 

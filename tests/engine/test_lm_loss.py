@@ -12,8 +12,7 @@ from dpopt.losses import per_example_lm_loss
 
 def _logits():
     # B = 2, T = 3, V = 2: position logits chosen so that each token's loss is log(1 + e^{-1}) or log(1 + e)
-    z = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]],
-                      [[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]]], dtype=torch.float64)
+    z = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]]], dtype=torch.float64)
     return z
 
 
@@ -48,7 +47,7 @@ def test_one_examples_loss_does_not_depend_on_the_others():
     y[2, 1:] = -100  # a short example
     full = per_example_lm_loss(z, y)
     for i in range(3):
-        torch.testing.assert_close(per_example_lm_loss(z[i:i + 1], y[i:i + 1]), full[i:i + 1])
+        torch.testing.assert_close(per_example_lm_loss(z[i : i + 1], y[i : i + 1]), full[i : i + 1])
 
 
 def test_bad_arguments_say_what_to_change():

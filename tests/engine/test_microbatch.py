@@ -27,8 +27,9 @@ def ce(out, target):
 
 def small_cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 6 * 6, 5)).to(DT)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)
+    ).to(DT)
 
 
 def batch(b: int):
@@ -43,11 +44,17 @@ def test_split_step_equals_unsplit_step_and_records_one_event(engine, quantile):
     out = []
     for physical in (None, 4, 1):
         model = small_cnn()
-        priv = Privatizer(1.1, 0.5, expected_batch_size=10.0, sample_rate=0.01,
-                          quantile=QuantileClipping(2.0) if quantile else None,
-                          generator=torch.Generator().manual_seed(7))
-        rel = priv.privatize(iter_per_sample_sources(model, ce, x, y, physical, engine=engine),
-                             params_like=list(model.parameters()))
+        priv = Privatizer(
+            1.1,
+            0.5,
+            expected_batch_size=10.0,
+            sample_rate=0.01,
+            quantile=QuantileClipping(2.0) if quantile else None,
+            generator=torch.Generator().manual_seed(7),
+        )
+        rel = priv.privatize(
+            iter_per_sample_sources(model, ce, x, y, physical, engine=engine), params_like=list(model.parameters())
+        )
         assert len(priv.ledger) == 1 and priv.releases == (2 if quantile else 1)
         out.append((rel, priv.bounds))
     (ref, ref_bounds), *split = out
@@ -62,9 +69,17 @@ def test_macadam_geometry_split_equals_unsplit_over_steps():
     finals = []
     for physical in (None, 2):
         model = small_cnn()
-        opt = make_optimizer("dp-macadam", model.parameters(), noise_multiplier=1.0, expected_batch_size=9.0,
-                             sample_rate=0.1, generator=torch.Generator().manual_seed(3), lr=1e-2,
-                             h1=1e-6, h2=1.0)
+        opt = make_optimizer(
+            "dp-macadam",
+            model.parameters(),
+            noise_multiplier=1.0,
+            expected_batch_size=9.0,
+            sample_rate=0.1,
+            generator=torch.Generator().manual_seed(3),
+            lr=1e-2,
+            h1=1e-6,
+            h2=1.0,
+        )
         for _ in range(3):
             opt.step(iter_per_sample_sources(model, ce, x, y, physical, opt.evaluation_points()))
         assert len(opt.privatizer.ledger) == 3
@@ -103,8 +118,9 @@ def test_empty_logical_batch_still_released_once():
     priv = Privatizer(1.0, 1.0, expected_batch_size=4.0, sample_rate=0.1, generator=torch.Generator().manual_seed(0))
     sources = list(iter_per_sample_sources(model, ce, x, y, physical_batch_size=3))
     assert len(sources) == 1 and sources[0].batch_size == 0
-    rel = priv.privatize(iter_per_sample_sources(model, ce, x, y, physical_batch_size=3),
-                         params_like=list(model.parameters()))
+    rel = priv.privatize(
+        iter_per_sample_sources(model, ce, x, y, physical_batch_size=3), params_like=list(model.parameters())
+    )
     assert len(priv.ledger) == 1
     # pure noise / B̄: std σC/B̄ = 0.25 per coordinate; nonzero and finite
     flat = torch.cat([g.flatten() for g in rel.grads])
@@ -136,9 +152,16 @@ def test_train_with_physical_batches_equals_unsplit(tmp_path):
     data = load_dataset("digits")
     runs = []
     for physical in (None, 16):
-        cfg = TrainConfig(dataset="digits", method="dp-sgd", batch_size=64, epochs=0.15, seed=3,
-                          physical_batch_size=physical, out=str(tmp_path / f"run{physical}"),
-                          reproducible_noise=True)  # same noise in both runs: research mode
+        cfg = TrainConfig(
+            dataset="digits",
+            method="dp-sgd",
+            batch_size=64,
+            epochs=0.15,
+            seed=3,
+            physical_batch_size=physical,
+            out=str(tmp_path / f"run{physical}"),
+            reproducible_noise=True,
+        )  # same noise in both runs: research mode
         summary = train(cfg, data)
         state = torch.load(tmp_path / f"run{physical}" / "model.pt")
         runs.append((summary, state))

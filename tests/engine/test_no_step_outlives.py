@@ -48,9 +48,11 @@ class Watch:
 
     def layer(self, module: nn.Module):
         """Watch every input and output of ``module``'s calls (a recorded activation)."""
+
         def hook(mod, args, out):
             self.add(*[a for a in args if isinstance(a, torch.Tensor)])
             self.add(*(out if isinstance(out, tuple) else (out,)))
+
         return module.register_forward_hook(hook)
 
     def alive(self) -> int:
@@ -93,16 +95,22 @@ MODELS = {"mlp": MLP, "lstm": lambda: Recurrent("lstm"), "gru": lambda: Recurren
 
 def _data(batch_size=12):
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)),
-                      batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)), batch_size=batch_size
+    )
 
 
 def _private(model, **kw):
     torch.manual_seed(0)
     engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=_data(kw.pop("batch_size", 12)), noise_multiplier=1.0,
-                                             max_grad_norm=1.0, **kw)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=_data(kw.pop("batch_size", 12)),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        **kw,
+    )
     return engine, model, opt, loader
 
 
@@ -117,8 +125,7 @@ def _step(model, opt, x, y, watch: Watch) -> None:
 
 
 def _dpopt_hooks(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__)
-               for m in model.modules())
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__) for m in model.modules())
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -153,8 +160,9 @@ def test_batch_memory_manager_skipped_steps_keep_nothing():
 
 
 def test_views_keep_nothing():
-    engine, model, opt, loader = _private(MLP(), augmentation_multiplicity=2,
-                                          augmentation=lambda x, g: x + 0.01 * torch.randn(x.shape, generator=g))
+    engine, model, opt, loader = _private(
+        MLP(), augmentation_multiplicity=2, augmentation=lambda x, g: x + 0.01 * torch.randn(x.shape, generator=g)
+    )
     watch = Watch()
     watch.layer(model.fc2)
     for x, y in loader:
@@ -181,6 +189,7 @@ def test_exceptions_mid_step_keep_nothing():
     watch = Watch()
     watch.layer(model.fc2)
     x, y = torch.randn(6, D), torch.randint(0, C, (6,))
+
     # 1. a forward that raises half-way (fc1 recorded, fc2 raises)
     def fail(module, args):
         watch.add(*args)
@@ -300,8 +309,10 @@ def test_dpopt_train_keeps_nothing_of_a_step(tmp_path):
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
-        train(TrainConfig(method="dp-sgd", batch_size=128, epochs=1, out=str(tmp_path / "run"), seed=0,
-                          accountant="rdp"), on_step=on_step)
+        train(
+            TrainConfig(method="dp-sgd", batch_size=128, epochs=1, out=str(tmp_path / "run"), seed=0, accountant="rdp"),
+            on_step=on_step,
+        )
     finally:
         handle.remove()
     assert len(seen) >= 5 and seen[-1][1] > 0

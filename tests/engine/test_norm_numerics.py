@@ -72,9 +72,9 @@ def _geometry(g: torch.Tensor, regime: str, log_shift: float, log_spread: float,
     scale = torch.exp(math.log(10.0) * log_spread * (2 * torch.rand(shape, generator=gen, dtype=torch.float64) - 1))
     noise = torch.randn(shape, generator=gen, dtype=torch.float64)
     if regime == "large":
-        shift = (10.0 ** log_shift) * rms * noise
+        shift = (10.0**log_shift) * rms * noise
     else:
-        shift = g[0] + (10.0 ** -log_shift) * rms * noise
+        shift = g[0] + (10.0**-log_shift) * rms * noise
     return shift.to(dtype), scale.to(dtype)
 
 
@@ -83,7 +83,7 @@ def _geometry(g: torch.Tensor, regime: str, log_shift: float, log_spread: float,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=8, deadline=None, derandomize=True)
-@given(log_shift=st.floats(0.0, 4.0), log_spread=st.floats(0.0, 3.0), seed=st.integers(0, 2 ** 20))
+@given(log_shift=st.floats(0.0, 4.0), log_spread=st.floats(0.0, 3.0), seed=st.integers(0, 2**20))
 def test_fast_block_norm_equals_float64_materialised_norm(kind, dtype, regime, geo, log_shift, log_spread, seed):
     if kind == "gram" and geo != "flat":
         pytest.skip("the Gram form is used in flat geometry only")
@@ -155,12 +155,15 @@ def test_gram_form_does_not_cancel_in_float32():
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("t, p, q, cache, form", [
-    (2, 64, 64, 1 << 30, "gram"),     # r = T(p+q)/pq = 0.06 < 1/3: Gram even though the cache fits
-    (3, 16, 16, 1 << 30, "direct"),   # r = 0.375: the cached direct form
-    (3, 16, 16, 0, "gram"),           # r < 1 and no cache: Gram
-    (8, 16, 16, 0, "direct"),         # r = 1: direct (recomputed clipped sum)
-])
+@pytest.mark.parametrize(
+    "t, p, q, cache, form",
+    [
+        (2, 64, 64, 1 << 30, "gram"),  # r = T(p+q)/pq = 0.06 < 1/3: Gram even though the cache fits
+        (3, 16, 16, 1 << 30, "direct"),  # r = 0.375: the cached direct form
+        (3, 16, 16, 0, "gram"),  # r < 1 and no cache: Gram
+        (8, 16, 16, 0, "direct"),  # r = 1: direct (recomputed clipped sum)
+    ],
+)
 def test_form_choice_by_work_ratio_and_cache(t, p, q, cache, form):
     """FactoredBlock's form in flat geometry (GRAM_WITH_CACHE_BELOW); each form's norm and sum are exact."""
     from dpopt.engine.layers import Budget, FactoredBlock, LinearPart

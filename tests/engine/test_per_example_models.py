@@ -51,8 +51,11 @@ def test_per_example_gradients_equal_single_example_autograd(name, engine, b):
     # a later batch of another size (B = T after B != T and conversely) is still right
     b2 = 3 if b == T else T
     model2_x, model2_y = case.batch(b2, T, torch.Generator().manual_seed(9))
-    _check(_source(model, model2_x, model2_y, engine, case.batch_dim),
-           loop_grads(model, ce, model2_x, model2_y, case.batch_dim), b2)
+    _check(
+        _source(model, model2_x, model2_y, engine, case.batch_dim),
+        loop_grads(model, ce, model2_x, model2_y, case.batch_dim),
+        b2,
+    )
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -65,7 +68,7 @@ def test_physical_chunks_along_batch_dim(engine):
     start = 0
     for src in srcs:
         n = src.batch_size
-        _check(src, [g[start:start + n] for g in truth], n)
+        _check(src, [g[start : start + n] for g in truth], n)
         start += n
     assert start == 7
 
@@ -96,16 +99,22 @@ def test_targets_of_another_length_are_refused_not_cut(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("layer, fix", [
-    (nn.Embedding(V := 11, 4, max_norm=1.0), "max_norm=None"),
-    (nn.Embedding(11, 4, sparse=True), "sparse=False"),
-    (nn.EmbeddingBag(11, 4, sparse=True), "sparse=False"),
-    (nn.EmbeddingBag(11, 4, max_norm=2.0), "max_norm=None"),
-    (nn.BatchNorm1d(4), "GroupNorm"),
-])
+@pytest.mark.parametrize(
+    "layer, fix",
+    [
+        (nn.Embedding(V := 11, 4, max_norm=1.0), "max_norm=None"),
+        (nn.Embedding(11, 4, sparse=True), "sparse=False"),
+        (nn.EmbeddingBag(11, 4, sparse=True), "sparse=False"),
+        (nn.EmbeddingBag(11, 4, max_norm=2.0), "max_norm=None"),
+        (nn.BatchNorm1d(4), "GroupNorm"),
+    ],
+)
 def test_refused_layers_name_the_fix(engine, layer, fix):
-    model = nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 3)) if isinstance(layer, nn.BatchNorm1d) \
+    model = (
+        nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 3))
+        if isinstance(layer, nn.BatchNorm1d)
         else nn.Sequential(layer, nn.Flatten(), nn.Linear(12 if isinstance(layer, nn.Embedding) else 4, 3))
+    )
     if isinstance(layer, nn.BatchNorm1d):
         model.append(layer)
     x, y = torch.randint(0, 11, (4, 3)), torch.randint(0, 3, (4,))
@@ -219,8 +228,9 @@ def test_low_precision_parameters_give_no_false_warning(dtype):
 def test_cpu_bf16_autocast_with_conv2d():
     """oneDNN once crashed on the engine's conv math under autocast; it now runs outside autocast in float32."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(4 * 36, 3))
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)
+    )
     x, y = torch.randn(5, 2, 6, 6), torch.randint(0, 3, (5,))
     truth = loop_grads(model, ce, x, y)
     for engine in ENGINES:

@@ -39,12 +39,20 @@ def _nothing(*args) -> None:
 class Classifier(nn.Module):
     """x [B, T, D] → recurrent layer (either layout) → last step's output (or the packed final state) → Linear."""
 
-    def __init__(self, kind: str, layers: int = 1, bidirectional: bool = False, batch_first: bool = True,
-                 dropout: float = 0.0, packed: bool = False):
+    def __init__(
+        self,
+        kind: str,
+        layers: int = 1,
+        bidirectional: bool = False,
+        batch_first: bool = True,
+        dropout: float = 0.0,
+        packed: bool = False,
+    ):
         super().__init__()
         self.batch_first, self.packed = batch_first, packed
-        self.rnn = CELLS[kind](D, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
-                               dropout=dropout)
+        self.rnn = CELLS[kind](
+            D, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, dropout=dropout
+        )
         self.head = nn.Linear(H * (2 if bidirectional else 1), K)
 
     def forward(self, x):
@@ -52,7 +60,7 @@ class Classifier(nn.Module):
             lengths = (x[..., -1] > 0.25).sum(1).clamp_min(1).cpu()
             h = self.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[1]
             h = h[0] if isinstance(h, tuple) else h
-            return self.head(torch.cat(list(h[-(2 if self.rnn.bidirectional else 1):]), dim=1))
+            return self.head(torch.cat(list(h[-(2 if self.rnn.bidirectional else 1) :]), dim=1))
         out = self.rnn(x if self.batch_first else x.transpose(0, 1))[0]
         return self.head((out if self.batch_first else out.transpose(0, 1))[:, -1])
 

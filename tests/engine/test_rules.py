@@ -23,7 +23,9 @@ def registry():
 
 
 def test_builtin_rules_and_their_conditions():
-    assert {nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm} <= set(RULES)  # + attention, recurrent
+    assert {nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm} <= set(
+        RULES
+    )  # + attention, recurrent
     assert rule_for(nn.RMSNorm(4)) is RULES[nn.RMSNorm]
     assert rule_for(nn.Linear(2, 3)) is RULES[nn.Linear]
     assert rule_for(nn.Conv2d(4, 4, 3)) is not None

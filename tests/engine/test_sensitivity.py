@@ -18,8 +18,16 @@ from dpopt.engine import iter_per_sample_sources
 from dpopt.types import ClipGeometry
 
 T = B = 5
-KINDS = ["tok-pos", "seq-first", "transpose-inside", "time-distributed", "gru", "shared", "conv-groupnorm",
-         "mixes-examples"]
+KINDS = [
+    "tok-pos",
+    "seq-first",
+    "transpose-inside",
+    "time-distributed",
+    "gru",
+    "shared",
+    "conv-groupnorm",
+    "mixes-examples",
+]
 
 
 def clipped_sum(model, x, y, engine, batch_dim, c):

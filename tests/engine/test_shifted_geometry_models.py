@@ -57,8 +57,9 @@ def test_shifted_norms_bound_the_single_example_truth_and_sensitivity_holds(name
     model, x = _float32(model, x)
     truth_grads = [g.double() for g in loop_grads(model, ce, x, y, case.batch_dim)]
     geo = _geometry(truth_grads, torch.Generator().manual_seed(7))
-    truth = sum(((g - m.double()) / s.double()).flatten(1).square().sum(1)
-                for g, m, s in zip(truth_grads, geo.shift, geo.scale))
+    truth = sum(
+        ((g - m.double()) / s.double()).flatten(1).square().sum(1) for g, m, s in zip(truth_grads, geo.shift, geo.scale)
+    )
 
     src = _source(model, x, y, case.batch_dim)
     got = src.sq_norms(geo, [0] * src.num_params, 1)[:, 0].double()

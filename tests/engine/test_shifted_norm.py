@@ -25,18 +25,23 @@ def _truth(e, a, m, b):
 
 def _inputs(seed: int, bsz: int, q: int, p: int, near_rows: int, log_scale: float, log_spread: float):
     gen = torch.Generator().manual_seed(seed)
-    e = torch.randn(bsz, q, generator=gen) * 10.0 ** log_scale
+    e = torch.randn(bsz, q, generator=gen) * 10.0**log_scale
     a = torch.randn(bsz, p, generator=gen)
-    m = 0.3 * torch.randn(q, p, generator=gen) * 10.0 ** log_scale
+    m = 0.3 * torch.randn(q, p, generator=gen) * 10.0**log_scale
     for i in range(near_rows):  # the shift within 1e-3 of this example's gradient: heavy cancellation
-        m = torch.outer(e[i], a[i]) + 1e-3 * 10.0 ** log_scale * torch.randn(q, p, generator=gen)
+        m = torch.outer(e[i], a[i]) + 1e-3 * 10.0**log_scale * torch.randn(q, p, generator=gen)
     b = torch.exp(log_spread * (2 * torch.rand(q, p, generator=gen) - 1))
     return e, a, m, b
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2 ** 20), near=st.integers(0, 1), log_scale=st.floats(-3, 3),
-       log_spread=st.floats(0, 4), scaled=st.booleans())
+@given(
+    seed=st.integers(0, 2**20),
+    near=st.integers(0, 1),
+    log_scale=st.floats(-3, 3),
+    log_spread=st.floats(0, 4),
+    scaled=st.booleans(),
+)
 def test_never_below_the_exact_norm_and_within_two_rtol(seed, near, log_scale, log_spread, scaled):
     e, a, m, b = _inputs(seed, 9, 40, 30, near, log_scale, log_spread)
     b = b if scaled else None

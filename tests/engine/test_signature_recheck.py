@@ -94,9 +94,13 @@ def test_privacy_engine_refuses_after_the_change(name):
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, _ = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-                                         noise_multiplier=0.0, max_grad_norm=1.0)
+        model, opt, _ = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
     opt.zero_grad()
     ce(model(x[:4]), y[:4]).backward()
     opt.step()  # the first batch: checked (small), per example: released
@@ -164,9 +168,13 @@ def test_unchanged_signature_is_checked_once():
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, _ = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-                                         noise_multiplier=0.0, max_grad_norm=1.0)
+        model, opt, _ = eng.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
     cap = opt._capture
     for b in (16, 17, 20, 31, 16):
         opt.zero_grad()

@@ -80,8 +80,10 @@ def _tied_forms(src):
 
 def _geometry(params, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return ClipGeometry(shift=[0.1 * torch.randn(p.shape, generator=g, dtype=DT) for p in params],
-                        scale=[0.5 + torch.rand(p.shape, generator=g, dtype=DT) for p in params])
+    return ClipGeometry(
+        shift=[0.1 * torch.randn(p.shape, generator=g, dtype=DT) for p in params],
+        scale=[0.5 + torch.rand(p.shape, generator=g, dtype=DT) for p in params],
+    )
 
 
 def test_tied_embedding_and_head_factored_norms_and_sums_equal_torch_func():
@@ -148,14 +150,18 @@ def test_hook_capture_of_a_tied_weight_equals_torch_func(cls):
     cap = HookCapture(model, "sum")
     try:
         out = model(x)
-        sum(lm(out[i:i + 1], y[i:i + 1]) for i in range(B)).backward()
+        sum(lm(out[i : i + 1], y[i : i + 1]) for i in range(B)).backward()
         src = cap.collect()
     finally:
         cap.detach()
     ref = per_sample_gradients(model, lm, x, y)
     n = src.num_params
-    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
-                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        src.sq_norms(ClipGeometry(), list(range(n)), n),
+        ref.sq_norms(ClipGeometry(), list(range(n)), n),
+        rtol=1e-10,
+        atol=1e-14,
+    )
 
 
 def test_sigma_zero_sensitivity_of_the_tied_model_is_at_most_c():
@@ -195,5 +201,9 @@ def test_a_tied_use_that_is_never_called_adds_nothing():
     assert not any(isinstance(blk, TiedBlock) for blk in src.blocks)  # no zero [B, V, D] block, no dense form
     ref = per_sample_gradients(model, F.cross_entropy, x, y)
     n = src.num_params
-    torch.testing.assert_close(src.sq_norms(ClipGeometry(), list(range(n)), n),
-                               ref.sq_norms(ClipGeometry(), list(range(n)), n), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        src.sq_norms(ClipGeometry(), list(range(n)), n),
+        ref.sq_norms(ClipGeometry(), list(range(n)), n),
+        rtol=1e-10,
+        atol=1e-14,
+    )

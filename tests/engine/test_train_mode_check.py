@@ -97,8 +97,13 @@ def _engine_release_times_b(model0, x, y):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # poisson_sampling=False is warned about: not what is tested here
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=1.0), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+        )
     before = [p.detach().clone() for p in params]
     opt.zero_grad()
     ce(model(x), y).backward()
@@ -137,8 +142,13 @@ def test_fast_engine_refuses_a_train_mode_mixer_that_cannot_run_on_one_example()
         _fast_sum(_batchstats_model(), x, y)
 
 
-@pytest.mark.parametrize("kind, why", [("center", r"do not match single-example autograd in the mode .*model\.train"),
-                                       ("batch-stats", "failed on one example")])
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("center", r"do not match single-example autograd in the mode .*model\.train"),
+        ("batch-stats", "failed on one example"),
+    ],
+)
 def test_privacy_engine_refuses_a_train_mode_mixer(kind, why):
     x, y = _data()
     with pytest.raises(ValueError, match=why):
@@ -237,8 +247,9 @@ def test_attention_dropout_in_train_mode_is_replayed_and_the_encoder_stays_fast(
         warnings.simplefilter("always")
         eng.compute(x, y)
     assert not [w for w in caught if "fast per-sample rules" in str(w.message)]
-    assert {"enc.linear1.weight", "enc.linear2.weight", "enc.norm1.weight", "enc.norm2.bias",
-            "head.weight"} <= set(eng.fast_names)
+    assert {"enc.linear1.weight", "enc.linear2.weight", "enc.norm1.weight", "enc.norm2.bias", "head.weight"} <= set(
+        eng.fast_names
+    )
 
 
 class Scale(nn.Module):
@@ -291,7 +302,7 @@ def test_replay_gives_example_i_its_row_of_the_batched_draws():
     with rep.recording():
         batched = m(x)
     with rep.replaying(7):
-        rows = torch.cat([m(x[i:i + 1]) for i in range(7)])
+        rows = torch.cat([m(x[i : i + 1]) for i in range(7)])
     assert torch.equal(rows, batched)
     assert rep.k == 6  # every draw replayed
 
@@ -348,8 +359,13 @@ def test_a_mode_change_between_steps_reruns_the_check_in_both_doors():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=0.1), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=0.1),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+        )
     for _ in range(2):
         opt.zero_grad()
         ce(model(x), y).backward()

@@ -110,7 +110,7 @@ def truth(model, x, y) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for r in range(x.shape[0]):
-        gs = torch.autograd.grad(ce(model(x[r:r + 1]), y[r:r + 1]), params, allow_unused=True)
+        gs = torch.autograd.grad(ce(model(x[r : r + 1]), y[r : r + 1]), params, allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, gs)])
     per_row = [torch.stack([row[k] for row in rows]) for k in range(len(params))]
     return [g.reshape(-1, K, *g.shape[1:]).mean(1) for g in per_row]
@@ -166,6 +166,7 @@ def test_hook_door_views_equal_single_example_autograd_mean(kind, reduction):
 
 def test_views_through_the_reference_path_and_batch_dim():
     """Parameters without a rule (and inputs with the rows along another axis) average the views too."""
+
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -209,7 +210,7 @@ def test_conv_views_both_kernels_and_gram_equal_the_sum_over_views(method, paddi
     e = torch.randn(out.shape, generator=gen, dtype=DT)
     rows = []  # per-row weight gradients by autograd: d<conv(x_r), e_r>/dw
     for r in range(B * K):
-        rows.append(torch.autograd.grad((conv(x[r:r + 1]) * e[r:r + 1]).sum(), conv.weight)[0])
+        rows.append(torch.autograd.grad((conv(x[r : r + 1]) * e[r : r + 1]).sum(), conv.weight)[0])
     want = torch.stack(rows).reshape(B, K, 4, -1).sum(1)  # [B, q, p]
     part = ConvPart(conv, x, e, views=K)
     assert part.T == K * out.shape[2] * out.shape[3]
@@ -290,6 +291,7 @@ def test_a_row_count_that_is_not_a_multiple_of_k_is_refused_by_both_doors():
 
 def test_a_model_that_mixes_the_views_of_an_example_is_caught_by_the_check():
     """Mixing across rows (here: batch centring) is mixing across examples too: the engine demotes, hooks refuse."""
+
     class Centre(nn.Module):
         def __init__(self):
             super().__init__()

@@ -25,8 +25,9 @@ from dpopt.types import ClipGeometry
 
 def _model():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
-                        nn.Linear(16 * 4 * 4, 3))
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 3)
+    )
     return dpopt.fix(net)
 
 
@@ -53,8 +54,9 @@ def test_both_doors_keep_the_conv_bias_on_the_fast_path_without_warning_or_refus
         src = eng.compute(x, y)
         assert eng.fallback_names == []
         ref = per_sample_gradients(model, F.cross_entropy, x, y)
-        torch.testing.assert_close(src.sq_norms(ClipGeometry(), [0] * 6, 1), ref.sq_norms(ClipGeometry(), [0] * 6, 1),
-                                   rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(
+            src.sq_norms(ClipGeometry(), [0] * 6, 1), ref.sq_norms(ClipGeometry(), [0] * 6, 1), rtol=1e-4, atol=1e-8
+        )
         cap = HookCapture(model, "mean")
         try:
             F.cross_entropy(model(x), y).backward()

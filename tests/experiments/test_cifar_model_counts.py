@@ -22,8 +22,15 @@ from dpopt.errors import ConfigError
 from dpopt.models import MODELS, build_model, check_model, num_parameters
 from dpopt.types import ClipGeometry
 
-COUNTS = {"mlp-small": 4_810, "mlp": 795_010, "cnn5": 582_346, "wrn16-4": 2_748_890, "resnet18": 11_173_962,
-          "cnn5-ws": 582_346, "wrn16-4-ws": 2_748_890}  # WSConv2d: the same parameters (issue 24)
+COUNTS = {
+    "mlp-small": 4_810,
+    "mlp": 795_010,
+    "cnn5": 582_346,
+    "wrn16-4": 2_748_890,
+    "resnet18": 11_173_962,
+    "cnn5-ws": 582_346,
+    "wrn16-4-ws": 2_748_890,
+}  # WSConv2d: the same parameters (issue 24)
 
 
 def test_every_model_has_a_tested_count():

@@ -55,7 +55,9 @@ def test_grid_points_and_labels(tmp_path):
 def test_data_dir_override_keeps_run_identities(tmp_path):
     """--data-dir replaces where the data is read from, not what a run is: finished runs stay recognised."""
     cfg = tmp_path / "dd.toml"
-    cfg.write_text(CONFIG.format(epochs=1.0).replace('dataset = "digits"', 'dataset = "digits"\ndata_dir = "../shared/data"'))
+    cfg.write_text(
+        CONFIG.format(epochs=1.0).replace('dataset = "digits"', 'dataset = "digits"\ndata_dir = "../shared/data"')
+    )
     plain = load_sweep(cfg, out=tmp_path / "out")
     moved = load_sweep(cfg, out=tmp_path / "out", data_dir=str(tmp_path))
     assert [p.run_id for p in moved.points] == [p.run_id for p in plain.points]
@@ -99,7 +101,7 @@ def test_killed_sweep_resumes_and_skips_finished_runs(tmp_path):
     records = read_results(results)
     ids = [r["run_id"] for r in records]
     assert len(ids) == 12 and len(set(ids)) == 12  # every run once: nothing finished was run again
-    assert [r["run_id"] for r in records[:len(first)]] == [r["run_id"] for r in first]
+    assert [r["run_id"] for r in records[: len(first)]] == [r["run_id"] for r in first]
     for r in records:
         if r["run_id"] in done_before:  # not retrained
             assert Path(r["run_dir"], "summary.json").stat().st_mtime == mtimes[r["run_id"]]
@@ -117,12 +119,13 @@ def test_killed_sweep_resumes_and_skips_finished_runs(tmp_path):
 def test_interrupted_run_is_resumed_from_its_checkpoint(tmp_path):
     """SIGINT stops the in-progress run cleanly (checkpoint written, exit 130); the rerun continues it."""
     cfg = tmp_path / "one.toml"
-    cfg.write_text('[sweep]\nthreads = 1\n[base]\ndataset = "digits"\nmethod = "dp-sgd"\nbatch_size = 32\n'
-                   'epochs = 40\n[grid]\nseed = [0]\n')
+    cfg.write_text(
+        '[sweep]\nthreads = 1\n[base]\ndataset = "digits"\nmethod = "dp-sgd"\nbatch_size = 32\n'
+        "epochs = 40\n[grid]\nseed = [0]\n"
+    )
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(_sweep_cmd(cfg, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(_sweep_cmd(cfg, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and not list(out.glob("runs/*/checkpoint.pt")):

@@ -56,23 +56,48 @@ def _labels(ids: torch.Tensor, gen) -> torch.Tensor:
 
 
 def gpt2(dtype, gen, lora=False):
-    cfg = T.GPT2Config(n_layer=2, n_embd=D, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=P_DROP,
-                       embd_pdrop=P_DROP, attn_pdrop=P_DROP, bos_token_id=0, eos_token_id=0)
+    cfg = T.GPT2Config(
+        n_layer=2,
+        n_embd=D,
+        n_head=2,
+        vocab_size=V,
+        n_positions=16,
+        resid_pdrop=P_DROP,
+        embd_pdrop=P_DROP,
+        attn_pdrop=P_DROP,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     hf = T.GPT2LMHeadModel(cfg)
     assert hf.lm_head.weight is hf.transformer.wte.weight  # tied
     if lora:
         import peft
-        hf = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
-                                                     fan_in_fan_out=True, lora_dropout=P_DROP))
+
+        hf = peft.get_peft_model(
+            hf,
+            peft.LoraConfig(
+                r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=P_DROP
+            ),
+        )
     model = Wrap(hf).to(dtype).train()
     ids = torch.randint(0, V, (B, L), generator=gen)
     return model, ids, _labels(ids, gen), per_example_lm_loss, _lm_batch
 
 
 def bert(dtype, gen):
-    cfg = T.BertConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=32, max_position_embeddings=16, type_vocab_size=2, num_labels=3,
-                       hidden_dropout_prob=P_DROP, attention_probs_dropout_prob=P_DROP, pad_token_id=0)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        num_labels=3,
+        hidden_dropout_prob=P_DROP,
+        attention_probs_dropout_prob=P_DROP,
+        pad_token_id=0,
+    )
     model = Wrap(T.BertForSequenceClassification(cfg), ("input_ids", "attention_mask", "token_type_ids"))
     model = model.to(dtype).train()
     ids = torch.randint(1, V, (B, L), generator=gen)
@@ -80,24 +105,43 @@ def bert(dtype, gen):
     mask[0, -2:] = 0  # example 0 is padded
     ids[0, -2:] = 0
     tt = torch.zeros(B, L, dtype=torch.long)
-    tt[:, L // 2:] = 1
+    tt[:, L // 2 :] = 1
     y = torch.randint(0, 3, (B,), generator=gen)
     return model, torch.stack([ids, mask, tt], 1), y, _ce, _ce
 
 
 def vit(dtype, gen):
-    cfg = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=D, num_hidden_layers=2,
-                      num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=P_DROP,
-                      attention_probs_dropout_prob=P_DROP)
+    cfg = T.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        hidden_dropout_prob=P_DROP,
+        attention_probs_dropout_prob=P_DROP,
+    )
     model = Wrap(T.ViTForImageClassification(cfg), ("pixel_values",)).to(dtype).train()
     x = torch.randn(B, 3, 8, 8, generator=gen, dtype=dtype)
     return model, x, torch.randint(0, 3, (B,), generator=gen), _ce, _ce
 
 
 def llama(dtype, gen):
-    cfg = T.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                        attention_dropout=P_DROP, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = T.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        attention_dropout=P_DROP,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = Wrap(T.LlamaForCausalLM(cfg)).to(dtype).train()
     ids = torch.randint(0, V, (B, L), generator=gen)
     return model, ids, _labels(ids, gen), per_example_lm_loss, _lm_batch
@@ -119,9 +163,9 @@ def reference(model, loss_fn, x, y, replay=None):
     """Exact per-example gradients ``[B, *p.shape]`` per trainable parameter (one autograd call per example)."""
     params = trainable(model)
     rows = []
-    with (replay.replaying(int(y.shape[0])) if replay is not None else nullcontext()):
+    with replay.replaying(int(y.shape[0])) if replay is not None else nullcontext():
         for i in range(int(y.shape[0])):
-            loss = example_loss(loss_fn(model(x[i:i + 1]), y[i:i + 1]))
+            loss = example_loss(loss_fn(model(x[i : i + 1]), y[i : i + 1]))
             gs = torch.autograd.grad(loss, params, allow_unused=True)
             rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, gs)])
     return [torch.stack([r[k] for r in rows]) for k in range(len(params))]
@@ -130,6 +174,7 @@ def reference(model, loss_fn, x, y, replay=None):
 def source_grads(src):
     """Per-example gradients read out of a per-sample source: ``weighted_sum`` with one-hot weights."""
     from dpopt.types import ClipGeometry
+
     n, b = src.num_params, src.batch_size
     out = [[] for _ in range(n)]
     for i in range(b):

@@ -36,8 +36,16 @@ class Tokens(torch.utils.data.Dataset):
 
 def test_buffer_written_through_data_is_refused_and_restored(tmp_path):
     torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       intermediate_size=32, max_position_embeddings=16, num_labels=3, pad_token_id=0)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=0,
+    )
     model = T.BertForSequenceClassification(cfg)
     model.register_buffer("seen", torch.zeros(16))
 
@@ -45,9 +53,17 @@ def test_buffer_written_through_data_is_refused_and_restored(tmp_path):
         model.seen.data.copy_(out.detach()[0, 0])
 
     model.bert.embeddings.register_forward_hook(keep)
-    args = T.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                               max_steps=2, logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
-                               disable_tqdm=True)
+    args = T.TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     tr = DPTrainer(model=model, args=args, train_dataset=Tokens(), noise_multiplier=0.0, max_grad_norm=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

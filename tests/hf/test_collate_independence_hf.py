@@ -55,24 +55,45 @@ def collator(masked: bool):
         ids = torch.zeros(len(items), longest, dtype=torch.long)
         mask = torch.zeros(len(items), longest, dtype=torch.long)
         for i, it in enumerate(items):
-            ids[i, :len(it["input_ids"])] = it["input_ids"]
-            mask[i, :len(it["input_ids"])] = 1
-        return {"input_ids": ids, "attention_mask": mask if masked else torch.ones_like(mask),
-                "labels": torch.stack([it["labels"] for it in items])}
+            ids[i, : len(it["input_ids"])] = it["input_ids"]
+            mask[i, : len(it["input_ids"])] = 1
+        return {
+            "input_ids": ids,
+            "attention_mask": mask if masked else torch.ones_like(mask),
+            "labels": torch.stack([it["labels"] for it in items]),
+        }
+
     return collate
 
 
 def bert():
     torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       intermediate_size=32, max_position_embeddings=16, num_labels=3, pad_token_id=0)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=0,
+    )
     return T.BertForSequenceClassification(cfg)
 
 
 def targs(out, **kw):
-    base = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2,
-                logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                remove_unused_columns=False)
+    base = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
     base.update(kw)
     return T.TrainingArguments(str(out), **base)
 
@@ -83,16 +104,28 @@ def test_masked_padding_trains(tmp_path, monkeypatch):
     verdicts = []
     real = hooks.check_collate
     monkeypatch.setattr(hooks, "check_collate", lambda *a, **k: verdicts.append(real(*a, **k)) or verdicts[-1])
-    tr = DPTrainer(model=bert(), args=targs(tmp_path), train_dataset=Varying(), data_collator=collator(True),
-                   noise_multiplier=0.0, max_grad_norm=1.0)
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path),
+        train_dataset=Varying(),
+        data_collator=collator(True),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+    )
     tr.train()
     assert len(tr.ledger) == 2
     assert True in verdicts  # examples were collated alone and compared (and agreed)
 
 
 def test_padding_read_by_the_model_is_refused(tmp_path):
-    tr = DPTrainer(model=bert(), args=targs(tmp_path), train_dataset=Varying(), data_collator=collator(False),
-                   noise_multiplier=0.0, max_grad_norm=1.0)
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path),
+        train_dataset=Varying(),
+        data_collator=collator(False),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+    )
     with pytest.raises(ValueError, match=r"collate_fn collates it alone.*mask padded positions"):
         tr.train()
     assert len(tr.ledger) == 0  # nothing released

@@ -49,8 +49,13 @@ def test_the_per_example_form_trains_through_privacy_engine():
     model, x, y, _, batch_loss = make("gpt2")
     engine = dpopt.PrivacyEngine()
     opt = torch.optim.SGD(trainable(model), lr=0.1)
-    model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
-                                        batch_size=len(y)), noise_multiplier=1.0, max_grad_norm=1.0)
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     before = [p.detach().clone() for p in trainable(model)]
     try:
         opt.zero_grad()

@@ -44,8 +44,10 @@ class Watch(T.TrainerCallback):
     def __init__(self, model):
         self.refs: list = []
         self.at_steps: list = []
-        self.handles = [model.register_forward_hook(self._root, with_kwargs=True),
-                        model.transformer.h[0].mlp.c_fc.register_forward_hook(self._layer)]
+        self.handles = [
+            model.register_forward_hook(self._root, with_kwargs=True),
+            model.transformer.h[0].mlp.c_fc.register_forward_hook(self._layer),
+        ]
 
     def _add(self, *ts):
         self.refs += [weakref.ref(t) for t in ts if isinstance(t, torch.Tensor)]
@@ -66,17 +68,37 @@ class Watch(T.TrainerCallback):
 
 def test_dptrainer_steps_and_generate_keep_nothing(tmp_path):
     torch.manual_seed(0)
-    cfg = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0,
-                       eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = T.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=V,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = T.GPT2LMHeadModel(cfg)
     watch = Watch(model)
-    args = T.TrainingArguments(str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                               max_steps=5, learning_rate=1e-2, logging_steps=1000, save_strategy="no",
-                               report_to=[], use_cpu=True, disable_tqdm=True)
+    args = T.TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=5,
+        learning_rate=1e-2,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        tr = DPTrainer(model=model, args=args, train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0,
-                       callbacks=[watch])
+        tr = DPTrainer(
+            model=model, args=args, train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0, callbacks=[watch]
+        )
         tr.train()
     assert len(tr.ledger) == 5 and len(watch.at_steps) == 5
     assert watch.at_steps[-1][1] > 0  # forwards were watched

@@ -53,8 +53,13 @@ def test_removing_one_example_moves_the_release_by_at_most_c_through_privacy_eng
     c = _bound(model, loss_fn, x, y)
     engine = dpopt.PrivacyEngine()
     opt = torch.optim.SGD(trainable(model), lr=0.0)
-    model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
-                                        batch_size=len(y)), noise_multiplier=0.0, max_grad_norm=c)
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
+        noise_multiplier=0.0,
+        max_grad_norm=c,
+    )
 
     def released(xs, ys):
         opt.zero_grad()

@@ -38,13 +38,25 @@ def _ckpt(**kw):
 # -- target_epsilon over the whole run, resumed ---------------------------------------------
 @pytest.mark.slow
 def test_target_epsilon_resumed_to_more_steps_is_calibrated_with_the_spent_releases(tmp_path):
-    tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2, **_ckpt()), train_dataset=Tokens(classes=3),
-                   target_epsilon=3.0, delta=1e-5, privacy_unit="record")
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path, max_steps=2, **_ckpt()),
+        train_dataset=Tokens(classes=3),
+        target_epsilon=3.0,
+        delta=1e-5,
+        privacy_unit="record",
+    )
     tr.train()
     first = tr.noise_multiplier
     assert tr.get_epsilon() <= 3.0
-    tr2 = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=6, **_ckpt()), train_dataset=Tokens(classes=3),
-                    target_epsilon=3.0, delta=1e-5, privacy_unit="record")
+    tr2 = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path, max_steps=6, **_ckpt()),
+        train_dataset=Tokens(classes=3),
+        target_epsilon=3.0,
+        delta=1e-5,
+        privacy_unit="record",
+    )
     tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert len(tr2.ledger) == 6
     eps = tr2.get_epsilon()
@@ -53,12 +65,22 @@ def test_target_epsilon_resumed_to_more_steps_is_calibrated_with_the_spent_relea
 
 
 def test_target_epsilon_already_spent_is_refused_on_resume(tmp_path):
-    tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2, **_ckpt()), train_dataset=Tokens(classes=3),
-                   noise_multiplier=0.6, privacy_unit="record")
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path, max_steps=2, **_ckpt()),
+        train_dataset=Tokens(classes=3),
+        noise_multiplier=0.6,
+        privacy_unit="record",
+    )
     tr.train()
     spent = tr.get_epsilon()
-    tr2 = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=4, **_ckpt()), train_dataset=Tokens(classes=3),
-                    target_epsilon=spent * 0.9, privacy_unit="record")
+    tr2 = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path, max_steps=4, **_ckpt()),
+        train_dataset=Tokens(classes=3),
+        target_epsilon=spent * 0.9,
+        privacy_unit="record",
+    )
     with pytest.raises(ValueError, match="already out of reach.*raise target_epsilon"):
         tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
@@ -72,15 +94,21 @@ def _one_example_update(tr, model):
     tr.training_step(model, one)
     tr.optimizer.step()
     after = trainable(model)
-    return math.sqrt(sum(float(((before[n] - after[n]) * tr.expected_batch_size).double().square().sum())
-                         for n in before))
+    return math.sqrt(
+        sum(float(((before[n] - after[n]) * tr.expected_batch_size).double().square().sum()) for n in before)
+    )
 
 
 def test_a_user_set_training_arguments_max_grad_norm_is_the_bound(tmp_path):
     model = gpt2()
-    tr = DPTrainer(model=model, args=targs(tmp_path, max_grad_norm=0.1), train_dataset=Tokens(),
-                   noise_multiplier=0.0, privacy_unit="record",
-                   method=torch.optim.SGD(model.parameters(), lr=1.0))
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_grad_norm=0.1),
+        train_dataset=Tokens(),
+        noise_multiplier=0.0,
+        privacy_unit="record",
+        method=torch.optim.SGD(model.parameters(), lr=1.0),
+    )
     assert tr.max_grad_norm == 0.1 and tr.args.max_grad_norm == 0.0
     moved = _one_example_update(tr, model)
     assert tr.optimizer.max_grad_norm == pytest.approx(0.1)
@@ -89,18 +117,30 @@ def test_a_user_set_training_arguments_max_grad_norm_is_the_bound(tmp_path):
 
 def test_max_grad_norm_conflicts_are_refused_and_defaults_agree(tmp_path):
     with pytest.raises(ValueError, match="disagree.*Set it in one place"):
-        DPTrainer(model=gpt2(), args=targs(tmp_path, max_grad_norm=0.1), train_dataset=Tokens(),
-                  noise_multiplier=1.0, max_grad_norm=0.5)
+        DPTrainer(
+            model=gpt2(),
+            args=targs(tmp_path, max_grad_norm=0.1),
+            train_dataset=Tokens(),
+            noise_multiplier=1.0,
+            max_grad_norm=0.5,
+        )
     with pytest.raises(ValueError, match="no clipping.*DPTrainer\\(max_grad_norm=C\\)"):
         DPTrainer(model=gpt2(), args=targs(tmp_path, max_grad_norm=0.0), train_dataset=Tokens(), noise_multiplier=1.0)
-    same = DPTrainer(model=gpt2(), args=targs(tmp_path, max_grad_norm=0.5), train_dataset=Tokens(),
-                     noise_multiplier=1.0, max_grad_norm=0.5)
+    same = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_grad_norm=0.5),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=0.5,
+    )
     assert same.max_grad_norm == 0.5
-    default = DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0,
-                        max_grad_norm=0.3)  # args at the dataclass default 1.0: not user-set
+    default = DPTrainer(
+        model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=0.3
+    )  # args at the dataclass default 1.0: not user-set
     assert default.max_grad_norm == 0.3
-    assert DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0
-                     ).max_grad_norm == 1.0
+    assert (
+        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0).max_grad_norm == 1.0
+    )
 
 
 # -- packing: the unit is the block, said at run time ---------------------------------------
@@ -108,8 +148,10 @@ def group_texts(records, block):
     """run_clm's group_texts: concatenate every record's tokens, cut into blocks, labels = input_ids."""
     ids = [t for r in records for t in r]
     n = len(ids) // block * block
-    return [{"input_ids": ids[i:i + block], "attention_mask": [1] * block, "labels": ids[i:i + block]}
-            for i in range(0, n, block)]
+    return [
+        {"input_ids": ids[i : i + block], "attention_mask": [1] * block, "labels": ids[i : i + block]}
+        for i in range(0, n, block)
+    ]
 
 
 def test_packed_texts_are_detected_warned_and_recorded(tmp_path):
@@ -118,8 +160,9 @@ def test_packed_texts_are_detected_warned_and_recorded(tmp_path):
     blocks = group_texts(records, 8)
     args = targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, logging_steps=1)
     with pytest.warns(UserWarning, match="looks packed.*BLOCK of 8 tokens"):
-        tr = DPTrainer(model=gpt2(), args=args, train_dataset=blocks, noise_multiplier=1.0,
-                       data_collator=T.default_data_collator)
+        tr = DPTrainer(
+            model=gpt2(), args=args, train_dataset=blocks, noise_multiplier=1.0, data_collator=T.default_data_collator
+        )
         out = tr.train()
     assert tr.block_tokens == 8 and tr.ledger.privacy_unit == "block of 8 tokens"
     saved = json.loads((tmp_path / "checkpoint-2" / LEDGER_FILE).read_text())
@@ -132,35 +175,58 @@ def test_packed_texts_are_detected_warned_and_recorded(tmp_path):
 def test_declared_examples_and_classifiers_are_not_taken_as_packed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(),
-                       noise_multiplier=1.0, privacy_unit="record")
+        tr = DPTrainer(
+            model=gpt2(),
+            args=targs(tmp_path, max_steps=1),
+            train_dataset=Tokens(),
+            noise_multiplier=1.0,
+            privacy_unit="record",
+        )
         tr.get_train_dataloader()
-        cls = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(classes=3),
-                        noise_multiplier=1.0)
+        cls = DPTrainer(
+            model=bert(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(classes=3), noise_multiplier=1.0
+        )
         cls.get_train_dataloader()
     assert tr.block_tokens is None and tr.ledger.privacy_unit is None and cls.block_tokens is None
-    declared = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(),
-                         noise_multiplier=1.0, privacy_unit=L)
+    declared = DPTrainer(
+        model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit=L
+    )
     declared.get_train_dataloader()
     assert declared.ledger.privacy_unit == f"block of {L} tokens"
-    named = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=Tokens(),
-                      noise_multiplier=1.0, privacy_unit="block")  # declared; N read from the blocks
+    named = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=1),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        privacy_unit="block",
+    )  # declared; N read from the blocks
     named.get_train_dataloader()
     assert named.block_tokens == L and named.ledger.privacy_unit == f"block of {L} tokens"
     with pytest.raises(ValueError, match="privacy_unit"):
-        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0,
-                  privacy_unit="user")  # not a unit DPTrainer samples by (yet)
+        DPTrainer(
+            model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="user"
+        )  # not a unit DPTrainer samples by (yet)
 
 
 # -- epoch counter and user log keys ----------------------------------------------------------
 def test_the_epoch_counter_continues_after_resume(tmp_path):
     # B-bar = 4 over N = 32: 8 Poisson steps per epoch
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, logging_steps=1, **_ckpt()),
-                   train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="record")
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2, logging_steps=1, **_ckpt()),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        privacy_unit="record",
+    )
     tr.train()
     assert tr.state.epoch == pytest.approx(2 / 8)
-    tr2 = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=4, logging_steps=1, **_ckpt()),
-                    train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="record")
+    tr2 = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=4, logging_steps=1, **_ckpt()),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        privacy_unit="record",
+    )
     tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     epochs = [row["epoch"] for row in tr2.state.log_history if "epsilon" in row and "train_runtime" not in row]
     assert epochs[-2:] == [pytest.approx(3 / 8), pytest.approx(4 / 8)]  # before: 1/8, 2/8 (restarted)
@@ -173,24 +239,36 @@ def test_user_log_keys_pass_through_and_private_keys_do_not(tmp_path):
             self.trainer.log({"my_public_metric": 7.0, "loss": 1.25})
 
     cb = Mine()
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(), noise_multiplier=1.0,
-                   privacy_unit="record", callbacks=[cb])
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        privacy_unit="record",
+        callbacks=[cb],
+    )
     cb.trainer = tr
     tr.train()
     rows = [r for r in tr.state.log_history if "my_public_metric" in r]
-    assert len(rows) == 2 and all(r["my_public_metric"] == 7.0 and "loss" not in r and "epsilon" in r
-                                  for r in rows)
+    assert len(rows) == 2 and all(r["my_public_metric"] == 7.0 and "loss" not in r and "epsilon" in r for r in rows)
     assert all("loss" not in r and "grad_norm" not in r and "train_loss" not in r for r in tr.state.log_history)
 
 
 # -- the release boundary through DPTrainer (cases 1 and 3) --------------------------------------
 def test_an_example_forwarded_twice_by_the_collator_is_refused(tmp_path):
     """K = 1: a collator that repeats a row gives the step more rows than the Poisson batch had examples."""
+
     def doubling(items):
         return T.default_data_collator(list(items) + list(items[:1]))
 
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(), noise_multiplier=1.0,
-                   privacy_unit="record", data_collator=doubling)
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        privacy_unit="record",
+        data_collator=doubling,
+    )
     with pytest.raises(ValueError, match="more rows than the data loader's last batch had examples"):
         tr.train()
     assert len(tr.ledger) == 0
@@ -200,9 +278,14 @@ def test_a_step_left_open_by_a_failed_training_step_is_closed_before_the_next_ba
     """An exception between the chunks of one Poisson batch leaves the step open; the next batch drawn releases
     it on its own (one charged release) instead of adding the next batch into it."""
     model = gpt2()
-    tr = DPTrainer(model=model, args=targs(tmp_path, gradient_accumulation_steps=4, max_steps=2),
-                   train_dataset=Tokens(), noise_multiplier=0.0, privacy_unit="record",
-                   method=torch.optim.SGD(model.parameters(), lr=1.0))
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, gradient_accumulation_steps=4, max_steps=2),
+        train_dataset=Tokens(),
+        noise_multiplier=0.0,
+        privacy_unit="record",
+        method=torch.optim.SGD(model.parameters(), lr=1.0),
+    )
     loader = tr.get_train_dataloader()
     it = iter(loader)
     batch = next(it)

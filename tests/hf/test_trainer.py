@@ -62,25 +62,53 @@ class Tokens(torch.utils.data.Dataset):
 
 def gpt2(lora=False, drop=0.0):
     torch.manual_seed(0)
-    cfg = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0,
-                       eos_token_id=0, resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=drop)
+    cfg = T.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=V,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=drop,
+        embd_pdrop=drop,
+        attn_pdrop=drop,
+    )
     model = T.GPT2LMHeadModel(cfg)
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"],
-                                                           fan_in_fan_out=True, lora_dropout=0.0))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        )
     return model
 
 
 def bert():
     torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       intermediate_size=32, max_position_embeddings=16, num_labels=3, pad_token_id=0)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=0,
+    )
     return T.BertForSequenceClassification(cfg)
 
 
 def targs(out, **kw):
-    base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2,
-                logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    base = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return T.TrainingArguments(str(out), **base)
 
@@ -99,8 +127,14 @@ def test_lora_gpt2_trains_and_epsilon_is_dp_accountings_pld(tmp_path):
     model = gpt2(lora=True)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     before = trainable(model)
-    tr = DPTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=Tokens(),
-                   noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=4),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        delta=1e-5,
+    )
     out = tr.train()
     assert tr.sample_rate == 0.125 and tr.expected_batch_size == 4.0  # B-bar = 2 x 2 over N = 32
     assert len(tr.ledger) == 4
@@ -123,9 +157,14 @@ def test_lora_gpt2_trains_and_epsilon_is_dp_accountings_pld(tmp_path):
 def test_bert_classifier_trains_and_logs_only_public_values(tmp_path):
     model = bert()
     before = trainable(model)
-    tr = DPTrainer(model=model, args=targs(tmp_path, save_strategy="steps", save_steps=3, logging_steps=1),
-                   train_dataset=Tokens(classes=3),
-                   eval_dataset=Tokens(classes=3, seed=1), noise_multiplier=0.8, max_grad_norm=0.5)
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, save_strategy="steps", save_steps=3, logging_steps=1),
+        train_dataset=Tokens(classes=3),
+        eval_dataset=Tokens(classes=3, seed=1),
+        noise_multiplier=0.8,
+        max_grad_norm=0.5,
+    )
     tr.train()
     assert len(tr.ledger) == 3 and all(not torch.equal(before[n], p) for n, p in trainable(model).items())
     metrics = tr.evaluate()  # returned to the caller, never logged (eval_is_public=False)
@@ -171,8 +210,10 @@ def _clipped_sum(model, params, batch, c):
     total = {n: torch.zeros_like(params[n]) for n in names}
     for i in range(batch["input_ids"].shape[0]):
         model.zero_grad()
-        logits = model(input_ids=batch["input_ids"][i:i + 1], attention_mask=batch["attention_mask"][i:i + 1]).logits
-        per_example_lm_loss(logits, batch["labels"][i:i + 1]).sum().backward()
+        logits = model(
+            input_ids=batch["input_ids"][i : i + 1], attention_mask=batch["attention_mask"][i : i + 1]
+        ).logits
+        per_example_lm_loss(logits, batch["labels"][i : i + 1]).sum().backward()
         g = {n: p.grad.detach().clone() for n, p in model.named_parameters() if n in params}
         norm = torch.sqrt(sum(v.double().square().sum() for v in g.values()))
         scale = min(1.0, c / float(norm))
@@ -185,10 +226,16 @@ def test_accumulated_chunks_are_one_release_and_sigma0_update_is_the_clipped_sum
     # B-bar = 2 x 4 = 8 over N = 32 (q = 1/4): each Poisson batch is cut into chunks of <= 2 examples
     model = gpt2()
     lr, c = 0.5, 0.05
-    tr = Recording(model=model, args=targs(tmp_path, gradient_accumulation_steps=4, max_steps=2,
-                                           lr_scheduler_type="constant", learning_rate=lr),
-                   train_dataset=Tokens(), noise_multiplier=0.0, max_grad_norm=c,
-                   method=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr))
+    tr = Recording(
+        model=model,
+        args=targs(
+            tmp_path, gradient_accumulation_steps=4, max_steps=2, lr_scheduler_type="constant", learning_rate=lr
+        ),
+        train_dataset=Tokens(),
+        noise_multiplier=0.0,
+        max_grad_norm=c,
+        method=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr),
+    )
     tr.seen, tr.chunks = [], []
     tr.train()
     final = trainable(model)
@@ -216,21 +263,37 @@ def test_resume_continues_the_ledger_after_save_total_limit_deleted_checkpoints(
                 shutil.copytree(tmp_path / "run" / "checkpoint-2", kept)
 
     a = dict(save_strategy="steps", save_steps=2, save_total_limit=1)
-    tr = DPTrainer(model=gpt2(lora=True), args=targs(tmp_path / "run", max_steps=4, **a), train_dataset=Tokens(),
-                   noise_multiplier=1.0, max_grad_norm=1.0, callbacks=[Keep()])
+    tr = DPTrainer(
+        model=gpt2(lora=True),
+        args=targs(tmp_path / "run", max_steps=4, **a),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        callbacks=[Keep()],
+    )
     tr.train()
     run_id = tr.ledger.run_id
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-4"]
     assert [p.name for p in (tmp_path / "run").glob("ledger-*.jsonl")] == [f"ledger-{run_id}.jsonl"]
     # resume from the last checkpoint: 4 releases restored, 2 more
-    tr2 = DPTrainer(model=gpt2(lora=True), args=targs(tmp_path / "run", max_steps=6, **a), train_dataset=Tokens(),
-                    noise_multiplier=1.0, max_grad_norm=1.0)
+    tr2 = DPTrainer(
+        model=gpt2(lora=True),
+        args=targs(tmp_path / "run", max_steps=6, **a),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     tr2.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert tr2.ledger.run_id == run_id and len(tr2.ledger) == 6
     assert tr2.get_epsilon() == pytest.approx(dpsgd_epsilon(1.0, 0.125, 6, 1e-5), rel=1e-9)
     # resume from the copy of the deleted checkpoint-2: the journal still charges the 4 releases made after it
-    tr3 = DPTrainer(model=gpt2(lora=True), args=targs(tmp_path / "run", max_steps=3, **a), train_dataset=Tokens(),
-                    noise_multiplier=1.0, max_grad_norm=1.0)
+    tr3 = DPTrainer(
+        model=gpt2(lora=True),
+        args=targs(tmp_path / "run", max_steps=3, **a),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     with pytest.warns(UserWarning, match="release"):
         tr3.train(resume_from_checkpoint=str(kept))
     assert len(tr3.ledger) == 7  # the 6 journaled + 1 new step (global step 2 -> 3)
@@ -238,8 +301,14 @@ def test_resume_continues_the_ledger_after_save_total_limit_deleted_checkpoints(
 
 def test_max_epsilon_stops_before_exceeding(tmp_path):
     cap = dpsgd_epsilon(1.0, 0.125, 3, 1e-5) * 1.0001
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=50), train_dataset=Tokens(), noise_multiplier=1.0,
-                   max_grad_norm=1.0, max_epsilon=cap)
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=50),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        max_epsilon=cap,
+    )
     tr.train()
     assert len(tr.ledger) == 3 and tr.get_epsilon() <= cap
     assert tr.next_step_exceeds()  # the ledger holds this run's steps only: the cached T
@@ -252,8 +321,16 @@ def test_max_epsilon_stops_before_exceeding(tmp_path):
 
 @pytest.mark.slow  # ~10 s: the calibration's PLD evaluations
 def test_target_epsilon_calibrates_sigma_for_the_planned_steps(tmp_path):
-    tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2), train_dataset=Tokens(classes=3),
-                   target_epsilon=4.0, max_grad_norm=1.0, delta=1e-5, method="dp-adam", method_kwargs={"lr": 1e-3})
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path, max_steps=2),
+        train_dataset=Tokens(classes=3),
+        target_epsilon=4.0,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        method="dp-adam",
+        method_kwargs={"lr": 1e-3},
+    )
     tr.train()
     assert len(tr.ledger) == 2
     eps = tr.get_epsilon()
@@ -261,27 +338,35 @@ def test_target_epsilon_calibrates_sigma_for_the_planned_steps(tmp_path):
 
 
 def test_resume_without_optimizer_state_is_refused(tmp_path):
-    tr = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
-                                            save_only_model=True),
-                   train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0)
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True),
+        train_dataset=Tokens(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     tr.train()
     assert (tmp_path / "checkpoint-2" / LEDGER_FILE).is_file()
-    tr2 = DPTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3), train_dataset=Tokens(), noise_multiplier=1.0,
-                    max_grad_norm=1.0)
+    tr2 = DPTrainer(
+        model=gpt2(), args=targs(tmp_path, max_steps=3), train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0
+    )
     with pytest.raises(ValueError, match="optimizer.pt"):
         tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 
-@pytest.mark.parametrize("setting, match", [
-    (dict(fp16=True), "fp16"),
-    (dict(torch_compile=True), "torch_compile"),
-    (dict(gradient_checkpointing=True), "checkpointing"),
-    (dict(load_best_model_at_end=True), "load_best_model_at_end"),
-    (dict(save_strategy="best"), "save_strategy='best'"),
-    (dict(include_num_input_tokens_seen="all"), "token count"),
-    (dict(train_sampling_strategy="group_by_length"), "length-grouped"),
-    (dict(auto_find_batch_size=True), "auto_find_batch_size"),
-])
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(fp16=True), "fp16"),
+        (dict(torch_compile=True), "torch_compile"),
+        (dict(gradient_checkpointing=True), "checkpointing"),
+        (dict(load_best_model_at_end=True), "load_best_model_at_end"),
+        (dict(save_strategy="best"), "save_strategy='best'"),
+        (dict(include_num_input_tokens_seen="all"), "token count"),
+        (dict(train_sampling_strategy="group_by_length"), "length-grouped"),
+        (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+    ],
+)
 def test_settings_it_cannot_honour_are_refused(tmp_path, setting, match):
     args = targs(tmp_path)
     for k, v in setting.items():
@@ -294,11 +379,21 @@ def test_refusals_of_arguments(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, target_epsilon=1.0)
     with pytest.raises(ValueError, match="EarlyStoppingCallback"):
-        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0,
-                  callbacks=[T.EarlyStoppingCallback()])
+        DPTrainer(
+            model=gpt2(),
+            args=targs(tmp_path),
+            train_dataset=Tokens(),
+            noise_multiplier=1.0,
+            callbacks=[T.EarlyStoppingCallback()],
+        )
     with pytest.raises(ValueError, match="per_example_loss"):
-        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0,
-                  compute_loss_func=lambda *a, **k: 0)
+        DPTrainer(
+            model=gpt2(),
+            args=targs(tmp_path),
+            train_dataset=Tokens(),
+            noise_multiplier=1.0,
+            compute_loss_func=lambda *a, **k: 0,
+        )
     tr = DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, delta=0.05)
     with pytest.raises(ValueError, match="1/N"):
         tr.train()
@@ -314,8 +409,14 @@ def test_args_are_copied_not_changed(tmp_path):
 @pytest.mark.parametrize("sigma", [0.0, 1.0])
 def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
     model = gpt2()
-    tr = DPTrainer(model=model, args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=sigma,
-                   max_grad_norm=1.0, method=torch.optim.SGD([p for p in model.parameters()], lr=1.0))
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path),
+        train_dataset=Tokens(),
+        noise_multiplier=sigma,
+        max_grad_norm=1.0,
+        method=torch.optim.SGD([p for p in model.parameters()], lr=1.0),
+    )
     tr.get_train_dataloader()
     good = {k: torch.stack([Tokens()[i][k] for i in range(3)]) for k in ("input_ids", "attention_mask", "labels")}
     tr.training_step(model, good)  # the first batch (the engine's check) is a real one
@@ -331,6 +432,7 @@ def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
 
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(V - 2)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -344,12 +446,24 @@ def test_variable_length_texts_through_the_hf_collators(tmp_path):
     texts = [" ".join(f"w{int(w)}" for w in torch.randint(0, V - 2, (n,), generator=g)) for n in lengths]
     lm = [tok(t) for t in texts]  # dicts of lists, padded per batch by the collator
     model = gpt2(lora=True)
-    tr = DPTrainer(model=model, args=targs(tmp_path, max_steps=2), train_dataset=lm, processing_class=tok,
-                   data_collator=T.DataCollatorForLanguageModeling(tok, mlm=False), noise_multiplier=1.0)
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=2),
+        train_dataset=lm,
+        processing_class=tok,
+        data_collator=T.DataCollatorForLanguageModeling(tok, mlm=False),
+        noise_multiplier=1.0,
+    )
     tr.train()
     assert len(tr.ledger) == 2
     cls = [dict(tok(t), labels=int(i % 3)) for i, t in enumerate(texts)]
-    tr = DPTrainer(model=bert(), args=targs(tmp_path / "b", max_steps=2), train_dataset=cls, processing_class=tok,
-                   data_collator=T.DataCollatorWithPadding(tok), noise_multiplier=1.0)
+    tr = DPTrainer(
+        model=bert(),
+        args=targs(tmp_path / "b", max_steps=2),
+        train_dataset=cls,
+        processing_class=tok,
+        data_collator=T.DataCollatorWithPadding(tok),
+        noise_multiplier=1.0,
+    )
     tr.train()
     assert len(tr.ledger) == 2

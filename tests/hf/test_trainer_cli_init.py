@@ -89,8 +89,16 @@ def test_lora_rank_trains_only_adapters(pretrained, tmp_path):
 
 def test_model_hf_dir_loads_a_local_save_pretrained_directory(tmp_path):
     torch.manual_seed(0)
-    cfg = T.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=1,
-                      num_attention_heads=2, intermediate_size=32, num_labels=10)
+    cfg = T.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=10,
+    )
     T.ViTForImageClassification(cfg).save_pretrained(tmp_path / "vit")
     run = build_run(TrainConfig(method="dp-sgd", model=f"hf:{tmp_path / 'vit'}"), load_dataset("digits"))
     assert isinstance(run.model, HFLogits) and run.model.image_shape == (1, 8, 8)

@@ -58,8 +58,14 @@ def _train(digits, optimizer_fn, epochs, **kwargs):
     model = CNN()
     loader = DataLoader(train, batch_size=64, shuffle=True)
     engine = dpopt.PrivacyEngine()
-    model, opt, loader = engine.make_private(module=model, optimizer=optimizer_fn(model), data_loader=loader,
-                                             noise_multiplier=1.0, max_grad_norm=1.0, **kwargs)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=optimizer_fn(model),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        **kwargs,
+    )
     crit = nn.CrossEntropyLoss()
     for _ in range(epochs):
         for x, y in loader:
@@ -91,8 +97,9 @@ def test_dp_macadam_and_adaptive_clipping_loops_work(digits):
     engine, _, opt, _, acc = _train(digits, lambda m: "dp-macadam", 2, lr=3e-3)
     assert acc > 0.3 and len(engine.ledger) == 2 * 23
     assert opt.privatizer.releases == 2 * 23
-    engine, _, opt, _, acc = _train(digits, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), 2,
-                                    clipping="adaptive")
+    engine, _, opt, _, acc = _train(
+        digits, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), 2, clipping="adaptive"
+    )
     assert acc > 0.3
     assert len(opt.privatizer.clip_history) == 2 * 23  # the bound adapted every step (released count)
     # the count release shares the budget: still charged exactly sigma = 1 per step
@@ -119,9 +126,14 @@ def test_dict_items_empty_batches_lr_scheduler_and_per_layer():
     engine = dpopt.PrivacyEngine(accountant="rdp", secure_mode=True)
     # q = 1/20 over 20 examples: P(a step is empty) = (19/20)^20 = 0.36, so P(no empty step in 20) = 1.4e-4
     loader = DataLoader(DictData(20), batch_size=1)
-    model, opt, loader = engine.make_private(module=model, optimizer=base, data_loader=loader,
-                                             noise_multiplier=0.8, max_grad_norm=[0.5, 0.5, 0.5, 0.5],
-                                             clipping="per_layer")
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=base,
+        data_loader=loader,
+        noise_multiplier=0.8,
+        max_grad_norm=[0.5, 0.5, 0.5, 0.5],
+        clipping="per_layer",
+    )
     sizes = []
     for batch in loader:
         sizes.append(len(batch["label"]))
@@ -142,8 +154,14 @@ def test_make_private_with_epsilon_and_grad_sample():
     data = TensorDataset(torch.randn(50, 4), torch.randint(0, 2, (50,)))
     engine = dpopt.PrivacyEngine()
     model, opt, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 10),
-        target_epsilon=2.0, target_delta=1e-5, epochs=3, max_grad_norm=1.0)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, 10),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        epochs=3,
+        max_grad_norm=1.0,
+    )
     # Opacus-style p.grad_sample set by hand (e.g. by a GradSampleModule) is used where present
     for _ in range(15):
         opt.zero_grad()
@@ -159,19 +177,35 @@ def test_refusals():
     engine = dpopt.PrivacyEngine()
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     with pytest.raises(ValueError, match="BatchNorm|batch normalisation"):
-        engine.make_private(module=bn, optimizer=torch.optim.SGD(bn.parameters(), lr=0.1), data_loader=data,
-                            noise_multiplier=1.0, max_grad_norm=1.0)
+        engine.make_private(
+            module=bn,
+            optimizer=torch.optim.SGD(bn.parameters(), lr=0.1),
+            data_loader=data,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
     lin = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="DiSK"):
-        engine.make_private(module=lin, optimizer="disk-sgd", data_loader=data, noise_multiplier=1.0,
-                            max_grad_norm=1.0)
+        engine.make_private(module=lin, optimizer="disk-sgd", data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0)
     lin = nn.Linear(3, 2)
     with pytest.raises(TypeError, match="hyperparameters"):
-        engine.make_private(module=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), data_loader=data,
-                            noise_multiplier=1.0, max_grad_norm=1.0, lr=0.1)
+        engine.make_private(
+            module=lin,
+            optimizer=torch.optim.SGD(lin.parameters(), lr=0.1),
+            data_loader=data,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            lr=0.1,
+        )
     with pytest.warns(UserWarning, match="poisson_sampling=False"):
-        engine.make_private(module=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), data_loader=data,
-                            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+        engine.make_private(
+            module=lin,
+            optimizer=torch.optim.SGD(lin.parameters(), lr=0.1),
+            data_loader=data,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
     assert engine.ledger.sampling != "poisson"
 
 
@@ -181,7 +215,8 @@ def test_refused_make_private_leaves_no_hooks():
     data = DataLoader(TensorDataset(torch.randn(20, 4), torch.randint(0, 2, (20,))), batch_size=5)
     other = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)  # not the model's parameters
     with pytest.raises(ValueError, match="exactly the model's trainable parameters"):
-        dpopt.PrivacyEngine().make_private(module=model, optimizer=other, data_loader=data,
-                                           noise_multiplier=1.0, max_grad_norm=1.0)
+        dpopt.PrivacyEngine().make_private(
+            module=model, optimizer=other, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0
+        )
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
     assert hooks == 0

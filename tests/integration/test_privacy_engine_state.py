@@ -47,9 +47,14 @@ def _private(digits, optimizer="adamw", model=None):
     model = model or _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3) if optimizer == "adamw" else optimizer
     extra = {"lr": 2e-3} if isinstance(opt, str) else {}
-    model, opt, loader = engine.make_private(module=model, optimizer=opt,
-                                             data_loader=DataLoader(digits, batch_size=64, shuffle=True),
-                                             noise_multiplier=SIGMA, max_grad_norm=1.0, **extra)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(digits, batch_size=64, shuffle=True),
+        noise_multiplier=SIGMA,
+        max_grad_norm=1.0,
+        **extra,
+    )
     return engine, model, opt, loader
 
 
@@ -100,7 +105,9 @@ def test_save_and_load_checkpoint_keep_the_whole_runs_epsilon(digits, tmp_path):
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=opt, checkpoint_dict={"epoch": 1})
     raw = torch.load(path)
-    assert raw["epoch"] == 1 and raw["accountant"] == "pld" and len(PrivacyLedger.from_dict(raw["privacy_ledger"])) == 23
+    assert (
+        raw["epoch"] == 1 and raw["accountant"] == "pld" and len(PrivacyLedger.from_dict(raw["privacy_ledger"])) == 23
+    )
     assert sum(g["count"] for g in raw["privacy_ledger"]["groups"]) == 23  # run-length form (issue 42)
     assert raw["dpopt_checkpoint"]["run_id"] == engine.ledger.run_id
     assert engine.journal == tmp_path / f"ledger-{engine.ledger.run_id}.jsonl"
@@ -197,10 +204,14 @@ def test_a_state_of_another_run_is_refused_into_a_run_with_releases(digits):
 
 def test_checkpoint_from_opacus_shape_without_ledger_is_refused(digits, tmp_path):
     engine, model, opt, _ = _private(digits)
-    torch.save({"module_state_dict": model.state_dict(),
-                "optimizer_state_dict": opt.original_optimizer.state_dict(),
-                "privacy_accountant_state_dict": {"history": [(1.0, Q, 23)], "mechanism": "rdp"}},
-               tmp_path / "opacus.pt")
+    torch.save(
+        {
+            "module_state_dict": model.state_dict(),
+            "optimizer_state_dict": opt.original_optimizer.state_dict(),
+            "privacy_accountant_state_dict": {"history": [(1.0, Q, 23)], "mechanism": "rdp"},
+        },
+        tmp_path / "opacus.pt",
+    )
     with pytest.raises(ValueError, match="carries no privacy ledger"):
         engine.load_checkpoint(path=tmp_path / "opacus.pt", module=model, optimizer=opt)
 
@@ -266,18 +277,27 @@ class _Halves(torch.utils.data.Sampler):
         return 2
 
 
-@pytest.mark.parametrize("make", [
-    lambda ds: DataLoader(ds, batch_size=64, sampler=WeightedRandomSampler(torch.ones(len(ds)), len(ds))),
-    lambda ds: DataLoader(ds, batch_sampler=_Halves(len(ds))),
-    lambda ds: DataLoader(ds, batch_size=64, sampler=RandomSampler(ds, replacement=True)),
-    lambda ds: DataLoader(ds, batch_size=None),
-], ids=["weighted", "batch_sampler", "replacement", "no-batching"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ds: DataLoader(ds, batch_size=64, sampler=WeightedRandomSampler(torch.ones(len(ds)), len(ds))),
+        lambda ds: DataLoader(ds, batch_sampler=_Halves(len(ds))),
+        lambda ds: DataLoader(ds, batch_size=64, sampler=RandomSampler(ds, replacement=True)),
+        lambda ds: DataLoader(ds, batch_size=None),
+    ],
+    ids=["weighted", "batch_sampler", "replacement", "no-batching"],
+)
 def test_non_default_samplers_are_refused_with_advice(digits, make):
     engine = dpopt.PrivacyEngine()
     model = _mlp()
     with pytest.raises(ValueError, match="poisson_sampling=False"):
-        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                            data_loader=make(digits), noise_multiplier=1.0, max_grad_norm=1.0)
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=make(digits),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
     assert not model._forward_hooks and not model._forward_pre_hooks  # the refusal left no hook behind
 
 
@@ -286,9 +306,14 @@ def test_custom_sampler_kept_with_poisson_sampling_false(digits):
     model = _mlp()
     user = DataLoader(digits, batch_size=64, sampler=WeightedRandomSampler(torch.ones(len(digits)), len(digits)))
     with pytest.warns(UserWarning, match="poisson_sampling=False"):
-        model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                                 data_loader=user, noise_multiplier=1.0, max_grad_norm=1.0,
-                                                 poisson_sampling=False)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=user,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
     assert loader is user and engine.ledger.sampling != "poisson"
     x, y = next(iter(loader))
     assert len(y) == 64  # the user's batches, not Poisson ones
@@ -298,8 +323,12 @@ def test_custom_sampler_kept_with_poisson_sampling_false(digits):
 def test_default_loaders_still_become_poisson(digits, shuffle):
     model = _mlp()
     _, _, loader = dpopt.PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(digits, batch_size=64, shuffle=shuffle), noise_multiplier=1.0, max_grad_norm=1.0)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(digits, batch_size=64, shuffle=shuffle),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     assert loader.sample_rate == pytest.approx(Q) and len(loader) == 23
 
 
@@ -313,7 +342,6 @@ def test_summary_json_ready_after_load(digits, tmp_path):
     summary = engine2.summary(DELTA)
     assert summary["steps"] == 23 and summary["privatizer_releases"] == 23
     json.dumps(summary)
-
 
 
 def test_journal_paths_moved_missing_and_foreign(digits, tmp_path):
@@ -340,8 +368,7 @@ def test_journal_paths_moved_missing_and_foreign(digits, tmp_path):
     foreign.open_journal(tmp_path / "foreign.jsonl")
     foreign.flush()
     with pytest.raises(ValueError, match="another run's record"):
-        dpopt.PrivacyEngine().save_checkpoint(path=tmp_path / "y.pt", module=model3,
-                                              journal=tmp_path / "foreign.jsonl")
+        dpopt.PrivacyEngine().save_checkpoint(path=tmp_path / "y.pt", module=model3, journal=tmp_path / "foreign.jsonl")
     assert not (tmp_path / "y.pt").exists()
 
     engine2.journal.unlink()  # the journal gone: the checkpoint's own ledger is charged, warned

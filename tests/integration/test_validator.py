@@ -14,8 +14,14 @@ from dpopt.noise import NoiseSource
 
 
 def _bad_model():
-    return nn.Sequential(nn.Conv2d(1, 48, 3), nn.BatchNorm2d(48), nn.InstanceNorm2d(48, track_running_stats=True),
-                         nn.Flatten(), nn.Linear(48 * 36, 10), nn.BatchNorm1d(10))
+    return nn.Sequential(
+        nn.Conv2d(1, 48, 3),
+        nn.BatchNorm2d(48),
+        nn.InstanceNorm2d(48, track_running_stats=True),
+        nn.Flatten(),
+        nn.Linear(48 * 36, 10),
+        nn.BatchNorm1d(10),
+    )
 
 
 def test_validate_lists_every_problem_and_check_model_still_raises():

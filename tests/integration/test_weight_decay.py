@@ -16,8 +16,9 @@ def _params():
 
 
 def _step(name, wd, params):
-    opt = make_optimizer(name, params, noise_multiplier=0.0, expected_batch_size=2.0, sample_rate=0.5,
-                         weight_decay=wd, max_grad_norm=1e6)
+    opt = make_optimizer(
+        name, params, noise_multiplier=0.0, expected_batch_size=2.0, sample_rate=0.5, weight_decay=wd, max_grad_norm=1e6
+    )
     grads = [torch.ones(2, *p.shape) * 0.1 for p in params]
     for _ in range(2):
         opt.step(PerSampleGrads(grads, params=tuple(params), points=tuple(opt.evaluation_points())))
@@ -40,8 +41,16 @@ def test_every_method_takes_weight_decay(spec):
 def test_decay_is_decoupled_and_exact_for_sgd():
     """One dp-sgd step: θ' = θ − lr·g̃ − lr·λ·θ (σ = 0, no clipping)."""
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    opt = make_optimizer("dp-sgd", [p], noise_multiplier=0.0, expected_batch_size=1.0, sample_rate=0.5,
-                         lr=0.5, weight_decay=0.1, max_grad_norm=1e6)
+    opt = make_optimizer(
+        "dp-sgd",
+        [p],
+        noise_multiplier=0.0,
+        expected_batch_size=1.0,
+        sample_rate=0.5,
+        lr=0.5,
+        weight_decay=0.1,
+        max_grad_norm=1e6,
+    )
     theta = p.detach().clone()
     g = torch.tensor([[0.2, 0.4]])
     opt.step(PerSampleGrads([g], params=(p,)))

@@ -21,11 +21,11 @@ def _problem(seed=0, n=16):
 LOSS = nn.functional.cross_entropy
 
 
-
 def test_dp_optimizer_is_a_torch_optimizer():
     model, x, y = _problem()
-    opt = make_optimizer("dp-adam", model.parameters(), noise_multiplier=1.0, expected_batch_size=16,
-                         sample_rate=0.5, lr=0.1)
+    opt = make_optimizer(
+        "dp-adam", model.parameters(), noise_multiplier=1.0, expected_batch_size=16, sample_rate=0.5, lr=0.1
+    )
     assert isinstance(opt, torch.optim.Optimizer)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.step(per_sample_gradients(model, LOSS, x, y))
@@ -51,8 +51,6 @@ def test_lr_schedule_changes_the_update():
     assert torch.allclose(p.detach(), torch.tensor([-0.45, -0.6]))
 
 
-
-
 @pytest.mark.parametrize("name", [s.name for s in list_methods()])
 def test_every_method_resumes_from_its_state_dict(name):
     """A resumed optimizer steps exactly as the uninterrupted one (same seeded noise from there).
@@ -60,13 +58,22 @@ def test_every_method_resumes_from_its_state_dict(name):
     torch's load_state_dict turns string state (a Partition's label: DP-Muon and every partitioned
     method) into a generator's text; the first step after a resume then raised KeyError.
     """
+
     def run(resume: bool):
         model, x, y = _problem()
         gen = torch.Generator().manual_seed(7)
 
         def make(m):
-            return make_optimizer(name, m.parameters(), noise_multiplier=1.0, expected_batch_size=16,
-                                  sample_rate=0.5, generator=gen, model=m)
+            return make_optimizer(
+                name,
+                m.parameters(),
+                noise_multiplier=1.0,
+                expected_batch_size=16,
+                sample_rate=0.5,
+                generator=gen,
+                model=m,
+            )
+
         opt = make(model)
         opt.step(per_sample_gradients(model, LOSS, x, y, points=opt.evaluation_points()))
         if resume:

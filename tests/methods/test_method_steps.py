@@ -36,8 +36,15 @@ _problem = small_problem
 
 
 def _nonprivate(method, model, n, **kw):
-    return make_optimizer(method, model.parameters(), noise_multiplier=0.0, expected_batch_size=n,
-                          sample_rate=1.0, max_grad_norm=1e12, **kw)
+    return make_optimizer(
+        method,
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=n,
+        sample_rate=1.0,
+        max_grad_norm=1e12,
+        **kw,
+    )
 
 
 def _train_pair(opt, model, twin, ref_step, x, y, steps=4):
@@ -60,11 +67,14 @@ def test_dp_adambc_reduces_to_adam():
         assert torch.allclose(p, q, atol=1e-12, rtol=1e-10)
 
 
-@pytest.mark.parametrize("method, kw", [
-    ("doppler-sgd", {"filter": "none"}),
-    ("doppler-sgd", {"filter_a": (1.0,), "filter_b": (1.0,)}),
-    ("disk-sgd", {"kappa": 1.0}),  # κ = 1: g_t = ĝ_t and c = 0 (no extrapolation)
-])
+@pytest.mark.parametrize(
+    "method, kw",
+    [
+        ("doppler-sgd", {"filter": "none"}),
+        ("doppler-sgd", {"filter_a": (1.0,), "filter_b": (1.0,)}),
+        ("disk-sgd", {"kappa": 1.0}),  # κ = 1: g_t = ĝ_t and c = 0 (no extrapolation)
+    ],
+)
 def test_trivial_filters_reduce_to_sgd(method, kw):
     model, x, y = _problem()
     twin = copy.deepcopy(model)
@@ -123,8 +133,7 @@ def test_dp_muon_reduces_to_non_private_muon():
     opt = _nonprivate("dp-muon", model, len(x))
     # routing: the MLP's first linear (a dense hidden matrix) and the middle one are Muon; the head,
     # and every bias, are Adam
-    assert hidden_matrix_labels(list(model.parameters())).labels == ["muon", "other", "muon", "other",
-                                                                     "other", "other"]
+    assert hidden_matrix_labels(list(model.parameters())).labels == ["muon", "other", "muon", "other", "other", "other"]
     ref = _ReferenceMuon(twin.parameters(), [p.dim() == 2 for p in twin.parameters()][:4] + [False, False])
     _train_pair(opt, model, twin, ref.step, x, y, steps=5)
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -143,8 +152,7 @@ def test_dp_muon_matches_torch_optim_muon():
     opt = _nonprivate("dp-muon", model, len(x))
     ps = list(twin.parameters())
     muon_p, adam_p = [ps[0], ps[2]], [ps[1], ps[3], ps[4], ps[5]]
-    t_muon = torch.optim.Muon(muon_p, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
-                              adjust_lr_fn="original")
+    t_muon = torch.optim.Muon(muon_p, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, adjust_lr_fn="original")
     t_adam = torch.optim.Adam(adam_p, lr=1e-3, eps=1e-8)
 
     def ref_step():
@@ -197,13 +205,16 @@ def _muon_grads(wdiag, c, h, points=None):
 
 
 def _nonprivate_tiny(method, params, **kw):
-    return make_optimizer(method, params, noise_multiplier=0.0, expected_batch_size=2.0, sample_rate=0.5,
-                          max_grad_norm=1e9, **kw)
+    return make_optimizer(
+        method, params, noise_multiplier=0.0, expected_batch_size=2.0, sample_rate=0.5, max_grad_norm=1e9, **kw
+    )
 
 
-STEPS = [((3.0, 4.0), (1.0, -2.0), (0.5, 0.25)),
-         ((-1.0, 2.0), (0.5, 1.0), (-1.0, 0.5)),
-         ((2.0, 1.0), (-3.0, 1.0), (0.25, -0.5))]
+STEPS = [
+    ((3.0, 4.0), (1.0, -2.0), (0.5, 0.25)),
+    ((-1.0, 2.0), (0.5, 1.0), (-1.0, 0.5)),
+    ((2.0, 1.0), (-3.0, 1.0), (0.25, -0.5)),
+]
 
 
 def _check_other(params, deltas_c, deltas_h):
@@ -256,6 +267,7 @@ def test_disk_muon_three_steps_by_hand():
             f = list(g) if f is None else [(1 - kappa) * a + kappa * b for a, b in zip(f, g)]
             out.append(f)
         return out
+
     _run_muon_like("disk-muon", disk)
 
 
@@ -266,6 +278,7 @@ def test_doppler_muon_three_steps_by_hand():
             m = [0.9 * a + 0.1 * b for a, b in zip(m, g)]
             out.append([a / (1 - 0.9**t) for a in m])
         return out
+
     _run_muon_like("doppler-muon", ema)
 
 
@@ -293,9 +306,17 @@ def test_dp_muon_s_by_hand_rank_one_and_exact():
 def test_dp_adambc_two_steps_by_hand_with_noise():
     theta = torch.zeros(3)
     sigma, clip, bbar, lr, gp = 1.0, 1.0, 2.0, 1e-3, 1e-8
-    opt = make_optimizer("dp-adambc", [theta], noise_multiplier=sigma, expected_batch_size=bbar,
-                         sample_rate=0.5, max_grad_norm=clip, lr=lr, gamma_prime=gp,
-                         generator=torch.Generator().manual_seed(3))
+    opt = make_optimizer(
+        "dp-adambc",
+        [theta],
+        noise_multiplier=sigma,
+        expected_batch_size=bbar,
+        sample_rate=0.5,
+        max_grad_norm=clip,
+        lr=lr,
+        gamma_prime=gp,
+        generator=torch.Generator().manual_seed(3),
+    )
     grads = [torch.tensor([[0.6, 0.0, 0.8], [3.0, 4.0, 0.0]]), torch.tensor([[0.0, 0.0, 0.1], [0.2, 0.0, 0.0]])]
     m = [0.0] * 3
     v = [0.0] * 3
@@ -319,8 +340,17 @@ def test_dp_adambc_two_steps_by_hand_with_noise():
 def test_dp_macadambc_two_steps_by_hand_with_noise():
     theta = torch.zeros(2)
     sigma, bbar, lr, gp, h1, h2 = 1.0, 4.0, 1e-3, 1e-8, 1e-9, 1e-2
-    opt = make_optimizer("dp-macadambc", [theta], noise_multiplier=sigma, expected_batch_size=bbar,
-                         sample_rate=0.5, lr=lr, h1=h1, h2=h2, generator=torch.Generator().manual_seed(5))
+    opt = make_optimizer(
+        "dp-macadambc",
+        [theta],
+        noise_multiplier=sigma,
+        expected_batch_size=bbar,
+        sample_rate=0.5,
+        lr=lr,
+        h1=h1,
+        h2=h2,
+        generator=torch.Generator().manual_seed(5),
+    )
     grads = [torch.tensor([[0.3, -0.1], [0.2, 0.4]]), torch.tensor([[0.1, 0.1], [-0.2, 0.3]])]
     b = [0.5, 0.5]  # b_0 = 1/d
     mhat_prev = [0.0, 0.0]
@@ -371,8 +401,9 @@ def test_disk_sgd_three_steps_by_hand():
         f = list(g) if f is None else [(1 - kappa) * a + kappa * b for a, b in zip(f, g)]
         prev, th = th, [a - lr * b for a, b in zip(th, f)]
         assert theta.tolist() == pytest.approx(th, rel=1e-12)
-    assert th == pytest.approx([-0.5 * (1.0 + (0.3 - 0.7)) - 0.5 * (0.3 * -0.4 + 0.35),
-                                -0.5 * (2.0 + 0.6) - 0.5 * (0.18 + 0.35)])
+    assert th == pytest.approx(
+        [-0.5 * (1.0 + (0.3 - 0.7)) - 0.5 * (0.3 * -0.4 + 0.35), -0.5 * (2.0 + 0.6) - 0.5 * (0.18 + 0.35)]
+    )
 
 
 def test_doppler_sgd_three_steps_by_hand():
@@ -386,12 +417,16 @@ def test_doppler_sgd_three_steps_by_hand():
 
 # ------------------------------------------------------------------ routing
 def test_hidden_matrix_labels_and_override():
-    conv = [torch.zeros(8, 3, 3, 3), torch.zeros(8), torch.zeros(16, 8, 3, 3), torch.zeros(16),
-            torch.zeros(4, 16, 1, 1)]
+    conv = [
+        torch.zeros(8, 3, 3, 3),
+        torch.zeros(8),
+        torch.zeros(16, 8, 3, 3),
+        torch.zeros(16),
+        torch.zeros(4, 16, 1, 1),
+    ]
     conv.insert(4, torch.zeros(16))  # a norm gain
     conv += [torch.zeros(10, 64), torch.zeros(10)]
-    assert hidden_matrix_labels(conv).labels == ["other", "other", "muon", "other", "other", "muon",
-                                                 "other", "other"]
+    assert hidden_matrix_labels(conv).labels == ["other", "other", "muon", "other", "other", "muon", "other", "other"]
     assert hidden_matrix_labels(conv, exclude_first="never", exclude_last=False).labels[0] == "muon"
     mlp = [torch.zeros(64, 64), torch.zeros(64), torch.zeros(10, 64), torch.zeros(10)]
     assert hidden_matrix_labels(mlp).labels == ["muon", "other", "other", "other"]
@@ -402,13 +437,26 @@ def test_hidden_matrix_labels_and_override():
         hidden_matrix_labels(mlp, exclude_first="first")
     # user override: everything to the "other" optimizer makes dp-muon exactly Adam at other_lr
     w = torch.zeros(2, 2)
-    opt = make_optimizer("dp-muon", [w], noise_multiplier=0.0, expected_batch_size=2.0, sample_rate=0.5,
-                         max_grad_norm=1e9, label_fn=lambda p: "other")
+    opt = make_optimizer(
+        "dp-muon",
+        [w],
+        noise_multiplier=0.0,
+        expected_batch_size=2.0,
+        sample_rate=0.5,
+        max_grad_norm=1e9,
+        label_fn=lambda p: "other",
+    )
     opt.step(PerSampleGrads([torch.tensor([[[1.0, -2.0], [0.0, 4.0]], [[0.0, 0.0], [0.0, 0.0]]])]))
     assert w.flatten().tolist() == pytest.approx([-1e-3, 1e-3, 0.0, -1e-3], rel=1e-6)
     with pytest.raises(ValueError, match="matrices"):
-        make_optimizer("dp-muon", [torch.zeros(3)], noise_multiplier=0.0, expected_batch_size=2.0,
-                       sample_rate=0.5, label_fn=lambda p: "muon").step(PerSampleGrads([torch.zeros(1, 3)]))
+        make_optimizer(
+            "dp-muon",
+            [torch.zeros(3)],
+            noise_multiplier=0.0,
+            expected_batch_size=2.0,
+            sample_rate=0.5,
+            label_fn=lambda p: "muon",
+        ).step(PerSampleGrads([torch.zeros(1, 3)]))
 
 
 def test_lr_applies_to_muon_and_other_lr_to_the_rest():
@@ -421,10 +469,8 @@ def test_lr_applies_to_muon_and_other_lr_to_the_rest():
     assert params[1].tolist() == pytest.approx([-0.02, 0.02], rel=1e-6)  # 0.01 × (0.1/0.05)
 
 
-
 # ------------------------------------------------------------------ DP-MacAdam (Algorithm 1)
-def _macadam_reference(grads, sigma, bbar, noise, lr, betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
-                       unbiased=False):
+def _macadam_reference(grads, sigma, bbar, noise, lr, betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, unbiased=False):
     """Algorithm 1 of dp-macadam.txt, written out in numpy for a flat parameter vector.
 
     grads[t]: per-sample gradients [B, d] at step t (given, not re-evaluated: a linear loss);
@@ -461,16 +507,27 @@ def _macadam_reference(grads, sigma, bbar, noise, lr, betas=(0.9, 0.999), gamma=
 @pytest.mark.parametrize("unbiased", [False, True])
 def test_macadam_first_three_steps_hand_computed(unbiased):
     """Three DP-MacAdam steps on a 3-parameter problem, noise included, against Algorithm 1."""
-    grads = [np.array([[0.02, -0.01, 0.005], [0.0, 0.0, 0.0], [0.01, 0.03, -0.02]]),
-             np.array([[0.015, -0.002, 0.0], [0.004, 0.001, 0.002], [-0.01, 0.02, 0.001]]),
-             np.array([[0.001, 0.0005, -0.0002], [0.0, 0.002, 0.0001], [0.003, -0.001, 0.0]])]
+    grads = [
+        np.array([[0.02, -0.01, 0.005], [0.0, 0.0, 0.0], [0.01, 0.03, -0.02]]),
+        np.array([[0.015, -0.002, 0.0], [0.004, 0.001, 0.002], [-0.01, 0.02, 0.001]]),
+        np.array([[0.001, 0.0005, -0.0002], [0.0, 0.002, 0.0001], [0.003, -0.001, 0.0]]),
+    ]
     sigma, bbar, lr = 0.5, 4.0, 0.01
     h1, h2 = 1e-8, 1e-4
     param = torch.zeros(3, requires_grad=True)
     gen = torch.Generator().manual_seed(3)
-    opt = make_optimizer("dp-macadam", [param], noise_multiplier=sigma, expected_batch_size=bbar,
-                         sample_rate=0.1, generator=gen, lr=lr, h1=h1, h2=h2,
-                         variance_update="unbiased" if unbiased else "paper")
+    opt = make_optimizer(
+        "dp-macadam",
+        [param],
+        noise_multiplier=sigma,
+        expected_batch_size=bbar,
+        sample_rate=0.1,
+        generator=gen,
+        lr=lr,
+        h1=h1,
+        h2=h2,
+        variance_update="unbiased" if unbiased else "paper",
+    )
     replay = torch.Generator().manual_seed(3)
     source = NoiseSource("reproducible", generator=replay)  # the Privatizer's draws, replayed
     noise = [source.normal((3,), dtype=torch.float64).numpy() for _ in range(3)]
@@ -498,10 +555,13 @@ def test_kappa_values():
     assert mac.kappa(10_000) == pytest.approx(2 * 0.9 / 1.9)
 
 
-@pytest.mark.parametrize("variance_update, expected_t2, expected_t60", [
-    ("paper", 0.9 / 1.9, 0.9),  # E[s_t]/κ_t = β/(1+β) V at t = 2, → β V later
-    ("unbiased", 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "variance_update, expected_t2, expected_t60",
+    [
+        ("paper", 0.9 / 1.9, 0.9),  # E[s_t]/κ_t = β/(1+β) V at t = 2, → β V later
+        ("unbiased", 1.0, 1.0),
+    ],
+)
 def test_variance_recursion_bias_monte_carlo(variance_update, expected_t2, expected_t60):
     """200,000 independent coordinates, each an i.i.d. N(μ, V) release stream.
 
@@ -524,5 +584,3 @@ def test_variance_recursion_bias_monte_carlo(variance_update, expected_t2, expec
             ratios[t] = float(states[0]["var_ema"].mean()) / mac.kappa(t) / v_true
     assert ratios[2] == pytest.approx(expected_t2, rel=0.03)
     assert ratios[60] == pytest.approx(expected_t60, rel=0.03)
-
-

@@ -8,9 +8,24 @@ from dpopt.cli import app
 from dpopt.methods import get_method, list_methods, make_optimizer
 from dpopt.optim import DPOptimizer
 
-ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",
-       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto",
-       "dp-muon-bc", "disk-muon-bc", "doppler-muon-bc"]
+ALL = [
+    "dp-sgd",
+    "dp-adam",
+    "dp-adambc",
+    "adaclip",
+    "dp-macadam",
+    "dp-macadambc",
+    "dp-muon",
+    "dp-muon-s",
+    "disk-sgd",
+    "doppler-sgd",
+    "disk-muon",
+    "doppler-muon",
+    "dp-muon-auto",
+    "dp-muon-bc",
+    "disk-muon-bc",
+    "doppler-muon-bc",
+]
 
 pytestmark = pytest.mark.usefixtures("float64")  # see conftest.py
 
@@ -39,8 +54,9 @@ def test_cli_methods_lists_all_twelve():
 
 def test_unknown_hyperparameter_is_refused():
     with pytest.raises(ValueError, match="does not take"):
-        make_optimizer("dp-muon", [torch.zeros(2, 2)], noise_multiplier=1.0, expected_batch_size=2.0,
-                       sample_rate=0.5, kappa=0.5)
+        make_optimizer(
+            "dp-muon", [torch.zeros(2, 2)], noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5, kappa=0.5
+        )
 
 
 def test_bad_lr_and_unknown_names():
@@ -57,9 +73,12 @@ def test_registry_lists_the_foundation_methods():
     names = [s.name for s in list_methods()]
     for name in ("dp-sgd", "dp-adam", "dp-macadam"):
         assert name in names
-    assert isinstance(make_optimizer("dp-sgd", [torch.zeros(1, requires_grad=True)], noise_multiplier=1.0,
-                                     expected_batch_size=1, sample_rate=0.1), DPOptimizer)
-
+    assert isinstance(
+        make_optimizer(
+            "dp-sgd", [torch.zeros(1, requires_grad=True)], noise_multiplier=1.0, expected_batch_size=1, sample_rate=0.1
+        ),
+        DPOptimizer,
+    )
 
 
 def test_cli_hp_options_reach_the_method(tmp_path):
@@ -68,9 +87,27 @@ def test_cli_hp_options_reach_the_method(tmp_path):
     torch.set_default_dtype(torch.float32)  # a real run: float32 model and data (restored by the fixture)
 
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--method", "doppler-muon", "--epochs", "0.1", "--out", str(out),
-                                   "--hp", "filter=second-order", "--hp", "betas=(0.8, 0.99)",
-                                   "--hp", "ns_steps=3", "--hp", "nesterov=False", "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "doppler-muon",
+            "--epochs",
+            "0.1",
+            "--out",
+            str(out),
+            "--hp",
+            "filter=second-order",
+            "--hp",
+            "betas=(0.8, 0.99)",
+            "--hp",
+            "ns_steps=3",
+            "--hp",
+            "nesterov=False",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     hp = json.loads((out / "config.json").read_text())["hparams"]
     assert hp["filter"] == "second-order" and hp["ns_steps"] == 3 and hp["nesterov"] is False
@@ -98,8 +135,11 @@ def test_factories_read_declared_hyperparameters_by_name(method):
     for dataset in (None, "digits", "mnist", "cifar10"):
         hp = spec.hparams(dataset)
         assert set(hp) == set(spec.defaults)
-        params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(4, requires_grad=True),
-                  torch.zeros(2, 4, requires_grad=True)]
+        params = [
+            torch.zeros(4, 3, requires_grad=True),
+            torch.zeros(4, requires_grad=True),
+            torch.zeros(2, 4, requires_grad=True),
+        ]
         spec.build(_Strict({k: v for k, v in hp.items() if k != "max_grad_norm"}), params)
 
 
@@ -112,8 +152,14 @@ def test_build_optimizer_takes_resolved_hyperparameters():
     opt = build_optimizer(spec, p, hp, noise_multiplier=1.0, expected_batch_size=1.0, sample_rate=0.1)
     assert isinstance(opt, DPOptimizer) and opt.param_groups[0]["lr"] == 0.5
     with pytest.raises(ValueError, match="resolved.*missing \\['eps'\\]"):
-        build_optimizer(spec, p, {k: v for k, v in hp.items() if k != "eps"}, noise_multiplier=1.0,
-                        expected_batch_size=1.0, sample_rate=0.1)
+        build_optimizer(
+            spec,
+            p,
+            {k: v for k, v in hp.items() if k != "eps"},
+            noise_multiplier=1.0,
+            expected_batch_size=1.0,
+            sample_rate=0.1,
+        )
 
 
 def test_train_resolves_hyperparameters_once(tmp_path, monkeypatch):

@@ -12,9 +12,24 @@ from dpopt.engine.reference import per_sample_gradients
 from dpopt.methods import make_optimizer
 from dpopt.transforms.base import Chain, Partition, Transform
 
-ALL = ["dp-sgd", "dp-adam", "dp-adambc", "adaclip", "dp-macadam", "dp-macadambc", "dp-muon", "dp-muon-s",
-       "disk-sgd", "doppler-sgd", "disk-muon", "doppler-muon", "dp-muon-auto",
-       "dp-muon-bc", "disk-muon-bc", "doppler-muon-bc"]
+ALL = [
+    "dp-sgd",
+    "dp-adam",
+    "dp-adambc",
+    "adaclip",
+    "dp-macadam",
+    "dp-macadambc",
+    "dp-muon",
+    "dp-muon-s",
+    "disk-sgd",
+    "doppler-sgd",
+    "disk-muon",
+    "doppler-muon",
+    "dp-muon-auto",
+    "dp-muon-bc",
+    "disk-muon-bc",
+    "doppler-muon-bc",
+]
 LOSS = nn.functional.cross_entropy
 
 
@@ -32,20 +47,29 @@ def _small_problem(seed=0, n=16):
     return model, x, y
 
 
-
 # ------------------------------------------------------------------ reductions
-@pytest.mark.parametrize("method, reference", [
-    ("dp-sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
-    ("dp-adam", lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-8)),
-    ("dp-macadam", lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-8)),
-])
+@pytest.mark.parametrize(
+    "method, reference",
+    [
+        ("dp-sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+        ("dp-adam", lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-8)),
+        ("dp-macadam", lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-8)),
+    ],
+)
 def test_reduction_to_non_private(method, reference):
     """σ = 0, C = ∞ and the full batch (B = B̄): the DP optimizer equals its non-private twin."""
     model, x, y = _small_problem()
     twin = copy.deepcopy(model)
     lr = 0.1 if method == "dp-sgd" else 1e-2
-    opt = make_optimizer(method, model.parameters(), noise_multiplier=0.0, expected_batch_size=len(x),
-                         sample_rate=1.0, max_grad_norm=1e12, lr=lr)
+    opt = make_optimizer(
+        method,
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=len(x),
+        sample_rate=1.0,
+        max_grad_norm=1e12,
+        lr=lr,
+    )
     ref = reference(twin.parameters())
     for _ in range(4):
         opt.step(per_sample_gradients(model, LOSS, x, y))
@@ -101,15 +125,23 @@ def _guard(t: Transform, seen: dict):
 @pytest.mark.parametrize("method", ALL)
 def test_privacy_boundary_and_one_release_per_step(method):
     model, x, y = _problem(n=8)
-    opt = make_optimizer(method, model.parameters(), noise_multiplier=1.0, expected_batch_size=4.0,
-                         sample_rate=0.5, generator=torch.Generator().manual_seed(0))
+    opt = make_optimizer(
+        method,
+        model.parameters(),
+        noise_multiplier=1.0,
+        expected_batch_size=4.0,
+        sample_rate=0.5,
+        generator=torch.Generator().manual_seed(0),
+    )
     seen = {"update": 0}
     for leaf in _leaves(opt.transform):
         _guard(leaf, seen)
     for step in range(3):
         idx = torch.arange(8)[torch.rand(8, generator=torch.Generator().manual_seed(step)) < 0.5]
-        sources = [per_sample_gradients(model, LOSS, x[idx[:2]], y[idx[:2]], opt.evaluation_points()),
-                   per_sample_gradients(model, LOSS, x[idx[2:]], y[idx[2:]], opt.evaluation_points())]
+        sources = [
+            per_sample_gradients(model, LOSS, x[idx[:2]], y[idx[:2]], opt.evaluation_points()),
+            per_sample_gradients(model, LOSS, x[idx[2:]], y[idx[2:]], opt.evaluation_points()),
+        ]
         rel = opt.step(sources)  # two micro-batches, one logical step
         assert [g.shape for g in rel.grads] == [p.shape for p in model.parameters()]
     assert seen["update"] >= 3
@@ -117,5 +149,3 @@ def test_privacy_boundary_and_one_release_per_step(method):
     assert len(ledger) == 3 and [e.step for e in ledger.entries] == [0, 1, 2]
     assert opt.privatizer.releases == 3 and opt.privatizer.reads == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())
-
-

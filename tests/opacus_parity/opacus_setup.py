@@ -28,8 +28,16 @@ def model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, K))
 
 
-def private(*, accountant: str = "pld", batch_size: int = 16, seed: int = 0, noise_seed: int = 1,
-            lr: float = 0.1, dataset=None, **kwargs):
+def private(
+    *,
+    accountant: str = "pld",
+    batch_size: int = 16,
+    seed: int = 0,
+    noise_seed: int = 1,
+    lr: float = 0.1,
+    dataset=None,
+    **kwargs,
+):
     """(engine, model, optimizer, loader) from ``make_private`` with REPRODUCIBLE noise (``noise_seed``)."""
     engine = dpopt.PrivacyEngine(accountant=accountant)
     m = model(seed)

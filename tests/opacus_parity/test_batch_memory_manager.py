@@ -33,9 +33,15 @@ def _train(optimizer="sgd", physical=None, epochs=2, sigma=0.0, **kw):
         m = model()
         gen = torch.Generator().manual_seed(1)
         with pytest.warns(UserWarning, match="noise_generator"):
-            m, opt, loader = engine.make_private(module=m, optimizer=optimizer, lr=0.05,
-                                                 data_loader=torch.utils.data.DataLoader(data(), batch_size=16),
-                                                 noise_multiplier=sigma, max_grad_norm=0.5, noise_generator=gen)
+            m, opt, loader = engine.make_private(
+                module=m,
+                optimizer=optimizer,
+                lr=0.05,
+                data_loader=torch.utils.data.DataLoader(data(), batch_size=16),
+                noise_multiplier=sigma,
+                max_grad_norm=0.5,
+                noise_generator=gen,
+            )
     crit = torch.nn.CrossEntropyLoss()
     sizes = []
     for _ in range(epochs):

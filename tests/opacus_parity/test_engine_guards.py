@@ -36,8 +36,15 @@ def _calibrated(target=2.0, epochs=2, accountant="rdp"):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="noise_generator")
         m, opt, loader = engine.make_private_with_epsilon(
-            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=DataLoader(data(), batch_size=16),
-            target_epsilon=target, target_delta=DELTA, epochs=epochs, max_grad_norm=1.0, noise_generator=gen)
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=16),
+            target_epsilon=target,
+            target_delta=DELTA,
+            epochs=epochs,
+            max_grad_norm=1.0,
+            noise_generator=gen,
+        )
     return engine, m, opt, loader
 
 
@@ -100,9 +107,11 @@ def test_make_private_alone_never_warns_about_a_target():
 
 
 # -- loss reduction -----------------------------------------------------------------------------
-@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(reduction="sum"),
-                                     lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).sum()],
-                         ids=["sum-module", "none-module-summed"])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [nn.CrossEntropyLoss(reduction="sum"), lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).sum()],
+    ids=["sum-module", "none-module-summed"],
+)
 def test_a_sum_reduced_loss_module_under_mean_is_refused_before_any_release(loss_fn):
     engine, m, opt, loader = private()
     before = [p.detach().clone() for p in m.parameters()]
@@ -112,14 +121,17 @@ def test_a_sum_reduced_loss_module_under_mean_is_refused_before_any_release(loss
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
-@pytest.mark.parametrize("reduction, loss_fn", [
-    ("mean", nn.CrossEntropyLoss()),
-    ("mean", lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).mean()),
-    ("mean", lambda out, y: nn.CrossEntropyLoss(reduction="sum")(out, y) / len(y)),  # a mean, written as sum / B
-    ("mean", lambda out, y: nn.functional.cross_entropy(out, y)),
-    ("sum", nn.CrossEntropyLoss(reduction="sum")),
-    ("sum", lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).sum()),
-])
+@pytest.mark.parametrize(
+    "reduction, loss_fn",
+    [
+        ("mean", nn.CrossEntropyLoss()),
+        ("mean", lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).mean()),
+        ("mean", lambda out, y: nn.CrossEntropyLoss(reduction="sum")(out, y) / len(y)),  # a mean, written as sum / B
+        ("mean", lambda out, y: nn.functional.cross_entropy(out, y)),
+        ("sum", nn.CrossEntropyLoss(reduction="sum")),
+        ("sum", lambda out, y: nn.CrossEntropyLoss(reduction="none")(out, y).sum()),
+    ],
+)
 def test_losses_that_agree_with_loss_reduction_train_and_the_check_then_leaves(reduction, loss_fn):
     engine, m, opt, loader = private(loss_reduction=reduction)
     run_epoch(m, opt, loader, loss_fn=loss_fn)
@@ -139,8 +151,9 @@ def test_the_sum_reduced_refusal_against_the_per_sample_scale():
     # sigma 0, C huge (nothing clipped), SGD lr 1: the update of the sum-loss run (had it been let through)
     # would be B x the mean-loss run's; with loss_reduction="sum" it equals it
     def update(reduction, loss_fn):
-        engine, m, opt, loader = private(noise_multiplier=0.0, max_grad_norm=1e6, lr=1.0, loss_reduction=reduction,
-                                         batch_size=64)
+        engine, m, opt, loader = private(
+            noise_multiplier=0.0, max_grad_norm=1e6, lr=1.0, loss_reduction=reduction, batch_size=64
+        )
         w0 = m[0].weight.detach().clone()
         run_epoch(m, opt, loader, steps=1, loss_fn=loss_fn)
         return m[0].weight.detach() - w0

@@ -52,9 +52,15 @@ def _reproducible(**kw):
 # -- cifar10.py's shape ---------------------------------------------------------------------------
 def _convnet(classes=4):
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d((1, 1)),
-        nn.Flatten(), nn.Linear(16, classes))
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(),
+        nn.Linear(16, classes),
+    )
 
 
 def _images(n=96, classes=4, seed=0):
@@ -77,9 +83,15 @@ def test_cifar10_script_shape(tmp_path, clip_per_layer, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reproducible noise; the grad_sample_mode note
         model, optimizer, loader = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.8,
-            max_grad_norm=max_grad_norm, clipping="per_layer" if clip_per_layer else "flat",
-            grad_sample_mode=mode, **_reproducible())
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=0.8,
+            max_grad_norm=max_grad_norm,
+            clipping="per_layer" if clip_per_layer else "flat",
+            grad_sample_mode=mode,
+            **_reproducible(),
+        )
     epochs, criterion, eps_seen = 3, nn.CrossEntropyLoss(), []
     for epoch in range(1, epochs + 1):
         lr = 2.0 * 0.5 * (1 + math.cos(math.pi * epoch / (epochs + 1)))
@@ -94,11 +106,14 @@ def test_cifar10_script_shape(tmp_path, clip_per_layer, mode):
             if i % 2 == 0:
                 eps_seen.append(engine.accountant.get_epsilon(delta=DELTA))
         assert optimizer.original_optimizer.param_groups[0]["lr"] == lr
-        torch.save({"epoch": epoch + 1, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict()},
-                   tmp_path / "checkpoint.tar")
+        torch.save(
+            {"epoch": epoch + 1, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict()},
+            tmp_path / "checkpoint.tar",
+        )
     assert len(engine.ledger) == epochs * len(loader) == 12
     assert engine.accountant.get_epsilon(delta=DELTA) == pytest.approx(
-        dpsgd_epsilon(0.8, 0.25, 12, DELTA, "pld"), rel=1e-9)
+        dpsgd_epsilon(0.8, 0.25, 12, DELTA, "pld"), rel=1e-9
+    )
     assert eps_seen == sorted(eps_seen)  # grows with every release
     saved = torch.load(tmp_path / "checkpoint.tar", weights_only=True)
     assert saved["optimizer"]["privatizer"]["ledger_length"] == 12  # the checkpoint carries the ledger
@@ -188,8 +203,14 @@ def test_char_lstm_script_shape_release_is_the_summed_gradient_at_sigma_0(rnn):
     engine = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                       noise_multiplier=0.0, max_grad_norm=1e6, **_reproducible())
+        model, optimizer, loader = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1e6,
+            **_reproducible(),
+        )
     checked = 0
     for x, y in loader:
         reference = copy.deepcopy(model) if len(x) else None  # the parameters before this step
@@ -219,8 +240,14 @@ def test_char_lstm_script_shape_trains_and_accounts(rnn):
     engine = dpopt.PrivacyEngine(secure_mode=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                       noise_multiplier=1.0, max_grad_norm=1.5, **_reproducible())
+        model, optimizer, loader = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.5,
+            **_reproducible(),
+        )
     criterion = nn.CrossEntropyLoss()
     for _ in range(2):
         model.train()

@@ -47,13 +47,15 @@ def test_the_mode_note_is_said_once_per_engine():
     kw = dict(data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0)
     with pytest.warns(UserWarning, match="one engine"):
         m = model()
-        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                            grad_sample_mode="functorch", **kw)
+        engine.make_private(
+            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), grad_sample_mode="functorch", **kw
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m = model()
-        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                            grad_sample_mode="functorch", **kw)
+        engine.make_private(
+            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), grad_sample_mode="functorch", **kw
+        )
 
 
 @pytest.mark.parametrize("mode, match", [("ghost_fsdp", "distributed=True"), ("expanded", "one of")])
@@ -71,8 +73,9 @@ def test_batch_first_false_is_refused_with_the_transpose_advice():
 def test_a_sum_reduced_criterion_under_mean_is_refused():
     with pytest.raises(ValueError, match="loss_reduction='sum'"):
         private(grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"))
-    *_, crit, _ = private(grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"),
-                          loss_reduction="sum")
+    *_, crit, _ = private(
+        grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"), loss_reduction="sum"
+    )
     assert crit.reduction == "sum"
 
 
@@ -81,8 +84,14 @@ def _adaptive(**kw):
     # fraction is n/(2 B) + 1/2 + noise (n the realised batch, B = 16, noise std 1.5/16 = 0.094), above 0.6
     # unless n < 4 or the noise is below -3 std (together < 2e-3 per step); the bound then shrinks by
     # exp(-3 (frac - 0.05)) < 0.2 per step. The masks and noise are seeded (reproducible), so this run is fixed
-    return private(clipping="adaptive", max_grad_norm=100.0, target_unclipped_quantile=0.05,
-                   clipbound_learning_rate=3.0, unclipped_num_std=1.5, **kw)
+    return private(
+        clipping="adaptive",
+        max_grad_norm=100.0,
+        target_unclipped_quantile=0.05,
+        clipbound_learning_rate=3.0,
+        unclipped_num_std=1.5,
+        **kw,
+    )
 
 
 def test_adaptive_clipping_with_opacus_arguments_clamps_the_bound():
@@ -96,11 +105,14 @@ def test_adaptive_clipping_with_opacus_arguments_clamps_the_bound():
     assert applied == [100.0, 50.0, 50.0, 50.0, 50.0]  # clamped to the floor and held there
 
 
-@pytest.mark.parametrize("kw, match", [(dict(min_clipbound=0.1), "clipping='adaptive'"),
-                                       (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=1.0),
-                                        "min_clipbound <= max_clipbound"),
-                                       (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=3.0),
-                                        "outside")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(min_clipbound=0.1), "clipping='adaptive'"),
+        (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=1.0), "min_clipbound <= max_clipbound"),
+        (dict(clipping="adaptive", min_clipbound=2.0, max_clipbound=3.0), "outside"),
+    ],
+)
 def test_clip_bounds_refused_where_wrong(kw, match):
     with pytest.raises(ValueError, match=match):
         private(**kw)
@@ -110,17 +122,26 @@ def test_drop_last_warns_as_opacus_and_every_poisson_batch_is_used():
     with pytest.warns(UserWarning, match="Ignoring drop_last"):
         engine = dpopt.PrivacyEngine()
         m = model()
-        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                            data_loader=DataLoader(data(), batch_size=10, drop_last=True),
-                            noise_multiplier=1.0, max_grad_norm=1.0)
+        engine.make_private(
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=10, drop_last=True),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
 
 
 def test_secure_mode_per_call_and_its_exclusion_with_a_generator():
     engine = dpopt.PrivacyEngine()
     m = model()
-    _, opt, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                    data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0,
-                                    max_grad_norm=1.0, secure_mode=True)
+    _, opt, _ = engine.make_private(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        secure_mode=True,
+    )
     assert opt.privatizer.noise.mode == "secure"
     with pytest.raises(ValueError, match="exclusive"):
         private(secure_mode=True)
@@ -134,10 +155,19 @@ def test_unknown_keywords_with_a_torch_optimizer_point_to_the_migration_guide():
 def test_make_private_with_epsilon_takes_opacus_arguments_and_meets_the_target():
     engine = dpopt.PrivacyEngine(accountant="rdp")
     m = model()
-    out = engine.make_private_with_epsilon(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                           data_loader=DataLoader(data(), batch_size=16), target_epsilon=3.0,
-                                           target_delta=1e-5, epochs=2, max_grad_norm=1.0, batch_first=True,
-                                           poisson_sampling=True, grad_sample_mode="hooks", loss_reduction="mean")
+    out = engine.make_private_with_epsilon(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        batch_first=True,
+        poisson_sampling=True,
+        grad_sample_mode="hooks",
+        loss_reduction="mean",
+    )
     m, opt, loader = out
     for _ in range(2):
         run_epoch(m, opt, loader)
@@ -153,18 +183,32 @@ def test_make_private_with_epsilon_calibrates_fractional_epochs_for_all_their_st
     engine = dpopt.PrivacyEngine(accountant="rdp")
     m = model()
     loader = DataLoader(data(), batch_size=16)
-    _, opt, _ = engine.make_private_with_epsilon(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                                 data_loader=loader, target_epsilon=3.0, target_delta=1e-5,
-                                                 epochs=2.5, max_grad_norm=1.0)
+    _, opt, _ = engine.make_private_with_epsilon(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=loader,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2.5,
+        max_grad_norm=1.0,
+    )
     want = calibrate_noise_multiplier(3.0, 1e-5, 1.0 / len(loader), math.ceil(2.5 * len(loader)), "rdp")
     assert opt.noise_multiplier == want.noise_multiplier
-    assert opt.noise_multiplier > calibrate_noise_multiplier(3.0, 1e-5, 1.0 / len(loader), 2 * len(loader),
-                                                             "rdp").noise_multiplier
+    assert (
+        opt.noise_multiplier
+        > calibrate_noise_multiplier(3.0, 1e-5, 1.0 / len(loader), 2 * len(loader), "rdp").noise_multiplier
+    )
     for bad in (0, -1, float("nan"), "2"):
         with pytest.raises(ValueError, match="epochs must be a number > 0"):
             dpopt.PrivacyEngine().make_private_with_epsilon(
-                module=model(), optimizer=torch.optim.SGD(model().parameters(), lr=0.1), data_loader=loader,
-                target_epsilon=3.0, target_delta=1e-5, epochs=bad, max_grad_norm=1.0)
+                module=model(),
+                optimizer=torch.optim.SGD(model().parameters(), lr=0.1),
+                data_loader=loader,
+                target_epsilon=3.0,
+                target_delta=1e-5,
+                epochs=bad,
+                max_grad_norm=1.0,
+            )
 
 
 class _BNNet(nn.Module):
@@ -197,9 +241,13 @@ def test_model_module_is_the_model_itself_and_not_a_child():
     keys = set(m.state_dict())
     n_modules = len(list(m.modules()))
     engine = dpopt.PrivacyEngine()
-    out, _, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                    data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0,
-                                    max_grad_norm=1.0)
+    out, _, _ = engine.make_private(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     assert out is m and m._module is m  # Opacus code unwraps its GradSampleModule with ._module
     assert set(m.state_dict()) == keys and len(list(m.modules())) == n_modules
 

@@ -91,8 +91,13 @@ def run(PrivacyEngine, digits28, epochs, accountant="rdp", **make_private_kwargs
     train_loader = DataLoader(train_set, batch_size=BATCH, shuffle=True)
     privacy_engine = PrivacyEngine(accountant=accountant)
     model, optimizer, train_loader = privacy_engine.make_private(
-        module=model, optimizer=optimizer, data_loader=train_loader,
-        noise_multiplier=SIGMA, max_grad_norm=C, **make_private_kwargs)
+        module=model,
+        optimizer=optimizer,
+        data_loader=train_loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=C,
+        **make_private_kwargs,
+    )
     eps = None
     for _ in range(epochs):
         eps = train(model, train_loader, optimizer, privacy_engine)
@@ -102,8 +107,7 @@ def run(PrivacyEngine, digits28, epochs, accountant="rdp", **make_private_kwargs
 def test_mnist_example_runs_with_the_import_switched(digits28):
     # Opacus's own noise_generator= argument seeds the noise: with secret noise one epoch's accuracy is a
     # random variable (0.14 seen once in 5 runs), and a threshold on it would fail at an unknown rate
-    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=1,
-                             noise_generator=torch.Generator().manual_seed(0))
+    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=1, noise_generator=torch.Generator().manual_seed(0))
     assert eps == pytest.approx(dpsgd_epsilon(SIGMA, q, steps, DELTA, "rdp"), rel=1e-9)
     assert acc > 0.15
 
@@ -117,8 +121,10 @@ def test_side_by_side_with_opacus(digits28):
         warnings.simplefilter("ignore")  # Opacus's secure-RNG and hook warnings
         theirs = run(opacus.PrivacyEngine, digits28, epochs=5)
     ours = run(dpopt.PrivacyEngine, digits28, epochs=5)
-    print(f"\nopacus {opacus.__version__}: accuracy {theirs[0]:.3f}, eps {theirs[1]:.4f}; "
-          f"dpopt: accuracy {ours[0]:.3f}, eps {ours[1]:.4f} ({ours[2]} steps at q = {ours[3]:.4f}, rdp)")
+    print(
+        f"\nopacus {opacus.__version__}: accuracy {theirs[0]:.3f}, eps {theirs[1]:.4f}; "
+        f"dpopt: accuracy {ours[0]:.3f}, eps {ours[1]:.4f} ({ours[2]} steps at q = {ours[3]:.4f}, rdp)"
+    )
     assert ours[2:] == theirs[2:]
     assert ours[1] == pytest.approx(theirs[1], rel=0.01)
     assert theirs[0] > 0.4 and ours[0] > 0.4

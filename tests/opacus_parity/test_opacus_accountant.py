@@ -122,8 +122,13 @@ def test_accountant_follows_the_engine_ledger_when_it_is_replaced():
 
 
 def test_adaptive_clipping_history_is_the_joint_sigma():
-    engine, model, opt, loader = private(accountant="rdp", clipping="adaptive", target_unclipped_quantile=0.5,
-                                         clipbound_learning_rate=0.2, count_share=0.25)
+    engine, model, opt, loader = private(
+        accountant="rdp",
+        clipping="adaptive",
+        target_unclipped_quantile=0.5,
+        clipbound_learning_rate=0.2,
+        count_share=0.25,
+    )
     run_epoch(model, opt, loader, steps=2)
     ((sigma, q, steps),) = engine.accountant.history
     assert (q, steps) == (0.25, 2)

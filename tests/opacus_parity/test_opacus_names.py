@@ -36,11 +36,24 @@ def test_make_private_takes_every_opacus_argument_at_once():
     ctx = _quiet()
     try:
         m, opt, loader = engine.make_private(
-            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=DataLoader(data(), batch_size=16),
-            noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="hooks", batch_first=True,
-            poisson_sampling=True, clipping="adaptive", max_clipbound=4.0, min_clipbound=0.25,
-            clipbound_learning_rate=0.2, target_unclipped_quantile=0.5, unclipped_num_std=1.5,
-            loss_reduction="mean", noise_generator=torch.Generator().manual_seed(0), secure_mode=False)
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode="hooks",
+            batch_first=True,
+            poisson_sampling=True,
+            clipping="adaptive",
+            max_clipbound=4.0,
+            min_clipbound=0.25,
+            clipbound_learning_rate=0.2,
+            target_unclipped_quantile=0.5,
+            unclipped_num_std=1.5,
+            loss_reduction="mean",
+            noise_generator=torch.Generator().manual_seed(0),
+            secure_mode=False,
+        )
     finally:
         ctx.__exit__(None, None, None)
     run_epoch(m, opt, loader)
@@ -54,9 +67,15 @@ def test_every_done_when_name(tmp_path):
     ctx = _quiet()
     try:
         m, opt, loader = engine.make_private_with_epsilon(
-            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=DataLoader(data(), batch_size=16),
-            target_epsilon=4.0, target_delta=DELTA, epochs=2, max_grad_norm=1.0,
-            noise_generator=torch.Generator().manual_seed(0))
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=16),
+            target_epsilon=4.0,
+            target_delta=DELTA,
+            epochs=2,
+            max_grad_norm=1.0,
+            noise_generator=torch.Generator().manual_seed(0),
+        )
     finally:
         ctx.__exit__(None, None, None)
     sigma = opt.noise_multiplier
@@ -90,9 +109,13 @@ def test_every_done_when_name(tmp_path):
         engine.save_checkpoint(path=path, module=m, optimizer=opt)
         fresh = dpopt.PrivacyEngine(accountant="rdp")
         m2 = model(seed=3)
-        m2, opt2, _ = fresh.make_private(module=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1),
-                                         data_loader=DataLoader(data(), batch_size=16), noise_multiplier=sigma,
-                                         max_grad_norm=1.0)
+        m2, opt2, _ = fresh.make_private(
+            module=m2,
+            optimizer=torch.optim.SGD(m2.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=16),
+            noise_multiplier=sigma,
+            max_grad_norm=1.0,
+        )
         fresh.load_checkpoint(path=path, module=m2, optimizer=opt2)
     finally:
         ctx.__exit__(None, None, None)
@@ -110,15 +133,24 @@ def test_schedulers_drive_dpopt_optimizer(library):
     m = model()
     ctx = _quiet()
     try:
-        m, opt, loader = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                             data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0,
-                                             max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(0))
+        m, opt, loader = engine.make_private(
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_generator=torch.Generator().manual_seed(0),
+        )
     finally:
         ctx.__exit__(None, None, None)
-    made = [schedulers.ExponentialNoise(opt, gamma=0.5), schedulers.StepNoise(opt, step_size=1, gamma=1.0),
-            schedulers.LambdaNoise(opt, noise_lambda=lambda e: 1.0),
-            schedulers.ExponentialGradClip(opt, gamma=0.5), schedulers.StepGradClip(opt, step_size=1, gamma=1.0),
-            schedulers.LambdaGradClip(opt, scheduler_function=lambda e: 1.0)]
+    made = [
+        schedulers.ExponentialNoise(opt, gamma=0.5),
+        schedulers.StepNoise(opt, step_size=1, gamma=1.0),
+        schedulers.LambdaNoise(opt, noise_lambda=lambda e: 1.0),
+        schedulers.ExponentialGradClip(opt, gamma=0.5),
+        schedulers.StepGradClip(opt, step_size=1, gamma=1.0),
+        schedulers.LambdaGradClip(opt, scheduler_function=lambda e: 1.0),
+    ]
     run_epoch(m, opt, loader, steps=1)
     made[0].step()  # sigma 0.5
     made[3].step()  # C 0.5

@@ -54,10 +54,15 @@ def _private(batch_size=B, noise_multiplier=1.0, max_grad_norm=1.0, seed=1337, n
     engine = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, opt, dl = engine.make_private(module=m, optimizer=opt,
-                                         data_loader=DataLoader(_data(), batch_size=batch_size),
-                                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                                         noise_generator=noise_generator, **kw)
+        m, opt, dl = engine.make_private(
+            module=m,
+            optimizer=opt,
+            data_loader=DataLoader(_data(), batch_size=batch_size),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            noise_generator=noise_generator,
+            **kw,
+        )
     return m, opt, dl
 
 
@@ -86,8 +91,9 @@ def _grads(m):
 
 @pytest.mark.parametrize("do_clip, do_noise", [(False, False), (True, False), (False, True)])
 def test_compare_to_vanilla(do_clip, do_noise):
-    m, opt, dl = _private(noise_multiplier=1.0 if do_noise else 0.0, max_grad_norm=0.01 if do_clip else 1e6,
-                          poisson_sampling=False)
+    m, opt, dl = _private(
+        noise_multiplier=1.0 if do_noise else 0.0, max_grad_norm=0.01 if do_clip else 1e6, poisson_sampling=False
+    )
     v, vopt, vdl = _vanilla()
     _train(m, opt, dl, 3)
     _train(v, vopt, vdl, 3)
@@ -110,8 +116,9 @@ def test_flat_clipping():
 
 def test_per_layer_clipping():
     bound = 0.3
-    m, opt, dl = _private(batch_size=1, noise_multiplier=0.0, max_grad_norm=[bound] * 6, clipping="per_layer",
-                          poisson_sampling=False)
+    m, opt, dl = _private(
+        batch_size=1, noise_multiplier=0.0, max_grad_norm=[bound] * 6, clipping="per_layer", poisson_sampling=False
+    )
     _train(m, opt, dl, 1)
     v, vopt, vdl = _vanilla(batch_size=1)
     _train(v, vopt, vdl, 1)
@@ -166,16 +173,21 @@ def test_noise_level():
     ds = TensorDataset(torch.randn(64, 100), torch.zeros(64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, opt, dl = engine.make_private(module=m, optimizer=opt, data_loader=DataLoader(ds, batch_size=16),
-                                         noise_multiplier=1.3, max_grad_norm=2.0,
-                                         noise_generator=torch.Generator().manual_seed(0))
+        m, opt, dl = engine.make_private(
+            module=m,
+            optimizer=opt,
+            data_loader=DataLoader(ds, batch_size=16),
+            noise_multiplier=1.3,
+            max_grad_norm=2.0,
+            noise_generator=torch.Generator().manual_seed(0),
+        )
     x, _ = next(iter(dl))
     opt.zero_grad()
     (0.0 * m(x).sum()).backward()
     opt.step()
     g = _grads(m)
     assert float(g.std()) == pytest.approx(1.3 * 2.0 / 16, rel=0.05)  # 5050 draws: sd of the estimate ~1 %
-    assert abs(float(g.mean())) < 4 * 1.3 * 2.0 / 16 / 5050 ** 0.5
+    assert abs(float(g.mean())) < 4 * 1.3 * 2.0 / 16 / 5050**0.5
 
 
 def test_get_compatible_module_inaction():
@@ -201,16 +213,26 @@ def test_model_validator_and_after_fix_and_weight_update():
     net = _BNNet()
     engine = dpopt.PrivacyEngine()
     with pytest.raises((UnsupportedModuleError, ValueError)):
-        engine.make_private(module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
-                            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=1.3, max_grad_norm=1.0)
+        engine.make_private(
+            module=net,
+            optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+            data_loader=DataLoader(_data(), batch_size=B),
+            noise_multiplier=1.3,
+            max_grad_norm=1.0,
+        )
     fixed = dpopt.PrivacyEngine.get_compatible_module(net)
     assert isinstance(net.bn, nn.BatchNorm2d) and isinstance(fixed.bn, nn.GroupNorm)  # the original is unchanged
     before = _flat(fixed).clone()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m, opt, dl = engine.make_private(module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=1.0),
-                                         data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=1.3,
-                                         max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(0))
+        m, opt, dl = engine.make_private(
+            module=fixed,
+            optimizer=torch.optim.SGD(fixed.parameters(), lr=1.0),
+            data_loader=DataLoader(_data(), batch_size=B),
+            noise_multiplier=1.3,
+            max_grad_norm=1.0,
+            noise_generator=torch.Generator().manual_seed(0),
+        )
     _train(m, opt, dl, 1)
     assert not torch.allclose(_flat(m), before)  # the fixed model's weights (GroupNorm's too) are trained
     assert not torch.equal(m.bn.weight.detach(), torch.ones(4))
@@ -220,6 +242,10 @@ def test_parameters_match():
     m = _ConvNet()
     other = _ConvNet()
     with pytest.raises(ValueError, match="exactly the model's trainable parameters"):
-        dpopt.PrivacyEngine().make_private(module=m, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
-                                           data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=1.0,
-                                           max_grad_norm=1.0)
+        dpopt.PrivacyEngine().make_private(
+            module=m,
+            optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=B),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )

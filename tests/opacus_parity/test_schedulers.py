@@ -37,11 +37,14 @@ def _epochs(scheduler_fn, epochs=3, **kw):
     return engine, opt, sched
 
 
-@pytest.mark.parametrize("make, per_epoch", [
-    (lambda o: ExponentialNoise(o, gamma=0.5), [1.0, 0.5, 0.25]),
-    (lambda o: StepNoise(o, step_size=2, gamma=0.5), [1.0, 1.0, 0.5, 0.5, 0.25]),
-    (lambda o: LambdaNoise(o, noise_lambda=lambda e: 1.0 + e), [1.0, 2.0, 3.0]),
-])
+@pytest.mark.parametrize(
+    "make, per_epoch",
+    [
+        (lambda o: ExponentialNoise(o, gamma=0.5), [1.0, 0.5, 0.25]),
+        (lambda o: StepNoise(o, step_size=2, gamma=0.5), [1.0, 1.0, 0.5, 0.5, 0.25]),
+        (lambda o: LambdaNoise(o, noise_lambda=lambda e: 1.0 + e), [1.0, 2.0, 3.0]),
+    ],
+)
 def test_noise_schedules_land_in_the_ledger_one_sigma_per_release(make, per_epoch):
     engine, opt, _ = _epochs(make, epochs=len(per_epoch))
     assert _sigmas(engine) == [s for s in per_epoch for _ in range(4)]
@@ -58,11 +61,14 @@ def test_noise_schedules_land_in_the_ledger_one_sigma_per_release(make, per_epoc
     assert engine.accountant.get_epsilon(delta=1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
-@pytest.mark.parametrize("make, per_epoch", [
-    (lambda o: ExponentialGradClip(o, gamma=0.5), [1.0, 0.5, 0.25]),
-    (lambda o: StepGradClip(o, step_size=2, gamma=0.1), [1.0, 1.0, 0.1]),
-    (lambda o: LambdaGradClip(o, scheduler_function=lambda e: 2.0 ** e), [1.0, 2.0, 4.0]),
-])
+@pytest.mark.parametrize(
+    "make, per_epoch",
+    [
+        (lambda o: ExponentialGradClip(o, gamma=0.5), [1.0, 0.5, 0.25]),
+        (lambda o: StepGradClip(o, step_size=2, gamma=0.1), [1.0, 1.0, 0.1]),
+        (lambda o: LambdaGradClip(o, scheduler_function=lambda e: 2.0**e), [1.0, 2.0, 4.0]),
+    ],
+)
 def test_clip_schedules_set_the_bound_and_the_noise_std_of_each_release(make, per_epoch):
     engine, opt, _ = _epochs(make, epochs=len(per_epoch), noise_multiplier=1.5)
     entries = engine.ledger.entries
@@ -83,8 +89,9 @@ def test_the_noise_drawn_follows_a_changed_sigma():
     ds = TensorDataset(torch.zeros(64, 50), torch.randint(0, 40, (64,)))
     engine = dpopt.PrivacyEngine()
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
-    m, opt, loader = engine.make_private(module=m, optimizer=opt, data_loader=DataLoader(ds, batch_size=16),
-                                         noise_multiplier=1.0, max_grad_norm=2.0)
+    m, opt, loader = engine.make_private(
+        module=m, optimizer=opt, data_loader=DataLoader(ds, batch_size=16), noise_multiplier=1.0, max_grad_norm=2.0
+    )
     opt.noise_multiplier = 3.0
     before = m.weight.detach().clone()
     run_epoch(m, opt, loader, steps=1)
@@ -164,4 +171,3 @@ def test_a_noise_schedule_passes_dpopt_check_and_a_release_off_the_schedule_fail
     claims["noise_multiplier_schedule"] = [[0, 1.0], [4, 0.5]]
     split = check_ledger(engine.ledger, claims)["budget_split"]
     assert not split.passed and any("4 entries" in line and "0.25" in line for line in split.evidence)
-

@@ -35,8 +35,14 @@ def ce(out, target):
 
 
 def small_cnn():
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def test_crop_flip_is_the_drawn_crop_and_flip():
@@ -48,7 +54,7 @@ def test_crop_flip_is_the_drawn_crop_and_flip():
     flip = torch.rand(2, generator=g) < 0.5
     xp = F.pad(x, (4, 4, 4, 4))
     for i in range(2):
-        want = xp[i, :, dy[i]:dy[i] + 6, dx[i]:dx[i] + 6]
+        want = xp[i, :, dy[i] : dy[i] + 6, dx[i] : dx[i] + 6]
         want = want.flip(-1) if flip[i] else want
         assert torch.equal(out[i], want)
     assert out.shape == x.shape
@@ -81,8 +87,7 @@ def _mean_view_truth(model, xv, y):
         return ce(functional_call(model, ps, (xi[None],)), yi[None])
 
     b, k = xv.shape[:2]
-    per_view = vmap(grad(loss), in_dims=(None, 0, 0))(params, xv.reshape(b * k, *xv.shape[2:]),
-                                                       y.repeat_interleave(k))
+    per_view = vmap(grad(loss), in_dims=(None, 0, 0))(params, xv.reshape(b * k, *xv.shape[2:]), y.repeat_interleave(k))
     return [per_view[n].reshape(b, k, *per_view[n].shape[1:]).mean(1) for n in params]
 
 
@@ -103,8 +108,9 @@ def test_micro_batches_never_split_views(physical):
     torch.manual_seed(1)
     model = ViewsOf(small_cnn().double().train(), 3)
     xv, y = _views(b=5)
-    whole = one_hot_grads(next(iter(iter_per_sample_sources(model, views_loss(ce), xv, y, engine="reference"))),
-                          torch.float64)
+    whole = one_hot_grads(
+        next(iter(iter_per_sample_sources(model, views_loss(ce), xv, y, engine="reference"))), torch.float64
+    )
     chunks = list(iter_per_sample_sources(model, views_loss(ce), xv, y, physical, engine="reference"))
     sizes = [c.batch_size for c in chunks]
     assert sum(sizes) == 5 and max(sizes) <= physical
@@ -144,15 +150,39 @@ def test_view_batches_layout_and_reproducible_draws():
     assert not torch.equal(vb.batch(x, y, step=3)[2], xv)
     grouped = ViewBatches(model, ce, 3, "crop-flip", seed=5, grouped=True).batch(x, y, step=2)
     assert grouped[0] is model and grouped[4] == {"rows_per_example": 3}
-    assert torch.equal(grouped[2], xv.reshape(12, 3, 8, 8)) and grouped[3].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2,
-                                                                                         3, 3, 3]
+    assert torch.equal(grouped[2], xv.reshape(12, 3, 8, 8)) and grouped[3].tolist() == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        2,
+        2,
+        2,
+        3,
+        3,
+        3,
+    ]
     one = ViewBatches(model, ce, 1, "crop-flip", seed=5).batch(x, y, 0)
     assert one[0] is model and one[2].shape == x.shape and one[4] == {}
 
 
-@pytest.mark.parametrize("make", [small_cnn, lambda: nn.Sequential(
-    WSConv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-    nn.Linear(4, 3))], ids=["conv", "ws-conv"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        small_cnn,
+        lambda: nn.Sequential(
+            WSConv2d(3, 4, 3, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 3),
+        ),
+    ],
+    ids=["conv", "ws-conv"],
+)
 @pytest.mark.parametrize("physical", [None, 2])
 def test_fast_rows_per_example_equals_the_views_path_and_torch_func(make, physical):
     """The fast engine's grouping of K consecutive rows = the wrapper path = mean-of-views torch.func truth."""
@@ -172,17 +202,31 @@ def test_fast_rows_per_example_equals_the_views_path_and_torch_func(make, physic
 
 def _tiny_cifar(n=64):
     g = torch.Generator().manual_seed(0)
-    return Dataset("cifar10", torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g),
-                   torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+    return Dataset(
+        "cifar10",
+        torch.randn(n, 3, 32, 32, generator=g),
+        torch.randint(0, 10, (n,), generator=g),
+        torch.randn(16, 3, 32, 32, generator=g),
+        torch.randint(0, 10, (16,), generator=g),
+    )
 
 
 def test_epsilon_and_ledger_identical_to_k1(tmp_path: Path):
     data = _tiny_cifar()
     out = {}
     for k in (1, 4):
-        cfg = TrainConfig(dataset="cifar10", model="cnn5-ws", method="dp-sgd", batch_size=8, epochs=0.25,
-                          noise_multiplier=1.1, augmentation_multiplicity=k, ema_decay=0.9,
-                          physical_batch_size=4, out=str(tmp_path / f"k{k}"))
+        cfg = TrainConfig(
+            dataset="cifar10",
+            model="cnn5-ws",
+            method="dp-sgd",
+            batch_size=8,
+            epochs=0.25,
+            noise_multiplier=1.1,
+            augmentation_multiplicity=k,
+            ema_decay=0.9,
+            physical_batch_size=4,
+            out=str(tmp_path / f"k{k}"),
+        )
         out[k] = train(cfg, data=data)
     assert out[1]["epsilon"] == out[4]["epsilon"] and out[1]["steps"] == out[4]["steps"] == 2
     ledgers = {k: json.loads((tmp_path / f"k{k}" / "ledger.json").read_text()) for k in out}
@@ -200,14 +244,11 @@ def test_identical_views_and_other_datasets_are_refused_with_the_setting_named()
     from dpopt.errors import ConfigError
     from dpopt.training.config import validate_config
 
-    base = dict(dataset="cifar10", model="cnn5-ws", method="dp-sgd", batch_size=8, epochs=1.0,
-                noise_multiplier=1.0)
+    base = dict(dataset="cifar10", model="cnn5-ws", method="dp-sgd", batch_size=8, epochs=1.0, noise_multiplier=1.0)
     with pytest.raises(ConfigError, match="identical views") as e:
         validate_config(TrainConfig(**base, augmentation_multiplicity=4, augment="none"), 1000)
     assert set(e.value.arguments) == {"augmentation_multiplicity", "augment"}
     with pytest.raises(ConfigError, match="cifar10 dataset only"):
-        validate_config(TrainConfig(**{**base, "dataset": "digits", "model": "mlp"},
-                                    augmentation_multiplicity=2), 1000)
-    for ok in (dict(augmentation_multiplicity=4, augment="flip"),
-               dict(augmentation_multiplicity=1, augment="none")):
+        validate_config(TrainConfig(**{**base, "dataset": "digits", "model": "mlp"}, augmentation_multiplicity=2), 1000)
+    for ok in (dict(augmentation_multiplicity=4, augment="flip"), dict(augmentation_multiplicity=1, augment="none")):
         validate_config(TrainConfig(**base, **ok), 1000)

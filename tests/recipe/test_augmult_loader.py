@@ -32,8 +32,14 @@ K, C = 3, 0.05
 
 
 def small_cnn():
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def shift_by_view(rows, generator=None):
@@ -56,9 +62,15 @@ def _private(ds, batch, sigma=1.0, poisson=True, augmentation=crop_flip, k=K, mo
         warnings.simplefilter("ignore")
         engine = dpopt.PrivacyEngine()
         model, opt, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(ds, batch_size=batch), noise_multiplier=sigma, max_grad_norm=C,
-            poisson_sampling=poisson, augmentation_multiplicity=k, augmentation=augmentation)
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(ds, batch_size=batch),
+            noise_multiplier=sigma,
+            max_grad_norm=C,
+            poisson_sampling=poisson,
+            augmentation_multiplicity=k,
+            augmentation=augmentation,
+        )
     return model, opt, loader, engine
 
 
@@ -67,8 +79,8 @@ def _check_layout(x, y, w):
     ids = x.amax(dim=(1, 2, 3)).round().long()  # the crop keeps some pixels of the example: its max is i
     for i in range(0, x.shape[0], K):
         ex = w[i] / 10
-        assert torch.all(w[i:i + K] == w[i]) and torch.all(ids[i:i + K] == ex.long())
-        assert torch.all(y[i:i + K] == ex.long() % 3)
+        assert torch.all(w[i : i + K] == w[i]) and torch.all(ids[i : i + K] == ex.long())
+        assert torch.all(y[i : i + K] == ex.long() % 3)
 
 
 def test_the_loader_yields_example_major_views_of_whole_examples():
@@ -97,11 +109,14 @@ def test_views_differ_between_the_copies_of_one_example():
 def test_release_equals_the_loop_that_repeats_the_views_itself_and_training_steps():
     """σ = 0, a deterministic augmentation, full batch without Poisson sampling: the same parameters."""
     g = torch.Generator().manual_seed(2)
-    ds = TensorDataset(torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g))
+    ds = TensorDataset(
+        torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    )
     torch.manual_seed(3)
     model0 = small_cnn().double().train()
-    m1, o1, l1, _ = _private(ds, batch=6, sigma=0.0, poisson=False, augmentation=shift_by_view,
-                             model=copy.deepcopy(model0))
+    m1, o1, l1, _ = _private(
+        ds, batch=6, sigma=0.0, poisson=False, augmentation=shift_by_view, model=copy.deepcopy(model0)
+    )
     m2, o2, l2, _ = _private(ds, batch=6, sigma=0.0, poisson=False, augmentation=None, model=copy.deepcopy(model0))
     (x1, y1), (x2, y2) = next(iter(l1)), next(iter(l2))
     assert x1.shape[0] == 6 * K and x2.shape[0] == 6
@@ -121,25 +136,36 @@ def test_sigma_zero_removing_one_example_with_all_its_views_moves_at_most_c():
     model0 = small_cnn().double().train()
 
     def release(keep):
-        model, opt, loader, _ = _private(TensorDataset(x[keep], y[keep]), batch=len(keep), sigma=0.0, poisson=False,
-                                         augmentation=shift_by_view, model=copy.deepcopy(model0))
+        model, opt, loader, _ = _private(
+            TensorDataset(x[keep], y[keep]),
+            batch=len(keep),
+            sigma=0.0,
+            poisson=False,
+            augmentation=shift_by_view,
+            model=copy.deepcopy(model0),
+        )
         xb, yb = next(iter(loader))
         opt.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         opt.step()  # lr 1: the update is the clipped sum / B̄ (B̄ = the examples here)
-        return torch.cat([(a - b).detach().flatten() for a, b in zip(model0.parameters(), model.parameters())]
-                         ) * opt.expected_batch_size
+        return (
+            torch.cat([(a - b).detach().flatten() for a, b in zip(model0.parameters(), model.parameters())])
+            * opt.expected_batch_size
+        )
 
     full = release(list(range(6)))
     moves = [float((full - release([i for i in range(6) if i != j])).norm()) for j in range(6)]
     assert max(moves) <= C * (1 + 1e-6) and min(moves) > 0.5 * C
 
 
-@pytest.mark.parametrize("augmentation, k, error, match", [
-    ("rotate", K, ValueError, "unknown augmentation 'rotate'"),
-    (3.0, K, TypeError, "augmentation must be one of"),
-    ("none", K, ValueError, "3 identical views"),
-])
+@pytest.mark.parametrize(
+    "augmentation, k, error, match",
+    [
+        ("rotate", K, ValueError, "unknown augmentation 'rotate'"),
+        (3.0, K, TypeError, "augmentation must be one of"),
+        ("none", K, ValueError, "3 identical views"),
+    ],
+)
 def test_bad_augmentations_are_refused_with_what_to_give(augmentation, k, error, match):
     with pytest.raises(error, match=match):
         _private(_indexed(10), batch=5, augmentation=augmentation, k=k)
@@ -188,8 +214,14 @@ def test_the_users_loader_is_not_modified_and_one_view_is_allowed():
         warnings.simplefilter("ignore")
         model = small_cnn().double()
         _, _, loader = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=user,
-            noise_multiplier=1.0, max_grad_norm=C, poisson_sampling=False, augmentation="flip")
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=user,
+            noise_multiplier=1.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+            augmentation="flip",
+        )
     assert loader is not user and not isinstance(user.collate_fn, ViewCollate)
     x, y, w = next(iter(loader))
     assert x.shape == (5, 3, 8, 8) and torch.equal(w, ds.tensors[2][:5])  # K = 1: one (flipped or not) view
@@ -214,8 +246,11 @@ def test_k_views_forwarded_without_augmentation_multiplicity_are_refused():
             continue
         opt.zero_grad()
         F.cross_entropy(model(repeat_views(x, K, crop_flip)), repeat_labels(y, K)).backward()
-        with pytest.raises(ValueError, match=r"carried more rows than the data loader's last batch had examples.*"
-                                             r"augmentation_multiplicity=K") as info:
+        with pytest.raises(
+            ValueError,
+            match=r"carried more rows than the data loader's last batch had examples.*"
+            r"augmentation_multiplicity=K",
+        ) as info:
             opt.step()
         assert re.findall(r"\d+", str(info.value)) == []  # no count: realised batch sizes are private
         break

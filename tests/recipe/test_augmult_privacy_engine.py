@@ -26,14 +26,21 @@ from dpopt.engine.hooks import HookCapture
 pytestmark = pytest.mark.skipif(
     "augmentation_multiplicity" not in inspect.signature(dpopt.PrivacyEngine.make_private).parameters
     or "rows_per_example" not in inspect.signature(HookCapture).parameters,
-    reason="this dpopt's PrivacyEngine / hook capture has no augmentation multiplicity")
+    reason="this dpopt's PrivacyEngine / hook capture has no augmentation multiplicity",
+)
 
 K, B, C = 3, 5, 0.05
 
 
 def small_cnn():
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def _data(b=B, seed=0):
@@ -62,8 +69,15 @@ def _release_times_b(model0, rows, y, k=K, reduction="mean", sigma=0.0):
         warnings.simplefilter("ignore")
         engine = dpopt.PrivacyEngine()
         model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=1.0), data_loader=loader, noise_multiplier=sigma,
-            max_grad_norm=C, poisson_sampling=False, augmentation_multiplicity=k, loss_reduction=reduction)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=1.0),
+            data_loader=loader,
+            noise_multiplier=sigma,
+            max_grad_norm=C,
+            poisson_sampling=False,
+            augmentation_multiplicity=k,
+            loss_reduction=reduction,
+        )
     before = torch.cat([p.detach().flatten() for p in params])
     opt.zero_grad()
     out = model(rows)
@@ -129,15 +143,22 @@ def test_physical_chunks_of_examples_with_their_views_equal_one_pass():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=1.0), data_loader=loader, noise_multiplier=0.0,
-            max_grad_norm=C, poisson_sampling=False, augmentation_multiplicity=K)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+            augmentation_multiplicity=K,
+        )
     before = torch.cat([p.detach().flatten() for p in params])
     for chunk, last in (([0, 1], False), ([2, 3, 4], False), ([5], True)):
         opt.signal_skip_step(do_skip=not last)
         opt.zero_grad()
         sel = torch.tensor([i * K + v for i in chunk for v in range(K)])
         F.cross_entropy(model(rows[sel]), repeat_labels(y[torch.tensor(chunk)], K), reduction="sum").div(
-            K * 6).backward()  # the logical batch's mean: each row weighted 1/(B·K)
+            K * 6
+        ).backward()  # the logical batch's mean: each row weighted 1/(B·K)
         opt.step()
     got = (before - torch.cat([p.detach().flatten() for p in params])) * opt.expected_batch_size
     assert torch.allclose(got, whole, rtol=1e-6, atol=1e-9)
@@ -148,10 +169,17 @@ def _poisson_setup(n=40, batch=8):
     torch.manual_seed(5)
     model = small_cnn().double().train()
     g = torch.Generator().manual_seed(6)
-    ds = TensorDataset(torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+    ds = TensorDataset(
+        torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    )
     model, opt, loader = dpopt.PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(ds, batch_size=batch),
-        noise_multiplier=1.0, max_grad_norm=C, augmentation_multiplicity=K)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+        augmentation_multiplicity=K,
+    )
     return model, opt, loader
 
 
@@ -175,7 +203,9 @@ def test_a_loop_that_forgets_to_repeat_the_views_is_refused_before_any_release()
             continue
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        with pytest.raises(ValueError, match=r"did not carry 3 rows per example of the data loader's last batch.*repeat_views"):
+        with pytest.raises(
+            ValueError, match=r"did not carry 3 rows per example of the data loader's last batch.*repeat_views"
+        ):
             opt.step()
         refused += 1
         if refused == 3:

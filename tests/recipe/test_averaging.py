@@ -107,8 +107,12 @@ def _private(model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
 
 
 def test_privacy_engine_model_averaged_without_copying_hooks():

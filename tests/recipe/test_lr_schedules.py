@@ -44,8 +44,23 @@ def test_dpopt_train_refuses_a_warmup_longer_than_the_run_naming_the_flag(tmp_pa
 
     from dpopt.cli import app
 
-    args = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "1.0",
-            "--lr-schedule", "cosine", "--warmup-steps", "500", "--out", str(tmp_path / "run")]
+    args = [
+        "train",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--noise-multiplier",
+        "1.0",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "500",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code != 0
     text = " ".join((res.output + str(res.exception or "")).split())
@@ -70,8 +85,12 @@ def test_lambda_lr_drives_privacy_engine_optimizer():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.8),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0, max_grad_norm=1e6)
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.8),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            noise_multiplier=0.0,
+            max_grad_norm=1e6,
+        )
     sched = make_lr_scheduler(opt, total_steps=8, schedule="cosine", warmup_steps=2)
     seen = []
     for _ in range(2):
@@ -93,8 +112,18 @@ def test_dpopt_train_schedule_large_batch_micro_batches_and_target_epsilon(tmp_p
     micro-batches of 64 with σ calibrated for the target: one release per logical step, ε ≤ target."""
     from dpopt.training import TrainConfig, train
 
-    cfg = TrainConfig(dataset="digits", method="dp-sgd", batch_size=512.0, physical_batch_size=64, epochs=1.5,
-                      target_epsilon=4.0, lr=0.5, lr_schedule="cosine", warmup_steps=1, out=str(tmp_path / "r"))
+    cfg = TrainConfig(
+        dataset="digits",
+        method="dp-sgd",
+        batch_size=512.0,
+        physical_batch_size=64,
+        epochs=1.5,
+        target_epsilon=4.0,
+        lr=0.5,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        out=str(tmp_path / "r"),
+    )
     s = train(cfg)
     assert s["steps"] == 4 and s["privatizer_releases"] == 4
     assert s["epsilon"] <= 4.0 and s["lr_schedule"] == "cosine" and s["warmup_steps"] == 1
@@ -112,8 +141,23 @@ def test_cli_summary_prints_the_schedule_it_ran(tmp_path):
 
     from dpopt.cli import app
 
-    args = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "1.0",
-            "--lr-schedule", "cosine", "--warmup-steps", "3", "--out", str(tmp_path / "run")]
+    args = [
+        "train",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--noise-multiplier",
+        "1.0",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "3",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
@@ -125,6 +169,8 @@ def test_cli_summary_prints_the_schedule_it_ran(tmp_path):
 def test_recipe_line_names_the_views_and_is_empty_without_a_recipe():
     from dpopt.cli.train import _recipe_line
 
-    assert _recipe_line({"augmentation_multiplicity": 8, "augment": "crop-flip"}) == \
-        "recipe: 8 view(s) per example, augment crop-flip"
+    assert (
+        _recipe_line({"augmentation_multiplicity": 8, "augment": "crop-flip"})
+        == "recipe: 8 view(s) per example, augment crop-flip"
+    )
     assert _recipe_line({"method": "dp-sgd"}) == ""

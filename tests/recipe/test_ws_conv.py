@@ -186,8 +186,13 @@ def _engine_release_times_b(model0, x, y):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # poisson_sampling=False is warned about
         model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(params, lr=1.0), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False)
+            module=model,
+            optimizer=torch.optim.SGD(params, lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            poisson_sampling=False,
+        )
     before = [p.detach().clone() for p in params]
     opt.zero_grad()
     ce(model(x), y).backward()

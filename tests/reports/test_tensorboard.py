@@ -21,8 +21,17 @@ def _scalars(log_dir):
 @pytest.mark.parametrize("method, clipping", [("dp-macadam", "flat"), ("dp-sgd", "quantile")])
 def test_train_writes_public_scalars(tmp_path, method, clipping):
     tb = tmp_path / "tb"
-    train(TrainConfig(dataset="digits", method=method, clipping=clipping, epochs=2, accountant="rdp",
-                      out=str(tmp_path / "run"), tensorboard=str(tb)))
+    train(
+        TrainConfig(
+            dataset="digits",
+            method=method,
+            clipping=clipping,
+            epochs=2,
+            accountant="rdp",
+            out=str(tmp_path / "run"),
+            tensorboard=str(tb),
+        )
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     got = _scalars(tb)
     for tag, key in (("test/accuracy", "test_accuracy"), ("test/loss", "test_loss"), ("privacy/epsilon", "epsilon")):
@@ -40,7 +49,10 @@ def test_train_writes_public_scalars(tmp_path, method, clipping):
 
 def test_public_scalars_without_optimizer():
     assert public_scalars({"step": 3, "test_accuracy": 0.5, "test_loss": 1.0, "epsilon": 2.0, "epoch": 1}) == {
-        "test/accuracy": 0.5, "test/loss": 1.0, "privacy/epsilon": 2.0}
+        "test/accuracy": 0.5,
+        "test/loss": 1.0,
+        "privacy/epsilon": 2.0,
+    }
 
 
 def test_cli_tensorboard_flag(tmp_path):
@@ -48,7 +60,21 @@ def test_cli_tensorboard_flag(tmp_path):
 
     from dpopt.cli import app
 
-    res = CliRunner().invoke(app, ["train", "--method", "dp-sgd", "--epochs", "1", "--accountant", "rdp",
-                                   "--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "1",
+            "--accountant",
+            "rdp",
+            "--out",
+            str(tmp_path / "run"),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "privacy/epsilon" in _scalars(tmp_path / "tb")

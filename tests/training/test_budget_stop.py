@@ -16,8 +16,23 @@ from dpopt.cli import app
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_cli_stops_at_the_last_step_within_budget(tmp_path, accountant):
     out = tmp_path / "r"
-    res = CliRunner().invoke(app, ["train", "--method", "dp-sgd", "--epochs", "3", "--max-epsilon", "2",
-                                   "--accountant", accountant, "--out", str(out), "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "3",
+            "--max-epsilon",
+            "2",
+            "--accountant",
+            accountant,
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout.strip().splitlines()[-1])
     assert s["status"] == "budget_exhausted" and s["steps"] < s["planned_steps"] and s["max_epsilon"] == 2

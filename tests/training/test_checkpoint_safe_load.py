@@ -22,8 +22,10 @@ class _WritesAFile:
 
 def _crafted(run_dir, marker):
     run_dir.mkdir()
-    torch.save({"format": "dpopt-checkpoint", "version": CHECKPOINT_VERSION, "config": {},
-                "payload": _WritesAFile(marker)}, run_dir / CHECKPOINT_NAME)
+    torch.save(
+        {"format": "dpopt-checkpoint", "version": CHECKPOINT_VERSION, "config": {}, "payload": _WritesAFile(marker)},
+        run_dir / CHECKPOINT_NAME,
+    )
     assert not marker.exists()
 
 
@@ -46,9 +48,15 @@ def test_resume_refuses_a_crafted_pickle(tmp_path):
 
 def test_plain_data_checkpoint_still_loads(tmp_path):
     (tmp_path / "run").mkdir()
-    state = {"format": "dpopt-checkpoint", "version": CHECKPOINT_VERSION, "config": {"method": "dp-sgd"},
-             "model": {"w": torch.ones(2)}, "rng": {"python": (3, tuple(range(5)), None), "numpy": ["MT19937", 1]},
-             "noise": {torch.device("cpu"): torch.zeros(3, dtype=torch.uint8)}, "size": torch.Size([2, 3])}
+    state = {
+        "format": "dpopt-checkpoint",
+        "version": CHECKPOINT_VERSION,
+        "config": {"method": "dp-sgd"},
+        "model": {"w": torch.ones(2)},
+        "rng": {"python": (3, tuple(range(5)), None), "numpy": ["MT19937", 1]},
+        "noise": {torch.device("cpu"): torch.zeros(3, dtype=torch.uint8)},
+        "size": torch.Size([2, 3]),
+    }
     torch.save(state, tmp_path / "run" / CHECKPOINT_NAME)
     loaded = load_checkpoint(tmp_path / "run")
     assert loaded["config"] == {"method": "dp-sgd"} and torch.equal(loaded["model"]["w"], torch.ones(2))

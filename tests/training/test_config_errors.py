@@ -14,20 +14,23 @@ def _flags():
     return {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)}
 
 
-@pytest.mark.parametrize("change, arguments, text", [
-    ({"batch_size": 0}, ("batch_size",), "batch_size (the expected batch size) must be a number >= 1"),
-    ({"batch_size": 5000}, ("batch_size",), "batch_size 5000 exceeds the 1437 training examples"),
-    ({"sample_rate": 1.5}, ("sample_rate",), "sample_rate must be in (0, 1]"),
-    ({"reproducible_noise": True, "secure_mode": True}, ("reproducible_noise", "secure_mode"), "exclude"),
-    ({"lr": 0.0}, ("lr",), "lr must be > 0"),
-    ({"lr": float("inf")}, ("lr",), "lr must be finite"),
-    ({"epochs": float("inf")}, ("epochs",), "epochs must be a finite number > 0"),
-    ({"max_grad_norm": 0.0}, ("max_grad_norm",), "max_grad_norm must be > 0"),
-    ({"physical_batch_size": 0}, ("physical_batch_size",), "physical_batch_size must be > 0"),
-    ({"count_share": 0.1}, ("count_share", "count_noise_multiplier", "clipping"), "apply to clipping"),
-    ({"layer_bounds": [1.0]}, ("layer_bounds", "clipping"), "layer_bounds applies to clipping"),
-    ({"target_epsilon": -1.0}, ("target_epsilon",), "target_epsilon must be > 0"),
-])
+@pytest.mark.parametrize(
+    "change, arguments, text",
+    [
+        ({"batch_size": 0}, ("batch_size",), "batch_size (the expected batch size) must be a number >= 1"),
+        ({"batch_size": 5000}, ("batch_size",), "batch_size 5000 exceeds the 1437 training examples"),
+        ({"sample_rate": 1.5}, ("sample_rate",), "sample_rate must be in (0, 1]"),
+        ({"reproducible_noise": True, "secure_mode": True}, ("reproducible_noise", "secure_mode"), "exclude"),
+        ({"lr": 0.0}, ("lr",), "lr must be > 0"),
+        ({"lr": float("inf")}, ("lr",), "lr must be finite"),
+        ({"epochs": float("inf")}, ("epochs",), "epochs must be a finite number > 0"),
+        ({"max_grad_norm": 0.0}, ("max_grad_norm",), "max_grad_norm must be > 0"),
+        ({"physical_batch_size": 0}, ("physical_batch_size",), "physical_batch_size must be > 0"),
+        ({"count_share": 0.1}, ("count_share", "count_noise_multiplier", "clipping"), "apply to clipping"),
+        ({"layer_bounds": [1.0]}, ("layer_bounds", "clipping"), "layer_bounds applies to clipping"),
+        ({"target_epsilon": -1.0}, ("target_epsilon",), "target_epsilon must be > 0"),
+    ],
+)
 def test_validate_config_names_fields(change, arguments, text):
     with pytest.raises(ConfigError) as info:
         validate_config(dataclasses.replace(TrainConfig(), **change), 1437)

@@ -30,8 +30,12 @@ def test_mnist_from_idx_files(tmp_path, gz):
     rng = np.random.default_rng(0)
     xtr, xte = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 256, (5, 28, 28))
     ytr, yte = rng.integers(0, 10, 20), rng.integers(0, 10, 5)
-    for name, arr in [("train-images-idx3-ubyte", xtr), ("train-labels-idx1-ubyte", ytr),
-                      ("t10k-images-idx3-ubyte", xte), ("t10k-labels-idx1-ubyte", yte)]:
+    for name, arr in [
+        ("train-images-idx3-ubyte", xtr),
+        ("train-labels-idx1-ubyte", ytr),
+        ("t10k-images-idx3-ubyte", xte),
+        ("t10k-labels-idx1-ubyte", yte),
+    ]:
         _write_idx(tmp_path / name, arr, gz)
     ds = load_dataset("mnist", tmp_path)
     assert ds.x_train.shape == (20, 1, 28, 28) and ds.y_test.tolist() == yte.tolist()
@@ -41,9 +45,13 @@ def test_mnist_from_idx_files(tmp_path, gz):
 
 def test_mnist_from_npz(tmp_path):
     rng = np.random.default_rng(1)
-    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
-             y_train=np.arange(8, dtype=np.uint8), x_test=np.zeros((2, 28, 28), np.uint8),
-             y_test=np.ones(2, np.uint8))
+    np.savez(
+        tmp_path / "mnist.npz",
+        x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
+        y_train=np.arange(8, dtype=np.uint8),
+        x_test=np.zeros((2, 28, 28), np.uint8),
+        y_test=np.ones(2, np.uint8),
+    )
     ds = load_dataset("mnist", tmp_path)
     assert ds.n_train == 8 and ds.y_train.tolist() == list(range(8))
 
@@ -64,8 +72,12 @@ def test_malformed_files(tmp_path):
         load_dataset("mnist", tmp_path)
     other = tmp_path / "idx"
     other.mkdir()
-    for name in ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"]:
+    for name in [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ]:
         (other / name).write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")
     with pytest.raises(DataError, match="header says"):
         load_dataset("mnist", other)
@@ -73,8 +85,12 @@ def test_malformed_files(tmp_path):
 
 def _good_arrays():
     rng = np.random.default_rng(0)
-    return dict(x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8), y_train=np.arange(8) % 10,
-                x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8), y_test=np.arange(4))
+    return dict(
+        x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
+        y_train=np.arange(8) % 10,
+        x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8),
+        y_test=np.arange(4),
+    )
 
 
 @pytest.mark.parametrize("damage", ["other bytes", "truncated", "zeroed member", "cifar10"])
@@ -84,8 +100,12 @@ def test_corrupt_npz_is_not_a_valid_archive_never_a_pickle(tmp_path, damage):
     name = "cifar10.npz" if damage == "cifar10" else "mnist.npz"
     np.savez(tmp_path / name, **_good_arrays())
     full = (tmp_path / name).read_bytes()
-    broken = {"other bytes": b"\x80\x04not an archive" * 40, "truncated": full[:len(full) // 2],
-              "zeroed member": full[:200] + bytes(300) + full[500:], "cifar10": full[: len(full) // 3]}[damage]
+    broken = {
+        "other bytes": b"\x80\x04not an archive" * 40,
+        "truncated": full[: len(full) // 2],
+        "zeroed member": full[:200] + bytes(300) + full[500:],
+        "cifar10": full[: len(full) // 3],
+    }[damage]
     (tmp_path / name).write_bytes(broken)
     with pytest.raises(DataError) as err:
         load_dataset("cifar10" if damage == "cifar10" else "mnist", tmp_path)
@@ -106,8 +126,9 @@ def test_corrupt_npz_through_the_cli(tmp_path):
     from dpopt.cli import app
 
     (tmp_path / "mnist.npz").write_bytes(b"\x80\x04garbage" * 10)
-    res = CliRunner().invoke(app, ["train", "--dataset", "mnist", "--data-dir", str(tmp_path),
-                                   "--out", str(tmp_path / "run")])
+    res = CliRunner().invoke(
+        app, ["train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")]
+    )
     assert res.exit_code == 2, res.output
     assert "is not a valid .npz archive" in res.stderr and "pickle" not in res.stderr.lower()
     assert "Traceback" not in res.output
@@ -122,8 +143,12 @@ def test_unknown_dataset_and_missing_dir():
 
 
 def test_float_images_and_bad_labels_are_refused(tmp_path):
-    good = dict(x_train=np.zeros((4, 28, 28), np.uint8), y_train=np.arange(4, dtype=np.uint8),
-                x_test=np.zeros((2, 28, 28), np.uint8), y_test=np.ones(2, np.uint8))
+    good = dict(
+        x_train=np.zeros((4, 28, 28), np.uint8),
+        y_train=np.arange(4, dtype=np.uint8),
+        x_test=np.zeros((2, 28, 28), np.uint8),
+        y_test=np.ones(2, np.uint8),
+    )
     np.savez(tmp_path / "mnist.npz", **dict(good, x_train=np.zeros((4, 28, 28), np.float32)))
     with pytest.raises(DataError, match="dtype float32; expected uint8"):
         load_dataset("mnist", tmp_path)
@@ -134,8 +159,12 @@ def test_float_images_and_bad_labels_are_refused(tmp_path):
 
 def test_missing_files_say_where_to_put_them(tmp_path):
     """Issue 22: the configs read data/; every "not found" error says so (the CLI shows data_dir as --data-dir)."""
-    for name, args in (("mnist", (tmp_path,)), ("cifar10", (tmp_path,)), ("mnist", (tmp_path / "absent",)),
-                       ("mnist", ())):
+    for name, args in (
+        ("mnist", (tmp_path,)),
+        ("cifar10", (tmp_path,)),
+        ("mnist", (tmp_path / "absent",)),
+        ("mnist", ()),
+    ):
         with pytest.raises(ValueError) as err:
             load_dataset(name, *args)
         msg = str(err.value)

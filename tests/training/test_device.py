@@ -14,8 +14,23 @@ from dpopt.training import TrainConfig, resolve_device, train
 def test_cpu_and_auto(tmp_path):
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    res = CliRunner().invoke(app, ["train", "--method", "dp-sgd", "--epochs", "0.3", "--accountant", "rdp",
-                                   "--device", "cpu", "--out", str(tmp_path / "r"), "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "0.3",
+            "--accountant",
+            "rdp",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "r"),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r" / "config.json").read_text())["device"] == "cpu"
 
@@ -37,8 +52,10 @@ def test_cuda_run_and_resume(tmp_path):
         if info["step"] == 5:
             os.kill(os.getpid(), signal.SIGINT)
 
-    s = train(TrainConfig(method="dp-macadam", epochs=0.5, accountant="rdp", device="cuda",
-                          out=str(tmp_path / "r")), on_step=interrupt)
+    s = train(
+        TrainConfig(method="dp-macadam", epochs=0.5, accountant="rdp", device="cuda", out=str(tmp_path / "r")),
+        on_step=interrupt,
+    )
     assert s["status"] == "interrupted" and s["check"] == "pass"
     from dpopt.training import resume
 

@@ -80,9 +80,18 @@ def test_every_method_is_covered():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(FIRST_080))
 def test_digits_reaches_080(method, digits, tmp_path):
-    cfg = TrainConfig(dataset="digits", model="mlp-small", method=method, noise_multiplier=1.0,
-                      batch_size=64.0, epochs=EPOCHS, seed=0, accountant="rdp", out=str(tmp_path / method),
-                      reproducible_noise=True)
+    cfg = TrainConfig(
+        dataset="digits",
+        model="mlp-small",
+        method=method,
+        noise_multiplier=1.0,
+        batch_size=64.0,
+        epochs=EPOCHS,
+        seed=0,
+        accountant="rdp",
+        out=str(tmp_path / method),
+        reproducible_noise=True,
+    )
     with pytest.warns(UserWarning, match="reproducible"):
         summary = train(cfg, data=digits)
     curve = [json.loads(line)["test_accuracy"] for line in open(tmp_path / method / "metrics.jsonl")]

@@ -72,7 +72,21 @@ def test_a_fractional_last_epoch_is_labelled_by_the_epochs(tmp_path):
 
 
 def test_diagnose_refuses_epochs_below_one_step(tmp_path):
-    res = runner.invoke(app, ["diagnose", "--dataset", "digits", "--target-epsilon", "1", "--epochs", "1e-9",
-                              "--batch-sizes", "8", "--out", str(tmp_path / "diag")])
+    res = runner.invoke(
+        app,
+        [
+            "diagnose",
+            "--dataset",
+            "digits",
+            "--target-epsilon",
+            "1",
+            "--epochs",
+            "1e-9",
+            "--batch-sizes",
+            "8",
+            "--out",
+            str(tmp_path / "diag"),
+        ],
+    )
     assert res.exit_code == 2, res.output
     assert "--epochs 1e-09 is" in res.stderr and "rounds to no step" in res.stderr

@@ -8,8 +8,9 @@ from dpopt.data import load_dataset
 from dpopt.training import TrainConfig, train
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
-pytestmark = pytest.mark.skipif(not (DATA_DIR / "mnist.npz").exists(),
-                                reason=f"{DATA_DIR / 'mnist.npz'} not found (real MNIST test skipped)")
+pytestmark = pytest.mark.skipif(
+    not (DATA_DIR / "mnist.npz").exists(), reason=f"{DATA_DIR / 'mnist.npz'} not found (real MNIST test skipped)"
+)
 
 
 def test_mnist_loads_in_standard_order():
@@ -23,8 +24,16 @@ def test_mnist_loads_in_standard_order():
 def test_dp_sgd_learns_mnist_in_a_few_steps(tmp_path):
     """60 DP-SGD steps (B̄ = 256, σ = 1, lr 0.1) on the 784-1000-10 MLP: well above chance."""
     ds = load_dataset("mnist", DATA_DIR)
-    cfg = TrainConfig(dataset="mnist", data_dir=str(DATA_DIR), method="dp-sgd", noise_multiplier=1.0,
-                      batch_size=256, epochs=60 * 256 / 60000, lr=0.1, out=str(tmp_path / "run"))
+    cfg = TrainConfig(
+        dataset="mnist",
+        data_dir=str(DATA_DIR),
+        method="dp-sgd",
+        noise_multiplier=1.0,
+        batch_size=256,
+        epochs=60 * 256 / 60000,
+        lr=0.1,
+        out=str(tmp_path / "run"),
+    )
     summary = train(cfg, data=ds)
     assert summary["steps"] == 60 and summary["num_parameters"] == 795_010
     assert summary["test_accuracy"] > 0.6  # chance is 0.1; measured 0.70 at seed 0

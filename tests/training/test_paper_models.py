@@ -23,7 +23,6 @@ def test_paper_model_sizes():
     assert count(build_model("cnn5")) == 582_346
 
 
-
 def test_batchnorm_is_refused_by_both_per_sample_engines():
     from dpopt.engine import iter_per_sample_sources
 

@@ -25,8 +25,12 @@ ARGS = ["--method", "dp-sgd", "--epochs", "6", "--threads", "1", "--checkpoint-e
 
 
 def _start(out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "dpopt", "train", *ARGS, "--out", str(out), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpopt", "train", *ARGS, "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _interrupt(proc, out, sig):
@@ -42,9 +46,21 @@ def _interrupt(proc, out, sig):
 
 def _account(out):
     s = json.loads((out / "summary.json").read_text())
-    res = CliRunner().invoke(app, ["account", "--noise-multiplier", str(s["noise_multiplier"]), "--sample-rate",
-                                   str(s["sample_rate"]), "--steps", str(s["steps"]), "--accountant", "rdp",
-                                   "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "account",
+            "--noise-multiplier",
+            str(s["noise_multiplier"]),
+            "--sample-rate",
+            str(s["sample_rate"]),
+            "--steps",
+            str(s["steps"]),
+            "--accountant",
+            "rdp",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout.strip().splitlines()[-1])["epsilon"]
 
@@ -60,8 +76,12 @@ def test_sigint_stops_cleanly_and_resume_completes(tmp_path):
     assert len(PrivacyLedger.load(out)) == len(PrivacyLedger.load(out / "ledger.json")) == done
     assert check_run(out).passed, (out / "check.txt").read_text()
     assert "--resume" in stdout
-    res = subprocess.run([sys.executable, "-m", "dpopt", "train", "--resume", str(out), "--threads", "1"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "dpopt", "train", "--resume", str(out), "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     final = json.loads((out / "summary.json").read_text())
     assert final["status"] == "completed" and "stop_signal" not in final
@@ -75,8 +95,12 @@ def test_sigint_stops_cleanly_and_resume_completes(tmp_path):
 
 def test_sigterm_with_reproducible_noise_resumes_to_the_uninterrupted_parameters(tmp_path):
     full, out = tmp_path / "full", tmp_path / "part"
-    ref = subprocess.run([sys.executable, "-m", "dpopt", "train", *ARGS, "--reproducible-noise", "--out", str(full)],
-                         capture_output=True, text=True, timeout=120)
+    ref = subprocess.run(
+        [sys.executable, "-m", "dpopt", "train", *ARGS, "--reproducible-noise", "--out", str(full)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ref.returncode == 3, ref.stderr  # finished, but reproducible noise fails the ledger check
     code, _, stderr = _interrupt(_start(out, "--reproducible-noise"), out, signal.SIGTERM)
     assert code == 143, stderr
@@ -84,13 +108,19 @@ def test_sigterm_with_reproducible_noise_resumes_to_the_uninterrupted_parameters
     assert summary["status"] == "interrupted" and summary["stop_signal"] == "SIGTERM"
     assert len(PrivacyLedger.load(out)) == summary["steps"] < summary["planned_steps"]
     assert check_run(out).failures == ["noise_source"]  # reproducible noise fails the check, as always
-    res = subprocess.run([sys.executable, "-m", "dpopt", "train", "--resume", str(out), "--threads", "1"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "dpopt", "train", "--resume", str(out), "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 3, res.stderr  # completed; the check still fails (reproducible noise)
     a, b = torch.load(full / "model.pt"), torch.load(out / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((out / "summary.json").read_text())["epsilon"] == \
-        json.loads((full / "summary.json").read_text())["epsilon"]
+    assert (
+        json.loads((out / "summary.json").read_text())["epsilon"]
+        == json.loads((full / "summary.json").read_text())["epsilon"]
+    )
 
 
 @pytest.mark.parametrize("method, clipping", [("dp-sgd", "quantile"), ("dp-macadam", "flat")])
@@ -124,8 +154,7 @@ def test_secret_noise_state_is_never_saved_and_resume_reseeds(tmp_path):
         if info["step"] == 4:
             os.kill(os.getpid(), signal.SIGINT)
 
-    s = train(TrainConfig(method="dp-sgd", epochs=0.5, accountant="rdp", out=str(tmp_path / "r")),
-              on_step=interrupt)
+    s = train(TrainConfig(method="dp-sgd", epochs=0.5, accountant="rdp", out=str(tmp_path / "r")), on_step=interrupt)
     assert s["status"] == "interrupted"
     ckpt = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
     assert "noise_state" not in ckpt["privatizer"] and "noise_state" not in ckpt["sampler"]
@@ -166,8 +195,9 @@ def test_overwrite_clears_the_old_run_first(tmp_path):
     def interrupt(info):
         os.kill(os.getpid(), signal.SIGINT)
 
-    s = train(TrainConfig(method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out), overwrite=True),
-              on_step=interrupt)
+    s = train(
+        TrainConfig(method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out), overwrite=True), on_step=interrupt
+    )
     assert s["steps"] == 1 and len(PrivacyLedger.load(out)) == 1 and (out / "ledger.jsonl").read_text() != old
     assert (out / "stale.txt").exists()  # only run files are removed
     assert check_run(out).passed
@@ -175,8 +205,25 @@ def test_overwrite_clears_the_old_run_first(tmp_path):
 
 def test_piped_output_is_plain_and_not_wrapped(tmp_path):
     out = tmp_path / ("a-very-long-directory-name-" * 4)
-    res = subprocess.run([sys.executable, "-m", "dpopt", "train", "--method", "dp-sgd", "--epochs", "2",
-                          "--accountant", "rdp", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpopt",
+            "train",
+            "--method",
+            "dp-sgd",
+            "--epochs",
+            "2",
+            "--accountant",
+            "rdp",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert f"run directory: {out}" in res.stdout
     epoch_lines = [line for line in res.stderr.splitlines() if line.startswith("step ")]
@@ -185,8 +232,9 @@ def test_piped_output_is_plain_and_not_wrapped(tmp_path):
 
 def test_resume_refuses_flags_typed_at_their_default_value(tmp_path):
     """--epochs 10 is the default: a value comparison let `--resume DIR --epochs 10` through silently."""
-    cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(tmp_path / "r"),
-                      checkpoint_every=2)
+    cfg = TrainConfig(
+        dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(tmp_path / "r"), checkpoint_every=2
+    )
     train(cfg)
     for extra in (["--epochs", "10"], ["--seed", "0"], ["--method", "dp-macadam"], ["--epochs", "3"]):
         res = CliRunner().invoke(app, ["train", "--resume", str(tmp_path / "r"), *extra])
@@ -195,8 +243,9 @@ def test_resume_refuses_flags_typed_at_their_default_value(tmp_path):
 
 def test_resuming_a_completed_run_leaves_its_files_alone(tmp_path):
     out = tmp_path / "done"
-    train(TrainConfig(dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out),
-                       checkpoint_every=2))
+    train(
+        TrainConfig(dataset="digits", method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out), checkpoint_every=2)
+    )
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     with pytest.warns(UserWarning, match="already complete"):
         summary = resume(out)
@@ -215,8 +264,10 @@ def test_resume_hint_names_torchrun_for_multi_process_runs():
 
     assert _resume_command({"run_dir": "runs/x"}) == "dpopt train --resume runs/x"
     assert _resume_command({"run_dir": "runs/x", "world_size": 1}) == "dpopt train --resume runs/x"
-    assert _resume_command({"run_dir": "runs/x", "world_size": 2}) == \
-        "torchrun --standalone --nproc_per_node 2 -m dpopt train --resume runs/x"
+    assert (
+        _resume_command({"run_dir": "runs/x", "world_size": 2})
+        == "torchrun --standalone --nproc_per_node 2 -m dpopt train --resume runs/x"
+    )
 
 
 def test_ema_state_and_ledger_carry_over(tmp_path):

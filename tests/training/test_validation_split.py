@@ -23,21 +23,50 @@ from dpopt.training import TrainConfig, build_run, train, validate_config
 N_DIGITS = 1437  # the bundled digits' fixed training split
 # the summary keys of a flat-clipping dp-sgd run before validation_fraction existed
 OLD_SUMMARY_KEYS = {
-    "method", "dataset", "model", "test_accuracy", "test_loss", "epsilon", "delta", "noise_multiplier",
-    "max_grad_norm", "clipping", "sample_rate", "expected_batch_size", "steps", "epochs", "lr", "accountant", "seed",
-    "num_parameters", "noise", "dataset_size", "privatizer_reads", "privatizer_releases", "wall_seconds", "run_dir",
-    "check", "ledger_run_id", "segments", "status", "planned_steps"}  # status: every summary since issue 22
+    "method",
+    "dataset",
+    "model",
+    "test_accuracy",
+    "test_loss",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "max_grad_norm",
+    "clipping",
+    "sample_rate",
+    "expected_batch_size",
+    "steps",
+    "epochs",
+    "lr",
+    "accountant",
+    "seed",
+    "num_parameters",
+    "noise",
+    "dataset_size",
+    "privatizer_reads",
+    "privatizer_releases",
+    "wall_seconds",
+    "run_dir",
+    "check",
+    "ledger_run_id",
+    "segments",
+    "status",
+    "planned_steps",
+}  # status: every summary since issue 22
 OLD_ROW_KEYS = {"epoch", "step", "test_accuracy", "test_loss", "epsilon"}
 
 
-@pytest.mark.parametrize("n, fraction, held_out", [
-    (N_DIGITS, 0.1, 144),  # 143.7 -> 144
-    (N_DIGITS, 0.25, 359),  # 359.25 -> 359
-    (60000, 0.1, 6000),
-    (5, 0.5, 3),  # 2.5 -> 3: halves round up (Python's round() would give 2)
-    (7, 0.5, 4),  # 3.5 -> 4
-    (10, 0.0, 0),
-])
+@pytest.mark.parametrize(
+    "n, fraction, held_out",
+    [
+        (N_DIGITS, 0.1, 144),  # 143.7 -> 144
+        (N_DIGITS, 0.25, 359),  # 359.25 -> 359
+        (60000, 0.1, 6000),
+        (5, 0.5, 3),  # 2.5 -> 3: halves round up (Python's round() would give 2)
+        (7, 0.5, 4),  # 3.5 -> 4
+        (10, 0.0, 0),
+    ],
+)
 def test_indices_are_disjoint_cover_and_hold_out_floor_fn_plus_half(n, fraction, held_out):
     assert validation_size(n, fraction) == held_out == math.floor(fraction * n + 0.5)
     train_idx, val_idx = validation_indices(n, fraction)
@@ -67,8 +96,15 @@ def test_split_shrinks_the_training_set_and_leaves_the_test_set_alone():
 def test_run_trains_on_the_rest_and_reports_val_accuracy_of_the_saved_model(tmp_path):
     data = load_dataset("digits")
     n_rest = N_DIGITS - validation_size(N_DIGITS, 0.2)
-    cfg = TrainConfig(dataset="digits", method="dp-sgd", epochs=1.0, seed=3, accountant="rdp", validation_fraction=0.2,
-                      out=str(tmp_path / "r"))
+    cfg = TrainConfig(
+        dataset="digits",
+        method="dp-sgd",
+        epochs=1.0,
+        seed=3,
+        accountant="rdp",
+        validation_fraction=0.2,
+        out=str(tmp_path / "r"),
+    )
     run = build_run(dataclasses.replace(cfg, out=None), data)
     assert run.data.n_train == n_rest and run.sample_rate == 64 / n_rest and data.n_train == N_DIGITS
     summary = train(cfg, data=data)
@@ -118,8 +154,9 @@ def test_fractions_that_hold_out_nothing_or_everything_are_refused():
 
 @pytest.mark.parametrize("value", ["1", "-0.5", "1.2"])
 def test_cli_names_the_flag(tmp_path, value):
-    res = CliRunner().invoke(app, ["train", "--epochs", "0.1", "--validation-fraction", value,
-                                   "--out", str(tmp_path / "r")])
+    res = CliRunner().invoke(
+        app, ["train", "--epochs", "0.1", "--validation-fraction", value, "--out", str(tmp_path / "r")]
+    )
     assert res.exit_code == 2, res.output
     assert "--validation-fraction" in res.stderr and "[0, 1)" in res.stderr
     assert not (tmp_path / "r" / "summary.json").exists()
@@ -154,14 +191,24 @@ def test_sweep_passes_the_fraction_through_and_report_reads_val_accuracy(tmp_pat
     from dpopt.experiments.report import summarize
     from dpopt.experiments.sweep import parse_sweep, read_results, run_sweep
 
-    sweep = parse_sweep({"sweep": {"threads": 1},
-                         "base": {"dataset": "digits", "method": "dp-sgd", "epochs": 0.3, "accountant": "rdp",
-                                  "validation_fraction": 0.1},
-                         "grid": {"lr": [0.05, 0.1]}}, name="vf", out=tmp_path / "sweep")
+    sweep = parse_sweep(
+        {
+            "sweep": {"threads": 1},
+            "base": {
+                "dataset": "digits",
+                "method": "dp-sgd",
+                "epochs": 0.3,
+                "accountant": "rdp",
+                "validation_fraction": 0.1,
+            },
+            "grid": {"lr": [0.05, 0.1]},
+        },
+        name="vf",
+        out=tmp_path / "sweep",
+    )
     assert run_sweep(sweep)["ran"] == 2
     records = read_results(sweep.results)
     assert all(r["validation_fraction"] == 0.1 and 0.0 <= r["val_accuracy"] <= 1.0 for r in records)
     table = summarize(records, rows="label", cols="lr", metric="val_accuracy")
     assert table.cols == [0.05, 0.1]
-    assert {c: table.cells[("dp-sgd", c)].mean for c in table.cols} == \
-        {r["lr"]: r["val_accuracy"] for r in records}
+    assert {c: table.cells[("dp-sgd", c)].mean for c in table.cols} == {r["lr"]: r["val_accuracy"] for r in records}

@@ -15,8 +15,9 @@ PAUSE = 0.5  # seconds slept per step of the first segment: a lower bound on its
 
 def test_wall_seconds_counts_every_segment(tmp_path):
     warnings.simplefilter("ignore", UserWarning)
-    cfg = TrainConfig(out=str(tmp_path / "run"), method="dp-sgd", epochs=1.0, seed=2, accountant="rdp",
-                      checkpoint_every=3)
+    cfg = TrainConfig(
+        out=str(tmp_path / "run"), method="dp-sgd", epochs=1.0, seed=2, accountant="rdp", checkpoint_every=3
+    )
 
     def slow_then_interrupt(info):
         time.sleep(PAUSE)

@@ -39,8 +39,7 @@ def test_two_steps_by_hand():
     assert b1[0] == pytest.approx(0.0229128784747792, rel=1e-12)
 
     # step 2: example 1 has w = (0.3, 0.4) (inside the unit ball), example 2 has w = (3, 4) → (0.6, 0.8)
-    g = torch.tensor([[m1[0] + b1[0] * 0.3, m1[1] + b1[1] * 0.4],
-                      [m1[0] + b1[0] * 3.0, m1[1] + b1[1] * 4.0]])
+    g = torch.tensor([[m1[0] + b1[0] * 0.3, m1[1] + b1[1] * 0.4], [m1[0] + b1[0] * 3.0, m1[1] + b1[1] * 4.0]])
     theta_before = theta.clone()
     rel = opt.step(PerSampleGrads([g]))
     g2 = [b1[0] * 0.45 + m1[0], b1[1] * 0.6 + m1[1]]
@@ -50,10 +49,8 @@ def test_two_steps_by_hand():
     s2 = [0.99 * 2.25e-4 + 0.01 * v2[0], 0.99 * 4e-4 + 0.01 * v2[1]]
     root = math.sqrt(s2[0]) + math.sqrt(s2[1])
     geo = opt.geometry()
-    assert geo.shift[0].tolist() == pytest.approx([0.9 * m1[0] + 0.1 * g2[0], 0.9 * m1[1] + 0.1 * g2[1]],
-                                                  rel=1e-12)
-    assert geo.scale[0].tolist() == pytest.approx([s2[0] ** 0.25 * root**0.5, s2[1] ** 0.25 * root**0.5],
-                                                  rel=1e-12)
+    assert geo.shift[0].tolist() == pytest.approx([0.9 * m1[0] + 0.1 * g2[0], 0.9 * m1[1] + 0.1 * g2[1]], rel=1e-12)
+    assert geo.scale[0].tolist() == pytest.approx([s2[0] ** 0.25 * root**0.5, s2[1] ** 0.25 * root**0.5], rel=1e-12)
     assert len(opt.privatizer.ledger) == 2
 
 
@@ -93,19 +90,27 @@ def test_scale_sums_over_every_parameter():
 
 def test_release_noise_std_is_in_released_coordinates():
     theta = torch.zeros(2)
-    opt = _opt(theta, noise_multiplier=2.0, expected_batch_size=4.0, sample_rate=0.25,
-               generator=torch.Generator().manual_seed(0))
+    opt = _opt(
+        theta,
+        noise_multiplier=2.0,
+        expected_batch_size=4.0,
+        sample_rate=0.25,
+        generator=torch.Generator().manual_seed(0),
+    )
     rel = opt.step(PerSampleGrads([torch.zeros(0, 2)]))  # an empty batch is still a charged release
     assert torch.allclose(rel.noise_std[0], torch.full((2,), 2.0 * 0.5 / 4.0))  # σ C b / B̄ with b = 1/2
     assert len(opt.privatizer.ledger) == 1
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"betas": (1.0, 0.9)}, "betas"),
-    ({"betas": (0.9, -0.1)}, "betas"),
-    ({"h1": 0.0}, "h1"),
-    ({"h1": 1e-3, "h2": 1e-4}, "h1"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"betas": (1.0, 0.9)}, "betas"),
+        ({"betas": (0.9, -0.1)}, "betas"),
+        ({"h1": 0.0}, "h1"),
+        ({"h1": 1e-3, "h2": 1e-4}, "h1"),
+    ],
+)
 def test_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         AdaClip(**kw)
@@ -113,5 +118,12 @@ def test_errors(kw, match):
 
 def test_quantile_and_per_layer_clipping_are_refused():
     with pytest.raises(ValueError, match="own shift/scale geometry"):
-        make_optimizer("adaclip", [torch.zeros(2)], noise_multiplier=1.0, expected_batch_size=2.0,
-                       sample_rate=0.5, groups=[0], group_bounds=[1.0])
+        make_optimizer(
+            "adaclip",
+            [torch.zeros(2)],
+            noise_multiplier=1.0,
+            expected_batch_size=2.0,
+            sample_rate=0.5,
+            groups=[0],
+            group_bounds=[1.0],
+        )

@@ -129,6 +129,7 @@ def _counting_loss(counter):
     def loss(out, target):
         counter["calls"] += 1
         return LOSS(out, target)
+
     return loss
 
 
@@ -137,8 +138,17 @@ def test_disk_c1_evaluates_one_gradient_at_the_extrapolated_point():
     torch.manual_seed(1)
     x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
     kappa, gamma = DISK_PRESETS["single-eval"]
-    opt = make_optimizer("disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=6,
-                         sample_rate=1.0, max_grad_norm=1e9, lr=0.5, kappa=kappa, gamma=gamma)
+    opt = make_optimizer(
+        "disk-sgd",
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+        sample_rate=1.0,
+        max_grad_norm=1e9,
+        lr=0.5,
+        kappa=kappa,
+        gamma=gamma,
+    )
     counter = {"calls": 0}
     loss = _counting_loss(counter)
     history = [[p.detach().clone() for p in model.parameters()]]
@@ -169,8 +179,15 @@ def test_disk_combined_vector_is_clipped_once_with_sensitivity_c():
     x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     clip, kappa, gamma, bbar = 0.05, 0.7, 0.5, 4.0
     c = (1 - kappa) / (kappa * gamma)
-    opt = make_optimizer("disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=bbar,
-                         sample_rate=0.5, max_grad_norm=clip, lr=1.0)
+    opt = make_optimizer(
+        "disk-sgd",
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=bbar,
+        sample_rate=0.5,
+        max_grad_norm=clip,
+        lr=1.0,
+    )
     thetas = [[p.detach().clone() for p in model.parameters()]]
     for _ in range(2):
         opt.step(per_sample_gradients(model, LOSS, x, y, opt.evaluation_points()))
@@ -190,9 +207,11 @@ def test_disk_combined_vector_is_clipped_once_with_sensitivity_c():
     for got, exp in zip(release.grads, expected):
         assert torch.allclose(got, exp, atol=1e-12)
     # clipping each point's gradient separately would give a different release
-    sep = [torch.tensordot(c * torch.clamp(clip / _norms(ga), max=1.0), a, dims=1)
-           + torch.tensordot((1 - c) * torch.clamp(clip / _norms(gb), max=1.0), b, dims=1)
-           for a, b in zip(ga, gb)]
+    sep = [
+        torch.tensordot(c * torch.clamp(clip / _norms(ga), max=1.0), a, dims=1)
+        + torch.tensordot((1 - c) * torch.clamp(clip / _norms(gb), max=1.0), b, dims=1)
+        for a, b in zip(ga, gb)
+    ]
     gap = max(float((r * bbar - s_).abs().max()) for r, s_ in zip(release.grads, sep))
     assert gap > 1e-8, gap  # ... by far more than the 1e-12 tolerance above
     # one release per step, sensitivity C: noise is not rescaled by c or by the number of points
@@ -216,8 +235,17 @@ def test_disk_release_is_the_gradient_at_the_extrapolated_point(engine):
     torch.manual_seed(3)
     x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
     kappa, gamma = DISK_PRESETS["single-eval"]
-    opt = make_optimizer("disk-sgd", model.parameters(), noise_multiplier=0.0, expected_batch_size=6,
-                         sample_rate=1.0, max_grad_norm=1e9, lr=0.5, kappa=kappa, gamma=gamma)
+    opt = make_optimizer(
+        "disk-sgd",
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+        sample_rate=1.0,
+        max_grad_norm=1e9,
+        lr=0.5,
+        kappa=kappa,
+        gamma=gamma,
+    )
     prev = [p.detach().clone() for p in model.parameters()]
     opt.step(iter_per_sample_sources(model, LOSS, x, y, None, opt.evaluation_points(), engine=engine))
     for _ in range(2):

@@ -112,8 +112,9 @@ def test_shrinkage_keeps_the_centre_noise_bounded():
 
 def test_option_through_the_registry():
     theta = torch.nn.Parameter(torch.zeros(3))
-    opt = make_optimizer("dp-macadam", [theta], noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
-                         center_shrinkage=True)
+    opt = make_optimizer(
+        "dp-macadam", [theta], noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, center_shrinkage=True
+    )
     assert opt.transform.transforms[0].center_shrinkage is True
     opt = make_optimizer("dp-macadambc", [theta], noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1)
     assert opt.transform.transforms[0].center_shrinkage is False

@@ -20,8 +20,8 @@ SHAPES = [(30, 20), (30,), (4, 30), (4,), ()]
 def reference_step(mac: MacAdam, grads, states, stds, t):
     """One step of lines 14–22, one parameter at a time (state dicts changed in place)."""
     b1, b2 = mac.betas
-    kappa = 2.0 * (b1 - b1 ** t) / (1.0 + b1)
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    kappa = 2.0 * (b1 - b1**t) / (1.0 + b1)
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
     out, s_hat = [], []
     for g, st, std in zip(grads, states, stds):
         st["step"] = t
@@ -72,8 +72,15 @@ OPTIONS = list(itertools.product(["paper", "unbiased"], [False, True], [False, T
 
 @pytest.mark.parametrize("variance_update,bc,shrink,subtract", OPTIONS)
 def test_foreach_update_equals_the_per_parameter_algorithm(variance_update, bc, shrink, subtract):
-    kw = dict(variance_update=variance_update, bias_correction=bc, center_shrinkage=shrink,
-              noise_subtraction=subtract, b_warmup_steps=1, h1=1e-6, h2=1e-1)
+    kw = dict(
+        variance_update=variance_update,
+        bias_correction=bc,
+        center_shrinkage=shrink,
+        noise_subtraction=subtract,
+        b_warmup_steps=1,
+        h1=1e-6,
+        h2=1e-1,
+    )
     mac, ref = MacAdam(**kw), MacAdam(**kw)
     tf = chain(mac, scale_by_lr(0.5))
     params = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
@@ -86,8 +93,9 @@ def test_foreach_update_equals_the_per_parameter_algorithm(variance_update, bc, 
         mine = [s["0.macadam"] for s in st_new]
         geo = tf.geometry(st_new, params)
         ref.ensure_scale(st_ref, params)
-        assert all(torch.equal(a, b["center"]) and torch.equal(c, b["scale"])
-                   for a, c, b in zip(geo.shift, geo.scale, st_ref))
+        assert all(
+            torch.equal(a, b["center"]) and torch.equal(c, b["scale"]) for a, c, b in zip(geo.shift, geo.scale, st_ref)
+        )
         ctx = StepContext(step=t, noise_std=stds, lrs=[0.01, 0.02, 0.03, 0.04, 0.05])
         upd = tf.update(list(grads), st_new, params, ctx)
         want = reference_step(ref, [x.clone() for x in grads], st_ref, stds, t)

@@ -43,7 +43,8 @@ def test_ema_of_the_noise_variances_by_hand():
     st, _ = _run(mac, releases, [torch.tensor([1.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64)])
     assert float(st["noise_var_ema"]) / (1 - 0.9**2) == pytest.approx((0.9 * 0.1 * 1 + 0.1 * 9) / 0.19, rel=1e-12)
     assert float(st["noise_var_ema_sq"]) / (1 - 0.999**2) == pytest.approx(
-        (0.999 * 0.001 * 1 + 0.001 * 9) / (1 - 0.999**2), rel=1e-12)
+        (0.999 * 0.001 * 1 + 0.001 * 9) / (1 - 0.999**2), rel=1e-12
+    )
 
 
 def _closed_loop_scales(noise_subtraction, steps=80, d=10_000, seed=1):
@@ -73,6 +74,7 @@ def test_paper_subtraction_flips_between_the_clamps_and_ema_does_not():
     √(d·h2) = 3.16 and 0.136, near the all-h1 value √(d·h1) = 0.1, every step; with the EMA it stays near
     0.13. Measured (seed 1): median step-to-step ratio over the last 20 steps 24.3 ("last"), 1.005 ("ema");
     the thresholds (10, 1.2) sit far from both."""
+
     def step_ratio(means):
         r = [max(x / y, y / x) for x, y in zip(means[-21:-1], means[-20:])]
         return sorted(r)[len(r) // 2]
@@ -86,6 +88,7 @@ def test_option_validated_and_through_the_registry():
         MacAdam(noise_subtraction="mean")
     theta = torch.nn.Parameter(torch.zeros(3))
     for name in ("dp-macadam", "dp-macadambc"):
-        opt = make_optimizer(name, [theta], noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1,
-                             noise_subtraction="ema")
+        opt = make_optimizer(
+            name, [theta], noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, noise_subtraction="ema"
+        )
         assert opt.transform.transforms[0].noise_subtraction == "ema"

@@ -27,9 +27,16 @@ def _problem(seed=0, n=16):
 
 
 def _opt(method, model, sigma, n, **kw):
-    return make_optimizer(method, model.parameters(), noise_multiplier=sigma, expected_batch_size=n,
-                          sample_rate=1.0, max_grad_norm=kw.pop("max_grad_norm", 1e12),
-                          generator=torch.Generator().manual_seed(1), **kw)
+    return make_optimizer(
+        method,
+        model.parameters(),
+        noise_multiplier=sigma,
+        expected_batch_size=n,
+        sample_rate=1.0,
+        max_grad_norm=kw.pop("max_grad_norm", 1e12),
+        generator=torch.Generator().manual_seed(1),
+        **kw,
+    )
 
 
 def test_sigma_zero_always_orthogonalizes_and_equals_dp_muon():
@@ -125,8 +132,11 @@ def test_tracked_noise_variance_is_exact(nesterov):
         g = s * torch.randn(shape, generator=gen)
         ctx = StepContext(step=step, noise_std=[torch.tensor(s)], lrs=[1.0])
         o = t.update([g], [st], [torch.zeros(shape)], ctx)[0]
-        expect_u = ((1 - beta) * (1 + beta)) ** 2 * s * s + beta**4 * var_m if nesterov else \
-            beta**2 * var_m + (1 - beta) ** 2 * s * s
+        expect_u = (
+            ((1 - beta) * (1 + beta)) ** 2 * s * s + beta**4 * var_m
+            if nesterov
+            else beta**2 * var_m + (1 - beta) ** 2 * s * s
+        )
         var_m = beta**2 * var_m + (1 - beta) ** 2 * s * s
         assert float(st["noise_var"]) == pytest.approx(var_m)
         assert float(o.var()) == pytest.approx(expect_u, rel=0.03)  # 60,000 entries: SE ≈ 0.6%

@@ -90,9 +90,16 @@ def test_two_steps_by_hand_exact_polar():
     assert float(st["noise_cov"][1, 1]) == pytest.approx(0.25 * 0.25 + 0.25, rel=1e-12)  # Var M₂ = β⁴/4·… + (1−β)²
 
 
-@pytest.mark.parametrize("kw", [{}, {"nesterov": False}, {"input_filter": "disk", "filter_kappa": 0.7},
-                                {"input_filter": "iir1", "filter_a1": -0.9, "filter_b0": 0.1}],
-                         ids=["nesterov", "plain", "disk", "doppler-ema"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"nesterov": False},
+        {"input_filter": "disk", "filter_kappa": 0.7},
+        {"input_filter": "iir1", "filter_a1": -0.9, "filter_b0": 0.1},
+    ],
+    ids=["nesterov", "plain", "disk", "doppler-ema"],
+)
 def test_noise_variance_propagation_matches_simulation(kw):
     """(D6) against a direct simulation of the filter + momentum on 200,000 scalar noise paths
     (release variance v_t varying over 6 steps); relative error ≤ 1.5 % (≈ 5 sd of the estimate)."""
@@ -126,8 +133,15 @@ def test_method_reductions_correction_off_is_dp_muon_and_sigma_zero_is_muon():
 
     def train(method, sigma, **kw):
         model = copy.deepcopy(base)
-        opt = make_optimizer(method, model.parameters(), noise_multiplier=sigma, expected_batch_size=16.0,
-                             sample_rate=1.0, generator=torch.Generator().manual_seed(5), **kw)
+        opt = make_optimizer(
+            method,
+            model.parameters(),
+            noise_multiplier=sigma,
+            expected_batch_size=16.0,
+            sample_rate=1.0,
+            generator=torch.Generator().manual_seed(5),
+            **kw,
+        )
         for _ in range(4):
             opt.step(per_sample_gradients(model, LOSS, x, y, opt.evaluation_points()))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -146,8 +160,9 @@ def test_method_reductions_correction_off_is_dp_muon_and_sigma_zero_is_muon():
 def test_doppler_muon_bc_refuses_higher_order_filters_and_bad_options():
     p = [torch.zeros(3, 3, requires_grad=True), torch.zeros(3, 3, requires_grad=True)]
     with pytest.raises(ValueError, match="first-order"):
-        make_optimizer("doppler-muon-bc", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5,
-                       filter="second-order")
+        make_optimizer(
+            "doppler-muon-bc", p, noise_multiplier=1.0, expected_batch_size=2.0, sample_rate=0.5, filter="second-order"
+        )
     with pytest.raises(ValueError, match="max_correction"):
         ScaleByMuonBC(max_correction=-1.0)
     with pytest.raises(ValueError, match="filter_kappa"):

@@ -32,8 +32,14 @@ def test_embeddings_and_head_are_routed_to_the_other_branch():
     by_model = hidden_matrix_labels(model)
     names = [n for n, _ in model.named_parameters()]
     assert dict(zip(names, by_model.labels)) == {
-        "emb.weight": "other", "fc1.weight": "muon", "fc1.bias": "other", "fc2.weight": "muon",
-        "fc2.bias": "other", "head.weight": "other", "head.bias": "other"}
+        "emb.weight": "other",
+        "fc1.weight": "muon",
+        "fc1.bias": "other",
+        "fc2.weight": "muon",
+        "fc2.bias": "other",
+        "head.weight": "other",
+        "head.bias": "other",
+    }
     # the same from a parameter list plus the embeddings, found by module type
     assert embedding_parameters(model) == [model.emb.weight]
     by_list = hidden_matrix_labels(list(model.parameters()), embeddings=embedding_parameters(model))
@@ -47,8 +53,15 @@ def test_embeddings_and_head_are_routed_to_the_other_branch():
 @pytest.mark.parametrize("method", ["dp-muon", "dp-muon-auto"])
 def test_make_optimizer_routes_embedding_to_adam(method):
     model = Tagger()
-    opt = make_optimizer(method, model.parameters(), noise_multiplier=0.0, expected_batch_size=4,
-                         sample_rate=1.0, max_grad_norm=1e9, label_fn=hidden_matrix_labels(model))
+    opt = make_optimizer(
+        method,
+        model.parameters(),
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        sample_rate=1.0,
+        max_grad_norm=1e9,
+        label_fn=hidden_matrix_labels(model),
+    )
     grads = [torch.randn(4, *p.shape) for p in model.parameters()]
     opt.step(PerSampleGrads(grads))
     assert opt.state[model.emb.weight]["label"] == "other"
@@ -77,10 +90,16 @@ def test_dp_muon_at_sigma_zero_matches_torch_optim_muon(monkeypatch):
     shapes = [(16, 8), (8, 24), (12, 12)]
     ours = [nn.Parameter(torch.randn(*s)) for s in shapes]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
-    opt = make_optimizer("dp-muon", ours, noise_multiplier=0.0, expected_batch_size=4, sample_rate=1.0,
-                         max_grad_norm=1e12, label_fn=lambda p: "muon")
-    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
-                           adjust_lr_fn="original")
+    opt = make_optimizer(
+        "dp-muon",
+        ours,
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        sample_rate=1.0,
+        max_grad_norm=1e12,
+        label_fn=lambda p: "muon",
+    )
+    ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, adjust_lr_fn="original")
     start = [p.detach().clone() for p in ours]
     for _ in range(5):
         per_sample = [torch.randn(4, *s) for s in shapes]

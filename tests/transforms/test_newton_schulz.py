@@ -87,8 +87,9 @@ def test_exact_mode_equals_uv_from_svd():
         u, _, vh = torch.linalg.svd(g, full_matrices=False)
         assert torch.allclose(polar_exact(g), u @ vh, atol=1e-12)
         o = orthogonalize(g, "svd")
-        assert torch.allclose(o.T @ o if shape[0] >= shape[1] else o @ o.T,
-                              torch.eye(min(shape), dtype=torch.float64), atol=1e-12)
+        assert torch.allclose(
+            o.T @ o if shape[0] >= shape[1] else o @ o.T, torch.eye(min(shape), dtype=torch.float64), atol=1e-12
+        )
 
 
 def test_exact_mode_drops_null_directions_like_newton_schulz():
@@ -129,14 +130,17 @@ def test_power_iteration():
     assert s0.item() == 0.0 and torch.allclose(v0, start / math.sqrt(30))
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: newton_schulz(torch.ones(3)), "2-D"),
-    (lambda: newton_schulz(torch.ones(2, 2), steps=-1), "non-negative"),
-    (lambda: newton_schulz(torch.ones(2, 2), eps=0.0), "eps"),
-    (lambda: orthogonalize(torch.ones(2, 2), "qr"), "orthogonalizer"),
-    (lambda: as_matrix(torch.ones(4)), ">= 2-D"),
-    (lambda: top_singular_value(torch.ones(2, 3), torch.ones(2)), "need g"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: newton_schulz(torch.ones(3)), "2-D"),
+        (lambda: newton_schulz(torch.ones(2, 2), steps=-1), "non-negative"),
+        (lambda: newton_schulz(torch.ones(2, 2), eps=0.0), "eps"),
+        (lambda: orthogonalize(torch.ones(2, 2), "qr"), "orthogonalizer"),
+        (lambda: as_matrix(torch.ones(4)), ">= 2-D"),
+        (lambda: top_singular_value(torch.ones(2, 3), torch.ones(2)), "need g"),
+    ],
+)
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()

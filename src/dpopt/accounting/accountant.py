@@ -94,8 +94,9 @@ class AccountingWarning(UserWarning):
     the underlying library warned (summarised once)."""
 
 
-def epsilon_report(ledger: EventLike, delta: float, accountant: str = "pld",
-                   budget: Optional[CostBudget] = DEFAULT_BUDGET) -> EpsilonReport:
+def epsilon_report(
+    ledger: EventLike, delta: float, accountant: str = "pld", budget: Optional[CostBudget] = DEFAULT_BUDGET
+) -> EpsilonReport:
     """ε(δ) of a whole ledger (or DpEvent) under ONE accountant, with how it was computed.
 
     Args:
@@ -128,9 +129,14 @@ def epsilon_report(ledger: EventLike, delta: float, accountant: str = "pld",
     report = spec(ledger, delta, budget=budget)
     sampling = getattr(ledger, "sampling", "poisson")
     if sampling != "poisson":  # every accountant here assumes Poisson sampling (DESIGN: warn, never silently)
-        report = dataclasses.replace(report, notes=tuple(report.notes) + (
-            f"the ledger records sampling {sampling!r}, not Poisson: this epsilon assumes Poisson sampling and "
-            "may be BELOW the true epsilon of the run",))
+        report = dataclasses.replace(
+            report,
+            notes=tuple(report.notes)
+            + (
+                f"the ledger records sampling {sampling!r}, not Poisson: this epsilon assumes Poisson sampling and "
+                "may be BELOW the true epsilon of the run",
+            ),
+        )
     return report
 
 

@@ -177,8 +177,9 @@ def split_for_count_noise(
     else:
         if count_noise_std is None:
             if expected_batch_size is None:
-                raise ValueError("give count_noise_std, count_noise_multiplier or expected_batch_size "
-                                 "(for the σ_b = B̄/20 default)")
+                raise ValueError(
+                    "give count_noise_std, count_noise_multiplier or expected_batch_size (for the σ_b = B̄/20 default)"
+                )
             count_noise_std = default_count_noise_std(expected_batch_size)
             rule = f" (σ_b = B̄/20 with B̄ = {float(expected_batch_size):g})"
         c = 2.0 * check_noise_multiplier(count_noise_std, "count_noise_std")

@@ -101,6 +101,7 @@ class CalibrationInterrupted(KeyboardInterrupt):
     No noise multiplier was chosen.
     """
 
+
 #: Relative tolerance on σ: the result is within ~rtol above the optimum.
 DEFAULT_RTOL = 1e-3
 _MAX_EVALS_PER_LEVEL = 40
@@ -188,8 +189,9 @@ class _Tracker:
 
     def report(self, level: str, sigma: float, eps: float) -> None:
         self.evaluations += 1
-        self.last = CalibrationProgress(level, float(sigma), float(eps), self.evaluations,
-                                        time.perf_counter() - self.start)
+        self.last = CalibrationProgress(
+            level, float(sigma), float(eps), self.evaluations, time.perf_counter() - self.start
+        )
         if self.progress is not None:
             self.progress(self.last)
 
@@ -202,10 +204,17 @@ def _h(eps: float, target: float) -> float:
     return math.log(eps) - math.log(target)
 
 
-def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
-            must_succeed: bool = False, model: Optional[_Level] = None,
-            max_step: float = _MAX_LOG_STEP,
-            bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float, float]:
+def _search(
+    level: _Level,
+    target: float,
+    u0: float,
+    slope: float,
+    xtol: float,
+    must_succeed: bool = False,
+    model: Optional[_Level] = None,
+    max_step: float = _MAX_LOG_STEP,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+) -> tuple[float, float, float]:
     """Safeguarded secant on h(u) = ln ε(e^u) − ln target at one level.
 
     Returns ``(u, eps, slope)`` for a point with ε ≤ target (``h ≤ 0``) whose
@@ -251,8 +260,7 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
         if model is not None and evals == 1 and math.isfinite(h):
             m = model(math.exp(u))
             if 0.0 < m < math.inf:
-                u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step,
-                                        bounds=bounds)
+                u_model, _, _ = _search(model, target * m / eps, u, slope, xtol / 4, max_step=max_step, bounds=bounds)
                 step = u_model - u
         if h > 0 and abs(step) < xtol / 2:
             step = xtol / 2  # land just on the safe side to close the bracket
@@ -265,8 +273,10 @@ def _search(level: _Level, target: float, u0: float, slope: float, xtol: float,
             if u == u_max and not must_succeed:
                 return u, math.inf, slope
             if u == u_max:
-                raise RuntimeError(f"calibration found no noise multiplier <= {math.exp(u_max):g} meeting the "
-                                   f"target at level {level.name}")
+                raise RuntimeError(
+                    f"calibration found no noise multiplier <= {math.exp(u_max):g} meeting the "
+                    f"target at level {level.name}"
+                )
             u_new = min(u + xtol, u_max)
         u = u_new
         if evals >= budget:
@@ -319,8 +329,15 @@ def _accurate(accountant: str, delta: float, q: float, steps: int) -> Callable[[
     return lambda s: epsilon_report(dpsgd_event(s, q, steps), delta, accountant).epsilon
 
 
-def _levels(accountant: str, target: float, delta: float, q: float, steps: int,
-            tracker: Optional[_Tracker] = None, accurate: Optional[_Level] = None) -> list[tuple[_Level, float]]:
+def _levels(
+    accountant: str,
+    target: float,
+    delta: float,
+    q: float,
+    steps: int,
+    tracker: Optional[_Tracker] = None,
+    accurate: Optional[_Level] = None,
+) -> list[tuple[_Level, float]]:
     def pld_at(d: float) -> Callable[[float], float]:
         # the cheap levels build their PLDs vectorised (equal to dp_accounting's to rounding); the final,
         # reported level is the accurate accountant itself (dp_accounting's own construction)
@@ -341,9 +358,12 @@ def _levels(accountant: str, target: float, delta: float, q: float, steps: int,
         return [clt, coarse, (level("pld@%g" % medium_d, pld_at(medium_d)), 2e-4), (accurate, 0.0)]
     if accountant == "rdp":
         return [clt, (accurate, 0.0)]
+
     def prv_rough(s: float) -> float:
-        return prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True,
-                           budget=_LEVEL_BUDGET) + PRV_EPS_ERROR
+        return (
+            prv_epsilon(dpsgd_event(s, q, steps), delta, eps_error=0.1, estimate=True, budget=_LEVEL_BUDGET)
+            + PRV_EPS_ERROR
+        )
 
     return [clt, coarse, (level("prv@0.1", prv_rough), 2e-4), (accurate, 0.0)]
 
@@ -418,11 +438,15 @@ def calibrate_noise_multiplier(
             raise
         where = ""
         if tracker.current is not None:
-            where = f" while evaluating the {tracker.current[0]} accountant at noise_multiplier = {tracker.current[1]:.6g}"
+            where = (
+                f" while evaluating the {tracker.current[0]} accountant at noise_multiplier = {tracker.current[1]:.6g}"
+            )
         last = ""
         if tracker.last is not None:
-            last = (f"; last result: epsilon = {tracker.last.epsilon:.6g} at noise_multiplier = "
-                    f"{tracker.last.noise_multiplier:.6g} ({tracker.last.level})")
+            last = (
+                f"; last result: epsilon = {tracker.last.epsilon:.6g} at noise_multiplier = "
+                f"{tracker.last.noise_multiplier:.6g} ({tracker.last.level})"
+            )
         raise CalibrationInterrupted(
             f"calibration interrupted{where} after {tracker.evaluations} evaluations and "
             f"{time.perf_counter() - start:.1f} s (target_epsilon = {target:g}, delta = {delta:g}, "
@@ -434,8 +458,9 @@ def _fmt_eps(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.6g}"
 
 
-def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rtol: float,
-               tracker: _Tracker, start: float) -> CalibrationResult:
+def _calibrate(
+    target: float, delta: float, q: float, steps: int, name: str, rtol: float, tracker: _Tracker, start: float
+) -> CalibrationResult:
     # Bracket checks: two cheap evaluations recognise absurd targets before any search.
     eps_lo = rdp_epsilon(dpsgd_event(MIN_NOISE_MULTIPLIER, q, steps), delta)
     tracker.report("rdp (bracket)", MIN_NOISE_MULTIPLIER, eps_lo)
@@ -445,7 +470,9 @@ def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rto
             f"{MIN_NOISE_MULTIPLIER:g}, the smallest the search considers, epsilon <= {_fmt_eps(eps_lo)} (rdp upper "
             f"bound; delta = {delta:g}, sample_rate = {q:g}, steps = {steps}), so any noise multiplier >= "
             f"{MIN_NOISE_MULTIPLIER:g} meets it and such a target gives no meaningful privacy; choose a smaller "
-            "target_epsilon or set noise_multiplier directly", "target_epsilon")
+            "target_epsilon or set noise_multiplier directly",
+            "target_epsilon",
+        )
     accurate = _Level(name, _accurate(name, delta, q, steps), tracker)
     evaluate = accurate.fn
     accurate.fn = lambda s: evaluate(_round_up(s))  # the accurate level sees printable σ only
@@ -455,16 +482,26 @@ def _calibrate(target: float, delta: float, q: float, steps: int, name: str, rto
             f"target_epsilon = {target:g} is below what the {name} accountant can certify here: even "
             f"noise_multiplier = {MAX_NOISE_MULTIPLIER:g} gives epsilon = {_fmt_eps(eps_hi)} (delta = {delta:g}, "
             f"sample_rate = {q:g}, steps = {steps}); choose a larger target_epsilon"
-            + ("" if name == "pld" else " or accountant 'pld'"), "target_epsilon")
+            + ("" if name == "pld" else " or accountant 'pld'"),
+            "target_epsilon",
+        )
     bounds = (math.log(MIN_NOISE_MULTIPLIER), math.log(MAX_NOISE_MULTIPLIER))
     u, slope, eps = 0.0, -1.5, None  # start at σ = 1 with a typical slope
     levels = _levels(name, target, delta, q, steps, tracker, accurate)
     for i, (level, xtol) in enumerate(levels):
         final = i == len(levels) - 1
         model = levels[i - 1][0] if final and i > 0 else None
-        u, eps, slope = _search(level, target, u, slope, 2 * rtol if final else xtol,
-                                must_succeed=final, model=model,
-                                max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP, bounds=bounds)
+        u, eps, slope = _search(
+            level,
+            target,
+            u,
+            slope,
+            2 * rtol if final else xtol,
+            must_succeed=final,
+            model=model,
+            max_step=_MAX_LOG_STEP if i == 0 else _LATER_MAX_LOG_STEP,
+            bounds=bounds,
+        )
     sigma = _round_up(math.exp(u))
     if not eps <= target:  # type: ignore[operator]  # defensive: the final level only returns checked points
         raise RuntimeError(f"internal error: calibrated epsilon {eps} exceeds target {target}")

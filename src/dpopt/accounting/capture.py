@@ -61,5 +61,7 @@ def library_note(name: str, messages: list) -> tuple:
         return ()
     first = messages[0] if len(messages[0]) <= 160 else messages[0][:157] + "..."
     more = f" (and {len(messages) - 1} other message(s))" if len(messages) > 1 else ""
-    return (f"{name} warned while computing epsilon: {first!r}{more}; the value reported is still "
-            "the library's upper bound",)
+    return (
+        f"{name} warned while computing epsilon: {first!r}{more}; the value reported is still "
+        "the library's upper bound",
+    )

@@ -102,8 +102,10 @@ class CostEstimate:
         return max(1.0, self.seconds / budget.seconds, self.memory_bytes / budget.memory_bytes)
 
     def describe(self) -> str:
-        return (f"about {self.grid_points:.3g} grid points, {_fmt_seconds(self.seconds)} and "
-                f"{self.memory_bytes / 1e9:.3g} GB")
+        return (
+            f"about {self.grid_points:.3g} grid points, {_fmt_seconds(self.seconds)} and "
+            f"{self.memory_bytes / 1e9:.3g} GB"
+        )
 
 
 def _fmt_seconds(s: float) -> str:
@@ -149,17 +151,24 @@ def pld_loss_width(terms: Mapping[tuple[float, float], int], replace_one: bool =
     return shift + 24.0 * math.sqrt(var) + single
 
 
-def estimate_pld_cost(terms: Mapping[tuple[float, float], int], discretization: float,
-                      replace_one: bool = False) -> CostEstimate:
+def estimate_pld_cost(
+    terms: Mapping[tuple[float, float], int], discretization: float, replace_one: bool = False
+) -> CostEstimate:
     """Estimated cost of the PLD accountant on ``terms`` at grid step ``discretization`` (nats)."""
     points = pld_loss_width(terms, replace_one) / float(discretization)
     k = max(1, len(terms))
-    return CostEstimate("pld", points, PLD_SECONDS_PER_POINT * points * k,
-                        PLD_BYTES_PER_POINT * points, float(discretization))
+    return CostEstimate(
+        "pld", points, PLD_SECONDS_PER_POINT * points * k, PLD_BYTES_PER_POINT * points, float(discretization)
+    )
 
 
-def estimate_prv_cost(terms: Mapping[tuple[float, float], int], eps_error: float, delta_error: float,
-                      replace_one: bool = False, domain: Optional[float] = None) -> CostEstimate:
+def estimate_prv_cost(
+    terms: Mapping[tuple[float, float], int],
+    eps_error: float,
+    delta_error: float,
+    replace_one: bool = False,
+    domain: Optional[float] = None,
+) -> CostEstimate:
     """Estimated cost of the PRV accountant (prv-accountant 0.2) on ``terms``.
 
     The package discretises [−L, L] with mesh ``eps_error / √(T/2 · ln(12/δ_error))``
@@ -172,8 +181,9 @@ def estimate_prv_cost(terms: Mapping[tuple[float, float], int], eps_error: float
     mesh = float(eps_error) / math.sqrt(max(total, 1) / 2.0 * math.log(12.0 / delta_error))
     points = 2.0 * domain / mesh
     k = max(1, len(terms))
-    return CostEstimate("prv", points, PRV_SECONDS_PER_POINT * points * k,
-                        PRV_BYTES_PER_POINT * points, float(eps_error))
+    return CostEstimate(
+        "prv", points, PRV_SECONDS_PER_POINT * points * k, PRV_BYTES_PER_POINT * points, float(eps_error)
+    )
 
 
 def prv_mechanisms(terms: Mapping[tuple[float, float], int], replace_one: bool = False) -> list:
@@ -181,7 +191,7 @@ def prv_mechanisms(terms: Mapping[tuple[float, float], int], replace_one: bool =
     from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism
 
     out = []
-    for (q, sigma) in terms:
+    for q, sigma in terms:
         s = sigma / 2.0 if replace_one else sigma
         if q >= 1.0:
             out.append(GaussianMechanism(noise_multiplier=s))
@@ -190,13 +200,20 @@ def prv_mechanisms(terms: Mapping[tuple[float, float], int], replace_one: bool =
     return out
 
 
-def prv_domain(terms: Mapping[tuple[float, float], int], eps_error: float, delta_error: float,
-               replace_one: bool = False) -> float:
+def prv_domain(
+    terms: Mapping[tuple[float, float], int], eps_error: float, delta_error: float, replace_one: bool = False
+) -> float:
     """The half-width L of the PRV grid, as prv-accountant computes it (an RDP bound + 3)."""
     from prv_accountant.accountant import compute_safe_domain_size
 
-    return float(compute_safe_domain_size(prv_mechanisms(terms, replace_one), [int(c) for c in terms.values()],
-                                          eps_error=eps_error, delta_error=delta_error))
+    return float(
+        compute_safe_domain_size(
+            prv_mechanisms(terms, replace_one),
+            [int(c) for c in terms.values()],
+            eps_error=eps_error,
+            delta_error=delta_error,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -224,5 +241,11 @@ class EpsilonReport:
 
     def to_dict(self) -> dict:
         eps = self.epsilon if math.isfinite(self.epsilon) else "inf"
-        return {"epsilon": eps, "delta": self.delta, "accountant": self.accountant,
-                "resolution": self.resolution, "coarsened": self.coarsened, "notes": list(self.notes)}
+        return {
+            "epsilon": eps,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "resolution": self.resolution,
+            "coarsened": self.coarsened,
+            "notes": list(self.notes),
+        }

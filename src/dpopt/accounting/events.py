@@ -51,14 +51,10 @@ def poisson_gaussian_step(noise_multiplier: Any, sample_rate: Any) -> dp_event.D
 
     Source: Abadi et al. 2016 (sampled Gaussian mechanism); Mironov et al. 2019.
     """
-    return dp_event.PoissonSampledDpEvent(
-        check_sample_rate(sample_rate), gaussian_event(noise_multiplier)
-    )
+    return dp_event.PoissonSampledDpEvent(check_sample_rate(sample_rate), gaussian_event(noise_multiplier))
 
 
-def poisson_composed_step(
-    noise_multipliers: Sequence[Any], sample_rate: Any
-) -> dp_event.DpEvent:
+def poisson_composed_step(noise_multipliers: Sequence[Any], sample_rate: Any) -> dp_event.DpEvent:
     """One step that releases several Gaussians computed on the same Poisson batch.
 
     Used by quantile clipping (gradient sum and clipped count; Andrew et al.
@@ -372,9 +368,7 @@ def event_from_dict(data: dict) -> dp_event.DpEvent:
         if name == "LaplaceDpEvent":
             return dp_event.LaplaceDpEvent(float(data["noise_multiplier"]))
         if name == "PoissonSampledDpEvent":
-            return dp_event.PoissonSampledDpEvent(
-                float(data["sampling_probability"]), event_from_dict(data["event"])
-            )
+            return dp_event.PoissonSampledDpEvent(float(data["sampling_probability"]), event_from_dict(data["event"]))
         if name == "ComposedDpEvent":
             return dp_event.ComposedDpEvent([event_from_dict(e) for e in data["events"]])
         if name == "SelfComposedDpEvent":

@@ -114,7 +114,7 @@ class EpsilonTracker:
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
                     if interpolate and math.isfinite(e_hi) and e_hi > e_lo:
-                        frac = (budget ** 2 - e_lo ** 2) / (e_hi ** 2 - e_lo ** 2)
+                        frac = (budget**2 - e_lo**2) / (e_hi**2 - e_lo**2)
                         mid = min(hi - 1, max(lo + 1, lo + int(round(frac * (hi - lo)))))
                     interpolate = not interpolate
                     e_mid = self._epsilon_with(ledger, event, mid)

@@ -97,8 +97,19 @@ from dp_accounting import dp_event
 
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
-__all__ = ["LedgerEntry", "LedgerGroup", "PrivacyLedger", "EventLike", "LEDGER_VERSION", "NOISE_MODES", "DATASET_SIZE_MODES",
-           "JOURNAL_VERSION", "JOURNAL_NAME", "new_run_id", "longest_record"]
+__all__ = [
+    "LedgerEntry",
+    "LedgerGroup",
+    "PrivacyLedger",
+    "EventLike",
+    "LEDGER_VERSION",
+    "NOISE_MODES",
+    "DATASET_SIZE_MODES",
+    "JOURNAL_VERSION",
+    "JOURNAL_NAME",
+    "new_run_id",
+    "longest_record",
+]
 
 LEDGER_VERSION = 2
 #: Version of the run-length form (:meth:`PrivacyLedger.state_dict`: checkpoints).
@@ -169,8 +180,12 @@ class LedgerGroup:
 
     def to_dict(self) -> dict:
         """``{"step", "count", "event", "meta"}``: the version-3 (run-length) group format."""
-        return {"step": int(self.step), "count": int(self.count), "event": event_to_dict(self.event),
-                "meta": _public(self.meta)}
+        return {
+            "step": int(self.step),
+            "count": int(self.count),
+            "event": event_to_dict(self.event),
+            "meta": _public(self.meta),
+        }
 
 
 class _Group:
@@ -192,8 +207,7 @@ class _Group:
         return LedgerGroup(self.step, self.count, self.event, self.meta)
 
     def same(self, other: "_Group") -> bool:
-        return (self.step, self.count, self.meta) == (other.step, other.count, other.meta) and \
-            self.event == other.event
+        return (self.step, self.count, self.meta) == (other.step, other.count, other.meta) and self.event == other.event
 
 
 class PrivacyLedger:
@@ -217,8 +231,14 @@ class PrivacyLedger:
             dataset_size statement, or a malformed run_id.
     """
 
-    def __init__(self, neighbouring: str = "add_or_remove_one", sampling: str = "poisson",
-                 noise: str = "secret", dataset_size: str = "public", run_id: Optional[str] = None):
+    def __init__(
+        self,
+        neighbouring: str = "add_or_remove_one",
+        sampling: str = "poisson",
+        noise: str = "secret",
+        dataset_size: str = "public",
+        run_id: Optional[str] = None,
+    ):
         if neighbouring not in NEIGHBOURING:
             raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
         if noise not in NOISE_MODES:
@@ -344,7 +364,7 @@ class PrivacyLedger:
             return []
         k = bisect.bisect_right(self._starts, start) - 1
         out = [(start - self._starts[k], self._groups[k].count - (start - self._starts[k]), self._groups[k])]
-        out.extend((0, g.count, g) for g in self._groups[k + 1:])
+        out.extend((0, g.count, g) for g in self._groups[k + 1 :])
         return out
 
     def extends(self, other: "PrivacyLedger") -> bool:
@@ -365,12 +385,15 @@ class PrivacyLedger:
         k = len(other._groups)
         if k > len(self._groups):
             return False
-        for mine, theirs in zip(self._groups[:k - 1], other._groups[:k - 1]):
+        for mine, theirs in zip(self._groups[: k - 1], other._groups[: k - 1]):
             if not mine.same(theirs):
                 return False
         mine, theirs = self._groups[k - 1], other._groups[k - 1]
-        return (mine.step, mine.meta) == (theirs.step, theirs.meta) and theirs.count <= mine.count and \
-            mine.event == theirs.event
+        return (
+            (mine.step, mine.meta) == (theirs.step, theirs.meta)
+            and theirs.count <= mine.count
+            and mine.event == theirs.event
+        )
 
     def events(self) -> list[dp_event.DpEvent]:
         """Every release's DpEvent, in order (a list of O(releases) references)."""
@@ -397,8 +420,14 @@ class PrivacyLedger:
     # -- journal (append while a run goes) --------------------------------
     def header(self) -> dict:
         """The header fields (run_id, neighbouring, sampling, noise, dataset_size)."""
-        return {"run_id": self.run_id, "neighbouring": self.neighbouring, "sampling": self.sampling,
-                "noise": self.noise, "dataset_size": self.dataset_size, **self._run_statements()}
+        return {
+            "run_id": self.run_id,
+            "neighbouring": self.neighbouring,
+            "sampling": self.sampling,
+            "noise": self.noise,
+            "dataset_size": self.dataset_size,
+            **self._run_statements(),
+        }
 
     def _run_statements(self) -> dict:
         """The optional header fields ``privacy_unit`` and ``delta`` (written only when set)."""
@@ -416,8 +445,9 @@ class PrivacyLedger:
         if delta is not None:
             self.delta = float(delta)
 
-    def open_journal(self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False,
-                     autoflush: bool = False) -> Path:
+    def open_journal(
+        self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False, autoflush: bool = False
+    ) -> Path:
         """Append this ledger's entries to the JSON-lines journal at ``path`` from now on.
 
         Args:
@@ -467,8 +497,16 @@ class PrivacyLedger:
             return 0
         lines = []
         if self._journal_header != self.header():
-            lines.append(json.dumps({"format": "dpopt-ledger-journal", "version": JOURNAL_VERSION,
-                                     "entry_version": LEDGER_VERSION, **self.header()}))
+            lines.append(
+                json.dumps(
+                    {
+                        "format": "dpopt-ledger-journal",
+                        "version": JOURNAL_VERSION,
+                        "entry_version": LEDGER_VERSION,
+                        **self.header(),
+                    }
+                )
+            )
         new = self.entries_since(self._flushed)
         lines.extend(json.dumps(e.to_dict(), allow_nan=False) for e in new)
         if not lines and not (sync and self._unsynced):
@@ -500,8 +538,12 @@ class PrivacyLedger:
         lines = path.read_text().split("\n")
         complete = lines[:-1]  # every complete line ends with a newline
         if lines[-1].strip():
-            warnings.warn(f"{path}: dropped an incomplete last line (a flush cut short; nothing written "
-                          "after it depends on that entry)", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{path}: dropped an incomplete last line (a flush cut short; nothing written "
+                "after it depends on that entry)",
+                UserWarning,
+                stacklevel=2,
+            )
         ledger: Optional[PrivacyLedger] = None
         reproducible = False
         for number, line in enumerate(complete, start=1):
@@ -513,8 +555,7 @@ class PrivacyLedger:
                 raise ValueError(f"{path}, line {number}: not JSON (a damaged ledger journal)") from None
             if "format" in raw:
                 if raw.get("format") != "dpopt-ledger-journal" or raw.get("version") != JOURNAL_VERSION:
-                    raise ValueError(f"{path}, line {number}: not a dpopt ledger journal of version "
-                                     f"{JOURNAL_VERSION}")
+                    raise ValueError(f"{path}, line {number}: not a dpopt ledger journal of version {JOURNAL_VERSION}")
                 if raw.get("noise") not in NOISE_MODES:
                     raise ValueError(f"{path}: ledger noise {raw.get('noise')!r} is not one of {NOISE_MODES}")
                 reproducible |= raw["noise"] == "reproducible"
@@ -540,8 +581,12 @@ class PrivacyLedger:
         What every checkpoint holds. :meth:`from_dict` / :meth:`load_state_dict` read it (and the
         per-release versions 1-2 of older checkpoints).
         """
-        return {"format": "dpopt-ledger", "version": GROUPED_VERSION, **self.header(),
-                "groups": [g.frozen().to_dict() for g in self._groups]}
+        return {
+            "format": "dpopt-ledger",
+            "version": GROUPED_VERSION,
+            **self.header(),
+            "groups": [g.frozen().to_dict() for g in self._groups],
+        }
 
     def load_state_dict(self, state: Union[dict, "PrivacyLedger"]) -> None:
         """Replace this ledger's header and entries, in place, with ``state`` (a :meth:`to_dict` dict).
@@ -609,10 +654,12 @@ class PrivacyLedger:
         except (TypeError, ValueError):
             version = -1
         if version not in READABLE_VERSIONS:
-            raise ValueError(f"unsupported ledger version {data.get('version')!r}; expected one of "
-                             f"{READABLE_VERSIONS}")
-        ledger = cls(data.get("neighbouring", "add_or_remove_one"), data.get("sampling", "poisson"),
-                     dataset_size=data.get("dataset_size", "public"))
+            raise ValueError(f"unsupported ledger version {data.get('version')!r}; expected one of {READABLE_VERSIONS}")
+        ledger = cls(
+            data.get("neighbouring", "add_or_remove_one"),
+            data.get("sampling", "poisson"),
+            dataset_size=data.get("dataset_size", "public"),
+        )
         ledger.run_id = _checked_run_id(data.get("run_id"))  # None: written before run ids existed
         ledger._read_run_statements(data)
         if version == 1:
@@ -638,8 +685,14 @@ class PrivacyLedger:
         step, meta = int(raw["step"]), raw.get("meta", {})
         last = self._groups[-1] if self._groups else None
         cached = getattr(self, "_raw_event", None)
-        if last is not None and step == last.step + last.count and meta == last.meta and cached is not None \
-                and cached[0] is last.event and cached[1] == raw["event"]:
+        if (
+            last is not None
+            and step == last.step + last.count
+            and meta == last.meta
+            and cached is not None
+            and cached[0] is last.event
+            and cached[1] == raw["event"]
+        ):
             event = last.event  # a long per-release list: one parsed event per group
         else:
             event = event_from_dict(raw["event"])
@@ -664,8 +717,10 @@ class PrivacyLedger:
         return cls.from_dict(json.loads(path.read_text()))
 
     def __repr__(self) -> str:
-        return (f"PrivacyLedger({len(self)} releases, run_id={self.run_id!r}, "
-                f"neighbouring={self.neighbouring!r}, noise={self.noise!r})")
+        return (
+            f"PrivacyLedger({len(self)} releases, run_id={self.run_id!r}, "
+            f"neighbouring={self.neighbouring!r}, noise={self.noise!r})"
+        )
 
 
 def longest_record(named: dict[str, "PrivacyLedger"]) -> tuple[str, "PrivacyLedger"]:
@@ -695,9 +750,11 @@ def longest_record(named: dict[str, "PrivacyLedger"]) -> tuple[str, "PrivacyLedg
             why = f"different runs (run ids {other.run_id} and {best.run_id})"
         else:
             why = "two branches of one run (they differ at a release both hold)"
-        raise ValueError(f"the {other_name} ledger ({len(other)} releases) and the {name} ledger ({len(best)} "
-                         f"releases) are records of {why}: taking either would forget releases of the other. "
-                         "Load this state into a fresh PrivacyEngine (or keep the record that belongs to it)")
+        raise ValueError(
+            f"the {other_name} ledger ({len(other)} releases) and the {name} ledger ({len(best)} "
+            f"releases) are records of {why}: taking either would forget releases of the other. "
+            "Load this state into a fresh PrivacyEngine (or keep the record that belongs to it)"
+        )
     return name, best
 
 

@@ -64,8 +64,7 @@ from .ledger import PrivacyLedger
 from .registry import ACCOUNTANTS
 from .validation import check_delta, check_rtol
 
-__all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL", "RunIdGroup",
-           "repeated_run_ids"]
+__all__ = ["CheckItem", "CheckResult", "check_ledger", "check_run", "DEFAULT_RTOL", "RunIdGroup", "repeated_run_ids"]
 
 #: Relative tolerance for comparing recomputed numbers with recorded ones.
 DEFAULT_RTOL = 1e-6
@@ -98,8 +97,7 @@ class CheckItem:
     evidence: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"key": self.key, "question": self.question, "passed": self.passed,
-                "evidence": list(self.evidence)}
+        return {"key": self.key, "question": self.question, "passed": self.passed, "evidence": list(self.evidence)}
 
 
 @dataclass(frozen=True)
@@ -182,21 +180,25 @@ def _check_releases(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: 
         total_reads += int(reads)
         total_releases += int(rel)
         if int(reads) != int(rel) or len(p.gaussians) != int(rel):
-            mismatch.append(f"step {entry.step}: reads {reads}, releases {rel}, "
-                            f"Gaussians in event {len(p.gaussians)}")
+            mismatch.append(f"step {entry.step}: reads {reads}, releases {rel}, Gaussians in event {len(p.gaussians)}")
         if p.nonprivate:
             nonpriv.append(f"step {entry.step}")
-    problems += _summarise(mismatch, "entries where reads, recorded releases and the event's "
-                                     "Gaussians disagree (a read without its release)")
+    problems += _summarise(
+        mismatch,
+        "entries where reads, recorded releases and the event's Gaussians disagree (a read without its release)",
+    )
     problems += _summarise(no_meta, "entries without reads/releases metadata (cannot show every read is released)")
     problems += _summarise(nonpriv, "entries with a NonPrivateDpEvent (a release without noise)")
-    evidence.append(f"{len(ledger)} ledger entries; per-entry reads total {total_reads}, "
-                    f"releases total {total_releases}")
+    evidence.append(
+        f"{len(ledger)} ledger entries; per-entry reads total {total_reads}, releases total {total_releases}"
+    )
     steps = claimed.get("steps")
     if steps is not None:
         if int(steps) != len(ledger):
-            problems.append(f"summary claims {steps} steps but the ledger has {len(ledger)} entries "
-                            "(every step must be one ledger entry)")
+            problems.append(
+                f"summary claims {steps} steps but the ledger has {len(ledger)} entries "
+                "(every step must be one ledger entry)"
+            )
         else:
             evidence.append(f"summary steps = {steps} = ledger entries")
     s_reads, s_rel = claimed.get("privatizer_reads"), claimed.get("privatizer_releases")
@@ -205,11 +207,14 @@ def _check_releases(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: 
             problems.append("summary has only one of privatizer_reads / privatizer_releases")
         else:
             if int(s_reads) != int(s_rel):
-                problems.append(f"summary: privatizer_reads {s_reads} != privatizer_releases {s_rel} "
-                                f"({int(s_reads) - int(s_rel)} reads of private data were never released/charged)")
+                problems.append(
+                    f"summary: privatizer_reads {s_reads} != privatizer_releases {s_rel} "
+                    f"({int(s_reads) - int(s_rel)} reads of private data were never released/charged)"
+                )
             if int(s_rel) != total_releases:
-                problems.append(f"summary: privatizer_releases {s_rel} != releases recorded in the ledger "
-                                f"{total_releases}")
+                problems.append(
+                    f"summary: privatizer_releases {s_rel} != releases recorded in the ledger {total_releases}"
+                )
             if not problems:
                 evidence.append(f"summary privatizer_reads = privatizer_releases = {s_rel} = ledger releases")
     if len(ledger) == 0:
@@ -244,11 +249,15 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
             zero.append(f"step {entry.step}")
         sens_seen.add(round(sens, 12))
         if not _close(sens, total, rtol):
-            sens_bad.append(f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
-                            f"{[round(c, 6) for c in bounds]} is {total:.6g}")
+            sens_bad.append(
+                f"step {entry.step}: sensitivity {sens:.6g} but √(Σ C_k²) of bounds "
+                f"{[round(c, 6) for c in bounds]} is {total:.6g}"
+            )
         if not _close(std, sigma * sens, rtol):
-            std_bad.append(f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
-                           f"sensitivity {sens:.6g} = {sigma * sens:.6g}")
+            std_bad.append(
+                f"step {entry.step}: noise_std {std:.6g} != noise_multiplier {sigma:.6g} × "
+                f"sensitivity {sens:.6g} = {sigma * sens:.6g}"
+            )
         if not p.gaussians or not _close(p.gaussians[0], sigma, rtol):
             got = p.gaussians[0] if p.gaussians else "none"
             grad_bad.append(f"step {entry.step}: event gradient multiplier {got} != recorded {sigma:.6g}")
@@ -259,49 +268,65 @@ def _check_noise(ledger: PrivacyLedger, parsed: list[EventSummary], rtol: float)
             if cstd is None or csens is None or csens <= 0:
                 count_bad.append(f"step {entry.step}: count noise std/sensitivity missing or invalid")
             elif len(p.gaussians) < 2:
-                count_bad.append(f"step {entry.step}: count noise std {cstd:.6g} recorded but the event "
-                                 "has no count Gaussian")
+                count_bad.append(
+                    f"step {entry.step}: count noise std {cstd:.6g} recorded but the event has no count Gaussian"
+                )
             else:
                 if not _close(p.gaussians[1], cstd / csens, rtol):
-                    count_bad.append(f"step {entry.step}: event count multiplier {p.gaussians[1]:.6g} != "
-                                     f"count_noise_std/count_sensitivity = {cstd / csens:.6g}")
+                    count_bad.append(
+                        f"step {entry.step}: event count multiplier {p.gaussians[1]:.6g} != "
+                        f"count_noise_std/count_sensitivity = {cstd / csens:.6g}"
+                    )
                 if csens < COUNT_SENSITIVITY * (1 - rtol):
-                    count_bad.append(f"step {entry.step}: count_sensitivity {csens} understates the centred "
-                                     f"count's sensitivity {COUNT_SENSITIVITY}")
+                    count_bad.append(
+                        f"step {entry.step}: count_sensitivity {csens} understates the centred "
+                        f"count's sensitivity {COUNT_SENSITIVITY}"
+                    )
                 cm = _num(m.get("count_noise_multiplier"))
                 if cm is not None and not _close(cm, p.gaussians[1], rtol):
-                    count_bad.append(f"step {entry.step}: recorded count_noise_multiplier {cm:.6g} != "
-                                     f"event's {p.gaussians[1]:.6g}")
+                    count_bad.append(
+                        f"step {entry.step}: recorded count_noise_multiplier {cm:.6g} != event's {p.gaussians[1]:.6g}"
+                    )
         elif len(p.gaussians) >= 2:
-            count_bad.append(f"step {entry.step}: the event has {len(p.gaussians)} Gaussians but only the "
-                             "gradient's noise is recorded (no count_noise_std / count_sensitivity)")
-    problems = (_summarise(zero, "entries released WITHOUT noise (noise_multiplier 0: not private, epsilon = inf)")
-                + _summarise(missing, "entries without noise_multiplier/sensitivity/noise_std/max_grad_norm")
-                + _summarise(sens_bad, "entries whose sensitivity is not the total bound √(Σ C_k²)")
-                + _summarise(std_bad, "entries whose noise std is not σ × sensitivity")
-                + _summarise(grad_bad, "entries whose event does not carry the recorded gradient σ")
-                + _summarise(count_bad, "entries with count-release problems"))
+            count_bad.append(
+                f"step {entry.step}: the event has {len(p.gaussians)} Gaussians but only the "
+                "gradient's noise is recorded (no count_noise_std / count_sensitivity)"
+            )
+    problems = (
+        _summarise(zero, "entries released WITHOUT noise (noise_multiplier 0: not private, epsilon = inf)")
+        + _summarise(missing, "entries without noise_multiplier/sensitivity/noise_std/max_grad_norm")
+        + _summarise(sens_bad, "entries whose sensitivity is not the total bound √(Σ C_k²)")
+        + _summarise(std_bad, "entries whose noise std is not σ × sensitivity")
+        + _summarise(grad_bad, "entries whose event does not carry the recorded gradient σ")
+        + _summarise(count_bad, "entries with count-release problems")
+    )
     evidence = []
     if not problems:
-        evidence.append(f"all {len(ledger)} entries: noise_std = noise_multiplier × sensitivity, "
-                        "sensitivity = √(Σ C_k²), event multiplier = recorded σ")
+        evidence.append(
+            f"all {len(ledger)} entries: noise_std = noise_multiplier × sensitivity, "
+            "sensitivity = √(Σ C_k²), event multiplier = recorded σ"
+        )
         if sens_seen:
             seen = sorted(sens_seen)
-            evidence.append(f"sensitivities seen: {len(seen)} distinct value(s), from {seen[0]:.6g} "
-                            f"to {seen[-1]:.6g}")
+            evidence.append(f"sensitivities seen: {len(seen)} distinct value(s), from {seen[0]:.6g} to {seen[-1]:.6g}")
         if count_seen:
-            evidence.append(f"{count_seen} count releases: event multiplier = count_noise_std / "
-                            f"count_sensitivity (sensitivity {COUNT_SENSITIVITY})")
+            evidence.append(
+                f"{count_seen} count releases: event multiplier = count_noise_std / "
+                f"count_sensitivity (sensitivity {COUNT_SENSITIVITY})"
+            )
     return CheckItem("noise", QUESTIONS["noise"], not problems, tuple(problems + evidence))
 
 
-def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
-                       rtol: float) -> tuple[CheckItem, dict]:
+def _check_composition(
+    ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping, rtol: float
+) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
     run_id, claimed_id = getattr(ledger, "run_id", None), claimed.get("ledger_run_id")
     if run_id is not None and claimed_id is not None and claimed_id != run_id:
-        problems.append(f"summary ledger_run_id {claimed_id} is not the ledger's run_id {run_id}: the summary and the "
-                        "ledger are files of different runs")
+        problems.append(
+            f"summary ledger_run_id {claimed_id} is not the ledger's run_id {run_id}: the summary and the "
+            "ledger are files of different runs"
+        )
     accountant = str(claimed.get("accountant", "")).lower()
     delta, eps_claim = _num(claimed.get("delta")), claimed.get("epsilon")
     eps_claim = math.inf if eps_claim in ("inf", "Infinity") else _num(eps_claim)
@@ -312,8 +337,10 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
     if eps_claim is None:
         problems.append("summary has no numeric epsilon")
     if ledger.sampling != "poisson":
-        problems.append(f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
-                        "so the epsilon does not hold for this run")
+        problems.append(
+            f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
+            "so the epsilon does not hold for this run"
+        )
     others = sorted({o for p in parsed for o in p.unsupported})
     if others:
         problems.append(f"ledger has events the check does not understand: {others}")
@@ -322,8 +349,10 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
     if q_claim is not None and rates and any(not _close(r, q_claim, rtol) for r in rates):
         problems.append(f"ledger sampling rates {rates[:3]} differ from the claimed sample_rate {q_claim:g}")
     elif rates:
-        evidence.append(f"ledger sampling rate(s) {', '.join(f'{r:g}' for r in rates[:3])}"
-                        + (" = claimed sample_rate" if q_claim is not None else ""))
+        evidence.append(
+            f"ledger sampling rate(s) {', '.join(f'{r:g}' for r in rates[:3])}"
+            + (" = claimed sample_rate" if q_claim is not None else "")
+        )
     if not problems:
         try:
             eps_ledger = epsilon(ledger, delta, accountant)  # type: ignore[arg-type]
@@ -340,9 +369,11 @@ def _check_composition(ledger: PrivacyLedger, parsed: list[EventSummary], claime
             elif eps_claim < eps_ledger:  # type: ignore[operator]
                 problems.append(f"summary ε {eps_claim:.6g} is BELOW the {where}: under-reported")
             else:
-                problems.append(f"summary ε {eps_claim:.6g} is above the {where}: the summary was not "
-                                "computed from this ledger (releases missing from the ledger, or a "
-                                "different composition)")
+                problems.append(
+                    f"summary ε {eps_claim:.6g} is above the {where}: the summary was not "
+                    "computed from this ledger (releases missing from the ledger, or a "
+                    "different composition)"
+                )
     return CheckItem("composition", QUESTIONS["composition"], not problems, tuple(problems + evidence)), facts
 
 
@@ -351,12 +382,13 @@ def _scheduled_sigmas(schedule, sigma_claim: Optional[float], n: int) -> list[Op
     ``noise_multiplier_schedule`` (``[[first entry, σ], ...]``, e.g. Opacus's noise schedulers)."""
     claimed = [sigma_claim] * n
     for start, sigma in sorted((int(a), _num(b)) for a, b in (schedule or [])):
-        claimed[max(0, start):] = [sigma] * max(0, n - max(0, start))
+        claimed[max(0, start) :] = [sigma] * max(0, n - max(0, start))
     return claimed
 
 
-def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping,
-                 rtol: float) -> tuple[CheckItem, dict]:
+def _check_split(
+    ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping, rtol: float
+) -> tuple[CheckItem, dict]:
     problems, evidence, facts = [], [], {}
     key = "noise_multiplier_total" if claimed.get("noise_multiplier_total") is not None else "noise_multiplier"
     sigma_claim = _num(claimed.get(key))
@@ -380,8 +412,10 @@ def _check_split(ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Map
             if share is not None and not _close(share, r, max(rtol, 1e-9)):
                 bad.append(f"{n} entries imply count share {r:.6g} but the summary claims {share:.6g}")
         if sigma_claim is not None and not _close(sigma_eff, sigma_claim, rtol):
-            bad.append(f"{line}, but the run claims σ = {sigma_claim:.6g} ({key}): the pieces do not add "
-                       "up — a release is missing from the ledger or the split is wrong")
+            bad.append(
+                f"{line}, but the run claims σ = {sigma_claim:.6g} ({key}): the pieces do not add "
+                "up — a release is missing from the ledger or the split is wrong"
+            )
         else:
             evidence.append(line + (f" = claimed {key} {sigma_claim:.6g}" if sigma_claim is not None else ""))
     if not pieces:
@@ -395,17 +429,26 @@ def _check_noise_source(ledger: PrivacyLedger, claimed: Mapping) -> CheckItem:
     problems, evidence = [], []
     mode = getattr(ledger, "noise", "unknown")
     if mode == "reproducible":
-        problems.append("noise reproducible from a published seed: the ledger records noise = 'reproducible' "
-                        "(a research mode); anyone who knows the seed and the neighbouring dataset can replay "
-                        "the run and tell the datasets apart, so the epsilon does not hold")
+        problems.append(
+            "noise reproducible from a published seed: the ledger records noise = 'reproducible' "
+            "(a research mode); anyone who knows the seed and the neighbouring dataset can replay "
+            "the run and tell the datasets apart, so the epsilon does not hold"
+        )
     elif mode == "unknown":
-        problems.append("the ledger predates the record of its noise source (format version 1, noise = "
-                        "'unknown'; such runs seeded the noise from the published seed) and must be treated as "
-                        "reproducible: noise reproducible from a published seed")
+        problems.append(
+            "the ledger predates the record of its noise source (format version 1, noise = "
+            "'unknown'; such runs seeded the noise from the published seed) and must be treated as "
+            "reproducible: noise reproducible from a published seed"
+        )
     elif mode in ("secret", "secure"):
-        evidence.append(f"ledger noise = {mode!r}: "
-                        + ("seeded from OS entropy and never written anywhere" if mode == "secret"
-                           else "drawn from a cryptographically secure generator"))
+        evidence.append(
+            f"ledger noise = {mode!r}: "
+            + (
+                "seeded from OS entropy and never written anywhere"
+                if mode == "secret"
+                else "drawn from a cryptographically secure generator"
+            )
+        )
     else:
         problems.append(f"ledger noise {mode!r} is not a known noise source")
     claim = claimed.get("noise")
@@ -413,8 +456,10 @@ def _check_noise_source(ledger: PrivacyLedger, claimed: Mapping) -> CheckItem:
         problems.append(f"summary noise {claim!r} differs from the ledger's {mode!r}")
     size = getattr(ledger, "dataset_size", None)
     if size is not None:
-        meaning = {"public": "N is treated as public", "unused": "the sample rate was given explicitly; "
-                   "nothing recorded is derived from N"}.get(size, "statement about N")
+        meaning = {
+            "public": "N is treated as public",
+            "unused": "the sample rate was given explicitly; nothing recorded is derived from N",
+        }.get(size, "statement about N")
         evidence.append(f"dataset_size = {size!r} ({meaning})")
     return CheckItem("noise_source", QUESTIONS["noise_source"], not problems, tuple(problems + evidence))
 
@@ -489,18 +534,27 @@ class RunIdGroup:
         """One line for the user."""
         names = ", ".join(str(n) for n in self.names)
         if not self.diverged:
-            return (f"{names} share run id {self.run_id}: copies of one run; one of them holds every release "
-                    "of the others, so its ε covers them all")
+            return (
+                f"{names} share run id {self.run_id}: copies of one run; one of them holds every release "
+                "of the others, so its ε covers them all"
+            )
         eps = "" if self.combined_epsilon is None else f" = ε {self.combined_epsilon:.6g}"
-        return (f"{names} share run id {self.run_id} and DIVERGE after {self.shared_releases} shared releases: "
-                "copies of one run directory trained further in each place. Each ledger alone shows only its "
-                f"own branch; together they released {self.combined_releases} times from the same data{eps} "
-                "(the shared releases counted once, every branch's own added)")
+        return (
+            f"{names} share run id {self.run_id} and DIVERGE after {self.shared_releases} shared releases: "
+            "copies of one run directory trained further in each place. Each ledger alone shows only its "
+            f"own branch; together they released {self.combined_releases} times from the same data{eps} "
+            "(the shared releases counted once, every branch's own added)"
+        )
 
     def to_dict(self) -> dict:
-        return {"run_id": self.run_id, "names": [str(n) for n in self.names], "diverged": self.diverged,
-                "shared_releases": self.shared_releases, "combined_releases": self.combined_releases,
-                "combined_epsilon": self.combined_epsilon}
+        return {
+            "run_id": self.run_id,
+            "names": [str(n) for n in self.names],
+            "diverged": self.diverged,
+            "shared_releases": self.shared_releases,
+            "combined_releases": self.combined_releases,
+            "combined_epsilon": self.combined_epsilon,
+        }
 
 
 def _shared_prefix(ledgers: list[PrivacyLedger]) -> int:
@@ -520,8 +574,12 @@ def _split_step(lists: list[list]) -> Optional[int]:
     return None
 
 
-def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] = None,
-                     accountant: str = "pld", segments: Optional[Mapping[str, list]] = None) -> list[RunIdGroup]:
+def repeated_run_ids(
+    named: Mapping[str, PrivacyLedger],
+    delta: Optional[float] = None,
+    accountant: str = "pld",
+    segments: Optional[Mapping[str, list]] = None,
+) -> list[RunIdGroup]:
     """Groups of ledgers that share a run id (ledgers without one are skipped).
 
     A run id is made once per run (:func:`~dpopt.accounting.ledger.new_run_id`), so two ledgers with
@@ -542,7 +600,7 @@ def repeated_run_ids(named: Mapping[str, PrivacyLedger], delta: Optional[float] 
         if not named[big].extends(named[small]):
             return False
         a, b = segments.get(big), segments.get(small)
-        return a is None or b is None or [s.get("id") for s in b] == [s.get("id") for s in a[:len(b)]]
+        return a is None or b is None or [s.get("id") for s in b] == [s.get("id") for s in a[: len(b)]]
 
     by_id: dict[str, list[str]] = {}
     for name, book in named.items():
@@ -600,13 +658,17 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
     """
     run = Path(run_dir)
     if not run.is_dir():
-        raise FileNotFoundError(f"{run} is not a run directory (expected ledger.json and summary.json inside, "
-                                "or a DPTrainer checkpoint's privacy_ledger.json and privacy_summary.json)")
+        raise FileNotFoundError(
+            f"{run} is not a run directory (expected ledger.json and summary.json inside, "
+            "or a DPTrainer checkpoint's privacy_ledger.json and privacy_summary.json)"
+        )
     ledger_path, summary_path = run_paths(run)
     if not summary_path.exists():
-        raise FileNotFoundError(f"no summary.json in {run}: the run was killed or is still running "
-                                f"(`dpopt train --resume {run}` completes it; `dpopt ledger {run}` scores the "
-                                "releases journaled so far)")
+        raise FileNotFoundError(
+            f"no summary.json in {run}: the run was killed or is still running "
+            f"(`dpopt train --resume {run}` completes it; `dpopt ledger {run}` scores the "
+            "releases journaled so far)"
+        )
     # a dpopt train run: the journal when there is one (the releases `dpopt ledger` scores)
     ledger = PrivacyLedger.load(run if ledger_path.name == "ledger.json" else ledger_path)
     try:

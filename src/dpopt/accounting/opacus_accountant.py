@@ -53,10 +53,12 @@ def resolve_accountant_name(name: Any) -> str:
             an unknown name.
     """
     if str(name).lower() == "gdp":
-        raise ValueError("accountant='gdp' (Opacus's Gaussian-DP central-limit approximation) is not supported: "
-                         "it approximates ε rather than bounding it, and can be optimistic for few steps or "
-                         f"large sampling rates. Use accountant='pld' (dpopt's default, tight) or 'prv'; "
-                         f"'rdp' is looser but cheap. Choose one of {', '.join(ACCOUNTANTS)}")
+        raise ValueError(
+            "accountant='gdp' (Opacus's Gaussian-DP central-limit approximation) is not supported: "
+            "it approximates ε rather than bounding it, and can be optimistic for few steps or "
+            f"large sampling rates. Use accountant='pld' (dpopt's default, tight) or 'prv'; "
+            f"'rdp' is looser but cheap. Choose one of {', '.join(ACCOUNTANTS)}"
+        )
     return check_accountant(name)
 
 
@@ -78,8 +80,9 @@ class LedgerAccountant:
     def __init__(self, ledger: Any, name: str = "pld"):
         self.name = resolve_accountant_name(name)
         if not isinstance(ledger, PrivacyLedger) and not hasattr(ledger, "ledger"):
-            raise TypeError(f"LedgerAccountant reads a PrivacyLedger or an object with a .ledger, got "
-                            f"{type(ledger).__name__}")
+            raise TypeError(
+                f"LedgerAccountant reads a PrivacyLedger or an object with a .ledger, got {type(ledger).__name__}"
+            )
         self._owner = ledger
 
     @property
@@ -121,8 +124,10 @@ class LedgerAccountant:
             ValueError: a ledger under another neighbouring relation than add/remove-one.
         """
         if self.name != "rdp":
-            raise AttributeError(f"get_privacy_spent is the RDP accountant's (Opacus); this one is "
-                                 f"{self.name!r}: call get_epsilon(delta)")
+            raise AttributeError(
+                f"get_privacy_spent is the RDP accountant's (Opacus); this one is "
+                f"{self.name!r}: call get_epsilon(delta)"
+            )
         if not len(self.ledger):
             return 0.0, 0.0
         from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
@@ -131,8 +136,10 @@ class LedgerAccountant:
         from .rdp import RDP_ORDERS
 
         if ledger_relation(self.ledger) != "add_or_remove_one":
-            raise ValueError("get_privacy_spent (RDP) supports the add/remove-one relation only; this ledger is "
-                             f"{ledger_relation(self.ledger)!r}: use a PLD accountant's get_epsilon(delta)")
+            raise ValueError(
+                "get_privacy_spent (RDP) supports the add/remove-one relation only; this ledger is "
+                f"{ledger_relation(self.ledger)!r}: use a PLD accountant's get_epsilon(delta)"
+            )
 
         orders = list(alphas) if alphas is not None else list(RDP_ORDERS)
         acc = rdp_lib.RdpAccountant(orders)
@@ -154,7 +161,7 @@ class LedgerAccountant:
         for group in self.ledger.groups:  # run-length groups: O(groups)
             terms = list(flatten_gaussian_terms(group.event).items())
             # one (q, sigma) term per release: the group is one run; several: they alternate, release by release
-            for (q, sigma), count in (terms if len(terms) == 1 else terms * group.count):
+            for (q, sigma), count in terms if len(terms) == 1 else terms * group.count:
                 n = int(count) * (group.count if len(terms) == 1 else 1)
                 if runs and runs[-1][0] == sigma and runs[-1][1] == q:
                     runs[-1][2] += n
@@ -178,14 +185,17 @@ class LedgerAccountant:
             RuntimeError: always (an accountant step without a release would
                 charge a release that did not happen, or hide one that did).
         """
-        raise RuntimeError("dpopt's accountant reads the ledger, which only the Privatizer writes (one entry per "
-                           "noisy release, with the sigma it applied): do not call accountant.step(); "
-                           "optimizer.step() records the step")
+        raise RuntimeError(
+            "dpopt's accountant reads the ledger, which only the Privatizer writes (one entry per "
+            "noisy release, with the sigma it applied): do not call accountant.step(); "
+            "optimizer.step() records the step"
+        )
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[..., None]:  # noqa: ARG002
         """Refused, as :meth:`step` (Opacus attaches it to its optimizer; dpopt's records by itself)."""
-        raise RuntimeError("dpopt's optimizer records every release in the ledger itself; no accountant hook is "
-                           "needed (or allowed)")
+        raise RuntimeError(
+            "dpopt's optimizer records every release in the ledger itself; no accountant hook is needed (or allowed)"
+        )
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self, destination: Optional[dict] = None) -> dict:
@@ -212,9 +222,11 @@ class LedgerAccountant:
         incoming = PrivacyLedger()
         incoming.load_state_dict(saved)
         if not incoming.extends(self.ledger):
-            raise ValueError(f"refused to load the accountant state: its ledger ({len(incoming)} releases) does "
-                             f"not hold the {len(self.ledger)} releases this ledger already has (another run, an "
-                             "older state or another branch); loading it would forget releases")
+            raise ValueError(
+                f"refused to load the accountant state: its ledger ({len(incoming)} releases) does "
+                f"not hold the {len(self.ledger)} releases this ledger already has (another run, an "
+                "older state or another branch); loading it would forget releases"
+            )
         self.ledger.load_state_dict(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -233,17 +245,21 @@ class LedgerAccountant:
         if "mechanism" not in state_dict:
             raise ValueError("the accountant state has no 'mechanism' key")
         if str(state_dict["mechanism"]).lower() != self.name:
-            raise ValueError(f"an accountant state of {state_dict['mechanism']!r} cannot be loaded into the "
-                             f"{self.name!r} accountant (create PrivacyEngine(accountant="
-                             f"{state_dict['mechanism']!r}); the ledger itself is re-scorable by any accountant)")
+            raise ValueError(
+                f"an accountant state of {state_dict['mechanism']!r} cannot be loaded into the "
+                f"{self.name!r} accountant (create PrivacyEngine(accountant="
+                f"{state_dict['mechanism']!r}); the ledger itself is re-scorable by any accountant)"
+            )
         if "ledger" in state_dict:
             self._adopt(state_dict["ledger"])
             return
         if [tuple(h) for h in state_dict.get("history", [])] != self.history:
-            raise ValueError("this accountant state has a history but no ledger: dpopt cannot rebuild the ledger "
-                             "(the one record of the releases, with the run's neighbouring relation, sampling and "
-                             "noise mode) from it. Save and load with dpopt (accountant.state_dict(), "
-                             "PrivacyEngine.save_checkpoint) so that the ledger travels with the state")
+            raise ValueError(
+                "this accountant state has a history but no ledger: dpopt cannot rebuild the ledger "
+                "(the one record of the releases, with the run's neighbouring relation, sampling and "
+                "noise mode) from it. Save and load with dpopt (accountant.state_dict(), "
+                "PrivacyEngine.save_checkpoint) so that the ledger travels with the state"
+            )
 
     # -- a name, for code that read the attribute as a string ------------------------
     def __str__(self) -> str:

@@ -84,8 +84,10 @@ __all__ = ["PLD_DISCRETIZATION", "pld_epsilon_report", "pld_epsilon", "fast_pld_
 #: 1e-4 is dp_accounting's default, so ``"pld"`` ε equals dp_accounting's.
 PLD_DISCRETIZATION = 1e-4
 
-_RELATIONS = {"add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
-              "replace_one": NeighboringRelation.REPLACE_ONE}
+_RELATIONS = {
+    "add_or_remove_one": NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace_one": NeighboringRelation.REPLACE_ONE,
+}
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,7 +125,7 @@ def _vector_deltas(mech: Any, eps: np.ndarray, q: float, remove: bool) -> np.nda
     if remove:
         deltas[~inside] = -np.expm1(eps[~inside])
     e = eps[inside]
-    s2 = mech._standard_deviation ** 2
+    s2 = mech._standard_deviation**2
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         b = e if remove else -e
         dd = b + log_a  # log(a·e^b + c) = dd + log1p(−e^{log(−c) − dd}) (dp_accounting's _log_sub)
@@ -153,8 +155,14 @@ def _fast_sampled_gaussian_pld(sigma: float, q: float, d: float, relation: Neigh
 
         pmfs = []
         for adjacency in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD):
-            mech = plm.GaussianPrivacyLoss(sigma, sensitivity=1, pessimistic_estimate=True,
-                                           log_mass_truncation_bound=-50, sampling_prob=q, adjacency_type=adjacency)
+            mech = plm.GaussianPrivacyLoss(
+                sigma,
+                sensitivity=1,
+                pessimistic_estimate=True,
+                log_mass_truncation_bound=-50,
+                sampling_prob=q,
+                adjacency_type=adjacency,
+            )
             bounds = mech.connect_dots_bounds()
             hi, lo = math.ceil(bounds.epsilon_upper / d), math.floor(bounds.epsilon_lower / d)
             deltas = _vector_deltas(mech, np.arange(lo, hi + 1) * d, q, adjacency == plm.AdjacencyType.REMOVE)
@@ -205,13 +213,13 @@ class _SelfComposer:
         conv = sp_fft.irfft(sp_fft.rfft(x, fast_len) ** n, fast_len)  # the real part of ifft(fft(x)**n)
         probs = np.array(np.roll(conv, -lo)[:out_len])
         inf_prob = _TAIL_MASS - math.expm1(n * math.log1p(-pmf._infinity_mass))
-        return pmf_lib.DensePLDPmf(pmf._discretization, pmf._lower_loss * n + lo, probs, inf_prob,
-                                   pmf._pessimistic_estimate)
+        return pmf_lib.DensePLDPmf(
+            pmf._discretization, pmf._lower_loss * n + lo, probs, inf_prob, pmf._pessimistic_estimate
+        )
 
 
 @functools.lru_cache(maxsize=32)
-def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation,
-              fast: bool = False) -> Optional[tuple]:
+def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation, fast: bool = False) -> Optional[tuple]:
     """The :class:`_SelfComposer` of each PMF (remove, add) of one sampled step's PLD; None if not dense.
 
     ``fast``: of :func:`_fast_sampled_gaussian_pld`'s PLD (the calibration's cheap levels)."""
@@ -222,12 +230,15 @@ def _composer(sigma: float, q: float, d: float, relation: NeighboringRelation,
     return tuple(_SelfComposer(p) for p in pmfs)
 
 
-def _self_compose(sigma: float, q: float, d: float, relation: NeighboringRelation, count: int,
-                  fast: bool = False) -> Any:
+def _self_compose(
+    sigma: float, q: float, d: float, relation: NeighboringRelation, count: int, fast: bool = False
+) -> Any:
     """``_sampled_gaussian_pld(sigma, q, d, relation).self_compose(count)``, the same PLD (class docstring)."""
     composers = _composer(sigma, q, d, relation, fast)
     if composers is None:
-        return (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation).self_compose(count)
+        return (_fast_sampled_gaussian_pld if fast else _sampled_gaussian_pld)(sigma, q, d, relation).self_compose(
+            count
+        )
     return pld_lib.PrivacyLossDistribution(*(c.compose(count) for c in composers))
 
 
@@ -303,8 +314,9 @@ def _pld_terms_epsilon(terms: dict, delta: float, d: float, relation: Neighborin
     return eps
 
 
-def _pld_terms_epsilon_uncached(terms: dict, delta: float, d: float, relation: NeighboringRelation,
-                                fast: bool = False) -> float:
+def _pld_terms_epsilon_uncached(
+    terms: dict, delta: float, d: float, relation: NeighboringRelation, fast: bool = False
+) -> float:
     total: Any = None
     for (q, sigma), count in terms.items():
         if q >= 1.0:
@@ -332,8 +344,9 @@ def _nice_up(x: float) -> float:
     return 10.0 ** (e + 1)
 
 
-def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[CostBudget],
-                fast: bool = False) -> EpsilonReport:
+def _pld_report(
+    ledger: EventLike, delta: float, d: float, budget: Optional[CostBudget], fast: bool = False
+) -> EpsilonReport:
     relation_name = ledger_relation(ledger)
     terms = flatten_gaussian_terms(ledger_event(ledger))
     if not terms:
@@ -351,10 +364,13 @@ def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[Cost
                 f"the pld accountant would need {est.describe()} for this ledger (grid {d:g} nats), and even "
                 f"its coarsest allowed grid ({MAX_PLD_DISCRETIZATION:g} nats) exceeds the budget of "
                 f"{budget.seconds:g} s / {budget.memory_bytes / 1e9:g} GB; use accountant 'rdp' (its cost does "
-                "not grow with the number of steps), or a larger noise multiplier")
+                "not grow with the number of steps), or a larger noise multiplier"
+            )
         coarse = estimate_pld_cost(terms, needed, replace)
-        notes = (f"pld: the accurate grid ({d:g} nats) would need {est.describe()}; used a coarser grid of "
-                 f"{needed:g} nats ({coarse.describe()}); pessimistic rounding keeps epsilon an upper bound",)
+        notes = (
+            f"pld: the accurate grid ({d:g} nats) would need {est.describe()}; used a coarser grid of "
+            f"{needed:g} nats ({coarse.describe()}); pessimistic rounding keeps epsilon an upper bound",
+        )
         d, est, coarsened = needed, coarse, True
     try:
         eps, messages = captured(_pld_terms_epsilon, terms, delta, d, _RELATIONS[relation_name], fast)
@@ -362,7 +378,8 @@ def _pld_report(ledger: EventLike, delta: float, d: float, budget: Optional[Cost
         raise ValueError(
             "the pld accountant ran out of memory on this ledger (a very small noise multiplier gives an "
             "enormous privacy-loss distribution, and epsilon is huge anyway); use accountant 'rdp', or a "
-            "larger noise multiplier") from None
+            "larger noise multiplier"
+        ) from None
     return EpsilonReport(eps, delta, "pld", d, coarsened, est, notes + library_note("dp_accounting", messages))
 
 

@@ -133,42 +133,58 @@ def prv_epsilon_report(
     if any(sigma == 0.0 for (_, sigma) in terms):
         return EpsilonReport(math.inf, delta, "prv", eps_error)
     if replace and any(q < 1.0 for (q, _) in terms):
-        raise ValueError("the prv accountant has no model of Poisson-sampled releases under neighbouring="
-                         f"replace_one (prv-accountant models add/remove-one); {_ADVICE}")
+        raise ValueError(
+            "the prv accountant has no model of Poisson-sampled releases under neighbouring="
+            f"replace_one (prv-accountant models add/remove-one); {_ADVICE}"
+        )
     counts = [int(c) for c in terms.values()]
     caught: list = []
     try:
         with warnings.catch_warnings(record=True) as caught:  # the package's IntegrationWarnings
             warnings.simplefilter("always")
             lower, est_eps, upper, est, eps_error, coarsened, notes = _compute(
-                terms, delta, eps_error, delta_error, replace, budget, counts, PRVAccountant)
+                terms, delta, eps_error, delta_error, replace, budget, counts, PRVAccountant
+            )
     except ValueError as exc:
         if "prv accountant" in str(exc):
             raise
         raise ValueError(f"the prv accountant failed on this ledger at delta={delta:g} ({exc}); {_ADVICE}") from None
     except (RuntimeError, ArithmeticError, AssertionError) as exc:
         # e.g. "Discrete mean differs from continuous mean significantly" (q = 0.2, σ = 1, T = 600)
-        raise ValueError(f"the prv accountant failed numerically on this ledger at delta={delta:g} "
-                         f"({type(exc).__name__}: {exc}); {_ADVICE}") from None
+        raise ValueError(
+            f"the prv accountant failed numerically on this ledger at delta={delta:g} "
+            f"({type(exc).__name__}: {exc}); {_ADVICE}"
+        ) from None
     except MemoryError:
         raise ValueError(f"the prv accountant ran out of memory on this ledger; {_ADVICE}") from None
     messages = sorted({str(w.message).splitlines()[0] for w in caught if str(w.message).strip()})
     if messages:
-        notes = notes + (f"prv-accountant warned while computing epsilon: {messages[0]!r}"
-                         + (f" (and {len(messages) - 1} other message(s))" if len(messages) > 1 else "")
-                         + "; the certified bound is reported as computed",)
+        notes = notes + (
+            f"prv-accountant warned while computing epsilon: {messages[0]!r}"
+            + (f" (and {len(messages) - 1} other message(s))" if len(messages) > 1 else "")
+            + "; the certified bound is reported as computed",
+        )
     value = float(est_eps if estimate else upper)
     value = math.inf if math.isnan(value) else max(0.0, value)
     return EpsilonReport(value, delta, "prv", eps_error, coarsened, est, notes)
 
 
-def _compute(terms: Any, delta: float, eps_error: float, delta_error: float, replace: bool, budget: Any,
-             counts: Any, PRVAccountant: Any) -> tuple:
+def _compute(
+    terms: Any,
+    delta: float,
+    eps_error: float,
+    delta_error: float,
+    replace: bool,
+    budget: Any,
+    counts: Any,
+    PRVAccountant: Any,
+) -> tuple:
     """Cost estimate, coarsening (if over budget) and the package's (lower, estimate, upper)."""
     notes: tuple = ()
     coarsened = False
-    est = estimate_prv_cost(terms, eps_error, delta_error, replace,
-                            domain=prv_domain(terms, eps_error, delta_error, replace))
+    est = estimate_prv_cost(
+        terms, eps_error, delta_error, replace, domain=prv_domain(terms, eps_error, delta_error, replace)
+    )
     if budget is not None and not est.within(budget):
         needed = eps_error * est.scale_to(budget) * 1.05
         needed = float(f"{needed:.2g}") if float(f"{needed:.2g}") >= needed else float(f"{needed * 1.1:.2g}")
@@ -176,14 +192,19 @@ def _compute(terms: Any, delta: float, eps_error: float, delta_error: float, rep
             raise ValueError(
                 f"the prv accountant would need {est.describe()} for this ledger (eps_error {eps_error:g}), "
                 f"and even eps_error = {MAX_PRV_EPS_ERROR:g} exceeds the budget of {budget.seconds:g} s / "
-                f"{budget.memory_bytes / 1e9:g} GB; {_ADVICE}, or 'rdp'")
-        coarse = estimate_prv_cost(terms, needed, delta_error, replace,
-                                   domain=prv_domain(terms, needed, delta_error, replace))
-        notes = (f"prv: eps_error {eps_error:g} would need {est.describe()}; used eps_error {needed:g} "
-                 f"({coarse.describe()}); the certified upper bound stays an upper bound",)
+                f"{budget.memory_bytes / 1e9:g} GB; {_ADVICE}, or 'rdp'"
+            )
+        coarse = estimate_prv_cost(
+            terms, needed, delta_error, replace, domain=prv_domain(terms, needed, delta_error, replace)
+        )
+        notes = (
+            f"prv: eps_error {eps_error:g} would need {est.describe()}; used eps_error {needed:g} "
+            f"({coarse.describe()}); the certified upper bound stays an upper bound",
+        )
         eps_error, est, coarsened = needed, coarse, True
-    acc = PRVAccountant(prvs=prv_mechanisms(terms, replace), eps_error=eps_error, delta_error=delta_error,
-                        max_self_compositions=counts)
+    acc = PRVAccountant(
+        prvs=prv_mechanisms(terms, replace), eps_error=eps_error, delta_error=delta_error, max_self_compositions=counts
+    )
     lower, est_eps, upper = acc.compute_epsilon(delta=delta, num_self_compositions=counts)
     return lower, est_eps, upper, est, eps_error, coarsened, notes
 

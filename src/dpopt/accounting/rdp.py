@@ -42,9 +42,7 @@ __all__ = ["RDP_ORDERS", "rdp_epsilon_report", "rdp_epsilon"]
 
 #: Rényi orders α for the RDP accountant: a fine grid near 1 (where small ε
 #: lives), the integers to 63 and a few large orders for tiny δ.
-RDP_ORDERS = tuple(
-    [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
-)
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
 
 
 def _rdp_report(ledger: EventLike, delta: float, orders: tuple) -> EpsilonReport:
@@ -62,10 +60,13 @@ def _rdp_report(ledger: EventLike, delta: float, orders: tuple) -> EpsilonReport
             raise ValueError(
                 f"the rdp accountant cannot honour neighbouring=replace_one for these events "
                 f"({', '.join(sorted(set(summary.unsupported)))}); use accountant 'pld' or an "
-                "add_or_remove_one ledger")
+                "add_or_remove_one ledger"
+            )
         if not acc.supports(event):
-            raise ValueError(f"the RDP accountant does not support this ledger's events: "
-                             f"{', '.join(sorted(set(summary.unsupported)))}")
+            raise ValueError(
+                f"the RDP accountant does not support this ledger's events: "
+                f"{', '.join(sorted(set(summary.unsupported)))}"
+            )
         _, messages = captured(acc.compose, event)
     else:
         if not summary.terms:
@@ -75,7 +76,8 @@ def _rdp_report(ledger: EventLike, delta: float, orders: tuple) -> EpsilonReport
         if replace and any(q < 1.0 for (q, _) in summary.terms):
             raise ValueError(
                 "the rdp accountant has no analysis of Poisson-sampled releases under neighbouring="
-                "replace_one (dp_accounting refuses them); use accountant 'pld', which models it")
+                "replace_one (dp_accounting refuses them); use accountant 'pld', which models it"
+            )
         messages = []
         for (q, sigma), count in summary.terms.items():  # one term per distinct (q, σ): fast
             s = sigma / 2.0 if replace else sigma  # replace-one: sensitivity 2C, i.e. σ/2 at C
@@ -135,5 +137,3 @@ def rdp_epsilon(ledger: EventLike, delta: float, orders: tuple = RDP_ORDERS) -> 
     Canonne, Kamath, Steinke 2020 as implemented in dp_accounting.
     """
     return rdp_epsilon_report(ledger, delta, orders).epsilon
-
-

@@ -68,15 +68,23 @@ class Accountant:
 
 
 #: name -> :class:`Accountant`, in the order listed to users (the default first).
-REGISTRY: Mapping[str, Accountant] = MappingProxyType({
-    "pld": Accountant("pld", pld.pld_epsilon_report,
-                      "privacy-loss distribution, connect-the-dots, pessimistic (Doroshenko et al. 2022)"),
-    "rdp": Accountant("rdp", rdp.rdp_epsilon_report,
-                      "Renyi DP of the sampled Gaussian (Mironov et al. 2019)"),
-    "prv": Accountant("prv", prv.prv_epsilon_report,
-                      "privacy random variables, certified upper bound (Gopi et al. 2021)",
-                      requires="prv-accountant", is_available=prv.prv_available),
-})
+REGISTRY: Mapping[str, Accountant] = MappingProxyType(
+    {
+        "pld": Accountant(
+            "pld",
+            pld.pld_epsilon_report,
+            "privacy-loss distribution, connect-the-dots, pessimistic (Doroshenko et al. 2022)",
+        ),
+        "rdp": Accountant("rdp", rdp.rdp_epsilon_report, "Renyi DP of the sampled Gaussian (Mironov et al. 2019)"),
+        "prv": Accountant(
+            "prv",
+            prv.prv_epsilon_report,
+            "privacy random variables, certified upper bound (Gopi et al. 2021)",
+            requires="prv-accountant",
+            is_available=prv.prv_available,
+        ),
+    }
+)
 
 #: Accountant names that :func:`dpopt.accounting.accountant.epsilon` understands
 #: (``"prv"`` needs the optional ``prv-accountant`` package).

@@ -74,9 +74,15 @@ def ledger_runs(ledger: Any) -> list[ReleaseRun]:
             run.last_step = entry.step + entry.count - 1
         else:
             parsed = summarize_event(entry.event)
-            run = ReleaseRun(first_step=entry.step, last_step=entry.step + entry.count - 1, count=entry.count,
-                             sample_rates=sorted(parsed.rates), noise_multipliers=parsed.gaussians,
-                             sigma_eff=[s for (_, s) in parsed.terms], unsupported=sorted(set(parsed.unsupported)))
+            run = ReleaseRun(
+                first_step=entry.step,
+                last_step=entry.step + entry.count - 1,
+                count=entry.count,
+                sample_rates=sorted(parsed.rates),
+                noise_multipliers=parsed.gaussians,
+                sigma_eff=[s for (_, s) in parsed.terms],
+                unsupported=sorted(set(parsed.unsupported)),
+            )
             runs.append(run)
             last_event = entry.event
         sens = entry.meta.get("sensitivity")
@@ -153,11 +159,21 @@ class LedgerReport:
     def to_dict(self) -> dict:
         """JSON-ready dict (keys as in ``dpopt ledger --json``; ``inf`` as the string ``"inf"``)."""
         scores = json_safe(dict(self.epsilon_by_accountant))
-        return {"run_dir": self.run_dir, "neighbouring": self.neighbouring, "sampling": self.sampling,
-                "noise": self.noise, "dataset_size": self.dataset_size, "notes": self.notes,
-                "releases": self.releases, "delta": self.delta, "accountant": self.accountant,
-                "epsilon": scores.get(self.accountant), "epsilon_by_accountant": scores,
-                "epsilon_summary": self.summary_epsilon, "runs": [r.to_dict() for r in self.runs]}
+        return {
+            "run_dir": self.run_dir,
+            "neighbouring": self.neighbouring,
+            "sampling": self.sampling,
+            "noise": self.noise,
+            "dataset_size": self.dataset_size,
+            "notes": self.notes,
+            "releases": self.releases,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "epsilon": scores.get(self.accountant),
+            "epsilon_by_accountant": scores,
+            "epsilon_summary": self.summary_epsilon,
+            "runs": [r.to_dict() for r in self.runs],
+        }
 
 
 def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
@@ -175,8 +191,9 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
     return book, next((c for c in candidates if c.exists()), None)
 
 
-def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
-                  delta: Optional[float] = None) -> LedgerReport:
+def ledger_report(
+    run_dir: Union[str, Path], accountant: Optional[str] = None, delta: Optional[float] = None
+) -> LedgerReport:
     """Load a run's ledger, group its releases and score it with every accountant.
 
     Args:
@@ -201,16 +218,29 @@ def ledger_report(run_dir: Union[str, Path], accountant: Optional[str] = None,
     if delta is None:
         delta = summary.get("delta", book.delta)
     if delta is None:
-        raise ConfigError(f"{run_dir}: the run records no δ (no summary.json or privacy_summary.json beside the "
-                          "ledger, none in its header); pass the run's delta (ε at another δ is not the run's ε)",
-                          "delta")
+        raise ConfigError(
+            f"{run_dir}: the run records no δ (no summary.json or privacy_summary.json beside the "
+            "ledger, none in its header); pass the run's delta (ε at another δ is not the run's ε)",
+            "delta",
+        )
     try:
         check_delta(delta)
     except ValueError as exc:
         raise ConfigError(str(exc), "delta") from None
     headline = check_accountant(accountant or summary.get("accountant") or "pld")
     scores, notes = score_ledger(book, delta)
-    return LedgerReport(run_dir=str(run_dir), neighbouring=book.neighbouring, sampling=book.sampling,
-                        noise=book.noise, dataset_size=book.dataset_size, releases=len(book), delta=delta,
-                        accountant=headline, epsilon_by_accountant=scores, notes=notes, runs=ledger_runs(book),
-                        summary_epsilon=summary.get("epsilon"), summary_accountant=summary.get("accountant"))
+    return LedgerReport(
+        run_dir=str(run_dir),
+        neighbouring=book.neighbouring,
+        sampling=book.sampling,
+        noise=book.noise,
+        dataset_size=book.dataset_size,
+        releases=len(book),
+        delta=delta,
+        accountant=headline,
+        epsilon_by_accountant=scores,
+        notes=notes,
+        runs=ledger_runs(book),
+        summary_epsilon=summary.get("epsilon"),
+        summary_accountant=summary.get("accountant"),
+    )

@@ -98,8 +98,9 @@ def _check_dataset_size(dataset_size) -> int:
     return n
 
 
-def best_count_share(noise_multiplier: float, expected_batch_size: float,
-                     quantile_lr: float = DEFAULT_QUANTILE_LR) -> float:
+def best_count_share(
+    noise_multiplier: float, expected_batch_size: float, quantile_lr: float = DEFAULT_QUANTILE_LR
+) -> float:
     """r* = a/(1 + a), a = (η_C·σ/(2B̄))^(2/3): the share minimising 1/√(1−r) + η_C·σ/(2B̄√r).
 
     See the module docstring for the objective (gradient-noise inflation plus
@@ -180,26 +181,44 @@ class SplitRow:
         return out
 
 
-def split_row(noise_multiplier: Optional[float], batch_size: float, sample_rate: float, steps: int,
-              count_share: float = DEFAULT_COUNT_SHARE, quantile_lr: float = DEFAULT_QUANTILE_LR,
-              error: Optional[str] = None) -> SplitRow:
+def split_row(
+    noise_multiplier: Optional[float],
+    batch_size: float,
+    sample_rate: float,
+    steps: int,
+    count_share: float = DEFAULT_COUNT_SHARE,
+    quantile_lr: float = DEFAULT_QUANTILE_LR,
+    error: Optional[str] = None,
+) -> SplitRow:
     """The closed-form part of a row, given the calibrated σ (None: only the B̄/20 σ_b is filled in)."""
-    row = SplitRow(batch_size=float(batch_size), sample_rate=sample_rate, steps=steps,
-                   noise_multiplier=noise_multiplier, b20_count_noise_std=default_count_noise_std(batch_size),
-                   count_share=count_share, error=error)
+    row = SplitRow(
+        batch_size=float(batch_size),
+        sample_rate=sample_rate,
+        steps=steps,
+        noise_multiplier=noise_multiplier,
+        b20_count_noise_std=default_count_noise_std(batch_size),
+        count_share=count_share,
+        error=error,
+    )
     if noise_multiplier is None:
         return row
     b20 = b20_split(noise_multiplier, batch_size)
     share = split_budget(noise_multiplier, count_share)
     r_best = best_count_share(noise_multiplier, batch_size, quantile_lr)
     return SplitRow(
-        batch_size=row.batch_size, sample_rate=sample_rate, steps=steps, noise_multiplier=noise_multiplier,
+        batch_size=row.batch_size,
+        sample_rate=sample_rate,
+        steps=steps,
+        noise_multiplier=noise_multiplier,
         b20_count_noise_std=row.b20_count_noise_std,
         b20_grad_noise_multiplier=None if b20 is None else b20[0],
         b20_count_share=None if b20 is None else b20[1],
-        count_share=share.count_share, share_grad_noise_multiplier=share.grad_noise_multiplier,
-        share_count_noise_std=share.count_noise_std, best_count_share=r_best,
-        best_grad_noise_multiplier=split_budget(noise_multiplier, r_best).grad_noise_multiplier)
+        count_share=share.count_share,
+        share_grad_noise_multiplier=share.grad_noise_multiplier,
+        share_count_noise_std=share.count_noise_std,
+        best_count_share=r_best,
+        best_grad_noise_multiplier=split_budget(noise_multiplier, r_best).grad_noise_multiplier,
+    )
 
 
 @dataclass(frozen=True)
@@ -245,18 +264,28 @@ def _parse_batch_sizes(batch_sizes: Sequence[float], dataset_size: int) -> list[
         except (TypeError, ValueError):
             raise ConfigError(f"batch_sizes must be numbers, got {b!r}", "batch_sizes") from None
         if not (math.isfinite(v) and 0 < v <= dataset_size):
-            raise ConfigError(f"every batch size must be in (0, N = {dataset_size}] (the dataset size), got {b!r}",
-                              "batch_sizes")
+            raise ConfigError(
+                f"every batch size must be in (0, N = {dataset_size}] (the dataset size), got {b!r}", "batch_sizes"
+            )
         out.append(v)
     if not out:
         raise ConfigError("give at least one batch size", "batch_sizes")
     return sorted(set(out))
 
 
-def split_table(target_epsilon: float, dataset_size: int, epochs: float, batch_sizes: Sequence[float], *,
-                delta: float = 1e-5, accountant: str = "pld", count_share: float = DEFAULT_COUNT_SHARE,
-                quantile_lr: float = DEFAULT_QUANTILE_LR, epsilon_grid: Optional[Sequence[float]] = None,
-                progress: Optional[Callable[[int, int], None]] = None) -> SplitTable:
+def split_table(
+    target_epsilon: float,
+    dataset_size: int,
+    epochs: float,
+    batch_sizes: Sequence[float],
+    *,
+    delta: float = 1e-5,
+    accountant: str = "pld",
+    count_share: float = DEFAULT_COUNT_SHARE,
+    quantile_lr: float = DEFAULT_QUANTILE_LR,
+    epsilon_grid: Optional[Sequence[float]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> SplitTable:
     """Calibrate σ for every (ε, B̄) of the grid and tabulate the three splits at ``target_epsilon``.
 
     Args:
@@ -308,8 +337,20 @@ def split_table(target_epsilon: float, dataset_size: int, epochs: float, batch_s
                 progress(done, total)
         grid.append(line)  # type: ignore[arg-type]
     at_target = grid[grid_eps.index(target)]
-    rows = [split_row(sigma, b, q, steps, count_share, quantile_lr, errors.get(j))
-            for j, (sigma, b, (q, steps)) in enumerate(zip(at_target, sizes, schedule))]
-    return SplitTable(target_epsilon=target, delta=delta, dataset_size=n, epochs=float(epochs),
-                      accountant=accountant, count_share=float(count_share), quantile_lr=float(quantile_lr),
-                      batch_sizes=sizes, rows=rows, epsilon_grid=grid_eps, grid=grid)
+    rows = [
+        split_row(sigma, b, q, steps, count_share, quantile_lr, errors.get(j))
+        for j, (sigma, b, (q, steps)) in enumerate(zip(at_target, sizes, schedule))
+    ]
+    return SplitTable(
+        target_epsilon=target,
+        delta=delta,
+        dataset_size=n,
+        epochs=float(epochs),
+        accountant=accountant,
+        count_share=float(count_share),
+        quantile_lr=float(quantile_lr),
+        batch_sizes=sizes,
+        rows=rows,
+        epsilon_grid=grid_eps,
+        grid=grid,
+    )

@@ -42,7 +42,8 @@ def check_delta(delta: Any) -> float:
     if not (0.0 < value < 1.0):
         raise ConfigError(
             f"delta must be in (0, 1), got {delta!r}; a common choice is 1e-5 "
-            "(well below 1/N for N training examples).", "delta"
+            "(well below 1/N for N training examples).",
+            "delta",
         )
     return value
 
@@ -75,7 +76,8 @@ def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier"
     if not math.isfinite(value) or value < 0:
         raise ConfigError(
             f"{name} must be a finite number >= 0, got {noise_multiplier!r}; "
-            f"e.g. {name} = 1.0 (0 means no privacy: epsilon = inf).", name
+            f"e.g. {name} = 1.0 (0 means no privacy: epsilon = inf).",
+            name,
         )
     return value
 
@@ -92,8 +94,8 @@ def check_sample_rate(sample_rate: Any) -> float:
         raise ConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}", "sample_rate") from None
     if not (0.0 < value <= 1.0):
         raise ConfigError(
-            f"sample_rate must be in (0, 1], got {sample_rate!r}; it is "
-            "expected_batch_size / dataset_size.", "sample_rate"
+            f"sample_rate must be in (0, 1], got {sample_rate!r}; it is expected_batch_size / dataset_size.",
+            "sample_rate",
         )
     return value
 

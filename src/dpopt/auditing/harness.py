@@ -204,8 +204,9 @@ class HarnessConfig:
 
     def __post_init__(self):
         if not float(self.canary_factor) >= 1.0:
-            raise ValueError(f"canary_factor must be >= 1 (the canary must reach the clip bound), "
-                             f"got {self.canary_factor}")
+            raise ValueError(
+                f"canary_factor must be >= 1 (the canary must reach the clip bound), got {self.canary_factor}"
+            )
         if int(self.chunk) < 1:
             raise ValueError(f"chunk must be >= 1 (trials per release), got {self.chunk}")
 
@@ -249,8 +250,10 @@ def _build_canary(privatizer, shapes, config: HarnessConfig) -> _Canary:
     shapes = [tuple(int(d) for d in s) for s in shapes]
     groups = privatizer.groups if privatizer.groups is not None else [0] * len(shapes)
     if len(groups) != len(shapes):
-        raise ValueError(f"the privatizer's groups list has {len(groups)} entries (one per parameter) but "
-                         f"{len(shapes)} shapes were given")
+        raise ValueError(
+            f"the privatizer's groups list has {len(groups)} entries (one per parameter) but "
+            f"{len(shapes)} shapes were given"
+        )
     bounds = list(privatizer.bounds)
     gen = torch.Generator().manual_seed(int(config.seed))
     f64 = torch.float64
@@ -389,19 +392,26 @@ class CanaryHarness:
             privatizer that cannot be vectorised.
     """
 
-    def __init__(self, make_privatizer: Callable[[], Any], shapes: Sequence[Sequence[int]],
-                 config: HarnessConfig = HarnessConfig()):
+    def __init__(
+        self,
+        make_privatizer: Callable[[], Any],
+        shapes: Sequence[Sequence[int]],
+        config: HarnessConfig = HarnessConfig(),
+    ):
         self.make_privatizer = make_privatizer
         self.config = config
         template = make_privatizer()
         if float(template.sample_rate) != 1.0:
             raise ValueError(
                 f"audits run the unsampled mechanism: build the privatizer with sample_rate=1.0 (got "
-                f"{template.sample_rate}); the claimed ε is then that of the q = 1 step event")
+                f"{template.sample_rate}); the claimed ε is then that of the q = 1 step event"
+            )
         can_vec = _vectorisable(template)
         if config.vectorize and not can_vec:
-            raise ValueError("vectorize=True needs a plain Privatizer without quantile clipping "
-                             "(trials embedded in one release must be independent)")
+            raise ValueError(
+                "vectorize=True needs a plain Privatizer without quantile clipping "
+                "(trials embedded in one release must be independent)"
+            )
         self.template = template
         self.mode = "vectorised" if (can_vec if config.vectorize is None else bool(config.vectorize)) else "loop"
         self.canary = _build_canary(template, shapes, config)
@@ -461,11 +471,14 @@ class CanaryHarness:
                 tensors.append(e)
             return PerSampleGrads(tensors)
 
-        geometry = ClipGeometry(tuple(s.expand(chunk, *s.shape) for s in c.shift),
-                                tuple(sc.expand(chunk, *sc.shape) for sc in c.scale))
+        geometry = ClipGeometry(
+            tuple(s.expand(chunk, *s.shape) for s in c.shift), tuple(sc.expand(chunk, *sc.shape) for sc in c.scale)
+        )
         out = []
-        for n, examples in ((n_in, self._background_grads + [self._canary_grad]),
-                            (n_out, list(self._background_grads))):
+        for n, examples in (
+            (n_in, self._background_grads + [self._canary_grad]),
+            (n_out, list(self._background_grads)),
+        ):
             src = embedded(examples, chunk)
             scores = []
             done = 0
@@ -545,8 +558,14 @@ def canary_scores(
     """
     if int(n_in) < 1 or int(n_out) < 1:
         raise ValueError(f"need at least one trial per arm, got n_in={n_in}, n_out={n_out}")
-    config = HarnessConfig(geometry=geometry, canary_factor=canary_factor,
-                           background_norms=tuple(background_norms), vectorize=vectorize, chunk=chunk, seed=seed)
+    config = HarnessConfig(
+        geometry=geometry,
+        canary_factor=canary_factor,
+        background_norms=tuple(background_norms),
+        vectorize=vectorize,
+        chunk=chunk,
+        seed=seed,
+    )
     return CanaryHarness(make_privatizer, shapes, config).scores(n_in, n_out)
 
 
@@ -602,8 +621,13 @@ def audit_privatizer(
         raise ValueError(f"trials must be >= 40 (10 per arm and half), got {trials}; use ~1e5")
     start = time.perf_counter()
     claim = claimed_one_step(make_privatizer(), delta)
-    config = HarnessConfig(geometry=geometry, canary_factor=canary_factor,
-                           background_norms=tuple(background_norms), vectorize=vectorize, seed=seed)
+    config = HarnessConfig(
+        geometry=geometry,
+        canary_factor=canary_factor,
+        background_norms=tuple(background_norms),
+        vectorize=vectorize,
+        seed=seed,
+    )
     n_in = trials // 2
     s_in, s_out, mode = CanaryHarness(make_privatizer, shapes, config).scores(n_in, trials - n_in)
     bounds = epsilon_lower_bounds(s_in, s_out, delta, alpha, seed=seed)
@@ -611,10 +635,27 @@ def audit_privatizer(
     sd = float(np.std(s_out))
     mu_point = float((np.mean(s_in) - np.mean(s_out)) / sd) if sd > 0 else math.inf
     return AuditResult(
-        name=name, claimed_epsilon=claim.epsilon, claimed_mu=claim.mu, epsilon_direct=bounds.direct,
-        epsilon_gdp=bounds.gdp, mu_lower=bounds.mu, mu_point=mu_point, verdict="LEAK" if leak else "PASS",
-        trials=trials, delta=delta, alpha=alpha, mode=mode, seconds=time.perf_counter() - start,
-        details={"direct_test": list(bounds.direct_test), "gdp_test": list(bounds.gdp_test),
-                 "n_eval_in": bounds.n_eval_in, "n_eval_out": bounds.n_eval_out,
-                 "score_mean_in": float(np.mean(s_in)), "score_mean_out": float(np.mean(s_out)),
-                 "score_std_in": float(np.std(s_in)), "score_std_out": sd})
+        name=name,
+        claimed_epsilon=claim.epsilon,
+        claimed_mu=claim.mu,
+        epsilon_direct=bounds.direct,
+        epsilon_gdp=bounds.gdp,
+        mu_lower=bounds.mu,
+        mu_point=mu_point,
+        verdict="LEAK" if leak else "PASS",
+        trials=trials,
+        delta=delta,
+        alpha=alpha,
+        mode=mode,
+        seconds=time.perf_counter() - start,
+        details={
+            "direct_test": list(bounds.direct_test),
+            "gdp_test": list(bounds.gdp_test),
+            "n_eval_in": bounds.n_eval_in,
+            "n_eval_out": bounds.n_eval_out,
+            "score_mean_in": float(np.mean(s_in)),
+            "score_mean_out": float(np.mean(s_out)),
+            "score_std_in": float(np.std(s_in)),
+            "score_std_out": sd,
+        },
+    )

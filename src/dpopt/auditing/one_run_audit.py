@@ -108,11 +108,23 @@ class OneRunResult:
 
     def to_dict(self) -> dict:
         """JSON-ready summary (no per-canary arrays): the ``--json`` document of ``dpopt audit --one-run``."""
-        return {"mode": self.mode, "method": self.method, "m": self.m, "epsilon_lower": self.epsilon_lower,
-                "epsilon": self.epsilon, "estimator": self.estimator, "confidence": self.confidence,
-                "delta": self.delta, "verdict": self.verdict, "claimed_mu": self.claimed_mu,
-                "epsilon_lower_steinke": self.bounds.steinke, "epsilon_lower_fdp": self.bounds.fdp,
-                "mu_lower_fdp": self.bounds.mu, "bounds": asdict(self.bounds), "details": dict(self.details)}
+        return {
+            "mode": self.mode,
+            "method": self.method,
+            "m": self.m,
+            "epsilon_lower": self.epsilon_lower,
+            "epsilon": self.epsilon,
+            "estimator": self.estimator,
+            "confidence": self.confidence,
+            "delta": self.delta,
+            "verdict": self.verdict,
+            "claimed_mu": self.claimed_mu,
+            "epsilon_lower_steinke": self.bounds.steinke,
+            "epsilon_lower_fdp": self.bounds.fdp,
+            "mu_lower_fdp": self.bounds.mu,
+            "bounds": asdict(self.bounds),
+            "details": dict(self.details),
+        }
 
 
 # --------------------------------------------------------------------------- white-box sources
@@ -121,8 +133,9 @@ def _split_geometry(geometry, n_model: int):
     from ..types import ClipGeometry
 
     shift, scale = geometry.shift, geometry.scale
-    model_geo = ClipGeometry(None if shift is None else tuple(shift[:n_model]),
-                             None if scale is None else tuple(scale[:n_model]))
+    model_geo = ClipGeometry(
+        None if shift is None else tuple(shift[:n_model]), None if scale is None else tuple(scale[:n_model])
+    )
     return model_geo, (None if shift is None else shift[n_model]), (None if scale is None else scale[n_model])
 
 
@@ -169,8 +182,9 @@ class _CanaryRows:
     geometry's base, as for any zero gradient).
     """
 
-    def __init__(self, rows: torch.Tensor, model_params: Sequence[torch.Tensor], canary: nn.Parameter,
-                 size: float, points):
+    def __init__(
+        self, rows: torch.Tensor, model_params: Sequence[torch.Tensor], canary: nn.Parameter, size: float, points
+    ):
         self.rows, self.model_params, self.canary, self.size = rows, list(model_params), canary, float(size)
         self.num_params = len(self.model_params) + 1
         self.batch_size = int(rows.numel())
@@ -180,8 +194,10 @@ class _CanaryRows:
 
     def _bases(self, geometry):
         shift, scale = geometry.shift, geometry.scale
-        return [_base_w(None if shift is None else shift[i], None if scale is None else scale[i], p)
-                for i, p in enumerate(self.params)]
+        return [
+            _base_w(None if shift is None else shift[i], None if scale is None else scale[i], p)
+            for i, p in enumerate(self.params)
+        ]
 
     def sq_norms(self, geometry, groups, num_groups):
         bases = self._bases(geometry)
@@ -190,7 +206,7 @@ class _CanaryRows:
             per_group[g] += float((b.double() ** 2).sum())
         sq = per_group.repeat(self.batch_size, 1)
         c = bases[-1].double()[self.rows]
-        sq[:, groups[-1]] += (c + self.size) ** 2 - c ** 2
+        sq[:, groups[-1]] += (c + self.size) ** 2 - c**2
         return sq
 
     def weighted_sum(self, weights, geometry, groups):
@@ -218,9 +234,11 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
     from ..training.build import build_run, privacy_options
 
     if cfg.clipping == "per-layer":
-        raise ValueError("the white-box one-run audit adds a canary vector to the clipped parameters, which "
-                         "per-layer clipping has no bound for; audit clipping 'flat' or 'quantile', or use "
-                         "mode='black'")
+        raise ValueError(
+            "the white-box one-run audit adds a canary vector to the clipped parameters, which "
+            "per-layer clipping has no bound for; audit clipping 'flat' or 'quantile', or use "
+            "mode='black'"
+        )
     run = build_run(cfg, data, stacklevel=4)
     model = run.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -228,9 +246,17 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
     canary = nn.Parameter(torch.zeros(m, device=run.device))
     privacy, _ = privacy_options(cfg, model, run.noise_multiplier, float(run.hparams["max_grad_norm"]))
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
-    opt = build_optimizer(get_method(cfg.method), params + [canary], run.hparams,
-                          expected_batch_size=float(cfg.batch_size), sample_rate=run.sample_rate, ledger=ledger,
-                          noise=run.noise, model=model, **privacy)
+    opt = build_optimizer(
+        get_method(cfg.method),
+        params + [canary],
+        run.hparams,
+        expected_batch_size=float(cfg.batch_size),
+        sample_rate=run.sample_rate,
+        ledger=ledger,
+        noise=run.noise,
+        model=model,
+        **privacy,
+    )
     q, steps, bbar = run.sample_rate, run.steps, float(cfg.batch_size)
     sigma = float(opt.privatizer.noise_multiplier)
     sampler = PoissonSampler(data.n_train, q, steps, noise=run.noise)
@@ -247,8 +273,10 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
         sampled = members[torch.rand(members.numel(), generator=gen) < q] if q < 1 else members
         bound = float(opt.privatizer.bounds[0])  # flat or quantile: one group (this step's bound)
         sens = float(opt.privatizer.sensitivity)  # before the step: quantile clipping moves it after
-        real = (_WithCanaryVector(s, canary) for s in iter_per_sample_sources(
-            model, loss_fn, x, y, cfg.physical_batch_size, points))
+        real = (
+            _WithCanaryVector(s, canary)
+            for s in iter_per_sample_sources(model, loss_fn, x, y, cfg.physical_batch_size, points)
+        )
         rows = _CanaryRows(sampled.to(run.device), params, canary, CANARY_FACTOR * bound, tuple(points))
         release = opt.step(_chain(real, rows))
         g = release.grads[-1].detach().double().cpu()
@@ -259,8 +287,14 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
             g = g / geo.scale[-1].double().cpu()
         scores += _lr_score(g * bbar / sens, q, sigma)
     eps = EpsilonTracker(cfg.delta, cfg.accountant).epsilon(ledger)
-    details = {"steps": steps, "sample_rate": q, "noise_multiplier": sigma, "expected_batch_size": bbar,
-               "clipping": cfg.clipping, "score": "likelihood ratio of the released canary coordinate"}
+    details = {
+        "steps": steps,
+        "sample_rate": q,
+        "noise_multiplier": sigma,
+        "expected_batch_size": bbar,
+        "clipping": cfg.clipping,
+        "score": "likelihood ratio of the released canary coordinate",
+    }
     return scores.numpy(), eps, details
 
 
@@ -293,9 +327,14 @@ def _black_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
     from ..accounting.incremental import EpsilonTracker
 
     eps = EpsilonTracker(cfg.delta, cfg.accountant).epsilon(run.ledger)
-    details = {"steps": run.steps, "sample_rate": run.sample_rate, "noise_multiplier": run.noise_multiplier,
-               "expected_batch_size": float(cfg.batch_size), "clipping": cfg.clipping,
-               "score": "minus the final model's loss on the canary (random input, random label)"}
+    details = {
+        "steps": run.steps,
+        "sample_rate": run.sample_rate,
+        "noise_multiplier": run.noise_multiplier,
+        "expected_batch_size": float(cfg.batch_size),
+        "clipping": cfg.clipping,
+        "score": "minus the final model's loss on the canary (random input, random label)",
+    }
     return (-loss).double().cpu().numpy(), eps, details
 
 
@@ -312,8 +351,16 @@ def _claimed_mu(epsilon: float, delta: float) -> float:
     return float(optimize.brentq(lambda mu: gdp_epsilon(mu, delta) - epsilon, 0.0, hi, xtol=1e-10))
 
 
-def one_run(cfg=None, *, canaries: int = 1000, mode: str = "white", beta: float = 0.05, seed: int = 0,
-            data=None, guess_counts=None) -> OneRunResult:
+def one_run(
+    cfg=None,
+    *,
+    canaries: int = 1000,
+    mode: str = "white",
+    beta: float = 0.05,
+    seed: int = 0,
+    data=None,
+    guess_counts=None,
+) -> OneRunResult:
     """Train ``cfg`` once with ``canaries`` canaries (each in w.p. ½) and bound its ε from their scores.
 
     Args:
@@ -360,7 +407,19 @@ def one_run(cfg=None, *, canaries: int = 1000, mode: str = "white", beta: float 
     estimator = max(judged, key=judged.get)  # type: ignore[arg-type]
     exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)  # type: ignore[operator]
     details = dict(details, fdp_judged=gaussian, seed=seed)
-    return OneRunResult(mode=mode, method=cfg.method, m=m, included=included, scores=scores, epsilon=float(eps),
-                        epsilon_lower=float(judged[estimator]), estimator=estimator, bounds=bounds,
-                        claimed_mu=claimed_mu, verdict="EXCEEDS" if exceeds else "PASS", delta=float(cfg.delta),
-                        beta=float(beta), details=details)
+    return OneRunResult(
+        mode=mode,
+        method=cfg.method,
+        m=m,
+        included=included,
+        scores=scores,
+        epsilon=float(eps),
+        epsilon_lower=float(judged[estimator]),
+        estimator=estimator,
+        bounds=bounds,
+        claimed_mu=claimed_mu,
+        verdict="EXCEEDS" if exceeds else "PASS",
+        delta=float(cfg.delta),
+        beta=float(beta),
+        details=details,
+    )

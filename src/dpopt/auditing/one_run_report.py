@@ -27,8 +27,11 @@ def _f(x) -> str:
 def report_markdown(result, plot_name: str = PLOT_NAME) -> str:
     """The markdown page of a :class:`~dpopt.auditing.one_run_audit.OneRunResult` (text only)."""
     b, d = result.bounds, result.details
-    judged = "Steinke et al. and f-DP (the run is exactly μ-GDP: full batch)" if d.get("fdp_judged") else \
-        "Steinke et al. only (with q < 1 the claim is not μ-GDP; the f-DP figure is informational)"
+    judged = (
+        "Steinke et al. and f-DP (the run is exactly μ-GDP: full batch)"
+        if d.get("fdp_judged")
+        else "Steinke et al. only (with q < 1 the claim is not μ-GDP; the f-DP figure is informational)"
+    )
     lines = [
         f"# One-run privacy audit: {result.method}, {result.mode} box — {result.verdict}",
         "",
@@ -45,9 +48,12 @@ def report_markdown(result, plot_name: str = PLOT_NAME) -> str:
         "",
         f"Confidence {1 - result.beta:.3g} (β = {result.beta:g}), Bonferroni over {b.tries} guess counts fixed "
         f"from m before the scores were seen ({b.sides} sides). Judged: {judged}. "
-        f"Verdict **{result.verdict}**: " + ("no lower bound exceeds the claim." if result.verdict == "PASS" else
-                                           "a lower bound exceeds the claimed ε — the run leaks more than it "
-                                           "reports."),
+        f"Verdict **{result.verdict}**: "
+        + (
+            "no lower bound exceeds the claim."
+            if result.verdict == "PASS"
+            else "a lower bound exceeds the claimed ε — the run leaks more than it reports."
+        ),
         "",
         f"![scores and bounds]({plot_name})",
         "",

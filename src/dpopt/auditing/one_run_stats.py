@@ -379,6 +379,17 @@ def one_run_bounds(
                 eps, eps_kc = steinke_epsilon(m, k, c, delta, level, lower=eps), (k, c)
         if "fdp" in estimators and fdp_slack(mu, m, k, c, level) > 0:
             mu, mu_kc = fdp_mu(m, k, c, level, lower=mu), (k, c)
-    return OneRunBound(steinke=eps, fdp=gdp_epsilon(mu, delta), mu=mu, m=m, delta=delta, beta=beta,
-                       tries=int(ks.size), sides=sides, steinke_guesses=eps_kc[0], steinke_correct=eps_kc[1],
-                       fdp_guesses=mu_kc[0], fdp_correct=mu_kc[1])
+    return OneRunBound(
+        steinke=eps,
+        fdp=gdp_epsilon(mu, delta),
+        mu=mu,
+        m=m,
+        delta=delta,
+        beta=beta,
+        tries=int(ks.size),
+        sides=sides,
+        steinke_guesses=eps_kc[0],
+        steinke_correct=eps_kc[1],
+        fdp_guesses=mu_kc[0],
+        fdp_correct=mu_kc[1],
+    )

@@ -330,15 +330,16 @@ def _tests(sin: np.ndarray, sout: np.ndarray, taus: np.ndarray) -> _TestTable:
     fp_l = np.searchsorted(sout, taus, side="left")
     fn_l = sin.size - np.searchsorted(sin, taus, side="left")
     tails = np.array(["upper"] * taus.size + ["lower"] * taus.size)
-    return _TestTable(tails, np.concatenate([taus, taus]), np.concatenate([fp_u, fp_l]),
-                      np.concatenate([fn_u, fn_l]))
+    return _TestTable(tails, np.concatenate([taus, taus]), np.concatenate([fp_u, fp_l]), np.concatenate([fn_u, fn_l]))
 
 
 def _check_max_thresholds(max_thresholds) -> int:
     value = int(max_thresholds)
     if value != max_thresholds or value < 1:
-        raise ValueError(f"max_thresholds must be a positive integer (the most candidate thresholds ranked "
-                         f"during selection), got {max_thresholds!r}; e.g. 100000")
+        raise ValueError(
+            f"max_thresholds must be a positive integer (the most candidate thresholds ranked "
+            f"during selection), got {max_thresholds!r}; e.g. 100000"
+        )
     return value
 
 
@@ -379,8 +380,9 @@ def _wilson_upper(k: np.ndarray, n: int, level: float) -> np.ndarray:
     return np.minimum(1.0, (centre + half) / (1 + z * z / n))
 
 
-def _rank(table: _TestTable, n_in: int, n_out: int, route: str, levels: Sequence[float],
-          delta: float) -> tuple[int, float]:
+def _rank(
+    table: _TestTable, n_in: int, n_out: int, route: str, levels: Sequence[float], delta: float
+) -> tuple[int, float]:
     """Index of the best candidate test of ``route`` and the ranking level that chose it.
 
     Ranks by the route's criterion (ε or μ) computed from Wilson upper bounds of
@@ -482,9 +484,20 @@ def epsilon_lower_bounds(
 
         i, j = int(np.argmax(b.epsilon)), int(np.argmax(b.mu))
         return EpsilonLowerBounds(
-            direct=float(b.epsilon[i]), gdp=gdp_epsilon(float(b.mu[j]), delta), mu=float(b.mu[j]), delta=delta,
-            alpha=alpha, direct_test=chosen(i), gdp_test=chosen(j), n_in=sin.size, n_out=sout.size,
-            n_eval_in=sin.size, n_eval_out=sout.size, selection="bonferroni", tests=int(table.thresholds.size))
+            direct=float(b.epsilon[i]),
+            gdp=gdp_epsilon(float(b.mu[j]), delta),
+            mu=float(b.mu[j]),
+            delta=delta,
+            alpha=alpha,
+            direct_test=chosen(i),
+            gdp_test=chosen(j),
+            n_in=sin.size,
+            n_out=sout.size,
+            n_eval_in=sin.size,
+            n_eval_out=sout.size,
+            selection="bonferroni",
+            tests=int(table.thresholds.size),
+        )
 
     frac = float(selection_fraction)
     if not (0.0 < frac < 1.0):
@@ -511,13 +524,27 @@ def epsilon_lower_bounds(
         tail, tau = str(table.tails[i]), float(table.thresholds[i])
         ev = _tests(ev_in, ev_out, np.array([tau]))
         row = 0 if tail == "upper" else 1
-        b = _route_bounds(ev.false_positives[row:row + 1], ev.false_negatives[row:row + 1], ev_in.size,
-                          ev_out.size, delta, level)
-        picks[route] = _Pick(ThresholdTest(tail, tau, float(b.fpr[0]), float(b.fnr[0])), float(b.epsilon[0]),
-                             float(b.mu[0]), rank_level)
+        b = _route_bounds(
+            ev.false_positives[row : row + 1], ev.false_negatives[row : row + 1], ev_in.size, ev_out.size, delta, level
+        )
+        picks[route] = _Pick(
+            ThresholdTest(tail, tau, float(b.fpr[0]), float(b.fnr[0])), float(b.epsilon[0]), float(b.mu[0]), rank_level
+        )
     d, g = picks["direct"], picks["gdp"]
     return EpsilonLowerBounds(
-        direct=d.epsilon, gdp=gdp_epsilon(g.mu, delta), mu=g.mu, delta=delta, alpha=alpha,
-        direct_test=d.test, gdp_test=g.test, n_in=sin.size, n_out=sout.size, n_eval_in=ev_in.size,
-        n_eval_out=ev_out.size, selection="holdout", tests=1, direct_rank_level=d.rank_level,
-        gdp_rank_level=g.rank_level)
+        direct=d.epsilon,
+        gdp=gdp_epsilon(g.mu, delta),
+        mu=g.mu,
+        delta=delta,
+        alpha=alpha,
+        direct_test=d.test,
+        gdp_test=g.test,
+        n_in=sin.size,
+        n_out=sout.size,
+        n_eval_in=ev_in.size,
+        n_eval_out=ev_out.size,
+        selection="holdout",
+        tests=1,
+        direct_rank_level=d.rank_level,
+        gdp_rank_level=g.rank_level,
+    )

@@ -87,8 +87,9 @@ def _shift_scale(seed: int) -> MechanismSpec:
 @_builtin("per-layer")
 def _per_layer(seed: int) -> MechanismSpec:
     gen = _noise(seed)
-    return MechanismSpec(lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=gen),
-                         [(2, 2), (3,), (2,)], None)
+    return MechanismSpec(
+        lambda: Privatizer(1.0, [1.0, 2.0, 2.0], 8.0, 1.0, groups=[0, 1, 2], generator=gen), [(2, 2), (3,), (2,)], None
+    )
 
 
 @_builtin("quantile")
@@ -96,8 +97,9 @@ def _quantile(seed: int) -> MechanismSpec:
     # σ_grad 1.2 and count multiplier 2 compose to σ_eff ≈ 1.03; B̄ = 50 keeps the
     # released fraction away from its clamp to [0, 1].
     gen = _noise(seed)
-    return MechanismSpec(lambda: Privatizer(1.2, 1.0, 50.0, 1.0, quantile=QuantileClipping(2.0), generator=gen),
-                         [(2, 3), (2,)], None)
+    return MechanismSpec(
+        lambda: Privatizer(1.2, 1.0, 50.0, 1.0, quantile=QuantileClipping(2.0), generator=gen), [(2, 3), (2,)], None
+    )
 
 
 @_builtin("auto")
@@ -105,9 +107,11 @@ def _auto(seed: int) -> MechanismSpec:
     # automatic clipping (AUTO-S, dpopt.auto_clipping): C·g/(‖g‖ + γ), sensitivity C = 1, σ = 1;
     # a subclass of the Privatizer, audited in loop mode
     from ..auto_clipping import AutoClipping, AutoClipPrivatizer
+
     gen = _noise(seed)
-    return MechanismSpec(lambda: AutoClipPrivatizer(1.0, 1.0, 8.0, 1.0, generator=gen, auto=AutoClipping(0.01)),
-                         [(2, 3), (2,)], None)
+    return MechanismSpec(
+        lambda: AutoClipPrivatizer(1.0, 1.0, 8.0, 1.0, generator=gen, auto=AutoClipping(0.01)), [(2, 3), (2,)], None
+    )
 
 
 BUILTIN_MECHANISMS = tuple(_BUILTINS)
@@ -133,16 +137,23 @@ def _builtin_spec(name: str, seed: int) -> MechanismSpec:
     return _BUILTINS[name](seed)
 
 
-def audit_mechanism(name: str, *, trials: int = DEFAULT_TRIALS, delta: float = DEFAULT_DELTA,
-                    alpha: float = DEFAULT_ALPHA, seed: int = 0) -> AuditResult:
+def audit_mechanism(
+    name: str,
+    *,
+    trials: int = DEFAULT_TRIALS,
+    delta: float = DEFAULT_DELTA,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+) -> AuditResult:
     """Audit one of :data:`BUILTIN_MECHANISMS` (see :func:`~dpopt.auditing.audit_privatizer`).
 
     Raises:
         ValueError: unknown name (the message lists the built-ins), or invalid δ/α/trials.
     """
     make, shapes, geometry = _builtin_spec(name, seed)
-    return audit_privatizer(make, shapes, name=name, geometry=geometry, trials=trials, delta=delta,
-                            alpha=alpha, seed=seed)
+    return audit_privatizer(
+        make, shapes, name=name, geometry=geometry, trials=trials, delta=delta, alpha=alpha, seed=seed
+    )
 
 
 # --------------------------------------------------------------------------- registered methods
@@ -208,8 +219,14 @@ def audit_method(
 
     def build():
         params = _method_params(torch.float64)
-        opt = methods.make_optimizer(name, params, noise_multiplier=noise_multiplier,
-                                     expected_batch_size=expected_batch_size, sample_rate=1.0, **options)
+        opt = methods.make_optimizer(
+            name,
+            params,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            sample_rate=1.0,
+            **options,
+        )
         return opt, params
 
     opt, params = build()
@@ -227,8 +244,9 @@ def audit_method(
         make = lambda: priv  # noqa: E731 - vectorised mode builds it once
     else:
         make = lambda: build()[0].privatizer  # noqa: E731 - fresh optimizer per trial
-    return audit_privatizer(make, shapes, name=name, geometry=geometry, trials=trials, delta=delta,
-                            alpha=alpha, seed=seed)
+    return audit_privatizer(
+        make, shapes, name=name, geometry=geometry, trials=trials, delta=delta, alpha=alpha, seed=seed
+    )
 
 
 def mechanism_seed(seed: int, name: str) -> int:
@@ -250,8 +268,14 @@ class SuiteResults(NamedTuple):
     note: Optional[str]
 
 
-def audit_all(*, trials: int = DEFAULT_TRIALS, delta: float = DEFAULT_DELTA, alpha: float = DEFAULT_ALPHA,
-              seed: int = 0, methods: bool = True) -> SuiteResults:
+def audit_all(
+    *,
+    trials: int = DEFAULT_TRIALS,
+    delta: float = DEFAULT_DELTA,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    methods: bool = True,
+) -> SuiteResults:
     """Audit every built-in mechanism and (if importable) every registered method.
 
     Args:
@@ -265,14 +289,17 @@ def audit_all(*, trials: int = DEFAULT_TRIALS, delta: float = DEFAULT_DELTA, alp
     Raises:
         ValueError: invalid δ/α/trials.
     """
-    results = [audit_mechanism(n, trials=trials, delta=delta, alpha=alpha, seed=mechanism_seed(seed, n))
-               for n in BUILTIN_MECHANISMS]
+    results = [
+        audit_mechanism(n, trials=trials, delta=delta, alpha=alpha, seed=mechanism_seed(seed, n))
+        for n in BUILTIN_MECHANISMS
+    ]
     note = None
     if methods:
         try:
             names = registered_methods()
         except ImportError as exc:  # the registry is optional for the auditor
             names, note = [], f"method registry not importable ({exc}); audited built-in mechanisms only"
-        results += [audit_method(n, trials=trials, delta=delta, alpha=alpha, seed=mechanism_seed(seed, n))
-                    for n in names]
+        results += [
+            audit_method(n, trials=trials, delta=delta, alpha=alpha, seed=mechanism_seed(seed, n)) for n in names
+        ]
     return SuiteResults(results, note)

@@ -55,8 +55,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print dpopt's version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print dpopt's version and exit."
+    ),
+) -> None:
     """Differentially private training with adaptive optimizers; every release is charged."""
 
 

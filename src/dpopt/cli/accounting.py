@@ -45,8 +45,20 @@ from .common import (
 group = typer.Typer()
 
 #: Argument names of the accounting library, shown as this group's flags.
-ACCOUNTING_FLAGS = flags_for(["noise_multiplier", "sample_rate", "steps", "delta", "accountant", "target_epsilon",
-                              "count_share", "dataset_size", "batch_size", "epochs"])
+ACCOUNTING_FLAGS = flags_for(
+    [
+        "noise_multiplier",
+        "sample_rate",
+        "steps",
+        "delta",
+        "accountant",
+        "target_epsilon",
+        "count_share",
+        "dataset_size",
+        "batch_size",
+        "epochs",
+    ]
+)
 
 
 def _run_files(run_dir: Path, summary: bool) -> list[tuple[Path, str]]:
@@ -95,11 +107,13 @@ def _notes(notes) -> None:
 
 def _schedule_options():
     return dict(
-        sample_rate=typer.Option(None, "--sample-rate",
-                                 help="Poisson sampling rate q = expected batch size / N, in (0, 1]; with --steps."),
+        sample_rate=typer.Option(
+            None, "--sample-rate", help="Poisson sampling rate q = expected batch size / N, in (0, 1]; with --steps."
+        ),
         steps=typer.Option(None, "--steps", help="Number of noisy steps T (≥ 1); with --sample-rate."),
-        dataset_size=typer.Option(None, "--dataset-size",
-                                  help="N (instead of --sample-rate/--steps, as TF Privacy): q = B/N."),
+        dataset_size=typer.Option(
+            None, "--dataset-size", help="N (instead of --sample-rate/--steps, as TF Privacy): q = B/N."
+        ),
         batch_size=typer.Option(None, "--batch-size", help="Expected batch size B (with --dataset-size, --epochs)."),
         epochs=typer.Option(None, "--epochs", help="Epochs: T = ceil(epochs·N/B) (with --dataset-size)."),
     )
@@ -108,8 +122,13 @@ def _schedule_options():
 _SCHEDULE = _schedule_options()
 
 
-def _schedule(sample_rate: Optional[float], steps: Optional[int], dataset_size: Optional[int],
-              batch_size: Optional[float], epochs: Optional[float]) -> tuple[float, int]:
+def _schedule(
+    sample_rate: Optional[float],
+    steps: Optional[int],
+    dataset_size: Optional[int],
+    batch_size: Optional[float],
+    epochs: Optional[float],
+) -> tuple[float, int]:
     """(q, T) from --sample-rate/--steps or from --dataset-size/--batch-size/--epochs (never a mix)."""
     from ..accounting.split import steps_for_epochs
 
@@ -118,25 +137,33 @@ def _schedule(sample_rate: Optional[float], steps: Optional[int], dataset_size: 
     given_direct = [k for k, v in direct.items() if v is not None]
     given_field = [k for k, v in field.items() if v is not None]
     if given_direct and given_field:
-        fail(f"give either --sample-rate and --steps, or --dataset-size, --batch-size and --epochs; "
-             f"not both ({', '.join(given_direct + given_field)} given)")
+        fail(
+            f"give either --sample-rate and --steps, or --dataset-size, --batch-size and --epochs; "
+            f"not both ({', '.join(given_direct + given_field)} given)"
+        )
     if given_field:
         missing = [k for k, v in field.items() if v is None]
         if missing:
-            fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
-                 f"{', '.join(given_field)} (q = B/N, steps = ceil(epochs·N/B))")
+            fail(
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
+                f"{', '.join(given_field)} (q = B/N, steps = ceil(epochs·N/B))"
+            )
         with cli_errors(ACCOUNTING_FLAGS):
             return steps_for_epochs(dataset_size, batch_size, epochs)  # type: ignore[arg-type]
     missing = [k for k, v in direct.items() if v is None]
     if missing:
-        fail(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
-             f"(or give --dataset-size, --batch-size and --epochs instead of --sample-rate and --steps)")
+        fail(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
+            f"(or give --dataset-size, --batch-size and --epochs instead of --sample-rate and --steps)"
+        )
     return sample_rate, steps  # type: ignore[return-value]
 
 
 @group.command("account")
 def account(
-    noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="σ: noise std / L2 sensitivity (0 → ε = inf)."),
+    noise_multiplier: float = typer.Option(
+        ..., "--noise-multiplier", help="σ: noise std / L2 sensitivity (0 → ε = inf)."
+    ),
     sample_rate: Optional[float] = _SCHEDULE["sample_rate"],
     steps: Optional[int] = _SCHEDULE["steps"],
     dataset_size: Optional[int] = _SCHEDULE["dataset_size"],
@@ -162,13 +189,26 @@ def account(
     eps = report.epsilon
     _notes(report.notes)
     if as_json:
-        typer.echo(dumps({"epsilon": eps, "delta": delta, "noise_multiplier": noise_multiplier,
-                               "sample_rate": sample_rate, "steps": steps, "accountant": accountant.lower(),
-                               "resolution": report.resolution, "coarsened": report.coarsened,
-                               "notes": list(report.notes)}))
+        typer.echo(
+            dumps(
+                {
+                    "epsilon": eps,
+                    "delta": delta,
+                    "noise_multiplier": noise_multiplier,
+                    "sample_rate": sample_rate,
+                    "steps": steps,
+                    "accountant": accountant.lower(),
+                    "resolution": report.resolution,
+                    "coarsened": report.coarsened,
+                    "notes": list(report.notes),
+                }
+            )
+        )
     else:
-        typer.echo(f"epsilon = {eps:.6g}  (delta = {delta:g}, accountant = {accountant.lower()}, "
-                   f"noise_multiplier = {noise_multiplier:g}, sample_rate = {sample_rate:g}, steps = {steps})")
+        typer.echo(
+            f"epsilon = {eps:.6g}  (delta = {delta:g}, accountant = {accountant.lower()}, "
+            f"noise_multiplier = {noise_multiplier:g}, sample_rate = {sample_rate:g}, steps = {steps})"
+        )
 
 
 @group.command("calibrate")
@@ -182,7 +222,8 @@ def calibrate(
     delta: float = delta_option(1e-5, help="δ in (0, 1)."),
     accountant: str = accountant_option(),
     count_share: Optional[float] = typer.Option(
-        None, "--count-share", help="Also print the quantile-clipping split of σ with this budget share r in (0, 1)."),
+        None, "--count-share", help="Also print the quantile-clipping split of σ with this budget share r in (0, 1)."
+    ),
     as_json: bool = json_option("Print one JSON object (key 'noise_multiplier')."),
 ) -> None:
     """Smallest σ with ε(σ) ≤ target (checked with the accurate accountant).
@@ -195,30 +236,43 @@ def calibrate(
     sample_rate, steps = _schedule(sample_rate, steps, dataset_size, batch_size, epochs)
 
     status = _Status()
-    with cli_errors(ACCOUNTING_FLAGS, errors=ACCOUNTING_ERRORS,
-                    interrupted="calibration interrupted; no noise multiplier was chosen"):
+    with cli_errors(
+        ACCOUNTING_FLAGS,
+        errors=ACCOUNTING_ERRORS,
+        interrupted="calibration interrupted; no noise multiplier was chosen",
+    ):
         try:
-            result = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant,
-                                                progress=status.update)
+            result = calibrate_noise_multiplier(
+                target_epsilon, delta, sample_rate, steps, accountant, progress=status.update
+            )
             split = split_budget(result.noise_multiplier, count_share) if count_share is not None else None
         finally:
             status.stop()
     out = result.to_dict()
     if split is not None:
-        out.update({"count_share": split.count_share, "grad_noise_multiplier": split.grad_noise_multiplier,
-                    "count_noise_multiplier": split.count_noise_multiplier,
-                    "count_noise_std": split.count_noise_std})
+        out.update(
+            {
+                "count_share": split.count_share,
+                "grad_noise_multiplier": split.grad_noise_multiplier,
+                "count_noise_multiplier": split.count_noise_multiplier,
+                "count_noise_std": split.count_noise_std,
+            }
+        )
     if as_json:
         typer.echo(dumps(out))
         return
     typer.echo(f"noise_multiplier = {result.noise_multiplier!r}")
-    typer.echo(f"epsilon = {result.epsilon:.6g} <= target {result.target_epsilon:g}  (delta = {result.delta:g}, "
-               f"accountant = {result.accountant}, sample_rate = {result.sample_rate:g}, steps = {result.steps}; "
-               f"{result.seconds:.2f} s)")
+    typer.echo(
+        f"epsilon = {result.epsilon:.6g} <= target {result.target_epsilon:g}  (delta = {result.delta:g}, "
+        f"accountant = {result.accountant}, sample_rate = {result.sample_rate:g}, steps = {result.steps}; "
+        f"{result.seconds:.2f} s)"
+    )
     if split is not None:
-        typer.echo(f"split (count_share = {split.count_share:g}): grad noise_multiplier = "
-                   f"{split.grad_noise_multiplier:.6g}, count_noise_multiplier = {split.count_noise_multiplier:.6g} "
-                   f"(count noise std {split.count_noise_std:.6g})")
+        typer.echo(
+            f"split (count_share = {split.count_share:g}): grad noise_multiplier = "
+            f"{split.grad_noise_multiplier:.6g}, count_noise_multiplier = {split.count_noise_multiplier:.6g} "
+            f"(count noise std {split.count_noise_std:.6g})"
+        )
 
 
 class _Status:
@@ -233,8 +287,10 @@ class _Status:
     def update(self, p) -> None:
         if not self._tty or p.seconds < 1.0:
             return
-        text = (f"calibrating: {p.level} epsilon = {p.epsilon:.5g} at noise_multiplier = {p.noise_multiplier:.6g} "
-                f"({p.evaluations} evaluations, {p.seconds:.1f} s)")
+        text = (
+            f"calibrating: {p.level} epsilon = {p.epsilon:.5g} at noise_multiplier = {p.noise_multiplier:.6g} "
+            f"({p.evaluations} evaluations, {p.seconds:.1f} s)"
+        )
         if self._status is None:
             from rich.console import Console
 
@@ -253,10 +309,15 @@ class _Status:
 def ledger(
     run_dir: Path = typer.Argument(..., help="Run directory with ledger.json (and summary.json)."),
     accountant: Optional[str] = accountant_option(
-        None, help="Headline accountant (default: the run's, from summary.json, else pld). "
-                   "Every available accountant is always listed."),
-    delta: Optional[float] = delta_option(None, help="δ (default: the run's, from the summary beside the ledger "
-                                                     "or the ledger header; required when the run records none)."),
+        None,
+        help="Headline accountant (default: the run's, from summary.json, else pld). "
+        "Every available accountant is always listed.",
+    ),
+    delta: Optional[float] = delta_option(
+        None,
+        help="δ (default: the run's, from the summary beside the ledger "
+        "or the ledger header; required when the run records none).",
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
@@ -266,16 +327,22 @@ def ledger(
     with cli_errors(ACCOUNTING_FLAGS):
         report = ledger_report(run_dir, accountant=accountant, delta=delta)
     # an accountant's failure is that accountant's "n.a.: ..." (its advice in this CLI's flags)
-    report = replace(report, epsilon_by_accountant={
-        name: flag_text(value, ACCOUNTING_FLAGS) if isinstance(value, str) else value
-        for name, value in report.epsilon_by_accountant.items()})
+    report = replace(
+        report,
+        epsilon_by_accountant={
+            name: flag_text(value, ACCOUNTING_FLAGS) if isinstance(value, str) else value
+            for name, value in report.epsilon_by_accountant.items()
+        },
+    )
     if as_json:
         typer.echo(dumps(report.to_dict()))
         return
-    typer.echo(f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
-               f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}")
+    typer.echo(
+        f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
+        f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}"
+    )
     for run in report.runs:
-        steps = (f"step {run.first_step}" if run.count == 1 else f"steps {run.first_step}-{run.last_step}")
+        steps = f"step {run.first_step}" if run.count == 1 else f"steps {run.first_step}-{run.last_step}"
         sigmas = " + ".join(f"{s:.6g}" for s in run.noise_multipliers)
         q = ", ".join(f"{r:g}" for r in run.sample_rates) or "1 (no sampling)"
         eff = ", ".join(f"{s:.6g}" for s in run.sigma_eff)
@@ -297,8 +364,7 @@ def ledger(
 
 @group.command("check")
 def check(
-    run_dirs: list[Path] = typer.Argument(..., help="Run directories with ledger.json and summary.json (one or "
-                                                    "more)."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories with ledger.json and summary.json (one or more)."),
     as_json: bool = json_option(),
 ) -> None:
     """The ledger checks (a-e); exit code 1 if any fails (2 if a run cannot be read).
@@ -318,16 +384,26 @@ def check(
         if len(run_dirs) > 1:
             runs = {str(d): load_run(d) for d in run_dirs}
             first = runs[str(run_dirs[0])][1]
-            groups = repeated_run_ids({name: book for name, (book, _) in runs.items()},
-                                      delta=first.get("delta"), accountant=str(first.get("accountant", "pld")),
-                                      segments={name: cast(list, s.get("segments")) for name, (_, s) in runs.items()})
+            groups = repeated_run_ids(
+                {name: book for name, (book, _) in runs.items()},
+                delta=first.get("delta"),
+                accountant=str(first.get("accountant", "pld")),
+                segments={name: cast(list, s.get("segments")) for name, (_, s) in runs.items()},
+            )
     passed = all(r.passed for r in results.values()) and not any(g.diverged for g in groups)
     if as_json:
         if len(run_dirs) == 1:
             typer.echo(dumps(next(iter(results.values())).to_dict()))
         else:
-            typer.echo(dumps({"passed": passed, "runs": {k: r.to_dict() for k, r in results.items()},
-                              "repeated_run_ids": [g.to_dict() for g in groups]}))
+            typer.echo(
+                dumps(
+                    {
+                        "passed": passed,
+                        "runs": {k: r.to_dict() for k, r in results.items()},
+                        "repeated_run_ids": [g.to_dict() for g in groups],
+                    }
+                )
+            )
     else:
         for name, result in results.items():
             if len(run_dirs) > 1:

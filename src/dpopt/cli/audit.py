@@ -21,9 +21,24 @@ group = typer.Typer()
 #: Argument names of the auditing library, shown as this command's flags.
 AUDIT_FLAGS = flags_for(["trials", "delta", "alpha", "seed", "method"])
 #: ... and those of ``--one-run`` (TrainConfig fields it sets, one_run's arguments)
-ONE_RUN_FLAGS = flags_for(["delta", "seed", "method", "canaries", "mode", "beta", "dataset", "epochs",
-                           "batch_size", "sample_rate", "noise_multiplier", "target_epsilon", "max_grad_norm",
-                           "clipping"])
+ONE_RUN_FLAGS = flags_for(
+    [
+        "delta",
+        "seed",
+        "method",
+        "canaries",
+        "mode",
+        "beta",
+        "dataset",
+        "epochs",
+        "batch_size",
+        "sample_rate",
+        "noise_multiplier",
+        "target_epsilon",
+        "max_grad_norm",
+        "clipping",
+    ]
+)
 
 _HELP = (
     "Empirically audit one privatizer step against the accountant's ε.\n\n"
@@ -53,16 +68,18 @@ def _fmt(x) -> str:
 @group.command("audit", help=_HELP)
 def audit(
     method: Optional[str] = typer.Option(
-        None, "--method", "-m",
+        None,
+        "--method",
+        "-m",
         help="Audit one mechanism: a built-in privatizer (flat, shift-scale, per-layer, quantile) "
-             "or a registered method name (see `dpopt methods`)."),
-    all_: bool = typer.Option(False, "--all",
-                              help="Audit every built-in privatizer and every registered method."),
-    trials: int = typer.Option(100_000, "--trials", "-n", min=40,
-                               help="Releases per mechanism (half with the canary)."),
+        "or a registered method name (see `dpopt methods`).",
+    ),
+    all_: bool = typer.Option(False, "--all", help="Audit every built-in privatizer and every registered method."),
+    trials: int = typer.Option(
+        100_000, "--trials", "-n", min=40, help="Releases per mechanism (half with the canary)."
+    ),
     delta: float = delta_option(1e-5, help="δ at which ε is bounded and claimed."),
-    alpha: float = typer.Option(1e-3, "--alpha",
-                                help="False-alarm probability per mechanism (honest → LEAK)."),
+    alpha: float = typer.Option(1e-3, "--alpha", help="False-alarm probability per mechanism (honest → LEAK)."),
     seed: int = typer.Option(0, "--seed", help="Seed of canaries, noise and the held-out split."),
     json_out: bool = json_option("Print one JSON document instead of a table."),
     one_run_: bool = typer.Option(False, "--one-run", help="Audit one real training run with canaries (see above)."),
@@ -72,7 +89,9 @@ def audit(
     dataset: str = typer.Option("digits", "--dataset", help="--one-run: the training configuration's dataset."),
     epochs: float = typer.Option(10.0, "--epochs", help="--one-run: epochs of the run."),
     batch_size: float = typer.Option(64.0, "--batch-size", help="--one-run: expected batch size B̄."),
-    sample_rate: Optional[float] = typer.Option(None, "--sample-rate", help="--one-run: Poisson rate q (1: full batch)."),
+    sample_rate: Optional[float] = typer.Option(
+        None, "--sample-rate", help="--one-run: Poisson rate q (1: full batch)."
+    ),
     noise_multiplier: float = typer.Option(1.0, "--noise-multiplier", help="--one-run: σ."),
     target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="--one-run: calibrate σ for this ε."),
     max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="--one-run: clip bound C."),
@@ -81,10 +100,24 @@ def audit(
 ) -> None:
     """Run the audits (help text above); exit code 1 on any LEAK."""
     if one_run_:
-        _one_run_command(method=method or "dp-sgd", mode=mode, canaries=canaries, beta=beta, seed=seed,
-                         json_out=json_out, report=report, delta=delta, dataset=dataset, epochs=epochs,
-                         batch_size=batch_size, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
-                         target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, clipping=clipping)
+        _one_run_command(
+            method=method or "dp-sgd",
+            mode=mode,
+            canaries=canaries,
+            beta=beta,
+            seed=seed,
+            json_out=json_out,
+            report=report,
+            delta=delta,
+            dataset=dataset,
+            epochs=epochs,
+            batch_size=batch_size,
+            sample_rate=sample_rate,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            max_grad_norm=max_grad_norm,
+            clipping=clipping,
+        )
         return
     if method is not None and all_:
         fail("give either --method NAME or --all, not both")
@@ -97,27 +130,40 @@ def audit(
 
     leaks = [r.name for r in results if r.verdict == "LEAK"]
     if json_out:
-        doc = {"delta": delta, "alpha": alpha, "false_alarm_rate_per_mechanism": alpha,
-               "trials": trials, "results": [r.to_dict() for r in results], "leaks": leaks,
-               "note": note}
+        doc = {
+            "delta": delta,
+            "alpha": alpha,
+            "false_alarm_rate_per_mechanism": alpha,
+            "trials": trials,
+            "results": [r.to_dict() for r in results],
+            "leaks": leaks,
+            "note": note,
+        }
         typer.echo(dumps(doc))  # one line, as every other --json
     else:
-        typer.echo(f"One-step audit at δ = {delta:g}, {trials} trials per mechanism; false-alarm rate "
-                   f"α = {alpha:g} per mechanism (probability that an honest mechanism shows LEAK).")
-        typer.echo("Claimed ε: accountant (PLD) for the step event at sample_rate 1 (the mechanism run). "
-                   "LEAK if a lower bound exceeds it.")
-        header = f"{'mechanism':<14} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} " \
-                 f"{'μ LB':>7} {'μ claim':>8} {'mode':>10} {'sec':>6}  verdict"
+        typer.echo(
+            f"One-step audit at δ = {delta:g}, {trials} trials per mechanism; false-alarm rate "
+            f"α = {alpha:g} per mechanism (probability that an honest mechanism shows LEAK)."
+        )
+        typer.echo(
+            "Claimed ε: accountant (PLD) for the step event at sample_rate 1 (the mechanism run). "
+            "LEAK if a lower bound exceeds it."
+        )
+        header = (
+            f"{'mechanism':<14} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} "
+            f"{'μ LB':>7} {'μ claim':>8} {'mode':>10} {'sec':>6}  verdict"
+        )
         typer.echo(header)
         typer.echo("-" * len(header))
         for r in results:
-            typer.echo(f"{r.name:<14} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
-                       f"{_fmt(r.epsilon_gdp):>10} {_fmt(r.mu_lower):>7} {_fmt(r.claimed_mu):>8} "
-                       f"{r.mode:>10} {r.seconds:>6.1f}  {r.verdict}")
+            typer.echo(
+                f"{r.name:<14} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
+                f"{_fmt(r.epsilon_gdp):>10} {_fmt(r.mu_lower):>7} {_fmt(r.claimed_mu):>8} "
+                f"{r.mode:>10} {r.seconds:>6.1f}  {r.verdict}"
+            )
         if note:
             typer.echo(f"note: {note}")
-        typer.echo(f"{len(results) - len(leaks)} PASS, {len(leaks)} LEAK"
-                   + (f": {', '.join(leaks)}" if leaks else ""))
+        typer.echo(f"{len(results) - len(leaks)} PASS, {len(leaks)} LEAK" + (f": {', '.join(leaks)}" if leaks else ""))
     if leaks:
         raise typer.Exit(code=1)
 
@@ -146,11 +192,15 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         typer.echo(dumps(doc))  # one line, as every other --json
     else:
         b = result.bounds
-        typer.echo(f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
-                   f"confidence {1 - beta:g}, δ = {delta:g}")
-        typer.echo(f"claimed ε {_fmt(result.epsilon)} | lower bounds: Steinke {_fmt(b.steinke)}, "
-                   f"f-DP {_fmt(b.fdp)} (μ ≥ {_fmt(b.mu)}{'' if result.details.get('fdp_judged') else ', not judged: q < 1'})"
-                   f" | {result.verdict}")
+        typer.echo(
+            f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
+            f"confidence {1 - beta:g}, δ = {delta:g}"
+        )
+        typer.echo(
+            f"claimed ε {_fmt(result.epsilon)} | lower bounds: Steinke {_fmt(b.steinke)}, "
+            f"f-DP {_fmt(b.fdp)} (μ ≥ {_fmt(b.mu)}{'' if result.details.get('fdp_judged') else ', not judged: q < 1'})"
+            f" | {result.verdict}"
+        )
         if paths:
             typer.echo(f"report: {paths[0]}")
     if result.verdict != "PASS":
@@ -169,11 +219,15 @@ def _run_audits(method: Optional[str], all_: bool, **kwargs) -> tuple[list, Opti
     try:
         known = auditing.registered_methods()
     except ImportError as exc:
-        fail(f"{method!r} is not a built-in mechanism ({', '.join(auditing.BUILTIN_MECHANISMS)}) "
-             f"and the method registry does not import: {exc}")
+        fail(
+            f"{method!r} is not a built-in mechanism ({', '.join(auditing.BUILTIN_MECHANISMS)}) "
+            f"and the method registry does not import: {exc}"
+        )
     if method not in known:
-        fail(f"unknown mechanism {method!r}; built-ins: {', '.join(auditing.BUILTIN_MECHANISMS)}; "
-             f"methods: {', '.join(known)}")
+        fail(
+            f"unknown mechanism {method!r}; built-ins: {', '.join(auditing.BUILTIN_MECHANISMS)}; "
+            f"methods: {', '.join(known)}"
+        )
     return [auditing.audit_method(method, **kwargs)], None
 
 

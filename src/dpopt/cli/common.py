@@ -65,8 +65,7 @@ EXIT_INTERRUPTED = 130
 #: Library failures that mean "change the input": an ``error:`` line and exit 2.
 USAGE_ERRORS: tuple = (ValueError, FileNotFoundError)
 #: Failures of an accountant or a calibration, also shown as ``error:`` lines (never a traceback).
-ACCOUNTING_ERRORS: tuple = (ValueError, FileNotFoundError, ImportError, RuntimeError, ArithmeticError,
-                            MemoryError)
+ACCOUNTING_ERRORS: tuple = (ValueError, FileNotFoundError, ImportError, RuntimeError, ArithmeticError, MemoryError)
 
 ACCOUNTANT_HELP = "Accountant: pld (connect-the-dots PLD, default), rdp, or prv (needs prv-accountant)."
 
@@ -137,8 +136,13 @@ def cli_message(exc: BaseException, flags: Optional[Mapping[str, str]] = None) -
 
 
 @contextlib.contextmanager
-def cli_errors(flags: Optional[Mapping[str, str]] = None, *, errors: tuple = USAGE_ERRORS,
-               interrupted: str = "interrupted", after_interrupt: str = "") -> Iterator[None]:
+def cli_errors(
+    flags: Optional[Mapping[str, str]] = None,
+    *,
+    errors: tuple = USAGE_ERRORS,
+    interrupted: str = "interrupted",
+    after_interrupt: str = "",
+) -> Iterator[None]:
     """Run a command body; turn library exceptions into ``error:`` lines and exit codes.
 
     Args:
@@ -161,7 +165,7 @@ def cli_errors(flags: Optional[Mapping[str, str]] = None, *, errors: tuple = USA
 
 # --------------------------------------------------------------------------- shared options
 #: What every ``--json`` help says about numbers (:mod:`dpopt.jsonio`).
-JSON_NUMBERS_HELP = "strict JSON: inf, -inf and NaN are the strings \"inf\", \"-inf\", \"nan\""
+JSON_NUMBERS_HELP = 'strict JSON: inf, -inf and NaN are the strings "inf", "-inf", "nan"'
 
 
 def json_option(help: str = "Print one JSON object."):
@@ -214,9 +218,15 @@ def status_progress(console, *, disable: bool):
                     yield Text("  " + str(status), overflow="fold")
 
     # the description is text (a run directory may hold "["), never markup
-    return _StatusProgress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
-                           MofNCompleteColumn(),
-                           TimeRemainingColumn(), console=console, transient=False, disable=disable)
+    return _StatusProgress(
+        TextColumn("{task.description}", style="bold", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=disable,
+    )
 
 
 # --------------------------------------------------------------------------- help layout
@@ -336,8 +346,11 @@ def _escape_markup(app: typer.Typer) -> None:
             continue
         for param in inspect.signature(fn).parameters.values():
             info = param.default
-            if isinstance(info, typer.models.ParameterInfo) and isinstance(info.help, str) and \
-                    not getattr(info, "_dpopt_escaped", False):
+            if (
+                isinstance(info, typer.models.ParameterInfo)
+                and isinstance(info.help, str)
+                and not getattr(info, "_dpopt_escaped", False)
+            ):
                 info.help = escape_markup(info.help)
                 info._dpopt_escaped = True  # type: ignore[attr-defined]
 

@@ -29,14 +29,38 @@ from .common import accountant_option, cli_errors, delta_option, fail, flags_for
 group = typer.Typer()
 
 #: Files that make a directory a `dpopt train` run directory (diagnose never writes in or below one).
-RUN_MARKERS = ("ledger.json", "ledger.jsonl", "summary.json", "model.pt", "checkpoint.pt",
-               "privacy_ledger.json", "privacy_summary.json")  # the last two: a DPTrainer checkpoint-N/
+RUN_MARKERS = (
+    "ledger.json",
+    "ledger.jsonl",
+    "summary.json",
+    "model.pt",
+    "checkpoint.pt",
+    "privacy_ledger.json",
+    "privacy_summary.json",
+)  # the last two: a DPTrainer checkpoint-N/
 #: The first lines of every .md file diagnose writes: a heading a reader cannot miss.
 MD_HEADING = "# NON-PRIVATE research diagnostics (not differentially private)"
 
-DIAGNOSE_FLAGS = flags_for(["dataset", "data_dir", "model", "batch_sizes", "noise_multiplier", "target_epsilon",
-                            "epochs", "checkpoint", "out", "examples", "max_grad_norm", "momentum", "trials",
-                            "delta", "accountant", "layer"])
+DIAGNOSE_FLAGS = flags_for(
+    [
+        "dataset",
+        "data_dir",
+        "model",
+        "batch_sizes",
+        "noise_multiplier",
+        "target_epsilon",
+        "epochs",
+        "checkpoint",
+        "out",
+        "examples",
+        "max_grad_norm",
+        "momentum",
+        "trials",
+        "delta",
+        "accountant",
+        "layer",
+    ]
+)
 
 _HELP = (
     "Spectral diagnostics: which layers' leading gradient directions survive the DP noise, per batch size.\n\n"
@@ -77,26 +101,34 @@ def diagnose(
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="directory with mnist.npz / cifar10.npz"),
     model: Optional[str] = typer.Option(None, "--model", help="mlp-small, mlp, cnn5 (default: the dataset's)"),
     batch_sizes: str = typer.Option("256,1024,4096", "--batch-sizes", help="expected batch sizes B̄, comma-separated"),
-    noise_multiplier: Optional[float] = typer.Option(None, "--noise-multiplier",
-                                                     help="σ for every batch size (not with --target-epsilon)"),
-    target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon",
-                                                   help="calibrate σ per batch size for this ε over --epochs"),
+    noise_multiplier: Optional[float] = typer.Option(
+        None, "--noise-multiplier", help="σ for every batch size (not with --target-epsilon)"
+    ),
+    target_epsilon: Optional[float] = typer.Option(
+        None, "--target-epsilon", help="calibrate σ per batch size for this ε over --epochs"
+    ),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="epochs for the calibration (steps = epochs/q)"),
     delta: float = delta_option(1e-5),
     accountant: str = accountant_option(),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
-                                             help="a `dpopt train` run directory: diagnose its model.pt "
-                                                  "(model named in its config.json)"),
+    checkpoint: Optional[str] = typer.Option(
+        None,
+        "--checkpoint",
+        help="a `dpopt train` run directory: diagnose its model.pt (model named in its config.json)",
+    ),
     out: str = typer.Option(..., "--out", help="output directory"),
-    examples: int = typer.Option(1024, "--examples", min=1,
-                                 help="training examples for the clean gradient (cost is linear in it)"),
+    examples: int = typer.Option(
+        1024, "--examples", min=1, help="training examples for the clean gradient (cost is linear in it)"
+    ),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="clip bound C"),
     momentum: float = typer.Option(0.95, "--momentum", help="β for B* with momentum (DP-Muon's 0.95)"),
     trials: int = typer.Option(20, "--trials", min=0, help="Monte Carlo draws per layer and batch size"),
     layer: Optional[str] = typer.Option(None, "--layer", help="layer for the spectrum figure (default: largest)"),
-    curve_points: int = typer.Option(16, "--curve-points", min=2,
-                                     help="batch sizes on the theory curve of recovery.png (one σ calibration each "
-                                          "with --target-epsilon)"),
+    curve_points: int = typer.Option(
+        16,
+        "--curve-points",
+        min=2,
+        help="batch sizes on the theory curve of recovery.png (one σ calibration each with --target-epsilon)",
+    ),
     seed: int = typer.Option(0, "--seed", help="seed of the example subset, the model init and the simulated noise"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
 ) -> None:
@@ -112,9 +144,11 @@ def diagnose(
         fail(f"--max-grad-norm must be > 0, got {max_grad_norm}")
     held = run_directory_at(Path(out))
     if held is not None:
-        fail(f"--out {out}: {held[0]} is a training run's directory (it holds {', '.join(held[1])}); non-private "
-             "diagnostics never go into a run directory, whose files are public by design. Choose an --out "
-             "outside it, e.g. --out diagnostics/")
+        fail(
+            f"--out {out}: {held[0]} is a training run's directory (it holds {', '.join(held[1])}); non-private "
+            "diagnostics never go into a run directory, whose files are public by design. Choose an --out "
+            "outside it, e.g. --out diagnostics/"
+        )
     start = time.perf_counter()
     with cli_errors(DIAGNOSE_FLAGS):
         import torch
@@ -162,23 +196,41 @@ def diagnose(
             typer.echo(f"B̄ = {b:g}: σ = {sigmas[b]:.4g}, noise std s = σC/B̄ = {sigmas[b] * max_grad_norm / b:.3g}")
         idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:examples]
         x, y = data.x_train[idx], data.y_train[idx]
-        diag = diagnose_model(net, nn.functional.cross_entropy, x, y, batch_sizes=bs, noise_multipliers=sigmas,
-                              max_grad_norm=max_grad_norm, momentum=momentum, trials=trials, seed=seed,
-                              progress=typer.echo)
+        diag = diagnose_model(
+            net,
+            nn.functional.cross_entropy,
+            x,
+            y,
+            batch_sizes=bs,
+            noise_multipliers=sigmas,
+            max_grad_norm=max_grad_norm,
+            momentum=momentum,
+            trials=trials,
+            seed=seed,
+            progress=typer.echo,
+        )
         out_dir = Path(out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        setting = (f"{model_name} on {dataset}, {'checkpoint ' + checkpoint if checkpoint else 'initialisation'}"
-                   f" (seed {seed}), clean gradient from {len(y)} training examples, C = {max_grad_norm:g}, "
-                   + (f"σ = {noise_multiplier:g}" if noise_multiplier is not None else
-                      f"σ calibrated for ε = {target_epsilon:g}, δ = {delta:g} over {epochs:g} epochs ({accountant})"))
+        setting = (
+            f"{model_name} on {dataset}, {'checkpoint ' + checkpoint if checkpoint else 'initialisation'}"
+            f" (seed {seed}), clean gradient from {len(y)} training examples, C = {max_grad_norm:g}, "
+            + (
+                f"σ = {noise_multiplier:g}"
+                if noise_multiplier is not None
+                else f"σ calibrated for ε = {target_epsilon:g}, δ = {delta:g} over {epochs:g} epochs ({accountant})"
+            )
+        )
         header = f"{MD_HEADING}\n\n**{NON_PRIVATE_NOTICE}**\n\n{setting}\n\n"
         tables = {"recovery.md": recovery_table(diag), "snr.md": snr_table(diag), "cosines.md": cosine_table(diag)}
         for name, text in tables.items():
             (out_dir / name).write_text(header + text + "\n")
         doc = dict(diag.to_dict(), setting=setting, model=model_name, dataset=dataset, checkpoint=checkpoint)
         (out_dir / "diagnostics.json").write_text(dumps(doc, indent=1, default=str))
-        pick = next((lay for lay in diag.layers if lay.name == layer), None) if layer else \
-            max(diag.layers, key=lambda lay: lay.shape[0] * lay.shape[1])
+        pick = (
+            next((lay for lay in diag.layers if lay.name == layer), None)
+            if layer
+            else max(diag.layers, key=lambda lay: lay.shape[0] * lay.shape[1])
+        )
         if pick is None:
             fail(f"--layer {layer} is not a matrix layer; choose one of {', '.join(lay.name for lay in diag.layers)}")
         plot_spectrum(diag, pick, out_dir / "spectrum.png", seed=seed)
@@ -187,6 +239,8 @@ def diagnose(
         typer.echo(tables["recovery.md"])
         typer.echo("\nSpectral SNR ‖Ḡ‖_F / ‖N‖_F\n")
         typer.echo(tables["snr.md"])
-        typer.echo(f"\nwrote {', '.join(tables)}, diagnostics.json, spectrum.png, recovery.png to {out_dir} "
-                   f"in {time.perf_counter() - start:.1f} s")
+        typer.echo(
+            f"\nwrote {', '.join(tables)}, diagnostics.json, spectrum.png, recovery.png to {out_dir} "
+            f"in {time.perf_counter() - start:.1f} s"
+        )
         typer.echo(NON_PRIVATE_NOTICE)

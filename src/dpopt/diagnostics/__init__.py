@@ -37,7 +37,22 @@ from .spectral import (
     threshold_ratio,
 )
 
-__all__ = ["NON_PRIVATE_NOTICE", "clean_clipped_mean_gradient", "ModelDiagnostics", "diagnose_model",
-           "CosineEstimate", "MatrixDiagnostics", "diagnose_matrix", "effective_rank", "monte_carlo_cosines",
-           "noise_edge", "noise_std", "predicted_cosines", "recovery_batch_size", "singular_values",
-           "spectral_snr", "stable_rank", "threshold_ratio"]
+__all__ = [
+    "NON_PRIVATE_NOTICE",
+    "clean_clipped_mean_gradient",
+    "ModelDiagnostics",
+    "diagnose_model",
+    "CosineEstimate",
+    "MatrixDiagnostics",
+    "diagnose_matrix",
+    "effective_rank",
+    "monte_carlo_cosines",
+    "noise_edge",
+    "noise_std",
+    "predicted_cosines",
+    "recovery_batch_size",
+    "singular_values",
+    "spectral_snr",
+    "stable_rank",
+    "threshold_ratio",
+]

@@ -25,14 +25,22 @@ from ..types import ClipGeometry
 
 __all__ = ["NON_PRIVATE_NOTICE", "clean_clipped_mean_gradient", "matrix_parameters"]
 
-NON_PRIVATE_NOTICE = ("NON-PRIVATE research diagnostics: the clean clipped mean gradient is computed from the "
-                      "data WITHOUT noise and WITHOUT the privacy ledger; nothing here is differentially "
-                      "private, charged to a budget, or fed back into training.")
+NON_PRIVATE_NOTICE = (
+    "NON-PRIVATE research diagnostics: the clean clipped mean gradient is computed from the "
+    "data WITHOUT noise and WITHOUT the privacy ledger; nothing here is differentially "
+    "private, charged to a budget, or fed back into training."
+)
 
 
-def clean_clipped_mean_gradient(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor,
-                                y: Tensor, max_grad_norm: float, physical_batch_size: Optional[int] = 256,
-                                engine: str = "fast") -> list[Tensor]:
+def clean_clipped_mean_gradient(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    max_grad_norm: float,
+    physical_batch_size: Optional[int] = 256,
+    engine: str = "fast",
+) -> list[Tensor]:
     """(1/N) Σ_i min(1, C/‖g_i‖) g_i over the N examples of (x, y), one tensor per trainable parameter.
 
     NOT PRIVATE (see module docstring): no noise, no ledger; research use only.

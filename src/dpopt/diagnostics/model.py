@@ -45,21 +45,41 @@ class ModelDiagnostics:
     notice: str = NON_PRIVATE_NOTICE
 
     def to_dict(self) -> dict:
-        return {"notice": self.notice, "batch_sizes": self.batch_sizes,
-                "noise_multipliers": {str(k): v for k, v in self.noise_multipliers.items()},
-                "max_grad_norm": self.max_grad_norm, "momentum": self.momentum, "examples": self.examples,
-                "trials": self.trials,
-                "layers": [{"name": lay.name, "shape": list(lay.shape),
-                            "top_singular_values": [float(s) for s in lay.singular_values[:20]],
-                            "by_batch_size": {str(b): r.to_dict() for b, r in lay.rows.items()}}
-                           for lay in self.layers]}
+        return {
+            "notice": self.notice,
+            "batch_sizes": self.batch_sizes,
+            "noise_multipliers": {str(k): v for k, v in self.noise_multipliers.items()},
+            "max_grad_norm": self.max_grad_norm,
+            "momentum": self.momentum,
+            "examples": self.examples,
+            "trials": self.trials,
+            "layers": [
+                {
+                    "name": lay.name,
+                    "shape": list(lay.shape),
+                    "top_singular_values": [float(s) for s in lay.singular_values[:20]],
+                    "by_batch_size": {str(b): r.to_dict() for b, r in lay.rows.items()},
+                }
+                for lay in self.layers
+            ],
+        }
 
 
-def diagnose_model(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, y: Tensor, *,
-                   batch_sizes: Sequence[float], noise_multipliers: dict, max_grad_norm: float,
-                   momentum: float = 0.0, trials: int = 20, seed: int = 0,
-                   physical_batch_size: Optional[int] = 256,
-                   progress: Optional[Callable[[str], None]] = None) -> ModelDiagnostics:
+def diagnose_model(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_sizes: Sequence[float],
+    noise_multipliers: dict,
+    max_grad_norm: float,
+    momentum: float = 0.0,
+    trials: int = 20,
+    seed: int = 0,
+    physical_batch_size: Optional[int] = 256,
+    progress: Optional[Callable[[str], None]] = None,
+) -> ModelDiagnostics:
     """Diagnose every matrix parameter of ``model`` for each B̄ in ``batch_sizes``.
 
     NOT PRIVATE: reads (x, y) without noise and without a ledger (research use only).
@@ -84,11 +104,25 @@ def diagnose_model(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor]
         sv = singular_values(g)
         lay = LayerReport(name, (int(g.shape[0]), int(g.shape[1])), sv, clean=g)
         for b in batch_sizes:
-            lay.rows[b] = diagnose_matrix(g, noise_multiplier=noise_multipliers[b], max_grad_norm=max_grad_norm,
-                                          batch_size=b, momentum=momentum, trials=trials, generator=gen,
-                                          clean_singular_values=sv)
+            lay.rows[b] = diagnose_matrix(
+                g,
+                noise_multiplier=noise_multipliers[b],
+                max_grad_norm=max_grad_norm,
+                batch_size=b,
+                momentum=momentum,
+                trials=trials,
+                generator=gen,
+                clean_singular_values=sv,
+            )
         layers.append(lay)
         if progress:
             progress(f"{name} {lay.shape}: σ₁ = {float(sv[0]):.3g}")
-    return ModelDiagnostics(layers, [float(b) for b in batch_sizes], dict(noise_multipliers), float(max_grad_norm),
-                            float(momentum), int(y.shape[0]), int(trials))
+    return ModelDiagnostics(
+        layers,
+        [float(b) for b in batch_sizes],
+        dict(noise_multipliers),
+        float(max_grad_norm),
+        float(momentum),
+        int(y.shape[0]),
+        int(trials),
+    )

@@ -98,8 +98,9 @@ def noise_std(noise_multiplier: float, max_grad_norm: float, batch_size: float) 
     return float(noise_multiplier) * float(max_grad_norm) / float(batch_size)
 
 
-def singular_values(g: Tensor, k: Optional[int] = None, niter: int = 4,
-                    generator: Optional[torch.Generator] = None) -> Tensor:
+def singular_values(
+    g: Tensor, k: Optional[int] = None, niter: int = 4, generator: Optional[torch.Generator] = None
+) -> Tensor:
     """Singular values of a matrix, descending (the top ``k`` if given).
 
     Exact (``torch.linalg.svdvals``, O(mn·min(m,n))) when ``k`` is None or
@@ -170,8 +171,9 @@ def momentum_noise_factor(momentum: float = 0.0) -> float:
     return math.sqrt((1.0 - momentum) / (1.0 + momentum))
 
 
-def recovery_batch_size(sigma1: float, noise_multiplier: float, max_grad_norm: float, m: int, n: int,
-                        momentum: float = 0.0) -> float:
+def recovery_batch_size(
+    sigma1: float, noise_multiplier: float, max_grad_norm: float, m: int, n: int, momentum: float = 0.0
+) -> float:
     """B* = σ C (mn)^{1/4} / σ₁(Ḡ) · √((1−β)/(1+β)): smallest B̄ with σ₁ > s (mn)^{1/4}.
 
     Linear in σ and C, grows as (mn)^{1/4} with the shape, inversely
@@ -180,8 +182,13 @@ def recovery_batch_size(sigma1: float, noise_multiplier: float, max_grad_norm: f
     """
     if sigma1 <= 0:
         return math.inf
-    return (float(noise_multiplier) * float(max_grad_norm) * (m * n) ** 0.25 / float(sigma1)
-            * momentum_noise_factor(momentum))
+    return (
+        float(noise_multiplier)
+        * float(max_grad_norm)
+        * (m * n) ** 0.25
+        / float(sigma1)
+        * momentum_noise_factor(momentum)
+    )
 
 
 def noise_edge(s: float, m: int, n: int) -> float:
@@ -248,8 +255,9 @@ class CosineEstimate:
     trials: int
 
 
-def monte_carlo_cosines(clean: Tensor, s: float, trials: int = 20,
-                        generator: Optional[torch.Generator] = None) -> CosineEstimate:
+def monte_carlo_cosines(
+    clean: Tensor, s: float, trials: int = 20, generator: Optional[torch.Generator] = None
+) -> CosineEstimate:
     """|cos| between the leading singular vectors of Ḡ and Ḡ + N, N_ij iid N(0, s²), over ``trials`` draws.
 
     Computed in float64. Cost: ``trials`` SVDs of an m×n matrix (see module
@@ -270,8 +278,7 @@ def monte_carlo_cosines(clean: Tensor, s: float, trials: int = 20,
     lt, rt = torch.tensor(left), torch.tensor(right)
     pt = lt * rt
     se = lambda x: float(x.std(unbiased=True) / math.sqrt(len(x)))  # noqa: E731
-    return CosineEstimate(float(lt.mean()), float(rt.mean()), float(pt.mean()), se(lt), se(rt), se(pt),
-                          int(trials))
+    return CosineEstimate(float(lt.mean()), float(rt.mean()), float(pt.mean()), se(lt), se(rt), se(pt), int(trials))
 
 
 @dataclass(frozen=True)
@@ -305,10 +312,17 @@ class MatrixDiagnostics:
         return d
 
 
-def diagnose_matrix(clean: Tensor, *, noise_multiplier: float, max_grad_norm: float, batch_size: float,
-                    momentum: float = 0.0, trials: int = 0,
-                    generator: Optional[torch.Generator] = None,
-                    clean_singular_values: Optional[Tensor] = None) -> MatrixDiagnostics:
+def diagnose_matrix(
+    clean: Tensor,
+    *,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    batch_size: float,
+    momentum: float = 0.0,
+    trials: int = 0,
+    generator: Optional[torch.Generator] = None,
+    clean_singular_values: Optional[Tensor] = None,
+) -> MatrixDiagnostics:
     """Every diagnostic of one clean gradient matrix for a DP-SGD setting (σ, C, B̄), optional β.
 
     ``recoverable`` is B̄ ≥ B* (plain, no momentum), as in the paper's tables.
@@ -327,10 +341,24 @@ def diagnose_matrix(clean: Tensor, *, noise_multiplier: float, max_grad_norm: fl
     pl, pr = predicted_cosines(sigma1, s, m, n)
     mc = monte_carlo_cosines(g, s, trials, gen) if trials else None
     return MatrixDiagnostics(
-        shape=(int(m), int(n)), batch_size=float(batch_size), noise_multiplier=float(noise_multiplier),
-        max_grad_norm=float(max_grad_norm), momentum=float(momentum), noise_std=s, sigma1=sigma1,
-        frobenius=float(torch.linalg.matrix_norm(g)), effective_rank=effective_rank(sv),
-        stable_rank=stable_rank(sv), noisy_effective_rank=effective_rank(nsv), noisy_stable_rank=stable_rank(nsv),
-        spectral_snr=spectral_snr(g, s), threshold_ratio=threshold_ratio(sigma1, s, m, n), b_star=b_star,
+        shape=(int(m), int(n)),
+        batch_size=float(batch_size),
+        noise_multiplier=float(noise_multiplier),
+        max_grad_norm=float(max_grad_norm),
+        momentum=float(momentum),
+        noise_std=s,
+        sigma1=sigma1,
+        frobenius=float(torch.linalg.matrix_norm(g)),
+        effective_rank=effective_rank(sv),
+        stable_rank=stable_rank(sv),
+        noisy_effective_rank=effective_rank(nsv),
+        noisy_stable_rank=stable_rank(nsv),
+        spectral_snr=spectral_snr(g, s),
+        threshold_ratio=threshold_ratio(sigma1, s, m, n),
+        b_star=b_star,
         b_star_momentum=recovery_batch_size(sigma1, noise_multiplier, max_grad_norm, m, n, momentum),
-        recoverable=bool(batch_size >= b_star), predicted_left=pl, predicted_right=pr, mc=mc)
+        recoverable=bool(batch_size >= b_star),
+        predicted_left=pl,
+        predicted_right=pr,
+        mc=mc,
+    )

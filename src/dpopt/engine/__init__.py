@@ -54,9 +54,21 @@ from .hooks import HookCapture, grad_sample_source
 from .inputs import check_inputs
 from .reference import PerSampleGrads, iter_per_sample_gradients, per_sample_gradients
 
-__all__ = ["ENGINES", "iter_per_sample_sources", "FastPerSampleGrads", "PerSampleEngine",
-           "fast_per_sample_gradients", "get_engine", "free_sizes", "PerSampleGrads", "per_sample_gradients",
-           "iter_per_sample_gradients", "check_inputs", "HookCapture", "grad_sample_source"]
+__all__ = [
+    "ENGINES",
+    "iter_per_sample_sources",
+    "FastPerSampleGrads",
+    "PerSampleEngine",
+    "fast_per_sample_gradients",
+    "get_engine",
+    "free_sizes",
+    "PerSampleGrads",
+    "per_sample_gradients",
+    "iter_per_sample_gradients",
+    "check_inputs",
+    "HookCapture",
+    "grad_sample_source",
+]
 
 ENGINES = ("fast", "reference")
 
@@ -118,13 +130,20 @@ def iter_per_sample_sources(
         if k != rows_per_example or k < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         check_views(int(y.shape[0]), k)
-        return _mean_views(iter_per_sample_gradients(model, loss_fn, x, y, physical_batch_size and
-                                                     physical_batch_size * k, points, batch_dim), k)
+        return _mean_views(
+            iter_per_sample_gradients(
+                model, loss_fn, x, y, physical_batch_size and physical_batch_size * k, points, batch_dim
+            ),
+            k,
+        )
     raise ValueError(f"unknown per-sample engine {engine!r}; choose one of {ENGINES}")
 
 
 def _mean_views(chunks: Iterator[PerSampleGrads], k: int) -> Iterator[PerSampleGrads]:
     """The reference path's per-row sources as per-example ones: each example's K rows averaged."""
     for src in chunks:
-        yield PerSampleGrads([g.reshape(g.shape[0] // k, k, *g.shape[1:]).mean(1) for g in src.grads],
-                             params=src.params, points=src.points)
+        yield PerSampleGrads(
+            [g.reshape(g.shape[0] // k, k, *g.shape[1:]).mean(1) for g in src.grads],
+            params=src.params,
+            points=src.points,
+        )

@@ -67,8 +67,9 @@ def _float_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
-def _project(m: nn.MultiheadAttention, record, q_in: Tensor, k_in: Tensor, v_in: Tensor,
-             self_attn: bool, kv_same: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _project(
+    m: nn.MultiheadAttention, record, q_in: Tensor, k_in: Tensor, v_in: Tensor, self_attn: bool, kv_same: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """The in-projections of batch-first q/k/v inputs, each recorded with its tag."""
     e = m.embed_dim
     b = m.in_proj_bias
@@ -80,8 +81,11 @@ def _project(m: nn.MultiheadAttention, record, q_in: Tensor, k_in: Tensor, v_in:
         return out
 
     if not m._qkv_same_embed_dim:
-        return (lin("q", q_in, m.q_proj_weight, bq), lin("k", k_in, m.k_proj_weight, bk),
-                lin("v", v_in, m.v_proj_weight, bv))
+        return (
+            lin("q", q_in, m.q_proj_weight, bq),
+            lin("k", k_in, m.k_proj_weight, bk),
+            lin("v", v_in, m.v_proj_weight, bv),
+        )
     w = m.in_proj_weight
     if self_attn:
         q, k, v = lin("qkv", q_in, w, b).chunk(3, dim=-1)
@@ -95,10 +99,18 @@ def _project(m: nn.MultiheadAttention, record, q_in: Tensor, k_in: Tensor, v_in:
     return lin("q", q_in, wq, bq), lin("k", k_in, wk, bk), lin("v", v_in, wv, bv)
 
 
-def mha_forward(m: nn.MultiheadAttention, record, query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
-                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def mha_forward(
+    m: nn.MultiheadAttention,
+    record,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Optional[Tensor] = None,
+    need_weights: bool = True,
+    attn_mask: Optional[Tensor] = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
     """``m(query, key, value, ...)`` with its projections recorded (module docstring).
 
     Args:
@@ -115,12 +127,23 @@ def mha_forward(m: nn.MultiheadAttention, record, query: Tensor, key: Tensor, va
         ValueError: unbatched (2-D) inputs while gradients are recorded, or a mask of another dtype.
     """
     if not torch.is_grad_enabled():
-        return type(m).forward(m, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+        return type(m).forward(
+            m,
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
     if query.dim() != 3:
-        raise ValueError(f"nn.MultiheadAttention got an unbatched {query.dim()}-D query: per-sample gradients need "
-                         "batched inputs ([B, T, E] with batch_first=True, or [T, B, E]) with the examples along "
-                         "their batch axis")
+        raise ValueError(
+            f"nn.MultiheadAttention got an unbatched {query.dim()}-D query: per-sample gradients need "
+            "batched inputs ([B, T, E] with batch_first=True, or [T, B, E]) with the examples along "
+            "their batch axis"
+        )
     self_attn, kv_same = query is key and key is value, key is value
     tr = (lambda t: t) if m.batch_first else (lambda t: t.transpose(0, 1))
     q_in = tr(query)
@@ -158,13 +181,15 @@ def mha_forward(m: nn.MultiheadAttention, record, query: Tensor, key: Tensor, va
     if attn_mask is not None:
         if attn_mask.dim() == 2:
             if tuple(attn_mask.shape) != (tgt, src):
-                raise RuntimeError(f"The shape of the 2D attn_mask is {tuple(attn_mask.shape)}, but should be "
-                                   f"{(tgt, src)}.")
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {tuple(attn_mask.shape)}, but should be {(tgt, src)}."
+                )
             mask = attn_mask.view(1, 1, tgt, src)
         elif attn_mask.dim() == 3:
             if tuple(attn_mask.shape) != (bsz * h, tgt, src):
-                raise RuntimeError(f"The shape of the 3D attn_mask is {tuple(attn_mask.shape)}, but should be "
-                                   f"{(bsz * h, tgt, src)}.")
+                raise RuntimeError(
+                    f"The shape of the 3D attn_mask is {tuple(attn_mask.shape)}, but should be {(bsz * h, tgt, src)}."
+                )
             mask = attn_mask.view(bsz, h, tgt, src)
         else:
             raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
@@ -213,8 +238,9 @@ def _mha(layer: LayerCalls) -> list:
 
     if "in_proj_weight" in layer.index:
         parts = [LinearPart(a, _padded(e, tag, dim)) for tag, a, e in tagged if tag in ROWS]  # type: ignore[arg-type]
-        blocks.append(FactoredBlock(layer.index["in_proj_weight"], layer.shapes["in_proj_weight"], parts,
-                                    layer.budget, b))
+        blocks.append(
+            FactoredBlock(layer.index["in_proj_weight"], layer.shapes["in_proj_weight"], parts, layer.budget, b)
+        )
     for attr, want in (("q_proj_weight", "q"), ("k_proj_weight", "k"), ("v_proj_weight", "v")):
         if attr in layer.index:
             parts = [LinearPart(a, e) for tag, a, e in tagged if tag == want]
@@ -239,8 +265,14 @@ def _dropout_seq_first(t: Tensor, module: nn.Module) -> Tensor:
     return F.dropout(t.transpose(0, 1), module.p, module.training).transpose(0, 1)  # type: ignore[arg-type]
 
 
-def encoder_layer_forward(m: nn.TransformerEncoderLayer, record, src: Tensor, src_mask: Optional[Tensor] = None,
-                          src_key_padding_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+def encoder_layer_forward(
+    m: nn.TransformerEncoderLayer,
+    record,
+    src: Tensor,
+    src_mask: Optional[Tensor] = None,
+    src_key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+) -> Tensor:
     """``nn.TransformerEncoderLayer(batch_first=False)`` computed batch-first inside (``[T, B, E]`` in and out).
 
     Its Linear and LayerNorm layers would otherwise see ``[T, B, E]``
@@ -256,13 +288,22 @@ def encoder_layer_forward(m: nn.TransformerEncoderLayer, record, src: Tensor, sr
     if m.self_attn.batch_first or not torch.is_grad_enabled():
         return type(m).forward(m, src, src_mask, src_key_padding_mask, is_causal)
     if src.dim() != 3:
-        raise ValueError(f"nn.TransformerEncoderLayer got an unbatched {src.dim()}-D input: per-sample gradients "
-                         "need batched inputs [T, B, E]")
+        raise ValueError(
+            f"nn.TransformerEncoderLayer got an unbatched {src.dim()}-D input: per-sample gradients "
+            "need batched inputs [T, B, E]"
+        )
 
     def sa(x: Tensor) -> Tensor:
         xs = x.transpose(0, 1)
-        out = m.self_attn(xs, xs, xs, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=False,
-                          is_causal=is_causal)[0]
+        out = m.self_attn(
+            xs,
+            xs,
+            xs,
+            attn_mask=src_mask,
+            key_padding_mask=src_key_padding_mask,
+            need_weights=False,
+            is_causal=is_causal,
+        )[0]
         return _dropout_seq_first(out.transpose(0, 1), m.dropout1)
 
     def ff(x: Tensor) -> Tensor:

@@ -61,8 +61,11 @@ def bare_candidates(model: nn.Module, index: dict, ruled) -> dict:
     for m in model.modules():
         if ruled(m):
             continue
-        own = {a: index[id(p)] for a, p in m._parameters.items()
-               if p is not None and id(p) in index and owners[id(p)] == 1 and p.dim() >= 1 and p.shape[0] == 1}
+        own = {
+            a: index[id(p)]
+            for a, p in m._parameters.items()
+            if p is not None and id(p) in index and owners[id(p)] == 1 and p.dim() >= 1 and p.shape[0] == 1
+        }
         if own:
             out[m] = own
     return out
@@ -114,8 +117,9 @@ class _Tap(TorchFunctionMode):
         return False
 
 
-def tap_bare(owners: dict, batch_size: Callable[[], int], on_use: Callable,
-             on_other: Optional[Callable] = None) -> list:
+def tap_bare(
+    owners: dict, batch_size: Callable[[], int], on_use: Callable, on_other: Optional[Callable] = None
+) -> list:
     """Hooks that run each owner's ``forward`` under a :class:`_Tap` of its bare parameters; returns the handles.
 
     Args:

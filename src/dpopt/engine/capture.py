@@ -69,8 +69,17 @@ from .layers import Budget, DirectBlock
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
 
-__all__ = ["Plan", "Call", "Pass", "Recorder", "OutputLayout", "expand_broadcast", "no_autocast", "trailing",
-           "check_views"]
+__all__ = [
+    "Plan",
+    "Call",
+    "Pass",
+    "Recorder",
+    "OutputLayout",
+    "expand_broadcast",
+    "no_autocast",
+    "trailing",
+    "check_views",
+]
 
 
 def leaves(obj) -> list[Tensor]:
@@ -103,11 +112,13 @@ def check_views(rows: int, k: int) -> int:
     if k < 1:
         raise ValueError(f"rows_per_example must be >= 1, got {k}")
     if rows % k:
-        raise ValueError(f"the batch's rows are not a multiple of K={k} views per example "  # no count: private
-                         "(augmentation_multiplicity / rows_per_example): rows i*K..i*K+K-1 must be the K views of "
-                         "example i. Repeat each example K times, augmenting each copy "
-                         "(dpopt.augment.repeat_views(x, K, fn), labels repeat_interleave(K)), or let "
-                         "make_private(..., augmentation=...) build the views in the data loader")
+        raise ValueError(
+            f"the batch's rows are not a multiple of K={k} views per example "  # no count: private
+            "(augmentation_multiplicity / rows_per_example): rows i*K..i*K+K-1 must be the K views of "
+            "example i. Repeat each example K times, augmenting each copy "
+            "(dpopt.augment.repeat_views(x, K, fn), labels repeat_interleave(K)), or let "
+            "make_private(..., augmentation=...) build the views in the data loader"
+        )
     return rows // k
 
 
@@ -128,8 +139,16 @@ def expand_broadcast(module: nn.Module, inp, out, b: int):
     Returns:
         ``(inp, out)``, expanded or as given.
     """
-    if (b > 1 and type(module) is nn.Embedding and isinstance(inp, Tensor) and isinstance(out, Tensor)
-            and inp.dim() >= 1 and inp.shape[0] == 1 and out.dim() == inp.dim() + 1 and out.shape[0] == 1):
+    if (
+        b > 1
+        and type(module) is nn.Embedding
+        and isinstance(inp, Tensor)
+        and isinstance(out, Tensor)
+        and inp.dim() >= 1
+        and inp.shape[0] == 1
+        and out.dim() == inp.dim() + 1
+        and out.shape[0] == 1
+    ):
         return inp.expand(b, *inp.shape[1:]), out.expand(b, *out.shape[1:])
     return inp, out
 
@@ -190,8 +209,22 @@ class Call:
         pass_: the :class:`Pass` the call belongs to (None: outside the root's forward).
     """
 
-    __slots__ = ("module", "inp", "out", "args", "kwargs", "outs", "grads", "tag", "stats", "index", "pass_",
-                 "in_version", "out_version", "versions")
+    __slots__ = (
+        "module",
+        "inp",
+        "out",
+        "args",
+        "kwargs",
+        "outs",
+        "grads",
+        "tag",
+        "stats",
+        "index",
+        "pass_",
+        "in_version",
+        "out_version",
+        "versions",
+    )
 
     def __init__(self, module, inp, out, args, kwargs, outs, pass_, tag=None, index=None, versions: bool = True):
         self.module, self.inp, self.out, self.tag, self.index = module, inp, out, tag, index
@@ -247,8 +280,7 @@ class Plan:
         tapped: modules whose rule has a tapped forward. dtype, device.
     """
 
-    def __init__(self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20,
-                 weak: bool = True):
+    def __init__(self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, weak: bool = True):
         self._strong = None if weak else model
         self._model = weakref.ref(model)
         self.chunk_bytes, self.cache_bytes = int(chunk_bytes), int(cache_bytes)
@@ -270,8 +302,9 @@ class Plan:
         for m, rule in rules.items():
             if rule is None:
                 continue
-            own = {a: index[id(p)] for a, p in m._parameters.items() if p is not None and id(p) in index
-                   and ruled[id(p)]}
+            own = {
+                a: index[id(p)] for a, p in m._parameters.items() if p is not None and id(p) in index and ruled[id(p)]
+            }
             if own:
                 self.modules[m] = own
         self.tapped = [m for m, rule in rules.items() if rule is not None and rule.forward is not None]
@@ -317,8 +350,11 @@ class Plan:
         index = {id(p): i for i, p in enumerate(self.params)}
         out = {}
         for m in self.model.modules():
-            own = {a: index[id(p)] for a, p in m._parameters.items()
-                   if p is not None and id(p) in index and index[id(p)] in fb}
+            own = {
+                a: index[id(p)]
+                for a, p in m._parameters.items()
+                if p is not None and id(p) in index and index[id(p)] in fb
+            }
             if own:
                 out[m] = own
         return out
@@ -336,8 +372,9 @@ class Plan:
                     del table[m]
 
     # -- blocks ------------------------------------------------------------------------
-    def blocks(self, captured: Sequence[tuple[Call, Optional[Tensor]]], rows: int, budget: Budget,
-               views: int = 1) -> list:
+    def blocks(
+        self, captured: Sequence[tuple[Call, Optional[Tensor]]], rows: int, budget: Budget, views: int = 1
+    ) -> list:
         """Blocks of the rule-covered parameters from ``(call, e)`` pairs, in the parameters' dtype.
 
         Args:
@@ -354,8 +391,9 @@ class Plan:
                 continue
             if c.index is not None:
                 if c.index in bare:
-                    g = reduce_to(e.detach().to(self.params[c.index].dtype), tuple(c.out.shape),
-                                  tuple(self.params[c.index].shape))
+                    g = reduce_to(
+                        e.detach().to(self.params[c.index].dtype), tuple(c.out.shape), tuple(self.params[c.index].shape)
+                    )
                     bare[c.index].append(_sum_views(g, views))
                 continue
             if c.module not in per_module:
@@ -381,9 +419,17 @@ class Plan:
         rule = RULES[type(m)]  # planned only if rule_for(m) (see __init__)
         if views > 1:
             calls = _merge_views(calls, b, views) if rule.views == "merge" else _split_views(calls, views)
-        layer = LayerCalls(m, dict(own), {a: self.params[i].shape for a, i in own.items()},
-                           [(a, e) for a, e, _, _ in calls], [st for _, _, st, _ in calls], b, budget,
-                           [tag for _, _, _, tag in calls], views if rule.views == "merge" else 1)
+        layer = LayerCalls(
+            m,
+            dict(own),
+            {a: self.params[i].shape for a, i in own.items()},
+            [(a, e) for a, e, _, _ in calls],
+            [st for _, _, st, _ in calls],
+            b,
+            budget,
+            [tag for _, _, _, tag in calls],
+            views if rule.views == "merge" else 1,
+        )
         return rule.blocks(layer)
 
 
@@ -437,8 +483,15 @@ class Recorder:
     ``active`` switches recording off (the door's own reference computations).
     """
 
-    def __init__(self, plan: Plan, vjp: Optional[dict] = None, *, tensor_hooks: bool, guard_buffers: bool,
-                 hook_bare_owners: bool = False):
+    def __init__(
+        self,
+        plan: Plan,
+        vjp: Optional[dict] = None,
+        *,
+        tensor_hooks: bool,
+        guard_buffers: bool,
+        hook_bare_owners: bool = False,
+    ):
         self.plan = plan
         self.vjp = vjp or {}
         self.tensor_hooks, self.guard_buffers, self.hook_bare_owners = tensor_hooks, guard_buffers, hook_bare_owners
@@ -446,7 +499,7 @@ class Recorder:
         self.current: Optional[Pass] = None
         self.other: dict = {}  # bare parameters used otherwise than recognised: index -> (module, op)
         self.active = True
-        self.clone_in: set = set()   # modules whose recorded input a later in-place op modified: keep a copy
+        self.clone_in: set = set()  # modules whose recorded input a later in-place op modified: keep a copy
         self.clone_out: set = set()  # ... whose output: downstream in-place ops modify a clone
         self.guard = CheckpointGuard(plan.model)
         self._tapped = set(plan.tapped)
@@ -518,10 +571,13 @@ class Recorder:
         self.calls = keep
         if not self._warned:
             self._warned = True
-            warnings.warn("a forward pass of the private model ran with gradients enabled and no backward pass "
-                          "followed it before the next forward pass: its recorded activations were dropped (said "
-                          "once). Run evaluation and generation under torch.no_grad() or torch.inference_mode()",
-                          RuntimeWarning, stacklevel=5)
+            warnings.warn(
+                "a forward pass of the private model ran with gradients enabled and no backward pass "
+                "followed it before the next forward pass: its recorded activations were dropped (said "
+                "once). Run evaluation and generation under torch.no_grad() or torch.inference_mode()",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def late_gradients(self) -> bool:
         """Whether a dropped pass received a gradient (kept for :meth:`dropped_received`)."""
@@ -546,8 +602,13 @@ class Recorder:
         b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
         if torch.is_grad_enabled():
             self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
-        self.current = Pass(b, args, kwargs, mode_signature(module) if self.guard_buffers else None,
-                            module_state(module) if self.guard_buffers else None)
+        self.current = Pass(
+            b,
+            args,
+            kwargs,
+            mode_signature(module) if self.guard_buffers else None,
+            module_state(module) if self.guard_buffers else None,
+        )
         if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
             self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
@@ -619,8 +680,10 @@ class Recorder:
             return None
         inp = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
-            raise ValueError(f"layer {self.plan.name_of(module)!r} ({type(module).__name__}) was called without a "
-                             "tensor input or output; the per-sample capture cannot record it")
+            raise ValueError(
+                f"layer {self.plan.name_of(module)!r} ({type(module).__name__}) was called without a "
+                "tensor input or output; the per-sample capture cannot record it"
+            )
         if not out.requires_grad:
             return None
         inp, wide = expand_broadcast(module, inp, out, self.rows())  # [1, T] position ids: per example
@@ -674,8 +737,11 @@ class Recorder:
     @staticmethod
     def inputs_modified(calls: Sequence[Call]) -> list[Call]:
         """Calls whose inputs (any tensor of args/kwargs) were modified in place after the call."""
-        return [c for c in calls if c.versions is not None
-                and [t._version for t in leaves((c.args, c.kwargs))] != c.versions]
+        return [
+            c
+            for c in calls
+            if c.versions is not None and [t._version for t in leaves((c.args, c.kwargs))] != c.versions
+        ]
 
     # -- the hook door's vjp of a module call --------------------------------------------
     def vjp_grads(self, c: Call, own: dict[str, int], es: list[Tensor], rows: int) -> list[Tensor]:
@@ -703,6 +769,7 @@ class Recorder:
         es = [e.detach() for e in es]
         self.active = False
         try:
+
             def one(xs_i, es_i):
                 _, pull = vjp(lambda *ps: call_at(ps, [x.unsqueeze(0) for x in xs_i]), *primals)
                 return pull(tuple(e.unsqueeze(0) for e in es_i))
@@ -714,17 +781,17 @@ class Recorder:
                 for i in range(rows):
                     ps = [q.detach().requires_grad_(True) for q in primals]
                     with torch.enable_grad():
-                        outs = call_at(ps, [x[i:i + 1] for x in xs])
-                        pairs = [(o, e[i:i + 1]) for o, e in zip(outs, es) if o.requires_grad]
-                        gs = torch.autograd.grad([o for o, _ in pairs], ps, [e for _, e in pairs],
-                                                 allow_unused=True)
+                        outs = call_at(ps, [x[i : i + 1] for x in xs])
+                        pairs = [(o, e[i : i + 1]) for o, e in zip(outs, es) if o.requires_grad]
+                        gs = torch.autograd.grad([o for o, _ in pairs], ps, [e for _, e in pairs], allow_unused=True)
                     out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(primals, gs)])
                 return [torch.stack([r[k] for r in out_rows]) for k in range(len(primals))]
         finally:
             self.active = True
 
-    def build(self, calls: Sequence[Call], rows: int, scale: float, views: int = 1, other: Optional[dict] = None
-              ) -> list:
+    def build(
+        self, calls: Sequence[Call], rows: int, scale: float, views: int = 1, other: Optional[dict] = None
+    ) -> list:
         """Every block of one pass: the rules' (:meth:`Plan.blocks`) and, with ``vjp``, the vjp parameters'.
 
         Args:
@@ -736,8 +803,11 @@ class Recorder:
         """
         plan, other = self.plan, other or {}
         b = rows // views
-        captured = [(c, c.grads[0] * scale if c.grads[0] is not None else None) for c in calls
-                    if c.fast and not (c.index is not None and c.index in other)]
+        captured = [
+            (c, c.grads[0] * scale if c.grads[0] is not None else None)
+            for c in calls
+            if c.fast and not (c.index is not None and c.index in other)
+        ]
         with no_autocast(plan.device):
             blocks = plan.blocks(captured, rows, Budget(plan.chunk_bytes, plan.cache_bytes), views)
         bare_vjp = {m: {a: i for a, i in own.items() if i in other} for m, own in plan.bare.items()}
@@ -760,8 +830,17 @@ class Recorder:
         return blocks
 
     # -- the first-batch check -----------------------------------------------------------
-    def check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
-              row_loss: Optional[Callable] = None, compare: Optional[int] = None) -> tuple[dict, list[int]]:
+    def check(
+        self,
+        args,
+        kwargs,
+        rows: int,
+        views: int,
+        run: Callable,
+        params: Optional[Sequence[Tensor]] = None,
+        row_loss: Optional[Callable] = None,
+        compare: Optional[int] = None,
+    ) -> tuple[dict, list[int]]:
         """One verification pass: this capture vs single-example autograd.
 
         In the mode the model is in (the caller sets the mode of the release),
@@ -812,8 +891,16 @@ class Recorder:
             finally:
                 self._compare = None
 
-    def _check(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]] = None,
-               row_loss: Optional[Callable] = None) -> tuple[dict, list[int]]:
+    def _check(
+        self,
+        args,
+        kwargs,
+        rows: int,
+        views: int,
+        run: Callable,
+        params: Optional[Sequence[Tensor]] = None,
+        row_loss: Optional[Callable] = None,
+    ) -> tuple[dict, list[int]]:
         """:meth:`check` inside its state guard."""
         plan = self.plan
         tol = rtol(plan.dtype, plan.device)  # outside no_autocast: autocast's dtype sets the tolerance
@@ -822,8 +909,9 @@ class Recorder:
             return bad, off
         try:
             with in_float64(plan.model) as cast:  # rounding or mixing? the same check in float64
-                bad64, off64 = self._check_once(cast(args), cast(kwargs), rows, views, run, params, row_loss,
-                                                RTOL[torch.float64])
+                bad64, off64 = self._check_once(
+                    cast(args), cast(kwargs), rows, views, run, params, row_loss, RTOL[torch.float64]
+                )
         except Exception:  # noqa: BLE001 — a model that cannot run in float64: the float32 verdict stands
             return bad, off
         return bad, off if bad64 else [i for i in off if i in set(off64)]
@@ -845,8 +933,17 @@ class Recorder:
         dist = torch.distributed
         return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
-    def _check_once(self, args, kwargs, rows: int, views: int, run: Callable, params: Optional[Sequence[Tensor]],
-                    row_loss: Optional[Callable], tol: float) -> tuple[dict, list[int]]:
+    def _check_once(
+        self,
+        args,
+        kwargs,
+        rows: int,
+        views: int,
+        run: Callable,
+        params: Optional[Sequence[Tensor]],
+        row_loss: Optional[Callable],
+        tol: float,
+    ) -> tuple[dict, list[int]]:
         """:meth:`check`'s one pass at tolerance ``tol`` (no recheck)."""
         plan = self.plan
         gen = torch.Generator().manual_seed(0)  # not private: a test direction for the check only
@@ -897,8 +994,16 @@ class Recorder:
             blk.free()
         return {}, off
 
-    def _loop(self, args, kwargs, row_loss: Callable, rows: int, indices: list[int],
-              params: Optional[Sequence[Tensor]] = None, upto: Optional[int] = None) -> dict:
+    def _loop(
+        self,
+        args,
+        kwargs,
+        row_loss: Callable,
+        rows: int,
+        indices: list[int],
+        params: Optional[Sequence[Tensor]] = None,
+        upto: Optional[int] = None,
+    ) -> dict:
         """Exact per-row gradients [upto, *shape] of f_r(out_r) for rows 0..upto−1 (default all), one at a time."""
         params = [(self.plan.params if params is None else params)[i] for i in indices]
         if not params:  # nothing to differentiate (torch.autograd.grad refuses an empty list)
@@ -910,7 +1015,7 @@ class Recorder:
         try:
             with torch.enable_grad():
                 for i in range(rows if upto is None else upto):
-                    a_i, kw_i = tree_unflatten([t[i:i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
+                    a_i, kw_i = tree_unflatten([t[i : i + 1] if bt else t for t, bt in zip(flat, batched)], spec)
                     try:
                         out = self.plan.model(*a_i, **kw_i)
                     except Unreplayable:
@@ -936,8 +1041,10 @@ class _FirstRows:
         self.blk, self.m, self.index = blk, int(m), blk.index
 
     def sq_norms(self, geos):
-        return [v.clone() if v.shape[0] <= self.m else
-                torch.cat([v[:self.m], v.new_zeros(v.shape[0] - self.m)]) for v in self.blk.sq_norms(geos)]
+        return [
+            v.clone() if v.shape[0] <= self.m else torch.cat([v[: self.m], v.new_zeros(v.shape[0] - self.m)])
+            for v in self.blk.sq_norms(geos)
+        ]
 
     def grad_sums(self, coefs, bad):
         return self.blk.grad_sums(coefs, bad)
@@ -949,7 +1056,9 @@ class _FirstRows:
 def demotion_warning(plan: Plan, module: nn.Module, ins, outs) -> str:
     """The engine door's warning for a layer whose calls do not keep the rows along dim 0."""
     names = [plan.names[i] for i in plan.modules[module].values()] if module in plan.modules else []
-    return (f"layer {plan.name_of(module)!r} ({type(module).__name__}) does not keep the examples along dim 0 "
-            f"(input {[trailing(s) for s in ins]}, output {[trailing(s) for s in outs]}); its parameters {names} use "
-            "the per-example torch.func path. To keep it on the fast path give it tensors with the examples along "
-            "dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...)).")
+    return (
+        f"layer {plan.name_of(module)!r} ({type(module).__name__}) does not keep the examples along dim 0 "
+        f"(input {[trailing(s) for s in ins]}, output {[trailing(s) for s in outs]}); its parameters {names} use "
+        "the per-example torch.func path. To keep it on the fast path give it tensors with the examples along "
+        "dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...))."
+    )

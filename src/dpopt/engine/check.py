@@ -69,9 +69,28 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["mode_signature", "module_state", "size_class", "Signature", "signature", "in_modes", "ModeCheck", "RandomReplay", "Unreplayable", "off_axis", "free_sizes",
-           "model_dims",
-           "rtol", "agrees", "disagreeing", "alone_failed", "RTOL", "layer_of", "layer_scales", "in_float64"]
+__all__ = [
+    "mode_signature",
+    "module_state",
+    "size_class",
+    "Signature",
+    "signature",
+    "in_modes",
+    "ModeCheck",
+    "RandomReplay",
+    "Unreplayable",
+    "off_axis",
+    "free_sizes",
+    "model_dims",
+    "rtol",
+    "agrees",
+    "disagreeing",
+    "alone_failed",
+    "RTOL",
+    "layer_of",
+    "layer_scales",
+    "in_float64",
+]
 
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Relative tolerance of the check per dtype (of the layer's gradient scale)."""
@@ -150,8 +169,9 @@ class Signature(tuple):
         return self[2]
 
 
-def signature(model: nn.Module, examples: int, modes: Optional[tuple] = None, state: Optional[tuple] = None
-              ) -> Signature:
+def signature(
+    model: nn.Module, examples: int, modes: Optional[tuple] = None, state: Optional[tuple] = None
+) -> Signature:
     """The check's key of a release: :func:`mode_signature`, :func:`module_state` and :func:`size_class`.
 
     Args:
@@ -159,8 +179,11 @@ def signature(model: nn.Module, examples: int, modes: Optional[tuple] = None, st
             only for its class, never stored elsewhere). modes, state: as
             recorded at the forward pass (default: now).
     """
-    return Signature(mode_signature(model) if modes is None else modes,
-                     module_state(model) if state is None else state, size_class(examples))
+    return Signature(
+        mode_signature(model) if modes is None else modes,
+        module_state(model) if state is None else state,
+        size_class(examples),
+    )
 
 
 @contextmanager
@@ -174,8 +197,10 @@ def in_modes(model: nn.Module, signature: Optional[Sequence[bool]] = None) -> It
     mods = list(model.modules())
     saved = [m.training for m in mods]
     if signature is not None and len(signature) != len(mods):
-        raise ValueError(f"mode signature of {len(signature)} modules for a model with {len(mods)}: the model's "
-                         "modules changed between its forward pass and the optimizer step")
+        raise ValueError(
+            f"mode signature of {len(signature)} modules for a model with {len(mods)}: the model's "
+            "modules changed between its forward pass and the optimizer step"
+        )
     try:
         if signature is not None:
             for m, flag in zip(mods, signature):
@@ -229,11 +254,37 @@ class Unreplayable(Exception):
     """A random op of the batched pass cannot be given to a single-example pass (the message says which)."""
 
 
-_GENERATORS = {"bernoulli", "bernoulli_", "binomial", "cauchy", "cauchy_", "exponential", "exponential_",
-               "geometric", "geometric_", "log_normal", "log_normal_", "multinomial", "normal", "normal_",
-               "normal_functional", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
-               "randn_like", "random", "random_", "randperm", "uniform", "uniform_", "_standard_gamma",
-               "_sample_dirichlet"}
+_GENERATORS = {
+    "bernoulli",
+    "bernoulli_",
+    "binomial",
+    "cauchy",
+    "cauchy_",
+    "exponential",
+    "exponential_",
+    "geometric",
+    "geometric_",
+    "log_normal",
+    "log_normal_",
+    "multinomial",
+    "normal",
+    "normal_",
+    "normal_functional",
+    "poisson",
+    "rand",
+    "rand_like",
+    "randint",
+    "randint_like",
+    "randn",
+    "randn_like",
+    "random",
+    "random_",
+    "randperm",
+    "uniform",
+    "uniform_",
+    "_standard_gamma",
+    "_sample_dirichlet",
+}
 """Random aten ops whose output is a draw (its parameters may be tensors): replayed as recorded."""
 
 
@@ -340,16 +391,19 @@ class RandomReplay:
     def _random(self, func, args, kwargs):
         name = _op_name(func)
         if name not in _GENERATORS and name != "native_dropout":
-            raise Unreplayable(f"the random operation {name} (its output depends on its input) cannot be "
-                               "replayed per example")
+            raise Unreplayable(
+                f"the random operation {name} (its output depends on its input) cannot be replayed per example"
+            )
         if self.phase == "record":
             out = func(*args, **kwargs)
             kept = out[1] if name == "native_dropout" else (args[0] if name.endswith("_") else out)
             self.outs.append(kept.detach().clone())
             return out
         if self.k >= len(self.outs):
-            raise Unreplayable(f"a single-example pass calls more random operations than the batched pass "
-                               f"({len(self.outs)}; {name} is one more)")
+            raise Unreplayable(
+                f"a single-example pass calls more random operations than the batched pass "
+                f"({len(self.outs)}; {name} is one more)"
+            )
         rec = self.outs[self.k]
         self.k += 1
         if name == "native_dropout":
@@ -367,13 +421,21 @@ class RandomReplay:
             return rec
         if rec.dim() == len(shape) + 1 and rec.shape[0] == self.b and tuple(rec.shape[1:]) == shape:
             return rec[self.example]  # recorded under torch.func.vmap(randomness="different"): [b, *per-example]
-        axes = [k for k in range(rec.dim()) if len(shape) == rec.dim() and rec.shape[k] == self.b and shape[k] == 1
-                and all(rec.shape[j] == shape[j] for j in range(rec.dim()) if j != k)]
+        axes = [
+            k
+            for k in range(rec.dim())
+            if len(shape) == rec.dim()
+            and rec.shape[k] == self.b
+            and shape[k] == 1
+            and all(rec.shape[j] == shape[j] for j in range(rec.dim()) if j != k)
+        ]
         if len(axes) != 1 or not 0 <= self.example < self.b:
-            raise Unreplayable(f"the random operation {name} drew a tensor of shape {_trailing_b(rec.shape)} in the "
-                               f"batched pass and one of shape {tuple(shape)} for a single example: no example "
-                               "axis to replay it along (apply dropout to tensors that keep the examples along "
-                               "one axis)")
+            raise Unreplayable(
+                f"the random operation {name} drew a tensor of shape {_trailing_b(rec.shape)} in the "
+                f"batched pass and one of shape {tuple(shape)} for a single example: no example "
+                "axis to replay it along (apply dropout to tensors that keep the examples along "
+                "one axis)"
+            )
         return rec.narrow(axes[0], self.example, 1)
 
 
@@ -383,10 +445,12 @@ def _trailing_b(shape) -> str:
 
 def alone_failed(err: Exception) -> ValueError:
     """The refusal when a model cannot be run on one example in the mode it trains in (the check's reference)."""
-    return ValueError(f"the per-sample check runs each example alone, in the mode the model trains in, and the model "
-                      f"failed on one example ({type(err).__name__}: {err}). A forward that needs several examples "
-                      "in this mode (batch statistics under model.train()) mixes examples and cannot be trained "
-                      "privately: replace that layer (e.g. GroupNorm or LayerNorm), or train in eval mode")
+    return ValueError(
+        f"the per-sample check runs each example alone, in the mode the model trains in, and the model "
+        f"failed on one example ({type(err).__name__}: {err}). A forward that needs several examples "
+        "in this mode (batch statistics under model.train()) mixes examples and cannot be trained "
+        "privately: replace that layer (e.g. GroupNorm or LayerNorm), or train in eval mode"
+    )
 
 
 # --------------------------------------------------------------------------- layout
@@ -455,8 +519,12 @@ def in_float64(model: nn.Module) -> Iterator[Callable]:
     """
     params = [p for p in model.parameters() if p.is_floating_point()]
     saved_p = [(p, p.data, p.grad) for p in params]
-    saved_b = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None and b.is_floating_point()]
+    saved_b = [
+        (m, name, b)
+        for m in model.modules()
+        for name, b in m._buffers.items()
+        if b is not None and b.is_floating_point()
+    ]
     try:
         for p, data, _g in saved_p:
             p.grad = None
@@ -466,8 +534,9 @@ def in_float64(model: nn.Module) -> Iterator[Callable]:
 
         def cast(tree):
             flat, spec = tree_flatten(tree)
-            return tree_unflatten([t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
-                                   for t in flat], spec)
+            return tree_unflatten(
+                [t.double() if isinstance(t, Tensor) and t.is_floating_point() else t for t in flat], spec
+            )
 
         yield cast
     finally:
@@ -528,8 +597,14 @@ def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float, scale_sq: Op
     return float((s.double().reshape(-1) - want_s).norm()) <= tol_s
 
 
-def disagreeing(blocks: Sequence, ref: dict, c: Tensor, dtypes: Sequence[torch.dtype], tol: float,
-                names: Optional[Sequence[str]] = None) -> list[int]:
+def disagreeing(
+    blocks: Sequence,
+    ref: dict,
+    c: Tensor,
+    dtypes: Sequence[torch.dtype],
+    tol: float,
+    names: Optional[Sequence[str]] = None,
+) -> list[int]:
     """Parameter indices whose blocks' per-example norms or weighted sum differ from ``ref``.
 
     Args:

@@ -101,12 +101,16 @@ def _match(flat: list, batched: list, full: list[Tensor], rows: int) -> Optional
             continue
         found = None
         for ci, c in enumerate(full):
-            if c.dim() != t.dim() or tuple(c.shape[1:]) != tuple(t.shape[1:]) or c.shape[0] < rows \
-                    or c.dtype != t.dtype:
+            if (
+                c.dim() != t.dim()
+                or tuple(c.shape[1:]) != tuple(t.shape[1:])
+                or c.shape[0] < rows
+                or c.dtype != t.dtype
+            ):
                 continue
             cc = c.to(t.device)
             for s in range(int(c.shape[0]) - rows + 1):
-                if torch.equal(cc[s:s + rows], t):
+                if torch.equal(cc[s : s + rows], t):
                     found = (ci, s)
                     break
             if found is not None:
@@ -134,8 +138,10 @@ def _aligned(big: Tensor, small: Tensor) -> list[Tensor]:
 def _close(a: Tensor, b: Tensor, tol: float) -> bool:
     a64, b64 = a.detach().double(), b.detach().double()
     scale = max(float(a64.abs().max()) if a64.numel() else 0.0, float(b64.abs().max()) if b64.numel() else 0.0)
-    return bool(torch.isfinite(a64).all()) and float((a64 - b64).abs().max() if a64.numel() else 0.0) \
-        <= tol * scale + 1e-12
+    return (
+        bool(torch.isfinite(a64).all())
+        and float((a64 - b64).abs().max() if a64.numel() else 0.0) <= tol * scale + 1e-12
+    )
 
 
 @contextmanager
@@ -146,8 +152,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: tuple, tol: float
-             ) -> Optional[str]:
+def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: tuple, tol: float) -> Optional[str]:
     """None if the example's row (``sliced``) and the example collated alone give the same outputs and gradients.
 
     Returns what differs (``"output"`` or ``"gradient"``).
@@ -170,8 +175,9 @@ def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: t
         loss_s = sum((v * r).sum() for v, r in zip(picked, rs))
         loss_a = sum((a * r).sum() for a, r in zip(out_a, rs))
         ps = [p for p in params if p.requires_grad]
-        if not ps or not (isinstance(loss_s, Tensor) and isinstance(loss_a, Tensor)
-                          and loss_s.requires_grad and loss_a.requires_grad):
+        if not ps or not (
+            isinstance(loss_s, Tensor) and isinstance(loss_a, Tensor) and loss_s.requires_grad and loss_a.requires_grad
+        ):
             return None
         g_s = torch.autograd.grad(loss_s, ps, allow_unused=True)
         g_a = torch.autograd.grad(loss_a, ps, allow_unused=True)
@@ -183,8 +189,16 @@ def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: t
     return None
 
 
-def check_collate(model: nn.Module, args, kwargs, rows: int, probe: CollateProbe, params: Sequence[Tensor],
-                  modes: Optional[Sequence[bool]] = None, quiet: Optional[Callable[[bool], Any]] = None) -> bool:
+def check_collate(
+    model: nn.Module,
+    args,
+    kwargs,
+    rows: int,
+    probe: CollateProbe,
+    params: Sequence[Tensor],
+    modes: Optional[Sequence[bool]] = None,
+    quiet: Optional[Callable[[bool], Any]] = None,
+) -> bool:
     """Refuse a model whose examples depend on each other through the collate (module docstring).
 
     Args:
@@ -236,7 +250,7 @@ def check_collate(model: nn.Module, args, kwargs, rows: int, probe: CollateProbe
                     a = alone_leaves[mapping[j]].to(device=t.device, dtype=t.dtype)
                     if a.dim() != t.dim() or a.shape[0] != 1:
                         return compared > 0
-                    s = t[i:i + 1].detach()
+                    s = t[i : i + 1].detach()
                     differs = differs or a.shape != s.shape or not torch.equal(a, s)
                     a_flat.append(a)
                     s_flat.append(s)
@@ -259,7 +273,8 @@ def check_collate(model: nn.Module, args, kwargs, rows: int, probe: CollateProbe
                         "positions (attention_mask, a masked mean over the true lengths), read the last real "
                         "step (pack_padded_sequence with the true lengths, or h[i, length_i - 1]), or pad every "
                         "batch to one fixed length (collate_fn padding to the dataset's maximum length); nothing "
-                        "was released")
+                        "was released"
+                    )
                 compared += 1
                 if compared >= MAX_EXAMPLES:
                     break
@@ -287,8 +302,12 @@ def probe_loader(loader, capture: Any, views: int = 1, view_fn: Optional[Callabl
         ``num_workers > 0``: the items would stay in the worker processes;
         FSDP's capture).
     """
-    if views > 1 or view_fn is not None or not getattr(capture, "checks_collate", False) \
-            or getattr(loader, "num_workers", 0) > 0:
+    if (
+        views > 1
+        or view_fn is not None
+        or not getattr(capture, "checks_collate", False)
+        or getattr(loader, "num_workers", 0) > 0
+    ):
         return None
     probe = CollateProbe(loader.collate_fn)
     loader.collate_fn = probe

@@ -102,6 +102,7 @@ _no_autocast = no_autocast
 
 __all__ = ["FastPerSampleGrads", "PerSampleEngine", "fast_per_sample_gradients", "get_engine"]
 
+
 # --------------------------------------------------------------------------- the source
 class FastPerSampleGrads:
     """Per-sample source in factored form (private): same interface as :class:`~dpopt.engine.reference.PerSampleGrads`.
@@ -130,9 +131,17 @@ class FastPerSampleGrads:
     two calls (within its :class:`~dpopt.engine.layers.Budget`).
     """
 
-    def __init__(self, blocks: Sequence, shapes: Sequence[torch.Size], batch_size: int,
-                 dtype: torch.dtype, device: torch.device, *, params: Optional[Sequence[Tensor]] = None,
-                 points: Optional[Sequence[EvaluationPoint]] = None):
+    def __init__(
+        self,
+        blocks: Sequence,
+        shapes: Sequence[torch.Size],
+        batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        params: Optional[Sequence[Tensor]] = None,
+        points: Optional[Sequence[EvaluationPoint]] = None,
+    ):
         self.blocks = list(blocks)
         self.params = None if params is None else tuple(params)
         self.points = None if points is None else tuple(points)
@@ -143,8 +152,10 @@ class FastPerSampleGrads:
         if covered != list(range(len(self.shapes))):  # an engine invariant (tied parameters: engine.tied)
             twice = sorted({i for i in covered if covered.count(i) > 1})
             missing = sorted(set(range(len(self.shapes))) - set(covered))
-            raise ValueError(f"internal error: per-sample blocks cover trainable parameters {twice} more than once "
-                             f"and miss {missing} (indices in named_parameters order of the trainable ones)")
+            raise ValueError(
+                f"internal error: per-sample blocks cover trainable parameters {twice} more than once "
+                f"and miss {missing} (indices in named_parameters order of the trainable ones)"
+            )
         self._bad: Optional[Tensor] = None
         self._freed = False
 
@@ -160,8 +171,10 @@ class FastPerSampleGrads:
 
     def _check(self) -> None:
         if self._freed:
-            raise RuntimeError("this per-sample source was freed (sources from an iterator are valid "
-                               "until the next one is requested); consume them one at a time")
+            raise RuntimeError(
+                "this per-sample source was freed (sources from an iterator are valid "
+                "until the next one is requested); consume them one at a time"
+            )
 
     @staticmethod
     def _geo(geometry: ClipGeometry, i: int):
@@ -199,7 +212,7 @@ class FastPerSampleGrads:
         for i, (v, k) in enumerate(zip(per_param, groups)):
             if any_bad:
                 m, b = self._geo(geometry, i)
-                zero = ((m / b) if (m is not None and b is not None) else m)
+                zero = (m / b) if (m is not None and b is not None) else m
                 zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
                 v = torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
             out[:, k] += v
@@ -220,8 +233,7 @@ class FastPerSampleGrads:
             _ = self.nonfinite
         bad = self._bad if bool(self._bad.any()) else None  # type: ignore[union-attr]
         coefs = [weights[:, k].to(self.dtype) for k in groups]
-        masked = [torch.where(bad, torch.zeros((), dtype=c.dtype), c) if bad is not None else c
-                  for c in coefs]
+        masked = [torch.where(bad, torch.zeros((), dtype=c.dtype), c) if bad is not None else c for c in coefs]
         out: list[Optional[Tensor]] = [None] * self.num_params
         for blk in self.blocks:
             sums = blk.grad_sums([masked[i] for i in blk.index], bad)
@@ -251,6 +263,7 @@ class FastPerSampleGrads:
 # --------------------------------------------------------------------------- capture
 def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
     """ℓ_r = loss_fn(out[r:r+1], y[r:r+1]) for all rows r, shape ``[n]`` (vmap; loop if vmap fails)."""
+
     def one(o: Tensor, t: Tensor) -> Tensor:
         return example_loss(loss_fn(o.unsqueeze(0), t.unsqueeze(0)))
 
@@ -301,8 +314,15 @@ class PerSampleEngine:
         ValueError: ``rows_per_example`` < 1.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, verify: bool = True,
-                 chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, rows_per_example: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        verify: bool = True,
+        chunk_bytes: int = 16 << 20,
+        cache_bytes: int = 256 << 20,
+        rows_per_example: int = 1,
+    ):
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         self.plan = Plan(model, chunk_bytes, cache_bytes)
@@ -392,10 +412,14 @@ class PerSampleEngine:
 
     def _demote_bare(self, others: dict) -> None:
         for i, (m, op) in others.items():
-            warnings.warn(f"parameter {self.names[i]!r} is used by {op} in the forward of "
-                          f"{self.plan.name_of(m)!r} ({type(m).__name__}); a bare parameter is captured "
-                          "per example only as P.expand(B, ...) or X + P (broadcast over the batch), so it uses the "
-                          "exact per-example torch.func path", RuntimeWarning, stacklevel=5)
+            warnings.warn(
+                f"parameter {self.names[i]!r} is used by {op} in the forward of "
+                f"{self.plan.name_of(m)!r} ({type(m).__name__}); a bare parameter is captured "
+                "per example only as P.expand(B, ...) or X + P (broadcast over the batch), so it uses the "
+                "exact per-example torch.func path",
+                RuntimeWarning,
+                stacklevel=5,
+            )
         self._demote(list(others))
 
     def _demote_layers(self, bad: dict) -> None:
@@ -405,16 +429,24 @@ class PerSampleEngine:
 
     def _demote_all(self, shape) -> None:
         if self.modules:
-            warnings.warn(f"the model's output ({trailing(shape)}) does not have the examples along dim 0; all its "
-                          "parameters use the per-example torch.func path", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"the model's output ({trailing(shape)}) does not have the examples along dim 0; all its "
+                "parameters use the per-example torch.func path",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             self._demote([i for own in self.modules.values() for i in own.values()])
 
     def _demote_mixing(self, indices: list, why: str) -> None:
-        warnings.warn(f"fast per-sample rules do not reproduce the per-example gradients of "
-                      f"{[self.names[i] for i in indices]} ({why}); they use the exact per-example path from now "
-                      "on, where each example's gradient is computed with the model seeing that example alone: a "
-                      "layer that mixes examples then behaves per example, not per batch, in the private "
-                      "gradients", RuntimeWarning, stacklevel=5)
+        warnings.warn(
+            f"fast per-sample rules do not reproduce the per-example gradients of "
+            f"{[self.names[i] for i in indices]} ({why}); they use the exact per-example path from now "
+            "on, where each example's gradient is computed with the model seeing that example alone: a "
+            "layer that mixes examples then behaves per example, not per batch, in the private "
+            "gradients",
+            RuntimeWarning,
+            stacklevel=5,
+        )
         self._demote(indices)
 
     # -- verification (dpopt.engine.capture.Recorder.check) ----------------------------
@@ -422,7 +454,8 @@ class PerSampleEngine:
     def verified(self) -> bool:
         """True if the model's current train/eval mode (of every submodule) has been checked (or ``verify=False``)."""
         return not self._modes.needed(mode_signature(self.model)) and (
-            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0)
+            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0
+        )
 
     def _verify(self, x: Tensor, y: Tensor, key=None) -> None:
         """Once per mode signature: does every fast rule give the per-example gradients? Demote those that do not.
@@ -459,7 +492,8 @@ class PerSampleEngine:
                 self._modes.done(sig)
                 return
             finite = torch.isfinite(_per_example_losses(self.loss_fn, out, y)) & torch.isfinite(
-                out.reshape(out.shape[0], -1)).all(1)
+                out.reshape(out.shape[0], -1)
+            ).all(1)
         keep = torch.nonzero(finite.reshape(-1, k).all(1)).flatten()[:8]
         if keep.numel() < 2:  # one example tiled up cannot reveal a forward that mixes examples: wait
             return
@@ -499,8 +533,11 @@ class PerSampleEngine:
             raise alone_failed(err.__cause__ or err) from err  # type: ignore[arg-type]
         tol = rtol(self.dtype, self.device)
         scale = layer_scales(dict(enumerate(loop)), self.names)  # relative to the layer: exact zeros agree
-        off = [n for i, (n, a, b) in enumerate(zip(self.names, v, loop))
-               if not float((a - b).norm()) <= tol * float(scale[i].sum().sqrt()) + 1e-30]
+        off = [
+            n
+            for i, (n, a, b) in enumerate(zip(self.names, v, loop))
+            if not float((a - b).norm()) <= tol * float(scale[i].sum().sqrt()) + 1e-30
+        ]
         if off:
             use_loop(model, f"torch.func.vmap disagreed with single-example autograd on {off}")
 
@@ -530,13 +567,17 @@ class PerSampleEngine:
                     return
                 continue
             if off:
-                self._demote_mixing(off, "the forward mixes examples in this mode (e.g. batch statistics under "
-                                         "model.train()), or a parameter is used outside its module's forward")
+                self._demote_mixing(
+                    off,
+                    "the forward mixes examples in this mode (e.g. batch statistics under "
+                    "model.train()), or a parameter is used outside its module's forward",
+                )
             return
 
     # -- public ------------------------------------------------------------------------
-    def compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]] = None,
-                batch_dim: int = 0) -> FastPerSampleGrads:
+    def compute(
+        self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]] = None, batch_dim: int = 0
+    ) -> FastPerSampleGrads:
         """Per-sample source for the examples of ``x`` (rows along ``batch_dim``) and ``y [n, ...]`` (n may be 0).
 
         Args:
@@ -565,8 +606,9 @@ class PerSampleEngine:
         grads = per_sample_gradient_tensors(self.model, self.loss_fn, x, y, pts, names=names, batch_dim=batch_dim)
         return grads if k == 1 else [g.reshape(g.shape[0] // k, k, *g.shape[1:]).mean(1) for g in grads]
 
-    def _compute(self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]],
-                 batch_dim: int) -> FastPerSampleGrads:
+    def _compute(
+        self, x: Tensor, y: Tensor, points: Optional[Sequence[EvaluationPoint]], batch_dim: int
+    ) -> FastPerSampleGrads:
         bd = check_inputs(x, y, batch_dim)
         pts = tuple(points) if points else (EvaluationPoint(1.0),)
         n = int(y.shape[0])
@@ -591,19 +633,26 @@ class PerSampleEngine:
             self._demote_layers(bad)
             return self._compute(x, y, pts, batch_dim)
         with no_autocast(self.device):
-            blocks = self.plan.blocks([(c, c.grads[0]) for c in calls if c.fast], n,
-                                      Budget(self.chunk_bytes, self.cache_bytes), self.views)
+            blocks = self.plan.blocks(
+                [(c, c.grads[0]) for c in calls if c.fast], n, Budget(self.chunk_bytes, self.cache_bytes), self.views
+            )
         if self.fallback:
             blocks.append(DirectBlock(self.fallback, self._reference(x, y, pts, self.fallback_names)))
         return self._source(blocks, b, pts)
 
     def _source(self, blocks: list, b: int, pts: tuple) -> FastPerSampleGrads:
-        return FastPerSampleGrads(blocks, [p.shape for p in self.params], b, self.dtype, self.device,
-                                  params=tuple(self.params), points=pts)
+        return FastPerSampleGrads(
+            blocks, [p.shape for p in self.params], b, self.dtype, self.device, params=tuple(self.params), points=pts
+        )
 
-    def iterate(self, x: Tensor, y: Tensor, physical_batch_size: Optional[int] = None,
-                points: Optional[Sequence[EvaluationPoint]] = None,
-                batch_dim: int = 0) -> Iterator[FastPerSampleGrads]:
+    def iterate(
+        self,
+        x: Tensor,
+        y: Tensor,
+        physical_batch_size: Optional[int] = None,
+        points: Optional[Sequence[EvaluationPoint]] = None,
+        batch_dim: int = 0,
+    ) -> Iterator[FastPerSampleGrads]:
         """Yield sources for chunks of at most ``physical_batch_size`` examples, lazily.
 
         Each source is freed when the next one is requested, so at most one
@@ -622,8 +671,14 @@ class PerSampleEngine:
         check_views(int(y.shape[0]), self.views)
         return self._chunks(x, y, physical_batch_size, points, bd)
 
-    def _chunks(self, x: Tensor, y: Tensor, physical_batch_size: Optional[int],
-                points: Optional[Sequence[EvaluationPoint]], bd: int) -> Iterator[FastPerSampleGrads]:
+    def _chunks(
+        self,
+        x: Tensor,
+        y: Tensor,
+        physical_batch_size: Optional[int],
+        points: Optional[Sequence[EvaluationPoint]],
+        bd: int,
+    ) -> Iterator[FastPerSampleGrads]:
         n = int(y.shape[0])
         size = physical_batch_size * self.views if physical_batch_size else max(n, 1)
         if n == 0:
@@ -635,7 +690,7 @@ class PerSampleEngine:
                 prev.free()
                 prev = None
             m = min(size, n - s)
-            src = self.compute(x.narrow(bd, s, m), y[s:s + m], points, bd)
+            src = self.compute(x.narrow(bd, s, m), y[s : s + m], points, bd)
             prev = src
             yield src
         if prev is not None:
@@ -662,9 +717,15 @@ def get_engine(model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1) -> 
     return eng
 
 
-def fast_per_sample_gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor,
-                              points: Optional[Sequence[EvaluationPoint]] = None,
-                              batch_dim: int = 0, rows_per_example: int = 1) -> FastPerSampleGrads:
+def fast_per_sample_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    points: Optional[Sequence[EvaluationPoint]] = None,
+    batch_dim: int = 0,
+    rows_per_example: int = 1,
+) -> FastPerSampleGrads:
     """Fast counterpart of :func:`dpopt.engine.reference.per_sample_gradients` (same arguments).
 
     Returns a :class:`FastPerSampleGrads` whose ``sq_norms``/``weighted_sum``

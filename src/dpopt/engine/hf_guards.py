@@ -19,13 +19,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_hf", "refuse_batch_loss", "refuse_checkpointing", "CheckpointGuard", "in_backward", "recomputed",
-           "PER_EXAMPLE_FORM"]
+__all__ = [
+    "is_hf",
+    "refuse_batch_loss",
+    "refuse_checkpointing",
+    "CheckpointGuard",
+    "in_backward",
+    "recomputed",
+    "PER_EXAMPLE_FORM",
+]
 
-PER_EXAMPLE_FORM = ("logits = model(input_ids=ids, attention_mask=mask).logits; "
-                    "loss = dpopt.losses.per_example_lm_loss(logits, labels).mean()  (PrivacyEngine, "
-                    "loss_reduction='mean'; .sum() for 'sum'), or loss_fn=dpopt.losses.per_example_lm_loss in "
-                    "dpopt's own loop")
+PER_EXAMPLE_FORM = (
+    "logits = model(input_ids=ids, attention_mask=mask).logits; "
+    "loss = dpopt.losses.per_example_lm_loss(logits, labels).mean()  (PrivacyEngine, "
+    "loss_reduction='mean'; .sum() for 'sum'), or loss_fn=dpopt.losses.per_example_lm_loss in "
+    "dpopt's own loop"
+)
 
 
 def is_hf(module: nn.Module) -> bool:
@@ -41,16 +50,20 @@ def refuse_batch_loss(module: nn.Module, kwargs: dict) -> None:
     """
     given = [k for k in ("labels", "num_items_in_batch") if kwargs.get(k) is not None]
     if given and is_hf(module):
-        raise ValueError(f"{type(module).__name__} was called with {given}: its built-in .loss averages over all "
-                         "tokens of the batch (num_items_in_batch: of the accumulated batch), so each example's "
-                         "gradient depends on the other examples' lengths and per-example clipping would not bound "
-                         f"the sensitivity. Compute the loss per example instead: {PER_EXAMPLE_FORM}")
+        raise ValueError(
+            f"{type(module).__name__} was called with {given}: its built-in .loss averages over all "
+            "tokens of the batch (num_items_in_batch: of the accumulated batch), so each example's "
+            "gradient depends on the other examples' lengths and per-example clipping would not bound "
+            f"the sensitivity. Compute the loss per example instead: {PER_EXAMPLE_FORM}"
+        )
 
 
 def _checkpointing_message(name: str, module: nn.Module) -> str:
-    return (f"gradient checkpointing is enabled on {name or '<root>'!r} ({type(module).__name__}): it re-runs layer "
-            "forwards inside the backward pass, which the per-sample capture would record twice (or not at all). "
-            "Call model.gradient_checkpointing_disable() (use a smaller physical batch size to save memory instead)")
+    return (
+        f"gradient checkpointing is enabled on {name or '<root>'!r} ({type(module).__name__}): it re-runs layer "
+        "forwards inside the backward pass, which the per-sample capture would record twice (or not at all). "
+        "Call model.gradient_checkpointing_disable() (use a smaller physical batch size to save memory instead)"
+    )
 
 
 def _flagged(module: nn.Module) -> bool:
@@ -112,7 +125,9 @@ def in_backward() -> bool:
 
 def recomputed(name: str, module: nn.Module) -> ValueError:
     """The refusal of a layer (or tapped map) called inside a backward pass (:func:`in_backward`), both doors."""
-    return ValueError(f"layer {name!r} ({type(module).__name__}) ran inside the backward pass (activation/gradient "
-                      "checkpointing recomputes forwards there), which the per-sample capture would record twice; "
-                      "disable checkpointing (model.gradient_checkpointing_disable()) and use a smaller batch to "
-                      "save memory")
+    return ValueError(
+        f"layer {name!r} ({type(module).__name__}) ran inside the backward pass (activation/gradient "
+        "checkpointing recomputes forwards there), which the per-sample capture would record twice; "
+        "disable checkpointing (model.gradient_checkpointing_disable()) and use a smaller batch to "
+        "save memory"
+    )

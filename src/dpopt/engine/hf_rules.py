@@ -31,19 +31,33 @@ from .rules import LAZY_RULES, RULES, LayerCalls, register_rule
 
 __all__ = ["HF_RMS_NORMS", "register"]
 
-HF_RMS_NORMS = ("llama.modeling_llama.LlamaRMSNorm", "mistral.modeling_mistral.MistralRMSNorm",
-                "qwen2.modeling_qwen2.Qwen2RMSNorm")
+HF_RMS_NORMS = (
+    "llama.modeling_llama.LlamaRMSNorm",
+    "mistral.modeling_mistral.MistralRMSNorm",
+    "qwen2.modeling_qwen2.Qwen2RMSNorm",
+)
 """RMSNorm classes given the rule if their ``forward`` is LlamaRMSNorm's code."""
 
 
 def _conv1d(layer: LayerCalls) -> list:
     b, blocks = layer.batch_size, []
     if "weight" in layer.index:  # W [nx, nf]: g_i = Σ_t a_it e_itᵀ = LinearPart with a and e swapped
-        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
-                                    [LinearPart(e, a) for a, e in layer.calls], layer.budget, b))
+        blocks.append(
+            FactoredBlock(
+                layer.index["weight"],
+                layer.shapes["weight"],
+                [LinearPart(e, a) for a, e in layer.calls],
+                layer.budget,
+                b,
+            )
+        )
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]],  # type: ignore[arg-type]
-                                  [cast(Any, sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls))]))
+        blocks.append(
+            DirectBlock(
+                [layer.index["bias"]],  # type: ignore[arg-type]
+                [cast(Any, sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls))],
+            )
+        )
     return blocks
 
 
@@ -52,8 +66,20 @@ def _rms(layer: LayerCalls) -> list:
     if "weight" not in layer.index:
         return []
     shape = tuple(layer.shapes["weight"])
-    return [DirectBlock([layer.index["weight"]], [cast(Any, sum(rms_norm_grads(a, e, shape, cast(float, m.variance_epsilon), upcast=True)
-                                                      for a, e in layer.calls))])]
+    return [
+        DirectBlock(
+            [layer.index["weight"]],
+            [
+                cast(
+                    Any,
+                    sum(
+                        rms_norm_grads(a, e, shape, cast(float, m.variance_epsilon), upcast=True)
+                        for a, e in layer.calls
+                    ),
+                )
+            ],
+        )
+    ]
 
 
 def _load(path: str):
@@ -78,6 +104,7 @@ def _types() -> list:
     if not _TYPES:
         try:
             from transformers.pytorch_utils import Conv1D
+
             _TYPES.append((Conv1D, _conv1d, None))
         except Exception:  # noqa: BLE001 — a transformers without Conv1D
             pass

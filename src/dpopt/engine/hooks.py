@@ -122,8 +122,15 @@ class HookCapture:
 
     checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
 
-    def __init__(self, model: nn.Module, loss_reduction: str = "mean", verify: bool = True,
-                 chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, rows_per_example: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_reduction: str = "mean",
+        verify: bool = True,
+        chunk_bytes: int = 16 << 20,
+        cache_bytes: int = 256 << 20,
+        rows_per_example: int = 1,
+    ):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
@@ -141,8 +148,7 @@ class HookCapture:
         self.vjp: dict[nn.Module, dict[str, int]] = self.plan.vjp_owners()
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
-        self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True,
-                             hook_bare_owners=True).attach()
+        self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True).attach()
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
 
@@ -193,24 +199,34 @@ class HookCapture:
         self._rec.recheck_buffers()  # by value, after the backward: a backward hook's write is refused too
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size
-            warnings.warn("optimizer.step() after a forward pass but without loss.backward(): this step releases "
-                          "pure noise (and is charged)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "optimizer.step() after a forward pass but without loss.backward(): this step releases "
+                "pure noise (and is charged)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         passes = {id(c.pass_): c.pass_ for c in done}
         if None in passes.values():
             names = sorted({self._name(c.module) for c in done if c.pass_ is None})
-            raise ValueError(f"layers {names} were called outside the model's forward (not as part of "
-                             "model(...)); call the model that was made private")
+            raise ValueError(
+                f"layers {names} were called outside the model's forward (not as part of "
+                "model(...)); call the model that was made private"
+            )
         if len(passes) + late > 1:
-            raise ValueError(f"{len(passes) + late} forward passes of the model received gradients since the last "
-                             "optimizer step; the hook engine supports one forward and one backward per step "
-                             "(it cannot tell two views of the same examples from different examples). "
-                             "Concatenate the inputs into one forward pass (K views of each example as K "
-                             "consecutive rows: rows_per_example=K), or step after each backward")
+            raise ValueError(
+                f"{len(passes) + late} forward passes of the model received gradients since the last "
+                "optimizer step; the hook engine supports one forward and one backward per step "
+                "(it cannot tell two views of the same examples from different examples). "
+                "Concatenate the inputs into one forward pass (K views of each example as K "
+                "consecutive rows: rows_per_example=K), or step after each backward"
+            )
         if late:
-            raise ValueError("a forward pass received its gradients after another forward pass had started (its "
-                             "recorded activations were dropped then, as unused); the hook engine supports one "
-                             "forward and one backward per step: run loss.backward() before the next forward pass "
-                             "(and evaluate under torch.no_grad())")
+            raise ValueError(
+                "a forward pass received its gradients after another forward pass had started (its "
+                "recorded activations were dropped then, as unused); the hook engine supports one "
+                "forward and one backward per step: run loss.backward() before the next forward pass "
+                "(and evaluate under torch.no_grad())"
+            )
         if not done:
             return self._empty()
         p = next(iter(passes.values()))
@@ -220,8 +236,16 @@ class HookCapture:
         if self._modes.needed(key) and p.batch_size >= 2 * self.views:
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
                 if self.collate_probe is not None:  # before the signature is marked checked: examples collated alone
-                    check_collate(self.model, p.args, p.kwargs, p.batch_size, self.collate_probe, self.params,
-                                  p.modes, self._quiet)
+                    check_collate(
+                        self.model,
+                        p.args,
+                        p.kwargs,
+                        p.batch_size,
+                        self.collate_probe,
+                        self.params,
+                        p.modes,
+                        self._quiet,
+                    )
                 self._verify(p, key)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
@@ -230,8 +254,15 @@ class HookCapture:
         return self._source(blocks, 0)
 
     def _source(self, blocks: list, b: int) -> FastPerSampleGrads:
-        return FastPerSampleGrads(blocks, [q.shape for q in self.params], b, self.plan.dtype, self.plan.device,
-                                  params=tuple(self.params), points=(EvaluationPoint(1.0),))
+        return FastPerSampleGrads(
+            blocks,
+            [q.shape for q in self.params],
+            b,
+            self.plan.dtype,
+            self.plan.device,
+            params=tuple(self.params),
+            points=(EvaluationPoint(1.0),),
+        )
 
     def _layout_error(self, module: nn.Module, ins, outs) -> ValueError:
         return ValueError(
@@ -240,19 +271,21 @@ class HookCapture:
             "is the private batch's size); the hook engine of PrivacyEngine needs every layer that owns a "
             "trainable parameter to take and return tensors with the examples along dim 0 (batch_first=True, "
             "position ids expanded to [B, T], no reshape(B*T, ...)). Otherwise train with dpopt's own loop "
-            "(dpopt.iter_per_sample_sources with batch_dim=...), which computes each example alone")
+            "(dpopt.iter_per_sample_sources with batch_dim=...), which computes each example alone"
+        )
 
     def _check_layout(self, calls: list[Call], rows: int) -> None:
         bad = self._rec.layout(calls, rows)
         for m, (ins, outs) in bad.items():
             raise self._layout_error(m, ins, outs)
         for c in self._rec.inputs_modified(calls):
-            raise ValueError(f"an input of layer {self._name(c.module)!r} was modified in place "
-                             "after the layer used it; per-sample gradients would be computed from the "
-                             "modified values. Avoid in-place operations on layer inputs (e.g. inplace=True)")
+            raise ValueError(
+                f"an input of layer {self._name(c.module)!r} was modified in place "
+                "after the layer used it; per-sample gradients would be computed from the "
+                "modified values. Avoid in-place operations on layer inputs (e.g. inplace=True)"
+            )
 
-    def _build(self, calls: list[Call], rows: int, reduction: str, other: Optional[dict] = None
-               ) -> FastPerSampleGrads:
+    def _build(self, calls: list[Call], rows: int, reduction: str, other: Optional[dict] = None) -> FastPerSampleGrads:
         if rows == 0:
             return self._empty()
         b = check_views(rows, self.views)
@@ -275,7 +308,8 @@ class HookCapture:
     def verified(self) -> bool:
         """True if the model's current train/eval mode and module state were checked (any size class; or ``verify=False``)."""
         return not self._modes.needed(mode_signature(self.model)) and (
-            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0)
+            not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0
+        )
 
     def _verify(self, p: Pass, key=None) -> None:
         """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
@@ -314,27 +348,34 @@ class HookCapture:
     def _verify_at(self, inputs, n: int, compare: Optional[int] = None) -> None:
         args, kwargs = inputs
         try:
-            bad, off = self._rec.check(args, kwargs, n, self.views, self._run_check, params=self.params,
-                                       compare=compare)
+            bad, off = self._rec.check(
+                args, kwargs, n, self.views, self._run_check, params=self.params, compare=compare
+            )
         except OutputLayout as err:
-            raise ValueError(f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "
-                             f"{n}); the hook engine needs [B, ...] outputs") from None
+            raise ValueError(
+                f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "
+                f"{n}); the hook engine needs [B, ...] outputs"
+            ) from None
         except Unreplayable as err:
-            raise ValueError(f"{err}; the hook engine of PrivacyEngine cannot check this model against "
-                             "single-example autograd in the mode it trains in. Use dpopt's own loop "
-                             "(dpopt.iter_per_sample_sources), which computes each example alone") from None
+            raise ValueError(
+                f"{err}; the hook engine of PrivacyEngine cannot check this model against "
+                "single-example autograd in the mode it trains in. Use dpopt's own loop "
+                "(dpopt.iter_per_sample_sources), which computes each example alone"
+            ) from None
         for m, (ins, outs) in bad.items():
             raise self._layout_error(m, ins, outs)
         if off:
             mode = "train" if self.model.training else "eval"
-            raise ValueError(f"per-sample gradients of {sorted(self.names[i] for i in off)} captured from the "
-                             f"backward pass do not match single-example autograd in the mode the model trains in "
-                             f"(model.{mode}()): the forward mixes examples (e.g. batch statistics under "
-                             "model.train(), as in `if self.training: h = h - h.mean(0)`), or a parameter is used "
-                             "outside its module's forward (e.g. F.linear(x, self.fc.weight) in a parent module). "
-                             "The hook engine of PrivacyEngine cannot train this model privately; use dpopt's own "
-                             "loop (dpopt.iter_per_sample_sources), which computes each example alone (a mixing "
-                             "layer then behaves per example, not per batch)")
+            raise ValueError(
+                f"per-sample gradients of {sorted(self.names[i] for i in off)} captured from the "
+                f"backward pass do not match single-example autograd in the mode the model trains in "
+                f"(model.{mode}()): the forward mixes examples (e.g. batch statistics under "
+                "model.train(), as in `if self.training: h = h - h.mean(0)`), or a parameter is used "
+                "outside its module's forward (e.g. F.linear(x, self.fc.weight) in a parent module). "
+                "The hook engine of PrivacyEngine cannot train this model privately; use dpopt's own "
+                "loop (dpopt.iter_per_sample_sources), which computes each example alone (a mixing "
+                "layer then behaves per example, not per batch)"
+            )
 
 
 def grad_sample_source(params: Sequence[Tensor]) -> Optional[PerSampleGrads]:
@@ -357,16 +398,20 @@ def grad_sample_source(params: Sequence[Tensor]) -> Optional[PerSampleGrads]:
         return None
     if not all(have):
         missing = [tuple(p.shape) for p, h in zip(params, have) if not h]
-        raise ValueError(f"p.grad_sample is set on some trainable parameters but not on those of shapes {missing}; "
-                         "every trainable parameter needs its per-sample gradients")
+        raise ValueError(
+            f"p.grad_sample is set on some trainable parameters but not on those of shapes {missing}; "
+            "every trainable parameter needs its per-sample gradients"
+        )
     grads = []
     for p in params:
         g = p.grad_sample  # type: ignore[attr-defined]
         if isinstance(g, (list, tuple)):  # Opacus keeps a list when a layer was called several times
             g = sum(g)
         if g.dim() != p.dim() + 1 or tuple(g.shape[1:]) != tuple(p.shape):
-            raise ValueError(f"p.grad_sample must have shape [B, *p.shape]; got {tuple(g.shape)} for a parameter "
-                             f"of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"p.grad_sample must have shape [B, *p.shape]; got {tuple(g.shape)} for a parameter "
+                f"of shape {tuple(p.shape)}"
+            )
         grads.append(g.detach())
     if len({int(g.shape[0]) for g in grads}) != 1:
         raise ValueError("p.grad_sample tensors have different batch sizes")

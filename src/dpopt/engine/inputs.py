@@ -14,8 +14,20 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["LossFn", "LossShapeError", "check_inputs", "buffers_unchanged", "example_loss", "snapshot_buffers",
-           "changed_buffers", "restore_buffers", "check_buffers", "preserved_state", "BufferWrite", "guarded_buffers"]
+__all__ = [
+    "LossFn",
+    "LossShapeError",
+    "check_inputs",
+    "buffers_unchanged",
+    "example_loss",
+    "snapshot_buffers",
+    "changed_buffers",
+    "restore_buffers",
+    "check_buffers",
+    "preserved_state",
+    "BufferWrite",
+    "guarded_buffers",
+]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss_fn(out_i, target[1, ...]) -> scalar``: the loss of one example (its model output and target)."""
@@ -35,10 +47,12 @@ def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
             (never a silent cut).
     """
     if isinstance(x, PackedSequence):
-        raise ValueError("PackedSequence inputs are not supported: pass the padded tensor (examples along "
-                         "batch_dim, e.g. [B, T, ...]) and call pack_padded_sequence inside the model's "
-                         "forward, with the lengths derived from the padded tensor (each example is then "
-                         "packed alone by the per-example path)")
+        raise ValueError(
+            "PackedSequence inputs are not supported: pass the padded tensor (examples along "
+            "batch_dim, e.g. [B, T, ...]) and call pack_padded_sequence inside the model's "
+            "forward, with the lengths derived from the padded tensor (each example is then "
+            "packed alone by the per-example path)"
+        )
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         raise ValueError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
     if x.dim() == 0 or y.dim() == 0:
@@ -47,9 +61,11 @@ def check_inputs(x: Tensor, y: Tensor, batch_dim: int = 0) -> int:
         raise ValueError(f"batch_dim={batch_dim} is not an axis of x with shape {tuple(x.shape)}")
     bd = batch_dim % x.dim()
     if x.shape[bd] != y.shape[0]:
-        raise ValueError(f"x has {x.shape[bd]} examples along batch_dim={batch_dim} (shape {tuple(x.shape)}) but "
-                         f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
-                         "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])")
+        raise ValueError(
+            f"x has {x.shape[bd]} examples along batch_dim={batch_dim} (shape {tuple(x.shape)}) but "
+            f"y has {y.shape[0]} along dim 0 (shape {tuple(y.shape)}); pass batch_dim= for inputs "
+            "whose examples are not along dim 0 (e.g. batch_dim=1 for sequence-first [T, B, ...])"
+        )
     return bd
 
 
@@ -99,11 +115,13 @@ class _GuardedBuffer(Tensor):
 
     @data.setter
     def data(self, value):
-        raise BufferWrite("the model's forward pass rebinds a buffer (buf.data = ...) while computing per-sample "
-                          "gradients of private examples: its new value would be an un-noised statistic of the "
-                          "private batch, released with the model. Keep buffers constant during training (an "
-                          "EMA/codebook update belongs in parameters trained privately, or outside the private "
-                          "forward)")
+        raise BufferWrite(
+            "the model's forward pass rebinds a buffer (buf.data = ...) while computing per-sample "
+            "gradients of private examples: its new value would be an un-noised statistic of the "
+            "private batch, released with the model. Keep buffers constant during training (an "
+            "EMA/codebook update belongs in parameters trained privately, or outside the private "
+            "forward)"
+        )
 
 
 def guarded_buffers(module: nn.Module) -> dict:
@@ -127,13 +145,15 @@ def check_buffers(model: nn.Module, before: dict) -> None:
     changed = changed_buffers(model, before)
     if changed:
         restore_buffers(model, before)
-        raise BufferWrite(f"the model's forward pass changed its buffers {changed} while computing per-sample "
-                          "gradients of private examples (compared by value: writes through buf.data and from "
-                          "backward hooks count): their new values are un-noised statistics of the "
-                          "private batch and would be released with the model; they were restored. Use layers "
-                          "without tracked statistics (e.g. InstanceNorm with track_running_stats=False, "
-                          "GroupNorm) and keep buffers constant during training (an EMA/codebook update belongs "
-                          "in parameters trained privately, or outside the private forward)")
+        raise BufferWrite(
+            f"the model's forward pass changed its buffers {changed} while computing per-sample "
+            "gradients of private examples (compared by value: writes through buf.data and from "
+            "backward hooks count): their new values are un-noised statistics of the "
+            "private batch and would be released with the model; they were restored. Use layers "
+            "without tracked statistics (e.g. InstanceNorm with track_running_stats=False, "
+            "GroupNorm) and keep buffers constant during training (an EMA/codebook update belongs "
+            "in parameters trained privately, or outside the private forward)"
+        )
 
 
 class LossShapeError(ValueError):
@@ -150,8 +170,10 @@ def example_loss(loss: Tensor) -> Tensor:
         return loss
     if loss.numel() == 1:
         return loss.reshape(())
-    raise LossShapeError(f"loss_fn must return one number per example, got a tensor of shape {tuple(loss.shape)} "
-                     "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)")
+    raise LossShapeError(
+        f"loss_fn must return one number per example, got a tensor of shape {tuple(loss.shape)} "
+        "for a single example; reduce it (e.g. reduction='mean' or 'sum', or .sum() over tokens)"
+    )
 
 
 def _same_values(a: Tensor, b: Tensor) -> bool:
@@ -179,8 +201,14 @@ def snapshot_buffers(model: nn.Module, reuse: Optional[dict] = None) -> dict:
     out = {}
     for name, buf in model.named_buffers():
         old = reuse.get(name)
-        same = (old is not None and len(old) == 4 and old[0] is buf and old[1] == buf._version
-                and old[3] == buf.data_ptr() and _same_values(buf.detach(), old[2]))
+        same = (
+            old is not None
+            and len(old) == 4
+            and old[0] is buf
+            and old[1] == buf._version
+            and old[3] == buf.data_ptr()
+            and _same_values(buf.detach(), old[2])
+        )
         out[name] = old if same else (buf, buf._version, buf.detach().clone(), buf.data_ptr())
     return out
 
@@ -224,8 +252,12 @@ def changed_buffers(model: nn.Module, before: dict) -> list[str]:
             out.append(name)
             continue
         buf, entry = after[name], before[name]
-        if (buf is not entry[0] or buf._version != entry[1] or (len(entry) > 3 and buf.data_ptr() != entry[3])
-                or not _same_values(buf.detach(), entry[2])):
+        if (
+            buf is not entry[0]
+            or buf._version != entry[1]
+            or (len(entry) > 3 and buf.data_ptr() != entry[3])
+            or not _same_values(buf.detach(), entry[2])
+        ):
             out.append(name)
     return sorted(out)
 
@@ -247,8 +279,9 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             (:func:`check_buffers`: names the buffers and the fix); an error
             raised inside the block is re-raised after the restore.
     """
-    devices = sorted({t.device.index or 0 for t in list(model.parameters()) + list(model.buffers())
-                      if t.device.type == "cuda"})
+    devices = sorted(
+        {t.device.index or 0 for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
+    )
     before = snapshot_buffers(model)
     with torch.random.fork_rng(devices=devices):
         try:

@@ -56,8 +56,21 @@ from torch import Tensor
 
 from .shifted_norm import shifted_sq_norms
 
-__all__ = ["Budget", "DirectBlock", "FactoredBlock", "LinearPart", "ConvPart", "SparseRowsBlock",
-           "im2col", "conv_method", "CONV_METHODS", "IM2COL_FAN_IN_UP_TO", "cached_grad_sum", "constant_sq_norms", "GRAM_WITH_CACHE_BELOW"]
+__all__ = [
+    "Budget",
+    "DirectBlock",
+    "FactoredBlock",
+    "LinearPart",
+    "ConvPart",
+    "SparseRowsBlock",
+    "im2col",
+    "conv_method",
+    "CONV_METHODS",
+    "IM2COL_FAN_IN_UP_TO",
+    "cached_grad_sum",
+    "constant_sq_norms",
+    "GRAM_WITH_CACHE_BELOW",
+]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
 
@@ -92,8 +105,7 @@ class Budget:
 
 def _rows(mask: Tensor, t: Tensor) -> Tensor:
     """Zero the rows (examples) of ``t`` where ``mask`` ([B] bool) is True."""
-    return torch.where(mask.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype,
-                                                                           device=t.device), t)
+    return torch.where(mask.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
 def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int) -> Tensor:
@@ -262,12 +274,12 @@ class ConvPart:
     def at(self, s: int, t: int) -> Tensor:
         """Patches of examples s..t−1, ``[b, C·kh·kw, T]``."""
         k = self.views
-        return self._merge(im2col(self._padded(self.x[s * k:t * k]), self.kernel, self.stride, self.dilation))
+        return self._merge(im2col(self._padded(self.x[s * k : t * k]), self.kernel, self.stride, self.dilation))
 
     def et(self, s: int, t: int) -> Tensor:
         """Output gradients of examples s..t−1, ``[b, q, T]``."""
         k = self.views
-        return self._merge(self.e[s * k:t * k].flatten(2))
+        return self._merge(self.e[s * k : t * k].flatten(2))
 
     def _input(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if self.pad is not None:
@@ -285,19 +297,29 @@ class ConvPart:
         """
         k = self.views
         if method == "im2col":  # per row, then the sum over each example's K rows (no transposed copies)
-            a = im2col(self._padded(self.x[s * k:t * k]), self.kernel, self.stride, self.dilation)
-            g = torch.bmm(self.e[s * k:t * k].flatten(2), a.transpose(1, 2))
+            a = im2col(self._padded(self.x[s * k : t * k]), self.kernel, self.stride, self.dilation)
+            g = torch.bmm(self.e[s * k : t * k].flatten(2), a.transpose(1, 2))
             return g if k == 1 else g.reshape(t - s, k, *g.shape[1:]).sum(1)
-        x, padding = self._input(self.x[s * k:t * k])
-        e = self.e[s * k:t * k]
+        x, padding = self._input(self.x[s * k : t * k])
+        e = self.e[s * k : t * k]
         b, cin, q = x.shape[0] // k, x.shape[1], e.shape[1]
         if k > 1:  # [b·K, ...] example-major → [K, b·C, ...]: view v of every example is one batch row
             x = x.reshape(b, k, *x.shape[1:]).transpose(0, 1)
             e = e.reshape(b, k, *e.shape[1:]).transpose(0, 1)
         w = e.new_empty(1).expand(b * q, cin, *self.kernel)
         gw = torch.ops.aten.convolution_backward(
-            e.reshape(k, b * q, *e.shape[-2:]), x.reshape(k, b * cin, *x.shape[-2:]), w, None,
-            list(self.stride), list(padding), list(self.dilation), False, [0, 0], b, [False, True, False])[1]
+            e.reshape(k, b * q, *e.shape[-2:]),
+            x.reshape(k, b * cin, *x.shape[-2:]),
+            w,
+            None,
+            list(self.stride),
+            list(padding),
+            list(self.dilation),
+            False,
+            [0, 0],
+            b,
+            [False, True, False],
+        )[1]
         return gw.reshape(b, q, -1)
 
     def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
@@ -317,9 +339,9 @@ class ConvPart:
         else:
             padding = self.padding
         w = e.new_empty(1).expand(self.weight_shape)
-        gw = torch.ops.aten.convolution_backward(e, x, w, None, list(self.stride), list(padding),
-                                                 list(self.dilation), False, [0, 0], 1,
-                                                 [False, True, False])[1]
+        gw = torch.ops.aten.convolution_backward(
+            e, x, w, None, list(self.stride), list(padding), list(self.dilation), False, [0, 0], 1, [False, True, False]
+        )[1]
         return gw.reshape(self.weight_shape[0], -1)
 
 
@@ -448,8 +470,9 @@ class FactoredBlock:
         ≈ 1e-16 of the same scale.
         """
         out = []
-        step = max(1, min(self.B, self.budget.chunk_bytes //
-                          max(1, (2 * self.T * self.T + (self.p + self.q) * self.T) * 8)))
+        step = max(
+            1, min(self.B, self.budget.chunk_bytes // max(1, (2 * self.T * self.T + (self.p + self.q) * self.T) * 8))
+        )
         for s in range(0, self.B, step):
             t = min(self.B, s + step)
             at = self._cat("at", s, t).double()  # [b, p, T]
@@ -558,7 +581,8 @@ class SparseRowsBlock:
         base = m.double() if b is None else m.double() / b.double()  # [V, D]: w of an untouched row
         base_row = base.square().sum(1)
         untouched = base_row.sum() - self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(
-            0, self.row_ex, base_row[self.row_tok])
+            0, self.row_ex, base_row[self.row_tok]
+        )
         return [(touched + untouched.clamp_min(0.0)).to(dtype)]
 
     def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
@@ -575,8 +599,9 @@ class SparseRowsBlock:
 
 
 # --------------------------------------------------------------------------- norm layers
-def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
-                     stats: Optional[tuple[Tensor, Tensor]] = None, views: int = 1) -> tuple[Tensor, Tensor]:
+def group_norm_grads(
+    x: Tensor, e: Tensor, num_groups: int, eps: float, stats: Optional[tuple[Tensor, Tensor]] = None, views: int = 1
+) -> tuple[Tensor, Tensor]:
     """Per-sample GroupNorm affine gradients ``(dweight [B, C], dbias [B, C])``.
 
     With x̂ = (x − μ_g)·r_g (μ_g, r_g = 1/√(var_g + ε) per example and group,
@@ -610,8 +635,9 @@ def group_norm_grads(x: Tensor, e: Tensor, num_groups: int, eps: float,
     return dw, se
 
 
-def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: float,
-                     stats: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
+def layer_norm_grads(
+    x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: float, stats: Optional[tuple[Tensor, Tensor]] = None
+) -> tuple[Tensor, Tensor]:
     """Per-sample LayerNorm affine gradients, each ``[B, *normalized_shape]``.
 
     dweight = Σ_pos x̂ ⊙ e, dbias = Σ_pos e over the non-normalised,
@@ -629,8 +655,9 @@ def layer_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps:
     return dw, db
 
 
-def rms_norm_grads(x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: Optional[float],
-                   upcast: bool = False) -> Tensor:
+def rms_norm_grads(
+    x: Tensor, e: Tensor, normalized_shape: Sequence[int], eps: Optional[float], upcast: bool = False
+) -> Tensor:
     """Per-sample RMSNorm weight gradients ``[B, *normalized_shape]``: Σ_pos x̂ ⊙ e.
 
     x̂ = x / √(mean(x²) + ε) over the normalised dims (Zhang & Sennrich 2019),

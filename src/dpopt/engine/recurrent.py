@@ -64,8 +64,9 @@ def _cell(kind: str, nonlinearity: str, gi: Tensor, gh: Tensor, h: Tensor, c: Op
     return (torch.tanh(pre) if nonlinearity == "tanh" else torch.relu(pre)), None
 
 
-def _direction(m: nn.RNNBase, record, x: Tensor, layer: int, reverse: bool, h: Tensor, c: Optional[Tensor],
-               valid: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _direction(
+    m: nn.RNNBase, record, x: Tensor, layer: int, reverse: bool, h: Tensor, c: Optional[Tensor], valid: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """One layer and direction over ``x [B, T, D]``: outputs ``[B, T, H]``, final ``h``, ``c``."""
     sfx = f"_l{layer}" + ("_reverse" if reverse else "")
     w_ih, w_hh = getattr(m, "weight_ih" + sfx), getattr(m, "weight_hh" + sfx)
@@ -78,7 +79,7 @@ def _direction(m: nn.RNNBase, record, x: Tensor, layer: int, reverse: bool, h: T
     nonlin = getattr(m, "nonlinearity", "tanh")
     outs: list[Optional[Tensor]] = [None] * t_len
     prev: list[Optional[Tensor]] = [None] * t_len
-    for t in (reversed(range(t_len)) if reverse else range(t_len)):
+    for t in reversed(range(t_len)) if reverse else range(t_len):
         prev[t] = h
         if kind == "GRU":  # [B, 1, 3H]: the recorded tensor itself feeds the cell
             a = h.unsqueeze(1)
@@ -126,8 +127,10 @@ def rnn_forward(m: nn.RNNBase, record, input, hx=None):
         valid = (steps < lengths.unsqueeze(1)).to(x.device)
     else:
         if input.dim() != 3:
-            raise ValueError(f"{type(m).__name__} got an unbatched {input.dim()}-D input: per-sample gradients need "
-                             "batched inputs ([B, T, D] with batch_first=True, or [T, B, D])")
+            raise ValueError(
+                f"{type(m).__name__} got an unbatched {input.dim()}-D input: per-sample gradients need "
+                "batched inputs ([B, T, D] with batch_first=True, or [T, B, D])"
+            )
         x = input if m.batch_first else input.transpose(0, 1)
     b, dirs, hidden = x.shape[0], 2 if m.bidirectional else 1, m.hidden_size
     lstm = m.mode == "LSTM"
@@ -173,8 +176,9 @@ def _rnn(layer: LayerCalls) -> list:
         kind, which, num, rev = _NAME.fullmatch(attr).groups()  # type: ignore[union-attr]
         pairs = by_tag.get((which, int(num), int(rev is not None)), [])
         if kind == "weight":
-            parts = ([LinearPart(torch.cat([a for a, _ in pairs], 1), torch.cat([e for _, e in pairs], 1))]
-                     if pairs else [])
+            parts = (
+                [LinearPart(torch.cat([a for a, _ in pairs], 1), torch.cat([e for _, e in pairs], 1))] if pairs else []
+            )
             blocks.append(FactoredBlock(i, layer.shapes[attr], parts, layer.budget, b))
         else:
             g = sum(e.sum(1) for _, e in pairs) if pairs else layer.calls[0][1].new_zeros((b, *layer.shapes[attr]))

@@ -52,8 +52,14 @@ from ..types import ClipGeometry, EvaluationPoint
 from .check import Unreplayable
 from .inputs import BufferWrite, LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss, guarded_buffers
 
-__all__ = ["PerSampleGrads", "per_sample_gradients", "per_sample_gradient_tensors", "iter_per_sample_gradients",
-           "check_inputs", "METHODS"]
+__all__ = [
+    "PerSampleGrads",
+    "per_sample_gradients",
+    "per_sample_gradient_tensors",
+    "iter_per_sample_gradients",
+    "check_inputs",
+    "METHODS",
+]
 
 METHODS = ("auto", "vmap", "loop")
 
@@ -77,8 +83,13 @@ class PerSampleGrads:
         points: tuple of evaluation points, or None.
     """
 
-    def __init__(self, grads: Sequence[Tensor], *, params: Optional[Sequence[Tensor]] = None,
-                 points: Optional[Sequence[EvaluationPoint]] = None):
+    def __init__(
+        self,
+        grads: Sequence[Tensor],
+        *,
+        params: Optional[Sequence[Tensor]] = None,
+        points: Optional[Sequence[EvaluationPoint]] = None,
+    ):
         grads = list(grads)
         if not grads:
             raise ValueError("PerSampleGrads needs at least one parameter gradient")
@@ -92,8 +103,7 @@ class PerSampleGrads:
             bad |= ~torch.isfinite(g.reshape(b, math.prod(g.shape[1:]))).all(dim=1)
         self.nonfinite = int(bad.sum())
         if self.nonfinite:
-            grads = [torch.where((~bad).view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g))
-                     for g in grads]
+            grads = [torch.where((~bad).view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g)) for g in grads]
         self.grads = grads
         self.batch_size = int(b)
         self.params = None if params is None else tuple(params)
@@ -121,8 +131,9 @@ class PerSampleGrads:
         out = self.grads[0].new_zeros(self.batch_size, num_groups, dtype=torch.float64)
         for i, k in enumerate(groups):
             w = self._w(i, geometry)
-            out[:, k] += torch.linalg.vector_norm(w.reshape(self.batch_size, math.prod(w.shape[1:])), dim=1,
-                                                  dtype=torch.float64).square()
+            out[:, k] += torch.linalg.vector_norm(
+                w.reshape(self.batch_size, math.prod(w.shape[1:])), dim=1, dtype=torch.float64
+            ).square()
         return out.to(self.grads[0].dtype)
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
@@ -147,8 +158,12 @@ def use_loop(model: nn.Module, reason: str) -> None:
     """From now on compute ``model``'s per-example gradients by the exact loop (warns once)."""
     if model not in _LOOP_MODELS:
         _LOOP_MODELS[model] = reason
-        warnings.warn(f"per-example gradients of {type(model).__name__} use an exact loop of single-example "
-                      f"autograd calls (slower than torch.func.vmap): {reason}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"per-example gradients of {type(model).__name__} use an exact loop of single-example "
+            f"autograd calls (slower than torch.func.vmap): {reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _one_example(model: nn.Module, loss_fn: LossFn, batch_dim: int):
@@ -201,11 +216,13 @@ def _vmap_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
     out = vmap(grad(f_sel), in_dims=(None, None, bd, 0), randomness="different")(sel, rest, x, y)
     rebound = _rebound_buffers(model, f.buffers)
     if rebound:
-        raise BufferWrite(f"the model's forward pass rebinds its buffers {rebound} (buf.data = ...) while computing "
-                         "per-sample gradients of private examples: their new values are un-noised statistics "
-                         "of the private batch and would be released with the model. Keep buffers constant "
-                         "during training (an EMA or codebook update belongs outside the private forward, or "
-                         "in parameters trained privately)")
+        raise BufferWrite(
+            f"the model's forward pass rebinds its buffers {rebound} (buf.data = ...) while computing "
+            "per-sample gradients of private examples: their new values are un-noised statistics "
+            "of the private batch and would be released with the model. Keep buffers constant "
+            "during training (an EMA or codebook update belongs outside the private forward, or "
+            "in parameters trained privately)"
+        )
     return out
 
 
@@ -218,15 +235,20 @@ def _loop_grads(model, loss_fn, sel: dict, rest: dict, x: Tensor, y: Tensor, bd:
         try:
             with torch.enable_grad():
                 out = functional_call(model, ({**rest, **leaves}, buffers), (x.narrow(bd, i, 1),))
-                loss = example_loss(loss_fn(out, y[i:i + 1]))
-                gs = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-                      if loss.requires_grad else [None] * len(leaves))
+                loss = example_loss(loss_fn(out, y[i : i + 1]))
+                gs = (
+                    torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                    if loss.requires_grad
+                    else [None] * len(leaves)
+                )
         except (LossShapeError, Unreplayable):  # the user's loss / the check's replay: say so directly
             raise
         except Exception as err:  # noqa: BLE001 — the user's model/loss: say what was called
-            raise ExampleFailed(f"per-example gradients failed: model(x_i) with one example (a size-1 example "
-                             f"axis at batch_dim={bd}, shape {tuple(x.narrow(bd, i, 1).shape)}) and "
-                             f"loss_fn(out, y[i:i+1]) raised {type(err).__name__}: {err}") from err
+            raise ExampleFailed(
+                f"per-example gradients failed: model(x_i) with one example (a size-1 example "
+                f"axis at batch_dim={bd}, shape {tuple(x.narrow(bd, i, 1).shape)}) and "
+                f"loss_fn(out, y[i:i+1]) raised {type(err).__name__}: {err}"
+            ) from err
         rows.append([torch.zeros_like(v) if g is None else g.detach() for g, v in zip(gs, leaves.values())])
     return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(leaves)}
 
@@ -334,8 +356,9 @@ def per_sample_gradients(
     check_model(model)
     pts = tuple(points) if points else (EvaluationPoint(1.0),)
     params = tuple(p for p in model.parameters() if p.requires_grad)
-    return PerSampleGrads(per_sample_gradient_tensors(model, loss_fn, x, y, pts, batch_dim=batch_dim),
-                          params=params, points=pts)
+    return PerSampleGrads(
+        per_sample_gradient_tensors(model, loss_fn, x, y, pts, batch_dim=batch_dim), params=params, points=pts
+    )
 
 
 def iter_per_sample_gradients(
@@ -370,4 +393,4 @@ def _iter_chunks(model, loss_fn, x, y, size, points, bd) -> Iterator[PerSampleGr
         return
     for start in range(0, b, size):
         n = min(size, b - start)
-        yield per_sample_gradients(model, loss_fn, x.narrow(bd, start, n), y[start:start + n], points, bd)
+        yield per_sample_gradients(model, loss_fn, x.narrow(bd, start, n), y[start : start + n], points, bd)

@@ -151,8 +151,12 @@ def _always(module: nn.Module) -> bool:
     return True
 
 
-def register_rule(*layer_types: type, supports: Optional[Callable[[nn.Module], bool]] = None,
-                  forward: Optional[Callable] = None, views: str = "split"):
+def register_rule(
+    *layer_types: type,
+    supports: Optional[Callable[[nn.Module], bool]] = None,
+    forward: Optional[Callable] = None,
+    views: str = "split",
+):
     """Decorator: register ``fn(layer: LayerCalls) -> list of blocks`` as the fast rule of ``layer_types``.
 
     Args:
@@ -204,7 +208,7 @@ def tap_forwards(model: nn.Module, record: Callable, modules: Optional[list] = N
     no walk of the model).
     """
     saved = []
-    for m in (model.modules() if modules is None else modules):
+    for m in model.modules() if modules is None else modules:
         if is_tapped(m):
             saved.append((m, m.__dict__.get("forward")))
             m.forward = partial(RULES[type(m)].forward, m, record)  # type: ignore[arg-type, misc]
@@ -246,8 +250,11 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
 def _linear(layer: LayerCalls) -> list:
     b, calls, blocks = layer.batch_size, layer.calls, []
     if "weight" in layer.index:
-        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
-                                    [LinearPart(a, e) for a, e in calls], layer.budget, b))
+        blocks.append(
+            FactoredBlock(
+                layer.index["weight"], layer.shapes["weight"], [LinearPart(a, e) for a, e in calls], layer.budget, b
+            )
+        )
     if "bias" in layer.index:
         blocks.append(DirectBlock([layer.index["bias"]], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))  # type: ignore[arg-type, list-item]
     return blocks
@@ -257,9 +264,15 @@ def _linear(layer: LayerCalls) -> list:
 def _conv2d(layer: LayerCalls) -> list:
     b, calls, m, blocks = layer.batch_size, layer.calls, layer.module, []
     if "weight" in layer.index:
-        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"],
-                                    [ConvPart(m, layer.rows(a), layer.rows(e), layer.views) for a, e in calls],
-                                    layer.budget, b))
+        blocks.append(
+            FactoredBlock(
+                layer.index["weight"],
+                layer.shapes["weight"],
+                [ConvPart(m, layer.rows(a), layer.rows(e), layer.views) for a, e in calls],
+                layer.budget,
+                b,
+            )
+        )
     if "bias" in layer.index:
         blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))  # type: ignore[arg-type]
     return blocks
@@ -269,8 +282,15 @@ def _conv2d(layer: LayerCalls) -> list:
 @register_rule(nn.Embedding, supports=lambda m: m.max_norm is None and not m.scale_grad_by_freq, views="merge")
 def _embedding(layer: LayerCalls) -> list:
     m = layer.module
-    return [SparseRowsBlock(cast(int, layer.index.get("weight")), cast(int, m.num_embeddings), cast(Optional[int], m.padding_idx), layer.calls,
-                            layer.batch_size)]
+    return [
+        SparseRowsBlock(
+            cast(int, layer.index.get("weight")),
+            cast(int, m.num_embeddings),
+            cast(Optional[int], m.padding_idx),
+            layer.calls,
+            layer.batch_size,
+        )
+    ]
 
 
 # --------------------------------------------------------------------------- norm layers (direct)
@@ -287,15 +307,25 @@ def _affine_blocks(layer: LayerCalls, grads: list[tuple[Tensor, Tensor]]) -> lis
 @register_rule(nn.GroupNorm, views="merge")
 def _group_norm(layer: LayerCalls) -> list:
     m = layer.module
-    return _affine_blocks(layer, [group_norm_grads(a, e, m.num_groups, m.eps, st, layer.views)  # type: ignore[arg-type]
-                                  for (a, e), st in zip(layer.calls, layer.stats)])
+    return _affine_blocks(
+        layer,
+        [
+            group_norm_grads(a, e, m.num_groups, m.eps, st, layer.views)  # type: ignore[arg-type]
+            for (a, e), st in zip(layer.calls, layer.stats)
+        ],
+    )
 
 
 @register_rule(nn.LayerNorm, views="merge")
 def _layer_norm(layer: LayerCalls) -> list:
     m = layer.module
-    return _affine_blocks(layer, [layer_norm_grads(a, e, m.normalized_shape, m.eps, st)  # type: ignore[arg-type]
-                                  for (a, e), st in zip(layer.calls, layer.stats)])
+    return _affine_blocks(
+        layer,
+        [
+            layer_norm_grads(a, e, m.normalized_shape, m.eps, st)  # type: ignore[arg-type]
+            for (a, e), st in zip(layer.calls, layer.stats)
+        ],
+    )
 
 
 @register_rule(nn.RMSNorm, views="merge")
@@ -303,8 +333,17 @@ def _rms_norm(layer: LayerCalls) -> list:
     m = layer.module
     if "weight" not in layer.index:
         return []
-    return [DirectBlock([layer.index["weight"]], [sum(rms_norm_grads(a, e, m.normalized_shape, m.eps)  # type: ignore[arg-type, list-item, misc]
-                                                      for a, e in layer.calls)])]
+    return [
+        DirectBlock(
+            [layer.index["weight"]],
+            [
+                sum(
+                    rms_norm_grads(a, e, m.normalized_shape, m.eps)  # type: ignore[arg-type, list-item, misc]
+                    for a, e in layer.calls
+                )
+            ],
+        )
+    ]
 
 
 # --------------------------------------------------------------------------- weight-standardized conv (engine.ws)

@@ -55,7 +55,7 @@ __all__ = ["RECHECK_RTOL", "shifted_sq_norms", "shift_terms", "rounding_bound"]
 RECHECK_RTOL = 1e-3
 """τ: rows whose float32 error bound exceeds τ·(their value) are recomputed in float64."""
 
-_U32 = 2.0 ** -24  # unit roundoff of float32
+_U32 = 2.0**-24  # unit roundoff of float32
 
 
 def shift_terms(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,8 +123,9 @@ def _ieee_float32_products(device: torch.device) -> bool:
         return value == "ieee"
 
 
-def shifted_sq_norms(e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor],
-                     rtol: float = RECHECK_RTOL) -> tuple[Tensor, int]:
+def shifted_sq_norms(
+    e: Tensor, a: Tensor, m: Tensor, b: Optional[Tensor], rtol: float = RECHECK_RTOL
+) -> tuple[Tensor, int]:
     """‖(e_i a_iᵀ − m)/b‖² for every example, never below the exact value (module docstring).
 
     Args:

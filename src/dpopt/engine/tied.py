@@ -154,8 +154,12 @@ class TiedBlock:
             return self.uses[0].sq_norms(geos)
         m, b = geos[0]
         kinds = {type(u) for u in self.uses}
-        if m is None and b is None and kinds == {FactoredBlock, SparseRowsBlock} and all(
-                isinstance(pt, LinearPart) for u in self.uses if isinstance(u, FactoredBlock) for pt in u.parts):
+        if (
+            m is None
+            and b is None
+            and kinds == {FactoredBlock, SparseRowsBlock}
+            and all(isinstance(pt, LinearPart) for u in self.uses if isinstance(u, FactoredBlock) for pt in u.parts)
+        ):
             self.form = "factored"
             return [self._factored()]
         self.form = "dense"

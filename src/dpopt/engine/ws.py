@@ -160,8 +160,10 @@ def ws_conv2d_blocks(layer: "LayerCalls") -> list:
         parts = []
         for (a, e), tag in zip(layer.calls, layer.tags):
             if tag is None:
-                raise RuntimeError("internal error: a WSConv2d call was recorded without its standardization "
-                                   "(its tapped forward, engine.ws.ws_conv2d_forward, was not installed)")
+                raise RuntimeError(
+                    "internal error: a WSConv2d call was recorded without its standardization "
+                    "(its tapped forward, engine.ws.ws_conv2d_forward, was not installed)"
+                )
             w_hat, r = tag
             parts.append((ConvPart(m, layer.rows(a), layer.rows(e), layer.views), w_hat.to(e.dtype), r.to(e.dtype)))
         blocks.append(WSConvBlock(layer.index["weight"], layer.shapes["weight"], parts, layer.budget, b))

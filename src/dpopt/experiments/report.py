@@ -35,8 +35,15 @@ from .sweep import read_results
 __all__ = ["Cell", "Table", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
 
 _X_AXES = (("noise_multiplier", "noise multiplier σ"), ("epsilon", "ε"), ("expected_batch_size", "batch size B̄"))
-_NAMES = {"noise_multiplier": "σ", "epsilon": "ε", "expected_batch_size": "B̄", "batch_size": "B̄",
-          "target_epsilon": "target ε", "lr": "lr", "seed": "seed"}
+_NAMES = {
+    "noise_multiplier": "σ",
+    "epsilon": "ε",
+    "expected_batch_size": "B̄",
+    "batch_size": "B̄",
+    "target_epsilon": "target ε",
+    "lr": "lr",
+    "seed": "seed",
+}
 
 
 def field_value(record: dict, key: str) -> Any:
@@ -92,8 +99,9 @@ def _hashable(value):
     return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
-def summarize(records: Iterable[dict], rows: str = "label", cols: str = "noise_multiplier",
-              metric: str = "test_accuracy") -> Table:
+def summarize(
+    records: Iterable[dict], rows: str = "label", cols: str = "noise_multiplier", metric: str = "test_accuracy"
+) -> Table:
     """Group records into (row, column) cells of ``metric`` (mean ± std over the remaining runs: the seeds).
 
     Raises:
@@ -116,8 +124,7 @@ def summarize(records: Iterable[dict], rows: str = "label", cols: str = "noise_m
     if not cells:
         raise ConfigError(f"no record has a value for {metric!r}", "metric")
     col_order = sorted({c for _, c in cells}, key=_sortable)
-    return Table(rows, cols, metric, row_order, col_order, cells,
-                 {c: statistics.fmean(v) for c, v in eps.items()})
+    return Table(rows, cols, metric, row_order, col_order, cells, {c: statistics.fmean(v) for c, v in eps.items()})
 
 
 def _value(c) -> str:
@@ -134,8 +141,9 @@ def format_markdown(table: Table) -> str:
     head = [table.rows_key] + [f"{name} = {_value(c)}" for c in table.cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if table.cols_key != "epsilon":
-        lines.append("| ε | " + " | ".join(f"{table.epsilon[c]:.3f}" if c in table.epsilon else "—"
-                                          for c in table.cols) + " |")
+        lines.append(
+            "| ε | " + " | ".join(f"{table.epsilon[c]:.3f}" if c in table.epsilon else "—" for c in table.cols) + " |"
+        )
     best = {c: table.best(c) for c in table.cols}
     for r in table.rows:
         out = [str(r)]
@@ -153,8 +161,10 @@ def format_markdown(table: Table) -> str:
         lines.append("| " + " | ".join(out) + " |")
     n = sorted({x.n for x in table.cells.values()})
     lines.append("")
-    lines.append(f"{table.metric}: mean ± std over {'/'.join(map(str, n))} run(s) per cell (sample std; "
-                 "none shown for one run); ε: mean over the column's runs; bold: best mean per column.")
+    lines.append(
+        f"{table.metric}: mean ± std over {'/'.join(map(str, n))} run(s) per cell (sample std; "
+        "none shown for one run); ε: mean over the column's runs; bold: best mean per column."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -162,15 +172,25 @@ def write_csv(table: Table, path: Union[str, Path]) -> None:
     """One line per cell: row, column, mean, std, n, ε of the column, best."""
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow([table.rows_key, table.cols_key, f"{table.metric}_mean", f"{table.metric}_std", "n",
-                    "epsilon", "best"])
+        w.writerow(
+            [table.rows_key, table.cols_key, f"{table.metric}_mean", f"{table.metric}_std", "n", "epsilon", "best"]
+        )
         for r in table.rows:
             for c in table.cols:
                 cell = table.cells.get((r, c))
                 if cell is None:
                     continue
-                w.writerow([r, c, repr(cell.mean), repr(cell.std), cell.n, repr(table.epsilon.get(c, "")),
-                            int(table.best(c) == r)])
+                w.writerow(
+                    [
+                        r,
+                        c,
+                        repr(cell.mean),
+                        repr(cell.std),
+                        cell.n,
+                        repr(table.epsilon.get(c, "")),
+                        int(table.best(c) == r),
+                    ]
+                )
 
 
 def _plt():
@@ -192,17 +212,25 @@ def _plot_vs(records: Sequence[dict], rows: str, metric: str, x: str, xlabel: st
             continue
         key = x if x != "epsilon" else "noise_multiplier"  # ε: average the runs that share σ (and B̄)
         groups.setdefault(_hashable(field_value(rec, rows)), {}).setdefault(
-            (field_value(rec, key), field_value(rec, "expected_batch_size")), []).append((float(xv), float(yv)))
+            (field_value(rec, key), field_value(rec, "expected_batch_size")), []
+        ).append((float(xv), float(yv)))
     xs = {round(float(field_value(r, x)), 6) for r in records if field_value(r, x) is not None}
     if len(xs) < 2:
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.2), dpi=110)
     for label, cells in groups.items():
-        pts = sorted((statistics.fmean(p[0] for p in v), statistics.fmean(p[1] for p in v),
-                      statistics.stdev([p[1] for p in v]) if len(v) > 1 else 0.0) for v in cells.values())
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                    capsize=3, label=str(label))
+        pts = sorted(
+            (
+                statistics.fmean(p[0] for p in v),
+                statistics.fmean(p[1] for p in v),
+                statistics.stdev([p[1] for p in v]) if len(v) > 1 else 0.0,
+            )
+            for v in cells.values()
+        )
+        ax.errorbar(
+            [p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=str(label)
+        )
     if x == "expected_batch_size":
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
@@ -244,7 +272,8 @@ def _plot_epochs(records: Sequence[dict], rows: str, cols: str, path: Path, base
         c, r = _hashable(field_value(rec, cols)), _hashable(field_value(rec, rows))
         for row in mrows:
             data.setdefault(c, {}).setdefault(r, {}).setdefault(float(row["epoch"]), []).append(
-                (float(row["test_accuracy"]), float(row["epsilon"])))
+                (float(row["test_accuracy"]), float(row["epsilon"]))
+            )
     if not data:
         return False
     plt = _plt()
@@ -268,9 +297,16 @@ def _plot_epochs(records: Sequence[dict], rows: str, cols: str, path: Path, base
     return True
 
 
-def write_report(results: Union[str, Path, Sequence[dict]], out: Union[str, Path], *, rows: str = "label",
-                 cols: str = "noise_multiplier", metric: str = "test_accuracy",
-                 where: Optional[dict] = None, plots: bool = True) -> dict:
+def write_report(
+    results: Union[str, Path, Sequence[dict]],
+    out: Union[str, Path],
+    *,
+    rows: str = "label",
+    cols: str = "noise_multiplier",
+    metric: str = "test_accuracy",
+    where: Optional[dict] = None,
+    plots: bool = True,
+) -> dict:
     """Write ``table.md``, ``table.csv`` and the plots into ``out``; return ``{"table", "files"}``.
 
     Args:

@@ -101,11 +101,22 @@ class SweepPoint:
     def slug(self) -> str:
         parts = [self.label]
         for key, value in self.point.items():
-            if key in ("method", "label") or value is None or (key == "hparams" and self.label != self.options.get(
-                    "method")):
+            if (
+                key in ("method", "label")
+                or value is None
+                or (key == "hparams" and self.label != self.options.get("method"))
+            ):
                 continue
-            short = {"noise_multiplier": "nm", "target_epsilon": "eps", "batch_size": "b", "seed": "s",
-                     "lr": "lr", "dataset": "", "model": "", "epochs": "ep"}.get(key, key)
+            short = {
+                "noise_multiplier": "nm",
+                "target_epsilon": "eps",
+                "batch_size": "b",
+                "seed": "s",
+                "lr": "lr",
+                "dataset": "",
+                "model": "",
+                "epochs": "ep",
+            }.get(key, key)
             text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
             parts.append(f"{short}{text}")
         slug = "-".join(parts)
@@ -136,8 +147,10 @@ def _fields() -> set:
 def _check_keys(table: dict, where: str, fields: set) -> None:
     bad = sorted(set(table) - fields - _RESERVED)
     if bad:
-        raise ConfigError(f"{where}: unknown option(s) {', '.join(bad)}; use TrainConfig fields "
-                          f"({', '.join(sorted(fields))}) or label")
+        raise ConfigError(
+            f"{where}: unknown option(s) {', '.join(bad)}; use TrainConfig fields "
+            f"({', '.join(sorted(fields))}) or label"
+        )
     given = sorted(set(table) & _NOT_IN_GRID)
     if given:
         raise ConfigError(f"{where}: {', '.join(given)} is set by the sweep ([sweep] out), not per run")
@@ -148,8 +161,14 @@ def _run_id(options: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path]] = None,
-                results: Optional[Union[str, Path]] = None, data_dir: Optional[str] = None) -> Sweep:
+def parse_sweep(
+    raw: dict,
+    *,
+    name: str = "sweep",
+    out: Optional[Union[str, Path]] = None,
+    results: Optional[Union[str, Path]] = None,
+    data_dir: Optional[str] = None,
+) -> Sweep:
     """Build a :class:`Sweep` from a parsed TOML document.
 
     ``data_dir`` (if given) replaces every run's ``data_dir`` — where the files
@@ -161,8 +180,7 @@ def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path
     """
     unknown = sorted(set(raw) - {"sweep", "base", "grid", "variant"})
     if unknown:
-        raise ConfigError(f"unknown table(s) {', '.join(unknown)}; a sweep has [sweep], [base], [grid] and "
-                          "[[variant]]")
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}; a sweep has [sweep], [base], [grid] and [[variant]]")
     meta = dict(raw.get("sweep", {}))
     bad = sorted(set(meta) - _SWEEP_KEYS)
     if bad:
@@ -223,8 +241,13 @@ def parse_sweep(raw: dict, *, name: str = "sweep", out: Optional[Union[str, Path
     return Sweep(name=name, out=out_dir, results=res, threads=threads, points=points)
 
 
-def load_sweep(path: Union[str, Path], *, out: Optional[Union[str, Path]] = None,
-               results: Optional[Union[str, Path]] = None, data_dir: Optional[str] = None) -> Sweep:
+def load_sweep(
+    path: Union[str, Path],
+    *,
+    out: Optional[Union[str, Path]] = None,
+    results: Optional[Union[str, Path]] = None,
+    data_dir: Optional[str] = None,
+) -> Sweep:
     """Read a sweep config (TOML) — see the module docstring for the format.
 
     Raises:
@@ -278,8 +301,9 @@ def _data(options: dict):
     return _DATA_CACHE[key]
 
 
-def execute(point_options: dict, run_dir: str, threads: Optional[int] = None,
-            on_step: Optional[Callable[[dict], None]] = None) -> dict:
+def execute(
+    point_options: dict, run_dir: str, threads: Optional[int] = None, on_step: Optional[Callable[[dict], None]] = None
+) -> dict:
     """Run (or resume, or collect) one sweep point in this process; return its summary."""
     import warnings
 
@@ -310,8 +334,13 @@ def _worker(args: tuple) -> dict:  # a --jobs process
     return execute(options, run_dir, threads)
 
 
-def run_sweep(sweep: Sweep, *, jobs: int = 1, threads: Optional[int] = None,
-              on_event: Optional[Callable[[str, dict], None]] = None) -> dict:
+def run_sweep(
+    sweep: Sweep,
+    *,
+    jobs: int = 1,
+    threads: Optional[int] = None,
+    on_event: Optional[Callable[[str, dict], None]] = None,
+) -> dict:
     """Run every point not yet in the results file; append each finished run's record.
 
     Args:
@@ -347,8 +376,12 @@ def run_sweep(sweep: Sweep, *, jobs: int = 1, threads: Optional[int] = None,
     if jobs <= 1:
         for i, point in enumerate(todo):
             emit("run", {"point": point, "index": i})
-            summary = execute(point.options, str(sweep.run_dir(point)), threads,
-                              on_step=cast(Callable, lambda info, p=point: emit("step", {**info, "point": p})))
+            summary = execute(
+                point.options,
+                str(sweep.run_dir(point)),
+                threads,
+                on_step=cast(Callable, lambda info, p=point: emit("step", {**info, "point": p})),
+            )
             if not finish(point, summary):
                 interrupted = True
                 break
@@ -370,8 +403,12 @@ def run_sweep(sweep: Sweep, *, jobs: int = 1, threads: Optional[int] = None,
                 for fut in futures:
                     fut.cancel()
                 raise
-    return {"total": len(sweep.points), "skipped": len(sweep.points) - len(todo), "ran": ran,
-            "interrupted": interrupted}
+    return {
+        "total": len(sweep.points),
+        "skipped": len(sweep.points) - len(todo),
+        "ran": ran,
+        "interrupted": interrupted,
+    }
 
 
 def describe(point: SweepPoint) -> str:

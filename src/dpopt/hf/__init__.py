@@ -12,8 +12,10 @@ __all__ = ["DPTrainer", "per_example_loss"]
 def __getattr__(name: str):
     if name == "DPTrainer":
         from .trainer import DPTrainer
+
         return DPTrainer
     if name == "per_example_loss":
         from .loss import per_example_loss
+
         return per_example_loss
     raise AttributeError(f"module 'dpopt.hf' has no attribute {name!r}")

@@ -29,8 +29,10 @@ def batch_size(inputs: Mapping[str, Any]) -> int:
     sizes = set()
     for k, v in inputs.items():
         if not isinstance(v, Tensor) or v.dim() == 0:
-            raise ValueError(f"DPTrainer splits each batch by example, but batch[{k!r}] is "
-                             f"{type(v).__name__} (not a tensor with the example on dim 0): collate to tensors")
+            raise ValueError(
+                f"DPTrainer splits each batch by example, but batch[{k!r}] is "
+                f"{type(v).__name__} (not a tensor with the example on dim 0): collate to tensors"
+            )
         sizes.add(int(v.shape[0]))
     if len(sizes) != 1:
         raise ValueError(f"the batch's tensors disagree on the number of examples (dim 0 sizes {sorted(sizes)})")

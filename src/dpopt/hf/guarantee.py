@@ -19,12 +19,19 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-__all__ = ["PRIVATE_LOG_KEYS", "calibrate_remaining", "hf_default_max_grad_norm", "packed_block",
-           "resolve_max_grad_norm", "unit_text"]
+__all__ = [
+    "PRIVATE_LOG_KEYS",
+    "calibrate_remaining",
+    "hf_default_max_grad_norm",
+    "packed_block",
+    "resolve_max_grad_norm",
+    "unit_text",
+]
 
 #: log keys the Trainer computes from the private batches (never logged by DPTrainer)
-PRIVATE_LOG_KEYS = frozenset({"loss", "grad_norm", "train_loss", "total_flos", "num_input_tokens_seen",
-                              "train_tokens_per_second"})
+PRIVATE_LOG_KEYS = frozenset(
+    {"loss", "grad_norm", "train_loss", "total_flos", "num_input_tokens_seen", "train_tokens_per_second"}
+)
 
 
 def hf_default_max_grad_norm() -> float:
@@ -58,15 +65,24 @@ def resolve_max_grad_norm(args: Any, given: Optional[float]) -> float:
     default = hf_default_max_grad_norm()
     hf = getattr(args, "max_grad_norm", default)
     hf_set = hf is not None and float(hf) != default
-    if given is not None and not isinstance(given, bool) and isinstance(given, (int, float)) and hf_set \
-            and float(hf) != float(given):
-        raise ValueError(f"TrainingArguments.max_grad_norm = {hf} and DPTrainer(max_grad_norm={given}) disagree: "
-                         "the per-example clipping bound C is one number. Set it in one place (DPTrainer's "
-                         "max_grad_norm=, or TrainingArguments.max_grad_norm with DPTrainer's left out)")
+    if (
+        given is not None
+        and not isinstance(given, bool)
+        and isinstance(given, (int, float))
+        and hf_set
+        and float(hf) != float(given)
+    ):
+        raise ValueError(
+            f"TrainingArguments.max_grad_norm = {hf} and DPTrainer(max_grad_norm={given}) disagree: "
+            "the per-example clipping bound C is one number. Set it in one place (DPTrainer's "
+            "max_grad_norm=, or TrainingArguments.max_grad_norm with DPTrainer's left out)"
+        )
     if given is None and hf_set:
         if not float(hf) > 0:
-            raise ValueError(f"TrainingArguments.max_grad_norm = {hf} (no clipping) cannot be the per-example bound "
-                             "of DP training: pass DPTrainer(max_grad_norm=C) with C > 0")
+            raise ValueError(
+                f"TrainingArguments.max_grad_norm = {hf} (no clipping) cannot be the per-example bound "
+                "of DP training: pass DPTrainer(max_grad_norm=C) with C > 0"
+            )
         given = float(hf)
     c = 1.0 if given is None else given
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < math.inf:
@@ -74,8 +90,15 @@ def resolve_max_grad_norm(args: Any, given: Optional[float]) -> float:
     return float(c)
 
 
-def calibrate_remaining(target_epsilon: float, delta: float, sample_rate: float, remaining: int, ledger: Any,
-                        accountant: str = "pld", rtol: float = 0.01) -> float:
+def calibrate_remaining(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    remaining: int,
+    ledger: Any,
+    accountant: str = "pld",
+    rtol: float = 0.01,
+) -> float:
     """σ whose ``remaining`` Poisson Gaussian steps at q, after the ledger's releases, keep ε(δ) ≤ the target.
 
     The whole run is ``ledger`` (every release already made, e.g. before a
@@ -98,27 +121,35 @@ def calibrate_remaining(target_epsilon: float, delta: float, sample_rate: float,
 
     remaining = max(1, int(remaining))
     if len(ledger) == 0:
-        return float(calibrate_noise_multiplier(target_epsilon, delta, sample_rate, remaining,
-                                                accountant).noise_multiplier)
+        return float(
+            calibrate_noise_multiplier(target_epsilon, delta, sample_rate, remaining, accountant).noise_multiplier
+        )
     spent = epsilon(ledger, delta, accountant)
     prefix = ledger.composed_event()
 
     def eps(sigma: float) -> float:
-        return epsilon(dp_event.ComposedDpEvent([prefix, dpsgd_event(sigma, sample_rate, remaining)]), delta,
-                       accountant)
+        return epsilon(
+            dp_event.ComposedDpEvent([prefix, dpsgd_event(sigma, sample_rate, remaining)]), delta, accountant
+        )
 
-    advice = ("raise target_epsilon, lower max_steps / num_train_epochs, or start a new run (a new ledger) "
-              "instead of resuming")
+    advice = (
+        "raise target_epsilon, lower max_steps / num_train_epochs, or start a new run (a new ledger) "
+        "instead of resuming"
+    )
     if spent >= target_epsilon:
-        raise ValueError(f"target_epsilon = {target_epsilon:g} is already out of reach: the {len(ledger)} releases "
-                         f"already in the ledger spend epsilon = {spent:.4g} (delta = {delta:g}, {accountant}) and "
-                         f"{remaining} more steps can only add to it; {advice}")
+        raise ValueError(
+            f"target_epsilon = {target_epsilon:g} is already out of reach: the {len(ledger)} releases "
+            f"already in the ledger spend epsilon = {spent:.4g} (delta = {delta:g}, {accountant}) and "
+            f"{remaining} more steps can only add to it; {advice}"
+        )
     lo, hi = 0.3, 1.0
     while eps(hi) > target_epsilon:
         lo, hi = hi, hi * 2
         if hi > 1e4:
-            raise ValueError(f"target_epsilon = {target_epsilon:g} is out of reach for {remaining} more steps after "
-                             f"the ledger's epsilon = {spent:.4g}; {advice}")
+            raise ValueError(
+                f"target_epsilon = {target_epsilon:g} is out of reach for {remaining} more steps after "
+                f"the ledger's epsilon = {spent:.4g}; {advice}"
+            )
     while hi - lo > rtol * hi:
         mid = 0.5 * (lo + hi)
         if eps(mid) > target_epsilon:

@@ -44,8 +44,13 @@ def is_causal_lm(model: nn.Module) -> bool:
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
-def per_example_loss(model: nn.Module, inputs: Mapping[str, Any], causal: Optional[bool] = None,
-                     loss_fn: Optional[Callable[[Any, Tensor], Tensor]] = None, return_outputs: bool = False):
+def per_example_loss(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    causal: Optional[bool] = None,
+    loss_fn: Optional[Callable[[Any, Tensor], Tensor]] = None,
+    return_outputs: bool = False,
+):
     """Run ``model`` on ``inputs`` without its labels and return the per-example losses ``[B]`` (float32 or wider).
 
     Args:
@@ -64,22 +69,28 @@ def per_example_loss(model: nn.Module, inputs: Mapping[str, Any], causal: Option
     """
     key = next((k for k in LABEL_KEYS if k in inputs), None)
     if key is None:
-        raise ValueError("the training batch has no 'labels': DPTrainer computes each example's loss itself "
-                         "(collate labels, e.g. DataCollatorForLanguageModeling(mlm=False) for a causal LM)")
+        raise ValueError(
+            "the training batch has no 'labels': DPTrainer computes each example's loss itself "
+            "(collate labels, e.g. DataCollatorForLanguageModeling(mlm=False) for a causal LM)"
+        )
     labels = inputs[key]
     kwargs = {k: v for k, v in inputs.items() if k not in LABEL_KEYS}
     base = _base(model)
     if loss_fn is None and getattr(getattr(base, "config", None), "is_encoder_decoder", False):
-        raise ValueError(f"{type(base).__name__} is an encoder-decoder model: its decoder inputs come from the "
-                         "labels, so DPTrainer cannot run it without them. Pass per_example_loss=fn(outputs, labels) "
-                         "-> [B] and put decoder_input_ids in the batch")
+        raise ValueError(
+            f"{type(base).__name__} is an encoder-decoder model: its decoder inputs come from the "
+            "labels, so DPTrainer cannot run it without them. Pass per_example_loss=fn(outputs, labels) "
+            "-> [B] and put decoder_input_ids in the batch"
+        )
     outputs = model(**kwargs)
     b = int(labels.shape[0])
     if loss_fn is not None:
         loss = loss_fn(outputs, labels)
         if not isinstance(loss, Tensor) or tuple(loss.shape) != (b,):
-            raise ValueError(f"per_example_loss must return a tensor [B] = [{b}] (one loss per example), got "
-                             f"{getattr(loss, 'shape', type(loss).__name__)}")
+            raise ValueError(
+                f"per_example_loss must return a tensor [B] = [{b}] (one loss per example), got "
+                f"{getattr(loss, 'shape', type(loss).__name__)}"
+            )
         return (loss, outputs) if return_outputs else loss
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
     loss = _rule(model, logits, labels, causal)
@@ -93,5 +104,7 @@ def _rule(model: nn.Module, logits: Tensor, labels: Tensor, causal: Optional[boo
         return F.cross_entropy(logits.float(), labels.long(), reduction="none")
     if labels.dim() == 2 and logits.dim() == 3 and tuple(labels.shape) == tuple(logits.shape[:2]):
         return per_example_lm_loss(logits, labels, shift=is_causal_lm(model) if causal is None else causal)
-    raise ValueError(f"no per-example loss rule for labels {tuple(labels.shape)} and logits {tuple(logits.shape)}: "
-                     "pass DPTrainer(per_example_loss=fn(outputs, labels) -> [B])")
+    raise ValueError(
+        f"no per-example loss rule for labels {tuple(labels.shape)} and logits {tuple(logits.shape)}: "
+        "pass DPTrainer(per_example_loss=fn(outputs, labels) -> [B])"
+    )

@@ -58,8 +58,12 @@ class HFLogits(nn.Module):
         self.image_shape = (int(c), int(s), int(s)) if isinstance(c, int) and isinstance(s, int) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.image_shape is not None and x.dim() == 2 and x.is_floating_point()
-                and x.shape[1] == self.image_shape[0] * self.image_shape[1] * self.image_shape[2]):
+        if (
+            self.image_shape is not None
+            and x.dim() == 2
+            and x.is_floating_point()
+            and x.shape[1] == self.image_shape[0] * self.image_shape[1] * self.image_shape[2]
+        ):
             x = x.view(x.shape[0], *self.image_shape)
         return self.hf(x).logits
 
@@ -72,13 +76,16 @@ def load_hf_model(spec: str) -> HFLogits:
             transformers is not installed; the architecture is unknown to it.
     """
     if not spec.startswith(HF_PREFIX) or len(spec) == len(HF_PREFIX):
-        raise ConfigError(f"a Hugging Face model is given as hf:DIR (a local save_pretrained directory), got {spec!r}",
-                          "model")
-    where = Path(spec[len(HF_PREFIX):]).expanduser()
+        raise ConfigError(
+            f"a Hugging Face model is given as hf:DIR (a local save_pretrained directory), got {spec!r}", "model"
+        )
+    where = Path(spec[len(HF_PREFIX) :]).expanduser()
     if not (where / "config.json").is_file():
-        raise ConfigError(f"{where} is not a save_pretrained directory (no config.json). dpopt never downloads: "
-                          "save the model on a machine with access (model.save_pretrained(DIR)) and copy DIR here",
-                          "model")
+        raise ConfigError(
+            f"{where} is not a save_pretrained directory (no config.json). dpopt never downloads: "
+            "save the model on a machine with access (model.save_pretrained(DIR)) and copy DIR here",
+            "model",
+        )
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - the hf extra
@@ -108,16 +115,21 @@ def load_weights(model: nn.Module, path: Union[str, Path]) -> None:
                 state = state[key]
                 break
     if not (isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values())):
-        raise ConfigError(f"init_from: {path} holds no state dict of tensors (a dpopt model.pt or "
-                          "torch.save(model.state_dict()))", "init_from")
+        raise ConfigError(
+            f"init_from: {path} holds no state dict of tensors (a dpopt model.pt or torch.save(model.state_dict()))",
+            "init_from",
+        )
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
     if missing or unexpected or shapes:
-        raise ConfigError(f"init_from: {path} does not fit the model (missing {missing[:4]}, unexpected "
-                          f"{unexpected[:4]}, other shapes {shapes[:4]}); give the --model it was saved from",
-                          "init_from", "model")
+        raise ConfigError(
+            f"init_from: {path} does not fit the model (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}, other shapes {shapes[:4]}); give the --model it was saved from",
+            "init_from",
+            "model",
+        )
     model.load_state_dict(state)
 
 
@@ -133,8 +145,11 @@ def freeze(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     for pattern in patterns:
         hit = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hit:
-            raise ConfigError(f"freeze: {pattern!r} matches no parameter; the names are {names[:12]}"
-                              f"{' ...' if len(names) > 12 else ''}", "freeze")
+            raise ConfigError(
+                f"freeze: {pattern!r} matches no parameter; the names are {names[:12]}"
+                f"{' ...' if len(names) > 12 else ''}",
+                "freeze",
+            )
         frozen += hit
     for n, p in model.named_parameters():
         if n in frozen:
@@ -163,8 +178,12 @@ def add_lora(model: nn.Module, rank: int) -> nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def prepare_model(model: nn.Module, init_from: Optional[str] = None, freeze_patterns: Optional[list] = None,
-                  lora_rank: Optional[int] = None) -> nn.Module:
+def prepare_model(
+    model: nn.Module,
+    init_from: Optional[str] = None,
+    freeze_patterns: Optional[list] = None,
+    lora_rank: Optional[int] = None,
+) -> nn.Module:
     """Weights from ``init_from``, then ``freeze_patterns``, then LoRA (in that order); returns the model to train."""
     if init_from:
         load_weights(model, init_from)

@@ -96,8 +96,15 @@ from .loss import per_example_loss
 
 __all__ = ["DPTrainer", "LOGGED", "LEDGER_FILE", "SUMMARY_FILE"]
 
-LOGGED = ("learning_rate", "epoch", "epsilon", "delta", "train_runtime", "train_samples_per_second",
-          "train_steps_per_second")
+LOGGED = (
+    "learning_rate",
+    "epoch",
+    "epsilon",
+    "delta",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+)
 LEDGER_FILE = "privacy_ledger.json"
 SUMMARY_FILE = "privacy_summary.json"
 
@@ -106,8 +113,10 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     """Why ``args`` / Trainer keywords cannot be honoured privately (empty when they can)."""
     out = []
     if args.fp16 or args.bf16:
-        out.append("fp16/bf16: a GradScaler's skip-on-inf decision reads the private gradients, and autocast is "
-                   "not verified with the per-sample engine; train in float32 (or cast the model yourself)")
+        out.append(
+            "fp16/bf16: a GradScaler's skip-on-inf decision reads the private gradients, and autocast is "
+            "not verified with the per-sample engine; train in float32 (or cast the model yourself)"
+        )
     if args.deepspeed:
         out.append("deepspeed: it shards and reduces un-clipped gradients; use one process")
     if args.fsdp:
@@ -115,39 +124,60 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
     if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        out.append("gradient/activation checkpointing: the per-sample engine refuses recomputed forwards; set "
-                   "it False")
+        out.append("gradient/activation checkpointing: the per-sample engine refuses recomputed forwards; set it False")
     if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
-        out.append("length-grouped sampling: the batches must be Poisson samples; keep "
-                   "train_sampling_strategy='random' (DPTrainer replaces the sampler)")
+        out.append(
+            "length-grouped sampling: the batches must be Poisson samples; keep "
+            "train_sampling_strategy='random' (DPTrainer replaces the sampler)"
+        )
     tokens = getattr(args, "include_num_input_tokens_seen", "no")
     if tokens not in ("no", False, None) or getattr(args, "include_tokens_per_second", False):
-        out.append("include_num_input_tokens_seen / include_tokens_per_second: the token count of private "
-                   "batches would be logged; switch them off")
+        out.append(
+            "include_num_input_tokens_seen / include_tokens_per_second: the token count of private "
+            "batches would be logged; switch them off"
+        )
     if args.auto_find_batch_size:
-        out.append("auto_find_batch_size: a retry re-runs steps (releases) and changes the batch size; set the "
-                   "batch size yourself")
+        out.append(
+            "auto_find_batch_size: a retry re-runs steps (releases) and changes the batch size; set the "
+            "batch size yourself"
+        )
     if args.label_smoothing_factor:
-        out.append("label_smoothing_factor: DPTrainer computes the per-example loss itself; pass "
-                   "per_example_loss=fn(outputs, labels) -> [B] with the smoothing")
+        out.append(
+            "label_smoothing_factor: DPTrainer computes the per-example loss itself; pass "
+            "per_example_loss=fn(outputs, labels) -> [B] with the smoothing"
+        )
     if kwargs.get("compute_loss_func") is not None:
-        out.append("compute_loss_func: it receives num_items_in_batch (a batch-level normalisation); pass "
-                   "per_example_loss=fn(outputs, labels) -> [B] instead")
+        out.append(
+            "compute_loss_func: it receives num_items_in_batch (a batch-level normalisation); pass "
+            "per_example_loss=fn(outputs, labels) -> [B] instead"
+        )
     if args.world_size > 1:
-        out.append(f"world size {args.world_size}: DPTrainer runs on one process (data-parallel DP needs the "
-                   "noise added once over ranks: PrivacyEngine(distributed=True) in your own loop)")
+        out.append(
+            f"world size {args.world_size}: DPTrainer runs on one process (data-parallel DP needs the "
+            "noise added once over ranks: PrivacyEngine(distributed=True) in your own loop)"
+        )
     if not eval_is_public:
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-            out.append("save_strategy='best': saving by an evaluation metric is an uncharged look at that data; "
-                       "pass eval_is_public=True only if the evaluation set is public")
+            out.append(
+                "save_strategy='best': saving by an evaluation metric is an uncharged look at that data; "
+                "pass eval_is_public=True only if the evaluation set is public"
+            )
         if args.load_best_model_at_end:
-            out.append("load_best_model_at_end: choosing a checkpoint by an evaluation set is a look at that "
-                       "data that is not charged; pass eval_is_public=True only if the evaluation set holds "
-                       "no record of the private training data")
-        if any(type(c).__name__ == "EarlyStoppingCallback" or c == "EarlyStoppingCallback"
-               or getattr(c, "__name__", "") == "EarlyStoppingCallback" for c in kwargs.get("callbacks") or []):
-            out.append("EarlyStoppingCallback: stopping on evaluation metrics is an uncharged look at that data; "
-                       "pass eval_is_public=True only if the evaluation set is public")
+            out.append(
+                "load_best_model_at_end: choosing a checkpoint by an evaluation set is a look at that "
+                "data that is not charged; pass eval_is_public=True only if the evaluation set holds "
+                "no record of the private training data"
+            )
+        if any(
+            type(c).__name__ == "EarlyStoppingCallback"
+            or c == "EarlyStoppingCallback"
+            or getattr(c, "__name__", "") == "EarlyStoppingCallback"
+            for c in kwargs.get("callbacks") or []
+        ):
+            out.append(
+                "EarlyStoppingCallback: stopping on evaluation metrics is an uncharged look at that data; "
+                "pass eval_is_public=True only if the evaluation set is public"
+            )
     return out
 
 
@@ -216,13 +246,26 @@ class DPTrainer(Trainer):
             one message); bad ``max_grad_norm`` / ``delta``.
     """
 
-    def __init__(self, model: Any = None, args: Optional[TrainingArguments] = None, *,
-                 noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
-                 max_grad_norm: Optional[float] = None, delta: float = 1e-5,
-                 method: Union[None, str, torch.optim.Optimizer] = None, method_kwargs: Optional[dict] = None,
-                 secure_mode: bool = False, accountant: str = "pld", max_epsilon: Optional[float] = None,
-                 per_example_loss: Optional[Callable] = None, causal_lm: Optional[bool] = None,
-                 eval_is_public: bool = False, privacy_unit: Union[None, str, int] = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: Any = None,
+        args: Optional[TrainingArguments] = None,
+        *,
+        noise_multiplier: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        max_grad_norm: Optional[float] = None,
+        delta: float = 1e-5,
+        method: Union[None, str, torch.optim.Optimizer] = None,
+        method_kwargs: Optional[dict] = None,
+        secure_mode: bool = False,
+        accountant: str = "pld",
+        max_epsilon: Optional[float] = None,
+        per_example_loss: Optional[Callable] = None,
+        causal_lm: Optional[bool] = None,
+        eval_is_public: bool = False,
+        privacy_unit: Union[None, str, int] = None,
+        **kwargs: Any,
+    ):
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
         if not 0 < delta < 1:
@@ -233,11 +276,14 @@ class DPTrainer(Trainer):
             raise ValueError("give the torch optimizer once: method= or optimizers=(optimizer, scheduler)")
         args = TrainingArguments(output_dir="dp_trainer_output") if args is None else args
         max_grad_norm = resolve_max_grad_norm(args, max_grad_norm)  # never ignored (hf.guarantee)
-        if not (privacy_unit in (None, "record", "block") or (isinstance(privacy_unit, int)
-                                                               and not isinstance(privacy_unit, bool)
-                                                               and privacy_unit >= 1)):
-            raise ValueError(f"privacy_unit must be None (detect), 'record', 'block' or a block length in tokens "
-                             f"(int >= 1), got {privacy_unit!r}")
+        if not (
+            privacy_unit in (None, "record", "block")
+            or (isinstance(privacy_unit, int) and not isinstance(privacy_unit, bool) and privacy_unit >= 1)
+        ):
+            raise ValueError(
+                f"privacy_unit must be None (detect), 'record', 'block' or a block length in tokens "
+                f"(int >= 1), got {privacy_unit!r}"
+            )
         self.privacy_unit = privacy_unit
         self.block_tokens: Optional[int] = None  # packed texts: the privacy unit is a block of this many tokens
         self._evaluating = False
@@ -303,19 +349,29 @@ class DPTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         n = len(dataset)  # type: ignore[arg-type]
         if not 1 <= self.bbar <= n:
-            raise ValueError(f"the expected batch size B-bar = per_device_train_batch_size x "
-                             f"gradient_accumulation_steps = {self.bbar} must be in [1, N = {n}]")
+            raise ValueError(
+                f"the expected batch size B-bar = per_device_train_batch_size x "
+                f"gradient_accumulation_steps = {self.bbar} must be in [1, N = {n}]"
+            )
         if self.delta >= 1.0 / n:
-            raise ValueError(f"delta = {self.delta} is not < 1/N = {1.0 / n:.3g}: such a delta allows releasing a "
-                             "record outright; pass a smaller delta=")
+            raise ValueError(
+                f"delta = {self.delta} is not < 1/N = {1.0 / n:.3g}: such a delta allows releasing a "
+                "record outright; pass a smaller delta="
+            )
         self._declare_unit(dataset)
-        base = DataLoader(dataset, batch_size=self.bbar, shuffle=True, collate_fn=collator,
-                          num_workers=self.args.dataloader_num_workers)
+        base = DataLoader(
+            dataset,
+            batch_size=self.bbar,
+            shuffle=True,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+        )
         q = 1.0 / len(base)
         sigma = self._sigma
         if sigma is None:
-            sigma = calibrate_noise_multiplier(cast(float, self._target), self.delta, q, self._planned_steps(len(base)),
-                                               str(self.engine.accountant)).noise_multiplier
+            sigma = calibrate_noise_multiplier(
+                cast(float, self._target), self.delta, q, self._planned_steps(len(base)), str(self.engine.accountant)
+            ).noise_multiplier
         optimizer, hparams = self._method, {}
         if isinstance(optimizer, str):
             hparams = dict(self._method_kwargs)
@@ -324,8 +380,14 @@ class DPTrainer(Trainer):
             optimizer = super().create_optimizer()
         self.optimizer = None
         _, private, loader = self.engine.make_private(
-            module=cast(torch.nn.Module, self.model), optimizer=optimizer, data_loader=base, noise_multiplier=float(sigma),
-            max_grad_norm=self.max_grad_norm, loss_reduction="sum", **hparams)
+            module=cast(torch.nn.Module, self.model),
+            optimizer=optimizer,
+            data_loader=base,
+            noise_multiplier=float(sigma),
+            max_grad_norm=self.max_grad_norm,
+            loss_reduction="sum",
+            **hparams,
+        )
         self.optimizer, self._private, self._dp_loader = private, private, loader
         self.noise_multiplier, self.sample_rate = float(sigma), q
         self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
@@ -346,24 +408,33 @@ class DPTrainer(Trainer):
         if self.privacy_unit == "block":
             block = packed_block(dataset, require_labels=False)
             if block is None:
-                raise ValueError("privacy_unit='block' needs a dataset of equal-length input_ids blocks to read N "
-                                 "from; pass privacy_unit=N (the block length in tokens) instead")
+                raise ValueError(
+                    "privacy_unit='block' needs a dataset of equal-length input_ids blocks to read N "
+                    "from; pass privacy_unit=N (the block length in tokens) instead"
+                )
             self.block_tokens = block
             return
-        causal = self._causal if self._causal is not None else \
-            type(getattr(self.model, "base_model", self.model)).__name__.endswith(("ForCausalLM", "LMHeadModel")) \
-            or "CausalLM" in type(self.model).__name__ or "LMHead" in type(self.model).__name__
+        causal = (
+            self._causal
+            if self._causal is not None
+            else type(getattr(self.model, "base_model", self.model)).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+            or "CausalLM" in type(self.model).__name__
+            or "LMHead" in type(self.model).__name__
+        )
         block = packed_block(dataset) if causal else None
         if block is None:
             return
         self.block_tokens = block
-        warnings.warn(f"DPTrainer: the train dataset looks packed (every example is a block of {block} tokens with "
-                      "labels = input_ids and no padding, as run_clm's group_texts makes): the privacy unit is the "
-                      f"BLOCK of {block} tokens, not a record — a record spread over k blocks is protected at about "
-                      "k times epsilon (group privacy). Recorded in the ledger header, logs and summary. Pack per "
-                      "record (or bound the blocks per record) for record-level DP; pass privacy_unit='record' if "
-                      f"each example is one record, or privacy_unit={block} to declare the packing",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"DPTrainer: the train dataset looks packed (every example is a block of {block} tokens with "
+            "labels = input_ids and no padding, as run_clm's group_texts makes): the privacy unit is the "
+            f"BLOCK of {block} tokens, not a record — a record spread over k blocks is protected at about "
+            "k times epsilon (group privacy). Recorded in the ledger header, logs and summary. Pack per "
+            "record (or bound the blocks per record) for record-level DP; pass privacy_unit='record' if "
+            f"each example is one record, or privacy_unit={block} to declare the packing",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def create_optimizer(self, model: Any = None) -> Any:
         """The PrivateOptimizer made with the loader (:meth:`get_train_dataloader`)."""
@@ -394,7 +465,9 @@ class DPTrainer(Trainer):
         return tracker.releases_within_budget(self.ledger, step, planned) < 1  # cached for the planned steps
 
     # -- the step: chunks of one Poisson batch, one release --------------------------
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """Mean of the per-example losses (evaluation; ``num_items_in_batch`` is ignored)."""
         loss, outputs = self._losses(model, inputs)
         return (loss.mean(), outputs) if return_outputs else loss.mean()
@@ -408,8 +481,10 @@ class DPTrainer(Trainer):
         Returns a zero tensor: the private batch's loss is not reported.
         """
         if self.next_step_exceeds():
-            raise RuntimeError(f"max_epsilon = {self.max_epsilon} reached: {len(self.ledger)} releases already "
-                               f"(epsilon {self.get_epsilon():.4g}); another step would exceed it")
+            raise RuntimeError(
+                f"max_epsilon = {self.max_epsilon} reached: {len(self.ledger)} releases already "
+                f"(epsilon {self.get_epsilon():.4g}); another step would exceed it"
+            )
         model.train()
         inputs = self._prepare_inputs(inputs)
         opt = self._private
@@ -434,8 +509,11 @@ class DPTrainer(Trainer):
     def log(self, logs: dict, start_time: Optional[float] = None) -> None:
         """Log only public values: ε, δ, lr, epoch, speed; evaluation metrics if ``eval_is_public``."""
         if self._evaluating:  # evaluation metrics: only with eval_is_public
-            keep = {k: v for k, v in logs.items()
-                    if k in LOGGED or (self.eval_is_public and not k.startswith("train") and k not in PRIVATE_LOG_KEYS)}
+            keep = {
+                k: v
+                for k, v in logs.items()
+                if k in LOGGED or (self.eval_is_public and not k.startswith("train") and k not in PRIVATE_LOG_KEYS)
+            }
         else:  # the Trainer's keys of the private batches are dropped; a user's own keys pass through
             keep = {k: v for k, v in logs.items() if k not in PRIVATE_LOG_KEYS}
         if self._private is not None:
@@ -485,8 +563,10 @@ class DPTrainer(Trainer):
             ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0).
         """
         if checkpoint is not None and not (Path(checkpoint) / "optimizer.pt").is_file():
-            raise ValueError(f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
-                             "would restart epsilon at 0 (was it saved with save_only_model=True?)")
+            raise ValueError(
+                f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
+                "would restart epsilon at 0 (was it saved with save_only_model=True?)"
+            )
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self._target is not None and self._private is not None and len(self.ledger):
             self._recalibrate(checkpoint)
@@ -503,8 +583,9 @@ class DPTrainer(Trainer):
         done = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else len(self.ledger)
         assert self._dp_loader is not None and self._target is not None and self.sample_rate is not None
         remaining = max(1, self._planned_steps(len(self._dp_loader)) - done)
-        sigma = calibrate_remaining(self._target, self.delta, self.sample_rate, remaining, self.ledger,
-                                    str(self.engine.accountant))
+        sigma = calibrate_remaining(
+            self._target, self.delta, self.sample_rate, remaining, self.ledger, str(self.engine.accountant)
+        )
         self._private.noise_multiplier = sigma  # recorded in the claims' sigma schedule from the next release
         self.noise_multiplier = sigma
         self._tracker = None

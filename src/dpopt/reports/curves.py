@@ -57,8 +57,9 @@ def curves_figure(rows: list[dict], title: str = ""):
     fig, axes = plt.subplots(1, 3, figsize=(12.5, 3.9), dpi=90)
     last = rows[-1]
     ratio = float(last["epoch"]) / float(last["step"]) if last.get("step") and last.get("epoch") else None
-    for ax, key, label in zip(axes, ("test_accuracy", "test_loss", "epsilon"),
-                              ("test accuracy", "test loss", "ε spent")):
+    for ax, key, label in zip(
+        axes, ("test_accuracy", "test_loss", "epsilon"), ("test accuracy", "test loss", "ε spent")
+    ):
         ax.plot(steps, [r.get(key) for r in rows], marker="o", markersize=3, label="test")
         val = key.replace("test_", "val_")
         if val != key and any(r.get(val) is not None for r in rows):  # a validation split (validation_fraction)

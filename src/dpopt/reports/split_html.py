@@ -33,10 +33,16 @@ __all__ = ["render_split_html", "write_split_html"]
 
 def _page_data(table) -> dict:
     return {
-        "target_epsilon": table.target_epsilon, "delta": table.delta, "dataset_size": table.dataset_size,
-        "epochs": table.epochs, "accountant": table.accountant, "count_share": table.count_share,
-        "quantile_lr": table.quantile_lr, "batch_sizes": list(table.batch_sizes),
-        "steps": [r.steps for r in table.rows], "epsilon_grid": list(table.epsilon_grid),
+        "target_epsilon": table.target_epsilon,
+        "delta": table.delta,
+        "dataset_size": table.dataset_size,
+        "epochs": table.epochs,
+        "accountant": table.accountant,
+        "count_share": table.count_share,
+        "quantile_lr": table.quantile_lr,
+        "batch_sizes": list(table.batch_sizes),
+        "steps": [r.steps for r in table.rows],
+        "epsilon_grid": list(table.epsilon_grid),
         "grid": [[None if s is None or not math.isfinite(s) else s for s in line] for line in table.grid],
     }
 
@@ -139,8 +145,10 @@ def render_split_html(table) -> str:
     lo, hi = math.log(min(table.epsilon_grid)), math.log(max(table.epsilon_grid))
     j0 = min(range(len(table.batch_sizes)), key=lambda j: abs(table.batch_sizes[j] - 256))
     esc = html.escape
-    title = (f"Budget split explorer: N = {table.dataset_size}, {table.epochs:g} epochs, δ = {table.delta:g}, "
-             f"accountant {table.accountant}")
+    title = (
+        f"Budget split explorer: N = {table.dataset_size}, {table.epochs:g} epochs, δ = {table.delta:g}, "
+        f"accountant {table.accountant}"
+    )
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>

@@ -37,7 +37,7 @@ def log_ticks(low: float, high: float, target: int = 6) -> list[float]:
     else:
         first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
         subs = (1, 2, 5) if last - first <= 3 else (1,)
-        ticks = [m * 10.0 ** k for k in range(first, last + 1) for m in subs]
+        ticks = [m * 10.0**k for k in range(first, last + 1) for m in subs]
     ticks = [t for t in ticks if low * (1 - 1e-9) <= t <= high * (1 + 1e-9)]
     if len(ticks) < 2:
         ticks = sorted({float(f"{low:.2g}"), float(f"{high:.2g}")})
@@ -77,6 +77,7 @@ def split_figure(table):
     bad = [r for r in rows if not r.b20_solvable]
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
     for axis, ratio in ((ax, False), (rel, True)):
+
         def y(r, value, ratio=ratio):
             return value / r.noise_multiplier if ratio else value
 
@@ -90,8 +91,15 @@ def split_figure(table):
         if bad:
             low = min([y(r, r.noise_multiplier) for r in rows]) * (0.9 if not ratio else 1.0)
             values.append(low)
-            axis.plot([r.batch_size for r in bad], [low] * len(bad), "x", color="tab:red", markersize=11, mew=2.5,
-                      label="B̄/20 rule: no solution")
+            axis.plot(
+                [r.batch_size for r in bad],
+                [low] * len(bad),
+                "x",
+                color="tab:red",
+                markersize=11,
+                mew=2.5,
+                label="B̄/20 rule: no solution",
+            )
         share = [y(r, r.share_grad_noise_multiplier) for r in rows]
         best = [y(r, r.best_grad_noise_multiplier) for r in rows]
         values += share + best
@@ -112,8 +120,11 @@ def split_figure(table):
         axis.legend(fontsize=8)
     ax.set_ylabel("gradient noise multiplier")
     rel.set_ylabel("σ_grad / σ (gradient noise inflation)")
-    fig.suptitle(f"ε = {table.target_epsilon:g}, δ = {table.delta:g}, N = {table.dataset_size}, "
-                 f"{table.epochs:g} epochs, steps = ceil(epochs·N/B̄) ({table.accountant})", fontsize=10)
+    fig.suptitle(
+        f"ε = {table.target_epsilon:g}, δ = {table.delta:g}, N = {table.dataset_size}, "
+        f"{table.epochs:g} epochs, steps = ceil(epochs·N/B̄) ({table.accountant})",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 

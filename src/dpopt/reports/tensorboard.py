@@ -38,8 +38,13 @@ def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
             (quantile clipping: the noisy released fraction) and, for methods with a clip scale,
             ``geometry/scale_mean``/``_min``/``_max`` over all coordinates.
     """
-    out = {f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}" if k.startswith(("test_", "val_")) else f"privacy/{k}":
-           float(row[k]) for k in LOGGED_METRICS if row.get(k) is not None}
+    out = {
+        f"{k.split('_', 1)[0]}/{k.split('_', 1)[1]}" if k.startswith(("test_", "val_")) else f"privacy/{k}": float(
+            row[k]
+        )
+        for k in LOGGED_METRICS
+        if row.get(k) is not None
+    }
     if optimizer is None:
         return out
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])
@@ -47,12 +52,21 @@ def public_scalars(row: dict, optimizer=None) -> dict[str, float]:
     last = optimizer.privatizer.ledger.last_entry  # O(1): never a copy of the ledger
     if last is not None and "released_fraction" in last.meta:  # quantile clipping's NOISY unclipped fraction
         out["privacy/unclipped_fraction_released"] = float(last.meta["released_fraction"])
-    scales = [sub["scale"] for st in optimizer.state.values() for sub in _substates(st)
-              if isinstance(sub.get("scale"), torch.Tensor)]
+    scales = [
+        sub["scale"]
+        for st in optimizer.state.values()
+        for sub in _substates(st)
+        if isinstance(sub.get("scale"), torch.Tensor)
+    ]
     if scales:
         flat = torch.cat([s.detach().flatten().double() for s in scales])
-        out.update({"geometry/scale_mean": float(flat.mean()), "geometry/scale_min": float(flat.min()),
-                    "geometry/scale_max": float(flat.max())})
+        out.update(
+            {
+                "geometry/scale_mean": float(flat.mean()),
+                "geometry/scale_min": float(flat.min()),
+                "geometry/scale_max": float(flat.max()),
+            }
+        )
     return out
 
 
@@ -79,8 +93,9 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except (ImportError, ModuleNotFoundError) as exc:
-            raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                              "(or dpopt[logging])") from exc
+            raise ImportError(
+                "--tensorboard needs the tensorboard package: pip install tensorboard (or dpopt[logging])"
+            ) from exc
         self.log_dir = Path(log_dir)
         self.writer = SummaryWriter(str(self.log_dir))
 

@@ -63,13 +63,29 @@ from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
 from .results import RUN_FILES, RunFiles, finished_summary, new_segment, run_directory, write_config, write_results
 from .signals import graceful_stop
 
-__all__ = ["TrainConfig", "train", "resume", "evaluate", "validate_config", "layer_groups", "CLIPPINGS",
-           "DEVICES", "noise_source", "REPRODUCIBLE_NOISE_WARNING", "RUN_FILES", "LOSS_EVERY",
-           "LEDGER_FLUSH_EVERY", "Run", "build_run", "run_steps", "resolve_device", "CHECKPOINT_NAME"]
+__all__ = [
+    "TrainConfig",
+    "train",
+    "resume",
+    "evaluate",
+    "validate_config",
+    "layer_groups",
+    "CLIPPINGS",
+    "DEVICES",
+    "noise_source",
+    "REPRODUCIBLE_NOISE_WARNING",
+    "RUN_FILES",
+    "LOSS_EVERY",
+    "LEDGER_FLUSH_EVERY",
+    "Run",
+    "build_run",
+    "run_steps",
+    "resolve_device",
+    "CHECKPOINT_NAME",
+]
 
 
-def train(cfg: TrainConfig, data: Optional[Dataset] = None,
-          on_step: Optional[Callable[[dict], None]] = None) -> dict:
+def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Callable[[dict], None]] = None) -> dict:
     """Train a model with DP; write the run directory; return the summary dict.
 
     Args:
@@ -138,29 +154,59 @@ def _on_main(dist: DistributedContext, fn: Callable):
     return result
 
 
-def _run(run: Run, run_dir: Optional[Path], sampler: PoissonSampler, state: LoopState, start: float,
-         on_step, extra: Optional[dict] = None, segments: Optional[list] = None) -> dict:
+def _run(
+    run: Run,
+    run_dir: Optional[Path],
+    sampler: PoissonSampler,
+    state: LoopState,
+    start: float,
+    on_step,
+    extra: Optional[dict] = None,
+    segments: Optional[list] = None,
+) -> dict:
     dist = run.dist
     files = RunFiles(run_dir, run, segments=segments) if dist.is_main else None  # type: ignore[arg-type]  # only rank 0 writes
     extra = dict(extra or {}, segments=list(segments or []))
     tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
     with graceful_stop() as stop:
-        metrics = run_steps(run, on_step if dist.is_main else None, files=files, state=state, sampler=sampler,
-                            stop=stop, tracker=tracker)
+        metrics = run_steps(
+            run,
+            on_step if dist.is_main else None,
+            files=files,
+            state=state,
+            sampler=sampler,
+            stop=stop,
+            tracker=tracker,
+        )
     if dist.enabled:
         if not check_replicas([p for p in run.model.parameters()] + list(run.model.buffers()), dist):
-            raise RuntimeError("data-parallel replicas diverged: the ranks hold different parameters after "
-                               "the run (the all-reduce should make every update identical)")
+            raise RuntimeError(
+                "data-parallel replicas diverged: the ranks hold different parameters after "
+                "the run (the all-reduce should make every update identical)"
+            )
         extra = dict(extra or {}, world_size=dist.world_size)
         if not dist.is_main:
             return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
-    return write_results(cast(Path, run_dir), run, metrics, start - state.wall_seconds, status=state.status,
-                         stop_signal=state.stop_signal, streamed=True, epsilon=tracker.epsilon(run.ledger),
-                         extra=extra)
+    return write_results(
+        cast(Path, run_dir),
+        run,
+        metrics,
+        start - state.wall_seconds,
+        status=state.status,
+        stop_signal=state.stop_signal,
+        streamed=True,
+        epsilon=tracker.epsilon(run.ledger),
+        extra=extra,
+    )
 
 
-def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
-           on_step: Optional[Callable[[dict], None]] = None, *, device: Optional[str] = None) -> dict:
+def resume(
+    run_dir: Union[str, Path],
+    data: Optional[Dataset] = None,
+    on_step: Optional[Callable[[dict], None]] = None,
+    *,
+    device: Optional[str] = None,
+) -> dict:
     """Continue an interrupted (or budget-stopped) run from its checkpoint to its planned steps.
 
     The configuration is the run's own (saved in ``checkpoint.pt``; only the
@@ -221,23 +267,31 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
         run = build_run(cfg, data, dist=dist)
     journal = run_dir / JOURNAL_NAME
     if not journal.exists():
-        raise FileNotFoundError(f"no ledger journal at {journal}: cannot resume without the record of the "
-                                "releases already made")
+        raise FileNotFoundError(
+            f"no ledger journal at {journal}: cannot resume without the record of the releases already made"
+        )
     saved = PrivacyLedger.load(journal)
-    if (saved.neighbouring, saved.sampling, saved.dataset_size) != \
-            (run.ledger.neighbouring, run.ledger.sampling, run.ledger.dataset_size):
+    if (saved.neighbouring, saved.sampling, saved.dataset_size) != (
+        run.ledger.neighbouring,
+        run.ledger.sampling,
+        run.ledger.dataset_size,
+    ):
         raise ValueError(f"the ledger journal in {run_dir} does not fit the saved configuration")
     run.ledger.load_state_dict(saved.state_dict())  # the journal's run id too
     run.ledger.mark_noise(run.noise.mode)
     saved_id = ckpt.get("run_id")  # None: a checkpoint written before run ids
     if saved_id is not None and run.ledger.run_id is not None and saved_id != run.ledger.run_id:
-        raise ValueError(f"the checkpoint in {run_dir} belongs to run {saved_id} but the ledger journal there to "
-                         f"run {run.ledger.run_id}: its model was trained with releases this journal does not hold "
-                         "(put back the run's own checkpoint.pt, or start a new run)")
+        raise ValueError(
+            f"the checkpoint in {run_dir} belongs to run {saved_id} but the ledger journal there to "
+            f"run {run.ledger.run_id}: its model was trained with releases this journal does not hold "
+            "(put back the run's own checkpoint.pt, or start a new run)"
+        )
     position = int(ckpt["ledger_length"])
     if len(run.ledger) < position:
-        raise ValueError(f"the ledger journal in {run_dir} has {len(run.ledger)} releases but the checkpoint "
-                         f"was written after {position}: the journal is damaged (refusing to under-count)")
+        raise ValueError(
+            f"the ledger journal in {run_dir} has {len(run.ledger)} releases but the checkpoint "
+            f"was written after {position}: the journal is damaged (refusing to under-count)"
+        )
     run.model.load_state_dict(ckpt["model"])
     if run.averager is not None:  # the EMA continues (a checkpoint without one: refused, not restarted silently)
         if ckpt.get("averager") is None:
@@ -256,15 +310,22 @@ def resume(run_dir: Union[str, Path], data: Optional[Dataset] = None,
     state.segment_start = start  # checkpoints of this segment store the total over all segments
     done = finished_summary(run_dir) if state.step >= run.steps else None
     if done is not None:  # nothing left to train: leave every file as it is
-        warnings.warn(f"{run_dir} is already complete ({state.step} of {run.steps} steps); nothing to resume",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{run_dir} is already complete ({state.step} of {run.steps} steps); nothing to resume",
+            UserWarning,
+            stacklevel=2,
+        )
         return done
     extra = {"resumed_from_step": state.step}
     if lost:
-        warnings.warn(f"the ledger journal holds {len(lost)} releases after this checkpoint (step {state.step}): "
-                      "a run killed after it, an older checkpoint put back, or another branch of this run "
-                      "directory. They stay charged (the ledger never loses an entry) and those steps are "
-                      "trained again", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"the ledger journal holds {len(lost)} releases after this checkpoint (step {state.step}): "
+            "a run killed after it, an older checkpoint put back, or another branch of this run "
+            "directory. They stay charged (the ledger never loses an entry) and those steps are "
+            "trained again",
+            UserWarning,
+            stacklevel=2,
+        )
         extra["lost_steps"] = len(lost)
     if dist.enabled:  # every rank has read the checkpoint and journal before rank 0 rewrites them
         any_rank(False, dist)

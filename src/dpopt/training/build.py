@@ -37,9 +37,11 @@ from .config import TrainConfig, planned_steps, resolve_device, validate_config
 
 __all__ = ["Run", "build_run", "layer_groups", "privacy_options", "noise_source", "REPRODUCIBLE_NOISE_WARNING"]
 
-REPRODUCIBLE_NOISE_WARNING = ("reproducible_noise: the Gaussian noise and Poisson masks are seeded from the "
-                              "published seed, so anyone who knows it can replay them: NO privacy guarantee "
-                              "(research reruns only; `dpopt check` fails this run's ledger)")
+REPRODUCIBLE_NOISE_WARNING = (
+    "reproducible_noise: the Gaussian noise and Poisson masks are seeded from the "
+    "published seed, so anyone who knows it can replay them: NO privacy guarantee "
+    "(research reruns only; `dpopt check` fails this run's ledger)"
+)
 
 
 @dataclass
@@ -113,26 +115,37 @@ def privacy_options(cfg: TrainConfig, model: nn.Module, sigma: float, clip: floa
     """
     if cfg.clipping == "per-layer":
         groups, names = layer_groups(model)
-        bounds = list(cfg.layer_bounds) if cfg.layer_bounds is not None else \
-            [clip / len(names) ** 0.5] * len(names)
+        bounds = list(cfg.layer_bounds) if cfg.layer_bounds is not None else [clip / len(names) ** 0.5] * len(names)
         if len(bounds) != len(names):
-            raise ConfigError(f"layer_bounds needs {len(names)} values, one per layer ({', '.join(names)})",
-                              "layer_bounds")
-        return ({"noise_multiplier": sigma, "groups": groups, "group_bounds": bounds},
-                {"layer_bounds": bounds, "layers": names})
+            raise ConfigError(
+                f"layer_bounds needs {len(names)} values, one per layer ({', '.join(names)})", "layer_bounds"
+            )
+        return (
+            {"noise_multiplier": sigma, "groups": groups, "group_bounds": bounds},
+            {"layer_bounds": bounds, "layers": names},
+        )
     if cfg.clipping == "quantile":
         if cfg.count_noise_multiplier is not None:
-            split = split_for_count_noise(sigma, count_noise_multiplier=cfg.count_noise_multiplier,
-                                          expected_batch_size=cfg.batch_size)
+            split = split_for_count_noise(
+                sigma, count_noise_multiplier=cfg.count_noise_multiplier, expected_batch_size=cfg.batch_size
+            )
         else:
             split = split_budget(sigma, cfg.count_share if cfg.count_share is not None else DEFAULT_COUNT_SHARE)
-        quantile = QuantileClipping(split.count_noise_multiplier, cfg.target_quantile, cfg.quantile_lr,
-                                    initial_clip=clip)
-        return ({"noise_multiplier": split.grad_noise_multiplier, "quantile": quantile},
-                {"noise_multiplier_total": sigma, "grad_noise_multiplier": split.grad_noise_multiplier,
-                 "count_noise_multiplier": split.count_noise_multiplier, "count_share": split.count_share})
+        quantile = QuantileClipping(
+            split.count_noise_multiplier, cfg.target_quantile, cfg.quantile_lr, initial_clip=clip
+        )
+        return (
+            {"noise_multiplier": split.grad_noise_multiplier, "quantile": quantile},
+            {
+                "noise_multiplier_total": sigma,
+                "grad_noise_multiplier": split.grad_noise_multiplier,
+                "count_noise_multiplier": split.count_noise_multiplier,
+                "count_share": split.count_share,
+            },
+        )
     if cfg.clipping == "auto":  # AUTO-S (Bu et al. 2023): C·g/(‖g‖+γ), sensitivity C
         from ..auto_clipping import AutoClipping, split_gamma
+
         gamma, _ = split_gamma(cfg.hparams, get_method(cfg.method).defaults)
         return {"noise_multiplier": sigma, "auto_clip": AutoClipping(gamma)}, {"clipping_gamma": gamma}
     return {"noise_multiplier": sigma}, {}
@@ -158,12 +171,14 @@ def _starting_model(cfg: TrainConfig, model_name: str) -> nn.Module:
     if not (model_name.startswith("hf:") or fine_tune):
         return build_model(model_name, cfg.dataset)
     from ..hf.pretrained import HF_PREFIX, load_hf_model, prepare_model
+
     model = load_hf_model(model_name) if model_name.startswith(HF_PREFIX) else build_model(model_name, cfg.dataset)
     return prepare_model(model, cfg.init_from, cfg.freeze, cfg.lora_rank)
 
 
-def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
-              dist: Optional[DistributedContext] = None) -> Run:
+def build_run(
+    cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3, dist: Optional[DistributedContext] = None
+) -> Run:
     """Validate ``cfg`` and build everything a run needs, in this order.
 
     Hold out the validation split (``cfg.validation_fraction``, before anything
@@ -189,7 +204,9 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
             invalid configuration, unknown hyperparameter, a clipping option the
             method cannot use; calibration errors.
     """
-    data = split_validation(data, cfg.validation_fraction)  # checks the fraction  # first: N, q and ε are those of the rest
+    data = split_validation(
+        data, cfg.validation_fraction
+    )  # checks the fraction  # first: N, q and ε are those of the rest
     validate_config(cfg, data.n_train)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)  # initialisation and other non-private randomness only
@@ -203,30 +220,52 @@ def build_run(cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3,
     try:
         check_schedule(cfg.lr_schedule, cfg.warmup_steps, steps)
     except ValueError as err:
-        raise ConfigError(f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})",
-                          "warmup_steps", "epochs") from None
+        raise ConfigError(
+            f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})", "warmup_steps", "epochs"
+        ) from None
     sigma, calibration = cfg.noise_multiplier, None
     if cfg.target_epsilon is not None:
-        calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps,
-                                                 cfg.accountant)
+        calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps, cfg.accountant)
         sigma = calibration.noise_multiplier
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
     spec = get_method(cfg.method)
     user_hp = dict(cfg.hparams)
     if cfg.clipping == "auto":  # AUTO-S: --hp gamma (or auto_gamma) is the normalisation's γ
         from ..auto_clipping import split_gamma
+
         _, user_hp = split_gamma(user_hp, spec.defaults)
     hp = spec.hparams(cfg.dataset, **dict(user_hp, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
-    opt = build_optimizer(spec, [p for p in model.parameters() if p.requires_grad], hp,
-                          expected_batch_size=float(cfg.batch_size), sample_rate=sample_rate, ledger=ledger,
-                          noise=noise, model=model, **privacy)
+    opt = build_optimizer(
+        spec,
+        [p for p in model.parameters() if p.requires_grad],
+        hp,
+        expected_batch_size=float(cfg.batch_size),
+        sample_rate=sample_rate,
+        ledger=ledger,
+        noise=noise,
+        model=model,
+        **privacy,
+    )
     dist = dist or DistributedContext()
     if dist.enabled:
         broadcast_parameters(list(model.parameters()) + list(model.buffers()), dist)
         attach(opt.privatizer, dist)
-    return Run(cfg=cfg, data=data, model_name=model_name, model=model, noise=noise, sample_rate=sample_rate,
-               steps=steps, noise_multiplier=sigma, calibration=calibration, ledger=ledger, hparams=hp,
-               privacy_facts=privacy_facts, optimizer=opt, device=device, dist=dist,
-               averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay))
-
+    return Run(
+        cfg=cfg,
+        data=data,
+        model_name=model_name,
+        model=model,
+        noise=noise,
+        sample_rate=sample_rate,
+        steps=steps,
+        noise_multiplier=sigma,
+        calibration=calibration,
+        ledger=ledger,
+        hparams=hp,
+        privacy_facts=privacy_facts,
+        optimizer=opt,
+        device=device,
+        dist=dist,
+        averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay),
+    )

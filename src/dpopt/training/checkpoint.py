@@ -42,8 +42,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_VERSION", "atomic_write", "save_checkpoint", "load_checkpoint", "rng_state",
-           "load_rng_state"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CHECKPOINT_VERSION",
+    "atomic_write",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "load_rng_state",
+]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 CHECKPOINT_VERSION = 1
@@ -52,9 +59,11 @@ CHECKPOINT_VERSION = 1
 def rng_state() -> dict:
     """States of the non-secret generators (torch CPU/CUDA, random, numpy)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos),
-                                       int(has_gauss), float(cached)]}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -67,7 +76,7 @@ def load_rng_state(state: dict) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"][:torch.cuda.device_count()]
+        states = state["cuda"][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(states)
 
 
@@ -102,16 +111,21 @@ def load_checkpoint(run_dir: Path) -> dict:
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}: --resume takes the run directory of a run that "
-                                "wrote one (every epoch by default, and when it stops)")
+        raise FileNotFoundError(
+            f"no checkpoint at {path}: --resume takes the run directory of a run that "
+            "wrote one (every epoch by default, and when it stops)"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # torch's weights-only unpickler met a global it does not allow
         reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), "").split(" Please")[0]
-        raise ValueError(f"{path} was refused: it holds objects a dpopt checkpoint never holds (only tensors, "
-                         "numbers, strings, lists and dicts), and loading them would run code from the file"
-                         + (f" ({reason})" if reason else "") + ". Resume only run directories you wrote; "
-                         "to inspect a file you trust, use torch.load(path, weights_only=False)") from exc
+        raise ValueError(
+            f"{path} was refused: it holds objects a dpopt checkpoint never holds (only tensors, "
+            "numbers, strings, lists and dicts), and loading them would run code from the file"
+            + (f" ({reason})" if reason else "")
+            + ". Resume only run directories you wrote; "
+            "to inspect a file you trust, use torch.load(path, weights_only=False)"
+        ) from exc
     if not isinstance(state, dict) or state.get("format") != "dpopt-checkpoint":
         raise ValueError(f"{path} is not a dpopt checkpoint")
     if state.get("version") != CHECKPOINT_VERSION:

@@ -19,8 +19,15 @@ from ..methods import get_method
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TrainConfig", "validate_config", "CLIPPINGS", "DEVICES", "resolve_device", "planned_steps",
-           "epoch_end_step"]
+__all__ = [
+    "TrainConfig",
+    "validate_config",
+    "CLIPPINGS",
+    "DEVICES",
+    "resolve_device",
+    "planned_steps",
+    "epoch_end_step",
+]
 
 CLIPPINGS = ("flat", "per-layer", "quantile", "auto")  # auto: AUTO-S (dpopt.auto_clipping)
 DEVICES = ("cpu", "cuda", "auto")
@@ -108,16 +115,17 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
     check_delta(cfg.delta)
     get_method(cfg.method)
     if not (cfg.batch_size >= 1 and math.isfinite(cfg.batch_size)):
-        raise ConfigError(f"batch_size (the expected batch size) must be a number >= 1, got {cfg.batch_size}",
-                          "batch_size")
+        raise ConfigError(
+            f"batch_size (the expected batch size) must be a number >= 1, got {cfg.batch_size}", "batch_size"
+        )
     if cfg.sample_rate is None and cfg.batch_size > n_train:
-        raise ConfigError(f"batch_size {cfg.batch_size} exceeds the {n_train} training examples; "
-                          f"use at most {n_train}", "batch_size")
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} exceeds the {n_train} training examples; use at most {n_train}", "batch_size"
+        )
     if cfg.sample_rate is not None and not (0.0 < cfg.sample_rate <= 1.0):
         raise ConfigError(f"sample_rate must be in (0, 1], got {cfg.sample_rate}", "sample_rate")
     if cfg.reproducible_noise and cfg.secure_mode:
-        raise ConfigError("reproducible_noise and secure_mode exclude each other",
-                          "reproducible_noise", "secure_mode")
+        raise ConfigError("reproducible_noise and secure_mode exclude each other", "reproducible_noise", "secure_mode")
     if cfg.lr is not None and not cfg.lr > 0:
         raise ConfigError(f"lr must be > 0, got {cfg.lr}", "lr")
     if not (cfg.epochs > 0 and math.isfinite(cfg.epochs)):
@@ -129,23 +137,28 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {cfg.max_grad_norm}", "max_grad_norm")
     if cfg.physical_batch_size is not None and cfg.physical_batch_size <= 0:
-        raise ConfigError(f"physical_batch_size must be > 0, got {cfg.physical_batch_size}",
-                          "physical_batch_size")
+        raise ConfigError(f"physical_batch_size must be > 0, got {cfg.physical_batch_size}", "physical_batch_size")
     if cfg.clipping not in CLIPPINGS:
         raise ConfigError(f"unknown clipping {cfg.clipping!r}; choose one of {', '.join(CLIPPINGS)}")
     if cfg.clipping != "quantile" and (cfg.count_share is not None or cfg.count_noise_multiplier is not None):
-        raise ConfigError("count_share / count_noise_multiplier apply to clipping 'quantile' only",
-                          "count_share", "count_noise_multiplier", "clipping")
+        raise ConfigError(
+            "count_share / count_noise_multiplier apply to clipping 'quantile' only",
+            "count_share",
+            "count_noise_multiplier",
+            "clipping",
+        )
     if cfg.clipping != "per-layer" and cfg.layer_bounds is not None:
         raise ConfigError("layer_bounds applies to clipping 'per-layer' only", "layer_bounds", "clipping")
     if cfg.count_share is not None and cfg.count_noise_multiplier is not None:
-        raise ConfigError("give count_share or count_noise_multiplier, not both",
-                          "count_share", "count_noise_multiplier")
+        raise ConfigError(
+            "give count_share or count_noise_multiplier, not both", "count_share", "count_noise_multiplier"
+        )
     if cfg.max_epsilon is not None and not (cfg.max_epsilon > 0 and math.isfinite(cfg.max_epsilon)):
         raise ConfigError(f"max_epsilon must be a finite number > 0, got {cfg.max_epsilon}", "max_epsilon")
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 0:
-        raise ConfigError(f"checkpoint_every must be >= 0 steps (0: only at the end), got {cfg.checkpoint_every}",
-                          "checkpoint_every")
+        raise ConfigError(
+            f"checkpoint_every must be >= 0 steps (0: only at the end), got {cfg.checkpoint_every}", "checkpoint_every"
+        )
     if cfg.log_every is not None and cfg.log_every < 1:
         raise ConfigError(f"log_every must be >= 1 step, got {cfg.log_every}", "log_every")
     if cfg.device not in DEVICES:
@@ -164,23 +177,33 @@ def _validate_recipe(cfg: TrainConfig) -> None:
 
     k = cfg.augmentation_multiplicity
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"augmentation_multiplicity must be an integer >= 1 (1: no extra views), got {k!r}",
-                          "augmentation_multiplicity")
+        raise ConfigError(
+            f"augmentation_multiplicity must be an integer >= 1 (1: no extra views), got {k!r}",
+            "augmentation_multiplicity",
+        )
     if cfg.augment is not None and cfg.augment not in AUGMENTATIONS:
         raise ConfigError(f"unknown augment {cfg.augment!r}; choose one of {', '.join(AUGMENTATIONS)}", "augment")
     if (k > 1 or cfg.augment not in (None, "none")) and cfg.dataset != "cifar10":
-        raise ConfigError(f"augmentation ({cfg.augment or 'crop-flip'}) is implemented for the cifar10 dataset only "
-                          f"(this run's dataset is {cfg.dataset!r}); use augmentation_multiplicity 1 and no augment",
-                          "augmentation_multiplicity", "augment")
+        raise ConfigError(
+            f"augmentation ({cfg.augment or 'crop-flip'}) is implemented for the cifar10 dataset only "
+            f"(this run's dataset is {cfg.dataset!r}); use augmentation_multiplicity 1 and no augment",
+            "augmentation_multiplicity",
+            "augment",
+        )
     if k > 1 and cfg.augment == "none":
-        raise ConfigError(f"augmentation_multiplicity {k} with augment 'none' makes {k} identical views of each "
-                          f"example: the same clipped gradient at {k}x the cost; use augment crop-flip or flip, "
-                          "or augmentation_multiplicity 1", "augmentation_multiplicity", "augment")
+        raise ConfigError(
+            f"augmentation_multiplicity {k} with augment 'none' makes {k} identical views of each "
+            f"example: the same clipped gradient at {k}x the cost; use augment crop-flip or flip, "
+            "or augmentation_multiplicity 1",
+            "augmentation_multiplicity",
+            "augment",
+        )
     if cfg.ema_decay is not None and not (0.0 <= cfg.ema_decay < 1.0):
         raise ConfigError(f"ema_decay must be in [0, 1) (e.g. 0.999), got {cfg.ema_decay}", "ema_decay")
     if cfg.lr_schedule not in SCHEDULES:
-        raise ConfigError(f"unknown lr_schedule {cfg.lr_schedule!r}; choose one of {', '.join(SCHEDULES)}",
-                          "lr_schedule")
+        raise ConfigError(
+            f"unknown lr_schedule {cfg.lr_schedule!r}; choose one of {', '.join(SCHEDULES)}", "lr_schedule"
+        )
     if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
         raise ConfigError(f"warmup_steps must be an integer >= 0, got {cfg.warmup_steps!r}", "warmup_steps")
 
@@ -199,9 +222,12 @@ def planned_steps(epochs: float, sample_rate: float) -> int:
     raw = float(epochs) / float(sample_rate)
     steps = int(round(raw))
     if steps < 1:
-        raise ConfigError(f"epochs {epochs:g} is {raw:.3g} of a step at sample rate q = {sample_rate:.4g} (a run "
-                          f"takes round(E/q) steps), which rounds to no step; give epochs >= {sample_rate:.4g} "
-                          "(one step) or more", "epochs")
+        raise ConfigError(
+            f"epochs {epochs:g} is {raw:.3g} of a step at sample rate q = {sample_rate:.4g} (a run "
+            f"takes round(E/q) steps), which rounds to no step; give epochs >= {sample_rate:.4g} "
+            "(one step) or more",
+            "epochs",
+        )
     return steps
 
 
@@ -228,6 +254,9 @@ def resolve_device(device: str) -> "torch.device":
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' asked for but torch sees no CUDA device (torch.cuda.is_available() is "
-                          "False); use device 'cpu' or 'auto'", "device")
+        raise ConfigError(
+            "device 'cuda' asked for but torch sees no CUDA device (torch.cuda.is_available() is "
+            "False); use device 'cpu' or 'auto'",
+            "device",
+        )
     return torch.device(device)

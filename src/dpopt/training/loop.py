@@ -53,7 +53,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 20
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     correct, loss = 0, 0.0
     for i in range(0, len(x), batch):
-        xb, yb = x[i:i + batch].to(device), y[i:i + batch].to(device)
+        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
         out = model(xb)
         loss += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
         correct += int((out.argmax(1) == yb).sum())
@@ -84,18 +84,33 @@ class LoopState:
 
     def state_dict(self) -> dict:
         """The counters for a checkpoint; ``wall_seconds`` is the total over all segments up to now."""
-        return {"step": self.step, "next_epoch": self.next_epoch, "metrics": list(self.metrics),
-                "wall_seconds": self.total_wall_seconds()}
+        return {
+            "step": self.step,
+            "next_epoch": self.next_epoch,
+            "metrics": list(self.metrics),
+            "wall_seconds": self.total_wall_seconds(),
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> "LoopState":
-        return cls(step=int(state["step"]), next_epoch=int(state["next_epoch"]), metrics=list(state["metrics"]),
-                   wall_seconds=float(state.get("wall_seconds", 0.0)))
+        return cls(
+            step=int(state["step"]),
+            next_epoch=int(state["next_epoch"]),
+            metrics=list(state["metrics"]),
+            wall_seconds=float(state.get("wall_seconds", 0.0)),
+        )
 
 
-def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, files=None,
-              state: Optional[LoopState] = None, sampler: Optional[PoissonSampler] = None,
-              stop: Optional[StopRequest] = None, tracker: Optional[EpsilonTracker] = None) -> list[dict]:
+def run_steps(
+    run: Run,
+    on_step: Optional[Callable[[dict], None]] = None,
+    *,
+    files=None,
+    state: Optional[LoopState] = None,
+    sampler: Optional[PoissonSampler] = None,
+    stop: Optional[StopRequest] = None,
+    tracker: Optional[EpsilonTracker] = None,
+) -> list[dict]:
     """Train ``run`` up to ``run.steps`` logical steps; return the metrics rows.
 
     After each epoch (and always after the last step, or at an early stop) ε
@@ -165,8 +180,11 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
             files.checkpoint(state, sampler)
 
     k, augment = cfg.augmentation_multiplicity, cfg.augment  # views per example and their augmentation
-    views = (ViewBatches(model, _loss, k, augment or "crop-flip", cfg.seed)
-             if k > 1 or augment not in (None, "none") else None)
+    views = (
+        ViewBatches(model, _loss, k, augment or "crop-flip", cfg.seed)
+        if k > 1 or augment not in (None, "none")
+        else None
+    )
     scheduled = cfg.lr_schedule != "constant" or cfg.warmup_steps > 0
 
     try:
@@ -178,8 +196,10 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
                 state.status = "interrupted"
                 state.stop_signal = (stop.name if stop is not None else None) or "SIGTERM"
                 break
-            if cfg.max_epsilon is not None and tracker.releases_within_budget(
-                    ledger, opt.privatizer.step_event(), steps - state.step) < 1:
+            if (
+                cfg.max_epsilon is not None
+                and tracker.releases_within_budget(ledger, opt.privatizer.step_event(), steps - state.step) < 1
+            ):
                 state.status = "budget_exhausted"
                 break
             if scheduled:  # lr of this update from its (public) index: post-processing
@@ -189,8 +209,9 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
             step_model, step_loss, views_kw = model, _loss, {}
             if views is not None:  # K views per example (their mean gradient is clipped), docs/recipe.md
                 step_model, step_loss, x, y, views_kw = views.batch(x, y, state.step)
-            sources = iter_per_sample_sources(step_model, step_loss, x, y, cfg.physical_batch_size,
-                                              opt.evaluation_points(), **views_kw)
+            sources = iter_per_sample_sources(
+                step_model, step_loss, x, y, cfg.physical_batch_size, opt.evaluation_points(), **views_kw
+            )
             opt.step(sources)
             if run.averager is not None:
                 run.averager.update()  # reads the released parameters only
@@ -210,9 +231,15 @@ def run_steps(run: Run, on_step: Optional[Callable[[dict], None]] = None, *, fil
             if (every is None and epoch_end) or (every and step % every == 0):
                 checkpoint()
             if on_step is not None:
-                info = {"step": step, "steps": steps, "epsilon": eps_now,
-                        "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
-                        "epsilon_bound": tracker.bound(ledger), "accountant": cfg.accountant}
+                info = {
+                    "step": step,
+                    "steps": steps,
+                    "epsilon": eps_now,
+                    "test_accuracy": last.get("test_accuracy"),
+                    "test_loss": last.get("test_loss"),
+                    "epsilon_bound": tracker.bound(ledger),
+                    "accountant": cfg.accountant,
+                }
                 if cfg.show_train_loss:  # asked for: NOT private (an extra forward pass of the private batch)
                     if (step - 1) % LOSS_EVERY == 0 and len(x):
                         with torch.no_grad():

@@ -44,11 +44,29 @@ from .build import Run
 from .checkpoint import CHECKPOINT_NAME, atomic_write, rng_state, save_checkpoint
 from .config import TrainConfig
 
-__all__ = ["RUN_FILES", "run_directory", "write_config", "write_results", "RunFiles", "atomic_write_text",
-           "finished_summary", "new_segment"]
+__all__ = [
+    "RUN_FILES",
+    "run_directory",
+    "write_config",
+    "write_results",
+    "RunFiles",
+    "atomic_write_text",
+    "finished_summary",
+    "new_segment",
+]
 
-RUN_FILES = ("config.json", "metrics.jsonl", "ledger.json", "model.pt", "summary.json", "check.txt",
-             JOURNAL_NAME, CHECKPOINT_NAME, HISTORY_FILE, CURVES_NAME)
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "ledger.json",
+    "model.pt",
+    "summary.json",
+    "check.txt",
+    JOURNAL_NAME,
+    CHECKPOINT_NAME,
+    HISTORY_FILE,
+    CURVES_NAME,
+)
 
 
 def new_segment(from_step: int) -> dict:
@@ -92,8 +110,9 @@ def run_directory(cfg: TrainConfig) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"out {path} is a file; give a directory for the run", "out")
     if not cfg.overwrite and any((path / name).exists() for name in RUN_FILES):
-        raise ConfigError(f"out {path} already holds a run; choose a new directory or allow overwrite",
-                          "out", "overwrite")
+        raise ConfigError(
+            f"out {path} already holds a run; choose a new directory or allow overwrite", "out", "overwrite"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -109,9 +128,18 @@ def run_directory(cfg: TrainConfig) -> Path:
 def write_config(run_dir: Path, run: Run) -> None:
     """``config.json``: the configuration as run (model, resolved hyperparameters, σ used, q, steps)."""
     hp = run.hparams
-    config = dict(asdict(run.cfg), model=run.model_name, hparams=dict(hp), noise_multiplier=run.noise_multiplier,
-                  max_grad_norm=hp["max_grad_norm"], lr=hp["lr"], sample_rate=run.sample_rate, steps=run.steps,
-                  num_parameters=num_parameters(run.model), **run.privacy_facts)
+    config = dict(
+        asdict(run.cfg),
+        model=run.model_name,
+        hparams=dict(hp),
+        noise_multiplier=run.noise_multiplier,
+        max_grad_norm=hp["max_grad_norm"],
+        lr=hp["lr"],
+        sample_rate=run.sample_rate,
+        steps=run.steps,
+        num_parameters=num_parameters(run.model),
+        **run.privacy_facts,
+    )
     atomic_write_text(run_dir / "config.json", dumps(config, indent=2, default=str))
 
 
@@ -152,18 +180,37 @@ class RunFiles:
         self.flush()
         optimizer = run.optimizer.state_dict(include_ledger=False)  # transforms + Privatizer, one mechanism
         privatizer = optimizer.pop("privatizer")  # kept as its own key of the checkpoint
-        save_checkpoint(self.run_dir / CHECKPOINT_NAME, {
-            "config": asdict(run.cfg), "step": state.step, "ledger_length": len(run.ledger),
-            "run_id": run.ledger.run_id, "segments": self.segments,
-            "model": run.model.state_dict(), "optimizer": optimizer, "privatizer": privatizer,
-            "sampler": sampler.state_dict(),
-            "rng": rng_state(), "loop": state.state_dict(),
-            "averager": None if run.averager is None else run.averager.state_dict()})
+        save_checkpoint(
+            self.run_dir / CHECKPOINT_NAME,
+            {
+                "config": asdict(run.cfg),
+                "step": state.step,
+                "ledger_length": len(run.ledger),
+                "run_id": run.ledger.run_id,
+                "segments": self.segments,
+                "model": run.model.state_dict(),
+                "optimizer": optimizer,
+                "privatizer": privatizer,
+                "sampler": sampler.state_dict(),
+                "rng": rng_state(),
+                "loop": state.state_dict(),
+                "averager": None if run.averager is None else run.averager.state_dict(),
+            },
+        )
 
 
-def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *, status: str = "completed",
-                  stop_signal: Optional[str] = None, streamed: bool = False, epsilon: Optional[float] = None,
-                  extra: Optional[dict] = None) -> dict:
+def write_results(
+    run_dir: Path,
+    run: Run,
+    metrics: list[dict],
+    start: float,
+    *,
+    status: str = "completed",
+    stop_signal: Optional[str] = None,
+    streamed: bool = False,
+    epsilon: Optional[float] = None,
+    extra: Optional[dict] = None,
+) -> dict:
     """Write metrics, ledger, model, check and summary; return the summary (public values only).
 
     Args:
@@ -201,15 +248,30 @@ def write_results(run_dir: Path, run: Run, metrics: list[dict], start: float, *,
         # the ledger header's run_id (random, made once per run; copies of a run share it). Not "run_id":
         # a sweep's results.jsonl record is this summary plus the sweep's own "run_id" (its grid point)
         "ledger_run_id": ledger.run_id,
-        "method": cfg.method, "dataset": cfg.dataset, "model": run.model_name,
-        "test_accuracy": acc, "test_loss": test_loss, "epsilon": eps, "delta": cfg.delta,
-        "noise_multiplier": run.noise_multiplier, "max_grad_norm": hp["max_grad_norm"], "clipping": cfg.clipping,
-        "sample_rate": run.sample_rate, "expected_batch_size": float(cfg.batch_size), "steps": len(ledger),
-        "epochs": cfg.epochs, "lr": hp["lr"], "accountant": cfg.accountant, "seed": cfg.seed,
-        "num_parameters": num_parameters(run.model), "noise": run.noise.mode,
-        "dataset_size": ledger.dataset_size, "privatizer_reads": opt.privatizer.reads,
+        "method": cfg.method,
+        "dataset": cfg.dataset,
+        "model": run.model_name,
+        "test_accuracy": acc,
+        "test_loss": test_loss,
+        "epsilon": eps,
+        "delta": cfg.delta,
+        "noise_multiplier": run.noise_multiplier,
+        "max_grad_norm": hp["max_grad_norm"],
+        "clipping": cfg.clipping,
+        "sample_rate": run.sample_rate,
+        "expected_batch_size": float(cfg.batch_size),
+        "steps": len(ledger),
+        "epochs": cfg.epochs,
+        "lr": hp["lr"],
+        "accountant": cfg.accountant,
+        "seed": cfg.seed,
+        "num_parameters": num_parameters(run.model),
+        "noise": run.noise.mode,
+        "dataset_size": ledger.dataset_size,
+        "privatizer_reads": opt.privatizer.reads,
         "privatizer_releases": opt.privatizer.releases,
-        "wall_seconds": time.perf_counter() - start, "run_dir": str(run_dir),
+        "wall_seconds": time.perf_counter() - start,
+        "run_dir": str(run_dir),
         **run.privacy_facts,
     }
     summary.update(status=status, planned_steps=run.steps)  # every summary says how the run ended

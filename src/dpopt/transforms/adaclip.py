@@ -61,8 +61,7 @@ class AdaClip(ShiftScaleFeedback):
         self.betas, self.h1, self.h2 = (b1, b2), float(h1), float(h2)
 
     def init(self, param):
-        return {"step": 0, "center": torch.zeros_like(param), "var_ema": torch.zeros_like(param),
-                "scale": None}
+        return {"step": 0, "center": torch.zeros_like(param), "var_ema": torch.zeros_like(param), "scale": None}
 
     def update(self, updates, states, params, ctx: StepContext):
         self.ensure_scale(states, params)

@@ -35,8 +35,9 @@ class ScaleByAdam(Transform):
 
     name = "scale_by_adam"
 
-    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8, noise_correction: bool = False,
-                 gamma_prime: float = 1e-8):
+    def __init__(
+        self, betas=(0.9, 0.999), eps: float = 1e-8, noise_correction: bool = False, gamma_prime: float = 1e-8
+    ):
         b1, b2 = (float(b) for b in betas)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {betas}")

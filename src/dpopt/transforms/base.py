@@ -65,8 +65,14 @@ class StepContext:
     def subset(self, index: Sequence[int]) -> "StepContext":
         """The context restricted to the parameters at ``index`` (for Partition)."""
         pick = lambda xs: [xs[i] for i in index] if xs else xs  # noqa: E731
-        return StepContext(self.step, pick(self.noise_std), pick(self.lrs), pick(self.groups),
-                           self.noise_multiplier, self.expected_batch_size)
+        return StepContext(
+            self.step,
+            pick(self.noise_std),
+            pick(self.lrs),
+            pick(self.groups),
+            self.noise_multiplier,
+            self.expected_batch_size,
+        )
 
 
 class Transform:
@@ -83,8 +89,7 @@ class Transform:
         """State for one parameter (shape ``param.shape``)."""
         return {}
 
-    def update(self, updates: list[Tensor], states: list[dict], params: list[Tensor],
-               ctx: StepContext) -> list[Tensor]:
+    def update(self, updates: list[Tensor], states: list[dict], params: list[Tensor], ctx: StepContext) -> list[Tensor]:
         raise NotImplementedError
 
     def geometry(self, states: list[dict], params: list[Tensor]) -> Optional[ClipGeometry]:
@@ -177,16 +182,17 @@ class Partition(Transform):
         out: list[Optional[Tensor]] = [None] * len(updates)
         for label, idx in self._groups(states).items():
             res = self.transforms[label].update(
-                [updates[i] for i in idx], [states[i]["inner"] for i in idx],
-                [params[i] for i in idx], ctx.subset(idx))
+                [updates[i] for i in idx], [states[i]["inner"] for i in idx], [params[i] for i in idx], ctx.subset(idx)
+            )
             for i, r in zip(idx, res):
                 out[i] = r
         return out
 
     def geometry(self, states, params):
-        parts = {label: (idx, self.transforms[label].geometry([states[i]["inner"] for i in idx],
-                                                              [params[i] for i in idx]))
-                 for label, idx in self._groups(states).items()}
+        parts = {
+            label: (idx, self.transforms[label].geometry([states[i]["inner"] for i in idx], [params[i] for i in idx]))
+            for label, idx in self._groups(states).items()
+        }
         if all(g is None for _, g in parts.values()):
             return None
         shift: list[Tensor] = [torch.zeros_like(p) for p in params]
@@ -203,9 +209,9 @@ class Partition(Transform):
 
     def evaluation_points(self, states, params):
         for label, idx in self._groups(states).items():
-            pts = self.transforms[label].evaluation_points([states[i]["inner"] for i in idx],
-                                                           [params[i] for i in idx])
+            pts = self.transforms[label].evaluation_points([states[i]["inner"] for i in idx], [params[i] for i in idx])
             if pts is not None:
-                raise NotImplementedError("evaluation points inside a Partition are not supported; "
-                                          "put the filter before the partition")
+                raise NotImplementedError(
+                    "evaluation points inside a Partition are not supported; put the filter before the partition"
+                )
         return None

@@ -74,8 +74,7 @@ class DiSK(Transform):
     def __init__(self, kappa: float = 0.7, gamma: float = 0.5):
         kappa, gamma = float(kappa), float(gamma)
         if not 0.0 < kappa <= 1.0:
-            raise ValueError(f"kappa must be in (0, 1] (a filter weight), got {kappa}; "
-                             f"presets: {DISK_PRESETS}")
+            raise ValueError(f"kappa must be in (0, 1] (a filter weight), got {kappa}; presets: {DISK_PRESETS}")
         if not (gamma > 0 and math.isfinite(gamma)):
             raise ValueError(f"gamma must be > 0, got {gamma}")
         self.kappa, self.gamma = kappa, gamma
@@ -119,8 +118,9 @@ def _second_order() -> tuple[tuple[float, ...], tuple[float, ...]]:
 DOPPLER_PRESETS = {"ema": ((1.0, -0.9), (0.1,)), "second-order": _second_order(), "none": ((1.0,), (1.0,))}
 
 
-def doppler_coefficients(filter: str = "ema", a: Optional[Sequence[float]] = None,
-                         b: Optional[Sequence[float]] = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def doppler_coefficients(
+    filter: str = "ema", a: Optional[Sequence[float]] = None, b: Optional[Sequence[float]] = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Filter coefficients (a, b): a preset's, unless both ``a`` and ``b`` are given.
 
     Raises:
@@ -157,8 +157,7 @@ class LowPassFilter(Transform):
 
     name = "doppler"
 
-    def __init__(self, a: Sequence[float] = (1.0, -0.9), b: Sequence[float] = (0.1,),
-                 bias_correction: bool = True):
+    def __init__(self, a: Sequence[float] = (1.0, -0.9), b: Sequence[float] = (0.1,), bias_correction: bool = True):
         a, b = [float(x) for x in a], [float(x) for x in b]
         if not a or not b:
             raise ValueError("filter coefficient lists a and b must be non-empty")
@@ -186,14 +185,15 @@ class LowPassFilter(Transform):
                 m = m + bt * x
             for at, y in zip(a[1:], st["outputs"]):
                 m = m - at * y
-            unit = sum(b[:st["step"]]) - sum(at * y for at, y in zip(a[1:], st["unit"]))
-            st["inputs"] = ([g] + st["inputs"])[:len(b) - 1]
-            st["outputs"] = ([m] + st["outputs"])[:len(a) - 1]
-            st["unit"] = ([unit] + st["unit"])[:len(a) - 1]
+            unit = sum(b[: st["step"]]) - sum(at * y for at, y in zip(a[1:], st["unit"]))
+            st["inputs"] = ([g] + st["inputs"])[: len(b) - 1]
+            st["outputs"] = ([m] + st["outputs"])[: len(a) - 1]
+            st["unit"] = ([unit] + st["unit"])[: len(a) - 1]
             if self.bias_correction:
                 if abs(unit) < 1e-12:
-                    raise ValueError(f"unit-step response vanished at step {st['step']}; "
-                                     "use bias_correction=False for this filter")
+                    raise ValueError(
+                        f"unit-step response vanished at step {st['step']}; use bias_correction=False for this filter"
+                    )
                 out.append(m / unit)
             else:
                 out.append(m)

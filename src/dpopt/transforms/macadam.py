@@ -87,10 +87,19 @@ class MacAdam(ShiftScaleFeedback):
 
     name = "macadam"
 
-    def __init__(self, betas=(0.9, 0.999), gamma: float = 1e-8, h1: float = 1e-9, h2: float = 1e-6,
-                 variance_update: str = "paper", bias_correction: bool = False,
-                 gamma_prime: float = 1e-8, b_warmup_steps: int = 0, center_shrinkage: bool = False,
-                 noise_subtraction: str = "last"):
+    def __init__(
+        self,
+        betas=(0.9, 0.999),
+        gamma: float = 1e-8,
+        h1: float = 1e-9,
+        h2: float = 1e-6,
+        variance_update: str = "paper",
+        bias_correction: bool = False,
+        gamma_prime: float = 1e-8,
+        b_warmup_steps: int = 0,
+        center_shrinkage: bool = False,
+        noise_subtraction: str = "last",
+    ):
         b1, b2 = (float(b) for b in betas)
         if not (0.0 < b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must satisfy 0 < β1 < 1, 0 ≤ β2 < 1, got {betas}")
@@ -146,8 +155,9 @@ class MacAdam(ShiftScaleFeedback):
         stds = list(ctx.noise_std)
         phi = torch._foreach_mul(stds, stds)  # Φ_t = b_{t−1}²σ²/B̄², the release's noise variance
         if self.center_shrinkage:
-            m_prev_hat = [st["exp_avg"] / (1 - b1 ** (t - 1)) if t > 1 else torch.zeros_like(x)
-                          for st, x in zip(states, g)]
+            m_prev_hat = [
+                st["exp_avg"] / (1 - b1 ** (t - 1)) if t > 1 else torch.zeros_like(x) for st, x in zip(states, g)
+            ]
             for st, ph in zip(states, phi):
                 self._track_center_noise(st, ph, t)
         else:

@@ -32,8 +32,16 @@ from torch import Tensor, nn
 from .base import Partition, StepContext, Transform
 from .newton_schulz import NS_COEFFICIENTS, NS_EPS, ORTHOGONALIZERS, as_matrix, orthogonalize, top_singular_value
 
-__all__ = ["ScaleByMuon", "MUON_SCALINGS", "EXCLUDE_FIRST", "MUON_LABEL", "OTHER_LABEL",
-           "hidden_matrix_labels", "embedding_parameters", "muon_partition"]
+__all__ = [
+    "ScaleByMuon",
+    "MUON_SCALINGS",
+    "EXCLUDE_FIRST",
+    "MUON_LABEL",
+    "OTHER_LABEL",
+    "hidden_matrix_labels",
+    "embedding_parameters",
+    "muon_partition",
+]
 
 MUON_SCALINGS = ("shape", "spectral", "none")
 EXCLUDE_FIRST = ("conv", "always", "never")
@@ -77,10 +85,17 @@ class ScaleByMuon(Transform):
 
     name = "scale_by_muon"
 
-    def __init__(self, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 scaling: str = "shape", orthogonalizer: str = "newton-schulz",
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
-                 power_iters: int = 2):
+    def __init__(
+        self,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        scaling: str = "shape",
+        orthogonalizer: str = "newton-schulz",
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        power_iters: int = 2,
+    ):
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if int(ns_steps) != ns_steps or int(ns_steps) < 1:
@@ -102,9 +117,11 @@ class ScaleByMuon(Transform):
 
     def init(self, param: Tensor) -> dict:
         if param.dim() < 2:
-            raise ValueError(f"ScaleByMuon orthogonalizes matrices; got a parameter of shape "
-                             f"{tuple(param.shape)}. Route 1-D parameters to Adam/SGD with a Partition "
-                             "(see hidden_matrix_labels)")
+            raise ValueError(
+                f"ScaleByMuon orthogonalizes matrices; got a parameter of shape "
+                f"{tuple(param.shape)}. Route 1-D parameters to Adam/SGD with a Partition "
+                "(see hidden_matrix_labels)"
+            )
         state = {"momentum_buffer": torch.zeros_like(param)}
         if self.scaling == "spectral":
             cols = as_matrix(param).shape[1]
@@ -146,9 +163,12 @@ def embedding_parameters(model: nn.Module) -> list[Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
 
 
-def hidden_matrix_labels(params: Union[Sequence[Tensor], nn.Module], exclude_first: str = "conv",
-                         exclude_last: bool = True, embeddings: Optional[Iterable[Tensor]] = None
-                         ) -> Callable[[Tensor], str]:
+def hidden_matrix_labels(
+    params: Union[Sequence[Tensor], nn.Module],
+    exclude_first: str = "conv",
+    exclude_last: bool = True,
+    embeddings: Optional[Iterable[Tensor]] = None,
+) -> Callable[[Tensor], str]:
     """Label function for Muon routing, built from the parameters in model order.
 
     A parameter is labelled ``"muon"`` iff it has ≥ 2 dims (a linear weight or
@@ -206,16 +226,17 @@ def hidden_matrix_labels(params: Union[Sequence[Tensor], nn.Module], exclude_fir
             excluded.add(first)
         if exclude_last:
             excluded.add(weights[-1])
-    labels = {id(p): (MUON_LABEL if i in weights and i not in excluded else OTHER_LABEL)
-              for i, p in enumerate(params)}
+    labels = {id(p): (MUON_LABEL if i in weights and i not in excluded else OTHER_LABEL) for i, p in enumerate(params)}
     keep_alive = params  # ids stay valid while the label function lives
 
     def label_fn(param: Tensor) -> str:
         try:
             return labels[id(param)]
         except KeyError:
-            raise ValueError(f"parameter of shape {tuple(param.shape)} was not in the list the Muon "
-                             f"routing was built from ({len(keep_alive)} parameters)") from None
+            raise ValueError(
+                f"parameter of shape {tuple(param.shape)} was not in the list the Muon "
+                f"routing was built from ({len(keep_alive)} parameters)"
+            ) from None
 
     label_fn.labels = [labels[id(p)] for p in params]  # type: ignore[attr-defined]
     return label_fn

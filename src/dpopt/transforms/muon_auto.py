@@ -91,10 +91,19 @@ class ScaleByMuonAuto(Transform):
 
     name = "scale_by_muon_auto"
 
-    def __init__(self, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 orthogonalizer: str = "newton-schulz", on_ratio: float = 1.1, off_ratio: float = 1.03,
-                 off_scale: float = 1.0, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 eps: float = NS_EPS, power_iters: int = 3):
+    def __init__(
+        self,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        orthogonalizer: str = "newton-schulz",
+        on_ratio: float = 1.1,
+        off_ratio: float = 1.03,
+        off_scale: float = 1.0,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        power_iters: int = 3,
+    ):
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if int(ns_steps) != ns_steps or int(ns_steps) < 1:
@@ -102,8 +111,9 @@ class ScaleByMuonAuto(Transform):
         if orthogonalizer not in ORTHOGONALIZERS:
             raise ValueError(f"orthogonalizer must be one of {ORTHOGONALIZERS}, got {orthogonalizer!r}")
         if not 1.0 <= float(off_ratio) <= float(on_ratio):
-            raise ValueError(f"need 1 <= off_ratio <= on_ratio (hysteresis), got off_ratio={off_ratio}, "
-                             f"on_ratio={on_ratio}")
+            raise ValueError(
+                f"need 1 <= off_ratio <= on_ratio (hysteresis), got off_ratio={off_ratio}, on_ratio={on_ratio}"
+            )
         if not float(off_scale) > 0:
             raise ValueError(f"off_scale must be > 0, got {off_scale}")
         if int(power_iters) < 1:
@@ -116,17 +126,21 @@ class ScaleByMuonAuto(Transform):
 
     def init(self, param: Tensor) -> dict:
         if param.dim() < 2:
-            raise ValueError(f"ScaleByMuonAuto orthogonalizes matrices; got a parameter of shape "
-                             f"{tuple(param.shape)}. Route 1-D parameters elsewhere with a Partition")
+            raise ValueError(
+                f"ScaleByMuonAuto orthogonalizes matrices; got a parameter of shape "
+                f"{tuple(param.shape)}. Route 1-D parameters elsewhere with a Partition"
+            )
         cols = as_matrix(param).shape[1]
         gen = torch.Generator().manual_seed(0)  # public, data-independent start vector
         v = torch.randn(cols, generator=gen, dtype=torch.float64).to(param.dtype).to(param.device)
-        return {"momentum_buffer": torch.zeros_like(param),
-                "noise_var": torch.zeros((), dtype=torch.float64, device=param.device),
-                "power_vector": v / v.norm(),
-                "orthogonalize": torch.zeros((), dtype=torch.bool, device=param.device),
-                "decisions": torch.zeros(0, dtype=torch.uint8, device=param.device),
-                "ratios": torch.zeros(0, dtype=torch.float32, device=param.device)}
+        return {
+            "momentum_buffer": torch.zeros_like(param),
+            "noise_var": torch.zeros((), dtype=torch.float64, device=param.device),
+            "power_vector": v / v.norm(),
+            "orthogonalize": torch.zeros((), dtype=torch.bool, device=param.device),
+            "decisions": torch.zeros(0, dtype=torch.uint8, device=param.device),
+            "ratios": torch.zeros(0, dtype=torch.float32, device=param.device),
+        }
 
     @staticmethod
     def _noise_var(std: Tensor) -> float:
@@ -204,9 +218,15 @@ def decision_history(optimizer, names: Optional[Sequence[str]] = None) -> dict:
         if st is None:
             continue
         dec = [int(x) for x in st["decisions"].tolist()]
-        layers.append({"name": name, "shape": list(p.shape), "decisions": dec,
-                       "ratios": [round(float(x), 5) for x in st["ratios"].tolist()],
-                       "fraction_on": (sum(dec) / len(dec)) if dec else None})
+        layers.append(
+            {
+                "name": name,
+                "shape": list(p.shape),
+                "decisions": dec,
+                "ratios": [round(float(x), 5) for x in st["ratios"].tolist()],
+                "fraction_on": (sum(dec) / len(dec)) if dec else None,
+            }
+        )
     return {"format": "dpopt.muon_auto.history/1", "layers": layers}
 
 

@@ -157,12 +157,21 @@ class ScaleByMuonBC(ScaleByMuon):
 
     name = "scale_by_muon_bc"
 
-    def __init__(self, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 orthogonalizer: str = "newton-schulz",
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
-                 correction: bool = True, max_correction: float = 0.5, input_filter: str = "none",
-                 filter_kappa: Optional[float] = None, filter_a1: Optional[float] = None,
-                 filter_b0: Optional[float] = None):
+    def __init__(
+        self,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        orthogonalizer: str = "newton-schulz",
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        correction: bool = True,
+        max_correction: float = 0.5,
+        input_filter: str = "none",
+        filter_kappa: Optional[float] = None,
+        filter_a1: Optional[float] = None,
+        filter_b0: Optional[float] = None,
+    ):
         super().__init__(momentum, nesterov, ns_steps, "shape", orthogonalizer, ns_coefficients, eps)
         if not (float(max_correction) >= 0 and math.isfinite(float(max_correction))):
             raise ValueError(f"max_correction must be a finite number >= 0, got {max_correction}")
@@ -170,10 +179,12 @@ class ScaleByMuonBC(ScaleByMuon):
             raise ValueError(f"input_filter must be one of {INPUT_FILTERS}, got {input_filter!r}")
         if input_filter == "disk" and not (filter_kappa is not None and 0 < float(filter_kappa) <= 1):
             raise ValueError(f"input_filter='disk' needs filter_kappa in (0, 1], got {filter_kappa!r}")
-        if input_filter == "iir1" and not (filter_a1 is not None and filter_b0 is not None
-                                           and abs(float(filter_a1)) < 1 and float(filter_b0) != 0):
-            raise ValueError(f"input_filter='iir1' needs |filter_a1| < 1 and filter_b0 != 0, got "
-                             f"{filter_a1!r}, {filter_b0!r}")
+        if input_filter == "iir1" and not (
+            filter_a1 is not None and filter_b0 is not None and abs(float(filter_a1)) < 1 and float(filter_b0) != 0
+        ):
+            raise ValueError(
+                f"input_filter='iir1' needs |filter_a1| < 1 and filter_b0 != 0, got {filter_a1!r}, {filter_b0!r}"
+            )
         self.correction, self.max_correction = bool(correction), float(max_correction)
         self.input_filter = input_filter
         self.filter_kappa = None if filter_kappa is None else float(filter_kappa)

@@ -57,8 +57,9 @@ def as_matrix(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-def newton_schulz(g: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = NS_EPS) -> Tensor:
+def newton_schulz(
+    g: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS
+) -> Tensor:
     """Approximate polar factor of a matrix by K quintic Newton–Schulz steps.
 
     Args:
@@ -119,8 +120,13 @@ def polar_exact(g: Tensor, rtol: Optional[float] = None) -> Tensor:
     return (u * keep) @ vh
 
 
-def orthogonalize(g: Tensor, method: str = "newton-schulz", steps: int = 5,
-                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
+def orthogonalize(
+    g: Tensor,
+    method: str = "newton-schulz",
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+) -> Tensor:
     """Orthogonalize a weight-shaped tensor (flattened by :func:`as_matrix`), same shape back.
 
     Args:

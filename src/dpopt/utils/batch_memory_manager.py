@@ -58,7 +58,7 @@ def _chunks(indices: list, max_size: int) -> list[list]:
     out, start = [], 0
     for i in range(k):
         size = base + (1 if i < extra else 0)
-        out.append(list(indices[start:start + size]))
+        out.append(list(indices[start : start + size]))
         start += size
     return out
 
@@ -84,8 +84,10 @@ class BatchSplittingSampler(Sampler):
         if int(max_batch_size) < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {max_batch_size}")
         if not hasattr(optimizer, "signal_skip_step"):
-            raise ValueError("BatchMemoryManager needs the optimizer that PrivacyEngine.make_private returned "
-                             "(it accumulates the chunks of one logical batch into one release)")
+            raise ValueError(
+                "BatchMemoryManager needs the optimizer that PrivacyEngine.make_private returned "
+                "(it accumulates the chunks of one logical batch into one release)"
+            )
         self.sampler, self.max_batch_size, self.optimizer = sampler, int(max_batch_size), optimizer
         # dpopt's optimizer: the chunks are tagged (release_boundary) instead of queueing skip signals
         self.boundary = boundary_of(optimizer) if hasattr(optimizer, "_close_open_step") else None
@@ -141,8 +143,9 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
     ``generator``, ``prefetch_factor`` and ``persistent_workers``.
     """
     keep = loader_settings(data_loader, generator=True)
-    splitter = BatchSplittingSampler(sampler=data_loader.batch_sampler, max_batch_size=max_batch_size,
-                                     optimizer=optimizer)
+    splitter = BatchSplittingSampler(
+        sampler=data_loader.batch_sampler, max_batch_size=max_batch_size, optimizer=optimizer
+    )
     if splitter.boundary is not None:
         return _ChunkLoader(data_loader.dataset, batch_sampler=splitter, collate_fn=data_loader.collate_fn, **keep)
     return DataLoader(data_loader.dataset, batch_sampler=splitter, collate_fn=data_loader.collate_fn, **keep)
@@ -160,8 +163,10 @@ class _ChunkLoader(DataLoader):
         bd = splitter.boundary
         splitter.tags.clear()
         if getattr(self, "in_order", True) is False:
-            raise ValueError("BatchMemoryManager needs the chunks in the order they are drawn (in_order=True): "
-                             "each chunk is tagged with its logical batch")
+            raise ValueError(
+                "BatchMemoryManager needs the chunks in the order they are drawn (in_order=True): "
+                "each chunk is tagged with its logical batch"
+            )
         try:
             for chunk in super().__iter__():
                 bd.hand(splitter.tags.popleft(), owed=True)
@@ -182,11 +187,15 @@ class BatchMemoryManager:
 
     def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer):
         self.data_loader, self.max_physical_batch_size, self.optimizer = (
-            data_loader, int(max_physical_batch_size), optimizer)
+            data_loader,
+            int(max_physical_batch_size),
+            optimizer,
+        )
 
     def __enter__(self) -> DataLoader:
-        return wrap_data_loader(data_loader=self.data_loader, max_batch_size=self.max_physical_batch_size,
-                                optimizer=self.optimizer)
+        return wrap_data_loader(
+            data_loader=self.data_loader, max_batch_size=self.max_physical_batch_size, optimizer=self.optimizer
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Leaving the context with a logical step open (``break``, an exception) releases what it holds.

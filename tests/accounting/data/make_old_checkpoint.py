@@ -1,6 +1,7 @@
 """How old_engine_checkpoint.pt (+ its journal) was made: run with dpopt at commit fb334df (before issue 42: three per-release ledger copies).
 
 Usage: python make_old_checkpoint.py OUT_DIR (not collected by pytest: no test_ prefix)."""
+
 import sys
 import warnings
 
@@ -19,8 +20,9 @@ loader = DataLoader(data, batch_size=8)
 engine = PrivacyEngine(accountant="rdp")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                             noise_multiplier=1.1, max_grad_norm=1.0)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0
+    )
 n = 0
 for _ in range(2):
     for x, y in loader:

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 if os.environ.get("DPOPT_MUTANT"):
-    _spec = importlib.util.spec_from_file_location("dpopt_mutants", Path(__file__).resolve().parent.parent / "mutants.py")
+    _spec = importlib.util.spec_from_file_location(
+        "dpopt_mutants", Path(__file__).resolve().parent.parent / "mutants.py"
+    )
     _mod = importlib.util.module_from_spec(_spec)
     sys.modules["dpopt_mutants"] = _mod  # before exec: its dataclasses look their module up
     _spec.loader.exec_module(_mod)
