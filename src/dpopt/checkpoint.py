@@ -201,7 +201,13 @@ class LedgerKeeper:
 
     # -- loading -----------------------------------------------------------------
     def adopt(
-        self, saved: Optional[Union[dict, PrivacyLedger]], *, journal: Optional[Path], where: str, header_fixed: bool
+        self,
+        saved: Optional[Union[dict, PrivacyLedger]],
+        *,
+        journal: Optional[Path],
+        where: str,
+        header_fixed: bool,
+        stacklevel: int = 3,
     ) -> int:
         """Make the engine's ledger the longest record of this run (module docstring); returns releases kept.
 
@@ -212,6 +218,8 @@ class LedgerKeeper:
             where: the state, for messages (``"checkpoint ckpt.pt"``).
             header_fixed: the engine has made something private, so its
                 header (sampling, ...) describes the coming releases.
+            stacklevel: of its warnings (the default names the caller of the
+                method that called ``adopt``).
 
         Returns:
             The number of releases beyond the saved ledger's that stay charged
@@ -259,7 +267,7 @@ class LedgerKeeper:
                     f"after it was saved (if any) cannot be counted; epsilon counts its "
                     f"{len(saved_ledger)} releases (keep the journal beside the checkpoints)",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=stacklevel,
                 )
         if len(self.ledger):
             candidates["engine"] = self.ledger
@@ -282,7 +290,7 @@ class LedgerKeeper:
                 f"{len(best)} of the same run: the {kept} releases made after it stay charged "
                 f"(epsilon counts all {len(best)})",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         if journal is not None:
             self.open_journal(journal)

@@ -280,7 +280,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
         :meth:`step` = privatize + this; a caller that drives the Privatizer's
         ``begin``/``accumulate``/``release`` itself (micro-batches of one
-        logical batch, :class:`~dpopt.privacy_engine.PrivateOptimizer`) calls
+        logical batch, :class:`~dpopt.private_optimizer.PrivateOptimizer`) calls
         it with that release (its step opened with ``privatizer.begin(self.geometry())``).
         """
         params = self._params()

@@ -85,7 +85,7 @@ class ChunkTag:
 class ReleaseBoundary:
     """The boundary of one optimizer's releases: which logical batch the open step belongs to.
 
-    Held by :class:`~dpopt.privacy_engine.PrivateOptimizer` (:func:`boundary_of`);
+    Held by :class:`~dpopt.private_optimizer.PrivateOptimizer` (:func:`boundary_of`);
     loaders call :meth:`new_batch` when they draw a logical batch and :meth:`hand`
     when they give a chunk of it to the loop; the optimizer calls :meth:`begin`,
     :meth:`step_chunk`, :meth:`check_rows` and :meth:`end`.

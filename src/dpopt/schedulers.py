@@ -1,7 +1,7 @@
 """Noise and clip-bound schedulers in Opacus's shape (``opacus.schedulers``) for dpopt's optimizer.
 
 Each scheduler sets ``optimizer.noise_multiplier`` (σ) or
-``optimizer.max_grad_norm`` (C) of :class:`~dpopt.privacy_engine.PrivateOptimizer`
+``optimizer.max_grad_norm`` (C) of :class:`~dpopt.private_optimizer.PrivateOptimizer`
 when its ``step()`` is called, as a torch LR scheduler sets ``lr``. The change
 takes effect at the NEXT release: the Privatizer reads σ and C when it clips
 and noises, and the ledger entry of each release records the σ (and C, and

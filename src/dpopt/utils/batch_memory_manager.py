@@ -20,7 +20,7 @@ batch, and a step left open (``break``, ``continue`` on the last chunk, an
 exception, leaving the ``with`` block) is released on its own before anything
 of another batch is added. (An optimizer that is not dpopt's, or Opacus's own
 manager, gets Opacus's ``optimizer.signal_skip_step(do_skip=...)`` protocol
-instead.) On a skipped step :class:`~dpopt.privacy_engine.PrivateOptimizer` clips the chunk's
+instead.) On a skipped step :class:`~dpopt.private_optimizer.PrivateOptimizer` clips the chunk's
 per-sample gradients and adds them into its Privatizer's open step
 (``Privatizer.accumulate``); on the last chunk it adds that chunk too and
 releases once: noise once, one ledger entry at q — the same release as one

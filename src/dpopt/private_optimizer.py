@@ -1,0 +1,468 @@
+"""``PrivateOptimizer``: the optimizer :meth:`PrivacyEngine.make_private <dpopt.privacy_engine.PrivacyEngine.make_private>` returns.
+
+``zero_grad`` / ``step`` of an ordinary loop, made DP: ``step()`` hands the
+per-sample source captured by the model's hooks to the ONE Privatizer of the
+dpopt optimizer it wraps (one release, one ledger entry), writes the release
+into ``p.grad`` and steps the user's optimizer or the method's chain. Opacus's
+micro-batch protocol (``signal_skip_step``, :mod:`dpopt.release_boundary`),
+settable σ/C for the next release, and ``state_dict`` with the ledger
+(:mod:`dpopt.checkpoint`) live here. The front door that builds it is
+:mod:`dpopt.privacy_engine` (module docstring: what happens where).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from .accounting.validation import check_noise_multiplier
+from .augment import ViewCollate
+from .checkpoint import CHECKPOINT_VERSION, recorded_journal
+from .data_loader import DPDataLoader
+from .engine.hooks import HookCapture, grad_sample_source
+from .opacus_compat import LossReductionWatch
+from .optim import DPOptimizer
+from .privatizer import Privatizer
+from .release_boundary import ReleaseBoundary, boundary_of
+from .types import ClipGeometry
+
+if TYPE_CHECKING:
+    from .privacy_engine import PrivacyEngine
+
+__all__ = ["PrivateOptimizer"]
+
+
+class PrivateOptimizer(torch.optim.Optimizer):
+    """The optimizer ``make_private`` returns: ``zero_grad`` / ``step`` of an ordinary loop, made DP.
+
+    Shares ``param_groups``, ``state`` and ``defaults`` with the wrapped
+    optimizer (LR schedulers built on either work). ``step()`` reads the
+    per-sample gradients of the last forward/backward (or ``p.grad_sample``
+    where every trainable parameter has one), privatizes them once (one ledger
+    entry), writes the release into ``p.grad`` and steps the wrapped optimizer
+    (a ``torch.optim.Optimizer``) or the dpopt method's chain.
+
+    Attributes:
+        original_optimizer: the wrapped optimizer (the user's, or the dpopt
+            :class:`~dpopt.optim.DPOptimizer` of a method name).
+        privatizer: the Privatizer (public config: ``noise_multiplier``,
+            ``max_grad_norm``, ``expected_batch_size``, ``sample_rate``).
+        expected_batch_size, noise_multiplier, max_grad_norm: as in Opacus (public).
+    """
+
+    def __init__(
+        self,
+        original: torch.optim.Optimizer,
+        dp: DPOptimizer,
+        capture: HookCapture,
+        params: Sequence[torch.Tensor],
+        engine: Optional["PrivacyEngine"] = None,
+    ):
+        super().__init__(list(params), {})
+        self._engine = engine  # the PrivacyEngine whose ledger the Privatizer records in (state travels there)
+        self.original_optimizer = original
+        self.param_groups = original.param_groups
+        self.state = original.state
+        self.defaults = original.defaults
+        self._dp = dp
+        self._capture = capture
+        # the model's hooks hold the capture's recorder, not this optimizer: when the optimizer goes (deleted,
+        # never detached: a sweep, a notebook), its hooks leave the model instead of recording every later forward
+        weakref.finalize(self, capture.detach)
+        self._params = list(params)
+        self._torch = original is not dp
+        self._step_skip_queue: list[bool] = []  # Opacus's BatchMemoryManager protocol (signal_skip_step)
+        self._is_last_step_skipped = False
+        self._open = False  # a logical step is open in the Privatizer (chunks accumulated, not yet released)
+        self.clip_range: tuple[float, float] = (0.0, math.inf)  # adaptive clipping's [min, max]_clipbound
+        self._loss_watch: Optional[LossReductionWatch] = None  # until the first batch of >= 2 examples
+        self._orphan = False  # a copy.deepcopy made without the model (its step() explains)
+        self._loader: Optional[DPDataLoader] = None  # make_private's Poisson loader (K views: rows checked)
+        self._examples: Optional[int] = 0  # examples accumulated in the open logical step (None: unknown)
+
+    def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
+        """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
+        state = dict(self.__dict__)
+        state["_loss_watch"] = None  # hook handles of the first-batch check: not part of the optimizer's state
+        state["_loader"] = None  # the loader holds the private dataset: never in a copy or a pickle
+        state["_boundary"] = ReleaseBoundary()  # no open step, no private count in a copy
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "PrivateOptimizer":
+        """A copy; made WITH its model (``copy.deepcopy((model, optimizer))``) it trains the copied model.
+
+        The optimizer's parameters and hooks belong to its model: copied
+        alone, the copy holds a private copy of the model that no code can
+        reach, so its ``step()`` raises saying so (rather than "no backward").
+        A copy is a branch of the run: its engine's ledger holds the releases
+        before the copy, and those the copy makes after it.
+        """
+        import copy
+
+        model = getattr(self._capture, "model", None)
+        orphan = model is not None and id(model) not in memo
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new._orphan = orphan or self._orphan
+        return new
+
+    @property
+    def privatizer(self) -> Privatizer:
+        return self._dp.privatizer
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._dp.privatizer.expected_batch_size
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the next release (settable: Opacus's noise schedulers, :mod:`dpopt.schedulers`)."""
+        return self._dp.privatizer.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        """Set σ for the NEXT release; the ledger records each release's σ, so ε stays exact.
+
+        Raises:
+            RuntimeError: between the chunks of one logical batch (BatchMemoryManager).
+            ValueError: σ < 0 or not a number; σ > 0 with an infinite bound; adaptive
+                clipping (its σ is split between the gradient and the count releases).
+        """
+        priv = self._between_steps("noise_multiplier")
+        if priv.quantile is not None:
+            raise ValueError(
+                "noise_multiplier cannot be changed with clipping='adaptive': the total sigma is split "
+                "between the gradient and the clipped-count releases at make_private; make the engine "
+                "again (or schedule max_grad_norm instead)"
+            )
+        sigma = check_noise_multiplier(value)
+        if sigma > 0 and not math.isfinite(priv.sensitivity):
+            raise ValueError("noise_multiplier > 0 needs a finite max_grad_norm (the noise std is sigma x C)")
+        priv.noise_multiplier = sigma
+        if self._engine is not None:  # the claim dpopt check compares each release with
+            self._engine._claims.setdefault("noise_multiplier_schedule", []).append([len(priv.ledger), sigma])
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C of the next release (settable: Opacus's clip schedulers; per-layer: the total bound)."""
+        return self._dp.privatizer.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        """Set C for the NEXT release: its clipping and its noise std σ·C (recorded in its ledger entry).
+
+        Flat and adaptive clipping: the bound (adaptive clipping then adapts
+        from it). Per-layer clipping: every per-layer bound is scaled so that
+        the total √(Σ C_k²) is ``value``.
+
+        Raises:
+            RuntimeError: between the chunks of one logical batch (BatchMemoryManager).
+            ValueError: C ≤ 0, NaN, or infinite while σ > 0.
+        """
+        priv = self._between_steps("max_grad_norm")
+        c = float(value)
+        if not c > 0 or math.isnan(c) or (priv.noise_multiplier > 0 and not math.isfinite(c)):
+            raise ValueError(f"max_grad_norm must be > 0 (and finite when noise_multiplier > 0), got {value!r}")
+        total = priv.sensitivity
+        priv.bounds = [c] if len(priv.bounds) == 1 else [b * c / total for b in priv.bounds]
+
+    def _between_steps(self, name: str) -> Privatizer:
+        if self._open:
+            raise RuntimeError(
+                f"{name} changed between the physical chunks of one logical batch: the chunks "
+                "already clipped used the old value. Change it after the logical step "
+                "(scheduler.step() after the last chunk's optimizer.step())"
+            )
+        return self._dp.privatizer
+
+    # -- Opacus's micro-batch protocol (BatchMemoryManager) ----------------------------
+    @property
+    def last_step_released(self) -> bool:
+        """Whether the last ``step()`` released (ended a logical batch) rather than only adding a
+        BatchMemoryManager chunk (Opacus: ``not optimizer._is_last_step_skipped``). Step a learning-rate
+        scheduler and a parameter averager only when it is True: they count updates, not chunks."""
+        return not self._is_last_step_skipped
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Queue whether the next ``step()`` only clips and adds its chunk (``True``) or ends the logical batch.
+
+        Called by :class:`~dpopt.utils.batch_memory_manager.BatchMemoryManager`
+        (and Opacus's) before each physical chunk. A skipped step adds the
+        chunk's clipped per-sample gradients into the Privatizer's open step
+        (no noise, no ledger entry, no parameter change); the next non-skipped
+        step adds its own chunk and releases once.
+        """
+        self._step_skip_queue.append(bool(do_skip))
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        """Whether the next ``step()`` is skipped (Opacus's name); pops the queue with ``pop_next``."""
+        if not self._step_skip_queue:
+            return False
+        return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero ``p.grad`` and ``p.grad_sample``; forget per-sample data of completed backward passes."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self._params:
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None  # type: ignore[attr-defined]
+        self._capture.discard_completed()
+
+    def _source(self) -> Any:
+        src = grad_sample_source(self._params)
+        if src is None:
+            if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
+                raise RuntimeError(
+                    "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
+                    "per-sample gradient was captured, so this step would release pure noise and "
+                    "be charged for nothing. Call loss.backward() before optimizer.step() (an "
+                    "empty batch's forward and backward are fine: they release noise, as they "
+                    "must), and zero_grad() before the forward, not between backward and step"
+                )
+            return self._capture.collect()
+        self._capture.reset()
+        for p in self._params:
+            p.grad_sample = None  # type: ignore[attr-defined]
+        return src
+
+    def _check_views_match_the_batch(self, final: bool = True) -> None:
+        """The open step's examples (rows / K) against the examples of the tagged chunks it stepped on.
+
+        Both counts come from :func:`dpopt.release_boundary.boundary_of` (the
+        chunk tags of the plain Poisson loader and of BatchMemoryManager alike).
+        K = 1: more rows than examples (an example forwarded twice) is refused
+        at every ``step()``; K > 1: rows / K must equal the examples at the end
+        of the logical step (and never exceed them before).
+
+        A loop that forwards the loader's B examples without repeating them
+        K times would have K different examples averaged and clipped as one
+        (and removing one example would regroup all the later ones): the
+        sensitivity C, and so ε, would not hold.
+
+        Raises:
+            ValueError: rows / K ≠ the batch's examples (nothing is released).
+        """
+        views = getattr(self._capture, "views", 1)
+        rows, n = boundary_of(self).counts()  # the same place on every path (release_boundary)
+        if n is None or rows is None or rows == n:
+            return
+        if not final and views > 1 and rows < n:  # a chunk of a logical batch: K > 1 compared exactly at its end
+            return
+        # the counts (realised batch sizes) are private: the messages name the mismatch, never the numbers
+        if views == 1:
+            if rows < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
+                return  # an empty batch: nothing of it to repeat (the HF Trainer forwards one public stand-in row)
+            raise ValueError(
+                "this step's forward passes carried more rows than the data loader's last batch had examples: "
+                "every row is clipped as its own example, so rows repeated from one example (augmented views) "
+                "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
+                "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
+                "your fn) and forward the loader's rows as they are; nothing was released"
+            )
+        if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader makes the views
+            raise ValueError(
+                f"augmentation_multiplicity={views}: this step's forward passes did not carry the data loader's "
+                f"last batch as it was yielded: that loader already yields each example's {views} views "
+                "(make_private's augmentation=); forward its rows as they are, without repeat_views; nothing was "
+                "released"
+            )
+        raise ValueError(
+            f"augmentation_multiplicity={views}: this step's forward passes did not carry {views} rows per example "
+            "of the data loader's last batch. "
+            f"Forward each example's {views} views as consecutive rows, e.g. "
+            f"x = dpopt.augment.repeat_views(x, {views}, augment) and y = y.repeat_interleave({views}), for every "
+            "batch the private data loader yields (and step once per batch, or use BatchMemoryManager); nothing "
+            "was released"
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One DP step from the last forward/backward (an empty batch: pure noise, charged).
+
+        Args:
+            closure: optional; called once (with gradients enabled) for its loss,
+                which is returned. Its backward pass is the one privatized.
+        """
+        if self._orphan:
+            raise RuntimeError(
+                "this optimizer is a copy.deepcopy(optimizer) made without its model: the copy's "
+                "parameters and per-sample hooks belong to a private copy of the model that nothing "
+                "trains, so it can never see a backward pass of yours. Copy the model and the "
+                "optimizer together, copy.deepcopy((model, optimizer)) (a branch of the run, with "
+                "its own ledger from then on), or snapshot optimizer.state_dict() and "
+                "load_state_dict() it into the optimizer make_private returned"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._loss_watch is not None and self._loss_watch.at_step():  # raises on a loss_reduction mismatch
+            self._loss_watch = None
+        source = self._source()
+        dp = self._dp
+        priv, params = dp.privatizer, dp._params()
+        boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
+        if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
+            priv.begin(ClipGeometry() if self._torch else dp.geometry())
+            self._open = True
+            boundary.begin()
+        tagged = None
+        try:
+            b = getattr(source, "batch_size", None)
+            self._examples = None if b is None or self._examples is None else self._examples + int(b)
+            tagged = boundary.step_chunk(b)
+            for src in dp._sources(source, params):
+                priv.accumulate(src)
+            skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
+            self._check_views_match_the_batch(final=not skip)
+        except BaseException:
+            priv._reset()  # nothing released or recorded: the logical step did not happen
+            self._open, self._examples = False, 0
+            boundary.end()
+            if tagged is None:
+                self._check_skip_next_step()  # this chunk's signal is spent with it
+            raise
+        if skip if tagged is not None else self._check_skip_next_step():  # a chunk: added, not released
+            self._is_last_step_skipped = True
+            return loss
+        self._is_last_step_skipped = False
+        self._open, self._examples = False, 0
+        boundary.end()
+        self._release_open(priv, dp, params)
+        return loss
+
+    def _close_open_step(self) -> None:
+        """Release the open logical step now, as its own charged release (:mod:`dpopt.release_boundary`).
+
+        Called when a chunk of another logical batch is handed to the loop, or
+        the loop leaves the ``BatchMemoryManager`` context or its chunk iterator,
+        while chunks of a batch are added but not released: what was added is a
+        subset of one Poisson batch (sensitivity C), released with its noise,
+        recorded in the ledger and applied (``p.grad`` and the optimizer step).
+        """
+        if not self._open:
+            return
+        self._open, self._examples = False, 0
+        self._is_last_step_skipped = False
+        dp = self._dp
+        self._release_open(dp.privatizer, dp, dp._params())
+
+    def _release_skipped_batch(self) -> None:
+        """Release a BatchMemoryManager batch the loop skipped entirely: pure noise, charged, applied
+        (as the empty batch it looks like from outside; :mod:`dpopt.release_boundary`)."""
+        if self._open:
+            return
+        dp = self._dp
+        priv = dp.privatizer
+        priv.begin(ClipGeometry() if self._torch else dp.geometry())
+        self._is_last_step_skipped = False
+        self._release_open(priv, dp, dp._params())
+
+    def _release_open(self, priv: Any, dp: Any, params: Any) -> None:
+        """Release the Privatizer's open step and apply it (the end of a logical step)."""
+        release = priv.release(params_like=params)
+        if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
+            lo, hi = self.clip_range
+            priv.bounds = [min(max(priv.bounds[0], lo), hi)]
+        if self._torch:
+            for p, g in zip(params, release.grads):
+                p.grad = g
+            self.original_optimizer.step()
+        else:
+            dp.apply_release(release)
+            for p, g in zip(params, release.grads):
+                p.grad = g.clone()  # the public release; the method's state keeps its own copy
+        watch = getattr(self._engine, "_target_watch", None)
+        if watch is not None:  # make_private_with_epsilon's target: warned once when epsilon passes it
+            watch.after_release()
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, the Privatizer's state WITH the ledger, and where the journal is.
+
+        Keys: the wrapped optimizer's (``"state"``, ``"param_groups"``; a dpopt
+        method's transform state), ``"privatizer"``
+        (:meth:`~dpopt.privatizer.Privatizer.state_dict`: step and clip state
+        and the engine's whole ledger; never the secret noise generator's
+        state) and ``"dpopt"`` (``{"version", "run_id", "journal"}``). The
+        engine's journal, if any, is flushed first. All of it is public.
+        """
+        if self._engine is not None:
+            self._engine._keeper.flush()
+        state = self.original_optimizer.state_dict()
+        if self._torch:
+            state["privatizer"] = self.privatizer.state_dict(include_ledger=True)
+        journal = self._engine._keeper.journal if self._engine is not None else None
+        state["dpopt"] = {
+            "version": CHECKPOINT_VERSION,
+            "run_id": self.privatizer.ledger.run_id,
+            "journal": None if journal is None else os.path.abspath(journal),
+            "noise_multiplier": self.noise_multiplier,
+        }  # of the next release (a scheduler's)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`; the engine's ledger takes the saved one in without losing a release.
+
+        The engine's ledger becomes the longest record of the run among the
+        saved ledger, the journal the state records and the engine's own
+        ledger (:class:`~dpopt.checkpoint.LedgerKeeper`: a state older than the
+        journal keeps the releases after it, warned); then the Privatizer and
+        the wrapped optimizer are restored.
+
+        Raises:
+            ValueError: a state without the Privatizer's ledger (a plain torch
+                optimizer ``state_dict``: refused into a run with releases and
+                into a fresh one, where ε would restart from zero — load such a
+                state into the torch optimizer before ``make_private`` if it
+                did not come from private training); a ledger of another run
+                or branch; another clipping configuration.
+            RuntimeError: in the middle of a logical batch.
+        """
+        if getattr(self, "_open", False):
+            raise RuntimeError("load_state_dict() between the physical chunks of one logical batch")
+        state = dict(state_dict)
+        meta = state.pop("dpopt", None) or {}
+        priv = state.pop("privatizer", None)
+        saved = priv.get("ledger") if isinstance(priv, dict) else None
+        engine = self._engine
+        if engine is not None:
+            engine._keeper.adopt(
+                saved, journal=recorded_journal(meta.get("journal"), None), where="optimizer state", header_fixed=True
+            )
+            self._load_rest(state, priv)
+            self._restore_sigma(meta)
+            engine._keeper.settle(engine._privatizers())
+            return
+        if priv is None:
+            raise ValueError(
+                "this optimizer state carries no Privatizer state and ledger (a plain torch "
+                "state_dict): loading it would restart epsilon from zero. Load a state saved by "
+                "this optimizer's state_dict()"
+            )
+        self._load_rest(state, priv)
+        self._restore_sigma(meta)
+
+    def _restore_sigma(self, meta: dict) -> None:
+        """σ of the next release as saved (a noise scheduler's value; the Privatizer state keeps only C)."""
+        sigma = (meta or {}).get("noise_multiplier")
+        if sigma is None or float(sigma) == self.noise_multiplier or self.privatizer.quantile is not None:
+            return  # adaptive clipping: sigma is fixed by make_private (split with the count release)
+        self.noise_multiplier = float(sigma)
+
+    def _load_rest(self, state: dict, priv: dict) -> None:
+        """The Privatizer (without its ledger when an engine adopted it) and the wrapped optimizer's state."""
+        if self._engine is not None:
+            priv = {k: v for k, v in priv.items() if k != "ledger"}
+        if self._torch:
+            self.privatizer.load_state_dict(priv)  # first: a refusal leaves the optimizer as it was
+            self.original_optimizer.load_state_dict(state)
+        else:
+            self._dp.load_state_dict(dict(state, privatizer=priv))
+
+    def __repr__(self) -> str:
+        return f"PrivateOptimizer({self.original_optimizer!r})"
