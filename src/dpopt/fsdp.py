@@ -83,7 +83,7 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import DistributedContext, any_rank, backend_device
-from .engine.check import mode_signature
+from .engine.check import ModeCheck, mode_signature
 from .engine.fast import FastPerSampleGrads
 from .engine.hooks import HookCapture
 from .engine.layers import DirectBlock
@@ -262,6 +262,22 @@ class ShardedCapture(HookCapture):
         elif key is not None:  # FSDP's check is synchronised per mode signature (collect): not per module state
             self._modes.done(key)
 
+    # The synchronised check runs the same passes on every rank (the same FSDP collectives): its example
+    # count and sizes are agreed over ranks, and every row of a size is compared.
+    compare_subset = False
+
+    def _agreed(self, value: int, op: str) -> int:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=backend_device(self.ctx))
+        return int(self.ctx.all_reduce(t, op=op).item())
+
+    def _check_examples(self, p: Any) -> int:
+        """The smallest k over ranks (every rank has at least k examples)."""
+        return -self._agreed(-super()._check_examples(p), "max")
+
+    def _check_rows(self, p: Any) -> int:
+        """The largest batch over ranks."""
+        return self._agreed(p.batch_size, "max")
+
     def _unsharded_params(self) -> list[Tensor]:
         where = {id(fp.sharded_param): fp for g in _param_groups(self.model) for fp in g.fsdp_params}
         return [where[id(p)].unsharded_param for p in self.params]
@@ -280,7 +296,9 @@ class ShardedCapture(HookCapture):
         done = [c for c in self._rec.calls if c.has_grad]
         p = done[0].pass_ if done else None
         sig = p.modes if p is not None else mode_signature(self.model)
-        if self._modes.needed(sig):
+        if not hasattr(self, "_synced"):  # mode signatures checked by every rank together (kept apart from the
+            self._synced = ModeCheck(self._modes.enabled)  # rank-local marks, which would make ranks diverge)
+        if self._synced.needed(sig):
             b = p.batch_size if p is not None else 0
             if not any_rank(b < 2, self.ctx):  # every rank checks now (same passes: same collectives)
                 error = None
@@ -294,6 +312,8 @@ class ShardedCapture(HookCapture):
                     finally:
                         self.params, self._syncing = saved, False
                         self._drop_fsdp_grads()
+                if error is None:
+                    self._synced.done(sig)
                 if any_rank(error is not None, self.ctx):
                     self._rec.calls = []
                     if error is not None:

@@ -89,6 +89,9 @@ from .reference import PerSampleGrads
 __all__ = ["HookCapture", "grad_sample_source", "LOSS_REDUCTIONS"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
+#: Batches (of ≥ 2 examples) the collate check is tried on, per signature, until one gives a verdict: a batch
+#: whose examples all have the batch's longest length shows no padding difference (no verdict).
+COLLATE_TRIES = 16
 
 _Pass = Pass  # the recorded forward pass (engine.capture)
 
@@ -151,6 +154,9 @@ class HookCapture:
         self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True).attach()
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
+        # batches left in which the collate check may still find an example whose padding differs: a
+        # batch of equal-length examples gives no verdict, so the check is tried again on later batches
+        self._collate_tries = COLLATE_TRIES
 
     def _quiet(self, flag: bool) -> None:
         self._rec.active = not flag
@@ -233,20 +239,26 @@ class HookCapture:
         check_views(p.batch_size, self.views)
         # one example tiled up cannot reveal mixing: wait for two
         key = signature(self.model, p.batch_size // self.views, p.modes, p.state)  # modes, module state, size class
-        if self._modes.needed(key) and p.batch_size >= 2 * self.views:
+        needed = self._modes.needed(key) and p.batch_size >= 2 * self.views
+        if needed:
+            self._collate_tries = COLLATE_TRIES  # a new signature: the collate check gives its verdict again
+        probe = self.collate_probe if self._collate_tries > 0 and p.batch_size >= 2 * self.views else None
+        if needed or probe is not None:
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
-                if self.collate_probe is not None:  # before the signature is marked checked: examples collated alone
-                    check_collate(
+                if probe is not None:  # before the signature is marked checked: examples collated alone
+                    verdict = check_collate(
                         self.model,
                         p.args,
                         p.kwargs,
                         p.batch_size,
-                        self.collate_probe,
+                        probe,
                         self.params,
                         p.modes,
                         self._quiet,
                     )
-                self._verify(p, key)
+                    self._collate_tries = 0 if verdict else self._collate_tries - 1
+                if needed:
+                    self._verify(p, key)
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
     def _empty(self) -> FastPerSampleGrads:
@@ -318,7 +330,7 @@ class HookCapture:
         batched pass's random draws replayed per example
         (:mod:`dpopt.engine.check`); once per mode signature.
         """
-        k, views = min(p.batch_size // self.views, 8), self.views
+        k, views = self._check_examples(p), self.views
         offsets = torch.arange(views)
         with in_modes(self.model, p.modes):
             self._rec.active = False
@@ -328,12 +340,25 @@ class HookCapture:
             finally:
                 self._rec.active = True
             sizes = free_sizes(dims, multiple=views)
-            if p.batch_size > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
-                sizes += free_sizes(dims, k=1, multiple=views, at_least=p.batch_size)
+            largest = self._check_rows(p)
+            if largest > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
+                sizes += free_sizes(dims, k=1, multiple=views, at_least=largest)
             for n in sizes:
                 rows = ((torch.arange(n // views) % k).unsqueeze(1) * views + offsets).flatten()
-                self._verify_at(self._select(p, rows), n, compare=k)
+                self._verify_at(self._select(p, rows), n, compare=k if self.compare_subset else None)
         self._modes.done(p.modes if key is None else key)
+
+    #: The check compares the rows of its first k ≤ 8 examples only; FSDP compares every row, so that every
+    #: rank runs the same single-example passes (the same collectives).
+    compare_subset = True
+
+    def _check_examples(self, p: Pass) -> int:
+        """k: the batch's examples the check's passes are built from (at most 8)."""
+        return min(p.batch_size // self.views, 8)
+
+    def _check_rows(self, p: Pass) -> int:
+        """The batch size the check must also cover: this pass's rows."""
+        return p.batch_size
 
     def _run_check(self, args, kwargs, loss_of):
         """The check's batched pass: the model's forward, the gradients through the tensor hooks."""
