@@ -393,6 +393,18 @@ def _muon_body(hp: dict, params: Any, scaling: str, model: Optional[nn.Module] =
         ConfigError: no ``params`` and no ``label_fn``; non-positive lrs;
             ``other`` not ``"adam"`` / ``"sgd"``.
     """
+    spectral = {"power_iters": hp["power_iters"]} if scaling == "spectral" else {}
+    return _muon_partition(
+        hp,
+        params,
+        model,
+        lambda: ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"], **spectral),
+    )
+
+
+def _muon_partition(hp: dict, params: Any, model: Optional[nn.Module], hidden: Callable[[], Transform]) -> Transform:
+    """The Muon methods' partition: ``hidden()`` (then the group lr) on the hidden matrices, Adam/SGD at
+    ``other_lr`` on the rest (routing, lrs and errors as :func:`_muon_body` describes)."""
     if params is None and hp["label_fn"] is None:
         raise ConfigError(
             "Muon methods route parameters by their position in the model: build them with "
@@ -409,11 +421,7 @@ def _muon_body(hp: dict, params: Any, scaling: str, model: Optional[nn.Module] =
     lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
     if not (lr > 0 and other_lr > 0):
         raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
-    spectral = {"power_iters": hp["power_iters"]} if scaling == "spectral" else {}
-    muon = chain(
-        ScaleByMuon(hp["momentum"], hp["nesterov"], hp["ns_steps"], scaling, hp["orthogonalizer"], **spectral),
-        scale_by_lr(),
-    )
+    muon = chain(hidden(), scale_by_lr())
     if hp["other"] == "adam":
         other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
     elif hp["other"] == "sgd":
@@ -734,24 +742,11 @@ def _muon_bc_body(hp: dict, params: Any, model: Optional[nn.Module], input_filte
     Raises:
         ConfigError: as DP-Muon's factory.
     """
-    if params is None and hp["label_fn"] is None:
-        raise ConfigError(
-            "Muon methods route parameters by their position in the model: build them with "
-            "make_optimizer (which passes the parameters) or give hparams['label_fn']",
-            "params",
-            "label_fn",
-        )
-    label_fn = hp["label_fn"] or hidden_matrix_labels(
+    return _muon_partition(
+        hp,
         params,
-        hp["exclude_first"],
-        hp["exclude_last"],
-        embeddings=embedding_parameters(model) if model is not None else None,
-    )
-    lr, other_lr = float(hp["lr"]), float(hp["other_lr"])
-    if not (lr > 0 and other_lr > 0):
-        raise ConfigError(f"lr and other_lr must be > 0, got lr={lr}, other_lr={other_lr}", "lr", "other_lr")
-    muon = chain(
-        ScaleByMuonBC(
+        model,
+        lambda: ScaleByMuonBC(
             hp["momentum"],
             hp["nesterov"],
             hp["ns_steps"],
@@ -760,15 +755,7 @@ def _muon_bc_body(hp: dict, params: Any, model: Optional[nn.Module], input_filte
             max_correction=hp["max_correction"],
             **input_filter,
         ),
-        scale_by_lr(),
     )
-    if hp["other"] == "adam":
-        other = chain(ScaleByAdam(hp["betas"], hp["eps"]), scale_by_lr(other_lr / lr))
-    elif hp["other"] == "sgd":
-        other = scale_by_lr(other_lr / lr)
-    else:
-        raise ConfigError(f"other must be 'adam' or 'sgd', got {hp['other']!r}", "other")
-    return muon_partition(muon, other, label_fn)
 
 
 def _muon_bc(hp: dict, params: Any = None, model: Optional[nn.Module] = None) -> Transform:
