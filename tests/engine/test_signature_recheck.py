@@ -181,3 +181,15 @@ def test_unchanged_signature_is_checked_once():
         ce(model(x[:b]), y[:b]).backward()
         opt.step()
     assert len(cap._modes._done) == 1  # one size class (16..31), one module state, one mode
+
+
+def test_the_checked_signatures_stay_bounded_in_a_long_run():
+    """A signature per step (an attribute that changes every step) must not grow memory with the run."""
+    from dpopt.engine.check import ModeCheck
+
+    modes = ModeCheck()
+    for step in range(3 * ModeCheck.MAX_SIGNATURES):
+        modes.done((True, step))
+    assert len(modes._done) == ModeCheck.MAX_SIGNATURES
+    assert modes.needed((True, 0))  # forgotten: checked again if it returns
+    assert not modes.needed((True, 3 * ModeCheck.MAX_SIGNATURES - 1))

@@ -223,9 +223,13 @@ class ModeCheck:
     earlier verdict stays sound).
     """
 
+    #: Signatures remembered: a module attribute that changes every step makes a new signature each step;
+    #: the oldest is forgotten past this many (it is checked again if it returns), so memory stays bounded.
+    MAX_SIGNATURES = 256
+
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
-        self._done: set = set()
+        self._done: dict = {}  # insertion-ordered set of checked signatures
 
     def needed(self, signature: tuple) -> bool:
         """True if a step in mode ``signature`` must first be checked.
@@ -242,7 +246,9 @@ class ModeCheck:
 
     def done(self, signature: tuple) -> None:
         """Record that ``signature`` was checked."""
-        self._done.add(signature if isinstance(signature, Signature) else tuple(signature))
+        self._done[signature if isinstance(signature, Signature) else tuple(signature)] = None
+        while len(self._done) > self.MAX_SIGNATURES:
+            del self._done[next(iter(self._done))]
 
     def checked_size(self, signature: "Signature") -> int:
         """The largest size class checked with the same modes and module state (0: none)."""
