@@ -91,8 +91,10 @@ from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
+from .distributed import data_parallel_context, journal_not_reopened, replicas_not_wrapped, share_ledger
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
+from .precision import AutocastRelease
 
 __all__ = ["DPTrainer", "LOGGED", "LEDGER_FILE", "SUMMARY_FILE"]
 
@@ -112,15 +114,23 @@ SUMMARY_FILE = "privacy_summary.json"
 def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> list[str]:
     """Why ``args`` / Trainer keywords cannot be honoured privately (empty when they can)."""
     out = []
-    if args.fp16 or args.bf16:
+    if args.fp16:
         out.append(
-            "fp16/bf16: a GradScaler's skip-on-inf decision reads the private gradients, and autocast is "
-            "not verified with the per-sample engine; train in float32 (or cast the model yourself)"
+            "fp16: a GradScaler's skip-on-inf decision reads the private gradients (an uncharged release); "
+            "use bf16=True (autocast without a scaler) or float32"
         )
     if args.deepspeed:
-        out.append("deepspeed: it shards and reduces un-clipped gradients; use one process")
+        out.append(
+            "deepspeed: it shards and reduces un-clipped gradients; for a model that does not fit one device "
+            "use FSDP2 through PrivacyEngine.make_private(..., distributed='fsdp') (docs/fsdp.md), or DDP "
+            "with DPTrainer under torchrun"
+        )
     if args.fsdp:
-        out.append("fsdp: it reduces un-clipped gradients; use one process (see docs/fsdp.md for PrivacyEngine)")
+        out.append(
+            "fsdp: DPTrainer does not shard yet (accelerate's FSDP would reduce un-clipped gradients); run "
+            "data parallel under torchrun without fsdp=, or use FSDP2 through PrivacyEngine.make_private(..., "
+            "distributed='fsdp') in your own loop (docs/fsdp.md)"
+        )
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
     if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
@@ -151,10 +161,11 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
             "compute_loss_func: it receives num_items_in_batch (a batch-level normalisation); pass "
             "per_example_loss=fn(outputs, labels) -> [B] instead"
         )
-    if args.world_size > 1:
+    if args.n_gpu > 1:
         out.append(
-            f"world size {args.world_size}: DPTrainer runs on one process (data-parallel DP needs the "
-            "noise added once over ranks: PrivacyEngine(distributed=True) in your own loop)"
+            f"{args.n_gpu} GPUs in one process: the Trainer would use nn.DataParallel, whose replicas the "
+            "per-example hooks do not see; launch one process per GPU (torchrun --nproc_per_node "
+            f"{args.n_gpu} ...) or set CUDA_VISIBLE_DEVICES to one GPU"
         )
     if not eval_is_public:
         if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
@@ -313,6 +324,9 @@ class DPTrainer(Trainer):
         self.expected_batch_size: Optional[float] = None
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_EpsilonStop(self))
+        self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
+        self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
+        self.add_callback(self._autocast)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -351,7 +365,7 @@ class DPTrainer(Trainer):
         if not 1 <= self.bbar <= n:
             raise ValueError(
                 f"the expected batch size B-bar = per_device_train_batch_size x "
-                f"gradient_accumulation_steps = {self.bbar} must be in [1, N = {n}]"
+                f"gradient_accumulation_steps x world_size = {self.bbar} must be in [1, N = {n}]"
             )
         if self.delta >= 1.0 / n:
             raise ValueError(
@@ -386,6 +400,7 @@ class DPTrainer(Trainer):
             noise_multiplier=float(sigma),
             max_grad_norm=self.max_grad_norm,
             loss_reduction="sum",
+            distributed=self.ranks.enabled,  # shards at q, noise once (rank 0), one all-reduce per step
             **hparams,
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
@@ -435,6 +450,13 @@ class DPTrainer(Trainer):
             UserWarning,
             stacklevel=3,
         )
+
+    def _prepare_for_training(self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        """The Trainer's preparation; on several processes the model is placed and autocast, never DDP-wrapped."""
+        if not self.ranks.enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        with replicas_not_wrapped(self.accelerator):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def create_optimizer(self, model: Any = None) -> Any:
         """The PrivateOptimizer made with the loader (:meth:`get_train_dataloader`)."""
@@ -497,7 +519,8 @@ class DPTrainer(Trainer):
             self.accelerator.backward(loss * 0.0 if empty else loss)
             if i < len(chunks) - 1:
                 opt.signal_skip_step(True)
-                opt.step()  # clips and adds this chunk into the open step: no release
+                with self.accelerator.autocast():  # bf16: the first-batch check replays an autocast forward
+                    opt.step()  # clips and adds this chunk into the open step: no release
                 opt.zero_grad()
         return torch.zeros((), device=self.args.device)
 
@@ -533,7 +556,10 @@ class DPTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released)."""
-        out = super().train(*args, **kwargs)
+        try:
+            out = super().train(*args, **kwargs)
+        finally:
+            self._autocast.close()
         metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
         if self._private is not None:
             metrics.update(epsilon=self.get_epsilon(), delta=self.delta)
@@ -545,7 +571,7 @@ class DPTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
         run_dir = Path(self._get_output_dir(trial=trial))
-        if self._private is not None and self.engine.journal is None:
+        if self._private is not None and self.engine.journal is None and self.args.should_save:  # rank 0 only
             self.engine.open_journal(run_dir / f"ledger-{self.ledger.run_id}.jsonl")
         super()._save_checkpoint(model, trial)
         if self._private is None or not self.args.should_save:
@@ -567,7 +593,10 @@ class DPTrainer(Trainer):
                 f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
                 "would restart epsilon at 0 (was it saved with save_only_model=True?)"
             )
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with journal_not_reopened(self._private, self.ranks):  # the journal is rank 0's file
+            super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._private is not None:
+            share_ledger(self.ledger, self.ranks)  # rank 0's record (its journal's releases too) on every rank
         if checkpoint is not None and self._target is not None and self._private is not None and len(self.ledger):
             self._recalibrate(checkpoint)
 

@@ -1,0 +1,139 @@
+"""``DPTrainer`` on several processes (``torchrun`` / ``accelerate launch``): data parallel, one release per step.
+
+::
+
+    torchrun --nproc_per_node 2 train.py          # train.py builds DPTrainer(...) and calls train()
+    accelerate launch --num_processes 2 train.py  # the same environment variables
+
+What changes from one process (the engine's ``make_private(..., distributed=True)``, :mod:`dpopt.distributed`):
+
+* **Sampling.** B̄ = ``per_device_train_batch_size × gradient_accumulation_steps × world_size``
+  and q = 1/ceil(N/B̄) as for one process. Each rank's loader draws its contiguous shard of the
+  dataset at q (:class:`~dpopt.distributed.ShardedPoissonSampler`): every record is on exactly one
+  rank and joins with probability q, so the union of the ranks' batches is ONE Poisson sample of the
+  whole dataset (the accountant's event, once per step).
+* **Clipping and reduction.** The model is NOT wrapped in ``DistributedDataParallel`` (which would
+  all-reduce un-clipped gradients in every backward): accelerate prepares it for device placement
+  and autocast only (:func:`replicas_not_wrapped`). Each rank clips per example and sums its chunks
+  locally; at the step's release rank 0 adds the noise N(0, σ²C²) — drawn once, on rank 0 only —
+  and ONE all-reduce of the flat clipped sums makes every rank's update the same
+  (:class:`~dpopt.distributed.AllReduceRelease`). No collective runs per physical chunk.
+* **Files.** Rank 0 alone opens the journal and writes ``privacy_ledger.json`` /
+  ``privacy_summary.json`` (the Trainer's ``should_save``). Every rank keeps the same ledger in
+  memory (the same events in the same order), so ``get_epsilon()`` on any rank is the ledger's ε.
+  On resume every rank loads the checkpoint (a shared file system, as the Trainer needs anyway);
+  ranks > 0 never open the journal for writing (:func:`journal_not_reopened`) and then take rank 0's
+  ledger (:func:`share_ledger`), which holds every release the journal kept.
+* **Parameters.** ``make_private`` broadcasts rank 0's parameters and buffers; after that the
+  same released gradient reaches every rank, so all replicas stay equal
+  (:func:`dpopt.distributed.check_replicas` verifies it).
+
+Not here: FSDP (``fsdp=...``) and DeepSpeed stay refused in ``DPTrainer`` (FSDP2 with dpopt: a
+``fully_shard``-ed model through ``PrivacyEngine.make_private(..., distributed="fsdp")``, docs/fsdp.md),
+and a single process driving several GPUs (``nn.DataParallel``, ``n_gpu > 1``).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from ..distributed import DistributedContext, context
+
+__all__ = [
+    "data_parallel_context",
+    "replicas_not_wrapped",
+    "journal_not_reopened",
+    "share_ledger",
+    "same_on_every_rank",
+]
+
+
+def data_parallel_context(world_size: int) -> DistributedContext:
+    """The process group the Trainer runs in: one process for ``world_size`` ≤ 1.
+
+    Args:
+        world_size: ``TrainingArguments.world_size`` (accelerate initialises the group from
+            torchrun's environment when it is read).
+
+    Raises:
+        RuntimeError: ``world_size`` > 1 but no process group of that size is initialised.
+    """
+    if int(world_size) <= 1:
+        return DistributedContext()
+    ctx = context()
+    if ctx.world_size != int(world_size):
+        raise RuntimeError(
+            f"TrainingArguments.world_size is {world_size} but the initialised process group has "
+            f"{ctx.world_size} process(es): launch with torchrun / accelerate launch"
+        )
+    return ctx
+
+
+@contextmanager
+def replicas_not_wrapped(accelerator: Any) -> Iterator[None]:
+    """For its duration, ``accelerator.prepare`` places and autocasts the model but never wraps it in DDP.
+
+    accelerate's ``prepare_model(..., evaluation_mode=True)`` keeps device placement and the
+    mixed-precision forward and skips ``DistributedDataParallel`` (which would all-reduce the raw,
+    un-clipped gradients in backward). The instance attribute is removed on exit, so the class's
+    method is the accelerator's again.
+    """
+    accelerator.prepare_model = functools.partial(type(accelerator).prepare_model, accelerator, evaluation_mode=True)
+    try:
+        yield
+    finally:
+        del accelerator.prepare_model
+
+
+@contextmanager
+def journal_not_reopened(optimizer: Any, ctx: DistributedContext) -> Iterator[None]:
+    """On ranks > 0, loading an optimizer state reads its ledger but does not open its journal.
+
+    The journal is rank 0's file: a rank > 0 that opened it would append every release a second
+    time. ``optimizer`` is the :class:`~dpopt.private_optimizer.PrivateOptimizer`; its state's
+    ``"dpopt"`` entry loses its ``"journal"`` on these ranks for the duration. A no-op on rank 0.
+    """
+    if ctx.is_main or optimizer is None:
+        yield
+        return
+    load = optimizer.load_state_dict
+
+    def without_journal(state_dict: dict) -> None:
+        state = dict(state_dict)
+        if isinstance(state.get("dpopt"), dict):
+            state["dpopt"] = {k: v for k, v in state["dpopt"].items() if k != "journal"}
+        load(state)
+
+    optimizer.load_state_dict = without_journal
+    try:
+        yield
+    finally:
+        del optimizer.load_state_dict
+
+
+def share_ledger(ledger: Any, ctx: DistributedContext) -> None:
+    """Every rank's ledger becomes rank 0's (one ``broadcast_object_list``; a no-op for one process).
+
+    After a resume rank 0's ledger is the longest record of the run (the checkpoint's, or its
+    journal's when releases were made after the checkpoint); the other ranks take it, so every
+    rank's ε is the same. The ledger is public (DESIGN.md: the ledger holds no private value).
+    """
+    if not ctx.enabled:
+        return
+    import torch.distributed as dist
+
+    box = [ledger.state_dict() if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    if not ctx.is_main:
+        ledger.load_state_dict(box[0])
+
+
+def same_on_every_rank(model: torch.nn.Module, ctx: DistributedContext) -> bool:
+    """Whether every rank holds rank 0's parameters bit for bit (True for one process)."""
+    from ..distributed import check_replicas
+
+    return check_replicas([p for p in model.parameters()], ctx)
