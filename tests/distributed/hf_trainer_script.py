@@ -1,0 +1,75 @@
+"""A DPTrainer script for ``torchrun`` (test_hf_trainer_multinode.py): tiny GPT-2, σ = 0, B̄ = N (q = 1), plain SGD.
+
+``python -m torch.distributed.run ... hf_trainer_script.py OUT`` — rank 0 writes ``OUT/result.pt`` (parameters,
+ledger entries, ε, world size) after 2 steps. With q = 1 every record is in every batch and σ = 0, so the run is
+deterministic: the same parameters whatever the process layout (one node × 2 processes, or 2 nodes × 1).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import transformers as T
+
+from dpopt.hf import DPTrainer
+
+V, L, N = 37, 8, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.randint(1, V, (N, L), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "attention_mask": torch.ones(L, dtype=torch.long), "labels": self.x[i]}
+
+
+def main(out: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(
+        T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
+    args = T.TrainingArguments(
+        out,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,  # B-bar = 4 x 2 x world size 2 = 16 = N
+        max_steps=2,
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    tr = DPTrainer(
+        model=model,
+        args=args,
+        train_dataset=Tokens(),
+        noise_multiplier=0.0,
+        max_grad_norm=0.01,
+        privacy_unit="record",
+    )
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tr.train()
+    if tr.args.process_index == 0:
+        torch.save(
+            {
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "start": start,
+                "ledger": [(e.step, e.to_dict()["event"]) for e in tr.ledger.entries],
+                "world_size": tr.args.world_size,
+                "q": tr.sample_rate,
+            },
+            f"{out}/result.pt",
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
