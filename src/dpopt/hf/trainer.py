@@ -62,12 +62,20 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   (``generate()``, ``save_pretrained()``, PEFT's ``merge_and_unload()``
   work during and after training).
 
-Refused, each with a message: fp16/bf16 (a GradScaler's skip-on-inf reads
-private gradients; autocast is not verified with the per-sample engine),
-deepspeed, fsdp, ``torch_compile``, gradient/activation checkpointing (the
+* **Several processes** (``torchrun`` / ``accelerate launch``, any world size, one or several
+  nodes): :mod:`dpopt.hf.distributed` — each rank draws its shard of ONE Poisson sample at the
+  global q, clips per example, rank 0 adds the noise once, one all-reduce per logical batch (the
+  model is never DDP-wrapped); rank 0 alone writes the journal and the ledger files.
+* **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
+  (:mod:`dpopt.hf.precision`).
+
+Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
+private gradients), deepspeed and fsdp (pointing to FSDP2 through
+``PrivacyEngine(distributed="fsdp")``), several GPUs in one process
+(``nn.DataParallel``), ``torch_compile``, gradient/activation checkpointing (the
 per-sample engine refuses it), length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
-re-runs steps), a label smoother, ``compute_loss_func``, world size > 1,
+re-runs steps), a label smoother, ``compute_loss_func``,
 and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
 ``eval_is_public=True`` (the selection reads the evaluation set, uncharged).
 """
@@ -248,6 +256,8 @@ class DPTrainer(Trainer):
 
     Attributes:
         engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
+        ranks: the :class:`~dpopt.distributed.DistributedContext` of the run (one process
+            unless launched by torchrun / accelerate launch).
         noise_multiplier, sample_rate, expected_batch_size: public settings
             (known once training has started).
 
