@@ -581,7 +581,8 @@ class DPTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
         run_dir = Path(self._get_output_dir(trial=trial))
-        if self._private is not None and self.engine.journal is None and self.args.should_save:  # rank 0 only
+        # the journal is global rank 0's (save_on_each_node: other nodes write checkpoints, never the journal)
+        if self._private is not None and self.engine.journal is None and self.args.process_index == 0:
             self.engine.open_journal(run_dir / f"ledger-{self.ledger.run_id}.jsonl")
         super()._save_checkpoint(model, trial)
         if self._private is None or not self.args.should_save:

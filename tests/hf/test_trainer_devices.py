@@ -1,0 +1,92 @@
+"""DPTrainer's device settings in one process: bf16 accepted (autocast left after train), fp16 / deepspeed / fsdp /
+several GPUs in one process refused with what to use instead; dpopt.hf.distributed's context checks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers as T  # noqa: E402
+
+from dpopt.hf import DPTrainer  # noqa: E402
+from dpopt.hf.distributed import data_parallel_context  # noqa: E402
+
+V, L, N = 37, 8, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.randint(1, V, (N, L), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "attention_mask": torch.ones(L, dtype=torch.long), "labels": self.x[i]}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
+    return T.GPT2LMHeadModel(cfg)
+
+
+def targs(out, **kw):
+    base = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return T.TrainingArguments(str(out), **base)
+
+
+def test_bf16_trains_in_one_process_and_leaves_no_autocast(tmp_path):
+    model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = DPTrainer(
+            model=model,
+            args=targs(tmp_path, bf16=True),
+            train_dataset=Tokens(),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            privacy_unit="record",
+        )
+        tr.train()
+    assert len(tr.ledger) == 2 and not tr.ranks.enabled
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(fp16=True), "use bf16=True"),
+        (dict(deepspeed={"train_batch_size": 4}), "FSDP2"),
+        (dict(fsdp=["full_shard"]), "distributed='fsdp'"),
+        (dict(_n_gpu=2), "torchrun --nproc_per_node 2"),
+    ],
+)
+def test_device_settings_it_cannot_honour_say_what_to_use(tmp_path, setting, match):
+    args = targs(tmp_path)
+    for k, v in setting.items():
+        setattr(args, k, v)  # after __post_init__ (fp16 needs a GPU there)
+    with pytest.raises(ValueError, match=match):
+        DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0)
+
+
+def test_world_size_without_its_process_group_is_refused():
+    assert not data_parallel_context(1).enabled
+    with pytest.raises(RuntimeError, match="torchrun"):
+        data_parallel_context(2)
