@@ -6,7 +6,7 @@ single-example autograd on the UNION of the two ranks' batches:
 
 * σ = 0, plain SGD, gradient accumulation 2 (chunks of ≤ 2 examples): every update equals
   lr · Σ_{i ∈ B_0 ∪ B_1} clip_C(∇ℓ_i) / B̄, B̄ = 2 × 2 × 2 = 8 — with every example clipped, and with
-  C at the median norm (about half clipped);
+  C at the 30th percentile of the initial norms (some clipped, some not);
 * the model is never DDP-wrapped, and no all-reduce runs while the chunks are clipped: exactly one
   all-reduce per logical batch, in ``optimizer.step()`` (counted on every rank);
 * σ > 0: update·B̄/lr − (clipped sum) is the noise; its std is σ·C within 3 % (the noise is drawn
@@ -139,14 +139,16 @@ class Phases(T.TrainerCallback):
 
 CASES = {
     "all_clipped": dict(sigma=0.0, c=1e-3),
-    # C = the median per-example norm at the initial parameters; a small lr keeps about half clipped later
+    # C = the 30th percentile of the per-example norms at the initial parameters (~70 % clipped at the first
+    # step, fewer later as the norms fall): some examples clipped and some not
     "half_clipped": dict(sigma=0.0, c=None, lr=0.05),
-    "noise": dict(sigma=1.0, c=1e-3),
+    # without use_cpu=True on a machine without a GPU: DPTrainer makes accelerate join the gloo group itself
+    "noise": dict(sigma=1.0, c=1e-3, use_cpu=torch.cuda.is_available()),
     "bf16": dict(sigma=0.0, c=1e-3, bf16=True),
 }
 
 
-def targs(out, bf16=False, save=False, lr=LR):
+def targs(out, bf16=False, save=False, lr=LR, use_cpu=True):
     return T.TrainingArguments(
         str(out),
         per_device_train_batch_size=PER_DEVICE,
@@ -158,17 +160,17 @@ def targs(out, bf16=False, save=False, lr=LR):
         save_strategy="steps" if save else "no",
         save_steps=STEPS,
         report_to=[],
-        use_cpu=True,
+        use_cpu=use_cpu,
         disable_tqdm=True,
         bf16=bf16,
     )
 
 
-def run_case(out, sigma, c, bf16=False, counts=None, lr=LR):
+def run_case(out, sigma, c, bf16=False, counts=None, lr=LR, use_cpu=True):
     model = gpt2()
     tr = Recording(
         model=model,
-        args=targs(out, bf16=bf16, save=True, lr=lr),
+        args=targs(out, bf16=bf16, save=True, lr=lr, use_cpu=use_cpu),
         train_dataset=Tokens(),
         noise_multiplier=sigma,
         max_grad_norm=c,
@@ -230,7 +232,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             original, patched = _counting(counts)
             dist.all_reduce = patched
             try:
-                c = case["c"] if case["c"] is not None else cfg["median_norm"]
+                c = case["c"] if case["c"] is not None else cfg["clip_norm"]
                 results[name] = run_case(
                     Path(tmp) / name,
                     case["sigma"],
@@ -238,6 +240,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     bf16=case.get("bf16", False),
                     counts=counts,
                     lr=case.get("lr", LR),
+                    use_cpu=case.get("use_cpu", True),
                 )
             finally:
                 dist.all_reduce = original
@@ -246,7 +249,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         torch.save(results, Path(tmp) / f"rank{rank}.pt")
 
 
-def median_norm():
+def clip_norm():
     model = gpt2()
     data = Tokens()
     batch = {k: torch.stack([data[i][k] for i in range(N)]) for k in ("input_ids", "attention_mask", "labels")}
@@ -254,13 +257,13 @@ def median_norm():
         math.sqrt(sum(float(v.double().square().sum()) for v in g.values()))
         for g in example_grads(params_of(model), batch)
     ]
-    return sorted(norms)[N // 2]
+    return sorted(norms)[int(0.3 * N)]
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf-ddp")
-    (tmp / "cfg.json").write_text(json.dumps({"median_norm": median_norm()}))
+    (tmp / "cfg.json").write_text(json.dumps({"clip_norm": clip_norm()}))
     spawn_ranks(_worker, tmp)
     return tmp, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -281,7 +284,7 @@ def _updates(ranks, name):
 @pytest.mark.parametrize("name", ["all_clipped", "half_clipped"])
 def test_sigma0_update_is_the_clipped_sum_of_the_union_over_bbar(ddp, name):
     tmp, ranks = ddp
-    c = CASES[name]["c"] or json.loads((tmp / "cfg.json").read_text())["median_norm"]
+    c = CASES[name]["c"] or json.loads((tmp / "cfg.json").read_text())["clip_norm"]
     lr = CASES[name].get("lr", LR)
     clipped = total = 0
     for start, batch, step in _updates(ranks, name):
@@ -293,8 +296,8 @@ def test_sigma0_update_is_the_clipped_sum_of_the_union_over_bbar(ddp, name):
     assert total > 0
     if name == "all_clipped":
         assert clipped == total
-    else:
-        assert 0.15 * total <= clipped <= 0.85 * total, (clipped, total)
+    else:  # both branches of clip_C: P(no example clipped) ≈ 0.3^8 at the first step, P(all) < 1e-4
+        assert 0 < clipped < total, (clipped, total)
     sizes = [b["input_ids"].shape[0] for r in ranks for b in r[name]["batches"]]
     assert all(r[name]["bbar"] == BBAR and r[name]["q"] == BBAR / N for r in ranks)
     assert any(s > PER_DEVICE for s in sizes) or name == "half_clipped"  # accumulation of several chunks

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 import transformers as T  # noqa: E402
 
 from dpopt.hf import DPTrainer  # noqa: E402
-from dpopt.hf.distributed import data_parallel_context  # noqa: E402
+from dpopt.hf.distributed import check_launch, data_parallel_context, launched_args  # noqa: E402
 
 V, L, N = 37, 8, 16
 
@@ -90,3 +90,12 @@ def test_world_size_without_its_process_group_is_refused():
     assert not data_parallel_context(1).enabled
     with pytest.raises(RuntimeError, match="torchrun"):
         data_parallel_context(2)
+
+
+def test_a_launch_the_trainer_does_not_see_is_refused(tmp_path, monkeypatch):
+    args = targs(tmp_path)
+    assert launched_args(args) is args  # no launcher: unchanged
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="use_cpu=True"):
+        check_launch(1)  # 2 processes started, each alone: separate runs on the whole dataset
+    check_launch(2)

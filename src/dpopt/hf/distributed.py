@@ -35,7 +35,9 @@ and a single process driving several GPUs (``nn.DataParallel``, ``n_gpu > 1``).
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -44,12 +46,63 @@ import torch
 from ..distributed import DistributedContext, context
 
 __all__ = [
+    "launched_args",
     "data_parallel_context",
     "replicas_not_wrapped",
     "journal_not_reopened",
     "share_ledger",
     "same_on_every_rank",
 ]
+
+
+def _launched_world() -> int:
+    """The number of processes torchrun / accelerate launch started (``WORLD_SIZE``; 1 without a launcher)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _has_accelerator() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def launched_args(args: Any) -> Any:
+    """``args`` (a copy with ``use_cpu=True`` where needed) that make accelerate join torchrun's process group.
+
+    On a machine without a GPU, accelerate joins the gloo group of ``torchrun --nproc_per_node W``
+    only with ``use_cpu=True``; without it every process would run alone (world size 1) — W separate
+    runs on the whole dataset, each with its own noise and ledger, all writing ``output_dir``. So when
+    ``WORLD_SIZE`` > 1 and no accelerator is present, the copy says ``use_cpu=True`` and forgets its
+    device setup (``TrainingArguments._setup_devices``, a cached property that resets accelerate's
+    state and sets it up again when next read). ``args`` itself is never changed.
+    """
+    if _launched_world() > 1 and not args.use_cpu and not _has_accelerator():
+        args = copy.copy(args)
+        args.use_cpu = True
+        vars(args).pop("_setup_devices", None)
+        _ = args.device  # set up again, on the CPU: accelerate joins the gloo group (its state is reset first)
+    return args
+
+
+def check_launch(world_size: int) -> None:
+    """Refuse a run whose Trainer sees another number of processes than the launcher started.
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` > 1 (torchrun / accelerate launch) but ``world_size`` differs — each
+            process would train alone on the whole dataset (separate runs, separate ledgers).
+    """
+    launched = _launched_world()
+    if launched > 1 and int(world_size) != launched:
+        raise ValueError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but TrainingArguments sees "
+            f"world size {world_size}: each process would train alone on the whole dataset, with its own "
+            "noise and ledger. On a machine without a GPU pass TrainingArguments(..., use_cpu=True) (gloo), "
+            "and create the TrainingArguments before anything initialises accelerate's state"
+        )
 
 
 def data_parallel_context(world_size: int) -> DistributedContext:

@@ -99,7 +99,14 @@ from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..privacy_engine import PrivacyEngine
 from .batches import batch_size, split_batch, stand_in
-from .distributed import data_parallel_context, journal_not_reopened, replicas_not_wrapped, share_ledger
+from .distributed import (
+    check_launch,
+    data_parallel_context,
+    journal_not_reopened,
+    launched_args,
+    replicas_not_wrapped,
+    share_ledger,
+)
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
 from .precision import AutocastRelease
@@ -296,6 +303,7 @@ class DPTrainer(Trainer):
         if isinstance(method, torch.optim.Optimizer) and (kwargs.get("optimizers") or (None,))[0] is not None:
             raise ValueError("give the torch optimizer once: method= or optimizers=(optimizer, scheduler)")
         args = TrainingArguments(output_dir="dp_trainer_output") if args is None else args
+        args = launched_args(args)  # torchrun on CPUs: accelerate joins the gloo group (use_cpu=True)
         max_grad_norm = resolve_max_grad_norm(args, max_grad_norm)  # never ignored (hf.guarantee)
         if not (
             privacy_unit in (None, "record", "block")
@@ -311,6 +319,7 @@ class DPTrainer(Trainer):
         problems = _refusals(args, kwargs, eval_is_public)
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
+        check_launch(args.world_size)
         self.per_device_batch = int(args.per_device_train_batch_size)
         self.accumulation = int(args.gradient_accumulation_steps)
         args = copy.copy(args)
