@@ -7,8 +7,8 @@ single-example autograd on the UNION of the two ranks' batches:
 * σ = 0, plain SGD, gradient accumulation 2 (chunks of ≤ 2 examples): every update equals
   lr · Σ_{i ∈ B_0 ∪ B_1} clip_C(∇ℓ_i) / B̄, B̄ = 2 × 2 × 2 = 8 — with every example clipped, and with
   C at the 30th percentile of the initial norms (some clipped, some not);
-* the model is never DDP-wrapped, and no all-reduce runs while the chunks are clipped: exactly one
-  all-reduce per logical batch, in ``optimizer.step()`` (counted on every rank);
+* the model is never DDP-wrapped, and no collective runs while the chunks are clipped: exactly one
+  all-reduce (and nothing else) per logical batch, in ``optimizer.step()`` (counted on every rank);
 * σ > 0: update·B̄/lr − (clipped sum) is the noise; its std is σ·C within 3 % (the noise is drawn
   once over the ranks: √2·σC would be 41 % off);
 * ε on both ranks equals the one-process run's at the same σ, q, steps; every rank holds the same
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -196,25 +197,45 @@ def run_case(out, sigma, c, bf16=False, counts=None, lr=LR, use_cpu=True):
     }
 
 
-def _counting(counts):
-    """torch.distributed.all_reduce counting its calls per trainer phase (into ``counts``)."""
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast_object_list",
+    "all_gather_object",
+    "barrier",
+)
+
+
+@contextmanager
+def counting(counts):
+    """torch.distributed's collectives count their calls per trainer phase (``counts["<phase>:<name>"]``)."""
     import torch.distributed as dist
 
-    original = dist.all_reduce
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
-    def all_reduce(*args, **kwargs):
-        tr = counts.get("trainer")
-        if tr is not None:
-            key = tr.phase
-            counts[key] = counts.get(key, 0) + 1
-        return original(*args, **kwargs)
+    def counted(name):
+        def call(*args, **kwargs):
+            tr = counts.get("trainer")
+            if tr is not None:
+                key = f"{tr.phase}:{name}"
+                counts[key] = counts.get(key, 0) + 1
+            return originals[name](*args, **kwargs)
 
-    return original, all_reduce
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    import torch.distributed as dist
-
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -229,9 +250,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         results = {}
         for name, case in CASES.items():
             counts: dict = {}
-            original, patched = _counting(counts)
-            dist.all_reduce = patched
-            try:
+            with counting(counts):
                 c = case["c"] if case["c"] is not None else cfg["clip_norm"]
                 results[name] = run_case(
                     Path(tmp) / name,
@@ -242,10 +261,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     lr=case.get("lr", LR),
                     use_cpu=case.get("use_cpu", True),
                 )
-            finally:
-                dist.all_reduce = original
             counts.pop("trainer")
-            results[name]["all_reduce"] = counts
+            results[name]["collectives"] = counts
         torch.save(results, Path(tmp) / f"rank{rank}.pt")
 
 
@@ -307,9 +324,10 @@ def test_one_all_reduce_per_logical_batch_and_no_ddp_wrap(ddp):
     _, ranks = ddp
     for r in ranks:
         for name in CASES:
-            counts = r[name]["all_reduce"]
-            assert counts.get("chunks", 0) == 0, counts  # clipping the chunks: no collective
-            assert counts.get("release", 0) == STEPS, counts  # ONE all-reduce of the clipped sums per step
+            counts = r[name]["collectives"]
+            assert not [k for k in counts if k.startswith("chunks:")], counts  # clipping the chunks: no collective
+            release = {k: v for k, v in counts.items() if k.startswith("release:")}
+            assert release == {"release:all_reduce": STEPS}, counts  # ONE all-reduce of the clipped sums per step
             assert r[name]["wrapped"] == "GPT2LMHeadModel"  # never DistributedDataParallel
     chunks = [b["input_ids"].shape[0] for r in ranks for name in CASES for b in r[name]["batches"]]
     assert any(s > PER_DEVICE for s in chunks), "no rank's batch needed several chunks (probability < 1e-4)"
