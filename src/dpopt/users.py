@@ -1,0 +1,390 @@
+"""User-level DP: the USER is the privacy unit — users are Poisson-sampled and clipped as units.
+
+The algorithm (Charles et al. 2024, "Fine-tuning large language models with
+user-level differential privacy", arXiv 2407.07737, user-level sampling "ULS";
+Chua et al. 2024, "Mind the privacy unit!", arXiv 2406.14322), per logical step::
+
+    S      = {u : U_u < q}                       # Poisson sample of the N_users users at q_user
+    R_u    = ≤ k records of u, uniformly at random # chosen from the secret stream, never from content
+    ḡ_u    = (1/|R_u|) Σ_{i ∈ R_u} g_i            # ONE vector per user (its records' mean gradient)
+    w̄_u    = ḡ_u · min(1, C / ‖ḡ_u‖)               # clipped as one unit
+    g̃      = (Σ_{u ∈ S} w̄_u + N(0, σ² C² I)) / B̄  # B̄ = q_user · N_users (expected users)
+
+Adding or removing one user (ALL of their records) adds or removes one term
+w̄_u of norm ≤ C, so the step is the sampled Gaussian mechanism at q_user with
+sensitivity C and the accountants' ε (add/remove one user) holds for users.
+``k`` = ``max_records_per_user`` bounds the compute per user and is a public
+hyperparameter; it changes no privacy quantity (the clip is on the user's
+mean, whatever its number of records). N_users is treated as public (like N
+for record-level DP; the ledger header records it).
+
+This module holds the two pieces the doors share: :class:`UserPoissonBatchSampler`
+/ :class:`UserDPDataLoader` (who is in a batch, and which rows belong to
+whom: private, in memory only) and :func:`group_by_user` (a per-example
+gradient source turned into a per-user one, exactly, before any clip factor).
+The optimizer (:class:`~dpopt.private_optimizer.PrivateOptimizer`) calls
+:func:`group_by_user` on every chunk it is handed (:class:`UserRows`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .accounting.events import check_sample_rate
+from .data_loader import DPDataLoader, EmptyBatchCollate
+from .engine.reference import PerSampleGrads
+from .noise import NoiseSource, make_noise_source
+from .types import ClipGeometry
+
+__all__ = [
+    "PRIVACY_UNITS",
+    "DEFAULT_MAX_RECORDS_PER_USER",
+    "check_max_records",
+    "check_privacy_unit",
+    "users_of",
+    "user_unit_text",
+    "UserPoissonBatchSampler",
+    "UserDPDataLoader",
+    "UserRows",
+    "group_by_user",
+    "group_privacy",
+]
+
+PRIVACY_UNITS = ("record", "user", "block")
+DEFAULT_MAX_RECORDS_PER_USER = 16  # k: a public default, independent of the data
+
+
+def check_privacy_unit(unit: Any) -> str:
+    """``unit`` checked against :data:`PRIVACY_UNITS` (``"record"`` | ``"user"`` | ``"block"``).
+
+    Raises:
+        ValueError: any other value (the message lists the choices).
+    """
+    if unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {unit!r}")
+    return str(unit)
+
+
+def user_unit_text(max_records_per_user: int) -> str:
+    """The ledger header's ``privacy_unit`` text of user-level DP: ``"user (at most k records each)"``."""
+    return f"user (at most {int(max_records_per_user)} records each)"
+
+
+def users_of(user_ids: Sequence[Hashable], num_records: int) -> list[list[int]]:
+    """The records of each user: ``[[i, ...] per user]``, users in order of first appearance.
+
+    Args:
+        user_ids: one id per record (any hashable: int, str; tensors/arrays of ints are read as ints),
+            ``len(user_ids) == num_records``.
+        num_records: N, the dataset's length.
+
+    Raises:
+        ValueError: a length that is not N, an unhashable id, or no record at all.
+    """
+    if isinstance(user_ids, Tensor):
+        user_ids = user_ids.tolist()
+    elif hasattr(user_ids, "tolist") and not isinstance(user_ids, (list, tuple)):
+        user_ids = user_ids.tolist()  # numpy arrays
+    ids = list(user_ids)
+    if len(ids) != int(num_records):
+        raise ValueError(
+            f"user_ids must give one user id per record of the dataset: got {len(ids)} ids for "
+            f"{int(num_records)} records"
+        )
+    if not ids:
+        raise ValueError("user_ids is empty: there is no user to sample")
+    slots: dict = {}
+    out: list[list[int]] = []
+    for i, uid in enumerate(ids):
+        try:
+            s = slots.setdefault(uid, len(out))
+        except TypeError:
+            raise ValueError(
+                f"user ids must be hashable (int or str), got {type(uid).__name__} at record {i}"
+            ) from None
+        if s == len(out):
+            out.append([])
+        out[s].append(i)
+    return out
+
+
+def check_max_records(k: Any) -> int:
+    """``max_records_per_user`` k as an int ≥ 1.
+
+    Raises:
+        ValueError: not an integer ≥ 1.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int,)) and not (isinstance(k, float) and k.is_integer()):
+        raise ValueError(f"max_records_per_user must be an integer >= 1, got {k!r}")
+    if int(k) < 1:
+        raise ValueError(f"max_records_per_user must be an integer >= 1, got {k!r}")
+    return int(k)
+
+
+class UserPoissonBatchSampler(Sampler):
+    """A ``batch_sampler`` of user-level Poisson batches: ``steps`` per epoch.
+
+    Each step every user joins independently with probability q (53-bit
+    uniforms compared in float64, as :class:`~dpopt.sampling.PoissonSampler`);
+    a joining user with more than k records contributes k of them chosen
+    uniformly at random (a random permutation of its records from the same
+    secret stream — never from their content). The batch lists each sampled
+    user's records consecutively, users in order.
+
+    Args:
+        users: the records of each user (:func:`users_of`); N_users = ``len(users)`` (public).
+        sample_rate: q_user ∈ (0, 1].
+        steps: batches per epoch (≥ 1).
+        max_records_per_user: k ≥ 1.
+        noise: the :class:`~dpopt.noise.NoiseSource` of the masks and the record choices (default: secret).
+
+    Attributes:
+        sizes, groups: per batch drawn and not yet handed out by :class:`UserDPDataLoader`, the number
+            of rows and the user slot (0, 1, ... in batch order) of each row — PRIVATE, memory only,
+            never pickled.
+
+    Raises:
+        ValueError: no user, q outside (0, 1], steps < 1, k < 1.
+    """
+
+    def __init__(
+        self,
+        users: Sequence[Sequence[int]],
+        sample_rate: float,
+        steps: int,
+        max_records_per_user: int,
+        noise: Optional[NoiseSource] = None,
+    ):
+        if not users:
+            raise ValueError("there is no user to sample")
+        if int(steps) < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.users = [list(r) for r in users]
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.steps = int(steps)
+        self.max_records_per_user = check_max_records(max_records_per_user)
+        self.noise = make_noise_source(noise)
+        self.drawn = 0
+        self.sizes: deque = deque(maxlen=1024)
+        self.groups: deque = deque(maxlen=1024)
+
+    @property
+    def num_users(self) -> int:
+        """N_users (public)."""
+        return len(self.users)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry the drawn batches (private)."""
+        state = dict(self.__dict__)
+        state["sizes"], state["groups"] = deque(maxlen=1024), deque(maxlen=1024)
+        return state
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def sample(self) -> tuple[list[int], Tensor]:
+        """One batch: (record indices, user slot of each row as an int64 tensor)."""
+        chosen = (self.noise.uniform(len(self.users)) < self.sample_rate).nonzero(as_tuple=True)[0].tolist()
+        rows: list[int] = []
+        slots: list[int] = []
+        k = self.max_records_per_user
+        for slot, u in enumerate(chosen):
+            recs = self.users[u]
+            if len(recs) > k:  # k of them, uniformly at random (a secret permutation), kept in record order
+                pick = torch.argsort(self.noise.uniform(len(recs)))[:k].sort().values.tolist()
+                recs = [recs[j] for j in pick]
+            rows.extend(recs)
+            slots.extend([slot] * len(recs))
+        return rows, torch.tensor(slots, dtype=torch.int64)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            rows, slots = self.sample()
+            self.drawn += 1
+            self.sizes.append(len(rows))
+            self.groups.append(slots)
+            yield rows
+
+
+class UserDPDataLoader(DPDataLoader):
+    """A :class:`~dpopt.data_loader.DPDataLoader` whose batches are user-level Poisson samples.
+
+    Args:
+        dataset: a map-style dataset of N records.
+        users: the records of each user (:func:`users_of`).
+        sample_rate: q_user ∈ (0, 1]; expected users per batch q_user · N_users.
+        steps: batches per epoch (default ``round(1/q_user)``).
+        max_records_per_user: k ≥ 1 records per sampled user at most.
+        collate_fn, noise: as :class:`~dpopt.data_loader.DPDataLoader`.
+        **kwargs: other ``DataLoader`` options (``num_workers``, ...).
+
+    Attributes:
+        last_batch_rows: the :class:`UserRows` of the batch last yielded (PRIVATE, memory only): which
+            rows belong to which user; the optimizer groups each chunk's per-example gradients with it.
+
+    Raises:
+        ValueError: as the sampler; an ``IterableDataset``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        users: Sequence[Sequence[int]],
+        sample_rate: float,
+        max_records_per_user: int,
+        steps: Optional[int] = None,
+        collate_fn: Optional[Callable] = None,
+        noise: Optional[NoiseSource] = None,
+        **kwargs: Any,
+    ):
+        if not hasattr(dataset, "__len__"):
+            raise ValueError("user-level sampling needs a map-style dataset (with __len__ and __getitem__)")
+        q = check_sample_rate(sample_rate)
+        steps = int(round(1.0 / q)) if steps is None else int(steps)
+        self.sample_rate = q
+        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise)
+        DataLoader.__init__(
+            self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
+        )
+        self.last_batch_examples: Optional[int] = None
+        self.last_batch_rows: Optional[UserRows] = None
+        self.boundary = None
+
+    def __iter__(self):
+        """The batches in order; :attr:`last_batch_rows` says whose each row of the last one is."""
+        self.poisson.groups.clear()
+        self.last_batch_rows = None
+        for batch in super().__iter__():
+            in_order = getattr(self, "in_order", True)
+            self.last_batch_rows = UserRows(self.poisson.groups.popleft()) if in_order and self.poisson.groups else None
+            yield batch
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["last_batch_rows"] = None
+        return state
+
+
+class UserRows:
+    """Which rows of one logical batch belong to which user, and how far the optimizer has read it.
+
+    Args:
+        slots: int64 ``[rows]``, the user slot of each row, non-decreasing (a user's rows are consecutive).
+
+    PRIVATE (the realised batch): kept in memory only. :meth:`take` hands out the slots of the
+    next chunk of ``rows`` rows and refuses a chunk that would split a user (its records would be
+    clipped as two units: sensitivity 2C, not C).
+    """
+
+    def __init__(self, slots: Tensor):
+        self.slots = slots
+        self.offset = 0
+
+    def take(self, rows: int) -> Tensor:
+        """The slots (renumbered from 0) of the next ``rows`` rows.
+
+        Raises:
+            ValueError: more rows than the batch has left, or a chunk that ends inside a user.
+        """
+        lo, hi = self.offset, self.offset + int(rows)
+        n = int(self.slots.numel())
+        if hi > n:
+            raise ValueError(
+                "privacy_unit='user': this step's forward passes carried more rows than the user-level data "
+                "loader's batch: forward its rows as they are (each user's records are consecutive); nothing "
+                "was released"
+            )
+        if 0 < hi < n and bool(self.slots[hi - 1] == self.slots[hi]):
+            raise ValueError(
+                "privacy_unit='user': a physical chunk ends inside a user's records, which would clip that "
+                "user as two units (sensitivity 2C): cut batches only between users (DPTrainer and "
+                "dpopt's loop do), or step once per batch; nothing was released"
+            )
+        self.offset = hi
+        part = self.slots[lo:hi]
+        return part - part[0] if part.numel() else part
+
+
+def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
+    """A per-example gradient source → the per-USER source of its users' mean gradients (exact).
+
+    ḡ_u = (1/n_u) Σ_{i: slots[i] = u} g_i for each user slot u, computed BEFORE any clip factor
+    (Charles et al. 2024, arXiv 2407.07737, ULS): the Privatizer then clips ‖ḡ_u‖ — the user's
+    norm, not its records' — so the clipped sum moves by ≤ C when one user is removed.
+
+    Args:
+        source: a :class:`~dpopt.types.PerSampleSource` of B rows (per-example gradients).
+        slots: int64 ``[B]``, the user slot of each row (0 … U−1); ``[0]`` with B > 0 rows means the
+            rows carry no record (DPTrainer's public stand-in for an empty batch): 0 users.
+
+    Returns:
+        a :class:`~dpopt.engine.reference.PerSampleGrads` of U rows (materialised: U × P floats), with
+        the source's ``params`` and ``points``; its ``nonfinite`` counts users.
+
+    Raises:
+        ValueError: ``slots`` of another length than B.
+
+    Materialised per-example gradients are summed with ``index_add`` into per-user slots; any
+    other source (factored, ghost) gives each user's sum by one ``weighted_sum`` with that user's
+    indicator weights (``weighted_sum`` is linear in the weights: exact, U calls).
+    """
+    b = int(getattr(source, "batch_size", slots.numel()))
+    params = getattr(source, "params", None)
+    points = getattr(source, "points", None)
+    if slots.numel() == 0:  # no record in this chunk: zero users (a stand-in row's gradient is not data)
+        like = _param_likes(source, params)
+        return PerSampleGrads([p.new_zeros((0, *p.shape)) for p in like], params=params, points=points)
+    if slots.numel() != b:
+        raise ValueError(
+            "privacy_unit='user': the per-example gradients of this step do not match the rows of the "
+            "user-level loader's batch (the loop forwarded other rows than it yielded); nothing was released"
+        )
+    num_users = int(slots[-1]) + 1
+    counts = torch.bincount(slots, minlength=num_users)
+    grads = getattr(source, "grads", None)
+    if isinstance(source, PerSampleGrads) and grads is not None:
+        out = []
+        for g in grads:
+            acc = g.new_zeros((num_users, *g.shape[1:]))
+            acc.index_add_(0, slots.to(g.device), g)
+            out.append(acc / counts.to(g.device, g.dtype).view(-1, *([1] * (g.dim() - 1))))
+        return PerSampleGrads(out, params=params, points=points)
+    identity, flat = ClipGeometry(), [0] * int(source.num_params)
+    device = getattr(source, "device", slots.device)
+    per_user: list[list[Tensor]] = []
+    for u in range(num_users):
+        w = ((slots == u).to(torch.float64) / float(counts[u])).to(device)
+        per_user.append(source.weighted_sum(w.view(-1, 1), identity, flat))
+    stacked = [torch.stack([pu[j] for pu in per_user]) for j in range(int(source.num_params))]
+    return PerSampleGrads(stacked, params=params, points=points)
+
+
+def _param_likes(source: Any, params: Optional[Sequence[Tensor]]) -> list[Tensor]:
+    """Tensors shaped like the source's parameters (its ``params``, else one all-zero weighted sum)."""
+    if params is not None:
+        return list(params)
+    rows = int(getattr(source, "batch_size", 0))
+    zeros = torch.zeros(rows, 1, dtype=torch.float64, device=getattr(source, "device", "cpu"))
+    return list(source.weighted_sum(zeros, ClipGeometry(), [0] * int(source.num_params)))
+
+
+def group_privacy(epsilon: float, delta: float, k: int) -> tuple[float, float]:
+    """(ε', δ') that record-level (ε, δ)-DP gives a person with k records (group privacy).
+
+    ε' = k·ε and δ' = k·e^{(k−1)ε}·δ (Dwork & Roth 2014, Theorem 2.2 and its (ε, δ) form:
+    δ' = Σ_{j<k} e^{jε} δ ≤ k e^{(k−1)ε} δ). Tighter group bounds exist for specific mechanisms
+    (the Gaussian mechanism's group sensitivity k·C); this is the generic one.
+
+    Raises:
+        ValueError: ε < 0, δ outside [0, 1), or k < 1.
+    """
+    if not epsilon >= 0 or not 0 <= delta < 1 or int(k) < 1:
+        raise ValueError(f"need epsilon >= 0, delta in [0, 1) and k >= 1, got {epsilon}, {delta}, {k}")
+    k = int(k)
+    return k * float(epsilon), min(1.0, k * math.exp((k - 1) * float(epsilon)) * float(delta))
