@@ -248,7 +248,7 @@ class UserDPDataLoader(DPDataLoader):
         q = check_sample_rate(sample_rate)
         steps = int(round(1.0 / q)) if steps is None else int(steps)
         self.sample_rate = q
-        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise)
+        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise)  # type: ignore[assignment]  # same sizes/drawn interface
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )
