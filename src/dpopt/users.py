@@ -53,6 +53,8 @@ __all__ = [
     "UserDPDataLoader",
     "UserRows",
     "group_by_user",
+    "user_sources",
+    "user_cuts",
     "group_privacy",
 ]
 
@@ -171,6 +173,7 @@ class UserPoissonBatchSampler(Sampler):
         self.max_records_per_user = check_max_records(max_records_per_user)
         self.noise = make_noise_source(noise)
         self.drawn = 0
+        self.position = 0  # batches drawn by :meth:`sample` (dpopt's own loop; its checkpoints)
         self.sizes: deque = deque(maxlen=1024)
         self.groups: deque = deque(maxlen=1024)
 
@@ -188,7 +191,53 @@ class UserPoissonBatchSampler(Sampler):
     def __len__(self) -> int:
         return self.steps
 
-    def sample(self) -> tuple[list[int], Tensor]:
+    def sample(self) -> tuple[Tensor, Tensor]:
+        """The next of ``steps`` batches of a run (dpopt's loop): (record indices, each row's user slot),
+        both int64 tensors; advances :attr:`position`.
+
+        Raises:
+            StopIteration: all ``steps`` batches were drawn.
+        """
+        if self.position >= self.steps:
+            raise StopIteration
+        rows, slots = self._draw()
+        self.position += 1
+        return torch.tensor(rows, dtype=torch.int64), slots
+
+    def state_dict(self) -> dict:
+        """Public state (``position``, ``steps``, ``sample_rate``, k; never the users or their records);
+        the generator state for reproducible noise only."""
+        state: dict[str, Any] = {
+            "version": 1,
+            "unit": "user",
+            "position": self.position,
+            "steps": self.steps,
+            "sample_rate": self.sample_rate,
+            "max_records_per_user": self.max_records_per_user,
+        }
+        if self.noise.mode == "reproducible":
+            state["noise_state"] = self.noise.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`: the next batch :meth:`sample` draws is batch ``position``.
+
+        Raises:
+            ValueError: a state of another sampler (unit, rate, steps or k differ).
+        """
+        mine = self.state_dict()
+        for key in ("unit", "steps", "sample_rate", "max_records_per_user"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"sampler state with {key} = {state.get(key)!r} does not fit this sampler ({mine[key]!r})"
+                )
+        if not 0 <= int(state["position"]) <= self.steps:
+            raise ValueError(f"sampler position {state['position']} outside [0, {self.steps}]")
+        self.position = int(state["position"])
+        if "noise_state" in state:
+            self.noise.load_state_dict(state["noise_state"])
+
+    def _draw(self) -> tuple[list[int], Tensor]:
         """One batch: (record indices, user slot of each row as an int64 tensor)."""
         chosen = (self.noise.uniform(len(self.users)) < self.sample_rate).nonzero(as_tuple=True)[0].tolist()
         rows: list[int] = []
@@ -205,7 +254,7 @@ class UserPoissonBatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            rows, slots = self.sample()
+            rows, slots = self._draw()
             self.drawn += 1
             self.sizes.append(len(rows))
             self.groups.append(slots)
@@ -372,6 +421,49 @@ def _param_likes(source: Any, params: Optional[Sequence[Tensor]]) -> list[Tensor
     rows = int(getattr(source, "batch_size", 0))
     zeros = torch.zeros(rows, 1, dtype=torch.float64, device=getattr(source, "device", "cpu"))
     return list(source.weighted_sum(zeros, ClipGeometry(), [0] * int(source.num_params)))
+
+
+def user_cuts(slots: Tensor, max_rows: Optional[int]) -> list[tuple[int, int]]:
+    """Row ranges ``[(lo, hi), ...]`` covering a batch whose rows are grouped by user, cut between users
+    only: consecutive whole users, ≤ ``max_rows`` rows per range unless one user alone has more
+    (then that user is a range of its own). An empty batch is ``[(0, 0)]``.
+
+    Args:
+        slots: int64 ``[rows]``, each row's user slot (non-decreasing).
+        max_rows: the physical batch size (None: one range).
+    """
+    n = int(slots.numel())
+    limit = n if max_rows is None else max(1, int(max_rows))
+    starts = [0] + [i for i in range(1, n) if int(slots[i]) != int(slots[i - 1])] + [n]
+    cuts, lo = [], 0
+    for a, b in zip(starts[:-1], starts[1:]):  # the rows [a, b) of one user
+        if b - lo > limit and a > lo:
+            cuts.append((lo, a))
+            lo = a
+    cuts.append((lo, n))
+    return cuts
+
+
+def user_sources(
+    make_sources: Callable[[Tensor, Tensor, int], Iterator[Any]],
+    x: Tensor,
+    y: Tensor,
+    slots: Tensor,
+    max_rows: Optional[int],
+) -> Iterator[PerSampleGrads]:
+    """Per-user sources of one batch (dpopt's loop): chunks of whole users (≤ ``max_rows`` rows unless
+    one user has more), each chunk's per-example source grouped by :func:`group_by_user`.
+
+    Args:
+        make_sources: ``(x_chunk, y_chunk, rows) -> iterator of per-sample sources`` (one chunk each).
+        x, y: the batch (rows grouped by user, as :meth:`UserPoissonBatchSampler.sample` orders them).
+        slots: int64 ``[rows]``, each row's user slot.
+        max_rows: the physical batch size (None: the whole batch is one chunk).
+    """
+    for a, b in user_cuts(slots, max_rows):
+        part = slots[a:b]
+        for src in make_sources(x[a:b], y[a:b], max(1, b - a)):
+            yield group_by_user(src, part - part[0] if part.numel() else part)
 
 
 def group_privacy(epsilon: float, delta: float, k: int) -> tuple[float, float]:

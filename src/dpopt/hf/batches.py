@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from ..users import user_cuts
 from ..utils.batch_memory_manager import _chunks
 
 __all__ = ["split_batch", "split_by_user", "batch_size", "stand_in"]
@@ -73,14 +74,7 @@ def split_by_user(inputs: Mapping[str, Any], slots: Tensor, max_size: int) -> li
         raise ValueError("privacy_unit='user': the batch's rows do not match the user-level loader's last batch")
     if n == 0:
         return [dict(inputs)]
-    starts = [0] + [i for i in range(1, n) if int(slots[i]) != int(slots[i - 1])] + [n]
-    cuts, lo = [], 0
-    for a, b in zip(starts[:-1], starts[1:]):  # user rows [a, b)
-        if b - lo > max_size and a > lo:
-            cuts.append((lo, a))
-            lo = a
-    cuts.append((lo, n))
-    return [{k: v[a:b] for k, v in inputs.items()} for a, b in cuts]
+    return [{k: v[a:b] for k, v in inputs.items()} for a, b in user_cuts(slots, max_size)]
 
 
 def stand_in(empty: Mapping[str, Tensor]) -> dict:
