@@ -16,7 +16,9 @@ for path in sorted(glob.glob("runs/*/summary.json")):
     rows[name].append(s)
 print(f"digits (1437 training records), {len(sizes)} synthetic users (Zipf 1.8, median {median}, largest {largest}")
 print("records); target ε = 4 at δ = 1e-5 per UNIT, 10 epochs, dp-macadam defaults; 3 seeds (mean ± sd).\n")
-print("| unit | q | steps | σ | test accuracy | ε per unit | ε for the median user | ε for the largest user | wall s/run |")
+print(
+    "| unit | q | steps | σ | test accuracy | ε per unit | ε for the median user | ε for the largest user | wall s/run |"
+)
 print("|---|---|---|---|---|---|---|---|---|")
 for name in ("record", "user-k16", "user-k4"):
     runs = rows[name]
