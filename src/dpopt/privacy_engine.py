@@ -652,6 +652,7 @@ class PrivacyEngine:
         """:meth:`make_private` with σ calibrated so that ``epochs`` epochs cost at most ``target_epsilon``.
 
         Steps = ⌈``epochs`` · len(data_loader)⌉ Poisson steps at q = 1/len(data_loader)
+        (with ``privacy_unit="user"`` and ``sample_rate=q_user``: ⌈``epochs`` · round(1/q_user)⌉ steps at q_user)
         (``epochs`` may be fractional: 2.5 epochs are calibrated as such, never truncated);
         σ is the smallest (within 1 %) with ε(σ) ≤ target under the engine's
         accountant (:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`;
@@ -667,9 +668,12 @@ class PrivacyEngine:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
-        steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
+        given = kwargs.get("sample_rate")  # privacy_unit="user" may give q_user; else q = 1/len(data_loader)
+        q = 1.0 / len(data_loader) if given is None else float(given)
+        per_epoch = len(data_loader) if given is None else max(1, int(round(1.0 / q)))  # the loader's batches
+        steps = max(1, math.ceil(epochs * per_epoch - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
         sigma = calibrate_noise_multiplier(
-            target_epsilon, target_delta, 1.0 / len(data_loader), steps, str(self.accountant)
+            target_epsilon, target_delta, q, steps, str(self.accountant)
         ).noise_multiplier
         out = self.make_private(
             module=module,

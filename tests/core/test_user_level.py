@@ -241,3 +241,61 @@ def test_group_privacy_arithmetic():
     assert group_privacy(2.0, 1e-5, 1) == (2.0, 1e-5)
     with pytest.raises(ValueError):
         group_privacy(1.0, 1e-5, 0)
+
+
+def test_make_private_with_epsilon_calibrates_at_q_user():
+    from dpopt.accounting.calibration import calibrate_noise_multiplier
+
+    x, y, ids = _data([2] * 20)
+    model = _model()
+    engine = dpopt.PrivacyEngine()
+    _, opt, dl = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=10),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        privacy_unit="user",
+        user_ids=ids,
+        sample_rate=0.2,
+    )
+    assert (
+        len(dl) == 5 and opt.noise_multiplier == calibrate_noise_multiplier(3.0, 1e-5, 0.2, 10, "pld").noise_multiplier
+    )
+
+
+def test_batch_memory_manager_is_refused_with_the_user_unit():
+    from dpopt.utils.batch_memory_manager import BatchMemoryManager
+
+    x, y, ids = _data([2] * 6)
+    model = _model()
+    _, opt, dl = dpopt.PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        privacy_unit="user",
+        user_ids=ids,
+    )
+    with pytest.raises(ValueError, match="cut users in two"):
+        with BatchMemoryManager(data_loader=dl, max_physical_batch_size=2, optimizer=opt):
+            pass
+
+
+def test_make_private_block_unit_is_recorded_and_warned():
+    x, y, _ = _data([2] * 4)
+    model = _model()
+    engine = dpopt.PrivacyEngine()
+    with pytest.warns(UserWarning, match="protects ONE BLOCK"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            privacy_unit="block",
+        )
+    assert engine.ledger.to_dict()["privacy_unit"] == "block" and engine.ledger.num_users is None
