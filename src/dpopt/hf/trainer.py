@@ -42,6 +42,10 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   blocks, ``labels == input_ids``, no padding) are detected, or declared with
   ``privacy_unit=N``: the unit "block of N tokens" is warned about and
   recorded in the ledger header, the logs and the summary.
+  ``privacy_unit="user"`` (with ``user_column``) is user-level DP
+  (:mod:`dpopt.users`): users Poisson-sampled at q_user = 1/ceil(N_users/B̄), at
+  most ``max_records_per_user`` examples each, each user's mean gradient
+  clipped as one unit, chunks cut between users (docs/privacy-unit.md).
 * **Logs.** The Trainer's keys computed from the private batches
   (``loss``, ``grad_norm``, ``train_loss``, ``total_flos``, token counts:
   :data:`~dpopt.hf.guarantee.PRIVATE_LOG_KEYS`) are dropped; ``epsilon`` and
