@@ -903,7 +903,7 @@ class PrivacyEngine:
 
         Records the unit, k and N_users in the ledger header (N_users public, like N).
         """
-        from .users import UserDPDataLoader, check_max_records, user_unit_text, users_of
+        from .users import UserDPDataLoader, check_max_records, group_users, user_unit_text
 
         custom = custom_batching(data_loader)
         if custom is not None:
@@ -912,7 +912,7 @@ class PrivacyEngine:
                 "sampling would silently replace; pass DataLoader(dataset, batch_size=B, shuffle=True)"
             )
         k = check_max_records(k)
-        users = users_of(user_ids, len(data_loader.dataset))  # type: ignore[arg-type]
+        keys, users = group_users(user_ids, len(data_loader.dataset))  # type: ignore[arg-type]
         q = 1.0 / len(data_loader) if sample_rate is None else float(sample_rate)
         steps = len(data_loader) if sample_rate is None else None
         collate = data_loader.collate_fn
@@ -923,6 +923,7 @@ class PrivacyEngine:
             users,
             q,
             k,
+            keys=keys,
             steps=steps,
             collate_fn=collate,
             noise=noise,

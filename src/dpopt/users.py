@@ -28,6 +28,7 @@ The optimizer (:class:`~dpopt.private_optimizer.PrivateOptimizer`) calls
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "check_max_records",
     "check_privacy_unit",
     "users_of",
+    "group_users",
     "user_unit_text",
     "UserPoissonBatchSampler",
     "UserDPDataLoader",
@@ -79,7 +81,13 @@ def user_unit_text(max_records_per_user: int) -> str:
 
 
 def users_of(user_ids: Sequence[Hashable], num_records: int) -> list[list[int]]:
-    """The records of each user: ``[[i, ...] per user]``, users in order of first appearance.
+    """The records of each user: ``[[i, ...] per user]``, users in order of first appearance
+    (:func:`group_users` without the keys; same arguments and errors)."""
+    return group_users(user_ids, num_records)[1]
+
+
+def group_users(user_ids: Sequence[Hashable], num_records: int) -> tuple[list[str], list[list[int]]]:
+    """(each user's key ``repr(id)``, the records of each user), users in order of first appearance.
 
     Args:
         user_ids: one id per record (any hashable: int, str; tensors/arrays of ints are read as ints),
@@ -113,7 +121,10 @@ def users_of(user_ids: Sequence[Hashable], num_records: int) -> list[list[int]]:
         if s == len(out):
             out.append([])
         out[s].append(i)
-    return out
+    keys = [""] * len(out)
+    for uid, s in slots.items():
+        keys[s] = repr(uid)
+    return keys, out
 
 
 def check_max_records(k: Any) -> int:
@@ -134,10 +145,14 @@ class UserPoissonBatchSampler(Sampler):
 
     Each step every user joins independently with probability q (53-bit
     uniforms compared in float64, as :class:`~dpopt.sampling.PoissonSampler`);
-    a joining user with more than k records contributes k of them chosen
-    uniformly at random (a random permutation of its records from the same
-    secret stream — never from their content). The batch lists each sampled
-    user's records consecutively, users in order.
+    a joining user with more than k records contributes the k of them with the
+    smallest keyed hashes BLAKE2b(seed; user key, record's position in the user)
+    — k uniformly random records, never chosen by content — where the 256-bit
+    ``seed`` is drawn from the secret stream at every step (before the mask; never
+    stored). A user's choice depends only on the seed, its key and its own
+    records, so adding or removing another user changes no other user's
+    records (the coupling the sensitivity argument uses). The batch lists each
+    sampled user's records consecutively, users in order.
 
     Args:
         users: the records of each user (:func:`users_of`); N_users = ``len(users)`` (public).
@@ -145,6 +160,7 @@ class UserPoissonBatchSampler(Sampler):
         steps: batches per epoch (≥ 1).
         max_records_per_user: k ≥ 1.
         noise: the :class:`~dpopt.noise.NoiseSource` of the masks and the record choices (default: secret).
+        keys: each user's public key (its id as text, :func:`group_users`); default its position.
 
     Attributes:
         sizes, groups: per batch drawn and not yet handed out by :class:`UserDPDataLoader`, the number
@@ -162,9 +178,13 @@ class UserPoissonBatchSampler(Sampler):
         steps: int,
         max_records_per_user: int,
         noise: Optional[NoiseSource] = None,
+        keys: Optional[Sequence[str]] = None,
     ):
         if not users:
             raise ValueError("there is no user to sample")
+        if keys is not None and len(keys) != len(users):
+            raise ValueError(f"{len(keys)} user keys for {len(users)} users")
+        self.keys = [str(i) for i in range(len(users))] if keys is None else [str(k) for k in keys]
         if int(steps) < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.users = [list(r) for r in users]
@@ -239,14 +259,16 @@ class UserPoissonBatchSampler(Sampler):
 
     def _draw(self) -> tuple[list[int], Tensor]:
         """One batch: (record indices, user slot of each row as an int64 tensor)."""
+        words = (self.noise.uniform(5) * 2.0**53).to(torch.int64).tolist()  # 265 secret bits, drawn every step
+        seed = b"".join(int(w).to_bytes(7, "little") for w in words)[:32]
         chosen = (self.noise.uniform(len(self.users)) < self.sample_rate).nonzero(as_tuple=True)[0].tolist()
         rows: list[int] = []
         slots: list[int] = []
         k = self.max_records_per_user
         for slot, u in enumerate(chosen):
             recs = self.users[u]
-            if len(recs) > k:  # k of them, uniformly at random (a secret permutation), kept in record order
-                pick = torch.argsort(self.noise.uniform(len(recs)))[:k].sort().values.tolist()
+            if len(recs) > k:  # the k smallest keyed hashes: k uniformly random records, kept in record order
+                pick = sorted(sorted(range(len(recs)), key=lambda j: _keyed(seed, self.keys[u], j))[:k])
                 recs = [recs[j] for j in pick]
             rows.extend(recs)
             slots.extend([slot] * len(recs))
@@ -261,6 +283,11 @@ class UserPoissonBatchSampler(Sampler):
             yield rows
 
 
+def _keyed(seed: bytes, key: str, j: int) -> bytes:
+    """BLAKE2b keyed by the step's secret seed over (user key, record position): a pseudo-random rank."""
+    return hashlib.blake2b(f"{key}\x00{j}".encode(), key=seed, digest_size=16).digest()
+
+
 class UserDPDataLoader(DPDataLoader):
     """A :class:`~dpopt.data_loader.DPDataLoader` whose batches are user-level Poisson samples.
 
@@ -271,6 +298,7 @@ class UserDPDataLoader(DPDataLoader):
         steps: batches per epoch (default ``round(1/q_user)``).
         max_records_per_user: k ≥ 1 records per sampled user at most.
         collate_fn, noise: as :class:`~dpopt.data_loader.DPDataLoader`.
+        keys: each user's key (:func:`group_users`; the record choice of a user depends on it).
         **kwargs: other ``DataLoader`` options (``num_workers``, ...).
 
     Attributes:
@@ -290,6 +318,7 @@ class UserDPDataLoader(DPDataLoader):
         steps: Optional[int] = None,
         collate_fn: Optional[Callable] = None,
         noise: Optional[NoiseSource] = None,
+        keys: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ):
         if not hasattr(dataset, "__len__"):
@@ -297,7 +326,7 @@ class UserDPDataLoader(DPDataLoader):
         q = check_sample_rate(sample_rate)
         steps = int(round(1.0 / q)) if steps is None else int(steps)
         self.sample_rate = q
-        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise)  # type: ignore[assignment]  # same sizes/drawn interface
+        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise, keys=keys)  # type: ignore[assignment]  # same sizes/drawn interface
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )

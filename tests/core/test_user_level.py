@@ -95,12 +95,7 @@ def test_release_is_the_sum_of_clipped_per_user_means():
 @pytest.mark.parametrize("removed", [0, 1, 2])  # a user with 1, k and more than k records
 def test_sigma_zero_removing_one_user_moves_the_release_by_at_most_c(removed):
     sizes = [1, K, K + 4, 2, 2]
-    x, y, ids = _data(sizes)
-    big = [i for i, u in enumerate(ids) if u == 2]
-    x[big], y[big] = (
-        x[big[0]].clone(),
-        y[big[0]].clone(),
-    )  # which k of its records user 2 brings (a random draw) changes no value
+    x, y, ids = _data(sizes)  # user 2's records differ: its choice of k is coupled by its key (same stream)
     c = 0.05  # every user's mean gradient is clipped: the move is exactly C
     full, *_ = _one_step(x, y, ids, c)
     keep = [i for i, u in enumerate(ids) if u != removed]
@@ -187,6 +182,38 @@ def test_sampler_draws_users_at_q_and_at_most_k_records():
     n = 400 * 50
     # |joined/n − q| ≤ 5 standard deviations: fails with probability < 1e-6 under the null
     assert abs(joined / n - 0.3) <= 5 * math.sqrt(0.3 * 0.7 / n)
+
+
+def test_record_choice_is_uniform_and_keyed_by_user():
+    """A user with 6 records and k = 2: each record in a batch with probability 1/3 (5-sigma binomial bound,
+    false-failure rate < 1e-6 per record); the same secret stream gives the same choice whatever other users exist."""
+    users = [[0, 1, 2, 3, 4, 5]]
+    sampler = UserPoissonBatchSampler(
+        users, 1.0, 3000, 2, noise=NoiseSource("reproducible", generator=torch.Generator().manual_seed(1))
+    )
+    counts = torch.zeros(6)
+    for rows in sampler:
+        counts[rows] += 1
+    n, p = 3000, 1 / 3
+    assert ((counts / n - p).abs() <= 5 * math.sqrt(p * (1 - p) / n)).all()
+    one = UserPoissonBatchSampler(
+        [[0, 1, 2, 3, 4, 5]],
+        1.0,
+        1,
+        2,
+        keys=["'u'"],
+        noise=NoiseSource("reproducible", generator=torch.Generator().manual_seed(7)),
+    )
+    two = UserPoissonBatchSampler(
+        [[0], [1, 2, 3, 4, 5, 6]],
+        1.0,
+        1,
+        2,
+        keys=["'v'", "'u'"],
+        noise=NoiseSource("reproducible", generator=torch.Generator().manual_seed(7)),
+    )
+    (a,), (b,) = list(one), list(two)
+    assert [r + 1 for r in a] == b[1:]  # user 'u' brings the same two of its records next to another user
 
 
 def test_group_by_user_matches_index_add_for_factored_and_materialised_sources():

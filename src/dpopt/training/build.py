@@ -100,6 +100,7 @@ class Run:
     dist: DistributedContext = DistributedContext()
     averager: Optional[ParameterAverager] = None  # cfg.ema_decay: EMA of the released parameters (docs/recipe.md)
     users: Optional[list] = None  # cfg.user_ids: the records of each user (private membership; dpopt.users)
+    user_keys: Optional[list] = None  # cfg.user_ids: each user's id as text (keys the record choice)
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -228,7 +229,7 @@ def build_run(
     model = _starting_model(cfg, model_name)
     check_model(model)
     model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
-    users = None if cfg.user_ids is None else read_user_ids(cfg.user_ids, data.n_train, dist)
+    keys, users = (None, None) if cfg.user_ids is None else read_user_ids(cfg.user_ids, data.n_train, dist)
     units = data.n_train if users is None else len(users)  # records, or users (user-level DP)
     if users is not None and cfg.sample_rate is None and cfg.batch_size > units:
         raise ConfigError(
@@ -294,6 +295,7 @@ def build_run(
         dist=dist,
         averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay),
         users=users,
+        user_keys=keys,
     )
 
 
@@ -304,17 +306,19 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
         return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     from ..users import UserPoissonBatchSampler
 
-    return UserPoissonBatchSampler(run.users, run.sample_rate, run.steps, run.cfg.max_records_per_user, noise=run.noise)
+    return UserPoissonBatchSampler(
+        run.users, run.sample_rate, run.steps, run.cfg.max_records_per_user, noise=run.noise, keys=run.user_keys
+    )
 
 
-def read_user_ids(path: str, n_train: int, dist: Optional[DistributedContext]) -> list[list[int]]:
-    """The records of each user (:func:`dpopt.users.users_of`) from ``path``: one user id per line, one line
-    per training record in the dataset's order (blank lines are not skipped: each line is a record).
+def read_user_ids(path: str, n_train: int, dist: Optional[DistributedContext]) -> tuple[list[str], list[list[int]]]:
+    """(each user's key, the records of each user) (:func:`dpopt.users.group_users`) from ``path``: one user
+    id per line, one line per training record in the dataset's order (blank lines are not skipped).
 
     Raises:
         ConfigError: an unreadable file, a line count that is not N, or data-parallel training.
     """
-    from ..users import users_of
+    from ..users import group_users
 
     if dist is not None and dist.enabled:
         raise ConfigError("user_ids (user-level DP) is not supported with data-parallel training yet", "user_ids")
@@ -323,6 +327,6 @@ def read_user_ids(path: str, n_train: int, dist: Optional[DistributedContext]) -
     except OSError as exc:
         raise ConfigError(f"cannot read user_ids {path}: {exc.strerror or exc}", "user_ids") from None
     try:
-        return users_of([line.strip() for line in lines], n_train)
+        return group_users([line.strip() for line in lines], n_train)
     except ValueError as err:
         raise ConfigError(f"user_ids {path}: {err}", "user_ids") from None
