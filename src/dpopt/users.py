@@ -398,8 +398,9 @@ def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
 
     Args:
         source: a :class:`~dpopt.types.PerSampleSource` of B rows (per-example gradients).
-        slots: int64 ``[B]``, the user slot of each row (0 … U−1); ``[0]`` with B > 0 rows means the
-            rows carry no record (DPTrainer's public stand-in for an empty batch): 0 users.
+        slots: int64 ``[B]``, the user slot of each row (0 … U−1, non-decreasing). Empty ``slots``
+            with B > 0 rows means the rows carry no record (DPTrainer's public stand-in for an empty
+            batch): 0 users.
 
     Returns:
         a :class:`~dpopt.engine.reference.PerSampleGrads` of U rows (materialised: U × P floats), with
