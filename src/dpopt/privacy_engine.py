@@ -95,6 +95,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
 
 from . import engine_checkpoint, fsdp
 from .accounting.accountant import epsilon
@@ -125,6 +126,7 @@ from .private_optimizer import PrivateOptimizer
 from .privatizer import QuantileClipping
 from .release_boundary import boundary_of
 from .transforms.base import Chain, Partition, Transform
+from .users import DEFAULT_MAX_RECORDS_PER_USER, check_privacy_unit
 
 __all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING"]
 
@@ -164,6 +166,31 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
         collate_fn=collate,
         **loader_settings(loader, generator=True),
     )
+
+
+def _check_unit_arguments(
+    unit: Any, user_ids: Any, sample_rate: Optional[float], distributed: Any, poisson_sampling: bool
+) -> str:
+    """``privacy_unit`` and the arguments that go with it (:mod:`dpopt.users`), checked together.
+
+    Raises:
+        ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
+            ``sample_rate`` without "user"; "user" with ``distributed`` or ``poisson_sampling=False``.
+    """
+    unit = check_privacy_unit(unit)
+    if unit != "user":
+        if user_ids is not None:
+            raise ValueError("user_ids are read only with privacy_unit='user' (user-level DP); pass both or neither")
+        if sample_rate is not None:
+            raise ValueError("sample_rate is read only with privacy_unit='user' (q = 1/len(data_loader) otherwise)")
+        return unit
+    if user_ids is None:
+        raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
+    if distributed:
+        raise ValueError("privacy_unit='user' is not supported with distributed training yet; train on one process")
+    if not poisson_sampling:
+        raise ValueError("privacy_unit='user' samples users by Poisson sampling; poisson_sampling=False is refused")
+    return unit
 
 
 def _distributed_context(
@@ -317,6 +344,10 @@ class PrivacyEngine:
         augmentation_multiplicity: int = 1,
         augmentation: Optional[Union[str, Callable]] = None,
         clipping_gamma: float = 0.01,
+        privacy_unit: str = "record",
+        user_ids: Optional[Sequence[Any]] = None,
+        max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
+        sample_rate: Optional[float] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -414,6 +445,21 @@ class PrivacyEngine:
                 and BatchMemoryManager still splits examples, so every chunk
                 has whole examples with all their views. With K = 1: one
                 augmented view per example.
+            privacy_unit: what one protected unit is (docs/privacy-unit.md): ``"record"`` (default: one
+                example of the dataset), ``"user"`` (user-level DP, :mod:`dpopt.users`: users are
+                Poisson-sampled at q_user, each sampled user contributes at most
+                ``max_records_per_user`` of its records chosen at random, and the MEAN of those records'
+                gradients is clipped to ``max_grad_norm`` as one unit; ε is per user, at q_user; the
+                expected batch size is q_user · N_users users) or ``"block"`` (each example is a packed
+                block of text: recorded in the ledger header, warned: it protects a block, not a record).
+            user_ids: with ``privacy_unit="user"``: one user id per record of ``data_loader.dataset``
+                (ints or strs; a list, tensor or array). N_users, the number of distinct ids, is treated
+                as public (the ledger header records it), like N for record-level DP.
+            max_records_per_user: k ≥ 1 (default :data:`DEFAULT_MAX_RECORDS_PER_USER`): the records
+                a sampled user contributes at most (chosen uniformly at random from the secret stream,
+                never by content). Public; it bounds compute, not privacy (the user's mean is clipped).
+            sample_rate: with ``privacy_unit="user"``: q_user (default 1/len(data_loader), Opacus's
+                rule applied to users: len(data_loader) steps per epoch); then round(1/q_user) steps per epoch.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -448,6 +494,7 @@ class PrivacyEngine:
             secure_mode=secure_mode,
             noise_generator=noise_generator,
         )
+        unit = _check_unit_arguments(privacy_unit, user_ids, sample_rate, distributed, poisson_sampling)
         warn_drop_last(data_loader, poisson_sampling)
         noise = NoiseSource("secure") if compat.secure else self.noise
         if noise_generator is not None:
@@ -461,6 +508,11 @@ class PrivacyEngine:
         ctx = _distributed_context(module, distributed, process_group, poisson_sampling)
         views = check_multiplicity(augmentation_multiplicity)
         view_fn = None if augmentation is None else resolve_augmentation(augmentation, views)
+        if views > 1 and unit == "user":
+            raise ValueError(
+                "augmentation_multiplicity > 1 with privacy_unit='user' is not supported: average the views "
+                "inside each record's loss, or train at privacy_unit='record'"
+            )
         if views > 1 and distributed == "fsdp":
             raise ValueError(
                 "augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
@@ -477,10 +529,15 @@ class PrivacyEngine:
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
-                n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                if unit == "user":
+                    n, sample_rate, loader = self._user_loader(
+                        data_loader, user_ids, max_records_per_user, sample_rate, noise
+                    )
+                else:
+                    n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                    sample_rate = 1.0 / steps_per_epoch
                 if view_fn is not None:
                     loader = _loader_with_views(loader, views, view_fn)
-                sample_rate = 1.0 / steps_per_epoch
                 expected_batch_size = sample_rate * n  # the GLOBAL expected batch size (all ranks together)
                 params, method, overrides = _trained_parameters(optimizer, module, capture, hparams)
                 privacy = self._clipping_options(
@@ -561,6 +618,11 @@ class PrivacyEngine:
                 self._claims["noise_multiplier_total"] = float(noise_multiplier)
             private = PrivateOptimizer(original, dp, capture, params, engine=self)
             private._loader = loader if isinstance(loader, DPDataLoader) else None
+            private._user_level = unit == "user"
+            if unit == "user":
+                self._claims.update(privacy_unit="user", max_records_per_user=int(max_records_per_user), num_users=n)
+            elif unit == "block":
+                self._declare_blocks()
             probe_loader(loader, capture, views, view_fn)  # the check collates examples alone (padding)
             if private._loader is not None:  # its batches are tagged for the optimizer (release_boundary)
                 loader.boundary = boundary_of(private)
@@ -590,6 +652,7 @@ class PrivacyEngine:
         """:meth:`make_private` with σ calibrated so that ``epochs`` epochs cost at most ``target_epsilon``.
 
         Steps = ⌈``epochs`` · len(data_loader)⌉ Poisson steps at q = 1/len(data_loader)
+        (with ``privacy_unit="user"`` and ``sample_rate=q_user``: ⌈``epochs`` · round(1/q_user)⌉ steps at q_user)
         (``epochs`` may be fractional: 2.5 epochs are calibrated as such, never truncated);
         σ is the smallest (within 1 %) with ε(σ) ≤ target under the engine's
         accountant (:func:`~dpopt.accounting.calibration.calibrate_noise_multiplier`;
@@ -605,9 +668,12 @@ class PrivacyEngine:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
-        steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
+        given = kwargs.get("sample_rate")  # privacy_unit="user" may give q_user; else q = 1/len(data_loader)
+        q = 1.0 / len(data_loader) if given is None else float(given)
+        per_epoch = len(data_loader) if given is None else max(1, int(round(1.0 / q)))  # the loader's batches
+        steps = max(1, math.ceil(epochs * per_epoch - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
         sigma = calibrate_noise_multiplier(
-            target_epsilon, target_delta, 1.0 / len(data_loader), steps, str(self.accountant)
+            target_epsilon, target_delta, q, steps, str(self.accountant)
         ).noise_multiplier
         out = self.make_private(
             module=module,
@@ -829,6 +895,54 @@ class PrivacyEngine:
         )
         self.ledger.sampling = "shuffled (not poisson)"
         return len(dataset), len(data_loader), data_loader
+
+    def _user_loader(
+        self, data_loader: DataLoader, user_ids: Any, k: int, sample_rate: Optional[float], noise: NoiseSource
+    ) -> tuple[int, float, DataLoader]:
+        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`).
+
+        Records the unit, k and N_users in the ledger header (N_users public, like N).
+        """
+        from .users import UserDPDataLoader, check_max_records, group_users, user_unit_text
+
+        custom = custom_batching(data_loader)
+        if custom is not None:
+            raise ValueError(
+                f"make_private: the data loader forms its batches with {custom}, which user-level Poisson "
+                "sampling would silently replace; pass DataLoader(dataset, batch_size=B, shuffle=True)"
+            )
+        k = check_max_records(k)
+        keys, users = group_users(user_ids, len(data_loader.dataset))  # type: ignore[arg-type]
+        q = 1.0 / len(data_loader) if sample_rate is None else float(sample_rate)
+        steps = len(data_loader) if sample_rate is None else None
+        collate = data_loader.collate_fn
+        if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
+            collate = None  # type: ignore[assignment]
+        loader = UserDPDataLoader(
+            data_loader.dataset,
+            users,
+            q,
+            k,
+            keys=keys,
+            steps=steps,
+            collate_fn=collate,
+            noise=noise,
+            **loader_settings(data_loader),
+        )
+        self.ledger.privacy_unit = user_unit_text(k)
+        self.ledger.num_users = len(users)
+        return len(users), loader.sample_rate, loader
+
+    def _declare_blocks(self) -> None:
+        """``privacy_unit="block"``: each example is a packed block; recorded and warned."""
+        self.ledger.privacy_unit = "block"
+        warnings.warn(
+            "privacy_unit='block': each example is a packed block of text, and epsilon protects ONE BLOCK, "
+            "not a record or a person: a record spread over k blocks is protected at about k times epsilon "
+            "(group privacy; docs/privacy-unit.md). Recorded in the ledger header",
+            UserWarning,
+            stacklevel=3,
+        )
 
     @staticmethod
     def _clipping_options(

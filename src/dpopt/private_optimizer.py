@@ -83,6 +83,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._orphan = False  # a copy.deepcopy made without the model (its step() explains)
         self._loader: Optional[DPDataLoader] = None  # make_private's Poisson loader (K views: rows checked)
         self._examples: Optional[int] = 0  # examples accumulated in the open logical step (None: unknown)
+        self._user_level = False  # privacy_unit="user": each chunk's rows are grouped per user before clipping
 
     def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
         """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
@@ -316,6 +317,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
             b = getattr(source, "batch_size", None)
             self._examples = None if b is None or self._examples is None else self._examples + int(b)
             tagged = boundary.step_chunk(b)
+            if self._user_level:
+                source = self._by_user(source)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
             skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
@@ -335,6 +338,31 @@ class PrivateOptimizer(torch.optim.Optimizer):
         boundary.end()
         self._release_open(priv, dp, params)
         return loss
+
+    def _by_user(self, source: Any) -> Any:
+        """privacy_unit="user": this chunk's per-example gradients as per-USER mean gradients (:mod:`dpopt.users`).
+
+        The rows' owners come from the user-level loader's last batch (private, in memory); the
+        chunk must end between two users (:meth:`dpopt.users.UserRows.take`).
+
+        Raises:
+            ValueError: no user-level batch to read the owners from (a copy of the optimizer, or a
+                step on data the loader did not yield), rows beyond the batch, or a chunk that splits a user.
+        """
+        from .users import group_by_user
+
+        rows = getattr(self._loader, "last_batch_rows", None)
+        if rows is None:
+            raise ValueError(
+                "privacy_unit='user': this optimizer groups each step's rows by user from the batch its "
+                "user-level data loader yielded last, and there is none (step on the batches of the loader "
+                "make_private returned, in order; a copy of the optimizer has no loader); nothing was released"
+            )
+        b = getattr(source, "batch_size", None)
+        if b is None:
+            raise ValueError("privacy_unit='user' needs a per-sample source that states its batch_size")
+        slots = rows.take(int(b)) if rows.slots.numel() else rows.slots
+        return group_by_user(source, slots)
 
     def _close_open_step(self) -> None:
         """Release the open logical step now, as its own charged release (:mod:`dpopt.release_boundary`).

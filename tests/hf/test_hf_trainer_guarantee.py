@@ -204,8 +204,8 @@ def test_declared_examples_and_classifiers_are_not_taken_as_packed(tmp_path):
     assert named.block_tokens == L and named.ledger.privacy_unit == f"block of {L} tokens"
     with pytest.raises(ValueError, match="privacy_unit"):
         DPTrainer(
-            model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="user"
-        )  # not a unit DPTrainer samples by (yet)
+            model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="person"
+        )  # not a unit (user-level DP: tests/hf/test_hf_user_level.py)
 
 
 # -- epoch counter and user log keys ----------------------------------------------------------

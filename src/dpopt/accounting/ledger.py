@@ -35,6 +35,8 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
 * ``privacy_unit`` (optional, written only when set) — what one protected unit
   is when it is not one example, e.g. ``"block of 16 tokens"`` (packed texts;
   DPTrainer). Absent: one example.
+* ``num_users`` (optional, written only when set) — user-level DP (``privacy_unit``
+  ``"user (at most k records each)"``): N_users, the number of users, treated as public like N.
 * ``delta`` (optional, written only when set) — the run's δ (public), so that
   ``dpopt ledger FILE`` scores at the run's δ without a summary beside it.
   Readers that do not know these keys ignore them (the version stays 2).
@@ -249,6 +251,7 @@ class PrivacyLedger:
         self.sampling = sampling
         self.privacy_unit: Optional[str] = None  # e.g. "block of 16 tokens" (packed texts); None: one example
         self.delta: Optional[float] = None  # the run's delta (public), read by `dpopt ledger`; None: not recorded
+        self.num_users: Optional[int] = None  # user-level DP: N_users (public, like N); None: not user-level
         self.noise = noise
         self.dataset_size = dataset_size
         self.run_id: Optional[str] = new_run_id() if run_id is None else _checked_run_id(run_id)
@@ -436,6 +439,8 @@ class PrivacyLedger:
             out["privacy_unit"] = str(self.privacy_unit)
         if self.delta is not None:
             out["delta"] = float(self.delta)
+        if self.num_users is not None:
+            out["num_users"] = int(self.num_users)
         return out
 
     def _read_run_statements(self, raw: dict) -> None:
@@ -444,6 +449,8 @@ class PrivacyLedger:
             self.privacy_unit = str(unit)
         if delta is not None:
             self.delta = float(delta)
+        if raw.get("num_users") is not None:
+            self.num_users = int(raw["num_users"])
 
     def open_journal(
         self, path: str | Path, *, flushed: Optional[int] = None, rewrite: bool = False, autoflush: bool = False

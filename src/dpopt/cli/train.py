@@ -268,6 +268,17 @@ def train_command(
         "constant", help="constant or cosine (decay to ~0 at the last step), after --warmup-steps"
     ),
     warmup_steps: int = typer.Option(0, help="linear lr warm-up over this many steps (lr·(s+1)/W)"),
+    user_ids: Optional[str] = typer.Option(
+        None,
+        "--user-ids",
+        help="FILE of one user id per training record (in the dataset's order): user-level DP — users are "
+        "Poisson-sampled (q = --batch-size / number of users, or --sample-rate), each brings at most "
+        "--max-records-per-user records, their mean gradient is clipped as ONE unit; ε is per user "
+        "(docs/privacy-unit.md)",
+    ),
+    max_records_per_user: int = typer.Option(
+        16, help="with --user-ids: k, the records a sampled user contributes at most (chosen at random)"
+    ),
     fsdp: bool = typer.Option(
         False,
         help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
@@ -358,6 +369,8 @@ def train_command(
         ema_decay=ema_decay,
         lr_schedule=lr_schedule,
         warmup_steps=warmup_steps,
+        user_ids=user_ids,
+        max_records_per_user=max_records_per_user,
     )
     if threads is not None:
         if threads < 1:

@@ -14,9 +14,10 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from ..users import user_cuts
 from ..utils.batch_memory_manager import _chunks
 
-__all__ = ["split_batch", "batch_size", "stand_in"]
+__all__ = ["split_batch", "split_by_user", "batch_size", "stand_in"]
 
 
 def batch_size(inputs: Mapping[str, Any]) -> int:
@@ -52,6 +53,28 @@ def split_batch(inputs: Mapping[str, Any], max_size: int) -> list[dict]:
         lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
         out.append({k: v[lo:hi] for k, v in inputs.items()})
     return out
+
+
+def split_by_user(inputs: Mapping[str, Any], slots: Tensor, max_size: int) -> list[dict]:
+    """``inputs`` cut along dim 0 between users only: consecutive whole users, ≤ ``max_size`` rows per
+    chunk unless one user alone has more (then that user is a chunk of its own).
+
+    Args:
+        inputs: a collated batch whose rows are grouped by user (:class:`dpopt.users.UserDPDataLoader`).
+        slots: int64 ``[rows]``, each row's user slot (non-decreasing).
+        max_size: the physical batch size ≥ 1.
+
+    Raises:
+        ValueError: ``slots`` of another length than the batch, ``max_size`` < 1 (and as :func:`batch_size`).
+    """
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    n = batch_size(inputs)
+    if n != int(slots.numel()):
+        raise ValueError("privacy_unit='user': the batch's rows do not match the user-level loader's last batch")
+    if n == 0:
+        return [dict(inputs)]
+    return [{k: v[a:b] for k, v in inputs.items()} for a, b in user_cuts(slots, max_size)]
 
 
 def stand_in(empty: Mapping[str, Tensor]) -> dict:

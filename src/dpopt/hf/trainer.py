@@ -42,6 +42,10 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   blocks, ``labels == input_ids``, no padding) are detected, or declared with
   ``privacy_unit=N``: the unit "block of N tokens" is warned about and
   recorded in the ledger header, the logs and the summary.
+  ``privacy_unit="user"`` (with ``user_column``) is user-level DP
+  (:mod:`dpopt.users`): users Poisson-sampled at q_user = 1/ceil(N_users/B̄), at
+  most ``max_records_per_user`` examples each, each user's mean gradient
+  clipped as one unit, chunks cut between users (docs/privacy-unit.md).
 * **Logs.** The Trainer's keys computed from the private batches
   (``loss``, ``grad_norm``, ``train_loss``, ``total_flos``, token counts:
   :data:`~dpopt.hf.guarantee.PRIVATE_LOG_KEYS`) are dropped; ``epsilon`` and
@@ -98,7 +102,8 @@ from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..privacy_engine import PrivacyEngine
-from .batches import batch_size, split_batch, stand_in
+from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
+from .batches import batch_size, split_batch, split_by_user, stand_in
 from .distributed import (
     check_launch,
     data_parallel_context,
@@ -124,6 +129,16 @@ LOGGED = (
 )
 LEDGER_FILE = "privacy_ledger.json"
 SUMMARY_FILE = "privacy_summary.json"
+
+
+class _DropColumn:
+    """A collator wrapper that drops one key (the user-id column) from every example before collating."""
+
+    def __init__(self, collator: Callable, column: str):
+        self.collator, self.column = collator, column
+
+    def __call__(self, features: list) -> Any:
+        return self.collator([{k: v for k, v in f.items() if k != self.column} for f in features])
 
 
 def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> list[str]:
@@ -257,9 +272,19 @@ class DPTrainer(Trainer):
             ``"record"`` (each example is one record: no detection),
             ``"block"`` (declared packing, N read from the dataset's blocks) or
             an int N (packed blocks of N tokens, declared). The names are the
-            privacy-unit vocabulary (record / user / block) of the docs. Packed: the unit is
+            privacy-unit vocabulary (record / user / block) of docs/privacy-unit.md. Packed: the unit is
             "block of N tokens", recorded in the ledger header, the logs
-            (``privacy_unit_tokens``) and the summary.
+            (``privacy_unit_tokens``) and the summary. ``"user"``: user-level DP
+            (:mod:`dpopt.users`): each example's ``user_column`` names its user; users are
+            Poisson-sampled at q_user = 1/ceil(N_users/B̄) (B̄ counts USERS then), each sampled
+            user brings at most ``max_records_per_user`` of its examples (chosen at random) and
+            the mean of their gradients is clipped to ``max_grad_norm`` as ONE unit; ε is per
+            user. Chunks never split a user. Pack texts within a user only (a block mixing
+            two users' texts is in both users' contributions: not checked).
+        user_column: with ``privacy_unit="user"``: the train dataset's column (key) of user ids
+            (default ``"user_id"``); it is dropped before collation.
+        max_records_per_user: with ``privacy_unit="user"``: k, the examples a sampled user brings
+            at most (public; default :data:`dpopt.users.DEFAULT_MAX_RECORDS_PER_USER`).
 
     Attributes:
         engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
@@ -292,6 +317,8 @@ class DPTrainer(Trainer):
         causal_lm: Optional[bool] = None,
         eval_is_public: bool = False,
         privacy_unit: Union[None, str, int] = None,
+        user_column: str = "user_id",
+        max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
         **kwargs: Any,
     ):
         if (noise_multiplier is None) == (target_epsilon is None):
@@ -306,14 +333,16 @@ class DPTrainer(Trainer):
         args = launched_args(args)  # torchrun on CPUs: accelerate joins the gloo group (use_cpu=True)
         max_grad_norm = resolve_max_grad_norm(args, max_grad_norm)  # never ignored (hf.guarantee)
         if not (
-            privacy_unit in (None, "record", "block")
+            privacy_unit in (None, "record", "block", "user")
             or (isinstance(privacy_unit, int) and not isinstance(privacy_unit, bool) and privacy_unit >= 1)
         ):
             raise ValueError(
-                f"privacy_unit must be None (detect), 'record', 'block' or a block length in tokens "
+                f"privacy_unit must be None (detect), 'record', 'user', 'block' or a block length in tokens "
                 f"(int >= 1), got {privacy_unit!r}"
             )
         self.privacy_unit = privacy_unit
+        self.user_column = str(user_column)
+        self.max_records_per_user = check_max_records(max_records_per_user)
         self.block_tokens: Optional[int] = None  # packed texts: the privacy unit is a block of this many tokens
         self._evaluating = False
         problems = _refusals(args, kwargs, eval_is_public)
@@ -376,15 +405,19 @@ class DPTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("DPTrainer: training requires a train_dataset")
         dataset, collator = self.train_dataset, self.data_collator
+        user_ids = self._user_ids(dataset) if self.privacy_unit == "user" else None  # before columns are dropped
+        if user_ids is not None:
+            collator = _DropColumn(collator, self.user_column)
         if type(dataset).__module__.startswith("datasets"):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        n = len(dataset)  # type: ignore[arg-type]
+        n = len(dataset) if user_ids is None else len(set(user_ids))  # type: ignore[arg-type]  # units: records or users
         if not 1 <= self.bbar <= n:
             raise ValueError(
                 f"the expected batch size B-bar = per_device_train_batch_size x "
                 f"gradient_accumulation_steps x world_size = {self.bbar} must be in [1, N = {n}]"
+                + (" (N counts users: privacy_unit='user')" if user_ids is not None else "")
             )
         if self.delta >= 1.0 / n:
             raise ValueError(
@@ -399,11 +432,12 @@ class DPTrainer(Trainer):
             collate_fn=collator,
             num_workers=self.args.dataloader_num_workers,
         )
-        q = 1.0 / len(base)
+        per_epoch = len(base) if user_ids is None else math.ceil(n / self.bbar)  # Opacus's rule, over units
+        q = 1.0 / per_epoch
         sigma = self._sigma
         if sigma is None:
             sigma = calibrate_noise_multiplier(
-                cast(float, self._target), self.delta, q, self._planned_steps(len(base)), str(self.engine.accountant)
+                cast(float, self._target), self.delta, q, self._planned_steps(per_epoch), str(self.engine.accountant)
             ).noise_multiplier
         optimizer, hparams = self._method, {}
         if isinstance(optimizer, str):
@@ -420,6 +454,7 @@ class DPTrainer(Trainer):
             max_grad_norm=self.max_grad_norm,
             loss_reduction="sum",
             distributed=self.ranks.enabled,  # shards at q, noise once (rank 0), one all-reduce per step
+            **self._unit_arguments(user_ids, q),
             **hparams,
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
@@ -430,11 +465,56 @@ class DPTrainer(Trainer):
         self.expected_batch_size = q * n
         return loader
 
+    # -- privacy_unit="user" (dpopt.users) ---------------------------------------------
+    def _user_ids(self, dataset: Any) -> list:
+        """The user id of every train example, read from :attr:`user_column` (a column or a key of each example).
+
+        Raises:
+            ValueError: an example without that column.
+        """
+        col = self.user_column
+        names = getattr(dataset, "column_names", None)
+        if names is not None:  # a datasets.Dataset: the whole column at once
+            if col not in names:
+                raise ValueError(f"privacy_unit='user': the train dataset has no column {col!r} (pass user_column=)")
+            return list(dataset[col])
+        out = []
+        for i in range(len(dataset)):
+            example = dataset[i]
+            if not isinstance(example, dict) or col not in example:
+                raise ValueError(
+                    f"privacy_unit='user': train example {i} has no {col!r} key; give each example its user id "
+                    "there, or name the key with user_column="
+                )
+            out.append(example[col])
+        return out
+
+    def _unit_arguments(self, user_ids: Optional[list], q: float) -> dict:
+        """make_private's privacy-unit arguments: none for records/blocks, the user-level ones for users."""
+        if user_ids is None:
+            return {}
+        return {
+            "privacy_unit": "user",
+            "user_ids": user_ids,
+            "max_records_per_user": self.max_records_per_user,
+            "sample_rate": q,
+        }
+
+    def _chunks(self, inputs: Any) -> list:
+        """The physical chunks of a Poisson batch: at most ``per_device_train_batch_size`` examples,
+        or (privacy_unit="user") whole users only (:func:`dpopt.hf.batches.split_by_user`)."""
+        if self.privacy_unit != "user":
+            return split_batch(inputs, self.per_device_batch)
+        rows = getattr(self._dp_loader, "last_batch_rows", None)
+        if rows is None:
+            raise RuntimeError("privacy_unit='user': the user-level loader's last batch is unknown")
+        return split_by_user(inputs, rows.slots, self.per_device_batch)
+
     def _declare_unit(self, dataset: Any) -> None:
         """The privacy unit: declared, or detected packing (warned); sets :attr:`block_tokens`."""
         import warnings
 
-        if self.privacy_unit == "record":
+        if self.privacy_unit in ("record", "user"):
             return
         if isinstance(self.privacy_unit, int):
             self.block_tokens = int(self.privacy_unit)
@@ -531,7 +611,7 @@ class DPTrainer(Trainer):
         opt = self._private
         opt.zero_grad()
         empty = batch_size(inputs) == 0
-        chunks = [stand_in(inputs)] if empty else split_batch(inputs, self.per_device_batch)
+        chunks = [stand_in(inputs)] if empty else self._chunks(inputs)
         for i, chunk in enumerate(chunks):
             with self.compute_loss_context_manager():
                 loss = self._losses(model, chunk)[0].sum()
@@ -599,7 +679,7 @@ class DPTrainer(Trainer):
         folder = run_dir / f"checkpoint-{self.state.global_step}"
         self.ledger.save(folder / LEDGER_FILE, compact=True)  # run-length form: O(groups), atomic
         summary = self.engine.summary(self.delta)
-        summary["privacy_unit"] = unit_text(self.block_tokens)
+        summary["privacy_unit"] = self.ledger.privacy_unit or unit_text(self.block_tokens)
         (folder / SUMMARY_FILE).write_text(jsonio.dumps(summary))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:

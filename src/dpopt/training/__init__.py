@@ -54,9 +54,9 @@ from typing import Callable, Optional, Union, cast
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..data import Dataset, load_dataset
-from ..distributed import DistributedContext, any_rank, check_replicas, poisson_sampler, setup
+from ..distributed import DistributedContext, any_rank, check_replicas, setup
 from ..sampling import PoissonSampler
-from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source
+from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source, run_sampler
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
 from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
 from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
@@ -127,7 +127,7 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
     run = build_run(cfg, data, stacklevel=4, dist=dist)
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
     # run.data: without the validation records (cfg.validation_fraction)
-    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    sampler = run_sampler(run, dist)
     return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
 
 
@@ -303,7 +303,7 @@ def resume(
     for entry in lost:  # released after the checkpoint by a run that was killed: still charged
         opt.privatizer.reads += int(entry.meta.get("reads", 0))
         opt.privatizer.releases += int(entry.meta.get("releases", 0))
-    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    sampler = run_sampler(run, dist)
     sampler.load_state_dict(ckpt["sampler"])  # the position; the shared stream's state if reproducible
     load_rng_state(ckpt["rng"])
     state = LoopState.from_state(ckpt["loop"])

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from ..accounting.calibration import CalibrationResult, calibrate_noise_multipli
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
 from ..data import Dataset, split_validation
-from ..distributed import DistributedContext, attach, broadcast_parameters
+from ..distributed import DistributedContext, attach, broadcast_parameters, poisson_sampler
 from ..errors import ConfigError
 from ..lr_schedules import check_schedule
 from ..methods import build_optimizer, get_method
@@ -35,7 +36,16 @@ from ..optim import DPOptimizer
 from ..privatizer import QuantileClipping
 from .config import TrainConfig, planned_steps, resolve_device, validate_config
 
-__all__ = ["Run", "build_run", "layer_groups", "privacy_options", "noise_source", "REPRODUCIBLE_NOISE_WARNING"]
+__all__ = [
+    "Run",
+    "build_run",
+    "run_sampler",
+    "read_user_ids",
+    "layer_groups",
+    "privacy_options",
+    "noise_source",
+    "REPRODUCIBLE_NOISE_WARNING",
+]
 
 REPRODUCIBLE_NOISE_WARNING = (
     "reproducible_noise: the Gaussian noise and Poisson masks are seeded from the "
@@ -69,6 +79,8 @@ class Run:
         dist: the data-parallel context (:mod:`dpopt.distributed`; one process by default).
         averager: with ``cfg.ema_decay``, the :class:`~dpopt.averaging.ParameterAverager` (EMA with
             warm-up) of the released parameters, updated after every step; else None.
+        users: with ``cfg.user_ids`` (user-level DP), the records of each user; q is then a rate of users
+            (``batch_size`` / N_users, N_users public and in the ledger header) and B̄ counts users.
     """
 
     cfg: TrainConfig
@@ -87,6 +99,8 @@ class Run:
     device: torch.device = torch.device("cpu")
     dist: DistributedContext = DistributedContext()
     averager: Optional[ParameterAverager] = None  # cfg.ema_decay: EMA of the released parameters (docs/recipe.md)
+    users: Optional[list] = None  # cfg.user_ids: the records of each user (private membership; dpopt.users)
+    user_keys: Optional[list] = None  # cfg.user_ids: each user's id as text (keys the record choice)
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -215,7 +229,14 @@ def build_run(
     model = _starting_model(cfg, model_name)
     check_model(model)
     model.to(device)  # initialised on the CPU from the seed: the same initial parameters on every device
-    sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / data.n_train
+    keys, users = (None, None) if cfg.user_ids is None else read_user_ids(cfg.user_ids, data.n_train, dist)
+    units = data.n_train if users is None else len(users)  # records, or users (user-level DP)
+    if users is not None and cfg.sample_rate is None and cfg.batch_size > units:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} (expected users per step) exceeds the {units} users; use at most {units}",
+            "batch_size",
+        )
+    sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / units
     steps = planned_steps(cfg.epochs, sample_rate)  # refuses epochs that round to no step
     try:
         check_schedule(cfg.lr_schedule, cfg.warmup_steps, steps)
@@ -236,6 +257,11 @@ def build_run(
         _, user_hp = split_gamma(user_hp, spec.defaults)
     hp = spec.hparams(cfg.dataset, **dict(user_hp, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
+    if users is not None:
+        from ..users import user_unit_text
+
+        ledger.privacy_unit, ledger.num_users = user_unit_text(cfg.max_records_per_user), len(users)
+        privacy_facts.update(privacy_unit="user", max_records_per_user=cfg.max_records_per_user, num_users=len(users))
     opt = build_optimizer(
         spec,
         [p for p in model.parameters() if p.requires_grad],
@@ -268,4 +294,39 @@ def build_run(
         device=device,
         dist=dist,
         averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay),
+        users=users,
+        user_keys=keys,
     )
+
+
+def run_sampler(run: Run, dist: DistributedContext) -> Any:
+    """The run's batch sampler: Poisson over records (this rank's shard under data parallel), or over users
+    (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner)."""
+    if run.users is None:
+        return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    from ..users import UserPoissonBatchSampler
+
+    return UserPoissonBatchSampler(
+        run.users, run.sample_rate, run.steps, run.cfg.max_records_per_user, noise=run.noise, keys=run.user_keys
+    )
+
+
+def read_user_ids(path: str, n_train: int, dist: Optional[DistributedContext]) -> tuple[list[str], list[list[int]]]:
+    """(each user's key, the records of each user) (:func:`dpopt.users.group_users`) from ``path``: one user
+    id per line, one line per training record in the dataset's order (blank lines are not skipped).
+
+    Raises:
+        ConfigError: an unreadable file, a line count that is not N, or data-parallel training.
+    """
+    from ..users import group_users
+
+    if dist is not None and dist.enabled:
+        raise ConfigError("user_ids (user-level DP) is not supported with data-parallel training yet", "user_ids")
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read user_ids {path}: {exc.strerror or exc}", "user_ids") from None
+    try:
+        return group_users([line.strip() for line in lines], n_train)
+    except ValueError as err:
+        raise ConfigError(f"user_ids {path}: {err}", "user_ids") from None

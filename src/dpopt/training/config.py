@@ -99,6 +99,11 @@ class TrainConfig:
     ema_decay: Optional[float] = None
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    # user-level DP (dpopt.users; docs/privacy-unit.md): a text file of one user id per training record (in the
+    # dataset's order); users are Poisson-sampled at q = batch_size / N_users (or sample_rate), each brings at most
+    # max_records_per_user records (chosen at random), and their mean gradient is clipped as one unit
+    user_ids: Optional[str] = None
+    max_records_per_user: int = 16
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -168,6 +173,27 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
     if cfg.lora_rank is not None and not (isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 1):
         raise ConfigError(f"lora_rank must be an integer >= 1, got {cfg.lora_rank!r}", "lora_rank")
     _validate_recipe(cfg)
+    _validate_user_level(cfg)
+
+
+def _validate_user_level(cfg: TrainConfig) -> None:
+    """user_ids and what user-level DP cannot be combined with (dpopt.users)."""
+    k = cfg.max_records_per_user
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"max_records_per_user must be an integer >= 1, got {k!r}", "max_records_per_user")
+    if cfg.user_ids is None:
+        return
+    if cfg.validation_fraction:
+        raise ConfigError(
+            "user_ids with validation_fraction > 0: the held-out records would cut users in two; hold out "
+            "whole users yourself, or use validation_fraction 0",
+            "user_ids",
+            "validation_fraction",
+        )
+    if cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"):
+        raise ConfigError(
+            "user_ids (user-level DP) is not supported with augmentation", "user_ids", "augmentation_multiplicity"
+        )
 
 
 def _validate_recipe(cfg: TrainConfig) -> None:

@@ -19,6 +19,7 @@ ledger before anything that depends on a release.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -28,11 +29,12 @@ from torch import nn
 
 from ..accounting.incremental import EpsilonTracker
 from ..augment import ViewBatches
-from ..distributed import any_rank
+from ..distributed import DistributedContext, any_rank
 from ..engine import iter_per_sample_sources
 from ..lr_schedules import apply_lr
 from ..sampling import PoissonSampler
-from .build import Run
+from ..users import user_sources
+from .build import Run, run_sampler
 from .config import epoch_end_step
 from .signals import StopRequest
 
@@ -148,7 +150,7 @@ def run_steps(
     steps, sample_rate = run.steps, run.sample_rate
     state = state or LoopState()
     tracker = tracker or EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
-    sampler = sampler or PoissonSampler(data.n_train, sample_rate, steps, noise=run.noise)
+    sampler = sampler or run_sampler(run, DistributedContext())
     every = cfg.checkpoint_every
     loss = float("nan")
     last = state.metrics[-1] if state.metrics else {}
@@ -204,14 +206,25 @@ def run_steps(
                 break
             if scheduled:  # lr of this update from its (public) index: post-processing
                 apply_lr(opt, state.step, steps, cfg.lr_schedule, cfg.warmup_steps)
-            idx = sampler.sample()
+            drawn = sampler.sample()
+            idx, owners = drawn if isinstance(drawn, tuple) else (drawn, None)  # owners: user-level DP only
             x, y = data.x_train[idx].to(run.device), data.y_train[idx].to(run.device)
             step_model, step_loss, views_kw = model, _loss, {}
             if views is not None:  # K views per example (their mean gradient is clipped), docs/recipe.md
                 step_model, step_loss, x, y, views_kw = views.batch(x, y, state.step)
-            sources = iter_per_sample_sources(
-                step_model, step_loss, x, y, cfg.physical_batch_size, opt.evaluation_points(), **views_kw
-            )
+            points = opt.evaluation_points()
+            if owners is not None:  # each user's records averaged, then clipped as one unit (dpopt.users)
+                sources = user_sources(
+                    functools.partial(iter_per_sample_sources, model, _loss, points=points),
+                    x,
+                    y,
+                    owners,
+                    cfg.physical_batch_size,
+                )
+            else:
+                sources = iter_per_sample_sources(
+                    step_model, step_loss, x, y, cfg.physical_batch_size, points, **views_kw
+                )
             opt.step(sources)
             if run.averager is not None:
                 run.averager.update()  # reads the released parameters only

@@ -141,7 +141,16 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
     Keeps ``collate_fn`` (dpopt's handles empty batches), ``num_workers``,
     ``pin_memory``, ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
     ``generator``, ``prefetch_factor`` and ``persistent_workers``.
+
+    Raises:
+        ValueError: an optimizer of ``privacy_unit="user"`` (chunks would split users).
     """
+    if getattr(optimizer, "_user_level", False):
+        raise ValueError(
+            "BatchMemoryManager with privacy_unit='user' is not supported: its chunks would cut users in two "
+            "(each user must be clipped as one unit). Step once per batch of the loader make_private returned, "
+            "or train with DPTrainer, whose chunks end between users"
+        )
     keep = loader_settings(data_loader, generator=True)
     splitter = BatchSplittingSampler(
         sampler=data_loader.batch_sampler, max_batch_size=max_batch_size, optimizer=optimizer
