@@ -159,3 +159,47 @@ if __name__ == "__main__":
     from dpopt.cli import main
 
     main()
+
+
+def read_only(monkeypatch, directory: Path) -> None:
+    """Make ``directory`` read-only: writes under it fail with ``EROFS`` (a read-only file system) through
+    ``open``, ``os.open``, ``os.mkdir`` and ``os.replace`` (simulated: ``chmod`` does not bind root, who
+    runs the tests in some CI containers)."""
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def inside(path) -> bool:
+        try:
+            return Path(os.path.abspath(path)).resolve().is_relative_to(directory)
+        except (TypeError, ValueError):
+            return False
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    real_open, real_os_open, real_mkdir, real_replace = builtins.open, os.open, os.mkdir, os.replace
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+") and inside(file):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and inside(path):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        if inside(path) and not os.path.isdir(path):
+            refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def fake_replace(src, dst, *args, **kwargs):
+        if inside(dst):
+            refuse(dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    monkeypatch.setattr(os, "replace", fake_replace)

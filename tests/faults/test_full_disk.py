@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import STEPS, TRAIN, assert_no_tmp, assert_one_line_error, assert_whole_run, invoke
 from inject import full_disk
 
+from conftest import TRAIN, assert_no_tmp, assert_one_line_error, assert_whole_run, invoke
 from dpopt.accounting.ledger import PrivacyLedger
 from dpopt.training.checkpoint import load_checkpoint
 

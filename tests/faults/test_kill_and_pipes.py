@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import STEPS, TRAIN, assert_whole_run, invoke
 
+from conftest import STEPS, TRAIN, assert_whole_run, invoke
 from dpopt.training.checkpoint import load_checkpoint
 
 INJECT = Path(__file__).parent / "inject.py"
