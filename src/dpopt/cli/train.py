@@ -293,7 +293,10 @@ def train_command(
     summary written; exit code 130 or 143); `dpopt train --resume RUN_DIR` continues the run.
 
     Exit code 3: the run finished and every file is written, but its ledger check FAILED (σ = 0, an empty
-    ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input.
+    ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input
+    (also an output path that cannot be written). 4: the disk refused a write (full): files written before
+    are unchanged; free space and continue with --resume. A damaged ledger.jsonl line: --resume RUN_DIR
+    --repair-journal.
     """
     import signal as _signal
 
