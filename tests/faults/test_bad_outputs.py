@@ -62,11 +62,16 @@ def test_resume_into_a_read_only_run_changes_nothing(run, monkeypatch):
     assert digest(run) == before
 
 
-def test_report_diagnose_audit_split_into_a_read_only_directory(tmp_path, monkeypatch):
+def test_report_diagnose_audit_sweep_split_into_a_read_only_directory(tmp_path, monkeypatch):
     results = tmp_path / "results.jsonl"
     results.write_text(
         json.dumps({"method": "dp-sgd", "label": "a", "noise_multiplier": 1.0, "test_accuracy": 0.5, "epsilon": 1.0})
         + "\n"
+    )
+    sweep = tmp_path / "tiny.toml"
+    sweep.write_text(
+        '[sweep]\nname = "tiny"\n[base]\ndataset = "digits"\nepochs = 0.5\n[grid]\nseed = [0]\n'
+        '[[variant]]\nmethod = ["dp-sgd"]\n'
     )
     ro = tmp_path / "ro"
     read_only(monkeypatch, ro)
@@ -75,6 +80,7 @@ def test_report_diagnose_audit_split_into_a_read_only_directory(tmp_path, monkey
         ["report", str(results), "--out", str(ro)],
         ["diagnose", "--noise-multiplier", "1", "--out", str(ro / "diag")],
         ["audit", "--one-run", "--canaries", "10", "--epochs", "1", "--report", str(ro / "audit")],
+        ["sweep", str(sweep), "--out", str(ro / "sweep")],
         [
             "split",
             "--target-epsilon",
