@@ -7,7 +7,8 @@
   replaces is replaced atomically, so nothing written before is changed; free space and run the
   command again (``dpopt train --resume RUN_DIR`` continues a run).
 * :class:`PipeSafe` — a console stream that ignores a closed reader (``dpopt train 2>&1 | head -1``):
-  the first ``BrokenPipeError`` silences the stream and the command goes on writing its files.
+  the first ``BrokenPipeError`` silences the stream and the command goes on writing its files
+  (``dpopt train``). Other commands whose reader goes away stop quietly (click's exit 1, no traceback).
 * :func:`clean_warnings` — Python warnings shown as one ``warning: ...`` line (no source line).
 
 Nothing here imports torch or rich.
@@ -20,7 +21,7 @@ import errno
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterator, TextIO, cast
+from typing import Any, Callable, Iterator, Optional, TextIO, cast
 
 __all__ = [
     "EXIT_DISK",
@@ -71,22 +72,28 @@ class PipeSafe:
     """A text stream that stops writing, without an error, once its reader has gone (``EPIPE``).
 
     Args:
-        stream: the stream to write to (``sys.stdout``/``sys.stderr``).
+        stream: the stream to write to (``sys.stdout``/``sys.stderr``; None when the process was
+            started with it closed: every write is dropped).
 
     ``closed_reader`` is True after the first broken pipe; later writes are dropped. Other errors
     pass through. Usable as the ``file`` of a rich ``Console``.
     """
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: Optional[TextIO]):
         self.stream = stream
         self.closed_reader = False
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         if self.closed_reader:
             return None
+        if self.stream is None:  # started with the stream closed (`dpopt train >&-`)
+            self.closed_reader = True
+            return None
         try:
             return fn()
         except (BrokenPipeError, ConnectionResetError):
+            self.closed_reader = True
+        except ValueError:  # "I/O operation on closed file"
             self.closed_reader = True
         except OSError as exc:  # EPIPE raised as a plain OSError by some streams
             if exc.errno != errno.EPIPE:
@@ -95,16 +102,23 @@ class PipeSafe:
         return None
 
     def write(self, text: str) -> int:
-        self._guard(lambda: self.stream.write(text))
+        self._guard(lambda: self.stream.write(text))  # type: ignore[union-attr]  # None: dropped by _guard
         return len(text)
 
     def flush(self) -> None:
-        self._guard(self.stream.flush)
+        self._guard(lambda: self.stream.flush())  # type: ignore[union-attr]  # None: dropped by _guard
 
     def isatty(self) -> bool:
-        return not self.closed_reader and bool(getattr(self.stream, "isatty", lambda: False)())
+        if self.closed_reader or self.stream is None:
+            return False
+        try:
+            return bool(self.stream.isatty())
+        except ValueError:  # closed
+            return False
 
     def fileno(self) -> int:
+        if self.stream is None:
+            raise OSError(errno.EBADF, "the stream is closed")
         return self.stream.fileno()
 
     @property
@@ -115,7 +129,7 @@ class PipeSafe:
         return getattr(self.stream, name)
 
 
-def pipe_safe(stream: TextIO) -> TextIO:
+def pipe_safe(stream: Optional[TextIO]) -> TextIO:
     """``stream`` wrapped in a :class:`PipeSafe` (typed as a text stream, e.g. for a rich ``Console``)."""
     return cast(TextIO, PipeSafe(stream))
 
@@ -123,6 +137,8 @@ def pipe_safe(stream: TextIO) -> TextIO:
 def silence_closed_stdout() -> None:
     """At exit: if stdout's reader has gone, point stdout at ``/dev/null`` so the interpreter's last flush
     does not print ``Exception ignored ... BrokenPipeError`` (the recipe of Python's ``signal`` docs)."""
+    if sys.stdout is None:  # started with stdout closed: nothing to flush
+        return
     try:
         sys.stdout.flush()
     except (BrokenPipeError, ValueError):
