@@ -97,6 +97,7 @@ from typing import Any, Iterator, Optional, Union
 
 from dp_accounting import dp_event
 
+from ..atomic import append_whole, atomic_write
 from .events import NEIGHBOURING, event_from_dict, event_to_dict
 
 __all__ = [
@@ -109,6 +110,7 @@ __all__ = [
     "DATASET_SIZE_MODES",
     "JOURNAL_VERSION",
     "JOURNAL_NAME",
+    "JournalDamaged",
     "new_run_id",
     "longest_record",
 ]
@@ -127,6 +129,25 @@ NOISE_MODES = ("secret", "secure", "reproducible")
 #: Statements about the dataset size N.
 DATASET_SIZE_MODES = ("public", "unused")
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class JournalDamaged(ValueError):
+    """A line of a ledger journal before its last cannot be read (not JSON, or not an entry).
+
+    Attributes:
+        path: the journal; line: the 1-based number of the first damaged line.
+
+    :func:`dpopt.accounting.journal_repair.repair_journal` rewrites such a journal from its readable
+    lines, charging every release a damaged line may have held.
+    """
+
+    def __init__(self, path: Union[str, Path], line: int):
+        self.path, self.line = Path(path), int(line)
+        super().__init__(
+            f"{path}, line {line}: not a readable ledger entry (a damaged ledger journal). The readable lines can "
+            "be kept and every release a damaged line may have held charged: resume with repair_journal=True "
+            "(dpopt train --resume RUN_DIR --repair-journal)"
+        )
 
 
 def new_run_id() -> str:
@@ -478,8 +499,13 @@ class PrivacyLedger:
             tmp = path.with_name(path.name + ".tmp")
             tmp.unlink(missing_ok=True)
             self._journal, self._flushed, self._journal_header = tmp, 0, None
-            self.flush()
-            os.replace(tmp, path)
+            try:
+                self.flush()
+                os.replace(tmp, path)
+            except BaseException:  # the old journal stays as it was; no temporary file is left
+                self._journal, self._flushed = None, 0
+                tmp.unlink(missing_ok=True)
+                raise
             self._journal = path
             return path
         exists = path.exists() and path.stat().st_size > 0
@@ -518,12 +544,7 @@ class PrivacyLedger:
         lines.extend(json.dumps(e.to_dict(), allow_nan=False) for e in new)
         if not lines and not (sync and self._unsynced):
             return 0
-        with open(self._journal, "a") as fh:
-            if lines:
-                fh.write("\n".join(lines) + "\n")
-            fh.flush()
-            if sync:
-                os.fsync(fh.fileno())
+        append_whole(self._journal, ("\n".join(lines) + "\n").encode() if lines else b"", sync)
         self._unsynced = not sync
         self._journal_header = self.header()
         self._flushed = self._n
@@ -559,7 +580,9 @@ class PrivacyLedger:
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError:
-                raise ValueError(f"{path}, line {number}: not JSON (a damaged ledger journal)") from None
+                raise JournalDamaged(path, number) from None
+            if not isinstance(raw, dict):
+                raise JournalDamaged(path, number)
             if "format" in raw:
                 if raw.get("format") != "dpopt-ledger-journal" or raw.get("version") != JOURNAL_VERSION:
                     raise ValueError(f"{path}, line {number}: not a dpopt ledger journal of version {JOURNAL_VERSION}")
@@ -574,7 +597,10 @@ class PrivacyLedger:
             elif ledger is None:
                 raise ValueError(f"{path}: the ledger journal does not start with its header")
             else:
-                ledger._append_raw(raw, 1)
+                try:
+                    ledger._append_raw(raw, 1)
+                except (KeyError, TypeError, ValueError):
+                    raise JournalDamaged(path, number) from None
         if ledger is None:
             raise ValueError(f"{path}: an empty ledger journal")
         if reproducible:
@@ -639,13 +665,8 @@ class PrivacyLedger:
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(self.state_dict() if compact else self.to_dict(), allow_nan=False))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        return path
+        text = json.dumps(self.state_dict() if compact else self.to_dict(), allow_nan=False)
+        return atomic_write(path, lambda fh: fh.write(text))
 
     @classmethod
     def from_dict(cls, data: dict) -> "PrivacyLedger":

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_savefig, atomic_write_text
+
 __all__ = ["write_report", "report_markdown", "REPORT_NAME", "PLOT_NAME"]
 
 REPORT_NAME = "one-run-audit.md"
@@ -94,7 +96,7 @@ def write_report(result, directory) -> tuple[Path, Path]:
     ax2.set_ylabel(f"ε at δ = {result.delta:g}")
     ax2.set_title(f"{result.verdict} at confidence {1 - result.beta:.3g}")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    atomic_savefig(fig, png, dpi=110)
     plt.close(fig)
-    md.write_text(report_markdown(result, png.name), encoding="utf-8")
+    atomic_write_text(md, report_markdown(result, png.name))
     return md, png

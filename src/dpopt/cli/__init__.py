@@ -31,6 +31,7 @@ import typer  # importing dpopt (the package) sets OMP_WAIT_POLICY=PASSIVE befor
 
 from . import accounting, audit, diagnose, split, sweep, train
 from .common import tidy_help
+from .faults import silence_closed_stdout
 
 __all__ = ["app", "main"]
 
@@ -80,6 +81,7 @@ def main() -> None:  # pragma: no cover - console entry point
         code = 0
     except SystemExit as exc:
         code = exc.code  # type: ignore[assignment]
+    silence_closed_stdout()  # a reader that went away (`| head -1`): no "Exception ignored" at exit
     if "torch.distributed" not in sys.modules:  # no process group possible (dpopt --help, accounting commands)
         sys.exit(code)
     from ..distributed import leave

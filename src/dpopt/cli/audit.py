@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from ..atomic import check_writable_dir
 from ..jsonio import dumps
 from .common import cli_errors, delta_option, fail, flags_for, json_option
 
@@ -175,6 +176,8 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
     if not (0.0 < delta < 1.0):
         fail(f"--delta must be in (0, 1), got {delta}")
     with cli_errors(ONE_RUN_FLAGS):
+        if report is not None:  # an unwritable --report is refused before the audit runs
+            check_writable_dir(report)
         from ..auditing import one_run
         from ..training import TrainConfig
 
@@ -184,7 +187,8 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
     if report is not None:
         from ..auditing.one_run_report import write_report
 
-        paths = [str(p) for p in write_report(result, report)]
+        with cli_errors(ONE_RUN_FLAGS):
+            paths = [str(p) for p in write_report(result, report)]
     if json_out:
         doc = result.to_dict()
         if paths:

@@ -11,6 +11,8 @@ Exit codes (the same for every command):
   traceback (:func:`fail`; library ``ValueError`` — including
   :class:`dpopt.errors.ConfigError` and ``dpopt.data.DataError`` — and
   ``FileNotFoundError``, plus accountant failures in the accounting commands);
+* ``4`` — the disk refused a write (full, quota, I/O error): one ``error:`` line; every file is
+  replaced atomically, so nothing written before is changed (:mod:`dpopt.cli.faults`);
 * ``130`` — interrupted (Ctrl-C): ``error: <what was interrupted>``.
 
 The library names its *arguments* (``batch_size``); a command names its
@@ -151,7 +153,9 @@ def cli_errors(
         interrupted: the message for a bare Ctrl-C (an interrupt without a message).
         after_interrupt: appended to an interrupt's own message (e.g. ``"; nothing was trained"``).
 
-    ``typer.Exit`` passes through unchanged (a command's own exit code).
+    ``typer.Exit`` passes through unchanged (a command's own exit code). Any other ``OSError`` is one
+    ``error:`` line too (:func:`dpopt.cli.faults.os_failure`: exit 2 for a path that cannot be
+    used, 4 for a disk that refused a write).
     """
     try:
         yield
@@ -161,6 +165,10 @@ def cli_errors(
         fail(cli_message(exc, flags) + after_interrupt if str(exc) else interrupted, EXIT_INTERRUPTED)
     except errors as exc:
         fail(cli_message(exc, flags))
+    except OSError as exc:  # a path that cannot be written (exit 2) or a disk that refused a write (exit 4)
+        from .faults import os_failure
+
+        fail(*os_failure(exc))
 
 
 # --------------------------------------------------------------------------- shared options

@@ -23,6 +23,7 @@ from typing import Optional
 
 import typer
 
+from ..atomic import atomic_write_text, check_writable_dir
 from ..jsonio import dumps, loads
 from .common import accountant_option, cli_errors, delta_option, fail, flags_for
 
@@ -151,6 +152,7 @@ def diagnose(
         )
     start = time.perf_counter()
     with cli_errors(DIAGNOSE_FLAGS):
+        check_writable_dir(out)  # refused now, not after the diagnostics ran
         import torch
         from torch import nn
 
@@ -223,9 +225,9 @@ def diagnose(
         header = f"{MD_HEADING}\n\n**{NON_PRIVATE_NOTICE}**\n\n{setting}\n\n"
         tables = {"recovery.md": recovery_table(diag), "snr.md": snr_table(diag), "cosines.md": cosine_table(diag)}
         for name, text in tables.items():
-            (out_dir / name).write_text(header + text + "\n")
+            atomic_write_text(out_dir / name, header + text + "\n")
         doc = dict(diag.to_dict(), setting=setting, model=model_name, dataset=dataset, checkpoint=checkpoint)
-        (out_dir / "diagnostics.json").write_text(dumps(doc, indent=1, default=str))
+        atomic_write_text(out_dir / "diagnostics.json", dumps(doc, indent=1, default=str))
         pick = (
             next((lay for lay in diag.layers if lay.name == layer), None)
             if layer

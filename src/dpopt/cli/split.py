@@ -19,6 +19,7 @@ from typing import Optional, cast
 
 import typer
 
+from ..atomic import check_writable_dir
 from ..jsonio import dumps
 from .common import ACCOUNTING_ERRORS, accountant_option, cli_errors, delta_option, fail, flags_for, json_option
 
@@ -78,6 +79,8 @@ def split(
 
     sizes = _numbers(batch_sizes, "--batch-sizes")
     grid = _numbers(epsilon_grid, "--epsilon-grid")
+    with cli_errors(SPLIT_FLAGS):  # an unwritable --out is refused before the calibrations run
+        check_writable_dir(out)
     with cli_errors(SPLIT_FLAGS, errors=ACCOUNTING_ERRORS, interrupted="split interrupted; nothing was written"):
         table = split_table(
             target_epsilon,

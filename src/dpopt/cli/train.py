@@ -26,6 +26,7 @@ from .common import (
     json_option,
     status_progress,
 )
+from .faults import clean_warnings, pipe_safe
 
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 
@@ -287,7 +288,13 @@ def train_command(
     resume: Optional[str] = typer.Option(
         None,
         help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
-        "(only --device, --threads and --json may be given with it)",
+        "(only --device, --threads, --repair-journal and --json may be given with it)",
+    ),
+    repair_journal: bool = typer.Option(
+        False,
+        "--repair-journal",
+        help="with --resume: if lines of the run's ledger.jsonl are damaged, keep its readable lines and charge "
+        "every release a damaged line may have held (the original is kept as ledger.jsonl.damaged)",
     ),
     json_out: bool = json_option("print the summary as one JSON object (last line)"),
 ) -> None:
@@ -297,7 +304,10 @@ def train_command(
     summary written; exit code 130 or 143); `dpopt train --resume RUN_DIR` continues the run.
 
     Exit code 3: the run finished and every file is written, but its ledger check FAILED (σ = 0, an empty
-    ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input.
+    ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input
+    (also an output path that cannot be written). 4: the disk refused a write (full): files written before
+    are unchanged; free space and continue with --resume. A damaged ledger.jsonl line: --resume RUN_DIR
+    --repair-journal.
     """
     import signal as _signal
 
@@ -306,9 +316,11 @@ def train_command(
     from ..training import LOSS_EVERY, TrainConfig, train
 
     if resume is not None:
-        given = _typed_flags(ctx, allowed={"resume", "device", "threads", "json_out"})
+        given = _typed_flags(ctx, allowed={"resume", "device", "threads", "json_out", "repair_journal"})
         if given:
             fail(f"--resume continues with the run's saved configuration; do not give {', '.join(sorted(given))}")
+    elif repair_journal:
+        fail("--repair-journal goes with --resume RUN_DIR (it repairs the journal of the run to continue)")
     hparams = {k: v for k, v in {"h1": h1, "h2": h2, "variance_update": variance_update}.items() if v is not None}
     try:
         extra = _parse_hp(hp)
@@ -385,10 +397,12 @@ def train_command(
 
     # data parallel under torchrun (dpopt.distributed): rank 0 alone prints; the library writes files on rank 0
     quiet = int(os.environ.get("RANK", "0")) != 0
-    console = Console(stderr=True, quiet=quiet)
+    # a reader that goes away (`dpopt train 2>&1 | head -1`) silences the console, never the run
+    err, std = pipe_safe(sys.stderr), pipe_safe(sys.stdout)
+    console = Console(file=err, quiet=quiet)
     terminal = console.is_terminal and not quiet
     if not terminal:  # piped: no hard wrapping at 80 columns (paths stay on one line)
-        console = Console(stderr=True, width=10_000, soft_wrap=True, quiet=quiet)
+        console = Console(file=err, width=10_000, soft_wrap=True, quiet=quiet)
     # public values only: ε spent and the last test-set metrics; the private batch loss only if asked for.
     # The status goes on its own wrapped line under the bar (in the bar's row it was cut at 80 columns).
     progress = status_progress(console, disable=not terminal)
@@ -426,8 +440,9 @@ def train_command(
             f"--seed {seed}; anyone who knows it can replay them, so this run has NO privacy "
             "guarantee (research reruns only). `dpopt check` will fail its ledger."
         )
+    had_summary = resume is not None and os.path.exists(os.path.join(resume, "summary.json"))
     with cli_errors(train_flags(), interrupted="training interrupted", after_interrupt="; nothing was trained"):
-        with progress, warnings.catch_warnings():
+        with progress, clean_warnings(lambda line: console.print(line, markup=False)):
             warnings.filterwarnings("ignore", message="reproducible_noise", category=UserWarning)
             warnings.filterwarnings(
                 "ignore", message=".* is already complete .*nothing to resume", category=UserWarning
@@ -435,7 +450,9 @@ def train_command(
             if resume is not None:
                 from ..training import resume as resume_run
 
-                summary = resume_run(resume, on_step=on_step, device=None if device == "cpu" else device)
+                summary = resume_run(
+                    resume, on_step=on_step, device=None if device == "cpu" else device, repair_journal=repair_journal
+                )
             elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
                 from ..fsdp_train import train_fsdp
 
@@ -444,11 +461,13 @@ def train_command(
                 summary = train(cfg, on_step=on_step)
     if summary.get("rank", 0) != 0:  # another rank of a data-parallel run: rank 0 reports
         return
-    out_console = Console() if Console().is_terminal else Console(width=10_000, soft_wrap=True)
+    out_console = Console(file=std)
+    if not out_console.is_terminal:
+        out_console = Console(file=std, width=10_000, soft_wrap=True)
     if resume is not None and not trained[0] and summary.get("status", "completed") == "completed":
+        done = "its files are unchanged" if had_summary else "its final files (summary.json, ...) are written now"
         console.print(
-            f"note: {resume} is already complete ({summary['steps']} steps); nothing was trained, "
-            "its files are unchanged",
+            f"note: {resume} is already complete ({summary['steps']} steps); nothing was trained, {done}",
             markup=False,
         )
     out_console.print(
@@ -497,14 +516,14 @@ def train_command(
             "step would exceed it)"
         )
     if json_out:
-        sys.stdout.write(dumps(summary) + "\n")
+        std.write(dumps(summary) + "\n")
+        std.flush()
     if status == "interrupted":  # not finished: the check runs again when the resumed run completes
         raise typer.Exit(128 + (_signal.SIGTERM if summary.get("stop_signal") == "SIGTERM" else _signal.SIGINT))
     if summary.get("check", "pass") != "pass":
-        typer.echo(
+        err.write(
             f"error: the run's ledger check failed ({summary['check']}): its ε is not a privacy guarantee; "
-            f"see {summary['run_dir']}/check.txt (exit code {EXIT_CHECK_FAILED})",
-            err=True,
+            f"see {summary['run_dir']}/check.txt (exit code {EXIT_CHECK_FAILED})\n"
         )
         raise typer.Exit(EXIT_CHECK_FAILED)
 

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..atomic import atomic_savefig
 from .model import LayerReport, ModelDiagnostics
 from .spectral import noise_edge, noise_std, predicted_cosines
 
@@ -112,7 +113,7 @@ def plot_spectrum(diag: ModelDiagnostics, layer: LayerReport, path: Path, seed: 
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -158,7 +159,7 @@ def plot_recovery(
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 

@@ -21,6 +21,7 @@ sets one).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import statistics
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
+from ..atomic import atomic_savefig, atomic_write_text
 from ..errors import ConfigError
 from ..jsonio import loads
 from .sweep import read_results
@@ -170,27 +172,26 @@ def format_markdown(table: Table) -> str:
 
 def write_csv(table: Table, path: Union[str, Path]) -> None:
     """One line per cell: row, column, mean, std, n, ε of the column, best."""
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(
-            [table.rows_key, table.cols_key, f"{table.metric}_mean", f"{table.metric}_std", "n", "epsilon", "best"]
-        )
-        for r in table.rows:
-            for c in table.cols:
-                cell = table.cells.get((r, c))
-                if cell is None:
-                    continue
-                w.writerow(
-                    [
-                        r,
-                        c,
-                        repr(cell.mean),
-                        repr(cell.std),
-                        cell.n,
-                        repr(table.epsilon.get(c, "")),
-                        int(table.best(c) == r),
-                    ]
-                )
+    fh = io.StringIO(newline="")
+    w = csv.writer(fh)
+    w.writerow([table.rows_key, table.cols_key, f"{table.metric}_mean", f"{table.metric}_std", "n", "epsilon", "best"])
+    for r in table.rows:
+        for c in table.cols:
+            cell = table.cells.get((r, c))
+            if cell is None:
+                continue
+            w.writerow(
+                [
+                    r,
+                    c,
+                    repr(cell.mean),
+                    repr(cell.std),
+                    cell.n,
+                    repr(table.epsilon.get(c, "")),
+                    int(table.best(c) == r),
+                ]
+            )
+    atomic_write_text(path, fh.getvalue())
 
 
 def _plt():
@@ -238,7 +239,7 @@ def _plot_vs(records: Sequence[dict], rows: str, metric: str, x: str, xlabel: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path)
     plt.close(fig)
     return True
 
@@ -292,7 +293,7 @@ def _plot_epochs(records: Sequence[dict], rows: str, cols: str, path: Path, base
     axes[1][0].set_ylabel("ε spent")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path)
     plt.close(fig)
     return True
 
@@ -336,7 +337,7 @@ def write_report(
     table = summarize(records, rows, cols, metric)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(format_markdown(table))
+    atomic_write_text(out / "table.md", format_markdown(table))
     write_csv(table, out / "table.csv")
     files = [out / "table.md", out / "table.csv"]
     if plots:

@@ -59,11 +59,11 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Union, cast
 
+from ..atomic import append_whole
 from ..errors import ConfigError
 from ..jsonio import dumps, loads
 
@@ -278,10 +278,7 @@ def read_results(path: Union[str, Path]) -> list[dict]:
 
 def _append(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fh.write(dumps(record, default=str) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_whole(path, (dumps(record, default=str) + "\n").encode())  # a whole line or none (a full disk)
 
 
 def _record(sweep: Sweep, point: SweepPoint, summary: dict) -> dict:

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
+from ..atomic import atomic_savefig
 from ..jsonio import loads
 
 __all__ = ["CURVES_NAME", "write_curves", "curves_figure"]
@@ -108,10 +109,10 @@ def write_curves(run_dir: Union[str, Path]) -> Optional[Path]:
         except ImportError:  # pragma: no cover - depends on the environment
             return None
         out = run_dir / CURVES_NAME
-        tmp = out.with_name(out.name + ".tmp.png")
-        fig.savefig(tmp)
-        plt.close(fig)
-        tmp.replace(out)
+        try:
+            atomic_savefig(fig, out)
+        finally:
+            plt.close(fig)
         return out
     except Exception as exc:  # noqa: BLE001 - a plot never fails the run
         warnings.warn(f"could not draw {run_dir / CURVES_NAME}: {exc}", RuntimeWarning, stacklevel=2)

@@ -28,6 +28,8 @@ import math
 from pathlib import Path
 from typing import Union
 
+from ..atomic import atomic_write_text
+
 __all__ = ["render_split_html", "write_split_html"]
 
 
@@ -204,5 +206,5 @@ bound's per-step log-jitter from the count noise (η_C = {table.quantile_lr:g});
 def write_split_html(table, path: Union[str, Path]) -> Path:
     """Write :func:`render_split_html` to ``path`` (UTF-8); returns the path."""
     path = Path(path)
-    path.write_text(render_split_html(table), encoding="utf-8")
+    atomic_write_text(path, render_split_html(table))
     return path

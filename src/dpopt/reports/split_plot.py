@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+from ..atomic import atomic_savefig
+
 __all__ = ["write_split_png", "split_figure", "log_ticks"]
 
 
@@ -139,6 +141,6 @@ def write_split_png(table, path: Union[str, Path]) -> Path:
 
     fig = split_figure(table)
     path = Path(path)
-    fig.savefig(path, format="png")
+    atomic_savefig(fig, path, format="png")
     plt.close(fig)
     return path

@@ -52,7 +52,9 @@ from pathlib import Path
 from typing import Callable, Optional, Union, cast
 
 from ..accounting.incremental import EpsilonTracker
+from ..accounting.journal_repair import repair_journal as repair_journal_file
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
+from ..atomic import remove_stale
 from ..data import Dataset, load_dataset
 from ..distributed import DistributedContext, any_rank, check_replicas, setup
 from ..sampling import PoissonSampler
@@ -60,7 +62,16 @@ from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noi
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
 from .config import CLIPPINGS, DEVICES, TrainConfig, resolve_device, validate_config
 from .loop import LEDGER_FLUSH_EVERY, LOSS_EVERY, LoopState, evaluate, run_steps
-from .results import RUN_FILES, RunFiles, finished_summary, new_segment, run_directory, write_config, write_results
+from .results import (
+    RUN_FILES,
+    RunFiles,
+    check_extras,
+    finished_summary,
+    new_segment,
+    run_directory,
+    write_config,
+    write_results,
+)
 from .signals import graceful_stop
 
 __all__ = [
@@ -128,7 +139,24 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
     # run.data: without the validation records (cfg.validation_fraction)
     sampler = run_sampler(run, dist)
-    return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
+    try:
+        return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
+    except BaseException:
+        if run_dir is not None and len(run.ledger) == 0:  # nothing released: no half-made run directory is left
+            _discard_unstarted(run_dir)
+        raise
+
+
+def _discard_unstarted(run_dir: Path) -> None:
+    """Remove what a run that failed before its first release wrote (config.json, a header-only journal).
+
+    Without it the same ``out`` was refused ("already holds a run") although no step was trained.
+    """
+    for name in ("config.json", JOURNAL_NAME, JOURNAL_NAME + ".tmp", "metrics.jsonl"):
+        try:
+            (run_dir / name).unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:
@@ -206,6 +234,7 @@ def resume(
     on_step: Optional[Callable[[dict], None]] = None,
     *,
     device: Optional[str] = None,
+    repair_journal: bool = False,
 ) -> dict:
     """Continue an interrupted (or budget-stopped) run from its checkpoint to its planned steps.
 
@@ -243,6 +272,11 @@ def resume(
         data: the loaded dataset (loaded from the saved config if None).
         on_step: as for :func:`train`.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` to override the saved device.
+        repair_journal: if the journal has damaged lines, rewrite it first from its readable lines,
+            charging every release a damaged line may have held
+            (:func:`~dpopt.accounting.journal_repair.repair_journal`; the original is kept as
+            ``ledger.jsonl.damaged``; warned, and recorded as ``journal_repair`` in the summary).
+            Without it a damaged journal is refused (:class:`~dpopt.accounting.ledger.JournalDamaged`).
 
     Returns:
         The summary, as :func:`train` returns it (``wall_seconds`` over all segments).
@@ -259,6 +293,7 @@ def resume(
     cfg.out, cfg.overwrite = str(run_dir), False
     if device is not None:
         cfg.device = device
+    check_extras(cfg)  # tensorboard / prv-accountant: refused before anything is rewritten
     dist = setup(resolve_device(cfg.device))  # torchrun / an initialised process group, else one process
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
     with warnings.catch_warnings():
@@ -270,6 +305,11 @@ def resume(
         raise FileNotFoundError(
             f"no ledger journal at {journal}: cannot resume without the record of the releases already made"
         )
+    repaired = None
+    if repair_journal:
+        repaired = repair_journal_file(journal)
+        if repaired.damaged_lines:
+            warnings.warn(repaired.message(), UserWarning, stacklevel=2)
     saved = PrivacyLedger.load(journal)
     if (saved.neighbouring, saved.sampling, saved.dataset_size) != (
         run.ledger.neighbouring,
@@ -316,7 +356,10 @@ def resume(
             stacklevel=2,
         )
         return done
-    extra = {"resumed_from_step": state.step}
+    remove_stale(run_dir, RUN_FILES + ("model_ema.pt",))  # NAME.tmp of a write cut short by a kill
+    extra: dict = {"resumed_from_step": state.step}
+    if repaired is not None and repaired.damaged_lines:
+        extra["journal_repair"] = {"damaged_lines": list(repaired.damaged_lines), "charged": repaired.charged}
     if lost:
         warnings.warn(
             f"the ledger journal holds {len(lost)} releases after this checkpoint (step {state.step}): "

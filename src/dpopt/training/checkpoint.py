@@ -33,14 +33,16 @@ before anything in it runs.
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
+import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+
+from ..atomic import atomic_write
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -80,21 +82,6 @@ def load_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(states)
 
 
-def atomic_write(path: Path, write: Callable, binary: bool = False) -> Path:
-    """Write a file atomically: ``write(fh)`` into a temporary file, fsync, rename over ``path``.
-
-    A reader (or a run killed mid-write) sees the old file or the new one, never a torn one.
-    """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb" if binary else "w") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
-
-
 def save_checkpoint(path: Path, state: dict) -> Path:
     """Write ``state`` to ``path`` atomically (:func:`atomic_write`)."""
     full = dict(state, format="dpopt-checkpoint", version=CHECKPOINT_VERSION)
@@ -106,7 +93,8 @@ def load_checkpoint(run_dir: Path) -> dict:
 
     Raises:
         FileNotFoundError: no checkpoint in ``run_dir``.
-        ValueError: not a dpopt checkpoint, an unknown version, or a file that holds more than
+        ValueError: not a dpopt checkpoint (a truncated or damaged file, another kind of file), an
+            unknown version, or a file that holds more than
             plain data and tensors (read with ``weights_only=True``: refused before it runs).
     """
     path = Path(run_dir) / CHECKPOINT_NAME
@@ -115,8 +103,16 @@ def load_checkpoint(run_dir: Path) -> dict:
             f"no checkpoint at {path}: --resume takes the run directory of a run that "
             "wrote one (every epoch by default, and when it stops)"
         )
+    damaged = (
+        f"{path} is not a complete dpopt checkpoint (cut short by a kill or a full disk, or another kind "
+        "of file): put back a copy of the run's checkpoint.pt, or start a new run"
+    )
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a torn one has no central directory
+        raise ValueError(damaged)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # a damaged archive
+        raise ValueError(damaged) from exc
     except pickle.UnpicklingError as exc:  # torch's weights-only unpickler met a global it does not allow
         reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), "").split(" Please")[0]
         raise ValueError(

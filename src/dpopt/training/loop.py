@@ -266,7 +266,11 @@ def run_steps(
         if files is not None:
             files.flush()
         checkpoint()
-    finally:
-        if files is not None:
-            files.flush()  # whatever happened: every release made is on disk (never under-counted)
+    except BaseException:
+        if files is not None:  # whatever happened: every release made goes on disk (never under-counted)
+            try:
+                files.flush()
+            except OSError:  # the disk that failed the step's write: the first error is the one reported
+                pass
+        raise
     return state.metrics

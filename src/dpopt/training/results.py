@@ -23,7 +23,6 @@ run files then reveal N); give ``sample_rate`` to avoid that.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import asdict
@@ -34,6 +33,7 @@ import torch
 
 from ..accounting.ledger import JOURNAL_NAME
 from ..accounting.ledger_check import check_ledger
+from ..atomic import append_whole, atomic_write, atomic_write_text, check_writable_dir
 from ..errors import ConfigError
 from ..jsonio import dumps, loads
 from ..models import num_parameters
@@ -41,7 +41,7 @@ from ..reports.curves import CURVES_NAME, write_curves
 from ..reports.tensorboard import TensorBoardLogger
 from ..transforms.muon_auto import HISTORY_FILE, write_history
 from .build import Run
-from .checkpoint import CHECKPOINT_NAME, atomic_write, rng_state, save_checkpoint
+from .checkpoint import CHECKPOINT_NAME, rng_state, save_checkpoint
 from .config import TrainConfig
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "write_config",
     "write_results",
     "RunFiles",
+    "check_extras",
     "atomic_write_text",
     "finished_summary",
     "new_segment",
@@ -80,11 +81,6 @@ def new_segment(from_step: int) -> dict:
     return {"id": uuid.uuid4().hex[:12], "from_step": int(from_step)}
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (:func:`~dpopt.training.checkpoint.atomic_write`)."""
-    atomic_write(path, lambda fh: fh.write(text))
-
-
 def finished_summary(run_dir: Union[str, Path], statuses: tuple = ("completed",)) -> Optional[dict]:
     """``run_dir/summary.json`` if it exists, parses, and its ``status`` is in ``statuses`` (a summary
     without ``status`` is a completed run); else None."""
@@ -107,6 +103,7 @@ def run_directory(cfg: TrainConfig) -> Path:
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{stamp}"
+    check_extras(cfg)  # before anything is written: a missing package never leaves a half-made run directory
     if path.exists() and not path.is_dir():
         raise ConfigError(f"out {path} is a file; give a directory for the run", "out")
     if not cfg.overwrite and any((path / name).exists() for name in RUN_FILES):
@@ -123,6 +120,45 @@ def run_directory(cfg: TrainConfig) -> Path:
                 if victim.is_file():
                     victim.unlink()
     return path
+
+
+def check_extras(cfg: TrainConfig) -> None:
+    """Check the optional packages and extra output directories a run needs, before its directory is made.
+
+    ``tensorboard``: the package must import and the log directory must be writable (it is created);
+    ``accountant="prv"``: the ``prv-accountant`` package must import. Checked at the start so that a
+    missing package or an unwritable directory never leaves a run directory holding only
+    ``config.json`` and a header-only ledger (which the next run with the same ``out`` would refuse).
+
+    Raises:
+        ConfigError: naming ``tensorboard`` or ``accountant``, with what to install or change.
+    """
+    if cfg.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "tensorboard needs the tensorboard package: pip install tensorboard (or dpopt[logging]), "
+                "or leave tensorboard out",
+                "tensorboard",
+            ) from None
+        try:
+            check_writable_dir(cfg.tensorboard)
+        except OSError as exc:
+            raise ConfigError(
+                f"tensorboard: cannot write the log directory {cfg.tensorboard} ({exc.strerror or exc}); "
+                "choose a directory this user can write",
+                "tensorboard",
+            ) from None
+    if str(cfg.accountant).lower() == "prv":
+        from ..accounting.prv import prv_available
+
+        if not prv_available():
+            raise ConfigError(
+                "accountant 'prv' needs the prv-accountant package: pip install prv-accountant, or use "
+                "accountant 'pld'",
+                "accountant",
+            )
 
 
 def write_config(run_dir: Path, run: Run) -> None:
@@ -156,9 +192,9 @@ class RunFiles:
     def __init__(self, run_dir: Path, run: Run, *, resumed: bool = False, segments: Optional[list] = None):
         self.run_dir, self.run = Path(run_dir), run
         self.segments = list(segments or [])  # this run's training segments (:func:`new_segment`), checkpointed
-        run.ledger.open_journal(self.run_dir / JOURNAL_NAME, rewrite=True)
         tb = run.cfg.tensorboard
         self.tensorboard = TensorBoardLogger(tb) if tb else None  # public scalars per metrics row
+        run.ledger.open_journal(self.run_dir / JOURNAL_NAME, rewrite=True)
 
     def flush(self) -> None:
         """Append new ledger entries to the journal (fsync'd)."""
@@ -167,10 +203,7 @@ class RunFiles:
     def metric(self, row: dict) -> None:
         """Append one metrics row (after flushing the ledger it depends on)."""
         self.flush()
-        with open(self.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_whole(self.run_dir / "metrics.jsonl", (dumps(row) + "\n").encode())  # a whole line, or none
         if self.tensorboard is not None:
             self.tensorboard.log(row, self.run.optimizer)
 

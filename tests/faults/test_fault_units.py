@@ -1,0 +1,74 @@
+"""The pieces the fault suite relies on, alone: atomic writes, whole-line appends, exit codes of OS errors,
+the pipe-safe console stream and one-line warnings."""
+
+from __future__ import annotations
+
+import errno
+import io
+import warnings
+
+import pytest
+from inject import full_disk
+
+from dpopt.atomic import append_whole, atomic_write_text, check_writable_dir, remove_stale
+from dpopt.cli.faults import EXIT_DISK, PipeSafe, clean_warnings, os_failure
+
+
+def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_tmp(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    atomic_write_text(path, "old\n")
+    with monkeypatch.context() as m:
+        full_disk(m, "summary.json", budget=2)
+        with pytest.raises(OSError) as info:
+            atomic_write_text(path, "new and longer\n")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_append_whole_cuts_a_failed_append_back(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.jsonl"
+    append_whole(path, b'{"a": 1}\n')
+    with monkeypatch.context() as m:
+        full_disk(m, "ledger.jsonl", budget=3)  # 3 bytes of the line reach the disk, then ENOSPC
+        with pytest.raises(OSError, match="No space left"):
+            append_whole(path, b'{"b": 2}\n')
+    assert path.read_bytes() == b'{"a": 1}\n'  # no torn line for the next append to bury
+
+
+def test_remove_stale_and_check_writable_dir(tmp_path):
+    (tmp_path / "checkpoint.pt.tmp").write_bytes(b"torn")
+    assert [p.name for p in remove_stale(tmp_path, ["checkpoint.pt", "model.pt"])] == ["checkpoint.pt.tmp"]
+    assert check_writable_dir(tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        check_writable_dir(tmp_path / "file")
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [(errno.ENOSPC, EXIT_DISK), (errno.EDQUOT, EXIT_DISK), (errno.EIO, EXIT_DISK), (errno.EROFS, 2), (errno.EACCES, 2)],
+)
+def test_os_failure_exit_codes(code, expected):
+    message, exit_code = os_failure(OSError(code, "reason", "/x/y"))
+    assert exit_code == expected and message.startswith("/x/y: reason")
+
+
+class _Closed(io.StringIO):
+    def write(self, text):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def test_pipe_safe_drops_writes_once_the_reader_is_gone():
+    stream = PipeSafe(_Closed())
+    assert stream.write("line\n") == 5 and stream.closed_reader
+    stream.write("more\n")
+    stream.flush()
+    none = PipeSafe(None)  # started with the stream closed
+    assert none.write("x") == 1 and not none.isatty()
+
+
+def test_clean_warnings_prints_one_line_without_the_source():
+    lines: list = []
+    with clean_warnings(lines.append):
+        warnings.warn("the ledger journal holds 4 releases\nafter this checkpoint", UserWarning, stacklevel=1)
+    assert lines == ["warning: the ledger journal holds 4 releases after this checkpoint"]
