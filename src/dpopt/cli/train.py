@@ -134,6 +134,27 @@ def _typed_flags(ctx: typer.Context, allowed: set) -> set:
     return {param.opts[0] for param in ctx.command.params if param.name not in allowed and typed(param.name)}
 
 
+def _refuse_conflicts(ctx: typer.Context, extra: dict, clipping: str, own_flags: dict) -> None:
+    """Fail on options that contradict each other (one ``error:`` line, exit 2).
+
+    * ``--hp lr=...`` with ``--lr`` (or ``--hp max_grad_norm=...`` with ``--max-grad-norm``): two
+      values for one setting; the flag silently won before.
+    * ``--target-quantile`` / ``--quantile-lr`` typed without ``--clipping quantile``: they would be
+      ignored (the run clips at a fixed bound).
+    """
+    for key, value in own_flags.items():
+        if key in extra and value is not None:
+            flag = "--" + key.replace("_", "-")
+            fail(f"--hp {key}={extra[key]!r} and {flag} {value:g} both set {key}; give one of them")
+    if clipping != "quantile" and ctx.params.get("resume") is None:
+        ignored = sorted(_typed_flags(ctx, allowed=set()) & {"--target-quantile", "--quantile-lr"})
+        if ignored:
+            fail(
+                f"{' and '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to --clipping quantile only (this run's clipping is {clipping}); "
+                "add --clipping quantile or drop them"
+            )
+
+
 @group.command("train")
 def train_command(
     ctx: typer.Context,
@@ -305,6 +326,7 @@ def train_command(
         fail(str(exc))
     if set(extra) & set(hparams):
         fail(f"{sorted(set(extra) & set(hparams))} given both as an option and with --hp")
+    _refuse_conflicts(ctx, extra, clipping, {"lr": lr, "max_grad_norm": max_grad_norm})
     hparams.update(extra)
     try:
         bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None

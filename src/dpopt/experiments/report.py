@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..jsonio import loads
 from .sweep import read_results
 
-__all__ = ["Cell", "Table", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
+__all__ = ["Cell", "Table", "record_fields", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
 
 _X_AXES = (("noise_multiplier", "noise multiplier σ"), ("epsilon", "ε"), ("expected_batch_size", "batch size B̄"))
 _NAMES = {
@@ -53,6 +53,17 @@ def field_value(record: dict, key: str) -> Any:
     if key in record:
         return record[key]
     return (record.get("point") or {}).get(key)
+
+
+def record_fields(records: Iterable[dict]) -> list:
+    """The fields a table can be keyed by: every scalar (or list) field of the records and their points, sorted."""
+    names: set = set()
+    for rec in records:
+        for source in (rec, rec.get("point") or {}):
+            names.update(k for k, v in source.items() if v is not None and not isinstance(v, dict))
+    if any("expected_batch_size" in n for n in names):
+        names.add("batch_size")
+    return sorted(names)
 
 
 @dataclass
@@ -105,8 +116,17 @@ def summarize(
     """Group records into (row, column) cells of ``metric`` (mean ± std over the remaining runs: the seeds).
 
     Raises:
-        ConfigError: no record has the metric.
+        ConfigError: no record has the metric, or ``rows`` / ``cols`` is a field that no record has
+            (every run would pool into one cell; the message lists the fields there are).
     """
+    records = list(records)
+    for key, arg in ((rows, "rows"), (cols, "cols")):
+        if records and all(field_value(rec, key) is None for rec in records):
+            raise ConfigError(
+                f"{arg} {key!r} is a field of no record (every run would be pooled into one cell); "
+                f"choose one of: {', '.join(record_fields(records))}",
+                arg,
+            )
     cells: dict = {}
     eps: dict = {}
     row_order: list = []
