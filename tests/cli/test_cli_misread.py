@@ -204,3 +204,24 @@ def test_ledger_states_a_delta_override(tmp_path):
     res = runner.invoke(app, ["ledger", str(tmp_path / "alone.json"), "--delta", "1e-5", "--json"])
     out = json.loads(res.stdout)
     assert out["delta"] == 1e-5 and out["run_delta"] == 1e-6
+
+
+def test_ledger_reads_a_trainer_checkpoint_directory_with_or_without_its_summary(tmp_path):
+    """A DPTrainer checkpoint-N/ holds privacy_ledger.json (+ privacy_summary.json, which `dpopt check` needs)."""
+    from dpopt.accounting.accountant import epsilon
+
+    book = PrivacyLedger()
+    for step in range(40):
+        book.record(step, poisson_gaussian_step(1.0, 0.02), sensitivity=1.0)
+    book.delta = 1e-6
+    ckpt = tmp_path / "checkpoint-40"
+    ckpt.mkdir()
+    book.save(ckpt / "privacy_ledger.json")
+    res = runner.invoke(app, ["ledger", str(ckpt), "--json"])
+    assert res.exit_code == 0, res.output  # before: "no ledger at checkpoint-40/ledger.json"
+    out = json.loads(res.stdout)
+    assert out["delta"] == 1e-6 and out["releases"] == 40
+    assert out["epsilon_by_accountant"]["pld"] == pytest.approx(epsilon(book, 1e-6, "pld"), rel=1e-9)
+    (ckpt / "privacy_summary.json").write_text(json.dumps({"delta": 1e-6, "accountant": "rdp", "epsilon": 1.0}))
+    out = json.loads(runner.invoke(app, ["ledger", str(ckpt), "--json"]).stdout)
+    assert out["accountant"] == "rdp" and out["delta"] == 1e-6

@@ -186,6 +186,10 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
 
     if path.is_dir():
         ledger_path, summary_path = run_paths(path)
+        own = [path / "ledger.json", path / "ledger.jsonl"]
+        if ledger_path.name != ENGINE_RUN_FILES[0] and not any(p.exists() for p in own):
+            if (path / ENGINE_RUN_FILES[0]).exists():  # a DPTrainer checkpoint without its summary: the header's δ
+                ledger_path, summary_path = path / ENGINE_RUN_FILES[0], path / ENGINE_RUN_FILES[1]
         if ledger_path.name == ENGINE_RUN_FILES[0]:
             return PrivacyLedger.load(ledger_path), summary_path
         return PrivacyLedger.load(path), summary_path
