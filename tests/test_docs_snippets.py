@@ -25,6 +25,7 @@ why (an empty reason fails). A bash block with a command other than ``dpopt`` mu
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -177,6 +178,9 @@ def _run_python(code: str, cwd: Path, timeout: float = 300) -> subprocess.Comple
 def test_doc_block_runs_as_written(block: Block, tmp_path, monkeypatch):
     if block.skip is not None:
         pytest.skip(f"{block.id}: {block.skip}")
+    for extra in ("transformers", "peft"):  # the optional [hf] extra: a block using it needs it installed
+        if re.search(rf"\b{extra}\b", block.setup + block.code) and importlib.util.find_spec(extra) is None:
+            pytest.skip(f"{block.id}: needs the optional {extra} package (pip install 'dpopt[hf]')")
     if any("{data}" in a for a in block.args) and not DATA.is_dir():
         pytest.skip(f"{block.id}: needs the datasets in {DATA} (as in CI)")
     if block.lang == "python":
