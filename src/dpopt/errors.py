@@ -35,10 +35,12 @@ def translate(exc: BaseException, names: Mapping[str, str]) -> str:
     """The message of ``exc`` with each named argument replaced by ``names[argument]``.
 
     Only the arguments a :class:`ConfigError` declares are replaced, as whole
-    words; other exceptions are returned as ``str(exc)``.
+    words that are not part of a path or file name (``runs/model/model.pt`` keeps
+    its ``model``: a word next to ``/``, ``\\`` or a ``.`` + letter is left alone);
+    other exceptions are returned as ``str(exc)``.
     """
     text = str(exc)
     for arg in getattr(exc, "arguments", ()):
         if arg in names:
-            text = re.sub(rf"(?<![\w-]){re.escape(arg)}(?![\w-])", names[arg], text)
+            text = re.sub(rf"(?<![\w\-/\\.]){re.escape(arg)}(?![\w\-/\\]|\.\w)", names[arg], text)
     return text

@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
@@ -123,15 +124,46 @@ class MethodSpec:
         exactly the keys of ``defaults`` and is what ``build`` receives.
 
         Raises:
-            ConfigError: an override that this method does not take.
+            ConfigError: an override that this method does not take, or one whose type does not
+                fit its default (a number, an integer, True/False, a tuple of numbers; the
+                hyperparameter named, e.g. ``momentum must be a number ..., got 'abc'``).
         """
         hp = dict(self.defaults)
         hp.update(self.dataset_defaults.get(dataset, {}))
         unknown = sorted(k for k, v in overrides.items() if v is not None and k not in hp)
         if unknown:
             raise ConfigError(f"method {self.name!r} does not take {unknown}; its hyperparameters are {sorted(hp)}")
+        for key, value in overrides.items():
+            if value is not None:
+                _check_hparam_type(key, value, hp[key])
         hp.update({k: v for k, v in overrides.items() if v is not None})
         return hp
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_hparam_type(key: str, value: Any, default: Any) -> None:
+    """Refuse an override whose type does not fit the default's (numbers, integers, booleans, tuples).
+
+    Raises:
+        ConfigError: naming ``key`` and the expected type (e.g. ``--hp momentum=abc`` reads
+            "momentum must be a number (default 0.0), got 'abc'").
+    """
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, kind = _is_number(value), "a number"
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (tuple, list)) and len(value) == len(default) and all(_is_number(v) for v in value)
+        kind = f"a tuple of {len(default)} numbers"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{key} must be {kind} (default {default!r}), got {value!r}", key)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

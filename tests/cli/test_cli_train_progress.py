@@ -26,12 +26,13 @@ def test_status_before_the_first_evaluation_has_no_epsilon_value():
     }
     assert progress_status(info) == "ε ≤ 0.812 (rdp bound; pld ε at the first evaluation)"
     assert progress_status(dict(info, epsilon_bound=None)) == "ε at the first evaluation"
-    later = dict(info, epsilon=1.8725, test_accuracy=0.1389, test_loss=2.2623, loss=2.29)
+    later = dict(info, epsilon=1.8725, test_accuracy=0.1389, test_loss=2.2623, loss=2.29, metrics_step=45)
     assert progress_status(later) == (
-        "ε ≤ 0.812 (rdp bound; pld ε 1.873 at the last evaluation)  test acc 0.139  "
-        "test loss 2.262  batch loss 2.290 (NOT private)"
+        "ε ≤ 0.812 (rdp bound; pld ε 1.873 at step 45)\ntest acc 0.139  test loss 2.262  batch loss 2.290 (NOT private)"
     )
-    assert progress_status(dict(later, accountant="rdp")).startswith("ε 0.812  test acc")
+    assert progress_status(dict(later, accountant="rdp")).startswith(
+        "ε 0.812\ntest acc 0.139  test loss 2.262 (at step 45)"
+    )
 
 
 def test_the_status_is_not_cut_at_80_columns():

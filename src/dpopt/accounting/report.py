@@ -135,6 +135,8 @@ class LedgerReport:
         notes: per accountant, its notes (only accountants with notes).
         runs: the entries grouped into :class:`ReleaseRun` s.
         summary_epsilon, summary_accountant: what the run's summary.json claimed (``None`` without one).
+        run_delta: the δ the run itself records (its summary, else its ledger header; ``None``: none);
+            differs from ``delta`` only when the caller asked for another δ.
     """
 
     run_dir: str
@@ -150,6 +152,7 @@ class LedgerReport:
     runs: list = field(default_factory=list)
     summary_epsilon: Any = None
     summary_accountant: Optional[str] = None
+    run_delta: Optional[float] = None
 
     @property
     def epsilon(self) -> Union[float, str, None]:
@@ -168,6 +171,7 @@ class LedgerReport:
             "notes": self.notes,
             "releases": self.releases,
             "delta": self.delta,
+            "run_delta": self.run_delta,
             "accountant": self.accountant,
             "epsilon": scores.get(self.accountant),
             "epsilon_by_accountant": scores,
@@ -182,6 +186,10 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
 
     if path.is_dir():
         ledger_path, summary_path = run_paths(path)
+        own = [path / "ledger.json", path / "ledger.jsonl"]
+        if ledger_path.name != ENGINE_RUN_FILES[0] and not any(p.exists() for p in own):
+            if (path / ENGINE_RUN_FILES[0]).exists():  # a DPTrainer checkpoint without its summary: the header's δ
+                ledger_path, summary_path = path / ENGINE_RUN_FILES[0], path / ENGINE_RUN_FILES[1]
         if ledger_path.name == ENGINE_RUN_FILES[0]:
             return PrivacyLedger.load(ledger_path), summary_path
         return PrivacyLedger.load(path), summary_path
@@ -215,8 +223,9 @@ def ledger_report(
     """
     book, summary_path = _ledger_and_summary(Path(run_dir))
     summary = loads(summary_path.read_text()) if summary_path is not None and summary_path.exists() else {}
+    run_delta = summary.get("delta", book.delta)
     if delta is None:
-        delta = summary.get("delta", book.delta)
+        delta = run_delta
     if delta is None:
         raise ConfigError(
             f"{run_dir}: the run records no δ (no summary.json or privacy_summary.json beside the "
@@ -243,4 +252,5 @@ def ledger_report(
         runs=ledger_runs(book),
         summary_epsilon=summary.get("epsilon"),
         summary_accountant=summary.get("accountant"),
+        run_delta=run_delta,
     )

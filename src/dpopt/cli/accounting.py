@@ -351,7 +351,14 @@ def ledger(
             lo, hi = run.sensitivity_min, run.sensitivity_max
             sens = f", sensitivity {lo:.4g}" + (f"-{hi:.4g}" if hi != lo else "")
         typer.echo(f"  {steps} ({run.count}x): q = {q}, Gaussians sigma = {sigmas} -> sigma_eff = {eff}{sens}")
-    typer.echo(f"epsilon at delta = {report.delta:g} (one accountant over the whole ledger):")
+    if report.run_delta is not None and report.run_delta != report.delta:
+        typer.echo(
+            f"note: scored at --delta {report.delta:g}, not at the run's own delta {report.run_delta:g}: "
+            "the run's guarantee is its epsilon at its own delta",
+            err=True,
+        )
+    own = "the run's" if report.run_delta == report.delta else ("--delta" if report.run_delta is not None else "given")
+    typer.echo(f"epsilon at delta = {report.delta:g} ({own}; one accountant over the whole ledger):")
     for name, value in report.epsilon_by_accountant.items():
         mark = " *" if name == report.accountant else ""
         shown = f"{value:.6g}" if isinstance(value, float) else value

@@ -222,8 +222,8 @@ def status_progress(console, *, disable: bool):
             yield self.make_tasks_table(self.tasks)
             for task in self.tasks:
                 status = task.fields.get("status")
-                if status:
-                    yield Text("  " + str(status), overflow="fold")
+                for line in str(status or "").splitlines():  # each line indented (a status may have several)
+                    yield Text("  " + line, overflow="fold")
 
     # the description is text (a run directory may hold "["), never markup
     return _StatusProgress(

@@ -76,6 +76,20 @@ _HELP = (
 )
 
 
+def _check_checkpoint(checkpoint: str) -> None:
+    """Fail with one ``error:`` line unless ``checkpoint`` is a run directory with config.json and model.pt."""
+    run = Path(checkpoint)
+    if not run.is_dir():
+        what = "is a file" if run.exists() else "does not exist"
+        fail(f"--checkpoint {checkpoint} {what}; give a `dpopt train` run directory (with config.json and model.pt)")
+    missing = [name for name in ("config.json", "model.pt") if not (run / name).is_file()]
+    if missing:
+        fail(
+            f"--checkpoint {checkpoint} has no {' or '.join(missing)}; give a finished `dpopt train` run "
+            "directory (an interrupted one: `dpopt train --resume` it first)"
+        )
+
+
 def run_directory_at(out: Path) -> Optional[tuple[Path, list[str]]]:
     """(the run directory, its run files) if ``out`` is a run directory or lies inside one; else None."""
     path = out.expanduser().resolve()
@@ -143,6 +157,8 @@ def diagnose(
         fail(f"--momentum must be in [0, 1), got {momentum}")
     if not max_grad_norm > 0:
         fail(f"--max-grad-norm must be > 0, got {max_grad_norm}")
+    if checkpoint is not None:
+        _check_checkpoint(checkpoint)
     held = run_directory_at(Path(out))
     if held is not None:
         fail(

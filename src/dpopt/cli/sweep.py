@@ -166,7 +166,7 @@ def report_command(
     """Tables (markdown, CSV: mean ± std over seeds, ε per column, best in bold) and plots from a sweep."""
     from ..experiments.report import format_markdown, write_report
 
-    with cli_errors({"metric": "--metric"}):
+    with cli_errors({"metric": "--metric", "rows": "--rows", "cols": "--cols"}):
         done = write_report(
             results, out, rows=rows, cols=cols, metric=metric, where=_parse_where(where), plots=not no_plots
         )

@@ -82,26 +82,30 @@ def _parse_hp(items: Optional[list[str]]) -> dict:
 
 
 def progress_status(info: dict) -> str:
-    """The progress line of one step's ``on_step`` info (:func:`dpopt.training.train`): public values only.
+    """The status lines of one step's ``on_step`` info (:func:`dpopt.training.train`): public values only.
 
-    ε: the incremental RDP bound refreshed every step, beside the run's accountant's ε at the last
-    evaluation (metrics row); before the first evaluation there is none ("at the first
-    evaluation", not "0.000"). Then the last test metrics, and the batch loss only when
-    ``--show-train-loss`` put it in ``info``, labelled NOT private.
+    Line 1, ε: the incremental RDP bound refreshed every step, beside the run's accountant's ε at
+    the last evaluation, named by its step (after ``--resume`` that is a step of the earlier
+    segment, never shown as this step's); before the first evaluation there is none ("at the first
+    evaluation", not "0.000"). Line 2: the last test metrics (their step), and the batch loss only
+    when ``--show-train-loss`` put it in ``info``, labelled NOT private. Each line fits in 80 columns.
     """
     bound, eps, accountant = info.get("epsilon_bound"), info.get("epsilon"), info.get("accountant")
-    last = "at the first evaluation" if eps is None else f"{eps:.3f} at the last evaluation"
+    at = f"at step {info['metrics_step']}" if info.get("metrics_step") is not None else "at the last evaluation"
+    last = "at the first evaluation" if eps is None else f"{eps:.3f} {at}"
     if bound is not None and accountant != "rdp":
         status = f"ε ≤ {bound:.3f} (rdp bound; {accountant} ε {last})"
     elif bound is not None:
         status = f"ε {bound:.3f}"
     else:
         status = f"ε {last}"
+    second = []
     if info.get("test_accuracy") is not None:
-        status += f"  test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}"
+        where = f" ({at})" if bound is not None and accountant == "rdp" else ""
+        second.append(f"test acc {info['test_accuracy']:.3f}  test loss {info['test_loss']:.3f}{where}")
     if "loss" in info:
-        status += f"  batch loss {info['loss']:.3f} (NOT private)"
-    return status
+        second.append(f"batch loss {info['loss']:.3f} (NOT private)")
+    return status + ("\n" + "  ".join(second) if second else "")
 
 
 def _recipe_line(summary: dict) -> str:
@@ -135,6 +139,27 @@ def _typed_flags(ctx: typer.Context, allowed: set) -> set:
     return {param.opts[0] for param in ctx.command.params if param.name not in allowed and typed(param.name)}
 
 
+def _refuse_conflicts(ctx: typer.Context, extra: dict, clipping: str, own_flags: dict) -> None:
+    """Fail on options that contradict each other (one ``error:`` line, exit 2).
+
+    * ``--hp lr=...`` with ``--lr`` (or ``--hp max_grad_norm=...`` with ``--max-grad-norm``): two
+      values for one setting; the flag silently won before.
+    * ``--target-quantile`` / ``--quantile-lr`` typed without ``--clipping quantile``: they would be
+      ignored (the run clips at a fixed bound).
+    """
+    for key, value in own_flags.items():
+        if key in extra and value is not None:
+            flag = "--" + key.replace("_", "-")
+            fail(f"--hp {key}={extra[key]!r} and {flag} {value:g} both set {key}; give one of them")
+    if clipping != "quantile" and ctx.params.get("resume") is None:
+        ignored = sorted(_typed_flags(ctx, allowed=set()) & {"--target-quantile", "--quantile-lr"})
+        if ignored:
+            fail(
+                f"{' and '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to --clipping quantile only (this run's clipping is {clipping}); "
+                "add --clipping quantile or drop them"
+            )
+
+
 @group.command("train")
 def train_command(
     ctx: typer.Context,
@@ -142,9 +167,8 @@ def train_command(
     data_dir: Optional[str] = typer.Option(None, help="directory with mnist.npz / IDX files, cifar10.npz"),
     model: Optional[str] = typer.Option(
         None,
-        help="mlp-small (digits), mlp (mnist), cnn5 (cifar10; also cnn5-ws, "
-        "wrn16-4, wrn16-4-ws, resnet18), or hf:DIR (a local "
-        "save_pretrained directory; needs transformers)",
+        help="mlp-small (digits), mlp (mnist), cnn5 (cifar10), cnn5-ws, wrn16-4, wrn16-4-ws, resnet18, "
+        "or hf:DIR (a local save_pretrained directory)",
     ),
     method: str = typer.Option("dp-macadam", help="see `dpopt methods`"),
     noise_multiplier: Optional[float] = typer.Option(
@@ -157,47 +181,44 @@ def train_command(
     ),
     sample_rate: Optional[float] = typer.Option(
         None,
-        help="Poisson rate q; default B̄/N, which treats the dataset size N as public (run files reveal it). "
-        "With --sample-rate, --batch-size is only the public denominator of the noisy average: "
-        "set it near q×N yourself (dpopt does not print q×N, which would reveal N)",
+        help="Poisson rate q (default B̄/N, which makes N public: run files reveal it); with it, "
+        "--batch-size is only the noisy average's public denominator: set it near q×N yourself",
     ),
     epochs: float = typer.Option(
         10.0,
-        help="epochs E: the run takes round(E / q) steps, q the sample rate; "
-        "epoch k ends after step round(k / q); fewer than one step is refused",
+        help="epochs E: round(E / q) steps, q the sample rate (fewer than one is refused)",
     ),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
     seed: int = typer.Option(
         0,
-        help="seed for model initialisation and non-private randomness; the noise and "
-        "Poisson masks are secret (OS entropy) unless --reproducible-noise",
+        help="seed of the model's initialisation; the noise and masks stay secret (OS entropy)",
     ),
     reproducible_noise: bool = typer.Option(
         False,
-        help="RESEARCH ONLY: seed the noise and masks from --seed (bit-identical reruns; no privacy "
-        "against anyone who knows the seed; `dpopt check` fails the ledger)",
+        "--reproducible-noise",
+        help="RESEARCH ONLY: seed the noise and masks from --seed: NO privacy (`dpopt check` fails it)",
     ),
-    secure_mode: bool = typer.Option(False, help="draw noise and masks from the OS CSPRNG (slower)"),
+    secure_mode: bool = typer.Option(False, "--secure-mode", help="draw noise and masks from the OS CSPRNG (slower)"),
     show_train_loss: bool = typer.Option(
-        False, help="show the loss of the private training batch in the progress bar: NOT PRIVATE (display only)"
+        False,
+        "--show-train-loss",
+        help="show the loss of the private training batch in the progress bar: NOT PRIVATE (display only)",
     ),
     accountant: str = accountant_option("pld", help="pld (connect-the-dots), rdp or prv"),
     physical_batch_size: Optional[int] = typer.Option(
         None,
-        help="micro-batch size for per-sample grads, in examples (with --augmult K: each with its K views, "
-        "K× the rows)",
+        help="micro-batch for per-sample gradients, in examples (each with its --augmult views)",
     ),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
-    overwrite: bool = typer.Option(False, help="let --out replace an earlier run's files"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
     target_epsilon: Optional[float] = typer.Option(None, help="calibrate σ for this ε (overrides σ)"),
     clipping: str = typer.Option(
         "flat",
-        help="flat, per-layer, quantile (adaptive, Andrew et al.) or auto "
-        "(AUTO-S, Bu et al.: C·g/(‖g‖+γ); --hp gamma=0.01)",
+        help="flat, per-layer, quantile (adaptive) or auto (AUTO-S; --hp gamma=0.01)",
     ),
     layer_bounds: Optional[str] = typer.Option(None, help="per-layer: comma-separated bounds, one per layer"),
     target_quantile: float = typer.Option(0.5, help="quantile: fraction of unclipped examples aimed at"),
@@ -209,14 +230,12 @@ def train_command(
     hp: Optional[list[str]] = typer.Option(
         None,
         "--hp",
-        help="method hyperparameter KEY=VALUE, repeatable (e.g. --hp momentum=0.9 --hp "
-        "ns_steps=5 --hp kappa=0.4 --hp gamma=1.5 --hp filter=second-order); "
-        "see `dpopt methods` for each method's keys",
+        help="method hyperparameter KEY=VALUE, repeatable (e.g. --hp momentum=0.9); "
+        "each method's keys: `dpopt methods`",
     ),
     max_epsilon: Optional[float] = typer.Option(
         None,
-        help="stop before the step whose release would take ε past this budget (at --delta, with "
-        "--accountant); everything is saved and the summary says so",
+        help="stop before the step that would take ε past this budget (at --delta); all is saved",
     ),
     checkpoint_every: Optional[int] = typer.Option(
         None, help="steps between checkpoints (default: every epoch; 0: only when the run stops)"
@@ -224,17 +243,14 @@ def train_command(
     log_every: Optional[int] = typer.Option(None, help="also write a metrics.jsonl row every this many steps"),
     tensorboard: Optional[str] = typer.Option(
         None,
-        help="TensorBoard log directory: test metrics, ε, lr, clip bound and scale statistics (public "
-        "values only) at every metrics row; needs the tensorboard package",
+        help="TensorBoard log directory (public values only; needs the tensorboard package)",
     ),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (cuda if available): model, batches and noise"),
     validation_fraction: float = typer.Option(
         0.0,
-        help="F in [0, 1): hold out round(F×N) training records (halves up; a fixed public permutation, the "
-        "same for every --seed) for val_accuracy / val_loss, never trained on. They get NO protection "
-        "(released like the test set); N, q = B̄/N and ε are those of the remaining records. Choosing "
-        "hyperparameters by validation accuracy over several runs is NOT charged to ε: each run's ε is "
-        "for that run, tuning over k runs costs more (Liu & Talwar 2019; Papernot & Steinke 2022)",
+        help="F in [0, 1): hold out round(F×N) training records (a fixed public split) for val_accuracy, "
+        "never trained on; they get NO protection. Tuning on them over several runs is NOT charged to ε "
+        "(docs/pitfalls.md)",
     ),
     init_from: Optional[str] = typer.Option(
         None, help="fine-tune from these PUBLIC weights: a dpopt model.pt or a torch state dict (local file)"
@@ -248,22 +264,19 @@ def train_command(
     augmult: int = typer.Option(
         1,
         "--augmult",
-        help="K augmented views per example (cifar10; long form --augmentation-multiplicity K); each "
-        "example's gradient is the mean over its views, clipped once: same ε as K = 1, K× the "
-        "compute (De et al. 2022; docs/recipe.md)",
+        help="K augmented views per example (cifar10; long form --augmentation-multiplicity), averaged "
+        "before the one clip: same ε, K× the compute (docs/recipe.md)",
     ),
     augmentation_multiplicity: Optional[int] = typer.Option(
         None, "--augmentation-multiplicity", hidden=True, help="the long form of --augmult"
     ),
     augment: Optional[str] = typer.Option(
         None,
-        help="augmentation of the training batches: crop-flip (random crop, padding 4, + horizontal flip; "
-        "default when K > 1), flip or none",
+        help="crop-flip (default when --augmult > 1), flip or none",
     ),
     ema_decay: Optional[float] = typer.Option(
         None,
-        help="also keep an EMA of the released parameters with this decay (e.g. 0.999; warm-up "
-        "min(D, (1+t)/(10+t))): evaluated every metrics row and saved as model_ema.pt (post-processing)",
+        help="also keep an EMA of the released parameters (e.g. 0.999): evaluated too, saved as model_ema.pt",
     ),
     lr_schedule: str = typer.Option(
         "constant", help="constant or cosine (decay to ~0 at the last step), after --warmup-steps"
@@ -282,19 +295,19 @@ def train_command(
     ),
     fsdp: bool = typer.Option(
         False,
-        help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
-        "clipping and one noise draw per coordinate (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)",
+        "--fsdp",
+        help="under torchrun: shard the model with FSDP2 (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)",
     ),
     resume: Optional[str] = typer.Option(
         None,
-        help="RUN_DIR: continue an interrupted run to its planned steps with its saved configuration "
-        "(only --device, --threads, --repair-journal and --json may be given with it)",
+        help="RUN_DIR: continue an interrupted run with its saved configuration (only --device, "
+        "--threads, --repair-journal and --json may be given with it)",
     ),
     repair_journal: bool = typer.Option(
         False,
         "--repair-journal",
-        help="with --resume: if lines of the run's ledger.jsonl are damaged, keep its readable lines and charge "
-        "every release a damaged line may have held (the original is kept as ledger.jsonl.damaged)",
+        help="with --resume: keep a damaged ledger.jsonl's readable lines and charge every release a damaged "
+        "line may have held (original kept as ledger.jsonl.damaged)",
     ),
     json_out: bool = json_option("print the summary as one JSON object (last line)"),
 ) -> None:
@@ -328,6 +341,7 @@ def train_command(
         fail(str(exc))
     if set(extra) & set(hparams):
         fail(f"{sorted(set(extra) & set(hparams))} given both as an option and with --hp")
+    _refuse_conflicts(ctx, extra, clipping, {"lr": lr, "max_grad_norm": max_grad_norm})
     hparams.update(extra)
     try:
         bounds = [float(b) for b in layer_bounds.split(",")] if layer_bounds else None
@@ -415,8 +429,9 @@ def train_command(
         nonlocal task
         trained[0] = True
         status = progress_status(info)
-        if not terminal:  # one plain line per metrics row (epoch) on stderr
-            if info["test_accuracy"] is not None and info["test_loss"] != epoch_seen[0]:
+        if not terminal:  # one plain line per metrics row (epoch) on stderr, when the row is of this step
+            fresh = info.get("metrics_step") == info["step"] if "metrics_step" in info else True
+            if fresh and info["test_accuracy"] is not None and info["test_loss"] != epoch_seen[0]:
                 epoch_seen[0] = info["test_loss"]
                 console.print(
                     f"step {info['step']}/{info['steps']}  ε {info['epsilon']:.4f}  test acc "
@@ -470,11 +485,14 @@ def train_command(
             f"note: {resume} is already complete ({summary['steps']} steps); nothing was trained, {done}",
             markup=False,
         )
+    # two short lines, not one of ~125 characters that wrapped mid-figure at 80 columns
     out_console.print(
         f"[bold]{summary['method']}[/] on {summary['dataset']} ({summary['model']}): "
-        f"test accuracy {summary['test_accuracy']:.4f}, ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} "
-        f"({summary['accountant']}), σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}, "
-        f"{summary['steps']} steps, {summary['wall_seconds']:.1f} s"
+        f"test accuracy {summary['test_accuracy']:.4f}, {summary['steps']} steps, {summary['wall_seconds']:.1f} s"
+    )
+    out_console.print(
+        f"ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} ({summary['accountant']}), "
+        f"σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}"
     )
     if "val_accuracy" in summary:
         out_console.print(
@@ -526,6 +544,57 @@ def train_command(
             f"see {summary['run_dir']}/check.txt (exit code {EXIT_CHECK_FAILED})\n"
         )
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+#: ``dpopt train --help``'s option groups (rich panels): at 80 columns one long table squeezed each help
+#: into ~20 characters (336 lines); grouped, with shorter texts, it reads in about half the lines.
+TRAIN_PANELS = {
+    "Data and model": ("dataset", "data_dir", "model", "validation_fraction", "device", "threads"),
+    "Privacy": (
+        "noise_multiplier",
+        "target_epsilon",
+        "delta",
+        "max_epsilon",
+        "accountant",
+        "batch_size",
+        "sample_rate",
+        "epochs",
+        "max_grad_norm",
+        "secure_mode",
+        "reproducible_noise",
+        "user_ids",
+        "max_records_per_user",
+    ),
+    "Method": ("method", "lr", "hp", "h1", "h2", "variance_update", "lr_schedule", "warmup_steps", "seed"),
+    "Clipping": ("clipping", "layer_bounds", "target_quantile", "quantile_lr", "count_share", "count_noise_multiplier"),
+    "Fine-tuning and recipe": ("init_from", "freeze", "lora_rank", "augmult", "augment", "ema_decay"),
+    "Run directory and output": (
+        "out",
+        "overwrite",
+        "resume",
+        "repair_journal",
+        "checkpoint_every",
+        "log_every",
+        "tensorboard",
+        "show_train_loss",
+        "json_out",
+    ),
+    "Scale": ("physical_batch_size", "fsdp"),
+}
+
+
+def _set_panels(fn, panels: dict) -> None:
+    """Put each option of ``fn`` into its rich help panel (every visible option in exactly one)."""
+    import inspect
+
+    where = {name: panel for panel, names in panels.items() for name in names}
+    for name, param in inspect.signature(fn).parameters.items():
+        info = param.default
+        if isinstance(info, typer.models.ParameterInfo) and name in where:
+            info.rich_help_panel = where[name]
+
+
+_set_panels(train_command, TRAIN_PANELS)
 
 
 @group.command("methods")

@@ -17,7 +17,7 @@ from ..atomic import atomic_savefig
 from .model import LayerReport, ModelDiagnostics
 from .spectral import noise_edge, noise_std, predicted_cosines
 
-__all__ = ["recovery_table", "snr_table", "cosine_table", "plot_spectrum", "plot_recovery"]
+__all__ = ["recovery_table", "snr_table", "cosine_table", "plot_spectrum", "plot_recovery", "spectrum_floor"]
 
 
 def _b(b: float) -> str:
@@ -90,22 +90,37 @@ def _plt():
     return plt
 
 
+def spectrum_floor(singular_values: torch.Tensor, m: int, n: int) -> float:
+    """The smallest singular value worth drawing: σ₁ · ε · max(m, n), ε the float32 machine precision.
+
+    The clean gradient is computed in float32; singular values below this (the numerical-rank
+    tolerance of Golub & Van Loan, §5.4.1, as ``numpy.linalg.matrix_rank``) are rounding noise, and a
+    log axis running down to them (1e-28) hid the spectrum's shape. An all-zero spectrum gets the
+    float32 ``tiny`` so that the log axis still has a positive floor.
+    """
+    top = float(singular_values.max()) if singular_values.numel() else 0.0
+    floor = top * torch.finfo(torch.float32).eps * max(m, n)
+    return floor if floor > 0 else float(torch.finfo(torch.float32).tiny)
+
+
 def plot_spectrum(diag: ModelDiagnostics, layer: LayerReport, path: Path, seed: int = 0) -> Path:
     """Singular values of one layer's clean gradient vs one simulated noisy release per batch size."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     k = torch.arange(1, len(layer.singular_values) + 1)
-    ax.semilogy(k, layer.singular_values.clamp_min(1e-30), "k-", lw=2, label="clean Ḡ")
-    gen = torch.Generator().manual_seed(seed)
     m, n = layer.shape
+    floor = spectrum_floor(layer.singular_values, m, n)
+    ax.semilogy(k, layer.singular_values.clamp_min(floor), "k-", lw=2, label="clean Ḡ")
+    gen = torch.Generator().manual_seed(seed)
     for b in diag.batch_sizes:
         s = noise_std(diag.noise_multipliers[b], diag.max_grad_norm, b)
         noisy = layer.clean + s * torch.randn(layer.clean.shape, generator=gen, dtype=torch.float64)  # type: ignore[operator, union-attr]
         sv = torch.linalg.svdvals(noisy)
         (line,) = ax.semilogy(k, sv, lw=1, label=f"Ḡ + N, B̄={_b(b)}")
         ax.axhline(noise_edge(s, m, n), color=line.get_color(), ls=":", lw=1)
+    ax.set_ylim(bottom=floor / 2)  # below: numerically zero (it ran to 1e-28 before)
     ax.set_xlabel("index i")
-    ax.set_ylabel("singular value σᵢ")
+    ax.set_ylabel("singular value σᵢ (log; floor σ₁·ε_mach·max(m, n))")
     ax.set_title(
         f"{layer.name} ({m}×{n}): clean vs noisy (dotted: noise edge s(√m+√n))\n"
         "NON-PRIVATE diagnostic (clean gradient)",

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..jsonio import loads
 from .sweep import read_results
 
-__all__ = ["Cell", "Table", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
+__all__ = ["Cell", "Table", "record_fields", "summarize", "format_markdown", "write_csv", "write_report", "field_value"]
 
 _X_AXES = (("noise_multiplier", "noise multiplier σ"), ("epsilon", "ε"), ("expected_batch_size", "batch size B̄"))
 _NAMES = {
@@ -55,6 +55,17 @@ def field_value(record: dict, key: str) -> Any:
     if key in record:
         return record[key]
     return (record.get("point") or {}).get(key)
+
+
+def record_fields(records: Iterable[dict]) -> list:
+    """The fields a table can be keyed by: every scalar (or list) field of the records and their points, sorted."""
+    names: set = set()
+    for rec in records:
+        for source in (rec, rec.get("point") or {}):
+            names.update(k for k, v in source.items() if v is not None and not isinstance(v, dict))
+    if any("expected_batch_size" in n for n in names):
+        names.add("batch_size")
+    return sorted(names)
 
 
 @dataclass
@@ -107,8 +118,17 @@ def summarize(
     """Group records into (row, column) cells of ``metric`` (mean ± std over the remaining runs: the seeds).
 
     Raises:
-        ConfigError: no record has the metric.
+        ConfigError: no record has the metric, or ``rows`` / ``cols`` is a field that no record has
+            (every run would pool into one cell; the message lists the fields there are).
     """
+    records = list(records)
+    for key, arg in ((rows, "rows"), (cols, "cols")):
+        if records and all(field_value(rec, key) is None for rec in records):
+            raise ConfigError(
+                f"{arg} {key!r} is a field of no record (every run would be pooled into one cell); "
+                f"choose one of: {', '.join(record_fields(records))}",
+                arg,
+            )
     cells: dict = {}
     eps: dict = {}
     row_order: list = []
@@ -205,6 +225,12 @@ def _plt():
     return plt
 
 
+def _deltas(records: Sequence[dict]) -> str:
+    """``δ = 1e-05`` (or ``δ = 1e-05, 1e-06`` when the runs differ; ``δ not recorded`` without any)."""
+    values = sorted({float(d) for d in (field_value(r, "delta") for r in records) if d is not None})
+    return "δ = " + ", ".join(f"{d:g}" for d in values) if values else "δ not recorded"
+
+
 def _plot_vs(records: Sequence[dict], rows: str, metric: str, x: str, xlabel: str, path: Path) -> bool:
     groups: dict = {}
     for rec in records:
@@ -236,6 +262,7 @@ def _plot_vs(records: Sequence[dict], rows: str, metric: str, x: str, xlabel: st
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(metric.replace("_", " "))
+    ax.set_title(f"{metric.replace('_', ' ')} vs {xlabel} (mean ± std over seeds; ε at {_deltas(records)})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -266,6 +293,7 @@ def _metrics_rows(record: dict, base: Optional[Path]) -> list[dict]:
 
 def _plot_epochs(records: Sequence[dict], rows: str, cols: str, path: Path, base: Optional[Path]) -> bool:
     data: dict = {}
+    steps: dict = {}  # (column, row, epoch) -> its step
     for rec in records:
         mrows = _metrics_rows(rec, base)
         if not mrows:
@@ -275,23 +303,33 @@ def _plot_epochs(records: Sequence[dict], rows: str, cols: str, path: Path, base
             data.setdefault(c, {}).setdefault(r, {}).setdefault(float(row["epoch"]), []).append(
                 (float(row["test_accuracy"]), float(row["epsilon"]))
             )
+            steps.setdefault((c, r, float(row["epoch"])), row.get("step"))
     if not data:
         return False
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
+    # sub-epoch runs (every row before epoch 1, e.g. epochs 0.5): single points at fractional epochs read as
+    # nothing; draw them against the step (integer ticks) with visible markers
+    by_step = all(e < 1 for (_, _, e) in steps) and all(s is not None for s in steps.values())
     col_values = sorted(data, key=_sortable)[:6]
     fig, axes = plt.subplots(2, len(col_values), figsize=(4.2 * len(col_values), 6.5), dpi=100, squeeze=False)
     for j, c in enumerate(col_values):
         for r, by_epoch in data[c].items():
             ep = sorted(by_epoch)
-            axes[0][j].plot(ep, [statistics.fmean(a for a, _ in by_epoch[e]) for e in ep], marker=".", label=str(r))
-            axes[1][j].plot(ep, [statistics.fmean(b for _, b in by_epoch[e]) for e in ep], marker=".", label=str(r))
+            xs = [steps[(c, r, e)] for e in ep] if by_step else ep
+            axes[0][j].plot(xs, [statistics.fmean(a for a, _ in by_epoch[e]) for e in ep], marker="o", label=str(r))
+            axes[1][j].plot(xs, [statistics.fmean(b for _, b in by_epoch[e]) for e in ep], marker="o", label=str(r))
         axes[0][j].set_title(f"{_NAMES.get(cols, cols)} = {c}", fontsize=10)
-        axes[1][j].set_xlabel("epoch")
+        axes[1][j].set_xlabel("step (the runs are shorter than one epoch)" if by_step else "epoch")
         for ax in (axes[0][j], axes[1][j]):
             ax.grid(alpha=0.3)
+            if by_step:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes[0][0].set_ylabel("test accuracy")
     axes[1][0].set_ylabel("ε spent")
     axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"test accuracy and ε spent during training (mean over seeds; ε at {_deltas(records)})", fontsize=10)
     fig.tight_layout()
     atomic_savefig(fig, path)
     plt.close(fig)

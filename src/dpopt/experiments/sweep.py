@@ -61,7 +61,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 from ..atomic import append_whole
 from ..errors import ConfigError
@@ -156,6 +156,22 @@ def _check_keys(table: dict, where: str, fields: set) -> None:
         raise ConfigError(f"{where}: {', '.join(given)} is set by the sweep ([sweep] out), not per run")
 
 
+def _check_method(method: Any, label: str) -> None:
+    """Refuse an unknown method when the config is read (a dry run listed it as "todo" before).
+
+    Raises:
+        ConfigError: naming the run's label and every method there is.
+    """
+    from ..methods import get_method
+
+    if method is None:
+        return
+    try:
+        get_method(str(method))
+    except ConfigError as exc:
+        raise ConfigError(f"run {label!r}: {exc}") from None
+
+
 def _run_id(options: dict) -> str:
     text = json.dumps(options, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -227,6 +243,7 @@ def parse_sweep(
                 options["hparams"] = {**base["hparams"], **chosen["hparams"]}
             label = str(chosen.get("label", base.get("label", options.get("method", "dp-macadam"))))
             options.pop("label", None)
+            _check_method(options.get("method"), label)
             rid = _run_id(options)
             if rid in seen:
                 continue

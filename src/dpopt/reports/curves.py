@@ -36,6 +36,8 @@ def _title(run_dir: Path) -> str:
         parts.append(f"σ = {float(cfg['noise_multiplier']):.4g}")
     if cfg.get("batch_size") is not None:
         parts.append(f"B̄ = {float(cfg['batch_size']):g}")
+    if cfg.get("delta") is not None:
+        parts.append(f"ε at δ = {float(cfg['delta']):g}")
     return ", ".join(parts)
 
 
@@ -53,6 +55,7 @@ def curves_figure(rows: list[dict], title: str = ""):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(12.5, 3.9), dpi=90)
@@ -68,6 +71,9 @@ def curves_figure(rows: list[dict], title: str = ""):
             label = label.replace("test ", "test / validation ")
             ax.legend(fontsize=7)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(
+            MaxNLocator(integer=True, min_n_ticks=1)
+        )  # a sub-epoch run: steps 1, 2, not 0.5, 1.5
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ratio:  # epoch = step × q

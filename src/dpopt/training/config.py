@@ -113,7 +113,8 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         ValueError: (a :class:`~dpopt.errors.ConfigError` naming the fields)
             σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N (when q = B̄/N),
             q ∉ (0, 1], lr ≤ 0, epochs ≤ 0, unknown accountant or method,
-            reproducible noise together with secure mode, validation_fraction ∉ [0, 1).
+            reproducible noise together with secure mode, validation_fraction ∉ [0, 1),
+            lr or max_grad_norm given both as a field and in ``hparams`` with different values.
     """
     check_validation_fraction(cfg.validation_fraction)
     check_noise_multiplier(cfg.noise_multiplier)
@@ -137,6 +138,10 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ConfigError(f"epochs must be a finite number > 0, got {cfg.epochs}", "epochs")
     if cfg.lr is not None and not math.isfinite(cfg.lr):
         raise ConfigError(f"lr must be finite, got {cfg.lr}", "lr")
+    for key in ("lr", "max_grad_norm"):  # two values for one setting: the field silently won before
+        own, given = getattr(cfg, key), cfg.hparams.get(key)
+        if own is not None and given is not None and given != own:
+            raise ConfigError(f"{key} is given twice ({own} and hparams {key}={given}); give one of them", key)
     if cfg.accountant not in ACCOUNTANTS:
         raise ConfigError(f"unknown accountant {cfg.accountant!r}; choose one of {ACCOUNTANTS}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:

@@ -250,6 +250,7 @@ def run_steps(
                     "epsilon": eps_now,
                     "test_accuracy": last.get("test_accuracy"),
                     "test_loss": last.get("test_loss"),
+                    "metrics_step": last.get("step"),  # the step those metrics are of (a resumed run: an earlier one)
                     "epsilon_bound": tracker.bound(ledger),
                     "accountant": cfg.accountant,
                 }
