@@ -66,6 +66,7 @@ from .check import (
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
+from .lift import Lifts, on_axis
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
 
@@ -189,11 +190,12 @@ def _note_late(late: set, key, grad_outputs) -> None:
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes", "state")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved")
 
     def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
         self.state = state  # engine.check.module_state at the forward (the check's signature)
+        self.unresolved: dict = {}  # engine.lift: off-axis layers no enclosing call could take (refused)
 
 
 class Call:
@@ -433,6 +435,21 @@ class Plan:
         return rule.blocks(layer)
 
 
+def _is_cache(v) -> bool:
+    """A Hugging Face key/value cache (``transformers.Cache``): the batched call already filled it.
+
+    An enclosing call's recorded kwargs drop it (None): its per-example vjp
+    re-runs the call, which would append to the cache again. Exact for a
+    training forward, whose cache starts empty; otherwise the first-batch
+    check refuses the mismatch.
+    """
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(v).__mro__)
+
+
+def _shapes(ts) -> list:
+    return [tuple(t.shape) for t in ts]
+
+
 def _sum_views(g: Tensor, views: int) -> Tensor:
     """``[B·K, ...]`` → ``[B, ...]``: the sum of each example's K consecutive rows."""
     if views == 1:
@@ -477,6 +494,9 @@ class Recorder:
             forward that changed one (the hook door; the engine guards a whole step).
         hook_bare_owners: also record the calls of the modules that own bare
             parameters (for their vjp when a use is not recognised).
+        lift: capture a layer whose call does not keep the examples along
+            dim 0 through the vjp of the nearest enclosing call that does
+            (:mod:`dpopt.engine.lift`; the hook door, whose fallback is that vjp).
 
     Every recorded call is refused if it runs inside a backward pass
     (activation checkpointing recomputes forwards there: :mod:`dpopt.engine.hf_guards`).
@@ -491,8 +511,11 @@ class Recorder:
         tensor_hooks: bool,
         guard_buffers: bool,
         hook_bare_owners: bool = False,
+        lift: bool = False,
     ):
         self.plan = plan
+        self.lifts: Optional[Lifts] = Lifts(plan.model, plan.module_names) if lift else None
+        self._hooked: set = set()
         self.vjp = vjp or {}
         self.tensor_hooks, self.guard_buffers, self.hook_bare_owners = tensor_hooks, guard_buffers, hook_bare_owners
         self.calls: list[Call] = []
@@ -519,6 +542,11 @@ class Recorder:
         hooked = set(plan.modules) | set(self.vjp) | (set(plan.bare) if self.hook_bare_owners else set())
         for mod in hooked:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
+        self._hooked = hooked
+        if self.lifts is not None:  # after _layer: a module's own call is decided before it encloses others
+            for mod in m.modules():
+                if next(iter(mod.children()), None) is not None:
+                    self._handles.append(mod.register_forward_hook(self._enclosing, with_kwargs=True))
         # ViT's class token (engine.bare)
         self._handles += tap_bare(plan.bare, self.rows, self._bare_use, self._bare_other)
         # after the layer hooks: the root may itself be a layer, recorded before its pass ends
@@ -609,6 +637,8 @@ class Recorder:
             mode_signature(module) if self.guard_buffers else None,
             module_state(module) if self.guard_buffers else None,
         )
+        if self.lifts is not None:
+            self.lifts.pending.clear()
         if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
             self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
@@ -618,6 +648,8 @@ class Recorder:
     def _root_post(self, module, args, kwargs, out):
         if not self.active:
             return None
+        if self.lifts is not None and self.current is not None and self.lifts.pending:
+            self.current.unresolved = dict(self.lifts.pending)
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
@@ -658,6 +690,8 @@ class Recorder:
         """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
         if not self.active or module not in self.plan.modules or not o.requires_grad:
             return
+        if self.lifts is not None and module in self.lifts.lifted:
+            return
         if in_backward():
             raise recomputed(self.plan.name_of(module), module)
         if module in self.clone_in:
@@ -667,6 +701,9 @@ class Recorder:
     def _layer(self, module, args, kwargs, out):
         if not self.active or not torch.is_grad_enabled():
             return None
+        lifts = self.lifts if self.current is not None else None
+        if lifts is not None and module in lifts.lifted:
+            return None  # its parameters are computed through the enclosing call (engine.lift)
         planned = module in self.plan.modules
         fast = planned and module not in self._tapped
         if planned and not fast and module not in self.vjp:
@@ -675,6 +712,9 @@ class Recorder:
             raise recomputed(self.plan.name_of(module), module)
         if not fast:
             outs = leaves(out)
+            if lifts is not None and not on_axis(leaves((args, kwargs)), outs, self.rows()):
+                lifts.pending[module] = (_shapes(leaves((args, kwargs))), _shapes(outs))
+                return None
             if any(t.requires_grad for t in outs):
                 self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
             return None
@@ -687,12 +727,48 @@ class Recorder:
         if not out.requires_grad:
             return None
         inp, wide = expand_broadcast(module, inp, out, self.rows())  # [1, T] position ids: per example
+        if lifts is not None and (off_axis(inp, self.rows()) or off_axis(wide, self.rows())):
+            lifts.pending[module] = ([tuple(inp.shape)], [tuple(out.shape)])
+            return None
         if module in self.clone_in:  # keep a copy a later in-place op cannot touch
             inp = inp.clone()
         self._record(Call(module, inp, wide, args, kwargs, [wide], self.current, versions=self.guard_buffers))
         if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
             return wide.clone()
         return wide if wide is not out else None
+
+    def _owned(self, m: nn.Module) -> dict[str, int]:
+        """{attribute or relative name: index} of the parameters ``m``'s calls carry now (engine.lift)."""
+        return {**self.plan.modules.get(m, {}), **self.plan.bare.get(m, {}), **self.vjp.get(m, {})}
+
+    def _enclosing(self, module, args, kwargs, out):
+        """A module enclosing off-axis layers (:mod:`dpopt.engine.lift`): take them over, record its call."""
+        lifts = self.lifts
+        if lifts is None or not self.active or not torch.is_grad_enabled() or self.current is None:
+            return None
+        if module in lifts.lifted:
+            return None
+        target, waiting = module in lifts.targets, lifts.waiting_in(module) if lifts.pending else []
+        if not target and not waiting:
+            return None
+        ins, outs = leaves((args, kwargs)), leaves(out)
+        if module in self.plan.modules or not on_axis(ins, outs, self.rows()):
+            if target:  # what was lifted into it goes on up
+                lifts.targets.discard(module)
+                lifts.pending[module] = (_shapes(ins), _shapes(outs))
+            return None
+        if in_backward():
+            raise recomputed(self.plan.name_of(module), module)
+        if waiting:
+            moved = lifts.assign(module, {m: self._owned(m) for m in waiting})
+            for m in waiting:
+                self.vjp.pop(m, None)
+            self.plan.demote(list(moved.values()))
+            self.vjp.setdefault(module, {}).update(moved)
+        if module not in self._hooked and any(t.requires_grad for t in outs):  # else _layer recorded it
+            kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+            self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+        return None
 
     # -- the door fills the gradients ----------------------------------------------------
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
@@ -713,6 +789,8 @@ class Recorder:
         """
         bad: dict = {}
         for c in calls:
+            for m, shapes in (c.pass_.unresolved if c.pass_ is not None else {}).items():
+                bad.setdefault(m, shapes)
             if c.fast:
                 wrong = off_axis(c.inp, rows) or off_axis(c.out, rows)
             else:
@@ -803,6 +881,15 @@ class Recorder:
         """
         plan, other = self.plan, other or {}
         b = rows // views
+        if self.lifts is not None:
+            stale = sorted({plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted})
+            if stale:
+                raise ValueError(
+                    f"layers {stale} were recorded on this batch as keeping the examples along dim 0, but the "
+                    "first-batch check found they do not (this batch's size equals one of their dimensions): "
+                    "their parameters are now computed through an enclosing layer. Repeat this step (zero the "
+                    "gradients and run the forward and backward again)"
+                )
         captured = [
             (c, c.grads[0] * scale if c.grads[0] is not None else None)
             for c in calls

@@ -151,7 +151,9 @@ class HookCapture:
         self.vjp: dict[nn.Module, dict[str, int]] = self.plan.vjp_owners()
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
-        self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True).attach()
+        self._rec = Recorder(
+            self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=True
+        ).attach()
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
         # batches left in which the collate check may still find an example whose padding differs: a
