@@ -190,12 +190,13 @@ def _note_late(late: set, key, grad_outputs) -> None:
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved", "serial")
 
     def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
         self.state = state  # engine.check.module_state at the forward (the check's signature)
         self.unresolved: dict = {}  # engine.lift: off-axis layers no enclosing call could take (refused)
+        self.serial = 0  # the Recorder's count of root passes (engine.lift: which lifts a pass has seen)
 
 
 class Call:
@@ -446,6 +447,20 @@ def _is_cache(v) -> bool:
     return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(v).__mro__)
 
 
+def _fresh_outputs(out):
+    """``out`` with each tensor that requires gradients replaced by a view of itself; and those tensors.
+
+    An enclosing call may return tensors it also uses itself (the hidden
+    states of every layer, its own input): a hook on such a tensor would
+    receive the gradient flowing back through the call as well, which the
+    call's vjp counts again. A fresh view receives only the gradient from
+    outside the call.
+    """
+    flat, spec = tree_flatten(out)
+    flat = [t.view_as(t) if isinstance(t, Tensor) and t.requires_grad else t for t in flat]
+    return tree_unflatten(flat, spec), [t for t in flat if isinstance(t, Tensor)]
+
+
 def _shapes(ts) -> list:
     return [tuple(t.shape) for t in ts]
 
@@ -531,6 +546,7 @@ class Recorder:
         self._untap: Callable[[], None] = lambda: None
         self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
         self._serial, self._warned = 0, False
+        self._passes = 0  # root passes started (Pass.serial)
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -638,7 +654,9 @@ class Recorder:
             module_state(module) if self.guard_buffers else None,
         )
         if self.lifts is not None:
-            self.lifts.pending.clear()
+            self.lifts.start()
+            self._passes += 1
+            self.current.serial = self._passes
         if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
             self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
@@ -690,7 +708,7 @@ class Recorder:
         """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
         if not self.active or module not in self.plan.modules or not o.requires_grad:
             return
-        if self.lifts is not None and module in self.lifts.lifted:
+        if self.lifts is not None and (module in self.lifts.lifted or self.lifts.off(module)):
             return
         if in_backward():
             raise recomputed(self.plan.name_of(module), module)
@@ -702,7 +720,7 @@ class Recorder:
         if not self.active or not torch.is_grad_enabled():
             return None
         lifts = self.lifts if self.current is not None else None
-        if lifts is not None and module in lifts.lifted:
+        if lifts is not None and (module in lifts.lifted or lifts.off(module)):
             return None  # its parameters are computed through the enclosing call (engine.lift)
         planned = module in self.plan.modules
         fast = planned and module not in self._tapped
@@ -737,6 +755,18 @@ class Recorder:
             return wide.clone()
         return wide if wide is not out else None
 
+    def escalate(self, indices: Sequence[int]) -> bool:
+        """Lift the owners of parameters the first-batch check refused one level up (:meth:`Lifts.escalate`).
+
+        Returns:
+            False if there is nothing to lift (no lifting here, or every owner is the root).
+        """
+        if self.lifts is None:
+            return False
+        bad = set(indices)
+        owners = [m for m in self.plan.model.modules() if bad & set(self._owned(m).values())]
+        return self.lifts.escalate(owners)
+
     def _owned(self, m: nn.Module) -> dict[str, int]:
         """{attribute or relative name: index} of the parameters ``m``'s calls carry now (engine.lift)."""
         return {**self.plan.modules.get(m, {}), **self.plan.bare.get(m, {}), **self.vjp.get(m, {})}
@@ -752,7 +782,7 @@ class Recorder:
         if not target and not waiting:
             return None
         ins, outs = leaves((args, kwargs)), leaves(out)
-        if module in self.plan.modules or not on_axis(ins, outs, self.rows()):
+        if module in self.plan.modules or lifts.off(module) or not on_axis(ins, outs, self.rows()):
             if target:  # what was lifted into it goes on up
                 lifts.targets.discard(module)
                 lifts.pending[module] = (_shapes(ins), _shapes(outs))
@@ -760,14 +790,16 @@ class Recorder:
         if in_backward():
             raise recomputed(self.plan.name_of(module), module)
         if waiting:
-            moved = lifts.assign(module, {m: self._owned(m) for m in waiting})
+            moved = lifts.assign(module, {m: self._owned(m) for m in waiting}, self.current.serial)
             for m in waiting:
                 self.vjp.pop(m, None)
             self.plan.demote(list(moved.values()))
             self.vjp.setdefault(module, {}).update(moved)
         if module not in self._hooked and any(t.requires_grad for t in outs):  # else _layer recorded it
             kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+            out, outs = _fresh_outputs(out)
             self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+            return out
         return None
 
     # -- the door fills the gradients ----------------------------------------------------
@@ -883,6 +915,13 @@ class Recorder:
         b = rows // views
         if self.lifts is not None:
             stale = sorted({plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted})
+            serial = max((c.pass_.serial for c in calls if c.pass_ is not None), default=0)
+            have = {c.module for c in calls}
+            stale += sorted(
+                plan.name_of(t)
+                for t, s in self.lifts.since.items()
+                if s > serial and t in self.lifts.targets and t not in have and self.vjp.get(t)
+            )
             if stale:
                 raise ValueError(
                     f"layers {stale} were recorded on this batch as keeping the examples along dim 0, but the "

@@ -124,6 +124,8 @@ class HookCapture:
     """
 
     checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
+    #: capture layers whose rows are not examples through an enclosing call (engine.lift)
+    lifts_layers = True
 
     def __init__(
         self,
@@ -152,7 +154,7 @@ class HookCapture:
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._rec = Recorder(
-            self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=True
+            self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=self.lifts_layers
         ).attach()
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
@@ -378,6 +380,10 @@ class HookCapture:
             bad, off = self._rec.check(
                 args, kwargs, n, self.views, self._run_check, params=self.params, compare=compare
             )
+            while off and not bad and self._rec.escalate(off):  # a parameter used outside its calls: one level up
+                bad, off = self._rec.check(
+                    args, kwargs, n, self.views, self._run_check, params=self.params, compare=compare
+                )
         except OutputLayout as err:
             raise ValueError(
                 f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "

@@ -75,9 +75,12 @@ class Lifts:
 
     Attributes:
         lifted: module → the enclosing module whose call computes its parameters' gradients.
-        targets: modules that receive lifted parameters.
+        targets: modules that receive lifted parameters; since: target → the
+            serial of the pass in which it became one.
         pending: modules of the current pass seen off the example axis and not yet
             assigned, with their (input, output) shapes for an error message.
+        forced: modules the first-batch check found a parameter of used outside
+            their calls (:meth:`escalate`): lifted at the next pass, called or not.
     """
 
     def __init__(self, model: nn.Module, names: dict):
@@ -89,7 +92,34 @@ class Lifts:
         self.names = names
         self.lifted: dict[nn.Module, nn.Module] = {}
         self.targets: set = set()
+        self.since: dict[nn.Module, int] = {}
         self.pending: dict[nn.Module, tuple] = {}
+        self.forced: set = set()
+
+    def start(self) -> None:
+        """A new pass: forget the pending modules; the forced ones not yet lifted are pending from the start."""
+        self.pending = {m: ([], []) for m in self.forced if m not in self.lifted and m is not self.root}
+
+    def off(self, m: nn.Module) -> bool:
+        """True if ``m`` must be lifted whatever its call's layout (:attr:`forced`, not yet lifted)."""
+        return m in self.forced and m not in self.lifted
+
+    def escalate(self, owners: list) -> bool:
+        """Force the given modules (owners of parameters the check refused) one level up; False if none can move.
+
+        A parameter used outside its module's calls (DeBERTa-v2's encoder reads
+        ``rel_embeddings.weight`` directly) disagrees with single-example
+        autograd; its owner (or the target its parameter was lifted into) is
+        then lifted to an enclosing call, which sees that use.
+        """
+        moved = False
+        for m in owners:
+            m = self.lifted.get(m, m)
+            if m is not self.root and m not in self.forced:
+                self.forced.add(m)
+                self.targets.discard(m)
+                moved = True
+        return moved
 
     def encloses(self, a: nn.Module, m: nn.Module) -> bool:
         """True if ``a`` is a strict ancestor of ``m``."""
@@ -111,7 +141,7 @@ class Lifts:
             return full_m + "."
         return full_m[len(full_a) + 1 :] + "."
 
-    def assign(self, a: nn.Module, owned: dict[nn.Module, dict[str, int]]) -> dict[str, int]:
+    def assign(self, a: nn.Module, owned: dict[nn.Module, dict[str, int]], serial: int = 0) -> dict[str, int]:
         """Lift the pending modules ``a`` encloses into ``a``; returns their parameters by name relative to ``a``.
 
         ``owned``: module → {attribute (or relative dotted name): index} of the
@@ -127,7 +157,9 @@ class Lifts:
                     self.lifted[q] = a
             self.targets.discard(m)
             del self.pending[m]
-        self.targets.add(a)
+        if a not in self.targets:
+            self.targets.add(a)
+            self.since[a] = serial
         return moved
 
     def first_pending(self) -> Optional[tuple]:
