@@ -972,7 +972,7 @@ class Recorder:
         In the mode the model is in (the caller sets the mode of the release),
         on ``rows`` rows (a verification size: :func:`~dpopt.engine.check.free_sizes`):
         the batched pass records the calls and the gradients of Σ_r f_r(out_r)
-        (the door's per-row losses, or ⟨ρ_r, out_r⟩ for random ρ when the door
+        (the door's per-row losses, or ⟨ρ_r, out_r⟩ + ‖out_r‖²/8 for random ρ when the door
         has no loss), its random draws recorded
         (:class:`~dpopt.engine.check.RandomReplay`); each row is then run alone
         with its draws replayed, and the per-example gradients
@@ -1081,7 +1081,12 @@ class Recorder:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
                     rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
-                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))  # type: ignore[return-value]
+                # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
+                # output's value, so a call that mixes examples is caught also where no trainable layer follows
+                # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
+                return sum(  # type: ignore[return-value]
+                    (o * r[sl] + 0.125 * o * o).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs)
+                )
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)
