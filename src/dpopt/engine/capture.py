@@ -190,13 +190,14 @@ def _note_late(late: set, key, grad_outputs) -> None:
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved", "serial")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved", "serial", "out_grads")
 
     def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
         self.state = state  # engine.check.module_state at the forward (the check's signature)
         self.unresolved: dict = {}  # engine.lift: off-axis layers no enclosing call could take (refused)
         self.serial = 0  # the Recorder's count of root passes (engine.lift: which lifts a pass has seen)
+        self.out_grads: Optional[GradSlots] = None  # engine.lift: the root outputs' gradients (to run it again)
 
 
 class Call:
@@ -666,8 +667,14 @@ class Recorder:
     def _root_post(self, module, args, kwargs, out):
         if not self.active:
             return None
-        if self.lifts is not None and self.current is not None and self.lifts.pending:
-            self.current.unresolved = dict(self.lifts.pending)
+        if self.lifts is not None and self.current is not None:
+            if self.lifts.pending:
+                self.current.unresolved = dict(self.lifts.pending)
+            if self.tensor_hooks and torch.is_grad_enabled():  # the pass can be run again with the same gradients
+                outs = [t for t in leaves(out) if t.requires_grad]
+                self.current.out_grads = slots = GradSlots([None] * len(outs))
+                for k, t in enumerate(outs):
+                    t.register_hook(partial(store_grad, slots, k))
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
@@ -754,6 +761,26 @@ class Recorder:
         if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
             return wide.clone()
         return wide if wide is not out else None
+
+    def stale(self, calls: Sequence[Call]) -> list[str]:
+        """Names of layers whose calls in ``calls`` predate a lifting decision (:mod:`dpopt.engine.lift`).
+
+        A call of a module lifted since, or a module that became an enclosing
+        target after the pass and whose call was therefore not recorded
+        (the first-batch check lifts at sizes that differ from every
+        dimension of the model, after the user's pass).
+        """
+        if self.lifts is None:
+            return []
+        names = {self.plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted}
+        serial = max((c.pass_.serial for c in calls if c.pass_ is not None), default=0)
+        have = {c.module for c in calls}
+        names |= {
+            self.plan.name_of(t)
+            for t, s in self.lifts.since.items()
+            if s > serial and t in self.lifts.targets and t not in have and self.vjp.get(t)
+        }
+        return sorted(names)
 
     def escalate(self, indices: Sequence[int]) -> bool:
         """Lift the owners of parameters the first-batch check refused one level up (:meth:`Lifts.escalate`).
@@ -913,22 +940,13 @@ class Recorder:
         """
         plan, other = self.plan, other or {}
         b = rows // views
-        if self.lifts is not None:
-            stale = sorted({plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted})
-            serial = max((c.pass_.serial for c in calls if c.pass_ is not None), default=0)
-            have = {c.module for c in calls}
-            stale += sorted(
-                plan.name_of(t)
-                for t, s in self.lifts.since.items()
-                if s > serial and t in self.lifts.targets and t not in have and self.vjp.get(t)
+        stale = self.stale(calls)
+        if stale:
+            raise ValueError(
+                f"layers {stale} were recorded on this batch before the first-batch check decided to compute "
+                "their parameters through an enclosing layer (engine.lift), and the batch could not be run "
+                "again: repeat this step (zero the gradients and run the forward and backward again)"
             )
-            if stale:
-                raise ValueError(
-                    f"layers {stale} were recorded on this batch as keeping the examples along dim 0, but the "
-                    "first-batch check found they do not (this batch's size equals one of their dimensions): "
-                    "their parameters are now computed through an enclosing layer. Repeat this step (zero the "
-                    "gradients and run the forward and backward again)"
-                )
         captured = [
             (c, c.grads[0] * scale if c.grads[0] is not None else None)
             for c in calls

@@ -263,7 +263,31 @@ class HookCapture:
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
                     self._verify(p, key)
+        if self._rec.stale(done):
+            done, other = self._again(p, done, other)
         return self._build(done, p.batch_size, self.loss_reduction, other)
+
+    def _again(self, p: Pass, done: list[Call], other: dict) -> tuple[list[Call], dict]:
+        """The pass ``p`` run again with its root outputs' gradients, after the check changed how it is captured.
+
+        The first-batch check may decide (at its verification sizes) to
+        compute some parameters through an enclosing call (:mod:`dpopt.engine.lift`)
+        whose call the user's pass did not record. The same inputs are run
+        forward again and the gradients the user's backward delivered at the
+        model's outputs are propagated back (no parameter's ``.grad`` is
+        touched; buffers and random generators are restored). A pass whose
+        outputs' gradients were not all recorded is refused
+        (:meth:`~dpopt.engine.capture.Recorder.build`: repeat the step).
+        """
+        grads = p.out_grads
+        if grads is None or not any(g is not None for g in grads):
+            return done, other
+        with preserved_state(self.model), torch.enable_grad():
+            outs = [t for t in leaves(self.model(*p.args, **p.kwargs)) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            torch.autograd.grad([o for o, _ in pairs], self.params, [g for _, g in pairs], allow_unused=True)
+        calls, again = self._rec.take()
+        return [c for c in calls if c.has_grad], again
 
     def _empty(self) -> FastPerSampleGrads:
         blocks = [DirectBlock(list(range(len(self.params))), [q.new_zeros((0, *q.shape)) for q in self.params])]
