@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import transformers as T
-
 from hf_zoo import Wrap
+
 from dpopt.losses import per_example_lm_loss
 
 V, D, L, B = 37, 16, 6, 4

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from . import attention, recurrent  # noqa: F401,E402 — register the MultiheadAttention and LSTM/GRU/RNN rules
+from . import attention, recurrent, ws  # noqa: F401,E402 — register the MultiheadAttention, LSTM/GRU/RNN, WSConv2d rules
 from .capture import check_views
 from .check import free_sizes
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine
