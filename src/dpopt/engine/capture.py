@@ -548,6 +548,8 @@ class Recorder:
         self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
         self._serial, self._warned = 0, False
         self._passes = 0  # root passes started (Pass.serial)
+        self._wrapped: dict = {}  # enclosing targets whose forward records its random draws -> the forward before
+        self._draws: dict = {}  # module -> the random draws of its call that just ran (engine.lift)
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -578,6 +580,12 @@ class Recorder:
         self._handles = []
         self._untap()
         self._untap = lambda: None
+        for mod, prev in self._wrapped.items():
+            if prev is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = prev
+        self._wrapped = {}
         self.reset()
 
     def reset(self) -> None:
@@ -741,7 +749,10 @@ class Recorder:
                 lifts.pending[module] = (_shapes(leaves((args, kwargs))), _shapes(outs))
                 return None
             if any(t.requires_grad for t in outs):
-                self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+                draws = self._draws.pop(module, None)
+                self._record(
+                    Call(module, None, None, args, kwargs, outs, self.current, tag=draws, versions=self.guard_buffers)
+                )
             return None
         inp = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
@@ -775,10 +786,10 @@ class Recorder:
         names = {self.plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted}
         serial = max((c.pass_.serial for c in calls if c.pass_ is not None), default=0)
         have = {c.module for c in calls}
-        names |= {
+        names |= {  # a target since this pass: its call ran before its random draws were recorded
             self.plan.name_of(t)
             for t, s in self.lifts.since.items()
-            if s > serial and t in self.lifts.targets and t not in have and self.vjp.get(t)
+            if t in self.lifts.targets and self.vjp.get(t) and (s == serial or (s > serial and t not in have))
         }
         return sorted(names)
 
@@ -822,12 +833,43 @@ class Recorder:
                 self.vjp.pop(m, None)
             self.plan.demote(list(moved.values()))
             self.vjp.setdefault(module, {}).update(moved)
+            self._record_draws(module)
         if module not in self._hooked and any(t.requires_grad for t in outs):  # else _layer recorded it
             kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
             out, outs = _fresh_outputs(out)
-            self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+            draws = self._draws.pop(module, None)
+            self._record(
+                Call(module, None, None, args, kwargs, outs, self.current, tag=draws, versions=self.guard_buffers)
+            )
             return out
         return None
+
+    def _record_draws(self, module: nn.Module) -> None:
+        """From its next call on, record the random draws of an enclosing target's forward (dropout: engine.lift).
+
+        Its per-example vjp re-runs the call on each example alone; example
+        i then replays its slice of the batched call's draws
+        (:class:`~dpopt.engine.check.RandomReplay`), so the gradient is that
+        of the pass the user's backward ran. An instance ``forward`` wraps the
+        class's (undone by :meth:`detach`); it records only while this
+        recorder records a root pass with gradients.
+        """
+        if module in self._wrapped:
+            return
+        inner = module.__dict__.get("forward")
+        call = inner if inner is not None else type(module).forward.__get__(module)
+
+        def forward(*args, **kwargs):
+            if not (self.active and torch.is_grad_enabled() and self.current is not None):
+                return call(*args, **kwargs)
+            replay = RandomReplay(module)
+            with replay.recording():
+                out = call(*args, **kwargs)
+            self._draws[module] = replay.outs
+            return out
+
+        module.forward = forward  # type: ignore[method-assign]
+        self._wrapped[module] = inner
 
     # -- the door fills the gradients ----------------------------------------------------
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
@@ -911,9 +953,7 @@ class Recorder:
                 _, pull = vjp(lambda *ps: call_at(ps, [x.unsqueeze(0) for x in xs_i]), *primals)
                 return pull(tuple(e.unsqueeze(0) for e in es_i))
 
-            try:
-                return list(vmap(one)(xs, es))
-            except Exception:  # noqa: BLE001 — a layer vmap cannot batch: exact single-example loop
+            def loop() -> list[Tensor]:
                 out_rows = []
                 for i in range(rows):
                     ps = [q.detach().requires_grad_(True) for q in primals]
@@ -923,6 +963,16 @@ class Recorder:
                         gs = torch.autograd.grad([o for o, _ in pairs], ps, [e for _, e in pairs], allow_unused=True)
                     out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(primals, gs)])
                 return [torch.stack([r[k] for r in out_rows]) for k in range(len(primals))]
+
+            if c.tag:  # random draws recorded in the batched call (engine.lift): example i replays its slice
+                replay = RandomReplay(m)
+                replay.outs = list(c.tag)
+                with replay.replaying(rows):
+                    return loop()
+            try:
+                return list(vmap(one)(xs, es))
+            except Exception:  # noqa: BLE001 — a layer vmap cannot batch: exact single-example loop
+                return loop()
         finally:
             self.active = True
 
@@ -1116,6 +1166,8 @@ class Recorder:
         try:
             with replay.recording():
                 calls, other = run(args, kwargs, loss_of)
+                if self.stale([c for c in calls if c.has_grad]):  # lifted in this pass (engine.lift): run it again
+                    calls, other = run(args, kwargs, loss_of)
         finally:
             self.calls, self.other = saved
         bad = self.layout(calls, rows)
