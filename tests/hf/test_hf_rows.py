@@ -6,7 +6,7 @@ and MPNet (relative attention bias tables), BART (decoder learned positions),
 DeBERTa-v2 (``pos_key_proj`` on the relative embeddings, read by the encoder
 outside the embedding's call), Swin (windows), BEiT (relative position bias)
 and wav2vec2 (weight-norm parametrization) — tiny configs, float64, dropout
-off. With σ = 0 and lr = 0 the released gradient times the expected batch
+off (dropout on: the last test, float32 and float64). With σ = 0 and lr = 0 the released gradient times the expected batch
 size is the clipped sum Σ_i g_i·min(1, C/‖g_i‖), where g_i is example i's
 gradient from single-example autograd (each example alone): compared with C
 below every norm (every example clipped) and C between the second and third
@@ -101,3 +101,48 @@ def test_removing_one_example_moves_the_release_by_at_most_c(name):
                 assert moved <= c * (1 + 1e-6), f"{name}: example {j}"  # T5 normalises in float32
     finally:
         engine.detach()
+
+
+def _dropout(model, p: float = 0.1) -> None:
+    """Dropout p on every dropout layer and on the functional dropout rates HF attention modules keep."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+        for attr in ("dropout", "attention_dropout", "activation_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, p)
+
+
+_FAST = ("mixtral", "bart", "wav2vec2")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", [n if n in _FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def test_train_mode_with_dropout_is_exact_per_example(name, dtype):
+    """Dropout inside an enclosing call: its per-example vjp replays the batched pass's masks."""
+    from hf_zoo import mismatches, source_grads
+
+    from dpopt.engine.check import RandomReplay
+    from dpopt.engine.hooks import HookCapture
+
+    model, x, y, loss_fn, batch_loss = _case(name)
+    model.to(dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    _dropout(model)
+    replay = RandomReplay(model)
+    cap = HookCapture(model, "sum")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (len(y) * batch_loss(model(x), y)).backward()
+            cap.collect()  # the first batch: the check
+            model.zero_grad()
+            with replay.recording():
+                (len(y) * batch_loss(model(x), y)).backward()
+            src = cap.collect()
+    finally:
+        cap.detach()
+    assert cap._rec.lifts.targets
+    ref = reference(model, loss_fn, x, y, replay)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert mismatches(source_grads(src), ref, names, 1e-4 if dtype == torch.float32 else 1e-9) == []

@@ -21,7 +21,9 @@ run, in the mode that trains, dropout masks replayed per example),
 :mod:`~dpopt.engine.layers` (per-layer norm/sum math: blocks),
 :mod:`~dpopt.engine.rules` (which layer types have a fast rule, registered
 per type) and :mod:`~dpopt.engine.fast` (the engine that captures layer
-calls and builds the fast source). Sources satisfy
+calls and builds the fast source), :mod:`~dpopt.engine.lift` (the hook
+door's layers whose rows are not examples, through an enclosing call).
+Sources satisfy
 :class:`dpopt.types.PerSampleSource`.
 
 Both paths define example i's gradient as that of ``loss_fn(model(x_i),

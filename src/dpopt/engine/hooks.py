@@ -14,6 +14,10 @@ gradients come from the backward pass itself:
 * layers with a fast rule (:mod:`dpopt.engine.rules`: Linear, Conv2d,
   Embedding, LayerNorm, GroupNorm) build their blocks from ``(input, e)``
   exactly as the fast engine does (:class:`~dpopt.engine.fast.FastPerSampleGrads`);
+* a layer whose call does not keep the examples along dim 0 (tokens
+  flattened to ``[B·T, H]``, routed experts, windows, shared position
+  tables, parametrizations) is captured through the nearest enclosing call
+  that does (:mod:`dpopt.engine.lift`), by that call's vjp below;
 * the parameters of any other layer get ``g_i = vjp(layer forward at x_i)(e_i)``:
   ``torch.func.vmap`` of a ``vjp`` of that module's forward over (recorded
   input, recorded output gradient), or an exact loop of single-example
