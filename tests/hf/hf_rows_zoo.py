@@ -8,9 +8,9 @@ forward per example). The kind each covers:
 
 * tokens flattened to ``[B·T, H]``: OPT (``final_layer_norm``, ``fc1``, ``fc2``);
 * mixture of experts (routers over ``[B·T, H]`` tokens, experts over routed
-  subsets): Mixtral, Qwen2-MoE (with a shared expert and its gate);
+  subsets): Mixtral, Qwen2-MoE (with a shared expert and its gate), Qwen3-MoE;
 * parameters used on tables shared by the batch: T5 (``relative_attention_bias``),
-  BART (decoder learned positions), DeBERTa-v2 (``pos_key_proj``), MPNet;
+  BART and mBART (decoder learned positions), DeBERTa-v2 (``pos_key_proj``), MPNet;
 * windows: Swin (window partition, relative position table); BEiT (relative position bias);
 * a weight-norm parametrization: wav2vec2 (``pos_conv_embed.conv``).
 
@@ -131,6 +131,30 @@ def qwen2_moe(gen):
     return _causal("Qwen2MoeForCausalLM", _experts_eager(cfg), gen)
 
 
+def qwen3_moe(gen):
+    cls = _cls("Qwen3MoeConfig")
+    if cls is None:
+        return None
+    cfg = cls(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    return _causal("Qwen3MoeForCausalLM", _experts_eager(cfg), gen)
+
+
 def _seq2seq(model_cls: str, cfg, gen):
     cls = _cls(model_cls)
     if cls is None:
@@ -184,6 +208,29 @@ def bart(gen):
         use_cache=False,
     )
     return _seq2seq("BartForConditionalGeneration", cfg, gen)
+
+
+def mbart(gen):
+    cfg = T.MBartConfig(
+        vocab_size=V,
+        d_model=D,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        use_cache=False,
+    )
+    return _seq2seq("MBartForConditionalGeneration", cfg, gen)
 
 
 def _classify(model_cls: str, cfg, gen, keys=("input_ids", "attention_mask")):
@@ -321,8 +368,10 @@ CASES = {
     "opt": opt,
     "mixtral": mixtral,
     "qwen2-moe": qwen2_moe,
+    "qwen3-moe": qwen3_moe,
     "t5": t5,
     "bart": bart,
+    "mbart": mbart,
     "deberta-v2": deberta_v2,
     "mpnet": mpnet,
     "swin": swin,

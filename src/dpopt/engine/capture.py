@@ -532,7 +532,7 @@ class Recorder:
         self.plan = plan
         self.lifts: Optional[Lifts] = Lifts(plan.model, plan.module_names) if lift else None
         self._hooked: set = set()
-        self.vjp = vjp or {}
+        self.vjp = vjp if vjp is not None else {}
         self.tensor_hooks, self.guard_buffers, self.hook_bare_owners = tensor_hooks, guard_buffers, hook_bare_owners
         self.calls: list[Call] = []
         self.current: Optional[Pass] = None
