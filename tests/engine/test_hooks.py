@@ -161,6 +161,20 @@ def test_refusals():
     with pytest.raises(ValueError, match="do not match single-example"):
         cap.collect()
 
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):  # [B, T, 3] -> transposed to [T, B, 3] for the layer; only the root encloses it
+            return self.fc(x.transpose(0, 1)).mean(0)
+
+    m = SeqFirst()
+    cap = HookCapture(m)
+    nn.functional.cross_entropy(m(torch.randn(4, 5, 3)), torch.tensor([0, 1, 0, 1])).backward()
+    with pytest.raises(ValueError, match="along dim 0"):
+        cap.collect()
+
     m = nn.Linear(3, 2)
     cap = HookCapture(m, verify=False)
     (m(torch.randn(4, 3)).sum() + m(torch.randn(4, 3)).sum()).backward()

@@ -187,16 +187,37 @@ class MixingFlat(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(H, 2)
+        self.fc = nn.Linear(H, H)
 
     def forward(self, x):
         b, t, h = x.shape
-        return self.fc((x - x.mean(0, keepdim=True)).reshape(-1, h)).reshape(b, t, 2).mean(1)
+        return self.fc((x - x.mean(0, keepdim=True)).reshape(-1, h)).reshape(b, t, h)
 
 
-def test_a_model_that_mixes_examples_is_refused_even_through_the_root():
+class RootOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, 2)
+
+    def forward(self, x):  # only the root encloses the flattened call
+        return self.fc(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], -1, 2).mean(1)
+
+
+def test_a_layer_only_the_root_encloses_is_refused():
+    """The root is never an enclosing call (its vjp alone could hide mixing): refused as before."""
+    model = RootOnly().double()
+    cap = HookCapture(model, "sum")
+    try:
+        F.cross_entropy(model(torch.randn(B, T, H, dtype=torch.float64)), torch.randint(0, 2, (B,))).backward()
+        with pytest.raises(ValueError, match="does not keep the examples along dim 0"):
+            cap.collect()
+    finally:
+        cap.detach()
+
+
+def test_an_enclosing_call_that_mixes_examples_is_refused():
     torch.manual_seed(0)
-    model = MixingFlat().double()
+    model = Model(MixingFlat()).double()
     cap = HookCapture(model, "sum")
     try:
         F.cross_entropy(model(torch.randn(B, T, H, dtype=torch.float64)), torch.randint(0, 2, (B,))).backward()

@@ -548,6 +548,7 @@ class Recorder:
         self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
         self._serial, self._warned = 0, False
         self._passes = 0  # root passes started (Pass.serial)
+        self.unresolved: dict = {}  # off-axis layers of the last pass no enclosing call took (engine.lift)
         self._wrapped: dict = {}  # enclosing targets whose forward records its random draws -> the forward before
         self._draws: dict = {}  # module -> the random draws of its call that just ran (engine.lift)
 
@@ -592,6 +593,11 @@ class Recorder:
         """Forget every recorded call (and the current pass)."""
         self.calls, self.other, self.current = [], {}, None
         self._late.clear()
+
+    def take_unresolved(self) -> dict:
+        """Off-axis layers no enclosing call below the root could take since the last call (then forgotten)."""
+        out, self.unresolved = self.unresolved, {}
+        return out
 
     def take(self) -> tuple[list[Call], dict]:
         """The recorded calls and unrecognised bare uses, forgotten here."""
@@ -677,7 +683,7 @@ class Recorder:
             return None
         if self.lifts is not None and self.current is not None:
             if self.lifts.pending:
-                self.current.unresolved = dict(self.lifts.pending)
+                self.current.unresolved = self.unresolved = dict(self.lifts.pending)
             if self.tensor_hooks and torch.is_grad_enabled():  # the pass can be run again with the same gradients
                 outs = [t for t in leaves(out) if t.requires_grad]
                 self.current.out_grads = slots = GradSlots([None] * len(outs))
@@ -820,7 +826,12 @@ class Recorder:
         if not target and not waiting:
             return None
         ins, outs = leaves((args, kwargs)), leaves(out)
-        if module in self.plan.modules or lifts.off(module) or not on_axis(ins, outs, self.rows()):
+        if (
+            module is lifts.root
+            or module in self.plan.modules
+            or lifts.off(module)
+            or not on_axis(ins, outs, self.rows())
+        ):
             if target:  # what was lifted into it goes on up
                 lifts.targets.discard(module)
                 lifts.pending[module] = (_shapes(ins), _shapes(outs))

@@ -210,6 +210,8 @@ class HookCapture:
         """
         late = self._rec.dropped_received()  # passes dropped as unused (a later pass began) that got gradients
         calls, other = self._rec.take()
+        for m, (ins, outs) in self._rec.take_unresolved().items():  # a layer only the root encloses
+            raise self._layout_error(m, ins, outs)
         self._rec.recheck_buffers()  # by value, after the backward: a backward hook's write is refused too
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size

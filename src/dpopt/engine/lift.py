@@ -31,6 +31,14 @@ through extra outputs (T5 passes ``position_bias`` from layer to layer): such
 an output does not have the examples along dim 0, so A is then an enclosing
 module further up (the stack), whose outputs do.
 
+The root module is never such an enclosing call: there the per-example
+vjp would recompute the whole model on each example alone with the output
+gradient of the batched pass, and a model that mixes examples could pass the
+check (its Jacobian alone may hide the mixing); a layer no enclosing call
+below the root can take is refused as before. Below the root, mixing inside
+an enclosing call shows in what follows it (the trainable layers that read
+its batched output, and the check's per-row loss, quadratic in the outputs).
+
 Decisions are per module and sticky (:class:`Lifts`): a module seen off the
 example axis once is lifted for good, its parameters move to the vjp of its
 enclosing module, and a module that receives lifted parameters is lifted on
@@ -115,7 +123,8 @@ class Lifts:
         moved = False
         for m in owners:
             m = self.lifted.get(m, m)
-            if m is not self.root and m not in self.forced:
+            up = self.parent.get(m)
+            if up is not None and up is not self.root and m not in self.forced:
                 self.forced.add(m)
                 self.targets.discard(m)
                 moved = True
