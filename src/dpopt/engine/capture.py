@@ -879,7 +879,7 @@ class Recorder:
             self._draws[module] = replay.outs
             return out
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         self._wrapped[module] = inner
 
     # -- the door fills the gradients ----------------------------------------------------
