@@ -230,6 +230,8 @@ class ShardedCapture(HookCapture):
             without a fast rule (its ``torch.func`` fallback is not supported here).
     """
 
+    lifts_layers = False  # every parameter needs a fast rule here (no vjp of an enclosing call)
+
     def __init__(self, model: nn.Module, ctx: DistributedContext, **kw):
         super().__init__(model, **kw)
         self.ctx = ctx

@@ -166,7 +166,7 @@ def test_refusals():
             super().__init__()
             self.fc = nn.Linear(3, 2)
 
-        def forward(self, x):  # [B, T, 3] -> transposed to [T, B, 3] for the layer
+        def forward(self, x):  # [B, T, 3] -> transposed to [T, B, 3] for the layer; only the root encloses it
             return self.fc(x.transpose(0, 1)).mean(0)
 
     m = SeqFirst()

@@ -308,13 +308,13 @@ def test_replay_gives_example_i_its_row_of_the_batched_draws():
 
 
 def test_a_draw_without_an_example_axis_is_unreplayable_and_each_door_says_so():
-    class Flat(nn.Module):  # dropout of a [B*T, ...] reshape: example i's mask rows cannot be found
-        def __init__(self):
+    class Flat(nn.Module):  # dropout of a transposed [2, B*T] reshape: example i's mask entries cannot be found
+        def __init__(self):  # (an example-major [B*T, 2] is replayed by blocks: engine.check.RandomReplay)
             super().__init__()
             self.lin, self.head = nn.Linear(D, H), nn.Linear(H, K)
 
         def forward(self, x):
-            h = F.dropout(self.lin(x).reshape(-1, 2), 0.5, self.training).reshape(x.shape[0], H)
+            h = F.dropout(self.lin(x).reshape(-1, 2).t(), 0.5, self.training).t().reshape(x.shape[0], H)
             return self.head(h)
 
     m, x = Flat(), torch.randn(3, D)

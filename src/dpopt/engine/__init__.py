@@ -21,7 +21,9 @@ run, in the mode that trains, dropout masks replayed per example),
 :mod:`~dpopt.engine.layers` (per-layer norm/sum math: blocks),
 :mod:`~dpopt.engine.rules` (which layer types have a fast rule, registered
 per type) and :mod:`~dpopt.engine.fast` (the engine that captures layer
-calls and builds the fast source). Sources satisfy
+calls and builds the fast source), :mod:`~dpopt.engine.lift` (the hook
+door's layers whose rows are not examples, through an enclosing call).
+Sources satisfy
 :class:`dpopt.types.PerSampleSource`.
 
 Both paths define example i's gradient as that of ``loss_fn(model(x_i),
@@ -46,7 +48,7 @@ from torch import Tensor, nn
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from . import attention, recurrent  # noqa: F401,E402 — register the MultiheadAttention and LSTM/GRU/RNN rules
+from . import attention, recurrent, ws  # noqa: F401,E402 — register the MultiheadAttention, LSTM/GRU/RNN, WSConv2d rules
 from .capture import check_views
 from .check import free_sizes
 from .fast import FastPerSampleGrads, PerSampleEngine, fast_per_sample_gradients, get_engine

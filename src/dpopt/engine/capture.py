@@ -66,6 +66,7 @@ from .check import (
 from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
+from .lift import Lifts, on_axis
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
 
@@ -189,11 +190,14 @@ def _note_late(late: set, key, grad_outputs) -> None:
 class Pass:
     """One forward pass of the root module: its rows (private), the inputs (private), the mode signature."""
 
-    __slots__ = ("batch_size", "args", "kwargs", "modes", "state")
+    __slots__ = ("batch_size", "args", "kwargs", "modes", "state", "unresolved", "serial", "out_grads")
 
     def __init__(self, batch_size: int, args, kwargs, modes, state=None):
         self.batch_size, self.args, self.kwargs, self.modes = batch_size, args, kwargs, modes
         self.state = state  # engine.check.module_state at the forward (the check's signature)
+        self.unresolved: dict = {}  # engine.lift: off-axis layers no enclosing call could take (refused)
+        self.serial = 0  # the Recorder's count of root passes (engine.lift: which lifts a pass has seen)
+        self.out_grads: Optional[GradSlots] = None  # engine.lift: the root outputs' gradients (to run it again)
 
 
 class Call:
@@ -433,6 +437,35 @@ class Plan:
         return rule.blocks(layer)
 
 
+def _is_cache(v) -> bool:
+    """A Hugging Face key/value cache (``transformers.Cache``): the batched call already filled it.
+
+    An enclosing call's recorded kwargs drop it (None): its per-example vjp
+    re-runs the call, which would append to the cache again. Exact for a
+    training forward, whose cache starts empty; otherwise the first-batch
+    check refuses the mismatch.
+    """
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(v).__mro__)
+
+
+def _fresh_outputs(out):
+    """``out`` with each tensor that requires gradients replaced by a view of itself; and those tensors.
+
+    An enclosing call may return tensors it also uses itself (the hidden
+    states of every layer, its own input): a hook on such a tensor would
+    receive the gradient flowing back through the call as well, which the
+    call's vjp counts again. A fresh view receives only the gradient from
+    outside the call.
+    """
+    flat, spec = tree_flatten(out)
+    flat = [t.view_as(t) if isinstance(t, Tensor) and t.requires_grad else t for t in flat]
+    return tree_unflatten(flat, spec), [t for t in flat if isinstance(t, Tensor)]
+
+
+def _shapes(ts) -> list:
+    return [tuple(t.shape) for t in ts]
+
+
 def _sum_views(g: Tensor, views: int) -> Tensor:
     """``[B·K, ...]`` → ``[B, ...]``: the sum of each example's K consecutive rows."""
     if views == 1:
@@ -477,6 +510,9 @@ class Recorder:
             forward that changed one (the hook door; the engine guards a whole step).
         hook_bare_owners: also record the calls of the modules that own bare
             parameters (for their vjp when a use is not recognised).
+        lift: capture a layer whose call does not keep the examples along
+            dim 0 through the vjp of the nearest enclosing call that does
+            (:mod:`dpopt.engine.lift`; the hook door, whose fallback is that vjp).
 
     Every recorded call is refused if it runs inside a backward pass
     (activation checkpointing recomputes forwards there: :mod:`dpopt.engine.hf_guards`).
@@ -491,9 +527,12 @@ class Recorder:
         tensor_hooks: bool,
         guard_buffers: bool,
         hook_bare_owners: bool = False,
+        lift: bool = False,
     ):
         self.plan = plan
-        self.vjp = vjp or {}
+        self.lifts: Optional[Lifts] = Lifts(plan.model, plan.module_names) if lift else None
+        self._hooked: set = set()
+        self.vjp = vjp if vjp is not None else {}
         self.tensor_hooks, self.guard_buffers, self.hook_bare_owners = tensor_hooks, guard_buffers, hook_bare_owners
         self.calls: list[Call] = []
         self.current: Optional[Pass] = None
@@ -508,6 +547,10 @@ class Recorder:
         self._untap: Callable[[], None] = lambda: None
         self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
         self._serial, self._warned = 0, False
+        self._passes = 0  # root passes started (Pass.serial)
+        self.unresolved: dict = {}  # off-axis layers of the last pass no enclosing call took (engine.lift)
+        self._wrapped: dict = {}  # enclosing targets whose forward records its random draws -> the forward before
+        self._draws: dict = {}  # module -> the random draws of its call that just ran (engine.lift)
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -519,6 +562,11 @@ class Recorder:
         hooked = set(plan.modules) | set(self.vjp) | (set(plan.bare) if self.hook_bare_owners else set())
         for mod in hooked:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
+        self._hooked = hooked
+        if self.lifts is not None:  # after _layer: a module's own call is decided before it encloses others
+            for mod in m.modules():
+                if next(iter(mod.children()), None) is not None:
+                    self._handles.append(mod.register_forward_hook(self._enclosing, with_kwargs=True))
         # ViT's class token (engine.bare)
         self._handles += tap_bare(plan.bare, self.rows, self._bare_use, self._bare_other)
         # after the layer hooks: the root may itself be a layer, recorded before its pass ends
@@ -533,12 +581,23 @@ class Recorder:
         self._handles = []
         self._untap()
         self._untap = lambda: None
+        for mod, prev in self._wrapped.items():
+            if prev is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = prev
+        self._wrapped = {}
         self.reset()
 
     def reset(self) -> None:
         """Forget every recorded call (and the current pass)."""
         self.calls, self.other, self.current = [], {}, None
         self._late.clear()
+
+    def take_unresolved(self) -> dict:
+        """Off-axis layers no enclosing call below the root could take since the last call (then forgotten)."""
+        out, self.unresolved = self.unresolved, {}
+        return out
 
     def take(self) -> tuple[list[Call], dict]:
         """The recorded calls and unrecognised bare uses, forgotten here."""
@@ -609,6 +668,10 @@ class Recorder:
             mode_signature(module) if self.guard_buffers else None,
             module_state(module) if self.guard_buffers else None,
         )
+        if self.lifts is not None:
+            self.lifts.start()
+            self._passes += 1
+            self.current.serial = self._passes
         if self.tensor_hooks and torch.is_grad_enabled() and self.calls:
             self.drop_unused()  # the hook door holds at most the passes a step can still use
         if self.guard_buffers:
@@ -618,6 +681,14 @@ class Recorder:
     def _root_post(self, module, args, kwargs, out):
         if not self.active:
             return None
+        if self.lifts is not None and self.current is not None:
+            if self.lifts.pending:
+                self.current.unresolved = self.unresolved = dict(self.lifts.pending)
+            if self.tensor_hooks and torch.is_grad_enabled():  # the pass can be run again with the same gradients
+                outs = [t for t in leaves(out) if t.requires_grad]
+                self.current.out_grads = slots = GradSlots([None] * len(outs))
+                for k, t in enumerate(outs):
+                    t.register_hook(partial(store_grad, slots, k))
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
@@ -658,6 +729,8 @@ class Recorder:
         """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
         if not self.active or module not in self.plan.modules or not o.requires_grad:
             return
+        if self.lifts is not None and (module in self.lifts.lifted or self.lifts.off(module)):
+            return
         if in_backward():
             raise recomputed(self.plan.name_of(module), module)
         if module in self.clone_in:
@@ -667,6 +740,9 @@ class Recorder:
     def _layer(self, module, args, kwargs, out):
         if not self.active or not torch.is_grad_enabled():
             return None
+        lifts = self.lifts if self.current is not None else None
+        if lifts is not None and (module in lifts.lifted or lifts.off(module)):
+            return None  # its parameters are computed through the enclosing call (engine.lift)
         planned = module in self.plan.modules
         fast = planned and module not in self._tapped
         if planned and not fast and module not in self.vjp:
@@ -675,8 +751,14 @@ class Recorder:
             raise recomputed(self.plan.name_of(module), module)
         if not fast:
             outs = leaves(out)
+            if lifts is not None and not on_axis(leaves((args, kwargs)), outs, self.rows()):
+                lifts.pending[module] = (_shapes(leaves((args, kwargs))), _shapes(outs))
+                return None
             if any(t.requires_grad for t in outs):
-                self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+                draws = self._draws.pop(module, None)
+                self._record(
+                    Call(module, None, None, args, kwargs, outs, self.current, tag=draws, versions=self.guard_buffers)
+                )
             return None
         inp = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
@@ -687,12 +769,118 @@ class Recorder:
         if not out.requires_grad:
             return None
         inp, wide = expand_broadcast(module, inp, out, self.rows())  # [1, T] position ids: per example
+        if lifts is not None and (off_axis(inp, self.rows()) or off_axis(wide, self.rows())):
+            lifts.pending[module] = ([tuple(inp.shape)], [tuple(out.shape)])
+            return None
         if module in self.clone_in:  # keep a copy a later in-place op cannot touch
             inp = inp.clone()
         self._record(Call(module, inp, wide, args, kwargs, [wide], self.current, versions=self.guard_buffers))
         if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
             return wide.clone()
         return wide if wide is not out else None
+
+    def stale(self, calls: Sequence[Call]) -> list[str]:
+        """Names of layers whose calls in ``calls`` predate a lifting decision (:mod:`dpopt.engine.lift`).
+
+        A call of a module lifted since, or a module that became an enclosing
+        target after the pass and whose call was therefore not recorded
+        (the first-batch check lifts at sizes that differ from every
+        dimension of the model, after the user's pass).
+        """
+        if self.lifts is None:
+            return []
+        names = {self.plan.name_of(c.module) for c in calls if c.module in self.lifts.lifted}
+        serial = max((c.pass_.serial for c in calls if c.pass_ is not None), default=0)
+        have = {c.module for c in calls}
+        names |= {  # a target since this pass: its call ran before its random draws were recorded
+            self.plan.name_of(t)
+            for t, s in self.lifts.since.items()
+            if t in self.lifts.targets and self.vjp.get(t) and (s == serial or (s > serial and t not in have))
+        }
+        return sorted(names)
+
+    def escalate(self, indices: Sequence[int]) -> bool:
+        """Lift the owners of parameters the first-batch check refused one level up (:meth:`Lifts.escalate`).
+
+        Returns:
+            False if there is nothing to lift (no lifting here, or every owner is the root).
+        """
+        if self.lifts is None:
+            return False
+        bad = set(indices)
+        owners = [m for m in self.plan.model.modules() if bad & set(self._owned(m).values())]
+        return self.lifts.escalate(owners)
+
+    def _owned(self, m: nn.Module) -> dict[str, int]:
+        """{attribute or relative name: index} of the parameters ``m``'s calls carry now (engine.lift)."""
+        return {**self.plan.modules.get(m, {}), **self.plan.bare.get(m, {}), **self.vjp.get(m, {})}
+
+    def _enclosing(self, module, args, kwargs, out):
+        """A module enclosing off-axis layers (:mod:`dpopt.engine.lift`): take them over, record its call."""
+        lifts = self.lifts
+        if lifts is None or not self.active or not torch.is_grad_enabled() or self.current is None:
+            return None
+        if module in lifts.lifted:
+            return None
+        target, waiting = module in lifts.targets, lifts.waiting_in(module) if lifts.pending else []
+        if not target and not waiting:
+            return None
+        ins, outs = leaves((args, kwargs)), leaves(out)
+        if (
+            module is lifts.root
+            or module in self.plan.modules
+            or lifts.off(module)
+            or not on_axis(ins, outs, self.rows())
+        ):
+            if target:  # what was lifted into it goes on up
+                lifts.targets.discard(module)
+                lifts.pending[module] = (_shapes(ins), _shapes(outs))
+            return None
+        if in_backward():
+            raise recomputed(self.plan.name_of(module), module)
+        if waiting:
+            moved = lifts.assign(module, {m: self._owned(m) for m in waiting}, self.current.serial)
+            for m in waiting:
+                self.vjp.pop(m, None)
+            self.plan.demote(list(moved.values()))
+            self.vjp.setdefault(module, {}).update(moved)
+            self._record_draws(module)
+        if module not in self._hooked and any(t.requires_grad for t in outs):  # else _layer recorded it
+            kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+            out, outs = _fresh_outputs(out)
+            draws = self._draws.pop(module, None)
+            self._record(
+                Call(module, None, None, args, kwargs, outs, self.current, tag=draws, versions=self.guard_buffers)
+            )
+            return out
+        return None
+
+    def _record_draws(self, module: nn.Module) -> None:
+        """From its next call on, record the random draws of an enclosing target's forward (dropout: engine.lift).
+
+        Its per-example vjp re-runs the call on each example alone; example
+        i then replays its slice of the batched call's draws
+        (:class:`~dpopt.engine.check.RandomReplay`), so the gradient is that
+        of the pass the user's backward ran. An instance ``forward`` wraps the
+        class's (undone by :meth:`detach`); it records only while this
+        recorder records a root pass with gradients.
+        """
+        if module in self._wrapped:
+            return
+        inner = module.__dict__.get("forward")
+        call = inner if inner is not None else type(module).forward.__get__(module)
+
+        def forward(*args, **kwargs):
+            if not (self.active and torch.is_grad_enabled() and self.current is not None):
+                return call(*args, **kwargs)
+            replay = RandomReplay(module)
+            with replay.recording():
+                out = call(*args, **kwargs)
+            self._draws[module] = replay.outs
+            return out
+
+        module.forward = forward
+        self._wrapped[module] = inner
 
     # -- the door fills the gradients ----------------------------------------------------
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
@@ -713,6 +901,8 @@ class Recorder:
         """
         bad: dict = {}
         for c in calls:
+            for m, shapes in (c.pass_.unresolved if c.pass_ is not None else {}).items():
+                bad.setdefault(m, shapes)
             if c.fast:
                 wrong = off_axis(c.inp, rows) or off_axis(c.out, rows)
             else:
@@ -774,9 +964,7 @@ class Recorder:
                 _, pull = vjp(lambda *ps: call_at(ps, [x.unsqueeze(0) for x in xs_i]), *primals)
                 return pull(tuple(e.unsqueeze(0) for e in es_i))
 
-            try:
-                return list(vmap(one)(xs, es))
-            except Exception:  # noqa: BLE001 — a layer vmap cannot batch: exact single-example loop
+            def loop() -> list[Tensor]:
                 out_rows = []
                 for i in range(rows):
                     ps = [q.detach().requires_grad_(True) for q in primals]
@@ -786,6 +974,16 @@ class Recorder:
                         gs = torch.autograd.grad([o for o, _ in pairs], ps, [e for _, e in pairs], allow_unused=True)
                     out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(primals, gs)])
                 return [torch.stack([r[k] for r in out_rows]) for k in range(len(primals))]
+
+            if c.tag:  # random draws recorded in the batched call (engine.lift): example i replays its slice
+                replay = RandomReplay(m)
+                replay.outs = list(c.tag)
+                with replay.replaying(rows):
+                    return loop()
+            try:
+                return list(vmap(one)(xs, es))
+            except Exception:  # noqa: BLE001 — a layer vmap cannot batch: exact single-example loop
+                return loop()
         finally:
             self.active = True
 
@@ -803,6 +1001,13 @@ class Recorder:
         """
         plan, other = self.plan, other or {}
         b = rows // views
+        stale = self.stale(calls)
+        if stale:
+            raise ValueError(
+                f"layers {stale} were recorded on this batch before the first-batch check decided to compute "
+                "their parameters through an enclosing layer (engine.lift), and the batch could not be run "
+                "again: repeat this step (zero the gradients and run the forward and backward again)"
+            )
         captured = [
             (c, c.grads[0] * scale if c.grads[0] is not None else None)
             for c in calls
@@ -846,7 +1051,7 @@ class Recorder:
         In the mode the model is in (the caller sets the mode of the release),
         on ``rows`` rows (a verification size: :func:`~dpopt.engine.check.free_sizes`):
         the batched pass records the calls and the gradients of Σ_r f_r(out_r)
-        (the door's per-row losses, or ⟨ρ_r, out_r⟩ for random ρ when the door
+        (the door's per-row losses, or ⟨ρ_r, out_r⟩ + ‖out_r‖²/8 for random ρ when the door
         has no loss), its random draws recorded
         (:class:`~dpopt.engine.check.RandomReplay`); each row is then run alone
         with its draws replayed, and the per-example gradients
@@ -955,7 +1160,12 @@ class Recorder:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
                     rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
-                return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))  # type: ignore[return-value]
+                # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
+                # output's value, so a call that mixes examples is caught also where no trainable layer follows
+                # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
+                return sum(  # type: ignore[return-value]
+                    (o * r[sl] + 0.125 * o * o).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs)
+                )
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)
@@ -967,6 +1177,8 @@ class Recorder:
         try:
             with replay.recording():
                 calls, other = run(args, kwargs, loss_of)
+                if self.stale([c for c in calls if c.has_grad]):  # lifted in this pass (engine.lift): run it again
+                    calls, other = run(args, kwargs, loss_of)
         finally:
             self.calls, self.other = saved
         bad = self.layout(calls, rows)

@@ -349,7 +349,9 @@ class RandomReplay:
     has size 1 and every other size agrees), row i of a draw recorded under
     ``torch.func.vmap(randomness="different")`` (``[b, *request]``), or the
     whole recorded output if it has the requested shape (a draw shared by
-    the batch). Dropout through
+    the batch), or — where no such axis exists — block i of a draw whose dim 0
+    is b times the request's (rows flattened example-major, ``[B·T, ...]``; a
+    wrong guess only makes the comparison fail, never passes a mixing model). Dropout through
     ``native_dropout`` replays the mask and recomputes ``input·mask/(1−p)``.
     ``scaled_dot_product_attention`` runs its math kernel in both phases (its
     attention dropout is then an aten draw; the fused CUDA kernels draw
@@ -435,6 +437,15 @@ class RandomReplay:
             and shape[k] == 1
             and all(rec.shape[j] == shape[j] for j in range(rec.dim()) if j != k)
         ]
+        if (  # rows flattened example-major (OPT's [B·T, H] tokens, windows): example i's block of rows
+            not axes
+            and 0 <= self.example < self.b
+            and len(shape) == rec.dim() >= 1
+            and shape[0] >= 1
+            and rec.shape[0] == self.b * shape[0]
+            and tuple(rec.shape[1:]) == tuple(shape[1:])
+        ):
+            return rec.narrow(0, self.example * shape[0], shape[0])
         if len(axes) != 1 or not 0 <= self.example < self.b:
             raise Unreplayable(
                 f"the random operation {name} drew a tensor of shape {_trailing_b(rec.shape)} in the "

@@ -14,6 +14,10 @@ gradients come from the backward pass itself:
 * layers with a fast rule (:mod:`dpopt.engine.rules`: Linear, Conv2d,
   Embedding, LayerNorm, GroupNorm) build their blocks from ``(input, e)``
   exactly as the fast engine does (:class:`~dpopt.engine.fast.FastPerSampleGrads`);
+* a layer whose call does not keep the examples along dim 0 (tokens
+  flattened to ``[B·T, H]``, routed experts, windows, shared position
+  tables, parametrizations) is captured through the nearest enclosing call
+  that does (:mod:`dpopt.engine.lift`), by that call's vjp below;
 * the parameters of any other layer get ``g_i = vjp(layer forward at x_i)(e_i)``:
   ``torch.func.vmap`` of a ``vjp`` of that module's forward over (recorded
   input, recorded output gradient), or an exact loop of single-example
@@ -124,6 +128,8 @@ class HookCapture:
     """
 
     checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
+    #: capture layers whose rows are not examples through an enclosing call (engine.lift)
+    lifts_layers = True
 
     def __init__(
         self,
@@ -151,7 +157,9 @@ class HookCapture:
         self.vjp: dict[nn.Module, dict[str, int]] = self.plan.vjp_owners()
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
-        self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True).attach()
+        self._rec = Recorder(
+            self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=self.lifts_layers
+        ).attach()
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
         # batches left in which the collate check may still find an example whose padding differs: a
@@ -202,6 +210,8 @@ class HookCapture:
         """
         late = self._rec.dropped_received()  # passes dropped as unused (a later pass began) that got gradients
         calls, other = self._rec.take()
+        for m, (ins, outs) in self._rec.take_unresolved().items():  # a layer only the root encloses
+            raise self._layout_error(m, ins, outs)
         self._rec.recheck_buffers()  # by value, after the backward: a backward hook's write is refused too
         done = [c for c in calls if c.has_grad]
         if not done and any(c.pass_ is not None for c in calls):  # never conditioned on the batch size
@@ -259,7 +269,31 @@ class HookCapture:
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
                     self._verify(p, key)
+        if self._rec.stale(done):
+            done, other = self._again(p, done, other)
         return self._build(done, p.batch_size, self.loss_reduction, other)
+
+    def _again(self, p: Pass, done: list[Call], other: dict) -> tuple[list[Call], dict]:
+        """The pass ``p`` run again with its root outputs' gradients, after the check changed how it is captured.
+
+        The first-batch check may decide (at its verification sizes) to
+        compute some parameters through an enclosing call (:mod:`dpopt.engine.lift`)
+        whose call the user's pass did not record. The same inputs are run
+        forward again and the gradients the user's backward delivered at the
+        model's outputs are propagated back (no parameter's ``.grad`` is
+        touched; buffers and random generators are restored). A pass whose
+        outputs' gradients were not all recorded is refused
+        (:meth:`~dpopt.engine.capture.Recorder.build`: repeat the step).
+        """
+        grads = p.out_grads
+        if grads is None or not any(g is not None for g in grads):
+            return done, other
+        with preserved_state(self.model), torch.enable_grad():
+            outs = [t for t in leaves(self.model(*p.args, **p.kwargs)) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            torch.autograd.grad([o for o, _ in pairs], self.params, [g for _, g in pairs], allow_unused=True)
+        calls, again = self._rec.take()
+        return [c for c in calls if c.has_grad], again
 
     def _empty(self) -> FastPerSampleGrads:
         blocks = [DirectBlock(list(range(len(self.params))), [q.new_zeros((0, *q.shape)) for q in self.params])]
@@ -376,6 +410,10 @@ class HookCapture:
             bad, off = self._rec.check(
                 args, kwargs, n, self.views, self._run_check, params=self.params, compare=compare
             )
+            while off and not bad and self._rec.escalate(off):  # a parameter used outside its calls: one level up
+                bad, off = self._rec.check(
+                    args, kwargs, n, self.views, self._run_check, params=self.params, compare=compare
+                )
         except OutputLayout as err:
             raise ValueError(
                 f"the model's output {err.args[0]} does not have the examples along dim 0 (batch of "

@@ -344,10 +344,3 @@ def _rms_norm(layer: LayerCalls) -> list:
             ],
         )
     ]
-
-
-# --------------------------------------------------------------------------- weight-standardized conv (engine.ws)
-from ..models import WSConv2d  # noqa: E402 — after register_rule; models imports nothing from the engine
-from .ws import ws_conv2d_blocks, ws_conv2d_forward  # noqa: E402 — ws imports layers only
-
-register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward, views="merge")(ws_conv2d_blocks)  # type: ignore[arg-type, return-value]

@@ -30,20 +30,23 @@ Both capture doors (dpopt's loop and ``PrivacyEngine``'s hooks) install it;
 their first-batch check compares the result with single-example autograd.
 The bias (if any) is the plain Σ_t e_it. ``groups`` ≠ 1 uses the exact
 per-example reference path (as for ``nn.Conv2d``).
+
+This module registers the rule itself (importing :mod:`dpopt.engine.rules`,
+which imports nothing of it); :mod:`dpopt.engine` imports it, as it does the
+MultiheadAttention and recurrent rules.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from ..models import WSConv2d
 from .layers import Budget, ConvPart, DirectBlock, _geo_sq_norms, cached_grad_sum, constant_sq_norms, conv_method
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .rules import LayerCalls
+from .rules import LayerCalls, register_rule
 
 __all__ = ["WSConvBlock", "ws_conv2d_blocks", "ws_conv2d_forward", "ws_vjp"]
 
@@ -153,7 +156,7 @@ class WSConvBlock:
         self.parts = []
 
 
-def ws_conv2d_blocks(layer: "LayerCalls") -> list:
+def ws_conv2d_blocks(layer: LayerCalls) -> list:
     """The rule of :class:`~dpopt.models.WSConv2d` (groups = 1): raw weight via Jᵀ, bias Σ_t e."""
     b, m, blocks = layer.batch_size, layer.module, []
     if "weight" in layer.index:
@@ -170,3 +173,6 @@ def ws_conv2d_blocks(layer: "LayerCalls") -> list:
     if "bias" in layer.index:
         blocks.append(DirectBlock([layer.index["bias"]], [layer.summed_outputs((2, 3))]))  # type: ignore[arg-type]
     return blocks
+
+
+register_rule(WSConv2d, supports=lambda m: m.groups == 1, forward=ws_conv2d_forward, views="merge")(ws_conv2d_blocks)  # type: ignore[arg-type, return-value]
