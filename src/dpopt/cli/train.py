@@ -285,13 +285,10 @@ def train_command(
     user_ids: Optional[str] = typer.Option(
         None,
         "--user-ids",
-        help="FILE of one user id per training record (in the dataset's order): user-level DP — users are "
-        "Poisson-sampled (q = --batch-size / number of users, or --sample-rate), each brings at most "
-        "--max-records-per-user records, their mean gradient is clipped as ONE unit; ε is per user "
-        "(docs/privacy-unit.md)",
+        help="FILE: one user id per training record; user-level DP, ε per user (docs/privacy-unit.md)",
     ),
     max_records_per_user: int = typer.Option(
-        16, help="with --user-ids: k, the records a sampled user contributes at most (chosen at random)"
+        16, help="with --user-ids: at most k records per sampled user (chosen at random)"
     ),
     fsdp: bool = typer.Option(
         False,
@@ -306,8 +303,7 @@ def train_command(
     repair_journal: bool = typer.Option(
         False,
         "--repair-journal",
-        help="with --resume: keep a damaged ledger.jsonl's readable lines and charge every release a damaged "
-        "line may have held (original kept as ledger.jsonl.damaged)",
+        help="with --resume: keep a damaged ledger.jsonl's readable lines, charge what the rest may hold",
     ),
     json_out: bool = json_option("print the summary as one JSON object (last line)"),
 ) -> None:
