@@ -58,6 +58,7 @@ from .transforms.weight_decay import DecoupledWeightDecay
 
 if TYPE_CHECKING:
     from .auto_clipping import AutoClipping
+    from .correlated_noise import CorrelatedNoise
 
 __all__ = [
     "MethodSpec",
@@ -182,6 +183,7 @@ def make_optimizer(
     dataset: Optional[str] = None,
     model: Optional[nn.Module] = None,
     auto_clip: Optional["AutoClipping"] = None,
+    mechanism: Optional["CorrelatedNoise"] = None,
     **overrides: Any,
 ) -> DPOptimizer:
     """Build the :class:`~dpopt.optim.DPOptimizer` of a registered method.
@@ -202,6 +204,7 @@ def make_optimizer(
         quantile: quantile adaptive clipping config (flat-clipping methods only).
         auto_clip: automatic clipping (AUTO-S, :mod:`dpopt.auto_clipping`): per-example
             C·g/(‖g‖ + γ) instead of min(1, C/‖g‖)·g; flat-clipping methods only.
+        mechanism: correlated noise (:class:`~dpopt.correlated_noise.CorrelatedNoise`); None: independent.
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
         model: the module the parameters belong to (optional): lets the Muon
             methods route its embedding tables to the non-Muon branch by
@@ -231,6 +234,7 @@ def make_optimizer(
         quantile=quantile,
         model=model,
         auto_clip=auto_clip,
+        mechanism=mechanism,
     )
 
 
@@ -251,6 +255,7 @@ def build_optimizer(
     quantile: Optional[QuantileClipping] = None,
     model: Optional[nn.Module] = None,
     auto_clip: Optional["AutoClipping"] = None,
+    mechanism: Optional["CorrelatedNoise"] = None,
 ) -> DPOptimizer:
     """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
 
@@ -305,6 +310,7 @@ def build_optimizer(
         generator=generator,
         secure_mode=secure_mode,
         noise=noise,
+        mechanism=mechanism,
         **options,
     )
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]

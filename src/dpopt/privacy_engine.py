@@ -90,7 +90,7 @@ import os
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -104,6 +104,8 @@ from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
+from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, parse_mechanism
+from .cyclic_batches import CyclicBatchSampler
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
     DistributedContext,
@@ -116,6 +118,7 @@ from .distributed import (
 )
 from .engine.collate_check import probe_loader
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture
+from .errors import ConfigError
 from .methods import get_method, make_optimizer
 from .module_validator import ModuleValidator
 from .noise import NoiseSource
@@ -228,6 +231,31 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
+def _cyclic_loader(data_loader: DataLoader) -> tuple[int, int, DataLoader]:
+    """(N, b, a loader of b cyclic batches over the loader's dataset; its collate and worker settings kept)."""
+    dataset = data_loader.dataset
+    if not hasattr(dataset, "__len__"):
+        raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
+    n, b = len(dataset), len(data_loader)
+    keep = loader_settings(data_loader)
+    loader = DataLoader(dataset, batch_sampler=CyclicBatchSampler(n, b), collate_fn=data_loader.collate_fn, **keep)
+    return n, b, loader
+
+
+def _mechanism(
+    spec: str, noise_multiplier: float, batches: int, epochs: Optional[int], total_steps: Optional[int]
+) -> CorrelatedNoise:
+    """The correlated-noise mechanism for cyclic batches: T = epochs·b (or total_steps), k = ⌈T/b⌉
+    participations b steps apart."""
+    steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
+    if steps < 1:
+        raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
+    participation = Participation(steps, -(-steps // batches), batches)
+    mech = make_mechanism(spec, noise_multiplier, participation)
+    assert mech is not None  # not "independent": checked by _check_mechanism_options
+    return mech
+
+
 def _trained_parameters(
     optimizer: Any, module: nn.Module, capture: HookCapture, hparams: dict
 ) -> tuple[list, str, dict]:
@@ -317,6 +345,9 @@ class PrivacyEngine:
         augmentation_multiplicity: int = 1,
         augmentation: Optional[Union[str, Callable]] = None,
         clipping_gamma: float = 0.01,
+        noise_mechanism: str = "independent",
+        epochs: Optional[int] = None,
+        total_steps: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -414,6 +445,18 @@ class PrivacyEngine:
                 and BatchMemoryManager still splits examples, so every chunk
                 has whole examples with all their views. With K = 1: one
                 augmented view per example.
+            noise_mechanism: ``"independent"`` (default: fresh Gaussian noise every step), or correlated
+                noise across steps (DP matrix factorization, :mod:`dpopt.correlated_noise`,
+                docs/correlated-noise.md): ``"banded:B"`` (B bands) or ``"blt"`` / ``"blt:N"`` (N buffers).
+                The returned loader then yields CYCLIC batches (:class:`~dpopt.cyclic_batches.
+                CyclicBatchSampler`: one fixed partition into len(data_loader) batches, in a fixed order,
+                so an example takes part every len(data_loader) steps), the strategy is optimised for the
+                horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification).
+                Needs ``epochs`` or ``total_steps``; refused with ``poisson_sampling=False``, adaptive
+                clipping, ``distributed`` or a noise_multiplier of 0; a release past the horizon raises;
+                resuming from a checkpoint is refused.
+            epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
+                total_steps); refused with independent noise (they change nothing there).
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -448,6 +491,9 @@ class PrivacyEngine:
             secure_mode=secure_mode,
             noise_generator=noise_generator,
         )
+        mech_kind = self._check_mechanism_options(
+            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
+        )
         warn_drop_last(data_loader, poisson_sampling)
         noise = NoiseSource("secure") if compat.secure else self.noise
         if noise_generator is not None:
@@ -477,7 +523,10 @@ class PrivacyEngine:
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
-                n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                if mech_kind == "independent":
+                    n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                else:
+                    n, steps_per_epoch, loader = _cyclic_loader(data_loader)
                 if view_fn is not None:
                     loader = _loader_with_views(loader, views, view_fn)
                 sample_rate = 1.0 / steps_per_epoch
@@ -495,6 +544,11 @@ class PrivacyEngine:
                     unclipped_num_std,
                     count_share,
                 )
+                if mech_kind != "independent":
+                    privacy["mechanism"] = _mechanism(
+                        noise_mechanism, noise_multiplier, steps_per_epoch, epochs, total_steps
+                    )
+                    expected_batch_size = n / steps_per_epoch  # cyclic batches: N/b examples per step
                 if clipping == "auto":  # AUTO-S: the flat options plus the normalisation's γ
                     from .auto_clipping import AutoClipping
 
@@ -574,6 +628,46 @@ class PrivacyEngine:
         except BaseException:
             capture.detach()
             raise
+
+    @staticmethod
+    def _check_mechanism_options(
+        noise_mechanism: str,
+        epochs: Optional[int],
+        total_steps: Optional[int],
+        poisson_sampling: bool,
+        clipping: str,
+        distributed: Union[bool, str],
+        noise_multiplier: float,
+    ) -> str:
+        """The mechanism kind of ``noise_mechanism``, or a ConfigError for a combination with no valid
+        accountant (module :mod:`dpopt.correlated_noise`)."""
+        kind, _ = parse_mechanism(noise_mechanism)
+        if kind == "independent":
+            if epochs is not None or total_steps is not None:
+                raise ConfigError(
+                    "epochs / total_steps set the horizon of correlated noise; with noise_mechanism="
+                    "'independent' they change nothing: drop them (or use make_private_with_epsilon)",
+                    "epochs",
+                    "total_steps",
+                )
+            return kind
+        problems = []
+        if (epochs is None) == (total_steps is None):
+            problems.append("give exactly one of epochs= or total_steps= (the horizon the strategy is built for)")
+        if not poisson_sampling:
+            problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
+        if clipping == "adaptive":
+            problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
+        if distributed:
+            problems.append("distributed training (not supported with correlated noise yet)")
+        if not float(noise_multiplier) > 0:
+            problems.append("noise_multiplier 0 (correlated noise needs noise)")
+        if problems:
+            raise ConfigError(
+                f"noise_mechanism={noise_mechanism!r} cannot be used with: " + "; ".join(problems),
+                "noise_mechanism",
+            )
+        return kind
 
     def make_private_with_epsilon(
         self,
