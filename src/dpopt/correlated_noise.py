@@ -721,11 +721,11 @@ def make_mechanism(spec: str, noise_multiplier: float, participation: Participat
 def record_sampling(record: Optional[dict]) -> Optional[str]:
     """The ledger ``sampling`` statement a mechanism record requires (None without a valid record):
     the accountants' ε of such a ledger holds for that sampling, not Poisson."""
+    if not isinstance(record, dict):
+        return None
     try:
         return Participation(
-            int(record["steps"]),
-            int(record["participations"]),
-            int(record["min_separation"]),  # type: ignore[index]
+            int(record["steps"]), int(record["participations"]), int(record["min_separation"])
         ).sampling
     except (KeyError, TypeError, ValueError):
         return None
