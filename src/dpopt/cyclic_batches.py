@@ -13,7 +13,7 @@ break it (an example could be last in one epoch and first in the next).
 from __future__ import annotations
 
 import secrets
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import Sampler
@@ -27,18 +27,21 @@ class CyclicBatchSampler(Sampler):
     Args:
         dataset_size: N ≥ 1 (public).
         batches: b, with 1 ≤ b ≤ N; batch sizes are ⌊N/b⌋ or ⌈N/b⌉ (expected size N/b).
+        steps: for :meth:`sample` (dpopt's own loop): the batches to draw in all (None: unlimited).
 
     Raises:
         ValueError: b < 1 or b > N.
     """
 
-    def __init__(self, dataset_size: int, batches: int):
+    def __init__(self, dataset_size: int, batches: int, steps: Optional[int] = None):
         n, b = int(dataset_size), int(batches)
         if not 1 <= b <= n:
             raise ValueError(f"batches must lie in [1, dataset size {n}], got {batches}")
         gen = torch.Generator().manual_seed(secrets.randbits(63))  # the partition protects nothing
         perm = torch.randperm(n, generator=gen)
-        self.batches = [chunk.tolist() for chunk in torch.tensor_split(perm, b)]
+        self._parts = list(torch.tensor_split(perm, b))
+        self.batches = [chunk.tolist() for chunk in self._parts]
+        self.steps = steps
         self.position = 0  # steps handed out so far (public)
 
     def __len__(self) -> int:
@@ -49,3 +52,29 @@ class CyclicBatchSampler(Sampler):
             batch = self.batches[self.position % len(self.batches)]
             self.position += 1
             yield batch
+
+    def sample(self) -> torch.Tensor:
+        """The next batch's indices (int64 ``[~N/b]``); advances ``position``.
+
+        Raises:
+            StopIteration: ``steps`` batches were drawn.
+        """
+        if self.steps is not None and self.position >= self.steps:
+            raise StopIteration
+        idx = self._parts[self.position % len(self._parts)]
+        self.position += 1
+        return idx.clone()
+
+    def state_dict(self) -> dict:
+        """Public: the position and the number of batches (the partition is not saved: a correlated-noise
+        run is never resumed, docs/correlated-noise.md)."""
+        return {"version": 1, "position": self.position, "batches": len(self.batches), "cyclic": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Only a state at position 0 loads.
+
+        Raises:
+            ValueError: a later position (resuming a correlated-noise run is refused).
+        """
+        if int(state.get("position", 0)) != 0:
+            raise ValueError("cyclic batches of a correlated-noise run are never resumed (docs/correlated-noise.md)")

@@ -466,3 +466,27 @@ def test_one_run_audit_of_a_blt_run_stays_below_its_claim():
     claimed = _gaussian_epsilon(mu, delta)  # = the ledger's ε (test_epsilon_equals_an_independent_...)
     assert [type(e.event).__name__ for e in priv.ledger.entries][0] == "GaussianDpEvent"
     assert 0.0 < lower <= claimed
+
+
+def test_dpopt_train_door_checks_and_refuses_resume(tmp_path):
+    """`dpopt train --noise-mechanism blt` (dpopt's own loop, cyclic batches) → `dpopt check` passes;
+    --resume is refused with one line and exit 2; a bad spec is refused the same way."""
+    from typer.testing import CliRunner
+
+    from dpopt.accounting.ledger_check import check_run
+    from dpopt.cli import app
+
+    runner = CliRunner()
+    run_dir = tmp_path / "run"
+    args = ["train", "--dataset", "digits", "--epochs", "2", "--batch-size", "256", "--noise-multiplier", "2"]
+    result = runner.invoke(app, args + ["--noise-mechanism", "blt:2", "--out", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert check_run(run_dir).passed
+    ledger = PrivacyLedger.load(run_dir / "ledger.json")
+    rec = ledger.mechanism
+    assert rec["kind"] == "blt" and rec["participations"] == 2 == -(-rec["steps"] // rec["min_separation"])
+    assert "cyclic" in ledger.sampling
+    resumed = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert resumed.exit_code == 2 and "refused" in resumed.output
+    bad = runner.invoke(app, args + ["--noise-mechanism", "banded:0", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "--noise-mechanism banded:0" in bad.output and "Traceback" not in bad.output

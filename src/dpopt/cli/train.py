@@ -268,6 +268,11 @@ def train_command(
         "constant", help="constant or cosine (decay to ~0 at the last step), after --warmup-steps"
     ),
     warmup_steps: int = typer.Option(0, help="linear lr warm-up over this many steps (lr·(s+1)/W)"),
+    noise_mechanism: str = typer.Option(
+        "independent",
+        help="independent, or correlated noise across steps (DP matrix factorization): banded:B (B bands) or "
+        "blt / blt:N (N buffers); trains on cyclic batches; resume refused (docs/correlated-noise.md)",
+    ),
     fsdp: bool = typer.Option(
         False,
         help="under torchrun: shard the model with FSDP2 (fully_shard) over the processes, per-example "
@@ -358,6 +363,7 @@ def train_command(
         ema_decay=ema_decay,
         lr_schedule=lr_schedule,
         warmup_steps=warmup_steps,
+        noise_mechanism=noise_mechanism,
     )
     if threads is not None:
         if threads < 1:

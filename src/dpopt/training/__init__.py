@@ -53,6 +53,7 @@ from typing import Callable, Optional, Union, cast
 
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
+from ..cyclic_batches import CyclicBatchSampler
 from ..data import Dataset, load_dataset
 from ..distributed import DistributedContext, any_rank, check_replicas, poisson_sampler, setup
 from ..sampling import PoissonSampler
@@ -127,8 +128,16 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
     run = build_run(cfg, data, stacklevel=4, dist=dist)
     run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
     # run.data: without the validation records (cfg.validation_fraction)
-    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    sampler = _sampler(run, dist)
     return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
+
+
+def _sampler(run: Run, dist: DistributedContext):
+    """Poisson batches, or the cyclic batches correlated noise is accounted for (dpopt.cyclic_batches)."""
+    mech = run.optimizer.privatizer.mechanism
+    if mech is not None:
+        return CyclicBatchSampler(run.data.n_train, mech.participation.min_separation, steps=run.steps)
+    return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
 
 
 def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:

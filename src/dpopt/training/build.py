@@ -24,6 +24,7 @@ from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_cou
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
+from ..correlated_noise import Participation, make_mechanism, parse_mechanism
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
@@ -236,11 +237,20 @@ def build_run(
         _, user_hp = split_gamma(user_hp, spec.defaults)
     hp = spec.hparams(cfg.dataset, **dict(user_hp, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
+    expected_batch_size = float(cfg.batch_size)
+    if parse_mechanism(cfg.noise_mechanism)[0] != "independent":  # correlated noise over cyclic batches
+        if dist is not None and dist.enabled:
+            raise ConfigError("noise_mechanism is not supported with distributed training yet", "noise_mechanism")
+        batches = max(1, round(1.0 / sample_rate))
+        participation = Participation(steps, -(-steps // batches), batches)
+        privacy["mechanism"] = make_mechanism(cfg.noise_mechanism, sigma, participation)
+        expected_batch_size = data.n_train / batches  # the cyclic batches hold N/b examples each
+        privacy_facts["noise_mechanism"] = cfg.noise_mechanism
     opt = build_optimizer(
         spec,
         [p for p in model.parameters() if p.requires_grad],
         hp,
-        expected_batch_size=float(cfg.batch_size),
+        expected_batch_size=expected_batch_size,
         sample_rate=sample_rate,
         ledger=ledger,
         noise=noise,
