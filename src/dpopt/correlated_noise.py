@@ -71,6 +71,8 @@ __all__ = [
     "strategy_from_record",
     "check_record",
     "record_sampling",
+    "gaussian_epsilon",
+    "calibrate_noise_multiplier",
     "make_mechanism",
     "step_events",
 ]
@@ -716,6 +718,58 @@ def make_mechanism(spec: str, noise_multiplier: float, participation: Participat
         raise ValueError(f"noise_mechanism {spec!r} needs noise_multiplier > 0")
     _check_horizon(participation.steps)
     return CorrelatedNoise(optimize_strategy(kind, participation.steps, size), participation, noise_multiplier)
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """ε(δ) of one Gaussian mechanism with sensitivity/σ = μ > 0, exact in float64: the root of
+    δ = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, Thm 8).
+
+    Raises:
+        ValueError: μ ≤ 0 or δ ∉ (0, 1).
+    """
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    if not mu > 0 or not 0 < delta < 1:
+        raise ValueError(f"need mu > 0 and delta in (0, 1), got {mu}, {delta}")
+
+    def gap(eps: float) -> float:
+        return float(norm.cdf(-eps / mu + mu / 2) - math.exp(eps + norm.logcdf(-eps / mu - mu / 2))) - delta
+
+    if gap(0.0) <= 0:
+        return 0.0
+    return float(brentq(gap, 0.0, 50.0 + mu * mu, xtol=1e-12))
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float, delta: float, strategy: Strategy, participation: Participation, accountant: str = "pld"
+) -> float:
+    """The σ whose correlated-noise run (T releases) the ledger scores at ε ≤ ``target_epsilon``.
+
+    σ = Δ/μ* with μ* the Gaussian μ of ε = target (:func:`gaussian_epsilon`, bisection), then raised by
+    0.1 % steps until dpopt's accountant on the run's per-release events (:func:`step_events`) is at or
+    below the target (PLD's connect-the-dots grid is pessimistic by a little).
+
+    Raises:
+        ValueError: target ε ≤ 0, δ ∉ (0, 1).
+    """
+    from scipy.optimize import brentq
+
+    from .accounting.accountant import epsilon
+
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
+    mu = float(brentq(lambda m: gaussian_epsilon(m, delta) - target_epsilon, 1e-6, 40.0, xtol=1e-12))
+    prefix = prefix_sensitivities(strategy, participation)
+    sigma = float(prefix[-1]) / mu
+    for _ in range(200):
+        event = dp_event.ComposedDpEvent(
+            [e for e in step_events(sigma, prefix) if not isinstance(e, dp_event.NoOpDpEvent)]
+        )
+        if epsilon(event, delta, accountant) <= target_epsilon:
+            return sigma
+        sigma *= 1.001
+    raise RuntimeError("could not calibrate the noise multiplier (the accountant never reached the target)")
 
 
 def record_sampling(record: Optional[dict]) -> Optional[str]:

@@ -490,3 +490,17 @@ def test_dpopt_train_door_checks_and_refuses_resume(tmp_path):
     assert resumed.exit_code == 2 and "refused" in resumed.output
     bad = runner.invoke(app, args + ["--noise-mechanism", "banded:0", "--out", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--noise-mechanism banded:0" in bad.output and "Traceback" not in bad.output
+
+
+def test_calibrated_sigma_meets_the_target_from_below():
+    from dpopt.correlated_noise import calibrate_noise_multiplier, gaussian_epsilon
+
+    T = 30
+    s, p = optimize_strategy("banded", T, 4), Participation(T, 3, 10)
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, s, p)
+    priv = _run_privatizer(s, p, sigma, T)
+    got = epsilon(priv.ledger, 1e-5)
+    assert got <= 2.0 and got == pytest.approx(2.0, rel=5e-3)
+    assert gaussian_epsilon(sensitivity(s, p) / sigma, 1e-5) == pytest.approx(
+        _gaussian_epsilon(sensitivity(s, p) / sigma, 1e-5), rel=1e-9
+    )

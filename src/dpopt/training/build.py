@@ -24,7 +24,8 @@ from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_cou
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
-from ..correlated_noise import Participation, make_mechanism, parse_mechanism
+from ..correlated_noise import CorrelatedNoise, Participation, Strategy, optimize_strategy, parse_mechanism
+from ..correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters
 from ..errors import ConfigError
@@ -177,6 +178,19 @@ def _starting_model(cfg: TrainConfig, model_name: str) -> nn.Module:
     return prepare_model(model, cfg.init_from, cfg.freeze, cfg.lora_rank)
 
 
+def _mechanism_plan(
+    cfg: TrainConfig, n_train: int, sample_rate: float, steps: int
+) -> Optional[tuple[Strategy, Participation]]:
+    """Correlated noise (``cfg.noise_mechanism``): the strategy optimised for the run's T steps over
+    b = round(1/q) cyclic batches (k = ⌈T/b⌉ participations, b apart); None for independent noise."""
+    kind, size = parse_mechanism(cfg.noise_mechanism)
+    if kind == "independent":
+        return None
+    batches = min(n_train, max(1, round(1.0 / sample_rate)))
+    participation = Participation(steps, -(-steps // batches), batches)
+    return optimize_strategy(kind, steps, size), participation
+
+
 def build_run(
     cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3, dist: Optional[DistributedContext] = None
 ) -> Run:
@@ -225,7 +239,11 @@ def build_run(
             f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})", "warmup_steps", "epochs"
         ) from None
     sigma, calibration = cfg.noise_multiplier, None
-    if cfg.target_epsilon is not None:
+    mechanism = _mechanism_plan(cfg, data.n_train, sample_rate, steps)
+    if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
+        strategy, participation = mechanism
+        sigma = calibrate_mechanism_noise(cfg.target_epsilon, cfg.delta, strategy, participation, cfg.accountant)
+    elif cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps, cfg.accountant)
         sigma = calibration.noise_multiplier
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
@@ -238,13 +256,12 @@ def build_run(
     hp = spec.hparams(cfg.dataset, **dict(user_hp, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm))
     privacy, privacy_facts = privacy_options(cfg, model, sigma, float(hp["max_grad_norm"]))
     expected_batch_size = float(cfg.batch_size)
-    if parse_mechanism(cfg.noise_mechanism)[0] != "independent":  # correlated noise over cyclic batches
+    if mechanism is not None:  # correlated noise over cyclic batches
         if dist is not None and dist.enabled:
             raise ConfigError("noise_mechanism is not supported with distributed training yet", "noise_mechanism")
-        batches = max(1, round(1.0 / sample_rate))
-        participation = Participation(steps, -(-steps // batches), batches)
-        privacy["mechanism"] = make_mechanism(cfg.noise_mechanism, sigma, participation)
-        expected_batch_size = data.n_train / batches  # the cyclic batches hold N/b examples each
+        strategy, participation = mechanism
+        privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma)
+        expected_batch_size = data.n_train / participation.min_separation  # cyclic batches: N/b examples each
         privacy_facts["noise_mechanism"] = cfg.noise_mechanism
     opt = build_optimizer(
         spec,

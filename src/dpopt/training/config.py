@@ -105,7 +105,7 @@ class TrainConfig:
 
 def _check_noise_mechanism(cfg: TrainConfig) -> None:
     """Correlated noise (docs/correlated-noise.md): a known spec, and none of the options it has no
-    accountant for (quantile clipping, σ calibration, σ = 0)."""
+    accountant for (quantile clipping, σ = 0)."""
     from ..correlated_noise import parse_mechanism
 
     try:
@@ -116,14 +116,7 @@ def _check_noise_mechanism(cfg: TrainConfig) -> None:
         return
     if cfg.clipping == "quantile":
         raise ConfigError("noise_mechanism needs a fixed clip bound, not clipping 'quantile'", "noise_mechanism")
-    if cfg.target_epsilon is not None:
-        raise ConfigError(
-            "noise_mechanism: give noise_multiplier (calibrating σ for a target ε is not supported with "
-            "correlated noise yet)",
-            "noise_mechanism",
-            "target_epsilon",
-        )
-    if not cfg.noise_multiplier > 0:
+    if cfg.target_epsilon is None and not cfg.noise_multiplier > 0:
         raise ConfigError("noise_mechanism needs noise_multiplier > 0", "noise_mechanism", "noise_multiplier")
 
 
