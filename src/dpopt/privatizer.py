@@ -222,6 +222,14 @@ class Privatizer:
         self.noise = make_noise_source(noise, generator, secure_mode)
         self.ledger.mark_noise(self.noise.mode)
         if self.mechanism is not None:
+            if len(self.ledger) or self.ledger.mechanism is not None:
+                raise ConfigError(
+                    "correlated noise is accounted as ONE mechanism over the whole ledger: it needs a fresh "
+                    f"ledger, but this one already holds {len(self.ledger)} releases"
+                    + (" and a mechanism" if self.ledger.mechanism is not None else "")
+                    + " (use a new PrivacyEngine / ledger)",
+                    "noise_mechanism",
+                )
             self.ledger.mechanism = self.mechanism.record()
             self.ledger.sampling = self.mechanism.participation.sampling
         self.steps = 0

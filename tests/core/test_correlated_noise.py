@@ -504,3 +504,16 @@ def test_calibrated_sigma_meets_the_target_from_below():
     assert gaussian_epsilon(sensitivity(s, p) / sigma, 1e-5) == pytest.approx(
         _gaussian_epsilon(sensitivity(s, p) / sigma, 1e-5), rel=1e-9
     )
+
+
+def test_a_mechanism_needs_a_fresh_ledger_and_no_budget_stop():
+    from dpopt.training.config import TrainConfig, validate_config
+
+    priv = _run_privatizer(optimize_strategy("banded", 4, 2), Participation(4), 1.0, 2)
+    mech = CorrelatedNoise(optimize_strategy("banded", 4, 2), Participation(4), 1.0)
+    with pytest.raises(ConfigError, match="fresh ledger"):
+        Privatizer(1.0, 1.0, 1.0, 1.0, ledger=priv.ledger, mechanism=mech)
+    with pytest.raises(ConfigError, match="max_epsilon"):
+        validate_config(TrainConfig(noise_mechanism="blt", max_epsilon=3.0), 1000)
+    with pytest.raises(ConfigError, match="quantile"):
+        validate_config(TrainConfig(noise_mechanism="banded:2", clipping="quantile"), 1000)

@@ -116,6 +116,13 @@ def _check_noise_mechanism(cfg: TrainConfig) -> None:
         return
     if cfg.clipping == "quantile":
         raise ConfigError("noise_mechanism needs a fixed clip bound, not clipping 'quantile'", "noise_mechanism")
+    if cfg.max_epsilon is not None:
+        raise ConfigError(
+            "noise_mechanism: max_epsilon is not supported (the run's epsilon is fixed by the strategy and "
+            "sigma when it starts); set target_epsilon instead",
+            "noise_mechanism",
+            "max_epsilon",
+        )
     if cfg.target_epsilon is None and not cfg.noise_multiplier > 0:
         raise ConfigError("noise_mechanism needs noise_multiplier > 0", "noise_mechanism", "noise_multiplier")
 
