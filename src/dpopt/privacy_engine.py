@@ -104,7 +104,8 @@ from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
-from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, parse_mechanism
+from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
+from .correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
 from .cyclic_batches import CyclicBatchSampler
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
@@ -700,9 +701,22 @@ class PrivacyEngine:
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
         steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
-        sigma = calibrate_noise_multiplier(
-            target_epsilon, target_delta, 1.0 / len(data_loader), steps, str(self.accountant)
-        ).noise_multiplier
+        kind, size = parse_mechanism(kwargs.get("noise_mechanism", "independent"))
+        if kind != "independent":  # correlated noise: one Gaussian at the strategy's sensitivity (cyclic batches)
+            if "epochs" in kwargs or "total_steps" in kwargs:
+                raise ConfigError(
+                    "make_private_with_epsilon sets the horizon from epochs=; do not give total_steps", "total_steps"
+                )
+            b = len(data_loader)
+            participation = Participation(steps, -(-steps // b), b)
+            sigma = calibrate_mechanism_noise(
+                target_epsilon, target_delta, optimize_strategy(kind, steps, size), participation, str(self.accountant)
+            )
+            kwargs["total_steps"] = steps
+        else:
+            sigma = calibrate_noise_multiplier(
+                target_epsilon, target_delta, 1.0 / len(data_loader), steps, str(self.accountant)
+            ).noise_multiplier
         out = self.make_private(
             module=module,
             optimizer=optimizer,
@@ -712,7 +726,12 @@ class PrivacyEngine:
             **kwargs,
         )
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
-        self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+        # (correlated noise: a release past the planned steps is refused by the mechanism itself)
+        self._target_watch = (
+            TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+            if kind == "independent"
+            else None
+        )
         self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
         return out
 

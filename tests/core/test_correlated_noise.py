@@ -517,3 +517,26 @@ def test_a_mechanism_needs_a_fresh_ledger_and_no_budget_stop():
         validate_config(TrainConfig(noise_mechanism="blt", max_epsilon=3.0), 1000)
     with pytest.raises(ConfigError, match="quantile"):
         validate_config(TrainConfig(noise_mechanism="banded:2", clipping="quantile"), 1000)
+
+
+def test_make_private_with_epsilon_calibrates_the_mechanism():
+    model = nn.Linear(5, 2)
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=12),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+    )
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    eps = engine.get_epsilon(1e-5)
+    assert eps <= 3.0 and eps == pytest.approx(3.0, rel=5e-3)
+    assert engine.ledger.mechanism["steps"] == 8
