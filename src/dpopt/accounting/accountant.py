@@ -144,7 +144,7 @@ def epsilon_report(
 
 def _mechanism_sampling(ledger: Any) -> Optional[str]:
     """The sampling a correlated-noise ledger's events are exact for (:mod:`dpopt.correlated_noise`)."""
-    from ..correlated_noise import record_sampling
+    from .matrix_factorization import record_sampling
 
     return record_sampling(getattr(ledger, "mechanism", None))
 

@@ -427,7 +427,7 @@ def _check_split(
 
 def _mechanism_sampling(ledger: PrivacyLedger) -> Optional[str]:
     """The sampling statement the ledger's correlated-noise record requires (None without one)."""
-    from ..correlated_noise import record_sampling
+    from .matrix_factorization import record_sampling
 
     return record_sampling(getattr(ledger, "mechanism", None))
 
@@ -443,7 +443,7 @@ def _check_mechanism(
     (:func:`~dpopt.correlated_noise.check_record`); (d) the entries' Gaussians compose (μ² adds) to
     Gaussian(σ/Δ_t) of the last release t, and σ is the claimed noise_multiplier.
     """
-    from ..correlated_noise import check_record
+    from .matrix_factorization import check_record
 
     rec = cast(dict, ledger.mechanism)
     rel_bad, noise_bad = [], []
