@@ -59,6 +59,7 @@ from .transforms.weight_decay import DecoupledWeightDecay
 
 if TYPE_CHECKING:
     from .auto_clipping import AutoClipping
+    from .correlated_noise import CorrelatedNoise
 
 __all__ = [
     "MethodSpec",
@@ -214,6 +215,7 @@ def make_optimizer(
     dataset: Optional[str] = None,
     model: Optional[nn.Module] = None,
     auto_clip: Optional["AutoClipping"] = None,
+    mechanism: Optional["CorrelatedNoise"] = None,
     **overrides: Any,
 ) -> DPOptimizer:
     """Build the :class:`~dpopt.optim.DPOptimizer` of a registered method.
@@ -234,6 +236,7 @@ def make_optimizer(
         quantile: quantile adaptive clipping config (flat-clipping methods only).
         auto_clip: automatic clipping (AUTO-S, :mod:`dpopt.auto_clipping`): per-example
             C·g/(‖g‖ + γ) instead of min(1, C/‖g‖)·g; flat-clipping methods only.
+        mechanism: correlated noise (:class:`~dpopt.correlated_noise.CorrelatedNoise`); None: independent.
         dataset: selects dataset-specific defaults (e.g. MacAdam's h1/h2).
         model: the module the parameters belong to (optional): lets the Muon
             methods route its embedding tables to the non-Muon branch by
@@ -263,6 +266,7 @@ def make_optimizer(
         quantile=quantile,
         model=model,
         auto_clip=auto_clip,
+        mechanism=mechanism,
     )
 
 
@@ -283,6 +287,7 @@ def build_optimizer(
     quantile: Optional[QuantileClipping] = None,
     model: Optional[nn.Module] = None,
     auto_clip: Optional["AutoClipping"] = None,
+    mechanism: Optional["CorrelatedNoise"] = None,
 ) -> DPOptimizer:
     """Build ``spec``'s :class:`~dpopt.optim.DPOptimizer` from RESOLVED hyperparameters.
 
@@ -337,6 +342,7 @@ def build_optimizer(
         generator=generator,
         secure_mode=secure_mode,
         noise=noise,
+        mechanism=mechanism,
         **options,
     )
     params = [p for p in params if not (isinstance(p, torch.Tensor) and is_frozen(p))]

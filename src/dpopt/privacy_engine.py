@@ -90,7 +90,7 @@ import os
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -105,6 +105,9 @@ from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
+from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
+from .correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
+from .cyclic_batches import CyclicBatchSampler
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
     DistributedContext,
@@ -117,6 +120,7 @@ from .distributed import (
 )
 from .engine.collate_check import probe_loader
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture
+from .errors import ConfigError
 from .methods import get_method, make_optimizer
 from .module_validator import ModuleValidator
 from .noise import NoiseSource
@@ -255,6 +259,31 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
+def _cyclic_loader(data_loader: DataLoader) -> tuple[int, int, DataLoader]:
+    """(N, b, a loader of b cyclic batches over the loader's dataset; its collate and worker settings kept)."""
+    dataset = data_loader.dataset
+    if not hasattr(dataset, "__len__"):
+        raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
+    n, b = len(dataset), len(data_loader)
+    keep = loader_settings(data_loader)
+    loader = DataLoader(dataset, batch_sampler=CyclicBatchSampler(n, b), collate_fn=data_loader.collate_fn, **keep)
+    return n, b, loader
+
+
+def _mechanism(
+    spec: str, noise_multiplier: float, batches: int, epochs: Optional[int], total_steps: Optional[int]
+) -> CorrelatedNoise:
+    """The correlated-noise mechanism for cyclic batches: T = epochs·b (or total_steps), k = ⌈T/b⌉
+    participations b steps apart."""
+    steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
+    if steps < 1:
+        raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
+    participation = Participation(steps, -(-steps // batches), batches)
+    mech = make_mechanism(spec, noise_multiplier, participation)
+    assert mech is not None  # not "independent": checked by _check_mechanism_options
+    return mech
+
+
 def _trained_parameters(
     optimizer: Any, module: nn.Module, capture: HookCapture, hparams: dict
 ) -> tuple[list, str, dict]:
@@ -348,6 +377,9 @@ class PrivacyEngine:
         user_ids: Optional[Sequence[Any]] = None,
         max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
         sample_rate: Optional[float] = None,
+        noise_mechanism: str = "independent",
+        epochs: Optional[int] = None,
+        total_steps: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -460,6 +492,18 @@ class PrivacyEngine:
                 never by content). Public; it bounds compute, not privacy (the user's mean is clipped).
             sample_rate: with ``privacy_unit="user"``: q_user (default 1/len(data_loader), Opacus's
                 rule applied to users: len(data_loader) steps per epoch); then round(1/q_user) steps per epoch.
+            noise_mechanism: ``"independent"`` (default: fresh Gaussian noise every step), or correlated
+                noise across steps (DP matrix factorization, :mod:`dpopt.correlated_noise`,
+                docs/correlated-noise.md): ``"banded:B"`` (B bands) or ``"blt"`` / ``"blt:N"`` (N buffers).
+                The returned loader then yields CYCLIC batches (:class:`~dpopt.cyclic_batches.
+                CyclicBatchSampler`: one fixed partition into len(data_loader) batches, in a fixed order,
+                so an example takes part every len(data_loader) steps), the strategy is optimised for the
+                horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification).
+                Needs ``epochs`` or ``total_steps``; refused with ``poisson_sampling=False``, adaptive
+                clipping, ``distributed`` or a noise_multiplier of 0; a release past the horizon raises;
+                resuming from a checkpoint is refused.
+            epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
+                total_steps); refused with independent noise (they change nothing there).
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -495,6 +539,14 @@ class PrivacyEngine:
             noise_generator=noise_generator,
         )
         unit = _check_unit_arguments(privacy_unit, user_ids, sample_rate, distributed, poisson_sampling)
+        mech_kind = self._check_mechanism_options(
+            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
+        )
+        if unit == "user" and mech_kind != "independent":
+            raise ValueError(
+                "privacy_unit='user' with a correlated noise_mechanism is not supported: its sensitivity "
+                "analysis is per record over cyclic batches; use noise_mechanism='independent'"
+            )
         warn_drop_last(data_loader, poisson_sampling)
         noise = NoiseSource("secure") if compat.secure else self.noise
         if noise_generator is not None:
@@ -533,8 +585,11 @@ class PrivacyEngine:
                     n, sample_rate, loader = self._user_loader(
                         data_loader, user_ids, max_records_per_user, sample_rate, noise
                     )
-                else:
+                elif mech_kind == "independent":
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
+                    sample_rate = 1.0 / steps_per_epoch
+                else:
+                    n, steps_per_epoch, loader = _cyclic_loader(data_loader)
                     sample_rate = 1.0 / steps_per_epoch
                 if view_fn is not None:
                     loader = _loader_with_views(loader, views, view_fn)
@@ -552,6 +607,11 @@ class PrivacyEngine:
                     unclipped_num_std,
                     count_share,
                 )
+                if mech_kind != "independent":
+                    privacy["mechanism"] = _mechanism(
+                        noise_mechanism, noise_multiplier, steps_per_epoch, epochs, total_steps
+                    )
+                    expected_batch_size = n / steps_per_epoch  # cyclic batches: N/b examples per step
                 if clipping == "auto":  # AUTO-S: the flat options plus the normalisation's γ
                     from .auto_clipping import AutoClipping
 
@@ -637,6 +697,46 @@ class PrivacyEngine:
             capture.detach()
             raise
 
+    @staticmethod
+    def _check_mechanism_options(
+        noise_mechanism: str,
+        epochs: Optional[int],
+        total_steps: Optional[int],
+        poisson_sampling: bool,
+        clipping: str,
+        distributed: Union[bool, str],
+        noise_multiplier: float,
+    ) -> str:
+        """The mechanism kind of ``noise_mechanism``, or a ConfigError for a combination with no valid
+        accountant (module :mod:`dpopt.correlated_noise`)."""
+        kind, _ = parse_mechanism(noise_mechanism)
+        if kind == "independent":
+            if epochs is not None or total_steps is not None:
+                raise ConfigError(
+                    "epochs / total_steps set the horizon of correlated noise; with noise_mechanism="
+                    "'independent' they change nothing: drop them (or use make_private_with_epsilon)",
+                    "epochs",
+                    "total_steps",
+                )
+            return kind
+        problems = []
+        if (epochs is None) == (total_steps is None):
+            problems.append("give exactly one of epochs= or total_steps= (the horizon the strategy is built for)")
+        if not poisson_sampling:
+            problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
+        if clipping == "adaptive":
+            problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
+        if distributed:
+            problems.append("distributed training (not supported with correlated noise yet)")
+        if not float(noise_multiplier) > 0:
+            problems.append("noise_multiplier 0 (correlated noise needs noise)")
+        if problems:
+            raise ConfigError(
+                f"noise_mechanism={noise_mechanism!r} cannot be used with: " + "; ".join(problems),
+                "noise_mechanism",
+            )
+        return kind
+
     def make_private_with_epsilon(
         self,
         *,
@@ -672,9 +772,26 @@ class PrivacyEngine:
         q = 1.0 / len(data_loader) if given is None else float(given)
         per_epoch = len(data_loader) if given is None else max(1, int(round(1.0 / q)))  # the loader's batches
         steps = max(1, math.ceil(epochs * per_epoch - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
-        sigma = calibrate_noise_multiplier(
-            target_epsilon, target_delta, q, steps, str(self.accountant)
-        ).noise_multiplier
+        kind, size = parse_mechanism(kwargs.get("noise_mechanism", "independent"))
+        if kind != "independent":  # correlated noise: one Gaussian at the strategy's sensitivity (cyclic batches)
+            if "epochs" in kwargs or "total_steps" in kwargs:
+                raise ConfigError(
+                    "make_private_with_epsilon sets the horizon from epochs=; do not give total_steps", "total_steps"
+                )
+            if given is not None:
+                raise ConfigError(
+                    "sample_rate is not used with a correlated noise_mechanism (cyclic batches)", "sample_rate"
+                )
+            b = len(data_loader)
+            participation = Participation(steps, -(-steps // b), b)
+            sigma = calibrate_mechanism_noise(
+                target_epsilon, target_delta, optimize_strategy(kind, steps, size), participation, str(self.accountant)
+            )
+            kwargs["total_steps"] = steps
+        else:
+            sigma = calibrate_noise_multiplier(
+                target_epsilon, target_delta, q, steps, str(self.accountant)
+            ).noise_multiplier
         out = self.make_private(
             module=module,
             optimizer=optimizer,
@@ -684,7 +801,12 @@ class PrivacyEngine:
             **kwargs,
         )
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
-        self._target_watch = TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+        # (correlated noise: a release past the planned steps is refused by the mechanism itself)
+        self._target_watch = (
+            TargetWatch(self, target_epsilon, target_delta, str(self.accountant), steps)
+            if kind == "independent"
+            else None
+        )
         self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
         return out
 

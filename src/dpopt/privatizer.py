@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import PrivacyLedger, longest_record
+from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError
 from .noise import CpuNormalDraw, NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
@@ -97,6 +98,30 @@ class QuantileClipping:
             raise ValueError(f"quantile_lr must be >= 0, got {self.quantile_lr}")
 
 
+def _checked_mechanism(
+    mechanism: Optional[CorrelatedNoise], noise_multiplier: float, quantile: Optional[QuantileClipping]
+) -> Optional[CorrelatedNoise]:
+    """The Privatizer's noise mechanism, or a ConfigError for combinations with no valid accounting."""
+    if mechanism is None:
+        return None
+    if not isinstance(mechanism, CorrelatedNoise):
+        raise TypeError(f"mechanism must be a dpopt.correlated_noise.CorrelatedNoise, got {type(mechanism).__name__}")
+    if quantile is not None:
+        raise ConfigError(
+            "correlated noise with quantile (adaptive) clipping is not supported: the noise scale changes with "
+            "the released bound, which the matrix-factorization accounting does not cover; use a fixed "
+            "max_grad_norm",
+            "noise_mechanism",
+            "clipping",
+        )
+    if abs(mechanism.noise_multiplier - noise_multiplier) > 1e-12 * max(1.0, noise_multiplier):
+        raise ValueError(
+            f"the mechanism was built for noise_multiplier {mechanism.noise_multiplier}, the Privatizer has "
+            f"{noise_multiplier}: build it with the same sigma"
+        )
+    return mechanism
+
+
 class Privatizer:
     """Clip, sum, noise and release per-sample gradients; record every release.
 
@@ -128,6 +153,11 @@ class Privatizer:
             the noise drawn ONCE (e.g. by rank 0) — never once per process.
             None (default): the local sums are the totals and the noise is
             added here, as always.
+        mechanism: a :class:`~dpopt.correlated_noise.CorrelatedNoise` (DP
+            matrix factorization): the step's fresh σS·z becomes the correlated
+            noise (C⁻¹z)_t before it is added; the ledger records the
+            mechanism in its header and each release's share of its Gaussian.
+            None (default): independent noise.
 
     Raises:
         ValueError: invalid σ, q, B̄, bounds or group indices (messages say
@@ -150,6 +180,7 @@ class Privatizer:
         secure_mode: bool = False,
         noise: Optional[NoiseSource] = None,
         reduce: Optional[Callable] = None,
+        mechanism: Optional[CorrelatedNoise] = None,
     ):
         self.reduce = reduce
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
@@ -183,12 +214,24 @@ class Privatizer:
         if quantile is not None and len(bounds) > 1:
             raise ValueError("quantile clipping adapts one flat bound; use a single max_grad_norm")
         self.quantile = quantile
+        self.mechanism = _checked_mechanism(mechanism, self.noise_multiplier, quantile)
         if quantile is not None:
             self.bounds = [float(quantile.initial_clip or bounds[0])]
         self.clip_history: list[float] = []  # released: the bound applied at each step (quantile)
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         self.noise = make_noise_source(noise, generator, secure_mode)
         self.ledger.mark_noise(self.noise.mode)
+        if self.mechanism is not None:
+            if len(self.ledger) or self.ledger.mechanism is not None:
+                raise ConfigError(
+                    "correlated noise is accounted as ONE mechanism over the whole ledger: it needs a fresh "
+                    f"ledger, but this one already holds {len(self.ledger)} releases"
+                    + (" and a mechanism" if self.ledger.mechanism is not None else "")
+                    + " (use a new PrivacyEngine / ledger)",
+                    "noise_mechanism",
+                )
+            self.ledger.mechanism = self.mechanism.record()
+            self.ledger.sampling = self.mechanism.participation.sampling
         self.steps = 0
         self.reads = 0  # private statistics computed (gradient sums, counts)
         self.releases = 0  # noisy Gaussians released (and recorded)
@@ -211,7 +254,10 @@ class Privatizer:
         return self.bounds[0] if len(self.bounds) == 1 else self.sensitivity
 
     def step_event(self) -> dp_event.DpEvent:
-        """The DpEvent one step of this Privatizer records (built in accounting.events)."""
+        """The DpEvent one step of this Privatizer records (built in accounting.events; with correlated
+        noise, the next release's share of the mechanism's one Gaussian, :mod:`dpopt.correlated_noise`)."""
+        if self.mechanism is not None:
+            return self.mechanism.step_event(self.steps)
         sigmas = [self.noise_multiplier]
         if self.quantile is not None:
             sigmas.append(self.quantile.count_noise_multiplier)
@@ -306,6 +352,7 @@ class Privatizer:
             self._read.update(["gradient_sum"] + (["clipped_count"] if self.quantile is not None else []))
         geo, bbar, sens = self._geometry, self.expected_batch_size, self.sensitivity
         std = self.noise_multiplier * sens
+        marginal = 1.0 if self.mechanism is None else self.mechanism.marginal_std(self.steps)  # std of (C⁻¹z)_t
         count = self._count if self.quantile is not None else None
         if self.reduce is not None:  # data parallel: the noisy totals over every process
             totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
@@ -316,7 +363,7 @@ class Privatizer:
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
-            coord_std = torch.tensor(std / bbar, dtype=s.dtype, device=s.device)
+            coord_std = torch.tensor(std * marginal / bbar, dtype=s.dtype, device=s.device)
             if geo.scale is not None:
                 g.mul_(geo.scale[i])
                 coord_std = coord_std * geo.scale[i]
@@ -334,6 +381,8 @@ class Privatizer:
             "geometry": "identity" if geo.is_identity else "shift-scale",
             **self._clip_meta(),
         }
+        if self.mechanism is not None:
+            meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
         if self.quantile is not None:
             meta.update(self._release_count(noisy_count))
         meta.update(reads=len(self._read), releases=self._released)
@@ -373,6 +422,8 @@ class Privatizer:
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
                 flat = self._normals(sum(self._sum[i].numel() for i in idx), device).mul_(std)
+                if self.mechanism is not None:  # correlated noise: (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
+                    flat = self.mechanism.correlate(flat, self.steps, str(device))
                 for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
                     s = self._sum[i]
                     grad_noise[i] = z.to(s.dtype).view(s.shape) if rounded else z.view(s.shape)
@@ -470,6 +521,12 @@ class Privatizer:
         """
         if self._geometry is not None:
             raise ValueError("cannot load a state in the middle of a step (begin() without release())")
+        if self.mechanism is not None and int(state.get("steps", 0)) > 0:
+            raise ValueError(
+                "resuming a correlated-noise (DP matrix factorization) run is refused: the noise stream's state "
+                "is as secret as the noise and is never saved, and restarting the stream would not be the "
+                "mechanism the run is accounted for; start a new run (docs/correlated-noise.md)"
+            )
         if int(state.get("version", -1)) != 1:
             raise ValueError(f"unsupported Privatizer state version {state.get('version')!r}")
         bounds = [float(c) for c in state["bounds"]]

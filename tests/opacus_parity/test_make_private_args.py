@@ -149,7 +149,7 @@ def test_secure_mode_per_call_and_its_exclusion_with_a_generator():
 
 def test_unknown_keywords_with_a_torch_optimizer_point_to_the_migration_guide():
     with pytest.raises(TypeError, match="migrating-from-opacus"):
-        private(total_steps=10)
+        private(max_steps=10)
 
 
 def test_make_private_with_epsilon_takes_opacus_arguments_and_meets_the_target():

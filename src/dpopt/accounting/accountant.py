@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 from .cost import DEFAULT_BUDGET, CostBudget, EpsilonReport
 from .events import dpsgd_event, flatten_gaussian_terms
@@ -128,7 +128,9 @@ def epsilon_report(
     delta = check_delta(delta)
     report = spec(ledger, delta, budget=budget)
     sampling = getattr(ledger, "sampling", "poisson")
-    if sampling != "poisson":  # every accountant here assumes Poisson sampling (DESIGN: warn, never silently)
+    if sampling != "poisson" and sampling != _mechanism_sampling(ledger):
+        # every accountant here assumes Poisson sampling (DESIGN: warn, never silently), except for a
+        # correlated-noise ledger, whose events are exact for the cyclic participation it records
         report = dataclasses.replace(
             report,
             notes=tuple(report.notes)
@@ -138,6 +140,13 @@ def epsilon_report(
             ),
         )
     return report
+
+
+def _mechanism_sampling(ledger: Any) -> Optional[str]:
+    """The sampling a correlated-noise ledger's events are exact for (:mod:`dpopt.correlated_noise`)."""
+    from .matrix_factorization import record_sampling
+
+    return record_sampling(getattr(ledger, "mechanism", None))
 
 
 def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:

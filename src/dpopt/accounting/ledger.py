@@ -39,6 +39,12 @@ Header fields (DESIGN.md "Secret randomness", "Nothing private in any output"):
   ``"user (at most k records each)"``): N_users, the number of users, treated as public like N.
 * ``delta`` (optional, written only when set) — the run's δ (public), so that
   ``dpopt ledger FILE`` scores at the run's δ without a summary beside it.
+* ``mechanism`` (optional, written only for correlated noise) — the noise
+  mechanism's public record (:meth:`dpopt.correlated_noise.CorrelatedNoise.record`:
+  kind, strategy coefficients, horizon, participations, min separation, σ,
+  sensitivity, ``amplification``, ``resume``); each entry's event is then
+  the release's share of the mechanism's one Gaussian, re-derived from this
+  record alone by ``dpopt check`` (:func:`dpopt.correlated_noise.check_record`).
   Readers that do not know these keys ignore them (the version stays 2).
 
 Journal (``ledger.jsonl``, JSON lines, :data:`JOURNAL_VERSION` 1), written while a run goes
@@ -273,6 +279,8 @@ class PrivacyLedger:
         self.privacy_unit: Optional[str] = None  # e.g. "block of 16 tokens" (packed texts); None: one example
         self.delta: Optional[float] = None  # the run's delta (public), read by `dpopt ledger`; None: not recorded
         self.num_users: Optional[int] = None  # user-level DP: N_users (public, like N); None: not user-level
+        # correlated noise (DP matrix factorization): the mechanism's public record (dpopt.correlated_noise)
+        self.mechanism: Optional[dict] = None
         self.noise = noise
         self.dataset_size = dataset_size
         self.run_id: Optional[str] = new_run_id() if run_id is None else _checked_run_id(run_id)
@@ -454,7 +462,7 @@ class PrivacyLedger:
         }
 
     def _run_statements(self) -> dict:
-        """The optional header fields ``privacy_unit`` and ``delta`` (written only when set)."""
+        """The optional header fields ``privacy_unit``, ``delta`` and ``mechanism`` (written only when set)."""
         out: dict[str, Any] = {}
         if self.privacy_unit is not None:
             out["privacy_unit"] = str(self.privacy_unit)
@@ -462,10 +470,16 @@ class PrivacyLedger:
             out["delta"] = float(self.delta)
         if self.num_users is not None:
             out["num_users"] = int(self.num_users)
+        if self.mechanism is not None:
+            out["mechanism"] = dict(self.mechanism)
         return out
 
     def _read_run_statements(self, raw: dict) -> None:
-        unit, delta = raw.get("privacy_unit"), raw.get("delta")
+        unit, delta, mechanism = raw.get("privacy_unit"), raw.get("delta"), raw.get("mechanism")
+        if mechanism is not None:
+            if not isinstance(mechanism, dict):
+                raise ValueError(f"the ledger's mechanism record must be an object, got {mechanism!r}")
+            self.mechanism = dict(mechanism)
         if unit is not None:
             self.privacy_unit = str(unit)
         if delta is not None:

@@ -336,7 +336,7 @@ def _check_composition(
         problems.append(f"summary delta {claimed.get('delta')!r} is missing or not in (0, 1)")
     if eps_claim is None:
         problems.append("summary has no numeric epsilon")
-    if ledger.sampling != "poisson":
+    if ledger.sampling != "poisson" and ledger.sampling != _mechanism_sampling(ledger):
         problems.append(
             f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
             "so the epsilon does not hold for this run"
@@ -425,6 +425,72 @@ def _check_split(
     return CheckItem("budget_split", QUESTIONS["budget_split"], not problems, tuple(problems + evidence)), facts
 
 
+def _mechanism_sampling(ledger: PrivacyLedger) -> Optional[str]:
+    """The sampling statement the ledger's correlated-noise record requires (None without one)."""
+    from .matrix_factorization import record_sampling
+
+    return record_sampling(getattr(ledger, "mechanism", None))
+
+
+def _check_mechanism(
+    ledger: PrivacyLedger, parsed: list[EventSummary], claimed: Mapping, rtol: float
+) -> tuple[CheckItem, CheckItem, CheckItem, dict]:
+    """Questions (a), (b) and (d) for a correlated-noise ledger (:mod:`dpopt.correlated_noise`).
+
+    (a) every entry reads once and releases once, its event holding at most that one Gaussian (a no-op
+    when the release adds no sensitivity); (b) noise_std = σ × sensitivity per entry, σ = the record's,
+    and every event and ``mechanism_sensitivity`` re-derived from the record alone
+    (:func:`~dpopt.correlated_noise.check_record`); (d) the entries' Gaussians compose (μ² adds) to
+    Gaussian(σ/Δ_t) of the last release t, and σ is the claimed noise_multiplier.
+    """
+    from .matrix_factorization import check_record
+
+    rec = cast(dict, ledger.mechanism)
+    rel_bad, noise_bad = [], []
+    for entry, p in zip(ledger.entries, parsed):
+        m = entry.meta
+        if m.get("reads") != 1 or m.get("releases") != 1 or len(p.gaussians) > 1 or p.unsupported:
+            rel_bad.append(f"step {entry.step}: reads {m.get('reads')}, releases {m.get('releases')}")
+        sigma, sens, std = _num(m.get("noise_multiplier")), _num(m.get("sensitivity")), _num(m.get("noise_std"))
+        if sigma is None or sens is None or std is None or not _close(std, sigma * sens, rtol):
+            noise_bad.append(f"step {entry.step}: noise_std {std} != noise_multiplier {sigma} × sensitivity {sens}")
+        elif not _close(sigma, float(rec.get("noise_multiplier", math.nan)), rtol):
+            noise_bad.append(
+                f"step {entry.step}: noise_multiplier {sigma} != the mechanism's {rec.get('noise_multiplier')}"
+            )
+    problems_a = _summarise(rel_bad, "entries that are not one read and one release") + (
+        ["the ledger is empty"] if len(ledger) == 0 else []
+    )
+    steps = claimed.get("steps")
+    if steps is not None and int(steps) != len(ledger):
+        problems_a.append(f"summary claims {steps} steps but the ledger has {len(ledger)} entries")
+    derived = check_record(rec, ledger.entries, rtol)
+    problems_b = _summarise(noise_bad, "entries whose noise is not σ × sensitivity") + derived
+    evidence_b = (
+        [] if problems_b else [f"{rec.get('kind')} mechanism re-derived from the ledger header: every event matches"]
+    )
+    a = CheckItem(
+        "releases", QUESTIONS["releases"], not problems_a, tuple(problems_a) or ("one read, one release per entry",)
+    )
+    b = CheckItem("noise", QUESTIONS["noise"], not problems_b, tuple(problems_b + evidence_b))
+    inv = sum(g**-2 for p in parsed for g in p.gaussians if g > 0)
+    last = ledger.entries[-1].meta.get("mechanism_sensitivity") if len(ledger) else None
+    sigma_claim = _num(claimed.get("noise_multiplier"))
+    problems_d, evidence_d = [], []
+    if sigma_claim is None or last is None or inv <= 0:
+        problems_d.append("no claimed noise_multiplier, or no Gaussian release to recompose")
+    else:
+        composed = inv**-0.5
+        if not _close(composed, sigma_claim / float(last), rtol):
+            problems_d.append(
+                f"the entries compose to Gaussian σ_eff = {composed:.6g}, not σ/Δ = {sigma_claim:.6g}/{float(last):.6g}"
+            )
+        else:
+            evidence_d.append(f"entries compose to one Gaussian σ/Δ_t = {composed:.6g} (σ = {sigma_claim:.6g})")
+    d = CheckItem("budget_split", QUESTIONS["budget_split"], not problems_d, tuple(problems_d + evidence_d))
+    return a, b, d, {"sigma_eff": [inv**-0.5] if inv > 0 else []}
+
+
 def _check_noise_source(ledger: PrivacyLedger, claimed: Mapping) -> CheckItem:
     problems, evidence = [], []
     mode = getattr(ledger, "noise", "unknown")
@@ -500,10 +566,14 @@ def check_ledger(ledger: PrivacyLedger, claimed: Mapping[str, Any], rtol: float 
     rtol = check_rtol(rtol)
     # per entry, from the shared DpEvent walker: gaussians (recorded order), rates, nonprivate, unsupported
     parsed = [summarize_event(e.event) for e in ledger.entries]
-    a = _check_releases(ledger, parsed, claimed)
-    b = _check_noise(ledger, parsed, rtol)
-    c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
-    d, facts_d = _check_split(ledger, parsed, claimed, rtol)
+    if getattr(ledger, "mechanism", None) is not None:  # correlated noise: (a), (b), (d) from the mechanism record
+        a, b, d, facts_d = _check_mechanism(ledger, parsed, claimed, rtol)
+        c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
+    else:
+        a = _check_releases(ledger, parsed, claimed)
+        b = _check_noise(ledger, parsed, rtol)
+        c, facts_c = _check_composition(ledger, parsed, claimed, rtol)
+        d, facts_d = _check_split(ledger, parsed, claimed, rtol)
     e = _check_noise_source(ledger, claimed)
     facts = {**facts_c, **facts_d, "entries": len(ledger), "noise": getattr(ledger, "noise", "unknown")}
     return CheckResult((a, b, c, d, e), facts)

@@ -290,6 +290,11 @@ def train_command(
     max_records_per_user: int = typer.Option(
         16, help="with --user-ids: at most k records per sampled user (chosen at random)"
     ),
+    noise_mechanism: str = typer.Option(
+        "independent",
+        help="independent, or correlated noise across steps (DP matrix factorization): banded:B (B bands) or "
+        "blt / blt:N (N buffers); trains on cyclic batches; resume refused (docs/correlated-noise.md)",
+    ),
     fsdp: bool = typer.Option(
         False,
         "--fsdp",
@@ -393,6 +398,7 @@ def train_command(
         warmup_steps=warmup_steps,
         user_ids=user_ids,
         max_records_per_user=max_records_per_user,
+        noise_mechanism=noise_mechanism,
     )
     if threads is not None:
         if threads < 1:
@@ -560,6 +566,7 @@ TRAIN_PANELS = {
         "reproducible_noise",
         "user_ids",
         "max_records_per_user",
+        "noise_mechanism",
     ),
     "Method": ("method", "lr", "hp", "h1", "h2", "variance_update", "lr_schedule", "warmup_steps", "seed"),
     "Clipping": ("clipping", "layer_bounds", "target_quantile", "quantile_lr", "count_share", "count_noise_multiplier"),

@@ -25,6 +25,8 @@ from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_cou
 from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
+from ..correlated_noise import CorrelatedNoise, Participation, Strategy, optimize_strategy, parse_mechanism
+from ..correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters, poisson_sampler
 from ..errors import ConfigError
@@ -190,6 +192,19 @@ def _starting_model(cfg: TrainConfig, model_name: str) -> nn.Module:
     return prepare_model(model, cfg.init_from, cfg.freeze, cfg.lora_rank)
 
 
+def _mechanism_plan(
+    cfg: TrainConfig, n_train: int, sample_rate: float, steps: int
+) -> Optional[tuple[Strategy, Participation]]:
+    """Correlated noise (``cfg.noise_mechanism``): the strategy optimised for the run's T steps over
+    b = round(1/q) cyclic batches (k = ⌈T/b⌉ participations, b apart); None for independent noise."""
+    kind, size = parse_mechanism(cfg.noise_mechanism)
+    if kind == "independent":
+        return None
+    batches = min(n_train, max(1, round(1.0 / sample_rate)))
+    participation = Participation(steps, -(-steps // batches), batches)
+    return optimize_strategy(kind, steps, size), participation
+
+
 def build_run(
     cfg: TrainConfig, data: Dataset, *, stacklevel: int = 3, dist: Optional[DistributedContext] = None
 ) -> Run:
@@ -245,7 +260,11 @@ def build_run(
             f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})", "warmup_steps", "epochs"
         ) from None
     sigma, calibration = cfg.noise_multiplier, None
-    if cfg.target_epsilon is not None:
+    mechanism = _mechanism_plan(cfg, data.n_train, sample_rate, steps)
+    if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
+        strategy, participation = mechanism
+        sigma = calibrate_mechanism_noise(cfg.target_epsilon, cfg.delta, strategy, participation, cfg.accountant)
+    elif cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps, cfg.accountant)
         sigma = calibration.noise_multiplier
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
@@ -262,11 +281,26 @@ def build_run(
 
         ledger.privacy_unit, ledger.num_users = user_unit_text(cfg.max_records_per_user), len(users)
         privacy_facts.update(privacy_unit="user", max_records_per_user=cfg.max_records_per_user, num_users=len(users))
+    expected_batch_size = float(cfg.batch_size)
+    if mechanism is not None:  # correlated noise over cyclic batches
+        if users is not None:
+            raise ConfigError(
+                "noise_mechanism with user_ids (user-level DP) is not supported: the strategy's sensitivity is "
+                "per record over cyclic batches",
+                "noise_mechanism",
+                "user_ids",
+            )
+        if dist is not None and dist.enabled:
+            raise ConfigError("noise_mechanism is not supported with distributed training yet", "noise_mechanism")
+        strategy, participation = mechanism
+        privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma)
+        expected_batch_size = data.n_train / participation.min_separation  # cyclic batches: N/b examples each
+        privacy_facts["noise_mechanism"] = cfg.noise_mechanism
     opt = build_optimizer(
         spec,
         [p for p in model.parameters() if p.requires_grad],
         hp,
-        expected_batch_size=float(cfg.batch_size),
+        expected_batch_size=expected_batch_size,
         sample_rate=sample_rate,
         ledger=ledger,
         noise=noise,
@@ -301,7 +335,13 @@ def build_run(
 
 def run_sampler(run: Run, dist: DistributedContext) -> Any:
     """The run's batch sampler: Poisson over records (this rank's shard under data parallel), or over users
-    (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner)."""
+    (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner), or the
+    cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`)."""
+    mech = run.optimizer.privatizer.mechanism
+    if mech is not None:
+        from ..cyclic_batches import CyclicBatchSampler
+
+        return CyclicBatchSampler(run.data.n_train, mech.participation.min_separation, steps=run.steps)
     if run.users is None:
         return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     from ..users import UserPoissonBatchSampler

@@ -104,6 +104,32 @@ class TrainConfig:
     # max_records_per_user records (chosen at random), and their mean gradient is clipped as one unit
     user_ids: Optional[str] = None
     max_records_per_user: int = 16
+    # "independent", or correlated noise across steps: "banded:B" / "blt[:N]" (dpopt.correlated_noise)
+    noise_mechanism: str = "independent"
+
+
+def _check_noise_mechanism(cfg: TrainConfig) -> None:
+    """Correlated noise (docs/correlated-noise.md): a known spec, and none of the options it has no
+    accountant for (quantile clipping, σ = 0)."""
+    from ..correlated_noise import parse_mechanism
+
+    try:
+        kind, _ = parse_mechanism(cfg.noise_mechanism)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "noise_mechanism") from None
+    if kind == "independent":
+        return
+    if cfg.clipping == "quantile":
+        raise ConfigError("noise_mechanism needs a fixed clip bound, not clipping 'quantile'", "noise_mechanism")
+    if cfg.max_epsilon is not None:
+        raise ConfigError(
+            "noise_mechanism: max_epsilon is not supported (the run's epsilon is fixed by the strategy and "
+            "sigma when it starts); set target_epsilon instead",
+            "noise_mechanism",
+            "max_epsilon",
+        )
+    if cfg.target_epsilon is None and not cfg.noise_multiplier > 0:
+        raise ConfigError("noise_mechanism needs noise_multiplier > 0", "noise_mechanism", "noise_multiplier")
 
 
 def validate_config(cfg: TrainConfig, n_train: int) -> None:
@@ -132,6 +158,7 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ConfigError(f"sample_rate must be in (0, 1], got {cfg.sample_rate}", "sample_rate")
     if cfg.reproducible_noise and cfg.secure_mode:
         raise ConfigError("reproducible_noise and secure_mode exclude each other", "reproducible_noise", "secure_mode")
+    _check_noise_mechanism(cfg)
     if cfg.lr is not None and not cfg.lr > 0:
         raise ConfigError(f"lr must be > 0, got {cfg.lr}", "lr")
     if not (cfg.epochs > 0 and math.isfinite(cfg.epochs)):
