@@ -392,26 +392,28 @@ class Privatizer:
         """The noisy sums ``round_dtype(s + σS·z)`` (z in float64, the sum of both in float64, rounded
         once) and the count's noise (:meth:`_count_noise`, drawn after the gradient noise).
 
-        On the CPU (every sum there, σS > 0) the noise is added where the sums are, chunk by chunk
-        as :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and
-        each chunk is rounded into the sum's own storage: the release needs no buffer of all
-        parameters' noise (a model larger than :data:`EARLY_DRAW_MAX` streams its draw, issue 43).
-        The sums are the Privatizer's own (fresh tensors from ``weighted_sum`` or its additions).
-        Elsewhere: :meth:`_draw`'s float64 noise per device, added, rounded.
+        Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0): :meth:`_draw`'s float64
+        noise — the one noise seam the audit's mutants wrap — added, then rounded. A larger model on
+        the CPU streams its draw (issue 43): the noise is added where the sums are, chunk by chunk as
+        :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and each
+        chunk is rounded into the sum's own storage, so no buffer of all parameters' noise (nor a
+        second copy of the sums) ever exists; the values are bit for bit those of :meth:`_draw`'s
+        path (``tests/core/test_noise_stream.py``). The sums are the Privatizer's own (fresh tensors
+        from ``weighted_sum`` or its additions).
         """
         assert self._sum is not None  # inside a step (begin() ran)
-        sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
-        if not std > 0 or not sums or any(s.device.type != "cpu" for s in sums):  # σ = 0 (σS may be nan: 0·∞)
-            noise, count_noise = self._draw(std)
-            return [z.add_(s).to(s.dtype) for z, s in zip(noise, sums)], count_noise
-        sizes = [s.numel() for s in sums]
+        sizes = [s.numel() for s in self._sum]
         n = sum(sizes)
+        if not std > 0 or n <= EARLY_DRAW_MAX or any(s.device.type != "cpu" for s in self._sum):  # σS may be nan (0·∞)
+            noise, count_noise = self._draw(std)
+            return [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)], count_noise
+        sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
         starts = list(itertools.accumulate([0] + sizes))
         flats = [s.view(-1) for s in sums]
         draw, self._pending = self._pending, None
         self._expect = n
         if draw is None or draw.n != n or not draw.usable:
-            draw = self.noise.start_normal(n, stream=n > EARLY_DRAW_MAX)
+            draw = self.noise.start_normal(n, stream=True)
 
         def add(lo: int, hi: int, z: Tensor) -> None:  # z: the float64 normals [lo, hi) of the draw
             i = bisect.bisect_right(starts, lo) - 1
