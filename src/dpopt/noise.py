@@ -743,6 +743,8 @@ class CpuNormalDraw:
                 finish(i)
         else:
             list(pool.map(finish, range(self._k)))
+        if self._states is not None:
+            self._states = []  # the chunk generators' secret states are not kept past their use
         return flat
 
     def values(self, shape=None, dtype: torch.dtype = torch.float64) -> Tensor:
