@@ -14,6 +14,10 @@ timings of a ``--size`` draw, all rows timed round-robin so that load changes re
 * ``floor: MT words only``: the 64 random bits per normal the new sampler reads, nothing else.
 * ``new secret/secure/reproducible``: :meth:`dpopt.noise.NoiseSource.normal` today
   (|z| ≤ :data:`dpopt.noise.CUT_RADIUS` = 37.64 in every mode).
+* ``new secret streamed``: ``start_normal(n, stream=True)`` consumed chunk by chunk (the release of a
+  model above the Privatizer's early-draw limit: no buffer of n values; issue 43).
+
+ms per 10^6 normals is ns per normal.
 
 Ratios are to ``torch.randn`` and to the old path of the same mode and thread count; CPU ms is the
 process CPU time (all threads), which preemption on a loaded machine does not inflate. Timings
@@ -64,6 +68,11 @@ def _old_secure(n: int) -> torch.Tensor:
     return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
 
 
+def _streamed(source: NoiseSource, n: int) -> None:
+    """A streamed draw of ``n`` normals, each chunk handed to a consumer that does nothing with it."""
+    source.start_normal(n, stream=True).consume(lambda lo, hi, z: None)
+
+
 def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     """(best wall ms, best process-CPU ms) of each case, timed round-robin (one timing of every case
     per round), so that a change of machine load during the run reaches every case alike. CPU time
@@ -99,6 +108,8 @@ def measure(size: int, repeats: int) -> dict:
         "old secret (2 threads)": (2, lambda: _old_secret(size, pool, gen)),
         "new secret (2 threads)": (2, lambda: secret.normal((size,))),
         "new secret float64 (2 threads)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
+        "new secret streamed (1 thread)": (1, lambda: _streamed(secret, size)),
+        "new secret streamed (2 threads)": (2, lambda: _streamed(secret, size)),
         "floor: MT words only (1 thread)": (
             1,
             lambda: torch.empty(size, dtype=torch.int64).random_(-(2**63), None, generator=gen),
@@ -127,6 +138,8 @@ def measure(size: int, repeats: int) -> dict:
         "new secret (2 threads)": "old secret (2 threads)",
         "new secret float64 (1 thread)": "old secret (1 thread)",
         "new secret float64 (2 threads)": "old secret (2 threads)",
+        "new secret streamed (1 thread)": "old secret (1 thread)",
+        "new secret streamed (2 threads)": "old secret (2 threads)",
         "new secure": "old secure",
         "new reproducible (1 thread)": "old secret (1 thread)",
     }
@@ -163,7 +176,9 @@ def main(argv=None) -> int:
         f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
         f"1-min load {result['load_1min']})"
     )
-    print(f"{'sampler':34s} {'wall ms':>8s} {'x randn':>8s} {'x old':>7s} {'CPU ms':>8s} {'x old':>7s}")
+    print(
+        f"{'sampler (ms per 1e6 = ns/normal)':34s} {'wall ms':>8s} {'x randn':>8s} {'x old':>7s} {'CPU ms':>8s} {'x old':>7s}"
+    )
     for name, ms in result["ms_per_1e6"].items():
         old, cpu_old = result["ratio_to_old"].get(name), result["cpu_ratio_to_old"].get(name)
         print(

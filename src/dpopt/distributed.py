@@ -77,7 +77,7 @@ import torch
 from torch import Tensor
 
 from .noise import NoiseSource
-from .sampling import PoissonSampler
+from .sampling import PoissonSampler, poisson_indices
 
 __all__ = [
     "DistributedContext",
@@ -212,10 +212,11 @@ class ShardedPoissonSampler(PoissonSampler):
             (``noise``: THIS rank's source).
         ctx: the :class:`DistributedContext`.
 
-    With secret/secure noise each rank draws the uniforms of its shard only,
-    from its own source. With reproducible noise every rank draws the uniforms
-    of the whole dataset from the shared seeded stream and keeps its shard's
-    part, so the union over ranks is the one-process batch for the same seed.
+    With secret/secure noise each rank draws the sample of its shard only, from
+    its own source (:func:`~dpopt.sampling.poisson_indices`: O(q·|shard|) per step).
+    With reproducible noise every rank draws the sample of the whole dataset from
+    the shared seeded stream (O(q·N)) and keeps its shard's part, so the union
+    over ranks is the one-process batch for the same seed.
     Either way the union over ranks is a Poisson sample of the dataset at q.
     """
 
@@ -234,12 +235,13 @@ class ShardedPoissonSampler(PoissonSampler):
     def sample(self) -> Tensor:
         if self.position >= self.steps:
             raise StopIteration
-        if self.noise.mode == "reproducible":
-            mask = self.noise.uniform(self.dataset_size)[self.lo : self.hi] < self.sample_rate
+        if self.noise.mode == "reproducible":  # the shared stream's sample of the whole dataset, this shard's part
+            idx = poisson_indices(self.noise, self.dataset_size, self.sample_rate)
+            idx = idx[(idx >= self.lo) & (idx < self.hi)]
         else:
-            mask = self.noise.uniform(self.hi - self.lo) < self.sample_rate
+            idx = poisson_indices(self.noise, self.hi - self.lo, self.sample_rate).add_(self.lo)
         self.position += 1
-        return mask.nonzero(as_tuple=True)[0] + self.lo
+        return idx
 
 
 def poisson_sampler(

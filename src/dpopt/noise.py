@@ -43,7 +43,8 @@ truncation costs δ ≥ P(Z > r_max − 1/σ) per inclusion (8e-5 at σ = 0.5 fo
 P(Z > 37.64 − 1/σ) < 1e-160 per inclusion. Other departures from the ideal
 sampler: a stream of > 1000 zero bits is cut (probability 2^-1000), and with
 probability ≤ 2^-140 per call more pairs need exponent bits beyond the first
-12 than :func:`_slots` provides (they stay at |z| ≤ 4.25); both are far below
+12 than :func:`_slots` provides (per chunk of :data:`NORMAL_CHUNK` normals in a large CPU
+draw; they stay at |z| ≤ 4.25); both are far below
 1e-30, so nothing is added to the ledger's δ. The draw is float64, rounded
 once to the requested dtype; the Privatizer adds it to the clipped sum in
 float64 and rounds the noisy sum once to the parameter dtype.
@@ -70,6 +71,13 @@ per-sample work, and its one noise seam (``Privatizer._draw``) takes the values 
 values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
 never pickled or copied, and one started before a fork is refused in the child.
 
+**Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a large CPU draw is
+self-contained (its own generator state, words and continuation rows), so a draw can also be
+*streamed* (``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
+1 MiB scratch buffer of its worker thread, and handed to the caller, who adds them to the clipped
+sum and rounds in place — the Privatizer's release of a model larger than its early-draw limit,
+which never holds the noise of all parameters at once.
+
 Only the :class:`~dpopt.privatizer.Privatizer` and the
 :class:`~dpopt.sampling.PoissonSampler` draw from a :class:`NoiseSource`.
 """
@@ -79,10 +87,11 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -500,7 +509,7 @@ class NoiseSource:
         """:meth:`normal` on CPU for more than ``NORMAL_CHUNK`` elements (:meth:`start_normal`, then its values)."""
         return self.start_normal(shape.numel()).values(shape, dtype)
 
-    def start_normal(self, n: int) -> "CpuNormalDraw":
+    def start_normal(self, n: int, stream: bool = False) -> "CpuNormalDraw":
         """Start drawing ``n`` standard normals on the CPU; the chunks are computed in the background.
 
         The same values as :meth:`normal` (float64, before rounding): words are drawn per chunk of
@@ -514,15 +523,20 @@ class NoiseSource:
         Secure mode draws its words from the OS per call: its draw is computed here, now, in one
         piece (:meth:`normal`), and wrapped in the same handle.
 
+        ``stream=True``: nothing is computed now but the chunk states (no buffer of ``n`` values):
+        :meth:`CpuNormalDraw.consume` computes the chunks one by one into per-worker scratch and
+        hands each to its ``fn`` — the same values, in O(NORMAL_CHUNK) memory per worker (secure
+        mode: each chunk's words from the OS when it is computed).
+
         Raises:
             ValueError: ``n`` < 0.
         """
         n = int(n)
         if n < 0:
             raise ValueError(f"the number of normals must be >= 0, got {n}")
-        if self.mode == "secure" or n <= NORMAL_CHUNK:
+        if n <= NORMAL_CHUNK or (self.mode == "secure" and not stream):
             return CpuNormalDraw.ready(self, self.normal((n,), dtype=torch.float64))
-        return CpuNormalDraw(self, n)
+        return CpuNormalDraw(self, n, stream=stream)
 
     def _thread_pool(self) -> Optional[ThreadPoolExecutor]:
         """Worker threads for chunked draws (None with one torch thread); kept between draws."""
@@ -597,103 +611,140 @@ class CpuNormalDraw:
 
     Consumed once, by :meth:`consume` (or :meth:`values`): the values are bit-identical to those
     :meth:`NoiseSource.normal` would have returned (before rounding) at the point of the stream
-    where the draw was started. Chunk ``c`` holds the normals ``[c·NORMAL_CHUNK, (c+1)·NORMAL_CHUNK)``:
+    where the draw was started. Chunk ``c`` holds the normals ``[c·NORMAL_CHUNK, (c+1)·NORMAL_CHUNK)``
+    and is self-contained: its own MT19937 generator (whole state drawn from the source when the
+    draw starts) gives its words, then its :func:`_slots` rows of continuation words; Box–Muller on
+    its blocks and the continuation of its flagged pairs (:func:`_continue_pairs`) need nothing of
+    any other chunk. So a chunk can be computed whenever, on any thread, and the values never
+    depend on the thread count or on when they are computed.
 
-    1. when started (in the source's worker threads, or at once with one torch thread): the
-       chunk's words from its own MT19937 generator, Box–Muller on its blocks, and the indices of
-       its pairs flagged for the stream continuation;
-    2. when consumed (in the worker threads): the continuation of the chunk's flagged pairs (the
-       r-th flagged pair of the whole draw gets continuation row r, as in :func:`_continue_stream`),
-       then the caller's ``fn`` on the chunk's values while they are in cache.
+    Two ways to compute (the same values):
+
+    * ``stream=False`` (default): the chunks are computed when the draw starts (in the source's
+      worker threads, or at once with one torch thread) into one float64 buffer of all ``n``
+      values — the Privatizer's early draw, overlapping the per-sample work;
+    * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
+      each chunk into a chunk-sized scratch buffer of its worker and hands it to ``fn`` at once —
+      memory O(NORMAL_CHUNK · threads), never O(n) (issue 43: the release of a large model).
 
     A draw is never copied or pickled (it holds secret noise: a copy would replay it), and one
     started before a fork is refused in the child (the source's epoch, :meth:`NoiseSource._forget`).
     """
 
-    def __init__(self, source: "NoiseSource", n: int, values: Optional[Tensor] = None):
+    def __init__(self, source: "NoiseSource", n: int, values: Optional[Tensor] = None, stream: bool = False):
         self.n = int(n)
+        self.stream = bool(stream) and values is None
         self._source, self._epoch, self._used = source, source._epoch, False
         self._futures: list = []
+        self._words: Optional[Tensor] = None
+        self._states: Optional[list[bytes]] = None
         if values is not None:  # already computed (small draws, secure mode): one chunk
-            self._words, self._k, self._flagged = values, 1, None
+            self._words, self._k = values, 1
             return
         pairs = self._pairs = -(-self.n // 2)
-        chunk = NORMAL_CHUNK // 2
-        self._k = k = -(-pairs // chunk)
+        self._k = k = -(-pairs // (NORMAL_CHUNK // 2))
+        if source.mode == "secure":  # streamed only: each chunk's words come from the OS when it is computed
+            self.stream = True
+            return
         gen = source._generator("cpu")
         states = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
         raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
-        self._slot_words = _random_words((_slots(pairs), _SLOT_WORDS), gen, "cpu")
+        self._states = [raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)] for i in range(k)]
+        if self.stream:
+            return
         self._words = torch.empty(2 * pairs, dtype=torch.int64)
-        self._cont = _flag_buffer(pairs, "cpu")
-        self._flagged: Optional[list] = [None] * k  # type: ignore[no-redef]
         pool = source._thread_pool()
         if pool is None:
             for i in range(k):
-                self._fill(i, raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)])
+                self._fill(i, self._words)
         else:
-            self._futures = [
-                pool.submit(self._fill, i, raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)]) for i in range(k)
-            ]
+            self._futures = [pool.submit(self._fill, i, self._words) for i in range(k)]
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
         """A draw whose float64 ``values`` ``[n]`` are already computed."""
         return cls(source, values.numel(), values)
 
-    def _fill(self, i: int, state: bytes) -> None:
-        sub = _cpu_generator_from_words(state)
+    def _bounds(self, i: int) -> tuple[int, int]:
+        """Pairs ``[lo, hi)`` of chunk ``i``."""
         chunk = NORMAL_CHUNK // 2
-        lo, hi = i * chunk, min(self._pairs, (i + 1) * chunk)
-        self._words[2 * lo : 2 * hi].random_(-(2**63), None, generator=sub)
-        _blocks(self._words, self._cont, lo, hi, BLOCK_PAIRS)
-        self._flagged[i] = torch.nonzero(self._cont[lo:hi])[:, 0].add_(lo)  # type: ignore[call-overload, index]
+        return i * chunk, min(self._pairs, (i + 1) * chunk)
+
+    def _fill(self, i: int, words: Tensor, own_place: bool = True) -> Tensor:
+        """Chunk ``i``'s float64 normals, computed in ``words`` (int64: at the chunk's own place in
+        the whole draw's layout, or at offset 0 of a chunk-sized scratch buffer when ``own_place`` is
+        False); returns the chunk's values (a view)."""
+        lo, hi = self._bounds(i)
+        p = hi - lo
+        if self._states is None:  # secure: the OS CSPRNG's words, the one-piece sampler
+            return self._source.normal((2 * p,), dtype=torch.float64)
+        sub = _cpu_generator_from_words(self._states[i])
+        base = 2 * lo if own_place else 0
+        mine = words[base : base + 2 * p]
+        mine.random_(-(2**63), None, generator=sub)
+        rows = _random_words((_slots(p), _SLOT_WORDS), sub, "cpu")
+        cont = _flag_buffer(p, "cpu")
+        _blocks(mine, cont, 0, p, BLOCK_PAIRS)
+        flat = mine.view(torch.float64)
+        idx = torch.nonzero(cont)[:, 0]
+        take = min(idx.numel(), rows.shape[0])  # more flagged pairs than rows (≤ 2^-140 per chunk): k stays 12
+        if take:
+            _continue_pairs(flat, idx[:take], rows[:take], p, BLOCK_PAIRS)
+        return flat
 
     @property
     def usable(self) -> bool:
         """Not consumed yet, and started in this process's current epoch of the source (not before a fork)."""
         return not self._used and self._epoch == self._source._epoch
 
-    def consume(self, fn: Optional[Callable[[int, int, Tensor], None]] = None) -> Tensor:
+    def consume(self, fn: Optional[Callable[[int, int, Tensor], None]] = None) -> Optional[Tensor]:
         """Finish the draw; ``fn(lo, hi, values)`` is called once per chunk with its float64 normals
         ``[lo, hi)`` (a view; ``fn`` may change it in place), in the worker threads when there are
         any (the calls may run concurrently: each touches only its own range). Returns the float64
-        storage (at least ``n`` values; its first ``n`` are the normals, unless ``fn`` changed them).
+        storage (at least ``n`` values; its first ``n`` are the normals, unless ``fn`` changed them),
+        or None for a streamed draw (whose values exist only inside ``fn``'s calls).
 
         Raises:
             RuntimeError: the draw was consumed already, or started before a fork.
+            ValueError: a streamed draw consumed without ``fn``.
         """
         if not self.usable:
             raise RuntimeError("a noise draw is consumed once, in the process (and source epoch) that started it")
+        if self.stream and fn is None:
+            raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
         self._used = True
-        flat = self._words.view(torch.float64)
-        if self._flagged is None:
-            if fn is not None:
-                fn(0, self.n, flat[: self.n])
-            return flat
         for fut in self._futures:
             fut.result()
         self._futures = []
-        offsets, m = [0], self._slot_words.shape[0]
-        for idx in self._flagged:
-            offsets.append(offsets[-1] + idx.numel())  # type: ignore[attr-defined]
+        flat = None if self._words is None else self._words.view(torch.float64)
+        if flat is not None and self._states is None:  # ready-made values
+            if fn is not None:
+                fn(0, self.n, flat[: self.n])
+            return flat
+        scratch: dict[int, Tensor] = {}  # per worker thread: one chunk of int64 words, reused
 
         def finish(i: int) -> None:
-            idx, off = self._flagged[i], offsets[i]  # type: ignore[index]
-            take = max(0, min(idx.numel(), m - off))  # type: ignore[union-attr]  # more flagged pairs than rows (≤ 2^-140): k stays 12
-            if take:
-                _continue_pairs(flat, idx[:take], self._slot_words[off : off + take], self._pairs, BLOCK_PAIRS)  # type: ignore[index]
+            lo = i * NORMAL_CHUNK
+            hi = min(self.n, lo + NORMAL_CHUNK)
+            if flat is not None:
+                z = flat[lo:hi]
+            else:
+                key = threading.get_ident()
+                buf = scratch.get(key)
+                if buf is None:
+                    buf = scratch[key] = torch.empty(NORMAL_CHUNK, dtype=torch.int64)
+                z = self._fill(i, buf, own_place=False)[: hi - lo]
             if fn is not None:
-                lo = i * NORMAL_CHUNK
-                fn(lo, min(self.n, lo + NORMAL_CHUNK), flat[lo : min(self.n, lo + NORMAL_CHUNK)])
+                fn(lo, hi, z)
 
         pool = self._source._thread_pool()
-        if pool is None:
+        if pool is None or self._k == 1:
             for i in range(self._k):
                 finish(i)
         else:
             list(pool.map(finish, range(self._k)))
-        self._flagged = None
+        if self._states is not None:
+            self._states = []  # the chunk generators' secret states are not kept past their use
         return flat
 
     def values(self, shape=None, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -706,8 +757,8 @@ class CpuNormalDraw:
         shape = torch.Size((self.n,) if shape is None else shape)
         if shape.numel() != self.n:
             raise ValueError(f"shape {tuple(shape)} does not hold the {self.n} normals drawn")
-        if dtype == torch.float64 and self._words.numel() == self.n:  # the storage holds exactly the n values
-            return self.consume().view(shape)
+        if dtype == torch.float64 and self._words is not None and self._words.numel() == self.n:
+            return cast(Tensor, self.consume()).view(shape)  # the storage holds exactly the n values
         out = torch.empty(self.n, dtype=dtype)
 
         def copy(lo: int, hi: int, z: Tensor) -> None:

@@ -22,6 +22,8 @@ count stay here.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import numbers
 import warnings
@@ -39,7 +41,12 @@ from .errors import ConfigError
 from .noise import CpuNormalDraw, NoiseSource, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
-__all__ = ["Release", "QuantileClipping", "Privatizer"]
+__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX"]
+
+#: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer
+#: (32 MiB); a larger model's noise is drawn chunk by chunk at the release and added in place, so
+#: that no buffer of all parameters' noise ever exists (issue 43: bytes per block, not per parameter).
+EARLY_DRAW_MAX = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -297,7 +304,7 @@ class Privatizer:
         noise, whose stream order no one can replay anyway. A draw that is not consumed (the step
         failed, or the release needs another size) is dropped, never reused.
         """
-        if self.noise_multiplier > 0 and self.reduce is None and numel > 0 and self._pending is None:
+        if 0 < numel <= EARLY_DRAW_MAX and self.noise_multiplier > 0 and self.reduce is None and self._pending is None:
             self._pending = self.noise.start_normal(numel)
 
     def accumulate(self, source: PerSampleSource) -> None:
@@ -356,9 +363,8 @@ class Privatizer:
         count = self._count if self.quantile is not None else None
         if self.reduce is not None:  # data parallel: the noisy totals over every process
             totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
-        else:  # s + σS·z in float64 (the float64 noise buffers), rounded ONCE to the sum's dtype
-            noise, count_noise = self._draw(std)
-            totals = [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)]
+        else:  # s + σS·z in float64, rounded ONCE to the sum's dtype
+            totals, count_noise = self._add_noise(std)
             noisy_count = None if count is None else count + cast(float, count_noise)  # quantile: drawn
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
@@ -432,6 +438,45 @@ class Privatizer:
                     s = self._sum[i]
                     grad_noise[i] = torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64)
         return cast(list[Tensor], grad_noise), self._count_noise()  # every entry set above
+
+    def _add_noise(self, std: float) -> tuple[list[Tensor], Optional[float]]:
+        """The noisy sums ``round_dtype(s + σS·z)`` (z in float64, the sum of both in float64, rounded
+        once) and the count's noise (:meth:`_count_noise`, drawn after the gradient noise).
+
+        Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0): :meth:`_draw`'s float64
+        noise — the one noise seam the audit's mutants wrap — added, then rounded. A larger model on
+        the CPU streams its draw (issue 43): the noise is added where the sums are, chunk by chunk as
+        :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and each
+        chunk is rounded into the sum's own storage, so no buffer of all parameters' noise (nor a
+        second copy of the sums) ever exists; the values are bit for bit those of :meth:`_draw`'s
+        path (``tests/core/test_noise_stream.py``). The sums are the Privatizer's own (fresh tensors
+        from ``weighted_sum`` or its additions).
+        """
+        assert self._sum is not None  # inside a step (begin() ran)
+        sizes = [s.numel() for s in self._sum]
+        n = sum(sizes)
+        if not std > 0 or n <= EARLY_DRAW_MAX or any(s.device.type != "cpu" for s in self._sum):  # σS may be nan (0·∞)
+            noise, count_noise = self._draw(std)
+            return [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)], count_noise
+        sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
+        starts = list(itertools.accumulate([0] + sizes))
+        flats = [s.view(-1) for s in sums]
+        draw, self._pending = self._pending, None
+        self._expect = n
+        if draw is None or draw.n != n or not draw.usable:
+            draw = self.noise.start_normal(n, stream=True)
+
+        def add(lo: int, hi: int, z: Tensor) -> None:  # z: the float64 normals [lo, hi) of the draw
+            i = bisect.bisect_right(starts, lo) - 1
+            while i < len(sums) and starts[i] < hi:
+                a, b = max(lo, starts[i]), min(hi, starts[i + 1])
+                if b > a:
+                    part = z[a - lo : b - lo].mul_(std).add_(flats[i][a - starts[i] : b - starts[i]])
+                    flats[i][a - starts[i] : b - starts[i]].copy_(part)  # the one rounding
+                i += 1
+
+        draw.consume(add)
+        return sums, self._count_noise()
 
     def _count_noise(self) -> Optional[float]:
         """σ_b·z of the clipped count (quantile clipping; drawn after the gradient noise), else None."""

@@ -5,10 +5,15 @@ Talwar, Zhang 2019, "sampled Gaussian mechanism"). ``sample_rate`` q and the
 number of ``steps`` are public; the dataset size N is passed in (it is not
 derived into any public constant here) and the realised batch sizes are
 private — they are returned only to the caller that feeds the Privatizer.
+
+A step's sample is drawn in O(expected batch), never touching every record (issue 43): the gaps
+between included indices are i.i.d. Geometric(q) (:func:`poisson_indices`), which is the same
+distribution as one independent Bernoulli(q) per record.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -16,7 +21,56 @@ import torch
 from .accounting.events import check_sample_rate
 from .noise import NoiseSource, make_noise_source
 
-__all__ = ["PoissonSampler"]
+__all__ = ["PoissonSampler", "poisson_indices"]
+
+_MARGIN_SD, _MARGIN = 6.0, 8  # a chunk of gaps: the expected remainder + 6 sd + 8 (the loop continues if short)
+
+
+def poisson_indices(noise: NoiseSource, dataset_size: int, sample_rate: float) -> torch.Tensor:
+    """The indices of one Poisson sample of ``range(dataset_size)``: each record independently with
+    probability q, in O(K + 1) work and memory for K records drawn (never O(N)).
+
+    Args:
+        noise: the :class:`~dpopt.noise.NoiseSource` the uniforms come from (secret, secure or
+            reproducible, as for the masks).
+        dataset_size: N ≥ 0.
+        sample_rate: q ∈ (0, 1] (checked by the caller).
+
+    Returns:
+        int64 ``[K]`` sorted, distinct indices in ``[0, N)`` (CPU).
+
+    Method (geometric skipping; Devroye 1986, "Non-Uniform Random Variate Generation", §X.2): for
+    independent Bernoulli(q) records the number of records skipped before each included one is
+    G ~ Geometric(q), P(G ≥ k) = (1 − q)^k, i.i.d. and independent of everything before it. With
+    U uniform on (0, 1], G = ⌊ln U / ln(1 − q)⌋ has exactly that law (ln U ≤ k·ln(1 − q) ⟺
+    U ≤ (1 − q)^k). U = 1 − u for the source's float64 uniforms u ∈ [0, 1) (53 random bits, so
+    every threshold probability is exact up to 2^-53, as the per-record comparison u < q was);
+    ln(1 − q) is ``log1p(−q)`` (no cancellation at tiny q). Included index j_r = j_{r−1} + 1 + G_r
+    (j_0 = −1) until it passes N − 1. Uniforms are drawn in chunks sized for the expected
+    remainder plus 6 standard deviations, so one chunk almost always ends the sample.
+    """
+    n, q = int(dataset_size), float(sample_rate)
+    if n <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    if q >= 1.0:
+        return torch.arange(n, dtype=torch.int64)
+    log_keep = math.log1p(-q)
+    parts: list[torch.Tensor] = []
+    last = -1  # the last index drawn so far
+    while True:
+        rest = n - 1 - last  # records not yet decided
+        mean = rest * q
+        m = min(rest + 1, int(mean + _MARGIN_SD * math.sqrt(mean + 1.0)) + _MARGIN)  # gaps to draw; ≥ 1
+        u = noise.uniform(m)
+        gaps = torch.log1p(-u).div_(log_keep).floor_().clamp_(max=float(n))  # Geometric(q) ≥ 0
+        idx = gaps.to(torch.int64).add_(1).cumsum_(0).add_(last)
+        done = bool(idx[-1] >= n)
+        idx = idx[idx < n]
+        parts.append(idx)
+        if done:
+            break
+        last = int(idx[-1])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class PoissonSampler:
@@ -41,8 +95,9 @@ class PoissonSampler:
             ``noise``, ``generator``, ``secure_mode``.
 
     Each example joins with probability exactly q up to float64 rounding: the
-    uniforms carry 53 random bits and are compared with q in float64 (a float32
-    comparison would draw q = 1e-7 with probability 1.19e-7).
+    gaps between included examples are Geometric(q) from uniforms with 53 random
+    bits (:func:`poisson_indices`; a float32 uniform would draw q = 1e-7 with
+    probability 1.19e-7). A step costs O(q·N) work and memory, not O(N).
 
     Usable as a ``DataLoader`` ``batch_sampler`` only if the loader accepts
     empty batches; dpopt's own loop indexes tensors directly.
@@ -87,9 +142,9 @@ class PoissonSampler:
         """
         if self.position >= self.steps:
             raise StopIteration
-        mask = self.noise.uniform(self.dataset_size) < self.sample_rate
+        idx = poisson_indices(self.noise, self.dataset_size, self.sample_rate)
         self.position += 1
-        return mask.nonzero(as_tuple=True)[0]
+        return idx
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while self.position < self.steps:

@@ -105,5 +105,8 @@ class PerSampleSource(Protocol):
         ...
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
-        """Σ_i weights[i, group(p)] · w_i(p) per parameter (``weights``: ``[B, G]``; param-shaped outputs)."""
+        """Σ_i weights[i, group(p)] · w_i(p) per parameter (``weights``: ``[B, G]``; param-shaped outputs).
+
+        The outputs are fresh tensors the caller owns: the Privatizer adds the noise to them in place.
+        """
         ...
