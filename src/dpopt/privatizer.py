@@ -443,7 +443,8 @@ class Privatizer:
         """The noisy sums ``round_dtype(s + σS·z)`` (z in float64, the sum of both in float64, rounded
         once) and the count's noise (:meth:`_count_noise`, drawn after the gradient noise).
 
-        Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0): :meth:`_draw`'s float64
+        Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0, or correlated noise, whose
+        stream correlates whole draws): :meth:`_draw`'s float64
         noise — the one noise seam the audit's mutants wrap — added, then rounded. A larger model on
         the CPU streams its draw (issue 43): the noise is added where the sums are, chunk by chunk as
         :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and each
@@ -455,7 +456,8 @@ class Privatizer:
         assert self._sum is not None  # inside a step (begin() ran)
         sizes = [s.numel() for s in self._sum]
         n = sum(sizes)
-        if not std > 0 or n <= EARLY_DRAW_MAX or any(s.device.type != "cpu" for s in self._sum):  # σS may be nan (0·∞)
+        streamed = std > 0 and n > EARLY_DRAW_MAX and self.mechanism is None  # σS may be nan (0·∞)
+        if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             noise, count_noise = self._draw(std)
             return [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)], count_noise
         sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]

@@ -19,6 +19,7 @@ from scipy.stats import norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import dpopt.privatizer as privatizer_module
 from dpopt import PrivacyEngine
 from dpopt.accounting.accountant import epsilon
 from dpopt.accounting.ledger import PrivacyLedger
@@ -139,13 +140,21 @@ def test_bad_specs_are_refused():
 # -- the stream ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small-model", "large-model"])
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_noise_covariance_across_steps_is_the_strategys(name):
+def test_noise_covariance_across_steps_is_the_strategys(name, large, monkeypatch):
     """Released noise through the Privatizer: Cov(w_s, w_t) = (σS/B̄)² (C⁻¹C⁻ᵀ)_{st}, per coordinate.
+
+    ``large``: the model counts as one above ``EARLY_DRAW_MAX`` (lowered to 1,000 here), whose
+    independent noise is streamed chunk by chunk; correlated noise must still go through the
+    mechanism there (it did not when the two paths were first merged: independent noise, accounted
+    as correlated).
 
     d = 40,000 coordinates give each covariance entry a standard error
     se = √((Σ_ss Σ_tt + Σ_st²)/d); each of the 21 entries is compared at 5 se (two-sided false alarm
     ≤ 21 × 5.7e-7 ≈ 1.2e-5 per run, Bonferroni)."""
+    if large:
+        monkeypatch.setattr(privatizer_module, "EARLY_DRAW_MAX", 1_000)
     T, d, sigma, S, bbar = 6, 40_000, 1.3, 0.7, 2.0
     mech = CorrelatedNoise(STRATEGIES[name](T), Participation(T), sigma)
     priv = Privatizer(sigma, S, bbar, 1.0, mechanism=mech)
