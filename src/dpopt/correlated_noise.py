@@ -51,6 +51,7 @@ import torch
 from dp_accounting import dp_event
 from torch import Tensor
 
+from .accounting.calibration import calibrate_correlated_noise_multiplier as calibrate_noise_multiplier
 from .accounting.matrix_factorization import (
     MECHANISMS,
     Participation,
@@ -59,7 +60,6 @@ from .accounting.matrix_factorization import (
     banded_strategy,
     blt_strategy,
     brute_force_sensitivity,
-    calibrate_noise_multiplier,
     check_horizon,
     check_record,
     gaussian_epsilon,

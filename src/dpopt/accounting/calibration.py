@@ -44,10 +44,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ConfigError
-from .accountant import epsilon_report
+from .accountant import epsilon, epsilon_report
 from .cost import CostBudget
 from .events import dpsgd_event
 from .pld import PLD_DISCRETIZATION, fast_pld_epsilon
@@ -61,6 +61,7 @@ __all__ = [
     "CalibrationProgress",
     "CalibrationInterrupted",
     "calibrate_noise_multiplier",
+    "calibrate_correlated_noise_multiplier",
     "DEFAULT_RTOL",
     "MIN_NOISE_MULTIPLIER",
     "MAX_NOISE_MULTIPLIER",
@@ -516,3 +517,37 @@ def _calibrate(
         evaluations={lvl.name: lvl.count for lvl, _ in levels},
         seconds=time.perf_counter() - start,
     )
+
+
+def calibrate_correlated_noise_multiplier(
+    target_epsilon: float, delta: float, strategy: Any, participation: Any, accountant: str = "pld"
+) -> float:
+    """The σ whose correlated-noise run (T releases) the ledger scores at ε ≤ ``target_epsilon``
+    (``strategy``, ``participation``: :mod:`dpopt.accounting.matrix_factorization`'s Strategy and
+    Participation).
+
+    σ = Δ/μ* with μ* the Gaussian μ of ε = target (:func:`~dpopt.accounting.matrix_factorization.gaussian_epsilon`, bisection), then raised by
+    0.1 % steps until dpopt's accountant on the run's per-release events (:func:`~dpopt.accounting.matrix_factorization.step_events`) is at or
+    below the target (PLD's connect-the-dots grid is pessimistic by a little).
+
+    Raises:
+        ValueError: target ε ≤ 0, δ ∉ (0, 1).
+    """
+    from dp_accounting import dp_event
+    from scipy.optimize import brentq
+
+    from .matrix_factorization import gaussian_epsilon, prefix_sensitivities, step_events
+
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
+    mu = float(brentq(lambda m: gaussian_epsilon(m, delta) - target_epsilon, 1e-6, 40.0, xtol=1e-12))
+    prefix = prefix_sensitivities(strategy, participation)
+    sigma = float(prefix[-1]) / mu
+    for _ in range(200):
+        event = dp_event.ComposedDpEvent(
+            [e for e in step_events(sigma, prefix) if not isinstance(e, dp_event.NoOpDpEvent)]
+        )
+        if epsilon(event, delta, accountant) <= target_epsilon:
+            return sigma
+        sigma *= 1.001
+    raise RuntimeError("could not calibrate the noise multiplier (the accountant never reached the target)")

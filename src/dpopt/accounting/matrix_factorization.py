@@ -32,7 +32,6 @@ __all__ = [
     "check_record",
     "record_sampling",
     "gaussian_epsilon",
-    "calibrate_noise_multiplier",
     "check_horizon",
 ]
 
@@ -546,37 +545,6 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     if gap(0.0) <= 0:
         return 0.0
     return float(brentq(gap, 0.0, 50.0 + mu * mu, xtol=1e-12))
-
-
-def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, strategy: Strategy, participation: Participation, accountant: str = "pld"
-) -> float:
-    """The σ whose correlated-noise run (T releases) the ledger scores at ε ≤ ``target_epsilon``.
-
-    σ = Δ/μ* with μ* the Gaussian μ of ε = target (:func:`gaussian_epsilon`, bisection), then raised by
-    0.1 % steps until dpopt's accountant on the run's per-release events (:func:`step_events`) is at or
-    below the target (PLD's connect-the-dots grid is pessimistic by a little).
-
-    Raises:
-        ValueError: target ε ≤ 0, δ ∉ (0, 1).
-    """
-    from scipy.optimize import brentq
-
-    from .accountant import epsilon
-
-    if not target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
-    mu = float(brentq(lambda m: gaussian_epsilon(m, delta) - target_epsilon, 1e-6, 40.0, xtol=1e-12))
-    prefix = prefix_sensitivities(strategy, participation)
-    sigma = float(prefix[-1]) / mu
-    for _ in range(200):
-        event = dp_event.ComposedDpEvent(
-            [e for e in step_events(sigma, prefix) if not isinstance(e, dp_event.NoOpDpEvent)]
-        )
-        if epsilon(event, delta, accountant) <= target_epsilon:
-            return sigma
-        sigma *= 1.001
-    raise RuntimeError("could not calibrate the noise multiplier (the accountant never reached the target)")
 
 
 def record_sampling(record: Optional[dict]) -> Optional[str]:
