@@ -9,10 +9,11 @@ data, model initialisation, σ, C, q and steps give equal ε under the same
 (RDP) accountant — within 1 %: the two libraries use different Rényi order
 grids — and accuracies within seed spread.
 
-Accuracy spread (secret noise, 6 runs, lr 2): after 1 epoch 0.27 ± 0.03
-(min 0.22; chance is 0.10) — the fast test's 0.15 threshold is 4 standard
-deviations below the mean (false-alarm rate ~3e-5); after 3 epochs 0.62-0.82
-(3 runs), so the slow side-by-side test (5 epochs) asks > 0.4 of both libraries.
+Accuracy spread (lr 2, seeded noise, 8 seeds, measured 2026-12-06): after 1 epoch 0.10-0.50 (the
+earlier "0.27 ± 0.03" was too narrow: seeds 0-5 gave 0.13-0.41 before the O(batch) Poisson sampler,
+0.10-0.51 after), too wide for a threshold; after 2 epochs 0.28-0.64 (mean 0.52, sd 0.11; chance is
+0.10), so the fast test trains 2 epochs and asks > 0.2 (2.9 sd below the mean); after 3 epochs
+0.62-0.82 (3 runs), so the slow side-by-side test (5 epochs) asks > 0.4 of both libraries.
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def run(PrivacyEngine, digits28, epochs, accountant="rdp", **make_private_kwargs
 
 
 def test_mnist_example_runs_with_the_import_switched(digits28):
-    # Opacus's own noise_generator= argument seeds the noise: with secret noise one epoch's accuracy is a
-    # random variable (0.14 seen once in 5 runs), and a threshold on it would fail at an unknown rate
-    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=1, noise_generator=torch.Generator().manual_seed(0))
+    # Opacus's own noise_generator= argument seeds the noise: with secret noise the accuracy is a random
+    # variable, and a threshold on it would fail at an unknown rate (spread: the module docstring)
+    acc, eps, steps, q = run(dpopt.PrivacyEngine, digits28, epochs=2, noise_generator=torch.Generator().manual_seed(0))
     assert eps == pytest.approx(dpsgd_epsilon(SIGMA, q, steps, DELTA, "rdp"), rel=1e-9)
-    assert acc > 0.15
+    assert acc > 0.2
 
 
 @pytest.mark.slow
