@@ -34,7 +34,7 @@ def test_train_help_at_80_columns_is_grouped_and_readable():
     )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) <= 170, len(lines)  # 339 before; 156 measured after
+    assert len(lines) <= 185, len(lines)  # 339 before; 156 after grouping; 176 with 4 options added since
     assert all(cell_len(line) <= 80 for line in lines), max(lines, key=cell_len)  # B̄: a combining macron
     for panel in TRAIN_PANELS:
         assert any(f"─ {panel} ─" in line for line in lines), panel

@@ -292,8 +292,7 @@ def train_command(
     ),
     noise_mechanism: str = typer.Option(
         "independent",
-        help="independent, or correlated noise across steps (DP matrix factorization): banded:B (B bands) or "
-        "blt / blt:N (N buffers); trains on cyclic batches; resume refused (docs/correlated-noise.md)",
+        help="independent, banded:B or blt[:N]: correlated noise (docs/correlated-noise.md)",
     ),
     fsdp: bool = typer.Option(
         False,
