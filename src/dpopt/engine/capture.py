@@ -63,9 +63,10 @@ from .check import (
     off_axis,
     rtol,
 )
-from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
+from .hf_guards import is_hf, refuse_batch_loss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
+from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
 
@@ -181,6 +182,11 @@ def store_grad(grads: list, k: int, grad: Tensor) -> None:
     grads[k] = grad if grads[k] is None else grads[k] + grad
 
 
+def _enter_backward(cell: list, pass_, grad_outputs) -> None:
+    """Node pre-hook of a root output: the backward of ``pass_`` runs (a reentrant recomputation's pass)."""
+    cell[0] = pass_
+
+
 def _note_late(late: set, key, grad_outputs) -> None:
     """Node pre-hook of a dropped call's output (:meth:`Recorder.drop_unused`): its backward came late."""
     late.add(key)
@@ -234,7 +240,7 @@ class Call:
         self.out_version = out._version if out is not None else 0
         self.versions = [t._version for t in leaves((args, kwargs))] if versions else None
         self.stats = None
-        gf = getattr(out, "grad_fn", None)
+        gf = None if saved_tensors_hooked() else getattr(out, "grad_fn", None)  # a checkpoint's: would recompute
         # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
         if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
             try:
@@ -478,8 +484,12 @@ class Recorder:
         hook_bare_owners: also record the calls of the modules that own bare
             parameters (for their vjp when a use is not recognised).
 
-    Every recorded call is refused if it runs inside a backward pass
-    (activation checkpointing recomputes forwards there: :mod:`dpopt.engine.hf_guards`).
+    A forward that activation checkpointing re-runs inside the backward pass
+    is recorded once (:mod:`dpopt.engine.recompute`): a non-reentrant
+    checkpoint's recomputation is skipped (its first run is the recorded call),
+    a reentrant one's is recorded as a call of the pass whose backward runs
+    (:attr:`reentrant` is then set: the capture's own passes differentiate
+    with :func:`~dpopt.engine.recompute.param_grads`).
     ``active`` switches recording off (the door's own reference computations).
     """
 
@@ -501,13 +511,15 @@ class Recorder:
         self.active = True
         self.clone_in: set = set()  # modules whose recorded input a later in-place op modified: keep a copy
         self.clone_out: set = set()  # ... whose output: downstream in-place ops modify a clone
-        self.guard = CheckpointGuard(plan.model)
         self._tapped = set(plan.tapped)
         self._buffers: dict = {}
         self._handles: list = []
         self._untap: Callable[[], None] = lambda: None
         self._late: set = set()  # dropped passes (drop_unused) that a backward reached later
         self._serial, self._warned = 0, False
+        self.reentrant = False  # a reentrant checkpoint's recomputation was recorded (torch.autograd.grad refused)
+        self.replayed = False  # a non-reentrant checkpoint's recomputation was seen (and skipped)
+        self._backward: list = [None]  # the pass whose backward reached its root outputs last (_enter_backward)
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -538,12 +550,14 @@ class Recorder:
     def reset(self) -> None:
         """Forget every recorded call (and the current pass)."""
         self.calls, self.other, self.current = [], {}, None
+        self._backward[0] = None
         self._late.clear()
 
     def take(self) -> tuple[list[Call], dict]:
         """The recorded calls and unrecognised bare uses, forgotten here."""
         calls, other = self.calls, self.other
         self.calls, self.other = [], {}
+        self._backward[0] = None  # its pass (and inputs) is the step's: nothing of a step outlives it
         return calls, other
 
     def drop_unused(self) -> None:
@@ -579,6 +593,12 @@ class Recorder:
                 stacklevel=5,
             )
 
+    def grads(self, loss: Tensor, params: Sequence[Tensor]) -> Sequence[Optional[Tensor]]:
+        """Gradients of ``loss`` w.r.t. ``params`` (None: unused), through reentrant checkpoints once one was seen."""
+        if self.reentrant:
+            return param_grads(loss, params)
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
     def late_gradients(self) -> bool:
         """Whether a dropped pass received a gradient (kept for :meth:`dropped_received`)."""
         return bool(self._late)
@@ -600,8 +620,6 @@ class Recorder:
             return None
         lv = leaves((args, kwargs))
         b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
-        if torch.is_grad_enabled():
-            self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
         self.current = Pass(
             b,
             args,
@@ -618,6 +636,10 @@ class Recorder:
     def _root_post(self, module, args, kwargs, out):
         if not self.active:
             return None
+        if self.tensor_hooks and torch.is_grad_enabled() and self.current is not None:
+            for t in leaves(out):  # a reentrant checkpoint's recomputation belongs to the pass whose backward runs
+                if t.grad_fn is not None:
+                    t.grad_fn.register_prehook(partial(_enter_backward, self._backward, self.current))
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
@@ -647,6 +669,22 @@ class Recorder:
                     t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
         self.calls.append(call)
 
+    def _pass(self) -> Optional[Pass]:
+        """The pass a call now running belongs to, or :data:`~dpopt.engine.recompute.REPLAY` to skip it.
+
+        Inside a backward pass: a non-reentrant checkpoint's recomputation is
+        skipped; any other forward there (a reentrant checkpoint's
+        recomputation) belongs to the pass whose backward runs.
+        """
+        kind = recomputation()
+        if kind == REPLAY:
+            self.replayed = True
+            return REPLAY  # type: ignore[return-value]
+        if kind is None or self.current is not None:
+            return self.current
+        self.reentrant = True
+        return self._backward[0]
+
     def _bare_use(self, module, index: int, r: Tensor) -> None:
         """A recognised use R [B, ...] of a bare parameter: its output gradient is recorded like a layer's."""
         self._record(Call(module, r, r, (), {}, [r], self.current, index=index))
@@ -658,11 +696,12 @@ class Recorder:
         """A linear map inside a tapped layer's forward: recorded like a call of ``module`` (input a, output o)."""
         if not self.active or module not in self.plan.modules or not o.requires_grad:
             return
-        if in_backward():
-            raise recomputed(self.plan.name_of(module), module)
+        pass_ = self._pass()
+        if pass_ is REPLAY:
+            return
         if module in self.clone_in:
             a = a.clone()
-        self._record(Call(module, a, o, (a,), {}, [o], self.current, tag=tag, versions=self.guard_buffers))
+        self._record(Call(module, a, o, (a,), {}, [o], pass_, tag=tag, versions=self.guard_buffers))
 
     def _layer(self, module, args, kwargs, out):
         if not self.active or not torch.is_grad_enabled():
@@ -671,12 +710,13 @@ class Recorder:
         fast = planned and module not in self._tapped
         if planned and not fast and module not in self.vjp:
             return None  # its maps are recorded by its tapped forward (_tap)
-        if in_backward():
-            raise recomputed(self.plan.name_of(module), module)
+        pass_ = self._pass()
+        if pass_ is REPLAY:
+            return None
         if not fast:
             outs = leaves(out)
             if any(t.requires_grad for t in outs):
-                self._record(Call(module, None, None, args, kwargs, outs, self.current, versions=self.guard_buffers))
+                self._record(Call(module, None, None, args, kwargs, outs, pass_, versions=self.guard_buffers))
             return None
         inp = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(out, Tensor) or not isinstance(inp, Tensor):
@@ -689,7 +729,7 @@ class Recorder:
         inp, wide = expand_broadcast(module, inp, out, self.rows())  # [1, T] position ids: per example
         if module in self.clone_in:  # keep a copy a later in-place op cannot touch
             inp = inp.clone()
-        self._record(Call(module, inp, wide, args, kwargs, [wide], self.current, versions=self.guard_buffers))
+        self._record(Call(module, inp, wide, args, kwargs, [wide], pass_, versions=self.guard_buffers))
         if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
             return wide.clone()
         return wide if wide is not out else None
@@ -700,7 +740,13 @@ class Recorder:
         outs = [(c, k) for c in calls for k, t in enumerate(c.outs) if t.requires_grad]
         if not outs:
             return
-        gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+        try:
+            gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+        except RuntimeError as err:
+            refusal = reentrant_refused(err)
+            if refusal is None:
+                raise
+            raise refusal from None
         for (c, k), g in zip(outs, gs):
             c.grads[k] = g
 
@@ -954,7 +1000,8 @@ class Recorder:
             def row_loss(out, sl: slice) -> Tensor:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
-                    rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
+                    with replay.set_aside():  # not the model's draws (a checkpointed backward draws after them)
+                        rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
                 return sum((o * r[sl]).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs))  # type: ignore[return-value]
 
         def loss_of(out) -> Tensor:
@@ -1023,7 +1070,7 @@ class Recorder:
                     except Exception as err:  # noqa: BLE001 — the user's model on one example: refuse, say why
                         raise alone_failed(err) from err
                     loss = row_loss(out, slice(i, i + 1)).sum()
-                    gs = torch.autograd.grad(loss, params, allow_unused=True)
+                    gs = self.grads(loss, params)
                     out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(params, gs)])
         finally:
             self.active = True

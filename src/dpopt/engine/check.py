@@ -323,7 +323,7 @@ class _RandomOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or _inactive(func, args, kwargs):
+        if self.owner.aside or torch.Tag.nondeterministic_seeded not in func.tags or _inactive(func, args, kwargs):
             return func(*args, **kwargs)
         return self.owner._random(func, args, kwargs)
 
@@ -366,6 +366,20 @@ class RandomReplay:
         self.outs: list[Tensor] = []
         self.phase: Optional[str] = None
         self.example, self.k, self.b = -1, 0, 0
+        self.aside = False  # draws that are not the model's (the check's own test directions): not intercepted
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Context: random draws made here are neither recorded nor replayed (the check's own directions).
+
+        Drawn lazily between a forward and its backward, they would otherwise sit
+        among the model's draws, before those a checkpointed backward recomputes.
+        """
+        prev, self.aside = self.aside, True
+        try:
+            yield
+        finally:
+            self.aside = prev
 
     def _pre(self, module, args) -> None:
         if self.phase == "record":

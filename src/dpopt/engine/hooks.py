@@ -81,7 +81,6 @@ from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leav
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
 from .fast import FastPerSampleGrads
-from .hf_guards import refuse_checkpointing
 from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
@@ -139,7 +138,6 @@ class HookCapture:
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         check_model(model)
-        refuse_checkpointing(model)
         self.model = model
         self.loss_reduction = loss_reduction
         self.views = int(rows_per_example)
@@ -365,7 +363,7 @@ class HookCapture:
         with torch.enable_grad():
             out = self.model(*args, **kwargs)
             loss = loss_of(out)
-            torch.autograd.grad(loss, self.params, allow_unused=True)
+            self._rec.grads(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints too)
         calls, other = self._rec.take()
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other

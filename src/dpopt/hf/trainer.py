@@ -64,8 +64,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
 
 Refused, each with a message: fp16/bf16 (a GradScaler's skip-on-inf reads
 private gradients; autocast is not verified with the per-sample engine),
-deepspeed, fsdp, ``torch_compile``, gradient/activation checkpointing (the
-per-sample engine refuses it), length-grouped sampling, counting input
+deepspeed, fsdp, ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``, world size > 1,
 and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
@@ -123,8 +122,6 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
         out.append("fsdp: it reduces un-clipped gradients; use one process (see docs/fsdp.md for PrivacyEngine)")
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
-    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        out.append("gradient/activation checkpointing: the per-sample engine refuses recomputed forwards; set it False")
     if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
         out.append(
             "length-grouped sampling: the batches must be Poisson samples; keep "
