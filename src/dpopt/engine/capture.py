@@ -64,6 +64,7 @@ from .check import (
     rtol,
 )
 from .hf_guards import is_hf, refuse_batch_loss
+from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
@@ -519,6 +520,8 @@ class Recorder:
         self._serial, self._warned = 0, False
         self.reentrant = False  # a reentrant checkpoint's recomputation was recorded (torch.autograd.grad refused)
         self.replayed = False  # a non-reentrant checkpoint's recomputation was seen (and skipped)
+        # the door's policy for a transformers model's labels= loss (engine.hf_labels); None: refused
+        self.labels_loss: Optional[LabelsLoss] = None
         self._backward: list = [None]  # the pass whose backward reached its root outputs last (_enter_backward)
 
     # -- install -------------------------------------------------------------------------
@@ -526,8 +529,9 @@ class Recorder:
         """Install the hooks on the model (undone by :meth:`detach`)."""
         m, plan = self.plan.model, self.plan
         self._handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        for mod in plan.hf:  # transformers/peft models: their batch-token-mean .loss is refused
+        for mod in plan.hf:  # transformers/peft models: their labels= loss per example (hook door) or refused
             self._handles.append(mod.register_forward_pre_hook(self._hf_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._hf_post, always_call=True))
         hooked = set(plan.modules) | set(self.vjp) | (set(plan.bare) if self.hook_bare_owners else set())
         for mod in hooked:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
@@ -659,7 +663,15 @@ class Recorder:
 
     def _hf_pre(self, module, args, kwargs):
         if self.active and torch.is_grad_enabled():
-            refuse_batch_loss(module, kwargs)
+            if self.labels_loss is None:
+                refuse_batch_loss(module, kwargs)
+            else:
+                self.labels_loss.pre(module, kwargs)
+        return None
+
+    def _hf_post(self, module, args, out):
+        if self.labels_loss is not None:
+            self.labels_loss.post(module)  # restores the model's loss_function (set by pre, if it was)
         return None
 
     def _record(self, call: Call) -> None:

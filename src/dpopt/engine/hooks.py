@@ -81,6 +81,7 @@ from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leav
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
 from .fast import FastPerSampleGrads
+from .hf_labels import LabelsLoss, strip_labels
 from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
@@ -150,6 +151,7 @@ class HookCapture:
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._rec = Recorder(self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True).attach()
+        self._rec.labels_loss = LabelsLoss(loss_reduction)  # HF's labels= loss per example (engine.hf_labels)
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
         # batches left in which the collate check may still find an example whose padding differs: a
@@ -247,7 +249,7 @@ class HookCapture:
                     verdict = check_collate(
                         self.model,
                         p.args,
-                        p.kwargs,
+                        strip_labels(self.model, p.kwargs),
                         p.batch_size,
                         probe,
                         self.params,
@@ -306,7 +308,7 @@ class HookCapture:
 
     # -- verification (first batch of each mode: engine.capture.Recorder.check) --------
     def _batched(self, p: Pass):
-        flat, spec = tree_flatten((p.args, p.kwargs))
+        flat, spec = tree_flatten((p.args, strip_labels(self.model, p.kwargs)))  # the check: no .loss scalar
         return flat, spec, [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == p.batch_size for t in flat]
 
     def _select(self, p: Pass, sel: Tensor):
