@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .aliases import alias_names, owned
 from .bare import bare_candidates, reduce_to, tap_bare
 from .check import (
     RTOL,
@@ -298,20 +299,18 @@ class Plan:
         self.module_names = {id(m): n or "<root>" for n, m in model.named_modules()}  # ids: no strong refs
         index = {id(p): i for i, p in enumerate(self.params)}
         rules = {m: rule_for(m) for m in model.modules()}
+        self._aliases = alias_names(model)  # a child's parameter registered again on its parent (engine.aliases)
         # a parameter is on the fast path if EVERY module that owns it has a rule; a tied parameter
         # (several owners) then gets one block per use, summed with its cross terms (engine.tied)
         ruled: dict[int, bool] = {}
         for m, rule in rules.items():
-            for p in m._parameters.values():
-                if p is not None:
-                    ruled[id(p)] = ruled.get(id(p), True) and rule is not None
+            for p in owned(m, self._aliases).values():
+                ruled[id(p)] = ruled.get(id(p), True) and rule is not None
         self.modules: dict[nn.Module, dict[str, int]] = {}
         for m, rule in rules.items():
             if rule is None:
                 continue
-            own = {
-                a: index[id(p)] for a, p in m._parameters.items() if p is not None and id(p) in index and ruled[id(p)]
-            }
+            own = {a: index[id(p)] for a, p in owned(m, self._aliases).items() if id(p) in index and ruled[id(p)]}
             if own:
                 self.modules[m] = own
         self.tapped = [m for m, rule in rules.items() if rule is not None and rule.forward is not None]
@@ -357,11 +356,7 @@ class Plan:
         index = {id(p): i for i, p in enumerate(self.params)}
         out = {}
         for m in self.model.modules():
-            own = {
-                a: index[id(p)]
-                for a, p in m._parameters.items()
-                if p is not None and id(p) in index and index[id(p)] in fb
-            }
+            own = {a: index[id(p)] for a, p in owned(m, self._aliases).items() if id(p) in index and index[id(p)] in fb}
             if own:
                 out[m] = own
         return out

@@ -12,7 +12,7 @@ trains exactly when the model's ``.loss`` is ``(1/B) Σ_i ℓ_i`` (loss_reductio
   tokens of a whole accumulated batch), so one example's influence is not
   bounded by clipping its gradient. While the capture is attached, the
   model's ``loss_function`` (transformers routes these losses through it;
-  replaceable from transformers 4.48, its setter) is replaced, for that
+  replaceable where transformers gives it a setter: 5.x; not 4.47) is replaced, for that
   forward call only, by the per-example form: ℓ_i = (1/n_i) Σ_t ℓ_it, the mean
   over example i's own valid tokens (:func:`dpopt.losses.per_example_lm_loss`,
   shifted by one position for a causal LM; ``shift_labels`` unshifted), and
@@ -109,7 +109,9 @@ class LabelsLoss:
         if shift is None:
             raise _refusal(module, "dpopt knows no per-example form of its loss")
         if not _loss_function_settable(module):
-            raise _refusal(module, "this transformers version cannot replace its loss_function (transformers >= 4.48)")
+            raise _refusal(
+                module, "this transformers version cannot replace its loss_function (no setter; transformers 5 has one)"
+            )
         used: list = []
         had = "_loss_function" in module.__dict__
         self._swapped[id(module)] = (had, module.__dict__.get("_loss_function"), used)
