@@ -1085,10 +1085,11 @@ class Recorder:
 
 
 class _FirstRows:
-    """A block seen through its first ``m`` examples' squared norms (the weighted sums are left whole).
+    """A block seen through its first ``m`` examples (squared norms and weighted sums).
 
     :meth:`Recorder.check` with ``compare``: the weights of the other
-    examples are zero, so the sums are those of the first ``m``.
+    examples are zero and their rows are left out of the sums (a non-finite
+    row times a zero weight would still be NaN).
     """
 
     def __init__(self, blk, m: int):
@@ -1101,7 +1102,9 @@ class _FirstRows:
         ]
 
     def grad_sums(self, coefs, bad):
-        return self.blk.grad_sums(coefs, bad)
+        c = coefs[0]
+        later = torch.arange(c.shape[0], device=c.device) >= self.m  # weight 0 already; rows zeroed (a NaN row)
+        return self.blk.grad_sums(coefs, later if bad is None else bad | later)
 
     def free(self) -> None:
         self.blk.free()
