@@ -28,7 +28,9 @@ from hf_zoo import make, mismatches, reference, source_grads, trainable  # noqa:
 import dpopt  # noqa: E402
 from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.engine.check import RandomReplay  # noqa: E402
+from dpopt.engine.fast import fast_per_sample_gradients  # noqa: E402
 from dpopt.engine.hooks import HookCapture  # noqa: E402
+from dpopt.types import EvaluationPoint  # noqa: E402
 
 REENTRANT = [True, False]
 
@@ -145,3 +147,18 @@ def test_sensitivity_with_checkpointing_through_privacy_engine(name, reentrant, 
             assert float((full - released(x[keep], y[keep])).norm()) <= c * (1 + 1e-5), f"{name}: example {j}"
     finally:
         engine.detach()
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT, ids=["reentrant", "non-reentrant"])
+def test_dpopts_loop_at_a_shifted_point_runs_hf_layers_without_checkpointing(reentrant, monkeypatch):
+    """DiSK's θ + offset passes bind parameters through functional_call: checkpointing is off there, exact."""
+    monkeypatch.setattr(hf_zoo, "P_DROP", 0.0)
+    model, x, y, loss_fn, _ = make("gpt2")
+    offset = tuple(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) for p in trainable(model))
+    points = [EvaluationPoint(1.0, offset)]
+    want = source_grads(fast_per_sample_gradients(model, loss_fn, x, y, points=points))
+    _enable(model, reentrant)
+    got = source_grads(fast_per_sample_gradients(model, loss_fn, x, y, points=points))
+    assert all(m.gradient_checkpointing for m in model.modules() if "gradient_checkpointing" in m.__dict__)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert mismatches(got, want, names, 1e-6) == []
