@@ -48,9 +48,10 @@ Usage (resumable: finished (example, library, seed) rows in
     python benchmarks/opacus_examples.py --out runs/opacus-examples --table   # the table of what is done
 
 ``char-lstm+nn.LSTM`` (dpopt only) changes one more line of char-lstm,
-``rnn_type = DPLSTM`` → ``rnn_type = nn.LSTM``: dpopt's engine refuses Opacus's
-``DPLSTM`` (its parameters are registered twice, on the cell's ``Linear``
-layers and renamed on the ``DPLSTM`` module), and Opacus refuses ``nn.LSTM``.
+``rnn_type = DPLSTM`` → ``rnn_type = nn.LSTM`` (Opacus refuses ``nn.LSTM``;
+dpopt runs both: ``DPLSTM``'s parameters, registered on the cell's ``Linear``
+layers and renamed on the ``DPLSTM`` module, are one parameter each,
+:mod:`dpopt.engine.aliases`; ``nn.LSTM`` has dpopt's faster recurrent rule).
 ``--only cifar10`` / ``--only char-lstm`` runs one example. Reduced settings
 (defaults): CIFAR-10 10,000 training images, batch 500 (q 0.05), 2 epochs
 (40 steps), the example's σ 1.5, C 10, lr 0.1 (cosine), momentum 0.9;

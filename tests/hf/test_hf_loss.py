@@ -1,10 +1,10 @@
-"""What HF does behind the user's back: its batch-token-mean .loss and gradient checkpointing are refused.
+"""What HF does behind the user's back: its batch-token-mean .loss is refused where it cannot be made per example.
 
 ``model(..., labels=...).loss`` weighs each example by the other examples'
 lengths (the sensitivity bound would not hold); ``num_items_in_batch``
-divides by an accumulated token count; gradient checkpointing re-runs layer
-forwards inside backward. PrivacyEngine refuses each with the fix; the
-per-example form (dpopt.losses.per_example_lm_loss) is what trains.
+divides by an accumulated token count. PrivacyEngine refuses each with the
+fix; the per-example form (dpopt.losses.per_example_lm_loss) is what trains.
+(Gradient checkpointing is supported: tests/hf/test_hf_checkpointing.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ pytest.importorskip("transformers")
 from hf_zoo import make, trainable  # noqa: E402
 
 import dpopt  # noqa: E402
-from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.engine.hooks import HookCapture  # noqa: E402
 
 
@@ -32,7 +31,13 @@ def test_hf_batch_token_mean_loss_differs_from_the_mean_of_per_example_losses():
     assert abs(float(hf_loss) - float(ours)) > 1e-4  # example 0 has 2 fewer valid tokens
 
 
-@pytest.mark.parametrize("kwargs", [{"labels": True}, {"num_items_in_batch": 7}])
+_prop = getattr(pytest.importorskip("transformers").PreTrainedModel, "loss_function", None)
+SETTABLE = isinstance(_prop, property) and _prop.fset is not None
+# labels= alone trains per example where loss_function can be replaced (tests/hf/test_hf_labels_loss.py)
+REFUSED = [{"labels": True, "num_items_in_batch": 7}] + ([] if SETTABLE else [{"labels": True}])
+
+
+@pytest.mark.parametrize("kwargs", REFUSED)
 def test_privacy_engine_refuses_the_hf_loss_with_the_per_example_form(kwargs):
     model, x, y, _, _ = make("gpt2")
     cap = HookCapture(model, "mean")
@@ -65,26 +70,6 @@ def test_the_per_example_form_trains_through_privacy_engine():
         engine.detach()
     assert any(not torch.equal(a, p) for a, p in zip(before, trainable(model)))
     assert len(engine.ledger) == 1
-
-
-def test_gradient_checkpointing_is_refused_by_both_doors():
-    model, x, y, loss_fn, _ = make("gpt2")
-    model.hf.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-        HookCapture(model, "mean")
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-        next(iter(iter_per_sample_sources(model, loss_fn, x, y)))
-
-
-def test_gradient_checkpointing_enabled_after_make_private_is_refused_at_the_forward():
-    model, x, y, _, batch_loss = make("gpt2")
-    cap = HookCapture(model, "mean")
-    try:
-        model.hf.gradient_checkpointing_enable()
-        with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-            batch_loss(model(x), y).backward()
-    finally:
-        cap.detach()
 
 
 def test_hf_rules_are_registered_again_after_the_registry_was_restored():

@@ -222,14 +222,19 @@ def _clipped_sum(model, params, batch, c):
     return total
 
 
-def test_accumulated_chunks_are_one_release_and_sigma0_update_is_the_clipped_sum(tmp_path):
-    # B-bar = 2 x 4 = 8 over N = 32 (q = 1/4): each Poisson batch is cut into chunks of <= 2 examples
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["no-checkpointing", "reentrant", "non-reentrant"])
+def test_accumulated_chunks_are_one_release_and_sigma0_update_is_the_clipped_sum(tmp_path, reentrant):
+    # B-bar = 2 x 4 = 8 over N = 32 (q = 1/4): each Poisson batch is cut into chunks of <= 2 examples;
+    # with gradient checkpointing (both forms) the update is the same clipped sum (reference: no checkpointing)
     model = gpt2()
     lr, c = 0.5, 0.05
+    ckpt = {} if reentrant is None else dict(gradient_checkpointing=True)
+    if reentrant is not None:
+        ckpt["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
     tr = Recording(
         model=model,
         args=targs(
-            tmp_path, gradient_accumulation_steps=4, max_steps=2, lr_scheduler_type="constant", learning_rate=lr
+            tmp_path, gradient_accumulation_steps=4, max_steps=2, lr_scheduler_type="constant", learning_rate=lr, **ckpt
         ),
         train_dataset=Tokens(),
         noise_multiplier=0.0,
@@ -239,6 +244,8 @@ def test_accumulated_chunks_are_one_release_and_sigma0_update_is_the_clipped_sum
     tr.seen, tr.chunks = [], []
     tr.train()
     final = trainable(model)
+    flags = [m.gradient_checkpointing for m in model.modules() if "gradient_checkpointing" in m.__dict__]
+    assert any(f is True for f in flags) == (reentrant is not None)  # the Trainer switched it on (or not)
     assert len(tr.ledger) == 2 and tr.sample_rate == 0.25
     assert all(e.event.sampling_probability == 0.25 for e in tr.ledger.entries)  # one release at q, not k at q/k
     sizes = [b["input_ids"].shape[0] for b, _ in tr.seen]
@@ -359,7 +366,6 @@ def test_resume_without_optimizer_state_is_refused(tmp_path):
     [
         (dict(fp16=True), "fp16"),
         (dict(torch_compile=True), "torch_compile"),
-        (dict(gradient_checkpointing=True), "checkpointing"),
         (dict(load_best_model_at_end=True), "load_best_model_at_end"),
         (dict(save_strategy="best"), "save_strategy='best'"),
         (dict(include_num_input_tokens_seen="all"), "token count"),

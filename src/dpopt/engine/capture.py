@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .aliases import alias_names, owned
 from .bare import bare_candidates, reduce_to, tap_bare
 from .check import (
     RTOL,
@@ -63,10 +64,12 @@ from .check import (
     off_axis,
     rtol,
 )
-from .hf_guards import CheckpointGuard, in_backward, is_hf, recomputed, refuse_batch_loss
+from .hf_guards import is_hf, refuse_batch_loss
+from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
 from .layers import Budget, DirectBlock
 from .lift import Lifts, on_axis
+from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
 from .tied import merge_shared
 
@@ -182,6 +185,11 @@ def store_grad(grads: list, k: int, grad: Tensor) -> None:
     grads[k] = grad if grads[k] is None else grads[k] + grad
 
 
+def _enter_backward(cell: list, pass_, grad_outputs) -> None:
+    """Node pre-hook of a root output: the backward of ``pass_`` runs (a reentrant recomputation's pass)."""
+    cell[0] = pass_
+
+
 def _note_late(late: set, key, grad_outputs) -> None:
     """Node pre-hook of a dropped call's output (:meth:`Recorder.drop_unused`): its backward came late."""
     late.add(key)
@@ -238,7 +246,7 @@ class Call:
         self.out_version = out._version if out is not None else 0
         self.versions = [t._version for t in leaves((args, kwargs))] if versions else None
         self.stats = None
-        gf = getattr(out, "grad_fn", None)
+        gf = None if saved_tensors_hooked() else getattr(out, "grad_fn", None)  # a checkpoint's: would recompute
         # mean and 1/std that autograd saved for the norm layer's backward (avoids recomputing them)
         if type(gf).__name__ in ("NativeGroupNormBackward0", "NativeLayerNormBackward0"):
             try:
@@ -295,20 +303,18 @@ class Plan:
         self.module_names = {id(m): n or "<root>" for n, m in model.named_modules()}  # ids: no strong refs
         index = {id(p): i for i, p in enumerate(self.params)}
         rules = {m: rule_for(m) for m in model.modules()}
+        self._aliases = alias_names(model)  # a child's parameter registered again on its parent (engine.aliases)
         # a parameter is on the fast path if EVERY module that owns it has a rule; a tied parameter
         # (several owners) then gets one block per use, summed with its cross terms (engine.tied)
         ruled: dict[int, bool] = {}
         for m, rule in rules.items():
-            for p in m._parameters.values():
-                if p is not None:
-                    ruled[id(p)] = ruled.get(id(p), True) and rule is not None
+            for p in owned(m, self._aliases).values():
+                ruled[id(p)] = ruled.get(id(p), True) and rule is not None
         self.modules: dict[nn.Module, dict[str, int]] = {}
         for m, rule in rules.items():
             if rule is None:
                 continue
-            own = {
-                a: index[id(p)] for a, p in m._parameters.items() if p is not None and id(p) in index and ruled[id(p)]
-            }
+            own = {a: index[id(p)] for a, p in owned(m, self._aliases).items() if id(p) in index and ruled[id(p)]}
             if own:
                 self.modules[m] = own
         self.tapped = [m for m, rule in rules.items() if rule is not None and rule.forward is not None]
@@ -354,11 +360,7 @@ class Plan:
         index = {id(p): i for i, p in enumerate(self.params)}
         out = {}
         for m in self.model.modules():
-            own = {
-                a: index[id(p)]
-                for a, p in m._parameters.items()
-                if p is not None and id(p) in index and index[id(p)] in fb
-            }
+            own = {a: index[id(p)] for a, p in owned(m, self._aliases).items() if id(p) in index and index[id(p)] in fb}
             if own:
                 out[m] = own
         return out
@@ -514,8 +516,12 @@ class Recorder:
             dim 0 through the vjp of the nearest enclosing call that does
             (:mod:`dpopt.engine.lift`; the hook door, whose fallback is that vjp).
 
-    Every recorded call is refused if it runs inside a backward pass
-    (activation checkpointing recomputes forwards there: :mod:`dpopt.engine.hf_guards`).
+    A forward that activation checkpointing re-runs inside the backward pass
+    is recorded once (:mod:`dpopt.engine.recompute`): a non-reentrant
+    checkpoint's recomputation is skipped (its first run is the recorded call),
+    a reentrant one's is recorded as a call of the pass whose backward runs
+    (:attr:`reentrant` is then set: the capture's own passes differentiate
+    with :func:`~dpopt.engine.recompute.param_grads`).
     ``active`` switches recording off (the door's own reference computations).
     """
 
@@ -540,7 +546,6 @@ class Recorder:
         self.active = True
         self.clone_in: set = set()  # modules whose recorded input a later in-place op modified: keep a copy
         self.clone_out: set = set()  # ... whose output: downstream in-place ops modify a clone
-        self.guard = CheckpointGuard(plan.model)
         self._tapped = set(plan.tapped)
         self._buffers: dict = {}
         self._handles: list = []
@@ -551,14 +556,20 @@ class Recorder:
         self.unresolved: dict = {}  # off-axis layers of the last pass no enclosing call took (engine.lift)
         self._wrapped: dict = {}  # enclosing targets whose forward records its random draws -> the forward before
         self._draws: dict = {}  # module -> the random draws of its call that just ran (engine.lift)
+        self.reentrant = False  # a reentrant checkpoint's recomputation was recorded (torch.autograd.grad refused)
+        self.replayed = False  # a non-reentrant checkpoint's recomputation was seen (and skipped)
+        # the door's policy for a transformers model's labels= loss (engine.hf_labels); None: refused
+        self.labels_loss: Optional[LabelsLoss] = None
+        self._backward: list = [None]  # the pass whose backward reached its root outputs last (_enter_backward)
 
     # -- install -------------------------------------------------------------------------
     def attach(self) -> "Recorder":
         """Install the hooks on the model (undone by :meth:`detach`)."""
         m, plan = self.plan.model, self.plan
         self._handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        for mod in plan.hf:  # transformers/peft models: their batch-token-mean .loss is refused
+        for mod in plan.hf:  # transformers/peft models: their labels= loss per example (hook door) or refused
             self._handles.append(mod.register_forward_pre_hook(self._hf_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._hf_post, always_call=True))
         hooked = set(plan.modules) | set(self.vjp) | (set(plan.bare) if self.hook_bare_owners else set())
         for mod in hooked:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
@@ -592,6 +603,7 @@ class Recorder:
     def reset(self) -> None:
         """Forget every recorded call (and the current pass)."""
         self.calls, self.other, self.current = [], {}, None
+        self._backward[0] = None
         self._late.clear()
 
     def take_unresolved(self) -> dict:
@@ -603,6 +615,7 @@ class Recorder:
         """The recorded calls and unrecognised bare uses, forgotten here."""
         calls, other = self.calls, self.other
         self.calls, self.other = [], {}
+        self._backward[0] = None  # its pass (and inputs) is the step's: nothing of a step outlives it
         return calls, other
 
     def drop_unused(self) -> None:
@@ -638,6 +651,12 @@ class Recorder:
                 stacklevel=5,
             )
 
+    def grads(self, loss: Tensor, params: Sequence[Tensor]) -> Sequence[Optional[Tensor]]:
+        """Gradients of ``loss`` w.r.t. ``params`` (None: unused), through reentrant checkpoints once one was seen."""
+        if self.reentrant:
+            return param_grads(loss, params)
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
     def late_gradients(self) -> bool:
         """Whether a dropped pass received a gradient (kept for :meth:`dropped_received`)."""
         return bool(self._late)
@@ -659,8 +678,6 @@ class Recorder:
             return None
         lv = leaves((args, kwargs))
         b = int(lv[0].shape[0]) if lv and lv[0].dim() > 0 else -1
-        if torch.is_grad_enabled():
-            self.guard.check()  # gradient checkpointing switched on after planning (a few flag reads)
         self.current = Pass(
             b,
             args,
@@ -689,6 +706,10 @@ class Recorder:
                 self.current.out_grads = slots = GradSlots([None] * len(outs))
                 for k, t in enumerate(outs):
                     t.register_hook(partial(store_grad, slots, k))
+        if self.tensor_hooks and torch.is_grad_enabled() and self.current is not None:
+            for t in leaves(out):  # a reentrant checkpoint's recomputation belongs to the pass whose backward runs
+                if t.grad_fn is not None:
+                    t.grad_fn.register_prehook(partial(_enter_backward, self._backward, self.current))
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
@@ -708,7 +729,15 @@ class Recorder:
 
     def _hf_pre(self, module, args, kwargs):
         if self.active and torch.is_grad_enabled():
-            refuse_batch_loss(module, kwargs)
+            if self.labels_loss is None:
+                refuse_batch_loss(module, kwargs)
+            else:
+                self.labels_loss.pre(module, kwargs)
+        return None
+
+    def _hf_post(self, module, args, out):
+        if self.labels_loss is not None:
+            self.labels_loss.post(module)  # restores the model's loss_function (set by pre, if it was)
         return None
 
     def _record(self, call: Call) -> None:
@@ -717,6 +746,22 @@ class Recorder:
                 if t.requires_grad:
                     t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
         self.calls.append(call)
+
+    def _pass(self) -> Optional[Pass]:
+        """The pass a call now running belongs to, or :data:`~dpopt.engine.recompute.REPLAY` to skip it.
+
+        Inside a backward pass: a non-reentrant checkpoint's recomputation is
+        skipped; any other forward there (a reentrant checkpoint's
+        recomputation) belongs to the pass whose backward runs.
+        """
+        kind = recomputation()
+        if kind == REPLAY:
+            self.replayed = True
+            return REPLAY  # type: ignore[return-value]
+        if kind is None or self.current is not None:
+            return self.current
+        self.reentrant = True
+        return self._backward[0]
 
     def _bare_use(self, module, index: int, r: Tensor) -> None:
         """A recognised use R [B, ...] of a bare parameter: its output gradient is recorded like a layer's."""
@@ -731,11 +776,12 @@ class Recorder:
             return
         if self.lifts is not None and (module in self.lifts.lifted or self.lifts.off(module)):
             return
-        if in_backward():
-            raise recomputed(self.plan.name_of(module), module)
+        pass_ = self._pass()
+        if pass_ is REPLAY:
+            return
         if module in self.clone_in:
             a = a.clone()
-        self._record(Call(module, a, o, (a,), {}, [o], self.current, tag=tag, versions=self.guard_buffers))
+        self._record(Call(module, a, o, (a,), {}, [o], pass_, tag=tag, versions=self.guard_buffers))
 
     def _layer(self, module, args, kwargs, out):
         if not self.active or not torch.is_grad_enabled():
@@ -747,8 +793,9 @@ class Recorder:
         fast = planned and module not in self._tapped
         if planned and not fast and module not in self.vjp:
             return None  # its maps are recorded by its tapped forward (_tap)
-        if in_backward():
-            raise recomputed(self.plan.name_of(module), module)
+        pass_ = self._pass()
+        if pass_ is REPLAY:
+            return None
         if not fast:
             outs = leaves(out)
             if lifts is not None and not on_axis(leaves((args, kwargs)), outs, self.rows()):
@@ -757,7 +804,7 @@ class Recorder:
             if any(t.requires_grad for t in outs):
                 draws = self._draws.pop(module, None)
                 self._record(
-                    Call(module, None, None, args, kwargs, outs, self.current, tag=draws, versions=self.guard_buffers)
+                    Call(module, None, None, args, kwargs, outs, pass_, tag=draws, versions=self.guard_buffers)
                 )
             return None
         inp = args[0] if args else next(iter(kwargs.values()), None)
@@ -774,7 +821,7 @@ class Recorder:
             return None
         if module in self.clone_in:  # keep a copy a later in-place op cannot touch
             inp = inp.clone()
-        self._record(Call(module, inp, wide, args, kwargs, [wide], self.current, versions=self.guard_buffers))
+        self._record(Call(module, inp, wide, args, kwargs, [wide], pass_, versions=self.guard_buffers))
         if module in self.clone_out:  # downstream in-place ops then modify the clone, not the recorded tensor
             return wide.clone()
         return wide if wide is not out else None
@@ -836,8 +883,8 @@ class Recorder:
                 lifts.targets.discard(module)
                 lifts.pending[module] = (_shapes(ins), _shapes(outs))
             return None
-        if in_backward():
-            raise recomputed(self.plan.name_of(module), module)
+        if self._pass() is REPLAY:  # a non-reentrant checkpoint's recomputation (engine.recompute)
+            return None
         if waiting:
             moved = lifts.assign(module, {m: self._owned(m) for m in waiting}, self.current.serial)
             for m in waiting:
@@ -888,7 +935,13 @@ class Recorder:
         outs = [(c, k) for c in calls for k, t in enumerate(c.outs) if t.requires_grad]
         if not outs:
             return
-        gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+        try:
+            gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+        except RuntimeError as err:
+            refusal = reentrant_refused(err)
+            if refusal is None:
+                raise
+            raise refusal from None
         for (c, k), g in zip(outs, gs):
             c.grads[k] = g
 
@@ -1159,7 +1212,8 @@ class Recorder:
             def row_loss(out, sl: slice) -> Tensor:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
                 if not rs:
-                    rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
+                    with replay.set_aside():  # not the model's draws (a checkpointed backward draws after them)
+                        rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
                 # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
                 # output's value, so a call that mixes examples is caught also where no trainable layer follows
                 # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
@@ -1235,7 +1289,7 @@ class Recorder:
                     except Exception as err:  # noqa: BLE001 — the user's model on one example: refuse, say why
                         raise alone_failed(err) from err
                     loss = row_loss(out, slice(i, i + 1)).sum()
-                    gs = torch.autograd.grad(loss, params, allow_unused=True)
+                    gs = self.grads(loss, params)
                     out_rows.append([torch.zeros_like(q) if g is None else g for q, g in zip(params, gs)])
         finally:
             self.active = True
@@ -1243,10 +1297,11 @@ class Recorder:
 
 
 class _FirstRows:
-    """A block seen through its first ``m`` examples' squared norms (the weighted sums are left whole).
+    """A block seen through its first ``m`` examples (squared norms and weighted sums).
 
     :meth:`Recorder.check` with ``compare``: the weights of the other
-    examples are zero, so the sums are those of the first ``m``.
+    examples are zero and their rows are left out of the sums (a non-finite
+    row times a zero weight would still be NaN).
     """
 
     def __init__(self, blk, m: int):
@@ -1259,7 +1314,9 @@ class _FirstRows:
         ]
 
     def grad_sums(self, coefs, bad):
-        return self.blk.grad_sums(coefs, bad)
+        c = coefs[0]
+        later = torch.arange(c.shape[0], device=c.device) >= self.m  # weight 0 already; rows zeroed (a NaN row)
+        return self.blk.grad_sums(coefs, later if bad is None else bad | later)
 
     def free(self) -> None:
         self.blk.free()

@@ -323,7 +323,7 @@ class _RandomOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or _inactive(func, args, kwargs):
+        if self.owner.aside or torch.Tag.nondeterministic_seeded not in func.tags or _inactive(func, args, kwargs):
             return func(*args, **kwargs)
         return self.owner._random(func, args, kwargs)
 
@@ -368,6 +368,20 @@ class RandomReplay:
         self.outs: list[Tensor] = []
         self.phase: Optional[str] = None
         self.example, self.k, self.b = -1, 0, 0
+        self.aside = False  # draws that are not the model's (the check's own test directions): not intercepted
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Context: random draws made here are neither recorded nor replayed (the check's own directions).
+
+        Drawn lazily between a forward and its backward, they would otherwise sit
+        among the model's draws, before those a checkpointed backward recomputes.
+        """
+        prev, self.aside = self.aside, True
+        try:
+            yield
+        finally:
+            self.aside = prev
 
     def _pre(self, module, args) -> None:
         if self.phase == "record":
@@ -593,7 +607,15 @@ def layer_scales(ref: dict, names: Sequence[str]) -> dict:
     return {i: total[layer_of(names[i])] for i in per}
 
 
-def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float, scale_sq: Optional[Tensor] = None) -> bool:
+def agrees(
+    sq: Tensor,
+    s: Tensor,
+    g: Tensor,
+    c: Tensor,
+    tol: float,
+    scale_sq: Optional[Tensor] = None,
+    keep: Optional[Tensor] = None,
+) -> bool:
     """Capture-path ‖g_i‖² ``sq [B]`` and Σ_i c_i g_i ``s`` against per-example gradients ``g [B, ...]``.
 
     Tolerances are relative to the scale of the layer's gradients: the largest
@@ -601,8 +623,22 @@ def agrees(sq: Tensor, s: Tensor, g: Tensor, c: Tensor, tol: float, scale_sq: Op
     parameter's own), and Σ_i |c_i|·√scale_sq_i for the sum — so an
     exactly-zero gradient (a bias before a one-channel-per-group GroupNorm)
     agrees with float noise.
+
+    ``keep [B]`` (bool): the examples compared (``s`` sums over them only); an
+    example left out because its reference gradient is not finite (a model
+    that overflows on it, e.g. a float64 mask minimum cast to float32 = −inf
+    in a fully masked attention row) must be non-finite in the capture too
+    wherever it is non-finite in ``g``: the same failure, never a finite value.
     """
     g64 = g.double().reshape(g.shape[0], -1)
+    if keep is not None and not bool(keep.all()):
+        broken = ~keep & ~torch.isfinite(g64).all(1)
+        if bool(torch.isfinite(sq.double()[broken]).any()):
+            return False
+        if not bool(keep.any()):
+            return True
+        g64, sq, c = g64[keep], sq[keep], c[keep]
+        scale_sq = None if scale_sq is None else scale_sq[keep]
     want = g64.square().sum(1)
     scale = want if scale_sq is None else torch.maximum(want, scale_sq.double())
     tol_sq = tol * float(scale.max()) + 1e-30
@@ -635,10 +671,15 @@ def disagreeing(
             gradient scale (:func:`layer_scales`); None: to each parameter's own.
     """
     scales = layer_scales(ref, names) if names is not None else {}
+    # examples whose reference gradient is finite in every parameter are compared; the others must fail alike
+    keep = None
+    if ref:
+        keep = torch.stack([torch.isfinite(g.reshape(g.shape[0], -1)).all(1) for g in ref.values()]).all(0)
+    bad = None if keep is None or bool(keep.all()) else ~keep.to(c.device)
     off = []
     for blk in blocks:
-        sums = blk.grad_sums([c.to(dtypes[i]) for i in blk.index], None)
+        sums = blk.grad_sums([c.to(dtypes[i]) for i in blk.index], bad)
         for i, sq, s in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)), sums):
-            if not agrees(sq, s, ref[i], c, tol, scales.get(i)):
+            if not agrees(sq, s, ref[i], c, tol, scales.get(i), keep):
                 off.append(i)
     return off

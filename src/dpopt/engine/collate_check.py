@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .check import RTOL, in_modes
+from .recompute import param_grads
 
 __all__ = ["CollateProbe", "CollateDependence", "check_collate", "probe_loader"]
 
@@ -179,8 +180,8 @@ def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: t
             isinstance(loss_s, Tensor) and isinstance(loss_a, Tensor) and loss_s.requires_grad and loss_a.requires_grad
         ):
             return None
-        g_s = torch.autograd.grad(loss_s, ps, allow_unused=True)
-        g_a = torch.autograd.grad(loss_a, ps, allow_unused=True)
+        g_s = param_grads(loss_s, ps)  # through reentrant gradient checkpoints too (engine.recompute)
+        g_a = param_grads(loss_a, ps)
     for p, x, y in zip(ps, g_s, g_a):
         x = torch.zeros_like(p) if x is None else x
         y = torch.zeros_like(p) if y is None else y

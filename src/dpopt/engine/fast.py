@@ -93,9 +93,9 @@ from .check import (
     rtol,
     signature,
 )
-from .hf_guards import refuse_checkpointing
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
 from .layers import Budget, DirectBlock, FactoredBlock
+from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
 _no_autocast = no_autocast
@@ -365,6 +365,7 @@ class PerSampleEngine:
         """
         rec, model = self._rec, self.model
         for _attempt in range(3):
+            rec.replayed = False
             rec.attach()
             try:
                 with torch.enable_grad():
@@ -384,6 +385,8 @@ class PerSampleEngine:
                         continue
                     loss, grad_outputs = loss_of(out)
                     rec.fill(calls, loss, grad_outputs)
+                    if offset is not None and rec.replayed:  # recomputed at θ, not at θ + offset
+                        raise shifted_refused()
             finally:
                 rec.detach()
             return calls, other
@@ -597,7 +600,11 @@ class PerSampleEngine:
                 per-example path cannot run on one example, or a forward pass
                 that changes a buffer (:func:`~dpopt.engine.inputs.buffers_unchanged`).
         """
-        with buffers_unchanged(self.model, reuse=self._buffers) as self._buffers:  # copies kept between steps
+        # HF gradient checkpointing (engine.recompute): in the non-reentrant form (the reentrant one refuses
+        # torch.autograd.grad), and off where functional_call binds other parameters (fallback, shifted points)
+        shifted = any(p.offset is not None for p in points or ())
+        hf = hf_checkpointing_off(self.model) if shifted or self.fallback else non_reentrant(self.model)
+        with buffers_unchanged(self.model, reuse=self._buffers) as self._buffers, hf:  # buffer copies kept
             return self._compute(x, y, points, batch_dim)
 
     def _reference(self, x, y, pts, names=None, batch_dim: int = 0) -> list[Tensor]:
@@ -704,15 +711,13 @@ def get_engine(model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1) -> 
     """The cached :class:`PerSampleEngine` of ``(model, loss_fn, rows_per_example)`` (re-planned if the params changed).
 
     Raises:
-        ValueError: a layer refused by :func:`~dpopt.models.check_model`,
-            gradient checkpointing enabled, ``rows_per_example`` < 1.
+        ValueError: a layer refused by :func:`~dpopt.models.check_model`, ``rows_per_example`` < 1.
     """
     per_loss = _ENGINES.setdefault(model, {})
     key = loss_fn if rows_per_example == 1 else (loss_fn, int(rows_per_example))
     eng = per_loss.get(key)
     if eng is None or not eng.matches(model):
         check_model(model)  # BatchNorm mixes examples: refuse before planning
-        refuse_checkpointing(model)
         eng = per_loss[key] = PerSampleEngine(model, loss_fn, rows_per_example=rows_per_example)
     return eng
 

@@ -85,7 +85,7 @@ from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leav
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
 from .fast import FastPerSampleGrads
-from .hf_guards import refuse_checkpointing
+from .hf_labels import LabelsLoss, strip_labels
 from .inputs import preserved_state
 from .layers import DirectBlock
 from .reference import PerSampleGrads
@@ -145,7 +145,6 @@ class HookCapture:
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         check_model(model)
-        refuse_checkpointing(model)
         self.model = model
         self.loss_reduction = loss_reduction
         self.views = int(rows_per_example)
@@ -160,6 +159,7 @@ class HookCapture:
         self._rec = Recorder(
             self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=self.lifts_layers
         ).attach()
+        self._rec.labels_loss = LabelsLoss(loss_reduction)  # HF's labels= loss per example (engine.hf_labels)
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone
         self.collate_probe: Optional[CollateProbe] = None
         # batches left in which the collate check may still find an example whose padding differs: a
@@ -259,7 +259,7 @@ class HookCapture:
                     verdict = check_collate(
                         self.model,
                         p.args,
-                        p.kwargs,
+                        strip_labels(self.model, p.kwargs),
                         p.batch_size,
                         probe,
                         self.params,
@@ -342,7 +342,7 @@ class HookCapture:
 
     # -- verification (first batch of each mode: engine.capture.Recorder.check) --------
     def _batched(self, p: Pass):
-        flat, spec = tree_flatten((p.args, p.kwargs))
+        flat, spec = tree_flatten((p.args, strip_labels(self.model, p.kwargs)))  # the check: no .loss scalar
         return flat, spec, [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == p.batch_size for t in flat]
 
     def _select(self, p: Pass, sel: Tensor):
@@ -399,7 +399,7 @@ class HookCapture:
         with torch.enable_grad():
             out = self.model(*args, **kwargs)
             loss = loss_of(out)
-            torch.autograd.grad(loss, self.params, allow_unused=True)
+            self._rec.grads(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints too)
         calls, other = self._rec.take()
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other

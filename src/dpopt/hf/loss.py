@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -98,10 +99,11 @@ def per_example_loss(
 
 
 def _rule(model: nn.Module, logits: Tensor, labels: Tensor, causal: Optional[bool]) -> Tensor:
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 or wider: a float64 model keeps float64
     if labels.dim() == 1 and logits.dim() == 2:
         if logits.shape[-1] == 1 and labels.is_floating_point():
-            return (logits.squeeze(-1).float() - labels.float()).square()
-        return F.cross_entropy(logits.float(), labels.long(), reduction="none")
+            return (logits.squeeze(-1).to(dtype) - labels.to(dtype)).square()
+        return F.cross_entropy(logits.to(dtype), labels.long(), reduction="none")
     if labels.dim() == 2 and logits.dim() == 3 and tuple(labels.shape) == tuple(logits.shape[:2]):
         return per_example_lm_loss(logits, labels, shift=is_causal_lm(model) if causal is None else causal)
     raise ValueError(

@@ -76,8 +76,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
 private gradients), deepspeed and fsdp (pointing to FSDP2 through
 ``PrivacyEngine(distributed="fsdp")``), several GPUs in one process
-(``nn.DataParallel``), ``torch_compile``, gradient/activation checkpointing (the
-per-sample engine refuses it), length-grouped sampling, counting input
+(``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``,
 and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
@@ -163,8 +162,6 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
         )
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
-    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        out.append("gradient/activation checkpointing: the per-sample engine refuses recomputed forwards; set it False")
     if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
         out.append(
             "length-grouped sampling: the batches must be Poisson samples; keep "
