@@ -698,22 +698,27 @@ class Recorder:
     def _root_post(self, module, args, kwargs, out):
         if not self.active:
             return None
-        if self.lifts is not None and self.current is not None:
-            if self.lifts.pending:
-                self.current.unresolved = self.unresolved = dict(self.lifts.pending)
-            if self.tensor_hooks and torch.is_grad_enabled():  # the pass can be run again with the same gradients
-                outs = [t for t in leaves(out) if t.requires_grad]
-                self.current.out_grads = slots = GradSlots([None] * len(outs))
-                for k, t in enumerate(outs):
-                    t.register_hook(partial(store_grad, slots, k))
+        given = out
         if self.tensor_hooks and torch.is_grad_enabled() and self.current is not None:
             for t in leaves(out):  # a reentrant checkpoint's recomputation belongs to the pass whose backward runs
                 if t.grad_fn is not None:
                     t.grad_fn.register_prehook(partial(_enter_backward, self._backward, self.current))
+        if self.lifts is not None and self.current is not None:
+            if self.lifts.pending:
+                self.current.unresolved = self.unresolved = dict(self.lifts.pending)
+            if self.tensor_hooks and torch.is_grad_enabled():  # the pass can be run again with the same gradients
+                # fresh views: a root output the model also uses itself (an encoder-decoder's
+                # encoder_last_hidden_state) would otherwise record the gradient flowing back through the
+                # model too, and the re-run (HookCapture._again) would count that part twice
+                out, _ = _fresh_outputs(out)
+                outs = [t for t in leaves(out) if t.requires_grad]
+                self.current.out_grads = slots = GradSlots([None] * len(outs))
+                for k, t in enumerate(outs):
+                    t.register_hook(partial(store_grad, slots, k))
         self.current = None
         if self.guard_buffers:
             check_buffers(module, self._buffers)  # restores them before raising: nothing private stays in the model
-        return None
+        return None if out is given else out
 
     def recheck_buffers(self) -> None:
         """After the backward: no buffer changed since the last root forward began (a backward hook's write).
