@@ -89,3 +89,12 @@ def test_a_dptrainer_checkpoint_is_scored_at_the_trainers_delta(tmp_path):
     (ckpt / "privacy_summary.json").unlink()  # the header alone is enough
     delta, eps = _scored(runner.invoke(app, ["ledger", str(ckpt / "privacy_ledger.json"), "--json"]))
     assert delta == 1e-6 and eps == pytest.approx(tr.get_epsilon(), rel=1e-9)
+
+
+def test_a_killed_train_run_is_scored_at_the_delta_of_its_config(tmp_path):
+    """A `dpopt train` run killed before its summary: no summary.json, a header without δ; config.json has it."""
+    book = _book()
+    book.save(tmp_path / "ledger.json")
+    (tmp_path / "config.json").write_text(json.dumps({"dataset": "digits", "delta": 1e-6}))
+    delta, eps = _scored(runner.invoke(app, ["ledger", str(tmp_path), "--json"]))
+    assert delta == 1e-6 and eps == pytest.approx(epsilon(book, 1e-6, "pld"), rel=1e-9)

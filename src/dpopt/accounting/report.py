@@ -212,7 +212,8 @@ def ledger_report(
             summary.json), else ``"pld"``. Every available accountant is scored anyway.
         delta: δ; default the run's: the summary's (``summary.json`` /
             ``privacy_summary.json`` beside the ledger), else the ledger header's
-            ``delta``. There is no silent default: scoring at another δ than the
+            ``delta``, else the run directory's ``config.json`` (a ``dpopt train`` run
+            killed before its summary was written). There is no silent default: scoring at another δ than the
             run's misstates ε.
 
     Raises:
@@ -224,6 +225,8 @@ def ledger_report(
     book, summary_path = _ledger_and_summary(Path(run_dir))
     summary = loads(summary_path.read_text()) if summary_path is not None and summary_path.exists() else {}
     run_delta = summary.get("delta", book.delta)
+    if run_delta is None:  # a killed `dpopt train` run: no summary yet; its config.json holds the δ it trains at
+        run_delta = _config_delta(Path(run_dir))
     if delta is None:
         delta = run_delta
     if delta is None:
@@ -254,3 +257,13 @@ def ledger_report(
         summary_accountant=summary.get("accountant"),
         run_delta=run_delta,
     )
+
+
+def _config_delta(run_dir: Path) -> Optional[float]:
+    """The ``delta`` of a ``dpopt train`` run directory's ``config.json`` (None: no such file or field)."""
+    path = run_dir / "config.json" if run_dir.is_dir() else run_dir.parent / "config.json"
+    try:
+        value = loads(path.read_text()).get("delta")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
