@@ -84,7 +84,12 @@ def _unreadable(path: Path, kind: str) -> Optional[str]:
         PrivacyLedger.from_dict(data)
     except json.JSONDecodeError as exc:
         return f"is not valid JSON ({exc})"
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError:
+        return (
+            "is a binary file, not a ledger (a `dpopt train` checkpoint.pt?): pass the run directory, or its "
+            "ledger.jsonl"
+        )
+    except OSError as exc:
         return f"cannot be read ({exc})"
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
