@@ -131,9 +131,8 @@ def test_diagnose_checkpoint_that_is_not_a_run_is_one_line(tmp_path, make):
         ckpt.write_text("x")
     elif make == "empty":
         ckpt.mkdir()
-    res = runner.invoke(
-        app, ["diagnose", "--checkpoint", str(ckpt), "--noise-multiplier", "1", "--out", str(tmp_path / "d")]
-    )
+    # no --noise-multiplier: the checkpoint is checked first (a fresh user typed just this)
+    res = runner.invoke(app, ["diagnose", "--checkpoint", str(ckpt), "--out", str(tmp_path / "d")])
     want = {"missing": "does not exist", "file": "is a file", "empty": "has no config.json or model.pt"}[make]
     _one_line_error(res, f"--checkpoint {ckpt} {want}")
     assert "Errno" not in res.output and not (tmp_path / "d").exists()

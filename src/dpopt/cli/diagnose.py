@@ -148,6 +148,8 @@ def diagnose(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
 ) -> None:
     """Run the diagnostics (help text above)."""
+    if checkpoint is not None:  # first: a wrong path is the first thing to fix
+        _check_checkpoint(checkpoint)
     bs = _parse_batch_sizes(batch_sizes)
     if (noise_multiplier is None) == (target_epsilon is None):
         fail("give exactly one of --noise-multiplier S or --target-epsilon E (with --epochs K)")
@@ -157,8 +159,6 @@ def diagnose(
         fail(f"--momentum must be in [0, 1), got {momentum}")
     if not max_grad_norm > 0:
         fail(f"--max-grad-norm must be > 0, got {max_grad_norm}")
-    if checkpoint is not None:
-        _check_checkpoint(checkpoint)
     held = run_directory_at(Path(out))
     if held is not None:
         fail(
