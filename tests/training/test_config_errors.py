@@ -56,3 +56,15 @@ def test_run_directory_and_model_errors_name_fields(tmp_path):
     with pytest.raises(ConfigError, match="does not take digits inputs; use model mlp-small") as info:
         build_model("mlp", "digits")
     assert translate(info.value, _flags()).endswith("use --model mlp-small")
+
+
+def test_default_run_directories_started_in_one_second_do_not_meet(tmp_path, monkeypatch):
+    """Without --out the name carries the second it starts; a second run in that second gets ``-2``, not a refusal."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt, *a: "20261206-120000")
+    cfg = TrainConfig()
+    first = run_directory(cfg)
+    (first / "ledger.jsonl").write_text("{}\n")  # it holds a run now
+    second = run_directory(cfg)
+    assert first.name.endswith("-20261206-120000") and second == first.with_name(first.name + "-2")
+    assert second.is_dir() and first != second

@@ -91,6 +91,17 @@ def finished_summary(run_dir: Union[str, Path], statuses: tuple = ("completed",)
     return summary if summary.get("status", "completed") in statuses else None
 
 
+def _default_directory(cfg: TrainConfig) -> Path:
+    """``runs/METHOD-DATASET-sSEED-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ... when that name is taken (two
+    runs started within one second would otherwise meet at one name, and the second be refused)."""
+    base = Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    return path
+
+
 def run_directory(cfg: TrainConfig) -> Path:
     """The run directory, created; refuses a file, or a directory holding another run.
 
@@ -98,11 +109,7 @@ def run_directory(cfg: TrainConfig) -> Path:
         ConfigError: ``out`` is a file, already holds a run (allow ``overwrite``),
             or cannot be created.
     """
-    if cfg.out:
-        path = Path(cfg.out)
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{cfg.method}-{cfg.dataset}-s{cfg.seed}-{stamp}"
+    path = Path(cfg.out) if cfg.out else _default_directory(cfg)
     check_extras(cfg)  # before anything is written: a missing package never leaves a half-made run directory
     if path.exists() and not path.is_dir():
         raise ConfigError(f"out {path} is a file; give a directory for the run", "out")
