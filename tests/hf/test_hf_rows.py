@@ -142,8 +142,8 @@ def test_train_mode_with_dropout_is_exact_per_example(name, dtype):
             src = cap.collect()
     finally:
         cap.detach()
-    if name not in ("bart", "mbart"):  # transformers 4.47's BART positions are [1, T] tables the fast rules
-        assert cap._rec.lifts.targets  # broadcast per example (nothing lifted); 5.x's need the enclosing stack
+    if name not in ("bart", "mbart"):  # under transformers 4.47 (CI's oldest tier) BART lifts nothing (measured;
+        assert cap._rec.lifts.targets  # exact all the same); under 5.x its decoder positions need the stack
     ref = reference(model, loss_fn, x, y, replay)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert mismatches(source_grads(src), ref, names, 1e-4 if dtype == torch.float32 else 1e-9) == []
