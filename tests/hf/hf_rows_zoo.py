@@ -187,8 +187,9 @@ def t5(gen):
     return _seq2seq("T5ForConditionalGeneration", cfg, gen)
 
 
-def bart(gen):
-    cfg = T.BartConfig(
+def _bart_family(prefix: str, gen):
+    """BART and mBART share one config shape; only the classes differ."""
+    cfg = getattr(T, f"{prefix}Config")(
         vocab_size=V,
         d_model=D,
         encoder_layers=1,
@@ -207,30 +208,15 @@ def bart(gen):
         decoder_start_token_id=2,
         use_cache=False,
     )
-    return _seq2seq("BartForConditionalGeneration", cfg, gen)
+    return _seq2seq(f"{prefix}ForConditionalGeneration", cfg, gen)
+
+
+def bart(gen):
+    return _bart_family("Bart", gen)
 
 
 def mbart(gen):
-    cfg = T.MBartConfig(
-        vocab_size=V,
-        d_model=D,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=16,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        use_cache=False,
-    )
-    return _seq2seq("MBartForConditionalGeneration", cfg, gen)
+    return _bart_family("MBart", gen)
 
 
 def _classify(model_cls: str, cfg, gen, keys=("input_ids", "attention_mask")):
