@@ -70,6 +70,13 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   nodes): :mod:`dpopt.hf.distributed` — each rank draws its shard of ONE Poisson sample at the
   global q, clips per example, rank 0 adds the noise once, one all-reduce per logical batch (the
   model is never DDP-wrapped); rank 0 alone writes the journal and the ledger files.
+* **Correlated noise** (``noise_mechanism="banded:B"`` / ``"blt"``, docs/correlated-noise.md):
+  the horizon T is the Trainer's planned steps (``max_steps``, else
+  ``ceil(num_train_epochs × steps per epoch)``), the loader is
+  :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed batches in a fixed
+  cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
+  apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
+  state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes.
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
 
@@ -96,10 +103,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
-from ..accounting.calibration import calibrate_noise_multiplier
+from ..accounting.calibration import calibrate_correlated_noise_multiplier, calibrate_noise_multiplier
 from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
+from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
 from ..privacy_engine import PrivacyEngine
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
 from .batches import batch_size, split_batch, split_by_user, stand_in
@@ -219,6 +227,21 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     return out
 
 
+def _checked_mechanism(spec: str, privacy_unit: Any, max_epsilon: Optional[float]) -> str:
+    """``noise_mechanism`` as given, or a ValueError for a bad spec or a combination without an accountant."""
+    kind, _ = parse_mechanism(spec)  # ValueError listing the accepted forms
+    if kind == "independent":
+        return "independent"
+    problems = []
+    if privacy_unit == "user":
+        problems.append("privacy_unit='user' (the strategy's sensitivity is per record over cyclic batches)")
+    if max_epsilon is not None:
+        problems.append("max_epsilon (the run is one mechanism over its planned steps: set the steps instead)")
+    if problems:
+        raise ValueError(f"DPTrainer: noise_mechanism={spec!r} cannot be used with: " + "; ".join(problems))
+    return str(spec)
+
+
 class _EpsilonStop(TrainerCallback):
     """Stops training after the last step whose release keeps ε ≤ ``max_epsilon`` (checked after each step)."""
 
@@ -258,6 +281,10 @@ class DPTrainer(Trainer):
         secure_mode: noise and Poisson masks from the OS CSPRNG.
         accountant: ``"pld"`` (default), ``"rdp"`` or ``"prv"``.
         max_epsilon: stop after the last step whose ε(δ) stays ≤ this.
+        noise_mechanism: ``"independent"`` (default), or correlated noise across steps
+            (DP matrix factorization, :mod:`dpopt.correlated_noise`): ``"banded:B"`` or
+            ``"blt"`` / ``"blt:N"`` — the argument of :meth:`dpopt.PrivacyEngine.make_private`;
+            the horizon is the Trainer's planned steps and the batches are cyclic (module docstring).
         per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
         causal_lm: shift LM labels (default: from the model's class).
         eval_is_public: the evaluation set holds no record of the private
@@ -316,10 +343,12 @@ class DPTrainer(Trainer):
         privacy_unit: Union[None, str, int] = None,
         user_column: str = "user_id",
         max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
+        noise_mechanism: str = "independent",
         **kwargs: Any,
     ):
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
+        self.noise_mechanism = _checked_mechanism(noise_mechanism, privacy_unit, max_epsilon)
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         if method_kwargs and not isinstance(method, str):
@@ -346,6 +375,11 @@ class DPTrainer(Trainer):
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         check_launch(args.world_size)
+        if self.noise_mechanism != "independent" and int(args.world_size) > 1:
+            raise ValueError(
+                f"noise_mechanism={noise_mechanism!r} with {args.world_size} processes: DPTrainer adds correlated "
+                "noise in one process only; launch one process, or use noise_mechanism='independent'"
+            )
         self.per_device_batch = int(args.per_device_train_batch_size)
         self.accumulation = int(args.gradient_accumulation_steps)
         args = copy.copy(args)
@@ -396,7 +430,7 @@ class DPTrainer(Trainer):
 
     # -- data and optimizer: one make_private ---------------------------------------
     def get_train_dataloader(self) -> DataLoader:
-        """The Poisson loader of ``make_private`` (made once, with the private optimizer; not accelerate-prepared)."""
+        """The Poisson (correlated noise: cyclic) loader of ``make_private`` (made once, with the private optimizer; not accelerate-prepared)."""
         if self._dp_loader is not None:
             return self._dp_loader
         if self.train_dataset is None:
@@ -431,8 +465,10 @@ class DPTrainer(Trainer):
         )
         per_epoch = len(base) if user_ids is None else math.ceil(n / self.bbar)  # Opacus's rule, over units
         q = 1.0 / per_epoch
-        sigma = self._sigma
-        if sigma is None:
+        sigma, horizon = self._sigma, self._mechanism_arguments(per_epoch)
+        if sigma is None and horizon:
+            sigma = self._calibrate_mechanism(per_epoch)
+        elif sigma is None:
             sigma = calibrate_noise_multiplier(
                 cast(float, self._target), self.delta, q, self._planned_steps(per_epoch), str(self.engine.accountant)
             ).noise_multiplier
@@ -452,6 +488,7 @@ class DPTrainer(Trainer):
             loss_reduction="sum",
             distributed=self.ranks.enabled,  # shards at q, noise once (rank 0), one all-reduce per step
             **self._unit_arguments(user_ids, q),
+            **horizon,
             **hparams,
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
@@ -461,6 +498,29 @@ class DPTrainer(Trainer):
             self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
         self.expected_batch_size = q * n
         return loader
+
+    # -- correlated noise (dpopt.correlated_noise) -------------------------------------
+    def _mechanism_arguments(self, per_epoch: int) -> dict:
+        """make_private's correlated-noise arguments: the mechanism and the horizon T = the Trainer's planned
+        steps (empty for independent noise)."""
+        if self.noise_mechanism == "independent":
+            return {}
+        return {"noise_mechanism": self.noise_mechanism, "total_steps": self._planned_steps(per_epoch)}
+
+    def _calibrate_mechanism(self, per_epoch: int) -> float:
+        """σ for ``target_epsilon`` of the correlated-noise run: one Gaussian at the strategy's sensitivity for
+        k = ceil(T/b) participations b = ``per_epoch`` steps apart
+        (:func:`~dpopt.accounting.calibration.calibrate_correlated_noise_multiplier`)."""
+        steps = self._planned_steps(per_epoch)
+        kind, size = parse_mechanism(self.noise_mechanism)
+        participation = Participation(steps, -(-steps // per_epoch), per_epoch)
+        return calibrate_correlated_noise_multiplier(
+            cast(float, self._target),
+            self.delta,
+            optimize_strategy(kind, steps, size),
+            participation,
+            str(self.engine.accountant),
+        )
 
     # -- privacy_unit="user" (dpopt.users) ---------------------------------------------
     def _user_ids(self, dataset: Any) -> list:
@@ -685,6 +745,12 @@ class DPTrainer(Trainer):
         Raises:
             ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0).
         """
+        if checkpoint is not None and self.noise_mechanism != "independent":
+            raise ValueError(
+                f"resume_from_checkpoint with noise_mechanism={self.noise_mechanism!r} is refused: the correlated "
+                "noise stream's state is as secret as the noise and is never saved, and a restarted stream is not "
+                "the mechanism the run is accounted for; start a new run (docs/correlated-noise.md)"
+            )
         if checkpoint is not None and not (Path(checkpoint) / "optimizer.pt").is_file():
             raise ValueError(
                 f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "

@@ -1,0 +1,270 @@
+"""DPTrainer with correlated noise (issue 36): ``noise_mechanism="banded:B" | "blt"`` on a tiny GPT-2 built from a
+config (no downloads).
+
+The horizon is the Trainer's planned steps, the batches are cyclic (one fixed partition, a fixed order), the ledger
+is one Gaussian at σ/Δ that re-derives from its header; the released noise's covariance across steps is the
+strategy's; removing one example moves a release by at most C/B̄ (the same seeded noise on both sides cancels:
+correlated noise refuses σ = 0); resume, max_epsilon, user-level DP and a bad spec are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers as T  # noqa: E402
+from scipy.optimize import brentq  # noqa: E402
+from scipy.stats import norm  # noqa: E402
+
+import dpopt.privacy_engine as privacy_engine_module  # noqa: E402
+from dpopt.accounting.matrix_factorization import check_record  # noqa: E402
+from dpopt.cyclic_batches import CyclicBatchSampler  # noqa: E402
+from dpopt.hf import DPTrainer  # noqa: E402
+from dpopt.noise import NoiseSource  # noqa: E402
+from dpopt.privatizer import Privatizer  # noqa: E402
+
+V, L = 37, 8
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+class Tokens(torch.utils.data.Dataset):
+    """n random token sequences for a causal LM; example i's first token is i + 1 (its identity in a batch)."""
+
+    def __init__(self, n=32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(1, V, (n, L), generator=g)
+        self.x[:, 0] = torch.arange(1, n + 1) % V
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "attention_mask": torch.ones(L, dtype=torch.long), "labels": self.x[i]}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return T.GPT2LMHeadModel(cfg)
+
+
+def targs(out, **kw):
+    base = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=12,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return T.TrainingArguments(str(out), **base)
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    """ε(δ) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang 2018, Thm 8), float64 brentq."""
+
+    def gap(eps: float) -> float:
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+
+    return brentq(gap, 0.0, 200.0, xtol=1e-12)
+
+
+@pytest.fixture
+def releases(monkeypatch):
+    """Every Release the Privatizer returns in this test, in order."""
+    out = []
+    original = Privatizer.release
+
+    def recorded(self, *a, **kw):
+        rel = original(self, *a, **kw)
+        out.append(rel)
+        return rel
+
+    monkeypatch.setattr(Privatizer, "release", recorded)
+    return out
+
+
+class Recording(DPTrainer):
+    """Records the first token of every example of every logical batch (the example's identity)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(sorted(inputs["input_ids"][:, 0].tolist()))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("mechanism", ["banded:2", "blt:2"])
+def test_cyclic_batches_horizon_and_a_ledger_that_rederives(tmp_path, mechanism):
+    """N = 32, B̄ = 4: b = 8 cyclic batches; max_steps = 12 is the horizon (k = 2 participations 8 apart)."""
+    tr = Recording(
+        model=gpt2(),
+        args=targs(tmp_path),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=2.0,
+        max_grad_norm=1.0,
+        method="dp-adam",
+        noise_mechanism=mechanism,
+    )
+    tr.seen = []
+    tr.train()
+    assert [len(b) for b in tr.seen] == [4] * 12
+    assert sorted(i for b in tr.seen[:8] for i in b) == list(range(1, 33))  # one epoch: a partition
+    assert tr.seen[8:] == tr.seen[:4]  # the second epoch repeats the same batches in the same order
+    rec = tr.ledger.mechanism
+    assert (rec["kind"], rec["steps"], rec["participations"], rec["min_separation"]) == (mechanism[:-2], 12, 2, 8)
+    assert tr.ledger.sampling == "cyclic (k=2 participations, min separation 8)"
+    assert check_record(rec, tr.ledger.entries) == []
+    assert tr.get_epsilon() == pytest.approx(_gaussian_epsilon(rec["sensitivity"] / 2.0, 1e-5), rel=2e-3)
+
+
+def test_target_epsilon_is_met_from_below_over_num_train_epochs(tmp_path):
+    """No max_steps: the horizon is ceil(num_train_epochs × 8) = 12 steps; σ is calibrated for it."""
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=-1, num_train_epochs=1.5),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        target_epsilon=4.0,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:3",
+    )
+    tr.train()
+    assert len(tr.ledger) == 12 and tr.ledger.mechanism["steps"] == 12
+    assert 4.0 * 0.99 <= tr.get_epsilon() <= 4.0
+
+
+def test_released_noise_covariance_across_steps_is_the_strategys(tmp_path, releases):
+    """σ = 1e4, lr 0: the released gradient is noise up to a signal of norm ≤ C (< 1e-4 of one coordinate's std).
+
+    Over the d ≈ 4,200 coordinates of the tiny GPT-2, each of the 21 covariance entries across T = 6 steps is
+    compared with (σC/B̄)² (C⁻¹C⁻ᵀ)_st at 5 standard errors, se = √((Σ_ss Σ_tt + Σ_st²)/d): false alarm
+    ≤ 21 × 5.7e-7 ≈ 1.2e-5 per run (Bonferroni). The Release's noise_std is the marginal std √Σ_tt.
+    """
+    sigma, c, bbar, steps = 1e4, 1.0, 4.0, 6
+    model = gpt2()
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=steps),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=sigma,
+        max_grad_norm=c,
+        method=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_mechanism="blt:2",
+    )
+    tr.train()
+    assert len(releases) == steps
+    W = torch.stack([torch.cat([g.double().flatten() for g in r.grads]) for r in releases]).numpy()
+    d = W.shape[1]
+    mech = tr._private.privatizer.mechanism
+    Dinv = np.linalg.inv(mech.strategy.matrix(steps))
+    want = (sigma * c / bbar) ** 2 * (Dinv @ Dinv.T)
+    got = W @ W.T / d
+    se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / d)
+    assert d > 4000
+    assert np.all(np.abs(got - want) <= 5 * se), np.max(np.abs(got - want) / se)
+    for t, r in enumerate(releases):
+        assert float(r.noise_std[0]) == pytest.approx(math.sqrt(want[t, t]), rel=1e-6)
+
+
+class _FixedPartition(CyclicBatchSampler):
+    """Cyclic batches over the fixed partition of 0 … N−1 into b consecutive ranges (so that D and D − {last}
+    share every batch but the last one's last example)."""
+
+    def __init__(self, dataset_size, batches, steps=None):
+        super().__init__(dataset_size, batches, steps)
+        self._parts = list(torch.tensor_split(torch.arange(int(dataset_size)), int(batches)))
+        self.batches = [p.tolist() for p in self._parts]
+
+
+def test_removing_one_example_moves_each_release_by_at_most_c(tmp_path, releases, monkeypatch):
+    """D (N = 8) and D − {example 8} (N = 7), B̄ = 4: b = 2 batches [1..4], [5..8] / [5..7], T = 4 steps. The same
+    seeded noise on both sides (correlated noise needs σ > 0), lr 0: each noisy clipped sum (release × the run's
+    public divisor N/b) moves by exactly the removed example's clipped gradient (norm C = 1e-3, far below its
+    unclipped norm) at the steps that use its batch (t = 1, 3), and not at the others — the stream's noise cancels.
+
+    Tolerance: the float32 release (noisy coordinates ≲ 5σC ≈ 5e-3, two roundings of relative 6e-8 each) over
+    ~4,200 coordinates: ≤ 65 × 6e-10 ≈ 4e-8, taken as 1e-7 (1e-4 C)."""
+    monkeypatch.setattr(privacy_engine_module, "CyclicBatchSampler", _FixedPartition)
+    c, slack = 1e-3, 1e-7
+    runs = []
+    for n in (8, 7):
+        releases.clear()
+        model = gpt2()
+        tr = DPTrainer(
+            model=model,
+            args=targs(tmp_path / str(n), max_steps=4),
+            train_dataset=Tokens(n),
+            privacy_unit="record",
+            noise_multiplier=1.0,
+            max_grad_norm=c,
+            delta=1e-2,
+            method=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_mechanism="banded:2",
+        )
+        tr.engine.noise = NoiseSource("reproducible", seed=11)
+        tr.train()
+        assert tr.ledger.mechanism["participations"] == 2 and tr.ledger.mechanism["min_separation"] == 2
+        bbar = tr._private.expected_batch_size
+        assert bbar == n / 2  # cyclic batches: the divisor is N/b
+        runs.append(torch.stack([torch.cat([g.double().flatten() for g in r.grads]) for r in releases]) * bbar)
+    moved = (runs[0] - runs[1]).norm(dim=1)
+    assert float(moved[0]) <= slack and float(moved[2]) <= slack  # the batch without the removed example
+    assert float(runs[0][1].norm()) > 10 * c  # the noise is there (and cancelled in the difference)
+    assert float(moved[1]) == pytest.approx(c, abs=slack) and float(moved[3]) == pytest.approx(c, abs=slack)
+
+
+def test_resume_is_refused_with_a_clear_message(tmp_path):
+    a = dict(save_strategy="steps", save_steps=2)
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2, **a),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism="blt",
+    )
+    tr.train()
+    tr2 = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=4, **a),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism="blt",
+    )
+    with pytest.raises(ValueError, match="resume_from_checkpoint with noise_mechanism='blt' is refused"):
+        tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"noise_mechanism": "banded"}, "is not one of"),
+        ({"noise_mechanism": "banded:2", "max_epsilon": 3.0}, "max_epsilon"),
+        ({"noise_mechanism": "blt", "privacy_unit": "user"}, "privacy_unit='user'"),
+    ],
+)
+def test_combinations_without_an_accountant_are_refused(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, **kwargs)
