@@ -35,9 +35,11 @@ The ledger stores it as one Gaussian per release whose compositions are exact: r
 ``GaussianDpEvent(σ / √(Δ_t² − Δ_{t−1}²))`` (``NoOpDpEvent`` when Δ_t = Δ_{t−1}), with Δ_t the
 sensitivity of the first t+1 rows of C — Gaussians compose exactly (μ-GDP: μ² adds; Dong, Roth, Su
 2019), so the ledger after t+1 releases scores as Gaussian(σ/Δ_t), the true privacy of that prefix,
-and after T releases as Gaussian(σ/Δ). Amplified accounting (cyclic Poisson sampling of banded MF,
-:func:`amplified_banded_event`) is given as an event builder; dpopt's doors have no cyclic-Poisson
-sampler yet and use the unamplified event.
+and after T releases as Gaussian(σ/Δ). Amplified accounting (opt-in, ``sampling="cyclic-poisson"``):
+banded MF with b ≤ b' bands over cyclic Poisson sampling (:class:`dpopt.cyclic_batches.CyclicPoissonLoader`:
+b' fixed partitions, partition t mod b' Poisson-sampled at rate q at step t) is k = ⌈T/b'⌉ rounds of the
+Poisson-sampled Gaussian at σ/‖c‖ (Choquette-Choo et al., arXiv 2306.08153, Thm 4;
+:func:`amplified_step_events`, :func:`amplified_banded_event`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ from .accounting.matrix_factorization import (
     Participation,
     Strategy,
     amplified_banded_event,
+    amplified_step_events,
     banded_strategy,
     blt_strategy,
     brute_force_sensitivity,
     check_horizon,
     check_record,
+    cyclic_poisson_sampling,
     gaussian_epsilon,
     mechanism_event,
     optimize_strategy,
@@ -80,6 +84,7 @@ __all__ = [
     "Participation",
     "Strategy",
     "amplified_banded_event",
+    "amplified_step_events",
     "banded_strategy",
     "blt_strategy",
     "brute_force_sensitivity",
@@ -110,6 +115,9 @@ class CorrelatedNoise:
         strategy: the :class:`Strategy` C.
         participation: the run's :class:`Participation` (its ``steps`` is the horizon T).
         noise_multiplier: σ (for the ledger's events; the Privatizer scales z by σS itself).
+        sample_rate: None (default): cyclic batches, unamplified events (:func:`step_events`); q: cyclic
+            Poisson sampling at rate q within each of the ``min_separation`` partitions, amplified events
+            (:func:`amplified_step_events`; banded with bands ≤ min_separation only).
 
     State: per key (one per device / block of the flat noise vector) the last b−1 noise vectors
     (banded) or n buffers (blt), float64, in memory only. :meth:`correlate` for release t checks that
@@ -118,10 +126,16 @@ class CorrelatedNoise:
     original's noise) — resume from a checkpoint is refused the same way (docs/correlated-noise.md).
 
     Raises:
-        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`.
+        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`; a sample_rate without an amplified accountant.
     """
 
-    def __init__(self, strategy: Strategy, participation: Participation, noise_multiplier: float):
+    def __init__(
+        self,
+        strategy: Strategy,
+        participation: Participation,
+        noise_multiplier: float,
+        sample_rate: Optional[float] = None,
+    ):
         if not float(noise_multiplier) > 0:
             raise ValueError("correlated noise needs noise_multiplier > 0 (σ = 0 is independent, non-private)")
         self.strategy, self.participation = strategy, participation
@@ -129,7 +143,12 @@ class CorrelatedNoise:
         T = participation.steps
         self.prefix = prefix_sensitivities(strategy, participation)
         self.sensitivity = float(self.prefix[-1])
-        self._events = step_events(self.noise_multiplier, self.prefix)
+        self.sample_rate = None if sample_rate is None else float(sample_rate)
+        self._events = (
+            step_events(self.noise_multiplier, self.prefix)
+            if sample_rate is None
+            else amplified_step_events(self.noise_multiplier, strategy, participation, float(sample_rate))
+        )
         d = strategy.inverse_coefficients(T)
         self._marginal = np.sqrt(np.cumsum(d**2))  # std of w_t per unit σS: √(Σ_{s≤t} d_s²)
         self._coef = [float(c) for c in strategy.coefficients]
@@ -143,6 +162,13 @@ class CorrelatedNoise:
     @property
     def horizon(self) -> int:
         return self.participation.steps
+
+    @property
+    def sampling(self) -> str:
+        """The ledger's ``sampling`` statement the events hold for (cyclic batches, or cyclic Poisson at q)."""
+        if self.sample_rate is None:
+            return self.participation.sampling
+        return cyclic_poisson_sampling(self.sample_rate, self.participation.min_separation)
 
     def marginal_std(self, step: int) -> float:
         """std of w_t per unit σS (√(Σ_{s≤t} d_s²), d the coefficients of C⁻¹): what the variance-correcting
@@ -207,7 +233,8 @@ class CorrelatedNoise:
             "min_separation": p.min_separation,
             "noise_multiplier": self.noise_multiplier,
             "sensitivity": self.sensitivity,
-            "amplification": "none",
+            "amplification": "none" if self.sample_rate is None else "cyclic-poisson (arXiv 2306.08153, Thm 4)",
+            **({} if self.sample_rate is None else {"sample_rate": self.sample_rate}),
             "resume": "refused (the stream state is never saved)",
         }
 
@@ -234,8 +261,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def make_mechanism(spec: str, noise_multiplier: float, participation: Participation) -> Optional[CorrelatedNoise]:
-    """The :class:`CorrelatedNoise` of a ``noise_mechanism`` string (None for ``"independent"``).
+def make_mechanism(
+    spec: str, noise_multiplier: float, participation: Participation, sample_rate: Optional[float] = None
+) -> Optional[CorrelatedNoise]:
+    """The :class:`CorrelatedNoise` of a ``noise_mechanism`` string (None for ``"independent"``); ``sample_rate``:
+    cyclic Poisson sampling (:class:`CorrelatedNoise`).
 
     Raises:
         ValueError: a bad spec (:func:`parse_mechanism`), σ ≤ 0, T too long.
@@ -246,4 +276,5 @@ def make_mechanism(spec: str, noise_multiplier: float, participation: Participat
     if not float(noise_multiplier) > 0:
         raise ValueError(f"noise_mechanism {spec!r} needs noise_multiplier > 0")
     check_horizon(participation.steps)
-    return CorrelatedNoise(optimize_strategy(kind, participation.steps, size), participation, noise_multiplier)
+    strategy = optimize_strategy(kind, participation.steps, size)
+    return CorrelatedNoise(strategy, participation, noise_multiplier, sample_rate)

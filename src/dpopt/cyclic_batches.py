@@ -13,12 +13,16 @@ break it (an example could be last in one epoch and first in the next).
 from __future__ import annotations
 
 import secrets
-from typing import Iterator, Optional
+from collections import deque
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-__all__ = ["CyclicBatchSampler"]
+from .data_loader import DPDataLoader, EmptyBatchCollate
+from .noise import NoiseSource, make_noise_source
+
+__all__ = ["CyclicBatchSampler", "CyclicPoissonBatchSampler", "CyclicPoissonLoader"]
 
 
 class CyclicBatchSampler(Sampler):
@@ -78,3 +82,114 @@ class CyclicBatchSampler(Sampler):
         """
         if int(state.get("position", 0)) != 0:
             raise ValueError("cyclic batches of a correlated-noise run are never resumed (docs/correlated-noise.md)")
+
+
+class CyclicPoissonBatchSampler(Sampler):
+    """Cyclic Poisson sampling (Choquette-Choo et al., arXiv 2306.08153, Sec. 4, "amplified banded MF"): the
+    dataset is split ONCE into ``partitions`` = b' disjoint parts (a uniformly random partition; public: the
+    amplified guarantee holds for every fixed partition), and step t includes each example of part t mod b'
+    independently with probability q (:func:`~dpopt.sampling.poisson_indices`, the secret uniforms of
+    ``noise``). An example takes part only at steps ≡ j (mod b'), each with probability q, independently:
+    the participation the amplified accountant (:func:`~dpopt.correlated_noise.amplified_step_events`) assumes.
+
+    Args:
+        dataset_size: N ≥ 1 (public).
+        partitions: b', 1 ≤ b' ≤ N; part sizes ⌊N/b'⌋ or ⌈N/b'⌉ (expected batch q·N/b').
+        sample_rate: q ∈ (0, 1].
+        steps: batches per iteration of the loader (default b': one pass over the parts).
+        noise: the :class:`~dpopt.noise.NoiseSource` of the inclusion uniforms (default: secret).
+
+    Attributes:
+        position: steps handed out so far (public; continues across iterations, never restarts the cycle).
+        sizes: the sizes of batches drawn and not yet handed out (private, in memory only: never pickled).
+
+    Raises:
+        ValueError: b' ∉ [1, N], q ∉ (0, 1].
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        partitions: int,
+        sample_rate: float,
+        steps: Optional[int] = None,
+        noise: Optional[NoiseSource] = None,
+    ):
+        if not 0.0 < float(sample_rate) <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        self._cyclic = CyclicBatchSampler(dataset_size, partitions)
+        self.sample_rate = float(sample_rate)
+        self.steps = len(self._cyclic) if steps is None else int(steps)
+        self.noise = make_noise_source(noise)
+        self.drawn = 0
+        self.sizes: "deque[int]" = deque(maxlen=1024)
+
+    @property
+    def partitions(self) -> list[list[int]]:
+        """The b' fixed parts (public), as lists of dataset indices."""
+        return self._cyclic.batches
+
+    @property
+    def position(self) -> int:
+        return self._cyclic.position
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def sample(self) -> torch.Tensor:
+        """The next step's indices: part ``position mod b'`` Poisson-sampled at q (int64 ``[K]``, K ~ Binomial)."""
+        from .sampling import poisson_indices
+
+        part = self._cyclic.sample()
+        return part[poisson_indices(self.noise, len(part), self.sample_rate)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            idx = self.sample()
+            self.drawn += 1
+            self.sizes.append(int(idx.numel()))
+            yield idx.tolist()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry the drawn batches' sizes (a count of private examples)."""
+        state = dict(self.__dict__)
+        state["sizes"] = type(self.sizes)(maxlen=1024)
+        return state
+
+    def state_dict(self) -> dict:
+        """Public: the position (a correlated-noise run is never resumed, docs/correlated-noise.md)."""
+        return {"version": 1, "position": self.position, "partitions": len(self._cyclic), "cyclic_poisson": True}
+
+
+class CyclicPoissonLoader(DPDataLoader):
+    """A :class:`~dpopt.data_loader.DPDataLoader` whose batches come from a :class:`CyclicPoissonBatchSampler`
+    (empty batches collated as for Poisson batches; each batch tagged for the optimizer's release boundary).
+
+    Args:
+        dataset: a non-empty map-style dataset.
+        partitions, sample_rate, noise: as :class:`CyclicPoissonBatchSampler` (one iteration: b' batches).
+        collate_fn: the item collate function (default ``default_collate``).
+        **kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``, ...).
+
+    Raises:
+        ValueError: as :class:`CyclicPoissonBatchSampler`; an empty or iterable dataset.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        partitions: int,
+        sample_rate: float,
+        collate_fn: Optional[Callable] = None,
+        noise: Optional[NoiseSource] = None,
+        **kwargs: Any,
+    ):
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+            raise ValueError("cyclic Poisson sampling needs a non-empty map-style dataset (with __len__)")
+        self.sample_rate = float(sample_rate)
+        self.poisson = CyclicPoissonBatchSampler(len(dataset), partitions, sample_rate, noise=noise)  # type: ignore[assignment]
+        DataLoader.__init__(
+            self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
+        )
+        self.last_batch_examples = None
+        self.boundary = None

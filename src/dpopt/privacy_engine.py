@@ -107,7 +107,7 @@ from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
 from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
 from .correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
-from .cyclic_batches import CyclicBatchSampler
+from .cyclic_batches import CyclicBatchSampler, CyclicPoissonLoader
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
     DistributedContext,
@@ -271,17 +271,64 @@ def _cyclic_loader(data_loader: DataLoader) -> tuple[int, int, DataLoader]:
 
 
 def _mechanism(
-    spec: str, noise_multiplier: float, batches: int, epochs: Optional[int], total_steps: Optional[int]
+    spec: str,
+    noise_multiplier: float,
+    batches: int,
+    epochs: Optional[int],
+    total_steps: Optional[int],
+    partitions: int = 0,
+    sample_rate: Optional[float] = None,
 ) -> CorrelatedNoise:
     """The correlated-noise mechanism for cyclic batches: T = epochs·b (or total_steps), k = ⌈T/b⌉
-    participations b steps apart."""
+    participations b steps apart; cyclic Poisson (``partitions`` b' > 0, ``sample_rate`` q): at most
+    ⌈T/b'⌉ participations b' steps apart, amplified events."""
     steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
     if steps < 1:
         raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
-    participation = Participation(steps, -(-steps // batches), batches)
-    mech = make_mechanism(spec, noise_multiplier, participation)
+    sep = partitions or batches
+    participation = Participation(steps, -(-steps // sep), sep)
+    try:
+        mech = make_mechanism(spec, noise_multiplier, participation, sample_rate)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
     assert mech is not None  # not "independent": checked by _check_mechanism_options
     return mech
+
+
+def _check_sampling(sampling: Optional[str], kind: str, spec: str, sample_rate: Optional[float], batches: int) -> int:
+    """The number of partitions b' of cyclic Poisson sampling (0 for cyclic batches / independent noise), or a
+    ConfigError for a sampling without a valid accountant (:func:`~dpopt.correlated_noise.check_amplified`)."""
+    if sampling is None:
+        return 0
+    if sampling not in ("cyclic", "cyclic-poisson"):
+        raise ConfigError(f"sampling must be 'cyclic' or 'cyclic-poisson', got {sampling!r}", "sampling")
+    if kind == "independent":
+        raise ConfigError(
+            "sampling= chooses the sampling of correlated noise; independent noise is Poisson-sampled "
+            "(poisson_sampling=True): drop sampling= or set noise_mechanism",
+            "sampling",
+        )
+    if sampling == "cyclic":
+        return 0
+    if kind != "banded":
+        raise ConfigError(
+            f"sampling='cyclic-poisson' with noise_mechanism={spec!r}: amplified accounting is known here for "
+            "banded:B only (Choquette-Choo et al. 2023, Thm 4); use banded:B or sampling='cyclic'",
+            "sampling",
+        )
+    if sample_rate is None or not 0.0 < float(sample_rate) <= 1.0:
+        raise ConfigError(
+            f"sampling='cyclic-poisson' needs sample_rate=q in (0, 1] (the rate within a part), got {sample_rate!r}",
+            "sample_rate",
+        )
+    parts = int(round(float(sample_rate) * batches))
+    if parts < 1:
+        raise ConfigError(
+            f"sampling='cyclic-poisson': b' = round(sample_rate × len(data_loader)) = round({sample_rate} × "
+            f"{batches}) is 0 partitions; raise sample_rate to at least {0.5 / batches:.3g}",
+            "sample_rate",
+        )
+    return parts
 
 
 def _trained_parameters(
@@ -380,6 +427,7 @@ class PrivacyEngine:
         noise_mechanism: str = "independent",
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
+        sampling: Optional[str] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -504,6 +552,13 @@ class PrivacyEngine:
                 resuming from a checkpoint is refused.
             epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
                 total_steps); refused with independent noise (they change nothing there).
+            sampling: correlated noise only: ``"cyclic"`` (default, unamplified) or ``"cyclic-poisson"``
+                (amplified banded MF, Choquette-Choo et al. arXiv 2306.08153, Thm 4; banded:B only): with
+                ``sample_rate=q`` the data are split once into b' = round(q·len(data_loader)) ≥ B parts and
+                step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
+                CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
+                rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
+                accountant here: refused.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -538,9 +593,12 @@ class PrivacyEngine:
             secure_mode=secure_mode,
             noise_generator=noise_generator,
         )
-        unit = _check_unit_arguments(privacy_unit, user_ids, sample_rate, distributed, poisson_sampling)
         mech_kind = self._check_mechanism_options(
             noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
+        )
+        partitions = _check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
+        unit = _check_unit_arguments(
+            privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling
         )
         if unit == "user" and mech_kind != "independent":
             raise ValueError(
@@ -588,6 +646,17 @@ class PrivacyEngine:
                 elif mech_kind == "independent":
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                     sample_rate = 1.0 / steps_per_epoch
+                elif partitions:  # cyclic Poisson: part t mod b' sampled at q (amplified banded MF)
+                    n, steps_per_epoch = len(data_loader.dataset), len(data_loader)  # type: ignore[arg-type]
+                    sample_rate = float(cast(float, sample_rate))
+                    loader = CyclicPoissonLoader(
+                        data_loader.dataset,
+                        partitions,
+                        sample_rate,
+                        collate_fn=data_loader.collate_fn,
+                        noise=noise,
+                        **loader_settings(data_loader),
+                    )
                 else:
                     n, steps_per_epoch, loader = _cyclic_loader(data_loader)
                     sample_rate = 1.0 / steps_per_epoch
@@ -609,9 +678,16 @@ class PrivacyEngine:
                 )
                 if mech_kind != "independent":
                     privacy["mechanism"] = _mechanism(
-                        noise_mechanism, noise_multiplier, steps_per_epoch, epochs, total_steps
+                        noise_mechanism,
+                        noise_multiplier,
+                        steps_per_epoch,
+                        epochs,
+                        total_steps,
+                        partitions,
+                        sample_rate if partitions else None,
                     )
-                    expected_batch_size = n / steps_per_epoch  # cyclic batches: N/b examples per step
+                    # cyclic batches: N/b examples per step; cyclic Poisson: q·N/b'
+                    expected_batch_size = n / steps_per_epoch if not partitions else sample_rate * n / partitions
                 if clipping == "auto":  # AUTO-S: the flat options plus the normalisation's γ
                     from .auto_clipping import AutoClipping
 
@@ -778,15 +854,25 @@ class PrivacyEngine:
                 raise ConfigError(
                     "make_private_with_epsilon sets the horizon from epochs=; do not give total_steps", "total_steps"
                 )
-            if given is not None:
+            amplified = kwargs.get("sampling") == "cyclic-poisson"
+            if given is not None and not amplified:
                 raise ConfigError(
                     "sample_rate is not used with a correlated noise_mechanism (cyclic batches)", "sample_rate"
                 )
-            b = len(data_loader)
-            participation = Participation(steps, -(-steps // b), b)
-            sigma = calibrate_mechanism_noise(
-                target_epsilon, target_delta, optimize_strategy(kind, steps, size), participation, str(self.accountant)
-            )
+            steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # T counts the loader's batches
+            strategy = optimize_strategy(kind, steps, size)
+            if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
+                parts = _check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
+                rounds = -(-steps // parts)
+                sigma = calibrate_noise_multiplier(
+                    target_epsilon, target_delta, float(cast(float, given)), rounds, str(self.accountant)
+                ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in strategy.column(steps)))
+            else:
+                b = len(data_loader)
+                participation = Participation(steps, -(-steps // b), b)
+                sigma = calibrate_mechanism_noise(
+                    target_epsilon, target_delta, strategy, participation, str(self.accountant)
+                )
             kwargs["total_steps"] = steps
         else:
             sigma = calibrate_noise_multiplier(

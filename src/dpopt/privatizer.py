@@ -238,7 +238,7 @@ class Privatizer:
                     "noise_mechanism",
                 )
             self.ledger.mechanism = self.mechanism.record()
-            self.ledger.sampling = self.mechanism.participation.sampling
+            self.ledger.sampling = self.mechanism.sampling
         self.steps = 0
         self.reads = 0  # private statistics computed (gradient sums, counts)
         self.releases = 0  # noisy Gaussians released (and recorded)

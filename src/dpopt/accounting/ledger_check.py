@@ -477,7 +477,14 @@ def _check_mechanism(
     last = ledger.entries[-1].meta.get("mechanism_sensitivity") if len(ledger) else None
     sigma_claim = _num(claimed.get("noise_multiplier"))
     problems_d, evidence_d = [], []
-    if sigma_claim is None or last is None or inv <= 0:
+    if rec.get("sample_rate") is not None:  # amplified (cyclic Poisson): rounds of sampled Gaussians, not μ² adding
+        if sigma_claim is None or not _close(sigma_claim, float(rec.get("noise_multiplier", math.nan)), rtol):
+            problems_d.append(
+                f"claimed noise_multiplier {sigma_claim} != the mechanism's {rec.get('noise_multiplier')}"
+            )
+        else:
+            evidence_d.append("amplified rounds (Poisson-sampled Gaussians) re-derived from the record: see (b)")
+    elif sigma_claim is None or last is None or inv <= 0:
         problems_d.append("no claimed noise_multiplier, or no Gaussian release to recompose")
     else:
         composed = inv**-0.5

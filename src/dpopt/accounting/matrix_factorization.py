@@ -28,6 +28,9 @@ __all__ = [
     "mechanism_event",
     "step_events",
     "amplified_banded_event",
+    "amplified_step_events",
+    "mixture_of_gaussians_round",
+    "check_amplified",
     "strategy_from_record",
     "check_record",
     "record_sampling",
@@ -526,6 +529,62 @@ def amplified_banded_event(
     return dp_event.SelfComposedDpEvent(inner, int(rounds))
 
 
+def check_amplified(strategy: Strategy, participation: Participation, sample_rate: float) -> None:
+    """Refuse cyclic Poisson sampling where no amplified accountant is known.
+
+    Raises:
+        ValueError: not banded, bands > min_separation (the strategy's columns for one example's
+            participations overlap: the amplified analysis of Choquette-Choo et al. 2023, Thm 4, does not
+            apply, and the MMCC bound of arXiv 2310.15526 is not implemented here), or q ∉ (0, 1].
+    """
+    if strategy.kind != "banded" or strategy.bands > participation.min_separation:
+        raise ValueError(
+            "sampling='cyclic-poisson' (amplified accounting) holds for banded strategies with bands <= the number "
+            f"of partitions only; got {strategy.kind}"
+            + (f" with {strategy.bands} bands" if strategy.kind == "banded" else "")
+            + f" and {participation.min_separation} partitions: use banded:B with B <= the partitions, or "
+            "sampling='cyclic' (unamplified)"
+        )
+    if not 0.0 < float(sample_rate) <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+
+
+def amplified_step_events(
+    noise_multiplier: float, strategy: Strategy, participation: Participation, sample_rate: float
+) -> list:
+    """Per-release events of banded MF under cyclic Poisson sampling whose composition over the T releases
+    is :func:`amplified_banded_event`: release t = r·b' (the first step of round r, b' = min_separation)
+    carries the round's ``PoissonSampledDpEvent(q, GaussianDpEvent(σ/‖c‖))``, every other release a no-op.
+
+    Charging the round at its first release is conservative for every prefix: an example of partition j
+    takes part (with probability q) at step r·b' + j ≥ r·b', so after release t at most ⌈(t+1)/b'⌉ of its
+    sampled Gaussians have happened (Choquette-Choo et al., arXiv 2306.08153, Thm 4: with b ≤ b' bands its
+    participations touch disjoint rows of C, each a Poisson-sampled Gaussian at sensitivity ‖c‖).
+
+    Raises:
+        ValueError: :func:`check_amplified`'s refusals; σ ≤ 0.
+    """
+    check_amplified(strategy, participation, sample_rate)
+    if not float(noise_multiplier) > 0:
+        raise ValueError("correlated noise needs noise_multiplier > 0")
+    col = float(np.linalg.norm(strategy.column(participation.steps)))
+    rnd = dp_event.PoissonSampledDpEvent(float(sample_rate), dp_event.GaussianDpEvent(float(noise_multiplier) / col))
+    sep = participation.min_separation
+    return [rnd if t % sep == 0 else dp_event.NoOpDpEvent() for t in range(participation.steps)]
+
+
+def mixture_of_gaussians_round(noise_multiplier: float, strategy: Strategy, sample_rate: float) -> dp_event.DpEvent:
+    """One round of amplified banded MF as dp_accounting's ``MixtureOfGaussiansDpEvent`` (arXiv 2310.15526,
+    Sec. 3): N(0, σ²) against (1 − q)·N(0, σ²) + q·N(‖c‖, σ²). For b ≤ b' bands this is exactly the
+    Poisson-sampled Gaussian of :func:`amplified_step_events` (PLD only: dp_accounting's RDP accountant
+    does not take it); kept for cross-checks. General strategies (BLT, b > b') need MMCC's conditional
+    mixtures, which dpopt does not implement (refused)."""
+    if strategy.kind != "banded" or not 0.0 < float(sample_rate) <= 1.0:
+        raise ValueError("a mixture-of-Gaussians round is built for banded strategies and q in (0, 1] only")
+    col = float(np.linalg.norm(np.asarray(strategy.coefficients, dtype=np.float64)))
+    return dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), [0.0, col], [1.0 - sample_rate, sample_rate])
+
+
 def gaussian_epsilon(mu: float, delta: float) -> float:
     """ε(δ) of one Gaussian mechanism with sensitivity/σ = μ > 0, exact in float64: the root of
     δ = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, Thm 8).
@@ -547,11 +606,21 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return float(brentq(gap, 0.0, 50.0 + mu * mu, xtol=1e-12))
 
 
+def cyclic_poisson_sampling(sample_rate: float, partitions: int) -> str:
+    """The ledger's ``sampling`` statement of cyclic Poisson sampling at q over b partitions."""
+    return f"cyclic poisson (q={float(sample_rate):.12g} within {int(partitions)} partitions)"
+
+
 def record_sampling(record: Optional[dict]) -> Optional[str]:
     """The ledger ``sampling`` statement a mechanism record requires (None without a valid record):
     the accountants' ε of such a ledger holds for that sampling, not Poisson."""
     if not isinstance(record, dict):
         return None
+    if record.get("sample_rate") is not None:
+        try:
+            return cyclic_poisson_sampling(float(record["sample_rate"]), int(record["min_separation"]))
+        except (KeyError, TypeError, ValueError):
+            return None
     try:
         return Participation(
             int(record["steps"]), int(record["participations"]), int(record["min_separation"])
@@ -574,7 +643,8 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
         part = Participation(int(record["steps"]), int(record["participations"]), int(record["min_separation"]))
         sigma = float(record["noise_multiplier"])
         prefix = prefix_sensitivities(strategy, part)
-        events = step_events(sigma, prefix)
+        q = record.get("sample_rate")
+        events = step_events(sigma, prefix) if q is None else amplified_step_events(sigma, strategy, part, float(q))
     except (KeyError, TypeError, ValueError) as exc:
         return [f"the mechanism record cannot be re-derived: {exc}"]
     if abs(float(record.get("sensitivity", -1.0)) - prefix[-1]) > rtol * prefix[-1]:
@@ -586,10 +656,7 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
             continue
         want = events[e.step]
         got = e.event
-        if type(got) is not type(want) or (
-            isinstance(want, dp_event.GaussianDpEvent)
-            and abs(float(got.noise_multiplier) - want.noise_multiplier) > rtol * want.noise_multiplier
-        ):
+        if not _same_event(got, want, rtol):
             bad.append(f"step {e.step}: event {got} != re-derived {want}")
         ms = e.meta.get("mechanism_sensitivity")
         if ms is None or abs(float(ms) - prefix[e.step]) > rtol * prefix[e.step]:
@@ -597,3 +664,16 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
     if bad:
         problems.append(f"{len(bad)} entries disagree with the mechanism record: " + "; ".join(bad[:3]))
     return problems
+
+
+def _same_event(got: Any, want: dp_event.DpEvent, rtol: float) -> bool:
+    """Whether ``got`` is ``want`` (a no-op, a Gaussian, or a Poisson-sampled Gaussian) up to ``rtol``."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, dp_event.PoissonSampledDpEvent):
+        return abs(
+            float(got.sampling_probability) - want.sampling_probability
+        ) <= rtol * want.sampling_probability and (_same_event(got.event, want.event, rtol))
+    if isinstance(want, dp_event.GaussianDpEvent):
+        return abs(float(got.noise_multiplier) - want.noise_multiplier) <= rtol * want.noise_multiplier
+    return True

@@ -1,0 +1,264 @@
+"""Amplified banded MF (issue 36): cyclic Poisson sampling (Choquette-Choo et al., arXiv 2306.08153, Thm 4).
+
+ε is compared with an independent float64 computation of the hockey-stick divergence of k Poisson-sampled
+Gaussians (direct quadrature, both directions of add/remove); the sampler's inclusion law with a χ² test at a
+stated false-alarm rate; combinations without an amplified accountant are refused.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from scipy.optimize import brentq
+from scipy.stats import chi2, norm
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpopt import PrivacyEngine
+from dpopt.accounting.accountant import epsilon
+from dpopt.accounting.ledger_check import check_ledger
+from dpopt.accounting.matrix_factorization import check_record, mixture_of_gaussians_round
+from dpopt.correlated_noise import (
+    CorrelatedNoise,
+    Participation,
+    amplified_banded_event,
+    amplified_step_events,
+    optimize_strategy,
+)
+from dpopt.cyclic_batches import CyclicPoissonBatchSampler, CyclicPoissonLoader
+from dpopt.errors import ConfigError
+from dpopt.noise import NoiseSource
+
+
+def _sampled_gaussian_delta(s: float, q: float, k: int, eps: float) -> float:
+    """δ(ε) of k compositions of the Poisson-sampled Gaussian (sensitivity 1, std s), add/remove, in float64:
+    max(H_ε(P^k‖Q^k), H_ε(Q^k‖P^k)) with P = (1−q)N(0, s²) + qN(1, s²), Q = N(0, s²), H_ε(A‖B) =
+    ∫ (a − e^ε b)_+, by the trapezoid rule on a grid of step s/100 over [−11s, 1 + 11s]^k (k ≤ 2; the
+    tails beyond carry < 1e-27 of each density)."""
+    x = np.linspace(-11 * s, 1 + 11 * s, int((1 + 22 * s) / (s / 100)) + 1)
+    dx = x[1] - x[0]
+    q0 = norm.pdf(x, 0, s)
+    p0 = (1 - q) * q0 + q * norm.pdf(x, 1, s)
+    w = np.full_like(x, dx)
+    w[0] = w[-1] = dx / 2
+    if k == 1:
+        return max(float(np.sum(w * np.maximum(a - math.exp(eps) * b, 0))) for a, b in ((p0, q0), (q0, p0)))
+    assert k == 2
+    out = []
+    for a, b in ((p0, q0), (q0, p0)):
+        total = 0.0
+        for i in range(0, len(x), 500):  # rows in chunks (memory)
+            blk = np.outer(a[i : i + 500], a) - math.exp(eps) * np.outer(b[i : i + 500], b)
+            total += float(np.sum(np.maximum(blk, 0) * np.outer(w[i : i + 500], w)))
+        out.append(total)
+    return max(out)
+
+
+def _sampled_gaussian_epsilon(s: float, q: float, k: int, delta: float) -> float:
+    return brentq(lambda e: _sampled_gaussian_delta(s, q, k, e) - delta, 0.0, 30.0, xtol=1e-6)
+
+
+# -- accounting --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_epsilon_equals_an_independent_float64_computation(rounds):
+    """banded:3 over b' = 4 partitions, T = 4·rounds steps, q = 0.3, σ = 1.2·‖c‖ (σ/‖c‖ = 1.2): the ledger's
+    events composed under dpopt's PLD equal the quadrature's ε (relative 5e-3: the PLD grid and the
+    quadrature's step)."""
+    T, parts, q = 4 * rounds, 4, 0.3
+    strategy = optimize_strategy("banded", T, 3)
+    col = float(np.linalg.norm(strategy.coefficients))
+    sigma = 1.2 * col
+    part = Participation(T, rounds, parts)
+    events = amplified_step_events(sigma, strategy, part, q)
+    assert [type(e).__name__ for e in events].count("PoissonSampledDpEvent") == rounds  # one per round
+    got = epsilon(dp_event.ComposedDpEvent(events), 1e-5)
+    want = _sampled_gaussian_epsilon(1.2, q, rounds, 1e-5)
+    assert got == pytest.approx(want, rel=5e-3)
+    assert epsilon(amplified_banded_event(sigma, strategy, part, q), 1e-5) == pytest.approx(got, rel=1e-9)
+
+
+def test_mixture_of_gaussians_round_is_the_poisson_sampled_gaussian():
+    """dp_accounting's MixtureOfGaussiansDpEvent (arXiv 2310.15526) of one round, under its PLD accountant,
+    equals the Poisson-sampled Gaussian of the ledger (3 rounds; both on a 1e-3 loss grid, relative 1e-2: two
+    PLD constructions)."""
+    strategy, q = optimize_strategy("banded", 12, 2), 0.2
+    sigma = 0.9 * float(np.linalg.norm(strategy.coefficients))
+    out = []
+    for ev in (
+        mixture_of_gaussians_round(sigma, strategy, q),
+        amplified_step_events(sigma, strategy, Participation(12, 3, 4), q)[0],
+    ):
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+        acc.compose(ev, 3)
+        out.append(acc.get_epsilon(1e-6))
+    assert out[0] == pytest.approx(out[1], rel=1e-2)
+
+
+def test_amplified_ledger_rederives_and_tampering_is_caught():
+    T, q, sigma = 8, 0.4, 1.5
+    strategy = optimize_strategy("banded", T, 2)
+    mech = CorrelatedNoise(strategy, Participation(T, 4, 2), sigma, sample_rate=q)
+    rec = mech.record()
+    assert rec["sample_rate"] == q and rec["amplification"].startswith("cyclic-poisson")
+    assert mech.sampling == "cyclic poisson (q=0.4 within 2 partitions)"
+
+    class E:
+        def __init__(self, step, event, ms):
+            self.step, self.event, self.meta = step, event, {"mechanism_sensitivity": ms}
+
+    entries = [E(t, mech.step_event(t), float(mech.prefix[t])) for t in range(T)]
+    assert check_record(rec, entries) == []
+    assert check_record(dict(rec, sample_rate=0.5), entries)  # a different q in the header: every round disagrees
+    assert check_record({k: v for k, v in rec.items() if k != "sample_rate"}, entries)  # unamplified header
+
+
+@pytest.mark.parametrize(
+    "strategy,parts,match",
+    [
+        (("blt", 2), 4, "banded strategies"),
+        (("banded", 3), 2, "bands <= the number of partitions"),
+    ],
+)
+def test_no_amplified_accountant_is_refused(strategy, parts, match):
+    s = optimize_strategy(strategy[0], 8, strategy[1])
+    with pytest.raises(ValueError, match=match):
+        CorrelatedNoise(s, Participation(8, 8 // parts, parts), 1.0, sample_rate=0.5)
+
+
+# -- the sampler -------------------------------------------------------------------------------------------
+
+
+def test_cyclic_poisson_inclusion_law():
+    """N = 60 in b' = 3 parts, q = 0.3, R = 2,000 rounds (6,000 steps; reproducible uniforms, so the test is
+    deterministic). (1) an example appears only at the steps of its own part (exact); (2) its inclusion
+    count over the R rounds is Binomial(R, q): Σ_i (c_i − Rq)² / (Rq(1−q)) over the 60 examples is
+    compared with the χ²₆₀ quantile at 1 − 1e-4 (false alarm 1e-4 for a fresh seed); (3) consecutive rounds
+    are independent: the count of examples included in both rounds r and r+1 has mean 60q² per round pair,
+    checked at 5 standard errors of its mean over the 1,999 pairs (false alarm ≤ 6e-7)."""
+    n, parts, q, R = 60, 3, 0.3, 2000
+    sampler = CyclicPoissonBatchSampler(n, parts, q, steps=parts * R, noise=NoiseSource("reproducible", seed=5))
+    home = {i: j for j, p in enumerate(sampler.partitions) for i in p}
+    assert sorted(home) == list(range(n))
+    inc = np.zeros((R, n), dtype=bool)
+    for t, batch in enumerate(sampler):
+        assert all(home[i] == t % parts for i in batch)
+        assert len(set(batch)) == len(batch)
+        inc[t // parts, batch] = True
+    counts = inc.sum(0)
+    stat = float(np.sum((counts - R * q) ** 2) / (R * q * (1 - q)))
+    assert stat <= chi2.ppf(1 - 1e-4, n), stat
+    both = (inc[1:] & inc[:-1]).sum(1)
+    se = math.sqrt(n * q * q * (1 - q * q) / (R - 1))
+    assert abs(both.mean() - n * q * q) <= 5 * se
+
+
+def test_the_sampler_carries_no_private_sizes_in_copies():
+    import pickle
+
+    s = CyclicPoissonBatchSampler(20, 2, 0.5)
+    list(s)
+    assert len(s.sizes) == 2
+    assert len(pickle.loads(pickle.dumps(s)).sizes) == 0
+
+
+# -- the make_private door -----------------------------------------------------------------------------------
+
+
+def _data(n=48):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def test_make_private_cyclic_poisson_trains_accounts_and_checks():
+    """48 examples, loader batch 12 (len 4), q = 0.5: b' = 2 parts of 24, expected batch 12; epochs = 2: T = 8,
+    k = 4 rounds. ε = dp_accounting's PLD of 4 Poisson-sampled Gaussians at σ/‖c‖, below the unamplified one."""
+    torch.manual_seed(0)
+    model, engine = nn.Linear(5, 2), PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer="dp-adam",
+        data_loader=DataLoader(_data(), batch_size=12),
+        noise_multiplier=1.5,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+        epochs=2,
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+        lr=0.05,
+    )
+    assert isinstance(loader, CyclicPoissonLoader) and len(loader) == 2
+    assert opt.expected_batch_size == pytest.approx(12.0)
+    steps = 0
+    for _ in range(4):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward() if len(y) else None
+            opt.step()
+            steps += 1
+    assert steps == 8 and len(engine.ledger) == 8
+    rec = engine.ledger.mechanism
+    assert (rec["steps"], rec["participations"], rec["min_separation"], rec["sample_rate"]) == (8, 4, 2, 0.5)
+    assert engine.ledger.sampling == "cyclic poisson (q=0.5 within 2 partitions)"
+    col = float(np.linalg.norm(opt.privatizer.mechanism.strategy.coefficients))
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(0.5, dp_event.GaussianDpEvent(1.5 / col)), 4)
+    eps = engine.get_epsilon(1e-5)
+    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+    claims = {"epsilon": eps, "delta": 1e-5, "accountant": "pld", "noise_multiplier": 1.5, "steps": 8}
+    result = check_ledger(engine.ledger, claims)
+    assert result.passed, result.failures
+
+
+def test_make_private_with_epsilon_calibrates_the_amplified_run():
+    model = nn.Linear(5, 2)
+    engine = PrivacyEngine()
+    engine.make_private_with_epsilon(
+        module=model,
+        optimizer="dp-sgd",
+        data_loader=DataLoader(_data(), batch_size=12),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+        lr=0.1,
+    )
+    mech = engine._claims["privatizers"][0].mechanism
+    full = epsilon(dp_event.ComposedDpEvent([mech.step_event(t) for t in range(8)]), 1e-5)
+    assert 3.0 * 0.98 <= full <= 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"noise_mechanism": "blt"}, "banded:B only"),
+        ({"noise_mechanism": "banded:3"}, "bands <= the number of partitions"),  # b' = round(0.5 × 4) = 2
+        ({"sample_rate": None}, "needs sample_rate"),
+        ({"sample_rate": 0.1}, "0 partitions"),
+        ({"sampling": "poisson"}, "'cyclic' or 'cyclic-poisson'"),
+        ({"noise_mechanism": "independent", "epochs": None}, "independent noise is Poisson-sampled"),
+    ],
+)
+def test_make_private_refuses_sampling_without_an_accountant(kwargs, match):
+    model = nn.Linear(5, 2)
+    args = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=12),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+        epochs=2,
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+    )
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=match):
+        PrivacyEngine().make_private(**args)
