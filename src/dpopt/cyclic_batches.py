@@ -32,18 +32,32 @@ class CyclicBatchSampler(Sampler):
         dataset_size: N ≥ 1 (public).
         batches: b, with 1 ≤ b ≤ N; batch sizes are ⌊N/b⌋ or ⌈N/b⌉ (expected size N/b).
         steps: for :meth:`sample` (dpopt's own loop): the batches to draw in all (None: unlimited).
+        seed: the partition's seed (public: the partition protects nothing); None: a fresh random one.
+            Data parallel: every rank passes rank 0's seed, so that all ranks cut the same partition.
+        rank, world_size: data parallel: this rank yields its part ``tensor_split(batch, world_size)[rank]``
+            of every batch (disjoint across ranks; their union is the batch).
 
     Raises:
-        ValueError: b < 1 or b > N.
+        ValueError: b < 1 or b > N; rank ∉ [0, world_size).
     """
 
-    def __init__(self, dataset_size: int, batches: int, steps: Optional[int] = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        batches: int,
+        steps: Optional[int] = None,
+        seed: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         n, b = int(dataset_size), int(batches)
         if not 1 <= b <= n:
             raise ValueError(f"batches must lie in [1, dataset size {n}], got {batches}")
-        gen = torch.Generator().manual_seed(secrets.randbits(63))  # the partition protects nothing
+        if not 0 <= int(rank) < int(world_size):
+            raise ValueError(f"rank must lie in [0, world_size {world_size}), got {rank}")
+        gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else int(seed))
         perm = torch.randperm(n, generator=gen)
-        self._parts = list(torch.tensor_split(perm, b))
+        self._parts = [part.tensor_split(int(world_size))[int(rank)] for part in torch.tensor_split(perm, b)]
         self.batches = [chunk.tolist() for chunk in self._parts]
         self.steps = steps
         self.position = 0  # steps handed out so far (public)

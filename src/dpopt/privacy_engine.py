@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import warnings
 import zlib
 from pathlib import Path
@@ -259,14 +260,21 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
-def _cyclic_loader(data_loader: DataLoader) -> tuple[int, int, DataLoader]:
-    """(N, b, a loader of b cyclic batches over the loader's dataset; its collate and worker settings kept)."""
+def _cyclic_loader(data_loader: DataLoader, ctx: DistributedContext) -> tuple[int, int, DataLoader]:
+    """(N, b, a loader of b cyclic batches over the loader's dataset; its collate and worker settings kept).
+
+    Data parallel (``ctx``): every rank cuts rank 0's partition (its public seed is broadcast) and yields its
+    own slice of each batch, so the ranks' slices of step t are disjoint and make up batch t."""
     dataset = data_loader.dataset
     if not hasattr(dataset, "__len__"):
         raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
     n, b = len(dataset), len(data_loader)
     keep = loader_settings(data_loader)
-    loader = DataLoader(dataset, batch_sampler=CyclicBatchSampler(n, b), collate_fn=data_loader.collate_fn, **keep)
+    device = backend_device(ctx) if ctx.enabled else "cpu"
+    seed = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    broadcast_parameters([seed], ctx)  # the partition protects nothing: rank 0's seed, public
+    sampler = CyclicBatchSampler(n, b, seed=int(seed.item()), rank=ctx.rank, world_size=ctx.world_size)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=data_loader.collate_fn, **keep)
     return n, b, loader
 
 
@@ -597,6 +605,12 @@ class PrivacyEngine:
             noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
         )
         partitions = _check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
+        if partitions and distributed:
+            raise ConfigError(
+                "sampling='cyclic-poisson' with distributed training is not supported yet: use sampling='cyclic' "
+                "or one process",
+                "sampling",
+            )
         unit = _check_unit_arguments(
             privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling
         )
@@ -658,7 +672,7 @@ class PrivacyEngine:
                         **loader_settings(data_loader),
                     )
                 else:
-                    n, steps_per_epoch, loader = _cyclic_loader(data_loader)
+                    n, steps_per_epoch, loader = _cyclic_loader(data_loader, ctx)
                     sample_rate = 1.0 / steps_per_epoch
                 if view_fn is not None:
                     loader = _loader_with_views(loader, views, view_fn)
@@ -802,8 +816,8 @@ class PrivacyEngine:
             problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
         if clipping == "adaptive":
             problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
-        if distributed:
-            problems.append("distributed training (not supported with correlated noise yet)")
+        if distributed == "fsdp":
+            problems.append("distributed='fsdp' (not supported with correlated noise yet; distributed=True is)")
         if not float(noise_multiplier) > 0:
             problems.append("noise_multiplier 0 (correlated noise needs noise)")
         if problems:

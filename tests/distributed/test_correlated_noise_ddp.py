@@ -1,0 +1,140 @@
+"""Correlated noise (issue 36) through make_private(distributed=True, noise_mechanism=...): 2 gloo processes on CPU.
+
+* reproducible noise (research mode) and a fixed partition seed: each rank yields its slice of every cyclic
+  batch (disjoint; their union is the one-process batch), the noise stream is added ONCE (rank 0) and the
+  final parameters equal the one-process run's to float tolerance (only the summation order differs) — noise
+  added on both ranks would double its share and move them by ~σC/B̄ per step; ε, the ledger record and the
+  global expected batch size N/b are the one-process ones;
+* secret noise: the replicas end bit-identical, each rank's ledger holds each step once;
+* refusals on every rank: cyclic Poisson sampling and FSDP with correlated noise.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+from gloo_ranks import gloo_group, spawn_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpopt
+import dpopt.privacy_engine as privacy_engine_module
+from dpopt.distributed import check_replicas, context
+
+pytestmark = pytest.mark.distributed
+
+N, BATCH, EPOCHS, SEED = 96, 16, 2, 11  # len(loader) = 6 cyclic batches, T = 12 steps, k = 2
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+    return DataLoader(TensorDataset(x, y, torch.arange(N)), batch_size=BATCH)
+
+
+def _train(mechanism: str, init_seed: int, distributed: bool, reproducible: bool = True) -> dict:
+    privacy_engine_module.secrets = types.SimpleNamespace(randbits=lambda k: 1234)  # the same public partition
+    torch.manual_seed(init_seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    engine = dpopt.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reproducible-noise warning
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer="dp-adam",
+            data_loader=_loader(),
+            noise_multiplier=2.0,
+            max_grad_norm=0.5,
+            noise_generator=torch.Generator().manual_seed(SEED) if reproducible else None,
+            distributed=distributed,
+            noise_mechanism="blt:2",
+            epochs=EPOCHS,
+            lr=1e-2,
+        )
+    batches = []
+    for _ in range(EPOCHS):
+        for x, y, idx in loader:
+            batches.append(idx.tolist())
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "epsilon": engine.get_epsilon(1e-5),
+        "ledger_steps": [e.step for e in engine.ledger.entries],
+        "mechanism": engine.ledger.mechanism,
+        "batches": batches,
+        "expected_batch_size": opt.expected_batch_size,
+        "replicas_equal": check_replicas(list(model.parameters()), context()) if distributed else None,
+    }
+
+
+def _refusal(**kw) -> str:
+    model = nn.Linear(8, 3)
+    try:
+        dpopt.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=_loader(),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            epochs=1,
+            **kw,
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp):
+        results = {
+            "reproducible": _train("blt:2", 100 + rank, distributed=True),
+            "secret": _train("blt:2", 100 + rank, distributed=True, reproducible=False),
+            "refused_poisson": _refusal(
+                distributed=True, noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5
+            ),
+            "refused_fsdp": _refusal(distributed="fsdp", noise_mechanism="banded:2"),
+        }
+        torch.save(results, f"{tmp}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mf-ddp")
+    spawn_ranks(_worker, tmp)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_ranks_add_the_stream_once_and_equal_one_process(ddp_runs):
+    single = _train("blt:2", init_seed=100, distributed=False)  # rank 0's initialisation, the same noise
+    steps = EPOCHS * (N // BATCH)
+    for res in (r["reproducible"] for r in ddp_runs):
+        assert res["ledger_steps"] == list(range(steps))  # each release recorded once
+        assert res["mechanism"] == single["mechanism"] and res["mechanism"]["steps"] == steps
+        assert res["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
+        assert res["expected_batch_size"] == single["expected_batch_size"] == pytest.approx(BATCH)
+        for a, b in zip(res["params"], single["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    r0, r1 = (r["reproducible"]["batches"] for r in ddp_runs)
+    for t, batch in enumerate(single["batches"]):  # disjoint slices whose union is the one-process batch
+        assert not set(r0[t]) & set(r1[t]) and sorted(r0[t] + r1[t]) == sorted(batch)
+    assert single["batches"][6:] == single["batches"][:6]  # cyclic: the second epoch repeats the first
+
+
+def test_secret_noise_replicas_identical(ddp_runs):
+    a, b = (r["secret"] for r in ddp_runs)
+    assert a["replicas_equal"] and b["replicas_equal"]
+    for p, q in zip(a["params"], b["params"]):
+        assert torch.equal(p, q)
+    assert a["ledger_steps"] == b["ledger_steps"] == list(range(12))
+    assert a["epsilon"] == b["epsilon"]
+
+
+def test_refusals_on_every_rank(ddp_runs):
+    for r in ddp_runs:
+        assert "cyclic-poisson' with distributed training is not supported" in r["refused_poisson"]
+        assert "distributed='fsdp'" in r["refused_fsdp"]
