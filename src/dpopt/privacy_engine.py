@@ -554,10 +554,12 @@ class PrivacyEngine:
                 The returned loader then yields CYCLIC batches (:class:`~dpopt.cyclic_batches.
                 CyclicBatchSampler`: one fixed partition into len(data_loader) batches, in a fixed order,
                 so an example takes part every len(data_loader) steps), the strategy is optimised for the
-                horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification).
-                Needs ``epochs`` or ``total_steps``; refused with ``poisson_sampling=False``, adaptive
-                clipping, ``distributed`` or a noise_multiplier of 0; a release past the horizon raises;
-                resuming from a checkpoint is refused.
+                horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification;
+                see ``sampling`` for the amplified form). ``distributed=True``: each rank its slice of every
+                cyclic batch, the stream added once (rank 0). Needs ``epochs`` or ``total_steps``; refused
+                with ``poisson_sampling=False``, adaptive clipping, ``distributed="fsdp"`` or a
+                noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
+                refused.
             epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
                 total_steps); refused with independent noise (they change nothing there).
             sampling: correlated noise only: ``"cyclic"`` (default, unamplified) or ``"cyclic-poisson"``
