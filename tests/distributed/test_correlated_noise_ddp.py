@@ -36,7 +36,15 @@ def _loader() -> DataLoader:
 
 
 def _train(mechanism: str, init_seed: int, distributed: bool, reproducible: bool = True) -> dict:
+    real = privacy_engine_module.secrets
     privacy_engine_module.secrets = types.SimpleNamespace(randbits=lambda k: 1234)  # the same public partition
+    try:
+        return _run(mechanism, init_seed, distributed, reproducible)
+    finally:
+        privacy_engine_module.secrets = real
+
+
+def _run(mechanism: str, init_seed: int, distributed: bool, reproducible: bool) -> dict:
     torch.manual_seed(init_seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     engine = dpopt.PrivacyEngine()
@@ -50,7 +58,7 @@ def _train(mechanism: str, init_seed: int, distributed: bool, reproducible: bool
             max_grad_norm=0.5,
             noise_generator=torch.Generator().manual_seed(SEED) if reproducible else None,
             distributed=distributed,
-            noise_mechanism="blt:2",
+            noise_mechanism=mechanism,
             epochs=EPOCHS,
             lr=1e-2,
         )
