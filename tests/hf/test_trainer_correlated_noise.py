@@ -189,8 +189,8 @@ class _FixedPartition(CyclicBatchSampler):
     """Cyclic batches over the fixed partition of 0 … N−1 into b consecutive ranges (so that D and D − {last}
     share every batch but the last one's last example)."""
 
-    def __init__(self, dataset_size, batches, steps=None):
-        super().__init__(dataset_size, batches, steps)
+    def __init__(self, dataset_size, batches, steps=None, **kw):
+        super().__init__(dataset_size, batches, steps, **kw)
         self._parts = list(torch.tensor_split(torch.arange(int(dataset_size)), int(batches)))
         self.batches = [p.tolist() for p in self._parts]
 
