@@ -345,3 +345,34 @@ def test_dpo_refusals(tmp_path, kw, match):
             noise_multiplier=1.0,
             privacy_unit="user",
         )
+
+
+def test_sft_then_dpo_default_reference_is_a_frozen_copy_not_the_live_policy(tmp_path):
+    # after a TRL trainer the model's forward is TRL's patch, whose closure calls the ORIGINAL model: a deepcopy
+    # of it would run the live policy. The default reference must stay the weights at DPO's start.
+    model = gpt2()
+    sft = DPSFTTrainer(
+        model=model,
+        args=cfg(SFTConfig, tmp_path / "sft", max_length=16, max_steps=2),
+        train_dataset=texts(16),
+        processing_class=tokenizer(),
+        noise_multiplier=1.0,
+        delta=1e-3,
+    )
+    sft.train()
+    sft.engine.detach()  # the SFT run's hooks off the model before the next private run
+    dpo = DPDPOTrainer(
+        model=model,
+        args=cfg(DPOConfig, tmp_path / "dpo", max_steps=2, learning_rate=0.1),
+        train_dataset=pairs(16),
+        processing_class=tokenizer(),
+        noise_multiplier=1.0,
+        delta=1e-3,
+    )
+    x = torch.tensor([[2, 3, 4, 5]])
+    start = model(x).logits.detach().clone()
+    assert torch.equal(dpo.ref_model(x).logits, start)
+    dpo.train()
+    assert torch.equal(dpo.ref_model(x).logits, start)  # frozen
+    assert not torch.allclose(model(x).logits, start)  # the policy moved
+    assert all(not p.requires_grad for p in dpo.ref_model.parameters())

@@ -60,7 +60,15 @@ from trl import DPOConfig, DPOTrainer
 from .trainer import DPTrainer
 from .trl_common import TRLPrivate, trl_refusals
 
-__all__ = ["DPDPOTrainer", "PairRows", "PAIR_LOSSES", "dpo_refusals", "pair_losses", "sequence_logps"]
+__all__ = [
+    "DPDPOTrainer",
+    "PairRows",
+    "PAIR_LOSSES",
+    "dpo_refusals",
+    "pair_losses",
+    "public_reference",
+    "sequence_logps",
+]
 
 #: per-pair loss types (each a function of the pair alone)
 PAIR_LOSSES = ("sigmoid", "hinge", "ipo")
@@ -171,13 +179,34 @@ def dpo_refusals(args: Any, model: Any, ref_model: Any, privacy_unit: Any) -> li
     return out
 
 
+def public_reference(model: Any) -> Any:
+    """A frozen copy of ``model``'s current weights, built fresh: ``type(model)(config)`` + ``load_state_dict``.
+
+    Not ``copy.deepcopy``: a model that went through a TRL trainer has an
+    instance ``forward`` (TRL's fused LM head) whose closure calls the
+    ORIGINAL model, so a deep copy would run the live policy; it may also
+    carry another engine's hooks. The fresh module has neither.
+
+    Raises:
+        ValueError: a model without a ``config`` (not a ``transformers`` model).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("DPDPOTrainer: pass ref_model= (the model is not a transformers model with a config)")
+    first = next(iter(model.parameters()))
+    ref = type(model)(copy.deepcopy(config)).to(device=first.device, dtype=first.dtype)
+    ref.load_state_dict(model.state_dict())
+    return ref.eval().requires_grad_(False)
+
+
 class DPDPOTrainer(TRLPrivate, DPTrainer, DPOTrainer):
     """TRL's ``DPOTrainer`` with DP-SGD over preference pairs (each pair clipped as one unit).
 
     Args:
         model: the policy, a ``transformers`` causal LM (instance).
         ref_model: the frozen, public reference model; default: a copy of
-            ``model`` taken before training (its parameters never change).
+            ``model`` taken before training (:func:`public_reference`; its
+            parameters never change).
         args: a ``DPOConfig`` (default ``DPOConfig("dp_dpo_output")``); copied.
         **kwargs: DPTrainer's privacy keywords (``noise_multiplier`` or
             ``target_epsilon``, ``max_grad_norm``, ``delta``, ``method``, ...)
@@ -205,9 +234,8 @@ class DPDPOTrainer(TRLPrivate, DPTrainer, DPOTrainer):
         if problems:
             raise ValueError("DPDPOTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         if ref_model is None:  # the public starting point, copied before any private data is read
-            ref_model = copy.deepcopy(model)
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+            ref_model = public_reference(model)
+        ref_model.eval().requires_grad_(False)
         super().__init__(model, args, privacy_unit="record", ref_model=ref_model, **kwargs)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(
