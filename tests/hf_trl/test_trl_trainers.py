@@ -51,8 +51,7 @@ def cfg(kind, out, **kw):
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        gradient_checkpointing=False,
-    )
+    )  # TRL's own defaults otherwise (bf16=True: DPTrainer's bf16 autocast; gradient_checkpointing=True)
     base.update(kw)
     return kind(str(out), **base)
 
@@ -122,7 +121,11 @@ def sft(tmp_path, data, per_device, accumulation, c=C, **kw):
     return DPSFTTrainer(
         model=model,
         args=cfg(
-            SFTConfig, tmp_path, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, **kw
+            SFTConfig,
+            tmp_path,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            **{**EXACT, **kw},
         ),
         train_dataset=data,
         processing_class=tokenizer(),
@@ -133,6 +136,7 @@ def sft(tmp_path, data, per_device, accumulation, c=C, **kw):
     )
 
 
+EXACT = dict(bf16=False, gradient_checkpointing=False)  # float64 throughout (a test may turn checkpointing on)
 BIG = 1e3  # above every unit's gradient norm: nothing is clipped, the release is the plain sum of unit gradients
 
 
@@ -185,6 +189,8 @@ def test_dpo_pair_is_the_unit_and_removing_one_pair_moves_the_clipped_sum_by_c(t
                 per_device_train_batch_size=per_device,
                 gradient_accumulation_steps=accumulation,
                 beta=beta,
+                bf16=False,
+                gradient_checkpointing=c == BIG,  # TRL's default on: the recomputed layers are recorded once
             ),
             train_dataset=data,
             processing_class=tokenizer(),
@@ -225,7 +231,12 @@ def test_user_level_sft_removing_one_user_moves_the_clipped_sum_by_c(tmp_path, r
         tr = DPSFTTrainer(
             model=model,
             args=cfg(
-                SFTConfig, out, per_device_train_batch_size=1, gradient_accumulation_steps=len(keep), max_length=16
+                SFTConfig,
+                out,
+                per_device_train_batch_size=1,
+                gradient_accumulation_steps=len(keep),
+                max_length=16,
+                **EXACT,
             ),
             train_dataset=data,
             processing_class=tokenizer(),
@@ -236,12 +247,16 @@ def test_user_level_sft_removing_one_user_moves_the_clipped_sum_by_c(tmp_path, r
             max_records_per_user=k,
             method=torch.optim.SGD(model.parameters(), lr=1.0),
         )
-        return released_sum(tr, len(keep))
+        return tr, released_sum(tr, len(keep))
 
-    full = run(tmp_path / "a", {0, 1, 2, 3})
-    less = run(tmp_path / "b", {0, 1, 2, 3} - {removed})
-    moved = float((full - less).norm())  # clipped sums (B̄ = N_users differs: it is public)
-    assert moved <= C * (1 + 1e-9) and moved == pytest.approx(C, rel=1e-9)  # per-record clipping: up to k·C
+    tr, full = run(tmp_path / "a", {0, 1, 2, 3})
+    _, less = run(tmp_path / "b", {0, 1, 2, 3} - {removed})
+    moved = full - less  # clipped sums (B̄ = N_users differs: it is public)
+    assert float(moved.norm()) <= C * (1 + 1e-9)  # per-record clipping would allow up to k·C
+    # the user's unit: the mean of its (at most k) records' gradients, each record collated alone, clipped once
+    model, rows = gpt2(double=True), [r for r in tr.train_dataset if r["user_id"] == removed]
+    mean = sum(grad_of(model, sft_loss_alone(model, tr.data_collator, r))[0] for r in rows[:k]) / len(rows[:k])
+    assert close(moved, clip(mean)) and float(moved.norm()) == pytest.approx(C, rel=1e-9)
 
 
 # -- runs: ε, logs, generate, resume -------------------------------------------------------------------------
@@ -376,3 +391,36 @@ def test_sft_then_dpo_default_reference_is_a_frozen_copy_not_the_live_policy(tmp
     assert torch.equal(dpo.ref_model(x).logits, start)  # frozen
     assert not torch.allclose(model(x).logits, start)  # the policy moved
     assert all(not p.requires_grad for p in dpo.ref_model.parameters())
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_dpo_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
+    # the loader tags the empty batch (0 pairs); GPT-2 cannot run 0 rows, so a public stand-in pair (2 rows, loss × 0)
+    # runs: the rows-vs-pairs check must accept it and the release must be pure noise (exactly 0 at σ = 0)
+    from dpopt.release_boundary import ChunkTag, boundary_of
+
+    model = gpt2()
+    tr = DPDPOTrainer(
+        model=model,
+        args=cfg(DPOConfig, tmp_path, **EXACT),
+        train_dataset=pairs(8),
+        processing_class=tokenizer(),
+        noise_multiplier=sigma,
+        delta=1e-3,
+        method=torch.optim.SGD(model.parameters(), lr=1.0),
+    )
+    loader = iter(tr.get_train_dataloader())
+    batch = next(loader)
+    while int(batch["input_ids"].shape[0]) < 2:  # the first release checks the engine on a real batch
+        batch = next(loader)
+    tr.training_step(model, batch)
+    tr.optimizer.step()
+    before = flat(model)
+    empty = {k: v[:0] for k, v in batch.items()}
+    boundary = boundary_of(tr.optimizer)
+    boundary.hand(ChunkTag(boundary.new_batch(), 0, 1, 0))  # as the Poisson loader tags an empty draw
+    tr.training_step(model, empty)
+    tr.optimizer.step()
+    assert len(tr.ledger) == 2
+    moved = [not torch.equal(before[k], p) for k, p in flat(model).items()]
+    assert all(moved) if sigma > 0 else not any(moved)
