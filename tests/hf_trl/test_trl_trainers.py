@@ -22,7 +22,7 @@ import torch.nn.functional as F
 pytest.importorskip("trl")
 
 from trl import DPOConfig, SFTConfig  # noqa: E402
-from trl_zoo import gpt2, pairs, texts, tokenizer  # noqa: E402
+from trl_zoo import gpt2, pairs, prompt_completion, texts, tokenizer  # noqa: E402
 
 from dpopt.accounting.accountant import dpsgd_epsilon  # noqa: E402
 from dpopt.hf import DPDPOTrainer, DPSFTTrainer  # noqa: E402
@@ -141,15 +141,17 @@ BIG = 1e3  # above every unit's gradient norm: nothing is clipped, the release i
 
 
 # -- σ = 0 sensitivity ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("c", [C, BIG])
-def test_sft_unpacked_release_is_the_sum_of_clipped_examples_and_one_example_moves_it_by_c(tmp_path, c):
+@pytest.mark.parametrize("c, make", [(C, texts), (BIG, texts), (C, prompt_completion)])
+def test_sft_unpacked_release_is_the_sum_of_clipped_examples_and_one_example_moves_it_by_c(tmp_path, c, make):
     n, removed = 8, 3
-    tr = sft(tmp_path / "a", texts(n), 2, n // 2, c=c, max_length=16)  # 4 chunks, one release
+    tr = sft(tmp_path / "a", make(n), 2, n // 2, c=c, max_length=16)  # 4 chunks, one release
+    first = tr.data_collator([tr.train_dataset[0]])["labels"][0]
+    assert bool((first == -100).any()) == (make is prompt_completion)  # completion-only: the prompt is masked
     full = released_sum(tr, n)
     ref_model, collator = gpt2(double=True), tr.data_collator
     per = [clip(grad_of(ref_model, sft_loss_alone(ref_model, collator, tr.train_dataset[i]))[0], c) for i in range(n)]
     assert close(full, sum(per))  # the engine's clipped sum = autograd of each example collated alone
-    data = texts(n).select([i for i in range(n) if i != removed])
+    data = make(n).select([i for i in range(n) if i != removed])
     less = released_sum(sft(tmp_path / "b", data, n - 1, 1, c=c, max_length=16), n - 1)  # B̄ = N - 1: q = 1 still
     moved = full - less
     assert close(moved, per[removed]) and float(moved.norm()) <= c * (1 + 1e-9)

@@ -68,3 +68,14 @@ def pairs(n: int, seed: int = 0) -> Dataset:
             "rejected": [" " + _words(rng, 1, 4) for _ in range(n)],
         }
     )
+
+
+def prompt_completion(n: int, seed: int = 0) -> Dataset:
+    """``n`` examples ``{"prompt", "completion"}`` (2–4 and 1–5 words): TRL trains on the completion only."""
+    rng = random.Random(seed)
+    return Dataset.from_dict(
+        {
+            "prompt": [_words(rng, 2, 4) for _ in range(n)],
+            "completion": [" " + _words(rng, 1, 5) for _ in range(n)],
+        }
+    )
