@@ -11,8 +11,8 @@ clip_C(g_unit), of norm ≤ C (= C here: every unit is clipped).
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import warnings
 
 import pytest
@@ -307,7 +307,9 @@ def test_run_logs_only_public_values_generates_and_resume_continues_the_ledger(t
     resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
     assert resumed.ledger.run_id == first.ledger.run_id and len(resumed.ledger) == 4
     assert resumed.get_epsilon() == pytest.approx(whole.get_epsilon(), rel=1e-12)
-    assert os.path.isfile(tmp_path / "cut" / "checkpoint-4" / "privacy_ledger.json")
+    summary = json.loads((tmp_path / "cut" / "checkpoint-4" / "privacy_summary.json").read_text())
+    unit = "record" if kind == "sft" else "preference pair (prompt, chosen, rejected)"
+    assert summary["privacy_unit"] == unit and (resumed.ledger.privacy_unit or "record") == unit
 
 
 # -- refusals --------------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ __all__ = [
     "DPDPOTrainer",
     "PairRows",
     "PAIR_LOSSES",
+    "PAIR_UNIT",
     "dpo_refusals",
     "pair_losses",
     "public_reference",
@@ -73,6 +74,8 @@ __all__ = [
 #: per-pair loss types (each a function of the pair alone)
 PAIR_LOSSES = ("sigmoid", "hinge", "ipo")
 ROWS = 2  # rows per unit: chosen, rejected
+#: the ledger header's and the summary's ``privacy_unit`` of a DPDPOTrainer run
+PAIR_UNIT = "preference pair (prompt, chosen, rejected)"
 
 _PAIR_KEYS = ("input_ids", "attention_mask", "completion_mask")
 
@@ -243,6 +246,12 @@ class DPDPOTrainer(TRLPrivate, DPTrainer, DPOTrainer):
                 "of a batch); set router_aux_loss_coef=0"
             )
         self.data_collator = PairRows(self.data_collator)
+
+    def get_train_dataloader(self) -> Any:
+        """DPTrainer's Poisson loader over pairs; the ledger header records the unit (:data:`PAIR_UNIT`)."""
+        loader = super().get_train_dataloader()
+        self.ledger.privacy_unit = PAIR_UNIT
+        return loader
 
     def _unit_arguments(self, user_ids: Optional[list], q: float) -> dict:
         """make_private's unit arguments: the two rows of a pair are one example (``augmentation_multiplicity=2``)."""
