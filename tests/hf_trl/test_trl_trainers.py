@@ -175,12 +175,29 @@ def test_sft_packed_release_is_a_sum_of_clipped_blocks_and_the_block_is_recorded
     assert close(full, sum(per))  # so removing a block moves it by exactly C
 
 
-@pytest.mark.parametrize("c", [C, BIG])  # BIG: unclipped, so the unit gradient's scale (the pair's) is checked too
-def test_dpo_pair_is_the_unit_and_removing_one_pair_moves_the_clipped_sum_by_c(tmp_path, c):
+def policy(lora):
+    """The float64 policy: the tiny GPT-2, or LoRA adapters (seeded) on it with its base weights frozen."""
+    model = gpt2(double=True)
+    if not lora:
+        return model
+    import peft
+
+    torch.manual_seed(7)
+    cfg_ = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    model = peft.get_peft_model(model, cfg_)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init would leave A without gradient: a nonzero B exercises both
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+# BIG: unclipped, so the unit gradient's scale (the pair's) is checked too; lora: PEFT policy, frozen base
+@pytest.mark.parametrize("c, lora", [(C, False), (BIG, False), (C, True)])
+def test_dpo_pair_is_the_unit_and_removing_one_pair_moves_the_clipped_sum_by_c(tmp_path, c, lora):
     n, removed, beta = 6, 2, 0.5
 
     def run(out, data, per_device, accumulation):
-        model = gpt2(double=True)
+        model = policy(lora)
         ref = gpt2(seed=1, double=True)  # a different (public) reference: the log-ratios are not 0
         tr = DPDPOTrainer(
             model=model,
@@ -204,7 +221,7 @@ def test_dpo_pair_is_the_unit_and_removing_one_pair_moves_the_clipped_sum_by_c(t
         return tr, released_sum(tr, len(data))
 
     tr, full = run(tmp_path / "a", pairs(n), 2, n // 2)  # 3 chunks of 2 pairs, one release
-    model, ref, collator = gpt2(double=True), gpt2(seed=1, double=True), tr.data_collator.collator  # TRL's own collator
+    model, ref, collator = policy(lora), gpt2(seed=1, double=True), tr.data_collator.collator  # TRL's own collator
     per = [
         clip(grad_of(model, dpo_loss_alone(model, ref, collator, tr.train_dataset[i], beta))[0], c) for i in range(n)
     ]
