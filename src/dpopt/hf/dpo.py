@@ -22,7 +22,12 @@ groups them as one example (``augmentation_multiplicity=2``: its per-example
 gradient is the MEAN over the two rows, so the pair's loss is weighted by 2
 in the training step to make the clipped unit exactly ∇ℓ). The collated
 batch is held pair-major (``[pairs, 2, T]``, :class:`PairRows`), so
-DPTrainer's physical chunks never split a pair.
+DPTrainer's physical chunks never split a pair. The engine's first-batch
+check (rows do not mix) runs as for any model; its collate check (an example
+collated alone gives the same output) stands aside with 2 rows per unit, so
+a model that reads the padding TRL's collator adds is not caught there (a
+causal LM with its attention mask does not read it;
+``tests/hf_trl/test_trl_trainers.py`` compares each pair collated alone).
 
 **The reference model is public**: it is the frozen starting point (a copy
 of the initial policy by default), fixed before any private data is read;
