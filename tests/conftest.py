@@ -3,7 +3,7 @@
 Tiers (markers declared in pyproject.toml; README "Two commands" shows the commands):
 
 * ``distributed`` — several gloo processes (every test under ``tests/distributed/``);
-* ``hf`` — needs Hugging Face ``transformers`` (every test under ``tests/hf/`` or in a
+* ``hf`` — needs Hugging Face ``transformers`` (every test under ``tests/hf/``, ``tests/hf_trl/`` or in a
   ``test_hf*.py`` file);
 * ``slow`` — longer than ~10 s on one core: marked in the test file with
   ``@pytest.mark.slow``, or listed here in :data:`SLOW` by node-id prefix (so a test
@@ -36,6 +36,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 TIER_BY_PATH = {
     "distributed/": "distributed",
     "hf/": "hf",
+    "hf_trl/": "hf",  # TRL's trainers (extra dpopt[trl]) need transformers too
     "test_hf": "hf",  # tests/**/test_hf*.py
 }
 

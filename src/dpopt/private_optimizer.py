@@ -254,10 +254,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
             return
         if not final and views > 1 and rows < n:  # a chunk of a logical batch: K > 1 compared exactly at its end
             return
+        if n == 0:  # an empty batch: nothing of it to repeat (the HF Trainers forward one public stand-in unit,
+            return  # its loss × 0: K rows for DPDPOTrainer's pair)
         # the counts (realised batch sizes) are private: the messages name the mismatch, never the numbers
         if views == 1:
-            if rows < n or n == 0:  # fewer rows (a loop that drops some): each still clipped alone;
-                return  # an empty batch: nothing of it to repeat (the HF Trainer forwards one public stand-in row)
+            if rows < n:  # fewer rows (a loop that drops some): each still clipped alone
+                return
             raise ValueError(
                 "this step's forward passes carried more rows than the data loader's last batch had examples: "
                 "every row is clipped as its own example, so rows repeated from one example (augmented views) "
