@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 import dpopt
 from dpopt.accounting.accountant import dpsgd_epsilon
+from dpopt.averaging import unhooked_copy
 from dpopt.schedulers import StepNoise
 
 DELTA = 1e-5
@@ -236,3 +237,30 @@ def test_a_model_and_optimizer_copied_before_the_first_step():
         run_epoch(m, opt, loader, loss_fn=nn.CrossEntropyLoss(reduction="sum"), steps=1)
     run_epoch(m2, opt2, loader, loss_fn=nn.CrossEntropyLoss(), steps=1)  # the copy trains (its check is not copied)
     assert len(opt2._engine.ledger) == 1 and len(engine.ledger) == 0
+
+
+# -- a model made private twice -----------------------------------------------------------------
+def _again(m, engine=None):
+    return (engine or dpopt.PrivacyEngine()).make_private(
+        module=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+
+
+def test_a_model_still_hooked_by_an_engine_is_refused_until_that_engine_detaches():
+    engine, m, opt, loader = private()
+    run_epoch(m, opt, loader, steps=1)
+    with pytest.raises(ValueError, match=r"detach\(\)"):  # two captures would both record every forward
+        _again(m)
+    with pytest.raises(ValueError, match="unhooked_copy"):  # a deep copy keeps the hooks (a copied recorder)
+        _again(copy.deepcopy(m))
+    _, _, fresh = _again(unhooked_copy(m))  # the documented way out, and detach():
+    engine.detach()
+    second = dpopt.PrivacyEngine()
+    m2, opt2, loader2 = _again(m, second)
+    assert sum(1 for h in m2._forward_pre_hooks.values() if hasattr(h, "__self__")) == 1  # one capture now
+    run_epoch(m2, opt2, loader2, steps=1)
+    assert second.get_epsilon(DELTA) > 0  # the new engine releases normally

@@ -100,6 +100,28 @@ COLLATE_TRIES = 16
 _Pass = Pass  # the recorded forward pass (engine.capture)
 
 
+def refuse_second_capture(model: nn.Module) -> None:
+    """Refuse a model that already carries a capture's hooks (an earlier ``make_private`` / DP trainer).
+
+    Two captures on one model would both record every forward's private layer inputs: the earlier
+    one keeps them (memory, and private tensors held by an object the user no longer steps) and
+    its checks see passes that are not its own. Detected from the root's forward-pre hooks (a
+    :class:`~dpopt.engine.capture.Recorder`'s bound method), so a deep copy that kept the hooks is
+    refused too; :func:`dpopt.averaging.unhooked_copy` or ``engine.detach()`` clears them.
+
+    Raises:
+        ValueError: with what to change.
+    """
+    hooks = list(model._forward_pre_hooks.values())
+    if any(isinstance(getattr(h, "__self__", None), Recorder) for h in hooks):
+        raise ValueError(
+            "this model still carries the hooks of an earlier PrivacyEngine.make_private / DP trainer "
+            "(or is a deep copy of such a model): call that engine's detach() (a trainer's "
+            "trainer.engine.detach()) before making it private again, or copy it with "
+            "dpopt.averaging.unhooked_copy"
+        )
+
+
 class HookCapture:
     """Record layer inputs and output gradients of a model's own forward/backward; build per-sample sources.
 
@@ -120,7 +142,8 @@ class HookCapture:
 
     Raises:
         ValueError: a layer refused by ``check_model``, an unknown ``loss_reduction``,
-            a model without trainable parameters, ``rows_per_example`` < 1.
+            a model without trainable parameters, ``rows_per_example`` < 1, a model that
+            still carries another capture's hooks (:func:`refuse_second_capture`).
 
     Use: build once (hooks are attached), run forward and backward as usual,
     then :meth:`collect` returns the step's :class:`~dpopt.engine.fast.FastPerSampleGrads`
@@ -145,6 +168,7 @@ class HookCapture:
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         check_model(model)
+        refuse_second_capture(model)
         self.model = model
         self.loss_reduction = loss_reduction
         self.views = int(rows_per_example)
