@@ -639,7 +639,7 @@ class DPTrainer(Trainer):
             with self.compute_loss_context_manager():
                 loss = self._losses(model, chunk)[0].sum()
             self.accelerator.backward(loss if real else loss * 0.0)  # a stand-in adds exactly 0 (hf.distributed)
-            if not real and chunks:  # padding after this rank's examples: its public row is not an example
+            if not real:  # a stand-in's public row is not an example of the batch (release_boundary)
                 boundary_of(opt).public_rows(batch_size(chunk))
             if i < target - 1:
                 opt.signal_skip_step(True)
