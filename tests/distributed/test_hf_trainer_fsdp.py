@@ -5,8 +5,8 @@ chunks it ran (real and stand-in) and the FULL parameters (gathered from the sha
 references are computed here by single-example autograd on the UNION of the two ranks' batches:
 
 * σ = 0, plain SGD, B̄ = 2 × 2 × 2 = 8 (chunks of ≤ 2 examples): every update equals
-  lr · Σ_{i ∈ B_0 ∪ B_1} clip_C(∇ℓ_i) / B̄ — with every example clipped, and with C at the 30th percentile
-  of the initial norms (some clipped, some not);
+  lr · Σ_{i ∈ B_0 ∪ B_1} clip_C(∇ℓ_i) / B̄ — with every example clipped (and its norm ≤ C × the examples:
+  the sensitivity), and with C at the 30th percentile of the initial norms (some clipped, some not);
 * uneven ranks: rank 1 keeps 1, 0 and 3 of its examples in the three steps while rank 0 keeps all of its
   own (forced, so the local chunk counts differ at every step): no deadlock (the run has a deadline),
   rank 1 ran stand-in chunks, both ranks ran the same number of chunks, and the update is still the
@@ -312,6 +312,11 @@ def test_sigma0_update_is_the_clipped_sum_of_the_union_over_bbar(fsdp, name):
     assert total > 0
     if name == "all_clipped":
         assert clipped == total
+        for start, batch, step in _updates(ranks, name):  # sensitivity: each example moves the sum by ≤ C
+            moved = math.sqrt(sum(float(step[n].double().square().sum()) for n in start))
+            # read back as a difference of float32 parameters: half an ulp of each (2^-24·|θ|) ·B̄/lr
+            ulp = math.sqrt(sum(float((start[n].double().abs() * 2.0**-24).square().sum()) for n in start))
+            assert moved <= CASES[name]["c"] * batch["input_ids"].shape[0] * (1 + 1e-5) + 2 * ulp * BBAR / LR
     else:  # both branches of clip_C: P(no example clipped) ≈ 0.3^8 at the first step, P(all) < 1e-4
         assert 0 < clipped < total, (clipped, total)
     assert all(r[name]["sharded"] and r[name]["bbar"] == BBAR and r[name]["q"] == BBAR / N for r in ranks)

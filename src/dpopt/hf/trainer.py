@@ -299,13 +299,16 @@ class DPTrainer(Trainer):
         engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
         ranks: the :class:`~dpopt.distributed.DistributedContext` of the run (one process
             unless launched by torchrun / accelerate launch).
+        sharded: whether ``model`` is ``fully_shard``-ed (FSDP2): the release is the engine's
+            ``distributed="fsdp"`` (docs/fsdp.md, "FSDP2 through DPTrainer").
         noise_multiplier, sample_rate, expected_batch_size: public settings
             (known once training has started).
 
     Raises:
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
-            one message); bad ``max_grad_norm`` / ``delta``.
+            one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
+            model with ``bf16=True`` or ``privacy_unit="user"``.
     """
 
     def __init__(
