@@ -103,6 +103,7 @@ class ReleaseBoundary:
         self.examples: Optional[int] = 0  # examples of the counted chunks (private, memory only)
         self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
+        self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
@@ -115,6 +116,7 @@ class ReleaseBoundary:
             "examples": 0,
             "rows": 0,
             "_owed": None,
+            "_public": 0,
         }
 
     def bind(self, optimizer: Any) -> None:
@@ -179,6 +181,22 @@ class ReleaseBoundary:
         self.open_batch = None if self.current is None else self.current.batch
         self._counted, self.examples, self.rows = set(), 0, 0
 
+    def public_rows(self, rows: int) -> None:
+        """The next ``step()``'s chunk holds ``rows`` PUBLIC stand-in rows that are no example of the batch.
+
+        For a zero-weight stand-in chunk (one public row whose loss is multiplied by 0, so its
+        per-example gradient is exactly 0): ``DPTrainer`` runs them so that every rank of an FSDP2
+        model runs the same number of forward/backward passes (:func:`dpopt.hf.distributed.padded`).
+        They add exactly 0 to the clipped sum and are not counted as forwarded examples by the next
+        :meth:`step_chunk` (the rows-vs-examples check compares only real rows).
+
+        Raises:
+            ValueError: ``rows`` < 0.
+        """
+        if rows < 0:
+            raise ValueError(f"public_rows takes a count >= 0, got {rows}")
+        self._public += int(rows)
+
     def step_chunk(self, rows: Optional[int]) -> Optional[bool]:
         """Count ``rows`` examples forwarded in this ``step()`` against the current chunk.
 
@@ -189,10 +207,11 @@ class ReleaseBoundary:
             ``signal_skip_step`` decides).
         """
         tag = self.current
+        public, self._public = self._public, 0
         if rows is None or self.rows is None:
             self.rows = None
         else:
-            self.rows += int(rows)
+            self.rows += max(0, int(rows) - public)
         if tag is None:
             self.examples = None
             return None

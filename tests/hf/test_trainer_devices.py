@@ -74,7 +74,7 @@ def test_bf16_trains_in_one_process_and_leaves_no_autocast(tmp_path):
     [
         (dict(fp16=True), "use bf16=True"),
         (dict(deepspeed={"train_batch_size": 4}), "FSDP2"),
-        (dict(fsdp=["full_shard"]), "distributed='fsdp'"),
+        (dict(fsdp=["full_shard"]), "apply torch.distributed.fsdp.fully_shard to the model yourself"),
         (dict(_n_gpu=2), "torchrun --nproc_per_node 2"),
     ],
 )

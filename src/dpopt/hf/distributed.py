@@ -28,9 +28,19 @@ What changes from one process (the engine's ``make_private(..., distributed=True
   same released gradient reaches every rank, so all replicas stay equal
   (:func:`dpopt.distributed.check_replicas` verifies it).
 
-Not here: FSDP (``fsdp=...``) and DeepSpeed stay refused in ``DPTrainer`` (FSDP2 with dpopt: a
-``fully_shard``-ed model through ``PrivacyEngine.make_private(..., distributed="fsdp")``, docs/fsdp.md),
-and a single process driving several GPUs (``nn.DataParallel``, ``n_gpu > 1``).
+**FSDP2** (a model the user ``fully_shard``-ed before building ``DPTrainer``, docs/fsdp.md): the
+engine's ``make_private(..., distributed="fsdp")`` (:mod:`dpopt.fsdp`) — the same sampling, per-example
+norms on the full-shape gradient, each coordinate's noise added once by the rank that owns its
+shard, one reduce-scatter per logical batch. Every forward/backward of a sharded model is a
+collective (FSDP's all-gathers), so every rank must run the same number of chunks per logical
+batch: :func:`agreed_chunks` all-reduces the MAX of the local chunk counts at the start of each
+logical batch (a count that stays among the ranks, never logged or released), and a rank with
+fewer chunks runs zero-weight stand-in chunks (:func:`padded`) whose per-example gradient — and so
+contribution to the clipped sum — is exactly 0.
+
+Not here: ``TrainingArguments(fsdp=...)`` (accelerate's FSDP wraps the model and reduces un-clipped
+gradients; pass a ``fully_shard``-ed model instead), DeepSpeed, and a single process driving several
+GPUs (``nn.DataParallel``, ``n_gpu > 1``).
 """
 
 from __future__ import annotations
@@ -52,6 +62,10 @@ __all__ = [
     "journal_not_reopened",
     "share_ledger",
     "same_on_every_rank",
+    "is_sharded",
+    "agreed_chunks",
+    "padded",
+    "full_state_dict",
 ]
 
 
@@ -190,3 +204,64 @@ def same_on_every_rank(model: torch.nn.Module, ctx: DistributedContext) -> bool:
     from ..distributed import check_replicas
 
     return check_replicas([p for p in model.parameters()], ctx)
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` itself (its root is an ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def agreed_chunks(count: int, ctx: DistributedContext) -> int:
+    """The largest local chunk count over the ranks (``count`` for one process): one MAX all-reduce.
+
+    A sharded model's forward and backward are collectives, so every rank runs this many chunks in
+    the logical batch. The count is a function of the ranks' private batch sizes; it stays among the
+    ranks (the trusted side of the release, like the clipped sums before noise) and is never
+    logged, returned or written.
+
+    Raises:
+        ValueError: ``count`` < 1 (a rank always runs at least one chunk, possibly a stand-in).
+    """
+    if count < 1:
+        raise ValueError(f"a logical batch runs at least one chunk, got {count}")
+    if not ctx.enabled:
+        return int(count)
+    from ..distributed import backend_device
+
+    t = torch.tensor([float(count)], dtype=torch.float64, device=backend_device(ctx))
+    return int(ctx.all_reduce(t, op="max").item())
+
+
+def padded(chunks: list, target: int, stand_in: Any) -> list[tuple[Any, bool]]:
+    """``(chunk, real)`` pairs: the rank's ``chunks`` (real) then ``target − len(chunks)`` stand-ins (not real).
+
+    A stand-in is one public row (:func:`dpopt.hf.batches.stand_in`) whose loss the caller multiplies
+    by 0: its per-example gradient is exactly 0, so it adds exactly 0 to the clipped sum (flat
+    clipping: c_i·0 = 0 for any clip factor c_i; tested against the unpadded release).
+
+    Raises:
+        ValueError: more chunks than ``target`` (the agreed count is a maximum over the ranks).
+    """
+    if len(chunks) > target:
+        raise ValueError(f"{len(chunks)} chunks but the ranks agreed on {target}")
+    return [(c, True) for c in chunks] + [(stand_in, False)] * (target - len(chunks))
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """``model.state_dict()`` with every ``DTensor`` (an FSDP2 shard) gathered to its full tensor, on the CPU.
+
+    A collective for a sharded model: call it on every rank (each gets the whole state dict).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor has no sharded models
+        DTensor = ()  # type: ignore[assignment,misc]
+    out = {}
+    for k, v in model.state_dict().items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        out[k] = full.detach().cpu().clone()
+    return out

@@ -79,10 +79,16 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes.
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
+* **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun) trains through
+  the engine's ``distributed="fsdp"`` (:mod:`dpopt.fsdp`): per-example norms on the full-shape
+  gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
+  every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
+  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the gathered model and the
+  ledger; resuming a sharded run is refused.
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
-private gradients), deepspeed and fsdp (pointing to FSDP2 through
-``PrivacyEngine(distributed="fsdp")``), several GPUs in one process
+private gradients), deepspeed and ``TrainingArguments(fsdp=...)`` (pointing to a
+``fully_shard``-ed model passed to DPTrainer), several GPUs in one process
 (``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``,
@@ -109,13 +115,18 @@ from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
 from ..privacy_engine import PrivacyEngine
+from ..release_boundary import boundary_of
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
 from .batches import batch_size, split_batch, split_by_user, stand_in
 from .distributed import (
+    agreed_chunks,
     check_launch,
     data_parallel_context,
+    full_state_dict,
+    is_sharded,
     journal_not_reopened,
     launched_args,
+    padded,
     replicas_not_wrapped,
     share_ledger,
 )
@@ -159,14 +170,15 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     if args.deepspeed:
         out.append(
             "deepspeed: it shards and reduces un-clipped gradients; for a model that does not fit one device "
-            "use FSDP2 through PrivacyEngine.make_private(..., distributed='fsdp') (docs/fsdp.md), or DDP "
-            "with DPTrainer under torchrun"
+            "use FSDP2: apply torch.distributed.fsdp.fully_shard to the model (its blocks, then the root) "
+            "under torchrun and pass it to DPTrainer without fsdp= (docs/fsdp.md, 'FSDP2 through DPTrainer')"
         )
     if args.fsdp:
         out.append(
-            "fsdp: DPTrainer does not shard yet (accelerate's FSDP would reduce un-clipped gradients); run "
-            "data parallel under torchrun without fsdp=, or use FSDP2 through PrivacyEngine.make_private(..., "
-            "distributed='fsdp') in your own loop (docs/fsdp.md)"
+            "fsdp: accelerate's FSDP wraps the model and reduces un-clipped gradients; instead apply "
+            "torch.distributed.fsdp.fully_shard to the model yourself (its blocks, then the root) under "
+            "torchrun and pass the sharded model to DPTrainer without fsdp= / fsdp_config= "
+            "(docs/fsdp.md, 'FSDP2 through DPTrainer')"
         )
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
@@ -314,13 +326,16 @@ class DPTrainer(Trainer):
         engine: the :class:`~dpopt.PrivacyEngine` (its ledger, accountant, journal).
         ranks: the :class:`~dpopt.distributed.DistributedContext` of the run (one process
             unless launched by torchrun / accelerate launch).
+        sharded: whether ``model`` is ``fully_shard``-ed (FSDP2): the release is the engine's
+            ``distributed="fsdp"`` (docs/fsdp.md, "FSDP2 through DPTrainer").
         noise_multiplier, sample_rate, expected_batch_size: public settings
             (known once training has started).
 
     Raises:
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
-            one message); bad ``max_grad_norm`` / ``delta``.
+            one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
+            model with ``bf16=True`` or ``privacy_unit="user"``.
     """
 
     def __init__(
@@ -404,6 +419,17 @@ class DPTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_EpsilonStop(self))
         self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
+        self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
+        if self.sharded and (self.args.bf16 or self.privacy_unit == "user"):
+            raise ValueError(
+                "DPTrainer with a fully_shard-ed (FSDP2) model supports float32 record-level training only: "
+                + (
+                    "bf16=True is untested with sharded per-example norms (train in float32, or data parallel "
+                    "without fully_shard for bf16)"
+                    if self.args.bf16
+                    else "privacy_unit='user' is not supported with several processes yet"
+                )
+            )
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)
 
@@ -486,7 +512,9 @@ class DPTrainer(Trainer):
             noise_multiplier=float(sigma),
             max_grad_norm=self.max_grad_norm,
             loss_reduction="sum",
-            distributed=self.ranks.enabled,  # shards at q, noise once (rank 0), one all-reduce per step
+            # shards at q; replicas: noise once (rank 0), one all-reduce per step; FSDP2: noise by each
+            # coordinate's owner, one reduce-scatter per step
+            distributed="fsdp" if self.sharded else self.ranks.enabled,
             **self._unit_arguments(user_ids, q),
             **horizon,
             **hparams,
@@ -609,7 +637,7 @@ class DPTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """The Trainer's preparation; on several processes the model is placed and autocast, never DDP-wrapped."""
-        if not self.ranks.enabled:
+        if not (self.ranks.enabled or self.sharded):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         with replicas_not_wrapped(self.accelerator):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
@@ -668,12 +696,15 @@ class DPTrainer(Trainer):
         opt = self._private
         opt.zero_grad()
         empty = batch_size(inputs) == 0
-        chunks = [stand_in(inputs)] if empty else self._chunks(inputs)
-        for i, chunk in enumerate(chunks):
+        chunks = [] if empty else self._chunks(inputs)
+        target = agreed_chunks(max(1, len(chunks)), self.ranks) if self.sharded else max(1, len(chunks))
+        for i, (chunk, real) in enumerate(padded(chunks, target, stand_in(inputs))):
             with self.compute_loss_context_manager():
                 loss = self._losses(model, chunk)[0].sum()
-            self.accelerator.backward(loss * 0.0 if empty else loss)
-            if i < len(chunks) - 1:
+            self.accelerator.backward(loss if real else loss * 0.0)  # a stand-in adds exactly 0 (hf.distributed)
+            if not real:  # a stand-in's public row is not an example of the batch (release_boundary)
+                boundary_of(opt).public_rows(batch_size(chunk))
+            if i < target - 1:
                 opt.signal_skip_step(True)
                 with self.accelerator.autocast():  # bf16: the first-batch check replays an autocast forward
                     opt.step()  # clips and adds this chunk into the open step: no release
@@ -711,7 +742,19 @@ class DPTrainer(Trainer):
             self._evaluating = False
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
-        """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released)."""
+        """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released).
+
+        Raises:
+            ValueError: ``resume_from_checkpoint`` with an FSDP2 (``fully_shard``-ed) model: its checkpoints
+                hold the gathered model and rank 0's optimizer state, not the shards (not resumable).
+        """
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.sharded and resume not in (None, False):
+            raise ValueError(
+                "resume_from_checkpoint with a fully_shard-ed (FSDP2) model is not supported: its checkpoints "
+                "hold the gathered model and the ledger, not the sharded optimizer state; start a new run "
+                "(or train data parallel without fully_shard, which resumes)"
+            )
         try:
             out = super().train(*args, **kwargs)
         finally:
@@ -724,6 +767,14 @@ class DPTrainer(Trainer):
         return TrainOutput(out.global_step, float("nan"), metrics)
 
     # -- checkpoints carry the ledger -------------------------------------------------
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; a sharded (FSDP2) model is gathered on every rank and saved whole by rank 0."""
+        if not self.sharded:
+            return super().save_model(output_dir, _internal_call)
+        state = full_state_dict(cast(torch.nn.Module, self.model))  # a collective: every rank
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
         run_dir = Path(self._get_output_dir(trial=trial))
