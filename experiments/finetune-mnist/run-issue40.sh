@@ -20,3 +20,14 @@ cp runs/sweeps/finetune-mnist-test-issue40/results.jsonl $D/results-test-issue40
 $PY -m dpopt check runs/sweeps/finetune-mnist-tune-issue40/runs/* runs/sweeps/finetune-mnist-test-issue40/runs/*
 $PY experiments/finetune-mnist/report.py report runs/sweeps/finetune-mnist-test-issue40/results.jsonl \
     --tuning runs/sweeps/finetune-mnist-tune-issue40/results.jsonl --md $D/table-issue40.md --json $D/table-issue40.json
+# LoRA r = 8 (run after the full start)
+$PY -m dpopt sweep experiments/finetune-mnist-tune-issue40-lora.toml --jobs 1
+cp runs/sweeps/finetune-mnist-tune-issue40-lora/results.jsonl $D/results-tune-issue40-lora.jsonl
+$PY experiments/finetune-mnist/report.py select runs/sweeps/finetune-mnist-tune-issue40-lora/results.jsonl \
+    --config experiments/finetune-mnist-test-issue40-lora.toml --md $D/tuning-issue40-lora.md
+$PY -m dpopt sweep experiments/finetune-mnist-test-issue40-lora.toml --jobs 1
+cp runs/sweeps/finetune-mnist-test-issue40-lora/results.jsonl $D/results-test-issue40-lora.jsonl
+$PY -m dpopt check runs/sweeps/finetune-mnist-tune-issue40-lora/runs/* runs/sweeps/finetune-mnist-test-issue40-lora/runs/*
+$PY experiments/finetune-mnist/report.py report runs/sweeps/finetune-mnist-test-issue40-lora/results.jsonl \
+    --tuning runs/sweeps/finetune-mnist-tune-issue40-lora/results.jsonl \
+    --md $D/table-issue40-lora.md --json $D/table-issue40-lora.json
