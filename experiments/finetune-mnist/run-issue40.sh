@@ -31,3 +31,14 @@ $PY -m dpopt check runs/sweeps/finetune-mnist-tune-issue40-lora/runs/* runs/swee
 $PY experiments/finetune-mnist/report.py report runs/sweeps/finetune-mnist-test-issue40-lora/results.jsonl \
     --tuning runs/sweeps/finetune-mnist-tune-issue40-lora/results.jsonl \
     --md $D/table-issue40-lora.md --json $D/table-issue40-lora.json
+# from scratch: AUTO-S only (run last)
+$PY -m dpopt sweep experiments/finetune-mnist-tune-issue40-scratch.toml --jobs 1
+cp runs/sweeps/finetune-mnist-tune-issue40-scratch/results.jsonl $D/results-tune-issue40-scratch.jsonl
+$PY experiments/finetune-mnist/report.py select runs/sweeps/finetune-mnist-tune-issue40-scratch/results.jsonl \
+    --config experiments/finetune-mnist-test-issue40-scratch.toml --md $D/tuning-issue40-scratch.md
+$PY -m dpopt sweep experiments/finetune-mnist-test-issue40-scratch.toml --jobs 1
+cp runs/sweeps/finetune-mnist-test-issue40-scratch/results.jsonl $D/results-test-issue40-scratch.jsonl
+$PY -m dpopt check runs/sweeps/finetune-mnist-tune-issue40-scratch/runs/* runs/sweeps/finetune-mnist-test-issue40-scratch/runs/*
+$PY experiments/finetune-mnist/report.py report runs/sweeps/finetune-mnist-test-issue40-scratch/results.jsonl \
+    --tuning runs/sweeps/finetune-mnist-tune-issue40-scratch/results.jsonl \
+    --md $D/table-issue40-scratch.md --json $D/table-issue40-scratch.json
