@@ -49,7 +49,10 @@ def targs(out, **kw):
     return T.TrainingArguments(str(out), **base)
 
 
-def test_bf16_trains_in_one_process_and_leaves_no_autocast(tmp_path):
+def test_bf16_trains_in_one_process_and_leaves_no_autocast(tmp_path, monkeypatch):
+    # transformers 4.47's TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION=bf16 into the process
+    # environment: restored after this test (monkeypatch), so later tests' float32 trainers stay float32
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     model = gpt2()
     before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
@@ -99,3 +102,14 @@ def test_a_launch_the_trainer_does_not_see_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="use_cpu=True"):
         check_launch(1)  # 2 processes started, each alone: separate runs on the whole dataset
     check_launch(2)
+
+
+def test_a_mixed_precision_left_in_the_environment_is_refused_not_silently_used(tmp_path, monkeypatch):
+    # accelerate launch --mixed_precision bf16, or an earlier TrainingArguments(bf16=True) under transformers 4.47:
+    # accelerate would run this float32 trainer's forward in bf16 autocast (both transformers 4.47 and 5.x)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = targs(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"ACCELERATE_MIXED_PRECISION='bf16'.*pass bf16=True"):
+            DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0)

@@ -27,12 +27,42 @@ the private per-example gradients and is not charged.
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from typing import Any
 
 from transformers import TrainerCallback
 
-__all__ = ["AutocastRelease"]
+__all__ = ["AutocastRelease", "check_mixed_precision"]
+
+
+def check_mixed_precision(args: Any, accelerator: Any) -> None:
+    """Refuse an accelerator whose mixed precision is not the one ``TrainingArguments`` asks for.
+
+    accelerate reads its precision from ``ACCELERATE_MIXED_PRECISION`` too: ``accelerate launch
+    --mixed_precision bf16`` sets it, and transformers < 4.5x's ``TrainingArguments(bf16=True)`` writes
+    it into the process environment, where every later ``TrainingArguments`` of the process finds it.
+    A DPTrainer built with ``bf16=False`` would then run its forward (and its first-batch check) in
+    bf16 autocast without saying so.
+
+    Args:
+        args: the Trainer's ``TrainingArguments`` (``bf16``, ``fp16``).
+        accelerator: its ``accelerate.Accelerator`` (``mixed_precision``: ``"no"``, ``"bf16"``, ``"fp16"``).
+
+    Raises:
+        ValueError: the two disagree, with both values and what to change.
+    """
+    want = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    got = str(getattr(accelerator, "mixed_precision", "no"))
+    if got != want:
+        env = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        raise ValueError(
+            f"accelerate's mixed precision is {got!r} but TrainingArguments asks for {want!r} (bf16={args.bf16}); "
+            f"accelerate took it from ACCELERATE_MIXED_PRECISION={env!r} (set by `accelerate launch "
+            "--mixed_precision`, or left in this process by an earlier TrainingArguments(bf16=True) under older "
+            "transformers): pass bf16=True to train in bf16, or os.environ.pop('ACCELERATE_MIXED_PRECISION') "
+            "before building TrainingArguments to train in float32"
+        )
 
 
 class AutocastRelease(TrainerCallback):

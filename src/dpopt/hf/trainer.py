@@ -132,7 +132,7 @@ from .distributed import (
 )
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
-from .precision import AutocastRelease
+from .precision import AutocastRelease, check_mixed_precision
 
 __all__ = ["DPTrainer", "LOGGED", "LEDGER_FILE", "SUMMARY_FILE"]
 
@@ -430,6 +430,7 @@ class DPTrainer(Trainer):
                     else "privacy_unit='user' is not supported with several processes yet"
                 )
             )
+        check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)
 
