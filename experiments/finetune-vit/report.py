@@ -1,12 +1,14 @@
 """Issue 38: the validation choice of each method's lr, the test config, the table and the plot (docs/results/finetune-vit).
 
+``check CHECK_JSON --out FILE``: the per-run verdicts of ``dpopt check --json``, compactly.
+
 ``select TUNE_RESULTS --config TOML --md MD``: per (method, target ε) the lr with the best ``val_accuracy`` of the
 seed-0 tuning sweep (ties: the smaller lr); writes the grid as Markdown and the test sweep config: per (method, ε)
 the chosen lr with seeds 1 and 2 (the seed-0 tuning run at that lr is the cell's third seed: its test accuracy played
 no part in the choice), then from-scratch runs of the same ViT (no ``init_from``) at the same lr, seed 0. The choice
 is NOT charged to any ε.
 
-``report TEST_RESULTS --tuning TUNE_RESULTS --out DIR``: per (method, start, ε) the mean ± sample std of
+``report TEST_RESULTS... --tuning TUNE_RESULTS --out DIR``: per (method, start, ε) the mean ± sample std of
 ``test_accuracy`` over the seeds (``table.md``/``table.json``), the optimizer state per method (every tensor of the
 ``optimizer`` and ``privatizer`` entries of a run's ``checkpoint.pt``: what the method keeps between steps, in bytes,
 and over the 4 bytes × trainable parameters of the float32 model), the wall time per step (median of the runs'
@@ -18,6 +20,7 @@ Usage (repository root)::
     python experiments/finetune-vit/report.py select runs/sweeps/finetune-vit-tune/results.jsonl \\
         --config experiments/finetune-vit-test.toml --md docs/results/finetune-vit/tuning.md
     python experiments/finetune-vit/report.py report runs/sweeps/finetune-vit-test/results.jsonl \\
+        runs/sweeps/finetune-vit-seeds/results.jsonl \\
         --tuning runs/sweeps/finetune-vit-tune/results.jsonl --out docs/results/finetune-vit
 """
 
@@ -51,7 +54,7 @@ def _start(r: dict) -> str:
 def select(results: str, config: str | None, md: str | None) -> dict:
     """Best val_accuracy per (method, target ε) among the seed-0 tuning runs; returns {(method, ε): row}."""
     groups: dict = defaultdict(list)
-    for r in _rows(results):
+    for r in (r for path in results for r in _rows(path)):
         groups[(r["method"], _eps(r))].append(r)
     best = {k: max(sorted(v, key=lambda r: r["lr"]), key=lambda r: r["val_accuracy"]) for k, v in groups.items()}
     lines = [
@@ -142,11 +145,11 @@ def state_bytes(run_dir: str) -> dict:
     return {"optimizer": size(ck.get("optimizer", {}).get("state", {})), "privatizer": size(ck.get("privatizer", {}))}
 
 
-def report(results: str, tuning: str, out: str) -> dict:
+def report(results: list[str], tuning: str, out: str) -> dict:
     """table.md, table.json and accuracy-vs-epsilon.png in ``out`` from the test runs plus the chosen tuning runs."""
     chosen = select(tuning, None, None)
     rows = list(chosen.values())
-    for r in _rows(results):
+    for r in (r for path in results for r in _rows(path)):
         if _start(r) == "scratch" or r["lr"] == chosen[(r["method"], _eps(r))]["lr"]:
             rows.append(r)
     cells: dict = defaultdict(list)
@@ -249,12 +252,26 @@ def _plot(table: dict, path: Path) -> None:
     ax.set_xlabel("ε (δ = 1e-5)")
     ax.set_ylabel("private test accuracy (CIFAR-10 classes 5–9)")
     ax.set_title(
-        "Tiny ViT: public pretraining → private fine-tuning\nerror bars: sample std over 3 runs (scratch: 1 run)"
+        "Tiny ViT: public pretraining → private fine-tuning\nerror bars: sample std over runs (n = 3–5; scratch: 1 run)"
     )
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def check_summary(check_json: str, out: str) -> bool:
+    """Write the verdict of ``dpopt check --json`` (overall and per run directory) compactly to ``out``."""
+    d = json.loads(Path(check_json).read_text())
+    summary = {
+        "passed": d["passed"],
+        "n_runs": len(d["runs"]),
+        "repeated_run_ids": d["repeated_run_ids"],
+        "runs": {k: v["passed"] for k, v in d["runs"].items()},
+    }
+    Path(out).write_text(json.dumps(summary, indent=1))
+    print(f"dpopt check: {sum(summary['runs'].values())} of {summary['n_runs']} run directories pass")
+    return bool(d["passed"])
 
 
 def main(argv=None) -> None:
@@ -265,11 +282,16 @@ def main(argv=None) -> None:
     s.add_argument("--config")
     s.add_argument("--md")
     r = sub.add_parser("report")
-    r.add_argument("results")
+    r.add_argument("results", nargs="+")
     r.add_argument("--tuning", required=True)
     r.add_argument("--out", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("check_json")
+    c.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    if a.cmd == "select":
+    if a.cmd == "check":
+        check_summary(a.check_json, a.out)
+    elif a.cmd == "select":
         select(a.results, a.config, a.md)
     else:
         report(a.results, a.tuning, a.out)
