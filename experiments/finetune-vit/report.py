@@ -54,7 +54,7 @@ def _start(r: dict) -> str:
 def select(results: str, config: str | None, md: str | None) -> dict:
     """Best val_accuracy per (method, target ε) among the seed-0 tuning runs; returns {(method, ε): row}."""
     groups: dict = defaultdict(list)
-    for r in (r for path in results for r in _rows(path)):
+    for r in _rows(results):
         groups[(r["method"], _eps(r))].append(r)
     best = {k: max(sorted(v, key=lambda r: r["lr"]), key=lambda r: r["val_accuracy"]) for k, v in groups.items()}
     lines = [
