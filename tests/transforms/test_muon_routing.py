@@ -111,3 +111,37 @@ def test_dp_muon_at_sigma_zero_matches_torch_optim_muon(monkeypatch):
         moved = float((p - s).detach().abs().max())
         assert moved > 1e-3
         assert float((p - q).detach().abs().max()) < 1e-6 * max(moved, 1.0)
+
+
+class TinyViT(nn.Module):
+    """A ViT's parameter order: class token, position table, patch conv, a hidden linear, the head."""
+
+    def __init__(self, d=8, patches=4):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.position_embeddings = nn.Parameter(torch.zeros(1, patches + 1, d))
+        self.patch = nn.Conv2d(3, d, kernel_size=4, stride=4)
+        self.fc, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls_token.expand(len(x), -1, -1), t], 1) + self.position_embeddings
+        return self.head(torch.tanh(self.fc(t))[:, 0])
+
+
+def test_a_vits_class_token_and_position_table_are_embeddings_and_its_patch_conv_is_the_first_conv():
+    model = TinyViT()
+    labels = dict(zip([n for n, _ in model.named_parameters()], hidden_matrix_labels(model).labels))
+    # the [1, 1, D] / [1, T, D] tables are added, not multiplied: not hidden matrices, and not "the first weight"
+    # either, so the input-facing patch conv is the first weight and is excluded as the first conv
+    assert labels == {
+        "cls_token": "other",
+        "position_embeddings": "other",
+        "patch.weight": "other",
+        "patch.bias": "other",
+        "fc.weight": "muon",
+        "fc.bias": "other",
+        "head.weight": "other",
+        "head.bias": "other",
+    }
+    assert model(torch.randn(2, 3, 8, 8)).shape == (2, 3)

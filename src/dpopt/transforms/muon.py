@@ -153,7 +153,9 @@ class ScaleByMuon(Transform):
 
 
 def _is_matrix(p: Tensor) -> bool:
-    return p.dim() >= 2
+    """A linear map's weight (≥ 2-D), not a table broadcast over the batch (ViT's ``[1, 1, D]`` class token,
+    ``[1, T, D]`` position embeddings: ≥ 3-D with a leading 1, added to activations rather than multiplied)."""
+    return p.dim() >= 2 and not (p.dim() >= 3 and p.shape[0] == 1)
 
 
 def embedding_parameters(model: nn.Module) -> list[Tensor]:
@@ -175,6 +177,9 @@ def hidden_matrix_labels(
     a conv kernel) and is not excluded; everything else is ``"other"``:
 
     * biases, norm gains and other 1-D parameters are never Muon;
+    * tables added to the activations, broadcast over the batch (≥ 3-D with a leading
+      dimension of 1: a ViT's ``[1, 1, D]`` class token and ``[1, T, D]`` position
+      embeddings) are never Muon: they are embeddings, not linear maps;
     * embedding tables (``nn.Embedding`` / ``nn.EmbeddingBag`` weights, 2-D
       but lookups, not linear maps) are never Muon: pass the model as
       ``params`` (they are found by module type) or list them in
