@@ -295,9 +295,7 @@ class DPOptimizer(torch.optim.Optimizer):
             noise_multiplier=release.noise_multiplier,
             expected_batch_size=release.expected_batch_size,
         )
-        updates = self.transform.update(list(release.grads), states, params, ctx)
-        if params:
-            torch._foreach_add_(params, list(updates))
+        self.transform.apply(list(release.grads), states, params, ctx)  # p += update, in place (Transform.apply)
 
 
 def _with_strings(saved, loaded):

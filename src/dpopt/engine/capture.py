@@ -58,11 +58,13 @@ from .check import (
     Unreplayable,
     alone_failed,
     disagreeing,
+    disagreeing_rows,
     in_float64,
     mode_signature,
     module_state,
     off_axis,
     rtol,
+    sq_norm64,
 )
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
@@ -656,6 +658,27 @@ class Recorder:
         if self.reentrant:
             return param_grads(loss, params)
         return torch.autograd.grad(loss, params, allow_unused=True)
+
+    def backward_only(self, loss: Tensor, params: Sequence[Tensor]) -> None:
+        """:meth:`grads` for its tensor hooks alone: each parameter's gradient is dropped as it arrives.
+
+        A hook on every leaf parameter hands autograd a zero-stride zero in
+        place of the gradient, so the pass never holds all parameters'
+        gradients at once (the check's batched pass: issue 43, bytes per
+        parameter). Through reentrant checkpoints, or with non-leaf
+        parameters, :meth:`grads` as it is.
+        """
+        if self.reentrant or not all(q.is_leaf for q in params):
+            self.grads(loss, params)
+            return
+        handles = [
+            q.register_hook(lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)) for q in params
+        ]
+        try:
+            torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
 
     def late_gradients(self) -> bool:
         """Whether a dropped pass received a gradient (kept for :meth:`dropped_received`)."""
@@ -1251,6 +1274,18 @@ class Recorder:
             return {}, []
         b = rows // views
         m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(cast(int, self._compare))))
+        chosen = [(plan.params if params is None else params)[i] for i in indices]
+        owners = [i for blk in blocks for i in blk.index]
+        if views == 1 and not self.reentrant and all(q.is_leaf for q in chosen) and len(owners) == len(set(owners)):
+            try:  # one example's gradients at a time, each parameter's as the backward reaches it
+                sq = {i: v for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))}
+                with replay.replaying(rows):
+                    stats = self._loop_streamed(args, kwargs, row_loss, indices, chosen, blocks, b, m)
+                with no_autocast(plan.device):
+                    return {}, disagreeing_rows({i: v[:m] for i, v in sq.items()}, *stats, tol, plan.names)
+            finally:
+                for blk in blocks:
+                    blk.free()
         with replay.replaying(rows):
             ref = self._loop(args, kwargs, row_loss, rows, indices, params, upto=m * views)
         ref = {i: _sum_views(g, views) / views for i, g in ref.items()}
@@ -1264,6 +1299,105 @@ class Recorder:
         for blk in blocks:
             blk.free()
         return {}, off
+
+    def _loop_streamed(
+        self,
+        args,
+        kwargs,
+        row_loss: Callable,
+        indices: list[int],
+        chosen: list[Tensor],
+        blocks: Sequence,
+        b: int,
+        m: int,
+    ) -> tuple[dict, dict, dict]:
+        """:meth:`_loop`'s reference, compared as it is computed: no ``[b, *shape]`` tensor is kept.
+
+        For examples i < ``m`` (one row each, K = 1), the single-example
+        backward hands each parameter's gradient g_i to a hook on the
+        parameter, which reduces it at once to three numbers — ‖g_i‖², whether
+        it is finite, and ‖ĝ_i − g_i‖ against the capture's gradient of
+        example i (the block's weighted sum with weight 1 on i and every
+        other row left out) — and gives autograd a zero-stride zero in its
+        place. The memory of the check is then one parameter's gradient and
+        its capture counterpart at a time (issue 43: bytes per parameter),
+        where :meth:`_loop` held ``2·b`` copies of every parameter's.
+
+        Returns:
+            ``(ref_sq, finite, dist)``: parameter index → ``[m]`` float64
+            ‖g_i‖², ``[m]`` bool, ``[m]`` float64 ‖ĝ_i − g_i‖ (NaN where not
+            finite) — :func:`~dpopt.engine.check.disagreeing_rows`' inputs.
+        """
+        plan = self.plan
+        where = {i: (blk, k) for blk in blocks for k, i in enumerate(blk.index)}
+        ref_sq = {i: torch.zeros(m, dtype=torch.float64) for i in indices}
+        finite = {i: torch.ones(m, dtype=torch.bool) for i in indices}
+        dist = {i: torch.zeros(m, dtype=torch.float64) for i in indices}
+        flat, spec = tree_flatten((args, kwargs))
+        batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == b for t in flat]
+        current = [0]  # the example whose single-example backward is running
+        cache: dict[int, list[Optional[Tensor]]] = {}  # a block's outputs for it, until each is taken
+        seen: set[int] = set()  # parameters whose hook ran in it
+
+        def captured(i: int, e: int) -> Tensor:
+            """The capture's gradient of parameter ``i`` for example ``e`` (a fresh tensor or a row view)."""
+            blk, k = where[i]
+            if type(blk) is DirectBlock:
+                return blk.grads[k][e]
+            if id(blk) not in cache:
+                onehot = torch.zeros(b, dtype=torch.float64, device=plan.device)
+                onehot[e] = 1.0
+                others = torch.arange(b, device=plan.device) != e
+                with no_autocast(plan.device):
+                    cache[id(blk)] = [*blk.grad_sums([onehot.to(plan.params[j].dtype) for j in blk.index], others)]
+            parts = cache[id(blk)]
+            out, parts[k] = parts[k], None
+            if all(t is None for t in parts):
+                del cache[id(blk)]
+            return cast(Tensor, out)
+
+        def reduce(i: int, g: Tensor) -> None:
+            e = current[0]
+            seen.add(i)
+            with torch.no_grad():
+                ok = bool(torch.isfinite(g).all())
+                ref_sq[i][e] = sq_norm64(g)
+                finite[i][e] = ok
+                hat = captured(i, e).reshape(g.shape)
+                dt = torch.promote_types(torch.promote_types(hat.dtype, g.dtype), torch.float32)
+                own = hat.dtype == dt and type(where[i][0]) is not DirectBlock
+                diff = (hat if own else hat.to(dt, copy=True)).sub_(g.to(dt))
+                dist[i][e] = sq_norm64(diff) ** 0.5 if ok else float("nan")
+
+        def hook(i: int, g: Tensor) -> Tensor:
+            reduce(i, g)
+            return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+
+        self.active = False
+        handles = [q.register_hook(partial(hook, i)) for i, q in zip(indices, chosen)]
+        try:
+            with torch.enable_grad():
+                for e in range(m):
+                    current[0] = e
+                    seen.clear()
+                    cache.clear()
+                    a_i, kw_i = tree_unflatten([t[e : e + 1] if bt else t for t, bt in zip(flat, batched)], spec)
+                    try:
+                        out = plan.model(*a_i, **kw_i)
+                    except Unreplayable:
+                        raise
+                    except Exception as err:  # noqa: BLE001 — the user's model on one example: refuse, say why
+                        raise alone_failed(err) from err
+                    loss = row_loss(out, slice(e, e + 1)).sum()
+                    torch.autograd.grad(loss, chosen, allow_unused=True)
+                    for i, q in zip(indices, chosen):  # unused in this example's pass: its gradient is zero
+                        if i not in seen:
+                            reduce(i, torch.zeros_like(q))
+        finally:
+            for h in handles:
+                h.remove()
+            self.active = True
+        return ref_sq, finite, dist
 
     def _loop(
         self,

@@ -85,10 +85,12 @@ __all__ = [
     "rtol",
     "agrees",
     "disagreeing",
+    "disagreeing_rows",
     "alone_failed",
     "RTOL",
     "layer_of",
     "layer_scales",
+    "sq_norm64",
     "in_float64",
 ]
 
@@ -591,6 +593,22 @@ def layer_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def sq_norm64(t: Tensor, chunk: int = 1 << 13) -> float:
+    """‖t‖² accumulated in float64, ``chunk`` elements at a time: no float64 copy of all of ``t`` is made.
+
+    The check's reductions of per-example gradients (a float64 copy of a
+    whole parameter's gradient would be 8 bytes per element beside it;
+    issue 43 bounds the check's memory by the largest parameter).
+    """
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for s in range(0, flat.numel(), chunk):
+        part = flat[s : s + chunk].double()
+        total += torch.dot(part, part)
+        del part  # one chunk at a time
+    return float(total)
+
+
 def layer_scales(ref: dict, names: Sequence[str]) -> dict:
     """Parameter index → per-example squared gradient norm of its whole layer, ``[b]`` float64.
 
@@ -599,7 +617,7 @@ def layer_scales(ref: dict, names: Sequence[str]) -> dict:
     attention key bias, which softmax cancels) agrees with float noise the
     size of its layer's rounding, never with only a zero.
     """
-    per = {i: g.double().reshape(g.shape[0], -1).square().sum(1) for i, g in ref.items()}
+    per = {i: torch.tensor([sq_norm64(row) for row in g], dtype=torch.float64, device=g.device) for i, g in ref.items()}
     total: dict = {}
     for i, v in per.items():
         key = layer_of(names[i])
@@ -682,4 +700,55 @@ def disagreeing(
         for i, sq, s in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)), sums):
             if not agrees(sq, s, ref[i], c, tol, scales.get(i), keep):
                 off.append(i)
+    return off
+
+
+def disagreeing_rows(
+    sq: dict,
+    ref_sq: dict,
+    finite: dict,
+    dist: dict,
+    tol: float,
+    names: Sequence[str],
+) -> list[int]:
+    """Parameter indices whose capture disagrees with single-example autograd, from per-example numbers only.
+
+    The streamed form of :func:`disagreeing` (``Recorder._loop_streamed``:
+    the reference gradients are reduced as they are computed, so no
+    ``[b, *shape]`` tensor exists). Per parameter index ``i`` and compared
+    example e (``[m]`` each): ``sq[i]`` the capture's ‖ĝ_e‖², ``ref_sq[i]``
+    the reference's ‖g_e‖² (float64), ``finite[i]`` whether g_e is finite,
+    ``dist[i]`` ‖ĝ_e − g_e‖ (float64).
+
+    The tests are :func:`agrees`' with the weighted sum taken one example at a
+    time: an example is kept if its reference is finite in every parameter
+    (a non-kept one must be non-finite in the capture wherever it is in the
+    reference); over the kept ones, |‖ĝ_e‖² − ‖g_e‖²| ≤ tol·max_e scale_e and
+    ‖ĝ_e − g_e‖ ≤ tol·√scale_e, scale_e = max(‖g_e‖², the squared norm of
+    g_e's whole layer, :func:`layer_scales`). The second implies
+    :func:`agrees`' sum test for every weights c ∈ [0, 1]^m (triangle
+    inequality), so this form is at least as strict.
+    """
+    if not ref_sq:
+        return []
+    keep = torch.stack([finite[i] for i in ref_sq]).all(0)
+    layer: dict = {}
+    for i, v in ref_sq.items():
+        key = layer_of(names[i])
+        layer[key] = v if key not in layer else layer[key] + v
+    off = []
+    for i in sorted(ref_sq):
+        cap = sq[i].detach().double().cpu().reshape(-1)
+        broken = ~keep & ~finite[i]
+        if bool(torch.isfinite(cap[broken]).any()):
+            off.append(i)
+            continue
+        if not bool(keep.any()):
+            continue
+        want = ref_sq[i][keep]
+        scale = torch.maximum(want, layer[layer_of(names[i])][keep])
+        if not float((cap[keep] - want).abs().max()) <= tol * float(scale.max()) + 1e-30:
+            off.append(i)
+        elif not bool((dist[i][keep] <= tol * scale.sqrt() + 1e-30).all()):
+            off.append(i)
     return off

@@ -423,7 +423,7 @@ class HookCapture:
         with torch.enable_grad():
             out = self.model(*args, **kwargs)
             loss = loss_of(out)
-            self._rec.grads(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints too)
+            self._rec.backward_only(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints too)
         calls, other = self._rec.take()
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other

@@ -92,6 +92,18 @@ class Transform:
     def update(self, updates: list[Tensor], states: list[dict], params: list[Tensor], ctx: StepContext) -> list[Tensor]:
         raise NotImplementedError
 
+    def apply(self, updates: list[Tensor], states: list[dict], params: list[Tensor], ctx: StepContext) -> None:
+        """``p += update(updates)`` for every parameter, in place (the optimizer's last act of a step).
+
+        Default: :meth:`update`, then one ``_foreach_add_``. A transform whose
+        output is a per-parameter scaling of its input overrides this to add
+        ``updates`` scaled into the parameters directly, so that no second
+        full-size tensor beside the release exists (issue 43: bytes per
+        parameter). ``updates`` is never modified.
+        """
+        if params:
+            torch._foreach_add_(params, list(self.update(updates, states, params, ctx)))
+
     def geometry(self, states: list[dict], params: list[Tensor]) -> Optional[ClipGeometry]:
         """Clip geometry for the next step, or ``None`` (this transform has no say)."""
         return None
@@ -123,6 +135,12 @@ class Chain(Transform):
         for key, t in zip(self.keys, self.transforms):
             updates = t.update(updates, [s[key] for s in states], params, ctx)
         return updates
+
+    def apply(self, updates, states, params, ctx) -> None:
+        """Every member's :meth:`~Transform.update` but the last, then the last one's :meth:`~Transform.apply`."""
+        for key, t in zip(self.keys[:-1], self.transforms[:-1]):
+            updates = t.update(updates, [s[key] for s in states], params, ctx)
+        self.transforms[-1].apply(updates, [s[self.keys[-1]] for s in states], params, ctx)
 
     def geometry(self, states, params):
         for key, t in zip(self.keys, self.transforms):

@@ -30,6 +30,11 @@ class ScaleByLearningRate(Transform):
     def update(self, updates, states, params, ctx: StepContext):
         return torch._foreach_mul(list(updates), [-(lr * self.multiplier) for lr in ctx.lrs])
 
+    def apply(self, updates, states, params, ctx: StepContext) -> None:
+        """``p ← p − lr·u`` in place, one parameter at a time: no scaled copy of the updates is made."""
+        for p, u, lr in zip(params, updates, ctx.lrs):
+            p.add_(u, alpha=-(lr * self.multiplier))
+
 
 def scale_by_lr(multiplier: float = 1.0) -> ScaleByLearningRate:
     """Factory for :class:`ScaleByLearningRate`."""
