@@ -187,30 +187,37 @@ def tables(rows: list[dict], cs: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+LABELS = {"dp-sgd": "DP-SGD", "dp-adam": "DP-Adam", "dp-macadam": "DP-MacAdam", "dp-muon": "DP-Muon"}
+
+
 def plot(cs: dict, ds: str, path: Path) -> None:
-    panels = sorted({(k[1], k[2]) for k in cs if k[0] == ds})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    """One panel per (epochs, ε): bars = mean test accuracy over every seed of the chosen lr, dots = the seeds."""
+    epochs = sorted({k[1] for k in cs if k[0] == ds})
+    epsilons = sorted({k[2] for k in cs if k[0] == ds})
+    fig, axes = plt.subplots(
+        len(epochs), len(epsilons), figsize=(5.0 * len(epsilons), 3.2 * len(epochs)), sharey=True, squeeze=False
+    )
     colors = {"independent": "tab:gray", "banded4": "tab:blue", "blt": "tab:orange"}
-    labels = {"independent": "independent", "banded4": "banded:4", "blt": "BLT"}
-    for ax, (ep, eps) in zip(axes[0], panels):
-        for i, meth in enumerate(METHODS):
-            for j, m in enumerate(MECHS):
-                c = cs.get((ds, ep, eps, meth, m))
-                if not c:
-                    continue
-                x = i + (j - 1) * 0.27
-                a, _ = acc2(c)
-                ax.bar(x, a, width=0.25, color=colors[m], label=labels[m] if i == 0 else None)
-                pts = [c["seeds"][s]["test_accuracy"] for s in (0, 1) if s in c["seeds"]]
-                ax.plot([x] * len(pts), pts, "k.", ms=4)
-        ax.set_xticks(range(len(METHODS)), [m.replace("dp-", "DP-") for m in METHODS], fontsize=8)
-        ax.set_title(f"{ds}, {ep:g} epoch{'s' if ep != 1 else ''}, ε = {eps:g}", fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (chosen lr; bar: mean of seeds 0, 1; dots: seeds)")
-    lo = min(acc2(c)[0] for k, c in cs.items() if k[0] == ds)
-    axes[0][0].set_ylim(max(0.0, lo - 0.1), None)
-    axes[0][0].legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
+    labels = {"independent": "independent (Poisson, amplified)", "banded4": "banded:4 (cyclic)", "blt": "BLT (cyclic)"}
+    for row, ep in enumerate(epochs):
+        for col, eps in enumerate(epsilons):
+            ax = axes[row][col]
+            for i, meth in enumerate(METHODS):
+                for j, m in enumerate(MECHS):
+                    c = cs.get((ds, ep, eps, meth, m))
+                    if not c:
+                        continue
+                    x = i + (j - 1) * 0.27
+                    pts = [r["test_accuracy"] for r in c["seeds"].values()]
+                    ax.bar(x, mean(pts), width=0.25, color=colors[m], label=labels[m] if i == 0 else None)
+                    ax.plot([x] * len(pts), pts, "k.", ms=3)
+            ax.set_xticks(range(len(METHODS)), [LABELS[m] for m in METHODS], fontsize=8)
+            ax.set_title(f"{ds}, {ep:g} epoch{'s' if ep != 1 else ''}, ε = {eps:g}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_ylim(0.0, 1.0)
+        axes[row][0].set_ylabel("test accuracy")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
