@@ -7,8 +7,11 @@ RUNS=${RUNS:-/tmp/dpmfgrid-runs}
 here=$(dirname "$0")
 # digits: the full factor grid, 5 seeds at the chosen lr (seed 0 tunes).
 nice -n 5 python "$here/run.py" "$RUNS" --dataset digits --epochs 1,5 --seeds 5
-# MNIST: 1 epoch only, 2 seeds; the optimizers in this order until the CPU budget ran out (README).
+# MNIST: 1 epoch only, 2 seeds; the optimizers in this order until the CPU budget ran out (README: stopped
+# during dp-macadam at ε = 8, after its ε = 1 cells; dp-muon not started).
 for method in dp-sgd dp-adam dp-macadam dp-muon; do
   nice -n 5 python "$here/run.py" "$RUNS" --dataset mnist --data-dir "$DATA" --epochs 1 --methods "$method"
 done
+nice -n 5 python "$here/diagnose_macadam.py" "$RUNS"
 python "$here/summarize.py" "$RUNS" "$here"
+python -m dpopt check "$RUNS"/*/
