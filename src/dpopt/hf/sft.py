@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from trl import SFTConfig, SFTTrainer
 
@@ -164,8 +164,8 @@ class DPSFTTrainer(TRLPrivate, DPTrainer, SFTTrainer):
             raise ValueError("DPSFTTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         unit = sft_privacy_unit(args, privacy_unit, kwargs.get("train_dataset"))
         super().__init__(model, args, privacy_unit=unit, **kwargs)
-        if self._packs_by_user(self.args):
-            self.block_tokens = int(self.args.max_length)  # a detail of the user unit: logs, metrics, ledger text
+        if self._packs_by_user(args):
+            self.block_tokens = int(cast(int, args.max_length))  # a detail of the user unit: logs, metrics, ledger text
 
     def _packs_by_user(self, args: Any) -> bool:
         """Whether the train set is packed within each user (``packing=True``, ``privacy_unit="user"``)."""
@@ -203,8 +203,8 @@ class DPSFTTrainer(TRLPrivate, DPTrainer, SFTTrainer):
     def get_train_dataloader(self) -> Any:
         """DPTrainer's loader; with packing within users the ledger header names the user unit and the block."""
         loader = super().get_train_dataloader()
-        if self._packs_by_user(self.args):
-            self.ledger.privacy_unit = user_blocks_text(self.max_records_per_user, int(self.args.max_length))
+        if self._packs_by_user(self.args) and self.block_tokens is not None:
+            self.ledger.privacy_unit = user_blocks_text(self.max_records_per_user, self.block_tokens)
         return loader
 
 
