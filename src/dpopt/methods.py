@@ -329,6 +329,12 @@ def build_optimizer(
                 f"automatic clipping normalises raw per-sample gradients against one flat scale: "
                 f"it applies to flat-clipping methods without quantile or per-layer clipping "
                 f"(e.g. dp-sgd, dp-adam, dp-muon), not to {spec.name} with these options"
+                + (
+                    f" ({spec.name} clips in its own shifted/scaled geometry): choose one of those methods "
+                    "(CLI: --method dp-sgd)"
+                    if spec.geometry != "identity"
+                    else ": drop the quantile / per-layer option"
+                )
             )
         cls, options = AutoClipPrivatizer, {"auto": auto_clip}
     privatizer = cls(

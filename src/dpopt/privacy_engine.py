@@ -572,6 +572,8 @@ class PrivacyEngine:
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
+            TypeError: ``module`` not an ``nn.Module``, ``data_loader`` not a ``DataLoader``, an
+                ``optimizer`` that is neither a torch optimizer nor a method name.
             ValueError: unknown clipping / loss_reduction, a refused layer, an
                 iterable dataset, a DiSK-type method, hyperparameters given
                 with a torch optimizer, an optimizer over other parameters
@@ -580,6 +582,13 @@ class PrivacyEngine:
                 with ``poisson_sampling=False``, or with settings that differ
                 between ranks (every rank raises).
         """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be the torch.nn.Module to train, got {type(module).__name__}")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(
+                f"data_loader must be a torch.utils.data.DataLoader over the private dataset (make_private "
+                f"returns its Poisson-sampled replacement), got {type(data_loader).__name__}"
+            )
         if clipping not in CLIPPING:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
         if loss_reduction not in LOSS_REDUCTIONS:

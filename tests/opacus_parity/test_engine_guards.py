@@ -264,3 +264,12 @@ def test_a_model_still_hooked_by_an_engine_is_refused_until_that_engine_detaches
     assert sum(1 for h in m2._forward_pre_hooks.values() if hasattr(h, "__self__")) == 1  # one capture now
     run_epoch(m2, opt2, loader2, steps=1)
     assert second.get_epsilon(DELTA) > 0  # the new engine releases normally
+
+
+@pytest.mark.parametrize("which", ["module", "data_loader"])
+def test_a_wrong_type_for_module_or_data_loader_says_what_to_pass(which):
+    m = model()
+    args = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=DataLoader(data()))
+    args[which] = "model" if which == "module" else data()  # a name; a Dataset where its DataLoader belongs
+    with pytest.raises(TypeError, match=f"{which} must be .* got (str|TensorDataset)"):
+        dpopt.PrivacyEngine().make_private(**args, noise_multiplier=1.0, max_grad_norm=1.0)
