@@ -26,4 +26,4 @@ $PY -m dpopt check runs/sweeps/finetune-vit-tune-issue40/runs/* runs/sweeps/fine
     --json > runs/finetune-vit/check-issue40.json
 $PY experiments/finetune-vit/report.py check runs/finetune-vit/check-issue40.json --out $D/check-issue40.json
 $PY experiments/finetune-vit/report.py report runs/sweeps/finetune-vit-test-issue40/results.jsonl \
-    --tuning runs/sweeps/finetune-vit-tune-issue40/results.jsonl --out $D --suffix -issue40
+    --tuning runs/sweeps/finetune-vit-tune-issue40/results.jsonl --out $D --suffix=-issue40
