@@ -17,8 +17,14 @@ $PY experiments/finetune-vit/report.py select runs/sweeps/finetune-vit-tune/resu
     --config experiments/finetune-vit-test.toml --md $D/tuning.md
 $PY -m dpopt sweep experiments/finetune-vit-test.toml --jobs 1
 $PY -m dpopt sweep experiments/finetune-vit-seeds.toml --jobs 1  # seeds 3, 4 of three methods; the lr-tie check
-$PY -m dpopt check runs/sweeps/finetune-vit-tune/runs/* runs/sweeps/finetune-vit-test/runs/* runs/sweeps/finetune-vit-seeds/runs/* \
-    --json > runs/finetune-vit/check.json
+# DP-Muon / DP-Muon-S again after the Muon routing fix (commit d97a7eb): their rows above are superseded
+$PY -m dpopt sweep experiments/finetune-vit-muon-rerun-tune.toml --jobs 1
+$PY experiments/finetune-vit/report.py select runs/sweeps/finetune-vit-tune/results.jsonl \
+    --rerun-tuning runs/sweeps/finetune-vit-muon-rerun-tune/results.jsonl --seeds 1 2 3 4 \
+    --config experiments/finetune-vit-muon-rerun-test.toml --md $D/tuning.md
+$PY -m dpopt sweep experiments/finetune-vit-muon-rerun-test.toml --jobs 1
+$PY -m dpopt check runs/sweeps/finetune-vit-*/runs/* --json > runs/finetune-vit/check.json
 $PY experiments/finetune-vit/report.py check runs/finetune-vit/check.json --out $D/check.json
 $PY experiments/finetune-vit/report.py report runs/sweeps/finetune-vit-test/results.jsonl runs/sweeps/finetune-vit-seeds/results.jsonl \
-    --tuning runs/sweeps/finetune-vit-tune/results.jsonl --out $D
+    --tuning runs/sweeps/finetune-vit-tune/results.jsonl --rerun runs/sweeps/finetune-vit-muon-rerun-test/results.jsonl \
+    --rerun-tuning runs/sweeps/finetune-vit-muon-rerun-tune/results.jsonl --out $D

@@ -268,3 +268,100 @@ def test_resume_is_refused_with_a_clear_message(tmp_path):
 def test_combinations_without_an_accountant_are_refused(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), noise_multiplier=1.0, **kwargs)
+
+
+# -- sampling="cyclic-poisson": the amplified banded form (make_private's) --------------------------------
+
+
+def test_cyclic_poisson_records_amplified_rounds_and_matches_make_private(tmp_path):
+    """N = 32, B̄ = 4 (8 steps per epoch), q = 0.5: b' = 4 parts of 8; max_steps = 12: k = 3 rounds. Every example
+    is seen only at the steps of its own part (one residue mod 4), the ledger re-derives from its record with one
+    PoissonSampledDpEvent per round, and ε equals make_private's for the same settings (same σ, T, q, loader)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpopt import PrivacyEngine
+
+    tr = Recording(
+        model=gpt2(),
+        args=targs(tmp_path),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=2.0,
+        max_grad_norm=1.0,
+        method="dp-sgd",
+        noise_mechanism="banded:2",
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+    )
+    tr.seen = []
+    tr.train()
+    assert len(tr.seen) == 12 and tr.sample_rate == 0.5 and tr.expected_batch_size == pytest.approx(4.0)
+    residues: dict = {}
+    for t, batch in enumerate(tr.seen):
+        for i in batch:
+            residues.setdefault(i, set()).add(t % 4)
+    assert all(len(r) == 1 for r in residues.values())  # parts are fixed and disjoint
+    rec = tr.ledger.mechanism
+    assert (rec["steps"], rec["participations"], rec["min_separation"], rec["sample_rate"]) == (12, 3, 4, 0.5)
+    assert tr.ledger.sampling == "cyclic poisson (q=0.5 within 4 partitions)"
+    assert [type(e.event).__name__ for e in tr.ledger.entries].count("PoissonSampledDpEvent") == 3
+    assert check_record(rec, tr.ledger.entries) == []
+    engine = PrivacyEngine()
+    data = TensorDataset(torch.randn(32, 3), torch.randint(0, 2, (32,)))
+    engine.make_private(
+        module=torch.nn.Linear(3, 2),
+        optimizer="dp-sgd",
+        data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=2.0,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+        total_steps=12,
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+        lr=0.1,
+    )
+    mech = engine._claims["privatizers"][0].mechanism
+    assert mech.record()["strategy"] == rec["strategy"]
+    from dp_accounting import dp_event
+
+    from dpopt.accounting.accountant import epsilon
+
+    want = epsilon(dp_event.ComposedDpEvent([mech.step_event(t) for t in range(12)]), 1e-5)
+    assert tr.get_epsilon() == pytest.approx(want, rel=1e-9)
+
+
+def test_cyclic_poisson_target_epsilon_is_met_from_below(tmp_path):
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        target_epsilon=3.0,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+    )
+    tr.train()
+    assert 0.98 * 3.0 <= tr.get_epsilon() <= 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"noise_mechanism": "blt", "sampling": "cyclic-poisson", "sample_rate": 0.5}, "banded:B only"),
+        ({"noise_mechanism": "banded:2", "sample_rate": 0.5}, "rate within a part"),
+        ({"sampling": "cyclic-poisson", "sample_rate": 0.5}, "correlated noise_mechanism only"),
+    ],
+)
+def test_cyclic_poisson_without_an_accountant_is_refused(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tr = DPTrainer(
+            model=gpt2(),
+            args=targs(tmp_path),
+            train_dataset=Tokens(),
+            privacy_unit="record",
+            noise_multiplier=1.0,
+            **kwargs,
+        )
+        tr.train()

@@ -278,6 +278,100 @@ def test_user_level_sft_removing_one_user_moves_the_clipped_sum_by_c(tmp_path, r
     assert close(moved, clip(mean)) and float(moved.norm()) == pytest.approx(C, rel=1e-9)
 
 
+def user_packed(out, text, user, k, block, **kw):
+    """A σ = 0 DPSFTTrainer, packing within each user (blocks of ``block`` tokens), B̄ = N_users (q = 1)."""
+    from datasets import Dataset
+
+    model = gpt2(double=True)
+    return DPSFTTrainer(
+        model=model,
+        args=cfg(
+            SFTConfig,
+            out,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=len(set(user)),
+            max_length=block,
+            packing=True,
+            packing_strategy="wrapped",
+            **{**EXACT, **kw},
+        ),
+        train_dataset=Dataset.from_dict({"text": text, "user_id": user}),
+        processing_class=tokenizer(),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        delta=1e-3,
+        privacy_unit="user",
+        max_records_per_user=k,
+        method=torch.optim.SGD(model.parameters(), lr=1.0),
+    )
+
+
+def test_user_packing_never_mixes_users_and_keeps_every_token_in_order(tmp_path):
+    # user u writes only the words w(10u) … w(10u + 9): a token's id tells its user (<eos> = 0 ends every text)
+    import random
+
+    rng = random.Random(5)
+    n, block = 12, 8
+    user = [i % 3 for i in range(n)]
+    text = [" ".join(f"w{10 * u + rng.randrange(10)}" for _ in range(rng.randint(3, 9))) for u in user]
+    tr = user_packed(tmp_path, text, user, 2, block)
+    packed = tr.train_dataset
+    tok = tokenizer()
+    for b in packed:
+        assert 1 <= len(b["input_ids"]) <= block and b["labels"] == b["input_ids"]
+        owners = {(t - 2) // 10 for t in b["input_ids"] if t != 0}
+        assert owners == {b["user_id"]}  # one user per block, the one in the user column
+    for u in range(
+        3
+    ):  # each user's blocks, concatenated: that user's texts (each + <eos>) in order, all full but the last
+        blocks = [b["input_ids"] for b in packed if b["user_id"] == u]
+        stream = [t for x, v in zip(text, user) if v == u for t in tok(x)["input_ids"] + [0]]
+        assert sum(blocks, []) == stream
+        assert [len(b) for b in blocks] == [block] * (len(blocks) - 1) + [len(stream) - block * (len(blocks) - 1)]
+    assert tr.privacy_unit == "user" and tr.block_tokens == block
+    tr.get_train_dataloader()
+    assert tr.ledger.privacy_unit == "user (at most 2 blocks of 8 tokens each)" and tr.ledger.num_users == 3
+    # TRL's own wrapped packing of the same texts (the block is the unit) does mix users: the check above can fail
+    with pytest.warns(UserWarning, match="privacy unit is the block"):
+        plain = sft(
+            tmp_path / "plain", tr_texts(text), 1, 1, max_length=block, packing=True, packing_strategy="wrapped"
+        )
+    assert any(len({(t - 2) // 10 for t in b["input_ids"] if t != 0}) > 1 for b in plain.train_dataset)
+
+
+def tr_texts(text):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"text": text})
+
+
+@pytest.mark.parametrize("removed", [0, 1, 2])  # a user with 1, k and more than k blocks
+def test_user_packed_sft_removing_one_user_moves_the_clipped_sum_by_c(tmp_path, removed):
+    k, block = 2, 4  # 3 words + <eos> = one block of 4 tokens
+    rows = texts(8, seed=3)["text"]
+    three = [" ".join(r.split()[:3]) for r in rows]
+    # user 0: one block; user 1: 2 blocks (7 words + <eos>); user 2: 4 equal blocks (k of them drawn: all the same
+    # gradient); user 3: 2 blocks
+    text = [three[0], " ".join((rows[1].split() * 3)[:7]), three[2], three[2], three[2], three[2], three[3], three[4]]
+    user = [0, 1, 2, 2, 2, 2, 3, 3]
+
+    def keep(users):
+        return [t for t, u in zip(text, user) if u in users], [u for u in user if u in users]
+
+    tr = user_packed(tmp_path / "a", *keep({0, 1, 2, 3}), k, block)
+    counts = [sum(1 for b in tr.train_dataset if b["user_id"] == u) for u in range(4)]
+    assert counts == [1, k, 4, k]  # 1, k and more than k blocks
+    full = released_sum(tr, 4)
+    less = released_sum(user_packed(tmp_path / "b", *keep({0, 1, 2, 3} - {removed}), k, block), 3)
+    moved = full - less
+    assert float(moved.norm()) <= C * (1 + 1e-9)  # per-block clipping would allow up to k·C
+    # the user's unit: the mean of its (at most k) blocks' gradients, each block collated alone, clipped once
+    model = gpt2(double=True)
+    blocks = [b for b in tr.train_dataset if b["user_id"] == removed][:k]
+    mean = sum(grad_of(model, sft_loss_alone(model, tr.data_collator, b))[0] for b in blocks) / len(blocks)
+    assert close(moved, clip(mean)) and float(moved.norm()) == pytest.approx(C, rel=1e-9)
+
+
 # -- runs: ε, logs, generate, resume -------------------------------------------------------------------------
 TRL_METRICS = ("mean_token_accuracy", "entropy", "num_tokens", "rewards/chosen", "rewards/margins", "logps/chosen")
 
@@ -336,7 +430,14 @@ def test_run_logs_only_public_values_generates_and_resume_continues_the_ledger(t
         (dict(packing=True), None, "flattens the whole batch"),  # TRL's default packing: bfd, padding-free
         (dict(padding_free=True), None, "flattens the whole batch"),
         (dict(loss_type="dft"), None, "loss_type='dft'"),
-        (dict(packing=True, packing_strategy="wrapped"), "user", "pack each user's texts|Pack each user's"),
+        (dict(packing=True), "user", "flattens the whole batch"),  # bfd packs across the batch: never per user
+        (dict(packing=True, packing_strategy="bfd_split"), "user", "flattens the whole batch"),
+        (dict(packing=True, packing_strategy="wrapped"), "user", "user column 'user_id'"),  # no user ids to pack by
+        (
+            dict(packing=True, packing_strategy="wrapped", dataset_kwargs={"skip_prepare_dataset": True}),
+            "user",
+            "packs within each user while preparing",
+        ),
         (dict(packing=True, packing_strategy="wrapped"), "record", "the unit is the block"),
         (dict(activation_offloading=True), None, "activation_offloading"),
     ],

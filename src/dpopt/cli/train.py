@@ -294,6 +294,10 @@ def train_command(
         "independent",
         help="independent, banded:B or blt[:N]: correlated noise (docs/correlated-noise.md)",
     ),
+    sampling: Optional[str] = typer.Option(
+        None,
+        help="correlated noise: cyclic (default) or cyclic-poisson (banded:B; amplified; --sample-rate: rate in a part)",
+    ),
     fsdp: bool = typer.Option(
         False,
         "--fsdp",
@@ -398,6 +402,7 @@ def train_command(
         user_ids=user_ids,
         max_records_per_user=max_records_per_user,
         noise_mechanism=noise_mechanism,
+        sampling=sampling,
     )
     if threads is not None:
         if threads < 1:
@@ -566,6 +571,7 @@ TRAIN_PANELS = {
         "user_ids",
         "max_records_per_user",
         "noise_mechanism",
+        "sampling",
     ),
     "Method": ("method", "lr", "hp", "h1", "h2", "variance_update", "lr_schedule", "warmup_steps", "seed"),
     "Clipping": ("clipping", "layer_bounds", "target_quantile", "quantile_lr", "count_share", "count_noise_multiplier"),

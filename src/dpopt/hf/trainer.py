@@ -77,6 +77,9 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
   apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
   state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes.
+  ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
+  b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
+  (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps.
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
 * **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun) trains through
@@ -115,6 +118,7 @@ from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
 from ..privacy_engine import PrivacyEngine
+from ..privacy_engine import _check_sampling as check_sampling
 from ..release_boundary import boundary_of
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
 from .batches import batch_size, split_batch, split_by_user, stand_in
@@ -239,10 +243,20 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     return out
 
 
-def _checked_mechanism(spec: str, privacy_unit: Any, max_epsilon: Optional[float]) -> str:
-    """``noise_mechanism`` as given, or a ValueError for a bad spec or a combination without an accountant."""
+def _checked_mechanism(
+    spec: str, privacy_unit: Any, max_epsilon: Optional[float], sampling: Optional[str], sample_rate: Optional[float]
+) -> str:
+    """``noise_mechanism`` as given, or a ValueError for a bad spec or a combination without an accountant
+    (``sampling`` / ``sample_rate``: make_private's; the rate is used by ``sampling="cyclic-poisson"`` only)."""
     kind, _ = parse_mechanism(spec)  # ValueError listing the accepted forms
+    if sample_rate is not None and sampling != "cyclic-poisson":
+        raise ValueError(
+            "DPTrainer: sample_rate= is the rate within a part of sampling='cyclic-poisson'; otherwise q is "
+            "B-bar/N (per_device_train_batch_size x gradient_accumulation_steps x world_size): drop it"
+        )
     if kind == "independent":
+        if sampling is not None:
+            raise ValueError("DPTrainer: sampling= applies to a correlated noise_mechanism only; drop it")
         return "independent"
     problems = []
     if privacy_unit == "user":
@@ -297,6 +311,8 @@ class DPTrainer(Trainer):
             (DP matrix factorization, :mod:`dpopt.correlated_noise`): ``"banded:B"`` or
             ``"blt"`` / ``"blt:N"`` — the argument of :meth:`dpopt.PrivacyEngine.make_private`;
             the horizon is the Trainer's planned steps and the batches are cyclic (module docstring).
+        sampling, sample_rate: correlated noise only: ``sampling="cyclic-poisson"`` with ``sample_rate=q``
+            is make_private's amplified banded form (module docstring); ``"cyclic"`` (default) otherwise.
         per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
         causal_lm: shift LM labels (default: from the model's class).
         eval_is_public: the evaluation set holds no record of the private
@@ -359,11 +375,14 @@ class DPTrainer(Trainer):
         user_column: str = "user_id",
         max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
         noise_mechanism: str = "independent",
+        sampling: Optional[str] = None,
+        sample_rate: Optional[float] = None,
         **kwargs: Any,
     ):
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
-        self.noise_mechanism = _checked_mechanism(noise_mechanism, privacy_unit, max_epsilon)
+        self.noise_mechanism = _checked_mechanism(noise_mechanism, privacy_unit, max_epsilon, sampling, sample_rate)
+        self._sampling: dict[str, Any] = {} if sampling is None else {"sampling": sampling, "sample_rate": sample_rate}
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         if method_kwargs and not isinstance(method, str):
@@ -522,10 +541,15 @@ class DPTrainer(Trainer):
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
         self.noise_multiplier, self.sample_rate = float(sigma), q
+        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part; an epoch stays per_epoch steps
+            self.sample_rate = float(cast(float, self._sampling["sample_rate"]))
+            loader.poisson.steps = per_epoch
         self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
         if self.block_tokens is not None:
             self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
         self.expected_batch_size = q * n
+        if self._sampling.get("sampling") == "cyclic-poisson":  # q·N/b'
+            self.expected_batch_size = float(private.expected_batch_size)
         return loader
 
     # -- correlated noise (dpopt.correlated_noise) -------------------------------------
@@ -534,7 +558,11 @@ class DPTrainer(Trainer):
         steps (empty for independent noise)."""
         if self.noise_mechanism == "independent":
             return {}
-        return {"noise_mechanism": self.noise_mechanism, "total_steps": self._planned_steps(per_epoch)}
+        return {
+            "noise_mechanism": self.noise_mechanism,
+            "total_steps": self._planned_steps(per_epoch),
+            **self._sampling,
+        }
 
     def _calibrate_mechanism(self, per_epoch: int) -> float:
         """σ for ``target_epsilon`` of the correlated-noise run: one Gaussian at the strategy's sensitivity for
@@ -542,6 +570,13 @@ class DPTrainer(Trainer):
         (:func:`~dpopt.accounting.calibration.calibrate_correlated_noise_multiplier`)."""
         steps = self._planned_steps(per_epoch)
         kind, size = parse_mechanism(self.noise_mechanism)
+        if self._sampling.get("sampling") == "cyclic-poisson":  # k rounds of Gaussian(σ/‖c‖) sampled at q
+            q = cast(float, self._sampling["sample_rate"])
+            parts = check_sampling("cyclic-poisson", kind, self.noise_mechanism, q, per_epoch)
+            column = optimize_strategy(kind, steps, size).column(steps)
+            return calibrate_noise_multiplier(
+                cast(float, self._target), self.delta, q, -(-steps // parts), str(self.engine.accountant)
+            ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in column))
         participation = Participation(steps, -(-steps // per_epoch), per_epoch)
         return calibrate_correlated_noise_multiplier(
             cast(float, self._target),

@@ -13,10 +13,11 @@ model initialisation (and other non-private randomness) only.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -92,6 +93,7 @@ class Run:
     noise: NoiseSource
     sample_rate: float
     steps: int
+    epoch_rate: float  # epochs per step: sample_rate, or 1/round(N/B̄) for cyclic Poisson (q is within a part)
     noise_multiplier: float
     calibration: Optional[CalibrationResult]
     ledger: PrivacyLedger
@@ -201,8 +203,41 @@ def _mechanism_plan(
     if kind == "independent":
         return None
     batches = min(n_train, max(1, round(1.0 / sample_rate)))
+    if cfg.sampling == "cyclic-poisson":  # b' parts, each example of part t mod b' sampled at q
+        batches = cyclic_poisson_parts(cfg, n_train)
+        if size > batches:
+            raise ConfigError(
+                f"sampling cyclic-poisson with noise_mechanism {cfg.noise_mechanism}: {size} bands exceed the "
+                f"{batches} parts (round(sample_rate × N / batch_size)); the amplified accountant needs "
+                f"bands <= parts: use banded:{batches} or a larger sample_rate",
+                "sampling",
+                "noise_mechanism",
+                "sample_rate",
+                "batch_size",
+            )
     participation = Participation(steps, -(-steps // batches), batches)
     return optimize_strategy(kind, steps, size), participation
+
+
+def cyclic_poisson_parts(cfg: TrainConfig, n_train: int) -> int:
+    """b' = round(q · L) parts of cyclic Poisson sampling, L = round(N / B̄) the steps of an epoch and q the
+    ``sample_rate`` within a part: the expected batch q·N/b' is about B̄ (as make_private's b' = round(q ·
+    len(data_loader))).
+
+    Raises:
+        ConfigError: b' rounds to 0 (naming ``sample_rate``).
+    """
+    per_epoch = max(1, round(n_train / float(cfg.batch_size)))
+    parts = min(n_train, round(float(cast(float, cfg.sample_rate)) * per_epoch))
+    if parts < 1:
+        raise ConfigError(
+            f"sampling cyclic-poisson: round(sample_rate × N / batch_size) = round({cfg.sample_rate} × "
+            f"{per_epoch}) is 0 parts; raise sample_rate to at least {0.5 / per_epoch:.3g}",
+            "sampling",
+            "sample_rate",
+            "batch_size",
+        )
+    return parts
 
 
 def build_run(
@@ -252,7 +287,9 @@ def build_run(
             "batch_size",
         )
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / units
-    steps = planned_steps(cfg.epochs, sample_rate)  # refuses epochs that round to no step
+    amplified = cfg.sampling == "cyclic-poisson"  # q is the rate within a part; an epoch is round(N/B̄) steps
+    epoch_rate = 1.0 / max(1, round(units / float(cfg.batch_size))) if amplified else sample_rate
+    steps = planned_steps(cfg.epochs, epoch_rate)  # refuses epochs that round to no step
     try:
         check_schedule(cfg.lr_schedule, cfg.warmup_steps, steps)
     except ValueError as err:
@@ -263,7 +300,13 @@ def build_run(
     mechanism = _mechanism_plan(cfg, data.n_train, sample_rate, steps)
     if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
         strategy, participation = mechanism
-        sigma = calibrate_mechanism_noise(cfg.target_epsilon, cfg.delta, strategy, participation, cfg.accountant)
+        if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's σ for k rounds at q, × ‖c‖
+            rounds = participation.participations
+            sigma = calibrate_noise_multiplier(
+                cfg.target_epsilon, cfg.delta, sample_rate, rounds, cfg.accountant
+            ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in strategy.column(steps)))
+        else:
+            sigma = calibrate_mechanism_noise(cfg.target_epsilon, cfg.delta, strategy, participation, cfg.accountant)
     elif cfg.target_epsilon is not None:
         calibration = calibrate_noise_multiplier(cfg.target_epsilon, cfg.delta, sample_rate, steps, cfg.accountant)
         sigma = calibration.noise_multiplier
@@ -293,8 +336,12 @@ def build_run(
         if dist is not None and dist.enabled:
             raise ConfigError("noise_mechanism is not supported with distributed training yet", "noise_mechanism")
         strategy, participation = mechanism
-        privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma)
-        expected_batch_size = data.n_train / participation.min_separation  # cyclic batches: N/b examples each
+        try:
+            privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma, sample_rate if amplified else None)
+        except ValueError as exc:
+            raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
+        # cyclic batches: N/b examples each; cyclic Poisson: q·N/b' expected
+        expected_batch_size = data.n_train * (sample_rate if amplified else 1.0) / participation.min_separation
         privacy_facts["noise_mechanism"] = cfg.noise_mechanism
     opt = build_optimizer(
         spec,
@@ -319,6 +366,7 @@ def build_run(
         noise=noise,
         sample_rate=sample_rate,
         steps=steps,
+        epoch_rate=epoch_rate,
         noise_multiplier=sigma,
         calibration=calibration,
         ledger=ledger,
@@ -341,6 +389,12 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
     if mech is not None:
         from ..cyclic_batches import CyclicBatchSampler
 
+        if mech.sample_rate is not None:  # amplified banded MF: part t mod b' Poisson-sampled at q
+            from ..cyclic_batches import CyclicPoissonBatchSampler
+
+            return CyclicPoissonBatchSampler(
+                run.data.n_train, mech.participation.min_separation, mech.sample_rate, run.steps, noise=run.noise
+            )
         return CyclicBatchSampler(run.data.n_train, mech.participation.min_separation, steps=run.steps)
     if run.users is None:
         return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)

@@ -106,6 +106,9 @@ class TrainConfig:
     max_records_per_user: int = 16
     # "independent", or correlated noise across steps: "banded:B" / "blt[:N]" (dpopt.correlated_noise)
     noise_mechanism: str = "independent"
+    # correlated noise only: "cyclic" (None: the default, unamplified) or "cyclic-poisson" (banded:B, amplified:
+    # round(q·N/B̄) parts, part t mod b' Poisson-sampled at q = sample_rate; dpopt.cyclic_batches)
+    sampling: Optional[str] = None
 
 
 def _check_noise_mechanism(cfg: TrainConfig) -> None:
@@ -117,8 +120,31 @@ def _check_noise_mechanism(cfg: TrainConfig) -> None:
         kind, _ = parse_mechanism(cfg.noise_mechanism)
     except ValueError as exc:
         raise ConfigError(str(exc), "noise_mechanism") from None
+    if cfg.sampling not in (None, "cyclic", "cyclic-poisson"):
+        raise ConfigError(f"sampling must be cyclic or cyclic-poisson, got {cfg.sampling!r}", "sampling")
     if kind == "independent":
+        if cfg.sampling is not None:
+            raise ConfigError(
+                "sampling applies to correlated noise only (independent noise is Poisson-sampled): "
+                "drop it or set noise_mechanism",
+                "sampling",
+                "noise_mechanism",
+            )
         return
+    if cfg.sampling == "cyclic-poisson" and kind != "banded":
+        raise ConfigError(
+            f"sampling cyclic-poisson with noise_mechanism {cfg.noise_mechanism}: an amplified accountant is known "
+            "for banded:B only (arXiv 2306.08153, Thm 4); use banded:B or sampling cyclic",
+            "sampling",
+            "noise_mechanism",
+        )
+    if cfg.sampling == "cyclic-poisson" and cfg.sample_rate is None:
+        raise ConfigError(
+            "sampling cyclic-poisson needs sample_rate q (each example of the step's part is included with "
+            "probability q; round(q·N/batch_size) parts)",
+            "sampling",
+            "sample_rate",
+        )
     if cfg.clipping == "quantile":
         raise ConfigError("noise_mechanism needs a fixed clip bound, not clipping 'quantile'", "noise_mechanism")
     if cfg.max_epsilon is not None:

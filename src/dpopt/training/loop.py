@@ -147,7 +147,7 @@ def run_steps(
     dist = run.dist
     if not dist.is_main:
         on_step = None
-    steps, sample_rate = run.steps, run.sample_rate
+    steps, sample_rate = run.steps, run.epoch_rate  # epochs per step (cyclic Poisson: not q)
     state = state or LoopState()
     tracker = tracker or EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
     sampler = sampler or run_sampler(run, DistributedContext())

@@ -1,0 +1,112 @@
+"""`dpopt train --noise-mechanism banded:B --sampling cyclic-poisson` (amplified banded MF, issue 36): the run's
+ledger records the amplified rounds, `dpopt check` / `dpopt ledger` re-score it from the files, ε equals an
+independent dp_accounting computation, --target-epsilon calibrates it, and combinations without a valid
+accountant exit 2 with one line."""
+
+import json
+import math
+
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from typer.testing import CliRunner
+
+from dpopt.accounting.ledger import PrivacyLedger
+from dpopt.accounting.ledger_check import check_run
+from dpopt.cli import app
+from dpopt.data import load_dataset
+
+BASE = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "256", "--method", "dp-sgd"]
+
+
+def _digits_parts(q: float, batch: int = 256) -> tuple[int, int]:
+    """(L, b'): L = round(N/B̄) steps per epoch, b' = round(q·L) parts (the CLI's documented rule)."""
+    n = len(load_dataset("digits").y_train)
+    per_epoch = round(n / batch)
+    return per_epoch, round(q * per_epoch)
+
+
+def _pld_epsilon(mu_inv: float, q: float, rounds: int, delta: float) -> float:
+    """ε of ``rounds`` Poisson-sampled Gaussians (noise multiplier ``mu_inv``) from dp_accounting's PLD at a
+    fine grid (an accountant configured independently of dpopt's)."""
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(mu_inv))
+    return acc.compose(dp_event.SelfComposedDpEvent(event, rounds)).get_epsilon(delta)
+
+
+@pytest.fixture(scope="module")
+def amplified_run(tmp_path_factory):
+    """digits, B̄ = 256, q = 0.5, banded:2, σ = 2, one epoch: L = 6 steps per epoch (N = 1437), b' = 3 parts,
+    T = 6 steps, k = 2 rounds."""
+    run_dir = tmp_path_factory.mktemp("amplified") / "run"
+    args = BASE + ["--noise-multiplier", "2", "--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson"]
+    result = CliRunner().invoke(app, args + ["--sample-rate", "0.5", "--out", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    return run_dir
+
+
+def test_amplified_run_records_one_sampled_gaussian_per_round(amplified_run):
+    """The ledger has one PoissonSampledDpEvent(q, Gaussian(σ/‖c‖)) per round (k = 2) and ε is dp_accounting's
+    for 2 such rounds (rel 1e-3: PLD grids); an epoch is L steps."""
+    run_dir = amplified_run
+    per_epoch, parts = _digits_parts(0.5)
+    assert (per_epoch, parts) == (6, 3)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == per_epoch and summary["sample_rate"] == 0.5
+    ledger = PrivacyLedger.load(run_dir / "ledger.json")
+    rec = ledger.mechanism
+    assert rec["kind"] == "banded" and rec["sample_rate"] == 0.5 and rec["min_separation"] == parts
+    assert rec["amplification"].startswith("cyclic-poisson") and rec["noise_multiplier"] == 2.0
+    assert "cyclic poisson" in ledger.sampling
+    kinds = [type(e.event).__name__ for e in ledger.entries]
+    assert kinds.count("PoissonSampledDpEvent") == per_epoch // parts == 2  # one per round, at t mod b' = 0
+    col = math.sqrt(sum(c * c for c in rec["strategy"]["coefficients"]))
+    assert summary["epsilon"] == pytest.approx(_pld_epsilon(2.0 / col, 0.5, 2, 1e-5), rel=1e-3)
+    epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [1]  # an epoch is L = round(N/B̄) steps, not 1/q = 2
+
+
+def test_amplified_run_checks_rescores_and_refuses_resume(amplified_run):
+    runner = CliRunner()
+    summary = json.loads((amplified_run / "summary.json").read_text())
+    checked = runner.invoke(app, ["check", str(amplified_run)])
+    assert checked.exit_code == 0 and "RESULT: PASS" in checked.output
+    rescored = runner.invoke(app, ["ledger", str(amplified_run)])
+    assert rescored.exit_code == 0 and f"pld: {summary['epsilon']:.5f}" in rescored.output
+    resumed = runner.invoke(app, ["train", "--resume", str(amplified_run)])
+    assert resumed.exit_code == 2 and "refused" in resumed.output and "Traceback" not in resumed.output
+
+
+def test_target_epsilon_calibrates_the_amplified_run(tmp_path):
+    """--target-epsilon 4: σ = DP-SGD's σ for k = 2 rounds at q = 0.5, times ‖c‖; the run's ε is at most the
+    target and within 1 % of it (the calibration's search tolerance), and the check passes."""
+    runner = CliRunner()
+    run_dir = tmp_path / "run"
+    args = BASE + ["--target-epsilon", "4", "--noise-mechanism", "banded:3", "--sampling", "cyclic-poisson"]
+    result = runner.invoke(app, args + ["--sample-rate", "0.5", "--out", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.99 * 4 <= summary["epsilon"] <= 4.0 + 1e-9
+    assert check_run(run_dir).passed
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--noise-mechanism", "blt", "--sampling", "cyclic-poisson", "--sample-rate", "0.5"], "banded:B only"),
+        (
+            ["--noise-mechanism", "banded:4", "--sampling", "cyclic-poisson", "--sample-rate", "0.5"],
+            "exceed the 3 parts",
+        ),
+        (["--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson"], "needs --sample-rate"),
+        (["--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson", "--sample-rate", "0.01"], "is 0 parts"),
+        (["--sampling", "cyclic-poisson", "--sample-rate", "0.5"], "correlated noise only"),
+        (["--noise-mechanism", "banded:2", "--sampling", "poisson"], "cyclic or cyclic-poisson"),
+    ],
+)
+def test_combinations_without_an_accountant_exit_2(tmp_path, extra, needle):
+    result = CliRunner().invoke(app, BASE + extra + ["--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.output
+    assert not (tmp_path / "run" / "ledger.json").exists()
