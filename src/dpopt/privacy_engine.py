@@ -682,6 +682,9 @@ class PrivacyEngine:
                         noise=noise,
                         **loader_settings(data_loader),
                     )
+                    # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
+                    # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
+                    loader.poisson.steps = steps_per_epoch
                 else:
                     n, steps_per_epoch, loader = _cyclic_loader(data_loader, ctx)
                     sample_rate = 1.0 / steps_per_epoch

@@ -191,10 +191,12 @@ def test_make_private_cyclic_poisson_trains_accounts_and_checks():
         sample_rate=0.5,
         lr=0.05,
     )
-    assert isinstance(loader, CyclicPoissonLoader) and len(loader) == 2
+    # one pass of the loader is one epoch of the horizon (len(data_loader) = 4 steps, cycling the 2 parts), so
+    # `epochs` passes make the T planned releases
+    assert isinstance(loader, CyclicPoissonLoader) and len(loader) == 4
     assert opt.expected_batch_size == pytest.approx(12.0)
     steps = 0
-    for _ in range(4):
+    for _ in range(2):
         for x, y in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward() if len(y) else None

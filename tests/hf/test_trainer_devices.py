@@ -113,3 +113,9 @@ def test_a_mixed_precision_left_in_the_environment_is_refused_not_silently_used(
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"ACCELERATE_MIXED_PRECISION='bf16'.*pass bf16=True"):
             DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("name", ["noise_multiplier", "target_epsilon"])
+def test_a_budget_given_as_text_is_refused(tmp_path, name):
+    with pytest.raises(TypeError, match=f"{name} must be a number, got str '8'"):
+        DPTrainer(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), max_grad_norm=1.0, **{name: "8"})

@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Callable, Optional, Union, cast
 
@@ -381,6 +382,9 @@ class DPTrainer(Trainer):
     ):
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("DPTrainer takes exactly one of noise_multiplier= and target_epsilon=")
+        for name, value in (("noise_multiplier", noise_multiplier), ("target_epsilon", target_epsilon)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
         self.noise_mechanism = _checked_mechanism(noise_mechanism, privacy_unit, max_epsilon, sampling, sample_rate)
         self._sampling: dict[str, Any] = {} if sampling is None else {"sampling": sampling, "sample_rate": sample_rate}
         if not 0 < delta < 1:
