@@ -545,9 +545,8 @@ class DPTrainer(Trainer):
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
         self.noise_multiplier, self.sample_rate = float(sigma), q
-        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part; an epoch stays per_epoch steps
+        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part (an epoch: len(base) steps)
             self.sample_rate = float(cast(float, self._sampling["sample_rate"]))
-            loader.poisson.steps = per_epoch
         self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
         if self.block_tokens is not None:
             self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
