@@ -321,12 +321,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
             tagged = boundary.step_chunk(b)
             if self._user_level:
                 source = self._by_user(source)
-            if not ((not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)):
+            skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
+            if not skip:
                 for p in params:  # released into p.grad below: the backward's non-private gradient is never read,
                     p.grad = None  # and dropping it first keeps the clipped sums from sitting beside it (issue 43)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
-            skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
             self._check_views_match_the_batch(final=not skip)
         except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen

@@ -466,6 +466,11 @@ def _fresh_outputs(out):
     return tree_unflatten(flat, spec), [t for t in flat if isinstance(t, Tensor)]
 
 
+def _dropped(g: Tensor) -> Tensor:
+    """A parameter hook's stand-in for ``g``: a zero-stride zero of its shape (no gradient memory kept)."""
+    return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+
+
 def _shapes(ts) -> list:
     return [tuple(t.shape) for t in ts]
 
@@ -671,9 +676,7 @@ class Recorder:
         if self.reentrant or not all(q.is_leaf for q in params):
             self.grads(loss, params)
             return
-        handles = [
-            q.register_hook(lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)) for q in params
-        ]
+        handles = [q.register_hook(_dropped) for q in params]
         try:
             torch.autograd.grad(loss, params, allow_unused=True)
         finally:
@@ -1371,7 +1374,7 @@ class Recorder:
 
         def hook(i: int, g: Tensor) -> Tensor:
             reduce(i, g)
-            return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+            return _dropped(g)
 
         self.active = False
         handles = [q.register_hook(partial(hook, i)) for i, q in zip(indices, chosen)]

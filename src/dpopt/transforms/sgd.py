@@ -31,9 +31,12 @@ class ScaleByLearningRate(Transform):
         return torch._foreach_mul(list(updates), [-(lr * self.multiplier) for lr in ctx.lrs])
 
     def apply(self, updates, states, params, ctx: StepContext) -> None:
-        """``p ← p − lr·u`` in place, one parameter at a time: no scaled copy of the updates is made."""
-        for p, u, lr in zip(params, updates, ctx.lrs):
-            p.add_(u, alpha=-(lr * self.multiplier))
+        """``p ← p − lr·u`` in place, one ``_foreach_add_`` per distinct lr: no scaled copy of the updates is made."""
+        by_lr: dict[float, list[int]] = {}
+        for i, lr in enumerate(ctx.lrs[: len(params)]):
+            by_lr.setdefault(lr, []).append(i)
+        for lr, idx in by_lr.items():
+            torch._foreach_add_([params[i] for i in idx], [updates[i] for i in idx], alpha=-(lr * self.multiplier))
 
 
 def scale_by_lr(multiplier: float = 1.0) -> ScaleByLearningRate:
