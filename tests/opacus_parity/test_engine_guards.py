@@ -273,3 +273,12 @@ def test_a_wrong_type_for_module_or_data_loader_says_what_to_pass(which):
     args[which] = "model" if which == "module" else data()  # a name; a Dataset where its DataLoader belongs
     with pytest.raises(TypeError, match=f"{which} must be .* got (str|TensorDataset)"):
         dpopt.PrivacyEngine().make_private(**args, noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_a_part_or_a_parent_of_a_private_model_is_refused_too():
+    kept = private()  # its optimizer alive: the capture stays attached
+    m = kept[1]
+    with pytest.raises(ValueError, match=r"detach\(\)"):  # a submodule: its layers carry the first capture's hooks
+        _again(m[2])
+    with pytest.raises(ValueError, match=r"detach\(\)"):  # a model that contains it
+        _again(nn.Sequential(m, nn.Linear(m[2].out_features, 3)))

@@ -105,17 +105,18 @@ def refuse_second_capture(model: nn.Module) -> None:
 
     Two captures on one model would both record every forward's private layer inputs: the earlier
     one keeps them (memory, and private tensors held by an object the user no longer steps) and
-    its checks see passes that are not its own. Detected from the root's forward-pre hooks (a
-    :class:`~dpopt.engine.capture.Recorder`'s bound method), so a deep copy that kept the hooks is
-    refused too; :func:`dpopt.averaging.unhooked_copy` or ``engine.detach()`` clears them.
+    its checks see passes that are not its own. Detected from the forward hooks of every module (a
+    :class:`~dpopt.engine.capture.Recorder`'s bound method), so a submodule or a parent of a private
+    model and a deep copy that kept the hooks are refused too; :func:`dpopt.averaging.unhooked_copy` or ``engine.detach()`` clears them.
 
     Raises:
         ValueError: with what to change.
     """
-    hooks = list(model._forward_pre_hooks.values())
+    hooks = [h for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()]
     if any(isinstance(getattr(h, "__self__", None), Recorder) for h in hooks):
         raise ValueError(
-            "this model still carries the hooks of an earlier PrivacyEngine.make_private / DP trainer "
+            "this model (or a module in it, or one it is part of) still carries the hooks of an earlier "
+            "PrivacyEngine.make_private / DP trainer "
             "(or is a deep copy of such a model): call that engine's detach() (a trainer's "
             "trainer.engine.detach()) before making it private again, or copy it with "
             "dpopt.averaging.unhooked_copy"
