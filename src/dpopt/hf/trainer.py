@@ -544,16 +544,14 @@ class DPTrainer(Trainer):
             **hparams,
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
-        self.noise_multiplier, self.sample_rate = float(sigma), q
-        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part; an epoch stays per_epoch steps
+        self.noise_multiplier, self.sample_rate, self.expected_batch_size = float(sigma), q, q * n
+        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part, q·N/b' per batch
             self.sample_rate = float(cast(float, self._sampling["sample_rate"]))
-            loader.poisson.steps = per_epoch
+            self.expected_batch_size = float(private.expected_batch_size)
+            loader.poisson.steps = per_epoch  # an epoch stays per_epoch steps
         self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
         if self.block_tokens is not None:
             self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
-        self.expected_batch_size = q * n
-        if self._sampling.get("sampling") == "cyclic-poisson":  # q·N/b'
-            self.expected_batch_size = float(private.expected_batch_size)
         return loader
 
     # -- correlated noise (dpopt.correlated_noise) -------------------------------------
