@@ -550,9 +550,15 @@ class DPTrainer(Trainer):
             self.expected_batch_size = float(private.expected_batch_size)
             loader.poisson.steps = per_epoch  # an epoch stays per_epoch steps
         self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
-        if self.block_tokens is not None:
-            self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
+        unit = self._ledger_unit()
+        if unit is not None:
+            self.engine.ledger.privacy_unit = unit
         return loader
+
+    def _ledger_unit(self) -> Optional[str]:
+        """The ledger header's ``privacy_unit`` when it is not make_private's: a packed block's text, else None
+        (a subclass with its own unit, e.g. DPO's preference pair, returns that)."""
+        return None if self.block_tokens is None else unit_text(self.block_tokens)
 
     # -- correlated noise (dpopt.correlated_noise) -------------------------------------
     def _mechanism_arguments(self, per_epoch: int) -> dict:
