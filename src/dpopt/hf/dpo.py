@@ -252,11 +252,9 @@ class DPDPOTrainer(TRLPrivate, DPTrainer, DPOTrainer):
             )
         self.data_collator = PairRows(self.data_collator)
 
-    def get_train_dataloader(self) -> Any:
-        """DPTrainer's Poisson loader over pairs; the ledger header records the unit (:data:`PAIR_UNIT`)."""
-        loader = super().get_train_dataloader()
-        self.ledger.privacy_unit = PAIR_UNIT
-        return loader
+    def _ledger_unit(self) -> Optional[str]:
+        """The ledger header's unit: the preference pair (:data:`PAIR_UNIT`)."""
+        return PAIR_UNIT
 
     def _unit_arguments(self, user_ids: Optional[list], q: float) -> dict:
         """make_private's unit arguments: the two rows of a pair are one example (``augmentation_multiplicity=2``)."""

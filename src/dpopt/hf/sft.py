@@ -200,12 +200,11 @@ class DPSFTTrainer(TRLPrivate, DPTrainer, SFTTrainer):
         )
         return pack_by_user(tokenized, int(args.max_length), self.user_column, map_kwargs={"desc": "Packing per user"})
 
-    def get_train_dataloader(self) -> Any:
-        """DPTrainer's loader; with packing within users the ledger header names the user unit and the block."""
-        loader = super().get_train_dataloader()
+    def _ledger_unit(self) -> Optional[str]:
+        """With packing within users the ledger header names the user unit and the block; else DPTrainer's."""
         if self._packs_by_user(self.args) and self.block_tokens is not None:
-            self.ledger.privacy_unit = user_blocks_text(self.max_records_per_user, self.block_tokens)
-        return loader
+            return user_blocks_text(self.max_records_per_user, self.block_tokens)
+        return super()._ledger_unit()
 
 
 def user_blocks_text(max_records_per_user: int, block: int) -> str:

@@ -544,16 +544,20 @@ class DPTrainer(Trainer):
             **hparams,
         )
         self.optimizer, self._private, self._dp_loader = private, private, loader
-        self.noise_multiplier, self.sample_rate = float(sigma), q
-        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part (an epoch: len(base) steps)
+        self.noise_multiplier, self.sample_rate, self.expected_batch_size = float(sigma), q, q * n
+        if self._sampling.get("sampling") == "cyclic-poisson":  # q within a part, q·N/b' per batch
             self.sample_rate = float(cast(float, self._sampling["sample_rate"]))
-        self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
-        if self.block_tokens is not None:
-            self.engine.ledger.privacy_unit = unit_text(self.block_tokens)
-        self.expected_batch_size = q * n
-        if self._sampling.get("sampling") == "cyclic-poisson":  # q·N/b'
             self.expected_batch_size = float(private.expected_batch_size)
+        self.engine.ledger.delta = self.delta  # `dpopt ledger` scores at the run's delta
+        unit = self._ledger_unit()
+        if unit is not None:
+            self.engine.ledger.privacy_unit = unit
         return loader
+
+    def _ledger_unit(self) -> Optional[str]:
+        """The ledger header's ``privacy_unit`` when it is not make_private's: a packed block's text, else None
+        (a subclass with its own unit, e.g. DPO's preference pair, returns that)."""
+        return None if self.block_tokens is None else unit_text(self.block_tokens)
 
     # -- correlated noise (dpopt.correlated_noise) -------------------------------------
     def _mechanism_arguments(self, per_epoch: int) -> dict:
