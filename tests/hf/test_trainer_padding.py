@@ -100,7 +100,8 @@ def test_padded_and_agreed_chunks_on_one_process():
         agreed_chunks(0, one)
     assert padded(["a", "b"], 4, "s") == [("a", True), ("b", True), ("s", False), ("s", False)]
     assert padded([], 1, "s") == [("s", False)]
-    with pytest.raises(ValueError, match="agreed on 1"):
+    with pytest.raises(ValueError, match="more chunks than the ranks agreed on") as e:
         padded(["a", "b"], 1, "s")
+    assert not any(ch.isdigit() for ch in str(e.value))  # realised chunk counts are private: never in a message
     with pytest.raises(ValueError, match=">= 0"):
         boundary_of(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)).public_rows(-1)

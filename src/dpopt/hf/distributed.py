@@ -247,7 +247,8 @@ def padded(chunks: list, target: int, stand_in: Any) -> list[tuple[Any, bool]]:
         ValueError: more chunks than ``target`` (the agreed count is a maximum over the ranks).
     """
     if len(chunks) > target:
-        raise ValueError(f"{len(chunks)} chunks but the ranks agreed on {target}")
+        # the counts are realised (private) batch sizes in chunks: the message names the mismatch, not them
+        raise ValueError("this rank has more chunks than the ranks agreed on (their maximum): the counts differ")
     return [(c, True) for c in chunks] + [(stand_in, False)] * (target - len(chunks))
 
 
