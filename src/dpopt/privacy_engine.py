@@ -101,7 +101,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import engine_checkpoint, fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
-from .accounting.calibration import calibrate_noise_multiplier
+from .accounting.calibration import calibrate_amplified_banded_noise_multiplier, calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
@@ -891,10 +891,15 @@ class PrivacyEngine:
             strategy = optimize_strategy(kind, steps, size)
             if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
                 parts = _check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
-                rounds = -(-steps // parts)
-                sigma = calibrate_noise_multiplier(
-                    target_epsilon, target_delta, float(cast(float, given)), rounds, str(self.accountant)
-                ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in strategy.column(steps)))
+                sigma = calibrate_amplified_banded_noise_multiplier(
+                    target_epsilon,
+                    target_delta,
+                    strategy,
+                    steps,
+                    -(-steps // parts),
+                    float(cast(float, given)),
+                    str(self.accountant),
+                )
             else:
                 b = len(data_loader)
                 participation = Participation(steps, -(-steps // b), b)

@@ -62,6 +62,7 @@ __all__ = [
     "CalibrationInterrupted",
     "calibrate_noise_multiplier",
     "calibrate_correlated_noise_multiplier",
+    "calibrate_amplified_banded_noise_multiplier",
     "DEFAULT_RTOL",
     "MIN_NOISE_MULTIPLIER",
     "MAX_NOISE_MULTIPLIER",
@@ -551,3 +552,28 @@ def calibrate_correlated_noise_multiplier(
             return sigma
         sigma *= 1.001
     raise RuntimeError("could not calibrate the noise multiplier (the accountant never reached the target)")
+
+
+def calibrate_amplified_banded_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    strategy: Any,
+    steps: int,
+    rounds: int,
+    sample_rate: float,
+    accountant: str = "pld",
+) -> float:
+    """The σ of a cyclic-Poisson banded-MF run (``sampling="cyclic-poisson"``) at ε ≤ ``target_epsilon``.
+
+    Such a run is ``rounds`` = ⌈T/b'⌉ rounds of the Poisson-sampled Gaussian at noise multiplier σ/‖c‖
+    (c the strategy's column of T = ``steps`` coefficients; Choquette-Choo et al. 2023, arXiv 2306.08153,
+    Thm 4), so σ = DP-SGD's σ for ``rounds`` steps at q = ``sample_rate`` (:func:`calibrate_noise_multiplier`)
+    times ‖c‖. The one rule of ``make_private_with_epsilon``, ``dpopt train`` and ``DPTrainer``.
+
+    Raises:
+        ValueError: as :func:`calibrate_noise_multiplier`.
+    """
+    column = strategy.column(steps)
+    norm = math.sqrt(sum(float(c) ** 2 for c in column))
+    sigma = calibrate_noise_multiplier(target_epsilon, delta, float(sample_rate), int(rounds), accountant)
+    return float(sigma.noise_multiplier) * norm

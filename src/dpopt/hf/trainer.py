@@ -113,7 +113,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
-from ..accounting.calibration import calibrate_correlated_noise_multiplier, calibrate_noise_multiplier
+from ..accounting.calibration import (
+    calibrate_amplified_banded_noise_multiplier,
+    calibrate_correlated_noise_multiplier,
+    calibrate_noise_multiplier,
+)
 from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
@@ -580,10 +584,15 @@ class DPTrainer(Trainer):
         if self._sampling.get("sampling") == "cyclic-poisson":  # k rounds of Gaussian(σ/‖c‖) sampled at q
             q = cast(float, self._sampling["sample_rate"])
             parts = check_sampling("cyclic-poisson", kind, self.noise_mechanism, q, per_epoch)
-            column = optimize_strategy(kind, steps, size).column(steps)
-            return calibrate_noise_multiplier(
-                cast(float, self._target), self.delta, q, -(-steps // parts), str(self.engine.accountant)
-            ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in column))
+            return calibrate_amplified_banded_noise_multiplier(
+                cast(float, self._target),
+                self.delta,
+                optimize_strategy(kind, steps, size),
+                steps,
+                -(-steps // parts),
+                q,
+                str(self.engine.accountant),
+            )
         participation = Participation(steps, -(-steps // per_epoch), per_epoch)
         return calibrate_correlated_noise_multiplier(
             cast(float, self._target),

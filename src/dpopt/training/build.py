@@ -13,7 +13,6 @@ model initialisation (and other non-private randomness) only.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,11 @@ import torch
 from torch import nn
 
 from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
-from ..accounting.calibration import CalibrationResult, calibrate_noise_multiplier
+from ..accounting.calibration import (
+    CalibrationResult,
+    calibrate_amplified_banded_noise_multiplier,
+    calibrate_noise_multiplier,
+)
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
 from ..correlated_noise import CorrelatedNoise, Participation, Strategy, optimize_strategy, parse_mechanism
@@ -301,10 +304,15 @@ def build_run(
     if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
         strategy, participation = mechanism
         if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's σ for k rounds at q, × ‖c‖
-            rounds = participation.participations
-            sigma = calibrate_noise_multiplier(
-                cfg.target_epsilon, cfg.delta, sample_rate, rounds, cfg.accountant
-            ).noise_multiplier * math.sqrt(sum(float(c) ** 2 for c in strategy.column(steps)))
+            sigma = calibrate_amplified_banded_noise_multiplier(
+                cfg.target_epsilon,
+                cfg.delta,
+                strategy,
+                steps,
+                participation.participations,
+                sample_rate,
+                cfg.accountant,
+            )
         else:
             sigma = calibrate_mechanism_noise(cfg.target_epsilon, cfg.delta, strategy, participation, cfg.accountant)
     elif cfg.target_epsilon is not None:
