@@ -582,7 +582,8 @@ def mixture_of_gaussians_round(noise_multiplier: float, strategy: Strategy, samp
     if strategy.kind != "banded" or not 0.0 < float(sample_rate) <= 1.0:
         raise ValueError("a mixture-of-Gaussians round is built for banded strategies and q in (0, 1] only")
     col = float(np.linalg.norm(np.asarray(strategy.coefficients, dtype=np.float64)))
-    return dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), [0.0, col], [1.0 - sample_rate, sample_rate])
+    q = float(sample_rate)
+    return dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), [0.0, col], [1.0 - q, q])
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
