@@ -135,7 +135,6 @@ class CyclicPoissonBatchSampler(Sampler):
         self.sample_rate = float(sample_rate)
         self.steps = len(self._cyclic) if steps is None else int(steps)
         self.noise = make_noise_source(noise)
-        self.drawn = 0
         self.sizes: "deque[int]" = deque(maxlen=1024)
 
     @property
@@ -160,7 +159,6 @@ class CyclicPoissonBatchSampler(Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
             idx = self.sample()
-            self.drawn += 1
             self.sizes.append(int(idx.numel()))
             yield idx.tolist()
 
