@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from .data_loader import DPDataLoader, EmptyBatchCollate
 from .noise import NoiseSource, make_noise_source
 
-__all__ = ["CyclicBatchSampler", "CyclicPoissonBatchSampler", "CyclicPoissonLoader"]
+__all__ = ["CyclicBatchSampler", "CyclicPoissonBatchSampler", "CyclicPoissonLoader", "cyclic_poisson_partitions"]
 
 
 class CyclicBatchSampler(Sampler):
@@ -96,6 +96,13 @@ class CyclicBatchSampler(Sampler):
         """
         if int(state.get("position", 0)) != 0:
             raise ValueError("cyclic batches of a correlated-noise run are never resumed (docs/correlated-noise.md)")
+
+
+def cyclic_poisson_partitions(sample_rate: float, steps_per_epoch: int) -> int:
+    """b' = round(q · L), the number of parts of cyclic Poisson sampling at rate q within a part, L the steps of
+    one epoch: the expected batch q·N/b' is then about N/L, the batch of ordinary training (0 when q·L < 1/2;
+    callers refuse that naming their own options)."""
+    return int(round(float(sample_rate) * int(steps_per_epoch)))
 
 
 class CyclicPoissonBatchSampler(Sampler):

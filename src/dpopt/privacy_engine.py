@@ -108,7 +108,7 @@ from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
 from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
 from .correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
-from .cyclic_batches import CyclicBatchSampler, CyclicPoissonLoader
+from .cyclic_batches import CyclicBatchSampler, CyclicPoissonLoader, cyclic_poisson_partitions
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
     DistributedContext,
@@ -329,7 +329,7 @@ def _check_sampling(sampling: Optional[str], kind: str, spec: str, sample_rate: 
             f"sampling='cyclic-poisson' needs sample_rate=q in (0, 1] (the rate within a part), got {sample_rate!r}",
             "sample_rate",
         )
-    parts = int(round(float(sample_rate) * batches))
+    parts = cyclic_poisson_partitions(sample_rate, batches)
     if parts < 1:
         raise ConfigError(
             f"sampling='cyclic-poisson': b' = round(sample_rate × len(data_loader)) = round({sample_rate} × "

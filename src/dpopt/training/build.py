@@ -31,6 +31,7 @@ from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
 from ..correlated_noise import CorrelatedNoise, Participation, Strategy, optimize_strategy, parse_mechanism
 from ..correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
+from ..cyclic_batches import cyclic_poisson_partitions
 from ..data import Dataset, split_validation
 from ..distributed import DistributedContext, attach, broadcast_parameters, poisson_sampler
 from ..errors import ConfigError
@@ -231,7 +232,7 @@ def cyclic_poisson_parts(cfg: TrainConfig, n_train: int) -> int:
         ConfigError: b' rounds to 0 (naming ``sample_rate``).
     """
     per_epoch = max(1, round(n_train / float(cfg.batch_size)))
-    parts = min(n_train, round(float(cast(float, cfg.sample_rate)) * per_epoch))
+    parts = min(n_train, cyclic_poisson_partitions(cast(float, cfg.sample_rate), per_epoch))
     if parts < 1:
         raise ConfigError(
             f"sampling cyclic-poisson: round(sample_rate × N / batch_size) = round({cfg.sample_rate} × "
