@@ -179,6 +179,14 @@ class CyclicPoissonBatchSampler(Sampler):
         """Public: the position (a correlated-noise run is never resumed, docs/correlated-noise.md)."""
         return {"version": 1, "position": self.position, "partitions": len(self._cyclic), "cyclic_poisson": True}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Refuse to resume (as :meth:`CyclicBatchSampler.load_state_dict`: a correlated-noise stream is never saved).
+
+        Raises:
+            ValueError: a state past position 0.
+        """
+        self._cyclic.load_state_dict(state)
+
 
 class CyclicPoissonLoader(DPDataLoader):
     """A :class:`~dpopt.data_loader.DPDataLoader` whose batches come from a :class:`CyclicPoissonBatchSampler`
