@@ -194,7 +194,9 @@ class CyclicPoissonLoader(DPDataLoader):
 
     Args:
         dataset: a non-empty map-style dataset.
-        partitions, sample_rate, noise: as :class:`CyclicPoissonBatchSampler` (one iteration: b' batches).
+        partitions, sample_rate, noise: as :class:`CyclicPoissonBatchSampler`.
+        steps: batches per iteration of the loader (default b': one pass over the parts; ``make_private``
+            gives the horizon's epoch, ``len(data_loader)``).
         collate_fn: the item collate function (default ``default_collate``).
         **kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``, ...).
 
@@ -209,12 +211,13 @@ class CyclicPoissonLoader(DPDataLoader):
         sample_rate: float,
         collate_fn: Optional[Callable] = None,
         noise: Optional[NoiseSource] = None,
+        steps: Optional[int] = None,
         **kwargs: Any,
     ):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
             raise ValueError("cyclic Poisson sampling needs a non-empty map-style dataset (with __len__)")
         self.sample_rate = float(sample_rate)
-        self.poisson = CyclicPoissonBatchSampler(len(dataset), partitions, sample_rate, noise=noise)  # type: ignore[assignment]
+        self.poisson = CyclicPoissonBatchSampler(len(dataset), partitions, sample_rate, noise=noise, steps=steps)  # type: ignore[assignment]
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )

@@ -680,11 +680,11 @@ class PrivacyEngine:
                         sample_rate,
                         collate_fn=data_loader.collate_fn,
                         noise=noise,
+                        # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
+                        # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
+                        steps=steps_per_epoch,
                         **loader_settings(data_loader),
                     )
-                    # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
-                    # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
-                    loader.poisson.steps = steps_per_epoch
                 else:
                     n, steps_per_epoch, loader = _cyclic_loader(data_loader, ctx)
                     sample_rate = 1.0 / steps_per_epoch
