@@ -133,7 +133,7 @@ from .release_boundary import boundary_of
 from .transforms.base import Chain, Partition, Transform
 from .users import DEFAULT_MAX_RECORDS_PER_USER, check_privacy_unit
 
-__all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING"]
+__all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING", "check_sampling"]
 
 CLIPPING = ("flat", "per_layer", "adaptive", "auto")  # auto: AUTO-S (dpopt.auto_clipping)
 
@@ -303,9 +303,22 @@ def _mechanism(
     return mech
 
 
-def _check_sampling(sampling: Optional[str], kind: str, spec: str, sample_rate: Optional[float], batches: int) -> int:
-    """The number of partitions b' of cyclic Poisson sampling (0 for cyclic batches / independent noise), or a
-    ConfigError for a sampling without a valid accountant (:func:`~dpopt.correlated_noise.check_amplified`)."""
+def check_sampling(sampling: Optional[str], kind: str, spec: str, sample_rate: Optional[float], batches: int) -> int:
+    """The number of partitions b' of cyclic Poisson sampling (0 for cyclic batches / independent noise).
+
+    The one rule of ``make_private``, ``make_private_with_epsilon`` and ``DPTrainer`` (Choquette-Choo et al.
+    2023, arXiv 2306.08153, Sec. 4): b' = round(q · ``batches``) parts.
+
+    Args:
+        sampling: None, ``"cyclic"`` or ``"cyclic-poisson"``.
+        kind, spec: the noise mechanism's kind (``"banded"``, ``"blt"``, ``"independent"``) and its spec string.
+        sample_rate: q, the rate within a part (required for ``"cyclic-poisson"``).
+        batches: L, the steps of one epoch (the loader's length).
+
+    Raises:
+        ConfigError: an unknown sampling, or one without a valid accountant
+            (:func:`~dpopt.correlated_noise.check_amplified`).
+    """
     if sampling is None:
         return 0
     if sampling not in ("cyclic", "cyclic-poisson"):
@@ -615,7 +628,7 @@ class PrivacyEngine:
         mech_kind = self._check_mechanism_options(
             noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
         )
-        partitions = _check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
+        partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
         if partitions and distributed:
             raise ConfigError(
                 "sampling='cyclic-poisson' with distributed training is not supported yet: use sampling='cyclic' "
@@ -890,7 +903,7 @@ class PrivacyEngine:
             steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # T counts the loader's batches
             strategy = optimize_strategy(kind, steps, size)
             if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
-                parts = _check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
+                parts = check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
                 sigma = calibrate_amplified_banded_noise_multiplier(
                     target_epsilon,
                     target_delta,

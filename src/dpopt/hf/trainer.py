@@ -122,8 +122,7 @@ from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
-from ..privacy_engine import PrivacyEngine
-from ..privacy_engine import _check_sampling as check_sampling
+from ..privacy_engine import PrivacyEngine, check_sampling
 from ..release_boundary import boundary_of
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
 from .batches import batch_size, split_batch, split_by_user, stand_in
