@@ -39,7 +39,8 @@ per-example rule. Refused with an error that says what to change (:func:`check_f
 other methods (clip geometry or whole-matrix transforms that are not sharded: MacAdam, AdaClip,
 Muon, ...), per-layer and quantile clipping, ``--resume`` and ``--checkpoint-every`` (a sharded
 checkpoint is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
-``--show-train-loss``, one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+``--show-train-loss``, ``--noise-mechanism`` (correlated noise needs cyclic batches sliced over the
+ranks, not sampled here; ``make_private(..., distributed="fsdp", noise_mechanism=...)`` runs it), one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
 
@@ -87,6 +88,11 @@ def check_fsdp_config(cfg) -> None:
         "checkpoint_every": (
             bool(cfg.checkpoint_every),
             "no checkpoint of a sharded model is written (a --fsdp run cannot be resumed)",
+        ),
+        "noise_mechanism": (
+            cfg.noise_mechanism != "independent",
+            "correlated noise needs cyclic batches sliced over the ranks, which the torchrun loop does not "
+            "sample (make_private(..., distributed='fsdp', noise_mechanism=...) does, docs/fsdp.md)",
         ),
     }
     for name, (bad, why) in refused.items():

@@ -569,9 +569,10 @@ class PrivacyEngine:
                 so an example takes part every len(data_loader) steps), the strategy is optimised for the
                 horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification;
                 see ``sampling`` for the amplified form). ``distributed=True``: each rank its slice of every
-                cyclic batch, the stream added once (rank 0). Needs ``epochs`` or ``total_steps``; refused
-                with ``poisson_sampling=False``, adaptive clipping, ``distributed="fsdp"`` or a
-                noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
+                cyclic batch, the stream added once (rank 0); ``distributed="fsdp"``: each rank its slice
+                of every cyclic batch, and the stream of the coordinates it owns (its shard's state only,
+                :class:`dpopt.fsdp.ShardedRelease`). Needs ``epochs`` or ``total_steps``; refused
+                with ``poisson_sampling=False``, adaptive clipping or a noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
                 refused.
             epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
                 total_steps); refused with independent noise (they change nothing there).
@@ -626,7 +627,7 @@ class PrivacyEngine:
             noise_generator=noise_generator,
         )
         mech_kind = self._check_mechanism_options(
-            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
+            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, noise_multiplier
         )
         partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
         if partitions and distributed:
@@ -821,7 +822,6 @@ class PrivacyEngine:
         total_steps: Optional[int],
         poisson_sampling: bool,
         clipping: str,
-        distributed: Union[bool, str],
         noise_multiplier: float,
     ) -> str:
         """The mechanism kind of ``noise_mechanism``, or a ConfigError for a combination with no valid
@@ -843,8 +843,6 @@ class PrivacyEngine:
             problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
         if clipping == "adaptive":
             problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
-        if distributed == "fsdp":
-            problems.append("distributed='fsdp' (not supported with correlated noise yet; distributed=True is)")
         if not float(noise_multiplier) > 0:
             problems.append("noise_multiplier 0 (correlated noise needs noise)")
         if problems:
