@@ -44,6 +44,11 @@ Why this is the one-process mechanism (DESIGN.md, "the privacy boundary"):
   coordinate, std σC).
 * **Sensitivity.** Adding or removing one example changes one rank's clipped
   sum by at most C (√ΣC_k² per layer); the reduce-scatter only sums.
+* **Correlated noise** (DP matrix factorization, :mod:`dpopt.correlated_noise`).
+  The mechanism's w_t = (C⁻¹z)_t is coordinatewise, so the owner of a chunk
+  runs the stream of that chunk only: its state (B − 1 or N float64 vectors of
+  the chunk's size) is fed from the rank's own fresh noise, stays in its
+  memory and is never sent; coordinate j gets exactly the one-process w_t[j].
 
 Trades made (and measured, ``benchmarks/fsdp_bytes.py``):
 

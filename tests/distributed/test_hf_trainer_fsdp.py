@@ -18,6 +18,9 @@ references are computed here by single-example autograd on the UNION of the two 
 * one release collective per logical batch (``ShardedRelease.calls``), ε on both ranks equals the
   one-process run's at the same σ, q, steps; both ranks hold the same full parameters; exactly one
   journal (rank 0's) with a header and one line per release; the checkpoint holds the gathered model;
+* correlated noise (``noise_mechanism="blt:2"``): the noise of the update has the strategy's covariance across
+  steps (added once per coordinate, each rank streaming its own shard, whose size its stream state has);
+  the ledger's mechanism record and ε are the one-process run's;
 * refused on every rank: resuming a sharded run, and bf16 with a sharded model.
 """
 
@@ -29,6 +32,7 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gloo_ranks import gloo_group, progress, spawn_ranks
@@ -161,6 +165,8 @@ CASES = {
     # q = 1: B-bar = 4 x 4 x 2 = 32 = N, every record in every batch; the same run data parallel
     "q1_fsdp": dict(sigma=0.0, c=1.0, per_device=4, accumulation=4),
     "q1_ddp": dict(sigma=0.0, c=1.0, per_device=4, accumulation=4, sharded=False),
+    # correlated noise (blt:2 over the 3 planned steps, cyclic batches of B-bar = N/4 = 8): each rank its shard
+    "correlated": dict(sigma=1.0, c=1e-3, mechanism="blt:2"),
 }
 
 
@@ -198,6 +204,7 @@ def run_case(out, name, c, rank):
         max_grad_norm=c,
         method=torch.optim.SGD(model.parameters(), lr=lr),
         privacy_unit="record",
+        noise_mechanism=case.get("mechanism", "independent"),
     )
     tr.seen, tr.ran = [], []
     if name == "uneven" and rank == 1:
@@ -216,6 +223,10 @@ def run_case(out, name, c, rank):
         "sharded": tr.sharded,
         "releases": getattr(release, "calls", None),
         "collective": getattr(release, "collective", None),
+        "mechanism": tr.engine.ledger.mechanism,
+        "stream_state": {  # the correlated-noise stream's buffers on this rank (their sizes)
+            k: [b.numel() for b in v[1]] for k, v in getattr(getattr(release, "mechanism", None), "_state", {}).items()
+        },
     }
 
 
@@ -365,6 +376,65 @@ def test_noise_is_added_once_per_coordinate_with_std_sigma_c(fsdp):
     assert z.numel() > 10_000
     assert abs(float(z.std()) / (sigma * c) - 1.0) < 0.03
     assert abs(float(z.mean())) < 4 * sigma * c / math.sqrt(z.numel())
+
+
+def test_correlated_noise_streams_each_shard_once_with_the_strategy_covariance(fsdp, tmp_path):
+    """noise_mechanism='blt:2' with a sharded model: update·B̄/lr − clipped sum of the union is the noise w_t;
+    its covariance across the 3 steps (per-step variance and lag-1 covariance) is (σC)²·C⁻¹C⁻ᵀ of the ledger's
+    strategy, each of the 6 entries within 5 standard errors (se = √((Σ_ss Σ_tt + Σ_st²)/d), d ≈ 4,400
+    coordinates; false alarm ≤ 6 × 5.7e-7); noise added by both ranks would double it. Each rank's stream state
+    is its shard (about half the model), and the ledger's mechanism record and ε are the one-process run's."""
+    from dpopt.correlated_noise import strategy_from_record
+
+    _, ranks = fsdp
+    c, sigma = CASES["correlated"]["c"], CASES["correlated"]["sigma"]
+    rows = []
+    for start, batch, step in _updates(ranks, "correlated"):
+        want, _ = clipped_sum(start, batch, c)
+        rows.append(torch.cat([(step[n] - want[n]).reshape(-1) for n in start]).double())
+    R = torch.stack(rows).numpy()
+    d = R.shape[1]
+    record = ranks[0]["correlated"]["mechanism"]
+    assert record["kind"] == "blt" and record["steps"] == STEPS
+    Dinv = np.linalg.inv(strategy_from_record(record).matrix(STEPS))
+    want = (sigma * c) ** 2 * (Dinv @ Dinv.T)
+    got = R @ R.T / d
+    se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / d)
+    assert np.all(np.abs(got - want) <= 5 * se), np.max(np.abs(got - want) / se)
+    params = sum(v.numel() for v in ranks[0]["correlated"]["final"].values())
+    shards = []
+    for r in ranks:
+        (key, sizes), *rest = r["correlated"]["stream_state"].items()
+        assert not rest and key.startswith("fsdp-shard") and len(sizes) == 2 and sizes[0] == sizes[1]
+        shards.append(sizes[0])
+        assert r["correlated"]["mechanism"] == record
+    assert params <= sum(shards) < params + 64 * WORLD  # the shards tile the model (zero-padded rows only)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = gpt2()
+        one = DPTrainer(
+            model=model,
+            args=T.TrainingArguments(
+                str(tmp_path),
+                per_device_train_batch_size=PER_DEVICE,
+                gradient_accumulation_steps=ACCUMULATION * WORLD,  # the same B-bar in one process
+                max_steps=STEPS,
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+                save_strategy="no",
+            ),
+            train_dataset=Tokens(),
+            noise_multiplier=sigma,
+            max_grad_norm=c,
+            privacy_unit="record",
+            noise_mechanism="blt:2",
+        )
+        one.train()
+    assert one.engine.ledger.mechanism == record
+    for r in ranks:
+        assert r["correlated"]["epsilon"] == pytest.approx(one.get_epsilon(), rel=1e-12)
+        assert r["correlated"]["ledger"] == STEPS
 
 
 def test_one_release_per_logical_batch(fsdp):

@@ -76,7 +76,8 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed batches in a fixed
   cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
   apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
-  state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes.
+  state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes with a
+  replicated model; with a ``fully_shard``-ed model (FSDP2, below) each rank streams the noise of its shard.
   ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
   b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
   (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps.
@@ -416,11 +417,6 @@ class DPTrainer(Trainer):
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         check_launch(args.world_size)
-        if self.noise_mechanism != "independent" and int(args.world_size) > 1:
-            raise ValueError(
-                f"noise_mechanism={noise_mechanism!r} with {args.world_size} processes: DPTrainer adds correlated "
-                "noise in one process only; launch one process, or use noise_mechanism='independent'"
-            )
         self.per_device_batch = int(args.per_device_train_batch_size)
         self.accumulation = int(args.gradient_accumulation_steps)
         args = copy.copy(args)
@@ -446,6 +442,13 @@ class DPTrainer(Trainer):
         self.add_callback(_EpsilonStop(self))
         self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
         self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
+        if self.noise_mechanism != "independent" and int(self.args.world_size) > 1 and not self.sharded:
+            raise ValueError(
+                f"noise_mechanism={noise_mechanism!r} with {self.args.world_size} processes and a replicated model: "
+                "DPTrainer adds correlated noise in one process or with a fully_shard-ed (FSDP2) model only "
+                "(each rank streams its shard's noise); launch one process, fully_shard the model, or use "
+                "noise_mechanism='independent'"
+            )
         if self.sharded and (self.args.bf16 or self.privacy_unit == "user"):
             raise ValueError(
                 "DPTrainer with a fully_shard-ed (FSDP2) model supports float32 record-level training only: "
