@@ -396,7 +396,7 @@ def test_correlated_noise_streams_each_shard_once_with_the_strategy_covariance(f
     d = R.shape[1]
     record = ranks[0]["correlated"]["mechanism"]
     assert record["kind"] == "blt" and record["steps"] == STEPS
-    Dinv = np.linalg.inv(strategy_from_record(record).matrix(STEPS))
+    Dinv = np.linalg.inv(strategy_from_record(record["strategy"]).matrix(STEPS))
     want = (sigma * c) ** 2 * (Dinv @ Dinv.T)
     got = R @ R.T / d
     se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / d)
