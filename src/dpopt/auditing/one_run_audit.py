@@ -90,10 +90,12 @@ class OneRunResult:
         epsilon_lower: the bound judged (``estimator``'s), at confidence 1 − β.
         estimator: ``"steinke"`` or ``"fdp"`` — the larger of the bounds judged.
         bounds: the :class:`~dpopt.auditing.one_run_stats.OneRunBound` (both estimators).
-        claimed_mu: μ of the run when it is exactly μ-GDP (``sample_rate`` 1), else None.
+        claimed_mu: μ of the run when it is exactly μ-GDP (``sample_rate`` 1; or correlated noise over cyclic
+            batches: Δ/σ from the ledger's ``mechanism`` record), else None.
         verdict: ``"PASS"`` or ``"EXCEEDS"``.
         delta, beta: as used; confidence = 1 − β.
-        details: public facts of the run (steps, q, σ, clip bound, clipping).
+        details: public facts of the run (steps, q, σ, clip bound, clipping; with correlated noise also
+            ``noise_mechanism``, ``sampling``, ``participations``, ``min_separation``, ``mechanism_sensitivity``).
     """
 
     mode: str
