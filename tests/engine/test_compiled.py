@@ -179,3 +179,47 @@ def test_inductor_norms_and_clipped_sum_equal_eager():
     sq, sums = norms_and_sum(got, 1)
     assert close(sq, sq_ref)
     assert all(close(a, b) for a, b in zip(sums, sum_ref))
+
+
+def test_make_private_refuses_compile_with_the_way_to_compile():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpopt import PrivacyEngine
+
+    model = mlp()
+    loader = DataLoader(TensorDataset(*data("mlp", 8, 0)), batch_size=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for make in ("make_private", "make_private_with_epsilon"):
+        kw = (
+            dict(noise_multiplier=1.0)
+            if make == "make_private"
+            else dict(target_epsilon=1.0, target_delta=1e-5, epochs=1)
+        )
+        with pytest.raises(ValueError, match="dpopt train --compile"):
+            getattr(PrivacyEngine(), make)(
+                module=model, optimizer=opt, data_loader=loader, max_grad_norm=1.0, compile=True, **kw
+            )
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.slow
+def test_train_compiled_equals_eager_with_reproducible_noise(tmp_path):
+    """``dpopt train --compile`` (TrainConfig.compile): the same seeded noise and batches give the same model."""
+    from dpopt.training import train
+    from dpopt.training.config import TrainConfig
+
+    states = []
+    for comp in (False, "aot_eager"):
+        out = tmp_path / str(comp)
+        cfg = TrainConfig(dataset="digits", epochs=0.15, method="dp-sgd", compile=comp, reproducible_noise=True)
+        cfg.out = str(out)
+        with pytest.warns(UserWarning):  # reproducible noise is research-only: warned
+            summary = train(cfg)
+        assert summary["steps"] >= 3
+        states.append(torch.load(out / "model.pt", weights_only=True))
+    sd_e, sd_c = states
+    sd_e = sd_e.get("model", sd_e)
+    sd_c = sd_c.get("model", sd_c)
+    for k, v in sd_e.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            assert torch.allclose(v, sd_c[k], rtol=1e-4, atol=1e-6), k
