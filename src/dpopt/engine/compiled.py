@@ -125,8 +125,20 @@ class CompiledCapture:
         self._handles = []
 
     def _count(self, gm, example_inputs):
+        """The backend: counts the graph, compiles it without inductor's on-disk graph cache.
+
+        The cache key holds the graph's shapes; the batch axis is symbolic, except where dynamo
+        specialises it (one example): a batch's size is private, so no graph is written to disk.
+        """
         self.compiles += 1
-        return self._real(gm, example_inputs)
+        from torch._functorch import config as aot_config
+        from torch._inductor import config
+
+        with (
+            config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+            aot_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
+        ):
+            return self._real(gm, example_inputs)
 
     # -- the traced forward ------------------------------------------------------------------
     def _hook(self, module, args, kwargs, out):
@@ -200,10 +212,10 @@ class CompiledCapture:
             params = {k: p.detach() for k, p in trainable.items()}
         else:
             params = {k: (p + o).detach() for (k, p), o in zip(trainable.items(), offset)}
-        if n > 1:  # one graph for every batch size ≥ 2 (Poisson batches); B = 1 is its own graph
-            torch._dynamo.mark_dynamic(x, 0)
+        if n > 1:  # one graph for every batch size ≥ 2 (Poisson batches); where dynamo specialises: a new graph
+            torch._dynamo.maybe_mark_dynamic(x, 0)
             for t in taps:
-                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         self._inputs.clear()
         self._live = True
         try:
