@@ -45,6 +45,7 @@ a new graph; any disagreement refuses (no fallback is taken silently).
 
 from __future__ import annotations
 
+import types
 from typing import Callable, Optional
 
 import torch
@@ -60,6 +61,11 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """The ``torch.compile`` backends accepted: ``inductor`` (generated C++/OpenMP kernels on the CPU, Triton on
 a GPU; what ``compile=True`` means), ``aot_eager`` (the same forward/backward graphs run by eager kernels:
 fast to compile, for tests) and ``eager`` (dynamo's graph only)."""
+
+
+RECOMPILES = 32
+"""Graphs one capture may compile (train/eval modes, dtypes — the check's float64 recheck —, specialised
+batch sizes); past it torch.compile refuses, and so does the capture."""
 
 
 def compile_backend(compile: object) -> Optional[str]:
@@ -111,7 +117,10 @@ class CompiledCapture:
         self.backend = backend
         self.compiles = 0
         self._real = torch._dynamo.lookup_backend(backend)
-        self._fn = torch.compile(self._forward, backend=self._count, fullgraph=True, dynamic=None)
+        # dynamo caches graphs and counts recompilations per code object: a copy of _forward's code for
+        # this capture, so that other captures (other models) neither share its limit nor keep its graphs alive
+        forward = types.FunctionType(CompiledCapture._forward.__code__.replace(), globals(), "_forward")
+        self._fn = torch.compile(types.MethodType(forward, self), backend=self._count, fullgraph=True, dynamic=None)
         self._live = False
         self._taps: list[Tensor] = []
         self._inputs: list[tuple[nn.Module, Tensor]] = []
@@ -221,7 +230,7 @@ class CompiledCapture:
         try:
             # outside the check's random-op recorder (compiled draws are not replayable); with grad (optimizers
             # consume the sources under no_grad)
-            with _disable_current_modes(), torch.enable_grad():
+            with _disable_current_modes(), torch.enable_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
                 out, inputs = self._fn(params, x, taps)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             lines = str(err).splitlines()
