@@ -449,6 +449,7 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
+        compile: bool = False,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -583,6 +584,13 @@ class PrivacyEngine:
                 CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
                 rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
                 accountant here: refused.
+            compile: ``torch.compile`` of the step. Refused here (ValueError): this door's capture runs
+                inside YOUR forward and backward, and under ``torch.compile(module)`` its hooks break the
+                graph at every recorded layer (torch 2.13 compiled only those layers' own forwards, one op
+                each: nothing to gain), and this door has no tapped compiled capture yet. The compiled step is dpopt's own
+                loop: ``dpopt train --compile`` or ``iter_per_sample_sources(..., compile=True)``
+                (:mod:`dpopt.engine.compiled`: taps as graph inputs, the first batch checked on the compiled
+                path against single-example eager autograd; docs/performance.md, "torch.compile").
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -598,6 +606,13 @@ class PrivacyEngine:
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module to train, got {type(module).__name__}")
+        if compile:
+            raise ValueError(
+                "make_private(compile=True) is not supported: PrivacyEngine captures per-sample gradients with "
+                "hooks inside your own forward/backward, which torch.compile cannot compile exactly; use dpopt's "
+                "own loop, which compiles the capture and checks it (dpopt train --compile, or "
+                "dpopt.iter_per_sample_sources(..., compile=True)); docs/performance.md, 'torch.compile'"
+            )
         if not isinstance(data_loader, DataLoader):
             raise TypeError(
                 f"data_loader must be a torch.utils.data.DataLoader over the private dataset (make_private "

@@ -85,6 +85,7 @@ def iter_per_sample_sources(
     engine: str = "fast",
     batch_dim: int = 0,
     rows_per_example: int = 1,
+    compile: object = False,
 ) -> Iterator:
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
@@ -108,6 +109,10 @@ def iter_per_sample_sources(
             have B = rows / K examples and ``physical_batch_size`` counts
             examples (a chunk never splits an example's views). See
             :class:`~dpopt.engine.fast.PerSampleEngine`.
+        compile: ``engine="fast"`` only: True (``"inductor"``) or a backend
+            name: the capture's forward and backward run as one
+            ``torch.compile`` graph, checked against eager single-example
+            autograd on the first batch (:mod:`dpopt.engine.compiled`).
 
     Yields:
         per-sample sources; with ``engine="fast"`` each is freed when the
@@ -123,7 +128,11 @@ def iter_per_sample_sources(
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
-        return get_engine(model, loss_fn, rows_per_example).iterate(x, y, physical_batch_size, points, batch_dim)
+        return get_engine(model, loss_fn, rows_per_example, compile).iterate(
+            x, y, physical_batch_size, points, batch_dim
+        )
+    if compile:
+        raise ValueError("compile= is an option of engine='fast' (the reference engine runs eagerly)")
     if engine == "reference":
         check_model(model)
         k = int(rows_per_example)

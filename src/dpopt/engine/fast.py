@@ -95,6 +95,7 @@ from .check import (
     signature,
     sq_norm64,
 )
+from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
 from .layers import Budget, DirectBlock, FactoredBlock
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
@@ -303,6 +304,13 @@ class PerSampleEngine:
             (:mod:`dpopt.engine.capture`). Sources have B = n/K examples;
             ``physical_batch_size`` of :meth:`iterate` counts examples (each
             chunk holds its examples' K rows: views are never split).
+        compile: ``True`` (backend ``"inductor"``), a backend name in
+            :data:`~dpopt.engine.compiled.COMPILE_BACKENDS`, or False: run the
+            forward and the backward of the capture as one ``torch.compile``
+            graph with taps on the planned layers (:mod:`dpopt.engine.compiled`).
+            The first-batch check then runs on the compiled path (and again on
+            a batch whose call compiled a new graph), and anything it finds
+            refuses instead of moving to the per-example path. Needs ``verify``.
 
     Attributes:
         plan: the :class:`~dpopt.engine.capture.Plan`. fast_names,
@@ -324,15 +332,25 @@ class PerSampleEngine:
         chunk_bytes: int = 16 << 20,
         cache_bytes: int = 256 << 20,
         rows_per_example: int = 1,
+        compile: object = False,
     ):
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
+        backend = compile_backend(compile)
+        if backend is not None and not verify:
+            raise refusal("verify=False would release the compiled capture's results unchecked")
         self.plan = Plan(model, chunk_bytes, cache_bytes)
         self.loss_fn = loss_fn
         self.views = int(rows_per_example)
         self._rec = Recorder(self.plan, tensor_hooks=False, guard_buffers=False)
         self._buffers: dict = {}  # the last buffer snapshot (inputs.snapshot_buffers), reused while unchanged
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
+        self._compiled = CompiledCapture(self.plan, backend) if backend is not None else None
+
+    def close(self) -> None:
+        """Remove what this engine left on the model (the compiled capture's hooks)."""
+        if self._compiled is not None:
+            self._compiled.detach()
 
     # -- the plan (engine.capture.Plan) ------------------------------------------------
     names = property(lambda self: self.plan.names)
@@ -365,6 +383,10 @@ class PerSampleEngine:
         redone; a bare parameter used otherwise than recognised moves to the
         per-example path and the pass is redone.
         """
+        if self._compiled is not None:  # the compiled forward/backward (engine.compiled)
+            if kwargs or len(args) != 1:
+                raise refusal("the compiled capture takes the model's input as one positional tensor")
+            return self._compiled.run(args[0], loss_of, offset), {}
         rec, model = self._rec, self.model
         for _attempt in range(3):
             rec.replayed = False
@@ -412,7 +434,13 @@ class PerSampleEngine:
 
     # -- demotions (this door's policy: the exact per-example path) -------------------
     def _demote(self, indices: Sequence[int]) -> None:
-        """Move parameters to the per-example (torch.func) path."""
+        """Move parameters to the per-example (torch.func) path; with ``compile``: refuse (nothing unchecked)."""
+        if self._compiled is not None:
+            raise refusal(
+                f"the first-batch check found the compiled capture of {[self.names[i] for i in indices]} "
+                "different from single-example eager autograd, or their layer does not keep the examples "
+                "along dim 0 (see the warning above)"
+            )
         self.plan.demote(indices)
 
     def _demote_bare(self, others: dict) -> None:
@@ -644,6 +672,7 @@ class PerSampleEngine:
         if key is not None and self._modes.needed(key):
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
                 self._verify(x, y, key)
+        compiles = self._compiled.compiles if self._compiled is not None else 0
         try:
             calls = [c for pt in pts for c in self._capture(x, y, pt)]
         except OutputLayout as err:
@@ -653,6 +682,9 @@ class PerSampleEngine:
         if bad:  # this batch size shows a layer whose dim 0 is not the example axis: demote, redo
             self._demote_layers(bad)
             return self._compute(x, y, pts, batch_dim)
+        if self._compiled is not None and self._compiled.compiles > compiles and self._modes.enabled:
+            with preserved_state(self.model):  # a graph no check has run: check it at this batch's size
+                self._verify_at(x, y)
         with no_autocast(self.device):
             blocks = self.plan.blocks(
                 [(c, c.grads[0]) for c in calls if c.fast], n, Budget(self.chunk_bytes, self.cache_bytes), self.views
@@ -721,18 +753,25 @@ class PerSampleEngine:
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def get_engine(model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1) -> PerSampleEngine:
-    """The cached :class:`PerSampleEngine` of ``(model, loss_fn, rows_per_example)`` (re-planned if the params changed).
+def get_engine(
+    model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1, compile: object = False
+) -> PerSampleEngine:
+    """The cached :class:`PerSampleEngine` of ``(model, loss_fn, rows_per_example, compile)`` (re-planned if the
+    params changed; ``compile``: :class:`PerSampleEngine`'s).
 
     Raises:
-        ValueError: a layer refused by :func:`~dpopt.models.check_model`, ``rows_per_example`` < 1.
+        ValueError: a layer refused by :func:`~dpopt.models.check_model`, ``rows_per_example`` < 1, a model
+            the compiled capture refuses (:class:`~dpopt.engine.compiled.CompiledCapture`).
     """
     per_loss = _ENGINES.setdefault(model, {})
-    key = loss_fn if rows_per_example == 1 else (loss_fn, int(rows_per_example))
+    backend = compile_backend(compile)
+    key = loss_fn if rows_per_example == 1 and backend is None else (loss_fn, int(rows_per_example), backend)
     eng = per_loss.get(key)
     if eng is None or not eng.matches(model):
         check_model(model)  # BatchNorm mixes examples: refuse before planning
-        eng = per_loss[key] = PerSampleEngine(model, loss_fn, rows_per_example=rows_per_example)
+        if eng is not None:
+            eng.close()
+        eng = per_loss[key] = PerSampleEngine(model, loss_fn, rows_per_example=rows_per_example, compile=backend)
     return eng
 
 
