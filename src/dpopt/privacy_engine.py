@@ -180,7 +180,7 @@ def _check_unit_arguments(
 
     Raises:
         ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
-            ``sample_rate`` without "user"; "user" with ``distributed`` or ``poisson_sampling=False``.
+            ``sample_rate`` without "user"; "user" with ``distributed="fsdp"`` or ``poisson_sampling=False``.
     """
     unit = check_privacy_unit(unit)
     if unit != "user":
@@ -191,8 +191,11 @@ def _check_unit_arguments(
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
-    if distributed:
-        raise ValueError("privacy_unit='user' is not supported with distributed training yet; train on one process")
+    if distributed == "fsdp":
+        raise ValueError(
+            "privacy_unit='user' is not supported with distributed='fsdp' yet; use distributed=True (replicas) "
+            "or one process"
+        )
     if not poisson_sampling:
         raise ValueError("privacy_unit='user' samples users by Poisson sampling; poisson_sampling=False is refused")
     return unit
@@ -679,8 +682,9 @@ class PrivacyEngine:
             try:
                 if unit == "user":
                     n, sample_rate, loader = self._user_loader(
-                        data_loader, user_ids, max_records_per_user, sample_rate, noise
+                        data_loader, user_ids, max_records_per_user, sample_rate, noise, ctx
                     )
+                    steps_per_epoch = len(loader)
                 elif mech_kind == "independent":
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                     sample_rate = 1.0 / steps_per_epoch
@@ -1151,9 +1155,16 @@ class PrivacyEngine:
         return len(dataset), len(data_loader), data_loader
 
     def _user_loader(
-        self, data_loader: DataLoader, user_ids: Any, k: int, sample_rate: Optional[float], noise: NoiseSource
+        self,
+        data_loader: DataLoader,
+        user_ids: Any,
+        k: int,
+        sample_rate: Optional[float],
+        noise: NoiseSource,
+        ctx: DistributedContext,
     ) -> tuple[int, float, DataLoader]:
-        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`).
+        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`);
+        with ``ctx`` of several ranks the loader draws this rank's shard of the users.
 
         Records the unit, k and N_users in the ledger header (N_users public, like N).
         """
@@ -1181,6 +1192,7 @@ class PrivacyEngine:
             steps=steps,
             collate_fn=collate,
             noise=noise,
+            ctx=ctx,
             **loader_settings(data_loader),
         )
         self.ledger.privacy_unit = user_unit_text(k)
