@@ -191,11 +191,6 @@ def _check_unit_arguments(
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
-    if distributed == "fsdp":
-        raise ValueError(
-            "privacy_unit='user' is not supported with distributed='fsdp' yet; use distributed=True (replicas) "
-            "or one process"
-        )
     if not poisson_sampling:
         raise ValueError("privacy_unit='user' samples users by Poisson sampling; poisson_sampling=False is refused")
     return unit

@@ -444,7 +444,7 @@ def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
     points = getattr(source, "points", None)
     if slots.numel() == 0:  # no record in this chunk: zero users (a stand-in row's gradient is not data)
         like = _param_likes(source, params)
-        return PerSampleGrads([p.new_zeros((0, *p.shape)) for p in like], params=params, points=points)
+        return PerSampleGrads([_no_rows(p) for p in like], params=params, points=points)
     if slots.numel() != b:
         raise ValueError(
             "privacy_unit='user': the per-example gradients of this step do not match the rows of the "
@@ -468,6 +468,13 @@ def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
         per_user.append(source.weighted_sum(w.view(-1, 1), identity, flat))
     stacked = [torch.stack([pu[j] for pu in per_user]) for j in range(int(source.num_params))]
     return PerSampleGrads(stacked, params=params, points=points)
+
+
+def _no_rows(p: Tensor) -> Tensor:
+    """A plain ``[0, *p.shape]`` tensor of ``p``'s dtype on its (local) device; ``p`` may be an FSDP2 shard
+    (a ``DTensor``: its global shape, never DTensor arithmetic in a source)."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return torch.zeros((0, *p.shape), dtype=p.dtype, device=local.device)
 
 
 def _param_likes(source: Any, params: Optional[Sequence[Tensor]]) -> list[Tensor]:

@@ -21,7 +21,8 @@ references are computed here by single-example autograd on the UNION of the two 
 * bf16 autocast with a sharded model (the forward and backward in bf16, norms, clipping and the clipped sum in
   float32): the σ = 0 update is within 5e-2 (relative L2, the DDP bf16 test's tolerance) of the float32 clipped
   sum of the union, and not equal to it (the bf16 forward ran); each example still moves it by ≤ C;
-* refused on every rank: resuming a sharded run, and privacy_unit="user" with a sharded model.
+* refused on every rank: resuming a sharded run (user-level DP with a sharded model:
+  test_hf_trainer_user_ddp.py).
 """
 
 from __future__ import annotations
@@ -255,12 +256,6 @@ def refusals(tmp):
         tr.train(resume_from_checkpoint=str(tmp / "all_clipped" / f"checkpoint-{STEPS}"))
     except ValueError as exc:
         out["resume"] = str(exc)
-    try:
-        DPTrainer(
-            model=model, args=targs(tmp / "refused"), train_dataset=Tokens(), noise_multiplier=1.0, privacy_unit="user"
-        )
-    except ValueError as exc:
-        out["user"] = str(exc)
     return out
 
 
@@ -432,11 +427,10 @@ def test_ranks_agree_and_rank0_alone_writes_the_record(fsdp):
         torch.testing.assert_close(p.detach(), ranks[0]["noise"]["final"][n])
 
 
-def test_resume_and_user_level_with_a_sharded_model_are_refused_on_every_rank(fsdp):
+def test_resume_with_a_sharded_model_is_refused_on_every_rank(fsdp):
     _, ranks = fsdp
     for r in ranks:
         assert "resume_from_checkpoint with a fully_shard-ed (FSDP2) model is not supported" in r["refused"]["resume"]
-        assert "privacy_unit='user'" in r["refused"]["user"] and "without fully_shard" in r["refused"]["user"]
 
 
 def test_bf16_update_with_a_sharded_model_within_its_tolerance_of_float32(fsdp):

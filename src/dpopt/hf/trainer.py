@@ -87,8 +87,9 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
   every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
   stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the gathered model and the
-  ledger; resuming a sharded run is refused, and so is ``privacy_unit="user"``; ``bf16=True`` composes
-  (the same float32 norms, clipping and noise).
+  ledger; resuming a sharded run is refused. ``bf16=True`` composes (the same float32 norms, clipping
+  and noise), and so does ``privacy_unit="user"`` (each chunk's full-shape per-example gradients grouped
+  into per-user means before the clip; a stand-in chunk belongs to no user).
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
 private gradients), deepspeed and ``TrainingArguments(fsdp=...)`` (pointing to a
@@ -355,8 +356,7 @@ class DPTrainer(Trainer):
     Raises:
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
-            one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
-            model with ``privacy_unit="user"``.
+            one message); bad ``max_grad_norm`` / ``delta``.
     """
 
     def __init__(
@@ -447,13 +447,6 @@ class DPTrainer(Trainer):
         self.add_callback(_EpsilonStop(self))
         self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
         self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
-        if self.sharded and self.privacy_unit == "user":
-            raise ValueError(
-                "DPTrainer with a fully_shard-ed (FSDP2) model supports record-level training only: "
-                "privacy_unit='user' would group each chunk's full-shape per-example gradients into per-user "
-                "gradients on every rank, and the zero-weight stand-in chunks that keep the ranks' FSDP "
-                "collectives in step belong to no user; train user-level data parallel without fully_shard"
-            )
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)
