@@ -549,8 +549,10 @@ class PrivacyEngine:
                 Poisson-sampled at q_user, each sampled user contributes at most
                 ``max_records_per_user`` of its records chosen at random, and the MEAN of those records'
                 gradients is clipped to ``max_grad_norm`` as one unit; ε is per user, at q_user; the
-                expected batch size is q_user · N_users users) or ``"block"`` (each example is a packed
-                block of text: recorded in the ledger header, warned: it protects a block, not a record).
+                expected batch size is q_user · N_users users; with ``distributed`` each rank samples its
+                contiguous shard of the users: the union is one user-level Poisson sample) or ``"block"``
+                (each example is a packed block of text: recorded in the ledger header, warned: it protects a
+                block, not a record).
             user_ids: with ``privacy_unit="user"``: one user id per record of ``data_loader.dataset``
                 (ints or strs; a list, tensor or array). N_users, the number of distinct ids, is treated
                 as public (the ledger header records it), like N for record-level DP.
