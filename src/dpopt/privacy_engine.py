@@ -180,7 +180,7 @@ def _check_unit_arguments(
 
     Raises:
         ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
-            ``sample_rate`` without "user"; "user" with ``distributed`` or ``poisson_sampling=False``.
+            ``sample_rate`` without "user"; "user" with ``distributed="fsdp"`` or ``poisson_sampling=False``.
     """
     unit = check_privacy_unit(unit)
     if unit != "user":
@@ -191,8 +191,6 @@ def _check_unit_arguments(
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
-    if distributed:
-        raise ValueError("privacy_unit='user' is not supported with distributed training yet; train on one process")
     if not poisson_sampling:
         raise ValueError("privacy_unit='user' samples users by Poisson sampling; poisson_sampling=False is refused")
     return unit
@@ -552,8 +550,10 @@ class PrivacyEngine:
                 Poisson-sampled at q_user, each sampled user contributes at most
                 ``max_records_per_user`` of its records chosen at random, and the MEAN of those records'
                 gradients is clipped to ``max_grad_norm`` as one unit; ε is per user, at q_user; the
-                expected batch size is q_user · N_users users) or ``"block"`` (each example is a packed
-                block of text: recorded in the ledger header, warned: it protects a block, not a record).
+                expected batch size is q_user · N_users users; with ``distributed`` each rank samples its
+                contiguous shard of the users: the union is one user-level Poisson sample) or ``"block"``
+                (each example is a packed block of text: recorded in the ledger header, warned: it protects a
+                block, not a record).
             user_ids: with ``privacy_unit="user"``: one user id per record of ``data_loader.dataset``
                 (ints or strs; a list, tensor or array). N_users, the number of distinct ids, is treated
                 as public (the ledger header records it), like N for record-level DP.
@@ -695,8 +695,9 @@ class PrivacyEngine:
             try:
                 if unit == "user":
                     n, sample_rate, loader = self._user_loader(
-                        data_loader, user_ids, max_records_per_user, sample_rate, noise
+                        data_loader, user_ids, max_records_per_user, sample_rate, noise, ctx
                     )
+                    steps_per_epoch = len(loader)
                 elif mech_kind == "independent":
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                     sample_rate = 1.0 / steps_per_epoch
@@ -1164,9 +1165,16 @@ class PrivacyEngine:
         return len(dataset), len(data_loader), data_loader
 
     def _user_loader(
-        self, data_loader: DataLoader, user_ids: Any, k: int, sample_rate: Optional[float], noise: NoiseSource
+        self,
+        data_loader: DataLoader,
+        user_ids: Any,
+        k: int,
+        sample_rate: Optional[float],
+        noise: NoiseSource,
+        ctx: DistributedContext,
     ) -> tuple[int, float, DataLoader]:
-        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`).
+        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`);
+        with ``ctx`` of several ranks the loader draws this rank's shard of the users.
 
         Records the unit, k and N_users in the ledger header (N_users public, like N).
         """
@@ -1194,6 +1202,7 @@ class PrivacyEngine:
             steps=steps,
             collate_fn=collate,
             noise=noise,
+            ctx=ctx,
             **loader_settings(data_loader),
         )
         self.ledger.privacy_unit = user_unit_text(k)

@@ -320,7 +320,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._examples = None if b is None or self._examples is None else self._examples + int(b)
             tagged = boundary.step_chunk(b)
             if self._user_level:
-                source = self._by_user(source)
+                source = self._by_user(source, boundary.chunk_public)
             skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
             if not skip:
                 for p in params:  # released into p.grad below: the backward's non-private gradient is never read,
@@ -344,11 +344,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._release_open(priv, dp, params)
         return loss
 
-    def _by_user(self, source: Any) -> Any:
+    def _by_user(self, source: Any, public: int = 0) -> Any:
         """privacy_unit="user": this chunk's per-example gradients as per-USER mean gradients (:mod:`dpopt.users`).
 
         The rows' owners come from the user-level loader's last batch (private, in memory); the
-        chunk must end between two users (:meth:`dpopt.users.UserRows.take`).
+        chunk must end between two users (:meth:`dpopt.users.UserRows.take`). A chunk of ``public`` rows only
+        (DPTrainer's zero-weight stand-ins, :meth:`~dpopt.release_boundary.ReleaseBoundary.public_rows`) holds
+        no user: zero per-user rows.
 
         Raises:
             ValueError: no user-level batch to read the owners from (a copy of the optimizer, or a
@@ -366,7 +368,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         b = getattr(source, "batch_size", None)
         if b is None:
             raise ValueError("privacy_unit='user' needs a per-sample source that states its batch_size")
-        slots = rows.take(int(b)) if rows.slots.numel() else rows.slots
+        if public and public == int(b):  # stand-in rows only: no record, no user
+            slots = rows.slots[:0]
+        else:
+            slots = rows.take(int(b)) if rows.slots.numel() else rows.slots
         return group_by_user(source, slots)
 
     def _close_open_step(self) -> None:

@@ -104,6 +104,7 @@ class ReleaseBoundary:
         self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
         self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
+        self.chunk_public = 0  # of the chunk step_chunk counted last: its public stand-in rows (no user's)
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
@@ -117,6 +118,7 @@ class ReleaseBoundary:
             "rows": 0,
             "_owed": None,
             "_public": 0,
+            "chunk_public": 0,
         }
 
     def bind(self, optimizer: Any) -> None:
@@ -208,6 +210,7 @@ class ReleaseBoundary:
         """
         tag = self.current
         public, self._public = self._public, 0
+        self.chunk_public = public
         if rows is None or self.rows is None:
             self.rows = None
         else:

@@ -88,7 +88,9 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
   every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
   stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the gathered model and the
-  ledger; resuming a sharded run is refused.
+  ledger; resuming a sharded run is refused. ``bf16=True`` composes (the same float32 norms, clipping
+  and noise), and so does ``privacy_unit="user"`` (each chunk's full-shape per-example gradients grouped
+  into per-user means before the clip; a stand-in chunk belongs to no user).
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
 private gradients), deepspeed and ``TrainingArguments(fsdp=...)`` (pointing to a
@@ -355,8 +357,7 @@ class DPTrainer(Trainer):
     Raises:
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
-            one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
-            model with ``bf16=True`` or ``privacy_unit="user"``.
+            one message); bad ``max_grad_norm`` / ``delta``.
     """
 
     def __init__(
@@ -448,16 +449,6 @@ class DPTrainer(Trainer):
                 "DPTrainer adds correlated noise in one process or with a fully_shard-ed (FSDP2) model only "
                 "(each rank streams its shard's noise); launch one process, fully_shard the model, or use "
                 "noise_mechanism='independent'"
-            )
-        if self.sharded and (self.args.bf16 or self.privacy_unit == "user"):
-            raise ValueError(
-                "DPTrainer with a fully_shard-ed (FSDP2) model supports float32 record-level training only: "
-                + (
-                    "bf16=True is untested with sharded per-example norms (train in float32, or data parallel "
-                    "without fully_shard for bf16)"
-                    if self.args.bf16
-                    else "privacy_unit='user' is not supported with several processes yet"
-                )
             )
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
