@@ -207,12 +207,30 @@ def same_on_every_rank(model: torch.nn.Module, ctx: DistributedContext) -> bool:
 
 
 def is_sharded(model: Any) -> bool:
-    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` itself (its root is an ``FSDPModule``)."""
+    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` itself (its root is an ``FSDPModule``).
+
+    Raises:
+        ValueError: ``fully_shard`` applied to submodules only (the root not sharded): the root's own
+            parameters (embeddings, LM head) would stay replicated beside DTensor shards, a mix the
+            sharded release (:mod:`dpopt.fsdp`) does not handle and the replicated one cannot broadcast.
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return False
-    return isinstance(model, FSDPModule)
+    if isinstance(model, FSDPModule):
+        return True
+    inner = (
+        [n for n, m in model.named_modules() if isinstance(m, FSDPModule)] if hasattr(model, "named_modules") else []
+    )
+    if inner:
+        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        raise ValueError(
+            f"fully_shard was applied to submodules of the model ({shown}) but not to the model itself: call "
+            "fully_shard(model) last, after its blocks (docs/fsdp.md), or pass the unsharded model with "
+            "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2})"
+        )
+    return False
 
 
 def agreed_chunks(count: int, ctx: DistributedContext) -> int:
@@ -252,17 +270,22 @@ def padded(chunks: list, target: int, stand_in: Any) -> list[tuple[Any, bool]]:
     return [(c, True) for c in chunks] + [(stand_in, False)] * (target - len(chunks))
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """``model.state_dict()`` with every ``DTensor`` (an FSDP2 shard) gathered to its full tensor, on the CPU.
+def full_state_dict(model: torch.nn.Module, every_rank: bool = False) -> dict:
+    """The model's full (unsharded) state dict on global rank 0, on the CPU; ``{}`` on every other rank.
 
-    A collective for a sharded model: call it on every rank (each gets the whole state dict).
+    torch's ``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``:
+    each ``DTensor`` shard is all-gathered one tensor at a time and kept by rank 0 only, so no rank
+    but 0 ever holds more than one full tensor. With ``every_rank`` (``save_on_each_node``: a local
+    main process of another node writes its own copy) every rank keeps the whole dict. A collective
+    for a sharded model: call it on every rank.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor has no sharded models
-        DTensor = ()  # type: ignore[assignment,misc]
-    out = {}
-    for k, v in model.state_dict().items():
-        full = v.full_tensor() if isinstance(v, DTensor) else v
-        out[k] = full.detach().cpu().clone()
-    return out
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not every_rank:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in model.state_dict().items()
+    }

@@ -138,6 +138,7 @@ from .distributed import (
     replicas_not_wrapped,
     share_ledger,
 )
+from .fsdp_args import fsdp_refusals, fsdp_requested, shard_as_configured, without_fsdp
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
 from .precision import AutocastRelease, check_mixed_precision
@@ -181,13 +182,7 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
             "use FSDP2: apply torch.distributed.fsdp.fully_shard to the model (its blocks, then the root) "
             "under torchrun and pass it to DPTrainer without fsdp= (docs/fsdp.md, 'FSDP2 through DPTrainer')"
         )
-    if args.fsdp:
-        out.append(
-            "fsdp: accelerate's FSDP wraps the model and reduces un-clipped gradients; instead apply "
-            "torch.distributed.fsdp.fully_shard to the model yourself (its blocks, then the root) under "
-            "torchrun and pass the sharded model to DPTrainer without fsdp= / fsdp_config= "
-            "(docs/fsdp.md, 'FSDP2 through DPTrainer')"
-        )
+    out.extend(fsdp_refusals(args))  # fsdp= / fsdp_config=: what DPTrainer's own sharding cannot honour
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
     if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
@@ -416,6 +411,9 @@ class DPTrainer(Trainer):
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         check_launch(args.world_size)
+        if fsdp_requested(args):  # FSDP2 from TrainingArguments: DPTrainer shards, accelerate never does
+            model = self._shard_from_args(model, args, method, kwargs)
+            args = without_fsdp(args)
         if self.noise_mechanism != "independent" and int(args.world_size) > 1:
             raise ValueError(
                 f"noise_mechanism={noise_mechanism!r} with {args.world_size} processes: DPTrainer adds correlated "
@@ -445,6 +443,13 @@ class DPTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_EpsilonStop(self))
         self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
+        if getattr(self.accelerator.state, "fsdp_plugin", None) is not None:
+            raise ValueError(
+                "accelerate's FSDP plugin is on (accelerate launch --use_fsdp / an accelerate config with FSDP): "
+                "it would shard the model after the private optimizer is built and reduce un-clipped gradients; "
+                "launch without it (accelerate launch --num_processes W, or torchrun) and pass "
+                "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) instead (docs/fsdp.md)"
+            )
         self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
         if self.sharded and (self.args.bf16 or self.privacy_unit == "user"):
             raise ValueError(
@@ -459,6 +464,25 @@ class DPTrainer(Trainer):
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)
+
+    @staticmethod
+    def _shard_from_args(model: Any, args: TrainingArguments, method: Any, kwargs: dict) -> Any:
+        """``model`` ``fully_shard``-ed as ``args.fsdp`` / ``fsdp_config`` ask (:mod:`dpopt.hf.fsdp_args`).
+
+        Raises:
+            ValueError: no ``model`` (a ``model_init``), or a torch optimizer built before the sharding (it
+                holds the unsharded parameters).
+        """
+        if model is None:
+            raise ValueError(
+                "fsdp= needs model= (DPTrainer shards it before the Trainer starts); model_init is not supported"
+            )
+        if isinstance(method, torch.optim.Optimizer) or (kwargs.get("optimizers") or (None,))[0] is not None:
+            raise ValueError(
+                "fsdp= with a torch optimizer built before DPTrainer: it holds the unsharded parameters that "
+                "fully_shard replaces; choose the optimizer with TrainingArguments(optim=...), or fully_shard the model yourself and build the optimizer on it (docs/fsdp.md)"
+            )
+        return shard_as_configured(model, args)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -819,10 +843,13 @@ class DPTrainer(Trainer):
 
     # -- checkpoints carry the ledger -------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model``; a sharded (FSDP2) model is gathered on every rank and saved whole by rank 0."""
+        """``Trainer.save_model``; a sharded (FSDP2) model is gathered to rank 0 only (one tensor at a time on
+        the others: :func:`~dpopt.hf.distributed.full_state_dict`) and saved whole by rank 0 — a checkpoint
+        that loads into the unsharded model (``from_pretrained``)."""
         if not self.sharded:
             return super().save_model(output_dir, _internal_call)
-        state = full_state_dict(cast(torch.nn.Module, self.model))  # a collective: every rank
+        # a collective: every rank; {} off rank 0 (save_on_each_node: whole on every rank)
+        state = full_state_dict(cast(torch.nn.Module, self.model), every_rank=bool(self.args.save_on_each_node))
         if self.args.should_save:
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
 
