@@ -97,7 +97,11 @@ def fsdp_refusals(args: Any) -> list[str]:
     if config.get("xla") or config.get("xla_fsdp_v2"):
         return ["fsdp_config xla: XLA FSDP is not supported; use FSDP2 (fsdp_config={'fsdp_version': 2})"]
     if plugin is None:
-        return ["fsdp was set after TrainingArguments was built: pass fsdp= / fsdp_config= to its constructor"]
+        return [
+            "fsdp: this TrainingArguments has no fsdp_plugin_args (fsdp was set after it was built, or transformers "
+            "is older than the FSDP2 arguments): pass fsdp= / fsdp_config= to its constructor (transformers 5), or "
+            "apply fully_shard to the model yourself and pass it without fsdp= (docs/fsdp.md)"
+        ]
     out = []
     if int(plugin.get("fsdp_version", 2)) != 2:
         out.append(
