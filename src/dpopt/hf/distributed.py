@@ -38,9 +38,10 @@ logical batch (a count that stays among the ranks, never logged or released), an
 fewer chunks runs zero-weight stand-in chunks (:func:`padded`) whose per-example gradient — and so
 contribution to the clipped sum — is exactly 0.
 
-Not here: ``TrainingArguments(fsdp=...)`` (accelerate's FSDP wraps the model and reduces un-clipped
-gradients; pass a ``fully_shard``-ed model instead), DeepSpeed, and a single process driving several
-GPUs (``nn.DataParallel``, ``n_gpu > 1``).
+``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})`` is the same path: DPTrainer shards the
+model itself from those settings (:mod:`dpopt.hf.fsdp_args`); accelerate never prepares an FSDP model.
+
+Not here: DeepSpeed, and a single process driving several GPUs (``nn.DataParallel``, ``n_gpu > 1``).
 """
 
 from __future__ import annotations

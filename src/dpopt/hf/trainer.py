@@ -82,16 +82,20 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps.
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
-* **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun) trains through
+* **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun), or an unsharded one with
+  ``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})`` — DPTrainer then applies
+  ``fully_shard`` itself from those settings, before the Trainer and accelerate see the model
+  (:mod:`dpopt.hf.fsdp_args`: accelerate's own FSDP2 prepare would swap the parameters after the private
+  optimizer and hooks are attached) — trains through
   the engine's ``distributed="fsdp"`` (:mod:`dpopt.fsdp`): per-example norms on the full-shape
   gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
   every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
-  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the gathered model and the
-  ledger; resuming a sharded run is refused.
+  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the model gathered to rank 0
+  and the ledger; resuming a sharded run is refused.
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
-private gradients), deepspeed and ``TrainingArguments(fsdp=...)`` (pointing to a
-``fully_shard``-ed model passed to DPTrainer), several GPUs in one process
+private gradients), deepspeed (pointing to FSDP2), the FSDP settings
+:func:`~dpopt.hf.fsdp_args.fsdp_refusals` lists (offload, activation checkpointing, FSDP1, ...), several GPUs in one process
 (``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``,
@@ -179,8 +183,8 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     if args.deepspeed:
         out.append(
             "deepspeed: it shards and reduces un-clipped gradients; for a model that does not fit one device "
-            "use FSDP2: apply torch.distributed.fsdp.fully_shard to the model (its blocks, then the root) "
-            "under torchrun and pass it to DPTrainer without fsdp= (docs/fsdp.md, 'FSDP2 through DPTrainer')"
+            "use FSDP2: TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) under torchrun, or "
+            "a model you fully_shard-ed (docs/fsdp.md, 'FSDP2 through DPTrainer')"
         )
     out.extend(fsdp_refusals(args))  # fsdp= / fsdp_config=: what DPTrainer's own sharding cannot honour
     if args.torch_compile:
@@ -350,7 +354,9 @@ class DPTrainer(Trainer):
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
             one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
-            model with ``bf16=True`` or ``privacy_unit="user"``.
+            model with ``bf16=True`` or ``privacy_unit="user"``; ``fully_shard`` on submodules without the
+            root (:func:`~dpopt.hf.distributed.is_sharded`); FSDP settings DPTrainer cannot honour
+            (:mod:`dpopt.hf.fsdp_args`), or accelerate's FSDP plugin from the environment.
     """
 
     def __init__(
