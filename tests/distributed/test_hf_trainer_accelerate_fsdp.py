@@ -8,7 +8,8 @@ the two ranks' Poisson batches (the helpers of test_hf_trainer_fsdp.py):
 * σ = 0, B̄ = 2 × 2 × 2 = 8, C at the 30th percentile of the initial norms: every update equals
   lr · Σ_i clip_C(∇ℓ_i) / B̄ (some examples clipped, some not);
 * q = 1 (every record in every batch: deterministic), σ = 0: the parameters equal, at every step, those of the
-  same run with a model the test ``fully_shard``-ed itself (block, then root) — the path of docs/fsdp.md;
+  same run with a model the test ``fully_shard``-ed itself (block, then root) — the path of docs/fsdp.md — and
+  of ``fsdp="shard_grad_op"`` (reshard_after_forward=False);
   the torchrun test (:func:`test_torchrun_fsdp_args_equal_data_parallel`) checks the same against DDP;
 * σ > 0: the noise of the update has std σ·C (once per coordinate), ε equals the one-process accountant's
   at the same σ, q, steps, on both ranks; one journal with a header and one line per release;
@@ -21,6 +22,7 @@ the two ranks' Poisson batches (the helpers of test_hf_trainer_fsdp.py):
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -57,6 +59,8 @@ CASES = {
     # q = 1: B-bar = 4 x 4 x 2 = 32 = N; the same run with the model sharded by the test instead
     "q1_args": dict(sigma=0.0, c=1.0, per_device=4, accumulation=4),
     "q1_sharded": dict(sigma=0.0, c=1.0, per_device=4, accumulation=4, by_test=True),
+    # "shard_grad_op": reshard_after_forward=False (the blocks stay unsharded between forward and backward)
+    "q1_grad_op": dict(sigma=0.0, c=1.0, per_device=4, accumulation=4, sharding={"fsdp": "shard_grad_op"}),
 }
 
 
@@ -75,7 +79,7 @@ def targs(out, lr=LR, per_device=PER_DEVICE, accumulation=ACCUMULATION, sharding
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        **sharding,
+        **copy.deepcopy(sharding),  # TrainingArguments rewrites the fsdp_config dict it is given, in place
     )
 
 
@@ -98,7 +102,7 @@ def run_case(out, name, c):
         lr=lr,
         per_device=case.get("per_device", PER_DEVICE),
         accumulation=case.get("accumulation", ACCUMULATION),
-        sharding={} if by_test else FSDP,
+        sharding={} if by_test else {**FSDP, **case.get("sharding", {})},
     )
     tr = Recording(
         model=model, args=args, train_dataset=Tokens(), noise_multiplier=case["sigma"], max_grad_norm=c,
@@ -119,6 +123,11 @@ def run_case(out, name, c):
         "units": sorted(type(m).__name__ for m in tr.model.modules() if isinstance(m, FSDPModule)),
         "args_fsdp": bool(tr.args.fsdp),
         "optimizer": type(tr._private.original_optimizer).__name__,
+        "reshard": [
+            m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+            for m in tr.model.modules()
+            if isinstance(m, FSDPModule) and m is not tr.model
+        ],
     }
 
 
@@ -229,16 +238,19 @@ def test_sigma0_update_is_the_clipped_sum_of_the_union_over_bbar(runs):
     assert 0 < clipped < total, (clipped, total)  # both branches of clip_C (P(neither) < 1e-4)
 
 
-def test_fsdp_args_equal_the_model_sharded_by_hand_at_every_step(runs):
+@pytest.mark.parametrize("other", ["q1_sharded", "q1_grad_op"])
+def test_fsdp_args_equal_the_model_sharded_by_hand_at_every_step(runs, other):
     _, ranks = runs
     for r in ranks:
-        a, b = r["q1_args"], r["q1_sharded"]
+        a, b = r["q1_args"], r[other]
         assert a["q"] == b["q"] == 1.0 and a["sharded"] and b["sharded"]
         for sa, sb in zip(a["starts"] + [a["final"]], b["starts"] + [b["final"]]):
             for n in sa:
                 torch.testing.assert_close(sa[n], sb[n], rtol=0, atol=0)
         moved = max(float((a["final"][n] - a["starts"][0][n]).abs().max()) for n in a["final"])
         assert moved > 1e-3, moved
+    # full_shard reshards the block after its forward, shard_grad_op keeps it gathered until the backward
+    assert ranks[0]["q1_args"]["reshard"] == [True] and ranks[0]["q1_grad_op"]["reshard"] == [False]
 
 
 def test_noise_once_epsilon_journal_and_ranks_agree(runs):
