@@ -138,8 +138,11 @@ from .distributed import (
     is_sharded,
     journal_not_reopened,
     launched_args,
+    load_full_state_dict,
+    load_optimizer_shards,
     padded,
     replicas_not_wrapped,
+    save_optimizer_shards,
     share_ledger,
 )
 from .fsdp_args import fsdp_refusals, fsdp_requested, shard_as_configured, without_fsdp
@@ -825,17 +828,10 @@ class DPTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released).
 
-        Raises:
-            ValueError: ``resume_from_checkpoint`` with an FSDP2 (``fully_shard``-ed) model: its checkpoints
-                hold the gathered model and rank 0's optimizer state, not the shards (not resumable).
+        ``resume_from_checkpoint`` with an FSDP2 (sharded) model: every rank loads the checkpoint's whole model
+        and keeps its shards, and its own optimizer-state file (same number of processes); the ledger as for
+        data parallel.
         """
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self.sharded and resume not in (None, False):
-            raise ValueError(
-                "resume_from_checkpoint with a fully_shard-ed (FSDP2) model is not supported: its checkpoints "
-                "hold the gathered model and the ledger, not the sharded optimizer state; start a new run "
-                "(or train data parallel without fully_shard, which resumes)"
-            )
         try:
             out = super().train(*args, **kwargs)
         finally:
@@ -858,6 +854,26 @@ class DPTrainer(Trainer):
         state = full_state_dict(cast(torch.nn.Module, self.model), every_rank=bool(self.args.save_on_each_node))
         if self.args.should_save:
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's ``optimizer.pt`` (rank 0: ledger, param groups); a sharded model's optimizer state goes
+        to one file per rank instead (:func:`~dpopt.hf.distributed.save_optimizer_shards`)."""
+        if not self.sharded or self._private is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        inner = self._private.original_optimizer
+        save_optimizer_shards(inner, output_dir, self.args.process_index, self.args.world_size)
+        whole = inner.state_dict
+        inner.state_dict = lambda: {**whole(), "state": {}}  # the shards: above
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            del inner.state_dict
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The Trainer's model load; a sharded model takes the checkpoint's whole model, each rank its shards."""
+        if not self.sharded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_state_dict(cast(torch.nn.Module, self.model), resume_from_checkpoint)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
@@ -893,6 +909,10 @@ class DPTrainer(Trainer):
             )
         with journal_not_reopened(self._private, self.ranks):  # the journal is rank 0's file
             super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.sharded and self._private is not None:  # this rank's optimizer shards
+            load_optimizer_shards(
+                self._private.original_optimizer, checkpoint, self.args.process_index, self.args.world_size
+            )
         if checkpoint is not None and self._private is not None:
             share_ledger(self.ledger, self.ranks)  # rank 0's record (its journal's releases too) on every rank
         if checkpoint is not None and self._target is not None and self._private is not None and len(self.ledger):
