@@ -7,7 +7,9 @@ resumed, in a new trainer with a new unsharded model, from that checkpoint to 3 
   uninterrupted run's (the model is reloaded from the gathered checkpoint into the shards, and each rank's AdamW
   moments of its own shards from its own file — losing them would change the third update);
 * σ = 1, q = 8/32, SGD: both ranks hold 3 releases and the ε of an uninterrupted 3-step run; one journal (rank 0's)
-  with a header and 3 lines; each rank wrote its own optimizer-state file.
+  with a header and 3 lines; each rank wrote its own optimizer-state file;
+* that checkpoint resumed by a data-parallel (unsharded) trainer is refused on both ranks (its optimizer state
+  is in the per-rank files).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ CASES = {
 }
 
 
-def trainer(out, case, callbacks=()):
+def trainer(out, case, callbacks=(), sharding=None):
     args = T.TrainingArguments(
         str(out),
         per_device_train_batch_size=case["per_device"],
@@ -64,8 +66,7 @@ def trainer(out, case, callbacks=()):
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        fsdp=True,
-        fsdp_config={"fsdp_version": 2},
+        **({"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if sharding is None else sharding),
     )
     return DPTrainer(
         model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=case["sigma"], max_grad_norm=1e-2,
@@ -94,6 +95,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             second.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
             out[name] = {"params": full_params(second.model), "ledger": len(second.ledger), "eps": second.get_epsilon()}
             progress(tmp, rank, name)
+        plain = trainer(Path(tmp) / "plain", CASES["epsilon"], sharding={})  # data parallel, not sharded
+        try:
+            plain.train(resume_from_checkpoint=str(Path(tmp) / "epsilon" / "checkpoint-2"))
+        except ValueError as exc:
+            out["refused"] = str(exc)
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
 
 
@@ -123,3 +129,9 @@ def test_resumed_ledger_reaches_the_uninterrupted_epsilon_with_one_journal(runs)
     assert len(journals) == 1 and len(journals[0].read_text().splitlines()) == STEPS + 1
     shards = sorted(p.name for p in (tmp / "epsilon" / "checkpoint-2").glob("optimizer-shard-*"))
     assert shards == ["optimizer-shard-0-of-2.pt", "optimizer-shard-1-of-2.pt"]
+
+
+def test_a_sharded_checkpoint_resumed_without_sharding_is_refused(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert "was written by a sharded (FSDP2) run" in r["refused"], r.get("refused")

@@ -90,8 +90,8 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   the engine's ``distributed="fsdp"`` (:mod:`dpopt.fsdp`): per-example norms on the full-shape
   gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
   every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
-  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the model gathered to rank 0
-  and the ledger; resuming a sharded run is refused.
+  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the model gathered to rank 0,
+  the ledger, and one optimizer-state file per rank: a sharded run resumes on the same number of processes.
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
 private gradients), deepspeed (pointing to FSDP2), the FSDP settings
@@ -893,8 +893,12 @@ class DPTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore the optimizer (its state carries the ledger: the engine takes the whole record in).
 
+        A sharded (FSDP2) run also loads this rank's optimizer-state file
+        (:func:`~dpopt.hf.distributed.load_optimizer_shards`).
+
         Raises:
-            ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0).
+            ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0); a sharded run's checkpoint
+                resumed without sharding, or on another number of processes (its optimizer state is per rank).
         """
         if checkpoint is not None and self.noise_mechanism != "independent":
             raise ValueError(
@@ -906,6 +910,11 @@ class DPTrainer(Trainer):
             raise ValueError(
                 f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
                 "would restart epsilon at 0 (was it saved with save_only_model=True?)"
+            )
+        if checkpoint is not None and not self.sharded and any(Path(checkpoint).glob("optimizer-shard-*.pt")):
+            raise ValueError(
+                f"{checkpoint} was written by a sharded (FSDP2) run: its optimizer state is in per-rank shard files; "
+                "resume it with the same fsdp= settings on the same number of processes"
             )
         with journal_not_reopened(self._private, self.ranks):  # the journal is rank 0's file
             super()._load_optimizer_and_scheduler(checkpoint)
