@@ -1,4 +1,4 @@
-"""``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, ...})`` for ``DPTrainer``: the sharding is DPTrainer's.
+"""``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, ...})`` for ``DPTrainer``: DPTrainer shards.
 
 ::
 

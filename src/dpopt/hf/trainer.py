@@ -95,8 +95,8 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
 private gradients), deepspeed (pointing to FSDP2), the FSDP settings
-:func:`~dpopt.hf.fsdp_args.fsdp_refusals` lists (offload, activation checkpointing, FSDP1, ...), several GPUs in one process
-(``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
+:func:`~dpopt.hf.fsdp_args.fsdp_refusals` lists (offload, activation checkpointing, FSDP1, ...),
+several GPUs in one process (``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``,
 and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
@@ -489,7 +489,8 @@ class DPTrainer(Trainer):
         if isinstance(method, torch.optim.Optimizer) or (kwargs.get("optimizers") or (None,))[0] is not None:
             raise ValueError(
                 "fsdp= with a torch optimizer built before DPTrainer: it holds the unsharded parameters that "
-                "fully_shard replaces; choose the optimizer with TrainingArguments(optim=...), or fully_shard the model yourself and build the optimizer on it (docs/fsdp.md)"
+                "fully_shard replaces; choose the optimizer with TrainingArguments(optim=...), or fully_shard the "
+                "model yourself and build the optimizer on it (docs/fsdp.md)"
             )
         return shard_as_configured(model, args)
 
@@ -913,8 +914,8 @@ class DPTrainer(Trainer):
             )
         if checkpoint is not None and not self.sharded and any(Path(checkpoint).glob("optimizer-shard-*.pt")):
             raise ValueError(
-                f"{checkpoint} was written by a sharded (FSDP2) run: its optimizer state is in per-rank shard files; "
-                "resume it with the same fsdp= settings on the same number of processes"
+                f"{checkpoint} was written by a sharded (FSDP2) run: its optimizer state is in per-rank shard "
+                "files; resume it with the same fsdp= settings on the same number of processes"
             )
         with journal_not_reopened(self._private, self.ranks):  # the journal is rank 0's file
             super()._load_optimizer_and_scheduler(checkpoint)
