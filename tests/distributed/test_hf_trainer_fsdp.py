@@ -24,8 +24,8 @@ references are computed here by single-example autograd on the UNION of the two 
 * bf16 autocast with a sharded model (the forward and backward in bf16, norms, clipping and the clipped sum in
   float32): the σ = 0 update is within 5e-2 (relative L2, the DDP bf16 test's tolerance) of the float32 clipped
   sum of the union, and not equal to it (the bf16 forward ran); each example still moves it by ≤ C;
-* refused on every rank: resuming a sharded run (user-level DP with a sharded model:
-  test_hf_trainer_user_ddp.py).
+* elsewhere: resuming a sharded run (test_hf_trainer_fsdp_resume.py), user-level DP with a sharded model
+  (test_hf_trainer_user_ddp.py).
 """
 
 from __future__ import annotations
@@ -254,20 +254,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             c = case["c"] if case["c"] is not None else cfg["clip_norm"]
             results[name] = run_case(Path(tmp) / name, name, c, rank)
             progress(tmp, rank, name)
-        results["refused"] = refusals(Path(tmp))
         torch.save(results, Path(tmp) / f"rank{rank}.pt")
-
-
-def refusals(tmp):
-    """The messages of what DPTrainer refuses with a sharded model (raised on every rank, before any collective)."""
-    out = {}
-    model = sharded_gpt2()
-    tr = DPTrainer(model=model, args=targs(tmp / "refused"), train_dataset=Tokens(), noise_multiplier=1.0)
-    try:
-        tr.train(resume_from_checkpoint=str(tmp / "all_clipped" / f"checkpoint-{STEPS}"))
-    except ValueError as exc:
-        out["resume"] = str(exc)
-    return out
 
 
 def clip_norm():
@@ -495,12 +482,6 @@ def test_ranks_agree_and_rank0_alone_writes_the_record(fsdp):
     saved = T.GPT2LMHeadModel.from_pretrained(tmp / "noise" / f"checkpoint-{STEPS}")  # the gathered model
     for n, p in saved.named_parameters():
         torch.testing.assert_close(p.detach(), ranks[0]["noise"]["final"][n])
-
-
-def test_resume_with_a_sharded_model_is_refused_on_every_rank(fsdp):
-    _, ranks = fsdp
-    for r in ranks:
-        assert "resume_from_checkpoint with a fully_shard-ed (FSDP2) model is not supported" in r["refused"]["resume"]
 
 
 def test_bf16_update_with_a_sharded_model_within_its_tolerance_of_float32(fsdp):
