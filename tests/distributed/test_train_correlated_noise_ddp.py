@@ -10,6 +10,8 @@ and use the same reproducible noise (``--reproducible-noise``: research mode, te
   only the summation order differs) — every rank adding the noise moves them by ~σC·lr/B̄ per step, far beyond;
 * ε, the ledger's mechanism record and its entries are the one-process run's; one run directory (rank 0's) and one
   journal with a header and a line per release;
+* secret noise (rank 0 alone draws and streams): ``train`` finds the replicas bit-identical (it raises otherwise)
+  and ``dpopt check``'s verdict on the run directory passes (the mechanism record re-derives every event);
 * ``--sampling cyclic-poisson`` is refused on every rank (its sampler is not split across ranks).
 """
 
@@ -83,6 +85,7 @@ def _refusal(out: Path, **kw) -> str:
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         result = _train(Path(tmp) / "ddp")
+        result["secret"] = _train(Path(tmp) / "secret", reproducible_noise=False)["summary"]
         result["cyclic_poisson"] = _refusal(
             Path(tmp) / "cp", noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5
         )
@@ -123,6 +126,15 @@ def test_parameters_epsilon_and_ledger_equal_one_process(runs):
     assert len(ledgers[0]["entries"]) == len(ledgers[1]["entries"]) == one["steps"]
     journal = (tmp / "ddp" / "ledger.jsonl").read_text().splitlines()
     assert len(journal) == one["steps"] + 1  # a header and one line per release
+
+
+def test_secret_noise_run_checks(runs):
+    tmp, ranks, _ = runs
+    summary = ranks[0]["secret"]
+    assert summary["noise"] == "secret" and summary["world_size"] == 2 and summary["check"] == "pass"
+    assert ranks[1]["secret"]["run_dir"] is None
+    ledger = json.loads((tmp / "secret" / "ledger.json").read_text())
+    assert ledger["mechanism"]["kind"] == "blt" and len(ledger["entries"]) == summary["steps"] == 8
 
 
 def test_cyclic_poisson_refused_on_every_rank(runs):
