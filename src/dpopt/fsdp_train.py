@@ -40,7 +40,8 @@ other methods (clip geometry or whole-matrix transforms that are not sharded: Ma
 Muon, ...), per-layer and quantile clipping, ``--resume`` and ``--checkpoint-every`` (a sharded
 checkpoint is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
 ``--show-train-loss``, ``--noise-mechanism`` (correlated noise needs cyclic batches sliced over the
-ranks, not sampled here; ``make_private(..., distributed="fsdp", noise_mechanism=...)`` runs it), one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+ranks and a per-shard stream, not run here; data-parallel ``dpopt train`` without ``--fsdp`` and
+``make_private(..., distributed="fsdp", noise_mechanism=...)`` run it), one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
 
@@ -91,8 +92,9 @@ def check_fsdp_config(cfg) -> None:
         ),
         "noise_mechanism": (
             cfg.noise_mechanism != "independent",
-            "correlated noise needs cyclic batches sliced over the ranks, which the torchrun loop does not "
-            "sample (make_private(..., distributed='fsdp', noise_mechanism=...) does, docs/fsdp.md)",
+            "correlated noise needs cyclic batches sliced over the ranks and a per-shard stream, which the --fsdp "
+            "loop does not run (data-parallel `dpopt train` under torchrun without --fsdp does, and so does "
+            "make_private(..., distributed='fsdp', noise_mechanism=...), docs/correlated-noise.md)",
         ),
     }
     for name, (bad, why) in refused.items():

@@ -76,11 +76,14 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed batches in a fixed
   cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
   apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
-  state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes with a
-  replicated model; with a ``fully_shard``-ed model (FSDP2, below) each rank streams the noise of its shard.
+  state is never saved), as are ``max_epsilon`` and ``privacy_unit="user"``. Several processes with a
+  replicated model: every rank takes its slice of each cyclic batch (the slices are disjoint, their union the
+  one-process batch) and rank 0 alone runs the stream (the noise is added once, before the all-reduce); with a
+  ``fully_shard``-ed model (FSDP2, below) each rank streams the noise of its shard.
   ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
   b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
-  (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps.
+  (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps;
+  one process only (the sampler is not split across ranks).
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
 * **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun), or an unsharded one with
@@ -320,9 +323,12 @@ class DPTrainer(Trainer):
         noise_mechanism: ``"independent"`` (default), or correlated noise across steps
             (DP matrix factorization, :mod:`dpopt.correlated_noise`): ``"banded:B"`` or
             ``"blt"`` / ``"blt:N"`` — the argument of :meth:`dpopt.PrivacyEngine.make_private`;
-            the horizon is the Trainer's planned steps and the batches are cyclic (module docstring).
+            the horizon is the Trainer's planned steps and the batches are cyclic (module docstring);
+            under torchrun each rank takes its slice of every cyclic batch and the noise is added once
+            (replicas: rank 0 runs the stream; FSDP2: each rank its shard's).
         sampling, sample_rate: correlated noise only: ``sampling="cyclic-poisson"`` with ``sample_rate=q``
-            is make_private's amplified banded form (module docstring); ``"cyclic"`` (default) otherwise.
+            is make_private's amplified banded form (module docstring; one process only, ValueError
+            otherwise); ``"cyclic"`` (default) otherwise.
         per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
         causal_lm: shift LM labels (default: from the model's class).
         eval_is_public: the evaluation set holds no record of the private
@@ -458,12 +464,12 @@ class DPTrainer(Trainer):
                 "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) instead (docs/fsdp.md)"
             )
         self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
-        if self.noise_mechanism != "independent" and int(self.args.world_size) > 1 and not self.sharded:
+        if self._sampling.get("sampling") == "cyclic-poisson" and int(self.args.world_size) > 1:
             raise ValueError(
-                f"noise_mechanism={noise_mechanism!r} with {self.args.world_size} processes and a replicated model: "
-                "DPTrainer adds correlated noise in one process or with a fully_shard-ed (FSDP2) model only "
-                "(each rank streams its shard's noise); launch one process, fully_shard the model, or use "
-                "noise_mechanism='independent'"
+                f"sampling='cyclic-poisson' with {self.args.world_size} processes: the amplified sampler draws one "
+                "Poisson subset of a part and is not split across ranks (make_private refuses it with "
+                "distributed=True / 'fsdp'); use the default cyclic batches (drop sampling= and sample_rate=), "
+                "which are split across ranks, or launch one process"
             )
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
