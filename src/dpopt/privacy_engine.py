@@ -449,6 +449,7 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
+        cache_bytes: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -582,6 +583,11 @@ class PrivacyEngine:
                 CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
                 rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
                 accountant here: refused.
+            cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
+                and the clipped sum (per step, all layers together): None (default) derives them from
+                the model and batch (≈ 10 % of what the non-private step holds,
+                :func:`dpopt.engine.layers.derived_cache_bytes`); 0 never caches (least memory); more
+                trades memory for speed.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -673,6 +679,7 @@ class PrivacyEngine:
             ctx,
             loss_reduction=loss_reduction,
             **({"rows_per_example": views} if views > 1 else {}),
+            **({"cache_bytes": cache_bytes} if cache_bytes is not None else {}),
         )
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
