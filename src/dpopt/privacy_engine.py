@@ -448,6 +448,7 @@ class PrivacyEngine:
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
         compile: bool = False,
+        cache_bytes: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -591,6 +592,11 @@ class PrivacyEngine:
                 loop: ``dpopt train --compile`` or ``iter_per_sample_sources(..., compile=True)``
                 (:mod:`dpopt.engine.compiled`: taps as graph inputs, the first batch checked on the compiled
                 path against single-example eager autograd; docs/performance.md, "torch.compile").
+            cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
+                and the clipped sum (per step, all layers together): None (default) derives them from
+                the model and batch (≈ 10 % of what the non-private step holds,
+                :func:`dpopt.engine.layers.derived_cache_bytes`); 0 never caches (least memory); more
+                trades memory for speed.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -689,6 +695,7 @@ class PrivacyEngine:
             ctx,
             loss_reduction=loss_reduction,
             **({"rows_per_example": views} if views > 1 else {}),
+            **({"cache_bytes": cache_bytes} if cache_bytes is not None else {}),
         )
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None

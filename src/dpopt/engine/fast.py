@@ -75,6 +75,7 @@ from .capture import (  # noqa: F401
     OutputLayout,
     Plan,
     Recorder,
+    check_cache_bytes,
     check_views,
     demotion_warning,
     expand_broadcast,
@@ -97,7 +98,7 @@ from .check import (
 )
 from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import Budget, DirectBlock, FactoredBlock
+from .layers import DirectBlock, FactoredBlock, plan_caches
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -161,6 +162,7 @@ class FastPerSampleGrads:
             )
         self._bad: Optional[Tensor] = None
         self._freed = False
+        self._caches_planned = False
 
     @property
     def num_params(self) -> int:
@@ -201,7 +203,20 @@ class FastPerSampleGrads:
         with _no_autocast(self.device):
             return self._sq_norms(geometry, groups, num_groups)
 
+    def _plan_caches(self, geometry: ClipGeometry) -> None:
+        """On the first norms: which factored layers cache their per-example gradients (:func:`~dpopt.engine.layers.plan_caches`)."""
+        self._caches_planned = True
+        by_budget: dict[int, list[FactoredBlock]] = {}
+        for blk in self.blocks:
+            if isinstance(blk, FactoredBlock):
+                by_budget.setdefault(id(blk.budget), []).append(blk)
+        for fac in by_budget.values():
+            flat = [self._geo(geometry, blk.index[0]) == (None, None) for blk in fac]
+            plan_caches(fac, flat, fac[0].budget)
+
     def _sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
+        if not self._caches_planned:
+            self._plan_caches(geometry)
         per_param: list[Optional[Tensor]] = [None] * self.num_params
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
@@ -296,7 +311,9 @@ class PerSampleEngine:
             those of single-example autograd (:meth:`_verify`); layers/parameters
             that do not move to the per-example ``torch.func`` path, with a warning.
         chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of
-            each source (bytes).
+            each source (bytes); ``cache_bytes=None`` (default) derives the cache
+            from the model and batch (:meth:`~dpopt.engine.capture.Plan.budget`),
+            an int overrides it (0: never cache per-example gradients).
         rows_per_example: K ≥ 1. Rows ``i·K … i·K + K − 1`` of ``x`` and ``y``
             are K views (augmentations) of example i; its per-example gradient
             is the mean over its views, g_i = (1/K) Σ_v ∇ℓ(x_{iK+v}, y_{iK+v})
@@ -330,7 +347,7 @@ class PerSampleEngine:
         loss_fn: LossFn,
         verify: bool = True,
         chunk_bytes: int = 16 << 20,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
         compile: object = False,
     ):
@@ -361,7 +378,16 @@ class PerSampleEngine:
     dtype = property(lambda self: self.plan.dtype)
     device = property(lambda self: self.plan.device)
     chunk_bytes = property(lambda self: self.plan.chunk_bytes)
-    cache_bytes = property(lambda self: self.plan.cache_bytes)
+
+    @property
+    def cache_bytes(self) -> Optional[int]:
+        """The cache override in bytes (None: derived per batch from the model and batch)."""
+        return self.plan.cache_bytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, value: Optional[int]) -> None:
+        self.plan.cache_bytes = check_cache_bytes(value)
+
     model = property(lambda self: self.plan.model)
 
     def _fast_indices(self) -> list[int]:
@@ -686,9 +712,7 @@ class PerSampleEngine:
             with preserved_state(self.model):  # a graph no check has run: check it at this batch's size
                 self._verify_at(x, y)
         with no_autocast(self.device):
-            blocks = self.plan.blocks(
-                [(c, c.grads[0]) for c in calls if c.fast], n, Budget(self.chunk_bytes, self.cache_bytes), self.views
-            )
+            blocks = self.plan.blocks([(c, c.grads[0]) for c in calls if c.fast], n, None, self.views)
         if self.fallback:
             blocks.append(DirectBlock(self.fallback, self._reference(x, y, pts, self.fallback_names)))
         return self._source(blocks, b, pts)
