@@ -43,10 +43,10 @@ STREAM = 2 * 8 * NORMAL_CHUNK  # a streamed release's float64 noise chunk and th
 def peak_bytes(fn) -> int:
     """The largest number of bytes ``fn`` has allocated and not yet freed at any moment (CPU allocator).
 
-    Only frees of blocks allocated while ``fn`` ran count: the profiler's reporter keeps the size of a
-    block allocated under an earlier profile and freed outside one, and reports a later block at the same
-    address with that stale size when it is freed (a non-private step read ≈ 8 KiB: its ``zero_grad``
-    "freed" 4 MiB it never allocated).
+    Only frees of blocks allocated while ``fn`` ran count. Counting every free made a non-private step
+    read ≈ 8 KiB in some runs (its ``zero_grad`` was reported freeing ≈ 4 MiB allocated before the
+    profile — most likely a size the profiler's reporter kept from an earlier profile for a reused
+    address), and a bound against that baseline failed spuriously.
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
