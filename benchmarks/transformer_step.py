@@ -104,6 +104,10 @@ class MiniGPT(nn.Module):
     def __init__(self, tied: bool = True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        # GPT-2's initialisation (std 0.02 / 0.01): with nn.Embedding's N(0, 1) the tied head's logits had std 16
+        # (softmax saturated, first loss 173 against ln V = 9.0), unlike a freshly initialised or trained GPT-2
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.01)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)

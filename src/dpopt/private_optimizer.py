@@ -306,10 +306,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._loss_watch is not None and self._loss_watch.at_step():  # raises on a loss_reduction mismatch
             self._loss_watch = None
-        source = self._source()
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
         boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
+        releases = boundary.tagged_release()  # what `skip` below will say, known before the per-sample work
+        if releases if releases is not None else not self._check_skip_next_step(pop_next=False):
+            for p in params:  # released into p.grad below: the backward's non-private gradient is never read;
+                p.grad = None  # dropped first, neither the first-batch check nor the clipped sums sit beside it
+        source = self._source()
         if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
             self._open = True
@@ -322,9 +326,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if self._user_level:
                 source = self._by_user(source, boundary.chunk_public)
             skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
-            if not skip:
-                for p in params:  # released into p.grad below: the backward's non-private gradient is never read,
-                    p.grad = None  # and dropping it first keeps the clipped sums from sitting beside it (issue 43)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
             self._check_views_match_the_batch(final=not skip)

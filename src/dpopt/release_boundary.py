@@ -224,9 +224,16 @@ class ReleaseBoundary:
                 self.examples += int(tag.examples)
             elif tag.examples is None:
                 self.examples = None
-        if tag.chunks > 1:
-            return tag.last
-        return None
+        return self.tagged_release()
+
+    def tagged_release(self) -> Optional[bool]:
+        """Whether the current chunk's tag says the next ``step()`` releases (True on a chunked batch's last
+        chunk, False before it); None when the tag does not say (an untagged or single-chunk batch). Reads
+        nothing but the tag: the optimizer asks it before the step's per-sample work (issue 43)."""
+        tag = self.current
+        if tag is None or tag.chunks <= 1:
+            return None
+        return tag.last
 
     def counts(self) -> tuple[Optional[int], Optional[int]]:
         """(examples forwarded, examples of the chunks stepped) of the open step; None where unknown.

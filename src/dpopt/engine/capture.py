@@ -60,12 +60,13 @@ from .check import (
     alone_failed,
     disagreeing,
     disagreeing_rows,
+    finite_sq_norm64,
     in_float64,
     mode_signature,
     module_state,
     off_axis,
     rtol,
-    sq_norm64,
+    sq_dist64,
 )
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
@@ -1440,15 +1441,12 @@ class Recorder:
         def reduce(i: int, g: Tensor) -> None:
             e = current[0]
             seen.add(i)
-            with torch.no_grad():
-                ok = bool(torch.isfinite(g).all())
-                ref_sq[i][e] = sq_norm64(g)
-                finite[i][e] = ok
-                hat = captured(i, e).reshape(g.shape)
-                dt = torch.promote_types(torch.promote_types(hat.dtype, g.dtype), torch.float32)
-                own = hat.dtype == dt and type(where[i][0]) is not DirectBlock
-                diff = (hat if own else hat.to(dt, copy=True)).sub_(g.to(dt))
-                dist[i][e] = sq_norm64(diff) ** 0.5 if ok else float("nan")
+            with torch.no_grad():  # chunked reductions: beside g, only the capture's ĝ (issue 43)
+                sq, ok = finite_sq_norm64(g)
+                ref_sq[i][e], finite[i][e] = sq, ok
+                hat = captured(i, e)
+                dist[i][e] = sq_dist64(hat, g) ** 0.5 if ok else float("nan")
+                del hat
 
         def hook(i: int, g: Tensor) -> Tensor:
             reduce(i, g)
