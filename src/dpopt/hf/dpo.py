@@ -50,7 +50,9 @@ batch) and the others not implemented here; ``ld_alpha``,
 Mixture-of-Experts router loss (a batch-level statistic); a PEFT model
 without ``ref_model`` (its reference is the same hooked model with the
 adapter disabled); ``privacy_unit`` other than the pair;
-``activation_offloading``, ``use_liger_kernel``.
+``activation_offloading``, ``use_liger_kernel``; FSDP2 (a ``fully_shard``-ed
+policy or ``fsdp=`` in the config: :func:`~dpopt.hf.trl_common.sharded_refusals`;
+run data parallel instead).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from torch import Tensor
 from trl import DPOConfig, DPOTrainer
 
 from .trainer import DPTrainer
-from .trl_common import TRLPrivate, trl_refusals
+from .trl_common import TRLPrivate, sharded_refusals, trl_refusals
 
 __all__ = [
     "DPDPOTrainer",
@@ -152,7 +154,7 @@ def pair_losses(
 
 def dpo_refusals(args: Any, model: Any, ref_model: Any, privacy_unit: Any) -> list[str]:
     """Why a ``DPOConfig`` (with this model / reference) cannot be trained privately; see the module docstring."""
-    out = trl_refusals(args)
+    out = trl_refusals(args) + sharded_refusals("DPDPOTrainer", args, model)
     types = list(getattr(args, "loss_type", ["sigmoid"]))
     coupled = sorted(set(types) & {"aot", "aot_unpaired", "sft"})
     if coupled:
