@@ -440,7 +440,6 @@ def test_run_logs_only_public_values_generates_and_resume_continues_the_ledger(t
         ),
         (dict(packing=True, packing_strategy="wrapped"), "record", "the unit is the block"),
         (dict(activation_offloading=True), None, "activation_offloading"),
-        (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}), None, "DPSFTTrainer does not support FSDP2"),
     ],
 )
 def test_sft_refusals(tmp_path, kw, unit, match):

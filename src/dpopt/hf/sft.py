@@ -44,8 +44,7 @@ Refused, besides DPTrainer's list: ``padding_free=True`` and
 padding-free), whose collator flattens the whole batch into ONE row — the
 examples cannot be told apart on dim 0; ``loss_type="dft"`` (not a
 per-example cross-entropy here); ``privacy_unit="record"`` with packing;
-``activation_offloading``, ``use_liger_kernel``; FSDP2 (a ``fully_shard``-ed
-model or ``fsdp=``; run data parallel instead) (:mod:`dpopt.hf.trl_common`).
+``activation_offloading``, ``use_liger_kernel`` (:mod:`dpopt.hf.trl_common`).
 """
 
 from __future__ import annotations
@@ -58,16 +57,15 @@ from trl import SFTConfig, SFTTrainer
 
 from .guarantee import unit_text
 from .trainer import DPTrainer
-from .trl_common import TRLPrivate, sharded_refusals, trl_refusals
+from .trl_common import TRLPrivate, trl_refusals
 from .user_packing import pack_by_user
 
 __all__ = ["DPSFTTrainer", "sft_refusals", "sft_privacy_unit", "user_blocks_text"]
 
 
-def sft_refusals(args: Any, privacy_unit: Union[None, str, int], model: Any = None) -> list[str]:
-    """Why an ``SFTConfig`` (with this model) cannot be trained privately (empty when it can); see the module
-    docstring (FSDP2: :func:`~dpopt.hf.trl_common.sharded_refusals`)."""
-    out = trl_refusals(args) + sharded_refusals("DPSFTTrainer", args, model)
+def sft_refusals(args: Any, privacy_unit: Union[None, str, int]) -> list[str]:
+    """Why an ``SFTConfig`` cannot be trained privately (empty when it can); see the module docstring."""
+    out = trl_refusals(args)
     packing = bool(getattr(args, "packing", False))
     strategy = getattr(args, "packing_strategy", "bfd")
     if getattr(args, "padding_free", False) or (packing and strategy in ("bfd", "bfd_split")):
@@ -161,7 +159,7 @@ class DPSFTTrainer(TRLPrivate, DPTrainer, SFTTrainer):
         **kwargs: Any,
     ):
         args = SFTConfig("dp_sft_output") if args is None else args
-        problems = sft_refusals(args, privacy_unit, model)
+        problems = sft_refusals(args, privacy_unit)
         if problems:
             raise ValueError("DPSFTTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         unit = sft_privacy_unit(args, privacy_unit, kwargs.get("train_dataset"))

@@ -16,19 +16,13 @@ does not know of:
   later in the MRO); they are cleared first, so they never reach a log.
 * :func:`trl_refusals` — TRL options that the private step would silently
   skip or that read the private batch as a whole.
-* :func:`sharded_refusals` — FSDP2 (a ``fully_shard``-ed model, or
-  ``fsdp=`` in the config) is refused for the TRL trainers: not yet tested
-  against single-unit autograd under sharding (and DPDPOTrainer's default
-  reference, a copy of the policy broadcast from rank 0, is built for
-  replicated parameters, not DTensor shards). Data parallel (``torchrun``
-  without ``fsdp=``) is the tested multi-process path.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["TRLPrivate", "sharded_refusals", "trl_refusals"]
+__all__ = ["TRLPrivate", "trl_refusals"]
 
 
 def trl_refusals(args: Any) -> list[str]:
@@ -52,37 +46,6 @@ def trl_refusals(args: Any) -> list[str]:
             "are captured from; set it False"
         )
     return out
-
-
-def sharded_refusals(trainer: str, args: Any, model: Any) -> list[str]:
-    """Why ``trainer`` (``"DPSFTTrainer"`` / ``"DPDPOTrainer"``) refuses FSDP2 (empty when nothing is sharded).
-
-    Refused: ``args.fsdp`` set (DPTrainer would ``fully_shard`` the model,
-    :mod:`dpopt.hf.fsdp_args`) and a model already ``fully_shard``-ed
-    (:func:`~dpopt.hf.distributed.is_sharded`). The TRL trainers' step
-    (the pair's two rows as one unit, the reference forward) is tested
-    against single-unit autograd only on replicated parameters (one process
-    and DDP, ``tests/distributed/test_trl_ddp.py``).
-
-    Raises:
-        ValueError: ``fully_shard`` on submodules without the root (:func:`~dpopt.hf.distributed.is_sharded`).
-    """
-    from .distributed import is_sharded
-    from .fsdp_args import fsdp_requested
-
-    if not (fsdp_requested(args) or is_sharded(model)):
-        return []
-    what = "fsdp= in the config" if fsdp_requested(args) else "a fully_shard-ed (FSDP2) model"
-    extra = (
-        " (its default reference model is a copy of the policy broadcast from rank 0, built for replicated "
-        "parameters, not DTensor shards)"
-        if trainer == "DPDPOTrainer"
-        else ""
-    )
-    return [
-        f"{what}: {trainer} does not support FSDP2 yet{extra}; pass the unsharded model and run data parallel "
-        "(torchrun without fsdp=: every rank holds the whole model), or use DPTrainer for FSDP2"
-    ]
 
 
 class TRLPrivate:
