@@ -463,6 +463,7 @@ def test_sft_refusals(tmp_path, kw, unit, match):
         (dict(precompute_ref_log_probs=True), "cache file on disk"),
         (dict(ld_alpha=0.5), "ld_alpha"),
         (dict(use_weighting=True), "use_weighting"),
+        (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}), "DPDPOTrainer does not support FSDP2"),
     ],
 )
 def test_dpo_refusals(tmp_path, kw, match):

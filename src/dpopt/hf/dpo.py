@@ -50,7 +50,10 @@ batch) and the others not implemented here; ``ld_alpha``,
 Mixture-of-Experts router loss (a batch-level statistic); a PEFT model
 without ``ref_model`` (its reference is the same hooked model with the
 adapter disabled); ``privacy_unit`` other than the pair;
-``activation_offloading``, ``use_liger_kernel``.
+``activation_offloading``, ``use_liger_kernel``; FSDP2 (a ``fully_shard``-ed
+policy or ``fsdp=`` in the config: the pair unit, ``augmentation_multiplicity=2``,
+is not supported by the sharded release of :mod:`dpopt.fsdp`, and the default
+reference cannot be copied from DTensor shards; run data parallel instead).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from trl import DPOConfig, DPOTrainer
 
+from .distributed import is_sharded
+from .fsdp_args import fsdp_requested
 from .trainer import DPTrainer
 from .trl_common import TRLPrivate, trl_refusals
 
@@ -151,8 +156,20 @@ def pair_losses(
 
 
 def dpo_refusals(args: Any, model: Any, ref_model: Any, privacy_unit: Any) -> list[str]:
-    """Why a ``DPOConfig`` (with this model / reference) cannot be trained privately; see the module docstring."""
+    """Why a ``DPOConfig`` (with this model / reference) cannot be trained privately; see the module docstring.
+
+    Raises:
+        ValueError: ``fully_shard`` on submodules of ``model`` without its root (:func:`~dpopt.hf.distributed.is_sharded`).
+    """
     out = trl_refusals(args)
+    if fsdp_requested(args) or is_sharded(model):
+        what = "fsdp= in the DPOConfig" if fsdp_requested(args) else "a fully_shard-ed (FSDP2) policy"
+        out.append(
+            f"{what}: DPDPOTrainer does not support FSDP2 (a pair's two rows are one unit, "
+            "augmentation_multiplicity=2, which the sharded release does not support; and the default reference, "
+            "a copy of the policy, cannot be built from DTensor shards); pass the unsharded model and run data "
+            "parallel (torchrun without fsdp=: every rank holds the whole policy and reference)"
+        )
     types = list(getattr(args, "loss_type", ["sigmoid"]))
     coupled = sorted(set(types) & {"aot", "aot_unpaired", "sft"})
     if coupled:
