@@ -134,6 +134,8 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
         ({"lora_rank": 4}, "lora_rank"),
         ({"ema_decay": 0.99}, "ema_decay"),
         ({"checkpoint_every": 10}, "checkpoint_every"),
+        ({"noise_mechanism": "blt"}, "noise_mechanism"),  # cyclic batches, not sharded
+        ({"user_ids": "users.txt"}, "user_ids"),  # user-level sampler, not sharded
     ],
 )
 def test_refusals_name_the_option(change, field):
