@@ -33,6 +33,12 @@ Usage::
     python benchmarks/step_time.py --all-methods --models mlp   # every registered method / non-private
     python benchmarks/step_time.py --device cuda --models cnn5,wrn16-4 --no-opacus   # on a GPU
     nice -n 10 python benchmarks/step_time.py --models "" --transformers --json   # gpt2, gpt2-lora entries
+    nice -n 10 python benchmarks/step_time.py --models mlp --compile --json   # compiled vs eager dp-sgd
+
+``--compile [BACKEND]`` (default backend ``inductor``) times only non-private, eager ``dp-sgd`` and
+``dp-sgd`` with ``compile=BACKEND`` (:mod:`dpopt.engine.compiled`), side by side, and reports the first
+compiled step (compilation + the first-batch check on the compiled path) separately from the steady state
+(``compiled/eager`` in the JSON; ``compile_seconds``, ``eager_first_step_seconds``).
 
 ``--device cpu|cuda|auto`` (default ``cpu``; ``auto`` = ``cuda`` when available): models and
 batches live on that device, and on CUDA every timed step is bracketed by
@@ -145,7 +151,13 @@ def floor_step(model_name: str, x, y) -> Callable[[], None]:
 
 
 def dpopt_step(
-    model_name: str, method: str, x, y, physical: Optional[int] = None, engine: str = "fast"
+    model_name: str,
+    method: str,
+    x,
+    y,
+    physical: Optional[int] = None,
+    engine: str = "fast",
+    compile: object = False,
 ) -> Callable[[], None]:
     _, b, n, dataset = SHAPES[model_name]
     torch.manual_seed(0)
@@ -161,7 +173,11 @@ def dpopt_step(
     )
 
     def step():
-        opt.step(iter_per_sample_sources(model, loss_fn, x, y, physical, opt.evaluation_points(), engine=engine))
+        opt.step(
+            iter_per_sample_sources(
+                model, loss_fn, x, y, physical, opt.evaluation_points(), engine=engine, compile=compile
+            )
+        )
 
     return step
 
@@ -307,6 +323,44 @@ def time_round_robin(
     return out
 
 
+def compile_run(model_name: str, x, y, backend: str, args, device) -> dict:
+    """Non-private, eager dp-sgd and compiled dp-sgd side by side; the first step of each dp-sgd timed apart."""
+    eager = dpopt_step(model_name, "dp-sgd", x, y)
+    comp = dpopt_step(model_name, "dp-sgd", x, y, compile=backend)
+    t = time.perf_counter()
+    eager()  # the first step runs the first-batch check
+    eager_first = time.perf_counter() - t
+    t = time.perf_counter()
+    comp()  # compilation and the first-batch check on the compiled path
+    compile_s = time.perf_counter() - t
+    steps = {"non-private": non_private_step(model_name, x, y), "dp-sgd": eager, f"dp-sgd compiled ({backend})": comp}
+    res = time_round_robin(steps, args.rounds, args.per_round, args.warmup, None, synchronizer(device))
+    base, dp, cp = (res[k] for k in steps)
+    load = os.getloadavg()[0]
+    print(
+        f"\n{model_name}: B = {x.shape[0]}, {args.threads} threads, {base['n']} timed steps each (round-robin); "
+        f"1-min load average {load:.1f} on {os.cpu_count()} CPUs"
+    )
+    for k, v in res.items():
+        print(f"{k:32s} {1e3 * v['median']:10.1f} ms  / non-private {v['median'] / base['median']:5.2f}")
+    print(
+        f"compiled / eager dp-sgd: {cp['median'] / dp['median']:.2f} (cpu {cp['cpu_median'] / dp['cpu_median']:.2f}); "
+        f"first compiled step (compile + check) {compile_s:.1f} s, first eager step (check) {eager_first:.1f} s"
+    )
+    return {
+        "compiled/eager": cp["median"] / dp["median"],
+        "cpu:compiled/eager": cp["cpu_median"] / dp["cpu_median"],
+        "dp-sgd/non-private": dp["median"] / base["median"],
+        "compiled/non-private": cp["median"] / base["median"],
+        "compile_seconds": round(compile_s, 2),
+        "eager_first_step_seconds": round(eager_first, 2),
+        "backend": backend,
+        "ms": {k: round(1e3 * v["median"], 2) for k, v in res.items()},
+        "threads": args.threads,
+        "loadavg_1min": round(load, 2),
+    }
+
+
 # --------------------------------------------------------------------------- memory (subprocess)
 def memory_child(spec: str, threads: int, device="cpu") -> None:
     """Child process: ``model:config:B:P`` → run 2 steps, print {"maxrss_kib": ...}
@@ -382,6 +436,13 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also run benchmarks/transformer_step.py's gpt2 and gpt2-lora entries (CPU)",
     )
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        help="time only non-private, dp-sgd and dp-sgd compiled with this torch.compile backend (default inductor)",
+    )
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -401,6 +462,9 @@ def main(argv=None) -> dict:
     for model_name in [m for m in args.models.split(",") if m]:
         _, b, n, _ = SHAPES[model_name]
         x, y = batch(model_name, b, device=device)
+        if args.compile:
+            result[model_name] = compile_run(model_name, x, y, args.compile, args, device)
+            continue
         steps: dict[str, Callable[[], None]] = {
             "non-private": non_private_step(model_name, x, y),
             "floor: non-private + noise": floor_step(model_name, x, y),

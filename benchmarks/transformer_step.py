@@ -6,7 +6,8 @@ Models (built from ``torch.nn`` modules, sized for a 2-core CPU; synthetic token
   vocab 8192, learned positions (ids expanded to ``[B, T]``), output head **tied** to the token
   embedding; B = 8; loss = each example's mean token cross-entropy (the batch mean of those);
 * ``gpt2-untied`` — the same with its own head (Opacus's ghost clipping cannot run tied weights:
-  the Opacus comparison uses this one on both sides);
+  the Opacus comparison uses this one on both sides); its own entry (``--models gpt2-untied``) times
+  both dpopt doors and Opacus on it;
 * ``gpt2-lora`` / ``gpt2-lora-untied`` — the same with every weight frozen except LoRA adapters
   (r 8, α 16) on the attention projections (qkv and out) of every block;
 * ``bert`` — a BERT-shaped classifier: ``nn.TransformerEncoder`` (4 ``TransformerEncoderLayer``,
@@ -25,7 +26,8 @@ Configurations per model, timed round-robin (:func:`step_time.time_round_robin`)
 
 Peak memory: each configuration in its own fresh subprocess, two steps, the kernel's high-water
 mark of resident memory (``VmHWM``, :func:`step_time.peak_rss_kib`); ``peak_mem_dp/non-private``
-divides dpopt's ``dp-sgd`` child by the non-private child.
+and ``peak_mem_pe/non-private`` divide dpopt's ``dp-sgd`` and ``PrivacyEngine`` children by the
+non-private child.
 
 Usage::
 
@@ -102,6 +104,10 @@ class MiniGPT(nn.Module):
     def __init__(self, tied: bool = True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        # GPT-2's initialisation (std 0.02 / 0.01): with nn.Embedding's N(0, 1) the tied head's logits had std 16
+        # (softmax saturated, first loss 173 against ln V = 9.0), unlike a freshly initialised or trained GPT-2
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.01)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)
@@ -376,6 +382,13 @@ PLAN = {  # model → [(label, model to build, config)]
     ],
 }
 PLAN["gpt2-lora"] = [(k, m.replace("gpt2", "gpt2-lora"), c) for k, m, c in PLAN["gpt2"]]
+PLAN["gpt2-untied"] = [  # the issue-34 entry: both dpopt doors and Opacus on the same (untied) model
+    ("non-private", "gpt2-untied", "non-private"),
+    ("dp-sgd", "gpt2-untied", "dp-sgd"),
+    ("dp-sgd (PrivacyEngine)", "gpt2-untied", "dp-sgd (PrivacyEngine)"),
+    ("opacus hooks", "gpt2-untied", "opacus hooks"),
+    ("opacus ghost", "gpt2-untied", "opacus ghost"),
+]
 
 
 def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int, memory: bool, notes: list) -> dict:
@@ -441,6 +454,8 @@ def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int
         r["peak_mem_mib"] = {k: (round(v, 1) if v is not None else None) for k, v in mem.items()}
         if mem.get("dp-sgd") and mem.get("non-private"):
             r["peak_mem_dp/non-private"] = mem["dp-sgd"] / mem["non-private"]
+        if mem.get("dp-sgd (PrivacyEngine)") and mem.get("non-private"):
+            r["peak_mem_pe/non-private"] = mem["dp-sgd (PrivacyEngine)"] / mem["non-private"]
         print(
             "peak resident memory (VmHWM, MiB, own subprocess each): "
             + ", ".join(f"{k} {v:.0f}" for k, v in mem.items() if v is not None)

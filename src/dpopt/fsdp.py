@@ -44,6 +44,11 @@ Why this is the one-process mechanism (DESIGN.md, "the privacy boundary"):
   coordinate, std σC).
 * **Sensitivity.** Adding or removing one example changes one rank's clipped
   sum by at most C (√ΣC_k² per layer); the reduce-scatter only sums.
+* **Correlated noise** (DP matrix factorization, :mod:`dpopt.correlated_noise`).
+  The mechanism's w_t = (C⁻¹z)_t is coordinatewise, so the owner of a chunk
+  runs the stream of that chunk only: its state (B − 1 or N float64 vectors of
+  the chunk's size) is fed from the rank's own fresh noise, stays in its
+  memory and is never sent; coordinate j gets exactly the one-process w_t[j].
 
 Trades made (and measured, ``benchmarks/fsdp_bytes.py``):
 
@@ -82,6 +87,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, cast
 import torch
 from torch import Tensor, nn
 
+from .correlated_noise import CorrelatedNoise
 from .distributed import DistributedContext, any_rank, backend_device
 from .engine.check import ModeCheck, mode_signature
 from .engine.fast import FastPerSampleGrads
@@ -334,6 +340,16 @@ class ShardedRelease:
         ctx: the data-parallel context.
         use_reduce_scatter: None: use ``reduce_scatter_tensor`` when the
             backend has it (else all-reduce and keep the local chunk).
+        mechanism: the Privatizer's :class:`~dpopt.correlated_noise.CorrelatedNoise`
+            (DP matrix factorization), or None (independent noise). With one,
+            this rank turns the fresh σS·z of the coordinates it OWNS into the
+            mechanism's w_t = (C⁻¹z)_t, streamed: the stream state (B − 1
+            banded vectors or N BLT buffers, float64) covers this rank's shard
+            only (⌈rows/W⌉-row chunks, zero-padded, of every parameter), lives
+            in this process's memory only and never crosses the network; the
+            noisy shard is rounded once to the sums' dtype. The mechanism is
+            coordinatewise, so coordinate j gets exactly the one-process w_t[j]
+            (the same w_t for the same z: ``tests/distributed/test_fsdp_correlated_noise.py``).
 
     Call: ``(sums, count, draw) -> (totals, noisy_count)``
     (:class:`~dpopt.privatizer.Privatizer`, ``reduce``): ``sums`` full-shape
@@ -344,14 +360,25 @@ class ShardedRelease:
     noise added by rank 0 only).
 
     Attributes:
-        calls: steps reduced. elements: elements of the last packed input
+        calls: steps reduced (with a mechanism: the release index of the
+            stream). elements: elements of the last packed input
             buffer (W × the local chunk). collective: ``"reduce_scatter"`` or
             ``"all_reduce"`` (public configuration, for the bytes figures).
     """
 
-    def __init__(self, params: Sequence[Tensor], ctx: DistributedContext, use_reduce_scatter: Optional[bool] = None):
+    #: the Privatizer hands this hook fresh σS·z and lets it stream the correlated noise of its own shard
+    correlates_own_noise = True
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        ctx: DistributedContext,
+        use_reduce_scatter: Optional[bool] = None,
+        mechanism: Optional[CorrelatedNoise] = None,
+    ):
         self.params, self.ctx = list(params), ctx
         self.use_reduce_scatter = use_reduce_scatter
+        self.mechanism = mechanism
         self.calls = 0
         self.elements = 0
         self.collective = ""
@@ -381,6 +408,30 @@ class ShardedRelease:
             parts.append(padded.view(w, c * row))
         return torch.cat(parts, dim=1) if parts else torch.zeros((w, 0), dtype=dtype, device=device)
 
+    def _own(self, tensors: Sequence[Tensor], dtype, device) -> Tensor:
+        """This rank's row of :meth:`_pack` (its chunk of every parameter, zero-padded to ⌈rows/W⌉ rows), without
+        packing the other ranks' rows."""
+        parts = []
+        for t, p in zip(tensors, self.params):
+            c, row, mine = self._layout(p)
+            lo = self.ctx.rank * c * row
+            part = torch.zeros(c * row, dtype=dtype, device=t.device)
+            part[: mine * row] = t.reshape(-1)[lo : lo + mine * row]
+            parts.append(part)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+    def _add_own_noise(self, buf: Tensor, noise: Sequence[Tensor]) -> None:
+        """``buf[rank] += noise`` of this rank's chunk: independent noise as drawn (already in the sums' dtype);
+        with a mechanism, the chunk's fresh float64 σS·z streamed into w_t (this rank's state only) and added in
+        float64, the noisy chunk rounded once."""
+        r = self.ctx.rank
+        if self.mechanism is None:
+            buf[r] += self._own(noise, buf.dtype, buf.device)
+            return
+        z = self._own(noise, torch.float64, buf.device)
+        w = self.mechanism.correlate(z, self.calls, f"fsdp-shard:{buf.device}")
+        buf[r] = w.add_(buf[r]).to(buf.dtype)
+
     def __call__(
         self, sums: Sequence[Tensor], count: Optional[float], draw: Callable[[], tuple[list[Tensor], Optional[float]]]
     ):
@@ -399,7 +450,7 @@ class ShardedRelease:
         dtype, device = (sums[0].dtype, sums[0].device) if sums else (torch.float32, None)
         r, w = self.ctx.rank, self.ctx.world_size
         buf = self._pack(sums, dtype, device)
-        buf[r] += self._pack(noise, dtype, device)[r]  # owner-only noise, before anything crosses the network
+        self._add_own_noise(buf, noise)  # owner-only noise, before anything crosses the network
         self.elements = buf.numel()
         if self.use_reduce_scatter is None:  # decided once, identically on every rank
             self.use_reduce_scatter = w > 1 and _has_reduce_scatter(self.ctx)
@@ -492,7 +543,8 @@ def capture_for(module: nn.Module, distributed, optimizer, ctx: DistributedConte
 @torch.no_grad()
 def attach(privatizer, params: Sequence[Tensor], module: nn.Module, ctx: DistributedContext) -> ShardedRelease:
     """Broadcast ``module``'s buffers from rank 0 (they are replicated) and make ``privatizer`` release the
-    sharded noisy sum over every rank (:class:`ShardedRelease`). Sharded parameters are not broadcast: each
+    sharded noisy sum over every rank (:class:`ShardedRelease`; with the Privatizer's correlated-noise
+    mechanism, each rank streams the noise of its own shard). Sharded parameters are not broadcast: each
     coordinate lives on one rank only.
 
     Raises:
@@ -502,7 +554,7 @@ def attach(privatizer, params: Sequence[Tensor], module: nn.Module, ctx: Distrib
         raise ValueError("this Privatizer already has a reduce hook")
     for b in module.buffers():
         ctx.broadcast(b.data)
-    privatizer.reduce = ShardedRelease(params, ctx)
+    privatizer.reduce = ShardedRelease(params, ctx, mechanism=privatizer.mechanism)
     return privatizer.reduce
 
 

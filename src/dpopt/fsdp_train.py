@@ -39,11 +39,13 @@ built-in models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable
 per-example rule; SIGINT / SIGTERM end the run between releases (``"status": "interrupted"``, every
 file but a checkpoint written). Refused with an error that says what to change
 (:func:`check_fsdp_config`): other methods (clip geometry or whole-matrix transforms that are not
-sharded: MacAdam, AdaClip, Muon, ...), per-layer and quantile clipping, correlated noise
-(``--noise-mechanism``: its cyclic batches are not sharded), user-level DP (``--user-ids``: its
-sampler is not sharded), ``--resume`` and ``--checkpoint-every`` (a sharded checkpoint is not
-written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
-``--show-train-loss``, one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+sharded: MacAdam, AdaClip, Muon, ...), per-layer and quantile clipping, ``--resume`` and
+``--checkpoint-every`` (a sharded checkpoint is not written: the run keeps no ``checkpoint.pt``),
+LoRA, augmentation views, the EMA, ``--show-train-loss``, ``--noise-mechanism`` (correlated noise
+needs cyclic batches sliced over the ranks and a per-shard stream, not run here; data-parallel
+``dpopt train`` without ``--fsdp`` and ``make_private(..., distributed="fsdp", noise_mechanism=...)``
+run it), ``--user-ids`` (user-level DP's sampler is not sharded), ``--compile``, one process (launch under
+``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
 
@@ -83,11 +85,8 @@ def check_fsdp_config(cfg) -> None:
         )
     refused = {
         "clipping": (cfg.clipping != "flat", "flat clipping only"),
-        "noise_mechanism": (
-            cfg.noise_mechanism != "independent",
-            "correlated noise needs cyclic batches, which are not sharded (independent noise only)",
-        ),
         "user_ids": (cfg.user_ids is not None, "user-level DP's sampler is not sharded"),
+        "compile": (cfg.compile, "the sharded capture is not compiled (it would run eager)"),
         "lora_rank": (cfg.lora_rank is not None, "LoRA under fsdp is untested"),
         "augmentation_multiplicity": (
             cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),
@@ -98,6 +97,12 @@ def check_fsdp_config(cfg) -> None:
         "checkpoint_every": (
             bool(cfg.checkpoint_every),
             "no checkpoint of a sharded model is written (a --fsdp run cannot be resumed)",
+        ),
+        "noise_mechanism": (
+            cfg.noise_mechanism != "independent",
+            "correlated noise needs cyclic batches sliced over the ranks and a per-shard stream, which the --fsdp "
+            "loop does not run (data-parallel `dpopt train` under torchrun without --fsdp does, and so does "
+            "make_private(..., distributed='fsdp', noise_mechanism=...), docs/correlated-noise.md)",
         ),
     }
     for name, (bad, why) in refused.items():

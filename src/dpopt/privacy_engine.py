@@ -180,7 +180,7 @@ def _check_unit_arguments(
 
     Raises:
         ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
-            ``sample_rate`` without "user"; "user" with ``distributed`` or ``poisson_sampling=False``.
+            ``sample_rate`` without "user"; "user" with ``distributed="fsdp"`` or ``poisson_sampling=False``.
     """
     unit = check_privacy_unit(unit)
     if unit != "user":
@@ -191,8 +191,6 @@ def _check_unit_arguments(
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
-    if distributed:
-        raise ValueError("privacy_unit='user' is not supported with distributed training yet; train on one process")
     if not poisson_sampling:
         raise ValueError("privacy_unit='user' samples users by Poisson sampling; poisson_sampling=False is refused")
     return unit
@@ -449,6 +447,8 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
+        compile: bool = False,
+        cache_bytes: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -551,8 +551,10 @@ class PrivacyEngine:
                 Poisson-sampled at q_user, each sampled user contributes at most
                 ``max_records_per_user`` of its records chosen at random, and the MEAN of those records'
                 gradients is clipped to ``max_grad_norm`` as one unit; ε is per user, at q_user; the
-                expected batch size is q_user · N_users users) or ``"block"`` (each example is a packed
-                block of text: recorded in the ledger header, warned: it protects a block, not a record).
+                expected batch size is q_user · N_users users; with ``distributed`` each rank samples its
+                contiguous shard of the users: the union is one user-level Poisson sample) or ``"block"``
+                (each example is a packed block of text: recorded in the ledger header, warned: it protects a
+                block, not a record).
             user_ids: with ``privacy_unit="user"``: one user id per record of ``data_loader.dataset``
                 (ints or strs; a list, tensor or array). N_users, the number of distinct ids, is treated
                 as public (the ledger header records it), like N for record-level DP.
@@ -569,9 +571,10 @@ class PrivacyEngine:
                 so an example takes part every len(data_loader) steps), the strategy is optimised for the
                 horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification;
                 see ``sampling`` for the amplified form). ``distributed=True``: each rank its slice of every
-                cyclic batch, the stream added once (rank 0). Needs ``epochs`` or ``total_steps``; refused
-                with ``poisson_sampling=False``, adaptive clipping, ``distributed="fsdp"`` or a
-                noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
+                cyclic batch, the stream added once (rank 0); ``distributed="fsdp"``: each rank its slice
+                of every cyclic batch, and the stream of the coordinates it owns (its shard's state only,
+                :class:`dpopt.fsdp.ShardedRelease`). Needs ``epochs`` or ``total_steps``; refused
+                with ``poisson_sampling=False``, adaptive clipping or a noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
                 refused.
             epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
                 total_steps); refused with independent noise (they change nothing there).
@@ -582,6 +585,18 @@ class PrivacyEngine:
                 CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
                 rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
                 accountant here: refused.
+            compile: ``torch.compile`` of the step. Refused here (ValueError): this door's capture runs
+                inside YOUR forward and backward, and under ``torch.compile(module)`` its hooks break the
+                graph at every recorded layer (torch 2.13 compiled only those layers' own forwards, one op
+                each: nothing to gain), and this door has no tapped compiled capture yet. The compiled step is dpopt's own
+                loop: ``dpopt train --compile`` or ``iter_per_sample_sources(..., compile=True)``
+                (:mod:`dpopt.engine.compiled`: taps as graph inputs, the first batch checked on the compiled
+                path against single-example eager autograd; docs/performance.md, "torch.compile").
+            cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
+                and the clipped sum (per step, all layers together): None (default) derives them from
+                the model and batch (≈ 10 % of what the non-private step holds,
+                :func:`dpopt.engine.layers.derived_cache_bytes`); 0 never caches (least memory); more
+                trades memory for speed.
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -597,6 +612,13 @@ class PrivacyEngine:
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module to train, got {type(module).__name__}")
+        if compile:
+            raise ValueError(
+                "make_private(compile=True) is not supported: PrivacyEngine captures per-sample gradients with "
+                "hooks inside your own forward/backward, which torch.compile cannot compile exactly; use dpopt's "
+                "own loop, which compiles the capture and checks it (dpopt train --compile, or "
+                "dpopt.iter_per_sample_sources(..., compile=True)); docs/performance.md, 'torch.compile'"
+            )
         if not isinstance(data_loader, DataLoader):
             raise TypeError(
                 f"data_loader must be a torch.utils.data.DataLoader over the private dataset (make_private "
@@ -626,7 +648,7 @@ class PrivacyEngine:
             noise_generator=noise_generator,
         )
         mech_kind = self._check_mechanism_options(
-            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, distributed, noise_multiplier
+            noise_mechanism, epochs, total_steps, poisson_sampling, clipping, noise_multiplier
         )
         partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
         if partitions and distributed:
@@ -673,14 +695,16 @@ class PrivacyEngine:
             ctx,
             loss_reduction=loss_reduction,
             **({"rows_per_example": views} if views > 1 else {}),
+            **({"cache_bytes": cache_bytes} if cache_bytes is not None else {}),
         )
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
                 if unit == "user":
                     n, sample_rate, loader = self._user_loader(
-                        data_loader, user_ids, max_records_per_user, sample_rate, noise
+                        data_loader, user_ids, max_records_per_user, sample_rate, noise, ctx
                     )
+                    steps_per_epoch = len(loader)
                 elif mech_kind == "independent":
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                     sample_rate = 1.0 / steps_per_epoch
@@ -821,7 +845,6 @@ class PrivacyEngine:
         total_steps: Optional[int],
         poisson_sampling: bool,
         clipping: str,
-        distributed: Union[bool, str],
         noise_multiplier: float,
     ) -> str:
         """The mechanism kind of ``noise_mechanism``, or a ConfigError for a combination with no valid
@@ -843,8 +866,6 @@ class PrivacyEngine:
             problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
         if clipping == "adaptive":
             problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
-        if distributed == "fsdp":
-            problems.append("distributed='fsdp' (not supported with correlated noise yet; distributed=True is)")
         if not float(noise_multiplier) > 0:
             problems.append("noise_multiplier 0 (correlated noise needs noise)")
         if problems:
@@ -1151,9 +1172,16 @@ class PrivacyEngine:
         return len(dataset), len(data_loader), data_loader
 
     def _user_loader(
-        self, data_loader: DataLoader, user_ids: Any, k: int, sample_rate: Optional[float], noise: NoiseSource
+        self,
+        data_loader: DataLoader,
+        user_ids: Any,
+        k: int,
+        sample_rate: Optional[float],
+        noise: NoiseSource,
+        ctx: DistributedContext,
     ) -> tuple[int, float, DataLoader]:
-        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`).
+        """(N_users, q_user, the user-level Poisson loader) for ``privacy_unit="user"`` (:mod:`dpopt.users`);
+        with ``ctx`` of several ranks the loader draws this rank's shard of the users.
 
         Records the unit, k and N_users in the ledger header (N_users public, like N).
         """
@@ -1181,6 +1209,7 @@ class PrivacyEngine:
             steps=steps,
             collate_fn=collate,
             noise=noise,
+            ctx=ctx,
             **loader_settings(data_loader),
         )
         self.ledger.privacy_unit = user_unit_text(k)

@@ -306,10 +306,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._loss_watch is not None and self._loss_watch.at_step():  # raises on a loss_reduction mismatch
             self._loss_watch = None
-        source = self._source()
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
         boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
+        releases = boundary.tagged_release()  # what `skip` below will say, known before the per-sample work
+        if releases if releases is not None else not self._check_skip_next_step(pop_next=False):
+            for p in params:  # released into p.grad below: the backward's non-private gradient is never read;
+                p.grad = None  # dropped first, neither the first-batch check nor the clipped sums sit beside it
+        source = self._source()
         if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
             self._open = True
@@ -320,11 +324,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._examples = None if b is None or self._examples is None else self._examples + int(b)
             tagged = boundary.step_chunk(b)
             if self._user_level:
-                source = self._by_user(source)
+                source = self._by_user(source, boundary.chunk_public)
             skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
-            if not skip:
-                for p in params:  # released into p.grad below: the backward's non-private gradient is never read,
-                    p.grad = None  # and dropping it first keeps the clipped sums from sitting beside it (issue 43)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
             self._check_views_match_the_batch(final=not skip)
@@ -344,11 +345,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._release_open(priv, dp, params)
         return loss
 
-    def _by_user(self, source: Any) -> Any:
+    def _by_user(self, source: Any, public: int = 0) -> Any:
         """privacy_unit="user": this chunk's per-example gradients as per-USER mean gradients (:mod:`dpopt.users`).
 
         The rows' owners come from the user-level loader's last batch (private, in memory); the
-        chunk must end between two users (:meth:`dpopt.users.UserRows.take`).
+        chunk must end between two users (:meth:`dpopt.users.UserRows.take`). A chunk of ``public`` rows only
+        (DPTrainer's zero-weight stand-ins, :meth:`~dpopt.release_boundary.ReleaseBoundary.public_rows`) holds
+        no user: zero per-user rows.
 
         Raises:
             ValueError: no user-level batch to read the owners from (a copy of the optimizer, or a
@@ -366,7 +369,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         b = getattr(source, "batch_size", None)
         if b is None:
             raise ValueError("privacy_unit='user' needs a per-sample source that states its batch_size")
-        slots = rows.take(int(b)) if rows.slots.numel() else rows.slots
+        if public and public == int(b):  # stand-in rows only: no record, no user
+            slots = rows.slots[:0]
+        else:
+            slots = rows.take(int(b)) if rows.slots.numel() else rows.slots
         return group_by_user(source, slots)
 
     def _close_open_step(self) -> None:

@@ -159,7 +159,12 @@ class Privatizer:
             the noisy totals over all processes, identical everywhere, with
             the noise drawn ONCE (e.g. by rank 0) — never once per process.
             None (default): the local sums are the totals and the noise is
-            added here, as always.
+            added here, as always. A hook whose ``correlates_own_noise``
+            attribute is true (FSDP, :class:`dpopt.fsdp.ShardedRelease`) gets,
+            with a correlated-noise ``mechanism``, the FRESH σS·z from
+            ``draw()`` (float64, neither correlated nor rounded) and applies
+            the mechanism itself to the coordinates it adds noise to (each
+            rank the stream of its own shard).
         mechanism: a :class:`~dpopt.correlated_noise.CorrelatedNoise` (DP
             matrix factorization): the step's fresh σS·z becomes the correlated
             noise (C⁻¹z)_t before it is added; the ledger records the
@@ -362,7 +367,10 @@ class Privatizer:
         marginal = 1.0 if self.mechanism is None else self.mechanism.marginal_std(self.steps)  # std of (C⁻¹z)_t
         count = self._count if self.quantile is not None else None
         if self.reduce is not None:  # data parallel: the noisy totals over every process
-            totals, noisy_count = self.reduce(list(self._sum), count, lambda: self._draw(std, rounded=True))
+            own = self.mechanism is not None and bool(getattr(self.reduce, "correlates_own_noise", False))
+            totals, noisy_count = self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
+                list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
+            )
         else:  # s + σS·z in float64, rounded ONCE to the sum's dtype
             totals, count_noise = self._add_noise(std)
             noisy_count = None if count is None else count + cast(float, count_noise)  # quantile: drawn
@@ -410,7 +418,7 @@ class Privatizer:
         self._reset()
         return release
 
-    def _draw(self, std: float, rounded: bool = False) -> tuple[list[Tensor], Optional[float]]:
+    def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
         when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
 
@@ -418,7 +426,9 @@ class Privatizer:
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
         into per-parameter views, so that :meth:`release` adds it to the clipped sum in float64
         and rounds the noisy sum once to the parameter dtype. ``rounded=True`` (the data-parallel ``reduce`` hook, whose
-        all-reduce works in the sums' dtype) rounds σS·z to each sum's dtype instead.
+        all-reduce works in the sums' dtype) rounds σS·z to each sum's dtype instead. ``correlated=False``
+        (a ``reduce`` hook that streams the correlated noise of its own coordinates, FSDP) returns the fresh
+        σS·z without applying the mechanism.
         """
         assert self._sum is not None  # inside a step (begin() ran)
         grad_noise: list[Optional[Tensor]] = [None] * len(self._sum)
@@ -428,7 +438,9 @@ class Privatizer:
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
                 flat = self._normals(sum(self._sum[i].numel() for i in idx), device).mul_(std)
-                if self.mechanism is not None:  # correlated noise: (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
+                if (
+                    self.mechanism is not None and correlated
+                ):  # correlated noise: (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
                     flat = self.mechanism.correlate(flat, self.steps, str(device))
                 for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
                     s = self._sum[i]

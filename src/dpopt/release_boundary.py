@@ -104,6 +104,7 @@ class ReleaseBoundary:
         self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
         self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
+        self.chunk_public = 0  # of the chunk step_chunk counted last: its public stand-in rows (no user's)
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
@@ -117,6 +118,7 @@ class ReleaseBoundary:
             "rows": 0,
             "_owed": None,
             "_public": 0,
+            "chunk_public": 0,
         }
 
     def bind(self, optimizer: Any) -> None:
@@ -208,6 +210,7 @@ class ReleaseBoundary:
         """
         tag = self.current
         public, self._public = self._public, 0
+        self.chunk_public = public
         if rows is None or self.rows is None:
             self.rows = None
         else:
@@ -221,9 +224,16 @@ class ReleaseBoundary:
                 self.examples += int(tag.examples)
             elif tag.examples is None:
                 self.examples = None
-        if tag.chunks > 1:
-            return tag.last
-        return None
+        return self.tagged_release()
+
+    def tagged_release(self) -> Optional[bool]:
+        """Whether the current chunk's tag says the next ``step()`` releases (True on a chunked batch's last
+        chunk, False before it); None when the tag does not say (an untagged or single-chunk batch). Reads
+        nothing but the tag: the optimizer asks it before the step's per-sample work (issue 43)."""
+        tag = self.current
+        if tag is None or tag.chunks <= 1:
+            return None
+        return tag.last
 
     def counts(self) -> tuple[Optional[int], Optional[int]]:
         """(examples forwarded, examples of the chunks stepped) of the open step; None where unknown.

@@ -161,6 +161,14 @@ class UserPoissonBatchSampler(Sampler):
         max_records_per_user: k ≥ 1.
         noise: the :class:`~dpopt.noise.NoiseSource` of the masks and the record choices (default: secret).
         keys: each user's public key (its id as text, :func:`group_users`); default its position.
+        ctx: data parallel (a :class:`~dpopt.distributed.DistributedContext` of several ranks): this
+            rank samples ITS contiguous shard of the users only (:func:`~dpopt.distributed.shard_bounds`
+            over N_users; indices stay global). Every user is on exactly one rank and joins with
+            probability q, so the union over ranks is ONE user-level Poisson sample of all N_users users
+            (the one-process event); a user's records are chosen on its rank. With reproducible noise
+            every rank draws the masks of ALL users from the shared stream and keeps its shard's (the
+            union is then the one-process batch of the same seed), as
+            :class:`~dpopt.distributed.ShardedPoissonSampler` does for records.
 
     Attributes:
         sizes, groups: per batch drawn and not yet handed out by :class:`UserDPDataLoader`, the number
@@ -179,6 +187,7 @@ class UserPoissonBatchSampler(Sampler):
         max_records_per_user: int,
         noise: Optional[NoiseSource] = None,
         keys: Optional[Sequence[str]] = None,
+        ctx: Any = None,
     ):
         if not users:
             raise ValueError("there is no user to sample")
@@ -192,6 +201,11 @@ class UserPoissonBatchSampler(Sampler):
         self.steps = int(steps)
         self.max_records_per_user = check_max_records(max_records_per_user)
         self.noise = make_noise_source(noise)
+        self.lo, self.hi = 0, len(self.users)  # this rank's users (all of them on one process)
+        if ctx is not None and ctx.enabled:
+            from .distributed import shard_bounds
+
+            self.lo, self.hi = shard_bounds(len(self.users), ctx.rank, ctx.world_size)
         self.drawn = 0
         self.position = 0  # batches drawn by :meth:`sample` (dpopt's own loop; its checkpoints)
         self.sizes: deque = deque(maxlen=1024)
@@ -257,11 +271,19 @@ class UserPoissonBatchSampler(Sampler):
         if "noise_state" in state:
             self.noise.load_state_dict(state["noise_state"])
 
+    def _chosen(self) -> list[int]:
+        """The users of this rank's shard that join this step (global user positions, in order)."""
+        q, lo, hi = self.sample_rate, self.lo, self.hi
+        if self.noise.mode == "reproducible" or (lo, hi) == (0, len(self.users)):  # the whole draw (shared stream)
+            joined = (self.noise.uniform(len(self.users)) < q).nonzero(as_tuple=True)[0]
+            return [u for u in joined.tolist() if lo <= u < hi]
+        return (self.noise.uniform(hi - lo) < q).nonzero(as_tuple=True)[0].add_(lo).tolist()
+
     def _draw(self) -> tuple[list[int], Tensor]:
         """One batch: (record indices, user slot of each row as an int64 tensor)."""
         words = (self.noise.uniform(5) * 2.0**53).to(torch.int64).tolist()  # 265 secret bits, drawn every step
         seed = b"".join(int(w).to_bytes(7, "little") for w in words)[:32]
-        chosen = (self.noise.uniform(len(self.users)) < self.sample_rate).nonzero(as_tuple=True)[0].tolist()
+        chosen = self._chosen()
         rows: list[int] = []
         slots: list[int] = []
         k = self.max_records_per_user
@@ -299,6 +321,7 @@ class UserDPDataLoader(DPDataLoader):
         max_records_per_user: k ≥ 1 records per sampled user at most.
         collate_fn, noise: as :class:`~dpopt.data_loader.DPDataLoader`.
         keys: each user's key (:func:`group_users`; the record choice of a user depends on it).
+        ctx: data parallel: this rank's shard of the users only (:class:`UserPoissonBatchSampler`).
         **kwargs: other ``DataLoader`` options (``num_workers``, ...).
 
     Attributes:
@@ -319,6 +342,7 @@ class UserDPDataLoader(DPDataLoader):
         collate_fn: Optional[Callable] = None,
         noise: Optional[NoiseSource] = None,
         keys: Optional[Sequence[str]] = None,
+        ctx: Any = None,
         **kwargs: Any,
     ):
         if not hasattr(dataset, "__len__"):
@@ -326,7 +350,9 @@ class UserDPDataLoader(DPDataLoader):
         q = check_sample_rate(sample_rate)
         steps = int(round(1.0 / q)) if steps is None else int(steps)
         self.sample_rate = q
-        self.poisson = UserPoissonBatchSampler(users, q, max(1, steps), max_records_per_user, noise=noise, keys=keys)  # type: ignore[assignment]  # same sizes/drawn interface
+        self.poisson = UserPoissonBatchSampler(
+            users, q, max(1, steps), max_records_per_user, noise=noise, keys=keys, ctx=ctx
+        )  # type: ignore[assignment]  # same sizes/drawn interface
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )
@@ -418,7 +444,7 @@ def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
     points = getattr(source, "points", None)
     if slots.numel() == 0:  # no record in this chunk: zero users (a stand-in row's gradient is not data)
         like = _param_likes(source, params)
-        return PerSampleGrads([p.new_zeros((0, *p.shape)) for p in like], params=params, points=points)
+        return PerSampleGrads([_no_rows(p) for p in like], params=params, points=points)
     if slots.numel() != b:
         raise ValueError(
             "privacy_unit='user': the per-example gradients of this step do not match the rows of the "
@@ -442,6 +468,13 @@ def group_by_user(source: Any, slots: Tensor) -> PerSampleGrads:
         per_user.append(source.weighted_sum(w.view(-1, 1), identity, flat))
     stacked = [torch.stack([pu[j] for pu in per_user]) for j in range(int(source.num_params))]
     return PerSampleGrads(stacked, params=params, points=points)
+
+
+def _no_rows(p: Tensor) -> Tensor:
+    """A plain ``[0, *p.shape]`` tensor of ``p``'s dtype on its (local) device; ``p`` may be an FSDP2 shard
+    (a ``DTensor``: its global shape, never DTensor arithmetic in a source)."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return torch.zeros((0, *p.shape), dtype=p.dtype, device=local.device)
 
 
 def _param_likes(source: Any, params: Optional[Sequence[Tensor]]) -> list[Tensor]:

@@ -216,6 +216,38 @@ def test_record_choice_is_uniform_and_keyed_by_user():
     assert [r + 1 for r in a] == b[1:]  # user 'u' brings the same two of its records next to another user
 
 
+def test_sharded_sampler_ranks_partition_the_users_and_their_union_is_the_one_process_sample():
+    """Data parallel (ctx of 2 ranks): each rank samples its contiguous shard of the users only. Reproducible
+    noise: the union of the ranks' batches is the one-process batch of the same seed, row for row. Secret noise:
+    every user of rank 1's shard joins at q (5-sigma binomial bound per user, false-failure rate < 1e-6 each)."""
+    from dpopt.distributed import DistributedContext
+
+    sizes = [1 + u % 4 for u in range(9)]
+    users = users_of([u for u, n in enumerate(sizes) for _ in range(n)], sum(sizes))
+
+    def batches(ctx, steps=30, q=0.4, mode="reproducible"):
+        noise = NoiseSource(mode, generator=torch.Generator().manual_seed(5)) if mode == "reproducible" else None
+        return list(UserPoissonBatchSampler(users, q, steps, 2, noise=noise, ctx=ctx))
+
+    ranks = [DistributedContext(rank=r, world_size=2) for r in range(2)]
+    shard = [set(i for u in range(lo, hi) for i in users[u]) for lo, hi in ((0, 4), (4, 9))]
+    whole = batches(None)
+    parts = [batches(ctx) for ctx in ranks]
+    for t, rows in enumerate(whole):
+        assert parts[0][t] + parts[1][t] == rows  # the one-process batch, split at the shard boundary
+        assert set(parts[0][t]) <= shard[0] and set(parts[1][t]) <= shard[1]
+    assert any(parts[0]) and any(parts[1])
+    full = batches(ranks[1], steps=1, q=1.0, mode="secret")[0]
+    assert {next(u for u in range(9) if i in users[u]) for i in full} == set(range(4, 9))  # q = 1: all its users
+    n, q = 3000, 0.4
+    joined = torch.zeros(9)
+    for rows in batches(ranks[1], steps=n, q=q, mode="secret"):
+        for u in {next(u for u in range(9) if i in users[u]) for i in rows}:
+            joined[u] += 1
+    assert joined[:4].sum() == 0
+    assert ((joined[4:] / n - q).abs() <= 5 * math.sqrt(q * (1 - q) / n)).all()
+
+
 def test_group_by_user_matches_index_add_for_factored_and_materialised_sources():
     g = [torch.randn(6, 3, 2), torch.randn(6, 2)]
     slots = torch.tensor([0, 0, 1, 2, 2, 2])

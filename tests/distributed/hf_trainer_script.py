@@ -1,8 +1,11 @@
-"""A DPTrainer script for ``torchrun`` (test_hf_trainer_multinode.py): tiny GPT-2, σ = 0, B̄ = N (q = 1), plain SGD.
+"""A DPTrainer script for ``torchrun`` (test_hf_trainer_multinode.py, test_hf_trainer_accelerate_fsdp.py): tiny
+GPT-2, σ = 0, B̄ = N (q = 1), plain SGD (``optim="sgd"``).
 
-``python -m torch.distributed.run ... hf_trainer_script.py OUT`` — rank 0 writes ``OUT/result.pt`` (parameters,
-ledger entries, ε, world size) after 2 steps. With q = 1 every record is in every batch and σ = 0, so the run is
-deterministic: the same parameters whatever the process layout (one node × 2 processes, or 2 nodes × 1).
+``python -m torch.distributed.run ... hf_trainer_script.py OUT [fsdp]`` — rank 0 writes ``OUT/result.pt``
+(parameters, ledger entries, ε, world size) after 2 steps. With q = 1 every record is in every batch and σ = 0, so
+the run is deterministic: the same parameters whatever the process layout (one node × 2 processes, or 2 nodes × 1),
+and with ``fsdp`` (``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})``: DPTrainer shards
+the model) the same as data parallel. The final parameters are the gathered ones (a collective on every rank).
 """
 
 from __future__ import annotations
@@ -29,11 +32,29 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "attention_mask": torch.ones(L, dtype=torch.long), "labels": self.x[i]}
 
 
-def main(out: str) -> None:
+def full_params(model) -> dict:
+    """{name: full tensor} of the parameters (a sharded one gathered from its DTensor shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def main(out: str, fsdp: bool = False) -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = T.GPT2LMHeadModel(
-        T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
+        T.GPT2Config(
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            vocab_size=V,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,  # no dropout: the forward is deterministic, so layouts and sharding can be compared
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     )
     args = T.TrainingArguments(
         out,
@@ -47,6 +68,7 @@ def main(out: str) -> None:
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
+        **({"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if fsdp else {}),
     )
     tr = DPTrainer(
         model=model,
@@ -56,20 +78,23 @@ def main(out: str) -> None:
         max_grad_norm=0.01,
         privacy_unit="record",
     )
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    start = full_params(model)
     tr.train()
+    params = full_params(model)  # every rank: gathering a sharded parameter is a collective
     if tr.args.process_index == 0:
         torch.save(
             {
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "params": params,
                 "start": start,
                 "ledger": [(e.step, e.to_dict()["event"]) for e in tr.ledger.entries],
                 "world_size": tr.args.world_size,
                 "q": tr.sample_rate,
+                "sharded": tr.sharded,
+                "epsilon": tr.get_epsilon(),
             },
             f"{out}/result.pt",
         )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], fsdp=sys.argv[2:] == ["fsdp"])

@@ -6,7 +6,8 @@
   added on both ranks would double its share and move them by ~σC/B̄ per step; ε, the ledger record and the
   global expected batch size N/b are the one-process ones;
 * secret noise: the replicas end bit-identical, each rank's ledger holds each step once;
-* refusals on every rank: cyclic Poisson sampling and FSDP with correlated noise.
+* refusals on every rank: cyclic Poisson sampling with correlated noise (FSDP runs it:
+  tests/distributed/test_fsdp_correlated_noise.py).
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             "refused_poisson": _refusal(
                 distributed=True, noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5
             ),
-            "refused_fsdp": _refusal(distributed="fsdp", noise_mechanism="banded:2"),
         }
         torch.save(results, f"{tmp}/rank{rank}.pt")
 
@@ -145,4 +145,3 @@ def test_secret_noise_replicas_identical(ddp_runs):
 def test_refusals_on_every_rank(ddp_runs):
     for r in ddp_runs:
         assert "cyclic-poisson' with distributed training is not supported" in r["refused_poisson"]
-        assert "distributed='fsdp'" in r["refused_fsdp"]

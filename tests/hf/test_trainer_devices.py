@@ -77,7 +77,7 @@ def test_bf16_trains_in_one_process_and_leaves_no_autocast(tmp_path, monkeypatch
     [
         (dict(fp16=True), "use bf16=True"),
         (dict(deepspeed={"train_batch_size": 4}), "FSDP2"),
-        (dict(fsdp=["full_shard"]), "apply torch.distributed.fsdp.fully_shard to the model yourself"),
+        (dict(fsdp=["full_shard"]), "pass fsdp= / fsdp_config= to its constructor"),
         (dict(_n_gpu=2), "torchrun --nproc_per_node 2"),
     ],
 )
@@ -85,6 +85,25 @@ def test_device_settings_it_cannot_honour_say_what_to_use(tmp_path, setting, mat
     args = targs(tmp_path)
     for k, v in setting.items():
         setattr(args, k, v)  # after __post_init__ (fp16 needs a GPU there)
+    with pytest.raises(ValueError, match=match):
+        DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize(
+    "fsdp, match",
+    [
+        (dict(fsdp="full_shard"), r"fsdp with one process: .*torchrun --nproc_per_node W"),
+        (dict(fsdp=True, fsdp_config={"fsdp_version": 1}), "DPTrainer supports FSDP2 only"),
+        (dict(fsdp="full_shard offload"), "cpu_offload"),
+    ],
+)
+def test_fsdp_settings_it_cannot_honour_say_what_to_change(tmp_path, monkeypatch, fsdp, match):
+    if not hasattr(T.TrainingArguments, "_process_fsdp_args"):  # transformers 4.x: FSDP set up through os.environ
+        pytest.skip("this transformers builds no fsdp_plugin_args (DPTrainer refuses its fsdp= as a whole)")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # TrainingArguments(fsdp=...) sets it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = targs(tmp_path, **fsdp)
     with pytest.raises(ValueError, match=match):
         DPTrainer(model=gpt2(), args=args, train_dataset=Tokens(), noise_multiplier=1.0)
 

@@ -10,7 +10,9 @@ and the process CPU seconds are written to ``driver.json`` beside the summary.
     python docs/results/dpmf-grid/run.py RUNS_DIR --dataset digits --epochs 1,5
     python docs/results/dpmf-grid/run.py RUNS_DIR --dataset mnist --data-dir DATA --epochs 1 \
         --methods dp-sgd,dp-adam
-    python docs/results/dpmf-grid/summarize.py RUNS_DIR docs/results/dpmf-grid
+    python docs/results/dpmf-grid/run.py RUNS_DIR --dataset digits --epochs 1,5 --methods dp-sgd,dp-adam \
+        --mechanisms banded:4@q0.2 --seeds 5     # amplified banded MF (cyclic Poisson, q = 0.2, b' = 4)
+    python docs/results/dpmf-grid/summarize.py RUNS_DIR [RUNS_DIR ...] docs/results/dpmf-grid
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from dpopt.training.loop import run_steps
 from dpopt.training.results import run_directory, write_config, write_results
 
 MECHANISMS = ("independent", "banded:4", "blt")
+#: amplified banded MF: ``banded:B@qR`` = noise_mechanism banded:B, sampling cyclic-poisson, sample_rate R (the rate
+#: within each of the b' = round(R · L) parts, L = round(N / B̄) the steps of an epoch; docs/correlated-noise.md)
+AMPLIFIED = "@q"
 METHODS = ("dp-sgd", "dp-adam", "dp-macadam", "dp-muon")
 EPSILONS = (1.0, 8.0)
 #: dataset → method → learning rates tried at seed 0 (chosen on the validation split).
@@ -50,8 +55,17 @@ LR_GRID = {
 BATCH = {"digits": 64.0, "mnist": 256.0}
 
 
+def mechanism_options(mech: str) -> dict:
+    """TrainConfig fields of a mechanism token: ``independent``, ``banded:B``, ``blt`` or ``banded:B@qR``."""
+    if AMPLIFIED in mech:
+        spec, rate = mech.split(AMPLIFIED)
+        return {"noise_mechanism": spec, "sampling": "cyclic-poisson", "sample_rate": float(rate)}
+    return {"noise_mechanism": mech}
+
+
 def run_name(dataset: str, epochs: float, eps: float, method: str, mech: str, lr: float, seed: int) -> str:
-    return f"{dataset}-ep{epochs:g}-eps{eps:g}-{method}-{mech.replace(':', '')}-lr{lr:g}-s{seed}"
+    token = mech.replace(":", "").replace(AMPLIFIED, "-cpq")  # banded:4@q0.2 -> banded4-cpq0.2
+    return f"{dataset}-ep{epochs:g}-eps{eps:g}-{method}-{token}-lr{lr:g}-s{seed}"
 
 
 def run_one(runs: Path, data, data_dir, dataset, epochs, eps, method, mech, lr, seed) -> dict:
@@ -70,7 +84,7 @@ def run_one(runs: Path, data, data_dir, dataset, epochs, eps, method, mech, lr, 
         overwrite=True,
         validation_fraction=0.1,
         lr=lr,
-        noise_mechanism=mech,
+        **mechanism_options(mech),
     )
     start, cpu0 = time.perf_counter(), time.process_time()
     run = build_run(cfg, data)

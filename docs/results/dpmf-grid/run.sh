@@ -13,5 +13,11 @@ for method in dp-sgd dp-adam dp-macadam; do
   nice -n 5 python "$here/run.py" "$RUNS" --dataset mnist --data-dir "$DATA" --epochs 1 --methods "$method"
 done
 nice -n 5 python "$here/diagnose_macadam.py" "$RUNS"
-python "$here/summarize.py" "$RUNS" "$here"
-python -m dpopt check "$RUNS"/*/
+# amplified banded MF (added later, own directory): banded:4, cyclic Poisson at q = 0.2 (b' = 4), digits
+AMP=${AMP:-/tmp/dpmfgrid-amp-runs}
+for methods in dp-sgd,dp-adam dp-macadam,dp-muon; do
+  nice -n 5 python "$here/run.py" "$AMP" --dataset digits --epochs 1,5 --methods "$methods" \
+    --mechanisms banded:4@q0.2 --seeds 5
+done
+python "$here/summarize.py" "$RUNS" "$AMP" "$here"
+python -m dpopt check "$RUNS"/*/ "$AMP"/*/

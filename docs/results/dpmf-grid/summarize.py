@@ -1,6 +1,6 @@
 """Tables and plots of the dpmf-grid runs (run.py): tuning record, chosen-lr accuracy per seed and mean, σ.
 
-    python docs/results/dpmf-grid/summarize.py RUNS_DIR docs/results/dpmf-grid
+    python docs/results/dpmf-grid/summarize.py RUNS_DIR [RUNS_DIR ...] docs/results/dpmf-grid
 
 Writes OUT/results.jsonl (one public row per run), OUT/results.md and OUT/test_accuracy_<dataset>.png.
 The chosen lr of a cell (dataset, epochs, ε, method, mechanism) is the seed-0 run with the best
@@ -21,14 +21,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MECHS = ("independent", "banded4", "blt")
+MECHS = ("independent", "banded4", "blt", "banded4-cpq0.2")
+#: column headers; banded4-cpq0.2: amplified banded MF (run.py's banded:4@q0.2: cyclic Poisson, q = 0.2, b' = 4)
+HEAD = {"independent": "independent", "banded4": "banded:4", "blt": "blt", "banded4-cpq0.2": "banded:4 amplified q=0.2"}
 METHODS = ("dp-sgd", "dp-adam", "dp-macadam", "dp-muon")
-NAME = re.compile(r"^(\w+)-ep([\d.]+)-eps([\d.]+)-(dp-\w+)-(independent|banded4|blt)-lr([\d.e-]+)-s(\d+)$")
+NAME = re.compile(
+    r"^(\w+)-ep([\d.]+)-eps([\d.]+)-(dp-\w+)-(independent|banded4|blt|banded4-cpq0\.2)-lr([\d.e-]+)-s(\d+)$"
+)
 
 
 def load(runs: Path) -> list[dict]:
     rows = []
-    for d in sorted(runs.iterdir()):
+    for d in sorted(runs.iterdir()):  # directories of other names (diagnostics) are skipped
         m = NAME.match(d.name)
         if not m or not (d / "summary.json").exists():
             continue
@@ -93,8 +97,9 @@ def tables(rows: list[dict], cs: dict) -> str:
         out.append(
             "Chosen lr in brackets († at an end of the lr grid); **bold**: best mechanism of the row; Δ: best correlated − independent.\n"
         )
-        out.append("| epochs | ε | method | independent | banded:4 | blt | Δ |")
-        out.append("|---|---|---|---|---|---|---|")
+        mechs = [m for m in MECHS if any(k[4] == m for k in keys)]
+        out.append("| epochs | ε | method | " + " | ".join(HEAD[m] for m in mechs) + " | Δ |")
+        out.append("|---|---|---|" + "---|" * len(mechs) + "---|")
         for ep, eps in sorted({(k[1], k[2]) for k in keys}):
             for meth in METHODS:
                 vals = {
@@ -106,7 +111,7 @@ def tables(rows: list[dict], cs: dict) -> str:
                     continue
                 best = max(v[0][0] for v in vals.values())
                 cols = []
-                for m in MECHS:
+                for m in mechs:
                     if m not in vals:
                         cols.append("—")
                         continue
@@ -115,7 +120,7 @@ def tables(rows: list[dict], cs: dict) -> str:
                     edge = "†" if len(tried) > 1 and lr in (min(tried), max(tried)) else ""
                     txt = f"{a:.4f} ({lr:g}{edge})" + ("" if n == 2 else " [1 seed]")
                     cols.append(f"**{txt}**" if a == best else txt)
-                corr = [vals[m][0][0] for m in ("banded4", "blt") if m in vals]
+                corr = [vals[m][0][0] for m in MECHS[1:] if m in vals]
                 delta = f"{max(corr) - vals['independent'][0][0]:+.4f}" if corr and "independent" in vals else "—"
                 out.append(f"| {ep:g} | {eps:g} | {meth} | " + " | ".join(cols) + f" | {delta} |")
         out.append("")
@@ -124,12 +129,12 @@ def tables(rows: list[dict], cs: dict) -> str:
             out.append(
                 f"### {ds}: mean ± std over all seeds of the chosen lr (seeds 0–{max(max(cs[k]['seeds']) for k in many)})\n"
             )
-            out.append("| epochs | ε | method | independent | banded:4 | blt |")
-            out.append("|---|---|---|---|---|---|")
+            out.append("| epochs | ε | method | " + " | ".join(HEAD[m] for m in mechs) + " |")
+            out.append("|---|---|---|" + "---|" * len(mechs))
             for ep, eps in sorted({(k[1], k[2]) for k in keys}):
                 for meth in METHODS:
                     cols = []
-                    for m in MECHS:
+                    for m in mechs:
                         c = cs.get((ds, ep, eps, meth, m))
                         xs = [r["test_accuracy"] for r in c["seeds"].values()] if c else []
                         sd = statistics.stdev(xs) if len(xs) > 1 else float("nan")
@@ -137,8 +142,14 @@ def tables(rows: list[dict], cs: dict) -> str:
                     out.append(f"| {ep:g} | {eps:g} | {meth} | " + " | ".join(cols) + " |")
             out.append("")
         out.append(f"### {ds}: calibrated σ (noise multiplier) and ledger ε per mechanism\n")
-        out.append("| epochs | steps | ε target | σ independent | σ banded:4 | σ blt | ε ledger (ind / banded / blt) |")
-        out.append("|---|---|---|---|---|---|---|")
+        out.append(
+            "| epochs | steps | ε target | "
+            + " | ".join(f"σ {HEAD[m]}" for m in mechs)
+            + " | ε ledger ("
+            + " / ".join(HEAD[m] for m in mechs)
+            + ") |"
+        )
+        out.append("|---|---|---|" + "---|" * (len(mechs) + 1))
         for ep, eps in sorted({(k[1], k[2]) for k in keys}):
             rs = {
                 m: next(
@@ -149,11 +160,11 @@ def tables(rows: list[dict], cs: dict) -> str:
                     ),
                     None,
                 )
-                for m in MECHS
+                for m in mechs
             }
             steps = next(r["steps"] for r in rs.values() if r)
-            sig = [f"{rs[m]['sigma']:.3f}" if rs[m] else "—" for m in MECHS]
-            ep_l = " / ".join(f"{rs[m]['epsilon']:.4f}" if rs[m] else "—" for m in MECHS)
+            sig = [f"{rs[m]['sigma']:.3f}" if rs[m] else "—" for m in mechs]
+            ep_l = " / ".join(f"{rs[m]['epsilon']:.4f}" if rs[m] else "—" for m in mechs)
             out.append(f"| {ep:g} | {steps} | {eps:g} | " + " | ".join(sig) + f" | {ep_l} |")
         out.append("")
     out.append("## Every run (tuning at seed 0, chosen lr at the other seeds)\n")
@@ -197,34 +208,41 @@ def plot(cs: dict, ds: str, path: Path) -> None:
     fig, axes = plt.subplots(
         len(epochs), len(epsilons), figsize=(5.0 * len(epsilons), 3.2 * len(epochs)), sharey=True, squeeze=False
     )
-    colors = {"independent": "tab:gray", "banded4": "tab:blue", "blt": "tab:orange"}
-    labels = {"independent": "independent (Poisson, amplified)", "banded4": "banded:4 (cyclic)", "blt": "BLT (cyclic)"}
+    colors = {"independent": "tab:gray", "banded4": "tab:blue", "blt": "tab:orange", "banded4-cpq0.2": "tab:green"}
+    labels = {
+        "independent": "independent (Poisson, amplified)",
+        "banded4": "banded:4 (cyclic)",
+        "blt": "BLT (cyclic)",
+        "banded4-cpq0.2": "banded:4 (cyclic Poisson q=0.2, amplified)",
+    }
+    mechs = [m for m in MECHS if any(k[0] == ds and k[4] == m for k in cs)]
+    width = 0.8 / len(mechs)
     for row, ep in enumerate(epochs):
         for col, eps in enumerate(epsilons):
             ax = axes[row][col]
             for i, meth in enumerate(METHODS):
-                for j, m in enumerate(MECHS):
+                for j, m in enumerate(mechs):
                     c = cs.get((ds, ep, eps, meth, m))
                     if not c:
                         continue
-                    x = i + (j - 1) * 0.27
+                    x = i + (j - (len(mechs) - 1) / 2) * width
                     pts = [r["test_accuracy"] for r in c["seeds"].values()]
-                    ax.bar(x, mean(pts), width=0.25, color=colors[m], label=labels[m] if i == 0 else None)
+                    ax.bar(x, mean(pts), width=width * 0.92, color=colors[m], label=labels[m] if i == 0 else None)
                     ax.plot([x] * len(pts), pts, "k.", ms=3)
             ax.set_xticks(range(len(METHODS)), [LABELS[m] for m in METHODS], fontsize=8)
             ax.set_title(f"{ds}, {ep:g} epoch{'s' if ep != 1 else ''}, ε = {eps:g}", fontsize=9)
             ax.grid(axis="y", alpha=0.3)
             ax.set_ylim(0.0, 1.0)
         axes[row][0].set_ylabel("test accuracy")
-    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=3, fontsize=8)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=min(4, len(mechs)), fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main() -> None:
-    runs, out = Path(sys.argv[1]), Path(sys.argv[2])
-    rows = load(runs)
+    *runs, out = map(Path, sys.argv[1:])
+    rows = [r for d in runs for r in load(d)]
     cs = cells(rows)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:

@@ -20,6 +20,15 @@ the run's own ledger claims.
   coordinate's released values x_t, in units of the sensitivity
   (x_t = (g̃_t[j] − shift)/scale · B̄ / S_t): Neyman–Pearson optimal for the
   honest step, and any score gives a valid bound.
+* **Correlated noise** (``cfg.noise_mechanism`` banded or BLT; :mod:`dpopt.correlated_noise`): the
+  white-box run holds a fresh stream of the run's strategy C, σ and participation, so its ledger is the
+  mechanism's (ε of ONE Gaussian at the strategy's sensitivity, or the amplified rounds of cyclic
+  Poisson sampling) — not independent noise's. The real examples come from the run's cyclic (Poisson)
+  batches, and canary j sits in batch (part) j mod b, public like the run's partition: it takes part
+  at every step of that batch (cyclic), or at each step of its part with probability q (cyclic
+  Poisson). The score is the likelihood ratio of C·x (x the canary coordinate's T releases, C·x =
+  C·p + σz): :func:`_mf_scores`. A cyclic-batch run is one Gaussian mechanism, μ-GDP with μ = Δ/σ
+  (the ledger's ``mechanism`` record), so its f-DP μ bound is judged as at full batch.
 * **Black box** (``mode="black"``): m input canaries — random inputs with the
   training data's shape and scale, each with a random label — are appended to
   the training set when included; the run is the ordinary training loop
@@ -28,8 +37,9 @@ the run's own ledger claims.
 
 Verdict (at confidence 1 − β): ``"EXCEEDS"`` when Steinke et al.'s bound (sound
 for any (ε, δ)-DP run) is above the claimed ε, or — for a run whose trade-off
-curve is Gaussian (``sample_rate = 1``: T composed Gaussians, μ-GDP exactly)
-— when the f-DP μ bound is above the claimed μ. With q < 1 the f-DP figure is
+curve is Gaussian (``sample_rate = 1``: T composed Gaussians, μ-GDP exactly; or
+correlated noise over cyclic batches: one Gaussian, μ = Δ/σ) — when the f-DP μ bound
+is above the claimed μ. With q < 1 the f-DP figure is
 reported but not judged: the claimed subsampled mechanism is not μ-GDP for
 the μ that matches its ε, so a Gaussian-shaped claim is not what the
 accountant promised.
@@ -80,10 +90,12 @@ class OneRunResult:
         epsilon_lower: the bound judged (``estimator``'s), at confidence 1 − β.
         estimator: ``"steinke"`` or ``"fdp"`` — the larger of the bounds judged.
         bounds: the :class:`~dpopt.auditing.one_run_stats.OneRunBound` (both estimators).
-        claimed_mu: μ of the run when it is exactly μ-GDP (``sample_rate`` 1), else None.
+        claimed_mu: μ of the run when it is exactly μ-GDP (``sample_rate`` 1; or correlated noise over cyclic
+            batches: Δ/σ from the ledger's ``mechanism`` record), else None.
         verdict: ``"PASS"`` or ``"EXCEEDS"``.
         delta, beta: as used; confidence = 1 − β.
-        details: public facts of the run (steps, q, σ, clip bound, clipping).
+        details: public facts of the run (steps, q, σ, clip bound, clipping; with correlated noise also
+            ``noise_mechanism``, ``sampling``, ``participations``, ``min_separation``, ``mechanism_sensitivity``).
     """
 
     mode: str
@@ -225,13 +237,67 @@ def _lr_score(x: torch.Tensor, q: float, sigma: float) -> torch.Tensor:
     return torch.logaddexp(torch.full_like(a, math.log1p(-q)), math.log(q) + a)
 
 
+def _canary_slots(m: int, separation: int) -> np.ndarray:
+    """Canary j's batch (cyclic batches) or part (cyclic Poisson) j mod b: public, like the run's partition."""
+    return np.arange(m) % int(separation)
+
+
+def _sampled_canaries(
+    members: torch.Tensor, slots: torch.Tensor, step: int, mechanism, q: float, gen: torch.Generator
+) -> torch.Tensor:
+    """The included canaries that take part in ``step``, as the run's sampler treats an example.
+
+    Independent noise: Poisson at q. Correlated noise: cyclic batches (the canaries of batch ``step mod b``,
+    every time), or cyclic Poisson (those of part ``step mod b'``, each with probability q).
+    """
+    if mechanism is None:
+        return members[torch.rand(members.numel(), generator=gen) < q] if q < 1 else members
+    part = members[slots[members] == step % mechanism.participation.min_separation]
+    rate = mechanism.sample_rate
+    if rate is None or rate >= 1.0:
+        return part
+    return part[torch.rand(part.numel(), generator=gen) < rate]
+
+
+def _mf_scores(
+    x: np.ndarray, strategy_matrix: np.ndarray, slots: np.ndarray, separation: int, sigma: float, sample_rate
+) -> np.ndarray:
+    """Likelihood-ratio scores of canaries under correlated noise (DP matrix factorization).
+
+    ``x`` ``[T, m]`` holds each canary coordinate's releases in sensitivity units, x = p + σ·C⁻¹z
+    (p ∈ {0, 1}^T the canary's participations, z ~ N(0, I)), so y = C·x = C·p + σz: the Gaussian mechanism
+    on C·p the accountant charges (Denisov et al. 2022, arXiv 2202.08312). Cyclic batches (``sample_rate``
+    None): p is the fixed pattern of the canary's batch r (steps ≡ r mod b) and the score is the exact log
+    likelihood ratio (⟨y, C·p⟩ − ½‖C·p‖²)/σ². Cyclic Poisson (banded, bands ≤ b'): the columns C·e_t of one
+    part's steps have disjoint supports, so u_t = ⟨y, C·e_t⟩ are independent given p and the log likelihood
+    ratio is Σ_{t ≡ r} log(1 − q + q·exp((u_t − ½‖C·e_t‖²)/σ²)) (Choquette-Choo et al., arXiv 2306.08153,
+    Thm 4). With C = I these are the independent-noise scores. Returns float64 ``[m]``.
+    """
+    steps = x.shape[0]
+    y = strategy_matrix @ x
+    t = np.arange(steps)
+    if sample_rate is None:
+        patterns = np.zeros((steps, separation))
+        patterns[t, t % separation] = 1.0
+        v = strategy_matrix @ patterns  # [T, b]: C·p_r
+        inner = np.einsum("tj,tj->j", y, v[:, slots])
+        return (inner - 0.5 * (v**2).sum(0)[slots]) / sigma**2
+    u = strategy_matrix.T @ y  # [T, m]: ⟨y, C·e_t⟩
+    a = (u - 0.5 * (strategy_matrix**2).sum(0)[:, None]) / sigma**2
+    q = float(sample_rate)
+    lr = a if q >= 1.0 else np.logaddexp(math.log1p(-q), math.log(q) + a)
+    return np.where((t[:, None] % separation) == slots[None, :], lr, 0.0).sum(0)
+
+
 def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[np.ndarray, float, dict]:
     from ..accounting.incremental import EpsilonTracker
     from ..accounting.ledger import PrivacyLedger
+    from ..correlated_noise import CorrelatedNoise
+    from ..distributed import DistributedContext
     from ..engine import iter_per_sample_sources
     from ..methods import build_optimizer, get_method
     from ..sampling import PoissonSampler
-    from ..training.build import build_run, privacy_options
+    from ..training.build import build_run, privacy_options, run_sampler
 
     if cfg.clipping == "per-layer":
         raise ValueError(
@@ -245,32 +311,42 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
     m = included.size
     canary = nn.Parameter(torch.zeros(m, device=run.device))
     privacy, _ = privacy_options(cfg, model, run.noise_multiplier, float(run.hparams["max_grad_norm"]))
+    built = run.optimizer.privatizer.mechanism
+    mech = None
+    if built is not None:  # correlated noise: a fresh stream of the run's strategy, σ and participation
+        mech = CorrelatedNoise(built.strategy, built.participation, built.noise_multiplier, built.sample_rate)
+        privacy["mechanism"] = mech
     ledger = PrivacyLedger(dataset_size="unused" if cfg.sample_rate is not None else "public")
+    bbar = float(run.optimizer.privatizer.expected_batch_size)  # B̄, or N/b (cyclic), q·N/b' (cyclic Poisson)
     opt = build_optimizer(
         get_method(cfg.method),
         params + [canary],
         run.hparams,
-        expected_batch_size=float(cfg.batch_size),
+        expected_batch_size=bbar,
         sample_rate=run.sample_rate,
         ledger=ledger,
         noise=run.noise,
         model=model,
         **privacy,
     )
-    q, steps, bbar = run.sample_rate, run.steps, float(cfg.batch_size)
+    q, steps, dist = run.sample_rate, run.steps, DistributedContext()
     sigma = float(opt.privatizer.noise_multiplier)
-    sampler = PoissonSampler(data.n_train, q, steps, noise=run.noise)
+    # the real examples: Poisson at q, or the cyclic (Poisson) batches the mechanism is accounted for
+    sampler = PoissonSampler(run.data.n_train, q, steps, noise=run.noise) if mech is None else run_sampler(run, dist)
     members = torch.as_tensor(np.flatnonzero(included), dtype=torch.long)
+    separation = 1 if mech is None else mech.participation.min_separation
+    slots = _canary_slots(m, separation)
     scores = torch.zeros(m, dtype=torch.float64)
+    released = []  # correlated noise: every release of the canary coordinates, scored at the end
 
     def loss_fn(out, target):
         return nn.functional.cross_entropy(out, target)
 
-    for _ in range(steps):
+    for step in range(steps):
         idx = sampler.sample()
-        x, y = data.x_train[idx].to(run.device), data.y_train[idx].to(run.device)
+        x, y = run.data.x_train[idx].to(run.device), run.data.y_train[idx].to(run.device)
         points = opt.evaluation_points()
-        sampled = members[torch.rand(members.numel(), generator=gen) < q] if q < 1 else members
+        sampled = _sampled_canaries(members, torch.as_tensor(slots), step, mech, q, gen)
         bound = float(opt.privatizer.bounds[0])  # flat or quantile: one group (this step's bound)
         sens = float(opt.privatizer.sensitivity)  # before the step: quantile clipping moves it after
         real = (
@@ -285,17 +361,47 @@ def _white_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
             g = g - geo.shift[-1].double().cpu()
         if geo.scale is not None:
             g = g / geo.scale[-1].double().cpu()
-        scores += _lr_score(g * bbar / sens, q, sigma)
+        if mech is None:
+            scores += _lr_score(g * bbar / sens, q, sigma)
+        else:
+            released.append((g * bbar / sens).numpy())
+    if mech is not None:
+        matrix = mech.strategy.matrix(mech.participation.steps)[:steps, :steps]
+        scores = torch.from_numpy(_mf_scores(np.stack(released), matrix, slots, separation, sigma, mech.sample_rate))
     eps = EpsilonTracker(cfg.delta, cfg.accountant).epsilon(ledger)
     details = {
         "steps": steps,
-        "sample_rate": q,
+        "sample_rate": q if mech is None else mech.sample_rate,
         "noise_multiplier": sigma,
         "expected_batch_size": bbar,
         "clipping": cfg.clipping,
-        "score": "likelihood ratio of the released canary coordinate",
+        "score": "likelihood ratio of the released canary coordinate"
+        if mech is None
+        else "likelihood ratio of C·(the released canary coordinates) (correlated noise)",
+        **_mechanism_details(ledger),
     }
     return scores.numpy(), eps, details
+
+
+def _mechanism_details(ledger) -> dict:
+    """The public facts of a correlated-noise ledger the verdict reads (none for independent noise).
+
+    ``claimed_mu``: a mechanism over cyclic batches is ONE Gaussian mechanism with multiplier σ/Δ (its
+    ledger events compose to exactly that, docs/correlated-noise.md), so it is μ-GDP with μ = Δ/σ, read
+    from the ledger's ``mechanism`` record; amplified (cyclic Poisson) runs are not μ-GDP for that μ.
+    """
+    rec = ledger.mechanism
+    if rec is None:
+        return {}
+    amplified = rec.get("sample_rate") is not None
+    return {
+        "noise_mechanism": rec["kind"],
+        "sampling": ledger.sampling,
+        "participations": rec["participations"],
+        "min_separation": rec["min_separation"],
+        "mechanism_sensitivity": rec["sensitivity"],
+        "claimed_mu": None if amplified else float(rec["sensitivity"]) / float(rec["noise_multiplier"]),
+    }
 
 
 def _chain(real, rows):
@@ -334,7 +440,11 @@ def _black_box(cfg, data, included: np.ndarray, gen: torch.Generator) -> tuple[n
         "expected_batch_size": float(cfg.batch_size),
         "clipping": cfg.clipping,
         "score": "minus the final model's loss on the canary (random input, random label)",
+        **_mechanism_details(run.ledger),
     }
+    mech = run.optimizer.privatizer.mechanism
+    if mech is not None:  # correlated noise: q is the within-part rate of cyclic Poisson, or none (cyclic)
+        details["sample_rate"] = mech.sample_rate
     return (-loss).double().cpu().numpy(), eps, details
 
 
@@ -399,13 +509,16 @@ def one_run(
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
     scores, eps, details = (_white_box if mode == "white" else _black_box)(cfg, data, included, gen)
     bounds = one_run_bounds(scores[included], scores[~included], cfg.delta, beta, guess_counts=guess_counts)
-    gaussian = float(details["sample_rate"]) >= 1.0
-    claimed_mu = _claimed_mu(eps, cfg.delta) if gaussian else None
+    if "claimed_mu" in details:  # correlated noise: μ = Δ/σ of the ledger's mechanism record (cyclic batches)
+        claimed_mu = details["claimed_mu"]
+    else:  # independent noise: exactly μ-GDP at full batch (T composed Gaussians)
+        claimed_mu = _claimed_mu(eps, cfg.delta) if float(details["sample_rate"]) >= 1.0 else None
+    gaussian = claimed_mu is not None
     judged = {"steinke": bounds.steinke}
     if gaussian:
         judged["fdp"] = bounds.fdp
     estimator = max(judged, key=judged.get)  # type: ignore[arg-type]
-    exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)  # type: ignore[operator]
+    exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)
     details = dict(details, fdp_judged=gaussian, seed=seed)
     return OneRunResult(
         mode=mode,

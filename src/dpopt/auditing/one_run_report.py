@@ -30,7 +30,7 @@ def report_markdown(result, plot_name: str = PLOT_NAME) -> str:
     """The markdown page of a :class:`~dpopt.auditing.one_run_audit.OneRunResult` (text only)."""
     b, d = result.bounds, result.details
     judged = (
-        "Steinke et al. and f-DP (the run is exactly μ-GDP: full batch)"
+        "Steinke et al. and f-DP (the run is exactly μ-GDP: full batch, or correlated noise over cyclic batches)"
         if d.get("fdp_judged")
         else "Steinke et al. only (with q < 1 the claim is not μ-GDP; the f-DP figure is informational)"
     )
@@ -39,7 +39,9 @@ def report_markdown(result, plot_name: str = PLOT_NAME) -> str:
         "",
         f"{result.m} canaries, each in the training set with probability ½ "
         f"({int(result.included.sum())} in); one training run of {d.get('steps')} steps at q = "
-        f"{_f(d.get('sample_rate'))}, σ = {_f(d.get('noise_multiplier'))}, clipping {d.get('clipping')}. "
+        f"{_f(d.get('sample_rate'))}, σ = {_f(d.get('noise_multiplier'))}, clipping {d.get('clipping')}"
+        + (f", noise {d['noise_mechanism']} over {d['sampling']}" if d.get("noise_mechanism") else "")
+        + ". "
         f"Score: {d.get('score')}.",
         "",
         f"| | ε at δ = {result.delta:g} |",

@@ -38,6 +38,8 @@ ONE_RUN_FLAGS = flags_for(
         "target_epsilon",
         "max_grad_norm",
         "clipping",
+        "noise_mechanism",
+        "sampling",
     ]
 )
 
@@ -97,6 +99,12 @@ def audit(
     target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="--one-run: calibrate σ for this ε."),
     max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="--one-run: clip bound C."),
     clipping: str = typer.Option("flat", "--clipping", help="--one-run: flat or quantile (per-layer: black box)."),
+    noise_mechanism: str = typer.Option(
+        "independent", "--noise-mechanism", help="--one-run: independent, banded:B or blt[:N] (correlated noise)."
+    ),
+    sampling: Optional[str] = typer.Option(
+        None, "--sampling", help="--one-run, correlated noise: cyclic (default) or cyclic-poisson (banded:B)."
+    ),
     report: Optional[str] = typer.Option(None, "--report", help="--one-run: write one-run-audit.md and .png here."),
 ) -> None:
     """Run the audits (help text above); exit code 1 on any LEAK."""
@@ -118,6 +126,8 @@ def audit(
             target_epsilon=target_epsilon,
             max_grad_norm=max_grad_norm,
             clipping=clipping,
+            noise_mechanism=noise_mechanism,
+            sampling=sampling,
         )
         return
     if method is not None and all_:

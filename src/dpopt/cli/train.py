@@ -209,6 +209,12 @@ def train_command(
         None,
         help="micro-batch for per-sample gradients, in examples (each with its --augmult views)",
     ),
+    compile: bool = typer.Option(
+        False,
+        "--compile",
+        help="run the per-sample capture's forward/backward as one torch.compile graph (inductor), checked "
+        "against eager single-example autograd on the first batch (docs/performance.md, torch.compile)",
+    ),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
@@ -371,6 +377,7 @@ def train_command(
         seed=seed,
         accountant=accountant,
         physical_batch_size=physical_batch_size,
+        compile=compile,
         out=out,
         hparams=hparams,
         target_epsilon=target_epsilon,
@@ -591,7 +598,7 @@ TRAIN_PANELS = {
         "show_train_loss",
         "json_out",
     ),
-    "Scale": ("physical_batch_size", "fsdp"),
+    "Scale": ("physical_batch_size", "compile", "fsdp"),
 }
 
 

@@ -85,6 +85,8 @@ def iter_per_sample_sources(
     engine: str = "fast",
     batch_dim: int = 0,
     rows_per_example: int = 1,
+    compile: object = False,
+    cache_bytes: Optional[int] = None,
 ) -> Iterator:
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
@@ -108,6 +110,17 @@ def iter_per_sample_sources(
             have B = rows / K examples and ``physical_batch_size`` counts
             examples (a chunk never splits an example's views). See
             :class:`~dpopt.engine.fast.PerSampleEngine`.
+        compile: ``engine="fast"`` only: True (``"inductor"``) or a backend
+            name: the capture's forward and backward run as one
+            ``torch.compile`` graph, checked against eager single-example
+            autograd on the first batch (:mod:`dpopt.engine.compiled`).
+        cache_bytes: bytes of per-example weight gradients the fast engine may
+            keep between the norms and the clipped sum (all layers together,
+            per source): None (default) derives it from the model and batch
+            (≈ 10 % of what the non-private step holds:
+            :func:`~dpopt.engine.layers.derived_cache_bytes`); 0 never caches
+            (least memory); more trades memory for speed
+            (docs/performance.md, "Memory budget of the per-layer choice").
 
     Yields:
         per-sample sources; with ``engine="fast"`` each is freed when the
@@ -118,12 +131,17 @@ def iter_per_sample_sources(
             inputs (:func:`dpopt.engine.inputs.check_inputs`: a PackedSequence,
             or x's example axis and y's dim 0 of different lengths), a row
             count that is not a multiple of ``rows_per_example``, or a
-            layer refused by :func:`dpopt.models.check_model`.
+            layer refused by :func:`dpopt.models.check_model`; ``cache_bytes``
+            neither None nor an integer ≥ 0.
     """
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
-        return get_engine(model, loss_fn, rows_per_example).iterate(x, y, physical_batch_size, points, batch_dim)
+        eng = get_engine(model, loss_fn, rows_per_example, compile)
+        eng.cache_bytes = cache_bytes  # this call's budget (the engine is cached per model)
+        return eng.iterate(x, y, physical_batch_size, points, batch_dim)
+    if compile:
+        raise ValueError("compile= is an option of engine='fast' (the reference engine runs eagerly)")
     if engine == "reference":
         check_model(model)
         k = int(rows_per_example)

@@ -40,6 +40,7 @@ each example's K rows.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 import weakref
 from functools import partial
@@ -59,17 +60,18 @@ from .check import (
     alone_failed,
     disagreeing,
     disagreeing_rows,
+    finite_sq_norm64,
     in_float64,
     mode_signature,
     module_state,
     off_axis,
     rtol,
-    sq_norm64,
+    sq_dist64,
 )
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
-from .layers import Budget, DirectBlock
+from .layers import Budget, DirectBlock, derived_cache_bytes
 from .lift import Lifts, on_axis
 from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
@@ -275,13 +277,31 @@ class Call:
 
 
 # --------------------------------------------------------------------------- the plan
+def check_cache_bytes(cache_bytes: Optional[int]) -> Optional[int]:
+    """``cache_bytes`` as an int (or None: derived per batch); a clear error for anything else.
+
+    Raises:
+        ValueError: not None and not an integer ≥ 0.
+    """
+    if cache_bytes is None:
+        return None
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, numbers.Integral) or cache_bytes < 0:
+        raise ValueError(
+            f"cache_bytes must be None (derived from the model and batch) or an integer number of bytes >= 0, "
+            f"got {cache_bytes!r}"
+        )
+    return int(cache_bytes)
+
+
 class Plan:
     """Which trainable parameter is computed how; builds the blocks of the rule-covered ones.
 
     Args:
         model: the module (held weakly); trainable parameters in
             ``named_parameters`` order are the sources' parameters.
-        chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of each source.
+        chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of each source;
+            ``cache_bytes=None`` (default): derived per batch from the model and
+            the recorded activations (:meth:`budget`), an int: that many bytes.
         weak: hold the model weakly (the engine cache is keyed weakly by the
             model); False (the hook door): strongly, so that a ``deepcopy`` of
             the model with its hooks gives a plan of the copy.
@@ -294,10 +314,13 @@ class Plan:
         tapped: modules whose rule has a tapped forward. dtype, device.
     """
 
-    def __init__(self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: int = 256 << 20, weak: bool = True):
+    def __init__(
+        self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: Optional[int] = None, weak: bool = True
+    ):
         self._strong = None if weak else model
         self._model = weakref.ref(model)
-        self.chunk_bytes, self.cache_bytes = int(chunk_bytes), int(cache_bytes)
+        self.chunk_bytes = int(chunk_bytes)
+        self.cache_bytes = check_cache_bytes(cache_bytes)
         named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
         self.names = [k for k, _ in named]
         self.params = [p for _, p in named]
@@ -380,8 +403,36 @@ class Plan:
                     del table[m]
 
     # -- blocks ------------------------------------------------------------------------
+    def budget(self, captured: Sequence[tuple[Call, Optional[Tensor]]]) -> Budget:
+        """The memory :class:`~dpopt.engine.layers.Budget` of one source built from ``captured``.
+
+        ``cache_bytes`` as given, or (None) :func:`~dpopt.engine.layers.derived_cache_bytes`
+        of the model's parameter bytes (every parameter tensor once), its
+        trainable parameters' bytes (the non-private ``.grad``) and the bytes
+        of the distinct layer inputs recorded for the calls that received a
+        gradient (each storage once).
+        """
+        if self.cache_bytes is not None:
+            return Budget(self.chunk_bytes, self.cache_bytes)
+        seen: dict[int, int] = {}
+        for p in self.model.parameters():
+            seen.setdefault(id(p), p.numel() * p.element_size())
+        grads = sum(p.numel() * p.element_size() for p in self.params)
+        acts: dict[tuple, int] = {}
+        for c, e in captured:
+            a = c.inp
+            if e is None or c.index is not None or not isinstance(a, Tensor) or a.device.type == "meta":
+                continue
+            st = a.untyped_storage()
+            acts[(a.device, st.data_ptr())] = st.nbytes()
+        return Budget(self.chunk_bytes, derived_cache_bytes(sum(seen.values()), grads, sum(acts.values())))
+
     def blocks(
-        self, captured: Sequence[tuple[Call, Optional[Tensor]]], rows: int, budget: Budget, views: int = 1
+        self,
+        captured: Sequence[tuple[Call, Optional[Tensor]]],
+        rows: int,
+        budget: Optional[Budget] = None,
+        views: int = 1,
     ) -> list:
         """Blocks of the rule-covered parameters from ``(call, e)`` pairs, in the parameters' dtype.
 
@@ -390,7 +441,10 @@ class Plan:
             rows: n, the rows of the pass; views: K (rows per example): the
                 blocks are over B = n / K examples, each the sum of its K rows
                 (module docstring).
+            budget: the source's memory budget; None: :meth:`budget` of ``captured``.
         """
+        if budget is None:
+            budget = self.budget(captured)
         b = rows // views
         per_module: dict[nn.Module, list] = {m: [] for m in self.modules}
         bare: dict[int, list] = {i: [] for own in self.bare.values() for i in own.values()}
@@ -1071,6 +1125,35 @@ class Recorder:
         finally:
             self.active = True
 
+    @staticmethod
+    def _scaled(calls: Sequence[Call], scale: float, other: dict) -> tuple[list, set]:
+        """``(call, scale · e)`` of the fast calls, each call's stored gradient replaced by its scaled one.
+
+        The stored gradient is dropped as soon as its scaled copy exists (one
+        copy per distinct tensor: autograd hands the same gradient to the
+        outputs a residual sum joins), so at most one layer's output
+        gradient exists twice, never every layer's (issue 34: the hook door
+        held ``[B, T, q]`` of every layer twice). Returns the pairs and the
+        ids of the calls whose ``grads[0]`` is now scaled.
+        """
+        memo: dict[int, Tensor] = {}
+        captured, done = [], set()
+        for c in calls:
+            if not c.fast or (c.index is not None and c.index in other):
+                continue
+            g = c.grads[0]
+            if g is None or scale == 1:
+                captured.append((c, g))
+                continue
+            e = memo.get(id(g))
+            if e is None:
+                e = memo[id(g)] = g * scale
+            c.grads[0] = e
+            done.add(id(c))
+            captured.append((c, e))
+            del g
+        return captured, done
+
     def build(
         self, calls: Sequence[Call], rows: int, scale: float, views: int = 1, other: Optional[dict] = None
     ) -> list:
@@ -1092,13 +1175,9 @@ class Recorder:
                 "their parameters through an enclosing layer (engine.lift), and the batch could not be run "
                 "again: repeat this step (zero the gradients and run the forward and backward again)"
             )
-        captured = [
-            (c, c.grads[0] * scale if c.grads[0] is not None else None)
-            for c in calls
-            if c.fast and not (c.index is not None and c.index in other)
-        ]
+        captured, scaled = self._scaled(calls, scale, other)
         with no_autocast(plan.device):
-            blocks = plan.blocks(captured, rows, Budget(plan.chunk_bytes, plan.cache_bytes), views)
+            blocks = plan.blocks(captured, rows, None, views)
         bare_vjp = {m: {a: i for a, i in own.items() if i in other} for m, own in plan.bare.items()}
         bare_vjp = {m: own for m, own in bare_vjp.items() if own}
         if bare_vjp:  # drop their (zero) tap blocks
@@ -1112,7 +1191,7 @@ class Recorder:
                     continue
                 own = vjps.get(c.module) if not c.fast else self.vjp.get(c.module)
                 if own:
-                    es = [c.grads[k] * scale for k in c.used]  # type: ignore[operator]
+                    es = [c.grads[k] if (k == 0 and id(c) in scaled) else c.grads[k] * scale for k in c.used]  # type: ignore[operator]
                     for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):  # type: ignore[arg-type]
                         grads[i] = grads[i] + _sum_views(g, views).to(grads[i].dtype)
             blocks.append(DirectBlock(fallback, [grads[i] for i in fallback]))
@@ -1362,15 +1441,12 @@ class Recorder:
         def reduce(i: int, g: Tensor) -> None:
             e = current[0]
             seen.add(i)
-            with torch.no_grad():
-                ok = bool(torch.isfinite(g).all())
-                ref_sq[i][e] = sq_norm64(g)
-                finite[i][e] = ok
-                hat = captured(i, e).reshape(g.shape)
-                dt = torch.promote_types(torch.promote_types(hat.dtype, g.dtype), torch.float32)
-                own = hat.dtype == dt and type(where[i][0]) is not DirectBlock
-                diff = (hat if own else hat.to(dt, copy=True)).sub_(g.to(dt))
-                dist[i][e] = sq_norm64(diff) ** 0.5 if ok else float("nan")
+            with torch.no_grad():  # chunked reductions: beside g, only the capture's ĝ (issue 43)
+                sq, ok = finite_sq_norm64(g)
+                ref_sq[i][e], finite[i][e] = sq, ok
+                hat = captured(i, e)
+                dist[i][e] = sq_dist64(hat, g) ** 0.5 if ok else float("nan")
+                del hat
 
         def hook(i: int, g: Tensor) -> Tensor:
             reduce(i, g)

@@ -91,6 +91,8 @@ __all__ = [
     "layer_of",
     "layer_scales",
     "sq_norm64",
+    "finite_sq_norm64",
+    "sq_dist64",
     "in_float64",
 ]
 
@@ -606,6 +608,48 @@ def sq_norm64(t: Tensor, chunk: int = 1 << 13) -> float:
         part = flat[s : s + chunk].double()
         total += torch.dot(part, part)
         del part  # one chunk at a time
+    return float(total)
+
+
+def finite_sq_norm64(t: Tensor, chunk: int = 1 << 13) -> tuple[float, bool]:
+    """(‖t‖² in float64, whether every element of ``t`` is finite), in one pass of ``chunk`` elements.
+
+    :func:`sq_norm64` with the finiteness test folded into the same chunks:
+    ``torch.isfinite(t).all()`` on the whole tensor allocates ``abs``, two
+    comparisons and their conjunction (7 bytes per element beside a float32
+    ``t``), more than the gradient itself; here every temporary is a chunk
+    (issue 43: the first-batch check is bounded by the largest parameter).
+    No device synchronisation per chunk (one at the end).
+    """
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    bad = torch.zeros((), dtype=torch.int64, device=t.device)
+    for s in range(0, flat.numel(), chunk):
+        part = flat[s : s + chunk].double()
+        total += torch.dot(part, part)
+        bad += part.numel() - torch.isfinite(part).sum()
+        del part
+    return float(total), int(bad) == 0
+
+
+def sq_dist64(a: Tensor, b: Tensor, chunk: int = 1 << 13) -> float:
+    """‖a − b‖² in float64, ``chunk`` elements at a time (no full-size difference or float64 copy).
+
+    ``a`` and ``b`` are compared element by element in row-major order (the
+    order of ``reshape``); both are converted to float64 before the
+    subtraction, so the difference of two float32/half values is exact.
+
+    Raises:
+        ValueError: ``a`` and ``b`` have different numbers of elements.
+    """
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    if fa.numel() != fb.numel():
+        raise ValueError(f"sq_dist64 compares tensors of equal size; got {tuple(a.shape)} and {tuple(b.shape)}")
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for s in range(0, fa.numel(), chunk):
+        part = fa[s : s + chunk].double().sub_(fb[s : s + chunk])  # promoted element by element: exact
+        total += torch.dot(part, part)
+        del part
     return float(total)
 
 

@@ -75,6 +75,7 @@ from .capture import (  # noqa: F401
     OutputLayout,
     Plan,
     Recorder,
+    check_cache_bytes,
     check_views,
     demotion_warning,
     expand_broadcast,
@@ -95,8 +96,9 @@ from .check import (
     signature,
     sq_norm64,
 )
+from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import Budget, DirectBlock, FactoredBlock
+from .layers import DirectBlock, FactoredBlock, plan_caches
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -160,6 +162,7 @@ class FastPerSampleGrads:
             )
         self._bad: Optional[Tensor] = None
         self._freed = False
+        self._caches_planned = False
 
     @property
     def num_params(self) -> int:
@@ -200,7 +203,20 @@ class FastPerSampleGrads:
         with _no_autocast(self.device):
             return self._sq_norms(geometry, groups, num_groups)
 
+    def _plan_caches(self, geometry: ClipGeometry) -> None:
+        """On the first norms: which factored layers cache their per-example gradients (:func:`~dpopt.engine.layers.plan_caches`)."""
+        self._caches_planned = True
+        by_budget: dict[int, list[FactoredBlock]] = {}
+        for blk in self.blocks:
+            if isinstance(blk, FactoredBlock):
+                by_budget.setdefault(id(blk.budget), []).append(blk)
+        for fac in by_budget.values():
+            flat = [self._geo(geometry, blk.index[0]) == (None, None) for blk in fac]
+            plan_caches(fac, flat, fac[0].budget)
+
     def _sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
+        if not self._caches_planned:
+            self._plan_caches(geometry)
         per_param: list[Optional[Tensor]] = [None] * self.num_params
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
@@ -295,7 +311,9 @@ class PerSampleEngine:
             those of single-example autograd (:meth:`_verify`); layers/parameters
             that do not move to the per-example ``torch.func`` path, with a warning.
         chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of
-            each source (bytes).
+            each source (bytes); ``cache_bytes=None`` (default) derives the cache
+            from the model and batch (:meth:`~dpopt.engine.capture.Plan.budget`),
+            an int overrides it (0: never cache per-example gradients).
         rows_per_example: K ≥ 1. Rows ``i·K … i·K + K − 1`` of ``x`` and ``y``
             are K views (augmentations) of example i; its per-example gradient
             is the mean over its views, g_i = (1/K) Σ_v ∇ℓ(x_{iK+v}, y_{iK+v})
@@ -303,6 +321,13 @@ class PerSampleEngine:
             (:mod:`dpopt.engine.capture`). Sources have B = n/K examples;
             ``physical_batch_size`` of :meth:`iterate` counts examples (each
             chunk holds its examples' K rows: views are never split).
+        compile: ``True`` (backend ``"inductor"``), a backend name in
+            :data:`~dpopt.engine.compiled.COMPILE_BACKENDS`, or False: run the
+            forward and the backward of the capture as one ``torch.compile``
+            graph with taps on the planned layers (:mod:`dpopt.engine.compiled`).
+            The first-batch check then runs on the compiled path (and again on
+            a batch whose call compiled a new graph), and anything it finds
+            refuses instead of moving to the per-example path. Needs ``verify``.
 
     Attributes:
         plan: the :class:`~dpopt.engine.capture.Plan`. fast_names,
@@ -322,17 +347,27 @@ class PerSampleEngine:
         loss_fn: LossFn,
         verify: bool = True,
         chunk_bytes: int = 16 << 20,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
+        compile: object = False,
     ):
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
+        backend = compile_backend(compile)
+        if backend is not None and not verify:
+            raise refusal("verify=False would release the compiled capture's results unchecked")
         self.plan = Plan(model, chunk_bytes, cache_bytes)
         self.loss_fn = loss_fn
         self.views = int(rows_per_example)
         self._rec = Recorder(self.plan, tensor_hooks=False, guard_buffers=False)
         self._buffers: dict = {}  # the last buffer snapshot (inputs.snapshot_buffers), reused while unchanged
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
+        self._compiled = CompiledCapture(self.plan, backend) if backend is not None else None
+
+    def close(self) -> None:
+        """Remove what this engine left on the model (the compiled capture's hooks)."""
+        if self._compiled is not None:
+            self._compiled.detach()
 
     # -- the plan (engine.capture.Plan) ------------------------------------------------
     names = property(lambda self: self.plan.names)
@@ -343,7 +378,16 @@ class PerSampleEngine:
     dtype = property(lambda self: self.plan.dtype)
     device = property(lambda self: self.plan.device)
     chunk_bytes = property(lambda self: self.plan.chunk_bytes)
-    cache_bytes = property(lambda self: self.plan.cache_bytes)
+
+    @property
+    def cache_bytes(self) -> Optional[int]:
+        """The cache override in bytes (None: derived per batch from the model and batch)."""
+        return self.plan.cache_bytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, value: Optional[int]) -> None:
+        self.plan.cache_bytes = check_cache_bytes(value)
+
     model = property(lambda self: self.plan.model)
 
     def _fast_indices(self) -> list[int]:
@@ -365,6 +409,10 @@ class PerSampleEngine:
         redone; a bare parameter used otherwise than recognised moves to the
         per-example path and the pass is redone.
         """
+        if self._compiled is not None:  # the compiled forward/backward (engine.compiled)
+            if kwargs or len(args) != 1:
+                raise refusal("the compiled capture takes the model's input as one positional tensor")
+            return self._compiled.run(args[0], loss_of, offset), {}
         rec, model = self._rec, self.model
         for _attempt in range(3):
             rec.replayed = False
@@ -412,7 +460,13 @@ class PerSampleEngine:
 
     # -- demotions (this door's policy: the exact per-example path) -------------------
     def _demote(self, indices: Sequence[int]) -> None:
-        """Move parameters to the per-example (torch.func) path."""
+        """Move parameters to the per-example (torch.func) path; with ``compile``: refuse (nothing unchecked)."""
+        if self._compiled is not None:
+            raise refusal(
+                f"the first-batch check found the compiled capture of {[self.names[i] for i in indices]} "
+                "different from single-example eager autograd, or their layer does not keep the examples "
+                "along dim 0 (see the warning above)"
+            )
         self.plan.demote(indices)
 
     def _demote_bare(self, others: dict) -> None:
@@ -644,6 +698,7 @@ class PerSampleEngine:
         if key is not None and self._modes.needed(key):
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
                 self._verify(x, y, key)
+        compiles = self._compiled.compiles if self._compiled is not None else 0
         try:
             calls = [c for pt in pts for c in self._capture(x, y, pt)]
         except OutputLayout as err:
@@ -653,10 +708,11 @@ class PerSampleEngine:
         if bad:  # this batch size shows a layer whose dim 0 is not the example axis: demote, redo
             self._demote_layers(bad)
             return self._compute(x, y, pts, batch_dim)
+        if self._compiled is not None and self._compiled.compiles > compiles and self._modes.enabled:
+            with preserved_state(self.model):  # a graph no check has run: check it at this batch's size
+                self._verify_at(x, y)
         with no_autocast(self.device):
-            blocks = self.plan.blocks(
-                [(c, c.grads[0]) for c in calls if c.fast], n, Budget(self.chunk_bytes, self.cache_bytes), self.views
-            )
+            blocks = self.plan.blocks([(c, c.grads[0]) for c in calls if c.fast], n, None, self.views)
         if self.fallback:
             blocks.append(DirectBlock(self.fallback, self._reference(x, y, pts, self.fallback_names)))
         return self._source(blocks, b, pts)
@@ -721,18 +777,25 @@ class PerSampleEngine:
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def get_engine(model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1) -> PerSampleEngine:
-    """The cached :class:`PerSampleEngine` of ``(model, loss_fn, rows_per_example)`` (re-planned if the params changed).
+def get_engine(
+    model: nn.Module, loss_fn: LossFn, rows_per_example: int = 1, compile: object = False
+) -> PerSampleEngine:
+    """The cached :class:`PerSampleEngine` of ``(model, loss_fn, rows_per_example, compile)`` (re-planned if the
+    params changed; ``compile``: :class:`PerSampleEngine`'s).
 
     Raises:
-        ValueError: a layer refused by :func:`~dpopt.models.check_model`, ``rows_per_example`` < 1.
+        ValueError: a layer refused by :func:`~dpopt.models.check_model`, ``rows_per_example`` < 1, a model
+            the compiled capture refuses (:class:`~dpopt.engine.compiled.CompiledCapture`).
     """
     per_loss = _ENGINES.setdefault(model, {})
-    key = loss_fn if rows_per_example == 1 else (loss_fn, int(rows_per_example))
+    backend = compile_backend(compile)
+    key = loss_fn if rows_per_example == 1 and backend is None else (loss_fn, int(rows_per_example), backend)
     eng = per_loss.get(key)
     if eng is None or not eng.matches(model):
         check_model(model)  # BatchNorm mixes examples: refuse before planning
-        eng = per_loss[key] = PerSampleEngine(model, loss_fn, rows_per_example=rows_per_example)
+        if eng is not None:
+            eng.close()
+        eng = per_loss[key] = PerSampleEngine(model, loss_fn, rows_per_example=rows_per_example, compile=backend)
     return eng
 
 

@@ -134,7 +134,9 @@ class HookCapture:
             losses over the realised batch) or ``"sum"``.
         verify: check the hook path against single-example autograd on the
             first batch of ≥ 2 examples in each mode (module docstring).
-        chunk_bytes, cache_bytes: memory :class:`~dpopt.engine.layers.Budget` of each source.
+        chunk_bytes, cache_bytes: memory :class:`~dpopt.engine.layers.Budget` of each source;
+            ``cache_bytes=None`` (default): derived from the model and batch
+            (:meth:`~dpopt.engine.capture.Plan.budget`), an int: that many bytes.
         rows_per_example: K ≥ 1: rows ``i·K … i·K + K − 1`` of each forward
             pass are K views of example i (``PrivacyEngine``'s augmentation
             multiplicity); its gradient is the mean over them, and the source
@@ -161,7 +163,7 @@ class HookCapture:
         loss_reduction: str = "mean",
         verify: bool = True,
         chunk_bytes: int = 16 << 20,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
     ):
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -296,6 +298,7 @@ class HookCapture:
                     self._verify(p, key)
         if self._rec.stale(done):
             done, other = self._again(p, done, other)
+        p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
         return self._build(done, p.batch_size, self.loss_reduction, other)
 
     def _again(self, p: Pass, done: list[Call], other: dict) -> tuple[list[Call], dict]:

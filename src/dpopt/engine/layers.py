@@ -70,6 +70,11 @@ __all__ = [
     "cached_grad_sum",
     "constant_sq_norms",
     "GRAM_WITH_CACHE_BELOW",
+    "GRAM_WITHOUT_CACHE_BELOW",
+    "CACHE_SHARE",
+    "derived_cache_bytes",
+    "form_costs",
+    "plan_caches",
 ]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
@@ -83,12 +88,14 @@ class Budget:
         chunk_bytes: largest temporary a direct-form chunk may allocate
             (per-sample gradients of a chunk of examples plus its im2col).
         cache_bytes: per-sample gradients kept between ``sq_norms`` and
-            ``weighted_sum`` (all factored layers of the source together).
+            ``weighted_sum`` (all factored layers of the source together);
+            the engine derives it from the model and batch
+            (:func:`derived_cache_bytes`) unless the user gives one.
         used: bytes of cache in use.
     """
 
     chunk_bytes: int = 16 << 20
-    cache_bytes: int = 256 << 20
+    cache_bytes: int = 0
     used: int = 0
 
     def take(self, nbytes: int) -> bool:
@@ -101,6 +108,42 @@ class Budget:
     def give(self, nbytes: int) -> None:
         """Return ``nbytes`` of cache."""
         self.used = max(0, self.used - nbytes)
+
+
+CACHE_SHARE = 0.1
+"""Share of the non-private step's memory that the cached per-example gradients may add (the issue-34
+target: peak memory ≤ 1.1× non-private). See :func:`derived_cache_bytes`."""
+
+
+def derived_cache_bytes(param_bytes: int, grad_bytes: int, activation_bytes: int, share: float = CACHE_SHARE) -> int:
+    """The cache budget of a source derived from the model and batch: ``share`` × what the non-private step holds.
+
+    The non-private step of the same batch holds at least the model's
+    parameters, the ``.grad`` of its trainable ones and the inputs of its
+    layers that autograd keeps for their weight gradients (the layer inputs
+    ``a`` the capture records). The cache of per-example gradients kept
+    between the norms and the clipped sum is allowed ``share`` of that sum,
+    so that it alone adds at most ``share`` to the step's peak (the rest of
+    the per-layer choice, :func:`plan_caches`, decides which layers use it).
+
+    Args:
+        param_bytes: bytes of every parameter of the model (trainable and frozen, each tensor once).
+        grad_bytes: bytes of the trainable parameters (their ``.grad`` in the non-private step).
+        activation_bytes: bytes of the distinct layer-input tensors recorded for this batch.
+        share: the fraction (≥ 0).
+
+    Returns:
+        bytes (int, ≥ 0).
+
+    Raises:
+        ValueError: a negative argument.
+    """
+    if min(param_bytes, grad_bytes, activation_bytes) < 0 or not share >= 0:
+        raise ValueError(
+            f"derived_cache_bytes needs non-negative sizes and share, got {param_bytes}, {grad_bytes}, "
+            f"{activation_bytes}, share={share}"
+        )
+    return int(share * (param_bytes + grad_bytes + activation_bytes))
 
 
 def _rows(mask: Tensor, t: Tensor) -> Tensor:
@@ -352,6 +395,67 @@ sum is a cheap contraction. Measured on this project's CPU (float32, one thread,
 T 4–256, p, q 128–4096): Gram 4–12× faster at r ≤ 0.06, 1.2–1.9× at r 0.1–0.26, 1.2–1.7× slower at r ≥ 0.42
 (benchmark in docs/performance.md, "Gram or direct")."""
 
+GRAM_WITHOUT_CACHE_BELOW = 0.57
+"""Below this r the Gram norm is faster than the direct form whose per-sample gradients are not kept (the
+norms from materialised chunks, then the clipped sum as one more GEMM Eᵀ diag(c) A). Measured as
+:data:`GRAM_WITH_CACHE_BELOW` (``benchmarks/gram_or_direct.py``): Gram 1.2× faster at r = 0.52, 1.1× slower
+at r = 0.62, 1.4–1.7× slower at r ≥ 0.67."""
+
+
+def form_costs(ratio: float, flat: bool) -> tuple[float, float]:
+    """Time of a factored layer's norms + clipped sum, ``(with its per-example gradients cached, without)``.
+
+    In units of the cached direct form (B·T·p·q multiply-adds, then a pass over
+    ``[B, q, p]``); ``ratio`` = r = T(p+q)/(pq). The Gram form costs
+    r / :data:`GRAM_WITH_CACHE_BELOW` (float64: ≈ 3·r), the direct form with a
+    recomputed sum :data:`GRAM_WITHOUT_CACHE_BELOW` / :data:`GRAM_WITH_CACHE_BELOW`
+    (≈ 1.7); each side takes its cheaper form, Gram only in the flat
+    geometry. Anchored on the two measured thresholds (docs/performance.md,
+    "Gram or direct").
+    """
+    gram = ratio / GRAM_WITH_CACHE_BELOW if flat else math.inf
+    recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
+    return min(1.0, gram), min(recompute, gram)
+
+
+def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget: "Budget") -> list[bool]:
+    """Which factored layers keep their per-example gradients between norms and sum, within ``budget``.
+
+    Each candidate layer (T > 1: the closed forms need no cache) would hold
+    ``B·q·p`` elements and saves (uncached − cached) × B·T·p·q of time
+    (:func:`form_costs`). Layers are taken greedily by time saved per byte
+    (∝ T × the cost difference), largest first, each one that still fits
+    ``budget.cache_bytes − budget.used``; a layer that saves nothing is never
+    cached. The chosen bytes are reserved in ``budget`` and each block's
+    ``cache_ok`` is set (its :meth:`FactoredBlock.sq_norms` then follows it).
+
+    Args:
+        blocks: the source's factored blocks; flat: per block, True if its
+            clip geometry has neither shift nor scale (Gram applies).
+        budget: the source's :class:`Budget` (``used`` grows by the bytes chosen).
+
+    Returns:
+        per block, True if it caches.
+
+    Source: the choice of Bu et al. 2023 (arXiv 2210.00038, book-keeping:
+    ghost norm or per-example gradients, whichever is cheaper per layer) with
+    a memory budget as the constraint.
+    """
+    if len(flat) != len(blocks):
+        raise ValueError(f"plan_caches needs one flatness flag per block, got {len(flat)} for {len(blocks)}")
+    gains = []
+    for k, (blk, fl) in enumerate(zip(blocks, flat)):
+        blk.cache_ok = False
+        if blk.closed_form() or not blk.parts or blk.B == 0:
+            continue
+        cached, uncached = form_costs(blk.ratio(), fl)
+        if uncached > cached:
+            gains.append(((uncached - cached) * blk.T / blk.itemsize(), k))
+    for _gain, k in sorted(gains, key=lambda g: (-g[0], g[1])):
+        blocks[k].cache_ok = budget.take(blocks[k].cache_nbytes())
+    return [bool(blk.cache_ok) for blk in blocks]
+
+
 CONV_METHODS = ("im2col", "grouped")
 IM2COL_FAN_IN_UP_TO = 64
 """The per-sample conv kernel by layer shape (:func:`conv_method`): im2col when C_in·kh·kw is at most
@@ -386,9 +490,11 @@ class FactoredBlock:
     Form chosen per layer and geometry (module docstring): T = 1 closed
     forms; otherwise, with r = T·(p+q)/(p·q) (Gram's B·T²·(p+q) operations over
     the direct form's B·T·p·q), in flat geometry Gram when r <
-    :data:`GRAM_WITH_CACHE_BELOW`, or when r < 1 and the per-sample gradients
-    do not fit the cache; else the direct form, its chunks cached for the
-    clipped sum when they fit.
+    :data:`GRAM_WITH_CACHE_BELOW`, or when r < :data:`GRAM_WITHOUT_CACHE_BELOW`
+    and the per-sample gradients are not cached; else the direct form, its
+    chunks cached for the clipped sum when :func:`plan_caches` chose this
+    layer (``cache_ok``; a block used alone reserves from its budget on first
+    use), its sum recomputed as one GEMM otherwise.
     """
 
     def __init__(self, index: int, shape: Sequence[int], parts: Sequence, budget: Budget, batch_size: int):
@@ -403,6 +509,22 @@ class FactoredBlock:
         self._cache: Optional[list[Tensor]] = None  # per-sample grads [b, q, p] per chunk
         self._cache_bytes = 0
         self.form: Optional[str] = None  # last form used (for tests and the docs)
+        self.cache_ok: Optional[bool] = None  # set by plan_caches; None: reserve from the budget on first use
+
+    def ratio(self) -> float:
+        """r = T(p+q)/(pq): the Gram form's work over the direct form's."""
+        return self.T * (self.p + self.q) / (self.p * self.q)
+
+    def closed_form(self) -> bool:
+        """True if the norms take the T = 1 closed forms (no per-example gradient, no cache)."""
+        return self.T == 1 and len(self.parts) == 1 and isinstance(self.parts[0], LinearPart)
+
+    def itemsize(self) -> int:
+        return torch.finfo(self._dtype()).bits // 8
+
+    def cache_nbytes(self) -> int:
+        """Bytes of this layer's per-example gradients ``[B, q, p]`` (what caching them holds)."""
+        return self.B * self.q * self.p * self.itemsize()
 
     # -- helpers -----------------------------------------------------------
     def _dtype(self) -> torch.dtype:
@@ -429,20 +551,20 @@ class FactoredBlock:
         if not self.parts or self.B == 0:
             self.form = "empty"
             return [constant_sq_norms(m, b, self.B)]
-        if self.T == 1 and len(self.parts) == 1 and isinstance(self.parts[0], LinearPart):
+        if self.closed_form():
             self.form = "closed"
             return [self._closed(m, b)]
-        nbytes = self.B * self.q * self.p * torch.finfo(self._dtype()).bits // 8
+        nbytes = self.cache_nbytes()
         if self._cache is not None:
             keep = True  # reuse the cached per-sample gradients
         else:
-            ratio = self.T * (self.p + self.q) / (self.p * self.q)  # Gram's extra work over the direct form's
+            ratio = self.ratio()
             flat = m is None and b is None
             if flat and ratio < GRAM_WITH_CACHE_BELOW:
                 self.form = "gram"
                 return [self._gram()]
-            keep = self.budget.take(nbytes)
-            if flat and not keep and ratio < 1.0:
+            keep = self.budget.take(nbytes) if self.cache_ok is None else self.cache_ok
+            if flat and not keep and ratio < GRAM_WITHOUT_CACHE_BELOW:
                 self.form = "gram"
                 return [self._gram()]
         self.form = "direct"

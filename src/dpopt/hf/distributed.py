@@ -38,9 +38,10 @@ logical batch (a count that stays among the ranks, never logged or released), an
 fewer chunks runs zero-weight stand-in chunks (:func:`padded`) whose per-example gradient — and so
 contribution to the clipped sum — is exactly 0.
 
-Not here: ``TrainingArguments(fsdp=...)`` (accelerate's FSDP wraps the model and reduces un-clipped
-gradients; pass a ``fully_shard``-ed model instead), DeepSpeed, and a single process driving several
-GPUs (``nn.DataParallel``, ``n_gpu > 1``).
+``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})`` is the same path: DPTrainer shards the
+model itself from those settings (:mod:`dpopt.hf.fsdp_args`); accelerate never prepares an FSDP model.
+
+Not here: DeepSpeed, and a single process driving several GPUs (``nn.DataParallel``, ``n_gpu > 1``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ __all__ = [
     "agreed_chunks",
     "padded",
     "full_state_dict",
+    "load_full_state_dict",
+    "save_optimizer_shards",
+    "load_optimizer_shards",
 ]
 
 
@@ -207,12 +211,30 @@ def same_on_every_rank(model: torch.nn.Module, ctx: DistributedContext) -> bool:
 
 
 def is_sharded(model: Any) -> bool:
-    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` itself (its root is an ``FSDPModule``)."""
+    """Whether ``fully_shard`` (FSDP2) was applied to ``model`` itself (its root is an ``FSDPModule``).
+
+    Raises:
+        ValueError: ``fully_shard`` applied to submodules only (the root not sharded): the root's own
+            parameters (embeddings, LM head) would stay replicated beside DTensor shards, a mix the
+            sharded release (:mod:`dpopt.fsdp`) does not handle and the replicated one cannot broadcast.
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return False
-    return isinstance(model, FSDPModule)
+    if isinstance(model, FSDPModule):
+        return True
+    inner = (
+        [n for n, m in model.named_modules() if isinstance(m, FSDPModule)] if hasattr(model, "named_modules") else []
+    )
+    if inner:
+        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        raise ValueError(
+            f"fully_shard was applied to submodules of the model ({shown}) but not to the model itself: call "
+            "fully_shard(model) last, after its blocks (docs/fsdp.md), or pass the unsharded model with "
+            "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2})"
+        )
+    return False
 
 
 def agreed_chunks(count: int, ctx: DistributedContext) -> int:
@@ -252,17 +274,109 @@ def padded(chunks: list, target: int, stand_in: Any) -> list[tuple[Any, bool]]:
     return [(c, True) for c in chunks] + [(stand_in, False)] * (target - len(chunks))
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """``model.state_dict()`` with every ``DTensor`` (an FSDP2 shard) gathered to its full tensor, on the CPU.
+def full_state_dict(model: torch.nn.Module, every_rank: bool = False) -> dict:
+    """The model's full (unsharded) state dict on global rank 0, on the CPU; ``{}`` on every other rank.
 
-    A collective for a sharded model: call it on every rank (each gets the whole state dict).
+    torch's ``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``:
+    each ``DTensor`` shard is all-gathered one tensor at a time and kept by rank 0 only, so no rank
+    but 0 ever holds more than one full tensor. With ``every_rank`` (``save_on_each_node``: a local
+    main process of another node writes its own copy) every rank keeps the whole dict. A collective
+    for a sharded model: call it on every rank.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor has no sharded models
-        DTensor = ()  # type: ignore[assignment,misc]
-    out = {}
-    for k, v in model.state_dict().items():
-        full = v.full_tensor() if isinstance(v, DTensor) else v
-        out[k] = full.detach().cpu().clone()
-    return out
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not every_rank:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def load_full_state_dict(model: torch.nn.Module, folder: str) -> None:
+    """Load a checkpoint's whole model (``*.safetensors`` written by :func:`full_state_dict` + ``save_pretrained``)
+    into a sharded model: every rank reads the files and keeps its own shards
+    (``set_model_state_dict(..., StateDictOptions(full_state_dict=True))``). A collective.
+
+    Raises:
+        ValueError: no ``*.safetensors`` in ``folder``; a parameter or buffer of the model that the files lack
+            (tied aliases such as GPT-2's ``lm_head.weight``, which ``save_pretrained`` drops, excepted), or a
+            key the model does not have.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors model to resume the sharded model from")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    kept = set(model.state_dict().keys())
+    tied = kept - {n for n, _ in model.named_parameters()} - {n for n, _ in model.named_buffers()}
+    missing, unexpected = kept - set(state) - tied, set(state) - kept
+    if missing or unexpected:
+        raise ValueError(
+            f"the checkpoint's model does not match the sharded model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _shard_file(folder: str, rank: int, world: int) -> str:
+    import os
+
+    return os.path.join(folder, f"optimizer-shard-{rank}-of-{world}.pt")
+
+
+def save_optimizer_shards(optimizer: torch.optim.Optimizer, folder: str, rank: int, world: int) -> None:
+    """This rank's part of a sharded model's optimizer state (its DTensor shards as local tensors) in
+    ``folder/optimizer-shard-<rank>-of-<world>.pt``; every rank writes its own file. The state is a
+    function of the released (noisy) gradients only: public."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict = {}
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        if p in optimizer.state:
+            out[i] = {
+                k: ("shard", v.to_local().detach().cpu().clone()) if isinstance(v, DTensor) else ("plain", v)
+                for k, v in optimizer.state[p].items()
+            }
+    os.makedirs(folder, exist_ok=True)  # rank 0 may not have made the checkpoint folder yet
+    torch.save(out, _shard_file(folder, rank, world))
+
+
+def load_optimizer_shards(optimizer: torch.optim.Optimizer, folder: str, rank: int, world: int) -> None:
+    """Restore this rank's optimizer state written by :func:`save_optimizer_shards` (same world size).
+
+    Raises:
+        ValueError: the file of this rank at this world size is missing (another world size, or a checkpoint
+            written before sharded resume existed).
+    """
+    import os
+
+    from torch.distributed.tensor import DTensor
+
+    path = _shard_file(folder, rank, world)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path} is missing: a sharded run resumes from a checkpoint written by a sharded run on the same "
+            f"number of processes ({world})"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, entries in saved.items():
+        p = params[int(i)]
+        state = {}
+        for k, (kind, v) in entries.items():
+            if kind == "shard":
+                local = v.to(p.to_local().device)
+                v = DTensor.from_local(
+                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            state[k] = v
+        optimizer.state[p] = state

@@ -30,7 +30,8 @@ causal LM with its attention mask does not read it;
 ``tests/hf_trl/test_trl_trainers.py`` compares each pair collated alone).
 
 **The reference model is public**: it is the frozen starting point (a copy
-of the initial policy by default), fixed before any private data is read;
+of the initial policy by default), fixed before any private data is read
+(under ``torchrun``, rank 0's: its parameters are broadcast to every rank);
 its parameters are not charged and never trained. Its log-probabilities of
 a private pair are a function of that pair, used only inside that pair's
 loss within the privacy boundary (so covered by the pair's clipping); they
@@ -251,6 +252,22 @@ class DPDPOTrainer(TRLPrivate, DPTrainer, DPOTrainer):
                 "of a batch); set router_aux_loss_coef=0"
             )
         self.data_collator = PairRows(self.data_collator)
+        self._same_reference_on_every_rank()
+
+    def _same_reference_on_every_rank(self) -> None:
+        """Several processes: every rank's reference becomes rank 0's (parameters and buffers broadcast).
+
+        The engine broadcasts rank 0's POLICY when the loader is made; the reference (a copy of each rank's
+        initial policy, or each rank's ``ref_model``) is public but could differ between ranks (a seed per
+        process), and a rank scoring its pairs against another reference would not run the one-process
+        mechanism. One process: nothing to do.
+        """
+        if not self.ranks.enabled:
+            return
+        from ..distributed import broadcast_parameters
+
+        reference = cast(torch.nn.Module, self.ref_model)
+        broadcast_parameters(list(reference.parameters()) + list(reference.buffers()), self.ranks)
 
     def _ledger_unit(self) -> Optional[str]:
         """The ledger header's unit: the preference pair (:data:`PAIR_UNIT`)."""

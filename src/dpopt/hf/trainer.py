@@ -76,23 +76,34 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed batches in a fixed
   cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
   apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
-  state is never saved), as are ``max_epsilon``, ``privacy_unit="user"`` and several processes.
+  state is never saved), as are ``max_epsilon`` and ``privacy_unit="user"``. Several processes with a
+  replicated model: every rank takes its slice of each cyclic batch (the slices are disjoint, their union the
+  one-process batch) and rank 0 alone runs the stream (the noise is added once, before the all-reduce); with a
+  ``fully_shard``-ed model (FSDP2, below) each rank streams the noise of its shard.
   ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
   b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
-  (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps.
+  (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps;
+  one process only (the sampler is not split across ranks).
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
-* **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun) trains through
+* **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun), or an unsharded one with
+  ``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})`` — DPTrainer then applies
+  ``fully_shard`` itself from those settings, before the Trainer and accelerate see the model
+  (:mod:`dpopt.hf.fsdp_args`: accelerate's own FSDP2 prepare would swap the parameters after the private
+  optimizer and hooks are attached) — trains through
   the engine's ``distributed="fsdp"`` (:mod:`dpopt.fsdp`): per-example norms on the full-shape
   gradient, each coordinate's noise added once by its shard's owner, one reduce-scatter per step;
   every rank runs the same number of chunks per step (the MAX over ranks, padded with zero-weight
-  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the gathered model and the
-  ledger; resuming a sharded run is refused.
+  stand-ins: :func:`dpopt.hf.distributed.agreed_chunks`). Checkpoints hold the model gathered to rank 0,
+  the ledger, and one optimizer-state file per rank: a sharded run resumes on the same number of processes.
+  ``bf16=True`` composes (the same float32 norms, clipping and noise), and so does
+  ``privacy_unit="user"`` (each chunk's full-shape per-example gradients grouped into per-user means before
+  the clip; a stand-in chunk belongs to no user).
 
 Refused, each with a message: fp16 (a GradScaler's skip-on-inf reads
-private gradients), deepspeed and ``TrainingArguments(fsdp=...)`` (pointing to a
-``fully_shard``-ed model passed to DPTrainer), several GPUs in one process
-(``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
+private gradients), deepspeed (pointing to FSDP2), the FSDP settings
+:func:`~dpopt.hf.fsdp_args.fsdp_refusals` lists (offload, activation checkpointing, FSDP1, ...),
+several GPUs in one process (``nn.DataParallel``), ``torch_compile``, length-grouped sampling, counting input
 tokens (a count of the private batches), ``auto_find_batch_size`` (it
 re-runs steps), a label smoother, ``compute_loss_func``,
 and ``load_best_model_at_end`` / ``EarlyStoppingCallback`` unless
@@ -134,10 +145,14 @@ from .distributed import (
     is_sharded,
     journal_not_reopened,
     launched_args,
+    load_full_state_dict,
+    load_optimizer_shards,
     padded,
     replicas_not_wrapped,
+    save_optimizer_shards,
     share_ledger,
 )
+from .fsdp_args import fsdp_refusals, fsdp_requested, shard_as_configured, without_fsdp
 from .guarantee import PRIVATE_LOG_KEYS, calibrate_remaining, packed_block, resolve_max_grad_norm, unit_text
 from .loss import per_example_loss
 from .precision import AutocastRelease, check_mixed_precision
@@ -178,16 +193,10 @@ def _refusals(args: TrainingArguments, kwargs: dict, eval_is_public: bool) -> li
     if args.deepspeed:
         out.append(
             "deepspeed: it shards and reduces un-clipped gradients; for a model that does not fit one device "
-            "use FSDP2: apply torch.distributed.fsdp.fully_shard to the model (its blocks, then the root) "
-            "under torchrun and pass it to DPTrainer without fsdp= (docs/fsdp.md, 'FSDP2 through DPTrainer')"
+            "use FSDP2: TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) under torchrun, or "
+            "a model you fully_shard-ed (docs/fsdp.md, 'FSDP2 through DPTrainer')"
         )
-    if args.fsdp:
-        out.append(
-            "fsdp: accelerate's FSDP wraps the model and reduces un-clipped gradients; instead apply "
-            "torch.distributed.fsdp.fully_shard to the model yourself (its blocks, then the root) under "
-            "torchrun and pass the sharded model to DPTrainer without fsdp= / fsdp_config= "
-            "(docs/fsdp.md, 'FSDP2 through DPTrainer')"
-        )
+    out.extend(fsdp_refusals(args))  # fsdp= / fsdp_config=: what DPTrainer's own sharding cannot honour
     if args.torch_compile:
         out.append("torch_compile: the per-sample hooks are not verified under torch.compile; set it False")
     if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
@@ -314,9 +323,12 @@ class DPTrainer(Trainer):
         noise_mechanism: ``"independent"`` (default), or correlated noise across steps
             (DP matrix factorization, :mod:`dpopt.correlated_noise`): ``"banded:B"`` or
             ``"blt"`` / ``"blt:N"`` — the argument of :meth:`dpopt.PrivacyEngine.make_private`;
-            the horizon is the Trainer's planned steps and the batches are cyclic (module docstring).
+            the horizon is the Trainer's planned steps and the batches are cyclic (module docstring);
+            under torchrun each rank takes its slice of every cyclic batch and the noise is added once
+            (replicas: rank 0 runs the stream; FSDP2: each rank its shard's).
         sampling, sample_rate: correlated noise only: ``sampling="cyclic-poisson"`` with ``sample_rate=q``
-            is make_private's amplified banded form (module docstring); ``"cyclic"`` (default) otherwise.
+            is make_private's amplified banded form (module docstring; one process only, ValueError
+            otherwise); ``"cyclic"`` (default) otherwise.
         per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
         causal_lm: shift LM labels (default: from the model's class).
         eval_is_public: the evaluation set holds no record of the private
@@ -354,8 +366,9 @@ class DPTrainer(Trainer):
     Raises:
         ValueError: both or neither of ``noise_multiplier`` / ``target_epsilon``;
             a setting in the module docstring's refusal list (all of them, in
-            one message); bad ``max_grad_norm`` / ``delta``; a ``fully_shard``-ed
-            model with ``bf16=True`` or ``privacy_unit="user"``.
+            one message); bad ``max_grad_norm`` / ``delta``;
+            ``fully_shard`` on submodules without the root (:func:`~dpopt.hf.distributed.is_sharded`); FSDP settings DPTrainer cannot honour
+            (:mod:`dpopt.hf.fsdp_args`), or accelerate's FSDP plugin from the environment.
     """
 
     def __init__(
@@ -416,11 +429,9 @@ class DPTrainer(Trainer):
         if problems:
             raise ValueError("DPTrainer cannot honour these settings privately:\n- " + "\n- ".join(problems))
         check_launch(args.world_size)
-        if self.noise_mechanism != "independent" and int(args.world_size) > 1:
-            raise ValueError(
-                f"noise_mechanism={noise_mechanism!r} with {args.world_size} processes: DPTrainer adds correlated "
-                "noise in one process only; launch one process, or use noise_mechanism='independent'"
-            )
+        if fsdp_requested(args):  # FSDP2 from TrainingArguments: DPTrainer shards, accelerate never does
+            model = self._shard_from_args(model, args, method, kwargs)
+            args = without_fsdp(args)
         self.per_device_batch = int(args.per_device_train_batch_size)
         self.accumulation = int(args.gradient_accumulation_steps)
         args = copy.copy(args)
@@ -445,20 +456,44 @@ class DPTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_EpsilonStop(self))
         self.ranks = data_parallel_context(self.args.world_size)  # several: torchrun (dpopt.hf.distributed)
-        self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
-        if self.sharded and (self.args.bf16 or self.privacy_unit == "user"):
+        if getattr(self.accelerator.state, "fsdp_plugin", None) is not None:
             raise ValueError(
-                "DPTrainer with a fully_shard-ed (FSDP2) model supports float32 record-level training only: "
-                + (
-                    "bf16=True is untested with sharded per-example norms (train in float32, or data parallel "
-                    "without fully_shard for bf16)"
-                    if self.args.bf16
-                    else "privacy_unit='user' is not supported with several processes yet"
-                )
+                "accelerate's FSDP plugin is on (accelerate launch --use_fsdp / an accelerate config with FSDP): "
+                "it would shard the model after the private optimizer is built and reduce un-clipped gradients; "
+                "launch without it (accelerate launch --num_processes W, or torchrun) and pass "
+                "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) instead (docs/fsdp.md)"
+            )
+        self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
+        if self._sampling.get("sampling") == "cyclic-poisson" and int(self.args.world_size) > 1:
+            raise ValueError(
+                f"sampling='cyclic-poisson' with {self.args.world_size} processes: the amplified sampler draws one "
+                "Poisson subset of a part and is not split across ranks (make_private refuses it with "
+                "distributed=True / 'fsdp'); use the default cyclic batches (drop sampling= and sample_rate=), "
+                "which are split across ranks, or launch one process"
             )
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)
+
+    @staticmethod
+    def _shard_from_args(model: Any, args: TrainingArguments, method: Any, kwargs: dict) -> Any:
+        """``model`` ``fully_shard``-ed as ``args.fsdp`` / ``fsdp_config`` ask (:mod:`dpopt.hf.fsdp_args`).
+
+        Raises:
+            ValueError: no ``model`` (a ``model_init``), or a torch optimizer built before the sharding (it
+                holds the unsharded parameters).
+        """
+        if model is None:
+            raise ValueError(
+                "fsdp= needs model= (DPTrainer shards it before the Trainer starts); model_init is not supported"
+            )
+        if isinstance(method, torch.optim.Optimizer) or (kwargs.get("optimizers") or (None,))[0] is not None:
+            raise ValueError(
+                "fsdp= with a torch optimizer built before DPTrainer: it holds the unsharded parameters that "
+                "fully_shard replaces; choose the optimizer with TrainingArguments(optim=...), or fully_shard the "
+                "model yourself and build the optimizer on it (docs/fsdp.md)"
+            )
+        return shard_as_configured(model, args)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -795,17 +830,10 @@ class DPTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; the returned training_loss is NaN (the private batches' loss is not released).
 
-        Raises:
-            ValueError: ``resume_from_checkpoint`` with an FSDP2 (``fully_shard``-ed) model: its checkpoints
-                hold the gathered model and rank 0's optimizer state, not the shards (not resumable).
+        ``resume_from_checkpoint`` with an FSDP2 (sharded) model: every rank loads the checkpoint's whole model
+        and keeps its shards, and its own optimizer-state file (same number of processes); the ledger as for
+        data parallel.
         """
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self.sharded and resume not in (None, False):
-            raise ValueError(
-                "resume_from_checkpoint with a fully_shard-ed (FSDP2) model is not supported: its checkpoints "
-                "hold the gathered model and the ledger, not the sharded optimizer state; start a new run "
-                "(or train data parallel without fully_shard, which resumes)"
-            )
         try:
             out = super().train(*args, **kwargs)
         finally:
@@ -819,12 +847,35 @@ class DPTrainer(Trainer):
 
     # -- checkpoints carry the ledger -------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model``; a sharded (FSDP2) model is gathered on every rank and saved whole by rank 0."""
+        """``Trainer.save_model``; a sharded (FSDP2) model is gathered to rank 0 only (one tensor at a time on
+        the others: :func:`~dpopt.hf.distributed.full_state_dict`) and saved whole by rank 0 — a checkpoint
+        that loads into the unsharded model (``from_pretrained``)."""
         if not self.sharded:
             return super().save_model(output_dir, _internal_call)
-        state = full_state_dict(cast(torch.nn.Module, self.model))  # a collective: every rank
+        # a collective: every rank; {} off rank 0 (save_on_each_node: whole on every rank)
+        state = full_state_dict(cast(torch.nn.Module, self.model), every_rank=bool(self.args.save_on_each_node))
         if self.args.should_save:
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's ``optimizer.pt`` (rank 0: ledger, param groups); a sharded model's optimizer state goes
+        to one file per rank instead (:func:`~dpopt.hf.distributed.save_optimizer_shards`)."""
+        if not self.sharded or self._private is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        inner = self._private.original_optimizer
+        save_optimizer_shards(inner, output_dir, self.args.process_index, self.args.world_size)
+        whole = inner.state_dict
+        inner.state_dict = lambda: {**whole(), "state": {}}  # the shards: above
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            del inner.state_dict
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The Trainer's model load; a sharded model takes the checkpoint's whole model, each rank its shards."""
+        if not self.sharded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_state_dict(cast(torch.nn.Module, self.model), resume_from_checkpoint)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, the journal in output_dir first, and the ledger + summary beside it."""
@@ -844,8 +895,12 @@ class DPTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore the optimizer (its state carries the ledger: the engine takes the whole record in).
 
+        A sharded (FSDP2) run also loads this rank's optimizer-state file
+        (:func:`~dpopt.hf.distributed.load_optimizer_shards`).
+
         Raises:
-            ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0).
+            ValueError: a checkpoint without ``optimizer.pt`` (ε would restart at 0); a sharded run's checkpoint
+                resumed without sharding, or on another number of processes (its optimizer state is per rank).
         """
         if checkpoint is not None and self.noise_mechanism != "independent":
             raise ValueError(
@@ -858,8 +913,17 @@ class DPTrainer(Trainer):
                 f"{checkpoint} has no optimizer.pt, which carries the privacy ledger: resuming from it "
                 "would restart epsilon at 0 (was it saved with save_only_model=True?)"
             )
+        if checkpoint is not None and not self.sharded and any(Path(checkpoint).glob("optimizer-shard-*.pt")):
+            raise ValueError(
+                f"{checkpoint} was written by a sharded (FSDP2) run: its optimizer state is in per-rank shard "
+                "files; resume it with the same fsdp= settings on the same number of processes"
+            )
         with journal_not_reopened(self._private, self.ranks):  # the journal is rank 0's file
             super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.sharded and self._private is not None:  # this rank's optimizer shards
+            load_optimizer_shards(
+                self._private.original_optimizer, checkpoint, self.args.process_index, self.args.world_size
+            )
         if checkpoint is not None and self._private is not None:
             share_ledger(self.ledger, self.ranks)  # rank 0's record (its journal's releases too) on every rank
         if checkpoint is not None and self._target is not None and self._private is not None and len(self.ledger):

@@ -13,6 +13,7 @@ model initialisation (and other non-private randomness) only.
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..correlated_noise import CorrelatedNoise, Participation, Strategy, optimiz
 from ..correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
 from ..cyclic_batches import cyclic_poisson_partitions
 from ..data import Dataset, split_validation
-from ..distributed import DistributedContext, attach, broadcast_parameters, poisson_sampler
+from ..distributed import DistributedContext, attach, backend_device, broadcast_parameters, poisson_sampler
 from ..errors import ConfigError
 from ..lr_schedules import check_schedule
 from ..methods import build_optimizer, get_method
@@ -342,8 +343,13 @@ def build_run(
                 "noise_mechanism",
                 "user_ids",
             )
-        if dist is not None and dist.enabled:
-            raise ConfigError("noise_mechanism is not supported with distributed training yet", "noise_mechanism")
+        if dist is not None and dist.enabled and amplified:
+            raise ConfigError(
+                "sampling cyclic-poisson with several processes is not supported: its sampler draws one Poisson "
+                "subset of a part and is not split across ranks; use the default cyclic batches (drop --sampling "
+                "and --sample-rate), which are, or one process",
+                "sampling",
+            )
         strategy, participation = mechanism
         try:
             privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma, sample_rate if amplified else None)
@@ -393,7 +399,10 @@ def build_run(
 def run_sampler(run: Run, dist: DistributedContext) -> Any:
     """The run's batch sampler: Poisson over records (this rank's shard under data parallel), or over users
     (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner), or the
-    cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`)."""
+    cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`; data
+    parallel: every rank cuts rank 0's partition, its seed broadcast, and takes its slice of each batch — the
+    slices are disjoint and their union is the one-process batch). A collective under data parallel: every
+    rank calls it."""
     mech = run.optimizer.privatizer.mechanism
     if mech is not None:
         from ..cyclic_batches import CyclicBatchSampler
@@ -404,7 +413,14 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
             return CyclicPoissonBatchSampler(
                 run.data.n_train, mech.participation.min_separation, mech.sample_rate, run.steps, noise=run.noise
             )
-        return CyclicBatchSampler(run.data.n_train, mech.participation.min_separation, steps=run.steps)
+        return CyclicBatchSampler(
+            run.data.n_train,
+            mech.participation.min_separation,
+            steps=run.steps,
+            seed=_partition_seed(dist),
+            rank=dist.rank,
+            world_size=dist.world_size,
+        )
     if run.users is None:
         return poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
     from ..users import UserPoissonBatchSampler
@@ -412,6 +428,17 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
     return UserPoissonBatchSampler(
         run.users, run.sample_rate, run.steps, run.cfg.max_records_per_user, noise=run.noise, keys=run.user_keys
     )
+
+
+def _partition_seed(dist: DistributedContext) -> int:
+    """A fresh seed for the cyclic partition, rank 0's on every rank (public: the partition protects nothing;
+    its secrecy is not assumed by the analysis, arXiv 2306.08153)."""
+    seed = torch.tensor(
+        [secrets.randbits(62)], dtype=torch.int64, device=backend_device(dist) if dist.enabled else None
+    )
+    if dist.enabled:
+        broadcast_parameters([seed], dist)
+    return int(seed.item())
 
 
 def read_user_ids(path: str, n_train: int, dist: Optional[DistributedContext]) -> tuple[list[str], list[list[int]]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..accounting.accountant import ACCOUNTANTS, check_delta
 from ..accounting.events import check_noise_multiplier
@@ -64,6 +64,9 @@ class TrainConfig:
     seed: int = 0  # model initialisation and other non-private randomness (never the noise)
     accountant: str = "pld"
     physical_batch_size: Optional[int] = None
+    # the capture's forward/backward as one torch.compile graph (inductor), checked against eager single-example
+    # autograd on the first batch; models it cannot trace are refused (dpopt.engine.compiled)
+    compile: Union[bool, str] = False  # True (inductor) or a backend name (dpopt.engine.compiled.COMPILE_BACKENDS)
     out: Optional[str] = None
     hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
     target_epsilon: Optional[float] = None  # calibrate σ for this ε (then noise_multiplier is ignored)
