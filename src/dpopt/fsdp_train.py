@@ -10,7 +10,9 @@ then every module that owns trainable parameters is ``fully_shard``-ed, then the
 :class:`~dpopt.optim.DPOptimizer` is rebuilt over the sharded (``DTensor``) parameters and
 releases through :class:`dpopt.fsdp.ShardedRelease` (each rank's clipped sums in full shape,
 noise σC added once per coordinate by the coordinate's owner, one reduce-scatter; the design
-is :mod:`dpopt.fsdp`'s). Per step, on every rank::
+is :mod:`dpopt.fsdp`'s). The loop is :func:`dpopt.training.loop.run_steps`, the one-process loop
+(lr schedule, ε budget, metrics rows, ledger flushes, the stop signal), given this module's
+per-sample sources and told to evaluate on every rank. Per step, on every rank::
 
     idx = this rank's Poisson shard (ShardedPoissonSampler: the union is a Poisson sample at q)
     for each of K chunks of ≤ physical_batch_size examples (K = the largest count over ranks:
@@ -33,21 +35,24 @@ are collectives); only rank 0 writes files. At the end the full parameters are g
 Supported: methods ``dp-sgd`` and ``dp-adam`` (their transforms are elementwise, so they run on
 the local shards; flat clip geometry), flat clipping, ``--physical-batch-size``,
 ``--target-epsilon``, ``--max-epsilon``, ``--log-every``, learning-rate schedules, ``--freeze``, the
-built-in
-models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable layers have a fast
-per-example rule. Refused with an error that says what to change (:func:`check_fsdp_config`):
-other methods (clip geometry or whole-matrix transforms that are not sharded: MacAdam, AdaClip,
-Muon, ...), per-layer and quantile clipping, ``--resume`` and ``--checkpoint-every`` (a sharded
-checkpoint is not written: the run keeps no ``checkpoint.pt``), LoRA, augmentation views, the EMA,
-``--show-train-loss``, ``--noise-mechanism`` (correlated noise needs cyclic batches sliced over the
-ranks and a per-shard stream, not run here; data-parallel ``dpopt train`` without ``--fsdp`` and
-``make_private(..., distributed="fsdp", noise_mechanism=...)`` run it), one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+built-in models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable layers have a fast
+per-example rule; SIGINT / SIGTERM end the run between releases (``"status": "interrupted"``, every
+file but a checkpoint written). Refused with an error that says what to change
+(:func:`check_fsdp_config`): other methods (clip geometry or whole-matrix transforms that are not
+sharded: MacAdam, AdaClip, Muon, ...), per-layer and quantile clipping, ``--resume`` and
+``--checkpoint-every`` (a sharded checkpoint is not written: the run keeps no ``checkpoint.pt``),
+LoRA, augmentation views, the EMA, ``--show-train-loss``, ``--noise-mechanism`` (correlated noise
+needs cyclic batches sliced over the ranks and a per-shard stream, not run here; data-parallel
+``dpopt train`` without ``--fsdp`` and ``make_private(..., distributed="fsdp", noise_mechanism=...)``
+run it), ``--user-ids`` (user-level DP's sampler is not sharded), ``--compile``, one process (launch under
+``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -57,6 +62,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .training.results import RunFiles
 
 __all__ = ["FSDP_METHODS", "check_fsdp_config", "shard_model", "train_fsdp"]
 
@@ -79,6 +85,8 @@ def check_fsdp_config(cfg) -> None:
         )
     refused = {
         "clipping": (cfg.clipping != "flat", "flat clipping only"),
+        "user_ids": (cfg.user_ids is not None, "user-level DP's sampler is not sharded"),
+        "compile": (cfg.compile, "the sharded capture is not compiled (it would run eager)"),
         "lora_rank": (cfg.lora_rank is not None, "LoRA under fsdp is untested"),
         "augmentation_multiplicity": (
             cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),
@@ -121,7 +129,7 @@ def shard_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physical: Optional[int], dist) -> Iterator:
+def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, *, physical: Optional[int], dist) -> Iterator:
     """Per-sample sources of this rank's batch, in K chunks (K agreed over the ranks: same collectives)."""
     n = int(x.shape[0])
     size = physical or max(n, 1)
@@ -133,6 +141,17 @@ def _sources(model: nn.Module, capture, x: torch.Tensor, y: torch.Tensor, physic
             loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")  # Σ_i ℓ_i (an empty chunk: 0)
             loss.backward()
         yield capture.collect()
+
+
+class _ShardedRunFiles(RunFiles):
+    """:class:`~dpopt.training.results.RunFiles` of a sharded run: ledger journal and metrics rows, no checkpoint.
+
+    A sharded model's checkpoint is not written (module docstring), so the loop's checkpoints
+    (every epoch, and at the end or a stop) only flush the ledger: every release is on disk.
+    """
+
+    def checkpoint(self, state, sampler) -> None:
+        self.flush()
 
 
 def _full_state(model: nn.Module) -> dict:
@@ -151,7 +170,13 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         cfg: a :class:`~dpopt.training.TrainConfig` (checked by :func:`check_fsdp_config` and the usual
             validation).
         data: the loaded dataset (loaded from cfg if None).
-        on_step: as for :func:`~dpopt.training.train` (rank 0 only; ``epsilon_bound`` omitted).
+        on_step: as for :func:`~dpopt.training.train` (rank 0 only).
+
+    The steps are :func:`dpopt.training.loop.run_steps`'s (the one-process loop) with this module's
+    per-sample sources and evaluation on every rank. SIGINT / SIGTERM (on any rank) ends the run
+    between releases as in ``dpopt train``: every rank finishes the current step, the ledger,
+    metrics and ``summary.json`` (``"status": "interrupted"``, ``"stop_signal"``) are written; there
+    is no checkpoint, so the run cannot be resumed (a new run's ε adds to this one's).
 
     Returns:
         On rank 0 the run's summary (as :func:`~dpopt.training.train`, plus ``"world_size"`` and
@@ -165,13 +190,13 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     from .accounting.incremental import EpsilonTracker
     from .data import load_dataset
     from .distributed import any_rank, poisson_sampler, setup
-    from .lr_schedules import apply_lr
     from .methods import build_optimizer, get_method
     from .models import build_model
     from .training.build import build_run, privacy_options
-    from .training.config import epoch_end_step, resolve_device
-    from .training.loop import LEDGER_FLUSH_EVERY, evaluate
-    from .training.results import RunFiles, new_segment, run_directory, write_config, write_results
+    from .training.config import resolve_device
+    from .training.loop import LoopState, run_steps
+    from .training.results import new_segment, run_directory, write_config, write_results
+    from .training.signals import graceful_stop
 
     start = time.perf_counter()
     check_fsdp_config(cfg)
@@ -218,77 +243,39 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     fsdp.attach(opt.privatizer, params, model, dist)
     run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist)
 
-    files = RunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None  # type: ignore[arg-type]
+    files = _ShardedRunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None  # type: ignore[arg-type]
     tracker = EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
     sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
-    steps, q = run.steps, run.sample_rate
-    scheduled = cfg.lr_schedule != "constant" or cfg.warmup_steps > 0
-    metrics: list = []
-    status, step, next_epoch = "completed", 0, 1
-
-    def row(extra: dict) -> None:
-        acc, loss = evaluate(model, data.x_test, data.y_test)  # every rank: a sharded forward is collective
-        r = {**extra, "step": step, "test_accuracy": acc, "test_loss": loss}
-        if run.data.x_val is not None:
-            r["val_accuracy"], r["val_loss"] = evaluate(model, run.data.x_val, run.data.y_val)  # type: ignore[arg-type]
-        r["epsilon"] = tracker.epsilon(run.ledger)
-        metrics.append(r)
-        if files is not None:
-            files.metric(r)
-
+    state = LoopState(segment_start=start)
     try:
-        while step < steps:
-            if (
-                cfg.max_epsilon is not None
-                and tracker.releases_within_budget(run.ledger, opt.privatizer.step_event(), steps - step) < 1
-            ):
-                status = "budget_exhausted"
-                break
-            if scheduled:
-                apply_lr(opt, step, steps, cfg.lr_schedule, cfg.warmup_steps)
-            idx = sampler.sample()
-            x, y = run.data.x_train[idx].to(run.device), run.data.y_train[idx].to(run.device)
-            opt.step(_sources(model, capture, x, y, cfg.physical_batch_size, dist))
-            step += 1
-            epoch_end = step >= epoch_end_step(next_epoch, q, steps)  # as dpopt train: after step round(k / q)
-            if epoch_end:
-                row({"epoch": min(next_epoch, cfg.epochs)})
-                next_epoch += 1
-            elif cfg.log_every and step % cfg.log_every == 0:  # every rank evaluates (collective forwards)
-                row({"epoch": round(step * q, 6), "log": True})
-            if files is not None and run.ledger.unflushed >= LEDGER_FLUSH_EVERY:  # as dpopt train (rows flush too)
-                files.flush()
-            if on_step is not None and dist.is_main:
-                last = metrics[-1] if metrics else {}
-                on_step(
-                    {
-                        "step": step,
-                        "steps": steps,
-                        "epsilon": last.get("epsilon"),
-                        "test_accuracy": last.get("test_accuracy"),
-                        "test_loss": last.get("test_loss"),
-                        "accountant": cfg.accountant,
-                    }
-                )
-        if status != "completed" and (not metrics or metrics[-1]["step"] != step):
-            row({"epoch": round(step * q, 6), "status": status})
+        with graceful_stop() as stop:  # a stop signal on any rank ends every rank after the same release
+            metrics = run_steps(
+                run,
+                on_step if dist.is_main else None,
+                files=files,
+                state=state,
+                sampler=sampler,
+                stop=stop,
+                tracker=tracker,
+                batch_sources=functools.partial(_sources, model, capture, physical=cfg.physical_batch_size, dist=dist),
+                evaluate_on_every_rank=True,
+            )
     finally:
         capture.detach()
-        if files is not None:
-            files.flush()
-    state = _full_state(model)  # every rank (collectives)
+    full = _full_state(model)  # every rank (collectives)
     if not dist.is_main:
         return {"rank": dist.rank, "world_size": dist.world_size, "steps": len(run.ledger), "run_dir": None}
     plain = build_model(run.model_name, cfg.dataset)
     for name, p in plain.named_parameters():  # as trained (frozen ones stay frozen)
         p.requires_grad_(dict(run.model.named_parameters())[name].requires_grad)
-    plain.load_state_dict(state)
+    plain.load_state_dict(full)
     return write_results(
         Path(cast(Path, run_dir)),
         dataclasses.replace(run, model=plain),
         metrics,
         start,
-        status=status,
+        status=state.status,
+        stop_signal=state.stop_signal,
         streamed=True,
         epsilon=tracker.epsilon(run.ledger),
         extra={"world_size": dist.world_size, "fsdp": True, "segments": [new_segment(0)]},

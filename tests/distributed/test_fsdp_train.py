@@ -135,6 +135,8 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
         ({"ema_decay": 0.99}, "ema_decay"),
         ({"checkpoint_every": 10}, "checkpoint_every"),
         ({"noise_mechanism": "banded:2"}, "noise_mechanism"),  # was run with independent noise, mislabelled
+        ({"user_ids": "users.txt"}, "user_ids"),  # user-level sampler, not sharded
+        ({"compile": True}, "compile"),  # the sharded capture has no compiled path
     ],
 )
 def test_refusals_name_the_option(change, field):
@@ -147,3 +149,60 @@ def test_one_process_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match="torchrun"):
         train_fsdp(TrainConfig(**FLAGS, out=str(tmp_path / "x")))
+
+
+# Rank 0 sends itself SIGTERM from on_step after release 2 of 6: the handler run_steps' loop installs
+# (training.signals.graceful_stop) records it, and the between-steps check (shared over the ranks by
+# any_rank) ends both ranks before release 3. Secret noise, so the ledger check can pass.
+_STOP_SCRIPT = """
+import json, os, signal, sys
+from dpopt.fsdp_train import train_fsdp
+from dpopt.training import TrainConfig
+
+def on_step(info):
+    if info["step"] == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+cfg = TrainConfig(dataset="digits", method="dp-sgd", batch_size=256, epochs=1.0, seed=3,
+                  physical_batch_size=50, noise_multiplier=1.0, out=sys.argv[1], checkpoint_every=0)
+summary = train_fsdp(cfg, on_step=on_step)
+print("RESULT " + json.dumps({k: summary.get(k) for k in ("rank", "steps", "status", "stop_signal")}), flush=True)
+"""
+
+
+def test_stop_signal_ends_every_rank_between_releases(tmp_path):
+    from dpopt.accounting import check_run, dpsgd_epsilon
+
+    script, out = tmp_path / "stop.py", tmp_path / "run"
+    script.write_text(_STOP_SCRIPT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = sorted(
+        (json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"] or 0,
+    )
+    assert [r["steps"] for r in results] == [2, 2]  # both ranks stopped after release 2 (of 6 planned)
+    assert results[0]["status"] == "interrupted" and results[0]["stop_signal"] == "SIGTERM"
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["planned_steps"]) == ("interrupted", 2, 6)
+    entries = json.loads((out / "ledger.json").read_text())["entries"]
+    assert [e["step"] for e in entries] == [0, 1]  # every release made is on disk, and no other
+    journal = [line for line in (out / "ledger.jsonl").read_text().splitlines() if line.strip()]
+    assert len(journal) == 1 + 2  # header + the two releases (flushed before the summary)
+    assert check_run(out).passed  # the file alone re-scores to the summary's ε
+    q = 256 / 1437
+    assert summary["epsilon"] == pytest.approx(dpsgd_epsilon(1.0, q, 2, 1e-5), rel=1e-9)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["status"] == "interrupted"
+    assert not (out / "checkpoint.pt").exists()  # a sharded run keeps no checkpoint

@@ -537,8 +537,12 @@ def train_command(
     if status == "interrupted":
         out_console.print(
             f"interrupted ({summary.get('stop_signal')}) after {summary['steps']} of "
-            f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; continue with: "
-            f"{_resume_command(summary)}"
+            f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; "
+            + (
+                "a --fsdp run keeps no checkpoint and cannot be resumed (a new run's ε adds to this one's)"
+                if summary.get("fsdp")
+                else f"continue with: {_resume_command(summary)}"
+            )
         )
     elif status == "budget_exhausted":
         out_console.print(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -112,6 +112,8 @@ def run_steps(
     sampler: Optional[PoissonSampler] = None,
     stop: Optional[StopRequest] = None,
     tracker: Optional[EpsilonTracker] = None,
+    batch_sources: Optional[Callable[[torch.Tensor, torch.Tensor], Iterable]] = None,
+    evaluate_on_every_rank: bool = False,
 ) -> list[dict]:
     """Train ``run`` up to ``run.steps`` logical steps; return the metrics rows.
 
@@ -134,6 +136,14 @@ def run_steps(
         sampler: the Poisson sampler (restored position for a resumed run).
         stop: a :class:`~dpopt.training.signals.StopRequest` checked between steps.
         tracker: the ε cache (one is made from the config if None).
+        batch_sources: ``(x, y) → per-sample sources`` of a sampled batch, consumed by
+            ``DPOptimizer.step`` (default: :func:`~dpopt.engine.iter_per_sample_sources` in
+            micro-batches of ``cfg.physical_batch_size`` at the optimizer's evaluation points, or
+            per user with ``cfg.user_ids``); a sharded model (:mod:`dpopt.fsdp_train`) gives its own.
+            They are evaluated at the current parameters: only for methods whose
+            ``evaluation_points`` is θ alone (the FSDP door refuses the others).
+        evaluate_on_every_rank: every rank runs the evaluation forwards (a sharded model's forward
+            passes are collectives); rank 0 alone still records rows, ε and ``on_step``.
 
     ``state.status`` says how the loop ended: ``"completed"``, ``"interrupted"``
     or ``"budget_exhausted"``.
@@ -158,13 +168,15 @@ def run_steps(
 
     def row(extra: dict) -> dict:
         nonlocal eps_now, last
-        if not dist.is_main:  # evaluation, metrics and ε display on rank 0 only
+        if not dist.is_main and not evaluate_on_every_rank:  # evaluation, metrics and ε display on rank 0 only
             return {}
-        eps_now = tracker.epsilon(ledger)
         acc, test_loss = evaluate(model, data.x_test, data.y_test)
         r = {**extra, "step": state.step, "test_accuracy": acc, "test_loss": test_loss}
         if data.x_val is not None:  # held-out training records (validation_fraction): no protection, like test
             r["val_accuracy"], r["val_loss"] = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
+        if not dist.is_main:  # a sharded model: this rank's forwards were needed, its rows are not
+            return {}
+        eps_now = tracker.epsilon(ledger)
         if run.averager is not None:  # the EMA of the released parameters (post-processing), same test set
             with run.averager.swapped(model):
                 r["ema_test_accuracy"], r["ema_test_loss"] = evaluate(model, data.x_test, data.y_test)
@@ -213,7 +225,9 @@ def run_steps(
             if views is not None:  # K views per example (their mean gradient is clipped), docs/recipe.md
                 step_model, step_loss, x, y, views_kw = views.batch(x, y, state.step)
             points = opt.evaluation_points()
-            if owners is not None:  # each user's records averaged, then clipped as one unit (dpopt.users)
+            if batch_sources is not None:
+                sources = batch_sources(x, y)
+            elif owners is not None:  # each user's records averaged, then clipped as one unit (dpopt.users)
                 sources = user_sources(
                     functools.partial(iter_per_sample_sources, model, _loss, points=points, compile=cfg.compile),
                     x,
