@@ -102,7 +102,7 @@ def check_fsdp_config(cfg) -> None:
             cfg.noise_mechanism != "independent",
             "correlated noise needs cyclic batches sliced over the ranks and a per-shard stream, which the --fsdp "
             "loop does not run (data-parallel `dpopt train` under torchrun without --fsdp does, and so does "
-            "make_private(..., distributed='fsdp', noise_mechanism=...), docs/correlated-noise.md)",
+            "the Python API's make_private with distributed='fsdp' and a correlated mechanism, docs/correlated-noise.md)",
         ),
     }
     for name, (bad, why) in refused.items():

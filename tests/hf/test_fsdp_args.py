@@ -81,3 +81,4 @@ def test_each_unsupported_setting_is_named(tmp_path, monkeypatch, config, match)
     problems = fsdp_refusals(args)
     assert any(match in p for p in problems), problems
     assert any("one process" in p for p in problems)  # and this pytest process is one process
+    assert not any("not supported by DPTrainer's FSDP2 path" in p for p in problems), problems  # FSDP1's defaults

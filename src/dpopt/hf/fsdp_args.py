@@ -128,7 +128,8 @@ def fsdp_refusals(args: Any) -> list[str]:
             f"fsdp_config state_dict_type={plugin['state_dict_type']!r}: DPTrainer's checkpoints hold the gathered "
             "model (FULL_STATE_DICT, written by rank 0); drop the option"
         )
-    unknown = sorted(set(plugin) - _KNOWN_KEYS)
+    # with FSDP1, transformers fills FSDP1's own defaults (backward_prefetch, ...) in: not the user's options
+    unknown = sorted(set(plugin) - _KNOWN_KEYS) if int(plugin.get("fsdp_version", 2)) == 2 else []
     if unknown:
         out.append(f"fsdp options {unknown}: not supported by DPTrainer's FSDP2 path; drop them")
     if int(args.world_size) < 2:
