@@ -56,8 +56,8 @@ def test_buffer_written_through_data_is_refused_and_restored(tmp_path):
     args = T.TrainingArguments(
         str(tmp_path),
         per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_steps=2,
+        gradient_accumulation_steps=8,  # q = 1: at q = 1/8 the first batch is empty (one release of pure noise
+        max_steps=2,  # before the refusal) with probability (7/8)^32 = 1.4 %
         logging_steps=1000,
         save_strategy="no",
         report_to=[],

@@ -256,14 +256,17 @@ def test_user_log_keys_pass_through_and_private_keys_do_not(tmp_path):
 
 # -- the release boundary through DPTrainer (cases 1 and 3) --------------------------------------
 def test_an_example_forwarded_twice_by_the_collator_is_refused(tmp_path):
-    """K = 1: a collator that repeats a row gives the step more rows than the Poisson batch had examples."""
+    """K = 1: a collator that repeats a row gives the step more rows than the Poisson batch had examples.
+
+    q = 1 (B-bar = 8 x 4 = N): at q = 1/8 the first Poisson batch is empty with probability (7/8)^32 = 1.4 %,
+    and that empty batch is one honest release of pure noise before the refusal (the ledger then has 1 entry)."""
 
     def doubling(items):
         return T.default_data_collator(list(items) + list(items[:1]))
 
     tr = DPTrainer(
         model=gpt2(),
-        args=targs(tmp_path, max_steps=2),
+        args=targs(tmp_path, max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=4),
         train_dataset=Tokens(),
         noise_multiplier=1.0,
         privacy_unit="record",
