@@ -309,10 +309,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
         boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
-        releases = boundary.tagged_release()  # what `skip` below will say, known before the per-sample work
-        if releases if releases is not None else not self._check_skip_next_step(pop_next=False):
-            for p in params:  # released into p.grad below: the backward's non-private gradient is never read;
-                p.grad = None  # dropped first, neither the first-batch check nor the clipped sums sit beside it
+        releases = boundary.tagged_release()  # the chunk's tag (step_chunk below returns the same), or None
+        skip = (not releases) if releases is not None else self._check_skip_next_step(pop_next=False)
+        if not skip:  # released into p.grad below: the backward's non-private gradient is never read;
+            for p in params:  # dropped first, neither the first-batch check nor the clipped sums sit beside it
+                p.grad = None
         source = self._source()
         if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
@@ -325,7 +326,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
             tagged = boundary.step_chunk(b)
             if self._user_level:
                 source = self._by_user(source, boundary.chunk_public)
-            skip = (not tagged) if tagged is not None else self._check_skip_next_step(pop_next=False)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
             self._check_views_match_the_batch(final=not skip)

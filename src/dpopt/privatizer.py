@@ -438,9 +438,7 @@ class Privatizer:
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
                 flat = self._normals(sum(self._sum[i].numel() for i in idx), device).mul_(std)
-                if (
-                    self.mechanism is not None and correlated
-                ):  # correlated noise: (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
+                if self.mechanism is not None and correlated:  # (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
                     flat = self.mechanism.correlate(flat, self.steps, str(device))
                 for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
                     s = self._sum[i]
