@@ -1,5 +1,6 @@
 """Shared by the 2-process gloo tests (imported like tests/engine/per_example_zoo.py).
 
+* :func:`torchrun_env` — the environment torchrun gives a rank (what transformers' Trainer reads);
 * :func:`gloo_group` — a rank's process group (file rendezvous, 60 s collective timeout), left by both
   ranks together;
 * :func:`spawn_ranks` — the ranks, with a deadline, so a hung collective fails CI instead of hanging it;
@@ -29,6 +30,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEADLINE_S = 240
+
+
+def torchrun_env(rank: int, world: int, **extra: str) -> None:
+    """Set the variables torchrun sets for ``rank`` of ``world`` on one node (transformers' Trainer and
+    accelerate read them), plus ``extra``."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        **extra,
+    )
 
 
 @contextmanager

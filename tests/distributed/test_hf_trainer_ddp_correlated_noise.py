@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, spawn_ranks
+from gloo_ranks import gloo_group, spawn_ranks, torchrun_env
 
 pytest.importorskip("transformers")
 
@@ -139,14 +138,7 @@ def refusal(fn) -> str:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    torchrun_env(rank, world)
     out = Path(tmp) / "run"
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, spawn_ranks
+from gloo_ranks import gloo_group, spawn_ranks, torchrun_env
 
 pytest.importorskip("transformers")
 
@@ -92,8 +91,7 @@ def trainer(out, max_steps, accumulation=2, callbacks=()):
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    torchrun_env(rank, world)
     results = {}
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -14,13 +14,12 @@ resumed, in a new trainer with a new unsharded model, from that checkpoint to 3 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, progress, spawn_ranks
+from gloo_ranks import gloo_group, progress, spawn_ranks, torchrun_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch.distributed.fsdp")
@@ -75,8 +74,7 @@ def trainer(out, case, callbacks=(), sharding=None):
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    torchrun_env(rank, world)
     out = {}
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, progress, spawn_ranks
+from gloo_ranks import gloo_group, progress, spawn_ranks, torchrun_env
 
 pytest.importorskip("transformers")
 
@@ -171,14 +170,7 @@ CASES = {
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    torchrun_env(rank, world)
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = {}

@@ -20,7 +20,6 @@ rank 0's too. References are computed here, in one process, on rank 0's recorded
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import gloo_group, progress, spawn_ranks
+from gloo_ranks import gloo_group, progress, spawn_ranks, torchrun_env
 
 pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf_trl"))  # trl_zoo (spawned ranks inherit sys.path)
@@ -122,16 +121,7 @@ def trainer(kind, out, n, sigma, steps, *, world=WORLD, seed=0, record=False):
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        TQDM_DISABLE="1",
-    )
+    torchrun_env(rank, world, HF_HUB_DISABLE_TELEMETRY="1", TQDM_DISABLE="1")
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = {}

@@ -12,14 +12,13 @@ DPSFTTrainer with FSDP2 is tests/distributed/test_trl_sft_fsdp.py.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, spawn_ranks
+from gloo_ranks import gloo_group, spawn_ranks, torchrun_env
 
 pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf_trl"))  # trl_zoo (spawned ranks inherit sys.path)
@@ -56,16 +55,7 @@ def build(door: str, out: str):
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        TQDM_DISABLE="1",
-    )
+    torchrun_env(rank, world, HF_HUB_DISABLE_TELEMETRY="1", TQDM_DISABLE="1")
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         raised = {}

@@ -12,14 +12,13 @@ parameters of every case must agree to 1e-12 (float64; the sum order differs) an
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import gloo_group, spawn_ranks
+from gloo_ranks import gloo_group, spawn_ranks, torchrun_env
 
 pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf_trl"))  # trl_zoo (spawned ranks inherit sys.path)
@@ -88,16 +87,7 @@ def run(door: str, out: str, seed: int):
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        TQDM_DISABLE="1",
-    )
+    torchrun_env(rank, world, HF_HUB_DISABLE_TELEMETRY="1", TQDM_DISABLE="1")
     with gloo_group(rank, world, tmp), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = {door: run(door, str(Path(tmp) / f"{door}-rank{rank}"), seed=rank) for door in DOORS}
