@@ -417,7 +417,17 @@ def test_method_audit_uses_the_methods_feedback_geometry():
     from dpopt.auditing.suite import _method_params
 
     params = _method_params(torch.float64)
-    opt = methods.make_optimizer("dp-macadam", params, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=1.0)
+    # A seeded noise generator: the warm-up's geometry is then one fixed draw. With the secret noise,
+    # about 1.5 % of runs (3 of 200 measured) clamp every coordinate's scale to the floor and the
+    # non-identity check below failed at random.
+    opt = methods.make_optimizer(
+        "dp-macadam",
+        params,
+        noise_multiplier=1.0,
+        expected_batch_size=8.0,
+        sample_rate=1.0,
+        generator=torch.Generator().manual_seed(3),
+    )
     from dpopt.engine.reference import PerSampleGrads
 
     g = torch.Generator().manual_seed(0)
