@@ -113,19 +113,30 @@ class CyclicPoissonBatchSampler(Sampler):
     ``noise``). An example takes part only at steps ≡ j (mod b'), each with probability q, independently:
     the participation the amplified accountant (:func:`~dpopt.correlated_noise.amplified_step_events`) assumes.
 
+    Data parallel (``world_size`` W > 1): every rank cuts the same partition (rank 0's public ``seed``) and
+    owns the slice ``tensor_split(part, W)[rank]`` of every part, so each example lives on exactly one rank.
+    With a secret or secure ``noise`` a rank draws the uniforms of its own slice only, from its own source;
+    with a reproducible one (the seed shared by every rank) it draws the uniforms of the whole part, as one
+    process does, and keeps those of its slice (as :class:`~dpopt.distributed.ShardedPoissonSampler` does
+    for Poisson batches). Either way each example of part t mod b' joins exactly one rank's batch with
+    probability q, independently, so the union over ranks is one cyclic Poisson sample of the dataset — the
+    one-process sampling (for a reproducible stream, the one-process batch itself).
+
     Args:
         dataset_size: N ≥ 1 (public).
-        partitions: b', 1 ≤ b' ≤ N; part sizes ⌊N/b'⌋ or ⌈N/b'⌉ (expected batch q·N/b').
+        partitions: b', 1 ≤ b' ≤ N; part sizes ⌊N/b'⌋ or ⌈N/b'⌉ (expected batch q·N/b', all ranks together).
         sample_rate: q ∈ (0, 1].
         steps: batches per iteration of the loader (default b': one pass over the parts).
-        noise: the :class:`~dpopt.noise.NoiseSource` of the inclusion uniforms (default: secret).
+        noise: the :class:`~dpopt.noise.NoiseSource` of the inclusion uniforms (default: secret); THIS rank's.
+        seed: the partition's seed (public); None: a fresh random one. Data parallel: rank 0's, on every rank.
+        rank, world_size: data parallel: this rank's slice of every part (default: one process, the whole part).
 
     Attributes:
         position: steps handed out so far (public; continues across iterations, never restarts the cycle).
         sizes: the sizes of batches drawn and not yet handed out (private, in memory only: never pickled).
 
     Raises:
-        ValueError: b' ∉ [1, N], q ∉ (0, 1].
+        ValueError: b' ∉ [1, N], q ∉ (0, 1], rank ∉ [0, world_size).
     """
 
     def __init__(
@@ -135,10 +146,20 @@ class CyclicPoissonBatchSampler(Sampler):
         sample_rate: float,
         steps: Optional[int] = None,
         noise: Optional[NoiseSource] = None,
+        seed: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         if not 0.0 < float(sample_rate) <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-        self._cyclic = CyclicBatchSampler(dataset_size, partitions)
+        if not 0 <= int(rank) < int(world_size):
+            raise ValueError(f"rank must lie in [0, world_size {world_size}), got {rank}")
+        self._cyclic = CyclicBatchSampler(dataset_size, partitions, seed=seed)  # the whole parts, on every rank
+        # [lo, hi): this rank's slice of each part (tensor_split's: the first len % W slices one longer)
+        self._slices = [
+            (int(r[0]), int(r[-1]) + 1) if len(r) else (0, 0)
+            for r in (torch.arange(len(p)).tensor_split(int(world_size))[int(rank)] for p in self._cyclic.batches)
+        ]
         self.sample_rate = float(sample_rate)
         self.steps = len(self._cyclic) if steps is None else int(steps)
         self.noise = make_noise_source(noise)
@@ -157,11 +178,16 @@ class CyclicPoissonBatchSampler(Sampler):
         return self.steps
 
     def sample(self) -> torch.Tensor:
-        """The next step's indices: part ``position mod b'`` Poisson-sampled at q (int64 ``[K]``, K ~ Binomial)."""
+        """The next step's indices: this rank's slice of part ``position mod b'`` Poisson-sampled at q (int64
+        ``[K]``, K ~ Binomial; one process: the whole part)."""
         from .sampling import poisson_indices
 
+        lo, hi = self._slices[self.position % len(self._slices)]
         part = self._cyclic.sample()
-        return part[poisson_indices(self.noise, len(part), self.sample_rate)]
+        if self.noise.mode == "reproducible":  # the shared stream's sample of the whole part, this slice's share
+            keep = poisson_indices(self.noise, len(part), self.sample_rate)
+            return part[keep[(keep >= lo) & (keep < hi)]]
+        return part[lo:hi][poisson_indices(self.noise, hi - lo, self.sample_rate)]
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
@@ -194,7 +220,7 @@ class CyclicPoissonLoader(DPDataLoader):
 
     Args:
         dataset: a non-empty map-style dataset.
-        partitions, sample_rate, noise: as :class:`CyclicPoissonBatchSampler`.
+        partitions, sample_rate, noise, seed, rank, world_size: as :class:`CyclicPoissonBatchSampler`.
         steps: batches per iteration of the loader (default b': one pass over the parts; ``make_private``
             gives the horizon's epoch, ``len(data_loader)``).
         collate_fn: the item collate function (default ``default_collate``).
@@ -212,12 +238,17 @@ class CyclicPoissonLoader(DPDataLoader):
         collate_fn: Optional[Callable] = None,
         noise: Optional[NoiseSource] = None,
         steps: Optional[int] = None,
+        seed: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
         **kwargs: Any,
     ):
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
             raise ValueError("cyclic Poisson sampling needs a non-empty map-style dataset (with __len__)")
         self.sample_rate = float(sample_rate)
-        self.poisson = CyclicPoissonBatchSampler(len(dataset), partitions, sample_rate, noise=noise, steps=steps)  # type: ignore[assignment]
+        self.poisson = CyclicPoissonBatchSampler(  # type: ignore[assignment]
+            len(dataset), partitions, sample_rate, noise=noise, steps=steps, seed=seed, rank=rank, world_size=world_size
+        )
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )

@@ -10,11 +10,15 @@ then every module that owns trainable parameters is ``fully_shard``-ed, then the
 :class:`~dpopt.optim.DPOptimizer` is rebuilt over the sharded (``DTensor``) parameters and
 releases through :class:`dpopt.fsdp.ShardedRelease` (each rank's clipped sums in full shape,
 noise σC added once per coordinate by the coordinate's owner, one reduce-scatter; the design
-is :mod:`dpopt.fsdp`'s). The loop is :func:`dpopt.training.loop.run_steps`, the one-process loop
+is :mod:`dpopt.fsdp`'s). Correlated noise (``--noise-mechanism banded:B|blt``, with ``--sampling
+cyclic-poisson`` too): the mechanism build_run planned, each coordinate's stream run by its owner
+(its shard's state only), over the cyclic (Poisson) batches sliced over the ranks. The loop is :func:`dpopt.training.loop.run_steps`, the one-process loop
 (lr schedule, ε budget, metrics rows, ledger flushes, the stop signal), given this module's
 per-sample sources and told to evaluate on every rank. Per step, on every rank::
 
-    idx = this rank's Poisson shard (ShardedPoissonSampler: the union is a Poisson sample at q)
+    idx = this rank's Poisson shard (ShardedPoissonSampler: the union is a Poisson sample at q), or with
+          --noise-mechanism its slice of the step's cyclic batch (--sampling cyclic-poisson: its slice of
+          the step's part, Poisson-sampled at q), rank 0's public partition on every rank
     for each of K chunks of ≤ physical_batch_size examples (K = the largest count over ranks:
         every rank runs the same number of forward/backward passes, so FSDP's collectives match;
         a rank with fewer examples runs empty chunks):
@@ -34,18 +38,16 @@ are collectives); only rank 0 writes files. At the end the full parameters are g
 
 Supported: methods ``dp-sgd`` and ``dp-adam`` (their transforms are elementwise, so they run on
 the local shards; flat clip geometry), flat clipping, ``--physical-batch-size``,
-``--target-epsilon``, ``--max-epsilon``, ``--log-every``, learning-rate schedules, ``--freeze``, the
+``--target-epsilon``, ``--max-epsilon``, ``--log-every``, learning-rate schedules, ``--freeze``,
+``--noise-mechanism`` (and ``--sampling cyclic-poisson``; as ``dpopt train``, never resumed), the
 built-in models (``mlp-small``, ``mlp``, ``cnn5``) and any model whose trainable layers have a fast
 per-example rule; SIGINT / SIGTERM end the run between releases (``"status": "interrupted"``, every
 file but a checkpoint written). Refused with an error that says what to change
 (:func:`check_fsdp_config`): other methods (clip geometry or whole-matrix transforms that are not
 sharded: MacAdam, AdaClip, Muon, ...), per-layer and quantile clipping, ``--resume`` and
 ``--checkpoint-every`` (a sharded checkpoint is not written: the run keeps no ``checkpoint.pt``),
-LoRA, augmentation views, the EMA, ``--show-train-loss``, ``--noise-mechanism`` (correlated noise
-needs cyclic batches sliced over the ranks and a per-shard stream, not run here; data-parallel
-``dpopt train`` without ``--fsdp`` and ``make_private(..., distributed="fsdp", noise_mechanism=...)``
-run it), ``--user-ids`` (user-level DP's sampler is not sharded), ``--compile``, one process (launch under
-``torchrun`` with W ≥ 2, or drop ``--fsdp``).
+LoRA, augmentation views, the EMA, ``--show-train-loss``, ``--user-ids`` (user-level DP's sampler is not
+sharded), ``--compile``, one process (launch under ``torchrun`` with W ≥ 2, or drop ``--fsdp``).
 :mod:`dpopt.fsdp` refuses tensor parallelism, HSDP, mixed precision and layers without a fast rule.
 """
 
@@ -97,12 +99,6 @@ def check_fsdp_config(cfg) -> None:
         "checkpoint_every": (
             bool(cfg.checkpoint_every),
             "no checkpoint of a sharded model is written (a --fsdp run cannot be resumed)",
-        ),
-        "noise_mechanism": (
-            cfg.noise_mechanism != "independent",
-            "correlated noise needs cyclic batches sliced over the ranks and a per-shard stream, which the --fsdp "
-            "loop does not run (data-parallel `dpopt train` under torchrun without --fsdp does, and so does "
-            "the Python API's make_private with distributed='fsdp' and a correlated mechanism, docs/correlated-noise.md)",
         ),
     }
     for name, (bad, why) in refused.items():
@@ -188,11 +184,12 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     """
     from . import fsdp
     from .accounting.incremental import EpsilonTracker
+    from .accounting.ledger import PrivacyLedger
     from .data import load_dataset
-    from .distributed import any_rank, poisson_sampler, setup
+    from .distributed import any_rank, setup
     from .methods import build_optimizer, get_method
     from .models import build_model
-    from .training.build import build_run, privacy_options
+    from .training.build import build_run, privacy_options, run_sampler
     from .training.config import resolve_device
     from .training.loop import LoopState, run_steps
     from .training.results import new_segment, run_directory, write_config, write_results
@@ -229,23 +226,26 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         capture.detach()
         raise RuntimeError("internal: the capture's parameters are not the optimizer's")
     privacy, _ = privacy_options(cfg, model, run.noise_multiplier, float(run.hparams["max_grad_norm"]))
+    built = run.optimizer.privatizer  # over the unsharded model, never stepped: its mechanism and B̄ carry over
+    if built.mechanism is not None:  # correlated noise: the plan build_run made (strategy, participation, σ)
+        privacy["mechanism"] = built.mechanism
     opt = build_optimizer(
         get_method(cfg.method),
         params,
         run.hparams,
-        expected_batch_size=float(cfg.batch_size),
+        expected_batch_size=built.expected_batch_size,  # B̄; N/b for cyclic batches, q·N/b' for cyclic Poisson
         sample_rate=run.sample_rate,
-        ledger=run.ledger,
+        ledger=PrivacyLedger(dataset_size=run.ledger.dataset_size),  # fresh: a mechanism is ONE per ledger
         noise=run.noise,
         model=model,
         **privacy,
     )
-    fsdp.attach(opt.privatizer, params, model, dist)
-    run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist)
+    fsdp.attach(opt.privatizer, params, model, dist)  # a mechanism: each rank streams its shard's noise
+    run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist, ledger=opt.privatizer.ledger)
 
     files = _ShardedRunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None  # type: ignore[arg-type]
     tracker = EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
-    sampler = poisson_sampler(run.data.n_train, run.sample_rate, run.steps, dist, noise=run.noise)
+    sampler = run_sampler(run, dist)  # Poisson shards, or cyclic (Poisson) slices of rank 0's partition
     state = LoopState(segment_start=start)
     try:
         with graceful_stop() as stop:  # a stop signal on any rank ends every rank after the same release

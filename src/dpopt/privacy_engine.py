@@ -268,12 +268,18 @@ def _cyclic_loader(data_loader: DataLoader, ctx: DistributedContext) -> tuple[in
         raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
     n, b = len(dataset), len(data_loader)
     keep = loader_settings(data_loader)
-    device = backend_device(ctx) if ctx.enabled else "cpu"
-    seed = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
-    broadcast_parameters([seed], ctx)  # the partition protects nothing: rank 0's seed, public
-    sampler = CyclicBatchSampler(n, b, seed=int(seed.item()), rank=ctx.rank, world_size=ctx.world_size)
+    sampler = CyclicBatchSampler(n, b, seed=_partition_seed(ctx), rank=ctx.rank, world_size=ctx.world_size)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=data_loader.collate_fn, **keep)
     return n, b, loader
+
+
+def _partition_seed(ctx: DistributedContext) -> int:
+    """A fresh seed of the cyclic (or cyclic Poisson) partition, rank 0's on every rank (public: the partition
+    protects nothing; the analysis does not assume it secret, arXiv 2306.08153). A collective under ``ctx``."""
+    device = backend_device(ctx) if ctx.enabled else "cpu"
+    seed = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    broadcast_parameters([seed], ctx)
+    return int(seed.item())
 
 
 def _mechanism(
@@ -584,7 +590,9 @@ class PrivacyEngine:
                 step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
                 CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
                 rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
-                accountant here: refused.
+                accountant here: refused. ``distributed=True`` / ``"fsdp"``: every rank cuts rank 0's
+                partition and Poisson-samples its own slice of part t mod b' at q (each example lives on
+                one rank), so the union over ranks is one cyclic Poisson sample; the noise as above.
             compile: ``torch.compile`` of the step. Refused here (ValueError): this door's capture runs
                 inside YOUR forward and backward, and under ``torch.compile(module)`` its hooks break the
                 graph at every recorded layer (torch 2.13 compiled only those layers' own forwards, one op
@@ -651,12 +659,6 @@ class PrivacyEngine:
             noise_mechanism, epochs, total_steps, poisson_sampling, clipping, noise_multiplier
         )
         partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
-        if partitions and distributed:
-            raise ConfigError(
-                "sampling='cyclic-poisson' with distributed training is not supported yet: use sampling='cyclic' "
-                "or one process",
-                "sampling",
-            )
         unit = _check_unit_arguments(
             privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling
         )
@@ -720,6 +722,10 @@ class PrivacyEngine:
                         # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
                         # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
                         steps=steps_per_epoch,
+                        # data parallel: rank 0's public partition, this rank's slice of every part
+                        seed=_partition_seed(ctx),
+                        rank=ctx.rank,
+                        world_size=ctx.world_size,
                         **loader_settings(data_loader),
                     )
                 else:

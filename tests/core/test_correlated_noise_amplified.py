@@ -157,6 +157,42 @@ def test_cyclic_poisson_inclusion_law():
     assert abs(both.mean() - n * q * q) <= 5 * se
 
 
+def test_ranks_split_one_cyclic_poisson_sample():
+    """Data parallel, W = 2 ranks of one partition (seed 9): N = 61 in b' = 3 parts (21/20/20: uneven slices),
+    q = 0.3, R = 2,000 rounds. Secret noise (each rank its own source): (1) every example a rank draws is in its
+    own slice of part t mod b' (so the ranks' batches are disjoint and inside the step's part; exact); (2) the
+    union's inclusion count of each example over the R rounds is Binomial(R, q) — χ²₆₁ at 1 − 1e-4 as in
+    test_cyclic_poisson_inclusion_law (false alarm 1e-4; each rank sampling the WHOLE part would give
+    1 − (1 − q)² = 0.51 and duplicates). Reproducible noise (the seed shared by the ranks): the union of the
+    ranks' batches IS the one-process batch of the same seed and partition, every step (exact)."""
+    n, parts, q, R = 61, 3, 0.3, 2000
+    ranks = [CyclicPoissonBatchSampler(n, parts, q, steps=parts * R, seed=9, rank=r, world_size=2) for r in (0, 1)]
+    one = CyclicPoissonBatchSampler(n, parts, q, seed=9)
+    slices = [[set(p.tensor_split(2)[r].tolist()) for p in map(torch.tensor, one.partitions)] for r in (0, 1)]
+    assert [len(s) for s in slices[0]] == [11, 10, 10] and [len(s) for s in slices[1]] == [10, 10, 10]
+    counts = np.zeros(n)
+    for t, (a, b) in enumerate(zip(*ranks)):
+        assert set(a) <= slices[0][t % parts] and set(b) <= slices[1][t % parts], t
+        assert len(set(a)) == len(a) and len(set(b)) == len(b)
+        counts[a + b] += 1
+    stat = float(np.sum((counts - R * q) ** 2) / (R * q * (1 - q)))
+    assert stat <= chi2.ppf(1 - 1e-4, n), stat
+    shared = [
+        CyclicPoissonBatchSampler(
+            n, parts, q, steps=12, noise=NoiseSource("reproducible", seed=4), seed=9, rank=r, world_size=2
+        )
+        for r in (0, 1)
+    ]
+    alone = CyclicPoissonBatchSampler(n, parts, q, steps=12, noise=NoiseSource("reproducible", seed=4), seed=9)
+    both = 0
+    for a, b, whole in zip(*shared, alone):
+        assert sorted(a + b) == sorted(whole)
+        both += bool(a) and bool(b)
+    assert both >= 6  # most steps draw on both ranks (a slice of 10 at q = 0.3 is empty with probability 2.8 %)
+    with pytest.raises(ValueError, match="rank must lie"):
+        CyclicPoissonBatchSampler(n, parts, q, rank=2, world_size=2)
+
+
 def test_the_sampler_carries_no_private_sizes_in_copies():
     import pickle
 

@@ -83,7 +83,8 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
   b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
   (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps;
-  one process only (the sampler is not split across ranks).
+  under torchrun each rank Poisson-samples its slice of the step's part (the union is one cyclic Poisson
+  sample) and the noise is added once, as above.
 * **bf16** (``bf16=True``): the forward in bf16 autocast, norms, clipping and noise in float32
   (:mod:`dpopt.hf.precision`).
 * **FSDP2**: a model ``fully_shard``-ed before ``DPTrainer`` is built (under torchrun), or an unsharded one with
@@ -327,8 +328,8 @@ class DPTrainer(Trainer):
             under torchrun each rank takes its slice of every cyclic batch and the noise is added once
             (replicas: rank 0 runs the stream; FSDP2: each rank its shard's).
         sampling, sample_rate: correlated noise only: ``sampling="cyclic-poisson"`` with ``sample_rate=q``
-            is make_private's amplified banded form (module docstring; one process only, ValueError
-            otherwise); ``"cyclic"`` (default) otherwise.
+            is make_private's amplified banded form (module docstring; under torchrun each rank samples
+            its slice of the step's part); ``"cyclic"`` (default) otherwise.
         per_example_loss: ``fn(outputs, labels) -> [B]`` (see :mod:`dpopt.hf.loss`).
         causal_lm: shift LM labels (default: from the model's class).
         eval_is_public: the evaluation set holds no record of the private
@@ -464,13 +465,6 @@ class DPTrainer(Trainer):
                 "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) instead (docs/fsdp.md)"
             )
         self.sharded = is_sharded(self.model)  # FSDP2: the engine's distributed="fsdp" (dpopt.fsdp)
-        if self._sampling.get("sampling") == "cyclic-poisson" and int(self.args.world_size) > 1:
-            raise ValueError(
-                f"sampling='cyclic-poisson' with {self.args.world_size} processes: the amplified sampler draws one "
-                "Poisson subset of a part and is not split across ranks (make_private refuses it with "
-                "distributed=True / 'fsdp'); use the default cyclic batches (drop sampling= and sample_rate=), "
-                "which are split across ranks, or launch one process"
-            )
         check_mixed_precision(self.args, self.accelerator)  # the precision asked for is the one accelerate runs
         self._autocast = AutocastRelease(self.accelerator)  # bf16: the release's check in the forward's autocast
         self.add_callback(self._autocast)

@@ -343,13 +343,6 @@ def build_run(
                 "noise_mechanism",
                 "user_ids",
             )
-        if dist is not None and dist.enabled and amplified:
-            raise ConfigError(
-                "sampling cyclic-poisson with several processes is not supported: its sampler draws one Poisson "
-                "subset of a part and is not split across ranks; use the default cyclic batches (drop --sampling "
-                "and --sample-rate), which are, or one process",
-                "sampling",
-            )
         strategy, participation = mechanism
         try:
             privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma, sample_rate if amplified else None)
@@ -401,8 +394,10 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
     (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner), or the
     cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`; data
     parallel: every rank cuts rank 0's partition, its seed broadcast, and takes its slice of each batch — the
-    slices are disjoint and their union is the one-process batch). A collective under data parallel: every
-    rank calls it."""
+    slices are disjoint and their union is the one-process batch), or cyclic Poisson batches
+    (:class:`dpopt.cyclic_batches.CyclicPoissonBatchSampler`; data parallel: rank 0's partition, each rank
+    Poisson-samples its slice of the step's part — the union is one cyclic Poisson sample). A collective under
+    data parallel (and FSDP): every rank calls it."""
     mech = run.optimizer.privatizer.mechanism
     if mech is not None:
         from ..cyclic_batches import CyclicBatchSampler
@@ -411,7 +406,14 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
             from ..cyclic_batches import CyclicPoissonBatchSampler
 
             return CyclicPoissonBatchSampler(
-                run.data.n_train, mech.participation.min_separation, mech.sample_rate, run.steps, noise=run.noise
+                run.data.n_train,
+                mech.participation.min_separation,
+                mech.sample_rate,
+                run.steps,
+                noise=run.noise,
+                seed=_partition_seed(dist),
+                rank=dist.rank,
+                world_size=dist.world_size,
             )
         return CyclicBatchSampler(
             run.data.n_train,
