@@ -6,8 +6,12 @@
   added on both ranks would double its share and move them by ~σC/B̄ per step; ε, the ledger record and the
   global expected batch size N/b are the one-process ones;
 * secret noise: the replicas end bit-identical, each rank's ledger holds each step once;
-* refusals on every rank: cyclic Poisson sampling with correlated noise (FSDP runs it:
-  tests/distributed/test_fsdp_correlated_noise.py).
+* cyclic Poisson sampling (``sampling="cyclic-poisson"``, q = 0.5: b' = 3 parts of 32, banded:2): with
+  reproducible noise the union of the ranks' batches is the one-process batch every step, and the parameters,
+  ε and the ledger's mechanism record equal the one-process run's (each rank sampling its slice from its own
+  position in the stream, or the whole part, would change the batches; noise on both ranks the parameters);
+  with secret noise each rank draws only from its own slice of part t mod 3 (disjoint, inside the part: a rank
+  sampling the whole part or cutting another partition fails this), the replicas end bit-identical.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dpopt.distributed import check_replicas, context
 pytestmark = pytest.mark.distributed
 
 N, BATCH, EPOCHS, SEED = 96, 16, 2, 11  # len(loader) = 6 cyclic batches, T = 12 steps, k = 2
+POISSON = dict(sampling="cyclic-poisson", sample_rate=0.5)  # b' = round(0.5 × 6) = 3 parts of 32, k = 4
+PARTS = 3
 
 
 def _loader() -> DataLoader:
@@ -36,16 +42,16 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y, torch.arange(N)), batch_size=BATCH)
 
 
-def _train(mechanism: str, init_seed: int, distributed: bool, reproducible: bool = True) -> dict:
+def _train(mechanism: str, init_seed: int, distributed: bool, reproducible: bool = True, **sampling) -> dict:
     real = privacy_engine_module.secrets
     privacy_engine_module.secrets = types.SimpleNamespace(randbits=lambda k: 1234)  # the same public partition
     try:
-        return _run(mechanism, init_seed, distributed, reproducible)
+        return _run(mechanism, init_seed, distributed, reproducible, **sampling)
     finally:
         privacy_engine_module.secrets = real
 
 
-def _run(mechanism: str, init_seed: int, distributed: bool, reproducible: bool) -> dict:
+def _run(mechanism: str, init_seed: int, distributed: bool, reproducible: bool, **sampling) -> dict:
     torch.manual_seed(init_seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     engine = dpopt.PrivacyEngine()
@@ -62,13 +68,15 @@ def _run(mechanism: str, init_seed: int, distributed: bool, reproducible: bool) 
             noise_mechanism=mechanism,
             epochs=EPOCHS,
             lr=1e-2,
+            **sampling,
         )
     batches = []
     for _ in range(EPOCHS):
         for x, y, idx in loader:
             batches.append(idx.tolist())
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            if len(y):  # a cyclic Poisson slice may be empty
+                nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
             opt.step()
     return {
         "params": [p.detach().clone() for p in model.parameters()],
@@ -81,31 +89,13 @@ def _run(mechanism: str, init_seed: int, distributed: bool, reproducible: bool) 
     }
 
 
-def _refusal(**kw) -> str:
-    model = nn.Linear(8, 3)
-    try:
-        dpopt.PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=_loader(),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            epochs=1,
-            **kw,
-        )
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
-
-
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         results = {
             "reproducible": _train("blt:2", 100 + rank, distributed=True),
             "secret": _train("blt:2", 100 + rank, distributed=True, reproducible=False),
-            "refused_poisson": _refusal(
-                distributed=True, noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5
-            ),
+            "poisson": _train("banded:2", 100 + rank, distributed=True, **POISSON),
+            "poisson_secret": _train("banded:2", 100 + rank, distributed=True, reproducible=False, **POISSON),
         }
         torch.save(results, f"{tmp}/rank{rank}.pt")
 
@@ -142,6 +132,33 @@ def test_secret_noise_replicas_identical(ddp_runs):
     assert a["epsilon"] == b["epsilon"]
 
 
-def test_refusals_on_every_rank(ddp_runs):
-    for r in ddp_runs:
-        assert "cyclic-poisson' with distributed training is not supported" in r["refused_poisson"]
+def test_cyclic_poisson_union_is_the_one_process_sample_and_run(ddp_runs):
+    single = _train("banded:2", init_seed=100, distributed=False, **POISSON)
+    assert single["mechanism"]["sample_rate"] == 0.5 and single["mechanism"]["min_separation"] == PARTS
+    for res in (r["poisson"] for r in ddp_runs):
+        assert res["ledger_steps"] == list(range(EPOCHS * N // BATCH))
+        assert res["mechanism"] == single["mechanism"]
+        assert res["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
+        assert res["expected_batch_size"] == single["expected_batch_size"] == pytest.approx(16.0)
+        for a, b in zip(res["params"], single["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    r0, r1 = (r["poisson"]["batches"] for r in ddp_runs)
+    assert len(single["batches"]) == len(r0) == len(r1) == 12
+    for t, batch in enumerate(single["batches"]):
+        assert not set(r0[t]) & set(r1[t]) and sorted(r0[t] + r1[t]) == sorted(batch)
+    assert sum(map(len, single["batches"])) > 0 and single["batches"][3:6] != single["batches"][:3]  # resampled
+
+
+def test_cyclic_poisson_secret_each_rank_samples_its_slice(ddp_runs):
+    from dpopt.cyclic_batches import CyclicBatchSampler
+
+    parts = [torch.tensor(p) for p in CyclicBatchSampler(N, PARTS, seed=1234).batches]  # the fixed partition
+    a, b = (r["poisson_secret"] for r in ddp_runs)
+    assert a["replicas_equal"] and b["replicas_equal"] and a["ledger_steps"] == list(range(12))
+    for p, q in zip(a["params"], b["params"]):
+        assert torch.equal(p, q)
+    for rank, res in enumerate((a, b)):
+        for t, batch in enumerate(res["batches"]):
+            assert set(batch) <= set(parts[t % PARTS].tensor_split(2)[rank].tolist()), (rank, t)
+    drawn = sum(len(x) for r in (a, b) for x in r["batches"])
+    assert 0.5 * 12 * 32 - 5 * 9.8 <= drawn <= 0.5 * 12 * 32 + 5 * 9.8  # Binomial(384, 0.5): sd 9.8, 5 sd
