@@ -10,9 +10,12 @@ and use the same reproducible noise (``--reproducible-noise``: research mode, te
   only the summation order differs) — every rank adding the noise moves them by ~σC·lr/B̄ per step, far beyond;
 * ε, the ledger's mechanism record and its entries are the one-process run's; one run directory (rank 0's) and one
   journal with a header and a line per release;
-* secret noise (rank 0 alone draws and streams): ``train`` finds the replicas bit-identical (it raises otherwise)
-  and ``dpopt check``'s verdict on the run directory passes (the mechanism record re-derives every event);
-* ``--sampling cyclic-poisson`` is refused on every rank (its sampler is not split across ranks).
+* ``--sampling cyclic-poisson --sample-rate 0.5 --noise-mechanism banded:2`` (b' = round(0.5 × 6) = 3 parts,
+  T = 9): with reproducible noise each rank Poisson-samples its slice of part t mod 3 and the union is the
+  one-process batch every step; the parameters, ε and the ledger's mechanism record are the one-process run's;
+* secret noise, cyclic Poisson (rank 0 alone streams; each rank samples its slice from its own source): ``train``
+  finds the replicas bit-identical (it raises otherwise) and ``dpopt check``'s verdict on the run directory
+  passes (the mechanism record re-derives every amplified event).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from gloo_ranks import gloo_group, spawn_ranks
 
 import dpopt.training.build as build_module
-from dpopt.cyclic_batches import CyclicBatchSampler
+from dpopt.cyclic_batches import CyclicBatchSampler, CyclicPoissonBatchSampler
 from dpopt.training import TrainConfig, train
 
 pytestmark = pytest.mark.distributed
@@ -52,10 +55,14 @@ def _cfg(out: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+POISSON = dict(noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5)  # b' = 3 parts, T = 9
+
+
 def _train(out: Path, **kw) -> dict:
     """train() with the public partition fixed, and the indices of every batch this process drew."""
     real, seen = build_module.secrets, []
-    original = CyclicBatchSampler.sample
+    sampler = CyclicPoissonBatchSampler if kw.get("sampling") == "cyclic-poisson" else CyclicBatchSampler
+    original = sampler.sample
 
     def sample(self):
         idx = original(self)
@@ -63,32 +70,22 @@ def _train(out: Path, **kw) -> dict:
         return idx
 
     build_module.secrets = types.SimpleNamespace(randbits=lambda k: 4321)
-    CyclicBatchSampler.sample = sample  # type: ignore[method-assign]
+    sampler.sample = sample  # type: ignore[method-assign]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             summary = train(_cfg(out, **kw))
     finally:
         build_module.secrets = real
-        CyclicBatchSampler.sample = original  # type: ignore[method-assign]
+        sampler.sample = original  # type: ignore[method-assign]
     return {"summary": summary, "batches": seen}
-
-
-def _refusal(out: Path, **kw) -> str:
-    try:
-        _train(out, **kw)
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         result = _train(Path(tmp) / "ddp")
-        result["secret"] = _train(Path(tmp) / "secret", reproducible_noise=False)["summary"]
-        result["cyclic_poisson"] = _refusal(
-            Path(tmp) / "cp", noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5
-        )
+        result["poisson"] = _train(Path(tmp) / "cp", **POISSON)
+        result["secret"] = _train(Path(tmp) / "secret", reproducible_noise=False, **POISSON)
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -97,6 +94,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train-mf-ddp")
     spawn_ranks(_worker, tmp)
     single = _train(tmp / "single")
+    single["poisson"] = _train(tmp / "cp-single", **POISSON)
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], single
 
 
@@ -128,16 +126,31 @@ def test_parameters_epsilon_and_ledger_equal_one_process(runs):
     assert len(journal) == one["steps"] + 1  # a header and one line per release
 
 
+def test_cyclic_poisson_equals_one_process(runs):
+    tmp, ranks, single = runs
+    one, two = single["poisson"], [r["poisson"] for r in ranks]
+    assert one["summary"]["steps"] == two[0]["summary"]["steps"] == len(one["batches"]) == 9
+    for t, batch in enumerate(one["batches"]):  # each rank its Poisson sample of its slice; the union is one's
+        a, b = (r["batches"][t] for r in two)
+        assert not set(a) & set(b) and sorted(a + b) == batch
+    assert one["batches"][3:6] != one["batches"][:3]  # the parts are resampled each cycle (not fixed batches)
+    assert two[0]["summary"]["epsilon"] == pytest.approx(one["summary"]["epsilon"], rel=1e-12)
+    a = torch.load(tmp / "cp" / "model.pt", weights_only=True)
+    b = torch.load(tmp / "cp-single" / "model.pt", weights_only=True)
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    ledgers = [json.loads((tmp / d / "ledger.json").read_text()) for d in ("cp", "cp-single")]
+    assert ledgers[0]["mechanism"] == ledgers[1]["mechanism"]
+    assert (ledgers[0]["mechanism"]["sample_rate"], ledgers[0]["mechanism"]["min_separation"]) == (0.5, 3)
+    assert ledgers[0]["sampling"] == ledgers[1]["sampling"] and "cyclic poisson" in ledgers[0]["sampling"]
+    assert [e["event"] for e in ledgers[0]["entries"]] == [e["event"] for e in ledgers[1]["entries"]]
+
+
 def test_secret_noise_run_checks(runs):
     tmp, ranks, _ = runs
-    summary = ranks[0]["secret"]
+    summary = ranks[0]["secret"]["summary"]
     assert summary["noise"] == "secret" and summary["world_size"] == 2 and summary["check"] == "pass"
-    assert ranks[1]["secret"]["run_dir"] is None
+    assert ranks[1]["secret"]["summary"]["run_dir"] is None
     ledger = json.loads((tmp / "secret" / "ledger.json").read_text())
-    assert ledger["mechanism"]["kind"] == "blt" and len(ledger["entries"]) == summary["steps"] == 8
-
-
-def test_cyclic_poisson_refused_on_every_rank(runs):
-    _, ranks, _ = runs
-    for r in ranks:
-        assert "cyclic-poisson with several processes is not supported" in r["cyclic_poisson"]
+    assert ledger["mechanism"]["kind"] == "banded" and ledger["mechanism"]["sample_rate"] == 0.5
+    assert len(ledger["entries"]) == summary["steps"] == 9
