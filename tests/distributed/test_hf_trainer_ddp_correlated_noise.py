@@ -13,8 +13,10 @@ Both runs use the same public partition (``secrets.randbits`` fixed) and the sam
   coordinate (σ = 1, C = 0.1, lr = 0.5), far beyond it (making every rank add the noise fails this test);
 * ε, the ledger's mechanism record and its number of releases are the one-process run's; both ranks end
   with identical parameters; exactly one journal (rank 0's);
-* resuming from the run's checkpoint is refused on every rank (as in one process), and
-  ``sampling="cyclic-poisson"`` is refused with several processes (its sampler is not split across ranks).
+* resuming from the run's checkpoint is refused on every rank (as in one process);
+* ``sampling="cyclic-poisson", sample_rate=0.5`` with ``banded:2`` (b' = 2 parts of 16, T = 6): each rank
+  Poisson-samples its slice of part t mod 2, the union is the one-process batch every step, and the parameters,
+  ε and the mechanism record equal the one-process run's (same tolerance).
 """
 
 from __future__ import annotations
@@ -109,12 +111,15 @@ def trainer(out, accumulation, max_steps=STEPS, cls=DPTrainer, mechanism=MECHANI
     return tr
 
 
-def run(out, accumulation) -> dict:
+POISSON = dict(mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5)  # b' = round(0.5 × 4) = 2
+
+
+def run(out, accumulation, **kw) -> dict:
     """The run's final parameters, batches, ε, ledger and mechanism record (the public partition fixed)."""
     real = privacy_engine_module.secrets
     privacy_engine_module.secrets = types.SimpleNamespace(randbits=lambda k: 1234)
     try:
-        tr = trainer(out, accumulation, cls=Recording)
+        tr = trainer(out, accumulation, cls=Recording, **kw)
         tr.seen = []
         tr.train()
     finally:
@@ -146,9 +151,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         result["resume"] = refusal(
             lambda: trainer(out, 2, max_steps=STEPS + 2).train(resume_from_checkpoint=str(out / f"checkpoint-{STEPS}"))
         )
-        result["cyclic_poisson"] = refusal(
-            lambda: trainer(Path(tmp) / "cp", 2, sampling="cyclic-poisson", sample_rate=0.5, mechanism="banded:2")
-        )
+        result["cyclic_poisson"] = run(Path(tmp) / "cp", accumulation=2, **POISSON)
         torch.save(result, Path(tmp) / f"rank{rank}.pt")
 
 
@@ -159,6 +162,7 @@ def runs(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         single = run(tmp / "single", accumulation=4)
+        single["cyclic_poisson"] = run(tmp / "cp-single", accumulation=4, **POISSON)
     return tmp, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], single
 
 
@@ -198,8 +202,22 @@ def test_epsilon_ledger_and_one_journal_as_one_process(runs):
     assert saved["epsilon"] == pytest.approx(single["epsilon"], rel=1e-9)
 
 
-def test_resume_and_cyclic_poisson_refused_on_every_rank(runs):
+def test_resume_refused_on_every_rank(runs):
     _, ranks, _ = runs
     for r in ranks:
         assert "resume_from_checkpoint with noise_mechanism='blt:2' is refused" in r["resume"]
-        assert "sampling='cyclic-poisson' with 2 processes" in r["cyclic_poisson"]
+
+
+def test_cyclic_poisson_equals_one_process(runs):
+    _, ranks, single = runs
+    one = single["cyclic_poisson"]
+    assert len(one["batches"]) == STEPS and one["mechanism"]["sample_rate"] == 0.5
+    assert one["mechanism"]["min_separation"] == 2 and one["ledger_steps"] == list(range(STEPS))
+    for t, batch in enumerate(one["batches"]):  # DPTrainer records non-empty chunks only
+        a, b = (r["cyclic_poisson"]["batches"][t] for r in ranks)
+        assert not set(a) & set(b) and sorted(a + b) == batch
+    for r in (r["cyclic_poisson"] for r in ranks):
+        assert r["replicas_equal"] and r["mechanism"] == one["mechanism"]
+        assert r["epsilon"] == pytest.approx(one["epsilon"], rel=1e-12)
+        for n, p in one["params"].items():
+            torch.testing.assert_close(r["params"][n], p, atol=2e-5, rtol=1e-4)
