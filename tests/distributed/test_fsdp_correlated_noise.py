@@ -9,6 +9,9 @@ Each rank owns a ``Shard(0)`` chunk of every parameter and streams the correlate
   initialisation, so the test checks that every batch really has clipped and unclipped examples): the noise of
   each coordinate is the one-process w_t bit for bit, so any other noise (a shard not correlated, the stream
   run twice, a shard noised by both ranks) moves a release by ~σC;
+* cyclic Poisson sampling (``sampling="cyclic-poisson"``, q = 0.5: b' = 3 parts of 32, banded:2, trained): each
+  rank Poisson-samples its slice of part t mod 3 (the union is the one-process batch) and every release equals
+  the one-process release, as above;
 * ε, the ledger's mechanism record and every ledger entry equal the one-process run's;
 * secret noise (each rank its own OS-seeded stream), zero gradients: the released noise w_t on 12,448
   coordinates has the strategy's covariance across the T = 6 steps, (σC/B̄)²·C⁻¹C⁻ᵀ — per-step variance
@@ -16,7 +19,7 @@ Each rank owns a ``Shard(0)`` chunk of every parameter and streams the correlate
   shard separately, each entry within 5 standard errors (se = √((Σ_ss Σ_tt + Σ_st²)/d); two-sided false
   alarm ≤ 42 × 5.7e-7 ≈ 2.4e-5 per run, Bonferroni over both shards); the stream state is the shard's size;
 * copies (deepcopy, pickle) and a forked child of a rank carry no stream state and refuse to continue;
-  resume (a Privatizer state after step 0) is refused as in one process; cyclic Poisson sampling is refused.
+  resume (a Privatizer state after step 0) is refused as in one process.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one 2-rank spawn: 95
 
 N, BATCH, EPOCHS, SEED = 96, 16, 2, 11  # 6 cyclic batches, T = 12 releases, k = 2 participations
 SIGMA = 1.5
+POISSON = dict(sampling="cyclic-poisson", sample_rate=0.5)  # b' = round(0.5 × 6) = 3 parts of 32, k = 4
 STATS_N, STATS_BATCH, STATS_T = 48, 16, 6  # 3 cyclic batches × 2 epochs
 
 
@@ -82,7 +86,9 @@ def example_norms() -> torch.Tensor:
     return torch.stack(norms)
 
 
-def _make_private(model, opt, loader, mechanism: str, c: float, reproducible: bool, sharded: bool, epochs: int):
+def _make_private(
+    model, opt, loader, mechanism: str, c: float, reproducible: bool, sharded: bool, epochs: int, **sampling
+):
     engine = dpopt.PrivacyEngine()
     real = privacy_engine_module.secrets
     privacy_engine_module.secrets = types.SimpleNamespace(randbits=lambda k: 1234)  # the same public partition
@@ -99,19 +105,20 @@ def _make_private(model, opt, loader, mechanism: str, c: float, reproducible: bo
                 distributed="fsdp" if sharded else False,
                 noise_mechanism=mechanism,
                 epochs=epochs,
+                **sampling,
             )
     finally:
         privacy_engine_module.secrets = real
     return engine, model, opt, loader
 
 
-def release_run(mechanism: str, c: float, sharded: bool, lr: float = 0.0) -> dict:
+def release_run(mechanism: str, c: float, sharded: bool, lr: float = 0.0, **sampling) -> dict:
     """EPOCHS epochs of cyclic batches, reproducible noise: every release (× B̄, full shape) and the ledger."""
     model = _model()
     if sharded:
         model = _shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    engine, model, opt, loader = _make_private(model, opt, _data(), mechanism, c, True, sharded, EPOCHS)
+    engine, model, opt, loader = _make_private(model, opt, _data(), mechanism, c, True, sharded, EPOCHS, **sampling)
     released, batches = [], []
     for _ in range(EPOCHS):
         for x, y, idx in loader:
@@ -200,26 +207,6 @@ def noise_run() -> dict:
     }
 
 
-def _refused_cyclic_poisson() -> str:
-    model = _shard(_model())
-    try:
-        dpopt.PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=_data(),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            distributed="fsdp",
-            noise_mechanism="banded:2",
-            epochs=1,
-            sampling="cyclic-poisson",
-            sample_rate=0.5,
-        )
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
-
-
 def _worker(rank: int, world: int, tmp: str) -> None:
     with gloo_group(rank, world, tmp):
         half = float(example_norms().median())
@@ -228,7 +215,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             ("half_clipped", lambda: release_run("banded:3", half, True)),
             ("trained", lambda: release_run("blt:2", 1.0, True, lr=0.5)),
             ("noise", noise_run),
-            ("refused_cyclic_poisson", _refused_cyclic_poisson),
+            ("cyclic_poisson", lambda: release_run("banded:2", 1.0, True, lr=0.5, **POISSON)),
         ]
         results = {}
         for name, run in cases:
@@ -244,13 +231,16 @@ def runs(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", ["all_clipped", "half_clipped", "trained"])
+@pytest.mark.parametrize("case", ["all_clipped", "half_clipped", "trained", "cyclic_poisson"])
 def test_releases_equal_one_process(runs, case):
     norms = example_norms()
-    c, mechanism = {"all_clipped": (1e-3, "blt:2"), "half_clipped": (float(norms.median()), "banded:3")}.get(
-        case, (1.0, "blt:2")
-    )
-    single = release_run(mechanism, c, sharded=False, lr=0.5 if case == "trained" else 0.0)
+    c, mechanism = {
+        "all_clipped": (1e-3, "blt:2"),
+        "half_clipped": (float(norms.median()), "banded:3"),
+        "cyclic_poisson": (1.0, "banded:2"),
+    }.get(case, (1.0, "blt:2"))
+    sampling = POISSON if case == "cyclic_poisson" else {}
+    single = release_run(mechanism, c, sharded=False, lr=0.0 if "clipped" in case else 0.5, **sampling)
     if case == "all_clipped":
         assert bool((norms > c).all())
     if case == "half_clipped":  # every batch has clipped and unclipped examples (lr = 0: the norms stay)
@@ -273,7 +263,9 @@ def test_releases_equal_one_process(runs, case):
     r0, r1 = (r[case]["batches"] for r in runs)
     for t, batch in enumerate(single["batches"]):  # each rank its slice of the one-process cyclic batch
         assert not set(r0[t]) & set(r1[t]) and sorted(r0[t] + r1[t]) == sorted(batch)
-    if case == "trained":
+    if case == "cyclic_poisson":  # resampled parts: not the fixed batches of the cyclic cases
+        assert single["mechanism"]["sample_rate"] == 0.5 and single["batches"][3:6] != single["batches"][:3]
+    if case in ("trained", "cyclic_poisson"):
         moved = [not torch.equal(a, b) for a, b in zip(single["params"], _model().parameters())]
         assert all(moved)
 
@@ -315,8 +307,3 @@ def test_copies_forks_and_resume_refused(runs):
         assert checks["fork"] == "refused"
         assert "resuming a correlated-noise" in checks["resume"]
         assert r["noise"]["steps"] == STATS_T  # the original stream went on after the copies and the fork
-
-
-def test_cyclic_poisson_refused(runs):
-    for r in runs:
-        assert "cyclic-poisson' with distributed training is not supported" in r["refused_cyclic_poisson"]
