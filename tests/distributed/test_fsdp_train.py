@@ -8,8 +8,16 @@
   (``--log-every 2`` and the epoch: ε, test loss) are the one-process run's, and its parameters
   (``model.pt``, gathered from the shards into a plain state dict) equal the one-process run's to
   rtol 1e-4 / atol 1e-5 (float32 sums in another order; seen: 7e-9), the test accuracy too.
+* Correlated noise (issue 36), ``dpopt train --fsdp --noise-mechanism ...`` under torchrun (a script that fixes
+  the public partition seed, ``secrets.randbits``, then runs the ``dpopt`` command line): with
+  ``banded:2 --sampling cyclic-poisson --sample-rate 0.5`` (b' = 3 parts, T = 6) and reproducible noise the
+  ledger (its ``mechanism`` header and every entry) and ε are the one-process ``dpopt train`` run's, and the
+  parameters equal its parameters to rtol 1e-4 / atol 1e-5 (each rank samples its slice of the step's part and
+  streams its shard's noise; noise on both ranks, or a rank sampling the whole part, moves them by ~σC·lr/B̄);
+  with ``blt:2`` (cyclic batches) and secret noise the run's ``dpopt check`` passes and the ledger header
+  records the mechanism.
 * Refusals (in-process, no spawn): methods whose geometry or transform is not sharded, non-flat
-  clipping, LoRA, correlated noise (``--noise-mechanism``), and one process (no torchrun).
+  clipping, LoRA, and one process (no torchrun).
 """
 
 from __future__ import annotations
@@ -126,6 +134,83 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
         assert a_row["test_loss"] == pytest.approx(b_row["test_loss"], rel=1e-4)
 
 
+# the dpopt command line under torchrun with the public partition seed fixed (rank 0's is broadcast anyway)
+_CLI_SCRIPT = """
+import sys, types
+import dpopt.training.build as build
+build.secrets = types.SimpleNamespace(randbits=lambda k: 4321)
+sys.argv = ["dpopt", *sys.argv[1:]]
+from dpopt.cli import main
+main()
+"""
+MECHANISM = ["--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson", "--sample-rate", "0.5"]
+
+
+def _torchrun_cli(tmp, out, flags: list) -> subprocess.CompletedProcess:
+    script = tmp / "cli.py"
+    script.write_text(_CLI_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+
+
+@pytest.fixture(scope="module")
+def fsdp_mechanism_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp-train-mf")
+    flags = [f for f in _cli_flags(tmp / "rep") if f != "--log-every" and f != "2"]
+    rep = _torchrun_cli(tmp, tmp / "rep", flags + MECHANISM)
+    assert (tmp / "rep" / "summary.json").exists(), f"exit {rep.returncode}\n{rep.stderr[-4000:]}"
+    secret = [f for f in _cli_flags(tmp / "secret") if f not in ("--reproducible-noise", "--log-every", "2")]
+    sec = _torchrun_cli(tmp, tmp / "secret", secret + ["--noise-mechanism", "blt:2"])
+    assert sec.returncode == 0, sec.stderr[-4000:]
+    return tmp
+
+
+def test_fsdp_mechanism_run_equals_one_process(fsdp_mechanism_runs):
+    import types
+
+    import dpopt.training.build as build_module
+
+    tmp = fsdp_mechanism_runs
+    real, build_module.secrets = build_module.secrets, types.SimpleNamespace(randbits=lambda k: 4321)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = dict(FLAGS, noise_mechanism="banded:2", sampling="cyclic-poisson", sample_rate=0.5)
+            single = train(TrainConfig(**cfg, out=str(tmp / "one"), checkpoint_every=0))
+    finally:
+        build_module.secrets = real
+    summary = json.loads((tmp / "rep" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["fsdp"] is True and summary["steps"] == single["steps"] == 6
+    assert summary["check"] == "FAIL: noise_source"  # reproducible noise: the only failing check, by design
+    assert summary["epsilon"] == pytest.approx(single["epsilon"], rel=1e-12)
+    a, b = (json.loads((tmp / d / "ledger.json").read_text()) for d in ("rep", "one"))
+    assert a["mechanism"] == b["mechanism"] and a["mechanism"]["kind"] == "banded"
+    assert (a["mechanism"]["sample_rate"], a["mechanism"]["min_separation"]) == (0.5, 3)
+    assert a["sampling"] == b["sampling"]
+    assert [(e["step"], e["event"], e["meta"]) for e in a["entries"]] == [
+        (e["step"], e["event"], e["meta"]) for e in b["entries"]
+    ]
+    sharded, plain = torch.load(tmp / "rep" / "model.pt"), torch.load(tmp / "one" / "model.pt")
+    torch.manual_seed(3)
+    init = build_model("mlp-small", "digits").state_dict()
+    for k in plain:
+        torch.testing.assert_close(sharded[k], plain[k], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(plain[k], init[k])
+
+
+def test_fsdp_mechanism_secret_run_checks(fsdp_mechanism_runs):
+    from dpopt.accounting import check_run
+
+    out = fsdp_mechanism_runs / "secret"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["noise"] == "secret" and summary["check"] == "pass" and summary["fsdp"] is True
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["mechanism"]["kind"] == "blt" and ledger["mechanism"]["steps"] == summary["steps"] == 6
+    assert len(ledger["entries"]) == 6
+    assert check_run(out).passed  # `dpopt check`: the file alone re-scores to the summary's ε
+
+
 @pytest.mark.parametrize(
     "change,field",
     [
@@ -134,7 +219,6 @@ def test_ledger_and_parameters_equal_one_process(fsdp_run, tmp_path):
         ({"lora_rank": 4}, "lora_rank"),
         ({"ema_decay": 0.99}, "ema_decay"),
         ({"checkpoint_every": 10}, "checkpoint_every"),
-        ({"noise_mechanism": "banded:2"}, "noise_mechanism"),  # was run with independent noise, mislabelled
         ({"user_ids": "users.txt"}, "user_ids"),  # user-level sampler, not sharded
         ({"compile": True}, "compile"),  # the sharded capture has no compiled path
     ],
