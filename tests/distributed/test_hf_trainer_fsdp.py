@@ -352,10 +352,12 @@ def test_noise_is_added_once_per_coordinate_with_std_sigma_c(fsdp):
         want, _ = clipped_sum(start, batch, c)
         residuals += [(step[n] - want[n]).reshape(-1) for n in start]
     z = torch.cat(residuals).double()
-    # ~13,000 coordinates: the std's standard error is ≈ 0.6 %; 3 % is ~5 standard errors
-    assert z.numel() > 10_000
-    assert abs(float(z.std()) / (sigma * c) - 1.0) < 0.03
-    assert abs(float(z.mean())) < 4 * sigma * c / math.sqrt(z.numel())
+    # 12,480 coordinates of secret noise (a new draw every run): the std's standard error is 0.63 %, so
+    # 3.5 % is 5.5 standard errors, and the mean is held to 5.5 standard errors: false alarm 7.6e-8 per run
+    # (it was 6.5e-5 with the mean at 4 se). A draw added on both ranks (std √2·σC, 41 % off) or none still fails.
+    assert z.numel() > 12_000
+    assert abs(float(z.std()) / (sigma * c) - 1.0) < 0.035
+    assert abs(float(z.mean())) < 5.5 * sigma * c / math.sqrt(z.numel())
 
 
 def test_correlated_noise_streams_each_shard_once_with_the_strategy_covariance(fsdp, tmp_path):
