@@ -1,8 +1,11 @@
 """One-run audits of real training runs (dpopt.auditing.one_run): the canary sources, small audits, the verdict.
 
 Error rates: audits at beta = 0.05 on honest runs PASS with probability >= 0.95
-for any seed; each test is seeded (deterministic inputs; the run's noise is
-secret, so the stated rate is the chance that a run fails).
+for any seed. Each test is seeded, the run's noise and Poisson masks too
+(``reproducible_noise=True``, through :func:`_cfg` or, for the CLI, :func:`_seeded_runs`):
+each test is deterministic and the stated rate is the chance that its seed would have
+failed. (With the secret default every CI run drew new noise, so each PASS and each
+power check was a new draw that failed with up to that probability.)
 """
 
 import numpy as np
@@ -15,6 +18,26 @@ from dpopt.data import load_dataset
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.training import TrainConfig
 from dpopt.types import ClipGeometry
+
+pytestmark = pytest.mark.filterwarnings("ignore:reproducible_noise:UserWarning")  # the research mode's warning
+
+
+def _cfg(**kw) -> TrainConfig:
+    """A run whose noise and Poisson masks are seeded from ``cfg.seed`` (module docstring)."""
+    return TrainConfig(reproducible_noise=True, **kw)
+
+
+@pytest.fixture
+def _seeded_runs(monkeypatch):
+    """``dpopt audit --one-run`` builds its TrainConfig itself (no flag seeds the noise): seed the run it audits."""
+    import dataclasses
+
+    import dpopt.auditing
+
+    real = dpopt.auditing.one_run
+    monkeypatch.setattr(
+        dpopt.auditing, "one_run", lambda cfg, **kw: real(dataclasses.replace(cfg, reproducible_noise=True), **kw)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +76,7 @@ def test_canary_sources_equal_materialised_per_sample_gradients():
 
 
 def test_small_white_box_audit_passes_with_a_bound_below_the_claim(digits):
-    r = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=300, data=digits)
+    r = one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=300, data=digits)
     assert r.verdict == "PASS" and r.m == 300 and r.scores.shape == (300,) and r.included.dtype == bool
     assert 0 <= r.bounds.steinke <= r.epsilon and r.estimator == "steinke"  # q < 1: f-DP not judged
     d = r.to_dict()
@@ -61,13 +84,13 @@ def test_small_white_box_audit_passes_with_a_bound_below_the_claim(digits):
     # the included canaries score higher on average (the audit sees them). With these 300 canaries the
     # difference was 0.9-2.9 standard errors over 6 runs (one CI run drew it negative: ~5 % of runs); with
     # 3000 it was 7.0-10.7 standard errors over 5 runs, so a failure is a < 1e-9 event
-    big = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=3000, data=digits)
+    big = one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=3000, data=digits)
     assert big.scores[big.included].mean() > big.scores[~big.included].mean()
 
 
 def test_full_batch_white_box_is_judged_on_the_gaussian_mu_too(digits):
     n = digits.n_train
-    cfg = TrainConfig(method="dp-sgd", epochs=5, sample_rate=1.0, batch_size=float(n), noise_multiplier=2.0)
+    cfg = _cfg(method="dp-sgd", epochs=5, sample_rate=1.0, batch_size=float(n), noise_multiplier=2.0)
     r = one_run(cfg, canaries=1000, data=digits)
     assert r.claimed_mu == pytest.approx(5**0.5 / 2.0, rel=2e-3)  # T = 5 Gaussians of sigma 2: mu = sqrt(T)/sigma
     assert r.verdict == "PASS" and r.bounds.mu <= r.claimed_mu and r.details["fdp_judged"]
@@ -84,12 +107,12 @@ def test_a_run_with_a_tenth_of_the_noise_is_caught(digits, monkeypatch):
         return [z.mul(0.1) for z in noise], count
 
     monkeypatch.setattr(Privatizer, "_draw", weak)
-    r = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=3.0), canaries=500, data=digits)
+    r = one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=3.0), canaries=500, data=digits)
     assert r.verdict == "EXCEEDS" and r.bounds.steinke > r.epsilon
 
 
 def test_black_box_audit_runs_the_training_loop(digits):
-    r = one_run(TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=100, mode="black", data=digits)
+    r = one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=100, mode="black", data=digits)
     assert r.mode == "black" and r.verdict == "PASS" and r.bounds.steinke <= r.epsilon
     assert np.all(r.scores <= 0)  # minus a cross-entropy
 
@@ -115,7 +138,7 @@ def _weak_noise(monkeypatch, factor):
     monkeypatch.setattr(Privatizer, "_draw", weak)
 
 
-def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch):
+def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch, _seeded_runs):
     import json
 
     from typer.testing import CliRunner
@@ -170,7 +193,7 @@ def _independent_reference(cfg, steps, b):
 def test_white_box_audit_of_a_blt_run_is_judged_against_the_mechanisms_epsilon(digits):
     from dpopt.accounting import dpsgd_epsilon
 
-    cfg = TrainConfig(method="dp-sgd", epochs=2, noise_multiplier=1.0, noise_mechanism="blt")
+    cfg = _cfg(method="dp-sgd", epochs=2, noise_multiplier=1.0, noise_mechanism="blt")
     r = one_run(cfg, canaries=500, data=digits)
     d = r.details
     b = round(digits.n_train / 64)  # cyclic batches: b = round(1/q) = 22
@@ -194,7 +217,7 @@ def test_white_box_audit_of_amplified_banded_uses_cyclic_poisson_and_its_ledger(
     from dpopt.accounting import epsilon as event_epsilon
     from dpopt.correlated_noise import Participation, amplified_banded_event, optimize_strategy
 
-    cfg = TrainConfig(
+    cfg = _cfg(
         method="dp-sgd",
         epochs=1,
         noise_multiplier=1.0,
@@ -262,14 +285,14 @@ def test_a_blt_run_whose_noise_is_divided_by_bbar_is_caught(digits):
     not resolved at a test's cost.)"""
     undo = _mutant("noise_div_bbar_twice")
     try:
-        cfg = TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=6.0, noise_mechanism="blt")
+        cfg = _cfg(method="dp-sgd", epochs=1, noise_multiplier=6.0, noise_mechanism="blt")
         r = one_run(cfg, canaries=300, data=digits)
     finally:
         undo()
     assert r.epsilon < 1.5 and r.verdict == "EXCEEDS" and r.bounds.steinke > r.epsilon
 
 
-def test_cli_one_run_takes_the_noise_mechanism_and_refuses_amplified_blt():
+def test_cli_one_run_takes_the_noise_mechanism_and_refuses_amplified_blt(_seeded_runs):
     import json
 
     from typer.testing import CliRunner
@@ -290,7 +313,7 @@ def test_cli_one_run_takes_the_noise_mechanism_and_refuses_amplified_blt():
 
 
 def test_black_box_audit_of_a_banded_run_claims_the_mechanisms_mu(digits):
-    cfg = TrainConfig(method="dp-sgd", epochs=1, noise_multiplier=2.0, noise_mechanism="banded:2")
+    cfg = _cfg(method="dp-sgd", epochs=1, noise_multiplier=2.0, noise_mechanism="banded:2")
     r = one_run(cfg, canaries=100, mode="black", data=digits)
     d = r.details
     # the included canaries join the training set, so b = round(N'/B̄) is that of the augmented set

@@ -34,7 +34,8 @@ REQUIRED = {
 
 def test_train_digits_json_and_run_directory(tmp_path):
     out = tmp_path / "run"
-    res = runner.invoke(app, ["train", "--epochs", "2", "--method", "dp-sgd", "--out", str(out), "--json"])
+    args = ["train", "--epochs", "2", "--method", "dp-sgd", "--lr", "1.0", "--out", str(out), "--json"]
+    res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert REQUIRED <= set(summary)
@@ -51,7 +52,11 @@ def test_train_digits_json_and_run_directory(tmp_path):
     )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["epsilon"] == pytest.approx(summary["epsilon"])
-    assert summary["test_accuracy"] > 0.3  # 2 epochs of DP-SGD on digits already beat chance (0.1) by far
+    # 2 epochs of DP-SGD on digits beat chance (0.1) by far. The noise is secret (a new draw every run), so the
+    # threshold sits far below the spread: at lr 1.0, 26 runs gave 0.81 ± 0.033 (min 0.74), so 0.5 is ~9 sd
+    # below the mean. (At the default lr the runs gave 0.44 ± 0.057, min 0.32 of 40: the old threshold 0.3 was
+    # 2.4 sd below, failing in about 1 % of CI runs.)
+    assert summary["test_accuracy"] > 0.5
 
 
 @pytest.mark.parametrize(

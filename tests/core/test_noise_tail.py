@@ -110,19 +110,22 @@ def test_continued_pairs_have_the_exponential_tail():
 
 @pytest.mark.parametrize("mode", ["secret", "secure", "reproducible"])
 def test_every_mode_is_standard_normal(mode):
-    """KS against N(0, 1) at α = 1e-4 on 400,000 draws (the chunked CPU path for secret and
+    """KS against N(0, 1) at α = 1e-7 on 400,000 draws (the chunked CPU path for secret and
     reproducible); the squared radius of each Box–Muller pair (cos half, sin half of each block)
-    is χ²₂ (KS, α = 1e-4); the cos and sin halves are uncorrelated (|r| < 5/√n: false alarm < 1e-6)."""
+    is χ²₂ (KS, α = 1e-7); the cos and sin halves are uncorrelated (|r| < 5.6/√n: false alarm 2.1e-8).
+    Secret and secure draws are new every run, so each of those cases fails an honest sampler with
+    probability ≈ 2.2e-7 per run. Power: the KS critical distance is ≤ 0.0065 (a std 5 % off is 0.012,
+    a wrong radius law far more); a cos/sin pair sharing its angle correlates at 1."""
     src = NoiseSource(mode, seed=3) if mode == "reproducible" else NoiseSource(mode)
     n = 4 * NORMAL_CHUNK if mode != "secure" else 400_000
     z = src.normal((n,), dtype=torch.float64)
     assert z.dtype == torch.float64 and float(z.abs().max()) <= CUT_RADIUS
-    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-7
     blocks = z[: (n // (2 * BLOCK_PAIRS)) * 2 * BLOCK_PAIRS].view(-1, 2, BLOCK_PAIRS)
     r2 = (blocks**2).sum(dim=1).flatten()
-    assert stats.kstest(r2.numpy(), "chi2", args=(2,)).pvalue > 1e-4
+    assert stats.kstest(r2.numpy(), "chi2", args=(2,)).pvalue > 1e-7
     c, s = blocks[:, 0].flatten(), blocks[:, 1].flatten()
-    assert abs(float(torch.corrcoef(torch.stack([c, s]))[0, 1])) < 5 / math.sqrt(c.numel())
+    assert abs(float(torch.corrcoef(torch.stack([c, s]))[0, 1])) < 5.6 / math.sqrt(c.numel())
 
 
 def test_float32_output_is_the_float64_draw_rounded_once():

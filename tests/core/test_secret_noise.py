@@ -89,16 +89,19 @@ def test_reproducible_source_is_reproducible_and_secret_is_not():
 
 @pytest.mark.parametrize("mode", ["secret", "secure"])
 def test_normal_draws_are_standard_normal(mode):
-    """Kolmogorov–Smirnov test of 200,000 draws against N(0, 1) at α = 1e-4 (false alarm 1 in 10,000)."""
+    """Kolmogorov–Smirnov test of 200,000 draws against N(0, 1) at α = 1e-7 (false alarm 1 in 10^7 runs: the
+    draws are secret, so every run is a new one). Power: the critical distance is 0.0065; a std off by 5 %
+    (distance 0.012) or float32 uniforms' 24-bit grid in the tails would still be rejected."""
     z = make_noise_source(secure_mode=mode == "secure").normal((200_000,), dtype=torch.float64)
     assert z.dtype == torch.float64 and z.shape == (200_000,)
-    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-7
 
 
 def test_secure_uniforms_cover_the_unit_interval_with_53_bits():
     u = NoiseSource("secure").uniform(100_000)
     assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
-    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4  # α = 1e-4
+    # α = 1e-7 (the draws are secure, so a new draw every run); critical distance 0.0092 on 100,000 uniforms
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-7
     # float32-resolution uniforms would all be multiples of 2^-24
     assert bool(((u * 2**24) % 1 != 0).any())
 
@@ -226,17 +229,19 @@ def test_chunked_cpu_normals_do_not_depend_on_the_thread_count():
 
 
 def test_chunked_cpu_normals_are_independent_standard_normals():
-    """KS test against N(0, 1) (false-alarm rate 1e-4) and chunk-to-chunk correlation below
-    5/√n (a 5σ bound: false-alarm rate < 1e-6 per pair) for secret and reproducible sources."""
+    """KS test against N(0, 1) (α = 1e-7: the secret draws are new every run; critical distance 0.004 on
+    524,288 draws) and chunk-to-chunk correlation below 5.6/√n (false alarm 2.1e-8 per pair, 6 pairs) for
+    secret and reproducible sources: false alarm ≈ 2.3e-7 per run. Chunks that repeated one generator state
+    would correlate at 1."""
     from dpopt.noise import NORMAL_CHUNK
 
     for src in (NoiseSource("secret"), NoiseSource("reproducible", seed=5)):
         z = src.normal((4 * NORMAL_CHUNK,), dtype=torch.float64)
-        assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+        assert stats.kstest(z.numpy(), "norm").pvalue > 1e-7
         chunks = z.view(4, NORMAL_CHUNK)
         corr = torch.corrcoef(chunks)
         off = corr[~torch.eye(4, dtype=torch.bool)]
-        assert float(off.abs().max()) < 5 / math.sqrt(NORMAL_CHUNK)
+        assert float(off.abs().max()) < 5.6 / math.sqrt(NORMAL_CHUNK)
         assert not torch.equal(chunks[0], chunks[1])
 
 

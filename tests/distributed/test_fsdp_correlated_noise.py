@@ -16,8 +16,10 @@ Each rank owns a ``Shard(0)`` chunk of every parameter and streams the correlate
 * secret noise (each rank its own OS-seeded stream), zero gradients: the released noise w_t on 12,448
   coordinates has the strategy's covariance across the T = 6 steps, (σC/B̄)²·C⁻¹C⁻ᵀ — per-step variance
   (the diagonal) and the lag-1 covariance (the first off-diagonal) among the 21 entries — on each rank's
-  shard separately, each entry within 5 standard errors (se = √((Σ_ss Σ_tt + Σ_st²)/d); two-sided false
-  alarm ≤ 42 × 5.7e-7 ≈ 2.4e-5 per run, Bonferroni over both shards); the stream state is the shard's size;
+  shard separately, each entry within 5.6 standard errors (se = √((Σ_ss Σ_tt + Σ_st²)/d); two-sided false
+  alarm ≤ 42 × 2.1e-8 ≈ 9e-7 per run, Bonferroni over both shards: the noise is secret, so every run is a
+  new draw; at 5 se it was 2.4e-5). Power kept: the lag-1 entries are ≈ 25 se and the diagonal ≈ 55 se, so
+  white noise, a doubled or a missing stream still fail; the stream state is the shard's size;
 * copies (deepcopy, pickle) and a forked child of a rank carry no stream state and refuse to continue;
   resume (a Privatizer state after step 0) is refused as in one process.
 """
@@ -280,9 +282,9 @@ def test_noise_has_the_strategy_covariance_on_each_shard(runs):
         want = (SIGMA * 0.7) ** 2 * (Dinv @ Dinv.T)  # × B̄ undone: (σC)² C⁻¹C⁻ᵀ
         got = W @ W.T / d
         se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / d)
-        assert np.all(np.abs(got - want) <= 5 * se), np.max(np.abs(got - want) / se)
+        assert np.all(np.abs(got - want) <= 5.6 * se), np.max(np.abs(got - want) / se)
         lag1 = np.diag(want, 1)
-        assert np.all(np.abs(lag1) > 5 * np.diag(se, 1))  # the lag-1 covariance is really there (not white)
+        assert np.all(np.abs(lag1) > 2 * 5.6 * np.diag(se, 1))  # the lag-1 covariance is really there (not white)
 
 
 def test_stream_state_is_the_shard_only(runs):

@@ -124,8 +124,9 @@ def test_dict_items_empty_batches_lr_scheduler_and_per_layer():
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
     engine = dpopt.PrivacyEngine(accountant="rdp", secure_mode=True)
-    # q = 1/20 over 20 examples: P(a step is empty) = (19/20)^20 = 0.36, so P(no empty step in 20) = 1.4e-4
-    loader = DataLoader(DictData(20), batch_size=1)
+    # q = 1/40 over 40 examples: P(a step is empty) = (39/40)^40 = 0.363, so P(no empty step in 40) = 1.5e-8
+    # (the masks are secure, a new draw every run; at 20 examples it was 1.4e-4 of runs)
+    loader = DataLoader(DictData(40), batch_size=1)
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=base,
@@ -144,9 +145,9 @@ def test_dict_items_empty_batches_lr_scheduler_and_per_layer():
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)  # the scheduler drives the wrapped optimizer
-    assert 0 in sizes and len(engine.ledger) == 20
+    assert 0 in sizes and len(engine.ledger) == 40
     assert engine.ledger.noise == "secure"
-    assert engine.get_epsilon(1e-5) == pytest.approx(dpsgd_epsilon(0.8, 1 / 20, 20, 1e-5, "rdp"), rel=1e-9)
+    assert engine.get_epsilon(1e-5) == pytest.approx(dpsgd_epsilon(0.8, 1 / 40, 40, 1e-5, "rdp"), rel=1e-9)
 
 
 def test_make_private_with_epsilon_and_grad_sample():

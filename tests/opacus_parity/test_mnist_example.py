@@ -121,7 +121,9 @@ def test_side_by_side_with_opacus(digits28):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus's secure-RNG and hook warnings
         theirs = run(opacus.PrivacyEngine, digits28, epochs=5)
-    ours = run(dpopt.PrivacyEngine, digits28, epochs=5)
+    # seeded noise, as in the fast test (Opacus's run is seeded by torch.manual_seed(0) in run()): with the
+    # secret default the accuracy threshold below was judged on a new draw every run
+    ours = run(dpopt.PrivacyEngine, digits28, epochs=5, noise_generator=torch.Generator().manual_seed(0))
     print(
         f"\nopacus {opacus.__version__}: accuracy {theirs[0]:.3f}, eps {theirs[1]:.4f}; "
         f"dpopt: accuracy {ours[0]:.3f}, eps {ours[1]:.4f} ({ours[2]} steps at q = {ours[3]:.4f}, rdp)"
