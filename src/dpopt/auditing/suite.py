@@ -217,6 +217,10 @@ def audit_method(
     if int(warmup_steps) < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
 
+    # The audited noise is seeded (as this module's docstring promises), from ONE generator that every
+    # optimizer built here shares, so loop mode's fresh optimizer per trial still gets fresh draws.
+    options.setdefault("generator", _noise(seed))
+
     def build():
         params = _method_params(torch.float64)
         opt = methods.make_optimizer(
