@@ -302,7 +302,7 @@ def train_command(
     ),
     sampling: Optional[str] = typer.Option(
         None,
-        help="correlated noise: cyclic (default) or cyclic-poisson (banded:B; amplified; --sample-rate: rate in a part)",
+        help="correlated noise: cyclic (default) or cyclic-poisson (amplified; --sample-rate: rate in a part)",
     ),
     fsdp: bool = typer.Option(
         False,
