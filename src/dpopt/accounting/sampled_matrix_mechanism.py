@@ -128,7 +128,7 @@ def _reduced_means(U: np.ndarray, noise_multiplier: float) -> tuple[np.ndarray, 
     """(β [2^k], Γ [2^k, k−1], patterns [2^k, k]): the unit-noise component means along e = R1/‖R1‖ and in
     its orthogonal complement, for every coin pattern b (U = QR)."""
     k = U.shape[1]
-    R = np.linalg.qr(U, mode="r")
+    R = np.asarray(np.linalg.qr(U, mode="r"), dtype=np.float64)
     pats = np.array(list(itertools.product((0.0, 1.0), repeat=k)))  # 2^k × k, row 0 all zeros
     means = pats @ R.T / float(noise_multiplier)  # R·b / σ
     e = R.sum(axis=1)
