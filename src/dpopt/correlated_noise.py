@@ -39,7 +39,9 @@ and after T releases as Gaussian(σ/Δ). Amplified accounting (opt-in, ``samplin
 banded MF with b ≤ b' bands over cyclic Poisson sampling (:class:`dpopt.cyclic_batches.CyclicPoissonLoader`:
 b' fixed partitions, partition t mod b' Poisson-sampled at rate q at step t) is k = ⌈T/b'⌉ rounds of the
 Poisson-sampled Gaussian at σ/‖c‖ (Choquette-Choo et al., arXiv 2306.08153, Thm 4;
-:func:`amplified_step_events`, :func:`amplified_banded_event`).
+:func:`amplified_step_events`, :func:`amplified_banded_event`); BLT and banded with b > b' (overlapping
+columns) are k rounds at σ/√λ_max(UᵀU), U the columns of one part's steps (the spectral bound,
+:mod:`dpopt.accounting.sampled_matrix_mechanism`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from .accounting.matrix_factorization import (
     step_events,
     strategy_from_record,
 )
+from .accounting.sampled_matrix_mechanism import amplified_sensitivity
 
 __all__ = [
     "CorrelatedNoise",
@@ -117,7 +120,8 @@ class CorrelatedNoise:
         noise_multiplier: σ (for the ledger's events; the Privatizer scales z by σS itself).
         sample_rate: None (default): cyclic batches, unamplified events (:func:`step_events`); q: cyclic
             Poisson sampling at rate q within each of the ``min_separation`` partitions, amplified events
-            (:func:`amplified_step_events`; banded with bands ≤ min_separation only).
+            (:func:`amplified_step_events`: exact for banded with bands ≤ min_separation, the spectral bound
+            of :mod:`dpopt.accounting.sampled_matrix_mechanism` for BLT and banded with more bands).
 
     State: per key (one per device / block of the flat noise vector) the last b−1 noise vectors
     (banded) or n buffers (blt), float64, in memory only. :meth:`correlate` for release t checks that
@@ -233,10 +237,26 @@ class CorrelatedNoise:
             "min_separation": p.min_separation,
             "noise_multiplier": self.noise_multiplier,
             "sensitivity": self.sensitivity,
-            "amplification": "none" if self.sample_rate is None else "cyclic-poisson (arXiv 2306.08153, Thm 4)",
-            **({} if self.sample_rate is None else {"sample_rate": self.sample_rate}),
+            "amplification": self._amplification(),
+            **(
+                {}
+                if self.sample_rate is None
+                else {
+                    "sample_rate": self.sample_rate,
+                    "amplified_sensitivity": amplified_sensitivity(self.strategy, p.steps, p.min_separation),
+                }
+            ),
             "resume": "refused (the stream state is never saved)",
         }
+
+    def _amplification(self) -> str:
+        """The record's ``amplification`` statement: none, the banded analysis, or the spectral bound."""
+        if self.sample_rate is None:
+            return "none"
+        p = self.participation
+        if self.strategy.kind == "banded" and self.strategy.bands <= p.min_separation:
+            return "cyclic-poisson (arXiv 2306.08153, Thm 4)"
+        return "cyclic-poisson spectral bound (dpopt.accounting.sampled_matrix_mechanism)"
 
     def forget(self) -> None:
         """Drop every key's stream state (a forked child; a copy): the stream cannot continue."""

@@ -101,7 +101,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import engine_checkpoint, fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
-from .accounting.calibration import calibrate_amplified_banded_noise_multiplier, calibrate_noise_multiplier
+from .accounting.calibration import calibrate_amplified_noise_multiplier, calibrate_noise_multiplier
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
@@ -335,12 +335,6 @@ def check_sampling(sampling: Optional[str], kind: str, spec: str, sample_rate: O
         )
     if sampling == "cyclic":
         return 0
-    if kind != "banded":
-        raise ConfigError(
-            f"sampling='cyclic-poisson' with noise_mechanism={spec!r}: amplified accounting is known here for "
-            "banded:B only (Choquette-Choo et al. 2023, Thm 4); use banded:B or sampling='cyclic'",
-            "sampling",
-        )
     if sample_rate is None or not 0.0 < float(sample_rate) <= 1.0:
         raise ConfigError(
             f"sampling='cyclic-poisson' needs sample_rate=q in (0, 1] (the rate within a part), got {sample_rate!r}",
@@ -585,14 +579,15 @@ class PrivacyEngine:
             epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
                 total_steps); refused with independent noise (they change nothing there).
             sampling: correlated noise only: ``"cyclic"`` (default, unamplified) or ``"cyclic-poisson"``
-                (amplified banded MF, Choquette-Choo et al. arXiv 2306.08153, Thm 4; banded:B only): with
-                ``sample_rate=q`` the data are split once into b' = round(q·len(data_loader)) ≥ B parts and
-                step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
+                (amplified MF): with ``sample_rate=q`` the data are split once into b' = round(q·len(data_loader))
+                parts and step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
                 CyclicPoissonLoader`; expected batch q·N/b' ≈ the loader's batch size); ε is k = ⌈T/b'⌉
-                rounds of the Poisson-sampled Gaussian at σ/‖c‖. BLT, or B > b', has no amplified
-                accountant here: refused. ``distributed=True`` / ``"fsdp"``: every rank cuts rank 0's
-                partition and Poisson-samples its own slice of part t mod b' at q (each example lives on
-                one rank), so the union over ranks is one cyclic Poisson sample; the noise as above.
+                rounds of the Poisson-sampled Gaussian at σ/s: s = ‖c‖ for banded:B with B ≤ b'
+                (Choquette-Choo et al. arXiv 2306.08153, Thm 4), s = √λ_max(UᵀU) for BLT or B > b' (the
+                spectral bound, :mod:`dpopt.accounting.sampled_matrix_mechanism`; T ≤ 2048).
+                ``distributed=True`` / ``"fsdp"``: every rank cuts rank 0's partition and Poisson-samples its
+                own slice of part t mod b' at q (each example lives on one rank), so the union over ranks is
+                one cyclic Poisson sample; the noise as above.
             compile: ``torch.compile`` of the step. Refused here (ValueError): this door's capture runs
                 inside YOUR forward and backward, and under ``torch.compile(module)`` its hooks break the
                 graph at every recorded layer (torch 2.13 compiled only those layers' own forwards, one op
@@ -931,12 +926,12 @@ class PrivacyEngine:
             strategy = optimize_strategy(kind, steps, size)
             if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
                 parts = check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
-                sigma = calibrate_amplified_banded_noise_multiplier(
+                sigma = calibrate_amplified_noise_multiplier(
                     target_epsilon,
                     target_delta,
                     strategy,
                     steps,
-                    -(-steps // parts),
+                    parts,
                     float(cast(float, given)),
                     str(self.accountant),
                 )

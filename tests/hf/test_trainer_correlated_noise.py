@@ -352,7 +352,6 @@ def test_cyclic_poisson_target_epsilon_is_met_from_below(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"noise_mechanism": "blt", "sampling": "cyclic-poisson", "sample_rate": 0.5}, "banded:B only"),
         ({"noise_mechanism": "banded:2", "sample_rate": 0.5}, "rate within a part"),
         ({"sampling": "cyclic-poisson", "sample_rate": 0.5}, "correlated noise_mechanism only"),
     ],

@@ -62,7 +62,7 @@ __all__ = [
     "CalibrationInterrupted",
     "calibrate_noise_multiplier",
     "calibrate_correlated_noise_multiplier",
-    "calibrate_amplified_banded_noise_multiplier",
+    "calibrate_amplified_noise_multiplier",
     "DEFAULT_RTOL",
     "MIN_NOISE_MULTIPLIER",
     "MAX_NOISE_MULTIPLIER",
@@ -554,26 +554,31 @@ def calibrate_correlated_noise_multiplier(
     raise RuntimeError("could not calibrate the noise multiplier (the accountant never reached the target)")
 
 
-def calibrate_amplified_banded_noise_multiplier(
+def calibrate_amplified_noise_multiplier(
     target_epsilon: float,
     delta: float,
     strategy: Any,
     steps: int,
-    rounds: int,
+    parts: int,
     sample_rate: float,
     accountant: str = "pld",
 ) -> float:
-    """The σ of a cyclic-Poisson banded-MF run (``sampling="cyclic-poisson"``) at ε ≤ ``target_epsilon``.
+    """The σ of a cyclic-Poisson MF run (``sampling="cyclic-poisson"``) at ε ≤ ``target_epsilon``.
 
-    Such a run is ``rounds`` = ⌈T/b'⌉ rounds of the Poisson-sampled Gaussian at noise multiplier σ/‖c‖
-    (c the strategy's column of T = ``steps`` coefficients; Choquette-Choo et al. 2023, arXiv 2306.08153,
-    Thm 4), so σ = DP-SGD's σ for ``rounds`` steps at q = ``sample_rate`` (:func:`calibrate_noise_multiplier`)
-    times ‖c‖. The one rule of ``make_private_with_epsilon``, ``dpopt train`` and ``DPTrainer``.
+    Such a run over T = ``steps`` releases and b' = ``parts`` parts is accounted as k = ⌈T/b'⌉ rounds of the
+    Poisson-sampled Gaussian at noise multiplier σ/s, s =
+    :func:`~dpopt.accounting.sampled_matrix_mechanism.amplified_sensitivity` (‖c‖ for banded with b ≤ b'
+    bands, Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 4; √λ_max(UᵀU) for BLT and banded with b > b',
+    the spectral bound), so σ = DP-SGD's σ for k steps at q = ``sample_rate`` (:func:`calibrate_noise_multiplier`)
+    times s. The one rule of ``make_private_with_epsilon``, ``dpopt train`` and ``DPTrainer``.
 
     Raises:
-        ValueError: as :func:`calibrate_noise_multiplier`.
+        ValueError: as :func:`calibrate_noise_multiplier`; as ``amplified_sensitivity`` (overlapping columns
+            over more than 2048 steps).
     """
-    column = strategy.column(steps)
-    norm = math.sqrt(sum(float(c) ** 2 for c in column))
-    sigma = calibrate_noise_multiplier(target_epsilon, delta, float(sample_rate), int(rounds), accountant)
-    return float(sigma.noise_multiplier) * norm
+    from .sampled_matrix_mechanism import amplified_sensitivity
+
+    scale = amplified_sensitivity(strategy, int(steps), int(parts))
+    rounds = -(-int(steps) // int(parts))
+    sigma = calibrate_noise_multiplier(target_epsilon, delta, float(sample_rate), rounds, accountant)
+    return float(sigma.noise_multiplier) * scale

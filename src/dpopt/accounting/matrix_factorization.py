@@ -530,45 +530,46 @@ def amplified_banded_event(
 
 
 def check_amplified(strategy: Strategy, participation: Participation, sample_rate: float) -> None:
-    """Refuse cyclic Poisson sampling where no amplified accountant is known.
+    """Refuse cyclic Poisson sampling where dpopt has no amplified accountant.
+
+    Every strategy has one (:func:`~dpopt.accounting.sampled_matrix_mechanism.amplified_sensitivity`):
+    banded with b ≤ min_separation exactly (arXiv 2306.08153, Thm 4), overlapping columns (BLT, b > b') by
+    the spectral bound, whose dense eigenproblem dpopt solves up to T = :data:`MAX_GENERAL_HORIZON`.
 
     Raises:
-        ValueError: not banded, bands > min_separation (the strategy's columns for one example's
-            participations overlap: the amplified analysis of Choquette-Choo et al. 2023, Thm 4, does not
-            apply, and the MMCC bound of arXiv 2310.15526 is not implemented here), or q ∉ (0, 1].
+        ValueError: q ∉ (0, 1]; overlapping columns over more than :data:`MAX_GENERAL_HORIZON` steps.
     """
-    if strategy.kind != "banded" or strategy.bands > participation.min_separation:
-        raise ValueError(
-            "sampling='cyclic-poisson' (amplified accounting) holds for banded strategies with bands <= the number "
-            f"of partitions only; got {strategy.kind}"
-            + (f" with {strategy.bands} bands" if strategy.kind == "banded" else "")
-            + f" and {participation.min_separation} partitions: use banded:B with B <= the partitions, or "
-            "sampling='cyclic' (unamplified)"
-        )
+    from .sampled_matrix_mechanism import amplified_sensitivity
+
     if not 0.0 < float(sample_rate) <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    amplified_sensitivity(strategy, participation.steps, participation.min_separation)
 
 
 def amplified_step_events(
     noise_multiplier: float, strategy: Strategy, participation: Participation, sample_rate: float
 ) -> list:
-    """Per-release events of banded MF under cyclic Poisson sampling whose composition over the T releases
-    is :func:`amplified_banded_event`: release t = r·b' (the first step of round r, b' = min_separation)
-    carries the round's ``PoissonSampledDpEvent(q, GaussianDpEvent(σ/‖c‖))``, every other release a no-op.
+    """Per-release events of MF under cyclic Poisson sampling: release t = r·b' (the first step of round r,
+    b' = min_separation) carries the round's ``PoissonSampledDpEvent(q, GaussianDpEvent(σ/s))``, every other
+    release a no-op, with s = :func:`~dpopt.accounting.sampled_matrix_mechanism.amplified_sensitivity`:
+    ‖c‖ for banded with b ≤ b' bands (disjoint columns; Choquette-Choo et al., arXiv 2306.08153, Thm 4:
+    exactly :func:`amplified_banded_event`), √λ_max(UᵀU) for overlapping columns (BLT, b > b'; the
+    spectral bound, proved in that module's docstring).
 
     Charging the round at its first release is conservative for every prefix: an example of partition j
     takes part (with probability q) at step r·b' + j ≥ r·b', so after release t at most ⌈(t+1)/b'⌉ of its
-    sampled Gaussians have happened (Choquette-Choo et al., arXiv 2306.08153, Thm 4: with b ≤ b' bands its
-    participations touch disjoint rows of C, each a Poisson-sampled Gaussian at sensitivity ‖c‖).
+    sampled Gaussians have happened, and the prefix of the release is a post-processing of those.
 
     Raises:
         ValueError: :func:`check_amplified`'s refusals; σ ≤ 0.
     """
+    from .sampled_matrix_mechanism import amplified_sensitivity
+
     check_amplified(strategy, participation, sample_rate)
     if not float(noise_multiplier) > 0:
         raise ValueError("correlated noise needs noise_multiplier > 0")
-    col = float(np.linalg.norm(strategy.column(participation.steps)))
-    rnd = dp_event.PoissonSampledDpEvent(float(sample_rate), dp_event.GaussianDpEvent(float(noise_multiplier) / col))
+    sens = amplified_sensitivity(strategy, participation.steps, participation.min_separation)
+    rnd = dp_event.PoissonSampledDpEvent(float(sample_rate), dp_event.GaussianDpEvent(float(noise_multiplier) / sens))
     sep = participation.min_separation
     return [rnd if t % sep == 0 else dp_event.NoOpDpEvent() for t in range(participation.steps)]
 
@@ -577,8 +578,8 @@ def mixture_of_gaussians_round(noise_multiplier: float, strategy: Strategy, samp
     """One round of amplified banded MF as dp_accounting's ``MixtureOfGaussiansDpEvent`` (arXiv 2310.15526,
     Sec. 3): N(0, σ²) against (1 − q)·N(0, σ²) + q·N(‖c‖, σ²). For b ≤ b' bands this is exactly the
     Poisson-sampled Gaussian of :func:`amplified_step_events` (PLD only: dp_accounting's RDP accountant
-    does not take it); kept for cross-checks. General strategies (BLT, b > b') need MMCC's conditional
-    mixtures, which dpopt does not implement (refused)."""
+    does not take it); kept for cross-checks. Strategies with overlapping columns (BLT, b > b') are accounted
+    by the spectral bound instead (:mod:`dpopt.accounting.sampled_matrix_mechanism`; MMCC is not implemented)."""
     if strategy.kind != "banded" or not 0.0 < float(sample_rate) <= 1.0:
         raise ValueError("a mixture-of-Gaussians round is built for banded strategies and q in (0, 1] only")
     col = float(np.linalg.norm(np.asarray(strategy.coefficients, dtype=np.float64)))
@@ -636,7 +637,9 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
     For every entry (``.step``, ``.event``, ``.meta``): the event must be the one
     :func:`step_events` gives for the recorded strategy, participation and σ at that step (a
     Gaussian increment or a no-op), and the recorded ``mechanism_sensitivity`` the recomputed Δ_t;
-    the recorded whole-run ``sensitivity`` must be the recomputed :func:`sensitivity`.
+    the recorded whole-run ``sensitivity`` must be the recomputed :func:`sensitivity`. With a
+    ``sample_rate`` (cyclic Poisson) the events are :func:`amplified_step_events`'s, and a recorded
+    ``amplified_sensitivity`` must be the recomputed one.
     """
     problems: list[str] = []
     try:
@@ -650,6 +653,12 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
         return [f"the mechanism record cannot be re-derived: {exc}"]
     if abs(float(record.get("sensitivity", -1.0)) - prefix[-1]) > rtol * prefix[-1]:
         problems.append(f"recorded sensitivity {record.get('sensitivity')} != recomputed {prefix[-1]:.9g}")
+    if q is not None and "amplified_sensitivity" in record:
+        from .sampled_matrix_mechanism import amplified_sensitivity
+
+        amp = amplified_sensitivity(strategy, part.steps, part.min_separation)
+        if abs(float(record["amplified_sensitivity"]) - amp) > rtol * amp:
+            problems.append(f"recorded amplified_sensitivity {record['amplified_sensitivity']} != recomputed {amp:.9g}")
     bad = []
     for e in entries:
         if not 0 <= e.step < part.steps:

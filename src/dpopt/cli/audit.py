@@ -103,7 +103,7 @@ def audit(
         "independent", "--noise-mechanism", help="--one-run: independent, banded:B or blt[:N] (correlated noise)."
     ),
     sampling: Optional[str] = typer.Option(
-        None, "--sampling", help="--one-run, correlated noise: cyclic (default) or cyclic-poisson (banded:B)."
+        None, "--sampling", help="--one-run, correlated noise: cyclic (default) or cyclic-poisson (amplified)."
     ),
     report: Optional[str] = typer.Option(None, "--report", help="--one-run: write one-run-audit.md and .png here."),
 ) -> None:

@@ -302,8 +302,8 @@ def train_command(
     ),
     sampling: Optional[str] = typer.Option(
         None,
-        help="correlated noise: cyclic (default) or cyclic-poisson (banded:B; amplified; --sample-rate: rate in a "
-        "part); under torchrun each rank samples its slice of the step's batch or part",
+        help="correlated noise: cyclic (default) or cyclic-poisson (amplified; --sample-rate: rate in a part); "
+        "under torchrun each rank samples its slice of the step's batch or part",
     ),
     fsdp: bool = typer.Option(
         False,

@@ -80,7 +80,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
   replicated model: every rank takes its slice of each cyclic batch (the slices are disjoint, their union the
   one-process batch) and rank 0 alone runs the stream (the noise is added once, before the all-reduce); with a
   ``fully_shard``-ed model (FSDP2, below) each rank streams the noise of its shard.
-  ``sampling="cyclic-poisson", sample_rate=q`` (banded only): make_private's amplified form over
+  ``sampling="cyclic-poisson", sample_rate=q``: make_private's amplified form over
   b' = round(q × steps per epoch) parts, each example of part t mod b' included with probability q
   (:class:`~dpopt.cyclic_batches.CyclicPoissonLoader`); one Trainer epoch stays ``steps per epoch`` steps;
   under torchrun each rank Poisson-samples its slice of the step's part (the union is one cyclic Poisson
@@ -126,7 +126,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .. import jsonio
 from ..accounting.calibration import (
-    calibrate_amplified_banded_noise_multiplier,
+    calibrate_amplified_noise_multiplier,
     calibrate_correlated_noise_multiplier,
     calibrate_noise_multiplier,
 )
@@ -612,12 +612,12 @@ class DPTrainer(Trainer):
         if self._sampling.get("sampling") == "cyclic-poisson":  # k rounds of Gaussian(σ/‖c‖) sampled at q
             q = cast(float, self._sampling["sample_rate"])
             parts = check_sampling("cyclic-poisson", kind, self.noise_mechanism, q, per_epoch)
-            return calibrate_amplified_banded_noise_multiplier(
+            return calibrate_amplified_noise_multiplier(
                 cast(float, self._target),
                 self.delta,
                 optimize_strategy(kind, steps, size),
                 steps,
-                -(-steps // parts),
+                parts,
                 q,
                 str(self.engine.accountant),
             )

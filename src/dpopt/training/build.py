@@ -25,7 +25,7 @@ from torch import nn
 from ..accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
 from ..accounting.calibration import (
     CalibrationResult,
-    calibrate_amplified_banded_noise_multiplier,
+    calibrate_amplified_noise_multiplier,
     calibrate_noise_multiplier,
 )
 from ..accounting.ledger import PrivacyLedger
@@ -210,16 +210,6 @@ def _mechanism_plan(
     batches = min(n_train, max(1, round(1.0 / sample_rate)))
     if cfg.sampling == "cyclic-poisson":  # b' parts, each example of part t mod b' sampled at q
         batches = cyclic_poisson_parts(cfg, n_train)
-        if size > batches:
-            raise ConfigError(
-                f"sampling cyclic-poisson with noise_mechanism {cfg.noise_mechanism}: {size} bands exceed the "
-                f"{batches} parts (round(sample_rate × N / batch_size)); the amplified accountant needs "
-                f"bands <= parts: use banded:{batches} or a larger sample_rate",
-                "sampling",
-                "noise_mechanism",
-                "sample_rate",
-                "batch_size",
-            )
     participation = Participation(steps, -(-steps // batches), batches)
     return optimize_strategy(kind, steps, size), participation
 
@@ -306,12 +296,12 @@ def build_run(
     if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
         strategy, participation = mechanism
         if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's σ for k rounds at q, × ‖c‖
-            sigma = calibrate_amplified_banded_noise_multiplier(
+            sigma = calibrate_amplified_noise_multiplier(
                 cfg.target_epsilon,
                 cfg.delta,
                 strategy,
                 steps,
-                participation.participations,
+                participation.min_separation,
                 sample_rate,
                 cfg.accountant,
             )

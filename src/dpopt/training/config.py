@@ -109,7 +109,7 @@ class TrainConfig:
     max_records_per_user: int = 16
     # "independent", or correlated noise across steps: "banded:B" / "blt[:N]" (dpopt.correlated_noise)
     noise_mechanism: str = "independent"
-    # correlated noise only: "cyclic" (None: the default, unamplified) or "cyclic-poisson" (banded:B, amplified:
+    # correlated noise only: "cyclic" (None: the default, unamplified) or "cyclic-poisson" (amplified:
     # round(q·N/B̄) parts, part t mod b' Poisson-sampled at q = sample_rate; dpopt.cyclic_batches)
     sampling: Optional[str] = None
 
@@ -134,13 +134,6 @@ def _check_noise_mechanism(cfg: TrainConfig) -> None:
                 "noise_mechanism",
             )
         return
-    if cfg.sampling == "cyclic-poisson" and kind != "banded":
-        raise ConfigError(
-            f"sampling cyclic-poisson with noise_mechanism {cfg.noise_mechanism}: an amplified accountant is known "
-            "for banded:B only (arXiv 2306.08153, Thm 4); use banded:B or sampling cyclic",
-            "sampling",
-            "noise_mechanism",
-        )
     if cfg.sampling == "cyclic-poisson" and cfg.sample_rate is None:
         raise ConfigError(
             "sampling cyclic-poisson needs sample_rate q (each example of the step's part is included with "
