@@ -194,6 +194,33 @@ def _os_words(n: int) -> Tensor:
     return torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
 
 
+@lru_cache(maxsize=1)
+def _aes_ctr() -> Optional[Callable[[bytes], object]]:
+    """``key -> AES-256-CTR encryptor`` (counter block 0) from the ``cryptography`` package, or None
+    when it is not installed (secure noise then reads every word from :func:`os.urandom`)."""
+    try:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    except ImportError:
+        return None
+    return lambda key: Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+
+
+def _secure_words(n: int) -> Tensor:
+    """``n`` int64 words of 64 random bits from a cryptographically secure generator (CPU tensor).
+
+    The AES-256-CTR keystream under a fresh 256-bit key from :func:`os.urandom` per call (the
+    construction of NIST SP 800-90A's CTR_DRBG: telling the words from random, or predicting any
+    of them from the others, is breaking AES-256), ≈ 25× faster than reading them all from the OS;
+    :func:`os.urandom` itself when the ``cryptography`` package is not installed.
+    """
+    aes = _aes_ctr()
+    if n == 0 or aes is None:
+        return _os_words(n)
+    buf = bytearray(8 * n + 15)  # update_into wants room for one more block
+    aes(os.urandom(32)).update_into(bytes(8 * n), buf)  # type: ignore[attr-defined]
+    return torch.frombuffer(buf, dtype=torch.int64, count=n)
+
+
 def _random_words(shape, generator: torch.Generator, device) -> Tensor:
     """int64 words of 64 random bits each (the full signed range) from ``generator`` on ``device``."""
     return torch.empty(shape, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
@@ -598,8 +625,8 @@ class NoiseSource:
         dev = torch.device(device)
         block = BLOCK_PAIRS if dev.type == "cpu" else None
         if self.mode == "secure":
-            words = _os_words(2 * pairs).to(dev)
-            slot_words = _os_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
+            words = _secure_words(2 * pairs).to(dev)
+            slot_words = _secure_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
         elif dev.type == "cpu":
             return CpuNormalDraw(self, n).values(shape, dtype)
         else:
