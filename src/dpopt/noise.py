@@ -8,46 +8,65 @@ and the guarantee is void (ε = ∞ against that adversary). So dpopt draws them
 from one of three sources, and records which in the ledger header (``noise``):
 
 ``"secret"`` (default)
-    A ``torch.Generator`` whose state comes from OS entropy and is never
-    stored, printed or written. On CPU (Mersenne Twister, MT19937) the WHOLE
-    624-word state is filled from :func:`os.urandom` (19,968 bits):
-    ``manual_seed`` alone would not do, because torch's CPU generator keeps
-    only the low 32 bits of a seed (see :func:`_secret_cpu_generator`). On
-    CUDA (Philox4x32-10, whose key is the full 64-bit seed) it is seeded with
-    63 bits from :func:`secrets.randbits`. Protects against replay from
-    anything written down. Does NOT protect against an adversary who
-    reconstructs the generator's internal state from the noise values
-    themselves (neither generator is cryptographic).
+    State from OS entropy, never stored, printed or written. The CPU normals
+    come from SFC64 streams (numpy; Doty-Humphrey's Small Fast Chaotic PRNG),
+    one per chunk of :data:`NORMAL_CHUNK` normals, each with a fresh 192-bit
+    state from :func:`os.urandom` when the draw starts. The CPU uniforms
+    (Poisson masks) come from a ``torch.Generator`` (Mersenne Twister,
+    MT19937) whose WHOLE 624-word state is filled from :func:`os.urandom`
+    (19,968 bits): ``manual_seed`` alone would not do, because torch's CPU
+    generator keeps only the low 32 bits of a seed (see
+    :func:`_secret_cpu_generator`). On CUDA (Philox4x32-10, whose key is the
+    full 64-bit seed) it is seeded with 63 bits from :func:`secrets.randbits`.
+    Protects against replay from anything written down. Does NOT protect
+    against an adversary who reconstructs a generator's internal state from
+    the noise values themselves (none of these generators is cryptographic).
 ``"secure"``
-    The random words are read from the operating system's CSPRNG
-    (:func:`os.urandom`; ChaCha20 in Linux ≥ 4.8): state recovery is then as
-    hard as breaking it. 8 bytes of OS randomness per normal: slower
-    (``benchmarks/noise_cost.py``).
+    The random words come from a cryptographically secure generator: the
+    AES-256-CTR keystream under a fresh 256-bit key from :func:`os.urandom`
+    per draw (NIST SP 800-90A's CTR_DRBG construction; the ``cryptography``
+    package), or :func:`os.urandom` itself (ChaCha20 in Linux ≥ 4.8) when that
+    package is not installed: state recovery is then as hard as breaking
+    AES-256 (or the OS generator). Slower (``benchmarks/noise_cost.py``).
 ``"reproducible"``
     Seeded from a user-given seed — a research mode for bit-identical
     reruns. The ledger records it and ``dpopt check`` FAILS such a ledger
     ("noise reproducible from a published seed").
 
-**One sampler with its tail, in every mode and on every device.** The modes
-differ only in where the random 64-bit words come from; the words become
-normals in :func:`gaussian_from_words` (float64 torch ops, the same code on CPU
-and CUDA): Box–Muller, z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52
-grid and u = m·2^-(k+1), m a 52-bit mantissa in [1, 2) and k geometric from
-random bits — u is uniform with full relative precision at EVERY scale, not a
-fixed-point grid. torch's CPU float32 ``normal_`` (24-bit uniforms) can never
-exceed |z| = 5.77, a 53-bit fixed-point uniform (dpopt's earlier secure mode)
-8.57; an output beyond the cut is impossible without the example, so the
-truncation costs δ ≥ P(Z > r_max − 1/σ) per inclusion (8e-5 at σ = 0.5 for
-5.77). Here k runs to 1021 (u ≥ 2^-1022), so the largest possible |z| is
-:data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 ≥ 11.5 + 1/σ for every σ ≥ 0.1:
-P(Z > 37.64 − 1/σ) < 1e-160 per inclusion. Other departures from the ideal
-sampler: a stream of > 1000 zero bits is cut (probability 2^-1000), and with
-probability ≤ 2^-140 per call more pairs need exponent bits beyond the first
-12 than :func:`_slots` provides (per chunk of :data:`NORMAL_CHUNK` normals in a large CPU
-draw; they stay at |z| ≤ 4.25); both are far below
-1e-30, so nothing is added to the ledger's δ. The draw is float64, rounded
-once to the requested dtype; the Privatizer adds it to the clipped sum in
-float64 and rounds the noisy sum once to the parameter dtype.
+**Two samplers, one tail requirement.** The guarantee needs every |z| up to
+11.5 + 1/σ to be possible: an output beyond the sampler's largest |z| (its cut)
+is impossible without the example, so the truncation costs
+δ ≥ P(Z > r_max − 1/σ) per inclusion (torch's CPU float32 ``normal_``, 24-bit
+uniforms, never exceeds 5.77: 8e-5 at σ = 0.5). Both samplers reach
+:data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 or just under it, so
+P(Z > r_max − 1/σ) < 1e-160 per inclusion for every σ ≥ 0.1.
+
+* *Secret and reproducible noise on CPU* (issue 34, for speed): numpy's float64
+  ziggurat (Marsaglia & Tsang 2000) on the chunk's SFC64 stream, with every
+  value of its base-strip tail branch (exactly the values with |z| ≥
+  :data:`ZIGGURAT_R` = 3.654) redrawn from the exact tail law by Marsaglia's
+  (1964) method on uniforms with the full float64 exponent range
+  (:func:`ziggurat_normals`): largest |z| √(r² + 2·1012·ln 2) = 37.63; numpy's
+  own tail stops at 13.71. The values do not depend on the thread count.
+* *Secure noise, and every mode on CUDA*: float64 Box–Muller on random 64-bit
+  words (:func:`gaussian_from_words`, the same torch ops on CPU and CUDA),
+  z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52 grid and u = m·2^-(k+1),
+  m a 52-bit mantissa in [1, 2) and k geometric from random bits — u is uniform
+  with full relative precision at EVERY scale, not a fixed-point grid (a 53-bit
+  fixed-point uniform, dpopt's earlier secure mode, stops at 8.57). Here k runs
+  to 1021 (u ≥ 2^-1022): the largest |z| is :data:`CUT_RADIUS`.
+
+Other departures from the ideal samplers: a geometric stream of > 1000 zero
+bits is cut (probability < 2^-1000); with probability ≤ 2^-140 per call more
+Box–Muller pairs need exponent bits beyond the first 12 than :func:`_slots`
+provides (per chunk of :data:`NORMAL_CHUNK` normals; they stay at |z| ≤ 4.25);
+numpy's ziggurat tables are float64 roundings of the exact strip edges (a body
+value within an ulp of r, probability ~2^-50, could be counted as tail and
+redrawn); all far below 1e-30 in effect, so nothing is added to the ledger's δ.
+Each draw is float64, rounded once to the requested dtype; the Privatizer adds
+it to the clipped sum in float64 and rounds the noisy sum once to the parameter
+dtype. Reproducible CPU values depend on numpy's ziggurat, which numpy may
+change between versions (its stream-compatibility policy).
 
 Floating-point attacks (Mironov 2012; Jin et al. 2022, arXiv 2112.05307,
 "Are we there yet? Timing and floating-point attacks on differential
@@ -61,19 +80,22 @@ but dpopt gives no proof, and no protection against timing side channels
 generator: ``pickle``, ``copy.copy``/``deepcopy`` and ``torch.save`` carry no
 generator state, and the copy re-seeds from OS entropy on its first draw (a
 copy is still usable: users deep-copy optimizers for EMA/SWA); a forked child
-re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
+re-seeds too (``os.register_at_fork``). Reproducible sources keep their state. The
+per-thread SFC64 objects a source re-uses (their state overwritten before every chunk) are never
+copied either.
 
 **When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
-(:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its words are taken from the source at
-once (the stream order is that of a draw made there), its chunks are computed in the source's worker
-threads. The Privatizer starts the step's draw when the step begins, so that it overlaps the
-per-sample work, and its one noise seam (``Privatizer._draw``) takes the values at the release. The
-values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
-never pickled or copied, and one started before a fork is refused in the child.
+(:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its chunk states are taken from the
+source at once (the stream order is that of a draw made there), its chunks are computed in the
+source's worker threads (numpy's sampler releases the GIL: they run in parallel). The Privatizer
+starts the step's draw when the step begins, so that it overlaps the per-sample work, and its one
+noise seam (``Privatizer._draw``) takes the values at the release. The values are bit-identical to
+a :meth:`NoiseSource.normal` call; a draw is never pickled or copied, and one started before a fork
+is refused in the child.
 
-**Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a large CPU draw is
-self-contained (its own generator state, words and continuation rows), so a draw can also be
-*streamed* (``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
+**Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
+self-contained (its own generator state), so a draw can also be *streamed*
+(``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
 1 MiB scratch buffer of its worker thread, and handed to the caller, who adds them to the clipped
 sum and rounds in place — the Privatizer's release of a model larger than its early-draw limit,
 which never holds the noise of all parameters at once.
@@ -97,7 +119,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["CUT_RADIUS", "NOISE_MODES", "CpuNormalDraw", "NoiseSource", "gaussian_from_words", "make_noise_source"]
+__all__ = [
+    "CUT_RADIUS",
+    "NOISE_MODES",
+    "ZIGGURAT_R",
+    "CpuNormalDraw",
+    "NoiseSource",
+    "gaussian_from_words",
+    "make_noise_source",
+    "ziggurat_normals",
+]
 
 NOISE_MODES = ("secret", "secure", "reproducible")
 _BITS = 53  # mantissa bits of a float64 uniform
@@ -553,10 +584,12 @@ class NoiseSource:
         ValueError: unknown mode; a seed/generator outside ``"reproducible"``
             mode, or neither in it.
 
-    The state of ``"secret"`` mode is drawn here from OS entropy and never
-    exposed (no attribute holds it): the whole Mersenne Twister state on CPU,
-    a 63-bit Philox seed on CUDA (module docstring). CUDA tensors get their
-    own generator on their device.
+    The state of ``"secret"`` mode comes from OS entropy and is never
+    written anywhere: each CPU normal draw's SFC64 chunk states (from
+    :func:`os.urandom`, held by the draw until its chunks are computed), the
+    whole Mersenne Twister state of the CPU uniforms, a 63-bit Philox seed on
+    CUDA (module docstring). CUDA tensors get their own generator on their
+    device.
     """
 
     def __init__(self, mode: str = "secret", seed: Optional[int] = None, generator: Optional[torch.Generator] = None):
