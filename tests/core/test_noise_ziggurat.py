@@ -35,14 +35,18 @@ LN2 = math.log(2.0)
 
 
 class _Scripted:
-    """A stand-in for a numpy Generator whose ``bit_generator.random_raw`` returns given words."""
+    """A stand-in for a numpy Generator whose ``bit_generator.random_raw(size)`` returns given words:
+    each call takes the next entry, an array of that size or a scalar to fill it with."""
 
     def __init__(self, *draws):
         self._draws = list(draws)
         self.bit_generator = self
 
     def random_raw(self, size):
-        return np.asarray(self._draws.pop(0), dtype=np.uint64).reshape(size)
+        words = self._draws.pop(0)
+        if np.ndim(words) == 0:
+            return np.full(size, words, dtype=np.uint64)
+        return np.asarray(words, dtype=np.uint64).reshape(size)
 
 
 def test_tail_radius_beats_the_requirement_and_stays_under_the_cut():
@@ -53,24 +57,34 @@ def test_tail_radius_beats_the_requirement_and_stays_under_the_cut():
 
 def test_all_zero_words_give_the_largest_tail_value():
     """u₁ = 2^-(K_MAX+1) (all 1024 stream bits and the mantissa zero), u₂ = 0: z = the tail radius."""
-    gen = _Scripted(np.zeros((1, _TAIL_WORDS)), [0], [0])
+    gen = _Scripted(0, 0, 0)  # [first word, μ's word] per try; the stream's other words; u₂
     z = _tail_draws(gen, 1)
     assert z[0] == pytest.approx(_TAIL_RADIUS, rel=1e-14) and z[0] > 11.5 + 1 / 0.1
 
 
-@pytest.mark.parametrize("zeros", [0, 1, 31, 32, 33, 63, 64, 100, 640, 1000])
+@pytest.mark.parametrize("zeros", [0, 1, 31, 32, 33, 52, 53, 63, 64, 100, 640, 1000])
 def test_exponent_is_the_count_of_leading_zero_bits_across_words(zeros):
-    words = np.zeros((1, _TAIL_WORDS), dtype=np.uint64)
+    stream = np.zeros(_TAIL_WORDS, dtype=np.uint64)
     word, bit = divmod(zeros, 64)
-    words[0, word] = np.uint64(1) << np.uint64(63 - bit)
-    mantissa_word = np.uint64(0x8000000000000000)  # μ = 1.5 (the top mantissa bit after the shift)
-    ln_u = _log_full_uniform(_Scripted(words, [mantissa_word]), 1)
+    stream[word] = np.uint64(1) << np.uint64(63 - bit)
+    first = [[stream[0], np.uint64(0x8000000000000000)]]  # μ = 1.5 (the top mantissa bit after the shift)
+    draws = (first,) if zeros < 53 else (first, [stream[1:]])  # a first word below 2^11 reads on
+    ln_u = _log_full_uniform(_Scripted(*draws), 1)
     assert ln_u[0] == pytest.approx(math.log(1.5) - (zeros + 1) * LN2, rel=1e-15)
 
 
 def test_exponent_stops_at_its_cap():
-    ln_u = _log_full_uniform(_Scripted(np.zeros((2, _TAIL_WORDS)), [0, 0]), 2)
+    ln_u = _log_full_uniform(_Scripted(0, 0), 2)
     assert np.all(ln_u == -(_TAIL_K_MAX + 1) * LN2)
+
+
+def test_rare_rows_read_on_in_row_order():
+    """Two of three rows have a first word below 2^11: they read the next words, the earlier row first."""
+    first = [[0, 0], [1 << 63, 0], [5, 0]]  # zeros: 1024 (all), 0, 61
+    more = np.zeros((2, _TAIL_WORDS - 1), dtype=np.uint64)
+    more[0, 0] = 1 << 62  # row 0: 64 + 1 zeros
+    ln_u = _log_full_uniform(_Scripted(first, more), 3)
+    assert np.allclose(ln_u, [-(66) * LN2, -LN2, -(62) * LN2], rtol=1e-15)
 
 
 def test_full_uniforms_are_uniform():
