@@ -389,31 +389,6 @@ def _continue_stream(flat: Tensor, cont: Tensor, slot_words: Tensor, block_pairs
     flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)  # + 0 at unused slots
 
 
-def _continue_pairs(flat: Tensor, idx: Tensor, rows: Tensor, pairs: int, block_pairs: int) -> None:
-    """:func:`_continue_stream` for given flagged pairs (CPU chunks, :class:`CpuNormalDraw`), in place.
-
-    Args:
-        flat: float64 output of all blocks (layout of :func:`_continue_stream`).
-        idx: int64 ``[c]`` indices of flagged pairs (each < ``pairs``), in index order.
-        rows: int64 ``[c, _SLOT_WORDS]``: the continuation rows these pairs get (the r-th flagged
-            pair of the whole draw gets row r, as in :func:`_continue_stream`).
-
-    The arithmetic is :func:`_continue_stream`'s, element by element (bit-identical values).
-    """
-    c = idx.numel()
-    if c == 0:
-        return
-    blk, j = idx // block_pairs, idx % block_pairs
-    in_block = torch.clamp(pairs - blk * block_pairs, max=block_pairs)
-    cos_at = blk * (2 * block_pairs) + j
-    at = torch.cat([cos_at, cos_at + in_block])
-    z = flat[at]
-    old = z[:c] ** 2 + z[c:] ** 2
-    extra = _stream_tail(rows).to(torch.float64) * (2.0 * math.log(2.0))
-    ratio = torch.sqrt((old + extra) / old)
-    flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)
-
-
 def _finish(flat: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """The first ``shape.numel()`` values of ``flat`` (float64) as ``shape``, rounded once to ``dtype``;
     never a view that keeps the unused last draw of an odd count."""
