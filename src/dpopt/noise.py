@@ -241,7 +241,7 @@ def _secure_words(n: int) -> Tensor:
 
     The AES-256-CTR keystream under a fresh 256-bit key from :func:`os.urandom` per call (the
     construction of NIST SP 800-90A's CTR_DRBG: telling the words from random, or predicting any
-    of them from the others, is breaking AES-256), ≈ 25× faster than reading them all from the OS;
+    of them from the others, is breaking AES-256), ≈ 5× faster than reading them all from the OS;
     :func:`os.urandom` itself when the ``cryptography`` package is not installed.
     """
     aes = _aes_ctr()
