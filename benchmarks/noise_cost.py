@@ -1,27 +1,28 @@
-"""What the Gaussian noise costs per 10^6 normals, old and new samplers measured in ONE run.
+"""What the Gaussian noise costs per normal: dpopt's samplers, their parts and the candidates, in ONE run.
 
     python benchmarks/noise_cost.py            # a table
     python benchmarks/noise_cost.py --json     # one JSON object
 
-Rows (float32 output unless the name says float64; ms per 10^6 normals, the best of ``--repeats``
-timings of a ``--size`` draw, all rows timed round-robin so that load changes reach them alike):
+ms per 10^6 normals = ns per normal: the best of ``--repeats`` timings of a ``--size`` draw, every
+row timed round-robin (one timing of each row per round) so that load changes reach them alike.
+Wall time is what a step waits; CPU time (process, all threads) is the work, which preemption on a
+loaded machine does not inflate. Compare ratios from one run, never figures across runs.
 
-* ``torch.randn``: torch's CPU ``normal_`` (Box–Muller on 24-bit uniforms, |z| ≤ 5.77), one thread.
-* ``old secret (T threads)``: dpopt's previous secret path, re-created here: the same kernel,
-  chunk by chunk from derived MT19937 generators on T threads (|z| ≤ 5.77).
-* ``old secure``: the previous ``secure_mode``: float64 Box–Muller on 53-bit OS-CSPRNG uniforms
-  (|z| ≤ 8.57), rounded to float32.
-* ``floor: MT words only``: the 64 random bits per normal the new sampler reads, nothing else.
-* ``new secret/secure/reproducible``: :meth:`dpopt.noise.NoiseSource.normal` today
-  (|z| ≤ :data:`dpopt.noise.CUT_RADIUS` = 37.64 in every mode).
-* ``new secret streamed``: ``start_normal(n, stream=True)`` consumed chunk by chunk (the release of a
-  model above the Privatizer's early-draw limit: no buffer of n values; issue 43).
+Rows (float64 unless the name says float32; "T t" = T torch threads, the noise source's workers):
 
-ms per 10^6 normals is ns per normal.
-
-Ratios are to ``torch.randn`` and to the old path of the same mode and thread count; CPU ms is the
-process CPU time (all threads), which preemption on a loaded machine does not inflate. Timings
-depend on the machine and its load: compare ratios from one run, never figures across runs.
+* ``torch float32 normal_`` / ``torch float64 normal_``: torch's CPU sampler (MT19937; float32:
+  vectorised Box–Muller on 24-bit uniforms, |z| ≤ 5.77) — the yardstick of issue 34.
+* ``words: …``: the random bits alone, 64 per normal: torch's MT19937 (``random_``), numpy's SFC64
+  (``random_raw``), AES-256-CTR (the ``cryptography`` package; secure mode), :func:`os.urandom`.
+* ``numpy ziggurat (BITGEN)``: numpy's float64 ``standard_normal`` per chunk of ``NORMAL_CHUNK``,
+  without dpopt's tail redraw (its tail stops at |z| ≈ 13.7).
+* ``tail scan``: the pass that finds the values to redraw (|z| ≥ 3.654), on a ready chunk.
+* ``previous secret``: issue 19's sampler, re-created (float64 Box–Muller on MT19937 words with a
+  full-exponent radius, chunk by chunk; |z| ≤ 37.64).
+* ``secret``: :meth:`dpopt.noise.NoiseSource.normal` today (numpy's ziggurat on per-chunk SFC64
+  streams, the tail redrawn exactly; |z| ≤ 37.63), also streamed (``start_normal(stream=True)``,
+  the release of a model above the Privatizer's early-draw limit) and ``reproducible``.
+* ``secure`` / ``previous secure``: Box–Muller on AES-256-CTR words / on :func:`os.urandom` words.
 """
 
 from __future__ import annotations
@@ -32,23 +33,41 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
-from dpopt.noise import _MT_WORDS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _cpu_generator_from_words
+from dpopt.noise import (
+    _MT_WORDS,
+    _SLOT_WORDS,
+    BLOCK_PAIRS,
+    CUT_RADIUS,
+    NORMAL_CHUNK,
+    ZIGGURAT_R,
+    NoiseSource,
+    _aes_ctr,
+    _cpu_generator_from_words,
+    _os_words,
+    _random_words,
+    _slots,
+    gaussian_from_words,
+)
 
 
-def _old_secret(n: int, pool, gen: torch.Generator) -> torch.Tensor:
-    """The pre-issue-19 secret path: torch's float32 normal_ per chunk of NORMAL_CHUNK, derived MT states."""
+def _previous_secret(n: int, gen: torch.Generator, pool) -> torch.Tensor:
+    """Issue 19's CPU sampler: per chunk an MT19937 generator (whole state from ``gen``), its words,
+    float64 Box–Muller with the continued exponent stream (:func:`gaussian_from_words`)."""
     k = -(-n // NORMAL_CHUNK)
-    words = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
-    raw = words.to(torch.int32).numpy().tobytes()
-    out = torch.empty(n)
+    raw = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64).to(torch.int32).numpy().tobytes()
+    out = torch.empty(n, dtype=torch.float64)
 
     def fill(i: int) -> None:
         sub = _cpu_generator_from_words(raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)])
-        out[i * NORMAL_CHUNK : min(n, (i + 1) * NORMAL_CHUNK)].normal_(generator=sub)
+        lo, hi = i * NORMAL_CHUNK, min(n, (i + 1) * NORMAL_CHUNK)
+        pairs = -(-(hi - lo) // 2)
+        words = _random_words(2 * pairs, sub, "cpu")
+        z = gaussian_from_words(words, _random_words((_slots(pairs), _SLOT_WORDS), sub, "cpu"), BLOCK_PAIRS)
+        out[lo:hi] = z[: hi - lo]
 
     if pool is None:
         for i in range(k):
@@ -58,26 +77,37 @@ def _old_secret(n: int, pool, gen: torch.Generator) -> torch.Tensor:
     return out
 
 
-def _old_secure(n: int) -> torch.Tensor:
-    """The pre-issue-19 secure path: float64 Box–Muller on 53-bit uniforms from os.urandom."""
-    pairs = (n + 1) // 2
-    words = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
-    u = ((words & ((1 << 53) - 1)).to(torch.float64) + 1.0) * 2.0**-53
-    r = torch.sqrt(-2.0 * torch.log(u[:pairs]))
-    theta = (2.0 * math.pi) * u[pairs:]
-    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n].to(torch.float32)
+def _previous_secure(n: int) -> torch.Tensor:
+    """Issue 19's secure mode: :func:`gaussian_from_words` on words from :func:`os.urandom`."""
+    pairs = -(-n // 2)
+    slots = _os_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS)
+    return gaussian_from_words(_os_words(2 * pairs), slots, BLOCK_PAIRS)
 
 
-def _streamed(source: NoiseSource, n: int) -> None:
-    """A streamed draw of ``n`` normals, each chunk handed to a consumer that does nothing with it."""
-    source.start_normal(n, stream=True).consume(lambda lo, hi, z: None)
+def _ziggurat_only(n: int, name: str) -> None:
+    """numpy's float64 ziggurat on bit generator ``name``, chunk by chunk, no tail redraw."""
+    out = np.empty(NORMAL_CHUNK)
+    gen = np.random.Generator(getattr(np.random, name)(12345))
+    for lo in range(0, n, NORMAL_CHUNK):
+        gen.standard_normal(out=out[: min(NORMAL_CHUNK, n - lo)])
+
+
+def _tail_scan(n: int, chunk: np.ndarray) -> None:
+    """The tail redraw's search pass over ``n`` values (chunk by chunk)."""
+    for lo in range(0, n, NORMAL_CHUNK):
+        np.flatnonzero(np.abs(chunk[: min(NORMAL_CHUNK, n - lo)]) >= ZIGGURAT_R)
+
+
+def _aes_words(n: int) -> None:
+    aes = _aes_ctr()
+    if aes is not None:
+        buf = bytearray(8 * n + 15)
+        aes(os.urandom(32)).update_into(bytes(8 * n), buf)  # type: ignore[attr-defined]
 
 
 def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(best wall ms, best process-CPU ms) of each case, timed round-robin (one timing of every case
-    per round), so that a change of machine load during the run reaches every case alike. CPU time
-    (all threads of this process) is what a loaded machine distorts least: preemption does not
-    count. Each case is ``(threads, fn)``; its first call is a warm-up."""
+    """(best wall ms, best process-CPU ms) of each ``(threads, fn)`` case, timed round-robin; each
+    case's first call is a warm-up."""
     wall = {name: math.inf for name in cases}
     cpu = dict(wall)
     for _name, (threads, fn) in cases.items():
@@ -97,64 +127,77 @@ def measure(size: int, repeats: int) -> dict:
     """ms per 10^6 normals for every row (module docstring), in one process, timed round-robin."""
     scale = 1e6 / size
     old_threads = torch.get_num_threads()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     gen = torch.Generator().manual_seed(0)
-    pool = ThreadPoolExecutor(max_workers=2)
     secret, secure, repro = NoiseSource("secret"), NoiseSource("secure"), NoiseSource("reproducible", seed=0)
+    prev_pool = NoiseSource("secret")  # only for its worker threads (the previous sampler ran there too)
+    x32, x64 = torch.empty(size), torch.empty(size, dtype=torch.float64)
+    ready = np.random.default_rng(0).standard_normal(NORMAL_CHUNK)
     cases = {
-        "torch.randn": (1, lambda: torch.randn(size, generator=gen)),
-        "old secret (1 thread)": (1, lambda: _old_secret(size, None, gen)),
-        "new secret (1 thread)": (1, lambda: secret.normal((size,))),
-        "new secret float64 (1 thread)": (1, lambda: secret.normal((size,), dtype=torch.float64)),
-        "old secret (2 threads)": (2, lambda: _old_secret(size, pool, gen)),
-        "new secret (2 threads)": (2, lambda: secret.normal((size,))),
-        "new secret float64 (2 threads)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
-        "new secret streamed (1 thread)": (1, lambda: _streamed(secret, size)),
-        "new secret streamed (2 threads)": (2, lambda: _streamed(secret, size)),
-        "floor: MT words only (1 thread)": (
+        "torch float32 normal_ (1 t)": (1, lambda: x32.normal_(generator=gen)),
+        "torch float32 normal_ (2 t)": (2, lambda: x32.normal_(generator=gen)),
+        "torch float64 normal_ (1 t)": (1, lambda: x64.normal_(generator=gen)),
+        "words: torch MT19937": (
             1,
             lambda: torch.empty(size, dtype=torch.int64).random_(-(2**63), None, generator=gen),
-        ),  # the new sampler's random bits alone: 64 per normal
-        "old secure": (1, lambda: _old_secure(size)),
-        "new secure": (1, lambda: secure.normal((size,))),
-        "new reproducible (1 thread)": (1, lambda: repro.normal((size,))),
+        ),
+        "words: numpy SFC64": (1, lambda: np.random.SFC64(1).random_raw(size)),
+        "words: AES-256-CTR": (1, lambda: _aes_words(size)),
+        "words: os.urandom": (1, lambda: os.urandom(8 * size)),
+        "numpy ziggurat (SFC64)": (1, lambda: _ziggurat_only(size, "SFC64")),
+        "numpy ziggurat (PCG64DXSM)": (1, lambda: _ziggurat_only(size, "PCG64DXSM")),
+        "numpy ziggurat (Philox)": (1, lambda: _ziggurat_only(size, "Philox")),
+        "numpy ziggurat (MT19937)": (1, lambda: _ziggurat_only(size, "MT19937")),
+        "tail scan": (1, lambda: _tail_scan(size, ready)),
+        "previous secret (1 t)": (1, lambda: _previous_secret(size, gen, None)),
+        "previous secret (2 t)": (2, lambda: _previous_secret(size, gen, prev_pool._thread_pool())),
+        "secret (1 t)": (1, lambda: secret.normal((size,), dtype=torch.float64)),
+        "secret (2 t)": (2, lambda: secret.normal((size,), dtype=torch.float64)),
+        "secret float32 (2 t)": (2, lambda: secret.normal((size,))),
+        "secret streamed (1 t)": (1, lambda: secret.start_normal(size, stream=True).consume(lambda lo, hi, z: None)),
+        "secret streamed (2 t)": (2, lambda: secret.start_normal(size, stream=True).consume(lambda lo, hi, z: None)),
+        "reproducible (2 t)": (2, lambda: repro.normal((size,), dtype=torch.float64)),
+        "previous secure (1 t)": (1, lambda: _previous_secure(size)),
+        "secure (1 t)": (1, lambda: secure.normal((size,), dtype=torch.float64)),
     }
     small_src = NoiseSource("secret")
     small_cases = {
-        "old secret (torch.randn)": (1, lambda: torch.randn(10, generator=gen)),
-        "new secret": (1, lambda: small_src.normal((10,))),
+        "torch.randn": (1, lambda: torch.randn(10, generator=gen)),
+        "secret": (1, lambda: small_src.normal((10,))),
     }
     try:
         wall, cpu = _interleaved(cases, repeats)
-        rows = {name: ms * scale for name, ms in wall.items()}
-        cpu_rows = {name: ms * scale for name, ms in cpu.items()}
-        # fixed cost of one small draw (a bias vector): µs per call of 10 normals, one thread
         small = {name: ms * 1e3 for name, ms in _interleaved(small_cases, 50 * repeats)[0].items()}
     finally:
         torch.set_num_threads(old_threads)
-        pool.shutdown()
-    base = rows["torch.randn"]
-    old_of = {
-        "new secret (1 thread)": "old secret (1 thread)",
-        "new secret (2 threads)": "old secret (2 threads)",
-        "new secret float64 (1 thread)": "old secret (1 thread)",
-        "new secret float64 (2 threads)": "old secret (2 threads)",
-        "new secret streamed (1 thread)": "old secret (1 thread)",
-        "new secret streamed (2 threads)": "old secret (2 threads)",
-        "new secure": "old secure",
-        "new reproducible (1 thread)": "old secret (1 thread)",
-    }
+    rows = {name: ms * scale for name, ms in wall.items()}
+    cpu_rows = {name: ms * scale for name, ms in cpu.items()}
+    base, base_cpu = rows["torch float32 normal_ (1 t)"], cpu_rows["torch float32 normal_ (1 t)"]
     return {
         "size": size,
         "repeats": repeats,
-        "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "cut_radius_new": CUT_RADIUS,
-        "cut_radius_old_secret": math.sqrt(-2 * math.log(2.0**-24)),
-        "cut_radius_old_secure": math.sqrt(-2 * math.log(2.0**-53)),
-        "ms_per_1e6": rows,
-        "ratio_to_torch_randn": {k: v / base for k, v in rows.items()},
-        "ratio_to_old": {k: rows[k] / rows[v] for k, v in old_of.items()},
-        "cpu_ms_per_1e6": cpu_rows,
-        "cpu_ratio_to_old": {k: cpu_rows[k] / cpu_rows[v] for k, v in old_of.items()},
+        "cpus": os.cpu_count(),
+        "load_1min_before_after": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "aes_available": _aes_ctr() is not None,
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "largest_abs_z": {
+            "secret/reproducible": float(math.sqrt(ZIGGURAT_R**2 + 2 * 1012 * math.log(2))),
+            "secure/cuda": CUT_RADIUS,
+            "numpy ziggurat alone": ZIGGURAT_R + 53 * math.log(2) / ZIGGURAT_R,
+            "torch float32": math.sqrt(-2 * math.log(2.0**-24)),
+        },
+        "ns_per_normal_wall": rows,
+        "ns_per_normal_cpu": cpu_rows,
+        "wall_ratio_to_torch_float32": {k: v / base for k, v in rows.items()},
+        "cpu_ratio_to_torch_float32": {k: v / base_cpu for k, v in cpu_rows.items()},
+        "speedup_over_previous": {
+            "secret (1 t), wall": rows["previous secret (1 t)"] / rows["secret (1 t)"],
+            "secret (2 t), wall": rows["previous secret (2 t)"] / rows["secret (2 t)"],
+            "secret (1 t), cpu": cpu_rows["previous secret (1 t)"] / cpu_rows["secret (1 t)"],
+            "secret (2 t), cpu": cpu_rows["previous secret (2 t)"] / cpu_rows["secret (2 t)"],
+            "secure, wall": rows["previous secure (1 t)"] / rows["secure (1 t)"],
+        },
         "us_per_call_of_10": small,
     }
 
@@ -172,25 +215,21 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(
-        f"noise cost per 10^6 normals (draws of {args.size:,}, best of {args.repeats}; "
-        f"1-min load {result['load_1min']})"
-    )
-    print(
-        f"{'sampler (ms per 1e6 = ns/normal)':34s} {'wall ms':>8s} {'x randn':>8s} {'x old':>7s} {'CPU ms':>8s} {'x old':>7s}"
-    )
-    for name, ms in result["ms_per_1e6"].items():
-        old, cpu_old = result["ratio_to_old"].get(name), result["cpu_ratio_to_old"].get(name)
+    load = result["load_1min_before_after"]
+    print(f"ns per normal (draws of {args.size:,}, best of {args.repeats}; {result['cpus']} CPUs, 1-min load {load})")
+    print(f"{'row':30s} {'wall':>7s} {'/torch32':>8s} {'CPU':>7s} {'/torch32':>8s}")
+    for name, ns in result["ns_per_normal_wall"].items():
+        cpu = result["ns_per_normal_cpu"][name]
         print(
-            f"{name:34s} {ms:8.2f} {result['ratio_to_torch_randn'][name]:8.2f} "
-            f"{'' if old is None else f'{old:7.2f}':>7s} {result['cpu_ms_per_1e6'][name]:8.2f} "
-            f"{'' if cpu_old is None else f'{cpu_old:7.2f}':>7s}"
+            f"{name:30s} {ns:7.2f} {result['wall_ratio_to_torch_float32'][name]:8.2f} {cpu:7.2f} "
+            f"{result['cpu_ratio_to_torch_float32'][name]:8.2f}"
         )
-    print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
     print(
-        f"largest |z|: new {result['cut_radius_new']:.2f}, old secret {result['cut_radius_old_secret']:.2f}, "
-        f"old secure {result['cut_radius_old_secure']:.2f}"
+        "speed-up over the previous sampler: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["speedup_over_previous"].items())
     )
+    print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
+    print("largest |z|: " + ", ".join(f"{k} {v:.2f}" for k, v in result["largest_abs_z"].items()))
     return 0
 
 

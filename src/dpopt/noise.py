@@ -8,46 +8,65 @@ and the guarantee is void (ε = ∞ against that adversary). So dpopt draws them
 from one of three sources, and records which in the ledger header (``noise``):
 
 ``"secret"`` (default)
-    A ``torch.Generator`` whose state comes from OS entropy and is never
-    stored, printed or written. On CPU (Mersenne Twister, MT19937) the WHOLE
-    624-word state is filled from :func:`os.urandom` (19,968 bits):
-    ``manual_seed`` alone would not do, because torch's CPU generator keeps
-    only the low 32 bits of a seed (see :func:`_secret_cpu_generator`). On
-    CUDA (Philox4x32-10, whose key is the full 64-bit seed) it is seeded with
-    63 bits from :func:`secrets.randbits`. Protects against replay from
-    anything written down. Does NOT protect against an adversary who
-    reconstructs the generator's internal state from the noise values
-    themselves (neither generator is cryptographic).
+    State from OS entropy, never stored, printed or written. The CPU normals
+    come from SFC64 streams (numpy; Doty-Humphrey's Small Fast Chaotic PRNG),
+    one per chunk of :data:`NORMAL_CHUNK` normals, each with a fresh 192-bit
+    state from :func:`os.urandom` when the draw starts. The CPU uniforms
+    (Poisson masks) come from a ``torch.Generator`` (Mersenne Twister,
+    MT19937) whose WHOLE 624-word state is filled from :func:`os.urandom`
+    (19,968 bits): ``manual_seed`` alone would not do, because torch's CPU
+    generator keeps only the low 32 bits of a seed (see
+    :func:`_secret_cpu_generator`). On CUDA (Philox4x32-10, whose key is the
+    full 64-bit seed) it is seeded with 63 bits from :func:`secrets.randbits`.
+    Protects against replay from anything written down. Does NOT protect
+    against an adversary who reconstructs a generator's internal state from
+    the noise values themselves (none of these generators is cryptographic).
 ``"secure"``
-    The random words are read from the operating system's CSPRNG
-    (:func:`os.urandom`; ChaCha20 in Linux ≥ 4.8): state recovery is then as
-    hard as breaking it. 8 bytes of OS randomness per normal: slower
-    (``benchmarks/noise_cost.py``).
+    The random words come from a cryptographically secure generator: the
+    AES-256-CTR keystream under a fresh 256-bit key from :func:`os.urandom`
+    per draw (NIST SP 800-90A's CTR_DRBG construction; the ``cryptography``
+    package), or :func:`os.urandom` itself (ChaCha20 in Linux ≥ 4.8) when that
+    package is not installed: state recovery is then as hard as breaking
+    AES-256 (or the OS generator). Slower (``benchmarks/noise_cost.py``).
 ``"reproducible"``
     Seeded from a user-given seed — a research mode for bit-identical
     reruns. The ledger records it and ``dpopt check`` FAILS such a ledger
     ("noise reproducible from a published seed").
 
-**One sampler with its tail, in every mode and on every device.** The modes
-differ only in where the random 64-bit words come from; the words become
-normals in :func:`gaussian_from_words` (float64 torch ops, the same code on CPU
-and CUDA): Box–Muller, z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52
-grid and u = m·2^-(k+1), m a 52-bit mantissa in [1, 2) and k geometric from
-random bits — u is uniform with full relative precision at EVERY scale, not a
-fixed-point grid. torch's CPU float32 ``normal_`` (24-bit uniforms) can never
-exceed |z| = 5.77, a 53-bit fixed-point uniform (dpopt's earlier secure mode)
-8.57; an output beyond the cut is impossible without the example, so the
-truncation costs δ ≥ P(Z > r_max − 1/σ) per inclusion (8e-5 at σ = 0.5 for
-5.77). Here k runs to 1021 (u ≥ 2^-1022), so the largest possible |z| is
-:data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 ≥ 11.5 + 1/σ for every σ ≥ 0.1:
-P(Z > 37.64 − 1/σ) < 1e-160 per inclusion. Other departures from the ideal
-sampler: a stream of > 1000 zero bits is cut (probability 2^-1000), and with
-probability ≤ 2^-140 per call more pairs need exponent bits beyond the first
-12 than :func:`_slots` provides (per chunk of :data:`NORMAL_CHUNK` normals in a large CPU
-draw; they stay at |z| ≤ 4.25); both are far below
-1e-30, so nothing is added to the ledger's δ. The draw is float64, rounded
-once to the requested dtype; the Privatizer adds it to the clipped sum in
-float64 and rounds the noisy sum once to the parameter dtype.
+**Two samplers, one tail requirement.** The guarantee needs every |z| up to
+11.5 + 1/σ to be possible: an output beyond the sampler's largest |z| (its cut)
+is impossible without the example, so the truncation costs
+δ ≥ P(Z > r_max − 1/σ) per inclusion (torch's CPU float32 ``normal_``, 24-bit
+uniforms, never exceeds 5.77: 8e-5 at σ = 0.5). Both samplers reach
+:data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 or just under it, so
+P(Z > r_max − 1/σ) < 1e-160 per inclusion for every σ ≥ 0.1.
+
+* *Secret and reproducible noise on CPU* (issue 34, for speed): numpy's float64
+  ziggurat (Marsaglia & Tsang 2000) on the chunk's SFC64 stream, with every
+  value of its base-strip tail branch (exactly the values with |z| ≥
+  :data:`ZIGGURAT_R` = 3.654) redrawn from the exact tail law by Marsaglia's
+  (1964) method on uniforms with the full float64 exponent range
+  (:func:`ziggurat_normals`): largest |z| √(r² + 2·1012·ln 2) = 37.63; numpy's
+  own tail stops at 13.71. The values do not depend on the thread count.
+* *Secure noise, and every mode on CUDA*: float64 Box–Muller on random 64-bit
+  words (:func:`gaussian_from_words`, the same torch ops on CPU and CUDA),
+  z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52 grid and u = m·2^-(k+1),
+  m a 52-bit mantissa in [1, 2) and k geometric from random bits — u is uniform
+  with full relative precision at EVERY scale, not a fixed-point grid (a 53-bit
+  fixed-point uniform, dpopt's earlier secure mode, stops at 8.57). Here k runs
+  to 1021 (u ≥ 2^-1022): the largest |z| is :data:`CUT_RADIUS`.
+
+Other departures from the ideal samplers: a geometric stream of > 1000 zero
+bits is cut (probability < 2^-1000); with probability ≤ 2^-140 per call more
+Box–Muller pairs need exponent bits beyond the first 12 than :func:`_slots`
+provides (per chunk of :data:`NORMAL_CHUNK` normals; they stay at |z| ≤ 4.25);
+numpy's ziggurat tables are float64 roundings of the exact strip edges (a body
+value within an ulp of r, probability ~2^-50, could be counted as tail and
+redrawn); all far below 1e-30 in effect, so nothing is added to the ledger's δ.
+Each draw is float64, rounded once to the requested dtype; the Privatizer adds
+it to the clipped sum in float64 and rounds the noisy sum once to the parameter
+dtype. Reproducible CPU values depend on numpy's ziggurat, which numpy may
+change between versions (its stream-compatibility policy).
 
 Floating-point attacks (Mironov 2012; Jin et al. 2022, arXiv 2112.05307,
 "Are we there yet? Timing and floating-point attacks on differential
@@ -61,19 +80,22 @@ but dpopt gives no proof, and no protection against timing side channels
 generator: ``pickle``, ``copy.copy``/``deepcopy`` and ``torch.save`` carry no
 generator state, and the copy re-seeds from OS entropy on its first draw (a
 copy is still usable: users deep-copy optimizers for EMA/SWA); a forked child
-re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
+re-seeds too (``os.register_at_fork``). Reproducible sources keep their state. The
+per-thread SFC64 objects a source re-uses (their state overwritten before every chunk) are never
+copied either.
 
 **When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
-(:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its words are taken from the source at
-once (the stream order is that of a draw made there), its chunks are computed in the source's worker
-threads. The Privatizer starts the step's draw when the step begins, so that it overlaps the
-per-sample work, and its one noise seam (``Privatizer._draw``) takes the values at the release. The
-values are bit-identical to a :meth:`NoiseSource.normal` call; a draw is
-never pickled or copied, and one started before a fork is refused in the child.
+(:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its chunk states are taken from the
+source at once (the stream order is that of a draw made there), its chunks are computed in the
+source's worker threads (numpy's sampler releases the GIL: they run in parallel). The Privatizer
+starts the step's draw when the step begins, so that it overlaps the per-sample work, and its one
+noise seam (``Privatizer._draw``) takes the values at the release. The values are bit-identical to
+a :meth:`NoiseSource.normal` call; a draw is never pickled or copied, and one started before a fork
+is refused in the child.
 
-**Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a large CPU draw is
-self-contained (its own generator state, words and continuation rows), so a draw can also be
-*streamed* (``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
+**Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
+self-contained (its own generator state), so a draw can also be *streamed*
+(``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
 1 MiB scratch buffer of its worker thread, and handed to the caller, who adds them to the clipped
 sum and rounds in place — the Privatizer's release of a model larger than its early-draw limit,
 which never holds the noise of all parameters at once.
@@ -93,10 +115,20 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Callable, Optional, Union, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["CUT_RADIUS", "NOISE_MODES", "CpuNormalDraw", "NoiseSource", "gaussian_from_words", "make_noise_source"]
+__all__ = [
+    "CUT_RADIUS",
+    "NOISE_MODES",
+    "ZIGGURAT_R",
+    "CpuNormalDraw",
+    "NoiseSource",
+    "gaussian_from_words",
+    "make_noise_source",
+    "ziggurat_normals",
+]
 
 NOISE_MODES = ("secret", "secure", "reproducible")
 _BITS = 53  # mantissa bits of a float64 uniform
@@ -191,6 +223,33 @@ def _os_words(n: int) -> Tensor:
     if n == 0:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+
+
+@lru_cache(maxsize=1)
+def _aes_ctr() -> Optional[Callable[[bytes], object]]:
+    """``key -> AES-256-CTR encryptor`` (counter block 0) from the ``cryptography`` package, or None
+    when it is not installed (secure noise then reads every word from :func:`os.urandom`)."""
+    try:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    except ImportError:
+        return None
+    return lambda key: Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+
+
+def _secure_words(n: int) -> Tensor:
+    """``n`` int64 words of 64 random bits from a cryptographically secure generator (CPU tensor).
+
+    The AES-256-CTR keystream under a fresh 256-bit key from :func:`os.urandom` per call (the
+    construction of NIST SP 800-90A's CTR_DRBG: telling the words from random, or predicting any
+    of them from the others, is breaking AES-256), ≈ 5× faster than reading them all from the OS;
+    :func:`os.urandom` itself when the ``cryptography`` package is not installed.
+    """
+    aes = _aes_ctr()
+    if n == 0 or aes is None:
+        return _os_words(n)
+    buf = bytearray(8 * n + 15)  # update_into wants room for one more block
+    aes(os.urandom(32)).update_into(bytes(8 * n), buf)  # type: ignore[attr-defined]
+    return torch.frombuffer(buf, dtype=torch.int64, count=n)
 
 
 def _random_words(shape, generator: torch.Generator, device) -> Tensor:
@@ -330,31 +389,6 @@ def _continue_stream(flat: Tensor, cont: Tensor, slot_words: Tensor, block_pairs
     flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)  # + 0 at unused slots
 
 
-def _continue_pairs(flat: Tensor, idx: Tensor, rows: Tensor, pairs: int, block_pairs: int) -> None:
-    """:func:`_continue_stream` for given flagged pairs (CPU chunks, :class:`CpuNormalDraw`), in place.
-
-    Args:
-        flat: float64 output of all blocks (layout of :func:`_continue_stream`).
-        idx: int64 ``[c]`` indices of flagged pairs (each < ``pairs``), in index order.
-        rows: int64 ``[c, _SLOT_WORDS]``: the continuation rows these pairs get (the r-th flagged
-            pair of the whole draw gets row r, as in :func:`_continue_stream`).
-
-    The arithmetic is :func:`_continue_stream`'s, element by element (bit-identical values).
-    """
-    c = idx.numel()
-    if c == 0:
-        return
-    blk, j = idx // block_pairs, idx % block_pairs
-    in_block = torch.clamp(pairs - blk * block_pairs, max=block_pairs)
-    cos_at = blk * (2 * block_pairs) + j
-    at = torch.cat([cos_at, cos_at + in_block])
-    z = flat[at]
-    old = z[:c] ** 2 + z[c:] ** 2
-    extra = _stream_tail(rows).to(torch.float64) * (2.0 * math.log(2.0))
-    ratio = torch.sqrt((old + extra) / old)
-    flat.index_put_((at,), z * (torch.cat([ratio, ratio]) - 1.0), accumulate=True)
-
-
 def _finish(flat: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """The first ``shape.numel()`` values of ``flat`` (float64) as ``shape``, rounded once to ``dtype``;
     never a view that keeps the unused last draw of an odd count."""
@@ -407,6 +441,124 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
     return out
 
 
+# -- the CPU sampler: numpy's float64 ziggurat on SFC64 words, its tail redrawn exactly -------------
+#
+# numpy's ``Generator.standard_normal`` (Marsaglia & Tsang 2000's ziggurat, 256 strips, one 64-bit
+# word per accepted value: 8 bits strip, 1 sign bit, 52 bits u) is exact in the body, and its value
+# has |z| >= r = ZIGGURAT_R exactly when it comes from the base strip's tail branch (every other
+# branch returns |u·x_i| < r). That branch (Marsaglia 1964, on 53-bit uniforms) stops at
+# |z| = r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45. So every value with |z| >= r is REPLACED, with
+# its sign, by an independent draw of the exact tail law Z | Z >= r (:func:`_tail_draws`): the
+# mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by construction), now with a
+# tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS. The tail is 2.6e-4 of the values.
+ZIGGURAT_R = 3.6541528853610088  # numpy's ziggurat_nor_r (distributions.c)
+_TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent
+_TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS
+_SFC_STATE_BYTES = 24  # SFC64's a, b, c (its counter starts at 1: period ≥ 2^64)
+_SFC_DISCARD = 12  # outputs dropped after setting the state, as SFC64's own seeding does
+_LN2 = math.log(2.0)
+
+
+def _sfc64(state: bytes, bitgen: Optional[np.random.SFC64] = None) -> np.random.Generator:
+    """A numpy Generator on SFC64 (Doty-Humphrey's Small Fast Chaotic PRNG) with a, b, c = ``state``
+    (24 bytes, little-endian) and counter 1, its first 12 outputs dropped. ``bitgen`` is re-used
+    (its state overwritten) when given: constructing one costs a SeedSequence hash.
+
+    Raises:
+        ValueError: ``state`` is not 24 bytes.
+    """
+    if len(state) != _SFC_STATE_BYTES:
+        raise ValueError(f"an SFC64 state is {_SFC_STATE_BYTES} bytes, got {len(state)}")
+    if bitgen is None:
+        bitgen = np.random.SFC64(0)  # a fixed seed only to construct it: the state is replaced next
+    words = np.frombuffer(state, dtype="<u8").astype(np.uint64)
+    bitgen.state = {
+        "bit_generator": "SFC64",
+        "state": {"state": np.array([words[0], words[1], words[2], 1], dtype=np.uint64)},
+        "has_uint32": 0,
+        "uinteger": 0,
+    }
+    bitgen.random_raw(_SFC_DISCARD)
+    return np.random.Generator(bitgen)
+
+
+def _leading_zeros(stream: np.ndarray) -> np.ndarray:
+    """Leading zero bits of each row's stream of 64-bit words (uint64 ``[r, w]``, first word's top
+    bit first); ``64·w`` for an all-zero row (int64 ``[r]``)."""
+    nonzero = stream != 0
+    first = nonzero.argmax(axis=1)
+    word = stream[np.arange(stream.shape[0]), first]
+    hi, lo = (word >> np.uint64(32)).astype(np.float64), (word & np.uint64(0xFFFFFFFF)).astype(np.float64)
+    bits = np.where(hi > 0, 32 + np.frexp(hi)[1], np.frexp(lo)[1])  # bit length (exact: < 2^32 halves)
+    return np.where(nonzero.any(axis=1), 64 * first + 64 - bits, 64 * stream.shape[1]).astype(np.int64)
+
+
+def _log_full_uniform(gen: np.random.Generator, m: int) -> np.ndarray:
+    """ln u for ``m`` uniforms u on (0, 1) with a 52-bit mantissa at EVERY scale (float64 ``[m]``).
+
+    u = μ·2^-(k+1), μ ∈ [1, 2) on a 2^-52 grid, k = the leading zero bits of a 1024-bit stream
+    (Geometric(1/2), capped at _TAIL_K_MAX: probability 2^-1011), so ln u = ln μ − (k+1)·ln 2 is exact
+    to rounding without forming a subnormal u; −ln u ≤ 1012·ln 2. Words: one ``[m, 2]`` draw (the
+    stream's first word, μ's word); a row whose first word is below 2^11 (probability 2^-53) draws
+    the stream's other _TAIL_WORDS − 1 words next, in row order.
+    """
+    raw = gen.bit_generator.random_raw((m, 2))
+    top = raw[:, 0] & np.uint64(~0x7FF & (2**64 - 1))  # ≤ 53 significant bits: exact in float64
+    zeros = 64 - np.frexp(top.astype(np.float64))[1].astype(np.int64)  # leading zeros when top > 0
+    rare = np.flatnonzero(top == 0)
+    if rare.size:
+        more = gen.bit_generator.random_raw((rare.size, _TAIL_WORDS - 1))
+        zeros[rare] = _leading_zeros(np.concatenate([raw[rare, :1], more], axis=1))
+    zeros = np.minimum(zeros, _TAIL_K_MAX)
+    mantissa = ((raw[:, 1] >> np.uint64(12)) | np.uint64(_ONE)).view(np.float64)
+    return np.log(mantissa) - (zeros + 1) * _LN2
+
+
+def _tail_draws(gen: np.random.Generator, m: int) -> np.ndarray:
+    """``m`` independent draws of Z | Z ≥ r (r = :data:`ZIGGURAT_R`), float64 ``[m]``.
+
+    Marsaglia (1964): z = √(r² − 2 ln u₁), accepted with probability r/z (u₂·z < r); the accepted z
+    has density ∝ e^{−z²/2} on [r, ∞). u₁ has the full exponent range (:func:`_log_full_uniform`),
+    so every z ≤ _TAIL_RADIUS is possible; u₂ is a 53-bit uniform on [0, 1). Each round proposes
+    25 % + 4 more candidates than still needed (acceptance ≈ 0.92: one round, nearly always) and
+    keeps the first accepted ones in order.
+    """
+    out = np.empty(m, dtype=np.float64)
+    done = 0
+    while done < m:
+        want = m - done
+        tries = want + want // 4 + 4
+        z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * _log_full_uniform(gen, tries))
+        u2 = (gen.bit_generator.random_raw(tries) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        keep = z[u2 * z < ZIGGURAT_R][:want]
+        out[done : done + keep.size] = keep
+        done += keep.size
+    return out
+
+
+def ziggurat_normals(state: bytes, out: np.ndarray, bitgen: Optional[np.random.SFC64] = None) -> np.ndarray:
+    """Fill float64 ``out`` (1-D, contiguous) with standard normals from one SFC64 stream — the CPU
+    sampler of secret and reproducible noise (module comment above), a pure function of ``state``.
+
+    Args:
+        state: 24 bytes, the stream's SFC64 state (:func:`_sfc64`).
+        out: float64 numpy array, overwritten; the same values whatever thread runs this.
+        bitgen: an SFC64 object to re-use (its state is overwritten).
+
+    Returns:
+        ``out``. Every |value| ≤ _TAIL_RADIUS < :data:`CUT_RADIUS`.
+    """
+    gen = _sfc64(state, bitgen)
+    gen.standard_normal(out=out)  # numpy's ziggurat, GIL released
+    idx = np.flatnonzero(np.abs(out) >= ZIGGURAT_R)  # exactly the values of the tail branch
+    if idx.size:
+        out[idx] = np.copysign(_tail_draws(gen, idx.size), out[idx])
+    return out
+
+
+_TAIL_RADIUS = math.sqrt(ZIGGURAT_R * ZIGGURAT_R + 2.0 * (_TAIL_K_MAX + 1) * _LN2)  # ≈ 37.63
+
+
 class NoiseSource:
     """The random draws that protect privacy: Gaussian noise and Poisson-sampling uniforms.
 
@@ -423,10 +575,12 @@ class NoiseSource:
         ValueError: unknown mode; a seed/generator outside ``"reproducible"``
             mode, or neither in it.
 
-    The state of ``"secret"`` mode is drawn here from OS entropy and never
-    exposed (no attribute holds it): the whole Mersenne Twister state on CPU,
-    a 63-bit Philox seed on CUDA (module docstring). CUDA tensors get their
-    own generator on their device.
+    The state of ``"secret"`` mode comes from OS entropy and is never
+    written anywhere: each CPU normal draw's SFC64 chunk states (from
+    :func:`os.urandom`, held by the draw until its chunks are computed), the
+    whole Mersenne Twister state of the CPU uniforms, a 63-bit Philox seed on
+    CUDA (module docstring). CUDA tensors get their own generator on their
+    device.
     """
 
     def __init__(self, mode: str = "secret", seed: Optional[int] = None, generator: Optional[torch.Generator] = None):
@@ -448,6 +602,7 @@ class NoiseSource:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_threads = 0
         self._pool_pid = 0
+        self._bitgens: dict[tuple[int, int], np.random.SFC64] = {}  # per thread, re-used (_bitgen)
         self._epoch = 0  # bumped by _forget (fork): a CpuNormalDraw of an older epoch is never consumed
         if generator is not None:
             self._generators[str(generator.device)] = generator
@@ -472,16 +627,16 @@ class NoiseSource:
     def normal(self, shape, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> Tensor:
         """Standard normal tensor of ``shape`` (std 1; the caller scales it), every |z| ≤ :data:`CUT_RADIUS`.
 
-        Every mode runs the same sampler (:func:`gaussian_from_words`: float64 Box–Muller on
-        uniforms with a 52-bit mantissa at every scale); the modes differ only in where the
-        random words come from: the OS CSPRNG (secure), or this source's generator on
-        ``device`` (secret, reproducible). The float64 result is rounded once to ``dtype``.
-
-        On CPU, a tensor of more than :data:`NORMAL_CHUNK` elements draws its words chunk by
-        chunk, each chunk from its own MT19937 generator whose whole state (624 words) is drawn
-        from this source's generator, on up to ``torch.get_num_threads()`` threads (torch's CPU
-        generators are single-threaded). Chunk i always gets the i-th state, so the values do
-        not depend on the thread count (reproducible mode gives the same tensor on any machine).
+        Secret and reproducible noise on CPU: :func:`ziggurat_normals` (numpy's float64 ziggurat on
+        SFC64, its tail redrawn exactly), chunk by chunk — chunk i (:data:`NORMAL_CHUNK` normals)
+        from its own SFC64 state, drawn for it when the draw starts (secret: 24 bytes of
+        :func:`os.urandom`; reproducible: from this source's torch generator), on up to
+        ``torch.get_num_threads()`` threads. Chunk i always gets the i-th state, so the values do
+        not depend on the thread count (reproducible mode gives the same tensor on any machine with
+        the same numpy ziggurat). Secure noise, and every mode on CUDA: :func:`gaussian_from_words`
+        (float64 Box–Muller on uniforms with a 52-bit mantissa at every scale) on words from the OS
+        CSPRNG (secure) or this source's generator on ``device``. The float64 result is rounded once
+        to ``dtype``.
 
         Raises:
             ValueError: ``dtype`` is not a floating-point dtype.
@@ -494,10 +649,10 @@ class NoiseSource:
         dev = torch.device(device)
         block = BLOCK_PAIRS if dev.type == "cpu" else None
         if self.mode == "secure":
-            words = _os_words(2 * pairs).to(dev)
-            slot_words = _os_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
-        elif dev.type == "cpu" and n > NORMAL_CHUNK:
-            return self._chunked_normal(shape, dtype)
+            words = _secure_words(2 * pairs).to(dev)
+            slot_words = _secure_words(_slots(pairs) * _SLOT_WORDS).view(-1, _SLOT_WORDS).to(dev)
+        elif dev.type == "cpu":
+            return CpuNormalDraw(self, n).values(shape, dtype)
         else:
             gen = self._generator(dev)
             words = _random_words(2 * pairs, gen, dev)
@@ -505,17 +660,14 @@ class NoiseSource:
         flat = gaussian_from_words(words, slot_words, block)
         return _finish(flat, shape, dtype)
 
-    def _chunked_normal(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        """:meth:`normal` on CPU for more than ``NORMAL_CHUNK`` elements (:meth:`start_normal`, then its values)."""
-        return self.start_normal(shape.numel()).values(shape, dtype)
-
     def start_normal(self, n: int, stream: bool = False) -> "CpuNormalDraw":
         """Start drawing ``n`` standard normals on the CPU; the chunks are computed in the background.
 
-        The same values as :meth:`normal` (float64, before rounding): words are drawn per chunk of
-        ``NORMAL_CHUNK // 2`` pairs from derived MT19937 generators whose whole states are drawn
-        from this source's generator NOW (so the order of draws from this source — the stream of
-        reproducible mode — is that of a :meth:`normal` call made here). With more than one torch
+        The same values as :meth:`normal` (float64, before rounding): chunk i of ``NORMAL_CHUNK``
+        normals comes from its own SFC64 stream (:func:`ziggurat_normals`) whose state is drawn NOW
+        (secret: from :func:`os.urandom`; reproducible: from this source's generator, so the order
+        of draws from this source — the stream of reproducible mode — is that of a :meth:`normal`
+        call made here). With more than one torch
         thread the chunks run in this source's worker threads while the caller goes on (the
         Privatizer starts the step's draw when the step begins, so that it overlaps the per-sample
         work, and consumes it at the release); with one thread they are computed here, now.
@@ -534,7 +686,7 @@ class NoiseSource:
         n = int(n)
         if n < 0:
             raise ValueError(f"the number of normals must be >= 0, got {n}")
-        if n <= NORMAL_CHUNK or (self.mode == "secure" and not stream):
+        if self.mode == "secure" and (n <= NORMAL_CHUNK or not stream):
             return CpuNormalDraw.ready(self, self.normal((n,), dtype=torch.float64))
         return CpuNormalDraw(self, n, stream=stream)
 
@@ -552,11 +704,20 @@ class NoiseSource:
             self._pool_threads, self._pool_pid = threads, os.getpid()
         return self._pool
 
+    def _bitgen(self) -> np.random.SFC64:
+        """This thread's re-used SFC64 object (its state is overwritten before every chunk)."""
+        key = (os.getpid(), threading.get_ident())
+        bitgen = self._bitgens.get(key)
+        if bitgen is None:
+            bitgen = self._bitgens[key] = np.random.SFC64(0)
+        return bitgen
+
     def _forget(self) -> None:
         """Drop the generators of a non-reproducible source: the next draw re-seeds from OS entropy."""
         if self.mode != "reproducible":
             self._generators = {}
         self._pool, self._pool_threads, self._pool_pid = None, 0, 0
+        self._bitgens = {}
         self._epoch += 1  # draws started before (a forked child's copies of them) are never used
 
     def __getstate__(self) -> dict:
@@ -565,6 +726,7 @@ class NoiseSource:
         so it cannot replay the original's noise). Reproducible sources keep their generators."""
         state = dict(self.__dict__)
         state["_pool"], state["_pool_threads"], state["_pool_pid"] = None, 0, 0
+        state["_bitgens"] = {}
         if self.mode != "reproducible":
             state["_generators"] = {}
         return state
@@ -612,11 +774,10 @@ class CpuNormalDraw:
     Consumed once, by :meth:`consume` (or :meth:`values`): the values are bit-identical to those
     :meth:`NoiseSource.normal` would have returned (before rounding) at the point of the stream
     where the draw was started. Chunk ``c`` holds the normals ``[c·NORMAL_CHUNK, (c+1)·NORMAL_CHUNK)``
-    and is self-contained: its own MT19937 generator (whole state drawn from the source when the
-    draw starts) gives its words, then its :func:`_slots` rows of continuation words; Box–Muller on
-    its blocks and the continuation of its flagged pairs (:func:`_continue_pairs`) need nothing of
-    any other chunk. So a chunk can be computed whenever, on any thread, and the values never
-    depend on the thread count or on when they are computed.
+    and is self-contained: :func:`ziggurat_normals` on its own 24-byte SFC64 state, drawn for it
+    when the draw starts (secret: :func:`os.urandom`; reproducible: the source's generator). So a
+    chunk can be computed whenever, on any thread, and the values never depend on the thread count
+    or on when they are computed. numpy's sampler releases the GIL: the chunks run in parallel.
 
     Two ways to compute (the same values):
 
@@ -626,6 +787,7 @@ class CpuNormalDraw:
     * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
       each chunk into a chunk-sized scratch buffer of its worker and hands it to ``fn`` at once —
       memory O(NORMAL_CHUNK · threads), never O(n) (issue 43: the release of a large model).
+      Secure noise is always streamed: each chunk's words come from the OS when it is computed.
 
     A draw is never copied or pickled (it holds secret noise: a copy would replay it), and one
     started before a fork is refused in the child (the source's epoch, :meth:`NoiseSource._forget`).
@@ -636,29 +798,30 @@ class CpuNormalDraw:
         self.stream = bool(stream) and values is None
         self._source, self._epoch, self._used = source, source._epoch, False
         self._futures: list = []
-        self._words: Optional[Tensor] = None
+        self._values: Optional[Tensor] = None
         self._states: Optional[list[bytes]] = None
-        if values is not None:  # already computed (small draws, secure mode): one chunk
-            self._words, self._k = values, 1
+        if values is not None:  # already computed (secure mode): one chunk
+            self._values, self._k = values, 1
             return
-        pairs = self._pairs = -(-self.n // 2)
-        self._k = k = -(-pairs // (NORMAL_CHUNK // 2))
+        self._k = k = -(-self.n // NORMAL_CHUNK)
         if source.mode == "secure":  # streamed only: each chunk's words come from the OS when it is computed
             self.stream = True
             return
-        gen = source._generator("cpu")
-        states = torch.randint(0, 2**32, (k, _MT_WORDS), generator=gen, dtype=torch.int64)
-        raw = states.to(torch.int32).numpy().tobytes()  # two's complement: the low 32 bits, little-endian
-        self._states = [raw[4 * _MT_WORDS * i : 4 * _MT_WORDS * (i + 1)] for i in range(k)]
+        if source.mode == "reproducible":
+            gen = source._generator("cpu")
+            raw = torch.randint(0, 2**32, (k, 6), generator=gen, dtype=torch.int64).to(torch.int32).numpy().tobytes()
+        else:
+            raw = os.urandom(_SFC_STATE_BYTES * k)
+        self._states = [raw[_SFC_STATE_BYTES * i : _SFC_STATE_BYTES * (i + 1)] for i in range(k)]
         if self.stream:
             return
-        self._words = torch.empty(2 * pairs, dtype=torch.int64)
-        pool = source._thread_pool()
+        self._values = torch.empty(self.n, dtype=torch.float64)
+        pool = source._thread_pool() if k > 1 else None
         if pool is None:
             for i in range(k):
-                self._fill(i, self._words)
+                self._fill(i, self._values)
         else:
-            self._futures = [pool.submit(self._fill, i, self._words) for i in range(k)]
+            self._futures = [pool.submit(self._fill, i, self._values) for i in range(k)]
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
@@ -666,31 +829,19 @@ class CpuNormalDraw:
         return cls(source, values.numel(), values)
 
     def _bounds(self, i: int) -> tuple[int, int]:
-        """Pairs ``[lo, hi)`` of chunk ``i``."""
-        chunk = NORMAL_CHUNK // 2
-        return i * chunk, min(self._pairs, (i + 1) * chunk)
+        """Normals ``[lo, hi)`` of chunk ``i``."""
+        return i * NORMAL_CHUNK, min(self.n, (i + 1) * NORMAL_CHUNK)
 
-    def _fill(self, i: int, words: Tensor, own_place: bool = True) -> Tensor:
-        """Chunk ``i``'s float64 normals, computed in ``words`` (int64: at the chunk's own place in
-        the whole draw's layout, or at offset 0 of a chunk-sized scratch buffer when ``own_place`` is
+    def _fill(self, i: int, buf: Tensor, own_place: bool = True) -> Tensor:
+        """Chunk ``i``'s float64 normals, computed in ``buf`` (float64: at the chunk's own place in
+        the whole draw, or at offset 0 of a chunk-sized scratch buffer when ``own_place`` is
         False); returns the chunk's values (a view)."""
         lo, hi = self._bounds(i)
-        p = hi - lo
         if self._states is None:  # secure: the OS CSPRNG's words, the one-piece sampler
-            return self._source.normal((2 * p,), dtype=torch.float64)
-        sub = _cpu_generator_from_words(self._states[i])
-        base = 2 * lo if own_place else 0
-        mine = words[base : base + 2 * p]
-        mine.random_(-(2**63), None, generator=sub)
-        rows = _random_words((_slots(p), _SLOT_WORDS), sub, "cpu")
-        cont = _flag_buffer(p, "cpu")
-        _blocks(mine, cont, 0, p, BLOCK_PAIRS)
-        flat = mine.view(torch.float64)
-        idx = torch.nonzero(cont)[:, 0]
-        take = min(idx.numel(), rows.shape[0])  # more flagged pairs than rows (≤ 2^-140 per chunk): k stays 12
-        if take:
-            _continue_pairs(flat, idx[:take], rows[:take], p, BLOCK_PAIRS)
-        return flat
+            return self._source.normal((hi - lo,), dtype=torch.float64)
+        mine = buf[lo:hi] if own_place else buf[: hi - lo]
+        ziggurat_normals(self._states[i], mine.numpy(), self._source._bitgen())
+        return mine
 
     @property
     def usable(self) -> bool:
@@ -716,12 +867,12 @@ class CpuNormalDraw:
         for fut in self._futures:
             fut.result()
         self._futures = []
-        flat = None if self._words is None else self._words.view(torch.float64)
+        flat = self._values
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
                 fn(0, self.n, flat[: self.n])
             return flat
-        scratch: dict[int, Tensor] = {}  # per worker thread: one chunk of int64 words, reused
+        scratch: dict[int, Tensor] = {}  # per worker thread: one chunk of float64 values, reused
 
         def finish(i: int) -> None:
             lo = i * NORMAL_CHUNK
@@ -732,8 +883,8 @@ class CpuNormalDraw:
                 key = threading.get_ident()
                 buf = scratch.get(key)
                 if buf is None:
-                    buf = scratch[key] = torch.empty(NORMAL_CHUNK, dtype=torch.int64)
-                z = self._fill(i, buf, own_place=False)[: hi - lo]
+                    buf = scratch[key] = torch.empty(NORMAL_CHUNK, dtype=torch.float64)
+                z = self._fill(i, buf, own_place=False)
             if fn is not None:
                 fn(lo, hi, z)
 
@@ -757,7 +908,7 @@ class CpuNormalDraw:
         shape = torch.Size((self.n,) if shape is None else shape)
         if shape.numel() != self.n:
             raise ValueError(f"shape {tuple(shape)} does not hold the {self.n} normals drawn")
-        if dtype == torch.float64 and self._words is not None and self._words.numel() == self.n:
+        if dtype == torch.float64 and self._values is not None and self._values.numel() == self.n:
             return cast(Tensor, self.consume()).view(shape)  # the storage holds exactly the n values
         out = torch.empty(self.n, dtype=dtype)
 

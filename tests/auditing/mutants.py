@@ -262,12 +262,23 @@ def _train_mode_only_mixing():
 def _tail_cut_gaussian():
     import dpopt.noise
 
-    sampler = dpopt.noise.gaussian_from_words
+    sampler, ziggurat = dpopt.noise.gaussian_from_words, dpopt.noise.ziggurat_normals
 
     def mutated(*args, **kwargs):
         return sampler(*args, **kwargs).clamp_(-5.77, 5.77)  # torch's float32 Box-Muller radius
 
-    return _patch(dpopt.noise, "gaussian_from_words", mutated)
+    def mutated_ziggurat(*args, **kwargs):  # the CPU sampler of secret and reproducible noise
+        out = ziggurat(*args, **kwargs)
+        return out.clip(-5.77, 5.77, out=out)
+
+    undo = _patch(dpopt.noise, "gaussian_from_words", mutated)
+    undo_ziggurat = _patch(dpopt.noise, "ziggurat_normals", mutated_ziggurat)
+
+    def undo_both():
+        undo_ziggurat()
+        undo()
+
+    return undo_both
 
 
 def _ledger_dropped_from_checkpoint():
@@ -330,7 +341,10 @@ MUTANTS = {
             _train_mode_only_mixing,
         ),
         Mutant(
-            "tail_cut_gaussian", "a tail-cut Gaussian (|z| <= 5.77)", "noise.gaussian_from_words", _tail_cut_gaussian
+            "tail_cut_gaussian",
+            "a tail-cut Gaussian (|z| <= 5.77)",
+            "noise.gaussian_from_words, noise.ziggurat_normals",
+            _tail_cut_gaussian,
         ),
         Mutant(
             "ledger_dropped_from_checkpoint",

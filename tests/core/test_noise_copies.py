@@ -10,6 +10,7 @@ import io
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -63,15 +64,21 @@ def test_a_shallow_copy_of_a_reproducible_source_shares_its_stream():
 
 
 def test_a_pickle_of_a_secret_source_holds_none_of_its_generator_state():
+    """Neither the MT19937 state of the uniforms nor the SFC64 state the normals' sampler left in its
+    re-used per-thread bit generator reaches a pickle or torch.save."""
     src = NoiseSource("secret")
     src.normal((10,))
+    src.uniform(10)
     at, width = _mt_state_layout()
     state = src._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
+    assert src._bitgens  # the normals' SFC64 object is kept for re-use, with its last state
+    sfc = np.concatenate([bg.state["state"]["state"][:3] for bg in src._bitgens.values()]).tobytes()
     blob = pickle.dumps(src)
     buf = io.BytesIO()
     torch.save(src, buf)
-    for i in range(0, len(state) - 16, 16 * 39):  # any 16 bytes of the 4,992-byte state
-        piece = state[i : i + 16]
+    pieces = [state[i : i + 16] for i in range(0, len(state) - 16, 16 * 39)]  # of the 4,992-byte state
+    pieces += [sfc[i : i + 8] for i in range(0, len(sfc), 8)]  # every 64-bit word of a, b, c
+    for piece in pieces:
         assert piece not in blob and piece not in buf.getvalue()
 
 

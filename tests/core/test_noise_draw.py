@@ -2,9 +2,9 @@
 
 :class:`dpopt.noise.CpuNormalDraw` moves WHEN the step's noise is computed (while the per-sample work
 runs) and fuses the release's arithmetic into its chunks; it must not change WHAT is drawn. Every
-check here is bit for bit against the one-piece formulas: the sampler (:func:`gaussian_from_words`
-on the same words), :meth:`NoiseSource.normal` at the same point of the stream, and the release
-round(s + σC·z) / B̄ · scale + shift written out by hand.
+check here is bit for bit against the one-piece formulas: :meth:`NoiseSource.normal` at the same
+point of the stream, and the release round(s + σC·z) / B̄ · scale + shift written out by hand (the
+sampler itself: tests/core/test_noise_ziggurat.py).
 """
 
 import copy
@@ -15,18 +15,7 @@ import pytest
 import torch
 
 from dpopt.engine.reference import PerSampleGrads
-from dpopt.noise import (
-    _SLOT_WORDS,
-    BLOCK_PAIRS,
-    NORMAL_CHUNK,
-    CpuNormalDraw,
-    NoiseSource,
-    _blocks,
-    _continue_pairs,
-    _flag_buffer,
-    _slots,
-    gaussian_from_words,
-)
+from dpopt.noise import NORMAL_CHUNK, CpuNormalDraw, NoiseSource
 from dpopt.privatizer import Privatizer, QuantileClipping
 from dpopt.types import ClipGeometry
 
@@ -37,38 +26,6 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(old)
-
-
-def test_chunked_continuation_equals_the_one_piece_sampler():
-    """Per-chunk continuation (row offsets = flagged pairs of earlier chunks) == the global one, with
-    many flagged pairs in several chunks and more flagged pairs than rows (the overflow case)."""
-    g = torch.Generator().manual_seed(0)
-    pairs, chunk = 3 * (NORMAL_CHUNK // 2) + 1001, NORMAL_CHUNK // 2
-    words = torch.empty(2 * pairs, dtype=torch.int64).random_(-(2**63), None, generator=g)
-    flat = words.view(-1)
-    # force flags (stage bits all zero: the b word's top 12 bits) at pairs spread over every chunk
-    ends = torch.tensor([0, pairs - 500, pairs - 1])  # the last, partial chunk too
-    forced = torch.cat([torch.randint(0, pairs, (300,), generator=g), ends]).unique()
-    blk, j = forced // BLOCK_PAIRS, forced % BLOCK_PAIRS
-    in_block = torch.clamp(pairs - blk * BLOCK_PAIRS, max=BLOCK_PAIRS)
-    b_at = blk * (2 * BLOCK_PAIRS) + in_block + j
-    flat[b_at] = flat[b_at] & ((1 << 52) - 1)
-    rows = _slots(pairs) // 2  # fewer rows than flagged pairs: the later ones must stay at k = 12
-    slot_words = torch.empty((rows, _SLOT_WORDS), dtype=torch.int64).random_(-(2**63), None, generator=g)
-    slot_words[:, 0] &= (1 << 40) - 1  # long continued streams
-    want = gaussian_from_words(words.clone(), slot_words, BLOCK_PAIRS)
-
-    cont = _flag_buffer(pairs, "cpu")
-    _blocks(flat, cont, 0, pairs, BLOCK_PAIRS)
-    out = flat.view(torch.float64)
-    flagged = [torch.nonzero(cont[lo : min(pairs, lo + chunk)])[:, 0] + lo for lo in range(0, pairs, chunk)]
-    assert sum(f.numel() for f in flagged) > rows and all(f.numel() for f in flagged)
-    off = 0
-    for idx in flagged:
-        take = max(0, min(idx.numel(), rows - off))
-        _continue_pairs(out, idx[:take], slot_words[off : off + take], pairs, BLOCK_PAIRS)
-        off += idx.numel()
-    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("n", [NORMAL_CHUNK + 1, 2 * NORMAL_CHUNK, 3 * NORMAL_CHUNK + 7, 10])

@@ -28,7 +28,7 @@ def test_streamed_draw_is_the_stream_of_normal(n, threads):
     want = NoiseSource("reproducible", seed=3).normal((n,), dtype=torch.float64)
     src = NoiseSource("reproducible", seed=3)
     draw = src.start_normal(n, stream=True)
-    assert draw.stream and draw._words is None  # nothing computed, no buffer of n values
+    assert draw.stream and draw._values is None  # nothing computed, no buffer of n values
     got = torch.full((n,), float("nan"), dtype=torch.float64)
     scratch_ptrs = set()
 
