@@ -181,27 +181,6 @@ def test_inductor_norms_and_clipped_sum_equal_eager():
     assert all(close(a, b) for a, b in zip(sums, sum_ref))
 
 
-def test_make_private_refuses_compile_with_the_way_to_compile():
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from dpopt import PrivacyEngine
-
-    model = mlp()
-    loader = DataLoader(TensorDataset(*data("mlp", 8, 0)), batch_size=4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for make in ("make_private", "make_private_with_epsilon"):
-        kw = (
-            dict(noise_multiplier=1.0)
-            if make == "make_private"
-            else dict(target_epsilon=1.0, target_delta=1e-5, epochs=1)
-        )
-        with pytest.raises(ValueError, match="dpopt train --compile"):
-            getattr(PrivacyEngine(), make)(
-                module=model, optimizer=opt, data_loader=loader, max_grad_norm=1.0, compile=True, **kw
-            )
-    assert not any(m._forward_hooks for m in model.modules())
-
-
 @pytest.mark.slow
 def test_train_compiled_equals_eager_with_reproducible_noise(tmp_path):
     """``dpopt train --compile`` (TrainConfig.compile): the same seeded noise and batches give the same model."""
