@@ -169,3 +169,15 @@ def test_make_private_compile_refusals():
                 module=module, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, **args
             )
         assert "forward" not in module.__dict__ and not any(m._forward_hooks for m in module.modules())
+
+
+@pytest.mark.slow
+def test_inductor_door_equals_eager_door():
+    """The default backend (``compile=True``: inductor's generated C++ kernels) through the door; slow (gcc)."""
+    eager_model, comp_model = cnn(), cnn()
+    eager, comp = HookCapture(eager_model), HookCapture(comp_model, compile=True)
+    x, y = data(10, 4)
+    sq_ref, sum_ref = clipped_sum(pass_of(eager, eager_model, x, y), 0.5)
+    sq, sums = clipped_sum(pass_of(comp, comp_model, x, y), 0.5)
+    assert close(sq, sq_ref) and float(sq.min()) > 0
+    assert all(close(a, b) for a, b in zip(sums, sum_ref))
