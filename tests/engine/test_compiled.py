@@ -116,17 +116,28 @@ def test_first_batch_check_catches_a_wrong_compiled_kernel():
 
 
 def test_a_new_graph_is_checked_at_its_batch():
-    """A graph compiled after the first batch's check (here: one example, a size dynamo specialises) is
-    checked at that batch before its results are used."""
-    model = cnn()
+    """A graph compiled after the first batch's check (here: a new image size) is checked at that batch
+    before its results are used; a new batch size, or one example (run eagerly: no size-specialised graph,
+    whose kernels inductor would cache on disk with the size in them), compiles nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
     eng = PerSampleEngine(model, loss_fn, compile="aot_eager")
     x, y = data("cnn", 9, 0)
     eng.compute(x, y)
     assert eng._compiled.compiles == 1
     eng._compiled._real = _scaling_backend  # the next graph compiled is wrong
     eng.compute(x[:5], y[:5])  # the same (dynamic) graph: nothing new to check
+    eng.compute(x[:1], y[:1])  # eager
+    assert eng._compiled.compiles == 1
     with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="compile=True"):
-        eng.compute(x[:1], y[:1])
+        eng.compute(torch.randn(9, 3, 10, 10), y)
 
 
 class Branchy(nn.Module):
