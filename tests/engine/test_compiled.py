@@ -119,6 +119,7 @@ def test_a_new_graph_is_checked_at_its_batch():
     """A graph compiled after the first batch's check (here: a new image size) is checked at that batch
     before its results are used; a new batch size, or one example (run eagerly: no size-specialised graph,
     whose kernels inductor would cache on disk with the size in them), compiles nothing."""
+    torch._dynamo.reset()  # dynamo's shape history of earlier tests could make the image axes dynamic already
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),
