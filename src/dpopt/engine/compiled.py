@@ -167,15 +167,7 @@ class CompiledCapture:
         model = self.plan.model
         with _reparametrize_module(model, params):  # the root's own hooks are not traced (module docstring)
             out = self._call(x)
-        # a GroupNorm's per-example statistics (mean, 1/std per group) inside the graph, where inductor computes
-        # them with its own group norm: the eager capture reuses those autograd saved; recomputing them after
-        # the graph (torch.var_mean over the layer input) cost ~10 % of a compiled CNN5 source
-        stats = []
-        for m, a in self._inputs:
-            if type(m) is nn.GroupNorm:
-                var, mean = torch.var_mean(a.reshape(a.shape[0], m.num_groups, -1), dim=2, unbiased=False)
-                stats += [mean, torch.rsqrt(var + m.eps)]
-        return out, [a for _, a in self._inputs], stats
+        return out, [a for _, a in self._inputs]
 
     # -- the tap shapes ----------------------------------------------------------------------
     def _shapes(self, x: Tensor) -> list:
@@ -214,12 +206,11 @@ class CompiledCapture:
 
     # -- one pass ------------------------------------------------------------------------------
     def forward(self, x: Tensor, offset=None) -> tuple:
-        """One compiled forward of ``x`` (at θ + offset): ``(out, [(module, a, z, stats), ...])`` in call order.
+        """One compiled forward of ``x`` (at θ + offset): ``(out, [(module, a, z), ...])`` in call order.
 
         ``a`` is the layer's input ``[n, ...]`` (row-major), ``z`` its tap: a zero leaf of the
         output's shape that requires grad, added to the layer's output inside the graph, so that a
-        backward from ``out`` delivers ``∂ℓ/∂out`` of the layer as ``z``'s gradient (module docstring);
-        ``stats``: a GroupNorm's ``(mean, 1/std)`` ``[n, G]`` computed in the graph (else None).
+        backward from ``out`` delivers ``∂ℓ/∂out`` of the layer as ``z``'s gradient (module docstring).
 
         Raises:
             ValueError: a forward torch.compile cannot trace as one graph (dynamo's reason in the message).
@@ -245,7 +236,7 @@ class CompiledCapture:
             # outside the check's random-op recorder (compiled draws are not replayable); with grad (optimizers
             # consume the sources under no_grad)
             with _disable_current_modes(), torch.enable_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
-                out, inputs, stats = self._fn(params, x, taps)
+                out, inputs = self._fn(params, x, taps)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             lines = str(err).splitlines()
             why = next((ln for ln in lines if "data-dependent" in ln or "Caused by" in ln), lines[0] if lines else "")
@@ -260,13 +251,7 @@ class CompiledCapture:
             raise refusal("the layers called by the compiled forward differ from those of the eager forward")
         # inductor may return a tensor in a permuted layout (a GroupNorm's output gradient came back
         # channels-last); the eager blocks (unfold, Gram, GEMMs) are slower on such strides: row-major here
-        tapped, j = [], 0
-        for (m, _, _), a, z in zip(calls, inputs, taps):
-            st = None
-            if type(m) is nn.GroupNorm:
-                st, j = (stats[j], stats[j + 1]), j + 2
-            tapped.append((m, a.contiguous(), z, st))
-        return out, tapped
+        return out, [(m, a.contiguous(), z) for (m, _, _), a, z in zip(calls, inputs, taps)]
 
     def run(self, x: Tensor, loss_of: Callable, offset=None) -> list[Call]:
         """One compiled forward of ``x`` (at θ + offset), then the output gradients of ``loss_of(out)``.
@@ -282,11 +267,10 @@ class CompiledCapture:
         with torch.enable_grad():
             loss, grad_outputs = loss_of(out)
         with _disable_current_modes():
-            es = torch.autograd.grad(loss, [t[2] for t in tapped], grad_outputs=grad_outputs, allow_unused=True)
+            es = torch.autograd.grad(loss, [z for _, _, z in tapped], grad_outputs=grad_outputs, allow_unused=True)
         result = []
-        for (m, a, z, st), e in zip(tapped, es):
+        for (m, a, z), e in zip(tapped, es):
             c = Call(m, a, z, (a,), {}, [z], None, versions=False)
-            c.stats = st
             c.grads[0] = e.contiguous() if e is not None else None
             result.append(c)
         return result
@@ -352,12 +336,9 @@ class CompiledForward:
             out, tapped = cap.forward(x)
         finally:
             rec.active = True
-        for m, a, z, st in tapped:
-            before = len(rec.calls)
+        for m, a, z in tapped:
             if rec._layer(m, (a,), {}, z) is not None:  # the recorder would have changed the layer's output
                 raise refusal(f"layer {rec.plan.name_of(m)!r} needs its recorded output changed (a broadcast input)")
-            if len(rec.calls) > before:
-                rec.calls[-1].stats = st
         return out
 
     def detach(self) -> None:
