@@ -36,6 +36,13 @@ cannot put in one graph, is refused with dynamo's reason. The batch axis is
 marked dynamic (one graph for every Poisson batch size ≥ 2; a recompilation,
 e.g. a change of train/eval mode, is detected: :attr:`CompiledCapture.compiles`).
 
+Both doors use this graph: dpopt's own loop through
+:class:`~dpopt.engine.fast.PerSampleEngine` (:meth:`CompiledCapture.run`: the loss and its
+backward to the taps are the engine's), and ``PrivacyEngine.make_private(..., compile=...)``
+through :class:`CompiledForward` (the model's forward; the user's ``loss.backward()`` reaches the taps).
+A batch of fewer than 2 rows runs the eager capture in both: dynamo would specialise its size, and
+inductor's on-disk C++ code cache would then hold kernels with that size as a literal.
+
 Exactness is not assumed: :class:`~dpopt.engine.fast.PerSampleEngine` runs its
 first-batch check (:meth:`~dpopt.engine.capture.Recorder.check`: per-example
 squared norms and a weighted sum against single-example eager autograd) ON
