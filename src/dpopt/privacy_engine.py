@@ -120,6 +120,7 @@ from .distributed import (
     context,
 )
 from .engine.collate_check import probe_loader
+from .engine.compiled import compile_backend
 from .engine.hooks import LOSS_REDUCTIONS, HookCapture
 from .errors import ConfigError
 from .methods import get_method, make_optimizer
@@ -447,7 +448,7 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
-        compile: bool = False,
+        compile: Union[bool, str] = False,
         cache_bytes: Optional[int] = None,
         **hparams: Any,
     ) -> tuple:
@@ -588,13 +589,21 @@ class PrivacyEngine:
                 ``distributed=True`` / ``"fsdp"``: every rank cuts rank 0's partition and Poisson-samples its
                 own slice of part t mod b' at q (each example lives on one rank), so the union over ranks is
                 one cyclic Poisson sample; the noise as above.
-            compile: ``torch.compile`` of the step. Refused here (ValueError): this door's capture runs
-                inside YOUR forward and backward, and under ``torch.compile(module)`` its hooks break the
-                graph at every recorded layer (torch 2.13 compiled only those layers' own forwards, one op
-                each: nothing to gain), and this door has no tapped compiled capture yet. The compiled step is dpopt's own
-                loop: ``dpopt train --compile`` or ``iter_per_sample_sources(..., compile=True)``
-                (:mod:`dpopt.engine.compiled`: taps as graph inputs, the first batch checked on the compiled
-                path against single-example eager autograd; docs/performance.md, "torch.compile").
+            compile: ``True`` (backend ``"inductor"``), a backend name in
+                :data:`~dpopt.engine.compiled.COMPILE_BACKENDS` (``"aot_eager"``: fast to compile), or False:
+                your ``model(x)`` (one positional tensor, ≥ 2 rows, gradients on) runs the model's forward
+                as ONE ``torch.compile`` graph with taps on the recorded layers, and your
+                ``loss.backward()`` runs its compiled backward to the layer outputs
+                (:class:`~dpopt.engine.compiled.CompiledForward`); the norms, clipped sums and noise stay
+                eager. The first-batch check runs on that compiled path against single-example eager
+                autograd, and again on the first pass after any new graph compiles (a new input shape,
+                dtype, mode); a disagreement refuses. The parameters enter the graph detached: ``p.grad``
+                is not formed by your backward (the optimizer's step uses the clipped sum). Other calls
+                (one row, keywords, ``no_grad``) run eagerly with the ordinary hooks. Refused: models the
+                compiled capture cannot take (data-dependent control flow, MultiheadAttention / LSTM,
+                layers without a per-sample rule, ``transformers`` models), ``distributed="fsdp"`` and
+                ``augmentation_multiplicity`` > 1. On this project's 2-core CPU it is not faster than
+                eager (docs/performance.md, "torch.compile").
             cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
                 and the clipped sum (per step, all layers together): None (default) derives them from
                 the model and batch (≈ 10 % of what the non-private step holds,
@@ -615,13 +624,7 @@ class PrivacyEngine:
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module to train, got {type(module).__name__}")
-        if compile:
-            raise ValueError(
-                "make_private(compile=True) is not supported: PrivacyEngine captures per-sample gradients with "
-                "hooks inside your own forward/backward, which torch.compile cannot compile exactly; use dpopt's "
-                "own loop, which compiles the capture and checks it (dpopt train --compile, or "
-                "dpopt.iter_per_sample_sources(..., compile=True)); docs/performance.md, 'torch.compile'"
-            )
+        compile_backend(compile)  # an unknown backend name: ValueError before anything is attached
         if not isinstance(data_loader, DataLoader):
             raise TypeError(
                 f"data_loader must be a torch.utils.data.DataLoader over the private dataset (make_private "
@@ -685,12 +688,20 @@ class PrivacyEngine:
                 "augmentation_multiplicity > 1 is not supported with distributed='fsdp'; use "
                 "distributed=True (replicas) or one process"
             )
+        if compile and (distributed == "fsdp" or views > 1):
+            raise ValueError(
+                "make_private(compile=True) with "
+                + ("distributed='fsdp'" if distributed == "fsdp" else "augmentation_multiplicity > 1")
+                + " is not supported: the compiled capture is built and checked for one process holding the "
+                "whole model and one row per example; drop compile"
+            )
         capture = fsdp.capture_for(
             module,
             distributed,
             optimizer,
             ctx,
             loss_reduction=loss_reduction,
+            **({"compile": compile} if compile else {}),
             **({"rows_per_example": views} if views > 1 else {}),
             **({"cache_bytes": cache_bytes} if cache_bytes is not None else {}),
         )

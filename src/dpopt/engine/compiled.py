@@ -36,6 +36,13 @@ cannot put in one graph, is refused with dynamo's reason. The batch axis is
 marked dynamic (one graph for every Poisson batch size ≥ 2; a recompilation,
 e.g. a change of train/eval mode, is detected: :attr:`CompiledCapture.compiles`).
 
+Both doors use this graph: dpopt's own loop through
+:class:`~dpopt.engine.fast.PerSampleEngine` (:meth:`CompiledCapture.run`: the loss and its
+backward to the taps are the engine's), and ``PrivacyEngine.make_private(..., compile=...)``
+through :class:`CompiledForward` (the model's forward; the user's ``loss.backward()`` reaches the taps).
+A batch of fewer than 2 rows runs the eager capture in both: dynamo would specialise its size, and
+inductor's on-disk C++ code cache would then hold kernels with that size as a literal.
+
 Exactness is not assumed: :class:`~dpopt.engine.fast.PerSampleEngine` runs its
 first-batch check (:meth:`~dpopt.engine.capture.Recorder.check`: per-example
 squared norms and a weighted sum against single-example eager autograd) ON
@@ -122,6 +129,9 @@ class CompiledCapture:
         forward = types.FunctionType(CompiledCapture._forward.__code__.replace(), globals(), "_forward")
         self._fn = torch.compile(types.MethodType(forward, self), backend=self._count, fullgraph=True, dynamic=None)
         self._live = False
+        # the model's forward as given: the PrivacyEngine door (engine.hooks) replaces model.forward by one that
+        # calls this capture, whose graph must trace the original
+        self._call = plan.model.forward
         self._taps: list[Tensor] = []
         self._inputs: list[tuple[nn.Module, Tensor]] = []
         self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in plan.modules]
@@ -163,7 +173,7 @@ class CompiledCapture:
         self._taps = taps
         model = self.plan.model
         with _reparametrize_module(model, params):  # the root's own hooks are not traced (module docstring)
-            out = model.forward(x)
+            out = self._call(x)
         return out, [a for _, a in self._inputs]
 
     # -- the tap shapes ----------------------------------------------------------------------
@@ -202,12 +212,12 @@ class CompiledCapture:
         return calls
 
     # -- one pass ------------------------------------------------------------------------------
-    def run(self, x: Tensor, loss_of: Callable, offset=None) -> list[Call]:
-        """One compiled forward of ``x`` (at θ + offset), then the output gradients of ``loss_of(out)``.
+    def forward(self, x: Tensor, offset=None) -> tuple:
+        """One compiled forward of ``x`` (at θ + offset): ``(out, [(module, a, z), ...])`` in call order.
 
-        ``loss_of(out) -> (loss, grad_outputs)`` runs eagerly on the compiled
-        forward's output. Returns the calls (input ``a``, the tap as output,
-        ``grads[0]`` = e, None if the loss does not reach the layer) in call order.
+        ``a`` is the layer's input ``[n, ...]`` (row-major), ``z`` its tap: a zero leaf of the
+        output's shape that requires grad, added to the layer's output inside the graph, so that a
+        backward from ``out`` delivers ``∂ℓ/∂out`` of the layer as ``z``'s gradient (module docstring).
 
         Raises:
             ValueError: a forward torch.compile cannot trace as one graph (dynamo's reason in the message).
@@ -215,6 +225,8 @@ class CompiledCapture:
         plan = self.plan
         n = int(x.shape[0])
         calls = self._shapes(x)
+        # a zero per output element: a stride-0 broadcast zero (one scalar: no fill, no full read) was tried and
+        # gave wrong output gradients through AOTAutograd (a view input), caught by the first-batch check
         taps = [torch.zeros((n, *shape), dtype=dt, device=x.device, requires_grad=True) for _, shape, dt in calls]
         trainable = dict(zip(plan.names, plan.params))
         if offset is None:
@@ -244,13 +256,103 @@ class CompiledCapture:
             self._inputs.clear()
         if [m for m, _ in recorded] != [m for m, _, _ in calls] or len(inputs) != len(calls):
             raise refusal("the layers called by the compiled forward differ from those of the eager forward")
+        # inductor may return a tensor in a permuted layout (a GroupNorm's output gradient came back
+        # channels-last); the eager blocks (unfold, Gram, GEMMs) are slower on such strides: row-major here
+        return out, [(m, a.contiguous(), z) for (m, _, _), a, z in zip(calls, inputs, taps)]
+
+    def run(self, x: Tensor, loss_of: Callable, offset=None) -> list[Call]:
+        """One compiled forward of ``x`` (at θ + offset), then the output gradients of ``loss_of(out)``.
+
+        ``loss_of(out) -> (loss, grad_outputs)`` runs eagerly on the compiled
+        forward's output. Returns the calls (input ``a``, the tap as output,
+        ``grads[0]`` = e, None if the loss does not reach the layer) in call order.
+
+        Raises:
+            ValueError: a forward torch.compile cannot trace as one graph (dynamo's reason in the message).
+        """
+        out, tapped = self.forward(x, offset)
         with torch.enable_grad():
             loss, grad_outputs = loss_of(out)
         with _disable_current_modes():
-            es = torch.autograd.grad(loss, taps, grad_outputs=grad_outputs, allow_unused=True)
+            es = torch.autograd.grad(loss, [z for _, _, z in tapped], grad_outputs=grad_outputs, allow_unused=True)
         result = []
-        for (m, _, _), a, z, e in zip(calls, inputs, taps, es):
+        for (m, a, z), e in zip(tapped, es):
             c = Call(m, a, z, (a,), {}, [z], None, versions=False)
-            c.grads[0] = e
+            c.grads[0] = e.contiguous() if e is not None else None
             result.append(c)
         return result
+
+
+class CompiledForward:
+    """The ``PrivacyEngine`` door's ``model.forward`` with ``make_private(..., compile=...)``.
+
+    In that door the training loop is the user's (``loss = crit(model(x), y); loss.backward()``) and a
+    :class:`~dpopt.engine.capture.Recorder` records each layer's call from forward hooks, with a tensor
+    hook on its output for the gradient (:mod:`dpopt.engine.hooks`). This object becomes the model's
+    ``forward`` (an instance attribute: ``model(x)`` still runs the model's own root hooks around it) and,
+    for a batch of ≥ 2 rows given as one positional tensor with gradients enabled, runs the
+    :class:`CompiledCapture`'s graph instead of the eager forward, the recorder switched off while it
+    traces; each tapped layer's call is then handed to the recorder as if its forward hook had seen
+    input ``a`` and output ``z`` (the tap: a graph input, so the user's ``loss.backward()`` delivers
+    ``∂ℓ/∂out`` to the recorder's tensor hook on ``z``). The parameters enter the graph detached: the
+    backward forms no ``p.grad`` (the door's clipped sum replaces it).
+
+    Everything else runs the model's eager forward with the recorder on: one-row batches (dynamo
+    specialises size 1: a graph per such batch, and one example cannot be checked against itself), other
+    call signatures, ``no_grad`` evaluation, and the first-batch check's single-example reference passes
+    (:meth:`~dpopt.engine.capture.Recorder.check` runs them with the recorder off), so the check compares
+    the compiled graph with eager autograd. The door re-runs the check on the first pass after any new
+    graph compiled (:class:`~dpopt.engine.hooks.HookCapture`: :attr:`compiles`).
+
+    Raises:
+        ValueError: what :class:`CompiledCapture` refuses, and layers whose parameters the door computes
+            by a vjp of their own forward (no fast rule: the recorder could not record them inside the graph).
+    """
+
+    def __init__(self, rec, backend: str, vjp: dict):
+        plan = rec.plan
+        if vjp:
+            names = sorted(plan.name_of(m) for m in vjp)
+            raise refusal(f"layers without a per-sample rule ({names}: their gradients come from a vjp of their call)")
+        self.rec = rec
+        self.capture = CompiledCapture(plan, backend)
+        self.model = plan.model
+        self._given = self.model.__dict__.get("forward")  # an instance forward set before (restored by detach)
+        self.model.forward = self
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (:attr:`CompiledCapture.compiles`)."""
+        return self.capture.compiles
+
+    def __call__(self, *args, **kwargs):
+        rec, cap = self.rec, self.capture
+        x = args[0] if len(args) == 1 and not kwargs else None
+        compiled = (
+            isinstance(x, Tensor)
+            and x.dim() > 0
+            and int(x.shape[0]) >= 2
+            and rec.active
+            and rec.current is not None
+            and torch.is_grad_enabled()
+        )
+        if not compiled:
+            return cap._call(*args, **kwargs)
+        rec.active = False  # its hooks return at once inside the graph (and the probe's eager forward)
+        try:
+            out, tapped = cap.forward(x)
+        finally:
+            rec.active = True
+        for m, a, z in tapped:
+            if rec._layer(m, (a,), {}, z) is not None:  # the recorder would have changed the layer's output
+                raise refusal(f"layer {rec.plan.name_of(m)!r} needs its recorded output changed (a broadcast input)")
+        return out
+
+    def detach(self) -> None:
+        """Give the model its forward back and remove the capture's hooks."""
+        self.capture.detach()
+        if self.model.__dict__.get("forward") is self:
+            if self._given is None:
+                del self.model.forward
+            else:
+                self.model.forward = self._given

@@ -412,7 +412,10 @@ class PerSampleEngine:
         if self._compiled is not None:  # the compiled forward/backward (engine.compiled)
             if kwargs or len(args) != 1:
                 raise refusal("the compiled capture takes the model's input as one positional tensor")
-            return self._compiled.run(args[0], loss_of, offset), {}
+            # a batch of < 2 rows runs eagerly: dynamo would specialise its size, and inductor writes the
+            # kernels of a graph to its on-disk code cache with static sizes as literals (a batch's size is private)
+            if int(args[0].shape[0]) >= 2:
+                return self._compiled.run(args[0], loss_of, offset), {}
         rec, model = self._rec, self.model
         for _attempt in range(3):
             rec.replayed = False

@@ -84,6 +84,7 @@ from ..types import EvaluationPoint
 from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leaves, trailing
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
+from .compiled import CompiledForward, compile_backend, refusal
 from .fast import FastPerSampleGrads
 from .hf_labels import LabelsLoss, strip_labels
 from .inputs import preserved_state
@@ -165,7 +166,11 @@ class HookCapture:
         chunk_bytes: int = 16 << 20,
         cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
+        compile: object = False,
     ):
+        backend = compile_backend(compile)
+        if backend is not None and not verify:
+            raise refusal("verify=False would release the compiled capture's results unchecked")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
@@ -192,6 +197,16 @@ class HookCapture:
         # batches left in which the collate check may still find an example whose padding differs: a
         # batch of equal-length examples gives no verdict, so the check is tried again on later batches
         self._collate_tries = COLLATE_TRIES
+        # compile=: the model's forward runs the compiled capture (engine.compiled.CompiledForward); graphs
+        # compiled up to the last first-batch check (a later graph is checked on its first pass)
+        self._door: Optional[CompiledForward] = None
+        self._vouched = 0
+        if backend is not None:
+            try:
+                self._door = CompiledForward(self._rec, backend, self.vjp)
+            except ValueError:
+                self._rec.detach()
+                raise
 
     def _quiet(self, flag: bool) -> None:
         self._rec.active = not flag
@@ -201,6 +216,8 @@ class HookCapture:
 
     def detach(self) -> None:
         """Remove every hook this capture attached (the model is left as it was given)."""
+        if self._door is not None:
+            self._door.detach()
         self._rec.detach()
 
     # -- step -------------------------------------------------------------------------
@@ -276,7 +293,8 @@ class HookCapture:
         check_views(p.batch_size, self.views)
         # one example tiled up cannot reveal mixing: wait for two
         key = signature(self.model, p.batch_size // self.views, p.modes, p.state)  # modes, module state, size class
-        needed = self._modes.needed(key) and p.batch_size >= 2 * self.views
+        fresh = self._door is not None and self._door.compiles > self._vouched  # a graph no check has run
+        needed = (self._modes.needed(key) or fresh) and p.batch_size >= 2 * self.views
         if needed:
             self._collate_tries = COLLATE_TRIES  # a new signature: the collate check gives its verdict again
         probe = self.collate_probe if self._collate_tries > 0 and p.batch_size >= 2 * self.views else None
@@ -296,6 +314,8 @@ class HookCapture:
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
                     self._verify(p, key)
+                    if self._door is not None:
+                        self._vouched = self._door.compiles
         if self._rec.stale(done):
             done, other = self._again(p, done, other)
         p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
@@ -427,7 +447,11 @@ class HookCapture:
         with torch.enable_grad():
             out = self.model(*args, **kwargs)
             loss = loss_of(out)
-            self._rec.backward_only(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints too)
+            if self._door is not None:  # compiled: the parameters are detached in the graph, the taps are not
+                taps = [t for c in self._rec.calls for t in c.outs if t.requires_grad]
+                torch.autograd.grad(loss, taps, allow_unused=True)  # fills the tensor hooks on the taps
+            else:
+                self._rec.backward_only(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints)
         calls, other = self._rec.take()
         self._check_layout([c for c in calls if c.has_grad], int(leaves((args, kwargs))[0].shape[0]))
         return [c for c in calls if c.has_grad], other
