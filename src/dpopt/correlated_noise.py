@@ -57,7 +57,10 @@ from torch import Tensor
 
 from .accounting.calibration import calibrate_correlated_noise_multiplier as calibrate_noise_multiplier
 from .accounting.matrix_factorization import (
+    LEGACY_SENSITIVITY_METHOD,
     MECHANISMS,
+    SENSITIVITY_METHOD,
+    SENSITIVITY_METHODS,
     Participation,
     Strategy,
     amplified_banded_event,
@@ -70,6 +73,7 @@ from .accounting.matrix_factorization import (
     cyclic_poisson_sampling,
     gaussian_epsilon,
     mechanism_event,
+    monotone_envelope,
     optimize_strategy,
     parse_mechanism,
     prefix_sensitivities,
@@ -77,6 +81,7 @@ from .accounting.matrix_factorization import (
     sensitivity,
     step_events,
     strategy_from_record,
+    toeplitz_prefix_sensitivities,
 )
 from .accounting.sampled_matrix_mechanism import amplified_sensitivity
 
@@ -84,6 +89,9 @@ __all__ = [
     "CorrelatedNoise",
     "make_mechanism",
     "MECHANISMS",
+    "SENSITIVITY_METHOD",
+    "SENSITIVITY_METHODS",
+    "LEGACY_SENSITIVITY_METHOD",
     "Participation",
     "Strategy",
     "amplified_banded_event",
@@ -100,6 +108,8 @@ __all__ = [
     "prefix_sensitivities",
     "record_sampling",
     "sensitivity",
+    "monotone_envelope",
+    "toeplitz_prefix_sensitivities",
     "step_events",
     "strategy_from_record",
 ]
@@ -237,6 +247,7 @@ class CorrelatedNoise:
             "min_separation": p.min_separation,
             "noise_multiplier": self.noise_multiplier,
             "sensitivity": self.sensitivity,
+            "sensitivity_method": SENSITIVITY_METHOD,
             "amplification": self._amplification(),
             **(
                 {}
