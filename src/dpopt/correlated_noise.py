@@ -132,6 +132,9 @@ class CorrelatedNoise:
             Poisson sampling at rate q within each of the ``min_separation`` partitions, amplified events
             (:func:`amplified_step_events`: exact for banded with bands ≤ min_separation, the spectral bound
             of :mod:`dpopt.accounting.sampled_matrix_mechanism` for BLT and banded with more bands).
+        sensitivity_method: how Δ_t is derived (:func:`prefix_sensitivities`; one of
+            :data:`SENSITIVITY_METHODS`, default the exact Toeplitz form where it holds); written to the
+            record as ``sensitivity_method`` so :func:`check_record` re-derives with the same method.
 
     State: per key (one per device / block of the flat noise vector) the last b−1 noise vectors
     (banded) or n buffers (blt), float64, in memory only. :meth:`correlate` for release t checks that
@@ -140,7 +143,8 @@ class CorrelatedNoise:
     original's noise) — resume from a checkpoint is refused the same way (docs/correlated-noise.md).
 
     Raises:
-        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`; a sample_rate without an amplified accountant.
+        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`; a sample_rate without an amplified accountant; an
+            unknown ``sensitivity_method``.
     """
 
     def __init__(
@@ -149,13 +153,15 @@ class CorrelatedNoise:
         participation: Participation,
         noise_multiplier: float,
         sample_rate: Optional[float] = None,
+        sensitivity_method: str = SENSITIVITY_METHOD,
     ):
         if not float(noise_multiplier) > 0:
             raise ValueError("correlated noise needs noise_multiplier > 0 (σ = 0 is independent, non-private)")
         self.strategy, self.participation = strategy, participation
         self.noise_multiplier = float(noise_multiplier)
         T = participation.steps
-        self.prefix = prefix_sensitivities(strategy, participation)
+        self.sensitivity_method = sensitivity_method
+        self.prefix = prefix_sensitivities(strategy, participation, sensitivity_method)
         self.sensitivity = float(self.prefix[-1])
         self.sample_rate = None if sample_rate is None else float(sample_rate)
         self._events = (
@@ -247,7 +253,7 @@ class CorrelatedNoise:
             "min_separation": p.min_separation,
             "noise_multiplier": self.noise_multiplier,
             "sensitivity": self.sensitivity,
-            "sensitivity_method": SENSITIVITY_METHOD,
+            "sensitivity_method": self.sensitivity_method,
             "amplification": self._amplification(),
             **(
                 {}
