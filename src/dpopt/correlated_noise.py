@@ -28,7 +28,10 @@ of them at least ``min_separation`` steps apart (cyclic batches: one fixed parti
 b batches, step t uses batch t mod b, so k = epochs and min_separation = b). Its sensitivity is
 Δ² = max_π ‖C·1_π‖²; for vector-valued contributions (clipped gradients g_j, ‖g_j‖ ≤ 1)
 sup ‖Σ_{j∈π} C_{:,j} g_jᵀ‖²_F ≤ Σ_{i,j∈π} |X_ij|, X = CᵀC, with equality when X ≥ 0 on π
-(:func:`sensitivity`; Choquette-Choo et al. arXiv 2211.06530, Sec. 2).
+(:func:`sensitivity`; Choquette-Choo et al. arXiv 2211.06530, Sec. 2). Where C's Toeplitz coefficients
+are nonnegative and nonincreasing the worst π is 0, b, 2b, … for the run and every prefix (exact;
+McKenna 2024, arXiv 2405.13763, Thm 2); elsewhere a general upper bound (arXiv 2306.08153, Alg. 4).
+The ledger record names the method (``sensitivity_method``) so ``dpopt check`` re-derives with it.
 
 Accounting (no amplification): the whole run is ONE Gaussian mechanism with noise multiplier σ/Δ.
 The ledger stores it as one Gaussian per release whose compositions are exact: release t carries

@@ -141,6 +141,15 @@ def test_long_blt_runs_no_longer_need_the_dense_bound():
         sensitivity(s, p, LEGACY_SENSITIVITY_METHOD)
 
 
+def test_the_formula_refuses_coefficients_outside_its_hypotheses():
+    with pytest.raises(ValueError, match="nonincreasing"):
+        toeplitz_prefix_sensitivities(np.array([1.0, 0.5, 0.6]), Participation(3, 2, 1))
+    with pytest.raises(ValueError, match="nonincreasing"):
+        toeplitz_prefix_sensitivities(np.array([1.0, -0.1, 0.0]), Participation(3, 2, 1))
+    with pytest.raises(ValueError, match="steps"):
+        toeplitz_prefix_sensitivities(np.array([1.0, 0.5]), Participation(3, 2, 1))
+
+
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="unknown sensitivity_method"):
         sensitivity(MONOTONE["blt1"], Participation(16, 2, 4), "toeplitz-v9")

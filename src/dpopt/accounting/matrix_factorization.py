@@ -227,9 +227,20 @@ def toeplitz_prefix_sensitivities(column: np.ndarray, participation: Participati
     X ≥ 0. The first t+1 rows of C are the Toeplitz matrix of c_0 … c_t (columns > t are zero), whose
     worst pattern is the positions ≤ t of the same u: Δ_t² = Σ_{s≤t} (C u)_s². Vector contributions:
     X ≥ 0, so aligned unit gradients are the worst case, √(Σ_{i,j∈π} X_ij).
+
+    Raises:
+        ValueError: ``column`` not of length T = ``participation.steps``, or not nonnegative and
+            nonincreasing (pass :func:`monotone_envelope`'s envelope, or use :func:`prefix_sensitivities`).
     """
     c = np.asarray(column, dtype=np.float64)
     T, k, b = len(c), participation.participations, participation.min_separation
+    if T != participation.steps:
+        raise ValueError(f"column has {T} coefficients but the participation has {participation.steps} steps")
+    if not (np.all(c >= 0) and np.all(np.diff(c) <= 0)):
+        raise ValueError(
+            "McKenna's exact Toeplitz sensitivity needs nonnegative, nonincreasing coefficients: use "
+            "prefix_sensitivities (it checks them and falls back to the general bound)"
+        )
     rows = -(-T // b)
     lattice = np.zeros(rows * b)
     lattice[:T] = c
