@@ -28,7 +28,10 @@ of them at least ``min_separation`` steps apart (cyclic batches: one fixed parti
 b batches, step t uses batch t mod b, so k = epochs and min_separation = b). Its sensitivity is
 Δ² = max_π ‖C·1_π‖²; for vector-valued contributions (clipped gradients g_j, ‖g_j‖ ≤ 1)
 sup ‖Σ_{j∈π} C_{:,j} g_jᵀ‖²_F ≤ Σ_{i,j∈π} |X_ij|, X = CᵀC, with equality when X ≥ 0 on π
-(:func:`sensitivity`; Choquette-Choo et al. arXiv 2211.06530, Sec. 2).
+(:func:`sensitivity`; Choquette-Choo et al. arXiv 2211.06530, Sec. 2). Where C's Toeplitz coefficients
+are nonnegative and nonincreasing the worst π is 0, b, 2b, … for the run and every prefix (exact;
+McKenna 2024, arXiv 2405.13763, Thm 2); elsewhere a general upper bound (arXiv 2306.08153, Alg. 4).
+The ledger record names the method (``sensitivity_method``) so ``dpopt check`` re-derives with it.
 
 Accounting (no amplification): the whole run is ONE Gaussian mechanism with noise multiplier σ/Δ.
 The ledger stores it as one Gaussian per release whose compositions are exact: release t carries
@@ -57,7 +60,10 @@ from torch import Tensor
 
 from .accounting.calibration import calibrate_correlated_noise_multiplier as calibrate_noise_multiplier
 from .accounting.matrix_factorization import (
+    LEGACY_SENSITIVITY_METHOD,
     MECHANISMS,
+    SENSITIVITY_METHOD,
+    SENSITIVITY_METHODS,
     Participation,
     Strategy,
     amplified_banded_event,
@@ -70,6 +76,7 @@ from .accounting.matrix_factorization import (
     cyclic_poisson_sampling,
     gaussian_epsilon,
     mechanism_event,
+    monotone_envelope,
     optimize_strategy,
     parse_mechanism,
     prefix_sensitivities,
@@ -77,6 +84,7 @@ from .accounting.matrix_factorization import (
     sensitivity,
     step_events,
     strategy_from_record,
+    toeplitz_prefix_sensitivities,
 )
 from .accounting.sampled_matrix_mechanism import amplified_sensitivity
 
@@ -84,6 +92,9 @@ __all__ = [
     "CorrelatedNoise",
     "make_mechanism",
     "MECHANISMS",
+    "SENSITIVITY_METHOD",
+    "SENSITIVITY_METHODS",
+    "LEGACY_SENSITIVITY_METHOD",
     "Participation",
     "Strategy",
     "amplified_banded_event",
@@ -100,6 +111,8 @@ __all__ = [
     "prefix_sensitivities",
     "record_sampling",
     "sensitivity",
+    "monotone_envelope",
+    "toeplitz_prefix_sensitivities",
     "step_events",
     "strategy_from_record",
 ]
@@ -122,6 +135,9 @@ class CorrelatedNoise:
             Poisson sampling at rate q within each of the ``min_separation`` partitions, amplified events
             (:func:`amplified_step_events`: exact for banded with bands ≤ min_separation, the spectral bound
             of :mod:`dpopt.accounting.sampled_matrix_mechanism` for BLT and banded with more bands).
+        sensitivity_method: how Δ_t is derived (:func:`prefix_sensitivities`; one of
+            :data:`SENSITIVITY_METHODS`, default the exact Toeplitz form where it holds); written to the
+            record as ``sensitivity_method`` so :func:`check_record` re-derives with the same method.
 
     State: per key (one per device / block of the flat noise vector) the last b−1 noise vectors
     (banded) or n buffers (blt), float64, in memory only. :meth:`correlate` for release t checks that
@@ -130,7 +146,8 @@ class CorrelatedNoise:
     original's noise) — resume from a checkpoint is refused the same way (docs/correlated-noise.md).
 
     Raises:
-        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`; a sample_rate without an amplified accountant.
+        ValueError: σ ≤ 0; T > :data:`MAX_HORIZON`; a sample_rate without an amplified accountant; an
+            unknown ``sensitivity_method``.
     """
 
     def __init__(
@@ -139,13 +156,15 @@ class CorrelatedNoise:
         participation: Participation,
         noise_multiplier: float,
         sample_rate: Optional[float] = None,
+        sensitivity_method: str = SENSITIVITY_METHOD,
     ):
         if not float(noise_multiplier) > 0:
             raise ValueError("correlated noise needs noise_multiplier > 0 (σ = 0 is independent, non-private)")
         self.strategy, self.participation = strategy, participation
         self.noise_multiplier = float(noise_multiplier)
         T = participation.steps
-        self.prefix = prefix_sensitivities(strategy, participation)
+        self.sensitivity_method = sensitivity_method
+        self.prefix = prefix_sensitivities(strategy, participation, sensitivity_method)
         self.sensitivity = float(self.prefix[-1])
         self.sample_rate = None if sample_rate is None else float(sample_rate)
         self._events = (
@@ -237,6 +256,7 @@ class CorrelatedNoise:
             "min_separation": p.min_separation,
             "noise_multiplier": self.noise_multiplier,
             "sensitivity": self.sensitivity,
+            "sensitivity_method": self.sensitivity_method,
             "amplification": self._amplification(),
             **(
                 {}

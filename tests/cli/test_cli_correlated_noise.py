@@ -152,3 +152,46 @@ def test_combinations_without_an_accountant_exit_2(tmp_path, extra, needle):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.output
     assert not (tmp_path / "run" / "ledger.json").exists()
+
+
+def test_old_format_ledgers_still_pass_dpopt_check(tmp_path, monkeypatch):
+    """A BLT run over 5 epochs of cyclic batches (digits, B̄ = 720: 2 batches per epoch, k = 5, b = 2).
+    Today's run records ``sensitivity_method: toeplitz-monotone`` (McKenna's exact Δ) and checks. A run as
+    dpopt wrote it before the field (the general bound, no field; made here by running with the legacy method
+    and deleting the field) still passes `dpopt check`; an edited old record or an unknown method fails it
+    (relabelling a ledger whose two methods differ: tests/core/test_correlated_noise_toeplitz.py)."""
+    import functools
+    import shutil
+
+    from dpopt.correlated_noise import CorrelatedNoise, Participation, sensitivity, strategy_from_record
+
+    args = BASE[:4] + ["5", "--batch-size", "720"] + BASE[7:] + ["--noise-multiplier", "2", "--noise-mechanism", "blt"]
+    runner = CliRunner()
+    new_dir, old_dir = tmp_path / "new", tmp_path / "old"
+    assert runner.invoke(app, args + ["--out", str(new_dir)]).exit_code == 0
+    with monkeypatch.context() as m:
+        legacy = functools.partialmethod(CorrelatedNoise.__init__, sensitivity_method="general-bound")
+        m.setattr(CorrelatedNoise, "__init__", legacy)
+        assert runner.invoke(app, args + ["--out", str(old_dir)]).exit_code == 0
+    _tamper(old_dir, lambda rec: rec.pop("sensitivity_method"))
+    new, old = (PrivacyLedger.load(d / "ledger.json").mechanism for d in (new_dir, old_dir))
+    assert new["sensitivity_method"] == "toeplitz-monotone" and "sensitivity_method" not in old
+    assert (new["participations"], new["min_separation"]) == (5, 2)
+    s = strategy_from_record(new["strategy"])
+    p = Participation(new["steps"], new["participations"], new["min_separation"])
+    assert new["sensitivity"] == pytest.approx(sensitivity(s, p), rel=1e-12)
+    assert old["sensitivity"] == pytest.approx(sensitivity(s, p, "general-bound"), rel=1e-12)
+    assert new["sensitivity"] <= old["sensitivity"] * (1 + 1e-12)  # (here Alg. 4 happens to be tight)
+    for run_dir in (new_dir, old_dir):
+        checked = runner.invoke(app, ["check", str(run_dir)])
+        assert checked.exit_code == 0 and "RESULT: PASS" in checked.output, checked.output
+    for name, src, edit in (
+        ("old-sensitivity", old_dir, lambda rec: rec.update(sensitivity=rec["sensitivity"] * 0.95)),
+        ("old-strategy", old_dir, lambda rec: rec["strategy"]["omega"].__setitem__(0, rec["strategy"]["omega"][0] / 2)),
+        ("unknown", new_dir, lambda rec: rec.update(sensitivity_method="toeplitz-v9")),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        _tamper(bad, edit)
+        checked = runner.invoke(app, ["check", str(bad)])
+        assert checked.exit_code != 0 and "RESULT: PASS" not in checked.output, name

@@ -29,6 +29,7 @@ from dpopt.correlated_noise import (
     Participation,
     amplified_banded_event,
     brute_force_sensitivity,
+    monotone_envelope,
     optimize_strategy,
     parse_mechanism,
     prefix_sensitivities,
@@ -79,8 +80,8 @@ def test_sensitivity_against_every_participation_pattern(name, k, sep):
     exact = brute_force_sensitivity(s, p)
     got = sensitivity(s, p)
     assert got >= exact * (1 - 1e-12)  # never below the truth
-    if k == 1 or (s.kind == "banded" and s.bands <= sep):
-        assert got == pytest.approx(exact, rel=1e-12)  # closed forms are exact
+    if k == 1 or (s.kind == "banded" and s.bands <= sep) or monotone_envelope(s.column(T)) is not None:
+        assert got == pytest.approx(exact, rel=1e-12)  # closed forms and the monotone Toeplitz form are exact
     else:
         assert got <= 1.05 * exact  # the DP bound is close
     assert np.all(s.matrix(T).T @ s.matrix(T) >= -1e-12)  # X ≥ 0: Σ|X_ij| is the vector sensitivity
@@ -115,7 +116,7 @@ def test_prefix_sensitivity_is_that_of_the_first_rows(name, k, sep):
     for t in range(T):
         best = _best_pattern(np.abs(C[: t + 1].T @ C[: t + 1]), k, sep)  # brute force on the first t+1 rows
         assert prefix[t] >= math.sqrt(best) * (1 - 1e-12)
-        if k == 1 or (s.kind == "banded" and s.bands <= sep):
+        if k == 1 or (s.kind == "banded" and s.bands <= sep) or monotone_envelope(s.column(T)) is not None:
             assert prefix[t] == pytest.approx(math.sqrt(best), rel=1e-12)
     assert np.all(np.diff(prefix) >= -1e-15)
     assert prefix[-1] ** 2 <= X_full.sum() + 1e-9
@@ -299,7 +300,8 @@ def test_epsilon_equals_an_independent_gaussian_computation(name, k, sep):
     got = epsilon(priv.ledger, delta, "pld")
     assert got >= want * (1 - 1e-9)  # PLD connect-the-dots is an upper bound
     assert got == pytest.approx(want, rel=2e-3)
-    if k == 1 or (s.kind == "banded" and s.bands <= sep):  # exact sensitivity: ε is that of the truth
+    if k == 1 or (s.kind == "banded" and s.bands <= sep) or monotone_envelope(s.column(T)) is not None:
+        # exact sensitivity: ε is that of the truth
         assert got == pytest.approx(_gaussian_epsilon(exact_delta / sigma, delta), rel=2e-3)
     assert epsilon(priv.ledger, delta, "rdp") >= want * (1 - 1e-9)
 

@@ -27,6 +27,7 @@ from dp_accounting import dp_event
 from dpopt.accounting.accountant import epsilon
 from dpopt.accounting.matrix_factorization import _error
 from dpopt.correlated_noise import (
+    LEGACY_SENSITIVITY_METHOD,
     CorrelatedNoise,
     Participation,
     Strategy,
@@ -94,27 +95,33 @@ def test_streamed_noise_equals_jax_privacy_stream_and_dense_inverse(jp):
 
 def test_sensitivity_agrees_and_lies_between_truth_and_the_published_bound(jp):
     """``exact`` (single participation; banded with b ≤ min_separation, jax-privacy's
-    get_sensitivity_banded) must be equal; ``toeplitz_thm2`` (McKenna 2024 Thm 2, exact for nonnegative
-    nonincreasing C) must equal our brute force; dpopt's bound must lie between the truth and jax-privacy's
-    Algorithm-4 upper bound (arXiv 2306.08153), and above the (k, b)-fixed-epoch value."""
-    checked = 0
+    get_sensitivity_banded) and ``toeplitz_thm2`` (McKenna 2024 Thm 2, exact for nonnegative nonincreasing
+    Toeplitz C: every BLT here and banded3) must equal dpopt's sensitivity and our brute force; where neither
+    applies (signed banded with b > min_separation) dpopt's general bound must lie between the truth and
+    jax-privacy's Algorithm-4 upper bound (arXiv 2306.08153). Every value is above the (k, b)-fixed-epoch one.
+    The legacy method (ledgers without ``sensitivity_method``) still lies between the truth and Algorithm 4."""
+    checked = thm2 = 0
     for name, e in jp["strategies"].items():
         s, T = _strategy(e), e["steps"]
         for row in e["sensitivity"]:
             p = Participation(T, row["k"], row["min_separation"])
             ours, truth = sensitivity(s, p), brute_force_sensitivity(s, p)
+            legacy = sensitivity(s, p, LEGACY_SENSITIVITY_METHOD)
             assert prefix_sensitivities(s, p)[-1] == pytest.approx(ours, rel=1e-12)
             assert truth * (1 - 1e-12) <= ours <= row["upper_bound_alg4"] * (1 + 1e-10), (name, row)
+            assert truth * (1 - 1e-12) <= legacy <= row["upper_bound_alg4"] * (1 + 1e-10), (name, row)
             if "exact" in row:
                 assert ours == pytest.approx(row["exact"], rel=1e-10), (name, row)
                 checked += 1
             if "toeplitz_thm2" in row:
                 assert truth == pytest.approx(row["toeplitz_thm2"], rel=1e-10), (name, row)
+                assert ours == pytest.approx(row["toeplitz_thm2"], rel=1e-10), (name, row)
+                thm2 += 1
             if "fixed_epoch" in row:
                 assert row["fixed_epoch"] <= ours * (1 + 1e-10), (name, row)
         if "blt_sensitivity_closed_form" in e:  # Dvijotham et al. 2024, Lemma 5.3
             assert sensitivity(s, Participation(T)) == pytest.approx(e["blt_sensitivity_closed_form"], rel=1e-10)
-    assert checked >= 10
+    assert checked >= 10 and thm2 >= 18
 
 
 def test_prefix_sum_losses_agree(jp):

@@ -22,9 +22,14 @@ __all__ = [
     "banded_strategy",
     "blt_strategy",
     "optimize_strategy",
+    "SENSITIVITY_METHODS",
+    "SENSITIVITY_METHOD",
+    "LEGACY_SENSITIVITY_METHOD",
     "sensitivity",
     "brute_force_sensitivity",
     "prefix_sensitivities",
+    "monotone_envelope",
+    "toeplitz_prefix_sensitivities",
     "mechanism_event",
     "step_events",
     "amplified_banded_event",
@@ -40,7 +45,11 @@ __all__ = [
 
 MECHANISMS = ("independent", "banded", "blt")
 MAX_HORIZON = 8192  # largest T a strategy is built for
-MAX_GENERAL_HORIZON = 2048  # largest T of the O(T²)-memory sensitivity bound (blt, or bands > separation)
+MAX_GENERAL_HORIZON = 2048  # largest T of the O(T²)-memory general sensitivity bound
+SENSITIVITY_METHODS = ("general-bound", "toeplitz-monotone")
+LEGACY_SENSITIVITY_METHOD = "general-bound"  # a mechanism record without ``sensitivity_method``
+SENSITIVITY_METHOD = "toeplitz-monotone"  # what new runs use and record
+MONOTONE_TOL = 1e-9  # how far (relative to c_0) C's coefficients may be off monotone for the exact formula
 
 
 @dataclass(frozen=True)
@@ -189,22 +198,95 @@ def _orthogonal_columns(strategy: Strategy, p: Participation) -> bool:
     return strategy.kind == "banded" and (p.participations == 1 or strategy.bands <= p.min_separation)
 
 
-def prefix_sensitivities(strategy: Strategy, participation: Participation) -> np.ndarray:
-    """Δ_t for t = 0 … T−1: an upper bound on the sensitivity of the first t+1 rows of C, nondecreasing,
-    Δ_{T−1} = :func:`sensitivity` (float64 ``[T]``).
+def monotone_envelope(column: np.ndarray, tol: float = MONOTONE_TOL) -> Optional[np.ndarray]:
+    """ĉ_s = max_{r ≥ s} |c_r| (float64 ``[T]``) when it is within ``tol``·max|c| of ``column`` everywhere
+    (c nonnegative and nonincreasing up to rounding), else None.
 
-    Exact where a closed form holds: one participation (Δ_t² = Σ_{s≤t} c_s², the first column, which
-    dominates every other column of a lower-triangular Toeplitz C restricted to rows ≤ t), and banded
-    with b ≤ min_separation (disjoint column supports; the earliest pattern 0, b', 2b', … maximises a
-    sum of nonincreasing column norms). Otherwise the whole-run Δ from the first release (conservative
-    for prefixes, exact at T).
+    ĉ is nonnegative, nonincreasing and ĉ ≥ |c| entrywise, so the lower-triangular Toeplitz Ĉ dominates |C|
+    entry by entry and Δ(C) ≤ Δ(Ĉ) for every participation schema and every prefix of rows (X = CᵀC has
+    |X_ij| ≤ (ĈᵀĈ)_ij): McKenna's exact formula on ĉ (:func:`toeplitz_prefix_sensitivities`) is a valid
+    upper bound even where float64 rounding leaves c a hair off monotone, and exact where ĉ = c.
+    """
+    c = np.asarray(column, dtype=np.float64)
+    env = np.maximum.accumulate(np.abs(c)[::-1])[::-1]
+    scale = float(env[0]) if len(env) else 0.0
+    if not scale > 0 or float(np.max(env - c)) > tol * scale:
+        return None
+    return env
+
+
+def toeplitz_prefix_sensitivities(column: np.ndarray, participation: Participation) -> np.ndarray:
+    """Δ_t, t = 0 … T−1, of the first t+1 rows of the lower-triangular Toeplitz C with nonnegative,
+    nonincreasing coefficients ``column`` (c_0 ≥ c_1 ≥ … ≥ 0, float64 ``[T]``), exactly, in O(T).
+
+    McKenna 2024 (arXiv 2405.13763, Thm 2): for such C the worst (k, b)-participation pattern is the
+    earliest one, u = e_0 + e_b + … + e_{(k'−1)b}, k' = min(k, ⌈T/b⌉), and Δ = ‖C u‖. Proof (also for
+    prefixes): X = CᵀC has X_ij = Σ_{s=0}^{T−1−j} c_s c_{s+j−i} for i ≤ j, ≥ 0, nonincreasing in j − i
+    and in max(i, j); a pattern p_1 < … < p_r (r ≤ k, gaps ≥ b) moved to q_a = (a−1)b has q_a ≤ p_a and
+    q_{a'} − q_a ≤ p_{a'} − p_a, so every X_{q_a q_{a'}} ≥ X_{p_a p_{a'}}, and adding participations adds
+    X ≥ 0. The first t+1 rows of C are the Toeplitz matrix of c_0 … c_t (columns > t are zero), whose
+    worst pattern is the positions ≤ t of the same u: Δ_t² = Σ_{s≤t} (C u)_s². Vector contributions:
+    X ≥ 0, so aligned unit gradients are the worst case, √(Σ_{i,j∈π} X_ij).
 
     Raises:
-        ValueError: T > :data:`MAX_HORIZON`.
+        ValueError: ``column`` not of length T = ``participation.steps``, or not nonnegative and
+            nonincreasing (pass :func:`monotone_envelope`'s envelope, or use :func:`prefix_sensitivities`).
     """
+    c = np.asarray(column, dtype=np.float64)
+    T, k, b = len(c), participation.participations, participation.min_separation
+    if T != participation.steps:
+        raise ValueError(f"column has {T} coefficients but the participation has {participation.steps} steps")
+    if not (np.all(c >= 0) and np.all(np.diff(c) <= 0)):
+        raise ValueError(
+            "McKenna's exact Toeplitz sensitivity needs nonnegative, nonincreasing coefficients: use "
+            "prefix_sensitivities (it checks them and falls back to the general bound)"
+        )
+    rows = -(-T // b)
+    lattice = np.zeros(rows * b)
+    lattice[:T] = c
+    strided = np.cumsum(lattice.reshape(rows, b), axis=0)  # strided[r, j] = Σ_{m ≤ r} c_{(r−m)b+j}
+    if k < rows:
+        strided[k:] -= strided[: rows - k].copy()  # keep the k most recent participations only
+    v = strided.reshape(-1)[:T]  # (C u)_s = Σ_{m < k, mb ≤ s} c_{s−mb}
+    return np.sqrt(np.cumsum(v * v))
+
+
+def _check_method(method: str) -> str:
+    if method not in SENSITIVITY_METHODS:
+        raise ValueError(
+            f"unknown sensitivity_method {method!r}: this dpopt knows {', '.join(SENSITIVITY_METHODS)} "
+            "(a ledger from a newer dpopt? upgrade to check it)"
+        )
+    return method
+
+
+def prefix_sensitivities(
+    strategy: Strategy, participation: Participation, method: str = SENSITIVITY_METHOD
+) -> np.ndarray:
+    """Δ_t for t = 0 … T−1: the sensitivity of the first t+1 rows of C (exact, or an upper bound where
+    stated), nondecreasing, Δ_{T−1} = :func:`sensitivity` (float64 ``[T]``).
+
+    Exact closed forms, either method: one participation (Δ_t² = Σ_{s≤t} c_s², the first column, which
+    dominates every other column of a lower-triangular Toeplitz C restricted to rows ≤ t), and banded
+    with b ≤ min_separation (disjoint column supports; the earliest pattern 0, b', 2b', … maximises a
+    sum of nonincreasing column norms). Otherwise:
+
+    - ``method="toeplitz-monotone"`` (default; ledgers since the field existed): where C's Toeplitz
+      coefficients are nonnegative and nonincreasing (checked on the coefficients, :func:`monotone_envelope`),
+      McKenna's exact O(T) value for every prefix (:func:`toeplitz_prefix_sensitivities`); else as below.
+    - ``method="general-bound"`` (ledgers without the field): the whole-run upper bound of
+      :func:`sensitivity` from the first release on (conservative for prefixes, an upper bound at T;
+      Choquette-Choo et al. arXiv 2306.08153, Alg. 4, by dynamic programming, T ≤ :data:`MAX_GENERAL_HORIZON`).
+
+    Raises:
+        ValueError: T > :data:`MAX_HORIZON`; the general bound over more than :data:`MAX_GENERAL_HORIZON`
+            steps; an unknown ``method``.
+    """
+    _check_method(method)
     T = participation.steps
     check_horizon(T)
-    c2 = np.cumsum(strategy.column(T) ** 2)
+    col = strategy.column(T)
+    c2 = np.cumsum(col**2)
     if participation.participations == 1:
         return np.sqrt(c2)
     if _orthogonal_columns(strategy, participation):
@@ -213,30 +295,38 @@ def prefix_sensitivities(strategy: Strategy, participation: Participation) -> np
             start = m * participation.min_separation
             out[start:] += c2[: T - start]
         return np.sqrt(out)
-    return np.full(T, sensitivity(strategy, participation))
+    env = monotone_envelope(col) if method == "toeplitz-monotone" else None
+    if env is not None:
+        return toeplitz_prefix_sensitivities(env, participation)
+    return np.full(T, _general_bound(strategy, participation))
 
 
-def sensitivity(strategy: Strategy, participation: Participation) -> float:
+def sensitivity(strategy: Strategy, participation: Participation, method: str = SENSITIVITY_METHOD) -> float:
     """Δ(C): the L2 sensitivity of C·x for unit-norm contributions under ``participation``.
 
     One participation: the largest column norm (exact). Banded with b ≤ min_separation: the sum of the
-    k largest b'-separated squared column norms (exact). Otherwise the upper bound
-    Δ² ≤ max_π Σ_{i∈π} R_i, R_i = max_{π∋i} Σ_{j∈π} |X_ij| (X = CᵀC; π b'-separated, |π| ≤ k), computed
-    by dynamic programming over positions — never below the true sensitivity (checked against
-    :func:`brute_force_sensitivity` in the tests).
+    k largest b'-separated squared column norms (exact). ``method="toeplitz-monotone"`` with nonnegative,
+    nonincreasing Toeplitz coefficients: ‖C(e_0 + e_b + …)‖ (exact, McKenna 2024, arXiv 2405.13763,
+    Thm 2; :func:`toeplitz_prefix_sensitivities`). Otherwise (``"general-bound"``, or coefficients that are
+    not monotone) the upper bound Δ² ≤ max_π Σ_{i∈π} R_i, R_i = max_{π∋i} Σ_{j∈π} |X_ij| (X = CᵀC;
+    π b'-separated, |π| ≤ k; arXiv 2306.08153, Alg. 4), by dynamic programming over positions. Never below
+    the true sensitivity (checked against :func:`brute_force_sensitivity` in the tests).
 
     Raises:
-        ValueError: T > :data:`MAX_HORIZON`.
+        ValueError: as :func:`prefix_sensitivities`.
     """
+    return float(prefix_sensitivities(strategy, participation, method)[-1])
+
+
+def _general_bound(strategy: Strategy, participation: Participation) -> float:
+    """The Algorithm-4 upper bound of :func:`sensitivity` (O(T²) memory, O(k·T²) time)."""
     T, k, sep = participation.steps, participation.participations, participation.min_separation
-    check_horizon(T)
-    if k == 1 or _orthogonal_columns(strategy, participation):
-        return float(prefix_sensitivities(strategy, participation)[-1])
     if T > MAX_GENERAL_HORIZON:
         raise ValueError(
             f"the sensitivity of a {strategy.kind} strategy with {k} participations over {T} steps has no closed "
-            f"form here and dpopt bounds it by dynamic programming up to T = {MAX_GENERAL_HORIZON}: use "
-            "banded:B with B <= the steps per epoch, one epoch, or fewer steps"
+            f"form here (its Toeplitz coefficients are not nonnegative and nonincreasing) and dpopt bounds it by "
+            f"dynamic programming up to T = {MAX_GENERAL_HORIZON}: use banded:B with B <= the steps per epoch, "
+            "one epoch, or fewer steps"
         )
     C = strategy.matrix(T)
     X = np.abs(C.T @ C)
@@ -640,13 +730,20 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
     the recorded whole-run ``sensitivity`` must be the recomputed :func:`sensitivity`. With a
     ``sample_rate`` (cyclic Poisson) the events are :func:`amplified_step_events`'s, and a recorded
     ``amplified_sensitivity`` must be the recomputed one.
+
+    The sensitivities are re-derived with the record's ``sensitivity_method`` (one of
+    :data:`SENSITIVITY_METHODS`; absent: :data:`LEGACY_SENSITIVITY_METHOD`, what ledgers written before the
+    field existed used); an unknown method is a problem, never a silent fallback.
     """
     problems: list[str] = []
     try:
         strategy = strategy_from_record(record["strategy"])
         part = Participation(int(record["steps"]), int(record["participations"]), int(record["min_separation"]))
         sigma = float(record["noise_multiplier"])
-        prefix = prefix_sensitivities(strategy, part)
+        method = record.get("sensitivity_method", LEGACY_SENSITIVITY_METHOD)
+        if not isinstance(method, str):
+            raise ValueError(f"sensitivity_method must be a string, got {method!r}")
+        prefix = prefix_sensitivities(strategy, part, method)
         q = record.get("sample_rate")
         events = step_events(sigma, prefix) if q is None else amplified_step_events(sigma, strategy, part, float(q))
     except (KeyError, TypeError, ValueError) as exc:
