@@ -67,6 +67,7 @@ from .accounting.matrix_factorization import (
     Participation,
     Strategy,
     amplified_banded_event,
+    amplified_sensitivity,
     amplified_step_events,
     banded_strategy,
     blt_strategy,
@@ -86,7 +87,6 @@ from .accounting.matrix_factorization import (
     strategy_from_record,
     toeplitz_prefix_sensitivities,
 )
-from .accounting.sampled_matrix_mechanism import amplified_sensitivity
 
 __all__ = [
     "CorrelatedNoise",

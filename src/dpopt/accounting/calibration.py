@@ -576,7 +576,7 @@ def calibrate_amplified_noise_multiplier(
         ValueError: as :func:`calibrate_noise_multiplier`; as ``amplified_sensitivity`` (overlapping columns
             over more than 2048 steps).
     """
-    from .sampled_matrix_mechanism import amplified_sensitivity
+    from .matrix_factorization import amplified_sensitivity
 
     scale = amplified_sensitivity(strategy, int(steps), int(parts))
     rounds = -(-int(steps) // int(parts))

@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
+
+from .matrix_factorization import amplified_sensitivity, participation_columns
 
 __all__ = [
     "participation_columns",
@@ -61,64 +62,7 @@ __all__ = [
     "sampled_mm_epsilon",
 ]
 
-_SPECTRAL_MARGIN = 1e-9  # relative upward margin on the computed λ_max (eigvalsh rounding is ~1e-15·‖G‖)
 MAX_REFERENCE_PARTICIPATIONS = 7
-
-
-def participation_columns(matrix: np.ndarray, min_separation: int, part: int = 0) -> np.ndarray:
-    """U = C[:, S_r]: the columns of the T×T strategy ``matrix`` at the steps of part r (float64 ``[T, k]``).
-
-    Raises:
-        ValueError: ``matrix`` not square, b' < 1 or r ∉ [0, b').
-    """
-    C = np.asarray(matrix, dtype=np.float64)
-    if C.ndim != 2 or C.shape[0] != C.shape[1]:
-        raise ValueError(f"the strategy matrix must be square T×T, got shape {C.shape}")
-    if int(min_separation) != min_separation or min_separation < 1 or not 0 <= part < min_separation:
-        raise ValueError(f"need min_separation >= 1 and 0 <= part < min_separation, got {min_separation}, {part}")
-    return C[:, int(part) :: int(min_separation)]
-
-
-@lru_cache(maxsize=64)
-def _amplified_sensitivity(strategy: object, steps: int, min_separation: int) -> float:
-    from .matrix_factorization import Strategy, check_horizon
-
-    assert isinstance(strategy, Strategy)
-    check_horizon(steps)
-    if strategy.kind == "banded" and strategy.bands <= min_separation:  # orthogonal columns: exact, closed form
-        return float(np.linalg.norm(strategy.column(steps)))
-    U = participation_columns(strategy.matrix(steps), min_separation, 0)
-    lam = float(np.linalg.eigvalsh(U.T @ U)[-1])
-    return math.sqrt(lam * (1.0 + _SPECTRAL_MARGIN))
-
-
-def amplified_sensitivity(strategy: object, steps: int, min_separation: int) -> float:
-    """√λ, λ ≥ λ_max(UᵀU), U = C[:, S_0] the columns of part 0's steps: the per-participation sensitivity of the
-    spectral bound (module docstring) — the run is ⌈T/b'⌉ Poisson-sampled Gaussians at noise multiplier σ/√λ.
-
-    Banded with b ≤ b' bands: ‖c‖ (the column norm; exact, Choquette-Choo et al. 2023, arXiv 2306.08153,
-    Thm 4). Otherwise √(λ_max·(1 + 1e-9)) from a dense eigendecomposition (float64, the margin covers rounding).
-
-    Args:
-        strategy: a :class:`~dpopt.accounting.matrix_factorization.Strategy`.
-        steps: T (≤ :data:`~dpopt.accounting.matrix_factorization.MAX_GENERAL_HORIZON` unless orthogonal).
-        min_separation: b', the number of parts.
-
-    Raises:
-        ValueError: T too large for the dense bound; b' < 1.
-    """
-    from .matrix_factorization import MAX_GENERAL_HORIZON
-
-    if int(min_separation) != min_separation or min_separation < 1:
-        raise ValueError(f"min_separation must be an integer >= 1, got {min_separation!r}")
-    orthogonal = getattr(strategy, "kind", None) == "banded" and getattr(strategy, "bands", 0) <= min_separation
-    if not orthogonal and steps > MAX_GENERAL_HORIZON:
-        raise ValueError(
-            f"amplified accounting of a strategy whose columns overlap needs a dense {steps}×{steps} "
-            f"eigenproblem; dpopt does it up to T = {MAX_GENERAL_HORIZON}: train fewer steps, or use banded:B "
-            "with B <= the partitions"
-        )
-    return _amplified_sensitivity(strategy, int(steps), int(min_separation))
 
 
 # -- exact reference --------------------------------------------------------------------------------------
