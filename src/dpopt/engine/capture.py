@@ -212,6 +212,26 @@ class Pass:
         self.out_grads: Optional[GradSlots] = None  # engine.lift: the root outputs' gradients (to run it again)
 
 
+class OutputStub:
+    """What the hook door keeps of a layer's output once its tensor hooks are on it: shape, node, version.
+
+    The output's values are never read (the rules use the input and the
+    output gradient); holding the tensor kept every output autograd itself
+    frees after the forward — a linear layer's output feeding an add, the
+    logits ``[B, T, V]`` feeding a log-softmax — alive until the step
+    (issue 34: ≈ 68 MiB on the GPT-2 shape). The tensor hooks live on the
+    graph's node, so the gradient still arrives when the tensor is gone.
+    """
+
+    __slots__ = ("shape", "grad_fn", "requires_grad", "_version")
+
+    def __init__(self, t: Tensor):
+        self.shape, self.grad_fn, self.requires_grad, self._version = t.shape, t.grad_fn, t.requires_grad, t._version
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
 class Call:
     """One recorded call: a planned layer's (input ``inp``, output ``out``), or a vjp call's (args, kwargs, outs).
 
@@ -830,6 +850,9 @@ class Recorder:
             for k, t in enumerate(call.outs):
                 if t.requires_grad:
                     t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
+            if call.fast and call.out is not call.inp:  # its gradient comes through the hook: drop the values
+                call.out = OutputStub(call.out)  # type: ignore[assignment]
+                call.outs = [call.out]
         self.calls.append(call)
 
     def _pass(self) -> Optional[Pass]:
