@@ -48,6 +48,7 @@ from typing import Callable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -217,16 +218,19 @@ class OutputStub:
 
     The output's values are never read (the rules use the input and the
     output gradient); holding the tensor kept every output autograd itself
-    frees after the forward — a linear layer's output feeding an add, the
+    frees after the forward (both doors: the engine's :meth:`Recorder.fill`
+    differentiates w.r.t. the output's graph edge) — a linear layer's output feeding an add, the
     logits ``[B, T, V]`` feeding a log-softmax — alive until the step
     (issue 34: ≈ 68 MiB on the GPT-2 shape). The tensor hooks live on the
     graph's node, so the gradient still arrives when the tensor is gone.
     """
 
-    __slots__ = ("shape", "grad_fn", "requires_grad", "_version")
+    __slots__ = ("shape", "grad_fn", "requires_grad", "_version", "edge")
 
     def __init__(self, t: Tensor):
         self.shape, self.grad_fn, self.requires_grad, self._version = t.shape, t.grad_fn, t.requires_grad, t._version
+        # the engine door differentiates w.r.t. the output: the graph edge stands for the tensor (Recorder.fill)
+        self.edge = get_gradient_edge(t) if t.requires_grad else None
 
     def dim(self) -> int:
         return len(self.shape)
@@ -1038,13 +1042,22 @@ class Recorder:
         self._wrapped[module] = inner
 
     # -- the door fills the gradients ----------------------------------------------------
+    @staticmethod
+    def release_outputs(calls: Sequence[Call]) -> None:
+        """Keep only an :class:`OutputStub` of each rule call's output (after :meth:`modified` was asked)."""
+        for c in calls:
+            if c.fast and c.out is not c.inp and not isinstance(c.out, OutputStub):
+                c.out = OutputStub(c.out)  # type: ignore[assignment]
+                c.outs = [c.out]
+
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
         """Output gradients of ``loss`` (``grad_outputs``-weighted) for every call, without parameter gradients."""
         outs = [(c, k) for c in calls for k, t in enumerate(c.outs) if t.requires_grad]
         if not outs:
             return
         try:
-            gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+            inputs = [t.edge if isinstance(t, OutputStub) else t for t in (c.outs[k] for c, k in outs)]
+            gs = torch.autograd.grad(loss, inputs, grad_outputs=grad_outputs, allow_unused=True)
         except RuntimeError as err:
             refusal = reentrant_refused(err)
             if refusal is None:
