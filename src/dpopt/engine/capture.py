@@ -855,7 +855,7 @@ class Recorder:
                 if t.requires_grad:
                     t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
             if call.fast and call.out is not call.inp:  # its gradient comes through the hook: drop the values
-                call.out = OutputStub(call.out)  # type: ignore[assignment]
+                call.out = OutputStub(call.out)
                 call.outs = [call.out]
         self.calls.append(call)
 
@@ -1047,7 +1047,7 @@ class Recorder:
         """Keep only an :class:`OutputStub` of each rule call's output (after :meth:`modified` was asked)."""
         for c in calls:
             if c.fast and c.out is not c.inp and not isinstance(c.out, OutputStub):
-                c.out = OutputStub(c.out)  # type: ignore[assignment]
+                c.out = OutputStub(c.out)
                 c.outs = [c.out]
 
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
@@ -1056,7 +1056,7 @@ class Recorder:
         if not outs:
             return
         try:
-            inputs = [t.edge if isinstance(t, OutputStub) else t for t in (c.outs[k] for c, k in outs)]
+            inputs: list = [t.edge if isinstance(t, OutputStub) else t for t in (c.outs[k] for c, k in outs)]
             gs = torch.autograd.grad(loss, inputs, grad_outputs=grad_outputs, allow_unused=True)
         except RuntimeError as err:
             refusal = reentrant_refused(err)
