@@ -544,6 +544,12 @@ def _fresh_outputs(out):
     return tree_unflatten(flat, spec), [t for t in flat if isinstance(t, Tensor)]
 
 
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``[n]``: ⟨a_r, b_r⟩ over every dimension but the first, as one batched matmul (no ``a * b`` temporary)."""
+    n = a.shape[0]
+    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
+
+
 def _dropped(g: Tensor) -> Tensor:
     """A parameter hook's stand-in for ``g``: a zero-stride zero of its shape (no gradient memory kept)."""
     return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
@@ -1363,8 +1369,10 @@ class Recorder:
                 # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
                 # output's value, so a call that mixes examples is caught also where no trainable layer follows
                 # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
+                # as per-row dot products (bmm): no product of the outputs' size is made beside the pass's
+                # activations (issue 34: o·r, 0.125·o and its square were 3 logits [B, T, V] at the first step's peak)
                 return sum(  # type: ignore[return-value]
-                    (o * r[sl] + 0.125 * o * o).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs)
+                    _row_dot(o, r[sl]) + 0.125 * _row_dot(o, o) for o, r in zip(outs, rs)
                 )
 
         def loss_of(out) -> Tensor:
