@@ -236,6 +236,8 @@ class ShardedCapture(HookCapture):
             without a fast rule (its ``torch.func`` fallback is not supported here).
     """
 
+    defers_check = False  # its check's passes run on every rank inside collect (the same collectives)
+
     lifts_layers = False  # every parameter needs a fast rule here (no vjp of an enclosing call)
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, **kw):
@@ -264,7 +266,9 @@ class ShardedCapture(HookCapture):
 
     checks_collate = False  # one rank's extra forwards (examples collated alone) would stall FSDP's collectives
 
-    def _verify(self, p, key=None) -> None:  # only inside collect's synchronised check (all ranks at once)
+    def _verify(
+        self, p, key=None, defer: bool = False
+    ) -> None:  # never deferred; only inside collect's synchronised check (all ranks at once)
         if self._syncing:
             super()._verify(p, key)
         elif key is not None:  # FSDP's check is synchronised per mode signature (collect): not per module state
@@ -298,7 +302,7 @@ class ShardedCapture(HookCapture):
                     fp._unsharded_param.grad = None
                 fp.unsharded_accumulated_grad = None
 
-    def collect(self) -> FastPerSampleGrads:
+    def collect(self, defer_check: bool = False) -> FastPerSampleGrads:  # defers_check is False
         """The step's full-shape per-sample source (as :meth:`HookCapture.collect`), after the synchronised check."""
         self._drop_fsdp_grads()
         done = [c for c in self._rec.calls if c.has_grad]

@@ -225,6 +225,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
                     "empty batch's forward and backward are fine: they release noise, as they "
                     "must), and zero_grad() before the forward, not between backward and step"
                 )
+            if getattr(self._capture, "defers_check", False):  # its largest check pass: after the sums (step)
+                return self._capture.collect(defer_check=True)
             return self._capture.collect()
         self._capture.reset()
         for p in self._params:
@@ -314,7 +316,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if not skip:  # released into p.grad below: the backward's non-private gradient is never read;
             for p in params:  # dropped first, neither the first-batch check nor the clipped sums sit beside it
                 p.grad = None
-        source = self._source()
+        source = raw = self._source()
         if not self._open:  # a new logical step: the method's geometry (identity for a torch optimizer)
             priv.begin(ClipGeometry() if self._torch else dp.geometry())
             self._open = True
@@ -328,6 +330,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 source = self._by_user(source, boundary.chunk_public)
             for src in dp._sources(source, params):
                 priv.accumulate(src)
+            src = None  # the matched source's blocks go with the step's records (_finish_check)
+            self._finish_check(raw)
             self._check_views_match_the_batch(final=not skip)
         except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen
@@ -344,6 +348,22 @@ class PrivateOptimizer(torch.optim.Optimizer):
         boundary.end()
         self._release_open(priv, dp, params)
         return loss
+
+    def _finish_check(self, source: Any) -> None:
+        """The first-batch check's pass the capture deferred (``HookCapture.finish_check``), the step's source freed.
+
+        Its batched pass is as large as the step's; run beside the step's
+        recorded activations it doubled the first step's peak memory (issue
+        34). The clipped sums are accumulated, nothing is released yet: a
+        refusal raised here resets the step (:meth:`step`).
+        """
+        finish = getattr(self._capture, "finish_check", None)
+        if finish is None or not getattr(self._capture, "_deferred", None):
+            return
+        free = getattr(source, "free", None)
+        if free is not None:
+            free()
+        finish()
 
     def _by_user(self, source: Any, public: int = 0) -> Any:
         """privacy_unit="user": this chunk's per-example gradients as per-USER mean gradients (:mod:`dpopt.users`).

@@ -48,6 +48,7 @@ from typing import Callable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -210,6 +211,29 @@ class Pass:
         self.unresolved: dict = {}  # engine.lift: off-axis layers no enclosing call could take (refused)
         self.serial = 0  # the Recorder's count of root passes (engine.lift: which lifts a pass has seen)
         self.out_grads: Optional[GradSlots] = None  # engine.lift: the root outputs' gradients (to run it again)
+
+
+class OutputStub:
+    """What the hook door keeps of a layer's output once its tensor hooks are on it: shape, node, version.
+
+    The output's values are never read (the rules use the input and the
+    output gradient); holding the tensor kept every output autograd itself
+    frees after the forward (both doors: the engine's :meth:`Recorder.fill`
+    differentiates w.r.t. the output's graph edge) — a linear layer's output feeding an add, the
+    logits ``[B, T, V]`` feeding a log-softmax — alive until the step
+    (issue 34: ≈ 68 MiB on the GPT-2 shape). The tensor hooks live on the
+    graph's node, so the gradient still arrives when the tensor is gone.
+    """
+
+    __slots__ = ("shape", "grad_fn", "requires_grad", "_version", "edge")
+
+    def __init__(self, t: Tensor):
+        self.shape, self.grad_fn, self.requires_grad, self._version = t.shape, t.grad_fn, t.requires_grad, t._version
+        # the engine door differentiates w.r.t. the output: the graph edge stands for the tensor (Recorder.fill)
+        self.edge = get_gradient_edge(t) if t.requires_grad else None
+
+    def dim(self) -> int:
+        return len(self.shape)
 
 
 class Call:
@@ -518,6 +542,12 @@ def _fresh_outputs(out):
     flat, spec = tree_flatten(out)
     flat = [t.view_as(t) if isinstance(t, Tensor) and t.requires_grad else t for t in flat]
     return tree_unflatten(flat, spec), [t for t in flat if isinstance(t, Tensor)]
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``[n]``: ⟨a_r, b_r⟩ over every dimension but the first, as one batched matmul (no ``a * b`` temporary)."""
+    n = a.shape[0]
+    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
 
 
 def _dropped(g: Tensor) -> Tensor:
@@ -830,6 +860,9 @@ class Recorder:
             for k, t in enumerate(call.outs):
                 if t.requires_grad:
                     t.register_hook(partial(store_grad, call.grads, k))  # never the call: no C++ cycle
+            if call.fast and call.out is not call.inp:  # its gradient comes through the hook: drop the values
+                call.out = OutputStub(call.out)
+                call.outs = [call.out]
         self.calls.append(call)
 
     def _pass(self) -> Optional[Pass]:
@@ -1015,13 +1048,22 @@ class Recorder:
         self._wrapped[module] = inner
 
     # -- the door fills the gradients ----------------------------------------------------
+    @staticmethod
+    def release_outputs(calls: Sequence[Call]) -> None:
+        """Keep only an :class:`OutputStub` of each rule call's output (after :meth:`modified` was asked)."""
+        for c in calls:
+            if c.fast and c.out is not c.inp and not isinstance(c.out, OutputStub):
+                c.out = OutputStub(c.out)
+                c.outs = [c.out]
+
     def fill(self, calls: Sequence[Call], loss: Tensor, grad_outputs: Optional[Tensor] = None) -> None:
         """Output gradients of ``loss`` (``grad_outputs``-weighted) for every call, without parameter gradients."""
         outs = [(c, k) for c in calls for k, t in enumerate(c.outs) if t.requires_grad]
         if not outs:
             return
         try:
-            gs = torch.autograd.grad(loss, [c.outs[k] for c, k in outs], grad_outputs=grad_outputs, allow_unused=True)
+            inputs: list = [t.edge if isinstance(t, OutputStub) else t for t in (c.outs[k] for c, k in outs)]
+            gs = torch.autograd.grad(loss, inputs, grad_outputs=grad_outputs, allow_unused=True)
         except RuntimeError as err:
             refusal = reentrant_refused(err)
             if refusal is None:
@@ -1327,8 +1369,10 @@ class Recorder:
                 # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
                 # output's value, so a call that mixes examples is caught also where no trainable layer follows
                 # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
+                # as per-row dot products (bmm): no product of the outputs' size is made beside the pass's
+                # activations (issue 34: o·r, 0.125·o and its square were 3 logits [B, T, V] at the first step's peak)
                 return sum(  # type: ignore[return-value]
-                    (o * r[sl] + 0.125 * o * o).reshape(o.shape[0], -1).sum(1) for o, r in zip(outs, rs)
+                    _row_dot(o, r[sl]) + 0.125 * _row_dot(o, o) for o, r in zip(outs, rs)
                 )
 
         def loss_of(out) -> Tensor:

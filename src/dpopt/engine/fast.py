@@ -436,7 +436,9 @@ class PerSampleEngine:
                         rec.clone_in |= ins
                         rec.clone_out |= outs
                         continue
+                    rec.release_outputs(calls)  # the outputs' values are not needed: autograd frees what it can
                     loss, grad_outputs = loss_of(out)
+                    del out  # the root output (logits [B, T, V]): the loss's graph keeps what it needs
                     rec.fill(calls, loss, grad_outputs)
                     if offset is not None and rec.replayed:  # recomputed at θ, not at θ + offset
                         raise shifted_refused()
@@ -556,6 +558,7 @@ class PerSampleEngine:
             finite = torch.isfinite(_per_example_losses(self.loss_fn, out, y)) & torch.isfinite(
                 out.reshape(out.shape[0], -1)
             ).all(1)
+            del out  # the batch's outputs (logits [B, T, V]) were alive through the whole check
         keep = torch.nonzero(finite.reshape(-1, k).all(1)).flatten()[:8]
         if keep.numel() < 2:  # one example tiled up cannot reveal a forward that mixes examples: wait
             return

@@ -73,7 +73,7 @@ gradient is then the mean over its rows i·K … i·K + K − 1, and a
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -155,6 +155,8 @@ class HookCapture:
     """
 
     checks_collate = True  # make_private may give it the loader's CollateProbe (engine.collate_check)
+    #: collect(defer_check=True) may leave the first-batch check's largest pass to finish_check (the optimizer's)
+    defers_check = True
     #: capture layers whose rows are not examples through an enclosing call (engine.lift)
     lifts_layers = True
 
@@ -207,6 +209,10 @@ class HookCapture:
             except ValueError:
                 self._rec.detach()
                 raise
+        # the first-batch check's passes collect(defer_check=True) left to finish_check: (inputs, rows, compare,
+        # modes), and the signature they vouch for
+        self._deferred: list = []
+        self._deferred_key: Optional[tuple] = None
 
     def _quiet(self, flag: bool) -> None:
         self._rec.active = not flag
@@ -238,8 +244,11 @@ class HookCapture:
         """
         return any(c.has_grad for c in self._rec.calls) or self._rec.late_gradients()
 
-    def collect(self) -> FastPerSampleGrads:
+    def collect(self, defer_check: bool = False) -> FastPerSampleGrads:
         """The per-sample source of the forward/backward pass since the last step (then forgotten).
+
+        ``defer_check``: the first-batch check's pass at this batch's size is
+        left to :meth:`finish_check` (the caller frees the source first).
 
         An empty source (B = 0) when no recorded output received a gradient
         (an empty Poisson batch, or a step without backward: warned).
@@ -313,7 +322,7 @@ class HookCapture:
                     )
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
-                    self._verify(p, key)
+                    self._verify(p, key, defer=defer_check)
                     if self._door is not None:
                         self._vouched = self._door.compiles
         if self._rec.stale(done):
@@ -405,15 +414,23 @@ class HookCapture:
             not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0
         )
 
-    def _verify(self, p: Pass, key=None) -> None:
+    def _verify(self, p: Pass, key=None, defer: bool = False) -> None:
         """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
 
         Runs in the mode of the pass ``p`` (the mode of the release), with the
         batched pass's random draws replayed per example
         (:mod:`dpopt.engine.check`); once per mode signature.
+
+        ``defer``: the pass at this batch's size or above (a batched pass as
+        large as the user's) is left to :meth:`finish_check`, which the
+        optimizer runs once this step's records are consumed and freed and
+        before anything is released — beside the records it doubled the
+        first step's activations (issue 34: peak memory). The small sizes run
+        here (they decide what :meth:`_again` may have to redo).
         """
         k, views = self._check_examples(p), self.views
         offsets = torch.arange(views)
+        self._deferred, self._deferred_key = [], None  # a step that raised before finish_check: its passes again
         with in_modes(self.model, p.modes):
             self._rec.active = False
             try:
@@ -422,13 +439,52 @@ class HookCapture:
             finally:
                 self._rec.active = True
             sizes = free_sizes(dims, multiple=views)
+            small = len(sizes)
             largest = self._check_rows(p)
             if largest > sizes[-1]:  # and at this batch's size or above (a forward may mix only in large batches)
                 sizes += free_sizes(dims, k=1, multiple=views, at_least=largest)
-            for n in sizes:
+            compare = k if self.compare_subset else None
+            for j, n in enumerate(sizes):
                 rows = ((torch.arange(n // views) % k).unsqueeze(1) * views + offsets).flatten()
-                self._verify_at(self._select(p, rows), n, compare=k if self.compare_subset else None)
-        self._modes.done(p.modes if key is None else key)
+                if defer and j >= small:  # its inputs only (n rows of the first k examples), run after the step
+                    self._deferred.append((self._select(p, rows), n, compare, p.modes))
+                    continue
+                self._verify_at(self._select(p, rows), n, compare=compare)
+        if self._deferred:
+            self._deferred_key = p.modes if key is None else key
+        else:
+            self._modes.done(p.modes if key is None else key)
+
+    def finish_check(self) -> None:
+        """Run the first-batch check's passes :meth:`collect` deferred (``defer_check=True``); then mark it done.
+
+        Call it after the step's source was consumed and freed and before
+        the release: it raises as :meth:`collect` would (nothing may be
+        released then). Nothing to do when nothing was deferred.
+
+        Raises:
+            ValueError: the check refused the model at this batch's size; or it
+                had to compute some parameters through an enclosing call
+                (:mod:`dpopt.engine.lift`), which the step's pass, already
+                freed, was not captured with: repeat the step.
+        """
+        todo, self._deferred = self._deferred, []
+        key, self._deferred_key = self._deferred_key, None
+        if not todo:
+            return
+        lifts = self._rec.lifts
+        before = set(lifts.lifted) if lifts is not None else set()
+        with preserved_state(self.model):
+            for inputs, n, compare, modes in todo:
+                with in_modes(self.model, modes):
+                    self._verify_at(inputs, n, compare=compare)
+        if lifts is not None and set(lifts.lifted) != before:
+            raise ValueError(
+                "the first-batch check at this batch's size moved some parameters to their enclosing "
+                "layer's capture (engine.lift) after this step's pass was consumed; nothing was released: "
+                "repeat this step (zero the gradients and run the forward and backward again)"
+            )
+        self._modes.done(cast(tuple, key))
 
     #: The check compares the rows of its first k ≤ 8 examples only; FSDP compares every row, so that every
     #: rank runs the same single-example passes (the same collectives).
