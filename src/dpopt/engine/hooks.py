@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .capture import Call, OutputLayout, Pass, Plan, Recorder, check_views, leaves, trailing
+from .capture import Call, OutputLayout, OutputStub, Pass, Plan, Recorder, check_views, leaves, trailing
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
 from .compiled import CompiledForward, compile_backend, refusal
@@ -505,6 +505,8 @@ class HookCapture:
             loss = loss_of(out)
             if self._door is not None:  # compiled: the parameters are detached in the graph, the taps are not
                 taps = [t for c in self._rec.calls for t in c.outs if t.requires_grad]
+                # a kept output is an OutputStub (capture.py): its graph edge stands for the tensor
+                taps = [t.edge if isinstance(t, OutputStub) else t for t in taps]
                 torch.autograd.grad(loss, taps, allow_unused=True)  # fills the tensor hooks on the taps
             else:
                 self._rec.backward_only(loss, self.params)  # fills the tensor hooks (through reentrant checkpoints)
