@@ -249,7 +249,7 @@ def plot(cs: dict, ds: str, path: Path) -> None:
 def main() -> None:
     *runs, out = map(Path, sys.argv[1:])
     by_run = {r["run"]: r for d in runs for r in load(d)}  # a run in several inputs: the last one
-    rows = sorted(by_run.values(), key=lambda r: r["run"])
+    rows = list(by_run.values())  # input order (a .jsonl's rows first, as committed)
     cs = cells(rows)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
