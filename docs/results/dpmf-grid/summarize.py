@@ -1,6 +1,10 @@
 """Tables and plots of the dpmf-grid runs (run.py): tuning record, chosen-lr accuracy per seed and mean, σ.
 
     python docs/results/dpmf-grid/summarize.py RUNS_DIR [RUNS_DIR ...] docs/results/dpmf-grid
+    python docs/results/dpmf-grid/summarize.py docs/results/dpmf-grid/results.jsonl NEW_RUNS_DIR docs/results/dpmf-grid
+
+An input ending in ``.jsonl`` is a committed results file (its rows are taken as they are; the run
+directories they came from need not exist any more); a run in several inputs: the last input's row.
 
 Writes OUT/results.jsonl (one public row per run), OUT/results.md and OUT/test_accuracy_<dataset>.png.
 The chosen lr of a cell (dataset, epochs, ε, method, mechanism) is the seed-0 run with the best
@@ -31,6 +35,8 @@ NAME = re.compile(
 
 
 def load(runs: Path) -> list[dict]:
+    if runs.suffix == ".jsonl":  # a committed results.jsonl (rows as summarize.py wrote them)
+        return [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
     rows = []
     for d in sorted(runs.iterdir()):  # directories of other names (diagnostics) are skipped
         m = NAME.match(d.name)
@@ -242,7 +248,8 @@ def plot(cs: dict, ds: str, path: Path) -> None:
 
 def main() -> None:
     *runs, out = map(Path, sys.argv[1:])
-    rows = [r for d in runs for r in load(d)]
+    by_run = {r["run"]: r for d in runs for r in load(d)}  # a run in several inputs: the last one
+    rows = list(by_run.values())  # input order (a .jsonl's rows first, as committed)
     cs = cells(rows)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
