@@ -74,7 +74,7 @@ def audit(
         None,
         "--method",
         "-m",
-        help="Audit one mechanism: a built-in privatizer (flat, shift-scale, per-layer, quantile) "
+        help="Audit one mechanism: a built-in privatizer (flat, shift-scale, per-layer, quantile, auto) "
         "or a registered method name (see `dpopt methods`).",
     ),
     all_: bool = typer.Option(False, "--all", help="Audit every built-in privatizer and every registered method."),
