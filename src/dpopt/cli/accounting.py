@@ -325,7 +325,12 @@ def ledger(
     ),
     as_json: bool = json_option(),
 ) -> None:
-    """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
+    """List a run's releases (compacted) and re-score the whole ledger with every accountant.
+
+    A run directory's releases are read from its journal ledger.jsonl when present (else ledger.json); the
+    first line names the file. If ledger.json contradicts the journal, a warning names the first difference
+    and the journal is scored (`dpopt check` fails such a run).
+    """
     from ..accounting.report import ledger_report
 
     _read_run(run_dir, summary=True)
@@ -342,8 +347,12 @@ def ledger(
     if as_json:
         typer.echo(dumps(report.to_dict()))
         return
+    if report.disagreement is not None:
+        typer.echo(
+            f"warning: {report.disagreement}; scored the journal (`dpopt check {run_dir}` fails this run)", err=True
+        )
     typer.echo(
-        f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
+        f"ledger {run_dir} (read {report.ledger_file}): {report.releases} releases, neighbouring = {report.neighbouring}, "
         f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}"
     )
     for run in report.runs:
