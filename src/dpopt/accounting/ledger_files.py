@@ -14,9 +14,9 @@ score the journal (it holds every release, also of a run killed before it wrote 
   completed run) it is a disagreement;
 * anything else is a disagreement, named by its first difference.
 
-The ledger ``delta`` is compared only when the journal's header records it: runs written before the
-run's δ was put in the journal header state it in ``ledger.json`` alone (the checks read δ from
-``summary.json``).
+The ledger ``delta`` is compared only when the journal's header records it: a ``dpopt train`` run sets it
+when it stops, after the journal's last flush, so only ``ledger.json`` states it (the checks read δ from
+``summary.json``; ``dpopt ledger`` from the summary before the header).
 """
 
 from __future__ import annotations

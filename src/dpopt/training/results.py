@@ -267,8 +267,8 @@ def write_results(
         extra: more public summary fields.
     """
     cfg, hp, ledger, opt = run.cfg, run.hparams, run.ledger, run.optimizer
-    ledger.delta = float(cfg.delta)  # both ledger files state the run's delta (`dpopt ledger` on a file alone)
     ledger.flush()
+    ledger.delta = float(cfg.delta)  # ledger.json states the run's delta (`dpopt ledger` on the file alone)
     if not streamed:
         with open(run_dir / "metrics.jsonl", "w") as fh:
             for row in metrics:
