@@ -1,6 +1,8 @@
 """The ledger check: five questions to ask before calling a run DP.
 
-Static check of a run directory (``ledger.json`` + ``summary.json``), after
+Static check of a run directory (its ledger — the journal ``ledger.jsonl`` when present, else
+``ledger.json`` — and ``summary.json``; with both ledger files, a sixth item (f) ``ledger_files``
+requires ``ledger.json`` to agree with the journal: :mod:`dpopt.accounting.ledger_files`), after
 the four questions of the adaptive-clipping accounting essay (docs/algorithms.md, "The five ledger questions"):
 
 (a) ``releases`` — does every read of the private data have a release in the

@@ -388,7 +388,13 @@ def check(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories with ledger.json and summary.json (one or more)."),
     as_json: bool = json_option(),
 ) -> None:
-    """The ledger checks (a-e); exit code 1 if any fails (2 if a run cannot be read).
+    """The ledger checks (a-e), and (f) ledger.json agrees with the journal; exit code 1 if any fails (2 if a
+    run cannot be read).
+
+    (a)-(e) read the journal ledger.jsonl when the run has one, else ledger.json; the first line names the
+    file(s) read. When both exist, (f) compares them (header, mechanism record, sampling, every entry in
+    order) and fails with "ledger.json disagrees with ledger.jsonl: ..." naming the first difference; a
+    ledger.json that is the prefix written at an earlier stop (dated by summary.json's steps) is a note.
 
     Given several run directories, each is checked, and ledgers that share a run id are reported: they
     are copies of one run. If they DIVERGE (a copied run directory resumed in both places), each one
