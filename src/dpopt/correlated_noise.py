@@ -66,6 +66,7 @@ from .accounting.matrix_factorization import (
     SENSITIVITY_METHODS,
     Participation,
     Strategy,
+    amplification_label,
     amplified_banded_event,
     amplified_sensitivity,
     amplified_step_events,
@@ -271,12 +272,7 @@ class CorrelatedNoise:
 
     def _amplification(self) -> str:
         """The record's ``amplification`` statement: none, the banded analysis, or the spectral bound."""
-        if self.sample_rate is None:
-            return "none"
-        p = self.participation
-        if self.strategy.kind == "banded" and self.strategy.bands <= p.min_separation:
-            return "cyclic-poisson (arXiv 2306.08153, Thm 4)"
-        return "cyclic-poisson spectral bound (dpopt.accounting.sampled_matrix_mechanism)"
+        return amplification_label(self.strategy, self.participation.min_separation, self.sample_rate)
 
     def forget(self) -> None:
         """Drop every key's stream state (a forked child; a copy): the stream cannot continue."""

@@ -91,11 +91,13 @@ def test_target_epsilon_calibrates_the_amplified_run(tmp_path):
 
 
 def _tamper(run_dir, edit) -> None:
-    """Apply ``edit`` to the mechanism record of both ledger files (the journal and its snapshot)."""
-    lines = (run_dir / "ledger.jsonl").read_text().splitlines()
-    head = json.loads(lines[0])
-    edit(head["mechanism"])
-    (run_dir / "ledger.jsonl").write_text("\n".join([json.dumps(head)] + lines[1:]) + "\n")
+    """Apply ``edit`` to the mechanism record of both ledger files (every journal header line: the last one
+    holds; and its snapshot ledger.json)."""
+    lines = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    for raw in lines:
+        if "format" in raw:
+            edit(raw["mechanism"])
+    (run_dir / "ledger.jsonl").write_text("".join(json.dumps(raw) + "\n" for raw in lines))
     snap = json.loads((run_dir / "ledger.json").read_text())
     edit(snap["mechanism"])
     (run_dir / "ledger.json").write_text(json.dumps(snap))

@@ -1,6 +1,8 @@
 """The ledger check: five questions to ask before calling a run DP.
 
-Static check of a run directory (``ledger.json`` + ``summary.json``), after
+Static check of a run directory (its ledger — the journal ``ledger.jsonl`` when present, else
+``ledger.json`` — and ``summary.json``; with both ledger files, a sixth item (f) ``ledger_files``
+requires ``ledger.json`` to agree with the journal: :mod:`dpopt.accounting.ledger_files`), after
 the four questions of the adaptive-clipping accounting essay (docs/algorithms.md, "The five ledger questions"):
 
 (a) ``releases`` — does every read of the private data have a release in the
@@ -61,6 +63,7 @@ from .accountant import epsilon
 from .budget import COUNT_SENSITIVITY
 from .events import EventSummary, effective_noise_multiplier, summarize_event
 from .ledger import PrivacyLedger
+from .ledger_files import compare_ledger_files
 from .registry import ACCOUNTANTS
 from .validation import check_delta, check_rtol
 
@@ -76,6 +79,7 @@ QUESTIONS = {
     "composition": "Does the epsilon come from one accountant over the whole ledger (not a sum)?",
     "budget_split": "Does the budget split recompose to the sigma claimed?",
     "noise_source": "Is the noise secret (not reproducible from a published seed)?",
+    "ledger_files": "Does ledger.json say what the journal ledger.jsonl says?",
 }
 
 
@@ -127,7 +131,8 @@ class CheckResult:
 
     def format(self) -> str:
         """Plain-text report (one block per question)."""
-        lines = []
+        files = self.facts.get("ledger_files")
+        lines = [f"checked: {', '.join(files)}"] if files else []
         for tag, item in zip("abcdefgh", self.items):
             lines.append(f"({tag}) [{'PASS' if item.passed else 'FAIL'}] {item.question}")
             lines.extend(f"      - {e}" for e in item.evidence)
@@ -760,8 +765,29 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
 def check_run(run_dir: str | Path, rtol: float = DEFAULT_RTOL) -> CheckResult:
     """Run :func:`check_ledger` on a run directory (``ledger.json`` + ``summary.json``).
 
+    The checks (a)-(e) read the journal ``ledger.jsonl`` when the run has one (every release, fsync-ed as
+    the run went), else ``ledger.json``. When both exist a sixth item, ``ledger_files``, compares them
+    (:func:`~dpopt.accounting.ledger_files.compare_ledger_files`): it fails with ``"ledger.json disagrees
+    with ledger.jsonl: …"`` naming the first difference (header, mechanism record, sampling or an entry),
+    and passes with a note when ``ledger.json`` is the prefix an earlier stop of a resumed run left.
+    ``facts["ledger_files"]`` names the files read (the report's first line).
+
     Raises:
         FileNotFoundError, ValueError: unreadable run directory (see :func:`load_run`).
     """
-    ledger, summary = load_run(run_dir)
-    return check_ledger(ledger, summary, rtol)
+    run = Path(run_dir)
+    ledger, summary = load_run(run)
+    result = check_ledger(ledger, summary, rtol)
+    ledger_path, _ = run_paths(run)
+    if ledger_path.name != "ledger.json":  # a DPTrainer checkpoint: one ledger file
+        return CheckResult(result.items, {**result.facts, "ledger_files": [ledger_path.name]})
+    steps = _num(summary.get("steps"))
+    files = compare_ledger_files(run, None if steps is None else int(steps))
+    facts = {**result.facts, "ledger_files": list(files.files)}
+    if len(files.files) < 2:
+        return CheckResult(result.items, facts)
+    evidence = [files.disagreement] if files.disagreement else ["ledger.json and ledger.jsonl hold the same ledger"]
+    if files.note:
+        evidence = [f"note: {files.note}"]
+    item = CheckItem("ledger_files", QUESTIONS["ledger_files"], files.disagreement is None, tuple(evidence))
+    return CheckResult(result.items + (item,), facts)

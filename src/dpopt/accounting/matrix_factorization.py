@@ -39,6 +39,10 @@ __all__ = [
     "strategy_from_record",
     "check_record",
     "record_sampling",
+    "amplification_label",
+    "AMPLIFICATION_NONE",
+    "AMPLIFICATION_BANDED",
+    "AMPLIFICATION_SPECTRAL",
     "gaussian_epsilon",
     "check_horizon",
     "amplified_sensitivity",
@@ -701,6 +705,28 @@ def cyclic_poisson_sampling(sample_rate: float, partitions: int) -> str:
     return f"cyclic poisson (q={float(sample_rate):.12g} within {int(partitions)} partitions)"
 
 
+#: The mechanism record's ``amplification`` statements (:func:`amplification_label`).
+AMPLIFICATION_NONE = "none"
+AMPLIFICATION_BANDED = "cyclic-poisson (arXiv 2306.08153, Thm 4)"
+AMPLIFICATION_SPECTRAL = "cyclic-poisson spectral bound (dpopt.accounting.sampled_matrix_mechanism)"
+
+
+def amplification_label(strategy: "Strategy", min_separation: int, sample_rate: Optional[float]) -> str:
+    """The ``amplification`` statement a mechanism record with these fields must carry.
+
+    :data:`AMPLIFICATION_NONE` without a sample rate (no amplification: one Gaussian for the run);
+    :data:`AMPLIFICATION_BANDED` for banded with B ≤ b' = ``min_separation`` bands under cyclic Poisson
+    sampling (disjoint columns, exact: Choquette-Choo et al., arXiv 2306.08153, Thm 4);
+    :data:`AMPLIFICATION_SPECTRAL` otherwise (overlapping columns: the spectral bound of
+    :mod:`dpopt.accounting.sampled_matrix_mechanism`).
+    """
+    if sample_rate is None:
+        return AMPLIFICATION_NONE
+    if strategy.kind == "banded" and strategy.bands <= int(min_separation):
+        return AMPLIFICATION_BANDED
+    return AMPLIFICATION_SPECTRAL
+
+
 def record_sampling(record: Optional[dict]) -> Optional[str]:
     """The ledger ``sampling`` statement a mechanism record requires (None without a valid record):
     the accountants' ε of such a ledger holds for that sampling, not Poisson."""
@@ -727,7 +753,9 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
     Gaussian increment or a no-op), and the recorded ``mechanism_sensitivity`` the recomputed Δ_t;
     the recorded whole-run ``sensitivity`` must be the recomputed :func:`sensitivity`. With a
     ``sample_rate`` (cyclic Poisson) the events are :func:`amplified_step_events`'s, and a recorded
-    ``amplified_sensitivity`` must be the recomputed one.
+    ``amplified_sensitivity`` must be the recomputed one. The record's ``amplification`` statement must be
+    the one its fields imply (:func:`amplification_label`: ``"none"`` ⇔ no ``sample_rate``; the banded
+    Thm-4 label ⇔ banded with B ≤ b'; the spectral-bound label otherwise).
 
     The sensitivities are re-derived with the record's ``sensitivity_method`` (one of
     :data:`SENSITIVITY_METHODS`; absent: :data:`LEGACY_SENSITIVITY_METHOD`, what ledgers written before the
@@ -746,6 +774,12 @@ def check_record(record: dict, entries: Sequence, rtol: float = 1e-6) -> list[st
         events = step_events(sigma, prefix) if q is None else amplified_step_events(sigma, strategy, part, float(q))
     except (KeyError, TypeError, ValueError) as exc:
         return [f"the mechanism record cannot be re-derived: {exc}"]
+    label = amplification_label(strategy, part.min_separation, None if q is None else float(q))
+    if record.get("amplification") != label:
+        problems.append(
+            f"recorded amplification {record.get('amplification')!r} != {label!r}, what the record's fields imply "
+            f"(sample_rate {q!r}, {strategy.kind} strategy, min_separation {part.min_separation})"
+        )
     if abs(float(record.get("sensitivity", -1.0)) - prefix[-1]) > rtol * prefix[-1]:
         problems.append(f"recorded sensitivity {record.get('sensitivity')} != recomputed {prefix[-1]:.9g}")
     if q is not None and "amplified_sensitivity" in record:

@@ -22,7 +22,8 @@ from ..errors import ConfigError
 from ..jsonio import json_safe, loads
 from .accountant import epsilon_report
 from .events import summarize_event
-from .ledger import PrivacyLedger
+from .ledger import JOURNAL_NAME, PrivacyLedger
+from .ledger_files import compare_ledger_files
 from .registry import REGISTRY, check_accountant
 from .validation import check_delta
 
@@ -137,6 +138,10 @@ class LedgerReport:
         summary_epsilon, summary_accountant: what the run's summary.json claimed (``None`` without one).
         run_delta: the δ the run itself records (its summary, else its ledger header; ``None``: none);
             differs from ``delta`` only when the caller asked for another δ.
+        ledger_file: the file the releases were read from (``ledger.jsonl``, ``ledger.json``, ``privacy_ledger.json``
+            or the file given).
+        disagreement: when a run directory's ``ledger.json`` contradicts its journal, the first difference
+            (:func:`~dpopt.accounting.ledger_files.compare_ledger_files`); the journal is what was scored.
     """
 
     run_dir: str
@@ -153,6 +158,8 @@ class LedgerReport:
     summary_epsilon: Any = None
     summary_accountant: Optional[str] = None
     run_delta: Optional[float] = None
+    ledger_file: Optional[str] = None
+    disagreement: Optional[str] = None
 
     @property
     def epsilon(self) -> Union[float, str, None]:
@@ -172,6 +179,8 @@ class LedgerReport:
             "releases": self.releases,
             "delta": self.delta,
             "run_delta": self.run_delta,
+            "ledger_file": self.ledger_file,
+            "disagreement": self.disagreement,
             "accountant": self.accountant,
             "epsilon": scores.get(self.accountant),
             "epsilon_by_accountant": scores,
@@ -180,8 +189,9 @@ class LedgerReport:
         }
 
 
-def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
-    """The ledger at ``path`` (a run directory, a DPTrainer checkpoint or a ledger file) and its summary's path."""
+def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path], Path]:
+    """The ledger at ``path`` (a run directory, a DPTrainer checkpoint or a ledger file), its summary's path and
+    the file the ledger was read from."""
     from .ledger_check import ENGINE_RUN_FILES, run_paths
 
     if path.is_dir():
@@ -190,13 +200,13 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path]]:
         if ledger_path.name != ENGINE_RUN_FILES[0] and not any(p.exists() for p in own):
             if (path / ENGINE_RUN_FILES[0]).exists():  # a DPTrainer checkpoint without its summary: the header's δ
                 ledger_path, summary_path = path / ENGINE_RUN_FILES[0], path / ENGINE_RUN_FILES[1]
-        if ledger_path.name == ENGINE_RUN_FILES[0]:
-            return PrivacyLedger.load(ledger_path), summary_path
-        return PrivacyLedger.load(path), summary_path
+        if ledger_path.name != ENGINE_RUN_FILES[0] and (path / JOURNAL_NAME).exists():
+            ledger_path = path / JOURNAL_NAME  # the journal: every release, also of a run killed before ledger.json
+        return PrivacyLedger.load(ledger_path), summary_path, ledger_path
     book = PrivacyLedger.load(path)
     pair = ENGINE_RUN_FILES[1] if path.name == ENGINE_RUN_FILES[0] else "summary.json"
     candidates = [path.parent / pair, path.parent / "summary.json", path.parent / ENGINE_RUN_FILES[1]]
-    return book, next((c for c in candidates if c.exists()), None)
+    return book, next((c for c in candidates if c.exists()), None), path
 
 
 def ledger_report(
@@ -216,14 +226,22 @@ def ledger_report(
             killed before its summary was written). There is no silent default: scoring at another δ than the
             run's misstates ε.
 
+    A run directory's releases are read from its journal ``ledger.jsonl`` when it has one (else
+    ``ledger.json``); the report names the file (``ledger_file``) and, when ``ledger.json`` contradicts the
+    journal, the first difference (``disagreement``; ``dpopt ledger`` warns, ``dpopt check`` fails the run).
+
     Raises:
         FileNotFoundError, ValueError: the ledger cannot be read.
         ConfigError: a ``delta`` outside (0, 1), or no δ given and none recorded
             by the run (the argument named: pass ``delta`` / ``--delta``).
         ValueError: an unknown ``accountant``.
     """
-    book, summary_path = _ledger_and_summary(Path(run_dir))
+    book, summary_path, ledger_path = _ledger_and_summary(Path(run_dir))
     summary = loads(summary_path.read_text()) if summary_path is not None and summary_path.exists() else {}
+    disagreement = None
+    if Path(run_dir).is_dir() and ledger_path.name == JOURNAL_NAME:
+        steps = summary.get("steps")
+        disagreement = compare_ledger_files(run_dir, steps if isinstance(steps, int) else None).disagreement
     run_delta = summary.get("delta", book.delta)
     if run_delta is None:  # a killed `dpopt train` run: no summary yet; its config.json holds the δ it trains at
         run_delta = _config_delta(Path(run_dir))
@@ -256,6 +274,8 @@ def ledger_report(
         summary_epsilon=summary.get("epsilon"),
         summary_accountant=summary.get("accountant"),
         run_delta=run_delta,
+        ledger_file=ledger_path.name,
+        disagreement=disagreement,
     )
 
 

@@ -325,7 +325,12 @@ def ledger(
     ),
     as_json: bool = json_option(),
 ) -> None:
-    """List a run's releases (compacted) and re-score the whole ledger with every accountant."""
+    """List a run's releases (compacted) and re-score the whole ledger with every accountant.
+
+    A run directory's releases are read from its journal ledger.jsonl when present (else ledger.json); the
+    first line names the file. If ledger.json contradicts the journal, a warning names the first difference
+    and the journal is scored (`dpopt check` fails such a run).
+    """
     from ..accounting.report import ledger_report
 
     _read_run(run_dir, summary=True)
@@ -342,8 +347,12 @@ def ledger(
     if as_json:
         typer.echo(dumps(report.to_dict()))
         return
+    if report.disagreement is not None:
+        typer.echo(
+            f"warning: {report.disagreement}; scored the journal (`dpopt check {run_dir}` fails this run)", err=True
+        )
     typer.echo(
-        f"ledger {run_dir}: {report.releases} releases, neighbouring = {report.neighbouring}, "
+        f"ledger {run_dir} (read {report.ledger_file}): {report.releases} releases, neighbouring = {report.neighbouring}, "
         f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}"
     )
     for run in report.runs:
@@ -379,7 +388,13 @@ def check(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories with ledger.json and summary.json (one or more)."),
     as_json: bool = json_option(),
 ) -> None:
-    """The ledger checks (a-e); exit code 1 if any fails (2 if a run cannot be read).
+    """The ledger checks (a-e), and (f) ledger.json agrees with the journal; exit code 1 if any fails (2 if a
+    run cannot be read).
+
+    (a)-(e) read the journal ledger.jsonl when the run has one, else ledger.json; the first line names the
+    file(s) read. When both exist, (f) compares them (header, mechanism record, sampling, every entry in
+    order) and fails with "ledger.json disagrees with ledger.jsonl: ..." naming the first difference; a
+    ledger.json that is the prefix written at an earlier stop (dated by summary.json's steps) is a note.
 
     Given several run directories, each is checked, and ledgers that share a run id are reported: they
     are copies of one run. If they DIVERGE (a copied run directory resumed in both places), each one
