@@ -298,18 +298,16 @@ def train_command(
     ),
     noise_mechanism: str = typer.Option(
         "independent",
-        help="independent, banded:B or blt[:N]: correlated noise (docs/correlated-noise.md; torchrun and --fsdp too)",
+        help="independent, banded:B or blt[:N]: correlated noise (docs/correlated-noise.md)",
     ),
     sampling: Optional[str] = typer.Option(
         None,
-        help="correlated noise: cyclic (default) or cyclic-poisson (amplified; --sample-rate: rate in a part); "
-        "under torchrun each rank samples its slice of the step's batch or part",
+        help="correlated noise: cyclic (default) or cyclic-poisson (amplified; --sample-rate: rate in a part)",
     ),
     fsdp: bool = typer.Option(
         False,
         "--fsdp",
-        help="under torchrun: shard the model with FSDP2 (dp-sgd, dp-adam; --noise-mechanism too; no checkpoints; "
-        "docs/fsdp.md)",
+        help="under torchrun: shard the model with FSDP2 (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)",
     ),
     resume: Optional[str] = typer.Option(
         None,
