@@ -175,20 +175,35 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
 
 
 def _check_unit_arguments(
-    unit: Any, user_ids: Any, sample_rate: Optional[float], distributed: Any, poisson_sampling: bool
+    unit: Any,
+    user_ids: Any,
+    sample_rate: Optional[float],
+    distributed: Any,
+    poisson_sampling: bool,
+    mech_kind: str = "independent",
 ) -> str:
     """``privacy_unit`` and the arguments that go with it (:mod:`dpopt.users`), checked together.
 
     Raises:
         ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
-            ``sample_rate`` without "user"; "user" with ``distributed="fsdp"`` or ``poisson_sampling=False``.
+            ``sample_rate`` without "user" or ``sampling="cyclic-poisson"`` (with a correlated ``mech_kind``
+            the message suggests ``sampling="cyclic-poisson"``); "user" with ``distributed="fsdp"`` or
+            ``poisson_sampling=False``.
     """
     unit = check_privacy_unit(unit)
     if unit != "user":
         if user_ids is not None:
             raise ValueError("user_ids are read only with privacy_unit='user' (user-level DP); pass both or neither")
         if sample_rate is not None:
-            raise ValueError("sample_rate is read only with privacy_unit='user' (q = 1/len(data_loader) otherwise)")
+            hint = (
+                "; for amplified accounting of this noise_mechanism pass sampling='cyclic-poisson' with it"
+                if mech_kind != "independent"
+                else ""
+            )
+            raise ValueError(
+                "sample_rate is read only with privacy_unit='user' or sampling='cyclic-poisson' "
+                f"(q = 1/len(data_loader) otherwise){hint}"
+            )
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
@@ -601,8 +616,10 @@ class PrivacyEngine:
                 is not formed by your backward (the optimizer's step uses the clipped sum). Other calls
                 (one row, keywords, ``no_grad``) run eagerly with the ordinary hooks. Refused: models the
                 compiled capture cannot take (data-dependent control flow, MultiheadAttention / LSTM,
-                layers without a per-sample rule, ``transformers`` models), ``distributed="fsdp"`` and
-                ``augmentation_multiplicity`` > 1. On this project's 2-core CPU it is not faster than
+                layers without a per-sample rule, ``transformers`` models, dropout in train mode),
+                ``distributed="fsdp"`` and ``augmentation_multiplicity`` > 1. A first-step check that refuses
+                the compiled path ("with compile=...") restores the model's forward and hooks; every later
+                ``step()`` raises it again: make it private again without ``compile=``. On this project's 2-core CPU it is not faster than
                 eager (docs/performance.md, "torch.compile").
             cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
                 and the clipped sum (per step, all layers together): None (default) derives them from
@@ -658,7 +675,7 @@ class PrivacyEngine:
         )
         partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
         unit = _check_unit_arguments(
-            privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling
+            privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling, mech_kind
         )
         if unit == "user" and mech_kind != "independent":
             raise ValueError(

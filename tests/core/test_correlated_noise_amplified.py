@@ -396,3 +396,24 @@ def test_variance_correcting_methods_get_the_marginal_std(method, monkeypatch):
             scale = 1.0 if r.geometry.scale is None else r.geometry.scale[i]
             want = torch.as_tensor(sigma * c / 12.0 * marginal * scale, dtype=torch.float64)
             torch.testing.assert_close(std.double(), want.expand_as(std).double(), rtol=1e-6, atol=0.0)
+
+
+def test_sample_rate_without_sampling_suggests_cyclic_poisson():
+    """sample_rate with a noise_mechanism but no sampling=: the refusal says sample_rate is also read with
+    sampling='cyclic-poisson' and suggests it (independent noise: no such suggestion)."""
+    for mech, hint in (("blt", True), ("independent", False)):
+        model = nn.Linear(5, 2)
+        args = dict(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=12),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_mechanism=mech,
+            sample_rate=0.5,
+        )
+        if mech != "independent":
+            args["epochs"] = 3
+        with pytest.raises(ValueError, match="privacy_unit='user' or sampling='cyclic-poisson'") as err:
+            PrivacyEngine().make_private(**args)
+        assert ("pass sampling='cyclic-poisson'" in str(err.value)) == hint
