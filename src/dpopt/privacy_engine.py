@@ -101,7 +101,12 @@ from torch.utils.data._utils.collate import default_collate
 from . import engine_checkpoint, fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
-from .accounting.calibration import calibrate_amplified_noise_multiplier, calibrate_noise_multiplier
+from .accounting.calibration import (
+    AMPLIFICATION_CHECK_DELTA,
+    calibrate_amplified_noise_multiplier,
+    calibrate_noise_multiplier,
+    warn_if_amplification_costs,
+)
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
@@ -306,10 +311,12 @@ def _mechanism(
     total_steps: Optional[int],
     partitions: int = 0,
     sample_rate: Optional[float] = None,
+    delta: float = AMPLIFICATION_CHECK_DELTA,
 ) -> CorrelatedNoise:
     """The correlated-noise mechanism for cyclic batches: T = epochs·b (or total_steps), k = ⌈T/b⌉
     participations b steps apart; cyclic Poisson (``partitions`` b' > 0, ``sample_rate`` q): at most
-    ⌈T/b'⌉ participations b' steps apart, amplified events."""
+    ⌈T/b'⌉ participations b' steps apart, amplified events — warned when they score a larger ε at ``delta``
+    than the unamplified ones (:func:`~dpopt.accounting.calibration.warn_if_amplification_costs`)."""
     steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
     if steps < 1:
         raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
@@ -320,6 +327,8 @@ def _mechanism(
     except ValueError as exc:
         raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
     assert mech is not None  # not "independent": checked by _check_mechanism_options
+    if mech.sample_rate is not None:
+        warn_if_amplification_costs(mech.strategy, steps, batches, sep, mech.sample_rate, noise_multiplier, delta)
     return mech
 
 
@@ -779,6 +788,7 @@ class PrivacyEngine:
                         total_steps,
                         partitions,
                         sample_rate if partitions else None,
+                        self.ledger.delta if self.ledger.delta is not None else AMPLIFICATION_CHECK_DELTA,
                     )
                     # cyclic batches: N/b examples per step; cyclic Poisson: q·N/b'
                     expected_batch_size = n / steps_per_epoch if not partitions else sample_rate * n / partitions
@@ -974,6 +984,7 @@ class PrivacyEngine:
             sigma = calibrate_noise_multiplier(
                 target_epsilon, target_delta, q, steps, str(self.accountant)
             ).noise_multiplier
+        self.ledger.delta = float(target_delta)  # also the δ of make_private's amplification check
         out = self.make_private(
             module=module,
             optimizer=optimizer,
