@@ -101,7 +101,12 @@ from torch.utils.data._utils.collate import default_collate
 from . import engine_checkpoint, fsdp
 from .accounting.accountant import epsilon
 from .accounting.budget import DEFAULT_COUNT_SHARE, split_budget, split_for_count_noise
-from .accounting.calibration import calibrate_amplified_noise_multiplier, calibrate_noise_multiplier
+from .accounting.calibration import (
+    AMPLIFICATION_CHECK_DELTA,
+    calibrate_amplified_noise_multiplier,
+    calibrate_noise_multiplier,
+    warn_if_amplification_costs,
+)
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
@@ -175,20 +180,35 @@ def _loader_with_views(loader: DataLoader, k: int, fn: Callable) -> DataLoader:
 
 
 def _check_unit_arguments(
-    unit: Any, user_ids: Any, sample_rate: Optional[float], distributed: Any, poisson_sampling: bool
+    unit: Any,
+    user_ids: Any,
+    sample_rate: Optional[float],
+    distributed: Any,
+    poisson_sampling: bool,
+    mech_kind: str = "independent",
 ) -> str:
     """``privacy_unit`` and the arguments that go with it (:mod:`dpopt.users`), checked together.
 
     Raises:
         ValueError: an unknown unit; ``user_ids`` missing with "user" or given without it;
-            ``sample_rate`` without "user"; "user" with ``distributed="fsdp"`` or ``poisson_sampling=False``.
+            ``sample_rate`` without "user" or ``sampling="cyclic-poisson"`` (with a correlated ``mech_kind``
+            the message suggests ``sampling="cyclic-poisson"``); "user" with ``distributed="fsdp"`` or
+            ``poisson_sampling=False``.
     """
     unit = check_privacy_unit(unit)
     if unit != "user":
         if user_ids is not None:
             raise ValueError("user_ids are read only with privacy_unit='user' (user-level DP); pass both or neither")
         if sample_rate is not None:
-            raise ValueError("sample_rate is read only with privacy_unit='user' (q = 1/len(data_loader) otherwise)")
+            hint = (
+                "; for amplified accounting of this noise_mechanism pass sampling='cyclic-poisson' with it"
+                if mech_kind != "independent"
+                else ""
+            )
+            raise ValueError(
+                "sample_rate is read only with privacy_unit='user' or sampling='cyclic-poisson' "
+                f"(q = 1/len(data_loader) otherwise){hint}"
+            )
         return unit
     if user_ids is None:
         raise ValueError("privacy_unit='user' needs user_ids=: one user id per record of the loader's dataset")
@@ -291,10 +311,12 @@ def _mechanism(
     total_steps: Optional[int],
     partitions: int = 0,
     sample_rate: Optional[float] = None,
+    delta: float = AMPLIFICATION_CHECK_DELTA,
 ) -> CorrelatedNoise:
     """The correlated-noise mechanism for cyclic batches: T = epochs·b (or total_steps), k = ⌈T/b⌉
     participations b steps apart; cyclic Poisson (``partitions`` b' > 0, ``sample_rate`` q): at most
-    ⌈T/b'⌉ participations b' steps apart, amplified events."""
+    ⌈T/b'⌉ participations b' steps apart, amplified events — warned when they score a larger ε at ``delta``
+    than the unamplified ones (:func:`~dpopt.accounting.calibration.warn_if_amplification_costs`)."""
     steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
     if steps < 1:
         raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
@@ -305,6 +327,8 @@ def _mechanism(
     except ValueError as exc:
         raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
     assert mech is not None  # not "independent": checked by _check_mechanism_options
+    if mech.sample_rate is not None:
+        warn_if_amplification_costs(mech.strategy, steps, batches, sep, mech.sample_rate, noise_multiplier, delta)
     return mech
 
 
@@ -601,8 +625,10 @@ class PrivacyEngine:
                 is not formed by your backward (the optimizer's step uses the clipped sum). Other calls
                 (one row, keywords, ``no_grad``) run eagerly with the ordinary hooks. Refused: models the
                 compiled capture cannot take (data-dependent control flow, MultiheadAttention / LSTM,
-                layers without a per-sample rule, ``transformers`` models), ``distributed="fsdp"`` and
-                ``augmentation_multiplicity`` > 1. On this project's 2-core CPU it is not faster than
+                layers without a per-sample rule, ``transformers`` models, dropout in train mode),
+                ``distributed="fsdp"`` and ``augmentation_multiplicity`` > 1. A first-step check that refuses
+                the compiled path ("with compile=...") restores the model's forward and hooks; every later
+                ``step()`` raises it again: make it private again without ``compile=``. On this project's 2-core CPU it is not faster than
                 eager (docs/performance.md, "torch.compile").
             cache_bytes: bytes of per-example weight gradients the capture may keep between the norms
                 and the clipped sum (per step, all layers together): None (default) derives them from
@@ -658,7 +684,7 @@ class PrivacyEngine:
         )
         partitions = check_sampling(sampling, mech_kind, noise_mechanism, sample_rate, len(data_loader))
         unit = _check_unit_arguments(
-            privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling
+            privacy_unit, user_ids, None if partitions else sample_rate, distributed, poisson_sampling, mech_kind
         )
         if unit == "user" and mech_kind != "independent":
             raise ValueError(
@@ -762,6 +788,7 @@ class PrivacyEngine:
                         total_steps,
                         partitions,
                         sample_rate if partitions else None,
+                        self.ledger.delta if self.ledger.delta is not None else AMPLIFICATION_CHECK_DELTA,
                     )
                     # cyclic batches: N/b examples per step; cyclic Poisson: q·N/b'
                     expected_batch_size = n / steps_per_epoch if not partitions else sample_rate * n / partitions
@@ -957,6 +984,7 @@ class PrivacyEngine:
             sigma = calibrate_noise_multiplier(
                 target_epsilon, target_delta, q, steps, str(self.accountant)
             ).noise_multiplier
+        self.ledger.delta = float(target_delta)  # also the δ of make_private's amplification check
         out = self.make_private(
             module=module,
             optimizer=optimizer,

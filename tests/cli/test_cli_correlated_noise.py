@@ -197,3 +197,15 @@ def test_old_format_ledgers_still_pass_dpopt_check(tmp_path, monkeypatch):
         _tamper(bad, edit)
         checked = runner.invoke(app, ["check", str(bad)])
         assert checked.exit_code != 0 and "RESULT: PASS" not in checked.output, name
+
+
+def test_amplification_that_costs_is_warned(tmp_path):
+    """`dpopt train` plans the mechanism through the same check as make_private: BLT at q = 0.5, σ = 1 over 6
+    steps (3 parts) scores a larger ε than the 6 cyclic batches would; warned, the run still amplified."""
+    args = BASE + ["--noise-multiplier", "1", "--noise-mechanism", "blt", "--sampling", "cyclic-poisson"]
+    result = CliRunner().invoke(app, args + ["--sample-rate", "0.5", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.output.splitlines() if "MORE than the unamplified" in ln]  # one line, no traceback
+    assert len(lines) == 1 and lines[0].startswith("warning: sampling='cyclic-poisson'"), result.output
+    assert "(6 batches)" in lines[0] and "use sampling='cyclic'" in lines[0]
+    assert PrivacyLedger.load(tmp_path / "run" / "ledger.json").mechanism["sample_rate"] == 0.5

@@ -396,3 +396,87 @@ def test_variance_correcting_methods_get_the_marginal_std(method, monkeypatch):
             scale = 1.0 if r.geometry.scale is None else r.geometry.scale[i]
             want = torch.as_tensor(sigma * c / 12.0 * marginal * scale, dtype=torch.float64)
             torch.testing.assert_close(std.double(), want.expand_as(std).double(), rtol=1e-6, atol=0.0)
+
+
+def test_sample_rate_without_sampling_suggests_cyclic_poisson():
+    """sample_rate with a noise_mechanism but no sampling=: the refusal says sample_rate is also read with
+    sampling='cyclic-poisson' and suggests it (independent noise: no such suggestion)."""
+    for mech, hint in (("blt", True), ("independent", False)):
+        model = nn.Linear(5, 2)
+        args = dict(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=12),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_mechanism=mech,
+            sample_rate=0.5,
+        )
+        if mech != "independent":
+            args["epochs"] = 3
+        with pytest.raises(ValueError, match="privacy_unit='user' or sampling='cyclic-poisson'") as err:
+            PrivacyEngine().make_private(**args)
+        assert ("pass sampling='cyclic-poisson'" in str(err.value)) == hint
+
+
+def _blt_run(engine, sample_rate, target=None, n=64, epochs=3, sigma=1.0):
+    model = nn.Linear(5, 2)
+    args = dict(
+        module=model,
+        optimizer="dp-sgd",
+        data_loader=DataLoader(_data(n), batch_size=16),
+        max_grad_norm=1.0,
+        noise_mechanism="blt",
+        epochs=epochs,
+        sampling="cyclic-poisson",
+        sample_rate=sample_rate,
+        lr=0.1,
+    )
+    if target is None:
+        return engine.make_private(noise_multiplier=sigma, **args)
+    return engine.make_private_with_epsilon(target_epsilon=target, target_delta=1e-5, **args)
+
+
+def test_amplification_that_costs_is_warned_with_both_epsilons():
+    """64 examples, batch 16, blt, 3 epochs (T = 12): cyclic Poisson at q = 0.5 (2 parts: 6 rounds) scores σ = 1
+    at a larger ε than the 4 cyclic batches' Gaussian; the warning gives both (each re-derived here, at
+    δ = 1e-5) and the accounting is not switched. make_private_with_epsilon warns as well (at ε = 4)."""
+    from dpopt.accounting.accountant import AccountingWarning
+    from dpopt.accounting.matrix_factorization import Participation, amplified_sensitivity, prefix_sensitivities
+
+    engine = PrivacyEngine()
+    with pytest.warns(AccountingWarning, match="use sampling='cyclic'") as rec:
+        _, opt, _ = _blt_run(engine, 0.5)
+    mech = opt.privatizer.mechanism
+    assert mech.sample_rate == 0.5  # still amplified: nothing switched
+    acc = pld_privacy_accountant.PLDAccountant()
+    s = amplified_sensitivity(mech.strategy, 12, 2)
+    acc.compose(dp_event.PoissonSampledDpEvent(0.5, dp_event.GaussianDpEvent(1.0 / s)), 6)
+    amp = acc.get_epsilon(1e-5)
+    plain = epsilon(
+        dp_event.GaussianDpEvent(1.0 / float(prefix_sensitivities(mech.strategy, Participation(12, 3, 4))[-1])), 1e-5
+    )
+    assert amp > plain * 1.2
+    text = str([w for w in rec if issubclass(w.category, AccountingWarning)][0].message)
+    assert f"epsilon={amp:.4g}" in text and f"epsilon={plain:.4g}" in text
+    with pytest.warns(AccountingWarning, match=r"epsilon=4, MORE than the unamplified.*epsilon=3\.5.*sigma=3\.105"):
+        _blt_run(PrivacyEngine(), 0.5, target=4.0)
+
+
+def test_amplification_that_helps_is_not_warned():
+    """A smaller q at a larger σ (256 examples, batch 16: 16 batches, 1 epoch; q = 1/4: 4 parts of 64, 4 rounds,
+    σ = 3): the amplified ε is the smaller one, so nothing is warned; the helper warns only where it loses."""
+    import warnings
+
+    from dpopt.accounting.accountant import AccountingWarning
+    from dpopt.accounting.calibration import warn_if_amplification_costs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AccountingWarning)
+        _, opt, _ = _blt_run(PrivacyEngine(), 0.25, n=256, epochs=1, sigma=3.0)
+        mech = opt.privatizer.mechanism
+        assert mech.participation.min_separation == 4 and mech.horizon == 16
+        assert warn_if_amplification_costs(mech.strategy, 16, 16, 4, 0.25, 3.0, 1e-5) is None
+    with pytest.warns(AccountingWarning):  # the same run at σ = 1 loses (ε 10.2 against 5.9)
+        amp, plain = warn_if_amplification_costs(mech.strategy, 16, 16, 4, 0.25, 1.0, 1e-5)
+    assert amp > plain

@@ -182,3 +182,50 @@ def test_inductor_door_equals_eager_door():
     sq, sums = clipped_sum(pass_of(comp, comp_model, x, y), 0.5)
     assert close(sq, sq_ref) and float(sq.min()) > 0
     assert all(close(a, b) for a, b in zip(sums, sum_ref))
+
+
+def mlp_with_dropout():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 3))
+
+
+def private_mlp(model, **kw):
+    g = torch.Generator().manual_seed(2)
+    loader = DataLoader(TensorDataset(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)), 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, **kw
+    )
+
+
+def test_dropout_in_train_mode_is_refused_up_front():
+    """Dropout draws inside the compiled graph (not replayable per example): refused at make_private with
+    the compiled path named, the model left as given; the same model trains eagerly (compile=False)."""
+    model = mlp_with_dropout()
+    with pytest.raises(ValueError, match=r"compile=True: dropout in train mode \(\['1'\]\).*without compile"):
+        private_mlp(model, compile="aot_eager")
+    assert "forward" not in model.__dict__ and not any(m._forward_hooks for m in model.modules())
+    model, opt, loader = private_mlp(model)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_first_step_refusal_restores_the_model():
+    """Dropout switched on after make_private(compile=...) (eval mode then): the first step's check refuses,
+    naming the compiled path (not dpopt's loop), gives the model back its forward and hooks, and every
+    later step raises the same refusal (nothing is released)."""
+    model = mlp_with_dropout().eval()
+    model, opt, loader = private_mlp(model, compile="aot_eager")
+    model.train()
+    x, y = next(iter(loader))
+    assert len(y) >= 2
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(ValueError, match="with compile='aot_eager': .*dropout.*train this model without compile="):
+            opt.step()
+        assert "forward" not in model.__dict__
+        assert not any(m._forward_hooks for m in model.modules())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

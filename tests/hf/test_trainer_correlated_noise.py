@@ -367,3 +367,25 @@ def test_cyclic_poisson_without_an_accountant_is_refused(tmp_path, kwargs, match
             **kwargs,
         )
         tr.train()
+
+
+def test_cyclic_poisson_that_costs_is_warned_at_the_trainers_delta(tmp_path):
+    """BLT at q = 0.5, σ = 1 (N = 32, 8 steps per epoch, 4 parts, T = 12): the amplified ε exceeds the 8 cyclic
+    batches' one; DPTrainer's make_private warns with both, at the Trainer's δ (1e-6), and stays amplified."""
+    from dpopt.accounting.accountant import AccountingWarning
+
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        delta=1e-6,
+        noise_mechanism="blt",
+        sampling="cyclic-poisson",
+        sample_rate=0.5,
+    )
+    with pytest.warns(AccountingWarning, match=r"\(8 batches\).*delta=1e-06.*use sampling='cyclic'"):
+        tr.train()
+    assert tr.ledger.mechanism["sample_rate"] == 0.5 and tr.ledger.delta == 1e-6

@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ConfigError
-from .accountant import epsilon, epsilon_report
+from .accountant import AccountingWarning, epsilon, epsilon_report
 from .cost import CostBudget
 from .events import dpsgd_event
 from .pld import PLD_DISCRETIZATION, fast_pld_epsilon
@@ -63,6 +64,8 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_correlated_noise_multiplier",
     "calibrate_amplified_noise_multiplier",
+    "warn_if_amplification_costs",
+    "AMPLIFICATION_CHECK_DELTA",
     "DEFAULT_RTOL",
     "MIN_NOISE_MULTIPLIER",
     "MAX_NOISE_MULTIPLIER",
@@ -582,3 +585,63 @@ def calibrate_amplified_noise_multiplier(
     rounds = -(-int(steps) // int(parts))
     sigma = calibrate_noise_multiplier(target_epsilon, delta, float(sample_rate), rounds, accountant)
     return float(sigma.noise_multiplier) * scale
+
+
+AMPLIFICATION_CHECK_DELTA = 1e-5
+"""The δ of :func:`warn_if_amplification_costs` where the run's δ is not known yet (``make_private``)."""
+
+
+def warn_if_amplification_costs(
+    strategy: Any,
+    steps: int,
+    batches: int,
+    parts: int,
+    sample_rate: float,
+    noise_multiplier: float,
+    delta: float,
+    accountant: str = "pld",
+) -> Optional[tuple[float, float]]:
+    """Warn (:class:`~dpopt.accounting.accountant.AccountingWarning`) when cyclic-Poisson accounting of a
+    correlated-noise run scores a LARGER ε than cyclic batches would for the same run; nothing is switched.
+
+    The same ``strategy``, T = ``steps`` releases and σ = ``noise_multiplier``, at ``delta``:
+
+    * unamplified (``sampling="cyclic"``: ``batches`` = b cyclic batches, k = ⌈T/b⌉ participations b apart):
+      one Gaussian of noise multiplier σ/Δ, Δ the strategy's sensitivity
+      (:func:`~dpopt.accounting.matrix_factorization.prefix_sensitivities`);
+    * amplified (b' = ``parts`` parts Poisson-sampled at q = ``sample_rate``): ⌈T/b'⌉ rounds of the
+      Poisson-sampled Gaussian at σ/s, s = :func:`~dpopt.accounting.matrix_factorization.amplified_sensitivity`
+      (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 4; the spectral bound for BLT), as the ledger scores it.
+
+    The amplified bound can lose (a large q with few parts: more rounds, each barely amplified, and a
+    larger s); then the σ calibrated for a target ε is larger too. Cost: two ε evaluations, at planning.
+
+    Returns:
+        ``(amplified ε, unamplified ε)`` when it warned, else None.
+
+    Raises:
+        ValueError: as ``amplified_sensitivity`` (overlapping columns over more than 2048 steps).
+    """
+    from dp_accounting import dp_event
+
+    from .matrix_factorization import Participation, amplified_sensitivity, prefix_sensitivities
+
+    steps, batches, parts, sigma = int(steps), int(batches), int(parts), float(noise_multiplier)
+    plain = Participation(steps, -(-steps // batches), batches)
+    sens = float(prefix_sensitivities(strategy, plain)[-1])
+    eps_plain = epsilon(dp_event.GaussianDpEvent(sigma / sens), delta, accountant)
+    scale = amplified_sensitivity(strategy, steps, parts)
+    rounds = -(-steps // parts)
+    round_event = dp_event.PoissonSampledDpEvent(float(sample_rate), dp_event.GaussianDpEvent(sigma / scale))
+    eps_amp = epsilon(dp_event.SelfComposedDpEvent(round_event, rounds), delta, accountant)
+    if not eps_amp > eps_plain:
+        return None
+    warnings.warn(
+        f"sampling='cyclic-poisson' at sample_rate={sample_rate:g} ({parts} parts) scores this run at "
+        f"epsilon={eps_amp:.4g}, MORE than the unamplified accounting of cyclic batches ({batches} batches): "
+        f"epsilon={eps_plain:.4g} (sigma={sigma:.4g}, delta={delta:g}, {steps} steps; a sigma calibrated to a "
+        "target epsilon is larger for the same reason); use sampling='cyclic' (the default), or a smaller sample_rate",
+        AccountingWarning,
+        stacklevel=3,
+    )
+    return eps_amp, eps_plain

@@ -28,7 +28,9 @@ The root module is called through its ``forward`` (its own hooks, e.g. the
 check's random-op recorder, are not traced: the graph that trains is the graph
 that was checked), and the graph runs outside any torch dispatch mode: a
 random draw inside it (dropout in train mode) cannot be replayed per example,
-so the first-batch check fails and the model is refused.
+so a model with a dropout module in train mode (p > 0) is refused when the capture is built
+(:func:`random_modules`), and one drawing otherwise (``F.dropout`` in a forward, a mode switched on
+later) is refused by the first-batch check (the door then gives the model back its forward and hooks).
 
 The graph is traced with ``fullgraph=True``: a forward with data-dependent
 Python control flow (``if x.sum() > 0``), or anything else torch.compile
@@ -62,7 +64,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .capture import Call, Plan
 
-__all__ = ["CompiledCapture", "COMPILE_BACKENDS", "compile_backend"]
+__all__ = ["CompiledCapture", "COMPILE_BACKENDS", "compile_backend", "random_modules"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """The ``torch.compile`` backends accepted: ``inductor`` (generated C++/OpenMP kernels on the CPU, Triton on
@@ -88,6 +90,22 @@ def compile_backend(compile: object) -> Optional[str]:
     if isinstance(compile, str) and compile in COMPILE_BACKENDS:
         return compile
     raise ValueError(f"compile must be True, False or a backend name in {COMPILE_BACKENDS}, got {compile!r}")
+
+
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def random_modules(model: nn.Module) -> list[str]:
+    """Names of the model's dropout modules that draw at random now (train mode, ``p > 0``).
+
+    Their draws would run inside the compiled graph, where the first-batch check cannot replay them per
+    example (:mod:`dpopt.engine.check`), so the compiled capture refuses such a model up front.
+    """
+    return [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, _RANDOM_MODULES) and m.training and float(m.p) > 0
+    ]
 
 
 def refusal(what: str) -> ValueError:
@@ -120,6 +138,12 @@ class CompiledCapture:
             raise refusal(f"bare parameters used in a forward ({sorted(plan.name_of(m) for m in plan.bare)})")
         if plan.hf:
             raise refusal("a transformers model (its labels= loss and caches are captured by the eager path)")
+        drawing = random_modules(plan.model)
+        if drawing:
+            raise refusal(
+                f"dropout in train mode ({drawing}) draws inside the compiled graph, where the first-batch check "
+                "cannot replay its draws per example"
+            )
         self.plan = plan
         self.backend = backend
         self.compiles = 0

@@ -72,6 +72,7 @@ gradient is then the mean over its rows i·K … i·K + K − 1, and a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Optional, Sequence, cast
 
@@ -203,6 +204,9 @@ class HookCapture:
         # compiled up to the last first-batch check (a later graph is checked on its first pass)
         self._door: Optional[CompiledForward] = None
         self._vouched = 0
+        self._compile = compile
+        # a compiled door's first-batch refusal: the model was given back, every later collect raises it again
+        self._refused: Optional[str] = None
         if backend is not None:
             try:
                 self._door = CompiledForward(self._rec, backend, self.vjp)
@@ -241,7 +245,12 @@ class HookCapture:
         True also after the backward of an EMPTY batch (its zero-length
         gradients arrive like any other), so the answer depends on the loop,
         never on the data.
+
+        Raises:
+            ValueError: the compiled door was refused by a first-batch check (the model was given back).
         """
+        if self._refused is not None:
+            raise ValueError(self._refused)
         return any(c.has_grad for c in self._rec.calls) or self._rec.late_gradients()
 
     def collect(self, defer_check: bool = False) -> FastPerSampleGrads:
@@ -261,6 +270,8 @@ class HookCapture:
                 ``rows_per_example``; or (first batch) the hook path disagrees
                 with single-example autograd.
         """
+        if self._refused is not None:
+            raise ValueError(self._refused)
         late = self._rec.dropped_received()  # passes dropped as unused (a later pass began) that got gradients
         calls, other = self._rec.take()
         for m, (ins, outs) in self._rec.take_unresolved().items():  # a layer only the root encloses
@@ -322,7 +333,8 @@ class HookCapture:
                     )
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
-                    self._verify(p, key, defer=defer_check)
+                    with self._compiled_refusal():
+                        self._verify(p, key, defer=defer_check)
                     if self._door is not None:
                         self._vouched = self._door.compiles
         if self._rec.stale(done):
@@ -414,6 +426,22 @@ class HookCapture:
             not self._modes.enabled or self._modes.checked_size(signature(self.model, 0)) > 0
         )
 
+    @contextlib.contextmanager
+    def _compiled_refusal(self):
+        """Context: a first-batch check that refuses the compiled door detaches it (the model gets its
+        forward back, every hook is removed) and says so; every later step raises the same refusal."""
+        try:
+            yield
+        except ValueError as err:
+            if self._door is None:
+                raise
+            self._refused = (
+                f"with compile={self._compile!r}: {err}; the model's forward and hooks were restored: train this "
+                "model without compile= (call make_private again with compile=False)"
+            )
+            self.detach()
+            raise ValueError(self._refused) from None
+
     def _verify(self, p: Pass, key=None, defer: bool = False) -> None:
         """Hook path vs. an exact loop of single-example autograd, for a random linear loss (module docstring).
 
@@ -474,7 +502,7 @@ class HookCapture:
             return
         lifts = self._rec.lifts
         before = set(lifts.lifted) if lifts is not None else set()
-        with preserved_state(self.model):
+        with preserved_state(self.model), self._compiled_refusal():
             for inputs, n, compare, modes in todo:
                 with in_modes(self.model, modes):
                     self._verify_at(inputs, n, compare=compare)
@@ -530,6 +558,11 @@ class HookCapture:
                 f"{n}); the hook engine needs [B, ...] outputs"
             ) from None
         except Unreplayable as err:
+            if self._door is not None:  # eager (compile=False) replays the draws: dpopt's loop is not needed
+                raise ValueError(
+                    f"{err}: random operations (dropout in train mode) draw inside the compiled graph, where "
+                    "the check cannot replay them per example"
+                ) from None
             raise ValueError(
                 f"{err}; the hook engine of PrivacyEngine cannot check this model against "
                 "single-example autograd in the mode it trains in. Use dpopt's own loop "

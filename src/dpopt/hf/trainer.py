@@ -561,6 +561,7 @@ class DPTrainer(Trainer):
         elif optimizer is None:
             optimizer = super().create_optimizer()
         self.optimizer = None
+        self.engine.ledger.delta = self.delta  # the run's δ (ledger header; make_private's amplification check)
         _, private, loader = self.engine.make_private(
             module=cast(torch.nn.Module, self.model),
             optimizer=optimizer,

@@ -27,6 +27,7 @@ from ..accounting.calibration import (
     CalibrationResult,
     calibrate_amplified_noise_multiplier,
     calibrate_noise_multiplier,
+    warn_if_amplification_costs,
 )
 from ..accounting.ledger import PrivacyLedger
 from ..averaging import ParameterAverager
@@ -338,6 +339,11 @@ def build_run(
             privacy["mechanism"] = CorrelatedNoise(strategy, participation, sigma, sample_rate if amplified else None)
         except ValueError as exc:
             raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
+        if amplified:  # warned where cyclic batches (b = round(N / B̄)) would score a smaller ε
+            plain = min(data.n_train, max(1, round(units / float(cfg.batch_size))))
+            warn_if_amplification_costs(
+                strategy, participation.steps, plain, participation.min_separation, sample_rate, sigma, cfg.delta
+            )
         # cyclic batches: N/b examples each; cyclic Poisson: q·N/b' expected
         expected_batch_size = data.n_train * (sample_rate if amplified else 1.0) / participation.min_separation
         privacy_facts["noise_mechanism"] = cfg.noise_mechanism
