@@ -83,3 +83,45 @@ def test_report_errors_name_the_argument(tmp_path):
         ledger_report(tmp_path, accountant="nope", delta=DELTA)
     with pytest.raises((FileNotFoundError, ValueError)):
         ledger_report(tmp_path / "missing", delta=DELTA)
+
+
+def _amplified_ledger(path):
+    """A BLT ledger over cyclic Poisson sampling (the spectral bound): T = 6, b' = 2, q = 0.3, σ = 1.5."""
+    import torch
+
+    from dpopt.correlated_noise import CorrelatedNoise, Participation, optimize_strategy
+    from dpopt.engine.reference import PerSampleGrads
+    from dpopt.privatizer import Privatizer
+
+    mech = CorrelatedNoise(optimize_strategy("blt", 6, 2), Participation(6, 3, 2), 1.5, sample_rate=0.3)
+    priv = Privatizer(1.5, 1.0, 1.0, 1.0, mechanism=mech)
+    for _ in range(6):
+        priv.privatize(PerSampleGrads([torch.zeros(1, 3)]))
+    return priv.ledger.save(path)
+
+
+def test_entries_that_contradict_the_mechanism_record_are_named(tmp_path):
+    """A correlated-noise ledger whose releases were edited (σ of every round tripled, so ε drops) is still
+    scored as written, but the report names the contradiction with its own mechanism record (what
+    ``dpopt check`` fails) instead of printing the smaller ε silently; an untouched ledger has none."""
+    path = _amplified_ledger(tmp_path / "ledger.json")
+    clean = ledger_report(path, delta=DELTA)
+    assert clean.mechanism_problem is None and clean.to_dict()["mechanism_problem"] is None
+    raw = json.loads(path.read_text())
+    rounds = [e for e in raw["entries"] if e["event"]["type"] == "PoissonSampledDpEvent"]
+    assert len(rounds) == 3
+    for e in rounds:
+        e["event"]["event"]["noise_multiplier"] *= 3.0
+    path.write_text(json.dumps(raw))
+    edited = ledger_report(path, delta=DELTA)
+    assert edited.epsilon < 0.5 * clean.epsilon  # the edited entries are what is scored
+    assert "3 entries disagree with the mechanism record" in edited.mechanism_problem
+    assert edited.to_dict()["mechanism_problem"] == edited.mechanism_problem
+    from typer.testing import CliRunner
+
+    from dpopt.cli import app
+
+    out = CliRunner().invoke(app, ["ledger", str(path), "--delta", str(DELTA)])
+    assert (
+        out.exit_code == 0 and "warning: the releases contradict the ledger's correlated-noise mechanism" in out.output
+    )

@@ -142,6 +142,10 @@ class LedgerReport:
             or the file given).
         disagreement: when a run directory's ``ledger.json`` contradicts its journal, the first difference
             (:func:`~dpopt.accounting.ledger_files.compare_ledger_files`); the journal is what was scored.
+        mechanism_problem: a correlated-noise ledger whose releases (or header) contradict its own mechanism
+            record, re-derived from the record alone (:func:`~dpopt.accounting.matrix_factorization.check_record`,
+            what ``dpopt check`` fails): the problems found, joined; None when they agree or there is no record.
+            The entries as written are still what was scored.
     """
 
     run_dir: str
@@ -160,6 +164,7 @@ class LedgerReport:
     run_delta: Optional[float] = None
     ledger_file: Optional[str] = None
     disagreement: Optional[str] = None
+    mechanism_problem: Optional[str] = None
 
     @property
     def epsilon(self) -> Union[float, str, None]:
@@ -181,6 +186,7 @@ class LedgerReport:
             "run_delta": self.run_delta,
             "ledger_file": self.ledger_file,
             "disagreement": self.disagreement,
+            "mechanism_problem": self.mechanism_problem,
             "accountant": self.accountant,
             "epsilon": scores.get(self.accountant),
             "epsilon_by_accountant": scores,
@@ -276,7 +282,19 @@ def ledger_report(
         run_delta=run_delta,
         ledger_file=ledger_path.name,
         disagreement=disagreement,
+        mechanism_problem=_mechanism_problem(book),
     )
+
+
+def _mechanism_problem(book: PrivacyLedger) -> Optional[str]:
+    """What :func:`~dpopt.accounting.matrix_factorization.check_record` finds wrong with a correlated-noise
+    ledger's entries against its own mechanism record (None: no record, or they agree)."""
+    if book.mechanism is None:
+        return None
+    from .matrix_factorization import check_record
+
+    problems = check_record(dict(book.mechanism), book.entries)
+    return "; ".join(problems) if problems else None
 
 
 def _config_delta(run_dir: Path) -> Optional[float]:

@@ -351,6 +351,12 @@ def ledger(
         typer.echo(
             f"warning: {report.disagreement}; scored the journal (`dpopt check {run_dir}` fails this run)", err=True
         )
+    if report.mechanism_problem is not None:
+        typer.echo(
+            f"warning: the releases contradict the ledger's correlated-noise mechanism record ({report.mechanism_problem}); "
+            f"scored the releases as written (`dpopt check {run_dir}` fails this run)",
+            err=True,
+        )
     typer.echo(
         f"ledger {run_dir} (read {report.ledger_file}): {report.releases} releases, neighbouring = {report.neighbouring}, "
         f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}"
