@@ -553,3 +553,46 @@ def test_make_private_with_epsilon_calibrates_the_mechanism():
     eps = engine.get_epsilon(1e-5)
     assert eps <= 3.0 and eps == pytest.approx(3.0, rel=5e-3)
     assert engine.ledger.mechanism["steps"] == 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open defect (privacy review): the balanced partition re-cuts the other examples' batches when one "
+    "example is added, so the fixed-partition analysis does not cover add/remove neighbours",
+)
+def test_adding_one_example_leaves_the_other_examples_partition_law_unchanged():
+    """The MF accounting (cyclic batches, and cyclic Poisson) analyses ONE example added to a fixed partition of
+    the others (the worst part for it). Under add/remove neighbours that needs the partition of the common
+    examples to have the same law in D and D' = D + x. The sampler's balanced split (randperm, tensor_split)
+    breaks it: D = {y0, y1}, b = 2 batches: y0 and y1 are never together; in D' (3 examples, sizes 2 and 1)
+    they are together with probability 1/3. Measured consequence through the real sampler (one epoch, T = b = 2,
+    C = I, σ = 1, gradients y = +1, x = −1; exact output mixtures): δ(ε = 3) = 0.048 against the claimed
+    Gaussian's 0.0015 (ε = 2: 0.093 vs 0.021). An i.i.d. secret assignment of each example to a part (or a
+    ledger that states zero-out adjacency) would make this pass."""
+    from scipy.stats import norm
+
+    seeds = range(2000)
+
+    def together(n: int) -> float:  # P(examples 0 and 1 share a batch), over the partition's seeds
+        return float(np.mean([any({0, 1} <= set(b) for b in CyclicBatchSampler(n, 2, seed=s).batches) for s in seeds]))
+
+    def sums(n: int) -> dict:  # the law of the two batch sums, gradients +1, +1 (and −1 for example 2)
+        law: dict = {}
+        for s in seeds:
+            key = tuple(sum(-1.0 if i == 2 else 1.0 for i in b) for b in CyclicBatchSampler(n, 2, seed=s).batches)
+            law[key] = law.get(key, 0.0) + 1.0 / len(seeds)
+        return law
+
+    grid = np.linspace(-10, 10, 801)
+    y1, y2 = np.meshgrid(grid, grid, indexing="ij")
+
+    def density(law: dict) -> np.ndarray:
+        return sum(w * norm.pdf(y1, m[0]) * norm.pdf(y2, m[1]) for m, w in law.items())
+
+    p, q = density(sums(3)), density(sums(2))
+    cell = (grid[1] - grid[0]) ** 2
+    real = max(np.maximum(p - math.exp(3.0) * q, 0).sum(), np.maximum(q - math.exp(3.0) * p, 0).sum()) * cell
+    claimed = norm.cdf(-3.0 + 0.5) - math.exp(3.0) * norm.cdf(-3.0 - 0.5)  # one Gaussian, sensitivity 1, σ = 1
+    assert claimed == pytest.approx(0.0015, abs=1e-4)
+    assert abs(together(3) - together(2)) < 0.05  # 4.5 standard errors at 2000 seeds
+    assert real <= 0.01
