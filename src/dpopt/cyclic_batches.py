@@ -1,8 +1,9 @@
 """Cyclic batches: the sampler whose participation pattern correlated-noise accounting assumes.
 
-The dataset's indices are split ONCE into ``batches`` disjoint batches (a uniformly random
-partition; it need not be secret: the unamplified matrix-factorization guarantee holds for every
-fixed partition), and step t uses batch t mod b, for every epoch and across iterations of the loader
+The dataset's indices are split ONCE into ``batches`` disjoint batches (a uniformly random balanced
+partition from a fresh seed that is never saved; the matrix-factorization analysis holds for one example
+added to a fixed partition of the others — zero-out neighbours; for add/remove the balanced cut re-slices
+the others, an open issue: docs/correlated-noise.md, "Open issue"), and step t uses batch t mod b, for every epoch and across iterations of the loader
 (a loop that stops an epoch early continues with the next batch, never restarts the cycle). So an
 example takes part in at most ⌈T/b⌉ of T steps, any two of them exactly b steps apart: the
 :class:`~dpopt.correlated_noise.Participation` (k = ⌈T/b⌉, min_separation = b) of
@@ -32,7 +33,7 @@ class CyclicBatchSampler(Sampler):
         dataset_size: N ≥ 1 (public).
         batches: b, with 1 ≤ b ≤ N; batch sizes are ⌊N/b⌋ or ⌈N/b⌉ (expected size N/b).
         steps: for :meth:`sample` (dpopt's own loop): the batches to draw in all (None: unlimited).
-        seed: the partition's seed (public: the partition protects nothing); None: a fresh random one.
+        seed: the partition's seed (tests; never saved); None: a fresh random one (what the doors use).
             Data parallel: every rank passes rank 0's seed, so that all ranks cut the same partition.
         rank, world_size: data parallel: this rank yields its part ``tensor_split(batch, world_size)[rank]``
             of every batch (disjoint across ranks; their union is the batch).
@@ -107,8 +108,8 @@ def cyclic_poisson_partitions(sample_rate: float, steps_per_epoch: int) -> int:
 
 class CyclicPoissonBatchSampler(Sampler):
     """Cyclic Poisson sampling (Choquette-Choo et al., arXiv 2306.08153, Sec. 4, "amplified banded MF"): the
-    dataset is split ONCE into ``partitions`` = b' disjoint parts (a uniformly random partition; public: the
-    amplified guarantee holds for every fixed partition), and step t includes each example of part t mod b'
+    dataset is split ONCE into ``partitions`` = b' disjoint parts (a uniformly random balanced partition, as
+    :class:`CyclicBatchSampler`'s, with its open add/remove issue), and step t includes each example of part t mod b'
     independently with probability q (:func:`~dpopt.sampling.poisson_indices`, the secret uniforms of
     ``noise``). An example takes part only at steps ≡ j (mod b'), each with probability q, independently:
     the participation the amplified accountant (:func:`~dpopt.correlated_noise.amplified_step_events`) assumes.
