@@ -33,12 +33,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/step_time.p
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
+from step_time import loss_fn, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run)
 from torch import nn  # noqa: E402
 
 from dpopt.engine.fast import PerSampleEngine  # noqa: E402
@@ -46,10 +46,6 @@ from dpopt.models import build_model  # noqa: E402
 from dpopt.types import ClipGeometry, EvaluationPoint  # noqa: E402
 
 SHAPES = {"mlp": ((1, 28, 28), 256), "cnn5": ((3, 32, 32), 512)}
-
-
-def loss_fn(out, target):
-    return nn.functional.cross_entropy(out, target)
 
 
 def batch(model_name: str, b: int, seed: int = 0):
@@ -86,20 +82,6 @@ def non_private(model: nn.Module, x, y) -> Callable[[], None]:
         torch.autograd.grad(loss_fn(model(x), y), params)
 
     return run
-
-
-def time_round_robin(fns: dict, rounds: int, per_round: int) -> dict:
-    """Median wall and CPU seconds per call of each function, timed round-robin (slow periods hit all alike)."""
-    wall: dict = {k: [] for k in fns}
-    cpu: dict = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            for _ in range(per_round):
-                t, c = time.perf_counter(), time.process_time()
-                f()
-                wall[k].append(time.perf_counter() - t)
-                cpu[k].append(time.process_time() - c)
-    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
 def profile(name: str, fn: Callable[[], None], rows: int) -> None:
@@ -140,9 +122,10 @@ def run_model(model_name: str, args) -> dict:
         "non-private eager": non_private(bare, x, y),
         "non-private compiled": non_private(compiled_bare, x, y),
     }
-    for f in fns.values():  # warm-up
-        f()
-    res = time_round_robin(fns, args.rounds, args.per_round)
+    res = {  # one warm-up call each, then round-robin: median wall and CPU seconds per call
+        k: (r["median"], r["cpu_median"])
+        for k, r in time_round_robin(fns, args.rounds, args.per_round, warmup=1).items()
+    }
     load = os.getloadavg()[0]
     print(f"\n{model_name}: B = {b}, {args.threads} threads, backend {args.backend}, 1-min load {load:.1f}")
     for k, (w, c) in res.items():

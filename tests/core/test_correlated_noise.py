@@ -370,6 +370,22 @@ def _data(n=48):
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
+def sgd_args(**kwargs) -> dict:
+    """make_private's arguments for a fresh Linear(5, 2) under SGD (lr 0.1) on :func:`_data` in batches of 12,
+    σ = 1, C = 1, banded:2 noise; ``kwargs`` are added to them or replace them."""
+    model = nn.Linear(5, 2)
+    args = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=12),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism="banded:2",
+    )
+    args.update(kwargs)
+    return args
+
+
 @pytest.mark.parametrize("optimizer", ["dp-sgd", "dp-adambc", "dp-macadam"])
 @pytest.mark.parametrize("mechanism", ["banded:2", "blt:2"])
 def test_make_private_trains_accounts_and_checks(mechanism, optimizer):
@@ -413,18 +429,8 @@ def test_make_private_trains_accounts_and_checks(mechanism, optimizer):
     ],
 )
 def test_make_private_refuses_combinations_without_an_accountant(kwargs, match):
-    model = nn.Linear(5, 2)
-    args = dict(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=12),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="banded:2",
-    )
-    args.update(kwargs)
     with pytest.raises(ConfigError, match=match):
-        PrivacyEngine().make_private(**args)
+        PrivacyEngine().make_private(**sgd_args(**kwargs))
 
 
 def test_make_private_refuses_a_horizon_with_independent_noise():

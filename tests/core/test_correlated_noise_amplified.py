@@ -15,8 +15,9 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.optimize import brentq
 from scipy.stats import chi2, norm
+from test_correlated_noise import _data, sgd_args
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from dpopt import PrivacyEngine
 from dpopt.accounting.accountant import epsilon
@@ -219,9 +220,35 @@ def test_the_sampler_carries_no_private_sizes_in_copies():
 # -- the make_private door -----------------------------------------------------------------------------------
 
 
-def _data(n=48):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 2, (n,), generator=g))
+def _train(model, opt, loader, epochs: int = 2) -> int:
+    """``epochs`` passes of the user's loop over ``loader`` (an empty Poisson batch steps without a backward);
+    returns the number of steps."""
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward() if len(y) else None
+            opt.step()
+            steps += 1
+    return steps
+
+
+def _check_pld_and_ledger(engine, q: float, sigma: float, sensitivity: float, rounds: int, steps: int):
+    """The engine's ε at δ = 1e-5 is dp_accounting's PLD of ``rounds`` Poisson-sampled (rate ``q``) Gaussians at
+    σ/``sensitivity`` (relative 1e-3), and check_ledger passes its ledger against those claims."""
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma / sensitivity)), rounds)
+    eps = engine.get_epsilon(1e-5)
+    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+    claims = {"epsilon": eps, "delta": 1e-5, "accountant": "pld", "noise_multiplier": sigma, "steps": steps}
+    result = check_ledger(engine.ledger, claims)
+    assert result.passed, result.failures
+
+
+def _calibrated_epsilon(engine, steps: int = 8) -> float:
+    """ε at δ = 1e-5 of the ``steps`` step events of the mechanism a make_private_with_epsilon call calibrated."""
+    mech = engine._claims["privatizers"][0].mechanism
+    return epsilon(dp_event.ComposedDpEvent([mech.step_event(t) for t in range(steps)]), 1e-5)
 
 
 def test_make_private_cyclic_poisson_trains_accounts_and_checks():
@@ -245,25 +272,13 @@ def test_make_private_cyclic_poisson_trains_accounts_and_checks():
     # `epochs` passes make the T planned releases
     assert isinstance(loader, CyclicPoissonLoader) and len(loader) == 4
     assert opt.expected_batch_size == pytest.approx(12.0)
-    steps = 0
-    for _ in range(2):
-        for x, y in loader:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward() if len(y) else None
-            opt.step()
-            steps += 1
+    steps = _train(model, opt, loader)
     assert steps == 8 and len(engine.ledger) == 8
     rec = engine.ledger.mechanism
     assert (rec["steps"], rec["participations"], rec["min_separation"], rec["sample_rate"]) == (8, 4, 2, 0.5)
     assert engine.ledger.sampling == "cyclic poisson (q=0.5 within 2 partitions)"
     col = float(np.linalg.norm(opt.privatizer.mechanism.strategy.coefficients))
-    acc = pld_privacy_accountant.PLDAccountant()
-    acc.compose(dp_event.PoissonSampledDpEvent(0.5, dp_event.GaussianDpEvent(1.5 / col)), 4)
-    eps = engine.get_epsilon(1e-5)
-    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
-    claims = {"epsilon": eps, "delta": 1e-5, "accountant": "pld", "noise_multiplier": 1.5, "steps": 8}
-    result = check_ledger(engine.ledger, claims)
-    assert result.passed, result.failures
+    _check_pld_and_ledger(engine, 0.5, 1.5, col, rounds=4, steps=8)
 
 
 def test_make_private_with_epsilon_calibrates_the_amplified_run():
@@ -282,9 +297,7 @@ def test_make_private_with_epsilon_calibrates_the_amplified_run():
         sample_rate=0.5,
         lr=0.1,
     )
-    mech = engine._claims["privatizers"][0].mechanism
-    full = epsilon(dp_event.ComposedDpEvent([mech.step_event(t) for t in range(8)]), 1e-5)
-    assert 3.0 * 0.98 <= full <= 3.0
+    assert 3.0 * 0.98 <= _calibrated_epsilon(engine) <= 3.0
 
 
 def test_make_private_blt_cyclic_poisson_accounts_checks_and_calibrates():
@@ -297,27 +310,14 @@ def test_make_private_blt_cyclic_poisson_accounts_checks_and_calibrates():
     common = dict(data_loader=DataLoader(_data(), batch_size=12), max_grad_norm=1.0, epochs=2, lr=0.1)
     common.update(noise_mechanism="blt", sampling="cyclic-poisson", sample_rate=0.5)
     model, opt, loader = engine.make_private(module=model, optimizer="dp-sgd", noise_multiplier=1.5, **common)
-    for _ in range(2):
-        for x, y in loader:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward() if len(y) else None
-            opt.step()
-    mech = opt.privatizer.mechanism
-    scale = amplified_sensitivity(mech.strategy, 8, 2)
-    acc = pld_privacy_accountant.PLDAccountant()
-    acc.compose(dp_event.PoissonSampledDpEvent(0.5, dp_event.GaussianDpEvent(1.5 / scale)), 4)
-    eps = engine.get_epsilon(1e-5)
-    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
-    claims = {"epsilon": eps, "delta": 1e-5, "accountant": "pld", "noise_multiplier": 1.5, "steps": 8}
-    result = check_ledger(engine.ledger, claims)
-    assert result.passed, result.failures
+    _train(model, opt, loader)
+    scale = amplified_sensitivity(opt.privatizer.mechanism.strategy, 8, 2)
+    _check_pld_and_ledger(engine, 0.5, 1.5, scale, rounds=4, steps=8)
     calibrated = PrivacyEngine()
     calibrated.make_private_with_epsilon(
         module=nn.Linear(5, 2), optimizer="dp-sgd", target_epsilon=3.0, target_delta=1e-5, **common
     )
-    mech = calibrated._claims["privatizers"][0].mechanism
-    full = epsilon(dp_event.ComposedDpEvent([mech.step_event(t) for t in range(8)]), 1e-5)
-    assert 3.0 * 0.98 <= full <= 3.0
+    assert 3.0 * 0.98 <= _calibrated_epsilon(calibrated) <= 3.0
 
 
 @pytest.mark.parametrize(
@@ -330,19 +330,7 @@ def test_make_private_blt_cyclic_poisson_accounts_checks_and_calibrates():
     ],
 )
 def test_make_private_refuses_sampling_without_an_accountant(kwargs, match):
-    model = nn.Linear(5, 2)
-    args = dict(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=12),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="banded:2",
-        epochs=2,
-        sampling="cyclic-poisson",
-        sample_rate=0.5,
-    )
-    args.update(kwargs)
+    args = sgd_args(**{"epochs": 2, "sampling": "cyclic-poisson", "sample_rate": 0.5, **kwargs})
     with pytest.raises(ConfigError, match=match):
         PrivacyEngine().make_private(**args)
 
@@ -402,16 +390,7 @@ def test_sample_rate_without_sampling_suggests_cyclic_poisson():
     """sample_rate with a noise_mechanism but no sampling=: the refusal says sample_rate is also read with
     sampling='cyclic-poisson' and suggests it (independent noise: no such suggestion)."""
     for mech, hint in (("blt", True), ("independent", False)):
-        model = nn.Linear(5, 2)
-        args = dict(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(_data(), batch_size=12),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            noise_mechanism=mech,
-            sample_rate=0.5,
-        )
+        args = sgd_args(noise_mechanism=mech, sample_rate=0.5)
         if mech != "independent":
             args["epochs"] = 3
         with pytest.raises(ValueError, match="privacy_unit='user' or sampling='cyclic-poisson'") as err:

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_correlated_noise import _best_pattern
 
 import dpopt.accounting.matrix_factorization as mf
 from dpopt.accounting.accountant import epsilon
@@ -49,23 +50,6 @@ MONOTONE = {
 PATTERNS = [(2, 1), (3, 2), (2, 3), (4, 2), (3, 3), (2, 5), (6, 2), (11, 1)]
 
 
-def _pattern_max(X: np.ndarray, k: int, sep: int) -> float:
-    """max over every pattern (≤ k positions, pairwise ≥ sep apart) of Σ_{i,j∈π} |X_ij|, by enumeration."""
-    n, best = X.shape[0], 0.0
-
-    def walk(start: int, chosen: list) -> None:
-        nonlocal best
-        if chosen:
-            idx = np.array(chosen)
-            best = max(best, float(np.abs(X[np.ix_(idx, idx)]).sum()))
-        if len(chosen) < k:
-            for j in range(start, n):
-                walk(j + sep, chosen + [j])
-
-    walk(0, [])
-    return best
-
-
 @pytest.mark.parametrize("name", MONOTONE)
 @pytest.mark.parametrize("k,sep", PATTERNS)
 def test_exact_sensitivity_equals_every_pattern_enumerated_for_the_run_and_every_prefix(name, k, sep):
@@ -74,7 +58,7 @@ def test_exact_sensitivity_equals_every_pattern_enumerated_for_the_run_and_every
     prefix = prefix_sensitivities(s, p)
     C = s.matrix(T)
     for t in range(T):  # the first t+1 rows of C, every pattern in [0, T)
-        truth = math.sqrt(_pattern_max(C[: t + 1].T @ C[: t + 1], k, sep))
+        truth = math.sqrt(_best_pattern(np.abs(C[: t + 1].T @ C[: t + 1]), k, sep))
         assert prefix[t] == pytest.approx(truth, rel=1e-12), t
     assert sensitivity(s, p) == pytest.approx(brute_force_sensitivity(s, p), rel=1e-12)
     assert sensitivity(s, p) <= sensitivity(s, p, LEGACY_SENSITIVITY_METHOD) * (1 + 1e-12)  # never looser
@@ -170,7 +154,7 @@ def test_rounding_off_monotone_stays_an_upper_bound():
         prefix = prefix_sensitivities(s, p)
         C = s.matrix(T)
         for t in range(T):
-            truth = math.sqrt(_pattern_max(C[: t + 1].T @ C[: t + 1], k, sep))
+            truth = math.sqrt(_best_pattern(np.abs(C[: t + 1].T @ C[: t + 1]), k, sep))
             assert truth * (1 - 1e-12) <= prefix[t] <= truth * (1 + 1e-8)
     assert monotone_envelope(np.array([1.0, 0.7, 0.7 + 1e-6])) is None  # beyond the tolerance: not used
 

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from test_step_memory import peak_bytes
+from test_step_memory import dp_sgd, peak_bytes, private, sgd_step
 from torch import nn
 from torch.nn import functional as F
 
@@ -36,7 +36,6 @@ from dpopt.engine.layers import (
     plan_caches,
 )
 from dpopt.engine.reference import per_sample_gradients
-from dpopt.methods import make_optimizer
 from dpopt.types import ClipGeometry
 
 RECOMPUTE = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW  # ≈ 1.71: direct form, sum recomputed
@@ -205,16 +204,7 @@ DERIVED = int(CACHE_SHARE * (2 * DEPTH * (WIDTH * WIDTH + WIDTH) * 4 + DEPTH * B
 
 def _dp_sgd_step_bytes(cache):
     model, x, y = _deep()
-    opt = make_optimizer(
-        "dp-sgd",
-        list(model.parameters()),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=float(BATCH),
-        sample_rate=BATCH / 1000,
-        dataset="synthetic",
-        lr=0.01,
-    )
+    opt = dp_sgd(list(model.parameters()), BATCH)
 
     def step():
         opt.step(iter_per_sample_sources(model, _lm_loss, x, y, None, opt.evaluation_points(), cache_bytes=cache))
@@ -239,24 +229,8 @@ def _hook_door_step_bytes(width: int, depth: int):
         layers += [nn.Linear(width, width)] + ([nn.Tanh()] if i < depth - 1 else [])
     model = nn.Sequential(*layers)
     x, y = torch.randn(BATCH, SEQ, width), torch.randint(0, width, (BATCH, SEQ))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-            data_loader=loader,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-            cache_bytes=0,
-        )
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        _lm_loss(model(x), y).backward()
-        opt.step()
-
+    model, opt = private(model, x, y, BATCH, cache_bytes=0)
+    step = sgd_step(model, opt, _lm_loss, x, y)
     step()
     step()
     return peak_bytes(step)

@@ -44,6 +44,19 @@ def cnn():
     )
 
 
+def pooled_cnn():
+    """A CNN that takes any image size (adaptive pooling): a new input shape compiles a new graph."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
+
+
 def data(model_name: str, n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     shape = (12,) if model_name == "mlp" else (3, 8, 8)
@@ -96,7 +109,7 @@ def test_sigma_zero_step_equals_eager():
         assert torch.allclose(pe, pc, rtol=RTOL, atol=1e-7)
 
 
-def _scaling_backend(gm, example_inputs):
+def scaling_backend(gm, example_inputs):
     """A deliberately wrong compiled kernel: the recorded input of every layer comes out 1 % too large."""
 
     def run(*args):
@@ -109,7 +122,7 @@ def _scaling_backend(gm, example_inputs):
 def test_first_batch_check_catches_a_wrong_compiled_kernel():
     model = cnn()
     eng = PerSampleEngine(model, loss_fn, compile="aot_eager")
-    eng._compiled._real = _scaling_backend  # the graph compiled from now on is wrong
+    eng._compiled._real = scaling_backend  # the graph compiled from now on is wrong
     x, y = data("cnn", 9, 0)
     with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="compile=True: the first-batch check"):
         eng.compute(x, y)
@@ -120,20 +133,12 @@ def test_a_new_graph_is_checked_at_its_batch():
     before its results are used; a new batch size, or one example (run eagerly: no size-specialised graph,
     whose kernels inductor would cache on disk with the size in them), compiles nothing."""
     torch._dynamo.reset()  # dynamo's shape history of earlier tests could make the image axes dynamic already
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.GroupNorm(2, 4),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(16, 3),
-    )
+    model = pooled_cnn()
     eng = PerSampleEngine(model, loss_fn, compile="aot_eager")
     x, y = data("cnn", 9, 0)
     eng.compute(x, y)
     assert eng._compiled.compiles == 1
-    eng._compiled._real = _scaling_backend  # the next graph compiled is wrong
+    eng._compiled._real = scaling_backend  # the next graph compiled is wrong
     eng.compute(x[:5], y[:5])  # the same (dynamic) graph: nothing new to check
     eng.compute(x[:1], y[:1])  # eager
     assert eng._compiled.compiles == 1

@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compiled import RTOL, close, pooled_cnn, scaling_backend
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpopt import PrivacyEngine
 from dpopt.engine.hooks import HookCapture
 from dpopt.types import ClipGeometry
-
-RTOL = 2e-5
-
-
-def cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.GroupNorm(2, 4),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2),  # any image size: a new input shape compiles a new graph
-        nn.Flatten(),
-        nn.Linear(16, 3),
-    )
 
 
 def data(n: int, seed: int, side: int = 6):
@@ -51,14 +38,10 @@ def clipped_sum(src, c: float):
     return sq, src.weighted_sum(w, ClipGeometry(), [0] * k)
 
 
-def close(a, b) -> bool:
-    return bool((a - b).abs().max() <= RTOL * b.abs().max() + 1e-12)
-
-
 def test_compiled_door_equals_eager_door():
     """Per-example squared norms and clipped sums of the compiled door = the eager door's, at three batch
     sizes, with one compiled graph (the batch axis is dynamic) and the first-batch check run once."""
-    eager_model, comp_model = cnn(), cnn()
+    eager_model, comp_model = pooled_cnn(), pooled_cnn()
     eager, comp = HookCapture(eager_model), HookCapture(comp_model, compile="aot_eager")
     for step, n in enumerate((9, 5, 12)):
         x, y = data(n, step)
@@ -75,7 +58,7 @@ def test_compiled_door_equals_eager_door():
 def test_compiled_door_sensitivity():
     """σ = 0 sensitivity through the compiled door: removing one example moves the clipped sum by ≤ C
     (= C here: C is far below every example's gradient norm, so each example contributes exactly C)."""
-    model, c = cnn(), 1e-3
+    model, c = pooled_cnn(), 1e-3
     cap = HookCapture(model, compile="aot_eager")
     x, y = data(8, 3)
     sq, full = clipped_sum(pass_of(cap, model, x, y), c)
@@ -88,24 +71,14 @@ def test_compiled_door_sensitivity():
         assert float(moved) >= c * (1 - 1e-4)
 
 
-def _scaling_backend(gm, example_inputs):
-    """A deliberately wrong compiled graph: every layer's recorded input comes out 1 % too large."""
-
-    def run(*args):
-        outs = gm(*args)
-        return (outs[0],) + tuple(o * 1.01 for o in outs[1:])
-
-    return run
-
-
 def test_a_new_graph_reruns_the_check():
     """A graph compiled after the first check (a new image size) is checked on its first pass: a wrong one
     is refused there; a new batch size alone compiles nothing (the wrong backend is never used)."""
     torch._dynamo.reset()  # dynamo's shape history of earlier tests could make the image axes dynamic already
-    model = cnn()
+    model = pooled_cnn()
     cap = HookCapture(model, compile="aot_eager")
     pass_of(cap, model, *data(9, 0))
-    cap._door.capture._real = _scaling_backend  # the next graph compiled is wrong
+    cap._door.capture._real = scaling_backend  # the next graph compiled is wrong
     pass_of(cap, model, *data(6, 1))  # same graph: no check, no error
     assert cap._door.compiles == 1
     with pytest.raises(ValueError, match="do not match single-example autograd"):
@@ -114,9 +87,9 @@ def test_a_new_graph_reruns_the_check():
 
 
 def test_first_batch_check_catches_a_wrong_graph():
-    model = cnn()
+    model = pooled_cnn()
     cap = HookCapture(model, compile="aot_eager")
-    cap._door.capture._real = _scaling_backend
+    cap._door.capture._real = scaling_backend
     with pytest.raises(ValueError, match="do not match single-example autograd"):
         pass_of(cap, model, *data(9, 0))
 
@@ -127,7 +100,7 @@ def test_make_private_compiled_step_equals_eager_at_sigma_zero():
     x, y = data(24, 7)
     after = []
     for comp in (False, "aot_eager"):
-        model = cnn()
+        model = pooled_cnn()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = DataLoader(TensorDataset(x, y), batch_size=8)
         with pytest.warns(UserWarning, match="reproducible"):
@@ -148,7 +121,7 @@ def test_make_private_compiled_step_equals_eager_at_sigma_zero():
         with torch.no_grad():
             model(xb[:1])
         after.append([p.detach().clone() for p in model.parameters()])
-    moved = [pa - p0 for pa, p0 in zip(after[0], cnn().parameters())]
+    moved = [pa - p0 for pa, p0 in zip(after[0], pooled_cnn().parameters())]
     assert max(float(m.abs().max()) for m in moved) > 1e-4
     for pe, pc in zip(*after):
         assert torch.allclose(pe, pc, rtol=RTOL, atol=1e-7)
@@ -160,8 +133,8 @@ def test_make_private_compile_refusals():
     lstm = nn.Sequential(nn.LSTM(4, 3, batch_first=True))
     for module, kw, match in (
         (lstm, {}, "compile=True: layers whose rule taps"),
-        (cnn(), {"augmentation_multiplicity": 2}, "augmentation_multiplicity > 1 is not supported"),
-        (cnn(), {"compile": "tensorrt"}, "backend name"),
+        (pooled_cnn(), {"augmentation_multiplicity": 2}, "augmentation_multiplicity > 1 is not supported"),
+        (pooled_cnn(), {"compile": "tensorrt"}, "backend name"),
     ):
         opt = torch.optim.SGD(module.parameters(), lr=0.1)
         args = {"compile": "aot_eager", **kw}
@@ -175,7 +148,7 @@ def test_make_private_compile_refusals():
 @pytest.mark.slow
 def test_inductor_door_equals_eager_door():
     """The default backend (``compile=True``: inductor's generated C++ kernels) through the door; slow (gcc)."""
-    eager_model, comp_model = cnn(), cnn()
+    eager_model, comp_model = pooled_cnn(), pooled_cnn()
     eager, comp = HookCapture(eager_model), HookCapture(comp_model, compile=True)
     x, y = data(10, 4)
     sq_ref, sum_ref = clipped_sum(pass_of(eager, eager_model, x, y), 0.5)

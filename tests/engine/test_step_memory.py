@@ -91,20 +91,21 @@ def _loss(out, target):
     return F.cross_entropy(out, target)
 
 
-def _non_private_first_step() -> int:
-    model, x, y = _problem()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def sgd_step(model, opt, loss, x, y):
+    """The user's step on one batch as a closure: zero the gradients (set to None), backward the loss, step."""
 
     def step():
         opt.zero_grad(set_to_none=True)
-        _loss(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
 
-    return peak_bytes(step)
+    return step
 
 
-def _privacy_engine(model, x, y):
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+def private(model, x, y, batch: int, **kwargs):
+    """``PrivacyEngine.make_private`` at σ = 1, C = 1 (SGD, lr 0.01) over a fixed batch of ``batch`` rows of
+    ``(x, y)`` (``poisson_sampling=False``); ``kwargs`` go to make_private. Returns (model, optimizer)."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a fixed batch (poisson_sampling=False) is warned about
         return dpopt.PrivacyEngine().make_private(
@@ -114,19 +115,36 @@ def _privacy_engine(model, x, y):
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
+            **kwargs,
         )[:2]
+
+
+def dp_sgd(params: list, batch: int, lr: float = 0.01, **kwargs):
+    """dpopt's own ``dp-sgd`` at σ = 1, C = 1 for batches of ``batch`` examples (sample rate batch/1000,
+    synthetic data); ``kwargs`` (e.g. momentum) go to :func:`dpopt.methods.make_optimizer`."""
+    return make_optimizer(
+        "dp-sgd",
+        params,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=float(batch),
+        sample_rate=batch / 1000,
+        dataset="synthetic",
+        lr=lr,
+        **kwargs,
+    )
+
+
+def _non_private_first_step() -> int:
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return peak_bytes(sgd_step(model, opt, _loss, x, y))
 
 
 def test_first_batch_check_of_the_hook_door_costs_no_more_than_a_steady_step():
     model, x, y = _problem()
-    model, opt = _privacy_engine(model, x, y)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        _loss(model(x), y).backward()
-        opt.step()
-
-    first = peak_bytes(step)
+    model, opt = private(model, x, y, BATCH)
+    first = peak_bytes(sgd_step(model, opt, _loss, x, y))
     extra = first - _non_private_first_step()
     # the check runs after the backward's non-private p.grad is dropped (a releasing step never reads it): its
     # one parameter's g and ĝ fit in the space of the gradients it replaces, so the first step is bounded as the
@@ -138,7 +156,7 @@ def test_first_batch_check_of_the_hook_door_costs_no_more_than_a_steady_step():
 def test_first_batch_check_of_the_hook_door_holds_one_parameter_pair():
     """The check itself (the capture's ``collect`` on the first batch, every p.grad still alive): g and ĝ."""
     model, x, y = _problem()
-    model, opt = _privacy_engine(model, x, y)
+    model, opt = private(model, x, y, BATCH)
     opt.zero_grad(set_to_none=True)
     _loss(model(x), y).backward()
     capture = opt._capture
@@ -153,17 +171,7 @@ def test_first_batch_check_of_the_hook_door_holds_one_parameter_pair():
 
 def test_first_batch_check_of_the_engine_door_is_bounded_by_the_largest_parameter():
     model, x, y = _problem()
-    params = list(model.parameters())
-    opt = make_optimizer(
-        "dp-sgd",
-        params,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=float(BATCH),
-        sample_rate=BATCH / 1000,
-        dataset="synthetic",
-        lr=0.01,
-    )
+    opt = dp_sgd(list(model.parameters()), BATCH)
     first = peak_bytes(lambda: opt.step(iter_per_sample_sources(model, _loss, x, y, None, opt.evaluation_points())))
     extra = first - _non_private_first_step()
     assert extra <= 8 * WIDTH * WIDTH + STREAM + SLACK, (extra, LARGEST)
@@ -171,19 +179,14 @@ def test_first_batch_check_of_the_engine_door_is_bounded_by_the_largest_paramete
 
 def test_streamed_release_of_the_hook_door_holds_no_second_copy():
     model, x, y = _problem()
-    model, opt = _privacy_engine(model, x, y)
+    model, opt = private(model, x, y, BATCH)
     reference, np_opt = _problem()[0], None
     np_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
-
-    def step(m, o):
-        o.zero_grad(set_to_none=True)
-        _loss(m(x), y).backward()
-        o.step()
-
+    private_step, plain_step = sgd_step(model, opt, _loss, x, y), sgd_step(reference, np_opt, _loss, x, y)
     for _ in range(2):  # past the first-batch check; p.grad allocated in the previous step on both sides
-        step(model, opt)
-        step(reference, np_opt)
-    extra = peak_bytes(lambda: step(model, opt)) - peak_bytes(lambda: step(reference, np_opt))
+        private_step()
+        plain_step()
+    extra = peak_bytes(private_step) - peak_bytes(plain_step)
     # the backward's p.grad (what the non-private step holds) is dropped before the clipped sums are made;
     # before issue 43's change both were alive: 4 bytes per parameter more
     assert extra <= STREAM + SLACK, extra
@@ -193,17 +196,7 @@ def test_streamed_release_of_the_hook_door_holds_no_second_copy():
 def test_dp_sgd_applies_the_release_in_place(momentum):
     model, x, y = _problem()
     params = list(model.parameters())
-    opt = make_optimizer(
-        "dp-sgd",
-        params,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=float(BATCH),
-        sample_rate=BATCH / 1000,
-        dataset="synthetic",
-        lr=0.5,
-        momentum=momentum,
-    )
+    opt = dp_sgd(params, BATCH, lr=0.5, momentum=momentum)
     release = opt.step(iter_per_sample_sources(model, _loss, x, y, None, opt.evaluation_points()))
     before = [p.detach().clone() for p in params]
     buffers = [None if momentum == 0 else s.clone() for s in _momentum_buffers(opt)]
@@ -269,27 +262,13 @@ def _lm_loss(out, target):
 
 
 def _lm_steps(model, opt, x, y, n):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        _lm_loss(model(x), y).backward()
-        opt.step()
-
+    step = sgd_step(model, opt, _lm_loss, x, y)
     return [peak_bytes(step) for _ in range(n)]
 
 
 def _lm_privacy_engine():
     model, x, y = _lm()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=LM_B)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a fixed batch (poisson_sampling=False) is warned about
-        model, opt, _ = dpopt.PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-            data_loader=loader,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-        )
+    model, opt = private(model, x, y, LM_B)
     return model, opt, x, y
 
 
@@ -324,16 +303,7 @@ def test_engine_door_keeps_no_layer_output():
     first-batch check kept the batch's no-grad outputs through all its passes.
     """
     model, x, y = _lm()
-    opt = make_optimizer(
-        "dp-sgd",
-        list(model.parameters()),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=float(LM_B),
-        sample_rate=LM_B / 1000,
-        dataset="synthetic",
-        lr=0.01,
-    )
+    opt = dp_sgd(list(model.parameters()), LM_B)
 
     def step():
         opt.step(iter_per_sample_sources(model, _lm_loss, x, y, None, opt.evaluation_points()))

@@ -78,6 +78,12 @@ def targs(out, **kw):
     return T.TrainingArguments(str(out), **base)
 
 
+def trainer(tmp_path, cls=DPTrainer, **kwargs):
+    """A ``cls`` (DPTrainer or a subclass) on a fresh tiny GPT-2 over ``Tokens()`` (N = 32) at record level, with
+    :func:`targs` (batch 2 × 2 accumulation, 12 steps); ``kwargs`` (the privacy settings) go to it."""
+    return cls(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), privacy_unit="record", **kwargs)
+
+
 def _gaussian_epsilon(mu: float, delta: float) -> float:
     """ε(δ) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang 2018, Thm 8), float64 brentq."""
 
@@ -113,11 +119,9 @@ class Recording(DPTrainer):
 @pytest.mark.parametrize("mechanism", ["banded:2", "blt:2"])
 def test_cyclic_batches_horizon_and_a_ledger_that_rederives(tmp_path, mechanism):
     """N = 32, B̄ = 4: b = 8 cyclic batches; max_steps = 12 is the horizon (k = 2 participations 8 apart)."""
-    tr = Recording(
-        model=gpt2(),
-        args=targs(tmp_path),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
+        Recording,
         noise_multiplier=2.0,
         max_grad_norm=1.0,
         method="dp-adam",
@@ -284,11 +288,9 @@ def test_cyclic_poisson_records_amplified_rounds_and_matches_make_private(tmp_pa
 
     from dpopt import PrivacyEngine
 
-    tr = Recording(
-        model=gpt2(),
-        args=targs(tmp_path),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
+        Recording,
         noise_multiplier=2.0,
         max_grad_norm=1.0,
         method="dp-sgd",
@@ -334,11 +336,8 @@ def test_cyclic_poisson_records_amplified_rounds_and_matches_make_private(tmp_pa
 
 
 def test_cyclic_poisson_target_epsilon_is_met_from_below(tmp_path):
-    tr = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
         target_epsilon=3.0,
         max_grad_norm=1.0,
         noise_mechanism="banded:2",
@@ -358,14 +357,7 @@ def test_cyclic_poisson_target_epsilon_is_met_from_below(tmp_path):
 )
 def test_cyclic_poisson_without_an_accountant_is_refused(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        tr = DPTrainer(
-            model=gpt2(),
-            args=targs(tmp_path),
-            train_dataset=Tokens(),
-            privacy_unit="record",
-            noise_multiplier=1.0,
-            **kwargs,
-        )
+        tr = trainer(tmp_path, noise_multiplier=1.0, **kwargs)
         tr.train()
 
 
@@ -374,11 +366,8 @@ def test_cyclic_poisson_that_costs_is_warned_at_the_trainers_delta(tmp_path):
     batches' one; DPTrainer's make_private warns with both, at the Trainer's δ (1e-6), and stays amplified."""
     from dpopt.accounting.accountant import AccountingWarning
 
-    tr = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         delta=1e-6,
