@@ -165,15 +165,16 @@ def audit(
             "Claimed ε: accountant (PLD) for the step event at sample_rate 1 (the mechanism run). "
             "LEAK if a lower bound exceeds it."
         )
+        width = max([14] + [len(r.name) for r in results])  # the longest name (doppler-muon-bc: 15) sets it
         header = (
-            f"{'mechanism':<14} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} "
+            f"{'mechanism':<{width}} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} "
             f"{'μ LB':>7} {'μ claim':>8} {'mode':>10} {'sec':>6}  verdict"
         )
         typer.echo(header)
         typer.echo("-" * len(header))
         for r in results:
             typer.echo(
-                f"{r.name:<14} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
+                f"{r.name:<{width}} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
                 f"{_fmt(r.epsilon_gdp):>10} {_fmt(r.mu_lower):>7} {_fmt(r.claimed_mu):>8} "
                 f"{r.mode:>10} {r.seconds:>6.1f}  {r.verdict}"
             )
