@@ -42,6 +42,7 @@ def amplified_run(tmp_path_factory):
     args = BASE + ["--noise-multiplier", "2", "--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson"]
     result = CliRunner().invoke(app, args + ["--sample-rate", "0.5", "--out", str(run_dir)])
     assert result.exit_code == 0, result.output
+    (run_dir.parent / "stdout.txt").write_text(result.output)
     return run_dir
 
 
@@ -53,6 +54,8 @@ def test_amplified_run_records_one_sampled_gaussian_per_round(amplified_run):
     assert (per_epoch, parts) == (6, 3)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == per_epoch and summary["sample_rate"] == 0.5
+    assert (summary["sampling"], summary["min_separation"]) == ("cyclic-poisson", parts)
+    assert "σ = 2, q = 0.50000 within b' = 3 cyclic parts" in (run_dir.parent / "stdout.txt").read_text()
     ledger = PrivacyLedger.load(run_dir / "ledger.json")
     rec = ledger.mechanism
     assert rec["kind"] == "banded" and rec["sample_rate"] == 0.5 and rec["min_separation"] == parts
