@@ -109,6 +109,7 @@ from .accounting.calibration import (
 )
 from .accounting.ledger import PrivacyLedger
 from .accounting.opacus_accountant import LedgerAccountant
+from .accounting.validation import check_delta
 from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
 from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
@@ -472,6 +473,7 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
+        delta: Optional[float] = None,
         compile: Union[bool, str] = False,
         cache_bytes: Optional[int] = None,
         **hparams: Any,
@@ -613,6 +615,13 @@ class PrivacyEngine:
                 ``distributed=True`` / ``"fsdp"``: every rank cuts rank 0's partition and Poisson-samples its
                 own slice of part t mod b' at q (each example lives on one rank), so the union over ranks is
                 one cyclic Poisson sample; the noise as above.
+            delta: the δ at which this run's ε will be read, if known (0 < δ < 1): recorded in the ledger
+                header (``dpopt ledger FILE`` scores at it) and the δ at which cyclic-Poisson amplification is
+                compared with cyclic batches (:func:`~dpopt.accounting.calibration.warn_if_amplification_costs`).
+                None: the δ a door already gave the engine (``make_private_with_epsilon``'s ``target_delta``,
+                ``DPTrainer``'s ``delta``), else that comparison runs at
+                :data:`~dpopt.accounting.calibration.AMPLIFICATION_CHECK_DELTA` = 1e-5 (it only decides whether
+                to warn; no ε is computed for the run or recorded at it).
             compile: ``True`` (backend ``"inductor"``), a backend name in
                 :data:`~dpopt.engine.compiled.COMPILE_BACKENDS` (``"aot_eager"``: fast to compile), or False:
                 your ``model(x)`` (one positional tensor, ≥ 2 rows, gradients on) runs the model's forward
@@ -679,6 +688,7 @@ class PrivacyEngine:
             secure_mode=secure_mode,
             noise_generator=noise_generator,
         )
+        run_delta = check_delta(delta) if delta is not None else self.ledger.delta
         mech_kind = self._check_mechanism_options(
             noise_mechanism, epochs, total_steps, poisson_sampling, clipping, noise_multiplier
         )
@@ -788,7 +798,7 @@ class PrivacyEngine:
                         total_steps,
                         partitions,
                         sample_rate if partitions else None,
-                        self.ledger.delta if self.ledger.delta is not None else AMPLIFICATION_CHECK_DELTA,
+                        run_delta if run_delta is not None else AMPLIFICATION_CHECK_DELTA,
                     )
                     # cyclic batches: N/b examples per step; cyclic Poisson: q·N/b'
                     expected_batch_size = n / steps_per_epoch if not partitions else sample_rate * n / partitions
@@ -870,6 +880,7 @@ class PrivacyEngine:
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)
             alias_module(module)  # Opacus's model._module
+            self.ledger.delta = run_delta  # the run's δ (ledger header), once nothing was refused
             if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
                 return module, private, compat.criterion, loader
             return module, private, loader
@@ -945,6 +956,8 @@ class PrivacyEngine:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
             raise ValueError(f"epochs must be a number > 0 (fractions allowed), got {epochs!r}")
+        if "delta" in kwargs:
+            raise ConfigError("make_private_with_epsilon takes the run's delta as target_delta; drop delta=", "delta")
         given = kwargs.get("sample_rate")  # privacy_unit="user" may give q_user; else q = 1/len(data_loader)
         q = 1.0 / len(data_loader) if given is None else float(given)
         per_epoch = len(data_loader) if given is None else max(1, int(round(1.0 / q)))  # the loader's batches
@@ -984,13 +997,13 @@ class PrivacyEngine:
             sigma = calibrate_noise_multiplier(
                 target_epsilon, target_delta, q, steps, str(self.accountant)
             ).noise_multiplier
-        self.ledger.delta = float(target_delta)  # also the δ of make_private's amplification check
         out = self.make_private(
             module=module,
             optimizer=optimizer,
             data_loader=data_loader,
             noise_multiplier=sigma,
             max_grad_norm=max_grad_norm,
+            delta=target_delta,  # the ledger header's δ and the amplification check's
             **kwargs,
         )
         # training past the planned steps raises epsilon past the target: warned once (opacus_compat.TargetWatch)
@@ -1000,7 +1013,6 @@ class PrivacyEngine:
             if kind == "independent"
             else None
         )
-        self.ledger.delta = float(target_delta)  # the run's delta, in the ledger header (`dpopt ledger FILE`)
         return out
 
     def get_epsilon(self, delta: float) -> float:

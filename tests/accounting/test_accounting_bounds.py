@@ -85,7 +85,7 @@ def test_pld_cost_decision_for_sigma_half_full_batch_1000_steps():
 
 
 def test_coarsened_pld_is_an_upper_bound_and_recorded(monkeypatch):
-    event = dpsgd_event(0.5, 1.0, 50)
+    event = dpsgd_event(0.5, 0.5, 50)  # sampled: an unsampled ledger needs no grid (the test below)
     accurate = pld_epsilon(event, DELTA)
     report = epsilon_report(event, DELTA, "pld", budget=CostBudget(seconds=0.5, memory_bytes=2e8))
     assert report.coarsened and report.resolution > 1e-4
@@ -101,7 +101,36 @@ def test_coarsened_pld_is_an_upper_bound_and_recorded(monkeypatch):
 
 def test_pld_refuses_when_even_the_coarsest_grid_is_too_big():
     with pytest.raises(ValueError, match="use accountant 'rdp'"):
-        epsilon_report(dpsgd_event(0.5, 1.0, 1000), DELTA, "pld", budget=CostBudget(seconds=1e-3, memory_bytes=1e5))
+        epsilon_report(dpsgd_event(0.5, 0.9, 1000), DELTA, "pld", budget=CostBudget(seconds=1e-3, memory_bytes=1e5))
+
+
+@pytest.mark.parametrize("relation, sensitivity", [("add_or_remove_one", 1.0), ("replace_one", 2.0)])
+def test_unsampled_gaussian_ledger_is_the_analytic_gaussian_without_a_grid(relation, sensitivity):
+    """A short unamplified correlated-noise ledger (one unsampled Gaussian per step at a small σ, as BLT on
+    cyclic batches records) used to be estimated over budget and put on a coarser grid with a note; its ε is
+    the analytic Gaussian's at σ_eff = (Σ σᵢ⁻²)^(−1/2) (dp_accounting's ``get_epsilon_gaussian``, Balle & Wang
+    2018), rounded up so δ(ε) ≤ δ holds (dp_accounting's PLD δ of that Gaussian, pessimistic, an upper bound on
+    the true δ), with no note, not coarsened, and for a σ where the fine grid is cheap equal to dpopt's
+    sampled-path PLD to its grid error."""
+    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    sigmas = [0.3, 0.647742, 0.996894, 1.47399, 2.31102, 4.5964]
+    ledger = PrivacyLedger(relation)
+    for step, sigma in enumerate(sigmas):
+        ledger.record(step, gaussian_event(sigma))
+    sigma_eff = sum(s**-2 for s in sigmas) ** -0.5
+    assert not estimate_pld_cost(flatten_gaussian_terms(ledger.composed_event()), 1e-4).within(DEFAULT_BUDGET)
+    report = epsilon_report(ledger, DELTA, "pld")
+    assert report.notes == () and not report.coarsened
+    exact = get_epsilon_gaussian(sigma_eff / sensitivity, DELTA)
+    assert exact <= report.epsilon <= exact + 1e-9
+    pld = pld_lib.from_gaussian_mechanism(sigma_eff / sensitivity, value_discretization_interval=1e-4)
+    assert pld.get_delta_for_epsilon(report.epsilon) <= DELTA * (1 + 1e-6)
+    assert pld.get_delta_for_epsilon(report.epsilon - 1e-3) > DELTA  # tight: 1e-3 below is not (ε, δ)-DP
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # epsilon() warns about nothing either
+        assert epsilon(ledger, DELTA, "pld") == report.epsilon
 
 
 def test_prv_cost_decision_for_a_million_steps():

@@ -504,3 +504,41 @@ def test_cli_audit_rejects_bad_arguments():
     assert res.exit_code == 2 and "unknown mechanism" in res.output
     res = runner.invoke(app, ["audit", "--delta", "2", "--trials", "100"])
     assert res.exit_code == 2
+
+
+def test_cli_audit_table_columns_align_with_long_method_names(monkeypatch):
+    """`dpopt audit --all`'s table: every column ends where its header ends, for a short name, the longest
+    registered method name (doppler-muon-bc, 15 characters: one past the old fixed width of 14, which shifted its
+    row right by one) and a longer one. The audits are stubbed (the table is under test, not the audits)."""
+    from types import SimpleNamespace
+
+    from dpopt.cli import audit as audit_cli
+
+    names = ["flat", "doppler-muon-bc", "a-much-longer-method-name"]
+    rows = [
+        SimpleNamespace(
+            name=n,
+            claimed_epsilon=4.377,
+            epsilon_direct=0.943,
+            epsilon_gdp=2.566,
+            mu_lower=0.626,
+            claimed_mu=1.0,
+            mode="vectorised",
+            seconds=0.3,
+            verdict="PASS",
+        )
+        for n in names
+    ]
+    monkeypatch.setattr(audit_cli, "_run_audits", lambda method, all_, **kw: (rows, None))
+    runner, app = _cli()
+    res = runner.invoke(app, ["audit", "--all"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    header = next(line for line in lines if line.startswith("mechanism"))
+    table = [line for line in lines if line.split(" ")[0] in names]
+    assert [t.split()[0] for t in table] == names
+    for label in ("claimed ε", "direct LB", "GDP LB", "μ LB", "μ claim", "mode", "sec"):
+        end = header.index(label) + len(label)
+        for row in table:
+            assert row[end - 1] != " " and row[end] == " ", (label, row)  # right-aligned under its header
+    assert all(row.index("PASS") == header.index("verdict") for row in table)

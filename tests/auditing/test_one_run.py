@@ -2,7 +2,7 @@
 
 Error rates: audits at beta = 0.05 on honest runs PASS with probability >= 0.95
 for any seed. Each test is seeded, the run's noise and Poisson masks too
-(``reproducible_noise=True``, through :func:`_cfg` or, for the CLI, :func:`_seeded_runs`):
+(``reproducible_noise=True``, through :func:`_cfg` or, for the CLI, ``--seed``):
 each test is deterministic and the stated rate is the chance that its seed would have
 failed. (With the secret default every CI run drew new noise, so each PASS and each
 power check was a new draw that failed with up to that probability.)
@@ -25,19 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:reproducible_noise:UserWarning")
 def _cfg(**kw) -> TrainConfig:
     """A run whose noise and Poisson masks are seeded from ``cfg.seed`` (module docstring)."""
     return TrainConfig(reproducible_noise=True, **kw)
-
-
-@pytest.fixture
-def _seeded_runs(monkeypatch):
-    """``dpopt audit --one-run`` builds its TrainConfig itself (no flag seeds the noise): seed the run it audits."""
-    import dataclasses
-
-    import dpopt.auditing
-
-    real = dpopt.auditing.one_run
-    monkeypatch.setattr(
-        dpopt.auditing, "one_run", lambda cfg, **kw: real(dataclasses.replace(cfg, reproducible_noise=True), **kw)
-    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +125,7 @@ def _weak_noise(monkeypatch, factor):
     monkeypatch.setattr(Privatizer, "_draw", weak)
 
 
-def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch, _seeded_runs):
+def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch):
     import json
 
     from typer.testing import CliRunner
@@ -147,10 +134,14 @@ def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch, _seeded_r
 
     runner = CliRunner()
     args = ["audit", "--one-run", "--canaries", "300", "--epochs", "1", "--noise-multiplier", "3", "--json"]
+    args += ["--seed", "0"]  # canaries, noise and masks seeded (module docstring)
     res = runner.invoke(app, args + ["--report", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert len(res.output.strip().splitlines()) == 1  # one JSON line, as every --json
     doc = json.loads(res.output)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0  # --seed: the same audit, bound for bound (the first one also names its report)
+    assert json.loads(again.output) == {k: v for k, v in doc.items() if k != "report"}
     assert doc["m"] == 300 and doc["confidence"] == 0.95 and doc["estimator"] == "steinke"
     assert 0 <= doc["epsilon_lower"] <= doc["epsilon"] and doc["verdict"] == "PASS"
     md = (tmp_path / "one-run-audit.md").read_text()
@@ -160,6 +151,43 @@ def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch, _seeded_r
     assert res.exit_code == 1 and json.loads(res.output)["verdict"] == "EXCEEDS"
     res = runner.invoke(app, ["audit", "--one-run", "--beta", "2"])
     assert res.exit_code == 2 and "--beta must be in (0, 1)" in res.output
+
+
+def test_cli_one_run_seed_is_secret_unless_asked(monkeypatch):
+    """`dpopt audit --one-run` without --seed: the audit's draws come from OS entropy (one_run(seed=None)) and the
+    run's noise is secret; with --seed 7: the canaries are seeded 7 and the run's noise and masks are seeded from
+    cfg.seed = 7 (reproducible_noise). Captured at the library's door, no training."""
+    from typer.testing import CliRunner
+
+    import dpopt.auditing
+    from dpopt.cli import app
+
+    calls = []
+
+    def capture(cfg, **kw):
+        calls.append((cfg, kw))
+        raise ValueError("captured")  # the CLI's one-line refusal, exit 2: nothing trains
+
+    monkeypatch.setattr(dpopt.auditing, "one_run", capture)
+    runner = CliRunner()
+    assert runner.invoke(app, ["audit", "--one-run"]).exit_code == 2
+    assert runner.invoke(app, ["audit", "--one-run", "--seed", "7"]).exit_code == 2
+    (secret_cfg, secret_kw), (seeded_cfg, seeded_kw) = calls
+    assert secret_kw["seed"] is None and not secret_cfg.reproducible_noise
+    assert seeded_kw["seed"] == 7 and seeded_cfg.seed == 7 and seeded_cfg.reproducible_noise
+
+
+def test_one_run_seed_none_draws_fresh_canaries(monkeypatch, digits):
+    """one_run(seed=None): the inclusion draw comes from OS entropy and is not recorded; two audits differ in
+    their m = 200 inclusion bits (equal with probability 2^-200). Seeded: equal. The training is replaced by a
+    stub returning zero scores (the draw precedes it)."""
+    monkeypatch.setattr(
+        OR, "_white_box", lambda cfg, data, included, gen: (np.zeros(len(included)), 1.0, {"sample_rate": 0.5})
+    )
+    first, second = (one_run(_cfg(), canaries=200, seed=None, data=digits) for _ in range(2))
+    assert not np.array_equal(first.included, second.included) and first.details["seed"] is None
+    seeded = [one_run(_cfg(), canaries=200, seed=3, data=digits).included for _ in range(2)]
+    assert np.array_equal(*seeded)
 
 
 # --------------------------------------------------------------------------- correlated noise (issue 36)
@@ -292,7 +320,7 @@ def test_a_blt_run_whose_noise_is_divided_by_bbar_is_caught(digits):
     assert r.epsilon < 1.5 and r.verdict == "EXCEEDS" and r.bounds.steinke > r.epsilon
 
 
-def test_cli_one_run_takes_the_noise_mechanism_and_amplified_blt(_seeded_runs):
+def test_cli_one_run_takes_the_noise_mechanism_and_amplified_blt():
     import json
 
     from typer.testing import CliRunner
@@ -301,6 +329,7 @@ def test_cli_one_run_takes_the_noise_mechanism_and_amplified_blt(_seeded_runs):
 
     runner = CliRunner()
     args = ["audit", "--one-run", "--canaries", "100", "--epochs", "1", "--noise-multiplier", "3", "--json"]
+    args += ["--seed", "0"]  # canaries, noise and masks seeded (module docstring)
     res = runner.invoke(app, args + ["--noise-mechanism", "blt"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)

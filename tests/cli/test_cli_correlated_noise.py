@@ -42,6 +42,7 @@ def amplified_run(tmp_path_factory):
     args = BASE + ["--noise-multiplier", "2", "--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson"]
     result = CliRunner().invoke(app, args + ["--sample-rate", "0.5", "--out", str(run_dir)])
     assert result.exit_code == 0, result.output
+    (run_dir.parent / "stdout.txt").write_text(result.output)
     return run_dir
 
 
@@ -53,6 +54,8 @@ def test_amplified_run_records_one_sampled_gaussian_per_round(amplified_run):
     assert (per_epoch, parts) == (6, 3)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == per_epoch and summary["sample_rate"] == 0.5
+    assert (summary["sampling"], summary["min_separation"]) == ("cyclic-poisson", parts)
+    assert "σ = 2, q = 0.50000 within b' = 3 cyclic parts" in (run_dir.parent / "stdout.txt").read_text()
     ledger = PrivacyLedger.load(run_dir / "ledger.json")
     rec = ledger.mechanism
     assert rec["kind"] == "banded" and rec["sample_rate"] == 0.5 and rec["min_separation"] == parts
@@ -209,3 +212,15 @@ def test_amplification_that_costs_is_warned(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("warning: sampling='cyclic-poisson'"), result.output
     assert "(6 batches)" in lines[0] and "use sampling='cyclic'" in lines[0]
     assert PrivacyLedger.load(tmp_path / "run" / "ledger.json").mechanism["sample_rate"] == 0.5
+
+
+def test_ledger_lists_no_op_steps_as_no_op(amplified_run):
+    """`dpopt ledger` on the amplified run: steps 1-2 and 4-5 (t mod b' ≠ 0) recorded NoOpDpEvents; they read
+    "no-op, no privacy loss", never a blank σ ("sigma =  -> sigma_eff = ") nor "q = 1 (no sampling)"."""
+    out = CliRunner().invoke(app, ["ledger", str(amplified_run)])
+    assert out.exit_code == 0, out.output
+    rows = [line.strip() for line in out.output.splitlines() if line.startswith("  step")]
+    assert rows[1] == "steps 1-2 (2x): no-op, no privacy loss (covered by an earlier release), sensitivity 1"
+    assert rows[3].startswith("steps 4-5 (2x): no-op, no privacy loss")
+    assert rows[0].startswith("step 0 (1x): q = 0.5, Gaussians sigma = ") and "sigma_eff = 1.79781" in rows[0]
+    assert "sigma =  ->" not in out.output and out.output.count("no sampling") == 0

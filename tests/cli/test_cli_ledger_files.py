@@ -149,6 +149,10 @@ def test_amplification_label_must_match_the_record(tmp_path):
     assert result.exit_code == 0, result.output
     rec = PrivacyLedger.load(run_dir / "ledger.jsonl").mechanism
     assert rec["amplification"] == "none" and "sample_rate" not in rec
+    # the run's summary line says what its ε reads: b = round(1437/256) = 6 cyclic batches, not a rate q
+    assert "σ = 2, cyclic batches, b = 6, no amplification" in result.output and "q = " not in result.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["sampling"], summary["min_separation"]) == ("cyclic", rec["min_separation"]) == ("cyclic", 6)
     assert check_run(run_dir).passed
     _edit_record_in_both(run_dir, lambda m: m.update(amplification="cyclic-poisson (arXiv 2306.08153, Thm 4)"))
     checked = check_run(run_dir)

@@ -398,9 +398,10 @@ def test_sample_rate_without_sampling_suggests_cyclic_poisson():
         assert ("pass sampling='cyclic-poisson'" in str(err.value)) == hint
 
 
-def _blt_run(engine, sample_rate, target=None, n=64, epochs=3, sigma=1.0):
+def _blt_run(engine, sample_rate, target=None, n=64, epochs=3, sigma=1.0, **extra):
     model = nn.Linear(5, 2)
     args = dict(
+        **extra,
         module=model,
         optimizer="dp-sgd",
         data_loader=DataLoader(_data(n), batch_size=16),
@@ -459,3 +460,44 @@ def test_amplification_that_helps_is_not_warned():
     with pytest.warns(AccountingWarning):  # the same run at σ = 1 loses (ε 10.2 against 5.9)
         amp, plain = warn_if_amplification_costs(mech.strategy, 16, 16, 4, 0.25, 1.0, 1e-5)
     assert amp > plain
+
+
+def test_amplification_check_runs_at_the_users_delta():
+    """make_private(delta=...) compares amplified and cyclic-batch ε at the user's δ, not at 1e-5. 256 examples,
+    batch 16, blt, 1 epoch, q = 1/4 (4 parts), σ = 2: amplified ε 3.07 > 2.66 unamplified at δ = 1e-5 (warned),
+    but at δ = 1e-3 amplification wins (the helper returns None there; re-derived here) and nothing is warned.
+    Without delta the check falls back to 1e-5 (the message says which δ), and the given δ is the ledger's."""
+    import warnings
+
+    from dpopt.accounting.accountant import AccountingWarning
+    from dpopt.accounting.calibration import warn_if_amplification_costs
+
+    def run(**kw):
+        return _blt_run(PrivacyEngine(), 0.25, n=256, epochs=1, sigma=2.0, **kw)
+
+    with pytest.warns(AccountingWarning, match=r"delta=1e-05"):
+        engine_default = run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AccountingWarning)
+        _, opt, _ = run(delta=1e-3)
+        mech = opt.privatizer.mechanism
+        assert warn_if_amplification_costs(mech.strategy, 16, 16, 4, 0.25, 2.0, 1e-3) is None
+    assert engine_default[1].privatizer.mechanism.sample_rate == mech.sample_rate == 0.25  # nothing switched
+    with pytest.warns(AccountingWarning, match=r"delta=1e-08"):
+        run(delta=1e-8)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\), got 1.5"):
+        run(delta=1.5)
+    with pytest.raises(ValueError, match="takes the run's delta as target_delta"):
+        _blt_run(PrivacyEngine(), 0.5, target=4.0, delta=1e-3)
+
+
+def test_make_private_records_the_given_delta_in_the_ledger():
+    engine = PrivacyEngine()
+    _blt_run(engine, 0.25, n=256, epochs=1, sigma=3.0, delta=1e-3)
+    assert engine.ledger.delta == 1e-3
+    engine = PrivacyEngine()
+    _blt_run(engine, 0.25, n=256, epochs=1, sigma=3.0)
+    assert engine.ledger.delta is None  # not told: the ledger states no δ (`dpopt ledger FILE` asks for --delta)
+    engine = PrivacyEngine()
+    _blt_run(engine, 0.25, target=3.0, n=256, epochs=1)  # make_private_with_epsilon: its target_delta (1e-5)
+    assert engine.ledger.delta == 1e-5

@@ -15,7 +15,11 @@ The ledger is reduced to counts of (q, σ) terms by
 :func:`~dpopt.accounting.events.flatten_gaussian_terms`; Gaussians released on
 the same Poisson batch are one Gaussian of σ_eff there (exact). Unsampled
 Gaussians compose exactly (``count`` releases at σ = one at σ/√count); each
-sampled term is one cached PLD self-composed ``count`` times.
+sampled term is one cached PLD self-composed ``count`` times. A ledger of
+unsampled Gaussians only (e.g. correlated noise on cyclic batches without
+amplification: one Gaussian at the strategy's sensitivity) needs no grid: its
+ε is the analytic Gaussian's (Balle & Wang 2018), exact and rounded up, so
+the cost estimate and its coarser-grid note do not apply (``resolution`` None).
 
 Neighbouring relation: the ledger's relation is passed to dp_accounting
 (``REPLACE_ONE`` adjacency models Poisson sampling under ``replace_one``).
@@ -335,6 +339,41 @@ def _pld_terms_epsilon_uncached(
     return math.inf if math.isnan(eps) else max(0.0, eps)
 
 
+def _gaussian_log_delta(mu: float, eps: float) -> float:
+    """log δ(ε) of the Gaussian mechanism N(0, 1) vs N(μ, 1), μ = sensitivity/σ > 0.
+
+    Balle & Wang 2018 ("Improving the Gaussian mechanism", Thm 8; dp_accounting ``gaussian_mechanism``):
+    δ(ε) = Φ(μ/2 − ε/μ) − e^ε Φ(−μ/2 − ε/μ), evaluated in log space (``log_ndtr``); −inf where δ = 0.
+    """
+    x = float(special.log_ndtr(mu / 2.0 - eps / mu))
+    y = eps + float(special.log_ndtr(-mu / 2.0 - eps / mu))
+    return x + math.log1p(-math.exp(y - x)) if y < x else -math.inf
+
+
+def _unsampled_gaussian_epsilon(terms: dict, delta: float, replace: bool) -> float:
+    """Exact ε(δ) of a composition of unsampled Gaussians (every term q = 1), rounded up: an upper bound.
+
+    ``count`` releases at noise multipliers σᵢ compose to one Gaussian with σ_eff = (Σ countᵢ/σᵢ²)^(−1/2)
+    (the stacked release; Dong, Roth & Su 2019, Cor. 3.3), whose ε(δ) is the analytic Gaussian's
+    (Balle & Wang 2018, Thm 8) at μ = Δ/σ_eff, Δ = 1 (add/remove) or 2 (replace-one, as dp_accounting's REPLACE
+    adjacency). dp_accounting's ``get_epsilon_gaussian`` finds the root to 1e-12; the result is raised until
+    δ(ε) ≤ δ holds at it, so it is never below the true ε. No grid: the connect-the-dots PLD of the same
+    Gaussian would need ~ (μ²/2 + 20μ)/1e-4 grid points (millions for σ_eff ≲ 0.3) for the same number.
+    """
+    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+
+    mu = (2.0 if replace else 1.0) * math.sqrt(sum(count / sigma**2 for (_, sigma), count in terms.items()))
+    eps = float(get_epsilon_gaussian(1.0 / mu, delta, tol=1e-12))
+    if eps <= 0.0:
+        return 0.0
+    log_delta, step = math.log(delta), 1e-12 * max(1.0, eps)
+    eps += step
+    while _gaussian_log_delta(mu, eps) > log_delta:
+        step *= 2.0
+        eps += step
+    return eps
+
+
 def _nice_up(x: float) -> float:
     """x rounded up to 1, 2 or 5 times a power of ten (readable grid steps)."""
     e = math.floor(math.log10(x))
@@ -354,6 +393,8 @@ def _pld_report(
     if any(sigma == 0.0 for (_, sigma) in terms):
         return EpsilonReport(math.inf, delta, "pld", d)
     replace = relation_name == "replace_one"
+    if all(q >= 1.0 for (q, _) in terms):
+        return EpsilonReport(_unsampled_gaussian_epsilon(terms, delta, replace), delta, "pld", None)
     est = estimate_pld_cost(terms, d, replace)
     notes: tuple = ()
     coarsened = False
@@ -402,8 +443,9 @@ def pld_epsilon_report(
 
     Returns:
         :class:`~dpopt.accounting.cost.EpsilonReport` (``resolution`` = the grid
-        step used): ε ≥ 0 (``math.inf`` if any release has σ = 0; 0.0 for an
-        empty ledger).
+        step used; None for a ledger of unsampled Gaussians only, whose ε is
+        the analytic Gaussian's, no grid): ε ≥ 0 (``math.inf`` if any release
+        has σ = 0; 0.0 for an empty ledger).
 
     Raises:
         ValueError: invalid δ, discretisation, an unsupported event, or (with

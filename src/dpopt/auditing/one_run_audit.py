@@ -45,8 +45,9 @@ the μ that matches its ε, so a Gaussian-shaped claim is not what the
 accountant promised.
 
 The audit's own randomness (canary inclusion, directions, labels) comes from
-``seed``; the run's noise and Poisson masks are the run's (secret unless the
-configuration asks for reproducible noise). Everything here is an experiment
+``seed`` (``None``: fresh OS entropy, never recorded); the run's noise and Poisson
+masks are the run's (secret unless the configuration asks for reproducible noise;
+``dpopt audit --one-run --seed S`` asks for both, without it both are secret). Everything here is an experiment
 on canaries, not on anyone's data: the scores are of canaries only.
 
 Example::
@@ -467,7 +468,7 @@ def one_run(
     canaries: int = 1000,
     mode: str = "white",
     beta: float = 0.05,
-    seed: int = 0,
+    seed: Optional[int] = 0,
     data=None,
     guess_counts=None,
 ) -> OneRunResult:
@@ -481,7 +482,8 @@ def one_run(
             on the releases) or ``"black"`` (mislabelled input canaries, scored
             on the final model's loss).
         beta: 1 − confidence, in (0, 1).
-        seed: the audit's randomness (inclusion, canaries); the run's noise is the run's.
+        seed: the audit's randomness (inclusion, canaries); None draws it from OS entropy (secret, not
+            recorded: ``details["seed"]`` is None). The run's noise is the run's (``cfg.reproducible_noise``).
         data: a loaded :class:`~dpopt.data.Dataset` (default: ``cfg.dataset`` loaded).
         guess_counts: as for :func:`~dpopt.auditing.one_run_stats.one_run_bounds`.
 

@@ -329,7 +329,8 @@ def ledger(
 
     A run directory's releases are read from its journal ledger.jsonl when present (else ledger.json); the
     first line names the file. If ledger.json contradicts the journal, a warning names the first difference
-    and the journal is scored (`dpopt check` fails such a run).
+    and the journal is scored (`dpopt check` fails such a run). Steps that recorded a no-op (correlated
+    noise: a step whose privacy an earlier release already covers) read "no-op, no privacy loss".
     """
     from ..accounting.report import ledger_report
 
@@ -370,6 +371,9 @@ def ledger(
         if run.sensitivity_min is not None:
             lo, hi = run.sensitivity_min, run.sensitivity_max
             sens = f", sensitivity {lo:.4g}" + (f"-{hi:.4g}" if hi != lo else "")
+        if not run.noise_multipliers and not run.unsupported:  # a NoOpDpEvent: nothing released, nothing charged
+            typer.echo(f"  {steps} ({run.count}x): no-op, no privacy loss (covered by an earlier release){sens}")
+            continue
         typer.echo(f"  {steps} ({run.count}x): q = {q}, Gaussians sigma = {sigmas} -> sigma_eff = {eff}{sens}")
     if report.run_delta is not None and report.run_delta != report.delta:
         typer.echo(

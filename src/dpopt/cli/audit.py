@@ -83,7 +83,12 @@ def audit(
     ),
     delta: float = delta_option(1e-5, help="δ at which ε is bounded and claimed."),
     alpha: float = typer.Option(1e-3, "--alpha", help="False-alarm probability per mechanism (honest → LEAK)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of canaries, noise and the held-out split."),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help="Seed of canaries, noise and the held-out split (default 0). --one-run: seeds the canaries and the "
+        "run's noise (reproducible, no privacy: research only); without it both are secret.",
+    ),
     json_out: bool = json_option("Print one JSON document instead of a table."),
     one_run_: bool = typer.Option(False, "--one-run", help="Audit one real training run with canaries (see above)."),
     mode: str = typer.Option("white", "--mode", help="--one-run: white (gradient canaries) or black (input canaries)."),
@@ -137,7 +142,7 @@ def audit(
     if not (0.0 < alpha < 1.0):
         fail(f"--alpha must be in (0, 1), got {alpha}")
     with cli_errors(AUDIT_FLAGS):
-        results, note = _run_audits(method, all_, trials=trials, delta=delta, alpha=alpha, seed=seed)
+        results, note = _run_audits(method, all_, trials=trials, delta=delta, alpha=alpha, seed=seed or 0)
 
     leaks = [r.name for r in results if r.verdict == "LEAK"]
     if json_out:
@@ -160,15 +165,16 @@ def audit(
             "Claimed ε: accountant (PLD) for the step event at sample_rate 1 (the mechanism run). "
             "LEAK if a lower bound exceeds it."
         )
+        width = max([14] + [len(r.name) for r in results])  # the longest name (doppler-muon-bc: 15) sets it
         header = (
-            f"{'mechanism':<14} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} "
+            f"{'mechanism':<{width}} {'claimed ε':>10} {'direct LB':>10} {'GDP LB':>10} "
             f"{'μ LB':>7} {'μ claim':>8} {'mode':>10} {'sec':>6}  verdict"
         )
         typer.echo(header)
         typer.echo("-" * len(header))
         for r in results:
             typer.echo(
-                f"{r.name:<14} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
+                f"{r.name:<{width}} {_fmt(r.claimed_epsilon):>10} {_fmt(r.epsilon_direct):>10} "
                 f"{_fmt(r.epsilon_gdp):>10} {_fmt(r.mu_lower):>7} {_fmt(r.claimed_mu):>8} "
                 f"{r.mode:>10} {r.seconds:>6.1f}  {r.verdict}"
             )
@@ -191,6 +197,8 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         from ..auditing import one_run
         from ..training import TrainConfig
 
+        if seed is not None:  # asked for: the run's noise and masks from the same seed (TrainConfig's research mode)
+            train = dict(train, seed=seed, reproducible_noise=True)
         cfg = TrainConfig(method=method, delta=delta, **train)
         result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
     paths = None

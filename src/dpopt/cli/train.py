@@ -108,6 +108,16 @@ def progress_status(info: dict) -> str:
     return status + ("\n" + "  ".join(second) if second else "")
 
 
+def _batches_text(summary: dict) -> str:
+    """How the run's batches were drawn, as the ε it claims reads them: Poisson at rate q (amplified), or b
+    cyclic batches of correlated noise, which claim no amplification (the q of B̄/N is not a sampling rate)."""
+    if summary.get("sampling") == "cyclic":
+        return f"cyclic batches, b = {summary['min_separation']}, no amplification"
+    if summary.get("sampling") == "cyclic-poisson":
+        return f"q = {summary['sample_rate']:.5f} within b' = {summary['min_separation']} cyclic parts"
+    return f"q = {summary['sample_rate']:.5f}"
+
+
 def _recipe_line(summary: dict) -> str:
     """The from-scratch recipe's settings a summary records (views, augmentation, lr schedule), or ''."""
     parts = []
@@ -505,7 +515,7 @@ def train_command(
     )
     out_console.print(
         f"ε = {summary['epsilon']:.4f} at δ = {summary['delta']:g} ({summary['accountant']}), "
-        f"σ = {summary['noise_multiplier']:g}, q = {summary['sample_rate']:.5f}"
+        f"σ = {summary['noise_multiplier']:g}, {_batches_text(summary)}"
     )
     if "val_accuracy" in summary:
         out_console.print(

@@ -347,6 +347,9 @@ def build_run(
         # cyclic batches: N/b examples each; cyclic Poisson: q·N/b' expected
         expected_batch_size = data.n_train * (sample_rate if amplified else 1.0) / participation.min_separation
         privacy_facts["noise_mechanism"] = cfg.noise_mechanism
+        # what the batches are: b cyclic batches (no sampling, q claims nothing) or Poisson within b' parts
+        privacy_facts["sampling"] = "cyclic-poisson" if amplified else "cyclic"
+        privacy_facts["min_separation"] = participation.min_separation
     opt = build_optimizer(
         spec,
         [p for p in model.parameters() if p.requires_grad],
