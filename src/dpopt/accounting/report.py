@@ -241,7 +241,9 @@ def ledger_report(
     disagreement = None
     if Path(run_dir).is_dir() and ledger_path.name == JOURNAL_NAME:
         steps = summary.get("steps")
-        disagreement = compare_ledger_files(run_dir, steps if isinstance(steps, int) else None).disagreement
+        disagreement = compare_ledger_files(
+            run_dir, steps if isinstance(steps, int) else None, journal=book
+        ).disagreement  # the journal as read above (parsed once)
     run_delta = summary.get("delta", book.delta)
     if run_delta is None:  # a killed `dpopt train` run: no summary yet; its config.json holds the δ it trains at
         run_delta = _config_delta(Path(run_dir))
