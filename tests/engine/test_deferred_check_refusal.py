@@ -236,3 +236,36 @@ def test_an_unsupported_layer_call_found_late_releases_nothing():
             opt.step()
         assert "train with dpopt's own loop" in str(err.value)  # what to change
         _assert_nothing_released(engine, model, opt, before)
+
+
+@pytest.mark.parametrize("where", ["accumulate", "collect"])
+def test_a_step_that_fails_before_the_check_finishes_keeps_no_rows_of_the_batch(where):
+    """Ctrl-C while the clipped sums are accumulated (or an error in collect after the check deferred its pass):
+    nothing is released, the deferred pass's inputs — rows of the private batch — are dropped with the step (a
+    copy of (model, optimizer) made then holds none), and the next batch is checked before it is released."""
+    engine, model, opt, x, y = _private(_FailsInLargePasses())
+    before = _trace(engine, model, opt)
+    cap, priv = opt._capture, opt.privatizer
+    target, name = (priv, "accumulate") if where == "accumulate" else (cap, "_build")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    setattr(target, name, interrupted)
+    opt.zero_grad()
+    _backward(model, x, y)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    delattr(target, name)
+    _assert_nothing_released(engine, model, opt, before)
+    assert cap._deferred == [] and cap._deferred_key is None and not cap.verified
+    _, opt2 = copy.deepcopy((model, opt))
+    assert opt2._capture._deferred == []
+    runs = []
+    verify_at = cap._verify_at
+    cap._verify_at = lambda inputs, n, compare=None: runs.append(n) or verify_at(inputs, n, compare=compare)
+    opt.zero_grad()
+    _backward(model, x, y)
+    opt.step()
+    assert runs and max(runs) >= B and cap.verified  # checked again, at the batch's size, then released
+    assert len(engine.ledger) == 1

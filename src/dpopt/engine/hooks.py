@@ -337,10 +337,14 @@ class HookCapture:
                         self._verify(p, key, defer=defer_check)
                     if self._door is not None:
                         self._vouched = self._door.compiles
-        if self._rec.stale(done):
-            done, other = self._again(p, done, other)
-        p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
-        return self._build(done, p.batch_size, self.loss_reduction, other)
+        try:
+            if self._rec.stale(done):
+                done, other = self._again(p, done, other)
+            p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
+            return self._build(done, p.batch_size, self.loss_reduction, other)
+        except BaseException:
+            self.cancel_check()  # no step: the deferred passes' private rows go with it
+            raise
 
     def _again(self, p: Pass, done: list[Call], other: dict) -> tuple[list[Call], dict]:
         """The pass ``p`` run again with its root outputs' gradients, after the check changed how it is captured.
@@ -482,6 +486,12 @@ class HookCapture:
             self._deferred_key = p.modes if key is None else key
         else:
             self._modes.done(p.modes if key is None else key)
+
+    def cancel_check(self) -> None:
+        """Forget the passes :meth:`collect` deferred (``defer_check=True``) for a step that failed before
+        :meth:`finish_check`: their inputs are rows of that step's private batch, which must not outlive it
+        (a ``copy.deepcopy`` would carry them). The signature stays unchecked: its next batch is checked."""
+        self._deferred, self._deferred_key = [], None
 
     def finish_check(self) -> None:
         """Run the first-batch check's passes :meth:`collect` deferred (``defer_check=True``); then mark it done.
