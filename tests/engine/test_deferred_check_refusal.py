@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import dpopt
+from dpopt.engine.hooks import CHECK_NOTE
 
 B = 8
 
@@ -38,16 +39,17 @@ class _MixesInLargeBatches(nn.Module):
 
 
 class _FailsInLargePasses(nn.Module):
-    """Per example; raises in any pass of more than 4 rows while ``explode`` is set (a model error that only the
-    check's deferred pass meets, the user's own pass having run before it was set)."""
+    """Per example; raises in any pass of more than ``above`` rows while ``explode`` is set (a model error the
+    user's own pass, run before it was set, does not meet). The check's passes: the model's dimensions on the
+    batch's first 8 examples, then 2 and 4 rows (in collect), then 9 rows (deferred to finish_check)."""
 
-    def __init__(self):
+    def __init__(self, above: int = B):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3)
-        self.explode = False
+        self.explode, self.above = False, above
 
     def forward(self, x):
-        if self.explode and x.shape[0] > 4:
+        if self.explode and x.shape[0] > self.above:
             raise RuntimeError("boom: the model failed in a large pass")
         return self.fc2(torch.tanh(self.fc1(x)))
 
@@ -155,19 +157,22 @@ def test_a_second_optimizer_does_not_skip_the_check():
     _assert_nothing_released(engine, model, opt, before)
 
 
-def test_an_exception_in_the_checks_pass_releases_nothing_and_the_check_runs_again():
+@pytest.mark.parametrize("above", [4, B])  # in collect's passes; in the deferred pass only
+def test_an_exception_in_the_checks_pass_releases_nothing_and_the_check_runs_again(above):
     """The model raises in the deferred pass only: the step re-raises it, nothing is released, the signature is
     not marked checked (the next step checks again: with the model still failing, it refuses again); once the
     model runs, the check passes and the step releases (one ledger entry, Adam's counter at 1)."""
-    engine, model, opt, x, y = _private(_FailsInLargePasses())
+    engine, model, opt, x, y = _private(_FailsInLargePasses(above))
     before = _trace(engine, model, opt)
     for _ in range(2):
         opt.zero_grad()
         _backward(model, x, y)  # the user's pass of B = 8 rows runs before the model starts failing
         model.explode = True
-        with pytest.raises(RuntimeError, match="boom"):
+        with pytest.raises(RuntimeError, match="boom") as err:
             opt.step()
         model.explode = False
+        if hasattr(err.value, "add_note"):  # Python 3.11+: the model's error says where it was raised
+            assert err.value.__notes__ == [CHECK_NOTE]
         _assert_nothing_released(engine, model, opt, before)
         assert opt._capture._deferred == [] and not opt._capture.verified
     opt.zero_grad()

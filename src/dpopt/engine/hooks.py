@@ -101,6 +101,25 @@ COLLATE_TRIES = 16
 
 _Pass = Pass  # the recorded forward pass (engine.capture)
 
+#: The note an exception raised in the first-batch check carries (:func:`_check_noted`): the model's own error
+#: surfaces from ``optimizer.step()``, in passes the user never wrote.
+CHECK_NOTE = (
+    "raised in PrivacyEngine's first-batch check (run by optimizer.step()): extra passes of the model on rows "
+    "of this batch's first examples, up to the batch's size, compared with single-example autograd. Nothing was "
+    "released or recorded; fix the cause and repeat the step (zero_grad, forward, backward, step)"
+)
+
+
+@contextlib.contextmanager
+def _check_noted():
+    """Context: an exception raised inside it gets :data:`CHECK_NOTE` (Python 3.11+ ``add_note``)."""
+    try:
+        yield
+    except Exception as err:
+        if hasattr(err, "add_note") and CHECK_NOTE not in getattr(err, "__notes__", ()):
+            err.add_note(CHECK_NOTE)
+        raise
+
 
 def refuse_second_capture(model: nn.Module) -> None:
     """Refuse a model that already carries a capture's hooks (an earlier ``make_private`` / DP trainer).
@@ -333,7 +352,7 @@ class HookCapture:
                     )
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
-                    with self._compiled_refusal():
+                    with self._compiled_refusal(), _check_noted():
                         self._verify(p, key, defer=defer_check)
                     if self._door is not None:
                         self._vouched = self._door.compiles
@@ -515,7 +534,8 @@ class HookCapture:
         with preserved_state(self.model), self._compiled_refusal():
             for inputs, n, compare, modes in todo:
                 with in_modes(self.model, modes):
-                    self._verify_at(inputs, n, compare=compare)
+                    with _check_noted():
+                        self._verify_at(inputs, n, compare=compare)
         if lifts is not None and set(lifts.lifted) != before:
             raise ValueError(
                 "the first-batch check at this batch's size moved some parameters to their enclosing "
