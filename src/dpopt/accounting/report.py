@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..jsonio import json_safe, loads
 from .accountant import epsilon_report
 from .events import summarize_event
-from .ledger import JOURNAL_NAME, PrivacyLedger
+from .ledger import JOURNAL_NAME, PrivacyLedger, run_ledger_file
 from .ledger_files import compare_ledger_files
 from .registry import REGISTRY, check_accountant
 from .validation import check_delta
@@ -200,8 +200,8 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path], Path
         if ledger_path.name != ENGINE_RUN_FILES[0] and not any(p.exists() for p in own):
             if (path / ENGINE_RUN_FILES[0]).exists():  # a DPTrainer checkpoint without its summary: the header's δ
                 ledger_path, summary_path = path / ENGINE_RUN_FILES[0], path / ENGINE_RUN_FILES[1]
-        if ledger_path.name != ENGINE_RUN_FILES[0] and (path / JOURNAL_NAME).exists():
-            ledger_path = path / JOURNAL_NAME  # the journal: every release, also of a run killed before ledger.json
+        if ledger_path.name != ENGINE_RUN_FILES[0]:
+            ledger_path = run_ledger_file(path)  # the journal: every release, also of a run killed before ledger.json
         return PrivacyLedger.load(ledger_path), summary_path, ledger_path
     book = PrivacyLedger.load(path)
     pair = ENGINE_RUN_FILES[1] if path.name == ENGINE_RUN_FILES[0] else "summary.json"
