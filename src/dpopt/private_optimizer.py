@@ -335,6 +335,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._check_views_match_the_batch(final=not skip)
         except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen
+            cancel = getattr(self._capture, "cancel_check", None)
+            if cancel is not None:  # a deferred first-batch check's rows of this batch: not kept past the step
+                cancel()
             self._open, self._examples = False, 0
             boundary.end()
             if tagged is None:

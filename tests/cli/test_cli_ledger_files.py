@@ -158,3 +158,47 @@ def test_amplification_label_must_match_the_record(tmp_path):
     checked = check_run(run_dir)
     assert checked.failures == ["noise"], checked.format()
     assert "recorded amplification 'cyclic-poisson (arXiv 2306.08153, Thm 4)' != 'none'" in checked.format()
+
+
+def test_a_journal_torn_by_a_crash_is_read_once_and_named(banded_run, tmp_path):
+    """A crash mid-flush leaves the journal's last line cut short: it is dropped with ONE warning (the journal is
+    parsed once per command, not once per check), and ledger.json's extra release is named — exit 1, no
+    traceback."""
+    import warnings
+
+    run_dir = _copy(banded_run, tmp_path)
+    text = (run_dir / "ledger.jsonl").read_text()
+    (run_dir / "ledger.jsonl").write_text(text[:-20])  # the last entry's line without its end
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        checked = check_run(run_dir)
+    torn = [w for w in seen if "dropped an incomplete last line" in str(w.message)]
+    assert len(torn) == 1, [str(w.message) for w in seen]
+    assert checked.failures[-1] == "ledger_files"
+    assert checked["ledger_files"].evidence == (
+        "ledger.json disagrees with ledger.jsonl: ledger.json holds 6 releases, the journal only 5",
+    )
+    result = CliRunner().invoke(app, ["check", str(run_dir)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "ledger.json holds 6 releases, the journal only 5" in result.output
+    # with ledger.json gone (the crash came before the stop) the journal alone is checked
+    (run_dir / "ledger.json").unlink()
+    result = CliRunner().invoke(app, ["ledger", str(run_dir)])
+    assert result.exit_code == 0 and "(read ledger.jsonl): 5 releases" in result.output, result.output
+
+
+def test_the_journal_file_itself_is_read_by_the_one_ledger_reader(banded_run, tmp_path):
+    """`dpopt ledger RUN/ledger.jsonl` reads the journal (the CLI's pre-check used to parse it as one JSON
+    document and refused it as "not valid JSON"); a damaged journal line is named in one error line."""
+    run_dir = _copy(banded_run, tmp_path)
+    journal = run_dir / "ledger.jsonl"
+    result = CliRunner().invoke(app, ["ledger", str(journal), "--delta", "1e-5"])
+    assert result.exit_code == 0, result.output
+    assert f"ledger {journal}" in result.output and ": 6 releases" in result.output
+    lines = journal.read_text().split("\n")
+    lines[2] = lines[2][:10]  # a line before the last cut short: a damaged journal
+    journal.write_text("\n".join(lines))
+    for command in (["ledger", str(journal), "--delta", "1e-5"], ["check", str(run_dir)]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert result.stderr.startswith(f"error: {journal}") and "line 3: not a readable ledger entry" in result.stderr

@@ -119,6 +119,7 @@ __all__ = [
     "JournalDamaged",
     "new_run_id",
     "longest_record",
+    "run_ledger_file",
 ]
 
 LEDGER_VERSION = 2
@@ -751,7 +752,7 @@ class PrivacyLedger:
         """
         path = Path(path)
         if path.is_dir():
-            path = path / JOURNAL_NAME if (path / JOURNAL_NAME).exists() else path / "ledger.json"
+            path = run_ledger_file(path)
         if path.suffix == ".jsonl" and path.exists():
             return cls.read_journal(path)
         if not path.exists():
@@ -763,6 +764,16 @@ class PrivacyLedger:
             f"PrivacyLedger({len(self)} releases, run_id={self.run_id!r}, "
             f"neighbouring={self.neighbouring!r}, noise={self.noise!r})"
         )
+
+
+def run_ledger_file(run_dir: str | Path) -> Path:
+    """The file a ``dpopt train`` run directory's ledger is read from: the journal :data:`JOURNAL_NAME` when
+    present (every flushed release, also of a run killed before its stop), else ``ledger.json``.
+
+    The one place this choice is made (:meth:`PrivacyLedger.load` of a directory, ``dpopt ledger``/``check``).
+    """
+    run = Path(run_dir)
+    return run / JOURNAL_NAME if (run / JOURNAL_NAME).exists() else run / "ledger.json"
 
 
 def longest_record(named: dict[str, "PrivacyLedger"]) -> tuple[str, "PrivacyLedger"]:

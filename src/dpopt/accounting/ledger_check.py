@@ -782,7 +782,8 @@ def check_run(run_dir: str | Path, rtol: float = DEFAULT_RTOL) -> CheckResult:
     if ledger_path.name != "ledger.json":  # a DPTrainer checkpoint: one ledger file
         return CheckResult(result.items, {**result.facts, "ledger_files": [ledger_path.name]})
     steps = _num(summary.get("steps"))
-    files = compare_ledger_files(run, None if steps is None else int(steps))
+    # load_run read the journal when there is one: compared as read (parsed once)
+    files = compare_ledger_files(run, None if steps is None else int(steps), journal=ledger)
     facts = {**result.facts, "ledger_files": list(files.files)}
     if len(files.files) < 2:
         return CheckResult(result.items, facts)

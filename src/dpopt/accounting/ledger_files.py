@@ -101,7 +101,9 @@ def first_disagreement(journal: PrivacyLedger, snapshot: PrivacyLedger) -> Optio
     return None if where is None else f"ledger.json disagrees with ledger.jsonl: {where}"
 
 
-def compare_ledger_files(run_dir: str | Path, summary_steps: Optional[int] = None) -> LedgerFiles:
+def compare_ledger_files(
+    run_dir: str | Path, summary_steps: Optional[int] = None, journal: Optional[PrivacyLedger] = None
+) -> LedgerFiles:
     """Read a run directory's journal and ``ledger.json`` (those present) and say whether they agree.
 
     Args:
@@ -109,6 +111,8 @@ def compare_ledger_files(run_dir: str | Path, summary_steps: Optional[int] = Non
         summary_steps: ``summary.json``'s ``steps`` (None: no summary). A ``ledger.json`` that is a strict
             prefix of the journal agrees only when it has exactly this many entries (written at the same
             stop as the summary); otherwise the prefix is a disagreement.
+        journal: the journal as the caller already read it (``PrivacyLedger.load(run_dir)``), so that it is
+            parsed once (and a torn last line warned once); None: read here.
 
     Returns:
         :class:`LedgerFiles` (files present; the first disagreement; a note for an accepted prefix).
@@ -121,7 +125,9 @@ def compare_ledger_files(run_dir: str | Path, summary_steps: Optional[int] = Non
     files = tuple(p.name for p in (journal_path, snapshot_path) if p.exists())
     if len(files) < 2:
         return LedgerFiles(files)
-    journal, snapshot = PrivacyLedger.load(journal_path), PrivacyLedger.load(snapshot_path)
+    if journal is None:
+        journal = PrivacyLedger.load(journal_path)
+    snapshot = PrivacyLedger.load(snapshot_path)
     why = first_disagreement(journal, snapshot)
     if why is not None or len(snapshot) == len(journal):
         return LedgerFiles(files, why)

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..jsonio import json_safe, loads
 from .accountant import epsilon_report
 from .events import summarize_event
-from .ledger import JOURNAL_NAME, PrivacyLedger
+from .ledger import JOURNAL_NAME, PrivacyLedger, run_ledger_file
 from .ledger_files import compare_ledger_files
 from .registry import REGISTRY, check_accountant
 from .validation import check_delta
@@ -206,8 +206,8 @@ def _ledger_and_summary(path: Path) -> tuple[PrivacyLedger, Optional[Path], Path
         if ledger_path.name != ENGINE_RUN_FILES[0] and not any(p.exists() for p in own):
             if (path / ENGINE_RUN_FILES[0]).exists():  # a DPTrainer checkpoint without its summary: the header's δ
                 ledger_path, summary_path = path / ENGINE_RUN_FILES[0], path / ENGINE_RUN_FILES[1]
-        if ledger_path.name != ENGINE_RUN_FILES[0] and (path / JOURNAL_NAME).exists():
-            ledger_path = path / JOURNAL_NAME  # the journal: every release, also of a run killed before ledger.json
+        if ledger_path.name != ENGINE_RUN_FILES[0]:
+            ledger_path = run_ledger_file(path)  # the journal: every release, also of a run killed before ledger.json
         return PrivacyLedger.load(ledger_path), summary_path, ledger_path
     book = PrivacyLedger.load(path)
     pair = ENGINE_RUN_FILES[1] if path.name == ENGINE_RUN_FILES[0] else "summary.json"
@@ -247,7 +247,9 @@ def ledger_report(
     disagreement = None
     if Path(run_dir).is_dir() and ledger_path.name == JOURNAL_NAME:
         steps = summary.get("steps")
-        disagreement = compare_ledger_files(run_dir, steps if isinstance(steps, int) else None).disagreement
+        disagreement = compare_ledger_files(
+            run_dir, steps if isinstance(steps, int) else None, journal=book
+        ).disagreement  # the journal as read above (parsed once)
     run_delta = summary.get("delta", book.delta)
     if run_delta is None:  # a killed `dpopt train` run: no summary yet; its config.json holds the δ it trains at
         run_delta = _config_delta(Path(run_dir))

@@ -72,16 +72,22 @@ def _run_files(run_dir: Path, summary: bool) -> list[tuple[Path, str]]:
 
 
 def _unreadable(path: Path, kind: str) -> Optional[str]:
-    """Why ``path`` cannot be read as dpopt wants it (None: it can, or it is absent)."""
-    from ..accounting.ledger import PrivacyLedger
+    """Why ``path`` cannot be read as dpopt wants it (None: it can, or it is absent).
+
+    A ledger is read by :meth:`~dpopt.accounting.ledger.PrivacyLedger.load`, the one reader of both ledger
+    formats (``ledger.json``; the journal ``ledger.jsonl``, JSON lines, by its suffix).
+    """
+    from ..accounting.ledger import JournalDamaged, PrivacyLedger
 
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
         if kind == "summary":
+            data = json.loads(path.read_text(encoding="utf-8"))
             return None if isinstance(data, dict) else "must hold a JSON object"
-        PrivacyLedger.from_dict(data)
+        PrivacyLedger.load(path)
+    except JournalDamaged as exc:  # its message starts with the path: fail() names it already
+        return str(exc).removeprefix(f"{path}, ")
     except json.JSONDecodeError as exc:
         return f"is not valid JSON ({exc})"
     except UnicodeDecodeError:

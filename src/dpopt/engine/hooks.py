@@ -101,6 +101,25 @@ COLLATE_TRIES = 16
 
 _Pass = Pass  # the recorded forward pass (engine.capture)
 
+#: The note an exception raised in the first-batch check carries (:func:`_check_noted`): the model's own error
+#: surfaces from ``optimizer.step()``, in passes the user never wrote.
+CHECK_NOTE = (
+    "raised in PrivacyEngine's first-batch check (run by optimizer.step()): extra passes of the model on rows "
+    "of this batch's first examples, up to the batch's size, compared with single-example autograd. Nothing was "
+    "released or recorded; fix the cause and repeat the step (zero_grad, forward, backward, step)"
+)
+
+
+@contextlib.contextmanager
+def _check_noted():
+    """Context: an exception raised inside it gets :data:`CHECK_NOTE` (Python 3.11+ ``add_note``)."""
+    try:
+        yield
+    except Exception as err:
+        if hasattr(err, "add_note") and CHECK_NOTE not in getattr(err, "__notes__", ()):
+            err.add_note(CHECK_NOTE)
+        raise
+
 
 def refuse_second_capture(model: nn.Module) -> None:
     """Refuse a model that already carries a capture's hooks (an earlier ``make_private`` / DP trainer).
@@ -333,14 +352,18 @@ class HookCapture:
                     )
                     self._collate_tries = 0 if verdict else self._collate_tries - 1
                 if needed:
-                    with self._compiled_refusal():
+                    with self._compiled_refusal(), _check_noted():
                         self._verify(p, key, defer=defer_check)
                     if self._door is not None:
                         self._vouched = self._door.compiles
-        if self._rec.stale(done):
-            done, other = self._again(p, done, other)
-        p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
-        return self._build(done, p.batch_size, self.loss_reduction, other)
+        try:
+            if self._rec.stale(done):
+                done, other = self._again(p, done, other)
+            p.out_grads = None  # the root outputs' gradients (kept for _again): the calls hold what is still needed
+            return self._build(done, p.batch_size, self.loss_reduction, other)
+        except BaseException:
+            self.cancel_check()  # no step: the deferred passes' private rows go with it
+            raise
 
     def _again(self, p: Pass, done: list[Call], other: dict) -> tuple[list[Call], dict]:
         """The pass ``p`` run again with its root outputs' gradients, after the check changed how it is captured.
@@ -483,6 +506,12 @@ class HookCapture:
         else:
             self._modes.done(p.modes if key is None else key)
 
+    def cancel_check(self) -> None:
+        """Forget the passes :meth:`collect` deferred (``defer_check=True``) for a step that failed before
+        :meth:`finish_check`: their inputs are rows of that step's private batch, which must not outlive it
+        (a ``copy.deepcopy`` would carry them). The signature stays unchecked: its next batch is checked."""
+        self._deferred, self._deferred_key = [], None
+
     def finish_check(self) -> None:
         """Run the first-batch check's passes :meth:`collect` deferred (``defer_check=True``); then mark it done.
 
@@ -505,7 +534,8 @@ class HookCapture:
         with preserved_state(self.model), self._compiled_refusal():
             for inputs, n, compare, modes in todo:
                 with in_modes(self.model, modes):
-                    self._verify_at(inputs, n, compare=compare)
+                    with _check_noted():
+                        self._verify_at(inputs, n, compare=compare)
         if lifts is not None and set(lifts.lifted) != before:
             raise ValueError(
                 "the first-batch check at this batch's size moved some parameters to their enclosing "
