@@ -174,7 +174,10 @@ class Privatizer:
     Raises:
         ValueError: invalid σ, q, B̄, bounds or group indices (messages say
             which value to change); more than one of ``noise``,
-            ``generator``, ``secure_mode``.
+            ``generator``, ``secure_mode``; a ConfigError for 0 < σ (σ/Δ with
+            a mechanism, or the count's multiplier) < 0.0383, which the
+            sampler's tail cannot serve (:func:`dpopt.noise.check_tail_reach`;
+            :meth:`release` checks σ again, as it is settable).
 
     The ledger's header records the noise mode (``ledger.mark_noise``).
     """
