@@ -39,7 +39,10 @@ is impossible without the example, so the truncation costs
 δ ≥ P(Z > r_max − 1/σ) per inclusion (torch's CPU float32 ``normal_``, 24-bit
 uniforms, never exceeds 5.77: 8e-5 at σ = 0.5). Both samplers reach
 :data:`CUT_RADIUS` = √(2·1022·ln 2) = 37.64 or just under it, so
-P(Z > r_max − 1/σ) < 1e-160 per inclusion for every σ ≥ 0.1.
+P(Z > r_max − 1/σ) < 1e-160 per inclusion for every σ ≥ 0.1; below
+:data:`MIN_NOISE_MULTIPLIER` = 1/(37.63 − 11.5) = 0.0383 it would exceed
+P(Z > 11.5) = 6.4e-31, and the Privatizer refuses such a σ
+(:func:`check_tail_reach`) rather than release a silently truncated tail.
 
 * *Secret and reproducible noise on CPU* (issue 34, for speed): numpy's float64
   ziggurat (Marsaglia & Tsang 2000) on the chunk's SFC64 stream, with every
@@ -119,12 +122,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
 __all__ = [
     "CUT_RADIUS",
+    "MIN_NOISE_MULTIPLIER",
     "NOISE_MODES",
     "ZIGGURAT_R",
     "CpuNormalDraw",
     "NoiseSource",
+    "check_tail_reach",
     "gaussian_from_words",
     "make_noise_source",
     "ziggurat_normals",
@@ -557,6 +564,38 @@ def ziggurat_normals(state: bytes, out: np.ndarray, bitgen: Optional[np.random.S
 
 
 _TAIL_RADIUS = math.sqrt(ZIGGURAT_R * ZIGGURAT_R + 2.0 * (_TAIL_K_MAX + 1) * _LN2)  # ≈ 37.63
+_REACH_MARGIN = 11.5  # std the sampler must reach beyond the shift 1/σ: P(Z > 11.5) = 6.4e-31
+
+#: The smallest noise multiplier (noise std / L2 sensitivity) the samplers serve: 1 / (r_max − 11.5)
+#: ≈ 0.0383, r_max = min(_TAIL_RADIUS, CUT_RADIUS) = 37.63. Below it an output the example makes likely
+#: would be impossible without it with probability P(Z > r_max − 1/σ) > 6.4e-31 per inclusion (at
+#: σ = 0.01 the shift, 100 std, is beyond r_max: the two output sets are disjoint, δ = 1), a δ no
+#: accountant charges: :func:`check_tail_reach` refuses such a σ.
+MIN_NOISE_MULTIPLIER = 1.0 / (min(_TAIL_RADIUS, CUT_RADIUS) - _REACH_MARGIN)
+
+
+def check_tail_reach(noise_multiplier: float, name: str = "noise_multiplier", per: str = "") -> None:
+    """Refuse a noise multiplier σ in (0, :data:`MIN_NOISE_MULTIPLIER`): the samplers' largest |z|
+    (37.63) must be ≥ 11.5 + 1/σ (module docstring; Mironov 2012 on bounded samplers). σ = 0 (no
+    noise, ε = ∞, recorded as such) passes.
+
+    Args:
+        noise_multiplier: the σ the tail must serve (noise std over the L2 sensitivity of the release).
+        name: the argument to change, for the message and the :class:`~dpopt.errors.ConfigError`.
+        per: how σ was derived from ``name``, for the message (e.g. ``" / sensitivity 2.26"``).
+
+    Raises:
+        ConfigError: 0 < σ < MIN_NOISE_MULTIPLIER.
+    """
+    sigma = float(noise_multiplier)
+    if 0.0 < sigma < MIN_NOISE_MULTIPLIER:
+        raise ConfigError(
+            f"{name}{per} = {sigma:.4g} is below {MIN_NOISE_MULTIPLIER:.4f}: the Gaussian sampler reaches "
+            f"|z| <= {min(_TAIL_RADIUS, CUT_RADIUS):.2f}, so at this sigma some outputs would be impossible "
+            "without the example (a truncation delta no accountant charges); raise it (epsilon at this sigma "
+            "is in the hundreds or more anyway), or use 0 for a non-private run",
+            name,
+        )
 
 
 class NoiseSource:

@@ -131,7 +131,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: between the chunks of one logical batch (BatchMemoryManager).
-            ValueError: σ < 0 or not a number; σ > 0 with an infinite bound; adaptive
+            ValueError: σ < 0 or not a number; 0 < σ < 0.0383 (the sampler's tail,
+                :func:`dpopt.noise.check_tail_reach`); σ > 0 with an infinite bound; adaptive
                 clipping (its σ is split between the gradient and the count releases).
         """
         priv = self._between_steps("noise_multiplier")
@@ -142,6 +143,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "again (or schedule max_grad_norm instead)"
             )
         sigma = check_noise_multiplier(value)
+        priv.check_reach(sigma)
         if sigma > 0 and not math.isfinite(priv.sensitivity):
             raise ValueError("noise_multiplier > 0 needs a finite max_grad_norm (the noise std is sigma x C)")
         priv.noise_multiplier = sigma

@@ -38,7 +38,7 @@ from .accounting.events import check_noise_multiplier, check_sample_rate, poisso
 from .accounting.ledger import PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError
-from .noise import CpuNormalDraw, NoiseSource, make_noise_source
+from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX"]
@@ -174,7 +174,10 @@ class Privatizer:
     Raises:
         ValueError: invalid σ, q, B̄, bounds or group indices (messages say
             which value to change); more than one of ``noise``,
-            ``generator``, ``secure_mode``.
+            ``generator``, ``secure_mode``; a ConfigError for 0 < σ (σ/Δ with
+            a mechanism, or the count's multiplier) < 0.0383, which the
+            sampler's tail cannot serve (:func:`dpopt.noise.check_tail_reach`;
+            :meth:`release` checks σ again, as it is settable).
 
     The ledger's header records the noise mode (``ledger.mark_noise``).
     """
@@ -227,6 +230,9 @@ class Privatizer:
             raise ValueError("quantile clipping adapts one flat bound; use a single max_grad_norm")
         self.quantile = quantile
         self.mechanism = _checked_mechanism(mechanism, self.noise_multiplier, quantile)
+        self.check_reach(self.noise_multiplier)
+        if quantile is not None:
+            check_tail_reach(quantile.count_noise_multiplier, "count_noise_multiplier")
         if quantile is not None:
             self.bounds = [float(quantile.initial_clip or bounds[0])]
         self.clip_history: list[float] = []  # released: the bound applied at each step (quantile)
@@ -290,6 +296,19 @@ class Privatizer:
         state = dict(self.__dict__)
         state["_pending"] = None
         return state
+
+    def check_reach(self, noise_multiplier: float) -> None:
+        """Refuse a gradient σ the Gaussian sampler's tail cannot serve (:func:`dpopt.noise.check_tail_reach`):
+        σ, or σ/Δ with a correlated-noise mechanism (the Gaussian mechanism on C·x has sensitivity Δ·C).
+
+        Raises:
+            ConfigError: 0 < σ (/Δ) < :data:`dpopt.noise.MIN_NOISE_MULTIPLIER`.
+        """
+        if self.mechanism is None:
+            check_tail_reach(noise_multiplier)
+        else:
+            delta = self.mechanism.sensitivity
+            check_tail_reach(noise_multiplier / delta, per=f" / sensitivity {delta:.4g}")
 
     def begin(self, geometry: Optional[ClipGeometry] = None) -> None:
         """Start a logical step in the given clip geometry (identity if None)."""
@@ -357,6 +376,7 @@ class Privatizer:
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before release()")
+        self.check_reach(self.noise_multiplier)  # σ is settable (schedulers): checked before anything is drawn
         if self._sum is None:
             if params_like is None:
                 raise RuntimeError("nothing accumulated: pass params_like for an empty step")

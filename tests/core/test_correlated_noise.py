@@ -261,6 +261,40 @@ def test_a_forked_child_cannot_continue_the_stream():
     mech.correlate(torch.zeros(4, dtype=torch.float64), 1)  # the parent's stream goes on
 
 
+@pytest.mark.parametrize("kind,size", [("banded", 3), ("blt", 2)])
+def test_no_written_form_holds_the_stream_state(kind, size):
+    """The stream's state (banded: the last b − 1 noise vectors; blt: its buffers) is as secret as the noise:
+    after 3 releases no float64 word of it is in a pickle or torch.save of the mechanism, of the Privatizer or
+    of its state_dict; copy.copy and deepcopy of the mechanism itself hold none of it either (and refuse)."""
+    mech = CorrelatedNoise(optimize_strategy(kind, 6, size), Participation(6), 1.0)
+    priv = Privatizer(1.0, 1.0, 1.0, 1.0, mechanism=mech)
+    for _ in range(3):
+        priv.privatize(PerSampleGrads([torch.zeros(1, 50)]))
+    ((key, (t, buf)),) = mech._state.items()
+    assert (
+        key == "cpu"
+        and t == 3
+        and len(buf) == (size - 1 if kind == "banded" else size)
+        and all(float(b.abs().min()) > 0 for b in buf)
+    )
+    pieces = [b[i : i + 1].numpy().tobytes() for b in buf for i in range(50)]
+    blobs = [pickle.dumps(mech), pickle.dumps(priv), _saved(priv), _saved(priv.state_dict())]
+    for piece in pieces:
+        assert all(piece not in blob for blob in blobs)
+    for how in (copy.copy, copy.deepcopy):
+        clone = how(mech)
+        assert clone._state == {}
+        with pytest.raises(RuntimeError, match="never copied"):
+            clone.correlate(torch.zeros(50, dtype=torch.float64), 3)
+    assert mech.correlate(torch.zeros(50, dtype=torch.float64), 3).shape == (50,)  # the original goes on
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def test_resume_is_refused_but_a_fresh_state_loads():
     def make():
         mech = CorrelatedNoise(optimize_strategy("banded", 6, 3), Participation(6), 1.0)

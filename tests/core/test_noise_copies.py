@@ -18,7 +18,7 @@ from torch import nn
 import dpopt
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.methods import make_optimizer
-from dpopt.noise import NoiseSource, _mt_state_layout
+from dpopt.noise import NORMAL_CHUNK, CpuNormalDraw, NoiseSource, _mt_state_layout
 from dpopt.privatizer import Privatizer
 from dpopt.sampling import PoissonSampler
 
@@ -179,3 +179,161 @@ def test_a_forked_child_keeps_reproducible_noise():
     src.normal((10,))
     child = _fork_draw(src, 200)
     assert torch.equal(child, src.normal((200,), dtype=torch.float64))
+
+
+# -- every written form, byte for byte (issue 34 review): no secret state of the source or of a started draw --
+
+
+def _secret_pieces(src: NoiseSource, draw=None) -> list[bytes]:
+    """Byte strings of the secret state a source holds in memory (each ≥ 64 random bits, so a chance match in
+    a blob of L bytes has probability ≤ L·2^-64): 16-byte pieces of the MT19937 state of the uniforms, every
+    64-bit word of the per-thread SFC64 objects' last states (SFC64 is a bijection: its end state runs back to
+    the chunk's words), and of a started draw its 24-byte chunk states and its first computed normals."""
+    pieces = []
+    if "cpu" in src._generators:
+        at, width = _mt_state_layout()
+        mt = src._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
+        pieces += [mt[i : i + 16] for i in range(0, len(mt) - 16, 16 * 13)]
+    for bg in src._bitgens.values():
+        pieces += [w.tobytes() for w in bg.state["state"]["state"][:3]]
+    if draw is not None:
+        for fut in draw._futures:
+            fut.result()
+        pieces += list(draw._states)
+        if draw._values is not None:
+            pieces += [draw._values[i : i + 1].numpy().tobytes() for i in range(0, draw.n, NORMAL_CHUNK // 2)]
+    return pieces
+
+
+def _written(obj) -> list[bytes]:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return [pickle.dumps(obj), buf.getvalue()]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nothing_written_from_a_secret_privatizer_mid_step_holds_a_secret(threads):
+    """Between begin() and release() the Privatizer holds the step's started draw (its chunk states, its
+    computed noise) and its source the SFC64 objects' last states and the uniforms' MT19937 state: a pickle,
+    torch.save, state_dict or deepcopy of it carries none of them."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        priv = Privatizer(1.0, 1.0, 2.0, 0.1)
+        x = torch.zeros(1, 3 * NORMAL_CHUNK + 5)
+        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])  # learns the size; the SFC64 objects exist
+        priv.noise.uniform(10)
+        priv.begin()  # the next step's draw starts now (secret)
+        draw = priv._pending
+        assert isinstance(draw, CpuNormalDraw) and draw._states and len(draw._states) == 4
+        pieces = _secret_pieces(priv.noise, draw)
+        assert len(priv.noise._bitgens) >= 1 and len(pieces) > 35
+        blobs = _written(priv) + _written(priv.state_dict())
+        for piece in pieces:
+            assert all(piece not in blob for blob in blobs)
+        twin = copy.deepcopy(priv)
+        assert twin._pending is None and twin.noise._bitgens == {} and twin.noise._generators == {}
+        assert twin.noise._pool is None
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_nothing_written_from_private_optimizers_holds_a_secret(tmp_path):
+    """A PrivacyEngine optimizer (and its Poisson loader's masks) and a make_optimizer one, after a release of
+    more than one chunk on 2 threads: torch.save of optimizer.state_dict(), the engine's checkpoint file and
+    a pickle of the Privatizer carry no state of the secret source; a deepcopy holds none either."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 520), torch.randint(0, 2, (8,)))
+        model = nn.Linear(520, 256)  # 133,376 parameters: two chunks
+        engine = dpopt.PrivacyEngine()
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+        xb, yb = next(iter(loader))  # q = 0.5: the masks are drawn
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        src = opt.privatizer.noise
+        assert "cpu" in src._generators and src._bitgens  # masks and normals were drawn
+        engine.save_checkpoint(path=tmp_path / "ck.pt", module=model, optimizer=opt)
+        blobs = _written(opt.state_dict()) + [(tmp_path / "ck.pt").read_bytes(), pickle.dumps(opt.privatizer)]
+        small = nn.Linear(600, 500)  # 300,500 parameters
+        opt2 = make_optimizer(
+            "dp-sgd", small.parameters(), noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, lr=0.1
+        )
+        opt2.step(PerSampleGrads([torch.zeros(2, 500, 600), torch.zeros(2, 500)]))
+        blobs += _written(opt2.state_dict()) + _written(opt2)
+        pieces = _secret_pieces(src) + _secret_pieces(opt2.privatizer.noise)
+        assert len(pieces) > 30
+        for piece in pieces:
+            assert all(piece not in blob for blob in blobs)
+        twin_model, twin = copy.deepcopy((model, opt))
+        assert twin.privatizer.noise._generators == {} and twin.privatizer.noise._bitgens == {}
+    finally:
+        torch.set_num_threads(old)
+
+
+def _in_child(fn) -> bytes:
+    """The (short) bytes ``fn()`` returns in a forked child, through a pipe (the child leaves without the
+    parent's atexit handlers)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, fn())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = os.read(read, 4096)
+    os.close(read)
+    os.waitpid(pid, 0)
+    return data
+
+
+def _sha(t: torch.Tensor) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("mode", ["secret", "secure"])
+def test_a_forked_child_replays_no_protecting_draw_of_its_parent(mode):
+    """Forked mid-step on 2 threads (worker pool, SFC64 objects and the step's started draw alive in the
+    parent; the child runs on one, as a DataLoader worker does): the child's release, its next chunked draw (3 chunks) and its Poisson uniforms each differ from
+    the parent's (equal with probability ≤ 2^-190 for independent OS-entropy states)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        priv = Privatizer(1.0, 1.0, 2.0, 0.1, secure_mode=mode == "secure")
+        x = torch.zeros(1, 2 * NORMAL_CHUNK + 5)
+        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])  # learns the size; pool and SFC64 objects exist
+        priv.noise.uniform(10)
+        priv.begin()
+        priv.accumulate(PerSampleGrads([x]))
+        assert isinstance(priv._pending, CpuNormalDraw)  # the step's draw, started before the fork
+
+        def draws() -> bytes:
+            rel = priv.release().grads[0]
+            assert float(rel.abs().max()) > 0
+            more = priv.noise.normal((3 * NORMAL_CHUNK,), dtype=torch.float64)
+            return _sha(rel) + _sha(more) + _sha(priv.noise.uniform(1000))
+
+        def child() -> bytes:
+            torch.set_num_threads(1)  # torch's OpenMP team is not fork-safe (as in DataLoader workers)
+            return (b"refused" if not priv._pending.usable else b"kept!!!") + draws()
+
+        theirs = _in_child(child)
+        ours = draws()
+        assert theirs[:7] == b"refused" and len(theirs) == 7 + 96, theirs[:7]
+        for k, what in enumerate(("release", "chunked draw", "uniforms")):
+            assert theirs[7 + 32 * k : 7 + 32 * (k + 1)] != ours[32 * k : 32 * (k + 1)], what
+    finally:
+        torch.set_num_threads(old)

@@ -14,6 +14,7 @@ import pickle
 import pytest
 import torch
 
+import dpopt.privatizer as privatizer_module
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.noise import NORMAL_CHUNK, CpuNormalDraw, NoiseSource
 from dpopt.privatizer import Privatizer, QuantileClipping
@@ -223,3 +224,62 @@ def test_release_of_sums_that_require_grad_has_no_autograd_history(threads):
     z = NoiseSource("reproducible", seed=1).normal((NORMAL_CHUNK + 11,), dtype=torch.float64)
     assert rel.grads[0].grad_fn is None and not rel.grads[0].requires_grad
     assert torch.equal(rel.grads[0], (z * 1e6 + s[0].detach().double()).float().div_(2.0))
+
+
+class _Recorder:
+    """Wraps dpopt.noise.ziggurat_normals: records the SFC64 state every chunk is computed from, and can fail
+    the ``fail_at``-th call (a chunk that raises mid-draw)."""
+
+    def __init__(self, real, fail_at=None):
+        self.real, self.fail_at, self.states = real, fail_at, []
+
+    def __call__(self, state, out, bitgen=None):
+        self.states.append(bytes(state))
+        if self.fail_at is not None and len(self.states) == self.fail_at:
+            raise MemoryError("chunk failed")
+        return self.real(state, out, bitgen)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["early", "streamed"])
+def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream, threads, monkeypatch):
+    """Chunk i is computed once, from the i-th of the draw's own states (streamed: no reuse of index 0 or of the
+    scratch's previous chunk), all distinct; a draw whose chunk failed cannot be consumed again, and the
+    Privatizer's retry draws states it never used (secret: fresh os.urandom; equal with probability 2^-192)."""
+    import dpopt.noise as noise_mod
+
+    rec = _Recorder(noise_mod.ziggurat_normals)
+    monkeypatch.setattr(noise_mod, "ziggurat_normals", rec)
+    n = 3 * NORMAL_CHUNK + 7
+    draw = NoiseSource("secret").start_normal(n, stream=stream)
+    want = list(draw._states)
+    assert len(want) == 4 and len(set(want)) == 4 and all(len(s) == 24 for s in want)
+    parts = {}
+    draw.consume(lambda lo, hi, z: parts.__setitem__(lo, z.clone()))
+    assert sorted(rec.states) == sorted(want) and len(rec.states) == 4  # each state once, none repeated
+    assert draw._states == []  # not kept past their use
+    assert sorted(parts) == [0, NORMAL_CHUNK, 2 * NORMAL_CHUNK, 3 * NORMAL_CHUNK]
+    assert len({parts[k][:7].numpy().tobytes() for k in parts}) == 4
+
+    rec.states.clear()
+    rec.fail_at = 2
+    made: list = []
+    with pytest.raises(MemoryError, match="chunk failed"):  # one thread, early: raised by start_normal itself
+        made.append(NoiseSource("secret").start_normal(n, stream=stream))
+        made[0].consume(lambda lo, hi, z: None)
+    if made:
+        with pytest.raises(RuntimeError, match="consumed once"):
+            made[0].consume(lambda lo, hi, z: None)
+    rec.states.clear()
+    priv = Privatizer(1.0, 1.0, 2.0, 0.1)
+    x = torch.zeros(1, n)
+    if stream:
+        monkeypatch.setattr(privatizer_module, "EARLY_DRAW_MAX", NORMAL_CHUNK)
+    with pytest.raises(MemoryError, match="chunk failed"):
+        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])
+    failed = set(rec.states)
+    assert priv._pending is None and len(priv.ledger) == 0
+    rec.fail_at = None
+    rec.states.clear()
+    rel = priv.release(params_like=[x[0]])  # the step is still open: the release is retried
+    assert len(priv.ledger) == 1 and rel.grads[0].shape == (n,)
+    assert len(rec.states) == 4 and len(set(rec.states)) == 4 and not (set(rec.states) & failed)

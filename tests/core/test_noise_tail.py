@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
+import dpopt
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.noise import _SLOT_WORDS, BLOCK_PAIRS, CUT_RADIUS, NORMAL_CHUNK, NoiseSource, _slots, gaussian_from_words
 from dpopt.privatizer import Privatizer
@@ -195,3 +196,78 @@ def test_tail_beyond_the_old_cut_at_the_gaussian_rate():
     assert lo >= 1  # the test has power against a cut sampler
     count = _tail_pairs_beyond(NoiseSource("secret"), pairs, 33.28)
     assert lo <= count <= hi, (count, lam)
+
+
+# -- the σ the sampler's tail can serve (an output beyond r_max is impossible without the example) ----------
+
+
+def test_the_smallest_served_sigma_keeps_the_truncation_below_1e_30():
+    """At σ = MIN_NOISE_MULTIPLIER the reach is exactly 11.5 std beyond the shift 1/σ: δ per inclusion
+    is P(Z > 11.5) = 6.4e-31 (scipy); at σ = 0.01 the shift (100 std) is beyond r_max (37.6), so the
+    supports of the two neighbours' outputs are disjoint and δ would be 1."""
+    from dpopt.noise import _TAIL_RADIUS, MIN_NOISE_MULTIPLIER
+
+    r_max = min(_TAIL_RADIUS, CUT_RADIUS)
+    assert MIN_NOISE_MULTIPLIER == pytest.approx(1 / (r_max - 11.5), rel=1e-15)
+    assert MIN_NOISE_MULTIPLIER == pytest.approx(0.03827, abs=1e-5)
+    assert stats.norm.sf(r_max - 1 / MIN_NOISE_MULTIPLIER) < 1e-30
+    assert r_max - 1 / 0.01 < 0
+
+
+@pytest.mark.parametrize("sigma", [0.03, 1e-3])
+def test_a_sigma_the_tail_cannot_serve_is_refused_not_truncated(sigma):
+    """σ below MIN_NOISE_MULTIPLIER (0.0383) used to be accepted and its noise silently truncated at
+    37.63: the refusal names noise_multiplier and the bound. σ = 0 (non-private) and σ ≥ the bound pass."""
+    from dpopt.errors import ConfigError
+    from dpopt.noise import MIN_NOISE_MULTIPLIER
+
+    with pytest.raises(ConfigError, match=r"noise_multiplier .*below 0\.0383") as err:
+        Privatizer(sigma, 1.0, 4.0, 0.1)
+    assert err.value.arguments == ("noise_multiplier",)
+    for ok in (0.0, MIN_NOISE_MULTIPLIER, 0.04):
+        rel = Privatizer(ok, 1.0, 4.0, 0.1).privatize(PerSampleGrads([torch.zeros(1, 3)]))
+        assert rel.grads[0].shape == (3,)
+
+
+def test_a_sigma_lowered_after_construction_is_refused_before_any_draw():
+    """The settable σ (schedulers, DPTrainer's recalibration): the release refuses before it draws or
+    records; the optimizer's setter refuses at once."""
+    from dpopt.errors import ConfigError
+
+    priv = Privatizer(1.0, 1.0, 4.0, 0.1)
+    priv.noise_multiplier = 0.02
+    calls = []
+    real = priv.noise.start_normal
+    priv.noise.start_normal = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="below 0.0383"):
+        priv.privatize(PerSampleGrads([torch.zeros(1, 3)]))
+    assert calls == [] and len(priv.ledger) == 0
+    model = torch.nn.Linear(3, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    _, opt, _ = dpopt.PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    with pytest.raises(ConfigError, match="below 0.0383"):
+        opt.noise_multiplier = 0.02
+    assert opt.noise_multiplier == 1.0
+    opt.noise_multiplier = 0.5  # the setter still works
+    assert opt.privatizer.noise_multiplier == 0.5
+
+
+def test_count_noise_and_correlated_noise_are_held_to_the_same_reach():
+    """The count's σ_b/0.5 (quantile clipping) and correlated noise's σ/Δ (the Gaussian mechanism on C·x has
+    sensitivity Δ·C) are the multipliers the tail serves."""
+    from dpopt.correlated_noise import CorrelatedNoise, Participation, optimize_strategy
+    from dpopt.errors import ConfigError
+    from dpopt.privatizer import QuantileClipping
+
+    with pytest.raises(ConfigError, match="count_noise_multiplier"):
+        Privatizer(1.0, 1.0, 4.0, 0.1, quantile=QuantileClipping(0.03))
+    mech = CorrelatedNoise(optimize_strategy("banded", 8, 2), Participation(8, 4, 2), 0.06)
+    assert mech.sensitivity > 0.06 / 0.0383  # σ/Δ below the bound although σ is above it
+    with pytest.raises(ConfigError, match="sensitivity"):
+        Privatizer(0.06, 1.0, 4.0, 1.0, mechanism=mech)

@@ -275,3 +275,75 @@ def test_chunked_normals_work_in_a_forked_child():
 def _draw_in_child(src, n):
     torch.set_num_threads(2)
     assert src.normal((n,)).shape == (n,)
+
+
+def _path_draw(path: str, src: NoiseSource) -> torch.Tensor:
+    """One protecting draw from ``src`` by ``path`` (the ways the library draws on the CPU)."""
+    from dpopt.noise import NORMAL_CHUNK
+
+    n = 2 * NORMAL_CHUNK + 3
+    if path == "small float32":
+        return src.normal((7,))
+    if path == "poisson uniforms":
+        return src.uniform(1000)
+    if path == "chunked float64":
+        return src.normal((n,), dtype=torch.float64)
+    if path == "chunked bfloat16":
+        return src.normal((n,), dtype=torch.bfloat16)
+    if path == "started early":
+        return src.start_normal(n).values()
+    if path == "streamed":
+        out = torch.empty(n, dtype=torch.float64)
+        src.start_normal(n, stream=True).consume(lambda lo, hi, z: out[lo:hi].copy_(z))
+        return out
+    x = torch.zeros(1, n)
+    priv = Privatizer(1.0, 1.0, 2.0, 0.1, noise=src)
+    priv.privatize(PerSampleGrads([x]), params_like=[x[0]])
+    return priv.privatize(PerSampleGrads([x]), params_like=[x[0]]).grads[0]  # the second: drawn at begin()
+
+
+PATHS = [
+    "poisson uniforms",
+    "small float32",
+    "chunked float64",
+    "chunked bfloat16",
+    "started early",
+    "streamed",
+    "privatizer",
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["secret", "secure"])
+@pytest.mark.parametrize("path", PATHS)
+def test_protecting_normals_are_a_function_of_os_entropy_alone(path, mode, threads, monkeypatch):
+    """On every CPU path (one thread or the worker pool, early or streamed, each dtype, the Privatizer's early
+    and streamed releases): with os.urandom fixed, two fresh sources draw the same values although torch's,
+    numpy's and Python's global generators were seeded differently before each; with the real os.urandom and
+    the same global seeds they differ. No protecting draw comes from a user-seedable or torch generator."""
+    import random
+
+    import numpy as np
+
+    import dpopt.noise as noise_mod
+    import dpopt.privatizer as privatizer_module
+
+    if path == "privatizer" and threads == 2:
+        monkeypatch.setattr(privatizer_module, "EARLY_DRAW_MAX", 2 * 2**17)  # this size streams its release
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        real = []
+        for _ in range(2):
+            torch.manual_seed(0), np.random.seed(0), random.seed(0)
+            real.append(_path_draw(path, NoiseSource(mode)))
+        assert not torch.equal(real[0], real[1])
+        monkeypatch.setattr(noise_mod.os, "urandom", lambda k: bytes((11 * i + 5) % 251 for i in range(k)))
+        fixed = []
+        for seed in (1, 2):
+            torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
+            fixed.append(_path_draw(path, NoiseSource(mode)))
+        assert torch.equal(fixed[0], fixed[1])
+        assert float(fixed[0].double().abs().max()) > 0
+    finally:
+        torch.set_num_threads(old)

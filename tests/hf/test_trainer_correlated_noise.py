@@ -264,6 +264,40 @@ def test_resume_is_refused_with_a_clear_message(tmp_path):
         tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 
+def test_no_checkpoint_file_holds_the_stream_state_or_a_secret_generator_state(tmp_path):
+    """A DPTrainer checkpoint (optimizer.pt, rng_state.pth, the model, the ledger, trainer_state.json) saved
+    after the run's last release holds no float64 word of the BLT stream's buffers and no word of the secret
+    source's in-memory states (SFC64 objects, MT19937 of the uniforms): every file, byte for byte."""
+    from dpopt.noise import _mt_state_layout
+
+    tr = DPTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism="blt",
+    )
+    tr.train()
+    priv = tr._private.privatizer
+    assert priv.noise.mode == "secret"
+    ((_, (t, buf)),) = priv.mechanism._state.items()
+    assert t == 2 and buf
+    pieces = [b.view(-1)[i : i + 1].numpy().tobytes() for b in buf for i in range(0, b.numel(), 97)]
+    pieces += [w.tobytes() for bg in priv.noise._bitgens.values() for w in bg.state["state"]["state"][:3]]
+    if "cpu" in priv.noise._generators:
+        at, width = _mt_state_layout()
+        mt = priv.noise._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
+        pieces += [mt[i : i + 16] for i in range(0, len(mt) - 16, 16 * 13)]
+    assert len(pieces) > 20 and all(len(p) >= 8 for p in pieces)
+    files = [f for f in (tmp_path / "checkpoint-2").rglob("*") if f.is_file()]
+    assert "optimizer.pt" in {f.name for f in files}
+    for f in files:
+        data = f.read_bytes()
+        assert not any(p in data for p in pieces), f.name
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
