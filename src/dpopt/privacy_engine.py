@@ -597,7 +597,8 @@ class PrivacyEngine:
                 noise across steps (DP matrix factorization, :mod:`dpopt.correlated_noise`,
                 docs/correlated-noise.md): ``"banded:B"`` (B bands) or ``"blt"`` / ``"blt:N"`` (N buffers).
                 The returned loader then yields CYCLIC batches (:class:`~dpopt.cyclic_batches.
-                CyclicBatchSampler`: one fixed partition into len(data_loader) batches, in a fixed order,
+                CyclicBatchSampler`: one fixed balls-in-bins assignment of each example to one of len(data_loader)
+                batches (sizes Binomial(N, 1/b), possibly empty; arXiv 2410.06266), in a fixed order,
                 so an example takes part every len(data_loader) steps), the strategy is optimised for the
                 horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification;
                 see ``sampling`` for the amplified form). ``distributed=True``: each rank its slice of every
@@ -759,7 +760,7 @@ class PrivacyEngine:
                         # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
                         # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
                         steps=steps_per_epoch,
-                        # data parallel: rank 0's public partition, this rank's slice of every part
+                        # data parallel: rank 0's (secret) assignment, this rank's slice of every part
                         seed=_partition_seed(ctx),
                         rank=ctx.rank,
                         world_size=ctx.world_size,
