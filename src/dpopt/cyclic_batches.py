@@ -1,14 +1,22 @@
 """Cyclic batches: the sampler whose participation pattern correlated-noise accounting assumes.
 
-The dataset's indices are split ONCE into ``batches`` disjoint batches (a uniformly random balanced
-partition from a fresh seed that is never saved; the matrix-factorization analysis holds for one example
-added to a fixed partition of the others — zero-out neighbours; for add/remove the balanced cut re-slices
-the others, an open issue: docs/correlated-noise.md, "Open issue"), and step t uses batch t mod b, for every epoch and across iterations of the loader
-(a loop that stops an epoch early continues with the next batch, never restarts the cycle). So an
-example takes part in at most ⌈T/b⌉ of T steps, any two of them exactly b steps apart: the
-:class:`~dpopt.correlated_noise.Participation` (k = ⌈T/b⌉, min_separation = b) of
-Choquette-Choo et al. (arXiv 2211.06530, "b-min-sep participation"). Reshuffling every epoch would
-break it (an example could be last in one epoch and first in the next).
+The dataset's indices are split ONCE into ``batches`` = b disjoint batches by "balls-in-bins" (Choquette-Choo
+et al. 2024, "Near exact privacy amplification for matrix mechanisms", arXiv 2410.06266, Sec. 3): EACH
+example is assigned INDEPENDENTLY and uniformly to one of the b batches, from a fresh secret seed that is
+never saved. Step t uses batch t mod b, for every epoch and across iterations of the loader (a loop that
+stops an epoch early continues with the next batch, never restarts the cycle). So an example takes part in
+at most ⌈T/b⌉ of T steps, any two of them exactly b steps apart: the
+:class:`~dpopt.correlated_noise.Participation` (k = ⌈T/b⌉, min_separation = b) of Choquette-Choo et al.
+(arXiv 2211.06530, "b-min-sep participation"). Reshuffling every epoch would break it (an example could be
+last in one epoch and first in the next).
+
+Why independent assignment (add/remove neighbours): the accounting analyses ONE example added to a fixed
+assignment of the others (its worst batch). That is exact only if the assignment of the common examples has
+the same law in D and D + x; with i.i.d. assignment it does (x's draw is independent of theirs), whereas a
+balanced cut (a permutation sliced into equal batches) re-cuts every batch when x is added. The price:
+batch sizes are random, Binomial(N, 1/b), possibly 0. A batch's size is private (never logged, saved or
+used as a divisor: the release divides by the public expected batch size N/b), and an empty batch still
+makes its step's release (noise only), so the step schedule stays the analysed one.
 """
 
 from __future__ import annotations
@@ -23,20 +31,58 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from .data_loader import DPDataLoader, EmptyBatchCollate
 from .noise import NoiseSource, make_noise_source
 
-__all__ = ["CyclicBatchSampler", "CyclicPoissonBatchSampler", "CyclicPoissonLoader", "cyclic_poisson_partitions"]
+__all__ = [
+    "CyclicBatchSampler",
+    "CyclicLoader",
+    "CyclicPoissonBatchSampler",
+    "CyclicPoissonLoader",
+    "balls_in_bins",
+    "cyclic_poisson_partitions",
+]
+
+
+def balls_in_bins(dataset_size: int, bins: int, seed: Optional[int] = None) -> list[torch.Tensor]:
+    """Each of N examples assigned independently and uniformly to one of ``bins`` parts (balls-in-bins,
+    Choquette-Choo et al. 2024, arXiv 2410.06266, Sec. 3): part j holds the indices i with A_i = j,
+    A_1 … A_N i.i.d. uniform on {0, …, bins − 1}.
+
+    Args:
+        dataset_size: N ≥ 0.
+        bins: b ≥ 1.
+        seed: the generator's seed (tests); None: a fresh secret one (:mod:`secrets`, never saved).
+
+    Returns:
+        b int64 tensors of ascending indices, disjoint, their union ``range(N)``; sizes Binomial(N, 1/b).
+    """
+    gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else int(seed))
+    assignment = torch.randint(int(bins), (int(dataset_size),), generator=gen)
+    order = torch.argsort(assignment, stable=True)  # indices grouped by part, ascending within each
+    counts = torch.bincount(assignment, minlength=int(bins))
+    return list(order.split(counts.tolist()))
 
 
 class CyclicBatchSampler(Sampler):
     """A ``batch_sampler`` yielding ``batches`` fixed batches in a fixed cyclic order (module docstring).
 
+    Each example is assigned once, independently and uniformly, to one of the b batches (balls-in-bins,
+    arXiv 2410.06266); the assignment is kept for every epoch (example i takes part at steps j, j + b,
+    j + 2b, ... for its batch j).
+
     Args:
         dataset_size: N ≥ 1 (public).
-        batches: b, with 1 ≤ b ≤ N; batch sizes are ⌊N/b⌋ or ⌈N/b⌉ (expected size N/b).
+        batches: b, with 1 ≤ b ≤ N; batch sizes are Binomial(N, 1/b) (expected N/b, possibly 0; private).
         steps: for :meth:`sample` (dpopt's own loop): the batches to draw in all (None: unlimited).
-        seed: the partition's seed (tests; never saved); None: a fresh random one (what the doors use).
-            Data parallel: every rank passes rank 0's seed, so that all ranks cut the same partition.
+        seed: the assignment's seed (tests; never saved); None: a fresh secret one (:mod:`secrets`).
+            Data parallel: every rank passes rank 0's seed, so that all ranks draw the same assignment.
         rank, world_size: data parallel: this rank yields its part ``tensor_split(batch, world_size)[rank]``
-            of every batch (disjoint across ranks; their union is the batch).
+            of every batch (disjoint across ranks, possibly empty; their union is the batch).
+
+    Attributes:
+        batches: the b batches of THIS rank (lists of dataset indices; private, in memory only: never in
+            :meth:`state_dict`).
+        position: steps handed out so far (public).
+        sizes: the sizes of batches handed out by ``__iter__`` and not yet read by the loader (private,
+            in memory only: never pickled).
 
     Raises:
         ValueError: b < 1 or b > N; rank ∉ [0, world_size).
@@ -56,12 +102,11 @@ class CyclicBatchSampler(Sampler):
             raise ValueError(f"batches must lie in [1, dataset size {n}], got {batches}")
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"rank must lie in [0, world_size {world_size}), got {rank}")
-        gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else int(seed))
-        perm = torch.randperm(n, generator=gen)
-        self._parts = [part.tensor_split(int(world_size))[int(rank)] for part in torch.tensor_split(perm, b)]
+        self._parts = [part.tensor_split(int(world_size))[int(rank)] for part in balls_in_bins(n, b, seed)]
         self.batches = [chunk.tolist() for chunk in self._parts]
         self.steps = steps
         self.position = 0  # steps handed out so far (public)
+        self.sizes: "deque[int]" = deque(maxlen=1024)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -70,10 +115,18 @@ class CyclicBatchSampler(Sampler):
         for _ in range(len(self.batches)):
             batch = self.batches[self.position % len(self.batches)]
             self.position += 1
+            self.sizes.append(len(batch))
             yield batch
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles never carry the handed-out batches' sizes (a count of private examples)."""
+        state = dict(self.__dict__)
+        state["sizes"] = type(self.sizes)(maxlen=1024)
+        return state
+
     def sample(self) -> torch.Tensor:
-        """The next batch's indices (int64 ``[~N/b]``); advances ``position``.
+        """The next batch's indices (int64 ``[K]``, K ~ Binomial(N, 1/b) over the assignment, possibly 0);
+        advances ``position``.
 
         Raises:
             StopIteration: ``steps`` batches were drawn.
@@ -85,7 +138,7 @@ class CyclicBatchSampler(Sampler):
         return idx.clone()
 
     def state_dict(self) -> dict:
-        """Public: the position and the number of batches (the partition is not saved: a correlated-noise
+        """Public: the position and the number of batches (the assignment is not saved: a correlated-noise
         run is never resumed, docs/correlated-noise.md)."""
         return {"version": 1, "position": self.position, "batches": len(self.batches), "cyclic": True}
 
@@ -108,13 +161,14 @@ def cyclic_poisson_partitions(sample_rate: float, steps_per_epoch: int) -> int:
 
 class CyclicPoissonBatchSampler(Sampler):
     """Cyclic Poisson sampling (Choquette-Choo et al., arXiv 2306.08153, Sec. 4, "amplified banded MF"): the
-    dataset is split ONCE into ``partitions`` = b' disjoint parts (a uniformly random balanced partition, as
-    :class:`CyclicBatchSampler`'s, with its open add/remove issue), and step t includes each example of part t mod b'
+    dataset is split ONCE into ``partitions`` = b' disjoint parts (each example assigned independently and
+    uniformly to a part, balls-in-bins, arXiv 2410.06266, as :class:`CyclicBatchSampler`'s; so adding an
+    example leaves the law of the others' parts unchanged), and step t includes each example of part t mod b'
     independently with probability q (:func:`~dpopt.sampling.poisson_indices`, the secret uniforms of
     ``noise``). An example takes part only at steps ≡ j (mod b'), each with probability q, independently:
     the participation the amplified accountant (:func:`~dpopt.correlated_noise.amplified_step_events`) assumes.
 
-    Data parallel (``world_size`` W > 1): every rank cuts the same partition (rank 0's public ``seed``) and
+    Data parallel (``world_size`` W > 1): every rank draws the same assignment (rank 0's ``seed``) and
     owns the slice ``tensor_split(part, W)[rank]`` of every part, so each example lives on exactly one rank.
     With a secret or secure ``noise`` a rank draws the uniforms of its own slice only, from its own source;
     with a reproducible one (the seed shared by every rank) it draws the uniforms of the whole part, as one
@@ -125,11 +179,12 @@ class CyclicPoissonBatchSampler(Sampler):
 
     Args:
         dataset_size: N ≥ 1 (public).
-        partitions: b', 1 ≤ b' ≤ N; part sizes ⌊N/b'⌋ or ⌈N/b'⌉ (expected batch q·N/b', all ranks together).
+        partitions: b', 1 ≤ b' ≤ N; part sizes Binomial(N, 1/b') (expected batch q·N/b', all ranks together).
         sample_rate: q ∈ (0, 1].
         steps: batches per iteration of the loader (default b': one pass over the parts).
         noise: the :class:`~dpopt.noise.NoiseSource` of the inclusion uniforms (default: secret); THIS rank's.
-        seed: the partition's seed (public); None: a fresh random one. Data parallel: rank 0's, on every rank.
+        seed: the assignment's seed (tests; never saved); None: a fresh secret one. Data parallel: rank 0's,
+            on every rank.
         rank, world_size: data parallel: this rank's slice of every part (default: one process, the whole part).
 
     Attributes:
@@ -168,7 +223,7 @@ class CyclicPoissonBatchSampler(Sampler):
 
     @property
     def partitions(self) -> list[list[int]]:
-        """The b' fixed parts (public), as lists of dataset indices."""
+        """The b' fixed parts, as lists of dataset indices (private: in memory only, never in :meth:`state_dict`)."""
         return self._cyclic.batches
 
     @property
@@ -252,6 +307,34 @@ class CyclicPoissonLoader(DPDataLoader):
         )
         DataLoader.__init__(
             self, dataset, batch_sampler=self.poisson, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
+        )
+        self.last_batch_examples = None
+        self.boundary = None
+
+
+class CyclicLoader(DPDataLoader):
+    """A :class:`~dpopt.data_loader.DPDataLoader` over a :class:`CyclicBatchSampler`'s batches (``make_private``'s
+    unamplified correlated-noise loader): empty batches (balls-in-bins sizes are Binomial(N, 1/b)) are
+    collated as empty Poisson batches are, so their step still releases (noise only), and each batch is
+    tagged for the optimizer's release boundary with its (private, in-memory) size.
+
+    Args:
+        dataset: a non-empty map-style dataset of N examples.
+        sampler: the :class:`CyclicBatchSampler` over ``range(N)`` (this rank's slices under data parallel).
+        collate_fn: the item collate function (default ``default_collate``).
+        **kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``, ...).
+
+    Raises:
+        ValueError: an empty or iterable dataset.
+    """
+
+    def __init__(self, dataset: Any, sampler: CyclicBatchSampler, collate_fn: Optional[Callable] = None, **kwargs: Any):
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+            raise ValueError("cyclic batches need a non-empty map-style dataset (with __len__)")
+        self.sample_rate = 1.0 / len(sampler)  # epochs per step (public)
+        self.poisson = sampler  # type: ignore[assignment]  # DPDataLoader reads its sizes
+        DataLoader.__init__(
+            self, dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **kwargs
         )
         self.last_batch_examples = None
         self.boundary = None

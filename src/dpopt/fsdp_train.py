@@ -18,7 +18,7 @@ per-sample sources and told to evaluate on every rank. Per step, on every rank::
 
     idx = this rank's Poisson shard (ShardedPoissonSampler: the union is a Poisson sample at q), or with
           --noise-mechanism its slice of the step's cyclic batch (--sampling cyclic-poisson: its slice of
-          the step's part, Poisson-sampled at q), rank 0's public partition on every rank
+          the step's part, Poisson-sampled at q), rank 0's (secret) balls-in-bins assignment on every rank
     for each of K chunks of ≤ physical_batch_size examples (K = the largest count over ranks:
         every rank runs the same number of forward/backward passes, so FSDP's collectives match;
         a rank with fewer examples runs empty chunks):

@@ -114,7 +114,7 @@ from .augment import ViewCollate, check_multiplicity, resolve_augmentation
 from .checkpoint import LedgerKeeper
 from .correlated_noise import CorrelatedNoise, Participation, make_mechanism, optimize_strategy, parse_mechanism
 from .correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
-from .cyclic_batches import CyclicBatchSampler, CyclicPoissonLoader, cyclic_poisson_partitions
+from .cyclic_batches import CyclicBatchSampler, CyclicLoader, CyclicPoissonLoader, cyclic_poisson_partitions
 from .data_loader import DPDataLoader, custom_batching, loader_settings
 from .distributed import (
     DistributedContext,
@@ -281,23 +281,28 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
 
 
 def _cyclic_loader(data_loader: DataLoader, ctx: DistributedContext) -> tuple[int, int, DataLoader]:
-    """(N, b, a loader of b cyclic batches over the loader's dataset; its collate and worker settings kept).
+    """(N, b, a :class:`~dpopt.cyclic_batches.CyclicLoader` of b cyclic batches over the loader's dataset; its
+    collate and worker settings kept). Balls-in-bins batches (each example in one of b batches, i.i.d.
+    uniform): sizes are random and private, an empty batch still releases (noise only).
 
-    Data parallel (``ctx``): every rank cuts rank 0's partition (its public seed is broadcast) and yields its
-    own slice of each batch, so the ranks' slices of step t are disjoint and make up batch t."""
+    Data parallel (``ctx``): every rank draws rank 0's assignment (its secret seed is broadcast, never saved)
+    and yields its own slice of each batch, so the ranks' slices of step t are disjoint and make up batch t."""
     dataset = data_loader.dataset
     if not hasattr(dataset, "__len__"):
         raise ValueError("make_private needs a map-style dataset with __len__ (N is the public dataset size)")
     n, b = len(dataset), len(data_loader)
     keep = loader_settings(data_loader)
     sampler = CyclicBatchSampler(n, b, seed=_partition_seed(ctx), rank=ctx.rank, world_size=ctx.world_size)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=data_loader.collate_fn, **keep)
-    return n, b, loader
+    collate = data_loader.collate_fn
+    if collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
+        collate = None  # type: ignore[assignment]
+    return n, b, CyclicLoader(dataset, sampler, collate_fn=collate, **keep)
 
 
 def _partition_seed(ctx: DistributedContext) -> int:
-    """A fresh seed of the cyclic (or cyclic Poisson) partition, rank 0's on every rank (public: the partition
-    protects nothing; the analysis does not assume it secret, arXiv 2306.08153). A collective under ``ctx``."""
+    """A fresh secret seed of the cyclic (or cyclic Poisson) balls-in-bins assignment (:mod:`secrets`; held in
+    memory only, never saved or logged), rank 0's on every rank so that all ranks draw the same assignment.
+    A collective under ``ctx``."""
     device = backend_device(ctx) if ctx.enabled else "cpu"
     seed = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
     broadcast_parameters([seed], ctx)
@@ -594,7 +599,8 @@ class PrivacyEngine:
                 noise across steps (DP matrix factorization, :mod:`dpopt.correlated_noise`,
                 docs/correlated-noise.md): ``"banded:B"`` (B bands) or ``"blt"`` / ``"blt:N"`` (N buffers).
                 The returned loader then yields CYCLIC batches (:class:`~dpopt.cyclic_batches.
-                CyclicBatchSampler`: one fixed partition into len(data_loader) batches, in a fixed order,
+                CyclicBatchSampler`: one fixed balls-in-bins assignment of each example to one of len(data_loader)
+                batches (sizes Binomial(N, 1/b), possibly empty; arXiv 2410.06266), in a fixed order,
                 so an example takes part every len(data_loader) steps), the strategy is optimised for the
                 horizon, and ε is that of one Gaussian at the strategy's sensitivity (no amplification;
                 see ``sampling`` for the amplified form). ``distributed=True``: each rank its slice of every
@@ -764,7 +770,7 @@ class PrivacyEngine:
                         # one iteration of the loader is one epoch of the horizon (T = epochs × len(data_loader)),
                         # not one pass over the b' parts: a loop of `epochs` passes makes the T planned releases
                         steps=steps_per_epoch,
-                        # data parallel: rank 0's public partition, this rank's slice of every part
+                        # data parallel: rank 0's (secret) assignment, this rank's slice of every part
                         seed=_partition_seed(ctx),
                         rank=ctx.rank,
                         world_size=ctx.world_size,

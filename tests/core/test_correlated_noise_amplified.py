@@ -173,8 +173,8 @@ def test_cyclic_poisson_inclusion_law():
 
 
 def test_ranks_split_one_cyclic_poisson_sample():
-    """Data parallel, W = 2 ranks of one partition (seed 9): N = 61 in b' = 3 parts (21/20/20: uneven slices),
-    q = 0.3, R = 2,000 rounds. Secret noise (each rank its own source): (1) every example a rank draws is in its
+    """Data parallel, W = 2 ranks of one partition (seed 9): N = 61 in b' = 3 balls-in-bins parts (26/20/15: an
+    uneven slice), q = 0.3, R = 2,000 rounds. Secret noise (each rank its own source): (1) every example a rank draws is in its
     own slice of part t mod b' (so the ranks' batches are disjoint and inside the step's part; exact); (2) the
     union's inclusion count of each example over the R rounds is Binomial(R, q) — χ²₆₁ at 1 − 1e-4 as in
     test_cyclic_poisson_inclusion_law (false alarm 1e-4; each rank sampling the WHOLE part would give
@@ -184,7 +184,11 @@ def test_ranks_split_one_cyclic_poisson_sample():
     ranks = [CyclicPoissonBatchSampler(n, parts, q, steps=parts * R, seed=9, rank=r, world_size=2) for r in (0, 1)]
     one = CyclicPoissonBatchSampler(n, parts, q, seed=9)
     slices = [[set(p.tensor_split(2)[r].tolist()) for p in map(torch.tensor, one.partitions)] for r in (0, 1)]
-    assert [len(s) for s in slices[0]] == [11, 10, 10] and [len(s) for s in slices[1]] == [10, 10, 10]
+    sizes = [len(p) for p in one.partitions]
+    assert sizes == [26, 20, 15]  # the partition of seed 9 (balls-in-bins: random sizes, one odd)
+    assert [len(s) for s in slices[0]] == [-(-k // 2) for k in sizes] and [len(s) for s in slices[1]] == [
+        k // 2 for k in sizes
+    ]
     counts = np.zeros(n)
     for t, (a, b) in enumerate(zip(*ranks)):
         assert set(a) <= slices[0][t % parts] and set(b) <= slices[1][t % parts], t

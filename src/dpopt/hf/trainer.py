@@ -73,7 +73,7 @@ What the subclass changes (DESIGN.md, "the privacy boundary"):
 * **Correlated noise** (``noise_mechanism="banded:B"`` / ``"blt"``, docs/correlated-noise.md):
   the horizon T is the Trainer's planned steps (``max_steps``, else
   ``ceil(num_train_epochs × steps per epoch)``), the loader is
-  :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed batches in a fixed
+  :class:`~dpopt.cyclic_batches.CyclicBatchSampler`'s b = ceil(N/B̄) fixed balls-in-bins batches in a fixed
   cyclic order (not Poisson: the sensitivity analysis needs k = ceil(T/b) participations b steps
   apart), ε is one Gaussian at σ/Δ (unamplified). Resuming such a run is refused (the stream
   state is never saved), as are ``max_epsilon`` and ``privacy_unit="user"``. Several processes with a

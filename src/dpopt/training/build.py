@@ -391,10 +391,11 @@ def build_run(
 def run_sampler(run: Run, dist: DistributedContext) -> Any:
     """The run's batch sampler: Poisson over records (this rank's shard under data parallel), or over users
     (:class:`dpopt.users.UserPoissonBatchSampler`, whose ``sample()`` also returns each row's owner), or the
-    cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`; data
-    parallel: every rank cuts rank 0's partition, its seed broadcast, and takes its slice of each batch — the
-    slices are disjoint and their union is the one-process batch), or cyclic Poisson batches
-    (:class:`dpopt.cyclic_batches.CyclicPoissonBatchSampler`; data parallel: rank 0's partition, each rank
+    cyclic batches correlated noise is accounted for (:class:`dpopt.cyclic_batches.CyclicBatchSampler`: each
+    example in one of b batches, i.i.d. uniform — balls-in-bins, so batches may be empty and still release;
+    data parallel: every rank draws rank 0's assignment, its seed broadcast, and takes its slice of each batch —
+    the slices are disjoint and their union is the one-process batch), or cyclic Poisson batches
+    (:class:`dpopt.cyclic_batches.CyclicPoissonBatchSampler`; data parallel: rank 0's assignment, each rank
     Poisson-samples its slice of the step's part — the union is one cyclic Poisson sample). A collective under
     data parallel (and FSDP): every rank calls it."""
     mech = run.optimizer.privatizer.mechanism
@@ -432,8 +433,8 @@ def run_sampler(run: Run, dist: DistributedContext) -> Any:
 
 
 def _partition_seed(dist: DistributedContext) -> int:
-    """A fresh seed for the cyclic partition, rank 0's on every rank (public: the partition protects nothing;
-    its secrecy is not assumed by the analysis, arXiv 2306.08153)."""
+    """A fresh secret seed of the cyclic (or cyclic Poisson) balls-in-bins assignment (:mod:`secrets`; held in
+    memory only, never saved or logged), rank 0's on every rank so that all ranks draw the same assignment."""
     seed = torch.tensor(
         [secrets.randbits(62)], dtype=torch.int64, device=backend_device(dist) if dist.enabled else None
     )
