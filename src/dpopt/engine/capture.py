@@ -579,7 +579,7 @@ class _ProbeLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, o: Tensor, seed: int, row0: int, aside: Callable) -> Tensor:  # type: ignore[override]
+    def forward(ctx, o: Tensor, seed: int, row0: int, aside: Callable) -> Tensor:
         ctx.save_for_backward(o)
         ctx.seed, ctx.row0, ctx.aside = seed, row0, aside
         n = o.shape[0]
@@ -594,7 +594,7 @@ class _ProbeLoss(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
+    def backward(ctx, g: Tensor):
         (o,) = ctx.saved_tensors
         n = o.shape[0]
         grad = torch.empty(o.shape, dtype=o.dtype, device=o.device)  # contiguous: rows are flat slices
@@ -1429,9 +1429,7 @@ class Recorder:
                 # as per-row dot products with a one-tensor backward (_ProbeLoss): no product of the outputs'
                 # size is made beside the pass's activations (issue 34: o·r, 0.125·o and its square were 3
                 # logits [B, T, V] at the first step's peak; bmm's backward still made 3 before _ProbeLoss)
-                return sum(  # type: ignore[return-value]
-                    _ProbeLoss.apply(o, seed, sl.start, replay.set_aside) for o, seed in zip(outs, rs)
-                )
+                return sum(_ProbeLoss.apply(o, seed, sl.start, replay.set_aside) for o, seed in zip(outs, rs))
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)
