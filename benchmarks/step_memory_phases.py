@@ -44,7 +44,6 @@ from dpopt import privatizer as priv_mod  # noqa: E402
 from dpopt.engine import capture as cap_mod  # noqa: E402
 from dpopt.engine import fast as fast_mod  # noqa: E402
 from dpopt.engine import hooks as hooks_mod  # noqa: E402
-from dpopt.engine import layers as layers_mod  # noqa: E402
 from dpopt.optim import DPOptimizer  # noqa: E402
 
 MIB = float(1 << 20)
@@ -67,7 +66,6 @@ PHASES = [
     (DPOptimizer, "apply_release", "apply"),
     (po_mod.PrivateOptimizer, "step", "optimizer.step"),
 ]
-_ = layers_mod
 
 
 def label_methods() -> None:
