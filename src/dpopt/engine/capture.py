@@ -44,7 +44,7 @@ import numbers
 import warnings
 import weakref
 from functools import partial
-from typing import Callable, Optional, Sequence, cast
+from typing import Callable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -548,6 +548,63 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
     """``[n]``: ⟨a_r, b_r⟩ over every dimension but the first, as one batched matmul (no ``a * b`` temporary)."""
     n = a.shape[0]
     return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
+
+
+PROBE_CHUNK = 1 << 16
+"""Normals per float64 slice of the check's test direction ρ (:class:`_ProbeLoss`): 512 KiB."""
+
+
+def _probe_chunks(seed: int, row: int, m: int, chunk: int = PROBE_CHUNK) -> Iterator[tuple[int, int, Tensor]]:
+    """Row ``row`` of the check's test direction ρ (``m`` elements): ``(start, stop, float64 normals)`` slices.
+
+    Each row has its own public generator, seeded ``seed + row`` (the check's direction is not private), so
+    any row is drawn alone, in the same slices forward and backward, and ρ is never held whole.
+    """
+    gen = torch.Generator().manual_seed(seed + row)
+    for s in range(0, m, chunk):
+        t = min(m, s + chunk)
+        yield s, t, torch.randn(t - s, generator=gen, dtype=torch.float64)
+
+
+class _ProbeLoss(torch.autograd.Function):
+    """Per row ``⟨ρ_r, o_r⟩ + ⅛‖o_r‖²`` → ``[n]`` (the first-batch check's loss when the door has none).
+
+    ρ_r: standard normals (float64, rounded to ``o``'s dtype) of row ``row0 + r``'s generator
+    (:func:`_probe_chunks`; inside ``aside()``, the check's :meth:`~dpopt.engine.check.RandomReplay.set_aside`:
+    not the model's draws), drawn slice by slice in the forward and drawn again in the backward, so
+    neither ρ (an output-sized tensor) nor a float64 copy of it is kept through the pass. Backward:
+    ``g_r·(ρ_r + ¼·o_r)`` as ONE tensor of ``o``'s size. Before (issue 34): ρ in float64 and in ``o``'s
+    dtype, and three output-sized products in the backward of the dot products, at the hook door's
+    first-step peak (the GPT-2 shape's logits: 36 MiB each).
+    """
+
+    @staticmethod
+    def forward(ctx, o: Tensor, seed: int, row0: int, aside: Callable) -> Tensor:
+        ctx.save_for_backward(o)
+        ctx.seed, ctx.row0, ctx.aside = seed, row0, aside
+        n = o.shape[0]
+        flat = o.reshape(n, -1)
+        out = 0.125 * _row_dot(o, o)
+        with aside():
+            for r in range(n):
+                dot = torch.zeros((), dtype=out.dtype, device=o.device)
+                for s, t, z in _probe_chunks(seed, row0 + r, flat.shape[1]):
+                    dot += torch.dot(flat[r, s:t], z.to(device=o.device, dtype=o.dtype)).to(out.dtype)
+                out[r] += dot
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (o,) = ctx.saved_tensors
+        n = o.shape[0]
+        grad = torch.empty(o.shape, dtype=o.dtype, device=o.device)  # contiguous: rows are flat slices
+        flat = grad.view(n, -1)
+        with ctx.aside():
+            for r in range(n):
+                for s, t, z in _probe_chunks(ctx.seed, ctx.row0 + r, flat.shape[1]):
+                    flat[r, s:t].copy_(z)
+        grad.add_(o, alpha=0.25)
+        return grad.mul_(g.view(-1, *([1] * (o.dim() - 1))).to(grad.dtype)), None, None, None
 
 
 def _dropped(g: Tensor) -> Tensor:
@@ -1359,21 +1416,20 @@ class Recorder:
         gen = torch.Generator().manual_seed(0)  # not private: a test direction for the check only
         replay = RandomReplay(plan.model)
         if row_loss is None:
-            rs: list[Tensor] = []
+            rs: list[int] = []
 
             def row_loss(out, sl: slice) -> Tensor:
                 outs = [o for o in leaves(out) if o.is_floating_point()]
-                if not rs:
+                if not rs:  # one generator seed per output (its rows: seed + row, _probe_chunks)
                     with replay.set_aside():  # not the model's draws (a checkpointed backward draws after them)
-                        rs.extend(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs)
+                        rs.extend(int(torch.randint(1 << 62, (), generator=gen)) for _ in outs)
                 # ⟨ρ_r, out_r⟩ + ½‖out_r‖²/4: the quadratic term makes each row's output gradient depend on its
                 # output's value, so a call that mixes examples is caught also where no trainable layer follows
                 # it (an enclosing call's vjp, engine.lift, receives the batched pass's output gradient)
-                # as per-row dot products (bmm): no product of the outputs' size is made beside the pass's
-                # activations (issue 34: o·r, 0.125·o and its square were 3 logits [B, T, V] at the first step's peak)
-                return sum(  # type: ignore[return-value]
-                    _row_dot(o, r[sl]) + 0.125 * _row_dot(o, o) for o, r in zip(outs, rs)
-                )
+                # as per-row dot products with a one-tensor backward (_ProbeLoss): no product of the outputs'
+                # size is made beside the pass's activations (issue 34: o·r, 0.125·o and its square were 3
+                # logits [B, T, V] at the first step's peak; bmm's backward still made 3 before _ProbeLoss)
+                return sum(_ProbeLoss.apply(o, seed, sl.start, replay.set_aside) for o, seed in zip(outs, rs))
 
         def loss_of(out) -> Tensor:
             outs = leaves(out)

@@ -153,6 +153,18 @@ def _rows(mask: Tensor, t: Tensor) -> Tensor:
     return torch.where(mask.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
+def _kept(bad: Tensor, *ts: Tensor) -> list[Tensor]:
+    """The rows (examples, dim 0) of each of ``ts`` where ``bad`` ([B] bool) is False, in order.
+
+    For a sum Σ_i c_i g_i that takes the flagged (non-finite) rows as 0: only the kept rows are copied,
+    where :func:`_rows` made a full-size copy of each operand. The first-batch check asks for one
+    example's gradient this way (every other row flagged): a copy of one row, not of the layer's whole
+    output gradient (issue 34: the head's ``[B, T, V]``, 37 MiB at the GPT-2 shape's first-step peak).
+    """
+    keep = torch.nonzero(~bad).flatten()
+    return [t.index_select(0, keep) for t in ts]
+
+
 def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int) -> Tensor:
     """``[n]`` squared norms of a block with no per-example gradient (no call, or no example): each
     example's gradient is 0, so its geometry norm is ‖(0 − m)/b‖² (0 without a shift)."""
@@ -167,8 +179,8 @@ def cached_grad_sum(cache: Sequence[Tensor], c: Tensor, bad: Optional[Tensor]) -
     total, s = None, 0
     for g in cache:
         t = s + g.shape[0]
-        gg = _rows(bad[s:t], g) if bad is not None else g
-        part = torch.tensordot(c[s:t].to(g.dtype), gg, dims=1)
+        cc, gg = _kept(bad[s:t], c[s:t], g) if bad is not None else (c[s:t], g)
+        part = torch.tensordot(cc.to(g.dtype), gg, dims=1)
         total = part if total is None else total + part
         s = t
     return total  # type: ignore[return-value]
@@ -242,7 +254,7 @@ class DirectBlock:
         out = []
         for g, c in zip(self.grads, coefs):
             if bad is not None:
-                g = _rows(bad, g)
+                c, g = _kept(bad, c, g)
             out.append(torch.tensordot(c.to(g.dtype), g, dims=1))
         return out
 
@@ -277,7 +289,7 @@ class LinearPart:
         """Σ_i c_i Σ_t e_it a_itᵀ, shape ``[q, p]`` (one GEMM)."""
         a, e = self.a, self.e
         if bad is not None:
-            a, e = _rows(bad, a), _rows(bad, e)
+            c, a, e = _kept(bad, c, a, e)
         q, p = e.shape[-1], a.shape[-1]
         c = c.to(a.dtype)
         if p <= q:  # scale the smaller operand
