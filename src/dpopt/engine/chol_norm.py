@@ -31,7 +31,8 @@ of the factorisation (≤ (γ_n + γ_{T+1})·‖N‖_F²‖W‖_F², Higham Thm 
 **Error bound (Higham 2002, §3.5, eq. 3.13).** The cast of L̂ to float32 (one rounding per entry) and the
 float32 product (≤ T terms per entry) give |fl(M) − M| ≤ γ_{T+1}·|L̂|ᵀ|W| entrywise, and
 ‖|L̂|ᵀ|W|‖_F ≤ ‖L̂‖_F‖W‖_F; the direct form's fl(EᵀA) errs by γ_T·|E|ᵀ|A|, ‖|E|ᵀ|A|‖_F ≤ ‖A‖_F‖E‖_F.
-:func:`cholesky_sq_norms` adds 2u₃₂·‖L̂‖_F‖W‖_F to the computed norm (γ_{T+1} − γ_T ≤ 2u₃₂), so with
+:func:`cholesky_sq_norms` adds 2u₃₂·‖L̂‖_F‖W‖_F to the computed norm (γ_{T+1} − γ_T ≤ 2u₃₂; ‖W‖_F from one
+float32 pass, rounded up by its own bound), so with
 ‖L̂‖_F² = tr(K + J) (1 + O(u₆₄))::
 
     ‖G_i‖ − γ_T·‖L̂‖_F‖W‖_F ≤ result^½ ≤ ‖G_i‖ + (γ_{T+1} + 2u₃₂)·‖L̂‖_F‖W‖_F + (2δ)^½·‖N‖_F‖W‖_F
@@ -82,6 +83,19 @@ def _product_dtype(wide: Tensor) -> torch.dtype:
     return torch.float64
 
 
+def _sq_norm_upper(flat: Tensor) -> Tensor:
+    """An upper bound of each row's ‖x‖² (``[b, m]`` float32 → ``[b]`` float64): one float32 pass, divided by
+    1 − γ_{m+1} (m non-negative squares summed in any order: relative error ≤ γ_{m+1}, Higham 2002, §3.1);
+    the float64 sum where γ_{m+1} ≥ 1/2. Only the bound's correction term uses it."""
+    from .layers import row_sq_norms64
+
+    m = flat.shape[1] + 1
+    gamma = m * _U32 / (1 - m * _U32) if m * _U32 < 0.5 else 1.0
+    if gamma >= 0.5:
+        return row_sq_norms64(flat)
+    return torch.linalg.vecdot(flat, flat, dim=1).double() / (1 - gamma)
+
+
 def cholesky_sq_norms(narrow: Tensor, wide: Tensor, blocks: int = TRIANGLE_BLOCKS) -> Tensor:
     """Per-example ‖N_iᵀ W_i‖_F² (= ‖E_iᵀA_i‖_F² with N, W the narrow and wide side), ``[b]`` float64.
 
@@ -121,7 +135,7 @@ def cholesky_sq_norms(narrow: Tensor, wide: Tensor, blocks: int = TRIANGLE_BLOCK
         m = torch.bmm(lw[:, s:, s : s + h].transpose(1, 2), ww[:, s:])  # [b, h, w]
         total += row_sq_norms64(m.flatten(1))
     if dtype == torch.float32:  # γ_{T+1} − γ_T ≤ 2u: the direct form's under-estimate bound (docstring)
-        wn = row_sq_norms64(ww.reshape(b, -1)).sqrt()
+        wn = _sq_norm_upper(ww.reshape(b, -1)).sqrt()
         ln = torch.linalg.vector_norm(low.flatten(1), dim=1)
         total = (total.sqrt() + 2 * _U32 * ln * wn).square()
     failed = info != 0
