@@ -445,9 +445,10 @@ CHOL_GRAM64_PER_MAC = 1.7
 ``bmm`` (norms only, one thread, the GPT-2/BERT layer shapes: 1.6–1.9, docs/performance.md, "Transformer
 steps: profile and floor")."""
 
-CHOL_FACTOR_PER_MAC = 3.0
+CHOL_FACTOR_PER_MAC = 5.0
 """Time of the Cholesky factorisation of a ``[T, T]`` matrix (float64, T³/3 multiply-adds, one LAPACK call per
-example) per T³/3 float32 multiply-adds of the direct form (fitted to the same measurement: 1–4)."""
+example) and the per-block overheads, per T³/3 float32 multiply-adds of the direct form: fitted to the
+``transformer_floor.py`` run of 2026-12-06 14:30 (the fc/fc2 shapes even with the direct form, 0.97–1.05)."""
 
 
 def chol_cost(t: int, p: int, q: int) -> float:
@@ -455,9 +456,10 @@ def chol_cost(t: int, p: int, q: int) -> float:
 
     With n = min(p, q), w = max(p, q): the float32 product T²·w (relative T/n), the float64 Gram of the
     narrow side T²·n (relative :data:`CHOL_GRAM64_PER_MAC`·T/w) and the factorisation T³/3
-    (relative :data:`CHOL_FACTOR_PER_MAC`·T²/(n·w)). Measured (CPU time, one thread, B 8, T 128):
-    0.56 of the direct form on the GPT-2 head (p 256, q 8192; model 0.55), 0.78 on fc/fc2 (256 ↔ 1024;
-    model 0.88), 1.08 on qkv (256 → 768; model 1.03), 1.9 on proj (256 → 256; model 2.1).
+    (relative :data:`CHOL_FACTOR_PER_MAC`·T²/(n·w)). Measured (CPU time, one thread, B 8, T 128,
+    ``benchmarks/transformer_floor.py``, docs/performance.md, "The Cholesky form"): 0.61 of the direct form
+    on the GPT-2 head (p 256, q 8192; model 0.57), 0.85–1.17 on fc/fc2 (256 ↔ 1024, median ≈ 1.03; model
+    1.03), 1.2 on qkv (256 → 768; model 1.2), 1.9 on proj (256 → 256; model 2.6).
     """
     n, w = min(p, q), max(p, q)
     return t / n + CHOL_GRAM64_PER_MAC * t / w + CHOL_FACTOR_PER_MAC * t * t / (n * w)
