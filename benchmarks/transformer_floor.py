@@ -12,8 +12,10 @@ the model (every factored block of a real ``iter_per_sample_sources`` source, it
   (every parameter frozen, the embedding output requiring grad), i.e. the capture's floor;
 * per layer: the direct norm (``bmm`` of ``[B, q, T]·[B, T, p]`` in float32, squared norms in float64 slices:
   the engine's direct form), the Gram norm in float64 (the engine's Gram form: float64 because the terms
-  cancel, docs/performance.md) and in float32 (the FLOP floor of the ghost norm, not safe to use), and the
-  weight-gradient GEMM ``Eᵀ A`` (the clipped sum, which replaces the non-private weight gradient);
+  cancel, docs/performance.md) and in float32 (the FLOP floor of the ghost norm, not safe to use), the
+  Cholesky form (``engine/chol_norm.py``: float64 Gram of the narrow side, its Cholesky factor, the product
+  with the wide side in float32), and the weight-gradient GEMM ``Eᵀ A`` (the clipped sum, which replaces
+  the non-private weight gradient);
 * the noise for every trainable parameter: dpopt's secret sampler (float64, tail-preserving) and torch's
   float32 ``normal_`` (what Opacus draws);
 * the engine's own step parts (capture, norms, clipped sums, noise), by wrapping its methods.
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 import transformer_step as ts  # noqa: E402
 
 from dpopt.engine import fast, iter_per_sample_sources  # noqa: E402
+from dpopt.engine.chol_norm import cholesky_sq_norms  # noqa: E402
 from dpopt.engine.layers import FactoredBlock, row_sq_norms64  # noqa: E402
 from dpopt.noise import CpuNormalDraw, NoiseSource  # noqa: E402
 
@@ -62,13 +65,19 @@ def layer_shapes(name: str) -> list[tuple[int, int, int, int]]:
 
 
 def kernels(b: int, t: int, p: int, q: int, reps: int) -> dict[str, float]:
-    """Per-layer kernels alone (ms): direct norm, Gram norm float64 / float32, weight-gradient GEMM."""
+    """Per-layer kernels alone (ms): direct norm, Gram norm float64 / float32, Cholesky form, weight-gradient GEMM."""
     g = torch.Generator().manual_seed(0)
     a, e = torch.randn(b, t, p, generator=g), torch.randn(b, t, q, generator=g)
     # examples in chunks of at most 16 MiB of temporaries, as the engine's Budget.chunk_bytes (a whole-batch
     # float64 copy of the head's [8, 128, 8192] output gradients is 64 MiB of fresh pages: slower per FLOP)
     step_direct = max(1, min(b, (16 << 20) // ((2 * p * q + (p + q) * t) * 4)))
     step_gram = max(1, min(b, (16 << 20) // ((2 * t * t + (p + q) * t) * 8)))
+    n, w = min(p, q), max(p, q)
+    step_chol = max(1, min(b, (16 << 20) // ((3 * t * t + n * t) * 8 + 2 * w * t * 4)))
+    narrow, wide = (a, e) if p <= q else (e, a)
+
+    def chol():
+        return [cholesky_sq_norms(narrow[s : s + step_chol], wide[s : s + step_chol]) for s in range(0, b, step_chol)]
 
     def direct():
         return [
@@ -87,6 +96,7 @@ def kernels(b: int, t: int, p: int, q: int, reps: int) -> dict[str, float]:
         "direct": med_ms(direct, reps),
         "gram64": med_ms(lambda: gram(torch.float64), reps),
         "gram32": med_ms(lambda: gram(torch.float32), reps),
+        "chol": med_ms(chol, reps),
         "wgrad": med_ms(lambda: e.reshape(-1, q).t() @ a.reshape(-1, p), reps),
     }
 
@@ -170,7 +180,7 @@ def main(argv=None) -> None:
         rows, best, best32, wgrad = [], 0.0, 0.0, 0.0
         for shape, k in [(s, kernels(*s, args.reps)) for s in layer_shapes(name)]:
             b, t, p, q = shape
-            safe = min(k["direct"], k["gram64"])
+            safe = min(k["direct"], k["gram64"], k["chol"])
             best += safe
             best32 += min(k["direct"], k["gram32"])
             wgrad += k["wgrad"]
@@ -182,12 +192,13 @@ def main(argv=None) -> None:
         )
         print("  dp-sgd step parts (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in eng.items()))
         print(
-            f"  {'B':>3s} {'T':>4s} {'p':>5s} {'q':>5s} {'r':>5s} {'direct':>7s} {'gram64':>7s} {'gram32':>7s} {'wgrad':>6s}"
+            f"  {'B':>3s} {'T':>4s} {'p':>5s} {'q':>5s} {'r':>5s} {'direct':>7s} {'gram64':>7s} {'gram32':>7s} "
+            f"{'chol':>7s} {'wgrad':>6s}"
         )
         for (b, t, p, q), r, k, _ in rows:
             print(
                 f"  {b:3d} {t:4d} {p:5d} {q:5d} {r:5.2f} {k['direct']:7.1f} {k['gram64']:7.1f} {k['gram32']:7.1f} "
-                f"{k['wgrad']:6.1f}"
+                f"{k['chol']:7.1f} {k['wgrad']:6.1f}"
             )
         sec, t32 = noise["secret float64 sampler"], noise["torch float32 normal_"]
         print(

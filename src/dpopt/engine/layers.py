@@ -29,7 +29,12 @@ picks per layer the cheapest exact form:
 
 * **direct form** (book-keeping, Bu et al. 2023): materialise g_i in chunks of
   examples (bounded memory), cost B·T·p·q; the chunks are kept for the clipped
-  sum when they fit the source's cache budget, which then costs B·p·q.
+  sum when they fit the source's cache budget, which then costs B·p·q;
+
+* **Cholesky form** (flat geometry only, :mod:`~dpopt.engine.chol_norm`): with
+  N the narrow side (width n = min(p, q)) and W the wide one, K_i = N_i N_iᵀ =
+  L_i L_iᵀ in float64 and ‖g_i‖² = ‖L_iᵀ W_i‖² with the product in float32 —
+  B·T²·w float32 plus B·T²·n float64, the direct form's linear rounding.
 
 Clipped sums of factored weights are Σ_i c_i g_i = Eᵀ diag(c) A (one matrix
 product, or torch's convolution weight-gradient kernel for Conv2d).
@@ -54,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .chol_norm import cholesky_sq_norms
 from .shifted_norm import shifted_sq_norms
 
 __all__ = [
@@ -74,6 +80,9 @@ __all__ = [
     "CACHE_SHARE",
     "derived_cache_bytes",
     "form_costs",
+    "chol_cost",
+    "CHOL_GRAM64_PER_MAC",
+    "CHOL_FACTOR_PER_MAC",
     "plan_caches",
     "row_sq_norms64",
     "ROW_NORM_COLUMNS",
@@ -443,20 +452,47 @@ norms from materialised chunks, then the clipped sum as one more GEMM Eᵀ diag(
 at r = 0.62, 1.4–1.7× slower at r ≥ 0.67."""
 
 
-def form_costs(ratio: float, flat: bool) -> tuple[float, float]:
+CHOL_GRAM64_PER_MAC = 1.7
+"""Time of one float64 multiply-add of a Gram matrix ``[T, n]·[n, T]`` over one of the direct form's float32
+``bmm`` (norms only, one thread, the GPT-2/BERT layer shapes: 1.6–1.9, docs/performance.md, "Transformer
+steps: profile and floor")."""
+
+CHOL_FACTOR_PER_MAC = 5.0
+"""Time of the Cholesky factorisation of a ``[T, T]`` matrix (float64, T³/3 multiply-adds, one LAPACK call per
+example) and the per-block overheads, per T³/3 float32 multiply-adds of the direct form: fitted to the
+``transformer_floor.py`` run of 2026-12-06 14:30 (the fc/fc2 shapes even with the direct form, 0.97–1.05)."""
+
+
+def chol_cost(t: int, p: int, q: int) -> float:
+    """Time of the Cholesky form's norms (:mod:`~dpopt.engine.chol_norm`) over the direct form's norms.
+
+    With n = min(p, q), w = max(p, q): the float32 product T²·w (relative T/n), the float64 Gram of the
+    narrow side T²·n (relative :data:`CHOL_GRAM64_PER_MAC`·T/w) and the factorisation T³/3
+    (relative :data:`CHOL_FACTOR_PER_MAC`·T²/(n·w)). Measured (CPU time, one thread, B 8, T 128,
+    ``benchmarks/transformer_floor.py``, docs/performance.md, "The Cholesky form"): 0.61 of the direct form
+    on the GPT-2 head (p 256, q 8192; model 0.57), 0.85–1.17 on fc/fc2 (256 ↔ 1024, median ≈ 1.03; model
+    1.03), 1.2 on qkv (256 → 768; model 1.2), 1.9 on proj (256 → 256; model 2.6).
+    """
+    n, w = min(p, q), max(p, q)
+    return t / n + CHOL_GRAM64_PER_MAC * t / w + CHOL_FACTOR_PER_MAC * t * t / (n * w)
+
+
+def form_costs(ratio: float, flat: bool, chol: float = math.inf) -> tuple[float, float]:
     """Time of a factored layer's norms + clipped sum, ``(with its per-example gradients cached, without)``.
 
     In units of the cached direct form (B·T·p·q multiply-adds, then a pass over
     ``[B, q, p]``); ``ratio`` = r = T(p+q)/(pq). The Gram form costs
     r / :data:`GRAM_WITH_CACHE_BELOW` (float64: ≈ 3·r), the direct form with a
     recomputed sum :data:`GRAM_WITHOUT_CACHE_BELOW` / :data:`GRAM_WITH_CACHE_BELOW`
-    (≈ 1.7); each side takes its cheaper form, Gram only in the flat
-    geometry. Anchored on the two measured thresholds (docs/performance.md,
-    "Gram or direct").
+    (≈ 1.7), the Cholesky form ``chol`` (its norms relative to the direct
+    form's, :func:`chol_cost`) plus the recomputed sum (≈ 0.7); each side
+    takes its cheapest form, Gram and Cholesky only in the flat geometry.
+    Anchored on the two measured thresholds (docs/performance.md, "Gram or direct").
     """
-    gram = ratio / GRAM_WITH_CACHE_BELOW if flat else math.inf
     recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
-    return min(1.0, gram), min(recompute, gram)
+    gram = ratio / GRAM_WITH_CACHE_BELOW if flat else math.inf
+    chol_total = chol + recompute - 1.0 if flat else math.inf
+    return min(1.0, gram, chol_total), min(recompute, gram, chol_total)
 
 
 def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget: "Budget") -> list[bool]:
@@ -489,7 +525,7 @@ def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget:
         blk.cache_ok = False
         if blk.closed_form() or not blk.parts or blk.B == 0:
             continue
-        cached, uncached = form_costs(blk.ratio(), fl)
+        cached, uncached = form_costs(blk.ratio(), fl, blk.chol_cost())
         if uncached > cached:
             gains.append(((uncached - cached) * blk.T / blk.itemsize(), k))
     for _gain, k in sorted(gains, key=lambda g: (-g[0], g[1])):
@@ -530,9 +566,11 @@ class FactoredBlock:
 
     Form chosen per layer and geometry (module docstring): T = 1 closed
     forms; otherwise, with r = T·(p+q)/(p·q) (Gram's B·T²·(p+q) operations over
-    the direct form's B·T·p·q), in flat geometry Gram when r <
+    the direct form's B·T·p·q), in flat geometry the cheapest of Gram, Cholesky
+    and the direct form by :func:`form_costs` (Gram when r <
     :data:`GRAM_WITH_CACHE_BELOW`, or when r < :data:`GRAM_WITHOUT_CACHE_BELOW`
-    and the per-sample gradients are not cached; else the direct form, its
+    and the per-sample gradients are not cached, unless :func:`chol_cost` is
+    lower); else the direct form, its
     chunks cached for the clipped sum when :func:`plan_caches` chose this
     layer (``cache_ok``; a block used alone reserves from its budget on first
     use), its sum recomputed as one GEMM otherwise.
@@ -555,6 +593,25 @@ class FactoredBlock:
     def ratio(self) -> float:
         """r = T(p+q)/(pq): the Gram form's work over the direct form's."""
         return self.T * (self.p + self.q) / (self.p * self.q)
+
+    def chol_cost(self) -> float:
+        """The Cholesky form's norms over the direct form's (:func:`chol_cost`); inf for a conv layer."""
+        if any(not isinstance(pt, LinearPart) for pt in self.parts):
+            return math.inf
+        return chol_cost(self.T, self.p, self.q)
+
+    def cheapest_form(self, flat: bool, cached: bool) -> str:
+        """``"gram"``, ``"chol"`` or ``"direct"``: the cheapest form in the clip geometry (:func:`form_costs`) when the
+        per-example gradients are kept (``cached``) or not."""
+        recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
+        if not flat:
+            return "direct"
+        costs = {
+            "direct": 1.0 if cached else recompute,
+            "gram": self.ratio() / GRAM_WITH_CACHE_BELOW,
+            "chol": self.chol_cost() + recompute - 1.0,
+        }
+        return min(costs, key=lambda k: costs[k])
 
     def closed_form(self) -> bool:
         """True if the norms take the T = 1 closed forms (no per-example gradient, no cache)."""
@@ -599,15 +656,14 @@ class FactoredBlock:
         if self._cache is not None:
             keep = True  # reuse the cached per-sample gradients
         else:
-            ratio = self.ratio()
             flat = m is None and b is None
-            if flat and ratio < GRAM_WITH_CACHE_BELOW:
-                self.form = "gram"
-                return [self._gram()]
-            keep = self.budget.take(nbytes) if self.cache_ok is None else self.cache_ok
-            if flat and not keep and ratio < GRAM_WITHOUT_CACHE_BELOW:
-                self.form = "gram"
-                return [self._gram()]
+            form = self.cheapest_form(flat, cached=True)  # cheaper than even the cached direct form: no cache
+            if form == "direct":
+                keep = self.budget.take(nbytes) if self.cache_ok is None else self.cache_ok
+                form = "direct" if keep else self.cheapest_form(flat, cached=False)
+            if form != "direct":
+                self.form = form
+                return [self._gram() if form == "gram" else self._chol()]
         self.form = "direct"
         return [self._direct(m, b, keep, nbytes)]
 
@@ -644,6 +700,24 @@ class FactoredBlock:
             ge = torch.bmm(et.transpose(1, 2), et)
             out.append((ga * ge).sum((1, 2)))
         return torch.cat(out).clamp_min_(0.0).to(self._dtype())
+
+    def _chol(self) -> Tensor:
+        """‖g_i‖² by the Cholesky form (:func:`~dpopt.engine.chol_norm.cholesky_sq_norms`), in chunks of examples.
+
+        The narrow side's ``[T, T]`` float64 Gram matrix and factor, and the ``[w, T]`` float32
+        products, of at most ``budget.chunk_bytes`` per chunk.
+        """
+        narrow, wide = ("at", "et") if self.p <= self.q else ("et", "at")  # [b, width, T] views
+        n, w = min(self.p, self.q), max(self.p, self.q)
+        per = (3 * self.T * self.T + n * self.T) * 8 + 2 * w * self.T * torch.finfo(self._dtype()).bits // 8
+        step = max(1, min(self.B, self.budget.chunk_bytes // max(1, per)))
+        out = []
+        for s in range(0, self.B, step):
+            t = min(self.B, s + step)
+            out.append(
+                cholesky_sq_norms(self._cat(narrow, s, t).transpose(1, 2), self._cat(wide, s, t).transpose(1, 2))
+            )
+        return torch.cat(out).to(self._dtype())
 
     def _direct(self, m: Optional[Tensor], b: Optional[Tensor], keep: bool, nbytes: int) -> Tensor:
         out = []
