@@ -54,22 +54,29 @@ class _FailsInLargePasses(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def _private(model: nn.Module):
-    torch.manual_seed(0)
-    x, y = torch.randn(B, 6), torch.randint(0, 3, (B,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+def private_one_batch(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer=torch.optim.Adam):
+    """``PrivacyEngine().make_private`` of ``model`` with ``optimizer(params, lr=0.1)``, σ = 1, C = 1, over a loader
+    of the one batch ``(x, y)`` (``x``: [n, ...], ``y``: [n]; batch_size n, no Poisson sampling), its warnings
+    silenced. Returns ``(engine, model, opt)``: the wrapped model and optimizer."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
     engine = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, _ = engine.make_private(
             module=model,
-            optimizer=torch.optim.Adam(model.parameters(), lr=0.1),
+            optimizer=optimizer(model.parameters(), lr=0.1),
             data_loader=loader,
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
         )
-    return engine, model, opt, x, y
+    return engine, model, opt
+
+
+def _private(model: nn.Module):
+    torch.manual_seed(0)
+    x, y = torch.randn(B, 6), torch.randint(0, 3, (B,))
+    return (*private_one_batch(model, x, y), x, y)
 
 
 def _backward(model, x, y) -> None:
@@ -221,18 +228,7 @@ def test_an_unsupported_layer_call_found_late_releases_nothing():
     model = _ReshapesLargeBatches()
     torch.manual_seed(0)
     x, y = torch.randn(7, 6), torch.randint(0, 7, (7,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=7)
-    engine = dpopt.PrivacyEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, _ = engine.make_private(
-            module=model,
-            optimizer=torch.optim.Adam(model.parameters(), lr=0.1),
-            data_loader=loader,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-        )
+    engine, model, opt = private_one_batch(model, x, y)
     before = _trace(engine, model, opt)
     for _ in range(3):  # and the loop cannot step past it
         opt.zero_grad()

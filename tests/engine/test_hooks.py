@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_deferred_check_refusal import _MixesInLargeBatches, private_one_batch
 from torch import nn
 
 from dpopt.engine.hooks import HookCapture, grad_sample_source
@@ -223,45 +224,16 @@ def test_grad_sample_adapter():
         grad_sample_source(list(lin.parameters()))
 
 
-class _MixesInLargeBatches(nn.Module):
-    """Centres its hidden layer over the batch, but only for batches of more than 4 rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3)
-
-    def forward(self, x):
-        h = self.fc1(x)
-        if h.shape[0] > 4:
-            h = h - h.mean(0)
-        return self.fc2(torch.tanh(h))
-
-
 def test_check_at_the_batch_size_runs_after_the_sums_and_refuses_before_the_release():
     """PrivacyEngine defers the check's pass at the batch's size (issue 34: memory) — still before any release.
 
     The small verification sizes (≤ 4 rows) cannot see this mixing; the pass at the batch's size (8) can.
     The step must raise and leave the parameters, the step count and the accounting untouched.
     """
-    import warnings
-
-    import dpopt
-
     torch.manual_seed(0)
     model = _MixesInLargeBatches()
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    engine = dpopt.PrivacyEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, _ = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=loader,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-        )
+    engine, model, opt = private_one_batch(model, x, y, optimizer=torch.optim.SGD)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
