@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from test_norm_numerics import cancelling_pair
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -105,16 +106,7 @@ def test_float64_inputs_give_the_exact_norm_plus_at_most_the_jitter(case):
 def test_no_cancellation_where_float32_gram_fails():
     """g = (e₁ + e₂)a₁ᵀ with e₂ = −e₁ + δ: ‖g‖² = 25 under Gram terms of ≈ 1e10 (the case of
     ``test_gram_form_does_not_cancel_in_float32``); here K = [[‖a‖², ‖a‖²], [‖a‖², ‖a‖²]] is singular."""
-    p = q = 64
-    gen = torch.Generator().manual_seed(0)
-    a1 = torch.randn(p, generator=gen, dtype=torch.float64)
-    a1 = a1 / a1.norm() * 100.0
-    e1 = torch.randn(q, generator=gen, dtype=torch.float64)
-    e1 = e1 / e1.norm() * 1e3
-    d = torch.randn(q, generator=gen, dtype=torch.float64)
-    d = d / d.norm() * 0.05
-    a = torch.stack([a1, a1]).unsqueeze(0).float()
-    e = torch.stack([e1, -e1 + d]).unsqueeze(0).float()
+    a, e = cancelling_pair()
     got = cholesky_sq_norms(a, e)
     want = torch.einsum("btq,btp->bqp", e.double(), a.double()).flatten(1).square().sum(1)
     assert float(want) > 1.0

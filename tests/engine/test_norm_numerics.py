@@ -128,15 +128,11 @@ def test_dense_block_result_keeps_dtype(dtype):
     assert out.dtype == dtype and torch.allclose(out.double(), _truth(g, torch.ones(4), None), rtol=1e-6)
 
 
-def test_gram_form_does_not_cancel_in_float32():
-    """Two positions whose gradients nearly cancel: g = (e₁ + e₂)a₁ᵀ with e₂ = −e₁ + δ.
-
-    ‖g‖² = ‖δ‖²‖a‖² = 25 here, while the Gram terms are ≈ 1e10: a float32 sum of them
-    (relative error ~6e-8 of 4e10 ≈ 2.4e3) cannot resolve 25; the float64 evaluation can.
-    """
-    from dpopt.engine.layers import Budget, FactoredBlock, LinearPart
-
-    p = q = 64
+def cancelling_pair(p: int = 64, q: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example, two positions whose gradients nearly cancel: activations a = [a₁, a₁] (‖a₁‖ = 100) and
+    output gradients e = [e₁, −e₁ + δ] (‖e₁‖ = 1e3, ‖δ‖ = 0.05), drawn in float64 from seed 0 and cast to float32.
+    g = Σ_t e_t a_tᵀ = δa₁ᵀ, so ‖g‖² = ‖δ‖²‖a₁‖² = 25 while the Gram terms are ≈ 1e10.
+    Returns ``(a, e)``: [B=1, T=2, p] and [1, 2, q], float32."""
     gen = torch.Generator().manual_seed(0)
     a1 = torch.randn(p, generator=gen, dtype=torch.float64)
     a1 = a1 / a1.norm() * 100.0
@@ -146,6 +142,19 @@ def test_gram_form_does_not_cancel_in_float32():
     delta = delta / delta.norm() * 0.05
     a = torch.stack([a1, a1]).unsqueeze(0).float()  # [B=1, T=2, p]
     e = torch.stack([e1, -e1 + delta]).unsqueeze(0).float()
+    return a, e
+
+
+def test_gram_form_does_not_cancel_in_float32():
+    """Two positions whose gradients nearly cancel: g = (e₁ + e₂)a₁ᵀ with e₂ = −e₁ + δ.
+
+    ‖g‖² = ‖δ‖²‖a‖² = 25 here, while the Gram terms are ≈ 1e10: a float32 sum of them
+    (relative error ~6e-8 of 4e10 ≈ 2.4e3) cannot resolve 25; the float64 evaluation can.
+    """
+    from dpopt.engine.layers import Budget, FactoredBlock, LinearPart
+
+    p = q = 64
+    a, e = cancelling_pair(p, q)
     blk = FactoredBlock(0, (q, p), [LinearPart(a, e)], Budget(16 << 20, 0), 1)
     got = blk.sq_norms([(None, None)])[0]
     assert blk.form == "gram"
