@@ -102,6 +102,24 @@ def float64():
     torch.set_default_dtype(old)
 
 
+@pytest.fixture
+def releases(monkeypatch):
+    """Every ``Release`` that ``Privatizer.release`` returns in this test, in order (a list, appended to as the
+    test runs; the method is wrapped through ``monkeypatch``, so it is restored after the test)."""
+    from dpopt.privatizer import Privatizer
+
+    out = []
+    original = Privatizer.release
+
+    def recorded(self, *a, **kw):
+        rel = original(self, *a, **kw)
+        out.append(rel)
+        return rel
+
+    monkeypatch.setattr(Privatizer, "release", recorded)
+    return out
+
+
 @pytest.fixture(scope="session")
 def leaky():
     """The deliberately leaky privatizers and ledger checks of ``tests/auditing/leaky.py`` (test-only module).

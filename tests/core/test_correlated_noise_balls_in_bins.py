@@ -22,26 +22,10 @@ from dpopt import PrivacyEngine
 from dpopt.cyclic_batches import CyclicBatchSampler, CyclicPoissonBatchSampler, balls_in_bins
 from dpopt.data import Dataset
 from dpopt.noise import NoiseSource
-from dpopt.privatizer import Privatizer
 from dpopt.training import TrainConfig, build_run
 from dpopt.training.loop import run_steps
 
 ALPHA = 1e-4  # the error rate of each chi-square test below (a correct sampler fails it with probability 1e-4)
-
-
-@pytest.fixture
-def releases(monkeypatch):
-    """Every Release the Privatizer returns in this test, in order."""
-    out = []
-    original = Privatizer.release
-
-    def recorded(self, *a, **kw):
-        rel = original(self, *a, **kw)
-        out.append(rel)
-        return rel
-
-    monkeypatch.setattr(Privatizer, "release", recorded)
-    return out
 
 
 def _part_of(sampler: CyclicBatchSampler, i: int) -> int:

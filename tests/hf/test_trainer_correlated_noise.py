@@ -27,7 +27,6 @@ from dpopt.accounting.matrix_factorization import check_record  # noqa: E402
 from dpopt.cyclic_batches import CyclicBatchSampler  # noqa: E402
 from dpopt.hf import DPTrainer  # noqa: E402
 from dpopt.noise import NoiseSource  # noqa: E402
-from dpopt.privatizer import Privatizer  # noqa: E402
 
 V, L = 37, 8
 
@@ -91,21 +90,6 @@ def _gaussian_epsilon(mu: float, delta: float) -> float:
         return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
 
     return brentq(gap, 0.0, 200.0, xtol=1e-12)
-
-
-@pytest.fixture
-def releases(monkeypatch):
-    """Every Release the Privatizer returns in this test, in order."""
-    out = []
-    original = Privatizer.release
-
-    def recorded(self, *a, **kw):
-        rel = original(self, *a, **kw)
-        out.append(rel)
-        return rel
-
-    monkeypatch.setattr(Privatizer, "release", recorded)
-    return out
 
 
 class Recording(DPTrainer):
