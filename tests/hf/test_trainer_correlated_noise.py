@@ -77,10 +77,17 @@ def targs(out, **kw):
     return T.TrainingArguments(str(out), **base)
 
 
-def trainer(tmp_path, cls=DPTrainer, **kwargs):
+def trainer(tmp_path, cls=DPTrainer, *, train_args: dict | None = None, **kwargs):
     """A ``cls`` (DPTrainer or a subclass) on a fresh tiny GPT-2 over ``Tokens()`` (N = 32) at record level, with
-    :func:`targs` (batch 2 × 2 accumulation, 12 steps); ``kwargs`` (the privacy settings) go to it."""
-    return cls(model=gpt2(), args=targs(tmp_path), train_dataset=Tokens(), privacy_unit="record", **kwargs)
+    :func:`targs` (batch 2 × 2 accumulation, 12 steps) updated by ``train_args``; ``kwargs`` (the privacy settings)
+    go to it."""
+    return cls(
+        model=gpt2(),
+        args=targs(tmp_path, **(train_args or {})),
+        train_dataset=Tokens(),
+        privacy_unit="record",
+        **kwargs,
+    )
 
 
 def _gaussian_epsilon(mu: float, delta: float) -> float:
@@ -126,11 +133,9 @@ def test_cyclic_batches_horizon_and_a_ledger_that_rederives(tmp_path, mechanism)
 
 def test_target_epsilon_is_met_from_below_over_num_train_epochs(tmp_path):
     """No max_steps: the horizon is ceil(num_train_epochs × 8) = 12 steps; σ is calibrated for it."""
-    tr = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path, max_steps=-1, num_train_epochs=1.5),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
+        train_args=dict(max_steps=-1, num_train_epochs=1.5),
         target_epsilon=4.0,
         max_grad_norm=1.0,
         noise_mechanism="banded:3",
@@ -220,24 +225,12 @@ def test_removing_one_example_moves_each_release_by_at_most_c(tmp_path, releases
 
 def test_resume_is_refused_with_a_clear_message(tmp_path):
     a = dict(save_strategy="steps", save_steps=2)
-    tr = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path, max_steps=2, **a),
-        train_dataset=Tokens(),
-        privacy_unit="record",
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="blt",
+    tr = trainer(
+        tmp_path, train_args=dict(max_steps=2, **a), noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism="blt"
     )
     tr.train()
-    tr2 = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path, max_steps=4, **a),
-        train_dataset=Tokens(),
-        privacy_unit="record",
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="blt",
+    tr2 = trainer(
+        tmp_path, train_args=dict(max_steps=4, **a), noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism="blt"
     )
     with pytest.raises(ValueError, match="resume_from_checkpoint with noise_mechanism='blt' is refused"):
         tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -249,11 +242,9 @@ def test_no_checkpoint_file_holds_the_stream_state_or_a_secret_generator_state(t
     source's in-memory states (SFC64 objects, MT19937 of the uniforms): every file, byte for byte."""
     from dpopt.noise import _mt_state_layout
 
-    tr = DPTrainer(
-        model=gpt2(),
-        args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
-        train_dataset=Tokens(),
-        privacy_unit="record",
+    tr = trainer(
+        tmp_path,
+        train_args=dict(max_steps=2, save_strategy="steps", save_steps=2),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         noise_mechanism="blt",
