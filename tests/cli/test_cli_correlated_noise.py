@@ -150,6 +150,8 @@ def test_amplified_blt_run_checks_and_a_tampered_record_fails(tmp_path):
         (["--sampling", "cyclic-poisson", "--sample-rate", "0.5"], "correlated noise only"),
         (["--noise-mechanism", "banded:2", "--sampling", "poisson"], "cyclic or cyclic-poisson"),
         (["--noise-mechanism", "banded:2", "--sample-rate", "0.5"], "read only with --sampling cyclic-poisson"),
+        (["--noise-mechanism", "banded:4", "--target-epsilon", "1000"], "looser than the smallest noise"),
+        (["--noise-mechanism", "blt", "--target-epsilon", "1000"], "choose a smaller --target-epsilon"),
     ],
 )
 def test_combinations_without_an_accountant_exit_2(tmp_path, extra, needle):

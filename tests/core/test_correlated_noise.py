@@ -659,3 +659,11 @@ def test_get_epsilon_reads_at_the_recorded_delta():
     bare.make_private(**sgd_args(epochs=1))
     with pytest.raises(ValueError, match=r"get_epsilon needs delta.*get_epsilon\(delta=\.\.\.\)"):
         bare.get_epsilon()
+
+
+@pytest.mark.parametrize("mechanism", ["banded:4", "blt"])
+def test_make_private_with_epsilon_refuses_a_target_looser_than_the_search(mechanism):
+    args = sgd_args(noise_mechanism=mechanism)
+    del args["noise_multiplier"]
+    with pytest.raises(ConfigError, match=r"target_epsilon = 1000 cannot be reached.*choose a smaller target_epsilon"):
+        PrivacyEngine().make_private_with_epsilon(**args, target_epsilon=1000.0, target_delta=1e-5, epochs=2)
