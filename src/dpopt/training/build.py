@@ -99,7 +99,7 @@ class Run:
     noise: NoiseSource
     sample_rate: float
     steps: int
-    epoch_rate: float  # epochs per step: sample_rate, or 1/round(N/B̄) for cyclic Poisson (q is within a part)
+    epoch_rate: float  # epochs per step: sample_rate, or 1/round(N/B̄) for correlated noise (cyclic batches / parts)
     noise_multiplier: float
     calibration: Optional[CalibrationResult]
     ledger: PrivacyLedger
