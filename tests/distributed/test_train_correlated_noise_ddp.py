@@ -105,7 +105,7 @@ def test_each_rank_a_disjoint_slice_of_the_one_process_batch(runs):
     for t, batch in enumerate(single["batches"]):
         a, b = (r["batches"][t] for r in ranks)
         assert a and b and not set(a) & set(b) and sorted(a + b) == batch
-    assert single["batches"][6:] == single["batches"][:2]  # b = 6: the cycle repeats
+    assert single["batches"][6:] == single["batches"][:3]  # b = 6: the cycle repeats
 
 
 def test_parameters_epsilon_and_ledger_equal_one_process(runs):
