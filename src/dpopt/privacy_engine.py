@@ -622,8 +622,9 @@ class PrivacyEngine:
                 :class:`dpopt.fsdp.ShardedRelease`). Needs ``epochs`` or ``total_steps``; refused
                 with ``poisson_sampling=False``, adaptive clipping or a noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
                 refused.
-            epochs, total_steps: the horizon T of correlated noise (T = ⌈epochs × len(data_loader)⌉, :func:`horizon_steps`, or
-                total_steps); refused with independent noise (they change nothing there).
+            epochs, total_steps: the horizon T of correlated noise (T = ⌈epochs × len(data_loader)⌉,
+                :func:`horizon_steps`, as ``make_private_with_epsilon``; or total_steps); refused with
+                independent noise (they change nothing there).
             sampling: correlated noise only: ``"cyclic"`` (default, unamplified) or ``"cyclic-poisson"``
                 (amplified MF): with ``sample_rate=q`` the data are split once into b' = round(q·len(data_loader))
                 parts and step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
