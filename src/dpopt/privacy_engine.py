@@ -309,11 +309,24 @@ def _partition_seed(ctx: DistributedContext) -> int:
     return int(seed.item())
 
 
+def horizon_steps(epochs: float, batches: int) -> int:
+    """The horizon T of correlated noise (and the steps ``make_private_with_epsilon`` calibrates for):
+    T = ⌈``epochs`` · ``batches``⌉, at least 1 — a fractional epoch is planned in full, never truncated
+    (1.5 epochs of 4 batches: 6 steps; 0.99 epochs: 4 steps). The one rule of ``make_private`` and
+    ``make_private_with_epsilon``; the 1e-9 absorbs float error (3 × 0.1 epochs of 10 batches: 3 steps).
+
+    Args:
+        epochs: the number of passes over the loader (a finite number > 0, fractions allowed).
+        batches: the loader's batches per epoch, ``len(data_loader)`` (>= 1).
+    """
+    return max(1, math.ceil(float(epochs) * batches - 1e-9))
+
+
 def _mechanism(
     spec: str,
     noise_multiplier: float,
     batches: int,
-    epochs: Optional[int],
+    epochs: Optional[float],
     total_steps: Optional[int],
     partitions: int = 0,
     sample_rate: Optional[float] = None,
@@ -323,7 +336,7 @@ def _mechanism(
     participations b steps apart; cyclic Poisson (``partitions`` b' > 0, ``sample_rate`` q): at most
     ⌈T/b'⌉ participations b' steps apart, amplified events — warned when they score a larger ε at ``delta``
     than the unamplified ones (:func:`~dpopt.accounting.calibration.warn_if_amplification_costs`)."""
-    steps = int(total_steps) if total_steps is not None else int(cast(int, epochs)) * batches
+    steps = int(total_steps) if total_steps is not None else horizon_steps(cast(float, epochs), batches)
     if steps < 1:
         raise ConfigError(f"the horizon must be >= 1 step, got epochs={epochs}, total_steps={total_steps}", "epochs")
     sep = partitions or batches
@@ -475,7 +488,7 @@ class PrivacyEngine:
         max_records_per_user: int = DEFAULT_MAX_RECORDS_PER_USER,
         sample_rate: Optional[float] = None,
         noise_mechanism: str = "independent",
-        epochs: Optional[int] = None,
+        epochs: Optional[float] = None,
         total_steps: Optional[int] = None,
         sampling: Optional[str] = None,
         delta: Optional[float] = None,
@@ -609,8 +622,9 @@ class PrivacyEngine:
                 :class:`dpopt.fsdp.ShardedRelease`). Needs ``epochs`` or ``total_steps``; refused
                 with ``poisson_sampling=False``, adaptive clipping or a noise_multiplier of 0; a release past the horizon raises; resuming from a checkpoint is
                 refused.
-            epochs, total_steps: the horizon T of correlated noise (T = epochs × len(data_loader), or
-                total_steps); refused with independent noise (they change nothing there).
+            epochs, total_steps: the horizon T of correlated noise (T = ⌈epochs × len(data_loader)⌉,
+                :func:`horizon_steps`, as ``make_private_with_epsilon``; or total_steps); refused with
+                independent noise (they change nothing there).
             sampling: correlated noise only: ``"cyclic"`` (default, unamplified) or ``"cyclic-poisson"``
                 (amplified MF): with ``sample_rate=q`` the data are split once into b' = round(q·len(data_loader))
                 parts and step t Poisson-samples part t mod b' at rate q (:class:`~dpopt.cyclic_batches.
@@ -897,7 +911,7 @@ class PrivacyEngine:
     @staticmethod
     def _check_mechanism_options(
         noise_mechanism: str,
-        epochs: Optional[int],
+        epochs: Optional[float],
         total_steps: Optional[int],
         poisson_sampling: bool,
         clipping: str,
@@ -967,7 +981,7 @@ class PrivacyEngine:
         given = kwargs.get("sample_rate")  # privacy_unit="user" may give q_user; else q = 1/len(data_loader)
         q = 1.0 / len(data_loader) if given is None else float(given)
         per_epoch = len(data_loader) if given is None else max(1, int(round(1.0 / q)))  # the loader's batches
-        steps = max(1, math.ceil(epochs * per_epoch - 1e-9))  # 2.5 epochs: σ for all of them, never fewer
+        steps = horizon_steps(epochs, per_epoch)  # 2.5 epochs: σ for all of them, never fewer
         kind, size = parse_mechanism(kwargs.get("noise_mechanism", "independent"))
         if kind != "independent":  # correlated noise: one Gaussian at the strategy's sensitivity (cyclic batches)
             if "epochs" in kwargs or "total_steps" in kwargs:
@@ -979,7 +993,7 @@ class PrivacyEngine:
                 raise ConfigError(
                     "sample_rate is not used with a correlated noise_mechanism (cyclic batches)", "sample_rate"
                 )
-            steps = max(1, math.ceil(epochs * len(data_loader) - 1e-9))  # T counts the loader's batches
+            steps = horizon_steps(epochs, len(data_loader))  # T counts the loader's batches
             strategy = optimize_strategy(kind, steps, size)
             if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
                 parts = check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
@@ -1021,8 +1035,22 @@ class PrivacyEngine:
         )
         return out
 
-    def get_epsilon(self, delta: float) -> float:
-        """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant."""
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """ε(δ) of every release recorded so far in :attr:`ledger`, under the engine's accountant.
+
+        Args:
+            delta: the δ to read ε at; None: the run's δ recorded by ``make_private(delta=...)``
+                (or ``make_private_with_epsilon``'s ``target_delta``, ``DPTrainer``'s ``delta``).
+
+        Raises:
+            ValueError: ``delta`` is None and no δ was recorded (give ``get_epsilon(delta=...)``).
+        """
+        if delta is None:
+            if self.ledger.delta is None:
+                raise ValueError(
+                    "get_epsilon needs delta: no delta was given to make_private; call get_epsilon(delta=...)"
+                )
+            delta = self.ledger.delta
         return epsilon(self.ledger, delta, str(self.accountant))
 
     # -- Opacus's module checks (dpopt.module_validator) -----------------------------------

@@ -211,3 +211,25 @@ def test_cli_calibrate_in_a_fresh_interpreter_without_torch():
     data = json.loads(proc.stdout)
     assert data["noise_multiplier"] == pytest.approx(DP_ACCOUNTING_PLD[256], abs=0.005)
     assert data["epsilon"] <= 4.0
+
+
+def test_correlated_calibration_refuses_a_target_looser_than_the_sampler_serves():
+    """banded:4 over T = 8 steps, 2 participations 4 apart: σ/Δ is searched down to the sampler's floor
+    0.0383 (not 0.1: ε = 300 calibrates σ/Δ below 0.1), and ε = 1000 is looser than ε at that floor: a
+    ConfigError naming target_epsilon, not scipy's "f(a) and f(b) must have different signs"."""
+    from dpopt.accounting.calibration import calibrate_amplified_noise_multiplier
+    from dpopt.correlated_noise import Participation, optimize_strategy, prefix_sensitivities
+    from dpopt.correlated_noise import calibrate_noise_multiplier as calibrate_mechanism_noise
+    from dpopt.errors import ConfigError
+    from dpopt.noise import MIN_NOISE_MULTIPLIER
+
+    strategy, participation = optimize_strategy("banded", 8, 4), Participation(8, 2, 4)
+    sens = float(prefix_sensitivities(strategy, participation)[-1])
+    sigma = calibrate_mechanism_noise(300.0, 1e-5, strategy, participation)
+    assert MIN_NOISE_MULTIPLIER <= sigma / sens < 0.1
+    with pytest.raises(ConfigError, match=r"target_epsilon = 1000 .*looser than the smallest noise.*0\.0383") as err:
+        calibrate_mechanism_noise(1000.0, 1e-5, strategy, participation)
+    assert "set noise_multiplier directly" in str(err.value) and "steps = 8, participations = 2" in str(err.value)
+    # cyclic Poisson: the bracket is on σ / amplified sensitivity, T counted in rounds (k = 2 of 8 steps)
+    with pytest.raises(ConfigError, match=r"looser than .*noise_multiplier / amplified sensitivity.*rounds = 2\)"):
+        calibrate_amplified_noise_multiplier(1e5, 1e-5, strategy, 8, 4, 0.5)

@@ -149,6 +149,9 @@ def test_amplified_blt_run_checks_and_a_tampered_record_fails(tmp_path):
         (["--noise-mechanism", "banded:2", "--sampling", "cyclic-poisson", "--sample-rate", "0.01"], "is 0 parts"),
         (["--sampling", "cyclic-poisson", "--sample-rate", "0.5"], "correlated noise only"),
         (["--noise-mechanism", "banded:2", "--sampling", "poisson"], "cyclic or cyclic-poisson"),
+        (["--noise-mechanism", "banded:2", "--sample-rate", "0.5"], "read only with --sampling cyclic-poisson"),
+        (["--noise-mechanism", "banded:4", "--target-epsilon", "1000"], "looser than the smallest noise"),
+        (["--noise-mechanism", "blt", "--target-epsilon", "1000"], "choose a smaller --target-epsilon"),
     ],
 )
 def test_combinations_without_an_accountant_exit_2(tmp_path, extra, needle):
@@ -224,3 +227,28 @@ def test_ledger_lists_no_op_steps_as_no_op(amplified_run):
     assert rows[3].startswith("steps 4-5 (2x): no-op, no privacy loss")
     assert rows[0].startswith("step 0 (1x): q = 0.5, Gaussians sigma = ") and "sigma_eff = 1.79781" in rows[0]
     assert "sigma =  ->" not in out.output and out.output.count("no sampling") == 0
+
+
+def test_cyclic_horizon_is_epochs_times_batches(tmp_path):
+    """digits (N = 1437), B̄ = 64: b = round(1437/64) = 22 cyclic batches, 2 epochs are T = 44 steps
+    (not round(2 · 1437/64) = 45, which would charge k = 3 participations); k = 2, 22 apart. The summary's
+    expected_batch_size is N/b = 1437/22 (the divisor used), and it records no sample_rate (nothing is sampled)."""
+    run_dir = tmp_path / "run"
+    args = ["train", "--dataset", "digits", "--epochs", "2", "--batch-size", "64", "--method", "dp-sgd"]
+    args += ["--noise-multiplier", "2", "--noise-mechanism", "banded:2", "--out", str(run_dir)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rec = PrivacyLedger.load(run_dir / "ledger.json").mechanism
+    assert (rec["steps"], rec["participations"], rec["min_separation"]) == (44, 2, 22)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 44
+    assert summary["expected_batch_size"] == pytest.approx(1437 / 22, rel=1e-12)
+    assert summary.get("sample_rate") is None
+    assert check_run(run_dir).passed
+
+
+def test_cyclic_poisson_summary_records_the_divisor_used(amplified_run):
+    """q = 0.5, b' = 3 parts of digits: expected batch q·N/b' = 0.5 · 1437 / 3, and q is recorded."""
+    summary = json.loads((amplified_run / "summary.json").read_text())
+    assert summary["expected_batch_size"] == pytest.approx(0.5 * 1437 / 3, rel=1e-12)
+    assert summary["sample_rate"] == 0.5

@@ -634,3 +634,36 @@ def test_adding_one_example_leaves_the_other_examples_partition_law_unchanged():
     assert claimed == pytest.approx(0.0015, abs=1e-4)
     assert abs(together(3) - together(2)) < 0.05  # 4.5 standard errors at 2000 seeds
     assert real <= 0.01
+
+
+@pytest.mark.parametrize("epochs,steps", [(1.5, 6), (0.99, 4), (2, 8), (0.25, 1)])
+@pytest.mark.parametrize("mechanism", ["banded:2", "blt"])
+def test_both_doors_plan_the_same_horizon_for_fractional_epochs(epochs, steps, mechanism):
+    # 4 batches per epoch: T = ⌈epochs × 4⌉ (1.5 → 6, 0.99 → 3.96 → 4) through both doors
+    _, opt, _ = PrivacyEngine().make_private(**sgd_args(epochs=epochs, noise_mechanism=mechanism))
+    args = sgd_args(noise_mechanism=mechanism)
+    del args["noise_multiplier"]
+    _, cal, _ = PrivacyEngine().make_private_with_epsilon(**args, target_epsilon=3.0, target_delta=1e-5, epochs=epochs)
+    assert opt.privatizer.mechanism.participation.steps == cal.privatizer.mechanism.participation.steps == steps
+
+
+def test_get_epsilon_reads_at_the_recorded_delta():
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(**sgd_args(epochs=1, delta=1e-3))
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert engine.get_epsilon() == engine.get_epsilon(1e-3) < engine.get_epsilon(1e-5)
+    bare = PrivacyEngine()
+    bare.make_private(**sgd_args(epochs=1))
+    with pytest.raises(ValueError, match=r"get_epsilon needs delta.*get_epsilon\(delta=\.\.\.\)"):
+        bare.get_epsilon()
+
+
+@pytest.mark.parametrize("mechanism", ["banded:4", "blt"])
+def test_make_private_with_epsilon_refuses_a_target_looser_than_the_search(mechanism):
+    args = sgd_args(noise_mechanism=mechanism)
+    del args["noise_multiplier"]
+    with pytest.raises(ConfigError, match=r"target_epsilon = 1000 cannot be reached.*choose a smaller target_epsilon"):
+        PrivacyEngine().make_private_with_epsilon(**args, target_epsilon=1000.0, target_delta=1e-5, epochs=2)

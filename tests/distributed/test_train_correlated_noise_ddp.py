@@ -2,7 +2,7 @@
 it), against the one-process run (issue 36: "DDP adds the stream once per coordinate").
 
 digits (N = 1437 training records after the default split), batch 256: b = round(N/256) = 6 cyclic batches, 1.5
-epochs → T = round(1.5 × 1437/256) = 8 steps, k = 2 participations. Both runs cut the same public partition (``secrets.randbits`` fixed)
+epochs → T = round(1.5 × 6) = 9 steps, k = 2 participations. Both runs cut the same public partition (``secrets.randbits`` fixed)
 and use the same reproducible noise (``--reproducible-noise``: research mode, test only):
 
 * each rank draws a slice of every cyclic batch (disjoint; the union is the one-process batch) and rank 0 alone adds
@@ -101,11 +101,11 @@ def runs(tmp_path_factory):
 def test_each_rank_a_disjoint_slice_of_the_one_process_batch(runs):
     _, ranks, single = runs
     steps = single["summary"]["steps"]
-    assert steps == 8 and len(single["batches"]) == steps
+    assert steps == 9 and len(single["batches"]) == steps
     for t, batch in enumerate(single["batches"]):
         a, b = (r["batches"][t] for r in ranks)
         assert a and b and not set(a) & set(b) and sorted(a + b) == batch
-    assert single["batches"][6:] == single["batches"][:2]  # b = 6: the cycle repeats
+    assert single["batches"][6:] == single["batches"][:3]  # b = 6: the cycle repeats
 
 
 def test_parameters_epsilon_and_ledger_equal_one_process(runs):

@@ -381,6 +381,9 @@ def calibrate_noise_multiplier(
     accountant: str = "pld",
     rtol: float = DEFAULT_RTOL,
     progress: Optional[Callable[[CalibrationProgress], None]] = None,
+    *,
+    sigma_name: str = "noise_multiplier",
+    unit: str = "steps",
 ) -> CalibrationResult:
     """Smallest σ (within ``rtol``) with ε(σ) ≤ ``target_epsilon`` for T DP-SGD steps.
 
@@ -402,6 +405,7 @@ def calibrate_noise_multiplier(
             rtol above the smallest σ meeting the target.
         progress: called with a :class:`CalibrationProgress` after every ε
             evaluation (for a status line on long searches); None: silent.
+        sigma_name, unit: how the refusals name σ and T (cyclic Poisson MF: σ/s and "rounds").
 
     The search stays in σ ∈ [:data:`MIN_NOISE_MULTIPLIER`,
     :data:`MAX_NOISE_MULTIPLIER`]. Targets outside what that bracket can
@@ -437,7 +441,7 @@ def calibrate_noise_multiplier(
 
     tracker = _Tracker(progress)
     try:
-        return _calibrate(target, delta, q, steps, name, rtol, tracker, start)
+        return _calibrate(target, delta, q, steps, name, rtol, tracker, start, sigma_name, unit)
     except KeyboardInterrupt as exc:
         if isinstance(exc, CalibrationInterrupted):
             raise
@@ -464,18 +468,27 @@ def _fmt_eps(x: float) -> str:
 
 
 def _calibrate(
-    target: float, delta: float, q: float, steps: int, name: str, rtol: float, tracker: _Tracker, start: float
+    target: float,
+    delta: float,
+    q: float,
+    steps: int,
+    name: str,
+    rtol: float,
+    tracker: _Tracker,
+    start: float,
+    sigma_name: str = "noise_multiplier",
+    unit: str = "steps",
 ) -> CalibrationResult:
     # Bracket checks: two cheap evaluations recognise absurd targets before any search.
     eps_lo = rdp_epsilon(dpsgd_event(MIN_NOISE_MULTIPLIER, q, steps), delta)
     tracker.report("rdp (bracket)", MIN_NOISE_MULTIPLIER, eps_lo)
     if eps_lo <= target:
         raise ConfigError(
-            f"target_epsilon = {target:g} is unreachable as a calibration target: already at noise_multiplier = "
-            f"{MIN_NOISE_MULTIPLIER:g}, the smallest the search considers, epsilon <= {_fmt_eps(eps_lo)} (rdp upper "
-            f"bound; delta = {delta:g}, sample_rate = {q:g}, steps = {steps}), so any noise multiplier >= "
-            f"{MIN_NOISE_MULTIPLIER:g} meets it and such a target gives no meaningful privacy; choose a smaller "
-            "target_epsilon or set noise_multiplier directly",
+            f"target_epsilon = {target:g} cannot be reached as a calibration target: it is looser than the "
+            f"smallest noise the search considers, {sigma_name} = {MIN_NOISE_MULTIPLIER:g}, where epsilon <= "
+            f"{_fmt_eps(eps_lo)} already (rdp upper bound; delta = {delta:g}, sample_rate = {q:g}, {unit} = "
+            f"{steps}): any {sigma_name} >= {MIN_NOISE_MULTIPLIER:g} meets it and such a target gives no "
+            "meaningful privacy; choose a smaller target_epsilon or set noise_multiplier directly",
             "target_epsilon",
         )
     accurate = _Level(name, _accurate(name, delta, q, steps), tracker)
@@ -485,8 +498,8 @@ def _calibrate(
     if eps_hi > target:
         raise ConfigError(
             f"target_epsilon = {target:g} is below what the {name} accountant can certify here: even "
-            f"noise_multiplier = {MAX_NOISE_MULTIPLIER:g} gives epsilon = {_fmt_eps(eps_hi)} (delta = {delta:g}, "
-            f"sample_rate = {q:g}, steps = {steps}); choose a larger target_epsilon"
+            f"{sigma_name} = {MAX_NOISE_MULTIPLIER:g} gives epsilon = {_fmt_eps(eps_hi)} (delta = {delta:g}, "
+            f"sample_rate = {q:g}, {unit} = {steps}); choose a larger target_epsilon"
             + ("" if name == "pld" else " or accountant 'pld'"),
             "target_epsilon",
         )
@@ -534,19 +547,44 @@ def calibrate_correlated_noise_multiplier(
     0.1 % steps until dpopt's accountant on the run's per-release events (:func:`~dpopt.accounting.matrix_factorization.step_events`) is at or
     below the target (PLD's connect-the-dots grid is pessimistic by a little).
 
+    The search bracket is μ ∈ [1e-6, 1/:data:`dpopt.noise.MIN_NOISE_MULTIPLIER`]: σ/Δ no smaller than the
+    Gaussian sampler serves (0.0383, :func:`dpopt.noise.check_tail_reach`), so σ ≥ 0.0383·Δ.
+
     Raises:
-        ValueError: target ε ≤ 0, δ ∉ (0, 1).
+        ValueError: target ε ≤ 0, δ ∉ (0, 1); (:class:`~dpopt.errors.ConfigError` naming ``target_epsilon``)
+            a target looser than ε at σ/Δ = 0.0383 (the smallest noise the search considers) or tighter than
+            ε at μ = 1e-6.
     """
     from dp_accounting import dp_event
     from scipy.optimize import brentq
 
+    from ..noise import MIN_NOISE_MULTIPLIER as SAMPLER_MIN
     from .matrix_factorization import gaussian_epsilon, prefix_sensitivities, step_events
 
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
-    mu = float(brentq(lambda m: gaussian_epsilon(m, delta) - target_epsilon, 1e-6, 40.0, xtol=1e-12))
     prefix = prefix_sensitivities(strategy, participation)
-    sigma = float(prefix[-1]) / mu
+    sens = float(prefix[-1])
+    mu_lo, mu_hi = 1e-6, 1.0 / SAMPLER_MIN
+    where = f"delta = {delta:g}, steps = {participation.steps}, participations = {participation.participations}"
+    eps_hi = gaussian_epsilon(mu_hi, delta)
+    if eps_hi <= target_epsilon:
+        raise ConfigError(
+            f"target_epsilon = {target_epsilon:g} cannot be reached as a calibration target: it is looser than the "
+            f"smallest noise the search considers, noise_multiplier / sensitivity = {SAMPLER_MIN:.4f} (the "
+            f"smallest the Gaussian sampler serves; noise_multiplier = {SAMPLER_MIN * sens:.4g} at sensitivity "
+            f"{sens:.4g}), where epsilon = {_fmt_eps(eps_hi)} already ({where}); choose a smaller target_epsilon "
+            "or set noise_multiplier directly",
+            "target_epsilon",
+        )
+    if gaussian_epsilon(mu_lo, delta) >= target_epsilon:
+        raise ConfigError(
+            f"target_epsilon = {target_epsilon:g} is tighter than the search considers (noise_multiplier / "
+            f"sensitivity = {1 / mu_lo:g}; {where}); choose a larger target_epsilon",
+            "target_epsilon",
+        )
+    mu = float(brentq(lambda m: gaussian_epsilon(m, delta) - target_epsilon, mu_lo, mu_hi, xtol=1e-12))
+    sigma = sens / mu
     for _ in range(200):
         event = dp_event.ComposedDpEvent(
             [e for e in step_events(sigma, prefix) if not isinstance(e, dp_event.NoOpDpEvent)]
@@ -583,7 +621,15 @@ def calibrate_amplified_noise_multiplier(
 
     scale = amplified_sensitivity(strategy, int(steps), int(parts))
     rounds = -(-int(steps) // int(parts))
-    sigma = calibrate_noise_multiplier(target_epsilon, delta, float(sample_rate), rounds, accountant)
+    sigma = calibrate_noise_multiplier(
+        target_epsilon,
+        delta,
+        float(sample_rate),
+        rounds,
+        accountant,
+        sigma_name=f"noise_multiplier / amplified sensitivity {scale:.4g}",
+        unit="rounds",
+    )
     return float(sigma.noise_multiplier) * scale
 
 

@@ -77,7 +77,7 @@ class Run:
         noise: the run's noise source (secret unless ``cfg.reproducible_noise``).
         sample_rate: Poisson rate q (given, or B̄/N: then N is treated as public).
         steps: number of logical steps, ``round(epochs / q)`` (:func:`~.config.planned_steps`; refused
-            when that is zero).
+            when that is zero); correlated noise: ``round(epochs · b)``, b = round(N/B̄) batches per epoch.
         noise_multiplier: the σ used (calibrated when ``cfg.target_epsilon`` is set).
         calibration: the calibration result, or None.
         ledger: the privacy ledger every release is recorded in.
@@ -99,7 +99,7 @@ class Run:
     noise: NoiseSource
     sample_rate: float
     steps: int
-    epoch_rate: float  # epochs per step: sample_rate, or 1/round(N/B̄) for cyclic Poisson (q is within a part)
+    epoch_rate: float  # epochs per step: sample_rate, or 1/round(N/B̄) for correlated noise (cyclic batches / parts)
     noise_multiplier: float
     calibration: Optional[CalibrationResult]
     ledger: PrivacyLedger
@@ -111,6 +111,7 @@ class Run:
     averager: Optional[ParameterAverager] = None  # cfg.ema_decay: EMA of the released parameters (docs/recipe.md)
     users: Optional[list] = None  # cfg.user_ids: the records of each user (private membership; dpopt.users)
     user_keys: Optional[list] = None  # cfg.user_ids: each user's id as text (keys the record choice)
+    expected_batch_size: Optional[float] = None  # the divisor of the noisy sum: B̄, N/b (cyclic) or q·N/b'
 
 
 def layer_groups(model: nn.Module) -> tuple[list[int], list[str]]:
@@ -200,19 +201,24 @@ def _starting_model(cfg: TrainConfig, model_name: str) -> nn.Module:
     return prepare_model(model, cfg.init_from, cfg.freeze, cfg.lora_rank)
 
 
-def _mechanism_plan(
-    cfg: TrainConfig, n_train: int, sample_rate: float, steps: int
-) -> Optional[tuple[Strategy, Participation]]:
+def _mechanism_plan(cfg: TrainConfig, n_train: int, steps: int) -> Optional[tuple[Strategy, Participation]]:
     """Correlated noise (``cfg.noise_mechanism``): the strategy optimised for the run's T steps over
-    b = round(1/q) cyclic batches (k = ⌈T/b⌉ participations, b apart); None for independent noise."""
+    b = round(N/B̄) cyclic batches (k = ⌈T/b⌉ participations, b apart); None for independent noise."""
     kind, size = parse_mechanism(cfg.noise_mechanism)
     if kind == "independent":
         return None
-    batches = min(n_train, max(1, round(1.0 / sample_rate)))
+    batches = cyclic_batches(n_train, cfg.batch_size)
     if cfg.sampling == "cyclic-poisson":  # b' parts, each example of part t mod b' sampled at q
         batches = cyclic_poisson_parts(cfg, n_train)
     participation = Participation(steps, -(-steps // batches), batches)
     return optimize_strategy(kind, steps, size), participation
+
+
+def cyclic_batches(n_train: int, batch_size: float) -> int:
+    """b = round(N / B̄) cyclic batches per epoch (1 ≤ b ≤ N): the steps of one epoch of correlated noise,
+    so a run of E epochs has T = round(E · b) steps (:func:`~.config.planned_steps` at rate 1/b), as
+    cyclic Poisson's T = round(E · L)."""
+    return min(n_train, max(1, round(n_train / float(batch_size))))
 
 
 def cyclic_poisson_parts(cfg: TrainConfig, n_train: int) -> int:
@@ -284,7 +290,8 @@ def build_run(
         )
     sample_rate = float(cfg.sample_rate) if cfg.sample_rate is not None else float(cfg.batch_size) / units
     amplified = cfg.sampling == "cyclic-poisson"  # q is the rate within a part; an epoch is round(N/B̄) steps
-    epoch_rate = 1.0 / max(1, round(units / float(cfg.batch_size))) if amplified else sample_rate
+    correlated = parse_mechanism(cfg.noise_mechanism)[0] != "independent"  # an epoch: b = round(N/B̄) batches
+    epoch_rate = 1.0 / cyclic_batches(units, cfg.batch_size) if correlated else sample_rate  # T = round(E·b)
     steps = planned_steps(cfg.epochs, epoch_rate)  # refuses epochs that round to no step
     try:
         check_schedule(cfg.lr_schedule, cfg.warmup_steps, steps)
@@ -293,7 +300,7 @@ def build_run(
             f"{err} (this run: epochs {cfg.epochs:g} at sample rate {sample_rate:.4g})", "warmup_steps", "epochs"
         ) from None
     sigma, calibration = cfg.noise_multiplier, None
-    mechanism = _mechanism_plan(cfg, data.n_train, sample_rate, steps)
+    mechanism = _mechanism_plan(cfg, data.n_train, steps)
     if mechanism is not None and cfg.target_epsilon is not None:  # one Gaussian at the strategy's sensitivity
         strategy, participation = mechanism
         if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's σ for k rounds at q, × ‖c‖
@@ -340,7 +347,7 @@ def build_run(
         except ValueError as exc:
             raise ConfigError(str(exc), "noise_mechanism", "sampling") from None
         if amplified:  # warned where cyclic batches (b = round(N / B̄)) would score a smaller ε
-            plain = min(data.n_train, max(1, round(units / float(cfg.batch_size))))
+            plain = cyclic_batches(data.n_train, cfg.batch_size)
             warn_if_amplification_costs(
                 strategy, participation.steps, plain, participation.min_separation, sample_rate, sigma, cfg.delta
             )
@@ -385,6 +392,7 @@ def build_run(
         averager=None if cfg.ema_decay is None else ParameterAverager(model, cfg.ema_decay),
         users=users,
         user_keys=keys,
+        expected_batch_size=expected_batch_size,
     )
 
 

@@ -115,8 +115,9 @@ class TrainConfig:
 
 
 def _check_noise_mechanism(cfg: TrainConfig) -> None:
-    """Correlated noise (docs/correlated-noise.md): a known spec, and none of the options it has no
-    accountant for (quantile clipping, σ = 0)."""
+    """Correlated noise (docs/correlated-noise.md): a known spec, ``sample_rate`` only with cyclic-poisson
+    sampling (cyclic batches are sized by ``batch_size``), and none of the options it has no accountant for
+    (quantile clipping, σ = 0)."""
     from ..correlated_noise import parse_mechanism
 
     try:
@@ -140,6 +141,13 @@ def _check_noise_mechanism(cfg: TrainConfig) -> None:
             "probability q; round(q·N/batch_size) parts)",
             "sampling",
             "sample_rate",
+        )
+    if cfg.sampling != "cyclic-poisson" and cfg.sample_rate is not None:  # cyclic batches are sized by batch_size
+        raise ConfigError(
+            f"sample_rate is read only with sampling cyclic-poisson; noise_mechanism {cfg.noise_mechanism} over "
+            "cyclic batches takes their size from batch_size: drop sample_rate or add sampling cyclic-poisson",
+            "sample_rate",
+            "sampling",
         )
     if cfg.clipping == "quantile":
         raise ConfigError("noise_mechanism needs a fixed clip bound, not clipping 'quantile'", "noise_mechanism")

@@ -298,8 +298,12 @@ def write_results(
         "noise_multiplier": run.noise_multiplier,
         "max_grad_norm": hp["max_grad_norm"],
         "clipping": cfg.clipping,
-        "sample_rate": run.sample_rate,
-        "expected_batch_size": float(cfg.batch_size),
+        # cyclic batches (correlated noise, no amplification) sample nothing: B̄/N is no sampling rate
+        "sample_rate": None if run.privacy_facts.get("sampling") == "cyclic" else run.sample_rate,
+        # the divisor the run used: B̄, or N/b (cyclic batches), q·N/b' (cyclic Poisson)
+        "expected_batch_size": run.expected_batch_size
+        if run.expected_batch_size is not None
+        else float(cfg.batch_size),
         "steps": len(ledger),
         "epochs": cfg.epochs,
         "lr": hp["lr"],
