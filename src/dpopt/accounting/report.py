@@ -316,7 +316,8 @@ def mechanism_brief(record: Optional[dict]) -> Optional[dict]:
     """
     if not isinstance(record, dict):
         return None
-    strategy = record.get("strategy") if isinstance(record.get("strategy"), dict) else {}
+    found = record.get("strategy")
+    strategy: dict = found if isinstance(found, dict) else {}
     brief: dict = {"kind": record.get("kind", strategy.get("kind"))}
     if isinstance(strategy.get("coefficients"), list):
         brief["bands"] = len(strategy["coefficients"])
