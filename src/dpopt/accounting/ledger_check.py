@@ -746,6 +746,13 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
             "or a DPTrainer checkpoint's privacy_ledger.json and privacy_summary.json)"
         )
     ledger_path, summary_path = run_paths(run)
+    if not summary_path.exists() and not (run / "config.json").exists():  # not a `dpopt train` run at all
+        saved = next((p for p in (run / "ledger.json", run / "ledger.jsonl", ledger_path) if p.exists()), None)
+        raise FileNotFoundError(
+            f"no summary.json or config.json in {run}: `dpopt check` checks `dpopt train` run directories (or "
+            "a directory holding a ledger.json and the summary.json of engine.summary(delta))"
+            + (f"; `dpopt ledger {saved}` scores a saved ledger" if saved is not None else "")
+        )
     if not summary_path.exists():
         raise FileNotFoundError(
             f"no summary.json in {run}: the run was killed or is still running "
