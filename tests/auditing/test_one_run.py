@@ -353,3 +353,31 @@ def test_black_box_audit_of_a_banded_run_claims_the_mechanisms_mu(digits):
     assert d["noise_mechanism"] == "banded" and d["sample_rate"] is None and d["fdp_judged"]
     assert r.claimed_mu == pytest.approx(mu, rel=1e-9) and d["mechanism_sensitivity"] == pytest.approx(delta_s)
     assert r.verdict == "PASS" and r.bounds.steinke <= r.epsilon  # fails w.p. <= 2·beta (two theorems)
+
+
+def test_cli_audit_refuses_options_of_the_other_mode(monkeypatch):
+    """`--noise-mechanism` without --one-run, `--trials` with it: refused (one line, exit 2), never silently
+    ignored; nothing is audited (the library doors raise if reached)."""
+    from typer.testing import CliRunner
+
+    import dpopt.auditing
+    from dpopt.cli import app
+
+    def reached(*args, **kwargs):
+        raise AssertionError("an audit ran")
+
+    monkeypatch.setattr(dpopt.auditing, "one_run", reached)
+    monkeypatch.setattr(dpopt.auditing, "audit_all", reached)
+    runner = CliRunner()
+    res = runner.invoke(app, ["audit", "--noise-mechanism", "blt"])
+    assert res.exit_code == 2 and res.stderr.strip() == (
+        "error: --noise-mechanism applies to --one-run only (a training-run audit): add --one-run or drop it"
+    )
+    res = runner.invoke(app, ["audit", "--epochs", "1", "--canaries", "100"])
+    assert res.exit_code == 2 and res.stderr.strip().startswith("error: --canaries, --epochs apply to --one-run only")
+    res = runner.invoke(app, ["audit", "--one-run", "--trials", "400"])
+    assert res.exit_code == 2 and res.stderr.strip() == (
+        "error: --trials does not apply to --one-run (only to the one-step audits); drop it"
+    )
+    res = runner.invoke(app, ["audit", "--one-run", "--all", "--alpha", "0.01"])
+    assert res.exit_code == 2 and "--all, --alpha do not apply to --one-run" in res.stderr

@@ -61,6 +61,46 @@ _HELP = (
 )
 
 
+#: Parameters that only ``--one-run`` reads, and those that only the one-step audits read: typed in the
+#: other mode they would be silently ignored, so they are refused.
+ONE_RUN_ONLY = frozenset(
+    {
+        "mode",
+        "canaries",
+        "beta",
+        "dataset",
+        "epochs",
+        "batch_size",
+        "sample_rate",
+        "noise_multiplier",
+        "target_epsilon",
+        "max_grad_norm",
+        "clipping",
+        "noise_mechanism",
+        "sampling",
+        "report",
+    }
+)
+ONE_STEP_ONLY = frozenset({"all_", "trials", "alpha"})
+
+
+def _refuse_other_mode(ctx: typer.Context, one_run: bool) -> None:
+    """Fail (one ``error:`` line, exit 2) on options typed for the mode not chosen (they would be ignored)."""
+    other = ONE_STEP_ONLY if one_run else ONE_RUN_ONLY
+
+    def typed(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    given = [p.opts[0] for p in ctx.command.params if p.name in other and typed(str(p.name))]
+    if not given:
+        return
+    names, one = ", ".join(given), len(given) == 1
+    if one_run:
+        fail(f"{names} {'does' if one else 'do'} not apply to --one-run (only to the one-step audits); drop it")
+    fail(f"{names} {'applies' if one else 'apply'} to --one-run only (a training-run audit): add --one-run or drop it")
+
+
 def _fmt(x) -> str:
     if x is None:
         return "n/a"
@@ -70,6 +110,7 @@ def _fmt(x) -> str:
 
 @group.command("audit", help=_HELP)
 def audit(
+    ctx: typer.Context,
     method: Optional[str] = typer.Option(
         None,
         "--method",
@@ -113,6 +154,7 @@ def audit(
     report: Optional[str] = typer.Option(None, "--report", help="--one-run: write one-run-audit.md and .png here."),
 ) -> None:
     """Run the audits (help text above); exit code 1 on any LEAK."""
+    _refuse_other_mode(ctx, one_run_)
     if one_run_:
         _one_run_command(
             method=method or "dp-sgd",
