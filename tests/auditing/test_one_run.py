@@ -381,3 +381,39 @@ def test_cli_audit_refuses_options_of_the_other_mode(monkeypatch):
     )
     res = runner.invoke(app, ["audit", "--one-run", "--all", "--alpha", "0.01"])
     assert res.exit_code == 2 and "--all, --alpha do not apply to --one-run" in res.stderr
+
+
+def test_reproducible_audit_warns_once_without_naming_dpopt_check(digits):
+    """The audit keeps no run directory: its reproducible_noise warning is the audit's own (no `dpopt check`
+    part), once; the training build's warning (which names `dpopt check`) is not shown."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=50, data=digits)
+    texts = [str(w.message) for w in caught if "reproducible_noise" in str(w.message)]
+    assert texts == [OR.REPRODUCIBLE_AUDIT_WARNING] and "dpopt check" not in texts[0]
+
+
+def test_cli_one_run_seed_prints_a_one_line_note(monkeypatch):
+    """`dpopt audit --one-run --seed 3`: a `note:` line (no file:line, no source line, no `dpopt check`)."""
+    import warnings
+
+    from typer.testing import CliRunner
+
+    import dpopt.auditing
+    from dpopt.cli import app
+
+    def warn_then_refuse(cfg, **kw):
+        warnings.warn(OR.REPRODUCIBLE_AUDIT_WARNING, UserWarning, stacklevel=2)
+        warnings.warn("another warning", UserWarning, stacklevel=2)
+        raise ValueError("captured")
+
+    monkeypatch.setattr(dpopt.auditing, "one_run", warn_then_refuse)
+    res = CliRunner().invoke(app, ["audit", "--one-run", "--seed", "3"])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [
+        f"note: {OR.REPRODUCIBLE_AUDIT_WARNING}",
+        "warning: another warning",
+        "error: captured",
+    ]

@@ -9,6 +9,8 @@ accounting commands stay fast.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from typing import Optional
 
 import typer
@@ -16,6 +18,7 @@ import typer
 from ..atomic import check_writable_dir
 from ..jsonio import dumps
 from .common import cli_errors, delta_option, fail, flags_for, json_option
+from .faults import clean_warnings
 
 group = typer.Typer()
 
@@ -237,12 +240,17 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         if report is not None:  # an unwritable --report is refused before the audit runs
             check_writable_dir(report)
         from ..auditing import one_run
+        from ..auditing.one_run_audit import REPRODUCIBLE_AUDIT_WARNING
         from ..training import TrainConfig
 
         if seed is not None:  # asked for: the run's noise and masks from the same seed (TrainConfig's research mode)
             train = dict(train, seed=seed, reproducible_noise=True)
         cfg = TrainConfig(method=method, delta=delta, **train)
-        result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
+        with clean_warnings(lambda line: typer.echo(line, err=True)), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(REPRODUCIBLE_AUDIT_WARNING), category=UserWarning)
+            if cfg.reproducible_noise:  # asked for with --seed: a note, not a warning with a source line
+                typer.echo(f"note: {REPRODUCIBLE_AUDIT_WARNING}", err=True)
+            result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
     paths = None
     if report is not None:
         from ..auditing.one_run_report import write_report
