@@ -540,6 +540,11 @@ def one_run(
     estimator = max(judged, key=judged.get)  # type: ignore[arg-type]
     exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)
     details = dict(details, fdp_judged=gaussian, seed=seed)
+    if "noise_mechanism" in details:  # correlated noise: named with its parameter, as the user spells it
+        from ..accounting.matrix_factorization import parse_mechanism
+
+        kind, size = parse_mechanism(cfg.noise_mechanism)
+        details["noise_mechanism"] = f"{kind}:{size}"
     return OneRunResult(
         mode=mode,
         method=cfg.method,

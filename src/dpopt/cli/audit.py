@@ -264,12 +264,14 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         typer.echo(dumps(doc))  # one line, as every other --json
     else:
         b = result.bounds
+        noise = result.details.get("noise_mechanism", "independent")
         typer.echo(
-            f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
-            f"confidence {1 - beta:g}, δ = {delta:g}"
+            f"One-run {result.mode}-box audit of {method} on {train['dataset']}, noise {noise}: m = {result.m} "
+            f"canaries, confidence {1 - beta:g}, δ = {delta:g}"
         )
+        claimed_mu = "" if result.claimed_mu is None else f", μ {_fmt(result.claimed_mu)}"
         typer.echo(
-            f"claimed ε {_fmt(result.epsilon)} | lower bounds: Steinke {_fmt(b.steinke)}, "
+            f"claimed ε {_fmt(result.epsilon)}{claimed_mu} | lower bounds: Steinke {_fmt(b.steinke)}, "
             f"f-DP {_fmt(b.fdp)} (μ ≥ {_fmt(b.mu)}{'' if result.details.get('fdp_judged') else ', not judged: q < 1'})"
             f" | {result.verdict}"
         )
