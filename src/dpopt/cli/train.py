@@ -208,7 +208,7 @@ def train_command(
     ),
     epochs: float = typer.Option(
         10.0,
-        help="epochs E: round(E / q) steps, q the sample rate (fewer than one is refused)",
+        help="epochs E: round(E / q) steps, q the sample rate (an E that rounds to 0 steps is refused)",
     ),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
     seed: int = typer.Option(
