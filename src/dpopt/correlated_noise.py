@@ -206,8 +206,8 @@ class CorrelatedNoise:
     def _index(self, step: int) -> int:
         if not 0 <= int(step) < self.horizon:
             raise RuntimeError(
-                f"release {step} is past the correlated-noise horizon of {self.horizon} steps the strategy was "
-                "built (and accounted) for: give the run's true length (epochs / total_steps)"
+                f"step {int(step) + 1} (1-based) is past the {self.horizon}-step correlated-noise horizon the "
+                "strategy was built (and accounted) for: give the run's true length (epochs / total_steps)"
             )
         return int(step)
 

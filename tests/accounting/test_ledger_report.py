@@ -41,7 +41,9 @@ def test_runs_group_consecutive_equal_events():
         "unsupported",
         "sensitivity_min",
         "sensitivity_max",
+        "no_op",
     ]
+    assert not any(r.no_op for r in runs)
 
 
 def test_report_scores_every_accountant_with_the_run_defaults(tmp_path):
@@ -125,3 +127,34 @@ def test_entries_that_contradict_the_mechanism_record_are_named(tmp_path):
     assert (
         out.exit_code == 0 and "warning: the releases contradict the ledger's correlated-noise mechanism" in out.output
     )
+
+
+def test_one_participation_is_singular_and_old_ledgers_still_match():
+    """k = 1 reads "1 participation"; a ledger written with the old "k=1 participations" still matches its
+    record (the accountants and `dpopt check` compare the statements); a different k does not."""
+    from dpopt.accounting.matrix_factorization import Participation, same_sampling
+
+    one = Participation(5, 1, 5).sampling
+    assert one == "cyclic (k=1 participation, min separation 5)"
+    assert Participation(10, 2, 5).sampling == "cyclic (k=2 participations, min separation 5)"
+    assert same_sampling("cyclic (k=1 participations, min separation 5)", one)
+    assert same_sampling(one, one)
+    assert not same_sampling("cyclic (k=2 participations, min separation 5)", one)
+    assert not same_sampling("poisson", None)
+
+
+def test_mechanism_brief_names_kind_size_sigma_and_sensitivity():
+    from dpopt.accounting.report import mechanism_brief
+
+    banded = {"kind": "banded", "strategy": {"kind": "banded", "coefficients": [1.0, 0.5, 0.25, 0.1]}}
+    banded.update(noise_multiplier=2.0, sensitivity=1.5)
+    assert mechanism_brief(banded) == {
+        "kind": "banded",
+        "bands": 4,
+        "noise_multiplier": 2.0,
+        "sensitivity": 1.5,
+        "sample_rate": None,
+    }
+    blt = {"kind": "blt", "strategy": {"kind": "blt", "omega": [0.3, 0.2], "theta": [0.9, 0.5]}, "sample_rate": 0.1}
+    assert mechanism_brief(blt)["buffers"] == 2 and mechanism_brief(blt)["sample_rate"] == 0.1
+    assert mechanism_brief(None) is None

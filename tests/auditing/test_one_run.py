@@ -137,18 +137,18 @@ def test_cli_one_run_json_report_and_exit_codes(tmp_path, monkeypatch):
     args += ["--seed", "0"]  # canaries, noise and masks seeded (module docstring)
     res = runner.invoke(app, args + ["--report", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert len(res.output.strip().splitlines()) == 1  # one JSON line, as every --json
-    doc = json.loads(res.output)
+    assert len(res.stdout.strip().splitlines()) == 1  # one JSON line, as every --json
+    doc = json.loads(res.stdout)
     again = runner.invoke(app, args)
     assert again.exit_code == 0  # --seed: the same audit, bound for bound (the first one also names its report)
-    assert json.loads(again.output) == {k: v for k, v in doc.items() if k != "report"}
+    assert json.loads(again.stdout) == {k: v for k, v in doc.items() if k != "report"}
     assert doc["m"] == 300 and doc["confidence"] == 0.95 and doc["estimator"] == "steinke"
     assert 0 <= doc["epsilon_lower"] <= doc["epsilon"] and doc["verdict"] == "PASS"
     md = (tmp_path / "one-run-audit.md").read_text()
     assert "PASS" in md and "one-run-audit.png" in md and (tmp_path / "one-run-audit.png").stat().st_size > 1000
     _weak_noise(monkeypatch, 0.02)
     res = runner.invoke(app, args)
-    assert res.exit_code == 1 and json.loads(res.output)["verdict"] == "EXCEEDS"
+    assert res.exit_code == 1 and json.loads(res.stdout)["verdict"] == "EXCEEDS"
     res = runner.invoke(app, ["audit", "--one-run", "--beta", "2"])
     assert res.exit_code == 2 and "--beta must be in (0, 1)" in res.output
 
@@ -225,7 +225,7 @@ def test_white_box_audit_of_a_blt_run_is_judged_against_the_mechanisms_epsilon(d
     r = one_run(cfg, canaries=500, data=digits)
     d = r.details
     b = round(digits.n_train / 64)  # cyclic batches: b = round(1/q) = 22
-    assert d["noise_mechanism"] == "blt" and d["min_separation"] == b and d["steps"] in (44, 45)
+    assert d["noise_mechanism"] == "blt:4" and d["min_separation"] == b and d["steps"] in (44, 45)
     assert d["participations"] == -(-d["steps"] // b) > 1  # several participations: dpopt's general bound on Δ
     delta_s, mu, eps = _independent_reference(cfg, d["steps"], b)
     assert d["mechanism_sensitivity"] == pytest.approx(delta_s, rel=1e-9)
@@ -332,15 +332,20 @@ def test_cli_one_run_takes_the_noise_mechanism_and_amplified_blt():
     args += ["--seed", "0"]  # canaries, noise and masks seeded (module docstring)
     res = runner.invoke(app, args + ["--noise-mechanism", "blt"])
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
-    assert doc["details"]["noise_mechanism"] == "blt" and doc["details"]["fdp_judged"] and doc["verdict"] == "PASS"
+    doc = json.loads(res.stdout)
+    assert doc["details"]["noise_mechanism"] == "blt:4" and doc["details"]["fdp_judged"] and doc["verdict"] == "PASS"
     assert doc["claimed_mu"] == pytest.approx(doc["details"]["mechanism_sensitivity"] / 3.0)
     res = runner.invoke(
         app, args + ["--noise-mechanism", "blt", "--sampling", "cyclic-poisson", "--sample-rate", "0.2"]
     )
     assert res.exit_code == 0, res.output  # amplified BLT (the spectral bound): judged on Steinke's bound only
-    doc = json.loads(res.output)
+    doc = json.loads(res.stdout)
     assert doc["details"]["sampling"].startswith("cyclic poisson") and doc["claimed_mu"] is None
+    text = runner.invoke(app, args[:-3] + ["--seed", "0", "--noise-mechanism", "banded:4"])  # the text report
+    assert text.exit_code == 0, text.output
+    head, claims = text.stdout.splitlines()[:2]
+    assert head.startswith("One-run white-box audit of dp-sgd on digits, noise banded:4: m = 100 canaries")
+    assert claims.startswith("claimed ε ") and ", μ " in claims.split("|")[0] and claims.endswith("PASS")
 
 
 def test_black_box_audit_of_a_banded_run_claims_the_mechanisms_mu(digits):
@@ -350,6 +355,70 @@ def test_black_box_audit_of_a_banded_run_claims_the_mechanisms_mu(digits):
     # the included canaries join the training set, so b = round(N'/B̄) is that of the augmented set
     assert d["min_separation"] == round((digits.n_train + r.included.sum()) / 64)
     delta_s, mu, _ = _independent_reference(cfg, d["steps"], d["min_separation"])
-    assert d["noise_mechanism"] == "banded" and d["sample_rate"] is None and d["fdp_judged"]
+    assert d["noise_mechanism"] == "banded:2" and d["sample_rate"] is None and d["fdp_judged"]
     assert r.claimed_mu == pytest.approx(mu, rel=1e-9) and d["mechanism_sensitivity"] == pytest.approx(delta_s)
     assert r.verdict == "PASS" and r.bounds.steinke <= r.epsilon  # fails w.p. <= 2·beta (two theorems)
+
+
+def test_cli_audit_refuses_options_of_the_other_mode(monkeypatch):
+    """`--noise-mechanism` without --one-run, `--trials` with it: refused (one line, exit 2), never silently
+    ignored; nothing is audited (the library doors raise if reached)."""
+    from typer.testing import CliRunner
+
+    import dpopt.auditing
+    from dpopt.cli import app
+
+    def reached(*args, **kwargs):
+        raise AssertionError("an audit ran")
+
+    monkeypatch.setattr(dpopt.auditing, "one_run", reached)
+    monkeypatch.setattr(dpopt.auditing, "audit_all", reached)
+    runner = CliRunner()
+    res = runner.invoke(app, ["audit", "--noise-mechanism", "blt"])
+    assert res.exit_code == 2 and res.stderr.strip() == (
+        "error: --noise-mechanism applies to --one-run only (a training-run audit): add --one-run or drop it"
+    )
+    res = runner.invoke(app, ["audit", "--epochs", "1", "--canaries", "100"])
+    assert res.exit_code == 2 and res.stderr.strip().startswith("error: --canaries, --epochs apply to --one-run only")
+    res = runner.invoke(app, ["audit", "--one-run", "--trials", "400"])
+    assert res.exit_code == 2 and res.stderr.strip() == (
+        "error: --trials does not apply to --one-run (only to the one-step audits); drop it"
+    )
+    res = runner.invoke(app, ["audit", "--one-run", "--all", "--alpha", "0.01"])
+    assert res.exit_code == 2 and "--all, --alpha do not apply to --one-run" in res.stderr
+
+
+def test_reproducible_audit_warns_once_without_naming_dpopt_check(digits):
+    """The audit keeps no run directory: its reproducible_noise warning is the audit's own (no `dpopt check`
+    part), once; the training build's warning (which names `dpopt check`) is not shown."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one_run(_cfg(method="dp-sgd", epochs=1, noise_multiplier=1.0), canaries=50, data=digits)
+    texts = [str(w.message) for w in caught if "reproducible_noise" in str(w.message)]
+    assert texts == [OR.REPRODUCIBLE_AUDIT_WARNING] and "dpopt check" not in texts[0]
+
+
+def test_cli_one_run_seed_prints_a_one_line_note(monkeypatch):
+    """`dpopt audit --one-run --seed 3`: a `note:` line (no file:line, no source line, no `dpopt check`)."""
+    import warnings
+
+    from typer.testing import CliRunner
+
+    import dpopt.auditing
+    from dpopt.cli import app
+
+    def warn_then_refuse(cfg, **kw):
+        warnings.warn(OR.REPRODUCIBLE_AUDIT_WARNING, UserWarning, stacklevel=2)
+        warnings.warn("another warning", UserWarning, stacklevel=2)
+        raise ValueError("captured")
+
+    monkeypatch.setattr(dpopt.auditing, "one_run", warn_then_refuse)
+    res = CliRunner().invoke(app, ["audit", "--one-run", "--seed", "3"])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [
+        f"note: {OR.REPRODUCIBLE_AUDIT_WARNING}",
+        "warning: another warning",
+        "error: captured",
+    ]

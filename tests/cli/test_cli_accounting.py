@@ -66,3 +66,21 @@ def test_calibrate_ctrl_c_exits_130(monkeypatch):
     )
     assert res.exit_code == 130
     assert res.stderr.strip() == "error: calibration interrupted; no noise multiplier was chosen"
+
+
+def test_check_on_a_saved_ledger_alone_points_to_dpopt_ledger(tmp_path):
+    """A directory holding only engine.ledger.save(...)'s ledger.json is not a `dpopt train` run: `dpopt check`
+    says what it checks and which command scores the ledger, not "killed ... --resume"; a dpopt train run killed
+    before its summary (config.json present) still gets the resume advice."""
+    run = tmp_path / "dl_mf"
+    run.mkdir()
+    _ledger(run)
+    res = runner.invoke(app, ["check", str(run)])
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert "\n" not in line and "--resume" not in line and "killed" not in line
+    assert "`dpopt check` checks `dpopt train` run directories" in line
+    assert f"`dpopt ledger {run / 'ledger.json'}` scores a saved ledger" in line
+    (run / "config.json").write_text("{}")
+    res = runner.invoke(app, ["check", str(run)])
+    assert res.exit_code == 2 and f"dpopt train --resume {run}" in res.stderr

@@ -133,3 +133,22 @@ def test_help_imports_no_torch():
     code = "import sys\nfrom dpopt.cli import app\nprint('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_library_advice_to_set_an_argument_instead_names_the_flag():
+    """The library's "set target_epsilon instead" reads "give --target-epsilon instead" in a command (the
+    noise_mechanism + max_epsilon refusal of TrainConfig); other commands' text is left alone."""
+    flags = flags_for(["target_epsilon", "max_epsilon"])
+    text = "max_epsilon is not supported; set target_epsilon instead"
+    assert flag_text(text, flags) == "max_epsilon is not supported; give --target-epsilon instead"
+    assert flag_text(text, {}) == text
+    exc = ConfigError("noise_mechanism: max_epsilon is not supported; set target_epsilon instead", "max_epsilon")
+    assert cli_message(exc, flags) == "noise_mechanism: --max-epsilon is not supported; give --target-epsilon instead"
+
+
+def test_train_help_says_which_epochs_are_refused():
+    """`--epochs 0.05` is accepted (≥ one step at digits' q); the help names the refusal that exists: an E that
+    rounds to 0 steps (the old "fewer than one is refused" read as fewer than one epoch)."""
+    res = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert res.exit_code == 0
+    assert "fewer than one is refused" not in res.output and "rounds to 0 steps is refused" in res.output

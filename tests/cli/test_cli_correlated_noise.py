@@ -219,14 +219,31 @@ def test_amplification_that_costs_is_warned(tmp_path):
 
 def test_ledger_lists_no_op_steps_as_no_op(amplified_run):
     """`dpopt ledger` on the amplified run: steps 1-2 and 4-5 (t mod b' ≠ 0) recorded NoOpDpEvents; they read
-    "no-op, no privacy loss", never a blank σ ("sigma =  -> sigma_eff = ") nor "q = 1 (no sampling)"."""
+    "no added cost: charged in advance" (their batches are used; no "sensitivity" on them), never a blank σ
+    ("sigma =  -> sigma_eff = ") nor "q = 1 (no sampling)"; the header names the mechanism (banded:2, σ = 2, Δ)
+    and --json flags the no-op groups."""
     out = CliRunner().invoke(app, ["ledger", str(amplified_run)])
     assert out.exit_code == 0, out.output
     rows = [line.strip() for line in out.output.splitlines() if line.startswith("  step")]
-    assert rows[1] == "steps 1-2 (2x): no-op, no privacy loss (covered by an earlier release), sensitivity 1"
-    assert rows[3].startswith("steps 4-5 (2x): no-op, no privacy loss")
+    assert rows[1] == "steps 1-2 (2x): no-op, no added cost: charged in advance by the earlier releases"
+    assert rows[3] == "steps 4-5 (2x): no-op, no added cost: charged in advance by the earlier releases"
     assert rows[0].startswith("step 0 (1x): q = 0.5, Gaussians sigma = ") and "sigma_eff = 1.79781" in rows[0]
     assert "sigma =  ->" not in out.output and out.output.count("no sampling") == 0
+    record = PrivacyLedger.load(amplified_run / "ledger.json").mechanism
+    header = [line for line in out.output.splitlines() if line.startswith("mechanism ")]
+    assert header == [
+        f"mechanism banded:2 (2 bands), sigma = 2, Delta = {record['sensitivity']:.6g}, q = 0.5; "
+        "step t's sigma = sigma / sqrt(Delta_t^2 - Delta_{t-1}^2)"
+    ]
+    data = json.loads(CliRunner().invoke(app, ["ledger", str(amplified_run), "--json"]).output)
+    assert [r["no_op"] for r in data["runs"][:4]] == [False, True, False, True]
+    assert data["mechanism"] == {
+        "kind": "banded",
+        "bands": 2,
+        "noise_multiplier": 2.0,
+        "sensitivity": record["sensitivity"],
+        "sample_rate": 0.5,
+    }
 
 
 def test_cyclic_horizon_is_epochs_times_batches(tmp_path):

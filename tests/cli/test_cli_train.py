@@ -215,3 +215,15 @@ def test_ctrl_c_during_training_exits_130(monkeypatch, tmp_path):
     res = runner.invoke(app, ["train", "--out", str(tmp_path / "r"), "--target-epsilon", "1"])
     assert res.exit_code == 130
     assert res.stderr.strip() == "error: calibration interrupted; no noise multiplier was chosen; nothing was trained"
+
+
+def test_interrupted_correlated_noise_run_is_not_offered_resume():
+    """A correlated-noise run's resume is refused (its noise stream is never saved): the line says so."""
+    from dpopt.cli.train import _after_interrupt
+
+    plain = {"run_dir": "runs/x"}
+    assert _after_interrupt(plain) == "continue with: dpopt train --resume runs/x"
+    banded = {"run_dir": "runs/x", "noise_mechanism": "banded:4"}
+    line = _after_interrupt(banded)
+    assert "--resume" not in line and "continue with" not in line
+    assert "banded:4" in line and "cannot be resumed" in line and "never saved" in line

@@ -128,7 +128,7 @@ def epsilon_report(
     delta = check_delta(delta)
     report = spec(ledger, delta, budget=budget)
     sampling = getattr(ledger, "sampling", "poisson")
-    if sampling != "poisson" and sampling != _mechanism_sampling(ledger):
+    if sampling != "poisson" and not _mechanism_sampled(ledger):
         # every accountant here assumes Poisson sampling (DESIGN: warn, never silently), except for a
         # correlated-noise ledger, whose events are exact for the cyclic participation it records
         report = dataclasses.replace(
@@ -142,11 +142,12 @@ def epsilon_report(
     return report
 
 
-def _mechanism_sampling(ledger: Any) -> Optional[str]:
-    """The sampling a correlated-noise ledger's events are exact for (:mod:`dpopt.correlated_noise`)."""
-    from .matrix_factorization import record_sampling
+def _mechanism_sampled(ledger: Any) -> bool:
+    """Whether the ledger's sampling is the one its correlated-noise record requires (its events are exact
+    for that cyclic participation; False without a record)."""
+    from .matrix_factorization import record_sampling, same_sampling
 
-    return record_sampling(getattr(ledger, "mechanism", None))
+    return same_sampling(getattr(ledger, "sampling", None), record_sampling(getattr(ledger, "mechanism", None)))
 
 
 def epsilon(ledger: EventLike, delta: float, accountant: str = "pld") -> float:

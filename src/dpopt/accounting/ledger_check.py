@@ -341,7 +341,7 @@ def _check_composition(
         problems.append(f"summary delta {claimed.get('delta')!r} is missing or not in (0, 1)")
     if eps_claim is None:
         problems.append("summary has no numeric epsilon")
-    if ledger.sampling != "poisson" and ledger.sampling != _mechanism_sampling(ledger):
+    if ledger.sampling != "poisson" and not _mechanism_sampled(ledger):
         problems.append(
             f"ledger sampling is {ledger.sampling!r}; the accountants assume Poisson sampling, "
             "so the epsilon does not hold for this run"
@@ -430,11 +430,12 @@ def _check_split(
     return CheckItem("budget_split", QUESTIONS["budget_split"], not problems, tuple(problems + evidence)), facts
 
 
-def _mechanism_sampling(ledger: PrivacyLedger) -> Optional[str]:
-    """The sampling statement the ledger's correlated-noise record requires (None without one)."""
-    from .matrix_factorization import record_sampling
+def _mechanism_sampled(ledger: PrivacyLedger) -> bool:
+    """Whether the ledger's sampling is the one its correlated-noise record requires (its events are exact
+    for that cyclic participation; False without a record)."""
+    from .matrix_factorization import record_sampling, same_sampling
 
-    return record_sampling(getattr(ledger, "mechanism", None))
+    return same_sampling(getattr(ledger, "sampling", None), record_sampling(getattr(ledger, "mechanism", None)))
 
 
 def _check_mechanism(
@@ -745,6 +746,13 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
             "or a DPTrainer checkpoint's privacy_ledger.json and privacy_summary.json)"
         )
     ledger_path, summary_path = run_paths(run)
+    if not summary_path.exists() and not (run / "config.json").exists():  # not a `dpopt train` run at all
+        saved = next((p for p in (run / "ledger.json", run / "ledger.jsonl", ledger_path) if p.exists()), None)
+        raise FileNotFoundError(
+            f"no summary.json or config.json in {run}: `dpopt check` checks `dpopt train` run directories (or "
+            "a directory holding a ledger.json and the summary.json of engine.summary(delta))"
+            + (f"; `dpopt ledger {saved}` scores a saved ledger" if saved is not None else "")
+        )
     if not summary_path.exists():
         raise FileNotFoundError(
             f"no summary.json in {run}: the run was killed or is still running "

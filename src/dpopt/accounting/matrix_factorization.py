@@ -39,6 +39,7 @@ __all__ = [
     "strategy_from_record",
     "check_record",
     "record_sampling",
+    "same_sampling",
     "amplification_label",
     "AMPLIFICATION_NONE",
     "AMPLIFICATION_BANDED",
@@ -90,7 +91,8 @@ class Participation:
     @property
     def sampling(self) -> str:
         """The ledger's ``sampling`` statement for this participation schema."""
-        return f"cyclic (k={self.participations} participations, min separation {self.min_separation})"
+        noun = "participation" if self.participations == 1 else "participations"
+        return f"cyclic (k={self.participations} {noun}, min separation {self.min_separation})"
 
 
 @dataclass(frozen=True)
@@ -725,6 +727,14 @@ def amplification_label(strategy: "Strategy", min_separation: int, sample_rate: 
     if strategy.kind == "banded" and strategy.bands <= int(min_separation):
         return AMPLIFICATION_BANDED
     return AMPLIFICATION_SPECTRAL
+
+
+def same_sampling(recorded: Any, required: Optional[str]) -> bool:
+    """Whether a ledger's ``sampling`` statement is the one its mechanism record requires
+    (:func:`record_sampling`); ledgers written before the singular was spelled read "k=1 participations"."""
+    if not isinstance(recorded, str) or required is None:
+        return False
+    return recorded.replace("(k=1 participations,", "(k=1 participation,") == required
 
 
 def record_sampling(record: Optional[dict]) -> Optional[str]:

@@ -27,7 +27,15 @@ from .ledger_files import compare_ledger_files
 from .registry import REGISTRY, check_accountant
 from .validation import check_delta
 
-__all__ = ["LedgerReport", "ReleaseRun", "ledger_report", "ledger_runs", "score_ledger", "DEFAULT_DELTA"]
+__all__ = [
+    "LedgerReport",
+    "ReleaseRun",
+    "ledger_report",
+    "ledger_runs",
+    "mechanism_brief",
+    "score_ledger",
+    "DEFAULT_DELTA",
+]
 
 DEFAULT_DELTA = 1e-5  # the δ of every dpopt command when neither the user nor the run gives one
 
@@ -48,6 +56,9 @@ class ReleaseRun:
         unsupported: event parts that are not (Poisson-sampled) Gaussians.
         sensitivity_min, sensitivity_max: the range of the recorded ``sensitivity``
             (the clip bound actually applied), ``None`` if not recorded.
+        no_op: the entries recorded a no-op event (correlated noise: these steps use their batches, but
+            their cost was charged in advance by the earlier releases, the worst case over participation
+            patterns; docs/correlated-noise.md).
     """
 
     first_step: int
@@ -59,6 +70,7 @@ class ReleaseRun:
     unsupported: list
     sensitivity_min: Optional[float] = None
     sensitivity_max: Optional[float] = None
+    no_op: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +95,7 @@ def ledger_runs(ledger: Any) -> list[ReleaseRun]:
                 noise_multipliers=parsed.gaussians,
                 sigma_eff=[s for (_, s) in parsed.terms],
                 unsupported=sorted(set(parsed.unsupported)),
+                no_op=not parsed.gaussians and not parsed.unsupported,
             )
             runs.append(run)
             last_event = entry.event
@@ -146,6 +159,8 @@ class LedgerReport:
             record, re-derived from the record alone (:func:`~dpopt.accounting.matrix_factorization.check_record`,
             what ``dpopt check`` fails): the problems found, joined; None when they agree or there is no record.
             The entries as written are still what was scored.
+        mechanism: a correlated-noise ledger's mechanism in brief (:func:`mechanism_brief`: kind, bands or
+            buffers, σ, Δ, sample rate); None for independent noise.
     """
 
     run_dir: str
@@ -165,6 +180,7 @@ class LedgerReport:
     ledger_file: Optional[str] = None
     disagreement: Optional[str] = None
     mechanism_problem: Optional[str] = None
+    mechanism: Optional[dict] = None
 
     @property
     def epsilon(self) -> Union[float, str, None]:
@@ -187,6 +203,7 @@ class LedgerReport:
             "ledger_file": self.ledger_file,
             "disagreement": self.disagreement,
             "mechanism_problem": self.mechanism_problem,
+            "mechanism": self.mechanism,
             "accountant": self.accountant,
             "epsilon": scores.get(self.accountant),
             "epsilon_by_accountant": scores,
@@ -285,7 +302,30 @@ def ledger_report(
         ledger_file=ledger_path.name,
         disagreement=disagreement,
         mechanism_problem=_mechanism_problem(book),
+        mechanism=mechanism_brief(book.mechanism),
     )
+
+
+def mechanism_brief(record: Optional[dict]) -> Optional[dict]:
+    """A correlated-noise mechanism record (the ledger header's ``mechanism``) in brief, to relate the
+    per-step σ_t = σ / √(Δ_t² − Δ_{t−1}²) of the releases to the run (Choquette-Choo et al. 2023).
+
+    Returns:
+        ``{"kind", "bands" or "buffers", "noise_multiplier", "sensitivity", "sample_rate"}`` (a value
+        ``None`` where the record lacks it), or None when ``record`` is not a dict (independent noise).
+    """
+    if not isinstance(record, dict):
+        return None
+    found = record.get("strategy")
+    strategy: dict = found if isinstance(found, dict) else {}
+    brief: dict = {"kind": record.get("kind", strategy.get("kind"))}
+    if isinstance(strategy.get("coefficients"), list):
+        brief["bands"] = len(strategy["coefficients"])
+    elif isinstance(strategy.get("omega"), list):
+        brief["buffers"] = len(strategy["omega"])
+    for key in ("noise_multiplier", "sensitivity", "sample_rate"):
+        brief[key] = record.get(key)
+    return brief
 
 
 def _mechanism_problem(book: PrivacyLedger) -> Optional[str]:

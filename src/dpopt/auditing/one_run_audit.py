@@ -62,6 +62,8 @@ Example::
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
@@ -72,9 +74,16 @@ from torch import nn
 from .one_run_stats import OneRunBound, one_run_bounds
 from .stats import gdp_epsilon
 
-__all__ = ["OneRunResult", "one_run", "MODES", "CANARY_FACTOR"]
+__all__ = ["OneRunResult", "one_run", "MODES", "CANARY_FACTOR", "REPRODUCIBLE_AUDIT_WARNING"]
 
 MODES = ("white", "black")
+
+#: Warned (once) by :func:`one_run` for a ``reproducible_noise`` configuration, in place of the training
+#: build's warning: the audit keeps no run directory, so there is no ledger for ``dpopt check`` to fail.
+REPRODUCIBLE_AUDIT_WARNING = (
+    "reproducible_noise: the audited run's Gaussian noise and Poisson masks are seeded from the published "
+    "seed, so anyone who knows it can replay them: NO privacy guarantee (research reruns only)"
+)
 #: clip-space size of a white-box canary in units of the clip bound (clipped to exactly C)
 CANARY_FACTOR = 1e4
 
@@ -493,9 +502,14 @@ def one_run(
     Raises:
         ValueError: m < 10, unknown mode, β outside (0, 1), per-layer clipping
             in white box; the configuration's own errors (named fields).
+
+    Warns:
+        UserWarning: :data:`REPRODUCIBLE_AUDIT_WARNING`, once, when ``cfg.reproducible_noise`` (the
+            training build's own warning, which names ``dpopt check``, is not shown: no run directory is kept).
     """
     from ..data import load_dataset
     from ..training import TrainConfig
+    from ..training.build import REPRODUCIBLE_NOISE_WARNING
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -509,7 +523,11 @@ def one_run(
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
-    scores, eps, details = (_white_box if mode == "white" else _black_box)(cfg, data, included, gen)
+    if getattr(cfg, "reproducible_noise", False):
+        warnings.warn(REPRODUCIBLE_AUDIT_WARNING, UserWarning, stacklevel=2)
+    with warnings.catch_warnings():  # the build's own warning names `dpopt check`: this run keeps no ledger
+        warnings.filterwarnings("ignore", message=re.escape(REPRODUCIBLE_NOISE_WARNING), category=UserWarning)
+        scores, eps, details = (_white_box if mode == "white" else _black_box)(cfg, data, included, gen)
     bounds = one_run_bounds(scores[included], scores[~included], cfg.delta, beta, guess_counts=guess_counts)
     if "claimed_mu" in details:  # correlated noise: μ = Δ/σ of the ledger's mechanism record (cyclic batches)
         claimed_mu = details["claimed_mu"]
@@ -522,6 +540,11 @@ def one_run(
     estimator = max(judged, key=judged.get)  # type: ignore[arg-type]
     exceeds = bounds.steinke > eps or (gaussian and bounds.mu > claimed_mu)
     details = dict(details, fdp_judged=gaussian, seed=seed)
+    if "noise_mechanism" in details:  # correlated noise: named with its parameter, as the user spells it
+        from ..accounting.matrix_factorization import parse_mechanism
+
+        kind, size = parse_mechanism(cfg.noise_mechanism)
+        details["noise_mechanism"] = f"{kind}:{size}"
     return OneRunResult(
         mode=mode,
         method=cfg.method,

@@ -335,8 +335,9 @@ def ledger(
 
     A run directory's releases are read from its journal ledger.jsonl when present (else ledger.json); the
     first line names the file. If ledger.json contradicts the journal, a warning names the first difference
-    and the journal is scored (`dpopt check` fails such a run). Steps that recorded a no-op (correlated
-    noise: a step whose privacy an earlier release already covers) read "no-op, no privacy loss".
+    and the journal is scored (`dpopt check` fails such a run). Correlated noise: the header names the
+    mechanism (kind, bands/buffers, σ, Δ; step t's σ is σ/√(Δ_t² − Δ_{t−1}²)); steps that recorded a no-op
+    use their batches, but their cost was charged in advance by the earlier releases ("no added cost").
     """
     from ..accounting.report import ledger_report
 
@@ -368,18 +369,20 @@ def ledger(
         f"ledger {run_dir} (read {report.ledger_file}): {report.releases} releases, neighbouring = {report.neighbouring}, "
         f"sampling = {report.sampling}, noise = {report.noise}, dataset_size = {report.dataset_size}"
     )
+    if report.mechanism is not None:
+        typer.echo(_mechanism_line(report.mechanism))
     for run in report.runs:
         steps = f"step {run.first_step}" if run.count == 1 else f"steps {run.first_step}-{run.last_step}"
         sigmas = " + ".join(f"{s:.6g}" for s in run.noise_multipliers)
         q = ", ".join(f"{r:g}" for r in run.sample_rates) or "1 (no sampling)"
         eff = ", ".join(f"{s:.6g}" for s in run.sigma_eff)
+        if run.no_op:  # a NoOpDpEvent: the batches are used, their cost was charged by the earlier releases
+            typer.echo(f"  {steps} ({run.count}x): no-op, no added cost: charged in advance by the earlier releases")
+            continue
         sens = ""
         if run.sensitivity_min is not None:
             lo, hi = run.sensitivity_min, run.sensitivity_max
             sens = f", sensitivity {lo:.4g}" + (f"-{hi:.4g}" if hi != lo else "")
-        if not run.noise_multipliers and not run.unsupported:  # a NoOpDpEvent: nothing released, nothing charged
-            typer.echo(f"  {steps} ({run.count}x): no-op, no privacy loss (covered by an earlier release){sens}")
-            continue
         typer.echo(f"  {steps} ({run.count}x): q = {q}, Gaussians sigma = {sigmas} -> sigma_eff = {eff}{sens}")
     if report.run_delta is not None and report.run_delta != report.delta:
         typer.echo(
@@ -397,6 +400,20 @@ def ledger(
             typer.echo(f"      note: {note}")
     if report.summary_epsilon is not None:
         typer.echo(f"summary.json epsilon = {report.summary_epsilon} (accountant {report.summary_accountant})")
+
+
+def _mechanism_line(brief: dict) -> str:
+    """``dpopt ledger``'s line naming a correlated-noise mechanism (:func:`~dpopt.accounting.report.mechanism_brief`)."""
+    kind = str(brief.get("kind"))
+    if "bands" in brief:
+        kind += f":{brief['bands']} ({brief['bands']} bands)"
+    elif "buffers" in brief:
+        kind += f" ({brief['buffers']} buffers)"
+    parts = [f"mechanism {kind}"]
+    for key, name in (("noise_multiplier", "sigma"), ("sensitivity", "Delta"), ("sample_rate", "q")):
+        if isinstance(brief.get(key), (int, float)):
+            parts.append(f"{name} = {brief[key]:.6g}")
+    return ", ".join(parts) + "; step t's sigma = sigma / sqrt(Delta_t^2 - Delta_{t-1}^2)"
 
 
 @group.command("check")

@@ -9,6 +9,8 @@ accounting commands stay fast.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from typing import Optional
 
 import typer
@@ -16,6 +18,7 @@ import typer
 from ..atomic import check_writable_dir
 from ..jsonio import dumps
 from .common import cli_errors, delta_option, fail, flags_for, json_option
+from .faults import clean_warnings
 
 group = typer.Typer()
 
@@ -61,6 +64,46 @@ _HELP = (
 )
 
 
+#: Parameters that only ``--one-run`` reads, and those that only the one-step audits read: typed in the
+#: other mode they would be silently ignored, so they are refused.
+ONE_RUN_ONLY = frozenset(
+    {
+        "mode",
+        "canaries",
+        "beta",
+        "dataset",
+        "epochs",
+        "batch_size",
+        "sample_rate",
+        "noise_multiplier",
+        "target_epsilon",
+        "max_grad_norm",
+        "clipping",
+        "noise_mechanism",
+        "sampling",
+        "report",
+    }
+)
+ONE_STEP_ONLY = frozenset({"all_", "trials", "alpha"})
+
+
+def _refuse_other_mode(ctx: typer.Context, one_run: bool) -> None:
+    """Fail (one ``error:`` line, exit 2) on options typed for the mode not chosen (they would be ignored)."""
+    other = ONE_STEP_ONLY if one_run else ONE_RUN_ONLY
+
+    def typed(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    given = [p.opts[0] for p in ctx.command.params if p.name in other and typed(str(p.name))]
+    if not given:
+        return
+    names, one = ", ".join(given), len(given) == 1
+    if one_run:
+        fail(f"{names} {'does' if one else 'do'} not apply to --one-run (only to the one-step audits); drop it")
+    fail(f"{names} {'applies' if one else 'apply'} to --one-run only (a training-run audit): add --one-run or drop it")
+
+
 def _fmt(x) -> str:
     if x is None:
         return "n/a"
@@ -70,6 +113,7 @@ def _fmt(x) -> str:
 
 @group.command("audit", help=_HELP)
 def audit(
+    ctx: typer.Context,
     method: Optional[str] = typer.Option(
         None,
         "--method",
@@ -113,6 +157,7 @@ def audit(
     report: Optional[str] = typer.Option(None, "--report", help="--one-run: write one-run-audit.md and .png here."),
 ) -> None:
     """Run the audits (help text above); exit code 1 on any LEAK."""
+    _refuse_other_mode(ctx, one_run_)
     if one_run_:
         _one_run_command(
             method=method or "dp-sgd",
@@ -195,12 +240,17 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         if report is not None:  # an unwritable --report is refused before the audit runs
             check_writable_dir(report)
         from ..auditing import one_run
+        from ..auditing.one_run_audit import REPRODUCIBLE_AUDIT_WARNING
         from ..training import TrainConfig
 
         if seed is not None:  # asked for: the run's noise and masks from the same seed (TrainConfig's research mode)
             train = dict(train, seed=seed, reproducible_noise=True)
         cfg = TrainConfig(method=method, delta=delta, **train)
-        result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
+        with clean_warnings(lambda line: typer.echo(line, err=True)), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(REPRODUCIBLE_AUDIT_WARNING), category=UserWarning)
+            if cfg.reproducible_noise:  # asked for with --seed: a note, not a warning with a source line
+                typer.echo(f"note: {REPRODUCIBLE_AUDIT_WARNING}", err=True)
+            result = one_run(cfg, canaries=canaries, mode=mode, beta=beta, seed=seed)
     paths = None
     if report is not None:
         from ..auditing.one_run_report import write_report
@@ -214,12 +264,14 @@ def _one_run_command(*, method, mode, canaries, beta, seed, json_out, report, de
         typer.echo(dumps(doc))  # one line, as every other --json
     else:
         b = result.bounds
+        noise = result.details.get("noise_mechanism", "independent")
         typer.echo(
-            f"One-run {result.mode}-box audit of {method} on {train['dataset']}: m = {result.m} canaries, "
-            f"confidence {1 - beta:g}, δ = {delta:g}"
+            f"One-run {result.mode}-box audit of {method} on {train['dataset']}, noise {noise}: m = {result.m} "
+            f"canaries, confidence {1 - beta:g}, δ = {delta:g}"
         )
+        claimed_mu = "" if result.claimed_mu is None else f", μ {_fmt(result.claimed_mu)}"
         typer.echo(
-            f"claimed ε {_fmt(result.epsilon)} | lower bounds: Steinke {_fmt(b.steinke)}, "
+            f"claimed ε {_fmt(result.epsilon)}{claimed_mu} | lower bounds: Steinke {_fmt(b.steinke)}, "
             f"f-DP {_fmt(b.fdp)} (μ ≥ {_fmt(b.mu)}{'' if result.details.get('fdp_judged') else ', not judged: q < 1'})"
             f" | {result.verdict}"
         )

@@ -106,13 +106,14 @@ def flag_text(text: str, flags: Mapping[str, str]) -> str:
 
     ``accountant 'rdp'`` → ``--accountant rdp`` (for pld, rdp, prv) and ``set noise_multiplier
     directly`` → ``pass --noise-multiplier directly``, for the arguments in
-    ``flags`` only.
+    ``flags`` only; ``set target_epsilon instead`` → ``give --target-epsilon instead``.
     """
     if "accountant" in flags:
         text = re.sub(r"(?<![\w-])(?:--)?accountant '(pld|rdp|prv)'", rf"{flags['accountant']} \1", text)
     for name, flag in flags.items():
         for spelled in (name, flag):
             text = text.replace(f"set {spelled} directly", f"pass {flag} directly")
+            text = text.replace(f"set {spelled} instead", f"give {flag} instead")
     return text
 
 

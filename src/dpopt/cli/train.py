@@ -128,6 +128,18 @@ def _recipe_line(summary: dict) -> str:
     return ("recipe: " + "; ".join(parts)) if parts else ""
 
 
+def _after_interrupt(summary: dict) -> str:
+    """What the interrupted run's line says next: how to continue it, or why it cannot be continued."""
+    if summary.get("fsdp"):
+        return "a --fsdp run keeps no checkpoint and cannot be resumed (a new run's ε adds to this one's)"
+    if summary.get("noise_mechanism"):
+        return (
+            f"a correlated-noise run ({summary['noise_mechanism']}) cannot be resumed: its noise stream is never "
+            "saved (a new run's ε adds to this one's)"
+        )
+    return f"continue with: {_resume_command(summary)}"
+
+
 def _resume_command(summary: dict) -> str:
     """The command that continues an interrupted run (under torchrun when it ran on several processes)."""
     world = int(summary.get("world_size") or 1)
@@ -196,7 +208,7 @@ def train_command(
     ),
     epochs: float = typer.Option(
         10.0,
-        help="epochs E: round(E / q) steps, q the sample rate (fewer than one is refused)",
+        help="epochs E: round(E / q) steps, q the sample rate (an E that rounds to 0 steps is refused)",
     ),
     lr: Optional[float] = typer.Option(None, help="learning rate (default: the method's)"),
     seed: int = typer.Option(
@@ -547,12 +559,7 @@ def train_command(
     if status == "interrupted":
         out_console.print(
             f"interrupted ({summary.get('stop_signal')}) after {summary['steps']} of "
-            f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; "
-            + (
-                "a --fsdp run keeps no checkpoint and cannot be resumed (a new run's ε adds to this one's)"
-                if summary.get("fsdp")
-                else f"continue with: {_resume_command(summary)}"
-            )
+            f"{summary['planned_steps']} steps, ε spent = {summary['epsilon']:.4f}; " + _after_interrupt(summary)
         )
     elif status == "budget_exhausted":
         out_console.print(
