@@ -931,16 +931,18 @@ class PrivacyEngine:
             return kind
         problems = []
         if (epochs is None) == (total_steps is None):
-            problems.append("give exactly one of epochs= or total_steps= (the horizon the strategy is built for)")
+            problems.append("needs exactly one of epochs= or total_steps= (the horizon the strategy is built for)")
         if not poisson_sampling:
-            problems.append("poisson_sampling=False (correlated noise brings its own cyclic batches)")
+            problems.append("cannot be used with poisson_sampling=False (it brings its own cyclic batches)")
         if clipping == "adaptive":
-            problems.append("clipping='adaptive' (the noise scale would change with a released bound)")
+            problems.append(
+                "cannot be used with clipping='adaptive' (the noise scale would change with a released bound)"
+            )
         if not float(noise_multiplier) > 0:
-            problems.append("noise_multiplier 0 (correlated noise needs noise)")
+            problems.append("needs noise_multiplier > 0")
         if problems:
             raise ConfigError(
-                f"noise_mechanism={noise_mechanism!r} cannot be used with: " + "; ".join(problems),
+                f"noise_mechanism={noise_mechanism!r}: " + "; ".join(problems),
                 "noise_mechanism",
             )
         return kind

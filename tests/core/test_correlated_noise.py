@@ -462,7 +462,7 @@ def test_make_private_trains_accounts_and_checks(mechanism, optimizer):
         ({}, "exactly one of epochs"),
         ({"epochs": 1, "poisson_sampling": False}, "poisson_sampling"),
         ({"epochs": 1, "clipping": "adaptive"}, "adaptive"),
-        ({"epochs": 1, "noise_multiplier": 0.0}, "noise_multiplier 0"),
+        ({"epochs": 1, "noise_multiplier": 0.0}, "needs noise_multiplier > 0"),
     ],
 )
 def test_make_private_refuses_combinations_without_an_accountant(kwargs, match):
