@@ -114,7 +114,7 @@ import os
 import secrets
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
 from typing import Callable, Optional, Union, cast
 
@@ -903,9 +903,8 @@ class CpuNormalDraw:
         if self.stream and fn is None:
             raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
         self._used = True
-        for fut in self._futures:
-            fut.result()
-        self._futures = []
+        futures, self._futures = self._futures, []
+        _wait_all(futures)
         flat = self._values
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
@@ -932,7 +931,7 @@ class CpuNormalDraw:
             for i in range(self._k):
                 finish(i)
         else:
-            list(pool.map(finish, range(self._k)))
+            _wait_all([pool.submit(finish, i) for i in range(self._k)])
         if self._states is not None:
             self._states = []  # the chunk generators' secret states are not kept past their use
         return flat
@@ -959,6 +958,14 @@ class CpuNormalDraw:
 
     def __reduce__(self):
         raise TypeError("a noise draw in progress is never copied or pickled (a copy would replay its noise)")
+
+
+def _wait_all(futures: list) -> None:
+    """Wait until every chunk's future has finished, then raise the first failure (if any): no chunk of a
+    failed draw is still running (writing values, or calling ``fn``) once the error reaches the caller."""
+    wait(futures)
+    for fut in futures:
+        fut.result()
 
 
 _LIVE: "weakref.WeakSet[NoiseSource]" = weakref.WeakSet()  # every source, for the fork handler
