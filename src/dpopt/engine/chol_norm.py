@@ -53,6 +53,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .row_norms import row_sq_norms64
+
 __all__ = ["cholesky_sq_norms", "jitter_delta", "TRIANGLE_BLOCKS"]
 
 _U32 = 2.0**-24  # unit roundoff of float32
@@ -87,7 +89,6 @@ def _sq_norm_upper(flat: Tensor) -> Tensor:
     """An upper bound of each row's ‖x‖² (``[b, m]`` float32 → ``[b]`` float64): one float32 pass, divided by
     1 − γ_{m+1} (m non-negative squares summed in any order: relative error ≤ γ_{m+1}, Higham 2002, §3.1);
     the float64 sum where γ_{m+1} ≥ 1/2. Only the bound's correction term uses it."""
-    from .layers import row_sq_norms64
 
     m = flat.shape[1] + 1
     gamma = m * _U32 / (1 - m * _U32) if m * _U32 < 0.5 else 1.0
@@ -116,7 +117,6 @@ def cholesky_sq_norms(narrow: Tensor, wide: Tensor, blocks: int = TRIANGLE_BLOCK
             f"cholesky_sq_norms needs narrow [b, T, n] and wide [b, T, w], got {tuple(narrow.shape)} and "
             f"{tuple(wide.shape)}"
         )
-    from .layers import row_sq_norms64  # float64 squares in cache-sized slices (layers imports this module)
 
     b, t, n = narrow.shape
     if b == 0 or t == 0:
