@@ -233,7 +233,8 @@ def test_ledger_lists_no_op_steps_as_no_op(amplified_run):
     header = [line for line in out.output.splitlines() if line.startswith("mechanism ")]
     assert header == [
         f"mechanism banded:2 (2 bands), sigma = 2, Delta = {record['sensitivity']:.6g}, q = 0.5; "
-        "step t's sigma = sigma / sqrt(Delta_t^2 - Delta_{t-1}^2)"
+        "each round of b' steps charges one Poisson-sampled Gaussian at sigma / (the per-round sensitivity: a "
+        "column norm, or sqrt(lambda_max) of a part's columns); its other steps are no-ops"
     ]
     data = json.loads(CliRunner().invoke(app, ["ledger", str(amplified_run), "--json"]).output)
     assert [r["no_op"] for r in data["runs"][:4]] == [False, True, False, True]

@@ -413,6 +413,11 @@ def _mechanism_line(brief: dict) -> str:
     for key, name in (("noise_multiplier", "sigma"), ("sensitivity", "Delta"), ("sample_rate", "q")):
         if isinstance(brief.get(key), (int, float)):
             parts.append(f"{name} = {brief[key]:.6g}")
+    if isinstance(brief.get("sample_rate"), (int, float)):  # amplified: rounds, not the prefix sensitivities
+        return ", ".join(parts) + (
+            "; each round of b' steps charges one Poisson-sampled Gaussian at sigma / (the per-round "
+            "sensitivity: a column norm, or sqrt(lambda_max) of a part's columns); its other steps are no-ops"
+        )
     return ", ".join(parts) + "; step t's sigma = sigma / sqrt(Delta_t^2 - Delta_{t-1}^2)"
 
 
