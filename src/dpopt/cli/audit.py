@@ -23,28 +23,28 @@ from .faults import clean_warnings
 group = typer.Typer()
 
 #: Argument names of the auditing library, shown as this command's flags.
-AUDIT_FLAGS = flags_for(["trials", "delta", "alpha", "seed", "method"])
+_AUDIT_NAMES = ["trials", "delta", "alpha", "seed", "method"]
+AUDIT_FLAGS = flags_for(_AUDIT_NAMES)
 #: ... and those of ``--one-run`` (TrainConfig fields it sets, one_run's arguments)
-ONE_RUN_FLAGS = flags_for(
-    [
-        "delta",
-        "seed",
-        "method",
-        "canaries",
-        "mode",
-        "beta",
-        "dataset",
-        "epochs",
-        "batch_size",
-        "sample_rate",
-        "noise_multiplier",
-        "target_epsilon",
-        "max_grad_norm",
-        "clipping",
-        "noise_mechanism",
-        "sampling",
-    ]
-)
+_ONE_RUN_NAMES = [
+    "delta",
+    "seed",
+    "method",
+    "canaries",
+    "mode",
+    "beta",
+    "dataset",
+    "epochs",
+    "batch_size",
+    "sample_rate",
+    "noise_multiplier",
+    "target_epsilon",
+    "max_grad_norm",
+    "clipping",
+    "noise_mechanism",
+    "sampling",
+]
+ONE_RUN_FLAGS = flags_for(_ONE_RUN_NAMES)
 
 _HELP = (
     "Empirically audit one privatizer step against the accountant's ε.\n\n"
@@ -66,24 +66,7 @@ _HELP = (
 
 #: Parameters that only ``--one-run`` reads, and those that only the one-step audits read: typed in the
 #: other mode they would be silently ignored, so they are refused.
-ONE_RUN_ONLY = frozenset(
-    {
-        "mode",
-        "canaries",
-        "beta",
-        "dataset",
-        "epochs",
-        "batch_size",
-        "sample_rate",
-        "noise_multiplier",
-        "target_epsilon",
-        "max_grad_norm",
-        "clipping",
-        "noise_mechanism",
-        "sampling",
-        "report",
-    }
-)
+ONE_RUN_ONLY = frozenset(_ONE_RUN_NAMES).difference(_AUDIT_NAMES) | {"report"}
 ONE_STEP_ONLY = frozenset({"all_", "trials", "alpha"})
 
 
