@@ -356,14 +356,14 @@ def _unsampled_gaussian_epsilon(terms: dict, delta: float, replace: bool) -> flo
     ``count`` releases at noise multipliers σᵢ compose to one Gaussian with σ_eff = (Σ countᵢ/σᵢ²)^(−1/2)
     (the stacked release; Dong, Roth & Su 2019, Cor. 3.3), whose ε(δ) is the analytic Gaussian's
     (Balle & Wang 2018, Thm 8) at μ = Δ/σ_eff, Δ = 1 (add/remove) or 2 (replace-one, as dp_accounting's REPLACE
-    adjacency). dp_accounting's ``get_epsilon_gaussian`` finds the root to 1e-12; the result is raised until
+    adjacency). :func:`~dpopt.accounting.matrix_factorization.gaussian_epsilon` finds the root to 1e-12; the result is raised until
     δ(ε) ≤ δ holds at it, so it is never below the true ε. No grid: the connect-the-dots PLD of the same
     Gaussian would need ~ (μ²/2 + 20μ)/1e-4 grid points (millions for σ_eff ≲ 0.3) for the same number.
     """
-    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+    from .matrix_factorization import gaussian_epsilon  # the project's analytic-Gaussian root (1e-12)
 
     mu = (2.0 if replace else 1.0) * math.sqrt(sum(count / sigma**2 for (_, sigma), count in terms.items()))
-    eps = float(get_epsilon_gaussian(1.0 / mu, delta, tol=1e-12))
+    eps = gaussian_epsilon(mu, delta)
     if eps <= 0.0:
         return 0.0
     log_delta, step = math.log(delta), 1e-12 * max(1.0, eps)
