@@ -225,13 +225,13 @@ def test_the_sampler_carries_no_private_sizes_in_copies():
 
 
 def _train(model, opt, loader, epochs: int = 2) -> int:
-    """``epochs`` passes of the user's loop over ``loader`` (an empty Poisson batch steps without a backward);
-    returns the number of steps."""
+    """``epochs`` passes of the user's loop over ``loader`` (an empty Poisson batch's forward and backward
+    release pure noise); returns the number of steps."""
     steps = 0
     for _ in range(epochs):
         for x, y in loader:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward() if len(y) else None
+            nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             steps += 1
     return steps

@@ -257,11 +257,13 @@ def test_k_views_forwarded_without_augmentation_multiplicity_are_refused():
     assert len(opt.privatizer.ledger) == 0
     for x, y, _ in loader:  # the loader's own rows (or fewer: one dropped) are fine
         opt.zero_grad()
-        if len(y):
-            keep = max(1, len(y) - 1)
-            F.cross_entropy(model(x[:keep]), y[:keep]).backward()
-        opt.step()  # an empty batch: a pure-noise release
-    assert len(opt.privatizer.ledger) == len(loader)
+        keep = max(1, len(y) - 1) if len(y) else 0  # an empty Poisson batch (p ≈ 1e-4): forward and backward it
+        F.cross_entropy(model(x[:keep]), y[:keep]).backward()
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(model(x[:0]), y[:0]).backward()  # an empty batch, forced: a pure-noise release
+    opt.step()
+    assert len(opt.privatizer.ledger) == len(loader) + 1
 
 
 def test_last_step_released_tells_updates_from_chunks_for_schedulers_and_averagers():
