@@ -494,6 +494,7 @@ class PrivacyEngine:
         delta: Optional[float] = None,
         compile: Union[bool, str] = False,
         cache_bytes: Optional[int] = None,
+        norm_form: Optional[str] = None,
         **hparams: Any,
     ) -> tuple:
         """Return ``(module, optimizer, data_loader)`` whose ordinary training loop is DP.
@@ -664,6 +665,10 @@ class PrivacyEngine:
                 the model and batch (≈ 10 % of what the non-private step holds,
                 :func:`dpopt.engine.layers.derived_cache_bytes`); 0 never caches (least memory); more
                 trades memory for speed.
+            norm_form: None (default): the capture's cost model chooses each layer's per-example norm
+                form; ``"gram"``, ``"chol"`` or ``"direct"`` forces that form wherever it applies
+                (:attr:`dpopt.engine.layers.Budget.norm_form`; for tests and measurements: the forms
+                agree up to rounding).
             **hparams: hyperparameters of a dpopt method name.
 
         Raises:
@@ -760,6 +765,7 @@ class PrivacyEngine:
             **({"compile": compile} if compile else {}),
             **({"rows_per_example": views} if views > 1 else {}),
             **({"cache_bytes": cache_bytes} if cache_bytes is not None else {}),
+            **({"norm_form": norm_form} if norm_form is not None else {}),
         )
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None

@@ -87,6 +87,7 @@ def iter_per_sample_sources(
     rows_per_example: int = 1,
     compile: object = False,
     cache_bytes: Optional[int] = None,
+    norm_form: Optional[str] = None,
 ) -> Iterator:
     """Lazily yield per-sample sources for chunks of ≤ ``physical_batch_size`` examples.
 
@@ -121,6 +122,9 @@ def iter_per_sample_sources(
             :func:`~dpopt.engine.layers.derived_cache_bytes`); 0 never caches
             (least memory); more trades memory for speed
             (docs/performance.md, "Memory budget of the per-layer choice").
+        norm_form: ``engine="fast"`` only: None (default) lets the cost model choose each factored
+            layer's norm form; ``"gram"``, ``"chol"`` or ``"direct"`` forces that form wherever it
+            applies (:attr:`~dpopt.engine.layers.Budget.norm_form`; tests and measurements).
 
     Yields:
         per-sample sources; with ``engine="fast"`` each is freed when the
@@ -132,16 +136,20 @@ def iter_per_sample_sources(
             or x's example axis and y's dim 0 of different lengths), a row
             count that is not a multiple of ``rows_per_example``, or a
             layer refused by :func:`dpopt.models.check_model`; ``cache_bytes``
-            neither None nor an integer ≥ 0.
+            neither None nor an integer ≥ 0; ``norm_form`` not None or one of
+            :data:`~dpopt.engine.layers.NORM_FORMS`, or given with ``engine="reference"``.
     """
     if physical_batch_size is not None and physical_batch_size <= 0:
         raise ValueError(f"physical_batch_size must be > 0, got {physical_batch_size}")
     if engine == "fast":
         eng = get_engine(model, loss_fn, rows_per_example, compile)
-        eng.cache_bytes = cache_bytes  # this call's budget (the engine is cached per model)
+        eng.cache_bytes = cache_bytes  # this call's budget and norm form (the engine is cached per model)
+        eng.norm_form = norm_form
         return eng.iterate(x, y, physical_batch_size, points, batch_dim)
     if compile:
         raise ValueError("compile= is an option of engine='fast' (the reference engine runs eagerly)")
+    if norm_form is not None:
+        raise ValueError("norm_form= is an option of engine='fast' (the reference engine has no norm forms)")
     if engine == "reference":
         check_model(model)
         k = int(rows_per_example)

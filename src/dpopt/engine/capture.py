@@ -72,7 +72,7 @@ from .check import (
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
-from .layers import Budget, DirectBlock, derived_cache_bytes
+from .layers import Budget, DirectBlock, check_norm_form, derived_cache_bytes
 from .lift import Lifts, on_axis
 from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
@@ -326,6 +326,9 @@ class Plan:
         chunk_bytes, cache_bytes: the :class:`~dpopt.engine.layers.Budget` of each source;
             ``cache_bytes=None`` (default): derived per batch from the model and
             the recorded activations (:meth:`budget`), an int: that many bytes.
+        norm_form: None (default): each factored layer's norm form from the cost model; one of
+            :data:`~dpopt.engine.layers.NORM_FORMS`: that form wherever it applies
+            (:attr:`~dpopt.engine.layers.Budget.norm_form`).
         weak: hold the model weakly (the engine cache is keyed weakly by the
             model); False (the hook door): strongly, so that a ``deepcopy`` of
             the model with its hooks gives a plan of the copy.
@@ -339,12 +342,18 @@ class Plan:
     """
 
     def __init__(
-        self, model: nn.Module, chunk_bytes: int = 16 << 20, cache_bytes: Optional[int] = None, weak: bool = True
+        self,
+        model: nn.Module,
+        chunk_bytes: int = 16 << 20,
+        cache_bytes: Optional[int] = None,
+        weak: bool = True,
+        norm_form: Optional[str] = None,
     ):
         self._strong = None if weak else model
         self._model = weakref.ref(model)
         self.chunk_bytes = int(chunk_bytes)
         self.cache_bytes = check_cache_bytes(cache_bytes)
+        self.norm_form = check_norm_form(norm_form)
         named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
         self.names = [k for k, _ in named]
         self.params = [p for _, p in named]
@@ -434,10 +443,10 @@ class Plan:
         of the model's parameter bytes (every parameter tensor once), its
         trainable parameters' bytes (the non-private ``.grad``) and the bytes
         of the distinct layer inputs recorded for the calls that received a
-        gradient (each storage once).
+        gradient (each storage once). Its ``norm_form`` is the plan's.
         """
         if self.cache_bytes is not None:
-            return Budget(self.chunk_bytes, self.cache_bytes)
+            return Budget(self.chunk_bytes, self.cache_bytes, norm_form=self.norm_form)
         seen: dict[int, int] = {}
         for p in self.model.parameters():
             seen.setdefault(id(p), p.numel() * p.element_size())
@@ -449,7 +458,8 @@ class Plan:
                 continue
             st = a.untyped_storage()
             acts[(a.device, st.data_ptr())] = st.nbytes()
-        return Budget(self.chunk_bytes, derived_cache_bytes(sum(seen.values()), grads, sum(acts.values())))
+        cache = derived_cache_bytes(sum(seen.values()), grads, sum(acts.values()))
+        return Budget(self.chunk_bytes, cache, norm_form=self.norm_form)
 
     def blocks(
         self,

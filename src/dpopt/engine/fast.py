@@ -98,7 +98,7 @@ from .check import (
 )
 from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import DirectBlock, FactoredBlock, plan_caches
+from .layers import DirectBlock, FactoredBlock, check_norm_form, plan_caches
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -314,6 +314,9 @@ class PerSampleEngine:
             each source (bytes); ``cache_bytes=None`` (default) derives the cache
             from the model and batch (:meth:`~dpopt.engine.capture.Plan.budget`),
             an int overrides it (0: never cache per-example gradients).
+        norm_form: None (default): each factored layer's norm form from the cost model; ``"gram"``,
+            ``"chol"`` or ``"direct"``: that form wherever it applies
+            (:attr:`~dpopt.engine.layers.Budget.norm_form`; tests and measurements).
         rows_per_example: K ≥ 1. Rows ``i·K … i·K + K − 1`` of ``x`` and ``y``
             are K views (augmentations) of example i; its per-example gradient
             is the mean over its views, g_i = (1/K) Σ_v ∇ℓ(x_{iK+v}, y_{iK+v})
@@ -350,13 +353,14 @@ class PerSampleEngine:
         cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
         compile: object = False,
+        norm_form: Optional[str] = None,
     ):
         if int(rows_per_example) != rows_per_example or rows_per_example < 1:
             raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         backend = compile_backend(compile)
         if backend is not None and not verify:
             raise refusal("verify=False would release the compiled capture's results unchecked")
-        self.plan = Plan(model, chunk_bytes, cache_bytes)
+        self.plan = Plan(model, chunk_bytes, cache_bytes, norm_form=norm_form)
         self.loss_fn = loss_fn
         self.views = int(rows_per_example)
         self._rec = Recorder(self.plan, tensor_hooks=False, guard_buffers=False)
@@ -387,6 +391,15 @@ class PerSampleEngine:
     @cache_bytes.setter
     def cache_bytes(self, value: Optional[int]) -> None:
         self.plan.cache_bytes = check_cache_bytes(value)
+
+    @property
+    def norm_form(self) -> Optional[str]:
+        """The forced norm form of the factored layers (None: the cost model chooses per layer)."""
+        return self.plan.norm_form
+
+    @norm_form.setter
+    def norm_form(self, value: Optional[str]) -> None:
+        self.plan.norm_form = check_norm_form(value)
 
     model = property(lambda self: self.plan.model)
 

@@ -158,6 +158,9 @@ class HookCapture:
         chunk_bytes, cache_bytes: memory :class:`~dpopt.engine.layers.Budget` of each source;
             ``cache_bytes=None`` (default): derived from the model and batch
             (:meth:`~dpopt.engine.capture.Plan.budget`), an int: that many bytes.
+        norm_form: None (default): each factored layer's norm form from the cost model; ``"gram"``,
+            ``"chol"`` or ``"direct"``: that form wherever it applies
+            (:attr:`~dpopt.engine.layers.Budget.norm_form`; tests and measurements).
         rows_per_example: K ≥ 1: rows ``i·K … i·K + K − 1`` of each forward
             pass are K views of example i (``PrivacyEngine``'s augmentation
             multiplicity); its gradient is the mean over them, and the source
@@ -189,6 +192,7 @@ class HookCapture:
         cache_bytes: Optional[int] = None,
         rows_per_example: int = 1,
         compile: object = False,
+        norm_form: Optional[str] = None,
     ):
         backend = compile_backend(compile)
         if backend is not None and not verify:
@@ -202,7 +206,7 @@ class HookCapture:
         self.model = model
         self.loss_reduction = loss_reduction
         self.views = int(rows_per_example)
-        self.plan = Plan(model, chunk_bytes, cache_bytes, weak=False)
+        self.plan = Plan(model, chunk_bytes, cache_bytes, weak=False, norm_form=norm_form)
         self.params, self.names = self.plan.params, self.plan.names
         if not self.params:
             raise ValueError("the model has no trainable parameter (requires_grad=True); nothing to privatize")

@@ -84,6 +84,8 @@ __all__ = [
     "chol_cost",
     "CHOL_GRAM64_PER_MAC",
     "CHOL_FACTOR_PER_MAC",
+    "NORM_FORMS",
+    "check_norm_form",
     "plan_caches",
     "row_sq_norms64",
     "ROW_NORM_COLUMNS",
@@ -104,11 +106,17 @@ class Budget:
             the engine derives it from the model and batch
             (:func:`derived_cache_bytes`) unless the user gives one.
         used: bytes of cache in use.
+        norm_form: None (default): each factored layer takes the cheapest exact
+            form of its norms by the cost model (:meth:`FactoredBlock.cheapest_form`);
+            one of :data:`NORM_FORMS`: that form wherever it applies
+            (:meth:`FactoredBlock.forced_form`) — for tests and measurements, the
+            results are the same up to each form's rounding.
     """
 
     chunk_bytes: int = 16 << 20
     cache_bytes: int = 0
     used: int = 0
+    norm_form: Optional[str] = None
 
     def take(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of cache; False (nothing reserved) if it does not fit."""
@@ -120,6 +128,23 @@ class Budget:
     def give(self, nbytes: int) -> None:
         """Return ``nbytes`` of cache."""
         self.used = max(0, self.used - nbytes)
+
+
+NORM_FORMS = ("gram", "chol", "direct")
+"""The per-example norm forms of a factored layer that a source's :class:`Budget` may force (module docstring)."""
+
+
+def check_norm_form(norm_form: Optional[str]) -> Optional[str]:
+    """``norm_form`` if it is None (the cost model chooses) or one of :data:`NORM_FORMS`.
+
+    Raises:
+        ValueError: anything else (names the accepted values).
+    """
+    if norm_form is None or (isinstance(norm_form, str) and norm_form in NORM_FORMS):
+        return norm_form
+    raise ValueError(
+        f"norm_form must be None (the cost model chooses per layer) or one of {NORM_FORMS}, got {norm_form!r}"
+    )
 
 
 CACHE_SHARE = 0.1
@@ -490,7 +515,8 @@ def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget:
 
     Source: the choice of Bu et al. 2023 (arXiv 2210.00038, book-keeping:
     ghost norm or per-example gradients, whichever is cheaper per layer) with
-    a memory budget as the constraint.
+    a memory budget as the constraint. A form forced by the budget
+    (:attr:`Budget.norm_form`) replaces the cost model where it applies.
     """
     if len(flat) != len(blocks):
         raise ValueError(f"plan_caches needs one flatness flag per block, got {len(flat)} for {len(blocks)}")
@@ -499,7 +525,13 @@ def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget:
         blk.cache_ok = False
         if blk.closed_form() or not blk.parts or blk.B == 0:
             continue
-        cached, uncached = form_costs(blk.ratio(), fl, blk.chol_cost())
+        forced = blk.forced_form(fl)
+        if forced in ("gram", "chol"):  # forced norms without per-example gradients: nothing to keep
+            continue
+        if forced == "direct":
+            cached, uncached = 1.0, GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
+        else:
+            cached, uncached = form_costs(blk.ratio(), fl, blk.chol_cost())
         if uncached > cached:
             gains.append(((uncached - cached) * blk.T / blk.itemsize(), k))
     for _gain, k in sorted(gains, key=lambda g: (-g[0], g[1])):
@@ -547,7 +579,9 @@ class FactoredBlock:
     lower); else the direct form, its
     chunks cached for the clipped sum when :func:`plan_caches` chose this
     layer (``cache_ok``; a block used alone reserves from its budget on first
-    use), its sum recomputed as one GEMM otherwise.
+    use), its sum recomputed as one GEMM otherwise. A form forced by the
+    budget (:attr:`Budget.norm_form`, :meth:`forced_form`) replaces this choice
+    where it applies.
     """
 
     def __init__(self, index: int, shape: Sequence[int], parts: Sequence, budget: Budget, batch_size: int):
@@ -574,10 +608,28 @@ class FactoredBlock:
             return math.inf
         return chol_cost(self.T, self.p, self.q)
 
+    def forced_form(self, flat: bool) -> Optional[str]:
+        """The form :attr:`Budget.norm_form` forces on this layer, or None (the cost model chooses).
+
+        A forced form applies where it is exact: ``"direct"`` always; ``"gram"`` in the flat clip
+        geometry; ``"chol"`` in the flat geometry of a layer made of Linear calls (finite
+        :meth:`chol_cost`). Elsewhere (and for the T = 1 closed forms, which :meth:`sq_norms` takes
+        first) the cost model's choice stands.
+        """
+        forced = self.budget.norm_form
+        if forced is None or forced == "direct":
+            return forced
+        if not flat or (forced == "chol" and not math.isfinite(self.chol_cost())):
+            return None
+        return forced
+
     def cheapest_form(self, flat: bool, cached: bool) -> str:
         """``"gram"``, ``"chol"`` or ``"direct"``: the cheapest form in the clip geometry (:func:`form_costs`) when the
-        per-example gradients are kept (``cached``) or not."""
+        per-example gradients are kept (``cached``) or not; the forced form (:meth:`forced_form`) if there is one."""
         recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
+        forced = self.forced_form(flat)
+        if forced is not None:
+            return forced
         if not flat:
             return "direct"
         costs = {
