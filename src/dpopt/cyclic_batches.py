@@ -21,6 +21,7 @@ makes its step's release (noise only), so the step schedule stays the analysed o
 
 from __future__ import annotations
 
+import copy
 import secrets
 from collections import deque
 from typing import Any, Callable, Iterator, Optional
@@ -79,10 +80,18 @@ class CyclicBatchSampler(Sampler):
 
     Attributes:
         batches: the b batches of THIS rank (lists of dataset indices; private, in memory only: never in
-            :meth:`state_dict`).
+            :meth:`state_dict`, a pickle or a copy).
         position: steps handed out so far (public).
         sizes: the sizes of batches handed out by ``__iter__`` and not yet read by the loader (private,
             in memory only: never pickled).
+
+    Copies (pickle, ``copy.copy``/``deepcopy``, ``torch.save``) carry the public fields only (N, b, rank,
+    world size, steps, position), never the assignment: an adversary who reads a pickle must not learn
+    which batch each example is in. What a copy does on first use (:meth:`_assigned`): at position 0 in
+    one process it draws a fresh secret assignment (a new sampler, as valid as the original's); past
+    position 0 it refuses (a fresh assignment would break the run's b-min-sep participation — an example
+    could take part in two steps less than b apart — and the old one is gone), and under data parallel it
+    refuses at every position (the ranks would no longer share one assignment).
 
     Raises:
         ValueError: b < 1 or b > N; rank ∉ [0, world_size).
@@ -102,25 +111,60 @@ class CyclicBatchSampler(Sampler):
             raise ValueError(f"batches must lie in [1, dataset size {n}], got {batches}")
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"rank must lie in [0, world_size {world_size}), got {rank}")
-        self._parts = [part.tensor_split(int(world_size))[int(rank)] for part in balls_in_bins(n, b, seed)]
-        self.batches = [chunk.tolist() for chunk in self._parts]
+        self.dataset_size, self.num_batches = n, b  # public
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._parts: Optional[list[torch.Tensor]] = self._draw(seed)  # the secret assignment (this rank's)
+        self._batches: Optional[list[list[int]]] = None  # the same as lists, made on first use
         self.steps = steps
         self.position = 0  # steps handed out so far (public)
         self.sizes: "deque[int]" = deque(maxlen=1024)
 
+    def _draw(self, seed: Optional[int]) -> list[torch.Tensor]:
+        parts = balls_in_bins(self.dataset_size, self.num_batches, seed)
+        return [part.tensor_split(self.world_size)[self.rank] for part in parts]
+
+    def _assigned(self) -> list[torch.Tensor]:
+        """The assignment (this rank's parts); in a copy without one, a fresh secret draw at position 0 (one process).
+
+        Raises:
+            RuntimeError: a copy (pickle, ``copy``/``deepcopy``) past position 0 or under data parallel.
+        """
+        if self._parts is None:
+            if self.position != 0 or self.world_size != 1:
+                raise RuntimeError(
+                    "this cyclic batch sampler is a copy (pickle, copy.copy/deepcopy or torch.save) of one "
+                    + (f"at step {self.position}" if self.position else "of a data-parallel run")
+                    + ": its secret assignment of examples to batches is never copied, and a new one would "
+                    "break the run's participation pattern (or the ranks' shared assignment); iterate the "
+                    "original sampler, or build a new loader (make_private again) for a new run"
+                )
+            self._parts = self._draw(None)  # a fresh secret assignment: a new sampler's, never the original's
+        return self._parts
+
+    @property
+    def batches(self) -> list[list[int]]:
+        """The b batches of this rank as lists of dataset indices (private, in memory only)."""
+        if self._batches is None:
+            self._batches = [chunk.tolist() for chunk in self._assigned()]
+        return self._batches
+
     def __len__(self) -> int:
-        return len(self.batches)
+        return self.num_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(len(self.batches)):
-            batch = self.batches[self.position % len(self.batches)]
+        batches = self.batches
+        for _ in range(len(batches)):
+            batch = batches[self.position % len(batches)]
             self.position += 1
             self.sizes.append(len(batch))
             yield batch
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never carry the handed-out batches' sizes (a count of private examples)."""
+        """Copies and pickles carry the public fields only: never the assignment (``_parts``, ``_batches``) nor
+        the handed-out batches' sizes (a count of private examples). See the class docstring for what the copy
+        does on first use."""
         state = dict(self.__dict__)
+        state["_parts"], state["_batches"] = None, None
         state["sizes"] = type(self.sizes)(maxlen=1024)
         return state
 
@@ -130,17 +174,19 @@ class CyclicBatchSampler(Sampler):
 
         Raises:
             StopIteration: ``steps`` batches were drawn.
+            RuntimeError: a copy that cannot draw (:meth:`_assigned`).
         """
         if self.steps is not None and self.position >= self.steps:
             raise StopIteration
-        idx = self._parts[self.position % len(self._parts)]
+        parts = self._assigned()
+        idx = parts[self.position % len(parts)]
         self.position += 1
         return idx.clone()
 
     def state_dict(self) -> dict:
         """Public: the position and the number of batches (the assignment is not saved: a correlated-noise
         run is never resumed, docs/correlated-noise.md)."""
-        return {"version": 1, "position": self.position, "batches": len(self.batches), "cyclic": True}
+        return {"version": 1, "position": self.position, "batches": self.num_batches, "cyclic": True}
 
     def load_state_dict(self, state: dict) -> None:
         """Only a state at position 0 loads.
@@ -191,6 +237,10 @@ class CyclicPoissonBatchSampler(Sampler):
         position: steps handed out so far (public; continues across iterations, never restarts the cycle).
         sizes: the sizes of batches drawn and not yet handed out (private, in memory only: never pickled).
 
+    Copies (pickle, ``copy``/``deepcopy``) carry no assignment, no part sizes and no drawn sizes; on first use
+    a copy at position 0 in one process draws a fresh secret assignment, any other copy refuses
+    (:class:`CyclicBatchSampler`). The inclusion uniforms' source re-seeds in a copy (:mod:`dpopt.noise`).
+
     Raises:
         ValueError: b' ∉ [1, N], q ∉ (0, 1], rank ∉ [0, world_size).
     """
@@ -211,19 +261,37 @@ class CyclicPoissonBatchSampler(Sampler):
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"rank must lie in [0, world_size {world_size}), got {rank}")
         self._cyclic = CyclicBatchSampler(dataset_size, partitions, seed=seed)  # the whole parts, on every rank
-        # [lo, hi): this rank's slice of each part (tensor_split's: the first len % W slices one longer)
-        self._slices = [
-            (int(r[0]), int(r[-1]) + 1) if len(r) else (0, 0)
-            for r in (torch.arange(len(p)).tensor_split(int(world_size))[int(rank)] for p in self._cyclic.batches)
-        ]
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._slices: Optional[list[tuple[int, int]]] = None  # this rank's slice of each part (private: sizes)
+        self._slice_table()
         self.sample_rate = float(sample_rate)
         self.steps = len(self._cyclic) if steps is None else int(steps)
         self.noise = make_noise_source(noise)
         self.sizes: "deque[int]" = deque(maxlen=1024)
 
+    def _slice_table(self) -> list[tuple[int, int]]:
+        """``[lo, hi)``: this rank's slice of each part (tensor_split's: the first len % W slices one longer).
+
+        Raises:
+            RuntimeError: a copy under data parallel (a fresh assignment would not be the other ranks').
+        """
+        if self._slices is None:
+            if self.world_size != 1 and self._cyclic._parts is None:
+                raise RuntimeError(
+                    "this cyclic Poisson sampler is a copy (pickle, copy.copy/deepcopy or torch.save) of one of a "
+                    "data-parallel run: its secret assignment of examples to parts is never copied, and a new one "
+                    "would not be the other ranks'; iterate the original, or build a new loader for a new run"
+                )
+            self._slices = [
+                (int(r[0]), int(r[-1]) + 1) if len(r) else (0, 0)
+                for r in (torch.arange(len(p)).tensor_split(self.world_size)[self.rank] for p in self._cyclic.batches)
+            ]
+        return self._slices
+
     @property
     def partitions(self) -> list[list[int]]:
         """The b' fixed parts, as lists of dataset indices (private: in memory only, never in :meth:`state_dict`)."""
+        self._slice_table()
         return self._cyclic.batches
 
     @property
@@ -238,7 +306,8 @@ class CyclicPoissonBatchSampler(Sampler):
         ``[K]``, K ~ Binomial; one process: the whole part)."""
         from .sampling import poisson_indices
 
-        lo, hi = self._slices[self.position % len(self._slices)]
+        slices = self._slice_table()
+        lo, hi = slices[self.position % len(slices)]
         part = self._cyclic.sample()
         if self.noise.mode == "reproducible":  # the shared stream's sample of the whole part, this slice's share
             keep = poisson_indices(self.noise, len(part), self.sample_rate)
@@ -252,8 +321,13 @@ class CyclicPoissonBatchSampler(Sampler):
             yield idx.tolist()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never carry the drawn batches' sizes (a count of private examples)."""
+        """Copies and pickles never carry the assignment (the inner :class:`CyclicBatchSampler` drops it; the
+        slices, which are its part sizes, are dropped here) nor the drawn batches' sizes (a count of private
+        examples). A copy draws a fresh secret assignment at position 0 in one process and refuses otherwise
+        (:meth:`CyclicBatchSampler._assigned`)."""
         state = dict(self.__dict__)
+        state["_cyclic"] = copy.copy(self._cyclic)  # without its assignment, also in a shallow copy
+        state["_slices"] = None
         state["sizes"] = type(self.sizes)(maxlen=1024)
         return state
 
