@@ -410,12 +410,16 @@ class LossReductionWatch:
     def at_step(self) -> bool:
         """Raise on a mismatch; True when the watch is done (its hooks removed).
 
+        A refusal keeps watching: the verdict belonged to the pass it judged (whose records the optimizer drops
+        with the refusal), so the next pass is judged afresh — accepted once the loss is fixed, refused again
+        while it is not.
+
         Raises:
             ValueError: a loss module's reduction disagrees with ``loss_reduction``.
         """
         if self.verdict is not None:
-            self.close()
-            raise ValueError(self.verdict)
+            verdict, self.verdict, self.batch, self.outs = self.verdict, None, 0, []
+            raise ValueError(verdict)
         if self.batch >= 2:
             self.close()
             return True

@@ -84,6 +84,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._loader: Optional[DPDataLoader] = None  # make_private's Poisson loader (K views: rows checked)
         self._examples: Optional[int] = 0  # examples accumulated in the open logical step (None: unknown)
         self._user_level = False  # privacy_unit="user": each chunk's rows are grouped per user before clipping
+        # the last refused step's error (class, text), until a new backward or zero_grad (_refused_again)
+        self._refusal: Optional[tuple[type, str]] = None
 
     def __getstate__(self) -> dict:  # torch keeps only defaults/state/param_groups: a copy could not step
         """Copies and pickles keep the whole optimizer; its secret noise re-seeds in the copy (dpopt.noise)."""
@@ -91,6 +93,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         state["_loss_watch"] = None  # hook handles of the first-batch check: not part of the optimizer's state
         state["_loader"] = None  # the loader holds the private dataset: never in a copy or a pickle
         state["_boundary"] = ReleaseBoundary()  # no open step, no private count in a copy
+        state["_refusal"] = None  # the original's refused step is not the copy's
         return state
 
     def __deepcopy__(self, memo: dict) -> "PrivateOptimizer":
@@ -215,11 +218,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if getattr(p, "grad_sample", None) is not None:
                 p.grad_sample = None  # type: ignore[attr-defined]
         self._capture.discard_completed()
+        self._refusal = None
 
     def _source(self) -> Any:
         src = grad_sample_source(self._params)
         if src is None:
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
+                self._refused_again()
                 raise RuntimeError(
                     "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
                     "per-sample gradient was captured, so this step would release pure noise and "
@@ -227,13 +232,45 @@ class PrivateOptimizer(torch.optim.Optimizer):
                     "empty batch's forward and backward are fine: they release noise, as they "
                     "must), and zero_grad() before the forward, not between backward and step"
                 )
-            if getattr(self._capture, "defers_check", False):  # its largest check pass: after the sums (step)
-                return self._capture.collect(defer_check=True)
-            return self._capture.collect()
+            self._refusal = None  # a new backward: judged afresh
+            try:
+                if getattr(self._capture, "defers_check", False):  # its largest check pass: after the sums (step)
+                    return self._capture.collect(defer_check=True)
+                return self._capture.collect()
+            except Exception as err:
+                self._note_refusal(err)
+                raise
+        self._refusal = None
         self._capture.reset()
         for p in self._params:
             p.grad_sample = None  # type: ignore[attr-defined]
         return src
+
+    def _note_refusal(self, err: Exception) -> None:
+        """Remember a refused step's error as its class and text (public: what the user was shown; never the
+        exception object, whose traceback holds the step's private records).
+
+        A refusal drops the step's records with it (nothing of a step outlives it, and nothing was released),
+        so a ``step()`` repeated without a new backward finds no gradients; it then raises this refusal again
+        (:meth:`_refused_again`), the real reason, not "without a backward pass". A new backward (judged
+        afresh) or ``zero_grad()`` forgets it.
+        """
+        self._refusal = (type(err) if type(err) in (ValueError, RuntimeError, TypeError) else RuntimeError, str(err))
+
+    def _refused_again(self) -> None:
+        """Raise the last refused step's error again (:meth:`_note_refusal`), if no backward or zero_grad came since.
+
+        Raises:
+            ValueError, RuntimeError, TypeError: the refusal's class, its text and what to do.
+        """
+        if self._refusal is None:
+            return
+        cls, text = self._refusal
+        raise cls(
+            f"{text} [this step repeats a refused step without a new backward pass: the refusal above still "
+            "holds, and the refused step's records were dropped with it (nothing was released); fix the cause, "
+            "then zero_grad(), forward, backward and step()]"
+        )
 
     def _check_views_match_the_batch(self, final: bool = True) -> None:
         """The open step's examples (rows / K) against the examples of the tagged chunks it stepped on.
@@ -294,6 +331,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         Args:
             closure: optional; called once (with gradients enabled) for its loss,
                 which is returned. Its backward pass is the one privatized.
+
+        A refused step (an exception: the first-batch check, a layout test, the
+        loss-reduction watch, ...) releases nothing and drops its records; a
+        ``step()`` repeated without a new backward raises that refusal again
+        (:meth:`_note_refusal`), and a new forward and backward is judged afresh.
         """
         if self._orphan:
             raise RuntimeError(
@@ -308,8 +350,15 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._loss_watch is not None and self._loss_watch.at_step():  # raises on a loss_reduction mismatch
-            self._loss_watch = None
+        if self._loss_watch is not None:
+            try:
+                done = self._loss_watch.at_step()  # raises on a loss_reduction mismatch
+            except ValueError as err:  # that pass's records go with the refusal; the watch judges the next pass
+                self._capture.reset()
+                self._note_refusal(err)
+                raise
+            if done:
+                self._loss_watch = None
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
         boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
@@ -335,7 +384,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
             src = None  # the matched source's blocks go with the step's records (_finish_check)
             self._finish_check(raw)
             self._check_views_match_the_batch(final=not skip)
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, Exception):
+                self._note_refusal(err)
             priv._reset()  # nothing released or recorded: the logical step did not happen
             cancel = getattr(self._capture, "cancel_check", None)
             if cancel is not None:  # a deferred first-batch check's rows of this batch: not kept past the step

@@ -267,14 +267,16 @@ class HookCapture:
 
         True also after the backward of an EMPTY batch (its zero-length
         gradients arrive like any other), so the answer depends on the loop,
-        never on the data.
+        never on the data; and after a forward pass with a layer only the root
+        encloses off the examples' axis (recorded nowhere: :meth:`collect` refuses
+        it, naming the layer, rather than the step saying that no backward ran).
 
         Raises:
             ValueError: the compiled door was refused by a first-batch check (the model was given back).
         """
         if self._refused is not None:
             raise ValueError(self._refused)
-        return any(c.has_grad for c in self._rec.calls) or self._rec.late_gradients()
+        return any(c.has_grad for c in self._rec.calls) or self._rec.late_gradients() or bool(self._rec.unresolved)
 
     def collect(self, defer_check: bool = False) -> FastPerSampleGrads:
         """The per-sample source of the forward/backward pass since the last step (then forgotten).
