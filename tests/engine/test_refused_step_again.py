@@ -14,6 +14,7 @@ it judged, refusing every later step even after the loss was fixed).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -102,8 +103,11 @@ def test_a_layer_off_the_examples_axis_is_named_at_the_first_step_and_again():
     before = _trace(engine, model, opt)
     opt.zero_grad()
     _backward(model, x, y)
-    with pytest.raises(ValueError, match="layer 'fc' .* does not keep the examples along dim 0"):
+    with pytest.raises(ValueError, match="layer 'fc' .* does not keep the examples along dim 0") as first:
         opt.step()
+    shapes = re.search(r"\(inputs (.*?); sizes not shown", str(first.value))
+    assert shapes is not None and shapes.group(1) == "['3-dim'], outputs ['3-dim']"  # [T, B, 3]: no B at dim 1
+    assert str(B) not in str(first.value)  # the realised batch size (private under Poisson) is nowhere
     with pytest.raises(ValueError, match="layer 'fc' .*repeats a refused step"):
         opt.step()
     opt.zero_grad()

@@ -86,7 +86,7 @@ __all__ = [
     "OutputLayout",
     "expand_broadcast",
     "no_autocast",
-    "trailing",
+    "public_shape",
     "check_views",
 ]
 
@@ -96,11 +96,16 @@ def leaves(obj) -> list[Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
 
 
-def trailing(shape) -> str:
-    """A shape without its dim 0 (``(…, 4, 16)``): dim 0 of a private batch is its realised size."""
+def public_shape(shape) -> str:
+    """What an error or warning may print of a tensor's shape: its number of dimensions only (``3-dim``).
+
+    The messages that print shapes are about layers that do NOT keep the examples along dim 0, so the
+    realised (private, under Poisson sampling) batch size may sit in any dimension: ``[T, B, D]`` shows B at
+    dim 1, ``[B*T, D]`` folds it into dim 0. No dimension is printed.
+    """
     if not isinstance(shape, tuple):
-        return str(shape)
-    return "(…" + "".join(f", {d}" for d in shape[1:]) + ")"
+        return "a non-tensor"
+    return f"{len(shape)}-dim"
 
 
 def no_autocast(device: torch.device):
@@ -1655,7 +1660,7 @@ def demotion_warning(plan: Plan, module: nn.Module, ins, outs) -> str:
     names = [plan.names[i] for i in plan.modules[module].values()] if module in plan.modules else []
     return (
         f"layer {plan.name_of(module)!r} ({type(module).__name__}) does not keep the examples along dim 0 "
-        f"(input {[trailing(s) for s in ins]}, output {[trailing(s) for s in outs]}); its parameters {names} use "
+        f"(input {[public_shape(s) for s in ins]}, output {[public_shape(s) for s in outs]}); its parameters {names} use "
         "the per-example torch.func path. To keep it on the fast path give it tensors with the examples along "
         "dim 0 (batch_first=True, position ids expanded to [B, T], no reshape(B*T, ...))."
     )

@@ -80,7 +80,7 @@ from .capture import (  # noqa: F401
     demotion_warning,
     expand_broadcast,
     no_autocast,
-    trailing,
+    public_shape,
 )
 from .check import (
     ModeCheck,
@@ -507,7 +507,7 @@ class PerSampleEngine:
     def _demote_all(self, shape) -> None:
         if self.modules:
             warnings.warn(
-                f"the model's output ({trailing(shape)}) does not have the examples along dim 0; all its "
+                f"the model's output ({public_shape(shape)}) does not have the examples along dim 0; all its "
                 "parameters use the per-example torch.func path",
                 RuntimeWarning,
                 stacklevel=4,

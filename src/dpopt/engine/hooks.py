@@ -82,7 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..models import check_model
 from ..types import EvaluationPoint
-from .capture import Call, OutputLayout, OutputStub, Pass, Plan, Recorder, check_views, leaves, trailing
+from .capture import Call, OutputLayout, OutputStub, Pass, Plan, Recorder, check_views, leaves, public_shape
 from .check import ModeCheck, Unreplayable, free_sizes, in_modes, mode_signature, model_dims, signature
 from .collate_check import CollateProbe, check_collate
 from .compiled import CompiledForward, compile_backend, refusal
@@ -411,8 +411,8 @@ class HookCapture:
     def _layout_error(self, module: nn.Module, ins, outs) -> ValueError:
         return ValueError(
             f"layer {self._name(module)!r} ({type(module).__name__}) does not keep the examples along dim 0 "
-            f"(inputs {[trailing(s) for s in ins]}, outputs {[trailing(s) for s in outs]}, dim 0 not shown: it "
-            "is the private batch's size); the hook engine of PrivacyEngine needs every layer that owns a "
+            f"(inputs {[public_shape(s) for s in ins]}, outputs {[public_shape(s) for s in outs]}; sizes not "
+            "shown: they carry the private batch's size); the hook engine of PrivacyEngine needs every layer that owns a "
             "trainable parameter to take and return tensors with the examples along dim 0 (batch_first=True, "
             "position ids expanded to [B, T], no reshape(B*T, ...)). Otherwise train with dpopt's own loop "
             "(dpopt.iter_per_sample_sources with batch_dim=...), which computes each example alone"
