@@ -61,6 +61,26 @@ def balls_in_bins(dataset_size: int, bins: int, seed: Optional[int] = None) -> l
     return list(order.split(counts.tolist()))
 
 
+def _seek(sampler: Any, clock: Optional[Callable[[], Optional[int]]]) -> None:
+    """Start a pass at the step of the next release: ``sampler.position = clock()`` (the releases made so far).
+
+    Release t must hold the batch of step t (the participation the sensitivity is computed for). A pass
+    started after an interrupted one (``break``) would otherwise continue where the sampler stopped, and
+    the ``DataLoader``'s workers draw batches ahead of the loop (``prefetch_factor`` × ``num_workers``):
+    batches drawn and never handed to the loop would shift every later release onto another batch, so an
+    example could take part more than k times, less than b steps apart. ``clock`` first releases, as pure
+    noise, a batch that was handed out and skipped (:meth:`~dpopt.release_boundary.ReleaseBoundary.settle`).
+    Without a clock (no optimizer) the pass continues at ``sampler.position``.
+    """
+    if clock is None:
+        return
+    steps = clock()
+    if steps is not None:
+        sampler.position = int(steps)
+    sampler.positions.clear()
+    sampler.sizes.clear()
+
+
 class CyclicBatchSampler(Sampler):
     """A ``batch_sampler`` yielding ``batches`` fixed batches in a fixed cyclic order (module docstring).
 
@@ -107,21 +127,28 @@ class CyclicBatchSampler(Sampler):
         self.steps = steps
         self.position = 0  # steps handed out so far (public)
         self.sizes: "deque[int]" = deque(maxlen=1024)
+        self.positions: "deque[int]" = deque(maxlen=1024)  # the steps of the batches in ``sizes`` (public)
+        self.clock: Optional[Callable[[], Optional[int]]] = None  # make_private's: the releases made so far
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[list[int]]:
+        _seek(self, self.clock)
         for _ in range(len(self.batches)):
             batch = self.batches[self.position % len(self.batches)]
+            self.positions.append(self.position)
             self.position += 1
             self.sizes.append(len(batch))
             yield batch
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never carry the handed-out batches' sizes (a count of private examples)."""
+        """Copies and pickles never carry the handed-out batches' sizes (a count of private examples), nor the
+        clock (the optimizer's)."""
         state = dict(self.__dict__)
         state["sizes"] = type(self.sizes)(maxlen=1024)
+        state["positions"] = type(self.positions)(maxlen=1024)
+        state["clock"] = None
         return state
 
     def sample(self) -> torch.Tensor:
@@ -220,6 +247,8 @@ class CyclicPoissonBatchSampler(Sampler):
         self.steps = len(self._cyclic) if steps is None else int(steps)
         self.noise = make_noise_source(noise)
         self.sizes: "deque[int]" = deque(maxlen=1024)
+        self.positions: "deque[int]" = deque(maxlen=1024)  # the steps of the batches in ``sizes`` (public)
+        self.clock: Optional[Callable[[], Optional[int]]] = None  # make_private's: the releases made so far
 
     @property
     def partitions(self) -> list[list[int]]:
@@ -229,6 +258,10 @@ class CyclicPoissonBatchSampler(Sampler):
     @property
     def position(self) -> int:
         return self._cyclic.position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._cyclic.position = int(value)
 
     def __len__(self) -> int:
         return self.steps
@@ -246,15 +279,20 @@ class CyclicPoissonBatchSampler(Sampler):
         return part[lo:hi][poisson_indices(self.noise, hi - lo, self.sample_rate)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        _seek(self, self.clock)
         for _ in range(self.steps):
+            self.positions.append(self.position)
             idx = self.sample()
             self.sizes.append(int(idx.numel()))
             yield idx.tolist()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles never carry the drawn batches' sizes (a count of private examples)."""
+        """Copies and pickles never carry the drawn batches' sizes (a count of private examples), nor the
+        clock (the optimizer's)."""
         state = dict(self.__dict__)
         state["sizes"] = type(self.sizes)(maxlen=1024)
+        state["positions"] = type(self.positions)(maxlen=1024)
+        state["clock"] = None
         return state
 
     def state_dict(self) -> dict:
