@@ -68,9 +68,9 @@ def _seek(sampler: Any, clock: Optional[Callable[[], Optional[int]]]) -> None:
     started after an interrupted one (``break``) would otherwise continue where the sampler stopped, and
     the ``DataLoader``'s workers draw batches ahead of the loop (``prefetch_factor`` × ``num_workers``):
     batches drawn and never handed to the loop would shift every later release onto another batch, so an
-    example could take part more than k times, less than b steps apart. ``clock`` first releases, as pure
-    noise, a batch that was handed out and skipped (:meth:`~dpopt.release_boundary.ReleaseBoundary.settle`).
-    Without a clock (no optimizer) the pass continues at ``sampler.position``.
+    example could take part more than k times, less than b steps apart. ``clock`` first forgets a batch
+    handed out and never stepped (:meth:`~dpopt.release_boundary.ReleaseBoundary.settle`): the new pass hands
+    it out again. Without a clock (no optimizer) the pass continues at ``sampler.position``.
     """
     if clock is None:
         return

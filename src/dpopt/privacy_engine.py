@@ -330,10 +330,10 @@ def _partition_seed(ctx: DistributedContext) -> int:
 
 
 def _release_clock(optimizer: Any) -> Callable[[], Optional[int]]:
-    """The clock of a cyclic sampler (:func:`dpopt.cyclic_batches._seek`): settles a batch the loop skipped
-    (released as pure noise, :meth:`~dpopt.release_boundary.ReleaseBoundary.settle`), then returns the
-    releases ``optimizer`` has made, the step of the next one (None once the optimizer is gone). Holds the
-    optimizer weakly."""
+    """The clock of a cyclic sampler (:func:`dpopt.cyclic_batches._seek`): forgets a batch handed out and never
+    stepped (the new pass hands it out again, :meth:`~dpopt.release_boundary.ReleaseBoundary.settle`), then
+    returns the releases ``optimizer`` has made, the step of the next one (None once the optimizer is gone).
+    Holds the optimizer weakly."""
     ref = weakref.ref(optimizer)
 
     def clock() -> Optional[int]:

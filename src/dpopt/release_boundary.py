@@ -159,12 +159,14 @@ class ReleaseBoundary:
         self.current = tag
 
     def settle(self) -> None:
-        """Release a batch handed out with ``owed`` and skipped entirely (pure noise), unless a step is open.
+        """Forget a batch handed out with ``owed`` and never stepped, unless a step is open.
 
-        The cyclic samplers call it (through their ``clock``) before a new pass starts, so that the pass
-        begins at the batch after the last one handed out (:mod:`dpopt.cyclic_batches`)."""
+        The cyclic samplers call it (through their ``clock``) before a new pass starts: that pass begins at
+        the batch of the next release (:mod:`dpopt.cyclic_batches`), i.e. it hands the forgotten batch out
+        again, so it needs no pure-noise release (a batch looked at with ``next(iter(loader))`` costs nothing).
+        """
         if self._owed is not None and not self._owner_open():
-            self._release_owed()
+            self._owed, self._owed_position = None, None
 
     def leave(self) -> None:
         """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step

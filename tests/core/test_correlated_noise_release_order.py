@@ -101,19 +101,43 @@ def test_a_second_step_on_one_batch_is_refused_and_releases_nothing():
     assert opt.privatizer.steps == 1 == len(opt.privatizer.ledger)
 
 
-def test_a_peeked_batch_is_released_as_noise_and_the_next_pass_starts_after_it():
-    """``next(iter(loader))`` (a batch looked at, never stepped) then full passes: the peeked batch 0 is released
-    as pure noise when the next pass starts, which begins at step 1; 8 releases in 2 epochs + 1 peek − 1."""
+def test_a_peeked_batch_costs_nothing_and_the_next_pass_hands_it_out_again():
+    """``next(iter(loader))`` (a batch looked at, never stepped), then 2 full passes: the old code's passes began at
+    step 1, so release r held the batch of step r + 1. Now a pass starts at the batch of the next release: the
+    peeked batch 0 is handed out again and released at release 0; 8 releases, nothing extra charged."""
     model, opt, loader = _private()
     next(iter(loader))
     held: dict = {}
-    for x, y in loader:
-        _step(model, opt, x, y, held)
-    for x, y in loader:
-        if opt.privatizer.steps == 8:
+    for _ in range(2):
+        for x, y in loader:
+            _step(model, opt, x, y, held)
+    assert sorted(held) == list(range(8))
+    _check_order(loader, opt, held, 8)
+
+
+def test_a_batch_left_by_break_is_handed_out_again_a_skipped_one_is_noise():
+    """Pass 1 steps twice and breaks on its third batch (step 2, never stepped); pass 2 skips its first batch (that
+    same step-2 batch, handed out again) with ``continue`` and breaks on its second (step 3): step 2 is released as
+    pure noise when step 3 is handed out, and step 3's batch, left by the break, opens pass 3 at release 3."""
+    model, opt, loader = _private()
+    held: dict = {}
+    for i, (x, y) in enumerate(loader):
+        if i == 2:
             break
         _step(model, opt, x, y, held)
-    assert 0 not in held and sorted(held) == list(range(1, 8))
+    assert opt.privatizer.steps == 2
+    for i, (x, _y) in enumerate(loader):
+        assert _parts(loader)[2 if i == 0 else 3] >= {int(v) for v in x[:, 0].tolist()}
+        if i == 0:
+            continue
+        break
+    assert opt.privatizer.steps == 3  # step 2: pure noise
+    for _ in range(2):
+        for x, y in loader:
+            if opt.privatizer.steps == 8:
+                break
+            _step(model, opt, x, y, held)
+    assert sorted(held) == [0, 1, 3, 4, 5, 6, 7]
     _check_order(loader, opt, held, 8)
 
 
@@ -197,3 +221,23 @@ def test_a_step_on_the_original_loaders_batches_is_refused():
     with pytest.raises(RuntimeError, match="did not hand out"):
         opt.step()
     assert opt.privatizer.steps == 0 == len(opt.privatizer.ledger)
+
+
+def test_augmentation_multiplicity_makes_one_release_per_cyclic_batch():
+    """K = 3 views per example (the loader makes them): each batch of 3·|batch| rows is ONE release of its own
+    cyclic batch (b = 4, T = 8: 8 releases, each within part r mod b, the views of one example counted once)."""
+
+    def jitter(rows, generator=None):
+        out = rows.clone()
+        out[:, 1] += 0.01 * torch.randn(len(rows), generator=generator)  # column 0 (the index) untouched
+        return out
+
+    model, opt, loader = _private(augmentation_multiplicity=3, augmentation=jitter)
+    held: dict = {}
+    rows = 0
+    for _ in range(2):
+        for x, y in loader:
+            rows += len(x)
+            _step(model, opt, x, y, held)
+    assert rows == 2 * 3 * 32  # 2 epochs, every example once per epoch, 3 views each
+    _check_order(loader, opt, held, 8)
