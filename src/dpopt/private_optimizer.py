@@ -341,7 +341,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if cancel is not None:  # a deferred first-batch check's rows of this batch: not kept past the step
                 cancel()
             self._open, self._examples = False, 0
-            boundary.end()
+            boundary.end(released=False)
             if tagged is None:
                 self._check_skip_next_step()  # this chunk's signal is spent with it
             raise

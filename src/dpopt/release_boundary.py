@@ -31,7 +31,10 @@ How it works, on every door that hands out Poisson batches
   — every batch ``BatchMemoryManager`` hands out is released exactly once, so
   the number of releases does not depend on the data and data-parallel ranks
   release together. A ``step()`` that raises (a refusal) releases nothing, and
-  its batch is not owed a noise release;
+  its batch is not owed a noise release — except a cyclic batch (correlated
+  noise, a tag with a ``position``): every batch a cyclic loader hands out, in a
+  plain loop too, is released exactly once (pure noise if skipped or failed), so
+  that release t holds the batch of step t (:mod:`dpopt.cyclic_batches`);
 * the rows-vs-examples check (:meth:`ReleaseBoundary.check_rows`) compares the
   examples forwarded in the open step with the examples of the chunks that were
   current at its ``step()`` calls, from this one place on every path.
@@ -267,10 +270,12 @@ class ReleaseBoundary:
             return self.rows, None
         return self.rows, self.examples
 
-    def end(self) -> None:
-        """The open step was released, or discarded (a failed or refused ``step()``: its batch is then not
-        owed a pure-noise release either — nothing is released for a refusal)."""
-        if self._owed is not None and self.open_batch == self._owed:
+    def end(self, released: bool = True) -> None:
+        """The open step was released, or discarded (``released=False``: a failed or refused ``step()``). A
+        discarded Poisson batch is then not owed a pure-noise release either (nothing is released for a
+        refusal); a discarded CYCLIC batch (a tag with a ``position``) stays owed, so that the loop can go on
+        (e.g. after catching an out-of-memory error) with release t still holding the batch of step t."""
+        if self._owed is not None and self.open_batch == self._owed and (released or self._owed_position is None):
             self._owed, self._owed_position = None, None
         self.open_batch = None
         self.open_position = None

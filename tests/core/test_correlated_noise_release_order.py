@@ -241,3 +241,32 @@ def test_augmentation_multiplicity_makes_one_release_per_cyclic_batch():
             _step(model, opt, x, y, held)
     assert rows == 2 * 3 * 32  # 2 epochs, every example once per epoch, 3 views each
     _check_order(loader, opt, held, 8)
+
+
+def test_a_step_that_fails_leaves_its_batch_owed_and_the_loop_can_go_on(monkeypatch):
+    """A ``step()`` that raises inside the per-sample work (simulated out-of-memory at release 3) releases nothing;
+    the loop catches it and goes on. Its cyclic batch is released as pure noise when the next batch is handed out,
+    so release r still holds part r mod b (the next steps are not refused as misaligned); 8 releases in all."""
+    model, opt, loader = _private()
+    priv = opt.privatizer
+    accumulate, calls = priv.accumulate, {"n": 0}
+
+    def flaky(source):
+        calls["n"] += 1
+        if priv.steps == 2 and calls["n"] < 100:
+            calls["n"] = 100
+            raise MemoryError("simulated out of memory")
+        return accumulate(source)
+
+    monkeypatch.setattr(priv, "accumulate", flaky)
+    held: dict = {}
+    failed = 0
+    for _ in range(2):
+        for x, y in loader:
+            try:
+                _step(model, opt, x, y, held)
+            except MemoryError:
+                opt.zero_grad()
+                failed += 1
+    assert failed == 1 and 2 not in held and sorted(held) == [0, 1, 3, 4, 5, 6, 7]
+    _check_order(loader, opt, held, 8)
