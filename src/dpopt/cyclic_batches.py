@@ -62,6 +62,26 @@ def balls_in_bins(dataset_size: int, bins: int, seed: Optional[int] = None) -> l
     return list(order.split(counts.tolist()))
 
 
+def _seek(sampler: Any, clock: Optional[Callable[[], Optional[int]]]) -> None:
+    """Start a pass at the step of the next release: ``sampler.position = clock()`` (the releases made so far).
+
+    Release t must hold the batch of step t (the participation the sensitivity is computed for). A pass
+    started after an interrupted one (``break``) would otherwise continue where the sampler stopped, and
+    the ``DataLoader``'s workers draw batches ahead of the loop (``prefetch_factor`` × ``num_workers``):
+    batches drawn and never handed to the loop would shift every later release onto another batch, so an
+    example could take part more than k times, less than b steps apart. ``clock`` first forgets a batch
+    handed out and never stepped (:meth:`~dpopt.release_boundary.ReleaseBoundary.settle`): the new pass hands
+    it out again. Without a clock (no optimizer) the pass continues at ``sampler.position``.
+    """
+    if clock is None:
+        return
+    steps = clock()
+    if steps is not None:
+        sampler.position = int(steps)
+    sampler.positions.clear()
+    sampler.sizes.clear()
+
+
 class CyclicBatchSampler(Sampler):
     """A ``batch_sampler`` yielding ``batches`` fixed batches in a fixed cyclic order (module docstring).
 
@@ -118,6 +138,8 @@ class CyclicBatchSampler(Sampler):
         self.steps = steps
         self.position = 0  # steps handed out so far (public)
         self.sizes: "deque[int]" = deque(maxlen=1024)
+        self.positions: "deque[int]" = deque(maxlen=1024)  # the steps of the batches in ``sizes`` (public)
+        self.clock: Optional[Callable[[], Optional[int]]] = None  # make_private's: the releases made so far
 
     def _draw(self, seed: Optional[int]) -> list[torch.Tensor]:
         parts = balls_in_bins(self.dataset_size, self.num_batches, seed)
@@ -152,20 +174,24 @@ class CyclicBatchSampler(Sampler):
         return self.num_batches
 
     def __iter__(self) -> Iterator[list[int]]:
+        _seek(self, self.clock)
         batches = self.batches
         for _ in range(len(batches)):
             batch = batches[self.position % len(batches)]
+            self.positions.append(self.position)
             self.position += 1
             self.sizes.append(len(batch))
             yield batch
 
     def __getstate__(self) -> dict:
-        """Copies and pickles carry the public fields only: never the assignment (``_parts``, ``_batches``) nor
-        the handed-out batches' sizes (a count of private examples). See the class docstring for what the copy
-        does on first use."""
+        """Copies and pickles carry the public fields only: never the assignment (``_parts``, ``_batches``), the
+        handed-out batches' sizes (a count of private examples) nor the clock (the optimizer's). See the class
+        docstring for what the copy does on first use."""
         state = dict(self.__dict__)
         state["_parts"], state["_batches"] = None, None
         state["sizes"] = type(self.sizes)(maxlen=1024)
+        state["positions"] = type(self.positions)(maxlen=1024)
+        state["clock"] = None
         return state
 
     def sample(self) -> torch.Tensor:
@@ -268,6 +294,8 @@ class CyclicPoissonBatchSampler(Sampler):
         self.steps = len(self._cyclic) if steps is None else int(steps)
         self.noise = make_noise_source(noise)
         self.sizes: "deque[int]" = deque(maxlen=1024)
+        self.positions: "deque[int]" = deque(maxlen=1024)  # the steps of the batches in ``sizes`` (public)
+        self.clock: Optional[Callable[[], Optional[int]]] = None  # make_private's: the releases made so far
 
     def _slice_table(self) -> list[tuple[int, int]]:
         """``[lo, hi)``: this rank's slice of each part (tensor_split's: the first len % W slices one longer).
@@ -298,6 +326,10 @@ class CyclicPoissonBatchSampler(Sampler):
     def position(self) -> int:
         return self._cyclic.position
 
+    @position.setter
+    def position(self, value: int) -> None:
+        self._cyclic.position = int(value)
+
     def __len__(self) -> int:
         return self.steps
 
@@ -315,20 +347,24 @@ class CyclicPoissonBatchSampler(Sampler):
         return part[lo:hi][poisson_indices(self.noise, hi - lo, self.sample_rate)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        _seek(self, self.clock)
         for _ in range(self.steps):
+            self.positions.append(self.position)
             idx = self.sample()
             self.sizes.append(int(idx.numel()))
             yield idx.tolist()
 
     def __getstate__(self) -> dict:
         """Copies and pickles never carry the assignment (the inner :class:`CyclicBatchSampler` drops it; the
-        slices, which are its part sizes, are dropped here) nor the drawn batches' sizes (a count of private
-        examples). A copy draws a fresh secret assignment at position 0 in one process and refuses otherwise
-        (:meth:`CyclicBatchSampler._assigned`)."""
+        slices, which are its part sizes, are dropped here), the drawn batches' sizes (a count of private
+        examples) nor the clock (the optimizer's). A copy draws a fresh secret assignment at position 0 in one
+        process and refuses otherwise (:meth:`CyclicBatchSampler._assigned`)."""
         state = dict(self.__dict__)
         state["_cyclic"] = copy.copy(self._cyclic)  # without its assignment, also in a shallow copy
         state["_slices"] = None
         state["sizes"] = type(self.sizes)(maxlen=1024)
+        state["positions"] = type(self.positions)(maxlen=1024)
+        state["clock"] = None
         return state
 
     def state_dict(self) -> dict:

@@ -240,13 +240,25 @@ class DPDataLoader(DataLoader):
         from .release_boundary import ChunkTag
 
         self.poisson.sizes.clear()
+        positions = getattr(self.poisson, "positions", None)  # cyclic batches: the step each batch is for
+        if positions is not None:
+            positions.clear()
         self.last_batch_examples = None
         in_order = getattr(self, "in_order", True)  # batches out of order: their sizes cannot be matched
+        if positions is not None and not in_order:
+            raise ValueError(
+                "cyclic batches (correlated noise) must reach the loop in their order (in_order=True): release t "
+                "must hold the batch of step t"
+            )
         for batch in super().__iter__():
             self.last_batch_examples = self.poisson.sizes.popleft() if in_order and self.poisson.sizes else None
+            position = positions.popleft() if positions else None
             bd = getattr(self, "boundary", None)
             if bd is not None:
-                bd.hand(ChunkTag(bd.new_batch(), 0, 1, self.last_batch_examples) if in_order else None)
+                tag = ChunkTag(bd.new_batch(), 0, 1, self.last_batch_examples, position) if in_order else None
+                # cyclic batches: a batch the loop skips is still released (pure noise) when the loop moves on,
+                # so that release t holds the batch of step t (docs/correlated-noise.md)
+                bd.hand(tag, owed=positions is not None)
             yield batch
 
     def __getstate__(self) -> dict:

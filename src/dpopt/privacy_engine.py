@@ -89,6 +89,7 @@ import math
 import os
 import secrets
 import warnings
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, cast
@@ -280,6 +281,25 @@ def _distributed_sampler(data_loader: DataLoader) -> bool:
     return type(bs) is BatchSampler and type(bs.sampler) is DistributedSampler
 
 
+def _refuse_custom_batching(data_loader: DataLoader, ctx: DistributedContext, sampling: str) -> None:
+    """Refuse a loader whose batching the correlated-noise sampler would silently replace (as Poisson sampling
+    refuses it): a ``SubsetRandomSampler`` (the cyclic batches would cover the WHOLE dataset, held-out examples
+    included), a ``WeightedRandomSampler``, a custom ``batch_sampler`` (:func:`~dpopt.data_loader.custom_batching`;
+    a torch ``DistributedSampler`` under data parallel is allowed: every rank takes its slice of each batch).
+
+    Raises:
+        ValueError: such a loader; the message names what it does and what to pass instead.
+    """
+    custom = custom_batching(data_loader)
+    if custom is not None and not (ctx.enabled and _distributed_sampler(data_loader)):
+        raise ValueError(
+            f"make_private: the data loader forms its batches with {custom}, which the {sampling} of a "
+            "correlated noise_mechanism would silently replace (over the WHOLE dataset: a subset sampler's "
+            "excluded examples would be trained on). Give a plain DataLoader(dataset, batch_size=B) over exactly "
+            "the examples to train on (e.g. torch.utils.data.Subset(dataset, indices))"
+        )
+
+
 def _cyclic_loader(data_loader: DataLoader, ctx: DistributedContext) -> tuple[int, int, DataLoader]:
     """(N, b, a :class:`~dpopt.cyclic_batches.CyclicLoader` of b cyclic batches over the loader's dataset; its
     collate and worker settings kept). Balls-in-bins batches (each example in one of b batches, i.i.d.
@@ -307,6 +327,23 @@ def _partition_seed(ctx: DistributedContext) -> int:
     seed = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
     broadcast_parameters([seed], ctx)
     return int(seed.item())
+
+
+def _release_clock(optimizer: Any) -> Callable[[], Optional[int]]:
+    """The clock of a cyclic sampler (:func:`dpopt.cyclic_batches._seek`): forgets a batch handed out and never
+    stepped (the new pass hands it out again, :meth:`~dpopt.release_boundary.ReleaseBoundary.settle`), then
+    returns the releases ``optimizer`` has made, the step of the next one (None once the optimizer is gone).
+    Holds the optimizer weakly."""
+    ref = weakref.ref(optimizer)
+
+    def clock() -> Optional[int]:
+        opt = ref()
+        if opt is None:
+            return None
+        boundary_of(opt).settle()
+        return int(opt.privatizer.steps)
+
+    return clock
 
 
 def horizon_steps(epochs: float, batches: int) -> int:
@@ -779,6 +816,7 @@ class PrivacyEngine:
                     n, steps_per_epoch, loader = self._private_loader(data_loader, poisson_sampling, noise, ctx)
                     sample_rate = 1.0 / steps_per_epoch
                 elif partitions:  # cyclic Poisson: part t mod b' sampled at q (amplified banded MF)
+                    _refuse_custom_batching(data_loader, ctx, "cyclic Poisson sampling")
                     n, steps_per_epoch = len(data_loader.dataset), len(data_loader)  # type: ignore[arg-type]
                     sample_rate = float(cast(float, sample_rate))
                     loader = CyclicPoissonLoader(
@@ -797,6 +835,7 @@ class PrivacyEngine:
                         **loader_settings(data_loader),
                     )
                 else:
+                    _refuse_custom_batching(data_loader, ctx, "cyclic batches")
                     n, steps_per_epoch, loader = _cyclic_loader(data_loader, ctx)
                     sample_rate = 1.0 / steps_per_epoch
                 if view_fn is not None:
@@ -902,6 +941,9 @@ class PrivacyEngine:
             probe_loader(loader, capture, views, view_fn)  # the check collates examples alone (padding)
             if private._loader is not None:  # its batches are tagged for the optimizer (release_boundary)
                 loader.boundary = boundary_of(private)
+                sampler: Any = getattr(loader, "poisson", None)
+                if hasattr(sampler, "clock"):  # cyclic batches: every pass starts at the next release's step
+                    sampler.clock = _release_clock(private)
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)

@@ -392,7 +392,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if cancel is not None:  # a deferred first-batch check's rows of this batch: not kept past the step
                 cancel()
             self._open, self._examples = False, 0
-            boundary.end()
+            boundary.end(released=False)
             if tagged is None:
                 self._check_skip_next_step()  # this chunk's signal is spent with it
             raise
@@ -401,8 +401,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
             return loss
         self._is_last_step_skipped = False
         self._open, self._examples = False, 0
+        position = boundary.open_position
         boundary.end()
-        self._release_open(priv, dp, params)
+        self._release_open(priv, dp, params, position)
         return loss
 
     def _finish_check(self, source: Any) -> None:
@@ -465,7 +466,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._open, self._examples = False, 0
         self._is_last_step_skipped = False
         dp = self._dp
-        self._release_open(dp.privatizer, dp, dp._params())
+        self._release_open(dp.privatizer, dp, dp._params(), boundary_of(self).open_position)
 
     def _release_skipped_batch(self) -> None:
         """Release a BatchMemoryManager batch the loop skipped entirely: pure noise, charged, applied
@@ -476,10 +477,43 @@ class PrivateOptimizer(torch.optim.Optimizer):
         priv = dp.privatizer
         priv.begin(ClipGeometry() if self._torch else dp.geometry())
         self._is_last_step_skipped = False
-        self._release_open(priv, dp, dp._params())
+        self._release_open(priv, dp, dp._params(), boundary_of(self).open_position)
 
-    def _release_open(self, priv: Any, dp: Any, params: Any) -> None:
-        """Release the Privatizer's open step and apply it (the end of a logical step)."""
+    def _refuse_release(self, priv: Any, reason: str) -> None:
+        """Discard the open step (nothing released or recorded) and raise ``RuntimeError(reason + ...)``."""
+        priv._reset()
+        self._open, self._examples = False, 0
+        raise RuntimeError(reason + "; nothing was released (docs/correlated-noise.md)")
+
+    def _release_open(self, priv: Any, dp: Any, params: Any, position: Optional[int] = None) -> None:
+        """Release the Privatizer's open step and apply it (the end of a logical step).
+
+        ``position``: the cyclic step of the batch released (:attr:`~dpopt.release_boundary.ChunkTag.position`;
+        None: a Poisson or untagged batch). With correlated noise it must be the release's own index: the
+        sensitivity was computed for cyclic batch t mod b at release t (k participations exactly b apart,
+        docs/correlated-noise.md), so a second ``step()`` on one batch is refused, nothing released, and so is
+        a step on a batch make_private's cyclic loader did not hand out (no position).
+
+        Raises:
+            RuntimeError: a correlated-noise release of a batch drawn for another step, or of an untagged batch
+                while the optimizer's loader is cyclic.
+        """
+        if priv.mechanism is not None and position is not None and int(position) != priv.steps:
+            self._refuse_release(
+                priv,
+                f"correlated noise: release {priv.steps + 1} (1-based) would hold the cyclic batch of step "
+                f"{int(position) + 1}; the sensitivity (k participations exactly b steps apart) holds only for "
+                "release t holding the batch of step t. Call optimizer.step() exactly once per batch of the "
+                "loader make_private returned (a batch skipped with `continue` is released as pure noise)",
+            )
+        if priv.mechanism is not None and position is None and hasattr(getattr(self._loader, "poisson", None), "clock"):
+            self._refuse_release(
+                priv,
+                f"correlated noise: release {priv.steps + 1} (1-based) holds a batch that the cyclic loader "
+                "make_private returned did not hand out (the original data loader's, or a wrapper's that "
+                "bypasses it): its participation pattern is not the one the sensitivity was computed for. "
+                "Iterate the loader make_private returned (or dpopt's BatchMemoryManager over it)",
+            )
         release = priv.release(params_like=params)
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range

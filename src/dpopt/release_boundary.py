@@ -31,7 +31,10 @@ How it works, on every door that hands out Poisson batches
   — every batch ``BatchMemoryManager`` hands out is released exactly once, so
   the number of releases does not depend on the data and data-parallel ranks
   release together. A ``step()`` that raises (a refusal) releases nothing, and
-  its batch is not owed a noise release;
+  its batch is not owed a noise release — except a cyclic batch (correlated
+  noise, a tag with a ``position``): every batch a cyclic loader hands out, in a
+  plain loop too, is released exactly once (pure noise if skipped or failed), so
+  that release t holds the batch of step t (:mod:`dpopt.cyclic_batches`);
 * the rows-vs-examples check (:meth:`ReleaseBoundary.check_rows`) compares the
   examples forwarded in the open step with the examples of the chunks that were
   current at its ``step()`` calls, from this one place on every path.
@@ -69,12 +72,16 @@ class ChunkTag:
         chunk: the physical chunk's index in the batch, ``0 <= chunk < chunks``.
         chunks: the number of physical chunks of the batch (1: the whole batch).
         examples: the chunk's number of examples (private: in memory only).
+        position: the batch's step in a cyclic order (correlated noise: the 0-based step t of the cyclic batch
+            t mod b, :mod:`dpopt.cyclic_batches`; public), or None (Poisson batches: any step may release them).
+            The optimizer refuses to release a positioned batch as any other release than release ``position``.
     """
 
     batch: int
     chunk: int
     chunks: int
     examples: Optional[int]
+    position: Optional[int] = None
 
     @property
     def last(self) -> bool:
@@ -103,6 +110,8 @@ class ReleaseBoundary:
         self.examples: Optional[int] = 0  # examples of the counted chunks (private, memory only)
         self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
+        self._owed_position: Optional[int] = None  # its cyclic position (ChunkTag.position)
+        self.open_position: Optional[int] = None  # the cyclic position of the batch being released (public)
         self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
         self.chunk_public = 0  # of the chunk step_chunk counted last: its public stand-in rows (no user's)
 
@@ -117,6 +126,8 @@ class ReleaseBoundary:
             "examples": 0,
             "rows": 0,
             "_owed": None,
+            "_owed_position": None,
+            "open_position": None,
             "_public": 0,
             "chunk_public": 0,
         }
@@ -147,8 +158,18 @@ class ReleaseBoundary:
         elif self._owed is not None and (tag is None or tag.batch != self._owed):
             self._release_owed()
         if owed and tag is not None:
-            self._owed = tag.batch
+            self._owed, self._owed_position = tag.batch, tag.position
         self.current = tag
+
+    def settle(self) -> None:
+        """Forget a batch handed out with ``owed`` and never stepped, unless a step is open.
+
+        The cyclic samplers call it (through their ``clock``) before a new pass starts: that pass begins at
+        the batch of the next release (:mod:`dpopt.cyclic_batches`), i.e. it hands the forgotten batch out
+        again, so it needs no pure-noise release (a batch looked at with ``next(iter(loader))`` costs nothing).
+        """
+        if self._owed is not None and not self._owner_open():
+            self._owed, self._owed_position = None, None
 
     def leave(self) -> None:
         """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step
@@ -157,14 +178,18 @@ class ReleaseBoundary:
             self.close()
         elif self._owed is not None:
             self._release_owed()
-        self._owed = None
+        self._owed, self._owed_position = None, None
         self.current = None
 
     def _release_owed(self) -> None:
         owner = None if self._owner is None else self._owner()
-        self._owed = None
+        position, self._owed, self._owed_position = self._owed_position, None, None
         if owner is not None:
-            owner._release_skipped_batch()
+            saved, self.open_position = self.open_position, position
+            try:
+                owner._release_skipped_batch()
+            finally:
+                self.open_position = saved
 
     def _owner_open(self) -> bool:
         owner = None if self._owner is None else self._owner()
@@ -181,6 +206,7 @@ class ReleaseBoundary:
     def begin(self) -> None:
         """The optimizer opened a step: it belongs to the current chunk's batch (if tagged)."""
         self.open_batch = None if self.current is None else self.current.batch
+        self.open_position = None if self.current is None else self.current.position
         self._counted, self.examples, self.rows = set(), 0, 0
 
     def public_rows(self, rows: int) -> None:
@@ -244,12 +270,15 @@ class ReleaseBoundary:
             return self.rows, None
         return self.rows, self.examples
 
-    def end(self) -> None:
-        """The open step was released, or discarded (a failed or refused ``step()``: its batch is then not
-        owed a pure-noise release either — nothing is released for a refusal)."""
-        if self._owed is not None and self.open_batch == self._owed:
-            self._owed = None
+    def end(self, released: bool = True) -> None:
+        """The open step was released, or discarded (``released=False``: a failed or refused ``step()``). A
+        discarded Poisson batch is then not owed a pure-noise release either (nothing is released for a
+        refusal); a discarded CYCLIC batch (a tag with a ``position``) stays owed, so that the loop can go on
+        (e.g. after catching an out-of-memory error) with release t still holding the batch of step t."""
+        if self._owed is not None and self.open_batch == self._owed and (released or self._owed_position is None):
+            self._owed, self._owed_position = None, None
         self.open_batch = None
+        self.open_position = None
         self._counted, self.examples, self.rows = set(), 0, 0
 
 

@@ -120,12 +120,14 @@ class BatchSplittingSampler(Sampler):
         """The chunks, each with its :class:`~dpopt.release_boundary.ChunkTag` queued for the loader."""
         bd = self.boundary
         assert bd is not None, "set by BatchMemoryManager before iteration"
+        positions = getattr(self.sampler, "positions", None)  # cyclic batches: the step each batch is for
         for batch in self.sampler:
             batch = list(batch)
+            position = positions.popleft() if positions else None
             parts = _chunks(batch, self.max_batch_size) if batch else [[]]
             serial = bd.new_batch()
             for i, part in enumerate(parts):
-                self.tags.append(ChunkTag(serial, i, len(parts), len(part)))
+                self.tags.append(ChunkTag(serial, i, len(parts), len(part), position))
                 yield part
 
     def __len__(self) -> int:
