@@ -240,6 +240,8 @@ class ShardedCapture(HookCapture):
 
     lifts_layers = False  # every parameter needs a fast rule here (no vjp of an enclosing call)
 
+    forms_param_grads = True  # FSDP's own backward machinery runs on the unsharded parameters: left as it is
+
     def __init__(self, model: nn.Module, ctx: DistributedContext, **kw):
         super().__init__(model, **kw)
         self.ctx = ctx

@@ -26,7 +26,14 @@ What happens where (DESIGN.md, "the privacy boundary"):
   (:func:`~dpopt.data_loader.custom_batching`), never silently discarded;
 * the model gets hooks (:class:`~dpopt.engine.hooks.HookCapture`) that turn
   the user's forward/backward into per-sample sources, with the engines'
-  checks; the model object returned is the one given;
+  checks; the model object returned is the one given. The backward computes
+  no weight gradient for a layer with a per-sample rule (Linear, Conv,
+  LayerNorm, ...) whose input requires a gradient: its parameters leave that
+  call's graph, so their ``p.grad`` stays as ``zero_grad()`` left it (None)
+  until ``step()`` sets the release — the non-private gradient Opacus's
+  backward forms there was dropped unread by ``step()`` (and is not private);
+  the clipped sum replaces that product (issue 34). A deep copy of the model
+  forms its gradients as a plain model;
 * ``optimizer.step()`` hands the source to the ONE Privatizer of a dpopt
   optimizer built by :func:`dpopt.methods.make_optimizer` (it records every
   release in ``engine.ledger``). With a ``torch.optim.Optimizer`` that is

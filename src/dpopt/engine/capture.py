@@ -48,6 +48,7 @@ from typing import Callable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import peek_interpreter_stack
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -72,7 +73,7 @@ from .check import (
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
-from .layers import Budget, DirectBlock, check_norm_form, derived_cache_bytes
+from .layers import Budget, DirectBlock, check_norm_form, derived_cache_bytes, scaled_block
 from .lift import Lifts, on_axis
 from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
@@ -678,6 +679,15 @@ class Recorder:
         lift: capture a layer whose call does not keep the examples along
             dim 0 through the vjp of the nearest enclosing call that does
             (:mod:`dpopt.engine.lift`; the hook door, whose fallback is that vjp).
+        param_grads: False: the parameters of a rule layer (not tapped) leave
+            the graph of each call whose inputs require a gradient (their
+            ``requires_grad`` is off for the call only, :meth:`_params_off`), so
+            the user's backward computes that layer's input gradient but not its
+            weight gradient (the GEMM Eᵀ A per Linear) and forms no ``p.grad``
+            for it: the hook door's clipped sum replaces that product (issue 34).
+            The recorded outputs still require a gradient (through the input),
+            so their tensor hooks fire as before; a call whose inputs require
+            none keeps its parameters (its output needs them to require one).
 
     A forward that activation checkpointing re-runs inside the backward pass
     is recorded once (:mod:`dpopt.engine.recompute`): a non-reentrant
@@ -697,8 +707,12 @@ class Recorder:
         guard_buffers: bool,
         hook_bare_owners: bool = False,
         lift: bool = False,
+        param_grads: bool = True,
     ):
         self.plan = plan
+        self.param_grads = param_grads
+        self._off: dict[nn.Module, list[list[Tensor]]] = {}  # module -> parameters switched off per running call
+        self._attached_as = 0  # id(self) when attach() installed the _params_off hooks (param_grads=False)
         self.lifts: Optional[Lifts] = Lifts(plan.model, plan.module_names) if lift else None
         self._hooked: set = set()
         self.vjp = vjp if vjp is not None else {}
@@ -737,6 +751,12 @@ class Recorder:
         for mod in hooked:
             self._handles.append(mod.register_forward_hook(self._layer, with_kwargs=True))
         self._hooked = hooked
+        if not self.param_grads:
+            self._attached_as = id(self)  # a deep copy of the model copies this recorder: its id differs
+            for mod in plan.modules:
+                if mod not in self._tapped:
+                    self._handles.append(mod.register_forward_pre_hook(self._params_off, with_kwargs=True))
+                    self._handles.append(mod.register_forward_hook(self._params_on, always_call=True))
         if self.lifts is not None:  # after _layer: a module's own call is decided before it encloses others
             for mod in m.modules():
                 if next(iter(mod.children()), None) is not None:
@@ -913,6 +933,49 @@ class Recorder:
         """
         if self.guard_buffers and self._buffers:
             check_buffers(self.plan.model, self._buffers)
+
+    def _params_off(self, module, args, kwargs):
+        """Pre-hook (``param_grads=False``): the rule layer's own trainable parameters leave this call's graph.
+
+        Only in a pass this recorder records with gradients on (the root's
+        forward, or a checkpoint's recomputation of it in the backward, so that
+        the recomputed graph saves the same tensors as the first run), and
+        only when an input requires a gradient: the output then requires one
+        through the input, its tensor hook records ``e`` as before, and
+        autograd builds the layer's backward without the weight-gradient
+        product. Undone by :meth:`_params_on` when the call returns or raises.
+
+        Not in a copy: ``copy.deepcopy(model)`` copies the hooks with a copy of
+        this recorder, and the copy (a reference model, an average) is the
+        user's plain model, whose backward forms ``p.grad`` as usual.
+        """
+        if not (self.active and torch.is_grad_enabled()) or self._attached_as != id(self):
+            return None
+        if self.current is None and recomputation() is None:
+            return None  # a call outside the root's forward: left as it is
+        if peek_interpreter_stack() is not None:  # inside torch.func transforms (their own gradients): left alone
+            return None
+        if not any(t.requires_grad for t in leaves((args, kwargs))):
+            return None
+        own, params = module._parameters, self.plan.params
+        # the plan's own parameter objects only: functional_call's substituted tensors are left alone
+        off = [params[i] for a, i in self.plan.modules.get(module, {}).items() if own.get(a) is params[i]]
+        off = [q for q in off if q.requires_grad]
+        for q in off:
+            q.requires_grad_(False)
+        self._off.setdefault(module, []).append(off)
+        return None
+
+    def _params_on(self, module, args, out):
+        """Forward hook (always called): the parameters :meth:`_params_off` switched off for this call, back on."""
+        stack = self._off.get(module)
+        if not stack:
+            return None
+        for q in stack.pop():
+            q.requires_grad_(True)
+        if not stack:
+            del self._off[module]
+        return None
 
     def _hf_pre(self, module, args, kwargs):
         if self.active and torch.is_grad_enabled():
@@ -1240,33 +1303,12 @@ class Recorder:
             self.active = True
 
     @staticmethod
-    def _scaled(calls: Sequence[Call], scale: float, other: dict) -> tuple[list, set]:
-        """``(call, scale · e)`` of the fast calls, each call's stored gradient replaced by its scaled one.
-
-        The stored gradient is dropped as soon as its scaled copy exists (one
-        copy per distinct tensor: autograd hands the same gradient to the
-        outputs a residual sum joins), so at most one layer's output
-        gradient exists twice, never every layer's (issue 34: the hook door
-        held ``[B, T, q]`` of every layer twice). Returns the pairs and the
-        ids of the calls whose ``grads[0]`` is now scaled.
-        """
-        memo: dict[int, Tensor] = {}
-        captured, done = [], set()
-        for c in calls:
-            if not c.fast or (c.index is not None and c.index in other):
-                continue
-            g = c.grads[0]
-            if g is None or scale == 1:
-                captured.append((c, g))
-                continue
-            e = memo.get(id(g))
-            if e is None:
-                e = memo[id(g)] = g * scale
-            c.grads[0] = e
-            done.add(id(c))
-            captured.append((c, e))
-            del g
-        return captured, done
+    def _captured(calls: Sequence[Call], other: dict) -> list:
+        """``(call, e)`` of the fast calls (a bare parameter used otherwise goes by its owner's vjp), ``e``
+        the stored output gradient as it is: the door's scale is folded into the blocks
+        (:func:`~dpopt.engine.layers.scaled_block`), never copied into every layer's ``[B, T, q]`` gradient
+        (issue 34: the copies cost the hook door time and, before, held each layer's gradient twice)."""
+        return [(c, c.grads[0]) for c in calls if c.fast and not (c.index is not None and c.index in other)]
 
     def build(
         self, calls: Sequence[Call], rows: int, scale: float, views: int = 1, other: Optional[dict] = None
@@ -1289,9 +1331,8 @@ class Recorder:
                 "their parameters through an enclosing layer (engine.lift), and the batch could not be run "
                 "again: repeat this step (zero the gradients and run the forward and backward again)"
             )
-        captured, scaled = self._scaled(calls, scale, other)
         with no_autocast(plan.device):
-            blocks = plan.blocks(captured, rows, None, views)
+            blocks = [scaled_block(blk, scale) for blk in plan.blocks(self._captured(calls, other), rows, None, views)]
         bare_vjp = {m: {a: i for a, i in own.items() if i in other} for m, own in plan.bare.items()}
         bare_vjp = {m: own for m, own in bare_vjp.items() if own}
         if bare_vjp:  # drop their (zero) tap blocks
@@ -1305,7 +1346,7 @@ class Recorder:
                     continue
                 own = vjps.get(c.module) if not c.fast else self.vjp.get(c.module)
                 if own:
-                    es = [c.grads[k] if (k == 0 and id(c) in scaled) else c.grads[k] * scale for k in c.used]  # type: ignore[operator]
+                    es = [c.grads[k] if scale == 1 else c.grads[k] * scale for k in c.used]  # type: ignore[operator]
                     for i, g in zip(own.values(), self.vjp_grads(c, own, es, rows)):  # type: ignore[arg-type]
                         grads[i] = grads[i] + _sum_views(g, views).to(grads[i].dtype)
             blocks.append(DirectBlock(fallback, [grads[i] for i in fallback]))

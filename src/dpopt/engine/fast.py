@@ -98,7 +98,7 @@ from .check import (
 )
 from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import DirectBlock, FactoredBlock, check_norm_form, plan_caches
+from .layers import DirectBlock, FactoredBlock, check_norm_form, plan_caches, unscaled
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -207,7 +207,7 @@ class FastPerSampleGrads:
         """On the first norms: which factored layers cache their per-example gradients (:func:`~dpopt.engine.layers.plan_caches`)."""
         self._caches_planned = True
         by_budget: dict[int, list[FactoredBlock]] = {}
-        for blk in self.blocks:
+        for blk in map(unscaled, self.blocks):
             if isinstance(blk, FactoredBlock):
                 by_budget.setdefault(id(blk.budget), []).append(blk)
         for fac in by_budget.values():
@@ -275,7 +275,7 @@ class FastPerSampleGrads:
 
     def forms(self) -> dict[int, str]:
         """Parameter index → form used by the last :meth:`sq_norms` for factored weights."""
-        return {blk.index[0]: blk.form for blk in self.blocks if isinstance(blk, FactoredBlock)}  # type: ignore[misc]
+        return {blk.index[0]: blk.form for blk in map(unscaled, self.blocks) if isinstance(blk, FactoredBlock)}  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------- capture

@@ -182,6 +182,11 @@ class HookCapture:
     defers_check = True
     #: capture layers whose rows are not examples through an enclosing call (engine.lift)
     lifts_layers = True
+    #: False: the user's backward skips the weight-gradient products of the rule layers and forms no ``p.grad``
+    #: for their parameters (``Recorder(param_grads=False)``): ``step()`` drops the backward's ``p.grad`` unread
+    #: and sets the release, so that product was computed for nothing (issue 34). The compiled door detaches the
+    #: parameters in its graph itself; FSDP keeps them (its own gradient machinery runs on the unsharded ones).
+    forms_param_grads = False
 
     def __init__(
         self,
@@ -215,7 +220,13 @@ class HookCapture:
         self._names = self.plan.module_names
         self._modes = ModeCheck(verify)  # the train/eval mode signatures checked so far
         self._rec = Recorder(
-            self.plan, self.vjp, tensor_hooks=True, guard_buffers=True, hook_bare_owners=True, lift=self.lifts_layers
+            self.plan,
+            self.vjp,
+            tensor_hooks=True,
+            guard_buffers=True,
+            hook_bare_owners=True,
+            lift=self.lifts_layers,
+            param_grads=self.forms_param_grads or backend is not None,
         ).attach()
         self._rec.labels_loss = LabelsLoss(loss_reduction)  # HF's labels= loss per example (engine.hf_labels)
         # the loader's collate_fn wrapper (engine.collate_check; set by make_private): examples collated alone

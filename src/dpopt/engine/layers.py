@@ -270,6 +270,59 @@ class DirectBlock:
         self.grads = []
 
 
+class ScaledBlock:
+    """The block of ``s · g_i`` from a block of ``g_i``: the hook door's output-gradient scale, folded in.
+
+    Every block is linear in the output gradients ``e`` it was built from
+    (g_i = J_iᵀ e_i), so the block of ``s·e`` has squared norms
+    ‖(s·g_i − m)/b‖² = s²·‖(g_i − m/s)/b‖² and weighted sums
+    Σ c_i (s·g_i) = Σ (s·c_i) g_i: computed here from the inner block on ``[B]``
+    and ``[B, G]`` tensors, where scaling ``e`` itself copied every layer's
+    ``[B, T, q]`` output gradient (on the GPT-2 head a 32 MiB copy per step;
+    issue 34, docs/performance.md "The PrivacyEngine door's extra time").
+
+    Args:
+        inner: any block (``index``, ``sq_norms``, ``grad_sums``, ``free``).
+        scale: s, a finite nonzero float (the door's B for a mean loss, 1/K for K views).
+
+    Raises:
+        ValueError: ``scale`` zero or not finite.
+    """
+
+    def __init__(self, inner, scale: float):
+        s = float(scale)
+        if s == 0.0 or not math.isfinite(s):
+            raise ValueError(f"internal error: a block's scale must be finite and nonzero, got {scale!r}")
+        self.inner, self.scale, self.index = inner, s, inner.index
+
+    def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
+        s = self.scale
+        inner = self.inner.sq_norms([(None if m is None else m / s, b) for m, b in geos])
+        return [v * (s * s) for v in inner]
+
+    def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
+        return self.inner.grad_sums([c * self.scale for c in coefs], bad)
+
+    def free(self) -> None:
+        self.inner.free()
+
+
+def scaled_block(blk, scale: float):
+    """``blk`` with its per-example gradients multiplied by ``scale`` (:class:`ScaledBlock`; a
+    :class:`DirectBlock`'s held gradients are multiplied instead, one copy each, never in place: they may
+    be views of the recorded output gradients). ``scale == 1``: ``blk`` itself."""
+    if scale == 1:
+        return blk
+    if type(blk) is DirectBlock:
+        return DirectBlock(blk.index, [g * scale for g in blk.grads])
+    return ScaledBlock(blk, scale)
+
+
+def unscaled(blk):
+    """The block a :class:`ScaledBlock` wraps (its form and cache plan are the inner block's), else ``blk``."""
+    return blk.inner if isinstance(blk, ScaledBlock) else blk
+
+
 # --------------------------------------------------------------------------- factored (Linear, Conv2d)
 class LinearPart:
     """One call of an ``nn.Linear`` (one evaluation point): inputs and output-gradients.
