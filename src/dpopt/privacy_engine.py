@@ -467,6 +467,18 @@ def _trained_parameters(
     return params, method, overrides
 
 
+class _WatchRefs(list):
+    """Weak references to an engine's :class:`~dpopt.opacus_compat.LossReductionWatch` objects (each owned by
+    its optimizer). A copy or pickle of the engine starts with none: the watches, and their hooks, belong to
+    the original's optimizers (whose copies carry no watch either)."""
+
+    def __deepcopy__(self, memo: dict) -> "_WatchRefs":
+        return _WatchRefs()
+
+    def __reduce__(self) -> tuple:
+        return (_WatchRefs, ())
+
+
 class PrivacyEngine:
     """Opacus-compatible entry point: make a model, optimizer and data loader private.
 
@@ -497,6 +509,7 @@ class PrivacyEngine:
         self.accountant = LedgerAccountant(self, accountant)
         self.noise = NoiseSource("secure" if self.secure_mode else "secret")
         self._captures: list[HookCapture] = []
+        self._loss_watches = _WatchRefs()  # the first-batch loss checks still hooked (detach removes them)
         self._keeper = LedgerKeeper(self.ledger)  # saved ledgers come in here; the journal
 
     # -- the Opacus API -------------------------------------------------------------
@@ -954,6 +967,7 @@ class PrivacyEngine:
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)
+            self._loss_watches.append(weakref.ref(private._loss_watch))
             alias_module(module)  # Opacus's model._module
             self.ledger.delta = run_delta  # the run's δ (ledger header), once nothing was refused
             if compat.ghost:  # Opacus's ghost-clipping shape; the criterion is an ordinary loss here
@@ -1408,7 +1422,14 @@ class PrivacyEngine:
         return {"noise_multiplier": split.grad_noise_multiplier, "quantile": q}
 
     def detach(self) -> None:
-        """Remove the hooks this engine attached to models."""
+        """Remove the hooks this engine attached to models: the captures' and those of the first-batch loss
+        check, which stay until a step on a batch of >= 2 examples (an engine detached after an empty or
+        one-example first batch left a forward hook on the model and a process-wide module forward hook)."""
         for c in self._captures:
             c.detach()
         self._captures = []
+        for ref in self._loss_watches:
+            watch = ref()
+            if watch is not None:
+                watch.close()
+        self._loss_watches = _WatchRefs()

@@ -280,13 +280,22 @@ def test_deleted_engine_frees_itself_and_its_hooks():
     assert model.fc1.weight.grad is not None
 
 
-def test_detached_engine_leaves_no_hook():
+@pytest.mark.parametrize("rows", [None, 0, 1], ids=["loader-batch", "empty", "one-row"])
+def test_detached_engine_leaves_no_hook(rows):
+    """Also after a first step of 0 or 1 rows (an empty Poisson batch, forced here): the first-batch loss check
+    keeps its hooks until a step of >= 2 rows, and detach() left them (a forward hook on the model and a
+    process-wide module forward hook) — the loader's first batch, Binomial(48, 1/4), is empty with
+    probability 1e-6 and has one row with 1.6e-5."""
     model = MLP()
     engine, private, opt, loader = _private(model)
     x, y = next(iter(loader))
+    x, y = (x, y) if rows is None else (x[:rows], y[:rows])
+    check = opt._loss_watch
     _step(private, opt, x, y, Watch())
     engine.detach()
     assert _dpopt_hooks(model) == 0
+    hooks = torch.nn.modules.module._global_forward_hooks.values()
+    assert not [h for h in hooks if getattr(h, "ref", None) is not None and h.ref() is check]  # this engine's
     watch = Watch()
     out = model(x)
     watch.add(out)

@@ -101,10 +101,17 @@ def test_lambda_lr_drives_privacy_engine_optimizer():
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
             sched.step()
-            assert not torch.equal(before, model.weight)
+            # σ = 0: a batch moves the weights iff it is not empty. (The old "always moves" failed on an empty
+            # batch of Binomial(32, 1/4): 0.75^32 = 1.0e-4 per batch, 8e-4 per run over the 8 batches.)
+            assert torch.equal(before, model.weight) == (len(yb) == 0)
     want = [0.8 * lr_multiplier(s, 8, "cosine", 2) for s in range(len(seen))]
     assert seen == pytest.approx(want)
     assert seen[0] == pytest.approx(0.4) and seen[1] == pytest.approx(0.8)
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(xb[:0]), yb[:0]).backward()  # an empty batch, forced: released, no move
+    opt.step()
+    assert torch.equal(before, model.weight)
 
 
 def test_dpopt_train_schedule_large_batch_micro_batches_and_target_epsilon(tmp_path):
