@@ -48,10 +48,28 @@ plain loop (one ``step()`` per batch, no chunks) a batch the loop skips has
 no release (a batch peeked at with ``next(iter(loader))`` must not cost a
 release): keep stepping on empty batches there (docs/pitfalls.md, item 2).
 
-Loaders dpopt does not own (a user's loader with ``poisson_sampling=False``,
-Opacus's own ``BatchMemoryManager``) hand out no tags: the optimizer then
-follows Opacus's ``signal_skip_step`` protocol as before, and the
-rows-vs-examples check has nothing to compare with.
+A release holds a batch the loader handed out, once: ``make_private`` tells the
+boundary that its loader tags (:meth:`ReleaseBoundary.expect_tags`, with the
+loader's Poisson sampler), and from then on a ``step()`` is refused
+(:meth:`ReleaseBoundary.admit`: ValueError, nothing released or charged) when
+no tagged batch was handed out for it (a loop over the ORIGINAL DataLoader:
+shuffled batches, no Poisson sample) or when the current tag's batch was
+already released (a second ``step()`` on one batch; another loader's batches
+after one of make_private's). Otherwise each would be charged as a
+Poisson-subsampled release at q, an amplification that did not happen.
+A refused step (``end(released=False)``) does not mark its batch released, so
+it can be retried. Correlated noise's cyclic loader has its stricter rule
+instead (the tag's ``position``, :meth:`~dpopt.private_optimizer.PrivateOptimizer._release_open`).
+
+Loaders dpopt does not own hand out no tags. A user's loader with
+``poisson_sampling=False`` is not checked (``expect_tags`` is never called; the
+ledger records that the sampling is not Poisson): the optimizer follows Opacus's
+``signal_skip_step`` protocol as before, and the rows-vs-examples check has
+nothing to compare with. Opacus's own ``BatchMemoryManager`` over make_private's
+loader draws from its Poisson sampler directly (no tags): its steps are
+accepted while the sampler has drawn more batches since the last tag was handed
+out than such untagged steps have released (one release per Poisson batch
+drawn); over the original loader it draws nothing and is refused.
 """
 
 from __future__ import annotations
