@@ -39,6 +39,7 @@ import argparse
 import json
 import subprocess
 import sys
+import warnings
 
 CONFIGS = (
     "non-private",
@@ -77,13 +78,16 @@ def child(config: str, layers: int, hidden: int, seq: int, batch: int, vocab: in
     engine = None
     if not config.startswith("non-private"):
         engine = dpopt.PrivacyEngine()
-        model, opt, _ = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(TensorDataset(x), batch_size=batch),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # poisson_sampling=False (a fixed benchmark batch) is warned about
+            model, opt, _ = engine.make_private(
+                module=model,
+                optimizer=opt,
+                data_loader=DataLoader(TensorDataset(x), batch_size=batch),
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                poisson_sampling=False,  # every step on the one fixed batch x (a Poisson loader refuses that)
+            )
 
     def step() -> None:
         opt.zero_grad()

@@ -255,7 +255,8 @@ class DPDataLoader(DataLoader):
             position = positions.popleft() if positions else None
             bd = getattr(self, "boundary", None)
             if bd is not None:
-                tag = ChunkTag(bd.new_batch(), 0, 1, self.last_batch_examples, position) if in_order else None
+                # out of order (in_order=False, Poisson only): tagged without its size (the rows check skips it)
+                tag = ChunkTag(bd.new_batch(), 0, 1, self.last_batch_examples if in_order else None, position)
                 # cyclic batches: a batch the loop skips is still released (pure noise) when the loop moves on,
                 # so that release t holds the batch of step t (docs/correlated-noise.md)
                 bd.hand(tag, owed=positions is not None)

@@ -359,9 +359,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 raise
             if done:
                 self._loss_watch = None
+        boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
+        self._admit(boundary)
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
-        boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
         releases = boundary.tagged_release()  # the chunk's tag (step_chunk below returns the same), or None
         skip = (not releases) if releases is not None else self._check_skip_next_step(pop_next=False)
         if not skip:  # released into p.grad below: the backward's non-private gradient is never read;
@@ -405,6 +406,25 @@ class PrivateOptimizer(torch.optim.Optimizer):
         boundary.end()
         self._release_open(priv, dp, params, position)
         return loss
+
+    def _admit(self, boundary: ReleaseBoundary) -> None:
+        """Refuse a step on data make_private's tagging loader did not hand out, or on a batch already released
+        (:meth:`~dpopt.release_boundary.ReleaseBoundary.admit`): before anything of the step is read, so that
+        nothing is released or charged and the open step (if any) is as before. The step's per-sample records
+        go with the refusal (they belong to the refused data: a later ``step()`` without a new backward must not
+        release them as another batch's), and a repeated ``step()`` raises the refusal again.
+
+        Raises:
+            ValueError: as :meth:`~dpopt.release_boundary.ReleaseBoundary.admit`.
+        """
+        try:
+            boundary.admit()
+        except ValueError as err:
+            self._capture.reset()
+            for p in self._params:
+                p.grad_sample = None  # type: ignore[attr-defined]
+            self._note_refusal(err)
+            raise
 
     def _finish_check(self, source: Any) -> None:
         """The first-batch check's pass the capture deferred (``HookCapture.finish_check``), the step's source freed.

@@ -48,10 +48,28 @@ plain loop (one ``step()`` per batch, no chunks) a batch the loop skips has
 no release (a batch peeked at with ``next(iter(loader))`` must not cost a
 release): keep stepping on empty batches there (docs/pitfalls.md, item 2).
 
-Loaders dpopt does not own (a user's loader with ``poisson_sampling=False``,
-Opacus's own ``BatchMemoryManager``) hand out no tags: the optimizer then
-follows Opacus's ``signal_skip_step`` protocol as before, and the
-rows-vs-examples check has nothing to compare with.
+A release holds a batch the loader handed out, once: ``make_private`` tells the
+boundary that its loader tags (:meth:`ReleaseBoundary.expect_tags`, with the
+loader's Poisson sampler), and from then on a ``step()`` is refused
+(:meth:`ReleaseBoundary.admit`: ValueError, nothing released or charged) when
+no tagged batch was handed out for it (a loop over the ORIGINAL DataLoader:
+shuffled batches, no Poisson sample) or when the current tag's batch was
+already released (a second ``step()`` on one batch; another loader's batches
+after one of make_private's). Otherwise each would be charged as a
+Poisson-subsampled release at q, an amplification that did not happen.
+A refused step (``end(released=False)``) does not mark its batch released, so
+it can be retried. Correlated noise's cyclic loader has its stricter rule
+instead (the tag's ``position``, :meth:`~dpopt.private_optimizer.PrivateOptimizer._release_open`).
+
+Loaders dpopt does not own hand out no tags. A user's loader with
+``poisson_sampling=False`` is not checked (``expect_tags`` is never called; the
+ledger records that the sampling is not Poisson): the optimizer follows Opacus's
+``signal_skip_step`` protocol as before, and the rows-vs-examples check has
+nothing to compare with. Opacus's own ``BatchMemoryManager`` over make_private's
+loader draws from its Poisson sampler directly (no tags): its steps are
+accepted while the sampler has drawn more batches since the last tag was handed
+out than such untagged steps have released (one release per Poisson batch
+drawn); over the original loader it draws nothing and is refused.
 """
 
 from __future__ import annotations
@@ -114,6 +132,10 @@ class ReleaseBoundary:
         self.open_position: Optional[int] = None  # the cyclic position of the batch being released (public)
         self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
         self.chunk_public = 0  # of the chunk step_chunk counted last: its public stand-in rows (no user's)
+        self._sampler: Any = None  # the Poisson sampler of the tagging loader make_private built (None: untagged)
+        self.released = 0  # serial of the last logical batch released (0: none; public, a count of steps)
+        self._drawn_at_hand = 0  # the sampler's draws when the last tag was handed out (public count)
+        self._untagged = 0  # releases of untagged data since the last tag was handed out (public count)
 
     def __getstate__(self) -> dict:
         """A copy starts with no open step and no private count."""
@@ -130,12 +152,68 @@ class ReleaseBoundary:
             "open_position": None,
             "_public": 0,
             "chunk_public": 0,
+            "_sampler": None,  # a copy of the optimizer has no loader
+            "released": 0,
+            "_drawn_at_hand": 0,
+            "_untagged": 0,
         }
 
     def bind(self, optimizer: Any) -> None:
         """Close open steps through ``optimizer`` (held weakly)."""
         if self._owner is None or self._owner() is not optimizer:
             self._owner = weakref.ref(optimizer)
+
+    def expect_tags(self, sampler: Any) -> None:
+        """The optimizer's data comes from a loader that tags every batch it hands out (make_private's Poisson
+        loader, and dpopt's BatchMemoryManager over it), whose batches ``sampler`` draws (its ``drawn``: the
+        public count of batches drawn). From now on :meth:`admit` refuses a ``step()`` on data the loader did not
+        hand out, or on a batch already released."""
+        self._sampler = sampler
+        self._drawn_at_hand = self._drawn()
+        self._untagged = 0
+
+    def _drawn(self) -> int:
+        return int(getattr(self._sampler, "drawn", 0) or 0)
+
+    def admit(self) -> None:
+        """Refuse a ``step()`` whose data the tagging loader did not hand out (:meth:`expect_tags`).
+
+        Accepted: a step while the loader's sampler has drawn more Poisson batches since the last tag was handed
+        out than untagged steps have released since (Opacus's own ``BatchMemoryManager`` over make_private's
+        loader iterates the sampler directly and signals its chunks: at most one release per batch drawn; the
+        last tag, stale, is then forgotten and the step is untagged), or else a step on the current tag's
+        logical batch while it is not yet released (its chunks, a refused step retried). The loader hands each
+        batch's tag after drawing it (prefetching workers too), so its own loop never counts as drawn around
+        it. Loaders that do not tag (:meth:`expect_tags` never called) are not checked.
+
+        Raises:
+            ValueError: no tagged batch was handed out and no Poisson batch drawn for this step (a step on the
+                original data loader's batches), or the current batch was already released (a second ``step()``
+                on one batch, or steps on another loader's batches after one of make_private's): the ledger would
+                charge each as a Poisson-subsampled release at q, an amplification that did not happen.
+        """
+        if self._sampler is None:
+            return
+        if self._drawn() - self._drawn_at_hand > self._untagged:
+            self.current = None  # the last tag is stale: the step's data is a Poisson batch drawn around the loader
+            return
+        tag = self.current
+        if tag is not None and tag.batch > self.released:
+            return
+        what = (
+            "no batch of the data loader make_private returned was handed out for it"
+            if tag is None
+            else "the data loader's last batch was already released by an earlier step() (a second step() on one "
+            "batch puts its examples in two releases; or the loop moved on to batches of another loader)"
+        )
+        raise ValueError(
+            f"optimizer.step() refused: {what}. Each release is charged in the ledger as a Poisson-subsampled "
+            "Gaussian step at the loader's sample_rate, which holds only for a batch that make_private's Poisson "
+            "loader drew, released once: the original DataLoader's batches (shuffled, fixed size) are not Poisson "
+            "samples. Iterate the data loader make_private returned (or dpopt's BatchMemoryManager over it) and "
+            "call optimizer.step() once per batch (pass poisson_sampling=False to train on your own batches, "
+            "without the Poisson epsilon); nothing was released or charged"
+        )
 
     def new_batch(self) -> int:
         """A fresh serial number for a logical batch just drawn."""
@@ -159,6 +237,8 @@ class ReleaseBoundary:
             self._release_owed()
         if owed and tag is not None:
             self._owed, self._owed_position = tag.batch, tag.position
+        if tag is not None:  # draws from here on that no tag follows: Poisson batches taken around the loader
+            self._drawn_at_hand, self._untagged = self._drawn(), 0
         self.current = tag
 
     def settle(self) -> None:
@@ -183,6 +263,7 @@ class ReleaseBoundary:
 
     def _release_owed(self) -> None:
         owner = None if self._owner is None else self._owner()
+        self.released = max(self.released, int(self._owed or 0))  # released as pure noise below
         position, self._owed, self._owed_position = self._owed_position, None, None
         if owner is not None:
             saved, self.open_position = self.open_position, position
@@ -277,6 +358,10 @@ class ReleaseBoundary:
         (e.g. after catching an out-of-memory error) with release t still holding the batch of step t."""
         if self._owed is not None and self.open_batch == self._owed and (released or self._owed_position is None):
             self._owed, self._owed_position = None, None
+        if released and self.open_batch is not None:  # a tagged batch is released once (admit)
+            self.released = max(self.released, self.open_batch)
+        elif released:
+            self._untagged += 1
         self.open_batch = None
         self.open_position = None
         self._counted, self.examples, self.rows = set(), 0, 0

@@ -127,13 +127,15 @@ def test_copied_privacy_engine_optimizer_draws_other_noise():
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     model = nn.Linear(4, 2)
     engine = dpopt.PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=8),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
+    with pytest.warns(UserWarning, match="poisson_sampling=False"):  # both optimizers step on one given batch
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
     twin_model, twin_opt = copy.deepcopy((model, opt))
     x, y = data.tensors
     for m, o in ((model, opt), (twin_model, twin_opt)):

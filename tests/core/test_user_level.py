@@ -114,13 +114,15 @@ def test_record_level_clipping_would_move_by_k_c():
     def total(xs, ys):
         model = _model()
         engine = dpopt.PrivacyEngine()
-        m, opt, dl = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(xs, ys), batch_size=len(xs)),
-            noise_multiplier=0.0,
-            max_grad_norm=c,
-        )
+        with pytest.warns(UserWarning, match="poisson_sampling=False"):
+            m, opt, dl = engine.make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(TensorDataset(xs, ys), batch_size=len(xs)),
+                noise_multiplier=0.0,
+                max_grad_norm=c,
+                poisson_sampling=False,  # the test steps on the whole dataset, its own batch
+            )
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(xs), ys).backward()  # the whole dataset: one step
         opt.step()

@@ -116,6 +116,7 @@ def test_sensitivity_through_make_private_on_dplstm():
         data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
         noise_multiplier=0.0,
         max_grad_norm=c,
+        poisson_sampling=False,  # the sensitivity test steps on neighbouring batches of its own
     )
 
     def released(xs, ys):

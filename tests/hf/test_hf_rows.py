@@ -46,6 +46,7 @@ def _private(model, x, y, c):
         module=model,
         optimizer=opt,
         data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
+        poisson_sampling=False,  # the test steps on its own (neighbouring) batches
         noise_multiplier=0.0,
         max_grad_norm=c,
     )

@@ -57,6 +57,7 @@ def test_removing_one_example_moves_the_release_by_at_most_c_through_privacy_eng
         module=model,
         optimizer=opt,
         data_loader=DataLoader(TensorDataset(x, y), batch_size=len(y)),
+        poisson_sampling=False,  # the test steps on its own (neighbouring) batches
         noise_multiplier=0.0,
         max_grad_norm=c,
     )

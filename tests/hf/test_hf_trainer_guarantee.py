@@ -88,7 +88,8 @@ def test_target_epsilon_already_spent_is_refused_on_resume(tmp_path):
 # -- TrainingArguments.max_grad_norm is C, or a conflict is refused ----------------------------
 def _one_example_update(tr, model):
     """σ = 0, SGD lr 1: (θ before − θ after) × B̄ = the clipped gradient of one example."""
-    tr.get_train_dataloader()
+    # a non-empty Poisson batch handed out: the step on one example of ours is its release
+    next(b for b in tr.get_train_dataloader() if len(b["input_ids"]) > 0)
     one = {k: torch.stack([Tokens()[0][k]]) for k in ("input_ids", "attention_mask", "labels")}
     before = trainable(model)
     tr.training_step(model, one)

@@ -431,11 +431,12 @@ def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
         max_grad_norm=1.0,
         method=torch.optim.SGD([p for p in model.parameters()], lr=1.0),
     )
-    tr.get_train_dataloader()
-    good = {k: torch.stack([Tokens()[i][k] for i in range(3)]) for k in ("input_ids", "attention_mask", "labels")}
+    batches = iter(tr.get_train_dataloader())  # each step below is on a batch the loader handed out
+    good = next(b for b in batches if len(b["input_ids"]) >= 3)
     tr.training_step(model, good)  # the first batch (the engine's check) is a real one
     tr.optimizer.step()
     before = trainable(model)
+    next(batches)  # a new batch: the step releases an empty subset of it
     empty = {k: v[:0] for k, v in good.items()}  # GPT-2 cannot run 0 examples: the public stand-in runs
     tr.training_step(model, empty)
     tr.optimizer.step()

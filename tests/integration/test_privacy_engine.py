@@ -164,12 +164,15 @@ def test_make_private_with_epsilon_and_grad_sample():
         max_grad_norm=1.0,
     )
     # Opacus-style p.grad_sample set by hand (e.g. by a GradSampleModule) is used where present
-    for _ in range(15):
-        opt.zero_grad()
-        model.weight.grad_sample = torch.randn(3, 2, 4)
-        model.bias.grad_sample = torch.randn(3, 2)
-        opt.step()
-        assert model.weight.grad_sample is None
+    assert len(loader) == 5
+    for _ in range(3):  # 15 steps, one per batch the loader hands out
+        for xb, _yb in loader:
+            opt.zero_grad()
+            model.weight.grad_sample = torch.randn(len(xb), 2, 4)
+            model.bias.grad_sample = torch.randn(len(xb), 2)
+            opt.step()
+            assert model.weight.grad_sample is None
+    assert len(engine.ledger) == 15
     assert engine.get_epsilon(1e-5) <= 2.0 and engine.get_epsilon(1e-5) > 1.5
 
 
