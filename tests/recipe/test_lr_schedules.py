@@ -107,6 +107,7 @@ def test_lambda_lr_drives_privacy_engine_optimizer():
     want = [0.8 * lr_multiplier(s, 8, "cosine", 2) for s in range(len(seen))]
     assert seen == pytest.approx(want)
     assert seen[0] == pytest.approx(0.4) and seen[1] == pytest.approx(0.8)
+    xb, yb = next(iter(loader))  # a fresh batch (a second step on the last one is refused), forwarded empty
     before = model.weight.detach().clone()
     opt.zero_grad()
     nn.functional.cross_entropy(model(xb[:0]), yb[:0]).backward()  # an empty batch, forced: released, no move
