@@ -404,7 +404,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._open, self._examples = False, 0
         position = boundary.open_position
         boundary.end()
-        self._release_open(priv, dp, params, position)
+        try:
+            self._release_open(priv, dp, params, position)
+        except Exception as err:  # a refused release (correlated noise: another step's batch, the horizon)
+            self._note_refusal(err)
+            raise
         return loss
 
     def _admit(self, boundary: ReleaseBoundary) -> None:

@@ -57,6 +57,10 @@ shuffled batches, no Poisson sample) or when the current tag's batch was
 already released (a second ``step()`` on one batch; another loader's batches
 after one of make_private's). Otherwise each would be charged as a
 Poisson-subsampled release at q, an amplification that did not happen.
+What is not verified: that the tensors forwarded are the current batch's (a
+loop over ``zip(loader, other_loader)`` forwarding the other's rows gets one
+release per batch handed out; the rows-vs-examples check refuses such a step
+only when it carries more rows than the current batch has examples).
 A refused step (``end(released=False)``) does not mark its batch released, so
 it can be retried. Correlated noise's cyclic loader has its stricter rule
 instead (the tag's ``position``, :meth:`~dpopt.private_optimizer.PrivateOptimizer._release_open`).

@@ -99,6 +99,9 @@ def test_a_second_step_on_one_batch_is_refused_and_releases_nothing():
     with pytest.raises(RuntimeError, match="release 2 .* cyclic batch of step 1"):
         opt.step()
     assert opt.privatizer.steps == 1 == len(opt.privatizer.ledger)
+    with pytest.raises(RuntimeError, match="release 2 .* cyclic batch of step 1.*repeats a refused step"):
+        opt.step()  # again without a new backward: the same refusal, not "without a backward pass"
+    assert opt.privatizer.steps == 1 == len(opt.privatizer.ledger)
 
 
 def test_a_peeked_batch_costs_nothing_and_the_next_pass_hands_it_out_again():
