@@ -306,7 +306,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "every row is clipped as its own example, so rows repeated from one example (augmented views) "
                 "would move the release by more than max_grad_norm and the reported epsilon would not hold. For K "
                 "views per example pass make_private(..., augmentation_multiplicity=K, augmentation='crop-flip' or "
-                "your fn) and forward the loader's rows as they are; nothing was released"
+                "your fn) and forward the loader's rows as they are. Other causes: rows of another loader (forward "
+                "the batch the loader make_private returned hands you), or a chunk stepped twice; nothing was "
+                "released"
             )
         if self._loader is not None and isinstance(self._loader.collate_fn, ViewCollate):  # the loader makes the views
             raise ValueError(
