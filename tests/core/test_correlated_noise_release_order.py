@@ -33,7 +33,11 @@ def _private(n: int = 32, batch: int = 8, epochs: float = 2, mech: str = "banded
     x = torch.zeros(n, 2)
     x[:, 0] = torch.arange(n, dtype=torch.float32)  # the example's index rides along in column 0
     data = TensorDataset(x, torch.zeros(n, dtype=torch.long))
-    loader = DataLoader(data, batch_size=batch, num_workers=workers)
+    return _make_private(DataLoader(data, batch_size=batch, num_workers=workers), mech, epochs, **kw)
+
+
+def _make_private(loader, mech: str, epochs: float, **kw):
+    """make_private of a Linear(2, 2) with DP-SGD over ``loader`` with correlated noise ``mech`` for ``epochs``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PrivacyEngine().make_private(
@@ -189,17 +193,7 @@ def test_a_subset_sampler_is_refused_not_replaced_by_batches_over_the_whole_data
     data = TensorDataset(torch.randn(64, 2), torch.zeros(64, dtype=torch.long))
     loader = DataLoader(data, batch_size=8, sampler=SubsetRandomSampler(list(range(32))))
     with pytest.raises(ValueError, match="SubsetRandomSampler.*correlated noise_mechanism"):
-        PrivacyEngine().make_private(
-            module=torch.nn.Linear(2, 2),
-            optimizer="dp-sgd",
-            data_loader=loader,
-            lr=0.1,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            noise_mechanism="banded:2",
-            epochs=1,
-            **sampling,
-        )
+        _make_private(loader, "banded:2", 1, **sampling)
 
 
 def test_a_step_on_the_original_loaders_batches_is_refused():
@@ -209,16 +203,7 @@ def test_a_step_on_the_original_loaders_batches_is_refused():
     n = 32
     data = TensorDataset(torch.randn(n, 2), torch.zeros(n, dtype=torch.long))
     original = DataLoader(data, batch_size=8, shuffle=True)
-    model, opt, _ = PrivacyEngine().make_private(
-        module=torch.nn.Linear(2, 2),
-        optimizer="dp-sgd",
-        data_loader=original,
-        lr=0.1,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="banded:4",
-        epochs=2,
-    )
+    model, opt, _ = _make_private(original, "banded:4", 2)
     x, y = next(iter(original))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="did not hand out"):
