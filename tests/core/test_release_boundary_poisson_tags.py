@@ -28,11 +28,11 @@ def _data(n=N):
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
-def _private(batch_size=B, n=N, **kw):
+def _private(batch_size=B, n=N, workers=0, **kw):
     torch.manual_seed(0)
     engine = dpopt.PrivacyEngine()
     model = nn.Linear(5, 2)
-    original = DataLoader(_data(n), batch_size=batch_size, shuffle=True)
+    original = DataLoader(_data(n), batch_size=batch_size, shuffle=True, num_workers=workers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = engine.make_private(
@@ -279,19 +279,7 @@ def test_poisson_sampling_false_keeps_the_users_own_batches():
 def test_prefetching_workers_break_then_original_loader_refused():
     """num_workers=1 (the sampler draws two batches ahead): the loop's own draws are never counted as drawn
     around the loader, so after `break` the original loader's batches are still refused."""
-    torch.manual_seed(0)
-    engine = dpopt.PrivacyEngine()
-    model = nn.Linear(5, 2)
-    original = DataLoader(_data(), batch_size=B, shuffle=True, num_workers=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=original,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
+    engine, model, opt, loader, _ = _private(workers=1)
     for i, (x, y) in enumerate(loader):
         _step(model, opt, x, y)
         if i == 1:
