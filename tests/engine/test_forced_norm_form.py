@@ -195,7 +195,7 @@ def test_engine_door_sigma_zero_sensitivity_with_the_cholesky_form(chol_calls):
         assert len(chol_calls) > n  # this neighbour's head norms were Cholesky too
 
 
-def test_make_private_sigma_zero_sensitivity_with_the_cholesky_form(chol_calls):
+def test_make_private_sigma_zero_sensitivity_with_the_cholesky_form(chol_calls, releases):
     """``PrivacyEngine.make_private(..., norm_form="chol")``: the user's step, the optimizer's release."""
     model = Head().train()
     x, y = batch(12, 9)
@@ -210,30 +210,21 @@ def test_make_private_sigma_zero_sensitivity_with_the_cholesky_form(chol_calls):
             poisson_sampling=False,
             norm_form="chol",
         )
-    priv, sums = opt.privatizer, []
-    release = priv.release
 
-    def recorded(*args, **kwargs):
-        out = release(*args, **kwargs)
-        sums.append(flat(out.grads) * out.expected_batch_size)
-        return out
-
-    priv.release = recorded
-
-    def clipped_sum(xb, yb):
+    def clipped_sum(xb, yb):  # the release (conftest's ``releases``) times its divisor: the clipped sum
         opt.zero_grad()
         loss_fn(model(xb), yb).backward()
         n = len(chol_calls)
         opt.step()
         assert len(chol_calls) > n  # the head's norms of this step were Cholesky
-        return sums[-1]
+        return flat(releases[-1].grads) * releases[-1].expected_batch_size
 
     x, y = x[:6], y[:6]
     full = clipped_sum(x, y)
     for j in range(6):
         keep = torch.arange(6) != j
         assert_moves_by_c(full, clipped_sum(x[keep], y[keep]))
-    assert len(sums) == 7
+    assert len(releases) == 7
 
 
 def test_plan_caches_keeps_nothing_for_a_forced_gram_or_cholesky_layer():
