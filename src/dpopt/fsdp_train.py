@@ -89,6 +89,7 @@ def check_fsdp_config(cfg) -> None:
         "clipping": (cfg.clipping != "flat", "flat clipping only"),
         "user_ids": (cfg.user_ids is not None, "user-level DP's sampler is not sharded"),
         "compile": (cfg.compile, "the sharded capture is not compiled (it would run eager)"),
+        "norm_form": (cfg.norm_form is not None, "the sharded capture's norm forms are the cost model's"),
         "lora_rank": (cfg.lora_rank is not None, "LoRA under fsdp is untested"),
         "augmentation_multiplicity": (
             cfg.augmentation_multiplicity > 1 or cfg.augment not in (None, "none"),

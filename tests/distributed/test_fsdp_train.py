@@ -221,6 +221,7 @@ def test_fsdp_mechanism_secret_run_checks(fsdp_mechanism_runs):
         ({"checkpoint_every": 10}, "checkpoint_every"),
         ({"user_ids": "users.txt"}, "user_ids"),  # user-level sampler, not sharded
         ({"compile": True}, "compile"),  # the sharded capture has no compiled path
+        ({"norm_form": "gram"}, "norm_form"),  # the sharded capture keeps the cost model's forms
     ],
 )
 def test_refusals_name_the_option(change, field):

@@ -234,9 +234,9 @@ def train_command(
     compile: bool = typer.Option(
         False,
         "--compile",
-        help="run the per-sample capture's forward/backward as one torch.compile graph (inductor), checked "
-        "against eager single-example autograd on the first batch (docs/performance.md, torch.compile)",
+        help="compile the per-sample capture (inductor), checked against eager on the first batch (docs/performance.md)",
     ),
+    norm_form: Optional[str] = typer.Option(None, help="force a norm form: gram|chol|direct"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
@@ -400,6 +400,7 @@ def train_command(
         accountant=accountant,
         physical_batch_size=physical_batch_size,
         compile=compile,
+        norm_form=norm_form,
         out=out,
         hparams=hparams,
         target_epsilon=target_epsilon,
@@ -615,7 +616,7 @@ TRAIN_PANELS = {
         "show_train_loss",
         "json_out",
     ),
-    "Scale": ("physical_batch_size", "compile", "fsdp"),
+    "Scale": ("physical_batch_size", "compile", "norm_form", "fsdp"),
 }
 
 

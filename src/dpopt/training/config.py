@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from ..accounting.accountant import ACCOUNTANTS, check_delta
 from ..accounting.events import check_noise_multiplier
 from ..data import check_validation_fraction
+from ..engine.layers import NORM_FORMS
 from ..errors import ConfigError
 from ..methods import get_method
 
@@ -67,6 +68,9 @@ class TrainConfig:
     # the capture's forward/backward as one torch.compile graph (inductor), checked against eager single-example
     # autograd on the first batch; models it cannot trace are refused (dpopt.engine.compiled)
     compile: Union[bool, str] = False  # True (inductor) or a backend name (dpopt.engine.compiled.COMPILE_BACKENDS)
+    # None: the cost model picks each layer's per-example norm form; "gram" | "chol" | "direct" forces it wherever it
+    # applies (dpopt.engine.layers.Budget.norm_form; every form is exact: tests and measurements)
+    norm_form: Optional[str] = None
     out: Optional[str] = None
     hparams: dict = field(default_factory=dict)  # method hyperparameters (h1, h2, betas, ...)
     target_epsilon: Optional[float] = None  # calibrate σ for this ε (then noise_multiplier is ignored)
@@ -170,6 +174,7 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
             σ < 0, δ ∉ (0, 1), batch size ≤ 0 or > N (when q = B̄/N),
             q ∉ (0, 1], lr ≤ 0, epochs ≤ 0, unknown accountant or method,
             reproducible noise together with secure mode, validation_fraction ∉ [0, 1),
+            a ``norm_form`` other than None or one of :data:`~dpopt.engine.layers.NORM_FORMS`,
             lr or max_grad_norm given both as a field and in ``hparams`` with different values.
     """
     check_validation_fraction(cfg.validation_fraction)
@@ -232,6 +237,11 @@ def validate_config(cfg: TrainConfig, n_train: int) -> None:
         raise ConfigError(f"unknown device {cfg.device!r}; choose one of {', '.join(DEVICES)}", "device")
     if cfg.target_epsilon is not None and not cfg.target_epsilon > 0:
         raise ConfigError(f"target_epsilon must be > 0, got {cfg.target_epsilon}", "target_epsilon")
+    if cfg.norm_form is not None and cfg.norm_form not in NORM_FORMS:
+        raise ConfigError(
+            f"norm_form must be one of {', '.join(NORM_FORMS)} (or unset: the cost model chooses), got {cfg.norm_form!r}",
+            "norm_form",
+        )
     if cfg.lora_rank is not None and not (isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 1):
         raise ConfigError(f"lora_rank must be an integer >= 1, got {cfg.lora_rank!r}", "lora_rank")
     _validate_recipe(cfg)

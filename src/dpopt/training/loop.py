@@ -229,7 +229,14 @@ def run_steps(
                 sources = batch_sources(x, y)
             elif owners is not None:  # each user's records averaged, then clipped as one unit (dpopt.users)
                 sources = user_sources(
-                    functools.partial(iter_per_sample_sources, model, _loss, points=points, compile=cfg.compile),
+                    functools.partial(
+                        iter_per_sample_sources,
+                        model,
+                        _loss,
+                        points=points,
+                        compile=cfg.compile,
+                        norm_form=cfg.norm_form,
+                    ),
                     x,
                     y,
                     owners,
@@ -237,7 +244,15 @@ def run_steps(
                 )
             else:
                 sources = iter_per_sample_sources(
-                    step_model, step_loss, x, y, cfg.physical_batch_size, points, compile=cfg.compile, **views_kw
+                    step_model,
+                    step_loss,
+                    x,
+                    y,
+                    cfg.physical_batch_size,
+                    points,
+                    compile=cfg.compile,
+                    norm_form=cfg.norm_form,
+                    **views_kw,
                 )
             opt.step(sources)
             if run.averager is not None:
