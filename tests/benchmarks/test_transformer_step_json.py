@@ -1,0 +1,66 @@
+"""benchmarks/transformer_step.py --json carries the entries and keys issue 34's "Done when" names.
+
+Each of ``gpt2-untied``, ``bert`` and ``gpt2-lora`` must carry ``dp-sgd/non-private``,
+``privacy-engine/non-private``, ``dp-sgd/opacus-best``, ``peak_mem_dp/non-private`` and
+``peak_mem_pe/non-private``. The script is loaded from its file and run in-process at a tiny size
+(vocab 61, d 16, T 8, 2 blocks, B 4: the module's size constants patched), one timed step per
+configuration; the memory children (fresh subprocesses, which the patch would not reach) are replaced
+by fixed figures, so the peak-memory ratios are checked as arithmetic: 110/100 and 125/100.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+KEYS = (
+    "dp-sgd/non-private",
+    "privacy-engine/non-private",
+    "dp-sgd/opacus-best",
+    "peak_mem_dp/non-private",
+    "peak_mem_pe/non-private",
+)
+MIB = {"non-private": 100.0, "dp-sgd": 110.0, "dp-sgd (PrivacyEngine)": 125.0}
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    pytest.importorskip("opacus")
+    name = "dpopt_benchmarks_transformer_step"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "transformer_step.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    ts = sys.modules[name]
+    for key, value in {"V": 61, "D": 16, "T": 8, "HEADS": 2, "LAYERS": 2, "B": 4}.items():
+        monkeypatch.setattr(ts, key, value)
+    monkeypatch.setattr(ts, "run_memory", lambda model, config, threads: MIB.get(config, 130.0))
+    return ts
+
+
+@pytest.mark.slow  # 15 configurations, each with its first step (dpopt's first-batch check, Opacus's set-up)
+def test_json_carries_the_issue_34_keys(tiny, capsys):
+    threads = torch.get_num_threads()
+    args = ["--models", "gpt2-untied,bert,gpt2-lora", "--rounds", "1", "--per-round", "1", "--warmup", "0"]
+    tiny.main(args + ["--threads", str(threads), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"gpt2-untied", "bert", "gpt2-lora"}
+    for model, r in out.items():
+        missing = [k for k in KEYS if k not in r]
+        assert not missing, (model, missing)
+        assert all(r[k] > 0 and r["cpu:" + k] > 0 for k in KEYS[:3])
+        assert r["peak_mem_dp/non-private"] == pytest.approx(1.1)
+        assert r["peak_mem_pe/non-private"] == pytest.approx(1.25)
+        opacus = {k: v for k, v in r["peak_mem_mib"].items() if "opacus" in k}
+        assert len(opacus) == 2 and set(opacus.values()) == {130.0}  # printed for every configuration
+    for model in ("gpt2-untied", "bert"):  # the hook door ran on Opacus's model: compared with it as well
+        assert out[model]["privacy-engine/opacus-best"] > 0
+    assert out["gpt2-lora"]["opacus_best_mode"].startswith("untied")  # tied LoRA: Opacus on the untied twin
+    assert "privacy-engine/opacus-best" not in out["gpt2-lora"]  # no untied PrivacyEngine row to compare
