@@ -13,6 +13,13 @@ first-batch check (its tolerance is bf16's, the autocast dtype), float32
 norms, per-example gradients within bf16's few percent of single-example
 autograd under the same autocast, and σ = 0 sensitivity ≤ C when removing one
 example.
+
+Against the float32 reference (single-example autograd without autocast, float32 weights), issue 34's
+bf16 exactness: bf16 keeps 8 significant bits (unit roundoff u = 2⁻⁸ ≈ 3.9e-3) and a block's forward and
+backward chain about a dozen roundings, so the stated tolerance is 5 % (≈ 13 u) of each example's gradient,
+2 % of the whole batch's and 1 % of each per-example norm (measured: 2.6 %, 0.9 %, 0.2 % under autocast;
+0.9 % and 0.35 % with bf16 weights, whose norms and sums the engines compute in bf16 — docs/pitfalls.md,
+"Low-precision parameters").
 """
 
 from __future__ import annotations
@@ -140,3 +147,55 @@ def test_bf16_autocast_sigma_zero_sensitivity_within_c(door):
         moves.append(float((full - _clipped_sum(model, x[keep], y[keep], door, c)).norm()))
     assert max(moves) <= c * (1 + 1e-5)
     assert min(moves) > 0.5 * c
+
+
+def _fp32_truth(model, x, y):
+    """Single-example float32 autograd, no autocast: ``[B, *p.shape]`` per parameter."""
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(ce(model(x[i : i + 1]), y[i : i + 1]), params) for i in range(len(y))]
+    return [torch.stack([r[k] for r in rows]) for k in range(len(params))]
+
+
+def _assert_within_bf16_tolerance(src, want):
+    got = [g.float() for g in _per_example(src)]
+    row = [sum(float((g[i] - t[i]).square().sum()) for g, t in zip(got, want)) ** 0.5 for i in range(B)]
+    ref = [sum(float(t[i].square().sum()) for t in want) ** 0.5 for i in range(B)]
+    assert max(r / n for r, n in zip(row, ref)) <= 0.05
+    assert sum(r * r for r in row) ** 0.5 <= 0.02 * sum(n * n for n in ref) ** 0.5
+    norms = src.sq_norms(ClipGeometry(), [0] * src.num_params, 1)[:, 0].float().sqrt()
+    torch.testing.assert_close(norms, torch.tensor(ref), rtol=0.01, atol=0.0)
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+def test_bf16_autocast_against_the_float32_reference(door):
+    torch.manual_seed(0)
+    model = Block().train()
+    x, y = _data()
+    want = _fp32_truth(model, x, y)
+    _assert_within_bf16_tolerance(DOORS[door](model, x, y), want)
+
+
+def _bf16_weights_hook_source(model, x, y):
+    cap = HookCapture(model, "sum")
+    try:
+        for _ in range(2):  # the first collect runs the first-batch check
+            model.zero_grad()
+            F.cross_entropy(model(x).float(), y, reduction="sum").backward()
+            src = cap.collect()
+        return src
+    finally:
+        cap.detach()
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+def test_bf16_weights_against_the_float32_reference(door):
+    torch.manual_seed(0)
+    model = Block().train()
+    x, y = _data()
+    want = _fp32_truth(model, x, y)
+    low, xb = copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16)
+    if door == "engine":
+        src = next(iter(iter_per_sample_sources(low, ce, xb, y)))
+    else:
+        src = _bf16_weights_hook_source(low, xb, y)
+    _assert_within_bf16_tolerance(src, want)
