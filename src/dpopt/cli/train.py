@@ -236,7 +236,7 @@ def train_command(
         "--compile",
         help="compile the per-sample capture (inductor), checked against eager on the first batch (docs/performance.md)",
     ),
-    norm_form: Optional[str] = typer.Option(None, help="force a norm form: gram|chol|direct"),
+    norm_form: Optional[str] = typer.Option(None, help="force a norm form: gram, chol or direct"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
