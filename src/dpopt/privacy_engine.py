@@ -964,8 +964,8 @@ class PrivacyEngine:
                 sampler: Any = getattr(loader, "poisson", None)
                 if hasattr(sampler, "clock"):  # cyclic batches: every pass starts at the next release's step
                     sampler.clock = _release_clock(private)
-                else:  # Poisson batches: a step on data the loader did not hand out, or a batch released, refused
-                    boundary_of(private).expect_tags(sampler)
+                # a step on data the loader did not hand out, or as another release than its batch's, refused
+                boundary_of(private).expect_tags(sampler)
             private.clip_range = compat.clip_range
             # a torch loss module with reduction 'sum'/'none' on the model's output, checked on the first batch
             private._loss_watch = LossReductionWatch(module, loss_reduction)

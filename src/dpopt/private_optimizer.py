@@ -224,7 +224,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
         src = grad_sample_source(self._params)
         if src is None:
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
-                self._refused_again()
                 raise RuntimeError(
                     "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
                     "per-sample gradient was captured, so this step would release pure noise and "
@@ -233,27 +232,36 @@ class PrivateOptimizer(torch.optim.Optimizer):
                     "must), and zero_grad() before the forward, not between backward and step"
                 )
             self._refusal = None  # a new backward: judged afresh
-            try:
-                if getattr(self._capture, "defers_check", False):  # its largest check pass: after the sums (step)
-                    return self._capture.collect(defer_check=True)
-                return self._capture.collect()
-            except Exception as err:
-                self._note_refusal(err)
-                raise
+            if getattr(self._capture, "defers_check", False):  # its largest check pass: after the sums (step)
+                return self._capture.collect(defer_check=True)
+            return self._capture.collect()
         self._refusal = None
         self._capture.reset()
         for p in self._params:
             p.grad_sample = None  # type: ignore[attr-defined]
         return src
 
+    def _has_records(self) -> bool:
+        """Whether a backward pass left per-sample records for a step: ``p.grad_sample`` on a trainable
+        parameter, or gradients the model's hooks captured since the last step (:meth:`_source` reads them).
+
+        Raises:
+            ValueError: the compiled door was refused by a first-batch check (``HookCapture.has_gradients``).
+        """
+        return any(getattr(p, "grad_sample", None) is not None for p in self._params) or bool(
+            self._capture.has_gradients()
+        )
+
     def _note_refusal(self, err: Exception) -> None:
         """Remember a refused step's error as its class and text (public: what the user was shown; never the
         exception object, whose traceback holds the step's private records).
 
-        A refusal drops the step's records with it (nothing of a step outlives it, and nothing was released),
-        so a ``step()`` repeated without a new backward finds no gradients; it then raises this refusal again
-        (:meth:`_refused_again`), the real reason, not "without a backward pass". A new backward (judged
-        afresh) or ``zero_grad()`` forgets it.
+        Called once per refused step, by :meth:`step` (the one place that notes), for a step that had records:
+        a refusal drops the step's records with it (nothing of a step outlives it, and nothing was released),
+        so a ``step()`` repeated without a new backward finds none; it then raises this refusal again
+        (:meth:`_refused_again`, never noted itself: its suffix is said once), the real reason, not "without a
+        backward pass". A step refused without records is not noted: repeated, it is judged afresh on the same
+        state. A new backward (judged afresh) or ``zero_grad()`` forgets it.
         """
         self._refusal = (type(err) if type(err) in (ValueError, RuntimeError, TypeError) else RuntimeError, str(err))
 
@@ -352,19 +360,34 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        records = self._has_records()
+        if not records:
+            self._refused_again()  # a repeat of a refused step: its refusal, not "without a backward pass"
+        try:
+            self._step()
+        except Exception as err:  # the one place a refusal is noted (a repeat without a new backward says it again)
+            if records:
+                self._note_refusal(err)
+            raise
+        return loss
+
+    def _step(self) -> None:
+        """The body of :meth:`step` after the closure: admit, read the source, accumulate, release or add a chunk.
+
+        Every refusal below releases nothing and leaves the open step (if any) as it was or discarded
+        (:meth:`step` notes it)."""
         if self._loss_watch is not None:
             try:
                 done = self._loss_watch.at_step()  # raises on a loss_reduction mismatch
-            except ValueError as err:  # that pass's records go with the refusal; the watch judges the next pass
+            except ValueError:  # that pass's records go with the refusal; the watch judges the next pass
                 self._capture.reset()
-                self._note_refusal(err)
                 raise
             if done:
                 self._loss_watch = None
-        boundary = boundary_of(self)  # release_boundary: the open step belongs to one tagged logical batch
-        self._admit(boundary)
+        boundary = boundary_of(self)  # release_boundary: which release this step may make (one check)
         dp = self._dp
         priv, params = dp.privatizer, dp._params()
+        self._admit(boundary, priv.steps)
         releases = boundary.tagged_release()  # the chunk's tag (step_chunk below returns the same), or None
         skip = (not releases) if releases is not None else self._check_skip_next_step(pop_next=False)
         if not skip:  # released into p.grad below: the backward's non-private gradient is never read;
@@ -387,9 +410,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             src = None  # the matched source's blocks go with the step's records (_finish_check)
             self._finish_check(raw)
             self._check_views_match_the_batch(final=not skip)
-        except BaseException as err:
-            if isinstance(err, Exception):
-                self._note_refusal(err)
+        except BaseException:
             priv._reset()  # nothing released or recorded: the logical step did not happen
             cancel = getattr(self._capture, "cancel_check", None)
             if cancel is not None:  # a deferred first-batch check's rows of this batch: not kept past the step
@@ -401,35 +422,29 @@ class PrivateOptimizer(torch.optim.Optimizer):
             raise
         if skip if tagged is not None else self._check_skip_next_step():  # a chunk: added, not released
             self._is_last_step_skipped = True
-            return loss
+            return
         self._is_last_step_skipped = False
         self._open, self._examples = False, 0
-        position = boundary.open_position
         boundary.end()
-        try:
-            self._release_open(priv, dp, params, position)
-        except Exception as err:  # a refused release (correlated noise: another step's batch, the horizon)
-            self._note_refusal(err)
-            raise
-        return loss
+        self._release_open(priv, dp, params)  # a refusal here (the correlated-noise horizon) releases nothing
 
-    def _admit(self, boundary: ReleaseBoundary) -> None:
-        """Refuse a step on data make_private's tagging loader did not hand out, or on a batch already released
-        (:meth:`~dpopt.release_boundary.ReleaseBoundary.admit`): before anything of the step is read, so that
-        nothing is released or charged and the open step (if any) is as before. The step's per-sample records
-        go with the refusal (they belong to the refused data: a later ``step()`` without a new backward must not
-        release them as another batch's), and a repeated ``step()`` raises the refusal again.
+    def _admit(self, boundary: ReleaseBoundary, release: int) -> None:
+        """Refuse a step that may not add its data to release ``release`` (0-based: the releases made so far;
+        :meth:`~dpopt.release_boundary.ReleaseBoundary.admit`, the one check of Poisson tags and cyclic
+        positions): before anything of the step is read, so that nothing is released or charged and the open
+        step (if any) is as before. The step's per-sample records go with the refusal (they belong to the
+        refused data: a later ``step()`` without a new backward must not release them as another batch's), and
+        a repeated ``step()`` raises the refusal again.
 
         Raises:
-            ValueError: as :meth:`~dpopt.release_boundary.ReleaseBoundary.admit`.
+            ValueError, RuntimeError: as :meth:`~dpopt.release_boundary.ReleaseBoundary.admit`.
         """
         try:
-            boundary.admit()
-        except ValueError as err:
+            boundary.admit(release)
+        except (ValueError, RuntimeError):
             self._capture.reset()
             for p in self._params:
                 p.grad_sample = None  # type: ignore[attr-defined]
-            self._note_refusal(err)
             raise
 
     def _finish_check(self, source: Any) -> None:
@@ -492,54 +507,30 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._open, self._examples = False, 0
         self._is_last_step_skipped = False
         dp = self._dp
-        self._release_open(dp.privatizer, dp, dp._params(), boundary_of(self).open_position)
+        self._release_open(dp.privatizer, dp, dp._params())
 
     def _release_skipped_batch(self) -> None:
-        """Release a BatchMemoryManager batch the loop skipped entirely: pure noise, charged, applied
-        (as the empty batch it looks like from outside; :mod:`dpopt.release_boundary`)."""
+        """Release a batch the loop skipped entirely (a BatchMemoryManager batch, a cyclic batch): pure noise,
+        charged, applied (as the empty batch it looks like from outside; :mod:`dpopt.release_boundary`, whose
+        position rule it passed)."""
         if self._open:
             return
         dp = self._dp
         priv = dp.privatizer
         priv.begin(ClipGeometry() if self._torch else dp.geometry())
         self._is_last_step_skipped = False
-        self._release_open(priv, dp, dp._params(), boundary_of(self).open_position)
+        self._release_open(priv, dp, dp._params())
 
-    def _refuse_release(self, priv: Any, reason: str) -> None:
-        """Discard the open step (nothing released or recorded) and raise ``RuntimeError(reason + ...)``."""
-        priv._reset()
-        self._open, self._examples = False, 0
-        raise RuntimeError(reason + "; nothing was released (docs/correlated-noise.md)")
-
-    def _release_open(self, priv: Any, dp: Any, params: Any, position: Optional[int] = None) -> None:
+    def _release_open(self, priv: Any, dp: Any, params: Any) -> None:
         """Release the Privatizer's open step and apply it (the end of a logical step).
 
-        ``position``: the cyclic step of the batch released (:attr:`~dpopt.release_boundary.ChunkTag.position`;
-        None: a Poisson or untagged batch). With correlated noise it must be the release's own index: the
-        sensitivity was computed for cyclic batch t mod b at release t (k participations exactly b apart,
-        docs/correlated-noise.md), so a second ``step()`` on one batch is refused, nothing released, and so is
-        a step on a batch make_private's cyclic loader did not hand out (no position).
+        Which release it is was decided before the step's data was read
+        (:meth:`~dpopt.release_boundary.ReleaseBoundary.admit`: a Poisson batch once, a cyclic batch at its own
+        position); this only releases.
 
         Raises:
-            RuntimeError: a correlated-noise release of a batch drawn for another step, or of an untagged batch
-                while the optimizer's loader is cyclic.
+            RuntimeError: the Privatizer's (a correlated-noise release past the horizon; nothing released).
         """
-        if priv.mechanism is not None and position is not None and int(position) != priv.steps:
-            self._refuse_release(
-                priv,
-                f"correlated noise: release {priv.steps + 1} (1-based) would hold the cyclic batch of step "
-                f"{int(position) + 1}; the sensitivity (k participations exactly b steps apart) holds only for "
-                "release t holding the batch of step t. Call optimizer.step() exactly once per batch of the "
-                "loader make_private returned (a batch skipped with `continue` is released as pure noise)",
-            )
-        if priv.mechanism is not None and position is None and hasattr(getattr(self._loader, "poisson", None), "clock"):
-            self._refuse_release(
-                priv,
-                f"correlated noise: release {priv.steps + 1} (1-based) holds a batch that the cyclic loader "
-                "make_private returned did not hand out (the original data loader's, or a wrapper's that "
-                "bypasses it): its participation pattern is not the one the sensitivity was computed for. "
-                "Iterate the loader make_private returned (or dpopt's BatchMemoryManager over it)",
-            )
         release = priv.release(params_like=params)
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range

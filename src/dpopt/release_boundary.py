@@ -48,22 +48,28 @@ plain loop (one ``step()`` per batch, no chunks) a batch the loop skips has
 no release (a batch peeked at with ``next(iter(loader))`` must not cost a
 release): keep stepping on empty batches there (docs/pitfalls.md, item 2).
 
-A release holds a batch the loader handed out, once: ``make_private`` tells the
-boundary that its loader tags (:meth:`ReleaseBoundary.expect_tags`, with the
-loader's Poisson sampler), and from then on a ``step()`` is refused
-(:meth:`ReleaseBoundary.admit`: ValueError, nothing released or charged) when
-no tagged batch was handed out for it (a loop over the ORIGINAL DataLoader:
-shuffled batches, no Poisson sample) or when the current tag's batch was
-already released (a second ``step()`` on one batch; another loader's batches
-after one of make_private's). Otherwise each would be charged as a
-Poisson-subsampled release at q, an amplification that did not happen.
-What is not verified: that the tensors forwarded are the current batch's (a
-loop over ``zip(loader, other_loader)`` forwarding the other's rows gets one
-release per batch handed out; the rows-vs-examples check refuses such a step
-only when it carries more rows than the current batch has examples).
-A refused step (``end(released=False)``) does not mark its batch released, so
-it can be retried. Correlated noise's cyclic loader has its stricter rule
-instead (the tag's ``position``, :meth:`~dpopt.private_optimizer.PrivateOptimizer._release_open`).
+Which release a step makes is decided in ONE place, :meth:`ReleaseBoundary.admit`, for every loader that
+tags: ``make_private`` tells the boundary that its loader tags (:meth:`ReleaseBoundary.expect_tags`, with the
+loader's sampler), and from then on every ``step()`` asks ``admit(release)`` (``release``: the 0-based index of
+the release it would make, the releases made so far) before anything of the step is read. The sampler's kind
+says the rule:
+
+* a Poisson sampler (independent noise): the step's data must be a batch the loader drew, released once. A
+  ``step()`` is refused (ValueError) when no tagged batch was handed out for it (a loop over the ORIGINAL
+  DataLoader: shuffled batches, no Poisson sample) or when the current tag's batch was already released (a
+  second ``step()`` on one batch; another loader's batches after one of make_private's). Otherwise each would
+  be charged as a Poisson-subsampled release at q, an amplification that did not happen;
+* a cyclic sampler (correlated noise, :mod:`dpopt.cyclic_batches`: its tags carry a ``position``): release t
+  must hold the batch of step t, the participation the sensitivity was computed for. A ``step()`` is refused
+  (RuntimeError) when the current tag's position is not ``release`` (a second ``step()`` on one batch) or when
+  no tagged batch was handed out for it (the original data loader's, a wrapper's that bypasses the returned
+  loader). The pure-noise release of a cyclic batch the loop skipped passes the same position rule.
+
+A refusal says what to change and that nothing was released or charged; the boundary is left as it was, so a
+refused step (``end(released=False)``) can be retried on its batch. What is not verified: that the tensors
+forwarded are the current batch's (a loop over ``zip(loader, other_loader)`` forwarding the other's rows gets
+one release per batch handed out; the rows-vs-examples check refuses such a step only when it carries more
+rows than the current batch has examples).
 
 Loaders dpopt does not own hand out no tags. A user's loader with
 ``poisson_sampling=False`` is not checked (``expect_tags`` is never called; the
@@ -73,7 +79,8 @@ nothing to compare with. Opacus's own ``BatchMemoryManager`` over make_private's
 loader draws from its Poisson sampler directly (no tags): its steps are
 accepted while the sampler has drawn more batches since the last tag was handed
 out than such untagged steps have released (one release per Poisson batch
-drawn); over the original loader it draws nothing and is refused.
+drawn); over the original loader it draws nothing and is refused, and over a
+cyclic loader its batches carry no position and are refused.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["ChunkTag", "ReleaseBoundary", "boundary_of"]
+
+NOTHING_RELEASED = "nothing was released or charged"  # the end of every refusal of admit
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,8 @@ class ChunkTag:
         examples: the chunk's number of examples (private: in memory only).
         position: the batch's step in a cyclic order (correlated noise: the 0-based step t of the cyclic batch
             t mod b, :mod:`dpopt.cyclic_batches`; public), or None (Poisson batches: any step may release them).
-            The optimizer refuses to release a positioned batch as any other release than release ``position``.
+            :meth:`ReleaseBoundary.admit` refuses to release a positioned batch as any other release than release
+            ``position``.
     """
 
     batch: int
@@ -116,8 +126,9 @@ class ReleaseBoundary:
 
     Held by :class:`~dpopt.private_optimizer.PrivateOptimizer` (:func:`boundary_of`);
     loaders call :meth:`new_batch` when they draw a logical batch and :meth:`hand`
-    when they give a chunk of it to the loop; the optimizer calls :meth:`begin`,
-    :meth:`step_chunk`, :meth:`check_rows` and :meth:`end`.
+    when they give a chunk of it to the loop; the optimizer calls :meth:`admit`
+    (may this step release, and as which release), :meth:`begin`,
+    :meth:`step_chunk`, :meth:`counts` and :meth:`end`.
 
     Nothing here is written anywhere: copies and pickles of an optimizer get a
     fresh boundary.
@@ -133,10 +144,9 @@ class ReleaseBoundary:
         self.rows: Optional[int] = 0  # examples forwarded into the open step (rows / K; private, memory only)
         self._owed: Optional[int] = None  # a BatchMemoryManager batch handed out and not yet released
         self._owed_position: Optional[int] = None  # its cyclic position (ChunkTag.position)
-        self.open_position: Optional[int] = None  # the cyclic position of the batch being released (public)
         self._public = 0  # stand-in rows the next step_chunk does not count (public_rows)
         self.chunk_public = 0  # of the chunk step_chunk counted last: its public stand-in rows (no user's)
-        self._sampler: Any = None  # the Poisson sampler of the tagging loader make_private built (None: untagged)
+        self._sampler: Any = None  # the sampler of the tagging loader make_private built (None: untagged)
         self.released = 0  # serial of the last logical batch released (0: none; public, a count of steps)
         self._drawn_at_hand = 0  # the sampler's draws when the last tag was handed out (public count)
         self._untagged = 0  # releases of untagged data since the last tag was handed out (public count)
@@ -153,7 +163,6 @@ class ReleaseBoundary:
             "rows": 0,
             "_owed": None,
             "_owed_position": None,
-            "open_position": None,
             "_public": 0,
             "chunk_public": 0,
             "_sampler": None,  # a copy of the optimizer has no loader
@@ -168,40 +177,59 @@ class ReleaseBoundary:
             self._owner = weakref.ref(optimizer)
 
     def expect_tags(self, sampler: Any) -> None:
-        """The optimizer's data comes from a loader that tags every batch it hands out (make_private's Poisson
-        loader, and dpopt's BatchMemoryManager over it), whose batches ``sampler`` draws (its ``drawn``: the
-        public count of batches drawn). From now on :meth:`admit` refuses a ``step()`` on data the loader did not
-        hand out, or on a batch already released."""
+        """The optimizer's data comes from a loader that tags every batch it hands out (make_private's loader,
+        and dpopt's BatchMemoryManager over it), whose batches ``sampler`` draws: a Poisson sampler (its
+        ``drawn``: the public count of batches drawn) or a cyclic one (it has a ``clock``,
+        :mod:`dpopt.cyclic_batches`; its tags carry a ``position``). From now on :meth:`admit` refuses a
+        ``step()`` on data the loader did not hand out, or one that would release a batch as another release
+        than its own (a Poisson batch already released; a cyclic batch of another step)."""
         self._sampler = sampler
         self._drawn_at_hand = self._drawn()
         self._untagged = 0
 
+    @property
+    def cyclic(self) -> bool:
+        """Whether the tagging loader's sampler is cyclic (correlated noise): release t holds the batch of step t."""
+        return hasattr(self._sampler, "clock")
+
     def _drawn(self) -> int:
         return int(getattr(self._sampler, "drawn", 0) or 0)
 
-    def admit(self) -> None:
-        """Refuse a ``step()`` whose data the tagging loader did not hand out (:meth:`expect_tags`).
+    def admit(self, release: int) -> None:
+        """May the ``step()`` being taken add its data to release ``release``? The one check of every tagging
+        loader (:meth:`expect_tags`), asked before anything of the step is read; loaders that do not tag are
+        not checked.
 
-        Accepted: a step while the loader's sampler has drawn more Poisson batches since the last tag was handed
-        out than untagged steps have released since (Opacus's own ``BatchMemoryManager`` over make_private's
-        loader iterates the sampler directly and signals its chunks: at most one release per batch drawn; the
-        last tag, stale, is then forgotten and the step is untagged), or else a step on the current tag's
-        logical batch while it is not yet released (its chunks, a refused step retried). The loader hands each
-        batch's tag after drawing it (prefetching workers too), so its own loop never counts as drawn around
-        it. Loaders that do not tag (:meth:`expect_tags` never called) are not checked.
+        Args:
+            release: the 0-based index of the release the step's data would go into (the releases made so
+                far, ``Privatizer.steps``).
+
+        The rule is the sampler's (module docstring). Cyclic: the current tag's ``position`` must be
+        ``release`` (:meth:`_check_position`). Poisson: accepted while the loader's sampler has drawn more
+        Poisson batches since the last tag was handed out than untagged steps have released since (Opacus's
+        own ``BatchMemoryManager`` over make_private's loader iterates the sampler directly and signals its
+        chunks: at most one release per batch drawn; the last tag, stale, is then forgotten and the step is
+        untagged), or else on the current tag's logical batch while it is not yet released (its chunks, a
+        refused step retried). The loader hands each batch's tag after drawing it (prefetching workers too),
+        so its own loop never counts as drawn around it.
 
         Raises:
-            ValueError: no tagged batch was handed out and no Poisson batch drawn for this step (a step on the
-                original data loader's batches), or the current batch was already released (a second ``step()``
-                on one batch, or steps on another loader's batches after one of make_private's): the ledger would
-                charge each as a Poisson-subsampled release at q, an amplification that did not happen.
+            ValueError: Poisson: no tagged batch was handed out and no Poisson batch drawn for this step (a
+                step on the original data loader's batches), or the current batch was already released (a
+                second ``step()`` on one batch, or steps on another loader's batches after one of
+                make_private's): the ledger would charge each as a Poisson-subsampled release at q, an
+                amplification that did not happen.
+            RuntimeError: cyclic: as :meth:`_check_position`.
         """
         if self._sampler is None:
+            return
+        tag = self.current
+        if self.cyclic:
+            self._check_position(None if tag is None else tag.position, release)
             return
         if self._drawn() - self._drawn_at_hand > self._untagged:
             self.current = None  # the last tag is stale: the step's data is a Poisson batch drawn around the loader
             return
-        tag = self.current
         if tag is not None and tag.batch > self.released:
             return
         what = (
@@ -216,8 +244,34 @@ class ReleaseBoundary:
             "loader drew, released once: the original DataLoader's batches (shuffled, fixed size) are not Poisson "
             "samples. Iterate the data loader make_private returned (or dpopt's BatchMemoryManager over it) and "
             "call optimizer.step() once per batch (pass poisson_sampling=False to train on your own batches, "
-            "without the Poisson epsilon); nothing was released or charged"
+            f"without the Poisson epsilon); {NOTHING_RELEASED}"
         )
+
+    def _check_position(self, position: Optional[int], release: int) -> None:
+        """The cyclic rule of :meth:`admit`: release ``release`` (0-based) may hold only the batch of step
+        ``release`` (``position``: the tag's, None for data the cyclic loader did not hand out). The
+        sensitivity of correlated noise is computed for cyclic batch t mod b at release t (k participations
+        exactly b steps apart, docs/correlated-noise.md).
+
+        Raises:
+            RuntimeError: ``position`` is None or not ``release``.
+        """
+        if position is None:
+            raise RuntimeError(
+                f"correlated noise: release {release + 1} (1-based) holds a batch that the cyclic loader "
+                "make_private returned did not hand out (the original data loader's, or a wrapper's that "
+                "bypasses it): its participation pattern is not the one the sensitivity was computed for. "
+                "Iterate the loader make_private returned (or dpopt's BatchMemoryManager over it); "
+                f"{NOTHING_RELEASED} (docs/correlated-noise.md)"
+            )
+        if int(position) != int(release):
+            raise RuntimeError(
+                f"correlated noise: release {release + 1} (1-based) would hold the cyclic batch of step "
+                f"{int(position) + 1}; the sensitivity (k participations exactly b steps apart) holds only for "
+                "release t holding the batch of step t. Call optimizer.step() exactly once per batch of the "
+                "loader make_private returned (a batch skipped with `continue` is released as pure noise); "
+                f"{NOTHING_RELEASED} (docs/correlated-noise.md)"
+            )
 
     def new_batch(self) -> int:
         """A fresh serial number for a logical batch just drawn."""
@@ -270,11 +324,9 @@ class ReleaseBoundary:
         self.released = max(self.released, int(self._owed or 0))  # released as pure noise below
         position, self._owed, self._owed_position = self._owed_position, None, None
         if owner is not None:
-            saved, self.open_position = self.open_position, position
-            try:
-                owner._release_skipped_batch()
-            finally:
-                self.open_position = saved
+            if self.cyclic:  # the pure-noise release of a cyclic batch passes admit's position rule too
+                self._check_position(position, int(owner.privatizer.steps))
+            owner._release_skipped_batch()
 
     def _owner_open(self) -> bool:
         owner = None if self._owner is None else self._owner()
@@ -291,7 +343,6 @@ class ReleaseBoundary:
     def begin(self) -> None:
         """The optimizer opened a step: it belongs to the current chunk's batch (if tagged)."""
         self.open_batch = None if self.current is None else self.current.batch
-        self.open_position = None if self.current is None else self.current.position
         self._counted, self.examples, self.rows = set(), 0, 0
 
     def public_rows(self, rows: int) -> None:
@@ -367,7 +418,6 @@ class ReleaseBoundary:
         elif released:
             self._untagged += 1
         self.open_batch = None
-        self.open_position = None
         self._counted, self.examples, self.rows = set(), 0, 0
 
 
