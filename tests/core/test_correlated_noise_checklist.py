@@ -282,3 +282,28 @@ def test_total_steps_sets_the_horizon_as_epochs_does_and_both_are_refused():
         PrivacyEngine().make_private(**_sgd_args(epochs=1, total_steps=4))
     with pytest.raises(ConfigError, match="total_steps"):
         PrivacyEngine().make_private(**_sgd_args(total_steps=4, noise_mechanism="independent"))
+
+
+# -- the stream is added in float64 and rounded once ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,size", [("banded", 3), ("blt", 2)])
+def test_the_correlated_noise_is_added_in_float64_and_rounded_once(kind, size):
+    """One example with a float32 gradient inside the clip ball (clipping leaves it as is), B̄ = 1, the same
+    seeded noise for a float32 and a float64 model: every float32 release equals the float64 release
+    (g + σC·(C⁻¹z)_t in float64) rounded once to float32, at each of T = 6 steps; rounding the noise to
+    float32 first and adding in float32 gives other bits (checked, so the test tells the two apart)."""
+    T, sigma, n = 6, 1.0, 4096
+    g = (torch.randn(1, n, generator=torch.Generator().manual_seed(1)) * 1e-3).float()  # ‖g‖ ≈ 0.064 < C = 1
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        mech = CorrelatedNoise(optimize_strategy(kind, T, size), Participation(T), sigma)
+        priv = Privatizer(sigma, 1.0, 1.0, 1.0, mechanism=mech, generator=torch.Generator().manual_seed(5))
+        out[dtype] = [priv.privatize(PerSampleGrads([g.to(dtype)])).grads[0] for _ in range(T)]
+    double_rounded = 0
+    for r32, r64 in zip(out[torch.float32], out[torch.float64]):
+        assert r32.dtype == torch.float32 and r64.dtype == torch.float64
+        assert torch.equal(r32, r64.to(torch.float32))
+        noise = r64 - g.double()[0]
+        double_rounded += int((g[0] + noise.to(torch.float32) != r32).sum())
+    assert double_rounded > 0
