@@ -312,5 +312,8 @@ def make_mechanism(
     if not float(noise_multiplier) > 0:
         raise ValueError(f"noise_mechanism {spec!r} needs noise_multiplier > 0")
     check_horizon(participation.steps)
-    strategy = optimize_strategy(kind, participation.steps, size)
+    # unamplified: the strategy is tuned for the run's participations; amplified runs are charged per round
+    # (‖c‖ or the spectral bound), which the single-participation optimum targets
+    tuned_for = participation if sample_rate is None else None
+    strategy = optimize_strategy(kind, participation.steps, size, participation=tuned_for)
     return CorrelatedNoise(strategy, participation, noise_multiplier, sample_rate)

@@ -1067,13 +1067,12 @@ class PrivacyEngine:
                     "sample_rate is not used with a correlated noise_mechanism (cyclic batches)", "sample_rate"
                 )
             steps = horizon_steps(epochs, len(data_loader))  # T counts the loader's batches
-            strategy = optimize_strategy(kind, steps, size)
             if amplified:  # k rounds of the Poisson-sampled Gaussian at σ/‖c‖: DP-SGD's calibration × ‖c‖
                 parts = check_sampling("cyclic-poisson", kind, str(kwargs["noise_mechanism"]), given, len(data_loader))
                 sigma = calibrate_amplified_noise_multiplier(
                     target_epsilon,
                     target_delta,
-                    strategy,
+                    optimize_strategy(kind, steps, size),
                     steps,
                     parts,
                     float(cast(float, given)),
@@ -1082,6 +1081,7 @@ class PrivacyEngine:
             else:
                 b = len(data_loader)
                 participation = Participation(steps, -(-steps // b), b)
+                strategy = optimize_strategy(kind, steps, size, participation=participation)  # make_private's
                 sigma = calibrate_mechanism_noise(
                     target_epsilon, target_delta, strategy, participation, str(self.accountant)
                 )

@@ -213,7 +213,8 @@ def _independent_reference(cfg, steps, b):
     from dpopt.correlated_noise import Participation, optimize_strategy, parse_mechanism, sensitivity
 
     kind, size = parse_mechanism(cfg.noise_mechanism)
-    delta_s = sensitivity(optimize_strategy(kind, steps, size), Participation(steps, -(-steps // b), b))
+    participation = Participation(steps, -(-steps // b), b)  # the strategy is tuned for the run's participations
+    delta_s = sensitivity(optimize_strategy(kind, steps, size, participation=participation), participation)
     mu = delta_s / cfg.noise_multiplier
     return delta_s, mu, gaussian_epsilon(mu, cfg.delta)
 

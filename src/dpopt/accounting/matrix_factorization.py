@@ -458,32 +458,116 @@ def _sqrt_coefficients(n: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=32)
-def optimize_strategy(kind: str, steps: int, size: int, objective: str = "mean") -> Strategy:
-    """The strategy minimising the prefix-sum error for horizon T (cached per arguments).
+def optimize_strategy(
+    kind: str, steps: int, size: int, objective: str = "mean", participation: Optional[Participation] = None
+) -> Strategy:
+    """The strategy minimising the prefix-sum error for horizon T and the run's participations (cached
+    per arguments).
 
-    Minimises ‖c‖²·err(A·C⁻¹) (:func:`_error`: mean or max over steps of the squared error of the
-    prefix sums, per unit noise) with L-BFGS-B (scipy, finite-difference gradients; each evaluation is
-    O(T·size)). The single-participation sensitivity ‖c‖² is used for every participation schema: for
-    banded with b ≤ min_separation, k participations scale it by k (the same minimiser); for blt with
-    k > 1 it is a proxy, and the run is charged the bound of :func:`sensitivity` of the strategy found.
+    First minimises ‖c‖²·err(A·C⁻¹) (:func:`_error`: mean or max over steps of the squared error of the
+    prefix sums, per unit noise; ‖c‖² the single-participation sensitivity²) with L-BFGS-B (scipy,
+    finite-difference gradients; each evaluation is O(T·size)). With a ``participation`` of k > 1 whose
+    columns overlap (blt, or banded with b > min_separation; for banded with b ≤ min_separation k
+    participations scale ‖c‖² by k, the same minimiser), that optimum is then refined for the run's
+    sensitivity: :func:`_tune_for_participation` minimises Δ_k²·err(A·C⁻¹), Δ_k the exact k-participation
+    sensitivity of C with nonnegative nonincreasing coefficients (McKenna 2024, arXiv 2405.13763, Thm 2),
+    and the refined strategy is kept only where its error per unit of its :func:`sensitivity` is lower.
+    The run is always charged :func:`sensitivity` of the strategy returned, however it was found.
 
     Args:
         kind: ``"banded"`` (size = bands b ≥ 1; starts from the truncated square-root factorization)
             or ``"blt"`` (size = buffers n ≥ 1; θ ∈ (0, 1) through a logistic map).
         steps: T ≥ 1 (≤ :data:`MAX_HORIZON`).
         objective: ``"mean"`` or ``"max"``.
+        participation: the run's (T, k, min_separation); None (or k = 1): one participation.
 
     Raises:
-        ValueError: bad kind, size, T or objective.
+        ValueError: bad kind, size, T or objective, or a participation over another horizon.
     """
-    from scipy.optimize import minimize
-
     if objective not in ("mean", "max"):
         raise ValueError(f"objective must be 'mean' or 'max', got {objective!r}")
     if int(size) != size or size < 1:
         raise ValueError(f"{'bands' if kind == 'banded' else 'buffers'} must be an integer >= 1, got {size!r}")
     check_horizon(steps)
-    T = int(steps)
+    if participation is not None and participation.steps != int(steps):
+        raise ValueError(f"participation is over {participation.steps} steps, the strategy over {steps}")
+    single = _optimize_single(kind, int(steps), int(size), objective)
+    if participation is None or participation.participations == 1 or _orthogonal_columns(single, participation):
+        return single
+    return _tune_for_participation(single, participation, objective)
+
+
+def _score(strategy: Strategy, participation: Participation, objective: str) -> float:
+    """Squared prefix-sum error per unit σ² at the strategy's sensitivity: Δ²·err(A·C⁻¹)."""
+    T = participation.steps
+    return (
+        _error(strategy.inverse_coefficients(T), np.array([1.0]), objective) * sensitivity(strategy, participation) ** 2
+    )
+
+
+def _tune_for_participation(start: Strategy, participation: Participation, objective: str) -> Strategy:
+    """``start`` refined for k > 1 participations at least b apart (Nelder–Mead from ``start``).
+
+    Loss: Δ_k²·err(A·C⁻¹) with Δ_k = ‖C(e_0 + e_b + …)‖ (:func:`toeplitz_prefix_sensitivities`, O(T)),
+    exact only for nonnegative nonincreasing coefficients of C, so coefficients outside that set score
+    +∞ (without the constraint the search leaves it, where the true Δ is larger). Returns the refined
+    strategy where its :func:`_score` (with its real :func:`sensitivity`) is below ``start``'s, else
+    ``start``.
+    """
+    from scipy.optimize import minimize
+
+    T = participation.steps
+
+    def loss_of(d: np.ndarray, c: np.ndarray) -> float:
+        if not (c[0] > 0 and np.all(c >= 0) and np.all(np.diff(c) <= 0)):
+            return 1e300
+        delta2 = float(toeplitz_prefix_sensitivities(c, participation)[-1] ** 2)
+        return _error(d, np.array([1.0]), objective) * delta2
+
+    if start.kind == "banded":
+
+        def banded_loss(x: np.ndarray) -> float:
+            c = np.concatenate([[1.0], x])
+            return loss_of(_impulse([1.0], c, T), np.pad(c, (0, T - len(c))))
+
+        x0 = np.array(start.coefficients[1:], dtype=np.float64) / start.coefficients[0]
+        res = minimize(banded_loss, x0, method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-10, "fatol": 1e-13})
+        tuned = Strategy("banded", (1.0,) + tuple(float(v) for v in res.x))
+    else:
+        n = len(start.omega)
+
+        def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return v[n:], 1.0 / (1.0 + np.exp(-np.clip(v[:n], -30.0, 30.0)))
+
+        def blt_loss(v: np.ndarray) -> float:
+            omega, theta = unpack(v)
+            p, q = _blt_polynomials(omega, theta)
+            with np.errstate(all="ignore"):
+                value = loss_of(_impulse(p, q, T), _impulse(q, p, T))
+            return value if math.isfinite(value) else 1e300
+
+        theta0 = np.clip(np.array(start.theta), 1e-9, 1 - 1e-12)
+        v0 = np.concatenate([np.log(theta0 / (1.0 - theta0)), np.array(start.omega)])
+        if not blt_loss(v0) < 1e300:  # ``start`` outside the monotone set: the single optimiser's initial guess
+            theta0 = 1.0 - np.logspace(-0.3, -math.log10(max(T, 4)), n)  # (inside it in every case checked)
+            v0 = np.concatenate([np.log(theta0 / (1.0 - theta0)), -0.5 * (1.0 - theta0) / n])
+        res = minimize(blt_loss, v0, method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-10, "fatol": 1e-13})
+        omega, theta = unpack(res.x)
+        tuned = Strategy("blt", omega=tuple(float(w) for w in omega), theta=tuple(float(t) for t in theta))
+    if not float(res.fun) < 1e300:
+        return start
+    try:
+        before = _score(start, participation, objective)
+    except ValueError:  # no sensitivity for ``start`` (not monotone, T past the general bound's): the tuned one has
+        return tuned
+    return tuned if _score(tuned, participation, objective) < before else start
+
+
+@lru_cache(maxsize=32)
+def _optimize_single(kind: str, T: int, size: int, objective: str) -> Strategy:
+    """:func:`optimize_strategy` for one participation (arguments checked by the caller; cached)."""
+    from scipy.optimize import minimize
+
     if kind == "banded":
         b = min(int(size), T)
         if b == 1:
@@ -510,7 +594,7 @@ def optimize_strategy(kind: str, steps: int, size: int, objective: str = "mean")
                 return _error(_impulse(p, q, T), _impulse(q, p, T), objective)
 
         if T > 256:  # continuation: start from the optimum at a quarter of the horizon
-            warm = optimize_strategy("blt", max(256, T // 4), n, objective)
+            warm = optimize_strategy("blt", max(256, T // 4), n, objective)  # cached, one participation
             theta0, omega0 = np.clip(np.array(warm.theta), 1e-6, 1 - 1e-9), np.array(warm.omega)
         else:
             theta0 = 1.0 - np.logspace(-0.3, -math.log10(max(T, 4)), n)  # 1 − θ spread on a log scale

@@ -626,7 +626,7 @@ class DPTrainer(Trainer):
         return calibrate_correlated_noise_multiplier(
             cast(float, self._target),
             self.delta,
-            optimize_strategy(kind, steps, size),
+            optimize_strategy(kind, steps, size, participation=participation),  # what make_private builds
             participation,
             str(self.engine.accountant),
         )

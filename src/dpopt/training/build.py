@@ -208,10 +208,12 @@ def _mechanism_plan(cfg: TrainConfig, n_train: int, steps: int) -> Optional[tupl
     if kind == "independent":
         return None
     batches = cyclic_batches(n_train, cfg.batch_size)
-    if cfg.sampling == "cyclic-poisson":  # b' parts, each example of part t mod b' sampled at q
+    amplified = cfg.sampling == "cyclic-poisson"
+    if amplified:  # b' parts, each example of part t mod b' sampled at q
         batches = cyclic_poisson_parts(cfg, n_train)
     participation = Participation(steps, -(-steps // batches), batches)
-    return optimize_strategy(kind, steps, size), participation
+    # unamplified runs: the strategy tuned for their k participations (amplified: charged per round)
+    return optimize_strategy(kind, steps, size, participation=None if amplified else participation), participation
 
 
 def cyclic_batches(n_train: int, batch_size: float) -> int:
