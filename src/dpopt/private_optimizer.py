@@ -24,6 +24,7 @@ from .augment import ViewCollate
 from .checkpoint import CHECKPOINT_VERSION, recorded_journal
 from .data_loader import DPDataLoader
 from .engine.hooks import HookCapture, grad_sample_source
+from .errors import LedgerWriteError
 from .opacus_compat import LossReductionWatch
 from .optim import DPOptimizer
 from .privatizer import Privatizer
@@ -223,6 +224,15 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def _source(self) -> Any:
         src = grad_sample_source(self._params)
         if src is None:
+            if getattr(self._capture, "detached", False):
+                self._capture.reset()
+                raise RuntimeError(
+                    "optimizer.step() after the PrivacyEngine was detached: engine.detach() removed the "
+                    "per-sample hooks from the model, so this optimizer captures no per-sample gradient and "
+                    "cannot release anything (nothing was released or charged). To train privately again, call "
+                    "engine.make_private(...) again and step the optimizer it returns; to train without privacy, "
+                    "step your original torch optimizer"
+                )
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
                 self._refused_again()
                 raise RuntimeError(
@@ -405,12 +415,16 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._is_last_step_skipped = False
         self._open, self._examples = False, 0
         position = boundary.open_position
-        boundary.end()
         try:
             self._release_open(priv, dp, params, position)
-        except Exception as err:  # a refused release (correlated noise: another step's batch, the horizon)
-            self._note_refusal(err)
+        except BaseException as err:  # a refused release (correlated noise: another step's batch, the horizon)
+            # a failed ledger write released nothing: the batch is not spent (a cyclic one stays owed, released
+            # as pure noise when the loop moves on; a Poisson one may be stepped again)
+            boundary.end(released=not isinstance(err, LedgerWriteError))
+            if isinstance(err, Exception):
+                self._note_refusal(err)
             raise
+        boundary.end()
         return loss
 
     def _admit(self, boundary: ReleaseBoundary) -> None:

@@ -35,9 +35,9 @@ from dp_accounting import dp_event
 from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
-from .accounting.ledger import PrivacyLedger, longest_record
+from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
-from .errors import ConfigError
+from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
@@ -127,6 +127,25 @@ def _checked_mechanism(
             f"{noise_multiplier}: build it with the same sigma"
         )
     return mechanism
+
+
+def _write_failed(step: int, correlated: bool, err: OSError) -> str:
+    """The message of a release whose ledger entry could not be written (:class:`~dpopt.errors.LedgerWriteError`)."""
+    stream = (
+        " The correlated noise stream did not advance (nothing was drawn from it): release "
+        f"{step + 1} is still the next one, and its cyclic batch is released (as pure noise, fresh) when the "
+        "loop moves on. A correlated-noise run cannot resume from a checkpoint: fix the disk and keep "
+        "stepping in this process, or start a new run (docs/correlated-noise.md)."
+        if correlated
+        else " Fix the disk, then step again (the next step() is this release, with fresh noise), or stop and "
+        "resume from the last checkpoint (its ledger and the journal hold every release made)."
+    )
+    return (
+        f"the privacy ledger write of release {step + 1} (1-based) failed: {type(err).__name__}: {err}. Nothing "
+        "was released: the parameters are not updated, the noise of this release was not used (it is never "
+        "drawn again) and the ledger holds only the releases made before it, as its journal on disk does. "
+        "Free space on the journal's disk or make its file writable." + stream
+    )
 
 
 class Privatizer:
@@ -373,9 +392,34 @@ class Privatizer:
         """Add noise, divide by B̄, map back, record the step; return the Release.
 
         ``params_like`` gives shapes when no micro-batch was accumulated.
+
+        The ledger is write-ahead: the step's entry is recorded (and, with an autoflushed journal,
+        written, :meth:`~dpopt.accounting.ledger.PrivacyLedger.record`) BEFORE any noise is drawn — with
+        quantile clipping, whose entry holds the noisy count, after drawing but before anything
+        (the next bound, the Release) leaves this method. A write that fails releases nothing: the
+        step is discarded (its sums, any noise drawn), the ledger, the clip bound and a
+        correlated-noise stream are as before (the stream did not advance: nothing was drawn from it),
+        and the next ``begin()``/``release()`` is release ``steps`` again, with fresh noise.
+
+        Raises:
+            LedgerWriteError: the entry could not be written (:class:`dpopt.errors.LedgerWriteError`:
+                its cause, that nothing was released, what to do).
+            RuntimeError: no ``begin()``; nothing accumulated and no ``params_like``; a correlated-noise
+                step past the horizon. Any exception discards the step (no ``begin()`` twice); one raised
+                after the write-ahead entry (drawing the noise, a data-parallel ``reduce``) leaves that
+                release charged but not made, and counts its index as used (ε over-counts, never under).
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before release()")
+        try:
+            return self._release(params_like)
+        finally:
+            if self._geometry is not None:  # raised: the step is discarded (its sums and noise draw)
+                self._reset()
+
+    def _release(self, params_like: Optional[Sequence[Tensor]]) -> Release:
+        """:meth:`release`'s body; returns after ``_reset()`` (a raise leaves the step for release to discard)."""
+        assert self._geometry is not None  # release() checked
         self.check_reach(self.noise_multiplier)  # σ is settable (schedulers): checked before anything is drawn
         if self._sum is None:
             if params_like is None:
@@ -386,14 +430,24 @@ class Privatizer:
         std = self.noise_multiplier * sens
         marginal = 1.0 if self.mechanism is None else self.mechanism.marginal_std(self.steps)  # std of (C⁻¹z)_t
         count = self._count if self.quantile is not None else None
-        if self.reduce is not None:  # data parallel: the noisy totals over every process
-            own = self.mechanism is not None and bool(getattr(self.reduce, "correlates_own_noise", False))
-            totals, noisy_count = self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
-                list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
-            )
-        else:  # s + σS·z in float64, rounded ONCE to the sum's dtype
-            totals, count_noise = self._add_noise(std)
-            noisy_count = None if count is None else count + cast(float, count_noise)  # quantile: drawn
+        meta = {
+            "max_grad_norm": list(self.bounds),
+            "sensitivity": sens,
+            "noise_multiplier": self.noise_multiplier,
+            "noise_std": std,
+            "geometry": "identity" if geo.is_identity else "shift-scale",
+            **self._clip_meta(),
+        }
+        if self.mechanism is not None:
+            meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
+        self._released += 1  # the gradient Gaussian
+        entry = None if self.quantile is not None else self._record(meta)  # write-ahead: before any draw
+        try:
+            totals, noisy_count = self._noisy_totals(std, count)
+        except BaseException:
+            if entry is not None:  # charged, not made: its index is used (the ledger holds it)
+                self.steps += 1
+            raise
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
@@ -405,24 +459,14 @@ class Privatizer:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
-        self._released += 1
-        event = self.step_event()
-        meta = {
-            "max_grad_norm": list(self.bounds),
-            "sensitivity": sens,
-            "noise_multiplier": self.noise_multiplier,
-            "noise_std": std,
-            "geometry": "identity" if geo.is_identity else "shift-scale",
-            **self._clip_meta(),
-        }
-        if self.mechanism is not None:
-            meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
-        if self.quantile is not None:
-            meta.update(self._release_count(noisy_count))
-        meta.update(reads=len(self._read), releases=self._released)
-        self.reads += len(self._read)
-        self.releases += self._released
-        entry = self.ledger.record(self.steps, event, **meta)
+        if entry is None:  # quantile clipping: the entry holds the noisy count; the next bound waits for it
+            bounds, history = list(self.bounds), len(self.clip_history)
+            meta.update(self._release_count(cast(float, noisy_count)))
+            try:
+                entry = self._record(meta)
+            except BaseException:
+                self.bounds, self.clip_history[history:] = bounds, []
+                raise
         release = Release(
             tuple(grads),
             tuple(noise_std),
@@ -437,6 +481,32 @@ class Privatizer:
         self.steps += 1
         self._reset()
         return release
+
+    def _noisy_totals(self, std: float, count: Optional[float]) -> tuple[list[Tensor], Optional[float]]:
+        """The noisy sums (param-shaped, fresh buffers) and the noisy centred count (quantile; else None)."""
+        assert self._sum is not None  # inside a step
+        if self.reduce is not None:  # data parallel: the noisy totals over every process
+            own = self.mechanism is not None and bool(getattr(self.reduce, "correlates_own_noise", False))
+            return self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
+                list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
+            )
+        totals, count_noise = self._add_noise(std)  # s + σS·z in float64, rounded ONCE to the sum's dtype
+        return totals, None if count is None else count + cast(float, count_noise)  # quantile: drawn
+
+    def _record(self, meta: dict) -> LedgerEntry:
+        """Record this step's entry (``meta`` + its read/release counts) in the ledger; count it.
+
+        Raises:
+            LedgerWriteError: the ledger's journal write failed (the ledger is as before; nothing counted).
+        """
+        meta.update(reads=len(self._read), releases=self._released)
+        try:
+            entry = self.ledger.record(self.steps, self.step_event(), **meta)
+        except OSError as err:
+            raise LedgerWriteError(_write_failed(self.steps, self.mechanism is not None, err), err) from err
+        self.reads += len(self._read)
+        self.releases += self._released
+        return entry
 
     def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
