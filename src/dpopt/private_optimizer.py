@@ -554,7 +554,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "bypasses it): its participation pattern is not the one the sensitivity was computed for. "
                 "Iterate the loader make_private returned (or dpopt's BatchMemoryManager over it)",
             )
-        release = priv.release(params_like=params)
+        try:
+            release = priv.release(params_like=params)
+        except BaseException:  # nothing released (a failed ledger write, ...): the open step is discarded
+            priv._reset()
+            raise
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range
             priv.bounds = [min(max(priv.bounds[0], lo), hi)]

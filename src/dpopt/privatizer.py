@@ -302,12 +302,16 @@ class Privatizer:
 
     # -- one logical step ---------------------------------------------------
     def _reset(self) -> None:
+        """End the open step (released, or discarded: nothing released). A discarded step whose entry was
+        written ahead (:meth:`release` raised after it) keeps its index used: the ledger charges it."""
+        if getattr(self, "_entry", None) is not None:
+            self.steps += 1
+        self._entry: Optional[LedgerEntry] = None  # this step's entry, once written (write-ahead)
         self._geometry: Optional[ClipGeometry] = None
         self._sum: Optional[list[Tensor]] = None
         self._count = 0.0
         self._nonfinite = False
         self._read: set[str] = set()  # private statistics computed this step (counted where read)
-        self._released = 0  # noisy Gaussians drawn this step (counted where drawn)
         self._pending: Optional[CpuNormalDraw] = None  # this step's CPU noise draw, started early
 
     def __getstate__(self) -> dict:
@@ -394,32 +398,27 @@ class Privatizer:
         ``params_like`` gives shapes when no micro-batch was accumulated.
 
         The ledger is write-ahead: the step's entry is recorded (and, with an autoflushed journal,
-        written, :meth:`~dpopt.accounting.ledger.PrivacyLedger.record`) BEFORE any noise is drawn — with
-        quantile clipping, whose entry holds the noisy count, after drawing but before anything
+        written: :meth:`~dpopt.accounting.ledger.PrivacyLedger.record`) BEFORE any noise is drawn —
+        with quantile clipping, whose entry holds the noisy count, after drawing but before anything
         (the next bound, the Release) leaves this method. A write that fails releases nothing: the
-        step is discarded (its sums, any noise drawn), the ledger, the clip bound and a
-        correlated-noise stream are as before (the stream did not advance: nothing was drawn from it),
-        and the next ``begin()``/``release()`` is release ``steps`` again, with fresh noise.
+        ledger, the clip bound and a correlated-noise stream are as before (nothing was drawn from
+        the stream; quantile clipping's draw is discarded, never used again), and the step stays
+        open: ``release()`` again retries it, with fresh noise; ``_reset()`` (the optimizers, on
+        any failed release) discards it.
+
+        A release that raises after its entry was written (drawing the noise) keeps that entry for
+        the open step: a retried ``release()`` does not record it twice, and a step discarded
+        instead keeps its index used (the ledger charges it: ε over-counts, never under-counts).
 
         Raises:
             LedgerWriteError: the entry could not be written (:class:`dpopt.errors.LedgerWriteError`:
                 its cause, that nothing was released, what to do).
             RuntimeError: no ``begin()``; nothing accumulated and no ``params_like``; a correlated-noise
-                step past the horizon. Any exception discards the step (no ``begin()`` twice); one raised
-                after the write-ahead entry (drawing the noise, a data-parallel ``reduce``) leaves that
-                release charged but not made, and counts its index as used (ε over-counts, never under).
+                step past the horizon, or a stream that is not at this release (checked before the entry
+                is written).
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before release()")
-        try:
-            return self._release(params_like)
-        finally:
-            if self._geometry is not None:  # raised: the step is discarded (its sums and noise draw)
-                self._reset()
-
-    def _release(self, params_like: Optional[Sequence[Tensor]]) -> Release:
-        """:meth:`release`'s body; returns after ``_reset()`` (a raise leaves the step for release to discard)."""
-        assert self._geometry is not None  # release() checked
         self.check_reach(self.noise_multiplier)  # σ is settable (schedulers): checked before anything is drawn
         if self._sum is None:
             if params_like is None:
@@ -439,15 +438,11 @@ class Privatizer:
             **self._clip_meta(),
         }
         if self.mechanism is not None:
+            self.mechanism.check_position(self.steps, self.reduce is None)  # refused before it is charged
             meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
-        self._released += 1  # the gradient Gaussian
-        entry = None if self.quantile is not None else self._record(meta)  # write-ahead: before any draw
-        try:
-            totals, noisy_count = self._noisy_totals(std, count)
-        except BaseException:
-            if entry is not None:  # charged, not made: its index is used (the ledger holds it)
-                self.steps += 1
-            raise
+        if self.quantile is None and self._entry is None:  # write-ahead: on record before any noise is drawn
+            self._entry = self._record(meta, released=1)
+        totals, noisy_count = self._noisy_totals(std, count)
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
@@ -459,14 +454,15 @@ class Privatizer:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
-        if entry is None:  # quantile clipping: the entry holds the noisy count; the next bound waits for it
+        if self.quantile is not None:  # the entry holds the noisy count: recorded before the next bound is used
             bounds, history = list(self.bounds), len(self.clip_history)
             meta.update(self._release_count(cast(float, noisy_count)))
             try:
-                entry = self._record(meta)
-            except BaseException:
+                self._entry = self._record(meta, released=2)
+            except BaseException:  # nothing released: the bound is not adapted from an unrecorded count
                 self.bounds, self.clip_history[history:] = bounds, []
                 raise
+        entry, self._entry = cast(LedgerEntry, self._entry), None
         release = Release(
             tuple(grads),
             tuple(noise_std),
@@ -493,19 +489,20 @@ class Privatizer:
         totals, count_noise = self._add_noise(std)  # s + σS·z in float64, rounded ONCE to the sum's dtype
         return totals, None if count is None else count + cast(float, count_noise)  # quantile: drawn
 
-    def _record(self, meta: dict) -> LedgerEntry:
-        """Record this step's entry (``meta`` + its read/release counts) in the ledger; count it.
+    def _record(self, meta: dict, released: int) -> LedgerEntry:
+        """Record this step's entry in the ledger (``meta`` + its read count and ``released``, the number of
+        Gaussians released: 1, 2 with quantile clipping's count) and count it.
 
         Raises:
             LedgerWriteError: the ledger's journal write failed (the ledger is as before; nothing counted).
         """
-        meta.update(reads=len(self._read), releases=self._released)
+        meta.update(reads=len(self._read), releases=released)
         try:
             entry = self.ledger.record(self.steps, self.step_event(), **meta)
         except OSError as err:
             raise LedgerWriteError(_write_failed(self.steps, self.mechanism is not None, err), err) from err
         self.reads += len(self._read)
-        self.releases += self._released
+        self.releases += released
         return entry
 
     def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
@@ -609,7 +606,6 @@ class Privatizer:
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
         self.clip_history.append(applied)
-        self._released += 1
         return {
             "count_noise_multiplier": q.count_noise_multiplier,
             "count_noise_std": count_std,
@@ -717,7 +713,10 @@ class Privatizer:
         """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``.
 
         If reading a micro-batch raises, the partial sums are discarded and
-        nothing is released or recorded (the exception propagates).
+        nothing is released or recorded (the exception propagates). If the
+        release raises (a failed ledger write, a failed noise draw), the step
+        stays open as :meth:`release` leaves it: ``release()`` retries it,
+        ``_reset()`` discards it (:class:`~dpopt.optim.DPOptimizer` does).
         """
         self.begin(geometry)
         if params_like is not None and self._pending is None and all(p.device.type == "cpu" for p in params_like):

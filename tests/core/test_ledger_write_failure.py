@@ -189,8 +189,8 @@ def _pure_noise(priv: Privatizer) -> torch.Tensor:
 
 @pytest.mark.parametrize("mech", MECHANISMS)
 def test_the_failed_release_draws_no_noise_and_the_stream_does_not_advance(tmp_path, monkeypatch, mech):
-    """Reproducible noise, σ = 1: a run whose release 2 fails to write and is made again releases the SAME
-    values, bit for bit, as a run without the failure. So the failed attempt drew nothing from the noise
+    """Reproducible noise, σ = 1: a run whose release 2 fails to write and is retried (the Privatizer keeps the
+    step open; ``release()`` again) releases the SAME values, bit for bit, as a run without the failure. So the failed attempt drew nothing from the noise
     source and put nothing into the correlated stream (a draw made for it would shift every later value), and
     no draw is reused: the noise of release t is the noise release t has without a failure."""
     reference = _privatizer(mech, PrivacyLedger())
@@ -208,7 +208,8 @@ def test_the_failed_release_draws_no_noise_and_the_stream_does_not_advance(tmp_p
         _pure_noise(priv)
     assert len(drawn) == calls and priv.steps == 2 and len(ledger) == 2  # nothing drawn for the failed release
     disk.fixed = True
-    got += [_pure_noise(priv) for _ in range(2)]
+    got.append(priv.release(params_like=[torch.zeros(5, 3)]).grads[0])  # the step stayed open: retried
+    got.append(_pure_noise(priv))
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
     assert priv.steps == 4 and [e.step for e in PrivacyLedger.read_journal(tmp_path / "ledger.jsonl")] == [0, 1, 2, 3]
@@ -232,7 +233,7 @@ def test_quantile_clipping_discards_the_failed_release_noise_and_keeps_its_bound
         _pure_noise(priv)
     assert priv.bounds == bound and priv.clip_history == history and len(ledger) == 1 and priv.steps == 1
     disk.fixed = True
-    _pure_noise(priv)
+    priv.release(params_like=[torch.zeros(5, 3)])  # the step stayed open: retried
     (failed, failed_count), (fresh, fresh_count) = draws[1], draws[2]
     assert not torch.isin(fresh[0].flatten(), failed[0].flatten()).any() and fresh_count != failed_count
     assert [e.step for e in PrivacyLedger.read_journal(tmp_path / "ledger.jsonl")] == [0, 1]
@@ -299,3 +300,53 @@ def test_step_after_the_engine_was_detached_says_so(tmp_path):
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     assert len(engine.ledger) == 2 and not _same(_params(model), before)
+
+
+@pytest.mark.parametrize("mech", ["independent", "banded:2"])
+def test_the_dp_optimizer_door_discards_a_failed_step_and_steps_again(tmp_path, monkeypatch, mech):
+    """DPOptimizer.step (the door of ``dpopt train``'s loop and of make_optimizer): release 1 fails to write;
+    the step raises LedgerWriteError, the parameters are unchanged and the next step() is a clean release 1
+    (before: "begin() called twice"); the journal holds releases 0 and 1 only. (``dpopt train`` itself journals
+    in batches, flushed before any file that depends on a release; its full disk: tests/faults/test_full_disk.py.)"""
+    from dpopt.engine.reference import PerSampleGrads
+    from dpopt.methods import make_optimizer
+
+    ledger = PrivacyLedger()
+    ledger.open_journal(tmp_path / "ledger.jsonl", autoflush=True)
+    w = torch.nn.Parameter(torch.zeros(3))
+    mechanism = None if mech == "independent" else make_mechanism(mech, 1.0, Participation(6, 2, 3))
+    opt = make_optimizer(
+        "dp-sgd",
+        [w],
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        sample_rate=0.5,
+        ledger=ledger,
+        mechanism=mechanism,
+        lr=0.1,
+    )
+    disk = FailingDisk(monkeypatch, 1, OSError(errno.ENOSPC, "No space left on device"))
+    grads = PerSampleGrads([torch.ones(2, 3)])
+    opt.step(grads)
+    before = w.detach().clone()
+    with pytest.raises(LedgerWriteError, match=r"release 2 \(1-based\) failed.*Nothing was released"):
+        opt.step(grads)
+    assert torch.equal(w.detach(), before) and opt.privatizer.steps == 1 == len(ledger)
+    disk.fixed = True
+    release = opt.step(grads)
+    assert release.step == 1 and not torch.equal(w.detach(), before)
+    assert [e.step for e in PrivacyLedger.read_journal(tmp_path / "ledger.jsonl")] == [0, 1]
+
+
+def test_a_correlated_stream_that_cannot_go_on_is_refused_before_its_release_is_charged():
+    """A copy of a correlated-noise Privatizer has no stream state (never copied): its next release is refused
+    BEFORE the entry is written (the write-ahead ledger must not charge a release the stream cannot make)."""
+    import copy
+
+    priv = _privatizer("banded:2", PrivacyLedger())
+    _pure_noise(priv)
+    twin = copy.deepcopy(priv)
+    twin.begin()
+    with pytest.raises(RuntimeError, match="stream at release 0 but asked for release 1"):
+        twin.release(params_like=[torch.zeros(5, 3)])
+    assert len(twin.ledger) == 1 and twin.steps == 1
