@@ -307,6 +307,7 @@ class Privatizer:
         if getattr(self, "_entry", None) is not None:
             self.steps += 1
         self._entry: Optional[LedgerEntry] = None  # this step's entry, once written (write-ahead)
+        self._entry_meta: dict = {}  # the settings it was written with (a retried release must match them)
         self._geometry: Optional[ClipGeometry] = None
         self._sum: Optional[list[Tensor]] = None
         self._count = 0.0
@@ -441,7 +442,14 @@ class Privatizer:
             self.mechanism.check_position(self.steps, self.reduce is None)  # refused before it is charged
             meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
         if self.quantile is None and self._entry is None:  # write-ahead: on record before any noise is drawn
+            self._entry_meta = dict(meta)
             self._entry = self._record(meta, released=1)
+        elif self._entry is not None and meta != self._entry_meta:  # a retry must be the release on record
+            raise RuntimeError(
+                f"release {self.steps + 1} (1-based) is on record with {self._entry_meta}, but its retry would "
+                f"release with {meta} (sigma or the clip bound changed since): discard the step (_reset(); it "
+                "stays charged) or set them back"
+            )
         totals, noisy_count = self._noisy_totals(std, count)
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):

@@ -350,3 +350,36 @@ def test_a_correlated_stream_that_cannot_go_on_is_refused_before_its_release_is_
     with pytest.raises(RuntimeError, match="stream at release 0 but asked for release 1"):
         twin.release(params_like=[torch.zeros(5, 3)])
     assert len(twin.ledger) == 1 and twin.steps == 1
+
+
+def test_a_retry_after_a_failed_draw_uses_its_written_entry_once_and_only_with_its_settings(monkeypatch):
+    """The noise draw fails AFTER the entry was written ahead: the entry stays (charged), the step stays open;
+    a retry with another sigma is refused (the release would not be the one on record: under-charged), a retry
+    with the recorded settings releases without writing a second entry; a step discarded instead keeps its
+    index used (the ledger holds it), so the next release is index 1, not a second index 0."""
+    priv = _privatizer("independent", PrivacyLedger())
+    normals = priv._normals
+
+    def failing(*a, **k):
+        raise MemoryError("noise draw failed")
+
+    monkeypatch.setattr(priv, "_normals", failing)
+    priv.begin()
+    with pytest.raises(MemoryError):
+        priv.release(params_like=[torch.zeros(5, 3)])
+    assert len(priv.ledger) == 1 and priv.steps == 0
+    monkeypatch.setattr(priv, "_normals", normals)
+    priv.noise_multiplier = 0.5
+    with pytest.raises(RuntimeError, match=r"release 1 \(1-based\) is on record with .*sigma or the clip bound"):
+        priv.release(params_like=[torch.zeros(5, 3)])
+    priv.noise_multiplier = 1.0
+    release = priv.release(params_like=[torch.zeros(5, 3)])
+    assert release.step == 0 and len(priv.ledger) == 1 and priv.steps == 1
+    monkeypatch.setattr(priv, "_normals", failing)
+    priv.begin()
+    with pytest.raises(MemoryError):
+        priv.release(params_like=[torch.zeros(5, 3)])
+    priv._reset()  # discarded: release 1 stays charged, its index used
+    monkeypatch.setattr(priv, "_normals", normals)
+    assert priv.steps == 2 and [e.step for e in priv.ledger] == [0, 1]
+    assert _pure_noise(priv).shape == (5, 3) and [e.step for e in priv.ledger] == [0, 1, 2]
