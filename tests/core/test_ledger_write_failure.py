@@ -32,8 +32,8 @@ MECHANISMS = ["independent", "banded:2", "blt"]
 
 
 class FailingDisk:
-    """Replaces the journal's ``append_whole``: the write of release ``fail_at`` (0-based, the header line
-    rides with release 0) and every later one raise ``error`` until ``fixed``; other writes go through."""
+    """Replaces the journal's ``append_whole``: write number ``fail_at`` (0-based, counted from its installation;
+    one write per release with an autoflushed journal) and every later one raise ``error`` until ``fixed``."""
 
     def __init__(self, monkeypatch, fail_at: int, error: OSError):
         self.real, self.fail_at, self.error, self.fixed, self.writes = (
