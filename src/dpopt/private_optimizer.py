@@ -348,6 +348,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         loss-reduction watch, ...) releases nothing and drops its records; a
         ``step()`` repeated without a new backward raises that refusal again
         (:meth:`_note_refusal`), and a new forward and backward is judged afresh.
+
+        Raises:
+            LedgerWriteError: the release's ledger entry could not be written to the journal
+                (:class:`dpopt.errors.LedgerWriteError`): nothing released, the parameters and the ledger
+                as before the step; the batch is not spent (a Poisson batch may be stepped again, a cyclic
+                one is released as pure noise when the loop moves on: docs/correlated-noise.md).
+            RuntimeError: after ``engine.detach()`` (no per-sample hook left), and the refusals above.
         """
         if self._orphan:
             raise RuntimeError(
