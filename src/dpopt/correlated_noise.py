@@ -211,6 +211,34 @@ class CorrelatedNoise:
             )
         return int(step)
 
+    def check_position(self, step: int, drawn_here: bool = True) -> None:
+        """Refuse release ``step`` unless it is within the horizon and every key's stream is at it: the
+        Privatizer asks before the release's ledger entry is written, so that a stream that cannot continue
+        is refused without charging a release it cannot make.
+
+        Args:
+            step: the 0-based release index.
+            drawn_here: this process draws every release's noise (no data-parallel ``reduce`` hook, where
+                one rank may draw for all): a stream with no state at all is then at release 0.
+
+        Raises:
+            RuntimeError: as :meth:`correlate`.
+        """
+        self._index(step)
+        positions = [t for t, _ in self._state.values()] or ([0] if drawn_here else [])
+        for t in positions:
+            self._check_at(t, step)
+
+    @staticmethod
+    def _check_at(t: int, step: int) -> None:
+        if t != step:
+            raise RuntimeError(
+                f"correlated noise stream at release {t} but asked for release {step}: its state (as secret as "
+                "the noise) is never copied, pickled, inherited by a fork or saved, so a copied or resumed "
+                "correlated-noise run cannot continue (nor one whose noise failed to draw after its release was "
+                "charged); start a new run (docs/correlated-noise.md)"
+            )
+
     def correlate(self, z: Tensor, step: int, key: Any = "cpu") -> Tensor:
         """w_t for release ``step`` from this release's fresh float64 noise ``z`` (any shape; returned as a
         new float64 tensor of that shape); advances the key's state.
@@ -221,12 +249,7 @@ class CorrelatedNoise:
         """
         self._index(step)
         t, buf = self._state.get(key, (0, []))
-        if t != step:
-            raise RuntimeError(
-                f"correlated noise stream at release {t} but asked for release {step}: its state (as secret as "
-                "the noise) is never copied, pickled, inherited by a fork or saved, so a copied or resumed "
-                "correlated-noise run cannot continue; start a new run (docs/correlated-noise.md)"
-            )
+        self._check_at(t, step)
         z = z.to(torch.float64)
         if self.kind == "banded":
             w = z.clone()

@@ -10,9 +10,9 @@ flag, and Python users read the names they passed.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
-__all__ = ["ConfigError", "translate"]
+__all__ = ["ConfigError", "LedgerWriteError", "translate"]
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,30 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *arguments: str):
         super().__init__(message)
         self.arguments = tuple(arguments)
+
+
+class LedgerWriteError(OSError):
+    """A release's ledger entry could not be written (the journal's disk is full, its file read-only, ...).
+
+    The ledger is write-ahead for what is released: a release whose entry is not on record is not made
+    (:meth:`dpopt.privatizer.Privatizer.release`). The message names the write's own ``OSError`` (also
+    the ``__cause__``), says what happened to the release and what to do.
+
+    An ``OSError`` subclass, so ``except OSError`` keeps working; ``errno``/``filename`` are those of the
+    failed write.
+
+    Args:
+        message: the whole explanation.
+        cause: the failed write's ``OSError`` (None: unpickled).
+    """
+
+    def __init__(self, message: str, cause: Optional[OSError] = None):
+        super().__init__(message)
+        if cause is not None:
+            self.errno, self.strerror, self.filename = cause.errno, cause.strerror, cause.filename
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def translate(exc: BaseException, names: Mapping[str, str]) -> str:

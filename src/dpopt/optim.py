@@ -264,13 +264,24 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Returns:
             The step's :class:`~dpopt.privatizer.Release`.
+
+        Raises:
+            LedgerWriteError: the release's ledger entry could not be written
+                (:class:`dpopt.errors.LedgerWriteError`): nothing released, parameters unchanged.
+
+        A step whose release raises is discarded (:meth:`Privatizer.release
+        <dpopt.privatizer.Privatizer.release>`: nothing applied, the next ``step()`` is a new one).
         """
         if closure is not None or callable(per_sample):
             raise TypeError("DPOptimizer.step does not take a closure; pass per-sample gradients")
         if per_sample is None:
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.engine)")
         params = self._params()
-        release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(), params_like=params)
+        try:
+            release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(), params_like=params)
+        except BaseException:
+            self.privatizer._reset()  # a failed release: the open step goes (never "begin() called twice")
+            raise
         self.apply_release(release)
         return release
 

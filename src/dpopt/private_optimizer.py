@@ -24,6 +24,7 @@ from .augment import ViewCollate
 from .checkpoint import CHECKPOINT_VERSION, recorded_journal
 from .data_loader import DPDataLoader
 from .engine.hooks import HookCapture, grad_sample_source
+from .errors import LedgerWriteError
 from .opacus_compat import LossReductionWatch
 from .optim import DPOptimizer
 from .privatizer import Privatizer
@@ -223,6 +224,15 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def _source(self) -> Any:
         src = grad_sample_source(self._params)
         if src is None:
+            if getattr(self._capture, "detached", False):
+                self._capture.reset()
+                raise RuntimeError(
+                    "optimizer.step() after the PrivacyEngine was detached: engine.detach() removed the "
+                    "per-sample hooks from the model, so this optimizer captures no per-sample gradient and "
+                    "cannot release anything (nothing was released or charged). To train privately again, call "
+                    "engine.make_private(...) again and step the optimizer it returns; to train without privacy, "
+                    "step your original torch optimizer"
+                )
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
                 raise RuntimeError(
                     "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
@@ -346,6 +356,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         loss-reduction watch, ...) releases nothing and drops its records; a
         ``step()`` repeated without a new backward raises that refusal again
         (:meth:`_note_refusal`), and a new forward and backward is judged afresh.
+
+        Raises:
+            LedgerWriteError: the release's ledger entry could not be written to the journal
+                (:class:`dpopt.errors.LedgerWriteError`): nothing released, the parameters and the ledger
+                as before the step; the batch is not spent (a Poisson batch may be stepped again, a cyclic
+                one is released as pure noise when the loop moves on: docs/correlated-noise.md).
+            RuntimeError: after ``engine.detach()`` (no per-sample hook left), and the refusals above.
         """
         if self._orphan:
             raise RuntimeError(
@@ -425,8 +442,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
             return
         self._is_last_step_skipped = False
         self._open, self._examples = False, 0
+        try:
+            self._release_open(priv, dp, params)  # a refusal here (the correlated-noise horizon) releases nothing
+        except BaseException as err:
+            # a failed ledger write released nothing: the batch is not spent (a cyclic one stays owed, released
+            # as pure noise when the loop moves on; a Poisson one may be stepped again)
+            boundary.end(released=not isinstance(err, LedgerWriteError))
+            raise
         boundary.end()
-        self._release_open(priv, dp, params)  # a refusal here (the correlated-noise horizon) releases nothing
 
     def _admit(self, boundary: ReleaseBoundary, release: int) -> None:
         """Refuse a step that may not add its data to release ``release`` (0-based: the releases made so far;
@@ -531,7 +554,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: the Privatizer's (a correlated-noise release past the horizon; nothing released).
         """
-        release = priv.release(params_like=params)
+        try:
+            release = priv.release(params_like=params)
+        except BaseException:  # nothing released (a failed ledger write, ...): the open step is discarded
+            priv._reset()
+            raise
         if priv.quantile is not None:  # Opacus's min/max_clipbound: post-processing of the released bound
             lo, hi = self.clip_range
             priv.bounds = [min(max(priv.bounds[0], lo), hi)]

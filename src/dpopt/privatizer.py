@@ -35,9 +35,9 @@ from dp_accounting import dp_event
 from torch import Tensor
 
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
-from .accounting.ledger import PrivacyLedger, longest_record
+from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
-from .errors import ConfigError
+from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
@@ -127,6 +127,25 @@ def _checked_mechanism(
             f"{noise_multiplier}: build it with the same sigma"
         )
     return mechanism
+
+
+def _write_failed(step: int, correlated: bool, err: OSError) -> str:
+    """The message of a release whose ledger entry could not be written (:class:`~dpopt.errors.LedgerWriteError`)."""
+    stream = (
+        " The correlated noise stream did not advance (nothing was drawn from it): release "
+        f"{step + 1} is still the next one (make_private's loader releases its cyclic batch as pure noise, "
+        "freshly drawn, when the loop moves on). A correlated-noise run cannot resume from a checkpoint: fix "
+        "the disk and keep stepping in this process, or start a new run (docs/correlated-noise.md)."
+        if correlated
+        else " Fix the disk, then step again (the next step() is this release, with fresh noise), or stop and "
+        "resume from the last checkpoint (its ledger and the journal hold every release made)."
+    )
+    return (
+        f"the privacy ledger write of release {step + 1} (1-based) failed: {type(err).__name__}: {err}. Nothing "
+        "was released: the parameters are not updated, no noise drawn for it is ever used, and the ledger holds "
+        "only the releases made before it, as its journal on disk does. "
+        "Free space on the journal's disk or make its file writable." + stream
+    )
 
 
 class Privatizer:
@@ -283,12 +302,17 @@ class Privatizer:
 
     # -- one logical step ---------------------------------------------------
     def _reset(self) -> None:
+        """End the open step (released, or discarded: nothing released). A discarded step whose entry was
+        written ahead (:meth:`release` raised after it) keeps its index used: the ledger charges it."""
+        if getattr(self, "_entry", None) is not None:
+            self.steps += 1
+        self._entry: Optional[LedgerEntry] = None  # this step's entry, once written (write-ahead)
+        self._entry_meta: dict = {}  # the settings it was written with (a retried release must match them)
         self._geometry: Optional[ClipGeometry] = None
         self._sum: Optional[list[Tensor]] = None
         self._count = 0.0
         self._nonfinite = False
         self._read: set[str] = set()  # private statistics computed this step (counted where read)
-        self._released = 0  # noisy Gaussians drawn this step (counted where drawn)
         self._pending: Optional[CpuNormalDraw] = None  # this step's CPU noise draw, started early
 
     def __getstate__(self) -> dict:
@@ -373,6 +397,26 @@ class Privatizer:
         """Add noise, divide by B̄, map back, record the step; return the Release.
 
         ``params_like`` gives shapes when no micro-batch was accumulated.
+
+        The ledger is write-ahead: the step's entry is recorded (and, with an autoflushed journal,
+        written: :meth:`~dpopt.accounting.ledger.PrivacyLedger.record`) BEFORE any noise is drawn —
+        with quantile clipping, whose entry holds the noisy count, after drawing but before anything
+        (the next bound, the Release) leaves this method. A write that fails releases nothing: the
+        ledger, the clip bound and a correlated-noise stream are as before (nothing was drawn from
+        the stream; quantile clipping's draw is discarded, never used again), and the step stays
+        open: ``release()`` again retries it, with fresh noise; ``_reset()`` (the optimizers, on
+        any failed release) discards it.
+
+        A release that raises after its entry was written (drawing the noise) keeps that entry for
+        the open step: a retried ``release()`` does not record it twice, and a step discarded
+        instead keeps its index used (the ledger charges it: ε over-counts, never under-counts).
+
+        Raises:
+            LedgerWriteError: the entry could not be written (:class:`dpopt.errors.LedgerWriteError`:
+                its cause, that nothing was released, what to do).
+            RuntimeError: no ``begin()``; nothing accumulated and no ``params_like``; a correlated-noise
+                step past the horizon, or a stream that is not at this release (checked before the entry
+                is written).
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before release()")
@@ -386,14 +430,27 @@ class Privatizer:
         std = self.noise_multiplier * sens
         marginal = 1.0 if self.mechanism is None else self.mechanism.marginal_std(self.steps)  # std of (C⁻¹z)_t
         count = self._count if self.quantile is not None else None
-        if self.reduce is not None:  # data parallel: the noisy totals over every process
-            own = self.mechanism is not None and bool(getattr(self.reduce, "correlates_own_noise", False))
-            totals, noisy_count = self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
-                list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
+        meta = {
+            "max_grad_norm": list(self.bounds),
+            "sensitivity": sens,
+            "noise_multiplier": self.noise_multiplier,
+            "noise_std": std,
+            "geometry": "identity" if geo.is_identity else "shift-scale",
+            **self._clip_meta(),
+        }
+        if self.mechanism is not None:
+            self.mechanism.check_position(self.steps, self.reduce is None)  # refused before it is charged
+            meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
+        if self.quantile is None and self._entry is None:  # write-ahead: on record before any noise is drawn
+            self._entry_meta = dict(meta)
+            self._entry = self._record(meta, released=1)
+        elif self._entry is not None and meta != self._entry_meta:  # a retry must be the release on record
+            raise RuntimeError(
+                f"release {self.steps + 1} (1-based) is on record with {self._entry_meta}, but its retry would "
+                f"release with {meta} (sigma or the clip bound changed since): discard the step (_reset(); it "
+                "stays charged) or set them back"
             )
-        else:  # s + σS·z in float64, rounded ONCE to the sum's dtype
-            totals, count_noise = self._add_noise(std)
-            noisy_count = None if count is None else count + cast(float, count_noise)  # quantile: drawn
+        totals, noisy_count = self._noisy_totals(std, count)
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
@@ -405,24 +462,15 @@ class Privatizer:
                 g.add_(geo.shift[i])
             grads.append(g)
             noise_std.append(coord_std)
-        self._released += 1
-        event = self.step_event()
-        meta = {
-            "max_grad_norm": list(self.bounds),
-            "sensitivity": sens,
-            "noise_multiplier": self.noise_multiplier,
-            "noise_std": std,
-            "geometry": "identity" if geo.is_identity else "shift-scale",
-            **self._clip_meta(),
-        }
-        if self.mechanism is not None:
-            meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
-        if self.quantile is not None:
-            meta.update(self._release_count(noisy_count))
-        meta.update(reads=len(self._read), releases=self._released)
-        self.reads += len(self._read)
-        self.releases += self._released
-        entry = self.ledger.record(self.steps, event, **meta)
+        if self.quantile is not None:  # the entry holds the noisy count: recorded before the next bound is used
+            bounds, history = list(self.bounds), len(self.clip_history)
+            meta.update(self._release_count(cast(float, noisy_count)))
+            try:
+                self._entry = self._record(meta, released=2)
+            except BaseException:  # nothing released: the bound is not adapted from an unrecorded count
+                self.bounds, self.clip_history[history:] = bounds, []
+                raise
+        entry, self._entry = cast(LedgerEntry, self._entry), None
         release = Release(
             tuple(grads),
             tuple(noise_std),
@@ -437,6 +485,33 @@ class Privatizer:
         self.steps += 1
         self._reset()
         return release
+
+    def _noisy_totals(self, std: float, count: Optional[float]) -> tuple[list[Tensor], Optional[float]]:
+        """The noisy sums (param-shaped, fresh buffers) and the noisy centred count (quantile; else None)."""
+        assert self._sum is not None  # inside a step
+        if self.reduce is not None:  # data parallel: the noisy totals over every process
+            own = self.mechanism is not None and bool(getattr(self.reduce, "correlates_own_noise", False))
+            return self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
+                list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
+            )
+        totals, count_noise = self._add_noise(std)  # s + σS·z in float64, rounded ONCE to the sum's dtype
+        return totals, None if count is None else count + cast(float, count_noise)  # quantile: drawn
+
+    def _record(self, meta: dict, released: int) -> LedgerEntry:
+        """Record this step's entry in the ledger (``meta`` + its read count and ``released``, the number of
+        Gaussians released: 1, 2 with quantile clipping's count) and count it.
+
+        Raises:
+            LedgerWriteError: the ledger's journal write failed (the ledger is as before; nothing counted).
+        """
+        meta.update(reads=len(self._read), releases=released)
+        try:
+            entry = self.ledger.record(self.steps, self.step_event(), **meta)
+        except OSError as err:
+            raise LedgerWriteError(_write_failed(self.steps, self.mechanism is not None, err), err) from err
+        self.reads += len(self._read)
+        self.releases += released
+        return entry
 
     def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
@@ -539,7 +614,6 @@ class Privatizer:
         applied = self.bounds[0]
         self.bounds = [applied * math.exp(-q.quantile_lr * (frac - q.target_quantile))]
         self.clip_history.append(applied)
-        self._released += 1
         return {
             "count_noise_multiplier": q.count_noise_multiplier,
             "count_noise_std": count_std,
@@ -647,7 +721,10 @@ class Privatizer:
         """One logical step: ``begin(geometry)``, accumulate every micro-batch, ``release()``.
 
         If reading a micro-batch raises, the partial sums are discarded and
-        nothing is released or recorded (the exception propagates).
+        nothing is released or recorded (the exception propagates). If the
+        release raises (a failed ledger write, a failed noise draw), the step
+        stays open as :meth:`release` leaves it: ``release()`` retries it,
+        ``_reset()`` discards it (:class:`~dpopt.optim.DPOptimizer` does).
         """
         self.begin(geometry)
         if params_like is not None and self._pending is None and all(p.device.type == "cpu" for p in params_like):

@@ -89,6 +89,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .errors import LedgerWriteError
+
 __all__ = ["ChunkTag", "ReleaseBoundary", "boundary_of"]
 
 NOTHING_RELEASED = "nothing was released or charged"  # the end of every refusal of admit
@@ -320,13 +322,19 @@ class ReleaseBoundary:
         self.current = None
 
     def _release_owed(self) -> None:
+        """Release the owed batch as pure noise; a failed ledger write (nothing released) leaves it owed."""
         owner = None if self._owner is None else self._owner()
+        before = (self._owed, self._owed_position, self.released)
         self.released = max(self.released, int(self._owed or 0))  # released as pure noise below
         position, self._owed, self._owed_position = self._owed_position, None, None
         if owner is not None:
             if self.cyclic:  # the pure-noise release of a cyclic batch passes admit's position rule too
                 self._check_position(position, int(owner.privatizer.steps))
-            owner._release_skipped_batch()
+            try:
+                owner._release_skipped_batch()
+            except LedgerWriteError:
+                self._owed, self._owed_position, self.released = before
+                raise
 
     def _owner_open(self) -> bool:
         owner = None if self._owner is None else self._owner()
@@ -335,8 +343,12 @@ class ReleaseBoundary:
     def close(self) -> None:
         """Release the open step now (the owner's ``_close_open_step``); forget it if the owner is gone."""
         owner = None if self._owner is None else self._owner()
-        if owner is not None and getattr(owner, "_open", False):
-            owner._close_open_step()
+        try:
+            if owner is not None and getattr(owner, "_open", False):
+                owner._close_open_step()
+        except LedgerWriteError:  # nothing released: the batch is not spent
+            self.end(released=False)
+            raise
         self.end()
 
     # -- the optimizer's side -------------------------------------------------------

@@ -277,7 +277,9 @@ def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream,
     with pytest.raises(MemoryError, match="chunk failed"):
         priv.privatize(PerSampleGrads([x]), params_like=[x[0]])
     failed = set(rec.states)
-    assert priv._pending is None and len(priv.ledger) == 0
+    # the draw failed in release(), after its entry was written ahead (kept for the retry); one thread, early: it
+    # failed when privatize() started it, before release()
+    assert priv._pending is None and len(priv.ledger) == (0 if threads == 1 and not stream else 1)
     rec.fail_at = None
     rec.states.clear()
     rel = priv.release(params_like=[x[0]])  # the step is still open: the release is retried

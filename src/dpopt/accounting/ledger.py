@@ -319,12 +319,35 @@ class PrivacyLedger:
 
     # -- writing ---------------------------------------------------------
     def record(self, step: int, event: dp_event.DpEvent, **meta: Any) -> LedgerEntry:
-        """Append one release (called by the Privatizer only); O(1): it joins the last group when identical."""
+        """Append one release (called by the Privatizer only); O(1): it joins the last group when identical.
+
+        With an autoflushed journal (:meth:`open_journal`) the entry is appended to the journal here, and
+        the record is all or nothing: when that write fails the entry is taken out of memory again, so the
+        ledger holds exactly what the journal holds (the Privatizer then releases nothing,
+        :meth:`dpopt.privatizer.Privatizer.release`).
+
+        Raises:
+            OSError: the journal write failed (the ledger is as before the call).
+        """
         entry = LedgerEntry(int(step), event, _public(meta))
+        groups = len(self._groups)
         self._append(entry.step, entry.event, entry.meta, 1)
         if self._autoflush:
-            self.flush(sync=False)
+            try:
+                self.flush(sync=False)
+            except BaseException:
+                self._drop_last(groups)
+                raise
         return entry
+
+    def _drop_last(self, groups: int) -> None:
+        """Undo the :meth:`_append` of ONE release made when the ledger had ``groups`` groups."""
+        if len(self._groups) > groups:
+            self._groups.pop()
+            self._starts.pop()
+        else:
+            self._groups[-1].count -= 1
+        self._n -= 1
 
     def _append(self, step: int, event: dp_event.DpEvent, meta: dict, count: int) -> None:
         """Add ``count`` releases ``(step + i, event, meta)``, merged into the last group when they continue it."""

@@ -251,6 +251,7 @@ class HookCapture:
         # modes), and the signature they vouch for
         self._deferred: list = []
         self._deferred_key: Optional[tuple] = None
+        self.detached = False  # detach() removed the hooks (PrivacyEngine.detach): nothing is captured any more
 
     def _quiet(self, flag: bool) -> None:
         self._rec.active = not flag
@@ -259,10 +260,11 @@ class HookCapture:
         return self._names.get(id(module), "?")
 
     def detach(self) -> None:
-        """Remove every hook this capture attached (the model is left as it was given)."""
+        """Remove every hook this capture attached (the model is left as it was given); sets ``detached``."""
         if self._door is not None:
             self._door.detach()
         self._rec.detach()
+        self.detached = True
 
     # -- step -------------------------------------------------------------------------
     def discard_completed(self) -> None:
