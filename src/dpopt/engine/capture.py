@@ -1545,7 +1545,7 @@ class Recorder:
             ref = {i: torch.cat([g, g.new_zeros((b - m, *g.shape[1:]))]) for i, g in ref.items()}
             blocks = [_FirstRows(blk, m) for blk in blocks]
         with no_autocast(plan.device):
-            off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
+            off = disagreeing(blocks, ref, c, [compute_dtype(q.dtype) for q in plan.params], tol, plan.names)
         for blk in blocks:
             blk.free()
         return {}, off
@@ -1599,7 +1599,9 @@ class Recorder:
                 onehot[e] = 1.0
                 others = torch.arange(b, device=plan.device) != e
                 with no_autocast(plan.device):
-                    cache[id(blk)] = [*blk.grad_sums([onehot.to(plan.params[j].dtype) for j in blk.index], others)]
+                    cache[id(blk)] = [
+                        *blk.grad_sums([onehot.to(compute_dtype(plan.params[j].dtype)) for j in blk.index], others)
+                    ]
             parts = cache[id(blk)]
             out, parts[k] = parts[k], None
             if all(t is None for t in parts):
