@@ -310,6 +310,7 @@ class Privatizer:
         self._entry_meta: dict = {}  # the settings it was written with (a retried release must match them)
         self._geometry: Optional[ClipGeometry] = None
         self._sum: Optional[list[Tensor]] = None
+        self._dtypes: Optional[list[torch.dtype]] = None  # the release's dtype per parameter (_released_dtypes)
         self._count = 0.0
         self._nonfinite = False
         self._read: set[str] = set()  # private statistics computed this step (counted where read)
@@ -375,6 +376,7 @@ class Privatizer:
             self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
             self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
+        self._dtypes = self._dtypes or _released_dtypes(source, part)
         self._read.add("gradient_sum")
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
@@ -396,7 +398,13 @@ class Privatizer:
     def release(self, params_like: Optional[Sequence[Tensor]] = None) -> Release:
         """Add noise, divide by B̄, map back, record the step; return the Release.
 
-        ``params_like`` gives shapes when no micro-batch was accumulated.
+        ``params_like`` gives shapes when no micro-batch was accumulated, and the dtype of each released
+        gradient (without it: the sources' parameters', :meth:`_release_dtypes`): the sums (float32 for
+        bf16/fp16 parameters, :func:`~dpopt.engine.layers.compute_dtype`) plus the float64 noise are
+        rounded ONCE to the parameter's dtype, after the noise (post-processing of the noisy release;
+        then ÷ B̄ in that dtype, as for any dtype: per coordinate ≤ 2u + u² relative, u = 2⁻⁸ for bf16 —
+        docs/architecture.md, "Mixed precision"). The data-parallel ``reduce`` hook all-reduces in the
+        sums' dtype; its totals are rounded to the parameters' dtype after it.
 
         The ledger is write-ahead: the step's entry is recorded (and, with an autoflushed journal,
         written: :meth:`~dpopt.accounting.ledger.PrivacyLedger.record`) BEFORE any noise is drawn —
@@ -450,11 +458,12 @@ class Privatizer:
                 f"release with {meta} (sigma or the clip bound changed since): discard the step (_reset(); it "
                 "stays charged) or set them back"
             )
-        totals, noisy_count = self._noisy_totals(std, count)
+        totals, noisy_count = self._noisy_totals(std, count, self._release_dtypes(params_like))
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            g = totals[i].div_(bbar)  # the totals are fresh buffers owned here
-            coord_std = torch.tensor(std * marginal / bbar, dtype=s.dtype, device=s.device)
+            g = totals[i].to(self._release_dtypes(params_like)[i])  # a no-op but after the reduce hook
+            g = g.div_(bbar)  # the totals are fresh buffers owned here
+            coord_std = torch.tensor(std * marginal / bbar, dtype=g.dtype, device=s.device)
             if geo.scale is not None:
                 g.mul_(geo.scale[i])
                 coord_std = coord_std * geo.scale[i]
@@ -486,7 +495,9 @@ class Privatizer:
         self._reset()
         return release
 
-    def _noisy_totals(self, std: float, count: Optional[float]) -> tuple[list[Tensor], Optional[float]]:
+    def _noisy_totals(
+        self, std: float, count: Optional[float], dtypes: Sequence[torch.dtype]
+    ) -> tuple[list[Tensor], Optional[float]]:
         """The noisy sums (param-shaped, fresh buffers) and the noisy centred count (quantile; else None)."""
         assert self._sum is not None  # inside a step
         if self.reduce is not None:  # data parallel: the noisy totals over every process
@@ -494,7 +505,7 @@ class Privatizer:
             return self.reduce(  # own: the hook streams the noise of the coordinates it owns (FSDP)
                 list(self._sum), count, lambda: self._draw(std, rounded=not own, correlated=not own)
             )
-        totals, count_noise = self._add_noise(std)  # s + σS·z in float64, rounded ONCE to the sum's dtype
+        totals, count_noise = self._add_noise(std, dtypes)  # s + σS·z in float64, rounded ONCE to the param's dtype
         return totals, None if count is None else count + cast(float, count_noise)  # quantile: drawn
 
     def _record(self, meta: dict, released: int) -> LedgerEntry:
@@ -544,9 +555,17 @@ class Privatizer:
                     grad_noise[i] = torch.zeros_like(s, dtype=s.dtype if rounded else torch.float64)
         return cast(list[Tensor], grad_noise), self._count_noise()  # every entry set above
 
-    def _add_noise(self, std: float) -> tuple[list[Tensor], Optional[float]]:
+    def _release_dtypes(self, params_like: Optional[Sequence[Tensor]]) -> list[torch.dtype]:
+        """The dtype each released gradient is rounded to: ``params_like``'s, else the sources' (:func:`_released_dtypes`)."""
+        assert self._sum is not None  # inside release()
+        if params_like is not None:
+            return [p.dtype for p in params_like]
+        return self._dtypes if self._dtypes is not None else [s.dtype for s in self._sum]
+
+    def _add_noise(self, std: float, dtypes: Sequence[torch.dtype]) -> tuple[list[Tensor], Optional[float]]:
         """The noisy sums ``round_dtype(s + σS·z)`` (z in float64, the sum of both in float64, rounded
-        once) and the count's noise (:meth:`_count_noise`, drawn after the gradient noise).
+        once to ``dtypes[i]``, the parameter's: bf16 for a float32 sum of bf16 parameters) and the count's
+        noise (:meth:`_count_noise`, drawn after the gradient noise).
 
         Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0, or correlated noise, whose
         stream correlates whole draws): :meth:`_draw`'s float64
@@ -554,7 +573,8 @@ class Privatizer:
         the CPU streams its draw (issue 43): the noise is added where the sums are, chunk by chunk as
         :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and each
         chunk is rounded into the sum's own storage, so no buffer of all parameters' noise (nor a
-        second copy of the sums) ever exists; the values are bit for bit those of :meth:`_draw`'s
+        second copy of the sums) ever exists (a sum in another dtype than its parameter's is rounded
+        into a new buffer of the parameter's dtype); the values are bit for bit those of :meth:`_draw`'s
         path (``tests/core/test_noise_stream.py``). The sums are the Privatizer's own (fresh tensors
         from ``weighted_sum`` or its additions).
         """
@@ -564,10 +584,12 @@ class Privatizer:
         streamed = std > 0 and n > EARLY_DRAW_MAX and self.mechanism is None  # σS may be nan (0·∞)
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             noise, count_noise = self._draw(std)
-            return [z.add_(s).to(s.dtype) for z, s in zip(noise, self._sum)], count_noise
+            return [z.add_(s).to(dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
         sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
+        outs = [s if s.dtype == dt else torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(sums, dtypes)]
         starts = list(itertools.accumulate([0] + sizes))
         flats = [s.view(-1) for s in sums]
+        flat_outs = [o.view(-1) for o in outs]
         draw, self._pending = self._pending, None
         self._expect = n
         if draw is None or draw.n != n or not draw.usable:
@@ -579,11 +601,11 @@ class Privatizer:
                 a, b = max(lo, starts[i]), min(hi, starts[i + 1])
                 if b > a:
                     part = z[a - lo : b - lo].mul_(std).add_(flats[i][a - starts[i] : b - starts[i]])
-                    flats[i][a - starts[i] : b - starts[i]].copy_(part)  # the one rounding
+                    flat_outs[i][a - starts[i] : b - starts[i]].copy_(part)  # the one rounding
                 i += 1
 
         draw.consume(add)
-        return sums, self._count_noise()
+        return outs, self._count_noise()
 
     def _count_noise(self) -> Optional[float]:
         """σ_b·z of the clipped count (quantile clipping; drawn after the gradient noise), else None."""
@@ -738,3 +760,17 @@ class Privatizer:
             self._reset()  # nothing released or recorded: the step did not happen
             raise
         return self.release(params_like)
+
+
+def _released_dtypes(source: PerSampleSource, sums: Sequence[Tensor]) -> list[torch.dtype]:
+    """The dtype each released gradient of ``source`` is rounded to (once, after the noise): its parameters'
+    (``params``, when it gives them), else its per-example gradients' (``grads``, the reference source's),
+    else the sums' own. The sums themselves are float32 for bf16/fp16 parameters
+    (:func:`~dpopt.engine.layers.compute_dtype`), so the release's dtype cannot be read off them."""
+    params = getattr(source, "params", None)
+    if params is not None and len(params) == len(sums):
+        return [p.dtype for p in params]
+    grads = getattr(source, "grads", None)
+    if isinstance(grads, (list, tuple)) and len(grads) == len(sums) and all(isinstance(g, Tensor) for g in grads):
+        return [g.dtype for g in grads]
+    return [s.dtype for s in sums]

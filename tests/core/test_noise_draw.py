@@ -70,13 +70,14 @@ def test_a_draw_is_never_pickled_or_copied():
     draw.consume()
 
 
-def _release_by_hand(sums, z, std, bbar, scale=None, shift=None):
-    """round_dtype(s + std·z in float64) / B̄ (in the sum's dtype), then × scale + shift."""
+def _release_by_hand(sums, z, std, bbar, scale=None, shift=None, dtype=None):
+    """round_dtype(s + std·z in float64) / B̄ (in that dtype: ``dtype``, the parameters', else the sum's), then
+    × scale + shift. A bf16 parameter's sum is float32 (dpopt.engine.layers.compute_dtype): rounded once to bf16."""
     out, at = [], 0
     for i, s in enumerate(sums):
         zi = z[at : at + s.numel()].view(s.shape)
         at += s.numel()
-        g = (zi * std + s.double()).to(s.dtype).div_(bbar)
+        g = (zi * std + s.double()).to(dtype or s.dtype).div_(bbar)
         if scale is not None:
             g.mul_(scale[i])
         if shift is not None:
@@ -125,7 +126,9 @@ def test_release_equals_the_formula_bit_for_bit(dtype, geometry, early, threads)
         )
     ]
     assert all(torch.allclose(c.double(), x.double(), rtol=1e-2, atol=1e-2) for c, x in zip(clipped, w))
-    want = _release_by_hand(clipped, z, sigma * clip, bbar, geo.scale if geo else None, geo.shift if geo else None)
+    want = _release_by_hand(
+        clipped, z, sigma * clip, bbar, geo.scale if geo else None, geo.shift if geo else None, dtype=dtype
+    )
     assert all(r.dtype == dtype and r.is_contiguous() and torch.equal(r, x) for r, x in zip(rel.grads, want))
 
 

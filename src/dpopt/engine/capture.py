@@ -73,7 +73,7 @@ from .check import (
 from .hf_guards import is_hf, refuse_batch_loss
 from .hf_labels import LabelsLoss
 from .inputs import check_buffers, guarded_buffers, preserved_state, snapshot_buffers
-from .layers import Budget, DirectBlock, check_norm_form, derived_cache_bytes, scaled_block
+from .layers import Budget, DirectBlock, check_norm_form, compute_dtype, derived_cache_bytes, scaled_block
 from .lift import Lifts, on_axis
 from .recompute import REPLAY, param_grads, recomputation, reentrant_refused, saved_tensors_hooked
 from .rules import RULES, LayerCalls, rule_for, tap_forwards
@@ -474,7 +474,10 @@ class Plan:
         budget: Optional[Budget] = None,
         views: int = 1,
     ) -> list:
-        """Blocks of the rule-covered parameters from ``(call, e)`` pairs, in the parameters' dtype.
+        """Blocks of the rule-covered parameters from ``(call, e)`` pairs, computing in
+        :func:`~dpopt.engine.layers.compute_dtype` of the parameters' dtype (float32 for bf16/fp16
+        parameters and for float32 ones under autocast alike: the recorded bf16 ``a`` and ``e`` are
+        cast to it, per chunk of examples by a ``chunked`` rule, whole by the others).
 
         Args:
             captured: fast calls and their output gradients ``e [rows, ...]`` (None: unused).
@@ -494,17 +497,20 @@ class Plan:
             if c.index is not None:
                 if c.index in bare:
                     g = reduce_to(
-                        e.detach().to(self.params[c.index].dtype), tuple(c.out.shape), tuple(self.params[c.index].shape)
+                        e.detach().to(compute_dtype(self.params[c.index].dtype)),
+                        tuple(c.out.shape),
+                        tuple(self.params[c.index].shape),
                     )
                     bare[c.index].append(_sum_views(g, views))
                 continue
             if c.module not in per_module:
                 continue
-            dt = self.params[next(iter(self.modules[c.module].values()))].dtype
-            a = c.inp.detach()
-            a = a.to(dt) if a.is_floating_point() else a
+            dt = compute_dtype(self.params[next(iter(self.modules[c.module].values()))].dtype)
+            a, e = c.inp.detach(), e.detach()
+            if not RULES[type(c.module)].chunked:  # a chunked rule's blocks cast per chunk of examples
+                a, e = (a.to(dt) if a.is_floating_point() else a), e.to(dt)
             st = None if c.stats is None else tuple(t.detach().to(dt) for t in c.stats)
-            per_module[c.module].append((a, e.detach().to(dt), st, c.tag))
+            per_module[c.module].append((a, e, st, c.tag))
         blocks: list = []
         for m, own in self.modules.items():
             if per_module[m]:
@@ -512,10 +518,15 @@ class Plan:
         covered = {i for blk in blocks for i in blk.index}  # a layer never called (or unused): zero gradients,
         idle = sorted({i for own in self.modules.values() for i in own.values()} - covered)  # once per parameter
         if idle:  # (a tied weight whose other use was called is covered there, without a zero [B, V, D])
-            blocks.append(DirectBlock(idle, [self.params[i].new_zeros((b, *self.params[i].shape)) for i in idle]))
+            blocks.append(DirectBlock(idle, [self._zeros(i, b) for i in idle]))
         for i, gs in bare.items():  # bare parameters: Σ over their recognised uses (engine.bare)
-            blocks.append(DirectBlock([i], [sum(gs) if gs else self.params[i].new_zeros((b, *self.params[i].shape))]))
+            blocks.append(DirectBlock([i], [sum(gs) if gs else self._zeros(i, b)]))
         return merge_shared(blocks, [p.shape for p in self.params], budget.chunk_bytes)
+
+    def _zeros(self, i: int, b: int) -> Tensor:
+        """``[b, *shape]`` zero per-example gradients of parameter ``i``, in its compute dtype."""
+        p = self.params[i]
+        return p.new_zeros((b, *p.shape), dtype=compute_dtype(p.dtype))
 
     def _module_blocks(self, m: nn.Module, own: dict, calls: list, b: int, views: int, budget: Budget) -> list:
         rule = RULES[type(m)]  # planned only if rule_for(m) (see __init__)
@@ -531,6 +542,7 @@ class Plan:
             budget,
             [tag for _, _, _, tag in calls],
             views if rule.views == "merge" else 1,
+            compute_dtype(self.params[next(iter(own.values()))].dtype),
         )
         return rule.blocks(layer)
 
@@ -1340,7 +1352,7 @@ class Recorder:
         vjps = {**self.vjp, **bare_vjp}
         fallback = sorted({i for own in vjps.values() for i in own.values()})  # a tied one: once, uses summed
         if fallback:
-            grads = {i: plan.params[i].new_zeros((b, *plan.params[i].shape)) for i in fallback}
+            grads = {i: plan._zeros(i, b) for i in fallback}  # bf16 vjps summed in the compute dtype
             for c in calls:
                 if c.index is not None:
                     continue
@@ -1533,7 +1545,7 @@ class Recorder:
             ref = {i: torch.cat([g, g.new_zeros((b - m, *g.shape[1:]))]) for i, g in ref.items()}
             blocks = [_FirstRows(blk, m) for blk in blocks]
         with no_autocast(plan.device):
-            off = disagreeing(blocks, ref, c, [q.dtype for q in plan.params], tol, plan.names)
+            off = disagreeing(blocks, ref, c, [compute_dtype(q.dtype) for q in plan.params], tol, plan.names)
         for blk in blocks:
             blk.free()
         return {}, off
@@ -1587,7 +1599,9 @@ class Recorder:
                 onehot[e] = 1.0
                 others = torch.arange(b, device=plan.device) != e
                 with no_autocast(plan.device):
-                    cache[id(blk)] = [*blk.grad_sums([onehot.to(plan.params[j].dtype) for j in blk.index], others)]
+                    cache[id(blk)] = [
+                        *blk.grad_sums([onehot.to(compute_dtype(plan.params[j].dtype)) for j in blk.index], others)
+                    ]
             parts = cache[id(blk)]
             out, parts[k] = parts[k], None
             if all(t is None for t in parts):

@@ -727,7 +727,7 @@ def disagreeing(
         ref: parameter index → reference per-example gradients ``[b, *shape]``
             (exact single-example autograd).
         c: weights ``[b]`` (float64) of the test sum.
-        dtypes: the dtype of each parameter (by index).
+        dtypes: the dtype each parameter's blocks compute in (by index; float32 for bf16 parameters).
         tol: :func:`rtol`.
         names: parameter names by index: tolerances relative to each layer's
             gradient scale (:func:`layer_scales`); None: to each parameter's own.

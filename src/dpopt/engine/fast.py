@@ -98,7 +98,7 @@ from .check import (
 )
 from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import DirectBlock, FactoredBlock, check_norm_form, plan_caches, unscaled
+from .layers import DirectBlock, FactoredBlock, check_norm_form, compute_dtype, plan_caches, unscaled
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 
@@ -125,10 +125,11 @@ class FastPerSampleGrads:
         points: tuple of the :class:`~dpopt.types.EvaluationPoint`
             objects the gradients were evaluated at; None if not given.
 
-    Norms and sums are computed outside autocast, in the parameters' dtype
-    (bf16 autocast: from the bf16 activations cast to float32; the clipping
-    bound ‖c_i g_i‖ ≤ C then holds to float32 rounding of the norm, as
-    without autocast — docs/architecture.md, "Mixed precision").
+    Norms, clip factors and sums are computed outside autocast, in
+    :func:`~dpopt.engine.layers.compute_dtype` of the parameters' dtype
+    (bf16 autocast or bf16 weights: from the bf16 activations cast to float32;
+    the clipping bound ‖c_i g_i‖ ≤ C then holds to float32 rounding of the norm,
+    as with float32 weights — docs/architecture.md, "Mixed precision").
 
     The Privatizer calls :meth:`sq_norms` then :meth:`weighted_sum` with the
     same geometry; a factored layer may keep per-sample gradients between the
@@ -151,7 +152,7 @@ class FastPerSampleGrads:
         self.points = None if points is None else tuple(points)
         self.shapes = [torch.Size(s) for s in shapes]
         self.batch_size = int(batch_size)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = compute_dtype(dtype), device  # norms, factors and sums: float32 for bf16
         covered = sorted(i for blk in self.blocks for i in blk.index)
         if covered != list(range(len(self.shapes))):  # an engine invariant (tied parameters: engine.tied)
             twice = sorted({i for i in covered if covered.count(i) > 1})

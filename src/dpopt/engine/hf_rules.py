@@ -27,7 +27,7 @@ import inspect
 from typing import Any, cast
 
 from .layers import DirectBlock, FactoredBlock, LinearPart, rms_norm_grads
-from .rules import LAZY_RULES, RULES, LayerCalls, register_rule
+from .rules import LAZY_RULES, RULES, LayerCalls, linear_bias_sums, register_rule
 
 __all__ = ["HF_RMS_NORMS", "register"]
 
@@ -46,7 +46,7 @@ def _conv1d(layer: LayerCalls) -> list:
             FactoredBlock(
                 layer.index["weight"],
                 layer.shapes["weight"],
-                [LinearPart(e, a) for a, e in layer.calls],
+                [LinearPart(e, a, layer.dtype) for a, e in layer.calls],
                 layer.budget,
                 b,
             )
@@ -55,7 +55,7 @@ def _conv1d(layer: LayerCalls) -> list:
         blocks.append(
             DirectBlock(
                 [layer.index["bias"]],  # type: ignore[arg-type]
-                [cast(Any, sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in layer.calls))],
+                [linear_bias_sums(layer)],
             )
         )
     return blocks
@@ -121,7 +121,7 @@ def register() -> None:
     """Register the rules above that are not registered yet (idempotent)."""
     for cls, fn, supports in _types():
         if cls not in RULES:
-            register_rule(cls, supports=supports, views="merge")(fn)  # both sum over positions
+            register_rule(cls, supports=supports, views="merge", chunked=fn is _conv1d)(fn)  # both sum over positions
 
 
 LAZY_RULES["transformers."] = register  # called by rule_for on a transformers layer: never imports it before

@@ -89,9 +89,28 @@ __all__ = [
     "plan_caches",
     "row_sq_norms64",
     "ROW_NORM_COLUMNS",
+    "compute_dtype",
 ]
 
 Geo = tuple[Optional[Tensor], Optional[Tensor]]  # (shift m, scale b) of one parameter, or None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine computes per-example norms, clip factors and clipped sums in, for parameters of ``dtype``.
+
+    float32 for the half-precision dtypes (bf16, fp16), else ``dtype`` itself (float32, float64). The one
+    mechanism of mixed precision (docs/architecture.md, "Mixed precision"): the layer inputs ``a`` and
+    output gradients ``e`` recorded in bf16 — under autocast or with bf16 weights alike — are cast to
+    this dtype before any product (a factored layer per chunk of examples), so the clip bound
+    ‖c_i g_i‖ ≤ C holds to float32 rounding of the norm (relative ≈ 1e-7·√terms), not bf16's 2⁻⁸; the
+    release is rounded to the parameters' dtype once, after the noise (:class:`~dpopt.privatizer.Privatizer`).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"per-example gradients need floating parameters, got {dtype}")
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass
@@ -225,7 +244,8 @@ def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -
     """‖(g_i − shift)/scale‖² for materialised per-sample ``g`` of shape ``[b, *shape]`` → ``[b]``.
 
     Cancellation-free: g − shift is formed per coordinate (one rounding each)
-    and the squares are accumulated in float64; the result has g's dtype.
+    and the squares are accumulated in float64; the result is in :func:`compute_dtype` of g's dtype
+    (float32 for bf16 g: a bf16 norm would move the clip bound by up to 2⁻⁹).
     """
     if shift is None and scale is None:
         w = g
@@ -234,7 +254,7 @@ def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -
         if scale is not None:
             w.div_(scale)
     flat = w.reshape(w.shape[0], math.prod(w.shape[1:]))
-    return row_sq_norms64(flat).to(g.dtype)
+    return row_sq_norms64(flat).to(compute_dtype(g.dtype))
 
 
 # --------------------------------------------------------------------------- direct (materialised)
@@ -263,7 +283,8 @@ class DirectBlock:
         for g, c in zip(self.grads, coefs):
             if bad is not None:
                 c, g = _kept(bad, c, g)
-            out.append(torch.tensordot(c.to(g.dtype), g, dims=1))
+            w = compute_dtype(g.dtype)  # bf16 per-example gradients (the fallback's): summed in float32
+            out.append(torch.tensordot(c.to(w), g.to(w), dims=1))
         return out
 
     def free(self) -> None:
@@ -329,33 +350,56 @@ class LinearPart:
 
     Args:
         a: layer input ``[B, ..., p]``; e: gradient of the (coef-weighted)
-            per-example losses w.r.t. the layer output, ``[B, ..., q]``.
+            per-example losses w.r.t. the layer output, ``[B, ..., q]``; either
+            may be bf16/fp16 (kept as recorded).
+        dtype: the dtype of every product (:func:`compute_dtype`); None: that of
+            ``a`` and ``e``'s promoted dtype. ``a`` and ``e`` are cast to it per
+            chunk of examples (:meth:`at`, :meth:`et`, :meth:`grad_sum`), never
+            whole: a float32 copy of every layer's bf16 activations is not held.
     """
 
-    def __init__(self, a: Tensor, e: Tensor):
+    def __init__(self, a: Tensor, e: Tensor, dtype: Optional[torch.dtype] = None):
         b = a.shape[0]
         self.a = a.reshape(b, -1, a.shape[-1])  # [B, T, p]
         self.e = e.reshape(b, -1, e.shape[-1])  # [B, T, q]
         self.T = self.a.shape[1]
+        self.dtype = compute_dtype(torch.promote_types(a.dtype, e.dtype)) if dtype is None else dtype
 
     def at(self, s: int, t: int) -> Tensor:
-        """Inputs of examples s..t−1 as ``[b, p, T]``."""
-        return self.a[s:t].transpose(1, 2)
+        """Inputs of examples s..t−1 as ``[b, p, T]``, in :attr:`dtype`."""
+        return self.a[s:t].transpose(1, 2).to(self.dtype)
 
     def et(self, s: int, t: int) -> Tensor:
-        """Output gradients of examples s..t−1 as ``[b, q, T]``."""
-        return self.e[s:t].transpose(1, 2)
+        """Output gradients of examples s..t−1 as ``[b, q, T]``, in :attr:`dtype`."""
+        return self.e[s:t].transpose(1, 2).to(self.dtype)
 
-    def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
-        """Σ_i c_i Σ_t e_it a_itᵀ, shape ``[q, p]`` (one GEMM)."""
+    def grad_sum(self, c: Tensor, bad: Optional[Tensor], chunk_bytes: int = 16 << 20) -> Tensor:
+        """Σ_i c_i Σ_t e_it a_itᵀ, shape ``[q, p]``, in :attr:`dtype`: one GEMM, or (inputs in another
+        dtype) one per chunk of examples of at most ``chunk_bytes`` of cast inputs, accumulated in :attr:`dtype`."""
         a, e = self.a, self.e
         if bad is not None:
             c, a, e = _kept(bad, c, a, e)
-        q, p = e.shape[-1], a.shape[-1]
-        c = c.to(a.dtype)
-        if p <= q:  # scale the smaller operand
-            return e.reshape(-1, q).t() @ (a * c.view(-1, 1, 1)).reshape(-1, p)
-        return (e * c.view(-1, 1, 1)).reshape(-1, q).t() @ a.reshape(-1, p)
+        c = c.to(self.dtype)
+        if a.dtype == self.dtype and e.dtype == self.dtype:
+            return _weighted_outer(a, e, c)
+        size = torch.finfo(self.dtype).bits // 8
+        step = max(1, chunk_bytes // max(1, 2 * self.T * (a.shape[-1] + e.shape[-1]) * size))
+        total = None
+        for s in range(0, a.shape[0], step):
+            w = self.dtype
+            part = _weighted_outer(a[s : s + step].to(w), e[s : s + step].to(w), c[s : s + step])
+            total = part if total is None else total.add_(part)
+        if total is None:
+            return a.new_zeros(e.shape[-1], a.shape[-1], dtype=self.dtype)
+        return total
+
+
+def _weighted_outer(a: Tensor, e: Tensor, c: Tensor) -> Tensor:
+    """Σ_i c_i Σ_t e_it a_itᵀ of ``a [b, T, p]``, ``e [b, T, q]``, ``c [b]`` (one dtype) → ``[q, p]`` (one GEMM)."""
+    q, p = e.shape[-1], a.shape[-1]
+    if p <= q:  # scale the smaller operand
+        return e.reshape(-1, q).t() @ (a * c.view(-1, 1, 1)).reshape(-1, p)
+    return (e * c.view(-1, 1, 1)).reshape(-1, q).t() @ a.reshape(-1, p)
 
 
 def im2col(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:
@@ -385,13 +429,17 @@ class ConvPart:
         views: K ≥ 1 (``rows_per_example``): rows i·K … i·K + K − 1 are example i's
             views, which are K more groups of positions of that example,
             g_i = Σ_v Σ_t e_ivt a_ivtᵀ.
+        dtype: the dtype of every product (:func:`compute_dtype`; None: of ``x`` and ``e``);
+            ``x`` and ``e`` (bf16 ones kept as recorded) are cast to it per chunk of examples.
 
     ``T`` counts the positions of one example: K·Ho·Wo.
     """
 
-    def __init__(self, module, x: Tensor, e: Tensor, views: int = 1):
+    def __init__(self, module, x: Tensor, e: Tensor, views: int = 1, dtype: Optional[torch.dtype] = None):
+        self.dtype = compute_dtype(torch.promote_types(x.dtype, e.dtype)) if dtype is None else dtype
         self.kernel, self.stride, self.dilation = module.kernel_size, module.stride, module.dilation
         self.weight_shape = tuple(module.weight.shape)
+        self.p = math.prod(self.weight_shape[1:])
         self.views = int(views)
         if module.padding_mode == "zeros" and not isinstance(module.padding, str):
             self.x, self.padding, self.pad, self.mode = x, tuple(module.padding), None, None
@@ -419,12 +467,13 @@ class ConvPart:
     def at(self, s: int, t: int) -> Tensor:
         """Patches of examples s..t−1, ``[b, C·kh·kw, T]``."""
         k = self.views
-        return self._merge(im2col(self._padded(self.x[s * k : t * k]), self.kernel, self.stride, self.dilation))
+        x = self.x[s * k : t * k].to(self.dtype)
+        return self._merge(im2col(self._padded(x), self.kernel, self.stride, self.dilation))
 
     def et(self, s: int, t: int) -> Tensor:
         """Output gradients of examples s..t−1, ``[b, q, T]``."""
         k = self.views
-        return self._merge(self.e[s * k : t * k].flatten(2))
+        return self._merge(self.e[s * k : t * k].to(self.dtype).flatten(2))
 
     def _input(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if self.pad is not None:
@@ -441,12 +490,12 @@ class ConvPart:
         convolutional neural networks").
         """
         k = self.views
+        x, e = self.x[s * k : t * k].to(self.dtype), self.e[s * k : t * k].to(self.dtype)
         if method == "im2col":  # per row, then the sum over each example's K rows (no transposed copies)
-            a = im2col(self._padded(self.x[s * k : t * k]), self.kernel, self.stride, self.dilation)
-            g = torch.bmm(self.e[s * k : t * k].flatten(2), a.transpose(1, 2))
+            a = im2col(self._padded(x), self.kernel, self.stride, self.dilation)
+            g = torch.bmm(e.flatten(2), a.transpose(1, 2))
             return g if k == 1 else g.reshape(t - s, k, *g.shape[1:]).sum(1)
-        x, padding = self._input(self.x[s * k : t * k])
-        e = self.e[s * k : t * k]
+        x, padding = self._input(x)
         b, cin, q = x.shape[0] // k, x.shape[1], e.shape[1]
         if k > 1:  # [b·K, ...] example-major → [K, b·C, ...]: view v of every example is one batch row
             x = x.reshape(b, k, *x.shape[1:]).transpose(0, 1)
@@ -467,10 +516,12 @@ class ConvPart:
         )[1]
         return gw.reshape(b, q, -1)
 
-    def grad_sum(self, c: Tensor, bad: Optional[Tensor]) -> Tensor:
-        """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``.
+    def grad_sum(self, c: Tensor, bad: Optional[Tensor], chunk_bytes: int = 16 << 20) -> Tensor:
+        """Σ_i c_i g_i via torch's convolution weight-gradient kernel; shape ``[q, C·kh·kw]``, in :attr:`dtype`.
 
-        ``c``, ``bad``: per example ``[B]`` (each applies to all K rows of its example).
+        ``c``, ``bad``: per example ``[B]`` (each applies to all K rows of its example). Inputs in
+        another dtype: one kernel call per chunk of rows of at most ``chunk_bytes`` of cast inputs,
+        the parts accumulated in :attr:`dtype`.
         """
         x, e = self.x, self.e
         if self.views > 1:
@@ -478,7 +529,20 @@ class ConvPart:
             bad = None if bad is None else bad.repeat_interleave(self.views)
         if bad is not None:
             x, e = _rows(bad, x), _rows(bad, e)
-        e = e * c.to(e.dtype).view(-1, 1, 1, 1)
+        c = c.to(self.dtype)
+        if x.dtype == self.dtype and e.dtype == self.dtype:
+            return self._weight_grad(x, e, c)
+        per = (x[:1].numel() + e[:1].numel()) * torch.finfo(self.dtype).bits // 8
+        step = max(1, chunk_bytes // max(1, per))
+        total = None
+        for s in range(0, x.shape[0], step):
+            part = self._weight_grad(x[s : s + step].to(self.dtype), e[s : s + step].to(self.dtype), c[s : s + step])
+            total = part if total is None else total.add_(part)
+        return total if total is not None else x.new_zeros(self.weight_shape[0], self.p, dtype=self.dtype)
+
+    def _weight_grad(self, x: Tensor, e: Tensor, c: Tensor) -> Tensor:
+        """Σ_r c_r (weight gradient of row r) of rows ``x``, ``e``, ``c`` (one dtype), ``[q, C·kh·kw]``."""
+        e = e * c.view(-1, 1, 1, 1)
         if self.pad is not None:
             x, padding = F.pad(x, self.pad, mode=self.mode), (0, 0)  # type: ignore[arg-type]
         else:
@@ -705,7 +769,8 @@ class FactoredBlock:
 
     # -- helpers -----------------------------------------------------------
     def _dtype(self) -> torch.dtype:
-        return self.parts[0].e.dtype
+        """The dtype of the products, norms and sums (:func:`compute_dtype` of the recorded tensors)."""
+        return self.parts[0].dtype
 
     def _cat(self, fn: str, s: int, t: int) -> Tensor:
         xs = [getattr(pt, fn)(s, t) for pt in self.parts]
@@ -748,7 +813,7 @@ class FactoredBlock:
 
     def _closed(self, m: Optional[Tensor], b: Optional[Tensor]) -> Tensor:
         pt = self.parts[0]
-        a, e = pt.a[:, 0], pt.e[:, 0]  # [B, p], [B, q]
+        a, e = pt.a[:, 0].to(pt.dtype), pt.e[:, 0].to(pt.dtype)  # [B, p], [B, q]
         if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖²
             return e.square().sum(1) * a.square().sum(1)
         if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
@@ -830,7 +895,7 @@ class FactoredBlock:
             return [cached_grad_sum(self._cache, c, bad).reshape(self.shape)]
         total = None
         for pt in self.parts:
-            part = pt.grad_sum(c, bad)
+            part = pt.grad_sum(c, bad, self.budget.chunk_bytes)
             total = part if total is None else total + part
         return [total.reshape(self.shape)]  # type: ignore[union-attr]
 

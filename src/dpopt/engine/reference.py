@@ -51,6 +51,7 @@ from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from .check import Unreplayable
 from .inputs import BufferWrite, LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss, guarded_buffers
+from .layers import compute_dtype
 
 __all__ = [
     "PerSampleGrads",
@@ -126,7 +127,8 @@ class PerSampleGrads:
 
         w_i = (g_i − shift)/scale is formed coordinate-wise (no cancellation
         beyond one rounding per coordinate); the squares are accumulated in
-        float64.
+        float64; returned in :func:`~dpopt.engine.layers.compute_dtype` of the gradients' dtype
+        (float32 for bf16).
         """
         out = self.grads[0].new_zeros(self.batch_size, num_groups, dtype=torch.float64)
         for i, k in enumerate(groups):
@@ -134,13 +136,15 @@ class PerSampleGrads:
             out[:, k] += torch.linalg.vector_norm(
                 w.reshape(self.batch_size, math.prod(w.shape[1:])), dim=1, dtype=torch.float64
             ).square()
-        return out.to(self.grads[0].dtype)
+        return out.to(compute_dtype(self.grads[0].dtype))
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
-        """Σ_i weights[i, group(p)] · w_i(p) for every parameter p (param-shaped)."""
+        """Σ_i weights[i, group(p)] · w_i(p) for every parameter p (param-shaped), in
+        :func:`~dpopt.engine.layers.compute_dtype` of w's dtype (bf16 gradients summed in float32)."""
         out = []
         for i, k in enumerate(groups):
             w = self._w(i, geometry)
+            w = w.to(compute_dtype(w.dtype))
             c = weights[:, k].to(w.dtype)
             out.append(torch.tensordot(c, w, dims=([0], [0])))
         return out

@@ -68,7 +68,7 @@ from .layers import (
     rms_norm_grads,
 )
 
-__all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped"]
+__all__ = ["LayerCalls", "Rule", "RULES", "register_rule", "rule_for", "tap_forwards", "is_tapped", "linear_bias_sums"]
 
 
 @dataclass
@@ -83,10 +83,13 @@ class LayerCalls:
             no rule, is absent; a tied one is present in each owner).
         shapes: attribute name → parameter shape.
         calls: ``(a, e)`` per recorded call and evaluation point: the layer
-            input ``a [B, ...]`` (cast to the parameter dtype if floating) and
-            the gradient of the coefficient-weighted per-example losses w.r.t.
-            the layer output, ``e [B, ...]``. Never empty (a layer without
-            calls gets zero gradients from the engine).
+            input ``a [B, ...]`` and the gradient of the coefficient-weighted
+            per-example losses w.r.t. the layer output, ``e [B, ...]``; both
+            cast to :attr:`dtype` (``a`` if floating), except for a rule
+            registered ``chunked=True``, which receives them as recorded (bf16
+            under autocast or with bf16 weights) and casts them per chunk of
+            examples. Never empty (a layer without calls gets zero gradients
+            from the engine).
         stats: per call, the ``(mean, rstd)`` autograd saved for a norm
             layer's backward, or None.
         batch_size: B.
@@ -95,6 +98,8 @@ class LayerCalls:
             which linear map inside the layer the call is), else None.
         views: K, the rows per example of a ``views="merge"`` rule's calls
             (``a``, ``e`` are ``[B, K, ...]``); 1 otherwise.
+        dtype: the dtype of the blocks' norms and sums,
+            :func:`~dpopt.engine.layers.compute_dtype` of the parameters' (float32 for bf16).
     """
 
     module: nn.Module
@@ -106,6 +111,7 @@ class LayerCalls:
     budget: Budget
     tags: list = field(default_factory=list)
     views: int = 1
+    dtype: torch.dtype = torch.float32
 
     def rows(self, t: Tensor) -> Tensor:
         """``[B, K, ...]`` → ``[B·K, ...]`` (example-major rows) when the calls carry K views, else ``t``."""
@@ -118,7 +124,7 @@ class LayerCalls:
     def summed_outputs(self, dims: tuple) -> Tensor:
         """Σ of the output gradients over calls, views and ``dims`` of the rows ``[B·K, ...]``, per example:
         a bias's per-example gradient (``dims=(2, 3)`` for a Conv2d: ``[B, q]``)."""
-        return self.per_example(sum(self.rows(e).sum(dims) for _, e in self.calls))  # type: ignore[arg-type]
+        return self.per_example(sum(self.rows(e).sum(dims, dtype=self.dtype) for _, e in self.calls))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,10 @@ class Rule:
     intermediate tensor (``nn.MultiheadAttention``, ``nn.LSTM``): both capture
     paths install it (:func:`tap_forwards`) instead of recording the layer's
     own input and output.
+
+    ``chunked``: the rule's blocks cast ``a`` and ``e`` to :attr:`LayerCalls.dtype`
+    themselves, per chunk of examples (:class:`~dpopt.engine.layers.LinearPart`,
+    :class:`~dpopt.engine.layers.ConvPart`); otherwise the engine casts them whole.
     """
 
     layer_type: type
@@ -142,6 +152,7 @@ class Rule:
     blocks: Callable[[LayerCalls], list]
     forward: Optional[Callable] = None
     views: str = "split"
+    chunked: bool = False
 
 
 RULES: dict[type, Rule] = {}
@@ -156,6 +167,7 @@ def register_rule(
     supports: Optional[Callable[[nn.Module], bool]] = None,
     forward: Optional[Callable] = None,
     views: str = "split",
+    chunked: bool = False,
 ):
     """Decorator: register ``fn(layer: LayerCalls) -> list of blocks`` as the fast rule of ``layer_types``.
 
@@ -172,6 +184,8 @@ def register_rule(
             view v of every example; ``"merge"`` (a rule that sums over every
             axis between dim 0 and its feature axes, as Linear, Embedding,
             LayerNorm): one call of ``[B, K, ...]`` (cheaper for ghost norms).
+        chunked: the rule receives ``a`` and ``e`` as recorded and casts them to
+            :attr:`LayerCalls.dtype` per chunk (:class:`Rule`); default False: cast whole.
 
     Raises:
         ValueError: no layer type given, a type that already has a rule, or an unknown ``views``.
@@ -185,7 +199,7 @@ def register_rule(
         for t in layer_types:
             if t in RULES:
                 raise ValueError(f"{t.__name__} already has a fast rule ({RULES[t].blocks.__name__})")
-            RULES[t] = Rule(t, supports or _always, fn, forward, views)
+            RULES[t] = Rule(t, supports or _always, fn, forward, views, chunked)
         return fn
 
     return decorate
@@ -246,21 +260,28 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
 
 
 # --------------------------------------------------------------------------- factored weights
-@register_rule(nn.Linear, views="merge")
+def linear_bias_sums(layer: LayerCalls) -> Tensor:
+    """A linear map's per-example bias gradient Σ_t e_it summed over the calls, ``[B, q]`` in :attr:`LayerCalls.dtype`."""
+    b = layer.batch_size
+    return sum(e.reshape(b, -1, e.shape[-1]).sum(1, dtype=layer.dtype) for _, e in layer.calls)  # type: ignore[return-value]
+
+
+@register_rule(nn.Linear, views="merge", chunked=True)
 def _linear(layer: LayerCalls) -> list:
-    b, calls, blocks = layer.batch_size, layer.calls, []
+    b, calls, dt = layer.batch_size, layer.calls, layer.dtype
+    blocks: list = []
     if "weight" in layer.index:
         blocks.append(
             FactoredBlock(
-                layer.index["weight"], layer.shapes["weight"], [LinearPart(a, e) for a, e in calls], layer.budget, b
+                layer.index["weight"], layer.shapes["weight"], [LinearPart(a, e, dt) for a, e in calls], layer.budget, b
             )
         )
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [sum(e.reshape(b, -1, e.shape[-1]).sum(1) for _, e in calls)]))  # type: ignore[arg-type, list-item]
+        blocks.append(DirectBlock([layer.index["bias"]], [linear_bias_sums(layer)]))
     return blocks
 
 
-@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1, views="merge")  # type: ignore[arg-type, return-value]
+@register_rule(nn.Conv2d, supports=lambda m: m.groups == 1, views="merge", chunked=True)  # type: ignore[arg-type, return-value]
 def _conv2d(layer: LayerCalls) -> list:
     b, calls, m, blocks = layer.batch_size, layer.calls, layer.module, []
     if "weight" in layer.index:
@@ -268,7 +289,7 @@ def _conv2d(layer: LayerCalls) -> list:
             FactoredBlock(
                 layer.index["weight"],
                 layer.shapes["weight"],
-                [ConvPart(m, layer.rows(a), layer.rows(e), layer.views) for a, e in calls],
+                [ConvPart(m, layer.rows(a), layer.rows(e), layer.views, layer.dtype) for a, e in calls],
                 layer.budget,
                 b,
             )
