@@ -261,6 +261,9 @@ class DPDataLoader(DataLoader):
                 # so that release t holds the batch of step t (docs/correlated-noise.md)
                 bd.hand(tag, owed=positions is not None)
             yield batch
+        bd = getattr(self, "boundary", None)
+        if bd is not None and positions is not None:  # the pass ran to its end (not left by break)
+            bd.pass_ended()  # its last batch, skipped or failed, is released as pure noise now
 
     def __getstate__(self) -> dict:
         """Copies and pickles never carry the last batch's size (a count of private examples)."""

@@ -221,18 +221,27 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._capture.discard_completed()
         self._refusal = None
 
+    def _refuse_if_detached(self) -> None:
+        """Refuse a ``step()`` after ``engine.detach()`` (asked first in :meth:`step`, before the release
+        boundary or a noted refusal could give another reason): the per-sample hooks are gone.
+
+        Raises:
+            RuntimeError: the engine was detached and no ``p.grad_sample`` was set by the user (nothing released).
+        """
+        if getattr(self._capture, "detached", False) and grad_sample_source(self._params) is None:
+            self._capture.reset()
+            raise RuntimeError(
+                "optimizer.step() after the PrivacyEngine was detached: engine.detach() removed the "
+                "per-sample hooks from the model, so this optimizer captures no per-sample gradient and "
+                "cannot release anything (nothing was released or charged). To train privately again, call "
+                "engine.make_private(...) again and step the optimizer it returns; to train without privacy, "
+                "step your original torch optimizer"
+            )
+
     def _source(self) -> Any:
         src = grad_sample_source(self._params)
         if src is None:
-            if getattr(self._capture, "detached", False):
-                self._capture.reset()
-                raise RuntimeError(
-                    "optimizer.step() after the PrivacyEngine was detached: engine.detach() removed the "
-                    "per-sample hooks from the model, so this optimizer captures no per-sample gradient and "
-                    "cannot release anything (nothing was released or charged). To train privately again, call "
-                    "engine.make_private(...) again and step the optimizer it returns; to train without privacy, "
-                    "step your original torch optimizer"
-                )
+            self._refuse_if_detached()
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
                 raise RuntimeError(
                     "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
@@ -273,13 +282,15 @@ class PrivateOptimizer(torch.optim.Optimizer):
         backward pass". A step refused without records is not noted: repeated, it is judged afresh on the same
         state. A new backward (judged afresh) or ``zero_grad()`` forgets it.
         """
-        self._refusal = (type(err) if type(err) in (ValueError, RuntimeError, TypeError) else RuntimeError, str(err))
+        kept = (ValueError, RuntimeError, TypeError, LedgerWriteError)  # classes a user's except clause may name
+        self._refusal = (type(err) if type(err) in kept else RuntimeError, str(err))
 
     def _refused_again(self) -> None:
         """Raise the last refused step's error again (:meth:`_note_refusal`), if no backward or zero_grad came since.
 
         Raises:
-            ValueError, RuntimeError, TypeError: the refusal's class, its text and what to do.
+            ValueError, RuntimeError, TypeError, LedgerWriteError: the refusal's class (a failed ledger write
+                stays a :class:`~dpopt.errors.LedgerWriteError`, an ``OSError``), its text and what to do.
         """
         if self._refusal is None:
             return
@@ -377,6 +388,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_if_detached()
         records = self._has_records()
         if not records:
             self._refused_again()  # a repeat of a refused step: its refusal, not "without a backward pass"

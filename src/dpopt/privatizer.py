@@ -133,17 +133,21 @@ def _write_failed(step: int, correlated: bool, err: OSError) -> str:
     """The message of a release whose ledger entry could not be written (:class:`~dpopt.errors.LedgerWriteError`)."""
     stream = (
         " The correlated noise stream did not advance (nothing was drawn from it): release "
-        f"{step + 1} is still the next one (make_private's loader releases its cyclic batch as pure noise, "
-        "freshly drawn, when the loop moves on). A correlated-noise run cannot resume from a checkpoint: fix "
-        "the disk and keep stepping in this process, or start a new run (docs/correlated-noise.md)."
+        f"{step + 1} is still the next one. Once the cause is fixed, either run the forward and backward "
+        "pass of this batch again and call step(), or go on with the loop (make_private's loader releases "
+        "this cyclic batch as pure noise, freshly drawn, when the loop takes the next batch or ends its pass). "
+        "A correlated-noise run cannot resume from a checkpoint: go on in this process, or start a new run "
+        "(docs/correlated-noise.md)."
         if correlated
-        else " Fix the disk, then step again (the next step() is this release, with fresh noise), or stop and "
-        "resume from the last checkpoint (its ledger and the journal hold every release made)."
+        else f" Once the cause is fixed, run a forward and backward pass again and call step() (it makes release "
+        f"{step + 1}, with fresh noise; this batch may be stepped again), or stop and resume from the last "
+        "checkpoint (its ledger and the journal hold every release made)."
     )
     return (
         f"the privacy ledger write of release {step + 1} (1-based) failed: {type(err).__name__}: {err}. Nothing "
         "was released: the parameters are not updated, no noise drawn for it is ever used, and the ledger holds "
-        "only the releases made before it, as its journal on disk does. "
+        "only the releases made before it, as its journal on disk does. This step's per-sample gradients were "
+        "dropped with it, so a step() without a new backward pass cannot retry it. "
         "Free space on the journal's disk or make its file writable." + stream
     )
 

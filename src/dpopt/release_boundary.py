@@ -28,6 +28,7 @@ How it works, on every door that hands out Poisson batches
   chunk the loop skipped (``continue``, an exception caught before ``step()``)
   is simply not added, and a logical batch the loop skipped ENTIRELY (an
   empty batch's ``continue``) is released as pure noise when the loop moves on
+  (the next batch handed out, or the end of the pass: :meth:`ReleaseBoundary.pass_ended`)
   — every batch ``BatchMemoryManager`` hands out is released exactly once, so
   the number of releases does not depend on the data and data-parallel ranks
   release together. A ``step()`` that raises (a refusal) releases nothing, and
@@ -310,6 +311,20 @@ class ReleaseBoundary:
         """
         if self._owed is not None and not self._owner_open():
             self._owed, self._owed_position = None, None
+
+    def pass_ended(self) -> None:
+        """A pass of a cyclic loader ran to its end (its iterator was exhausted): a batch it handed out and no
+        step released (the loop's ``continue`` on the pass's last batch, a ``step()`` that raised) is released
+        as pure noise now, by the same owed-release path as a batch skipped mid-pass (:meth:`hand`). Without it
+        the next pass, which starts at the batch of the next release, would hand that batch out again and train
+        on it, and the run would end one release short of its horizon. A pass left by ``break`` never gets here
+        (the generator is not resumed): its batch is handed out again by the next pass (:meth:`settle`).
+
+        Raises:
+            LedgerWriteError: the pure-noise release's ledger entry could not be written (the batch stays owed).
+        """
+        if self._owed is not None and not self._owner_open():
+            self._release_owed()
 
     def leave(self) -> None:
         """The loop left the chunk iterator or the ``BatchMemoryManager`` context: close an open step

@@ -258,3 +258,104 @@ def test_a_step_that_fails_leaves_its_batch_owed_and_the_loop_can_go_on(monkeypa
                 failed += 1
     assert failed == 1 and 2 not in held and sorted(held) == [0, 1, 3, 4, 5, 6, 7]
     _check_order(loader, opt, held, 8)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"sampling": "cyclic-poisson", "sample_rate": 0.5}])
+@pytest.mark.parametrize("skip", [4, 8])
+def test_a_skipped_last_batch_of_a_pass_is_released_as_noise_when_the_pass_ends(sampling, skip):
+    """b = 4, T = 8 (cyclic Poisson: b' = 2 parts, 4 steps per pass); the loop skips the last batch of pass 1 (step
+    4) or of the run (step 8) with ``continue``. The old code released nothing when the pass ended: pass 2 began at
+    the batch of the next release, i.e. handed the skipped batch of step 4 out again (trained on at release 3, so
+    every later release held the batch of the step before it) and the run ended with 7 releases of 8. Now the pass's
+    end releases it as pure noise (charged): release r holds part r mod b only, the skipped step holds no example,
+    and pass 2's first batch is the batch of step 5."""
+    model, opt, loader = _private(**sampling)
+    held: dict = {}
+    firsts = []
+    seen = 0
+    for _ in range(2):
+        for i, (x, y) in enumerate(loader):
+            seen += 1
+            if i == 0:
+                firsts.append(opt.privatizer.steps)  # the release the pass's first batch is for
+            if seen == skip:
+                continue
+            _step(model, opt, x, y, held)
+    assert firsts == [0, 4] and seen == 8
+    assert sorted(held) == [r for r in range(8) if r != skip - 1]
+    _check_order(loader, opt, held, 8)
+    assert opt.privatizer.ledger.entries[skip - 1].meta["mechanism"] == opt.privatizer.mechanism.kind  # charged
+
+
+def test_a_failed_step_on_the_last_batch_of_a_pass_is_released_as_noise_when_the_pass_ends(monkeypatch):
+    """A ``step()`` raising on the last batch of pass 1 (release 3) releases nothing; the loop catches it and the
+    pass ends: that batch is released as pure noise then, so pass 2 starts at step 5's batch; 8 releases."""
+    model, opt, loader = _private()
+    priv = opt.privatizer
+    accumulate = priv.accumulate
+
+    def flaky(source):
+        if priv.steps == 3 and not flaky.failed:  # type: ignore[attr-defined]
+            flaky.failed = True  # type: ignore[attr-defined]
+            raise MemoryError("simulated out of memory")
+        return accumulate(source)
+
+    flaky.failed = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(priv, "accumulate", flaky)
+    held: dict = {}
+    for _ in range(2):
+        for x, y in loader:
+            try:
+                _step(model, opt, x, y, held)
+            except MemoryError:
+                opt.zero_grad()
+        assert priv.steps in (4, 8)  # the pass ended with all of its releases made
+    assert sorted(held) == [0, 1, 2, 4, 5, 6, 7]
+    _check_order(loader, opt, held, 8)
+
+
+def test_break_mid_pass_then_a_pass_that_skips_its_last_batch():
+    """Pass 1 steps once and breaks on its second batch (never stepped: the generator is not resumed, nothing is
+    released for it); pass 2 starts at that batch (step 2), steps 2 to 4 and skips its last (step 5): released as
+    pure noise at the pass's end; pass 3 starts at step 6 and runs to T = 8 releases."""
+    model, opt, loader = _private()
+    held: dict = {}
+    for i, (x, y) in enumerate(loader):
+        if i == 1:
+            break
+        _step(model, opt, x, y, held)
+    assert opt.privatizer.steps == 1
+    for x, y in loader:
+        if opt.privatizer.steps == 4:
+            continue  # step 5's batch, the last of this pass (it runs from step 2 to step 5)
+        _step(model, opt, x, y, held)
+    assert opt.privatizer.steps == 5 and sorted(held) == [0, 1, 2, 3]  # release 4: pure noise
+    for x, y in loader:
+        if opt.privatizer.steps == 8:
+            break
+        _step(model, opt, x, y, held)
+    assert sorted(held) == [0, 1, 2, 3, 5, 6, 7]
+    _check_order(loader, opt, held, 8)
+
+
+def test_batch_memory_manager_skipping_the_last_batch_of_a_pass_releases_it_as_noise():
+    """BatchMemoryManager (chunks of 8 of batches of 16, b = 4, T = 8): every chunk of the last logical batch of pass 1
+    skipped with ``continue``; leaving the chunk iterator releases it as pure noise, pass 2 starts at step 5."""
+    model, opt, loader = _private(n=64, batch=16, epochs=2)
+    held: dict = {}
+    for _ in range(2):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt) as chunks:
+            pending: set = set()
+            for x, y in chunks:
+                release = opt.privatizer.steps
+                if release == 3:
+                    continue
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                pending |= {int(i) for i in x[:, 0].tolist()}
+                opt.step()
+                opt.zero_grad()
+                if opt.privatizer.steps > release:
+                    held[release], pending = pending, set()
+        assert opt.privatizer.steps in (4, 8)
+    assert sorted(held) == [0, 1, 2, 4, 5, 6, 7]
+    _check_order(loader, opt, held, 8)

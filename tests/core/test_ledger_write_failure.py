@@ -122,13 +122,17 @@ def test_a_failed_ledger_write_releases_nothing_and_the_run_goes_on(tmp_path, mo
         opt.step()
     text = str(info.value)
     assert error.strerror in text and "Nothing was released" in text and "Free space" in text
+    assert "per-sample gradients were dropped" in text and "forward and backward" in text and "step()" in text
+    assert "step again (" not in text  # the old advice: a bare step() cannot retry (its records are gone)
     assert info.value.__cause__ is error and isinstance(info.value, OSError)
     assert _same(_params(model), before) and all(p.grad is None for p in model.parameters())
     assert opt.privatizer.steps == 2 and len(engine.ledger) == 2
     _assert_journal_is_the_ledger(engine, tmp_path, 2)
-    with pytest.raises(RuntimeError, match="ledger write of release 3.*repeats a refused step") as again:
-        opt.step()  # no new backward: the refusal again, never "begin() called twice"
-    assert "begin()" not in str(again.value)
+    with pytest.raises(LedgerWriteError, match="ledger write of release 3.*repeats a refused step") as again:
+        opt.step()  # no new backward: the refusal again (its class, an OSError), never "begin() called twice"
+    assert "begin()" not in str(again.value) and isinstance(again.value, OSError)
+    assert "zero_grad(), forward, backward and step()" in str(again.value)
+    assert opt.privatizer.steps == 2 and len(engine.ledger) == 2 and _same(_params(model), before)
 
     disk.fixed = True
     x, y = next(batches)  # correlated noise: handing this batch out releases the failed one (pure noise)
@@ -383,3 +387,46 @@ def test_a_retry_after_a_failed_draw_uses_its_written_entry_once_and_only_with_i
     monkeypatch.setattr(priv, "_normals", normals)
     assert priv.steps == 2 and [e.step for e in priv.ledger] == [0, 1]
     assert _pure_noise(priv).shape == (5, 3) and [e.step for e in priv.ledger] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mech", ["independent", "banded:2"])
+def test_step_after_detach_on_a_released_batch_says_detached_first(tmp_path, mech):
+    """A second step() on a batch already released, after engine.detach(): the detach refusal (what to do:
+    make_private again), not the release boundary's "already released" one, which would send the user looking
+    for a loop bug; nothing released."""
+    engine, model, opt, loader = _private(tmp_path, mech)
+    x, y = next(iter(loader))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    engine.detach()
+    before = _params(model)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for _ in range(2):  # repeated without a new backward: still the detach refusal
+        with pytest.raises(RuntimeError, match=r"after the PrivacyEngine was detached") as info:
+            opt.step()
+        assert "already released" not in str(info.value) and "cyclic batch of step" not in str(info.value)
+    assert _same(_params(model), before) and len(engine.ledger) == 1 == opt.privatizer.steps
+
+
+@pytest.mark.parametrize("mech", MECHANISMS)
+def test_after_a_failed_write_a_new_backward_on_the_same_batch_makes_the_release(tmp_path, monkeypatch, mech):
+    """What the LedgerWriteError message says to do: fix the cause, run the forward and backward pass of the batch
+    again and step(). That step makes release 3 (1-based) on the same batch (correlated noise: the cyclic batch of
+    step 3, no pure-noise release), and the journal holds exactly the releases applied."""
+    engine, model, opt, loader = _private(tmp_path, mech)
+    disk = FailingDisk(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
+    batches = iter(loader)
+    for _ in range(3):
+        x, y = next(batches)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if opt.privatizer.steps == 2:
+            with pytest.raises(LedgerWriteError):
+                opt.step()
+            disk.fixed = True
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.privatizer.steps == 3 == len(engine.ledger)
+    _assert_journal_is_the_ledger(engine, tmp_path, 3)
