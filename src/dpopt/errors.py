@@ -78,7 +78,8 @@ class RunWriteError(OSError):
         return str(self.cause)
 
     def __reduce__(self):  # pickles with its cause and run directory (OSError's own reduce drops them)
-        return (RunWriteError, (self.cause, self.run_dir))
+        write = {"errno": self.errno, "strerror": self.strerror, "filename": self.filename}
+        return (RunWriteError, (self.cause, self.run_dir), write)  # the write's: a cause may not pickle them
 
 
 def translate(exc: BaseException, names: Mapping[str, str]) -> str:

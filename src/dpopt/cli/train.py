@@ -253,7 +253,9 @@ def train_command(
     norm_form: Optional[str] = typer.Option(None, help="force a norm form: gram, chol or direct"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="let --out replace an earlier run's files (a charged journal is kept aside)"
+    ),
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
@@ -365,9 +367,8 @@ def train_command(
     Exit code 3: the run finished and every file is written, but its ledger check FAILED (σ = 0, an empty
     ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input
     (also an output path that cannot be written). 4: the disk refused a write (full): files written before
-    are unchanged; the error says how the run goes on (--resume RUN_DIR when it has a checkpoint and
-    independent noise; else its journal's releases stay charged: keep it, start a new run). A damaged
-    ledger.jsonl line: --resume RUN_DIR --repair-journal.
+    are unchanged; the error says how the run goes on. A damaged ledger.jsonl line: --resume RUN_DIR
+    --repair-journal.
     """
     import signal as _signal
 
