@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from .ledger import JOURNAL_NAME, PrivacyLedger
+from .ledger import PrivacyLedger, run_ledger_file
 
 __all__ = ["Continuation", "continuation", "CHECKPOINT_FILE"]
 
@@ -37,7 +37,8 @@ class Continuation:
 
     Attributes:
         run_dir: the run directory.
-        releases: charged releases in its journal (0 without one; None when the journal cannot be read).
+        releases: charged releases in its ledger: the journal ``ledger.jsonl``, else ``ledger.json`` (0 without
+            either; None when it cannot be read).
         resumable: ``dpopt train --resume run_dir`` continues it (a checkpoint, independent noise, releases).
         reason: why it cannot resume ('' when it can, or when nothing was released).
     """
@@ -60,7 +61,7 @@ class Continuation:
             return f"{first}run the command again (no release was charged)" if first else "No release was charged"
         held = "charged releases" if self.releases is None else f"{self.releases} charged release(s)"
         return (
-            f"The run cannot continue ({self.reason}); its journal {run / JOURNAL_NAME} holds {held}, which "
+            f"The run cannot continue ({self.reason}); its ledger {run_ledger_file(run)} holds {held}, which "
             "count against the data's privacy budget (a new run's ε adds to them): keep the directory, or move "
             f"it aside (e.g. `mv {run} {run}.failed`), and start a new run with another --out"
             + (" once there is space" if free_space else "")
@@ -78,12 +79,11 @@ def _mechanism(run: Path) -> str:
 
 
 def _releases(run: Path) -> Optional[int]:
-    """Entries of the run's journal: 0 without one, None when it cannot be read (damaged)."""
-    journal = run / JOURNAL_NAME
-    if not journal.exists():
+    """Entries of the run's ledger (the journal, else ``ledger.json``): 0 without one, None when unreadable."""
+    if not run_ledger_file(run).exists():
         return 0
     try:
-        return len(PrivacyLedger.load(journal))
+        return len(PrivacyLedger.load(run))
     except (OSError, ValueError):
         return None
 
