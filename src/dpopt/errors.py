@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Optional
 
-__all__ = ["ConfigError", "LedgerWriteError", "translate"]
+__all__ = ["ConfigError", "LedgerWriteError", "RunWriteError", "translate"]
 
 
 class ConfigError(ValueError):
@@ -53,6 +53,33 @@ class LedgerWriteError(OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class RunWriteError(OSError):
+    """A run that had charged releases stopped on a failed write (disk full, ...): the write's ``OSError``
+    and the run directory it left.
+
+    Raised by :func:`dpopt.training.train` and :func:`dpopt.training.resume` from the failed write (its
+    ``__cause__``), so a front end can say how that directory goes on
+    (:func:`dpopt.accounting.run_continuation.continuation`). An ``OSError`` subclass with the failed
+    write's ``errno``, ``strerror`` and ``filename``, so ``except OSError`` keeps working; its text is the
+    failed write's (a :class:`LedgerWriteError` keeps its explanation: ``cause``).
+
+    Args:
+        cause: the failed write's ``OSError``.
+        run_dir: the run directory (it holds the journal of the releases charged before the failure).
+    """
+
+    def __init__(self, cause: OSError, run_dir: object):
+        super().__init__(cause.errno, cause.strerror or str(cause), cause.filename)
+        self.cause, self.run_dir = cause, run_dir
+
+    def __str__(self) -> str:
+        return str(self.cause)
+
+    def __reduce__(self):  # pickles with its cause and run directory (OSError's own reduce drops them)
+        write = {"errno": self.errno, "strerror": self.strerror, "filename": self.filename}
+        return (RunWriteError, (self.cause, self.run_dir), write)  # the write's: a cause may not pickle them
 
 
 def translate(exc: BaseException, names: Mapping[str, str]) -> str:

@@ -71,7 +71,8 @@ def test_calibrate_ctrl_c_exits_130(monkeypatch):
 def test_check_on_a_saved_ledger_alone_points_to_dpopt_ledger(tmp_path):
     """A directory holding only engine.ledger.save(...)'s ledger.json is not a `dpopt train` run: `dpopt check`
     says what it checks and which command scores the ledger, not "killed ... --resume"; a dpopt train run killed
-    before its summary (config.json present) still gets the resume advice."""
+    before its summary (config.json present) gets advice that fits it: without a checkpoint, no --resume (it would
+    fail) but the charged releases and another --out; with one, the resume advice."""
     run = tmp_path / "dl_mf"
     run.mkdir()
     _ledger(run)
@@ -82,5 +83,9 @@ def test_check_on_a_saved_ledger_alone_points_to_dpopt_ledger(tmp_path):
     assert "`dpopt check` checks `dpopt train` run directories" in line
     assert f"`dpopt ledger {run / 'ledger.json'}` scores a saved ledger" in line
     (run / "config.json").write_text("{}")
+    res = runner.invoke(app, ["check", str(run)])
+    assert res.exit_code == 2 and "--resume" not in res.stderr and "cannot continue" in res.stderr, res.stderr
+    assert f"holds {len(PrivacyLedger.load(run))} charged release(s)" in res.stderr and "another --out" in res.stderr
+    (run / "checkpoint.pt").write_bytes(b"")
     res = runner.invoke(app, ["check", str(run)])
     assert res.exit_code == 2 and f"dpopt train --resume {run}" in res.stderr

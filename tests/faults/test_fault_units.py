@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import errno
 import io
+import pickle
 import warnings
 
 import pytest
 from inject import full_disk
 
+from dpopt.accounting.ledger import JOURNAL_NAME, PrivacyLedger
+from dpopt.accounting.run_continuation import continuation
 from dpopt.atomic import append_whole, atomic_write_text, check_writable_dir, remove_stale
 from dpopt.cli.faults import EXIT_DISK, PipeSafe, clean_warnings, os_failure
+from dpopt.errors import LedgerWriteError, RunWriteError
 
 
 def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_tmp(tmp_path, monkeypatch):
@@ -51,6 +55,50 @@ def test_remove_stale_and_check_writable_dir(tmp_path):
 def test_os_failure_exit_codes(code, expected):
     message, exit_code = os_failure(OSError(code, "reason", "/x/y"))
     assert exit_code == expected and message.startswith("/x/y: reason")
+
+
+def test_os_failure_says_the_advice_it_is_given_instead_of_running_again():
+    message, code = os_failure(OSError(errno.ENOSPC, "No space left", "/r/x"), "Free space, then do X")
+    assert code == EXIT_DISK and message.endswith("(no partial file is left). Free space, then do X")
+    assert os_failure(OSError(errno.ENOSPC, "No space left"))[0].endswith("Free space and run the command again")
+
+
+def _journal(run, entries: int) -> None:
+    from dp_accounting import dp_event
+
+    ledger = PrivacyLedger()
+    ledger.open_journal(run / JOURNAL_NAME)
+    for step in range(entries):
+        ledger.record(step, dp_event.GaussianDpEvent(1.0))
+    ledger.flush()
+
+
+def test_continuation_reads_checkpoint_mechanism_and_charged_releases(tmp_path):
+    """The four cases of a stopped run directory, and only the first offers --resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert continuation(run).releases == 0 and "run the command again" in continuation(run).advice(True)
+    _journal(run, 3)
+    (run / "config.json").write_text('{"noise_mechanism": "independent"}')
+    none_yet = continuation(run)
+    assert (none_yet.releases, none_yet.resumable) == (3, False) and "no checkpoint" in none_yet.reason
+    assert "3 charged release(s)" in none_yet.advice() and "--resume" not in none_yet.advice()
+    (run / "checkpoint.pt").write_bytes(b"x")
+    assert continuation(run).resumable and f"dpopt train --resume {run}" in continuation(run).advice()
+    (run / "config.json").write_text('{"noise_mechanism": "banded:4"}')
+    banded = continuation(run)
+    assert not banded.resumable and "correlated-noise run (banded:4)" in banded.advice()
+    (run / JOURNAL_NAME).write_text("not a journal\n")
+    assert continuation(run).releases is None and "holds charged releases" in continuation(run).advice()
+
+
+def test_run_write_error_keeps_the_write_and_its_run_directory():
+    cause = LedgerWriteError("release 3 failed: Nothing was released", OSError(errno.ENOSPC, "No space", "/r/j"))
+    err = RunWriteError(cause, "/r")
+    assert isinstance(err, OSError) and (err.errno, err.filename, err.run_dir) == (errno.ENOSPC, "/r/j", "/r")
+    assert str(err) == str(cause)
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.errno, again.run_dir, str(again)) == (errno.ENOSPC, "/r", str(cause))
 
 
 class _Closed(io.StringIO):

@@ -3,7 +3,10 @@ then ``dpopt train --resume`` once space is back; and ``dpopt report`` on a full
 
 Each fault: one ``error:`` line, exit 4 (docs: "Faults"), no traceback, no ``*.tmp``, every file written
 before unchanged or whole; the resumed run is whole (conftest.assert_whole_run). A write that fails
-before the first release leaves no run directory behind (the same ``--out`` works again).
+before the first release leaves no run directory behind (the same ``--out`` works again). A run that
+cannot resume (no checkpoint yet, or correlated noise) is never told to ``--resume``: the message, the
+refused re-run and ``dpopt check`` say its journal's releases stay charged and a new run needs another
+``--out``; ``--overwrite`` keeps that journal aside (warned).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import json
 import pytest
 from inject import full_disk
 
-from conftest import TRAIN, assert_no_tmp, assert_one_line_error, assert_whole_run, invoke
-from dpopt.accounting.ledger import PrivacyLedger
+from conftest import STEPS, TRAIN, assert_no_tmp, assert_one_line_error, assert_whole_run, invoke
+from dpopt.accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from dpopt.training.checkpoint import load_checkpoint
 
 
@@ -41,6 +44,9 @@ def test_full_disk_while_training_then_resume(tmp_path, monkeypatch, site, skip,
     assert len(journal) >= ckpt["ledger_length"]
     for line in (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []:
         json.loads(line)
+    if site not in ("model.pt", "summary.json"):  # stopped before summary.json: check says how it goes on
+        check = invoke("check", str(out))
+        assert check.exit_code == 2 and f"dpopt train --resume {out}" in check.output, check.output
     again = invoke("train", "--resume", str(out))
     assert again.exit_code == 0, again.output
     assert "Traceback" not in again.output and "UserWarning" not in again.output  # warnings: one plain line
@@ -58,6 +64,61 @@ def test_full_disk_before_the_first_release_leaves_no_run(tmp_path, monkeypatch,
     res = invoke(*TRAIN, "--out", str(out))
     assert res.exit_code == 0, res.output
     assert_whole_run(out)
+
+
+def _assert_cannot_continue(text: str, out, releases: int, *reason: str) -> None:
+    """``text`` says the run in ``out`` cannot continue, names its ``releases`` charged ones, offers no --resume."""
+    assert "--resume" not in text, text
+    for phrase in ("cannot continue", f"{releases} charged release(s)", "another --out", f"mv {out} {out}.failed"):
+        assert phrase in text, text
+    for phrase in reason:
+        assert phrase in text, text
+
+
+def test_full_disk_before_the_first_checkpoint_keeps_the_charged_journal_and_never_offers_resume(tmp_path, monkeypatch):
+    """The user's report: `--epochs 1` checkpoints at its end only; the disk fills there, after 22 releases."""
+    out = tmp_path / "run"
+    args = ["train", "--method", "dp-sgd", "--epochs", "1", "--out", str(out)]
+    with monkeypatch.context() as m:
+        full_disk(m, "checkpoint.pt", budget=64)
+        res = invoke(*args)
+    line = assert_one_line_error(res, 4, "checkpoint.pt: No space left on device", "once there is space")
+    _assert_cannot_continue(line, out, STEPS, "no checkpoint was written")
+    assert len(PrivacyLedger.load(out / JOURNAL_NAME)) == STEPS
+    assert not (out / "checkpoint.pt").exists()
+    # the commands the old message led to: each refusal says the same, none offers --resume
+    resumed = invoke("train", "--resume", str(out))
+    assert resumed.exit_code == 2 and "no checkpoint" in resumed.output, resumed.output
+    again = invoke(*args)
+    line = assert_one_line_error(again, 2, "already holds a run", "stopped before its end")
+    _assert_cannot_continue(line, out, STEPS)
+    check = invoke("check", str(out))
+    assert check.exit_code == 2 and "no summary.json" in check.output, check.output
+    _assert_cannot_continue(check.output, out, STEPS, "no checkpoint was written")
+    journal = (out / JOURNAL_NAME).read_text()
+    # --overwrite keeps the charged journal aside (warned), then the new run is whole
+    replaced = invoke(*args, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    warning = [line for line in replaced.output.splitlines() if line.startswith("warning: overwrite")]
+    assert len(warning) == 1 and f"held {STEPS} charged release(s)" in warning[0], replaced.output
+    (aside,) = out.glob("ledger-replaced-*.jsonl")
+    assert aside.read_text() == journal and aside.name in warning[0]
+    assert len(PrivacyLedger.load(aside)) == STEPS
+    assert_whole_run(out)
+
+
+def test_full_disk_in_a_correlated_noise_run_never_offers_resume(tmp_path, monkeypatch):
+    """BLT noise cannot resume (its stream is never saved): not even with a checkpoint on disk."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        full_disk(m, "checkpoint.pt", skip=1, budget=64)  # the 2nd checkpoint (step 8); the 1st (step 4) exists
+        res = invoke(*TRAIN, "--noise-mechanism", "blt", "--out", str(out))
+    line = assert_one_line_error(res, 4, "checkpoint.pt: No space left on device")
+    assert (out / "checkpoint.pt").exists()
+    _assert_cannot_continue(line, out, 8, "correlated-noise run (blt) cannot be resumed")
+    check = invoke("check", str(out))
+    assert check.exit_code == 2, check.output
+    _assert_cannot_continue(check.output, out, 8, "correlated-noise run (blt)")
 
 
 def test_a_plot_on_a_full_disk_warns_in_one_line_and_the_run_completes(tmp_path, monkeypatch):

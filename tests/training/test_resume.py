@@ -195,11 +195,17 @@ def test_overwrite_clears_the_old_run_first(tmp_path):
     def interrupt(info):
         os.kill(os.getpid(), signal.SIGINT)
 
-    s = train(
-        TrainConfig(method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out), overwrite=True), on_step=interrupt
-    )
+    charged = len(PrivacyLedger.load(out / "ledger.jsonl"))
+    with pytest.warns(
+        UserWarning, match=rf"overwrite: .* held {charged} charged release\(s\).* kept as ledger-replaced-"
+    ):
+        s = train(
+            TrainConfig(method="dp-sgd", epochs=0.3, accountant="rdp", out=str(out), overwrite=True), on_step=interrupt
+        )
     assert s["steps"] == 1 and len(PrivacyLedger.load(out)) == 1 and (out / "ledger.jsonl").read_text() != old
     assert (out / "stale.txt").exists()  # only run files are removed
+    (aside,) = out.glob("ledger-replaced-*.jsonl")  # the earlier run's charged releases are never deleted
+    assert aside.read_text() == old and charged > 0
     assert check_run(out).passed
 
 

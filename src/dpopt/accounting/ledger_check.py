@@ -754,10 +754,11 @@ def load_run(run_dir: str | Path) -> tuple[PrivacyLedger, dict]:
             + (f"; `dpopt ledger {saved}` scores a saved ledger" if saved is not None else "")
         )
     if not summary_path.exists():
+        from .run_continuation import continuation
+
         raise FileNotFoundError(
-            f"no summary.json in {run}: the run was killed or is still running "
-            f"(`dpopt train --resume {run}` completes it; `dpopt ledger {run}` scores the "
-            "releases journaled so far)"
+            f"no summary.json in {run}: the run stopped before its end (killed, a failed write) or is still "
+            f"running. {continuation(run).advice()} (`dpopt ledger {run}` scores the releases journaled so far)"
         )
     # a dpopt train run: the journal when there is one (the releases `dpopt ledger` scores)
     ledger = PrivacyLedger.load(run if ledger_path.name == "ledger.json" else ledger_path)

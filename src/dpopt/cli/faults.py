@@ -5,7 +5,8 @@
   bad input: exit :data:`~dpopt.cli.common.EXIT_USAGE` (2). A disk that failed a write (``ENOSPC``,
   ``EDQUOT``, ``EIO``, ``EFBIG``, anything else) is exit :data:`EXIT_DISK` (4): every file dpopt
   replaces is replaced atomically, so nothing written before is changed; free space and run the
-  command again (``dpopt train --resume RUN_DIR`` continues a run).
+  command again. ``dpopt train`` says how its run directory goes on instead: ``--resume RUN_DIR`` only
+  when it holds a checkpoint of independent noise (:mod:`dpopt.accounting.run_continuation`).
 * :class:`PipeSafe` — a console stream that ignores a closed reader (``dpopt train 2>&1 | head -1``):
   the first ``BrokenPipeError`` silences the stream and the command goes on writing its files
   (``dpopt train``). Other commands whose reader goes away stop quietly (click's exit 1, no traceback).
@@ -50,8 +51,14 @@ BAD_PATH_ERRNOS = frozenset(
 )
 
 
-def os_failure(exc: OSError) -> tuple[str, int]:
+def os_failure(exc: OSError, advice: Optional[str] = None) -> tuple[str, int]:
     """The ``error:`` line (without the prefix) and exit code for ``exc``.
+
+    Args:
+        exc: the error.
+        advice: for a disk that refused a write, what to do next (default: free space and run the command
+            again); ``dpopt train`` passes how its run directory goes on
+            (:meth:`dpopt.accounting.run_continuation.Continuation.advice`).
 
     Returns:
         ``(message, code)``: code 2 for a path that cannot be used (:data:`BAD_PATH_ERRNOS`), else
@@ -63,7 +70,7 @@ def os_failure(exc: OSError) -> tuple[str, int]:
         return f"{where}{reason}; choose a path this user can write (or read)", 2
     return (
         f"{where}{reason}: the disk refused a write; files written before are unchanged (no partial file is "
-        "left). Free space and run the command again (a run continues with `dpopt train --resume RUN_DIR`)",
+        f"left). {advice or 'Free space and run the command again'}",
         EXIT_DISK,
     )
 

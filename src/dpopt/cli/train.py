@@ -18,6 +18,7 @@ import typer
 from ..jsonio import dumps
 from .common import (
     EXIT_CHECK_FAILED,
+    USAGE_ERRORS,
     accountant_option,
     cli_errors,
     delta_option,
@@ -26,7 +27,7 @@ from .common import (
     json_option,
     status_progress,
 )
-from .faults import clean_warnings, pipe_safe
+from .faults import BAD_PATH_ERRNOS, clean_warnings, os_failure, pipe_safe
 
 DATASET_HELP = "digits (bundled, no files), mnist or cifar10 (read from --data-dir)"
 
@@ -147,6 +148,19 @@ def _resume_command(summary: dict) -> str:
     return f"{launcher} train --resume {summary['run_dir']}"
 
 
+def _disk_failure(exc: OSError, run_dir: Optional[str]) -> None:
+    """A disk that refused a write of the run: exit 4 with how the run directory goes on (resume only when it
+    can: :func:`~dpopt.accounting.run_continuation.continuation`); other errors are re-raised as they are."""
+    from ..errors import RunWriteError
+
+    where = exc.run_dir if isinstance(exc, RunWriteError) else run_dir
+    if isinstance(exc, USAGE_ERRORS) or exc.errno in BAD_PATH_ERRNOS or where is None:
+        raise exc  # bad input (exit 2: cli_errors), or no run directory to speak of
+    from ..accounting.run_continuation import continuation
+
+    fail(*os_failure(exc, continuation(str(where)).advice(free_space=True)))
+
+
 def _typed_flags(ctx: typer.Context, allowed: set) -> set:
     """The flags the user typed (or set through the environment), other than ``allowed`` parameters.
 
@@ -239,7 +253,9 @@ def train_command(
     norm_form: Optional[str] = typer.Option(None, help="force a norm form: gram, chol or direct"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<method>-<dataset>-...)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="let --out replace an earlier run's files"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="let --out replace an earlier run's files (a charged journal is kept aside)"
+    ),
     h1: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp floor (paper value per dataset)"),
     h2: Optional[float] = typer.Option(None, help="MacAdam/AdaClip clamp ceiling (paper value per dataset)"),
     variance_update: Optional[str] = typer.Option(None, help="MacAdam: paper (default) or unbiased"),
@@ -351,7 +367,7 @@ def train_command(
     Exit code 3: the run finished and every file is written, but its ledger check FAILED (σ = 0, an empty
     ledger, --reproducible-noise, ...): the ε it reports is not a guarantee; check.txt says why. 2: bad input
     (also an output path that cannot be written). 4: the disk refused a write (full): files written before
-    are unchanged; free space and continue with --resume. A damaged ledger.jsonl line: --resume RUN_DIR
+    are unchanged; the error says how the run goes on. A damaged ledger.jsonl line: --resume RUN_DIR
     --repair-journal.
     """
     import signal as _signal
@@ -498,18 +514,24 @@ def train_command(
             warnings.filterwarnings(
                 "ignore", message=".* is already complete .*nothing to resume", category=UserWarning
             )
-            if resume is not None:
-                from ..training import resume as resume_run
+            try:
+                if resume is not None:
+                    from ..training import resume as resume_run
 
-                summary = resume_run(
-                    resume, on_step=on_step, device=None if device == "cpu" else device, repair_journal=repair_journal
-                )
-            elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
-                from ..fsdp_train import train_fsdp
+                    summary = resume_run(
+                        resume,
+                        on_step=on_step,
+                        device=None if device == "cpu" else device,
+                        repair_journal=repair_journal,
+                    )
+                elif fsdp:  # dpopt.fsdp_train: the model sharded over torchrun's processes
+                    from ..fsdp_train import train_fsdp
 
-                summary = train_fsdp(cfg, on_step=on_step)
-            else:
-                summary = train(cfg, on_step=on_step)
+                    summary = train_fsdp(cfg, on_step=on_step)
+                else:
+                    summary = train(cfg, on_step=on_step)
+            except OSError as exc:
+                _disk_failure(exc, resume or cfg.out)
     if summary.get("rank", 0) != 0:  # another rank of a data-parallel run: rank 0 reports
         return
     out_console = Console(file=std)

@@ -57,6 +57,7 @@ from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..atomic import remove_stale
 from ..data import Dataset, load_dataset
 from ..distributed import DistributedContext, any_rank, check_replicas, setup
+from ..errors import RunWriteError
 from ..sampling import PoissonSampler
 from .build import REPRODUCIBLE_NOISE_WARNING, Run, build_run, layer_groups, noise_source, run_sampler
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_rng_state
@@ -130,6 +131,9 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
     Raises:
         ValueError / DataError: invalid configuration or data
             (:class:`~dpopt.errors.ConfigError` names the fields to change).
+        RunWriteError: a write failed (disk full, ...) after releases were charged; its ``run_dir`` holds
+            their journal (:func:`dpopt.accounting.run_continuation.continuation` says how it goes on). A
+            failure before the first release leaves no run files and raises the write's own ``OSError``.
     """
     start = time.perf_counter()
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
@@ -141,9 +145,11 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
     sampler = run_sampler(run, dist)
     try:
         return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
-    except BaseException:
+    except BaseException as exc:
         if run_dir is not None and len(run.ledger) == 0:  # nothing released: no half-made run directory is left
             _discard_unstarted(run_dir)
+        elif run_dir is not None and isinstance(exc, OSError):  # releases charged: say which directory holds them
+            raise RunWriteError(exc, run_dir) from exc
         raise
 
 
@@ -284,6 +290,7 @@ def resume(
     Raises:
         FileNotFoundError: no checkpoint or ledger journal in ``run_dir``.
         ValueError: a checkpoint that does not fit the run it describes.
+        RunWriteError: a write failed while training (disk full, ...); ``run_dir`` is the run's.
     """
     start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -373,4 +380,7 @@ def resume(
     if dist.enabled:  # every rank has read the checkpoint and journal before rank 0 rewrites them
         any_rank(False, dist)
     segments = list(ckpt.get("segments") or []) + [new_segment(state.step)]
-    return _run(run, run_dir, sampler, state, start, on_step, extra=extra, segments=segments)
+    try:
+        return _run(run, run_dir, sampler, state, start, on_step, extra=extra, segments=segments)
+    except OSError as exc:  # a failed write (disk full): the directory, to say how it goes on
+        raise RunWriteError(exc, run_dir) from exc

@@ -23,16 +23,19 @@ run files then reveal N); give ``sample_rate`` to avoid that.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from ..accounting.ledger import JOURNAL_NAME
+from ..accounting.ledger import JOURNAL_NAME, PrivacyLedger
 from ..accounting.ledger_check import check_ledger
+from ..accounting.run_continuation import continuation
 from ..atomic import append_whole, atomic_write, atomic_write_text, check_writable_dir
 from ..errors import ConfigError
 from ..jsonio import dumps, loads
@@ -105,28 +108,77 @@ def _default_directory(cfg: TrainConfig) -> Path:
 def run_directory(cfg: TrainConfig) -> Path:
     """The run directory, created; refuses a file, or a directory holding another run.
 
+    With ``overwrite`` the earlier run's files are removed first, except a ledger journal that holds
+    charged releases: it is moved to ``ledger-replaced-RUNID.jsonl`` with a warning (those releases still
+    count against the data's budget; ``dpopt ledger`` scores the file).
+
     Raises:
-        ConfigError: ``out`` is a file, already holds a run (allow ``overwrite``),
-            or cannot be created.
+        ConfigError: ``out`` is a file, already holds a run (allow ``overwrite``; a run that stopped before
+            its end: the message says how it goes on), or cannot be created.
     """
     path = Path(cfg.out) if cfg.out else _default_directory(cfg)
     check_extras(cfg)  # before anything is written: a missing package never leaves a half-made run directory
     if path.exists() and not path.is_dir():
         raise ConfigError(f"out {path} is a file; give a directory for the run", "out")
     if not cfg.overwrite and any((path / name).exists() for name in RUN_FILES):
+        stopped = "" if (path / "summary.json").exists() else _how_on(path)
         raise ConfigError(
-            f"out {path} already holds a run; choose a new directory or allow overwrite", "out", "overwrite"
+            f"out {path} already holds a run{stopped}; choose a new directory or allow overwrite", "out", "overwrite"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create the run directory {path}: {exc.strerror or exc}", "out") from None
     if cfg.overwrite:  # clear the earlier run before writing anything: no mixed directory
+        _keep_journal_aside(path)
         for name in RUN_FILES:
             for victim in (path / name, path / (name + ".tmp")):
                 if victim.is_file():
                     victim.unlink()
     return path
+
+
+def _how_on(path: Path) -> str:
+    """`` (it stopped before its end: HOW IT GOES ON)`` for a run in ``path`` with journaled releases and no
+    ``summary.json`` (:func:`~dpopt.accounting.run_continuation.continuation`); '' when its journal holds none."""
+    how = continuation(path)
+    if how.releases == 0:
+        return ""
+    advice = how.advice()
+    return f" (it stopped before its end: {advice[0].lower() + advice[1:]})"
+
+
+def _keep_journal_aside(path: Path) -> Optional[Path]:
+    """Before ``overwrite`` clears ``path``: move a journal that holds charged releases to
+    ``ledger-replaced-RUNID.jsonl`` (warned), so the record of what the data was charged is never deleted.
+
+    Returns the new path, or None when there was no journal or it held no release (it is then removed with
+    the other run files). A journal that cannot be read is kept aside too (its releases cannot be counted).
+    """
+    journal = path / JOURNAL_NAME
+    if not journal.is_file():
+        return None
+    try:
+        saved: Optional[PrivacyLedger] = PrivacyLedger.load(journal)
+    except (OSError, ValueError):
+        saved = None
+    if saved is not None and len(saved) == 0:
+        return None
+    name = (saved.run_id if saved is not None else None) or time.strftime("%Y%m%d-%H%M%S")
+    aside, k = path / f"ledger-replaced-{name}.jsonl", 1
+    while aside.exists():  # a copy of the same run overwritten twice: never replace a kept journal
+        k += 1
+        aside = path / f"ledger-replaced-{name}-{k}.jsonl"
+    os.replace(journal, aside)
+    held = "an unreadable number of" if saved is None else str(len(saved))
+    warnings.warn(
+        f"overwrite: the earlier run's journal in {path} held {held} charged release(s), which still count "
+        f"against the data's privacy budget (a new run's ε adds to them); it is kept as {aside.name} (its other "
+        "files are replaced)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return aside
 
 
 def check_extras(cfg: TrainConfig) -> None:
