@@ -95,6 +95,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import sys
 import warnings
 import weakref
 import zlib
@@ -151,6 +152,7 @@ from .users import DEFAULT_MAX_RECORDS_PER_USER, check_privacy_unit
 __all__ = ["PrivacyEngine", "PrivateOptimizer", "CLIPPING", "check_sampling"]
 
 CLIPPING = ("flat", "per_layer", "adaptive", "auto")  # auto: AUTO-S (dpopt.auto_clipping)
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # parameter dtypes whose mean-loss backward rounds ∂ℓ_i/B
 
 
 def _declares_points(t: Transform) -> bool:
@@ -160,6 +162,41 @@ def _declares_points(t: Transform) -> bool:
     if isinstance(t, Partition):
         return any(_declares_points(s) for s in t.transforms.values())
     return type(t).evaluation_points is not Transform.evaluation_points
+
+
+def _frames_here() -> int:
+    """The stacklevel of the first frame outside this module (the user's ``make_private`` or
+    ``make_private_with_epsilon`` call), counted from the caller of :func:`warnings.warn`."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_low_precision_mean(module: nn.Module, loss_reduction: str) -> None:
+    """Warn once when a trainable parameter is bf16/fp16 and ``loss_reduction="mean"``.
+
+    The hook door recovers e_i = B · grad_output_i from the user's backward of (1/B) Σ_i ℓ_i; in a 16-bit
+    backward ∂ℓ_i/B is rounded at a scale that depends on the realised B, so removing one example also moves
+    the other examples' g_i and the σ = 0 sum moves by up to ≈ 1.002·C (docs/pitfalls.md item 19,
+    ``tests/engine/test_bf16_weights.py``). With ``"sum"`` the backward is B-independent (e_i = grad_output_i).
+    """
+    if loss_reduction != "mean":
+        return
+    low = sorted({str(p.dtype) for p in module.parameters() if p.requires_grad and p.dtype in _LOW_PRECISION})
+    if not low:
+        return
+    warnings.warn(
+        f"make_private: trainable parameters in {', '.join(low)} with loss_reduction='mean': your backward "
+        "rounds each example's loss gradient (1/B)·∂ℓ_i at a scale that depends on the batch size B, so the "
+        "clip bound C holds only up to that rounding (removing one example moved the sigma=0 sum by up to "
+        '1.002·C in bf16). For a bound exact to float32 rounding pass loss_reduction="sum" and backpropagate '
+        "the loss summed over the batch (e.g. cross_entropy(..., reduction='sum')), not divided by B: the "
+        "release is divided by the expected batch size either way, so the step is the same. "
+        "See docs/pitfalls.md, item 19",
+        UserWarning,
+        stacklevel=_frames_here(),
+    )
 
 
 def _is_ddp(module: nn.Module) -> bool:
@@ -584,7 +621,10 @@ class PrivacyEngine:
                 loss module with ``reduction="sum"``/``"none"`` on the model's
                 output is checked on the first batch (a mismatch raises at
                 ``step()``: :class:`~dpopt.opacus_compat.LossReductionWatch`);
-                a functional or hand-written loss cannot be checked.
+                a functional or hand-written loss cannot be checked. With bf16/fp16
+                trainable parameters ``"mean"`` warns (UserWarning): the clip bound then holds
+                only up to the 16-bit rounding of ∂ℓ_i/B in your backward; ``"sum"`` is exact
+                (docs/pitfalls.md item 19).
             noise_generator: a seeded generator: REPRODUCIBLE noise and masks
                 (research reruns only; recorded in the ledger, failed by ``dpopt check``).
             target_unclipped_quantile, clipbound_learning_rate: adaptive
@@ -751,6 +791,7 @@ class PrivacyEngine:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        _warn_low_precision_mean(module, loss_reduction)
         if isinstance(optimizer, torch.optim.Optimizer) and hparams:
             raise TypeError(
                 f"make_private() got unexpected arguments {sorted(hparams)} with a torch optimizer: "
