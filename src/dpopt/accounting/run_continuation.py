@@ -27,7 +27,7 @@ from .ledger import PrivacyLedger, run_ledger_file
 
 __all__ = ["Continuation", "continuation", "CHECKPOINT_FILE"]
 
-#: The checkpoint file of a ``dpopt train`` run directory (``dpopt.training.checkpoint.CHECKPOINT_NAME``).
+#: The checkpoint file of a ``dpopt train`` run directory (``dpopt.training.checkpoint.CHECKPOINT_NAME`` is this).
 CHECKPOINT_FILE = "checkpoint.pt"
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..accounting.run_continuation import CHECKPOINT_FILE
 from ..atomic import atomic_write
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
     "load_rng_state",
 ]
 
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = CHECKPOINT_FILE  # one name: the continuation advice (accounting, no torch) reads it too
 CHECKPOINT_VERSION = 1
 
 
