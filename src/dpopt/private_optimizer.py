@@ -222,8 +222,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._refusal = None
 
     def _refuse_if_detached(self) -> None:
-        """Refuse a ``step()`` after ``engine.detach()`` (asked first in :meth:`step`, before the release
-        boundary or a noted refusal could give another reason): the per-sample hooks are gone.
+        """Refuse a ``step()`` after ``engine.detach()`` (asked in :meth:`step` before the release boundary could
+        give another reason, after a noted refusal's repeat: a refusal that detached the model itself, the
+        compiled door's first-step check, is said again as it was): the per-sample hooks are gone.
 
         Raises:
             RuntimeError: the engine was detached and no ``p.grad_sample`` was set by the user (nothing released).
@@ -388,10 +389,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refuse_if_detached()
         records = self._has_records()
         if not records:
             self._refused_again()  # a repeat of a refused step: its refusal, not "without a backward pass"
+        self._refuse_if_detached()  # (a refusal that detached the model itself, the compiled door's: said again above)
         try:
             self._step()
         except Exception as err:  # the one place a refusal is noted (a repeat without a new backward says it again)

@@ -49,7 +49,9 @@ def test_run_directory_and_model_errors_name_fields(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "ledger.json").write_text("{}")
-    with pytest.raises(ConfigError, match="already holds a run; choose a new directory or allow overwrite") as info:
+    with pytest.raises(
+        ConfigError, match=r"already holds a run( \(.*\))?; choose a new directory or allow overwrite"
+    ) as info:
         run_directory(TrainConfig(out=str(run)))
     assert translate(info.value, _flags()).endswith("allow --overwrite")
     assert run_directory(TrainConfig(out=str(run), overwrite=True)) == run
