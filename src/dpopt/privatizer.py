@@ -462,10 +462,11 @@ class Privatizer:
                 f"release with {meta} (sigma or the clip bound changed since): discard the step (_reset(); it "
                 "stays charged) or set them back"
             )
-        totals, noisy_count = self._noisy_totals(std, count, self._release_dtypes(params_like))
+        dtypes = self._release_dtypes(params_like)
+        totals, noisy_count = self._noisy_totals(std, count, dtypes)
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
-            g = totals[i].to(self._release_dtypes(params_like)[i])  # a no-op but after the reduce hook
+            g = totals[i].to(dtypes[i])  # a no-op but after the reduce hook
             g = g.div_(bbar)  # the totals are fresh buffers owned here
             coord_std = torch.tensor(std * marginal / bbar, dtype=g.dtype, device=s.device)
             if geo.scale is not None:

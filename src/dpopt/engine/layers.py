@@ -382,16 +382,24 @@ class LinearPart:
         c = c.to(self.dtype)
         if a.dtype == self.dtype and e.dtype == self.dtype:
             return _weighted_outer(a, e, c)
-        size = torch.finfo(self.dtype).bits // 8
-        step = max(1, chunk_bytes // max(1, 2 * self.T * (a.shape[-1] + e.shape[-1]) * size))
-        total = None
-        for s in range(0, a.shape[0], step):
-            w = self.dtype
-            part = _weighted_outer(a[s : s + step].to(w), e[s : s + step].to(w), c[s : s + step])
-            total = part if total is None else total.add_(part)
-        if total is None:
-            return a.new_zeros(e.shape[-1], a.shape[-1], dtype=self.dtype)
-        return total
+        empty = a.new_zeros(e.shape[-1], a.shape[-1], dtype=self.dtype)
+        return _sum_in_chunks(a, e, c, self.dtype, chunk_bytes, _weighted_outer, empty)
+
+
+def _sum_in_chunks(x: Tensor, e: Tensor, c: Tensor, dtype: torch.dtype, chunk_bytes: int, fn, empty: Tensor) -> Tensor:
+    """Σ over chunks of rows of ``fn(x_rows.to(dtype), e_rows.to(dtype), c_rows)``, accumulated in ``dtype``.
+
+    The inputs (bf16/fp16 as recorded) are cast per chunk of at most ``chunk_bytes`` of cast rows, never
+    whole: the clipped sum of a half-precision layer is computed in float32 without a float32 copy of all
+    its rows. ``empty``: the result for zero rows.
+    """
+    per = (x[:1].numel() + e[:1].numel()) * torch.finfo(dtype).bits // 8
+    step = max(1, chunk_bytes // max(1, per))
+    total = None
+    for s in range(0, x.shape[0], step):
+        part = fn(x[s : s + step].to(dtype), e[s : s + step].to(dtype), c[s : s + step])
+        total = part if total is None else total.add_(part)
+    return empty if total is None else total
 
 
 def _weighted_outer(a: Tensor, e: Tensor, c: Tensor) -> Tensor:
@@ -532,13 +540,8 @@ class ConvPart:
         c = c.to(self.dtype)
         if x.dtype == self.dtype and e.dtype == self.dtype:
             return self._weight_grad(x, e, c)
-        per = (x[:1].numel() + e[:1].numel()) * torch.finfo(self.dtype).bits // 8
-        step = max(1, chunk_bytes // max(1, per))
-        total = None
-        for s in range(0, x.shape[0], step):
-            part = self._weight_grad(x[s : s + step].to(self.dtype), e[s : s + step].to(self.dtype), c[s : s + step])
-            total = part if total is None else total.add_(part)
-        return total if total is not None else x.new_zeros(self.weight_shape[0], self.p, dtype=self.dtype)
+        empty = x.new_zeros(self.weight_shape[0], self.p, dtype=self.dtype)
+        return _sum_in_chunks(x, e, c, self.dtype, chunk_bytes, self._weight_grad, empty)
 
     def _weight_grad(self, x: Tensor, e: Tensor, c: Tensor) -> Tensor:
         """Σ_r c_r (weight gradient of row r) of rows ``x``, ``e``, ``c`` (one dtype), ``[q, C·kh·kw]``."""
