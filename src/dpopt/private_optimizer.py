@@ -241,8 +241,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def _source(self) -> Any:
         src = grad_sample_source(self._params)
-        if src is None:
-            self._refuse_if_detached()
+        if src is None:  # (a detached engine was refused in step(), before the boundary)
             if not self._capture.has_gradients():  # the loop's doing: an empty Poisson batch's backward counts
                 raise RuntimeError(
                     "optimizer.step() without a backward pass since optimizer.zero_grad(): no "
