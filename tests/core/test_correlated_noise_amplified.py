@@ -340,57 +340,6 @@ def test_make_private_refuses_sampling_without_an_accountant(kwargs, match):
         PrivacyEngine().make_private(**args)
 
 
-# -- the variance-correcting methods read the marginal variance -----------------------------------------------
-
-
-@pytest.mark.parametrize("method", ["dp-adambc", "dp-macadam", "dp-macadambc", "adaclip"])
-def test_variance_correcting_methods_get_the_marginal_std(method, monkeypatch):
-    """banded:2, C = (1, c₁) Toeplitz: C⁻¹ has d_s = (−c₁)^s, so by hand the std of w_t per unit σS is
-    √(Σ_{s≤t} c₁^{2s}). Every release the method's transform receives (``noise_std``, what DP-AdamBC,
-    DP-MacAdam(-BC) and AdaClip subtract) is σ·C/B̄ × that × the geometry's scale (1 without one)."""
-
-    seen = []
-    from dpopt import privatizer as privatizer_module
-
-    release = privatizer_module.Privatizer.release
-
-    def recorded(self, *a, **kw):
-        r = release(self, *a, **kw)
-        seen.append(r)
-        return r
-
-    monkeypatch.setattr(privatizer_module.Privatizer, "release", recorded)
-    torch.manual_seed(0)
-    model, engine = nn.Linear(5, 2), PrivacyEngine()
-    sigma, c, T = 1.3, 0.8, 8
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=method,
-        data_loader=DataLoader(_data(), batch_size=12),
-        noise_multiplier=sigma,
-        max_grad_norm=c,
-        noise_mechanism="banded:2",
-        epochs=2,
-        lr=0.01,
-    )
-    for _ in range(2):
-        for x, y in loader:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    coef = opt.privatizer.mechanism.strategy.coefficients
-    assert len(coef) == 2 and coef[0] == 1.0
-    c1 = coef[1]
-    assert abs(c1) > 0.1  # the marginal grows visibly: 1 → √(1 + c₁²) → ...
-    assert len(seen) == T
-    for t, r in enumerate(seen):
-        marginal = math.sqrt(sum(c1 ** (2 * s) for s in range(t + 1)))
-        for i, std in enumerate(r.noise_std):
-            scale = 1.0 if r.geometry.scale is None else r.geometry.scale[i]
-            want = torch.as_tensor(sigma * c / 12.0 * marginal * scale, dtype=torch.float64)
-            torch.testing.assert_close(std.double(), want.expand_as(std).double(), rtol=1e-6, atol=0.0)
-
-
 def test_sample_rate_without_sampling_suggests_cyclic_poisson():
     """sample_rate with a noise_mechanism but no sampling=: the refusal says sample_rate is also read with
     sampling='cyclic-poisson' and suggests it (independent noise: no such suggestion)."""

@@ -16,8 +16,9 @@ import pytest
 import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
+from test_correlated_noise import _data, sgd_args
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
 from dpopt import PrivacyEngine
@@ -41,11 +42,6 @@ def _gaussian_epsilon(mu: float, delta: float) -> float:
         return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
 
     return brentq(gap, 0.0, 200.0, xtol=1e-12)
-
-
-def _data(n: int = 48) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
 # -- every method runs with the mechanism and reads the marginal variance ------------------------------------
@@ -248,17 +244,8 @@ def test_dpopt_ledger_rescores_a_blt_ledger_file_alone_as_an_independent_referen
 
 
 def _sgd_args(**kwargs) -> dict:
-    model = nn.Linear(5, 2)
-    args = dict(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=12),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism="blt:2",
-    )
-    args.update(kwargs)
-    return args
+    """:func:`test_correlated_noise.sgd_args` with BLT (2 buffers) noise unless ``kwargs`` say otherwise."""
+    return sgd_args(**{"noise_mechanism": "blt:2", **kwargs})
 
 
 def test_total_steps_sets_the_horizon_as_epochs_does_and_both_are_refused():
@@ -380,17 +367,19 @@ def test_make_private_builds_and_calibrates_the_tuned_strategy():
 
 @pytest.mark.slow
 def test_a_long_multi_epoch_blt_run_gets_a_strategy_with_an_exact_sensitivity():
-    """blt:4 over T = 8192 steps, 10 participations 820 apart (≈ 30 s): the single-participation optimum's
-    coefficients are not monotone and T is past the general bound's 2048, so it has no sensitivity here (such a
-    run was refused); the tuned strategy keeps them nonnegative and nonincreasing, so its Δ is McKenna's exact
+    """blt:4 over T = 8192 steps, 10 participations 820 apart (≈ 30 s): a BLT whose coefficients are not
+    monotone has no sensitivity past the general bound's 2048 steps (refused; whether the single-participation
+    optimum is such a strategy depends on the optimizer's path: it is not under scipy 1.17); the tuned strategy keeps them nonnegative and nonincreasing, so its Δ is McKenna's exact
     ‖C·(e_0 + e_820 + …)‖, recomputed here by summing shifted columns."""
+    from dpopt.accounting.matrix_factorization import Strategy
     from dpopt.correlated_noise import monotone_envelope, sensitivity
 
     T, sep = 8192, 820
     p = Participation(T, 10, sep)
-    single = optimize_strategy("blt", T, 4)
+    nonmonotone = Strategy(kind="blt", coefficients=(), omega=(-0.9, 0.6), theta=(0.5, 0.95))  # c: 1, .3, −.03, …
+    assert monotone_envelope(nonmonotone.column(T)) is None
     with pytest.raises(ValueError, match="up to T = 2048"):
-        sensitivity(single, p)
+        sensitivity(nonmonotone, p)
     tuned = optimize_strategy("blt", T, 4, participation=p)
     c = tuned.column(T)
     assert monotone_envelope(c) is not None
