@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_release_boundary_poisson_tags import _private
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -112,22 +113,8 @@ def test_a_skipped_cyclic_batch_is_released_as_noise_only_at_its_own_position():
 
 
 def _poisson_engine():
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 5, generator=g), torch.randint(0, 2, (64,), generator=g))
-    original = DataLoader(data, batch_size=8, shuffle=True)
-    model = nn.Linear(5, 2)
-    engine = dpopt.PrivacyEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=original,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
-    return engine, model, opt, loader, original
+    """64 examples in shuffled batches of 8 through make_private (SGD, σ = 1, C = 1): the Poisson-tag tests' setup."""
+    return _private()
 
 
 def _cyclic_engine():
