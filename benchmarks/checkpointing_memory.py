@@ -22,10 +22,10 @@ forward is run, so checkpointing saves only the activations that are NOT layer i
 probabilities, MLP intermediates after the activation, norms' outputs...): the ratios printed are
 ``privacy-engine +ckpt / privacy-engine`` and ``non-private +ckpt / non-private`` of the peak.
 
-Measured (this default, CPU): non-private 118.1 MiB, +ckpt 39.6 (0.33×); privacy-engine 140.8,
-+ckpt reentrant 140.8 (1.00×), +ckpt non-reentrant 151.7 (1.08×): the capture's held layer inputs
-and output gradients, consumed at ``step()``, are the private step's peak, so checkpointing does not
-lower it (non-reentrant holds the first run's inputs while a segment is recomputed).
+Measured (this default, CPU, 2026-12-06 23:20 UTC, after issue 34's memory changes): non-private 118.1 MiB,
++ckpt 39.6 (0.33×); privacy-engine 124.1 (1.05× non-private), +ckpt reentrant 100.1 (0.81×), +ckpt
+non-reentrant 102.0 (0.82×). Before those changes (2026-12-06) privacy-engine read 140.8, +ckpt 140.8 (1.00×)
+and 151.7 (1.08×). docs/finetuning.md (its gradient checkpointing paragraph).
 
 Usage::
 

@@ -16,13 +16,15 @@ the model (every factored block of a real ``iter_per_sample_sources`` source, it
   Cholesky form (``engine/chol_norm.py``: float64 Gram of the narrow side, its Cholesky factor, the product
   with the wide side in float32), and the weight-gradient GEMM ``Eᵀ A`` (the clipped sum, which replaces
   the non-private weight gradient);
-* the noise for every trainable parameter: dpopt's secret sampler (float64, tail-preserving) and torch's
-  float32 ``normal_`` (what Opacus draws);
+* the noise for every trainable parameter: dpopt's secret sampler (float64, tail-preserving) as the release
+  draws it (streamed chunk by chunk into the float32 sum, :func:`_secret_release`; ``NoiseSource.normal``'s
+  one-buffer path is printed beside it) and torch's float32 ``normal_`` (what Opacus draws);
 * the engine's own step parts (capture, norms, clipped sums, noise), by wrapping its methods.
 
 Not a test: nothing asserts a time. Usage::
 
     python benchmarks/transformer_floor.py --models gpt2-untied,bert --threads 1 --reps 5
+    python benchmarks/transformer_floor.py --models bert --reps 3 --rounds 7   # each ratio's median and range
 """
 
 from __future__ import annotations
@@ -160,56 +162,148 @@ def _torch_normal(n: int) -> torch.Tensor:
     return torch.empty(n).normal_()
 
 
+def _secret_release(source: NoiseSource, flat: torch.Tensor, std: float = 1.0) -> None:
+    """The secret noise as the release adds it (``Privatizer``'s streamed path, ``EARLY_DRAW_MAX`` < n):
+    chunk by chunk, float64 normals · std + the float32 sum, rounded once into the sum's own storage.
+
+    ``flat``: the float32 sum ``[n]`` (changed in place). Timing :meth:`NoiseSource.normal` instead counts a
+    fresh float64 buffer of all n values and its rounding to a second float32 tensor, which the release never
+    makes (their page faults are CPU time too): that overstated the noise part of the floor.
+    """
+
+    def add(lo: int, hi: int, z: torch.Tensor) -> None:
+        flat[lo:hi].copy_(z.mul_(std).add_(flat[lo:hi]))
+
+    source.start_normal(flat.numel(), stream=True).consume(add)
+
+
+def measure(name: str, reps: int) -> dict:
+    """One round for ``name``: every quantity of the floor timed once more (CPU ms), and the floor ratios.
+
+    Returns ``n`` (trainable parameters), ``np`` / ``eng`` (:func:`np_parts` / :func:`engine_parts`),
+    ``noise`` (secret sampler and torch's float32 ``normal_``, ms), ``rows`` (per layer: shape, r, kernels,
+    cheapest exact kernel), ``best`` / ``best32`` / ``wgrad`` (sums over layers, ms) and the ratios
+    ``floor`` (exact forms + secret noise as the release draws it), ``floor_buffered_noise`` (the same with
+    ``NoiseSource.normal``'s one-buffer draw, this script's noise before 2026-12-07), ``floor_torch_noise``, ``floor_flop`` (float32 Gram + torch noise)
+    and ``engine`` (the engine's ``dp-sgd`` step), each over the same round's non-private step.
+    """
+    model = ts.build(name)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    npp = np_parts(name, reps)
+    eng = engine_parts(name, reps)
+    secret = NoiseSource("secret")
+    noise = {
+        "secret float64 sampler": med_ms(functools.partial(_secret_release, secret, torch.zeros(n)), reps),
+        "secret, one buffer (NoiseSource.normal)": med_ms(functools.partial(secret.normal, (n,)), reps),
+        "torch float32 normal_": med_ms(functools.partial(_torch_normal, n), reps),
+    }
+    rows, best, best32, wgrad = [], 0.0, 0.0, 0.0
+    for shape, k in [(s, kernels(*s, reps)) for s in layer_shapes(name)]:
+        b, t, p, q = shape
+        safe = min(k["direct"], k["gram64"], k["chol"])
+        best += safe
+        best32 += min(k["direct"], k["gram32"])
+        wgrad += k["wgrad"]
+        rows.append((shape, t * (p + q) / (p * q), k, safe))
+    base = npp["step"]
+    sec, t32 = noise["secret float64 sampler"], noise["torch float32 normal_"]
+    return {
+        "n": n,
+        "np": npp,
+        "eng": eng,
+        "noise": noise,
+        "rows": rows,
+        "best": best,
+        "best32": best32,
+        "wgrad": wgrad,
+        "floor": (base + best + sec) / base,
+        "floor_buffered_noise": (base + best + noise["secret, one buffer (NoiseSource.normal)"]) / base,
+        "floor_torch_noise": (base + best + t32) / base,
+        "floor_flop": (base + best32 + t32) / base,
+        "engine": eng["step"] / base,
+    }
+
+
+def report(name: str, m: dict, threads: int) -> None:
+    """Print one round's measurement (:func:`measure`) in full."""
+    npp, eng, noise = m["np"], m["eng"], m["noise"]
+    base = npp["step"]
+    print(f"\n{name}: {m['n']} trainable parameters, {threads} thread(s), 1-min load {os.getloadavg()[0]:.1f}")
+    print(f"  non-private step {base:.1f} ms; fwd+bwd without weight gradients {npp['fwd+bwd, no weight grads']:.1f}")
+    print("  dp-sgd step parts (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in eng.items()))
+    print(
+        f"  {'B':>3s} {'T':>4s} {'p':>5s} {'q':>5s} {'r':>5s} {'direct':>7s} {'gram64':>7s} {'gram32':>7s} "
+        f"{'chol':>7s} {'wgrad':>6s}"
+    )
+    for (b, t, p, q), r, k, _ in m["rows"]:
+        print(
+            f"  {b:3d} {t:4d} {p:5d} {q:5d} {r:5.2f} {k['direct']:7.1f} {k['gram64']:7.1f} {k['gram32']:7.1f} "
+            f"{k['chol']:7.1f} {k['wgrad']:6.1f}"
+        )
+    sec, t32 = noise["secret float64 sampler"], noise["torch float32 normal_"]
+    buf = noise["secret, one buffer (NoiseSource.normal)"]
+    print(
+        f"  norms, cheapest exact kernel per layer: {m['best']:.1f} ms (float32 Gram allowed: {m['best32']:.1f}); "
+        f"weight-gradient GEMMs {m['wgrad']:.1f}; noise: secret, streamed into the sum {sec:.1f} "
+        f"(NoiseSource.normal's one buffer: {buf:.1f}), torch float32 {t32:.1f}"
+    )
+    print(
+        f"  floor / non-private: {m['floor']:.3f} (engine's exact forms, secret noise); "
+        f"{m['floor_torch_noise']:.3f} (torch noise); {m['floor_flop']:.3f} (float32 Gram, "
+        f"torch noise: the FLOP floor); engine step / non-private {m['engine']:.3f}"
+    )
+
+
+def summarise(name: str, ms: list[dict]) -> dict:
+    """Median, min and max over rounds of each ratio and of the parts (ms) that make the floor; printed too."""
+    keys = {
+        "floor": lambda m: m["floor"],
+        "floor_buffered_noise": lambda m: m["floor_buffered_noise"],
+        "floor_torch_noise": lambda m: m["floor_torch_noise"],
+        "floor_flop": lambda m: m["floor_flop"],
+        "engine": lambda m: m["engine"],
+        "np_ms": lambda m: m["np"]["step"],
+        "norms_ms": lambda m: m["best"],
+        "secret_noise_ms": lambda m: m["noise"]["secret float64 sampler"],
+        "engine_noise_ms": lambda m: m["eng"].get("noise", float("nan")),
+        "engine_norms_ms": lambda m: m["eng"].get("norms", float("nan")),
+        "engine_ms": lambda m: m["eng"]["step"],
+    }
+    out = {}
+    print(f"\n{name}: {len(ms)} rounds, each quantity re-timed every round (CPU ms; median [min, max])")
+    for k, f in keys.items():
+        v = [f(m) for m in ms]
+        out[k] = (statistics.median(v), min(v), max(v))
+        print(
+            f"  {k:18s} {out[k][0]:8.3f}  [{out[k][1]:.3f}, {out[k][2]:.3f}]   rounds: "
+            + " ".join(f"{x:.3f}" for x in v)
+        )
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt2-untied,bert")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the whole measurement (non-private step, engine step, kernels, noise) this many times "
+        "and print each ratio's median and range over the rounds",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):
-        model = ts.build(name)
-        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        npp = np_parts(name, args.reps)
-        eng = engine_parts(name, args.reps)
-        secret = NoiseSource("secret")
-        noise = {
-            "secret float64 sampler": med_ms(functools.partial(secret.normal, (n,)), args.reps),
-            "torch float32 normal_": med_ms(functools.partial(_torch_normal, n), args.reps),
-        }
-        rows, best, best32, wgrad = [], 0.0, 0.0, 0.0
-        for shape, k in [(s, kernels(*s, args.reps)) for s in layer_shapes(name)]:
-            b, t, p, q = shape
-            safe = min(k["direct"], k["gram64"], k["chol"])
-            best += safe
-            best32 += min(k["direct"], k["gram32"])
-            wgrad += k["wgrad"]
-            rows.append((shape, t * (p + q) / (p * q), k, safe))
-        base = npp["step"]
-        print(f"\n{name}: {n} trainable parameters, {args.threads} thread(s), 1-min load {os.getloadavg()[0]:.1f}")
-        print(
-            f"  non-private step {base:.1f} ms; fwd+bwd without weight gradients {npp['fwd+bwd, no weight grads']:.1f}"
-        )
-        print("  dp-sgd step parts (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in eng.items()))
-        print(
-            f"  {'B':>3s} {'T':>4s} {'p':>5s} {'q':>5s} {'r':>5s} {'direct':>7s} {'gram64':>7s} {'gram32':>7s} "
-            f"{'chol':>7s} {'wgrad':>6s}"
-        )
-        for (b, t, p, q), r, k, _ in rows:
-            print(
-                f"  {b:3d} {t:4d} {p:5d} {q:5d} {r:5.2f} {k['direct']:7.1f} {k['gram64']:7.1f} {k['gram32']:7.1f} "
-                f"{k['chol']:7.1f} {k['wgrad']:6.1f}"
-            )
-        sec, t32 = noise["secret float64 sampler"], noise["torch float32 normal_"]
-        print(
-            f"  norms, cheapest exact kernel per layer: {best:.1f} ms (float32 Gram allowed: {best32:.1f}); "
-            f"weight-gradient GEMMs {wgrad:.1f}; noise: secret {sec:.1f}, torch float32 {t32:.1f}"
-        )
-        print(
-            f"  floor / non-private: {(base + best + sec) / base:.3f} (engine's exact forms, secret noise); "
-            f"{(base + best + t32) / base:.3f} (torch noise); {(base + best32 + t32) / base:.3f} (float32 Gram, "
-            f"torch noise: the FLOP floor); engine step / non-private {eng['step'] / base:.3f}"
-        )
+        ms = []
+        for r in range(args.rounds):
+            ms.append(measure(name, args.reps))
+            if args.rounds > 1:
+                print(f"[round {r + 1}/{args.rounds}]", end="")
+            report(name, ms[-1], args.threads)
+        if args.rounds > 1:
+            summarise(name, ms)
 
 
 if __name__ == "__main__":
