@@ -184,7 +184,7 @@ def measure(name: str, reps: int) -> dict:
     ``noise`` (secret sampler and torch's float32 ``normal_``, ms), ``rows`` (per layer: shape, r, kernels,
     cheapest exact kernel), ``best`` / ``best32`` / ``wgrad`` (sums over layers, ms) and the ratios
     ``floor`` (exact forms + secret noise as the release draws it), ``floor_buffered_noise`` (the same with
-    ``NoiseSource.normal``'s one-buffer draw, this script's noise before 2026-12-07), ``floor_torch_noise``, ``floor_flop`` (float32 Gram + torch noise)
+    ``NoiseSource.normal``'s one-buffer draw, this script's noise before 2026-12-06), ``floor_torch_noise``, ``floor_flop`` (float32 Gram + torch noise)
     and ``engine`` (the engine's ``dp-sgd`` step), each over the same round's non-private step.
     """
     model = ts.build(name)

@@ -1,7 +1,7 @@
 """benchmarks/transformer_floor.py: the noise it times is the release's, and its rounds summary is right.
 
 The floor's noise term times the secret sampler as the Privatizer's streamed release adds it (chunk by chunk,
-float64 normals · σ + the float32 sum, rounded once into the sum); before 2026-12-07 it timed
+float64 normals · σ + the float32 sum, rounded once into the sum); before 2026-12-06 it timed
 ``NoiseSource.normal``'s one-buffer draw, which makes two fresh tensors the release never makes. The first test
 checks that ``_secret_release`` computes exactly that sum (so the time is of the right work), against an
 identically seeded ``NoiseSource.normal`` draw over three chunks; the second checks the median and range the
