@@ -176,7 +176,10 @@ def run_steps(
     Data parallel (``run.dist`` with several ranks, :mod:`dpopt.distributed`):
     ``sampler`` draws this rank's shard; a stop signal on any rank stops every
     rank after the same step; only rank 0 evaluates, records metrics rows and
-    calls ``on_step`` (give ``files`` on rank 0 only).
+    calls ``on_step`` (give ``files`` on rank 0 only). A write of rank 0 that
+    fails (disk full) is held to the next step's agreement (or the one after
+    the last writes), where every rank raises after the same release: rank 0
+    its ``OSError``, the others an ``OSError`` with its ``errno``.
     """
     cfg, data, model, opt, ledger = run.cfg, run.data, run.model, run.optimizer, run.ledger
     dist = run.dist
