@@ -304,6 +304,11 @@ class AllReduceRelease:
         self.calls += 1
         return out, noisy_count
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
+        stops the release on all, before any noise is drawn or summed)."""
+        return any_rank(flag, self.ctx)
+
 
 def attach(privatizer, ctx: DistributedContext) -> None:
     """Make ``privatizer`` release the noisy sum over every rank of ``ctx`` (a no-op for one process).

@@ -389,6 +389,11 @@ class ShardedRelease:
         self.elements = 0
         self.collective = ""
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
+        stops the release on all, before any noise is drawn or reduced)."""
+        return any_rank(flag, self.ctx)
+
     def _layout(self, p: Tensor) -> tuple[int, int, int]:
         """(rows per chunk, row size, this rank's rows) of parameter ``p``'s ``Shard(0)`` chunks."""
         rows = p.shape[0] if p.dim() else 1

@@ -63,7 +63,7 @@ from typing import Callable, Iterator, Optional, cast
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, RunWriteError
 from .training.results import RunFiles
 
 __all__ = ["FSDP_METHODS", "check_fsdp_config", "shard_model", "train_fsdp"]
@@ -182,6 +182,10 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     Raises:
         ConfigError: what :func:`check_fsdp_config` refuses; one process (no ``torchrun``).
         ValueError: what :mod:`dpopt.fsdp` refuses (a layer without a fast rule, ...).
+        RunWriteError: rank 0 failed to write the run's files (disk full, ...) after releases were charged;
+            raised on EVERY rank after the same release (none waits in a collective), its ``run_dir`` the
+            run's (:func:`dpopt.accounting.run_continuation.continuation` says how it goes on), as
+            :func:`~dpopt.training.train` raises it.
     """
     from . import fsdp
     from .accounting.incremental import EpsilonTracker
@@ -190,6 +194,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     from .distributed import any_rank, setup
     from .methods import build_optimizer, get_method
     from .models import build_model
+    from .training import _on_main, share_path
     from .training.build import build_run, privacy_options, run_sampler
     from .training.config import resolve_device
     from .training.loop import LoopState, run_steps
@@ -218,6 +223,7 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         if error is not None:
             raise error
         raise RuntimeError("rank 0 failed to set up the run (its error is reported there)")
+    run_dir = share_path(run_dir, dist)  # every rank: a failed write of rank 0 is a RunWriteError on each
 
     model = shard_model(run.model)
     fsdp.prepare_model(model, dist)
@@ -244,7 +250,12 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
     fsdp.attach(opt.privatizer, params, model, dist)  # a mechanism: each rank streams its shard's noise
     run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist, ledger=opt.privatizer.ledger)
 
-    files = _ShardedRunFiles(run_dir, run, segments=[new_segment(0)]) if dist.is_main else None  # type: ignore[arg-type]
+    files = None
+    try:
+        files = _on_main(dist, lambda: _ShardedRunFiles(cast(Path, run_dir), run, segments=[new_segment(0)]))
+    except BaseException:
+        capture.detach()
+        raise
     tracker = EpsilonTracker(cfg.delta, cfg.accountant, cfg.max_epsilon)
     sampler = run_sampler(run, dist)  # Poisson shards, or cyclic (Poisson) slices of rank 0's partition
     state = LoopState(segment_start=start)
@@ -261,6 +272,10 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
                 batch_sources=functools.partial(_sources, model, capture, physical=cfg.physical_batch_size, dist=dist),
                 evaluate_on_every_rank=True,
             )
+    except OSError as exc:  # a failed write (rank 0's, agreed by every rank in the loop): how the directory goes on
+        if len(run.ledger) == 0:
+            raise
+        raise RunWriteError(exc, run_dir) from exc
     finally:
         capture.detach()
     full = _full_state(model)  # every rank (collectives)

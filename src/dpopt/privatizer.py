@@ -455,13 +455,15 @@ class Privatizer:
             meta.update(mechanism=self.mechanism.kind, mechanism_sensitivity=float(self.mechanism.prefix[self.steps]))
         if self.quantile is None and self._entry is None:  # write-ahead: on record before any noise is drawn
             self._entry_meta = dict(meta)
-            self._entry = self._record(meta, released=1)
+            self._entry = self._agreed_record(meta, released=1)
         elif self._entry is not None and meta != self._entry_meta:  # a retry must be the release on record
             raise RuntimeError(
                 f"release {self.steps + 1} (1-based) is on record with {self._entry_meta}, but its retry would "
                 f"release with {meta} (sigma or the clip bound changed since): discard the step (_reset(); it "
                 "stays charged) or set them back"
             )
+        elif self._entry is not None:  # a retry whose entry is on record here: still agreed with the other ranks
+            self._agreed_record(meta, released=1, record=False)
         dtypes = self._release_dtypes(params_like)
         totals, noisy_count = self._noisy_totals(std, count, dtypes)
         grads, noise_std = [], []
@@ -480,7 +482,7 @@ class Privatizer:
             bounds, history = list(self.bounds), len(self.clip_history)
             meta.update(self._release_count(cast(float, noisy_count)))
             try:
-                self._entry = self._record(meta, released=2)
+                self._entry = self._agreed_record(meta, released=2)
             except BaseException:  # nothing released: the bound is not adapted from an unrecorded count
                 self.bounds, self.clip_history[history:] = bounds, []
                 raise
@@ -528,6 +530,46 @@ class Privatizer:
         self.reads += len(self._read)
         self.releases += released
         return entry
+
+    def _agreed_record(self, meta: dict, released: int, record: bool = True) -> LedgerEntry:
+        """:meth:`_record`, agreed over the data-parallel ranks (a ``reduce`` hook with ``any_rank``: one
+        all-reduce of one number) before anything is drawn, summed or released: a write that failed on ONE
+        rank (usually rank 0, the one with a journal) stops the release on EVERY rank, none left waiting in
+        the reduce. A rank whose own record succeeded takes its entry back
+        (:meth:`~dpopt.accounting.ledger.PrivacyLedger.withdraw_last`: it was in memory only), so every
+        rank's ledger, counters and step index stay as before; an entry already in that rank's own journal
+        is kept as the open step's (a retried ``release()`` does not record it again).
+
+        ``record=False``: a retry whose entry is already this rank's (``self._entry``): agreed only.
+
+        Raises:
+            LedgerWriteError: this rank's write failed (its own), or another rank's did.
+        """
+        entry, failed = self._entry, None
+        try:
+            if record:
+                entry = self._record(meta, released)
+        except LedgerWriteError as err:
+            failed = err
+        agree = getattr(self.reduce, "any_rank", None)
+        if agree is not None and agree(failed is not None) and failed is None:
+            if record and self.ledger.withdraw_last():
+                self.reads -= int(meta["reads"])
+                self.releases -= released
+            elif (
+                record and released == 1
+            ):  # in this rank's own journal: the open step's entry (a retry skips the record)
+                self._entry = entry
+            raise LedgerWriteError(
+                f"release {self.steps + 1} (1-based) was not made on any data-parallel rank: another rank could "
+                "not write its ledger entry (its error says why: disk full, ...). "
+                + ("No noise was drawn and " if released == 1 else "The step's noisy count is discarded and ")
+                + "nothing was released: the parameters are unchanged on every rank. Free the space that rank "
+                "writes to, then take the step again on every rank, or stop the run"
+            )
+        if failed is not None:
+            raise failed
+        return cast(LedgerEntry, entry)
 
     def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,

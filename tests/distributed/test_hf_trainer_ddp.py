@@ -331,7 +331,9 @@ def test_one_all_reduce_per_logical_batch_and_no_ddp_wrap(ddp):
             counts = r[name]["collectives"]
             assert not [k for k in counts if k.startswith("chunks:")], counts  # clipping the chunks: no collective
             release = {k: v for k, v in counts.items() if k.startswith("release:")}
-            assert release == {"release:all_reduce": STEPS}, counts  # ONE all-reduce of the clipped sums per step
+            # per step ONE all-reduce of the clipped sums, after one of one number: every rank's ledger entry was
+            # written (a write failed on one rank stops the release on all: test_ddp_ledger_write_failure.py)
+            assert release == {"release:all_reduce": 2 * STEPS}, counts
             assert r[name]["wrapped"] == "GPT2LMHeadModel"  # never DistributedDataParallel
     chunks = [b["input_ids"].shape[0] for r in ranks for name in CASES for b in r[name]["batches"]]
     assert any(s > PER_DEVICE for s in chunks), "no rank's batch needed several chunks (probability < 1e-4)"

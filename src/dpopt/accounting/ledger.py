@@ -340,6 +340,21 @@ class PrivacyLedger:
                 raise
         return entry
 
+    def withdraw_last(self) -> bool:
+        """Take back the last release's entry if it is in memory only (no journal, or not yet written to it).
+
+        For a release that was never made: a data-parallel step whose entry another rank could not write
+        (:meth:`dpopt.privatizer.Privatizer.release`: every rank then releases nothing). An entry already in
+        the journal is never taken back (the ledger over-counts, never under-counts).
+
+        Returns:
+            True if the entry was taken back; False (the ledger unchanged) when there is none or it is written.
+        """
+        if self._n == 0 or (self._journal is not None and self._flushed >= self._n):
+            return False
+        self._drop_last(len(self._groups) - 1 if self._groups[-1].count == 1 else len(self._groups))
+        return True
+
     def _drop_last(self, groups: int) -> None:
         """Undo the :meth:`_append` of ONE release made when the ledger had ``groups`` groups."""
         if len(self._groups) > groups:

@@ -134,20 +134,23 @@ def train(cfg: TrainConfig, data: Optional[Dataset] = None, on_step: Optional[Ca
         RunWriteError: a write failed (disk full, ...) after releases were charged; its ``run_dir`` holds
             their journal (:func:`dpopt.accounting.run_continuation.continuation` says how it goes on). A
             failure before the first release leaves no run files and raises the write's own ``OSError``.
+            Data parallel: rank 0 writes; its failed write is raised on EVERY rank after the same release
+            (the others' cause an ``OSError`` with its ``errno``), none left waiting in a collective.
     """
     start = time.perf_counter()
     data = data or load_dataset(cfg.dataset, cfg.data_dir)
     dist = setup(resolve_device(cfg.device))  # torchrun / an initialised process group, else one process
     # the reproducible-noise warning points at train's caller
     run = build_run(cfg, data, stacklevel=4, dist=dist)
-    run_dir = _on_main(dist, lambda: _new_run_directory(cfg, run))
+    run_dir = share_path(_on_main(dist, lambda: _new_run_directory(cfg, run)), dist)  # every rank: for RunWriteError
     # run.data: without the validation records (cfg.validation_fraction)
     sampler = run_sampler(run, dist)
     try:
         return _run(run, run_dir, sampler, LoopState(segment_start=start), start, on_step, segments=[new_segment(0)])
     except BaseException as exc:
         if run_dir is not None and len(run.ledger) == 0:  # nothing released: no half-made run directory is left
-            _discard_unstarted(run_dir)
+            if dist.is_main:
+                _discard_unstarted(run_dir)
         elif run_dir is not None and isinstance(exc, OSError):  # releases charged: say which directory holds them
             raise RunWriteError(exc, run_dir) from exc
         raise
@@ -169,6 +172,22 @@ def _new_run_directory(cfg: TrainConfig, run: Run) -> Path:
     run_dir = run_directory(cfg)
     write_config(run_dir, run)
     return run_dir
+
+
+def share_path(path: Optional[Path], dist: DistributedContext) -> Optional[Path]:
+    """Rank 0's ``path`` on every rank (one broadcast; ``path`` itself for one process).
+
+    The other ranks need the run directory to report a failed write of rank 0 as a
+    :class:`~dpopt.errors.RunWriteError` (a default directory is named after rank 0's clock).
+    """
+    if not dist.enabled:
+        return path
+    import torch.distributed as tdist
+
+    box = [str(path) if dist.is_main and path is not None else None]
+    src = tdist.get_global_rank(dist.group, 0) if dist.group is not None else 0
+    tdist.broadcast_object_list(box, src=src, group=dist.group)
+    return None if box[0] is None else Path(box[0])
 
 
 def _on_main(dist: DistributedContext, fn: Callable):
@@ -199,7 +218,8 @@ def _run(
     segments: Optional[list] = None,
 ) -> dict:
     dist = run.dist
-    files = RunFiles(run_dir, run, segments=segments) if dist.is_main else None  # type: ignore[arg-type]  # only rank 0 writes
+    # only rank 0 writes; a journal it cannot open stops every rank (none waits in the loop's collectives)
+    files = _on_main(dist, lambda: RunFiles(cast(Path, run_dir), run, segments=segments))
     extra = dict(extra or {}, segments=list(segments or []))
     tracker = EpsilonTracker(run.cfg.delta, run.cfg.accountant, run.cfg.max_epsilon)
     with graceful_stop() as stop:

@@ -20,6 +20,7 @@ ledger before anything that depends on a release.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -29,7 +30,7 @@ from torch import nn
 
 from ..accounting.incremental import EpsilonTracker
 from ..augment import ViewBatches
-from ..distributed import DistributedContext, any_rank
+from ..distributed import DistributedContext, backend_device
 from ..engine import iter_per_sample_sources
 from ..lr_schedules import apply_lr
 from ..sampling import PoissonSampler
@@ -42,6 +43,30 @@ __all__ = ["evaluate", "run_steps", "LOSS_EVERY", "LEDGER_FLUSH_EVERY", "LoopSta
 
 LOSS_EVERY = 10  # show_train_loss: the (NON-PRIVATE) batch loss is refreshed every 10 steps
 LEDGER_FLUSH_EVERY = 50  # the ledger journal is flushed at least this often (and before any dependent file)
+
+
+def _agree(requested: bool, error: Optional[OSError], dist: DistributedContext) -> bool:
+    """Whether some rank has a stop request (one all-reduce of two numbers, every rank). Rank 0's failed
+    write (``error``) stops every rank here, after the same release: rank 0 raises it, the others an
+    ``OSError`` with its ``errno`` (their front ends wrap it as a :class:`~dpopt.errors.RunWriteError`, so
+    every rank reports the run directory and how it goes on; none is left waiting in a collective).
+
+    Raises:
+        OSError: some rank's write failed (on that rank: its own error).
+    """
+    code = 0.0 if error is None else float((error.errno or 0) + 1)  # errno + 1: an OSError without errno counts
+    flags = dist.all_reduce(
+        torch.tensor([float(requested), code], dtype=torch.float64, device=backend_device(dist)), op="max"
+    )
+    if flags[1] > 0:
+        if error is not None:
+            raise error
+        number = int(flags[1]) - 1 or None
+        reason = os.strerror(number) if number else "a failed write"
+        raise OSError(
+            number, f"rank 0 could not write the run's files ({reason}): every rank stopped after the same release"
+        )
+    return bool(flags[0] > 0)
 
 
 @torch.no_grad()
@@ -151,7 +176,10 @@ def run_steps(
     Data parallel (``run.dist`` with several ranks, :mod:`dpopt.distributed`):
     ``sampler`` draws this rank's shard; a stop signal on any rank stops every
     rank after the same step; only rank 0 evaluates, records metrics rows and
-    calls ``on_step`` (give ``files`` on rank 0 only).
+    calls ``on_step`` (give ``files`` on rank 0 only). A write of rank 0 that
+    fails (disk full) is held to the next step's agreement (or the one after
+    the last writes), where every rank raises after the same release: rank 0
+    its ``OSError``, the others an ``OSError`` with its ``errno``.
     """
     cfg, data, model, opt, ledger = run.cfg, run.data, run.model, run.optimizer, run.ledger
     dist = run.dist
@@ -186,12 +214,26 @@ def run_steps(
         state.metrics.append(r)
         last = r
         if files is not None:
-            files.metric(r)
+            write(lambda: files.metric(r))
         return r
+
+    write_error: Optional[OSError] = None  # rank 0's failed write, held until every rank knows (data parallel)
+
+    def write(fn: Callable[[], object]) -> None:
+        """Rank 0's file write; data parallel: a failure is held (no more writes) until the next agreement."""
+        nonlocal write_error
+        if write_error is not None:
+            return
+        try:
+            fn()
+        except OSError as exc:
+            if not dist.enabled:
+                raise
+            write_error = exc
 
     def checkpoint() -> None:
         if files is not None:
-            files.checkpoint(state, sampler)
+            write(lambda: files.checkpoint(state, sampler))
 
     k, augment = cfg.augmentation_multiplicity, cfg.augment  # views per example and their augmentation
     views = (
@@ -204,8 +246,8 @@ def run_steps(
     try:
         while state.step < steps:
             requested = stop is not None and stop.requested
-            if dist.enabled:  # every rank stops after the same step (one collective of one number)
-                requested = any_rank(requested, dist)
+            if dist.enabled:  # every rank stops after the same step (one collective of two numbers)
+                requested = _agree(requested, write_error, dist)
             if requested:
                 state.status = "interrupted"
                 state.stop_signal = (stop.name if stop is not None else None) or "SIGTERM"
@@ -262,7 +304,7 @@ def run_steps(
             # epoch k ends after step round(k / q), the rounding of the planned steps (config.epoch_end_step)
             epoch_end = step >= epoch_end_step(state.next_epoch, sample_rate, steps)
             if files is not None and (ledger.unflushed >= LEDGER_FLUSH_EVERY or epoch_end):
-                files.flush()
+                write(files.flush)
             if epoch_end:
                 # a last epoch cut short by the planned steps (epochs 2.5: epochs 1, 2, then 2.5)
                 row({"epoch": min(state.next_epoch, cfg.epochs)})
@@ -294,8 +336,10 @@ def run_steps(
         if state.status != "completed" and (not state.metrics or state.metrics[-1]["step"] != state.step):
             row({"epoch": round(state.step * sample_rate, 6), "status": state.status})
         if files is not None:
-            files.flush()
+            write(files.flush)
         checkpoint()
+        if dist.enabled:  # the last writes: every rank raises if rank 0's failed (before any later collective)
+            _agree(False, write_error, dist)
     except BaseException:
         if files is not None:  # whatever happened: every release made goes on disk (never under-counted)
             try:
