@@ -1,0 +1,142 @@
+"""CNN5's `dp-sgd` step against its floor, part by part (issue 34; docs/performance.md, "CNN5: profile and floor").
+
+Times, round-robin in one process (process CPU time, all threads, median of ``--steps`` steps):
+
+* the non-private step and the non-private step plus one secret noise draw (``step_time.py``'s configurations),
+* dpopt's ``dp-sgd`` step, with timers around its parts: the capture (``PerSampleEngine.compute``), GroupNorm's
+  per-example affine gradients inside it (``rules.group_norm_grads``), each factored layer's ``sq_norms`` and
+  ``grad_sums``, the per-example conv kernels (``ConvPart.per_sample``) and the float64 squared norms
+  (``row_sq_norms64``),
+* with ``--forms``: ``dp-sgd`` with the Gram form forced on every layer (``norm_form="gram"``) and with every
+  layer's per-example gradients cached (``cache_bytes`` 1 GiB), to check that the cost model's form is the
+  cheapest exact one here.
+
+The floor is the non-private step + the noise + the exact norms (every ``sq_norms`` and GroupNorm's per-example
+gradients): the clipped sums replace the weight gradients the non-private step computes.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/cnn5_floor.py --threads 1 --steps 5
+    python benchmarks/cnn5_floor.py --threads 1 --steps 3 --forms
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared CPUs
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+from step_time import batch, dpopt_step, floor_step, loss_fn, non_private_step  # noqa: E402
+
+from dpopt.engine import fast, iter_per_sample_sources, layers, rules  # noqa: E402
+from dpopt.methods import make_optimizer  # noqa: E402
+from dpopt.models import build_model  # noqa: E402
+
+ACC: dict[tuple[str, str], float] = defaultdict(float)
+CUR = ["-"]
+
+
+def _timed(inner: Callable, label: Callable[..., str]) -> Callable:
+    def f(*a, **k):
+        c = time.process_time()
+        try:
+            return inner(*a, **k)
+        finally:
+            ACC[(CUR[0], label(*a))] += time.process_time() - c
+
+    return f
+
+
+def install_timers() -> None:
+    """Wrap the engine's parts (in this process only) with process-CPU timers keyed by configuration."""
+    for attr in ("sq_norms", "grad_sums"):
+        inner = getattr(layers.FactoredBlock, attr)
+        setattr(
+            layers.FactoredBlock, attr, _timed(inner, lambda self, *a, _n=attr: f"{_n}[q{self.q},p{self.p},T{self.T}]")
+        )
+    layers.ConvPart.per_sample = _timed(layers.ConvPart.per_sample, lambda *a: "conv per_sample")
+    layers.row_sq_norms64 = _timed(layers.row_sq_norms64, lambda *a: "row_sq_norms64")
+    rules.group_norm_grads = _timed(rules.group_norm_grads, lambda *a: "group_norm_grads (in capture)")
+    fast.PerSampleEngine.compute = _timed(fast.PerSampleEngine.compute, lambda *a: "capture")
+
+
+def forced_step(x, y, norm_form: Optional[str] = None, cache_bytes: Optional[int] = None) -> Callable[[], None]:
+    """``dp-sgd`` on cnn5 as ``step_time.dpopt_step``, with a forced norm form and/or cache budget."""
+    torch.manual_seed(0)
+    model = build_model("cnn5")
+    opt = make_optimizer(
+        "dp-sgd",
+        list(model.parameters()),
+        noise_multiplier=1.0,
+        expected_batch_size=float(x.shape[0]),
+        sample_rate=x.shape[0] / 50_000,
+        dataset="cifar10",
+        generator=torch.Generator().manual_seed(0),
+    )
+    return lambda: opt.step(
+        iter_per_sample_sources(
+            model, loss_fn, x, y, None, opt.evaluation_points(), norm_form=norm_form, cache_bytes=cache_bytes
+        )
+    )
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--forms", action="store_true", help="also dp-sgd with the Gram form forced and with the cache")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    install_timers()
+    x, y = batch("cnn5", 512)
+    steps = {
+        "non-private": non_private_step("cnn5", x, y),
+        "non-private + noise": floor_step("cnn5", x, y),
+        "dp-sgd": dpopt_step("cnn5", "dp-sgd", x, y),
+    }
+    if args.forms:
+        steps["dp-sgd gram forced"] = forced_step(x, y, norm_form="gram")
+        steps["dp-sgd cached"] = forced_step(x, y, cache_bytes=1 << 30)
+    for name, f in steps.items():
+        CUR[0] = name
+        for _ in range(args.warmup):
+            f()
+    ACC.clear()
+    cpu: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.steps):
+        for name, f in steps.items():
+            CUR[0] = name
+            c = time.process_time()
+            f()
+            cpu[name].append(time.process_time() - c)
+    ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    np_ms = ms["non-private"]
+    parts = {k: 1e3 * v / args.steps for k, v in ACC.items()}
+    norms = sum(
+        v for (cfg, lab), v in parts.items() if cfg == "dp-sgd" and (lab.startswith("sq_norms") or "group" in lab)
+    )
+    floor = ms["non-private + noise"] + norms
+    print(
+        f"cnn5, B = 512, {args.threads} thread(s), median CPU ms of {args.steps} steps; load {os.getloadavg()[0]:.1f}"
+    )
+    for k, v in ms.items():
+        print(f"  {k:24s} {v:8.1f}  {v / np_ms:5.3f}x non-private")
+    print(f"  exact norms (sq_norms + GroupNorm per-example grads) {norms:.1f}")
+    print(
+        f"  floor = non-private + noise + exact norms {floor:.1f}  {floor / np_ms:5.3f}x; dp-sgd / floor {ms['dp-sgd'] / floor:.3f}"
+    )
+    for (cfg, lab), v in sorted(parts.items()):
+        print(f"    {cfg:20s} {lab:34s} {v:8.1f} ms/step")
+    return {"ms": ms, "norms_ms": norms, "floor/non-private": floor / np_ms, "dp-sgd/non-private": ms["dp-sgd"] / np_ms}
+
+
+if __name__ == "__main__":
+    main()
