@@ -23,7 +23,8 @@ themselves.
 pages of every free heap block back to the OS. The engines call it around the
 first-batch check's passes (rare: once per mode signature), whose activations
 have other sizes than the step's and would otherwise stay resident, unused,
-through the first step (docs/performance.md, "Where the excess is now").
+through the first step (docs/performance.md, "The first step's resident excess is
+glibc's free heap").
 """
 
 from __future__ import annotations
@@ -95,17 +96,18 @@ def release_free_heap() -> bool:
 
     Returns:
         True if glibc's ``malloc_trim`` was called, False off Linux, without
-        glibc or when ``DPOPT_NO_ALLOCATOR_TUNING`` is set.
+        glibc or when ``DPOPT_NO_ALLOCATOR_TUNING`` is set (read at the first
+        call). After :func:`tune_cpu_allocator` it also returns the kept heap
+        top (the 512 MiB pad), which the next steps grow again once.
 
     Source: glibc manual, ``malloc_trim(3)``.
     """
     if not _TRIM:
         fn = None
         if sys.platform.startswith("linux") and not os.environ.get("DPOPT_NO_ALLOCATOR_TUNING"):
-            name = ctypes.util.find_library("c")
-            try:
-                fn = ctypes.CDLL(name).malloc_trim if name is not None else None
-            except (OSError, AttributeError):
+            try:  # the process's own symbols (libc among them): no ldconfig subprocess as find_library runs
+                fn = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
                 fn = None
             if fn is not None:
                 fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
