@@ -18,6 +18,13 @@ grows in 512 MiB steps. Nothing else changes: no value computed by a step
 depends on it. ``dpopt train`` calls it on start unless the environment
 variable ``DPOPT_NO_ALLOCATOR_TUNING`` is set; library users may call it
 themselves.
+
+:func:`release_free_heap` goes the other way, once: ``malloc_trim(0)`` hands the
+pages of every free heap block back to the OS. The engines call it around the
+first-batch check's passes (rare: once per mode signature), whose activations
+have other sizes than the step's and would otherwise stay resident, unused,
+through the first step (docs/performance.md, "The first step's resident excess is
+glibc's free heap").
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["tune_cpu_allocator", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "TOP_PAD"]
+__all__ = ["tune_cpu_allocator", "release_free_heap", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "TOP_PAD"]
 
 MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest allowed mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 2**31 - 1  # bytes of free heap top kept before returning memory to the OS (mallopt takes an int)
@@ -35,6 +42,7 @@ TOP_PAD = 512 << 20  # bytes added to each heap extension
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc <malloc.h>
 _DONE: list = []  # set once per process (a list, so that the function needs no global statement)
+_TRIM: list = []  # glibc's malloc_trim once looked up: [function or None]
 
 
 def tune_cpu_allocator() -> bool:
@@ -72,3 +80,40 @@ def tune_cpu_allocator() -> bool:
     if ok:
         _DONE.append(True)
     return ok
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of glibc's heap to the OS (``malloc_trim(0)``); no value anywhere changes.
+
+    glibc keeps freed blocks in its heap for reuse; blocks whose sizes no
+    later allocation fits stay resident while unused. ``malloc_trim(0)``
+    releases the top of every arena and, since glibc 2.8, every whole page
+    inside a free block (``madvise(MADV_DONTNEED)``), so that resident memory
+    drops to the blocks in use plus partial pages. Live blocks are not moved
+    or touched. Cost: a walk of the free lists plus, later, one page fault
+    per released page that is used again — so it is meant for rare points
+    (the first-batch check's passes), not for every step.
+
+    Returns:
+        True if glibc's ``malloc_trim`` was called, False off Linux, without
+        glibc or when ``DPOPT_NO_ALLOCATOR_TUNING`` is set (read at the first
+        call). After :func:`tune_cpu_allocator` it also returns the kept heap
+        top (the 512 MiB pad), which the next steps grow again once.
+
+    Source: glibc manual, ``malloc_trim(3)``.
+    """
+    if not _TRIM:
+        fn = None
+        if sys.platform.startswith("linux") and not os.environ.get("DPOPT_NO_ALLOCATOR_TUNING"):
+            try:  # the process's own symbols (libc among them): no ldconfig subprocess as find_library runs
+                fn = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+                fn = None
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        _TRIM.append(fn)
+    fn = _TRIM[0]
+    if fn is None:
+        return False
+    fn(0)
+    return True

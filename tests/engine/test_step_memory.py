@@ -379,3 +379,62 @@ def test_check_probe_loss_keeps_no_direction_and_backs_one_output_sized_tensor()
     # a row alone (the single-example loop: row0 + r) sees the same direction as in the batch
     alone = _ProbeLoss.apply(o.detach()[1:2], seed, row0 + 1, nullcontext)
     torch.testing.assert_close(alone, value[1:2], rtol=1e-4, atol=1e-3)  # float32 dots: summation order
+
+
+# --------------------------------------------------------------------------- the check's freed heap (issue 34)
+def _count_trims(monkeypatch) -> list:
+    """Replace the capture's ``release_free_heap`` by a counting one that still trims; returns the counter."""
+    from dpopt.engine import capture as capture_module
+
+    calls: list = []
+    real = capture_module.release_free_heap
+    monkeypatch.setattr(capture_module, "release_free_heap", lambda: calls.append(1) or real())
+    return calls
+
+
+def test_the_check_hands_its_freed_heap_back_in_both_doors_and_no_steady_step_does(monkeypatch):
+    """Before, after its forward, before its single-example loop and after each verification pass, the
+    first-batch check returns glibc's free heap pages (the step's resident peak, issue 34); a steady step
+    calls nothing (each call costs page faults later). Four per pass, at least two passes (two small
+    verification sizes) in either door: at least 8."""
+    calls = _count_trims(monkeypatch)
+    model, x, y = _lm()
+    opt = dp_sgd(list(model.parameters()), LM_B)
+
+    def step():
+        opt.step(iter_per_sample_sources(model, _lm_loss, x, y, None, opt.evaluation_points()))
+
+    step()
+    first = len(calls)
+    step()
+    assert first >= 8, first
+    assert len(calls) == first  # the steady step: none
+
+    calls.clear()
+    model, opt, x, y = _lm_privacy_engine()
+    step = sgd_step(model, opt, _lm_loss, x, y)
+    step()
+    first = len(calls)
+    step()
+    assert first >= 8, first
+    assert len(calls) == first
+
+
+def test_handing_the_heap_back_changes_no_released_value(monkeypatch):
+    """The same seeded dp-sgd first step (its check included) with and without ``malloc_trim``: equal bits."""
+    from dpopt.engine import capture as capture_module
+
+    def one_step() -> list:
+        model, x, y = _lm()
+        opt = dp_sgd(list(model.parameters()), LM_B, generator=torch.Generator().manual_seed(3))
+        opt.step(iter_per_sample_sources(model, _lm_loss, x, y, None, opt.evaluation_points()))
+        return [p.detach().clone() for p in model.parameters()]
+
+    calls = _count_trims(monkeypatch)
+    trimmed = one_step()
+    assert calls  # it ran
+    monkeypatch.setattr(capture_module, "release_free_heap", lambda: False)
+    kept = one_step()
+    model, _, _ = _lm()
+    assert all(torch.equal(a, b) for a, b in zip(trimmed, kept))
+    assert any(not torch.equal(a, p) for a, p in zip(trimmed, model.parameters()))  # the step moved them
