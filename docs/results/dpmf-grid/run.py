@@ -44,6 +44,9 @@ LR_GRID = {
         "dp-adam": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
         "dp-macadam": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
         "dp-muon": [0.03, 0.1, 0.3, 1.0],
+        # the temporal filters over correlated noise (filters.py): DP-SGD's grid
+        "disk-sgd": [0.1, 0.3, 1.0, 3.0, 10.0],
+        "doppler-sgd": [0.1, 0.3, 1.0, 3.0, 10.0],
     },
     "mnist": {
         "dp-sgd": [0.5, 2.0],
