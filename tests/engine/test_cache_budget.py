@@ -26,6 +26,7 @@ from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.fast import PerSampleEngine
 from dpopt.engine.layers import (
     CACHE_SHARE,
+    CONV_GRAM_THRESHOLDS,
     GRAM_WITH_CACHE_BELOW,
     GRAM_WITHOUT_CACHE_BELOW,
     Budget,
@@ -38,18 +39,34 @@ from dpopt.engine.layers import (
 from dpopt.engine.reference import per_sample_gradients
 from dpopt.types import ClipGeometry
 
-RECOMPUTE = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW  # ≈ 1.71: direct form, sum recomputed
+GEMM = 1 - GRAM_WITH_CACHE_BELOW / GRAM_WITHOUT_CACHE_BELOW  # ≈ 0.25: the clipped sum as one GEMM
+RECOMPUTE = 1 + GEMM  # ≈ 1.25: direct form, sum recomputed
 
 
 # --------------------------------------------------------------------------- the rule from shapes
 def test_form_costs_from_the_two_measured_thresholds():
-    # flat, r = 0.1: Gram (3r = 0.3) is the cheapest either way: caching saves nothing
-    assert form_costs(0.1, True) == pytest.approx((0.3, 0.3))
-    # flat, r = 0.5: cached direct 1, else Gram 1.5 (below the recomputed direct form's 1.71)
-    assert form_costs(0.5, True) == pytest.approx((1.0, 1.5))
+    assert (GRAM_WITH_CACHE_BELOW, GRAM_WITHOUT_CACHE_BELOW) == (0.55, 0.735)  # Intel Xeon, 2026-12-06
+    assert GEMM == pytest.approx(0.185 / 0.735)  # 0.2517
+    # flat, r = 0.1: Gram (GEMM + 0.1/0.735 = 0.388) is the cheapest either way: caching saves nothing
+    assert form_costs(0.1, True) == pytest.approx((GEMM + 0.1 / 0.735,) * 2)
+    assert form_costs(0.1, True)[0] == pytest.approx(0.3878, abs=1e-4)
+    # flat, r = 2/3 (between the thresholds): cached direct 1, else Gram 1.157 (below the recomputed 1.252)
+    assert form_costs(2 / 3, True) == pytest.approx((1.0, GEMM + (2 / 3) / 0.735))
+    assert 1.0 < form_costs(2 / 3, True)[1] < RECOMPUTE
+    # the thresholds are where Gram ties the cached / the recomputed direct form
+    assert form_costs(0.55, True) == pytest.approx((1.0, 1.0))
+    assert form_costs(0.735, True)[1] == pytest.approx(RECOMPUTE)
     # flat, r = 1: the recomputed direct form; a shift/scale geometry has no Gram form at any r
     assert form_costs(1.0, True) == pytest.approx((1.0, RECOMPUTE))
     assert form_costs(0.1, False) == pytest.approx((1.0, RECOMPUTE))
+    # a convolution keeps the former anchoring: Gram 1.754·r + 0.415, the choices of Gram 3r / direct 1.71
+    conv = CONV_GRAM_THRESHOLDS
+    assert form_costs(0.3, True, thresholds=conv)[0] == pytest.approx(0.415 + 0.3 * 1.754, abs=1e-3)  # < 1: Gram
+    assert form_costs(0.34, True, thresholds=conv)[0] == 1.0  # above 1/3: the cached direct form
+    assert form_costs(0.56, True, thresholds=conv)[1] < 2 - (1 / 3) / 0.57  # below 0.57: Gram without cache
+    assert form_costs(1.0, True, thresholds=conv) == pytest.approx((1.0, 2 - (1 / 3) / 0.57))
+    with pytest.raises(ValueError, match="thresholds"):
+        form_costs(0.5, True, thresholds=(0.6, 0.5))
 
 
 def _block(b: int, t: int, p: int, q: int, budget: Budget, seed: int = 0) -> FactoredBlock:
@@ -62,14 +79,14 @@ def _layers(budget: Budget) -> list[FactoredBlock]:
     """B = 2, float32 (4 bytes). Per layer r = T(p+q)/(pq), cache bytes 2·q·p·4, time saved per byte
     (uncached − cached)·T/4:
 
-    * A: T 8, p = q = 4:   r 4,     128 bytes, saves (1.71 − 1)·8/4 = 1.43 per byte
-    * B: T 2, p = q = 8:   r 0.5,   512 bytes, flat: (1.5 − 1)·2/4 = 0.25; shifted: (1.71 − 1)·2/4 = 0.36
-    * C: T 2, p = q = 32:  r 0.125, 8192 bytes, flat: Gram both ways, saves 0; shifted: 0.36 (ties B)
+    * A: T 8, p = q = 4:   r 4,     128 bytes, saves (1.25 − 1)·8/4 = 0.50 per byte
+    * B: T 2, p = q = 6:   r 0.67,  288 bytes, flat: (1.16 − 1)·2/4 = 0.08; shifted: (1.25 − 1)·2/4 = 0.13
+    * C: T 2, p = q = 32:  r 0.125, 8192 bytes, flat: Gram both ways, saves 0; shifted: 0.13 (ties B)
     * D: T 1, p = q = 4:   the closed form, never cached
     """
     return [
         _block(2, 8, 4, 4, budget),
-        _block(2, 2, 8, 8, budget),
+        _block(2, 2, 6, 6, budget),
         _block(2, 2, 32, 32, budget),
         _block(2, 1, 4, 4, budget),
     ]
@@ -78,12 +95,12 @@ def _layers(budget: Budget) -> list[FactoredBlock]:
 @pytest.mark.parametrize(
     ("cache", "flat", "want", "used"),
     [
-        (600, True, [True, False, False, False], 128),  # A fits; B would make 640 > 600
-        (640, True, [True, True, False, False], 640),
-        (1 << 20, True, [True, True, False, False], 640),  # C saves nothing in the flat geometry
+        (400, True, [True, False, False, False], 128),  # A fits; B would make 416 > 400
+        (416, True, [True, True, False, False], 416),
+        (1 << 20, True, [True, True, False, False], 416),  # C saves nothing in the flat geometry
         (127, True, [False, False, False, False], 0),
-        (128 + 8192, False, [True, True, False, False], 640),  # shifted: B ties C, first in order; C no longer fits
-        (128 + 8192 + 512, False, [True, True, True, False], 128 + 8192 + 512),
+        (128 + 8192, False, [True, True, False, False], 416),  # shifted: B ties C, first in order; C no longer fits
+        (128 + 8192 + 288, False, [True, True, True, False], 128 + 8192 + 288),
     ],
 )
 def test_plan_caches_takes_the_most_time_per_byte_that_fits(cache, flat, want, used):
@@ -95,8 +112,8 @@ def test_plan_caches_takes_the_most_time_per_byte_that_fits(cache, flat, want, u
 
 
 def test_planned_forms_and_their_values():
-    """A cached (direct), B not cached at r 0.5 < 0.57 (Gram), C Gram, D closed; every norm and sum exact."""
-    budget = Budget(1 << 20, 600)
+    """A cached (direct), B not cached at r 0.67 < 0.735 (Gram), C Gram, D closed; every norm and sum exact."""
+    budget = Budget(1 << 20, 400)
     blocks = _layers(budget)
     plan_caches(blocks, [True] * 4, budget)
     c = torch.rand(2)
@@ -131,7 +148,7 @@ def _seq_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
     model[0].bias.requires_grad_(False)  # frozen: counted in the parameters, not in the gradients
-    return model, torch.randn(4, 5, 16), torch.randint(0, 8, (4, 5))
+    return model, torch.randn(4, 7, 16), torch.randint(0, 8, (4, 7))
 
 
 def _lm_loss(out, target):
@@ -140,9 +157,10 @@ def _lm_loss(out, target):
 
 def test_budget_of_the_engine_door_is_derived_from_the_model_and_batch():
     """Parameters (16·32 + 32 + 32·8 + 8)·4 = 3232 bytes, gradients 3232 − 32·4 = 3104, layer inputs
-    x [4, 5, 16] and tanh [4, 5, 32]: (320 + 640)·4 = 3840 → budget 0.1 · 10176 = 1017 bytes. Neither
-    layer's [4, q, p] (8192 and 4096 bytes) fits: layer 0 (r = 5·48/512 = 0.47) takes Gram, layer 2
-    (r = 5·40/256 = 0.78) the direct form with its sum recomputed; with an override both are cached."""
+    x [4, 7, 16] and tanh [4, 7, 32]: (448 + 896)·4 = 5376 → budget 0.1 · 11712 = 1171 bytes. Neither
+    layer's [4, q, p] (8192 and 4096 bytes) fits: layer 0 (r = 7·48/512 = 0.66, between 0.55 and 0.735)
+    takes Gram, layer 2 (r = 7·40/256 = 1.09) the direct form with its sum recomputed; with an override
+    both are cached."""
     model, x, y = _seq_model()
     ref = per_sample_gradients(model, _lm_loss, x, y)
     geo, w = ClipGeometry(), torch.rand(4, 1)
@@ -152,7 +170,7 @@ def test_budget_of_the_engine_door_is_derived_from_the_model_and_batch():
         torch.testing.assert_close(src.sq_norms(geo, [0] * n, 1), ref.sq_norms(geo, [0] * n, 1))
         assert src.forms() == forms
         budget = next(blk.budget for blk in src.blocks if isinstance(blk, FactoredBlock))
-        assert budget.cache_bytes == (1017 if cache is None else cache)
+        assert budget.cache_bytes == (1171 if cache is None else cache)
         assert budget.used == (0 if cache is None else 8192 + 4096)
         for a, b in zip(src.weighted_sum(w, geo, [0] * n), ref.weighted_sum(w, geo, [0] * n)):
             torch.testing.assert_close(a, b)
@@ -186,20 +204,21 @@ def test_cache_bytes_override_reaches_the_hook_door():
 
 # --------------------------------------------------------------------------- bytes (torch.profiler)
 WIDTH, DEPTH, BATCH, SEQ = 256, 4, 8, 64
+DEEP_SEQ = 80  # r = 0.625 per layer of _deep, between the thresholds 0.55 and 0.735
 LAYER_GRADS = BATCH * WIDTH * WIDTH * 4  # one layer's per-example gradients [B, q, p]: 2 MiB
 
 
 def _deep():
-    """4 × Linear(256, 256) over [8, 64, 256]: r = 64·512/65536 = 0.5 per layer (cached: direct; not: Gram)."""
+    """4 × Linear(256, 256) over [8, 80, 256]: r = 80·512/65536 = 0.625 per layer (cached: direct; not: Gram)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for i in range(DEPTH):
         layers += [nn.Linear(WIDTH, WIDTH)] + ([nn.Tanh()] if i < DEPTH - 1 else [])
-    return nn.Sequential(*layers), torch.randn(BATCH, SEQ, WIDTH), torch.randint(0, WIDTH, (BATCH, SEQ))
+    return nn.Sequential(*layers), torch.randn(BATCH, DEEP_SEQ, WIDTH), torch.randint(0, WIDTH, (BATCH, DEEP_SEQ))
 
 
-# parameters + gradients 2·4·(256·256 + 256)·4 bytes, the 4 layer inputs 4·8·64·256·4 bytes
-DERIVED = int(CACHE_SHARE * (2 * DEPTH * (WIDTH * WIDTH + WIDTH) * 4 + DEPTH * BATCH * SEQ * WIDTH * 4))
+# parameters + gradients 2·4·(256·256 + 256)·4 bytes, the 4 layer inputs 4·8·80·256·4 bytes
+DERIVED = int(CACHE_SHARE * (2 * DEPTH * (WIDTH * WIDTH + WIDTH) * 4 + DEPTH * BATCH * DEEP_SEQ * WIDTH * 4))
 
 
 def _dp_sgd_step_bytes(cache):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from dpopt.engine.layers import Budget, DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock
 from dpopt.engine.shifted_norm import RECHECK_RTOL
 
-B, P, Q, T, VOCAB = 5, 16, 16, 3, 12
+B, P, Q, T, VOCAB = 5, 16, 16, 5, 12  # T 5: r = T(P+Q)/(PQ) = 0.625, between the Gram thresholds 0.55 and 0.735
 KINDS = ("closed", "gram", "direct", "sparse", "dense")
 
 
@@ -41,8 +41,8 @@ def _truth(g: torch.Tensor, m, b) -> torch.Tensor:
 def _block(kind: str, dtype: torch.dtype, gen: torch.Generator):
     """(block, exact per-sample gradients [B, *shape] in float64)."""
     if kind in ("closed", "gram", "direct"):
-        # direct: the cache fits and T(p+q) >= pq/3 (below that, flat geometry takes Gram even with a
-        # cache); gram: T(p+q) < pq and no cache
+        # direct: the cache fits and r = T(p+q)/(pq) >= GRAM_WITH_CACHE_BELOW (below that, flat geometry
+        # takes Gram even with a cache); gram: r < GRAM_WITHOUT_CACHE_BELOW and no cache
         t = {"closed": 1, "gram": T, "direct": T}[kind]
         a = torch.randn(B, t, P, generator=gen).to(dtype)
         e = torch.randn(B, t, Q, generator=gen).to(dtype)
@@ -167,10 +167,11 @@ def test_gram_form_does_not_cancel_in_float32():
 @pytest.mark.parametrize(
     "t, p, q, cache, form",
     [
-        (2, 64, 64, 1 << 30, "gram"),  # r = T(p+q)/pq = 0.06 < 1/3: Gram even though the cache fits
-        (3, 16, 16, 1 << 30, "direct"),  # r = 0.375: the cached direct form
-        (3, 16, 16, 0, "gram"),  # r < 1 and no cache: Gram
-        (8, 16, 16, 0, "direct"),  # r = 1: direct (recomputed clipped sum)
+        (2, 64, 64, 1 << 30, "gram"),  # r = T(p+q)/pq = 0.06 < 0.55: Gram even though the cache fits
+        (5, 16, 16, 1 << 30, "direct"),  # r = 0.625 > 0.55: the cached direct form
+        (3, 16, 16, 1 << 30, "gram"),  # r = 0.375 < 0.55: Gram even though the cache fits
+        (5, 16, 16, 0, "gram"),  # r = 0.625 < 0.735 and no cache: Gram
+        (8, 16, 16, 0, "direct"),  # r = 1 > 0.735: direct (recomputed clipped sum)
     ],
 )
 def test_form_choice_by_work_ratio_and_cache(t, p, q, cache, form):

@@ -78,6 +78,7 @@ __all__ = [
     "constant_sq_norms",
     "GRAM_WITH_CACHE_BELOW",
     "GRAM_WITHOUT_CACHE_BELOW",
+    "CONV_GRAM_THRESHOLDS",
     "CACHE_SHARE",
     "derived_cache_bytes",
     "form_costs",
@@ -557,18 +558,25 @@ class ConvPart:
         return gw.reshape(self.weight_shape[0], -1)
 
 
-GRAM_WITH_CACHE_BELOW = 1 / 3
-"""Below this r = T(p+q)/(pq) the Gram norm (float64, then one GEMM for the clipped sum) is faster than
-the cached direct form (materialised g_i, then passes over ``[B, q, p]``), even though the latter's clipped
-sum is a cheap contraction. Measured on this project's CPU (float32, one thread, Linear layers B 8–32,
-T 4–256, p, q 128–4096): Gram 4–12× faster at r ≤ 0.06, 1.2–1.9× at r 0.1–0.26, 1.2–1.7× slower at r ≥ 0.42
-(benchmark in docs/performance.md, "Gram or direct")."""
+GRAM_WITH_CACHE_BELOW = 0.55
+"""Below this r = T(p+q)/(pq) the Gram norm of a Linear layer (float64, then one GEMM for the clipped sum) is
+faster than the cached direct form (materialised g_i, then a pass over ``[B, q, p]`` for the clipped sum).
+Measured on this project's CPU since 2026-12-06, a 2-vCPU Intel Xeon (CPU time, float32, one thread,
+``benchmarks/norm_forms.py``, docs/performance.md, "The form choice on this CPU"): on the GPT-2/BERT layers
+(B 8, T 128, p, q 256–8192) Gram costs 0.95 of the cached form at r = 0.52, 1.09–1.17 at r 0.62–0.67,
+1.35–1.41 at r = 1. (On the former 2-vCPU AMD EPYC it was 1/3: :data:`CONV_GRAM_THRESHOLDS`.)"""
 
-GRAM_WITHOUT_CACHE_BELOW = 0.57
-"""Below this r the Gram norm is faster than the direct form whose per-sample gradients are not kept (the
-norms from materialised chunks, then the clipped sum as one more GEMM Eᵀ diag(c) A). Measured as
-:data:`GRAM_WITH_CACHE_BELOW` (``benchmarks/gram_or_direct.py``): Gram 1.2× faster at r = 0.52, 1.1× slower
-at r = 0.62, 1.4–1.7× slower at r ≥ 0.67."""
+GRAM_WITHOUT_CACHE_BELOW = 0.735
+"""Below this r the Gram norm of a Linear layer is faster than the direct form whose per-sample gradients are
+not kept (the norms from materialised chunks, then the clipped sum as one more GEMM Eᵀ diag(c) A). Measured
+as :data:`GRAM_WITH_CACHE_BELOW`: Gram 0.87–0.92 of the recomputed direct form at r 0.62–0.67 (qkv, fc,
+fc2), 1.1 at r = 1 (proj). (On the former AMD CPU: 0.57.)"""
+
+CONV_GRAM_THRESHOLDS = (1 / 3, 0.57)
+"""``(GRAM_WITH_CACHE_BELOW, GRAM_WITHOUT_CACHE_BELOW)`` of a Conv2d layer: the former anchoring (Linear
+layers, 2-vCPU AMD EPYC, docs/performance.md "Gram or direct"), kept for convolutions, whose Gram form
+was not re-measured on the Intel Xeon. With :func:`form_costs`' affine costs they give exactly the choices
+and the cache order of the earlier model (Gram 3·r, recomputed direct 1.71), scaled by 0.585."""
 
 
 CHOL_GRAM64_PER_MAC = 1.7
@@ -596,22 +604,37 @@ def chol_cost(t: int, p: int, q: int) -> float:
     return t / n + CHOL_GRAM64_PER_MAC * t / w + CHOL_FACTOR_PER_MAC * t * t / (n * w)
 
 
-def form_costs(ratio: float, flat: bool, chol: float = math.inf) -> tuple[float, float]:
+def form_costs(
+    ratio: float,
+    flat: bool,
+    chol: float = math.inf,
+    thresholds: tuple[float, float] = (GRAM_WITH_CACHE_BELOW, GRAM_WITHOUT_CACHE_BELOW),
+) -> tuple[float, float]:
     """Time of a factored layer's norms + clipped sum, ``(with its per-example gradients cached, without)``.
 
     In units of the cached direct form (B·T·p·q multiply-adds, then a pass over
-    ``[B, q, p]``); ``ratio`` = r = T(p+q)/(pq). The Gram form costs
-    r / :data:`GRAM_WITH_CACHE_BELOW` (float64: ≈ 3·r), the direct form with a
-    recomputed sum :data:`GRAM_WITHOUT_CACHE_BELOW` / :data:`GRAM_WITH_CACHE_BELOW`
-    (≈ 1.7), the Cholesky form ``chol`` (its norms relative to the direct
-    form's, :func:`chol_cost`) plus the recomputed sum (≈ 0.7); each side
-    takes its cheapest form, Gram and Cholesky only in the flat geometry.
-    Anchored on the two measured thresholds (docs/performance.md, "Gram or direct").
+    ``[B, q, p]``); ``ratio`` = r = T(p+q)/(pq). With ``thresholds`` =
+    (r₁, r₂) (:data:`GRAM_WITH_CACHE_BELOW`, :data:`GRAM_WITHOUT_CACHE_BELOW` for a
+    Linear layer, :data:`CONV_GRAM_THRESHOLDS` for a convolution), the clipped sum
+    as one GEMM costs s = 1 − r₁/r₂ (B·T·p·q multiply-adds, where the cache's pass
+    is ≈ free) and the norms' float64 Gram matrices r/r₂ (B·T²·(p+q)
+    multiply-adds): the direct form with the sum recomputed costs 1 + s, the Gram
+    form s + r/r₂ (so Gram is cheaper below r₁ with the cache, below r₂
+    without), the Cholesky form ``chol`` (its norms relative to the direct
+    form's, :func:`chol_cost`) + s. Each side takes its cheapest form, Gram and
+    Cholesky only in the flat geometry. Anchored on the two measured thresholds
+    (docs/performance.md, "The form choice on this CPU").
+
+    Raises:
+        ValueError: if the thresholds are not 0 < r₁ ≤ r₂.
     """
-    recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
-    gram = ratio / GRAM_WITH_CACHE_BELOW if flat else math.inf
-    chol_total = chol + recompute - 1.0 if flat else math.inf
-    return min(1.0, gram, chol_total), min(recompute, gram, chol_total)
+    below_cached, below_uncached = thresholds
+    if not 0 < below_cached <= below_uncached:
+        raise ValueError(f"form_costs needs thresholds 0 < r1 <= r2, got {thresholds}")
+    gemm = 1.0 - below_cached / below_uncached
+    gram = gemm + ratio / below_uncached if flat else math.inf
+    chol_total = chol + gemm if flat else math.inf
+    return min(1.0, gram, chol_total), min(1.0 + gemm, gram, chol_total)
 
 
 def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget: "Budget") -> list[bool]:
@@ -649,9 +672,9 @@ def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget:
         if forced in ("gram", "chol"):  # forced norms without per-example gradients: nothing to keep
             continue
         if forced == "direct":
-            cached, uncached = 1.0, GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
+            cached, uncached = form_costs(blk.ratio(), False, thresholds=blk.gram_thresholds())
         else:
-            cached, uncached = form_costs(blk.ratio(), fl, blk.chol_cost())
+            cached, uncached = form_costs(blk.ratio(), fl, blk.chol_cost(), blk.gram_thresholds())
         if uncached > cached:
             gains.append(((uncached - cached) * blk.T / blk.itemsize(), k))
     for _gain, k in sorted(gains, key=lambda g: (-g[0], g[1])):
@@ -728,6 +751,13 @@ class FactoredBlock:
             return math.inf
         return chol_cost(self.T, self.p, self.q)
 
+    def gram_thresholds(self) -> tuple[float, float]:
+        """(:data:`GRAM_WITH_CACHE_BELOW`, :data:`GRAM_WITHOUT_CACHE_BELOW`) for a layer of Linear calls,
+        :data:`CONV_GRAM_THRESHOLDS` for one with a convolution (the anchoring :func:`form_costs` reads)."""
+        if any(not isinstance(pt, LinearPart) for pt in self.parts):
+            return CONV_GRAM_THRESHOLDS
+        return GRAM_WITH_CACHE_BELOW, GRAM_WITHOUT_CACHE_BELOW
+
     def forced_form(self, flat: bool) -> Optional[str]:
         """The form :attr:`Budget.norm_form` forces on this layer, or None (the cost model chooses).
 
@@ -746,16 +776,17 @@ class FactoredBlock:
     def cheapest_form(self, flat: bool, cached: bool) -> str:
         """``"gram"``, ``"chol"`` or ``"direct"``: the cheapest form in the clip geometry (:func:`form_costs`) when the
         per-example gradients are kept (``cached``) or not; the forced form (:meth:`forced_form`) if there is one."""
-        recompute = GRAM_WITHOUT_CACHE_BELOW / GRAM_WITH_CACHE_BELOW
         forced = self.forced_form(flat)
         if forced is not None:
             return forced
         if not flat:
             return "direct"
+        below_cached, below_uncached = self.gram_thresholds()
+        gemm = 1.0 - below_cached / below_uncached  # the clipped sum as one GEMM (form_costs)
         costs = {
-            "direct": 1.0 if cached else recompute,
-            "gram": self.ratio() / GRAM_WITH_CACHE_BELOW,
-            "chol": self.chol_cost() + recompute - 1.0,
+            "direct": 1.0 if cached else 1.0 + gemm,
+            "gram": gemm + self.ratio() / below_uncached,
+            "chol": self.chol_cost() + gemm,
         }
         return min(costs, key=lambda k: costs[k])
 
