@@ -58,6 +58,45 @@ def test_fused_group_norm_grads_equal_the_formula(shape, groups, with_stats):
         torch.testing.assert_close(db.double(), want_b, rtol=tol, atol=tol * scale_b)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "x sliced last dim",
+        "e sliced last dim",
+        "x cropped along H",
+        "e broadcast (sum-pool)",
+        "channels_last",
+        "x transposed",
+    ],
+)
+def test_fused_group_norm_grads_of_strided_operands_equal_the_formula(layout):
+    """The native kernel reads its buffers as contiguous memory: strided views of x or e (a slice along the last dim,
+    a crop along H, a stride-0 gradient from sum-pooling, channels_last, a transpose) must give the formula's
+    per-example values, each row from its own example only (before the fix, slices mixed rows: errors ≈ 9, and a
+    broadcast e read past its buffer: NaN)."""
+    g = torch.Generator().manual_seed(7)
+    B, C, H, W, groups = 3, 6, 4, 5, 3
+    x = torch.randn(B, C, H, W, generator=g)
+    e = torch.randn(B, C, H, W, generator=g)
+    if layout == "x sliced last dim":
+        x = torch.randn(B, C, H, 2 * W, generator=g)[..., 3 : 3 + W]
+    elif layout == "e sliced last dim":
+        e = torch.randn(B, C, H, 2 * W, generator=g)[..., 1 : 1 + W]
+    elif layout == "x cropped along H":
+        x = torch.randn(B, C, H + 2, W, generator=g)[:, :, 1:-1]
+    elif layout == "e broadcast (sum-pool)":
+        e = torch.randn(B, C, 1, 1, generator=g).expand(B, C, H, W)
+    elif layout == "channels_last":
+        x, e = x.to(memory_format=torch.channels_last), e.to(memory_format=torch.channels_last)
+    else:
+        x = torch.randn(B, C, W, H, generator=g).transpose(2, 3)
+    assert not (x.is_contiguous() and e.is_contiguous())
+    want_w, want_b = _by_hand(x.double().contiguous(), e.double().contiguous(), groups, 1e-5)
+    dw, db = group_norm_grads(x, e, groups, 1e-5)
+    torch.testing.assert_close(dw.double(), want_w, rtol=2e-6, atol=2e-6 * float(want_w.abs().max()))
+    torch.testing.assert_close(db.double(), want_b, rtol=2e-6, atol=2e-6 * float(want_b.abs().max()))
+
+
 def test_fused_group_norm_grads_with_views_sum_each_examples_views():
     """K = 2 views per example: the per-example gradient is the sum of its views' (each with its own statistics)."""
     g = torch.Generator().manual_seed(1)

@@ -1077,17 +1077,21 @@ def _group_norm_grads_fused(x: Tensor, e: Tensor, num_groups: int, mean: Tensor,
     formula, from one fused pass over ``x`` and ``e`` (its sums in the input dtype, like the two-pass
     formula's; only the order of the additions differs). The grad-input half is not computed
     (``output_mask``). Measured in docs/performance.md ("CNN5: profile and floor"): 3.6–4× faster on
-    CNN5's GroupNorm shapes, one thread. Returns ``(dweight [B, C], dbias [B, C])``.
+    CNN5's GroupNorm shapes, one thread. The kernel reads its buffers as contiguous memory, so every
+    reshaped operand is made contiguous (a copy only for strided inputs: sliced, cropped, broadcast).
+    Returns ``(dweight [B, C], dbias [B, C])``.
     """
     b, c = x.shape[:2]
     hw = x[0, 0].numel() if x.dim() > 2 else 1
     n = b * c
     _, dw, db = torch.ops.aten.native_group_norm_backward(
-        e.reshape(1, n, hw),
-        x.reshape(1, n, hw),
-        mean.reshape(1, b * num_groups),
-        rstd.reshape(1, b * num_groups),
-        x.new_ones(1).expand(n),  # unused by the weight/bias halves; the kernel asks for a defined weight
+        # the CPU kernel reads each buffer as contiguous memory, whatever its strides: a strided view (an input
+        # sliced along its last dim, a broadcast output gradient) would mix examples' rows, so copy where needed
+        e.reshape(1, n, hw).contiguous(),
+        x.reshape(1, n, hw).contiguous(),
+        mean.reshape(1, b * num_groups).contiguous(),
+        rstd.reshape(1, b * num_groups).contiguous(),
+        x.new_ones(n),  # unused by the weight/bias halves; the kernel asks for a defined weight
         1,
         n,
         hw,
