@@ -536,7 +536,7 @@ class Privatizer:
         all-reduce of one number) before anything is drawn, summed or released: a write that failed on ONE
         rank (usually rank 0, the one with a journal) stops the release on EVERY rank, none left waiting in
         the reduce. A rank whose own record succeeded takes its entry back
-        (:meth:`~dpopt.accounting.ledger.PrivacyLedger.withdraw_last`: it was in memory only), so every
+        (``PrivacyLedger._withdraw_last``: it was in memory only), so every
         rank's ledger, counters and step index stay as before; an entry already in that rank's own journal
         is kept as the open step's (a retried ``release()`` does not record it again).
 
@@ -549,11 +549,11 @@ class Privatizer:
         try:
             if record:
                 entry = self._record(meta, released)
-        except LedgerWriteError as err:
+        except BaseException as err:  # any failure (not only a full disk): agreed, so no other rank waits in the reduce
             failed = err
         agree = getattr(self.reduce, "any_rank", None)
         if agree is not None and agree(failed is not None) and failed is None:
-            if record and self.ledger.withdraw_last():
+            if record and self.ledger._withdraw_last():
                 self.reads -= int(meta["reads"])
                 self.releases -= released
             elif (

@@ -441,12 +441,12 @@ def test_withdraw_last_takes_back_only_an_unwritten_entry(tmp_path):
     event = dp_event.GaussianDpEvent(1.0)
     for step in range(3):  # one run-length group of 3
         ledger.record(step, event, noise_std=1.0)
-    assert ledger.withdraw_last() and len(ledger) == 2 and len(ledger.groups) == 1
+    assert ledger._withdraw_last() and len(ledger) == 2 and len(ledger.groups) == 1
     ledger.record(2, dp_event.GaussianDpEvent(2.0), noise_std=2.0)  # a new group of 1
-    assert len(ledger.groups) == 2 and ledger.withdraw_last() and len(ledger.groups) == 1
+    assert len(ledger.groups) == 2 and ledger._withdraw_last() and len(ledger.groups) == 1
     assert [e.step for e in ledger.entries] == [0, 1]
     ledger.open_journal(tmp_path / "j.jsonl", autoflush=True)
     ledger.record(2, event, noise_std=1.0)  # written: stays
-    assert not ledger.withdraw_last() and len(ledger) == 3
+    assert not ledger._withdraw_last() and len(ledger) == 3
     assert [e.step for e in PrivacyLedger.load(tmp_path / "j.jsonl").entries] == [0, 1, 2]
-    assert not PrivacyLedger().withdraw_last()
+    assert not PrivacyLedger()._withdraw_last()

@@ -340,10 +340,12 @@ class PrivacyLedger:
                 raise
         return entry
 
-    def withdraw_last(self) -> bool:
+    def _withdraw_last(self) -> bool:
         """Take back the last release's entry if it is in memory only (no journal, or not yet written to it).
 
-        For a release that was never made: a data-parallel step whose entry another rank could not write
+        Private: only the Privatizer, which knows the release was not made, may call it (the ledger cannot
+        tell a made release from one that was not; a public call could drop a charged entry). For a release
+        that was never made: a data-parallel step whose entry another rank could not write
         (:meth:`dpopt.privatizer.Privatizer.release`: every rank then releases nothing). An entry already in
         the journal is never taken back (the ledger over-counts, never under-counts).
 

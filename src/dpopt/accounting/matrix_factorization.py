@@ -959,12 +959,13 @@ def amplified_sensitivity(strategy: object, steps: int, min_separation: int) -> 
         raise ValueError(f"min_separation must be an integer >= 1, got {min_separation!r}")
     orthogonal = getattr(strategy, "kind", None) == "banded" and getattr(strategy, "bands", 0) <= min_separation
     if not orthogonal and steps > MAX_GENERAL_HORIZON:
-        kind = getattr(strategy, "kind", "this")
+        kind = getattr(strategy, "kind", None)
         raise ValueError(
-            f"amplified accounting (sampling cyclic-poisson) of a {kind} strategy, whose columns overlap, needs a "
+            f"amplified accounting (sampling cyclic-poisson) of a {kind + ' ' if kind else ''}strategy, whose "
+            "columns overlap, needs a "
             f"dense {steps}×{steps} eigenproblem; dpopt does it up to T = {MAX_GENERAL_HORIZON} steps. Train at "
             f"most {MAX_GENERAL_HORIZON} steps (fewer epochs or larger batches), or use sampling cyclic (unamplified "
-            f"accounting: a blt strategy tuned to the run is charged its exact sensitivity up to T = {MAX_HORIZON}), "
+            f"accounting: a strategy tuned to the run is charged its exact sensitivity up to T = {MAX_HORIZON}), "
             f"or noise_mechanism banded:B with B <= the {int(min_separation)} parts"
         )
     return _amplified_sensitivity(strategy, int(steps), int(min_separation))
