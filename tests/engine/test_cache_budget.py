@@ -236,9 +236,12 @@ def test_the_derived_budget_bounds_the_cache_of_a_step():
     assert DERIVED < LAYER_GRADS  # no layer's [B, q, p] fits: the default step caches nothing
     default, none = _dp_sgd_step_bytes(None), _dp_sgd_step_bytes(0)
     assert default - none <= DERIVED, (default, none)
-    # the former fixed 256 MiB cache kept all four layers' [B, q, p] (8 MiB) between norms and sum
+    # the former fixed 256 MiB cache kept all four layers' [B, q, p] (8 MiB) between norms and sum. The step's
+    # peak is not additive in them (measured 2026-12-06: +2.1, +4.2, +6.3 MB with 1-3 layers cached, +5.6 MB with
+    # all four, whose peak falls at another moment), but it is at least two layers' worth above the uncached step,
+    # ~9x what the derived budget allows
     fixed = _dp_sgd_step_bytes(256 << 20)
-    assert fixed - none >= DEPTH * LAYER_GRADS - DERIVED, (fixed, none)
+    assert fixed - none >= 2 * LAYER_GRADS > 8 * DERIVED, (fixed, none)
 
 
 def _hook_door_step_bytes(width: int, depth: int):
