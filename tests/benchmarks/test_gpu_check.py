@@ -10,26 +10,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_module import load_benchmark
 
 from dpopt.engine.fast import FastPerSampleGrads
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    name = "dpopt_benchmarks_gpu_check"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_benchmark("gpu_check")
 
 
 def run_cpu(gpu_check, capsys) -> tuple[int, dict, str]:

@@ -10,25 +10,14 @@ identically seeded ``NoiseSource.normal`` draw over three chunks; the second che
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
+from benchmark_module import load_benchmark
 
 from dpopt.noise import NORMAL_CHUNK, NoiseSource
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 def _floor():
-    name = "dpopt_benchmarks_transformer_floor"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "transformer_floor.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_benchmark("transformer_floor")
 
 
 def test_secret_release_adds_the_draws_normals_times_std_rounded_once_into_the_sum():

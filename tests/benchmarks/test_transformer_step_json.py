@@ -10,15 +10,12 @@ by fixed figures, so the peak-memory ratios are checked as arithmetic: 110/100 a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_module import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 KEYS = (
     "dp-sgd/non-private",
     "privacy-engine/non-private",
@@ -32,13 +29,7 @@ MIB = {"non-private": 100.0, "dp-sgd": 110.0, "dp-sgd (PrivacyEngine)": 125.0}
 @pytest.fixture
 def tiny(monkeypatch):
     pytest.importorskip("opacus")
-    name = "dpopt_benchmarks_transformer_step"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "transformer_step.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    ts = sys.modules[name]
+    ts = load_benchmark("transformer_step")
     for key, value in {"V": 61, "D": 16, "T": 8, "HEADS": 2, "LAYERS": 2, "B": 4}.items():
         monkeypatch.setattr(ts, key, value)
     monkeypatch.setattr(ts, "run_memory", lambda model, config, threads: MIB.get(config, 130.0))
