@@ -187,7 +187,13 @@ class Privatizer:
             with a correlated-noise ``mechanism``, the FRESH σS·z from
             ``draw()`` (float64, neither correlated nor rounded) and applies
             the mechanism itself to the coordinates it adds noise to (each
-            rank the stream of its own shard).
+            rank the stream of its own shard). A hook with an
+            ``any_rank(flag: bool) -> bool`` method (a collective: True on every
+            rank if ``flag`` is True on any; both of dpopt's hooks have one) is
+            asked before each release whether any rank failed to record its
+            ledger entry, so that no rank releases and none waits in the
+            reduce; a hook without it gets no such agreement (a failed write
+            on one rank then leaves the others waiting in ``reduce``).
         mechanism: a :class:`~dpopt.correlated_noise.CorrelatedNoise` (DP
             matrix factorization): the step's fresh σS·z becomes the correlated
             noise (C⁻¹z)_t before it is added; the ledger records the

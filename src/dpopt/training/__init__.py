@@ -179,6 +179,18 @@ def share_path(path: Optional[Path], dist: DistributedContext) -> Optional[Path]
 
     The other ranks need the run directory to report a failed write of rank 0 as a
     :class:`~dpopt.errors.RunWriteError` (a default directory is named after rank 0's clock).
+    A collective: every rank of ``dist`` must call it, in the same order relative to
+    the run's other collectives.
+
+    Args:
+        path: rank 0's run directory (what the other ranks pass is ignored), or None.
+        dist: the run's :class:`~dpopt.distributed.DistributedContext`.
+
+    Returns:
+        Rank 0's ``path`` (None where rank 0 has none).
+
+    Raises:
+        RuntimeError: from ``torch.distributed`` if a rank does not take part.
     """
     if not dist.enabled:
         return path
