@@ -167,6 +167,8 @@ class LedgerKeeper:
                 checkpoints point to it: switching would stop it growing), or
                 ``path`` holds a record this ledger does not contain (another
                 run's journal: choose another path).
+            OSError: the journal could not be written (the engine then keeps
+                none: the same or another path can be opened again).
         """
         path = Path(path)
         if self.journal is not None:
@@ -190,8 +192,12 @@ class LedgerKeeper:
                 )
             flushed = len(on_disk)
         self.ledger.open_journal(path, flushed=flushed, autoflush=True)
+        try:
+            self.ledger.flush()
+        except BaseException:  # not started (disk full, ...): no journal is kept, so another path can be tried
+            self.ledger.close_journal()
+            raise
         self.journal = path
-        self.ledger.flush()
         return path
 
     def flush(self) -> None:

@@ -450,3 +450,38 @@ def test_withdraw_last_takes_back_only_an_unwritten_entry(tmp_path):
     assert not ledger._withdraw_last() and len(ledger) == 3
     assert [e.step for e in PrivacyLedger.load(tmp_path / "j.jsonl").entries] == [0, 1, 2]
     assert not PrivacyLedger()._withdraw_last()
+
+
+def test_a_journal_that_cannot_be_started_leaves_none_so_another_path_opens(tmp_path, monkeypatch):
+    """open_journal whose first write fails (disk full) raises it and keeps no journal: before, the engine kept
+    the failed path and refused every other one ("already keeps its ledger journal at ..."), so every later
+    step failed. Now another path opens, the steps go on, and the journal holds the whole ledger."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 2), torch.randint(0, 2, (32,))
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(
+            module=torch.nn.Linear(2, 2),
+            optimizer="dp-sgd",
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            lr=0.1,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    for xb, yb in loader:  # one release before any journal: the journal must then hold it too
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        break
+    failing = FailingDisk(monkeypatch, fail_at=0, error=OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        engine.open_journal(tmp_path / "full.jsonl")
+    failing.fixed = True
+    assert engine.open_journal(tmp_path / "ledger.jsonl") == tmp_path / "ledger.jsonl"
+    for xb, yb in loader:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    _assert_journal_is_the_ledger(engine, tmp_path, len(engine.ledger))
+    assert len(engine.ledger) >= 2

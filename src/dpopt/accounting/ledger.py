@@ -570,6 +570,14 @@ class PrivacyLedger:
         self._journal_header = self.header() if exists else None
         return path
 
+    def close_journal(self) -> None:
+        """Stop writing to the journal (what it holds stays; entries recorded from now on are in memory only).
+
+        For a journal that could not be started (its first :meth:`flush` failed): the ledger
+        goes back to having none, so another path can be opened.
+        """
+        self._journal, self._flushed, self._journal_header, self._autoflush = None, 0, None, False
+
     def flush(self, sync: bool = True) -> int:
         """Append the entries recorded since the last flush to the journal and ``fsync`` it.
 

@@ -961,8 +961,8 @@ def amplified_sensitivity(strategy: object, steps: int, min_separation: int) -> 
     if not orthogonal and steps > MAX_GENERAL_HORIZON:
         kind = getattr(strategy, "kind", None)
         raise ValueError(
-            f"amplified accounting (sampling cyclic-poisson) of a {kind + ' ' if kind else ''}strategy, whose "
-            "columns overlap, needs a "
+            f"amplified accounting (sampling cyclic-poisson) of a {kind + ' ' if kind else ''}strategy over "
+            f"T = {steps} steps, whose columns overlap, needs a "
             f"dense {steps}×{steps} eigenproblem; dpopt does it up to T = {MAX_GENERAL_HORIZON} steps. Train at "
             f"most {MAX_GENERAL_HORIZON} steps (fewer epochs or larger batches), or use sampling cyclic (unamplified "
             f"accounting: a strategy tuned to the run is charged its exact sensitivity up to T = {MAX_HORIZON}), "
