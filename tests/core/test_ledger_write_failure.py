@@ -52,9 +52,10 @@ class FailingDisk:
         self.writes += 1
 
 
-def _private(tmp_path, mech: str):
+def _private(tmp_path, mech: str, journal: bool = True):
     """make_private of a Linear(2, 2) (DP-SGD, σ = 1, C = 1) over 32 examples in batches of 8, 2 epochs,
-    journaled (autoflush) to ``tmp_path / ledger.jsonl``; secret noise (so check_ledger passes)."""
+    journaled (autoflush) to ``tmp_path / ledger.jsonl`` (unless ``journal`` is False); secret noise (so
+    check_ledger passes)."""
     torch.manual_seed(0)
     x, y = torch.randn(32, 2), torch.randint(0, 2, (32,))
     kw = {} if mech == "independent" else {"noise_mechanism": mech, "epochs": 2}
@@ -70,7 +71,8 @@ def _private(tmp_path, mech: str):
             max_grad_norm=1.0,
             **kw,
         )
-    engine.open_journal(tmp_path / "ledger.jsonl")
+    if journal:
+        engine.open_journal(tmp_path / "ledger.jsonl")
     return engine, model, opt, loader
 
 
@@ -456,19 +458,7 @@ def test_a_journal_that_cannot_be_started_leaves_none_so_another_path_opens(tmp_
     """open_journal whose first write fails (disk full) raises it and keeps no journal: before, the engine kept
     the failed path and refused every other one ("already keeps its ledger journal at ..."), so every later
     step failed. Now another path opens, the steps go on, and the journal holds the whole ledger."""
-    torch.manual_seed(0)
-    x, y = torch.randn(32, 2), torch.randint(0, 2, (32,))
-    engine = PrivacyEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(
-            module=torch.nn.Linear(2, 2),
-            optimizer="dp-sgd",
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-            lr=0.1,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
+    engine, model, opt, loader = _private(tmp_path, "independent", journal=False)
     for xb, yb in loader:  # one release before any journal: the journal must then hold it too
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
