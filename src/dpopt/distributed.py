@@ -304,26 +304,35 @@ class AllReduceRelease:
         self.calls += 1
         return out, noisy_count
 
+    #: The Privatizer agrees each release's ledger record over the ranks (:meth:`any_rank`, one all-reduce)
+    #: before drawing. ``dpopt train`` sets it False: its journal is written in batches, never at a record,
+    #: and its loop agrees rank 0's failed writes itself (``training.loop``), so the agreement could not fire.
+    agree_records = True
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
         stops the release on all, before any noise is drawn or summed)."""
         return any_rank(flag, self.ctx)
 
 
-def attach(privatizer, ctx: DistributedContext) -> None:
+def attach(privatizer, ctx: DistributedContext) -> Optional[AllReduceRelease]:
     """Make ``privatizer`` release the noisy sum over every rank of ``ctx`` (a no-op for one process).
 
     Every rank's Privatizer must have the same configuration (σ, bounds, B̄, q,
     clipping); each keeps its own in-memory ledger (identical on every rank).
 
+    Returns:
+        The hook set as ``privatizer.reduce`` (None for one process).
+
     Raises:
         ValueError: a privatizer that already has a ``reduce`` hook.
     """
     if not ctx.enabled:
-        return
+        return None
     if privatizer.reduce is not None:
         raise ValueError("this Privatizer already has a reduce hook")
     privatizer.reduce = AllReduceRelease(ctx, replay=privatizer.noise.mode == "reproducible")
+    return privatizer.reduce
 
 
 def prepare(optimizer, ctx: Optional[DistributedContext] = None) -> DistributedContext:

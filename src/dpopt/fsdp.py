@@ -389,6 +389,8 @@ class ShardedRelease:
         self.elements = 0
         self.collective = ""
 
+    agree_records = True  #: as :attr:`dpopt.distributed.AllReduceRelease.agree_records`
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
         stops the release on all, before any noise is drawn or reduced)."""

@@ -247,7 +247,8 @@ def train_fsdp(cfg, data=None, on_step: Optional[Callable[[dict], None]] = None)
         model=model,
         **privacy,
     )
-    fsdp.attach(opt.privatizer, params, model, dist)  # a mechanism: each rank streams its shard's noise
+    hook = fsdp.attach(opt.privatizer, params, model, dist)  # a mechanism: each rank streams its shard's noise
+    hook.agree_records = False  # records never write here (batched journal): run_steps agrees rank 0's writes
     run = dataclasses.replace(run, model=model, optimizer=opt, dist=dist, ledger=opt.privatizer.ledger)
 
     files = None

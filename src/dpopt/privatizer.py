@@ -192,8 +192,10 @@ class Privatizer:
             rank if ``flag`` is True on any; both of dpopt's hooks have one) is
             asked before each release whether any rank failed to record its
             ledger entry, so that no rank releases and none waits in the
-            reduce; a hook without it gets no such agreement (a failed write
-            on one rank then leaves the others waiting in ``reduce``).
+            reduce, unless its ``agree_records`` attribute is False (a caller
+            whose records never write, as ``dpopt train``'s); a hook without
+            it gets no such agreement (a failed write on one rank then leaves
+            the others waiting in ``reduce``).
         mechanism: a :class:`~dpopt.correlated_noise.CorrelatedNoise` (DP
             matrix factorization): the step's fresh σS·z becomes the correlated
             noise (C⁻¹z)_t before it is added; the ledger records the
@@ -557,7 +559,7 @@ class Privatizer:
                 entry = self._record(meta, released)
         except BaseException as err:  # any failure (not only a full disk): agreed, so no other rank waits in the reduce
             failed = err
-        agree = getattr(self.reduce, "any_rank", None)
+        agree = getattr(self.reduce, "any_rank", None) if getattr(self.reduce, "agree_records", True) else None
         if agree is not None and agree(failed is not None) and failed is None:
             if record and self.ledger._withdraw_last():
                 self.reads -= int(meta["reads"])

@@ -373,7 +373,9 @@ def build_run(
     dist = dist or DistributedContext()
     if dist.enabled:
         broadcast_parameters(list(model.parameters()) + list(model.buffers()), dist)
-        attach(opt.privatizer, dist)
+        hook = attach(opt.privatizer, dist)
+        if hook is not None:  # records never write here (batched journal): the loop agrees rank 0's writes
+            hook.agree_records = False
     return Run(
         cfg=cfg,
         data=data,
