@@ -628,13 +628,19 @@ def form_costs(
     Raises:
         ValueError: if the thresholds are not 0 < r₁ ≤ r₂.
     """
+    costs = _form_cost_table(ratio, chol, thresholds)
+    gram, chol_total = (costs["gram"], costs["chol"]) if flat else (math.inf, math.inf)
+    return min(costs["direct cached"], gram, chol_total), min(costs["direct"], gram, chol_total)
+
+
+def _form_cost_table(ratio: float, chol: float, thresholds: tuple[float, float]) -> dict[str, float]:
+    """:func:`form_costs`' cost of each form in the flat geometry, with s = 1 − r₁/r₂ (the clipped sum as one
+    GEMM): ``direct cached`` 1, ``direct`` (the sum recomputed) 1 + s, ``gram`` s + r/r₂, ``chol`` ``chol`` + s."""
     below_cached, below_uncached = thresholds
     if not 0 < below_cached <= below_uncached:
         raise ValueError(f"form_costs needs thresholds 0 < r1 <= r2, got {thresholds}")
     gemm = 1.0 - below_cached / below_uncached
-    gram = gemm + ratio / below_uncached if flat else math.inf
-    chol_total = chol + gemm if flat else math.inf
-    return min(1.0, gram, chol_total), min(1.0 + gemm, gram, chol_total)
+    return {"direct cached": 1.0, "direct": 1.0 + gemm, "gram": gemm + ratio / below_uncached, "chol": chol + gemm}
 
 
 def plan_caches(blocks: Sequence["FactoredBlock"], flat: Sequence[bool], budget: "Budget") -> list[bool]:
@@ -781,14 +787,9 @@ class FactoredBlock:
             return forced
         if not flat:
             return "direct"
-        below_cached, below_uncached = self.gram_thresholds()
-        gemm = 1.0 - below_cached / below_uncached  # the clipped sum as one GEMM (form_costs)
-        costs = {
-            "direct": 1.0 if cached else 1.0 + gemm,
-            "gram": gemm + self.ratio() / below_uncached,
-            "chol": self.chol_cost() + gemm,
-        }
-        return min(costs, key=lambda k: costs[k])
+        costs = _form_cost_table(self.ratio(), self.chol_cost(), self.gram_thresholds())
+        costs["direct"] = costs["direct cached"] if cached else costs["direct"]
+        return min(("direct", "gram", "chol"), key=lambda k: costs[k])
 
     def closed_form(self) -> bool:
         """True if the norms take the T = 1 closed forms (no per-example gradient, no cache)."""
@@ -1085,9 +1086,7 @@ def _group_norm_grads_fused(x: Tensor, e: Tensor, num_groups: int, mean: Tensor,
     hw = x[0, 0].numel() if x.dim() > 2 else 1
     n = b * c
     _, dw, db = torch.ops.aten.native_group_norm_backward(
-        # the CPU kernel reads each buffer as contiguous memory, whatever its strides: a strided view (an input
-        # sliced along its last dim, a broadcast output gradient) would mix examples' rows, so copy where needed
-        e.reshape(1, n, hw).contiguous(),
+        e.reshape(1, n, hw).contiguous(),  # contiguous: the kernel ignores strides (docstring)
         x.reshape(1, n, hw).contiguous(),
         mean.reshape(1, b * num_groups).contiguous(),
         rstd.reshape(1, b * num_groups).contiguous(),
