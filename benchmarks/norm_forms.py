@@ -17,6 +17,7 @@ time.
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/norm_forms.py --models bert,gpt2-untied --reps 7
+    OMP_NUM_THREADS=1 python benchmarks/norm_forms.py --models "" --fixed --reps 5   # the fixed shape list
 """
 
 from __future__ import annotations
@@ -35,6 +36,28 @@ from dpopt.engine import iter_per_sample_sources  # noqa: E402
 from dpopt.engine.layers import Budget, FactoredBlock, LinearPart  # noqa: E402
 
 FORMS = ("cache", "direct", "gram", "chol")
+
+#: ``--fixed``: the shapes the Linear thresholds were first measured on (docs/performance.md, "Gram or
+#: direct"; formerly ``benchmarks/gram_or_direct.py``); from the commented one on, the transformer benchmark's.
+FIXED_SHAPES = [
+    (32, 4, 4096, 128),
+    (16, 20, 1024, 1024),
+    (32, 8, 4096, 128),
+    (8, 32, 768, 768),
+    (8, 64, 768, 3072),
+    (32, 16, 4096, 128),
+    (8, 48, 512, 512),
+    (8, 128, 768, 3072),
+    (32, 32, 4096, 128),
+    (8, 256, 768, 3072),
+    (16, 200, 768, 768),
+    (8, 128, 256, 1024),
+    (8, 128, 256, 768),
+    (8, 128, 256, 256),  # the GPT-2 / BERT shapes of benchmarks/transformer_step.py (issue 34)
+    (8, 128, 256, 1024),
+    (8, 128, 1024, 256),
+    (8, 128, 256, 8192),
+]
 
 
 def layer_shapes(name: str) -> list[tuple[int, int, int, int]]:
@@ -98,6 +121,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shapes", default="", help="extra B,T,p,q shapes, ';'-separated (e.g. the tests' shapes)")
+    ap.add_argument("--fixed", action="store_true", help="also the FIXED_SHAPES (use --models '' for only them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# threads {args.threads}, reps {args.reps}, load {os.getloadavg()[0]:.1f}, CPU ms (process_time)")
@@ -105,6 +129,7 @@ def main() -> None:
     print(hdr + "  best(cached) best(uncached)  model(cached) model(uncached)")
     todo = [(name, shape) for name in filter(None, args.models.split(",")) for shape in layer_shapes(name)]
     todo += [("shape", tuple(int(v) for v in sh.split(","))) for sh in filter(None, args.shapes.split(";"))]
+    todo += [("fixed", shape) for shape in FIXED_SHAPES] if args.fixed else []
     for name, shape in todo:
         b, t, p, q = shape
         ms = measure(shape, args.reps)
