@@ -314,6 +314,13 @@ def _inert_hook_factory():
     return _inert_hook
 
 
+def _remove_handles(handles: list) -> None:
+    """Remove every hook handle in ``handles`` (each once) and empty the list."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 class LossReductionWatch:
     """First-batch check that a torch loss module's reduction agrees with ``loss_reduction``.
 
@@ -364,6 +371,9 @@ class LossReductionWatch:
             torch.nn.modules.module.register_module_forward_hook(_WeakHook(weakref.ref(self), "_any", handles)),
         ]
         self._handles = handles
+        # removed as soon as the watch is collected, not at the next forward: a stale process-wide hook would
+        # stay in torch's global hook dict, where torch.compile's guards read (and fail on) its dead weakref
+        weakref.finalize(self, _remove_handles, handles)
 
     def __getstate__(self) -> dict:
         """Copies and pickles of a watch are closed (no hooks: they belong to the original)."""

@@ -327,3 +327,19 @@ def test_dpopt_train_keeps_nothing_of_a_step(tmp_path):
         handle.remove()
     assert len(seen) >= 5 and seen[-1][1] > 0
     assert [alive for _, _, alive in seen] == [0] * len(seen)
+
+
+def test_a_dropped_loss_reduction_watch_leaves_no_process_wide_hook():
+    """The loss-reduction watch's process-wide forward hook is removed when the watch is collected, not at the
+    next forward of some module: a stale one (dead weakref) stayed in torch's global hook dict, where a later
+    torch.compile in the same process built a guard on it and failed (InternalTorchDynamoError)."""
+    import gc
+
+    from dpopt.opacus_compat import LossReductionWatch
+
+    before = len(torch.nn.modules.module._global_forward_hooks)
+    watch = LossReductionWatch(nn.Linear(2, 2), "mean")
+    assert len(torch.nn.modules.module._global_forward_hooks) == before + 1
+    del watch
+    gc.collect()
+    assert len(torch.nn.modules.module._global_forward_hooks) == before
