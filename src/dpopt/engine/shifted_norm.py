@@ -40,7 +40,9 @@ What :func:`shifted_sq_norms` does for float32 inputs instead:
 The bound assumes IEEE float32 arithmetic in the products: with a reduced
 matmul precision (``torch.set_float32_matmul_precision("high"|"medium")``,
 TF32 or bf16 passes) :func:`shifted_sq_norms` uses float64 throughout.
-Inputs in other dtypes (float64, bf16, fp16) are evaluated in float64.
+Inputs in other dtypes (float64, bf16, fp16) are evaluated in float64; every
+result below float64 is rounded up into its dtype (never to nearest), so the
+float64 paths keep the upper bound too.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def shifted_sq_norms(
         raise ValueError(f"rtol must be > 0, got {rtol}")
     dtype = e.dtype
     if dtype != torch.float32 or not _ieee_float32_products(e.device) or e.shape[0] == 0:
-        return _exact(e, a, m, b).to(dtype), int(e.shape[0]) if dtype == torch.float32 else 0
+        return _round_up(_exact(e, a, m, b), dtype), int(e.shape[0]) if dtype == torch.float32 else 0
     quad, lin, const = shift_terms(e, a, m, b)
     est = quad.double() - 2.0 * lin.double() + const
     err = rounding_bound(quad, const, n=e.shape[1] + a.shape[1] + 8)
@@ -154,6 +156,12 @@ def shifted_sq_norms(
     rows = risky.nonzero().flatten()
     if rows.numel():
         out[rows] = _exact(e[rows], a[rows], m, b)
-    up = out.to(dtype)
-    up = torch.where(up.double() < out, torch.nextafter(up, torch.full_like(up, float("inf"))), up)
-    return up, int(rows.numel())
+    return _round_up(out, dtype), int(rows.numel())
+
+
+def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """float64 ``x`` in ``dtype``, rounded toward +∞ (a cast rounds to nearest: up to half an ulp below)."""
+    if dtype == torch.float64:
+        return x
+    up = x.to(dtype)
+    return torch.where(up.double() < x, torch.nextafter(up, torch.full_like(up, float("inf"))), up)
