@@ -16,11 +16,14 @@ Rows (float64 unless the name says float32; "T t" = T torch threads, the noise s
   (``random_raw``), AES-256-CTR (the ``cryptography`` package; secure mode), :func:`os.urandom`.
 * ``numpy ziggurat (BITGEN)``: numpy's float64 ``standard_normal`` per chunk of ``NORMAL_CHUNK``,
   without dpopt's tail redraw (its tail stops at |z| ≈ 13.7).
-* ``tail scan``: the pass that finds the values to redraw (|z| ≥ 3.654), on a ready chunk.
+* ``compiled ziggurat body (SFC64)``: :func:`dpopt.ziggurat.ziggurat_body` per chunk (the tail
+  positions left unfilled): the kernel alone.
 * ``previous secret``: issue 19's sampler, re-created (float64 Box–Muller on MT19937 words with a
   full-exponent radius, chunk by chunk; |z| ≤ 37.64).
-* ``secret``: :meth:`dpopt.noise.NoiseSource.normal` today (numpy's ziggurat on per-chunk SFC64
-  streams, the tail redrawn exactly; |z| ≤ 37.63), also streamed (``start_normal(stream=True)``,
+* ``numpy-ziggurat secret``: the sampler before the compiled kernel, re-created (numpy's ziggurat
+  on per-chunk SFC64 streams, the values with |z| ≥ 3.654 found by a scan and redrawn from the tail law).
+* ``secret``: :meth:`dpopt.noise.NoiseSource.normal` today (the compiled ziggurat on per-chunk SFC64
+  streams, the tail drawn exactly; |z| ≤ 37.63), also streamed (``start_normal(stream=True)``,
   the release of a model above the Privatizer's early-draw limit) and ``reproducible``.
 * ``secure`` / ``previous secure``: Box–Muller on AES-256-CTR words / on :func:`os.urandom` words.
 """
@@ -49,9 +52,12 @@ from dpopt.noise import (
     _cpu_generator_from_words,
     _os_words,
     _random_words,
+    _sfc64,
     _slots,
+    _tail_draws,
     gaussian_from_words,
 )
+from dpopt.ziggurat import sfc64_seed_state, ziggurat_body
 
 
 def _previous_secret(n: int, gen: torch.Generator, pool) -> torch.Tensor:
@@ -92,10 +98,33 @@ def _ziggurat_only(n: int, name: str) -> None:
         gen.standard_normal(out=out[: min(NORMAL_CHUNK, n - lo)])
 
 
-def _tail_scan(n: int, chunk: np.ndarray) -> None:
-    """The tail redraw's search pass over ``n`` values (chunk by chunk)."""
+def _body_only(n: int) -> None:
+    """dpopt's compiled ziggurat body on one SFC64 stream per chunk, the tail positions left unfilled."""
+    out = np.empty(NORMAL_CHUNK)
     for lo in range(0, n, NORMAL_CHUNK):
-        np.flatnonzero(np.abs(chunk[: min(NORMAL_CHUNK, n - lo)]) >= ZIGGURAT_R)
+        ziggurat_body(out[: min(NORMAL_CHUNK, n - lo)], sfc64_seed_state(os.urandom(24)))
+
+
+def _numpy_ziggurat_secret(n: int, pool) -> torch.Tensor:
+    """The secret sampler before the compiled kernel: per chunk numpy's ziggurat on a fresh SFC64 stream,
+    then a scan for |z| ≥ r and the tail law's draws in those places."""
+    k = -(-n // NORMAL_CHUNK)
+    raw = os.urandom(24 * k)
+    out = np.empty(n)
+
+    def fill(i: int) -> None:
+        gen = _sfc64(raw[24 * i : 24 * (i + 1)])
+        chunk = out[i * NORMAL_CHUNK : min(n, (i + 1) * NORMAL_CHUNK)]
+        gen.standard_normal(out=chunk)
+        idx = np.flatnonzero(np.abs(chunk) >= ZIGGURAT_R)
+        chunk[idx] = np.copysign(_tail_draws(gen, idx.size), chunk[idx])
+
+    if pool is None:
+        for i in range(k):
+            fill(i)
+    else:
+        list(pool.map(fill, range(k)))
+    return torch.from_numpy(out)
 
 
 def _aes_words(n: int) -> None:
@@ -132,7 +161,6 @@ def measure(size: int, repeats: int) -> dict:
     secret, secure, repro = NoiseSource("secret"), NoiseSource("secure"), NoiseSource("reproducible", seed=0)
     prev_pool = NoiseSource("secret")  # only for its worker threads (the previous sampler ran there too)
     x32, x64 = torch.empty(size), torch.empty(size, dtype=torch.float64)
-    ready = np.random.default_rng(0).standard_normal(NORMAL_CHUNK)
     cases = {
         "torch float32 normal_ (1 t)": (1, lambda: x32.normal_(generator=gen)),
         "torch float32 normal_ (2 t)": (2, lambda: x32.normal_(generator=gen)),
@@ -148,7 +176,9 @@ def measure(size: int, repeats: int) -> dict:
         "numpy ziggurat (PCG64DXSM)": (1, lambda: _ziggurat_only(size, "PCG64DXSM")),
         "numpy ziggurat (Philox)": (1, lambda: _ziggurat_only(size, "Philox")),
         "numpy ziggurat (MT19937)": (1, lambda: _ziggurat_only(size, "MT19937")),
-        "tail scan": (1, lambda: _tail_scan(size, ready)),
+        "compiled ziggurat body (SFC64)": (1, lambda: _body_only(size)),
+        "numpy-ziggurat secret (1 t)": (1, lambda: _numpy_ziggurat_secret(size, None)),
+        "numpy-ziggurat secret (2 t)": (2, lambda: _numpy_ziggurat_secret(size, prev_pool._thread_pool())),
         "previous secret (1 t)": (1, lambda: _previous_secret(size, gen, None)),
         "previous secret (2 t)": (2, lambda: _previous_secret(size, gen, prev_pool._thread_pool())),
         "secret (1 t)": (1, lambda: secret.normal((size,), dtype=torch.float64)),
@@ -198,6 +228,11 @@ def measure(size: int, repeats: int) -> dict:
             "secret (2 t), cpu": cpu_rows["previous secret (2 t)"] / cpu_rows["secret (2 t)"],
             "secure, wall": rows["previous secure (1 t)"] / rows["secure (1 t)"],
         },
+        "speedup_over_numpy_ziggurat": {
+            f"secret ({t} t), {kind}": table[f"numpy-ziggurat secret ({t} t)"] / table[f"secret ({t} t)"]
+            for t in (1, 2)
+            for kind, table in (("wall", rows), ("cpu", cpu_rows))
+        },
         "us_per_call_of_10": small,
     }
 
@@ -227,6 +262,10 @@ def main(argv=None) -> int:
     print(
         "speed-up over the previous sampler: "
         + ", ".join(f"{k} {v:.2f}" for k, v in result["speedup_over_previous"].items())
+    )
+    print(
+        "speed-up over the numpy-ziggurat sampler: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["speedup_over_numpy_ziggurat"].items())
     )
     print("µs per call of 10 normals: " + ", ".join(f"{k} {v:.1f}" for k, v in result["us_per_call_of_10"].items()))
     print("largest |z|: " + ", ".join(f"{k} {v:.2f}" for k, v in result["largest_abs_z"].items()))

@@ -9,7 +9,7 @@ from one of three sources, and records which in the ledger header (``noise``):
 
 ``"secret"`` (default)
     State from OS entropy, never stored, printed or written. The CPU normals
-    come from SFC64 streams (numpy; Doty-Humphrey's Small Fast Chaotic PRNG),
+    come from SFC64 streams (Doty-Humphrey's Small Fast Chaotic PRNG),
     one per chunk of :data:`NORMAL_CHUNK` normals, each with a fresh 192-bit
     state from :func:`os.urandom` when the draw starts. The CPU uniforms
     (Poisson masks) come from a ``torch.Generator`` (Mersenne Twister,
@@ -44,13 +44,13 @@ P(Z > r_max − 1/σ) < 1e-160 per inclusion for every σ ≥ 0.1; below
 P(Z > 11.5) = 6.4e-31, and the Privatizer refuses such a σ
 (:func:`check_tail_reach`) rather than release a silently truncated tail.
 
-* *Secret and reproducible noise on CPU* (issue 34, for speed): numpy's float64
-  ziggurat (Marsaglia & Tsang 2000) on the chunk's SFC64 stream, with every
+* *Secret and reproducible noise on CPU* (issue 34, for speed): a compiled float64
+  ziggurat (Marsaglia & Tsang 2000; :mod:`dpopt.ziggurat`, numba) on the chunk's SFC64 stream, with every
   value of its base-strip tail branch (exactly the values with |z| ≥
   :data:`ZIGGURAT_R` = 3.654) redrawn from the exact tail law by Marsaglia's
   (1964) method on uniforms with the full float64 exponent range
-  (:func:`ziggurat_normals`): largest |z| √(r² + 2·1012·ln 2) = 37.63; numpy's
-  own tail stops at 13.71. The values do not depend on the thread count.
+  (:func:`ziggurat_normals`): largest |z| √(r² + 2·1012·ln 2) = 37.63 (numpy's
+  ziggurat's own tail stops at 13.71). The values do not depend on the thread count.
 * *Secure noise, and every mode on CUDA*: float64 Box–Muller on random 64-bit
   words (:func:`gaussian_from_words`, the same torch ops on CPU and CUDA),
   z = √(−2 ln u)·(cos 2πt, sin 2πt), with t on a 2^-52 grid and u = m·2^-(k+1),
@@ -63,13 +63,13 @@ Other departures from the ideal samplers: a geometric stream of > 1000 zero
 bits is cut (probability < 2^-1000); with probability ≤ 2^-140 per call more
 Box–Muller pairs need exponent bits beyond the first 12 than :func:`_slots`
 provides (per chunk of :data:`NORMAL_CHUNK` normals; they stay at |z| ≤ 4.25);
-numpy's ziggurat tables are float64 roundings of the exact strip edges (a body
-value within an ulp of r, probability ~2^-50, could be counted as tail and
+the ziggurat's tables are float64 roundings of its exact strip edges (a body
+value within one 2^-52 grid step of r, probability ≤ 2^-60, is counted as tail and
 redrawn); all far below 1e-30 in effect, so nothing is added to the ledger's δ.
 Each draw is float64, rounded once to the requested dtype; the Privatizer adds
 it to the clipped sum in float64 and rounds the noisy sum once to the parameter
-dtype. Reproducible CPU values depend on numpy's ziggurat, which numpy may
-change between versions (its stream-compatibility policy).
+dtype. Reproducible CPU values depend only on dpopt's own ziggurat tables and
+SFC64 (not on the numpy version).
 
 Floating-point attacks (Mironov 2012; Jin et al. 2022, arXiv 2112.05307,
 "Are we there yet? Timing and floating-point attacks on differential
@@ -90,7 +90,7 @@ copied either.
 **When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
 (:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its chunk states are taken from the
 source at once (the stream order is that of a draw made there), its chunks are computed in the
-source's worker threads (numpy's sampler releases the GIL: they run in parallel). The Privatizer
+source's worker threads (the compiled sampler releases the GIL: they run in parallel). The Privatizer
 starts the step's draw when the step begins, so that it overlaps the per-sample work, and its one
 noise seam (``Privatizer._draw``) takes the values at the release. The values are bit-identical to
 a :meth:`NoiseSource.normal` call; a draw is never pickled or copied, and one started before a fork
@@ -123,6 +123,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .ziggurat import SFC_DISCARD, SFC_STATE_BYTES, ZIGGURAT_R, sfc64_seed_state, ziggurat_body
 
 __all__ = [
     "CUT_RADIUS",
@@ -448,44 +449,39 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
     return out
 
 
-# -- the CPU sampler: numpy's float64 ziggurat on SFC64 words, its tail redrawn exactly -------------
+# -- the CPU sampler: a compiled float64 ziggurat on SFC64 words, its tail redrawn exactly ------------
 #
-# numpy's ``Generator.standard_normal`` (Marsaglia & Tsang 2000's ziggurat, 256 strips, one 64-bit
-# word per accepted value: 8 bits strip, 1 sign bit, 52 bits u) is exact in the body, and its value
-# has |z| >= r = ZIGGURAT_R exactly when it comes from the base strip's tail branch (every other
-# branch returns |u·x_i| < r). That branch (Marsaglia 1964, on 53-bit uniforms) stops at
-# |z| = r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45. So every value with |z| >= r is REPLACED, with
-# its sign, by an independent draw of the exact tail law Z | Z >= r (:func:`_tail_draws`): the
-# mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by construction), now with a
-# tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS. The tail is 2.6e-4 of the values.
-ZIGGURAT_R = 3.6541528853610088  # numpy's ziggurat_nor_r (distributions.c)
+# The body is Marsaglia & Tsang (2000)'s ziggurat with 256 strips (dpopt.ziggurat: one 64-bit SFC64
+# word per candidate, numba-compiled, GIL released). A value has |z| >= r = ZIGGURAT_R exactly when it
+# comes from the base strip's tail branch (every other branch returns |u·x_i| < r); the kernel leaves
+# those positions to this module, which fills each, with its sign, by an independent draw of the exact
+# tail law Z | Z >= r (:func:`_tail_draws`, Marsaglia 1964 on uniforms with the full float64 exponent
+# range) from the same stream: the mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by
+# construction), with a tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS (numpy's own
+# ziggurat tail stops at r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45). The tail is 2.6e-4 of the values.
 _TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent
 _TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS
-_SFC_STATE_BYTES = 24  # SFC64's a, b, c (its counter starts at 1: period ≥ 2^64)
-_SFC_DISCARD = 12  # outputs dropped after setting the state, as SFC64's own seeding does
 _LN2 = math.log(2.0)
 
 
-def _sfc64(state: bytes, bitgen: Optional[np.random.SFC64] = None) -> np.random.Generator:
-    """A numpy Generator on SFC64 (Doty-Humphrey's Small Fast Chaotic PRNG) with a, b, c = ``state``
-    (24 bytes, little-endian) and counter 1, its first 12 outputs dropped. ``bitgen`` is re-used
-    (its state overwritten) when given: constructing one costs a SeedSequence hash.
+def _sfc64(state: Union[bytes, np.ndarray], bitgen: Optional[np.random.SFC64] = None) -> np.random.Generator:
+    """A numpy Generator on SFC64 (Doty-Humphrey's Small Fast Chaotic PRNG) at a stream's state.
+
+    Args:
+        state: 24 bytes (a, b, c little-endian; counter 1, the first :data:`~dpopt.ziggurat.SFC_DISCARD`
+            outputs dropped: :func:`~dpopt.ziggurat.sfc64_seed_state`), or uint64 ``[4]`` the exact
+            state (a, b, c, counter) to continue from, nothing dropped.
+        bitgen: an SFC64 object to re-use (its state overwritten); constructing one costs a SeedSequence hash.
 
     Raises:
         ValueError: ``state`` is not 24 bytes.
     """
-    if len(state) != _SFC_STATE_BYTES:
-        raise ValueError(f"an SFC64 state is {_SFC_STATE_BYTES} bytes, got {len(state)}")
+    words = sfc64_seed_state(state) if isinstance(state, bytes) else state
     if bitgen is None:
         bitgen = np.random.SFC64(0)  # a fixed seed only to construct it: the state is replaced next
-    words = np.frombuffer(state, dtype="<u8").astype(np.uint64)
-    bitgen.state = {
-        "bit_generator": "SFC64",
-        "state": {"state": np.array([words[0], words[1], words[2], 1], dtype=np.uint64)},
-        "has_uint32": 0,
-        "uinteger": 0,
-    }
-    bitgen.random_raw(_SFC_DISCARD)
+    bitgen.state = {"bit_generator": "SFC64", "state": {"state": words.copy()}, "has_uint32": 0, "uinteger": 0}
+    if isinstance(state, bytes):
+        bitgen.random_raw(SFC_DISCARD)
     return np.random.Generator(bitgen)
 
 
@@ -547,19 +543,24 @@ def ziggurat_normals(state: bytes, out: np.ndarray, bitgen: Optional[np.random.S
     """Fill float64 ``out`` (1-D, contiguous) with standard normals from one SFC64 stream — the CPU
     sampler of secret and reproducible noise (module comment above), a pure function of ``state``.
 
+    The body comes from :func:`dpopt.ziggurat.ziggurat_body`; its tail positions are filled, with
+    their signs, by :func:`_tail_draws` from the same stream where the body stopped.
+
     Args:
-        state: 24 bytes, the stream's SFC64 state (:func:`_sfc64`).
+        state: 24 bytes, the stream's SFC64 state (:func:`~dpopt.ziggurat.sfc64_seed_state`).
         out: float64 numpy array, overwritten; the same values whatever thread runs this.
-        bitgen: an SFC64 object to re-use (its state is overwritten).
+        bitgen: an SFC64 object to re-use for the tail draws (its state is overwritten).
 
     Returns:
         ``out``. Every |value| ≤ _TAIL_RADIUS < :data:`CUT_RADIUS`.
+
+    Raises:
+        ValueError: ``state`` is not 24 bytes; ``out`` is not 1-D contiguous float64.
     """
-    gen = _sfc64(state, bitgen)
-    gen.standard_normal(out=out)  # numpy's ziggurat, GIL released
-    idx = np.flatnonzero(np.abs(out) >= ZIGGURAT_R)  # exactly the values of the tail branch
+    words = sfc64_seed_state(state)
+    idx = ziggurat_body(out, words)  # words now hold the stream's state after the body
     if idx.size:
-        out[idx] = np.copysign(_tail_draws(gen, idx.size), out[idx])
+        out[idx] = np.copysign(_tail_draws(_sfc64(words, bitgen), idx.size), out[idx])
     return out
 
 
@@ -666,13 +667,12 @@ class NoiseSource:
     def normal(self, shape, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> Tensor:
         """Standard normal tensor of ``shape`` (std 1; the caller scales it), every |z| ≤ :data:`CUT_RADIUS`.
 
-        Secret and reproducible noise on CPU: :func:`ziggurat_normals` (numpy's float64 ziggurat on
-        SFC64, its tail redrawn exactly), chunk by chunk — chunk i (:data:`NORMAL_CHUNK` normals)
+        Secret and reproducible noise on CPU: :func:`ziggurat_normals` (a compiled float64 ziggurat
+        on SFC64, its tail redrawn exactly), chunk by chunk — chunk i (:data:`NORMAL_CHUNK` normals)
         from its own SFC64 state, drawn for it when the draw starts (secret: 24 bytes of
         :func:`os.urandom`; reproducible: from this source's torch generator), on up to
         ``torch.get_num_threads()`` threads. Chunk i always gets the i-th state, so the values do
-        not depend on the thread count (reproducible mode gives the same tensor on any machine with
-        the same numpy ziggurat). Secure noise, and every mode on CUDA: :func:`gaussian_from_words`
+        not depend on the thread count (reproducible mode gives the same tensor on any machine). Secure noise, and every mode on CUDA: :func:`gaussian_from_words`
         (float64 Box–Muller on uniforms with a 52-bit mantissa at every scale) on words from the OS
         CSPRNG (secure) or this source's generator on ``device``. The float64 result is rounded once
         to ``dtype``.
@@ -816,7 +816,7 @@ class CpuNormalDraw:
     and is self-contained: :func:`ziggurat_normals` on its own 24-byte SFC64 state, drawn for it
     when the draw starts (secret: :func:`os.urandom`; reproducible: the source's generator). So a
     chunk can be computed whenever, on any thread, and the values never depend on the thread count
-    or on when they are computed. numpy's sampler releases the GIL: the chunks run in parallel.
+    or on when they are computed. The compiled sampler releases the GIL: the chunks run in parallel.
 
     Two ways to compute (the same values):
 
@@ -850,8 +850,8 @@ class CpuNormalDraw:
             gen = source._generator("cpu")
             raw = torch.randint(0, 2**32, (k, 6), generator=gen, dtype=torch.int64).to(torch.int32).numpy().tobytes()
         else:
-            raw = os.urandom(_SFC_STATE_BYTES * k)
-        self._states = [raw[_SFC_STATE_BYTES * i : _SFC_STATE_BYTES * (i + 1)] for i in range(k)]
+            raw = os.urandom(SFC_STATE_BYTES * k)
+        self._states = [raw[SFC_STATE_BYTES * i : SFC_STATE_BYTES * (i + 1)] for i in range(k)]
         if self.stream:
             return
         self._values = torch.empty(self.n, dtype=torch.float64)

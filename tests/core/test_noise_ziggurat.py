@@ -1,10 +1,11 @@
-"""The CPU sampler of secret and reproducible noise (issue 34): numpy's float64 ziggurat on per-chunk
-SFC64 streams, every tail value (|z| ≥ r = 3.654) redrawn from the exact tail law.
+"""The CPU sampler of secret and reproducible noise (issue 34): a compiled float64 ziggurat
+(dpopt.ziggurat; its own tests in test_ziggurat_kernel.py) on per-chunk SFC64 streams, every tail
+value (|z| ≥ r = 3.654) drawn from the exact tail law.
 
 White-box tests feed the tail's uniforms their extreme words (the largest |z| it can give, the
 exponent's count of leading zero bits across words); statistical tests give their false-alarm rate.
-The guarantee needs every |z| up to 11.5 + 1/σ to be possible: numpy's own tail stops at 13.71,
-the redrawn tail at 37.63 (σ ≥ 0.04).
+The guarantee needs every |z| up to 11.5 + 1/σ to be possible: numpy's ziggurat's own tail stops at
+13.71, the tail drawn here at 37.63 (σ ≥ 0.04).
 """
 
 import math
@@ -30,6 +31,7 @@ from dpopt.noise import (
     _tail_draws,
     ziggurat_normals,
 )
+from dpopt.ziggurat import sfc64_seed_state, ziggurat_body
 
 LN2 = math.log(2.0)
 
@@ -107,19 +109,29 @@ def test_tail_draws_follow_the_conditional_normal_law():
     assert abs(count - t.size * p) < 6 * math.sqrt(t.size * p * (1 - p))
 
 
-def test_values_beyond_r_are_redrawn_and_the_rest_are_numpys():
-    """Against numpy's ziggurat on the same SFC64 state: equal wherever numpy gives |z| < r; where
-    it gives |z| ≥ r (its tail branch) the value is a fresh tail draw with numpy's sign."""
+def _body(state: bytes, n: int):
+    """The kernel's body values (tail positions ±inf) and the stream's state after it."""
+    words = sfc64_seed_state(state)
+    out = np.empty(n)
+    idx = ziggurat_body(out, words)
+    return out, idx, words
+
+
+def test_tail_positions_are_drawn_from_the_continued_stream_and_the_rest_kept():
+    """Against the kernel's body on the same SFC64 state: equal at every body position; each tail
+    position (±inf there) holds, with that sign, the tail law's draws from the stream where the body
+    stopped (_tail_draws on that state), in order."""
     state = bytes(range(100, 124))
     n = 1 << 18
-    want = _sfc64(state).standard_normal(n)
+    body, idx, after = _body(state, n)
     got = ziggurat_normals(state, np.empty(n))
-    body = np.abs(want) < ZIGGURAT_R
-    assert np.array_equal(got[body], want[body])
-    tail = ~body
-    assert tail.sum() > 20  # P(|Z| ≥ r) = 2.6e-4: 68 expected, P(≤ 20) < 1e-10
-    assert np.all(np.abs(got[tail]) >= ZIGGURAT_R) and np.all(np.sign(got[tail]) == np.sign(want[tail]))
-    assert not np.any(got[tail] == want[tail])  # redrawn (equal with probability 0)
+    keep = np.ones(n, dtype=bool)
+    keep[idx] = False
+    assert np.array_equal(got[keep], body[keep]) and np.all(np.abs(body[keep]) < ZIGGURAT_R)
+    assert idx.size > 20  # P(|Z| ≥ r) = 2.6e-4: 68 expected, P(≤ 20) < 1e-10
+    assert np.all(np.isinf(body[idx])) and np.all(np.abs(got[idx]) >= ZIGGURAT_R)
+    assert np.array_equal(np.signbit(got[idx]), np.signbit(body[idx]))
+    assert np.array_equal(np.abs(got[idx]), _tail_draws(_sfc64(after), idx.size))
 
 
 def test_ziggurat_normals_is_a_function_of_its_state():
@@ -198,21 +210,22 @@ def test_secure_words_without_the_aes_package_read_the_os(monkeypatch):
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-7
 
 
-def test_no_tail_value_of_numpy_is_kept_and_the_redrawn_signs_are_fair():
-    """Over 8 fixed SFC64 states × 2^20 normals (≈ 2,160 tail-branch values): every value numpy gives at
-    |z| ≥ r is replaced (none kept: equal with probability 0), every body value is numpy's; the redrawn values
-    keep numpy's sign bit, whose count of positives is Binomial(m, 1/2): within 5 standard deviations (false
-    alarm 6e-7; the states are fixed, so the outcome is too). A sampler that kept numpy's tail or forced one
+def test_tail_values_are_finite_and_their_signs_are_fair():
+    """Over 8 fixed SFC64 states × 2^20 normals (≈ 2,160 tail-branch values): every tail position is
+    filled (finite, |z| ≥ r), every body value is the kernel's; the tail values keep the body's sign bit,
+    whose count of positives is Binomial(m, 1/2): within 5 standard deviations (false alarm 6e-7; the
+    states are fixed, so the outcome is too). A sampler that left a tail position unfilled or forced one
     sign fails at once."""
     m = pos = 0
     for k in range(8):
         state = bytes((37 * k + 11 * i + 1) % 256 for i in range(24))
-        want = _sfc64(state).standard_normal(1 << 20)
+        body, idx, _ = _body(state, 1 << 20)
         got = ziggurat_normals(state, np.empty(1 << 20))
-        tail = np.abs(want) >= ZIGGURAT_R
-        assert np.array_equal(got[~tail], want[~tail])
-        assert np.all(got[tail] != want[tail]) and np.all(np.abs(got[tail]) >= ZIGGURAT_R)
-        assert np.all(np.signbit(got[tail]) == np.signbit(want[tail]))
+        tail = np.zeros(got.size, dtype=bool)
+        tail[idx] = True
+        assert np.array_equal(got[~tail], body[~tail])
+        assert np.all(np.isfinite(got)) and np.all(np.abs(got[tail]) >= ZIGGURAT_R)
+        assert np.all(np.signbit(got[tail]) == np.signbit(body[tail]))
         m += int(tail.sum())
         pos += int((got[tail] > 0).sum())
     assert m > 1500  # P(|Z| ≥ r) · 2^23 = 2,165
