@@ -93,7 +93,6 @@ def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
-
 @dataclass(frozen=True)
 class Release:
     """A public, privatized gradient and what is needed to post-process it.
