@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
+import numpy as np
 import torch
 from dp_accounting import dp_event
 from torch import Tensor
@@ -41,12 +42,55 @@ from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
-__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX"]
+__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "add_and_round"]
 
 #: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer
 #: (32 MiB); a larger model's noise is drawn chunk by chunk at the release and added in place, so
 #: that no buffer of all parameters' noise ever exists (issue 43: bytes per block, not per parameter).
 EARLY_DRAW_MAX = 1 << 22
+
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
+def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
+    """``round_dtype(z + s)``: the noisy sum of one parameter, added in float64 and rounded ONCE to ``dtype``.
+
+    Args:
+        z: the parameter's float64 noise σS·z (param-shaped; overwritten with ``z + s``).
+        s: the parameter's clipped sum (param-shaped; the Privatizer's own fresh tensor, as
+            :meth:`Privatizer._add_noise` requires; float32, float64, or float32 for bf16/fp16 parameters).
+        dtype: the released dtype (the parameter's).
+
+    Returns:
+        The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``s`` is a contiguous
+        CPU tensor of ``dtype``, else a new tensor.
+
+    The values are bit for bit those of ``z.add_(s).to(dtype)``: each element of ``s`` is exact in
+    float64, the float64 addition rounds once, the cast rounds once (to nearest, ties to even), all
+    elementwise (``tests/core/test_add_and_round.py``). On the CPU, for float32/float64 sums and
+    releases, the addition and the rounding are numpy's ``add`` (which widens ``s`` in cache-sized
+    buffers) and ``copyto`` into ``s`` itself: torch's mixed-dtype ``add_`` over a whole large
+    parameter followed by a cast into a fresh tensor cost ≈ 1.5× as much here
+    (docs/performance.md, "MLP: dp-sgd's cost above its floor").
+    """
+    if (
+        z.device.type != "cpu"
+        or s.device.type != "cpu"
+        or z.dtype != torch.float64
+        or s.dtype not in _NUMPY_FLOATS
+        or dtype not in _NUMPY_FLOATS
+        or not (z.is_contiguous() and s.is_contiguous())
+        or z.shape != s.shape
+        or s.requires_grad
+        or z.requires_grad
+    ):
+        return z.add_(s).to(dtype)
+    out = s if s.dtype == dtype else torch.empty(s.shape, dtype=dtype)
+    zn = z.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as torch gives them, without numpy's warnings
+        np.add(zn, s.numpy(), out=zn)
+        np.copyto(out.numpy(), zn, casting="same_kind")  # the one rounding
+    return out
 
 
 @dataclass(frozen=True)
@@ -639,7 +683,7 @@ class Privatizer:
         streamed = std > 0 and n > EARLY_DRAW_MAX and self.mechanism is None  # σS may be nan (0·∞)
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             noise, count_noise = self._draw(std)
-            return [z.add_(s).to(dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
+            return [add_and_round(z, s, dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
         sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
         outs = [s if s.dtype == dt else torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(sums, dtypes)]
         starts = list(itertools.accumulate([0] + sizes))

@@ -263,7 +263,17 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
 def linear_bias_sums(layer: LayerCalls) -> Tensor:
     """A linear map's per-example bias gradient Σ_t e_it summed over the calls, ``[B, q]`` in :attr:`LayerCalls.dtype`."""
     b = layer.batch_size
-    return sum(e.reshape(b, -1, e.shape[-1]).sum(1, dtype=layer.dtype) for _, e in layer.calls)  # type: ignore[return-value]
+    total: Optional[Tensor] = None
+    for _, e in layer.calls:
+        q = e.shape[-1]
+        if e.numel() == b * q:  # one position per example (T = 1): Σ_t is the row itself, copied (no reduction pass)
+            part = e.reshape(b, q).to(layer.dtype, copy=True)
+        else:
+            part = e.reshape(b, -1, q).sum(1, dtype=layer.dtype)
+        total = part if total is None else total.add_(part)  # the calls in order, as sum() added them
+    if total is None:
+        raise ValueError("a linear layer with no recorded call has no per-example bias gradient")
+    return total
 
 
 @register_rule(nn.Linear, views="merge", chunked=True)

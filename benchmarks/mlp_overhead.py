@@ -1,0 +1,95 @@
+"""The MNIST MLP's `dp-sgd` step before and after the 2026-12-07 release/bias-sum cuts, in one process (issue 34;
+docs/performance.md, "MLP: dp-sgd's cost above its floor").
+
+Times, round-robin in one process (``step_time.time_round_robin``: median wall and process CPU time, all
+threads, per step): the non-private step, the floor (non-private + one secret noise draw), ``dp-sgd`` as
+it is, ``dp-sgd`` with the code these cuts replaced restored for its step (the release's
+``z.add_(s).to(dtype)`` and the per-example bias sums as a reduction over positions, patched in and out
+around each of its steps, so that both run on the same machine state) and, with ``--ghost``, Opacus's
+ghost clipping. Both ``dp-sgd`` variants release the same values (``tests/core/test_add_and_round.py``).
+
+Usage::
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/mlp_overhead.py --ghost --rounds 30 --threads 2
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared CPUs
+
+import argparse  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+from step_time import batch, dpopt_step, floor_step, non_private_step, opacus_step, time_round_robin  # noqa: E402
+
+import dpopt.engine.rules as rules  # noqa: E402
+from dpopt.privatizer import Privatizer  # noqa: E402
+
+
+def old_add_noise(self, std, dtypes):
+    """The release's add before 2026-12-07: torch's mixed-dtype ``add_`` over each parameter, then a cast into a new tensor."""
+    noise, count_noise = self._draw(std)
+    return [z.add_(s).to(dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
+
+
+def old_bias_sums(layer):
+    """``rules.linear_bias_sums`` before 2026-12-07: a reduction over the positions even when there is one, then ``sum()``."""
+    b = layer.batch_size
+    return sum(e.reshape(b, -1, e.shape[-1]).sum(1, dtype=layer.dtype) for _, e in layer.calls)
+
+
+def main(argv=None) -> dict:
+    """Run the comparison; print and return ``{configuration: (cpu ms, wall ms)}``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ghost", action="store_true", help="also time Opacus ghost clipping (needs opacus)")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    x, y = batch("mlp", 256)
+    new_add, new_bias = Privatizer._add_noise, rules.linear_bias_sums
+    dp_new, dp_old = dpopt_step("mlp", "dp-sgd", x, y), dpopt_step("mlp", "dp-sgd", x, y)
+
+    def before():
+        Privatizer._add_noise, rules.linear_bias_sums = old_add_noise, old_bias_sums  # type: ignore[method-assign]
+        try:
+            dp_old()
+        finally:
+            Privatizer._add_noise, rules.linear_bias_sums = new_add, new_bias  # type: ignore[method-assign]
+
+    steps = {
+        "non-private": non_private_step("mlp", x, y),
+        "floor": floor_step("mlp", x, y),
+        "dp-sgd before": before,
+        "dp-sgd after": dp_new,
+    }
+    ghost = opacus_step("mlp", x, y, "ghost") if args.ghost else None
+    if ghost is not None:
+        steps["opacus ghost"] = ghost
+    r = time_round_robin(steps, rounds=args.rounds, per_round=3, warmup=3)
+    c = {k: v["cpu_median"] * 1e3 for k, v in r.items()}
+    w = {k: v["median"] * 1e3 for k, v in r.items()}
+    print(f"threads {args.threads}, {args.rounds} rounds of 3 steps, round-robin")
+    for k in r:
+        print(f"{k:16s} cpu {c[k]:6.1f} ms  wall {w[k]:6.1f} ms")
+    for tag in ("before", "after"):
+        k = f"dp-sgd {tag}"
+        line = f"{tag}: /non-private cpu {c[k] / c['non-private']:.2f} wall {w[k] / w['non-private']:.2f}"
+        line += f"; /floor cpu {c[k] / c['floor']:.2f} wall {w[k] / w['floor']:.2f}"
+        if "opacus ghost" in c:
+            line += f"; /ghost cpu {c[k] / c['opacus ghost']:.2f} wall {w[k] / w['opacus ghost']:.2f}"
+        print(line)
+    if "opacus ghost" in c:
+        print(f"floor / ghost: cpu {c['floor'] / c['opacus ghost']:.2f} wall {w['floor'] / w['opacus ghost']:.2f}")
+    print(
+        f"after / before: cpu {c['dp-sgd after'] / c['dp-sgd before']:.3f} wall {w['dp-sgd after'] / w['dp-sgd before']:.3f}"
+    )
+    return {k: (c[k], w[k]) for k in r}
+
+
+if __name__ == "__main__":
+    main()
