@@ -363,11 +363,8 @@ def train_command(
         help="under torchrun: shard the model with FSDP2 (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)",
     ),
     dtype: Optional[str] = typer.Option(
-        None,
-        "--dtype",
-        hidden=True,  # float32 is the only value: the flag exists to explain that (DTYPES)
-        help="float32 only (the built-in models train in float32)",
-    ),
+        None, "--dtype", hidden=True
+    ),  # hidden: float32 is the only value, the flag exists to explain that (DTYPES)
     resume: Optional[str] = typer.Option(
         None,
         help="RUN_DIR: continue an interrupted run with its saved configuration (only --device, "
