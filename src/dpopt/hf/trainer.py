@@ -133,8 +133,8 @@ from ..accounting.calibration import (
 from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
-from ..errors import LedgerWriteError
 from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
+from ..errors import LedgerWriteError
 from ..privacy_engine import PrivacyEngine, check_sampling
 from ..release_boundary import boundary_of
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
