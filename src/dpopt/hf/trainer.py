@@ -849,7 +849,7 @@ class DPTrainer(Trainer):
 
     def _ledger_write_advice(self) -> str:
         """What to do after a failed ledger write, with this trainer's options (output_dir, resume)."""
-        journal = self.engine.journal or Path(self.args.output_dir) / f"ledger-{self.ledger.run_id}.jsonl"
+        journal = self.engine.journal or Path(str(self.args.output_dir)) / f"ledger-{self.ledger.run_id}.jsonl"
         free = f"free space on the disk of {journal} (the ledger journal in output_dir) or make that file writable"
         if self.noise_mechanism != "independent":
             return (
