@@ -34,8 +34,10 @@ first ``save_checkpoint`` (or ``engine.open_journal``) on; every checkpoint
 and optimizer state records where it is. Two processes that load one checkpoint and train on both append
 to the same journal, which then holds both branches (all charged at the next
 load); each process's own ``get_epsilon`` counts its branch and what was in
-the journal when it loaded. Call ``save_checkpoint`` on one rank only in
-data-parallel runs.
+the journal when it loaded. In a data-parallel run (``make_private(...,
+distributed=...)``) only rank 0 writes the journal: ``engine.open_journal`` and
+``save_checkpoint`` refuse on the other ranks (:meth:`LedgerKeeper.check_main`), and a
+load on them reads the journal but never opens it.
 
 Checkpoint layout (``torch.save`` of a dict; Opacus's keys, then dpopt's)::
 
@@ -134,6 +136,17 @@ def _totals(groups: Iterable) -> tuple[int, int]:
     return reads, releases
 
 
+def journal_off_main(door: str, rank: int, world_size: int) -> str:
+    """The refusal of ``engine.<door>`` on ``rank`` > 0 of a data-parallel run of ``world_size`` ranks."""
+    return (
+        f"engine.{door}() was called on rank {rank} of {world_size}: in a data-parallel run only rank 0 "
+        "writes the ledger journal (every rank's ledger holds the same releases, so a second writer would "
+        f"append each release again or fork the file). Call engine.{door}() on rank 0 only, e.g. "
+        f"`if torch.distributed.get_rank() == 0: engine.{door}(...)`; load_checkpoint works on every rank "
+        "(ranks > 0 read the journal, never write it)"
+    )
+
+
 class LedgerKeeper:
     """Takes saved ledgers into an engine's ledger (never losing a release) and keeps its journal.
 
@@ -146,6 +159,9 @@ class LedgerKeeper:
         carried_reads, carried_releases: reads/releases of the adopted ledger
             not counted by this process's Privatizers (made before the load);
             ``PrivacyEngine.summary`` adds them to the Privatizers' own counts.
+        rank, world_size: this process's place in the engine's data-parallel
+            group (set by ``make_private(..., distributed=...)``; 0 of 1 otherwise):
+            only rank 0 writes the journal.
     """
 
     def __init__(self, ledger: PrivacyLedger):
@@ -153,6 +169,19 @@ class LedgerKeeper:
         self.journal: Optional[Path] = None
         self.carried_reads = 0
         self.carried_releases = 0
+        self.rank, self.world_size = 0, 1
+
+    def check_main(self, door: str) -> None:
+        """Refuse ``door`` (``"open_journal"``, ``"save_checkpoint"``) on a rank other than 0 of a data-parallel run.
+
+        Every rank's ledger holds the same releases: a second rank writing the journal would append each
+        release again (or fork the file), so only rank 0 writes it.
+
+        Raises:
+            RuntimeError: ``rank != 0``; the message says to call ``door`` on rank 0 only.
+        """
+        if self.rank != 0:
+            raise RuntimeError(journal_off_main(door, self.rank, self.world_size))
 
     # -- the journal -------------------------------------------------------------
     def open_journal(self, path: Union[str, os.PathLike]) -> Path:
@@ -298,7 +327,7 @@ class LedgerKeeper:
                 UserWarning,
                 stacklevel=stacklevel,
             )
-        if journal is not None:
+        if journal is not None and self.rank == 0:  # rank > 0 read it above; only rank 0 writes it
             self.open_journal(journal)
         return kept
 

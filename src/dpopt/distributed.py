@@ -88,6 +88,7 @@ __all__ = [
     "ShardedPoissonSampler",
     "poisson_sampler",
     "AllReduceRelease",
+    "RankAgreement",
     "attach",
     "prepare",
     "broadcast_parameters",
@@ -254,7 +255,25 @@ def poisson_sampler(
     return PoissonSampler(dataset_size, sample_rate, steps, noise=noise)
 
 
-class AllReduceRelease:
+class RankAgreement:
+    """What the Privatizer asks of a data-parallel ``reduce`` hook (:class:`AllReduceRelease`,
+    :class:`dpopt.fsdp.ShardedRelease`) besides the release: agree a flag over the ranks of ``self.ctx``
+    (a :class:`DistributedContext`, set by the hook)."""
+
+    ctx: DistributedContext
+
+    #: The Privatizer agrees each release's ledger record over the ranks (:meth:`any_rank`, one all-reduce)
+    #: before drawing. ``dpopt train`` sets it False: its journal is written in batches, never at a record,
+    #: and its loop agrees rank 0's failed writes itself (``training.loop``), so the agreement could not fire.
+    agree_records = True
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
+        stops the release on all, before any noise is drawn, summed or reduced). A collective: every rank calls it."""
+        return any_rank(flag, self.ctx)
+
+
+class AllReduceRelease(RankAgreement):
     """The Privatizer's ``reduce`` hook: noise once on rank 0, then ONE all-reduce of sums (and count).
 
     Args:
@@ -303,16 +322,6 @@ class AllReduceRelease:
             noisy_count = float(self.ctx.all_reduce(torch.tensor([count], dtype=torch.float64, device=device))[0])
         self.calls += 1
         return out, noisy_count
-
-    #: The Privatizer agrees each release's ledger record over the ranks (:meth:`any_rank`, one all-reduce)
-    #: before drawing. ``dpopt train`` sets it False: its journal is written in batches, never at a record,
-    #: and its loop agrees rank 0's failed writes itself (``training.loop``), so the agreement could not fire.
-    agree_records = True
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
-        stops the release on all, before any noise is drawn or summed)."""
-        return any_rank(flag, self.ctx)
 
 
 def attach(privatizer, ctx: DistributedContext) -> Optional[AllReduceRelease]:

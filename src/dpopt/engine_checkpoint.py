@@ -42,6 +42,8 @@ def save_checkpoint(
     """The body of :meth:`PrivacyEngine.save_checkpoint <dpopt.privacy_engine.PrivacyEngine.save_checkpoint>` (documented there)."""
     engine._own(optimizer)
     on_disk = isinstance(path, (str, os.PathLike))
+    if journal is not None or on_disk:  # it opens (or writes) the journal: rank 0's file
+        engine._keeper.check_main("save_checkpoint")
     if journal is not None:
         engine._keeper.open_journal(journal)
     elif engine._keeper.journal is None:

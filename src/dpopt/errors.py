@@ -42,14 +42,28 @@ class LedgerWriteError(OSError):
     failed write.
 
     Args:
-        message: the whole explanation.
-        cause: the failed write's ``OSError`` (None: unpickled).
+        message: what happened (the write's error, what was and was not released).
+        cause: the failed write's ``OSError`` (None: unpickled, or another rank's failure).
+        advice: what to do, for the door that raised it (the Privatizer's is for a loop that calls
+            ``step()``; :meth:`with_advice` gives another door's); appended to ``message``.
+
+    Attributes:
+        what, advice: the two parts of the text.
     """
 
-    def __init__(self, message: str, cause: Optional[OSError] = None):
-        super().__init__(message)
+    def __init__(self, message: str, cause: Optional[OSError] = None, advice: str = ""):
+        super().__init__(f"{message} {advice}" if advice else message)
+        self.what, self.advice = message, advice
         if cause is not None:
             self.errno, self.strerror, self.filename = cause.errno, cause.strerror, cause.filename
+
+    def with_advice(self, advice: str) -> "LedgerWriteError":
+        """The same failure (text of what happened, ``errno``, ``strerror``, ``filename``) with ``advice`` instead
+        of this one's: a door that does not hand the user ``step()`` (``dpopt.hf.DPTrainer``) says what to do
+        with its own options. Raise it ``from`` this error's ``__cause__``."""
+        other = LedgerWriteError(getattr(self, "what", str(self)), None, advice)
+        other.errno, other.strerror, other.filename = self.errno, self.strerror, self.filename
+        return other
 
     def __str__(self) -> str:
         return str(self.args[0])

@@ -88,7 +88,7 @@ import torch
 from torch import Tensor, nn
 
 from .correlated_noise import CorrelatedNoise
-from .distributed import DistributedContext, any_rank, backend_device
+from .distributed import DistributedContext, RankAgreement, any_rank, backend_device
 from .engine.check import ModeCheck, mode_signature
 from .engine.fast import FastPerSampleGrads
 from .engine.hooks import HookCapture
@@ -338,7 +338,7 @@ class ShardedCapture(HookCapture):
         return super().collect()
 
 
-class ShardedRelease:
+class ShardedRelease(RankAgreement):
     """The Privatizer's ``reduce`` hook for FSDP2: owner-only noise, ONE reduce-scatter, sharded ``DTensor`` totals.
 
     Args:
@@ -388,13 +388,6 @@ class ShardedRelease:
         self.calls = 0
         self.elements = 0
         self.collective = ""
-
-    agree_records = True  #: as :attr:`dpopt.distributed.AllReduceRelease.agree_records`
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is on some rank (the Privatizer: a ledger write that failed on one rank
-        stops the release on all, before any noise is drawn or reduced)."""
-        return any_rank(flag, self.ctx)
 
     def _layout(self, p: Tensor) -> tuple[int, int, int]:
         """(rows per chunk, row size, this rank's rows) of parameter ``p``'s ``Shard(0)`` chunks."""

@@ -868,6 +868,12 @@ class PrivacyEngine:
         try:  # the hooks record private tensors: never leave them attached after a refusal
             error: Optional[Exception] = None
             try:
+                if ctx.enabled and not ctx.is_main and self._keeper.journal is not None:
+                    raise RuntimeError(
+                        f"this engine keeps a ledger journal ({self._keeper.journal}) on rank {ctx.rank} of "
+                        f"{ctx.world_size}: in a data-parallel run only rank 0 writes it (every rank's ledger "
+                        "holds the same releases). Call engine.open_journal() on rank 0 only"
+                    )
                 if unit == "user":
                     n, sample_rate, loader = self._user_loader(
                         data_loader, user_ids, max_records_per_user, sample_rate, noise, ctx
@@ -975,6 +981,7 @@ class PrivacyEngine:
                         noise.mode,
                     ],
                 )
+            self._keeper.rank, self._keeper.world_size = ctx.rank, ctx.world_size  # only rank 0 writes the journal
             if isinstance(capture, fsdp.ShardedCapture):  # FSDP2 (dpopt.fsdp): owner-only noise, reduce-scatter
                 fsdp.attach(dp.privatizer, params, module, ctx)
             elif ctx.enabled:
@@ -1218,13 +1225,17 @@ class PrivacyEngine:
 
         Optimizer states (``optimizer.state_dict()``) record it, so loading an
         older one still charges the releases made after it;
-        :meth:`save_checkpoint` opens one by itself. Call it on one rank only
-        in data-parallel runs.
+        :meth:`save_checkpoint` opens one by itself. In a data-parallel run
+        (``make_private(..., distributed=...)``) only rank 0 writes the
+        journal: call it on rank 0 only (every rank's ledger is the same).
 
         Raises:
+            RuntimeError: called on a rank other than 0 of the engine's
+                data-parallel group (:meth:`~dpopt.checkpoint.LedgerKeeper.check_main`).
             ValueError: another journal is already open, or ``path`` holds
                 another run's journal (:meth:`~dpopt.checkpoint.LedgerKeeper.open_journal`).
         """
+        self._keeper.check_main("open_journal")
         return self._keeper.open_journal(path)
 
     def _privatizers(self) -> list:
@@ -1284,6 +1295,9 @@ class PrivacyEngine:
         Raises:
             TypeError / ValueError: an optimizer this engine did not make
                 private; a journal path that cannot be used (:meth:`open_journal`).
+            RuntimeError: a path (or ``journal=``) on a rank other than 0 of
+                the engine's data-parallel group: only rank 0 writes the
+                journal, so save on rank 0 only (:meth:`open_journal`).
         """
         engine_checkpoint.save_checkpoint(
             self,
@@ -1315,7 +1329,8 @@ class PrivacyEngine:
         ledger, its journal (every release made after the checkpoint too:
         warned with their number) and this engine's own
         (:class:`~dpopt.checkpoint.LedgerKeeper`); releases go on into that
-        journal. Then the module, the optimizer and the schedulers are
+        journal (on rank 0 of a data-parallel run; the other ranks read it and
+        write none). Then the module, the optimizer and the schedulers are
         restored. ``torch.load`` reads with ``weights_only=True`` (whatever
         the torch version's default) unless ``torch_load_kwargs`` says otherwise.
 

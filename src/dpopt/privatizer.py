@@ -173,11 +173,21 @@ def _checked_mechanism(
     return mechanism
 
 
-def _write_failed(step: int, correlated: bool, err: OSError) -> str:
-    """The message of a release whose ledger entry could not be written (:class:`~dpopt.errors.LedgerWriteError`)."""
+def _write_failed(step: int, correlated: bool, err: OSError) -> tuple[str, str]:
+    """(what happened, what to do in a loop that calls ``step()``) of a release whose ledger entry could not be
+    written (:class:`~dpopt.errors.LedgerWriteError`'s ``message`` and ``advice``)."""
+    what = (
+        f"the privacy ledger write of release {step + 1} (1-based) failed: {type(err).__name__}: {err}. Nothing "
+        "was released: the parameters are not updated, no noise drawn for it is ever used, and the ledger holds "
+        "only the releases made before it, as its journal on disk does."
+    )
+    if correlated:
+        what += (
+            " The correlated noise stream did not advance (nothing was drawn from it): release "
+            f"{step + 1} is still the next one."
+        )
     stream = (
-        " The correlated noise stream did not advance (nothing was drawn from it): release "
-        f"{step + 1} is still the next one. Once the cause is fixed, either run the forward and backward "
+        " Once the cause is fixed, either run the forward and backward "
         "pass of this batch again and call step(), or go on with the loop (make_private's loader releases "
         "this cyclic batch as pure noise, freshly drawn, when the loop takes the next batch or ends its pass). "
         "A correlated-noise run cannot resume from a checkpoint: go on in this process, or start a new run "
@@ -187,13 +197,11 @@ def _write_failed(step: int, correlated: bool, err: OSError) -> str:
         f"{step + 1}, with fresh noise; this batch may be stepped again), or stop and resume from the last "
         "checkpoint (its ledger and the journal hold every release made)."
     )
-    return (
-        f"the privacy ledger write of release {step + 1} (1-based) failed: {type(err).__name__}: {err}. Nothing "
-        "was released: the parameters are not updated, no noise drawn for it is ever used, and the ledger holds "
-        "only the releases made before it, as its journal on disk does. This step's per-sample gradients were "
-        "dropped with it, so a step() without a new backward pass cannot retry it. "
-        "Free space on the journal's disk or make its file writable." + stream
+    advice = (
+        "This step's per-sample gradients were dropped with it, so a step() without a new backward pass cannot "
+        "retry it. Free space on the journal's disk or make its file writable." + stream
     )
+    return what, advice
 
 
 class Privatizer:
@@ -578,7 +586,8 @@ class Privatizer:
         try:
             entry = self.ledger.record(self.steps, self.step_event(), **meta)
         except OSError as err:
-            raise LedgerWriteError(_write_failed(self.steps, self.mechanism is not None, err), err) from err
+            what, advice = _write_failed(self.steps, self.mechanism is not None, err)
+            raise LedgerWriteError(what, err, advice) from err
         self.reads += len(self._read)
         self.releases += released
         return entry
@@ -616,8 +625,8 @@ class Privatizer:
                 f"release {self.steps + 1} (1-based) was not made on any data-parallel rank: another rank could "
                 "not write its ledger entry (its error says why: disk full, ...). "
                 + ("No noise was drawn and " if released == 1 else "The step's noisy count is discarded and ")
-                + "nothing was released: the parameters are unchanged on every rank. Free the space that rank "
-                "writes to, then take the step again on every rank, or stop the run"
+                + "nothing was released: the parameters are unchanged on every rank.",
+                advice="Free the space that rank writes to, then take the step again on every rank, or stop the run",
             )
         if failed is not None:
             raise failed

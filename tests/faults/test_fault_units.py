@@ -101,6 +101,19 @@ def test_run_write_error_keeps_the_write_and_its_run_directory():
     assert (again.errno, again.run_dir, str(again)) == (errno.ENOSPC, "/r", str(cause))
 
 
+def test_ledger_write_error_takes_another_doors_advice():
+    """The Privatizer's advice is for a loop that calls step(); DPTrainer swaps it (with_advice) for its own."""
+    err = LedgerWriteError("release 3 failed. Nothing was released.", OSError(errno.ENOSPC, "No space", "/r/j"), "x")
+    assert str(err) == "release 3 failed. Nothing was released. x" and err.advice == "x"
+    other = err.with_advice("resume from output_dir")
+    assert str(other) == "release 3 failed. Nothing was released. resume from output_dir"
+    assert isinstance(other, LedgerWriteError) and (other.errno, other.strerror, other.filename) == (
+        errno.ENOSPC,
+        "No space",
+        "/r/j",
+    )
+
+
 class _Closed(io.StringIO):
     def write(self, text):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")

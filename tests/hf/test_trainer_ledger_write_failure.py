@@ -88,8 +88,19 @@ def test_a_full_disk_mid_run_stops_the_trainer_with_nothing_released(tmp_path, m
         )
         with pytest.raises(
             LedgerWriteError, match=r"release 4 \(1-based\) failed.*No space left.*Nothing was released"
-        ):
+        ) as info:
             tr.train()
+    # the advice is the trainer's (its options, its output_dir), not a manual loop's step()
+    text, journal = str(info.value), next(tmp_path.glob("ledger-*.jsonl"))
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, OSError)
+    assert "step()" not in text and "backward pass" not in text, text
+    assert f"DPTrainer stopped: free space on the disk of {journal} (the ledger journal in output_dir)" in text
+    if mechanism == "independent":
+        assert "then call trainer.train(resume_from_checkpoint=True) with the same DPTrainer options" in text
+        assert "continues from the last checkpoint-N in output_dir" in text
+    else:
+        assert "then start a new run (another output_dir): with noise_mechanism='banded:2'" in text
+        assert "resume_from_checkpoint is refused" in text
     assert len(snaps.params) == 3
     assert all(torch.equal(p.detach(), q) for p, q in zip(tr.model.parameters(), snaps.params[-1]))
     journal = PrivacyLedger.read_journal(next(tmp_path.glob("ledger-*.jsonl")))

@@ -161,6 +161,21 @@ def _disk_failure(exc: OSError, run_dir: Optional[str]) -> None:
     fail(*os_failure(exc, continuation(str(where)).advice(free_space=True)))
 
 
+#: ``--dtype`` values ``dpopt train`` accepts: its built-in models, batches and noise are float32.
+DTYPES = ("float32",)
+
+
+def _dtype_refusal(dtype: str) -> str:
+    """The error of ``dpopt train --dtype <dtype>`` for a value not in :data:`DTYPES`: what is accepted and where
+    bf16/fp16 training is (the engine and DPTrainer doors)."""
+    return (
+        f"--dtype {dtype!r} is not accepted: dpopt train trains its built-in models in float32 only (accepted "
+        f"values: {', '.join(DTYPES)}, the default; or leave --dtype out). To train in bf16 or fp16, use "
+        "PrivacyEngine.make_private on your own model (model.to(torch.bfloat16), or torch.autocast) or "
+        "dpopt.hf.DPTrainer with TrainingArguments(bf16=True) (docs/architecture.md, 'Mixed precision')"
+    )
+
+
 def _typed_flags(ctx: typer.Context, allowed: set) -> set:
     """The flags the user typed (or set through the environment), other than ``allowed`` parameters.
 
@@ -347,6 +362,9 @@ def train_command(
         "--fsdp",
         help="under torchrun: shard the model with FSDP2 (dp-sgd, dp-adam; no checkpoints; docs/fsdp.md)",
     ),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", hidden=True
+    ),  # hidden: float32 is the only value, the flag exists to explain that (DTYPES)
     resume: Optional[str] = typer.Option(
         None,
         help="RUN_DIR: continue an interrupted run with its saved configuration (only --device, "
@@ -376,6 +394,8 @@ def train_command(
 
     from ..training import LOSS_EVERY, TrainConfig, train
 
+    if dtype is not None and dtype not in DTYPES:
+        fail(_dtype_refusal(dtype))
     if resume is not None:
         given = _typed_flags(ctx, allowed={"resume", "device", "threads", "json_out", "repair_journal"})
         if given:

@@ -134,6 +134,7 @@ from ..accounting.events import poisson_gaussian_step
 from ..accounting.incremental import EpsilonTracker
 from ..accounting.ledger import PrivacyLedger
 from ..accounting.matrix_factorization import Participation, optimize_strategy, parse_mechanism
+from ..errors import LedgerWriteError
 from ..privacy_engine import PrivacyEngine, check_sampling
 from ..release_boundary import boundary_of
 from ..users import DEFAULT_MAX_RECORDS_PER_USER, check_max_records
@@ -828,9 +829,15 @@ class DPTrainer(Trainer):
         ``resume_from_checkpoint`` with an FSDP2 (sharded) model: every rank loads the checkpoint's whole model
         and keeps its shards, and its own optimizer-state file (same number of processes); the ledger as for
         data parallel.
+
+        Raises:
+            LedgerWriteError: a release's ledger entry could not be written (the journal's disk is full, ...):
+                nothing was released; the advice is this trainer's (:meth:`_ledger_write_advice`).
         """
         try:
             out = super().train(*args, **kwargs)
+        except LedgerWriteError as exc:  # the Privatizer's advice is for a loop that calls step(): say ours
+            raise exc.with_advice(self._ledger_write_advice()) from exc.__cause__
         finally:
             self._autocast.close()
         metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
@@ -839,6 +846,22 @@ class DPTrainer(Trainer):
             if self.block_tokens is not None:
                 metrics["privacy_unit_tokens"] = self.block_tokens
         return TrainOutput(out.global_step, float("nan"), metrics)
+
+    def _ledger_write_advice(self) -> str:
+        """What to do after a failed ledger write, with this trainer's options (output_dir, resume)."""
+        journal = self.engine.journal or Path(str(self.args.output_dir)) / f"ledger-{self.ledger.run_id}.jsonl"
+        free = f"free space on the disk of {journal} (the ledger journal in output_dir) or make that file writable"
+        if self.noise_mechanism != "independent":
+            return (
+                f"DPTrainer stopped: {free}, then start a new run (another output_dir): with "
+                f"noise_mechanism={self.noise_mechanism!r} resume_from_checkpoint is refused (the noise stream is "
+                "never saved), and the new run's epsilon adds to this one's (docs/correlated-noise.md)"
+            )
+        return (
+            f"DPTrainer stopped: {free}, then call trainer.train(resume_from_checkpoint=True) with the same "
+            "DPTrainer options: it continues from the last checkpoint-N in output_dir, and the journal keeps "
+            "every release made after that checkpoint charged"
+        )
 
     # -- checkpoints carry the ledger -------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:

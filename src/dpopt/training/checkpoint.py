@@ -89,6 +89,34 @@ def save_checkpoint(path: Path, state: dict) -> Path:
     return atomic_write(path, lambda fh: torch.save(full, fh), binary=True)
 
 
+def _no_checkpoint(run_dir: Path) -> str:
+    """The error of ``--resume run_dir`` without ``checkpoint.pt``: the directory searched, what it holds, the file
+    names a resumable run has, and how to start a new run instead."""
+    from ..accounting.ledger import JOURNAL_NAME
+
+    if not run_dir.is_dir():
+        found = "it does not exist"
+    else:
+        names = sorted(p.name for p in run_dir.iterdir())
+        found = (
+            "it is empty"
+            if not names
+            else "it holds " + ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        )
+    spent = (
+        f" Its {JOURNAL_NAME} records releases already made: a new run's epsilon adds to them."
+        if (run_dir / JOURNAL_NAME).is_file()
+        else ""
+    )
+    return (
+        f"--resume found no checkpoint in {run_dir} ({found}): it looked for {CHECKPOINT_NAME}, which dpopt train "
+        f"writes beside {JOURNAL_NAME} every epoch (--checkpoint-every) and when a run stops; a run killed before "
+        "its first checkpoint, or a --fsdp run, has none. Give --resume the --out directory of a run that wrote "
+        "one, or start a new run: the same dpopt train command without --resume (with --out NEW_DIR, or "
+        f"--overwrite to reuse this one).{spent}"
+    )
+
+
 def load_checkpoint(run_dir: Path) -> dict:
     """Read ``run_dir/checkpoint.pt``.
 
@@ -100,10 +128,7 @@ def load_checkpoint(run_dir: Path) -> dict:
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if not path.exists():
-        raise FileNotFoundError(
-            f"no checkpoint at {path}: --resume takes the run directory of a run that "
-            "wrote one (every epoch by default, and when it stops)"
-        )
+        raise FileNotFoundError(_no_checkpoint(Path(run_dir)))
     damaged = (
         f"{path} is not a complete dpopt checkpoint (cut short by a kill or a full disk, or another kind "
         "of file): put back a copy of the run's checkpoint.pt, or start a new run"
