@@ -219,3 +219,50 @@ def test_train_compiled_equals_eager_with_reproducible_noise(tmp_path):
     for k, v in sd_e.items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             assert torch.allclose(v, sd_c[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_inductor_options_apply_only_while_the_capture_compiles(monkeypatch):
+    """``INDUCTOR_OPTIONS`` are inductor's config while THIS capture's graphs compile (an inductor capture,
+    here with its backend swapped for ``aot_eager`` so that no C++ is built), and nowhere else: not after the
+    compile, not for another backend's capture; the results still equal eager."""
+    from torch._inductor import config
+
+    import dpopt.engine.compiled as compiled
+
+    monkeypatch.setattr(compiled, "INDUCTOR_OPTIONS", {"cpp_wrapper": True})
+    real = torch._dynamo.lookup_backend("aot_eager")
+    seen: dict = {"inductor": [], "aot_eager": []}
+    x, y = data("mlp", 9, 3)
+    ref_model = mlp()  # sources and engines hold their models weakly
+    ref = next(iter_per_sample_sources(ref_model, loss_fn, x, y))
+    for backend in seen:
+        model = mlp()
+        eng = PerSampleEngine(model, loss_fn, compile=backend)
+
+        def spy(gm, example_inputs, backend=backend):
+            seen[backend].append(config.cpp_wrapper)
+            return real(gm, example_inputs)
+
+        eng._compiled._real = spy
+        got = eng.compute(x, y)
+        assert config.cpp_wrapper is False  # not left set after the compile
+        (sq, sums), (sq_ref, sum_ref) = norms_and_sum(got, 3), norms_and_sum(ref, 3)
+        assert close(sq, sq_ref)
+        assert all(close(a, b) for a, b in zip(sums, sum_ref))
+    assert seen["inductor"] and all(seen["inductor"])
+    assert seen["aot_eager"] and not any(seen["aot_eager"])
+
+
+@pytest.mark.slow
+def test_inductor_cpp_wrapper_equals_eager(monkeypatch):
+    """Inductor with ``cpp_wrapper=True`` (measured in docs/performance.md): the same norms and clipped sums."""
+    import dpopt.engine.compiled as compiled
+
+    monkeypatch.setattr(compiled, "INDUCTOR_OPTIONS", {"cpp_wrapper": True})
+    x, y = data("mlp", 10, 2)
+    eager_model, comp_model = mlp(), mlp()  # sources hold their models weakly
+    ref = next(iter_per_sample_sources(eager_model, loss_fn, x, y))
+    got = next(iter_per_sample_sources(comp_model, loss_fn, x, y, compile=True))
+    (sq, sums), (sq_ref, sum_ref) = norms_and_sum(got, 2), norms_and_sum(ref, 2)
+    assert close(sq, sq_ref)
+    assert all(close(a, b) for a, b in zip(sums, sum_ref))

@@ -77,6 +77,12 @@ RECOMPILES = 32
 batch sizes); past it torch.compile refuses, and so does the capture."""
 
 
+INDUCTOR_OPTIONS: dict = {}
+"""Inductor config options (``torch._inductor.config`` names) applied while THIS module's graphs compile
+(``config.patch`` around the backend call: they do not leak into other ``torch.compile`` calls). Empty by
+default; ``benchmarks/compile_floor.py --option`` sets them to measure e.g. ``cpp_wrapper``."""
+
+
 def compile_backend(compile: object) -> Optional[str]:
     """The backend named by a ``compile=`` argument: False/None → None (eager), True → ``"inductor"``.
 
@@ -177,8 +183,9 @@ class CompiledCapture:
         from torch._functorch import config as aot_config
         from torch._inductor import config
 
+        options = dict(INDUCTOR_OPTIONS) if self.backend == "inductor" else {}
         with (
-            config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+            config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, **options),
             aot_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
         ):
             return self._real(gm, example_inputs)
