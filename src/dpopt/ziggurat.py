@@ -136,7 +136,7 @@ def _kernel() -> Callable[..., int]:
     to_unit = 1.0 / 9007199254740992.0  # 2^-53
 
     @njit(nogil=True, cache=True)
-    def body(out, s, discard, k, w, fi, tail_idx):  # type: ignore[no-untyped-def]
+    def body(out, s, discard, k, w, fi, tail_idx):
         a, b, c, n_ = s[0], s[1], s[2], s[3]
         for _ in range(discard):
             tmp = a + b + n_
@@ -179,7 +179,7 @@ def _kernel() -> Callable[..., int]:
         s[0], s[1], s[2], s[3] = a, b, c, n_
         return tails
 
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD) -> np.ndarray:
