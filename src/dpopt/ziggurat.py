@@ -128,14 +128,14 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
 
 @lru_cache(maxsize=1)
 def _kernel() -> Callable[..., int]:
-    """Compile the kernel (numba, cached on disk next to this module where writable)."""
+    """Compile the kernel (numba; cached on disk next to this module, or in numba's user cache
+    directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process)."""
     from numba import njit, uint64
 
     one, three, eight, eleven = uint64(1), uint64(3), uint64(8), uint64(11)
     twenty_four, forty, mask8, mask52 = uint64(24), uint64(40), uint64(0xFF), uint64(0xFFFFFFFFFFFFF)
     to_unit = 1.0 / 9007199254740992.0  # 2^-53
 
-    @njit(nogil=True, cache=True)
     def body(out, s, discard, k, w, fi, tail_idx):
         a, b, c, n_ = s[0], s[1], s[2], s[3]
         for _ in range(discard):
@@ -179,7 +179,10 @@ def _kernel() -> Callable[..., int]:
         s[0], s[1], s[2], s[3] = a, b, c, n_
         return tails
 
-    return body
+    try:
+        return njit(nogil=True, cache=True)(body)
+    except RuntimeError:  # numba found no writable cache location (read-only install and home): compile in memory
+        return njit(nogil=True)(body)
 
 
 def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD) -> np.ndarray:

@@ -138,3 +138,28 @@ def test_bad_arguments_raise():
         ziggurat_body(np.empty(3), np.zeros(3, dtype=np.uint64))
     with pytest.raises(ValueError, match="discard"):
         ziggurat_body(np.empty(3), sfc64_seed_state(bytes(24)), discard=-1)
+
+
+def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
+    """numba raises RuntimeError at decoration when no cache location is writable (read-only
+    site-packages and home): the kernel is then compiled without a cache, with the same values."""
+    import numba
+
+    from dpopt import ziggurat
+
+    real = numba.njit
+
+    def no_cache_njit(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function 'body': no locator available for file")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", no_cache_njit)
+    kernel = ziggurat._kernel.__wrapped__()
+    k, w, f, _ = ziggurat_tables()
+    state = bytes(range(24))
+    got, want = np.empty(5000), np.empty(5000)
+    words = sfc64_seed_state(state)
+    tails = kernel(got, words, SFC_DISCARD, k, w, f, np.empty(5000, dtype=np.int64))
+    ziggurat_body(want, sfc64_seed_state(state))
+    assert np.array_equal(got, want) and tails == int(np.isinf(want).sum())
