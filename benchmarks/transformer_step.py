@@ -38,9 +38,10 @@ non-private child.
 
 ``--malloc-mmap-threshold BYTES`` fixes glibc's mmap threshold for every configuration (the timing
 process by ``mallopt``, each memory child by ``MALLOC_MMAP_THRESHOLD_`` in its environment; the
-non-private side included): glibc's threshold is otherwise dynamic, raised for the rest of a process by
-the first-batch check's one-off block sizes (docs/performance.md, "The steady step's excess is glibc's
-dynamic mmap threshold"). The JSON then carries ``malloc_mmap_threshold``.
+non-private side included). glibc's threshold is otherwise dynamic (every freed mmapped block of up to
+32 MiB raises it to its size), and dpopt's own 6–8 MiB float64 blocks of the GPT-2 shape then come from
+the heap and fragment it (docs/performance.md, "The steady step's excess is glibc's dynamic mmap
+threshold"). The JSON then carries ``malloc_mmap_threshold``.
 
 Usage::
 

@@ -1,11 +1,11 @@
 """transformer_step.py --malloc-mmap-threshold: glibc's threshold is dynamic, and the flag fixes it (issue 34).
 
 The `PrivacyEngine` door's steady-step excess on the GPT-2 shape (docs/performance.md, "The steady step's
-excess is glibc's dynamic mmap threshold") comes from glibc raising its mmap threshold when the first-batch
-check frees blocks of one-off sizes (9 and 12 MiB there), after which the steady step's 8 MiB blocks come from
-the heap. The child below shows that mechanism with glibc alone — a freed 12 MiB mmapped block makes a later
-9 MiB block come from the heap — and that the benchmark's ``fix_mmap_threshold`` stops it, in its own
-process (``mallopt``) and in a process it starts (``MALLOC_MMAP_THRESHOLD_``), as the memory children are.
+excess is glibc's dynamic mmap threshold") is dpopt's own 6-8 MiB float64 blocks served from the heap, which
+the dynamic threshold (raised by every freed mmapped block of up to 32 MiB) allows. The child below shows that
+mechanism with glibc alone — a freed 12 MiB mmapped block makes a later 9 MiB block come from the heap — and
+that the benchmark's ``fix_mmap_threshold`` stops it, in its own process (``mallopt``) and in a process it
+starts (``MALLOC_MMAP_THRESHOLD_``), as the memory children are.
 """
 
 from __future__ import annotations
