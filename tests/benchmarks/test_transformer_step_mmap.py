@@ -55,7 +55,7 @@ print(subprocess.run([sys.executable, "-c", {probe!r}], capture_output=True, tex
 
 
 def _run(mode: str) -> list[int]:
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, env=env, check=False, timeout=300
     )
