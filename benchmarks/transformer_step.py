@@ -36,6 +36,13 @@ mark of resident memory (``VmHWM``, :func:`step_time.peak_rss_kib`); ``peak_mem_
 and ``peak_mem_pe/non-private`` divide dpopt's ``dp-sgd`` and ``PrivacyEngine`` children by the
 non-private child.
 
+``--malloc-mmap-threshold BYTES`` fixes glibc's mmap threshold for every configuration (the timing
+process by ``mallopt``, each memory child by ``MALLOC_MMAP_THRESHOLD_`` in its environment; the
+non-private side included). glibc's threshold is otherwise dynamic (every freed mmapped block of up to
+32 MiB raises it to its size), and dpopt's own 6–8 MiB float64 blocks of the GPT-2 shape then come from
+the heap and fragment it (docs/performance.md, "The steady step's excess is glibc's dynamic mmap
+threshold"). The JSON then carries ``malloc_mmap_threshold``.
+
 Usage::
 
     nice -n 10 python benchmarks/transformer_step.py --json      # table, then one JSON line
@@ -384,6 +391,28 @@ def memory_child(spec: str, threads: int) -> None:
     print(json.dumps(out))
 
 
+def fix_mmap_threshold(nbytes: int) -> None:
+    """Fix glibc's mmap threshold at ``nbytes`` here (``mallopt``) and in every memory child started later.
+
+    The children read ``MALLOC_MMAP_THRESHOLD_`` from their environment at start-up (glibc's tunable;
+    setting it also switches the dynamic threshold off, as ``mallopt`` does here).
+
+    Raises:
+        ValueError: ``nbytes`` outside 0..32 MiB (glibc's limit on 64-bit), or glibc refused it.
+    """
+    import ctypes
+
+    if not 0 <= nbytes <= 32 << 20:
+        raise ValueError(f"--malloc-mmap-threshold {nbytes}: glibc takes 0..{32 << 20} bytes")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(nbytes)
+    try:
+        ok = ctypes.CDLL(None).mallopt(-3, ctypes.c_int(nbytes)) == 1  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"--malloc-mmap-threshold {nbytes}: not glibc, or mallopt refused it")
+
+
 def run_memory(name: str, config: str, threads: int) -> Optional[float]:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", f"{name}|{config}", "--threads", str(threads)]
     try:
@@ -520,9 +549,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="fix glibc's mmap threshold (0..32 MiB) in every configuration, non-private included "
+        "(mallopt here, MALLOC_MMAP_THRESHOLD_ in the memory children); default: glibc's dynamic one",
+    )
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.malloc_mmap_threshold is not None:
+        fix_mmap_threshold(args.malloc_mmap_threshold)
     if args.memory_child:
         memory_child(args.memory_child, args.threads)
         return {}
