@@ -52,7 +52,7 @@ EARLY_DRAW_MAX = 1 << 22
 _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
-def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
+def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype, into_sum: bool = True) -> Tensor:
     """``round_dtype(z + s)``: the noisy sum of one parameter, added in float64 and rounded ONCE to ``dtype``.
 
     Args:
@@ -60,10 +60,12 @@ def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
         s: the parameter's clipped sum (param-shaped; the Privatizer's own fresh tensor, as
             :meth:`Privatizer._add_noise` requires; float32, float64, or float32 for bf16/fp16 parameters).
         dtype: the released dtype (the parameter's).
+        into_sum: the result may overwrite ``s`` (False: ``s`` is left as it is, for a release that
+            may still fail and be retried from the same sums).
 
     Returns:
-        The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``s`` is a contiguous
-        CPU tensor of ``dtype``, else a new tensor.
+        The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``into_sum`` and ``s``
+        is a contiguous CPU tensor of ``dtype``, else a new tensor.
 
     The values are bit for bit those of ``z.add_(s).to(dtype)``: each element of ``s`` is exact in
     float64, the float64 addition rounds once, the cast rounds once (to nearest, ties to even), all
@@ -85,7 +87,7 @@ def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
         or z.requires_grad
     ):
         return z.add_(s).to(dtype)
-    out = s if s.dtype == dtype else torch.empty(s.shape, dtype=dtype)
+    out = s if s.dtype == dtype and into_sum else torch.empty(s.shape, dtype=dtype)
     zn = z.numpy()
     with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as torch gives them, without numpy's warnings
         np.add(zn, s.numpy(), out=zn)
@@ -690,11 +692,17 @@ class Privatizer:
         sizes = [s.numel() for s in self._sum]
         n = sum(sizes)
         streamed = std > 0 and n > EARLY_DRAW_MAX and self.mechanism is None  # σS may be nan (0·∞)
+        # the noisy sums may overwrite the clipped sums unless the release can still fail after the add (quantile
+        # clipping records its entry, with the noisy count, after it): a retry must start from the clipped sums
+        into_sum = self.quantile is None
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             noise, count_noise = self._draw(std)
-            return [add_and_round(z, s, dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
+            return [add_and_round(z, s, dt, into_sum) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
         sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
-        outs = [s if s.dtype == dt else torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(sums, dtypes)]
+        outs = [
+            s if s.dtype == dt and into_sum else torch.empty(s.shape, dtype=dt, device=s.device)
+            for s, dt in zip(sums, dtypes)
+        ]
         starts = list(itertools.accumulate([0] + sizes))
         flats = [s.view(-1) for s in sums]
         flat_outs = [o.view(-1) for o in outs]
