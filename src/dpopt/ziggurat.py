@@ -43,6 +43,7 @@ threads); on this 2-vCPU Xeon it costs ≈ 2 ns of CPU per normal against numpy'
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -64,9 +65,8 @@ SFC_DISCARD = 12  # outputs dropped after setting an SFC64 state, as numpy's see
 SFC_STATE_BYTES = 24  # the seed of a stream: SFC64's a, b, c (its counter starts at 1: period ≥ 2^64)
 
 
-@lru_cache(maxsize=1)
 def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """(k uint64 [256], w float64 [256], f float64 [256], r) of the module docstring.
+    """(k uint64 [256], w float64 [256], f float64 [256], r) of the module docstring (read-only arrays).
 
     r is solved to 50 digits from the closure condition (Marsaglia & Tsang 2000, §2: the top
     strip's area equals v); the tables are built from it in 50-digit arithmetic.
@@ -74,6 +74,12 @@ def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     Raises:
         RuntimeError: the recursion does not close to 1e-40 (a broken mpmath).
     """
+    with _COMPILE_LOCK:
+        return _tables()
+
+
+@lru_cache(maxsize=1)
+def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     import mpmath
 
     ctx = mpmath.mp.clone()
@@ -110,6 +116,8 @@ def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         k[j] = np.uint64(int(ctx.floor(narrower / edge[j] * scale)))
         w[j] = float(edge[j] / scale)
         fi[j] = 1.0 if j == 0 else float(f(edge[j]))
+    for table in (k, w, fi):
+        table.setflags(write=False)  # shared by every caller and thread
     return k, w, fi, float(r)
 
 
@@ -126,11 +134,29 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
     return np.array([words[0], words[1], words[2], 1], dtype=np.uint64)
 
 
+_COMPILE_LOCK = threading.Lock()  # the first draws of a process run in several noise threads: compile once
+
+
 @lru_cache(maxsize=1)
+def _compiled() -> Callable[..., int]:
+    with _COMPILE_LOCK:
+        return _kernel()
+
+
 def _kernel() -> Callable[..., int]:
     """Compile the kernel (numba; cached on disk next to this module, or in numba's user cache
-    directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process)."""
-    from numba import njit, uint64
+    directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process).
+
+    Raises:
+        ImportError: numba is not installed (a dependency of dpopt; say what to install).
+    """
+    try:
+        from numba import njit, uint64
+    except ImportError as err:
+        raise ImportError(
+            "dpopt's CPU Gaussian sampler (secret and reproducible noise) is compiled by numba, a dependency of "
+            f"dpopt that this environment lacks ({err}): pip install 'numba>=0.59'"
+        ) from err
 
     one, three, eight, eleven = uint64(1), uint64(3), uint64(8), uint64(11)
     twenty_four, forty, mask8, mask52 = uint64(24), uint64(40), uint64(0xFF), uint64(0xFFFFFFFFFFFFF)
@@ -209,5 +235,5 @@ def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD
         raise ValueError(f"discard must be >= 0, got {discard}")
     k, w, fi, _ = ziggurat_tables()
     tail_idx = np.empty(out.shape[0], dtype=np.int64)  # untouched beyond the ~2.6e-4·n written entries
-    tails = int(_kernel()(out, state, discard, k, w, fi, tail_idx))
+    tails = int(_compiled()(out, state, discard, k, w, fi, tail_idx))
     return tail_idx[:tails].copy()

@@ -155,7 +155,7 @@ def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(numba, "njit", no_cache_njit)
-    kernel = ziggurat._kernel.__wrapped__()
+    kernel = ziggurat._kernel()
     k, w, f, _ = ziggurat_tables()
     state = bytes(range(24))
     got, want = np.empty(5000), np.empty(5000)
@@ -163,3 +163,35 @@ def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
     tails = kernel(got, words, SFC_DISCARD, k, w, f, np.empty(5000, dtype=np.int64))
     ziggurat_body(want, sfc64_seed_state(state))
     assert np.array_equal(got, want) and tails == int(np.isinf(want).sum())
+
+
+def test_without_numba_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from dpopt import ziggurat
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    with pytest.raises(ImportError, match=r"compiled by numba.*pip install 'numba>=0.59'"):
+        ziggurat._kernel()
+
+
+def test_first_draws_in_several_threads_compile_once_and_agree():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dpopt import ziggurat
+
+    ziggurat._compiled.cache_clear()
+    state = bytes(range(24))
+
+    def draw(_):
+        out = np.empty(3000)
+        ziggurat_body(out, sfc64_seed_state(state))
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(draw, range(4)))
+    assert ziggurat._compiled.cache_info().misses == 1
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    k, _, _, _ = ziggurat_tables()
+    with pytest.raises(ValueError, match="read-only"):
+        k[0] = 0
