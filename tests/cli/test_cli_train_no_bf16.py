@@ -6,6 +6,7 @@ tests/engine/test_bf16_weights.py; ``DPTrainer``: tests/hf/test_trainer_bf16_sen
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from dpopt.cli import app
@@ -18,7 +19,7 @@ def test_train_refuses_a_dtype_other_than_float32(tmp_path):
     assert res.exit_code == 2, res.output
     err = res.output.replace("\n", " ")
     assert "error: --dtype 'bf16' is not accepted: dpopt train trains its built-in models in float32 only" in err
-    assert "(accepted values: float32, the default; or leave --dtype out)" in err
+    assert "(accepted value: float32, the default, also spelled fp32 or torch.float32; or leave --dtype out)" in err
     assert "PrivacyEngine.make_private" in err and "TrainingArguments(bf16=True)" in err
     assert "No such option" not in err
     assert not (tmp_path / "run").exists()
@@ -33,10 +34,11 @@ def test_train_refuses_dtype_as_a_hyperparameter(tmp_path):
     assert not out.exists()
 
 
-def test_train_accepts_dtype_float32(tmp_path):
+@pytest.mark.parametrize("spelling", ["float32", "fp32"])
+def test_train_accepts_dtype_float32(tmp_path, spelling):
     out = tmp_path / "run"
     res = runner.invoke(
-        app, ["train", "--dataset", "digits", "--epochs", "0.05", "--dtype", "float32", "--out", str(out)]
+        app, ["train", "--dataset", "digits", "--epochs", "0.05", "--dtype", spelling, "--out", str(out)]
     )
     assert res.exit_code == 0, res.output
     assert (out / "summary.json").is_file()

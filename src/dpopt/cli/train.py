@@ -162,7 +162,7 @@ def _disk_failure(exc: OSError, run_dir: Optional[str]) -> None:
 
 
 #: ``--dtype`` values ``dpopt train`` accepts: its built-in models, batches and noise are float32.
-DTYPES = ("float32",)
+DTYPES = ("float32", "fp32", "torch.float32")
 
 
 def _dtype_refusal(dtype: str) -> str:
@@ -170,7 +170,8 @@ def _dtype_refusal(dtype: str) -> str:
     bf16/fp16 training is (the engine and DPTrainer doors)."""
     return (
         f"--dtype {dtype!r} is not accepted: dpopt train trains its built-in models in float32 only (accepted "
-        f"values: {', '.join(DTYPES)}, the default; or leave --dtype out). To train in bf16 or fp16, use "
+        "value: float32, the default, also spelled fp32 or torch.float32; or leave --dtype out). To train in bf16 "
+        "or fp16, use "
         "PrivacyEngine.make_private on your own model (model.to(torch.bfloat16), or torch.autocast) or "
         "dpopt.hf.DPTrainer with TrainingArguments(bf16=True) (docs/architecture.md, 'Mixed precision')"
     )

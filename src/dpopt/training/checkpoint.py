@@ -94,7 +94,9 @@ def _no_checkpoint(run_dir: Path) -> str:
     names a resumable run has, and how to start a new run instead."""
     from ..accounting.ledger import JOURNAL_NAME
 
-    if not run_dir.is_dir():
+    if run_dir.is_file():
+        found = "it is a file, not a run directory"
+    elif not run_dir.exists():
         found = "it does not exist"
     else:
         names = sorted(p.name for p in run_dir.iterdir())
@@ -104,16 +106,19 @@ def _no_checkpoint(run_dir: Path) -> str:
             else "it holds " + ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         )
     spent = (
-        f" Its {JOURNAL_NAME} records releases already made: a new run's epsilon adds to them."
+        f" Its {JOURNAL_NAME} records releases already made on this data: a new run's ledger starts at 0 "
+        "(--overwrite moves that journal aside), so the data's total epsilon is both runs' together."
         if (run_dir / JOURNAL_NAME).is_file()
         else ""
     )
+    config = run_dir / "config.json"
+    again = f"the options in {config}" if config.is_file() else "the options of the run you meant to resume"
+    reuse = " (--overwrite to reuse this directory)" if (run_dir / JOURNAL_NAME).is_file() else ""
     return (
         f"--resume found no checkpoint in {run_dir} ({found}): it looked for {CHECKPOINT_NAME}, which dpopt train "
         f"writes beside {JOURNAL_NAME} every epoch (--checkpoint-every) and when a run stops; a run killed before "
         "its first checkpoint, or a --fsdp run, has none. Give --resume the --out directory of a run that wrote "
-        "one, or start a new run: the same dpopt train command without --resume (with --out NEW_DIR, or "
-        f"--overwrite to reuse this one).{spent}"
+        f"one, or start a new run: dpopt train with {again} and --out NEW_DIR{reuse}.{spent}"
     )
 
 
