@@ -872,7 +872,9 @@ class PrivacyEngine:
                     raise RuntimeError(
                         f"this engine keeps a ledger journal ({self._keeper.journal}) on rank {ctx.rank} of "
                         f"{ctx.world_size}: in a data-parallel run only rank 0 writes it (every rank's ledger "
-                        "holds the same releases). Call engine.open_journal() on rank 0 only"
+                        "holds the same releases). Call engine.open_journal() on rank 0 only; a load_checkpoint() "
+                        "before make_private() opens the checkpoint's journal too, so on ranks > 0 call "
+                        "load_checkpoint() after make_private() (it then reads the journal without opening it)"
                     )
                 if unit == "user":
                     n, sample_rate, loader = self._user_loader(

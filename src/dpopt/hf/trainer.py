@@ -837,7 +837,7 @@ class DPTrainer(Trainer):
         try:
             out = super().train(*args, **kwargs)
         except LedgerWriteError as exc:  # the Privatizer's advice is for a loop that calls step(): say ours
-            raise exc.with_advice(self._ledger_write_advice()) from exc.__cause__
+            raise exc.with_advice(self._ledger_write_advice()) from exc
         finally:
             self._autocast.close()
         metrics = {k: v for k, v in out.metrics.items() if k in LOGGED}
@@ -860,7 +860,8 @@ class DPTrainer(Trainer):
         return (
             f"DPTrainer stopped: {free}, then call trainer.train(resume_from_checkpoint=True) with the same "
             "DPTrainer options: it continues from the last checkpoint-N in output_dir, and the journal keeps "
-            "every release made after that checkpoint charged"
+            "every release made after that checkpoint charged (no checkpoint-N saved yet: start the run again "
+            "with another output_dir; the releases in this journal stay charged to the data)"
         )
 
     # -- checkpoints carry the ledger -------------------------------------------------
