@@ -137,10 +137,15 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
 _COMPILE_LOCK = threading.Lock()  # the first draws of a process run in several noise threads: compile once
 
 
-@lru_cache(maxsize=1)
 def _compiled() -> Callable[..., int]:
-    with _COMPILE_LOCK:
-        return _kernel()
+    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only."""
+    with _COMPILE_LOCK:  # lru_cache alone lets concurrent first callers each compute it
+        return _cached_kernel()
+
+
+@lru_cache(maxsize=1)
+def _cached_kernel() -> Callable[..., int]:
+    return _kernel()
 
 
 def _kernel() -> Callable[..., int]:
