@@ -94,6 +94,9 @@ def main(out: str, fsdp: bool = False) -> None:
             },
             f"{out}/result.pt",
         )
+    if torch.distributed.is_initialized():  # a clean teardown: a process group left to the interpreter's exit
+        torch.distributed.barrier()  # aborted a rank now and then ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,22 @@ def _torchrun(out: Path, nnodes: int, nproc: int, node_rank: int, port: int) -> 
 
 
 def _finish(procs) -> None:
+    """Wait for every torchrun; as soon as one fails (or the time is up) stop the others, whose rendezvous or
+    collectives would wait for it until the timeout, and fail with every process's output."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for p in procs:
-        try:
-            out, _ = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("torchrun did not finish in time")
-        assert p.returncode == 0, out[-4000:]
+        if p.poll() is None:
+            p.kill()
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        report = "\n".join(
+            f"--- node {i}: exit {p.returncode}\n{out[-3000:]}" for i, (p, out) in enumerate(zip(procs, outs))
+        )
+        pytest.fail(f"torchrun failed or did not finish in {TIMEOUT_S} s:\n{report}")
 
 
 @pytest.mark.slow
