@@ -672,7 +672,8 @@ class NoiseSource:
         from its own SFC64 state, drawn for it when the draw starts (secret: 24 bytes of
         :func:`os.urandom`; reproducible: from this source's torch generator), on up to
         ``torch.get_num_threads()`` threads. Chunk i always gets the i-th state, so the values do
-        not depend on the thread count (reproducible mode gives the same tensor on any machine). Secure noise, and every mode on CUDA: :func:`gaussian_from_words`
+        not depend on the thread count (reproducible mode gives the same tensor on any machine, up to
+        the platform's ``exp`` in the ziggurat's rare wedge test). Secure noise, and every mode on CUDA: :func:`gaussian_from_words`
         (float64 Box–Muller on uniforms with a 52-bit mantissa at every scale) on words from the OS
         CSPRNG (secure) or this source's generator on ``device``. The float64 result is rounded once
         to ``dtype``.
