@@ -51,21 +51,14 @@ import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
-from step_time import dpopt_step, loss_fn, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path)
+from compile_step import MODELS, SHAPES, batch, non_private  # noqa: E402  (benchmarks/ is on sys.path)
+from step_time import dpopt_step, loss_fn, time_round_robin  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dpopt.engine.compiled as compiled_mod  # noqa: E402
 from dpopt.engine.fast import PerSampleEngine  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 from dpopt.types import EvaluationPoint  # noqa: E402
-
-SHAPES = {"mlp": ((1, 28, 28), 256), "cnn5": ((3, 32, 32), 512)}
-MODELS: list = []  # the engines hold their models weakly: keep them alive here
-
-
-def batch(model_name: str, b: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, *SHAPES[model_name][0], generator=g), torch.randint(0, 10, (b,), generator=g)
 
 
 def chain(model: nn.Module, x, y) -> Callable[[], None]:
@@ -74,15 +67,6 @@ def chain(model: nn.Module, x, y) -> Callable[[], None]:
 
     def run():
         torch.autograd.grad(loss_fn(model(xg), y), [xg])
-
-    return run
-
-
-def non_private(model: nn.Module, x, y) -> Callable[[], None]:
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def run():
-        torch.autograd.grad(loss_fn(model(x), y), params)
 
     return run
 
