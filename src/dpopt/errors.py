@@ -60,7 +60,7 @@ class LedgerWriteError(OSError):
     def with_advice(self, advice: str) -> "LedgerWriteError":
         """The same failure (text of what happened, ``errno``, ``strerror``, ``filename``) with ``advice`` instead
         of this one's: a door that does not hand the user ``step()`` (``dpopt.hf.DPTrainer``) says what to do
-        with its own options. Raise it ``from`` this error's ``__cause__``."""
+        with its own options. Raise it ``from`` this error (its cause, the failed write, stays in the chain)."""
         other = LedgerWriteError(getattr(self, "what", str(self)), None, advice)
         other.errno, other.strerror, other.filename = self.errno, self.strerror, self.filename
         return other

@@ -105,15 +105,16 @@ def _no_checkpoint(run_dir: Path) -> str:
             if not names
             else "it holds " + ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         )
+    charged = (run_dir / JOURNAL_NAME).is_file()
     spent = (
         f" Its {JOURNAL_NAME} records releases already made on this data: a new run's ledger starts at 0 "
         "(--overwrite moves that journal aside), so the data's total epsilon is both runs' together."
-        if (run_dir / JOURNAL_NAME).is_file()
+        if charged
         else ""
     )
     config = run_dir / "config.json"
     again = f"the options in {config}" if config.is_file() else "the options of the run you meant to resume"
-    reuse = " (--overwrite to reuse this directory)" if (run_dir / JOURNAL_NAME).is_file() else ""
+    reuse = " (--overwrite to reuse this directory)" if charged else ""
     return (
         f"--resume found no checkpoint in {run_dir} ({found}): it looked for {CHECKPOINT_NAME}, which dpopt train "
         f"writes beside {JOURNAL_NAME} every epoch (--checkpoint-every) and when a run stops; a run killed before "
