@@ -43,6 +43,7 @@ threads); on this 2-vCPU Xeon it costs ≈ 2 ns of CPU per normal against numpy'
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import lru_cache
 from typing import Any, Callable
@@ -135,6 +136,17 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
 
 
 _COMPILE_LOCK = threading.Lock()  # the first draws of a process run in several noise threads: compile once
+
+
+def _new_lock_in_child() -> None:
+    """A child forked while a noise thread held the lock (a DataLoader's workers fork at the start of a pass,
+    when the step's early draw may be compiling) would wait for it forever: the child gets its own."""
+    global _COMPILE_LOCK
+    _COMPILE_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _compiled() -> Callable[..., int]:

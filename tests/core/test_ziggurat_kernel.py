@@ -195,3 +195,21 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
     k, _, _, _ = ziggurat_tables()
     with pytest.raises(ValueError, match="read-only"):
         k[0] = 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_compile_lock_is_held_can_draw():
+    """A fork while a noise thread compiles (holds the lock) must not leave the child a lock nobody releases."""
+    from dpopt import ziggurat
+
+    with ziggurat._COMPILE_LOCK:
+        pid = os.fork()
+        if pid == 0:  # the child: draw (takes the lock) and report by exit status
+            try:
+                out = np.empty(100)
+                ziggurat_body(out, sfc64_seed_state(bytes(24)))
+                os._exit(0 if np.isfinite(out).sum() >= 95 else 2)
+            except BaseException:
+                os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
