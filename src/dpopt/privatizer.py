@@ -28,6 +28,8 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
+from concurrent.futures import Executor, wait
+from functools import lru_cache
 from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
@@ -41,8 +43,9 @@ from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
+from .ziggurat import compile_once, njit_kernel
 
-__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "add_and_round"]
+__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "RELEASE_SPLIT_MIN", "add_and_round"]
 
 #: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer
 #: (32 MiB); a larger model's noise is drawn chunk by chunk at the release and added in place, so
@@ -52,28 +55,54 @@ EARLY_DRAW_MAX = 1 << 22
 _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
-def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype, into_sum: bool = True) -> Tensor:
-    """``round_dtype(z + s)``: the noisy sum of one parameter, added in float64 and rounded ONCE to ``dtype``.
+#: A parameter's release is split over the noise source's worker threads from this many elements on (below,
+#: handing a piece to a thread costs more than it saves); each piece is elementwise, so the values never
+#: depend on the number of threads.
+RELEASE_SPLIT_MIN = 1 << 17
+
+
+def add_and_round(
+    z: Tensor,
+    s: Tensor,
+    dtype: torch.dtype,
+    into_sum: bool = True,
+    scale: float = 1.0,
+    divisor: Optional[float] = None,
+    pool: Optional[Executor] = None,
+) -> Tensor:
+    """``round_dtype(s + scale·z)``: the noisy sum of one parameter, added in float64 and rounded ONCE to
+    ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` in ``dtype`` (÷ B̄ as torch's
+    ``div_`` does it: the divisor rounded to ``dtype``, one correctly rounded division).
 
     Args:
-        z: the parameter's float64 noise σS·z (param-shaped; overwritten with ``z + s``).
+        z: the parameter's float64 noise (param-shaped; σS·z, or z with ``scale`` = σS). May be overwritten
+            (the torch fallback adds into it).
         s: the parameter's clipped sum (param-shaped; the Privatizer's own fresh tensor, as
             :meth:`Privatizer._add_noise` requires; float32, float64, or float32 for bf16/fp16 parameters).
         dtype: the released dtype (the parameter's).
         into_sum: the result may overwrite ``s`` (False: ``s`` is left as it is, for a release that
             may still fail and be retried from the same sums).
+        scale: the factor of ``z`` (float64; 1.0: ``z`` is already σS·z).
+        divisor: if given, B̄: the result is ``round_dtype(s + scale·z) / divisor`` in ``dtype``.
+        pool: worker threads (the noise source's) over which a parameter of at least
+            :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values independent of it).
 
     Returns:
         The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``into_sum`` and ``s``
         is a contiguous CPU tensor of ``dtype``, else a new tensor.
 
-    The values are bit for bit those of ``z.add_(s).to(dtype)``: each element of ``s`` is exact in
-    float64, the float64 addition rounds once, the cast rounds once (to nearest, ties to even), all
-    elementwise (``tests/core/test_add_and_round.py``). On the CPU, for float32/float64 sums and
-    releases, the addition and the rounding are numpy's ``add`` (which widens ``s`` in cache-sized
-    buffers) and ``copyto`` into ``s`` itself: torch's mixed-dtype ``add_`` over a whole large
-    parameter followed by a cast into a fresh tensor cost ≈ 1.5× as much here
-    (docs/performance.md, "MLP: dp-sgd's cost above its floor").
+    The values are bit for bit those of ``z.mul_(scale).add_(s).to(dtype)`` (then ``.div_(divisor)``):
+    each element of ``s`` is exact in float64, the float64 product and sum round once each (no fused
+    multiply-add), the cast rounds once (to nearest, ties to even), all elementwise
+    (``tests/core/test_add_and_round.py``, ``tests/core/test_release_kernel.py``). On the CPU, for
+    float32/float64 sums and releases, this is one compiled pass (:func:`_release_kernel`, numba, ``nogil``)
+    that reads ``s`` and ``z`` once and writes the result into ``s`` itself: the product, the add, the cast
+    and the division as torch/numpy passes over a whole large parameter cost ≈ 3× as much here
+    (docs/performance.md, "MLP: dp-sgd's cost above its floor"). bf16/fp16 releases and other devices
+    keep the torch expression.
+
+    Raises:
+        ImportError: numba is missing (the CPU path; :func:`dpopt.ziggurat.numba_module`).
     """
     if (
         z.device.type != "cpu"
@@ -86,13 +115,50 @@ def add_and_round(z: Tensor, s: Tensor, dtype: torch.dtype, into_sum: bool = Tru
         or s.requires_grad
         or z.requires_grad
     ):
-        return z.add_(s).to(dtype)
+        out = (z.mul_(scale) if scale != 1.0 else z).add_(s).to(dtype)
+        return out if divisor is None else out.div_(divisor)
     out = s if s.dtype == dtype and into_sum else torch.empty(s.shape, dtype=dtype)
-    zn = z.numpy()
-    with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as torch gives them, without numpy's warnings
-        np.add(zn, s.numpy(), out=zn)
-        np.copyto(out.numpy(), zn, casting="same_kind")  # the one rounding
+    n = s.numel()
+    if n == 0:
+        return out
+    o, sn, zn = out.numpy().reshape(-1), s.numpy().reshape(-1), z.numpy().reshape(-1)
+    d = np.array([1.0 if divisor is None else divisor], dtype=o.dtype)  # rounded to dtype, as torch's div_ does
+    kernel = _release_kernel(o.dtype)
+    pieces = 1 if pool is None else min(getattr(pool, "_max_workers", 1), n // RELEASE_SPLIT_MIN)
+    if pieces <= 1:
+        kernel(o, sn, zn, float(scale), d, divisor is not None, 0, n)
+        return out
+    cuts = [n * k // pieces for k in range(pieces + 1)]
+    futures = [
+        cast(Executor, pool).submit(kernel, o, sn, zn, float(scale), d, divisor is not None, lo, hi)
+        for lo, hi in zip(cuts, cuts[1:])
+    ]
+    wait(futures)
+    for fut in futures:  # every piece has finished before an error (if any) reaches the caller
+        fut.result()
     return out
+
+
+def _release_kernel(dtype: np.dtype) -> Callable[..., None]:
+    """The compiled release pass for results of numpy dtype ``dtype`` (float32 or float64), compiled (or
+    loaded from numba's cache) once, by the first caller (:func:`dpopt.ziggurat.compile_once`)."""
+    return compile_once(lambda: _cached_release_kernel(np.dtype(dtype).name))
+
+
+@lru_cache(maxsize=2)
+def _cached_release_kernel(name: str) -> Callable[..., None]:
+    rnd = {"float32": np.float32, "float64": np.float64}[name]  # the one rounding to the result's dtype
+
+    def body(out, s, z, scale, d, divide, lo, hi):  # out, s: float32/float64 [n]; z float64 [n]; d: out's dtype [1]
+        divisor = d[0]
+        if divide:
+            for i in range(lo, hi):
+                out[i] = rnd(z[i] * scale + s[i]) / divisor  # float64 product and sum, ONE rounding, then ÷ B̄
+        else:
+            for i in range(lo, hi):
+                out[i] = z[i] * scale + s[i]  # float64 product and sum, ONE rounding (the store)
+
+    return njit_kernel(body, error_model="numpy")  # IEEE division (x/0 = ±inf, as torch), no per-element check
 
 
 @dataclass(frozen=True)
@@ -381,6 +447,7 @@ class Privatizer:
         self._nonfinite = False
         self._read: set[str] = set()  # private statistics computed this step (counted where read)
         self._pending: Optional[CpuNormalDraw] = None  # this step's CPU noise draw, started early
+        self._divided = False  # _add_noise returned its totals already ÷ B̄ (add_and_round's divisor)
 
     def __getstate__(self) -> dict:
         """Copies and pickles never carry a noise draw in progress (a copy would replay it)."""
@@ -527,11 +594,14 @@ class Privatizer:
         elif self._entry is not None:  # a retry whose entry is on record here: still agreed with the other ranks
             self._agreed_record(meta, released=1, record=False)
         dtypes = self._release_dtypes(params_like)
+        self._divided = False
         totals, noisy_count = self._noisy_totals(std, count, dtypes)
+        divided, self._divided = self._divided, False  # _add_noise divided by B̄ in its pass (add_and_round)
         grads, noise_std = [], []
         for i, s in enumerate(self._sum):
             g = totals[i].to(dtypes[i])  # a no-op but after the reduce hook
-            g = g.div_(bbar)  # the totals are fresh buffers owned here
+            if not divided:
+                g = g.div_(bbar)  # the totals are fresh buffers owned here
             coord_std = torch.tensor(std * marginal / bbar, dtype=g.dtype, device=s.device)
             if geo.scale is not None:
                 g.mul_(geo.scale[i])
@@ -634,9 +704,16 @@ class Privatizer:
             raise failed
         return cast(LedgerEntry, entry)
 
-    def _draw(self, std: float, rounded: bool = False, correlated: bool = True) -> tuple[list[Tensor], Optional[float]]:
+    def _draw(
+        self, std: float, rounded: bool = False, correlated: bool = True, scaled: bool = True
+    ) -> tuple[list[Tensor], Optional[float]]:
         """The step's noise, the one place it is drawn: σS·z per parameter (zeros, nothing drawn,
         when σS = 0), then the count's σ_b·z (quantile clipping; None otherwise).
+
+        ``scaled=False`` (:meth:`_add_noise`, for σS > 0 without a correlated mechanism): z itself, float64,
+        which the caller multiplies by σS inside its one pass (:func:`add_and_round`'s ``scale``; the same
+        float64 product). Everything a wrapper of this seam does to the returned tensors (the audit's
+        mutants: ×0.5, ÷ B̄, bf16) reaches the released noise scaled by σS the same way.
 
         The gradient noise is ONE float64 draw per device (z from
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
@@ -653,7 +730,9 @@ class Privatizer:
             by_device.setdefault(s.device, []).append(i)
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
-                flat = self._normals(sum(self._sum[i].numel() for i in idx), device).mul_(std)
+                flat = self._normals(sum(self._sum[i].numel() for i in idx), device)
+                if scaled or rounded or (self.mechanism is not None and correlated):
+                    flat = flat.mul_(std)
                 if self.mechanism is not None and correlated:  # (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
                     flat = self.mechanism.correlate(flat, self.steps, str(device))
                 for i, z in zip(idx, flat.split([self._sum[i].numel() for i in idx])):
@@ -679,7 +758,10 @@ class Privatizer:
 
         Up to :data:`EARLY_DRAW_MAX` parameters (or off the CPU, or σS = 0, or correlated noise, whose
         stream correlates whole draws): :meth:`_draw`'s float64
-        noise — the one noise seam the audit's mutants wrap — added, then rounded. A larger model on
+        noise — the one noise seam the audit's mutants wrap; z unscaled when there is no correlated
+        mechanism — multiplied by σS, added, rounded once and divided by B̄ in one compiled pass per
+        parameter (:func:`add_and_round`; the totals come back already ÷ B̄, which :meth:`release`
+        reads from ``self._divided``). A larger model on
         the CPU streams its draw (issue 43): the noise is added where the sums are, chunk by chunk as
         :class:`~dpopt.noise.CpuNormalDraw` hands the chunks over (in the noise workers), and each
         chunk is rounded into the sum's own storage, so no buffer of all parameters' noise (nor a
@@ -696,8 +778,16 @@ class Privatizer:
         # clipping records its entry, with the noisy count, after it): a retry must start from the clipped sums
         into_sum = self.quantile is None
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
-            noise, count_noise = self._draw(std)
-            return [add_and_round(z, s, dt, into_sum) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
+            unscaled = std > 0 and self.mechanism is None  # σS·z formed in add_and_round's one pass
+            noise, count_noise = self._draw(std, scaled=False) if unscaled else self._draw(std)
+            pool = getattr(self.noise, "_thread_pool", None)
+            pool = pool() if pool is not None else None
+            bbar, self._divided = self.expected_batch_size, True  # ÷ B̄ done here, after the one rounding
+            totals = [
+                add_and_round(z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool)
+                for z, s, dt in zip(noise, self._sum, dtypes)
+            ]
+            return totals, count_noise
         sums = [s.detach() if s.is_contiguous() else s.detach().contiguous() for s in self._sum]
         outs = [
             s if s.dtype == dt and into_sum else torch.empty(s.shape, dtype=dt, device=s.device)

@@ -58,6 +58,9 @@ __all__ = [
     "ziggurat_tables",
     "ziggurat_body",
     "sfc64_seed_state",
+    "compile_once",
+    "njit_kernel",
+    "numba_module",
 ]
 
 STRIPS = 256
@@ -149,10 +152,53 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
+def compile_once(cached: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """``cached()`` (an ``lru_cache``'d builder of a compiled kernel) called under the one compile lock: the
+    first caller compiles (or loads numba's cache), concurrent first callers wait for it instead of each
+    compiling (``lru_cache`` alone lets them each compute). dpopt's compiled kernels (this sampler's,
+    :func:`dpopt.privatizer.add_and_round`'s) all use it: one lock, re-made in a forked child.
+
+    Returns:
+        What ``cached()`` returns (the compiled function).
+    """
+    with _COMPILE_LOCK:
+        return cached()
+
+
+def njit_kernel(body: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``body`` compiled by numba with ``nogil`` (so chunks run in parallel threads) and cached on disk next to
+    its module, or in numba's user cache directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise
+    compiled in memory per process. ``options``: more of ``numba.njit``'s (``error_model``, ...).
+
+    Raises:
+        ImportError: numba is not installed (a dependency of dpopt; the message says what to install).
+    """
+    njit = numba_module().njit
+    try:
+        return njit(nogil=True, cache=True, **options)(body)
+    except RuntimeError:  # numba found no writable cache location (read-only install and home): compile in memory
+        return njit(nogil=True, **options)(body)
+
+
+def numba_module() -> Any:
+    """The ``numba`` module.
+
+    Raises:
+        ImportError: numba is not installed (a dependency of dpopt; the message says what to install).
+    """
+    try:
+        import numba
+    except ImportError as err:
+        raise ImportError(
+            "dpopt's CPU kernels (the Gaussian sampler of secret and reproducible noise, the release's add) are "
+            f"compiled by numba, a dependency of dpopt that this environment lacks ({err}): pip install 'numba>=0.59'"
+        ) from err
+    return numba
+
+
 def _compiled() -> Callable[..., int]:
     """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only."""
-    with _COMPILE_LOCK:  # lru_cache alone lets concurrent first callers each compute it
-        return _cached_kernel()
+    return compile_once(_cached_kernel)
 
 
 @lru_cache(maxsize=1)
@@ -161,20 +207,12 @@ def _cached_kernel() -> Callable[..., int]:
 
 
 def _kernel() -> Callable[..., int]:
-    """Compile the kernel (numba; cached on disk next to this module, or in numba's user cache
-    directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process).
+    """Compile the sampler's kernel (:func:`njit_kernel`).
 
     Raises:
         ImportError: numba is not installed (a dependency of dpopt; say what to install).
     """
-    try:
-        from numba import njit, uint64
-    except ImportError as err:
-        raise ImportError(
-            "dpopt's CPU Gaussian sampler (secret and reproducible noise) is compiled by numba, a dependency of "
-            f"dpopt that this environment lacks ({err}): pip install 'numba>=0.59'"
-        ) from err
-
+    uint64 = numba_module().uint64
     one, three, eight, eleven = uint64(1), uint64(3), uint64(8), uint64(11)
     twenty_four, forty, mask8, mask52 = uint64(24), uint64(40), uint64(0xFF), uint64(0xFFFFFFFFFFFFF)
     to_unit = 1.0 / 9007199254740992.0  # 2^-53
@@ -222,10 +260,7 @@ def _kernel() -> Callable[..., int]:
         s[0], s[1], s[2], s[3] = a, b, c, n_
         return tails
 
-    try:
-        return njit(nogil=True, cache=True)(body)
-    except RuntimeError:  # numba found no writable cache location (read-only install and home): compile in memory
-        return njit(nogil=True)(body)
+    return njit_kernel(body)
 
 
 def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD) -> np.ndarray:

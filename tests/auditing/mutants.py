@@ -100,8 +100,8 @@ def _wrap_draw(scale_of: Callable) -> Callable[[], None]:
 
     draw = Privatizer._draw
 
-    def mutated(self, std, rounded=False):
-        noise, count = draw(self, std, rounded)
+    def mutated(self, std, rounded=False, **kw):  # kw: scaled=False (z unscaled, × σS in the release's pass)
+        noise, count = draw(self, std, rounded, **kw)
         return [scale_of(self, z) for z in noise], count
 
     return _patch(Privatizer, "_draw", mutated)

@@ -89,8 +89,8 @@ def test_a_run_with_a_tenth_of_the_noise_is_caught(digits, monkeypatch):
 
     draw = Privatizer._draw
 
-    def weak(self, std, rounded=False):
-        noise, count = draw(self, std, rounded)
+    def weak(self, std, rounded=False, **kw):
+        noise, count = draw(self, std, rounded, **kw)
         return [z.mul(0.1) for z in noise], count
 
     monkeypatch.setattr(Privatizer, "_draw", weak)
@@ -118,8 +118,8 @@ def _weak_noise(monkeypatch, factor):
 
     draw = Privatizer._draw
 
-    def weak(self, std, rounded=False):
-        noise, count = draw(self, std, rounded)
+    def weak(self, std, rounded=False, **kw):
+        noise, count = draw(self, std, rounded, **kw)
         return [z.mul(factor) for z in noise], count
 
     monkeypatch.setattr(Privatizer, "_draw", weak)
