@@ -1,12 +1,20 @@
-"""The MNIST MLP's `dp-sgd` step before and after the 2026-12-07 release/bias-sum cuts, in one process (issue 34;
+"""The MNIST MLP's `dp-sgd` step before and after a cut of 2026-12-07, in one process (issue 34;
 docs/performance.md, "MLP: dp-sgd's cost above its floor").
 
 Times, round-robin in one process (``step_time.time_round_robin``: median wall and process CPU time, all
 threads, per step): the non-private step, the floor (non-private + one secret noise draw), ``dp-sgd`` as
-it is, ``dp-sgd`` with the code these cuts replaced restored for its step (the release's
-``z.add_(s).to(dtype)`` and the per-example bias sums as a reduction over positions, patched in and out
-around each of its steps, so that both run on the same machine state) and, with ``--ghost``, Opacus's
-ghost clipping. Both ``dp-sgd`` variants release the same values (``tests/core/test_add_and_round.py``).
+it is, ``dp-sgd`` with the code a cut replaced restored for its step (patched in and out around each of
+its steps, so that both run on the same machine state) and, with ``--ghost``, Opacus's ghost clipping.
+``--before`` picks the cut:
+
+* ``release-pass`` (default; the later cut): the release as it was before its one compiled pass, i.e.
+  σS·z as its own float64 ``mul_`` in ``Privatizer._draw``, numpy's ``add`` and ``copyto`` rounding
+  (the then ``add_and_round``), and ÷ B̄ as torch's ``div_`` in ``release``;
+* ``bias-sums`` (the earlier cuts): that, with the release's ``z.add_(s).to(dtype)`` and the per-example
+  bias sums as a reduction over positions.
+
+Every ``dp-sgd`` variant releases the same values (``tests/core/test_add_and_round.py``,
+``tests/core/test_release_kernel.py``).
 
 Usage::
 
@@ -22,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared 
 import argparse  # noqa: E402
 import warnings  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from step_time import batch, dpopt_step, floor_step, non_private_step, opacus_step, time_round_robin  # noqa: E402
 
@@ -33,6 +42,26 @@ def old_add_noise(self, std, dtypes):
     """The release's add before 2026-12-07: torch's mixed-dtype ``add_`` over each parameter, then a cast into a new tensor."""
     noise, count_noise = self._draw(std)
     return [z.add_(s).to(dt) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
+
+
+def numpy_add_and_round(z, s, dtype, into_sum=True):
+    """``add_and_round`` before its compiled pass (2026-12-07, morning): numpy's ``add`` into ``z``, ``copyto`` rounding."""
+    if z.dtype != torch.float64 or s.dtype not in (torch.float32, torch.float64) or not s.is_contiguous():
+        return z.add_(s).to(dtype)
+    out = s if s.dtype == dtype and into_sum else torch.empty(s.shape, dtype=dtype)
+    zn = z.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add(zn, s.numpy(), out=zn)
+        np.copyto(out.numpy(), zn, casting="same_kind")
+    return out
+
+
+def numpy_add_noise(self, std, dtypes):
+    """The release before its compiled pass: ``_draw``'s σS·z (its own ``mul_``), numpy's add and rounding;
+    ÷ B̄ is left to ``release`` (``_divided`` stays False)."""
+    noise, count_noise = self._draw(std)
+    into_sum = self.quantile is None
+    return [numpy_add_and_round(z, s, dt, into_sum) for z, s, dt in zip(noise, self._sum, dtypes)], count_noise
 
 
 def old_bias_sums(layer):
@@ -47,6 +76,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ghost", action="store_true", help="also time Opacus ghost clipping (needs opacus)")
+    ap.add_argument("--before", choices=("release-pass", "bias-sums"), default="release-pass", help="the cut's old code")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -54,8 +84,10 @@ def main(argv=None) -> dict:
     new_add, new_bias = Privatizer._add_noise, rules.linear_bias_sums
     dp_new, dp_old = dpopt_step("mlp", "dp-sgd", x, y), dpopt_step("mlp", "dp-sgd", x, y)
 
+    old = (numpy_add_noise, new_bias) if args.before == "release-pass" else (old_add_noise, old_bias_sums)
+
     def before():
-        Privatizer._add_noise, rules.linear_bias_sums = old_add_noise, old_bias_sums  # type: ignore[method-assign]
+        Privatizer._add_noise, rules.linear_bias_sums = old  # type: ignore[method-assign]
         try:
             dp_old()
         finally:
@@ -73,7 +105,7 @@ def main(argv=None) -> dict:
     r = time_round_robin(steps, rounds=args.rounds, per_round=3, warmup=3)
     c = {k: v["cpu_median"] * 1e3 for k, v in r.items()}
     w = {k: v["median"] * 1e3 for k, v in r.items()}
-    print(f"threads {args.threads}, {args.rounds} rounds of 3 steps, round-robin")
+    print(f"threads {args.threads}, {args.rounds} rounds of 3 steps, round-robin; before = {args.before}")
     for k in r:
         print(f"{k:16s} cpu {c[k]:6.1f} ms  wall {w[k]:6.1f} ms")
     for tag in ("before", "after"):
