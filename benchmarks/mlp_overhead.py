@@ -76,7 +76,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ghost", action="store_true", help="also time Opacus ghost clipping (needs opacus)")
-    ap.add_argument("--before", choices=("release-pass", "bias-sums"), default="release-pass", help="the cut's old code")
+    ap.add_argument(
+        "--before", choices=("release-pass", "bias-sums"), default="release-pass", help="the cut's old code"
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)

@@ -27,10 +27,10 @@ import itertools
 import math
 import numbers
 import warnings
-from dataclasses import dataclass
 from concurrent.futures import Executor, wait
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Optional, Sequence, Union, cast
+from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -128,7 +128,8 @@ def add_and_round(
     pieces = 1 if pool is None else min(getattr(pool, "_max_workers", 1), n // RELEASE_SPLIT_MIN)
     cuts = [n * k // max(pieces, 1) for k in range(max(pieces, 1) + 1)]
     calls = [
-        ((sn[lo:hi], zn[lo:hi]) if inplace else (o[lo:hi], sn[lo:hi], zn[lo:hi])) + (float(scale), d, divisor is not None)
+        ((sn[lo:hi], zn[lo:hi]) if inplace else (o[lo:hi], sn[lo:hi], zn[lo:hi]))
+        + (float(scale), d, divisor is not None)
         for lo, hi in zip(cuts, cuts[1:])
     ]
     if pieces <= 1:
@@ -159,7 +160,9 @@ def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
 def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
     rnd = {"float32": np.float32, "float64": np.float64}[name]  # the one rounding to the result's dtype
 
-    def body(out, s, z, scale, divisor, divide):  # out, s: float32/float64 [n]; z float64 [n]; divisor: out's dtype
+    def body(
+        out: np.ndarray, s: np.ndarray, z: np.ndarray, scale: float, divisor: Any, divide: bool
+    ) -> None:  # out, s: float32/float64 [n]; z float64 [n]; divisor: out's dtype
         if divide:
             for i in range(out.shape[0]):
                 out[i] = rnd(z[i] * scale + s[i]) / divisor  # float64 product and sum, ONE rounding, then ÷ B̄
@@ -167,7 +170,9 @@ def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
             for i in range(out.shape[0]):
                 out[i] = z[i] * scale + s[i]  # float64 product and sum, ONE rounding (the store)
 
-    def body_inplace(s, z, scale, divisor, divide):  # the same, into s (out is s)
+    def body_inplace(
+        s: np.ndarray, z: np.ndarray, scale: float, divisor: Any, divide: bool
+    ) -> None:  # the same, into s (out is s)
         if divide:
             for i in range(s.shape[0]):
                 s[i] = rnd(z[i] * scale + s[i]) / divisor
