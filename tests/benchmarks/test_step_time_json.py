@@ -10,6 +10,7 @@ in CPU time, so ``dp-sgd/opacus-best`` and ``cpu:dp-sgd/opacus-best`` compare wi
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -65,3 +66,43 @@ def test_json_carries_the_opacus_best_keys_in_wall_and_cpu_time(st, capsys):
     assert r["dp-sgd/opacus"] == pytest.approx({"hooks": 0.4, "ghost": 0.5, "functorch": 0.25})
     assert r["opacus_best_mode"] == "ghost" and r["dp-sgd/opacus-best"] == pytest.approx(0.020 / 0.040)
     assert r["opacus_best_cpu_mode"] == "hooks" and r["cpu:dp-sgd/opacus-best"] == pytest.approx(0.030 / 0.040)
+
+
+def test_opacus_warnings_are_silenced_and_no_other(st, capsys, monkeypatch):
+    """The full-backward-hook and secure-RNG UserWarnings of the Opacus runs are not shown; a different
+    UserWarning raised while the configurations run still is (the filter is by message, not blanket)."""
+    timer = st.time_round_robin
+
+    def timer_and_another_warning(*args, **kw):
+        warnings.warn("a different UserWarning of a step", UserWarning, stacklevel=1)
+        return timer(*args, **kw)
+
+    monkeypatch.setattr(st, "time_round_robin", timer_and_another_warning)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_json(st, capsys)
+    messages = [str(w.message) for w in seen]
+    assert "a different UserWarning of a step" in messages
+    assert not [m for m in messages if m.startswith(("Full backward hook is firing", "Secure RNG turned off"))]
+    assert "opacus ghost" in st.ran and "opacus hooks" in st.ran  # the modes that warn did run
+
+
+def test_opacus_quiet_is_exact():
+    """Only the listed category and message prefix are ignored, and the filters are restored afterwards."""
+    st = load_benchmark("step_time")
+    hook = "Full backward hook is firing when gradients are computed with respect to module outputs since ..."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with st.opacus_quiet():
+            warnings.warn(hook, UserWarning, stacklevel=1)
+            warnings.warn(
+                "Secure RNG turned off. This is perfectly fine for experimentation", UserWarning, stacklevel=1
+            )
+            warnings.warn(hook, RuntimeWarning, stacklevel=1)  # another category: shown
+            warnings.warn("Note: " + hook, UserWarning, stacklevel=1)  # the prefix elsewhere: shown
+        warnings.warn(hook, UserWarning, stacklevel=1)  # after the block: shown
+    assert [(w.category, str(w.message)) for w in seen] == [
+        (RuntimeWarning, hook),
+        (UserWarning, "Note: " + hook),
+        (UserWarning, hook),
+    ]
