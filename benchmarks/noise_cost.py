@@ -6,7 +6,10 @@
 ms per 10^6 normals = ns per normal: the best of ``--repeats`` timings of a ``--size`` draw, every
 row timed round-robin (one timing of each row per round) so that load changes reach them alike.
 Wall time is what a step waits; CPU time (process, all threads) is the work, which preemption on a
-loaded machine does not inflate. Compare ratios from one run, never figures across runs.
+loaded machine does not inflate. Compare ratios from one run, never figures across runs. ``faults``
+(``minor_page_faults_min`` in the JSON): the fewest minor page faults of a timing of the row — first
+touches of memory fresh from the OS, which depend on what the rows before it freed: two rows whose
+CPU times differ together with their faults differ by the allocator, not by the sampler.
 
 Rows (float64 unless the name says float32; "T t" = T torch threads, the noise source's workers):
 
@@ -26,7 +29,8 @@ Rows (float64 unless the name says float32; "T t" = T torch threads, the noise s
 * ``secret``: :meth:`dpopt.noise.NoiseSource.normal` today (the compiled ziggurat on per-chunk SFC64
   streams, the tail drawn exactly; |z| ≤ 37.63), also streamed (``start_normal(stream=True)``,
   the release of a model above the Privatizer's early-draw limit) and ``reproducible``.
-* ``secure`` / ``previous secure``: Box–Muller on AES-256-CTR words / on :func:`os.urandom` words.
+* ``secure`` / ``previous secure``: Box–Muller on AES-256-CTR words / on :func:`os.urandom` words (without the
+  ``cryptography`` package ``secure`` runs the same code as ``previous secure``, in one piece).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ import math
 import os
 import sys
 import time
+
+try:
+    import resource
+except ImportError:  # Windows has no resource module
+    resource = None  # type: ignore[assignment]
 
 import numpy as np
 import torch
@@ -135,22 +144,37 @@ def _aes_words(n: int) -> None:
         aes(os.urandom(32)).update_into(bytes(8 * n), buf)  # type: ignore[attr-defined]
 
 
-def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(best wall ms, best process-CPU ms) of each ``(threads, fn)`` case, timed round-robin; each
-    case's first call is a warm-up."""
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``; 0 where there is no ``resource`` module)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
+def _interleaved(cases: dict, repeats: int) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+    """(best wall ms, best process-CPU ms, fewest minor page faults) of each ``(threads, fn)`` case, timed
+    round-robin; each case's first call is a warm-up.
+
+    The page faults are the first touches of memory the allocator took fresh from the OS: a row whose
+    result is a fresh 16 MB tensor pays 0–5 ns per normal for them or not, depending on what the rows
+    before it freed (glibc's mmap threshold adapts to freed blocks), so a CPU difference between two rows
+    that comes with a fault difference is the allocator's, not the sampler's (see docs/performance.md,
+    "Secure noise without cryptography").
+    """
     wall = {name: math.inf for name in cases}
     cpu = dict(wall)
+    faults = {name: sys.maxsize for name in cases}
     for _name, (threads, fn) in cases.items():
         torch.set_num_threads(threads)
         fn()
     for _ in range(repeats):
         for name, (threads, fn) in cases.items():
             torch.set_num_threads(threads)
+            before = _minor_faults()
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             wall[name] = min(wall[name], time.perf_counter() - start)
             cpu[name] = min(cpu[name], time.process_time() - start_cpu)
-    return {k: v * 1e3 for k, v in wall.items()}, {k: v * 1e3 for k, v in cpu.items()}
+            faults[name] = min(faults[name], _minor_faults() - before)
+    return {k: v * 1e3 for k, v in wall.items()}, {k: v * 1e3 for k, v in cpu.items()}, faults
 
 
 def measure(size: int, repeats: int) -> dict:
@@ -198,7 +222,7 @@ def measure(size: int, repeats: int) -> dict:
         "secret": (1, lambda: small_src.normal((10,))),
     }
     try:
-        wall, cpu = _interleaved(cases, repeats)
+        wall, cpu, faults = _interleaved(cases, repeats)
         small = {name: ms * 1e3 for name, ms in _interleaved(small_cases, 50 * repeats)[0].items()}
     finally:
         torch.set_num_threads(old_threads)
@@ -221,6 +245,7 @@ def measure(size: int, repeats: int) -> dict:
         },
         "ns_per_normal_wall": rows,
         "ns_per_normal_cpu": cpu_rows,
+        "minor_page_faults_min": faults,
         "wall_ratio_to_torch_float32": {k: v / base for k, v in rows.items()},
         "cpu_ratio_to_torch_float32": {k: v / base_cpu for k, v in cpu_rows.items()},
         "speedup_over_previous": {
@@ -254,12 +279,12 @@ def main(argv=None) -> int:
         return 0
     load = result["load_1min_before_after"]
     print(f"ns per normal (draws of {args.size:,}, best of {args.repeats}; {result['cpus']} CPUs, 1-min load {load})")
-    print(f"{'row':30s} {'wall':>7s} {'/torch32':>8s} {'CPU':>7s} {'/torch32':>8s}")
+    print(f"{'row':30s} {'wall':>7s} {'/torch32':>8s} {'CPU':>7s} {'/torch32':>8s} {'faults':>7s}")
     for name, ns in result["ns_per_normal_wall"].items():
         cpu = result["ns_per_normal_cpu"][name]
         print(
             f"{name:30s} {ns:7.2f} {result['wall_ratio_to_torch_float32'][name]:8.2f} {cpu:7.2f} "
-            f"{result['cpu_ratio_to_torch_float32'][name]:8.2f}"
+            f"{result['cpu_ratio_to_torch_float32'][name]:8.2f} {result['minor_page_faults_min'][name]:7d}"
         )
     print(
         "speed-up over issue 19's Box–Muller samplers (the 'previous' rows): "

@@ -27,6 +27,8 @@ import itertools
 import math
 import numbers
 import warnings
+import weakref
+from collections import deque
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from functools import lru_cache
@@ -182,6 +184,55 @@ def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
 
     # error_model="numpy": IEEE division (x/0 = ±inf, as torch's), no per-element check
     return njit_kernel(body_inplace if inplace else body, error_model="numpy")
+
+
+def _extent(t: object) -> Optional[tuple[int, int, int]]:
+    """``(device index, first byte, one past the last byte)`` of the memory ``t``'s elements lie in (device
+    index: ``Tensor.get_device()``, −1 on the CPU), or None where there is none to compare (not a tensor; no
+    elements; no storage: meta, fake or wrapper-subclass tensors).
+
+    For a contiguous tensor this is exactly its elements' bytes; for a strided one, the span from its
+    first to its last element (torch strides are never negative), which also covers the gaps between rows.
+    """
+    if not isinstance(t, Tensor):
+        return None
+    try:
+        start = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if start == 0 or t.is_meta or t.numel() == 0:
+        return None
+    if t.is_contiguous():
+        return t.get_device(), start, start + t.nbytes
+    last = sum((k - 1) * st for k, st in zip(t.shape, t.stride()))
+    return t.get_device(), start, start + (last + 1) * t.element_size()
+
+
+def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optional[tuple[int, int]]:
+    """A pair ``(i, j)`` of tensors whose memory overlaps (:func:`_extent`), at least one from ``fresh``:
+    indices into ``fresh + others``, the one that starts first (or was listed first) as ``i``; None if no
+    such pair. One sort and one sweep over all of them (O(n log n)); no tensor data is read.
+
+    Exact for contiguous tensors; every tensor compared must be alive (its memory is then not reused).
+    """
+    by_device: dict[int, list[tuple[int, int, int]]] = {}
+    for k, t in enumerate(itertools.chain(fresh, others)):
+        ext = _extent(t)
+        if ext is not None:
+            by_device.setdefault(ext[0], []).append((ext[1], k, ext[2]))
+    mine = len(fresh)
+    for spans in by_device.values():
+        spans.sort()
+        far_all, far_mine = (0, -1), (0, -1)  # (end, index): the largest end so far, of all / of fresh ones
+        for start, k, end in spans:
+            if k < mine and start < far_all[0]:
+                return far_all[1], k
+            if k >= mine and start < far_mine[0]:
+                return far_mine[1], k
+            far_all = max(far_all, (end, k))
+            if k < mine:
+                far_mine = max(far_mine, (end, k))
+    return None
 
 
 @dataclass(frozen=True)
@@ -432,6 +483,8 @@ class Privatizer:
         # on single examples without noise: publishing it is a membership test.
         self.nonfinite_steps = 0
         self._expect = 0  # normals the last CPU release drew (what begin() pre-draws for the next step)
+        # (index, is its _base, weakref) of the sums weighted_sum returned in the previous step and this one
+        self._issued: deque[list[tuple[int, bool, weakref.ref]]] = deque([[]], maxlen=2)  # (_check_fresh)
         self._reset()
 
     # -- public, derived ----------------------------------------------------
@@ -476,6 +529,7 @@ class Privatizer:
         """Copies and pickles never carry a noise draw in progress (a copy would replay it)."""
         state = dict(self.__dict__)
         state["_pending"] = None
+        state["_issued"] = deque([[]], maxlen=2)  # weak references: not picklable, and the copy's own sums differ
         return state
 
     def check_reach(self, noise_multiplier: float) -> None:
@@ -496,6 +550,9 @@ class Privatizer:
         if self._geometry is not None:
             raise RuntimeError("begin() called twice without release(); one release per step")
         self._geometry = geometry or ClipGeometry()
+        self.__dict__.setdefault("_issued", deque([[]], maxlen=2)).append(
+            []
+        )  # weak references to this step's sums (the previous step's stay: maxlen 2)
         if self._expect and self.noise.mode != "reproducible":  # a secret draw may start before the release
             self._prefetch(self._expect)
 
@@ -532,10 +589,66 @@ class Privatizer:
             self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
             self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
+        self._check_fresh(part, source)
         self._dtypes = self._dtypes or _released_dtypes(source, part)
         self._read.add("gradient_sum")
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
+
+    def _check_fresh(self, part: Sequence[Tensor], source: PerSampleSource) -> None:
+        """Refuse sums from ``weighted_sum`` that share memory with each other, with a tensor the source
+        returned earlier in this step or the previous one that is still alive, or with one of the source's
+        ``params`` or their ``.grad``.
+
+        The release adds the noise into the sums in place and hands them out as the released gradient
+        (:func:`add_and_round`, :meth:`_add_noise`), so a sum must be a fresh tensor the Privatizer owns
+        (:class:`~dpopt.types.PerSampleSource`): a buffer the source keeps and fills again would turn an
+        earlier release into the next step's clipped sum WITHOUT noise (and a buffer returned for two
+        micro-batches of one step would count the second twice: sensitivity 2C), a tensor returned for two
+        parameters would get both noises, a parameter would be overwritten. The test compares byte ranges
+        of live tensors (:func:`_first_overlap`; weak references to the earlier sums and their ``_base``,
+        so nothing is kept alive): cheap, and exact for contiguous tensors, the ones the release writes into.
+
+        Raises:
+            ValueError: a sum overlaps one of those tensors (nothing of the step is released; the
+                :meth:`privatize` step is discarded).
+        """
+        issued = self.__dict__.setdefault("_issued", deque([[]], maxlen=2))  # (a Privatizer pickled before it)
+        labels: list[tuple] = []  # of ``others``: what the message names them by (formatted only there)
+        others: list[Tensor] = []
+        for step, refs in zip(("the previous step", "this step")[-len(issued) :], issued):
+            for i, base, ref in refs:
+                t = ref()
+                if t is not None:
+                    others.append(t)
+                    labels.append((i, base, step))
+        for i, p in enumerate(getattr(source, "params", None) or ()):
+            others.append(p)
+            labels.append((i, ""))
+            if isinstance(p, Tensor) and p.grad is not None:
+                others.append(p.grad)
+                labels.append((i, ".grad"))
+        pair = _first_overlap(part, others)
+        if pair is not None:
+            names = [f"weighted_sum()[{i}]" for i in range(len(part))] + [
+                f"params[{x[0]}]{x[1]}"
+                if len(x) == 2
+                else f"weighted_sum()[{x[0]}]{' (its base)' * x[1]} (returned in {x[2]})"
+                for x in labels
+            ]
+            raise ValueError(
+                f"{type(source).__name__}.weighted_sum returned a tensor that shares memory with another "
+                f"({names[pair[0]]} and {names[pair[1]]}): the release adds the noise into the sums in place and "
+                "hands them out as the released gradient, so weighted_sum must return a fresh tensor per "
+                "parameter (not a buffer it keeps or fills again, not one tensor twice, not a parameter or its "
+                ".grad); return copies (t.clone()) — see dpopt.types.PerSampleSource"
+            )
+        mine = issued[-1]
+        for i, t in enumerate(part):
+            if isinstance(t, Tensor):
+                mine.append((i, False, weakref.ref(t)))
+                if t._base is not None:
+                    mine.append((i, True, weakref.ref(t._base)))
 
     def _clip_weights(self, norms: Tensor, bounds: Tensor) -> Tensor:
         """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖).

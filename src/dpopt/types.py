@@ -87,6 +87,21 @@ class PerSampleSource(Protocol):
     * ``weighted_sum(weights [B, G], geometry, groups) -> list[Tensor]``:
       Σ_i weights[i, group(p)] · w_i(p) for every parameter p, one
       param-shaped tensor per parameter, in this source's order (w-units).
+      Each must be a FRESH tensor that nothing else holds: on the CPU
+      (without quantile clipping) the release adds the float64 noise into a
+      contiguous float32/float64 sum of the parameter's dtype and rounds the noisy sum back into that sum's own storage
+      (:func:`~dpopt.privatizer.add_and_round`; a model over 2²² parameters
+      streams its noise into the sums chunk by chunk), divides it by B̄ in
+      place, and hands that same tensor out as the released gradient. A
+      buffer the source keeps (returned again, or refilled by its next call)
+      would be overwritten by the release and would then overwrite the
+      release with the next clipped sum, without noise. The Privatizer
+      refuses (``ValueError``, before anything of the step is released; a
+      refilled buffer is caught at the call that refilled it) sums
+      whose memory overlaps another returned sum, a still-live sum of this or
+      the previous step (or its ``_base``), or one of ``params`` or its
+      ``.grad``: a comparison of byte ranges, exact for contiguous tensors.
+      Return ``t.clone()`` of anything kept.
 
     Not every source in the wild has ``batch_size``/``params``/``points``: the
     Privatizer needs only ``num_params``, ``sq_norms``, ``weighted_sum`` and
@@ -107,6 +122,8 @@ class PerSampleSource(Protocol):
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         """Σ_i weights[i, group(p)] · w_i(p) per parameter (``weights``: ``[B, G]``; param-shaped outputs).
 
-        The outputs are fresh tensors the caller owns: the Privatizer adds the noise to them in place.
+        The outputs are fresh tensors the caller owns: the Privatizer adds the noise to them in place and
+        releases them (see the class docstring; sums that share memory with each other, with the source's
+        earlier live sums or with its parameters are refused with ``ValueError``).
         """
         ...

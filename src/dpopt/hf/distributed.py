@@ -22,8 +22,8 @@ What changes from one process (the engine's ``make_private(..., distributed=True
   ``privacy_summary.json`` (the Trainer's ``should_save``). Every rank keeps the same ledger in
   memory (the same events in the same order), so ``get_epsilon()`` on any rank is the ledger's ε.
   On resume every rank loads the checkpoint (a shared file system, as the Trainer needs anyway);
-  ranks > 0 never open the journal for writing (:func:`journal_not_reopened`) and then take rank 0's
-  ledger (:func:`share_ledger`), which holds every release the journal kept.
+  ranks > 0 never write the journal (the engine's rank-0 rule) nor read it (:func:`journal_not_reopened`)
+  and then take rank 0's ledger (:func:`share_ledger`), which holds every release the journal kept.
 * **Parameters.** ``make_private`` broadcasts rank 0's parameters and buffers; after that the
   same released gradient reaches every rank, so all replicas stay equal
   (:func:`dpopt.distributed.check_replicas` verifies it).
@@ -162,11 +162,17 @@ def replicas_not_wrapped(accelerator: Any) -> Iterator[None]:
 
 @contextmanager
 def journal_not_reopened(optimizer: Any, ctx: DistributedContext) -> Iterator[None]:
-    """On ranks > 0, loading an optimizer state reads its ledger but does not open its journal.
+    """On ranks > 0, loading an optimizer state reads its ledger but not its journal.
 
-    The journal is rank 0's file: a rank > 0 that opened it would append every release a second
-    time. ``optimizer`` is the :class:`~dpopt.private_optimizer.PrivateOptimizer`; its state's
-    ``"dpopt"`` entry loses its ``"journal"`` on these ranks for the duration. A no-op on rank 0.
+    The journal is rank 0's file. The engine itself never lets a rank > 0 WRITE it (a second writer
+    would append every release again): ``LedgerKeeper.adopt`` opens a recorded journal on rank 0 only
+    and ``LedgerKeeper.check_main`` refuses ``open_journal``/``save_checkpoint`` elsewhere. This also
+    keeps a rank > 0 from READING it: the recorded path may be absent, or another file, on another
+    node (a false "journal missing" warning, or a refusal of "another run's record"), rank 0 may be
+    appending to it in ``open_journal`` at that moment, and the rank takes rank 0's ledger afterwards
+    anyway (:func:`share_ledger`). ``optimizer`` is the :class:`~dpopt.private_optimizer.PrivateOptimizer`;
+    its state's ``"dpopt"`` entry loses its ``"journal"`` on these ranks for the duration. A no-op on
+    rank 0. ``tests/hf/test_journal_not_reopened.py``.
     """
     if ctx.is_main or optimizer is None:
         yield
