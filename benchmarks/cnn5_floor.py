@@ -1,6 +1,7 @@
 """CNN5's `dp-sgd` step against its floor, part by part (issue 34; docs/performance.md, "CNN5: profile and floor").
 
-Times, round-robin in one process (process CPU time, all threads, median of ``--steps`` steps):
+Times, round-robin in one process (process CPU time, all threads, and wall time, medians of ``--steps`` steps;
+per part the totals per step, CPU and wall, and their ratio: the cores a part keeps busy):
 
 * the non-private step and the non-private step plus one secret noise draw (``step_time.py``'s configurations),
 * dpopt's ``dp-sgd`` step, with timers around its parts: the capture (``PerSampleEngine.compute``), GroupNorm's
@@ -40,16 +41,19 @@ from dpopt.methods import make_optimizer  # noqa: E402
 from dpopt.models import build_model  # noqa: E402
 
 ACC: dict[tuple[str, str], float] = defaultdict(float)
+WALL: dict[tuple[str, str], float] = defaultdict(float)
 CUR = ["-"]
 
 
 def _timed(inner: Callable, label: Callable[..., str]) -> Callable:
     def f(*a, **k):
-        c = time.process_time()
+        c, w = time.process_time(), time.perf_counter()
         try:
             return inner(*a, **k)
         finally:
-            ACC[(CUR[0], label(*a))] += time.process_time() - c
+            key = (CUR[0], label(*a))
+            ACC[key] += time.process_time() - c
+            WALL[key] += time.perf_counter() - w
 
     return f
 
@@ -110,16 +114,21 @@ def main(argv=None) -> dict:
         for _ in range(args.warmup):
             f()
     ACC.clear()
+    WALL.clear()
     cpu: dict[str, list[float]] = defaultdict(list)
+    wall: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.steps):
         for name, f in steps.items():
             CUR[0] = name
-            c = time.process_time()
+            c, w = time.process_time(), time.perf_counter()
             f()
             cpu[name].append(time.process_time() - c)
+            wall[name].append(time.perf_counter() - w)
     ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    wall_ms = {k: 1e3 * statistics.median(v) for k, v in wall.items()}
     np_ms = ms["non-private"]
     parts = {k: 1e3 * v / args.steps for k, v in ACC.items()}
+    wall_parts = {k: 1e3 * v / args.steps for k, v in WALL.items()}
     norms = sum(
         v for (cfg, lab), v in parts.items() if cfg == "dp-sgd" and (lab.startswith("sq_norms") or "group" in lab)
     )
@@ -127,15 +136,31 @@ def main(argv=None) -> dict:
     print(
         f"cnn5, B = 512, {args.threads} thread(s), median CPU ms of {args.steps} steps; load {os.getloadavg()[0]:.1f}"
     )
+    print(f"  {'':24s} {'CPU ms':>8s}  {'':16s} {'wall ms':>8s}  {'':16s} {'cores':>5s}")
     for k, v in ms.items():
-        print(f"  {k:24s} {v:8.1f}  {v / np_ms:5.3f}x non-private")
+        wv = wall_ms[k]
+        print(
+            f"  {k:24s} {v:8.1f}  {v / np_ms:5.3f}x non-private {wv:8.1f}  {wv / wall_ms['non-private']:5.3f}x non-private"
+            f" {v / wv:5.2f}"
+        )
     print(f"  exact norms (sq_norms + GroupNorm per-example grads) {norms:.1f}")
     print(
         f"  floor = non-private + noise + exact norms {floor:.1f}  {floor / np_ms:5.3f}x; dp-sgd / floor {ms['dp-sgd'] / floor:.3f}"
     )
+    print(f"    {'configuration':20s} {'part':34s} {'CPU ms':>8s} {'wall ms':>8s} {'cores':>5s}")
     for (cfg, lab), v in sorted(parts.items()):
-        print(f"    {cfg:20s} {lab:34s} {v:8.1f} ms/step")
-    return {"ms": ms, "norms_ms": norms, "floor/non-private": floor / np_ms, "dp-sgd/non-private": ms["dp-sgd"] / np_ms}
+        wv = wall_parts[(cfg, lab)]
+        print(f"    {cfg:20s} {lab:34s} {v:8.1f} {wv:8.1f} {v / max(wv, 1e-9):5.2f}")
+    return {
+        "ms": ms,
+        "wall_ms": wall_ms,
+        "parts_cpu_ms": {f"{c}/{lab}": v for (c, lab), v in parts.items()},
+        "parts_wall_ms": {f"{c}/{lab}": v for (c, lab), v in wall_parts.items()},
+        "norms_ms": norms,
+        "floor/non-private": floor / np_ms,
+        "dp-sgd/non-private": ms["dp-sgd"] / np_ms,
+        "wall dp-sgd/non-private": wall_ms["dp-sgd"] / wall_ms["non-private"],
+    }
 
 
 if __name__ == "__main__":
