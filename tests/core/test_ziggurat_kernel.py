@@ -145,7 +145,7 @@ def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
     site-packages and home): the kernel is then compiled without a cache, with the same values."""
     import numba
 
-    from dpopt import numba_kernels, ziggurat
+    from dpopt import ziggurat
 
     real = numba.njit
 
@@ -168,7 +168,7 @@ def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
 def test_without_numba_the_error_says_what_to_install(monkeypatch):
     import sys
 
-    from dpopt import numba_kernels, ziggurat
+    from dpopt import ziggurat
 
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
     with pytest.raises(ImportError, match=r"compiled by numba.*pip install 'numba>=0.59'"):
@@ -178,7 +178,7 @@ def test_without_numba_the_error_says_what_to_install(monkeypatch):
 def test_first_draws_in_several_threads_compile_once_and_agree():
     from concurrent.futures import ThreadPoolExecutor
 
-    from dpopt import numba_kernels, ziggurat
+    from dpopt import ziggurat
 
     ziggurat._cached_kernel.cache.cache_clear()
     state = bytes(range(24))
@@ -200,7 +200,7 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_the_compile_lock_is_held_can_draw():
     """A fork while a noise thread compiles (holds the lock) must not leave the child a lock nobody releases."""
-    from dpopt import numba_kernels, ziggurat
+    from dpopt import numba_kernels
 
     with numba_kernels.compile_lock():
         pid = os.fork()
