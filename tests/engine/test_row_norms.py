@@ -110,11 +110,11 @@ def test_kernel_sums_squares_beyond_float32_range_and_keeps_non_finite_rows():
 
 @pytest.mark.parametrize("rows,n", [(33, 18432), (36, 36864), (80, 864), (5, 30000), (2, 70000)])
 def test_kernel_is_bit_identical_whatever_the_thread_count(rows, n):
-    """Each row is reduced by one thread in the same order: 1, 2, 3 or 7 ranges (and torch's 1 or 2 threads
+    """Each row is reduced by one thread in the same order: asking for 1, 2, 3 or 7 threads (and torch's 1 or 2 threads
     through the dispatch) give the same bits."""
-    from dpopt.engine.row_norms import PARALLEL_MIN_ELEMENTS, row_sq_norms64_cpu
+    from dpopt.engine.row_norms import RANGE_MIN_ELEMENTS, row_sq_norms64_cpu
 
-    assert rows * n >= PARALLEL_MIN_ELEMENTS  # the split path is the one under test
+    assert rows * n >= 2 * RANGE_MIN_ELEMENTS  # the split path is the one under test
     g = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, n, generator=g) * torch.logspace(-4, 4, rows).view(-1, 1)
     one = row_sq_norms64_cpu(x, threads=1)
@@ -149,6 +149,19 @@ def test_row_ranges_cover_the_rows_once():
     assert row_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert row_ranges(2, 5) == [(0, 1), (1, 2)]
     assert row_ranges(4, 0) == [(0, 4)]
+
+
+def test_small_inputs_are_not_cut_into_ranges_dearer_than_their_work(monkeypatch):
+    """A chunk is split into at most b·n // RANGE_MIN_ELEMENTS ranges, whatever the thread count asked for."""
+    from dpopt.engine import row_norms
+
+    seen = []
+    real = row_norms.row_ranges
+    monkeypatch.setattr(row_norms, "row_ranges", lambda rows, parts: seen.append(parts) or real(rows, parts))
+    m = row_norms.RANGE_MIN_ELEMENTS
+    for rows, n in ((4, 100), (2, m), (4, m), (40, m)):
+        row_norms.row_sq_norms64_cpu(torch.ones(rows, n), threads=64)
+    assert seen == [0, 2, 4, 40]
 
 
 def test_without_numba_the_error_says_what_to_install(monkeypatch):

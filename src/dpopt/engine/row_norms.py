@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..numba_kernels import compile_once, njit
 
-__all__ = ["ROW_NORM_COLUMNS", "PARALLEL_MIN_ELEMENTS", "row_sq_norms64", "row_sq_norms64_cpu"]
+__all__ = ["ROW_NORM_COLUMNS", "RANGE_MIN_ELEMENTS", "row_ranges", "row_sq_norms64", "row_sq_norms64_cpu"]
 
 ROW_NORM_COLUMNS = 1 << 15
 """Columns per float64 slice in :func:`row_sq_norms64` (a slice of 8 rows is 2 MiB in float64: it stays in
@@ -31,9 +31,11 @@ cache, where a float64 copy of a whole ``[b, q·p]`` chunk went through memory �
 docs/performance.md, "Transformer steps: profile and floor")."""
 
 
-PARALLEL_MIN_ELEMENTS = 1 << 16
-"""Below this many elements (b·n) :func:`row_sq_norms64_cpu` runs on the calling thread only (a hand-off to the
-pool costs tens of µs; 65,536 float32 elements take ≈ 20 µs to reduce here)."""
+RANGE_MIN_ELEMENTS = 1 << 15
+"""Fewest elements per range of rows in :func:`row_sq_norms64_cpu`: b·n elements are split into at most
+b·n // this ranges (so below 65,536 elements the calling thread does all of it). A hand-off to the pool costs
+tens of µs; 32,768 float32 elements take ≈ 15 µs to reduce here, so a many-core machine does not cut a chunk into
+ranges that cost more to hand off than to reduce."""
 
 
 def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
@@ -188,8 +190,8 @@ def row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
 def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
     """Per-row float64 ‖x_r‖² of a float32 CPU ``flat [b, n]`` by the compiled kernel → ``[b]`` float64.
 
-    The rows are split into ``threads`` contiguous ranges (default ``torch.get_num_threads()``; one range
-    below :data:`PARALLEL_MIN_ELEMENTS` elements): the calling thread reduces the first, the pool the others,
+    The rows are split into ``threads`` contiguous ranges (default ``torch.get_num_threads()``; fewer where a range
+    would hold under :data:`RANGE_MIN_ELEMENTS` elements, or one row): the calling thread reduces the first, the pool the others,
     each row by the same serial code (:func:`_build`), so every row's value is bit-identical whatever the
     number of threads or ranges. A non-contiguous ``flat`` is copied first; autograd is not followed.
 
@@ -208,7 +210,7 @@ def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
         return out
     kern, xa, oa = _kernel(), x.numpy(), out.numpy()
     n = torch.get_num_threads() if threads is None else threads
-    ranges = row_ranges(rows, n if x.numel() >= PARALLEL_MIN_ELEMENTS else 1)
+    ranges = row_ranges(rows, min(n, x.numel() // RANGE_MIN_ELEMENTS))
     if len(ranges) == 1:
         kern(xa, oa, 0, rows)
         return out
