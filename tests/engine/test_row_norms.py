@@ -143,6 +143,18 @@ def test_kernel_takes_strided_and_grad_inputs_and_refuses_other_tensors():
             row_sq_norms64_cpu(bad)
 
 
+def test_a_recorded_input_keeps_the_torch_path_and_its_gradient():
+    """Where autograd records ``flat`` the dispatch keeps torch's path (the kernel would cut the graph):
+    d/dx Σ_r ‖x_r‖² = 2x."""
+    x = torch.randn(40, 3000, requires_grad=True)
+    got = row_sq_norms64(x)
+    assert got.requires_grad
+    got.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=1e-6, atol=0.0)
+    with torch.no_grad():
+        assert not row_sq_norms64(x).requires_grad
+
+
 def test_row_ranges_cover_the_rows_once():
     from dpopt.engine.row_norms import row_ranges
 

@@ -6,8 +6,10 @@ float32 rows on the CPU go through a compiled kernel (numba, ``nogil``; :func:`r
 reduced by one thread in a fixed order, and the rows are split over torch's intra-op thread count
 (``torch.get_num_threads()``) with a small pool of Python threads, so a row's bits do not depend on the thread
 count. The torch path (float32 column slices cast to float64 in cache-sized blocks of rows) runs on every other
-device. Why: the torch path's blocks are below torch's parallel grain, so it ran on one core of two while the
-non-private step's GEMMs run on both (docs/performance.md, "CNN5: dpopt's own work on both cores").
+device and dtype, and where autograd records. Why: on the CPU the torch path's blocks sit just above torch's
+parallel grain, so each block's cast and reduction was split over the OpenMP threads with a barrier each (16
+blocks per CNN5 chunk); with the second core busy those barriers cost ten times the work (docs/performance.md,
+"CNN5: dpopt's own work on both cores").
 """
 
 from __future__ import annotations
@@ -41,12 +43,10 @@ ranges that cost more to hand off than to reduce."""
 def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     """Per-row ‖x_r‖² of ``flat [b, n]``, squares and sums in float64 → ``[b]`` float64.
 
-    float32 on the CPU: :func:`row_sq_norms64_cpu` (the compiled kernel, rows split over torch's threads;
-    ``columns`` unused). Otherwise the torch path below.
-
-    The same values as ``vector_norm(flat, dim=1, dtype=float64).square()`` (each
-    float32 element is exact in float64, its square rounds once in float64, the
-    accumulation is float64; only the order of the additions differs), without a
+    float32 on the CPU (autograd not recording ``flat``): :func:`row_sq_norms64_cpu` (the compiled kernel,
+    rows split over torch's threads; ``columns`` unused). Otherwise the torch path, which gives the same
+    values as ``vector_norm(flat, dim=1, dtype=float64).square()`` (each float32 element is exact in
+    float64, its square too, the accumulation is float64; only the order of the additions differs), without a
     float64 copy of all of ``flat``: ``columns`` columns at a time, and (float32 input)
     blocks of rows whose float64 slice holds at most ``columns`` elements (:func:`_row_blocks`;
     at least two rows each), so that the copy and its products stay in cache. Each row's
@@ -56,7 +56,8 @@ def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     """
     if flat.dtype == torch.float64:
         return torch.linalg.vecdot(flat, flat, dim=1)
-    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 2:
+    recorded = flat.requires_grad and torch.is_grad_enabled()
+    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 2 and not recorded:
         return row_sq_norms64_cpu(flat)
     return _torch_row_sq_norms64(flat, columns)
 
