@@ -45,7 +45,7 @@ from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
-from .ziggurat import compile_once, njit_kernel
+from .numba_kernels import compile_lock, njit
 
 __all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "RELEASE_SPLIT_MIN", "add_and_round"]
 
@@ -104,7 +104,7 @@ def add_and_round(
     keep the torch expression.
 
     Raises:
-        ImportError: numba is missing (the CPU path; :func:`dpopt.ziggurat.numba_module`).
+        ImportError: numba is missing (the CPU path; :func:`dpopt.numba_kernels.numba_module`).
     """
     if (
         z.device.type != "cpu"
@@ -146,7 +146,8 @@ def add_and_round(
 
 def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
     """The compiled release pass for results of numpy dtype ``dtype`` (float32 or float64), compiled (or
-    loaded from numba's cache) once, by the first caller (:func:`dpopt.ziggurat.compile_once`).
+    loaded from numba's cache) once, by the first caller: concurrent first callers wait on
+    :func:`dpopt.numba_kernels.compile_lock`.
 
     ``inplace``: the variant that writes into ``s`` itself (arguments ``(s, z, scale, divisor, divide)``;
     else ``(out, s, z, scale, divisor, divide)``), 1-D contiguous arrays of one length, ``divisor`` a
@@ -155,7 +156,8 @@ def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
     the scalar loop (as does a loop over ``range(lo, hi)``, whose indices may be negative to it: pieces
     are passed as views). The vector loop is ≈ 3× faster here.
     """
-    return compile_once(lambda: _cached_release_kernel(np.dtype(dtype).name, inplace))
+    with compile_lock():
+        return _cached_release_kernel(np.dtype(dtype).name, inplace)
 
 
 @lru_cache(maxsize=4)
@@ -183,7 +185,7 @@ def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
                 s[i] = z[i] * scale + s[i]
 
     # error_model="numpy": IEEE division (x/0 = ±inf, as torch's), no per-element check
-    return njit_kernel(body_inplace if inplace else body, error_model="numpy")
+    return njit(body_inplace if inplace else body, "dpopt's release (the noise add)", error_model="numpy")
 
 
 def _extent(t: object) -> Optional[tuple[int, int, int]]:

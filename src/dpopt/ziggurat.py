@@ -43,12 +43,11 @@ threads); on this 2-vCPU Xeon it costs ≈ 2 ns of CPU per normal against numpy'
 
 from __future__ import annotations
 
-import os
-import threading
-from functools import lru_cache
 from typing import Any, Callable
 
 import numpy as np
+
+from .numba_kernels import compile_once, njit, numba_module
 
 __all__ = [
     "STRIPS",
@@ -58,9 +57,6 @@ __all__ = [
     "ziggurat_tables",
     "ziggurat_body",
     "sfc64_seed_state",
-    "compile_once",
-    "njit_kernel",
-    "numba_module",
 ]
 
 STRIPS = 256
@@ -78,11 +74,9 @@ def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     Raises:
         RuntimeError: the recursion does not close to 1e-40 (a broken mpmath).
     """
-    with _COMPILE_LOCK:
-        return _tables()
+    return _cached_tables()
 
 
-@lru_cache(maxsize=1)
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     import mpmath
 
@@ -125,6 +119,9 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     return k, w, fi, float(r)
 
 
+_cached_tables = compile_once(_tables)
+
+
 def sfc64_seed_state(state: bytes) -> np.ndarray:
     """The SFC64 state [a, b, c, counter] (uint64 [4]) for (a, b, c) = ``state`` (24 bytes,
     little-endian) and counter 1, before the :data:`SFC_DISCARD` dropped outputs.
@@ -138,81 +135,20 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
     return np.array([words[0], words[1], words[2], 1], dtype=np.uint64)
 
 
-_COMPILE_LOCK = threading.Lock()  # the first draws of a process run in several noise threads: compile once
-
-
-def _new_lock_in_child() -> None:
-    """A child forked while a noise thread held the lock (a DataLoader's workers fork at the start of a pass,
-    when the step's early draw may be compiling) would wait for it forever: the child gets its own."""
-    global _COMPILE_LOCK
-    _COMPILE_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
-
-
-def compile_once(cached: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-    """``cached()`` (an ``lru_cache``'d builder of a compiled kernel) called under the one compile lock: the
-    first caller compiles (or loads numba's cache), concurrent first callers wait for it instead of each
-    compiling (``lru_cache`` alone lets them each compute). dpopt's compiled kernels (this sampler's,
-    :func:`dpopt.privatizer.add_and_round`'s) all use it: one lock, re-made in a forked child.
-
-    Returns:
-        What ``cached()`` returns (the compiled function).
-    """
-    with _COMPILE_LOCK:
-        return cached()
-
-
-def njit_kernel(body: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-    """``body`` compiled by numba with ``nogil`` (so chunks run in parallel threads) and cached on disk next to
-    its module, or in numba's user cache directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise
-    compiled in memory per process. ``options``: more of ``numba.njit``'s (``error_model``, ...).
-
-    Raises:
-        ImportError: numba is not installed (a dependency of dpopt; the message says what to install).
-    """
-    njit = numba_module().njit
-    try:
-        return njit(nogil=True, cache=True, **options)(body)
-    except RuntimeError:  # numba found no writable cache location (read-only install and home): compile in memory
-        return njit(nogil=True, **options)(body)
-
-
-def numba_module() -> Any:
-    """The ``numba`` module.
-
-    Raises:
-        ImportError: numba is not installed (a dependency of dpopt; the message says what to install).
-    """
-    try:
-        import numba
-    except ImportError as err:
-        raise ImportError(
-            "dpopt's CPU kernels (the Gaussian sampler of secret and reproducible noise, the release's add) are "
-            f"compiled by numba, a dependency of dpopt that this environment lacks ({err}): pip install 'numba>=0.59'"
-        ) from err
-    return numba
-
-
 def _compiled() -> Callable[..., int]:
-    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only."""
-    return compile_once(_cached_kernel)
-
-
-@lru_cache(maxsize=1)
-def _cached_kernel() -> Callable[..., int]:
-    return _kernel()
+    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only
+    (:func:`dpopt.numba_kernels.compile_once`: the first draws of a process run in several noise threads)."""
+    return _cached_kernel()
 
 
 def _kernel() -> Callable[..., int]:
-    """Compile the sampler's kernel (:func:`njit_kernel`).
+    """Compile the kernel (:func:`dpopt.numba_kernels.njit`: cached on disk next to this module, or in numba's
+    user cache directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process).
 
     Raises:
         ImportError: numba is not installed (a dependency of dpopt; say what to install).
     """
-    uint64 = numba_module().uint64
+    uint64 = numba_module(_PURPOSE).uint64
     one, three, eight, eleven = uint64(1), uint64(3), uint64(8), uint64(11)
     twenty_four, forty, mask8, mask52 = uint64(24), uint64(40), uint64(0xFF), uint64(0xFFFFFFFFFFFFF)
     to_unit = 1.0 / 9007199254740992.0  # 2^-53
@@ -260,7 +196,11 @@ def _kernel() -> Callable[..., int]:
         s[0], s[1], s[2], s[3] = a, b, c, n_
         return tails
 
-    return njit_kernel(body)
+    return njit(body, _PURPOSE)
+
+
+_PURPOSE = "dpopt's CPU Gaussian sampler (secret and reproducible noise)"
+_cached_kernel = compile_once(_kernel)
 
 
 def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD) -> np.ndarray:

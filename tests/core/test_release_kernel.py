@@ -238,11 +238,11 @@ def test_the_noise_seam_still_reaches_the_release(monkeypatch):
 
 
 def test_kernels_compile_once_under_the_shared_lock():
-    from dpopt import ziggurat
+    from dpopt import numba_kernels
 
     privatizer_module._cached_release_kernel.cache_clear()
     with ThreadPoolExecutor(4) as pool:
         kernels = list(pool.map(lambda _: privatizer_module._release_kernel(np.float32, True), range(4)))
     assert all(k is kernels[0] for k in kernels)
     assert privatizer_module._cached_release_kernel.cache_info().misses == 1
-    assert ziggurat.compile_once is privatizer_module.compile_once  # one mechanism
+    assert numba_kernels.compile_lock is privatizer_module.compile_lock  # one mechanism

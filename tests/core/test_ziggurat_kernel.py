@@ -180,7 +180,7 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 
     from dpopt import ziggurat
 
-    ziggurat._cached_kernel.cache_clear()
+    ziggurat._cached_kernel.cache.cache_clear()
     state = bytes(range(24))
 
     def draw(_):
@@ -190,7 +190,7 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(draw, range(4)))
-    assert ziggurat._cached_kernel.cache_info().misses == 1
+    assert ziggurat._cached_kernel.cache.cache_info().misses == 1
     assert all(np.array_equal(o, outs[0]) for o in outs)
     k, _, _, _ = ziggurat_tables()
     with pytest.raises(ValueError, match="read-only"):
@@ -200,9 +200,9 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_the_compile_lock_is_held_can_draw():
     """A fork while a noise thread compiles (holds the lock) must not leave the child a lock nobody releases."""
-    from dpopt import ziggurat
+    from dpopt import numba_kernels
 
-    with ziggurat._COMPILE_LOCK:
+    with numba_kernels.compile_lock():
         pid = os.fork()
         if pid == 0:  # the child: draw (takes the lock) and report by exit status
             try:

@@ -1,13 +1,31 @@
 """Per-row squared norms in float64 without a float64 copy of the whole input (one concept: the engine's
 float64 accumulation of per-example squared norms; used by :mod:`~dpopt.engine.layers` and
-:mod:`~dpopt.engine.chol_norm`)."""
+:mod:`~dpopt.engine.chol_norm`).
+
+float32 rows on the CPU go through a compiled kernel (numba, ``nogil``; :func:`row_sq_norms64`): each row is
+reduced by one thread in a fixed order, and the rows are split over torch's intra-op thread count
+(``torch.get_num_threads()``) with a small pool of Python threads, so a row's bits do not depend on the thread
+count. The torch path (float32 column slices cast to float64 in cache-sized blocks of rows) runs on every other
+device and dtype, and where autograd records. Why: on the CPU the torch path's blocks sit just above torch's
+parallel grain, so each block's cast and reduction was split over the OpenMP threads with a barrier each (16
+blocks per CNN5 chunk); with the second core busy those barriers cost ten times the work (docs/performance.md,
+"CNN5: dpopt's own work on both cores").
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_NORM_COLUMNS", "row_sq_norms64"]
+from ..numba_kernels import compile_once, njit
+
+__all__ = ["ROW_NORM_COLUMNS", "RANGE_MIN_ELEMENTS", "row_ranges", "row_sq_norms64", "row_sq_norms64_cpu"]
 
 ROW_NORM_COLUMNS = 1 << 15
 """Columns per float64 slice in :func:`row_sq_norms64` (a slice of 8 rows is 2 MiB in float64: it stays in
@@ -15,12 +33,20 @@ cache, where a float64 copy of a whole ``[b, q·p]`` chunk went through memory �
 docs/performance.md, "Transformer steps: profile and floor")."""
 
 
+RANGE_MIN_ELEMENTS = 1 << 15
+"""Fewest elements per range of rows in :func:`row_sq_norms64_cpu`: b·n elements are split into at most
+b·n // this ranges (so below 65,536 elements the calling thread does all of it). A hand-off to the pool costs
+tens of µs; 32,768 float32 elements take ≈ 15 µs to reduce here, so a many-core machine does not cut a chunk into
+ranges that cost more to hand off than to reduce."""
+
+
 def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     """Per-row ‖x_r‖² of ``flat [b, n]``, squares and sums in float64 → ``[b]`` float64.
 
-    The same values as ``vector_norm(flat, dim=1, dtype=float64).square()`` (each
-    float32 element is exact in float64, its square rounds once in float64, the
-    accumulation is float64; only the order of the additions differs), without a
+    float32 on the CPU (autograd not recording ``flat``): :func:`row_sq_norms64_cpu` (the compiled kernel,
+    rows split over torch's threads; ``columns`` unused). Otherwise the torch path, which gives the same
+    values as ``vector_norm(flat, dim=1, dtype=float64).square()`` (each float32 element is exact in
+    float64, its square too, the accumulation is float64; only the order of the additions differs), without a
     float64 copy of all of ``flat``: ``columns`` columns at a time, and (float32 input)
     blocks of rows whose float64 slice holds at most ``columns`` elements (:func:`_row_blocks`;
     at least two rows each), so that the copy and its products stay in cache. Each row's
@@ -30,6 +56,14 @@ def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     """
     if flat.dtype == torch.float64:
         return torch.linalg.vecdot(flat, flat, dim=1)
+    recorded = flat.requires_grad and torch.is_grad_enabled()
+    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 2 and not recorded:
+        return row_sq_norms64_cpu(flat)
+    return _torch_row_sq_norms64(flat, columns)
+
+
+def _torch_row_sq_norms64(flat: Tensor, columns: int) -> Tensor:
+    """The torch path of :func:`row_sq_norms64` (any device and float dtype), described there."""
     blocks = _row_blocks(flat.shape[0], min(flat.shape[1], columns), columns)
     if len(blocks) == 1:
         return _sliced(flat, columns)
@@ -65,3 +99,125 @@ def _sliced(flat: Tensor, columns: int) -> Tensor:
 def _sq64(x: Tensor) -> Tensor:
     v = x.double()
     return torch.linalg.vecdot(v, v, dim=1)
+
+
+# --------------------------------------------------------------------------- the compiled CPU kernel
+_PURPOSE = "dpopt's per-example float64 squared norms (dpopt.engine.row_norms)"
+
+
+def _build() -> Callable[..., None]:
+    """Compile the kernel: ``body(x float32 [b, n] C-contiguous, out float64 [b], lo, hi)`` writes
+    ``out[r] = Σ_j float64(x[r, j])²`` for ``lo ≤ r < hi``.
+
+    Per row: eight float64 accumulators over the columns j ≡ 0 … 7 (mod 8) of the first n − n mod 8 columns,
+    added pairwise ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), then the last n mod 8 squares left to
+    right. A float32 value's square is exact in float64 (24 + 24 significant bits ≤ 53), so each square is
+    exact and only the additions round (as in ``vector_norm(x, dtype=float64)²``, in another order); the
+    order is fixed by n alone. No ``fastmath``: LLVM may not reassociate the sums.
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+
+    def body(x, out, lo, hi):
+        n = x.shape[1]
+        m = n - n % 8
+        for r in range(lo, hi):
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+            for j in range(0, m, 8):
+                v0 = np.float64(x[r, j])
+                v1 = np.float64(x[r, j + 1])
+                v2 = np.float64(x[r, j + 2])
+                v3 = np.float64(x[r, j + 3])
+                v4 = np.float64(x[r, j + 4])
+                v5 = np.float64(x[r, j + 5])
+                v6 = np.float64(x[r, j + 6])
+                v7 = np.float64(x[r, j + 7])
+                a0 += v0 * v0
+                a1 += v1 * v1
+                a2 += v2 * v2
+                a3 += v3 * v3
+                a4 += v4 * v4
+                a5 += v5 * v5
+                a6 += v6 * v6
+                a7 += v7 * v7
+            s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+            for j in range(m, n):
+                v = np.float64(x[r, j])
+                s += v * v
+            out[r] = s
+
+    return njit(body, _PURPOSE)
+
+
+_kernel = compile_once(_build)
+
+_POOL: Optional[ThreadPoolExecutor] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of at least ``workers`` threads for the row ranges beyond the caller's own (made on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < workers:
+            old, _POOL = _POOL, ThreadPoolExecutor(workers, thread_name_prefix="dpopt-row-norms")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL
+
+
+def _pool_gone_in_child() -> None:
+    """A forked child has none of the parent's pool threads: it makes its own pool (and lock) on first use."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool_gone_in_child)
+
+
+def row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[lo, hi)`` ranges covering ``rows`` rows, sizes differing by at most one
+    (``min(parts, rows)`` ranges, at least one)."""
+    parts = max(1, min(parts, rows))
+    q, r = divmod(rows, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + q + (1 if k < r else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
+    """Per-row float64 ‖x_r‖² of a float32 CPU ``flat [b, n]`` by the compiled kernel → ``[b]`` float64.
+
+    The rows are split into ``threads`` contiguous ranges (default ``torch.get_num_threads()``; fewer where a range
+    would hold under :data:`RANGE_MIN_ELEMENTS` elements, or one row): the calling thread reduces the first, the pool the others,
+    each row by the same serial code (:func:`_build`), so every row's value is bit-identical whatever the
+    number of threads or ranges. A non-contiguous ``flat`` is copied first; autograd is not followed.
+
+    Raises:
+        ValueError: ``flat`` is not a 2-D float32 CPU tensor.
+        ImportError: numba is not installed (a dependency of dpopt).
+    """
+    if flat.dtype != torch.float32 or flat.device.type != "cpu" or flat.dim() != 2:
+        raise ValueError(f"row_sq_norms64_cpu takes a 2-D float32 CPU tensor, got {flat.dtype} {tuple(flat.shape)}")
+    x = flat.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows = x.shape[0]
+    out = torch.empty(rows, dtype=torch.float64)
+    if rows == 0:
+        return out
+    kern, xa, oa = _kernel(), x.numpy(), out.numpy()
+    n = torch.get_num_threads() if threads is None else threads
+    ranges = row_ranges(rows, min(n, x.numel() // RANGE_MIN_ELEMENTS))
+    if len(ranges) == 1:
+        kern(xa, oa, 0, rows)
+        return out
+    pool = _pool(len(ranges) - 1)
+    futures: list[Any] = [pool.submit(kern, xa, oa, lo, hi) for lo, hi in ranges[1:]]
+    kern(xa, oa, *ranges[0])
+    for f in futures:
+        f.result()
+    return out
