@@ -44,8 +44,8 @@ from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError, LedgerWriteError
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
-from .types import ClipGeometry, PerSampleSource
 from .numba_kernels import compile_lock, njit
+from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "RELEASE_SPLIT_MIN", "add_and_round"]
 
