@@ -1523,14 +1523,18 @@ class Recorder:
         bad = self.layout(calls, rows)
         if bad:
             return bad, []
-        blocks = self.build([c for c in calls if c.has_grad], rows, 1.0 / views, views, other)
+        b = rows // views
+        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(cast(int, self._compare))))
+        calls = [c for c in calls if c.has_grad]
+        kept = _first_rows(calls, rows, m * views) if m < b and not other else rows
+        blocks = self.build(calls, kept, 1.0 / views, views, other)
+        del calls
+        b = kept // views  # the blocks' examples: the compared ones only when the rows after them were cut
         indices = sorted({i for blk in blocks for i in blk.index})
         if not indices:  # every parameter left the rules during this pass (a bare one used otherwise): nothing
             for blk in blocks:  # to compare (Conv1d / InstanceNorm with one channel: their [1, ...] parameters)
                 blk.free()
             return {}, []
-        b = rows // views
-        m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(cast(int, self._compare))))
         chosen = [(plan.params if params is None else params)[i] for i in indices]
         release_free_heap()  # the batched pass's activations, freed: not kept resident through the loop
         owners = [i for blk in blocks for i in blk.index]
@@ -1538,7 +1542,7 @@ class Recorder:
             try:  # one example's gradients at a time, each parameter's as the backward reaches it
                 sq = {i: v for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))}
                 with replay.replaying(rows):
-                    stats = self._loop_streamed(args, kwargs, row_loss, indices, chosen, blocks, b, m)
+                    stats = self._loop_streamed(args, kwargs, row_loss, indices, chosen, blocks, rows // views, m, b)
                 with no_autocast(plan.device):
                     return {}, disagreeing_rows({i: v[:m] for i, v in sq.items()}, *stats, tol, plan.names)
             finally:
@@ -1568,6 +1572,7 @@ class Recorder:
         blocks: Sequence,
         b: int,
         m: int,
+        held: Optional[int] = None,
     ) -> tuple[dict, dict, dict]:
         """:meth:`_loop`'s reference, compared as it is computed: no ``[b, *shape]`` tensor is kept.
 
@@ -1581,12 +1586,17 @@ class Recorder:
         its capture counterpart at a time (issue 43: bytes per parameter),
         where :meth:`_loop` held ``2·b`` copies of every parameter's.
 
+        ``b``: the examples of the batched pass (its inputs' rows); ``held``:
+        the examples the blocks hold (default ``b``; ``m`` when the rows after
+        the compared ones were cut, :func:`_first_rows`).
+
         Returns:
             ``(ref_sq, finite, dist)``: parameter index → ``[m]`` float64
             ‖g_i‖², ``[m]`` bool, ``[m]`` float64 ‖ĝ_i − g_i‖ (NaN where not
             finite) — :func:`~dpopt.engine.check.disagreeing_rows`' inputs.
         """
         plan = self.plan
+        nb = b if held is None else int(held)
         where = {i: (blk, k) for blk in blocks for k, i in enumerate(blk.index)}
         ref_sq = {i: torch.zeros(m, dtype=torch.float64) for i in indices}
         finite = {i: torch.ones(m, dtype=torch.bool) for i in indices}
@@ -1603,9 +1613,9 @@ class Recorder:
             if type(blk) is DirectBlock:
                 return blk.grads[k][e]
             if id(blk) not in cache:
-                onehot = torch.zeros(b, dtype=torch.float64, device=plan.device)
+                onehot = torch.zeros(nb, dtype=torch.float64, device=plan.device)
                 onehot[e] = 1.0
-                others = torch.arange(b, device=plan.device) != e
+                others = torch.arange(nb, device=plan.device) != e
                 with no_autocast(plan.device):
                     cache[id(blk)] = [
                         *blk.grad_sums([onehot.to(compute_dtype(plan.params[j].dtype)) for j in blk.index], others)
@@ -1690,6 +1700,61 @@ class Recorder:
         finally:
             self.active = True
         return {i: torch.stack([r[k] for r in out_rows]) for k, i in enumerate(indices)}
+
+
+def _first_rows(calls: Sequence[Call], rows: int, keep: int) -> int:
+    """Cut every recorded call of a verification pass to its first ``keep`` rows, in place; the rows kept.
+
+    The check compares the first ``m`` examples only (``compare``: their
+    ``keep = m·K`` rows); the batched pass needs all ``rows`` (a size of the
+    batch's or above, :meth:`Recorder.check`), but once its backward is done
+    the later rows' inputs and output gradients are read by nothing: no
+    norm or weighted sum of theirs is compared. Held through the
+    single-example loop they were ``(rows − keep)/rows`` of the check's
+    records — on the GPT-2 shape, B 8: 1 row of 9, ≈ 16 MiB at the hook
+    door's first-step peak; at B 64 (``compare`` 8): 57 rows of 65 (issue 34).
+    Each tensor is copied once (``[:keep]``; a tensor several calls share,
+    once), the full one dropped with its last call's reference.
+
+    Only plain rule calls are cut (the layout test has just seen dim 0 as the
+    example axis of each); with a vjp call, a bare parameter's broadcast, a
+    tapped map or a kept output value anywhere, nothing is cut and ``rows`` is
+    returned (their blocks read more than ``inp``, the output gradients and
+    the norm statistics).
+    """
+    if keep >= rows:
+        return rows
+
+    def cuttable(t) -> bool:
+        return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows
+
+    for c in calls:
+        if not c.fast or c.index is not None or c.tag is not None or not isinstance(c.out, OutputStub):
+            return rows
+        if not cuttable(c.inp) or any(g is not None and not cuttable(g) for g in c.grads):
+            return rows
+        if c.stats is not None and not all(cuttable(t) for t in c.stats):
+            return rows
+    done: dict = {}  # one copy of a tensor several calls share (q, k, v read one layer norm's output)
+
+    def cut(t: Tensor) -> Tensor:
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        if key not in done:
+            done[key] = t[:keep].clone()
+        return done[key]
+
+    for c in calls:
+        c.inp = cut(c.inp)
+        if c.args or c.kwargs:  # a rule call keeps its input there too ((a,)): the full one would stay alive
+            flat, spec = tree_flatten((c.args, c.kwargs))
+            c.args, c.kwargs = tree_unflatten([cut(t) if cuttable(t) else t for t in flat], spec)
+        for k, g in enumerate(c.grads):  # in place: the output's node still holds this list in its hook
+            if g is not None:
+                c.grads[k] = cut(g)
+        if c.stats is not None:
+            c.stats = tuple(cut(t) for t in c.stats)
+        c.out.shape = torch.Size((keep, *c.out.shape[1:]))
+    return keep
 
 
 class _FirstRows:
