@@ -468,7 +468,7 @@ def _held_through_the_loop(monkeypatch, cut: bool) -> list:
     from dpopt.engine import capture as capture_module
 
     if not cut:
-        monkeypatch.setattr(capture_module, "_first_rows", lambda calls, rows, keep: rows)
+        monkeypatch.setattr(capture_module, "_cuttable", lambda calls, rows: False)
     held: list = []
     real = capture_module.Recorder._loop_streamed
 
@@ -493,7 +493,7 @@ def _held_through_the_loop(monkeypatch, cut: bool) -> list:
 def test_the_checks_pass_at_the_batch_size_holds_only_the_compared_rows_through_the_loop(monkeypatch):
     """The check's pass at the batch's size (16 rows for B = 16) compares its first 8 examples only: once its
     backward is done the records of the other 8 rows are read by nothing, and the single-example loop no
-    longer holds them (``capture._first_rows``). Bytes the blocks hold as that loop starts, with the cut and
+    longer holds them (``capture._cut_rows``). Bytes the blocks hold as that loop starts, with the cut and
     without (the code before): 4.9 MB against 9.8 MB (the head's output gradient [16, 64, 2048] →
     [8, 64, 2048], its input and the first layer's alike). The small verification passes (2 and 3 rows, every
     row compared) are not cut."""

@@ -1526,10 +1526,7 @@ class Recorder:
         b = rows // views
         m = b if getattr(self, "_compare", None) is None else max(1, min(b, int(cast(int, self._compare))))
         calls = [c for c in calls if c.has_grad]
-        kept = _first_rows(calls, rows, m * views) if m < b and not other else rows
-        blocks = self.build(calls, kept, 1.0 / views, views, other)
-        del calls
-        b = kept // views  # the blocks' examples: the compared ones only when the rows after them were cut
+        blocks = self.build(calls, rows, 1.0 / views, views, other)
         indices = sorted({i for blk in blocks for i in blk.index})
         if not indices:  # every parameter left the rules during this pass (a bare one used otherwise): nothing
             for blk in blocks:  # to compare (Conv1d / InstanceNorm with one channel: their [1, ...] parameters)
@@ -1539,12 +1536,23 @@ class Recorder:
         release_free_heap()  # the batched pass's activations, freed: not kept resident through the loop
         owners = [i for blk in blocks for i in blk.index]
         if views == 1 and not self.reentrant and all(q.is_leaf for q in chosen) and len(owners) == len(set(owners)):
+            held = b
             try:  # one example's gradients at a time, each parameter's as the backward reaches it
-                sq = {i: v for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))}
+                # the per-example norms of every row, from the blocks of the whole pass (its size: the batch's)
+                sq = {i: v[:m] for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))}
+                if m < b and not other and _cuttable(calls, rows):
+                    # the loop reads the blocks only for the compared examples' one-row sums (each computed from
+                    # that example's row alone, layers._kept): the rows after them are dropped before it (issue 34)
+                    for blk in blocks:
+                        blk.free()
+                    blocks = []
+                    _cut_rows(calls, rows, m)
+                    blocks, held = self.build(calls, m, 1.0, 1, other), m
+                del calls
                 with replay.replaying(rows):
-                    stats = self._loop_streamed(args, kwargs, row_loss, indices, chosen, blocks, rows // views, m, b)
+                    stats = self._loop_streamed(args, kwargs, row_loss, indices, chosen, blocks, b, m, held)
                 with no_autocast(plan.device):
-                    return {}, disagreeing_rows({i: v[:m] for i, v in sq.items()}, *stats, tol, plan.names)
+                    return {}, disagreeing_rows(sq, *stats, tol, plan.names)
             finally:
                 for blk in blocks:
                     blk.free()
@@ -1702,40 +1710,44 @@ class Recorder:
         return {i: torch.stack([r[k] for r in out_rows]) for k, i in enumerate(indices)}
 
 
-def _first_rows(calls: Sequence[Call], rows: int, keep: int) -> int:
-    """Cut every recorded call of a verification pass to its first ``keep`` rows, in place; the rows kept.
+def _cuttable(calls: Sequence[Call], rows: int) -> bool:
+    """Whether :func:`_cut_rows` can cut every call of a verification pass: plain rule calls only.
 
-    The check compares the first ``m`` examples only (``compare``: their
-    ``keep = m·K`` rows); the batched pass needs all ``rows`` (a size of the
-    batch's or above, :meth:`Recorder.check`), but once its backward is done
-    the later rows' inputs and output gradients are read by nothing: no
-    norm or weighted sum of theirs is compared. Held through the
-    single-example loop they were ``(rows − keep)/rows`` of the check's
-    records — on the GPT-2 shape, B 8: 1 row of 9, ≈ 16 MiB at the hook
-    door's first-step peak; at B 64 (``compare`` 8): 57 rows of 65 (issue 34).
-    Each tensor is copied once (``[:keep]``; a tensor several calls share,
-    once), the full one dropped with its last call's reference.
-
-    Only plain rule calls are cut (the layout test has just seen dim 0 as the
-    example axis of each); with a vjp call, a bare parameter's broadcast, a
-    tapped map or a kept output value anywhere, nothing is cut and ``rows`` is
-    returned (their blocks read more than ``inp``, the output gradients and
-    the norm statistics).
+    With a vjp call, a bare parameter's broadcast, a tapped map or a kept
+    output value anywhere it cannot (their blocks read more than the input,
+    the output gradients and the norm statistics); each input, output
+    gradient and statistic must have ``rows`` along dim 0 (the layout test has
+    just seen dim 0 as the example axis of every call).
     """
-    if keep >= rows:
-        return rows
 
-    def cuttable(t) -> bool:
+    def fits(t) -> bool:
         return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows
 
     for c in calls:
         if not c.fast or c.index is not None or c.tag is not None or not isinstance(c.out, OutputStub):
-            return rows
-        if not cuttable(c.inp) or any(g is not None and not cuttable(g) for g in c.grads):
-            return rows
-        if c.stats is not None and not all(cuttable(t) for t in c.stats):
-            return rows
-    done: dict = {}  # one copy of a tensor several calls share (q, k, v read one layer norm's output)
+            return False
+        if not fits(c.inp) or any(g is not None and not fits(g) for g in c.grads):
+            return False
+        if c.stats is not None and not all(fits(t) for t in c.stats):
+            return False
+    return True
+
+
+def _cut_rows(calls: Sequence[Call], rows: int, keep: int) -> None:
+    """Cut every recorded call of a verification pass to its first ``keep`` rows, in place (:func:`_cuttable`).
+
+    The check compares the first ``m`` examples only (``compare``). Its
+    batched pass needs all ``rows`` (a size of the batch's or above,
+    :meth:`Recorder.check`), and the per-example norms it compares are
+    computed from the blocks of all of them; the single-example loop then
+    reads the blocks only for the compared examples' one-row sums. Held
+    through that loop, the later rows were ``(rows − keep)/rows`` of the
+    check's records: on the GPT-2 shape, B 8, 1 row of 9; at B 64 with
+    ``compare`` 8, 57 rows of 65 (issue 34). Each tensor is copied once
+    (``[:keep]``; a tensor several calls share, once: q, k and v read one
+    layer norm's output), the full one dropped with its last reference.
+    """
+    done: dict = {}
 
     def cut(t: Tensor) -> Tensor:
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
@@ -1747,14 +1759,15 @@ def _first_rows(calls: Sequence[Call], rows: int, keep: int) -> int:
         c.inp = cut(c.inp)
         if c.args or c.kwargs:  # a rule call keeps its input there too ((a,)): the full one would stay alive
             flat, spec = tree_flatten((c.args, c.kwargs))
-            c.args, c.kwargs = tree_unflatten([cut(t) if cuttable(t) else t for t in flat], spec)
+            c.args, c.kwargs = tree_unflatten(
+                [cut(t) if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows else t for t in flat], spec
+            )
         for k, g in enumerate(c.grads):  # in place: the output's node still holds this list in its hook
             if g is not None:
                 c.grads[k] = cut(g)
         if c.stats is not None:
             c.stats = tuple(cut(t) for t in c.stats)
         c.out.shape = torch.Size((keep, *c.out.shape[1:]))
-    return keep
 
 
 class _FirstRows:
