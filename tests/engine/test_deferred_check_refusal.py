@@ -270,3 +270,55 @@ def test_a_step_that_fails_before_the_check_finishes_keeps_no_rows_of_the_batch(
     opt.step()
     assert runs and max(runs) >= B and cap.verified  # checked again, at the batch's size, then released
     assert len(engine.ledger) == 1
+
+
+class _MixesAbove8(_MixesInLargeBatches):
+    """Centres its hidden layer over the batch only in passes of more than 8 rows (the batch's size, 16)."""
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.shape[0] > 8:
+            h = h - h.mean(0)
+        return self.fc2(torch.tanh(h))
+
+
+def test_the_pass_at_the_batch_size_still_refuses_mixing_with_its_uncompared_rows_cut(monkeypatch):
+    """B = 16: the deferred pass runs at 16 rows (the model mixes only there), compares its first 8 examples,
+    and drops the other 8 rows' records before the single-example loop (issue 34: memory,
+    ``capture._cut_rows``). The compared rows' values came from the mixing pass: still refused, nothing
+    released."""
+    from dpopt.engine import capture as capture_module
+
+    cuts: list = []
+    real = capture_module._cut_rows
+    monkeypatch.setattr(
+        capture_module, "_cut_rows", lambda calls, rows, keep: cuts.append((rows, keep)) or real(calls, rows, keep)
+    )
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    engine, model, opt = private_one_batch(_MixesAbove8(), x, y)
+    before = _trace(engine, model, opt)
+    opt.zero_grad()
+    _backward(model, x, y)
+    with pytest.raises(ValueError, match="do not match single-example autograd"):
+        opt.step()
+    _assert_nothing_released(engine, model, opt, before)
+    assert cuts and all(keep == 8 < rows for rows, keep in cuts), cuts  # the cut ran, on the pass at 16+ rows
+
+
+def test_a_per_example_model_passes_the_check_with_its_uncompared_rows_cut(monkeypatch):
+    """The same shapes without mixing (B = 16, rows after the 8th cut): the check passes and the step releases."""
+    from dpopt.engine import capture as capture_module
+
+    cuts: list = []
+    real = capture_module._cut_rows
+    monkeypatch.setattr(
+        capture_module, "_cut_rows", lambda calls, rows, keep: cuts.append((rows, keep)) or real(calls, rows, keep)
+    )
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    engine, model, opt = private_one_batch(_FailsInLargePasses(), x, y)
+    opt.zero_grad()
+    _backward(model, x, y)
+    opt.step()
+    assert cuts and opt.privatizer.releases == 1, (cuts, opt.privatizer.releases)

@@ -1539,7 +1539,9 @@ class Recorder:
             held = b
             try:  # one example's gradients at a time, each parameter's as the backward reaches it
                 # the per-example norms of every row, from the blocks of the whole pass (its size: the batch's)
-                sq = {i: v[:m] for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))}
+                sq = {
+                    i: v[:m] for blk in blocks for i, v in zip(blk.index, blk.sq_norms([(None, None)] * len(blk.index)))
+                }
                 if m < b and not other and _cuttable(calls, rows):
                     # the loop reads the blocks only for the compared examples' one-row sums (each computed from
                     # that example's row alone, layers._kept): the rows after them are dropped before it (issue 34)
