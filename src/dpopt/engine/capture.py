@@ -1768,7 +1768,7 @@ def _cut_rows(calls: Sequence[Call], rows: int, keep: int) -> None:
             if g is not None:
                 c.grads[k] = cut(g)
         if c.stats is not None:
-            c.stats = tuple(cut(t) for t in c.stats)
+            c.stats = (cut(c.stats[0]), cut(c.stats[1]))
         c.out.shape = torch.Size((keep, *c.out.shape[1:]))
 
 
