@@ -1598,7 +1598,7 @@ class Recorder:
 
         ``b``: the examples of the batched pass (its inputs' rows); ``held``:
         the examples the blocks hold (default ``b``; ``m`` when the rows after
-        the compared ones were cut, :func:`_first_rows`).
+        the compared ones were cut, :func:`_cut_rows`).
 
         Returns:
             ``(ref_sq, finite, dist)``: parameter index → ``[m]`` float64
@@ -1719,7 +1719,8 @@ def _cuttable(calls: Sequence[Call], rows: int) -> bool:
     output value anywhere it cannot (their blocks read more than the input,
     the output gradients and the norm statistics); each input, output
     gradient and statistic must have ``rows`` along dim 0 (the layout test has
-    just seen dim 0 as the example axis of every call).
+    just seen dim 0 as the example axis of every call), and no recorded input
+    may have been modified in place since its call (the copies would hide it).
     """
 
     def fits(t) -> bool:
@@ -1731,6 +1732,8 @@ def _cuttable(calls: Sequence[Call], rows: int) -> bool:
         if not fits(c.inp) or any(g is not None and not fits(g) for g in c.grads):
             return False
         if c.stats is not None and not all(fits(t) for t in c.stats):
+            return False
+        if c.inp._version != c.in_version or Recorder.inputs_modified([c]):  # keep what an in-place op showed
             return False
     return True
 
@@ -1770,6 +1773,9 @@ def _cut_rows(calls: Sequence[Call], rows: int, keep: int) -> None:
         if c.stats is not None:
             c.stats = (cut(c.stats[0]), cut(c.stats[1]))
         c.out.shape = torch.Size((keep, *c.out.shape[1:]))
+        c.in_version = c.inp._version  # unmodified before the cut (_cuttable): the copies are, too
+        if c.versions is not None:
+            c.versions = [t._version for t in leaves((c.args, c.kwargs))]
 
 
 class _FirstRows:
