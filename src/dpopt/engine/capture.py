@@ -1748,7 +1748,7 @@ def _cut_rows(calls: Sequence[Call], rows: int, keep: int) -> None:
     reads the blocks only for the compared examples' one-row sums. Held
     through that loop, the later rows were ``(rows − keep)/rows`` of the
     check's records: on the GPT-2 shape, B 8, 1 row of 9; at B 64 with
-    ``compare`` 8, 57 rows of 65 (issue 34). Each tensor is copied once
+    ``compare`` 8, 56 or more of the pass's 64 or more rows (issue 34). Each tensor is copied once
     (``[:keep]``; a tensor several calls share, once: q, k and v read one
     layer norm's output), the full one dropped with its last reference.
     """
