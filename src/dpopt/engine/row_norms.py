@@ -4,10 +4,14 @@ float64 accumulation of per-example squared norms; used by :mod:`~dpopt.engine.l
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Any, Callable
+
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_NORM_COLUMNS", "row_sq_norms64"]
+__all__ = ["ROW_NORM_COLUMNS", "row_sq_norms64", "rows_sq64", "round_up_sq_norms"]
 
 ROW_NORM_COLUMNS = 1 << 15
 """Columns per float64 slice in :func:`row_sq_norms64` (a slice of 8 rows is 2 MiB in float64: it stays in
@@ -65,3 +69,91 @@ def _sliced(flat: Tensor, columns: int) -> Tensor:
 def _sq64(x: Tensor) -> Tensor:
     v = x.double()
     return torch.linalg.vecdot(v, v, dim=1)
+
+
+_LANES = 8  # independent float64 partial sums per row in :func:`_rows_kernel` (the compiler vectorises across them)
+
+
+def rows_sq64(x: Tensor) -> Tensor:
+    """Per-row ‖x_r‖² of ``x [b, n]`` → ``[b]`` float64: every square exact in float64 and summed in float64.
+
+    On the CPU, for float32 ``x``, ONE compiled pass (numba, ``nogil``; :func:`_rows_kernel`): the row's
+    elements widened to float64, squared and added into 8 interleaved float64 partial sums, which are then
+    added in order, no fused multiply-add. Elsewhere (float64, bf16/fp16, other devices):
+    :func:`row_sq_norms64` of ``x`` (half precision widened to float32 first, exactly). Either way each
+    value is the exact ‖x_r‖² up to float64 rounding: relative error ≤ γ_{n+1} = (n+1)·2⁻⁵³/(1 − (n+1)·2⁻⁵³)
+    (Higham 2002, §3.1: n exact squares, n − 1 additions in any order), which
+    :func:`round_up_sq_norms` covers. The shared per-example ‖e_i‖² and ‖a_i‖² of a T = 1 linear layer
+    (:class:`~dpopt.engine.layers.LinearPart`), computed once for its weight and its bias.
+
+    Raises:
+        ValueError: ``x`` is not 2-D or not floating.
+    """
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"rows_sq64 needs a 2-D floating tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()  # exact
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] == 0 or x.shape[1] == 0:
+        return row_sq_norms64(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    _rows_kernel()(x.numpy(), out.numpy())
+    return out
+
+
+def _rows_kernel() -> Callable[..., None]:
+    """The compiled :func:`rows_sq64` pass ``(x float32 [b, n] with unit column stride, out float64 [b])``,
+    compiled (or loaded from numba's cache) once by the first caller (:func:`dpopt.ziggurat.compile_once`)."""
+    from ..ziggurat import compile_once
+
+    return compile_once(_cached_rows_kernel)
+
+
+@lru_cache(maxsize=1)
+def _cached_rows_kernel() -> Callable[..., None]:
+    from ..ziggurat import njit_kernel
+
+    lanes = _LANES
+
+    def body(x: Any, out: Any) -> None:
+        rows, n = x.shape
+        acc = np.zeros(lanes, dtype=np.float64)
+        whole = n - n % lanes
+        for i in range(rows):
+            acc[:] = 0.0
+            for j in range(0, whole, lanes):
+                for k in range(lanes):
+                    v = np.float64(x[i, j + k])
+                    acc[k] += v * v
+            total = 0.0
+            for k in range(lanes):
+                total += acc[k]
+            for j in range(whole, n):
+                v = np.float64(x[i, j])
+                total += v * v
+            out[i] = total
+
+    return njit_kernel(body, error_model="numpy")
+
+
+def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
+    """A float64 squared norm computed with at most ``terms`` float64 roundings per value (relative error
+    ≤ γ_terms, :func:`rows_sq64`), returned in ``dtype`` never below the exact value.
+
+    ``x`` is first multiplied by 1 + 2·γ_{terms+1} in float64 (≥ the exact value after that multiplication's
+    own rounding), then rounded toward +∞ into ``dtype`` (:func:`~dpopt.engine.shifted_norm.round_up`).
+    float64 ``dtype``: ``x`` as computed (a float64 engine's norms are float64 evaluations, as elsewhere).
+    nan and ±inf stay what they are (the source's non-finite check reads them).
+
+    Raises:
+        ValueError: ``terms`` < 1 or so large that γ has no bound (≥ 2⁵¹).
+    """
+    from .shifted_norm import round_up
+
+    if dtype == torch.float64:
+        return x
+    if not 1 <= terms < 2**51:
+        raise ValueError(f"terms must be in [1, 2**51), got {terms}")
+    nu = (terms + 1) * 2.0**-53
+    return round_up(x * (1.0 + 2.0 * nu / (1.0 - nu)), dtype)
