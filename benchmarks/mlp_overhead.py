@@ -33,13 +33,12 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared CPUs
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from step_time import batch, dpopt_step, floor_step, non_private_step, opacus_step, time_round_robin  # noqa: E402
-
-import dataclasses  # noqa: E402
 
 import dpopt.engine.rules as rules  # noqa: E402
 from dpopt.engine.fast import FastPerSampleGrads  # noqa: E402

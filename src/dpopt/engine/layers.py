@@ -22,6 +22,10 @@ picks per layer the cheapest exact form:
       ‖(g_i − m)/b‖² = Σ_jk e_ij² a_ik² S_jk − 2 Σ_jk e_ij a_ik M_jk + Σ_jk m_jk M_jk,
       S = 1/b²,  M = m/b²;
 
+  in the flat geometry ‖g_i‖² = ‖e_i‖²‖a_i‖², with ‖e_i‖² and ‖a_i‖² summed in float64
+  (:meth:`LinearPart.sq64`, one compiled row pass each) and the result rounded UP into the compute
+  dtype (never below the exact norm of the recorded rows); the layer's bias (‖e_i‖²) shares ‖e_i‖²;
+
 * **ghost norm / Gram form** (Li et al. 2022, "Large language models can be
   strong differentially private learners", §4; flat geometry only)::
 
