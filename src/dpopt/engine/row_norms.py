@@ -71,15 +71,13 @@ def _sq64(x: Tensor) -> Tensor:
     return torch.linalg.vecdot(v, v, dim=1)
 
 
-_LANES = 8  # independent float64 partial sums per row in :func:`_rows_kernel` (the compiler vectorises across them)
-
-
 def rows_sq64(x: Tensor) -> Tensor:
     """Per-row ‖x_r‖² of ``x [b, n]`` → ``[b]`` float64: every square exact in float64 and summed in float64.
 
     On the CPU, for float32 ``x``, ONE compiled pass (numba, ``nogil``; :func:`_rows_kernel`): the row's
-    elements widened to float64, squared and added into 8 interleaved float64 partial sums, which are then
-    added in order, no fused multiply-add. Elsewhere (float64, bf16/fp16, other devices):
+    elements widened to float64, squared exactly and added in float64 in an order the compiler picks
+    (reassociation allowed, so it vectorises; no fused multiply-add; one row in one thread, so the values do
+    not depend on the thread count). Elsewhere (float64, bf16/fp16, other devices):
     :func:`row_sq_norms64` of ``x`` (half precision widened to float32 first, exactly). Either way each
     value is the exact ‖x_r‖² up to float64 rounding: relative error ≤ γ_{n+1} = (n+1)·2⁻⁵³/(1 − (n+1)·2⁻⁵³)
     (Higham 2002, §3.1: n exact squares, n − 1 additions in any order), which
@@ -98,7 +96,7 @@ def rows_sq64(x: Tensor) -> Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float64)
-    _rows_kernel()(x.numpy(), out.numpy())
+    _rows_kernel()(x.detach().numpy(), out.numpy())
     return out
 
 
@@ -114,27 +112,18 @@ def _rows_kernel() -> Callable[..., None]:
 def _cached_rows_kernel() -> Callable[..., None]:
     from ..ziggurat import njit_kernel
 
-    lanes = _LANES
-
     def body(x: Any, out: Any) -> None:
-        rows, n = x.shape
-        acc = np.zeros(lanes, dtype=np.float64)
-        whole = n - n % lanes
-        for i in range(rows):
-            acc[:] = 0.0
-            for j in range(0, whole, lanes):
-                for k in range(lanes):
-                    v = np.float64(x[i, j + k])
-                    acc[k] += v * v
+        for i in range(x.shape[0]):
             total = 0.0
-            for k in range(lanes):
-                total += acc[k]
-            for j in range(whole, n):
+            for j in range(x.shape[1]):
                 v = np.float64(x[i, j])
-                total += v * v
+                total += v * v  # exact square (a float32's 24 bits squared fit float64's 53); the sum rounds
             out[i] = total
 
-    return njit_kernel(body, error_model="numpy")
+    # reassociation only: the compiler may add the squares in any order (it sums in vector lanes, ≈ 5× the
+    # scalar loop here) — the bound γ_{n+1} holds for every order; no contraction (no FMA), no nnan/ninf
+    # assumption (nan and inf propagate as in IEEE arithmetic).
+    return njit_kernel(body, error_model="numpy", fastmath={"reassoc"})
 
 
 def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
