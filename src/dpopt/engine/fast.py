@@ -224,7 +224,7 @@ class FastPerSampleGrads:
                 per_param[i] = v
         out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
         for v, k in zip(per_param, groups):
-            out[:, k] += v  # type: ignore[operator]
+            out[:, k] += v  # type: ignore[arg-type]
         # The non-finite check reads the totals: the norms are ≥ 0 or nan/inf, and an inf or nan term makes
         # its group's float sum inf or nan, so all-finite totals mean all-finite norms (the common case: one
         # reduction). Otherwise (or a finite sum that overflowed) the norms are read one by one, as always.
