@@ -7,14 +7,19 @@ it is, ``dp-sgd`` with the code a cut replaced restored for its step (patched in
 its steps, so that both run on the same machine state) and, with ``--ghost``, Opacus's ghost clipping.
 ``--before`` picks the cut:
 
-* ``release-pass`` (default; the later cut): the release as it was before its one compiled pass, i.e.
+* ``norms`` (default; the latest cut, 2026-12-07 06:00 UTC): the per-example norms as they were before a
+  T = 1 linear layer's weight and bias shared one float64 ‖e_i‖² (the weight's float32 closed form
+  ``e.square().sum(1) * a.square().sum(1)``, the bias's own float64 row norms of its summed rows, the
+  non-finite check per parameter);
+* ``release-pass``: that, with the release as it was before its one compiled pass, i.e.
   σS·z as its own float64 ``mul_`` in ``Privatizer._draw``, numpy's ``add`` and ``copyto`` rounding
   (the then ``add_and_round``), and ÷ B̄ as torch's ``div_`` in ``release``;
 * ``bias-sums`` (the earlier cuts): that, with the release's ``z.add_(s).to(dtype)`` and the per-example
   bias sums as a reduction over positions.
 
 Every ``dp-sgd`` variant releases the same values (``tests/core/test_add_and_round.py``,
-``tests/core/test_release_kernel.py``).
+``tests/core/test_release_kernel.py``), except that the norms before the ``norms`` cut differ from today's in
+their last bits (rounded up now; ``tests/engine/test_shared_t1_norms.py``).
 
 Usage::
 
@@ -28,6 +33,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see step_time.py: shared CPUs
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -35,6 +41,8 @@ import torch  # noqa: E402
 from step_time import batch, dpopt_step, floor_step, non_private_step, opacus_step, time_round_robin  # noqa: E402
 
 import dpopt.engine.rules as rules  # noqa: E402
+from dpopt.engine.fast import FastPerSampleGrads  # noqa: E402
+from dpopt.engine.layers import DirectBlock, FactoredBlock, LinearPart, shifted_sq_norms  # noqa: E402
 from dpopt.privatizer import Privatizer  # noqa: E402
 
 
@@ -70,6 +78,53 @@ def old_bias_sums(layer):
     return sum(e.reshape(b, -1, e.shape[-1]).sum(1, dtype=layer.dtype) for _, e in layer.calls)
 
 
+def old_linear(layer):
+    """``rules._linear`` before the shared norms: the bias's DirectBlock computes its own row norms."""
+    b, calls, dt = layer.batch_size, layer.calls, layer.dtype
+    blocks: list = []
+    if "weight" in layer.index:
+        parts = [LinearPart(a, e, dt) for a, e in calls]
+        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"], parts, layer.budget, b))
+    if "bias" in layer.index:
+        blocks.append(DirectBlock([layer.index["bias"]], [rules.linear_bias_sums(layer)]))
+    return blocks
+
+
+def old_closed(self, m, b):
+    """``FactoredBlock._closed`` before the shared norms: the flat weight norm in float32."""
+    pt = self.parts[0]
+    a, e = pt.a[:, 0].to(pt.dtype), pt.e[:, 0].to(pt.dtype)
+    if m is None and b is None:
+        return e.square().sum(1) * a.square().sum(1)
+    if m is None:
+        return ((e.square() @ b.pow(-2)) * a.square()).sum(1)
+    return shifted_sq_norms(e, a, m, b)[0]
+
+
+def old_sq_norms(self, geometry, groups, num_groups):
+    """``FastPerSampleGrads._sq_norms`` before the check on the totals: ``isfinite`` per parameter."""
+    if not self._caches_planned:
+        self._plan_caches(geometry)
+    per_param = [None] * self.num_params
+    for blk in self.blocks:
+        for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
+            per_param[i] = v
+    bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+    for v in per_param:
+        bad |= ~torch.isfinite(v)
+    self._bad = bad
+    out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
+    any_bad = bool(bad.any())
+    for i, (v, k) in enumerate(zip(per_param, groups)):
+        if any_bad:
+            m, b = self._geo(geometry, i)
+            zero = (m / b) if (m is not None and b is not None) else m
+            zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
+            v = torch.where(bad, zero_sq.to(self.dtype), v)
+        out[:, k] += v
+    return out
+
+
 def main(argv=None) -> dict:
     """Run the comparison; print and return ``{configuration: (cpu ms, wall ms)}``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -77,7 +132,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ghost", action="store_true", help="also time Opacus ghost clipping (needs opacus)")
     ap.add_argument(
-        "--before", choices=("release-pass", "bias-sums"), default="release-pass", help="the cut's old code"
+        "--before", choices=("norms", "release-pass", "bias-sums"), default="norms", help="the cut's old code"
     )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -86,14 +141,25 @@ def main(argv=None) -> dict:
     new_add, new_bias = Privatizer._add_noise, rules.linear_bias_sums
     dp_new, dp_old = dpopt_step("mlp", "dp-sgd", x, y), dpopt_step("mlp", "dp-sgd", x, y)
 
+    new_rule, new_closed, new_sq = rules.RULES[torch.nn.Linear], FactoredBlock._closed, FastPerSampleGrads._sq_norms
+    old_norms = (dataclasses.replace(new_rule, blocks=old_linear), old_closed, old_sq_norms)
     old = (numpy_add_noise, new_bias) if args.before == "release-pass" else (old_add_noise, old_bias_sums)
+    if args.before == "norms":
+        old = (new_add, new_bias)
+    norms = old_norms  # every mode restores its cut and the later ones
 
     def before():
         Privatizer._add_noise, rules.linear_bias_sums = old  # type: ignore[method-assign]
+        rules.RULES[torch.nn.Linear], FactoredBlock._closed, FastPerSampleGrads._sq_norms = norms  # type: ignore[method-assign]
         try:
             dp_old()
         finally:
             Privatizer._add_noise, rules.linear_bias_sums = new_add, new_bias  # type: ignore[method-assign]
+            rules.RULES[torch.nn.Linear], FactoredBlock._closed, FastPerSampleGrads._sq_norms = (  # type: ignore[method-assign]
+                new_rule,
+                new_closed,
+                new_sq,
+            )
 
     steps = {
         "non-private": non_private_step("mlp", x, y),

@@ -222,19 +222,27 @@ class FastPerSampleGrads:
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
                 per_param[i] = v
+        out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
+        for v, k in zip(per_param, groups):
+            out[:, k] += v  # type: ignore[arg-type]
+        # The non-finite check reads the totals: the norms are ≥ 0 or nan/inf, and an inf or nan term makes
+        # its group's float sum inf or nan, so all-finite totals mean all-finite norms (the common case: one
+        # reduction). Otherwise (or a finite sum that overflowed) the norms are read one by one, as always.
+        if bool(torch.isfinite(out).all()):
+            self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+            return out
         bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         for v in per_param:
             bad |= ~torch.isfinite(v)  # type: ignore[arg-type]
         self._bad = bad
-        out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
-        any_bad = bool(bad.any())
+        if not bool(bad.any()):
+            return out
+        out.zero_()
         for i, (v, k) in enumerate(zip(per_param, groups)):
-            if any_bad:
-                m, b = self._geo(geometry, i)
-                zero = (m / b) if (m is not None and b is not None) else m
-                zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
-                v = torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
-            out[:, k] += v
+            m, b = self._geo(geometry, i)
+            zero = (m / b) if (m is not None and b is not None) else m
+            zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
+            out[:, k] += torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
         return out
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:

@@ -22,6 +22,10 @@ picks per layer the cheapest exact form:
       ‖(g_i − m)/b‖² = Σ_jk e_ij² a_ik² S_jk − 2 Σ_jk e_ij a_ik M_jk + Σ_jk m_jk M_jk,
       S = 1/b²,  M = m/b²;
 
+  in the flat geometry ‖g_i‖² = ‖e_i‖²‖a_i‖², with ‖e_i‖² and ‖a_i‖² summed in float64
+  (:meth:`LinearPart.sq64`, one compiled row pass each) and the result rounded UP into the compute
+  dtype (never below the exact norm of the recorded rows); the layer's bias (‖e_i‖²) shares ‖e_i‖²;
+
 * **ghost norm / Gram form** (Li et al. 2022, "Large language models can be
   strong differentially private learners", §4; flat geometry only)::
 
@@ -60,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chol_norm import cholesky_sq_norms
-from .row_norms import ROW_NORM_COLUMNS, row_sq_norms64
+from .row_norms import ROW_NORM_COLUMNS, round_up_sq_norms, row_sq_norms64, rows_sq64
 from .shifted_norm import shifted_sq_norms
 
 __all__ = [
@@ -267,17 +271,27 @@ class DirectBlock:
         grads: one per-sample gradient tensor per index, shape ``[B, *param.shape]``
             (already multiplied by the evaluation-point coefficients and summed
             over points/calls).
+        flat: optional, per index, None or a function returning that parameter's flat-geometry squared
+            norms ``[B]`` (never below the exact ‖g_i‖²) computed from shared quantities: a T = 1 linear
+            layer's bias reuses the ‖e_i‖² of its weight's closed form (:meth:`LinearPart.bias_sq_norms`).
+            Other geometries (a shift or a scale) use ``grads``.
 
     Source: the definition (Abadi et al. 2016); used for biases, norm-layer
     affine parameters and the ``torch.func`` fallback.
     """
 
-    def __init__(self, index: Sequence[int], grads: Sequence[Tensor]):
+    def __init__(self, index: Sequence[int], grads: Sequence[Tensor], flat: Optional[Sequence] = None):
         self.index = tuple(index)
         self.grads = list(grads)
+        self.flat = None if flat is None else list(flat)
 
     def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
-        return [_geo_sq_norms(g, m, b) for g, (m, b) in zip(self.grads, geos)]
+        """‖(g_i − m)/b‖² per held parameter, ``[B]`` each; in the flat geometry from :attr:`flat` where given."""
+        out = []
+        for k, (g, (m, b)) in enumerate(zip(self.grads, geos)):
+            f = self.flat[k] if self.flat is not None else None
+            out.append(f() if f is not None and m is None and b is None else _geo_sq_norms(g, m, b))
+        return out
 
     def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
         out = []
@@ -289,7 +303,7 @@ class DirectBlock:
         return out
 
     def free(self) -> None:
-        self.grads = []
+        self.grads, self.flat = [], None
 
 
 class ScaledBlock:
@@ -335,7 +349,7 @@ def scaled_block(blk, scale: float):
     be views of the recorded output gradients). ``scale == 1``: ``blk`` itself."""
     if scale == 1:
         return blk
-    if type(blk) is DirectBlock:
+    if type(blk) is DirectBlock:  # (its shared flat norms are of the unscaled gradients: not carried over)
         return DirectBlock(blk.index, [g * scale for g in blk.grads])
     return ScaledBlock(blk, scale)
 
@@ -365,6 +379,35 @@ class LinearPart:
         self.e = e.reshape(b, -1, e.shape[-1])  # [B, T, q]
         self.T = self.a.shape[1]
         self.dtype = compute_dtype(torch.promote_types(a.dtype, e.dtype)) if dtype is None else dtype
+        self._sq64: dict[str, Tensor] = {}
+
+    def sq64(self, side: str) -> Tensor:
+        """T = 1: per-example ‖e_i‖² (``side="e"``) or ‖a_i‖² (``"a"``), ``[B]`` float64
+        (:func:`~dpopt.engine.row_norms.rows_sq64` of the rows in :attr:`dtype`), computed once per part and
+        shared by the weight's closed form and the bias (:meth:`bias_sq_norms`).
+
+        Raises:
+            ValueError: T ≠ 1 or ``side`` not ``"e"``/``"a"``.
+        """
+        if self.T != 1 or side not in ("e", "a"):
+            raise ValueError(f"sq64 needs T = 1 and side 'e' or 'a' (T = {self.T}, side {side!r})")
+        v = self._sq64.get(side)
+        if v is None:
+            x = self.e if side == "e" else self.a
+            v = self._sq64[side] = rows_sq64(x[:, 0].to(self.dtype))
+        return v
+
+    def weight_sq_norms(self) -> Tensor:
+        """T = 1, flat geometry: ‖e_i a_iᵀ‖² = ‖e_i‖²‖a_i‖² (Goodfellow 2015) in float64 from :meth:`sq64`,
+        rounded up into :attr:`dtype` (:func:`~dpopt.engine.row_norms.round_up_sq_norms`: never below the
+        exact value of the recorded rows), ``[B]``."""
+        q, p = self.e.shape[-1], self.a.shape[-1]
+        return round_up_sq_norms(self.sq64("e") * self.sq64("a"), q + p + 1, self.dtype)
+
+    def bias_sq_norms(self) -> Tensor:
+        """T = 1, flat geometry: the bias's per-example ‖e_i‖² (:meth:`sq64`, shared with the weight),
+        rounded up into :attr:`dtype`, ``[B]``."""
+        return round_up_sq_norms(self.sq64("e"), self.e.shape[-1], self.dtype)
 
     def at(self, s: int, t: int) -> Tensor:
         """Inputs of examples s..t−1 as ``[b, p, T]``, in :attr:`dtype`."""
@@ -848,9 +891,9 @@ class FactoredBlock:
 
     def _closed(self, m: Optional[Tensor], b: Optional[Tensor]) -> Tensor:
         pt = self.parts[0]
+        if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖², float64, ‖e‖² shared with the bias
+            return pt.weight_sq_norms()
         a, e = pt.a[:, 0].to(pt.dtype), pt.e[:, 0].to(pt.dtype)  # [B, p], [B, q]
-        if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖²
-            return e.square().sum(1) * a.square().sum(1)
         if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
             return ((e.square() @ b.pow(-2)) * a.square()).sum(1)  # type: ignore[union-attr]
         # With a shift the expanded form quad − 2·lin + const can cancel catastrophically; an

@@ -25,7 +25,15 @@ from torch import Tensor
 
 from ..numba_kernels import compile_once, njit
 
-__all__ = ["ROW_NORM_COLUMNS", "RANGE_MIN_ELEMENTS", "row_ranges", "row_sq_norms64", "row_sq_norms64_cpu"]
+__all__ = [
+    "ROW_NORM_COLUMNS",
+    "RANGE_MIN_ELEMENTS",
+    "row_ranges",
+    "row_sq_norms64",
+    "row_sq_norms64_cpu",
+    "rows_sq64",
+    "round_up_sq_norms",
+]
 
 ROW_NORM_COLUMNS = 1 << 15
 """Columns per float64 slice in :func:`row_sq_norms64` (a slice of 8 rows is 2 MiB in float64: it stays in
@@ -221,3 +229,46 @@ def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
     for f in futures:
         f.result()
     return out
+
+
+def rows_sq64(x: Tensor) -> Tensor:
+    """Per-row ‖x_r‖² of ``x [b, n]`` → ``[b]`` float64: every square exact in float64 and summed in float64.
+
+    :func:`row_sq_norms64` of ``x`` (half precision widened to float32 first, exactly): on the CPU, for float32
+    ``x``, the compiled kernel (:func:`row_sq_norms64_cpu`: each row's squares exact in float64, added in
+    float64 by one thread in a fixed order, so the values do not depend on the thread count). Each
+    value is the exact ‖x_r‖² up to float64 rounding: relative error ≤ γ_{n+1} = (n+1)·2⁻⁵³/(1 − (n+1)·2⁻⁵³)
+    (Higham 2002, §3.1: n exact squares, n − 1 additions in any order), which
+    :func:`round_up_sq_norms` covers. The shared per-example ‖e_i‖² and ‖a_i‖² of a T = 1 linear layer
+    (:class:`~dpopt.engine.layers.LinearPart`), computed once for its weight and its bias.
+
+    Raises:
+        ValueError: ``x`` is not 2-D or not floating.
+    """
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"rows_sq64 needs a 2-D floating tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()  # exact
+    return row_sq_norms64(x)
+
+
+def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
+    """A float64 squared norm computed with at most ``terms`` float64 roundings per value (relative error
+    ≤ γ_terms, :func:`rows_sq64`), returned in ``dtype`` never below the exact value.
+
+    ``x`` is first multiplied by 1 + 2·γ_{terms+1} in float64 (≥ the exact value after that multiplication's
+    own rounding), then rounded toward +∞ into ``dtype`` (:func:`~dpopt.engine.shifted_norm.round_up`).
+    float64 ``dtype``: ``x`` as computed (a float64 engine's norms are float64 evaluations, as elsewhere).
+    nan and ±inf stay what they are (the source's non-finite check reads them).
+
+    Raises:
+        ValueError: ``terms`` < 1 or so large that γ has no bound (≥ 2⁵¹).
+    """
+    from .shifted_norm import round_up
+
+    if dtype == torch.float64:
+        return x
+    if not 1 <= terms < 2**51:
+        raise ValueError(f"terms must be in [1, 2**51), got {terms}")
+    nu = (terms + 1) * 2.0**-53
+    return round_up(x * (1.0 + 2.0 * nu / (1.0 - nu)), dtype)

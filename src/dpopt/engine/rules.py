@@ -279,15 +279,16 @@ def linear_bias_sums(layer: LayerCalls) -> Tensor:
 @register_rule(nn.Linear, views="merge", chunked=True)
 def _linear(layer: LayerCalls) -> list:
     b, calls, dt = layer.batch_size, layer.calls, layer.dtype
+    parts = [LinearPart(a, e, dt) for a, e in calls]
     blocks: list = []
     if "weight" in layer.index:
-        blocks.append(
-            FactoredBlock(
-                layer.index["weight"], layer.shapes["weight"], [LinearPart(a, e, dt) for a, e in calls], layer.budget, b
-            )
-        )
+        blocks.append(FactoredBlock(layer.index["weight"], layer.shapes["weight"], parts, layer.budget, b))
     if "bias" in layer.index:
-        blocks.append(DirectBlock([layer.index["bias"]], [linear_bias_sums(layer)]))
+        # one call with T = 1 (every MLP layer): the bias's flat norms are the ‖e_i‖² the weight's closed form
+        # computes anyway (LinearPart.sq64), shared; otherwise its norms come from the summed rows.
+        shared = len(parts) == 1 and parts[0].T == 1 and b > 0
+        flat = [parts[0].bias_sq_norms] if shared else None
+        blocks.append(DirectBlock([layer.index["bias"]], [linear_bias_sums(layer)], flat))
     return blocks
 
 

@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RECHECK_RTOL", "shifted_sq_norms", "shift_terms", "rounding_bound"]
+__all__ = ["RECHECK_RTOL", "shifted_sq_norms", "shift_terms", "rounding_bound", "round_up"]
 
 RECHECK_RTOL = 1e-3
 """τ: rows whose float32 error bound exceeds τ·(their value) are recomputed in float64."""
@@ -147,7 +147,7 @@ def shifted_sq_norms(
         raise ValueError(f"rtol must be > 0, got {rtol}")
     dtype = e.dtype
     if dtype != torch.float32 or not _ieee_float32_products(e.device) or e.shape[0] == 0:
-        return _round_up(_exact(e, a, m, b), dtype), int(e.shape[0]) if dtype == torch.float32 else 0
+        return round_up(_exact(e, a, m, b), dtype), int(e.shape[0]) if dtype == torch.float32 else 0
     quad, lin, const = shift_terms(e, a, m, b)
     est = quad.double() - 2.0 * lin.double() + const
     err = rounding_bound(quad, const, n=e.shape[1] + a.shape[1] + 8)
@@ -156,11 +156,13 @@ def shifted_sq_norms(
     rows = risky.nonzero().flatten()
     if rows.numel():
         out[rows] = _exact(e[rows], a[rows], m, b)
-    return _round_up(out, dtype), int(rows.numel())
+    return round_up(out, dtype), int(rows.numel())
 
 
-def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """float64 ``x`` in ``dtype``, rounded toward +∞ (a cast rounds to nearest: up to half an ulp below)."""
+def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """float64 ``x`` in ``dtype``, rounded toward +∞ (a cast rounds to nearest: up to half an ulp below).
+
+    nan stays nan, ±inf stay ±inf; a finite value above ``dtype``'s largest rounds to +inf."""
     if dtype == torch.float64:
         return x
     up = x.to(dtype)
