@@ -127,7 +127,7 @@ def old_sq_norms(self, geometry, groups, num_groups):
 
 def main(argv=None) -> dict:
     """Run the comparison; print and return ``{configuration: (cpu ms, wall ms)}``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ghost", action="store_true", help="also time Opacus ghost clipping (needs opacus)")

@@ -267,7 +267,12 @@ def measure(size: int, repeats: int) -> dict:
 def main(argv=None) -> int:
     """Run the measurement and print a table or (``--json``) one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=int, default=2_000_000, help="normals per timed draw (default 2e6)")
+    parser.add_argument(
+        "--size",
+        type=lambda v: int(float(v)),
+        default=2_000_000,
+        help="normals per timed draw (default 2e6; 2e5 or 200000)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timings per row; the best is kept (default 7)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)

@@ -568,9 +568,10 @@ def main(argv=None) -> dict:
             best_cpu = min(opacus, key=lambda k: res[k]["cpu_median"])
             r["opacus_best_cpu_mode"] = best_cpu.split(" ", 1)[1]
             r["cpu:dp-sgd/opacus-best"] = res["dp-sgd"]["cpu_median"] / res[best_cpu]["cpu_median"]
+            cpu_mode = "" if best_cpu == best else f" ({best_cpu})"  # named again only where it differs
             print(
                 f"dp-sgd / opacus-best ({best}): wall {r['dp-sgd/opacus-best']:.2f}, "
-                f"cpu {r['cpu:dp-sgd/opacus-best']:.2f} ({best_cpu})"
+                f"cpu {r['cpu:dp-sgd/opacus-best']:.2f}{cpu_mode}"
             )
         if "torch.func vmap dp-sgd" in res:
             r["dp-sgd/vmap"] = res["dp-sgd"]["median"] / res["torch.func vmap dp-sgd"]["median"]

@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs")
     ap.add_argument("--dataset", default="mnist")
-    ap.add_argument("--data-dir", default="../shared/data")
+    ap.add_argument("--data-dir", required=True, help="directory with mnist.npz")
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--target-epsilon", type=float, default=4.0)
     ap.add_argument("--batch-sizes", default="256,1024")

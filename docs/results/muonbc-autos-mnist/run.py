@@ -6,7 +6,7 @@ best validation accuracy is rerun at seed 1. The table (summarize.py) reports th
 the chosen configuration, mean over seeds {0, 1}. Same pipeline as ``dpopt train`` (build_run →
 run_steps → write_results), one thread. Resumable: a run with a ``summary.json`` is skipped.
 
-    python docs/results/muonbc-autos-mnist/run.py RUNS_DIR [--data-dir /work/shared/data]
+    python docs/results/muonbc-autos-mnist/run.py RUNS_DIR --data-dir DIR   # DIR holds mnist.npz
     python docs/results/muonbc-autos-mnist/summarize.py RUNS_DIR docs/results/muonbc-autos-mnist/results.md
 """
 
@@ -86,7 +86,7 @@ def run_one(runs: Path, data, data_dir, entry, method, clipping, hp, eps, seed):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs")
-    ap.add_argument("--data-dir", default="/work/shared/data")
+    ap.add_argument("--data-dir", required=True, help="directory with mnist.npz")
     ap.add_argument("--entries", default=",".join(GRID))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
