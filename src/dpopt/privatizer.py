@@ -29,7 +29,7 @@ import numbers
 import warnings
 import weakref
 from collections import deque
-from concurrent.futures import Executor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
@@ -70,7 +70,8 @@ def add_and_round(
     into_sum: bool = True,
     scale: float = 1.0,
     divisor: Optional[float] = None,
-    pool: Optional[Executor] = None,
+    pool: Optional[ThreadPoolExecutor] = None,
+    workers: Optional[int] = None,
 ) -> Tensor:
     """``round_dtype(s + scale·z)``: the noisy sum of one parameter, added in float64 and rounded ONCE to
     ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` in ``dtype`` (÷ B̄ as torch's
@@ -86,8 +87,12 @@ def add_and_round(
             may still fail and be retried from the same sums).
         scale: the factor of ``z`` (float64; 1.0: ``z`` is already σS·z).
         divisor: if given, B̄: the result is ``round_dtype(s + scale·z) / divisor`` in ``dtype``.
-        pool: worker threads (the noise source's) over which a parameter of at least
-            :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values independent of it).
+        pool: a ``concurrent.futures.ThreadPoolExecutor`` (the noise source's worker threads) over which a
+            parameter of at least :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values
+            independent of it). Threads only: each piece writes into views of ``s``/``out``, which a process
+            pool would pickle and write in another process, leaving the result without its noise.
+        workers: at most this many pieces (default ``torch.get_num_threads()``, the number of threads the
+            noise source's pool is built with); ignored without ``pool``.
 
     Returns:
         The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``into_sum`` and ``s``
@@ -104,8 +109,14 @@ def add_and_round(
     keep the torch expression.
 
     Raises:
+        TypeError: ``pool`` is not a ``concurrent.futures.ThreadPoolExecutor``.
         ImportError: numba is missing (the CPU path; :func:`dpopt.numba_kernels.numba_module`).
     """
+    if pool is not None and not isinstance(pool, ThreadPoolExecutor):
+        raise TypeError(
+            f"add_and_round(pool=...) takes a concurrent.futures.ThreadPoolExecutor (the pieces write into views "
+            f"of the sum in this process), or None for one pass in the calling thread; got {type(pool).__name__}"
+        )
     if (
         z.device.type != "cpu"
         or s.device.type != "cpu"
@@ -127,7 +138,8 @@ def add_and_round(
     d = o.dtype.type(1.0 if divisor is None else divisor)  # rounded to dtype, as torch's div_ does
     inplace = out is s
     kernel = _release_kernel(o.dtype, inplace)
-    pieces = 1 if pool is None else min(getattr(pool, "_max_workers", 1), n // RELEASE_SPLIT_MIN)
+    most = torch.get_num_threads() if workers is None else int(workers)
+    pieces = 1 if pool is None else max(1, min(most, n // RELEASE_SPLIT_MIN))
     cuts = [n * k // max(pieces, 1) for k in range(max(pieces, 1) + 1)]
     calls = [
         ((sn[lo:hi], zn[lo:hi]) if inplace else (o[lo:hi], sn[lo:hi], zn[lo:hi]))
@@ -137,7 +149,8 @@ def add_and_round(
     if pieces <= 1:
         kernel(*calls[0])
         return out
-    futures = [cast(Executor, pool).submit(kernel, *args) for args in calls]
+    assert pool is not None
+    futures = [pool.submit(kernel, *args) for args in calls]
     wait(futures)
     for fut in futures:  # every piece has finished before an error (if any) reaches the caller
         fut.result()
@@ -920,9 +933,10 @@ class Privatizer:
             noise, count_noise = self._draw(std, scaled=False) if unscaled else self._draw(std)
             pool = getattr(self.noise, "_thread_pool", None)
             pool = pool() if pool is not None else None
+            workers = getattr(self.noise, "_pool_threads", None) or None  # the size that pool was built with
             bbar, self._divided = self.expected_batch_size, True  # ÷ B̄ done here, after the one rounding
             totals = [
-                add_and_round(z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool)
+                add_and_round(z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool, workers=workers)
                 for z, s, dt in zip(noise, self._sum, dtypes)
             ]
             return totals, count_noise

@@ -96,9 +96,30 @@ def test_the_values_do_not_depend_on_the_number_of_threads():
     outs = []
     for workers in (1, 2, 3, 7):
         with ThreadPoolExecutor(workers) as pool:
-            outs.append(add_and_round(z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool))
+            outs.append(
+                add_and_round(
+                    z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool, workers=workers
+                )
+            )
     assert all(torch.equal(bits(o), bits(outs[0])) for o in outs)
     assert torch.equal(bits(outs[0]), bits(torch_release(z, s, torch.float32, 0.9, 31.0)))
+
+
+def test_a_process_pool_is_refused():
+    """A process pool would write the pieces into pickled copies in its children and hand back the clipped sum
+    with no noise and no ÷ B̄ (review of 2026-12-07): refused before anything is written."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = 2 * RELEASE_SPLIT_MIN
+    s, z = torch.ones(n), torch.randn(n, dtype=torch.float64)
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with pytest.raises(TypeError, match="ThreadPoolExecutor"):
+            add_and_round(z, s, torch.float32, True, scale=5.0, divisor=4.0, pool=pool)
+    assert torch.equal(s, torch.ones(n))  # untouched
+    with ThreadPoolExecutor(2) as tpool:
+        out = add_and_round(z.clone(), s.clone(), torch.float32, True, scale=5.0, divisor=4.0, pool=tpool)
+    assert torch.equal(bits(out), bits(torch_release(z, s, torch.float32, 5.0, 4.0)))
 
 
 @pytest.mark.parametrize(
