@@ -159,8 +159,8 @@ def add_and_round(
 
 def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
     """The compiled release pass for results of numpy dtype ``dtype`` (float32 or float64), compiled (or
-    loaded from numba's cache) once, by the first caller: concurrent first callers wait on
-    :func:`dpopt.numba_kernels.compile_lock`.
+    loaded from numba's cache) once, by the first caller, inside :func:`dpopt.numba_kernels.compile_lock` (warm-up
+    calls with the argument types :func:`add_and_round` uses): concurrent first callers wait on it.
 
     ``inplace``: the variant that writes into ``s`` itself (arguments ``(s, z, scale, divisor, divide)``;
     else ``(out, s, z, scale, divisor, divide)``), 1-D contiguous arrays of one length, ``divisor`` a
@@ -197,8 +197,18 @@ def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
             for i in range(s.shape[0]):
                 s[i] = z[i] * scale + s[i]
 
+    def warmup(kernel: Callable[..., None]) -> None:  # add_and_round's argument types, compiled now (in the lock)
+        one = rnd(1.0)
+        if inplace:
+            kernel(np.zeros(1, dtype=rnd), np.zeros(1), 1.0, one, True)
+        else:  # the sum may be float32 or float64 whatever the result's dtype
+            for sum_dtype in (np.float32, np.float64):
+                kernel(np.zeros(1, dtype=rnd), np.zeros(1, dtype=sum_dtype), np.zeros(1), 1.0, one, True)
+
     # error_model="numpy": IEEE division (x/0 = ±inf, as torch's), no per-element check
-    return njit(body_inplace if inplace else body, "dpopt's release (the noise add)", error_model="numpy")
+    return njit(
+        body_inplace if inplace else body, "dpopt's release (the noise add)", warmup=warmup, error_model="numpy"
+    )
 
 
 def _extent(t: object) -> Optional[tuple[int, int, int]]:
@@ -936,7 +946,9 @@ class Privatizer:
             workers = getattr(self.noise, "_pool_threads", None) or None  # the size that pool was built with
             bbar, self._divided = self.expected_batch_size, True  # ÷ B̄ done here, after the one rounding
             totals = [
-                add_and_round(z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool, workers=workers)
+                add_and_round(
+                    z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool, workers=workers
+                )
                 for z, s, dt in zip(noise, self._sum, dtypes)
             ]
             return totals, count_noise

@@ -97,9 +97,7 @@ def test_the_values_do_not_depend_on_the_number_of_threads():
     for workers in (1, 2, 3, 7):
         with ThreadPoolExecutor(workers) as pool:
             outs.append(
-                add_and_round(
-                    z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool, workers=workers
-                )
+                add_and_round(z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool, workers=workers)
             )
     assert all(torch.equal(bits(o), bits(outs[0])) for o in outs)
     assert torch.equal(bits(outs[0]), bits(torch_release(z, s, torch.float32, 0.9, 31.0)))

@@ -197,6 +197,9 @@ def test_a_forked_child_gets_its_own_pool():
     want = row_sq_norms64_cpu(x, threads=2)  # the parent's pool exists now
     pid = os.fork()
     if pid == 0:
+        import signal
+
+        signal.alarm(30)  # a child that hangs is killed: the test fails rather than hangs
         try:
             os._exit(0 if torch.equal(row_sq_norms64_cpu(x, threads=2), want) else 2)
         except BaseException:

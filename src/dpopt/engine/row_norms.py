@@ -147,7 +147,10 @@ def _build() -> Callable[..., None]:
                 s += v * v
             out[r] = s
 
-    return njit(body, _PURPOSE)
+    def warmup(kernel: Callable[..., None]) -> None:  # row_sq_norms64_cpu's argument types, compiled now
+        kernel(np.zeros((1, 1), dtype=np.float32), np.zeros(1), 0, 1)
+
+    return njit(body, _PURPOSE, warmup=warmup)
 
 
 _kernel = compile_once(_build)
