@@ -621,6 +621,7 @@ class Privatizer:
         """Copies and pickles never carry a noise draw in progress (a copy would replay it)."""
         state = dict(self.__dict__)
         state["_pending"] = None
+        state.pop("_unapplied", None)
         state["_issued"] = deque([{}], maxlen=2)  # weak references: not picklable, and the copy's own sums differ
         return state
 
@@ -967,8 +968,11 @@ class Privatizer:
 
         ``scaled=False`` (:meth:`_add_noise`, for σS > 0 without a correlated mechanism): z itself, float64,
         which the caller multiplies by σS inside its one pass (:func:`add_and_round`'s ``scale``; the same
-        float64 product). Everything a wrapper of this seam does to the returned tensors (the audit's
-        mutants: ×0.5, ÷ B̄, bf16) reaches the released noise scaled by σS the same way.
+        float64 product). The multiplier this call did NOT apply (σS for ``scaled=False``, else 1) is left in
+        ``self._unapplied``, and :meth:`_add_noise` scales by that, never by what it asked for: a wrapper of
+        this seam that drops the keyword gets σS·z and a pass scaled by 1 (the same bits), not σS²·z. Everything
+        a wrapper does to the returned tensors (the audit's mutants: ×0.5, ÷ B̄, bf16) reaches the released
+        noise scaled by σS the same way.
 
         The gradient noise is ONE float64 draw per device (z from
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
@@ -983,10 +987,12 @@ class Privatizer:
         by_device: dict[torch.device, list[int]] = {}
         for i, s in enumerate(self._sum):
             by_device.setdefault(s.device, []).append(i)
+        applied = scaled or rounded or (self.mechanism is not None and correlated) or not std > 0
+        self._unapplied = 1.0 if applied else std  # what the caller must still multiply by (_add_noise)
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
                 flat = self._normals(sum(self._sum[i].numel() for i in idx), device)
-                if scaled or rounded or (self.mechanism is not None and correlated):
+                if applied:
                     flat = flat.mul_(std)
                 if self.mechanism is not None and correlated:  # (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
                     flat = self.mechanism.correlate(flat, self.steps, str(device))
@@ -1034,15 +1040,20 @@ class Privatizer:
         into_sum = self.quantile is None
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             unscaled = std > 0 and self.mechanism is None  # σS·z formed in add_and_round's one pass
+            self.__dict__.pop("_unapplied", None)
             noise, count_noise = self._draw(std, scaled=False) if unscaled else self._draw(std)
+            scale = self.__dict__.pop("_unapplied", None)  # what _draw did NOT apply (a wrapper may drop scaled=)
+            if scale is None:
+                raise RuntimeError(
+                    "Privatizer._draw was replaced by a function that does not call the original: the noise "
+                    "scale it applied is unknown; a wrapper of the noise seam must call Privatizer._draw"
+                )
             pool = getattr(self.noise, "_thread_pool", None)
             pool = pool() if pool is not None else None
             workers = getattr(self.noise, "_pool_threads", None) or None  # the size that pool was built with
             bbar, self._divided = self.expected_batch_size, True  # ÷ B̄ done here, after the one rounding
             totals = [
-                add_and_round(
-                    z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool, workers=workers
-                )
+                add_and_round(z, s, dt, into_sum, scale=scale, divisor=bbar, pool=pool, workers=workers)
                 for z, s, dt in zip(noise, self._sum, dtypes)
             ]
             return totals, count_noise

@@ -256,6 +256,35 @@ def test_the_noise_seam_still_reaches_the_release(monkeypatch):
     assert 0.45 < float(full.double().std()) < 0.55  # σ·C/B̄ = 0.5
 
 
+@pytest.mark.parametrize("n", [5, 3 * RELEASE_SPLIT_MIN])
+def test_a_seam_wrapper_that_drops_the_keyword_still_releases_sigma_s_z(monkeypatch, n):
+    """A ``_draw`` wrapper that does not pass ``scaled=False`` through gets σS·z from the original; the pass then
+    scales by what ``_draw`` did NOT apply (1), not by σS again: the same bits as without the wrapper (before:
+    σS²·z, 0.3 of the noise at σS = 0.3). A replacement that never calls ``_draw`` is refused."""
+
+    def release():
+        priv = Privatizer(0.3, 1.0, 4.0, 0.1, noise=NoiseSource("reproducible", seed=3))
+        return priv.privatize(PerSampleGrads([torch.zeros(1, n)])).grads[0]
+
+    full = release()
+    draw = Privatizer._draw
+
+    def dropping(self, std, rounded=False, **kw):  # kw (scaled=False) dropped
+        return draw(self, std, rounded)
+
+    monkeypatch.setattr(Privatizer, "_draw", dropping)
+    assert torch.equal(bits(release()), bits(full))
+    z = NoiseSource("reproducible", seed=3).normal((n,), dtype=torch.float64)
+    assert torch.equal(bits(full), bits((z * 0.3).float().div_(4.0)))  # σS·z/B̄, hand-written
+
+    def own(self, std, rounded=False, **kw):  # noise of its own: the scale it applied is unknown
+        return [torch.zeros(s.shape, dtype=torch.float64) for s in self._sum], None
+
+    monkeypatch.setattr(Privatizer, "_draw", own)
+    with pytest.raises(RuntimeError, match="must call Privatizer._draw"):
+        release()
+
+
 def test_kernels_compile_once_under_the_shared_lock():
     from dpopt import numba_kernels
 
