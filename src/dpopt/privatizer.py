@@ -75,8 +75,10 @@ def add_and_round(
     workers: Optional[int] = None,
 ) -> Tensor:
     """``round_dtype(s + scale·z)``: the noisy sum of one parameter, added in float64 and rounded ONCE to
-    ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` in ``dtype`` (÷ B̄ as torch's
-    ``div_`` does it: the divisor rounded to ``dtype``, one correctly rounded division).
+    ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` as torch's ``div_`` does it: for
+    float32/float64 (the compiled pass) the divisor rounded to ``dtype`` and one correctly rounded division; for
+    bf16/fp16 (torch's own ``div_``) the division in float32 with the divisor kept in float32, rounded once to
+    ``dtype``.
 
     Args:
         z: the parameter's float64 noise (param-shaped; σS·z, or z with ``scale`` = σS). May be overwritten

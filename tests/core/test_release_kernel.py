@@ -84,9 +84,13 @@ def test_no_fused_multiply_add():
     """z·σS rounds to float64 before the add: (1 + 2^-30)² = 1 + 2^-29 + 2^-60 rounds to 1 + 2^-29, which the
     add cancels exactly (a fused multiply-add would keep the 2^-60)."""
     x = 1 + 2**-30
-    z, s = torch.tensor([x], dtype=torch.float64), torch.tensor([-(1 + 2**-29)], dtype=torch.float64)
-    assert torch_release(z, s, torch.float64, x, None).item() == 0.0
-    assert add_and_round(z.clone(), s.clone(), torch.float64, scale=x).item() == 0.0
+    for n in (1, 64, 1031):  # 64 and more: the kernel's vector body runs, not only its scalar remainder
+        z, s = torch.full((n,), x, dtype=torch.float64), torch.full((n,), -(1 + 2**-29), dtype=torch.float64)
+        assert bool((torch_release(z, s, torch.float64, x, None) == 0).all())
+        for into_sum in (True, False):
+            for divisor in (None, 3.0):
+                out = add_and_round(z.clone(), s.clone(), torch.float64, into_sum, scale=x, divisor=divisor)
+                assert bool((out == 0).all()), (n, into_sum, divisor)
 
 
 def test_the_values_do_not_depend_on_the_number_of_threads():
