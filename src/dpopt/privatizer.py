@@ -272,6 +272,12 @@ def _strided_overlap(a: Tensor, b: Tensor) -> Optional[bool]:
     return bool(torch.isin(ia, ib).any())
 
 
+def _broadcast(t: Tensor) -> bool:
+    """Whether ``t`` has a zero stride over a dimension of two or more (an ``expand``): several of its elements
+    are one memory location, and torch refuses every in-place write into it (the release, an all-reduce)."""
+    return any(st == 0 and k > 1 for k, st in zip(t.shape, t.stride()))
+
+
 def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optional[tuple[int, int, bool]]:
     """A pair ``(i, j, exact)`` of tensors whose memory overlaps (:func:`_extent`), at least one from ``fresh``:
     indices into ``fresh + others``, the one that starts first (or was listed first) as ``i``; None if no
@@ -282,7 +288,10 @@ def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optiona
     with the still-open ones; no tensor data is read. Contiguous spans that overlap share bytes; where
     either is strided (a column slice of a matrix, an expanded scalar) the elements themselves are compared,
     so disjoint strided views of one buffer (weight and bias sums as column slices of one product) pass.
-    Every tensor compared must be alive (its memory is then not reused).
+    Two ``fresh`` tensors that are both broadcast (:func:`_broadcast`: the same expanded zero returned for two
+    unused parameters) pass too: nothing can write into either (the release rounds such a sum into a new
+    tensor), and within one call neither can have been refilled. Every tensor compared must be alive (its
+    memory is then not reused).
     """
     tensors = list(itertools.chain(fresh, others))
     by_device: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
@@ -301,6 +310,8 @@ def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optiona
                     heapq.heappop(heap)
             for _, j in sorted(open_all if k < mine else open_mine, key=lambda e: e[1]):
                 a, b = cast(Tensor, tensors[j]), cast(Tensor, tensors[k])
+                if j < mine and k < mine and _broadcast(a) and _broadcast(b):
+                    continue  # two sums of one call that nothing can write into (a shared expanded zero)
                 if a.is_contiguous() and b.is_contiguous():
                     return j, k, True
                 shared = _strided_overlap(a, b)

@@ -203,7 +203,9 @@ def test_disjoint_strided_views_of_one_buffer_pass_and_shared_elements_are_found
     assert _first_overlap([w], [m[:, 4]]) == (0, 1, True)  # w's last column
     assert _first_overlap([b], [m[3, :]]) == (0, 1, True)  # m[3, 5] is b[3]; b starts first (m[0, 5])
     z = torch.zeros(())
-    assert _first_overlap([z.expand(3, 4)], [z.expand(5)]) == (0, 1, True)  # one element shared: refused
+    assert _first_overlap([z.expand(3, 4), z.expand(5)], []) is None  # one expanded zero, two sums: unwritable
+    assert _first_overlap([z.expand(3, 4)], [z.expand(5)]) == (0, 1, True)  # one returned earlier: refused
+    assert _first_overlap([z.expand(3, 4), z.view(1)], []) == (0, 1, True)  # one of them writable: refused
     u = torch.zeros(2)
     assert _first_overlap([u[0].expand(3, 4), u[1].expand(5)], []) is None  # two expanded zeros, disjoint
     f = torch.zeros(8)  # a float64 view of a float32 buffer's pairs of elements: byte by byte
@@ -232,3 +234,22 @@ def test_a_strided_overlap_too_large_to_compare_is_refused_as_such(monkeypatch):
     monkeypatch.undo()
     rel = priv().privatize(Augmented())  # compared element by element: accepted, exact values (σ = 0, ÷ B̄)
     assert rel.grads[0].tolist() == [[0.0, 0.25], [0.75, 1.0]] and rel.grads[1].tolist() == [0.5, 1.25]
+
+
+def test_unused_parameters_sharing_one_expanded_zero_are_released():
+    """A source that returns one expanded zero for its unused parameters: accepted, each released on its own
+    (the release rounds a broadcast sum into a new tensor), exact values at σ = 0."""
+
+    class Unused:
+        num_params, batch_size, nonfinite, params = 3, 1, 0, None
+
+        def sq_norms(self, geometry, groups, num_groups):
+            return torch.ones(1, num_groups)
+
+        def weighted_sum(self, weights, geometry, groups):
+            z = torch.zeros(())
+            return [torch.full((2,), 4.0), z.expand(3, 2), z.expand(5)]
+
+    rel = priv().privatize(Unused())
+    assert rel.grads[0].tolist() == [1.0, 1.0]  # 4 / B̄
+    assert torch.equal(rel.grads[1], torch.zeros(3, 2)) and torch.equal(rel.grads[2], torch.zeros(5))
