@@ -9,16 +9,18 @@ compiles lazily, at its first call, under numba's own global compiler lock; so e
 calls (:func:`njit`'s ``warmup``) on tiny arrays of exactly the argument types the real calls use: the compile
 (or the load from numba's cache) happens INSIDE :func:`compile_lock`, and a real call compiles nothing.
 
-A fork waits for a compile in progress: ``os.register_at_fork`` takes the lock before the fork and releases it
-after in the parent, and the child gets a fresh lock. Without that, a DataLoader worker forked while a noise
-thread compiles would inherit numba's compiler lock held by a thread that does not exist in the child and hang
-at its first numba call. :func:`njit` imports numba with an ``ImportError`` that says what to install, and falls
+A fork waits for a compile in progress: ``os.register_at_fork`` takes the lock (and numba's global compiler
+lock, where numba is imported: any numba compile, dpopt's or not) before the fork and releases them after; the
+child gets a fresh lock and numba's released. Without that, a DataLoader worker forked while a noise thread
+compiles would inherit numba's compiler lock held by a thread that does not exist in the child and hang at its
+first numba compile. :func:`njit` imports numba with an ``ImportError`` that says what to install, and falls
 back to an in-memory compile where numba finds no writable cache directory (a read-only install and home).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from functools import lru_cache
 from typing import Any, Callable, Optional, TypeVar
@@ -33,22 +35,44 @@ _LOCK = threading.RLock()
 K = TypeVar("K")
 
 
+_NUMBA_HELD: Any = None  # numba's compiler lock while _hold_for_fork holds it (None: numba not imported)
+
+
+def _numba_compiler_lock() -> Any:
+    """numba's global compiler lock where numba is imported (by dpopt or anyone), else None."""
+    module = sys.modules.get("numba.core.compiler_lock")
+    return getattr(module, "global_compiler_lock", None)
+
+
 def _hold_for_fork() -> None:
     """Before a fork: wait for a compile in progress in another thread (a DataLoader's workers fork at the start
     of a pass, when the step's early noise draw may be compiling), so that the child inherits neither this lock
-    nor numba's compiler lock held by a thread it does not have. Re-entrant: a fork from the thread that holds
-    the lock goes on."""
+    nor numba's compiler lock held by a thread it does not have: this lock first (a dpopt build takes it before
+    numba's), then numba's, which any numba compile holds (dpopt's or not). Re-entrant: a fork from the thread
+    that holds them goes on."""
+    global _NUMBA_HELD
     _LOCK.acquire()
+    _NUMBA_HELD = _numba_compiler_lock()
+    if _NUMBA_HELD is not None:
+        _NUMBA_HELD.acquire()
 
 
 def _release_after_fork() -> None:
-    """After a fork, in the parent: the lock :func:`_hold_for_fork` took."""
+    """After a fork, in the parent: the locks :func:`_hold_for_fork` took, in reverse order."""
+    global _NUMBA_HELD
+    if _NUMBA_HELD is not None:
+        _NUMBA_HELD.release()
+    _NUMBA_HELD = None
     _LOCK.release()
 
 
 def _new_lock_in_child() -> None:
-    """After a fork, in the child: a fresh lock (the parent's is held by the forking thread, for the fork)."""
-    global _LOCK
+    """After a fork, in the child: numba's compiler lock released (this thread holds its copy) and a fresh
+    compile lock (the parent's is held by the forking thread, for the fork)."""
+    global _LOCK, _NUMBA_HELD
+    if _NUMBA_HELD is not None:
+        _NUMBA_HELD.release()
+    _NUMBA_HELD = None
     _LOCK = threading.RLock()
 
 

@@ -121,3 +121,32 @@ def test_a_fork_from_the_thread_that_holds_the_lock_goes_on():
             _child_draws_and_exits()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_waits_for_numbas_compiler_lock_held_outside_dpopt():
+    """Another thread holds numba's global compiler lock outside dpopt's (any numba compile: the reviewer's
+    /tmp/rev/e5.py) when the main thread forks: the fork waits for it, and the child, which must compile both
+    kernels (the caches were cleared), can draw."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    held, release = threading.Event(), threading.Event()
+
+    def compiling() -> None:
+        with global_compiler_lock:
+            held.set()
+            release.wait(10)
+
+    ziggurat._cached_kernel.cache.cache_clear()
+    row_norms._kernel.cache.cache_clear()
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    assert held.wait(10)
+    threading.Timer(0.3, release.set).start()
+    pid = os.fork()
+    if pid == 0:
+        _child_draws_and_exits()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung at its first numba call (status {status})"
+    assert os.waitstatus_to_exitcode(status) == 0
