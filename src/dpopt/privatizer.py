@@ -23,13 +23,14 @@ count stay here.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 import numbers
 import warnings
 import weakref
 from collections import deque
-from concurrent.futures import Executor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
@@ -70,11 +71,14 @@ def add_and_round(
     into_sum: bool = True,
     scale: float = 1.0,
     divisor: Optional[float] = None,
-    pool: Optional[Executor] = None,
+    pool: Optional[ThreadPoolExecutor] = None,
+    workers: Optional[int] = None,
 ) -> Tensor:
     """``round_dtype(s + scale·z)``: the noisy sum of one parameter, added in float64 and rounded ONCE to
-    ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` in ``dtype`` (÷ B̄ as torch's
-    ``div_`` does it: the divisor rounded to ``dtype``, one correctly rounded division).
+    ``dtype``; with ``divisor``, that rounded sum then divided by ``divisor`` as torch's ``div_`` does it: for
+    float32/float64 (the compiled pass) the divisor rounded to ``dtype`` and one correctly rounded division; for
+    bf16/fp16 (torch's own ``div_``) the division in float32 with the divisor kept in float32, rounded once to
+    ``dtype``.
 
     Args:
         z: the parameter's float64 noise (param-shaped; σS·z, or z with ``scale`` = σS). May be overwritten
@@ -86,8 +90,12 @@ def add_and_round(
             may still fail and be retried from the same sums).
         scale: the factor of ``z`` (float64; 1.0: ``z`` is already σS·z).
         divisor: if given, B̄: the result is ``round_dtype(s + scale·z) / divisor`` in ``dtype``.
-        pool: worker threads (the noise source's) over which a parameter of at least
-            :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values independent of it).
+        pool: a ``concurrent.futures.ThreadPoolExecutor`` (the noise source's worker threads) over which a
+            parameter of at least :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values
+            independent of it). Threads only: each piece writes into views of ``s``/``out``, which a process
+            pool would pickle and write in another process, leaving the result without its noise.
+        workers: at most this many pieces (default ``torch.get_num_threads()``, the number of threads the
+            noise source's pool is built with); ignored without ``pool``.
 
     Returns:
         The rounded noisy sum, param-shaped, in ``dtype``: ``s``'s own storage when ``into_sum`` and ``s``
@@ -104,8 +112,14 @@ def add_and_round(
     keep the torch expression.
 
     Raises:
+        TypeError: ``pool`` is not a ``concurrent.futures.ThreadPoolExecutor``.
         ImportError: numba is missing (the CPU path; :func:`dpopt.numba_kernels.numba_module`).
     """
+    if pool is not None and not isinstance(pool, ThreadPoolExecutor):
+        raise TypeError(
+            f"add_and_round(pool=...) takes a concurrent.futures.ThreadPoolExecutor (the pieces write into views "
+            f"of the sum in this process), or None for one pass in the calling thread; got {type(pool).__name__}"
+        )
     if (
         z.device.type != "cpu"
         or s.device.type != "cpu"
@@ -127,7 +141,8 @@ def add_and_round(
     d = o.dtype.type(1.0 if divisor is None else divisor)  # rounded to dtype, as torch's div_ does
     inplace = out is s
     kernel = _release_kernel(o.dtype, inplace)
-    pieces = 1 if pool is None else min(getattr(pool, "_max_workers", 1), n // RELEASE_SPLIT_MIN)
+    most = torch.get_num_threads() if workers is None else int(workers)
+    pieces = 1 if pool is None else max(1, min(most, n // RELEASE_SPLIT_MIN))
     cuts = [n * k // max(pieces, 1) for k in range(max(pieces, 1) + 1)]
     calls = [
         ((sn[lo:hi], zn[lo:hi]) if inplace else (o[lo:hi], sn[lo:hi], zn[lo:hi]))
@@ -137,7 +152,8 @@ def add_and_round(
     if pieces <= 1:
         kernel(*calls[0])
         return out
-    futures = [cast(Executor, pool).submit(kernel, *args) for args in calls]
+    assert pool is not None
+    futures = [pool.submit(kernel, *args) for args in calls]
     wait(futures)
     for fut in futures:  # every piece has finished before an error (if any) reaches the caller
         fut.result()
@@ -146,8 +162,8 @@ def add_and_round(
 
 def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
     """The compiled release pass for results of numpy dtype ``dtype`` (float32 or float64), compiled (or
-    loaded from numba's cache) once, by the first caller: concurrent first callers wait on
-    :func:`dpopt.numba_kernels.compile_lock`.
+    loaded from numba's cache) once, by the first caller, inside :func:`dpopt.numba_kernels.compile_lock` (warm-up
+    calls with the argument types :func:`add_and_round` uses): concurrent first callers wait on it.
 
     ``inplace``: the variant that writes into ``s`` itself (arguments ``(s, z, scale, divisor, divide)``;
     else ``(out, s, z, scale, divisor, divide)``), 1-D contiguous arrays of one length, ``divisor`` a
@@ -184,17 +200,29 @@ def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
             for i in range(s.shape[0]):
                 s[i] = z[i] * scale + s[i]
 
+    def warmup(kernel: Callable[..., None]) -> None:  # add_and_round's argument types, compiled now (in the lock)
+        one = rnd(1.0)
+        if inplace:
+            kernel(np.zeros(1, dtype=rnd), np.zeros(1), 1.0, one, True)
+        else:  # the sum may be float32 or float64 whatever the result's dtype
+            for sum_dtype in (np.float32, np.float64):
+                kernel(np.zeros(1, dtype=rnd), np.zeros(1, dtype=sum_dtype), np.zeros(1), 1.0, one, True)
+
     # error_model="numpy": IEEE division (x/0 = ±inf, as torch's), no per-element check
-    return njit(body_inplace if inplace else body, "dpopt's release (the noise add)", error_model="numpy")
+    return njit(
+        body_inplace if inplace else body, "dpopt's release (the noise add)", warmup=warmup, error_model="numpy"
+    )
 
 
-def _extent(t: object) -> Optional[tuple[int, int, int]]:
-    """``(device index, first byte, one past the last byte)`` of the memory ``t``'s elements lie in (device
-    index: ``Tensor.get_device()``, −1 on the CPU), or None where there is none to compare (not a tensor; no
-    elements; no storage: meta, fake or wrapper-subclass tensors).
+def _extent(t: object) -> Optional[tuple[tuple[str, int], int, int]]:
+    """``(device key, first byte, one past the last byte)`` of the memory ``t``'s elements lie in (device key:
+    ``(device.type, device.index)``, index −1 where the device has none), or None where there is none to compare
+    (not a tensor; no elements; no storage: meta, fake or wrapper-subclass tensors).
 
     For a contiguous tensor this is exactly its elements' bytes; for a strided one, the span from its
-    first to its last element (torch strides are never negative), which also covers the gaps between rows.
+    first to its last element (torch strides are never negative), which also covers the gaps between its
+    elements: :func:`_first_overlap` confirms an overlap of such a span element by element
+    (:func:`_strided_overlap`).
     """
     if not isinstance(t, Tensor):
         return None
@@ -204,37 +232,111 @@ def _extent(t: object) -> Optional[tuple[int, int, int]]:
         return None
     if start == 0 or t.is_meta or t.numel() == 0:
         return None
+    key = (t.device.type, -1 if t.device.index is None else t.device.index)
     if t.is_contiguous():
-        return t.get_device(), start, start + t.nbytes
+        return key, start, start + t.nbytes
     last = sum((k - 1) * st for k, st in zip(t.shape, t.stride()))
-    return t.get_device(), start, start + (last + 1) * t.element_size()
+    return key, start, start + (last + 1) * t.element_size()
 
 
-def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optional[tuple[int, int]]:
-    """A pair ``(i, j)`` of tensors whose memory overlaps (:func:`_extent`), at least one from ``fresh``:
+#: The most elements (of each tensor) :func:`_strided_overlap` enumerates; above it, an overlap of spans where
+#: one tensor is strided is refused as undetermined.
+STRIDED_OVERLAP_MAX = 1 << 20
+
+
+def _element_offsets(t: Tensor) -> Tensor:
+    """int64 ``[numel]``: each element's offset from ``t``'s first, in elements (from its shape and strides
+    alone; no data read, on the CPU whatever ``t``'s device)."""
+    off = torch.zeros((), dtype=torch.int64)
+    for k, st in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(k, dtype=torch.int64) * st
+    return off.reshape(-1)
+
+
+def _strided_overlap(a: Tensor, b: Tensor) -> Optional[bool]:
+    """Whether some byte of an element of ``a`` is a byte of an element of ``b`` (both on one device, their
+    spans overlapping): their elements' addresses (data pointer + strides) enumerated and intersected; None
+    (undetermined) where either has more than :data:`STRIDED_OVERLAP_MAX` elements."""
+    if a.numel() > STRIDED_OVERLAP_MAX or b.numel() > STRIDED_OVERLAP_MAX:
+        return None
+    origin = min(a.data_ptr(), b.data_ptr())
+    sa, sb = a.element_size(), b.element_size()
+    da, db = a.data_ptr() - origin, b.data_ptr() - origin
+    if sa == sb and (da - db) % sa == 0:  # one grid of elements: compare element indices
+        ia, ib = da // sa + _element_offsets(a), db // sb + _element_offsets(b)
+    else:  # compare bytes
+        if a.numel() * sa > STRIDED_OVERLAP_MAX or b.numel() * sb > STRIDED_OVERLAP_MAX:
+            return None
+        ia = (da + _element_offsets(a) * sa).unsqueeze(-1).add(torch.arange(sa)).reshape(-1)
+        ib = (db + _element_offsets(b) * sb).unsqueeze(-1).add(torch.arange(sb)).reshape(-1)
+    return bool(torch.isin(ia, ib).any())
+
+
+def _broadcast(t: Tensor) -> bool:
+    """Whether ``t`` has a zero stride over a dimension of two or more (an ``expand``): several of its elements
+    are one memory location, and torch refuses every in-place write into it (the release, an all-reduce)."""
+    return any(st == 0 and k > 1 for k, st in zip(t.shape, t.stride()))
+
+
+def _first_overlap(fresh: Sequence[object], others: Sequence[object]) -> Optional[tuple[int, int, bool]]:
+    """A pair ``(i, j, exact)`` of tensors whose memory overlaps (:func:`_extent`), at least one from ``fresh``:
     indices into ``fresh + others``, the one that starts first (or was listed first) as ``i``; None if no
-    such pair. One sort and one sweep over all of them (O(n log n)); no tensor data is read.
+    such pair. ``exact`` is False where the overlap could not be decided: two spans overlap, one of them
+    strided, and there are too many elements to compare (:func:`_strided_overlap`).
 
-    Exact for contiguous tensors; every tensor compared must be alive (its memory is then not reused).
+    One sort and one sweep over the spans (O(n log n) where spans overlap rarely), each new span compared
+    with the still-open ones; no tensor data is read. Contiguous spans that overlap share bytes; where
+    either is strided (a column slice of a matrix, an expanded scalar) the elements themselves are compared,
+    so disjoint strided views of one buffer (weight and bias sums as column slices of one product) pass.
+    Two ``fresh`` tensors that are both broadcast (:func:`_broadcast`: the same expanded zero returned for two
+    unused parameters) pass too: nothing can write into either (the release rounds such a sum into a new
+    tensor), and within one call neither can have been refilled. Every tensor compared must be alive (its
+    memory is then not reused).
     """
-    by_device: dict[int, list[tuple[int, int, int]]] = {}
-    for k, t in enumerate(itertools.chain(fresh, others)):
+    tensors = list(itertools.chain(fresh, others))
+    by_device: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for k, t in enumerate(tensors):
         ext = _extent(t)
         if ext is not None:
             by_device.setdefault(ext[0], []).append((ext[1], k, ext[2]))
     mine = len(fresh)
     for spans in by_device.values():
         spans.sort()
-        far_all, far_mine = (0, -1), (0, -1)  # (end, index): the largest end so far, of all / of fresh ones
+        open_all: list[tuple[int, int]] = []  # (end, index) heaps of the spans still open: all / fresh ones
+        open_mine: list[tuple[int, int]] = []
         for start, k, end in spans:
-            if k < mine and start < far_all[0]:
-                return far_all[1], k
-            if k >= mine and start < far_mine[0]:
-                return far_mine[1], k
-            far_all = max(far_all, (end, k))
+            for heap in (open_all, open_mine):
+                while heap and heap[0][0] <= start:
+                    heapq.heappop(heap)
+            for _, j in sorted(open_all if k < mine else open_mine, key=lambda e: e[1]):
+                a, b = cast(Tensor, tensors[j]), cast(Tensor, tensors[k])
+                if j < mine and k < mine and _broadcast(a) and _broadcast(b):
+                    continue  # two sums of one call that nothing can write into (a shared expanded zero)
+                if a.is_contiguous() and b.is_contiguous():
+                    return j, k, True
+                shared = _strided_overlap(a, b)
+                if shared is None:
+                    return j, k, False
+                if shared:
+                    return j, k, True
+            heapq.heappush(open_all, (end, k))
             if k < mine:
-                far_mine = max(far_mine, (end, k))
+                heapq.heappush(open_mine, (end, k))
     return None
+
+
+def _track(refs: dict[int, tuple[int, bool, weakref.ref]], i: int, base: bool, t: Tensor) -> None:
+    """Keep a weak reference to ``t`` in ``refs`` (keyed by ``id``: one entry per live tensor; an entry whose
+    tensor died and whose id was reused is replaced)."""
+    old = refs.get(id(t))
+    if old is None or old[2]() is not t:
+        refs[id(t)] = (i, base, weakref.ref(t))
+
+
+def _prune(refs: dict[int, tuple[int, bool, weakref.ref]]) -> None:
+    """Drop the entries of ``refs`` whose tensor is gone."""
+    for key in [key for key, (_, _, ref) in refs.items() if ref() is None]:
+        del refs[key]
 
 
 @dataclass(frozen=True)
@@ -485,8 +587,9 @@ class Privatizer:
         # on single examples without noise: publishing it is a membership test.
         self.nonfinite_steps = 0
         self._expect = 0  # normals the last CPU release drew (what begin() pre-draws for the next step)
-        # (index, is its _base, weakref) of the sums weighted_sum returned in the previous step and this one
-        self._issued: deque[list[tuple[int, bool, weakref.ref]]] = deque([[]], maxlen=2)  # (_check_fresh)
+        # id -> (index, is its _base, weakref) of the still-live sums weighted_sum returned in the previous step
+        # and this one (one entry per tensor; dead ones pruned at each check and at begin(): _check_fresh)
+        self._issued: deque[dict[int, tuple[int, bool, weakref.ref]]] = deque([{}], maxlen=2)
         self._reset()
 
     # -- public, derived ----------------------------------------------------
@@ -531,7 +634,8 @@ class Privatizer:
         """Copies and pickles never carry a noise draw in progress (a copy would replay it)."""
         state = dict(self.__dict__)
         state["_pending"] = None
-        state["_issued"] = deque([[]], maxlen=2)  # weak references: not picklable, and the copy's own sums differ
+        state.pop("_unapplied", None)
+        state["_issued"] = deque([{}], maxlen=2)  # weak references: not picklable, and the copy's own sums differ
         return state
 
     def check_reach(self, noise_multiplier: float) -> None:
@@ -552,9 +656,9 @@ class Privatizer:
         if self._geometry is not None:
             raise RuntimeError("begin() called twice without release(); one release per step")
         self._geometry = geometry or ClipGeometry()
-        self.__dict__.setdefault("_issued", deque([[]], maxlen=2)).append(
-            []
-        )  # weak references to this step's sums (the previous step's stay: maxlen 2)
+        issued = self._issued_refs()  # weak references to this step's sums (the previous step's stay: maxlen 2)
+        _prune(issued[-1])
+        issued.append({})
         if self._expect and self.noise.mode != "reproducible":  # a secret draw may start before the release
             self._prefetch(self._expect)
 
@@ -597,6 +701,13 @@ class Privatizer:
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
         self._nonfinite |= bool(getattr(source, "nonfinite", 0))
 
+    def _issued_refs(self) -> deque:
+        """The weak references :meth:`_check_fresh` keeps (a Privatizer pickled before they existed gets new)."""
+        issued = self.__dict__.get("_issued")
+        if issued is None or any(not isinstance(d, dict) for d in issued):
+            issued = self.__dict__["_issued"] = deque([{}], maxlen=2)
+        return issued
+
     def _check_fresh(self, part: Sequence[Tensor], source: PerSampleSource) -> None:
         """Refuse sums from ``weighted_sum`` that share memory with each other, with a tensor the source
         returned earlier in this step or the previous one that is still alive, or with one of the source's
@@ -604,26 +715,37 @@ class Privatizer:
 
         The release adds the noise into the sums in place and hands them out as the released gradient
         (:func:`add_and_round`, :meth:`_add_noise`), so a sum must be a fresh tensor the Privatizer owns
-        (:class:`~dpopt.types.PerSampleSource`): a buffer the source keeps and fills again would turn an
+        (:class:`~dpopt.types.PerSampleSource`): a buffer the source keeps and fills again turns an
         earlier release into the next step's clipped sum WITHOUT noise (and a buffer returned for two
         micro-batches of one step would count the second twice: sensitivity 2C), a tensor returned for two
-        parameters would get both noises, a parameter would be overwritten. The test compares byte ranges
-        of live tensors (:func:`_first_overlap`; weak references to the earlier sums and their ``_base``,
-        so nothing is kept alive): cheap, and exact for contiguous tensors, the ones the release writes into.
+        parameters would get both noises, a parameter would be overwritten. This check runs AFTER
+        ``weighted_sum`` returned: a source that refilled a kept buffer has already overwritten the previous
+        step's release (the released gradient, and ``p.grad`` where it was written there) with a noiseless
+        clipped sum; the refusal stops this step, and those earlier gradients must be discarded. The test
+        compares byte ranges of live tensors (:func:`_first_overlap`; weak references to the earlier sums and
+        their ``_base``, one per tensor, so nothing is kept alive; the dead ones are dropped at each check and
+        at :meth:`begin`, so the check costs O(live sums + params) per micro-batch, not O(micro-batches)):
+        exact for contiguous tensors, the ones the release writes into, and for strided ones by their
+        elements (:func:`_first_overlap`).
 
         Raises:
             ValueError: a sum overlaps one of those tensors (nothing of the step is released; the
                 :meth:`privatize` step is discarded).
         """
-        issued = self.__dict__.setdefault("_issued", deque([[]], maxlen=2))  # (a Privatizer pickled before it)
+        issued = self._issued_refs()
         labels: list[tuple] = []  # of ``others``: what the message names them by (formatted only there)
         others: list[Tensor] = []
         for step, refs in zip(("the previous step", "this step")[-len(issued) :], issued):
-            for i, base, ref in refs:
+            dead = []
+            for key, (i, base, ref) in refs.items():
                 t = ref()
-                if t is not None:
+                if t is None:
+                    dead.append(key)
+                else:
                     others.append(t)
                     labels.append((i, base, step))
+            for key in dead:
+                del refs[key]
         for i, p in enumerate(getattr(source, "params", None) or ()):
             others.append(p)
             labels.append((i, ""))
@@ -638,19 +760,28 @@ class Privatizer:
                 else f"weighted_sum()[{x[0]}]{' (its base)' * x[1]} (returned in {x[2]})"
                 for x in labels
             ]
+            if not pair[2]:
+                raise ValueError(
+                    f"{type(source).__name__}.weighted_sum returned a strided tensor whose span overlaps another's "
+                    f"({names[pair[0]]} and {names[pair[1]]}) and that is too large to compare element by element: "
+                    "strided sums sharing a buffer are refused; return a fresh contiguous tensor per parameter "
+                    "(t.contiguous() of a slice of a fresh buffer, or t.clone()) — see dpopt.types.PerSampleSource"
+                )
             raise ValueError(
                 f"{type(source).__name__}.weighted_sum returned a tensor that shares memory with another "
                 f"({names[pair[0]]} and {names[pair[1]]}): the release adds the noise into the sums in place and "
                 "hands them out as the released gradient, so weighted_sum must return a fresh tensor per "
                 "parameter (not a buffer it keeps or fills again, not one tensor twice, not a parameter or its "
-                ".grad); return copies (t.clone()) — see dpopt.types.PerSampleSource"
+                ".grad); return copies (t.clone()) — see dpopt.types.PerSampleSource. If it refilled a buffer "
+                "returned in the previous step, that step's released gradient (its Release and any p.grad "
+                "written from it) now holds a clipped sum WITHOUT noise: discard it, do not apply or publish it"
             )
         mine = issued[-1]
         for i, t in enumerate(part):
             if isinstance(t, Tensor):
-                mine.append((i, False, weakref.ref(t)))
+                _track(mine, i, False, t)
                 if t._base is not None:
-                    mine.append((i, True, weakref.ref(t._base)))
+                    _track(mine, i, True, t._base)
 
     def _clip_weights(self, norms: Tensor, bounds: Tensor) -> Tensor:
         """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖).
@@ -850,8 +981,11 @@ class Privatizer:
 
         ``scaled=False`` (:meth:`_add_noise`, for σS > 0 without a correlated mechanism): z itself, float64,
         which the caller multiplies by σS inside its one pass (:func:`add_and_round`'s ``scale``; the same
-        float64 product). Everything a wrapper of this seam does to the returned tensors (the audit's
-        mutants: ×0.5, ÷ B̄, bf16) reaches the released noise scaled by σS the same way.
+        float64 product). The multiplier this call did NOT apply (σS for ``scaled=False``, else 1) is left in
+        ``self._unapplied``, and :meth:`_add_noise` scales by that, never by what it asked for: a wrapper of
+        this seam that drops the keyword gets σS·z and a pass scaled by 1 (the same bits), not σS²·z. Everything
+        a wrapper does to the returned tensors (the audit's mutants: ×0.5, ÷ B̄, bf16) reaches the released
+        noise scaled by σS the same way.
 
         The gradient noise is ONE float64 draw per device (z from
         :meth:`~dpopt.noise.NoiseSource.normal`, in parameter order, scaled in float64) split
@@ -866,10 +1000,12 @@ class Privatizer:
         by_device: dict[torch.device, list[int]] = {}
         for i, s in enumerate(self._sum):
             by_device.setdefault(s.device, []).append(i)
+        applied = scaled or rounded or (self.mechanism is not None and correlated) or not std > 0
+        self._unapplied = 1.0 if applied else std  # what the caller must still multiply by (_add_noise)
         for device, idx in by_device.items():  # one draw per device (in parameter order), split per parameter
             if std > 0:
                 flat = self._normals(sum(self._sum[i].numel() for i in idx), device)
-                if scaled or rounded or (self.mechanism is not None and correlated):
+                if applied:
                     flat = flat.mul_(std)
                 if self.mechanism is not None and correlated:  # (C⁻¹ σS·z)_t, streamed (dpopt.correlated_noise)
                     flat = self.mechanism.correlate(flat, self.steps, str(device))
@@ -917,12 +1053,20 @@ class Privatizer:
         into_sum = self.quantile is None
         if not streamed or any(s.device.type != "cpu" for s in self._sum):  # correlated noise: _draw's stream
             unscaled = std > 0 and self.mechanism is None  # σS·z formed in add_and_round's one pass
+            self.__dict__.pop("_unapplied", None)
             noise, count_noise = self._draw(std, scaled=False) if unscaled else self._draw(std)
+            scale = self.__dict__.pop("_unapplied", None)  # what _draw did NOT apply (a wrapper may drop scaled=)
+            if scale is None:
+                raise RuntimeError(
+                    "Privatizer._draw was replaced by a function that does not call the original: the noise "
+                    "scale it applied is unknown; a wrapper of the noise seam must call Privatizer._draw"
+                )
             pool = getattr(self.noise, "_thread_pool", None)
             pool = pool() if pool is not None else None
+            workers = getattr(self.noise, "_pool_threads", None) or None  # the size that pool was built with
             bbar, self._divided = self.expected_batch_size, True  # ÷ B̄ done here, after the one rounding
             totals = [
-                add_and_round(z, s, dt, into_sum, scale=std if unscaled else 1.0, divisor=bbar, pool=pool)
+                add_and_round(z, s, dt, into_sum, scale=scale, divisor=bbar, pool=pool, workers=workers)
                 for z, s, dt in zip(noise, self._sum, dtypes)
             ]
             return totals, count_noise

@@ -96,12 +96,17 @@ class PerSampleSource(Protocol):
       buffer the source keeps (returned again, or refilled by its next call)
       would be overwritten by the release and would then overwrite the
       release with the next clipped sum, without noise. The Privatizer
-      refuses (``ValueError``, before anything of the step is released; a
-      refilled buffer is caught at the call that refilled it) sums
+      refuses (``ValueError``, before anything of the step is released) sums
       whose memory overlaps another returned sum, a still-live sum of this or
       the previous step (or its ``_base``), or one of ``params`` or its
-      ``.grad``: a comparison of byte ranges, exact for contiguous tensors.
-      Return ``t.clone()`` of anything kept.
+      ``.grad``: a comparison of byte ranges, exact for contiguous tensors,
+      element by element for strided ones. The check runs AFTER
+      ``weighted_sum`` returned, so a refilled buffer is caught at the call
+      that refilled it, when the previous step's release held in it (its
+      :class:`~dpopt.privatizer.Release` grads, and ``p.grad`` where it was
+      written there) has ALREADY been overwritten by a clipped sum without
+      noise: the refusal stops this step only; discard those gradients (do
+      not apply, publish or save them). Return ``t.clone()`` of anything kept.
 
     Not every source in the wild has ``batch_size``/``params``/``points``: the
     Privatizer needs only ``num_params``, ``sq_norms``, ``weighted_sum`` and

@@ -136,8 +136,9 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
 
 
 def _compiled() -> Callable[..., int]:
-    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only
-    (:func:`dpopt.numba_kernels.compile_once`: the first draws of a process run in several noise threads)."""
+    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only, inside the compile
+    lock (:func:`dpopt.numba_kernels.compile_once`: the first draws of a process run in several noise threads;
+    the build's warm-up call compiles it there, not at the first real call)."""
     return _cached_kernel()
 
 
@@ -196,7 +197,11 @@ def _kernel() -> Callable[..., int]:
         s[0], s[1], s[2], s[3] = a, b, c, n_
         return tails
 
-    return njit(body, _PURPOSE)
+    def warmup(kernel: Callable[..., int]) -> None:  # the argument types of ziggurat_body's call, compiled now
+        k, w, fi, _ = ziggurat_tables()  # (read-only arrays, as there; the compile lock is re-entrant)
+        kernel(np.empty(1), sfc64_seed_state(bytes(SFC_STATE_BYTES)), SFC_DISCARD, k, w, fi, np.empty(1, np.int64))
+
+    return njit(body, _PURPOSE, warmup=warmup)
 
 
 _PURPOSE = "dpopt's CPU Gaussian sampler (secret and reproducible noise)"

@@ -101,6 +101,8 @@ def _wrap_draw(scale_of: Callable) -> Callable[[], None]:
     draw = Privatizer._draw
 
     def mutated(self, std, rounded=False, **kw):  # kw: scaled=False (z unscaled, × σS in the release's pass)
+        # passed through, as a wrapper should; one that dropped it would still be scaled once (_draw leaves the
+        # multiplier it did not apply in self._unapplied, which the release's pass uses)
         noise, count = draw(self, std, rounded, **kw)
         return [scale_of(self, z) for z in noise], count
 

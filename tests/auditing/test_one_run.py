@@ -89,7 +89,7 @@ def test_a_run_with_a_tenth_of_the_noise_is_caught(digits, monkeypatch):
 
     draw = Privatizer._draw
 
-    def weak(self, std, rounded=False, **kw):
+    def weak(self, std, rounded=False, **kw):  # kw (scaled=False) passed through; dropping it scales once too
         noise, count = draw(self, std, rounded, **kw)
         return [z.mul(0.1) for z in noise], count
 
@@ -118,7 +118,7 @@ def _weak_noise(monkeypatch, factor):
 
     draw = Privatizer._draw
 
-    def weak(self, std, rounded=False, **kw):
+    def weak(self, std, rounded=False, **kw):  # kw (scaled=False) passed through; dropping it scales once too
         noise, count = draw(self, std, rounded, **kw)
         return [z.mul(factor) for z in noise], count
 

@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
+import dpopt.privatizer as privatizer_module
 from dpopt.engine.reference import PerSampleGrads
-from dpopt.privatizer import Privatizer, _first_overlap
+from dpopt.privatizer import Privatizer, _extent, _first_overlap
 
 C, BBAR = 100.0, 4.0  # C large: no example is clipped, the clipped sum is the plain sum
 
@@ -133,7 +134,33 @@ def test_a_parameter_or_its_grad_is_refused(which):
     label = "params[1]" if which == "param" else "params[1].grad"
     with pytest.raises(ValueError, match=re.escape(f"(weighted_sum()[1] and {label})")):
         p.privatize(Custom(grads(), alias, params=tuple(params)))
-    assert torch.equal(params[0], torch.zeros(2))
+    assert len(p.ledger) == 0  # nothing of the step released
+    rel = p.privatize(Custom(grads(), lambda sums: sums, params=tuple(params)))  # the step was discarded
+    assert rel.grads[1].tolist() == [0.75] * 3 and len(p.ledger) == 1  # σ = 0: (1 + 2) / B̄
+
+
+def test_the_tracked_sums_stay_bounded_over_many_micro_batches():
+    """The check keeps weak references only to live sums, one per tensor (review of 2026-12-07: it kept one
+    per sum and base ever returned in two steps and compared them all, O(micro-batches²) per step). Counted,
+    not timed: 300 micro-batches of a source whose sums are views of one fresh buffer each (a base per
+    micro-batch) leave at most this step's live sums and bases and the previous step's."""
+
+    def views_of_one(sums):
+        return list(torch.cat(sums).split([2, 3]))
+
+    p = priv()
+    source = Custom(grads(), views_of_one)
+    sizes = []
+    for _ in range(3):
+        p.begin()
+        for _ in range(300):
+            p.accumulate(source)
+            sizes.append(sum(len(refs) for refs in p._issued))
+        p.release()
+    # at most the last micro-batch's two views and base (earlier ones died: the running sum is a + b) plus
+    # what the previous step left alive; the old check held 300 · 3 here
+    assert max(sizes) <= 2 * 3 + 3, max(sizes)
+    assert sizes[-1] <= 2 * 3 + 3
 
 
 def test_disjoint_views_of_one_fresh_buffer_and_kept_releases_are_accepted():
@@ -155,12 +182,74 @@ def test_disjoint_views_of_one_fresh_buffer_and_kept_releases_are_accepted():
 def test_first_overlap_is_exact_for_contiguous_byte_ranges():
     a = torch.zeros(8)
     assert _first_overlap([a[:4]], [a[4:]]) is None  # adjacent: no shared byte
-    assert _first_overlap([a[:5]], [a[4:]]) == (0, 1)  # one shared element
-    assert _first_overlap([a[4:]], [a[:5]]) == (1, 0)  # indices into fresh + others, the earlier start first
+    assert _first_overlap([a[:5]], [a[4:]]) == (0, 1, True)  # one shared element
+    assert _first_overlap([a[4:]], [a[:5]]) == (1, 0, True)  # indices into fresh + others, the earlier start first
     assert _first_overlap([a[:4], a[4:]], []) is None
     assert _first_overlap([a[:4]], [a[1:2], a[2:3]]) is not None
     assert _first_overlap([], [a, a]) is None  # only pairs with a fresh tensor count
     assert _first_overlap([torch.zeros(8)], [a]) is None
     assert _first_overlap([torch.zeros(0)], [a]) is None  # no elements, no memory
     assert _first_overlap([a[::2]], [a[7:]]) is None  # strided: its span, first to last element (0..6)
-    assert _first_overlap([a[::2]], [a[5:6]]) == (0, 1)  # inside the span (a gap between its rows: refused)
+    assert _first_overlap([a[::2]], [a[5:6]]) is None  # inside the span, between its elements (exact test)
+    assert _first_overlap([a[::2]], [a[6:7]]) == (0, 1, True)  # its last element
+
+
+def test_disjoint_strided_views_of_one_buffer_pass_and_shared_elements_are_found():
+    """Spans that overlap where one tensor is strided are compared element by element (review of
+    2026-12-07: they were refused by span)."""
+    m = torch.randn(4, 6)  # an augmented product: weight [4, 5] and bias [4] as column slices
+    w, b = m[:, :5], m[:, 5]
+    assert _first_overlap([w, b], []) is None
+    assert _first_overlap([w], [m[:, 4]]) == (0, 1, True)  # w's last column
+    assert _first_overlap([b], [m[3, :]]) == (0, 1, True)  # m[3, 5] is b[3]; b starts first (m[0, 5])
+    z = torch.zeros(())
+    assert _first_overlap([z.expand(3, 4), z.expand(5)], []) is None  # one expanded zero, two sums: unwritable
+    assert _first_overlap([z.expand(3, 4)], [z.expand(5)]) == (0, 1, True)  # one returned earlier: refused
+    assert _first_overlap([z.expand(3, 4), z.view(1)], []) == (0, 1, True)  # one of them writable: refused
+    u = torch.zeros(2)
+    assert _first_overlap([u[0].expand(3, 4), u[1].expand(5)], []) is None  # two expanded zeros, disjoint
+    f = torch.zeros(8)  # a float64 view of a float32 buffer's pairs of elements: byte by byte
+    assert _first_overlap([f[::2]], [f.view(torch.float64)[1:2]]) == (0, 1, True)  # bytes 8..15: f[2], f[3]
+    assert _first_overlap([f[::4]], [f.view(torch.float64)[1:2]]) is None  # f[0], f[4]: bytes 0..3, 16..19
+    assert _extent(torch.zeros(2))[0] == ("cpu", -1)  # device key: (type, index), not get_device() alone
+
+
+def test_a_strided_overlap_too_large_to_compare_is_refused_as_such(monkeypatch):
+    m = torch.randn(4, 6)
+    monkeypatch.setattr(privatizer_module, "STRIDED_OVERLAP_MAX", 3)
+    assert _first_overlap([m[:, :5], m[:, 5]], []) == (0, 1, False)
+
+    class Augmented:  # weight and bias sums as column slices of one fresh [2, 3] buffer
+        num_params, batch_size, nonfinite, params = 2, 1, 0, None
+
+        def sq_norms(self, geometry, groups, num_groups):
+            return torch.ones(1, num_groups)
+
+        def weighted_sum(self, weights, geometry, groups):
+            out = torch.arange(6.0).view(2, 3)
+            return [out[:, :2], out[:, 2]]
+
+    with pytest.raises(ValueError, match="strided sums sharing a buffer are refused"):
+        priv().privatize(Augmented())
+    monkeypatch.undo()
+    rel = priv().privatize(Augmented())  # compared element by element: accepted, exact values (σ = 0, ÷ B̄)
+    assert rel.grads[0].tolist() == [[0.0, 0.25], [0.75, 1.0]] and rel.grads[1].tolist() == [0.5, 1.25]
+
+
+def test_unused_parameters_sharing_one_expanded_zero_are_released():
+    """A source that returns one expanded zero for its unused parameters: accepted, each released on its own
+    (the release rounds a broadcast sum into a new tensor), exact values at σ = 0."""
+
+    class Unused:
+        num_params, batch_size, nonfinite, params = 3, 1, 0, None
+
+        def sq_norms(self, geometry, groups, num_groups):
+            return torch.ones(1, num_groups)
+
+        def weighted_sum(self, weights, geometry, groups):
+            z = torch.zeros(())
+            return [torch.full((2,), 4.0), z.expand(3, 2), z.expand(5)]
+
+    rel = priv().privatize(Unused())
+    assert rel.grads[0].tolist() == [1.0, 1.0]  # 4 / B̄
+    assert torch.equal(rel.grads[1], torch.zeros(3, 2)) and torch.equal(rel.grads[2], torch.zeros(5))

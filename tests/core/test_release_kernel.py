@@ -84,9 +84,13 @@ def test_no_fused_multiply_add():
     """z·σS rounds to float64 before the add: (1 + 2^-30)² = 1 + 2^-29 + 2^-60 rounds to 1 + 2^-29, which the
     add cancels exactly (a fused multiply-add would keep the 2^-60)."""
     x = 1 + 2**-30
-    z, s = torch.tensor([x], dtype=torch.float64), torch.tensor([-(1 + 2**-29)], dtype=torch.float64)
-    assert torch_release(z, s, torch.float64, x, None).item() == 0.0
-    assert add_and_round(z.clone(), s.clone(), torch.float64, scale=x).item() == 0.0
+    for n in (1, 64, 1031):  # 64 and more: the kernel's vector body runs, not only its scalar remainder
+        z, s = torch.full((n,), x, dtype=torch.float64), torch.full((n,), -(1 + 2**-29), dtype=torch.float64)
+        assert bool((torch_release(z, s, torch.float64, x, None) == 0).all())
+        for into_sum in (True, False):
+            for divisor in (None, 3.0):
+                out = add_and_round(z.clone(), s.clone(), torch.float64, into_sum, scale=x, divisor=divisor)
+                assert bool((out == 0).all()), (n, into_sum, divisor)
 
 
 def test_the_values_do_not_depend_on_the_number_of_threads():
@@ -96,9 +100,28 @@ def test_the_values_do_not_depend_on_the_number_of_threads():
     outs = []
     for workers in (1, 2, 3, 7):
         with ThreadPoolExecutor(workers) as pool:
-            outs.append(add_and_round(z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool))
+            outs.append(
+                add_and_round(z.clone(), s.clone(), torch.float32, scale=0.9, divisor=31.0, pool=pool, workers=workers)
+            )
     assert all(torch.equal(bits(o), bits(outs[0])) for o in outs)
     assert torch.equal(bits(outs[0]), bits(torch_release(z, s, torch.float32, 0.9, 31.0)))
+
+
+def test_a_process_pool_is_refused():
+    """A process pool would write the pieces into pickled copies in its children and hand back the clipped sum
+    with no noise and no ÷ B̄ (review of 2026-12-07): refused before anything is written."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = 2 * RELEASE_SPLIT_MIN
+    s, z = torch.ones(n), torch.randn(n, dtype=torch.float64)
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with pytest.raises(TypeError, match="ThreadPoolExecutor"):
+            add_and_round(z, s, torch.float32, True, scale=5.0, divisor=4.0, pool=pool)
+    assert torch.equal(s, torch.ones(n))  # untouched
+    with ThreadPoolExecutor(2) as tpool:
+        out = add_and_round(z.clone(), s.clone(), torch.float32, True, scale=5.0, divisor=4.0, pool=tpool)
+    assert torch.equal(bits(out), bits(torch_release(z, s, torch.float32, 5.0, 4.0)))
 
 
 @pytest.mark.parametrize(
@@ -235,6 +258,35 @@ def test_the_noise_seam_still_reaches_the_release(monkeypatch):
     assert seen == [{"scaled": False}]
     assert torch.equal(halved, (full.double() * 0.5).float())  # σS·(z/2)/B̄ = (σS·z/B̄)/2: powers of two
     assert 0.45 < float(full.double().std()) < 0.55  # σ·C/B̄ = 0.5
+
+
+@pytest.mark.parametrize("n", [5, 3 * RELEASE_SPLIT_MIN])
+def test_a_seam_wrapper_that_drops_the_keyword_still_releases_sigma_s_z(monkeypatch, n):
+    """A ``_draw`` wrapper that does not pass ``scaled=False`` through gets σS·z from the original; the pass then
+    scales by what ``_draw`` did NOT apply (1), not by σS again: the same bits as without the wrapper (before:
+    σS²·z, 0.3 of the noise at σS = 0.3). A replacement that never calls ``_draw`` is refused."""
+
+    def release():
+        priv = Privatizer(0.3, 1.0, 4.0, 0.1, noise=NoiseSource("reproducible", seed=3))
+        return priv.privatize(PerSampleGrads([torch.zeros(1, n)])).grads[0]
+
+    full = release()
+    draw = Privatizer._draw
+
+    def dropping(self, std, rounded=False, **kw):  # kw (scaled=False) dropped
+        return draw(self, std, rounded)
+
+    monkeypatch.setattr(Privatizer, "_draw", dropping)
+    assert torch.equal(bits(release()), bits(full))
+    z = NoiseSource("reproducible", seed=3).normal((n,), dtype=torch.float64)
+    assert torch.equal(bits(full), bits((z * 0.3).float().div_(4.0)))  # σS·z/B̄, hand-written
+
+    def own(self, std, rounded=False, **kw):  # noise of its own: the scale it applied is unknown
+        return [torch.zeros(s.shape, dtype=torch.float64) for s in self._sum], None
+
+    monkeypatch.setattr(Privatizer, "_draw", own)
+    with pytest.raises(RuntimeError, match="must call Privatizer._draw"):
+        release()
 
 
 def test_kernels_compile_once_under_the_shared_lock():

@@ -199,12 +199,16 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_the_compile_lock_is_held_can_draw():
-    """A fork while a noise thread compiles (holds the lock) must not leave the child a lock nobody releases."""
+    """A fork from a thread that holds the lock (inside a build) must not leave the child a lock nobody
+    releases (a fork from another thread waits for the build: tests/core/test_numba_kernels.py)."""
     from dpopt import numba_kernels
 
     with numba_kernels.compile_lock():
         pid = os.fork()
         if pid == 0:  # the child: draw (takes the lock) and report by exit status
+            import signal
+
+            signal.alarm(30)  # a child that hangs is killed: the test fails rather than hangs
             try:
                 out = np.empty(100)
                 ziggurat_body(out, sfc64_seed_state(bytes(24)))

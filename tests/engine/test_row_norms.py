@@ -197,6 +197,9 @@ def test_a_forked_child_gets_its_own_pool():
     want = row_sq_norms64_cpu(x, threads=2)  # the parent's pool exists now
     pid = os.fork()
     if pid == 0:
+        import signal
+
+        signal.alarm(30)  # a child that hangs is killed: the test fails rather than hangs
         try:
             os._exit(0 if torch.equal(row_sq_norms64_cpu(x, threads=2), want) else 2)
         except BaseException:
@@ -240,3 +243,25 @@ def test_conv_model_norms_equal_torch_func_and_do_not_depend_on_threads(model_na
     torch.testing.assert_close(norms[1].double(), ref.double(), rtol=1e-4, atol=0.0)
     if model_name == "cnn5":
         assert torch.equal(norms[0], norms[1])
+
+
+def test_a_tensor_subclass_takes_the_torch_path():
+    """A FakeTensor (torch.compile's tracing) has no numpy data: the torch path, not ``.numpy()``; a plain
+    subclass gets the same values as the kernel's (float64 squares of float32, summed in float64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpopt.engine.row_norms import row_sq_norms64, row_sq_norms64_cpu
+
+    with FakeTensorMode():
+        fake = torch.empty(4, 8)
+        for fn in (row_sq_norms64, row_sq_norms64_cpu):
+            out = fn(fake)
+            assert out.shape == (4,) and out.dtype == torch.float64
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.tensor([[1.0, 2.0, 2.0], [3.0, 4.0, 0.0]])
+    for fn in (row_sq_norms64, row_sq_norms64_cpu):
+        got = fn(x.as_subclass(Sub))
+        assert got.dtype == torch.float64 and got.tolist() == [9.0, 25.0]

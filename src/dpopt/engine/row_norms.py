@@ -51,7 +51,7 @@ ranges that cost more to hand off than to reduce."""
 def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     """Per-row ‖x_r‖² of ``flat [b, n]``, squares and sums in float64 → ``[b]`` float64.
 
-    float32 on the CPU (autograd not recording ``flat``): :func:`row_sq_norms64_cpu` (the compiled kernel,
+    float32 on the CPU (a plain ``torch.Tensor``, autograd not recording ``flat``): :func:`row_sq_norms64_cpu` (the compiled kernel,
     rows split over torch's threads; ``columns`` unused). Otherwise the torch path, which gives the same
     values as ``vector_norm(flat, dim=1, dtype=float64).square()`` (each float32 element is exact in
     float64, its square too, the accumulation is float64; only the order of the additions differs), without a
@@ -65,7 +65,8 @@ def row_sq_norms64(flat: Tensor, columns: int = ROW_NORM_COLUMNS) -> Tensor:
     if flat.dtype == torch.float64:
         return torch.linalg.vecdot(flat, flat, dim=1)
     recorded = flat.requires_grad and torch.is_grad_enabled()
-    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 2 and not recorded:
+    plain = type(flat) is torch.Tensor  # not a subclass (FakeTensor under torch.compile has no numpy data)
+    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.dim() == 2 and not recorded and plain:
         return row_sq_norms64_cpu(flat)
     return _torch_row_sq_norms64(flat, columns)
 
@@ -155,7 +156,10 @@ def _build() -> Callable[..., None]:
                 s += v * v
             out[r] = s
 
-    return njit(body, _PURPOSE)
+    def warmup(kernel: Callable[..., None]) -> None:  # row_sq_norms64_cpu's argument types, compiled now
+        kernel(np.zeros((1, 1), dtype=np.float32), np.zeros(1), 0, 1)
+
+    return njit(body, _PURPOSE, warmup=warmup)
 
 
 _kernel = compile_once(_build)
@@ -210,6 +214,8 @@ def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
     """
     if flat.dtype != torch.float32 or flat.device.type != "cpu" or flat.dim() != 2:
         raise ValueError(f"row_sq_norms64_cpu takes a 2-D float32 CPU tensor, got {flat.dtype} {tuple(flat.shape)}")
+    if type(flat) is not torch.Tensor:  # a subclass (FakeTensor under torch.compile) has no numpy data: torch's path
+        return _torch_row_sq_norms64(flat, ROW_NORM_COLUMNS)
     x = flat.detach()
     if not x.is_contiguous():
         x = x.contiguous()
