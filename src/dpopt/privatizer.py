@@ -683,6 +683,11 @@ class Privatizer:
         ``weighted_sum(weights[B, G], geometry, groups) -> list[Tensor]`` and
         (if present) ``nonfinite``
         (e.g. :class:`~dpopt.engine.reference.PerSampleGrads`).
+
+        Raises:
+            RuntimeError: no :meth:`begin` before it.
+            ValueError: ``weighted_sum`` returned tensors that are not fresh (:meth:`_check_fresh`); the step
+                is discarded, nothing of it released or recorded, and :meth:`begin` starts the next.
         """
         if self._geometry is None:
             raise RuntimeError("call begin() before accumulate()")
@@ -695,7 +700,11 @@ class Privatizer:
             self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
             self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
-        self._check_fresh(part, source)
+        try:
+            self._check_fresh(part, source)
+        except ValueError:
+            self._reset()  # the step is discarded (nothing released or recorded): begin() starts the next
+            raise
         self._dtypes = self._dtypes or _released_dtypes(source, part)
         self._read.add("gradient_sum")
         self._sum = part if self._sum is None else [a + b for a, b in zip(self._sum, part)]
@@ -729,8 +738,8 @@ class Privatizer:
         elements (:func:`_first_overlap`).
 
         Raises:
-            ValueError: a sum overlaps one of those tensors (nothing of the step is released; the
-                :meth:`privatize` step is discarded).
+            ValueError: a sum overlaps one of those tensors (nothing of the step is released;
+                :meth:`accumulate` discards the step).
         """
         issued = self._issued_refs()
         labels: list[tuple] = []  # of ``others``: what the message names them by (formatted only there)

@@ -253,3 +253,25 @@ def test_unused_parameters_sharing_one_expanded_zero_are_released():
     rel = priv().privatize(Unused())
     assert rel.grads[0].tolist() == [1.0, 1.0]  # 4 / B̄
     assert torch.equal(rel.grads[1], torch.zeros(3, 2)) and torch.equal(rel.grads[2], torch.zeros(5))
+
+
+def test_a_refused_accumulate_discards_the_step_so_begin_starts_the_next():
+    """By hand (begin / accumulate / release, as a custom loop drives the Privatizer): a refusal in
+    accumulate discards the step — nothing accumulated survives into the next one, begin() works again,
+    and the next step releases exactly the fresh source's clipped sum (σ = 0), once."""
+
+    def twice(sums):
+        buf = torch.zeros(3)
+        return [buf[:2], buf]
+
+    p = priv()
+    p.begin()
+    p.accumulate(grads())  # a good micro-batch first: its sum must not leak into the next step
+    with pytest.raises(ValueError, match="shares memory"):
+        p.accumulate(Custom(grads(), twice))
+    p.begin()  # was: "begin() called twice without release()"
+    p.accumulate(grads())
+    rel = p.release()
+    # examples 1 and 2, no clipping at C = 100: the sum is 3 per coordinate, ÷ B̄ = 4
+    assert torch.equal(rel.grads[0], torch.full((2,), 0.75)) and torch.equal(rel.grads[1], torch.full((3,), 0.75))
+    assert len(p.ledger) == 1 and p.steps == 1
