@@ -35,7 +35,7 @@ _LOCK = threading.RLock()
 K = TypeVar("K")
 
 
-_NUMBA_HELD: Any = None  # numba's compiler lock while _hold_for_fork holds it (None: numba not imported)
+_HELD: tuple[bool, Any] = (False, None)  # what _hold_for_fork acquired: (this lock, numba's lock or None)
 
 
 def _numba_compiler_lock() -> Any:
@@ -49,30 +49,47 @@ def _hold_for_fork() -> None:
     of a pass, when the step's early noise draw may be compiling), so that the child inherits neither this lock
     nor numba's compiler lock held by a thread it does not have: this lock first (a dpopt build takes it before
     numba's), then numba's, which any numba compile holds (dpopt's or not). Re-entrant: a fork from the thread
-    that holds them goes on."""
-    global _NUMBA_HELD
+    that holds them goes on.
+
+    A fork from a thread that already holds numba's lock (inside some numba compile) does not wait for this
+    one: a dpopt build in another thread may be waiting for numba's lock (the reverse order: a deadlock); it
+    takes this lock only if free, and the child gets a fresh one either way. What was acquired is recorded
+    (:data:`_HELD`) and only that is released after the fork, so an interrupt while waiting (a signal handler
+    raising; CPython prints an exception of a ``before`` handler and forks anyway) leaves no lock held.
+    """
+    global _HELD
+    _HELD = (False, None)
+    numba_lock = _numba_compiler_lock()
+    if numba_lock is not None and numba_lock.is_locked():  # this thread is inside a numba compile
+        _HELD = (_LOCK.acquire(blocking=False), None)
+        return
     _LOCK.acquire()
-    _NUMBA_HELD = _numba_compiler_lock()
-    if _NUMBA_HELD is not None:
-        _NUMBA_HELD.acquire()
+    _HELD = (True, None)
+    if numba_lock is not None:
+        numba_lock.acquire()
+        _HELD = (True, numba_lock)
 
 
 def _release_after_fork() -> None:
-    """After a fork, in the parent: the locks :func:`_hold_for_fork` took, in reverse order."""
-    global _NUMBA_HELD
-    if _NUMBA_HELD is not None:
-        _NUMBA_HELD.release()
-    _NUMBA_HELD = None
-    _LOCK.release()
+    """After a fork, in the parent: the locks :func:`_hold_for_fork` acquired (and only those), in reverse order."""
+    global _HELD
+    mine, numba_lock = _HELD
+    _HELD = (False, None)
+    if numba_lock is not None:
+        numba_lock.release()
+    if mine:
+        _LOCK.release()
 
 
 def _new_lock_in_child() -> None:
-    """After a fork, in the child: numba's compiler lock released (this thread holds its copy) and a fresh
-    compile lock (the parent's is held by the forking thread, for the fork)."""
-    global _LOCK, _NUMBA_HELD
-    if _NUMBA_HELD is not None:
-        _NUMBA_HELD.release()
-    _NUMBA_HELD = None
+    """After a fork, in the child: numba's compiler lock released where :func:`_hold_for_fork` acquired it (this
+    thread holds its copy) and a fresh compile lock (the parent's is held by the forking thread, or by a thread
+    the child does not have)."""
+    global _LOCK, _HELD
+    numba_lock = _HELD[1]
+    _HELD = (False, None)
+    if numba_lock is not None:
+        numba_lock.release()
     _LOCK = threading.RLock()
 
 

@@ -150,3 +150,89 @@ def test_a_fork_waits_for_numbas_compiler_lock_held_outside_dpopt():
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status), f"the child hung at its first numba call (status {status})"
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _run_isolated(script: str) -> None:
+    """``script`` in a fresh interpreter (it forks and plays with signals and locks), killed after 60 s: a
+    deadlock fails the test instead of hanging the suite."""
+    import subprocess
+    import sys
+    import textwrap
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_an_interrupt_while_the_fork_waits_leaves_no_lock_held():
+    """A signal handler raising while the fork handler waits for numba's lock (CPython prints the exception of
+    a ``before`` handler and forks anyway): the parent must not keep dpopt's lock, or every later kernel getter
+    in another thread waits forever (second review of 2026-12-07: it did)."""
+    _run_isolated(
+        """
+        import os, signal, threading, time
+        from numba.core.compiler_lock import global_compiler_lock
+        from dpopt import numba_kernels
+
+        held = threading.Event()
+        def compiling():
+            with global_compiler_lock:
+                held.set()
+                time.sleep(1.5)
+        t = threading.Thread(target=compiling)
+        t.start()
+        held.wait(10)
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        t.join()
+        got = []
+        other = threading.Thread(target=lambda: got.append(numba_kernels.compile_lock().acquire(timeout=5)))
+        other.start()
+        other.join()
+        assert got == [True], "dpopt's compile lock stayed held by the forking thread"
+        print("OK")
+        """
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_inside_a_numba_compile_does_not_wait_for_a_build_waiting_for_numba():
+    """Lock order: a build holds dpopt's lock and waits for numba's; the forking thread holds numba's (inside
+    some numba compile). Waiting for dpopt's lock there is a deadlock; the fork must go on (second review of
+    2026-12-07: it hung)."""
+    _run_isolated(
+        """
+        import os, threading, time
+        from numba.core.compiler_lock import global_compiler_lock
+        from dpopt import numba_kernels
+
+        started = threading.Event()
+        def build():
+            with numba_kernels.compile_lock():
+                started.set()
+                time.sleep(0.3)
+                with global_compiler_lock:
+                    pass
+        with global_compiler_lock:
+            b = threading.Thread(target=build)
+            b.start()
+            started.wait(10)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        b.join(20)
+        assert not b.is_alive()
+        print("OK")
+        """
+    )

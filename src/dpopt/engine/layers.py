@@ -24,7 +24,9 @@ picks per layer the cheapest exact form:
 
   in the flat geometry ‖g_i‖² = ‖e_i‖²‖a_i‖², with ‖e_i‖² and ‖a_i‖² summed in float64
   (:meth:`LinearPart.sq64`, one compiled row pass each) and the result rounded UP into the compute
-  dtype (never below the exact norm of the recorded rows); the layer's bias (‖e_i‖²) shares ‖e_i‖²;
+  dtype (each parameter's never below the exact norm of the recorded rows; a group's total of several
+  parameters, and the hook door's scaling by B or 1/K, are float32 operations rounded to nearest on top:
+  relative ≤ a few 2⁻²⁴, the compute dtype's tolerance); the layer's bias (‖e_i‖²) shares ‖e_i‖²;
 
 * **ghost norm / Gram form** (Li et al. 2022, "Large language models can be
   strong differentially private learners", §4; flat geometry only)::
