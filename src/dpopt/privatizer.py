@@ -713,7 +713,7 @@ class Privatizer:
     def _issued_refs(self) -> deque:
         """The weak references :meth:`_check_fresh` keeps (a Privatizer pickled before they existed gets new)."""
         issued = self.__dict__.get("_issued")
-        if issued is None or any(not isinstance(d, dict) for d in issued):
+        if issued is None:
             issued = self.__dict__["_issued"] = deque([{}], maxlen=2)
         return issued
 
@@ -745,16 +745,12 @@ class Privatizer:
         labels: list[tuple] = []  # of ``others``: what the message names them by (formatted only there)
         others: list[Tensor] = []
         for step, refs in zip(("the previous step", "this step")[-len(issued) :], issued):
-            dead = []
-            for key, (i, base, ref) in refs.items():
+            _prune(refs)
+            for i, base, ref in refs.values():
                 t = ref()
-                if t is None:
-                    dead.append(key)
-                else:
+                if t is not None:  # (alive when pruned; a tensor dying since is simply not compared)
                     others.append(t)
                     labels.append((i, base, step))
-            for key in dead:
-                del refs[key]
         for i, p in enumerate(getattr(source, "params", None) or ()):
             others.append(p)
             labels.append((i, ""))
