@@ -79,35 +79,42 @@ def _child_draws_and_exits() -> None:
         os._exit(3)
 
 
+def _fork_while_another_thread_compiles(in_dpopt_build: bool) -> None:
+    """Another thread holds numba's global compiler lock (as a dispatcher's compile or cache load does), inside a
+    dpopt compile-once build or outside dpopt, when the main thread forks; the compile ends 0.3 s later, while
+    the fork waits for it. The child must compile both kernels itself (caches cleared) and draw."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    held, release = threading.Event(), threading.Event()
+
+    def compiling() -> int:
+        with global_compiler_lock:
+            held.set()
+            release.wait(10)
+        return 1
+
+    target = numba_kernels.compile_once(compiling) if in_dpopt_build else compiling
+    ziggurat._cached_kernel.cache.cache_clear()
+    row_norms._kernel.cache.cache_clear()
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert held.wait(10)
+    threading.Timer(0.3, release.set).start()
+    pid = os.fork()
+    if pid == 0:
+        _child_draws_and_exits()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung at its first numba call (status {status})"
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_fork_waits_for_a_compile_in_progress_in_another_thread():
     """Another thread is inside a compile-once build (holding numba's compiler lock, as a compile does) when the
     main thread forks: the fork waits for it, and the child can compile and draw. Without the fork handler the
     child inherits numba's lock held by a thread it does not have and hangs (killed by its alarm)."""
-    from numba.core.compiler_lock import global_compiler_lock
-
-    held, release = threading.Event(), threading.Event()
-
-    def build() -> int:
-        with global_compiler_lock:  # what a dispatcher's compile / cache load holds
-            held.set()
-            release.wait(10)
-        return 1
-
-    slow = numba_kernels.compile_once(build)
-    ziggurat._cached_kernel.cache.cache_clear()  # the child must compile both kernels itself
-    row_norms._kernel.cache.cache_clear()
-    compiling = threading.Thread(target=slow)
-    compiling.start()
-    assert held.wait(10)
-    threading.Timer(0.3, release.set).start()  # the compile ends while the fork waits for it
-    pid = os.fork()
-    if pid == 0:
-        _child_draws_and_exits()
-    compiling.join()
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status), f"the child hung at its first numba call (status {status})"
-    assert os.waitstatus_to_exitcode(status) == 0
+    _fork_while_another_thread_compiles(in_dpopt_build=True)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -128,28 +135,7 @@ def test_a_fork_waits_for_numbas_compiler_lock_held_outside_dpopt():
     """Another thread holds numba's global compiler lock outside dpopt's (any numba compile: the reviewer's
     /tmp/rev/e5.py) when the main thread forks: the fork waits for it, and the child, which must compile both
     kernels (the caches were cleared), can draw."""
-    from numba.core.compiler_lock import global_compiler_lock
-
-    held, release = threading.Event(), threading.Event()
-
-    def compiling() -> None:
-        with global_compiler_lock:
-            held.set()
-            release.wait(10)
-
-    ziggurat._cached_kernel.cache.cache_clear()
-    row_norms._kernel.cache.cache_clear()
-    thread = threading.Thread(target=compiling)
-    thread.start()
-    assert held.wait(10)
-    threading.Timer(0.3, release.set).start()
-    pid = os.fork()
-    if pid == 0:
-        _child_draws_and_exits()
-    thread.join()
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status), f"the child hung at its first numba call (status {status})"
-    assert os.waitstatus_to_exitcode(status) == 0
+    _fork_while_another_thread_compiles(in_dpopt_build=False)
 
 
 def _run_isolated(script: str) -> None:
