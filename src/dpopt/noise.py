@@ -45,7 +45,7 @@ P(Z > 11.5) = 6.4e-31, and the Privatizer refuses such a σ
 (:func:`check_tail_reach`) rather than release a silently truncated tail.
 
 * *Secret and reproducible noise on CPU* (issue 34, for speed): a compiled float64
-  ziggurat (Marsaglia & Tsang 2000; :mod:`dpopt.ziggurat`, numba) on the chunk's SFC64 stream, with every
+  ziggurat (Marsaglia & Tsang 2000; :mod:`dpopt.ziggurat`, C) on the chunk's SFC64 stream, with every
   value of its base-strip tail branch (exactly the values with |z| ≥
   :data:`ZIGGURAT_R` = 3.654) redrawn from the exact tail law by Marsaglia's
   (1964) method on uniforms with the full float64 exponent range
@@ -452,7 +452,7 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
 # -- the CPU sampler: a compiled float64 ziggurat on SFC64 words, its tail redrawn exactly ------------
 #
 # The body is Marsaglia & Tsang (2000)'s ziggurat with 256 strips (dpopt.ziggurat: one 64-bit SFC64
-# word per candidate, numba-compiled, GIL released). A value has |z| >= r = ZIGGURAT_R exactly when it
+# word per candidate, compiled C, GIL released). A value has |z| >= r = ZIGGURAT_R exactly when it
 # comes from the base strip's tail branch (every other branch returns |u·x_i| < r); the kernel leaves
 # those positions to this module, which fills each, with its sign, by an independent draw of the exact
 # tail law Z | Z >= r (:func:`_tail_draws`, Marsaglia 1964 on uniforms with the full float64 exponent

@@ -32,10 +32,8 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
+from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
-import numpy as np
 import torch
 from dp_accounting import dp_event
 from torch import Tensor
@@ -44,8 +42,8 @@ from .accounting.events import check_noise_multiplier, check_sample_rate, poisso
 from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError, LedgerWriteError
+from .kernels import native
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
-from .numba_kernels import compile_lock, njit
 from .types import ClipGeometry, PerSampleSource
 
 __all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "RELEASE_SPLIT_MIN", "add_and_round"]
@@ -105,15 +103,14 @@ def add_and_round(
     each element of ``s`` is exact in float64, the float64 product and sum round once each (no fused
     multiply-add), the cast rounds once (to nearest, ties to even), all elementwise
     (``tests/core/test_add_and_round.py``, ``tests/core/test_release_kernel.py``). On the CPU, for
-    float32/float64 sums and releases, this is one compiled pass (:func:`_release_kernel`, numba, ``nogil``)
-    that reads ``s`` and ``z`` once and writes the result into ``s`` itself: the product, the add, the cast
+    float32/float64 sums and releases, this is one compiled pass (``release`` of :mod:`dpopt.kernels`, C, GIL
+    released) that reads ``s`` and ``z`` once and writes the result into ``s`` itself: the product, the add, the cast
     and the division as torch/numpy passes over a whole large parameter cost ≈ 3× as much here
     (docs/performance.md, "MLP: dp-sgd's cost above its floor"). bf16/fp16 releases and other devices
     keep the torch expression.
 
     Raises:
         TypeError: ``pool`` is not a ``concurrent.futures.ThreadPoolExecutor``.
-        ImportError: numba is missing (the CPU path; :func:`dpopt.numba_kernels.numba_module`).
     """
     if pool is not None and not isinstance(pool, ThreadPoolExecutor):
         raise TypeError(
@@ -138,80 +135,21 @@ def add_and_round(
     if n == 0:
         return out
     o, sn, zn = out.numpy().reshape(-1), s.numpy().reshape(-1), z.numpy().reshape(-1)
-    d = o.dtype.type(1.0 if divisor is None else divisor)  # rounded to dtype, as torch's div_ does
-    inplace = out is s
-    kernel = _release_kernel(o.dtype, inplace)
+    d = float(o.dtype.type(1.0 if divisor is None else divisor))  # rounded to dtype, as torch's div_ does
     most = torch.get_num_threads() if workers is None else int(workers)
     pieces = 1 if pool is None else max(1, min(most, n // RELEASE_SPLIT_MIN))
     cuts = [n * k // max(pieces, 1) for k in range(max(pieces, 1) + 1)]
-    calls = [
-        ((sn[lo:hi], zn[lo:hi]) if inplace else (o[lo:hi], sn[lo:hi], zn[lo:hi]))
-        + (float(scale), d, divisor is not None)
-        for lo, hi in zip(cuts, cuts[1:])
-    ]
+    # the C pass (dpopt/_native.c): into s itself where out is s (the same elements), else into out
+    calls = [(o[lo:hi], sn[lo:hi], zn[lo:hi], float(scale), d, divisor is not None) for lo, hi in zip(cuts, cuts[1:])]
     if pieces <= 1:
-        kernel(*calls[0])
+        native.release(*calls[0])
         return out
     assert pool is not None
-    futures = [pool.submit(kernel, *args) for args in calls]
+    futures = [pool.submit(native.release, *args) for args in calls]
     wait(futures)
     for fut in futures:  # every piece has finished before an error (if any) reaches the caller
         fut.result()
     return out
-
-
-def _release_kernel(dtype: np.dtype, inplace: bool) -> Callable[..., None]:
-    """The compiled release pass for results of numpy dtype ``dtype`` (float32 or float64), compiled (or
-    loaded from numba's cache) once, by the first caller, inside :func:`dpopt.numba_kernels.compile_lock` (warm-up
-    calls with the argument types :func:`add_and_round` uses): concurrent first callers wait on it.
-
-    ``inplace``: the variant that writes into ``s`` itself (arguments ``(s, z, scale, divisor, divide)``;
-    else ``(out, s, z, scale, divisor, divide)``), 1-D contiguous arrays of one length, ``divisor`` a
-    scalar of ``dtype``. Two variants, because the compiler vectorises a loop only after checking at run
-    time that its output does not overlap its inputs: an ``out`` that IS ``s`` fails that check and runs
-    the scalar loop (as does a loop over ``range(lo, hi)``, whose indices may be negative to it: pieces
-    are passed as views). The vector loop is ≈ 3× faster here.
-    """
-    with compile_lock():
-        return _cached_release_kernel(np.dtype(dtype).name, inplace)
-
-
-@lru_cache(maxsize=4)
-def _cached_release_kernel(name: str, inplace: bool) -> Callable[..., None]:
-    rnd = {"float32": np.float32, "float64": np.float64}[name]  # the one rounding to the result's dtype
-
-    def body(
-        out: np.ndarray, s: np.ndarray, z: np.ndarray, scale: float, divisor: Any, divide: bool
-    ) -> None:  # out, s: float32/float64 [n]; z float64 [n]; divisor: out's dtype
-        if divide:
-            for i in range(out.shape[0]):
-                out[i] = rnd(z[i] * scale + s[i]) / divisor  # float64 product and sum, ONE rounding, then ÷ B̄
-        else:
-            for i in range(out.shape[0]):
-                out[i] = z[i] * scale + s[i]  # float64 product and sum, ONE rounding (the store)
-
-    def body_inplace(
-        s: np.ndarray, z: np.ndarray, scale: float, divisor: Any, divide: bool
-    ) -> None:  # the same, into s (out is s)
-        if divide:
-            for i in range(s.shape[0]):
-                s[i] = rnd(z[i] * scale + s[i]) / divisor
-        else:
-            for i in range(s.shape[0]):
-                s[i] = z[i] * scale + s[i]
-
-    def warmup(kernel: Callable[..., None]) -> None:  # add_and_round's argument types, compiled now (in the lock)
-        one = rnd(1.0)
-        if inplace:
-            kernel(np.zeros(1, dtype=rnd), np.zeros(1), 1.0, one, True)
-        else:  # the sum may be float32 or float64 whatever the result's dtype
-            for sum_dtype in (np.float32, np.float64):
-                kernel(np.zeros(1, dtype=rnd), np.zeros(1, dtype=sum_dtype), np.zeros(1), 1.0, one, True)
-
-    # error_model="numpy": IEEE division (x/0 = ±inf, as torch's), no per-element check
-    return njit(
-        body_inplace if inplace else body, "dpopt's release (the noise add)", warmup=warmup, error_model="numpy"
-    )
 
 
 def _extent(t: object) -> Optional[tuple[tuple[str, int], int, int]]:

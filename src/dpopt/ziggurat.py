@@ -36,18 +36,20 @@ is the same method with tables computed differently in their last bits: its valu
 by a few ulps, which is why :func:`dpopt.noise.ziggurat_normals` uses this kernel (one set of tables,
 values independent of the numpy version) rather than numpy's.
 
-The kernel is compiled by ``numba`` (``nogil``: chunks run in parallel in the noise source's
-threads); on this 2-vCPU Xeon it costs ≈ 2 ns of CPU per normal against numpy's ≈ 8 ns
-(``benchmarks/noise_cost.py``).
+The kernel is C, compiled with the package (:mod:`dpopt.kernels`; the GIL is released, so chunks run in
+parallel in the noise source's threads); on this 2-vCPU Xeon it costs ≈ 1.8 ns of CPU per normal against
+numpy's ≈ 8 ns (``benchmarks/noise_cost.py``). Its sign is set by OR-ing the word's bit 8 into the value's
+sign bit (no branch on a random bit).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
-from .numba_kernels import compile_once, njit, numba_module
+from .kernels import native
 
 __all__ = [
     "STRIPS",
@@ -119,7 +121,7 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     return k, w, fi, float(r)
 
 
-_cached_tables = compile_once(_tables)
+_cached_tables = lru_cache(maxsize=1)(_tables)  # a pure function: concurrent first callers may both compute it
 
 
 def sfc64_seed_state(state: bytes) -> np.ndarray:
@@ -133,79 +135,6 @@ def sfc64_seed_state(state: bytes) -> np.ndarray:
         raise ValueError(f"an SFC64 state is {SFC_STATE_BYTES} bytes, got {len(state)}")
     words = np.frombuffer(state, dtype="<u8").astype(np.uint64)
     return np.array([words[0], words[1], words[2], 1], dtype=np.uint64)
-
-
-def _compiled() -> Callable[..., int]:
-    """The compiled kernel, compiled (or loaded from numba's cache) by the first caller only, inside the compile
-    lock (:func:`dpopt.numba_kernels.compile_once`: the first draws of a process run in several noise threads;
-    the build's warm-up call compiles it there, not at the first real call)."""
-    return _cached_kernel()
-
-
-def _kernel() -> Callable[..., int]:
-    """Compile the kernel (:func:`dpopt.numba_kernels.njit`: cached on disk next to this module, or in numba's
-    user cache directory or ``NUMBA_CACHE_DIR``, where one is writable; otherwise compiled in memory per process).
-
-    Raises:
-        ImportError: numba is not installed (a dependency of dpopt; say what to install).
-    """
-    uint64 = numba_module(_PURPOSE).uint64
-    one, three, eight, eleven = uint64(1), uint64(3), uint64(8), uint64(11)
-    twenty_four, forty, mask8, mask52 = uint64(24), uint64(40), uint64(0xFF), uint64(0xFFFFFFFFFFFFF)
-    to_unit = 1.0 / 9007199254740992.0  # 2^-53
-
-    def body(out, s, discard, k, w, fi, tail_idx):
-        a, b, c, n_ = s[0], s[1], s[2], s[3]
-        for _ in range(discard):
-            tmp = a + b + n_
-            n_ += one
-            a = b ^ (b >> eleven)
-            b = c + (c << three)
-            c = ((c << twenty_four) | (c >> forty)) + tmp
-        n = out.shape[0]
-        tails = 0
-        i = 0
-        while i < n:
-            tmp = a + b + n_
-            n_ += one
-            a = b ^ (b >> eleven)
-            b = c + (c << three)
-            c = ((c << twenty_four) | (c >> forty)) + tmp
-            strip = tmp & mask8
-            rabs = (tmp >> uint64(9)) & mask52
-            x = float(rabs) * w[strip]
-            negative = (tmp >> eight) & one
-            if rabs < k[strip]:
-                out[i] = -x if negative else x
-                i += 1
-                continue
-            if strip == 0:  # the tail branch: filled by the caller
-                tail_idx[tails] = i
-                tails += 1
-                out[i] = -np.inf if negative else np.inf
-                i += 1
-                continue
-            tmp = a + b + n_
-            n_ += one
-            a = b ^ (b >> eleven)
-            b = c + (c << three)
-            c = ((c << twenty_four) | (c >> forty)) + tmp
-            u = float(tmp >> eleven) * to_unit
-            if fi[strip] + u * (fi[strip - 1] - fi[strip]) < np.exp(-0.5 * x * x):
-                out[i] = -x if negative else x
-                i += 1
-        s[0], s[1], s[2], s[3] = a, b, c, n_
-        return tails
-
-    def warmup(kernel: Callable[..., int]) -> None:  # the argument types of ziggurat_body's call, compiled now
-        k, w, fi, _ = ziggurat_tables()  # (read-only arrays, as there; the compile lock is re-entrant)
-        kernel(np.empty(1), sfc64_seed_state(bytes(SFC_STATE_BYTES)), SFC_DISCARD, k, w, fi, np.empty(1, np.int64))
-
-    return njit(body, _PURPOSE, warmup=warmup)
-
-
-_PURPOSE = "dpopt's CPU Gaussian sampler (secret and reproducible noise)"
-_cached_kernel = compile_once(_kernel)
 
 
 def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD) -> np.ndarray:
@@ -232,5 +161,5 @@ def ziggurat_body(out: np.ndarray, state: np.ndarray, discard: int = SFC_DISCARD
         raise ValueError(f"discard must be >= 0, got {discard}")
     k, w, fi, _ = ziggurat_tables()
     tail_idx = np.empty(out.shape[0], dtype=np.int64)  # untouched beyond the ~2.6e-4·n written entries
-    tails = int(_compiled()(out, state, discard, k, w, fi, tail_idx))
+    tails = int(native.ziggurat_fill(out, state, discard, k, w, fi, tail_idx))
     return tail_idx[:tails].copy()

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-import dpopt.privatizer as privatizer_module
 from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.reference import PerSampleGrads
 from dpopt.methods import make_optimizer
@@ -289,12 +288,24 @@ def test_a_seam_wrapper_that_drops_the_keyword_still_releases_sigma_s_z(monkeypa
         release()
 
 
-def test_kernels_compile_once_under_the_shared_lock():
-    from dpopt import numba_kernels
+def test_the_c_pass_refuses_overlaps_types_and_lengths_it_cannot_write_safely():
+    """The C pass (src/dpopt/_native.c) checks its buffers itself: a partial overlap of out and s, out
+    overlapping z, a length mismatch or a non-float buffer is a ValueError, never an out-of-bounds write."""
+    from dpopt.kernels import native
 
-    privatizer_module._cached_release_kernel.cache_clear()
-    with ThreadPoolExecutor(4) as pool:
-        kernels = list(pool.map(lambda _: privatizer_module._release_kernel(np.float32, True), range(4)))
-    assert all(k is kernels[0] for k in kernels)
-    assert privatizer_module._cached_release_kernel.cache_info().misses == 1
-    assert numba_kernels.compile_lock is privatizer_module.compile_lock  # one mechanism
+    s, z = np.arange(8, dtype=np.float32), np.ones(8)
+    with pytest.raises(ValueError, match="overlaps s"):
+        native.release(s[1:], s[:7], z[:7], 1.0, 1.0, False)
+    with pytest.raises(ValueError, match="overlaps"):
+        native.release(z.view(np.float32)[:8], s, z, 1.0, 1.0, False)
+    with pytest.raises(ValueError, match="one length"):
+        native.release(np.empty(7, np.float32), s, z, 1.0, 1.0, False)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        native.release(np.empty(8, np.int32), s, z, 1.0, 1.0, False)
+    with pytest.raises(ValueError, match="writable"):
+        ro = np.empty(8, np.float32)
+        ro.setflags(write=False)
+        native.release(ro, s, z, 1.0, 1.0, False)
+    s2 = s.copy()
+    native.release(s2, s2, z, 0.5, 4.0, True)  # the same elements: in place, (s + 0.5) / 4 rounded once each
+    assert np.array_equal(s2, ((s.astype(np.float64) + 0.5).astype(np.float32) / np.float32(4.0)))

@@ -140,47 +140,43 @@ def test_bad_arguments_raise():
         ziggurat_body(np.empty(3), sfc64_seed_state(bytes(24)), discard=-1)
 
 
-def test_a_read_only_install_compiles_the_kernel_in_memory(monkeypatch):
-    """numba raises RuntimeError at decoration when no cache location is writable (read-only
-    site-packages and home): the kernel is then compiled without a cache, with the same values."""
-    import numba
-
-    from dpopt import ziggurat
-
-    real = numba.njit
-
-    def no_cache_njit(*args, **kwargs):
-        if kwargs.get("cache"):
-            raise RuntimeError("cannot cache function 'body': no locator available for file")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(numba, "njit", no_cache_njit)
-    kernel = ziggurat._kernel()
-    k, w, f, _ = ziggurat_tables()
-    state = bytes(range(24))
-    got, want = np.empty(5000), np.empty(5000)
-    words = sfc64_seed_state(state)
-    tails = kernel(got, words, SFC_DISCARD, k, w, f, np.empty(5000, dtype=np.int64))
-    ziggurat_body(want, sfc64_seed_state(state))
-    assert np.array_equal(got, want) and tails == int(np.isinf(want).sum())
-
-
-def test_without_numba_the_error_says_what_to_install(monkeypatch):
+def test_without_the_extension_the_error_says_how_to_build_it(monkeypatch):
+    """A source tree that was never built (no dpopt/_native*.so): the import error names the extension and
+    the command that builds it."""
+    import importlib
     import sys
 
-    from dpopt import ziggurat
+    import dpopt
 
-    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
-    with pytest.raises(ImportError, match=r"compiled by numba.*pip install 'numba>=0.59'"):
-        ziggurat._kernel()
+    monkeypatch.setitem(sys.modules, "dpopt._native", None)  # `from . import _native` raises ImportError
+    monkeypatch.delattr(dpopt, "_native")  # (else the import finds the package's attribute)
+    monkeypatch.delitem(sys.modules, "dpopt.kernels", raising=False)
+    with pytest.raises(ImportError, match=r"dpopt\._native.*pip install -e \."):
+        importlib.import_module("dpopt.kernels")
+    monkeypatch.undo()
+    importlib.import_module("dpopt.kernels")
 
 
-def test_first_draws_in_several_threads_compile_once_and_agree():
+def test_the_c_kernel_refuses_buffers_it_cannot_write_safely():
+    """The kernel checks its buffers itself (not only the Python wrapper): a tail-index buffer shorter than
+    out, a state of the wrong size or tables of the wrong length is a ValueError, not an out-of-bounds write."""
+    from dpopt.kernels import native
+
+    k, w, f, _ = ziggurat_tables()
+    state = sfc64_seed_state(bytes(24))
+    with pytest.raises(ValueError, match="tail_idx int64"):
+        native.ziggurat_fill(np.empty(10), state, 0, k, w, f, np.empty(9, dtype=np.int64))
+    with pytest.raises(ValueError, match="state uint64"):
+        native.ziggurat_fill(np.empty(10), state[:3].copy(), 0, k, w, f, np.empty(10, dtype=np.int64))
+    with pytest.raises(ValueError, match="256"):
+        native.ziggurat_fill(np.empty(10), state, 0, k[:255], w, f, np.empty(10, dtype=np.int64))
+    with pytest.raises(ValueError, match="writable"):
+        native.ziggurat_fill(np.empty(10), state, 0, k, w, f, np.empty(10, dtype=np.int64)[::2])
+
+
+def test_draws_in_several_threads_at_once_agree():
     from concurrent.futures import ThreadPoolExecutor
 
-    from dpopt import ziggurat
-
-    ziggurat._cached_kernel.cache.cache_clear()
     state = bytes(range(24))
 
     def draw(_):
@@ -190,30 +186,7 @@ def test_first_draws_in_several_threads_compile_once_and_agree():
 
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(draw, range(4)))
-    assert ziggurat._cached_kernel.cache.cache_info().misses == 1
     assert all(np.array_equal(o, outs[0]) for o in outs)
     k, _, _, _ = ziggurat_tables()
     with pytest.raises(ValueError, match="read-only"):
         k[0] = 0
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_child_forked_while_the_compile_lock_is_held_can_draw():
-    """A fork from a thread that holds the lock (inside a build) must not leave the child a lock nobody
-    releases (a fork from another thread waits for the build: tests/core/test_numba_kernels.py)."""
-    from dpopt import numba_kernels
-
-    with numba_kernels.compile_lock():
-        pid = os.fork()
-        if pid == 0:  # the child: draw (takes the lock) and report by exit status
-            import signal
-
-            signal.alarm(30)  # a child that hangs is killed: the test fails rather than hangs
-            try:
-                out = np.empty(100)
-                ziggurat_body(out, sfc64_seed_state(bytes(24)))
-                os._exit(0 if np.isfinite(out).sum() >= 95 else 2)
-            except BaseException:
-                os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0

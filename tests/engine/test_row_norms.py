@@ -1,5 +1,6 @@
 """``layers.row_sq_norms64``: per-row squared norms in float64 without a float64 copy of the whole input."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,14 +177,17 @@ def test_small_inputs_are_not_cut_into_ranges_dearer_than_their_work(monkeypatch
     assert seen == [0, 2, 4, 40]
 
 
-def test_without_numba_the_error_says_what_to_install(monkeypatch):
-    import sys
+def test_the_c_kernel_refuses_ranges_and_shapes_outside_its_buffers():
+    """The kernel checks its arguments itself: rows outside out, a column count that does not match x, or a
+    float64 x is a ValueError, never a read or write outside the buffers."""
+    from dpopt.kernels import native
 
-    from dpopt.engine import row_norms
-
-    monkeypatch.setitem(sys.modules, "numba", None)
-    with pytest.raises(ImportError, match=r"squared norms .*compiled by numba.*pip install 'numba>=0.59'"):
-        row_norms._build()
+    x, out = np.ones((4, 3), dtype=np.float32), np.empty(4)
+    for args in ((x, out, 3, 0, 5), (x, out, 4, 0, 4), (x, out, 3, 3, 2), (x.astype(np.float64), out, 3, 0, 4)):
+        with pytest.raises(ValueError, match="row_sq_norms64 takes"):
+            native.row_sq_norms64(*args)
+    native.row_sq_norms64(x, out, 3, 1, 3)
+    assert out[1] == out[2] == 3.0
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")

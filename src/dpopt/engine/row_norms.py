@@ -2,7 +2,8 @@
 float64 accumulation of per-example squared norms; used by :mod:`~dpopt.engine.layers` and
 :mod:`~dpopt.engine.chol_norm`).
 
-float32 rows on the CPU go through a compiled kernel (numba, ``nogil``; :func:`row_sq_norms64`): each row is
+float32 rows on the CPU go through a compiled kernel (C, GIL released: :mod:`dpopt.kernels`;
+:func:`row_sq_norms64`): each row is
 reduced by one thread in a fixed order, and the rows are split over torch's intra-op thread count
 (``torch.get_num_threads()``) with a small pool of Python threads, so a row's bits do not depend on the thread
 count. The torch path (float32 column slices cast to float64 in cache-sized blocks of rows) runs on every other
@@ -17,13 +18,13 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..numba_kernels import compile_once, njit
+from ..kernels import native
 
 __all__ = [
     "ROW_NORM_COLUMNS",
@@ -111,58 +112,18 @@ def _sq64(x: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- the compiled CPU kernel
-_PURPOSE = "dpopt's per-example float64 squared norms (dpopt.engine.row_norms)"
-
-
-def _build() -> Callable[..., None]:
-    """Compile the kernel: ``body(x float32 [b, n] C-contiguous, out float64 [b], lo, hi)`` writes
-    ``out[r] = Σ_j float64(x[r, j])²`` for ``lo ≤ r < hi``.
+def _rows(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out[r] = Σ_j float64(x[r, j])²`` for ``lo ≤ r < hi`` (``x`` float32 ``[b, n]`` C-contiguous, ``out``
+    float64 ``[b]``) by the C kernel (``row_sq_norms64`` in ``src/dpopt/_native.c``, GIL released).
 
     Per row: eight float64 accumulators over the columns j ≡ 0 … 7 (mod 8) of the first n − n mod 8 columns,
     added pairwise ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), then the last n mod 8 squares left to
     right. A float32 value's square is exact in float64 (24 + 24 significant bits ≤ 53), so each square is
     exact and only the additions round (as in ``vector_norm(x, dtype=float64)²``, in another order); the
-    order is fixed by n alone. No ``fastmath``: LLVM may not reassociate the sums.
-
-    Raises:
-        ImportError: numba is not installed.
+    order is fixed by n alone (no ``-ffast-math``: the compiler may not reassociate the sums).
     """
+    native.row_sq_norms64(x, out, x.shape[1], lo, hi)
 
-    def body(x, out, lo, hi):
-        n = x.shape[1]
-        m = n - n % 8
-        for r in range(lo, hi):
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-            for j in range(0, m, 8):
-                v0 = np.float64(x[r, j])
-                v1 = np.float64(x[r, j + 1])
-                v2 = np.float64(x[r, j + 2])
-                v3 = np.float64(x[r, j + 3])
-                v4 = np.float64(x[r, j + 4])
-                v5 = np.float64(x[r, j + 5])
-                v6 = np.float64(x[r, j + 6])
-                v7 = np.float64(x[r, j + 7])
-                a0 += v0 * v0
-                a1 += v1 * v1
-                a2 += v2 * v2
-                a3 += v3 * v3
-                a4 += v4 * v4
-                a5 += v5 * v5
-                a6 += v6 * v6
-                a7 += v7 * v7
-            s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-            for j in range(m, n):
-                v = np.float64(x[r, j])
-                s += v * v
-            out[r] = s
-
-    def warmup(kernel: Callable[..., None]) -> None:  # row_sq_norms64_cpu's argument types, compiled now
-        kernel(np.zeros((1, 1), dtype=np.float32), np.zeros(1), 0, 1)
-
-    return njit(body, _PURPOSE, warmup=warmup)
-
-
-_kernel = compile_once(_build)
 
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
@@ -205,12 +166,11 @@ def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
 
     The rows are split into ``threads`` contiguous ranges (default ``torch.get_num_threads()``; fewer where a range
     would hold under :data:`RANGE_MIN_ELEMENTS` elements, or one row): the calling thread reduces the first, the pool the others,
-    each row by the same serial code (:func:`_build`), so every row's value is bit-identical whatever the
+    each row by the same serial code (:func:`_rows`), so every row's value is bit-identical whatever the
     number of threads or ranges. A non-contiguous ``flat`` is copied first; autograd is not followed.
 
     Raises:
         ValueError: ``flat`` is not a 2-D float32 CPU tensor.
-        ImportError: numba is not installed (a dependency of dpopt).
     """
     if flat.dtype != torch.float32 or flat.device.type != "cpu" or flat.dim() != 2:
         raise ValueError(f"row_sq_norms64_cpu takes a 2-D float32 CPU tensor, got {flat.dtype} {tuple(flat.shape)}")
@@ -223,7 +183,7 @@ def row_sq_norms64_cpu(flat: Tensor, threads: Optional[int] = None) -> Tensor:
     out = torch.empty(rows, dtype=torch.float64)
     if rows == 0:
         return out
-    kern, xa, oa = _kernel(), x.numpy(), out.numpy()
+    kern, xa, oa = _rows, x.numpy(), out.numpy()
     n = torch.get_num_threads() if threads is None else threads
     ranges = row_ranges(rows, min(n, x.numel() // RANGE_MIN_ELEMENTS))
     if len(ranges) == 1:

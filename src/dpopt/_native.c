@@ -1,0 +1,320 @@
+/* dpopt._native: the three CPU kernels of dpopt, compiled once when the package is built.
+ *
+ *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64)
+ *   release         the release's one pass: out = rnd(z*scale + s) [/ divisor] (dpopt.privatizer.add_and_round)
+ *   row_sq_norms64  per-row float64 squared norms of float32 rows (dpopt.engine.row_norms)
+ *
+ * Each takes numpy arrays (the buffer protocol) and runs with the GIL released, so Python threads run it in
+ * parallel on disjoint pieces. The Python wrappers check shapes and dtypes; these functions check them again
+ * (sizes, formats, contiguity, writability) and raise ValueError rather than read or write out of bounds.
+ *
+ * Floating point: built with -ffp-contract=off (setup: pyproject.toml's ext-modules), so a*b + c is a product
+ * and a sum each rounded once, never a fused multiply-add, and no -ffast-math: sums are not reassociated.
+ * These are the semantics the tests check bit for bit against torch/numpy expressions.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* one AVX2 build and one baseline build of a loop; the loader picks one per CPU (GCC function multi-versioning) */
+#define DPOPT_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DPOPT_CLONES
+#endif
+
+/* ------------------------------------------------------------------------------------------------ buffers */
+
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s numpy array", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* the element kind of a buffer: 'f' float32, 'd' float64, 'Q' uint64, 'q' int64, 0 otherwise */
+static char kind_of(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[0] == '\0' || f[1] != '\0') return 0;
+    switch (f[0]) {
+        case 'f': return v->itemsize == 4 ? 'f' : 0;
+        case 'd': return v->itemsize == 8 ? 'd' : 0;
+        case 'Q': case 'L': return v->itemsize == 8 ? 'Q' : 0;
+        case 'q': case 'l': return v->itemsize == 8 ? 'q' : 0;
+        default: return 0;
+    }
+}
+
+static Py_ssize_t count_of(const Py_buffer *v) { return v->itemsize ? v->len / v->itemsize : 0; }
+
+/* ----------------------------------------------------------------------------------------------- ziggurat */
+
+/* SFC64 (Doty-Humphrey): tmp = a + b + counter++; a = b ^ (b >> 11); b = c + (c << 3); c = rotl(c, 24) + tmp */
+#define SFC_STEP(out)                                     \
+    do {                                                  \
+        uint64_t t_ = a + b + n_;                         \
+        n_ += 1;                                          \
+        a = b ^ (b >> 11);                                \
+        b = c + (c << 3);                                 \
+        c = ((c << 24) | (c >> 40)) + t_;                 \
+        (out) = t_;                                       \
+    } while (0)
+
+/* x (>= 0) with the sign bit `sign` (0 or 1 << 63) set: no branch on a random bit */
+static inline double with_sign(double x, uint64_t sign) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits |= sign;
+    memcpy(&x, &bits, sizeof bits);
+    return x;
+}
+
+static Py_ssize_t zig_loop(double *out, Py_ssize_t n, uint64_t *s, Py_ssize_t discard, const uint64_t *k,
+                           const double *w, const double *f, int64_t *tail_idx) {
+    uint64_t a = s[0], b = s[1], c = s[2], n_ = s[3], tmp;
+    const double to_unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+    Py_ssize_t tails = 0, i = 0;
+    for (Py_ssize_t d = 0; d < discard; d++) SFC_STEP(tmp);
+    while (i < n) {
+        SFC_STEP(tmp);
+        unsigned strip = (unsigned)(tmp & 0xFF);
+        uint64_t rabs = (tmp >> 9) & 0xFFFFFFFFFFFFFULL;
+        double x = (double)(int64_t)rabs * w[strip]; /* rabs < 2^52: the signed conversion is exact (and cheaper) */
+        uint64_t sign = (tmp & 0x100) << 55; /* bit 8 of the word, as the sign bit of a double */
+        if (rabs < k[strip]) {
+            out[i++] = with_sign(x, sign);
+            continue;
+        }
+        if (strip == 0) { /* the tail branch: filled by the caller */
+            tail_idx[tails++] = (int64_t)i;
+            out[i++] = with_sign(INFINITY, sign);
+            continue;
+        }
+        SFC_STEP(tmp);
+        double u = (double)(int64_t)(tmp >> 11) * to_unit; /* < 2^53: exact */
+        if (f[strip] + u * (f[strip - 1] - f[strip]) < exp(-0.5 * x * x)) out[i++] = with_sign(x, sign);
+    }
+    s[0] = a; s[1] = b; s[2] = c; s[3] = n_;
+    return tails;
+}
+
+PyDoc_STRVAR(ziggurat_fill_doc,
+"ziggurat_fill(out, state, discard, k, w, f, tail_idx) -> int\n\n"
+"Fill float64 out [n] from the SFC64 stream state (uint64 [4], advanced in place) after dropping `discard`\n"
+"outputs; the tail branch's positions get +-inf and are written to tail_idx (int64 [>= n]); returns their\n"
+"number. k uint64 [256], w and f float64 [256]: the tables of dpopt.ziggurat. GIL released.");
+
+static PyObject *ziggurat_fill(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_state, *o_k, *o_w, *o_f, *o_tail;
+    Py_ssize_t discard;
+    if (!PyArg_ParseTuple(args, "OOnOOOO", &o_out, &o_state, &discard, &o_k, &o_w, &o_f, &o_tail)) return NULL;
+    Py_buffer out, state, k, w, f, tail;
+    int got = 0;
+    PyObject *result = NULL;
+    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
+    got = 1;
+    if (get_buffer(o_state, &state, 1, "state") < 0) goto done;
+    got = 2;
+    if (get_buffer(o_k, &k, 0, "k") < 0) goto done;
+    got = 3;
+    if (get_buffer(o_w, &w, 0, "w") < 0) goto done;
+    got = 4;
+    if (get_buffer(o_f, &f, 0, "f") < 0) goto done;
+    got = 5;
+    if (get_buffer(o_tail, &tail, 1, "tail_idx") < 0) goto done;
+    got = 6;
+    Py_ssize_t n = count_of(&out);
+    if (kind_of(&out) != 'd' || kind_of(&state) != 'Q' || count_of(&state) != 4 || kind_of(&k) != 'Q' ||
+        count_of(&k) != 256 || kind_of(&w) != 'd' || count_of(&w) != 256 || kind_of(&f) != 'd' ||
+        count_of(&f) != 256 || kind_of(&tail) != 'q' || count_of(&tail) < n || discard < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ziggurat_fill takes out float64 [n], state uint64 [4], discard >= 0, k uint64 [256], "
+                        "w and f float64 [256], tail_idx int64 [>= n]");
+        goto done;
+    }
+    Py_ssize_t tails;
+    Py_BEGIN_ALLOW_THREADS
+    tails = zig_loop((double *)out.buf, n, (uint64_t *)state.buf, discard, (const uint64_t *)k.buf,
+                     (const double *)w.buf, (const double *)f.buf, (int64_t *)tail.buf);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(tails);
+done:
+    if (got >= 6) PyBuffer_Release(&tail);
+    if (got >= 5) PyBuffer_Release(&f);
+    if (got >= 4) PyBuffer_Release(&w);
+    if (got >= 3) PyBuffer_Release(&k);
+    if (got >= 2) PyBuffer_Release(&state);
+    if (got >= 1) PyBuffer_Release(&out);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------------- release */
+
+/* out[i] = rnd(z[i]*scale + s[i]) / divisor  (divide)  or  rnd(z[i]*scale + s[i]): the float64 product and sum
+ * rounded once each, the store rounds once to the result's type, the division in the result's type. */
+#define RELEASE_LOOP(NAME, TOUT, TSUM)                                                                      \
+    DPOPT_CLONES static void NAME(TOUT *out, const TSUM *s, const double *z, Py_ssize_t n, double scale,      \
+                                  TOUT divisor, int divide) {                                               \
+        if (divide) {                                                                                       \
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = (TOUT)(z[i] * scale + (double)s[i]) / divisor;      \
+        } else {                                                                                            \
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = (TOUT)(z[i] * scale + (double)s[i]);                \
+        }                                                                                                   \
+    }
+
+/* the same into s itself (out is s): a separate loop, so the compiler's vector loop needs no overlap check
+ * between the output and the sum */
+#define INPLACE_LOOP(NAME, T)                                                                               \
+    DPOPT_CLONES static void NAME(T *s, const double *z, Py_ssize_t n, double scale, T divisor, int divide) { \
+        if (divide) {                                                                                       \
+            for (Py_ssize_t i = 0; i < n; i++) s[i] = (T)(z[i] * scale + (double)s[i]) / divisor;           \
+        } else {                                                                                            \
+            for (Py_ssize_t i = 0; i < n; i++) s[i] = (T)(z[i] * scale + (double)s[i]);                     \
+        }                                                                                                   \
+    }
+
+RELEASE_LOOP(release_ff, float, float)
+RELEASE_LOOP(release_dd, double, double)
+RELEASE_LOOP(release_fd, float, double)
+RELEASE_LOOP(release_df, double, float)
+INPLACE_LOOP(release_ff_inplace, float)
+INPLACE_LOOP(release_dd_inplace, double)
+
+PyDoc_STRVAR(release_doc,
+"release(out, s, z, scale, divisor, divide) -> None\n\n"
+"out[i] = rnd(z[i]*scale + s[i]) / divisor (or without the division when divide is false): out and s float32\n"
+"or float64 [n] (out may be s itself: the same elements), z float64 [n] overlapping neither, divisor rounded\n"
+"to out's type. ValueError for any other overlap, type or length. GIL released.");
+
+static PyObject *release(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_s, *o_z;
+    double scale, divisor;
+    int divide;
+    if (!PyArg_ParseTuple(args, "OOOddp", &o_out, &o_s, &o_z, &scale, &divisor, &divide)) return NULL;
+    Py_buffer out, s, z;
+    int got = 0;
+    PyObject *result = NULL;
+    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
+    got = 1;
+    if (get_buffer(o_s, &s, 0, "s") < 0) goto done;
+    got = 2;
+    if (get_buffer(o_z, &z, 0, "z") < 0) goto done;
+    got = 3;
+    {
+        char ko = kind_of(&out), ks = kind_of(&s);
+        Py_ssize_t n = count_of(&out);
+        if ((ko != 'f' && ko != 'd') || (ks != 'f' && ks != 'd') || kind_of(&z) != 'd' || count_of(&s) != n ||
+            count_of(&z) != n) {
+            PyErr_SetString(PyExc_ValueError,
+                            "release takes out and s float32 or float64 [n] and z float64 [n] of one length");
+            goto done;
+        }
+        const char *ob = (const char *)out.buf, *sb = (const char *)s.buf, *zb = (const char *)z.buf;
+        int inplace = ob == sb && ko == ks; /* the same elements: the sum is overwritten by its release */
+        if ((!inplace && ob < sb + s.len && sb < ob + out.len) || (zb < ob + out.len && ob < zb + z.len)) {
+            PyErr_SetString(PyExc_ValueError, "release: out overlaps s (without being s itself) or z");
+            goto done;
+        }
+        const double *zp = (const double *)z.buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (inplace && ko == 'f') release_ff_inplace((float *)out.buf, zp, n, scale, (float)divisor, divide);
+        else if (inplace) release_dd_inplace((double *)out.buf, zp, n, scale, divisor, divide);
+        else if (ko == 'f' && ks == 'f') release_ff((float *)out.buf, (const float *)s.buf, zp, n, scale, (float)divisor, divide);
+        else if (ko == 'f') release_fd((float *)out.buf, (const double *)s.buf, zp, n, scale, (float)divisor, divide);
+        else if (ks == 'f') release_df((double *)out.buf, (const float *)s.buf, zp, n, scale, divisor, divide);
+        else release_dd((double *)out.buf, (const double *)s.buf, zp, n, scale, divisor, divide);
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    if (got >= 3) PyBuffer_Release(&z);
+    if (got >= 2) PyBuffer_Release(&s);
+    if (got >= 1) PyBuffer_Release(&out);
+    return result;
+}
+
+/* -------------------------------------------------------------------------------------------- row norms */
+
+/* out[r] = sum_j float64(x[r, j])^2 for lo <= r < hi: eight float64 accumulators over the columns j = 0..7 mod 8
+ * of the first n - n mod 8 columns, added ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), then the last
+ * n mod 8 squares left to right. A float32 value's square is exact in float64; only the additions round. */
+DPOPT_CLONES static void row_loop(const float *x, Py_ssize_t n, double *out, Py_ssize_t lo, Py_ssize_t hi) {
+    Py_ssize_t m = n - n % 8;
+    for (Py_ssize_t r = lo; r < hi; r++) {
+        const float *row = x + r * n;
+        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0, a4 = 0.0, a5 = 0.0, a6 = 0.0, a7 = 0.0;
+        for (Py_ssize_t j = 0; j < m; j += 8) {
+            double v0 = row[j], v1 = row[j + 1], v2 = row[j + 2], v3 = row[j + 3];
+            double v4 = row[j + 4], v5 = row[j + 5], v6 = row[j + 6], v7 = row[j + 7];
+            a0 += v0 * v0; a1 += v1 * v1; a2 += v2 * v2; a3 += v3 * v3;
+            a4 += v4 * v4; a5 += v5 * v5; a6 += v6 * v6; a7 += v7 * v7;
+        }
+        double total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+        for (Py_ssize_t j = m; j < n; j++) {
+            double v = row[j];
+            total += v * v;
+        }
+        out[r] = total;
+    }
+}
+
+PyDoc_STRVAR(row_sq_norms64_doc,
+"row_sq_norms64(x, out, columns, lo, hi) -> None\n\n"
+"out[r] = sum_j float64(x[r, j])^2 for lo <= r < hi: x float32 [rows, columns] C-contiguous, out float64\n"
+"[rows]; the order of the additions is fixed by `columns` alone. GIL released.");
+
+static PyObject *row_sq_norms64(PyObject *self, PyObject *args) {
+    PyObject *o_x, *o_out;
+    Py_ssize_t columns, lo, hi;
+    if (!PyArg_ParseTuple(args, "OOnnn", &o_x, &o_out, &columns, &lo, &hi)) return NULL;
+    Py_buffer x, out;
+    int got = 0;
+    PyObject *result = NULL;
+    if (get_buffer(o_x, &x, 0, "x") < 0) goto done;
+    got = 1;
+    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
+    got = 2;
+    {
+        Py_ssize_t rows = count_of(&out);
+        if (kind_of(&x) != 'f' || kind_of(&out) != 'd' || columns < 0 || count_of(&x) != rows * columns || lo < 0 ||
+            hi > rows || lo > hi) {
+            PyErr_SetString(PyExc_ValueError,
+                            "row_sq_norms64 takes x float32 [rows, columns], out float64 [rows], 0 <= lo <= hi <= rows");
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        row_loop((const float *)x.buf, columns, (double *)out.buf, lo, hi);
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    if (got >= 2) PyBuffer_Release(&out);
+    if (got >= 1) PyBuffer_Release(&x);
+    return result;
+}
+
+/* -------------------------------------------------------------------------------------------------- module */
+
+static PyMethodDef methods[] = {
+    {"ziggurat_fill", ziggurat_fill, METH_VARARGS, ziggurat_fill_doc},
+    {"release", release, METH_VARARGS, release_doc},
+    {"row_sq_norms64", row_sq_norms64, METH_VARARGS, row_sq_norms64_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "dpopt._native",
+    "dpopt's CPU kernels (the sampler's ziggurat, the release pass, float64 row norms), built with the package.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

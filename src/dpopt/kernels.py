@@ -1,0 +1,29 @@
+"""dpopt's compiled CPU kernels (the C extension ``dpopt._native``), or an error that says how to build them.
+
+Three kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
+
+* ``ziggurat_fill``: the body of the CPU Gaussian sampler (:mod:`dpopt.ziggurat`);
+* ``release``: the release's one pass, out = rnd(z·scale + s) [/ B̄] (:func:`dpopt.privatizer.add_and_round`);
+* ``row_sq_norms64``: per-row float64 squared norms of float32 rows (:mod:`dpopt.engine.row_norms`).
+
+They are C (``src/dpopt/_native.c``), compiled when the package is built (``pip install``; a C compiler is needed
+to install from the source distribution), with ``-ffp-contract=off`` (no fused multiply-add: the bit-for-bit
+tests against torch/numpy expressions hold) and without ``-ffast-math``. Compiled ahead of time, they add no
+compiler to the running process: the numba kernels they replace loaded LLVM at the first noise draw, ≈ 127 MiB
+resident in every DP process (docs/performance.md), and compiled at run time under a lock that a fork had to wait
+for.
+"""
+
+from __future__ import annotations
+
+__all__ = ["native"]
+
+try:
+    from . import _native as native
+except ImportError as err:  # a source tree that was never built, or a broken install
+    raise ImportError(
+        "dpopt's compiled CPU kernels (the extension module dpopt._native, built from src/dpopt/_native.c) are "
+        f"missing ({err}). Install dpopt with pip so that they are built (`pip install -e .` in a source tree, "
+        "`pip install --force-reinstall dpopt` otherwise); a C compiler (gcc or clang) is needed where no wheel "
+        "for this platform exists."
+    ) from err
