@@ -32,6 +32,7 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
 
@@ -77,7 +78,9 @@ def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = Tru
     Returns:
         ``[B, G]`` in ``sq``'s dtype, f ≤ min(1, C/(‖w‖ + γ)) (without ``cap``: f ≤ C/(‖w‖ + γ)) for the
         exact ‖w‖: so f·‖w‖ ≤ C holds in real arithmetic, the bound the sensitivity is computed from.
-        A zero norm gets 1 (without ``cap`` and γ = 0: C/10⁻³⁰⁰, rounded down into the dtype).
+        With ``cap`` and γ = 0, S ≤ C² (compared exactly: the largest float64 ≤ C², from
+        :class:`fractions.Fraction`, cached per bounds) gives exactly 1, so an example at the bound is
+        not scaled; a zero norm gets 1 (without ``cap`` and γ = 0: C/10⁻³⁰⁰, rounded down into the dtype).
 
     The quotient is evaluated in float64 from the exact float64 values of ``sq`` and C (√, + γ and ÷:
     three correctly rounded operations, ≤ (1 + u)/(1 − u)² above the real quotient, u = 2⁻⁵³), times
@@ -91,12 +94,34 @@ def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = Tru
     """
     from .engine.shifted_norm import round_down
 
-    norms = sq.double().clamp_min(0).sqrt()
+    sq64 = sq.double().clamp_min(0)
+    norms = sq64.sqrt()
     if gamma:
         norms = norms + float(gamma)
     f = bounds.double() / norms.clamp_min(1e-300) * _FACTOR_MARGIN
     f = round_down(f, sq.dtype)
-    return f.clamp(max=1.0) if cap else f
+    if not cap:
+        return f
+    if gamma:
+        return f.clamp(max=1.0)
+    # S ≤ C² exactly (an example at or inside the bound): exactly 1, not the margin's one ulp below
+    c2 = torch.tensor(_squares_down(tuple(bounds.double().reshape(-1).tolist())), dtype=torch.float64)
+    inside = sq64 <= c2.to(sq64.device).reshape(bounds.shape)
+    return torch.where(inside, torch.ones((), dtype=f.dtype, device=f.device), f.clamp(max=1.0))
+
+
+@lru_cache(maxsize=16)
+def _squares_down(bounds: tuple) -> tuple:
+    """The largest float64 ≤ C² (exact, :class:`fractions.Fraction`) for each C: S ≤ that ⟺ S ≤ C² for a float S."""
+    out = []
+    for c in bounds:
+        if not math.isfinite(c):
+            out.append(c * c if c == c else c)
+            continue
+        exact = Fraction(c) ** 2
+        f = float(exact)  # correctly rounded (to nearest)
+        out.append(math.nextafter(f, -math.inf) if Fraction(f) > exact else f)
+    return tuple(out)
 
 
 #: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from dpopt.auto_clipping import AutoClipPrivatizer
+from dpopt.auto_clipping import AutoClipping, AutoClipPrivatizer
 from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.fast import FastPerSampleGrads
 from dpopt.engine.layers import DirectBlock, FactoredBlock, ScaledBlock, unscaled
@@ -93,6 +93,12 @@ def test_group_total_rounding_down_in_float32_is_rounded_up_now():
     f = priv._clip_weights(sq, torch.tensor([1.0], dtype=torch.float64))
     assert within(f[0, 0], exact, 1.0)
     assert float(f) >= 1 / math.sqrt(float(exact)) * (1 - 4 * 2.0**-24)
+    # AUTO-S with a γ below half an ulp of the norm: the old C/(‖w‖ + γ) was 1.0 as well
+    auto = AutoClipPrivatizer(0.0, 1.0, expected_batch_size=1.0, sample_rate=0.1, auto=AutoClipping(1e-9))
+    assert float(torch.tensor([1.0]) / (naive.sqrt() + 1e-9)) == 1.0
+    fa = auto._clip_weights(sq, torch.tensor([1.0], dtype=torch.float64))
+    assert fa.dtype == torch.float32 and within(fa[0, 0], exact, 1.0)
+    assert float(fa) >= 1 / (math.sqrt(float(exact)) + 1e-9) * (1 - 4 * 2.0**-24)
 
 
 def _searched(cond, n=20000, seed=0):
@@ -151,6 +157,27 @@ def test_round_down_and_round_up_bracket_the_value():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c", [1.0, 0.1, 3.0, 1e-3 / 3])
+def test_an_example_at_the_bound_keeps_weight_one(dtype, c):
+    """S ≤ C² exactly gives weight exactly 1 (not the margin's ulp below); the next S above C² is clipped,
+    and its weight still keeps f·√S ≤ C."""
+    exact_c2 = fr(c) ** 2
+    at = round_down(torch.tensor([[c * c]], dtype=torch.float64), dtype)
+    while fr(at[0, 0]) > exact_c2:  # (c·c itself rounded up in float64): the largest S ≤ C² in the dtype
+        at = torch.nextafter(at, torch.zeros_like(at))
+    assert fr(at[0, 0]) <= exact_c2
+    above = torch.nextafter(at, torch.full_like(at, float("inf")))
+    if fr(above[0, 0]) <= exact_c2:  # C² itself is a float of the dtype: step over it
+        above = torch.nextafter(above, torch.full_like(at, float("inf")))
+    assert fr(above[0, 0]) > exact_c2
+    b = torch.tensor([c], dtype=torch.float64)
+    assert float(clip_factors(at, b)[0, 0]) == 1.0
+    assert float(clip_factors(torch.zeros(1, 1, dtype=dtype), b)[0, 0]) == 1.0
+    f = clip_factors(above, b)[0, 0]
+    assert float(f) < 1.0 and within(f, fr(above[0, 0]), c)
+
+
 # --------------------------------------------------------------------------- (b) property
 _U = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 
@@ -165,7 +192,7 @@ _U = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 def test_factor_never_exceeds_the_real_quotient(dtype, sq, c, gamma):
     """For the exact squared norm S (a float64) delivered rounded UP into the dtype (the sources'
     contract), f·√S ≤ C (and ≤ C·√S/(√S + γ) for AUTO-S), and f is at most a few units of roundoff
-    below min(1, C/(√S + γ)) (S = C² gives 1 − 8·2⁻⁵³ rounded down: one ulp below 1 below float64)."""
+    below min(1, C/(√S + γ))."""
     exact = Fraction(sq)
     given_sq = round_up(torch.tensor([[sq]], dtype=torch.float64), dtype)
     assert fr(given_sq[0, 0]) >= exact
