@@ -85,43 +85,53 @@ def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = Tru
     The quotient is evaluated in float64 from the exact float64 values of ``sq`` and C (√, + γ and ÷:
     three correctly rounded operations, ≤ (1 + u)/(1 − u)² above the real quotient, u = 2⁻⁵³), times
     1 − 8u (:data:`_FACTOR_MARGIN`; with its own rounding the product is below the real quotient), then
-    rounded DOWN into ``sq``'s dtype (:func:`~dpopt.engine.shifted_norm.round_down`; a cast would round
+    rounded DOWN into ``sq``'s dtype (:func:`_round_down`; a cast would round
     to nearest, up to half an ulp above). With √sq ≥ ‖w‖ this gives f ≤ C/(‖w‖ + γ); the factor is at
     most one ulp of the dtype below the correctly rounded quotient of the given ``sq`` (plus the 8u
     margin), so the only pessimism is the source's own rounding up of ``sq`` (Higham 2002, *Accuracy
     and Stability of Numerical Algorithms*, §2.2: each IEEE operation is exact times (1 + δ), |δ| ≤ u).
     Cost: elementwise on ``[B, G]``.
     """
-    from .engine.shifted_norm import round_down
+    sq64, b64 = sq.double(), bounds.double()
+    if gamma or not cap:
+        norms = sq64.clamp_min(0).sqrt()
+        if gamma:
+            norms = norms + float(gamma)
+        f = _round_down(b64 / norms.clamp_min(1e-300) * _FACTOR_MARGIN, sq.dtype)
+        return f.clamp(max=1.0) if cap else f
+    # min(1, C/√S): S ≤ C² (compared exactly; a negative S reads as 0) is exactly 1, not the margin's ulp below;
+    # elsewhere C/√S < 1 and f is below it, so no cap is needed. nan stays nan, S = inf gives 0.
+    c2 = _squares_down(tuple(b64.reshape(-1).tolist()), sq64.device).reshape(bounds.shape)
+    f = _round_down(b64 / sq64.sqrt() * _FACTOR_MARGIN, sq.dtype)
+    return f.masked_fill_(sq64 <= c2, 1.0)
 
-    sq64 = sq.double().clamp_min(0)
-    norms = sq64.sqrt()
-    if gamma:
-        norms = norms + float(gamma)
-    f = bounds.double() / norms.clamp_min(1e-300) * _FACTOR_MARGIN
-    f = round_down(f, sq.dtype)
-    if not cap:
-        return f
-    if gamma:
-        return f.clamp(max=1.0)
-    # S ≤ C² exactly (an example at or inside the bound): exactly 1, not the margin's one ulp below
-    c2 = torch.tensor(_squares_down(tuple(bounds.double().reshape(-1).tolist())), dtype=torch.float64)
-    inside = sq64 <= c2.to(sq64.device).reshape(bounds.shape)
-    return torch.where(inside, torch.ones((), dtype=f.dtype, device=f.device), f.clamp(max=1.0))
+
+def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """float64 ``x`` in ``dtype``, rounded toward −∞ (a cast rounds to nearest: up to half an ulp above).
+
+    The mirror of :func:`dpopt.engine.shifted_norm.round_up` (kept here: the privacy boundary imports no
+    engine). nan stays nan, ±inf stay ±inf; a finite value above ``dtype``'s largest rounds to that
+    largest value, not to +inf. float64: ``x`` itself.
+    """
+    if dtype == torch.float64:
+        return x
+    down = x.to(dtype)
+    return torch.where(down.double() > x, torch.nextafter(down, torch.full_like(down, float("-inf"))), down)
 
 
 @lru_cache(maxsize=16)
-def _squares_down(bounds: tuple) -> tuple:
-    """The largest float64 ≤ C² (exact, :class:`fractions.Fraction`) for each C: S ≤ that ⟺ S ≤ C² for a float S."""
+def _squares_down(bounds: tuple, device: torch.device) -> Tensor:
+    """The largest float64 ≤ C² for each C (exact, :class:`fractions.Fraction`), float64 ``[G]`` on ``device``:
+    S ≤ that ⟺ S ≤ C² for a float S. A bound that is inf or nan gives itself. Cached per bounds (read only)."""
     out = []
     for c in bounds:
         if not math.isfinite(c):
-            out.append(c * c if c == c else c)
+            out.append(c)
             continue
         exact = Fraction(c) ** 2
         f = float(exact)  # correctly rounded (to nearest)
         out.append(math.nextafter(f, -math.inf) if Fraction(f) > exact else f)
-    return tuple(out)
+    return torch.tensor(out, dtype=torch.float64, device=device)
 
 
 #: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer

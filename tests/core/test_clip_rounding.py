@@ -27,8 +27,9 @@ from dpopt.auto_clipping import AutoClipping, AutoClipPrivatizer
 from dpopt.engine import iter_per_sample_sources
 from dpopt.engine.fast import FastPerSampleGrads
 from dpopt.engine.layers import DirectBlock, FactoredBlock, ScaledBlock, unscaled
-from dpopt.engine.shifted_norm import round_down, round_up
+from dpopt.engine.shifted_norm import round_up
 from dpopt.privatizer import Privatizer, clip_factors
+from dpopt.privatizer import _round_down as round_down
 from dpopt.types import ClipGeometry
 
 

@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RECHECK_RTOL", "shifted_sq_norms", "shift_terms", "rounding_bound", "round_up", "round_down"]
+__all__ = ["RECHECK_RTOL", "shifted_sq_norms", "shift_terms", "rounding_bound", "round_up"]
 
 RECHECK_RTOL = 1e-3
 """τ: rows whose float32 error bound exceeds τ·(their value) are recomputed in float64."""
@@ -167,16 +167,3 @@ def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
         return x
     up = x.to(dtype)
     return torch.where(up.double() < x, torch.nextafter(up, torch.full_like(up, float("inf"))), up)
-
-
-def round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """float64 ``x`` in ``dtype``, rounded toward −∞ (a cast rounds to nearest: up to half an ulp above).
-
-    The mirror of :func:`round_up` (the Privatizer's clip factors: never above the float64 value,
-    :func:`dpopt.privatizer.clip_factors`). nan stays nan, ±inf stay ±inf; a finite value above
-    ``dtype``'s largest rounds to that largest value, not to +inf.
-    """
-    if dtype == torch.float64:
-        return x
-    down = x.to(dtype)
-    return torch.where(down.double() > x, torch.nextafter(down, torch.full_like(down, float("-inf"))), down)
