@@ -329,3 +329,84 @@ def test_clipped_examples_stay_within_c_end_to_end(engine):
     for j in (0, pick[0], pick[1]):
         _, part = released([i for i in range(b) if i != j])
         assert float((full - part).norm()) <= sens + tol, j
+
+
+def _fast_source(src):
+    """The :class:`FastPerSampleGrads` behind the optimizers' wrappers (a parameter-order view)."""
+    while not isinstance(src, FastPerSampleGrads):
+        src = src.source
+    return src
+
+
+def test_hook_door_mean_loss_scaled_norms_stay_within_c(monkeypatch):
+    """``make_private`` with ``loss_reduction="mean"`` (the hook door's blocks scaled by B: ``ScaledBlock``),
+    σ = 0: for every example, weight²·(exact squared norm of what is summed: B²·‖e_i‖²‖a_i‖² per weight,
+    the held bias gradients) ≤ C², exactly; and the source's squared norms are never below the exact ones.
+    With the code before this change (float32 totals, s²·v to nearest, min(1, C/√S) in float32) this fails
+    on this batch (checked by hand: an example's weight above C/‖w‖; with 12 examples, a squared norm below
+    the exact one); each defect alone is isolated by the unit tests above."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpopt import PrivacyEngine
+
+    seen = []
+    accumulate, clip = Privatizer.accumulate, Privatizer._clip_weights
+
+    def exact_of(src):
+        src = _fast_source(src)
+        out = [Fraction(0)] * src.batch_size
+        for blk in src.blocks:
+            s2 = fr(blk.scale) ** 2 if isinstance(blk, ScaledBlock) else Fraction(1)
+            inner = unscaled(blk)
+            if isinstance(inner, FactoredBlock):
+                (pt,) = inner.parts
+                for i in range(src.batch_size):
+                    ee, aa = (sum(Fraction(v) ** 2 for v in t[i].double().flatten().tolist()) for t in (pt.e, pt.a))
+                    out[i] += s2 * ee * aa
+            else:
+                for g in inner.grads:
+                    for i in range(src.batch_size):
+                        out[i] += s2 * sum(Fraction(v) ** 2 for v in g[i].double().flatten().tolist())
+        return out
+
+    def spy_accumulate(self, source):
+        seen.append(
+            {"exact": exact_of(source), "scaled": any(isinstance(b, ScaledBlock) for b in _fast_source(source).blocks)}
+        )
+        return accumulate(self, source)
+
+    def spy_clip(self, sq, bounds):
+        out = clip(self, sq, bounds)
+        seen[-1].update(sq=sq.clone(), weights=out.clone())
+        return out
+
+    monkeypatch.setattr(Privatizer, "accumulate", spy_accumulate)
+    monkeypatch.setattr(Privatizer, "_clip_weights", spy_clip)
+    model = _mlp()
+    b = 64
+    x, y = torch.randn(b, 6, generator=torch.Generator().manual_seed(5)), torch.arange(b) % 3
+    c = 0.05
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # σ = 0
+        model, opt, _ = PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
+            noise_multiplier=0.0,
+            max_grad_norm=c,
+            poisson_sampling=False,
+            loss_reduction="mean",
+        )
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    (rec,) = seen
+    assert rec["scaled"]  # the mean loss's scale B is folded into the blocks
+    clipped = 0
+    for i in range(b):
+        assert fr(rec["sq"][i, 0]) >= rec["exact"][i]
+        assert within(rec["weights"][i, 0], rec["exact"][i], c), i
+        clipped += float(rec["weights"][i, 0]) < 1
+    assert clipped == b  # C below every example's norm: all clipped, each within an ulp of C
