@@ -122,14 +122,19 @@ def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
 @lru_cache(maxsize=16)
 def _squares_down(bounds: tuple, device: torch.device) -> Tensor:
     """The largest float64 ≤ C² for each C (exact, :class:`fractions.Fraction`), float64 ``[G]`` on ``device``:
-    S ≤ that ⟺ S ≤ C² for a float S. A bound that is inf or nan gives itself. Cached per bounds (read only)."""
+    S ≤ that ⟺ S ≤ C² for a float S. A bound that is inf or nan gives itself, one whose C² overflows +inf.
+    Cached per bounds (read only)."""
     out = []
     for c in bounds:
         if not math.isfinite(c):
             out.append(c)
             continue
         exact = Fraction(c) ** 2
-        f = float(exact)  # correctly rounded (to nearest)
+        try:
+            f = float(exact)  # correctly rounded (to nearest)
+        except OverflowError:  # C² above float64's largest: every float S is below it
+            out.append(math.inf)
+            continue
         out.append(math.nextafter(f, -math.inf) if Fraction(f) > exact else f)
     return torch.tensor(out, dtype=torch.float64, device=device)
 
