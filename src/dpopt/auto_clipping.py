@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .privatizer import Privatizer
+from .privatizer import Privatizer, clip_factors
 
 __all__ = ["AutoClipping", "AutoClipPrivatizer", "DEFAULT_GAMMA"]
 
@@ -89,9 +89,14 @@ class AutoClipPrivatizer(Privatizer):
         """γ of the normalisation (public)."""
         return self.auto.gamma
 
-    def _clip_weights(self, norms: Tensor, bounds: Tensor) -> Tensor:
-        """AUTO-S weights C/(‖w_i‖ + γ), ``[B, 1]``; every weighted norm is < C."""
-        return bounds / (norms + self.auto.gamma)
+    def _clip_weights(self, sq: Tensor, bounds: Tensor) -> Tensor:
+        """AUTO-S weights C/(‖w_i‖ + γ), ``[B, 1]`` from the squared norms ``sq``; every weighted norm is < C.
+
+        Evaluated by :func:`~dpopt.privatizer.clip_factors` without the cap at 1 (float64, rounded down
+        into ``sq``'s dtype: never above the real C/(‖w_i‖ + γ), so the weighted norm stays < C in real
+        arithmetic, whatever the rounding of √, + γ and ÷).
+        """
+        return clip_factors(sq, bounds, self.auto.gamma, cap=False)
 
     def _clip_meta(self) -> dict:
         return {"clipping": "auto", "gamma": self.auto.gamma}

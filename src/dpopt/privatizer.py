@@ -32,6 +32,8 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
 from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
 import torch
@@ -46,7 +48,95 @@ from .kernels import native
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
-__all__ = ["Release", "QuantileClipping", "Privatizer", "EARLY_DRAW_MAX", "RELEASE_SPLIT_MIN", "add_and_round"]
+__all__ = [
+    "Release",
+    "QuantileClipping",
+    "Privatizer",
+    "EARLY_DRAW_MAX",
+    "RELEASE_SPLIT_MIN",
+    "add_and_round",
+    "clip_factors",
+]
+
+#: Relative margin of :func:`clip_factors`' float64 evaluation: 8 units of float64 roundoff, more than the
+#: ≤ 3 roundings (√, + γ, ÷) and the margin's own product can move the quotient (module docstring there).
+_FACTOR_MARGIN = 1.0 - 8.0 * 2.0**-53
+
+
+def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = True) -> Tensor:
+    """Clip factors min(1, C_k/(√sq_i,k + γ)) ``[B, G]``, never above the exact real quotient.
+
+    Args:
+        sq: ``[B, G]`` squared norms in the source's compute dtype (float64, float32, bf16, fp16),
+            each never below the exact squared norm ‖w‖² of what the source sums (negative values
+            read as 0).
+        bounds: ``[G]`` (or broadcastable) bounds C_k ≥ 0; float64 (a Python float's exact value).
+        gamma: γ ≥ 0 added to the norm (AUTO-S, :mod:`dpopt.auto_clipping`); 0 for min(1, C/‖w‖).
+        cap: take min(1, ·) (clipping); False for AUTO-S's uncapped C/(‖w‖ + γ).
+
+    Returns:
+        ``[B, G]`` in ``sq``'s dtype, f ≤ min(1, C/(‖w‖ + γ)) (without ``cap``: f ≤ C/(‖w‖ + γ)) for the
+        exact ‖w‖: so f·‖w‖ ≤ C holds in real arithmetic, the bound the sensitivity is computed from.
+        With ``cap`` and γ = 0, S ≤ C² (compared exactly: the largest float64 ≤ C², from
+        :class:`fractions.Fraction`, cached per bounds) gives exactly 1, so an example at the bound is
+        not scaled; a zero norm gets 1 (without ``cap`` and γ = 0: C/10⁻³⁰⁰, rounded down into the dtype).
+
+    The quotient is evaluated in float64 from the exact float64 values of ``sq`` and C (√, + γ and ÷:
+    three correctly rounded operations, ≤ (1 + u)/(1 − u)² above the real quotient, u = 2⁻⁵³), times
+    1 − 8u (:data:`_FACTOR_MARGIN`; with its own rounding the product is below the real quotient), then
+    rounded DOWN into ``sq``'s dtype (:func:`_round_down`; a cast would round
+    to nearest, up to half an ulp above). With √sq ≥ ‖w‖ this gives f ≤ C/(‖w‖ + γ); the factor is at
+    most one ulp of the dtype below the correctly rounded quotient of the given ``sq`` (plus the 8u
+    margin), so the only pessimism is the source's own rounding up of ``sq`` (Higham 2002, *Accuracy
+    and Stability of Numerical Algorithms*, §2.2: each IEEE operation is exact times (1 + δ), |δ| ≤ u).
+    Cost: elementwise on ``[B, G]``.
+    """
+    sq64, b64 = sq.double(), bounds.double()
+    if gamma or not cap:
+        norms = sq64.clamp_min(0).sqrt()
+        if gamma:
+            norms = norms + float(gamma)
+        f = _round_down(b64 / norms.clamp_min(1e-300) * _FACTOR_MARGIN, sq.dtype)
+        return f.clamp(max=1.0) if cap else f
+    # min(1, C/√S): S ≤ C² (compared exactly; a negative S reads as 0) is exactly 1, not the margin's ulp below;
+    # elsewhere C/√S < 1 and f is below it, so no cap is needed. nan stays nan, S = inf gives 0.
+    c2 = _squares_down(tuple(b64.reshape(-1).tolist()), sq64.device).reshape(bounds.shape)
+    f = _round_down(b64 / sq64.sqrt() * _FACTOR_MARGIN, sq.dtype)
+    return f.masked_fill_(sq64 <= c2, 1.0)
+
+
+def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """float64 ``x`` in ``dtype``, rounded toward −∞ (a cast rounds to nearest: up to half an ulp above).
+
+    The mirror of :func:`dpopt.engine.shifted_norm.round_up` (kept here: the privacy boundary imports no
+    engine). nan stays nan, ±inf stay ±inf; a finite value above ``dtype``'s largest rounds to that
+    largest value, not to +inf. float64: ``x`` itself.
+    """
+    if dtype == torch.float64:
+        return x
+    down = x.to(dtype)
+    return torch.where(down.double() > x, torch.nextafter(down, torch.full_like(down, float("-inf"))), down)
+
+
+@lru_cache(maxsize=16)
+def _squares_down(bounds: tuple, device: torch.device) -> Tensor:
+    """The largest float64 ≤ C² for each C (exact, :class:`fractions.Fraction`), float64 ``[G]`` on ``device``:
+    S ≤ that ⟺ S ≤ C² for a float S. A bound that is inf or nan gives itself, one whose C² overflows +inf.
+    Cached per bounds (read only)."""
+    out = []
+    for c in bounds:
+        if not math.isfinite(c):
+            out.append(c)
+            continue
+        exact = Fraction(c) ** 2
+        try:
+            f = float(exact)  # correctly rounded (to nearest)
+        except OverflowError:  # C² above float64's largest: every float S is below it
+            out.append(math.inf)
+            continue
+        out.append(math.nextafter(f, -math.inf) if Fraction(f) > exact else f)
+    return torch.tensor(out, dtype=torch.float64, device=device)
+
 
 #: The largest gradient-noise draw (normals) computed early, at ``begin()``, into a float64 buffer
 #: (32 MiB); a larger model's noise is drawn chunk by chunk at the release and added in place, so
@@ -631,11 +721,10 @@ class Privatizer:
             raise RuntimeError("call begin() before accumulate()")
         groups = self.groups if self.groups is not None else [0] * source.num_params
         sq = source.sq_norms(self._geometry, groups, len(self.bounds))
-        norms = sq.clamp_min(0).sqrt()
-        bounds = torch.tensor(self.bounds, dtype=norms.dtype, device=norms.device)
-        weights = self._clip_weights(norms, bounds)
+        bounds = torch.tensor(self.bounds, dtype=torch.float64, device=sq.device)  # C_k exactly (no rounding)
+        weights = self._clip_weights(sq, bounds)
         if self.quantile is not None:
-            self._count += float(((norms[:, 0] <= bounds[0]).to(norms.dtype) - 0.5).sum())
+            self._count += float(((sq[:, 0].double().clamp_min(0).sqrt() <= bounds[0]).double() - 0.5).sum())
             self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
         try:
@@ -726,14 +815,23 @@ class Privatizer:
                 if t._base is not None:
                     _track(mine, i, True, t._base)
 
-    def _clip_weights(self, norms: Tensor, bounds: Tensor) -> Tensor:
-        """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖).
+    def _clip_weights(self, sq: Tensor, bounds: Tensor) -> Tensor:
+        """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖), rounded down.
+
+        Args:
+            sq: ``[B, G]`` squared norms from the source's ``sq_norms`` (its compute dtype), each never
+                below the exact ‖w_i,k‖² (:class:`~dpopt.types.PerSampleSource`).
+            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them.
+
+        Returns:
+            ``[B, G]`` in ``sq``'s dtype (:func:`clip_factors`): weight·‖w_i,k‖ ≤ C_k holds for the exact
+            real norm, whatever the rounding of the square root and the division.
 
         The one place the clip rule lives; a subclass that changes it (automatic clipping,
         :class:`dpopt.auto_clipping.AutoClipPrivatizer`) must keep every weighted example's
-        norm ≤ C_k, the bound the sensitivity is computed from.
+        norm ≤ C_k, the bound the sensitivity is computed from (use :func:`clip_factors`).
         """
-        return torch.clamp(bounds / norms.clamp_min(1e-30), max=1.0)
+        return clip_factors(sq, bounds)
 
     def _clip_meta(self) -> dict:
         """Public facts of the clip rule recorded with every release (none for min(1, C/‖w‖))."""

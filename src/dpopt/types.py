@@ -83,10 +83,15 @@ class PerSampleSource(Protocol):
 
     * ``sq_norms(geometry, groups, num_groups) -> Tensor [B, G]``: ‖w_i‖²
       restricted to each group's parameters (float, the parameters' dtype or
-      float64; units: squared w-units);
+      float64; units: squared w-units), never below the exact squared norm
+      of the w_i that ``weighted_sum`` sums (rounded up, not to nearest: the
+      clip factor is rounded down from it, :func:`dpopt.privatizer.clip_factors`,
+      so the clipped norm is ≤ C in real arithmetic);
     * ``weighted_sum(weights [B, G], geometry, groups) -> list[Tensor]``:
       Σ_i weights[i, group(p)] · w_i(p) for every parameter p, one
       param-shaped tensor per parameter, in this source's order (w-units).
+      The weights come in ``sq_norms``' dtype; a source that casts them to
+      a narrower dtype must round down (a cast to nearest may round up).
       Each must be a FRESH tensor that nothing else holds: on the CPU
       (without quantile clipping) the release adds the float64 noise into a
       contiguous float32/float64 sum of the parameter's dtype and rounds the noisy sum back into that sum's own storage

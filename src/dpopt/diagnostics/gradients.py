@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import iter_per_sample_sources
+from ..privatizer import clip_factors
 from ..types import ClipGeometry
 
 __all__ = ["NON_PRIVATE_NOTICE", "clean_clipped_mean_gradient", "matrix_parameters"]
@@ -65,8 +66,8 @@ def clean_clipped_mean_gradient(
     total: Optional[list[Tensor]] = None
     for source in iter_per_sample_sources(model, loss_fn, x, y, physical_batch_size, engine=engine):
         groups = [0] * source.num_params
-        norms = source.sq_norms(geometry, groups, 1).clamp_min(0).sqrt()
-        weights = torch.clamp(max_grad_norm / norms.clamp_min(1e-30), max=1.0)
+        sq = source.sq_norms(geometry, groups, 1)
+        weights = clip_factors(sq, torch.tensor([float(max_grad_norm)], dtype=torch.float64))  # the Privatizer's rule
         part = source.weighted_sum(weights, geometry, groups)
         total = [p.detach().clone() for p in part] if total is None else [a + b.detach() for a, b in zip(total, part)]
     assert total is not None

@@ -101,6 +101,7 @@ from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, prese
 from .layers import DirectBlock, FactoredBlock, check_norm_form, compute_dtype, plan_caches, unscaled
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
+from .row_norms import round_up_sq_norms
 
 _no_autocast = no_autocast
 
@@ -222,28 +223,33 @@ class FastPerSampleGrads:
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
                 per_param[i] = v
-        out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
+        # The group totals are summed in float64 (each term exact there) and rounded UP into the compute
+        # dtype (round_up_sq_norms: ≥ the float64 sum's exact value after its ≤ P − 1 roundings): a total is
+        # never below the exact sum of its terms, each never below its parameter's exact norm, so the
+        # Privatizer's factor (clip_factors) keeps the clipped norm ≤ C. Cost: [B, G] float64.
+        terms = max(1, len(per_param))
+        out = torch.zeros(self.batch_size, num_groups, dtype=torch.float64, device=self.device)
         for v, k in zip(per_param, groups):
             out[:, k] += v  # type: ignore[arg-type]
         # The non-finite check reads the totals: the norms are ≥ 0 or nan/inf, and an inf or nan term makes
         # its group's float sum inf or nan, so all-finite totals mean all-finite norms (the common case: one
-        # reduction). Otherwise (or a finite sum that overflowed) the norms are read one by one, as always.
+        # reduction). Otherwise the norms are read one by one, as always.
         if bool(torch.isfinite(out).all()):
             self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
-            return out
+            return round_up_sq_norms(out, terms, self.dtype)
         bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         for v in per_param:
             bad |= ~torch.isfinite(v)  # type: ignore[arg-type]
         self._bad = bad
         if not bool(bad.any()):
-            return out
+            return round_up_sq_norms(out, terms, self.dtype)
         out.zero_()
         for i, (v, k) in enumerate(zip(per_param, groups)):
             m, b = self._geo(geometry, i)
             zero = (m / b) if (m is not None and b is not None) else m
             zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
             out[:, k] += torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
-        return out
+        return round_up_sq_norms(out, terms, self.dtype)
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         """Σ_i weights[i, group(p)] · w_i(p) for every parameter p (param-shaped).

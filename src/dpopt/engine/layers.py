@@ -25,8 +25,10 @@ picks per layer the cheapest exact form:
   in the flat geometry ‖g_i‖² = ‖e_i‖²‖a_i‖², with ‖e_i‖² and ‖a_i‖² summed in float64
   (:meth:`LinearPart.sq64`, one compiled row pass each) and the result rounded UP into the compute
   dtype (each parameter's never below the exact norm of the recorded rows; a group's total of several
-  parameters, and the hook door's scaling by B or 1/K, are float32 operations rounded to nearest on top:
-  relative ≤ a few 2⁻²⁴, the compute dtype's tolerance); the layer's bias (‖e_i‖²) shares ‖e_i‖²;
+  parameters is summed in float64 and rounded up too (:class:`~dpopt.engine.fast.FastPerSampleGrads`),
+  and so is the hook door's scaling by B or 1/K (:class:`ScaledBlock`): the total is never below
+  the exact one, and the Privatizer's factor is rounded down, :func:`dpopt.privatizer.clip_factors`);
+  the layer's bias (‖e_i‖²) shares ‖e_i‖²;
 
 * **ghost norm / Gram form** (Li et al. 2022, "Large language models can be
   strong differentially private learners", §4; flat geometry only)::
@@ -261,7 +263,7 @@ def _geo_sq_norms(g: Tensor, shift: Optional[Tensor], scale: Optional[Tensor]) -
         if scale is not None:
             w.div_(scale)
     flat = w.reshape(w.shape[0], math.prod(w.shape[1:]))
-    return row_sq_norms64(flat).to(compute_dtype(g.dtype))
+    return round_up_sq_norms(row_sq_norms64(flat), flat.shape[1] + 1, compute_dtype(g.dtype))
 
 
 # --------------------------------------------------------------------------- direct (materialised)
@@ -336,7 +338,10 @@ class ScaledBlock:
     def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
         s = self.scale
         inner = self.inner.sq_norms([(None if m is None else m / s, b) for m, b in geos])
-        return [v * (s * s) for v in inner]
+        # s²·v in float64 (two roundings: s·s and the product) rounded UP into v's dtype: never below s²
+        # times the inner block's value (itself never below the exact norm), where a float32 product
+        # rounded to nearest could be half an ulp below.
+        return [round_up_sq_norms(v.double() * (s * s), 2, v.dtype) for v in inner]
 
     def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
         return self.inner.grad_sums([c * self.scale for c in coefs], bad)

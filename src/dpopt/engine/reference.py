@@ -52,6 +52,7 @@ from ..types import ClipGeometry, EvaluationPoint
 from .check import Unreplayable
 from .inputs import BufferWrite, LossFn, LossShapeError, buffers_unchanged, check_inputs, example_loss, guarded_buffers
 from .layers import compute_dtype
+from .row_norms import round_up_sq_norms
 
 __all__ = [
     "PerSampleGrads",
@@ -126,17 +127,22 @@ class PerSampleGrads:
         """Squared norms ‖w_i‖² per group: shape ``[B, num_groups]`` (float32/64).
 
         w_i = (g_i − shift)/scale is formed coordinate-wise (no cancellation
-        beyond one rounding per coordinate); the squares are accumulated in
-        float64; returned in :func:`~dpopt.engine.layers.compute_dtype` of the gradients' dtype
-        (float32 for bf16).
+        beyond one rounding per coordinate), the very w_i that :meth:`weighted_sum` sums; the squares
+        are accumulated in float64 and returned in :func:`~dpopt.engine.layers.compute_dtype` of the
+        gradients' dtype (float32 for bf16) rounded UP (:func:`~dpopt.engine.row_norms.round_up_sq_norms`
+        over the group's n coordinates: ≤ 2n + 3 float64 roundings — n squares, n − 1 additions, the
+        norm's √ and its square, the group's additions): never below the exact ‖w_i‖² of the group, so
+        the Privatizer's clip factor keeps the clipped norm ≤ C. float64 gradients: the float64
+        evaluation (as every float64 engine's norms).
         """
         out = self.grads[0].new_zeros(self.batch_size, num_groups, dtype=torch.float64)
+        terms = [0] * num_groups
         for i, k in enumerate(groups):
             w = self._w(i, geometry)
-            out[:, k] += torch.linalg.vector_norm(
-                w.reshape(self.batch_size, math.prod(w.shape[1:])), dim=1, dtype=torch.float64
-            ).square()
-        return out.to(compute_dtype(self.grads[0].dtype))
+            n = math.prod(w.shape[1:])
+            terms[k] += 2 * n + 4
+            out[:, k] += torch.linalg.vector_norm(w.reshape(self.batch_size, n), dim=1, dtype=torch.float64).square()
+        return round_up_sq_norms(out, max([1, *terms]), compute_dtype(self.grads[0].dtype))
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         """Σ_i weights[i, group(p)] · w_i(p) for every parameter p (param-shaped), in
