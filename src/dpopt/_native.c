@@ -18,8 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-/* one AVX2 build and one baseline build of a loop; the loader picks one per CPU (GCC function multi-versioning) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
+/* one AVX2 build and one baseline build of a loop; the loader picks one per CPU (GCC function multi-versioning,
+ * which needs glibc's ifunc: not on musl) */
 #define DPOPT_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define DPOPT_CLONES
@@ -41,7 +42,12 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
 /* the element kind of a buffer: 'f' float32, 'd' float64, 'Q' uint64, 'q' int64, 0 otherwise */
 static char kind_of(const Py_buffer *v) {
     const char *f = v->format ? v->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (*f == '<') f++; /* little-endian: this machine's order */
+#elif defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    if (*f == '>' || *f == '!') f++;
+#endif
+    if (*f == '=' || *f == '@') f++; /* native order (and '@': native alignment, the same for these types) */
     if (f[0] == '\0' || f[1] != '\0') return 0;
     switch (f[0]) {
         case 'f': return v->itemsize == 4 ? 'f' : 0;
@@ -284,7 +290,9 @@ static PyObject *row_sq_norms64(PyObject *self, PyObject *args) {
     got = 2;
     {
         Py_ssize_t rows = count_of(&out);
-        if (kind_of(&x) != 'f' || kind_of(&out) != 'd' || columns < 0 || count_of(&x) != rows * columns || lo < 0 ||
+        /* rows * columns compared without overflow: a huge `columns` must not wrap to x's length */
+        if (kind_of(&x) != 'f' || kind_of(&out) != 'd' || columns < 0 ||
+            (columns > 0 && rows > PY_SSIZE_T_MAX / columns) || count_of(&x) != rows * columns || lo < 0 ||
             hi > rows || lo > hi) {
             PyErr_SetString(PyExc_ValueError,
                             "row_sq_norms64 takes x float32 [rows, columns], out float64 [rows], 0 <= lo <= hi <= rows");

@@ -183,7 +183,14 @@ def test_the_c_kernel_refuses_ranges_and_shapes_outside_its_buffers():
     from dpopt.kernels import native
 
     x, out = np.ones((4, 3), dtype=np.float32), np.empty(4)
-    for args in ((x, out, 3, 0, 5), (x, out, 4, 0, 4), (x, out, 3, 3, 2), (x.astype(np.float64), out, 3, 0, 4)):
+    wraps = 2**62 + 1  # 4 · wraps overflows to 4 = x's length: must not pass the size check
+    for args in (
+        (x, out, 3, 0, 5),
+        (x, out, 4, 0, 4),
+        (x, out, 3, 3, 2),
+        (x.astype(np.float64), out, 3, 0, 4),
+        (np.ones(4, dtype=np.float32), out, wraps, 0, 4),
+    ):
         with pytest.raises(ValueError, match="row_sq_norms64 takes"):
             native.row_sq_norms64(*args)
     native.row_sq_norms64(x, out, 3, 1, 3)
