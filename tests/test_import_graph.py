@@ -27,13 +27,14 @@ PACKAGE = "dpopt"
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every .py under src/dpopt (packages by their __init__)."""
+    """Dotted module name -> file, for every .py under src/dpopt (packages by their __init__), and every
+    compiled extension module by its .pyi stub (``dpopt._native``: a module that imports nothing of dpopt)."""
     out = {}
-    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+    for path in sorted((SRC / PACKAGE).rglob("*.py")) + sorted((SRC / PACKAGE).rglob("*.pyi")):
         parts = list(path.relative_to(SRC).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        out[".".join(parts)] = path
+        out.setdefault(".".join(parts), path)  # a .py wins over a stub of the same name
     return out
 
 
