@@ -107,7 +107,8 @@ def clip_factors(
         b64 = bounds.detach().to(device=sq.device, dtype=torch.float64)
         values: Optional[tuple] = None
     else:
-        values = tuple(float(c) for c in ([bounds] if isinstance(bounds, numbers.Real) else bounds))
+        seq = [bounds] if isinstance(bounds, (float, int, numbers.Real)) else bounds
+        values = tuple(float(c) for c in seq)
         shape = (len(values),)
         b64 = _bounds64(values, sq.device)
     sq64 = sq.double()
@@ -876,7 +877,8 @@ class Privatizer:
         Args:
             sq: ``[B, G]`` squared norms from the source's ``sq_norms`` (its compute dtype), each never
                 below the exact ‖w_i,k‖² (:class:`~dpopt.types.PerSampleSource`).
-            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them.
+            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them (from :meth:`accumulate`:
+                a cached tensor, read only).
 
         Returns:
             ``[B, G]`` in ``sq``'s dtype (:func:`clip_factors`): weight·‖w_i,k‖ ≤ C_k holds for the exact

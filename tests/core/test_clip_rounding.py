@@ -9,6 +9,10 @@ and each test below first shows that the old computation does, on the same input
 * the hook door's scaling s²·‖g‖² in float32 (:class:`~dpopt.engine.layers.ScaledBlock`);
 * √ and C/‖w‖ rounded to nearest (the factor itself, :func:`~dpopt.privatizer.clip_factors`).
 
+Section (d), the review's follow-ups: sources that still rounded to nearest (the scale-only T = 1 closed form,
+embeddings, the tied embedding + head), the bounds' device and floats, subnormal float64 factors, and the
+quantile count's comparison; each test fails on the code before its fix.
+
 Exact values are Python :class:`fractions.Fraction` (every float is one): f·√S ≤ C ⟺ f²·S ≤ C².
 """
 
@@ -598,9 +602,7 @@ def test_privatizer_passes_its_bounds_as_floats(monkeypatch, cls):
 
     monkeypatch.setattr(mod, "clip_factors", spy)
     kw = dict(expected_batch_size=1.0, sample_rate=0.1)
-    priv = (
-        AutoClipPrivatizer(0.0, 2.0, auto=AutoClipping(0.01), **kw) if cls == "auto" else Privatizer(0.0, 2.0, **kw)
-    )
+    priv = AutoClipPrivatizer(0.0, 2.0, auto=AutoClipping(0.01), **kw) if cls == "auto" else Privatizer(0.0, 2.0, **kw)
     priv.begin()
     priv.accumulate(PerSampleGrads([torch.tensor([[3.0, 4.0]])]))
     assert seen and all(isinstance(x, tuple) and x == (2.0,) for x in seen)

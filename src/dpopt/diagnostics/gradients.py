@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..engine import iter_per_sample_sources
