@@ -96,7 +96,7 @@ class AutoClipPrivatizer(Privatizer):
         into ``sq``'s dtype: never above the real C/(‖w_i‖ + γ), so the weighted norm stays < C in real
         arithmetic, whatever the rounding of √, + γ and ÷).
         """
-        return clip_factors(sq, bounds, self.auto.gamma, cap=False)
+        return clip_factors(sq, self._bound_values(bounds), self.auto.gamma, cap=False)
 
     def _clip_meta(self) -> dict:
         return {"clipping": "auto", "gamma": self.auto.gamma}

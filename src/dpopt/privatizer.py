@@ -63,21 +63,28 @@ __all__ = [
 _FACTOR_MARGIN = 1.0 - 8.0 * 2.0**-53
 
 
-def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = True) -> Tensor:
+def clip_factors(
+    sq: Tensor, bounds: Union[Tensor, Sequence[float], float], gamma: float = 0.0, cap: bool = True
+) -> Tensor:
     """Clip factors min(1, C_k/(√sq_i,k + γ)) ``[B, G]``, never above the exact real quotient.
 
     Args:
-        sq: ``[B, G]`` squared norms in the source's compute dtype (float64, float32, bf16, fp16),
-            each never below the exact squared norm ‖w‖² of what the source sums (negative values
+        sq: ``[B, G]`` squared norms in the source's compute dtype (float64, float32, bf16, fp16), on any
+            device, each never below the exact squared norm ‖w‖² of what the source sums (negative values
             read as 0).
-        bounds: ``[G]`` (or broadcastable) bounds C_k ≥ 0; float64 (a Python float's exact value).
+        bounds: the bounds C_k ≥ 0 (each a Python float's exact value, float64): a sequence of ``G`` floats
+            (or one float), or a tensor of shape ``[G]`` (or broadcastable against ``[B, G]``) on any device,
+            moved to ``sq``'s device and converted to float64 here. Floats cost no device synchronisation
+            (their float64 tensors and exact squares are cached per bounds and device); a tensor on an
+            accelerator is read back to the host once per call where the exact comparison needs its values
+            (``cap`` and γ = 0).
         gamma: γ ≥ 0 added to the norm (AUTO-S, :mod:`dpopt.auto_clipping`); 0 for min(1, C/‖w‖).
         cap: take min(1, ·) (clipping); False for AUTO-S's uncapped C/(‖w‖ + γ).
 
     Returns:
-        ``[B, G]`` in ``sq``'s dtype, f ≤ min(1, C/(‖w‖ + γ)) (without ``cap``: f ≤ C/(‖w‖ + γ)) for the
-        exact ‖w‖: so f·‖w‖ ≤ C holds in real arithmetic, the bound the sensitivity is computed from.
-        With ``cap`` and γ = 0, S ≤ C² (compared exactly: the largest float64 ≤ C², from
+        ``[B, G]`` in ``sq``'s dtype, on ``sq``'s device, f ≤ min(1, C/(‖w‖ + γ)) (without ``cap``:
+        f ≤ C/(‖w‖ + γ)) for the exact ‖w‖: so f·‖w‖ ≤ C holds in real arithmetic, the bound the sensitivity is
+        computed from. With ``cap`` and γ = 0, S ≤ C² (compared exactly: the largest float64 ≤ C², from
         :class:`fractions.Fraction`, cached per bounds) gives exactly 1, so an example at the bound is
         not scaled; a zero norm gets 1 (without ``cap`` and γ = 0: C/10⁻³⁰⁰, rounded down into the dtype).
 
@@ -89,20 +96,54 @@ def clip_factors(sq: Tensor, bounds: Tensor, gamma: float = 0.0, cap: bool = Tru
     most one ulp of the dtype below the correctly rounded quotient of the given ``sq`` (plus the 8u
     margin), so the only pessimism is the source's own rounding up of ``sq`` (Higham 2002, *Accuracy
     and Stability of Numerical Algorithms*, §2.2: each IEEE operation is exact times (1 + δ), |δ| ≤ u).
-    Cost: elementwise on ``[B, G]``.
+    That relative bound holds for NORMAL float64 results only: where the float64 factor is below 2⁻¹⁰²²
+    (subnormal; the ÷ and × then round with an absolute error up to 2⁻¹⁰⁷⁵, relatively unbounded), it is
+    flushed to 0 (:func:`_flush_subnormal`): 0 is below every real quotient, and a factor under 2.2·10⁻³⁰⁸
+    is 0 for every practical purpose (C/‖w‖ that small means a norm ~10³⁰⁸ times C); in float32/bf16/fp16
+    such a value rounds down to 0 anyway. Cost: elementwise on ``[B, G]``.
     """
-    sq64, b64 = sq.double(), bounds.double()
+    if isinstance(bounds, Tensor):
+        shape: tuple = tuple(bounds.shape)
+        b64 = bounds.detach().to(device=sq.device, dtype=torch.float64)
+        values: Optional[tuple] = None
+    else:
+        seq = [bounds] if isinstance(bounds, (float, int, numbers.Real)) else bounds
+        values = tuple(float(c) for c in seq)
+        shape = (len(values),)
+        b64 = _bounds64(values, sq.device)
+    sq64 = sq.double()
     if gamma or not cap:
         norms = sq64.clamp_min(0).sqrt()
         if gamma:
             norms = norms + float(gamma)
-        f = _round_down(b64 / norms.clamp_min(1e-300) * _FACTOR_MARGIN, sq.dtype)
+        f = _round_down(_flush_subnormal(b64 / norms.clamp_min(1e-300) * _FACTOR_MARGIN), sq.dtype)
         return f.clamp(max=1.0) if cap else f
     # min(1, C/√S): S ≤ C² (compared exactly; a negative S reads as 0) is exactly 1, not the margin's ulp below;
     # elsewhere C/√S < 1 and f is below it, so no cap is needed. nan stays nan, S = inf gives 0.
-    c2 = _squares_down(tuple(b64.reshape(-1).tolist()), sq64.device).reshape(bounds.shape)
-    f = _round_down(b64 / sq64.sqrt() * _FACTOR_MARGIN, sq.dtype)
+    if values is None and b64.device.type == "meta":  # no values to compare (shapes only: meta tensors)
+        c2 = b64.square()
+    else:
+        if values is None:  # a tensor's values (a CPU tensor: no synchronisation)
+            values = tuple(cast(Tensor, bounds).detach().double().reshape(-1).tolist())
+        c2 = _squares_down(values, sq64.device).reshape(shape)
+    f = _round_down(_flush_subnormal(b64 / sq64.sqrt() * _FACTOR_MARGIN), sq.dtype)
     return f.masked_fill_(sq64 <= c2, 1.0)
+
+
+#: The smallest normal float64, 2⁻¹⁰²²: below it a float64 result is subnormal (:func:`_flush_subnormal`).
+_FLOAT64_TINY = 2.0**-1022
+
+
+def _flush_subnormal(x: Tensor) -> Tensor:
+    """float64 ``x`` with every value below 2⁻¹⁰²² (subnormal, or negative) set to 0, in place; nan stays nan.
+
+    For :func:`clip_factors` (values ≥ 0): the relative error bound of its float64 evaluation (1 − 8u margin)
+    holds for normal results only; a subnormal quotient can be rounded up by as much as 2⁻¹⁰⁷⁵ absolutely,
+    far above the margin, so it is replaced by 0, which is below the real quotient. Stepping one ulp toward 0
+    (``torch.nextafter``) would not always cover the two roundings (÷ and × margin, each up to half an ulp);
+    0 always does, and such a factor (< 2.2·10⁻³⁰⁸) is 0 for every practical purpose.
+    """
+    return x.masked_fill_(x < _FLOAT64_TINY, 0.0)
 
 
 def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -116,6 +157,13 @@ def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
         return x
     down = x.to(dtype)
     return torch.where(down.double() > x, torch.nextafter(down, torch.full_like(down, float("-inf"))), down)
+
+
+@lru_cache(maxsize=16)
+def _bounds64(bounds: tuple, device: torch.device) -> Tensor:
+    """The bounds C_k as a float64 ``[G]`` tensor on ``device`` (each float's exact value), cached per bounds and
+    device (read only): a step with the same bounds copies nothing to the device, so nothing waits for it."""
+    return torch.tensor(bounds, dtype=torch.float64, device=device)
 
 
 @lru_cache(maxsize=16)
@@ -721,10 +769,18 @@ class Privatizer:
             raise RuntimeError("call begin() before accumulate()")
         groups = self.groups if self.groups is not None else [0] * source.num_params
         sq = source.sq_norms(self._geometry, groups, len(self.bounds))
-        bounds = torch.tensor(self.bounds, dtype=torch.float64, device=sq.device)  # C_k exactly (no rounding)
-        weights = self._clip_weights(sq, bounds)
+        values = tuple(float(c) for c in self.bounds)
+        bounds = _bounds64(values, sq.device)  # C_k exactly (no rounding); cached: no copy to the device per step
+        self._bounds_given: Optional[tuple] = (bounds, values)
+        try:
+            weights = self._clip_weights(sq, bounds)
+        finally:
+            self._bounds_given = None
         if self.quantile is not None:
-            self._count += float(((sq[:, 0].double().clamp_min(0).sqrt() <= bounds[0]).double() - 0.5).sum())
+            # the clip decision's own comparison (clip_factors): S ≤ C² exactly ⟺ S ≤ the largest float64 ≤ C²
+            # (a √S rounded to nearest could read an example just above C as unclipped, or the reverse)
+            c2 = _squares_down(values[:1], sq.device)[0]
+            self._count += float(((sq[:, 0].double() <= c2).double() - 0.5).sum())
             self._read.add("clipped_count")
         part = source.weighted_sum(weights, self._geometry, groups)
         try:
@@ -821,7 +877,8 @@ class Privatizer:
         Args:
             sq: ``[B, G]`` squared norms from the source's ``sq_norms`` (its compute dtype), each never
                 below the exact ‖w_i,k‖² (:class:`~dpopt.types.PerSampleSource`).
-            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them.
+            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them (from :meth:`accumulate`:
+                a cached tensor, read only).
 
         Returns:
             ``[B, G]`` in ``sq``'s dtype (:func:`clip_factors`): weight·‖w_i,k‖ ≤ C_k holds for the exact
@@ -829,9 +886,17 @@ class Privatizer:
 
         The one place the clip rule lives; a subclass that changes it (automatic clipping,
         :class:`dpopt.auto_clipping.AutoClipPrivatizer`) must keep every weighted example's
-        norm ≤ C_k, the bound the sensitivity is computed from (use :func:`clip_factors`).
+        norm ≤ C_k, the bound the sensitivity is computed from (use :func:`clip_factors`; pass it
+        :meth:`_bound_values` of ``bounds``: the Python floats where these are the bounds :meth:`accumulate` built,
+        so that no device value is read back).
         """
-        return clip_factors(sq, bounds)
+        return clip_factors(sq, self._bound_values(bounds))
+
+    def _bound_values(self, bounds: Tensor) -> Union[Tensor, tuple]:
+        """The bounds as Python floats where ``bounds`` is the tensor :meth:`accumulate` built from
+        :attr:`bounds` in this call (for :func:`clip_factors`: no device→host copy), else ``bounds`` itself."""
+        given = self.__dict__.get("_bounds_given")
+        return given[1] if given is not None and given[0] is bounds else bounds
 
     def _clip_meta(self) -> dict:
         """Public facts of the clip rule recorded with every release (none for min(1, C/‖w‖))."""

@@ -86,7 +86,10 @@ class PerSampleSource(Protocol):
       float64; units: squared w-units), never below the exact squared norm
       of the w_i that ``weighted_sum`` sums (rounded up, not to nearest: the
       clip factor is rounded down from it, :func:`dpopt.privatizer.clip_factors`,
-      so the clipped norm is ≤ C in real arithmetic);
+      so the clipped norm is ≤ C in real arithmetic). The one exception: float64
+      norms (a float64 engine's) are the float64 evaluation itself, not rounded up
+      (relative error ≤ n·2⁻⁵³ for n terms, ``round_up_sq_norms`` leaves float64 as
+      computed; docs/architecture.md, "Clip factors under rounding");
     * ``weighted_sum(weights [B, G], geometry, groups) -> list[Tensor]``:
       Σ_i weights[i, group(p)] · w_i(p) for every parameter p, one
       param-shaped tensor per parameter, in this source's order (w-units).

@@ -9,6 +9,10 @@ and each test below first shows that the old computation does, on the same input
 * the hook door's scaling s²·‖g‖² in float32 (:class:`~dpopt.engine.layers.ScaledBlock`);
 * √ and C/‖w‖ rounded to nearest (the factor itself, :func:`~dpopt.privatizer.clip_factors`).
 
+Section (d), the review's follow-ups: sources that still rounded to nearest (the scale-only T = 1 closed form,
+embeddings, the tied embedding + head), the bounds' device and floats, subnormal float64 factors, and the
+quantile count's comparison; each test fails on the code before its fix.
+
 Exact values are Python :class:`fractions.Fraction` (every float is one): f·√S ≤ C ⟺ f²·S ≤ C².
 """
 
@@ -410,3 +414,248 @@ def test_hook_door_mean_loss_scaled_norms_stay_within_c(monkeypatch):
         assert within(rec["weights"][i, 0], rec["exact"][i], c), i
         clipped += float(rec["weights"][i, 0]) < 1
     assert clipped == b  # C below every example's norm: all clipped, each within an ulp of C
+
+
+# --------------------------------------------------------------------------- (d) review follow-ups
+def _nearest32(x: Fraction) -> Fraction:
+    """The float32 nearest to an exact value (what a float64 evaluation cast with ``.to`` gives, up to its
+    ≈ 1e-16 relative error)."""
+    return fr(torch.tensor(float(x), dtype=torch.float64).float())
+
+
+def test_scale_only_closed_form_is_never_below_the_exact_norm():
+    """The T = 1 Linear closed form in a scale-only geometry, Σ_jk e_j² a_k² / b_jk²: formerly evaluated in
+    float32 (rounded to nearest at every step), its value fell below the exact squared norm by more than the
+    fast source's round-up covers (the example picked: the old value's worst relative deficit). Now
+    float64 and rounded up: ≥ the exact value (Fractions) and within a few float32 ulps of it."""
+    torch.manual_seed(0)
+    q = p = 256
+    model = nn.Sequential(nn.Linear(p, q, bias=False))
+    b = 16
+    x, y = torch.randn(b, p), torch.randn(b, q)
+    src = _fast_source(
+        next(iter(iter_per_sample_sources(model, lambda o, t: ((o - t) ** 2).sum(), x, y, engine="fast")))
+    )
+    # powers of two (1/b² exact: the exact check's Fractions stay cheap; the float32 sums still round to nearest)
+    scale = 2.0 ** torch.randint(-2, 3, (q, p), generator=torch.Generator().manual_seed(1)).float()
+    (pt,) = unscaled(src.blocks[0]).parts
+    e, a = pt.e[:, 0], pt.a[:, 0]
+    old = ((e.square() @ scale.pow(-2)) * a.square()).sum(1)  # the former float32 evaluation, verbatim
+    sq = src.sq_norms(ClipGeometry(scale=(scale,)), [0], 1)[:, 0]  # the fast source's total (one parameter)
+    new = src.blocks[0].sq_norms([(None, scale)])[0]  # the block's own value
+    assert src.blocks[0].form == "closed"
+    e64, a64, s64 = e.double(), a.double(), scale.double()
+    approx = ((e64[:, :, None] * a64[:, None, :] / s64) ** 2).sum((1, 2))
+    i = int(((old.double() - approx) / approx).argmin())  # the old value's worst example
+    inv2 = [[Fraction(1) / Fraction(bjk) ** 2 for bjk in row] for row in s64.tolist()]
+    a2 = [Fraction(ak) ** 2 for ak in a64[i].tolist()]
+    exact = sum(Fraction(ej) ** 2 * sum(x * y for x, y in zip(a2, row)) for ej, row in zip(e64[i].tolist(), inv2))
+    assert fr(old[i]) < exact  # the old closed form: below the exact squared norm
+    assert fr(new[i]) >= exact and fr(sq[i]) >= exact
+    assert fr(new[i]) <= exact * (1 + Fraction(3, 2**23))  # a float32 ulp or so above: not pessimistic
+    torch.testing.assert_close(new.double(), approx, rtol=3e-7, atol=0)
+
+
+def _sparse(rows_list, v=6):
+    """A SparseRowsBlock over V = ``v`` rows: example i looked up token i % v with gradient rows_list[i]."""
+    from dpopt.engine.layers import SparseRowsBlock
+
+    b = len(rows_list)
+    idx = torch.tensor([[i % v] for i in range(b)])
+    e = torch.stack(rows_list).reshape(b, 1, -1)
+    return SparseRowsBlock(0, v, None, [(idx, e)], b)
+
+
+def _exact_sparse(blk, m=None, b=None) -> list[Fraction]:
+    """Exact Σ_v ‖(g_iv − m_v)/b_v‖² of a SparseRowsBlock (untouched rows: g_iv = 0)."""
+    out = []
+    for i in range(blk.B):
+        total = Fraction(0)
+        for v in range(blk.V):
+            sel = [k for k in range(blk.rows.shape[0]) if int(blk.row_ex[k]) == i and int(blk.row_tok[k]) == v]
+            g = blk.rows[sel[0]].double().tolist() if sel else [0.0] * blk.D
+            for d in range(blk.D):
+                w = Fraction(g[d]) - (fr(m[v, d]) if m is not None else 0)
+                w = w / fr(b[v, d]) if b is not None else w
+                total += w * w
+        out.append(total)
+    return out
+
+
+def test_embedding_norms_are_rounded_up_not_to_nearest():
+    """``SparseRowsBlock.sq_norms`` (embeddings): the float64 value was cast to float32 to nearest (below the
+    exact value for about half the examples). Flat and shifted/scaled geometries: never below the exact value
+    (Fractions, every vocabulary row), within a few ulps; the shifted form's cancellation (Σ_all − Σ_touched of
+    ‖m_v/b_v‖²) is bounded absolutely, so an example near the shift is still ≥ exact."""
+    g = torch.Generator().manual_seed(0)
+    blk = _sparse([torch.randn(8, generator=g) for _ in range(24)], v=24)
+    exact = _exact_sparse(blk)
+    assert any(_nearest32(x) < x for x in exact)  # the old cast: below the exact value for some example
+    (sq,) = blk.sq_norms([(None, None)])
+    assert sq.dtype == torch.float32
+    for i, x in enumerate(exact):
+        assert x <= fr(sq[i]) <= x * (1 + Fraction(1, 2**22)), i
+    # shift and scale: an example whose row equals the shift's (the touched term ≈ 0, the rest cancels)
+    v, d = 6, 3
+    m = torch.randn(v, d, generator=g)
+    scale = 0.5 + torch.rand(v, d, generator=g)
+    rows = [m[i % v].clone() + (1e-4 * torch.randn(d, generator=g) if i % 2 else 0) for i in range(12)]
+    blk = _sparse(rows, v=v)
+    for geo in ((m, scale), (m, None), (None, scale)):
+        exact = _exact_sparse(blk, *geo)
+        (sq,) = blk.sq_norms([geo])
+        old = []  # the former evaluation: the same float64 value cast to nearest
+        for i, x in enumerate(exact):
+            assert fr(sq[i]) >= x, (geo[0] is None, geo[1] is None, i)
+            assert fr(sq[i]) <= x * (1 + Fraction(1, 2**21)), i
+            old.append(_nearest32(x) < x)
+        assert any(old)
+
+
+def test_tied_factored_norms_are_rounded_up():
+    """The tied embedding + output projection's factored norm (``TiedBlock``, float64 with the cross term):
+    cast to float32 to nearest before, now rounded up: ≥ the exact ‖Σ_t e_it a_itᵀ + S_i‖² (Fractions of the
+    recorded rows), within a few ulps."""
+    from dpopt.engine.layers import FactoredBlock, SparseRowsBlock
+    from dpopt.engine.tied import TiedBlock
+
+    v, d, b, t = 7, 3, 6, 3
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(v, d)
+            self.head = nn.Linear(d, v, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.emb(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, v, (b, t), generator=gen), torch.randint(0, v, (b, t), generator=gen)
+
+    def lm(out, yy):
+        return nn.functional.cross_entropy(out.reshape(-1, v), yy.reshape(-1), reduction="sum")
+
+    src = _fast_source(next(iter(iter_per_sample_sources(model, lm, x, y, engine="fast"))))
+    (tb,) = [blk for blk in src.blocks if isinstance(blk, TiedBlock)]
+    fac = next(u for u in tb.uses if isinstance(u, FactoredBlock))
+    sp = next(u for u in tb.uses if isinstance(u, SparseRowsBlock))
+    exact = []
+    for i in range(b):
+        gr = [[Fraction(0)] * d for _ in range(v)]
+        for pt in fac.parts:
+            e, a = pt.e[i].double().tolist(), pt.a[i].double().tolist()  # [T, V], [T, D]
+            for tt in range(len(e)):
+                for r in range(v):
+                    for c in range(d):
+                        gr[r][c] += Fraction(e[tt][r]) * Fraction(a[tt][c])
+        for k in range(sp.rows.shape[0]):
+            if int(sp.row_ex[k]) == i:
+                for c, val in enumerate(sp.rows[k].double().tolist()):
+                    gr[int(sp.row_tok[k])][c] += Fraction(val)
+        exact.append(sum(z * z for row in gr for z in row))
+    assert any(_nearest32(z) < z for z in exact)  # the old cast: below the exact value for some example
+    (sq,) = tb.sq_norms([(None, None)])
+    assert tb.form == "factored" and sq.dtype == torch.float32
+    for i, z in enumerate(exact):
+        assert z <= fr(sq[i]) <= z * (1 + Fraction(1, 2**22)), i
+
+
+def test_clip_factors_bounds_on_sq_device_and_as_floats():
+    """Bounds as a CPU tensor of shape [1] with ``sq`` on another device (meta stands in for CUDA: torch mixes a
+    CPU tensor with a device one only when it is 0-dim; this failed before), as floats, as one float; the values
+    equal the tensor path's."""
+    sq = torch.ones(4, 1, device="meta")
+    assert clip_factors(sq, torch.tensor([1.0], dtype=torch.float64)).device.type == "meta"
+    assert clip_factors(sq, [1.0]).shape == (4, 1)
+    s = torch.tensor([[0.25], [4.0], [9.0], [1e-300]], dtype=torch.float32)
+    want = clip_factors(s, torch.tensor([1.0], dtype=torch.float64))
+    for b in ([1.0], (1.0,), 1.0, torch.tensor([1.0])):
+        assert torch.equal(clip_factors(s, b), want)
+    assert float(want[1, 0]) <= 0.5 and float(want[0, 0]) == 1.0
+    two = torch.tensor([[4.0, 4.0]], dtype=torch.float64)
+    assert torch.equal(clip_factors(two, [1.0, 3.0]), clip_factors(two, torch.tensor([1.0, 3.0], dtype=torch.float64)))
+    assert torch.equal(
+        clip_factors(two, [1.0, 3.0], 0.01, cap=False),
+        clip_factors(two, torch.tensor([1.0, 3.0], dtype=torch.float64), 0.01, cap=False),
+    )
+
+
+@pytest.mark.parametrize("cls", ["plain", "auto"])
+def test_privatizer_passes_its_bounds_as_floats(monkeypatch, cls):
+    """``accumulate`` hands ``clip_factors`` the Python floats it has (no device→host read of a bounds tensor per
+    step); a direct ``_clip_weights`` call with another tensor still uses that tensor's values."""
+    import dpopt.auto_clipping as ac
+    import dpopt.privatizer as pv
+    from dpopt.engine.reference import PerSampleGrads
+
+    seen = []
+    mod = ac if cls == "auto" else pv
+    real = mod.clip_factors
+
+    def spy(sq, bounds, *args, **kw):
+        seen.append(bounds)
+        return real(sq, bounds, *args, **kw)
+
+    monkeypatch.setattr(mod, "clip_factors", spy)
+    kw = dict(expected_batch_size=1.0, sample_rate=0.1)
+    priv = AutoClipPrivatizer(0.0, 2.0, auto=AutoClipping(0.01), **kw) if cls == "auto" else Privatizer(0.0, 2.0, **kw)
+    priv.begin()
+    priv.accumulate(PerSampleGrads([torch.tensor([[3.0, 4.0]])]))
+    assert seen and all(isinstance(x, tuple) and x == (2.0,) for x in seen)
+    other = torch.tensor([1.0], dtype=torch.float64)
+    f = priv._clip_weights(torch.tensor([[25.0]]), other)
+    assert seen[-1] is other and float(f[0, 0]) <= 0.2
+
+
+def test_subnormal_float64_factors_never_exceed_c():
+    """float64 norms with C/√S subnormal: the 1 − 8u margin does not cover the division's absolute rounding
+    there (about half of these cases had f·√S > C); such factors are now 0. Normal ones are unchanged."""
+    import random
+
+    rng = random.Random(1)
+    cs = [rng.uniform(1e-170, 2e-170) for _ in range(300)]
+    ss = [rng.uniform(1e290, 4e290) for _ in range(300)]
+    sq = torch.tensor(ss, dtype=torch.float64).reshape(-1, 1)
+    f = clip_factors(sq, torch.tensor(cs, dtype=torch.float64).reshape(-1, 1))
+    raw = torch.tensor(cs, dtype=torch.float64).reshape(-1, 1) / sq.sqrt() * (1 - 8 * 2.0**-53)  # the old value
+    assert sum(not within(raw[i, 0], fr(ss[i]), cs[i]) for i in range(300)) > 50  # old: above C/√S often
+    for i in range(300):
+        assert within(f[i, 0], fr(ss[i]), cs[i])
+    assert float(f.max()) == 0.0
+    # a normal quotient is untouched (not flushed): C/√S ≈ 1e-300
+    g = clip_factors(torch.tensor([[1e200]], dtype=torch.float64), [1e-200], 0.01, cap=False)
+    assert 0 < float(g) <= 1e-300 and within(g[0, 0], fr(1e200), 1e-200)
+
+
+def test_quantile_count_uses_the_clip_decision():
+    """The quantile count compares S ≤ C² exactly, as the clip factor does: S = 1 + 2⁻⁵² (float64, exact) with
+    C = 1 is clipped (weight < 1) and counted as clipped; √S rounded to nearest is 1.0, which the former count
+    (√S ≤ C) read as unclipped. S = 1 exactly: weight 1, counted as unclipped."""
+    from dpopt.privatizer import QuantileClipping
+
+    class Given:
+        """A float64 source with the given squared norm (exact: 1 + 2⁻⁵² is a float64) and a one-element sum."""
+
+        num_params, params = 1, None
+
+        def __init__(self, s):
+            self.s = s
+
+        def sq_norms(self, geometry, groups, num_groups):
+            return torch.tensor([[self.s]], dtype=torch.float64)
+
+        def weighted_sum(self, weights, geometry, groups):
+            return [weights[:, 0].sum().reshape(1).clone()]
+
+    for s, clipped in ((1.0 + 2.0**-52, True), (1.0, False)):
+        priv = Recording(1.0, 1.0, expected_batch_size=1.0, sample_rate=0.1, quantile=QuantileClipping(2.0))
+        priv.begin()
+        priv.accumulate(Given(s))
+        sq, w = priv.seen
+        assert math.sqrt(float(sq[0, 0])) == 1.0  # √S rounds to C
+        assert (float(w[0, 0]) < 1.0) == clipped
+        assert priv._count == (-0.5 if clipped else 0.5)

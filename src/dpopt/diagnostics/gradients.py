@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..engine import iter_per_sample_sources
@@ -67,7 +66,7 @@ def clean_clipped_mean_gradient(
     for source in iter_per_sample_sources(model, loss_fn, x, y, physical_batch_size, engine=engine):
         groups = [0] * source.num_params
         sq = source.sq_norms(geometry, groups, 1)
-        weights = clip_factors(sq, torch.tensor([float(max_grad_norm)], dtype=torch.float64))  # the Privatizer's rule
+        weights = clip_factors(sq, [float(max_grad_norm)])  # the Privatizer's rule
         part = source.weighted_sum(weights, geometry, groups)
         total = [p.detach().clone() for p in part] if total is None else [a + b.detach() for a, b in zip(total, part)]
     assert total is not None

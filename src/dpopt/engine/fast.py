@@ -246,8 +246,12 @@ class FastPerSampleGrads:
         out.zero_()
         for i, (v, k) in enumerate(zip(per_param, groups)):
             m, b = self._geo(geometry, i)
-            zero = (m / b) if (m is not None and b is not None) else m
-            zero_sq = zero.square().sum() if zero is not None else torch.zeros((), dtype=self.dtype)
+            zero = (m.double() / b.double()) if (m is not None and b is not None) else m
+            zero_sq = (  # ‖(0 − m)/b‖² in float64, rounded up (÷, square, the sum: ≤ numel + 1 roundings each)
+                round_up_sq_norms(zero.double().square().sum(), zero.numel() + 2, self.dtype)
+                if zero is not None
+                else torch.zeros((), dtype=self.dtype)
+            )
             out[:, k] += torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
         return round_up_sq_norms(out, terms, self.dtype)
 

@@ -230,9 +230,13 @@ def _kept(bad: Tensor, *ts: Tensor) -> list[Tensor]:
 
 def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int) -> Tensor:
     """``[n]`` squared norms of a block with no per-example gradient (no call, or no example): each
-    example's gradient is 0, so its geometry norm is ‖(0 − m)/b‖² (0 without a shift)."""
-    base = (m / b if b is not None else m) if m is not None else None
-    const = base.square().sum() if base is not None else torch.zeros(())
+    example's gradient is 0, so its geometry norm is ‖(0 − m)/b‖² (0 without a shift): evaluated in float64 (÷,
+    square: 2 roundings per coordinate, then the sum) and rounded UP into m's dtype
+    (:func:`~dpopt.engine.row_norms.round_up_sq_norms`), never below the exact value."""
+    if m is None:
+        return torch.zeros(()).expand(n).clone()
+    base = m.double() / b.double() if b is not None else m.double()
+    const = round_up_sq_norms(base.square().sum(), base.numel() + 2, m.dtype)
     return const.expand(n).clone()
 
 
@@ -901,8 +905,8 @@ class FactoredBlock:
         if m is None and b is None:  # Goodfellow 2015: ‖e aᵀ‖² = ‖e‖²‖a‖², float64, ‖e‖² shared with the bias
             return pt.weight_sq_norms()
         a, e = pt.a[:, 0].to(pt.dtype), pt.e[:, 0].to(pt.dtype)  # [B, p], [B, q]
-        if m is None:  # scale only: Σ_jk S_jk e_j² a_k²
-            return ((e.square() @ b.pow(-2)) * a.square()).sum(1)  # type: ignore[union-attr]
+        if m is None:  # scale only: Σ_jk e_j² a_k² / b_jk², float64, rounded up (never below the exact value)
+            return _scaled_closed_sq_norms(e, a, b, pt.dtype)  # type: ignore[arg-type]
         # With a shift the expanded form quad − 2·lin + const can cancel catastrophically; an
         # underestimated norm would let a clipped example exceed the bound. shifted_sq_norms
         # evaluates it in float32 with a rigorous error bound, returns an upper bound, and
@@ -928,7 +932,8 @@ class FactoredBlock:
             ga = torch.bmm(at.transpose(1, 2), at)
             ge = torch.bmm(et.transpose(1, 2), et)
             out.append((ga * ge).sum((1, 2)))
-        return torch.cat(out).clamp_min_(0.0).to(self._dtype())
+        # rounded up, not to nearest (the float64 cancellation, ≈ 1e-16 of (Σ_t ‖a_it‖‖e_it‖)², stays documented)
+        return round_up_sq_norms(torch.cat(out).clamp_min_(0.0), self.p + self.q + 2, self._dtype())
 
     def _chol(self) -> Tensor:
         """‖g_i‖² by the Cholesky form (:func:`~dpopt.engine.chol_norm.cholesky_sq_norms`), in chunks of examples.
@@ -946,7 +951,8 @@ class FactoredBlock:
             out.append(
                 cholesky_sq_norms(self._cat(narrow, s, t).transpose(1, 2), self._cat(wide, s, t).transpose(1, 2))
             )
-        return torch.cat(out).to(self._dtype())
+        # rounded up, not to nearest (the form's own under-estimate ≤ γ_T relative stays documented, chol_norm.py)
+        return round_up_sq_norms(torch.cat(out), 1, self._dtype())
 
     def _direct(self, m: Optional[Tensor], b: Optional[Tensor], keep: bool, nbytes: int) -> Tensor:
         out = []
@@ -987,6 +993,51 @@ class FactoredBlock:
     def free(self) -> None:
         self._drop_cache()
         self.parts = []
+
+
+def _gamma(n: int) -> float:
+    """γ_n = n·u/(1 − n·u), u = 2⁻⁵³: the relative error bound of n float64 roundings (Higham 2002, §3.1)."""
+    nu = n * 2.0**-53
+    return nu / (1.0 - nu)
+
+
+def _scaled_closed_sq_norms(e: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """T = 1 Linear weight in a scale-only geometry: ‖(e_i a_iᵀ)/b‖² = Σ_jk e_ij² a_ik² / b_jk², ``[B]``.
+
+    Args:
+        e: ``[B, q]``, a: ``[B, p]`` (the recorded rows in the compute dtype), b: ``[q, p]`` the scale.
+        dtype: the compute dtype of the result.
+
+    Evaluated in float64 as ((e²) @ (1/b²)) · a² summed over k: per term ≤ 3 roundings (1/b², the
+    products; the squares of float32 values are exact in float64, of float64 ones one more), q − 1 and
+    p − 1 additions of non-negative terms: relative error ≤ γ_{p+q+3}, covered by
+    :func:`~dpopt.engine.row_norms.round_up_sq_norms`, which returns it rounded UP into ``dtype`` (the
+    former float32 evaluation rounded to nearest at every step, and could underflow: below the exact
+    value by more than the fast source's round-up covers). Cost: one ``[B, q] @ [q, p]`` product in float64.
+    """
+    q, p = e.shape[-1], a.shape[-1]
+    inv = b.double().square().reciprocal()  # [q, p]
+    v = ((e.double().square() @ inv) * a.double().square()).sum(1)
+    return round_up_sq_norms(v, p + q + 3, dtype)
+
+
+def _difference_up(total: Tensor, total_terms: int, part: Tensor, part_terms: int) -> Tensor:
+    """An upper bound, float64 and ≥ 0, of the exact X − Y for sums of non-negative terms computed in float64:
+    ``total`` = X̂ (≤ ``total_terms`` roundings per term: |X̂ − X| ≤ γ·X) and ``part`` = Ŷ (``part_terms``).
+
+    X ≤ X̂/(1 − γ_n) ≤ X̂·(1 + (n + 3)u)·(1 − u) (1 + (n + 4)u itself rounded to nearest; the product's own rounding included; the second-order terms
+    hold for (2n² + n + 2)·u ≤ 1, i.e. n ≤ 6·10⁷, above which 1 + 2γ_{n+1} is used) and likewise
+    Y ≥ Ŷ·(1 − (n + 4)u); their difference, rounded once, is multiplied by 1 + 4u (≥ the exact difference after
+    both roundings) and clamped at 0. The subtraction can cancel (Y ≈ X): a relative bound of the result would
+    not hold; this one does, at an absolute cost ≈ (n_X + n_Y)·u·X̂ (the pessimism of an example near the shift).
+    """
+
+    def up(n: int) -> float:
+        return (n + 4) * 2.0**-53 if (2 * n * n + n + 2) * 2.0**-53 <= 1.0 else 2.0 * _gamma(n + 1)
+
+    hi = total * (1.0 + up(total_terms))
+    lo = part * (1.0 - up(part_terms))
+    return ((hi - lo) * (1.0 + 4.0 * 2.0**-53)).clamp_min_(0.0)
 
 
 # --------------------------------------------------------------------------- embedding
@@ -1033,23 +1084,30 @@ class SparseRowsBlock:
         """
         m, b = geos[0]
         dtype = self.rows.dtype
+        # float64 roundings per example: ≤ 3 per coordinate (− m, ÷ b, square), D − 1 per row's sum, and one
+        # addition per touched row (at most min(V, all rows) of them): a sum of non-negative terms, relative
+        # error ≤ γ_{D + R + 2} (Higham 2002, §3.1), rounded up into the dtype (round_up_sq_norms), never to nearest
+        terms = self.D + min(self.V, int(self.rows.shape[0])) + 2
         if m is None and b is None:
             out = self.rows.new_zeros(self.B, dtype=torch.float64)
-            sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
-            return [out.index_add_(0, self.row_ex, sq).to(dtype)]
+            sq = self.rows.double().square().sum(1)
+            return [round_up_sq_norms(out.index_add_(0, self.row_ex, sq), terms, dtype)]
         rows = self.rows.double()
         w = rows if m is None else rows - m.double()[self.row_tok]
         if b is not None:
             w = w / b.double()[self.row_tok]
         touched = self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(0, self.row_ex, w.square().sum(1))
         if m is None:
-            return [touched.to(dtype)]
+            return [round_up_sq_norms(touched, terms, dtype)]
         base = m.double() if b is None else m.double() / b.double()  # [V, D]: w of an untouched row
         base_row = base.square().sum(1)
-        untouched = base_row.sum() - self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(
-            0, self.row_ex, base_row[self.row_tok]
-        )
-        return [(touched + untouched.clamp_min(0.0)).to(dtype)]
+        all_rows = base_row.sum()
+        mine = self.rows.new_zeros(self.B, dtype=torch.float64).index_add_(0, self.row_ex, base_row[self.row_tok])
+        if dtype == torch.float64:  # a float64 engine's norms: the float64 evaluation (as round_up_sq_norms)
+            untouched = (all_rows - mine).clamp_min_(0.0)
+        else:  # Σ_all − Σ_touched can cancel: bounded absolutely, not relatively
+            untouched = _difference_up(all_rows, self.D + self.V + 1, mine, terms)
+        return [round_up_sq_norms(touched + untouched, terms + 1, dtype)]
 
     def grad_sums(self, coefs: Sequence[Tensor], bad: Optional[Tensor]) -> list[Tensor]:
         c = coefs[0].to(self.rows.dtype)

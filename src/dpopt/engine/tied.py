@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .layers import DirectBlock, FactoredBlock, LinearPart, SparseRowsBlock, _geo_sq_norms
+from .row_norms import round_up_sq_norms
 
 __all__ = ["TiedBlock", "merge_shared"]
 
@@ -185,7 +186,12 @@ class TiedBlock:
                 e = pt.e[ex.view(-1, 1), pos, tok.view(-1, 1)].double()  # [k, T]: e_it[v] of the row's token
                 cross[lo:hi] += (torch.bmm(a, rows[lo:hi].unsqueeze(2)).squeeze(2) * e).sum(1)
         total = total.index_add(0, s.row_ex, 2.0 * cross)
-        return total.clamp_min_(0.0).to(dtype)
+        # rounded UP into the dtype, not to nearest: the float64 roundings counted as for a sum of non-negative
+        # terms (head: its form's depth; ‖r‖²: D + rows; cross: D + T + rows); the mixed signs' cancellation
+        # (≈ 1e-16 of the terms' magnitude, as the float64 Gram form's) stays a documented bound
+        gram = f.T * (f.p + f.q) < f.p * f.q  # _factored_sq64's choice
+        head_terms = f.T * f.T + max(f.p, f.q) + 2 if gram else f.T + f.p * f.q + 1
+        return round_up_sq_norms(total.clamp_min_(0.0), head_terms + s.D + f.T + k + 4, dtype)
 
     def _dense_rows(self) -> int:
         per = math.prod(self.shape) * 8 * 2
