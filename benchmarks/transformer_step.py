@@ -458,8 +458,31 @@ PLAN["gpt2-untied"] = [  # the issue-34 entry: both dpopt doors and Opacus on th
 ]
 
 
-def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int, memory: bool, notes: list) -> dict:
-    """Time one PLAN entry round-robin; return its ratios (and peak memory from subprocesses)."""
+def memory_medians(
+    configs: dict[str, tuple[str, str]], threads: int, runs: int
+) -> tuple[dict[str, Optional[float]], dict[str, list[float]]]:
+    """Each configuration's peak resident memory (MiB): the median of ``runs`` fresh children, the
+    configurations interleaved (run k of every configuration before run k + 1 of any), and ``[min, max]``.
+
+    Why several: a child's peak carries up to ≈ ±32 MiB of glibc heap layout that varies from process to
+    process (whether a large backward buffer reuses resident free heap or gets fresh pages; the same seeds
+    and inputs give either: docs/performance.md, "The kernels as a C extension"). A configuration whose
+    children all failed gets None (and no range).
+    """
+    seen: dict[str, list[float]] = {label: [] for label in configs}
+    for _ in range(max(1, runs)):
+        for label, (name, config) in configs.items():
+            v = run_memory(name, config, threads)
+            if v is not None:
+                seen[label].append(v)
+    mem = {k: (statistics.median(v) if v else None) for k, v in seen.items()}
+    spread = {k: [round(min(v), 1), round(max(v), 1)] for k, v in seen.items() if v}
+    return mem, spread
+
+
+def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int, memory: int, notes: list) -> dict:
+    """Time one PLAN entry round-robin; return its ratios (and peak memory from subprocesses: ``memory`` children
+    per configuration, 0 for none)."""
     steps = {}
     for label, name, config in PLAN[model]:
         try:
@@ -527,15 +550,17 @@ def run_model(model: str, rounds: int, per_round: int, warmup: int, threads: int
             for label, name, config in PLAN[model]
             if label in ("non-private", "dp-sgd", "dp-sgd (PrivacyEngine)") or "opacus" in label
         }
-        mem = {label: run_memory(name, config, threads) for label, (name, config) in configs.items()}
+        mem, spread = memory_medians(configs, threads, memory)
         r["peak_mem_mib"] = {k: (round(v, 1) if v is not None else None) for k, v in mem.items()}
+        r["peak_mem_range_mib"] = spread
+        r["memory_runs"] = memory
         if mem.get("dp-sgd") and mem.get("non-private"):
             r["peak_mem_dp/non-private"] = mem["dp-sgd"] / mem["non-private"]
         if mem.get("dp-sgd (PrivacyEngine)") and mem.get("non-private"):
             r["peak_mem_pe/non-private"] = mem["dp-sgd (PrivacyEngine)"] / mem["non-private"]
         print(
-            "peak resident memory (VmHWM, MiB, own subprocess each): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in mem.items() if v is not None)
+            f"peak resident memory (VmHWM, MiB, own subprocess each; median of {memory} [min–max]): "
+            + ", ".join(f"{k} {v:.0f} [{spread[k][0]:.0f}–{spread[k][1]:.0f}]" for k, v in mem.items() if v is not None)
         )
     return r
 
@@ -548,6 +573,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--per-round", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--memory-runs",
+        type=int,
+        default=3,
+        help="fresh memory children per configuration; their median is the figure (glibc's heap layout moves a "
+        "single child's peak by up to ≈ 32 MiB)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument(
         "--malloc-mmap-threshold",
@@ -567,7 +599,9 @@ def main(argv=None) -> dict:
         return {}
     notes: list[str] = []
     result = {
-        m: run_model(m, args.rounds, args.per_round, args.warmup, args.threads, not args.no_memory, notes)
+        m: run_model(
+            m, args.rounds, args.per_round, args.warmup, args.threads, 0 if args.no_memory else args.memory_runs, notes
+        )
         for m in args.models.split(",")
         if m
     }

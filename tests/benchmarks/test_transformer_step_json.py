@@ -55,3 +55,22 @@ def test_json_carries_the_issue_34_keys(tiny, capsys):
         assert out[model]["privacy-engine/opacus-best"] > 0
     assert out["gpt2-lora"]["opacus_best_mode"].startswith("untied")  # tied LoRA: Opacus on the untied twin
     assert "privacy-engine/opacus-best" not in out["gpt2-lora"]  # no untied PrivacyEngine row to compare
+
+
+def test_memory_figures_are_medians_of_interleaved_children(monkeypatch):
+    """--memory-runs N: N children per configuration, run k of each before run k + 1 of any; the figure is
+    their median (one child 32 MiB high does not move it), the range is recorded; failed children are skipped."""
+    ts = load_benchmark("transformer_step")
+    peaks = {"non-private": iter([100.0, 104.0, 96.0]), "dp-sgd": iter([110.0, 142.0, 108.0]), "x": iter([None] * 3)}
+    order = []
+
+    def child(model, config, threads):
+        order.append(config)
+        return next(peaks[config])
+
+    monkeypatch.setattr(ts, "run_memory", child)
+    configs = {"non-private": ("m", "non-private"), "dp-sgd": ("m", "dp-sgd"), "broken": ("m", "x")}
+    mem, spread = ts.memory_medians(configs, 1, 3)
+    assert order == ["non-private", "dp-sgd", "x"] * 3
+    assert mem == {"non-private": 100.0, "dp-sgd": 110.0, "broken": None}
+    assert spread == {"non-private": [96.0, 104.0], "dp-sgd": [108.0, 142.0]}
