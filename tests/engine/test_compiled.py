@@ -266,3 +266,44 @@ def test_inductor_cpp_wrapper_equals_eager(monkeypatch):
     (sq, sums), (sq_ref, sum_ref) = norms_and_sum(got, 2), norms_and_sum(ref, 2)
     assert close(sq, sq_ref)
     assert all(close(a, b) for a, b in zip(sums, sum_ref))
+
+
+def test_a_hook_removed_while_compiling_is_retried_after_a_collection(monkeypatch):
+    """A process-wide module hook removed mid-compile (a collected PrivacyEngine watch) makes dynamo raise an
+    InternalTorchDynamoError from a KeyError on ``_global_forward_hooks``: the capture collects garbage and runs
+    the graph once more; any other internal error propagates."""
+    import gc
+
+    from dpopt.engine.compiled import CompiledCapture
+
+    model = mlp()
+    eng = PerSampleEngine(model, loss_fn, compile="aot_eager")
+    x, y = data("mlp", 5, 0)
+    eng.compute(x, y)  # builds the capture (and its graph)
+    cap = next(v for v in vars(eng).values() if isinstance(v, CompiledCapture))
+    real, calls, collected = cap._fn, [], []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                {}[23197]
+            except KeyError:
+                raise torch._dynamo.exc.InternalTorchDynamoError("KeyError: 23197") from None
+        return real(*args)
+
+    monkeypatch.setattr(cap, "_fn", flaky)
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    eager_model = mlp()
+    ref = next(iter(iter_per_sample_sources(eager_model, loss_fn, x, y)))
+    got = eng.compute(x, y)
+    assert len(calls) == 2 and collected == [1]
+    geo = ClipGeometry()
+    assert torch.allclose(got.sq_norms(geo, [0] * got.num_params, 1), ref.sq_norms(geo, [0] * ref.num_params, 1))
+
+    def broken(*args):
+        raise torch._dynamo.exc.InternalTorchDynamoError("AttributeError: something else")
+
+    monkeypatch.setattr(cap, "_fn", broken)
+    with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError, match="something else"):
+        eng.compute(x, y)

@@ -54,6 +54,7 @@ a new graph; any disagreement refuses (no fallback is taken silently).
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Callable, Optional
 
@@ -274,7 +275,7 @@ class CompiledCapture:
             # outside the check's random-op recorder (compiled draws are not replayable); with grad (optimizers
             # consume the sources under no_grad)
             with _disable_current_modes(), torch.enable_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
-                out, inputs = self._fn(params, x, taps)
+                out, inputs = self._run_graph(params, x, taps)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             lines = str(err).splitlines()
             why = next((ln for ln in lines if "data-dependent" in ln or "Caused by" in ln), lines[0] if lines else "")
@@ -290,6 +291,28 @@ class CompiledCapture:
         # inductor may return a tensor in a permuted layout (a GroupNorm's output gradient came back
         # channels-last); the eager blocks (unfold, Gram, GEMMs) are slower on such strides: row-major here
         return out, [(m, a.contiguous(), z) for (m, _, _), a, z in zip(calls, inputs, taps)]
+
+    def _run_graph(self, params: dict, x: Tensor, taps: list[Tensor]):
+        """``self._fn(params, x, taps)``, once more after a garbage collection where dynamo failed on a process-wide
+        module hook that vanished while it compiled.
+
+        A ``PrivacyEngine`` watch of the loss's reduction (:mod:`dpopt.opacus_compat`) holds a process-wide
+        forward hook and removes it when the watch is collected; a watch left in a reference cycle is collected
+        whenever Python's cycle collector runs — possibly between dynamo's trace of ``nn.Module.__call__`` (which
+        saw the hook) and its guards (which then read ``_global_forward_hooks[id]``: ``KeyError``, raised as an
+        ``InternalTorchDynamoError``). Seen in CI (2026-12-07, ``tests/engine/test_compiled.py``). The collection
+        runs every pending removal first; the retry compiles against the hooks as they are.
+
+        Raises:
+            torch._dynamo.exc.InternalTorchDynamoError: any other internal error, or the same one again.
+        """
+        try:
+            return self._fn(params, x, taps)
+        except torch._dynamo.exc.InternalTorchDynamoError as err:
+            if not (isinstance(err.__cause__ or err.__context__, KeyError) or str(err).startswith("KeyError:")):
+                raise  # (dynamo re-raises its internal errors "from None": the KeyError is the context)
+            gc.collect()
+            return self._fn(params, x, taps)
 
     def run(self, x: Tensor, loss_of: Callable, offset=None) -> list[Call]:
         """One compiled forward of ``x`` (at θ + offset), then the output gradients of ``loss_of(out)``.
