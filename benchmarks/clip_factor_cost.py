@@ -54,7 +54,7 @@ def old_sq_norms(self, geometry, groups, num_groups):
 def old_clip_weights(self, sq, bounds):
     """``Privatizer._clip_weights`` before 2026-12-07: min(1, C/‖w‖) in the norms' dtype."""
     norms = sq.clamp_min(0).sqrt()
-    return torch.clamp(bounds.to(norms.dtype) / norms.clamp_min(1e-30), max=1.0)
+    return torch.clamp(torch.as_tensor(bounds, dtype=norms.dtype) / norms.clamp_min(1e-30), max=1.0)
 
 
 def main(argv=None) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 from torch import Tensor
 
@@ -89,14 +90,14 @@ class AutoClipPrivatizer(Privatizer):
         """γ of the normalisation (public)."""
         return self.auto.gamma
 
-    def _clip_weights(self, sq: Tensor, bounds: Tensor) -> Tensor:
+    def _clip_weights(self, sq: Tensor, bounds: Union[Tensor, Sequence[float]]) -> Tensor:
         """AUTO-S weights C/(‖w_i‖ + γ), ``[B, 1]`` from the squared norms ``sq``; every weighted norm is < C.
 
         Evaluated by :func:`~dpopt.privatizer.clip_factors` without the cap at 1 (float64, rounded down
         into ``sq``'s dtype: never above the real C/(‖w_i‖ + γ), so the weighted norm stays < C in real
         arithmetic, whatever the rounding of √, + γ and ÷).
         """
-        return clip_factors(sq, self._bound_values(bounds), self.auto.gamma, cap=False)
+        return clip_factors(sq, bounds, self.auto.gamma, cap=False)
 
     def _clip_meta(self) -> dict:
         return {"clipping": "auto", "gamma": self.auto.gamma}

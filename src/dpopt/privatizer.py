@@ -769,13 +769,8 @@ class Privatizer:
             raise RuntimeError("call begin() before accumulate()")
         groups = self.groups if self.groups is not None else [0] * source.num_params
         sq = source.sq_norms(self._geometry, groups, len(self.bounds))
-        values = tuple(float(c) for c in self.bounds)
-        bounds = _bounds64(values, sq.device)  # C_k exactly (no rounding); cached: no copy to the device per step
-        self._bounds_given: Optional[tuple] = (bounds, values)
-        try:
-            weights = self._clip_weights(sq, bounds)
-        finally:
-            self._bounds_given = None
+        values = tuple(float(c) for c in self.bounds)  # C_k exactly (Python floats: no device copy or read-back)
+        weights = self._clip_weights(sq, values)
         if self.quantile is not None:
             # the clip decision's own comparison (clip_factors): S ≤ C² exactly ⟺ S ≤ the largest float64 ≤ C²
             # (a √S rounded to nearest could read an example just above C as unclipped, or the reverse)
@@ -871,14 +866,14 @@ class Privatizer:
                 if t._base is not None:
                     _track(mine, i, True, t._base)
 
-    def _clip_weights(self, sq: Tensor, bounds: Tensor) -> Tensor:
+    def _clip_weights(self, sq: Tensor, bounds: Union[Tensor, Sequence[float]]) -> Tensor:
         """Per-example, per-group weights ``[B, G]`` of the clipped sum: min(1, C_k/‖w_i,k‖), rounded down.
 
         Args:
             sq: ``[B, G]`` squared norms from the source's ``sq_norms`` (its compute dtype), each never
                 below the exact ‖w_i,k‖² (:class:`~dpopt.types.PerSampleSource`).
-            bounds: ``[G]`` float64, the bounds C_k exactly as the sensitivity uses them (from :meth:`accumulate`:
-                a cached tensor, read only).
+            bounds: the bounds C_k exactly as the sensitivity uses them: :meth:`accumulate` passes ``G`` Python
+                floats (no device value is read back); a tensor ``[G]`` works too (:func:`clip_factors`).
 
         Returns:
             ``[B, G]`` in ``sq``'s dtype (:func:`clip_factors`): weight·‖w_i,k‖ ≤ C_k holds for the exact
@@ -886,17 +881,9 @@ class Privatizer:
 
         The one place the clip rule lives; a subclass that changes it (automatic clipping,
         :class:`dpopt.auto_clipping.AutoClipPrivatizer`) must keep every weighted example's
-        norm ≤ C_k, the bound the sensitivity is computed from (use :func:`clip_factors`; pass it
-        :meth:`_bound_values` of ``bounds``: the Python floats where these are the bounds :meth:`accumulate` built,
-        so that no device value is read back).
+        norm ≤ C_k, the bound the sensitivity is computed from (use :func:`clip_factors` with ``bounds``).
         """
-        return clip_factors(sq, self._bound_values(bounds))
-
-    def _bound_values(self, bounds: Tensor) -> Union[Tensor, tuple]:
-        """The bounds as Python floats where ``bounds`` is the tensor :meth:`accumulate` built from
-        :attr:`bounds` in this call (for :func:`clip_factors`: no device→host copy), else ``bounds`` itself."""
-        given = self.__dict__.get("_bounds_given")
-        return given[1] if given is not None and given[0] is bounds else bounds
+        return clip_factors(sq, bounds)
 
     def _clip_meta(self) -> dict:
         """Public facts of the clip rule recorded with every release (none for min(1, C/‖w‖))."""
