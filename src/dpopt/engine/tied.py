@@ -189,8 +189,7 @@ class TiedBlock:
         # rounded UP into the dtype, not to nearest: the float64 roundings counted as for a sum of non-negative
         # terms (head: its form's depth; ‖r‖²: D + rows; cross: D + T + rows); the mixed signs' cancellation
         # (≈ 1e-16 of the terms' magnitude, as the float64 Gram form's) stays a documented bound
-        gram = f.T * (f.p + f.q) < f.p * f.q  # _factored_sq64's choice
-        head_terms = f.T * f.T + max(f.p, f.q) + 2 if gram else f.T + f.p * f.q + 1
+        head_terms = f.T * f.T + max(f.p, f.q) + 2 if _ghost_cheaper(f) else f.T + f.p * f.q + 1
         return round_up_sq_norms(total.clamp_min_(0.0), head_terms + s.D + f.T + k + 4, dtype)
 
     def _dense_rows(self) -> int:
@@ -222,9 +221,14 @@ class TiedBlock:
             u.free()
 
 
+def _ghost_cheaper(f: FactoredBlock) -> bool:
+    """Whether :func:`_factored_sq64` takes the ghost (Gram) form: T(p + q) < pq."""
+    return f.T * (f.p + f.q) < f.p * f.q
+
+
 def _factored_sq64(f: FactoredBlock) -> Tensor:
     """‖Σ_t e_it a_itᵀ‖² per example in float64: ghost norm or direct chunks, the cheaper."""
-    if f.T * (f.p + f.q) < f.p * f.q:
+    if _ghost_cheaper(f):
         out = []
         step = max(1, min(f.B, f.budget.chunk_bytes // max(1, (2 * f.T * f.T + (f.p + f.q) * f.T) * 8)))
         for s in range(0, f.B, step):
