@@ -98,7 +98,15 @@ from .check import (
 )
 from .compiled import CompiledCapture, compile_backend, refusal
 from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, preserved_state
-from .layers import DirectBlock, FactoredBlock, check_norm_form, compute_dtype, plan_caches, unscaled
+from .layers import (
+    DirectBlock,
+    FactoredBlock,
+    check_norm_form,
+    compute_dtype,
+    constant_sq_norms,
+    plan_caches,
+    unscaled,
+)
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 from .row_norms import round_up_sq_norms
@@ -246,13 +254,8 @@ class FastPerSampleGrads:
         out.zero_()
         for i, (v, k) in enumerate(zip(per_param, groups)):
             m, b = self._geo(geometry, i)
-            zero = (m.double() / b.double()) if (m is not None and b is not None) else m
-            zero_sq = (  # ‖(0 − m)/b‖² in float64, rounded up (÷, square, the sum: ≤ numel + 1 roundings each)
-                round_up_sq_norms(zero.double().square().sum(), zero.numel() + 2, self.dtype)
-                if zero is not None
-                else torch.zeros((), dtype=self.dtype)
-            )
-            out[:, k] += torch.where(bad, zero_sq.to(self.dtype), v)  # type: ignore[arg-type]
+            zero_sq = constant_sq_norms(m, b, 1, self.dtype).reshape(())  # ‖(0 − m)/b‖², rounded up
+            out[:, k] += torch.where(bad, zero_sq, v)  # type: ignore[arg-type]
         return round_up_sq_norms(out, terms, self.dtype)
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:

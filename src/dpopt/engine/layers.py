@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chol_norm import cholesky_sq_norms
-from .row_norms import ROW_NORM_COLUMNS, round_up_sq_norms, row_sq_norms64, rows_sq64
+from .row_norms import ROW_NORM_COLUMNS, round_up_sq_norms, rounding_gamma, row_sq_norms64, rows_sq64
 from .shifted_norm import shifted_sq_norms
 
 __all__ = [
@@ -228,15 +228,15 @@ def _kept(bad: Tensor, *ts: Tensor) -> list[Tensor]:
     return [t.index_select(0, keep) for t in ts]
 
 
-def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int) -> Tensor:
-    """``[n]`` squared norms of a block with no per-example gradient (no call, or no example): each
-    example's gradient is 0, so its geometry norm is ‖(0 − m)/b‖² (0 without a shift): evaluated in float64 (÷,
-    square: 2 roundings per coordinate, then the sum) and rounded UP into m's dtype
+def constant_sq_norms(m: Optional[Tensor], b: Optional[Tensor], n: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``[n]`` squared norms of a zero per-example gradient (a block with no call or no example; an example
+    flagged non-finite): its geometry norm is ‖(0 − m)/b‖² (0 without a shift), evaluated in float64 (÷,
+    square: 2 roundings per coordinate, then the sum) and rounded UP into ``dtype`` (default m's)
     (:func:`~dpopt.engine.row_norms.round_up_sq_norms`), never below the exact value."""
     if m is None:
-        return torch.zeros(()).expand(n).clone()
+        return torch.zeros((), dtype=dtype).expand(n).clone()
     base = m.double() / b.double() if b is not None else m.double()
-    const = round_up_sq_norms(base.square().sum(), base.numel() + 2, m.dtype)
+    const = round_up_sq_norms(base.square().sum(), base.numel() + 2, dtype or m.dtype)
     return const.expand(n).clone()
 
 
@@ -995,12 +995,6 @@ class FactoredBlock:
         self.parts = []
 
 
-def _gamma(n: int) -> float:
-    """γ_n = n·u/(1 − n·u), u = 2⁻⁵³: the relative error bound of n float64 roundings (Higham 2002, §3.1)."""
-    nu = n * 2.0**-53
-    return nu / (1.0 - nu)
-
-
 def _scaled_closed_sq_norms(e: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """T = 1 Linear weight in a scale-only geometry: ‖(e_i a_iᵀ)/b‖² = Σ_jk e_ij² a_ik² / b_jk², ``[B]``.
 
@@ -1033,7 +1027,7 @@ def _difference_up(total: Tensor, total_terms: int, part: Tensor, part_terms: in
     """
 
     def up(n: int) -> float:
-        return (n + 4) * 2.0**-53 if (2 * n * n + n + 2) * 2.0**-53 <= 1.0 else 2.0 * _gamma(n + 1)
+        return (n + 4) * 2.0**-53 if (2 * n * n + n + 2) * 2.0**-53 <= 1.0 else 2.0 * rounding_gamma(n + 1)
 
     hi = total * (1.0 + up(total_terms))
     lo = part * (1.0 - up(part_terms))

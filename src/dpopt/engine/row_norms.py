@@ -34,6 +34,7 @@ __all__ = [
     "row_sq_norms64_cpu",
     "rows_sq64",
     "round_up_sq_norms",
+    "rounding_gamma",
 ]
 
 ROW_NORM_COLUMNS = 1 << 15
@@ -236,5 +237,10 @@ def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
         return x
     if not 1 <= terms < 2**51:
         raise ValueError(f"terms must be in [1, 2**51), got {terms}")
-    nu = (terms + 1) * 2.0**-53
-    return round_up(x * (1.0 + 2.0 * nu / (1.0 - nu)), dtype)
+    return round_up(x * (1.0 + 2.0 * rounding_gamma(terms + 1)), dtype)
+
+
+def rounding_gamma(n: int) -> float:
+    """γ_n = n·u/(1 − n·u), u = 2⁻⁵³: the relative error bound of n float64 roundings (Higham 2002, §3.1)."""
+    nu = n * 2.0**-53
+    return nu / (1.0 - nu)
