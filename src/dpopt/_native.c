@@ -39,6 +39,26 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
+/* The buffers one call holds: each acquired by take() and all released, in reverse order, by release_all() (on
+ * every path: success and each error). */
+#define MAX_BUFFERS 6
+typedef struct {
+    Py_buffer view[MAX_BUFFERS];
+    int n;
+} Buffers;
+
+/* obj's buffer as the next view of bs, or NULL with a ValueError set */
+static Py_buffer *take(Buffers *bs, PyObject *obj, int writable, const char *name) {
+    Py_buffer *v = &bs->view[bs->n];
+    if (get_buffer(obj, v, writable, name) < 0) return NULL;
+    bs->n++;
+    return v;
+}
+
+static void release_all(Buffers *bs) {
+    while (bs->n > 0) PyBuffer_Release(&bs->view[--bs->n]);
+}
+
 /* the element kind of a buffer: 'f' float32, 'd' float64, 'Q' uint64, 'q' int64, 0 otherwise */
 static char kind_of(const Py_buffer *v) {
     const char *f = v->format ? v->format : "B";
@@ -121,25 +141,17 @@ static PyObject *ziggurat_fill(PyObject *self, PyObject *args) {
     PyObject *o_out, *o_state, *o_k, *o_w, *o_f, *o_tail;
     Py_ssize_t discard;
     if (!PyArg_ParseTuple(args, "OOnOOOO", &o_out, &o_state, &discard, &o_k, &o_w, &o_f, &o_tail)) return NULL;
-    Py_buffer out, state, k, w, f, tail;
-    int got = 0;
+    Buffers bs = {.n = 0};
     PyObject *result = NULL;
-    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
-    got = 1;
-    if (get_buffer(o_state, &state, 1, "state") < 0) goto done;
-    got = 2;
-    if (get_buffer(o_k, &k, 0, "k") < 0) goto done;
-    got = 3;
-    if (get_buffer(o_w, &w, 0, "w") < 0) goto done;
-    got = 4;
-    if (get_buffer(o_f, &f, 0, "f") < 0) goto done;
-    got = 5;
-    if (get_buffer(o_tail, &tail, 1, "tail_idx") < 0) goto done;
-    got = 6;
-    Py_ssize_t n = count_of(&out);
-    if (kind_of(&out) != 'd' || kind_of(&state) != 'Q' || count_of(&state) != 4 || kind_of(&k) != 'Q' ||
-        count_of(&k) != 256 || kind_of(&w) != 'd' || count_of(&w) != 256 || kind_of(&f) != 'd' ||
-        count_of(&f) != 256 || kind_of(&tail) != 'q' || count_of(&tail) < n || discard < 0) {
+    Py_buffer *out, *state, *k, *w, *f, *tail;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(state = take(&bs, o_state, 1, "state")) ||
+        !(k = take(&bs, o_k, 0, "k")) || !(w = take(&bs, o_w, 0, "w")) || !(f = take(&bs, o_f, 0, "f")) ||
+        !(tail = take(&bs, o_tail, 1, "tail_idx")))
+        goto done;
+    Py_ssize_t n = count_of(out);
+    if (kind_of(out) != 'd' || kind_of(state) != 'Q' || count_of(state) != 4 || kind_of(k) != 'Q' ||
+        count_of(k) != 256 || kind_of(w) != 'd' || count_of(w) != 256 || kind_of(f) != 'd' || count_of(f) != 256 ||
+        kind_of(tail) != 'q' || count_of(tail) < n || discard < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "ziggurat_fill takes out float64 [n], state uint64 [4], discard >= 0, k uint64 [256], "
                         "w and f float64 [256], tail_idx int64 [>= n]");
@@ -147,17 +159,12 @@ static PyObject *ziggurat_fill(PyObject *self, PyObject *args) {
     }
     Py_ssize_t tails;
     Py_BEGIN_ALLOW_THREADS
-    tails = zig_loop((double *)out.buf, n, (uint64_t *)state.buf, discard, (const uint64_t *)k.buf,
-                     (const double *)w.buf, (const double *)f.buf, (int64_t *)tail.buf);
+    tails = zig_loop((double *)out->buf, n, (uint64_t *)state->buf, discard, (const uint64_t *)k->buf,
+                     (const double *)w->buf, (const double *)f->buf, (int64_t *)tail->buf);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(tails);
 done:
-    if (got >= 6) PyBuffer_Release(&tail);
-    if (got >= 5) PyBuffer_Release(&f);
-    if (got >= 4) PyBuffer_Release(&w);
-    if (got >= 3) PyBuffer_Release(&k);
-    if (got >= 2) PyBuffer_Release(&state);
-    if (got >= 1) PyBuffer_Release(&out);
+    release_all(&bs);
     return result;
 }
 
@@ -204,46 +211,37 @@ static PyObject *release(PyObject *self, PyObject *args) {
     double scale, divisor;
     int divide;
     if (!PyArg_ParseTuple(args, "OOOddp", &o_out, &o_s, &o_z, &scale, &divisor, &divide)) return NULL;
-    Py_buffer out, s, z;
-    int got = 0;
+    Buffers bs = {.n = 0};
     PyObject *result = NULL;
-    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
-    got = 1;
-    if (get_buffer(o_s, &s, 0, "s") < 0) goto done;
-    got = 2;
-    if (get_buffer(o_z, &z, 0, "z") < 0) goto done;
-    got = 3;
-    {
-        char ko = kind_of(&out), ks = kind_of(&s);
-        Py_ssize_t n = count_of(&out);
-        if ((ko != 'f' && ko != 'd') || (ks != 'f' && ks != 'd') || kind_of(&z) != 'd' || count_of(&s) != n ||
-            count_of(&z) != n) {
-            PyErr_SetString(PyExc_ValueError,
-                            "release takes out and s float32 or float64 [n] and z float64 [n] of one length");
-            goto done;
-        }
-        const char *ob = (const char *)out.buf, *sb = (const char *)s.buf, *zb = (const char *)z.buf;
-        int inplace = ob == sb && ko == ks; /* the same elements: the sum is overwritten by its release */
-        if ((!inplace && ob < sb + s.len && sb < ob + out.len) || (zb < ob + out.len && ob < zb + z.len)) {
-            PyErr_SetString(PyExc_ValueError, "release: out overlaps s (without being s itself) or z");
-            goto done;
-        }
-        const double *zp = (const double *)z.buf;
-        Py_BEGIN_ALLOW_THREADS
-        if (inplace && ko == 'f') release_ff_inplace((float *)out.buf, zp, n, scale, (float)divisor, divide);
-        else if (inplace) release_dd_inplace((double *)out.buf, zp, n, scale, divisor, divide);
-        else if (ko == 'f' && ks == 'f') release_ff((float *)out.buf, (const float *)s.buf, zp, n, scale, (float)divisor, divide);
-        else if (ko == 'f') release_fd((float *)out.buf, (const double *)s.buf, zp, n, scale, (float)divisor, divide);
-        else if (ks == 'f') release_df((double *)out.buf, (const float *)s.buf, zp, n, scale, divisor, divide);
-        else release_dd((double *)out.buf, (const double *)s.buf, zp, n, scale, divisor, divide);
-        Py_END_ALLOW_THREADS
+    Py_buffer *out, *s, *z;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(s = take(&bs, o_s, 0, "s")) || !(z = take(&bs, o_z, 0, "z")))
+        goto done;
+    char ko = kind_of(out), ks = kind_of(s);
+    Py_ssize_t n = count_of(out);
+    if ((ko != 'f' && ko != 'd') || (ks != 'f' && ks != 'd') || kind_of(z) != 'd' || count_of(s) != n ||
+        count_of(z) != n) {
+        PyErr_SetString(PyExc_ValueError, "release takes out and s float32 or float64 [n] and z float64 [n] of one length");
+        goto done;
     }
+    const char *ob = (const char *)out->buf, *sb = (const char *)s->buf, *zb = (const char *)z->buf;
+    int inplace = ob == sb && ko == ks; /* the same elements: the sum is overwritten by its release */
+    if ((!inplace && ob < sb + s->len && sb < ob + out->len) || (zb < ob + out->len && ob < zb + z->len)) {
+        PyErr_SetString(PyExc_ValueError, "release: out overlaps s (without being s itself) or z");
+        goto done;
+    }
+    const double *zp = (const double *)z->buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (inplace && ko == 'f') release_ff_inplace((float *)out->buf, zp, n, scale, (float)divisor, divide);
+    else if (inplace) release_dd_inplace((double *)out->buf, zp, n, scale, divisor, divide);
+    else if (ko == 'f' && ks == 'f') release_ff((float *)out->buf, (const float *)s->buf, zp, n, scale, (float)divisor, divide);
+    else if (ko == 'f') release_fd((float *)out->buf, (const double *)s->buf, zp, n, scale, (float)divisor, divide);
+    else if (ks == 'f') release_df((double *)out->buf, (const float *)s->buf, zp, n, scale, divisor, divide);
+    else release_dd((double *)out->buf, (const double *)s->buf, zp, n, scale, divisor, divide);
+    Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    if (got >= 3) PyBuffer_Release(&z);
-    if (got >= 2) PyBuffer_Release(&s);
-    if (got >= 1) PyBuffer_Release(&out);
+    release_all(&bs);
     return result;
 }
 
@@ -281,32 +279,25 @@ static PyObject *row_sq_norms64(PyObject *self, PyObject *args) {
     PyObject *o_x, *o_out;
     Py_ssize_t columns, lo, hi;
     if (!PyArg_ParseTuple(args, "OOnnn", &o_x, &o_out, &columns, &lo, &hi)) return NULL;
-    Py_buffer x, out;
-    int got = 0;
+    Buffers bs = {.n = 0};
     PyObject *result = NULL;
-    if (get_buffer(o_x, &x, 0, "x") < 0) goto done;
-    got = 1;
-    if (get_buffer(o_out, &out, 1, "out") < 0) goto done;
-    got = 2;
-    {
-        Py_ssize_t rows = count_of(&out);
-        /* rows * columns compared without overflow: a huge `columns` must not wrap to x's length */
-        if (kind_of(&x) != 'f' || kind_of(&out) != 'd' || columns < 0 ||
-            (columns > 0 && rows > PY_SSIZE_T_MAX / columns) || count_of(&x) != rows * columns || lo < 0 ||
-            hi > rows || lo > hi) {
-            PyErr_SetString(PyExc_ValueError,
-                            "row_sq_norms64 takes x float32 [rows, columns], out float64 [rows], 0 <= lo <= hi <= rows");
-            goto done;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        row_loop((const float *)x.buf, columns, (double *)out.buf, lo, hi);
-        Py_END_ALLOW_THREADS
+    Py_buffer *x, *out;
+    if (!(x = take(&bs, o_x, 0, "x")) || !(out = take(&bs, o_out, 1, "out"))) goto done;
+    Py_ssize_t rows = count_of(out);
+    /* rows * columns compared without overflow: a huge `columns` must not wrap to x's length */
+    if (kind_of(x) != 'f' || kind_of(out) != 'd' || columns < 0 || (columns > 0 && rows > PY_SSIZE_T_MAX / columns) ||
+        count_of(x) != rows * columns || lo < 0 || hi > rows || lo > hi) {
+        PyErr_SetString(PyExc_ValueError,
+                        "row_sq_norms64 takes x float32 [rows, columns], out float64 [rows], 0 <= lo <= hi <= rows");
+        goto done;
     }
+    Py_BEGIN_ALLOW_THREADS
+    row_loop((const float *)x->buf, columns, (double *)out->buf, lo, hi);
+    Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    if (got >= 2) PyBuffer_Release(&out);
-    if (got >= 1) PyBuffer_Release(&x);
+    release_all(&bs);
     return result;
 }
 
