@@ -37,12 +37,7 @@ from dpopt.types import ClipGeometry
 
 def old_sq_norms(self, geometry, groups, num_groups):
     """``FastPerSampleGrads._sq_norms`` before 2026-12-07 (all-finite path): float32 group totals."""
-    if not self._caches_planned:
-        self._plan_caches(geometry)
-    per_param = [None] * self.num_params
-    for blk in self.blocks:
-        for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
-            per_param[i] = v
+    per_param = self._param_sq_norms(geometry)  # the collection step, unchanged since
     out = torch.zeros(self.batch_size, num_groups, dtype=self.dtype, device=self.device)
     for v, k in zip(per_param, groups):
         out[:, k] += v

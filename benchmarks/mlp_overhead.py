@@ -103,12 +103,7 @@ def old_closed(self, m, b):
 
 def old_sq_norms(self, geometry, groups, num_groups):
     """``FastPerSampleGrads._sq_norms`` before the check on the totals: ``isfinite`` per parameter."""
-    if not self._caches_planned:
-        self._plan_caches(geometry)
-    per_param = [None] * self.num_params
-    for blk in self.blocks:
-        for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
-            per_param[i] = v
+    per_param = self._param_sq_norms(geometry)  # the collection step, unchanged since
     bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
     for v in per_param:
         bad |= ~torch.isfinite(v)

@@ -224,13 +224,18 @@ class FastPerSampleGrads:
             flat = [self._geo(geometry, blk.index[0]) == (None, None) for blk in fac]
             plan_caches(fac, flat, fac[0].budget)
 
-    def _sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
+    def _param_sq_norms(self, geometry: ClipGeometry) -> list[Optional[Tensor]]:
+        """Each parameter's ``[B]`` squared norms from its block, in parameter order (the caches planned first)."""
         if not self._caches_planned:
             self._plan_caches(geometry)
         per_param: list[Optional[Tensor]] = [None] * self.num_params
         for blk in self.blocks:
             for i, v in zip(blk.index, blk.sq_norms([self._geo(geometry, i) for i in blk.index])):
                 per_param[i] = v
+        return per_param
+
+    def _sq_norms(self, geometry: ClipGeometry, groups: Sequence[int], num_groups: int) -> Tensor:
+        per_param = self._param_sq_norms(geometry)
         # The group totals are summed in float64 (each term exact there) and rounded UP into the compute
         # dtype (round_up_sq_norms: ≥ the float64 sum's exact value after its ≤ P − 1 roundings): a total is
         # never below the exact sum of its terms, each never below its parameter's exact norm, so the
