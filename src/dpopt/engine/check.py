@@ -637,7 +637,7 @@ def sq_dist64(a: Tensor, b: Tensor, chunk: int = 1 << 13) -> float:
 
     ``a`` and ``b`` are compared element by element in row-major order (the
     order of ``reshape``); both are converted to float64 before the
-    subtraction, so the difference of two float32/half values is exact.
+    subtraction, so the difference of two float32/half values is exact. Neither is written to.
 
     Raises:
         ValueError: ``a`` and ``b`` have different numbers of elements.
@@ -647,7 +647,10 @@ def sq_dist64(a: Tensor, b: Tensor, chunk: int = 1 << 13) -> float:
         raise ValueError(f"sq_dist64 compares tensors of equal size; got {tuple(a.shape)} and {tuple(b.shape)}")
     total = torch.zeros((), dtype=torch.float64, device=a.device)
     for s in range(0, fa.numel(), chunk):
-        part = fa[s : s + chunk].double().sub_(fb[s : s + chunk])  # promoted element by element: exact
+        # promoted element by element: exact. Out of place: for a float64 ``a``, ``.double()`` is ``a`` itself,
+        # and an in-place ``sub_`` wrote a − b into the caller's tensor (a block's per-example gradient, which may
+        # be a view of a recorded output gradient that another parameter's block still reads)
+        part = fa[s : s + chunk].double() - fb[s : s + chunk]
         total += torch.dot(part, part)
         del part
     return float(total)

@@ -241,9 +241,12 @@ class FastPerSampleGrads:
         # never below the exact sum of its terms, each never below its parameter's exact norm, so the
         # Privatizer's factor (clip_factors) keeps the clipped norm ≤ C. Cost: [B, G] float64.
         terms = max(1, len(per_param))
-        out = torch.zeros(self.batch_size, num_groups, dtype=torch.float64, device=self.device)
+        # each group's total from 0 by in-place float64 adds in parameter order (the values of ``out[:, k] += v``
+        # on a [B, G] buffer, without its per-term indexing), stacked (one group: a view)
+        totals = [torch.zeros(self.batch_size, dtype=torch.float64, device=self.device) for _ in range(num_groups)]
         for v, k in zip(per_param, groups):
-            out[:, k] += v  # type: ignore[arg-type]
+            totals[k].add_(v)  # type: ignore[arg-type]
+        out = totals[0].unsqueeze(1) if num_groups == 1 else torch.stack(totals, 1)
         # The non-finite check reads the totals: the norms are ≥ 0 or nan/inf, and an inf or nan term makes
         # its group's float sum inf or nan, so all-finite totals mean all-finite norms (the common case: one
         # reduction). Otherwise the norms are read one by one, as always.

@@ -278,7 +278,8 @@ class DirectBlock:
         index: trainable-parameter indices covered.
         grads: one per-sample gradient tensor per index, shape ``[B, *param.shape]``
             (already multiplied by the evaluation-point coefficients and summed
-            over points/calls).
+            over points/calls). Read only, never written in place: they may be views of the
+            recorded output gradients (:func:`~dpopt.engine.rules.linear_bias_sums`).
         flat: optional, per index, None or a function returning that parameter's flat-geometry squared
             norms ``[B]`` (never below the exact ‖g_i‖²) computed from shared quantities: a T = 1 linear
             layer's bias reuses the ‖e_i‖² of its weight's closed form (:meth:`LinearPart.bias_sq_norms`).

@@ -261,13 +261,19 @@ def rule_for(module: nn.Module) -> Optional[Rule]:
 
 # --------------------------------------------------------------------------- factored weights
 def linear_bias_sums(layer: LayerCalls) -> Tensor:
-    """A linear map's per-example bias gradient Σ_t e_it summed over the calls, ``[B, q]`` in :attr:`LayerCalls.dtype`."""
+    """A linear map's per-example bias gradient Σ_t e_it summed over the calls, ``[B, q]`` in :attr:`LayerCalls.dtype`.
+
+    One call with T = 1 (every MLP layer): the recorded rows themselves, a view of ``e`` when it is in that dtype
+    (no copy: nothing writes into a block's per-example gradients, :class:`~dpopt.engine.layers.DirectBlock`);
+    with several calls the first term is a copy, since the later ones are added into it in place.
+    """
     b = layer.batch_size
     total: Optional[Tensor] = None
+    one = len(layer.calls) == 1
     for _, e in layer.calls:
         q = e.shape[-1]
-        if e.numel() == b * q:  # one position per example (T = 1): Σ_t is the row itself, copied (no reduction pass)
-            part = e.reshape(b, q).to(layer.dtype, copy=True)
+        if e.numel() == b * q:  # one position per example (T = 1): Σ_t is the row itself (no reduction pass)
+            part = e.reshape(b, q).to(layer.dtype, copy=not one)
         else:
             part = e.reshape(b, -1, q).sum(1, dtype=layer.dtype)
         total = part if total is None else total.add_(part)  # the calls in order, as sum() added them
