@@ -22,6 +22,8 @@ exactly as many.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -179,16 +181,18 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _sources(self, per_sample, params: list[Tensor]):
         """Yield each micro-batch source matched to ``params`` (lazily: engines free the previous one)."""
-        points = self.evaluation_points()
+        points = self._evaluation_points(params)
         if hasattr(per_sample, "sq_norms"):
             yield self._matched(per_sample, params, points)
             return
         for src in per_sample:
             yield self._matched(src, params, points)
 
-    def _states(self) -> list[dict]:
+    def _states(self, params: Optional[list[Tensor]] = None) -> list[dict]:
+        """Each trainable parameter's transform state (initialised on first use), in ``params`` order
+        (default: :meth:`_params`, walked now)."""
         states = []
-        for p in self._params():
+        for p in self._params() if params is None else params:
             if not self.state[p]:
                 self.state[p].update(self.transform.init(p))
             states.append(self.state[p])
@@ -196,14 +200,22 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def geometry(self) -> ClipGeometry:
         """The clip geometry for the next step (identity unless a transform provides one)."""
+        return self._geometry(self._params())
+
+    def _geometry(self, params: list[Tensor]) -> ClipGeometry:
+        """:meth:`geometry` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller."""
         with torch.no_grad():
-            geo = self.transform.geometry(self._states(), self._params())
+            geo = self.transform.geometry(self._states(params), params)
         return geo if geo is not None else ClipGeometry()
 
     def evaluation_points(self) -> list[EvaluationPoint]:
         """Where the next per-sample gradients must be evaluated (default: at θ)."""
+        return self._evaluation_points(self._params())
+
+    def _evaluation_points(self, params: list[Tensor]) -> list[EvaluationPoint]:
+        """:meth:`evaluation_points` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller."""
         with torch.no_grad():
-            pts = self.transform.evaluation_points(self._states(), self._params())
+            pts = self.transform.evaluation_points(self._states(params), params)
         return pts if pts is not None else [EvaluationPoint(1.0)]
 
     # -- checkpoints --------------------------------------------------------
@@ -278,7 +290,9 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError("DPOptimizer.step needs per-sample gradients (see dpopt.engine)")
         params = self._params()
         try:
-            release = self.privatizer.privatize(self._sources(per_sample, params), self.geometry(), params_like=params)
+            release = self.privatizer.privatize(
+                self._sources(per_sample, params), self._geometry(params), params_like=params
+            )
         except BaseException:
             self.privatizer._reset()  # a failed release: the open step goes (never "begin() called twice")
             raise
@@ -294,10 +308,15 @@ class DPOptimizer(torch.optim.Optimizer):
         logical batch, :class:`~dpopt.private_optimizer.PrivateOptimizer`) calls
         it with that release (its step opened with ``privatizer.begin(self.geometry())``).
         """
-        params = self._params()
-        states = self._states()
-        lrs = [g["lr"] for g in self.param_groups for p in g["params"] if not is_frozen(p)]
-        groups = [g for g in self.param_groups for p in g["params"] if not is_frozen(p)]
+        params: list[Tensor] = []
+        groups: list[dict] = []
+        for g in self.param_groups:  # one walk: the trainable parameters (_params) and each one's group
+            for p in g["params"]:
+                if not is_frozen(p):
+                    params.append(p)
+                    groups.append(g)
+        states = self._states(params)
+        lrs = [g["lr"] for g in groups]
         ctx = StepContext(
             step=release.step + 1,
             noise_std=release.noise_std,
