@@ -647,10 +647,10 @@ def sq_dist64(a: Tensor, b: Tensor, chunk: int = 1 << 13) -> float:
         raise ValueError(f"sq_dist64 compares tensors of equal size; got {tuple(a.shape)} and {tuple(b.shape)}")
     total = torch.zeros((), dtype=torch.float64, device=a.device)
     for s in range(0, fa.numel(), chunk):
-        # promoted element by element: exact. Out of place: for a float64 ``a``, ``.double()`` is ``a`` itself,
-        # and an in-place ``sub_`` wrote a − b into the caller's tensor (a block's per-example gradient, which may
-        # be a view of a recorded output gradient that another parameter's block still reads)
-        part = fa[s : s + chunk].double() - fb[s : s + chunk]
+        # promoted element by element: exact. Into a copy (one chunk-sized temporary, as for a float32 ``a``): for a
+        # float64 ``a``, ``.double()`` is ``a`` itself, and ``sub_`` wrote a − b into the caller's tensor (a block's
+        # per-example gradient, which may be a view of a recorded output gradient another block still reads)
+        part = fa[s : s + chunk].to(torch.float64, copy=True).sub_(fb[s : s + chunk])
         total += torch.dot(part, part)
         del part
     return float(total)
