@@ -92,7 +92,12 @@ def release_free_heap() -> bool:
     drops to the blocks in use plus partial pages. Live blocks are not moved
     or touched. Cost: a walk of the free lists plus, later, one page fault
     per released page that is used again — so it is meant for rare points
-    (the first-batch check's passes), not for every step.
+    (the first-batch check's passes), not for every step: once per step,
+    between the loss and the backward of the ``dp-sgd`` door, it put every
+    GPT-2 + LoRA memory child at 0.99–1.00× of the non-private peak but
+    cost 5–7 % of a GPT-2 step's CPU time and 21–25 % of the MNIST MLP's,
+    mostly in faulting the released pages in again (docs/performance.md,
+    "LoRA memory: glibc's heap modes").
 
     Returns:
         True if glibc's ``malloc_trim`` was called, False off Linux, without
