@@ -134,6 +134,28 @@ def test_optim_door_sensitivity_after_a_hook_is_added():
     assert worst <= 1 + 1e-9
 
 
+def test_fast_door_checks_a_steady_loop_once_and_a_new_hook_once(monkeypatch):
+    """``dpopt.optim`` steps (capture hooks attached and removed each step): one check; a hook: one more."""
+    calls = []
+    real = check_mod.ModeCheck.done
+    monkeypatch.setattr(check_mod.ModeCheck, "done", lambda self, sig: (calls.append(sig), real(self, sig))[1])
+    model = _model()
+    x, y = _data()
+    opt = make_optimizer(
+        "dp-sgd", list(model.parameters()), noise_multiplier=0.0, expected_batch_size=float(N), sample_rate=0.1
+    )
+    for _ in range(6):
+        opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
+    assert len(calls) == 1
+    h = model[0].register_forward_hook(lambda m, i, o: 3 * o)
+    for _ in range(3):
+        opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
+    assert len(calls) == 2
+    h.remove()
+    opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
+    assert len(calls) == 2  # the first signature again: checked before
+
+
 def _private(model, x, y, lr=0.0):
     eng = dpopt.PrivacyEngine()
     with warnings.catch_warnings():
@@ -203,7 +225,7 @@ def test_privacy_engine_accepts_a_per_example_hook_and_rechecks_on_each_change()
     _step(model, opt, x[:4], y[:4])
     assert len(calls) == 4
     h.remove()
-    assert len(eng.ledger) == 10
+    assert len(eng.ledger) == 11  # every step released: each new signature agreed
 
 
 def test_privacy_engine_rechecks_a_hook_whose_function_is_replaced():
