@@ -210,8 +210,14 @@ def module_state(model: nn.Module) -> tuple:
     for name, m in model.named_modules():
         d = m.__dict__
         attrs = tuple((k, _attribute_key(v)) for k, v in d.items() if k not in _MODULE_INTERNALS)
-        hooks = _hooks(tuple(d.get(t) for t in _HOOK_TABLES), tuple(d.get(f) for f in _HOOK_FLAGS))
-        if hooks and d.get("_backward_hooks"):
+        tables = (
+            d.get("_forward_pre_hooks"),
+            d.get("_forward_hooks"),
+            d.get("_backward_pre_hooks"),
+            bw := d.get("_backward_hooks"),
+        )
+        hooks = _hooks(tables, tuple(d.get(f) for f in _HOOK_FLAGS)) if any(tables) else ()
+        if hooks and bw:
             hooks += (("full", d.get("_is_full_backward_hook")),)
         out.append(
             (name, id(m), type(m).__qualname__, attrs, hooks) if hooks else (name, id(m), type(m).__qualname__, attrs)
