@@ -206,7 +206,7 @@ def module_state(model: nn.Module) -> tuple:
     attribute dicts and non-empty hook tables (measured in
     ``benchmarks/signature_cost.py``).
     """
-    out = []
+    out: list[tuple] = []
     for name, m in model.named_modules():
         d = m.__dict__
         attrs = tuple((k, _attribute_key(v)) for k, v in d.items() if k not in _MODULE_INTERNALS)
