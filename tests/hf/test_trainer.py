@@ -482,3 +482,30 @@ def test_variable_length_texts_through_the_hf_collators(tmp_path):
     )
     tr.train()
     assert len(tr.ledger) == 2
+
+
+def test_a_mixing_hook_added_during_training_is_checked_and_refused(tmp_path):
+    """A forward hook that mixes examples, registered by a callback after step 1: the next step is re-checked.
+
+    The user's hooks are part of the first-batch check's signature
+    (:func:`dpopt.engine.check.module_state`); the hook door refuses a step
+    whose per-example gradients disagree with single-example autograd.
+    """
+    model = bert()
+
+    class AddHook(T.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                model.classifier.register_forward_hook(lambda m, i, o: o + o.mean(0, keepdim=True))
+
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        train_dataset=Tokens(classes=3),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        callbacks=[AddHook()],
+    )
+    with pytest.raises(ValueError, match="do not match single-example autograd"):
+        tr.train()
+    assert len(tr.ledger) == 1  # the step before the hook only

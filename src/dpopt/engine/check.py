@@ -60,6 +60,7 @@ examples is invisible; such a layer is outside the engines' contract.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -72,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "mode_signature",
     "module_state",
+    "own_hook",
     "size_class",
     "Signature",
     "signature",
@@ -122,23 +124,109 @@ def _attribute_key(v):
     return ("id", id(v))
 
 
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_GLOBAL_TABLES = tuple(
+    getattr(torch.nn.modules.module, "_global" + t, None) for t in _HOOK_TABLES
+)  # torch's process-wide module hooks (register_module_forward_hook, ...): the dicts themselves, mutated in place
+_GLOBAL_FLAGS = tuple(getattr(torch.nn.modules.module, "_global" + t, None) for t in _HOOK_FLAGS[1:])
+
+
+def own_hook(fn) -> bool:
+    """True if the hook function ``fn`` is dpopt's own (defined in a ``dpopt`` module): left out of :func:`module_state`.
+
+    dpopt's hooks (the capture's recording hooks, the check's replay, the
+    ``PrivacyEngine`` loss-reduction watch's process-wide forward hook) come
+    and go between steps and are what the check verifies (or only inspect);
+    counting them would make every step a new signature. ``functools.partial``
+    is unwrapped; a bound method or a callable object counts by its class's
+    module.
+    """
+    mod = getattr(_inner(fn), "__module__", None) or ""
+    return mod == "dpopt" or mod.startswith("dpopt.")
+
+
+def _inner(fn):
+    """``fn`` without ``functools.partial`` wrappers."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _hook_key(fn) -> tuple:
+    """A hook function by identity: ``id(fn)`` and the id of its code (or, for a callable object, its class).
+
+    The code's id tells apart two functions that came to live at the same
+    address one after the other (a hook removed, a different lambda
+    registered): code objects live as long as the function that defines them.
+    """
+    inner = _inner(fn)
+    inner = getattr(inner, "__func__", inner)  # a bound method: its function
+    return (id(fn), id(getattr(inner, "__code__", type(inner))))
+
+
+def _hooks(tables: tuple, flags: tuple) -> tuple:
+    """The user's hooks of one module (or torch's global tables): per table, ``(id(fn), flags...)`` in call order."""
+    out = []
+    for k, table in enumerate(tables):
+        if table:  # most modules have no hooks: one truth test per table
+            ids = tuple(
+                (*_hook_key(fn), *(key in f for f in flags if f is not None))
+                for key, fn in table.items()
+                if not own_hook(fn)
+            )
+            if ids:
+                out.append((k, ids))
+    return tuple(out)
+
+
 def module_state(model: nn.Module) -> tuple:
     """A fingerprint of ``model``'s non-parameter state: what can change how a forward treats the batch.
 
     Per module in ``model.named_modules()`` order: its name, its identity
     and type (a parameter-free submodule swapped after the check changes it),
-    and every plain attribute of its ``__dict__`` other than ``nn.Module``'s
-    own bookkeeping (parameters, buffers, submodules and hook tables are not
-    in it; ``training`` is :func:`mode_signature`'s): primitives by value
+    every plain attribute of its ``__dict__`` other than ``nn.Module``'s
+    own bookkeeping (parameters, buffers and submodules are not in it;
+    ``training`` is :func:`mode_signature`'s): primitives by value
     (a flag ``self.mix = True`` switched after step 1 changes it), tensors by
     shape, dtype and device, any other object (a function, a config) by
-    identity. Cost: one pass over the modules' attribute dicts (measured in
+    identity; and its hooks: per table (forward pre-hooks, forward hooks,
+    backward pre-hooks, backward hooks) the identity of each hook function in
+    call order with its with-kwargs / always-call flags (and whether the
+    backward hooks are full ones). Last, one entry for torch's process-wide
+    module hooks (``torch.nn.modules.module.register_module_forward_hook`` and
+    its siblings), alike. A hook added, removed or replaced after the check
+    (one that mixes examples: ``lambda m, i, o: o + o.mean(0)``) is a new
+    signature, checked again. dpopt's own hooks (:func:`own_hook`) are left
+    out, so a steady loop is checked once. A hook handle's key is not in it
+    (the same function registered again gives the same fingerprint). A hook
+    function counts by its identity and its code's (:func:`_hook_key`), so
+    another function at a freed function's address is seen; not seen: the
+    same code rebuilt with other closure values at the same address. Cost: one pass over the modules'
+    attribute dicts and non-empty hook tables (measured in
     ``benchmarks/signature_cost.py``).
     """
-    out = []
+    out: list[tuple] = []
     for name, m in model.named_modules():
-        attrs = tuple((k, _attribute_key(v)) for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS)
-        out.append((name, id(m), type(m).__qualname__, attrs))
+        d = m.__dict__
+        attrs = tuple((k, _attribute_key(v)) for k, v in d.items() if k not in _MODULE_INTERNALS)
+        tables = (
+            d.get("_forward_pre_hooks"),
+            d.get("_forward_hooks"),
+            d.get("_backward_pre_hooks"),
+            bw := d.get("_backward_hooks"),
+        )
+        hooks = _hooks(tables, tuple(d.get(f) for f in _HOOK_FLAGS)) if any(tables) else ()
+        if hooks and bw:
+            hooks += (("full", d.get("_is_full_backward_hook")),)
+        out.append(
+            (name, id(m), type(m).__qualname__, attrs, hooks) if hooks else (name, id(m), type(m).__qualname__, attrs)
+        )
+    glob = _hooks(_GLOBAL_TABLES, (None,) + _GLOBAL_FLAGS)
+    if glob:
+        out.append(
+            ("<global module hooks>", glob, getattr(torch.nn.modules.module, "_global_is_full_backward_hook", None))
+        )
     return tuple(out)
 
 
