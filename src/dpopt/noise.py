@@ -123,7 +123,8 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
-from .ziggurat import SFC_DISCARD, SFC_STATE_BYTES, ZIGGURAT_R, sfc64_seed_state, ziggurat_body
+from .kernels import native
+from .ziggurat import SFC_DISCARD, SFC_STATE_BYTES, ZIGGURAT_R, sfc64_seed_state, ziggurat_body, ziggurat_tables
 
 __all__ = [
     "CUT_RADIUS",
@@ -459,6 +460,7 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
 # range) from the same stream: the mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by
 # construction), with a tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS (numpy's own
 # ziggurat tail stops at r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45). The tail is 2.6e-4 of the values.
+_TAIL_CAP = 1024  # tail positions an early draw records per chunk (≈ 34 expected; more: the chunk is redrawn)
 _TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent
 _TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS
 _LN2 = math.log(2.0)
@@ -530,12 +532,71 @@ def _tail_draws(gen: np.random.Generator, m: int) -> np.ndarray:
     done = 0
     while done < m:
         want = m - done
-        tries = want + want // 4 + 4
+        tries = _tries(want)
         z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * _log_full_uniform(gen, tries))
         u2 = (gen.bit_generator.random_raw(tries) >> np.uint64(11)).astype(np.float64) * 2.0**-53
         keep = z[u2 * z < ZIGGURAT_R][:want]
         out[done : done + keep.size] = keep
         done += keep.size
+    return out
+
+
+def _tries(want: int) -> int:
+    """Candidates one round of :func:`_tail_draws` proposes for ``want`` draws (25 % + 4 more)."""
+    return want + want // 4 + 4
+
+
+def _tail_draws_many(states: np.ndarray, counts: list[int], bitgen: np.random.SFC64) -> list[np.ndarray]:
+    """``[_tail_draws(_sfc64(states[i], bitgen), counts[i]) for i]``, the same values, in one numpy pass.
+
+    A draw's chunks each need a few tail draws (≈ 34 per chunk of :data:`NORMAL_CHUNK`) from their own
+    streams; :func:`_tail_draws` spends ≈ 30 µs of numpy calls per chunk on such short arrays. Here each
+    stream only supplies its words (its first round: :func:`_log_full_uniform`'s ``[t, 2]`` words, then the
+    ``t`` words of u₂, t = :func:`_tries`), and the arithmetic — the same elementwise numpy expressions, in
+    the same order — runs once over all chunks' words. A chunk whose first round is not the whole of its
+    draw in :func:`_tail_draws` (a stream word below 2^11, probability 2^-53 per candidate, draws further
+    words before u₂; or fewer than ``counts[i]`` candidates accepted) is drawn by :func:`_tail_draws` itself.
+
+    Args:
+        states: uint64 ``[k, 4]``: the exact SFC64 state (a, b, c, counter) each stream continues from
+            (:func:`_sfc64`); not modified.
+        counts: ``k`` numbers of draws (each ≥ 1).
+        bitgen: the SFC64 object to re-use (its state is overwritten).
+
+    Returns:
+        ``k`` float64 arrays, the i-th of ``counts[i]`` draws of Z | Z ≥ r.
+    """
+    hi_mask = np.uint64(~0x7FF & (2**64 - 1))
+    firsts, us, own = [], [], []
+    for i, m in enumerate(counts):
+        gen = _sfc64(states[i], bitgen)
+        t = _tries(m)
+        raw = gen.bit_generator.random_raw((t, 2))
+        if not (raw[:, 0] & hi_mask).all():  # a rare word: _log_full_uniform draws more words before u₂
+            own.append(i)
+            continue
+        firsts.append(raw)
+        us.append(gen.bit_generator.random_raw(t))
+    out: list = [None] * len(counts)
+    if firsts:
+        raw = np.concatenate(firsts)
+        top = raw[:, 0] & hi_mask
+        zeros = np.minimum(64 - np.frexp(top.astype(np.float64))[1].astype(np.int64), _TAIL_K_MAX)
+        mantissa = ((raw[:, 1] >> np.uint64(12)) | np.uint64(_ONE)).view(np.float64)
+        z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * (np.log(mantissa) - (zeros + 1) * _LN2))
+        u2 = (np.concatenate(us) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        accept = u2 * z < ZIGGURAT_R
+        at, rare = 0, set(own)
+        for i in (i for i in range(len(counts)) if i not in rare):
+            t = _tries(counts[i])
+            keep = z[at : at + t][accept[at : at + t]][: counts[i]]
+            at += t
+            if keep.size == counts[i]:
+                out[i] = keep
+            else:  # another round: the chunk's own loop
+                own.append(i)
+    for i in own:
+        out[i] = _tail_draws(_sfc64(states[i], bitgen), counts[i])
     return out
 
 
@@ -840,6 +901,7 @@ class CpuNormalDraw:
         self._futures: list = []
         self._values: Optional[Tensor] = None
         self._states: Optional[list[bytes]] = None
+        self._job: Optional[tuple] = None  # an early draw's arguments of the compiled sampler (_bodies)
         if values is not None:  # already computed (secure mode): one chunk
             self._values, self._k = values, 1
             return
@@ -856,12 +918,52 @@ class CpuNormalDraw:
         if self.stream:
             return
         self._values = torch.empty(self.n, dtype=torch.float64)
+        # the compiled sampler's job: each chunk's SFC64 state [a, b, c, counter 1] (advanced in place to where the
+        # chunk's body ends: its tail draws continue there), the shared claim counter, the tail-branch positions
+        words = np.ones((k, 4), dtype=np.uint64)
+        words[:, :3] = np.frombuffer(raw, dtype="<u8").reshape(k, 3)
+        # (at most _TAIL_CAP per chunk: a buffer of n positions, 8 bytes per normal, made glibc return and re-fault
+        # the heap's top pages every step: ≈ 2 ms more CPU per MLP step, measured)
+        self._words, self._tail_count = words, np.zeros(k, np.int64)
+        self._tail_idx = np.empty((k, _TAIL_CAP), np.int64)
+        kt, wt, ft, _ = ziggurat_tables()
+        self._job = (
+            self._values.numpy(), words, np.zeros(1, np.int64), NORMAL_CHUNK, SFC_DISCARD, kt, wt, ft,
+            self._tail_idx, _TAIL_CAP, self._tail_count,
+        )
         pool = source._thread_pool() if k > 1 else None
         if pool is None:
-            for i in range(k):
-                self._fill(i, self._values)
-        else:
-            self._futures = [pool.submit(self._fill, i, self._values) for i in range(k)]
+            self._bodies()
+            return
+        # threads − 1 workers start now: beside the caller's own torch threads they leave a core's worth of room
+        # (the consumer claims what is left when it needs the values)
+        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1 + _TMP["extra"]), k))]
+
+    def _bodies(self) -> int:
+        """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released)."""
+        job = self._job
+        return 0 if job is None else native.ziggurat_fill_chunks(*job)
+
+    def _finish_tails(self) -> None:
+        """Every chunk's tail-branch positions filled by :func:`_tail_draws` from its stream where its body
+        stopped — exactly what :func:`ziggurat_normals` does per chunk; then the chunk states are dropped."""
+        buf = self._values
+        assert buf is not None
+        out, bitgen = buf.numpy(), self._source._bitgen()
+        which = np.flatnonzero((self._tail_count > 0) & (self._tail_count <= _TAIL_CAP))
+        counts = self._tail_count[which].tolist()
+        for i, m, tails in zip(which.tolist(), counts, _tail_draws_many(self._words[which], counts, bitgen)):
+            lo, hi = self._bounds(i)
+            idx = self._tail_idx[i, :m]
+            chunk = out[lo:hi]
+            chunk[idx] = np.copysign(tails, chunk[idx])
+        for i in np.flatnonzero(self._tail_count > _TAIL_CAP).tolist():  # more tail positions than recorded
+            lo, hi = self._bounds(i)
+            assert self._states is not None
+            ziggurat_normals(self._states[i], out[lo:hi], bitgen)  # the chunk again, whole: the same values
+        self._words[:] = 0  # the chunk states are not kept past their use
+        self._job = None
+        self._tail_idx = self._tail_count = np.empty(0, np.int64)
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
@@ -905,8 +1007,16 @@ class CpuNormalDraw:
             raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
         self._used = True
         futures, self._futures = self._futures, []
-        _wait_all(futures)
         flat = self._values
+        if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
+            try:
+                if _TMP["steal"]:
+                    self._bodies()
+            finally:
+                wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
+            _wait_all(futures)
+            self._finish_tails()
+        _wait_all(futures)
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
                 fn(0, self.n, flat[: self.n])
@@ -969,6 +1079,7 @@ def _wait_all(futures: list) -> None:
         fut.result()
 
 
+_TMP = {"extra": 0, "steal": True}
 _LIVE: "weakref.WeakSet[NoiseSource]" = weakref.WeakSet()  # every source, for the fork handler
 
 

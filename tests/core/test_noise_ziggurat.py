@@ -230,3 +230,26 @@ def test_tail_values_are_finite_and_their_signs_are_fair():
         pos += int((got[tail] > 0).sum())
     assert m > 1500  # P(|Z| ≥ r) · 2^23 = 2,165
     assert abs(pos - m / 2) < 5 * math.sqrt(m) / 2, (pos, m)
+
+
+def test_tail_draws_of_many_streams_in_one_pass_are_the_per_stream_draws(monkeypatch):
+    """_tail_draws_many (an early draw's tails, all chunks in one numpy pass) gives bit for bit _tail_draws of each
+    stream: on 10^6 tail values (numpy's own log on both sides: a C log could differ in the last bit), and on the
+    chunks its first round cannot finish (fewer candidates accepted than needed: _tail_draws' second round)."""
+    rng = np.random.default_rng(34)
+    k = 28_000
+    states = np.ones((k, 4), dtype=np.uint64)
+    states[:, :3] = rng.integers(0, 2**64, size=(k, 3), dtype=np.uint64)
+    counts = rng.integers(1, 72, size=k).tolist()
+    assert sum(counts) >= 10**6
+    bitgen = np.random.SFC64(0)
+    got = noise_mod._tail_draws_many(states, counts, bitgen)
+    want = [noise_mod._tail_draws(noise_mod._sfc64(states[i], bitgen), m) for i, m in enumerate(counts)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert all(a.size == m for a, m in zip(got, counts)) and min(float(a.min()) for a in got) >= ZIGGURAT_R
+
+    monkeypatch.setattr(noise_mod, "_tries", lambda want: want)  # no spare candidates: most chunks need a 2nd round
+    short = counts[:200]
+    got = noise_mod._tail_draws_many(states[:200], short, bitgen)
+    want = [noise_mod._tail_draws(noise_mod._sfc64(states[i], bitgen), m) for i, m in enumerate(short)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
