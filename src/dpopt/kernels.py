@@ -1,8 +1,10 @@
 """dpopt's compiled CPU kernels (the C extension ``dpopt._native``), or an error that says how to build them.
 
-Three kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
+Four kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
 
 * ``ziggurat_fill``: the body of the CPU Gaussian sampler (:mod:`dpopt.ziggurat`);
+* ``ziggurat_fill_chunks``: the same on every chunk of an early noise draw, the chunks claimed by the calling threads
+  through one atomic counter (:class:`dpopt.noise.CpuNormalDraw`);
 * ``release``: the release's one pass, out = rnd(z·scale + s) [/ B̄] (:func:`dpopt.privatizer.add_and_round`);
 * ``row_sq_norms64``: per-row float64 squared norms of float32 rows (:mod:`dpopt.engine.row_norms`).
 

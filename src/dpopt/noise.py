@@ -96,6 +96,17 @@ noise seam (``Privatizer._draw``) takes the values at the release. The values ar
 a :meth:`NoiseSource.normal` call; a draw is never pickled or copied, and one started before a fork
 is refused in the child.
 
+**How an early draw shares the cores (issue 34).** Its chunk bodies are one compiled job
+(``ziggurat_fill_chunks``): each thread that runs it claims chunks through one atomic counter and
+fills them without the GIL until none is left. With ``t`` torch threads, ``t − 1`` workers start it
+when the draw starts (beside the step's own ``t`` torch threads, a core's worth of room rather than
+``t`` more runnable threads), and :meth:`CpuNormalDraw.consume` runs it too, so the consumer computes
+whatever no worker has started instead of waiting for it. The workers hold the GIL only to start and
+to finish (not once per chunk: their Python between chunks made the step's main thread wait for the
+GIL). The tails (≈ 34 values per chunk, numpy: a C log could differ from numpy's in the last bit) are
+drawn at the consumer for all chunks in one numpy pass (:func:`_tail_draws_many`). Only when and where
+a chunk is computed changes, never its values.
+
 **Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
 self-contained (its own generator state), so a draw can also be *streamed*
 (``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
@@ -882,9 +893,13 @@ class CpuNormalDraw:
 
     Two ways to compute (the same values):
 
-    * ``stream=False`` (default): the chunks are computed when the draw starts (in the source's
-      worker threads, or at once with one torch thread) into one float64 buffer of all ``n``
-      values — the Privatizer's early draw, overlapping the per-sample work;
+    * ``stream=False`` (default): the chunks are computed from when the draw starts (by
+      ``threads − 1`` of the source's worker threads, the consumer taking those still unclaimed
+      when it needs them; at once with one torch thread) into one float64 buffer of all ``n``
+      values — the Privatizer's early draw, overlapping the per-sample work; each chunk's body by
+      the compiled job (``ziggurat_fill_chunks``: the same kernel as :func:`ziggurat_normals`),
+      its tail positions by :func:`_tail_draws_many` at :meth:`consume` (a chunk with more than
+      ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`);
     * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
       each chunk into a chunk-sized scratch buffer of its worker and hands it to ``fn`` at once —
       memory O(NORMAL_CHUNK · threads), never O(n) (issue 43: the release of a large model).
@@ -927,9 +942,20 @@ class CpuNormalDraw:
         self._words, self._tail_count = words, np.zeros(k, np.int64)
         self._tail_idx = np.empty((k, _TAIL_CAP), np.int64)
         kt, wt, ft, _ = ziggurat_tables()
+        counter = np.zeros(1, np.int64)
+        out = self._values.numpy()
         self._job = (
-            self._values.numpy(), words, np.zeros(1, np.int64), NORMAL_CHUNK, SFC_DISCARD, kt, wt, ft,
-            self._tail_idx, _TAIL_CAP, self._tail_count,
+            out,
+            words,
+            counter,
+            NORMAL_CHUNK,
+            SFC_DISCARD,
+            kt,
+            wt,
+            ft,
+            self._tail_idx,
+            _TAIL_CAP,
+            self._tail_count,
         )
         pool = source._thread_pool() if k > 1 else None
         if pool is None:
@@ -937,10 +963,11 @@ class CpuNormalDraw:
             return
         # threads − 1 workers start now: beside the caller's own torch threads they leave a core's worth of room
         # (the consumer claims what is left when it needs the values)
-        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1 + _TMP["extra"]), k))]
+        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1), k))]
 
     def _bodies(self) -> int:
-        """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released)."""
+        """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released); the
+        number of chunks this call filled (0 once the job is finished)."""
         job = self._job
         return 0 if job is None else native.ziggurat_fill_chunks(*job)
 
@@ -963,7 +990,7 @@ class CpuNormalDraw:
             ziggurat_normals(self._states[i], out[lo:hi], bitgen)  # the chunk again, whole: the same values
         self._words[:] = 0  # the chunk states are not kept past their use
         self._job = None
-        self._tail_idx = self._tail_count = np.empty(0, np.int64)
+        self._tail_idx, self._tail_count = np.empty((0, 0), np.int64), np.empty(0, np.int64)
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
@@ -1010,8 +1037,7 @@ class CpuNormalDraw:
         flat = self._values
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
-                if _TMP["steal"]:
-                    self._bodies()
+                self._bodies()
             finally:
                 wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
             _wait_all(futures)
@@ -1079,7 +1105,6 @@ def _wait_all(futures: list) -> None:
         fut.result()
 
 
-_TMP = {"extra": 0, "steal": True}
 _LIVE: "weakref.WeakSet[NoiseSource]" = weakref.WeakSet()  # every source, for the fork handler
 
 

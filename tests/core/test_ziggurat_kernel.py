@@ -262,7 +262,5 @@ def test_the_chunked_kernel_refuses_buffers_it_cannot_write_safely():
     with pytest.raises(ValueError, match="tail_count int64"):
         native.ziggurat_fill_chunks(out, states, counter, chunk, disc, k, w, f, tail_idx, cap, count[:2].copy())
     with pytest.raises(ValueError, match="next int64"):
-        native.ziggurat_fill_chunks(
-            out, states, counter.astype(np.uint64), chunk, disc, k, w, f, tail_idx, cap, count
-        )
+        native.ziggurat_fill_chunks(out, states, counter.astype(np.uint64), chunk, disc, k, w, f, tail_idx, cap, count)
     assert int(counter[0]) == 0 and (count == -1).all()  # nothing claimed or written by a refused call
