@@ -1,4 +1,4 @@
-/* dpopt._native: the three CPU kernels of dpopt, compiled once when the package is built.
+/* dpopt._native: the CPU kernels of dpopt, compiled once when the package is built.
  *
  *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64)
  *   ziggurat_fill_chunks  the same on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)

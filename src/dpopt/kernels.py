@@ -29,3 +29,12 @@ except ImportError as err:  # a source tree that was never built, or a broken in
         "`pip install --force-reinstall dpopt` otherwise); a C compiler (gcc or clang) is needed where no wheel "
         "for this platform exists."
     ) from err
+
+_KERNELS = ("ziggurat_fill", "ziggurat_fill_chunks", "release", "row_sq_norms64")
+_stale = [name for name in _KERNELS if not hasattr(native, name)]
+if _stale:  # an extension built from an older _native.c (a source tree updated without rebuilding it)
+    raise ImportError(
+        f"dpopt's compiled CPU kernels (dpopt._native, at {getattr(native, '__file__', '?')}) were built from an "
+        f"older src/dpopt/_native.c: {', '.join(_stale)} missing. Rebuild them (`pip install -e .` in a source "
+        "tree, `pip install --force-reinstall dpopt` otherwise)."
+    )

@@ -157,6 +157,22 @@ def test_without_the_extension_the_error_says_how_to_build_it(monkeypatch):
     importlib.import_module("dpopt.kernels")
 
 
+def test_an_extension_built_from_older_source_is_refused_with_the_rebuild_command(monkeypatch):
+    """An extension built before a kernel was added (a source tree updated without rebuilding): the import error
+    names the missing kernel and the command that rebuilds it, rather than an AttributeError at the first draw."""
+    import importlib
+    import sys
+
+    from dpopt import _native
+
+    monkeypatch.delattr(_native, "ziggurat_fill_chunks")
+    monkeypatch.delitem(sys.modules, "dpopt.kernels", raising=False)
+    with pytest.raises(ImportError, match=r"older src/dpopt/_native\.c: ziggurat_fill_chunks missing.*pip install"):
+        importlib.import_module("dpopt.kernels")
+    monkeypatch.undo()
+    importlib.import_module("dpopt.kernels")
+
+
 def test_the_c_kernel_refuses_buffers_it_cannot_write_safely():
     """The kernel checks its buffers itself (not only the Python wrapper): a tail-index buffer shorter than
     out, a state of the wrong size or tables of the wrong length is a ValueError, not an out-of-bounds write."""
