@@ -99,13 +99,13 @@ is refused in the child.
 **How an early draw shares the cores (issue 34).** Its chunk bodies are one compiled job
 (``ziggurat_fill_chunks``): each thread that runs it claims chunks through one atomic counter and
 fills them without the GIL until none is left. With ``t`` torch threads, ``t − 1`` workers start it
-when the draw starts (beside the step's own ``t`` torch threads, a core's worth of room rather than
-``t`` more runnable threads), and :meth:`CpuNormalDraw.consume` runs it too, so the consumer computes
-whatever no worker has started instead of waiting for it. The workers hold the GIL only to start and
-to finish (not once per chunk: their Python between chunks made the step's main thread wait for the
-GIL). The tails (≈ 34 values per chunk, numpy: a C log could differ from numpy's in the last bit) are
-drawn at the consumer for all chunks in one numpy pass (:func:`_tail_draws_many`). Only when and where
-a chunk is computed changes, never its values.
+when the draw starts (one runnable thread fewer beside the step's own ``t`` torch threads: at t = 2,
+one worker gave a faster MLP step than two), and :meth:`CpuNormalDraw.consume` runs it too, so the
+consumer computes whatever no worker has started instead of waiting for it. The workers hold the GIL
+only to start and to finish (not once per chunk; one task replaces a future per chunk). The tails
+(≈ 34 values per chunk; numpy, since a C log could differ from numpy's in the last bit) are drawn at
+the consumer for all chunks in one numpy pass (:func:`_tail_draws_many`). Only when and where a chunk
+is computed changes, never its values (docs/performance.md, "MLP: the noise draw beside torch's threads").
 
 **Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
 self-contained (its own generator state), so a draw can also be *streamed*
@@ -961,8 +961,8 @@ class CpuNormalDraw:
         if pool is None:
             self._bodies()
             return
-        # threads − 1 workers start now: beside the caller's own torch threads they leave a core's worth of room
-        # (the consumer claims what is left when it needs the values)
+        # threads − 1 workers start now, one runnable thread fewer beside the caller's own torch threads (module
+        # docstring); the consumer claims what is left when it needs the values
         self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1), k))]
 
     def _bodies(self) -> int:
