@@ -1038,7 +1038,8 @@ class CpuNormalDraw:
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
                 self._bodies()
-            finally:
+            finally:  # a worker that has not started finds nothing left: it is not waited for
+                futures = [fut for fut in futures if not fut.cancel()]
                 wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
             _wait_all(futures)
             self._finish_tails()
@@ -1046,6 +1047,9 @@ class CpuNormalDraw:
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
                 fn(0, self.n, flat[: self.n])
+            return flat
+        if flat is not None and fn is None:  # computed, and nothing to hand over: no task per chunk to wait for
+            self._states = []  # the chunk generators' secret states are not kept past their use
             return flat
         scratch: dict[int, Tensor] = {}  # per worker thread: one chunk of float64 values, reused
 
