@@ -1,6 +1,7 @@
-/* dpopt._native: the three CPU kernels of dpopt, compiled once when the package is built.
+/* dpopt._native: the CPU kernels of dpopt, compiled once when the package is built.
  *
  *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64)
+ *   ziggurat_fill_chunks  the same on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)
  *   release         the release's one pass: out = rnd(z*scale + s) [/ divisor] (dpopt.privatizer.add_and_round)
  *   row_sq_norms64  per-row float64 squared norms of float32 rows (dpopt.engine.row_norms)
  *
@@ -17,6 +18,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(_MSC_VER)
+#include <intrin.h> /* _InterlockedExchangeAdd64 */
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
 /* one AVX2 build and one baseline build of a loop; the loader picks one per CPU (GCC function multi-versioning,
@@ -41,7 +45,7 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
 
 /* The buffers one call holds: each acquired by take() and all released, in reverse order, by release_all() (on
  * every path: success and each error). */
-#define MAX_BUFFERS 6
+#define MAX_BUFFERS 8
 typedef struct {
     Py_buffer view[MAX_BUFFERS];
     int n;
@@ -102,8 +106,9 @@ static inline double with_sign(double x, uint64_t sign) {
     return x;
 }
 
+/* the body on out[0, n); the first `cap` tail positions go to tail_idx; returns the number of tail positions */
 static Py_ssize_t zig_loop(double *out, Py_ssize_t n, uint64_t *s, Py_ssize_t discard, const uint64_t *k,
-                           const double *w, const double *f, int64_t *tail_idx) {
+                           const double *w, const double *f, int64_t *tail_idx, Py_ssize_t cap) {
     uint64_t a = s[0], b = s[1], c = s[2], n_ = s[3], tmp;
     const double to_unit = 1.0 / 9007199254740992.0; /* 2^-53 */
     Py_ssize_t tails = 0, i = 0;
@@ -119,7 +124,8 @@ static Py_ssize_t zig_loop(double *out, Py_ssize_t n, uint64_t *s, Py_ssize_t di
             continue;
         }
         if (strip == 0) { /* the tail branch: filled by the caller */
-            tail_idx[tails++] = (int64_t)i;
+            if (tails < cap) tail_idx[tails] = (int64_t)i;
+            tails++;
             out[i++] = with_sign(INFINITY, sign);
             continue;
         }
@@ -160,9 +166,76 @@ static PyObject *ziggurat_fill(PyObject *self, PyObject *args) {
     Py_ssize_t tails;
     Py_BEGIN_ALLOW_THREADS
     tails = zig_loop((double *)out->buf, n, (uint64_t *)state->buf, discard, (const uint64_t *)k->buf,
-                     (const double *)w->buf, (const double *)f->buf, (int64_t *)tail->buf);
+                     (const double *)w->buf, (const double *)f->buf, (int64_t *)tail->buf, n);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(tails);
+done:
+    release_all(&bs);
+    return result;
+}
+
+PyDoc_STRVAR(ziggurat_fill_chunks_doc,
+"ziggurat_fill_chunks(out, states, next, chunk, discard, k, w, f, tail_idx, cap, tail_count) -> int\n\n"
+"ziggurat_fill on the chunks of float64 out [n] (chunk i: out[i*chunk : min(n, (i+1)*chunk)], its stream the\n"
+"i-th row of states uint64 [m, 4], m = ceil(n / chunk), advanced in place), each chunk claimed by an atomic\n"
+"increment of next[0] (int64): callers in several threads share the chunks, each filled exactly once. Chunk\n"
+"i's first cap tail positions (relative to its start) go to row i of tail_idx (int64 [m, cap]), their number\n"
+"(which may exceed cap: the caller then redraws the chunk) to tail_count[i] (int64 [m]). Returns the number of\n"
+"chunks this call filled. GIL released throughout.");
+
+/* the next unclaimed chunk (an atomic fetch-and-add on the shared counter) */
+static inline int64_t claim(int64_t *next) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+#elif defined(_MSC_VER)
+    return _InterlockedExchangeAdd64((volatile __int64 *)next, 1);
+#else
+#error "ziggurat_fill_chunks needs an atomic fetch-and-add"
+#endif
+}
+
+static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_states, *o_next, *o_k, *o_w, *o_f, *o_tail, *o_count;
+    Py_ssize_t chunk, discard, cap;
+    if (!PyArg_ParseTuple(args, "OOOnnOOOOnO", &o_out, &o_states, &o_next, &chunk, &discard, &o_k, &o_w, &o_f,
+                          &o_tail, &cap, &o_count))
+        return NULL;
+    Buffers bs = {.n = 0};
+    PyObject *result = NULL;
+    Py_buffer *out, *states, *next, *k, *w, *f, *tail, *count;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(states = take(&bs, o_states, 1, "states")) ||
+        !(next = take(&bs, o_next, 1, "next")) || !(k = take(&bs, o_k, 0, "k")) || !(w = take(&bs, o_w, 0, "w")) ||
+        !(f = take(&bs, o_f, 0, "f")) || !(tail = take(&bs, o_tail, 1, "tail_idx")) ||
+        !(count = take(&bs, o_count, 1, "tail_count")))
+        goto done;
+    Py_ssize_t n = count_of(out);
+    Py_ssize_t m = chunk > 0 ? n / chunk + (n % chunk != 0) : -1;
+    if (kind_of(out) != 'd' || kind_of(states) != 'Q' || chunk <= 0 || count_of(states) != 4 * m ||
+        kind_of(next) != 'q' || count_of(next) < 1 || kind_of(k) != 'Q' || count_of(k) != 256 ||
+        kind_of(w) != 'd' || count_of(w) != 256 || kind_of(f) != 'd' || count_of(f) != 256 || kind_of(tail) != 'q' ||
+        cap < 0 || (cap > 0 && m > PY_SSIZE_T_MAX / cap) || count_of(tail) != m * cap || kind_of(count) != 'q' ||
+        count_of(count) != m || discard < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ziggurat_fill_chunks takes out float64 [n], states uint64 [ceil(n / chunk), 4], next int64 "
+                        "[>= 1], chunk > 0, discard >= 0, k uint64 [256], w and f float64 [256], tail_idx int64 "
+                        "[ceil(n / chunk), cap], cap >= 0, tail_count int64 [ceil(n / chunk)]");
+        goto done;
+    }
+    Py_ssize_t done_here = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double *o = (double *)out->buf;
+    uint64_t *st = (uint64_t *)states->buf;
+    int64_t *ti = (int64_t *)tail->buf, *tc = (int64_t *)count->buf;
+    for (;;) {
+        int64_t i = claim((int64_t *)next->buf);
+        if (i < 0 || i >= m) break;
+        Py_ssize_t lo = (Py_ssize_t)i * chunk, len = n - lo < chunk ? n - lo : chunk;
+        tc[i] = zig_loop(o + lo, len, st + 4 * i, discard, (const uint64_t *)k->buf, (const double *)w->buf,
+                         (const double *)f->buf, ti + (Py_ssize_t)i * cap, cap);
+        done_here++;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(done_here);
 done:
     release_all(&bs);
     return result;
@@ -305,6 +378,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"ziggurat_fill", ziggurat_fill, METH_VARARGS, ziggurat_fill_doc},
+    {"ziggurat_fill_chunks", ziggurat_fill_chunks, METH_VARARGS, ziggurat_fill_chunks_doc},
     {"release", release, METH_VARARGS, release_doc},
     {"row_sq_norms64", row_sq_norms64, METH_VARARGS, row_sq_norms64_doc},
     {NULL, NULL, 0, NULL},

@@ -1,8 +1,10 @@
 """dpopt's compiled CPU kernels (the C extension ``dpopt._native``), or an error that says how to build them.
 
-Three kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
+Four kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
 
 * ``ziggurat_fill``: the body of the CPU Gaussian sampler (:mod:`dpopt.ziggurat`);
+* ``ziggurat_fill_chunks``: the same on every chunk of an early noise draw, the chunks claimed by the calling threads
+  through one atomic counter (:class:`dpopt.noise.CpuNormalDraw`);
 * ``release``: the release's one pass, out = rnd(z·scale + s) [/ B̄] (:func:`dpopt.privatizer.add_and_round`);
 * ``row_sq_norms64``: per-row float64 squared norms of float32 rows (:mod:`dpopt.engine.row_norms`).
 
@@ -27,3 +29,12 @@ except ImportError as err:  # a source tree that was never built, or a broken in
         "`pip install --force-reinstall dpopt` otherwise); a C compiler (gcc or clang) is needed where no wheel "
         "for this platform exists."
     ) from err
+
+_KERNELS = ("ziggurat_fill", "ziggurat_fill_chunks", "release", "row_sq_norms64")
+_stale = [name for name in _KERNELS if not hasattr(native, name)]
+if _stale:  # an extension built from an older _native.c (a source tree updated without rebuilding it)
+    raise ImportError(
+        f"dpopt's compiled CPU kernels (dpopt._native, at {getattr(native, '__file__', '?')}) were built from an "
+        f"older src/dpopt/_native.c: {', '.join(_stale)} missing. Rebuild them (`pip install -e .` in a source "
+        "tree, `pip install --force-reinstall dpopt` otherwise)."
+    )

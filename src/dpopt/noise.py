@@ -96,6 +96,17 @@ noise seam (``Privatizer._draw``) takes the values at the release. The values ar
 a :meth:`NoiseSource.normal` call; a draw is never pickled or copied, and one started before a fork
 is refused in the child.
 
+**How an early draw shares the cores (issue 34).** Its chunk bodies are one compiled job
+(``ziggurat_fill_chunks``): each thread that runs it claims chunks through one atomic counter and
+fills them without the GIL until none is left. With ``t`` torch threads, ``t − 1`` workers start it
+when the draw starts (one runnable thread fewer beside the step's own ``t`` torch threads: at t = 2,
+one worker gave a faster MLP step than two), and :meth:`CpuNormalDraw.consume` runs it too, so the
+consumer computes whatever no worker has started instead of waiting for it. The workers hold the GIL
+only to start and to finish (not once per chunk; one task replaces a future per chunk). The tails
+(≈ 34 values per chunk; numpy, since a C log could differ from numpy's in the last bit) are drawn at
+the consumer for all chunks in one numpy pass (:func:`_tail_draws_many`). Only when and where a chunk
+is computed changes, never its values (docs/performance.md, "MLP: the noise draw beside torch's threads").
+
 **Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
 self-contained (its own generator state), so a draw can also be *streamed*
 (``start_normal(n, stream=True)``): the chunks are computed at the release, each in a
@@ -123,7 +134,8 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
-from .ziggurat import SFC_DISCARD, SFC_STATE_BYTES, ZIGGURAT_R, sfc64_seed_state, ziggurat_body
+from .kernels import native
+from .ziggurat import SFC_DISCARD, SFC_STATE_BYTES, ZIGGURAT_R, sfc64_seed_state, ziggurat_body, ziggurat_tables
 
 __all__ = [
     "CUT_RADIUS",
@@ -459,6 +471,7 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
 # range) from the same stream: the mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by
 # construction), with a tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS (numpy's own
 # ziggurat tail stops at r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45). The tail is 2.6e-4 of the values.
+_TAIL_CAP = 1024  # tail positions an early draw records per chunk (≈ 34 expected; more: the chunk is redrawn)
 _TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent
 _TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS
 _LN2 = math.log(2.0)
@@ -530,12 +543,71 @@ def _tail_draws(gen: np.random.Generator, m: int) -> np.ndarray:
     done = 0
     while done < m:
         want = m - done
-        tries = want + want // 4 + 4
+        tries = _tries(want)
         z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * _log_full_uniform(gen, tries))
         u2 = (gen.bit_generator.random_raw(tries) >> np.uint64(11)).astype(np.float64) * 2.0**-53
         keep = z[u2 * z < ZIGGURAT_R][:want]
         out[done : done + keep.size] = keep
         done += keep.size
+    return out
+
+
+def _tries(want: int) -> int:
+    """Candidates one round of :func:`_tail_draws` proposes for ``want`` draws (25 % + 4 more)."""
+    return want + want // 4 + 4
+
+
+def _tail_draws_many(states: np.ndarray, counts: list[int], bitgen: np.random.SFC64) -> list[np.ndarray]:
+    """``[_tail_draws(_sfc64(states[i], bitgen), counts[i]) for i]``, the same values, in one numpy pass.
+
+    A draw's chunks each need a few tail draws (≈ 34 per chunk of :data:`NORMAL_CHUNK`) from their own
+    streams; :func:`_tail_draws` spends ≈ 30 µs of numpy calls per chunk on such short arrays. Here each
+    stream only supplies its words (its first round: :func:`_log_full_uniform`'s ``[t, 2]`` words, then the
+    ``t`` words of u₂, t = :func:`_tries`), and the arithmetic — the same elementwise numpy expressions, in
+    the same order — runs once over all chunks' words. A chunk whose first round is not the whole of its
+    draw in :func:`_tail_draws` (a stream word below 2^11, probability 2^-53 per candidate, draws further
+    words before u₂; or fewer than ``counts[i]`` candidates accepted) is drawn by :func:`_tail_draws` itself.
+
+    Args:
+        states: uint64 ``[k, 4]``: the exact SFC64 state (a, b, c, counter) each stream continues from
+            (:func:`_sfc64`); not modified.
+        counts: ``k`` numbers of draws (each ≥ 1).
+        bitgen: the SFC64 object to re-use (its state is overwritten).
+
+    Returns:
+        ``k`` float64 arrays, the i-th of ``counts[i]`` draws of Z | Z ≥ r.
+    """
+    hi_mask = np.uint64(~0x7FF & (2**64 - 1))
+    firsts, us, own = [], [], []
+    for i, m in enumerate(counts):
+        gen = _sfc64(states[i], bitgen)
+        t = _tries(m)
+        raw = gen.bit_generator.random_raw((t, 2))
+        if not (raw[:, 0] & hi_mask).all():  # a rare word: _log_full_uniform draws more words before u₂
+            own.append(i)
+            continue
+        firsts.append(raw)
+        us.append(gen.bit_generator.random_raw(t))
+    out: list = [None] * len(counts)
+    if firsts:
+        raw = np.concatenate(firsts)
+        top = raw[:, 0] & hi_mask
+        zeros = np.minimum(64 - np.frexp(top.astype(np.float64))[1].astype(np.int64), _TAIL_K_MAX)
+        mantissa = ((raw[:, 1] >> np.uint64(12)) | np.uint64(_ONE)).view(np.float64)
+        z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * (np.log(mantissa) - (zeros + 1) * _LN2))
+        u2 = (np.concatenate(us) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        accept = u2 * z < ZIGGURAT_R
+        at, rare = 0, set(own)
+        for i in (i for i in range(len(counts)) if i not in rare):
+            t = _tries(counts[i])
+            keep = z[at : at + t][accept[at : at + t]][: counts[i]]
+            at += t
+            if keep.size == counts[i]:
+                out[i] = keep
+            else:  # another round: the chunk's own loop
+                own.append(i)
+    for i in own:
+        out[i] = _tail_draws(_sfc64(states[i], bitgen), counts[i])
     return out
 
 
@@ -821,9 +893,13 @@ class CpuNormalDraw:
 
     Two ways to compute (the same values):
 
-    * ``stream=False`` (default): the chunks are computed when the draw starts (in the source's
-      worker threads, or at once with one torch thread) into one float64 buffer of all ``n``
-      values — the Privatizer's early draw, overlapping the per-sample work;
+    * ``stream=False`` (default): the chunks are computed from when the draw starts (by
+      ``threads − 1`` of the source's worker threads, the consumer taking those still unclaimed
+      when it needs them; at once with one torch thread) into one float64 buffer of all ``n``
+      values — the Privatizer's early draw, overlapping the per-sample work; each chunk's body by
+      the compiled job (``ziggurat_fill_chunks``: the same kernel as :func:`ziggurat_normals`),
+      its tail positions by :func:`_tail_draws_many` at :meth:`consume` (a chunk with more than
+      ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`);
     * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
       each chunk into a chunk-sized scratch buffer of its worker and hands it to ``fn`` at once —
       memory O(NORMAL_CHUNK · threads), never O(n) (issue 43: the release of a large model).
@@ -840,6 +916,7 @@ class CpuNormalDraw:
         self._futures: list = []
         self._values: Optional[Tensor] = None
         self._states: Optional[list[bytes]] = None
+        self._job: Optional[tuple] = None  # an early draw's arguments of the compiled sampler (_bodies)
         if values is not None:  # already computed (secure mode): one chunk
             self._values, self._k = values, 1
             return
@@ -856,12 +933,64 @@ class CpuNormalDraw:
         if self.stream:
             return
         self._values = torch.empty(self.n, dtype=torch.float64)
+        # the compiled sampler's job: each chunk's SFC64 state [a, b, c, counter 1] (advanced in place to where the
+        # chunk's body ends: its tail draws continue there), the shared claim counter, the tail-branch positions
+        words = np.ones((k, 4), dtype=np.uint64)
+        words[:, :3] = np.frombuffer(raw, dtype="<u8").reshape(k, 3)
+        # (at most _TAIL_CAP per chunk: a buffer of n positions, 8 bytes per normal, made glibc return and re-fault
+        # the heap's top pages every step: ≈ 2 ms more CPU per MLP step, measured)
+        self._words, self._tail_count = words, np.zeros(k, np.int64)
+        self._tail_idx = np.empty((k, _TAIL_CAP), np.int64)
+        kt, wt, ft, _ = ziggurat_tables()
+        counter = np.zeros(1, np.int64)
+        out = self._values.numpy()
+        self._job = (
+            out,
+            words,
+            counter,
+            NORMAL_CHUNK,
+            SFC_DISCARD,
+            kt,
+            wt,
+            ft,
+            self._tail_idx,
+            _TAIL_CAP,
+            self._tail_count,
+        )
         pool = source._thread_pool() if k > 1 else None
         if pool is None:
-            for i in range(k):
-                self._fill(i, self._values)
-        else:
-            self._futures = [pool.submit(self._fill, i, self._values) for i in range(k)]
+            self._bodies()
+            return
+        # threads − 1 workers start now, one runnable thread fewer beside the caller's own torch threads (module
+        # docstring); the consumer claims what is left when it needs the values
+        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1), k))]
+
+    def _bodies(self) -> int:
+        """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released); the
+        number of chunks this call filled (0 once the job is finished)."""
+        job = self._job
+        return 0 if job is None else native.ziggurat_fill_chunks(*job)
+
+    def _finish_tails(self) -> None:
+        """Every chunk's tail-branch positions filled by :func:`_tail_draws` from its stream where its body
+        stopped — exactly what :func:`ziggurat_normals` does per chunk; then the chunk states are dropped."""
+        buf = self._values
+        assert buf is not None
+        out, bitgen = buf.numpy(), self._source._bitgen()
+        which = np.flatnonzero((self._tail_count > 0) & (self._tail_count <= _TAIL_CAP))
+        counts = self._tail_count[which].tolist()
+        for i, m, tails in zip(which.tolist(), counts, _tail_draws_many(self._words[which], counts, bitgen)):
+            lo, hi = self._bounds(i)
+            idx = self._tail_idx[i, :m]
+            chunk = out[lo:hi]
+            chunk[idx] = np.copysign(tails, chunk[idx])
+        for i in np.flatnonzero(self._tail_count > _TAIL_CAP).tolist():  # more tail positions than recorded
+            lo, hi = self._bounds(i)
+            assert self._states is not None
+            ziggurat_normals(self._states[i], out[lo:hi], bitgen)  # the chunk again, whole: the same values
+        self._words[:] = 0  # the chunk states are not kept past their use
+        self._job = None
+        self._tail_idx, self._tail_count = np.empty((0, 0), np.int64), np.empty(0, np.int64)
 
     @classmethod
     def ready(cls, source: "NoiseSource", values: Tensor) -> "CpuNormalDraw":
@@ -905,11 +1034,22 @@ class CpuNormalDraw:
             raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
         self._used = True
         futures, self._futures = self._futures, []
-        _wait_all(futures)
         flat = self._values
+        if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
+            try:
+                self._bodies()
+            finally:  # a worker that has not started finds nothing left: it is not waited for
+                futures = [fut for fut in futures if not fut.cancel()]
+                wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
+            _wait_all(futures)
+            self._finish_tails()
+        _wait_all(futures)
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
                 fn(0, self.n, flat[: self.n])
+            return flat
+        if flat is not None and fn is None:  # computed, and nothing to hand over: no task per chunk to wait for
+            self._states = []  # the chunk generators' secret states are not kept past their use
             return flat
         scratch: dict[int, Tensor] = {}  # per worker thread: one chunk of float64 values, reused
 

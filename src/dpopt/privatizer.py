@@ -226,10 +226,12 @@ def add_and_round(
             may still fail and be retried from the same sums).
         scale: the factor of ``z`` (float64; 1.0: ``z`` is already σS·z).
         divisor: if given, B̄: the result is ``round_dtype(s + scale·z) / divisor`` in ``dtype``.
-        pool: a ``concurrent.futures.ThreadPoolExecutor`` (the noise source's worker threads) over which a
-            parameter of at least :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces (values
-            independent of it). Threads only: each piece writes into views of ``s``/``out``, which a process
-            pool would pickle and write in another process, leaving the result without its noise.
+        pool: a ``concurrent.futures.ThreadPoolExecutor`` (the noise source's worker threads): a parameter of at
+            least :data:`RELEASE_SPLIT_MIN` elements is split in contiguous pieces, the first computed by the
+            calling thread, the others by the pool (or by the calling thread, where no worker has started
+            them when it is done with its own; values independent of it). Threads only: each piece writes
+            into views of ``s``/``out``, which a process pool would pickle and write in another process, leaving
+            the result without its noise.
         workers: at most this many pieces (default ``torch.get_num_threads()``, the number of threads the
             noise source's pool is built with); ignored without ``pool``.
 
@@ -283,8 +285,15 @@ def add_and_round(
         native.release(*calls[0])
         return out
     assert pool is not None
-    futures = [pool.submit(native.release, *args) for args in calls]
-    wait(futures)
+    futures = [pool.submit(native.release, *args) for args in calls[1:]]
+    try:
+        native.release(*calls[0])  # the calling thread's own piece (one hand-over fewer)
+        for fut, args in zip(futures, calls[1:]):
+            if fut.cancel():  # a piece no worker has started yet: computed here instead of waited for
+                native.release(*args)
+    finally:
+        futures = [fut for fut in futures if not fut.cancelled()]
+        wait(futures)
     for fut in futures:  # every piece has finished before an error (if any) reaches the caller
         fut.result()
     return out

@@ -10,7 +10,9 @@ sampler itself: tests/core/test_noise_ziggurat.py).
 import copy
 import os
 import pickle
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -230,11 +232,11 @@ def test_release_of_sums_that_require_grad_has_no_autograd_history(threads):
 
 
 class _Recorder:
-    """Wraps dpopt.noise.ziggurat_normals: records the SFC64 state every chunk is computed from, and can fail
-    the ``fail_at``-th call (a chunk that raises mid-draw)."""
+    """Wraps dpopt.noise.ziggurat_normals (a streamed draw's chunk): records the SFC64 state every chunk is
+    computed from, and can fail the ``fail_at``-th call (a chunk that raises mid-draw)."""
 
     def __init__(self, real, fail_at=None):
-        self.real, self.fail_at, self.states = real, fail_at, []
+        self.real, self.fail_at, self.states, self.calls = real, fail_at, [], 0
 
     def __call__(self, state, out, bitgen=None):
         self.states.append(bytes(state))
@@ -243,15 +245,42 @@ class _Recorder:
         return self.real(state, out, bitgen)
 
 
+class _JobRecorder(_Recorder):
+    """Wraps dpopt._native.ziggurat_fill_chunks (an early draw's chunks, claimed by the calling threads): records
+    the 24-byte SFC64 states of a job's chunks when its first call starts (none claimed yet), and can fail the
+    ``fail_at``-th call."""
+
+    def __init__(self, real, fail_at=None):
+        super().__init__(real, fail_at)
+        self.jobs: list = []
+        self.lock = threading.Lock()
+
+    def __call__(self, out, states, next_, *rest):
+        with self.lock:  # the worker threads and the consumer call it concurrently
+            self.calls += 1
+            if not any(states is job for job in self.jobs):  # a job's first call: no chunk claimed yet
+                self.jobs.append(states)
+                self.states += [row.astype("<u8").tobytes() for row in states[:, :3]]
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise MemoryError("chunk failed")
+        return self.real(out, states, next_, *rest)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["early", "streamed"])
 def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream, threads, monkeypatch):
     """Chunk i is computed once, from the i-th of the draw's own states (streamed: no reuse of index 0 or of the
-    scratch's previous chunk), all distinct; a draw whose chunk failed cannot be consumed again, and the
-    Privatizer's retry draws states it never used (secret: fresh os.urandom; equal with probability 2^-192)."""
+    scratch's previous chunk; early: chunk i is bit for bit ziggurat_normals of the i-th state), all distinct; a
+    draw whose chunk failed cannot be consumed again, and the Privatizer's retry draws states it never used
+    (secret: fresh os.urandom; equal with probability 2^-192)."""
     import dpopt.noise as noise_mod
 
-    rec = _Recorder(noise_mod.ziggurat_normals)
-    monkeypatch.setattr(noise_mod, "ziggurat_normals", rec)
+    reference = noise_mod.ziggurat_normals
+    if stream:
+        rec = _Recorder(noise_mod.ziggurat_normals)
+        monkeypatch.setattr(noise_mod, "ziggurat_normals", rec)
+    else:
+        rec = _JobRecorder(noise_mod.native.ziggurat_fill_chunks)
+        monkeypatch.setattr(noise_mod.native, "ziggurat_fill_chunks", rec)
     n = 3 * NORMAL_CHUNK + 7
     draw = NoiseSource("secret").start_normal(n, stream=stream)
     want = list(draw._states)
@@ -262,9 +291,12 @@ def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream,
     assert draw._states == []  # not kept past their use
     assert sorted(parts) == [0, NORMAL_CHUNK, 2 * NORMAL_CHUNK, 3 * NORMAL_CHUNK]
     assert len({parts[k][:7].numpy().tobytes() for k in parts}) == 4
+    for i, lo in enumerate(sorted(parts)):  # chunk i is the i-th state's stream (body and tail), computed once
+        assert np.array_equal(parts[lo].numpy(), reference(want[i], np.empty(parts[lo].numel())))
 
     rec.states.clear()
-    rec.fail_at = 2
+    rec.calls = 0
+    rec.fail_at = 2 if stream else 1
     made: list = []
     with pytest.raises(MemoryError, match="chunk failed"):  # one thread, early: raised by start_normal itself
         made.append(NoiseSource("secret").start_normal(n, stream=stream))
@@ -273,6 +305,7 @@ def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream,
         with pytest.raises(RuntimeError, match="consumed once"):
             made[0].consume(lambda lo, hi, z: None)
     rec.states.clear()
+    rec.calls = 0
     priv = Privatizer(1.0, 1.0, 2.0, 0.1)
     x = torch.zeros(1, n)
     if stream:
@@ -288,3 +321,46 @@ def test_every_chunk_has_its_own_state_and_a_failed_draw_is_never_reused(stream,
     rel = priv.release(params_like=[x[0]])  # the step is still open: the release is retried
     assert len(priv.ledger) == 1 and rel.grads[0].shape == (n,)
     assert len(rec.states) == 4 and len(set(rec.states)) == 4 and not (set(rec.states) & failed)
+
+
+@pytest.mark.parametrize("cap", [0, 3])
+def test_a_chunk_with_more_tail_positions_than_recorded_is_redrawn_whole(cap, threads, monkeypatch):
+    """An early draw records at most _TAIL_CAP tail positions per chunk (≈ 34 expected of 1024); a chunk with more is
+    computed again by ziggurat_normals from its state: the values are still the stream's (the streamed draw's)."""
+    import dpopt.noise as noise_mod
+
+    monkeypatch.setattr(noise_mod, "_TAIL_CAP", cap)
+    n = 3 * NORMAL_CHUNK + 5
+    want = NoiseSource("reproducible", seed=3).start_normal(n, stream=True).values()
+    draw = NoiseSource("reproducible", seed=3).start_normal(n)
+    got = draw.values()
+    assert torch.equal(got, want) and bool(torch.isfinite(got).all())
+    assert float(got.abs().max()) > noise_mod.ZIGGURAT_R  # tail values were drawn (≈ 100 of them)
+
+
+def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(monkeypatch):
+    """The consumer claims every chunk no worker has started; a worker task still queued (its thread busy) is
+    cancelled, not waited for: the values are the stream's, and consume() returns while the worker stays held."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = 3 * NORMAL_CHUNK + 9
+        want = NoiseSource("reproducible", seed=8).start_normal(n, stream=True).values()
+        src = NoiseSource("reproducible", seed=8)
+        pool = ThreadPoolExecutor(1)
+        monkeypatch.setattr(src, "_thread_pool", lambda: pool)
+        monkeypatch.setattr(src, "_pool_threads", 2)
+        gate = threading.Event()
+        busy = pool.submit(gate.wait)
+        draw = src.start_normal(n)
+        assert len(draw._futures) == 1  # threads − 1 workers
+        got = draw.values()
+        assert not busy.done() and draw._futures == []
+        gate.set()
+        pool.shutdown(wait=True)
+        assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(old)

@@ -309,3 +309,24 @@ def test_the_c_pass_refuses_overlaps_types_and_lengths_it_cannot_write_safely():
     s2 = s.copy()
     native.release(s2, s2, z, 0.5, 4.0, True)  # the same elements: in place, (s + 0.5) / 4 rounded once each
     assert np.array_equal(s2, ((s.astype(np.float64) + 0.5).astype(np.float32) / np.float32(4.0)))
+
+
+def test_a_piece_no_worker_has_started_is_computed_by_the_caller():
+    """add_and_round's pieces beyond the caller's own go to the pool; one still queued when the caller is done (its
+    worker busy elsewhere) is taken back and computed by the caller: the same values, and nothing waits for it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dpopt.privatizer import RELEASE_SPLIT_MIN, add_and_round
+
+    n = 3 * RELEASE_SPLIT_MIN + 5
+    z = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    s = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    want = (z * 0.7 + s.double()).float() / torch.tensor(3.0)
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(gate.wait)  # the pool's one worker is held: the pieces stay queued
+        got = add_and_round(z.clone(), s.clone(), torch.float32, scale=0.7, divisor=3.0, pool=pool, workers=3)
+        assert not busy.done()  # the release did not wait for the held worker
+        gate.set()
+    assert torch.equal(got, want)

@@ -157,6 +157,22 @@ def test_without_the_extension_the_error_says_how_to_build_it(monkeypatch):
     importlib.import_module("dpopt.kernels")
 
 
+def test_an_extension_built_from_older_source_is_refused_with_the_rebuild_command(monkeypatch):
+    """An extension built before a kernel was added (a source tree updated without rebuilding): the import error
+    names the missing kernel and the command that rebuilds it, rather than an AttributeError at the first draw."""
+    import importlib
+    import sys
+
+    from dpopt import _native
+
+    monkeypatch.delattr(_native, "ziggurat_fill_chunks")
+    monkeypatch.delitem(sys.modules, "dpopt.kernels", raising=False)
+    with pytest.raises(ImportError, match=r"older src/dpopt/_native\.c: ziggurat_fill_chunks missing.*pip install"):
+        importlib.import_module("dpopt.kernels")
+    monkeypatch.undo()
+    importlib.import_module("dpopt.kernels")
+
+
 def test_the_c_kernel_refuses_buffers_it_cannot_write_safely():
     """The kernel checks its buffers itself (not only the Python wrapper): a tail-index buffer shorter than
     out, a state of the wrong size or tables of the wrong length is a ValueError, not an out-of-bounds write."""
@@ -190,3 +206,77 @@ def test_draws_in_several_threads_at_once_agree():
     k, _, _, _ = ziggurat_tables()
     with pytest.raises(ValueError, match="read-only"):
         k[0] = 0
+
+
+def _chunk_job(n: int, chunk: int, seed: int, cap: int = 64):
+    """The arguments of ``ziggurat_fill_chunks`` for ``n`` values in chunks of ``chunk`` (states from ``seed``),
+    ``cap`` tail positions recorded per chunk."""
+    from dpopt.kernels import native  # noqa: F401 (the extension must be present)
+
+    m = -(-n // chunk)
+    raw = np.random.default_rng(seed).bytes(24 * m)
+    states = np.stack([sfc64_seed_state(raw[24 * i : 24 * (i + 1)]) for i in range(m)])
+    k, w, f, _ = ziggurat_tables()
+    out, tail_idx, count = np.empty(n), np.full((m, cap), -1, dtype=np.int64), np.full(m, -1, dtype=np.int64)
+    return raw, (out, states, np.zeros(1, dtype=np.int64), chunk, SFC_DISCARD, k, w, f, tail_idx, cap, count)
+
+
+@pytest.mark.parametrize("callers", [1, 3])
+def test_chunked_fill_is_ziggurat_body_per_chunk_whoever_claims_the_chunks(callers):
+    """ziggurat_fill_chunks (an early draw's chunks, claimed by the calling threads through one atomic counter)
+    gives chunk i exactly what ziggurat_body gives on the i-th state — values, tail positions, end state — each
+    chunk filled once in all, however many threads share the job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dpopt.kernels import native
+
+    n, chunk = 5 * 4096 + 123, 4096
+    raw, job = _chunk_job(n, chunk, seed=callers)
+    with ThreadPoolExecutor(callers) as pool:
+        done = list(pool.map(lambda _: native.ziggurat_fill_chunks(*job), range(callers)))
+    out, states, counter, _, _, _, _, _, tail_idx, _, count = job
+    assert sum(done) == 6 and int(counter[0]) >= 6  # every chunk once; each caller's last claim finds none left
+    assert native.ziggurat_fill_chunks(*job) == 0  # a finished job fills nothing more
+    for i in range(6):
+        lo, hi = i * chunk, min(n, (i + 1) * chunk)
+        ref, words = np.empty(hi - lo), sfc64_seed_state(raw[24 * i : 24 * (i + 1)])
+        idx = ziggurat_body(ref, words)
+        assert np.array_equal(out[lo:hi], ref)  # ±inf at the tail positions in both
+        assert count[i] == idx.size and np.array_equal(tail_idx[i, : idx.size], idx)
+        assert np.array_equal(states[i], words)  # advanced to where the body stopped (the tails continue there)
+    assert int(count.sum()) > 0  # some chunk has tail positions (≈ 1 per 3,800 values)
+
+
+def test_the_chunked_kernel_counts_past_its_cap_without_writing_there():
+    """More tail positions than a chunk's row holds: the count is the true one (the caller redraws that chunk)
+    and nothing is written beyond the row."""
+    from dpopt.kernels import native
+
+    raw, job = _chunk_job(3 * 4096, 4096, seed=5, cap=2)
+    native.ziggurat_fill_chunks(*job)
+    tail_idx, count = job[8], job[10]
+    for i in range(3):
+        ref = np.empty(4096)
+        idx = ziggurat_body(ref, sfc64_seed_state(raw[24 * i : 24 * (i + 1)]))
+        assert count[i] == idx.size and np.array_equal(tail_idx[i, : min(2, idx.size)], idx[:2])
+    assert int(count.max()) > 2  # a chunk of 4096 has ≈ 1.1 tail positions on average: seed 5 gives more
+
+
+def test_the_chunked_kernel_refuses_buffers_it_cannot_write_safely():
+    from dpopt.kernels import native
+
+    _, job = _chunk_job(10, 4, seed=0)
+    out, states, counter, chunk, disc, k, w, f, tail_idx, cap, count = job
+    with pytest.raises(ValueError, match="tail_idx int64"):
+        native.ziggurat_fill_chunks(out, states, counter, chunk, disc, k, w, f, tail_idx[:2].copy(), cap, count)
+    with pytest.raises(ValueError, match="tail_idx int64"):
+        native.ziggurat_fill_chunks(out, states, counter, chunk, disc, k, w, f, tail_idx, cap + 1, count)
+    with pytest.raises(ValueError, match="states uint64"):
+        native.ziggurat_fill_chunks(out, states[:2].copy(), counter, chunk, disc, k, w, f, tail_idx, cap, count)
+    with pytest.raises(ValueError, match="chunk > 0"):
+        native.ziggurat_fill_chunks(out, states, counter, 0, disc, k, w, f, tail_idx, cap, count)
+    with pytest.raises(ValueError, match="tail_count int64"):
+        native.ziggurat_fill_chunks(out, states, counter, chunk, disc, k, w, f, tail_idx, cap, count[:2].copy())
+    with pytest.raises(ValueError, match="next int64"):
+        native.ziggurat_fill_chunks(out, states, counter.astype(np.uint64), chunk, disc, k, w, f, tail_idx, cap, count)
+    assert int(counter[0]) == 0 and (count == -1).all()  # nothing claimed or written by a refused call
