@@ -319,7 +319,7 @@ class ShardedCapture(HookCapture):
 
         The check runs when some rank's own :func:`~dpopt.engine.check.signature` (train/eval flags, module
         state with the user's hooks, size class of its batch) was not checked on that rank: each rank decides
-        on its own signature (it holds this process's ``id()``\ s and this rank's batch size: never compared
+        on its own signature (it holds this process's ``id()`` values and this rank's batch size: never compared
         across ranks), ONE all-reduce per step tells every rank whether some rank needs the check and whether
         some rank has fewer than 2 examples (then every rank waits: the check's passes must be the same on all
         ranks, the same FSDP collectives); after a check that passed, each rank marks its own signature. The
