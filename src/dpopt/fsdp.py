@@ -324,6 +324,8 @@ class ShardedCapture(HookCapture):
         some rank has fewer than 2 examples (then every rank waits: the check's passes must be the same on all
         ranks, the same FSDP collectives); after a check that passed, each rank marks its own signature. The
         check runs at the largest batch over ranks (:meth:`_check_rows`), so it covers every rank's size class.
+        A refusal on some rank is raised on every rank and no rank marks its signature (the same model code
+        runs on all: the next step with it is checked again everywhere).
         """
         self._drop_fsdp_grads()
         done = [c for c in self._rec.calls if c.has_grad]
@@ -346,15 +348,14 @@ class ShardedCapture(HookCapture):
                 finally:
                     self.params, self._syncing = saved, False
                     self._drop_fsdp_grads()
-            if error is None:
-                self._synced.done(cast(tuple, sig))  # this rank's own signature (b ≥ 2 here: p is not None)
-            if any_rank(error is not None, self.ctx):
+            if any_rank(error is not None, self.ctx):  # a refusal on any rank: no rank marks its signature
                 self._rec.calls = []
                 if error is not None:
                     raise error
                 raise ValueError(
                     "the per-example check refused this model on another rank (its error is reported there)"
                 )
+            self._synced.done(cast(tuple, sig))  # this rank's own signature (b ≥ 2 here: p is not None)
         return super().collect()
 
 
