@@ -89,7 +89,7 @@ from torch import Tensor, nn
 
 from .correlated_noise import CorrelatedNoise
 from .distributed import DistributedContext, RankAgreement, any_rank, backend_device
-from .engine.check import ModeCheck, mode_signature
+from .engine.check import ModeCheck, signature
 from .engine.fast import FastPerSampleGrads
 from .engine.hooks import HookCapture
 from .engine.layers import DirectBlock
@@ -229,7 +229,10 @@ class ShardedCapture(HookCapture):
     autograd runs on every rank at the same step (the first one where every
     rank has ≥ 2 examples; a step in which some rank has fewer waits), so FSDP's
     all-gathers inside the check match across ranks; a refusal on one rank is
-    raised on every rank.
+    raised on every rank. It runs again whenever some rank's own
+    :func:`~dpopt.engine.check.signature` is new on that rank — train/eval
+    flags, module state (attributes, the user's hooks), size class — as the
+    one-process doors do (:meth:`collect`: one small all-reduce per step).
 
     Raises:
         ValueError: as :class:`HookCapture`; a trainable parameter of a layer
@@ -273,8 +276,8 @@ class ShardedCapture(HookCapture):
     ) -> None:  # never deferred; only inside collect's synchronised check (all ranks at once)
         if self._syncing:
             super()._verify(p, key)
-        elif key is not None:  # FSDP's check is synchronised per mode signature (collect): not per module state
-            self._modes.done(key)
+        elif key is not None:  # FSDP's check is synchronised in collect (each rank's full signature, agreed
+            self._modes.done(key)  # over ranks); this rank-local mark only keeps HookCapture's bookkeeping
 
     # The synchronised check runs the same passes on every rank (the same FSDP collectives): its example
     # count and sizes are agreed over ranks, and every row of a size is compared.
@@ -304,37 +307,55 @@ class ShardedCapture(HookCapture):
                     fp._unsharded_param.grad = None
                 fp.unsharded_accumulated_grad = None
 
+    def _any_ranks(self, *flags: bool) -> list[bool]:
+        """Per flag, True on every rank if it is True on some rank: ONE all-reduce (max) of all of them."""
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=backend_device(self.ctx))
+        if self.ctx.enabled:
+            t = self.ctx.all_reduce(t, op="max")
+        return [bool(v > 0) for v in t.tolist()]
+
     def collect(self, defer_check: bool = False) -> FastPerSampleGrads:  # defers_check is False
-        """The step's full-shape per-sample source (as :meth:`HookCapture.collect`), after the synchronised check."""
+        """The step's full-shape per-sample source (as :meth:`HookCapture.collect`), after the synchronised check.
+
+        The check runs when some rank's own :func:`~dpopt.engine.check.signature` (train/eval flags, module
+        state with the user's hooks, size class of its batch) was not checked on that rank: each rank decides
+        on its own signature (it holds this process's ``id()`` values and this rank's batch size: never compared
+        across ranks), ONE all-reduce per step tells every rank whether some rank needs the check and whether
+        some rank has fewer than 2 examples (then every rank waits: the check's passes must be the same on all
+        ranks, the same FSDP collectives); after a check that passed, each rank marks its own signature. The
+        check runs at the largest batch over ranks (:meth:`_check_rows`), so it covers every rank's size class.
+        A refusal on some rank is raised on every rank and no rank marks its signature (the same model code
+        runs on all: the next step with it is checked again everywhere).
+        """
         self._drop_fsdp_grads()
         done = [c for c in self._rec.calls if c.has_grad]
         p = done[0].pass_ if done else None
-        sig = p.modes if p is not None else mode_signature(self.model)
-        if not hasattr(self, "_synced"):  # mode signatures checked by every rank together (kept apart from the
+        if not hasattr(self, "_synced"):  # signatures checked by every rank together (kept apart from the
             self._synced = ModeCheck(self._modes.enabled)  # rank-local marks, which would make ranks diverge)
-        if self._synced.needed(sig):
-            b = p.batch_size if p is not None else 0
-            if not any_rank(b < 2, self.ctx):  # every rank checks now (same passes: same collectives)
-                error = None
-                with _held_unsharded(self.model):
-                    saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
-                    self._syncing = True
-                    try:
-                        super()._verify(p)  # type: ignore[arg-type]
-                    except ValueError as exc:
-                        error = exc
-                    finally:
-                        self.params, self._syncing = saved, False
-                        self._drop_fsdp_grads()
-                if error is None:
-                    self._synced.done(sig)
-                if any_rank(error is not None, self.ctx):
-                    self._rec.calls = []
-                    if error is not None:
-                        raise error
-                    raise ValueError(
-                        "the per-example check refused this model on another rank (its error is reported there)"
-                    )
+        sig = signature(self.model, p.batch_size // self.views, p.modes, p.state) if p is not None else None
+        b = p.batch_size if p is not None else 0
+        local = sig is not None and self._synced.needed(sig)
+        needed, small = self._any_ranks(local, b < 2) if self._synced.enabled else (False, True)
+        if needed and not small:  # every rank checks now (same passes: same collectives)
+            error = None
+            with _held_unsharded(self.model):
+                saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
+                self._syncing = True
+                try:
+                    super()._verify(p)  # type: ignore[arg-type]
+                except ValueError as exc:
+                    error = exc
+                finally:
+                    self.params, self._syncing = saved, False
+                    self._drop_fsdp_grads()
+            if any_rank(error is not None, self.ctx):  # a refusal on any rank: no rank marks its signature
+                self._rec.calls = []
+                if error is not None:
+                    raise error
+                raise ValueError(
+                    "the per-example check refused this model on another rank (its error is reported there)"
+                )
+            self._synced.done(cast(tuple, sig))  # this rank's own signature (b ≥ 2 here: p is not None)
         return super().collect()
 
 
