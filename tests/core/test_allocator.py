@@ -136,3 +136,86 @@ def test_release_free_heap_hands_back_the_free_pages_inside_the_heap():
     ok, held, after_free, after_trim, total = out.stdout.split()
     assert ok == "False"
     assert abs(int(after_free) - int(after_trim)) <= freed // 4, (after_free, after_trim, freed)
+
+
+ARENA_CHILD = """
+import ctypes, threading
+from dpopt.allocator import in_own_arena
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+main = libc.malloc(64 << 10)  # below glibc's 128 KiB mmap threshold: a heap block of the calling thread's arena
+def alloc():
+    return libc.malloc(64 << 10), threading.get_ident()
+inner, ident = in_own_arena(alloc)
+top = libc.sbrk(0)  # the main arena's heap ends here (brk); other arenas' heaps are mappings elsewhere
+print(int(ident != threading.get_ident()), int(main < top and main + (64 << 10) <= top),
+      int(not (main - (256 << 20) < inner < top)))
+libc.free(inner); libc.free(main)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc arenas: Linux only")
+def test_in_own_arena_allocates_outside_the_main_heap():
+    """A 64 KiB block malloc'ed inside ``in_own_arena`` is not in the main thread's brk heap (where the
+    caller's 64 KiB block is), and the function ran on another thread; with the switch set, inline."""
+    env = {k: v for k, v in os.environ.items() if k != "DPOPT_NO_ALLOCATOR_TUNING"}
+    out = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, check=True)
+    other_thread, main_in_heap, inner_outside = out.stdout.split()
+    if main_in_heap != "1":
+        pytest.skip("this malloc does not serve small blocks from a brk heap")
+    assert (other_thread, inner_outside) == ("1", "1")
+    env["DPOPT_NO_ALLOCATOR_TUNING"] = "1"
+    out = subprocess.run([sys.executable, "-c", ARENA_CHILD], capture_output=True, text=True, env=env, check=True)
+    other_thread, main_in_heap, inner_outside = out.stdout.split()
+    assert (other_thread, inner_outside) == ("0", "0")
+
+
+def test_in_own_arena_passes_the_callers_torch_state_and_errors():
+    """Grad mode, CPU autocast (enabled, dtype), intra-op threads and a contextvar are the caller's inside;
+    the value comes back; an exception is re-raised as the same object; under a torch function mode it
+    runs inline (the mode is per thread in torch)."""
+    import contextvars
+    import threading
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from dpopt import allocator
+
+    if allocator._glibc_trim() is None:
+        pytest.skip("no glibc here: in_own_arena runs inline")
+    var: contextvars.ContextVar = contextvars.ContextVar("v", default="unset")
+    var.set("caller")
+
+    def probe(a, b=0):
+        return (
+            a + b,
+            threading.get_ident(),
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.get_num_threads(),
+            var.get(),
+        )
+
+    n = torch.get_num_threads()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = allocator.in_own_arena(probe, 2, b=3)
+    assert out[0] == 5 and out[1] != threading.get_ident()
+    assert out[2:] == (False, True, torch.bfloat16, n, "caller")
+    out = allocator.in_own_arena(probe, 1)
+    assert out[2:5] == (True, False, torch.get_autocast_dtype("cpu"))
+
+    err = ValueError("inside")
+
+    def fails():
+        raise err
+
+    with pytest.raises(ValueError) as info:
+        allocator.in_own_arena(fails)
+    assert info.value is err
+
+    with TorchFunctionMode():
+        assert allocator.in_own_arena(probe, 0)[1] == threading.get_ident()
