@@ -25,30 +25,16 @@ first-batch check's passes (rare: once per mode signature), whose activations
 have other sizes than the step's and would otherwise stay resident, unused,
 through the first step (docs/performance.md, "The first step's resident excess is
 glibc's free heap").
-
-:func:`in_own_arena` runs a function on a short-lived thread, which glibc
-serves from another malloc arena than the main thread's heap. The ``dp-sgd``
-door runs its first-batch check there (once per mode signature): the check's
-passes at 9/8 of the batch would otherwise grow the main heap by ≈ 50–60 MiB
-beyond the step's own extent and leave small live blocks scattered through
-it, so that later steps place their activations (and, when a ≥ 32 MiB hole
-is left, the logits) on pages the non-private step never touches
-(docs/performance.md, "LoRA memory: glibc's heap modes").
 """
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import ctypes.util
 import os
 import sys
-import threading
-from typing import Any, Callable, TypeVar
 
-_T = TypeVar("_T")
-
-__all__ = ["tune_cpu_allocator", "release_free_heap", "in_own_arena", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "TOP_PAD"]
+__all__ = ["tune_cpu_allocator", "release_free_heap", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "TOP_PAD"]
 
 MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest allowed mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 2**31 - 1  # bytes of free heap top kept before returning memory to the OS (mallopt takes an int)
@@ -121,15 +107,6 @@ def release_free_heap() -> bool:
 
     Source: glibc manual, ``malloc_trim(3)``.
     """
-    fn = _glibc_trim()
-    if fn is None:
-        return False
-    fn(0)
-    return True
-
-
-def _glibc_trim():
-    """glibc's ``malloc_trim`` (looked up once), or None off Linux, without glibc or with ``DPOPT_NO_ALLOCATOR_TUNING``."""
     if not _TRIM:
         fn = None
         if sys.platform.startswith("linux") and not os.environ.get("DPOPT_NO_ALLOCATOR_TUNING"):
@@ -140,75 +117,8 @@ def _glibc_trim():
             if fn is not None:
                 fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
         _TRIM.append(fn)
-    return _TRIM[0]
-
-
-def _torch_modes_active() -> bool:
-    """True if a torch function/dispatch mode or inference mode is active here (thread-local in torch)."""
-    import torch
-
-    c = torch._C
-    return bool(
-        torch.is_inference_mode_enabled()
-        or (hasattr(c, "_len_torch_function_stack") and c._len_torch_function_stack() > 0)
-        or (hasattr(c, "_len_torch_dispatch_stack") and c._len_torch_dispatch_stack() > 0)
-    )
-
-
-def in_own_arena(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """Return ``fn(*args, **kwargs)``, run on a short-lived thread so that glibc serves it from another arena.
-
-    glibc gives a new thread its own malloc arena (or a free one left by an
-    ended thread) instead of the main thread's heap (glibc ``malloc/arena.c``,
-    ``arena_get2``), so what ``fn`` allocates and frees does not grow or
-    fragment the heap of the caller's later steps; blocks still alive
-    afterwards are freed into their arena from any thread. The caller waits
-    for the thread: nothing runs concurrently. The thread gets the caller's
-    torch grad mode, CPU autocast state (enabled, dtype, cache), intra-op
-    thread count and ``contextvars`` context; values do not depend on the
-    thread. An exception of ``fn`` is re-raised here (the same object).
-    An interrupt of the wait (``KeyboardInterrupt``) waits for ``fn`` to end
-    before it propagates, so that ``fn`` never runs on after the caller left.
-
-    Runs ``fn`` inline instead (same result) off Linux, without glibc, when
-    ``DPOPT_NO_ALLOCATOR_TUNING`` is set (read at the first call of
-    :func:`release_free_heap` or here), or while a torch function or
-    dispatch mode or inference mode is active (torch keeps those per
-    thread).
-
-    Used for the first-batch check of the ``dp-sgd`` door on CPU
-    (:meth:`~dpopt.engine.fast.PerSampleEngine._compute`; docs/performance.md,
-    "LoRA memory: glibc's heap modes").
-    """
-    import torch
-
-    if not _glibc_trim() or _torch_modes_active():
-        return fn(*args, **kwargs)
-    grad = torch.is_grad_enabled()
-    ac = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
-    nthreads = torch.get_num_threads()
-    ctx = contextvars.copy_context()
-    box: dict = {}
-
-    def body() -> None:
-        try:
-            torch.set_num_threads(nthreads)  # OpenMP's team size is per thread
-            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=ac[1], enabled=ac[0], cache_enabled=ac[2]):
-                box["value"] = ctx.run(fn, *args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 — handed to the caller's thread as is
-            box["error"] = err
-
-    worker = threading.Thread(target=body, name="dpopt-own-arena", daemon=True)
-    worker.start()
-    try:
-        worker.join()
-    except BaseException:
-        while worker.is_alive():  # fn must not run on after the caller unwound (it may touch the model)
-            try:
-                worker.join()
-            except BaseException:  # noqa: BLE001 — a second interrupt: keep waiting
-                continue
-        raise
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    fn = _TRIM[0]
+    if fn is None:
+        return False
+    fn(0)
+    return True

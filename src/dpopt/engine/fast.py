@@ -67,7 +67,6 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from ..allocator import in_own_arena
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
@@ -747,10 +746,7 @@ class PerSampleEngine:
         key = signature(self.model, b) if self._modes.enabled else None  # modes, module state, size class
         if key is not None and self._modes.needed(key):
             with preserved_state(self.model):  # the check's extra passes leave no buffer value or RNG draw behind
-                if self.device.type == "cpu":  # on its own glibc arena: its 9/8-batch passes leave the heap as it was
-                    in_own_arena(self._verify, x, y, key)
-                else:
-                    self._verify(x, y, key)
+                self._verify(x, y, key)
         compiles = self._compiled.compiles if self._compiled is not None else 0
         try:
             calls = [c for pt in pts for c in self._capture(x, y, pt)]
