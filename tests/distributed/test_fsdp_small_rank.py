@@ -9,9 +9,11 @@ signature is new; a rank with 0 or 1 examples takes part in its collectives (the
 agreement) without passes and without marking its signature, as the one-process engine skips a batch of 1
 (it cannot mix; its next batch of ≥ 2 is checked).
 
-Numbers (2 gloo ranks, 2-vCPU Xeon, σ = 0, lr = 0, C = 0.05; rank 0: 12 rows, then 11 with its example 0
-removed; rank 1: 1 row, or 0): see ``test_a_small_rank_does_not_release_an_unchecked_mixing_step`` (before
-the fix both steps released, the released sum moved by ≈ 2.3 C > C; now both refused on both ranks).
+Numbers (2 gloo ranks, 2-vCPU Xeon, load 4.4, 2026-12-07 11:58 UTC; σ = 0, lr = 0, C = 0.05; rank 0: 12 rows,
+then 11 with its example 0 removed; rank 1: 1 row, or 0), before the fix: both steps released on both ranks with
+no check (1 check in 5 steps), removing rank 0's example moved the released sum by 2.2735 C (1 row and 0 rows
+alike). After: both steps refused on both ranks (rank 0: "do not match single-example autograd", 2 more checks;
+rank 1: "another rank", no passes), nothing released; the steady loop's check counts are as asserted below.
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ def _steady(rank: int, checks: list) -> dict:
     for _ in range(3):
         _step(model, opt, x, y)
     counts.append(len(checks))
+    m[0].register_forward_hook(lambda mod, a, o: 3 * o)  # per example: a new signature that passes the check
+    _step(model, opt, x[:1] if rank == 1 else x, y[:1] if rank == 1 else y)
+    counts.append(len(checks))  # rank 0 checked it (rank 1, with 1 row, took part without passes)
+    for _ in range(3):
+        _step(model, opt, x, y)
+    counts.append(len(checks))  # rank 1's 12 rows under the hook: new on rank 1, checked once (both ranks)
     return {"counts": counts, "released": len(engine.ledger)}
 
 
@@ -158,7 +166,6 @@ def runs(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: a rank with < 2 examples skips the check on every rank")
 @pytest.mark.parametrize("small", [1, 0])
 def test_a_small_rank_does_not_release_an_unchecked_mixing_step(runs, small):
     """Before: both steps released unchecked on both ranks (rank 1 with ``small`` rows), removing rank 0's
@@ -179,6 +186,7 @@ def test_a_small_rank_does_not_release_an_unchecked_mixing_step(runs, small):
 def test_steady_loop_checked_once_with_a_small_rank_between(runs):
     """The first step's check only: rank 1's batches of 1 (unchecked, as alone) do not check anything again.
     Rank 1's small size class stays unmarked (the one-process rule), but its 12-row class was checked."""
+    assert runs[0]["steady"]["counts"] == [1, 1, 1, 2, 3], runs[0]["steady"]
+    assert runs[1]["steady"]["counts"] == [1, 1, 1, 1, 2], runs[1]["steady"]
     for r in runs:
-        assert r["steady"]["counts"] == [1, 1, 1], r["steady"]
-        assert r["steady"]["released"] == 9
+        assert r["steady"]["released"] == 13  # the per-example hook passes: every step released
