@@ -1,9 +1,10 @@
 """Per-step cost of FSDP2's agreed first-batch-check signature (2 gloo ranks on CPU).
 
 ``ShardedCapture.collect`` computes this rank's check signature (:func:`dpopt.engine.check.signature`)
-and runs one all-reduce of two flags per step (:meth:`dpopt.fsdp.ShardedCapture._any_ranks`). This
+and runs one all-reduce of three floats per step (:meth:`dpopt.fsdp.ShardedCapture._agree`: the need flag,
+the check's k and rows; two flags before 2026-12-07). This
 times, in a warm steady loop of a small model (Linear 4→6, Tanh, Linear 6→3; 12 rows per rank, σ = 0),
-a whole ``PrivacyEngine`` step, the two-flag all-reduce and the signature, as CPU seconds
+a whole ``PrivacyEngine`` step, that all-reduce and the signature, as CPU seconds
 (``time.process_time``, rank 0) and wall seconds, three repetitions::
 
     python benchmarks/fsdp_signature_cost.py
@@ -70,7 +71,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     for _ in range(3):
         for name, fn, reps in (
             ("step", step, 30),
-            ("allreduce", lambda: cap._any_ranks(False, False), 300),
+            ("allreduce", lambda: cap._agree(False, 8, N), 300),
             ("signature", lambda: signature(m, N), 300),
         ):
             c0, w0 = time.process_time(), time.perf_counter()

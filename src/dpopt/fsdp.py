@@ -215,6 +215,10 @@ def _held_unsharded(model: nn.Module) -> Iterator[None]:
             m.reshard()
 
 
+#: what a rank that runs no pass of the check contributes to the agreed k (a min over ranks): more than any k
+_NO_K = 1 << 20
+
+
 class ShardedCapture(HookCapture):
     """:class:`~dpopt.engine.hooks.HookCapture` of an FSDP2 model: full-shape per-sample sources, checks in step.
 
@@ -226,13 +230,15 @@ class ShardedCapture(HookCapture):
     The sources cover the sharded ``DTensor`` parameters (matched by identity
     to the optimizer's) with their GLOBAL shapes; everything computed from them
     is a plain full-shape tensor. The first-batch check against single-example
-    autograd runs on every rank at the same step (the first one where every
-    rank has ≥ 2 examples; a step in which some rank has fewer waits), so FSDP's
-    all-gathers inside the check match across ranks; a refusal on one rank is
-    raised on every rank. It runs again whenever some rank's own
-    :func:`~dpopt.engine.check.signature` is new on that rank — train/eval
-    flags, module state (attributes, the user's hooks), size class — as the
-    one-process doors do (:meth:`collect`: one small all-reduce per step).
+    autograd runs at the same step on every rank (FSDP's all-gathers around it
+    match across ranks): at the first step where some rank with ≥ 2 examples
+    has a new :func:`~dpopt.engine.check.signature` (train/eval flags, module
+    state with the user's hooks, size class), as the one-process doors do
+    (:meth:`collect`: one small all-reduce per step). The ranks with ≥ 2
+    examples run its passes; a rank with 0 or 1 takes part without passes and
+    leaves its own signature unchecked (a batch of one cannot mix examples; the
+    one-process engine skips it the same way). A refusal on one rank is raised
+    on every rank.
 
     Raises:
         ValueError: as :class:`HookCapture`; a trainable parameter of a layer
@@ -264,6 +270,7 @@ class ShardedCapture(HookCapture):
             for p in self.params
         ]
         self._syncing = False
+        self._agreed_k, self._agreed_rows = _NO_K, 0  # the check's k and rows, agreed over ranks in collect
 
     def _empty(self) -> FastPerSampleGrads:
         blocks = [DirectBlock(list(range(len(self.params))), [q.new_zeros((0, *q.shape)) for q in self.plan.params])]
@@ -279,21 +286,19 @@ class ShardedCapture(HookCapture):
         elif key is not None:  # FSDP's check is synchronised in collect (each rank's full signature, agreed
             self._modes.done(key)  # over ranks); this rank-local mark only keeps HookCapture's bookkeeping
 
-    # The synchronised check runs the same passes on every rank (the same FSDP collectives): its example
-    # count and sizes are agreed over ranks, and every row of a size is compared.
+    # The synchronised check's passes run with every unit held unsharded (_held_unsharded: no collective inside
+    # a pass; a rank that refuses stops early, a rank with < 2 examples runs none); its example count and sizes
+    # are agreed over ranks (one all-reduce in collect, before the passes), and every row of a size is compared.
     compare_subset = False
 
-    def _agreed(self, value: int, op: str) -> int:
-        t = torch.tensor([float(value)], dtype=torch.float64, device=backend_device(self.ctx))
-        return int(self.ctx.all_reduce(t, op=op).item())
-
     def _check_examples(self, p: Any) -> int:
-        """The smallest k over ranks (every rank has at least k examples)."""
-        return -self._agreed(-super()._check_examples(p), "max")
+        """k: the smallest over the ranks that run the check's passes (agreed in :meth:`collect`, before any
+        pass: no collective here)."""
+        return self._agreed_k
 
     def _check_rows(self, p: Any) -> int:
-        """The largest batch over ranks."""
-        return self._agreed(p.batch_size, "max")
+        """The largest batch over ranks (agreed in :meth:`collect`)."""
+        return self._agreed_rows
 
     def _unsharded_params(self) -> list[Tensor]:
         where = {id(fp.sharded_param): fp for g in _param_groups(self.model) for fp in g.fsdp_params}
@@ -307,12 +312,16 @@ class ShardedCapture(HookCapture):
                     fp._unsharded_param.grad = None
                 fp.unsharded_accumulated_grad = None
 
-    def _any_ranks(self, *flags: bool) -> list[bool]:
-        """Per flag, True on every rank if it is True on some rank: ONE all-reduce (max) of all of them."""
-        t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=backend_device(self.ctx))
+    def _agree(self, needed: bool, k: int, rows: int) -> tuple[bool, int, int]:
+        """ONE all-reduce (max, float64) per step: (some rank needs the check, the smallest ``k``, the largest
+        ``rows`` over ranks). A rank that runs no pass gives ``k`` = :data:`_NO_K` (no effect on the min)."""
+        t = torch.tensor(
+            [1.0 if needed else 0.0, -float(k), float(rows)], dtype=torch.float64, device=backend_device(self.ctx)
+        )
         if self.ctx.enabled:
             t = self.ctx.all_reduce(t, op="max")
-        return [bool(v > 0) for v in t.tolist()]
+        flag, neg_k, top = t.tolist()
+        return flag > 0, int(-neg_k), int(top)
 
     def collect(self, defer_check: bool = False) -> FastPerSampleGrads:  # defers_check is False
         """The step's full-shape per-sample source (as :meth:`HookCapture.collect`), after the synchronised check.
@@ -320,12 +329,17 @@ class ShardedCapture(HookCapture):
         The check runs when some rank's own :func:`~dpopt.engine.check.signature` (train/eval flags, module
         state with the user's hooks, size class of its batch) was not checked on that rank: each rank decides
         on its own signature (it holds this process's ``id()`` values and this rank's batch size: never compared
-        across ranks), ONE all-reduce per step tells every rank whether some rank needs the check and whether
-        some rank has fewer than 2 examples (then every rank waits: the check's passes must be the same on all
-        ranks, the same FSDP collectives); after a check that passed, each rank marks its own signature. The
-        check runs at the largest batch over ranks (:meth:`_check_rows`), so it covers every rank's size class.
-        A refusal on some rank is raised on every rank and no rank marks its signature (the same model code
-        runs on all: the next step with it is checked again everywhere).
+        across ranks). ONE all-reduce per step (:meth:`_agree`) tells every rank whether some rank with ≥ 2
+        examples needs the check, the check's k (the smallest over those ranks) and its rows (the largest batch
+        over ranks, :meth:`_check_rows`: it covers every rank's size class). Then every rank holds the units
+        unsharded (FSDP's all-gathers: every rank) and the ranks with ≥ 2 examples run the passes (local compute,
+        no collective); a rank with 0 or 1 example runs none and does not mark its signature (as the one-process
+        engine: a batch of one cannot mix examples; its next batch of ≥ 2 is checked). Before (2026-12-07), one
+        rank with < 2 examples made EVERY rank skip the check and release: a rank of 12 examples with a new,
+        mixing forward released an unchecked step (2.27 C for one example removed at σ = 0,
+        ``tests/distributed/test_fsdp_small_rank.py``). After a check that passed, each checking rank marks its
+        own signature; a refusal on some rank is raised on every rank and no rank marks its signature (the same
+        model code runs on all: the next step with it is checked again everywhere).
         """
         self._drop_fsdp_grads()
         done = [c for c in self._rec.calls if c.has_grad]
@@ -334,20 +348,25 @@ class ShardedCapture(HookCapture):
             self._synced = ModeCheck(self._modes.enabled)  # rank-local marks, which would make ranks diverge)
         sig = signature(self.model, p.batch_size // self.views, p.modes, p.state) if p is not None else None
         b = p.batch_size if p is not None else 0
-        local = sig is not None and self._synced.needed(sig)
-        needed, small = self._any_ranks(local, b < 2) if self._synced.enabled else (False, True)
-        if needed and not small:  # every rank checks now (same passes: same collectives)
+        checks = p is not None and b // self.views >= 2  # a batch of 0 or 1 example cannot mix: no passes
+        local = checks and sig is not None and self._synced.needed(sig)
+        k = super()._check_examples(cast(Any, p)) if checks else _NO_K
+        needed = False
+        if self._synced.enabled:
+            needed, self._agreed_k, self._agreed_rows = self._agree(local, k, b)
+        if needed:  # every rank takes part (the all-gathers, the verdict); the ranks with ≥ 2 examples check
             error = None
             with _held_unsharded(self.model):
-                saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
-                self._syncing = True
-                try:
-                    super()._verify(p)  # type: ignore[arg-type]
-                except ValueError as exc:
-                    error = exc
-                finally:
-                    self.params, self._syncing = saved, False
-                    self._drop_fsdp_grads()
+                if checks:
+                    saved, self.params = self.params, self._unsharded_params()  # type: ignore[assignment]
+                    self._syncing = True
+                    try:
+                        super()._verify(p)  # type: ignore[arg-type]
+                    except ValueError as exc:
+                        error = exc
+                    finally:
+                        self.params, self._syncing = saved, False
+                        self._drop_fsdp_grads()
             if any_rank(error is not None, self.ctx):  # a refusal on any rank: no rank marks its signature
                 self._rec.calls = []
                 if error is not None:
@@ -355,7 +374,8 @@ class ShardedCapture(HookCapture):
                 raise ValueError(
                     "the per-example check refused this model on another rank (its error is reported there)"
                 )
-            self._synced.done(cast(tuple, sig))  # this rank's own signature (b ≥ 2 here: p is not None)
+            if checks:  # this rank's own signature; a rank of < 2 examples leaves its own unchecked (as alone)
+                self._synced.done(cast(tuple, sig))
         return super().collect()
 
 
