@@ -12,7 +12,7 @@ trees is compared, whatever file it touched.
 
 Usage::
 
-    git archive <commit> src | tar -x -C /tmp/before   # plus the built src/dpopt/_native*.so
+    mkdir -p /tmp/before && git archive <commit> src | tar -x -C /tmp/before   # plus the built src/dpopt/_native*.so
     OMP_NUM_THREADS=1 python benchmarks/ab_steps.py --before /tmp/before/src --threads 1 --rounds 40
 """
 

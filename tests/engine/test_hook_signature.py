@@ -188,11 +188,31 @@ def test_privacy_engine_refuses_a_mixing_hook_added_after_steps(kind):
     assert len(eng.ledger) == 5
     handle = ADD[kind](base)
     try:
-        with pytest.raises(ValueError, match="do not match single-example autograd"):
+        with pytest.raises(ValueError, match="do not match single-example autograd") as err:
             _step(model, opt, x, y)
     finally:
         handle.remove()
     assert len(eng.ledger) == 5  # nothing released
+    # the refusal says what changed since the earlier check and how to go on (a first-batch refusal does not)
+    assert "something changed since then: a module hook added" in str(err.value)
+    assert "handle.remove()" in str(err.value)
+    _step(model, opt, x, y)  # the hook removed: this step is checked again and released
+    assert len(eng.ledger) == 6
+
+
+def test_privacy_engine_first_batch_refusal_does_not_speak_of_a_change():
+    """A model that mixes from its first step gets the plain refusal (no earlier check to have changed from)."""
+    base = _model()
+    x, y = _data()
+    handle = ADD["forward"](base)
+    eng, model, opt = _private(base, x, y)
+    try:
+        with pytest.raises(ValueError, match="do not match single-example autograd") as err:
+            _step(model, opt, x, y)
+    finally:
+        handle.remove()
+    assert "changed since" not in str(err.value)
+    assert len(eng.ledger) == 0
 
 
 def test_privacy_engine_accepts_a_per_example_hook_and_rechecks_on_each_change():

@@ -342,6 +342,11 @@ class ModeCheck:
         while len(self._done) > self.MAX_SIGNATURES:
             del self._done[next(iter(self._done))]
 
+    @property
+    def any_done(self) -> bool:
+        """True once some signature was checked (a later refusal is a change since then, not the first batch)."""
+        return bool(self._done)
+
     def checked_size(self, signature: "Signature") -> int:
         """The largest size class checked with the same modes and module state (0: none)."""
         return max([d.size for d in self._done if isinstance(d, Signature) and d[:2] == signature[:2]] or [0])

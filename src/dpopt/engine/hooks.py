@@ -621,8 +621,17 @@ class HookCapture:
             raise self._layout_error(m, ins, outs)
         if off:
             mode = "train" if self.model.training else "eval"
+            since = (
+                "This model passed an earlier check, so something changed since then: a module hook added or "
+                "replaced (a forward, forward pre- or backward hook, also a process-wide one; docs/pitfalls.md, "
+                "item 29), a module attribute switched, the train/eval mode, or a batch of a larger size class. "
+                "Nothing was released for this step; remove or undo the change (a hook: handle.remove()) and "
+                "the next step is checked again. Otherwise: "
+                if self._modes.any_done
+                else ""
+            )
             raise ValueError(
-                f"per-sample gradients of {sorted(self.names[i] for i in off)} captured from the "
+                f"{since}per-sample gradients of {sorted(self.names[i] for i in off)} captured from the "
                 f"backward pass do not match single-example autograd in the mode the model trains in "
                 f"(model.{mode}()): the forward mixes examples (e.g. batch statistics under "
                 "model.train(), as in `if self.training: h = h - h.mean(0)`), or a parameter is used "
