@@ -200,20 +200,34 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def geometry(self) -> ClipGeometry:
         """The clip geometry for the next step (identity unless a transform provides one)."""
-        return self._geometry(self._params())
+        return self._transform_geometry(self._params())
 
     def _geometry(self, params: list[Tensor]) -> ClipGeometry:
-        """:meth:`geometry` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller."""
+        """:meth:`geometry` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller; a
+        subclass's override of :meth:`geometry` is called instead (it decides the step's geometry)."""
+        if type(self).geometry is not DPOptimizer.geometry:
+            return self.geometry()
+        return self._transform_geometry(params)
+
+    def _transform_geometry(self, params: list[Tensor]) -> ClipGeometry:
+        """The transform's geometry for ``params`` (identity when it gives none)."""
         with torch.no_grad():
             geo = self.transform.geometry(self._states(params), params)
         return geo if geo is not None else ClipGeometry()
 
     def evaluation_points(self) -> list[EvaluationPoint]:
         """Where the next per-sample gradients must be evaluated (default: at θ)."""
-        return self._evaluation_points(self._params())
+        return self._transform_points(self._params())
 
     def _evaluation_points(self, params: list[Tensor]) -> list[EvaluationPoint]:
-        """:meth:`evaluation_points` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller."""
+        """:meth:`evaluation_points` for ``params``, the trainable parameters (:meth:`_params`) walked by the caller;
+        a subclass's override of :meth:`evaluation_points` is called instead."""
+        if type(self).evaluation_points is not DPOptimizer.evaluation_points:
+            return self.evaluation_points()
+        return self._transform_points(params)
+
+    def _transform_points(self, params: list[Tensor]) -> list[EvaluationPoint]:
+        """The transform's evaluation points for ``params`` (at θ when it gives none)."""
         with torch.no_grad():
             pts = self.transform.evaluation_points(self._states(params), params)
         return pts if pts is not None else [EvaluationPoint(1.0)]

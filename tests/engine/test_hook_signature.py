@@ -298,3 +298,76 @@ def test_module_state_sees_user_hooks_not_dpopts():
     del cap
     assert module_state(copy.deepcopy(m)) != before  # (identities: a copy is another model)
     assert check_mod.module_state(m) == before
+
+
+def _scaled_by(a):
+    def hook(m, i, o):
+        return a * o
+
+    return hook
+
+
+def test_a_remembered_signature_holds_its_hooks_so_their_addresses_are_not_reused():
+    """A hook rebuilt by a factory (same code, other closure values) must never take the old one's fingerprint.
+
+    With ``id()`` alone, ``h.remove(); h = layer.register_forward_hook(make(a))`` put the new closure at the freed
+    address in 13 of 20 trials (review of 2026-12-07) and the check did not run again. A signature now holds the
+    hook: while it is remembered, the function stays alive, so no other function can live at its address.
+    """
+    import gc
+    import weakref
+
+    m = _model()
+    hook = _scaled_by(1.0)
+    alive = weakref.ref(hook)
+    h = m[0].register_forward_hook(hook)
+    state = module_state(m)
+    h.remove()
+    del hook, h
+    gc.collect()
+    assert alive() is not None  # held by the remembered state
+    for a in (2.0, 3.0, 4.0):
+        h = m[0].register_forward_hook(_scaled_by(a))
+        assert module_state(m) != state
+        h.remove()
+    del state
+    gc.collect()
+    assert alive() is None  # and released with it
+    import pickle
+
+    held = check_mod._Held(_mix)
+    assert held == check_mod._Held(_mix) and hash(held) == id(_mix)
+    # a copy or pickle of a held object is a fresh object: a copied or restored signature is never taken as checked
+    assert copy.deepcopy(held) != held and pickle.loads(pickle.dumps(held)) != held
+    assert copy.deepcopy(module_state(m)) != module_state(m)
+
+
+def test_module_state_sees_a_class_forward_patched_after_the_check(monkeypatch):
+    m = _model()
+    before = module_state(m)
+    original = nn.Tanh.forward
+    monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: original(self, x) + x.mean(0))
+    assert module_state(m) != before
+    monkeypatch.undo()
+    assert module_state(m) == before
+
+
+def test_a_user_hook_wrapped_to_look_like_dpopts_is_still_counted():
+    """``functools.wraps(<a dpopt function>)`` copies ``__module__``; own_hook decides by the code's file."""
+    import functools
+
+    from dpopt.engine.check import own_hook
+
+    @functools.wraps(check_mod.module_state)
+    def disguised(m, i, o):
+        return _mix(m, i, o)
+
+    assert disguised.__module__ == "dpopt.engine.check"
+    assert not own_hook(disguised)
+    assert own_hook(check_mod.module_state)
+    assert own_hook(functools.partial(check_mod.module_state))
+    m = _model()
+    before = module_state(m)
+    h = m[0].register_forward_hook(disguised)
+    assert module_state(m) != before
+    h.remove()

@@ -291,3 +291,31 @@ def test_a_batch_of_another_size_class_is_checked_again(monkeypatch):
     big = torch.randn(4 * B, P, generator=torch.Generator().manual_seed(1))
     opt.step(iter_per_sample_sources(model, ce, big, torch.randint(0, K, (4 * B,))))
     assert calls == [B, 4 * B] and get_engine(model, ce) is eng
+
+
+def test_step_uses_a_subclass_override_of_geometry_and_evaluation_points():
+    """``step()`` walks the parameters once and passes them on, but a subclass's public ``geometry()`` /
+    ``evaluation_points()`` still decides the step (review of 2026-12-07: the one-walk cut had bypassed them)."""
+    from dpopt.types import ClipGeometry
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    opt = make_optimizer(
+        "dp-sgd", list(model.parameters()), noise_multiplier=0.0, expected_batch_size=8.0, sample_rate=0.1, lr=0.1
+    )
+    calls = []
+
+    class Sub(type(opt)):  # type: ignore[misc]
+        def geometry(self):
+            calls.append("geometry")
+            return super().geometry()
+
+        def evaluation_points(self):
+            calls.append("evaluation_points")
+            return super().evaluation_points()
+
+    opt.__class__ = Sub
+    opt.step(iter_per_sample_sources(model, F.cross_entropy, x, y, None, opt.evaluation_points()))
+    assert calls.count("geometry") == 1 and calls.count("evaluation_points") >= 2
+    assert isinstance(opt.geometry(), ClipGeometry)

@@ -61,6 +61,7 @@ examples is invisible; such a layer is outside the engines' contract.
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -133,17 +134,26 @@ _GLOBAL_FLAGS = tuple(getattr(torch.nn.modules.module, "_global" + t, None) for 
 
 
 def own_hook(fn) -> bool:
-    """True if the hook function ``fn`` is dpopt's own (defined in a ``dpopt`` module): left out of :func:`module_state`.
+    """True if the hook function ``fn`` is dpopt's own (its code is in dpopt's package): left out of :func:`module_state`.
 
     dpopt's hooks (the capture's recording hooks, the check's replay, the
     ``PrivacyEngine`` loss-reduction watch's process-wide forward hook) come
     and go between steps and are what the check verifies (or only inspect);
     counting them would make every step a new signature. ``functools.partial``
-    is unwrapped; a bound method or a callable object counts by its class's
-    module.
+    is unwrapped; a bound method counts by its function, a callable object by
+    its class's ``__call__``. Decided by the code object's file, not by
+    ``__module__`` (which ``functools.wraps`` copies onto a user's wrapper).
     """
-    mod = getattr(_inner(fn), "__module__", None) or ""
-    return mod == "dpopt" or mod.startswith("dpopt.")
+    inner = _inner(fn)
+    inner = getattr(inner, "__func__", inner)  # a bound method: its function
+    code = getattr(inner, "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        call = next((k.__dict__["__call__"] for k in type(inner).__mro__ if "__call__" in k.__dict__), None)
+        code = getattr(getattr(call, "__func__", call), "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../dpopt/
 
 
 def _inner(fn):
@@ -153,16 +163,38 @@ def _inner(fn):
     return fn
 
 
-def _hook_key(fn) -> tuple:
-    """A hook function by identity: ``id(fn)`` and the id of its code (or, for a callable object, its class).
+class _Held:
+    """An object by identity, held strongly: equal only to a ``_Held`` of the same object, hashed by its id.
 
-    The code's id tells apart two functions that came to live at the same
-    address one after the other (a hook removed, a different lambda
-    registered): code objects live as long as the function that defines them.
+    A signature that keeps it keeps the object alive, so no other object can come to live at its address while
+    the signature is remembered (at most :attr:`ModeCheck.MAX_SIGNATURES`): ``id()`` alone would let a hook
+    rebuilt by a factory with other closure values (``h.remove(); h = layer.register_forward_hook(make(a))``) land
+    at the freed address and keep the fingerprint. A copy or pickle of it is a fresh ``object()``, equal to
+    nothing: a restored signature is never taken as checked.
     """
-    inner = _inner(fn)
-    inner = getattr(inner, "__func__", inner)  # a bound method: its function
-    return (id(fn), id(getattr(inner, "__code__", type(inner))))
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Held) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __reduce__(self):
+        return (object, ())
+
+    def __repr__(self) -> str:
+        return f"_Held({type(self.obj).__qualname__} at {id(self.obj):#x})"
+
+
+def _hook_key(fn) -> tuple:
+    """A hook function by identity (:class:`_Held`: kept alive while a signature holds it, so its address is not
+    reused by another function meanwhile)."""
+    return (_Held(fn),)
 
 
 def _hooks(tables: tuple, flags: tuple) -> tuple:
@@ -200,11 +232,15 @@ def module_state(model: nn.Module) -> tuple:
     signature, checked again. dpopt's own hooks (:func:`own_hook`) are left
     out, so a steady loop is checked once. A hook handle's key is not in it
     (the same function registered again gives the same fingerprint). A hook
-    function counts by its identity and its code's (:func:`_hook_key`), so
-    another function at a freed function's address is seen; not seen: the
-    same code rebuilt with other closure values at the same address. Cost: one pass over the modules'
-    attribute dicts and non-empty hook tables (measured in
-    ``benchmarks/signature_cost.py``).
+    function counts by its identity, held (:func:`_hook_key`): a hook rebuilt
+    by a factory with other closure values is seen even where it lands at a
+    freed hook's address. Also per module: its class's ``forward`` (held), so
+    ``SomeModule.forward = patched`` after the check is seen. Not seen (by
+    design, identity only): a hook or forward whose behaviour depends on
+    state outside the module (a global flag, a mutable callable object's
+    field), and modules that are not in ``named_modules()`` (kept in a plain
+    list). Cost: one pass over the modules' attribute dicts and non-empty
+    hook tables (measured in ``benchmarks/signature_cost.py``).
     """
     out: list[tuple] = []
     for name, m in model.named_modules():
@@ -219,8 +255,11 @@ def module_state(model: nn.Module) -> tuple:
         hooks = _hooks(tables, tuple(d.get(f) for f in _HOOK_FLAGS)) if any(tables) else ()
         if hooks and bw:
             hooks += (("full", d.get("_is_full_backward_hook")),)
+        fwd = _Held(type(m).forward)
         out.append(
-            (name, id(m), type(m).__qualname__, attrs, hooks) if hooks else (name, id(m), type(m).__qualname__, attrs)
+            (name, id(m), type(m).__qualname__, fwd, attrs, hooks)
+            if hooks
+            else (name, id(m), type(m).__qualname__, fwd, attrs)
         )
     glob = _hooks(_GLOBAL_TABLES, (None,) + _GLOBAL_FLAGS)
     if glob:
