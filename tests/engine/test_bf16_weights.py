@@ -322,3 +322,57 @@ def test_bf16_activations_are_cast_per_chunk_not_held_in_float32():
     fp32 = _step_peak_bytes("float32")
     assert _step_peak_bytes("autocast") <= 0.8 * fp32
     assert _step_peak_bytes("weights") <= 0.8 * fp32
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_bf16_weights_with_a_clip_geometry_in_bf16_float32_or_float64(shift):
+    """AdaClip / DP-MacAdam keep their geometry in the parameters' dtype: bf16 for a bf16 model. The closed form of a
+    T = 1 layer with a shift used to raise (``bmm`` of float32 rows with a bf16 geometry); now the geometry is met in
+    the wider dtype. A bf16 geometry gives exactly the norms of the same values in float32 (the widening is exact);
+    a float64 geometry is not rounded, and its norms are the float64 value rounded up into float32. Both are checked
+    against ‖(g_i − m)/b‖² from float64 ``torch.func`` per-example gradients on the same weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 5, generator=gen).to(torch.bfloat16), torch.randint(0, 3, (8,), generator=gen)
+    ps = list(model.parameters())
+    scale = [(0.5 + torch.rand(p.shape, generator=gen, dtype=torch.float64)).to(torch.bfloat16) for p in ps]
+    sh = [(0.01 * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(torch.bfloat16) for p in ps]
+
+    def geometry(dt):
+        return ClipGeometry(tuple(s.to(dt) for s in sh) if shift else None, tuple(s.to(dt) for s in scale))
+
+    src = _engine_source(model, x, y)
+    groups = list(range(len(ps)))
+    norms = {dt: src.sq_norms(geometry(dt), groups, len(ps)) for dt in (torch.bfloat16, torch.float32, torch.float64)}
+    assert all(n.dtype == torch.float32 for n in norms.values())
+    assert torch.equal(norms[torch.bfloat16], norms[torch.float32])
+    ref = copy.deepcopy(model).double()
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    g = vmap(grad(lambda p, xi, yi: ce(functional_call(ref, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))), (None, 0, 0))(
+        params, x.double(), y
+    )
+    for k, (name, _) in enumerate(ref.named_parameters()):
+        w = (g[name] - (sh[k].double() if shift else 0.0)) / scale[k].double()
+        exact = w.flatten(1).square().sum(1)
+        # the engine reads the bf16 forward's recorded rows; the reference runs the float64 forward (bf16 inputs
+        # and weights): the rows differ by the bf16 forward's rounding, a few u relative
+        torch.testing.assert_close(norms[torch.float64][:, k].double(), exact, rtol=8 * U, atol=0.0)
+        torch.testing.assert_close(norms[torch.float32][:, k].double(), exact, rtol=8 * U, atol=0.0)
+
+
+@pytest.mark.parametrize("method", ["adaclip", "dp-macadam"])
+def test_bf16_weights_train_with_the_adaptive_geometry_methods(method):
+    """Three steps of AdaClip / DP-MacAdam on a bf16 MLP (their shift/scale states are bf16): finite bf16 parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 5, generator=gen).to(torch.bfloat16), torch.randint(0, 3, (8,), generator=gen)
+    opt = make_optimizer(
+        method, list(model.parameters()), noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))

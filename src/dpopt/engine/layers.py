@@ -69,7 +69,7 @@ from torch import Tensor
 
 from .chol_norm import cholesky_sq_norms
 from .row_norms import ROW_NORM_COLUMNS, round_up_sq_norms, rounding_gamma, row_sq_norms64, rows_sq64
-from .shifted_norm import shifted_sq_norms
+from .shifted_norm import round_up, shifted_sq_norms
 
 __all__ = [
     "Budget",
@@ -911,8 +911,14 @@ class FactoredBlock:
         # With a shift the expanded form quad − 2·lin + const can cancel catastrophically; an
         # underestimated norm would let a clipped example exceed the bound. shifted_sq_norms
         # evaluates it in float32 with a rigorous error bound, returns an upper bound, and
-        # recomputes in float64 the rows at risk.
-        return shifted_sq_norms(e, a, m, b)[0]
+        # recomputes in float64 the rows at risk. A geometry in another dtype than the compute dtype (a bf16 model's
+        # AdaClip / DP-MacAdam state, a float64 one) is met in the wider of the two: bf16 → float32 is exact, and a
+        # float64 geometry is not rounded; the norms come back rounded up into the compute dtype.
+        dt = torch.promote_types(pt.dtype, m.dtype if b is None else torch.promote_types(m.dtype, b.dtype))
+        if dt == pt.dtype:
+            return shifted_sq_norms(e, a, m.to(dt), None if b is None else b.to(dt))[0]
+        wide = shifted_sq_norms(e.to(dt), a.to(dt), m.to(dt), None if b is None else b.to(dt))[0]
+        return round_up(wide.double(), pt.dtype)
 
     def _gram(self) -> Tensor:
         """‖g_i‖² = Σ_{t,s} (a_it·a_is)(e_it·e_is), evaluated in float64.
