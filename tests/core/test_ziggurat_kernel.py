@@ -253,12 +253,16 @@ def test_the_chunked_kernel_counts_past_its_cap_without_writing_there():
     from dpopt.kernels import native
 
     raw, job = _chunk_job(3 * 4096, 4096, seed=5, cap=2)
+    guarded = np.full((4, 2), -1, dtype=np.int64)  # the rows, then one guard row right after them in memory
+    job = (*job[:8], guarded[:3], *job[9:])
     native.ziggurat_fill_chunks(*job)
     tail_idx, count = job[8], job[10]
     for i in range(3):
         ref = np.empty(4096)
         idx = ziggurat_body(ref, sfc64_seed_state(raw[24 * i : 24 * (i + 1)]))
         assert count[i] == idx.size and np.array_equal(tail_idx[i, : min(2, idx.size)], idx[:2])
+        assert (tail_idx[i, min(2, idx.size) :] == -1).all()  # nothing past the chunk's own entries
+    assert (guarded[3] == -1).all()  # nothing past the last row
     assert int(count.max()) > 2  # a chunk of 4096 has ≈ 1.1 tail positions on average: seed 5 gives more
 
 
