@@ -376,3 +376,32 @@ def test_bf16_weights_train_with_the_adaptive_geometry_methods(method):
         opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
     assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_hook_door_shift_is_divided_by_the_batch_in_float64_whatever_its_dtype():
+    """The hook door's blocks are scaled by B (a mean loss); the shift is divided by B before the inner norm. In the
+    shift's own dtype that division rounded it (a bf16 shift: relative 2⁻⁸), and an example near the shift got a
+    norm below the exact one (review of 2026-12-07: 0.965 of it). In float64 the same shift values give the same
+    norms whether they come as bf16, float32 or float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 5, generator=gen) + 0.05 * torch.randn(12, 5, generator=gen)  # similar examples
+    y = torch.zeros(12, dtype=torch.long)
+    src = _hook_source(model, x, y)
+    ref = copy.deepcopy(model).double()
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    g = vmap(grad(lambda p, xi, yi: ce(functional_call(ref, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))), (None, 0, 0))(
+        params, x.double(), y
+    )
+    names = [k for k, _ in ref.named_parameters()]
+    shift = [g[k].mean(0).to(torch.bfloat16) for k in names]  # near the mean gradient: ‖g_i − m‖ ≪ ‖m‖
+    norms = [
+        src.sq_norms(ClipGeometry(tuple(s.to(dt) for s in shift), None), list(range(4)), 4)
+        for dt in (torch.bfloat16, torch.float32, torch.float64)
+    ]
+    assert torch.equal(norms[0], norms[1]) and torch.equal(norms[1], norms[2])
+    exact = torch.stack([(g[k] - shift[i].double()).flatten(1).square().sum(1) for i, k in enumerate(names)], 1)
+    # against a float64 forward: the recorded float32 rows differ by the float32 forward's rounding, amplified by
+    # the cancellation ‖g‖/‖g − m‖ (≈ 10³ here); the dtype of the shift no longer adds to it
+    torch.testing.assert_close(norms[0].double(), exact, rtol=5e-4, atol=0.0)

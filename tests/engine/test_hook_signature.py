@@ -307,14 +307,16 @@ def _scaled_by(a):
     return hook
 
 
-def test_a_remembered_signature_holds_its_hooks_so_their_addresses_are_not_reused():
+def test_a_remembered_signature_never_matches_a_hook_rebuilt_at_a_freed_address():
     """A hook rebuilt by a factory (same code, other closure values) must never take the old one's fingerprint.
 
     With ``id()`` alone, ``h.remove(); h = layer.register_forward_hook(make(a))`` put the new closure at the freed
-    address in 13 of 20 trials (review of 2026-12-07) and the check did not run again. A signature now holds the
-    hook: while it is remembered, the function stays alive, so no other function can live at its address.
+    address in 13 of 20 trials (review of 2026-12-07) and the check did not run again. A signature names each hook
+    weakly (``_Held``): once the hook is gone, the old signature matches nothing, whatever lands at its address;
+    and the remembered signature does not keep the hook (or what it holds) alive.
     """
     import gc
+    import pickle
     import weakref
 
     m = _model()
@@ -322,24 +324,49 @@ def test_a_remembered_signature_holds_its_hooks_so_their_addresses_are_not_reuse
     alive = weakref.ref(hook)
     h = m[0].register_forward_hook(hook)
     state = module_state(m)
+    assert module_state(m) == state  # the same live hook: the same signature
     h.remove()
     del hook, h
     gc.collect()
-    assert alive() is not None  # held by the remembered state
-    for a in (2.0, 3.0, 4.0):
+    assert alive() is None  # not kept alive by the remembered state
+    for a in (1.0, 2.0, 3.0):
         h = m[0].register_forward_hook(_scaled_by(a))
         assert module_state(m) != state
         h.remove()
-    del state
-    gc.collect()
-    assert alive() is None  # and released with it
-    import pickle
-
     held = check_mod._Held(_mix)
     assert held == check_mod._Held(_mix) and hash(held) == id(_mix)
     # a copy or pickle of a held object is a fresh object: a copied or restored signature is never taken as checked
     assert copy.deepcopy(held) != held and pickle.loads(pickle.dumps(held)) != held
     assert copy.deepcopy(module_state(m)) != module_state(m)
+
+
+def test_a_model_whose_hook_refers_to_it_is_freed_after_training():
+    """The fast door's engine cache is keyed weakly by the model; its remembered signatures must not hold the model
+    through a hook that refers back to it (``self.register_forward_hook(self._hook)``)."""
+    import gc
+    import weakref
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+            self.register_forward_hook(self._hook)
+
+        def _hook(self, m, i, o):
+            return o * 1.0
+
+        def forward(self, x):
+            return self.body(x)
+
+    net = Net()
+    x, y = _data()
+    for _ in range(3):
+        src = next(iter(iter_per_sample_sources(net, ce, x, y)))
+        src.free()
+    alive = weakref.ref(net)
+    del net, src
+    gc.collect()
+    assert alive() is None
 
 
 def test_module_state_sees_a_class_forward_patched_after_the_check(monkeypatch):
@@ -371,3 +398,19 @@ def test_a_user_hook_wrapped_to_look_like_dpopts_is_still_counted():
     h = m[0].register_forward_hook(disguised)
     assert module_state(m) != before
     h.remove()
+
+
+def test_module_state_is_stable_for_forwards_built_per_access():
+    """A class ``forward`` given by a descriptor that builds a new object per access (``partialmethod``) must not
+    make every step a new signature: the class's raw attribute is read."""
+    import functools
+
+    class Scaled(nn.Module):
+        def _scaled(self, x, a):
+            return a * x
+
+        forward = functools.partialmethod(_scaled, a=2.0)
+
+    m = nn.Sequential(nn.Linear(4, 6), Scaled(), nn.Linear(6, 3))
+    assert m[1].forward is not m[1].forward  # a new object per access
+    assert module_state(m) == module_state(m)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -164,36 +165,63 @@ def _inner(fn):
 
 
 class _Held:
-    """An object by identity, held strongly: equal only to a ``_Held`` of the same object, hashed by its id.
+    """An object by identity: equal only to a ``_Held`` of the same LIVE object, hashed by its id.
 
-    A signature that keeps it keeps the object alive, so no other object can come to live at its address while
-    the signature is remembered (at most :attr:`ModeCheck.MAX_SIGNATURES`): ``id()`` alone would let a hook
-    rebuilt by a factory with other closure values (``h.remove(); h = layer.register_forward_hook(make(a))``) land
-    at the freed address and keep the fingerprint. A copy or pickle of it is a fresh ``object()``, equal to
-    nothing: a restored signature is never taken as checked.
+    ``id()`` alone would let a hook rebuilt by a factory with other closure values (``h.remove(); h =
+    layer.register_forward_hook(make(a))``) land at the freed hook's address and keep the fingerprint. A ``_Held``
+    keeps a weak reference where the object takes one (functions, bound methods, partials, most objects): once the
+    object is gone, the ``_Held`` equals nothing, so a signature that named it is never matched again, and the
+    object (and what its closure holds: a model, activations) is not kept alive by the remembered signatures. An
+    object without weak references is held strongly (bounded by :attr:`ModeCheck.MAX_SIGNATURES`). A copy or
+    pickle of a ``_Held`` is a fresh ``object()``, equal to nothing: a restored signature is never taken as checked.
     """
 
-    __slots__ = ("obj",)
+    __slots__ = ("_ref", "_id")
 
     def __init__(self, obj) -> None:
-        self.obj = obj
+        ref: Callable[[], object]
+        try:
+            ref = weakref.ref(obj)
+        except TypeError:  # no weak references (e.g. some builtins): hold it
+            ref = functools.partial(_same, obj)
+        self._ref = ref
+        self._id = id(obj)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Held) and other.obj is self.obj
+        if not isinstance(other, _Held) or other._id != self._id:
+            return False
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
 
     def __hash__(self) -> int:
-        return id(self.obj)
+        return self._id
 
     def __reduce__(self):
         return (object, ())
 
     def __repr__(self) -> str:
-        return f"_Held({type(self.obj).__qualname__} at {id(self.obj):#x})"
+        obj = self._ref()
+        return f"_Held({type(obj).__qualname__ if obj is not None else 'dead'} at {self._id:#x})"
+
+
+def _same(obj):
+    """``obj`` (a strong stand-in for a weak reference's call)."""
+    return obj
+
+
+def _class_forward(m: nn.Module):
+    """The raw ``forward`` attribute of ``m``'s class (first in the MRO's ``__dict__``s; None without one): read
+    without the descriptor protocol, which can build a new object per access (``partialmethod``, ``classmethod``)."""
+    for k in type(m).__mro__:
+        f = k.__dict__.get("forward")
+        if f is not None:
+            return f
+    return None
 
 
 def _hook_key(fn) -> tuple:
-    """A hook function by identity (:class:`_Held`: kept alive while a signature holds it, so its address is not
-    reused by another function meanwhile)."""
+    """A hook function by identity (:class:`_Held`: a dead one is never matched, so another function at its
+    address is a new signature)."""
     return (_Held(fn),)
 
 
@@ -232,9 +260,9 @@ def module_state(model: nn.Module) -> tuple:
     signature, checked again. dpopt's own hooks (:func:`own_hook`) are left
     out, so a steady loop is checked once. A hook handle's key is not in it
     (the same function registered again gives the same fingerprint). A hook
-    function counts by its identity, held (:func:`_hook_key`): a hook rebuilt
-    by a factory with other closure values is seen even where it lands at a
-    freed hook's address. Also per module: its class's ``forward`` (held), so
+    function counts by its identity (:func:`_hook_key`, :class:`_Held`): a hook
+    rebuilt by a factory with other closure values is seen even where it lands
+    at a freed hook's address. Also per module: its class's ``forward`` (held), so
     ``SomeModule.forward = patched`` after the check is seen. Not seen (by
     design, identity only): a hook or forward whose behaviour depends on
     state outside the module (a global flag, a mutable callable object's
@@ -255,7 +283,7 @@ def module_state(model: nn.Module) -> tuple:
         hooks = _hooks(tables, tuple(d.get(f) for f in _HOOK_FLAGS)) if any(tables) else ()
         if hooks and bw:
             hooks += (("full", d.get("_is_full_backward_hook")),)
-        fwd = _Held(type(m).forward)
+        fwd = _Held(_class_forward(m))
         out.append(
             (name, id(m), type(m).__qualname__, fwd, attrs, hooks)
             if hooks

@@ -342,7 +342,10 @@ class ScaledBlock:
 
     def sq_norms(self, geos: Sequence[Geo]) -> list[Tensor]:
         s = self.scale
-        inner = self.inner.sq_norms([(None if m is None else m / s, b) for m, b in geos])
+        # m / s in float64: in m's own dtype the division rounds the shift (relative u: 2⁻⁸ for a bf16 m), and a
+        # norm of an example near the shift then came out below the exact one (review of 2026-12-07: 0.965 of it
+        # with a bf16 shift, 0.99992 with a float32 one); the inner block meets the float64 shift in float64
+        inner = self.inner.sq_norms([(None if m is None else m.double() / s, b) for m, b in geos])
         # s²·v in float64 (two roundings: s·s and the product) rounded UP into v's dtype: never below s²
         # times the inner block's value (itself never below the exact norm), where a float32 product
         # rounded to nearest could be half an ulp below.
