@@ -337,7 +337,7 @@ class ShardedCapture(HookCapture):
         engine: a batch of one cannot mix examples; its next batch of ≥ 2 is checked). Before (2026-12-07), one
         rank with < 2 examples made EVERY rank skip the check and release: a rank of 12 examples with a new,
         mixing forward released an unchecked step (2.27 C for one example removed at σ = 0,
-        ``tests/distributed/test_fsdp_small_rank.py``). After a check that passed, each checking rank marks its
+        ``tests/distributed/test_fsdp_signature.py``). After a check that passed, each checking rank marks its
         own signature; a refusal on some rank is raised on every rank and no rank marks its signature (the same
         model code runs on all: the next step with it is checked again everywhere).
         """

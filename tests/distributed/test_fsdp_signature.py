@@ -17,6 +17,21 @@ rank's batch: attribute 2.27 C, hook 2.27 C, size class (mixing only above 16 ro
 1.08 C, each step released with no further check (1 check in 5 steps); the steady loop's ×3 hook was not
 checked either (counts [1, 1, 1]). After: every case refused on both ranks (3 checks: the two refused steps),
 counts [1, 2, 2].
+
+A rank with fewer than 2 examples (the ``small_*`` cases): ``ShardedCapture.collect`` runs the synchronised check when some rank's signature is new. It used to skip the
+check on EVERY rank when some rank had fewer than 2 examples (Poisson sampling gives a rank 0 or 1 example
+now and then), and every rank released its step: a rank with 12 examples and a new signature (here
+``model[1].mix = True``: the forward adds 4 · mean(h) over the rank's batch) released an unchecked step whose
+forward mixed its examples. Now every rank with ≥ 2 examples runs the check whenever some such rank's
+signature is new; a rank with 0 or 1 examples takes part in its collectives (the all-gathers, the refusal's
+agreement) without passes and without marking its signature, as the one-process engine skips a batch of 1
+(it cannot mix; its next batch of ≥ 2 is checked).
+
+Numbers (2 gloo ranks, 2-vCPU Xeon, load 4.4, 2026-12-07 11:58 UTC; σ = 0, lr = 0, C = 0.05; rank 0: 12 rows,
+then 11 with its example 0 removed; rank 1: 1 row, or 0), before the fix: both steps released on both ranks with
+no check (1 check in 5 steps), removing rank 0's example moved the released sum by 2.2735 C (1 row and 0 rows
+alike). After: both steps refused on both ranks (rank 0: "do not match single-example autograd", 2 more checks;
+rank 1: "another rank", no passes), nothing released; the steady loop's check counts are as asserted below.
 """
 
 from __future__ import annotations
@@ -152,6 +167,57 @@ def _steady(checks: list) -> dict:
     return {"counts": counts, "released": len(engine.ledger)}
 
 
+def _small_case(rank: int, small: int, checks: list) -> dict:
+    """3 steps of 12 rows on both ranks; ``mix`` switched on; rank 1 gets ``small`` rows, rank 0 12 then 11."""
+    checks.clear()
+    m, engine, model, opt = _setup()
+    x, y = _batch(rank, N)
+    for _ in range(3):
+        _step(model, opt, x, y)
+    before = (len(checks), len(engine.ledger))
+    m[1].mix = True
+    if rank == 1:
+        x, y = x[:small], y[:small]
+    full = _step(model, opt, x, y)
+    keep = torch.arange(len(y)) != 0 if rank == 0 else torch.ones(len(y), dtype=torch.bool)
+    less = _step(model, opt, x[keep], y[keep])
+    moved = (
+        float((full - less).norm()) / C if isinstance(full, torch.Tensor) and isinstance(less, torch.Tensor) else None
+    )
+    return {
+        "checks_before": before[0],
+        "released_before": before[1],
+        "checks_after": len(checks),
+        "released_after": len(engine.ledger),
+        "full": full if isinstance(full, str) else "released",
+        "less": less if isinstance(less, str) else "released",
+        "moved_over_c": moved,
+    }
+
+
+def _small_steady(rank: int, checks: list) -> dict:
+    """Steps with rank 1's batch of 1 in between (no new signature): the check count after each phase."""
+    m, engine, model, opt = _setup()
+    x, y = _batch(rank, N)
+    counts = []
+    for _ in range(4):
+        _step(model, opt, x, y)
+    counts.append(len(checks))  # 1: the first step
+    for _ in range(2):  # rank 1 small, nobody's signature new (rank 1's small size class: not checked, as alone)
+        _step(model, opt, x[:1] if rank == 1 else x, y[:1] if rank == 1 else y)
+    counts.append(len(checks))
+    for _ in range(3):
+        _step(model, opt, x, y)
+    counts.append(len(checks))
+    m[0].register_forward_hook(lambda mod, a, o: 3 * o)  # per example: a new signature that passes the check
+    _step(model, opt, x[:1] if rank == 1 else x, y[:1] if rank == 1 else y)
+    counts.append(len(checks))  # rank 0 checked it (rank 1, with 1 row, took part without passes)
+    for _ in range(3):
+        _step(model, opt, x, y)
+    counts.append(len(checks))  # rank 1's 12 rows under the hook: new on rank 1, checked once (both ranks)
+    return {"counts": counts, "released": len(engine.ledger)}
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     checks: list = []
     real = hooks_mod.HookCapture._verify
@@ -169,13 +235,19 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         checks.clear()
         out["steady"] = _steady(checks)
         progress(tmp, rank, "steady")
+        for small in (1, 0):
+            out[f"small_{small}"] = _small_case(rank, small, checks)
+            progress(tmp, rank, f"small={small}")
+        checks.clear()
+        out["small_steady"] = _small_steady(rank, checks)
+        progress(tmp, rank, "small_steady")
         torch.save(out, f"{tmp}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp-signature")
-    spawn_ranks(_worker, tmp, deadline_s=240, stall_s=120)
+    spawn_ranks(_worker, tmp, deadline_s=420, stall_s=120)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -196,3 +268,29 @@ def test_steady_loop_checked_once_and_each_new_signature_once(runs):
     for r in runs:
         assert r["steady"]["counts"] == [1, 2, 2]  # 8 steps: 1; a ×3 hook: 1 more (agrees); removed: checked before
         assert r["steady"]["released"] == 13
+
+
+@pytest.mark.parametrize("small", [1, 0])
+def test_a_small_rank_does_not_release_an_unchecked_mixing_step(runs, small):
+    """Before: both steps released unchecked on both ranks (rank 1 with ``small`` rows), removing rank 0's
+    example 0 moved the released sum by ≈ 2.3 C (> C); now rank 0 runs the check and both ranks refuse."""
+    for r in runs:
+        c = r[f"small_{small}"]
+        assert c["released_before"] == 3 and c["checks_before"] == 1, c
+        assert c["full"].startswith("refused") and c["less"].startswith("refused"), c
+        assert ("do not match single-example autograd" in c["full"]) or ("another rank" in c["full"]), c
+        assert c["released_after"] == 3, c  # nothing released
+        assert c["moved_over_c"] is None
+    assert runs[0][f"small_{small}"]["checks_after"] == 3  # rank 0 ran the check for both refused steps
+    assert "do not match single-example autograd" in runs[0][f"small_{small}"]["full"]
+    assert "another rank" in runs[1][f"small_{small}"]["full"]  # rank 1 (no passes on ≤ 1 row) refused with it
+    assert runs[1][f"small_{small}"]["checks_after"] == 1
+
+
+def test_steady_loop_checked_once_with_a_small_rank_between(runs):
+    """The first step's check only: rank 1's batches of 1 (unchecked, as alone) do not check anything again.
+    Rank 1's small size class stays unmarked (the one-process rule), but its 12-row class was checked."""
+    assert runs[0]["small_steady"]["counts"] == [1, 1, 1, 2, 3], runs[0]["small_steady"]
+    assert runs[1]["small_steady"]["counts"] == [1, 1, 1, 1, 2], runs[1]["small_steady"]
+    for r in runs:
+        assert r["small_steady"]["released"] == 13  # the per-example hook passes: every step released
