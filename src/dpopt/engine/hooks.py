@@ -625,8 +625,8 @@ class HookCapture:
                 "This model passed an earlier check, so something changed since then: a module hook added or "
                 "replaced (a forward, forward pre- or backward hook, also a process-wide one; docs/pitfalls.md, "
                 "item 29), a module attribute switched, the train/eval mode, or a batch of a larger size class. "
-                "Nothing was released for this step; remove or undo the change (a hook: handle.remove()) and "
-                "the next step is checked again. Otherwise: "
+                "Nothing was released for this step; remove or undo the change (a hook: handle.remove()) and training "
+                "goes on (a state checked before is accepted again). Otherwise: "
                 if self._modes.any_done
                 else ""
             )
