@@ -116,14 +116,14 @@ _PRIMITIVE = (bool, int, float, str, bytes, type(None), torch.dtype, torch.devic
 
 def _attribute_key(v):
     """A hashable summary of one plain attribute: its value (primitives, short tuples of them), a tensor's
-    (shape, dtype, device) (its values may be a per-step cache), any other object's identity."""
+    (shape, dtype, device) (its values may be a per-step cache), any other object's identity (:class:`_Held`)."""
     if isinstance(v, _PRIMITIVE):
         return "nan" if isinstance(v, float) and v != v else v
     if isinstance(v, Tensor):
         return ("tensor", tuple(v.shape), v.dtype, v.device)
     if isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(e, _PRIMITIVE) for e in v):
         return (type(v).__name__, *("nan" if isinstance(e, float) and e != e else e for e in v))
-    return ("id", id(v))
+    return ("obj", _Held(v))
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -167,29 +167,29 @@ def _inner(fn):
 class _Held:
     """An object by identity: equal only to a ``_Held`` of the same LIVE object, hashed by its id.
 
-    ``id()`` alone would let a hook rebuilt by a factory with other closure values (``h.remove(); h =
-    layer.register_forward_hook(make(a))``) land at the freed hook's address and keep the fingerprint. A ``_Held``
-    keeps a weak reference where the object takes one (functions, bound methods, partials, most objects): once the
-    object is gone, the ``_Held`` equals nothing, so a signature that named it is never matched again, and the
-    object (and what its closure holds: a model, activations) is not kept alive by the remembered signatures. An
-    object without weak references is held strongly (bounded by :attr:`ModeCheck.MAX_SIGNATURES`). A copy or
-    pickle of a ``_Held`` is a fresh ``object()``, equal to nothing: a restored signature is never taken as checked.
+    ``id()`` alone would let an object rebuilt by a factory with other closure values (``h.remove(); h =
+    layer.register_forward_hook(make(a))``, a function-valued module attribute replaced) land at the freed one's
+    address and keep the fingerprint. A ``_Held`` keeps a weak reference (functions, bound methods, partials, most
+    objects): once the object is gone it equals nothing, so a signature that named it is never matched again, and
+    nothing is kept alive by the remembered signatures. An object without weak references (a dict, a list) is
+    compared by its id alone, as before. A copy or pickle of a ``_Held`` is a fresh ``object()``, equal to
+    nothing: a restored signature is never taken as checked.
     """
 
     __slots__ = ("_ref", "_id")
 
     def __init__(self, obj) -> None:
-        ref: Callable[[], object]
         try:
-            ref = weakref.ref(obj)
-        except TypeError:  # no weak references (e.g. some builtins): hold it
-            ref = functools.partial(_same, obj)
-        self._ref = ref
+            self._ref: Optional[weakref.ref] = weakref.ref(obj)
+        except TypeError:  # no weak references: compared by id
+            self._ref = None
         self._id = id(obj)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, _Held) or other._id != self._id:
             return False
+        if self._ref is None or other._ref is None:
+            return self._ref is other._ref  # both by id alone
         mine = self._ref()
         return mine is not None and mine is other._ref()
 
@@ -200,13 +200,7 @@ class _Held:
         return (object, ())
 
     def __repr__(self) -> str:
-        obj = self._ref()
-        return f"_Held({type(obj).__qualname__ if obj is not None else 'dead'} at {self._id:#x})"
-
-
-def _same(obj):
-    """``obj`` (a strong stand-in for a weak reference's call)."""
-    return obj
+        return f"_Held({'by id' if self._ref is None else 'weak'} at {self._id:#x})"
 
 
 def _class_forward(m: nn.Module):
@@ -219,19 +213,13 @@ def _class_forward(m: nn.Module):
     return None
 
 
-def _hook_key(fn) -> tuple:
-    """A hook function by identity (:class:`_Held`: a dead one is never matched, so another function at its
-    address is a new signature)."""
-    return (_Held(fn),)
-
-
 def _hooks(tables: tuple, flags: tuple) -> tuple:
-    """The user's hooks of one module (or torch's global tables): per table, ``(id(fn), flags...)`` in call order."""
+    """The user's hooks of one module (or torch's global tables): per table, ``(_Held(fn), flags...)`` in call order."""
     out = []
     for k, table in enumerate(tables):
         if table:  # most modules have no hooks: one truth test per table
             ids = tuple(
-                (*_hook_key(fn), *(key in f for f in flags if f is not None))
+                (_Held(fn), *(key in f for f in flags if f is not None))
                 for key, fn in table.items()
                 if not own_hook(fn)
             )
@@ -260,7 +248,7 @@ def module_state(model: nn.Module) -> tuple:
     signature, checked again. dpopt's own hooks (:func:`own_hook`) are left
     out, so a steady loop is checked once. A hook handle's key is not in it
     (the same function registered again gives the same fingerprint). A hook
-    function counts by its identity (:func:`_hook_key`, :class:`_Held`): a hook
+    function counts by its identity (:class:`_Held`): a hook
     rebuilt by a factory with other closure values is seen even where it lands
     at a freed hook's address. Also per module: its class's ``forward`` (held), so
     ``SomeModule.forward = patched`` after the check is seen. Not seen (by
