@@ -115,6 +115,29 @@ def _step(model, opt, x, y):
     return torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]) * opt.expected_batch_size
 
 
+def _with_and_without_one(rank: int, model, opt, x, y):
+    """The step on the rank's batch, then on it with rank 0's example 0 removed (each released sum or refusal)."""
+    full = _step(model, opt, x, y)
+    keep = torch.arange(len(y)) != 0 if rank == 0 else torch.ones(len(y), dtype=torch.bool)
+    return full, _step(model, opt, x[keep], y[keep])
+
+
+def _outcome(before: tuple, checks: list, engine, full, less) -> dict:
+    """What a case reports: checks and releases before/after, each step's verdict, the move over C (if both released)."""
+    moved = (
+        float((full - less).norm()) / C if isinstance(full, torch.Tensor) and isinstance(less, torch.Tensor) else None
+    )
+    return {
+        "checks_before": before[0],
+        "released_before": before[1],
+        "checks_after": len(checks),
+        "released_after": len(engine.ledger),
+        "full": full if isinstance(full, str) else "released",
+        "less": less if isinstance(less, str) else "released",
+        "moved_over_c": moved,
+    }
+
+
 def _case(rank: int, change: str, checks: list) -> dict:
     """3 steady steps, then ``change``; then the step with the full batch and with rank 0's example 0 removed."""
     checks.clear()
@@ -129,23 +152,10 @@ def _case(rank: int, change: str, checks: list) -> dict:
         m[1].mix = True
     elif change == "hook":
         handle = m[0].register_forward_hook(_mix_hook)
-    full = _step(model, opt, x, y)
-    keep = torch.arange(len(y)) != 0 if rank == 0 else torch.ones(len(y), dtype=torch.bool)
-    less = _step(model, opt, x[keep], y[keep])
+    full, less = _with_and_without_one(rank, model, opt, x, y)
     if handle is not None:
         handle.remove()
-    moved = (
-        float((full - less).norm()) / C if isinstance(full, torch.Tensor) and isinstance(less, torch.Tensor) else None
-    )
-    return {
-        "checks_before": before[0],
-        "released_before": before[1],
-        "checks_after": len(checks),
-        "released_after": len(engine.ledger),
-        "full": full if isinstance(full, str) else "released",
-        "less": less if isinstance(less, str) else "released",
-        "moved_over_c": moved,
-    }
+    return _outcome(before, checks, engine, full, less)
 
 
 def _steady(checks: list) -> dict:
@@ -178,21 +188,8 @@ def _small_case(rank: int, small: int, checks: list) -> dict:
     m[1].mix = True
     if rank == 1:
         x, y = x[:small], y[:small]
-    full = _step(model, opt, x, y)
-    keep = torch.arange(len(y)) != 0 if rank == 0 else torch.ones(len(y), dtype=torch.bool)
-    less = _step(model, opt, x[keep], y[keep])
-    moved = (
-        float((full - less).norm()) / C if isinstance(full, torch.Tensor) and isinstance(less, torch.Tensor) else None
-    )
-    return {
-        "checks_before": before[0],
-        "released_before": before[1],
-        "checks_after": len(checks),
-        "released_after": len(engine.ledger),
-        "full": full if isinstance(full, str) else "released",
-        "less": less if isinstance(less, str) else "released",
-        "moved_over_c": moved,
-    }
+    full, less = _with_and_without_one(rank, model, opt, x, y)
+    return _outcome(before, checks, engine, full, less)
 
 
 def _small_steady(rank: int, checks: list) -> dict:
