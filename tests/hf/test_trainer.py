@@ -500,7 +500,9 @@ def test_a_mixing_hook_added_during_training_is_checked_and_refused(tmp_path):
 
     tr = DPTrainer(
         model=model,
-        args=targs(tmp_path, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        # q = 16/32: step 2's Poisson batch has >= 2 examples (checkable) but with probability 33 / 2**32 ≈ 8e-9;
+        # at q = 4/32 it had < 2 in 7.7% of runs, its check waited (a batch of 1 cannot mix) and 2 steps released
+        args=targs(tmp_path, max_steps=6, per_device_train_batch_size=16, gradient_accumulation_steps=1),
         train_dataset=Tokens(classes=3),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
