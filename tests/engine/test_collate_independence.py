@@ -107,11 +107,18 @@ def _private(model, dataset, collate, batch_size=8, poisson=True):
 
 C = 0.1
 ONE_LONGEST = [MAX_LEN] + [2, 3, 4] * 13  # removing record 0 shortens the padding of the 39 others
+#: Poisson batch of the refusal tests: q = 16/24 = 2/3 over Seqs() (lengths 2..9 in groups of 2-5 records). The
+#: collate check can only refuse a batch of >= 2 examples whose lengths differ (a batch of equal lengths has no
+#: padding: it is checked, agrees and is released); at q = 1/3 such a batch of equal lengths came first in
+#: 5.7e-4 of the cases (1.1e-3 per run for each of the two tests below). At q = 2/3 a batch is of >= 2 equal
+#: lengths with probability sum_g sum_k C(g, k) q^k (1 - q)^(24 - k) = 1.3e-9 and of <= 1 example 1.7e-10
+#: (the masks are secret: a new draw every run).
+REFUSED_BATCH = 16
 
 
 @pytest.mark.parametrize("build", [LastStep, MeanPool], ids=["lstm-last-step", "mean-over-padding"])
 def test_pad_to_longest_read_by_the_model_is_refused(build):
-    eng, model, opt, dl = _private(build(), Seqs(), pad_longest)
+    eng, model, opt, dl = _private(build(), Seqs(), pad_longest, batch_size=REFUSED_BATCH)
     released = 0  # empty Poisson batches stepped before the first real one: pure noise, released unchecked
     with pytest.raises(ValueError, match="collate_fn collates it alone") as err:
         for x, y in dl:
@@ -119,8 +126,8 @@ def test_pad_to_longest_read_by_the_model_is_refused(build):
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             # Only a batch of 0 or 1 example gets here (its padding is its own: nothing to refuse; the check waits
-            # for 2): N = 24 at q = 1/3 gives one with probability (2/3)^24 + 8·(2/3)^23 = 7.7e-4 (the old
-            # "ledger == 0" failed by chance at that rate per case, 1.5e-3 per run). Forced: the test below.
+            # for 2): N = 24 at q = 2/3 gives one with probability (1/3)^24 + 48·(1/3)^23 = 1.7e-10 (at q = 1/3,
+            # 7.7e-4: the old "ledger == 0" failed by chance at that rate). Forced: the test below.
             assert len(y) <= 1
             released += 1
     for fix in ("mask padded positions", "pack_padded_sequence", "fixed length"):
@@ -133,7 +140,7 @@ def test_a_first_batch_of_under_two_examples_is_released_and_the_check_still_ref
     """The loop's first step forwards 0 rows (an empty Poisson batch: a pure-noise release) or 1 (collated alone
     already: its padding is its own); the check runs at the first step of >= 2 examples and refuses it,
     releasing nothing more."""
-    eng, model, opt, dl = _private(MeanPool(), Seqs(), pad_longest)
+    eng, model, opt, dl = _private(MeanPool(), Seqs(), pad_longest, batch_size=REFUSED_BATCH)
     it = iter(dl)
     x, y = next(b for b in it if len(b[1]) >= rows)
     opt.zero_grad()
@@ -146,7 +153,7 @@ def test_a_first_batch_of_under_two_examples_is_released_and_the_check_still_ref
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            assert len(y) <= 1  # a batch of 0 or 1 example (7.7e-4 each): released too, nothing to check
+            assert len(y) <= 1  # a batch of 0 or 1 example (1.7e-10 each): released too, nothing to check
             released += 1
     assert len(eng.ledger) == released
 

@@ -431,7 +431,11 @@ def test_an_empty_poisson_batch_is_one_release_of_pure_noise(tmp_path, sigma):
         max_grad_norm=1.0,
         method=torch.optim.SGD([p for p in model.parameters()], lr=1.0),
     )
-    batches = iter(tr.get_train_dataloader())  # each step below is on a batch the loader handed out
+    # each step below is on a batch the loader handed out, over up to 8 passes: a Poisson batch (q = 1/8, N = 32)
+    # has <= 2 examples with probability 0.219 (secret masks), so one pass of 8 batches held no good batch
+    # followed by another in 0.219^7 = 2.4e-5 of the cases (StopIteration); over 8 passes 0.219^63 < 1e-41
+    loader = tr.get_train_dataloader()
+    batches = (b for _ in range(8) for b in loader)
     good = next(b for b in batches if len(b["input_ids"]) >= 3)
     tr.training_step(model, good)  # the first batch (the engine's check) is a real one
     tr.optimizer.step()
