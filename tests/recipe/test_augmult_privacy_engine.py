@@ -9,7 +9,6 @@ the clipped sum by ≤ C; ε after a step equals K = 1's; a batch that is not a 
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import pytest
@@ -21,13 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpopt
 from dpopt.augment import crop_flip, repeat_labels, repeat_views
-from dpopt.engine.hooks import HookCapture
-
-pytestmark = pytest.mark.skipif(
-    "augmentation_multiplicity" not in inspect.signature(dpopt.PrivacyEngine.make_private).parameters
-    or "rows_per_example" not in inspect.signature(HookCapture).parameters,
-    reason="this dpopt's PrivacyEngine / hook capture has no augmentation multiplicity",
-)
 
 K, B, C = 3, 5, 0.05
 
