@@ -403,6 +403,7 @@ def test_every_registered_method_passes():
     power checks were judged on fresh noise every CI run; now the stated rates are the chance that these
     seeds would have failed, and the test is deterministic."""
     from dpopt import methods  # dpopt's own registry: an import error fails the test (never a skip)
+
     names = [spec.name for spec in methods.list_methods()]
     assert names, "the registry is empty"
     for name in names:

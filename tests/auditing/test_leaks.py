@@ -204,6 +204,7 @@ def _summary(p: Privatizer, eps: float) -> dict:
 def test_dpopt_check_agrees_on_defects_3_4_5(leaky):
     """Cross-check with the project's static ledger check (dpopt.accounting.ledger_check)."""
     from dpopt.accounting import ledger_check as check  # dpopt's own module: an import error fails (never a skip)
+
     # 4: a summed ε fails the composition item; the honest ε passes everything
     p = _adaptive_run(leaky)
     honest = check.check_ledger(p.ledger, _summary(p, epsilon(p.ledger, DELTA, "rdp")))
