@@ -20,7 +20,8 @@ known to equal that form (the torch definitions: ``torch.nn.CrossEntropyLoss``,
   the row's loss divided by its count of non-ignored targets, 1 — or 0 where
   ``y[r] == ignore_index``: 0/0 = NaN there, with a zero output gradient
   (``nll_loss``'s backward gives an ignored target none). ℓ_r is then
-  ``where(y == ignore_index, NaN, none_r)``, whose gradient is the same zero.
+  ``none_r`` with NaN filled in where ``y == ignore_index`` (``masked_fill``,
+  whose backward gives those rows the same zero).
   With ``"sum"`` / ``"none"``, ℓ_r = ``none_r`` (0 for an ignored target).
 * ``torch.nn.functional.mse_loss`` itself, or an ``nn.MSELoss`` instance (same
   conditions); ``out`` and ``y`` of one floating dtype and the same shape
@@ -137,7 +138,7 @@ def recognised_row_losses(loss_fn: object, out: object, y: object) -> Optional[T
             if reduction != "mean":
                 return none
             # the mean over row r's non-ignored targets: none_r / 1, or 0/0 = NaN with no gradient where ignored
-            return torch.where(y == ignore, torch.full_like(none, float("nan")), none)
+            return none.masked_fill(y == ignore, float("nan"))
         if y.shape != out.shape or y.dtype != out.dtype:
             return None
         per_row = out[0].numel()
