@@ -66,11 +66,11 @@ _GLOBAL_HOOKS = (
 )
 
 
-def _plain(loss_fn: object, cls: type, forward: Callable) -> bool:
+def _plain(loss_fn: object, cls: type[nn.Module], forward: Callable) -> bool:
     """``loss_fn`` is an instance of exactly ``cls`` whose call is torch's own ``forward`` and nothing else."""
     if type(loss_fn) is not cls or cls.forward is not forward or "forward" in vars(loss_fn):
         return False
-    m: nn.Module = loss_fn  # type: ignore[assignment]
+    m: nn.Module = loss_fn
     if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
         return False
     return not any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
