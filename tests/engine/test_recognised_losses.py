@@ -283,3 +283,17 @@ def test_engine_per_example_gradients_equal_single_example_autograd(monkeypatch,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for r in ignored:  # an ignored target: no gradient at all
         assert all(float(a[r].abs().max()) == 0.0 for a in got)
+
+
+def test_compiled_capture_uses_the_batched_losses(monkeypatch):
+    """The compiled door (compile="aot_eager") differentiates the same batched losses of its compiled output."""
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(13, 6, generator=g, dtype=DT), torch.randint(0, C, (13,), generator=g)
+    y[3] = -100
+    model = mlp(seed=1)
+    spy = Spy(monkeypatch)
+    got = engine_rows(PerSampleEngine(model, nn.CrossEntropyLoss(), compile="aot_eager"), x, y)
+    assert spy.batched >= 1 and spy.vmapped == 0
+    ref = per_sample_gradient_tensors(model, nn.CrossEntropyLoss(), x, y, method="loop")
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
