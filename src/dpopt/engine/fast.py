@@ -109,6 +109,7 @@ from .layers import (
 )
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
+from .row_losses import recognised_row_losses
 from .row_norms import round_up_sq_norms
 
 _no_autocast = no_autocast
@@ -310,7 +311,15 @@ class FastPerSampleGrads:
 
 # --------------------------------------------------------------------------- capture
 def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
-    """ℓ_r = loss_fn(out[r:r+1], y[r:r+1]) for all rows r, shape ``[n]`` (vmap; loop if vmap fails)."""
+    """ℓ_r = loss_fn(out[r:r+1], y[r:r+1]) for all rows r, shape ``[n]``.
+
+    One batched call for a recognised loss (:func:`~dpopt.engine.row_losses.recognised_row_losses`:
+    ``cross_entropy`` / ``mse_loss`` as torch defines them), else vmap of the single-row call (the loop
+    if vmap fails).
+    """
+    batched = recognised_row_losses(loss_fn, out, y)
+    if batched is not None:
+        return batched
 
     def one(o: Tensor, t: Tensor) -> Tensor:
         return example_loss(loss_fn(o.unsqueeze(0), t.unsqueeze(0)))
