@@ -4,9 +4,14 @@
  *   ziggurat_fill_chunks  the same on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)
  *   release         the release's one pass: out = rnd(z*scale + s) [/ divisor] (dpopt.privatizer.add_and_round)
  *   row_sq_norms64  per-row float64 squared norms of float32 rows (dpopt.engine.row_norms)
+ *   sq_round_up     float64 squared norms (or products of two) times a margin, rounded UP into float32
+ *                   (dpopt.engine.row_norms.round_up_sq_norms)
+ *   sq_group_totals float32 per-parameter norms summed per clip group in float64, times a margin, rounded UP
+ *                   into float32 (dpopt.engine.fast.FastPerSampleGrads._sq_norms)
+ *   clip_factors32  min(1, C/sqrt(S)) rounded DOWN into float32 (dpopt.privatizer.clip_factors)
  *
  * Each takes numpy arrays (the buffer protocol) and runs with the GIL released, so Python threads run it in
- * parallel on disjoint pieces. The Python wrappers check shapes and dtypes; these functions check them again
+ * parallel on disjoint pieces (the last three work on [B] or [B, G] vectors, microseconds: they keep the GIL). The Python wrappers check shapes and dtypes; these functions check them again
  * (sizes, formats, contiguity, writability) and raise ValueError rather than read or write out of bounds.
  *
  * Floating point: built with -ffp-contract=off (setup: pyproject.toml's ext-modules), so a*b + c is a product
@@ -374,6 +379,156 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------- norms rounded up, clip factors */
+
+/* x rounded toward +inf into float32 (the cast rounds to nearest: up to half an ulp below x). nan stays nan,
+ * +-inf stay, a finite x above FLT_MAX gives +inf: the values of dpopt.engine.shifted_norm.round_up. */
+static inline float round_up_f(double x) {
+    float f = (float)x;
+    if ((double)f < x) f = nextafterf(f, INFINITY);
+    return f;
+}
+
+/* x rounded toward -inf into float32; a finite x above FLT_MAX gives FLT_MAX: dpopt.privatizer._round_down */
+static inline float round_down_f(double x) {
+    float f = (float)x;
+    if ((double)f > x) f = nextafterf(f, -INFINITY);
+    return f;
+}
+
+PyDoc_STRVAR(sq_round_up_doc,
+"sq_round_up(out, x, y, factor) -> None\n\n"
+"out[i] = round_up_f32((x[i] * y[i]) * factor), or round_up_f32(x[i] * factor) when y is None: x, y float64\n"
+"[n], out float32 [n]; each product one float64 rounding (to nearest), then one rounding toward +inf.");
+
+static PyObject *sq_round_up(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_x, *o_y;
+    double factor;
+    if (!PyArg_ParseTuple(args, "OOOd", &o_out, &o_x, &o_y, &factor)) return NULL;
+    Buffers bs = {.n = 0};
+    PyObject *result = NULL;
+    Py_buffer *out, *x, *y = NULL;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(x = take(&bs, o_x, 0, "x"))) goto done;
+    if (o_y != Py_None && !(y = take(&bs, o_y, 0, "y"))) goto done;
+    Py_ssize_t n = count_of(out);
+    if (kind_of(out) != 'f' || kind_of(x) != 'd' || count_of(x) != n || (y && (kind_of(y) != 'd' || count_of(y) != n))) {
+        PyErr_SetString(PyExc_ValueError, "sq_round_up takes out float32 [n], x float64 [n] and y float64 [n] or None");
+        goto done;
+    }
+    float *o = (float *)out->buf;
+    const double *xp = (const double *)x->buf;
+    if (y) {
+        const double *yp = (const double *)y->buf;
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = round_up_f((xp[i] * yp[i]) * factor);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = round_up_f(xp[i] * factor);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release_all(&bs);
+    return result;
+}
+
+PyDoc_STRVAR(sq_group_totals_doc,
+"sq_group_totals(out, pieces, groups, factor, total) -> bool\n\n"
+"total[b, g] = 0 + v_0[b] + v_1[b] + ... over the pieces v_k (float32 [B]) with groups[k] == g, in the order\n"
+"given, each addition in float64 (each float32 term exact there); then out[b, g] = round_up_f32(total[b, g] *\n"
+"factor). out float32 [B, G], total float64 [B, G] (scratch, kept: the caller reads it when a total is not\n"
+"finite), groups a sequence of ints in [0, G). Returns True when every total is finite.");
+
+static PyObject *sq_group_totals(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_pieces, *o_groups, *o_total;
+    double factor;
+    if (!PyArg_ParseTuple(args, "OOOdO", &o_out, &o_pieces, &o_groups, &factor, &o_total)) return NULL;
+    Buffers bs = {.n = 0};
+    PyObject *result = NULL, *pieces = NULL, *groups = NULL;
+    Py_buffer *out, *total;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(total = take(&bs, o_total, 1, "total"))) goto done;
+    if (!(pieces = PySequence_Fast(o_pieces, "pieces must be a sequence")) ||
+        !(groups = PySequence_Fast(o_groups, "groups must be a sequence")))
+        goto done;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(pieces), cells = count_of(out);
+    Py_ssize_t nb = out->ndim == 2 ? out->shape[0] : -1, ng = out->ndim == 2 ? out->shape[1] : -1;
+    if (kind_of(out) != 'f' || kind_of(total) != 'd' || nb < 0 || count_of(total) != cells ||
+        PySequence_Fast_GET_SIZE(groups) != k) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sq_group_totals takes out float32 [B, G], total float64 [B, G] and one group per piece");
+        goto done;
+    }
+    double *t = (double *)total->buf;
+    for (Py_ssize_t c = 0; c < cells; c++) t[c] = 0.0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t g = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(groups, j));
+        if (g == -1 && PyErr_Occurred()) goto done;
+        if (g < 0 || g >= ng) {
+            PyErr_SetString(PyExc_ValueError, "sq_group_totals: a group index is outside [0, G)");
+            goto done;
+        }
+        Py_buffer v;
+        if (get_buffer(PySequence_Fast_GET_ITEM(pieces, j), &v, 0, "a piece") < 0) goto done;
+        if (kind_of(&v) != 'f' || count_of(&v) != nb) {
+            PyBuffer_Release(&v);
+            PyErr_SetString(PyExc_ValueError, "sq_group_totals: every piece must be float32 [B]");
+            goto done;
+        }
+        const float *vp = (const float *)v.buf;
+        for (Py_ssize_t b = 0; b < nb; b++) t[b * ng + g] += (double)vp[b];
+        PyBuffer_Release(&v);
+    }
+    int finite = 1;
+    float *o = (float *)out->buf;
+    for (Py_ssize_t c = 0; c < cells; c++) {
+        finite &= isfinite(t[c]) ? 1 : 0;
+        o[c] = round_up_f(t[c] * factor);
+    }
+    result = PyBool_FromLong(finite);
+done:
+    Py_XDECREF(pieces);
+    Py_XDECREF(groups);
+    release_all(&bs);
+    return result;
+}
+
+PyDoc_STRVAR(clip_factors32_doc,
+"clip_factors32(out, sq, bounds, squares, margin) -> None\n\n"
+"out[b, g] = 1 where S <= squares[g], else round_down_f32(q) with q = (bounds[g] / sqrt(S)) * margin set to 0\n"
+"below 2^-1022 (S = float64(sq[b, g])): sq and out float32 [B, G], bounds and squares float64 [G].");
+
+static PyObject *clip_factors32(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_sq, *o_b, *o_c2;
+    double margin;
+    if (!PyArg_ParseTuple(args, "OOOOd", &o_out, &o_sq, &o_b, &o_c2, &margin)) return NULL;
+    Buffers bs = {.n = 0};
+    PyObject *result = NULL;
+    Py_buffer *out, *sq, *bd, *c2;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(sq = take(&bs, o_sq, 0, "sq")) || !(bd = take(&bs, o_b, 0, "bounds")) ||
+        !(c2 = take(&bs, o_c2, 0, "squares")))
+        goto done;
+    Py_ssize_t ng = sq->ndim == 2 ? sq->shape[1] : -1, cells = count_of(sq);
+    if (kind_of(out) != 'f' || kind_of(sq) != 'f' || kind_of(bd) != 'd' || kind_of(c2) != 'd' || ng < 0 ||
+        count_of(out) != cells || count_of(bd) != ng || count_of(c2) != ng) {
+        PyErr_SetString(PyExc_ValueError,
+                        "clip_factors32 takes out and sq float32 [B, G], bounds and squares float64 [G]");
+        goto done;
+    }
+    const float *s = (const float *)sq->buf;
+    const double *bp = (const double *)bd->buf, *cp = (const double *)c2->buf;
+    float *o = (float *)out->buf;
+    for (Py_ssize_t c = 0; c < cells; c++) {
+        Py_ssize_t g = c % ng;
+        double v = (double)s[c];
+        double q = (bp[g] / sqrt(v)) * margin;
+        if (q < 0x1p-1022) q = 0.0; /* subnormal or negative: 0 (nan stays nan) */
+        o[c] = v <= cp[g] ? 1.0f : round_down_f(q);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release_all(&bs);
+    return result;
+}
+
 /* -------------------------------------------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -381,12 +536,15 @@ static PyMethodDef methods[] = {
     {"ziggurat_fill_chunks", ziggurat_fill_chunks, METH_VARARGS, ziggurat_fill_chunks_doc},
     {"release", release, METH_VARARGS, release_doc},
     {"row_sq_norms64", row_sq_norms64, METH_VARARGS, row_sq_norms64_doc},
+    {"sq_round_up", sq_round_up, METH_VARARGS, sq_round_up_doc},
+    {"sq_group_totals", sq_group_totals, METH_VARARGS, sq_group_totals_doc},
+    {"clip_factors32", clip_factors32, METH_VARARGS, clip_factors32_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dpopt._native",
-    "dpopt's CPU kernels (the sampler's ziggurat, the release pass, float64 row norms), built with the package.",
+    "dpopt's CPU kernels (the sampler's ziggurat, the release pass, float64 row norms, norms rounded up, clip factors), built with the package.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,12 +1,22 @@
 """dpopt's compiled CPU kernels (the C extension ``dpopt._native``), or an error that says how to build them.
 
-Four kernels, each run with the GIL released so that Python threads run them in parallel on disjoint pieces:
+Seven kernels. The first four run with the GIL released, so that Python threads run them in parallel on disjoint
+pieces:
 
 * ``ziggurat_fill``: the body of the CPU Gaussian sampler (:mod:`dpopt.ziggurat`);
 * ``ziggurat_fill_chunks``: the same on every chunk of an early noise draw, the chunks claimed by the calling threads
   through one atomic counter (:class:`dpopt.noise.CpuNormalDraw`);
 * ``release``: the release's one pass, out = rnd(z·scale + s) [/ B̄] (:func:`dpopt.privatizer.add_and_round`);
 * ``row_sq_norms64``: per-row float64 squared norms of float32 rows (:mod:`dpopt.engine.row_norms`).
+
+The last three work on ``[B]`` and ``[B, G]`` vectors (microseconds; they keep the GIL) and replace a dozen small
+torch ops each, with the same bits:
+
+* ``sq_round_up``: float64 squared norms (or the product of two) times a margin, rounded up into float32
+  (:func:`dpopt.engine.row_norms.round_up_sq_norms`);
+* ``sq_group_totals``: the per-parameter float32 norms summed per clip group in float64, rounded up into
+  float32, with the all-finite check (:class:`dpopt.engine.fast.FastPerSampleGrads`);
+* ``clip_factors32``: min(1, C/√S) rounded down into float32 (:func:`dpopt.privatizer.clip_factors`).
 
 They are C (``src/dpopt/_native.c``), compiled when the package is built (``pip install``; a C compiler is needed
 to install from the source distribution), with ``-ffp-contract=off`` (no fused multiply-add: the bit-for-bit
@@ -30,7 +40,15 @@ except ImportError as err:  # a source tree that was never built, or a broken in
         "for this platform exists."
     ) from err
 
-_KERNELS = ("ziggurat_fill", "ziggurat_fill_chunks", "release", "row_sq_norms64")
+_KERNELS = (
+    "ziggurat_fill",
+    "ziggurat_fill_chunks",
+    "release",
+    "row_sq_norms64",
+    "sq_round_up",
+    "sq_group_totals",
+    "clip_factors32",
+)
 _stale = [name for name in _KERNELS if not hasattr(native, name)]
 if _stale:  # an extension built from an older _native.c (a source tree updated without rebuilding it)
     raise ImportError(

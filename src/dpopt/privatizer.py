@@ -100,7 +100,10 @@ def clip_factors(
     (subnormal; the ÷ and × then round with an absolute error up to 2⁻¹⁰⁷⁵, relatively unbounded), it is
     flushed to 0 (:func:`_flush_subnormal`): 0 is below every real quotient, and a factor under 2.2·10⁻³⁰⁸
     is 0 for every practical purpose (C/‖w‖ that small means a norm ~10³⁰⁸ times C); in float32/bf16/fp16
-    such a value rounds down to 0 anyway. Cost: elementwise on ``[B, G]``.
+    such a value rounds down to 0 anyway. Cost: elementwise on ``[B, G]``; on the CPU, for a float32 ``sq``
+    with float bounds, ``cap`` and γ = 0, one C pass (``clip_factors32`` in ``src/dpopt/_native.c``: the same
+    float64 operations in the same order, IEEE √ and ÷, so the same bits as the torch expression; issue 34,
+    docs/performance.md "MLP: the norms' small ops in C").
     """
     if isinstance(bounds, Tensor):
         shape: tuple = tuple(bounds.shape)
@@ -111,6 +114,19 @@ def clip_factors(
         values = tuple(float(c) for c in seq)
         shape = (len(values),)
         b64 = _bounds64(values, sq.device)
+    if not gamma and cap and values is not None and _c_factors(sq, len(values)):
+        # the same float64 quotient, margin, flush, rounding down and exact comparison in one C pass
+        # (clip_factors32, src/dpopt/_native.c: bit-identical to the torch code below, without its ≈ 12 small
+        # ops; with two torch threads, torch's float64 sqrt of [B, G] alone cost ≈ 90 µs here)
+        out = torch.empty(sq.shape, dtype=torch.float32)
+        native.clip_factors32(
+            out.numpy(),
+            sq.numpy(),
+            _bounds64(values, sq.device).numpy(),
+            _squares_down(values, sq.device).numpy(),
+            _FACTOR_MARGIN,
+        )
+        return out
     sq64 = sq.double()
     if gamma or not cap:
         norms = sq64.clamp_min(0).sqrt()
@@ -128,6 +144,20 @@ def clip_factors(
         c2 = _squares_down(values, sq64.device).reshape(shape)
     f = _round_down(_flush_subnormal(b64 / sq64.sqrt() * _FACTOR_MARGIN), sq.dtype)
     return f.masked_fill_(sq64 <= c2, 1.0)
+
+
+def _c_factors(sq: Tensor, groups: int) -> bool:
+    """:func:`clip_factors` can take the C pass (``clip_factors32``): ``sq`` a plain contiguous float32 CPU
+    ``[B, G]`` tensor (G = ``groups``, the bounds' count) that autograd does not record."""
+    return (
+        type(sq) is torch.Tensor
+        and sq.dtype == torch.float32
+        and sq.device.type == "cpu"
+        and sq.dim() == 2
+        and sq.shape[1] == groups
+        and not sq.requires_grad
+        and sq.is_contiguous()
+    )
 
 
 #: The smallest normal float64, 2⁻¹⁰²²: below it a float64 result is subnormal (:func:`_flush_subnormal`).

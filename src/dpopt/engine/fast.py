@@ -67,6 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from ..kernels import native
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
@@ -110,7 +111,7 @@ from .layers import (
 from .recompute import hf_checkpointing_off, non_reentrant, shifted_refused
 from .reference import _LOOP_MODELS, ExampleFailed, per_sample_gradient_tensors, use_loop
 from .row_losses import recognised_row_losses
-from .row_norms import round_up_sq_norms
+from .row_norms import round_up_sq_norms, rounding_gamma
 
 _no_autocast = no_autocast
 
@@ -242,6 +243,17 @@ class FastPerSampleGrads:
         # never below the exact sum of its terms, each never below its parameter's exact norm, so the
         # Privatizer's factor (clip_factors) keeps the clipped norm ≤ C. Cost: [B, G] float64.
         terms = max(1, len(per_param))
+        if _c_totals(per_param, self.batch_size, self.dtype):
+            # the same float64 totals, margin and rounding up in one C pass (sq_group_totals, _native.c:
+            # bit-identical to the torch code below, without its ≈ 15 small ops)
+            out32 = torch.empty(self.batch_size, num_groups, dtype=torch.float32)
+            total = torch.empty(self.batch_size, num_groups, dtype=torch.float64)
+            factor = 1.0 + 2.0 * rounding_gamma(terms + 1)
+            pieces = [v.numpy() for v in per_param]  # type: ignore[union-attr]
+            if native.sq_group_totals(out32.numpy(), pieces, [int(k) for k in groups], factor, total.numpy()):
+                self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+                return out32
+            return self._nonfinite_sq_norms(geometry, groups, per_param, total, terms)
         # each group's total from 0 by in-place float64 adds in parameter order (the values of ``out[:, k] += v``
         # on a [B, G] buffer, without its per-term indexing), stacked (one group: a view)
         totals = [torch.zeros(self.batch_size, dtype=torch.float64, device=self.device) for _ in range(num_groups)]
@@ -254,9 +266,16 @@ class FastPerSampleGrads:
         if bool(torch.isfinite(out).all()):
             self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
             return round_up_sq_norms(out, terms, self.dtype)
+        return self._nonfinite_sq_norms(geometry, groups, per_param, out, terms)
+
+    def _nonfinite_sq_norms(
+        self, geometry: ClipGeometry, groups: Sequence[int], per_param: list, out: Tensor, terms: int
+    ) -> Tensor:
+        """:meth:`_sq_norms` when a group total ``out`` (``[B, G]`` float64) is not finite: the norms read one by
+        one (:attr:`_bad`: the examples with a non-finite one), theirs replaced by the zero gradient's."""
         bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         for v in per_param:
-            bad |= ~torch.isfinite(v)  # type: ignore[arg-type]
+            bad |= ~torch.isfinite(v)
         self._bad = bad
         if not bool(bad.any()):
             return round_up_sq_norms(out, terms, self.dtype)
@@ -264,7 +283,7 @@ class FastPerSampleGrads:
         for i, (v, k) in enumerate(zip(per_param, groups)):
             m, b = self._geo(geometry, i)
             zero_sq = constant_sq_norms(m, b, 1, self.dtype).reshape(())  # ‖(0 − m)/b‖², rounded up
-            out[:, k] += torch.where(bad, zero_sq, v)  # type: ignore[arg-type]
+            out[:, k] += torch.where(bad, zero_sq, v)
         return round_up_sq_norms(out, terms, self.dtype)
 
     def weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
@@ -307,6 +326,24 @@ class FastPerSampleGrads:
     def forms(self) -> dict[int, str]:
         """Parameter index → form used by the last :meth:`sq_norms` for factored weights."""
         return {blk.index[0]: blk.form for blk in map(unscaled, self.blocks) if isinstance(blk, FactoredBlock)}  # type: ignore[misc]
+
+
+def _c_totals(per_param: Sequence[Optional[Tensor]], batch_size: int, dtype: torch.dtype) -> bool:
+    """The group totals can go through the C pass (``sq_group_totals``): float32 norms, every one a plain
+    contiguous ``[B]`` float32 CPU tensor that autograd does not record, B > 0."""
+    if dtype != torch.float32 or batch_size == 0:
+        return False
+    for v in per_param:
+        if (
+            type(v) is not torch.Tensor
+            or v.dtype != torch.float32
+            or v.device.type != "cpu"
+            or v.shape != (batch_size,)
+            or v.requires_grad
+            or not v.is_contiguous()
+        ):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- capture

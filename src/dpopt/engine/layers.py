@@ -417,7 +417,7 @@ class LinearPart:
         rounded up into :attr:`dtype` (:func:`~dpopt.engine.row_norms.round_up_sq_norms`: never below the
         exact value of the recorded rows), ``[B]``."""
         q, p = self.e.shape[-1], self.a.shape[-1]
-        return round_up_sq_norms(self.sq64("e") * self.sq64("a"), q + p + 1, self.dtype)
+        return round_up_sq_norms(self.sq64("e"), q + p + 1, self.dtype, times=self.sq64("a"))
 
     def bias_sq_norms(self) -> Tensor:
         """T = 1, flat geometry: the bias's per-example ‖e_i‖² (:meth:`sq64`, shared with the weight),

@@ -219,14 +219,30 @@ def rows_sq64(x: Tensor) -> Tensor:
     return row_sq_norms64(x)
 
 
-def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
+def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype, times: Optional[Tensor] = None) -> Tensor:
     """A float64 squared norm computed with at most ``terms`` float64 roundings per value (relative error
     ≤ γ_terms, :func:`rows_sq64`), returned in ``dtype`` never below the exact value.
 
-    ``x`` is first multiplied by 1 + 2·γ_{terms+1} in float64 (≥ the exact value after that multiplication's
-    own rounding), then rounded toward +∞ into ``dtype`` (:func:`~dpopt.engine.shifted_norm.round_up`).
-    float64 ``dtype``: ``x`` as computed (a float64 engine's norms are float64 evaluations, as elsewhere).
-    nan and ±inf stay what they are (the source's non-finite check reads them).
+    ``x`` (times ``times`` where given: the float64 product ``x·times``, one rounding to nearest, counted in
+    ``terms``) is first multiplied by 1 + 2·γ_{terms+1} in float64 (≥ the exact value after that
+    multiplication's own rounding), then rounded toward +∞ into ``dtype``
+    (:func:`~dpopt.engine.shifted_norm.round_up`). float64 ``dtype``: ``x`` (``x·times``) as computed (a float64
+    engine's norms are float64 evaluations, as elsewhere). nan and ±inf stay what they are (the source's
+    non-finite check reads them).
+
+    Why it is an upper bound (Higham 2002, *Accuracy and Stability of Numerical Algorithms*, §3.1, Lemma 3.1):
+    a value v computed with k ≤ ``terms`` roundings of relative error ≤ u = 2⁻⁵³ each satisfies
+    v ≥ exact·(1 − γ_k); then v·(1 + 2γ_{k+1}) with its own rounding is ≥ exact·(1 − γ_k)(1 + 2γ_{k+1})(1 − u)
+    ≥ exact (γ_{k+1} ≥ γ_k + u), and rounding toward +∞ only raises it.
+
+    On the CPU, for float32 ``dtype`` and float64 ``x`` (and ``times``), this is one C pass
+    (``sq_round_up`` in ``src/dpopt/_native.c``: the same float64 product, the same multiplication by the
+    same factor, the same rounding toward +∞, element by element, so the same bits as the torch expression,
+    without its eight small ops; issue 34, docs/performance.md "MLP: the norms' small ops in C").
+
+    Args:
+        x: float64 values ≥ 0 (or nan/±inf), any shape; times: None or float64 of ``x``'s shape.
+        terms: the roundings each value of ``x`` (``x·times``) went through; dtype: the result's dtype.
 
     Raises:
         ValueError: ``terms`` < 1 or so large that γ has no bound (≥ 2⁵¹).
@@ -234,10 +250,31 @@ def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype) -> Tensor:
     from .shifted_norm import round_up
 
     if dtype == torch.float64:
-        return x
+        return x if times is None else x * times
     if not 1 <= terms < 2**51:
         raise ValueError(f"terms must be in [1, 2**51), got {terms}")
-    return round_up(x * (1.0 + 2.0 * rounding_gamma(terms + 1)), dtype)
+    factor = 1.0 + 2.0 * rounding_gamma(terms + 1)
+    if (
+        dtype == torch.float32
+        and _plain_cpu64(x)
+        and (times is None or (_plain_cpu64(times) and times.shape == x.shape))
+    ):
+        out = torch.empty(x.shape, dtype=torch.float32)
+        native.sq_round_up(out.numpy(), x.numpy(), None if times is None else times.numpy(), factor)
+        return out
+    return round_up((x if times is None else x * times) * factor, dtype)
+
+
+def _plain_cpu64(x: Tensor) -> bool:
+    """``x`` is a plain (not a subclass) contiguous float64 CPU tensor that autograd does not record: the C
+    kernels can read it as a numpy array."""
+    return (
+        type(x) is torch.Tensor
+        and x.dtype == torch.float64
+        and x.device.type == "cpu"
+        and not x.requires_grad
+        and x.is_contiguous()
+    )
 
 
 def rounding_gamma(n: int) -> float:
