@@ -297,3 +297,125 @@ def test_compiled_capture_uses_the_batched_losses(monkeypatch):
     ref = per_sample_gradient_tensors(model, nn.CrossEntropyLoss(), x, y, method="loop")
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- review findings (2026-12-07)
+def test_a_replacement_installed_before_dpopts_import_is_never_taken_for_torchs(monkeypatch):
+    """A library that assigns its own ``F.cross_entropy`` before dpopt is imported (as fused-kernel libraries do).
+
+    Its ``"mean"`` and ``"none"`` need not agree, so its rows cannot come from a batched call: only the function
+    defined in torch's own ``torch.nn.functional`` is recognised (its globals are that module's).
+    """
+    import importlib
+
+    import dpopt.engine.row_losses as rl
+
+    def smoothed(o, t, reduction="mean", **kw):  # "mean" smooths, "none" does not
+        if reduction == "mean":
+            return F.cross_entropy(o, t, label_smoothing=0.1)
+        return F.cross_entropy(o, t, reduction=reduction, **kw)
+
+    assert rl._torch_own(F.cross_entropy, F, "cross_entropy") and not rl._torch_own(smoothed, F, "cross_entropy")
+    real = F.cross_entropy
+    try:
+        monkeypatch.setattr(F, "cross_entropy", smoothed)
+        importlib.reload(rl)  # dpopt's import after the replacement
+        assert rl._CROSS_ENTROPY is None
+        assert rl.recognised_kind(smoothed) is None and rl.recognised_kind(nn.CrossEntropyLoss()) is None
+        out, y = ce_data()
+        assert rl.recognised_row_losses(smoothed, out, y) is None
+    finally:
+        monkeypatch.setattr(F, "cross_entropy", real)
+        importlib.reload(rl)
+    assert rl._CROSS_ENTROPY is real and rl.recognised_kind(real) == ("cross_entropy", "mean", -100)
+
+
+@pytest.mark.parametrize(
+    "attr, value", [("ignore_index", True), ("ignore_index", 2.9), ("label_smoothing", "0"), ("label_smoothing", False)]
+)
+def test_attributes_the_users_call_rejects_are_not_recognised(attr, value):
+    """``ignore_index=True`` would silently drop class 1 if read with ``int()``; the user's own call raises."""
+    ce = nn.CrossEntropyLoss()
+    setattr(ce, attr, value)
+    assert recognised_kind(ce) is None
+    out, y = ce_data()
+    assert recognised_row_losses(ce, out, y) is None
+
+
+def test_an_instance_call_impl_or_a_compiled_call_is_not_recognised():
+    """``nn.Module.__call__`` runs ``self._call_impl`` (or ``_compiled_call_impl`` after ``Module.compile()``)."""
+    ce = nn.CrossEntropyLoss()
+    ce._call_impl = lambda o, t: 1000 * F.cross_entropy(o, t)  # type: ignore[method-assign]
+    assert recognised_kind(ce) is None
+    ce = nn.CrossEntropyLoss()
+    ce._compiled_call_impl = lambda o, t: F.cross_entropy(o, t, label_smoothing=0.5)  # type: ignore[assignment]
+    assert recognised_kind(ce) is None
+    ce._compiled_call_impl = None  # type: ignore[assignment]
+    assert recognised_kind(ce) == ("cross_entropy", "mean", -100)
+
+
+SENSITIVITY_CASES = {
+    "F.cross_entropy": (F.cross_entropy, "ce", 6),
+    "CE mean, 3 ignored": (nn.CrossEntropyLoss(), "ce-ignored", 6),
+    "CE sum": (nn.CrossEntropyLoss(reduction="sum"), "ce", 6),
+    "MSE mean": (F.mse_loss, "mse", 6),
+    "MSE sum": (nn.MSELoss(reduction="sum"), "mse", 6),
+    "CE one class": (F.cross_entropy, "ce", 1),
+}
+
+
+@pytest.mark.parametrize("name", list(SENSITIVITY_CASES))
+@pytest.mark.parametrize("c", [0.05, 1e3])
+def test_sigma_zero_sensitivity_through_the_batched_losses_in_float32(monkeypatch, name, c):
+    """σ = 0, float32 (the C kernels' norms and clip factors): removing any one example moves the release by ≤ C.
+
+    The release is the clipped sum (``expected_batch_size`` = 1); the slack 1e-6·C is the float32 summation of
+    the other rows in another order (each clip factor is rounded down with a margin of 8u, u = 2⁻²⁴). One
+    class: every loss is 0 and nothing moves (the exact value).
+    """
+    from dpopt.engine import iter_per_sample_sources
+    from dpopt.methods import make_optimizer
+
+    loss_fn, kind, k = SENSITIVITY_CASES[name]
+    n, p = 16, 24
+    g = torch.Generator().manual_seed(5)
+    x = 5 * torch.randn(n, p, generator=g)
+    if kind == "mse":
+        y = 3 * torch.randn(n, k, generator=g)
+    else:
+        y = torch.randint(0, k, (n,), generator=g)
+        if kind == "ce-ignored":
+            y[[2, 6, 10]] = -100
+    spy = Spy(monkeypatch)
+
+    def fresh():
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(p, 20), nn.ReLU(), nn.Linear(20, k))
+
+    def release(xs, ys):
+        model = fresh()
+        opt = make_optimizer(
+            "dp-sgd", list(model.parameters()), noise_multiplier=0.0, max_grad_norm=c,
+            expected_batch_size=1.0, sample_rate=0.01,
+        )  # fmt: skip
+        rel = opt.step(iter_per_sample_sources(model, loss_fn, xs, ys, points=opt.evaluation_points()))
+        return torch.cat([r.flatten().double() for r in rel.grads])
+
+    full = release(x, y)
+    moves = []
+    for i in range(n):
+        keep = torch.arange(n) != i
+        moves.append(float((full - release(x[keep], y[keep])).norm()))
+    assert spy.batched >= n + 1 and spy.vmapped == 0  # every release took the batched losses
+    assert max(moves) <= c * (1 + 1e-6)
+    if k == 1:
+        assert max(moves) == 0.0  # log-softmax over one class is 0: no gradient
+    elif c < 1:
+        assert max(moves) >= 0.5 * c  # rows at or near the bound: the test can see a factor that is too large
+    else:  # nothing clipped: each move is that example's own gradient norm (single-example autograd)
+        model = fresh()
+        for i in range(n):
+            loss = loss_fn(model(x[i : i + 1]), y[i : i + 1])
+            own = torch.autograd.grad(loss, list(model.parameters())) if torch.isfinite(loss) else ()
+            norm = float(torch.cat([t.flatten().double() for t in own]).norm()) if own else 0.0
+            assert moves[i] == pytest.approx(norm, rel=1e-5, abs=1e-6)

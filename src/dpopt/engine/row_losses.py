@@ -48,15 +48,33 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import loss as _loss_module
 from torch.nn.modules import module as _module
 
 __all__ = ["recognised_row_losses", "recognised_kind"]
 
-# the functions as torch defines them, taken at import: a later patch of torch.nn.functional is not recognised
-_CROSS_ENTROPY = F.cross_entropy
-_MSE = F.mse_loss
-_CE_FORWARD = nn.CrossEntropyLoss.forward
-_MSE_FORWARD = nn.MSELoss.forward
+
+def _torch_own(fn: object, module: object, name: str) -> bool:
+    """``fn`` is the function ``name`` defined in torch's own source of ``module``.
+
+    A replacement installed before dpopt's import (e.g. a fused kernel library
+    assigning ``torch.nn.functional.cross_entropy = its_own``) has other globals
+    and is never taken for torch's: its ``"mean"`` and ``"none"`` need not agree.
+    """
+    code = getattr(fn, "__code__", None)
+    return getattr(fn, "__globals__", None) is vars(module) and code is not None and code.co_name == name
+
+
+def _own(fn: Callable, module: object, name: str) -> Optional[Callable]:
+    return fn if _torch_own(fn, module, name) else None
+
+
+# the functions as torch defines them, taken at import (None if already replaced then: nothing recognised);
+# a later patch of torch.nn.functional is not recognised either (compared at each call)
+_CROSS_ENTROPY = _own(F.cross_entropy, F, "cross_entropy")
+_MSE = _own(F.mse_loss, F, "mse_loss")
+_CE_FORWARD = _own(nn.CrossEntropyLoss.forward, _loss_module, "forward")
+_MSE_FORWARD = _own(nn.MSELoss.forward, _loss_module, "forward")
 _REDUCTIONS = ("mean", "sum", "none")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -66,9 +84,17 @@ _GLOBAL_HOOKS = (
 )
 
 
-def _plain(loss_fn: object, cls: type[nn.Module], forward: Callable) -> bool:
-    """``loss_fn`` is an instance of exactly ``cls`` whose call is torch's own ``forward`` and nothing else."""
-    if type(loss_fn) is not cls or cls.forward is not forward or "forward" in vars(loss_fn):
+def _plain(loss_fn: object, cls: type[nn.Module], forward: Optional[Callable]) -> bool:
+    """``loss_fn`` is an instance of exactly ``cls`` whose call is torch's own ``forward`` and nothing else.
+
+    Not plain: another type, a replaced class or instance ``forward``, an
+    instance ``_call_impl`` (what ``nn.Module.__call__`` runs), a compiled call
+    (``Module.compile()`` sets ``_compiled_call_impl``), or any module hook.
+    """
+    if forward is None or type(loss_fn) is not cls or cls.forward is not forward:
+        return False
+    own = vars(loss_fn)
+    if "forward" in own or "_call_impl" in own or own.get("_compiled_call_impl") is not None:
         return False
     m: nn.Module = loss_fn
     if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -83,19 +109,23 @@ def recognised_kind(loss_fn: object) -> Optional[tuple[str, str, int]]:
     (torch's default) for the functional form and unused for MSE. Only the
     loss itself is examined here (not the tensors' shapes).
     """
-    if loss_fn is _CROSS_ENTROPY:
+    if _CROSS_ENTROPY is not None and loss_fn is _CROSS_ENTROPY:
         return ("cross_entropy", "mean", -100) if F.cross_entropy is _CROSS_ENTROPY else None
-    if loss_fn is _MSE:
+    if _MSE is not None and loss_fn is _MSE:
         return ("mse", "mean", -100) if F.mse_loss is _MSE else None
     if _plain(loss_fn, nn.CrossEntropyLoss, _CE_FORWARD):
         ce: nn.CrossEntropyLoss = loss_fn  # type: ignore[assignment]
+        # the attributes' own types, as torch's call takes them: ignore_index=True or 2.9, or
+        # label_smoothing="0", make the user's call raise, so they are not recognised either
         if (
             ce.weight is None
-            and float(ce.label_smoothing) == 0.0
+            and type(ce.label_smoothing) in (int, float)
+            and ce.label_smoothing == 0
+            and type(ce.ignore_index) is int
             and ce.reduction in _REDUCTIONS
             and F.cross_entropy is _CROSS_ENTROPY
         ):
-            return "cross_entropy", ce.reduction, int(ce.ignore_index)
+            return "cross_entropy", ce.reduction, ce.ignore_index
         return None
     if _plain(loss_fn, nn.MSELoss, _MSE_FORWARD):
         mse: nn.MSELoss = loss_fn  # type: ignore[assignment]
@@ -134,6 +164,7 @@ def recognised_row_losses(loss_fn: object, out: object, y: object) -> Optional[T
         if name == "cross_entropy":
             if out.dim() != 2 or y.dim() != 1 or y.dtype != torch.int64:
                 return None
+            assert _CROSS_ENTROPY is not None  # recognised_kind found torch's own
             none = _CROSS_ENTROPY(out, y, ignore_index=ignore, reduction="none")
             if reduction != "mean":
                 return none
@@ -144,6 +175,7 @@ def recognised_row_losses(loss_fn: object, out: object, y: object) -> Optional[T
         per_row = out[0].numel()
         if per_row == 0 or (reduction == "none" and per_row != 1):
             return None
+        assert _MSE is not None  # recognised_kind found torch's own
         sq = _MSE(out, y, reduction="none").reshape(n, per_row)
         return sq.mean(1) if reduction == "mean" else sq.sum(1)
     except (RuntimeError, ValueError, IndexError):  # e.g. a class index out of range: the user's call says so
