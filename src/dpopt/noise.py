@@ -772,7 +772,7 @@ class NoiseSource:
         flat = gaussian_from_words(words, slot_words, block)
         return _finish(flat, shape, dtype)
 
-    def start_normal(self, n: int, stream: bool = False) -> "CpuNormalDraw":
+    def start_normal(self, n: int, stream: bool = False, defer: Optional[bool] = None) -> "CpuNormalDraw":
         """Start drawing ``n`` standard normals on the CPU; the chunks are computed in the background.
 
         The same values as :meth:`normal` (float64, before rounding): chunk i of ``NORMAL_CHUNK``
@@ -780,9 +780,13 @@ class NoiseSource:
         (secret: from :func:`os.urandom`; reproducible: from this source's generator, so the order
         of draws from this source — the stream of reproducible mode — is that of a :meth:`normal`
         call made here). With more than one torch
-        thread the chunks run in this source's worker threads while the caller goes on (the
-        Privatizer starts the step's draw when the step begins, so that it overlaps the per-sample
-        work, and consumes it at the release); with one thread they are computed here, now.
+        thread the chunks run in this source's worker threads (the Privatizer starts the step's draw
+        when the step begins and consumes it at the release); with one thread they are computed
+        here, now. ``defer`` says when the workers start: False — now, while the caller goes on
+        (overlapping the per-sample work); True — at :meth:`CpuNormalDraw.start` or, at the latest,
+        at :meth:`CpuNormalDraw.consume`, beside the consumer; None (default) — now only where a core
+        is spare beside torch's threads (:func:`spare_core`), else deferred. Only the time of the
+        computation depends on it, never a value.
 
         Secure mode draws its words from the OS per call: its draw is computed here, now, in one
         piece (:meth:`normal`), and wrapped in the same handle.
@@ -800,7 +804,7 @@ class NoiseSource:
             raise ValueError(f"the number of normals must be >= 0, got {n}")
         if self.mode == "secure" and (n <= NORMAL_CHUNK or not stream):
             return CpuNormalDraw.ready(self, self.normal((n,), dtype=torch.float64))
-        return CpuNormalDraw(self, n, stream=stream)
+        return CpuNormalDraw(self, n, stream=stream, defer=defer)
 
     def _thread_pool(self) -> Optional[ThreadPoolExecutor]:
         """Worker threads for chunked draws (None with one torch thread); kept between draws."""
@@ -893,10 +897,11 @@ class CpuNormalDraw:
 
     Two ways to compute (the same values):
 
-    * ``stream=False`` (default): the chunks are computed from when the draw starts (by
-      ``threads − 1`` of the source's worker threads, the consumer taking those still unclaimed
-      when it needs them; at once with one torch thread) into one float64 buffer of all ``n``
-      values — the Privatizer's early draw, overlapping the per-sample work; each chunk's body by
+    * ``stream=False`` (default): the chunks are computed by ``threads − 1`` of the source's worker
+      threads, from when the draw starts where a core is spare beside torch's threads (``defer``,
+      :meth:`NoiseSource.start_normal`), else from :meth:`start` or :meth:`consume`, the consumer
+      taking those still unclaimed when it needs them (at once with one torch thread), into one
+      float64 buffer of all ``n`` values — the Privatizer's early draw; each chunk's body by
       the compiled job (``ziggurat_fill_chunks``: the same kernel as :func:`ziggurat_normals`),
       its tail positions by :func:`_tail_draws_many` at :meth:`consume` (a chunk with more than
       ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`);
@@ -909,7 +914,14 @@ class CpuNormalDraw:
     started before a fork is refused in the child (the source's epoch, :meth:`NoiseSource._forget`).
     """
 
-    def __init__(self, source: "NoiseSource", n: int, values: Optional[Tensor] = None, stream: bool = False):
+    def __init__(
+        self,
+        source: "NoiseSource",
+        n: int,
+        values: Optional[Tensor] = None,
+        stream: bool = False,
+        defer: Optional[bool] = None,
+    ):
         self.n = int(n)
         self.stream = bool(stream) and values is None
         self._source, self._epoch, self._used = source, source._epoch, False
@@ -917,6 +929,7 @@ class CpuNormalDraw:
         self._values: Optional[Tensor] = None
         self._states: Optional[list[bytes]] = None
         self._job: Optional[tuple] = None  # an early draw's arguments of the compiled sampler (_bodies)
+        self._deferred = False  # an early draw whose workers wait for start() (or consume)
         if values is not None:  # already computed (secure mode): one chunk
             self._values, self._k = values, 1
             return
@@ -961,9 +974,28 @@ class CpuNormalDraw:
         if pool is None:
             self._bodies()
             return
-        # threads − 1 workers start now, one runnable thread fewer beside the caller's own torch threads (module
-        # docstring); the consumer claims what is left when it needs the values
-        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, source._pool_threads - 1), k))]
+        # threads − 1 workers, one runnable thread fewer beside the caller's own torch threads; the consumer claims
+        # what is left when it needs the values. They start now only where a core is spare beside torch's threads:
+        # with as many torch threads as cores a worker running during the step's GEMMs takes a core from one of
+        # torch's threads, and the whole OpenMP region waits for that thread (MLP, 2 threads on 2 cores: the
+        # forward 1.2-1.9 ms slower for a 1.5 ms draw; docs/performance.md, "MLP: when the noise draw starts")
+        self._deferred = True
+        if not (spare_core(source._pool_threads) if defer is None else not defer):
+            return
+        self.start()
+
+    def start(self) -> None:
+        """Start the workers of a deferred early draw (``threads − 1`` of the source's pool threads, each
+        running :meth:`_bodies`); a no-op for any other draw, once started, or once consumed
+        (:meth:`consume` calls it first). Only when the chunks are computed moves: chunk i is computed
+        from its own SFC64 state, drawn when the draw was made, so the values never depend on it."""
+        if not self._deferred or self._used or self._job is None:
+            return
+        self._deferred = False
+        pool = self._source._thread_pool()
+        if pool is None:
+            return
+        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, self._source._pool_threads - 1), self._k))]
 
     def _bodies(self) -> int:
         """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released); the
@@ -1032,6 +1064,7 @@ class CpuNormalDraw:
             raise RuntimeError("a noise draw is consumed once, in the process (and source epoch) that started it")
         if self.stream and fn is None:
             raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
+        self.start()  # a deferred early draw: its workers join this thread's claims
         self._used = True
         futures, self._futures = self._futures, []
         flat = self._values
@@ -1099,6 +1132,17 @@ class CpuNormalDraw:
 
     def __reduce__(self):
         raise TypeError("a noise draw in progress is never copied or pickled (a copy would replay its noise)")
+
+
+def spare_core(threads: int) -> bool:
+    """Whether this process may run on more CPUs than ``threads`` (``os.sched_getaffinity``, else
+    ``os.cpu_count()``): where it may not, an early noise draw's workers wait for the consumer
+    (:class:`CpuNormalDraw`, ``defer=None``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return cpus > threads
 
 
 def _wait_all(futures: list) -> None:

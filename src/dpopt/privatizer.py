@@ -779,7 +779,9 @@ class Privatizer:
 
     def _prefetch(self, numel: int) -> None:
         """Start this step's gradient noise draw (CPU) now: its chunks are computed in the noise
-        source's worker threads while the per-sample work goes on, and :meth:`release` consumes it.
+        source's worker threads — while the per-sample work goes on where a core is spare beside
+        torch's threads, else beside the consumer (:meth:`dpopt.noise.NoiseSource.start_normal`'s
+        ``defer``) — and :meth:`release` consumes it.
 
         Only the time of the draw moves, never its values: the draw takes its words from the noise
         source here, so this is done only where nothing else can draw from that source before the

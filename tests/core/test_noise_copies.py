@@ -199,6 +199,7 @@ def _secret_pieces(src: NoiseSource, draw=None) -> list[bytes]:
     for bg in src._bitgens.values():
         pieces += [w.tobytes() for w in bg.state["state"]["state"][:3]]
     if draw is not None:
+        draw.start()  # a deferred draw (no core spare beside torch's threads): its workers compute it now
         for fut in draw._futures:
             fut.result()
         pieces += list(draw._states)

@@ -355,7 +355,7 @@ def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(monkeypatc
         monkeypatch.setattr(src, "_pool_threads", 2)
         gate = threading.Event()
         busy = pool.submit(gate.wait)
-        draw = src.start_normal(n)
+        draw = src.start_normal(n, defer=False)
         assert len(draw._futures) == 1  # threads − 1 workers
         got = draw.values()
         assert not busy.done() and draw._futures == []
@@ -364,3 +364,52 @@ def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(monkeypatc
         assert torch.equal(got, want)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("when", ["now", "start", "consume", "auto-spare", "auto-none"])
+def test_when_the_workers_start_changes_no_value(monkeypatch, when):
+    """``defer`` moves only the time of the chunks: a draw whose workers start at once, at ``start()`` (called
+    twice: the second a no-op), or only at ``consume()`` holds the stream's values (the streamed draw, another
+    path through the same chunk states); with ``defer=None`` the workers start at once exactly where
+    ``sched_getaffinity`` shows more CPUs than torch threads."""
+    import dpopt.noise as noise_mod
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = 4 * NORMAL_CHUNK + 17
+        want = NoiseSource("reproducible", seed=21).start_normal(n, stream=True).values()
+        src = NoiseSource("reproducible", seed=21)
+        if when.startswith("auto"):
+            cpus = {0, 1, 2} if when == "auto-spare" else {0, 1}
+            monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: cpus, raising=False)
+            draw = src.start_normal(n)
+            assert len(draw._futures) == (1 if when == "auto-spare" else 0)
+        else:
+            draw = src.start_normal(n, defer=when != "now")
+            assert len(draw._futures) == (1 if when == "now" else 0)
+            if when == "start":
+                draw.start()
+                first = list(draw._futures)
+                assert len(first) == 1
+                draw.start()
+                assert draw._futures == first  # no second set of workers
+        got = draw.values()
+        assert draw._futures == [] and torch.equal(got, want)
+        with pytest.raises(RuntimeError):
+            draw.consume()
+        draw.start()  # after consume: nothing to start
+        assert draw._futures == []
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_spare_core(monkeypatch):
+    """spare_core: more CPUs in the affinity mask than threads; os.cpu_count() where there is no mask."""
+    import dpopt.noise as noise_mod
+
+    monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: {0, 1, 5}, raising=False)
+    assert noise_mod.spare_core(2) and not noise_mod.spare_core(3)
+    monkeypatch.delattr(noise_mod.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 4)
+    assert noise_mod.spare_core(3) and not noise_mod.spare_core(4)
