@@ -26,6 +26,7 @@ import argparse
 import collections
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -255,14 +256,27 @@ def build_shim(directory: str) -> str:
 def main() -> None:
     """Compile the shim, run :func:`child` under it in a fresh process, print its report."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt2-lora")
-    ap.add_argument("--config", default="dp-sgd", help="non-private, dp-sgd or 'dp-sgd (PrivacyEngine)'")
-    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument(
+        "--model",
+        default="gpt2-lora",
+        choices=["gpt2", "gpt2-untied", "gpt2-lora", "gpt2-lora-untied", "bert", "lstm"],
+        help="a transformer_step.py model",
+    )
+    ap.add_argument(
+        "--config",
+        default="dp-sgd",
+        choices=["non-private", "dp-sgd", "dp-sgd (PrivacyEngine)"],
+        help="the step traced (quote the PrivacyEngine one)",
+    )
+    ap.add_argument("--top", type=int, default=8, help="how many of the highest live blocks to list")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.model, args.config, args.child, args.top)
         return
+    missing = [tool for tool in ("cc", "addr2line") if shutil.which(tool) is None]
+    if missing or not sys.platform.startswith("linux"):
+        ap.error(f"needs Linux (glibc) with cc and addr2line (binutils); missing: {', '.join(missing) or 'Linux'}")
     with tempfile.TemporaryDirectory() as tmp:
         lib = build_shim(tmp)
         env = dict(os.environ, LD_PRELOAD=lib, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

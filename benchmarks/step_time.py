@@ -514,7 +514,7 @@ def main(argv=None) -> dict:
                     notes.append(f"opacus {mode}: {type(exc).__name__}: {exc}")
                     continue
                 if op is None:
-                    notes.append("opacus not installed: `pip install opacus --no-deps`")
+                    notes.append("opacus not installed: `pip install -e .[bench]`")
                     break
                 steps[f"opacus {mode}"] = op
         if not args.no_vmap:

@@ -775,7 +775,7 @@ class NoiseSource:
     def start_normal(self, n: int, stream: bool = False, defer: Optional[bool] = None) -> "CpuNormalDraw":
         """Start drawing ``n`` standard normals on the CPU; the chunks are computed in the background.
 
-        The same values as :meth:`normal` (float64, before rounding): chunk i of ``NORMAL_CHUNK``
+        The same values as ``normal((n,), dtype=torch.float64)``: chunk i of ``NORMAL_CHUNK``
         normals comes from its own SFC64 stream (:func:`ziggurat_normals`) whose state is drawn NOW
         (secret: from :func:`os.urandom`; reproducible: from this source's generator, so the order
         of draws from this source — the stream of reproducible mode — is that of a :meth:`normal`

@@ -3,8 +3,8 @@
 :class:`~dpopt.engine.fast.PerSampleEngine` differentiates ℓ_r =
 ``loss_fn(out[r:r+1], y[r:r+1])``, the loss of row r alone, for every row r.
 For an arbitrary ``loss_fn`` that is ``torch.func.vmap`` of the single-row
-call (or a loop); for cross-entropy on ``[256, 10]`` it costs ≈ 0.28–0.4 ms
-forward and backward against ≈ 0.08 ms for one batched call, because
+call (or a loop); for cross-entropy on ``[256, 10]`` it costs ≈ 0.28–0.32 ms
+of CPU forward and backward against ≈ 0.10 ms for one batched call, because
 ``nll_loss`` runs through torch's Python decomposition under ``vmap``.
 
 :func:`recognised_row_losses` gives the same ℓ_r from one batched call with
@@ -32,8 +32,11 @@ known to equal that form (the torch definitions: ``torch.nn.CrossEntropyLoss``,
 
 Anything else — a lambda or ``def`` wrapping these, ``functools.partial``, a
 subclass, a weight, label smoothing, probability targets, other shapes or
-dtypes, a patched ``torch.nn.functional`` function, module hooks (the
-instance's or global ones) — returns ``None`` and the engine keeps ``vmap``.
+dtypes, a patched ``torch.nn.functional`` function (before or after dpopt's
+import), module hooks (the instance's or global ones), an instance
+``_call_impl``, a compiled module (``Module.compile()``), attribute values of
+other types than the user's own call takes (``ignore_index=True``) — returns
+``None`` and the engine keeps ``vmap``.
 A batched call that raises (e.g. a class index out of range) also returns
 ``None``, so the user's own call reports the error. Values equal the
 single-row ones to float rounding (cross-entropy: the same operations on the
