@@ -300,12 +300,16 @@ class CompiledCapture:
         forward hook and removes it when the watch is collected; a watch left in a reference cycle is collected
         whenever Python's cycle collector runs — possibly between dynamo's trace of ``nn.Module.__call__`` (which
         saw the hook) and its guards (which then read ``_global_forward_hooks[id]``: ``KeyError``, raised as an
-        ``InternalTorchDynamoError``). Seen in CI (2026-12-07, ``tests/engine/test_compiled.py``). The collection
-        runs every pending removal first; the retry compiles against the hooks as they are.
+        ``InternalTorchDynamoError``). Seen in CI (2026-12-07, ``tests/engine/test_compiled.py``, twice). Before
+        the first graph is compiled a collection runs every pending removal, so the first trace and its guards see
+        the same hooks (without it a retry compiled a second graph); after a failure the retry compiles against
+        the hooks as they are.
 
         Raises:
             torch._dynamo.exc.InternalTorchDynamoError: any other internal error, or the same one again.
         """
+        if self.compiles == 0:  # once, before the first trace (a compile takes seconds; a collection milliseconds)
+            gc.collect()
         try:
             return self._fn(params, x, taps)
         except torch._dynamo.exc.InternalTorchDynamoError as err:
