@@ -28,7 +28,11 @@ for.
 
 from __future__ import annotations
 
-__all__ = ["native"]
+from typing import TypeGuard
+
+import torch
+
+__all__ = ["native", "numpy_readable"]
 
 try:
     from . import _native as native
@@ -55,4 +59,17 @@ if _stale:  # an extension built from an older _native.c (a source tree updated 
         f"dpopt's compiled CPU kernels (dpopt._native, at {getattr(native, '__file__', '?')}) were built from an "
         f"older src/dpopt/_native.c: {', '.join(_stale)} missing. Rebuild them (`pip install -e .` in a source "
         "tree, `pip install --force-reinstall dpopt` otherwise)."
+    )
+
+
+def numpy_readable(x: object, dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
+    """``x`` is a plain ``torch.Tensor`` (not a subclass) of ``dtype``, contiguous, on the CPU and not recorded by
+    autograd: the C kernels may read or write it through ``x.numpy()`` (the checks every caller of the last three
+    kernels makes before taking the C pass; otherwise it takes the torch expression with the same bits)."""
+    return (
+        type(x) is torch.Tensor
+        and x.dtype == dtype
+        and x.device.type == "cpu"
+        and not x.requires_grad
+        and x.is_contiguous()
     )

@@ -44,7 +44,7 @@ from .accounting.events import check_noise_multiplier, check_sample_rate, poisso
 from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
 from .errors import ConfigError, LedgerWriteError
-from .kernels import native
+from .kernels import native, numpy_readable
 from .noise import CpuNormalDraw, NoiseSource, check_tail_reach, make_noise_source
 from .types import ClipGeometry, PerSampleSource
 
@@ -122,7 +122,7 @@ def clip_factors(
         native.clip_factors32(
             out.numpy(),
             sq.numpy(),
-            _bounds64(values, sq.device).numpy(),
+            b64.numpy(),  # the bounds' float64 [G] (CPU: sq's device)
             _squares_down(values, sq.device).numpy(),
             _FACTOR_MARGIN,
         )
@@ -149,15 +149,7 @@ def clip_factors(
 def _c_factors(sq: Tensor, groups: int) -> bool:
     """:func:`clip_factors` can take the C pass (``clip_factors32``): ``sq`` a plain contiguous float32 CPU
     ``[B, G]`` tensor (G = ``groups``, the bounds' count) that autograd does not record."""
-    return (
-        type(sq) is torch.Tensor
-        and sq.dtype == torch.float32
-        and sq.device.type == "cpu"
-        and sq.dim() == 2
-        and sq.shape[1] == groups
-        and not sq.requires_grad
-        and sq.is_contiguous()
-    )
+    return numpy_readable(sq, torch.float32) and sq.dim() == 2 and sq.shape[1] == groups
 
 
 #: The smallest normal float64, 2⁻¹⁰²²: below it a float64 result is subnormal (:func:`_flush_subnormal`).

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from ..kernels import native
+from ..kernels import native, numpy_readable
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
 from . import hf_rules  # noqa: F401 — puts the transformers layers' rules in rules.LAZY_RULES
@@ -333,17 +333,7 @@ def _c_totals(per_param: Sequence[Optional[Tensor]], batch_size: int, dtype: tor
     contiguous ``[B]`` float32 CPU tensor that autograd does not record, B > 0."""
     if dtype != torch.float32 or batch_size == 0:
         return False
-    for v in per_param:
-        if (
-            type(v) is not torch.Tensor
-            or v.dtype != torch.float32
-            or v.device.type != "cpu"
-            or v.shape != (batch_size,)
-            or v.requires_grad
-            or not v.is_contiguous()
-        ):
-            return False
-    return True
+    return all(numpy_readable(v, torch.float32) and v.shape == (batch_size,) for v in per_param)
 
 
 # --------------------------------------------------------------------------- capture

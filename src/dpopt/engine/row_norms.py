@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..kernels import native
+from ..kernels import native, numpy_readable
 
 __all__ = [
     "ROW_NORM_COLUMNS",
@@ -266,15 +266,8 @@ def round_up_sq_norms(x: Tensor, terms: int, dtype: torch.dtype, times: Optional
 
 
 def _plain_cpu64(x: Tensor) -> bool:
-    """``x`` is a plain (not a subclass) contiguous float64 CPU tensor that autograd does not record: the C
-    kernels can read it as a numpy array."""
-    return (
-        type(x) is torch.Tensor
-        and x.dtype == torch.float64
-        and x.device.type == "cpu"
-        and not x.requires_grad
-        and x.is_contiguous()
-    )
+    """``x`` can be read by the C kernels as a float64 numpy array (:func:`dpopt.kernels.numpy_readable`)."""
+    return numpy_readable(x, torch.float64)
 
 
 def rounding_gamma(n: int) -> float:
