@@ -183,7 +183,9 @@ PyDoc_STRVAR(ziggurat_fill_chunks_doc,
 "ziggurat_fill_chunks(out, states, next, chunk, discard, k, w, f, tail_idx, cap, tail_count) -> int\n\n"
 "ziggurat_fill on the chunks of float64 out [n] (chunk i: out[i*chunk : min(n, (i+1)*chunk)], its stream the\n"
 "i-th row of states uint64 [m, 4], m = ceil(n / chunk), advanced in place), each chunk claimed by an atomic\n"
-"increment of next[0] (int64): callers in several threads share the chunks, each filled exactly once. Chunk\n"
+"increment of next[0] (int64): callers in several threads share the chunks, each filled exactly once; where next\n"
+"has a second element, a call stops claiming once next[1] is non-zero (a pause: the chunks it left stay unclaimed\n"
+"for a later call). Chunk\n"
 "i's first cap tail positions (relative to its start) go to row i of tail_idx (int64 [m, cap]), their number\n"
 "(which may exceed cap: the caller then redraws the chunk) to tail_count[i] (int64 [m]). Returns the number of\n"
 "chunks this call filled. GIL released throughout.");
@@ -196,6 +198,15 @@ static inline int64_t claim(int64_t *next) {
     return _InterlockedExchangeAdd64((volatile __int64 *)next, 1);
 #else
 #error "ziggurat_fill_chunks needs an atomic fetch-and-add"
+#endif
+}
+
+/* whether the caller asked the workers to stop claiming chunks (next[1] != 0: CpuNormalDraw.pause) */
+static inline int paused(const int64_t *stop) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __atomic_load_n(stop, __ATOMIC_RELAXED) != 0;
+#else
+    return *(const volatile int64_t *)stop != 0;
 #endif
 }
 
@@ -231,7 +242,9 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
     double *o = (double *)out->buf;
     uint64_t *st = (uint64_t *)states->buf;
     int64_t *ti = (int64_t *)tail->buf, *tc = (int64_t *)count->buf;
+    const int64_t *stop = count_of(next) >= 2 ? (const int64_t *)next->buf + 1 : NULL;
     for (;;) {
+        if (stop && paused(stop)) break;
         int64_t i = claim((int64_t *)next->buf);
         if (i < 0 || i >= m) break;
         Py_ssize_t lo = (Py_ssize_t)i * chunk, len = n - lo < chunk ? n - lo : chunk;

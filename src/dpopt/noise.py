@@ -955,7 +955,7 @@ class CpuNormalDraw:
         self._words, self._tail_count = words, np.zeros(k, np.int64)
         self._tail_idx = np.empty((k, _TAIL_CAP), np.int64)
         kt, wt, ft, _ = ziggurat_tables()
-        counter = np.zeros(1, np.int64)
+        counter = np.zeros(2, np.int64)  # [next unclaimed chunk, pause flag] (ziggurat_fill_chunks)
         out = self._values.numpy()
         self._job = (
             out,
@@ -984,18 +984,37 @@ class CpuNormalDraw:
             return
         self.start()
 
-    def start(self) -> None:
-        """Start the workers of a deferred early draw (``threads − 1`` of the source's pool threads, each
-        running :meth:`_bodies`); a no-op for any other draw, once started, or once consumed
-        (:meth:`consume` calls it first). Only when the chunks are computed moves: chunk i is computed
-        from its own SFC64 state, drawn when the draw was made, so the values never depend on it."""
-        if not self._deferred or self._used or self._job is None:
+    def start(self, workers: Optional[int] = None) -> None:
+        """Start (or, after :meth:`pause`, resume) the workers of a deferred early draw: ``workers`` of the
+        source's pool threads (default ``threads − 1``), each running :meth:`_bodies`; a no-op for any other
+        draw, once started, or once consumed (:meth:`consume` calls it first). Only when the chunks are
+        computed moves: chunk i is computed from its own SFC64 state, drawn when the draw was made, so the
+        values never depend on it."""
+        if not self.waiting:
             return
         self._deferred = False
+        assert self._job is not None
+        self._job[2][1] = 0  # a paused draw's workers claim again
         pool = self._source._thread_pool()
         if pool is None:
             return
-        self._futures = [pool.submit(self._bodies) for _ in range(min(max(1, self._source._pool_threads - 1), self._k))]
+        count = max(1, self._source._pool_threads - 1) if workers is None else max(1, int(workers))
+        self._futures += [pool.submit(self._bodies) for _ in range(min(count, self._k))]
+
+    @property
+    def waiting(self) -> bool:
+        """An early draw (not streamed, of more than one chunk) whose workers have not started, or were
+        paused, and that is not consumed yet: :meth:`start` would start them."""
+        return self._deferred and not self._used and self._job is not None
+
+    def pause(self) -> None:
+        """Stop the workers of a started early draw from claiming further chunks (each finishes the chunk it
+        is computing); :meth:`start` or :meth:`consume` resumes. A no-op for any other draw. Only when the
+        chunks are computed moves, never their values (:meth:`start`)."""
+        if self._deferred or self._used or self._job is None or not self._futures:
+            return
+        self._job[2][1] = 1  # read by ziggurat_fill_chunks before each claim
+        self._deferred = True
 
     def _bodies(self) -> int:
         """Fill the bodies of the chunks no thread has claimed yet (the compiled sampler, GIL released); the

@@ -40,6 +40,7 @@ import torch
 from dp_accounting import dp_event
 from torch import Tensor
 
+from . import core_loan
 from .accounting.events import check_noise_multiplier, check_sample_rate, poisson_composed_step
 from .accounting.ledger import LedgerEntry, PrivacyLedger, longest_record
 from .correlated_noise import CorrelatedNoise
@@ -810,6 +811,7 @@ class Privatizer:
             c2 = _squares_down(values[:1], sq.device)[0]
             self._count += float(((sq[:, 0].double() <= c2).double() - 0.5).sum())
             self._read.add("clipped_count")
+        core_loan.reclaim()  # the weighted sums' GEMMs use every torch thread (dpopt.core_loan)
         part = source.weighted_sum(weights, self._geometry, groups)
         try:
             self._check_fresh(part, source)
@@ -1368,8 +1370,9 @@ class Privatizer:
         if hasattr(source_list := sources, "sq_norms"):
             source_list = [cast(PerSampleSource, sources)]
         try:
-            for src in source_list:
-                self.accumulate(src)
+            with core_loan.step_loan(self._pending):  # the engine may lend its draw a core (dpopt.core_loan)
+                for src in source_list:
+                    self.accumulate(src)
         except BaseException:
             self._reset()  # nothing released or recorded: the step did not happen
             raise

@@ -67,6 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from .. import core_loan
 from ..kernels import native, numpy_readable
 from ..models import check_model
 from ..types import ClipGeometry, EvaluationPoint
@@ -357,6 +358,23 @@ def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
         return torch.stack([one(out[i], y[i]) for i in range(out.shape[0])])
 
 
+def backward_macs(calls: Sequence[Call]) -> Optional[int]:
+    """Multiply-adds of the backward to the recorded layers' outputs, when every recorded call is a layer
+    mapping rows to rows (input ``[n, p]``, output ``[n, q]``: T = 1); None otherwise (not known to be small).
+
+    Σ n·p·q over the layers whose input needs a gradient: exact for a linear layer's input gradient, an
+    upper bound for an elementwise one. What :func:`dpopt.core_loan.lend` compares with the noise draw's size.
+    """
+    total = 0
+    for c in calls:
+        inp, out = c.inp, c.out
+        if inp is None or out is None or inp.dim() != 2 or out.dim() != 2:
+            return None
+        if inp.requires_grad:
+            total += int(inp.shape[0]) * int(inp.shape[1]) * int(out.shape[1])
+    return total
+
+
 # --------------------------------------------------------------------------- the engine
 class PerSampleEngine:
     """Plans a model once, then builds :class:`FastPerSampleGrads` for batches (dpopt's own loop).
@@ -480,10 +498,12 @@ class PerSampleEngine:
         return self.plan.matches(model)
 
     # -- capture --------------------------------------------------------------------
-    def _run(self, args: tuple, kwargs: dict, loss_of, offset=None) -> tuple[list[Call], dict]:
+    def _run(self, args: tuple, kwargs: dict, loss_of, offset=None, lend: bool = False) -> tuple[list[Call], dict]:
         """One forward (at θ + offset) with the recorder attached, then the output gradients of ``loss_of(out)``.
 
-        ``loss_of(out) -> (loss, grad_outputs)``. A recorded tensor that a
+        ``loss_of(out) -> (loss, grad_outputs)``. With ``lend`` (the step's capture, not the first-batch
+        check), once the forward is done the step's noise draw may be lent a core for the losses and the
+        backward (:func:`dpopt.core_loan.lend`, on :func:`backward_macs`). A recorded tensor that a
         later in-place op modified is recorded from a copy and the pass
         redone; a bare parameter used otherwise than recognised moves to the
         per-example path and the pass is redone.
@@ -516,6 +536,8 @@ class PerSampleEngine:
                         rec.clone_out |= outs
                         continue
                     rec.release_outputs(calls)  # the outputs' values are not needed: autograd frees what it can
+                    if lend:
+                        core_loan.lend(backward_macs(calls))
                     loss, grad_outputs = loss_of(out)
                     del out  # the root output (logits [B, T, V]): the loss's graph keeps what it needs
                     rec.fill(calls, loss, grad_outputs)
@@ -540,7 +562,7 @@ class PerSampleEngine:
             losses = _per_example_losses(self.loss_fn, out, y)
             return losses, torch.full_like(losses, float(point.coef) / self.views)
 
-        return self._run((x,), {}, loss_of, point.offset)[0]
+        return self._run((x,), {}, loss_of, point.offset, lend=True)[0]
 
     # -- demotions (this door's policy: the exact per-example path) -------------------
     def _demote(self, indices: Sequence[int]) -> None:

@@ -1,0 +1,241 @@
+"""A core lent to the step's noise draw (dpopt.core_loan, issue 34): the draw's pause changes no value, the
+loan lowers torch's threads only between the forward and the weighted sums and only for small per-example
+work, and it is always given back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dpopt.core_loan as core_loan
+import dpopt.engine.fast as fast
+import dpopt.noise as noise_mod
+from dpopt.engine import iter_per_sample_sources
+from dpopt.kernels import native
+from dpopt.methods import make_optimizer
+from dpopt.noise import NORMAL_CHUNK, NoiseSource
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
+def no_spare_core(monkeypatch):
+    """Two CPUs for two torch threads: an early draw's workers wait (CpuNormalDraw, defer=None)."""
+    monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+
+
+def test_the_kernel_claims_nothing_while_paused(two_threads):
+    """ziggurat_fill_chunks with next[1] != 0 returns 0 and leaves the claim counter; with next[1] = 0 it fills
+    every chunk left, each once."""
+    draw = NoiseSource("reproducible", seed=3).start_normal(3 * NORMAL_CHUNK + 5, defer=True)
+    job = draw._job
+    assert job is not None and job[2].shape == (2,)
+    job[2][1] = 1
+    assert native.ziggurat_fill_chunks(*job) == 0 and job[2][0] == 0
+    job[2][1] = 0
+    assert native.ziggurat_fill_chunks(*job) == 4 and native.ziggurat_fill_chunks(*job) == 0
+
+
+@pytest.mark.parametrize("when", ["at-once", "after-a-chunk", "twice"])
+def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, when):
+    """A draw started with one worker and paused (at once; after the consumer's thread filled one chunk; or
+    paused, resumed and paused again), then consumed (the consumer and the resumed workers take the rest),
+    holds exactly the values of the streamed draw of the same source: only when the chunks are computed moved."""
+    n = 5 * NORMAL_CHUNK + 11
+    want = NoiseSource("reproducible", seed=12).start_normal(n, stream=True).values()
+    draw = NoiseSource("reproducible", seed=12).start_normal(n, defer=True)
+    assert draw.waiting and draw._futures == []
+    job = draw._job
+    assert job is not None
+    draw.start(workers=1)
+    assert not draw.waiting and len(draw._futures) == 1
+    if when == "after-a-chunk":
+        draw._futures[0].result()  # the worker filled every chunk (none was paused yet)
+    draw.pause()
+    assert draw.waiting and job[2][1] == 1
+    if when == "twice":
+        draw.start(workers=1)
+        assert job[2][1] == 0 and len(draw._futures) == 2
+        draw.pause()
+    got = draw.values()
+    assert torch.equal(got, want)
+    assert not draw.waiting and draw._futures == []
+
+
+def test_pause_and_start_are_no_ops_where_nothing_waits_or_runs(two_threads):
+    """pause() before any worker started, and start()/pause() on a consumed or streamed draw, do nothing."""
+    draw = NoiseSource("reproducible", seed=1).start_normal(2 * NORMAL_CHUNK, defer=True)
+    draw.pause()
+    assert draw.waiting and draw._futures == []
+    draw.values()
+    draw.start()
+    draw.pause()
+    assert draw._futures == [] and not draw.waiting
+    streamed = NoiseSource("reproducible", seed=1).start_normal(2 * NORMAL_CHUNK, stream=True)
+    assert not streamed.waiting
+
+
+class _Draw:
+    """A stand-in draw that records start/pause."""
+
+    def __init__(self, n=1000, waiting=True):
+        self.n, self.waiting, self.calls = n, waiting, []
+
+    def start(self, workers=None):
+        self.calls.append(("start", workers))
+        self.waiting = False
+
+    def pause(self):
+        self.calls.append(("pause",))
+        self.waiting = True
+
+
+def test_a_loan_lowers_torchs_threads_once_and_gives_them_back(two_threads):
+    """lend: one worker started, torch at one thread fewer, a second lend changes nothing; reclaim: the draw
+    paused and the threads restored; a second reclaim is a no-op."""
+    d = _Draw(n=1000)
+    loan = core_loan.CoreLoan(d)
+    assert loan.lend(16 * 1000)
+    assert torch.get_num_threads() == 1 and d.calls == [("start", 1)]
+    assert loan.lend(0) and d.calls == [("start", 1)]
+    loan.reclaim()
+    assert torch.get_num_threads() == 2 and d.calls == [("start", 1), ("pause",)]
+    loan.reclaim()
+    assert torch.get_num_threads() == 2 and len(d.calls) == 2
+
+
+@pytest.mark.parametrize(
+    "macs, waiting, threads",
+    [(None, True, 2), (16 * 1000 + 1, True, 2), (0, False, 2), (0, True, 1)],
+    ids=["not-rows", "too-much-work", "draw-running", "one-thread"],
+)
+def test_no_loan_where_it_would_not_help(macs, waiting, threads):
+    """No loan for work not known to be small (None), above LOAN_MACS_PER_NORMAL per normal, a draw whose
+    workers already run (a spare core), or one torch thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        d = _Draw(n=1000, waiting=waiting)
+        assert not core_loan.CoreLoan(d).lend(macs)
+        assert torch.get_num_threads() == threads and d.calls == []
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_step_loan_is_given_back_on_an_error_and_is_not_seen_outside(two_threads):
+    d = _Draw(n=1000)
+    with pytest.raises(KeyError):
+        with core_loan.step_loan(d):
+            assert core_loan.lend(0)
+            assert torch.get_num_threads() == 1
+            raise KeyError("the step failed")
+    assert torch.get_num_threads() == 2 and d.calls[-1] == ("pause",)
+    assert not core_loan.lend(0)  # outside a step: no loan
+    core_loan.reclaim()  # a no-op
+    with core_loan.step_loan(None):
+        assert not core_loan.lend(0)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 10))
+
+
+def _steps(model, seed, seen):
+    """Two dp-sgd steps of ``model`` on a fixed batch of 32 with reproducible noise (the first runs the
+    first-batch check; ``seen`` is cleared before the second); the parameters after them."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 400, generator=g), torch.randint(0, 10, (32,), generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(
+        "dp-sgd",
+        params,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=32.0,
+        sample_rate=0.01,
+        lr=0.1,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    for _ in range(2):
+        seen.clear()
+        opt.step(iter_per_sample_sources(model, nn.functional.cross_entropy, x, y, None, opt.evaluation_points()))
+    return [p.detach().clone() for p in params]
+
+
+def test_the_engine_lends_a_core_between_the_forward_and_the_weighted_sums(two_threads, no_spare_core, monkeypatch):
+    """dp-sgd on a small MLP (160k + 4k parameters, 2 chunks of noise; backward to the layer outputs
+    32·400·10 multiply-adds ≪ 16 per normal): torch runs one thread during the per-example losses and the
+    norms, two during the weighted sums and after the step; without the loan (LOAN_MACS_PER_NORMAL = −1) two
+    throughout. The released parameters agree (reproducible noise; the thread count may move the last bits
+    of torch's kernels, not the noise)."""
+    seen: list[tuple[str, int]] = []
+    losses, sq_norms, weighted = (
+        fast._per_example_losses,
+        fast.FastPerSampleGrads.sq_norms,
+        fast.FastPerSampleGrads.weighted_sum,
+    )
+
+    def spy(name, f):
+        def g(*a, **k):
+            seen.append((name, torch.get_num_threads()))
+            return f(*a, **k)
+
+        return g
+
+    monkeypatch.setattr(fast, "_per_example_losses", spy("losses", losses))
+    monkeypatch.setattr(fast.FastPerSampleGrads, "sq_norms", spy("norms", sq_norms))
+    monkeypatch.setattr(fast.FastPerSampleGrads, "weighted_sum", spy("sums", weighted))
+    lent = _steps(_mlp(), 5, seen)
+    assert seen == [("losses", 1), ("norms", 1), ("sums", 2)]
+    assert torch.get_num_threads() == 2
+    monkeypatch.setattr(core_loan, "LOAN_MACS_PER_NORMAL", -1)
+    kept = _steps(_mlp(), 5, seen)
+    assert seen == [("losses", 2), ("norms", 2), ("sums", 2)]
+    for a, b in zip(lent, kept):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_no_loan_for_a_convolution_or_a_spare_core(two_threads, monkeypatch):
+    """A conv layer's rows are not T = 1 (backward_macs None): no loan; nor where a core is spare (the draw's
+    worker started at once)."""
+    seen = []
+    losses = fast._per_example_losses
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return losses(*a, **k)
+
+    monkeypatch.setattr(fast, "_per_example_losses", spy)
+    monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Unflatten(1, (1, 20, 20)), nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 18 * 18, 500))
+    _steps(conv, 2, seen)
+    assert seen == [2]
+    monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    _steps(_mlp(), 2, seen)
+    assert seen == [2]
+
+
+def test_backward_macs_counts_the_input_gradients_of_row_layers():
+    """Σ n·p·q over the recorded layers whose input needs a gradient (the first layer's input, the batch,
+    does not); None once a recorded layer is not rows → rows."""
+    rows = [(torch.zeros(8, 5), torch.zeros(8, 7)), (torch.zeros(8, 7, requires_grad=True), torch.zeros(8, 3))]
+
+    class C:
+        def __init__(self, inp, out):
+            self.inp, self.out = inp, out
+
+    assert fast.backward_macs([C(*r) for r in rows]) == 8 * 7 * 3
+    assert fast.backward_macs([C(*rows[0]), C(torch.zeros(8, 2, 7, requires_grad=True), torch.zeros(8, 2, 3))]) is None
+    assert fast.backward_macs([C(None, None)]) is None
+    assert fast.backward_macs([]) == 0
