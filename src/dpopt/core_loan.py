@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 #: more had it been lent.
 LOAN_MACS_PER_NORMAL = 16
 
+#: Weighted sums of at most this many multiply-adds run before the loan ends (the engine's small blocks: a
+#: bias's Σ c_i e_i, a small layer's GEMM): at two torch threads each waits ≈ 0.1 ms for torch's second
+#: thread here, more than the second thread saves below ≈ 30 M (a GEMM of 16 M ≈ 0.17 ms at one thread).
+LENT_SUM_MACS = 1 << 24
+
 
 class CoreLoan:
     """The step's pending noise draw and the torch thread count to restore while a core is lent to it.

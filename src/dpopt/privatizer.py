@@ -811,7 +811,6 @@ class Privatizer:
             c2 = _squares_down(values[:1], sq.device)[0]
             self._count += float(((sq[:, 0].double() <= c2).double() - 0.5).sum())
             self._read.add("clipped_count")
-        core_loan.reclaim()  # the weighted sums' GEMMs use every torch thread (dpopt.core_loan)
         part = source.weighted_sum(weights, self._geometry, groups)
         try:
             self._check_fresh(part, source)

@@ -10,6 +10,7 @@ from torch import nn
 
 import dpopt.core_loan as core_loan
 import dpopt.engine.fast as fast
+import dpopt.engine.layers as layers
 import dpopt.noise as noise_mod
 from dpopt.engine import iter_per_sample_sources
 from dpopt.kernels import native
@@ -147,7 +148,7 @@ def test_a_step_loan_is_given_back_on_an_error_and_is_not_seen_outside(two_threa
 
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(400, 2000), nn.ReLU(), nn.Linear(2000, 10))
 
 
 def _steps(model, seed, seen):
@@ -172,18 +173,16 @@ def _steps(model, seed, seen):
     return [p.detach().clone() for p in params]
 
 
-def test_the_engine_lends_a_core_between_the_forward_and_the_weighted_sums(two_threads, no_spare_core, monkeypatch):
-    """dp-sgd on a small MLP (160k + 4k parameters, 2 chunks of noise; backward to the layer outputs
-    32·400·10 multiply-adds ≪ 16 per normal): torch runs one thread during the per-example losses and the
-    norms, two during the weighted sums and after the step; without the loan (LOAN_MACS_PER_NORMAL = −1) two
+def test_the_engine_lends_a_core_between_the_forward_and_the_large_weighted_sums(
+    two_threads, no_spare_core, monkeypatch
+):
+    """dp-sgd on a small MLP (802k + 20k parameters, 7 chunks of noise; backward to the layer outputs
+    32·2000·10 multiply-adds ≪ 16 per normal): torch runs one thread during the per-example losses, the norms
+    and the small weighted sums (the biases', the second layer's 32·2000·10), two for the first layer's
+    (32·400·2000 > LENT_SUM_MACS) and after the step; without the loan (LOAN_MACS_PER_NORMAL = −1) two
     throughout. The released parameters agree (reproducible noise; the thread count may move the last bits
     of torch's kernels, not the noise)."""
     seen: list[tuple[str, int]] = []
-    losses, sq_norms, weighted = (
-        fast._per_example_losses,
-        fast.FastPerSampleGrads.sq_norms,
-        fast.FastPerSampleGrads.weighted_sum,
-    )
 
     def spy(name, f):
         def g(*a, **k):
@@ -192,15 +191,19 @@ def test_the_engine_lends_a_core_between_the_forward_and_the_weighted_sums(two_t
 
         return g
 
-    monkeypatch.setattr(fast, "_per_example_losses", spy("losses", losses))
-    monkeypatch.setattr(fast.FastPerSampleGrads, "sq_norms", spy("norms", sq_norms))
-    monkeypatch.setattr(fast.FastPerSampleGrads, "weighted_sum", spy("sums", weighted))
+    monkeypatch.setattr(fast, "_per_example_losses", spy("losses", fast._per_example_losses))
+    monkeypatch.setattr(fast.FastPerSampleGrads, "sq_norms", spy("norms", fast.FastPerSampleGrads.sq_norms))
+    monkeypatch.setattr(layers.DirectBlock, "grad_sums", spy("bias sums", layers.DirectBlock.grad_sums))
+    fb = layers.FactoredBlock.grad_sums
+    monkeypatch.setattr(layers.FactoredBlock, "grad_sums", lambda self, *a: spy(f"sum {self.shape}", fb)(self, *a))
     lent = _steps(_mlp(), 5, seen)
-    assert seen == [("losses", 1), ("norms", 1), ("sums", 2)]
+    one, two = (10, 2000), (2000, 400)
+    small = [("losses", 1), ("norms", 1), ("bias sums", 1), ("bias sums", 1), (f"sum {one}", 1)]
+    assert sorted(seen) == sorted(small + [(f"sum {two}", 2)]) and seen[-1] == (f"sum {two}", 2)
     assert torch.get_num_threads() == 2
     monkeypatch.setattr(core_loan, "LOAN_MACS_PER_NORMAL", -1)
     kept = _steps(_mlp(), 5, seen)
-    assert seen == [("losses", 2), ("norms", 2), ("sums", 2)]
+    assert sorted(seen) == sorted([(k, 2) for k, _ in small] + [(f"sum {two}", 2)])
     for a, b in zip(lent, kept):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 

@@ -103,6 +103,7 @@ from .inputs import LossFn, buffers_unchanged, check_inputs, example_loss, prese
 from .layers import (
     DirectBlock,
     FactoredBlock,
+    LinearPart,
     check_norm_form,
     compute_dtype,
     constant_sq_norms,
@@ -304,10 +305,19 @@ class FastPerSampleGrads:
         coefs = [weights[:, k].to(self.dtype) for k in groups]
         masked = [torch.where(bad, torch.zeros((), dtype=c.dtype), c) if bad is not None else c for c in coefs]
         out: list[Optional[Tensor]] = [None] * self.num_params
-        for blk in self.blocks:
+        # the small sums first, while a core may still be lent to the step's noise draw (dpopt.core_loan: at two
+        # torch threads each small op waits ≈ 0.1 ms for torch's second thread); the loan ends before the first
+        # large one, whose GEMM uses every torch thread. The order of the sums changes no value.
+        small = [w is not None and w <= core_loan.LENT_SUM_MACS for w in map(_sum_macs, self.blocks)]
+        order = [j for j, k in enumerate(small) if k] + [j for j, k in enumerate(small) if not k]
+        for j in order:
+            if not small[j]:
+                core_loan.reclaim()
+            blk = self.blocks[j]
             sums = blk.grad_sums([masked[i] for i in blk.index], bad)
             for i, s in zip(blk.index, sums):
                 out[i] = s
+        core_loan.reclaim()
         result = []
         for i, s in enumerate(out):  # s is a fresh tensor owned here: update in place
             m, b = self._geo(geometry, i)
@@ -327,6 +337,18 @@ class FastPerSampleGrads:
     def forms(self) -> dict[int, str]:
         """Parameter index → form used by the last :meth:`sq_norms` for factored weights."""
         return {blk.index[0]: blk.form for blk in map(unscaled, self.blocks) if isinstance(blk, FactoredBlock)}  # type: ignore[misc]
+
+
+def _sum_macs(blk) -> Optional[int]:
+    """Multiply-adds of a block's weighted sums: Σ B·T·p·q over a linear layer's calls (uncached), the
+    per-example gradients' size for a :class:`~dpopt.engine.layers.DirectBlock`; None for any other block
+    (not known to be small)."""
+    blk = unscaled(blk)
+    if type(blk) is DirectBlock:
+        return sum(int(g.numel()) for g in blk.grads)
+    if type(blk) is FactoredBlock and blk._cache is None and all(type(pt) is LinearPart for pt in blk.parts):
+        return sum(int(pt.a[..., :1].numel()) * int(pt.a.shape[-1]) * int(pt.e.shape[-1]) for pt in blk.parts)
+    return None
 
 
 def _c_totals(per_param: Sequence[Optional[Tensor]], batch_size: int, dtype: torch.dtype) -> bool:
