@@ -77,7 +77,10 @@ def main(argv=None) -> dict:
         return {}
     procs = {}
     for tag, src in (("before", args.before), ("after", args.after)):
+        # OMP_WAIT_POLICY as step_time.py sets it (PASSIVE unless the environment says otherwise): the worker
+        # imports torch before step_time, so step_time's own default would come too late for OpenMP
         env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS=str(args.threads))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         cmd = [sys.executable, __file__, "--worker", "--before", src, "--model", args.model, "--method", args.method]
         cmd += ["--threads", str(args.threads), "--per-round", str(args.per_round), "--warmup", str(args.warmup)]
         procs[tag] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
