@@ -151,14 +151,14 @@ def _mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(400, 2000), nn.ReLU(), nn.Linear(2000, 10))
 
 
-def _steps(model, seed, seen):
+def _steps(model, seed, seen, method="dp-sgd"):
     """Two dp-sgd steps of ``model`` on a fixed batch of 32 with reproducible noise (the first runs the
     first-batch check; ``seen`` is cleared before the second); the parameters after them."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 400, generator=g), torch.randint(0, 10, (32,), generator=g)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(
-        "dp-sgd",
+        method,
         params,
         noise_multiplier=1.0,
         max_grad_norm=1.0,
@@ -242,3 +242,23 @@ def test_backward_macs_counts_the_input_gradients_of_row_layers():
     assert fast.backward_macs([C(*rows[0]), C(torch.zeros(8, 2, 7, requires_grad=True), torch.zeros(8, 2, 3))]) is None
     assert fast.backward_macs([C(None, None)]) is None
     assert fast.backward_macs([]) == 0
+
+
+def test_every_forward_runs_at_torchs_threads_with_several_evaluation_points(two_threads, no_spare_core, monkeypatch):
+    """DiSK evaluates the per-example gradients at several points, one capture each: the loan made after the
+    first capture's forward ends before the next forward (each forward at two threads, each capture's losses at
+    one)."""
+    seen: list[tuple[str, int]] = []
+    losses = fast._per_example_losses
+
+    def spy(*a, **k):
+        seen.append(("losses", torch.get_num_threads()))
+        return losses(*a, **k)
+
+    monkeypatch.setattr(fast, "_per_example_losses", spy)
+    model = _mlp()
+    model.register_forward_pre_hook(lambda m, args: seen.append(("forward", torch.get_num_threads())))
+    _steps(model, 3, seen, method="disk-sgd")
+    forwards = [t for k, t in seen if k == "forward"]
+    assert len(forwards) >= 2 and set(forwards) == {2}
+    assert [t for k, t in seen if k == "losses"] == [1] * len(forwards)

@@ -538,6 +538,8 @@ class PerSampleEngine:
             if int(args[0].shape[0]) >= 2:
                 return self._compiled.run(args[0], loss_of, offset), {}
         rec, model = self._rec, self.model
+        if lend:  # a forward's GEMMs use every torch thread: an earlier point's loan ends here (DiSK: K points)
+            core_loan.reclaim()
         for _attempt in range(3):
             rec.replayed = False
             rec.attach()
