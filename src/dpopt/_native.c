@@ -1,6 +1,8 @@
 /* dpopt._native: the CPU kernels of dpopt, compiled once when the package is built.
  *
- *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64)
+ *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64);
+ *                   one scalar loop (zig_loop) per SFC64 stream, its fast path a lookup of k and the signed w by
+ *                   the word's 9 low bits (strip and sign bit: zig_tables), one product and one compare
  *   ziggurat_fill_chunks  the same on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)
  *   release         the release's one pass: out = rnd(z*scale + s) [/ divisor] (dpopt.privatizer.add_and_round)
  *   row_sq_norms64  per-row float64 squared norms of float32 rows (dpopt.engine.row_norms)
@@ -111,33 +113,53 @@ static inline double with_sign(double x, uint64_t sign) {
     return x;
 }
 
-/* the body on out[i, n) (i = 0 for a whole chunk; later where the lanes below stopped, `tails` tail positions
- * already found); the first `cap` tail positions go to tail_idx; returns the number of tail positions */
-static Py_ssize_t zig_loop(double *out, Py_ssize_t i, Py_ssize_t n, uint64_t *s, Py_ssize_t discard,
-                           const uint64_t *k, const double *w, const double *f, int64_t *tail_idx, Py_ssize_t cap,
-                           Py_ssize_t tails) {
+/* The fast path's tables, indexed by the 9 low bits of a word (bits 0-7: the strip, bit 8: the sign bit):
+ * k9[sign << 8 | strip] = k[strip] and w9[sign << 8 | strip] = w[strip] with the sign bit `sign` set. Then
+ * x = rabs * w9[idx] is bit for bit with_sign(rabs * w[strip], sign), the value zig_loop stored before these
+ * tables (2026-12-07): an IEEE product's sign is the xor of its factors' signs and its rounded magnitude does not
+ * depend on them (rabs >= 0; rabs = 0 gives -0.0 under the sign bit either way). The loop no longer extracts the
+ * sign bit and ORs it into x through an integer register: ≈ 24 instead of ≈ 28 instructions a normal, ≈ 11 % less
+ * CPU time (docs/performance.md, "The compiled ziggurat"). 8 KiB, built per call (512 entries: < 1 µs). */
+typedef struct {
+    uint64_t k9[512];
+    double w9[512];
+} ZigTables;
+
+static void zig_tables(ZigTables *e, const uint64_t *k, const double *w) {
+    for (int i = 0; i < 512; i++) {
+        e->k9[i] = k[i & 0xFF];
+        e->w9[i] = with_sign(w[i & 0xFF], (uint64_t)(i >> 8) << 63);
+    }
+}
+
+/* the body on out[0, n) (e: zig_tables of the tables k, w); the first `cap` tail positions go to tail_idx; returns
+ * the number of tail positions */
+static Py_ssize_t zig_loop(double *out, Py_ssize_t n, uint64_t *s, Py_ssize_t discard, const ZigTables *e,
+                           const double *f, int64_t *tail_idx, Py_ssize_t cap) {
     uint64_t a = s[0], b = s[1], c = s[2], n_ = s[3], tmp;
     const double to_unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+    Py_ssize_t tails = 0, i = 0;
     for (Py_ssize_t d = 0; d < discard; d++) SFC_STEP(tmp);
     while (i < n) {
         SFC_STEP(tmp);
-        unsigned strip = (unsigned)(tmp & 0xFF);
+        unsigned idx = (unsigned)(tmp & 0x1FF); /* strip = bits 0-7 of the word, its sign bit 8 */
         uint64_t rabs = (tmp >> 9) & 0xFFFFFFFFFFFFFULL;
-        double x = (double)(int64_t)rabs * w[strip]; /* rabs < 2^52: the signed conversion is exact (and cheaper) */
-        uint64_t sign = (tmp & 0x100) << 55; /* bit 8 of the word, as the sign bit of a double */
-        if (rabs < k[strip]) {
-            out[i++] = with_sign(x, sign);
+        double x = (double)(int64_t)rabs * e->w9[idx]; /* with its sign; rabs < 2^52: the signed conversion is exact */
+        if (rabs < e->k9[idx]) {
+            out[i++] = x;
             continue;
         }
+        unsigned strip = (unsigned)(tmp & 0xFF);
         if (strip == 0) { /* the tail branch: filled by the caller */
             if (tails < cap) tail_idx[tails] = (int64_t)i;
             tails++;
-            out[i++] = with_sign(INFINITY, sign);
+            out[i++] = with_sign(INFINITY, (tmp & 0x100) << 55);
             continue;
         }
         SFC_STEP(tmp);
         double u = (double)(int64_t)(tmp >> 11) * to_unit; /* < 2^53: exact */
-        if (f[strip] + u * (f[strip - 1] - f[strip]) < exp(-0.5 * x * x)) out[i++] = with_sign(x, sign);
+        /* x carries its sign: -0.5 * x * x, i.e. (-0.5 * x) * x, is the same double for x and -x */
+        if (f[strip] + u * (f[strip - 1] - f[strip]) < exp(-0.5 * x * x)) out[i++] = x;
     }
     s[0] = a; s[1] = b; s[2] = c; s[3] = n_;
     return tails;
@@ -171,8 +193,10 @@ static PyObject *ziggurat_fill(PyObject *self, PyObject *args) {
     }
     Py_ssize_t tails;
     Py_BEGIN_ALLOW_THREADS
-    tails = zig_loop((double *)out->buf, 0, n, (uint64_t *)state->buf, discard, (const uint64_t *)k->buf,
-                     (const double *)w->buf, (const double *)f->buf, (int64_t *)tail->buf, n, 0);
+    ZigTables e; /* 8 KiB on the calling thread's stack */
+    zig_tables(&e, (const uint64_t *)k->buf, (const double *)w->buf);
+    tails = zig_loop((double *)out->buf, n, (uint64_t *)state->buf, discard, &e, (const double *)f->buf,
+                     (int64_t *)tail->buf, n);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(tails);
 done:
@@ -211,254 +235,11 @@ static inline int paused(const int64_t *stop) {
 #endif
 }
 
-/* ---------------------------------------------------------------- ziggurat_fill_chunks: chunks in SIMD lanes
- *
- * Each chunk has its own SFC64 stream, so a thread that holds L = 4 chunks runs their L loops side by side, one
- * chunk per 64-bit lane of an AVX2 vector: every step draws one word in each lane (the same SFC64 step, on that
- * lane's own state), makes its candidate x = rabs * w[strip] (rabs < 2^52 turned into a double exactly: its bits
- * under the exponent of 2^52, minus 2^52; then one IEEE product, as in zig_loop) and tests rabs < k[strip]
- * (64-bit compares; k < 2^63 checked by the caller). A lane that passes stores x with its sign at its chunk's next
- * position. A lane that fails (≈ 1.2 % of candidates) goes through the rest of zig_loop's body in scalar code,
- * on that lane's own state (zig_slow: the tail marker, or one more word and the wedge test), before the next
- * step. So each lane consumes exactly its chunk's words in zig_loop's order and computes the same expressions:
- * the values, the tail positions and the final states are bit-identical to zig_loop's on each chunk.
- *
- * A lane whose chunk is full stores its state and tail count and claims the next chunk (the same claim and the
- * same pause test as the scalar loop, one chunk at a time); a lane left without a chunk keeps running on its
- * stale state, its results written to a scratch row and never read. With one live lane left its chunk is
- * finished by zig_loop (from where the lane stopped): 4 lanes cost about what 2 scalar loops do.
- * x86-64 GCC/glibc builds only (the same guard as DPOPT_CLONES), chosen at run time on CPUs with AVX2; other
- * builds and CPUs run zig_loop per chunk. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
-#define DPOPT_ZIG_LANES 4
-#include <immintrin.h>
-
-/* the rest of zig_loop's body for the word `tmp` that failed the fast test, `next` the stream's word after it
- * (used only by the wedge test): the same expressions as zig_loop, in the same order. Returns 0 (rejected: no
- * value), 1 (*v: the value) or 2 (the tail branch, which draws no word: *v = +-inf). Not inlined into the AVX2
- * function, so that it is compiled exactly as zig_loop is. */
-__attribute__((noinline)) static int zig_slow(uint64_t tmp, uint64_t next, const uint64_t *k, const double *w,
-                                              const double *f, double *v) {
-    const double to_unit = 1.0 / 9007199254740992.0; /* 2^-53 */
-    unsigned strip = (unsigned)(tmp & 0xFF);
-    uint64_t rabs = (tmp >> 9) & 0xFFFFFFFFFFFFFULL;
-    double x = (double)(int64_t)rabs * w[strip];
-    uint64_t sign = (tmp & 0x100) << 55;
-    if (rabs < k[strip]) { /* not reached from the lanes (their test is this one); kept for completeness */
-        *v = with_sign(x, sign);
-        return 1;
-    }
-    if (strip == 0) {
-        *v = with_sign(INFINITY, sign);
-        return 2;
-    }
-    double u = (double)(int64_t)(next >> 11) * to_unit;
-#ifdef ZIG_NOEXP
-    int accepted = f[strip] + u * (f[strip - 1] - f[strip]) < 0.5 * x;
-#else
-    int accepted = f[strip] + u * (f[strip - 1] - f[strip]) < exp(-0.5 * x * x);
-#endif
-    if (accepted) *v = with_sign(x, sign);
-    return accepted;
-}
-
-/* lane_mask[m]: all ones in the 64-bit lanes j whose bit j of m is set (a blend's selector) */
-static const int64_t lane_mask[16][4] = {
-    {0, 0, 0, 0}, {-1, 0, 0, 0}, {0, -1, 0, 0}, {-1, -1, 0, 0}, {0, 0, -1, 0}, {-1, 0, -1, 0}, {0, -1, -1, 0},
-    {-1, -1, -1, 0}, {0, 0, 0, -1}, {-1, 0, 0, -1}, {0, -1, 0, -1}, {-1, -1, 0, -1}, {0, 0, -1, -1},
-    {-1, 0, -1, -1}, {0, -1, -1, -1}, {-1, -1, -1, -1},
-};
-
-/* what the lanes share: the job's arrays, and each lane's chunk and position in it */
-typedef struct {
-    double *o;               /* out [n] */
-    uint64_t *st;            /* states [m, 4] */
-    int64_t *next, *ti, *tc; /* the claim counter; tail_idx [m, cap]; tail_count [m] */
-    const int64_t *stop;     /* the pause flag, or NULL */
-    Py_ssize_t n, m, chunk, discard, cap, done;
-    int exhausted;                                                 /* a claim returned no chunk: no more claims */
-    uint64_t a[DPOPT_ZIG_LANES], b[DPOPT_ZIG_LANES], c[DPOPT_ZIG_LANES], cnt[DPOPT_ZIG_LANES]; /* lane states */
-    double *p[DPOPT_ZIG_LANES], *start[DPOPT_ZIG_LANES], *end[DPOPT_ZIG_LANES]; /* next output, chunk bounds */
-    int64_t id[DPOPT_ZIG_LANES];                                   /* the lane's chunk, -1: none */
-    Py_ssize_t tails[DPOPT_ZIG_LANES];
-} Lanes;
-
-/* lane j takes the next unclaimed chunk (as the scalar loop claims: pause test, then claim), its state past the
- * discarded words; returns 1, or 0 (no chunk: the lane is dead) */
-static int lane_claim(Lanes *L, int j) {
-    L->id[j] = -1;
-    if (L->exhausted || (L->stop && paused(L->stop))) return 0;
-    int64_t i = claim(L->next);
-    if (i < 0 || i >= L->m) {
-        L->exhausted = 1;
-        return 0;
-    }
-    Py_ssize_t lo = (Py_ssize_t)i * L->chunk, len = L->n - lo < L->chunk ? L->n - lo : L->chunk;
-    uint64_t *s = L->st + 4 * i, a = s[0], b = s[1], c = s[2], n_ = s[3], tmp;
-    for (Py_ssize_t d = 0; d < L->discard; d++) SFC_STEP(tmp);
-    (void)tmp;
-    L->a[j] = a; L->b[j] = b; L->c[j] = c; L->cnt[j] = n_;
-    L->id[j] = i;
-    L->p[j] = L->start[j] = L->o + lo;
-    L->end[j] = L->o + lo + len;
-    L->tails[j] = 0;
-    L->done++;
-    return 1;
-}
-
-/* lane j's chunk is full: its state and tail count go back to the job */
-static void lane_store(Lanes *L, int j) {
-    uint64_t *s = L->st + 4 * L->id[j];
-    s[0] = L->a[j]; s[1] = L->b[j]; s[2] = L->c[j]; s[3] = L->cnt[j];
-    L->tc[L->id[j]] = L->tails[j];
-    L->id[j] = -1;
-}
-
-/* the lanes' loop (the comment above); returns the number of chunks this call claimed */
-__attribute__((target("avx2"))) static Py_ssize_t zig_lanes_avx2(Lanes *L, const uint64_t *k, const double *w,
-                                                                   const double *f) {
-    enum { STEPS = 256 }; /* steps between looks at the lanes' chunks: a dead lane's scratch row */
-    double sink[STEPS];
-    uint64_t kw[256][2] __attribute__((aligned(16))); /* {k[i], the bits of w[i]} */
-    for (int i = 0; i < 256; i++) {
-        kw[i][0] = k[i];
-        memcpy(&kw[i][1], &w[i], sizeof(double));
-    }
-    int live = 0;
-    for (int j = 0; j < DPOPT_ZIG_LANES; j++) live += lane_claim(L, j);
-    const __m256i one = _mm256_set1_epi64x(1), low8 = _mm256_set1_epi64x(0xFF), bit8 = _mm256_set1_epi64x(0x100),
-                  low52 = _mm256_set1_epi64x(0xFFFFFFFFFFFFFLL), exp52 = _mm256_set1_epi64x(0x4330000000000000LL);
-    const __m256d two52 = _mm256_set1_pd(4503599627370496.0); /* 2^52 */
-    while (live >= 2) {
-        /* as many steps as the fullest live lane has values left (a lane stores at most one value a step) */
-        Py_ssize_t steps = STEPS;
-        int dead = 0;
-        for (int j = 0; j < DPOPT_ZIG_LANES; j++) {
-            if (L->id[j] < 0) {
-                L->p[j] = sink, dead |= 1 << j;
-            } else if (L->end[j] - L->p[j] < steps) {
-                steps = L->end[j] - L->p[j];
-            }
-        }
-        double *p0 = L->p[0], *p1 = L->p[1], *p2 = L->p[2], *p3 = L->p[3];
-        __m256i a = _mm256_loadu_si256((const __m256i *)L->a), b = _mm256_loadu_si256((const __m256i *)L->b),
-                c = _mm256_loadu_si256((const __m256i *)L->c), cnt = _mm256_loadu_si256((const __m256i *)L->cnt);
-        for (Py_ssize_t s = 0; s < steps; s++) {
-            /* SFC_STEP in each lane: t = a + b + counter++; a = b ^ (b >> 11); b = c + (c << 3);
-             * c = rotl(c, 24) + t */
-            __m256i t = _mm256_add_epi64(_mm256_add_epi64(a, b), cnt);
-            cnt = _mm256_add_epi64(cnt, one);
-            a = _mm256_xor_si256(b, _mm256_srli_epi64(b, 11));
-            b = _mm256_add_epi64(c, _mm256_slli_epi64(c, 3));
-            c = _mm256_add_epi64(_mm256_or_si256(_mm256_slli_epi64(c, 24), _mm256_srli_epi64(c, 40)), t);
-            /* strip = t & 0xFF, rabs = bits 9..60 of t, x = (double)rabs * w[strip] (exact conversion: rabs < 2^52
-             * under the exponent of 2^52 is the double 2^52 + rabs; minus 2^52 is exact), sign = bit 8 of t */
-            __m256i strip = _mm256_and_si256(t, low8);
-            __m256i rabs = _mm256_and_si256(_mm256_srli_epi64(t, 9), low52);
-#ifdef ZIG_GATHER
-            __m256i kv = _mm256_i64gather_epi64((const long long *)k, strip, 8);
-            __m256d wv = _mm256_i64gather_pd(w, strip, 8);
-#else
-            /* k[strip] and w[strip] of each lane: one 16-byte load of its {k, w} entry (cheaper than two gathers
-             * here), the four entries transposed by two unpacks */
-            uint8_t tb[32];
-            _mm256_storeu_si256((__m256i *)tb, t);
-            __m256i e02 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128((const __m128i *)kw[tb[0]])),
-                                                  _mm_load_si128((const __m128i *)kw[tb[16]]), 1);
-            __m256i e13 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128((const __m128i *)kw[tb[8]])),
-                                                  _mm_load_si128((const __m128i *)kw[tb[24]]), 1);
-            __m256i kv = _mm256_unpacklo_epi64(e02, e13);
-            __m256d wv = _mm256_castsi256_pd(_mm256_unpackhi_epi64(e02, e13));
-#endif
-            __m256d xr = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(rabs, exp52)), two52);
-            __m256d x = _mm256_mul_pd(xr, wv);
-            x = _mm256_or_pd(x, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_and_si256(t, bit8), 55)));
-            /* the fast test rabs < k[strip] (both < 2^63: the signed compare is the unsigned one) */
-            int pass = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(kv, rabs))) | dead;
-#ifdef ZIG_NOSLOW
-            pass = 0xF;
-#endif
-            if (pass == 0xF) {
-                __m128d x01 = _mm256_castpd256_pd128(x), x23 = _mm256_extractf128_pd(x, 1);
-                _mm_storel_pd(p0++, x01);
-                _mm_storeh_pd(p1++, x01);
-                _mm_storel_pd(p2++, x23);
-                _mm_storeh_pd(p3++, x23);
-                continue;
-            }
-            /* some lane failed the fast test. Every lane stores its x at its next position, and the lanes that passed
-             * move past it; each failed lane goes through the rest of zig_loop's body (zig_slow), which overwrites
-             * that position when it yields a value. The wedge test's word is one more SFC64 step of that lane: it
-             * is made here in every lane, and kept (the lane's state advanced) only in the lanes that take it. */
-            int fail = ~pass & 0xF, wedge = 0;
-            __m256i t2 = _mm256_add_epi64(_mm256_add_epi64(a, b), cnt);
-            uint64_t ts[DPOPT_ZIG_LANES], t2s[DPOPT_ZIG_LANES];
-            _mm256_storeu_si256((__m256i *)ts, t);
-            _mm256_storeu_si256((__m256i *)t2s, t2);
-            for (int j = 0; j < DPOPT_ZIG_LANES; j++)
-                if ((fail >> j & 1) && (ts[j] & 0xFF) != 0) wedge |= 1 << j;
-            __m256i take = _mm256_loadu_si256((const __m256i *)lane_mask[wedge]);
-            __m256i a2 = _mm256_xor_si256(b, _mm256_srli_epi64(b, 11)), b2 = _mm256_add_epi64(c, _mm256_slli_epi64(c, 3));
-            __m256i c2 = _mm256_add_epi64(_mm256_or_si256(_mm256_slli_epi64(c, 24), _mm256_srli_epi64(c, 40)), t2);
-            a = _mm256_blendv_epi8(a, a2, take);
-            b = _mm256_blendv_epi8(b, b2, take);
-            c = _mm256_blendv_epi8(c, c2, take);
-            cnt = _mm256_sub_epi64(cnt, take); /* counter + 1 where taken (take = -1) */
-            __m128d x01 = _mm256_castpd256_pd128(x), x23 = _mm256_extractf128_pd(x, 1);
-            _mm_storel_pd(p0, x01);
-            _mm_storeh_pd(p1, x01);
-            _mm_storel_pd(p2, x23);
-            _mm_storeh_pd(p3, x23);
-            p0 += pass & 1, p1 += pass >> 1 & 1, p2 += pass >> 2 & 1, p3 += pass >> 3 & 1;
-            double **ps[DPOPT_ZIG_LANES] = {&p0, &p1, &p2, &p3};
-            for (int j = 0; j < DPOPT_ZIG_LANES; j++) {
-                if (!(fail >> j & 1)) continue;
-                double v, **pj = ps[j];
-                int r = zig_slow(ts[j], t2s[j], k, w, f, &v);
-                if (r == 2) { /* the tail branch: its position in the chunk, filled later by the caller */
-                    if (L->tails[j] < L->cap) L->ti[L->id[j] * L->cap + L->tails[j]] = (int64_t)(*pj - L->start[j]);
-                    L->tails[j]++;
-                }
-                if (r) *(*pj)++ = v;
-            }
-        }
-        _mm256_storeu_si256((__m256i *)L->a, a);
-        _mm256_storeu_si256((__m256i *)L->b, b);
-        _mm256_storeu_si256((__m256i *)L->c, c);
-        _mm256_storeu_si256((__m256i *)L->cnt, cnt);
-        L->p[0] = p0, L->p[1] = p1, L->p[2] = p2, L->p[3] = p3;
-        for (int j = 0; j < DPOPT_ZIG_LANES; j++) {
-            if (L->id[j] >= 0 && L->p[j] == L->end[j]) {
-                lane_store(L, j);
-                live += lane_claim(L, j) - 1;
-            }
-        }
-    }
-    /* at most one lane left (no chunk to claim): zig_loop finishes its chunk from where the lane stopped */
-    for (int j = 0; j < DPOPT_ZIG_LANES; j++) {
-        if (L->id[j] < 0) continue;
-        int64_t i = L->id[j];
-        uint64_t *s = L->st + 4 * i;
-        s[0] = L->a[j]; s[1] = L->b[j]; s[2] = L->c[j]; s[3] = L->cnt[j];
-        L->tc[i] = zig_loop(L->start[j], L->p[j] - L->start[j], L->end[j] - L->start[j], s, 0, k, w, f,
-                            L->ti + (Py_ssize_t)i * L->cap, L->cap, L->tails[j]);
-        L->id[j] = -1;
-    }
-    return L->done;
-}
-
-/* whether this CPU runs the lanes (AVX2) */
-static int zig_lanes_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
-}
-#endif
-
 static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
     PyObject *o_out, *o_states, *o_next, *o_k, *o_w, *o_f, *o_tail, *o_count;
-    Py_ssize_t chunk, discard, cap, lanes = 0;
-    if (!PyArg_ParseTuple(args, "OOOnnOOOOnO|n", &o_out, &o_states, &o_next, &chunk, &discard, &o_k, &o_w, &o_f,
-                          &o_tail, &cap, &o_count, &lanes))
+    Py_ssize_t chunk, discard, cap;
+    if (!PyArg_ParseTuple(args, "OOOnnOOOOnO", &o_out, &o_states, &o_next, &chunk, &discard, &o_k, &o_w, &o_f,
+                          &o_tail, &cap, &o_count))
         return NULL;
     Buffers bs = {.n = 0};
     PyObject *result = NULL;
@@ -487,25 +268,14 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
     uint64_t *st = (uint64_t *)states->buf;
     int64_t *ti = (int64_t *)tail->buf, *tc = (int64_t *)count->buf;
     const int64_t *stop = count_of(next) >= 2 ? (const int64_t *)next->buf + 1 : NULL;
-#ifdef DPOPT_ZIG_LANES
-    /* the chunks in SIMD lanes where the CPU has them (lanes = 1: the scalar loop, for the tests) and every k < 2^63
-     * (the lanes' signed compare); the same values, states and tail positions either way */
-    int use_lanes = lanes != 1 && zig_lanes_supported();
-    for (int j = 0; j < 256 && use_lanes; j++) use_lanes = ((const uint64_t *)k->buf)[j] < (1ULL << 63);
-    if (use_lanes) {
-        Lanes L = {.o = o, .st = st, .next = (int64_t *)next->buf, .ti = ti, .tc = tc, .stop = stop, .n = n, .m = m,
-                   .chunk = chunk, .discard = discard, .cap = cap};
-        done_here = zig_lanes_avx2(&L, (const uint64_t *)k->buf, (const double *)w->buf, (const double *)f->buf);
-    }
-    else
-#endif
+    ZigTables e; /* 8 KiB on the calling thread's stack */
+    zig_tables(&e, (const uint64_t *)k->buf, (const double *)w->buf);
     for (;;) {
         if (stop && paused(stop)) break;
         int64_t i = claim((int64_t *)next->buf);
         if (i < 0 || i >= m) break;
         Py_ssize_t lo = (Py_ssize_t)i * chunk, len = n - lo < chunk ? n - lo : chunk;
-        tc[i] = zig_loop(o + lo, 0, len, st + 4 * i, discard, (const uint64_t *)k->buf, (const double *)w->buf,
-                         (const double *)f->buf, ti + (Py_ssize_t)i * cap, cap, 0);
+        tc[i] = zig_loop(o + lo, len, st + 4 * i, discard, &e, (const double *)f->buf, ti + (Py_ssize_t)i * cap, cap);
         done_here++;
     }
     Py_END_ALLOW_THREADS
