@@ -38,8 +38,10 @@ values independent of the numpy version) rather than numpy's.
 
 The kernel is C, compiled with the package (:mod:`dpopt.kernels`; the GIL is released, so chunks run in
 parallel in the noise source's threads); on this 2-vCPU Xeon it costs ≈ 1.8 ns of CPU per normal against
-numpy's ≈ 8 ns (``benchmarks/noise_cost.py``). Its sign is set by OR-ing the word's bit 8 into the value's
-sign bit (no branch on a random bit).
+numpy's ≈ 8 ns (``benchmarks/noise_cost.py``; ≈ 1.4–1.5 ns since 2026-12-07 evening). The sign costs no
+branch on a random bit: the strip's factor w is looked up by the word's 9 low bits (strip and sign bit) in a
+table whose entries carry the sign, so ``x = j · (±w)`` — bit for bit the product ``j · w`` with bit 8 ORed into
+its sign bit, as before (``tests/core/test_ziggurat_fast_path.py``).
 """
 
 from __future__ import annotations
