@@ -46,30 +46,49 @@ def test_the_kernel_claims_nothing_while_paused(two_threads):
     assert native.ziggurat_fill_chunks(*job) == 4 and native.ziggurat_fill_chunks(*job) == 0
 
 
-@pytest.mark.parametrize("when", ["at-once", "after-a-chunk", "twice"])
-def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, when):
-    """A draw started with one worker and paused (at once; after the consumer's thread filled one chunk; or
-    paused, resumed and paused again), then consumed (the consumer and the resumed workers take the rest),
-    holds exactly the values of the streamed draw of the same source: only when the chunks are computed moved."""
+@pytest.mark.parametrize("when", ["at-once", "after-the-worker", "twice"])
+def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, monkeypatch, when):
+    """A draw started with one worker and paused (before the worker ran; after the worker finished every chunk's
+    body; or paused, resumed and paused again before any worker ran), then consumed
+    (the consumer and the resumed workers take the rest), holds exactly the values of the streamed draw of the
+    same source: only when the chunks are computed moved. The worker's thread is held by a gate where the test
+    needs it not to have run yet."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     n = 5 * NORMAL_CHUNK + 11
     want = NoiseSource("reproducible", seed=12).start_normal(n, stream=True).values()
-    draw = NoiseSource("reproducible", seed=12).start_normal(n, defer=True)
+    src = NoiseSource("reproducible", seed=12)
+    pool = ThreadPoolExecutor(1)
+    monkeypatch.setattr(src, "_thread_pool", lambda: pool)
+    monkeypatch.setattr(src, "_pool_threads", 2)
+    gate = threading.Event()
+    if when != "after-the-worker":
+        pool.submit(gate.wait)  # the pool's one thread is busy until the gate opens
+    draw = src.start_normal(n, defer=True)
     assert draw.waiting and draw._futures == []
     job = draw._job
     assert job is not None
     draw.start(workers=1)
     assert not draw.waiting and len(draw._futures) == 1
-    if when == "after-a-chunk":
-        draw._futures[0].result()  # the worker filled every chunk (none was paused yet)
+    if when == "after-the-worker":
+        draw._futures[0].result()  # the worker filled every chunk's body (the tails wait for the consumer)
+        assert job[2][0] > 5
     draw.pause()
     assert draw.waiting and job[2][1] == 1
     if when == "twice":
         draw.start(workers=1)
         assert job[2][1] == 0 and len(draw._futures) == 2
         draw.pause()
+    if when != "after-the-worker":
+        gate.set()
+        for fut in list(draw._futures):
+            fut.result()  # the paused workers claimed nothing
+        assert job[2][0] == 0
     got = draw.values()
     assert torch.equal(got, want)
-    assert not draw.waiting and draw._futures == []
+    assert not draw.waiting and draw._futures == [] and draw._job is None
+    pool.shutdown(wait=True)
 
 
 def test_pause_and_start_are_no_ops_where_nothing_waits_or_runs(two_threads):
