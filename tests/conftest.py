@@ -120,6 +120,30 @@ def releases(monkeypatch):
     return out
 
 
+@pytest.fixture
+def held_noise_pool(monkeypatch):
+    """``hold(source) -> (gate, busy)``: ``source``'s noise workers run on one thread of their own (the pool
+    claims ``_pool_threads`` = 2), held by a task that waits for ``gate`` (a ``threading.Event``; ``busy`` its
+    future): a draw's worker tasks queue behind it until the test sets the gate. Every gate is set and every pool
+    shut down after the test."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    held = []
+
+    def hold(source):
+        pool, gate = ThreadPoolExecutor(1), threading.Event()
+        monkeypatch.setattr(source, "_thread_pool", lambda: pool)
+        monkeypatch.setattr(source, "_pool_threads", 2)
+        held.append((pool, gate))
+        return gate, pool.submit(gate.wait)
+
+    yield hold
+    for pool, gate in held:
+        gate.set()
+        pool.shutdown(wait=True)
+
+
 @pytest.fixture(scope="session")
 def leaky():
     """The deliberately leaky privatizers and ledger checks of ``tests/auditing/leaky.py`` (test-only module).

@@ -18,15 +18,24 @@ from the shapes of the step (:data:`LOAN_MACS_PER_NORMAL`), never from timings, 
 before.
 
 The loan lives for one :meth:`~dpopt.privatizer.Privatizer.privatize` call (:func:`step_loan`, a context
-variable: nothing of it outlives the call, and another thread or task sees none). The engine lends
-(:func:`lend`) after a capture's forward; the Privatizer reclaims (:func:`reclaim`) before each weighted sum
-and, whatever happens, when the call ends.
+variable: nothing of it outlives the call, and another thread or task sees none) and is made at most once in
+it: the engine lends (:func:`lend`) after the first capture's forward and reclaims (:func:`reclaim`) before the
+first large weighted sum or the next forward (later micro-batches and evaluation points run at torch's own
+thread count); :func:`step_loan` reclaims, whatever happens, when the call ends. Lent phases: what runs
+between those points — the user's loss function on the batch, the backward to the layer outputs, the blocks,
+the norms (with a shift/scale geometry: two GEMMs per weight), the clip factors and the small weighted sums.
+The rule (:data:`LOAN_MACS_PER_NORMAL`) counts the recorded layers' input gradients only: a frozen layer
+between trainable ones, or a shift/scale geometry's norm GEMMs, is not counted (at worst a slower step, never
+a different value); the engine does not lend where some parameters take the per-example (torch.func) path.
+Only torch's OpenMP backend is lent to (the native backend refuses a thread count changed after parallel
+work has started).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import lru_cache
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -58,6 +67,7 @@ class CoreLoan:
     def __init__(self, draw: "CpuNormalDraw"):
         self.draw = draw
         self._threads: Optional[int] = None  # torch's thread count while lent, else None
+        self._made = False  # a loan was made in this step (at most one: later phases run at torch's threads)
 
     @property
     def lent(self) -> bool:
@@ -68,17 +78,21 @@ class CoreLoan:
         """Lend a core if the draw waits for one, torch runs ≥ 2 threads and ``backward_macs`` (the
         multiply-adds of the backward to the layer outputs, None: not known to be small) is at most
         :data:`LOAN_MACS_PER_NORMAL` per normal: the draw's worker starts (one) and torch runs one thread
-        fewer until :meth:`reclaim`. Returns whether a core is lent after the call."""
+        fewer until :meth:`reclaim`. At most one loan per step (a second call after :meth:`reclaim` lends
+        nothing), and only on torch's OpenMP backend. Returns whether a core is lent after the call."""
         if self.lent:
             return True
-        if backward_macs is None or backward_macs > LOAN_MACS_PER_NORMAL * self.draw.n or not self.draw.waiting:
+        if self._made or backward_macs is None or backward_macs > LOAN_MACS_PER_NORMAL * self.draw.n:
             return False
         threads = torch.get_num_threads()
-        if threads < 2:
+        if threads < 2 or not self.draw.waiting or not _openmp():
             return False
+        self._made = True
         self.draw.start(workers=1)  # before torch's threads change: the noise pool is sized by them
-        torch.set_num_threads(threads - 1)
+        # recorded before the change: an exception delivered right after it (a signal: KeyboardInterrupt) still
+        # finds the count to restore in reclaim()
         self._threads = threads
+        torch.set_num_threads(threads - 1)
         return True
 
     def reclaim(self) -> None:
@@ -91,6 +105,13 @@ class CoreLoan:
             self.draw.pause()
         finally:
             torch.set_num_threads(threads)
+
+
+@lru_cache(maxsize=1)
+def _openmp() -> bool:
+    """Whether torch's intra-op threads are OpenMP's (whose count may change at any time; the native backend
+    warns and keeps its pool)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 _LOAN: ContextVar[Optional[CoreLoan]] = ContextVar("dpopt_core_loan", default=None)

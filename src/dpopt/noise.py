@@ -904,7 +904,9 @@ class CpuNormalDraw:
       float64 buffer of all ``n`` values — the Privatizer's early draw; each chunk's body by
       the compiled job (``ziggurat_fill_chunks``: the same kernel as :func:`ziggurat_normals`),
       its tail positions by :func:`_tail_draws_many` at :meth:`consume` (a chunk with more than
-      ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`);
+      ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`); :meth:`pause`
+      stops the workers' claims between chunks and :meth:`start` (or :meth:`consume`) resumes them
+      (:mod:`dpopt.core_loan` lends a core to one worker between a step's forward and its large GEMMs);
     * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
       each chunk into a chunk-sized scratch buffer of its worker and hands it to ``fn`` at once —
       memory O(NORMAL_CHUNK · threads), never O(n) (issue 43: the release of a large model).

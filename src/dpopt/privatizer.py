@@ -785,6 +785,14 @@ class Privatizer:
         if 0 < numel <= EARLY_DRAW_MAX and self.noise_multiplier > 0 and self.reduce is None and self._pending is None:
             self._pending = self.noise.start_normal(numel)
 
+    def _loanable(self, params_like: Optional[Sequence[Tensor]]) -> Optional[CpuNormalDraw]:
+        """The early draw a core may be lent to (:mod:`dpopt.core_loan`): this step's, of the parameters' size
+        (a draw made at :meth:`begin` for the previous step's size, which the release will drop, is not)."""
+        draw = self._pending
+        if draw is None or (params_like is not None and draw.n != sum(p.numel() for p in params_like)):
+            return None
+        return draw
+
     def accumulate(self, source: PerSampleSource) -> None:
         """Clip and add one micro-batch of per-sample gradients.
 
@@ -1369,7 +1377,7 @@ class Privatizer:
         if hasattr(source_list := sources, "sq_norms"):
             source_list = [cast(PerSampleSource, sources)]
         try:
-            with core_loan.step_loan(self._pending):  # the engine may lend its draw a core (dpopt.core_loan)
+            with core_loan.step_loan(self._loanable(params_like)):  # the engine may lend the draw a core
                 for src in source_list:
                     self.accumulate(src)
         except BaseException:

@@ -47,24 +47,18 @@ def test_the_kernel_claims_nothing_while_paused(two_threads):
 
 
 @pytest.mark.parametrize("when", ["at-once", "after-the-worker", "twice"])
-def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, monkeypatch, when):
+def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, held_noise_pool, when):
     """A draw started with one worker and paused (before the worker ran; after the worker finished every chunk's
     body; or paused, resumed and paused again before any worker ran), then consumed
     (the consumer and the resumed workers take the rest), holds exactly the values of the streamed draw of the
     same source: only when the chunks are computed moved. The worker's thread is held by a gate where the test
     needs it not to have run yet."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     n = 5 * NORMAL_CHUNK + 11
     want = NoiseSource("reproducible", seed=12).start_normal(n, stream=True).values()
     src = NoiseSource("reproducible", seed=12)
-    pool = ThreadPoolExecutor(1)
-    monkeypatch.setattr(src, "_thread_pool", lambda: pool)
-    monkeypatch.setattr(src, "_pool_threads", 2)
-    gate = threading.Event()
-    if when != "after-the-worker":
-        pool.submit(gate.wait)  # the pool's one thread is busy until the gate opens
+    gate, _ = held_noise_pool(src)
+    if when == "after-the-worker":
+        gate.set()
     draw = src.start_normal(n, defer=True)
     assert draw.waiting and draw._futures == []
     job = draw._job
@@ -88,7 +82,6 @@ def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, monkeyp
     got = draw.values()
     assert torch.equal(got, want)
     assert not draw.waiting and draw._futures == [] and draw._job is None
-    pool.shutdown(wait=True)
 
 
 def test_pause_and_start_are_no_ops_where_nothing_waits_or_runs(two_threads):
@@ -131,6 +124,7 @@ def test_a_loan_lowers_torchs_threads_once_and_gives_them_back(two_threads):
     assert torch.get_num_threads() == 2 and d.calls == [("start", 1), ("pause",)]
     loan.reclaim()
     assert torch.get_num_threads() == 2 and len(d.calls) == 2
+    assert not loan.lend(0) and torch.get_num_threads() == 2 and len(d.calls) == 2  # one loan per step
 
 
 @pytest.mark.parametrize(
@@ -170,9 +164,9 @@ def _mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(400, 2000), nn.ReLU(), nn.Linear(2000, 10))
 
 
-def _steps(model, seed, seen, method="dp-sgd"):
-    """Two dp-sgd steps of ``model`` on a fixed batch of 32 with reproducible noise (the first runs the
-    first-batch check; ``seen`` is cleared before the second); the parameters after them."""
+def _steps(model, seed, seen, method="dp-sgd", physical=None):
+    """Two ``method`` steps of ``model`` on a fixed batch of 32 (micro-batches of ``physical``) with reproducible
+    noise (the first runs the first-batch check; ``seen`` is cleared before the second); the parameters after."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 400, generator=g), torch.randint(0, 10, (32,), generator=g)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,7 +182,7 @@ def _steps(model, seed, seen, method="dp-sgd"):
     )
     for _ in range(2):
         seen.clear()
-        opt.step(iter_per_sample_sources(model, nn.functional.cross_entropy, x, y, None, opt.evaluation_points()))
+        opt.step(iter_per_sample_sources(model, nn.functional.cross_entropy, x, y, physical, opt.evaluation_points()))
     return [p.detach().clone() for p in params]
 
 
@@ -280,4 +274,56 @@ def test_every_forward_runs_at_torchs_threads_with_several_evaluation_points(two
     _steps(model, 3, seen, method="disk-sgd")
     forwards = [t for k, t in seen if k == "forward"]
     assert len(forwards) >= 2 and set(forwards) == {2}
-    assert [t for k, t in seen if k == "losses"] == [1] * len(forwards)
+    assert [t for k, t in seen if k == "losses"] == [1] + [2] * (len(forwards) - 1)  # one loan per step
+
+
+def _losses_threads(monkeypatch) -> list:
+    """Record torch's thread count at each capture's per-example losses."""
+    seen: list = []
+    losses = fast._per_example_losses
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return losses(*a, **k)
+
+    monkeypatch.setattr(fast, "_per_example_losses", spy)
+    return seen
+
+
+def test_one_loan_per_step_over_micro_batches(two_threads, no_spare_core, monkeypatch):
+    """Four physical micro-batches of 8: the first capture is lent, the other three run at torch's threads (the
+    draw's chunks are all claimed by then or the consumer's: a loan per micro-batch would only slow them)."""
+    seen = _losses_threads(monkeypatch)
+    _steps(_mlp(), 4, seen, physical=8)
+    assert seen == [1, 2, 2, 2] and torch.get_num_threads() == 2
+
+
+class _Gain(nn.Module):
+    """A parameter used outside any recognised layer: the per-example (torch.func) path."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(2000))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.g
+
+
+def test_no_loan_where_parameters_take_the_per_example_path(two_threads, no_spare_core, monkeypatch):
+    seen = _losses_threads(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(400, 2000), _Gain(), nn.Linear(2000, 10))
+    _steps(model, 6, [])
+    assert seen and set(seen) == {2}
+
+
+def test_no_loan_to_a_draw_of_another_size(two_threads):
+    """A secret early draw made at begin() for the previous step's size (the release drops it) is not lent."""
+    from dpopt.privatizer import Privatizer
+
+    priv = Privatizer(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=0.1)
+    params = [torch.zeros(3 * NORMAL_CHUNK)]
+    priv._pending = NoiseSource("reproducible", seed=1).start_normal(2 * NORMAL_CHUNK, defer=True)
+    assert priv._loanable(params) is None and priv._loanable(None) is priv._pending
+    priv._pending = NoiseSource("reproducible", seed=1).start_normal(3 * NORMAL_CHUNK, defer=True)
+    assert priv._loanable(params) is priv._pending

@@ -338,29 +338,21 @@ def test_a_chunk_with_more_tail_positions_than_recorded_is_redrawn_whole(cap, th
     assert float(got.abs().max()) > noise_mod.ZIGGURAT_R  # tail values were drawn (≈ 100 of them)
 
 
-def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(monkeypatch):
+def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(held_noise_pool):
     """The consumer claims every chunk no worker has started; a worker task still queued (its thread busy) is
     cancelled, not waited for: the values are the stream's, and consume() returns while the worker stays held."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         n = 3 * NORMAL_CHUNK + 9
         want = NoiseSource("reproducible", seed=8).start_normal(n, stream=True).values()
         src = NoiseSource("reproducible", seed=8)
-        pool = ThreadPoolExecutor(1)
-        monkeypatch.setattr(src, "_thread_pool", lambda: pool)
-        monkeypatch.setattr(src, "_pool_threads", 2)
-        gate = threading.Event()
-        busy = pool.submit(gate.wait)
+        gate, busy = held_noise_pool(src)
         draw = src.start_normal(n, defer=False)
         assert len(draw._futures) == 1  # threads − 1 workers
         got = draw.values()
         assert not busy.done() and draw._futures == []
         gate.set()
-        pool.shutdown(wait=True)
         assert torch.equal(got, want)
     finally:
         torch.set_num_threads(old)

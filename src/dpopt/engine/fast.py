@@ -381,11 +381,13 @@ def _per_example_losses(loss_fn: LossFn, out: Tensor, y: Tensor) -> Tensor:
 
 
 def backward_macs(calls: Sequence[Call]) -> Optional[int]:
-    """Multiply-adds of the backward to the recorded layers' outputs, when every recorded call is a layer
-    mapping rows to rows (input ``[n, p]``, output ``[n, q]``: T = 1); None otherwise (not known to be small).
+    """Multiply-adds of the recorded layers' input gradients in the backward to their outputs, when every
+    recorded call is a layer mapping rows to rows (input ``[n, p]``, output ``[n, q]``: T = 1); None
+    otherwise (not known to be small).
 
-    Σ n·p·q over the layers whose input needs a gradient: exact for a linear layer's input gradient, an
-    upper bound for an elementwise one. What :func:`dpopt.core_loan.lend` compares with the noise draw's size.
+    Σ n·p·q over the recorded layers whose input needs a gradient: exact for a linear layer's input gradient,
+    an upper bound for an elementwise one; a frozen (unrecorded) layer between trainable ones is not counted.
+    What :func:`dpopt.core_loan.lend` compares with the noise draw's size.
     """
     total = 0
     for c in calls:
@@ -560,7 +562,7 @@ class PerSampleEngine:
                         rec.clone_out |= outs
                         continue
                     rec.release_outputs(calls)  # the outputs' values are not needed: autograd frees what it can
-                    if lend:
+                    if lend and not self.fallback:  # (the fallback's torch.func pass is no small work)
                         core_loan.lend(backward_macs(calls))
                     loss, grad_outputs = loss_of(out)
                     del out  # the root output (logits [B, T, V]): the loss's graph keeps what it needs
