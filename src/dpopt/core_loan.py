@@ -19,8 +19,8 @@ before.
 
 The loan lives for one :meth:`~dpopt.privatizer.Privatizer.privatize` call (:func:`step_loan`, a context
 variable: nothing of it outlives the call, and another thread or task sees none) and is made at most once in
-it: the engine lends (:func:`lend`) after the first capture's forward and reclaims (:func:`reclaim`) before the
-first large weighted sum or the next forward (later micro-batches and evaluation points run at torch's own
+it: the engine lends (:func:`lend`) after the first capture's forward, pauses the draw's worker after the norms
+(:func:`wind_down`) and reclaims (:func:`reclaim`) before the first large weighted sum or the next forward (later micro-batches and evaluation points run at torch's own
 thread count); :func:`step_loan` reclaims, whatever happens, when the call ends. Lent phases: what runs
 between those points — the user's loss function on the batch, the backward to the layer outputs, the blocks,
 the norms (with a shift/scale geometry: two GEMMs per weight), the clip factors and the small weighted sums.
@@ -95,6 +95,14 @@ class CoreLoan:
         torch.set_num_threads(threads - 1)
         return True
 
+    def wind_down(self) -> None:
+        """Near a loan's end: the draw's worker stops claiming chunks (:meth:`~dpopt.noise.CpuNormalDraw.pause`)
+        while torch stays at one thread fewer, so that the chunk it is computing ends before the large GEMMs
+        rather than beside them (the engine calls it after the norms: the clip factors and the small sums left
+        take about one chunk's time). A no-op when nothing is lent."""
+        if self.lent:
+            self.draw.pause()
+
     def reclaim(self) -> None:
         """End a loan: the draw's worker stops claiming chunks (:meth:`~dpopt.noise.CpuNormalDraw.pause`;
         the consumer resumes it) and torch's thread count is restored. A no-op when nothing is lent."""
@@ -135,6 +143,13 @@ def lend(backward_macs: Optional[int]) -> bool:
     """:meth:`CoreLoan.lend` on the current step's loan (False outside :func:`step_loan`)."""
     loan = _LOAN.get()
     return loan is not None and loan.lend(backward_macs)
+
+
+def wind_down() -> None:
+    """:meth:`CoreLoan.wind_down` on the current step's loan (a no-op outside :func:`step_loan`)."""
+    loan = _LOAN.get()
+    if loan is not None:
+        loan.wind_down()
 
 
 def reclaim() -> None:

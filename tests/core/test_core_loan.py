@@ -113,18 +113,23 @@ class _Draw:
 
 
 def test_a_loan_lowers_torchs_threads_once_and_gives_them_back(two_threads):
-    """lend: one worker started, torch at one thread fewer, a second lend changes nothing; reclaim: the draw
-    paused and the threads restored; a second reclaim is a no-op."""
+    """lend: one worker started, torch at one thread fewer, a second lend changes nothing; wind_down: the draw
+    paused, the threads still lowered; reclaim: the draw paused (again: a no-op on a real draw) and the threads
+    restored; a second reclaim, a lend after it and a wind_down with nothing lent change nothing."""
     d = _Draw(n=1000)
     loan = core_loan.CoreLoan(d)
     assert loan.lend(16 * 1000)
     assert torch.get_num_threads() == 1 and d.calls == [("start", 1)]
     assert loan.lend(0) and d.calls == [("start", 1)]
+    loan.wind_down()  # the worker pauses, torch's threads stay lowered
+    assert torch.get_num_threads() == 1 and d.calls == [("start", 1), ("pause",)]
     loan.reclaim()
-    assert torch.get_num_threads() == 2 and d.calls == [("start", 1), ("pause",)]
+    assert torch.get_num_threads() == 2 and d.calls == [("start", 1), ("pause",), ("pause",)]
     loan.reclaim()
-    assert torch.get_num_threads() == 2 and len(d.calls) == 2
-    assert not loan.lend(0) and torch.get_num_threads() == 2 and len(d.calls) == 2  # one loan per step
+    assert torch.get_num_threads() == 2 and len(d.calls) == 3
+    assert not loan.lend(0) and torch.get_num_threads() == 2 and len(d.calls) == 3  # one loan per step
+    loan.wind_down()
+    assert len(d.calls) == 3  # nothing lent: a no-op
 
 
 @pytest.mark.parametrize(
@@ -195,7 +200,7 @@ def test_the_engine_lends_a_core_between_the_forward_and_the_large_weighted_sums
     (32·400·2000 > LENT_SUM_MACS) and after the step; without the loan (LOAN_MACS_PER_NORMAL = −1) two
     throughout. The released parameters agree (reproducible noise; the thread count may move the last bits
     of torch's kernels, not the noise)."""
-    seen: list[tuple[str, int]] = []
+    seen: list[tuple] = []
 
     def spy(name, f):
         def g(*a, **k):
@@ -209,14 +214,25 @@ def test_the_engine_lends_a_core_between_the_forward_and_the_large_weighted_sums
     monkeypatch.setattr(layers.DirectBlock, "grad_sums", spy("bias sums", layers.DirectBlock.grad_sums))
     fb = layers.FactoredBlock.grad_sums
     monkeypatch.setattr(layers.FactoredBlock, "grad_sums", lambda self, *a: spy(f"sum {self.shape}", fb)(self, *a))
+    pause = noise_mod.CpuNormalDraw.pause
+
+    def paused(draw):
+        seen.append(("pause", torch.get_num_threads(), draw.waiting))
+        pause(draw)
+
+    monkeypatch.setattr(noise_mod.CpuNormalDraw, "pause", paused)
     lent = _steps(_mlp(), 5, seen)
+    pauses = [e for e in seen if e[0] == "pause"]
+    # wind_down after the norms pauses the worker (torch still lent); reclaim's pause before the large sum: a no-op
+    assert pauses == [("pause", 1, False), ("pause", 1, True)] and seen.index(pauses[0]) == seen.index(("norms", 1)) + 1
+    seen[:] = [e for e in seen if e[0] != "pause"]
     one, two = (10, 2000), (2000, 400)
     small = [("losses", 1), ("norms", 1), ("bias sums", 1), ("bias sums", 1), (f"sum {one}", 1)]
     assert sorted(seen) == sorted(small + [(f"sum {two}", 2)]) and seen[-1] == (f"sum {two}", 2)
     assert torch.get_num_threads() == 2
     monkeypatch.setattr(core_loan, "LOAN_MACS_PER_NORMAL", -1)
     kept = _steps(_mlp(), 5, seen)
-    assert sorted(seen) == sorted([(k, 2) for k, _ in small] + [(f"sum {two}", 2)])
+    assert sorted(seen) == sorted([(k, 2) for k, _ in small] + [(f"sum {two}", 2)])  # nothing lent, nothing paused
     for a, b in zip(lent, kept):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
