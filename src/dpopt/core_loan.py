@@ -145,6 +145,12 @@ def step_loan(draw: Optional["CpuNormalDraw"]) -> Iterator[Optional[CoreLoan]]:
             loan.reclaim()
 
 
+def lent() -> bool:
+    """Whether the current step's loan has a core lent now (False outside :func:`step_loan`)."""
+    loan = _LOAN.get()
+    return loan is not None and loan.lent
+
+
 def lend(backward_macs: Optional[int]) -> bool:
     """:meth:`CoreLoan.lend` on the current step's loan (False outside :func:`step_loan`)."""
     loan = _LOAN.get()

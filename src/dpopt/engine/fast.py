@@ -309,15 +309,10 @@ class FastPerSampleGrads:
         coefs = [weights[:, k].to(self.dtype) for k in groups]
         masked = [torch.where(bad, torch.zeros((), dtype=c.dtype), c) if bad is not None else c for c in coefs]
         out: list[Optional[Tensor]] = [None] * self.num_params
-        # the small sums first, while a core may still be lent to the step's noise draw (dpopt.core_loan: at two
-        # torch threads each small op waits ≈ 0.1 ms for torch's second thread); the loan ends before the first
-        # large one, whose GEMM uses every torch thread. The order of the sums changes no value.
-        small = [w is not None and w <= core_loan.LENT_SUM_MACS for w in map(_sum_macs, self.blocks)]
-        order = [j for j, k in enumerate(small) if k] + [j for j, k in enumerate(small) if not k]
-        for j in order:
-            if not small[j]:
+        blocks, lent = _lent_order(self.blocks) if core_loan.lent() else (self.blocks, 0)
+        for j, blk in enumerate(blocks):
+            if j == lent:  # the large sums' GEMMs use every torch thread: the loan ends here
                 core_loan.reclaim()
-            blk = self.blocks[j]
             sums = blk.grad_sums([masked[i] for i in blk.index], bad)
             for i, s in zip(blk.index, sums):
                 out[i] = s
@@ -351,8 +346,18 @@ def _sum_macs(blk) -> Optional[int]:
     if type(blk) is DirectBlock:
         return sum(int(g.numel()) for g in blk.grads)
     if type(blk) is FactoredBlock and blk._cache is None and all(type(pt) is LinearPart for pt in blk.parts):
-        return sum(int(pt.a[..., :1].numel()) * int(pt.a.shape[-1]) * int(pt.e.shape[-1]) for pt in blk.parts)
+        return sum(int(pt.a.numel()) * int(pt.e.shape[-1]) for pt in blk.parts)
     return None
+
+
+def _lent_order(blocks: Sequence) -> tuple[list, int]:
+    """While a core is lent to the step's noise draw (:mod:`dpopt.core_loan`): the blocks whose weighted sums
+    have at most :data:`~dpopt.core_loan.LENT_SUM_MACS` multiply-adds first (at two torch threads each small op
+    waits ≈ 0.1 ms for torch's second thread), then the others in their order; and how many come first (the
+    loan ends before the rest). The order of the sums changes no value."""
+    small = [w is not None and w <= core_loan.LENT_SUM_MACS for w in map(_sum_macs, blocks)]
+    first = [b for b, k in zip(blocks, small) if k]
+    return first + [b for b, k in zip(blocks, small) if not k], len(first)
 
 
 def _c_totals(per_param: Sequence[Optional[Tensor]], batch_size: int, dtype: torch.dtype) -> bool:
