@@ -121,6 +121,17 @@ def releases(monkeypatch):
 
 
 @pytest.fixture
+def two_threads():
+    """Run the test with two torch threads (the count before is restored afterwards)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
 def held_noise_pool(monkeypatch):
     """``hold(source) -> (gate, busy)``: ``source``'s noise workers run on one thread of their own (the pool
     claims ``_pool_threads`` = 2), held by a task that waits for ``gate`` (a ``threading.Event``; ``busy`` its

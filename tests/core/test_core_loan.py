@@ -19,16 +19,6 @@ from dpopt.noise import NORMAL_CHUNK, NoiseSource
 
 
 @pytest.fixture
-def two_threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture
 def no_spare_core(monkeypatch):
     """Two CPUs for two torch threads: an early draw's workers wait (CpuNormalDraw, defer=None)."""
     monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)

@@ -338,62 +338,52 @@ def test_a_chunk_with_more_tail_positions_than_recorded_is_redrawn_whole(cap, th
     assert float(got.abs().max()) > noise_mod.ZIGGURAT_R  # tail values were drawn (≈ 100 of them)
 
 
-def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(held_noise_pool):
+def test_a_draw_whose_workers_never_start_is_computed_by_the_consumer(two_threads, held_noise_pool):
     """The consumer claims every chunk no worker has started; a worker task still queued (its thread busy) is
     cancelled, not waited for: the values are the stream's, and consume() returns while the worker stays held."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        n = 3 * NORMAL_CHUNK + 9
-        want = NoiseSource("reproducible", seed=8).start_normal(n, stream=True).values()
-        src = NoiseSource("reproducible", seed=8)
-        gate, busy = held_noise_pool(src)
-        draw = src.start_normal(n, defer=False)
-        assert len(draw._futures) == 1  # threads − 1 workers
-        got = draw.values()
-        assert not busy.done() and draw._futures == []
-        gate.set()
-        assert torch.equal(got, want)
-    finally:
-        torch.set_num_threads(old)
+    n = 3 * NORMAL_CHUNK + 9
+    want = NoiseSource("reproducible", seed=8).start_normal(n, stream=True).values()
+    src = NoiseSource("reproducible", seed=8)
+    gate, busy = held_noise_pool(src)
+    draw = src.start_normal(n, defer=False)
+    assert len(draw._futures) == 1  # threads − 1 workers
+    got = draw.values()
+    assert not busy.done() and draw._futures == []
+    gate.set()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("when", ["now", "start", "consume", "auto-spare", "auto-none"])
-def test_when_the_workers_start_changes_no_value(monkeypatch, when):
+def test_when_the_workers_start_changes_no_value(two_threads, monkeypatch, when):
     """``defer`` moves only the time of the chunks: a draw whose workers start at once, at ``start()`` (called
     twice: the second a no-op), or only at ``consume()`` holds the stream's values (the streamed draw, another
     path through the same chunk states); with ``defer=None`` the workers start at once exactly where
     ``sched_getaffinity`` shows more CPUs than torch threads."""
     import dpopt.noise as noise_mod
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        n = 4 * NORMAL_CHUNK + 17
-        want = NoiseSource("reproducible", seed=21).start_normal(n, stream=True).values()
-        src = NoiseSource("reproducible", seed=21)
-        if when.startswith("auto"):
-            cpus = {0, 1, 2} if when == "auto-spare" else {0, 1}
-            monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: cpus, raising=False)
-            draw = src.start_normal(n)
-            assert len(draw._futures) == (1 if when == "auto-spare" else 0)
-        else:
-            draw = src.start_normal(n, defer=when != "now")
-            assert len(draw._futures) == (1 if when == "now" else 0)
-            if when == "start":
-                draw.start()
-                first = list(draw._futures)
-                assert len(first) == 1
-                draw.start()
-                assert draw._futures == first  # no second set of workers
-        got = draw.values()
-        assert draw._futures == [] and torch.equal(got, want)
-        with pytest.raises(RuntimeError):
-            draw.consume()
-        draw.start()  # after consume: nothing to start
-        assert draw._futures == []
-    finally:
-        torch.set_num_threads(old)
+    n = 4 * NORMAL_CHUNK + 17
+    want = NoiseSource("reproducible", seed=21).start_normal(n, stream=True).values()
+    src = NoiseSource("reproducible", seed=21)
+    if when.startswith("auto"):
+        cpus = {0, 1, 2} if when == "auto-spare" else {0, 1}
+        monkeypatch.setattr(noise_mod.os, "sched_getaffinity", lambda pid: cpus, raising=False)
+        draw = src.start_normal(n)
+        assert len(draw._futures) == (1 if when == "auto-spare" else 0)
+    else:
+        draw = src.start_normal(n, defer=when != "now")
+        assert len(draw._futures) == (1 if when == "now" else 0)
+        if when == "start":
+            draw.start()
+            first = list(draw._futures)
+            assert len(first) == 1
+            draw.start()
+            assert draw._futures == first  # no second set of workers
+    got = draw.values()
+    assert draw._futures == [] and torch.equal(got, want)
+    with pytest.raises(RuntimeError):
+        draw.consume()
+    draw.start()  # after consume: nothing to start
+    assert draw._futures == []
 
 
 def test_spare_core(monkeypatch):
