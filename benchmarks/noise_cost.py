@@ -50,6 +50,7 @@ except ImportError:  # Windows has no resource module
 import numpy as np
 import torch
 
+from dpopt.kernels import native
 from dpopt.noise import (
     _MT_WORDS,
     _SLOT_WORDS,
@@ -62,12 +63,10 @@ from dpopt.noise import (
     _cpu_generator_from_words,
     _os_words,
     _random_words,
-    _sfc64,
     _slots,
-    _tail_draws,
     gaussian_from_words,
 )
-from dpopt.ziggurat import sfc64_seed_state, ziggurat_body
+from dpopt.ziggurat import SFC_DISCARD, sfc64_seed_state, ziggurat_body
 
 
 def _previous_secret(n: int, gen: torch.Generator, pool) -> torch.Tensor:
@@ -123,11 +122,15 @@ def _numpy_ziggurat_secret(n: int, pool) -> torch.Tensor:
     out = np.empty(n)
 
     def fill(i: int) -> None:
-        gen = _sfc64(raw[24 * i : 24 * (i + 1)])
+        bitgen = np.random.SFC64(0)  # then set to the chunk's stream
+        state = {"state": sfc64_seed_state(raw[24 * i : 24 * (i + 1)])}
+        bitgen.state = {"bit_generator": "SFC64", "state": state, "has_uint32": 0, "uinteger": 0}
+        bitgen.random_raw(SFC_DISCARD)
         chunk = out[i * NORMAL_CHUNK : min(n, (i + 1) * NORMAL_CHUNK)]
-        gen.standard_normal(out=chunk)
+        np.random.Generator(bitgen).standard_normal(out=chunk)
         idx = np.flatnonzero(np.abs(chunk) >= ZIGGURAT_R)
-        chunk[idx] = np.copysign(_tail_draws(gen, idx.size), chunk[idx])
+        after = np.array(bitgen.state["state"]["state"], dtype=np.uint64)
+        native.fill_tails(chunk, after, idx, ZIGGURAT_R)  # the tail law's draws where the stream stopped
 
     if pool is None:
         for i in range(k):

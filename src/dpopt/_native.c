@@ -3,7 +3,8 @@
  *   ziggurat_fill   the body of the CPU Gaussian sampler (dpopt.ziggurat: Marsaglia & Tsang 2000 on SFC64);
  *                   one scalar loop (zig_loop) per SFC64 stream, its fast path a lookup of k and the signed w by
  *                   the word's 9 low bits (strip and sign bit: zig_tables), one product and one compare
- *   ziggurat_fill_chunks  the same on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)
+ *   fill_tails      the tail branch's positions: exact draws of Z | Z >= r (Marsaglia 1964) from the same stream
+ *   ziggurat_fill_chunks  body and tails on the chunks of a whole draw, claimed by the calling threads (dpopt.noise)
  *   release         the release's one pass: out = rnd(z*scale + s) [/ divisor] (dpopt.privatizer.add_and_round)
  *   row_sq_norms64  per-row float64 squared norms of float32 rows (dpopt.engine.row_norms)
  *   sq_round_up     float64 squared norms (or products of two) times a margin, rounded UP into float32
@@ -24,6 +25,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(_MSC_VER)
 #include <intrin.h> /* _InterlockedExchangeAdd64 */
@@ -204,16 +206,163 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------- the tail's exact law */
+
+/* The draws of Z | Z >= r at the tail branch's positions (dpopt.noise, "the CPU sampler"): Marsaglia (1964) on
+ * uniforms with the full float64 exponent range, in rounds, from the chunk's own SFC64 stream where its body
+ * stopped. One round for `want` draws proposes t = want + want/4 + 4 candidates and takes words in this order:
+ * t pairs (w0, w1), candidate j's u1 = mu_j * 2^-(k_j + 1) with mu_j = the float64 in [1, 2) of w1's 52 high bits
+ * and k_j = the leading zero bits of w0 with its 11 low bits cleared; for each candidate (in order) whose masked w0
+ * is 0 (probability 2^-53), TAIL_WORDS - 1 further words, k_j then counting over the 1024-bit stream of the
+ * unmasked w0 and those words (64 * TAIL_WORDS when all are zero); then t words of u2 = (w >> 11) * 2^-53. With
+ * k capped at TAIL_K_MAX: z = sqrt(r*r - 2 * (log(mu) - (k + 1) * ln 2)), accepted when u2 * z < r; the first
+ * `want` accepted candidates are kept, in order, and a round follows while draws are missing. Every |z| <=
+ * sqrt(r^2 + 2 * (TAIL_K_MAX + 1) * ln 2) = 37.63. The same rounds, words and float64 expressions as the numpy
+ * statement of the law in tests/core/tail_oracle.py, whose log (numpy's vectorised one) may differ from libm's by
+ * one ulp (tests/core/test_tail_kernel.py). */
+#define TAIL_WORDS 16   /* words of the geometric stream of a tail uniform's exponent: 1024 bits */
+#define TAIL_K_MAX 1011 /* the exponent cap: sqrt(r^2 + 2 (K + 1) ln 2) <= dpopt.noise.CUT_RADIUS */
+#define LN2 0.6931471805599453 /* math.log(2.0), the double nearest ln 2 */
+
+typedef struct {
+    uint64_t first; /* w0, kept for a rare candidate's leading-zero count */
+    int64_t zeros;  /* k, or -1 until a rare candidate's further words are drawn */
+    double mant;    /* mu */
+    double z;
+} TailCandidate;
+
+static inline int64_t leading_zeros64(uint64_t w) { /* w != 0 */
+#if defined(__GNUC__) || defined(__clang__)
+    return (int64_t)__builtin_clzll(w);
+#else
+    int64_t k = 0;
+    while (!(w >> 63)) {
+        w <<= 1;
+        k++;
+    }
+    return k;
+#endif
+}
+
+/* m draws of Z | Z >= r into z[0, m) from the SFC64 state s (advanced in place); scratch: room for `room`
+ * candidates (grown with realloc; *scratch may be NULL). Returns 0, or -1 out of memory. No GIL needed. */
+static int tail_draws(uint64_t *s, Py_ssize_t m, double r, double *z, TailCandidate **scratch, Py_ssize_t *room) {
+    uint64_t a = s[0], b = s[1], c = s[2], n_ = s[3], w0, w1;
+    const double r2 = r * r, to_unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+    const uint64_t hi_mask = ~(uint64_t)0x7FF, one = (uint64_t)1023 << 52;
+    Py_ssize_t done = 0;
+    while (done < m) {
+        Py_ssize_t want = m - done, t = want + want / 4 + 4;
+        if (t > *room) {
+            TailCandidate *grown = (TailCandidate *)realloc(*scratch, (size_t)t * sizeof(TailCandidate));
+            if (!grown) return -1;
+            *scratch = grown;
+            *room = t;
+        }
+        TailCandidate *cand = *scratch;
+        for (Py_ssize_t j = 0; j < t; j++) {
+            SFC_STEP(w0);
+            SFC_STEP(w1);
+            uint64_t top = w0 & hi_mask, mbits = (w1 >> 12) | one;
+            cand[j].first = w0;
+            cand[j].zeros = top ? leading_zeros64(top) : -1;
+            memcpy(&cand[j].mant, &mbits, sizeof mbits);
+        }
+        for (Py_ssize_t j = 0; j < t; j++) { /* the rare candidates' further words, in candidate order */
+            if (cand[j].zeros >= 0) continue;
+            int64_t zeros = cand[j].first ? leading_zeros64(cand[j].first) : -1;
+            for (int q = 1; q < TAIL_WORDS; q++) {
+                SFC_STEP(w1);
+                if (zeros < 0 && w1) zeros = 64 * (int64_t)q + leading_zeros64(w1);
+            }
+            cand[j].zeros = zeros < 0 ? 64 * TAIL_WORDS : zeros;
+        }
+        for (Py_ssize_t j = 0; j < t; j++) {
+            int64_t k = cand[j].zeros < TAIL_K_MAX ? cand[j].zeros : TAIL_K_MAX;
+            cand[j].z = sqrt(r2 - 2.0 * (log(cand[j].mant) - (double)(k + 1) * LN2));
+        }
+        for (Py_ssize_t j = 0; j < t; j++) { /* all t words of u2 are drawn, however many are kept */
+            SFC_STEP(w1);
+            double u2 = (double)(int64_t)(w1 >> 11) * to_unit; /* < 2^53: exact */
+            if (done < m && u2 * cand[j].z < r) z[done++] = cand[j].z;
+        }
+    }
+    s[0] = a; s[1] = b; s[2] = c; s[3] = n_;
+    return 0;
+}
+
+/* out[idx[j]] = tail draw j with the sign out[idx[j]] holds (the body's +-inf), j < m, from the state s (advanced
+ * in place); draws: room for m doubles. Returns 0, or -1 out of memory. */
+static int fill_tail_positions(double *out, const int64_t *idx, Py_ssize_t m, uint64_t *s, double r, double *draws,
+                               TailCandidate **scratch, Py_ssize_t *room) {
+    if (tail_draws(s, m, r, draws, scratch, room) != 0) return -1;
+    for (Py_ssize_t j = 0; j < m; j++) out[idx[j]] = copysign(draws[j], out[idx[j]]);
+    return 0;
+}
+
+PyDoc_STRVAR(fill_tails_doc,
+"fill_tails(out, state, idx, r) -> None\n\n"
+"out[idx[j]] = the j-th draw of Z | Z >= r from the SFC64 stream state (uint64 [4], advanced in place), with the\n"
+"sign out[idx[j]] holds: out float64 [n], idx int64 [m] (each 0 <= idx[j] < n), r > 0. The tail law's rounds and\n"
+"word order: the comment above tail_draws in _native.c. ValueError for other shapes, types or positions;\n"
+"MemoryError. GIL released.");
+
+static PyObject *fill_tails(PyObject *self, PyObject *args) {
+    PyObject *o_out, *o_state, *o_idx;
+    double r;
+    if (!PyArg_ParseTuple(args, "OOOd", &o_out, &o_state, &o_idx, &r)) return NULL;
+    Buffers bs = {.n = 0};
+    PyObject *result = NULL;
+    Py_buffer *out, *state, *idx;
+    if (!(out = take(&bs, o_out, 1, "out")) || !(state = take(&bs, o_state, 1, "state")) ||
+        !(idx = take(&bs, o_idx, 0, "idx")))
+        goto done;
+    Py_ssize_t n = count_of(out), m = count_of(idx);
+    if (kind_of(out) != 'd' || kind_of(state) != 'Q' || count_of(state) != 4 || kind_of(idx) != 'q' || !(r > 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "fill_tails takes out float64 [n], state uint64 [4], idx int64 [m], r > 0");
+        goto done;
+    }
+    const int64_t *ip = (const int64_t *)idx->buf;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (ip[j] < 0 || ip[j] >= n) {
+            PyErr_SetString(PyExc_ValueError, "fill_tails: a position in idx is outside out");
+            goto done;
+        }
+    }
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    TailCandidate *scratch = NULL;
+    Py_ssize_t room = 0;
+    double *draws = (double *)malloc((size_t)(m > 0 ? m : 1) * sizeof(double));
+    failed = !draws || fill_tail_positions((double *)out->buf, ip, m, (uint64_t *)state->buf, r, draws, &scratch,
+                                           &room) != 0;
+    free(draws);
+    free(scratch);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release_all(&bs);
+    return result;
+}
+
 PyDoc_STRVAR(ziggurat_fill_chunks_doc,
-"ziggurat_fill_chunks(out, states, next, chunk, discard, k, w, f, tail_idx, cap, tail_count) -> int\n\n"
+"ziggurat_fill_chunks(out, states, next, chunk, discard, k, w, f, tail_idx, cap, tail_count, r=0) -> int\n\n"
 "ziggurat_fill on the chunks of float64 out [n] (chunk i: out[i*chunk : min(n, (i+1)*chunk)], its stream the\n"
 "i-th row of states uint64 [m, 4], m = ceil(n / chunk), advanced in place), each chunk claimed by an atomic\n"
 "increment of next[0] (int64): callers in several threads share the chunks, each filled exactly once; where next\n"
 "has a second element, a call stops claiming once next[1] is non-zero (a pause: the chunks it left stay unclaimed\n"
 "for a later call). Chunk\n"
 "i's first cap tail positions (relative to its start) go to row i of tail_idx (int64 [m, cap]), their number\n"
-"(which may exceed cap: the caller then redraws the chunk) to tail_count[i] (int64 [m]). Returns the number of\n"
-"chunks this call filled. GIL released throughout.");
+"(which may exceed cap: the caller then redraws the chunk) to tail_count[i] (int64 [m]). With r > 0 (the tail's\n"
+"start, dpopt.ziggurat.ZIGGURAT_R) a chunk with at most cap of them gets its tail draws there at once (fill_tails\n"
+"from a copy of the state where its body stopped: states row i still ends there); r = 0 leaves them +-inf.\n"
+"Returns the number of chunks this call filled. GIL released throughout;\n"
+"MemoryError.");
 
 /* the next unclaimed chunk (an atomic fetch-and-add on the shared counter) */
 static inline int64_t claim(int64_t *next) {
@@ -238,8 +387,9 @@ static inline int paused(const int64_t *stop) {
 static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
     PyObject *o_out, *o_states, *o_next, *o_k, *o_w, *o_f, *o_tail, *o_count;
     Py_ssize_t chunk, discard, cap;
-    if (!PyArg_ParseTuple(args, "OOOnnOOOOnO", &o_out, &o_states, &o_next, &chunk, &discard, &o_k, &o_w, &o_f,
-                          &o_tail, &cap, &o_count))
+    double r = 0.0;
+    if (!PyArg_ParseTuple(args, "OOOnnOOOOnO|d", &o_out, &o_states, &o_next, &chunk, &discard, &o_k, &o_w, &o_f,
+                          &o_tail, &cap, &o_count, &r))
         return NULL;
     Buffers bs = {.n = 0};
     PyObject *result = NULL;
@@ -255,15 +405,19 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
         kind_of(next) != 'q' || count_of(next) < 1 || kind_of(k) != 'Q' || count_of(k) != 256 ||
         kind_of(w) != 'd' || count_of(w) != 256 || kind_of(f) != 'd' || count_of(f) != 256 || kind_of(tail) != 'q' ||
         cap < 0 || (cap > 0 && m > PY_SSIZE_T_MAX / cap) || count_of(tail) != m * cap || kind_of(count) != 'q' ||
-        count_of(count) != m || discard < 0) {
+        count_of(count) != m || discard < 0 || !(r >= 0.0)) {
         PyErr_SetString(PyExc_ValueError,
                         "ziggurat_fill_chunks takes out float64 [n], states uint64 [ceil(n / chunk), 4], next int64 "
                         "[>= 1], chunk > 0, discard >= 0, k uint64 [256], w and f float64 [256], tail_idx int64 "
-                        "[ceil(n / chunk), cap], cap >= 0, tail_count int64 [ceil(n / chunk)]");
+                        "[ceil(n / chunk), cap], cap >= 0, tail_count int64 [ceil(n / chunk)], r >= 0");
         goto done;
     }
     Py_ssize_t done_here = 0;
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
+    TailCandidate *scratch = NULL;
+    Py_ssize_t room = 0;
+    double *draws = cap > 0 && r > 0.0 ? (double *)malloc((size_t)cap * sizeof(double)) : NULL;
     double *o = (double *)out->buf;
     uint64_t *st = (uint64_t *)states->buf;
     int64_t *ti = (int64_t *)tail->buf, *tc = (int64_t *)count->buf;
@@ -275,10 +429,24 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
         int64_t i = claim((int64_t *)next->buf);
         if (i < 0 || i >= m) break;
         Py_ssize_t lo = (Py_ssize_t)i * chunk, len = n - lo < chunk ? n - lo : chunk;
-        tc[i] = zig_loop(o + lo, len, st + 4 * i, discard, &e, (const double *)f->buf, ti + (Py_ssize_t)i * cap, cap);
+        int64_t *at = ti + (Py_ssize_t)i * cap;
+        tc[i] = zig_loop(o + lo, len, st + 4 * i, discard, &e, (const double *)f->buf, at, cap);
         done_here++;
+        if (r > 0.0 && tc[i] > 0 && tc[i] <= cap) { /* the tails now, from a copy of the state where the body stopped */
+            uint64_t after[4] = {st[4 * i], st[4 * i + 1], st[4 * i + 2], st[4 * i + 3]};
+            if (!draws || fill_tail_positions(o + lo, at, (Py_ssize_t)tc[i], after, r, draws, &scratch, &room) != 0) {
+                failed = 1;
+                break;
+            }
+        }
     }
+    free(draws);
+    free(scratch);
     Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
     result = PyLong_FromSsize_t(done_here);
 done:
     release_all(&bs);
@@ -573,6 +741,7 @@ done:
 static PyMethodDef methods[] = {
     {"ziggurat_fill", ziggurat_fill, METH_VARARGS, ziggurat_fill_doc},
     {"ziggurat_fill_chunks", ziggurat_fill_chunks, METH_VARARGS, ziggurat_fill_chunks_doc},
+    {"fill_tails", fill_tails, METH_VARARGS, fill_tails_doc},
     {"release", release, METH_VARARGS, release_doc},
     {"row_sq_norms64", row_sq_norms64, METH_VARARGS, row_sq_norms64_doc},
     {"sq_round_up", sq_round_up, METH_VARARGS, sq_round_up_doc},

@@ -1,11 +1,13 @@
 """dpopt's compiled CPU kernels (the C extension ``dpopt._native``), or an error that says how to build them.
 
-Seven kernels. The first four run with the GIL released, so that Python threads run them in parallel on disjoint
+Eight kernels. The first five run with the GIL released, so that Python threads run them in parallel on disjoint
 pieces:
 
 * ``ziggurat_fill``: the body of the CPU Gaussian sampler (:mod:`dpopt.ziggurat`);
-* ``ziggurat_fill_chunks``: the same on every chunk of an early noise draw, the chunks claimed by the calling threads
-  through one atomic counter (:class:`dpopt.noise.CpuNormalDraw`);
+* ``fill_tails``: its tail positions, each an exact draw of Z | Z ≥ r from the same stream (Marsaglia 1964;
+  :func:`dpopt.noise.ziggurat_normals`);
+* ``ziggurat_fill_chunks``: body and tails on every chunk of an early noise draw, the chunks claimed by the calling
+  threads through one atomic counter (:class:`dpopt.noise.CpuNormalDraw`);
 * ``release``: the release's one pass, out = rnd(z·scale + s) [/ B̄] (:func:`dpopt.privatizer.add_and_round`);
 * ``row_sq_norms64``: per-row float64 squared norms of float32 rows (:mod:`dpopt.engine.row_norms`).
 
@@ -47,6 +49,7 @@ except ImportError as err:  # a source tree that was never built, or a broken in
 _KERNELS = (
     "ziggurat_fill",
     "ziggurat_fill_chunks",
+    "fill_tails",
     "release",
     "row_sq_norms64",
     "sq_round_up",

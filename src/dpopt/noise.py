@@ -68,8 +68,10 @@ value within one 2^-52 grid step of r, probability ≤ 2^-60, is counted as tail
 redrawn); all far below 1e-30 in effect, so nothing is added to the ledger's δ.
 Each draw is float64, rounded once to the requested dtype; the Privatizer adds
 it to the clipped sum in float64 and rounds the noisy sum once to the parameter
-dtype. Reproducible CPU values depend only on dpopt's own ziggurat tables and
-SFC64 (not on the numpy version).
+dtype. Reproducible CPU values depend only on dpopt's own ziggurat tables,
+SFC64 and the C library's ``log`` (for the tail draws; not on numpy: until 2026-12-07 the tails used
+numpy's vectorised log, which differs from glibc's in the last bit for ≈ 0.35 % of arguments on an
+AVX-512 CPU, so the values depended on numpy's build and the CPU).
 
 Floating-point attacks (Mironov 2012; Jin et al. 2022, arXiv 2112.05307,
 "Are we there yet? Timing and floating-point attacks on differential
@@ -83,9 +85,7 @@ but dpopt gives no proof, and no protection against timing side channels
 generator: ``pickle``, ``copy.copy``/``deepcopy`` and ``torch.save`` carry no
 generator state, and the copy re-seeds from OS entropy on its first draw (a
 copy is still usable: users deep-copy optimizers for EMA/SWA); a forked child
-re-seeds too (``os.register_at_fork``). Reproducible sources keep their state. The
-per-thread SFC64 objects a source re-uses (their state overwritten before every chunk) are never
-copied either.
+re-seeds too (``os.register_at_fork``). Reproducible sources keep their state.
 
 **When the noise is computed (issue 23).** A large CPU draw can be started before it is needed
 (:meth:`NoiseSource.start_normal`, a :class:`CpuNormalDraw`): its chunk states are taken from the
@@ -102,9 +102,10 @@ fills them without the GIL until none is left. With ``t`` torch threads, ``t −
 when the draw starts (one runnable thread fewer beside the step's own ``t`` torch threads: at t = 2,
 one worker gave a faster MLP step than two), and :meth:`CpuNormalDraw.consume` runs it too, so the
 consumer computes whatever no worker has started instead of waiting for it. The workers hold the GIL
-only to start and to finish (not once per chunk; one task replaces a future per chunk). The tails
-(≈ 34 values per chunk; numpy, since a C log could differ from numpy's in the last bit) are drawn at
-the consumer for all chunks in one numpy pass (:func:`_tail_draws_many`). Only when and where a chunk
+only to start and to finish (not once per chunk; one task replaces a future per chunk). A chunk's
+tails (≈ 34 values) are drawn in the same compiled pass, right after its body, so the consumer only
+waits for the last chunks (until 2026-12-07 the consumer drew them all in one numpy pass: 0.3 ms of an
+8 ms MLP step on the main thread). Only when and where a chunk
 is computed changes, never its values (docs/performance.md, "MLP: the noise draw beside torch's threads").
 
 **Memory (issue 43).** Every chunk of :data:`NORMAL_CHUNK` normals of a CPU draw is
@@ -465,163 +466,29 @@ def gaussian_from_words(words: Tensor, slot_words: Tensor, block_pairs: Optional
 #
 # The body is Marsaglia & Tsang (2000)'s ziggurat with 256 strips (dpopt.ziggurat: one 64-bit SFC64
 # word per candidate, compiled C, GIL released). A value has |z| >= r = ZIGGURAT_R exactly when it
-# comes from the base strip's tail branch (every other branch returns |u·x_i| < r); the kernel leaves
-# those positions to this module, which fills each, with its sign, by an independent draw of the exact
-# tail law Z | Z >= r (:func:`_tail_draws`, Marsaglia 1964 on uniforms with the full float64 exponent
-# range) from the same stream: the mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by
+# comes from the base strip's tail branch (every other branch returns |u·x_i| < r); each such position
+# is filled, with its sign, by an independent draw of the exact tail law Z | Z >= r (``fill_tails`` of
+# dpopt.kernels, C: Marsaglia 1964 on uniforms with the full float64 exponent range; its numpy statement,
+# the tests' oracle, is tests/core/tail_oracle.py) from the same stream where the body stopped: the mixture is again N(0, 1) (the branch's probability is P(|Z| >= r) by
 # construction), with a tail to _TAIL_RADIUS = √(r² + 2·1012·ln 2) ≈ 37.63 ≤ CUT_RADIUS (numpy's own
 # ziggurat tail stops at r + 36.7/r ≈ 13.7 < 11.5 + 1/σ for σ < 0.45). The tail is 2.6e-4 of the values.
 _TAIL_CAP = 1024  # tail positions an early draw records per chunk (≈ 34 expected; more: the chunk is redrawn)
-_TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent
-_TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS
+_TAIL_WORDS = 16  # 1024 bits of the geometric stream of a tail uniform's exponent (TAIL_WORDS in _native.c)
+_TAIL_K_MAX = 1011  # exponent cap of a tail uniform: √(r² + 2·(K+1)·ln 2) ≤ CUT_RADIUS (TAIL_K_MAX in _native.c)
 _LN2 = math.log(2.0)
 
 
-def _sfc64(state: Union[bytes, np.ndarray], bitgen: Optional[np.random.SFC64] = None) -> np.random.Generator:
-    """A numpy Generator on SFC64 (Doty-Humphrey's Small Fast Chaotic PRNG) at a stream's state.
-
-    Args:
-        state: 24 bytes (a, b, c little-endian; counter 1, the first :data:`~dpopt.ziggurat.SFC_DISCARD`
-            outputs dropped: :func:`~dpopt.ziggurat.sfc64_seed_state`), or uint64 ``[4]`` the exact
-            state (a, b, c, counter) to continue from, nothing dropped.
-        bitgen: an SFC64 object to re-use (its state overwritten); constructing one costs a SeedSequence hash.
-
-    Raises:
-        ValueError: ``state`` is not 24 bytes.
-    """
-    words = sfc64_seed_state(state) if isinstance(state, bytes) else state
-    if bitgen is None:
-        bitgen = np.random.SFC64(0)  # a fixed seed only to construct it: the state is replaced next
-    bitgen.state = {"bit_generator": "SFC64", "state": {"state": words.copy()}, "has_uint32": 0, "uinteger": 0}
-    if isinstance(state, bytes):
-        bitgen.random_raw(SFC_DISCARD)
-    return np.random.Generator(bitgen)
-
-
-def _leading_zeros(stream: np.ndarray) -> np.ndarray:
-    """Leading zero bits of each row's stream of 64-bit words (uint64 ``[r, w]``, first word's top
-    bit first); ``64·w`` for an all-zero row (int64 ``[r]``)."""
-    nonzero = stream != 0
-    first = nonzero.argmax(axis=1)
-    word = stream[np.arange(stream.shape[0]), first]
-    hi, lo = (word >> np.uint64(32)).astype(np.float64), (word & np.uint64(0xFFFFFFFF)).astype(np.float64)
-    bits = np.where(hi > 0, 32 + np.frexp(hi)[1], np.frexp(lo)[1])  # bit length (exact: < 2^32 halves)
-    return np.where(nonzero.any(axis=1), 64 * first + 64 - bits, 64 * stream.shape[1]).astype(np.int64)
-
-
-def _log_full_uniform(gen: np.random.Generator, m: int) -> np.ndarray:
-    """ln u for ``m`` uniforms u on (0, 1) with a 52-bit mantissa at EVERY scale (float64 ``[m]``).
-
-    u = μ·2^-(k+1), μ ∈ [1, 2) on a 2^-52 grid, k = the leading zero bits of a 1024-bit stream
-    (Geometric(1/2), capped at _TAIL_K_MAX: probability 2^-1011), so ln u = ln μ − (k+1)·ln 2 is exact
-    to rounding without forming a subnormal u; −ln u ≤ 1012·ln 2. Words: one ``[m, 2]`` draw (the
-    stream's first word, μ's word); a row whose first word is below 2^11 (probability 2^-53) draws
-    the stream's other _TAIL_WORDS − 1 words next, in row order.
-    """
-    raw = gen.bit_generator.random_raw((m, 2))
-    top = raw[:, 0] & np.uint64(~0x7FF & (2**64 - 1))  # ≤ 53 significant bits: exact in float64
-    zeros = 64 - np.frexp(top.astype(np.float64))[1].astype(np.int64)  # leading zeros when top > 0
-    rare = np.flatnonzero(top == 0)
-    if rare.size:
-        more = gen.bit_generator.random_raw((rare.size, _TAIL_WORDS - 1))
-        zeros[rare] = _leading_zeros(np.concatenate([raw[rare, :1], more], axis=1))
-    zeros = np.minimum(zeros, _TAIL_K_MAX)
-    mantissa = ((raw[:, 1] >> np.uint64(12)) | np.uint64(_ONE)).view(np.float64)
-    return np.log(mantissa) - (zeros + 1) * _LN2
-
-
-def _tail_draws(gen: np.random.Generator, m: int) -> np.ndarray:
-    """``m`` independent draws of Z | Z ≥ r (r = :data:`ZIGGURAT_R`), float64 ``[m]``.
-
-    Marsaglia (1964): z = √(r² − 2 ln u₁), accepted with probability r/z (u₂·z < r); the accepted z
-    has density ∝ e^{−z²/2} on [r, ∞). u₁ has the full exponent range (:func:`_log_full_uniform`),
-    so every z ≤ _TAIL_RADIUS is possible; u₂ is a 53-bit uniform on [0, 1). Each round proposes
-    25 % + 4 more candidates than still needed (acceptance ≈ 0.92: one round, nearly always) and
-    keeps the first accepted ones in order.
-    """
-    out = np.empty(m, dtype=np.float64)
-    done = 0
-    while done < m:
-        want = m - done
-        tries = _tries(want)
-        z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * _log_full_uniform(gen, tries))
-        u2 = (gen.bit_generator.random_raw(tries) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-        keep = z[u2 * z < ZIGGURAT_R][:want]
-        out[done : done + keep.size] = keep
-        done += keep.size
-    return out
-
-
-def _tries(want: int) -> int:
-    """Candidates one round of :func:`_tail_draws` proposes for ``want`` draws (25 % + 4 more)."""
-    return want + want // 4 + 4
-
-
-def _tail_draws_many(states: np.ndarray, counts: list[int], bitgen: np.random.SFC64) -> list[np.ndarray]:
-    """``[_tail_draws(_sfc64(states[i], bitgen), counts[i]) for i]``, the same values, in one numpy pass.
-
-    A draw's chunks each need a few tail draws (≈ 34 per chunk of :data:`NORMAL_CHUNK`) from their own
-    streams; :func:`_tail_draws` spends ≈ 30 µs of numpy calls per chunk on such short arrays. Here each
-    stream only supplies its words (its first round: :func:`_log_full_uniform`'s ``[t, 2]`` words, then the
-    ``t`` words of u₂, t = :func:`_tries`), and the arithmetic — the same elementwise numpy expressions, in
-    the same order — runs once over all chunks' words. A chunk whose first round is not the whole of its
-    draw in :func:`_tail_draws` (a stream word below 2^11, probability 2^-53 per candidate, draws further
-    words before u₂; or fewer than ``counts[i]`` candidates accepted) is drawn by :func:`_tail_draws` itself.
-
-    Args:
-        states: uint64 ``[k, 4]``: the exact SFC64 state (a, b, c, counter) each stream continues from
-            (:func:`_sfc64`); not modified.
-        counts: ``k`` numbers of draws (each ≥ 1).
-        bitgen: the SFC64 object to re-use (its state is overwritten).
-
-    Returns:
-        ``k`` float64 arrays, the i-th of ``counts[i]`` draws of Z | Z ≥ r.
-    """
-    hi_mask = np.uint64(~0x7FF & (2**64 - 1))
-    firsts, us, own = [], [], []
-    for i, m in enumerate(counts):
-        gen = _sfc64(states[i], bitgen)
-        t = _tries(m)
-        raw = gen.bit_generator.random_raw((t, 2))
-        if not (raw[:, 0] & hi_mask).all():  # a rare word: _log_full_uniform draws more words before u₂
-            own.append(i)
-            continue
-        firsts.append(raw)
-        us.append(gen.bit_generator.random_raw(t))
-    out: list = [None] * len(counts)
-    if firsts:
-        raw = np.concatenate(firsts)
-        top = raw[:, 0] & hi_mask
-        zeros = np.minimum(64 - np.frexp(top.astype(np.float64))[1].astype(np.int64), _TAIL_K_MAX)
-        mantissa = ((raw[:, 1] >> np.uint64(12)) | np.uint64(_ONE)).view(np.float64)
-        z = np.sqrt(ZIGGURAT_R * ZIGGURAT_R - 2.0 * (np.log(mantissa) - (zeros + 1) * _LN2))
-        u2 = (np.concatenate(us) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-        accept = u2 * z < ZIGGURAT_R
-        at, rare = 0, set(own)
-        for i in (i for i in range(len(counts)) if i not in rare):
-            t = _tries(counts[i])
-            keep = z[at : at + t][accept[at : at + t]][: counts[i]]
-            at += t
-            if keep.size == counts[i]:
-                out[i] = keep
-            else:  # another round: the chunk's own loop
-                own.append(i)
-    for i in own:
-        out[i] = _tail_draws(_sfc64(states[i], bitgen), counts[i])
-    return out
-
-
-def ziggurat_normals(state: bytes, out: np.ndarray, bitgen: Optional[np.random.SFC64] = None) -> np.ndarray:
+def ziggurat_normals(state: bytes, out: np.ndarray) -> np.ndarray:
     """Fill float64 ``out`` (1-D, contiguous) with standard normals from one SFC64 stream — the CPU
     sampler of secret and reproducible noise (module comment above), a pure function of ``state``.
 
     The body comes from :func:`dpopt.ziggurat.ziggurat_body`; its tail positions are filled, with
-    their signs, by :func:`_tail_draws` from the same stream where the body stopped.
+    their signs, by the compiled exact tail law (``fill_tails`` of :mod:`dpopt.kernels`: Marsaglia 1964,
+    the comment above ``tail_draws`` in ``_native.c``) from the same stream where the body stopped.
 
     Args:
         state: 24 bytes, the stream's SFC64 state (:func:`~dpopt.ziggurat.sfc64_seed_state`).
         out: float64 numpy array, overwritten; the same values whatever thread runs this.
-        bitgen: an SFC64 object to re-use for the tail draws (its state is overwritten).
 
     Returns:
         ``out``. Every |value| ≤ _TAIL_RADIUS < :data:`CUT_RADIUS`.
@@ -632,7 +499,8 @@ def ziggurat_normals(state: bytes, out: np.ndarray, bitgen: Optional[np.random.S
     words = sfc64_seed_state(state)
     idx = ziggurat_body(out, words)  # words now hold the stream's state after the body
     if idx.size:
-        out[idx] = np.copysign(_tail_draws(_sfc64(words, bitgen), idx.size), out[idx])
+        native.fill_tails(out, words, idx, ZIGGURAT_R)
+    words[:] = 0  # the stream's state is not kept past its use
     return out
 
 
@@ -714,7 +582,6 @@ class NoiseSource:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_threads = 0
         self._pool_pid = 0
-        self._bitgens: dict[tuple[int, int], np.random.SFC64] = {}  # per thread, re-used (_bitgen)
         self._epoch = 0  # bumped by _forget (fork): a CpuNormalDraw of an older epoch is never consumed
         if generator is not None:
             self._generators[str(generator.device)] = generator
@@ -820,20 +687,11 @@ class NoiseSource:
             self._pool_threads, self._pool_pid = threads, os.getpid()
         return self._pool
 
-    def _bitgen(self) -> np.random.SFC64:
-        """This thread's re-used SFC64 object (its state is overwritten before every chunk)."""
-        key = (os.getpid(), threading.get_ident())
-        bitgen = self._bitgens.get(key)
-        if bitgen is None:
-            bitgen = self._bitgens[key] = np.random.SFC64(0)
-        return bitgen
-
     def _forget(self) -> None:
         """Drop the generators of a non-reproducible source: the next draw re-seeds from OS entropy."""
         if self.mode != "reproducible":
             self._generators = {}
         self._pool, self._pool_threads, self._pool_pid = None, 0, 0
-        self._bitgens = {}
         self._epoch += 1  # draws started before (a forked child's copies of them) are never used
 
     def __getstate__(self) -> dict:
@@ -842,7 +700,6 @@ class NoiseSource:
         so it cannot replay the original's noise). Reproducible sources keep their generators."""
         state = dict(self.__dict__)
         state["_pool"], state["_pool_threads"], state["_pool_pid"] = None, 0, 0
-        state["_bitgens"] = {}
         if self.mode != "reproducible":
             state["_generators"] = {}
         return state
@@ -902,9 +759,9 @@ class CpuNormalDraw:
       :meth:`NoiseSource.start_normal`), else from :meth:`start` or :meth:`consume`, the consumer
       taking those still unclaimed when it needs them (at once with one torch thread), into one
       float64 buffer of all ``n`` values — the Privatizer's early draw; each chunk's body by
-      the compiled job (``ziggurat_fill_chunks``: the same kernel as :func:`ziggurat_normals`),
-      its tail positions by :func:`_tail_draws_many` at :meth:`consume` (a chunk with more than
-      ``_TAIL_CAP`` of them, never seen, is computed again by :func:`ziggurat_normals`); :meth:`pause`
+      the compiled job (``ziggurat_fill_chunks``: the same kernels as :func:`ziggurat_normals`,
+      its tail positions filled in the same pass; a chunk with more than ``_TAIL_CAP`` of them, never
+      seen, is computed again by :func:`ziggurat_normals` at :meth:`consume`); :meth:`pause`
       stops the workers' claims between chunks and :meth:`start` (or :meth:`consume`) resumes them
       (:mod:`dpopt.core_loan` lends a core to one worker between a step's forward and its large GEMMs);
     * ``stream=True``: nothing but the chunk states is drawn at start; :meth:`consume` computes
@@ -971,6 +828,7 @@ class CpuNormalDraw:
             self._tail_idx,
             _TAIL_CAP,
             self._tail_count,
+            ZIGGURAT_R,
         )
         pool = source._thread_pool() if k > 1 else None
         if pool is None:
@@ -1025,22 +883,15 @@ class CpuNormalDraw:
         return 0 if job is None else native.ziggurat_fill_chunks(*job)
 
     def _finish_tails(self) -> None:
-        """Every chunk's tail-branch positions filled by :func:`_tail_draws` from its stream where its body
-        stopped — exactly what :func:`ziggurat_normals` does per chunk; then the chunk states are dropped."""
+        """The chunks with more tail-branch positions than the compiled job records (``_TAIL_CAP``; it fills the
+        tails of every other chunk as it goes) computed again, whole, by :func:`ziggurat_normals` from their states:
+        the same values. Then the chunk states are dropped."""
         buf = self._values
-        assert buf is not None
-        out, bitgen = buf.numpy(), self._source._bitgen()
-        which = np.flatnonzero((self._tail_count > 0) & (self._tail_count <= _TAIL_CAP))
-        counts = self._tail_count[which].tolist()
-        for i, m, tails in zip(which.tolist(), counts, _tail_draws_many(self._words[which], counts, bitgen)):
+        assert buf is not None and self._states is not None
+        out = buf.numpy()
+        for i in np.flatnonzero(self._tail_count > _TAIL_CAP).tolist():  # ≈ 34 expected of 1024: never, nearly
             lo, hi = self._bounds(i)
-            idx = self._tail_idx[i, :m]
-            chunk = out[lo:hi]
-            chunk[idx] = np.copysign(tails, chunk[idx])
-        for i in np.flatnonzero(self._tail_count > _TAIL_CAP).tolist():  # more tail positions than recorded
-            lo, hi = self._bounds(i)
-            assert self._states is not None
-            ziggurat_normals(self._states[i], out[lo:hi], bitgen)  # the chunk again, whole: the same values
+            ziggurat_normals(self._states[i], out[lo:hi])
         self._words[:] = 0  # the chunk states are not kept past their use
         self._job = None
         self._tail_idx, self._tail_count = np.empty((0, 0), np.int64), np.empty(0, np.int64)
@@ -1062,7 +913,7 @@ class CpuNormalDraw:
         if self._states is None:  # secure: the OS CSPRNG's words, the one-piece sampler
             return self._source.normal((hi - lo,), dtype=torch.float64)
         mine = buf[lo:hi] if own_place else buf[: hi - lo]
-        ziggurat_normals(self._states[i], mine.numpy(), self._source._bitgen())
+        ziggurat_normals(self._states[i], mine.numpy())
         return mine
 
     @property

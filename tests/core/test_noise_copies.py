@@ -10,7 +10,6 @@ import io
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -64,20 +63,17 @@ def test_a_shallow_copy_of_a_reproducible_source_shares_its_stream():
 
 
 def test_a_pickle_of_a_secret_source_holds_none_of_its_generator_state():
-    """Neither the MT19937 state of the uniforms nor the SFC64 state the normals' sampler left in its
-    re-used per-thread bit generator reaches a pickle or torch.save."""
+    """The MT19937 state of the uniforms reaches neither a pickle nor torch.save (the normals' sampler keeps no
+    generator object between draws: each chunk's SFC64 state lives in the compiled kernel's call)."""
     src = NoiseSource("secret")
     src.normal((10,))
     src.uniform(10)
     at, width = _mt_state_layout()
     state = src._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
-    assert src._bitgens  # the normals' SFC64 object is kept for re-use, with its last state
-    sfc = np.concatenate([bg.state["state"]["state"][:3] for bg in src._bitgens.values()]).tobytes()
     blob = pickle.dumps(src)
     buf = io.BytesIO()
     torch.save(src, buf)
     pieces = [state[i : i + 16] for i in range(0, len(state) - 16, 16 * 39)]  # of the 4,992-byte state
-    pieces += [sfc[i : i + 8] for i in range(0, len(sfc), 8)]  # every 64-bit word of a, b, c
     for piece in pieces:
         assert piece not in blob and piece not in buf.getvalue()
 
@@ -188,16 +184,13 @@ def test_a_forked_child_keeps_reproducible_noise():
 
 def _secret_pieces(src: NoiseSource, draw=None) -> list[bytes]:
     """Byte strings of the secret state a source holds in memory (each ≥ 64 random bits, so a chance match in
-    a blob of L bytes has probability ≤ L·2^-64): 16-byte pieces of the MT19937 state of the uniforms, every
-    64-bit word of the per-thread SFC64 objects' last states (SFC64 is a bijection: its end state runs back to
-    the chunk's words), and of a started draw its 24-byte chunk states and its first computed normals."""
+    a blob of L bytes has probability ≤ L·2^-64): 16-byte pieces of the MT19937 state of the uniforms, and of a
+    started draw its 24-byte chunk states and its first computed normals."""
     pieces = []
     if "cpu" in src._generators:
         at, width = _mt_state_layout()
         mt = src._generators["cpu"].get_state().numpy().tobytes()[at : at + 624 * width]
         pieces += [mt[i : i + 16] for i in range(0, len(mt) - 16, 16 * 13)]
-    for bg in src._bitgens.values():
-        pieces += [w.tobytes() for w in bg.state["state"]["state"][:3]]
     if draw is not None:
         draw.start()  # a deferred draw (no core spare beside torch's threads): its workers compute it now
         for fut in draw._futures:
@@ -217,25 +210,25 @@ def _written(obj) -> list[bytes]:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_nothing_written_from_a_secret_privatizer_mid_step_holds_a_secret(threads):
     """Between begin() and release() the Privatizer holds the step's started draw (its chunk states, its
-    computed noise) and its source the SFC64 objects' last states and the uniforms' MT19937 state: a pickle,
+    computed noise) and its source the uniforms' MT19937 state: a pickle,
     torch.save, state_dict or deepcopy of it carries none of them."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         priv = Privatizer(1.0, 1.0, 2.0, 0.1)
         x = torch.zeros(1, 3 * NORMAL_CHUNK + 5)
-        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])  # learns the size; the SFC64 objects exist
+        priv.privatize(PerSampleGrads([x]), params_like=[x[0]])  # learns the size
         priv.noise.uniform(10)
         priv.begin()  # the next step's draw starts now (secret)
         draw = priv._pending
         assert isinstance(draw, CpuNormalDraw) and draw._states and len(draw._states) == 4
         pieces = _secret_pieces(priv.noise, draw)
-        assert len(priv.noise._bitgens) >= 1 and len(pieces) > 35
+        assert len(pieces) > 30
         blobs = _written(priv) + _written(priv.state_dict())
         for piece in pieces:
             assert all(piece not in blob for blob in blobs)
         twin = copy.deepcopy(priv)
-        assert twin._pending is None and twin.noise._bitgens == {} and twin.noise._generators == {}
+        assert twin._pending is None and twin.noise._generators == {}
         assert twin.noise._pool is None
     finally:
         torch.set_num_threads(old)
@@ -264,7 +257,7 @@ def test_nothing_written_from_private_optimizers_holds_a_secret(tmp_path):
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
         src = opt.privatizer.noise
-        assert "cpu" in src._generators and src._bitgens  # masks and normals were drawn
+        assert "cpu" in src._generators  # the masks were drawn
         engine.save_checkpoint(path=tmp_path / "ck.pt", module=model, optimizer=opt)
         blobs = _written(opt.state_dict()) + [(tmp_path / "ck.pt").read_bytes(), pickle.dumps(opt.privatizer)]
         small = nn.Linear(600, 500)  # 300,500 parameters
@@ -274,13 +267,11 @@ def test_nothing_written_from_private_optimizers_holds_a_secret(tmp_path):
         opt2.step(PerSampleGrads([torch.zeros(2, 500, 600), torch.zeros(2, 500)]))
         blobs += _written(opt2.state_dict()) + _written(opt2)
         pieces = _secret_pieces(src) + _secret_pieces(opt2.privatizer.noise)
-        # 24 pieces of the masks' MT19937 state, 3 words of every SFC64 object (one per noise thread that computed
-        # a chunk; which threads do depends on scheduling, so at least one per source)
-        assert src._bitgens and opt2.privatizer.noise._bitgens and len(pieces) >= 24 + 3 + 3
+        assert len(pieces) >= 24  # 24 pieces of the masks' MT19937 state
         for piece in pieces:
             assert all(piece not in blob for blob in blobs)
         twin_model, twin = copy.deepcopy((model, opt))
-        assert twin.privatizer.noise._generators == {} and twin.privatizer.noise._bitgens == {}
+        assert twin.privatizer.noise._generators == {}
     finally:
         torch.set_num_threads(old)
 

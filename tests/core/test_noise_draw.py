@@ -238,11 +238,11 @@ class _Recorder:
     def __init__(self, real, fail_at=None):
         self.real, self.fail_at, self.states, self.calls = real, fail_at, [], 0
 
-    def __call__(self, state, out, bitgen=None):
+    def __call__(self, state, out):
         self.states.append(bytes(state))
         if self.fail_at is not None and len(self.states) == self.fail_at:
             raise MemoryError("chunk failed")
-        return self.real(state, out, bitgen)
+        return self.real(state, out)
 
 
 class _JobRecorder(_Recorder):
