@@ -223,6 +223,25 @@ done:
 #define TAIL_WORDS 16   /* words of the geometric stream of a tail uniform's exponent: 1024 bits */
 #define TAIL_K_MAX 1011 /* the exponent cap: sqrt(r^2 + 2 (K + 1) ln 2) <= dpopt.noise.CUT_RADIUS */
 #define LN2 0.6931471805599453 /* math.log(2.0), the double nearest ln 2 */
+/* the tail's start r the kernels take: finite and in [1, 1000] (dpopt's r is 3.654). Below 1 a candidate is
+ * accepted with probability ~r, above it r*r may overflow: either could loop for ever with the GIL released. */
+#define TAIL_R_MIN 1.0
+#define TAIL_R_MAX 1000.0
+
+static int tail_r_ok(double r) { return r >= TAIL_R_MIN && r <= TAIL_R_MAX; } /* false for nan and inf */
+
+/* zero n bytes in a way the compiler cannot drop as a dead store (the tails' scratch holds raw stream words,
+ * from which SFC64, a bijection, runs back to the chunk's secret state) */
+static void wipe(void *p, size_t n) {
+    volatile unsigned char *q = (volatile unsigned char *)p;
+    while (n--) *q++ = 0;
+}
+
+/* whether two buffers share a byte */
+static int overlap(const Py_buffer *x, const Py_buffer *y) {
+    const char *a = (const char *)x->buf, *b = (const char *)y->buf;
+    return x->len > 0 && y->len > 0 && a < b + y->len && b < a + x->len;
+}
 
 typedef struct {
     uint64_t first; /* w0, kept for a rare candidate's leading-zero count */
@@ -254,6 +273,7 @@ static int tail_draws(uint64_t *s, Py_ssize_t m, double r, double *z, TailCandid
     while (done < m) {
         Py_ssize_t want = m - done, t = want + want / 4 + 4;
         if (t > *room) {
+            if ((size_t)t > SIZE_MAX / sizeof(TailCandidate)) return -1;
             TailCandidate *grown = (TailCandidate *)realloc(*scratch, (size_t)t * sizeof(TailCandidate));
             if (!grown) return -1;
             *scratch = grown;
@@ -291,21 +311,35 @@ static int tail_draws(uint64_t *s, Py_ssize_t m, double r, double *z, TailCandid
     return 0;
 }
 
-/* out[idx[j]] = tail draw j with the sign out[idx[j]] holds (the body's +-inf), j < m, from the state s (advanced
- * in place); draws: room for m doubles. Returns 0, or -1 out of memory. */
-static int fill_tail_positions(double *out, const int64_t *idx, Py_ssize_t m, uint64_t *s, double r, double *draws,
-                               TailCandidate **scratch, Py_ssize_t *room) {
+/* out[idx[j]] = tail draw j with the sign out[idx[j]] holds (the body's +-inf), j < m, out of n values, from the
+ * state s (advanced in place); draws: room for m doubles. Each position is read once and checked where it is used
+ * (the caller checked them too, but idx may share memory with out or change under another thread). Returns 0, -1
+ * out of memory, -2 a position outside out. */
+static int fill_tail_positions(double *out, Py_ssize_t n, const int64_t *idx, Py_ssize_t m, uint64_t *s, double r,
+                               double *draws, TailCandidate **scratch, Py_ssize_t *room) {
     if (tail_draws(s, m, r, draws, scratch, room) != 0) return -1;
-    for (Py_ssize_t j = 0; j < m; j++) out[idx[j]] = copysign(draws[j], out[idx[j]]);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t at = idx[j];
+        if (at < 0 || at >= n) return -2;
+        out[at] = copysign(draws[j], out[at]);
+    }
     return 0;
+}
+
+/* the scratch of the tail draws wiped and freed */
+static void free_tail_scratch(double *draws, Py_ssize_t n_draws, TailCandidate *scratch, Py_ssize_t room) {
+    if (draws) wipe(draws, (size_t)n_draws * sizeof(double));
+    if (scratch) wipe(scratch, (size_t)room * sizeof(TailCandidate));
+    free(draws);
+    free(scratch);
 }
 
 PyDoc_STRVAR(fill_tails_doc,
 "fill_tails(out, state, idx, r) -> None\n\n"
 "out[idx[j]] = the j-th draw of Z | Z >= r from the SFC64 stream state (uint64 [4], advanced in place), with the\n"
-"sign out[idx[j]] holds: out float64 [n], idx int64 [m] (each 0 <= idx[j] < n), r > 0. The tail law's rounds and\n"
-"word order: the comment above tail_draws in _native.c. ValueError for other shapes, types or positions;\n"
-"MemoryError. GIL released.");
+"sign out[idx[j]] holds: out float64 [n], idx int64 [m] (each 0 <= idx[j] < n), r finite in [1, 1000], the three\n"
+"sharing no memory. The tail law's rounds and word order: the comment above tail_draws in _native.c. ValueError\n"
+"for other shapes, types, positions, r or overlaps; MemoryError. GIL released.");
 
 static PyObject *fill_tails(PyObject *self, PyObject *args) {
     PyObject *o_out, *o_state, *o_idx;
@@ -318,8 +352,13 @@ static PyObject *fill_tails(PyObject *self, PyObject *args) {
         !(idx = take(&bs, o_idx, 0, "idx")))
         goto done;
     Py_ssize_t n = count_of(out), m = count_of(idx);
-    if (kind_of(out) != 'd' || kind_of(state) != 'Q' || count_of(state) != 4 || kind_of(idx) != 'q' || !(r > 0.0)) {
-        PyErr_SetString(PyExc_ValueError, "fill_tails takes out float64 [n], state uint64 [4], idx int64 [m], r > 0");
+    if (kind_of(out) != 'd' || kind_of(state) != 'Q' || count_of(state) != 4 || kind_of(idx) != 'q' || !tail_r_ok(r)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "fill_tails takes out float64 [n], state uint64 [4], idx int64 [m], r finite in [1, 1000]");
+        goto done;
+    }
+    if (overlap(out, idx) || overlap(out, state) || overlap(idx, state)) {
+        PyErr_SetString(PyExc_ValueError, "fill_tails: out, state and idx must not share memory");
         goto done;
     }
     const int64_t *ip = (const int64_t *)idx->buf;
@@ -334,11 +373,13 @@ static PyObject *fill_tails(PyObject *self, PyObject *args) {
     TailCandidate *scratch = NULL;
     Py_ssize_t room = 0;
     double *draws = (double *)malloc((size_t)(m > 0 ? m : 1) * sizeof(double));
-    failed = !draws || fill_tail_positions((double *)out->buf, ip, m, (uint64_t *)state->buf, r, draws, &scratch,
-                                           &room) != 0;
-    free(draws);
-    free(scratch);
+    failed = !draws ? -1 : fill_tail_positions((double *)out->buf, n, ip, m, (uint64_t *)state->buf, r, draws, &scratch, &room);
+    free_tail_scratch(draws, m > 0 ? m : 1, scratch, room);
     Py_END_ALLOW_THREADS
+    if (failed == -2) {
+        PyErr_SetString(PyExc_ValueError, "fill_tails: a position in idx changed while the kernel ran");
+        goto done;
+    }
     if (failed) {
         PyErr_NoMemory();
         goto done;
@@ -359,10 +400,10 @@ PyDoc_STRVAR(ziggurat_fill_chunks_doc,
 "for a later call). Chunk\n"
 "i's first cap tail positions (relative to its start) go to row i of tail_idx (int64 [m, cap]), their number\n"
 "(which may exceed cap: the caller then redraws the chunk) to tail_count[i] (int64 [m]). With r > 0 (the tail's\n"
-"start, dpopt.ziggurat.ZIGGURAT_R) a chunk with at most cap of them gets its tail draws there at once (fill_tails\n"
-"from a copy of the state where its body stopped: states row i still ends there); r = 0 leaves them +-inf.\n"
-"Returns the number of chunks this call filled. GIL released throughout;\n"
-"MemoryError.");
+"start, dpopt.ziggurat.ZIGGURAT_R; finite in [1, 1000]) a chunk with at most cap of them gets its tail draws there\n"
+"at once (fill_tails from a copy of the state where its body stopped: states row i still ends there); r = 0 leaves\n"
+"them +-inf. out shares no memory with states, next, tail_idx or tail_count. Returns the number of chunks this\n"
+"call filled. GIL released throughout; ValueError, MemoryError.");
 
 /* the next unclaimed chunk (an atomic fetch-and-add on the shared counter) */
 static inline int64_t claim(int64_t *next) {
@@ -405,11 +446,17 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
         kind_of(next) != 'q' || count_of(next) < 1 || kind_of(k) != 'Q' || count_of(k) != 256 ||
         kind_of(w) != 'd' || count_of(w) != 256 || kind_of(f) != 'd' || count_of(f) != 256 || kind_of(tail) != 'q' ||
         cap < 0 || (cap > 0 && m > PY_SSIZE_T_MAX / cap) || count_of(tail) != m * cap || kind_of(count) != 'q' ||
-        count_of(count) != m || discard < 0 || !(r >= 0.0)) {
+        count_of(count) != m || discard < 0 || !(r == 0.0 || tail_r_ok(r))) {
         PyErr_SetString(PyExc_ValueError,
                         "ziggurat_fill_chunks takes out float64 [n], states uint64 [ceil(n / chunk), 4], next int64 "
                         "[>= 1], chunk > 0, discard >= 0, k uint64 [256], w and f float64 [256], tail_idx int64 "
-                        "[ceil(n / chunk), cap], cap >= 0, tail_count int64 [ceil(n / chunk)], r >= 0");
+                        "[ceil(n / chunk), cap], cap >= 0, tail_count int64 [ceil(n / chunk)], r = 0 or finite in [1, 1000]");
+        goto done;
+    }
+    if (overlap(out, states) || overlap(out, next) || overlap(out, tail) || overlap(out, count) ||
+        overlap(tail, states) || overlap(tail, count) || overlap(tail, next)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ziggurat_fill_chunks: out, states, next, tail_idx and tail_count must not share memory");
         goto done;
     }
     Py_ssize_t done_here = 0;
@@ -434,15 +481,17 @@ static PyObject *ziggurat_fill_chunks(PyObject *self, PyObject *args) {
         done_here++;
         if (r > 0.0 && tc[i] > 0 && tc[i] <= cap) { /* the tails now, from a copy of the state where the body stopped */
             uint64_t after[4] = {st[4 * i], st[4 * i + 1], st[4 * i + 2], st[4 * i + 3]};
-            if (!draws || fill_tail_positions(o + lo, at, (Py_ssize_t)tc[i], after, r, draws, &scratch, &room) != 0) {
-                failed = 1;
-                break;
-            }
+            failed = !draws ? -1 : fill_tail_positions(o + lo, len, at, (Py_ssize_t)tc[i], after, r, draws, &scratch, &room);
+            wipe(after, sizeof after);
+            if (failed) break;
         }
     }
-    free(draws);
-    free(scratch);
+    free_tail_scratch(draws, cap, scratch, room);
     Py_END_ALLOW_THREADS
+    if (failed == -2) {
+        PyErr_SetString(PyExc_ValueError, "ziggurat_fill_chunks: a recorded tail position changed while the kernel ran");
+        goto done;
+    }
     if (failed) {
         PyErr_NoMemory();
         goto done;

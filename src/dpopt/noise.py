@@ -497,10 +497,12 @@ def ziggurat_normals(state: bytes, out: np.ndarray) -> np.ndarray:
         ValueError: ``state`` is not 24 bytes; ``out`` is not 1-D contiguous float64.
     """
     words = sfc64_seed_state(state)
-    idx = ziggurat_body(out, words)  # words now hold the stream's state after the body
-    if idx.size:
-        native.fill_tails(out, words, idx, ZIGGURAT_R)
-    words[:] = 0  # the stream's state is not kept past its use
+    try:
+        idx = ziggurat_body(out, words)  # words now hold the stream's state after the body
+        if idx.size:
+            native.fill_tails(out, words, idx, ZIGGURAT_R)
+    finally:
+        words[:] = 0  # the stream's state is not kept past its use, nor past an error
     return out
 
 
@@ -892,7 +894,12 @@ class CpuNormalDraw:
         for i in np.flatnonzero(self._tail_count > _TAIL_CAP).tolist():  # ≈ 34 expected of 1024: never, nearly
             lo, hi = self._bounds(i)
             ziggurat_normals(self._states[i], out[lo:hi])
-        self._words[:] = 0  # the chunk states are not kept past their use
+        self._drop_job()
+
+    def _drop_job(self) -> None:
+        """The compiled job's chunk states (where each body stopped) wiped and the job dropped: after its use, or
+        after a failure (no worker runs it any more)."""
+        self._words[:] = 0
         self._job = None
         self._tail_idx, self._tail_count = np.empty((0, 0), np.int64), np.empty(0, np.int64)
 
@@ -942,12 +949,17 @@ class CpuNormalDraw:
         flat = self._values
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
-                self._bodies()
-            finally:  # a worker that has not started finds nothing left: it is not waited for
-                futures = [fut for fut in futures if not fut.cancel()]
-                wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
-            _wait_all(futures)
-            self._finish_tails()
+                try:
+                    self._bodies()
+                finally:  # a worker that has not started finds nothing left: it is not waited for
+                    futures = [fut for fut in futures if not fut.cancel()]
+                    wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
+                _wait_all(futures)
+                self._finish_tails()
+            except BaseException:
+                self._drop_job()  # a failed draw keeps no chunk state either (it is never consumed again)
+                self._states = []
+                raise
         _wait_all(futures)
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:

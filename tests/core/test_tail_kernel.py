@@ -148,10 +148,99 @@ def test_fill_tails_refuses_positions_outside_out_and_bad_arguments():
         native.fill_tails(out, state, np.array([0, 4], dtype=np.int64), ZIGGURAT_R)
     with pytest.raises(ValueError, match="outside out"):
         native.fill_tails(out, state, np.array([-1], dtype=np.int64), ZIGGURAT_R)
-    with pytest.raises(ValueError, match="r > 0"):
-        native.fill_tails(out, state, np.array([0], dtype=np.int64), 0.0)
     with pytest.raises(ValueError, match="state uint64"):
         native.fill_tails(out, state[:3].copy(), np.array([0], dtype=np.int64), ZIGGURAT_R)
     with pytest.raises(ValueError, match="idx int64"):
         native.fill_tails(out, state, np.array([0], dtype=np.int32), ZIGGURAT_R)
     assert np.isinf(out).all() and state[3] == 1  # a refused call writes nothing and takes no word
+
+
+@pytest.mark.parametrize("r", [0.0, 0.5, -1.0, 1000.5, 1e200, math.inf, math.nan])
+def test_a_tail_start_outside_1_to_1000_is_refused_not_looped_on(r):
+    """Below 1 a candidate is accepted with probability ≈ r, and r·r overflows for a huge r: either would loop with
+    the GIL released for ever. Both kernels refuse such an r (ziggurat_fill_chunks' r = 0 means: no tails)."""
+    out, state = np.full(4, np.inf), sfc64_seed_state(bytes(24))
+    with pytest.raises(ValueError, match=r"r finite in \[1, 1000\]"):
+        native.fill_tails(out, state, np.array([0], dtype=np.int64), r)
+    k, w, f, _ = __import__("dpopt.ziggurat", fromlist=["ziggurat_tables"]).ziggurat_tables()
+    args = (np.empty(10), np.ones((1, 4), np.uint64), np.zeros(2, np.int64), 10, 0, k, w, f)
+    if r != 0.0:
+        with pytest.raises(ValueError, match=r"r = 0 or finite in \[1, 1000\]"):
+            native.ziggurat_fill_chunks(*args, np.zeros((1, 4), np.int64), 4, np.zeros(1, np.int64), r)
+    for edge in (1.0, 1000.0):  # the range's ends are taken
+        native.fill_tails(np.full(3, np.inf), sfc64_seed_state(bytes(24)), np.arange(3, dtype=np.int64), edge)
+
+
+def test_buffers_sharing_memory_are_refused():
+    """A position read from memory the kernel writes could point anywhere: out, idx and state must be apart (and
+    each position is checked again where it is used)."""
+    buf = np.zeros(8, dtype=np.int64)
+    out = buf.view(np.float64)
+    out[:] = np.inf
+    with pytest.raises(ValueError, match="must not share memory"):
+        native.fill_tails(out, sfc64_seed_state(bytes(24)), buf[:2], ZIGGURAT_R)
+    words = np.ones(8, dtype=np.uint64)
+    with pytest.raises(ValueError, match="must not share memory"):
+        native.fill_tails(words.view(np.float64), words[:4], np.array([5], dtype=np.int64), ZIGGURAT_R)
+    k, w, f, _ = __import__("dpopt.ziggurat", fromlist=["ziggurat_tables"]).ziggurat_tables()
+    block = np.zeros(64, dtype=np.int64)
+    with pytest.raises(ValueError, match="must not share memory"):  # tail_idx inside out
+        native.ziggurat_fill_chunks(
+            block.view(np.float64),
+            np.ones((1, 4), np.uint64),
+            np.zeros(2, np.int64),
+            64,
+            0,
+            k,
+            w,
+            f,
+            block[:8].reshape(1, 8),
+            8,
+            np.zeros(1, np.int64),
+            ZIGGURAT_R,
+        )
+
+
+def test_no_positions_take_no_words():
+    state = sfc64_seed_state(bytes(range(24)))
+    before = state.copy()
+    native.fill_tails(np.empty(0), state, np.empty(0, dtype=np.int64), ZIGGURAT_R)
+    assert np.array_equal(state, before)
+
+
+_M64 = (1 << 64) - 1
+_INV9 = pow(9, -1, 1 << 64)
+
+
+def _back(s: tuple) -> tuple:
+    """SFC64 one step back (it is a bijection): the state whose step gives ``s``."""
+    a1, b1, c1, n1 = s
+    c = (b1 * _INV9) & _M64  # b1 = c + (c << 3) = 9c
+    b = a1
+    for _ in range(6):  # a1 = b ^ (b >> 11): fixed-point iteration recovers b (64 / 11 < 6 rounds)
+        b = a1 ^ (b >> 11)
+    n = (n1 - 1) & _M64
+    t = (c1 - (((c << 24) | (c >> 40)) & _M64)) & _M64
+    return ((t - b - n) & _M64, b, c, n)
+
+
+def _planted(offset: int, word: int, seed: int) -> np.ndarray:
+    """A state whose output number ``offset`` (from 0) is ``word``: choose the state at that output so that
+    a + b + counter = word, then step back ``offset`` times."""
+    rng = np.random.default_rng(seed)
+    b, c, n = (int(v) for v in rng.integers(0, 2**63, size=3, dtype=np.uint64))
+    s = ((word - b - n) & _M64, b, c, n)
+    for _ in range(offset):
+        s = _back(s)
+    state = np.array(s, dtype=np.uint64)
+    assert int(oracle.sfc64(state.copy()).bit_generator.random_raw(offset + 1)[-1]) == word
+    return state
+
+
+@pytest.mark.parametrize("offset", [0, 2, 9, 14, 15, 24, 40])
+@pytest.mark.parametrize("word", [0, 3, 0x7FF])
+def test_rare_words_anywhere_in_the_stream_agree_with_the_oracle(offset, word):
+    """A word below 2^11 planted at a stream offset (for m = 5: the candidates' first words at even offsets < 18
+    are rare ones; odd offsets are mantissa words, 18–26 or later the extra words or u₂): the kernel and the oracle
+    take the same further words and give the same values."""
+    _agrees(_planted(offset, word, seed=offset * 7 + word), 5)
