@@ -896,6 +896,19 @@ class CpuNormalDraw:
             ziggurat_normals(self._states[i], out[lo:hi])
         self._drop_job()
 
+    def _finish_job(self, futures: list) -> list:
+        """The compiled job finished: this thread claims the chunks no worker has started, the workers that have
+        not started are cancelled and the others waited for (no chunk is still running when an error reaches the
+        caller), then :meth:`_finish_tails`. Returns the futures that ran."""
+        try:
+            self._bodies()
+        finally:  # a worker that has not started finds nothing left: it is not waited for
+            futures = [fut for fut in futures if not fut.cancel()]
+            wait(futures)
+        _wait_all(futures)
+        self._finish_tails()
+        return futures
+
     def _drop_job(self) -> None:
         """The compiled job's chunk states (where each body stopped) wiped and the job dropped: after its use, or
         after a failure (no worker runs it any more)."""
@@ -949,13 +962,7 @@ class CpuNormalDraw:
         flat = self._values
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
-                try:
-                    self._bodies()
-                finally:  # a worker that has not started finds nothing left: it is not waited for
-                    futures = [fut for fut in futures if not fut.cancel()]
-                    wait(futures)  # no chunk still running when an error of this thread's chunks reaches the caller
-                _wait_all(futures)
-                self._finish_tails()
+                futures = self._finish_job(futures)
             except BaseException:
                 self._drop_job()  # a failed draw keeps no chunk state either (it is never consumed again)
                 self._states = []

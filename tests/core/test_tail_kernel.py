@@ -12,15 +12,17 @@ statistical tests run on the oracle (test_noise_ziggurat.py).
 """
 
 import math
+import os
 
 import numpy as np
 import pytest
 import tail_oracle as oracle
+from scipy import stats
 from tail_oracle import within_one_ulp
 
 from dpopt import kernels
 from dpopt.noise import NORMAL_CHUNK, NoiseSource, ziggurat_normals
-from dpopt.ziggurat import ZIGGURAT_R, sfc64_seed_state, ziggurat_body
+from dpopt.ziggurat import ZIGGURAT_R, sfc64_seed_state, ziggurat_body, ziggurat_tables
 
 native = kernels.native
 
@@ -102,7 +104,7 @@ def test_the_chunked_kernel_fills_each_chunks_tails_as_fill_tails_does():
     """With r > 0, ziggurat_fill_chunks leaves no marker in a chunk with at most cap tail positions: its values are
     ziggurat_body's with fill_tails on the state where the body stopped — bit for bit — and its state row still
     ends where the body ended; a chunk with more than cap keeps its markers (the caller redraws it)."""
-    k, w, f, _ = __import__("dpopt.ziggurat", fromlist=["ziggurat_tables"]).ziggurat_tables()
+    k, w, f, _ = ziggurat_tables()
     n, chunk, cap = 9 * 4096 + 77, 4096, 1
     m = -(-n // chunk)
     raw = np.random.default_rng(11).bytes(24 * m)
@@ -162,7 +164,7 @@ def test_a_tail_start_outside_1_to_1000_is_refused_not_looped_on(r):
     out, state = np.full(4, np.inf), sfc64_seed_state(bytes(24))
     with pytest.raises(ValueError, match=r"r finite in \[1, 1000\]"):
         native.fill_tails(out, state, np.array([0], dtype=np.int64), r)
-    k, w, f, _ = __import__("dpopt.ziggurat", fromlist=["ziggurat_tables"]).ziggurat_tables()
+    k, w, f, _ = ziggurat_tables()
     args = (np.empty(10), np.ones((1, 4), np.uint64), np.zeros(2, np.int64), 10, 0, k, w, f)
     if r != 0.0:
         with pytest.raises(ValueError, match=r"r = 0 or finite in \[1, 1000\]"):
@@ -182,7 +184,7 @@ def test_buffers_sharing_memory_are_refused():
     words = np.ones(8, dtype=np.uint64)
     with pytest.raises(ValueError, match="must not share memory"):
         native.fill_tails(words.view(np.float64), words[:4], np.array([5], dtype=np.int64), ZIGGURAT_R)
-    k, w, f, _ = __import__("dpopt.ziggurat", fromlist=["ziggurat_tables"]).ziggurat_tables()
+    k, w, f, _ = ziggurat_tables()
     block = np.zeros(64, dtype=np.int64)
     with pytest.raises(ValueError, match="must not share memory"):  # tail_idx inside out
         native.ziggurat_fill_chunks(
@@ -251,10 +253,6 @@ def test_the_kernels_tail_draws_follow_the_conditional_normal_law():
     1 − Q(z)/Q(r) at α = 1e-7 on 200,000 draws from a fresh os.urandom state (an honest sampler fails with
     probability 1e-7 per run; the KS critical distance is 0.0065, a tail 10 % off in scale is ≥ 0.008 away), and
     the share beyond r + 1 by a binomial count (6σ, false alarm 2e-9)."""
-    import os
-
-    from scipy import stats
-
     m = 200_000
     out = np.where(np.arange(m) % 2 == 0, -np.inf, np.inf)
     native.fill_tails(out, sfc64_seed_state(os.urandom(24)), np.arange(m, dtype=np.int64), ZIGGURAT_R)
