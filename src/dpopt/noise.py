@@ -848,7 +848,8 @@ class CpuNormalDraw:
 
     def start(self, workers: Optional[int] = None) -> None:
         """Start (or, after :meth:`pause`, resume) the workers of a deferred early draw: ``workers`` of the
-        source's pool threads (default ``threads − 1``), each running :meth:`_bodies`; a no-op for any other
+        source's pool threads (default ``threads − 1``; 0: none, the draw only resumed for the consumer's own
+        claims), each running :meth:`_bodies`; a no-op for any other
         draw, once started, or once consumed (:meth:`consume` calls it first). Only when the chunks are
         computed moves: chunk i is computed from its own SFC64 state, drawn when the draw was made, so the
         values never depend on it."""
@@ -857,11 +858,21 @@ class CpuNormalDraw:
         self._deferred = False
         assert self._job is not None
         self._job[2][1] = 0  # a paused draw's workers claim again
-        pool = self._source._thread_pool()
+        count = max(1, self._source._pool_threads - 1) if workers is None else max(0, int(workers))
+        pool = self._source._thread_pool() if count > 0 else None
         if pool is None:
             return
-        count = max(1, self._source._pool_threads - 1) if workers is None else max(1, int(workers))
         self._futures += [pool.submit(self._bodies) for _ in range(min(count, self._k))]
+
+    def _helpers(self) -> int:
+        """Workers worth waking for the consumer of a deferred or paused early draw: one per unclaimed chunk
+        beyond the one the consumer claims itself, at most ``threads − 1``. A worker woken for nothing costs the
+        consumer its wake-up (≈ 0.1 ms here) when it waits for it: the draw a loan left with one small chunk
+        (docs/performance.md, "MLP: the consumer's helpers"). The count read may be stale (the workers still
+        claim): it sets how many threads help, never a value."""
+        assert self._job is not None
+        left = self._k - min(self._k, int(self._job[2][0]))
+        return max(0, min(self._source._pool_threads - 1, left - 1))
 
     @property
     def waiting(self) -> bool:
@@ -956,7 +967,8 @@ class CpuNormalDraw:
             raise RuntimeError("a noise draw is consumed once, in the process (and source epoch) that started it")
         if self.stream and fn is None:
             raise ValueError("a streamed draw hands its values to fn chunk by chunk; pass fn")
-        self.start()  # a deferred early draw: its workers join this thread's claims
+        if self.waiting:  # a deferred or paused early draw: workers join this thread's claims where chunks are left
+            self.start(workers=self._helpers())
         self._used = True
         futures, self._futures = self._futures, []
         flat = self._values

@@ -74,6 +74,43 @@ def test_a_paused_and_resumed_draw_holds_the_streams_values(two_threads, held_no
     assert not draw.waiting and draw._futures == [] and draw._job is None
 
 
+@pytest.mark.parametrize("claimed, helpers", [(0, 1), (3, 1), (4, 0), (5, 0), (9, 0)])
+def test_the_consumer_wakes_a_worker_only_for_a_second_unclaimed_chunk(two_threads, claimed, helpers):
+    """_helpers: one worker per unclaimed chunk beyond the one the consumer claims itself, at most threads − 1
+    (here 1): a draw of 5 chunks with 0 or 3 claimed wakes one, with 4 or more claimed (one or none left) none.
+    The claim counter is set by hand on a draw that is then dropped unconsumed (its values are never read)."""
+    draw = NoiseSource("reproducible", seed=4).start_normal(4 * NORMAL_CHUNK + 3, defer=True)
+    assert draw._k == 5 and draw._job is not None
+    draw._job[2][0] = claimed
+    assert draw._helpers() == helpers
+
+
+def test_a_draw_its_worker_finished_is_consumed_without_waking_one(two_threads, monkeypatch):
+    """A lent worker computed every chunk, then the loan paused it: consume() resumes the draw for its own claims
+    only (no worker task submitted: one woken for nothing is a wait for its wake-up) and the values are the
+    stream's. A draw nobody started is consumed with one worker beside the consumer (threads − 1)."""
+    n = 3 * NORMAL_CHUNK + 21
+    want = NoiseSource("reproducible", seed=6).start_normal(n, stream=True).values()
+    src = NoiseSource("reproducible", seed=6)
+    draw = src.start_normal(n, defer=True)
+    draw.start(workers=1)
+    draw._futures[0].result()  # every chunk claimed and filled
+    draw.pause()
+    assert draw.waiting
+    submitted: list = []
+
+    def spy(source):
+        pool = source._thread_pool()
+        real_submit = pool.submit
+        monkeypatch.setattr(pool, "submit", lambda *a, **k: submitted.append(a) or real_submit(*a, **k))
+
+    spy(src)
+    assert torch.equal(draw.values(), want) and submitted == []
+    fresh = NoiseSource("reproducible", seed=6)
+    spy(fresh)
+    assert torch.equal(fresh.start_normal(n, defer=True).values(), want) and len(submitted) == 1
+
+
 def test_pause_and_start_are_no_ops_where_nothing_waits_or_runs(two_threads):
     """pause() before any worker started, and start()/pause() on a consumed or streamed draw, do nothing."""
     draw = NoiseSource("reproducible", seed=1).start_normal(2 * NORMAL_CHUNK, defer=True)

@@ -100,12 +100,12 @@ def old_sq_norms(self, geometry, groups, num_groups):
     for v, k in zip(per_param, groups):
         out[:, k] += v
     if bool(torch.isfinite(out).all()):
-        self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        self._bad, self._nbad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device), 0
         return round_up_sq_norms(out, terms, self.dtype)
     bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
     for v in per_param:
         bad |= ~torch.isfinite(v)
-    self._bad = bad
+    self._bad, self._nbad = bad, int(bad.sum())
     if not bool(bad.any()):
         return round_up_sq_norms(out, terms, self.dtype)
     out.zero_()

@@ -174,7 +174,8 @@ class FastPerSampleGrads:
                 f"internal error: per-sample blocks cover trainable parameters {twice} more than once "
                 f"and miss {missing} (indices in named_parameters order of the trainable ones)"
             )
-        self._bad: Optional[Tensor] = None
+        self._bad: Optional[Tensor] = None  # [B] bool: examples with a non-finite norm (set by the norms)
+        self._nbad = 0  # how many (counted where _bad is set: read without another reduction)
         self._freed = False
         self._caches_planned = False
 
@@ -186,7 +187,7 @@ class FastPerSampleGrads:
     def nonfinite(self) -> int:
         if self._bad is None:
             self.sq_norms(ClipGeometry(), [0] * self.num_params, 1)
-        return int(self._bad.sum())  # type: ignore[union-attr]
+        return self._nbad
 
     def _check(self) -> None:
         if self._freed:
@@ -257,7 +258,7 @@ class FastPerSampleGrads:
             factor = 1.0 + 2.0 * rounding_gamma(terms + 1)
             pieces = [v.numpy() for v in per_param]  # type: ignore[union-attr]
             if native.sq_group_totals(out32.numpy(), pieces, [int(k) for k in groups], factor, total.numpy()):
-                self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+                self._bad, self._nbad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device), 0
                 return out32
             return self._nonfinite_sq_norms(geometry, groups, per_param, total, terms)
         # each group's total from 0 by in-place float64 adds in parameter order (the values of ``out[:, k] += v``
@@ -270,7 +271,7 @@ class FastPerSampleGrads:
         # its group's float sum inf or nan, so all-finite totals mean all-finite norms (the common case: one
         # reduction). Otherwise the norms are read one by one, as always.
         if bool(torch.isfinite(out).all()):
-            self._bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+            self._bad, self._nbad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device), 0
             return round_up_sq_norms(out, terms, self.dtype)
         return self._nonfinite_sq_norms(geometry, groups, per_param, out, terms)
 
@@ -282,8 +283,8 @@ class FastPerSampleGrads:
         bad = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         for v in per_param:
             bad |= ~torch.isfinite(v)
-        self._bad = bad
-        if not bool(bad.any()):
+        self._bad, self._nbad = bad, int(bad.sum())
+        if not self._nbad:
             return round_up_sq_norms(out, terms, self.dtype)
         out.zero_()
         for i, (v, k) in enumerate(zip(per_param, groups)):
@@ -305,7 +306,7 @@ class FastPerSampleGrads:
     def _weighted_sum(self, weights: Tensor, geometry: ClipGeometry, groups: Sequence[int]) -> list[Tensor]:
         if self._bad is None:
             _ = self.nonfinite
-        bad = self._bad if bool(self._bad.any()) else None  # type: ignore[union-attr]
+        bad = self._bad if self._nbad else None
         coefs = [weights[:, k].to(self.dtype) for k in groups]
         masked = [torch.where(bad, torch.zeros((), dtype=c.dtype), c) if bad is not None else c for c in coefs]
         out: list[Optional[Tensor]] = [None] * self.num_params
