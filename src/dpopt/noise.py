@@ -758,7 +758,8 @@ class CpuNormalDraw:
 
     * ``stream=False`` (default): the chunks are computed by ``threads − 1`` of the source's worker
       threads, from when the draw starts where a core is spare beside torch's threads (``defer``,
-      :meth:`NoiseSource.start_normal`), else from :meth:`start` or :meth:`consume`, the consumer
+      :meth:`NoiseSource.start_normal`), else from :meth:`start` or :meth:`consume` (which wakes only as many
+      as there are unclaimed chunks beyond its own: :meth:`_helpers`), the consumer
       taking those still unclaimed when it needs them (at once with one torch thread), into one
       float64 buffer of all ``n`` values — the Privatizer's early draw; each chunk's body by
       the compiled job (``ziggurat_fill_chunks``: the same kernels as :func:`ziggurat_normals`,
@@ -850,7 +851,8 @@ class CpuNormalDraw:
         """Start (or, after :meth:`pause`, resume) the workers of a deferred early draw: ``workers`` of the
         source's pool threads (default ``threads − 1``; 0: none, the draw only resumed for the consumer's own
         claims), each running :meth:`_bodies`; a no-op for any other
-        draw, once started, or once consumed (:meth:`consume` calls it first). Only when the chunks are
+        draw, once started, or once consumed (:meth:`consume` calls it with :meth:`_helpers` workers where the draw
+        waits). Only when the chunks are
         computed moves: chunk i is computed from its own SFC64 state, drawn when the draw was made, so the
         values never depend on it."""
         if not self.waiting:
@@ -858,10 +860,12 @@ class CpuNormalDraw:
         self._deferred = False
         assert self._job is not None
         self._job[2][1] = 0  # a paused draw's workers claim again
-        count = max(1, self._source._pool_threads - 1) if workers is None else max(0, int(workers))
-        pool = self._source._thread_pool() if count > 0 else None
+        if workers is not None and int(workers) <= 0:
+            return
+        pool = self._source._thread_pool()
         if pool is None:
             return
+        count = max(1, self._source._pool_threads - 1) if workers is None else int(workers)
         self._futures += [pool.submit(self._bodies) for _ in range(min(count, self._k))]
 
     def _helpers(self) -> int:

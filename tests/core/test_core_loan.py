@@ -4,6 +4,7 @@ work, and it is always given back."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -109,6 +110,26 @@ def test_a_draw_its_worker_finished_is_consumed_without_waking_one(two_threads, 
     fresh = NoiseSource("reproducible", seed=6)
     spy(fresh)
     assert torch.equal(fresh.start_normal(n, defer=True).values(), want) and len(submitted) == 1
+
+
+def test_a_paused_draw_with_one_chunk_left_is_filled_by_the_consumer(two_threads):
+    """The loan's case: a worker filled every chunk but the last, then the draw was paused. consume() wakes no
+    worker (_helpers() == 0) but resumes the claims: the consumer fills the last chunk itself and the values are
+    the stream's (a resume that left the pause flag set would release that chunk's uninitialised memory). The
+    "worker" here is the same kernel run on the job's leading k − 1 rows with a counter of its own."""
+    n = 3 * NORMAL_CHUNK + 7
+    want = NoiseSource("reproducible", seed=8).start_normal(n, stream=True).values()
+    draw = NoiseSource("reproducible", seed=8).start_normal(n, defer=True)
+    job, k = draw._job, draw._k
+    assert job is not None and k == 4
+    lead = list(job)
+    lead[0] = job[0][: (k - 1) * NORMAL_CHUNK]
+    lead[1], lead[8], lead[10] = job[1][: k - 1], job[8][: k - 1], job[10][: k - 1]
+    lead[2] = np.zeros(2, np.int64)
+    assert native.ziggurat_fill_chunks(*lead) == k - 1
+    job[2][0], job[2][1] = k - 1, 1  # k − 1 chunks claimed and filled, the draw paused
+    assert draw.waiting and draw._helpers() == 0
+    assert torch.equal(draw.values(), want)
 
 
 def test_pause_and_start_are_no_ops_where_nothing_waits_or_runs(two_threads):
