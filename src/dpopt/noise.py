@@ -911,10 +911,10 @@ class CpuNormalDraw:
             ziggurat_normals(self._states[i], out[lo:hi])
         self._drop_job()
 
-    def _finish_job(self, futures: list) -> list:
-        """The compiled job finished: this thread claims the chunks no worker has started, the workers that have
-        not started are cancelled and the others waited for (no chunk is still running when an error reaches the
-        caller), then :meth:`_finish_tails`. Returns the futures that ran."""
+    def _finish_job(self, futures: list) -> None:
+        """The compiled job finished: this thread claims the chunks no worker has started, the workers (``futures``)
+        that have not started are cancelled and the others waited for, their first failure raised (no chunk is
+        still running when an error reaches the caller), then :meth:`_finish_tails`."""
         try:
             self._bodies()
         finally:  # a worker that has not started finds nothing left: it is not waited for
@@ -922,7 +922,6 @@ class CpuNormalDraw:
             wait(futures)
         _wait_all(futures)
         self._finish_tails()
-        return futures
 
     def _drop_job(self) -> None:
         """The compiled job's chunk states (where each body stopped) wiped and the job dropped: after its use, or
@@ -974,16 +973,15 @@ class CpuNormalDraw:
         if self.waiting:  # a deferred or paused early draw: workers join this thread's claims where chunks are left
             self.start(workers=self._helpers())
         self._used = True
-        futures, self._futures = self._futures, []
+        futures, self._futures = self._futures, []  # only an early draw's job has workers (start)
         flat = self._values
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
-                futures = self._finish_job(futures)
+                self._finish_job(futures)
             except BaseException:
                 self._drop_job()  # a failed draw keeps no chunk state either (it is never consumed again)
                 self._states = []
                 raise
-        _wait_all(futures)
         if flat is not None and self._states is None:  # ready-made values
             if fn is not None:
                 fn(0, self.n, flat[: self.n])

@@ -276,13 +276,6 @@ class TargetWatch:
         self.prev = (n, event, left, left >= limit)
 
 
-def _tensor_leaves(obj: Any) -> list:
-    from torch import Tensor
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
-
-
 def _inert_hook(*args) -> None:  # noqa: ARG001 - what a copied or unpickled _WeakHook becomes
     return None
 
@@ -380,7 +373,9 @@ class LossReductionWatch:
         return {"expected": self.expected, "outs": [], "verdict": self.verdict, "batch": 0, "_handles": []}
 
     def _root(self, module, args, out) -> None:
-        self.outs = _tensor_leaves(out)
+        from .engine.capture import leaves
+
+        self.outs = leaves(out)
         self.batch = int(self.outs[0].shape[0]) if self.outs and self.outs[0].dim() else 0
 
     def _any(self, module, args, out) -> None:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .capture import leaves
 from .check import RTOL, in_modes
 from .recompute import param_grads
 
@@ -84,10 +85,6 @@ class CollateProbe:
     def alone(self, i: int) -> Any:
         """Item ``i`` of the last batch collated by itself (a batch of one)."""
         return self.collate_fn([self.items[i]])  # type: ignore[index]
-
-
-def _leaves(obj) -> list[Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
 
 
 def _match(flat: list, batched: list, full: list[Tensor], rows: int) -> Optional[tuple[dict, int]]:
@@ -183,9 +180,9 @@ def _compare(model: nn.Module, params: Sequence[Tensor], sliced: tuple, alone: t
     """
     with torch.enable_grad():
         with _seeded(0):
-            out_s = [o for o in _leaves(model(*sliced[0], **sliced[1])) if o.is_floating_point()]
+            out_s = [o for o in leaves(model(*sliced[0], **sliced[1])) if o.is_floating_point()]
         with _seeded(0):
-            out_a = [o for o in _leaves(model(*alone[0], **alone[1])) if o.is_floating_point()]
+            out_a = [o for o in leaves(model(*alone[0], **alone[1])) if o.is_floating_point()]
         if len(out_s) != len(out_a):
             return "output"
         picked = []
@@ -249,7 +246,7 @@ def check_collate(
         quiet(True)
     try:
         with torch.no_grad():
-            full = _leaves(probe.collate_fn(items))
+            full = leaves(probe.collate_fn(items))
         found = _match(flat, batched, full, rows)
         if found is None:
             return False
@@ -259,7 +256,7 @@ def check_collate(
             for i in range(min(rows, 8)):
                 if start + i >= len(items):
                     break
-                alone_leaves = _leaves(probe.alone(start + i))
+                alone_leaves = leaves(probe.alone(start + i))
                 if len(alone_leaves) != len(full):
                     return compared > 0
                 a_flat, s_flat, differs = [], [], False
