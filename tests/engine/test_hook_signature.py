@@ -434,3 +434,59 @@ def test_an_object_attribute_named_in_a_signature_is_never_matched_after_it_died
         del m[1].forward
     unweak = {"a": 1}  # no weak references: by id, as before
     assert check_mod._attribute_key(unweak) == check_mod._attribute_key(unweak)
+
+
+class _Recurrent(nn.Module):
+    """A recurrent layer (``kind``: LSTM, GRU or RNN), its last step, a head."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = getattr(nn, kind)(3, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_recurrent_layer_is_checked_once_in_a_steady_loop(monkeypatch, kind):
+    """torch's recurrent forward rebuilds its ``_flat_weights`` / ``_flat_weight_refs`` lists whenever the
+    parameters it sees were swapped (the check's and the capture's passes swap them): keyed by the lists'
+    identity, every step was a new signature and ran the whole first-batch check again (2026-12-08: the
+    LSTM benchmark's ``dp-sgd`` step at 53× the non-private one instead of ≈ 5×). Keyed by their elements: once."""
+    calls = []
+    real = check_mod.ModeCheck.done
+    monkeypatch.setattr(check_mod.ModeCheck, "done", lambda self, sig: (calls.append(sig), real(self, sig))[1])
+    model = _Recurrent(kind)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(N, 4, 3, generator=g), torch.randint(0, 3, (N,), generator=g)
+    opt = make_optimizer(
+        "dp-sgd", list(model.parameters()), noise_multiplier=0.0, expected_batch_size=float(N), sample_rate=0.1
+    )
+    state = module_state(model)
+    for _ in range(4):
+        opt.step(iter_per_sample_sources(model, ce, x, y, None, opt.evaluation_points()))
+    assert len(calls) == 1
+    assert module_state(model) == state
+
+
+def test_a_short_list_attribute_counts_by_its_elements():
+    """A tuple or list attribute is keyed by its elements (a function by identity, a tensor by shape, a weak
+    reference by its referent): a rebuilt list with the same elements is the same state, and an element replaced
+    in place (which the list's identity never showed) is a new one."""
+    m = _model()
+    m[1].fns = [torch.tanh]
+    m[1].refs = [check_mod.weakref.ref(m[0].weight)]
+    state = module_state(m)
+    m[1].fns = [torch.tanh]
+    m[1].refs = [check_mod.weakref.ref(m[0].weight)]
+    assert module_state(m) == state
+    m[1].fns[0] = lambda h: h - h.mean(0)
+    assert module_state(m) != state
+    m[1].fns[0] = torch.tanh
+    assert module_state(m) == state
+    m[1].refs[0] = check_mod.weakref.ref(m[2].weight)  # another shape
+    assert module_state(m) != state
+    long = list(range(check_mod._SEQ_MAX + 1))
+    assert check_mod._attribute_key(long) == ("obj", check_mod._Held(long))  # a long one: by identity

@@ -114,15 +114,27 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_is_hf_initi
 _PRIMITIVE = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def _attribute_key(v):
-    """A hashable summary of one plain attribute: its value (primitives, short tuples of them), a tensor's
-    (shape, dtype, device) (its values may be a per-step cache), any other object's identity (:class:`_Held`)."""
+#: A tuple or list attribute of at most this many elements (nested at most :data:`_SEQ_DEPTH` deep) is keyed by its
+#: elements, a longer or deeper one by its identity.
+_SEQ_MAX, _SEQ_DEPTH = 64, 3
+
+
+def _attribute_key(v, depth: int = 0):
+    """A hashable summary of one plain attribute: its value (primitives), a tensor's (shape, dtype, device) (its
+    values may be a per-step cache), a short tuple or list by its elements' keys (the container's identity says
+    nothing: ``nn.LSTM``'s forward rebuilds its ``_flat_weights`` and ``_flat_weight_refs`` lists whenever the
+    parameters it sees were swapped, as the check's and the capture's passes do, so keying them by identity made
+    every step a new signature, checked again: 10× the step on an LSTM), a weak reference by its referent's key
+    (``None`` once dead), any other object by its identity (:class:`_Held`)."""
     if isinstance(v, _PRIMITIVE):
         return "nan" if isinstance(v, float) and v != v else v
     if isinstance(v, Tensor):
         return ("tensor", tuple(v.shape), v.dtype, v.device)
-    if isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(e, _PRIMITIVE) for e in v):
-        return (type(v).__name__, *("nan" if isinstance(e, float) and e != e else e for e in v))
+    if isinstance(v, weakref.ref):
+        target = v()
+        return ("weakref", None if target is None else _attribute_key(target, depth + 1))
+    if isinstance(v, (tuple, list)) and len(v) <= _SEQ_MAX and depth < _SEQ_DEPTH:
+        return (type(v).__name__, *(_attribute_key(e, depth + 1) for e in v))
     return ("obj", _Held(v))
 
 
