@@ -105,7 +105,7 @@ if __name__ == "__main__":
     # Leave without the interpreter's finalization, as tests/distributed/gloo_ranks.py's ranks do: even after the
     # barrier and destroy_process_group above, CI saw rank 1 of the fsdp run abort at exit ("terminate called
     # without an active exception", SIGABRT) once (2026-12-08), after every collective and result.pt were done;
-    # gloo's C++ threads and objects torn down during finalization are the known cause (pytorch/pytorch#179291).
+    # gloo's C++ threads and objects torn down during finalization (pytorch/pytorch#179291 discusses them).
     # An exception in main() still propagates (non-zero exit, the test fails).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -488,5 +488,40 @@ def test_a_short_list_attribute_counts_by_its_elements():
     assert module_state(m) == state
     m[1].refs[0] = check_mod.weakref.ref(m[2].weight)  # another shape
     assert module_state(m) != state
-    long = list(range(check_mod._SEQ_MAX + 1))
-    assert check_mod._attribute_key(long) == ("obj", check_mod._Held(long))  # a long one: by identity
+    long = list(range(check_mod._SEQ_BUDGET + 1))
+    assert check_mod._attribute_key(long) == ("obj", check_mod._Held(long))  # past the budget: by identity
+    assert check_mod._attribute_key(list(long[:-1])) == check_mod._attribute_key(list(long[:-1]))
+
+
+def test_sequence_keys_at_their_edges():
+    """The review's cases: a list subclass carrying state, namedtuples of two classes, a dead weak reference, a
+    list that contains itself, ``weakref.WeakMethod`` (a new bound method per call), nesting past the budget."""
+    import collections
+    import gc
+
+    key = check_mod._attribute_key
+
+    class Cfg(list):  # a subclass with instance attributes: by identity, never by its elements
+        pass
+
+    a, b = Cfg([1]), Cfg([1])
+    a.mix, b.mix = False, True
+    assert key(a) != key(b) and key(a) == key(a)
+    p1, p2 = collections.namedtuple("P", "x"), collections.namedtuple("P", "x")  # same name, other classes
+    assert key(p1(1)) == key(p1(1)) and key(p1(1)) != key(p2(1))
+    t = torch.zeros(2)
+    ref = check_mod.weakref.ref(t)
+    alive = key([ref])
+    del t
+    gc.collect()
+    assert key([ref]) == ("list", ("weakref", None)) != alive
+    loop: list = [1]
+    loop.append(loop)
+    assert key(loop) == key(loop)  # stops at the depth limit
+    m = _model()
+    wm = check_mod.weakref.WeakMethod(m.forward)
+    assert module_state(m) == module_state(m)
+    m.hooks = [wm]
+    assert module_state(m) == module_state(m)  # by the WeakMethod's identity: stable
+    eight_layers = [torch.zeros(3)] * 72  # a 9-layer bidirectional LSTM's _flat_weights: by its elements
+    assert key(list(eight_layers)) == key(list(eight_layers))

@@ -114,27 +114,37 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_is_hf_initi
 _PRIMITIVE = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-#: A tuple or list attribute of at most this many elements (nested at most :data:`_SEQ_DEPTH` deep) is keyed by its
-#: elements, a longer or deeper one by its identity.
-_SEQ_MAX, _SEQ_DEPTH = 64, 3
+#: Tuple and list attributes are keyed by their elements up to this many elements in all (counted over the
+#: nesting) and this many levels deep; the rest by identity.
+_SEQ_BUDGET, _SEQ_DEPTH = 256, 3
 
 
-def _attribute_key(v, depth: int = 0):
+def _attribute_key(v, depth: int = 0, budget: Optional[list] = None):
     """A hashable summary of one plain attribute: its value (primitives), a tensor's (shape, dtype, device) (its
-    values may be a per-step cache), a short tuple or list by its elements' keys (the container's identity says
-    nothing: ``nn.LSTM``'s forward rebuilds its ``_flat_weights`` and ``_flat_weight_refs`` lists whenever the
-    parameters it sees were swapped, as the check's and the capture's passes do, so keying them by identity made
-    every step a new signature, checked again: 10× the step on an LSTM), a weak reference by its referent's key
-    (``None`` once dead), any other object by its identity (:class:`_Held`)."""
+    values may be a per-step cache), a tuple or list by its elements' keys, a plain weak reference by its
+    referent's key (``None`` once dead), any other object by its identity (:class:`_Held`).
+
+    A tuple or list is keyed by its class and its elements, not by its identity: ``nn.LSTM``'s forward rebuilds its
+    ``_flat_weights`` and ``_flat_weight_refs`` lists whenever the parameters it sees were swapped (the check's and
+    the capture's passes swap them), so keyed by identity every step was a new signature, checked again (53× the
+    step on an LSTM). Only a plain ``tuple`` / ``list`` or a subclass without instance attributes (a namedtuple;
+    its class by identity) is expanded, and only :data:`_SEQ_BUDGET` elements in all, :data:`_SEQ_DEPTH` levels
+    deep (a list that contains itself stops there); a subclass with a ``__dict__``, and the elements past the
+    budget, count by identity. ``weakref.WeakMethod`` (a new bound method at each call) counts by identity.
+    """
     if isinstance(v, _PRIMITIVE):
         return "nan" if isinstance(v, float) and v != v else v
     if isinstance(v, Tensor):
         return ("tensor", tuple(v.shape), v.dtype, v.device)
-    if isinstance(v, weakref.ref):
+    if type(v) is weakref.ref:
         target = v()
-        return ("weakref", None if target is None else _attribute_key(target, depth + 1))
-    if isinstance(v, (tuple, list)) and len(v) <= _SEQ_MAX and depth < _SEQ_DEPTH:
-        return (type(v).__name__, *(_attribute_key(e, depth + 1) for e in v))
+        return ("weakref", None if target is None else _attribute_key(target, depth + 1, budget))
+    if isinstance(v, (tuple, list)) and depth < _SEQ_DEPTH and not hasattr(v, "__dict__"):
+        budget = [_SEQ_BUDGET] if budget is None else budget
+        budget[0] -= len(v)
+        if budget[0] >= 0:
+            head = type(v).__name__ if type(v) in (tuple, list) else _Held(type(v))
+            return (head, *(_attribute_key(e, depth + 1, budget) for e in v))
     return ("obj", _Held(v))
 
 
@@ -249,8 +259,9 @@ def module_state(model: nn.Module) -> tuple:
     own bookkeeping (parameters, buffers and submodules are not in it;
     ``training`` is :func:`mode_signature`'s): primitives by value
     (a flag ``self.mix = True`` switched after step 1 changes it), tensors by
-    shape, dtype and device, any other object (a function, a config) by
-    identity; and its hooks: per table (forward pre-hooks, forward hooks,
+    shape, dtype and device, tuples and lists by their elements (a function
+    replaced in a list changes it; :func:`_attribute_key`), any other object
+    (a function, a config) by identity; and its hooks: per table (forward pre-hooks, forward hooks,
     backward pre-hooks, backward hooks) the identity of each hook function in
     call order with its with-kwargs / always-call flags (and whether the
     backward hooks are full ones). Last, one entry for torch's process-wide
@@ -266,7 +277,8 @@ def module_state(model: nn.Module) -> tuple:
     ``SomeModule.forward = patched`` after the check is seen. Not seen (by
     design, identity only): a hook or forward whose behaviour depends on
     state outside the module (a global flag, a mutable callable object's
-    field), and modules that are not in ``named_modules()`` (kept in a plain
+    field), the values of tensors (a plain tensor attribute's or one's in a
+    list), and modules that are not in ``named_modules()`` (kept in a plain
     list). Cost: one pass over the modules' attribute dicts and non-empty
     hook tables (measured in ``benchmarks/signature_cost.py``).
     """
