@@ -973,7 +973,10 @@ class CpuNormalDraw:
         if self.waiting:  # a deferred or paused early draw: workers join this thread's claims where chunks are left
             self.start(workers=self._helpers())
         self._used = True
-        futures, self._futures = self._futures, []  # only an early draw's job has workers (start)
+        futures, self._futures = self._futures, []
+        # workers run only an early draw's job (start asserts it; the job is dropped only here): none to wait for
+        # otherwise, and none may still be filling values that are about to be read
+        assert self._job is not None or not futures
         flat = self._values
         if self._job is not None:  # an early draw's compiled chunks: this thread takes those no worker has started
             try:
