@@ -173,7 +173,8 @@ def leave(timeout_s: float = 60.0) -> bool:
     """Wait for the other ranks (at most ``timeout_s``; gloo's ``monitored_barrier``), then leave the default
     process group (``destroy_process_group``). Returns whether there was a group to leave.
 
-    For the end of a process that joined with :func:`setup` (the ``dpopt`` command under torchrun): a
+    For the end of any process in a default process group (one that joined with :func:`setup`, as the ``dpopt``
+    command under torchrun does, or a DPTrainer / ``PrivacyEngine`` script's own group): a
     rank whose gloo group was still alive when the interpreter shut down aborted now and then
     ("terminate called without an active exception", SIGABRT) after all its work was written, which
     also lost rank 0's buffered stdout. A rank that failed or left already makes the wait end early
